@@ -1,0 +1,70 @@
+"""Typed errors. Each names its cause, where in the user's PyTorch code it came from, and what to do.
+
+Every layer raises one of these rather than a bare exception, so the CLI and the torch.compile
+backend can print a message a user can act on instead of a traceback from inside a library.
+"""
+from __future__ import annotations
+
+
+class NeuronError(Exception):
+    """Base class. ``hint`` says what the user can do about it."""
+
+    def __init__(self, message: str, *, hint: str = "", location: str = ""):
+        self.message = message
+        self.hint = hint
+        self.location = location
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.location:
+            text += f"\n  at {self.location}"
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class NeuronConfigError(NeuronError):
+    """A bad option or setting (unknown target, bad optimisation level, ...)."""
+
+
+class NeuronCompileError(NeuronError):
+    """The program cannot be compiled. ``problems`` lists every cause found, not just the first."""
+
+    def __init__(self, message: str, *, problems=(), hint: str = "", location: str = ""):
+        self.problems = list(problems)
+        super().__init__(message, hint=hint, location=location)
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.location:
+            text += f"\n  at {self.location}"
+        for problem in self.problems:
+            text += f"\n  - {problem}"
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class FrontendCrashError(NeuronCompileError):
+    """The importer (torch-mlir) crashed in its isolated worker process; the user's process lives on."""
+
+
+class ModelLoadError(NeuronError):
+    """A `.pt2` file is missing or is not a saved torch.export ExportedProgram."""
+
+
+class NeffFormatError(NeuronError):
+    """A NEFF file is truncated, corrupted, of a foreign format, or of an unsupported version."""
+
+
+class NeuronRuntimeError(NeuronError):
+    """The emulated device refused to run an instruction (a hardware rule was broken)."""
+
+
+class DeviceOutOfMemoryError(NeuronRuntimeError):
+    """The program needs more device memory than the target has."""
+
+
+class InputMismatchError(NeuronError):
+    """Inputs given to a compiled program do not match its signature (count, shape or dtype)."""

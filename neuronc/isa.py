@@ -1,0 +1,263 @@
+"""The emulated NeuronCore instruction set: what an instruction is and what its operands mean.
+
+This is a ground-floor module. Codegen writes these instructions, the NEFF codec encodes them,
+the cost model prices them and the runtime executes them; none of those may disagree on the
+meaning, so it is written down once, here.
+
+Memory model
+------------
+* HBM is a flat byte array. An HBM operand names a byte ``offset`` and element strides.
+* SBUF and PSUM are 2-D: ``partitions x bytes_per_partition``. An on-chip operand names its first
+  ``partition``, a byte ``offset`` inside every partition it covers, and element strides along the
+  free axis. Its first dimension is the partition dimension (stride 1 partition).
+
+Every operand is an :class:`AccessPattern`: ``dims`` is a tuple of ``(stride, size)`` pairs,
+outermost first, strides in elements of ``dtype``. ``dims[0]`` is the partition dimension. A
+stride of 0 broadcasts. The logical shape of an operand is ``tuple(size for _, size in dims)``.
+
+Instruction semantics (``dst`` is always ``operands[0]``)
+--------------------------------------------------------
+``DMA_COPY(dst, src)``                     dst[...] = src[...]; same dtype, same element count
+                                           (shapes may differ, elements are taken in row-major order).
+``MATMUL(dst, stationary, moving)``        dst[M, N] (+)= stationary[K, M].T @ moving[K, N] in fp32;
+                                           dst is in PSUM; ``accumulate`` adds to dst instead of
+                                           overwriting it (the accumulation group over K tiles).
+``ACTIVATE(dst, src)``                     dst = func(src * imm0 + imm1)   (Scalar engine)
+``TENSOR_TENSOR(dst, a, b)``               dst = alu(a, b)
+``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
+``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
+                                           dst has src's shape with the last size replaced by 1.
+``TENSOR_COPY(dst, src)``                  dst = src converted to dst's dtype (round to nearest even)
+``SELECT(dst, pred, on_true, on_false)``   dst = where(pred != 0, on_true, on_false)
+``MEMSET(dst)``                            dst = imm0
+``IOTA(dst)``                              dst[p, i...] = imm0 + p * imm1 + (row-major free index)
+
+Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their own type) and
+rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
+REMAINDER takes the dividend's sign (C's ``/`` and ``fmod``), as StableHLO's divide and remainder.
+
+Ordering
+--------
+Each stream (an engine, or one DMA queue) executes its instructions in order. Every instruction,
+when it completes, increments its stream's semaphore by one, so a stream's semaphore counts its
+completed instructions. ``waits`` lists ``(engine, queue, count)``: the instruction may not start
+until that stream's semaphore is at least ``count``. Nothing else orders two streams.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+
+class Space(enum.IntEnum):
+    HBM = 0
+    SBUF = 1
+    PSUM = 2
+
+
+class Engine(enum.IntEnum):
+    TENSOR = 0
+    VECTOR = 1
+    SCALAR = 2
+    GPSIMD = 3
+    DMA = 4
+
+
+class DType(enum.IntEnum):
+    F32 = 0
+    BF16 = 1
+    F16 = 2
+    F8E4M3 = 3
+    F8E5M2 = 4
+    I8 = 5
+    I16 = 6
+    I32 = 7
+    I64 = 8
+    U8 = 9
+    BOOL = 10
+    F64 = 11
+
+    @property
+    def numpy(self) -> np.dtype:
+        return _NUMPY[self]
+
+    @property
+    def itemsize(self) -> int:
+        return _NUMPY[self].itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.F32, DType.BF16, DType.F16, DType.F8E4M3, DType.F8E5M2, DType.F64)
+
+    @staticmethod
+    def from_numpy(dtype) -> "DType":
+        dtype = np.dtype(dtype)
+        for d, n in _NUMPY.items():
+            if n == dtype:
+                return d
+        raise ValueError(f"no neuronc dtype for numpy dtype {dtype}")
+
+
+_NUMPY = {
+    DType.F32: np.dtype(np.float32),
+    DType.BF16: np.dtype(ml_dtypes.bfloat16),
+    DType.F16: np.dtype(np.float16),
+    DType.F8E4M3: np.dtype(ml_dtypes.float8_e4m3fn),
+    DType.F8E5M2: np.dtype(ml_dtypes.float8_e5m2),
+    DType.I8: np.dtype(np.int8),
+    DType.I16: np.dtype(np.int16),
+    DType.I32: np.dtype(np.int32),
+    DType.I64: np.dtype(np.int64),
+    DType.U8: np.dtype(np.uint8),
+    DType.BOOL: np.dtype(np.bool_),
+    DType.F64: np.dtype(np.float64),
+}
+
+
+class Opcode(enum.IntEnum):
+    DMA_COPY = 0
+    MATMUL = 1
+    ACTIVATE = 2
+    TENSOR_TENSOR = 3
+    TENSOR_SCALAR = 4
+    TENSOR_REDUCE = 5
+    TENSOR_COPY = 6
+    SELECT = 7
+    MEMSET = 8
+    IOTA = 9
+
+
+# Operand count of each opcode (dst included).
+ARITY = {
+    Opcode.DMA_COPY: 2,
+    Opcode.MATMUL: 3,
+    Opcode.ACTIVATE: 2,
+    Opcode.TENSOR_TENSOR: 3,
+    Opcode.TENSOR_SCALAR: 2,
+    Opcode.TENSOR_REDUCE: 2,
+    Opcode.TENSOR_COPY: 2,
+    Opcode.SELECT: 4,
+    Opcode.MEMSET: 1,
+    Opcode.IOTA: 1,
+}
+
+
+class AluOp(enum.IntEnum):
+    NONE = 0
+    ADD = 1
+    SUBTRACT = 2
+    MULTIPLY = 3
+    DIVIDE = 4
+    MAX = 5
+    MIN = 6
+    POW = 7
+    EQ = 8
+    NE = 9
+    LT = 10
+    LE = 11
+    GT = 12
+    GE = 13
+    AND = 14
+    OR = 15
+    XOR = 16
+    REMAINDER = 17
+    ATAN2 = 18
+
+
+class ActFunc(enum.IntEnum):
+    NONE = 0
+    IDENTITY = 1
+    EXP = 2
+    LOG = 3
+    TANH = 4
+    SQRT = 5
+    RSQRT = 6
+    RELU = 7
+    SIGMOID = 8
+    ERF = 9
+    GELU = 10
+    ABS = 11
+    NEG = 12
+    SQUARE = 13
+    SIN = 14
+    COS = 15
+    SIGN = 16
+    RECIPROCAL = 17
+    FLOOR = 18
+    CEIL = 19
+    NOT = 20
+    LOG1P = 21
+    EXPM1 = 22
+    ROUND = 23
+
+
+class Wait(NamedTuple):
+    """Do not start before stream (engine, queue) has completed ``count`` instructions."""
+
+    engine: Engine
+    queue: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessPattern:
+    space: Space
+    dtype: DType
+    offset: int  # bytes: into HBM, or into each partition on chip
+    dims: tuple  # ((stride, size), ...) in elements, outermost first; dims[0] is the partition dim
+    partition: int = 0  # first partition (on chip only)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(size for _, size in self.dims)
+
+    @property
+    def num_elements(self) -> int:
+        n = 1
+        for _, size in self.dims:
+            n *= size
+        return n
+
+    @property
+    def partitions(self) -> int:
+        return self.dims[0][1] if self.dims else 1
+
+    @property
+    def free_elements(self) -> int:
+        n = 1
+        for _, size in self.dims[1:]:
+            n *= size
+        return n
+
+
+@dataclasses.dataclass
+class Instruction:
+    opcode: Opcode
+    engine: Engine
+    operands: tuple  # of AccessPattern; operands[0] is the destination
+    queue: int = 0  # DMA queue index; 0 for compute engines
+    alu: AluOp = AluOp.NONE
+    func: ActFunc = ActFunc.NONE
+    imm0: float = 0.0  # ACTIVATE: scale (codegen always sets it); others: the scalar operand
+    imm1: float = 0.0  # ACTIVATE: bias
+    accumulate: bool = False
+    reverse: bool = False
+    waits: tuple = ()  # of Wait
+    kernel: int = -1  # index into the program's kernel table (-1: none)
+    debug: int = -1  # index into the program's debug-location table (-1: none)
+
+    @property
+    def stream(self) -> tuple:
+        return (self.engine, self.queue)
+
+    @property
+    def dst(self) -> AccessPattern:
+        return self.operands[0]
+
+    @property
+    def srcs(self) -> tuple:
+        return self.operands[1:]
