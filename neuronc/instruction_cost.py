@@ -1,0 +1,66 @@
+"""How long one instruction takes on a target: the single pricing rule shared by the runtime's clock
+and the compiler's cost model, so the estimate the compiler optimises is the time the emulator reports.
+
+Every number comes from the :class:`~neuronc.targets.Target`; the rules are the instruction-level
+rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
+
+* DMA_COPY — "about 600 ns per DMA issue" plus the bytes moved at one DMA queue's bandwidth
+  ("16 engines, ~27 GiB/s each"). Bandwidth is halved when either operand's innermost dimension is
+  not element-contiguous (TRAINIUM.md: "an innermost stride above 16 bytes halves bandwidth"; we
+  take any non-unit element stride, which is what the DMA descriptors see as a gather/scatter).
+* MATMUL — "initiation interval about max(N, 64) cycles" of the Tensor engine clock, N being the
+  moving operand's free size; "fp32 operands run at 1/4 of the bf16 rate".
+* Vector / Scalar / GpSimd — "about N cycles for N elements per partition with one input, about 2N
+  with two, plus about 100 cycles fixed cost; about 60 cycles extra to access SBUF/PSUM", at the
+  engine's own clock. N is the largest free size among the operands (a reduction reads more than
+  it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
+"""
+from __future__ import annotations
+
+from neuronc.isa import DType, Engine, Instruction, Opcode
+from neuronc.targets import Target
+
+
+def _contiguous(ap) -> bool:
+    stride, size = ap.dims[-1]
+    return stride == 1 or size == 1
+
+
+def _dma_ns(instr: Instruction, target: Target) -> float:
+    src = instr.srcs[0]
+    nbytes = src.num_elements * src.dtype.itemsize
+    bytes_per_ns = target.dma_gbps_per_queue  # 1 GB/s is 1 byte/ns
+    if not all(_contiguous(ap) for ap in instr.operands):
+        bytes_per_ns /= 2
+    return target.dma_fixed_ns + nbytes / bytes_per_ns
+
+
+def _matmul_ns(instr: Instruction, target: Target) -> float:
+    _dst, stationary, moving = instr.operands
+    cycles = max(moving.free_elements, target.matmul_min_interval_cycles)
+    if DType.F32 in (stationary.dtype, moving.dtype):
+        cycles *= target.matmul_fp32_slowdown
+    return cycles / target.tensor_ghz
+
+
+_CLOCK_GHZ = {
+    Engine.TENSOR: lambda t: t.tensor_ghz,
+    Engine.VECTOR: lambda t: t.vector_ghz,
+    Engine.SCALAR: lambda t: t.scalar_ghz,
+    Engine.GPSIMD: lambda t: t.gpsimd_ghz,
+}
+
+
+def _elementwise_ns(instr: Instruction, target: Target) -> float:
+    elements = max(ap.free_elements for ap in instr.operands)
+    passes = max(1, len(instr.srcs))
+    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
+    return cycles / _CLOCK_GHZ[instr.engine](target)
+
+
+_COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns}
+
+
+def instruction_cost_ns(instr: Instruction, target: Target) -> float:
+    """Estimated duration of ``instr`` on ``target`` in nanoseconds."""
+    return _COST.get(instr.opcode, _elementwise_ns)(instr, target)

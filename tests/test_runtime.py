@@ -1,0 +1,495 @@
+"""The emulated NeuronCore runs hand-built NEFFs with the ISA's semantics, enforces the hardware's rules,
+orders streams by their semaphores only, and reports a timeline."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import scipy.special
+
+from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
+from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
+from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
+from neuronc.targets import get_target
+from runtime import NeuronCore, run_neff
+
+TRN2 = get_target("trn2")
+RNG = np.random.default_rng(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building tiny programs by hand
+
+
+def _row_major(shape: tuple) -> tuple:
+    dims, stride = [], 1
+    for size in reversed(shape):
+        dims.append((stride, size))
+        stride *= size
+    return tuple(reversed(dims))
+
+
+def hbm(t: TensorEntry) -> AccessPattern:
+    """The whole of HBM tensor ``t``, row-major."""
+    return AccessPattern(Space.HBM, t.dtype, t.offset, _row_major(t.shape))
+
+
+def chip(shape: tuple, dtype=DType.F32, *, space=Space.SBUF, partition=0, offset=0) -> AccessPattern:
+    """A contiguous on-chip tile: ``shape[0]`` partitions from ``partition``, the rest row-major."""
+    return AccessPattern(space, dtype, offset, ((1, shape[0]),) + _row_major(shape[1:]), partition)
+
+
+class Program:
+    """A Neff under construction: tensors packed back to back in HBM, instructions appended per stream."""
+
+    def __init__(self):
+        self.tensors, self.streams, self.debug_locs = [], {}, []
+
+    def tensor(self, name, kind, shape, dtype=DType.F32, data=None) -> TensorEntry:
+        offset = sum(t.nbytes for t in self.tensors)
+        index = sum(t.kind == kind for t in self.tensors) if kind in (TensorKind.INPUT, TensorKind.OUTPUT) else -1
+        t = TensorEntry(name, kind, dtype, tuple(shape), offset, index, data)
+        self.tensors.append(t)
+        return t
+
+    def emit(self, opcode, engine, *operands, queue=0, **fields) -> Instruction:
+        instr = Instruction(opcode, engine, operands, queue=queue, **fields)
+        self.streams.setdefault((engine, queue), []).append(instr)
+        return instr
+
+    def neff(self) -> Neff:
+        size = sum(t.nbytes for t in self.tensors)
+        return Neff("test", "trn2", self.tensors, self.streams, size, debug_locs=self.debug_locs)
+
+
+def done(engine, count=1, queue=0):
+    return (Wait(engine, queue, count),)
+
+
+@pytest.fixture(scope="module")
+def core():
+    return NeuronCore("trn2")
+
+
+def compute_on_chip(core, opcode, engine, arrays, out_shape=None, out_dtype=None, **fields) -> np.ndarray:
+    """Run one compute instruction: DMA ``arrays`` HBM->SBUF, compute into SBUF, DMA the result back."""
+    p = Program()
+    out_shape = arrays[0].shape if out_shape is None else out_shape
+    out_dtype = DType.from_numpy(arrays[0].dtype) if out_dtype is None else out_dtype
+    srcs, offset = [], 0
+    for i, a in enumerate(arrays):
+        t = p.tensor(f"x{i}", TensorKind.INPUT, a.shape, DType.from_numpy(a.dtype))
+        srcs.append(chip(a.shape, t.dtype, offset=offset))
+        offset += a[0].nbytes
+        p.emit(Opcode.DMA_COPY, Engine.DMA, srcs[-1], hbm(t))
+    out = p.tensor("out", TensorKind.OUTPUT, out_shape, out_dtype)
+    dst = chip(out_shape, out_dtype, offset=offset)
+    p.emit(opcode, engine, dst, *srcs, waits=done(Engine.DMA, len(arrays)), **fields)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out), dst, queue=1, waits=done(engine))
+    return core.load(p.neff()).run(list(arrays)).outputs[0]
+
+
+def uniform(low, high, shape=(4, 8)) -> np.ndarray:
+    return RNG.uniform(low, high, shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data movement and matmul
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.I8])
+def test_dma_round_trip_hbm_to_sbuf_to_hbm_returns_the_input(core, dtype):
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (128, 64), dtype)
+    y_t = p.tensor("y", TensorKind.OUTPUT, (128, 64), dtype)
+    tile = chip((128, 64), dtype, offset=1024)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), tile, queue=3, waits=done(Engine.DMA))
+    x = (RNG.standard_normal((128, 64)) * 50).astype(dtype.numpy)
+
+    (y,) = core.load(p.neff()).run([x]).outputs
+
+    np.testing.assert_array_equal(y, x)
+
+
+def test_matmul_over_k_256_as_two_accumulating_matmuls_equals_numpy_fp32(core):
+    k, m, n = 256, 64, 128
+    p = Program()
+    a_t = p.tensor("a", TensorKind.INPUT, (k, m))  # stationary, K x M
+    b_t = p.tensor("b", TensorKind.INPUT, (k, n))  # moving, K x N
+    c_t = p.tensor("c", TensorKind.OUTPUT, (m, n))
+    half = k // 2
+    for tile in range(2):  # K tile i of a at SBUF bytes [i*M*4, ...), of b after both tiles of a
+        a_tile = AccessPattern(Space.HBM, DType.F32, a_t.offset + tile * half * m * 4, ((m, half), (1, m)))
+        b_tile = AccessPattern(Space.HBM, DType.F32, b_t.offset + tile * half * n * 4, ((n, half), (1, n)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((half, m), offset=tile * m * 4), a_tile)
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((half, n), offset=2 * m * 4 + tile * n * 4), b_tile, queue=1)
+    acc = chip((m, n), space=Space.PSUM)
+    for tile in range(2):
+        p.emit(Opcode.MATMUL, Engine.TENSOR, acc, chip((half, m), offset=tile * m * 4),
+               chip((half, n), offset=2 * m * 4 + tile * n * 4), accumulate=tile == 1,
+               waits=(Wait(Engine.DMA, 0, tile + 1), Wait(Engine.DMA, 1, tile + 1)))
+    out_tile = chip((m, n), offset=64 * 1024)
+    p.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out_tile, acc, waits=done(Engine.TENSOR, 2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(c_t), out_tile, queue=2, waits=done(Engine.VECTOR))
+    a, b = uniform(-1, 1, (k, m)), uniform(-1, 1, (k, n))
+
+    (c,) = core.load(p.neff()).run([a, b]).outputs
+
+    np.testing.assert_allclose(c, a.T @ b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware rules
+
+
+def _matmul_program(k=128, m=64, n=128, dst_space=Space.PSUM) -> Program:
+    p = Program()
+    p.debug_locs.append(DebugLoc("model.py", 12, "blocks.0.mlp", "aten.mm"))
+    p.emit(Opcode.MATMUL, Engine.TENSOR, chip((m, n), space=dst_space), chip((k, m)), chip((k, n), offset=4096),
+           debug=0)
+    return p
+
+
+@pytest.mark.parametrize(
+    "program, problem",
+    [
+        (_matmul_program(k=129), "K=129"),
+        (_matmul_program(n=513), "N=513"),
+        (_matmul_program(dst_space=Space.SBUF), "must be in PSUM"),
+    ],
+    ids=["K=129", "N=513", "dst-in-SBUF"],
+)
+def test_matmul_tile_rule_violations_name_the_instruction_and_its_source(core, program, problem):
+    with pytest.raises(NeuronRuntimeError, match=problem) as err:
+        core.load(program.neff())
+    assert "MATMUL #0 on TENSOR" in str(err.value)
+    assert "model.py:12 in blocks.0.mlp (aten.mm)" in str(err.value)
+
+
+def test_more_than_128_partitions_is_refused(core):
+    p = Program()
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((129, 4)))
+    with pytest.raises(NeuronRuntimeError, match="MEMSET #0 on VECTOR.*129 partitions"):
+        core.load(p.neff())
+
+
+@pytest.mark.parametrize(
+    "operand, problem",
+    [
+        (chip((2, 4), offset=TRN2.sbuf_bytes_per_partition - 8), "outside"),
+        (chip((2, 4), partition=127), r"partitions \[127, 129\)"),
+        (AccessPattern(Space.SBUF, DType.F32, 0, ((2, 2), (1, 4))), "partition stride 2"),
+    ],
+    ids=["past-partition-end", "past-last-partition", "partition-stride"],
+)
+def test_out_of_bounds_access_pattern_is_refused(core, operand, problem):
+    p = Program()
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, operand)
+    with pytest.raises(NeuronRuntimeError, match=f"MEMSET #0 on GPSIMD.*{problem}"):
+        core.load(p.neff())
+
+
+def test_dma_past_the_end_of_hbm_is_refused(core):
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (4, 8))
+    beyond = AccessPattern(Space.HBM, DType.F32, x_t.offset + 4, _row_major((4, 8)))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 8)), beyond, queue=5)
+    with pytest.raises(NeuronRuntimeError, match="DMA_COPY #0 on DMA queue 5.*outside the program's 128 bytes"):
+        core.load(p.neff())
+
+
+def test_sources_must_have_the_destination_shape(core):
+    p = Program()
+    p.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, chip((4, 8)), chip((4, 8)), chip((4, 4)), alu=AluOp.ADD)
+    with pytest.raises(NeuronRuntimeError, match=r"TENSOR_TENSOR #0 on VECTOR.*operand 2 has shape \(4, 4\)"):
+        core.load(p.neff())
+
+
+def test_program_needing_more_hbm_than_the_target_has_is_refused_naming_its_largest_tensor(core):
+    p = Program()
+    p.tensor("embedding", TensorKind.SCRATCH, (TRN2.hbm_bytes // 4 + 1,))
+    with pytest.raises(DeviceOutOfMemoryError, match=f"needs {TRN2.hbm_bytes + 4} bytes.*embedding"):
+        core.load(p.neff())
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _copy_program() -> Neff:
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (4, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(p.tensor("y", TensorKind.OUTPUT, (4, 8))), hbm(x_t))
+    return p.neff()
+
+
+@pytest.mark.parametrize(
+    "inputs, problem",
+    [
+        ([np.zeros((4, 9), np.float32)], r"input 0 \('x'\) must be float32\[4, 8\], got float32\[4, 9\]"),
+        ([np.zeros((4, 8), np.float64)], r"input 0 \('x'\) must be float32\[4, 8\], got float64"),
+        ([], "takes 1 inputs"),
+    ],
+    ids=["shape", "dtype", "count"],
+)
+def test_inputs_not_matching_the_tensor_table_are_refused(core, inputs, problem):
+    with pytest.raises(InputMismatchError, match=problem):
+        core.load(_copy_program()).run(inputs)
+
+
+def test_weights_are_laid_out_in_hbm_at_load_and_hbm_to_hbm_dma_works():
+    p = Program()
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    w_t = p.tensor("w", TensorKind.WEIGHT, (2, 3), data=w)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(p.tensor("y", TensorKind.OUTPUT, (2, 3))), hbm(w_t))
+    np.testing.assert_array_equal(run_neff(p.neff(), []).outputs[0], w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute semantics against numpy / scipy
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + scipy.special.erf(x / math.sqrt(2)))
+
+
+ACT_REFERENCE = {
+    ActFunc.NONE: lambda x: x,
+    ActFunc.IDENTITY: lambda x: x,
+    ActFunc.EXP: np.exp,
+    ActFunc.LOG: np.log,
+    ActFunc.TANH: np.tanh,
+    ActFunc.SQRT: np.sqrt,
+    ActFunc.RSQRT: lambda x: 1 / np.sqrt(x),
+    ActFunc.RELU: lambda x: np.maximum(x, 0),
+    ActFunc.SIGMOID: lambda x: 1 / (1 + np.exp(-x)),
+    ActFunc.ERF: scipy.special.erf,
+    ActFunc.GELU: _gelu,
+    ActFunc.ABS: np.abs,
+    ActFunc.NEG: np.negative,
+    ActFunc.SQUARE: np.square,
+    ActFunc.SIN: np.sin,
+    ActFunc.COS: np.cos,
+    ActFunc.SIGN: np.sign,
+    ActFunc.RECIPROCAL: lambda x: 1 / x,
+    ActFunc.FLOOR: np.floor,
+    ActFunc.CEIL: np.ceil,
+    ActFunc.NOT: lambda x: (x == 0).astype(x.dtype),
+    ActFunc.LOG1P: np.log1p,
+    ActFunc.EXPM1: np.expm1,
+    ActFunc.ROUND: np.round,
+}
+POSITIVE_ONLY = {ActFunc.LOG, ActFunc.SQRT, ActFunc.RSQRT}
+
+
+@pytest.mark.parametrize("func", list(ActFunc), ids=lambda f: f.name)
+def test_activate_computes_func_of_scaled_biased_input_like_numpy(core, func):
+    x = uniform(0.1, 3) if func in POSITIVE_ONLY else uniform(-3, 3)
+    scale, bias = 0.5, 0.25
+    if func not in POSITIVE_ONLY:
+        x[0, :2] = -bias / scale  # NOT and SIGN see zeros
+    got = compute_on_chip(core, Opcode.ACTIVATE, Engine.SCALAR, [x], func=func, imm0=scale, imm1=bias)
+    with np.errstate(all="ignore"):
+        expected = ACT_REFERENCE[func]((x * np.float32(scale) + np.float32(bias)).astype(np.float64))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+ALU_REFERENCE = {
+    AluOp.NONE: lambda a, b: a,
+    AluOp.ADD: np.add,
+    AluOp.SUBTRACT: np.subtract,
+    AluOp.MULTIPLY: np.multiply,
+    AluOp.DIVIDE: np.divide,
+    AluOp.MAX: np.maximum,
+    AluOp.MIN: np.minimum,
+    AluOp.POW: np.power,
+    AluOp.EQ: np.equal,
+    AluOp.NE: np.not_equal,
+    AluOp.LT: np.less,
+    AluOp.LE: np.less_equal,
+    AluOp.GT: np.greater,
+    AluOp.GE: np.greater_equal,
+    AluOp.AND: np.logical_and,
+    AluOp.OR: np.logical_or,
+    AluOp.XOR: np.logical_xor,
+    AluOp.REMAINDER: np.fmod,
+    AluOp.ATAN2: np.arctan2,
+}
+
+
+@pytest.mark.parametrize("alu", list(AluOp), ids=lambda op: op.name)
+def test_tensor_tensor_computes_every_alu_op_in_fp32_like_numpy(core, alu):
+    a, b = uniform(-2, 2), uniform(-2, 2)
+    a[0, :3], b[0, 2:5], b[1] = 0, 0, a[1]  # zeros for the logical ops, equal rows for the comparisons
+    got = compute_on_chip(core, Opcode.TENSOR_TENSOR, Engine.VECTOR, [a, b], alu=alu)
+    with np.errstate(all="ignore"):
+        expected = ALU_REFERENCE[alu](a, b).astype(np.float32)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "alu, expected",
+    [
+        (AluOp.DIVIDE, lambda a, b: (np.trunc(a / b)).astype(np.int32)),  # C / StableHLO: toward zero
+        (AluOp.REMAINDER, np.fmod),  # the dividend's sign
+        (AluOp.AND, np.bitwise_and),
+        (AluOp.LT, lambda a, b: (a < b).astype(np.int32)),
+    ],
+    ids=lambda v: getattr(v, "name", ""),
+)
+def test_tensor_tensor_on_integers_computes_in_their_own_type(core, alu, expected):
+    a = RNG.integers(-100, 100, (4, 8), dtype=np.int32)
+    b = RNG.integers(1, 9, (4, 8), dtype=np.int32) * np.where(RNG.random((4, 8)) < 0.5, -1, 1).astype(np.int32)
+    got = compute_on_chip(core, Opcode.TENSOR_TENSOR, Engine.GPSIMD, [a, b], alu=alu)
+    np.testing.assert_array_equal(got, expected(a, b))
+
+
+def test_operation_numpy_refuses_at_run_time_is_reported_with_the_instruction(core):
+    a, b = np.full((2, 4), 2, np.int32), np.full((2, 4), -1, np.int32)
+    with pytest.raises(NeuronRuntimeError, match="TENSOR_TENSOR #0 on VECTOR.*failed: Integers to negative"):
+        compute_on_chip(core, Opcode.TENSOR_TENSOR, Engine.VECTOR, [a, b], alu=AluOp.POW)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_tensor_scalar_applies_the_immediate_on_the_side_reverse_says(core, reverse):
+    x = uniform(-2, 2)
+    got = compute_on_chip(core, Opcode.TENSOR_SCALAR, Engine.VECTOR, [x], alu=AluOp.SUBTRACT, imm0=3.0,
+                          reverse=reverse)
+    np.testing.assert_allclose(got, 3.0 - x if reverse else x - 3.0)
+
+
+@pytest.mark.parametrize("alu", [AluOp.ADD, AluOp.MAX, AluOp.MIN], ids=lambda op: op.name)
+def test_tensor_reduce_reduces_the_last_dim_accumulating_bf16_in_fp32(core, alu):
+    x = uniform(-1, 1, (8, 512)).astype(ml_dtypes.bfloat16)
+    got = compute_on_chip(core, Opcode.TENSOR_REDUCE, Engine.VECTOR, [x], out_shape=(8, 1), out_dtype=DType.F32,
+                          alu=alu)
+    reduce = {AluOp.ADD: np.sum, AluOp.MAX: np.max, AluOp.MIN: np.min}[alu]
+    np.testing.assert_allclose(got, reduce(x.astype(np.float64), axis=-1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x, out_dtype, expected",
+    [
+        (np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8]], np.float32), DType.BF16, [[1.0, 1.0 + 2**-6]]),  # ties to even
+        (np.array([[2.7, -2.7, 0.5, -0.5]], np.float32), DType.I32, [[2, -2, 0, 0]]),  # toward zero
+    ],
+    ids=["f32-to-bf16-nearest-even", "f32-to-i32-truncates"],
+)
+def test_tensor_copy_converts_like_the_hardware(core, x, out_dtype, expected):
+    got = compute_on_chip(core, Opcode.TENSOR_COPY, Engine.VECTOR, [x], out_dtype=out_dtype)
+    np.testing.assert_array_equal(got.astype(np.float64), expected)
+
+
+def test_select_picks_on_true_where_the_predicate_is_nonzero(core):
+    pred = np.array([[1, 0, 2, 0]], np.float32)
+    got = compute_on_chip(core, Opcode.SELECT, Engine.VECTOR, [pred, pred + 10, pred - 10])
+    np.testing.assert_array_equal(got, [[11, -10, 12, -10]])
+
+
+def test_memset_and_iota_fill_their_destination():
+    p = Program()
+    ones, ramp = p.tensor("ones", TensorKind.OUTPUT, (2, 3)), p.tensor("ramp", TensorKind.OUTPUT, (3, 2, 2), DType.I32)
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, chip((2, 3)), imm0=1.5)
+    p.emit(Opcode.IOTA, Engine.GPSIMD, chip((3, 2, 2), DType.I32, offset=64), imm0=5, imm1=10)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(ones), chip((2, 3)), waits=done(Engine.GPSIMD, 2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(ramp), chip((3, 2, 2), DType.I32, offset=64), waits=done(Engine.GPSIMD, 2))
+
+    ones_out, ramp_out = run_neff(p.neff(), []).outputs
+
+    np.testing.assert_array_equal(ones_out, np.full((2, 3), 1.5))
+    np.testing.assert_array_equal(ramp_out, 5 + 10 * np.arange(3)[:, None, None] + np.arange(4).reshape(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ordering between streams and the timeline
+
+
+def _producer_consumer(consumer_waits: bool) -> Neff:
+    """DMA queue 0 loads x; the Vector engine, after a short unrelated MEMSET, doubles it (waiting for the load,
+    or not: then it starts while the load is in flight); DMA queue 1 stores the result."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 256)), p.tensor("y", TensorKind.OUTPUT, (128, 256))
+    tile, result = chip((128, 256)), chip((128, 256), offset=4096)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 1), offset=8192))
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, result, tile, alu=AluOp.MULTIPLY, imm0=2.0,
+           waits=done(Engine.DMA) if consumer_waits else ())
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), result, queue=1, waits=done(Engine.VECTOR, 2))
+    return p.neff()
+
+
+def test_consumer_waiting_on_the_producers_semaphore_reads_its_data(core):
+    x = uniform(-1, 1, (128, 256))
+    np.testing.assert_array_equal(core.load(_producer_consumer(True)).run([x]).outputs[0], 2 * x)
+
+
+def test_consumer_not_waiting_reads_nan_filled_sbuf_instead_of_the_data(core):
+    program = core.load(_producer_consumer(False))
+    x = uniform(-1, 1, (128, 256))
+    core.load(_producer_consumer(True)).run([x])  # leaves the right values in SBUF: they must not leak through
+
+    result = program.run([x])
+
+    assert np.isnan(result.outputs[0]).all()
+    events = {(e.stream, e.index): e for e in result.timeline.events}
+    load, consume = events[(Engine.DMA, 0), 0], events[(Engine.VECTOR, 0), 1]
+    assert load.start_ns < consume.start_ns < load.end_ns
+
+
+def test_wait_that_can_never_be_met_is_reported_as_deadlock(core):
+    p = Program()
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 4)), waits=done(Engine.GPSIMD, 1))
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, chip((1, 4), offset=16), waits=done(Engine.VECTOR, 1))
+    p.emit(Opcode.MEMSET, Engine.SCALAR, chip((1, 4), offset=32), waits=done(Engine.DMA, 1, queue=7))
+    with pytest.raises(NeuronRuntimeError, match="deadlock") as err:
+        core.load(p.neff()).run([])
+    message = str(err.value)
+    assert "MEMSET #0 on VECTOR" in message and "MEMSET #0 on GPSIMD" in message
+    assert "waits for DMA queue 7's semaphore to reach 1 (it completed 0 of its 0 instructions)" in message
+
+
+def test_independent_streams_overlap_and_the_makespan_covers_every_stream():
+    p = Program()
+    for q in range(4):
+        x_t, y_t = p.tensor(f"x{q}", TensorKind.INPUT, (128, 512)), p.tensor(f"y{q}", TensorKind.OUTPUT, (128, 512))
+        tile = chip((128, 512), offset=q * 2048)
+        p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t), queue=q)
+        p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), tile, queue=q)
+    xs = [uniform(-1, 1, (128, 512)) for _ in range(4)]
+
+    result = run_neff(p.neff(), xs)
+
+    timeline = result.timeline
+    busy = timeline.busy_ns()
+    assert all(timeline.estimated_ns >= b for b in busy.values())
+    assert timeline.estimated_ns < sum(busy.values())
+    assert timeline.hbm_bytes == 8 * 128 * 512 * 4
+    assert 0 < timeline.busy_fraction()[Engine.DMA] <= 1
+    for x, y in zip(xs, result.outputs):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_timeline_durations_follow_the_cost_rules():
+    p = Program()
+    for dtype, offset in ((DType.BF16, 0), (DType.F32, 8192)):
+        p.emit(Opcode.MATMUL, Engine.TENSOR, chip((128, 512), space=Space.PSUM, offset=offset // 4),
+               chip((128, 128), dtype), chip((128, 512), dtype, offset=1024))
+    events = NeuronCore("trn2").load(p.neff()).run([]).timeline.events
+    bf16, fp32 = events
+    assert fp32.end_ns - fp32.start_ns == pytest.approx(TRN2.matmul_fp32_slowdown * (bf16.end_ns - bf16.start_ns))
+    for event, instr in zip(events, p.streams[(Engine.TENSOR, 0)]):
+        assert event.end_ns - event.start_ns == instruction_cost_ns(instr, TRN2)
+    assert fp32.start_ns == bf16.end_ns  # one stream runs in order
+
+
+def test_dma_with_a_strided_innermost_dim_runs_at_half_bandwidth():
+    contiguous = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 256)), chip((128, 256), offset=4096)))
+    strided = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 256)), AccessPattern(
+        Space.SBUF, DType.F32, 4096, ((1, 128), (2, 256)))))
+    transfer_ns = instruction_cost_ns(contiguous, TRN2) - TRN2.dma_fixed_ns
+    assert transfer_ns == pytest.approx(128 * 256 * 4 / TRN2.dma_gbps_per_queue)
+    assert instruction_cost_ns(strided, TRN2) - TRN2.dma_fixed_ns == pytest.approx(2 * transfer_ns)
