@@ -1,0 +1,71 @@
+"""Saved `torch.export` programs (`.pt2`): load them safely and import their graph.
+
+The graph of an ExportedProgram already has parameters, buffers and constants lifted to
+placeholders; this module keeps them that way and returns their values beside the graph, so the
+compiler can store them in the NEFF as weights.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import zipfile
+
+from neuronc.errors import ModelLoadError, NeuronCompileError
+from neuronc.frontend.torch_import import ImportedGraph, decomposition_table, import_fx
+from neuronc.frontend.tensors import to_numpy
+
+
+def load_exported_program(path):
+    """Load a `.pt2` file written by `torch.export.save`, with an error a user can act on."""
+    import torch
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"no such file: {path}", hint="check the path; save a model with torch.export.save(ep, path)")
+    if os.path.isdir(path) or not zipfile.is_zipfile(path):
+        raise ModelLoadError(
+            f"{path} is not a saved ExportedProgram (a .pt2 file is a zip archive written by torch.export.save)",
+            hint="create it with: ep = torch.export.export(model, example_inputs); torch.export.save(ep, path)",
+        )
+    try:
+        program = torch.export.load(path)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad archive
+        raise ModelLoadError(
+            f"{path} could not be loaded as an ExportedProgram: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            hint="the file may be truncated, or written by torch.save rather than torch.export.save",
+        ) from None
+    if not isinstance(program, torch.export.ExportedProgram):
+        raise ModelLoadError(f"{path} holds a {type(program).__name__}, not an ExportedProgram")
+    return program
+
+
+def import_exported_program(program, name: str = "main"):
+    """Returns (ImportedGraph, weights) where weights maps a placeholder name to a numpy array."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    with warnings.catch_warnings():  # torch.export's own deprecation noise, not the user's concern
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        program = program.run_decompositions(decomposition_table())
+    signature = program.graph_signature
+    mutations = [s for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    if mutations:
+        raise NeuronCompileError(
+            "this program mutates its state (e.g. batch-norm statistics in training mode); neuronc "
+            "compiles inference programs from .pt2 files",
+            problems=[f"{s.kind.name.lower()}: {s.target}" for s in mutations],
+            hint="call model.eval() before torch.export.export",
+        )
+    params, weights = [], {}
+    state = dict(program.state_dict)
+    state.update(program.constants)
+    for spec in signature.input_specs:
+        placeholder = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            params.append((placeholder, "input"))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            params.append((spec.target, "weight"))
+            weights[spec.target] = to_numpy(state[spec.target])
+        else:
+            raise NeuronCompileError(f"unsupported input kind {spec.kind.name} ({placeholder})")
+    imported: ImportedGraph = import_fx(program.graph_module, params, name)
+    return imported, weights

@@ -1,0 +1,296 @@
+"""StableHLO (a live MLIR module, through the MLIR python bindings) -> neuronc graph IR.
+
+One converter per StableHLO op name, in a registry. Every op the backend cannot handle is
+collected, with the PyTorch source line it came from, and reported in one `NeuronCompileError`,
+so a user sees all missing ops at once instead of one per compile.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.isa import DType
+from neuronc.ir import Op
+from neuronc.neff.program import DebugLoc
+
+_ELEMENT_TYPES = {
+    "f32": DType.F32, "bf16": DType.BF16, "f16": DType.F16, "f64": DType.F64,
+    "f8E4M3FN": DType.F8E4M3, "f8E5M2": DType.F8E5M2,
+    "i1": DType.BOOL, "i8": DType.I8, "i16": DType.I16, "i32": DType.I32, "i64": DType.I64,
+    "ui8": DType.U8,
+}
+
+_SIMPLE = {
+    "stablehlo.negate": Op.NEGATE, "stablehlo.abs": Op.ABS, "stablehlo.exponential": Op.EXP,
+    "stablehlo.exponential_minus_one": Op.EXPM1, "stablehlo.log": Op.LOG,
+    "stablehlo.log_plus_one": Op.LOG1P, "stablehlo.sqrt": Op.SQRT, "stablehlo.rsqrt": Op.RSQRT,
+    "stablehlo.tanh": Op.TANH, "stablehlo.logistic": Op.LOGISTIC, "stablehlo.sine": Op.SIN,
+    "stablehlo.cosine": Op.COS, "stablehlo.sign": Op.SIGN, "stablehlo.floor": Op.FLOOR,
+    "stablehlo.ceil": Op.CEIL, "stablehlo.round_nearest_even": Op.ROUND, "chlo.erf": Op.ERF,
+    "stablehlo.not": Op.NOT, "stablehlo.convert": Op.CONVERT,
+    "stablehlo.add": Op.ADD, "stablehlo.subtract": Op.SUBTRACT, "stablehlo.multiply": Op.MULTIPLY,
+    "stablehlo.divide": Op.DIVIDE, "stablehlo.remainder": Op.REMAINDER, "stablehlo.power": Op.POWER,
+    "stablehlo.maximum": Op.MAXIMUM, "stablehlo.minimum": Op.MINIMUM, "stablehlo.atan2": Op.ATAN2,
+    "stablehlo.and": Op.AND, "stablehlo.or": Op.OR, "stablehlo.xor": Op.XOR,
+    "stablehlo.select": Op.SELECT, "stablehlo.clamp": Op.CLAMP, "stablehlo.reshape": Op.RESHAPE,
+}
+
+_REDUCERS = {
+    "stablehlo.add": "add", "stablehlo.maximum": "max", "stablehlo.minimum": "min",
+    "stablehlo.multiply": "mul", "stablehlo.and": "and", "stablehlo.or": "or",
+}
+
+
+def tensor_type(mlir_type):
+    from torch_mlir import ir as mlir
+
+    t = mlir.RankedTensorType(mlir_type)
+    element = str(t.element_type)
+    if element not in _ELEMENT_TYPES:
+        raise _Unsupported(f"element type {element}")
+    return tuple(t.shape), _ELEMENT_TYPES[element]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _ints(attr) -> list:
+    from torch_mlir import ir as mlir
+
+    return [int(v) for v in mlir.DenseI64ArrayAttr(attr)]
+
+
+def _int(attr) -> int:
+    from torch_mlir import ir as mlir
+
+    return int(mlir.IntegerAttr(attr).value)
+
+
+def _dense(attr, shape, dtype: DType) -> np.ndarray:
+    """A dense elements attribute as numpy; a splat comes back 0-d (broadcast by the consumer)."""
+    from torch_mlir import ir as mlir
+
+    dense = mlir.DenseElementsAttr(attr)
+    if dense.is_splat:
+        text = str(dense.get_splat_value())
+        return np.array(_parse_scalar(text.split(":")[0].strip(), dtype), dtype=dtype.numpy)
+    if dtype == DType.BOOL:
+        values = [bool(v) for v in mlir.DenseIntElementsAttr(attr)]
+        return np.array(values, dtype=np.bool_).reshape(shape)
+    return np.array(attr, copy=True).astype(dtype.numpy).reshape(shape)
+
+
+def _parse_scalar(text: str, dtype: DType):
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith("0x"):
+        bits = int(text, 16)
+        width = dtype.itemsize
+        raw = bits.to_bytes(width, "little")
+        return np.frombuffer(raw, dtype=dtype.numpy)[0]
+    return float(text) if dtype.is_float else int(text)
+
+
+def _region_reducer(op) -> str:
+    body = list(op.regions[0].blocks[0].operations)
+    if len(body) != 2 or body[0].operation.name not in _REDUCERS:
+        raise _Unsupported("a reduction whose body is not a single add/max/min/mul/and/or")
+    return _REDUCERS[body[0].operation.name]
+
+
+_LOC_NAME = re.compile(r'loc\("([^"]+)"\(')
+
+
+class _Importer:
+    def __init__(self, locations: dict):
+        self.locations = locations  # FX node name -> DebugLoc
+        self.values: dict = {}
+        self.problems: list = []
+
+    def loc(self, op) -> DebugLoc:
+        match = _LOC_NAME.search(str(op.location))
+        if match and match.group(1) in self.locations:
+            return self.locations[match.group(1)]
+        return DebugLoc()
+
+    def convert(self, op) -> None:
+        name = op.name
+        loc = self.loc(op)
+        try:
+            inputs = [self.values[v] for v in op.operands]
+            if len(op.results) != 1:
+                raise _Unsupported(f"{len(op.results)} results")
+            shape, dtype = tensor_type(op.results[0].type)
+            converter = _CONVERTERS.get(name)
+            if converter is None and name in _SIMPLE:
+                node = ir.node(_SIMPLE[name], inputs, shape, dtype, loc)
+            elif converter is None:
+                raise _Unsupported("no lowering")
+            else:
+                node = converter(op, inputs, shape, dtype, loc)
+            self.values[op.results[0]] = node
+        except (_Unsupported, KeyError) as why:
+            if not isinstance(why, KeyError):  # a KeyError: an operand of an op already reported
+                self.problems.append(f"{name} ({why}) at {loc}")
+            for result in op.results:  # stand-ins, so the walk goes on and finds every problem
+                shape, dtype = _safe_type(result)
+                self.values[result] = ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.zeros((), dtype.numpy))
+
+
+def _safe_type(value):
+    try:
+        return tensor_type(value.type)
+    except Exception:  # noqa: BLE001 - only used to keep walking after an unsupported op
+        return (), DType.F32
+
+
+def _constant(op, inputs, shape, dtype, loc):
+    return ir.node(Op.CONSTANT, [], shape, dtype, loc, value=_dense(op.attributes["value"], shape, dtype))
+
+
+def _broadcast(op, inputs, shape, dtype, loc):
+    return ir.node(Op.BROADCAST_IN_DIM, inputs, shape, dtype, loc, dims=tuple(_ints(op.attributes["broadcast_dimensions"])))
+
+
+def _transpose(op, inputs, shape, dtype, loc):
+    return ir.node(Op.TRANSPOSE, inputs, shape, dtype, loc, perm=tuple(_ints(op.attributes["permutation"])))
+
+
+def _slice(op, inputs, shape, dtype, loc):
+    a = op.attributes
+    return ir.node(Op.SLICE, inputs, shape, dtype, loc, start=tuple(_ints(a["start_indices"])),
+                   limit=tuple(_ints(a["limit_indices"])), strides=tuple(_ints(a["strides"])))
+
+
+def _concatenate(op, inputs, shape, dtype, loc):
+    return ir.node(Op.CONCATENATE, inputs, shape, dtype, loc, dimension=_int(op.attributes["dimension"]))
+
+
+def _pad(op, inputs, shape, dtype, loc):
+    a = op.attributes
+    return ir.node(Op.PAD, inputs, shape, dtype, loc, low=tuple(_ints(a["edge_padding_low"])),
+                   high=tuple(_ints(a["edge_padding_high"])), interior=tuple(_ints(a["interior_padding"])))
+
+
+def _iota(op, inputs, shape, dtype, loc):
+    return ir.node(Op.IOTA, [], shape, dtype, loc, dimension=_int(op.attributes["iota_dimension"]))
+
+
+def _compare(op, inputs, shape, dtype, loc):
+    direction = re.search(r"comparison_direction (\w+)", str(op.attributes["comparison_direction"])).group(1)
+    return ir.node(Op.COMPARE, inputs, shape, dtype, loc, direction=direction)
+
+
+def _reduce(op, inputs, shape, dtype, loc):
+    return ir.node(Op.REDUCE, inputs, shape, dtype, loc, dims=tuple(_ints(op.attributes["dimensions"])),
+                   kind=_region_reducer(op))
+
+
+def _window_attr(op, key, rank, default):
+    return tuple(_ints(op.attributes[key])) if key in op.attributes else (default,) * rank
+
+
+def _padding(op, rank):
+    if "padding" not in op.attributes:
+        return ((0, 0),) * rank
+    pads = _dense(op.attributes["padding"], (rank, 2), DType.I64)
+    pads = np.broadcast_to(pads, (rank, 2))
+    return tuple((int(lo), int(hi)) for lo, hi in pads)
+
+
+def _reduce_window(op, inputs, shape, dtype, loc):
+    rank = len(inputs[0].shape)
+    if any(d != 1 for d in _window_attr(op, "base_dilations", rank, 1) + _window_attr(op, "window_dilations", rank, 1)):
+        raise _Unsupported("dilated pooling windows")
+    return ir.node(Op.REDUCE_WINDOW, inputs, shape, dtype, loc,
+                   window=tuple(_ints(op.attributes["window_dimensions"])),
+                   strides=_window_attr(op, "window_strides", rank, 1),
+                   padding=_padding(op, rank), kind=_region_reducer(op))
+
+
+_DOT_KEYS = ("lhs_batching_dimensions", "rhs_batching_dimensions", "lhs_contracting_dimensions", "rhs_contracting_dimensions")
+
+
+def _dot_general(op, inputs, shape, dtype, loc):
+    text = str(op.attributes["dot_dimension_numbers"])
+    dims = {}
+    for key in _DOT_KEYS:
+        match = re.search(key + r" = \[([0-9, ]*)\]", text)
+        dims[key] = tuple(int(v) for v in match.group(1).split(",") if v.strip()) if match else ()
+    return ir.node(Op.DOT_GENERAL, inputs, shape, dtype, loc, lhs_batch=dims[_DOT_KEYS[0]],
+                   rhs_batch=dims[_DOT_KEYS[1]], lhs_contract=dims[_DOT_KEYS[2]], rhs_contract=dims[_DOT_KEYS[3]])
+
+
+def _convolution(op, inputs, shape, dtype, loc):
+    a = op.attributes
+    layout = str(a["dimension_numbers"])
+    spatial = len(shape) - 2
+    canonical = ", ".join(str(i) for i in range(spatial))
+    expected = f"[b, f, {canonical}]x[o, i, {canonical}]->[b, f, {canonical}]"
+    if expected not in layout:
+        raise _Unsupported(f"convolution layout {layout}")
+    if "batch_group_count" in a and _int(a["batch_group_count"]) != 1:
+        raise _Unsupported("batch_group_count != 1")
+    return ir.node(Op.CONVOLUTION, inputs, shape, dtype, loc,
+                   strides=_window_attr(op, "window_strides", spatial, 1),
+                   padding=_padding(op, spatial),
+                   lhs_dilation=_window_attr(op, "lhs_dilation", spatial, 1),
+                   rhs_dilation=_window_attr(op, "rhs_dilation", spatial, 1),
+                   groups=_int(a["feature_group_count"]) if "feature_group_count" in a else 1)
+
+
+_CONVERTERS = {
+    "stablehlo.constant": _constant,
+    "arith.constant": _constant,
+    "stablehlo.broadcast_in_dim": _broadcast,
+    "stablehlo.transpose": _transpose,
+    "stablehlo.slice": _slice,
+    "stablehlo.concatenate": _concatenate,
+    "stablehlo.pad": _pad,
+    "stablehlo.iota": _iota,
+    "stablehlo.compare": _compare,
+    "stablehlo.reduce": _reduce,
+    "stablehlo.reduce_window": _reduce_window,
+    "stablehlo.dot_general": _dot_general,
+    "stablehlo.convolution": _convolution,
+}
+
+
+def supported_stablehlo_ops() -> list:
+    return sorted(set(_SIMPLE) | set(_CONVERTERS))
+
+
+def import_module(module, params: list, locations: dict, name: str = "main") -> ir.Graph:
+    """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument."""
+    func = next(op for op in module.body.operations if op.operation.name == "func.func")
+    block = func.regions[0].blocks[0]
+    importer = _Importer(locations)
+    graph_params = []
+    for index, arg in enumerate(block.arguments):
+        try:
+            shape, dtype = tensor_type(arg.type)
+        except _Unsupported as why:
+            raise NeuronCompileError(f"input {params[index][0]} has an unsupported {why}") from None
+        pname, kind = params[index]
+        node = ir.node(Op.PARAMETER, [], shape, dtype, None, index=index, name=pname, kind=kind)
+        importer.values[arg] = node
+        graph_params.append(node)
+    outputs = []
+    for op in block.operations:
+        op = op.operation
+        if op.name == "func.return":
+            outputs = [importer.values[v] for v in op.operands]
+            continue
+        importer.convert(op)
+    if importer.problems:
+        raise NeuronCompileError(
+            f"{len(importer.problems)} op(s) in this graph cannot be compiled for the NeuronCore yet",
+            problems=importer.problems,
+            hint="rewrite these ops with supported ones (see `neuronc check`), or keep that part of "
+            "the model outside the compiled region (torch.compiler.disable)",
+        )
+    return ir.Graph(graph_params, outputs, name)

@@ -1,0 +1,225 @@
+"""FX graphs -> StableHLO (torch-mlir's FX importer) -> neuronc graph IR.
+
+Both entry points of the compiler end here: `torch.compile` hands over AOTAutograd graphs and the
+CLI hands over the graph of a `torch.export` ExportedProgram. Parameters and buffers stay
+placeholders, so they reach StableHLO as function arguments rather than baked-in constants.
+
+The torch-mlir part runs in a forked child (`isolate.py`): if it crashes, the user's process lives.
+Every FX node's source location (file, line, module path) is recorded here and keyed by the node's
+name, which the importer writes into the MLIR location of every op it creates from the node; the
+StableHLO importer reads it back, so locations survive into the IR and the NEFF's debug info.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import re
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.frontend.isolate import run_isolated
+from neuronc.neff.program import DebugLoc
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+@dataclasses.dataclass
+class ImportedGraph:
+    graph: ir.Graph
+    stablehlo: str  # the StableHLO module, as text
+
+
+def decomposition_table() -> dict:
+    """ATen decompositions applied before import: torch-mlir's own table (core ATen and more)."""
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+
+    return get_decomposition_table()
+
+
+def node_locations(gm) -> dict:
+    """FX node name -> DebugLoc of the user's PyTorch line that created it."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    locations = {}
+    for node in gm.graph.nodes:
+        file, line = "", 0
+        for f, ln, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
+            if not f.startswith(torch_dir):
+                file, line = f, int(ln)  # the innermost frame outside torch itself
+        locations[node.name] = DebugLoc(file=file, line=line, module_path=_module_path(node), op=_op_name(node))
+    return locations
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return re.sub(r"^L\['self'\]\.?|^L__self___?", "", str(path))
+
+
+def _op_name(node) -> str:
+    if node.op != "call_function":
+        return node.op
+    if hasattr(node.target, "_schema"):  # an ATen OpOverload: "aten.addmm.default"
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def check_static_shapes(gm) -> None:
+    import torch
+
+    dynamic = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape):
+            dynamic.append(f"{node.name}: shape {tuple(val.shape)}")
+        elif isinstance(val, torch.SymInt):
+            dynamic.append(f"{node.name}: symbolic integer {val}")
+    if dynamic:
+        raise NeuronCompileError(
+            "neuronc compiles one program per input shape, but this graph has dynamic shapes",
+            problems=dynamic[:10],
+            hint="drop dynamic=True / mark_dynamic / dynamic_shapes; pad or bucket inputs to a few "
+            "fixed shapes instead (each shape is compiled once and cached)",
+        )
+
+
+def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
+    """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind)."""
+    check_static_shapes(gm)
+    locations = node_locations(gm)
+    imported = run_isolated(_import_in_child, gm, params, locations, name)
+    imported.graph.renumbered()
+    return imported
+
+
+def _lower(gm, name: str, locations: dict | None = None):
+    """torch-mlir: FX graph -> StableHLO module (simplified), with node names in the locations."""
+    from torch_mlir import fx, ir as mlir, passmanager
+    from torch_mlir.dialects import torch as torch_d
+    from torch_mlir.extras.fx_importer import FxImporter
+
+    context = mlir.Context()
+    torch_d.register_dialect(context)
+    importer = FxImporter(context=context)
+    _tag_locations_with_node_names(importer, context)
+    module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)
+    with module.context:
+        passmanager.PassManager.parse(
+            "builtin.module(func.func(stablehlo-aggressive-simplification), canonicalize)"
+        ).run(module.operation)
+    return module
+
+
+def _import_in_child(gm, params, locations, name) -> ImportedGraph:
+    from neuronc.frontend.stablehlo_import import import_module
+
+    try:
+        module = _lower(gm, name)
+        graph = import_module(module, params, locations, name)
+    except Exception as err:  # noqa: BLE001 - diagnosed op by op below
+        raise _diagnose(gm, locations, err) from None
+    return ImportedGraph(graph, module.operation.get_asm(large_elements_limit=16))
+
+
+def _tag_locations_with_node_names(importer, context) -> None:
+    """Wrap the importer's location of each FX node in a NameLoc carrying the node's name.
+
+    torch-mlir derives locations in `ContextCache.get_node_location` (a slotted class); the
+    importer's cache is switched to a subclass that adds the name around torch-mlir's location."""
+    from torch_mlir import ir as mlir
+
+    base = type(importer._cc)
+
+    class NamedLocations(base):
+        __slots__ = ()
+
+        def get_node_location(self, node):
+            loc = base.get_node_location(self, node) or mlir.Location.unknown(context=context)
+            return mlir.Location.name(node.name, childLoc=loc, context=context)
+
+    importer._cc.__class__ = NamedLocations
+
+
+def unsupported_ops(gm, locations: dict) -> list:
+    """Every distinct op of the graph that cannot be compiled, each probed alone, as messages
+    naming the op, why, how often it is used and the first PyTorch line using it."""
+    problems, seen = [], set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in seen or node.target is operator.getitem:
+            continue
+        seen.add(node.target)
+        why = _probe(node)
+        if why:
+            uses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == node.target]
+            loc = locations[node.name]
+            where = f"{loc.file}:{loc.line}" + (f" in {loc.module_path}" if loc.module_path else "")
+            problems.append(f"{_op_name(node)}: {why}; {len(uses)} use(s), first at {where}")
+    return problems
+
+
+def _diagnose(gm, locations: dict, err: Exception) -> NeuronCompileError:
+    """torch-mlir stops at its first failure; probe each distinct op alone to list all of them."""
+    problems = unsupported_ops(gm, locations)
+    if not problems:
+        if isinstance(err, NeuronCompileError):
+            return err
+        first = str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__
+        problems = [f"{type(err).__name__}: {first}"]
+    return NeuronCompileError(
+        f"{len(problems)} op(s) of this graph cannot be compiled for the NeuronCore",
+        problems=problems,
+        hint="rewrite these ops with supported ones, or keep that code outside the compiled region "
+        "(torch.compiler.disable)",
+    )
+
+
+def _probe(node) -> str:
+    """Why a graph holding only this node cannot be compiled ("" if it can)."""
+    import torch
+    from torch import fx as torch_fx
+
+    from neuronc.frontend.stablehlo_import import import_module
+
+    graph = torch_fx.Graph()
+    mapping = {}
+
+    def arg(a):
+        if isinstance(a, torch_fx.Node):
+            if a not in mapping:
+                placeholder = graph.placeholder(f"in{len(mapping)}")
+                placeholder.meta = dict(a.meta)
+                mapping[a] = placeholder
+            return mapping[a]
+        return a
+
+    new = graph.call_function(node.target, torch_fx.node.map_aggregate(node.args, arg),
+                              torch_fx.node.map_aggregate(node.kwargs, arg))
+    new.meta = dict(node.meta)
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        outputs = []
+        for i, v in enumerate(val):
+            if isinstance(v, torch.Tensor):
+                item = graph.call_function(operator.getitem, (new, i))
+                item.meta = {"val": v}
+                outputs.append(item)
+        graph.output(tuple(outputs))
+    else:
+        graph.output((new,))
+    try:
+        module = _lower(torch_fx.GraphModule({}, graph), "probe")
+    except Exception:  # noqa: BLE001 - any failure means torch-mlir cannot lower it
+        return "torch-mlir cannot lower it to StableHLO"
+    try:
+        import_module(module, [(f"in{i}", "input") for i in range(len(mapping))], {}, "probe")
+    except NeuronCompileError as err:
+        if not err.problems:
+            return err.message
+        return f"neuronc has no kernel yet for {', '.join(sorted({p.split(' ')[0] for p in err.problems}))}"
+    except Exception as err:  # noqa: BLE001 - e.g. an element type the NeuronCore lacks
+        return f"neuronc cannot import it ({err})"
+    return ""
