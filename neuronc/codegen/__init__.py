@@ -1,0 +1,36 @@
+"""Codegen: a legalised, memory-planned graph becomes per-engine instruction streams (a `Neff`).
+
+No policy is decided here: kernels follow the tile rules of the target, `sync` orders the
+streams. The result is the in-memory NEFF the writer serialises and the runtime executes.
+"""
+from __future__ import annotations
+
+from neuronc import __version__, ir
+from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.kernels import kernel_for
+from neuronc.codegen.sync import insert_waits
+from neuronc.errors import NeuronCompileError
+from neuronc.neff.program import Neff
+from neuronc.passes.cost_model import estimate_streams
+from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.targets import Target
+
+
+def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main") -> Neff:
+    em = Emitter(target)
+    for index, node in enumerate(graph.nodes()):
+        kernel = kernel_for(node, plan)
+        if kernel is None:
+            if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT):
+                raise NeuronCompileError(f"no kernel for {node.op.name.lower()}", location=str(node.loc))
+            continue
+        em.begin_kernel(f"{node.op.name.lower()}_{index}", (node.op.name.lower(),), node.loc)
+        kernel(em, node, plan)
+    streams = insert_waits(em.instructions, plan.tensors, target)
+    makespan, kernel_ns = estimate_streams(streams, target)
+    for index, ns in kernel_ns.items():
+        em.kernels[index].estimated_ns = ns
+    return Neff(
+        name=name, target=target.name, tensors=plan.tensors, streams=streams, hbm_size=plan.hbm_size,
+        debug_locs=em.debug_locs, kernels=em.kernels, estimated_ns=makespan, compiler_version=__version__,
+    )

@@ -1,0 +1,101 @@
+"""The emitter: the one place kernels go through to allocate on-chip tiles and append instructions.
+
+Kernels describe *what* to compute; the emitter owns the bookkeeping: the SBUF/PSUM allocation of
+the current kernel (tile pools with several buffers each, so DMA of the next tile can overlap
+compute on this one), the round-robin choice of DMA queue, and the kernel/debug tables of the NEFF.
+"""
+from __future__ import annotations
+
+from neuronc.errors import NeuronCompileError
+from neuronc.isa import AccessPattern, DType, Engine, Instruction, Opcode, Space
+from neuronc.neff.program import DebugLoc, KernelInfo
+from neuronc.targets import Target
+
+
+def hbm(dtype: DType, byte_offset: int, dims) -> AccessPattern:
+    return AccessPattern(Space.HBM, dtype, int(byte_offset), tuple((int(s), int(n)) for s, n in dims))
+
+
+class Tile:
+    """A [partitions, free...] region at the start of an on-chip buffer slot."""
+
+    def __init__(self, space: Space, dtype: DType, offset: int):
+        self.space, self.dtype, self.offset = space, dtype, offset
+
+    def ap(self, partitions: int, *free: int, dtype: DType | None = None) -> AccessPattern:
+        dims, stride = [], 1
+        for size in reversed(free):
+            dims.append((stride, size))
+            stride *= size
+        return AccessPattern(self.space, dtype or self.dtype, self.offset, ((1, partitions), *reversed(dims)))
+
+
+class Pool:
+    """`bufs` slots of `slot_bytes` per partition, handed out in rotation."""
+
+    def __init__(self, space: Space, dtype: DType, base: int, slot_bytes: int, bufs: int):
+        self.space, self.dtype, self.base, self.slot_bytes, self.bufs = space, dtype, base, slot_bytes, bufs
+        self.turn = 0
+
+    def next(self) -> Tile:
+        tile = Tile(self.space, self.dtype, self.base + (self.turn % self.bufs) * self.slot_bytes)
+        self.turn += 1
+        return tile
+
+
+class Emitter:
+    def __init__(self, target: Target):
+        self.target = target
+        self.instructions: list = []
+        self.kernels: list = []
+        self.debug_locs: list = []
+        self._debug_index: dict = {}
+        self._dma_turn = 0
+        self._sbuf_used = 0
+        self._psum_used = 0
+
+    # kernels ----------------------------------------------------------------------------------
+    def begin_kernel(self, name: str, ops: tuple, loc: DebugLoc) -> None:
+        key = (loc.file, loc.line, loc.module_path, loc.op)
+        if key not in self._debug_index:
+            self._debug_index[key] = len(self.debug_locs)
+            self.debug_locs.append(loc)
+        self.kernels.append(KernelInfo(name=name, ops=tuple(ops), debug=self._debug_index[key]))
+        self._sbuf_used = 0
+        self._psum_used = 0
+
+    # on-chip memory ----------------------------------------------------------------------------
+    def sbuf_pool(self, dtype: DType, free_elements: int, bufs: int = 2) -> Pool:
+        slot = -(-free_elements * dtype.itemsize // 64) * 64
+        pool = Pool(Space.SBUF, dtype, self._sbuf_used, slot, bufs)
+        self._sbuf_used += slot * bufs
+        if self._sbuf_used > self.target.sbuf_bytes_per_partition:
+            raise NeuronCompileError(
+                f"kernel {self.kernels[-1].name} needs {self._sbuf_used} SBUF bytes per partition, "
+                f"more than the {self.target.sbuf_bytes_per_partition} of {self.target.name}",
+                hint="this is a tiling bug in neuronc; please report it",
+            )
+        return pool
+
+    def psum_pool(self, bufs: int | None = None) -> Pool:
+        bank = self.target.psum_bank_bytes
+        bufs = bufs or self.target.psum_banks
+        pool = Pool(Space.PSUM, DType.F32, self._psum_used, bank, bufs)
+        self._psum_used += bank * bufs
+        if self._psum_used > self.target.psum_bytes_per_partition:
+            raise NeuronCompileError(f"kernel {self.kernels[-1].name} needs more PSUM than the target has")
+        return pool
+
+    def psum_bank_elements(self) -> int:
+        return self.target.psum_bank_bytes // DType.F32.itemsize
+
+    # instructions ------------------------------------------------------------------------------
+    def emit(self, opcode: Opcode, engine: Engine, *operands: AccessPattern, **fields) -> None:
+        kernel = self.kernels[-1]
+        self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
+                                             debug=kernel.debug, **fields))
+
+    def dma(self, dst: AccessPattern, src: AccessPattern) -> None:
+        queue = self._dma_turn % self.target.dma_queues
+        self._dma_turn += 1
+        self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)

@@ -1,0 +1,111 @@
+"""The compiler driver: graph in, NEFF out, one readable pipeline.
+
+    import (frontend) -> passes (per optimisation level) -> memory plan -> codegen -> Neff
+
+Used by the CLI (`neuronc compile`), the torch.compile backend and the tests alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import time
+
+from neuronc import ir
+from neuronc.codegen import generate
+from neuronc.errors import NeuronConfigError
+from neuronc.neff.program import Neff
+from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.pipeline import passes_for, run_pipeline
+from neuronc.targets import get_target
+
+
+@dataclasses.dataclass
+class CompileOptions:
+    target: str = "trn2"
+    opt_level: int = 2
+    name: str = "main"
+
+    def __post_init__(self):
+        get_target(self.target)
+        passes_for(self.opt_level)
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "CompileOptions":
+        """From torch.compile's `options={...}`, with NEURON_CC_FLAGS applied underneath."""
+        merged = dict(flags_from_env())
+        merged.update(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise NeuronConfigError(f"unknown compile option(s): {', '.join(unknown)}",
+                                    hint=f"known options: {', '.join(sorted(known))}")
+        return cls(**merged)
+
+
+def flags_from_env() -> dict:
+    """Options from NEURON_CC_FLAGS (`--target trn1 -O1`), the real toolchain's convention."""
+    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    options: dict = {}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if re.fullmatch(r"-O[0-3]", flag):
+            options["opt_level"] = int(flag[2])
+        elif flag.startswith("--target="):
+            options["target"] = flag.split("=", 1)[1]
+        elif flag == "--target" and i + 1 < len(flags):
+            options["target"] = flags[i + 1]
+            i += 1
+        i += 1
+    return options
+
+
+@dataclasses.dataclass
+class Compiled:
+    neff: Neff
+    stablehlo: str
+    graph: ir.Graph  # the optimised graph
+    seconds: dict  # time spent per stage
+
+
+def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None) -> Compiled:
+    timings = dict(timings or {})
+    target = get_target(options.target)
+    t = time.perf_counter()
+    graph = run_pipeline(graph, options.opt_level)
+    timings["passes"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = plan_memory(graph)
+    neff = generate(graph, plan, target, options.name)
+    timings["codegen"] = time.perf_counter() - t
+    return Compiled(neff, stablehlo, graph, timings)
+
+
+def compile_exported(program, options: CompileOptions | None = None) -> Compiled:
+    """Compile a torch.export ExportedProgram (or the path of a saved one)."""
+    from neuronc.frontend.exported import import_exported_program, load_exported_program
+
+    options = options or CompileOptions()
+    t = time.perf_counter()
+    if isinstance(program, (str, os.PathLike)):
+        program = load_exported_program(program)
+    imported, weights = import_exported_program(program, options.name)
+    for param in imported.graph.params:
+        if param.attrs["kind"] == "weight":
+            param.attrs["data"] = weights[param.attrs["name"]]
+    timings = {"import": time.perf_counter() - t}
+    return compile_graph(imported.graph, options, imported.stablehlo, timings)
+
+
+def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
+    """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
+    from neuronc.frontend.torch_import import import_fx
+
+    options = options or CompileOptions()
+    t = time.perf_counter()
+    params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
+    imported = import_fx(gm, params, options.name)
+    timings = {"import": time.perf_counter() - t}
+    return compile_graph(imported.graph, options, imported.stablehlo, timings)

@@ -1,0 +1,154 @@
+"""Canonicalisation: make the imported graph small and regular before anything is decided about it.
+
+* `demote_f64`: the NeuronCore has no fp64; decompositions introduce f64 arithmetic on constants
+  and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32.
+* `fold_constants`: evaluate every node whose inputs are all constants (numpy), keeping splats
+  (one value broadcast to a shape) as 0-d arrays.
+* `simplify`: drop no-op converts, reshapes, transposes and broadcasts; merge reshape chains.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.isa import DType
+from neuronc.ir import Op
+
+
+def demote_f64(graph: ir.Graph) -> ir.Graph:
+    wide = [p for p in graph.params if p.dtype == DType.F64] + [o for o in graph.outputs if o.dtype == DType.F64]
+    if wide:
+        raise NeuronCompileError(
+            "the NeuronCore has no float64; this graph takes or returns float64 tensors",
+            problems=[f"{n.attrs.get('name', 'output')}: {n.shape} float64" for n in wide],
+            hint="convert inputs and the model to float32 (model.float(), x.float())",
+        )
+
+    def demote(node, inputs):
+        if node.dtype != DType.F64 and inputs == node.inputs:
+            return None
+        attrs = dict(node.attrs)
+        if node.op is Op.CONSTANT and node.dtype == DType.F64:
+            attrs["value"] = node.attrs["value"].astype(np.float32)
+        dtype = DType.F32 if node.dtype == DType.F64 else node.dtype
+        return ir.node(node.op, inputs, node.shape, dtype, node.loc, **attrs)
+
+    return graph.rewrite(demote)
+
+
+# numpy evaluation of the ops constant folding handles ------------------------------------------
+
+_NUMPY_UNARY = {
+    Op.NEGATE: np.negative, Op.ABS: np.abs, Op.EXP: np.exp, Op.EXPM1: np.expm1, Op.LOG: np.log,
+    Op.LOG1P: np.log1p, Op.SQRT: np.sqrt, Op.RSQRT: lambda x: 1 / np.sqrt(x), Op.TANH: np.tanh,
+    Op.LOGISTIC: lambda x: 1 / (1 + np.exp(-x)), Op.SIN: np.sin, Op.COS: np.cos, Op.SIGN: np.sign,
+    Op.FLOOR: np.floor, Op.CEIL: np.ceil, Op.ROUND: np.round,
+    Op.NOT: lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x),
+}
+_NUMPY_BINARY = {
+    Op.ADD: np.add, Op.SUBTRACT: np.subtract, Op.MULTIPLY: np.multiply, Op.MAXIMUM: np.maximum,
+    Op.MINIMUM: np.minimum, Op.POWER: np.power, Op.ATAN2: np.arctan2, Op.AND: np.bitwise_and,
+    Op.OR: np.bitwise_or, Op.XOR: np.bitwise_xor,
+    Op.DIVIDE: lambda a, b: np.true_divide(a, b) if a.dtype.kind == "f" else _int_divide(a, b),
+    Op.REMAINDER: lambda a, b: np.fmod(a, b),
+}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal}
+
+
+def _int_divide(a, b):
+    q = np.abs(a) // np.where(b == 0, 1, np.abs(b))
+    return (np.sign(a) * np.sign(b) * q).astype(a.dtype)
+
+
+def _evaluate(node: ir.Node, values: list):
+    """Value of `node` given its inputs' values (0-d arrays are splats); None if not foldable."""
+    op, a = node.op, node.attrs
+    out_dtype = node.dtype.numpy
+    if op is Op.IOTA:
+        shape = [1] * len(node.shape)
+        shape[a["dimension"]] = node.shape[a["dimension"]]
+        return np.broadcast_to(np.arange(node.shape[a["dimension"]]).reshape(shape), node.shape).astype(out_dtype)
+    splat = all(v.ndim == 0 for v in values)
+    if op in ir.ELEMENTWISE:
+        if op is Op.CONVERT:
+            result = values[0]
+        elif op is Op.ERF:
+            return None
+        elif op in _NUMPY_UNARY:
+            result = _NUMPY_UNARY[op](values[0])
+        elif op is Op.COMPARE:
+            result = _COMPARE[a["direction"]](*values)
+        elif op in _NUMPY_BINARY:
+            with np.errstate(all="ignore"):
+                result = _NUMPY_BINARY[op](*values)
+        elif op is Op.SELECT:
+            result = np.where(values[0], values[1], values[2])
+        else:  # CLAMP
+            result = np.minimum(np.maximum(values[1], values[0]), values[2])
+        result = np.asarray(result)
+        if not splat:
+            result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
+        return result.astype(out_dtype)
+    if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE):
+        x = values[0]
+        if x.ndim == 0:  # a splat stays a splat
+            return x.astype(out_dtype)
+        if op is Op.RESHAPE:
+            return x.reshape(node.shape)
+        if op is Op.TRANSPOSE:
+            return np.transpose(x, a["perm"])
+        shape = [1] * len(node.shape)
+        for i, d in enumerate(a["dims"]):
+            shape[d] = x.shape[i]
+        return np.broadcast_to(x.reshape(shape), node.shape).copy()
+    return None
+
+
+def _full(value: np.ndarray, shape) -> np.ndarray:
+    return np.broadcast_to(value, shape) if value.ndim == 0 else value
+
+
+def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
+    def fold(node, inputs):
+        if node.op not in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
+            return None
+        if not all(i.op is Op.CONSTANT for i in inputs):
+            return None
+        values = [i.attrs["value"] for i in inputs]
+        if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM) and values[0].ndim != 0:
+            values = [_full(values[0], inputs[0].shape)]
+        elif not all(v.ndim == 0 for v in values):
+            values = [_full(v, i.shape) for v, i in zip(values, inputs)]
+        if node.size > max_elements and not all(v.ndim == 0 for v in values):
+            return None
+        value = _evaluate(node, values)
+        if value is None:
+            return None
+        return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.ascontiguousarray(value))
+
+    return graph.rewrite(fold)
+
+
+def simplify(graph: ir.Graph) -> ir.Graph:
+    def simple(node, inputs):
+        op = node.op
+        x = inputs[0] if inputs else None
+        if op is Op.CONVERT and x.dtype == node.dtype:
+            return x
+        if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM) and x.shape == node.shape and (
+            op is Op.RESHAPE or tuple(node.attrs["dims"]) == tuple(range(len(node.shape)))
+        ):
+            return x
+        if op is Op.TRANSPOSE and tuple(node.attrs["perm"]) == tuple(range(len(node.shape))):
+            return x
+        if op is Op.RESHAPE and x.op is Op.RESHAPE:
+            return ir.node(Op.RESHAPE, x.inputs, node.shape, node.dtype, node.loc)
+        if op is Op.CONSTANT and node.attrs["value"].ndim != 0 and node.size > 1:
+            value = node.attrs["value"]
+            flat = value.reshape(-1)
+            if (flat == flat[0]).all():
+                return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(flat[0], value.dtype))
+        return None
+
+    return graph.rewrite(simple)

@@ -1,0 +1,272 @@
+"""Legalisation: rewrite StableHLO-level ops into the few kernel forms codegen knows.
+
+After this pass a graph holds only: parameters and constants, elementwise ops whose operands have
+the result's shape (or are splat constants), RESHAPE (an alias, no data moves), VIEW (copy of an
+affine strided view: transposes, broadcasts, slices, im2col patches, pooling windows), PAD,
+CONCATENATE, MATMUL ([B,M,K] x [B,K,N]) and REDUCE_LAST ([R,C] -> [R]).
+
+Convolutions become im2col + MATMUL, pooling becomes windows + REDUCE_LAST, dot_general becomes
+transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each rule is a small
+function in a registry keyed by op.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.ir import Node, Op
+
+REDUCE_IDENTITY = {"add": 0.0, "max": -math.inf, "min": math.inf, "mul": 1.0, "and": True, "or": False}
+REDUCE_COMBINE = {"add": Op.ADD, "max": Op.MAXIMUM, "min": Op.MINIMUM, "mul": Op.MULTIPLY, "and": Op.AND, "or": Op.OR}
+
+
+def dense_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def view(x: Node, shape, strides, offset: int = 0, loc=None) -> Node:
+    if tuple(shape) == x.shape and tuple(strides) == dense_strides(x.shape) and offset == 0:
+        return x
+    return ir.node(Op.VIEW, [x], shape, x.dtype, loc or x.loc, offset=int(offset), strides=tuple(int(s) for s in strides))
+
+
+def reshape(x: Node, shape, loc=None) -> Node:
+    shape = tuple(int(s) for s in shape)
+    if shape == x.shape:
+        return x
+    if x.op is Op.RESHAPE:
+        x = x.inputs[0]
+    return ir.node(Op.RESHAPE, [x], shape, x.dtype, loc or x.loc)
+
+
+def transpose(x: Node, perm, loc=None) -> Node:
+    strides = dense_strides(x.shape)
+    return view(x, [x.shape[p] for p in perm], [strides[p] for p in perm], 0, loc)
+
+
+def splat_value(node: Node):
+    """The scalar value of a constant whose elements are all equal, else None."""
+    if node.op is not Op.CONSTANT:
+        return None
+    value = node.attrs["value"]
+    if value.ndim == 0:
+        return value.item()
+    return value.reshape(-1)[0].item() if value.size == 1 else None
+
+
+def broadcast_to(x: Node, shape, loc=None) -> Node:
+    if x.shape == tuple(shape):
+        return x
+    if x.shape == ():
+        return _broadcast(x, (x,), dims=(), shape=tuple(shape), loc=loc)
+    raise AssertionError(f"cannot broadcast {x.shape} to {shape}")
+
+
+# rules -----------------------------------------------------------------------------------------
+
+
+def _broadcast(node, inputs, dims=None, shape=None, loc=None):
+    x = inputs[0]
+    dims = node.attrs["dims"] if dims is None else dims
+    shape = node.shape if shape is None else shape
+    loc = loc or node.loc
+    if splat_value(x) is not None and x.size == 1:
+        return ir.node(Op.CONSTANT, [], shape, x.dtype, loc, value=np.array(splat_value(x), x.dtype.numpy))
+    xs = dense_strides(x.shape)
+    strides = [0] * len(shape)
+    for i, d in enumerate(dims):
+        if x.shape[i] == shape[d]:
+            strides[d] = xs[i]
+    return view(x, shape, strides, 0, loc)
+
+
+def _transpose(node, inputs):
+    return transpose(inputs[0], node.attrs["perm"], node.loc)
+
+
+def _slice(node, inputs):
+    x = inputs[0]
+    xs = dense_strides(x.shape)
+    a = node.attrs
+    offset = sum(s * st for s, st in zip(a["start"], xs))
+    return view(x, node.shape, [st * step for st, step in zip(xs, a["strides"])], offset, node.loc)
+
+
+def _pad(node, inputs):
+    x, value = inputs
+    pad_value = splat_value(value)
+    if pad_value is None:
+        raise _unsupported(node, "padding with a non-constant value")
+    return pad(x, pad_value, node.attrs["low"], node.attrs["high"], node.attrs["interior"], node.loc)
+
+
+def pad(x: Node, value, low, high, interior=None, loc=None) -> Node:
+    """x padded with `value`: `low`/`high` elements at each end (negative crops), `interior`
+    elements between neighbours."""
+    low, high = list(low), list(high)
+    interior = tuple(interior or (0,) * len(x.shape))
+    if any(v < 0 for v in low + high):
+        if any(interior):
+            raise NeuronCompileError("negative padding together with interior padding is not supported yet",
+                                     location=str(loc or x.loc))
+        xs = dense_strides(x.shape)
+        start = [max(0, -lo) for lo in low]
+        limit = [s - max(0, -hi) for s, hi in zip(x.shape, high)]
+        x = view(x, [b - a for a, b in zip(start, limit)], xs, sum(a * s for a, s in zip(start, xs)), loc)
+        low, high = [max(0, v) for v in low], [max(0, v) for v in high]
+    if not any(low) and not any(high) and not any(interior):
+        return x
+    shape = [lo + hi + s + max(0, s - 1) * it for s, lo, hi, it in zip(x.shape, low, high, interior)]
+    return ir.node(Op.PAD, [x], shape, x.dtype, loc or x.loc, value=float(value), low=tuple(low),
+                   high=tuple(high), interior=interior)
+
+
+def _clamp(node, inputs):
+    lo, x, hi = inputs
+    lo, hi = broadcast_to(lo, x.shape, node.loc), broadcast_to(hi, x.shape, node.loc)
+    low = ir.node(Op.MAXIMUM, [x, lo], node.shape, node.dtype, node.loc)
+    return ir.node(Op.MINIMUM, [low, hi], node.shape, node.dtype, node.loc)
+
+
+def _select(node, inputs):
+    inputs = [broadcast_to(i, node.shape, node.loc) for i in inputs]
+    return ir.node(Op.SELECT, inputs, node.shape, node.dtype, node.loc)
+
+
+def _combine_init(node, result, init):
+    kind = node.attrs["kind"]
+    init_value = splat_value(init)
+    if init_value is not None and init_value == REDUCE_IDENTITY[kind]:
+        return result
+    return ir.node(REDUCE_COMBINE[kind], [result, broadcast_to(init, result.shape, node.loc)], result.shape, result.dtype, node.loc)
+
+
+def _reduce(node, inputs):
+    x, init = inputs
+    dims = tuple(sorted(node.attrs["dims"]))
+    kept = [d for d in range(len(x.shape)) if d not in dims]
+    rows = int(np.prod([x.shape[d] for d in kept], dtype=np.int64))
+    cols = int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
+    if cols == 0:
+        raise _unsupported(node, "a reduction over an empty dimension")
+    xt = transpose(x, kept + list(dims), node.loc)
+    reduced = ir.node(Op.REDUCE_LAST, [reshape(xt, (rows, cols), node.loc)], (rows,), node.dtype, node.loc,
+                      kind=node.attrs["kind"])
+    return _combine_init(node, reshape(reduced, node.shape, node.loc), init)
+
+
+def _reduce_window(node, inputs):
+    x, init = inputs
+    a = node.attrs
+    init_value = splat_value(init)
+    if init_value is None:
+        raise _unsupported(node, "a pooling window with a non-constant initial value")
+    padded = pad(x, init_value, [lo for lo, _ in a["padding"]], [hi for _, hi in a["padding"]], None, node.loc)
+    ps = dense_strides(padded.shape)
+    shape = list(node.shape) + list(a["window"])
+    strides = [st * s for st, s in zip(ps, a["strides"])] + list(ps)
+    patches = view(padded, shape, strides, 0, node.loc)
+    rows, cols = node.size, int(np.prod(a["window"], dtype=np.int64))
+    reduced = ir.node(Op.REDUCE_LAST, [reshape(patches, (rows, cols), node.loc)], (rows,), node.dtype, node.loc,
+                      kind=a["kind"])
+    return _combine_init(node, reshape(reduced, node.shape, node.loc), init)
+
+
+def _dot_general(node, inputs):
+    lhs, rhs = inputs
+    a = node.attrs
+    lb, lc, rb, rc = list(a["lhs_batch"]), list(a["lhs_contract"]), list(a["rhs_batch"]), list(a["rhs_contract"])
+    lfree = [d for d in range(len(lhs.shape)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
+    size = lambda x, dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+    b, m, k, n = size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree)
+    if not (node.dtype.is_float and lhs.dtype.is_float and rhs.dtype.is_float):
+        raise _unsupported(node, "an integer matrix multiplication")
+    lhs3 = reshape(transpose(lhs, lb + lfree + lc, node.loc), (b, m, k), node.loc)
+    rhs3 = reshape(transpose(rhs, rb + rc + rfree, node.loc), (b, k, n), node.loc)
+    product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc)
+    return reshape(product, node.shape, node.loc)
+
+
+def _convolution(node, inputs):
+    x, w = inputs
+    a = node.attrs
+    spatial = len(x.shape) - 2
+    groups = a["groups"]
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    kernel = w.shape[2:]
+    out_spatial = node.shape[2:]
+    og = o // groups
+    interior = [0, 0] + [d - 1 for d in a["lhs_dilation"]]
+    low = [0, 0] + [lo for lo, _ in a["padding"]]
+    high = [0, 0] + [hi for _, hi in a["padding"]]
+    padded = pad(x, 0.0, low, high, interior, node.loc)
+    sn, sc, *ss = dense_strides(padded.shape)
+    shape = [groups, n, *out_spatial, cg, *kernel]
+    strides = [cg * sc, sn, *[s * st for s, st in zip(ss, a["strides"])], sc,
+               *[s * d for s, d in zip(ss, a["rhs_dilation"])]]
+    positions = int(np.prod(out_spatial, dtype=np.int64))
+    window = cg * int(np.prod(kernel, dtype=np.int64))
+    patches = reshape(view(padded, shape, strides, 0, node.loc), (groups, n * positions, window), node.loc)
+    weights = transpose(reshape(w, (groups, og, window), node.loc), (0, 2, 1), node.loc)
+    product = ir.node(Op.MATMUL, [patches, weights], (groups, n * positions, og), node.dtype, node.loc)
+    # product[g, (n, p...), o] -> result[n, g * og + o, p...]
+    spatial_strides = [og * s for s in dense_strides(out_spatial)]
+    result = view(product, (n, groups, og, *out_spatial), (positions * og, n * positions * og, 1, *spatial_strides),
+                  0, node.loc)
+    assert len(spatial_strides) == spatial
+    return reshape(result, node.shape, node.loc)
+
+
+def _unsupported(node, what: str) -> NeuronCompileError:
+    return NeuronCompileError(f"{what} is not supported yet", location=str(node.loc),
+                              hint="rewrite this operation, or keep it outside the compiled region")
+
+
+RULES = {
+    Op.BROADCAST_IN_DIM: _broadcast,
+    Op.TRANSPOSE: _transpose,
+    Op.SLICE: _slice,
+    Op.PAD: _pad,
+    Op.CLAMP: _clamp,
+    Op.SELECT: _select,
+    Op.REDUCE: _reduce,
+    Op.REDUCE_WINDOW: _reduce_window,
+    Op.DOT_GENERAL: _dot_general,
+    Op.CONVOLUTION: _convolution,
+}
+
+
+def legalize(graph: ir.Graph) -> ir.Graph:
+    def rule(node, inputs):
+        fn = RULES.get(node.op)
+        if fn is None:
+            if node.op is Op.RESHAPE:
+                return reshape(inputs[0], node.shape, node.loc)
+            return None
+        return fn(node, inputs)
+
+    legal = graph.rewrite(rule)
+    return _outputs_own_buffers(legal)
+
+
+def _outputs_own_buffers(graph: ir.Graph) -> ir.Graph:
+    """Each output gets a buffer of its own: copy outputs that alias a parameter, a constant, or
+    another output (a RESHAPE aliases its operand)."""
+    outputs, seen = [], set()
+    for out in graph.outputs:
+        root = out.inputs[0] if out.op is Op.RESHAPE else out
+        if root.op in (Op.PARAMETER, Op.CONSTANT) or root in seen:
+            out = ir.node(Op.VIEW, [out], out.shape, out.dtype, out.loc, offset=0, strides=dense_strides(out.shape))
+            root = out
+        seen.add(root)
+        outputs.append(out)
+    return ir.Graph(graph.params, outputs, graph.name)

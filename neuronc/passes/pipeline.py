@@ -1,0 +1,27 @@
+"""The pass pipeline of each optimisation level, readable top to bottom.
+
+-O0/-O1 keep one kernel per op (the baseline); fusion, layout, tiling search and scheduling
+passes join -O2/-O3 as they are written. Every level must give the same numbers as eager PyTorch.
+"""
+from __future__ import annotations
+
+from neuronc import ir
+from neuronc.errors import NeuronConfigError
+from neuronc.passes.canonicalize import demote_f64, fold_constants, simplify
+from neuronc.passes.legalize import legalize
+
+BASELINE = [demote_f64, fold_constants, simplify, fold_constants, legalize, simplify]
+
+PIPELINES = {0: BASELINE, 1: BASELINE, 2: BASELINE, 3: BASELINE}
+
+
+def passes_for(opt_level: int) -> list:
+    if opt_level not in PIPELINES:
+        raise NeuronConfigError(f"unknown optimisation level {opt_level}", hint="use -O0, -O1, -O2 or -O3")
+    return PIPELINES[opt_level]
+
+
+def run_pipeline(graph: ir.Graph, opt_level: int = 2) -> ir.Graph:
+    for step in passes_for(opt_level):
+        graph = step(graph)
+    return graph
