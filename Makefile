@@ -1,0 +1,31 @@
+# The two commands of the README. Both install everything they need into .venv, from scratch.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.neuronc-installed
+
+.PHONY: demo test install clean flatc
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else "neuronc needs Python 3.11; set PYTHON=python3.11 (found %d.%d)" % v)'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU build of 2.13.0 is on disk; anything else pulls a CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# flatc (Debian's flatbuffers-compiler) regenerates the NEFF schema code; the freshness test needs it.
+flatc:
+	@command -v flatc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler >/dev/null; } \
+	  || echo "warning: could not install flatc; the NEFF freshness test will be skipped"
+
+demo: $(STAMP)
+	$(BIN)/python -m neuronc.demo
+
+test: $(STAMP) flatc
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache

@@ -1,0 +1,47 @@
+"""Shared fixtures: the zoo, the per-dtype tolerance table, and the comparison with eager PyTorch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests import zoo
+
+# Golden tolerances per dtype (DESIGN.md "Testing"): outputs must match eager PyTorch on CPU.
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+}
+
+
+def assert_matches_eager(actual, expected):
+    actual = actual if isinstance(actual, (tuple, list)) else (actual,)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        got = torch.as_tensor(np.asarray(got)) if not isinstance(got, torch.Tensor) else got
+        assert got.shape == want.shape, f"shape {tuple(got.shape)} != eager {tuple(want.shape)}"
+        assert got.dtype == want.dtype, f"dtype {got.dtype} != eager {want.dtype}"
+        torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[want.dtype])
+
+
+@pytest.fixture(params=sorted(zoo.ZOO))
+def zoo_model(request):
+    """(name, model, inputs, eager outputs) for each model of the zoo."""
+    model, inputs = zoo.build(request.param)
+    with torch.no_grad():
+        expected = model(*inputs)
+    return request.param, model, inputs, expected
+
+
+@pytest.fixture
+def saved_program(tmp_path):
+    """Save a model's ExportedProgram to a .pt2 file; returns the path."""
+
+    def save(model, inputs, name="model"):
+        path = tmp_path / f"{name}.pt2"
+        torch.export.save(torch.export.export(model, inputs), str(path))
+        return path
+
+    return save

@@ -1,0 +1,139 @@
+"""The `neuronc` command line: help that maps the tool, and a clear error (no traceback, non-zero
+exit, nothing half-written) for every bad input."""
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from neuronc.cli import main
+from tests import zoo
+from tests.test_frontend import Unsupported
+
+
+@pytest.fixture
+def cli():
+    runner = CliRunner()
+
+    def invoke(*args):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output
+        return result
+
+    return invoke
+
+
+@pytest.fixture(scope="module")
+def mlp_neff(tmp_path_factory):
+    """A compiled MLP: (neff path, input array)."""
+    tmp = tmp_path_factory.mktemp("mlp")
+    model, inputs = zoo.build("mlp")
+    torch.export.save(torch.export.export(model, inputs), str(tmp / "mlp.pt2"))
+    result = CliRunner().invoke(main, ["compile", str(tmp / "mlp.pt2"), "-o", str(tmp / "mlp.neff")])
+    assert result.exit_code == 0, result.output
+    return tmp / "mlp.neff", inputs[0].numpy()
+
+
+def test_help_lists_every_subcommand(cli):
+    result = cli("--help")
+    assert result.exit_code == 0
+    for command in ("compile", "run", "inspect", "hlo"):
+        assert command in result.output
+        sub = cli(command, "--help")
+        assert sub.exit_code == 0 and "Usage: main " + command in sub.output.replace("neuronc", "main")
+
+
+def test_compile_takes_target_and_optimisation_level(cli, mlp_neff, tmp_path):
+    model, inputs = zoo.build("mlp")
+    pt2 = tmp_path / "m.pt2"
+    torch.export.save(torch.export.export(model, inputs), str(pt2))
+    result = cli("compile", pt2, "-o", tmp_path / "m.neff", "--target", "trn1", "-O0")
+    assert result.exit_code == 0, result.output
+    assert "for trn1 at -O0" in result.output
+    inspected = json.loads(cli("inspect", tmp_path / "m.neff", "--json").output)
+    assert inspected["target"] == "trn1"
+
+
+def test_inspect_shows_header_tensor_table_instruction_counts_and_time(cli, mlp_neff):
+    neff, _ = mlp_neff
+    result = cli("inspect", neff)
+    assert result.exit_code == 0, result.output
+    for expected in ("target trn2", "format 1.0", "content hash", "estimated device time",
+                     "instructions per engine", "tensor", "dma", "input", "output0", "weight", "fc1.weight"):
+        assert expected in result.output
+    summary = json.loads(cli("inspect", neff, "--json").output)
+    assert summary["estimated_time_us"] > 0 and summary["instructions"]["tensor"] > 0
+
+
+def test_hlo_prints_the_stablehlo_module(cli, tmp_path):
+    model, inputs = zoo.build("mlp")
+    torch.export.save(torch.export.export(model, inputs), str(tmp_path / "m.pt2"))
+    result = cli("hlo", tmp_path / "m.pt2")
+    assert result.exit_code == 0
+    assert "stablehlo.dot_general" in result.output and "func.func @main" in result.output
+
+
+def test_missing_model_names_the_path(cli, tmp_path):
+    result = cli("compile", tmp_path / "nope.pt2")
+    assert result.exit_code == 1
+    assert f"no such file: {tmp_path / 'nope.pt2'}" in result.output
+
+
+@pytest.mark.parametrize("content", ["text", "state_dict"])
+def test_a_file_that_is_not_an_exported_program_is_refused(cli, tmp_path, content):
+    path = tmp_path / "bad.pt2"
+    if content == "text":
+        path.write_text("not a model")
+    else:  # a zip archive too, but written by torch.save
+        torch.save(zoo.build("mlp")[0].state_dict(), str(path))
+    result = cli("compile", path, "-o", tmp_path / "bad.neff")
+    assert result.exit_code == 1
+    assert str(path) in result.output and "ExportedProgram" in result.output
+    assert not (tmp_path / "bad.neff").exists()
+
+
+def test_a_failed_compile_leaves_no_neff_behind(cli, tmp_path):
+    pt2 = tmp_path / "unsupported.pt2"
+    torch.export.save(torch.export.export(Unsupported(), (torch.randn(4, 8),)), str(pt2))
+    result = cli("compile", pt2, "-o", tmp_path / "out.neff")
+    assert result.exit_code == 1
+    assert "3 op(s) of this graph cannot be compiled" in result.output
+    assert list(tmp_path.iterdir()) == [pt2]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign", "empty", "zip"])
+def test_run_and_inspect_refuse_a_damaged_or_foreign_neff(cli, mlp_neff, tmp_path, damage):
+    neff, x = mlp_neff
+    data = bytearray(neff.read_bytes())
+    bad = tmp_path / "bad.neff"
+    if damage == "truncated":
+        bad.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "flipped":
+        data[len(data) // 3] ^= 0xFF
+        bad.write_bytes(bytes(data))
+    elif damage == "foreign":
+        bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        with zipfile.ZipFile(bad, "w") as archive:
+            archive.writestr("a.txt", "hello")
+    np.save(tmp_path / "x.npy", x)
+    for args in (("inspect", bad), ("run", bad, "--input", tmp_path / "x.npy")):
+        result = cli(*args)
+        assert result.exit_code == 1
+        assert f"error: {bad}" in result.output and "hint:" in result.output
+
+
+def test_run_with_a_wrong_input_shape_says_what_was_expected(cli, mlp_neff, tmp_path):
+    neff, x = mlp_neff
+    np.save(tmp_path / "x.npy", np.zeros((3, 3), np.float32))
+    result = cli("run", neff, "--input", tmp_path / "x.npy")
+    assert result.exit_code == 1
+    expected = ", ".join(map(str, x.shape))
+    assert "[3, 3]" in result.output and f"[{expected}]" in result.output

@@ -1,0 +1,89 @@
+"""Codegen: every op is a real tiled kernel that keeps the NeuronCore's tile rules, and the
+semaphore waits the sync pass inserts are the ones that make the answer right."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from neuronc.compiler import compile_exported
+from neuronc.isa import Engine, Opcode, Space
+from neuronc.ir import Op
+from neuronc.targets import get_target
+from runtime import run_neff
+from tests import zoo
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, k=300, n=700):
+        super().__init__()
+        self.fc = torch.nn.Linear(k, n)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.fixture(scope="module")
+def linear():
+    torch.manual_seed(0)
+    model, x = Linear().eval(), torch.randn(200, 300)
+    return compile_exported(torch.export.export(model, (x,))), model, x
+
+
+def _instructions(neff):
+    return [inst for stream in neff.streams.values() for inst in stream]
+
+
+def test_matmuls_are_tiled_to_the_tensor_engine_limits(linear):
+    compiled, model, x = linear
+    target = get_target("trn2")
+    matmuls = [i for i in _instructions(compiled.neff) if i.opcode == Opcode.MATMUL]
+    for inst in matmuls:
+        dst, stationary, moving = inst.operands
+        k, m = stationary.shape
+        assert k <= target.matmul_max_k and m <= target.matmul_max_m
+        assert moving.shape[0] == k and moving.shape[1] <= target.matmul_max_n
+        assert dst.space == Space.PSUM and stationary.space == moving.space == Space.SBUF
+    # 200 x 300 @ 300 x 700: M in 2 tiles, N in 2 tiles, K in 3 accumulating tiles
+    assert len(matmuls) == 2 * 2 * 3
+    assert [i.accumulate for i in matmuls[:3]] == [False, True, True]
+    out = run_neff(compiled.neff, [x.numpy()]).outputs[0]
+    torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_every_on_chip_operand_fits_the_partitions(zoo_model):
+    name, model, inputs, _ = zoo_model
+    neff = compile_exported(torch.export.export(model, inputs)).neff
+    parts = get_target(neff.target).partitions
+    for inst in _instructions(neff):
+        for ap in inst.operands:
+            if ap.space != Space.HBM:
+                assert ap.partition + ap.partitions <= parts
+
+
+def test_convolution_and_pooling_become_matmuls_and_window_reductions():
+    model, inputs = zoo.build("cnn")
+    graph = compile_exported(torch.export.export(model, inputs)).graph
+    ops = {n.op for n in graph.nodes()}
+    assert Op.CONVOLUTION not in ops and Op.REDUCE_WINDOW not in ops
+    assert Op.MATMUL in ops and Op.REDUCE_LAST in ops and Op.VIEW in ops
+
+
+def test_dropping_the_semaphore_waits_breaks_the_result(linear):
+    compiled, model, x = linear
+    neff = compiled.neff
+    assert any(inst.waits for inst in _instructions(neff))
+    unsynchronised = dataclasses.replace(neff, streams={
+        key: [dataclasses.replace(inst, waits=()) for inst in stream] for key, stream in neff.streams.items()})
+    out = run_neff(unsynchronised, [x.numpy()]).outputs[0]
+    expected = model(x).detach().numpy()
+    assert not np.allclose(out, expected, rtol=1e-4, atol=1e-5, equal_nan=False)
+
+
+def test_dma_moves_data_between_hbm_and_sbuf_only_through_dma_queues(linear):
+    compiled, _, _ = linear
+    for inst in _instructions(compiled.neff):
+        touches_hbm = any(ap.space == Space.HBM for ap in inst.operands)
+        assert touches_hbm == (inst.engine == Engine.DMA)

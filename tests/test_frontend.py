@@ -1,0 +1,117 @@
+"""The frontend: FX graphs and ExportedPrograms reach the graph IR through torch-mlir, with weights
+as arguments, source locations kept, every unsupported op reported, and torch-mlir's crashes and
+hangs contained in a child process."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from neuronc.compiler import compile_exported
+from neuronc.errors import FrontendCrashError, NeuronCompileError
+from neuronc.frontend.exported import import_exported_program
+from neuronc.frontend.isolate import run_isolated
+from neuronc.ir import Op
+from tests import zoo
+
+
+class Unsupported(torch.nn.Module):
+    def forward(self, x):
+        a = torch.fft.rfft(x).abs()  # SPEC: unsupported by torch-mlir
+        b = torch.sort(x, dim=-1).values  # SPEC: unsupported by neuronc's backend
+        c = torch.sort(x * 2, dim=-1).values
+        return a.sum() + b + c
+
+
+class ZeroDimVariance(torch.nn.Module):
+    def forward(self, x):
+        return torch.var(x, correction=0)  # torch-mlir 20261001 segfaults on this 0-d reduction
+
+
+class ZeroDimSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, 0)  # torch-mlir 20261001 never returns on this one
+
+
+def _export(model, *inputs):
+    return torch.export.export(model, inputs)
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if marker in line and "SPEC" in line)
+
+
+def test_parameters_and_buffers_are_function_arguments_not_constants():
+    model, inputs = zoo.build("cnn")
+    imported, weights = import_exported_program(_export(model, *inputs))
+    state = dict(model.state_dict())
+    assert set(weights) == set(state)  # every parameter and buffer, num_batches_tracked included
+    assert "dense_resource" not in imported.stablehlo
+    header = next(line for line in imported.stablehlo.splitlines() if "func.func @main" in line)
+    assert header.count("%arg") == len(state) + len(inputs)
+    kinds = [p.attrs["kind"] for p in imported.graph.params]
+    assert kinds.count("weight") == len(state) and kinds.count("input") == len(inputs)
+
+
+def test_source_locations_survive_into_the_ir_and_the_neff_debug_info():
+    model, inputs = zoo.build("mlp")
+    neff = compile_exported(_export(model, *inputs)).neff
+    zoo_file = os.path.abspath(zoo.__file__)
+    places = {(d.file, d.module_path) for d in neff.debug_locs}
+    assert (zoo_file, "fc1") in places and (zoo_file, "fc3") in places
+    lines = {d.line for d in neff.debug_locs if d.file == zoo_file}
+    with open(zoo_file) as source:
+        text = source.read().splitlines()
+    assert any("self.fc1(x)" in text[line - 1] for line in lines)
+    assert all(k.debug >= 0 for k in neff.kernels)
+
+
+def test_every_unsupported_op_is_listed_with_its_source_line():
+    with pytest.raises(NeuronCompileError) as caught:
+        compile_exported(_export(Unsupported(), torch.randn(4, 8)))
+    err = caught.value
+    assert len(err.problems) == 3, err.problems  # rfft, abs of a complex tensor, sort; not just the first
+    text = str(err)
+    assert "aten.fft_rfft.default: torch-mlir cannot lower it" in text
+    assert f"test_frontend.py:{_line_of('rfft')}" in text
+    assert "aten.sort.default: neuronc has no kernel yet for stablehlo.sort; 2 use(s)" in text
+    assert f"test_frontend.py:{_line_of('torch.sort(x, dim')}" in text
+    assert "hint:" in text
+
+
+def test_a_segfault_in_torch_mlir_does_not_take_down_the_process():
+    with pytest.raises(FrontendCrashError, match="crashed \\(killed by SIGSEGV\\); your process was not affected"):
+        compile_exported(_export(ZeroDimVariance(), torch.tensor(3.0)))
+
+
+def test_a_hang_in_torch_mlir_is_stopped_after_the_timeout(monkeypatch):
+    monkeypatch.setenv("NEURONC_FRONTEND_TIMEOUT", "5")
+    with pytest.raises(FrontendCrashError, match="did not finish within 5 s"):
+        compile_exported(_export(ZeroDimSoftmax(), torch.tensor(3.0)))
+
+
+def test_an_isolated_call_returns_values_and_reraises_exceptions():
+    assert run_isolated(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        run_isolated(lambda: 1 / 0)
+    with pytest.raises(FrontendCrashError, match="SIGABRT"):
+        run_isolated(lambda: os.kill(os.getpid(), signal.SIGABRT))
+
+
+def test_dynamic_shapes_are_rejected_with_a_way_out():
+    model, (x,) = zoo.build("mlp")
+    batch = torch.export.Dim("batch", min=2, max=64)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    with pytest.raises(NeuronCompileError, match="dynamic shapes") as caught:
+        compile_exported(program)
+    assert "pad or bucket" in str(caught.value)
+
+
+def test_float64_constants_of_decompositions_are_computed_in_fp32():
+    model, inputs = zoo.build("transformer_block")  # layer-norm's variance decomposes through f64
+    compiled = compile_exported(_export(model, *inputs))
+    assert all(n.dtype.name != "F64" for n in compiled.graph.nodes())
+    assert not any(n.op in (Op.CONVOLUTION, Op.DOT_GENERAL, Op.REDUCE) for n in compiled.graph.nodes())
