@@ -11,7 +11,7 @@ import warnings
 import zipfile
 
 from neuronc.errors import ModelLoadError, NeuronCompileError
-from neuronc.frontend.torch_import import ImportedGraph, decomposition_table, import_fx
+from neuronc.frontend.torch_import import ImportedGraph, decomposition_table, import_fx, stablehlo_text
 from neuronc.frontend.tensors import to_numpy
 
 
@@ -39,13 +39,22 @@ def load_exported_program(path):
     return program
 
 
+def decompose(program):
+    with warnings.catch_warnings():  # torch.export's own deprecation noise, not the user's concern
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        return program.run_decompositions(decomposition_table())
+
+
+def exported_stablehlo(program, name: str = "main") -> str:
+    """The StableHLO module of an ExportedProgram, as text."""
+    return stablehlo_text(decompose(program).graph_module, name)
+
+
 def import_exported_program(program, name: str = "main"):
     """Returns (ImportedGraph, weights) where weights maps a placeholder name to a numpy array."""
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with warnings.catch_warnings():  # torch.export's own deprecation noise, not the user's concern
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        program = program.run_decompositions(decomposition_table())
+    program = decompose(program)
     signature = program.graph_signature
     mutations = [s for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
     if mutations:

@@ -96,7 +96,21 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     return imported
 
 
-def _lower(gm, name: str, locations: dict | None = None):
+def stablehlo_text(gm, name: str = "main") -> str:
+    """Only the StableHLO of a graph (for `neuronc hlo`), whether or not neuronc can compile it."""
+    check_static_shapes(gm)
+    locations = node_locations(gm)
+    return run_isolated(_text_in_child, gm, locations, name)
+
+
+def _text_in_child(gm, locations, name) -> str:
+    try:
+        return _lower(gm, name).operation.get_asm(large_elements_limit=16)
+    except Exception as err:  # noqa: BLE001 - diagnosed op by op
+        raise _diagnose(gm, locations, err) from None
+
+
+def _lower(gm, name: str):
     """torch-mlir: FX graph -> StableHLO module (simplified), with node names in the locations."""
     from torch_mlir import fx, ir as mlir, passmanager
     from torch_mlir.dialects import torch as torch_d
