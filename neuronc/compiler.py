@@ -68,6 +68,7 @@ class Compiled:
     stablehlo: str
     graph: ir.Graph  # the optimised graph
     seconds: dict  # time spent per stage
+    output_layout: list | None = None  # FX graphs: per output, its NEFF output index, or None for a None
 
 
 def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None) -> Compiled:
@@ -101,11 +102,14 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
 
 def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
-    from neuronc.frontend.torch_import import import_fx
+    from neuronc.frontend.torch_import import drop_none_outputs, import_fx
 
     options = options or CompileOptions()
     t = time.perf_counter()
+    layout = drop_none_outputs(gm)
     params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
     imported = import_fx(gm, params, options.name)
     timings = {"import": time.perf_counter() - t}
-    return compile_graph(imported.graph, options, imported.stablehlo, timings)
+    compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
+    compiled.output_layout = layout
+    return compiled

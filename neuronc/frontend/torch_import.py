@@ -87,6 +87,22 @@ def check_static_shapes(gm) -> None:
         )
 
 
+def drop_none_outputs(gm) -> list:
+    """Remove None outputs (AOTAutograd's gradients of inputs that need none) in place, which
+    torch-mlir cannot return. Returns, per original output, its index among the kept ones or None."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    layout, kept = [], []
+    for value in values:
+        layout.append(None if value is None else len(kept))
+        if value is not None:
+            kept.append(value)
+    if len(kept) != len(values):
+        output.args = (tuple(kept),)
+        gm.recompile()
+    return layout
+
+
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind)."""
     check_static_shapes(gm)

@@ -41,7 +41,11 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     for n in nodes:
         for i in n.inputs:
             consumers.setdefault(i, []).append(n)
-    output_index = {o: i for i, o in enumerate(graph.outputs)}
+    # An output that reshapes a value is that value's bytes: the value is placed in the output.
+    # (legalize guarantees that each output's root is its own, not a parameter or constant.)
+    output_index = {}
+    for i, o in enumerate(graph.outputs):
+        output_index[o.inputs[0] if o.op is Op.RESHAPE else o] = (i, o)
     tensors, placement, cursor = [], {}, 0
     input_count = 0
     for n in nodes:
@@ -51,7 +55,8 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
         if not _needs_buffer(n, consumers, set(output_index)):
             continue
         if n in output_index:
-            entry = TensorEntry(f"output{output_index[n]}", TensorKind.OUTPUT, n.dtype, n.shape, 0, output_index[n])
+            index, out = output_index[n]
+            entry = TensorEntry(f"output{index}", TensorKind.OUTPUT, out.dtype, out.shape, 0, index)
         elif n.op is Op.PARAMETER and n.attrs["kind"] == "input":
             entry = TensorEntry(n.attrs["name"], TensorKind.INPUT, n.dtype, n.shape, 0, input_count)
             input_count += 1

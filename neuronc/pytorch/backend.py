@@ -29,7 +29,8 @@ class NeffFunction:
 
         result = self.program.run([to_numpy(a) for a in args])
         self.last_run = result
-        return tuple(from_numpy(o) for o in result.outputs)
+        outputs = [from_numpy(o) for o in result.outputs]
+        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
 
 
 def neuron_backend(gm, example_inputs, options: dict | None = None):
