@@ -7,6 +7,7 @@ Used by the CLI (`neuronc compile`), the torch.compile backend and the tests ali
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ from neuronc.passes.memory_plan import plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
 
+log = logging.getLogger("neuronc")
 
 @dataclasses.dataclass
 class CompileOptions:
@@ -66,9 +68,29 @@ def flags_from_env() -> dict:
 class Compiled:
     neff: Neff
     stablehlo: str
-    graph: ir.Graph  # the optimised graph
+    graph: ir.Graph | None  # the optimised graph (None when the NEFF came from the cache)
     seconds: dict  # time spent per stage
     output_layout: list | None = None  # FX graphs: per output, its NEFF output index, or None for a None
+    cache_hit: bool = False
+
+
+def compile_imported(imported, options: CompileOptions, timings: dict) -> Compiled:
+    """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
+    from neuronc.cache import CompileCache, cache_key
+
+    cache = CompileCache.from_env()
+    key = None
+    if cache is not None:
+        weights = {p.attrs["name"]: p.attrs["data"] for p in imported.graph.params if p.attrs["kind"] == "weight"}
+        key = cache_key(imported.fingerprint, dataclasses.asdict(options), weights)
+        neff = cache.get(key)
+        if neff is not None:
+            log.info("neuronc: %s: compile cache hit (%s)", options.name, cache.directory)
+            return Compiled(neff, imported.stablehlo, None, timings, cache_hit=True)
+    compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
+    if key is not None:
+        cache.put(key, compiled.neff)
+    return compiled
 
 
 def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None) -> Compiled:
@@ -96,8 +118,7 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
     for param in imported.graph.params:
         if param.attrs["kind"] == "weight":
             param.attrs["data"] = weights[param.attrs["name"]]
-    timings = {"import": time.perf_counter() - t}
-    return compile_graph(imported.graph, options, imported.stablehlo, timings)
+    return compile_imported(imported, options, {"import": time.perf_counter() - t})
 
 
 def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
@@ -109,7 +130,6 @@ def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
     layout = drop_none_outputs(gm)
     params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
     imported = import_fx(gm, params, options.name)
-    timings = {"import": time.perf_counter() - t}
-    compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
+    compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     compiled.output_layout = layout
     return compiled

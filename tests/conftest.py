@@ -45,3 +45,10 @@ def saved_program(tmp_path):
         return path
 
     return save
+
+
+@pytest.fixture(autouse=True)
+def no_compile_cache(monkeypatch):
+    """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
+    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)

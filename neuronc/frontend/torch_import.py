@@ -12,6 +12,7 @@ StableHLO importer reads it back, so locations survive into the IR and the NEFF'
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import operator
 import os
 import re
@@ -27,7 +28,8 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 @dataclasses.dataclass
 class ImportedGraph:
     graph: ir.Graph
-    stablehlo: str  # the StableHLO module, as text
+    stablehlo: str  # the StableHLO module, as text (large constants elided)
+    fingerprint: str  # sha256 of the complete module, constants and source locations included
 
 
 def decomposition_table() -> dict:
@@ -152,7 +154,8 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
         graph = import_module(module, params, locations, name)
     except Exception as err:  # noqa: BLE001 - diagnosed op by op below
         raise _diagnose(gm, locations, err) from None
-    return ImportedGraph(graph, module.operation.get_asm(large_elements_limit=16))
+    complete = module.operation.get_asm(enable_debug_info=True).encode()
+    return ImportedGraph(graph, module.operation.get_asm(large_elements_limit=16), hashlib.sha256(complete).hexdigest())
 
 
 def _tag_locations_with_node_names(importer, context) -> None:

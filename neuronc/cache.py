@@ -1,0 +1,197 @@
+"""The persistent compile cache: a NEFF compiled once is never compiled again.
+
+Entries are keyed by a hash of everything that decides the NEFF: the StableHLO, the compile
+options and target, the weights stored in it (for `.pt2` programs), and the versions of neuronc,
+torch and torch-mlir. Where it lives follows the Neuron convention: `NEURON_COMPILE_CACHE_URL`,
+else `--cache_dir=DIR` in `NEURON_CC_FLAGS`, else `$XDG_CACHE_HOME/neuronc` (`~/.cache/neuronc`);
+`--no_cache` in `NEURON_CC_FLAGS` turns it off.
+
+Safe under crashes and concurrency: an entry is written to a temporary file and renamed into place
+(atomic), with a sidecar holding its sha256; a corrupted or truncated entry fails the check (and
+the NEFF reader's own hashes), is deleted and recompiled, never executed. Two processes compiling
+the same graph both succeed and leave one valid entry. Only successful compilations are stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import tempfile
+import time
+
+from neuronc import __version__
+from neuronc.errors import NeffFormatError, NeuronConfigError
+
+ENTRY_SUFFIX = ".neff"
+META_SUFFIX = ".json"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"neuronc": __version__}
+    for package in ("torch", "torch-mlir"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "absent"
+    return found
+
+
+def cache_key(stablehlo: str, options: dict, weights: dict | None = None) -> str:
+    """sha256 over the StableHLO, the options, the weights' bytes and the toolchain versions."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"options": options, "versions": _versions()}, sort_keys=True).encode())
+    digest.update(stablehlo.encode())
+    for name in sorted(weights or {}):
+        array = weights[name]
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(memoryview(array.tobytes()))
+    return digest.hexdigest()
+
+
+def cache_settings() -> tuple:
+    """(enabled, directory) from NEURON_COMPILE_CACHE_URL and NEURON_CC_FLAGS."""
+    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    if "--no_cache" in flags:
+        return False, None
+    url = os.environ.get("NEURON_COMPILE_CACHE_URL", "")
+    if url:
+        if "://" in url and not url.startswith("file://"):
+            raise NeuronConfigError(f"NEURON_COMPILE_CACHE_URL={url}: only local directories are supported",
+                                    hint="set it to a directory path (or file:///path)")
+        return True, url.removeprefix("file://")
+    for i, flag in enumerate(flags):
+        if flag.startswith("--cache_dir="):
+            return True, flag.split("=", 1)[1]
+        if flag == "--cache_dir" and i + 1 < len(flags):
+            return True, flags[i + 1]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return True, os.path.join(base, "neuronc")
+
+
+@dataclasses.dataclass
+class Entry:
+    key: str
+    path: str
+    size: int
+    created: float
+    last_used: float
+    name: str
+    target: str
+
+    @property
+    def age_s(self) -> float:
+        return time.time() - self.created
+
+
+class CompileCache:
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+
+    @classmethod
+    def from_env(cls) -> "CompileCache | None":
+        enabled, directory = cache_settings()
+        return cls(directory) if enabled else None
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], key + ENTRY_SUFFIX)
+
+    def get(self, key: str):
+        """The cached Neff for `key`, or None (a damaged entry is removed and reported as a miss)."""
+        from neuronc.neff import decode
+
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path + META_SUFFIX) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            self.remove(key)
+            return None
+        try:
+            neff = decode(data)
+        except NeffFormatError:
+            self.remove(key)
+            return None
+        meta["last_used"] = time.time()
+        _write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        return neff
+
+    def put(self, key: str, neff) -> str:
+        from neuronc.neff import encode
+
+        data = encode(neff)
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        now = time.time()
+        meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
+                "name": neff.name, "target": neff.target, "versions": _versions()}
+        _write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
+        _write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        return path
+
+    def remove(self, key: str) -> None:
+        for suffix in (ENTRY_SUFFIX, ENTRY_SUFFIX + META_SUFFIX):
+            try:
+                os.remove(self._path(key)[: -len(ENTRY_SUFFIX)] + suffix)
+            except FileNotFoundError:
+                pass
+
+    def entries(self) -> list:
+        found = []
+        if not os.path.isdir(self.directory):
+            return found
+        for shard in sorted(os.listdir(self.directory)):
+            folder = os.path.join(self.directory, shard)
+            if not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if not name.endswith(ENTRY_SUFFIX):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    with open(path + META_SUFFIX) as f:
+                        meta = json.load(f)
+                    size = os.path.getsize(path)
+                except (OSError, ValueError):
+                    meta, size = {}, os.path.getsize(path) if os.path.exists(path) else 0
+                found.append(Entry(name[: -len(ENTRY_SUFFIX)], path, size, meta.get("created", 0.0),
+                                   meta.get("last_used", 0.0), meta.get("name", "?"), meta.get("target", "?")))
+        return sorted(found, key=lambda e: -e.last_used)
+
+    def clear(self) -> int:
+        entries = self.entries()
+        for entry in entries:
+            self.remove(entry.key)
+        return len(entries)
+
+    def prune(self, max_bytes: int) -> list:
+        """Remove least recently used entries until the cache holds at most `max_bytes`."""
+        removed, total = [], 0
+        for entry in self.entries():  # most recently used first
+            if total + entry.size <= max_bytes:
+                total += entry.size
+            else:
+                self.remove(entry.key)
+                removed.append(entry)
+        return removed
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
