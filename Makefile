@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.neuronc-installed
 
-.PHONY: demo test install clean flatc
+.PHONY: demo test install clean system-tools
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else "neuronc needs Python 3.11; set PYTHON=python3.11 (found %d.%d)" % v)'
@@ -16,15 +16,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# flatc (Debian's flatbuffers-compiler) regenerates the NEFF schema code; the freshness test needs it.
-flatc:
-	@command -v flatc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler >/dev/null; } \
-	  || echo "warning: could not install flatc; the NEFF freshness test will be skipped"
+# Debian tools the tests use: flatc (flatbuffers-compiler) for the NEFF schema freshness test,
+# Chromium to check that profile reports render. Without root they are skipped, with a message.
+system-tools:
+	@command -v flatc >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler chromium >/dev/null; } \
+	  || echo "warning: could not install flatc/chromium; the tests that need them will be skipped"
 
 demo: $(STAMP)
 	$(BIN)/python -m neuronc.demo
 
-test: $(STAMP) flatc
+test: $(STAMP) system-tools
 	$(BIN)/python -m pytest
 
 clean:
