@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -73,8 +73,9 @@ class Op(enum.Enum):
     CONVOLUTION = enum.auto()  # attrs: strides, padding, lhs_dilation, rhs_dilation, groups, layouts
     # kernel-level ops, produced by the legalize pass
     VIEW = enum.auto()  # copy of a strided view of the operand's dense buffer; attrs: offset, strides
-    MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]
+    MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]; attrs: k, views (per operand, or None)
     REDUCE_LAST = enum.auto()  # [R, C] -> [R], attrs: kind
+    FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
 
 
 UNARY = {
@@ -89,6 +90,27 @@ TERNARY = {Op.SELECT, Op.CLAMP}
 ELEMENTWISE = UNARY | BINARY | TERNARY
 
 _ids = itertools.count()
+
+
+class Step(NamedTuple):
+    """One op of a FUSED body. Each arg is ("input", i): the fused node's i-th input,
+    ("step", j): the result of step j, or ("imm", value): a scalar."""
+
+    op: Op
+    args: tuple
+    dtype: DType
+    attrs: dict
+
+
+def body_of(node: "Node") -> tuple:
+    """The steps a node computes: its body if FUSED, else itself as one step (splats as scalars)."""
+    if node.op is Op.FUSED:
+        return node.attrs["body"]
+    args = []
+    for i, x in enumerate(node.inputs):
+        splat = x.op is Op.CONSTANT and x.attrs["value"].ndim == 0
+        args.append(("imm", x.attrs["value"].item()) if splat else ("input", i))
+    return (Step(node.op, tuple(args), node.dtype, node.attrs),)
 
 
 @dataclasses.dataclass(eq=False)

@@ -44,6 +44,8 @@ class Pool:
 
 
 class Emitter:
+    SLOT_ALIGNMENT = 64  # bytes; every tile slot starts aligned
+
     def __init__(self, target: Target):
         self.target = target
         self.instructions: list = []
@@ -66,7 +68,7 @@ class Emitter:
 
     # on-chip memory ----------------------------------------------------------------------------
     def sbuf_pool(self, dtype: DType, free_elements: int, bufs: int = 2) -> Pool:
-        slot = -(-free_elements * dtype.itemsize // 64) * 64
+        slot = -(-free_elements * dtype.itemsize // self.SLOT_ALIGNMENT) * self.SLOT_ALIGNMENT
         pool = Pool(Space.SBUF, dtype, self._sbuf_used, slot, bufs)
         self._sbuf_used += slot * bufs
         if self._sbuf_used > self.target.sbuf_bytes_per_partition:

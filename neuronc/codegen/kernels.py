@@ -6,10 +6,8 @@ the target: at most `partitions` rows on chip, matmul stationary [K<=128, M<=128
 """
 from __future__ import annotations
 
-import itertools
-import math
-
 from neuronc import ir
+from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
@@ -48,39 +46,79 @@ def _scalar(node: Node):
 # elementwise -----------------------------------------------------------------------------------
 
 
-def _flat_blocks(em: Emitter, n: int, dtype: DType):
-    """Cover n contiguous elements with [partitions, free] blocks: yields (element offset, p, f)."""
-    parts = em.target.partitions
-    free = min(tile_free_elements(em, dtype), max(1, math.ceil(n / parts)))
-    rows, tail = divmod(n, free)
-    for r0 in range(0, rows, parts):
-        yield r0 * free, min(parts, rows - r0), free
-    if tail:
-        yield rows * free, 1, tail
+def _last_uses(body) -> list:
+    last = list(range(len(body)))
+    for j, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                last[ref] = j
+    return last
+
+
+def _assign_slots(body) -> tuple:
+    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the
+    output tile). Returns (slot of each step or None, number of slots)."""
+    last = _last_uses(body)
+    free, slots, count = [], [], 0
+    for j in range(len(body)):
+        for k in range(j):
+            if last[k] == j and slots[k] is not None:
+                free.append(slots[k])  # the step's inputs die here: their tiles are reusable
+        if j == len(body) - 1:
+            slots.append(None)
+        elif free:
+            slots.append(free.pop())
+        else:
+            slots.append(count)
+            count += 1
+    return slots, count
 
 
 def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    tensors = [i for i in node.inputs if plan.has_buffer(i) and not (i.op is Op.CONSTANT and i.is_splat)]
-    free = tile_free_elements(em, DType.F32)
-    pools = {i: em.sbuf_pool(i.dtype, free, bufs=3) for i in tensors}
+    """One or many fused elementwise ops: load each input tile once (through its strided view, if
+    the fusion pass folded one in), compute every step of the body in SBUF, store the result."""
+    body = ir.body_of(node)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    used = sorted({ref for step in body for kind, ref in step.args if kind == "input"})
+    slots, temp_count = _assign_slots(body)
+    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
+    widest = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]
+                 + [node.inputs[i].dtype.itemsize for i in used])
+    tiles = 3 * len(used) + 2 * temp_count + 3 + (3 if needs_constants else 0)
+    slot_bytes = em.target.sbuf_bytes_per_partition // tiles - em.SLOT_ALIGNMENT  # room for rounding up
+    free = min(tile_free_elements(em, DType.F32), slot_bytes // widest)
+    inputs = {i: em.sbuf_pool(node.inputs[i].dtype, free, bufs=3) for i in used}
+    temps = [em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
     out_pool = em.sbuf_pool(node.dtype, free, bufs=3)
-    const_pool = em.sbuf_pool(DType.F32, free, bufs=1) if node.op is Op.SELECT else None
-    for start, p, f in _flat_blocks(em, node.size, DType.F32):
+    constants = em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=3) if needs_constants else None
+    strides = [dense_strides(node.shape)]
+    offsets = [0]
+    for i in used:
+        view = views[i]
+        strides.append(view[1] if view else dense_strides(node.shape))
+        offsets.append(view[0] if view else 0)
+    for block in blocks(node.shape, strides, free, em.target.partitions, offsets):
+        shape = (block.partitions, *block.free)
         loaded = {}
-        for i in tensors:
-            if i in loaded:
-                continue
-            tile = pools[i].next().ap(p, f)
-            em.dma(tile, hbm(i.dtype, plan.offset(i) + start * i.dtype.itemsize, ((f, p), (1, f))))
-            loaded[i] = tile
-        out = out_pool.next().ap(p, f)
-        _compute(em, node, out, loaded, const_pool)
-        em.dma(hbm(node.dtype, plan.offset(node) + start * node.dtype.itemsize, ((f, p), (1, f))), out)
+        for k, i in enumerate(used, start=1):
+            x = node.inputs[i]
+            loaded[i] = inputs[i].next().ap(*shape)
+            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize, block.dims[k]))
+        temp_tiles = [pool.next() for pool in temps]
+        results = []
+        for step, slot in zip(body, slots):
+            out = out_pool.next().ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+            args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
+                    for kind, ref in step.args]
+            _compute(em, step, out, args, constants, node.loc)
+            results.append(out)
+        em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), results[-1])
 
 
-def _compute(em: Emitter, node: Node, out: AccessPattern, loaded: dict, const_pool) -> None:
-    op = node.op
-    args = [loaded.get(i) for i in node.inputs]
+def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc) -> None:
+    """One instruction computing `step` into `out`; args are tiles or floats (scalars)."""
+    op = step.op
+    tiles = [a for a in args if isinstance(a, AccessPattern)]
     if op in ACTIVATIONS:
         em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=1.0, imm1=0.0)
     elif op is Op.NEGATE:
@@ -88,79 +126,39 @@ def _compute(em: Emitter, node: Node, out: AccessPattern, loaded: dict, const_po
     elif op is Op.CONVERT:
         em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, args[0])
     elif op is Op.NOT:
-        alu, imm = (AluOp.EQ, 0.0) if node.dtype == DType.BOOL else (AluOp.XOR, -1.0)
+        alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, -1.0)
         em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, args[0], alu=alu, imm0=imm)
     elif op in ALU or op is Op.COMPARE:
-        alu = COMPARISONS[node.attrs["direction"]] if op is Op.COMPARE else ALU[op]
+        alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]
         a, b = args
-        if a is not None and b is not None:
+        if len(tiles) == 2:
             em.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, out, a, b, alu=alu)
-        elif a is not None:
-            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, a, alu=alu, imm0=float(_scalar(node.inputs[1])))
+        elif isinstance(a, AccessPattern):
+            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, a, alu=alu, imm0=b)
         else:
-            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, b, alu=alu, imm0=float(_scalar(node.inputs[0])), reverse=True)
+            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, b, alu=alu, imm0=a, reverse=True)
     elif op is Op.SELECT:
         operands = []
-        for i, tile in zip(node.inputs, args):
-            if tile is None:  # a splat operand: materialise it as a tile of the same shape
-                tile = const_pool.next().ap(*out.shape, dtype=i.dtype)
-                em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=float(_scalar(i)))
-            operands.append(tile)
+        for arg, dtype in zip(args, (DType.BOOL, step.dtype, step.dtype)):
+            if not isinstance(arg, AccessPattern):  # a scalar operand: materialise it as a tile
+                tile = constants.next().ap(*out.shape, dtype=dtype)
+                em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=arg)
+                arg = tile
+            operands.append(arg)
         em.emit(Opcode.SELECT, Engine.VECTOR, out, *operands)
     else:
-        raise NeuronCompileError(f"no elementwise kernel for {op.name.lower()}", location=str(node.loc))
+        raise NeuronCompileError(f"no elementwise kernel for {op.name.lower()}", location=str(loc))
 
 
 # data movement ---------------------------------------------------------------------------------
 
 
-def _merge_dims(shape, src_strides, dst_strides):
-    dims = [(n, s, d) for n, s, d in zip(shape, src_strides, dst_strides) if n != 1]
-    merged = []
-    for n, s, d in dims:
-        if merged and merged[-1][1] == s * n and merged[-1][2] == d * n:
-            pn, _, _ = merged[-1]
-            merged[-1] = (pn * n, s, d)
-        else:
-            merged.append((n, s, d))
-    return merged or [(1, 1, 1)]
-
-
 def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides, dst_offset: int, dst_strides, shape) -> None:
     """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks."""
-    if 0 in shape:
-        return
-    max_free = tile_free_elements(em, DType.F32)
-    dims = _merge_dims(shape, src_strides, dst_strides)
-    n, s, d = dims[-1]
-    if n > max_free:  # split the innermost dimension into [n // f, f] plus a tail
-        f = max_free
-        body, tail = divmod(n, f)
-        if tail:
-            size = dtype.itemsize
-            copy_strided(em, dtype, src_offset + body * f * s * size, [x[1] for x in dims[:-1]] + [s],
-                         dst_offset + body * f * d * size, [x[2] for x in dims[:-1]] + [d],
-                         [x[0] for x in dims[:-1]] + [tail])
-        dims = dims[:-1] + [(body, s * f, d * f), (f, s, d)]
-    _copy_blocks(em, dtype, src_offset, dst_offset, dims, max_free)
-
-
-def _copy_blocks(em, dtype, src_offset, dst_offset, dims, max_free) -> None:
-    # The partition dim of a block is the outermost dim whose inner dims fit in `max_free`.
-    split = len(dims) - 1
-    while split > 0 and math.prod(n for n, _, _ in dims[split:]) <= max_free:
-        split -= 1
-    parts = em.target.partitions
     size = dtype.itemsize
-    outer, (pn, ps, pd), inner = dims[:split], dims[split], dims[split + 1:]
-    for index in itertools.product(*(range(n) for n, _, _ in outer)):
-        so = src_offset + sum(i * s for i, (_, s, _) in zip(index, outer)) * size
-        do = dst_offset + sum(i * d for i, (_, _, d) in zip(index, outer)) * size
-        for p0 in range(0, pn, parts):
-            p = min(parts, pn - p0)
-            src = hbm(dtype, so + p0 * ps * size, ((ps, p), *((s, n) for n, s, _ in inner)))
-            dst = hbm(dtype, do + p0 * pd * size, ((pd, p), *((d, n) for n, _, d in inner)))
-            em.dma(dst, src)
+    for block in blocks(shape, [dst_strides, src_strides], tile_free_elements(em, DType.F32), em.target.partitions):
+        em.dma(hbm(dtype, dst_offset + block.offsets[0] * size, block.dims[0]),
+               hbm(dtype, src_offset + block.offsets[1] * size, block.dims[1]))
 
 
 def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -173,11 +171,13 @@ def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> None:
     """Write `value` to `count` contiguous HBM elements: one memset tile, DMA'd out block by block."""
     free = tile_free_elements(em, DType.F32)
-    tile = em.sbuf_pool(dtype, free, bufs=1).next()
-    parts = em.target.partitions
-    em.emit(Opcode.MEMSET, Engine.GPSIMD, tile.ap(parts, min(free, max(1, math.ceil(count / parts)))), imm0=value)
-    for start, p, f in _flat_blocks(em, count, DType.F32):
-        em.dma(hbm(dtype, offset + start * dtype.itemsize, ((f, p), (1, f))), tile.ap(p, f))
+    cover = list(blocks((count,), [(1,)], free, em.target.partitions))
+    widest = max(b.free_elements for b in cover)
+    tile = em.sbuf_pool(dtype, widest, bufs=1).next()
+    em.emit(Opcode.MEMSET, Engine.GPSIMD, tile.ap(em.target.partitions, widest), imm0=value)
+    for block in cover:
+        em.dma(hbm(dtype, offset + block.offsets[0] * dtype.itemsize, block.dims[0]),
+               tile.ap(block.partitions, *block.free))
 
 
 def splat_constant(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -211,8 +211,10 @@ def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM."""
     a, b = node.inputs
-    batch, m, k = a.shape
-    n = b.shape[2]
+    (batch, m, n), k = node.shape, node.attrs["k"]
+    (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
+        view or (0, dense_strides(shape)) for view, shape in zip(node.attrs.get("views") or (None, None),
+                                                                  ((batch, m, k), (batch, k, n))))
     t = em.target
     tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
     stationary = em.sbuf_pool(a.dtype, tm, bufs=3)
@@ -229,9 +231,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 for k0 in range(0, k, tk):
                     kt = min(tk, k - k0)
                     st = stationary.next().ap(kt, mt)
-                    em.dma(st, hbm(a.dtype, plan.offset(a) + ((g * m + m0) * k + k0) * ai, ((1, kt), (k, mt))))
+                    a_at = a_offset + g * asb + m0 * asm + k0 * ask
+                    em.dma(st, hbm(a.dtype, plan.offset(a) + a_at * ai, ((ask, kt), (asm, mt))))
                     mv = moving.next().ap(kt, nt)
-                    em.dma(mv, hbm(b.dtype, plan.offset(b) + ((g * k + k0) * n + n0) * bi, ((n, kt), (1, nt))))
+                    b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
+                    em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
                     em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
                 out = result.next().ap(mt, nt)
                 em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, acc)
@@ -271,7 +275,7 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-KERNELS = {op: elementwise for op in ir.ELEMENTWISE - {Op.CLAMP}}
+KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
     Op.PAD: pad,

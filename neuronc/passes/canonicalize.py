@@ -4,7 +4,8 @@
   and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32.
 * `fold_constants`: evaluate every node whose inputs are all constants (numpy), keeping splats
   (one value broadcast to a shape) as 0-d arrays.
-* `simplify`: drop no-op converts, reshapes, transposes and broadcasts; merge reshape chains.
+* `simplify`: drop no-op converts, reshapes, transposes and broadcasts, and identities (x + 0,
+  x * 1, x / 1); merge reshape chains.
 """
 from __future__ import annotations
 
@@ -130,10 +131,33 @@ def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
     return graph.rewrite(fold)
 
 
+# x op identity == x: (op, which operand may be the identity, the identity's value)
+_IDENTITIES = {
+    Op.ADD: ((0, 0.0), (1, 0.0)),
+    Op.SUBTRACT: ((1, 0.0),),
+    Op.MULTIPLY: ((0, 1.0), (1, 1.0)),
+    Op.DIVIDE: ((1, 1.0),),
+}
+
+
+def _identity_operand(node, inputs):
+    """The operand that `node` passes through unchanged (x + 0, x * 1, ...), or None."""
+    for position, identity in _IDENTITIES.get(node.op, ()):
+        constant, other = inputs[position], inputs[1 - position]
+        if (constant.op is Op.CONSTANT and constant.attrs["value"].ndim == 0
+                and constant.attrs["value"].item() == identity
+                and other.shape == node.shape and other.dtype == node.dtype):
+            return other
+    return None
+
+
 def simplify(graph: ir.Graph) -> ir.Graph:
     def simple(node, inputs):
         op = node.op
         x = inputs[0] if inputs else None
+        identity = _identity_operand(node, inputs)
+        if identity is not None:
+            return identity
         if op is Op.CONVERT and x.dtype == node.dtype:
             return x
         if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM) and x.shape == node.shape and (

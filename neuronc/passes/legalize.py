@@ -31,6 +31,35 @@ def dense_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def reshaped_strides(shape, strides, new_shape):
+    """Strides that read a strided view of `shape` as `new_shape` in row-major order, or None if
+    no single set of strides can (the reshape would need a copy). As numpy's no-copy reshape."""
+    old = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    result, i = [], 0
+    for n in new_shape:
+        if n == 1:
+            result.append(0)
+            continue
+        if i >= len(old):
+            return None
+        # consume old dims until their sizes multiply to n; they must be contiguous among themselves
+        size, stride = old[i]
+        i += 1
+        while size < n and i < len(old):
+            if stride != old[i][0] * old[i][1]:
+                return None
+            size, stride = size * old[i][0], old[i][1]
+            i += 1
+        if size == n:
+            result.append(stride)
+        elif size > n and size % n == 0:  # split one old dim into several new ones
+            old.insert(i, (size // n, stride))
+            result.append(stride * (size // n))
+        else:
+            return None
+    return tuple(result) if i == len(old) else None
+
+
 def view(x: Node, shape, strides, offset: int = 0, loc=None) -> Node:
     if tuple(shape) == x.shape and tuple(strides) == dense_strides(x.shape) and offset == 0:
         return x
@@ -191,7 +220,7 @@ def _dot_general(node, inputs):
         raise _unsupported(node, "an integer matrix multiplication")
     lhs3 = reshape(transpose(lhs, lb + lfree + lc, node.loc), (b, m, k), node.loc)
     rhs3 = reshape(transpose(rhs, rb + rc + rfree, node.loc), (b, k, n), node.loc)
-    product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc)
+    product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc, k=k)
     return reshape(product, node.shape, node.loc)
 
 
@@ -217,7 +246,7 @@ def _convolution(node, inputs):
     window = cg * int(np.prod(kernel, dtype=np.int64))
     patches = reshape(view(padded, shape, strides, 0, node.loc), (groups, n * positions, window), node.loc)
     weights = transpose(reshape(w, (groups, og, window), node.loc), (0, 2, 1), node.loc)
-    product = ir.node(Op.MATMUL, [patches, weights], (groups, n * positions, og), node.dtype, node.loc)
+    product = ir.node(Op.MATMUL, [patches, weights], (groups, n * positions, og), node.dtype, node.loc, k=window)
     # product[g, (n, p...), o] -> result[n, g * og + o, p...]
     spatial_strides = [og * s for s in dense_strides(out_spatial)]
     result = view(product, (n, groups, og, *out_spatial), (positions * og, n * positions * og, 1, *spatial_strides),

@@ -1,18 +1,21 @@
 """The pass pipeline of each optimisation level, readable top to bottom.
 
--O0/-O1 keep one kernel per op (the baseline); fusion, layout, tiling search and scheduling
-passes join -O2/-O3 as they are written. Every level must give the same numbers as eager PyTorch.
+-O0/-O1 keep one kernel per op (the baseline); -O2/-O3 fuse elementwise groups and read matmul
+operands through their views. Layout, tiling
+search and scheduling passes join them as they are written. Every level must give the same numbers as eager PyTorch.
 """
 from __future__ import annotations
 
 from neuronc import ir
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.canonicalize import demote_f64, fold_constants, simplify
+from neuronc.passes.fusion import fuse_elementwise, fuse_matmul_operands
 from neuronc.passes.legalize import legalize
 
 BASELINE = [demote_f64, fold_constants, simplify, fold_constants, legalize, simplify]
+OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise]
 
-PIPELINES = {0: BASELINE, 1: BASELINE, 2: BASELINE, 3: BASELINE}
+PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
 
 
 def passes_for(opt_level: int) -> list:

@@ -1,0 +1,92 @@
+"""Passes, each run alone: fusion merges elementwise groups and folds views into their readers,
+identities vanish, and the block cutter and the reshape-of-a-view rule are exact (property tests)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings, strategies as st
+
+from neuronc.codegen.blocks import blocks
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.ir import Op
+from neuronc.passes.legalize import reshaped_strides
+from runtime import run_neff
+from tests import zoo
+from tests.conftest import assert_matches_eager
+
+
+def _compile(name, level):
+    model, inputs = zoo.build(name)
+    return compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=level)), model, inputs
+
+
+def test_every_optimisation_level_matches_eager(zoo_model):
+    name, model, inputs, expected = zoo_model
+    program = torch.export.export(model, inputs)
+    for level in (0, 1, 2, 3):
+        neff = compile_exported(program, CompileOptions(opt_level=level)).neff
+        outputs = run_neff(neff, [x.numpy() for x in inputs]).outputs
+        assert_matches_eager(torch.from_numpy(outputs[0]), expected)
+
+
+def test_fusion_puts_the_gelu_chain_in_one_kernel_and_drops_weight_transposes():
+    baseline, _, _ = _compile("mlp", 0)
+    fused, _, _ = _compile("mlp", 2)
+    assert len(fused.neff.kernels) < len(baseline.neff.kernels) / 4
+    ops = [n.op for n in fused.graph.nodes()]
+    assert Op.VIEW not in ops  # weight transposes and bias broadcasts are read through their views
+    gelu = [n for n in fused.graph.nodes() if n.op is Op.FUSED and len(n.attrs["body"]) > 20]
+    assert len(gelu) == 2  # one kernel per GELU (erf polynomial, ~30 ops), two GELUs in the MLP
+
+
+def test_identities_are_removed():
+    compiled, _, _ = _compile("mlp", 0)  # addmm's beta * bias with beta = 1
+    for node in compiled.graph.nodes():
+        if node.op is Op.MULTIPLY:
+            assert not any(i.op is Op.CONSTANT and i.attrs["value"].ndim == 0 and i.attrs["value"].item() == 1.0
+                           for i in node.inputs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=4), st.data())
+def test_blocks_cover_every_element_once_for_every_operand(shape, data):
+    rank = len(shape)
+    perm = data.draw(st.permutations(range(rank)))
+    dense = np.arange(int(np.prod(shape))).reshape(shape)
+    view = np.transpose(dense, perm)  # a transposed operand
+    strides = [tuple(s // dense.itemsize for s in np.ascontiguousarray(view).strides),
+               tuple(s // dense.itemsize for s in view.strides)]
+    max_free = data.draw(st.integers(1, 16))
+    parts = data.draw(st.integers(1, 8))
+    seen = np.zeros(view.size, dtype=int)
+    for block in blocks(view.shape, strides, max_free, parts):
+        assert block.partitions <= parts and block.free_elements <= max_free
+        out = _gather(np.arange(view.size), block.offsets[0], block.dims[0])
+        src = _gather(dense.reshape(-1), block.offsets[1], block.dims[1])
+        np.testing.assert_array_equal(src, np.ascontiguousarray(view).reshape(-1)[out])
+        seen[out.reshape(-1)] += 1
+    assert (seen == 1).all()
+
+
+def _gather(flat, offset, dims):
+    index = np.full([n for _, n in dims], offset)
+    for axis, (stride, n) in enumerate(dims):
+        shape = [1] * len(dims)
+        shape[axis] = n
+        index = index + (np.arange(n) * stride).reshape(shape)
+    return flat[index]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_reshaped_strides_read_what_numpy_reshape_gives(shape, data):
+    perm = data.draw(st.permutations(range(len(shape))))
+    view = np.transpose(np.arange(int(np.prod(shape))).reshape(shape), perm)
+    size = view.size
+    factors = [d for d in range(1, size + 1) if size % d == 0]
+    first = data.draw(st.sampled_from(factors))
+    new_shape = (first, size // first) if data.draw(st.booleans()) else (1, size)
+    strides = reshaped_strides(view.shape, tuple(s // view.itemsize for s in view.strides), new_shape)
+    if strides is not None:
+        read = np.lib.stride_tricks.as_strided(np.arange(size), new_shape, [s * 8 for s in strides])
+        np.testing.assert_array_equal(read, view.reshape(new_shape))
