@@ -13,7 +13,7 @@ import re
 import shlex
 import time
 
-from neuronc import ir
+from neuronc import debug_dir, ir
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
@@ -118,7 +118,9 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
     for param in imported.graph.params:
         if param.attrs["kind"] == "weight":
             param.attrs["data"] = weights[param.attrs["name"]]
-    return compile_imported(imported, options, {"import": time.perf_counter() - t})
+    compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    debug_dir.keep(compiled, program.graph_module.code)
+    return compiled
 
 
 def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
@@ -132,4 +134,5 @@ def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
     imported = import_fx(gm, params, options.name)
     compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     compiled.output_layout = layout
+    debug_dir.keep(compiled, gm.code)
     return compiled

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from neuronc.errors import NeuronConfigError
+from neuronc.errors import NeuronCompileError, NeuronConfigError
 from neuronc.pytorch import backend
 from tests import zoo
 from tests.conftest import assert_matches_eager
@@ -75,3 +75,51 @@ def test_neuron_cc_flags_set_target_and_level(monkeypatch):
     monkeypatch.setenv("NEURON_CC_FLAGS", "--target trn3 -O1")
     assert CompileOptions.from_dict({}) == CompileOptions(target="trn3", opt_level=1)
     assert CompileOptions.from_dict({"target": "trn1"}).target == "trn1"  # options win over the flags
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Forget graphs Dynamo compiled in earlier tests (it would reuse them for the same code)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_new_input_shape_recompiles_and_is_counted(caplog, fresh_dynamo):
+    model, (x,) = zoo.build("mlp")
+    compiled = torch.compile(model, backend="neuron")
+    before = backend.compile_count()
+    with torch.no_grad(), caplog.at_level("INFO", logger="neuronc"):
+        for batch in (8, 4, 8):
+            assert_matches_eager(compiled(x[:batch]), model(x[:batch]))
+    assert backend.compile_count() == before + 2  # 8, then 4; the second 8 reuses the first graph
+    assert "compilation #" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
+def test_dynamic_shapes_are_refused_with_a_way_out(how, fresh_dynamo):
+    model, (x,) = zoo.build("mlp")
+    if how == "mark_dynamic":
+        x = x.clone()
+        torch._dynamo.mark_dynamic(x, 0)
+        compiled = torch.compile(model, backend="neuron")
+    else:
+        compiled = torch.compile(model, backend="neuron", dynamic=True)
+    with pytest.raises(Exception) as caught:
+        compiled(x)
+    raised = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(raised, NeuronCompileError), raised
+    assert "one program per input shape" in str(raised) and "pad or bucket" in str(raised)
+
+
+def test_debug_dir_keeps_every_compilation(tmp_path, monkeypatch, fresh_dynamo):
+    monkeypatch.setenv("TORCH_NEURONX_DEBUG_DIR", str(tmp_path))
+    model, inputs = zoo.build("mlp")
+    with torch.no_grad():
+        torch.compile(model, backend="neuron")(*inputs)
+    (folder,) = tmp_path.iterdir()
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"INDEX", "fx_graph.txt", "stablehlo.mlir", "optimized_ir.txt", "model.neff"}
+    index = (folder / "INDEX").read_text().splitlines()
+    assert len(index) == 4 and all(": " in line for line in index)
+    assert "stablehlo.dot_general" in (folder / "stablehlo.mlir").read_text()
