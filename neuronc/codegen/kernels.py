@@ -104,15 +104,22 @@ def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             x = node.inputs[i]
             loaded[i] = inputs[i].next().ap(*shape)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize, block.dims[k]))
-        temp_tiles = [pool.next() for pool in temps]
-        results = []
-        for step, slot in zip(body, slots):
-            out = out_pool.next().ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
-            args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
-                    for kind, ref in step.args]
-            _compute(em, step, out, args, constants, node.loc)
-            results.append(out)
-        em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), results[-1])
+        out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], out_pool.next(), shape,
+                         constants, node.loc)
+        em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), out)
+
+
+def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
+    """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
+    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
+    results = []
+    for step, slot in zip(body, slots):
+        out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+        args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
+                for kind, ref in step.args]
+        _compute(em, step, out, args, constants, loc)
+        results.append(out)
+    return results[-1]
 
 
 def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc) -> None:
@@ -209,17 +216,26 @@ def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM."""
-    a, b = node.inputs
+    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM.
+
+    With an epilogue (fused elementwise consumers: bias, activation, residual, cast), each result
+    tile is computed from the PSUM accumulator and the epilogue's other inputs on its way out."""
+    a, b, *extra = node.inputs
     (batch, m, n), k = node.shape, node.attrs["k"]
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
     (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
-        view or (0, dense_strides(shape)) for view, shape in zip(node.attrs.get("views") or (None, None),
-                                                                  ((batch, m, k), (batch, k, n))))
+        view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
+    extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
+    body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
+    slots, temp_count = _assign_slots(body)
     t = em.target
     tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
     stationary = em.sbuf_pool(a.dtype, tm, bufs=3)
     moving = em.sbuf_pool(b.dtype, tn, bufs=3)
     result = em.sbuf_pool(node.dtype, tn, bufs=2)
+    extra_pools = [em.sbuf_pool(x.dtype, tn, bufs=2) for x in extra]
+    temps = [em.sbuf_pool(DType.F32, tn * 2, bufs=2) for _ in range(temp_count)]  # room for 8-byte dtypes
+    constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
     psum = em.psum_pool()
     ai, bi, ci = a.dtype.itemsize, b.dtype.itemsize, node.dtype.itemsize
     for g in range(batch):
@@ -237,8 +253,13 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
                     em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
                     em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
-                out = result.next().ap(mt, nt)
-                em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, acc)
+                loaded = {0: acc}
+                for j, (x, pool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+                    loaded[j] = pool.next().ap(mt, nt)
+                    at = offset + g * sb + m0 * sm + n0 * sn
+                    em.dma(loaded[j], hbm(x.dtype, plan.offset(x) + at * x.dtype.itemsize, ((sm, mt), (sn, nt))))
+                out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], result.next(), (mt, nt),
+                                 constants, node.loc)
                 em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
 
 

@@ -12,6 +12,7 @@ the kernel's tiles fit SBUF, which the limits below guarantee.
 from __future__ import annotations
 
 from neuronc import ir
+from neuronc.isa import DType
 from neuronc.ir import Op, Step
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 
@@ -118,5 +119,67 @@ def fuse_matmul_operands(graph: ir.Graph) -> ir.Graph:
             return None
         return ir.node(Op.MATMUL, [x for x, _ in operands], node.shape, node.dtype, node.loc, k=node.attrs["k"],
                        views=tuple(view for _, view in operands))
+
+    return graph.rewrite(fold)
+
+
+def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
+    """An elementwise group reading a matmul's result (its only reader) becomes the matmul's
+    epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM."""
+    consumers: dict = {}
+    for n in graph.nodes():
+        for i in n.inputs:
+            consumers.setdefault(i, set()).add(n)
+    outputs = set(graph.outputs)
+
+    def product(node, position):
+        """The MATMUL whose value input `position` of `node` is, if `node` is its only reader."""
+        x = node.inputs[position]
+        m = x.inputs[0] if x.op is Op.RESHAPE else x
+        chain = [x, m] if x is not m else [m]
+        readers_ok = all(consumers.get(c) == {node if c is x else x} for c in chain)
+        views = node.attrs.get("views") or (None,) * len(node.inputs)
+        if (m.op is Op.MATMUL and "epilogue" not in m.attrs and readers_ok
+                and not any(c in outputs for c in chain) and views[position] is None):
+            return m
+        return None
+
+    def fold(node, inputs):
+        if node.op not in ir.ELEMENTWISE | {Op.FUSED}:
+            return None
+        position = next((p for p in range(len(node.inputs)) if product(node, p) is not None), None)
+        if position is None:
+            return None
+        matmul = inputs[position].inputs[0] if inputs[position].op is Op.RESHAPE else inputs[position]
+        views = node.attrs.get("views") or (None,) * len(node.inputs)
+        body = ir.body_of(node)
+        read = {a[1] for step in body for a in step.args if a[0] == "input"}
+        extra, extra_views, index = [], [], {}
+        for j, (x, view) in enumerate(zip(inputs, views)):
+            if j == position or j not in read:
+                continue
+            offset, strides = view or (0, dense_strides(node.shape))
+            strides = reshaped_strides(node.shape, strides, matmul.shape)
+            if strides is None:
+                return None  # this input cannot be read in the matmul's [B, M, N] coordinates
+            index[j] = 1 + len(extra)
+            extra.append(x)
+            extra_views.append((offset, strides))
+        steps = []
+        if matmul.dtype != DType.F32:  # the product is rounded to its dtype before its readers see it
+            steps.append(Step(Op.CONVERT, (("input", 0),), matmul.dtype, {}))
+        base = len(steps)
+        result = ("step", 0) if steps else ("input", 0)
+        for step in body:
+            args = tuple(
+                (result if a[1] == position else ("input", index[a[1]])) if a[0] == "input"
+                else ("step", base + a[1]) if a[0] == "step" else a
+                for a in step.args
+            )
+            steps.append(step._replace(args=args))
+        fused = ir.node(Op.MATMUL, [*matmul.inputs[:2], *extra], matmul.shape, node.dtype, matmul.loc,
+                        k=matmul.attrs["k"], views=tuple((matmul.attrs.get("views") or (None, None))[:2]) + tuple(extra_views),
+                        epilogue=tuple(steps))
+        return fused if fused.shape == node.shape else ir.node(Op.RESHAPE, [fused], node.shape, node.dtype, node.loc)
 
     return graph.rewrite(fold)

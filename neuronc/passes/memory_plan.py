@@ -45,7 +45,10 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     # (legalize guarantees that each output's root is its own, not a parameter or constant.)
     output_index = {}
     for i, o in enumerate(graph.outputs):
-        output_index[o.inputs[0] if o.op is Op.RESHAPE else o] = (i, o)
+        root = o
+        while root.op is Op.RESHAPE:
+            root = root.inputs[0]
+        output_index[root] = (i, o)
     tensors, placement, cursor = [], {}, 0
     input_count = 0
     for n in nodes:

@@ -1,7 +1,7 @@
 """The pass pipeline of each optimisation level, readable top to bottom.
 
--O0/-O1 keep one kernel per op (the baseline); -O2/-O3 fuse elementwise groups and read matmul
-operands through their views. Layout, tiling
+-O0/-O1 keep one kernel per op (the baseline); -O2/-O3 fuse elementwise groups, read matmul
+operands through their views, and compute elementwise consumers of a matmul as its epilogue. Layout, tiling
 search and scheduling passes join them as they are written. Every level must give the same numbers as eager PyTorch.
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 from neuronc import ir
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.canonicalize import demote_f64, fold_constants, simplify
-from neuronc.passes.fusion import fuse_elementwise, fuse_matmul_operands
+from neuronc.passes.fusion import fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands
 from neuronc.passes.legalize import legalize
 
 BASELINE = [demote_f64, fold_constants, simplify, fold_constants, legalize, simplify]
-OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise]
+OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues, simplify]
 
 PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
 
