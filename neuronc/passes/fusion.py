@@ -125,7 +125,16 @@ def fuse_matmul_operands(graph: ir.Graph) -> ir.Graph:
 
 def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
     """An elementwise group reading a matmul's result (its only reader) becomes the matmul's
-    epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM."""
+    epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM.
+    Repeated until nothing changes, so chains of groups (bias add, then GELU) all join."""
+    while True:
+        fused = _fold_epilogues_once(graph)
+        if len(fused.nodes()) == len(graph.nodes()):
+            return fused
+        graph = fused
+
+
+def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
     consumers: dict = {}
     for n in graph.nodes():
         for i in n.inputs:
@@ -134,12 +143,13 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
 
     def product(node, position):
         """The MATMUL whose value input `position` of `node` is, if `node` is its only reader."""
-        x = node.inputs[position]
-        m = x.inputs[0] if x.op is Op.RESHAPE else x
-        chain = [x, m] if x is not m else [m]
-        readers_ok = all(consumers.get(c) == {node if c is x else x} for c in chain)
+        chain = [node.inputs[position]]  # the input, the reshapes under it, and what they reshape
+        while chain[-1].op is Op.RESHAPE:
+            chain.append(chain[-1].inputs[0])
+        m = chain[-1]
+        readers_ok = all(consumers.get(c) == {reader} for c, reader in zip(chain, [node] + chain))
         views = node.attrs.get("views") or (None,) * len(node.inputs)
-        if (m.op is Op.MATMUL and "epilogue" not in m.attrs and readers_ok
+        if (m.op is Op.MATMUL and readers_ok
                 and not any(c in outputs for c in chain) and views[position] is None):
             return m
         return None
@@ -150,11 +160,15 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
         position = next((p for p in range(len(node.inputs)) if product(node, p) is not None), None)
         if position is None:
             return None
-        matmul = inputs[position].inputs[0] if inputs[position].op is Op.RESHAPE else inputs[position]
+        matmul = inputs[position]
+        while matmul.op is Op.RESHAPE:
+            matmul = matmul.inputs[0]
         views = node.attrs.get("views") or (None,) * len(node.inputs)
         body = ir.body_of(node)
         read = {a[1] for step in body for a in step.args if a[0] == "input"}
-        extra, extra_views, index = [], [], {}
+        previous = matmul.attrs.get("epilogue", ())  # an epilogue already there runs first
+        matmul_views = matmul.attrs.get("views") or (None,) * len(matmul.inputs)
+        extra, extra_views, index = list(matmul.inputs[2:]), list(matmul_views[2:]), {}
         for j, (x, view) in enumerate(zip(inputs, views)):
             if j == position or j not in read:
                 continue
@@ -165,11 +179,11 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
             index[j] = 1 + len(extra)
             extra.append(x)
             extra_views.append((offset, strides))
-        steps = []
-        if matmul.dtype != DType.F32:  # the product is rounded to its dtype before its readers see it
+        steps = list(previous)
+        if not steps and matmul.dtype != DType.F32:  # the product is rounded to its dtype before its readers see it
             steps.append(Step(Op.CONVERT, (("input", 0),), matmul.dtype, {}))
         base = len(steps)
-        result = ("step", 0) if steps else ("input", 0)
+        result = ("step", base - 1) if steps else ("input", 0)
         for step in body:
             args = tuple(
                 (result if a[1] == position else ("input", index[a[1]])) if a[0] == "input"
@@ -177,9 +191,10 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
                 for a in step.args
             )
             steps.append(step._replace(args=args))
+        if len(steps) > MAX_STEPS or len(extra) > MAX_INPUTS:
+            return None
         fused = ir.node(Op.MATMUL, [*matmul.inputs[:2], *extra], matmul.shape, node.dtype, matmul.loc,
-                        k=matmul.attrs["k"], views=tuple((matmul.attrs.get("views") or (None, None))[:2]) + tuple(extra_views),
-                        epilogue=tuple(steps))
+                        k=matmul.attrs["k"], views=tuple(matmul_views[:2]) + tuple(extra_views), epilogue=tuple(steps))
         return fused if fused.shape == node.shape else ir.node(Op.RESHAPE, [fused], node.shape, node.dtype, node.loc)
 
     return graph.rewrite(fold)
