@@ -31,6 +31,10 @@ Instruction semantics (``dst`` is always ``operands[0]``)
 ``SELECT(dst, pred, on_true, on_false)``   dst = where(pred != 0, on_true, on_false)
 ``MEMSET(dst)``                            dst = imm0
 ``IOTA(dst)``                              dst[p, i...] = imm0 + p * imm1 + (row-major free index)
+``DMA_GATHER(dst, table, indices)``        dst[p, ...] = table[indices[p, 0], ...]  (an indirect DMA)
+                                           table is an HBM pattern whose dims[0] = (row stride, rows)
+                                           bounds the rows; indices is an integer [p, 1] SBUF tile;
+                                           an index outside [0, rows) is an error, not a wrap.
 
 Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their own type) and
 rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
@@ -129,6 +133,7 @@ class Opcode(enum.IntEnum):
     SELECT = 7
     MEMSET = 8
     IOTA = 9
+    DMA_GATHER = 10
 
 
 # Operand count of each opcode (dst included).
@@ -143,6 +148,7 @@ ARITY = {
     Opcode.SELECT: 4,
     Opcode.MEMSET: 1,
     Opcode.IOTA: 1,
+    Opcode.DMA_GATHER: 3,
 }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from neuronc.isa import DType, Engine, Instruction
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: Opcode.DMA_GATHER
 
 
 class TensorKind(enum.IntEnum):

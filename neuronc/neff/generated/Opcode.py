@@ -13,3 +13,4 @@ class Opcode(object):
     SELECT = 7
     MEMSET = 8
     IOTA = 9
+    DMA_GATHER = 10
