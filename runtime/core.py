@@ -1,57 +1,81 @@
 """The emulated NeuronCore: loads a NEFF into its memories and runs the instruction streams.
 
-Loading lays out the program's HBM (weights and constants at their offsets), checks every
-instruction against the ISA and the target's rules and binds it to numpy views of the memories,
-so a bad program is refused before it runs and running costs little Python per instruction.
-
 Running is a discrete-event simulation. Each stream (an engine, or one DMA queue) executes its list
 in order; an instruction starts at the later of its stream's clock and the time every semaphore it
 waits on reached its count (a stream's semaphore counts its completed instructions), and lasts
 :func:`~neuronc.instruction_cost.instruction_cost_ns`. Events are processed in simulated-time order
 (ties: completions first, then by stream): an instruction reads its operands when it starts and
 writes its destination when it completes. So a consumer that does not wait for its producer reads
-what the memory held before the producer finished (NaN for fresh on-chip memory), never silently
-the right data.
+what the memory held before the producer finished, never silently the right data.
+
+None of that depends on data: durations come from the program and the target, so the order of every
+start and completion (the schedule) is fixed by the program. Loading therefore does all the work
+that does not need data, once:
+
+* checks every instruction against the ISA and the target, and accounts the program's HBM on the
+  core (:class:`~runtime.memory.HbmAllocator`);
+* simulates the schedule, giving the :class:`Timeline` of every run (``LoadedProgram.time()``
+  returns it without running anything) and refusing programs that deadlock;
+* replays the schedule with who last wrote each byte, and refuses a program in which an instruction
+  reads a byte nothing wrote (a tile read before it is loaded) or races with another: the two touch
+  the same byte, one writing, and no chain of semaphore waits orders them, so the program is right,
+  if at all, only by the timing (a consumer that forgot to wait for its producer, say). Exact to the
+  byte and independent of durations (``LoadedProgram._check_accesses``); off with
+  ``NeuronCore(target, check_uninitialised=False)``;
+* turns the schedule into one flat list of numpy calls on views of the memories
+  (:func:`runtime.semantics.kernel`; done on the first run, with the program's HBM and weights).
+  An instruction that nothing else writes under while it runs computes and writes at its
+  completion in one go; the others (only racy programs have them) read into a buffer at their
+  start and write it at their completion, exactly as the simulation says.
+
+Running is then: copy the inputs in, make the calls in order, copy the outputs out.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import heapq
+import operator
 import os
-from typing import Callable, NamedTuple
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 
 from neuronc.errors import InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import instruction_cost_ns
-from neuronc.isa import AccessPattern, Engine, Instruction, Space
+from neuronc.isa import AccessPattern, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.targets import Target, get_target
-from runtime.memory import UNINITIALISED, Memory, allocate_hbm, allocate_on_chip
-from runtime.semantics import SEMANTICS, check
+from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
+                            check_bounds, extent, granule, overlaps)
+from runtime.semantics import SEMANTICS, Scratch, check, kernel
 from runtime.timeline import Event, Timeline
 
 
 @dataclasses.dataclass
 class RunResult:
-    outputs: list  # of np.ndarray, in the program's output order
+    outputs: list  # of np.ndarray, in the program's output order (empty when run without numerics)
     timeline: Timeline
 
 
-_COMPLETE, _START = 0, 1  # phases of an instruction in the event agenda
+_COMPLETE, _START = 0, 1  # phases of an instruction in the schedule; at equal times completions go first
 
 
-class _Step(NamedTuple):
-    """One instruction, ready to run: bound to its operands' views and priced."""
+class _Instr(NamedTuple):
+    """One instruction with what the schedule needs to know of it, computed once at load."""
 
-    compute: Callable[[], object]  # the destination's new value, from the operands as they are now
-    dst: np.ndarray  # view of the destination
+    instr: Instruction
+    stream: int  # stream number
+    index: int  # position in its stream
     duration_ns: float
     waits: tuple  # ((stream number, count), ...)
-    instr: Instruction
-    index: int
+    reads: tuple  # positions of the operands it reads
     hbm_bytes: int
+
+    @property
+    def key(self) -> tuple:
+        return self.stream, self.index
 
 
 def _as_neff(neff_or_path) -> Neff:
@@ -72,80 +96,303 @@ def _operand_text(ap: AccessPattern) -> str:
     return f"{ap.space.name} {ap.dtype.name}{list(ap.shape)}{where}"
 
 
-class NeuronCore:
-    """One emulated NeuronCore of ``target`` (a name or a :class:`Target`) with its SBUF and PSUM."""
+def _reads(instr: Instruction) -> tuple:
+    """Positions of the operands an instruction reads: its sources, and its destination when a matmul
+    accumulates into it."""
+    first = 0 if instr.opcode == Opcode.MATMUL and instr.accumulate else 1
+    return tuple(range(first, len(instr.operands)))
 
-    def __init__(self, target: str | Target = "trn2"):
+
+def _region(ap: AccessPattern) -> tuple:
+    return ap.space, extent(ap)
+
+
+def _distinct(ids: np.ndarray) -> list:
+    """The distinct values of ``ids``, fastest when there are few: one writer is the common case."""
+    found, lo, hi = [], ids.min(), ids.max()
+    while hi > lo:
+        found.append(int(hi))
+        ids = ids[ids < hi]
+        hi = ids.max()
+    return found + [int(lo)]
+
+
+class _Plan(NamedTuple):
+    """A loaded program bound to memory: what a run does."""
+
+    calls: list  # numpy calls to make in order
+    owners: list  # the _Instr each call belongs to
+    inputs: list  # views of the input tensors in HBM
+    outputs: list  # views of the output tensors in HBM
+    resets: list  # memory to fill with NaN before each run
+
+
+class NeuronCore:
+    """One emulated NeuronCore of ``target`` (a name or a :class:`Target`): its HBM, SBUF and PSUM.
+
+    Loading a program checks that no instruction reads memory nothing wrote and that no two instructions
+    race (see ``LoadedProgram._check_accesses``). ``check_uninitialised=False`` skips that: programs load
+    faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
+    in the outputs, and races run as the timing has them."""
+
+    def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True):
         self.target = target if isinstance(target, Target) else get_target(target)
+        self.check_uninitialised = check_uninitialised
+        self.hbm = HbmAllocator(self.target)
         self.sbuf, self.psum = allocate_on_chip(self.target)
 
     def load(self, neff) -> "LoadedProgram":
         """Load a :class:`Neff` (or the path of a NEFF file) into this core."""
         return LoadedProgram(self, _as_neff(neff))
 
+    def unload(self, program: "LoadedProgram") -> None:
+        """Free ``program``'s HBM (same as ``program.unload()``)."""
+        if program.core is not self:
+            raise NeuronRuntimeError(f"program {program.neff.name!r} is not loaded on this NeuronCore")
+        program.unload()
+
+    def memory_allocated(self) -> int:
+        """Bytes of this core's HBM held by loaded programs."""
+        return self.hbm.in_use
+
+    def max_memory_allocated(self) -> int:
+        """The most bytes of HBM held at once since the core was made."""
+        return self.hbm.peak
+
 
 class LoadedProgram:
-    """A NEFF laid out in its own HBM on a core, every instruction checked and bound; run it many times."""
+    """A NEFF loaded on a core: checked, scheduled and its HBM accounted; run it many times.
+
+    Its HBM bytes, weights and bound kernels are made on the first ``run`` (``time`` needs none)."""
 
     def __init__(self, core: NeuronCore, neff: Neff):
         self.core, self.neff = core, neff
-        hbm = allocate_hbm(neff, core.target)
-        self.memory = Memory(hbm, core.sbuf, core.psum)
-        for t in neff.tensors:
-            if t.offset < 0 or t.offset + t.nbytes > neff.hbm_size:
-                raise NeuronRuntimeError(
-                    f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
-                    f"outside the program's {neff.hbm_size} bytes"
-                )
-        self._place_data(hbm)
-        self._inputs = [self._tensor_view(hbm, t) for t in neff.inputs()]
-        self._outputs = [self._tensor_view(hbm, t) for t in neff.outputs()]
-        self._volatile = [hbm[t.offset:t.offset + t.nbytes] for t in neff.tensors
-                          if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        self._shapes = {Space.HBM: (neff.hbm_size,), Space.SBUF: core.sbuf.shape, Space.PSUM: core.psum.shape}
+        self._check_tensors()
+        self._input_entries = neff.inputs()
+        self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff))  # frees also when dropped
+        try:
+            self._load()
+        except BaseException:
+            self._free()
+            raise
 
+    def _load(self) -> None:
+        neff = self.neff
         waited = {(w[0], w[1]) for stream in neff.streams.values() for instr in stream for w in instr.waits}
         self.streams = sorted(set(neff.streams) | waited)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
-        self._steps = [
+        self._instrs = [
             [self._prepare(key, index, instr, number) for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
+        self._order, self._events = self._schedule()
+        self._hbm_bytes = sum(i.hbm_bytes for stream in self._instrs for i in stream)
+        if self.core.check_uninitialised:
+            self._check_accesses()
 
     # -- loading ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _tensor_view(hbm: np.ndarray, t) -> np.ndarray:
-        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=hbm, offset=t.offset)
-
-    def _place_data(self, hbm: np.ndarray) -> None:
+    def _check_tensors(self) -> None:
         for t in self.neff.tensors:
-            if t.kind not in (TensorKind.WEIGHT, TensorKind.CONSTANT):
-                continue
-            if t.data is None or t.data.shape != tuple(t.shape) or t.data.dtype != t.dtype.numpy:
+            if t.offset < 0 or t.offset + t.nbytes > self.neff.hbm_size:
+                raise NeuronRuntimeError(
+                    f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
+                    f"outside the program's {self.neff.hbm_size} bytes"
+                )
+            if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT) and (
+                    t.data is None or t.data.shape != tuple(t.shape) or t.data.dtype != t.dtype.numpy):
                 got = "no data" if t.data is None else f"{t.data.dtype}{list(t.data.shape)}"
                 raise NeuronRuntimeError(
                     f"{t.kind.name.lower()} {t.name!r} should hold {t.dtype.name}{list(t.shape)}, has {got}"
                 )
-            self._tensor_view(hbm, t)[...] = t.data
 
-    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict) -> _Step:
+    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict) -> _Instr:
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
             check(instr, self.core.target)
-            views = [self.memory.view(ap) for ap in instr.operands]
+            for ap in instr.operands:
+                check_bounds(ap, self._shapes[ap.space])
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         hbm_operands = sum(ap.space == Space.HBM for ap in instr.operands)  # only DMA reaches HBM
-        return _Step(
-            compute=functools.partial(SEMANTICS[instr.opcode], instr, *views),
-            dst=views[0],
-            duration_ns=instruction_cost_ns(instr, self.core.target),
-            waits=tuple((number[(w[0], w[1])], w[2]) for w in instr.waits),
-            instr=instr,
-            index=index,
-            hbm_bytes=hbm_operands * instr.dst.num_elements * instr.dst.dtype.itemsize,
-        )
+        return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
+                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
+                      hbm_operands * instr.dst.num_elements * instr.dst.dtype.itemsize)
+
+    def _schedule(self) -> tuple:
+        """The simulation without data: (every start and completion as (phase, stream, index) in the
+        order they happen, the events of the timeline in order of completion)."""
+        instrs = self._instrs
+        done = [0] * len(instrs)  # instructions completed per stream: its semaphore
+        ends = [[] for _ in instrs]  # completion time of each completed instruction per stream
+        started = [0.0] * len(instrs)  # start time of each stream's running instruction
+        blocked_on = [[] for _ in instrs]  # streams whose next instruction waits for this stream
+        agenda = []  # heap of (time, phase, stream number)
+        order, events = [], []
+
+        def schedule(s: int) -> None:
+            if done[s] == len(instrs[s]):
+                return
+            start = ends[s][-1] if ends[s] else 0.0
+            for t, count in instrs[s][done[s]].waits:
+                if done[t] < count:
+                    blocked_on[t].append(s)
+                    return
+                if count > 0:
+                    start = max(start, ends[t][count - 1])
+            heapq.heappush(agenda, (start, _START, s))
+
+        for s in range(len(instrs)):
+            schedule(s)
+        while agenda:
+            time, phase, s = heapq.heappop(agenda)
+            i = instrs[s][done[s]]
+            order.append((phase, s, done[s]))
+            if phase == _START:
+                started[s] = time
+                heapq.heappush(agenda, (time + i.duration_ns, _COMPLETE, s))
+                continue
+            ends[s].append(time)
+            done[s] += 1
+            events.append(Event(self.streams[s], i.index, i.instr.opcode, started[s], time, i.instr.kernel,
+                                i.instr.debug))
+            schedule(s)
+            if blocked_on[s]:
+                waiters, blocked_on[s] = blocked_on[s], []
+                for w in waiters:
+                    schedule(w)
+
+        if any(done[s] < len(instrs[s]) for s in range(len(instrs))):
+            raise self._deadlock(done)
+        return order, events
+
+    def _check_accesses(self) -> None:
+        """Refuse reads of memory that nothing wrote, and races: exactly (to the byte), whatever the timing.
+
+        Instruction A happens before instruction B when B cannot start before A completed, whatever the
+        durations: A is earlier in B's stream, or B waits for A's stream to count past A, or so on through
+        other instructions. A vector clock per instruction (for each stream, how many of its instructions
+        happen before this one starts) answers that. Replaying the schedule with who last wrote each byte,
+        a program is refused when an instruction
+        * reads a byte nothing wrote before it started (on chip; in HBM, of an output or scratch tensor);
+        * reads a byte whose last writer does not happen before it (read after write);
+        * writes a byte that an instruction not happening before it wrote (write after write), or that an
+          instruction started but not happening before it reads (write after read).
+        A racing program is right, if at all, only by the timing: it is missing a wait."""
+        instrs, n = self._instrs, len(self._instrs)
+        by_id = [None, None] + [i for stream in instrs for i in stream]
+        ids = {i.key: number for number, i in enumerate(by_id) if i}
+        dtype = np.int16 if len(by_id) < 2**15 else np.int32
+        # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
+        # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
+        writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
+        for space, shape in self._shapes.items():
+            aps = [ap for i in by_id[2:] for ap in i.instr.operands if ap.space == space]
+            volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+            bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
+            if space != Space.HBM:
+                shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
+            g = granule(aps, bounds)
+            writers[space], probes[space] = Cells(shape, g, dtype), Cells(shape, g, bool)
+            for t in volatile if space == Space.HBM else ():
+                writers[space].table[t.offset // g:(t.offset + t.nbytes) // g] = 1
+
+        def ordered(w: int, vc: list, host: bool) -> bool:
+            """Whether writer ``w`` happens before the instruction of clock ``vc`` (``host``: id 0 does)."""
+            return w == 0 and host if w < 2 else vc[by_id[w].stream] > by_id[w].index
+
+        clock, started = {}, [0] * n  # key -> vector clock at its start; instructions started per stream
+        for position, (phase, s, k) in enumerate(self._order):
+            i = instrs[s][k]
+            if phase == _START:
+                vc = list(clock[(s, k - 1)]) if k else [0] * n
+                vc[s] = k
+                for t, count in i.waits:
+                    if count > 0:
+                        vc = [max(a, b) for a, b in zip(vc, clock[(t, count - 1)])]
+                        vc[t] = max(vc[t], count)
+                clock[i.key], started[s] = vc, started[s] + 1
+                for operand in i.reads:
+                    ap = i.instr.operands[operand]
+                    who = writers[ap.space].of(ap)
+                    for w in _distinct(who):
+                        if not ordered(w, vc, ap.space == Space.HBM):
+                            raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
+                continue
+            dst, vc = i.instr.dst, clock[i.key]
+            who = writers[dst.space].of(dst)
+            for w in _distinct(who):
+                if w >= 2 and not ordered(w, vc, True):
+                    raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
+                                     f"also written by")
+            box = _region(dst)
+            readers = [(r, operand) for t in range(n) if t != s  # started, not happening before i
+                       for r in instrs[t][vc[t]:started[t]] for operand in r.reads
+                       if overlaps(box, _region(r.instr.operands[operand]))]
+            if readers:
+                mark = probes[dst.space].of(dst)
+                mark[...] = True
+                for r, operand in readers:
+                    ap = r.instr.operands[operand]
+                    shared = probes[ap.space].of(ap)
+                    if shared.any():
+                        place = self._where(ap, probes[ap.space], shared)
+                        raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
+                mark[...] = False
+            who[...] = ids[i.key]
+
+    def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
+                  position: int) -> NeuronRuntimeError:
+        """The error for ``i`` reading, ``where``, bytes nothing wrote or that ``writer`` wrote racing with it."""
+        if writer is None:
+            return self._unwritten(i, operand, cells, where, position)
+        ap = i.instr.operands[operand]
+        return self._race(i, writer, f"operand {operand} reads {self._where(ap, cells, where)}, last written by")
+
+    def _where(self, ap: AccessPattern, cells: Cells, mask: np.ndarray) -> str:
+        """Where the first byte of ``ap`` that ``mask`` (over ``cells.of(ap)``) selects is, in words."""
+        partition, byte = cells.locate(ap, tuple(int(x) for x in np.argwhere(mask)[0]))
+        if ap.space != Space.HBM:
+            return f"{ap.space.name} partition {partition} byte {byte}"
+        owner = [t for t in self.neff.tensors if t.offset <= byte < t.offset + t.nbytes]
+        return f"HBM byte {byte}" + (f" (of {owner[0].kind.name.lower()} {owner[0].name!r})" if owner else "")
+
+    def _times(self, i: _Instr) -> tuple:
+        """(start, end) of ``i`` in the schedule, ns."""
+        return next((e.start_ns, e.end_ns) for e in self._events
+                    if e.stream == self.streams[i.stream] and e.index == i.index)
+
+    def _name(self, i: _Instr) -> str:
+        return f"{i.instr.opcode.name} #{i.index} on {_stream_name(self.streams[i.stream])}"
+
+    def _wait_for(self, i: _Instr) -> str:
+        return f"wait for {_stream_name(self.streams[i.stream])}'s semaphore to reach {i.index + 1}"
+
+    def _unwritten(self, i: _Instr, operand: int, cells: Cells, unwritten: np.ndarray, position: int):
+        """The error for ``i`` reading bytes nothing wrote, naming the instruction that writes them later, if any."""
+        ap = i.instr.operands[operand]
+        problem = (f"operand {operand} reads {self._where(ap, cells, unwritten)}, which nothing wrote before the "
+                   f"instruction started at {self._times(i)[0]:.0f} ns")
+        hint = "a missing semaphore wait or a tile read before it is loaded"
+        partition, byte = cells.locate(ap, tuple(int(x) for x in np.argwhere(unwritten)[0]))
+        probe = Cells(self._shapes[ap.space], cells.granule, bool)
+        for phase, s, k in self._order[position:]:
+            writer = self._instrs[s][k]
+            if phase == _COMPLETE and writer.instr.dst.space == ap.space:
+                probe.of(writer.instr.dst)[...] = True
+                if probe.at(partition, byte):
+                    problem += f"; {self._name(writer)} writes it, completing at {self._times(writer)[1]:.0f} ns"
+                    return self._error(i.instr, i.index, problem, f"{hint}: {self._wait_for(writer)}")
+        return self._error(i.instr, i.index, problem, f"{hint}: no instruction of the program ever writes it")
+
+    def _race(self, i: _Instr, other: _Instr, access: str) -> NeuronRuntimeError:
+        """The error for ``i`` and ``other`` touching the same byte, one writing, when no wait orders them."""
+        start, end = self._times(other)
+        return self._error(
+            i.instr, i.index, f"{access} {self._name(other)} (running {start:.0f}-{end:.0f} ns), and no semaphore "
+            f"wait orders the two: only the timing does (a race)", f"a missing semaphore wait: {self._wait_for(other)}")
 
     def _error(self, instr: Instruction, index: int, problem: str, hint: str = "") -> NeuronRuntimeError:
         what = f"{instr.opcode.name} #{index} on {_stream_name(instr.stream)}"
@@ -155,25 +402,139 @@ class LoadedProgram:
         location = str(self.neff.debug_locs[instr.debug]) if 0 <= instr.debug < len(self.neff.debug_locs) else ""
         return NeuronRuntimeError(f"{what} [{operands}]: {problem}", hint=hint, location=location)
 
+    def _deadlock(self, done: list) -> NeuronRuntimeError:
+        blocked = []
+        for s, stream in enumerate(self._instrs):
+            if done[s] < len(stream):
+                i = stream[done[s]]
+                unmet = "; ".join(
+                    f"waits for {_stream_name(self.streams[t])}'s semaphore to reach {count} "
+                    f"(it completed {done[t]} of its {len(self._instrs[t])} instructions)"
+                    for t, count in i.waits if done[t] < count
+                )
+                blocked.append(str(self._error(i.instr, i.index, unmet)))
+        return NeuronRuntimeError(
+            "deadlock: no stream can make progress\n    " + "\n    ".join(blocked),
+            hint="every wait must name a count its stream reaches without waiting, directly or not, on the waiter",
+        )
+
+    # -- binding to memory (on the first run) -----------------------------------------------------
+
+    @functools.cached_property
+    def memory(self) -> Memory:
+        """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
+        hbm = allocate_hbm(self.neff.hbm_size)
+        for t in self.neff.tensors:
+            if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT):
+                self._tensor_view(hbm, t)[...] = t.data
+        return Memory(hbm, self.core.sbuf, self.core.psum)
+
+    @staticmethod
+    def _tensor_view(hbm: np.ndarray, t) -> np.ndarray:
+        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=hbm, offset=t.offset)
+
+    @functools.cached_property
+    def _plan(self) -> _Plan:
+        """The schedule bound to memory: each instruction's kernel at its completion, in schedule order.
+
+        Computing at completion what the instruction read at its start is the same unless an instruction
+        completing meanwhile wrote memory it reads; such an instruction (only racy programs have them)
+        reads into a buffer at its start and writes that at its completion instead."""
+        deferred, running = set(), {}  # keys of instructions that must read at their start; stream -> reads
+        for phase, s, k in self._order:
+            i = self._instrs[s][k]
+            if phase == _START:
+                running[s] = (i.key, [_region(i.instr.operands[r]) for r in i.reads])
+                continue
+            del running[s]
+            written = _region(i.instr.dst)
+            for key, reads in running.values():
+                if any(overlaps(written, r) for r in reads):
+                    deferred.add(key)
+
+        memory, scratch = self.memory, Scratch()
+        calls, owners, values = [], [], {}
+        for phase, s, k in self._order:
+            i = self._instrs[s][k]
+            if i.key not in deferred:
+                if phase == _START:
+                    continue
+                scratch.next_kernel()
+                steps = kernel(i.instr, *map(memory.view, i.instr.operands), new=scratch)
+            elif phase == _START:
+                values[i.key] = box = [None]
+                steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
+                                           *map(memory.view, i.instr.operands))]
+            else:
+                steps = [functools.partial(_write, memory.view(i.instr.dst), values.pop(i.key))]
+            calls += steps
+            owners += [i] * len(steps)
+        hbm = memory.arrays[Space.HBM]
+        return _Plan(calls, owners, [self._tensor_view(hbm, t) for t in self.neff.inputs()],
+                     [self._tensor_view(hbm, t) for t in self.neff.outputs()],
+                     [] if self.core.check_uninitialised else self._used_memory(hbm))
+
+    def _used_memory(self, hbm: np.ndarray) -> list:
+        """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
+        HBM, and the box of SBUF and PSUM that the program's operands cover."""
+        regions = [hbm[t.offset:t.offset + t.nbytes] for t in self.neff.tensors
+                   if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        for space, memory in ((Space.SBUF, self.core.sbuf), (Space.PSUM, self.core.psum)):
+            boxes = [extent(ap) for stream in self._instrs for i in stream for ap in i.instr.operands
+                     if ap.space == space]
+            if boxes:
+                p0, p1, lo, hi = zip(*boxes)
+                regions.append(memory[min(p0):max(p1), min(lo):max(hi)])
+        return regions
+
     # -- running ----------------------------------------------------------------------------------
 
     def run(self, inputs: list) -> RunResult:
         """Execute the program on ``inputs``; returns copies of the outputs and the timeline."""
-        self._write_inputs(inputs)
-        for region in (*self._volatile, self.core.sbuf, self.core.psum):
+        self._check_loaded()
+        plan = self._plan
+        self._write_inputs(inputs, plan.inputs)
+        for region in plan.resets:
             region.fill(UNINITIALISED)
+        calls = plan.calls
+        remaining = iter(calls)
         with np.errstate(all="ignore"):  # IEEE results (inf, NaN) are the device's answer, not warnings
-            timeline = self._execute()
-        return RunResult([view.copy() for view in self._outputs], timeline)
+            try:
+                for call in remaining:
+                    call()
+            except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
+                i = plan.owners[len(calls) - operator.length_hint(remaining) - 1]  # the call that raised
+                raise self._error(i.instr, i.index, f"failed: {e}") from e
+        return RunResult([view.copy() for view in plan.outputs], self.time())
 
-    def _write_inputs(self, inputs: list) -> None:
-        expected = self.neff.inputs()
+    def time(self) -> Timeline:
+        """The timeline of a run, without running: times depend on the program and the target, not on data."""
+        self._check_loaded()
+        return Timeline(list(self._events), self._hbm_bytes)
+
+    def unload(self) -> None:
+        """Free the program's HBM on its core; the program cannot run any more."""
+        self._free()
+        self.__dict__.pop("memory", None)
+        self.__dict__.pop("_plan", None)
+
+    @property
+    def loaded(self) -> bool:
+        return self._free.alive
+
+    def _check_loaded(self) -> None:
+        if not self.loaded:
+            raise NeuronRuntimeError(f"program {self.neff.name!r} was unloaded from its NeuronCore",
+                                     hint="load the NEFF again to run it")
+
+    def _write_inputs(self, inputs: list, views: list) -> None:
+        expected = self._input_entries
         if len(inputs) != len(expected):
             names = ", ".join(t.name for t in expected)
             raise InputMismatchError(
                 f"program {self.neff.name!r} takes {len(expected)} inputs ({names}), got {len(inputs)}"
             )
-        for i, (t, x, view) in enumerate(zip(expected, inputs, self._inputs)):
+        for i, (t, x, view) in enumerate(zip(expected, inputs, views)):
             x = np.asarray(x)
             if x.shape != tuple(t.shape) or x.dtype != t.dtype.numpy:
                 raise InputMismatchError(
@@ -182,75 +543,24 @@ class LoadedProgram:
                 )
             view[...] = x
 
-    def _execute(self) -> Timeline:
-        steps = self._steps
-        done = [0] * len(steps)  # instructions completed per stream: its semaphore
-        ends = [[] for _ in steps]  # completion time of each completed instruction per stream
-        running = [None] * len(steps)  # (start time, computed value) of each stream's running instruction
-        blocked_on = [[] for _ in steps]  # streams whose next instruction waits for this stream
-        agenda = []  # heap of (time, phase, stream number); at equal times completions go first
-        events, hbm_bytes = [], 0
 
-        def schedule(s: int) -> None:
-            if done[s] == len(steps[s]):
-                return
-            start = ends[s][-1] if ends[s] else 0.0
-            for t, count in steps[s][done[s]].waits:
-                if done[t] < count:
-                    blocked_on[t].append(s)
-                    return
-                if count > 0:
-                    start = max(start, ends[t][count - 1])
-            heapq.heappush(agenda, (start, _START, s))
-
-        for s in range(len(steps)):
-            schedule(s)
-        while agenda:
-            time, phase, s = heapq.heappop(agenda)
-            step = steps[s][done[s]]
-            try:
-                if phase == _START:  # read the operands now ...
-                    running[s] = (time, step.compute())
-                    heapq.heappush(agenda, (time + step.duration_ns, _COMPLETE, s))
-                    continue
-                start, value = running[s]
-                step.dst[...] = value  # ... and write the destination when the instruction completes
-            except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
-                raise self._error(step.instr, step.index, f"failed: {e}") from e
-            running[s] = None
-            ends[s].append(time)
-            done[s] += 1
-            hbm_bytes += step.hbm_bytes
-            instr = step.instr
-            events.append(Event(self.streams[s], step.index, instr.opcode, start, time, instr.kernel, instr.debug))
-            schedule(s)
-            if blocked_on[s]:
-                waiters, blocked_on[s] = blocked_on[s], []
-                for w in waiters:
-                    schedule(w)
-
-        if any(done[s] < len(steps[s]) for s in range(len(steps))):
-            raise self._deadlock(done)
-        return Timeline(events, hbm_bytes)
-
-    def _deadlock(self, done: list) -> NeuronRuntimeError:
-        blocked = []
-        for s, stream in enumerate(self._steps):
-            if done[s] < len(stream):
-                step = stream[done[s]]
-                unmet = "; ".join(
-                    f"waits for {_stream_name(self.streams[t])}'s semaphore to reach {count} "
-                    f"(it completed {done[t]} of its {len(self._steps[t])} instructions)"
-                    for t, count in step.waits if done[t] < count
-                )
-                blocked.append(str(self._error(step.instr, step.index, unmet)))
-        return NeuronRuntimeError(
-            "deadlock: no stream can make progress\n    " + "\n    ".join(blocked),
-            hint="every wait must name a count its stream reaches without waiting, directly or not, on the waiter",
-        )
+def _read(box: list, fn, instr: Instruction, dst: np.ndarray, *srcs: np.ndarray) -> None:
+    """An instruction's start when it must read then: compute its value from the operands as they are now."""
+    box[0] = fn(instr, dst, *srcs)
 
 
-def run_neff(neff_or_path, inputs: list, target: str | Target | None = None) -> RunResult:
-    """Load a NEFF (object or file) on a fresh core of ``target`` (default: the NEFF's) and run it once."""
+def _write(dst: np.ndarray, box: list) -> None:
+    """... and its completion: round the value into the destination."""
+    dst[...] = box[0]
+
+
+def run_neff(neff_or_path, inputs: list | None = None, target: str | Target | None = None, *,
+             numerics: bool = True) -> RunResult:
+    """Load a NEFF (object or file) on a fresh core of ``target`` (default: the NEFF's) and run it once.
+
+    ``numerics=False`` only times it: no inputs needed, no outputs, the same timeline."""
     neff = _as_neff(neff_or_path)
-    return NeuronCore(target or neff.target).load(neff).run(inputs)
+    program = NeuronCore(target or neff.target).load(neff)
+    if not numerics:
+        return RunResult([], program.time())
+    return program.run(inputs if inputs is not None else [])

@@ -1,39 +1,91 @@
-"""The memories of one emulated NeuronCore as raw bytes, and the one place where an access pattern
-becomes a numpy view of them.
+"""The memories of one emulated NeuronCore: the accounting of its HBM, its on-chip SBUF and PSUM as
+raw bytes, and the one place where an access pattern becomes a numpy view of bytes.
 
-HBM is a flat byte array sized by the program; SBUF and PSUM are ``partitions x bytes`` arrays sized
-by the target. Instructions never copy memory to read it: every operand is a strided numpy view
-over these bytes, so a write through one view is seen by every other. Fresh memory is filled with
-0xFF bytes, which read as NaN in f32/bf16/f16 (like the NKI simulator), so a program that reads
-memory it never wrote shows it in its outputs.
+HBM is accounted per core (:class:`HbmAllocator`, the target's ``hbm_bytes``) and each loaded program
+keeps its bytes in its own flat array; SBUF and PSUM are ``partitions x bytes`` arrays sized by the
+target. Instructions never copy memory to read it: every operand is a strided numpy view over these
+bytes, so a write through one view is seen by every other. Fresh memory is filled with 0xFF bytes,
+which read as NaN in f32/bf16/f16 (like the NKI simulator).
 """
 from __future__ import annotations
+
+import itertools
+import math
 
 import numpy as np
 
 from neuronc.errors import DeviceOutOfMemoryError, NeuronRuntimeError
 from neuronc.isa import AccessPattern, Space
-from neuronc.targets import Target
+from neuronc.targets import TARGETS, Target
 
 UNINITIALISED = 0xFF  # byte pattern of memory nobody wrote: NaN for f32, bf16 and f16
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people: bytes below a KiB, else KiB/MiB/GiB with one decimal."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
-def allocate_hbm(neff, target: Target) -> np.ndarray:
-    """The program's HBM, after checking it fits in the target's HBM per NeuronCore."""
-    if neff.hbm_size > target.hbm_bytes:
+def _exact(nbytes: int) -> str:
+    """``nbytes`` exactly, and for people when large."""
+    return f"{nbytes} bytes" if nbytes < 2**10 else f"{nbytes} bytes ({size_text(nbytes)})"
+
+
+class HbmAllocator:
+    """The HBM of one NeuronCore: which loaded program holds how many bytes, out of the target's capacity.
+
+    Programs keep their bytes in numpy arrays of their own; this only accounts for them, so running out
+    is reported the way a device would (and before the host tries to allocate gigabytes)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.capacity = target.hbm_bytes
+        self.allocations: dict = {}  # handle -> (program name, bytes), in order of loading
+        self.in_use = self.peak = 0
+        self._handles = itertools.count()
+
+    def allocate(self, neff) -> int:
+        """Reserve ``neff.hbm_size`` bytes for program ``neff``; returns the handle to free them with."""
+        if neff.hbm_size > self.capacity - self.in_use:
+            raise self._out_of_memory(neff)
+        handle = next(self._handles)
+        self.allocations[handle] = (neff.name, neff.hbm_size)
+        self.in_use += neff.hbm_size
+        self.peak = max(self.peak, self.in_use)
+        return handle
+
+    def free(self, handle: int) -> None:
+        """Give back the bytes of ``handle`` (freeing twice is harmless)."""
+        _, nbytes = self.allocations.pop(handle, (None, 0))
+        self.in_use -= nbytes
+
+    def _out_of_memory(self, neff) -> DeviceOutOfMemoryError:
+        free = self.capacity - self.in_use
+        loaded = ", ".join(f"{name!r} ({size_text(n)})" for name, n in self.allocations.values())
+        in_use = f"{_exact(self.in_use)} in use by {loaded}" if loaded else "none in use"
         largest = sorted(neff.tensors, key=lambda t: t.nbytes, reverse=True)[:5]
-        uses = ", ".join(f"{t.name} ({t.kind.name.lower()}, {_mib(t.nbytes)})" for t in largest)
-        raise DeviceOutOfMemoryError(
-            f"program {neff.name!r} needs {neff.hbm_size} bytes ({_mib(neff.hbm_size)}) of HBM, "
-            f"but a {target.name} NeuronCore has {target.hbm_bytes} bytes ({_mib(target.hbm_bytes)}); "
-            f"largest tensors: {uses}",
-            hint="use a smaller batch or model, cast weights to bf16, or pick a target with more HBM",
+        tensors = ", ".join(f"{t.name} ({t.kind.name.lower()}, {size_text(t.nbytes)})" for t in largest)
+        bigger = sorted((t for t in TARGETS.values() if t.hbm_bytes > self.capacity and t.hbm_bytes >= neff.hbm_size),
+                        key=lambda t: t.hbm_bytes)
+        ways = ["unload programs you no longer need (LoadedProgram.unload())"] if loaded else []
+        if bigger:
+            more = ", ".join(f"{t.name} has {size_text(t.hbm_bytes)}" for t in bigger)
+            ways.append(f"use a target with more HBM per NeuronCore ({more})")
+        ways.append("use a smaller batch (or cast the weights to bf16)")
+        return DeviceOutOfMemoryError(
+            f"program {neff.name!r} needs {_exact(neff.hbm_size)} of HBM, but the {self.target.name} NeuronCore "
+            f"has {_exact(self.capacity)}, {_exact(free)} free ({in_use}); "
+            f"largest tensors of {neff.name!r}: {tensors}",
+            hint="; ".join(ways),
         )
-    return np.full(neff.hbm_size, UNINITIALISED, np.uint8)
+
+
+def allocate_hbm(nbytes: int) -> np.ndarray:
+    """A program's own HBM bytes, all uninitialised."""
+    return np.full(nbytes, UNINITIALISED, np.uint8)
 
 
 def allocate_on_chip(target: Target) -> tuple:
@@ -52,6 +104,109 @@ def free_byte_span(ap: AccessPattern, dims: tuple) -> tuple:
     return ap.offset + lo, ap.offset + hi + ap.dtype.itemsize
 
 
+def extent(ap: AccessPattern) -> tuple:
+    """(first partition, end partition, first byte, end byte): a box that holds every byte ``ap`` addresses
+    (on chip the bytes are per partition; HBM is one partition)."""
+    if ap.space == Space.HBM:
+        return (0, 1) + free_byte_span(ap, ap.dims)
+    return (ap.partition, ap.partition + ap.dims[0][1]) + free_byte_span(ap, ap.dims[1:])
+
+
+def overlaps(a: tuple, b: tuple) -> bool:
+    """Whether two (space, extent) pairs may share a byte (conservative: boxes, not exact strides)."""
+    (space_a, (p0, p1, lo, hi)), (space_b, (q0, q1, lo2, hi2)) = a, b
+    return space_a == space_b and p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi
+
+
+def check_bounds(ap: AccessPattern, memory_shape: tuple) -> None:
+    """Raise unless every byte ``ap`` addresses lies in a memory of ``memory_shape`` (bytes, or partitions x bytes)."""
+    if not ap.dims or any(size < 1 for _, size in ap.dims):
+        raise NeuronRuntimeError(f"{ap.space.name} operand has an empty shape {ap.shape}")
+    if ap.space == Space.HBM:
+        lo, hi = free_byte_span(ap, ap.dims)
+        if lo < 0 or hi > memory_shape[0]:
+            raise NeuronRuntimeError(
+                f"HBM operand addresses bytes [{lo}, {hi}) outside the program's {memory_shape[0]} bytes of HBM"
+            )
+        return
+    partitions, row_bytes = memory_shape
+    (partition_stride, partition_size), free = ap.dims[0], ap.dims[1:]
+    if partition_stride != 1:
+        raise NeuronRuntimeError(
+            f"{ap.space.name} operand has partition stride {partition_stride}; on chip it must be 1"
+        )
+    if ap.partition < 0 or ap.partition + partition_size > partitions:
+        raise NeuronRuntimeError(
+            f"{ap.space.name} operand covers partitions [{ap.partition}, {ap.partition + partition_size}) "
+            f"outside [0, {partitions})"
+        )
+    lo, hi = free_byte_span(ap, free)
+    if lo < 0 or hi > row_bytes:
+        raise NeuronRuntimeError(
+            f"{ap.space.name} operand addresses bytes [{lo}, {hi}) of each partition, outside [0, {row_bytes})"
+        )
+
+
+def view(memory: np.ndarray, ap: AccessPattern) -> np.ndarray:
+    """A writable numpy view of the elements ``ap`` addresses in ``memory`` (checked with ``check_bounds``)."""
+    itemsize = ap.dtype.itemsize
+    if ap.space == Space.HBM:
+        offset, strides = ap.offset, tuple(stride * itemsize for stride, _ in ap.dims)
+    else:
+        row_bytes = memory.strides[0]
+        offset = ap.partition * row_bytes + ap.offset
+        strides = (row_bytes,) + tuple(stride * itemsize for stride, _ in ap.dims[1:])
+    return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=offset, strides=strides)
+
+
+class Cells:
+    """A table with one entry per ``granule`` bytes of a memory of ``shape`` (on chip: per partition), to
+    keep facts about its bytes (who wrote them last) at the finest grain the program's operands use.
+
+    ``granule`` is the largest number of bytes every operand is aligned to (:func:`granule`), so the
+    entries an operand covers form a strided view like the operand itself: ``of(ap)``."""
+
+    def __init__(self, shape: tuple, granule: int, dtype):
+        self.granule = granule
+        self.table = np.zeros(shape[:-1] + (-(-shape[-1] // granule),), dtype)  # untouched pages cost nothing
+
+    def of(self, ap: AccessPattern) -> np.ndarray:
+        """The entries of the bytes ``ap`` addresses: ``ap.shape`` plus a last dim over each element's granules."""
+        g, cell = self.granule, self.table.itemsize
+        dims = ap.dims if ap.space == Space.HBM else ap.dims[1:]
+        strides = tuple(stride * ap.dtype.itemsize // g * cell for stride, _ in dims) + (cell,)
+        offset = ap.offset // g * cell
+        if ap.space != Space.HBM:
+            strides, offset = (self.table.strides[0],) + strides, offset + ap.partition * self.table.strides[0]
+        return np.ndarray(ap.shape + (ap.dtype.itemsize // g,), self.table.dtype, buffer=self.table,
+                          offset=offset, strides=strides)
+
+    def at(self, partition: int, byte: int):
+        """The entry of ``byte`` (of ``partition``, on chip)."""
+        return self.table[byte // self.granule] if self.table.ndim == 1 else self.table[partition, byte // self.granule]
+
+    def locate(self, ap: AccessPattern, index: tuple) -> tuple:
+        """(partition, first byte) of the granule at ``index`` of ``of(ap)`` (partition 0 in HBM)."""
+        dims = ap.dims if ap.space == Space.HBM else ap.dims[1:]
+        free = index if ap.space == Space.HBM else index[1:]
+        byte = ap.offset + sum(i * stride * ap.dtype.itemsize for i, (stride, _) in zip(free, dims))
+        partition = 0 if ap.space == Space.HBM else ap.partition + index[0]
+        return partition, byte + index[-1] * self.granule
+
+
+def granule(aps, boundaries=()) -> int:
+    """The most bytes that every one of ``aps`` (and every offset in ``boundaries``) is aligned to."""
+    g = 0
+    for ap in aps:
+        g = math.gcd(g, ap.dtype.itemsize, ap.offset)
+        for stride, size in ap.dims[0 if ap.space == Space.HBM else 1:]:
+            if size > 1:
+                g = math.gcd(g, stride * ap.dtype.itemsize)
+    for b in boundaries:
+        g = math.gcd(g, b)
+    return g or 1
+
+
 class Memory:
     """The bytes one loaded program sees: its own HBM plus its core's SBUF and PSUM."""
 
@@ -61,35 +216,5 @@ class Memory:
     def view(self, ap: AccessPattern) -> np.ndarray:
         """A writable numpy view of the elements ``ap`` addresses; raises if any byte is outside."""
         memory = self.arrays[ap.space]
-        if not ap.dims or any(size < 1 for _, size in ap.dims):
-            raise NeuronRuntimeError(f"{ap.space.name} operand has an empty shape {ap.shape}")
-        itemsize = ap.dtype.itemsize
-        if ap.space == Space.HBM:
-            lo, hi = free_byte_span(ap, ap.dims)
-            if lo < 0 or hi > memory.size:
-                raise NeuronRuntimeError(
-                    f"HBM operand addresses bytes [{lo}, {hi}) outside the program's {memory.size} bytes of HBM"
-                )
-            strides = tuple(stride * itemsize for stride, _ in ap.dims)
-            return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=ap.offset, strides=strides)
-
-        partitions, row_bytes = memory.shape
-        (partition_stride, partition_size), free = ap.dims[0], ap.dims[1:]
-        if partition_stride != 1:
-            raise NeuronRuntimeError(
-                f"{ap.space.name} operand has partition stride {partition_stride}; on chip it must be 1"
-            )
-        if ap.partition < 0 or ap.partition + partition_size > partitions:
-            raise NeuronRuntimeError(
-                f"{ap.space.name} operand covers partitions [{ap.partition}, {ap.partition + partition_size}) "
-                f"outside [0, {partitions})"
-            )
-        lo, hi = free_byte_span(ap, free)
-        if lo < 0 or hi > row_bytes:
-            raise NeuronRuntimeError(
-                f"{ap.space.name} operand addresses bytes [{lo}, {hi}) of each partition, "
-                f"outside [0, {row_bytes})"
-            )
-        strides = (row_bytes,) + tuple(stride * itemsize for stride, _ in free)
-        offset = ap.partition * row_bytes + ap.offset
-        return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=offset, strides=strides)
+        check_bounds(ap, memory.shape)
+        return view(memory, ap)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from functools import partial
 
 import numpy as np
 
@@ -90,8 +91,21 @@ def _truncating_divide(a, b):
     return q + inexact.astype(q.dtype)
 
 
+class _ByKind:
+    """An ALU op that means one function on integers and another on floats."""
+
+    def __init__(self, on_integers, on_floats):
+        self.on_integers, self.on_floats = on_integers, on_floats
+
+    def __call__(self, a, b):
+        return self.pick(np.result_type(a, b))(a, b)
+
+    def pick(self, dtype: np.dtype):
+        return self.on_floats if dtype.kind == "f" else self.on_integers
+
+
 def _by_kind(on_integers, on_floats):
-    return lambda a, b: (on_floats if np.result_type(a, b).kind == "f" else on_integers)(a, b)
+    return _ByKind(on_integers, on_floats)
 
 
 ALU = {
@@ -174,6 +188,16 @@ def _iota(instr, dst):
     return values.reshape(dst.shape)
 
 
+def _dma_gather(instr, dst, table, indices):
+    rows = table.shape[0]
+    index = indices.reshape(-1)
+    outside = (index < 0) | (index >= rows)
+    if outside.any():
+        p = int(np.argmax(outside))
+        raise IndexError(f"index {index[p]} (partition {p}) is outside the table's {rows} rows")
+    return table[index.astype(np.intp)]
+
+
 SEMANTICS = {
     Opcode.DMA_COPY: _dma_copy,
     Opcode.MATMUL: _matmul,
@@ -185,7 +209,195 @@ SEMANTICS = {
     Opcode.SELECT: _select,
     Opcode.MEMSET: _memset,
     Opcode.IOTA: _iota,
+    Opcode.DMA_GATHER: _dma_gather,
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: one instruction bound to the views of its operands, as a list of calls that read the
+# sources and write the destination. Built once when a program is loaded, called on every run, so
+# the common instructions cost one or two numpy calls each, with no temporaries and no dispatch.
+#
+# A kernel's result is bit for bit ``dst[...] = SEMANTICS[opcode](instr, dst, *srcs)``. So it writes
+# straight into dst only with operations whose result cannot depend on how numpy iterates (its SIMD
+# and scalar loops could differ in the last ulp of exp, say): the correctly rounded float operations
+# below, maximum and minimum (numpy returns the second operand of max(-0.0, 0.0) on every path; the
+# tests hold it to that) and all integer arithmetic. Everything else, reductions included, computes
+# as the semantics above do and assigns.
+
+_EXACT_FLOAT_UFUNCS = frozenset({
+    np.add, np.subtract, np.multiply, np.divide, np.fmod, np.sqrt, np.negative, np.absolute, np.square,
+    np.reciprocal, np.floor, np.ceil, np.rint, np.maximum, np.minimum, np.equal, np.not_equal, np.less,
+    np.less_equal, np.greater, np.greater_equal, np.logical_and, np.logical_or, np.logical_xor,
+})
+
+
+def _store(dst, fn, *args):
+    """The generic step: compute a fresh value, then round it into dst."""
+    dst[...] = fn(*args)
+
+
+def _as(new, dtype: np.dtype, operands: tuple) -> tuple:
+    """(operands converted to ``dtype``, the calls converting them): a scratch array per operand that
+    is not already of ``dtype``, like ``astype`` but allocated once."""
+    converted, calls = [], []
+    for x in operands:
+        if x.dtype != dtype:
+            scratch = new(x.shape, dtype)
+            calls.append(partial(np.copyto, scratch, x, "unsafe"))
+            x = scratch
+        converted.append(x)
+    return tuple(converted), calls
+
+
+def _ufunc_into(new, fn, args: tuple, dst: np.ndarray):
+    """Calls computing ``fn(*args)`` into dst, or None when its result could depend on memory layout."""
+    if not isinstance(fn, np.ufunc):
+        return None
+    loop = fn.resolve_dtypes(tuple(np.asarray(a).dtype for a in args) + (None,) * fn.nout)
+    if any(d.kind == "f" for d in loop[:fn.nin]) and fn not in _EXACT_FLOAT_UFUNCS:
+        return None
+    if loop[-1] == dst.dtype:
+        return [_call_into(fn, args, dst)]
+    out = new(dst.shape, loop[-1])
+    return [_call_into(fn, args, out), partial(np.copyto, dst, out, "unsafe")]
+
+
+def _call_into(fn: np.ufunc, args: tuple, out: np.ndarray):
+    """``fn(*args)`` into ``out``; out passed by position where numpy allows it: a keyword costs 0.4 us a call."""
+    return partial(fn, *args, out=out) if fn in (np.maximum, np.minimum) else partial(fn, *args, out)
+
+
+def _reshaped(a: np.ndarray, shape: tuple):
+    """A view of ``a`` with ``shape`` (row-major order), or None if that needs a copy."""
+    v = a.reshape(shape)
+    return v if np.may_share_memory(v, a) else None
+
+
+def _dma_copy_kernel(instr, new, dst, src):
+    if src.shape == dst.shape:
+        return [partial(np.copyto, dst, src)]
+    src_as_dst = _reshaped(src, dst.shape)
+    if src_as_dst is not None:
+        return [partial(np.copyto, dst, src_as_dst)]
+    dst_as_src = _reshaped(dst, src.shape)
+    return [partial(np.copyto, dst_as_src, src)] if dst_as_src is not None else None
+
+
+def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp32 matmul, no temporaries
+    (stationary, moving), calls = _as(new, np.dtype(F32), (stationary, moving))
+    product = new(dst.shape, F32)  # C order, as numpy lays out a fresh product: the same BLAS call
+    calls.append(partial(np.matmul, stationary.T, moving, product))
+    calls.append(partial(np.add, dst, product, dst) if instr.accumulate else partial(np.copyto, dst, product))
+    return calls
+
+
+def _activate_kernel(instr, new, dst, src):
+    (x,), calls = _as(new, np.dtype(F32), (src,))
+    scaled = new(src.shape, F32)  # C order, as src.astype(F32) * scale + bias would be
+    calls += [partial(np.multiply, x, F32(instr.imm0), scaled), partial(np.add, scaled, F32(instr.imm1), scaled)]
+    func = ACTIVATIONS[instr.func]
+    if instr.func in (ActFunc.NONE, ActFunc.IDENTITY):
+        return calls + [partial(np.copyto, dst, scaled, "unsafe")]
+    return calls + (_ufunc_into(new, func, (scaled,), dst) or [partial(_store, dst, func, scaled)])
+
+
+def _tensor_tensor_kernel(instr, new, dst, a, b):
+    dtype = _compute_dtype(a.dtype, b.dtype)
+    (a, b), calls = _as(new, dtype, (a, b))
+    if instr.alu == AluOp.NONE:
+        return calls + [partial(np.copyto, dst, a, "unsafe")]
+    fn = ALU[instr.alu]
+    fn = fn.pick(dtype) if isinstance(fn, _ByKind) else fn
+    fast = _ufunc_into(new, fn, (a, b), dst)
+    return calls + fast if fast else None
+
+
+def _tensor_scalar_kernel(instr, new, dst, src):
+    dtype = _compute_dtype(src.dtype)
+    (x,), calls = _as(new, dtype, (src,))
+    imm = np.asarray(instr.imm0).astype(dtype)
+    if instr.alu == AluOp.NONE:  # passes its first operand through
+        return [partial(np.copyto, dst, imm, "unsafe")] if instr.reverse else calls + [
+            partial(np.copyto, dst, x, "unsafe")]
+    fn = ALU[instr.alu]
+    fn = fn.pick(dtype) if isinstance(fn, _ByKind) else fn
+    fast = _ufunc_into(new, fn, (imm, x) if instr.reverse else (x, imm), dst)
+    return calls + fast if fast else None
+
+
+def _tensor_reduce_kernel(instr, new, dst, src):
+    dtype = _compute_dtype(src.dtype)
+    (x,), calls = _as(new, dtype, (src,))
+    return calls + [partial(_store, dst, REDUCTIONS[instr.alu].reduce, x, -1, dtype, None, True)]
+
+
+def _select_kernel(instr, new, dst, pred, on_true, on_false):
+    """Copy on_false, then on_true where pred != 0: no arithmetic, so exact whenever the values need no
+    conversion and dst overlaps nothing it is yet to read."""
+    if on_true.dtype != dst.dtype or on_false.dtype != dst.dtype or any(
+            np.shares_memory(dst, x) for x in (pred, on_true)):  # exact: every on-chip view spans the rows
+        return None
+    mask = new(pred.shape, bool)
+    return [partial(np.not_equal, pred, pred.dtype.type(0), mask), partial(np.copyto, dst, on_false),
+            partial(np.copyto, dst, on_true, "no", mask)]
+
+
+def _tensor_copy_kernel(instr, new, dst, src):
+    return [partial(np.copyto, dst, src, "unsafe")]
+
+
+def _iota_kernel(instr, new, dst):
+    return [partial(np.copyto, dst, _iota(instr, dst), "unsafe")]  # the values depend on nothing: made once
+
+
+def _memset_kernel(instr, new, dst):
+    return [partial(dst.__setitem__, Ellipsis, instr.imm0)]
+
+
+_KERNELS = {
+    Opcode.DMA_COPY: _dma_copy_kernel,
+    Opcode.MATMUL: _matmul_kernel,
+    Opcode.ACTIVATE: _activate_kernel,
+    Opcode.TENSOR_TENSOR: _tensor_tensor_kernel,
+    Opcode.TENSOR_SCALAR: _tensor_scalar_kernel,
+    Opcode.TENSOR_REDUCE: _tensor_reduce_kernel,
+    Opcode.TENSOR_COPY: _tensor_copy_kernel,
+    Opcode.SELECT: _select_kernel,
+    Opcode.IOTA: _iota_kernel,
+    Opcode.MEMSET: _memset_kernel,
+}
+
+
+def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new=np.empty) -> list:
+    """``instr`` on these views of its operands, as a list of calls to make in order; each returns nothing.
+
+    ``new(shape, dtype)`` makes the temporary arrays the calls use (see :class:`Scratch`)."""
+    build = _KERNELS.get(instr.opcode)
+    return (build(instr, new, dst, *srcs) if build else None) or [
+        partial(_store, dst, SEMANTICS[instr.opcode], instr, dst, *srcs)]
+
+
+class Scratch:
+    """Temporary arrays shared by the kernels of a program. A kernel's calls are made back to back and
+    leave nothing in their temporaries, so the n-th array of a shape and dtype that one kernel asks for
+    can be the n-th of every other: a program needs a few of each instead of one per instruction."""
+
+    def __init__(self):
+        self.arrays, self.taken = {}, {}
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype))
+        n = self.taken.get(key, 0)
+        self.taken[key] = n + 1
+        arrays = self.arrays.setdefault(key, [])
+        if n == len(arrays):
+            arrays.append(np.empty(shape, dtype))
+        return arrays[n]
+
+    def next_kernel(self) -> None:
+        """The arrays handed out so far are free again."""
+        self.taken.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +409,7 @@ _ELEMENTWISE_ENGINES = frozenset({Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD})
 # Which engines may run each opcode.
 ENGINES = {
     Opcode.DMA_COPY: frozenset({Engine.DMA}),
+    Opcode.DMA_GATHER: frozenset({Engine.DMA}),
     Opcode.MATMUL: frozenset({Engine.TENSOR}),
     Opcode.ACTIVATE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
@@ -269,7 +482,21 @@ def _reduce_shapes(instr: Instruction, target: Target):
         _fail(f"TENSOR_REDUCE destination has shape {dst.shape}, must be {src.shape[:-1] + (1,)}")
 
 
+def _gather_shapes(instr: Instruction, target: Target):
+    dst, table, indices = instr.operands
+    if table.space != Space.HBM or indices.space != Space.SBUF:
+        _fail(f"DMA_GATHER reads its table from HBM ({table.space.name} given) and its indices from SBUF "
+              f"({indices.space.name} given)")
+    if indices.dtype.is_float or indices.shape != (dst.shape[0], 1):
+        _fail(f"DMA_GATHER indices must be an integer [{dst.shape[0]}, 1] tile, got {indices.dtype.name}"
+              f"{list(indices.shape)}")
+    if dst.dtype != table.dtype or dst.shape[1:] != table.shape[1:]:
+        _fail(f"DMA_GATHER destination {dst.dtype.name}{list(dst.shape)} must be rows of the table "
+              f"{table.dtype.name}{list(table.shape)}")
+
+
 SHAPE_RULES = {
+    Opcode.DMA_GATHER: _gather_shapes,
     Opcode.DMA_COPY: _dma_shapes,
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,

@@ -1,7 +1,10 @@
-"""The emulated NeuronCore runs hand-built NEFFs with the ISA's semantics, enforces the hardware's rules,
-orders streams by their semaphores only, and reports a timeline."""
+"""The emulated NeuronCore runs hand-built NEFFs with the ISA's semantics (its fast kernels bit for bit),
+enforces the hardware's rules, orders streams by their semaphores only, refuses reads of memory nothing
+wrote and races, accounts its HBM, and reports a timeline (also without running)."""
 from __future__ import annotations
 
+import dataclasses
+import gc
 import math
 
 import ml_dtypes
@@ -15,6 +18,8 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
 from neuronc.targets import get_target
 from runtime import NeuronCore, run_neff
+from runtime.memory import view
+from runtime.semantics import SEMANTICS, kernel
 
 TRN2 = get_target("trn2")
 RNG = np.random.default_rng(0)
@@ -60,9 +65,9 @@ class Program:
         self.streams.setdefault((engine, queue), []).append(instr)
         return instr
 
-    def neff(self) -> Neff:
+    def neff(self, name="test") -> Neff:
         size = sum(t.nbytes for t in self.tensors)
-        return Neff("test", "trn2", self.tensors, self.streams, size, debug_locs=self.debug_locs)
+        return Neff(name, "trn2", self.tensors, self.streams, size, debug_locs=self.debug_locs)
 
 
 def done(engine, count=1, queue=0):
@@ -214,6 +219,49 @@ def test_program_needing_more_hbm_than_the_target_has_is_refused_naming_its_larg
     p.tensor("embedding", TensorKind.SCRATCH, (TRN2.hbm_bytes // 4 + 1,))
     with pytest.raises(DeviceOutOfMemoryError, match=f"needs {TRN2.hbm_bytes + 4} bytes.*embedding"):
         core.load(p.neff())
+
+
+TINY_HBM = dataclasses.replace(TRN2, name="tiny", hbm_bytes=1000)
+
+
+def _sized_program(name: str, nbytes: int) -> Neff:
+    p = Program()
+    p.tensor(f"{name}_activations", TensorKind.SCRATCH, (nbytes // 4,))
+    return p.neff(name)
+
+
+def test_programs_share_their_cores_hbm_and_one_that_does_not_fit_is_refused_saying_what_holds_it():
+    core = NeuronCore(TINY_HBM)
+    a, b = core.load(_sized_program("a", 400)), core.load(_sized_program("b", 400))
+    assert core.memory_allocated() == 800
+
+    with pytest.raises(DeviceOutOfMemoryError) as err:
+        core.load(_sized_program("c", 400))
+
+    message = str(err.value)
+    for expected in ("program 'c' needs 400 bytes of HBM", "the tiny NeuronCore has 1000 bytes, 200 bytes free",
+                     "in use by 'a' (400 bytes), 'b' (400 bytes)", "largest tensors of 'c': c_activations (scratch",
+                     "hint: unload programs you no longer need",
+                     "use a target with more HBM per NeuronCore (trn2 has 12.0 GiB, ",
+                     "use a smaller batch"):
+        assert expected in message, message
+    assert core.memory_allocated() == 800
+
+
+def test_unloading_or_dropping_a_program_frees_its_hbm():
+    core = NeuronCore(TINY_HBM)
+    a, b = core.load(_sized_program("a", 400)), core.load(_sized_program("b", 400))
+    b.unload()
+    assert core.memory_allocated() == 400 and core.max_memory_allocated() == 800
+    c = core.load(_sized_program("c", 600))
+    assert core.memory_allocated() == 1000 and core.max_memory_allocated() == 1000
+    core.unload(c)
+    del a
+    gc.collect()
+    assert core.memory_allocated() == 0 and core.max_memory_allocated() == 1000
+    with pytest.raises(NeuronRuntimeError, match="program 'b' was unloaded"):
+        b.run([])
+    core.load(_sized_program("d", 1000))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +452,26 @@ def test_memset_and_iota_fill_their_destination():
     np.testing.assert_array_equal(ramp_out, 5 + 10 * np.arange(3)[:, None, None] + np.arange(4).reshape(2, 2))
 
 
+def _gather_program() -> Neff:
+    p = Program()
+    table = p.tensor("table", TensorKind.WEIGHT, (10, 6), data=np.arange(60, dtype=np.float32).reshape(10, 6))
+    index_t, out = p.tensor("index", TensorKind.INPUT, (4, 1), DType.I32), p.tensor("y", TensorKind.OUTPUT, (4, 6))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 1), DType.I32), hbm(index_t))
+    p.emit(Opcode.DMA_GATHER, Engine.DMA, chip((4, 6), offset=64), hbm(table), chip((4, 1), DType.I32))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out), chip((4, 6), offset=64), queue=1, waits=done(Engine.DMA, 2))
+    return p.neff()
+
+
+def test_dma_gather_fetches_the_indexed_rows_and_refuses_an_index_outside_the_table(core):
+    program = core.load(_gather_program())
+    table = np.arange(60, dtype=np.float32).reshape(10, 6)
+    index = np.array([[3], [0], [9], [3]], np.int32)
+    np.testing.assert_array_equal(program.run([index]).outputs[0], table[index[:, 0]])
+    with pytest.raises(NeuronRuntimeError, match=r"DMA_GATHER #1 on DMA queue 0.*index 10 \(partition 2\) is "
+                                                 r"outside the table's 10 rows"):
+        program.run([np.array([[3], [0], [10], [3]], np.int32)])
+
+
 # ---------------------------------------------------------------------------------------------
 # Ordering between streams and the timeline
 
@@ -412,12 +480,13 @@ def _producer_consumer(consumer_waits: bool) -> Neff:
     """DMA queue 0 loads x; the Vector engine, after a short unrelated MEMSET, doubles it (waiting for the load,
     or not: then it starts while the load is in flight); DMA queue 1 stores the result."""
     p = Program()
+    p.debug_locs.append(DebugLoc("model.py", 7, "scale", "aten.mul"))
     x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 256)), p.tensor("y", TensorKind.OUTPUT, (128, 256))
     tile, result = chip((128, 256)), chip((128, 256), offset=4096)
     p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
     p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 1), offset=8192))
     p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, result, tile, alu=AluOp.MULTIPLY, imm0=2.0,
-           waits=done(Engine.DMA) if consumer_waits else ())
+           waits=done(Engine.DMA) if consumer_waits else (), debug=0)
     p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), result, queue=1, waits=done(Engine.VECTOR, 2))
     return p.neff()
 
@@ -427,7 +496,19 @@ def test_consumer_waiting_on_the_producers_semaphore_reads_its_data(core):
     np.testing.assert_array_equal(core.load(_producer_consumer(True)).run([x]).outputs[0], 2 * x)
 
 
-def test_consumer_not_waiting_reads_nan_filled_sbuf_instead_of_the_data(core):
+def test_consumer_not_waiting_for_its_producer_is_refused_as_a_race_naming_both_and_the_source(core):
+    with pytest.raises(NeuronRuntimeError) as err:
+        core.load(_producer_consumer(False))
+    message = str(err.value)
+    assert "TENSOR_SCALAR #1 on VECTOR" in message and "operand 1 reads SBUF partition 0 byte 0" in message
+    assert "DMA_COPY #0 on DMA queue 0 writes it" in message
+    assert "at model.py:7 in scale (aten.mul)" in message
+    assert "hint: a missing semaphore wait or a tile read before it is loaded: " \
+           "wait for DMA queue 0's semaphore to reach 1" in message
+
+
+def test_without_the_check_a_consumer_not_waiting_reads_nan_filled_sbuf_instead_of_the_data():
+    core = NeuronCore("trn2", check_uninitialised=False)
     program = core.load(_producer_consumer(False))
     x = uniform(-1, 1, (128, 256))
     core.load(_producer_consumer(True)).run([x])  # leaves the right values in SBUF: they must not leak through
@@ -438,6 +519,96 @@ def test_consumer_not_waiting_reads_nan_filled_sbuf_instead_of_the_data(core):
     events = {(e.stream, e.index): e for e in result.timeline.events}
     load, consume = events[(Engine.DMA, 0), 0], events[(Engine.VECTOR, 0), 1]
     assert load.start_ns < consume.start_ns < load.end_ns
+
+
+def test_dropping_any_needed_wait_is_refused_even_when_the_timing_hides_it():
+    """Each wait of a two-tile pipeline removed in turn is refused at load as a race. Without the check,
+    the timing alone would hide one of them: the second load happens to finish before its consumer starts."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 512)), p.tensor("y", TensorKind.OUTPUT, (128, 512))
+    for t in range(2):
+        tile, result = chip((128, 256), offset=t * 1024), chip((128, 256), offset=4096 + t * 1024)
+        half = AccessPattern(Space.HBM, DType.F32, x_t.offset + t * 1024, ((512, 128), (1, 256)))
+        out = AccessPattern(Space.HBM, DType.F32, y_t.offset + t * 1024, ((512, 128), (1, 256)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, tile, half, queue=t)
+        p.emit(Opcode.ACTIVATE, Engine.SCALAR, result, tile, func=ActFunc.EXP, imm0=1.0,
+               waits=(Wait(Engine.DMA, t, 1),))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, out, result, queue=2 + t, waits=done(Engine.SCALAR, t + 1))
+    x = uniform(-1, 1, (128, 512))
+    np.testing.assert_allclose(NeuronCore("trn2").load(p.neff()).run([x]).outputs[0], np.exp(x), rtol=1e-6)
+    waiting = [(key, n) for key, stream in p.streams.items() for n, instr in enumerate(stream) if instr.waits]
+    assert len(waiting) == 4
+    right_by_timing = 0
+    for key, n in waiting:
+        streams = {k: list(v) for k, v in p.streams.items()}
+        streams[key][n] = dataclasses.replace(streams[key][n], waits=())
+        neff = dataclasses.replace(p.neff(), streams=streams)
+        with pytest.raises(NeuronRuntimeError, match="(a race|nothing wrote before).*\n.*hint: a missing semaphore "
+                                                     "wait.*: wait for"):
+            NeuronCore("trn2").load(neff)
+        unchecked = NeuronCore("trn2", check_uninitialised=False).load(neff).run([x]).outputs[0]
+        right_by_timing += np.allclose(unchecked, np.exp(x), rtol=1e-6)
+    assert right_by_timing == 1
+
+
+def test_an_instruction_reads_its_operands_when_it_starts_not_seeing_a_write_completing_meanwhile(core):
+    """A long Vector op reads a tile that a short DMA overwrites while the op runs: a write-after-read race,
+    refused by the check; without it, the op computes from what the tile held when it started."""
+    p = Program()
+    x_t, z_t = p.tensor("x", TensorKind.INPUT, (128, 4096)), p.tensor("z", TensorKind.INPUT, (1, 4))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (128, 4096))
+    tile, result = chip((128, 4096)), chip((128, 4096), offset=4096 * 4)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, result, tile, alu=AluOp.MULTIPLY, imm0=2.0, waits=done(Engine.DMA))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((1, 4)), hbm(z_t), queue=1, waits=done(Engine.DMA))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), result, queue=2, waits=done(Engine.VECTOR))
+    x, z = uniform(-1, 1, (128, 4096)), np.full((1, 4), 100.0, np.float32)
+    with pytest.raises(NeuronRuntimeError, match=r"DMA_COPY #0 on DMA queue 1.*writes SBUF partition 0 byte 0, "
+                                                 r"read \(operand 1\) by TENSOR_SCALAR #0 on VECTOR.*a race"):
+        core.load(p.neff())
+
+    result = NeuronCore("trn2", check_uninitialised=False).load(p.neff()).run([x, z])
+
+    events = {(e.stream, e.index): e for e in result.timeline.events}
+    op, overwrite = events[(Engine.VECTOR, 0), 0], events[(Engine.DMA, 1), 0]
+    assert op.start_ns < overwrite.end_ns < op.end_ns
+    np.testing.assert_array_equal(result.outputs[0], 2 * x)
+
+
+def test_a_tile_read_before_anything_writes_it_is_refused(core):
+    p = Program()
+    y_t = p.tensor("y", TensorKind.OUTPUT, (4, 8))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((4, 4)), imm0=1.0)  # half the tile
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((4, 8)), waits=done(Engine.VECTOR))
+    with pytest.raises(NeuronRuntimeError, match=r"DMA_COPY #0 on DMA queue 0.*operand 1 reads SBUF partition 0 "
+                                                 r"byte 16.*\n.*no instruction of the program ever writes it"):
+        core.load(p.neff())
+
+
+def test_reading_scratch_hbm_before_it_is_written_is_refused(core):
+    p = Program()
+    scratch, y_t = p.tensor("h", TensorKind.SCRATCH, (4, 8)), p.tensor("y", TensorKind.OUTPUT, (4, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), hbm(scratch))
+    with pytest.raises(NeuronRuntimeError, match=f"reads HBM byte {scratch.offset} \\(of scratch 'h'\\)"):
+        core.load(p.neff())
+
+
+def test_accumulating_matmul_reads_the_psum_its_group_wrote_and_is_not_refused(core):
+    p = Program()
+    acc, moving = chip((64, 128), space=Space.PSUM), chip((128, 128), offset=1024)
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, chip((128, 64)), imm0=1.0)
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, moving, imm0=0.5)
+    p.emit(Opcode.MATMUL, Engine.TENSOR, acc, chip((128, 64)), moving, waits=done(Engine.GPSIMD, 2))
+    p.emit(Opcode.MATMUL, Engine.TENSOR, acc, chip((128, 64)), moving, accumulate=True)
+    p.emit(Opcode.TENSOR_COPY, Engine.VECTOR, chip((64, 128), offset=2048), acc, waits=done(Engine.TENSOR, 2))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (64, 128))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 128), offset=2048), waits=done(Engine.VECTOR))
+    np.testing.assert_array_equal(core.load(p.neff()).run([]).outputs[0], np.full((64, 128), 128.0))
+    first, second = p.streams[(Engine.TENSOR, 0)]
+    no_start = dataclasses.replace(p.neff(), streams={  # the group's first matmul accumulates into unwritten PSUM
+        **p.streams, (Engine.TENSOR, 0): [dataclasses.replace(first, accumulate=True), second]})
+    with pytest.raises(NeuronRuntimeError, match="MATMUL #0 on TENSOR.*operand 0 reads PSUM partition 0 byte 0"):
+        core.load(no_start)
 
 
 def test_wait_that_can_never_be_met_is_reported_as_deadlock(core):
@@ -478,7 +649,7 @@ def test_timeline_durations_follow_the_cost_rules():
     for dtype, offset in ((DType.BF16, 0), (DType.F32, 8192)):
         p.emit(Opcode.MATMUL, Engine.TENSOR, chip((128, 512), space=Space.PSUM, offset=offset // 4),
                chip((128, 128), dtype), chip((128, 512), dtype, offset=1024))
-    events = NeuronCore("trn2").load(p.neff()).run([]).timeline.events
+    events = NeuronCore("trn2", check_uninitialised=False).load(p.neff()).time().events  # SBUF never written
     bf16, fp32 = events
     assert fp32.end_ns - fp32.start_ns == pytest.approx(TRN2.matmul_fp32_slowdown * (bf16.end_ns - bf16.start_ns))
     for event, instr in zip(events, p.streams[(Engine.TENSOR, 0)]):
@@ -493,3 +664,136 @@ def test_dma_with_a_strided_innermost_dim_runs_at_half_bandwidth():
     transfer_ns = instruction_cost_ns(contiguous, TRN2) - TRN2.dma_fixed_ns
     assert transfer_ns == pytest.approx(128 * 256 * 4 / TRN2.dma_gbps_per_queue)
     assert instruction_cost_ns(strided, TRN2) - TRN2.dma_fixed_ns == pytest.approx(2 * transfer_ns)
+
+
+def test_timing_without_inputs_gives_the_timeline_of_a_real_run(core):
+    neff = _producer_consumer(True)
+    program = core.load(neff)
+
+    timed = program.time()
+
+    ran = program.run([uniform(-1, 1, (128, 256))]).timeline
+    assert timed.events == ran.events and timed.hbm_bytes == ran.hbm_bytes > 0
+    only_timed = run_neff(neff, numerics=False)
+    assert only_timed.outputs == [] and only_timed.timeline == ran
+
+
+@pytest.fixture(scope="module")
+def compiled_mlp():
+    import torch
+
+    from neuronc.compiler import compile_exported
+    from tests import zoo
+
+    model, inputs = zoo.build("mlp")
+    return compile_exported(torch.export.export(model, inputs)).neff, [x.numpy() for x in inputs]
+
+
+def test_timing_a_compiled_model_gives_the_timeline_of_a_real_run(compiled_mlp):
+    neff, inputs = compiled_mlp
+    program = NeuronCore("trn2").load(neff)
+    assert program.time() == program.run(inputs).timeline
+
+
+def test_a_compiled_model_missing_a_wait_is_refused_naming_its_kernel_and_pytorch_source_line(compiled_mlp):
+    neff, _ = compiled_mlp
+    key, n = next((key, n) for key, stream in neff.streams.items() for n, instr in enumerate(stream) if instr.waits)
+    streams = {k: list(v) for k, v in neff.streams.items()}
+    streams[key][n] = dataclasses.replace(streams[key][n], waits=())
+    with pytest.raises(NeuronRuntimeError) as err:
+        NeuronCore("trn2").load(dataclasses.replace(neff, streams=streams))
+    message, instr = str(err.value), streams[key][n]
+    assert f"(kernel {neff.kernels[instr.kernel].name})" in message
+    assert f"at {neff.debug_locs[instr.debug]}" in message and "zoo.py:" in message
+    assert "hint: a missing semaphore wait" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels a program is bound to at load compute bit for bit what the semantics say
+
+
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.0, np.inf, -np.inf, np.nan, 1e-40, -7.25, 100.0, 2.0],
+                   np.float32)
+
+
+def _kernel_and_semantics_agree(opcode, engine, dst_dtype, src_dtypes, shapes=None, in_place=False, **fields):
+    """Run one instruction both ways on two copies of a memory holding special values (and random bytes):
+    its bound kernel, and ``dst[...] = SEMANTICS[opcode](...)``. Every byte must agree."""
+    shapes = shapes or [(4, 8)] * (1 + len(src_dtypes))
+    dtypes = (dst_dtype, *src_dtypes)
+    operands = [chip(shape, dtype, offset=256 * n) for n, (shape, dtype) in enumerate(zip(shapes, dtypes))]
+    if in_place:
+        operands[0] = dataclasses.replace(operands[1], dtype=dst_dtype)
+    instr = Instruction(opcode, engine, tuple(operands), **fields)
+    for fill in ("special", "random"):
+        memory = np.zeros((8, 2048), np.uint8)
+        if fill == "special":
+            memory[...] = np.resize(SPECIAL, (8, 512)).view(np.uint8)
+            memory[:, ::7] = RNG.integers(0, 4, (8, 293))  # small integers' low bytes for integer operands
+        else:
+            memory[...] = RNG.integers(0, 256, memory.shape, dtype=np.uint8)
+        reference = memory.copy()
+        views, expected = [view(memory, ap) for ap in operands], [view(reference, ap) for ap in operands]
+        with np.errstate(all="ignore"):
+            try:
+                expected[0][...] = SEMANTICS[opcode](instr, *expected)
+            except Exception as e:  # noqa: BLE001 - the kernel must refuse alike
+                with pytest.raises(type(e)):
+                    for call in kernel(instr, *views):
+                        call()
+                continue
+            for call in kernel(instr, *views):
+                call()
+        np.testing.assert_array_equal(memory, reference, err_msg=f"{fill} {instr}")
+
+
+FLOAT_ALUS = [op for op in AluOp]
+INT_ALUS = [op for op in AluOp if op not in (AluOp.POW, AluOp.ATAN2)]
+
+
+@pytest.mark.parametrize("dtypes", [(DType.F32, DType.F32, DType.F32), (DType.BF16, DType.F32, DType.BF16),
+                                    (DType.F32, DType.BF16, DType.BF16), (DType.I32, DType.I32, DType.I32),
+                                    (DType.F32, DType.I32, DType.I32)], ids=lambda d: "-".join(x.name for x in d))
+def test_tensor_tensor_and_tensor_scalar_kernels_are_exact(dtypes):
+    dst, a, b = dtypes
+    for alu in FLOAT_ALUS if DType.F32 in (a, b) or a.is_float else INT_ALUS:
+        _kernel_and_semantics_agree(Opcode.TENSOR_TENSOR, Engine.VECTOR, dst, (a, b), alu=alu)
+        _kernel_and_semantics_agree(Opcode.TENSOR_TENSOR, Engine.VECTOR, dst, (a, b), alu=alu, in_place=True)
+        for reverse in (False, True):
+            _kernel_and_semantics_agree(Opcode.TENSOR_SCALAR, Engine.GPSIMD, dst, (a,), alu=alu, imm0=-2.5,
+                                        reverse=reverse)
+            _kernel_and_semantics_agree(Opcode.TENSOR_SCALAR, Engine.GPSIMD, dst, (a,), alu=alu, imm0=0.0,
+                                        reverse=reverse, in_place=True)
+
+
+@pytest.mark.parametrize("dtypes", [(DType.F32, DType.F32), (DType.BF16, DType.F32), (DType.F32, DType.BF16)],
+                         ids=lambda d: "-".join(x.name for x in d))
+def test_activate_kernels_are_exact(dtypes):
+    for func in ActFunc:
+        for scale, bias in ((1.0, 0.0), (-0.5, 0.25)):
+            _kernel_and_semantics_agree(Opcode.ACTIVATE, Engine.SCALAR, dtypes[0], (dtypes[1],), func=func,
+                                        imm0=scale, imm1=bias)
+
+
+def test_matmul_reduce_copy_select_memset_iota_and_dma_kernels_are_exact():
+    for dtype in (DType.F32, DType.BF16):
+        for accumulate in (False, True):
+            _kernel_and_semantics_agree(Opcode.MATMUL, Engine.TENSOR, DType.F32, (dtype, dtype),
+                                        shapes=[(8, 16), (4, 8), (4, 16)], accumulate=accumulate)
+    for dtype in (DType.F32, DType.BF16, DType.I32, DType.I8):
+        for alu in (AluOp.ADD, AluOp.MAX, AluOp.MIN):
+            _kernel_and_semantics_agree(Opcode.TENSOR_REDUCE, Engine.VECTOR, DType.F32, (dtype,),
+                                        shapes=[(4, 1), (4, 8)], alu=alu)
+    for dst, src in ((DType.BF16, DType.F32), (DType.I32, DType.F32), (DType.F32, DType.BF16), (DType.F32, DType.I8),
+                     (DType.BOOL, DType.F32), (DType.F8E4M3, DType.F32)):
+        _kernel_and_semantics_agree(Opcode.TENSOR_COPY, Engine.VECTOR, dst, (src,))
+    for pred in (DType.BOOL, DType.F32, DType.BF16):
+        for on_false in (DType.F32, DType.BF16):
+            for in_place in (False, True):
+                _kernel_and_semantics_agree(Opcode.SELECT, Engine.VECTOR, DType.F32, (pred, DType.F32, on_false),
+                                            in_place=in_place)
+    for dtype in (DType.F32, DType.I32, DType.BF16):
+        _kernel_and_semantics_agree(Opcode.MEMSET, Engine.GPSIMD, dtype, (), imm0=-1.5)
+        _kernel_and_semantics_agree(Opcode.IOTA, Engine.GPSIMD, dtype, (), imm0=3, imm1=-2)
+    for shapes in ([(4, 8), (4, 8)], [(4, 8), (2, 16)], [(8, 4), (4, 8)]):
+        _kernel_and_semantics_agree(Opcode.DMA_COPY, Engine.DMA, DType.F32, (DType.F32,), shapes=shapes)
