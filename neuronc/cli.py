@@ -63,7 +63,8 @@ def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's 
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in compiled.seconds.items())
-    click.echo(f"wrote {output} ({os.path.getsize(output)} bytes) for {target} at -O{opt_level}")
+    origin = " (from the compile cache)" if compiled.cache_hit else ""
+    click.echo(f"wrote {output} ({os.path.getsize(output)} bytes) for {target} at -O{opt_level}{origin}")
     click.echo(f"  kernels: {len(neff.kernels)}; instructions: {counts}")
     click.echo(f"  estimated device time: {neff.estimated_ns / 1e3:.1f} us")
     click.echo(f"  compile time: {stages}")
@@ -81,47 +82,62 @@ def run(neff_file, inputs, output, target):
     """Run a NEFF on the emulated NeuronCore."""
     import numpy as np
 
-    from neuronc.errors import InputMismatchError
     from neuronc.neff import load
-    from runtime import run_neff
+    from runtime import NeuronCore
 
     neff = load(neff_file)
+    result = NeuronCore(target or neff.target).load(neff).run(_load_inputs(inputs))
+    timeline, outputs = result.timeline, result.outputs
+    for entry, value in zip(neff.outputs(), outputs):
+        click.echo(f"{entry.name}: shape {tuple(value.shape)} {value.dtype}, "
+                   f"mean {float(np.mean(value.astype(np.float64))):.6g}")
+    click.echo(f"estimated device time: {timeline.estimated_ns / 1e3:.1f} us")
+    if output:
+        np.savez(output, **{e.name: v for e, v in zip(neff.outputs(), outputs)})
+        click.echo(f"wrote {output}")
+
+
+def _load_inputs(paths) -> list:
+    import numpy as np
+
+    from neuronc.errors import InputMismatchError
+
     arrays = []
-    for path in inputs:
+    for path in paths:
         try:
             arrays.append(np.load(path, allow_pickle=False))
         except (OSError, ValueError) as err:
             raise InputMismatchError(f"cannot read input {path}: {err}", hint="inputs are .npy files written by numpy.save") from None
-    result = run_neff(neff, arrays, target=target)
-    for entry, value in zip(neff.outputs(), result.outputs):
-        click.echo(f"{entry.name}: shape {tuple(value.shape)} {value.dtype}, "
-                   f"mean {float(np.mean(value.astype(np.float64))):.6g}")
-    click.echo(f"estimated device time: {result.timeline.estimated_ns / 1e3:.1f} us")
-    if output:
-        np.savez(output, **{e.name: v for e, v in zip(neff.outputs(), result.outputs)})
-        click.echo(f"wrote {output}")
+    return arrays
+
+
+def _timeline(neff, inputs: tuple, target):
+    """The timeline of a run with these .npy inputs, or of a timing-only run when there are none."""
+    from runtime import NeuronCore
+
+    program = NeuronCore(target or neff.target).load(neff)
+    return program.run(_load_inputs(inputs)).timeline if inputs else program.time()
 
 
 @main.command()
 @click.argument("neff_file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
+              help="Time it on this target [default: the NEFF's target].")
 @_friendly
-def inspect(neff_file, as_json):
-    """Show a NEFF's header, tensor table, instruction counts and estimated time."""
+def inspect(neff_file, as_json, target):
+    """Show a NEFF's header, tensor table, instruction counts, estimated time, MFU and bandwidth."""
     from neuronc.neff import load
+    from runtime.metrics import summarize
 
     neff = load(neff_file)
+    timeline = _timeline(neff, (), target)
     summary = {
-        "name": neff.name,
-        "target": neff.target,
         "format_version": f"{neff.format_major}.{neff.format_minor}",
         "compiler_version": neff.compiler_version,
         "content_hash": neff.content_hash,
-        "hbm_bytes": neff.hbm_size,
-        "estimated_time_us": neff.estimated_ns / 1e3,
-        "instructions": {e.name.lower(): n for e, n in sorted(neff.instruction_count().items())},
-        "streams": len(neff.streams),
-        "kernels": len(neff.kernels),
+        "hbm_size_bytes": neff.hbm_size,
+        **summarize(neff, timeline, target),
         "tensors": [
             {"name": t.name, "kind": t.kind.name.lower(), "dtype": t.dtype.name.lower(), "shape": list(t.shape),
              "hbm_offset": t.offset, "bytes": t.nbytes}
@@ -134,16 +150,52 @@ def inspect(neff_file, as_json):
     click.echo(f"NEFF {neff.name}: target {neff.target}, format {summary['format_version']}, "
                f"neuronc {neff.compiler_version}")
     click.echo(f"  content hash {neff.content_hash}")
-    click.echo(f"  HBM {neff.hbm_size} bytes; estimated device time {summary['estimated_time_us']:.1f} us")
-    click.echo("instructions per engine:")
+    click.echo(f"  HBM {neff.hbm_size} bytes")
+    click.echo(f"estimated device time {summary['estimated_time_us']:.1f} us on {summary['target']}")
+    click.echo(f"  {summary['flops']:.4g} FLOPs, MFU {summary['mfu']:.1%}; HBM moved {summary['hbm_bytes']} bytes "
+               f"at {summary['hbm_gbps_achieved']:.1f} GB/s ({summary['hbm_bandwidth_utilisation']:.1%} of peak)")
+    click.echo("engines (busy fraction, instructions):")
     for engine, count in summary["instructions"].items():
-        click.echo(f"  {engine:<8} {count}")
+        click.echo(f"  {engine:<8} {summary['engines'].get(engine, 0.0):6.1%} {count:>8}")
+    click.echo("top kernels:")
+    for kernel in summary["kernels"][:5]:
+        click.echo(f"  {kernel['busy_us']:9.2f} us  {kernel['name']:<24} {kernel['source']}")
     click.echo(f"tensors ({len(neff.tensors)}):")
     for t in summary["tensors"]:
         if t["kind"] != "scratch":
             click.echo(f"  {t['kind']:<8} {t['name']:<32} {t['dtype']:<5} {str(tuple(t['shape'])):<20} @ {t['hbm_offset']}")
     scratch = [t for t in summary["tensors"] if t["kind"] == "scratch"]
     click.echo(f"  scratch  {len(scratch)} intermediates, {sum(t['bytes'] for t in scratch)} bytes")
+
+
+@main.command()
+@click.argument("neff_file", type=click.Path(dir_okay=False))
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+              help="An input as a .npy file, in the program's input order; without inputs the "
+              "program is timed without computing numbers.")
+@click.option("-o", "--output", "trace", type=click.Path(dir_okay=False), default="trace.json", show_default=True,
+              help="Chrome-trace / Perfetto JSON to write (open in ui.perfetto.dev or chrome://tracing).")
+@click.option("--html", type=click.Path(dir_okay=False), help="Also write a self-contained HTML report.")
+@click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
+              help="Device to run on [default: the NEFF's target].")
+@_friendly
+def profile(neff_file, inputs, trace, html, target):
+    """Profile a NEFF on the emulated device: one track per engine and DMA queue."""
+    from neuronc.neff import load
+    from runtime.metrics import summarize
+    from runtime.report import write_html_report
+    from runtime.trace import write_chrome_trace
+
+    neff = load(neff_file)
+    timeline = _timeline(neff, inputs, target)
+    write_chrome_trace(neff, timeline, trace)
+    click.echo(f"wrote {trace} ({len(timeline.events)} events)")
+    if html:
+        write_html_report(neff, timeline, html)
+        click.echo(f"wrote {html}")
+    summary = summarize(neff, timeline, target)
+    click.echo(f"estimated device time {summary['estimated_time_us']:.1f} us, MFU {summary['mfu']:.1%}, "
+               f"HBM {summary['hbm_gbps_achieved']:.1f} GB/s")
 
 
 @main.command()
@@ -154,6 +206,78 @@ def hlo(model):
     from neuronc.frontend.exported import exported_stablehlo, load_exported_program
 
     click.echo(exported_stablehlo(load_exported_program(model)))
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1] if text and text[-1] in units else ""
+    try:
+        return int(float(text[: len(text) - len(unit)]) * units[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 500M or 2G") from None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _the_cache():
+    from neuronc.cache import CompileCache, cache_settings
+
+    enabled, directory = cache_settings()
+    if not enabled:
+        raise NeuronError("the compile cache is disabled (--no_cache in NEURON_CC_FLAGS)")
+    return CompileCache(directory)
+
+
+@main.group()
+def cache():
+    """The persistent compile cache (NEURON_COMPILE_CACHE_URL, --cache_dir, --no_cache in NEURON_CC_FLAGS)."""
+
+
+@cache.command("list")
+@_friendly
+def cache_list():
+    """List cached NEFFs, most recently used first."""
+    store = _the_cache()
+    entries = store.entries()
+    click.echo(f"{store.directory}: {len(entries)} entries, {_human(sum(e.size for e in entries))}")
+    for e in entries:
+        click.echo(f"  {e.key[:16]}  {_human(e.size):>10}  {e.age_s / 3600:7.1f} h old  {e.target}  {e.name}")
+
+
+@cache.command("show")
+@click.argument("key")
+@_friendly
+def cache_show(key):
+    """Show one entry (a key prefix is enough)."""
+    store = _the_cache()
+    matches = [e for e in store.entries() if e.key.startswith(key)]
+    if len(matches) != 1:
+        raise NeuronError(f"{len(matches)} cache entries match {key!r}", hint="`neuronc cache list` shows the keys")
+    e = matches[0]
+    click.echo(f"key       {e.key}\npath      {e.path}\nsize      {_human(e.size)}\nname      {e.name}\n"
+               f"target    {e.target}\nage       {e.age_s / 3600:.1f} h")
+
+
+@cache.command("clear")
+@_friendly
+def cache_clear():
+    """Remove every entry."""
+    click.echo(f"removed {_the_cache().clear()} entries")
+
+
+@cache.command("prune")
+@click.option("--max-size", required=True, help="Keep the most recently used entries up to this size, e.g. 500M, 2G.")
+@_friendly
+def cache_prune(max_size):
+    """Remove the least recently used entries until the cache fits in --max-size."""
+    removed = _the_cache().prune(_size(max_size))
+    click.echo(f"removed {len(removed)} entries ({_human(sum(e.size for e in removed))})")
 
 
 if __name__ == "__main__":

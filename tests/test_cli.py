@@ -63,8 +63,9 @@ def test_inspect_shows_header_tensor_table_instruction_counts_and_time(cli, mlp_
     neff, _ = mlp_neff
     result = cli("inspect", neff)
     assert result.exit_code == 0, result.output
-    for expected in ("target trn2", "format 1.0", "content hash", "estimated device time",
-                     "instructions per engine", "tensor", "dma", "input", "output0", "weight", "fc1.weight"):
+    for expected in ("target trn2", "format 1.1", "content hash", "estimated device time", "MFU",
+                     "engines (busy fraction, instructions)", "top kernels", "tensor", "dma", "input",
+                     "output0", "weight", "fc1.weight"):
         assert expected in result.output
     summary = json.loads(cli("inspect", neff, "--json").output)
     assert summary["estimated_time_us"] > 0 and summary["instructions"]["tensor"] > 0
