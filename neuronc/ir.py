@@ -71,6 +71,7 @@ class Op(enum.Enum):
     REDUCE_WINDOW = enum.auto()  # (x, init); attrs: window, strides, padding, kind
     DOT_GENERAL = enum.auto()  # attrs: lhs_batch, rhs_batch, lhs_contract, rhs_contract
     CONVOLUTION = enum.auto()  # attrs: strides, padding, lhs_dilation, rhs_dilation, groups, layouts
+    GATHER = enum.auto()  # (table [V, ...], indices [...]) -> [..., table row]: whole rows by index
     # kernel-level ops, produced by the legalize pass
     VIEW = enum.auto()  # copy of a strided view of the operand's dense buffer; attrs: offset, strides
     MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]; attrs: k, views (per operand, or None)

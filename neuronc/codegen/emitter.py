@@ -97,7 +97,9 @@ class Emitter:
         self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
                                              debug=kernel.debug, **fields))
 
-    def dma(self, dst: AccessPattern, src: AccessPattern) -> None:
+    def dma(self, dst: AccessPattern, src: AccessPattern, *, opcode: Opcode = Opcode.DMA_COPY, indices=None) -> None:
+        """A DMA on the next queue (round robin); with `indices`, an indirect gather of rows."""
         queue = self._dma_turn % self.target.dma_queues
         self._dma_turn += 1
-        self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
+        operands = (dst, src) if indices is None else (dst, src, indices)
+        self.emit(Opcode.DMA_GATHER if indices is not None else opcode, Engine.DMA, *operands, queue=queue)

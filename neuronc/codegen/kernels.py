@@ -296,6 +296,26 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
+def gather(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """out[i, :] = table[indices[i], :]: indices to SBUF, rows fetched by indirect DMA, stored."""
+    table, indices = node.inputs
+    rows, width = table.shape
+    count = indices.size
+    chunk = min(width, tile_free_elements(em, DType.F32))
+    index_tiles = em.sbuf_pool(indices.dtype, 1, bufs=2)
+    data = em.sbuf_pool(node.dtype, chunk, bufs=3)
+    size = node.dtype.itemsize
+    for r0 in range(0, count, em.target.partitions):
+        rt = min(em.target.partitions, count - r0)
+        index = index_tiles.next().ap(rt, 1)
+        em.dma(index, hbm(indices.dtype, plan.offset(indices) + r0 * indices.dtype.itemsize, ((1, rt), (1, 1))))
+        for c0 in range(0, width, chunk):
+            ct = min(chunk, width - c0)
+            tile = data.next().ap(rt, ct)
+            em.dma(tile, hbm(table.dtype, plan.offset(table) + c0 * size, ((width, rows), (1, ct))), indices=index)
+            em.dma(hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
+
+
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
@@ -303,6 +323,7 @@ KERNELS.update({
     Op.CONCATENATE: concatenate,
     Op.MATMUL: matmul,
     Op.REDUCE_LAST: reduce_last,
+    Op.GATHER: gather,
 })
 
 

@@ -243,6 +243,29 @@ def _convolution(op, inputs, shape, dtype, loc):
                    groups=_int(a["feature_group_count"]) if "feature_group_count" in a else 1)
 
 
+def _gather(op, inputs, shape, dtype, loc):
+    """Only the row gather (embedding lookup, index_select along dim 0): whole rows of the table."""
+    table, indices = inputs
+    text = str(op.attributes["dimension_numbers"])
+
+    def field(name):
+        match = re.search(name + r" = \[([0-9, ]*)\]", text)
+        return tuple(int(v) for v in match.group(1).split(",") if v.strip()) if match else ()
+
+    vector_dim = re.search(r"index_vector_dim = (\d+)", text)
+    vector_dim = int(vector_dim.group(1)) if vector_dim else len(indices.shape)
+    batch = indices.shape if vector_dim == len(indices.shape) else indices.shape[:-1]
+    row = table.shape[1:]
+    sizes = tuple(_ints(op.attributes["slice_sizes"]))
+    if (field("collapsed_slice_dims") != (0,) or field("start_index_map") != (0,) or sizes != (1, *row)
+            or field("offset_dims") != tuple(range(len(batch), len(batch) + len(row)))
+            or vector_dim not in (len(indices.shape), len(indices.shape) - 1)
+            or (vector_dim < len(indices.shape) and indices.shape[-1] != 1)
+            or field("operand_batching_dims")):
+        raise _Unsupported("a gather that is not a lookup of whole rows along dimension 0")
+    return ir.node(Op.GATHER, inputs, shape, dtype, loc)
+
+
 _CONVERTERS = {
     "stablehlo.constant": _constant,
     "arith.constant": _constant,
@@ -257,6 +280,7 @@ _CONVERTERS = {
     "stablehlo.reduce_window": _reduce_window,
     "stablehlo.dot_general": _dot_general,
     "stablehlo.convolution": _convolution,
+    "stablehlo.gather": _gather,
 }
 
 

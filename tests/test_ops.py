@@ -1,0 +1,51 @@
+"""Ops beyond the first zoo, each checked against eager: embedding lookups (gather)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from neuronc.compiler import compile_exported
+from neuronc.errors import NeuronRuntimeError
+from runtime import run_neff
+from tests.conftest import assert_matches_eager
+
+
+class TokenAndPosition(torch.nn.Module):
+    def __init__(self, vocab=300, width=200, positions=16):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(positions, width)
+
+    def forward(self, idx):
+        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+
+
+@pytest.fixture(scope="module")
+def embedding():
+    torch.manual_seed(0)
+    model, idx = TokenAndPosition().eval(), torch.randint(0, 300, (3, 16))
+    return compile_exported(torch.export.export(model, (idx,))).neff, model, idx
+
+
+def test_embedding_lookups_match_eager(embedding):
+    neff, model, idx = embedding
+    out = run_neff(neff, [idx.numpy()]).outputs[0]
+    assert_matches_eager(torch.from_numpy(out), model(idx).detach())
+
+
+def test_an_index_out_of_range_is_an_error_naming_the_lookup(embedding):
+    neff, _, idx = embedding
+    bad = idx.numpy().copy()
+    bad[1, 3] = 300
+    with pytest.raises(NeuronRuntimeError, match="300") as caught:
+        run_neff(neff, [bad])
+    assert "DMA_GATHER" in str(caught.value) and "test_ops.py" in str(caught.value)
+
+
+def test_torch_compile_of_an_embedding_matches_eager():
+    torch.manual_seed(1)
+    model, idx = TokenAndPosition(vocab=50, width=8).eval(), torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        assert_matches_eager(torch.compile(model, backend="neuron")(idx), model(idx))
+    assert np.all(idx.numpy() < 50)
