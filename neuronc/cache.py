@@ -1,8 +1,8 @@
 """The persistent compile cache: a NEFF compiled once is never compiled again.
 
 Entries are keyed by a hash of everything that decides the NEFF: the StableHLO, the compile
-options and target, the weights stored in it (for `.pt2` programs), and the versions of neuronc,
-torch and torch-mlir. Where it lives follows the Neuron convention: `NEURON_COMPILE_CACHE_URL`,
+options and target, the weights stored in it (for `.pt2` programs), the versions of neuronc,
+torch and torch-mlir, and a hash of neuronc's own source (so an edited compiler recompiles). Where it lives follows the Neuron convention: `NEURON_COMPILE_CACHE_URL`,
 else `--cache_dir=DIR` in `NEURON_CC_FLAGS`, else `$XDG_CACHE_HOME/neuronc` (`~/.cache/neuronc`);
 `--no_cache` in `NEURON_CC_FLAGS` turns it off.
 
@@ -14,6 +14,7 @@ the same graph both succeed and leave one valid entry. Only successful compilati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -28,10 +29,27 @@ ENTRY_SUFFIX = ".neff"
 META_SUFFIX = ".json"
 
 
+@functools.cache
+def _compiler_fingerprint() -> str:
+    """sha256 of neuronc's own source and schema: a changed compiler never serves old NEFFs,
+    even while its version number stays the same (a development checkout)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".fbs")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {"neuronc": __version__}
+    found = {"neuronc": __version__, "neuronc-source": _compiler_fingerprint()}
     for package in ("torch", "torch-mlir"):
         try:
             found[package] = version(package)
