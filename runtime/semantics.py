@@ -13,7 +13,8 @@ Numerics, as on the chip: Vector/Scalar/GpSimd arithmetic on floats is done in f
 as uint8). Integer DIVIDE truncates toward zero and REMAINDER takes the dividend's sign (C's ``/``
 and ``fmod``, as StableHLO's divide and remainder); AND/OR/XOR are bitwise on integers and logical (1/0) on floats; the ALU op
 NONE passes its first operand through and the activation NONE is the identity. Float to integer
-conversion truncates toward zero. ERF, GELU (erf form) and SIGMOID use scipy.special in fp32.
+conversion truncates toward zero. ERF and GELU (erf form) use XLA's f32 rational approximation of
+erf; SIGMOID uses scipy.special.expit in fp32.
 """
 from __future__ import annotations
 
@@ -45,10 +46,29 @@ def _compute_dtype(*dtypes) -> np.dtype:
 # Tables of functions
 
 
-def _erf(x):
-    import scipy.special  # lazily: importing scipy costs a third of a second
+# erf in fp32 by the rational approximation XLA uses for f32 (a few ulp from the exact value):
+# erf(x) ~ x * P(x^2) / Q(x^2) on x clamped to [-4, 4]. About 4x faster than scipy.special.erf on
+# float32 arrays, which matters: GELU runs it on whole activation tiles.
+_ERF_P = np.array([-2.72614237e-10, 2.77068146e-08, -2.10102394e-06, -5.69250624e-05,
+                   -7.34990637e-04, -2.954600e-03, -1.60960332e-02], dtype=np.float32)
+_ERF_Q = np.array([-1.45660715e-05, -2.13374049e-04, -1.68282702e-03, -7.37332925e-03,
+                   -1.42647391e-02], dtype=np.float32)
 
-    return scipy.special.erf(x)
+
+def _erf(x):
+    x = np.clip(np.asarray(x, dtype=np.float32), np.float32(-4), np.float32(4))
+    x2 = x * x
+    p = np.full_like(x2, _ERF_P[0])
+    for c in _ERF_P[1:]:
+        p *= x2
+        p += c
+    q = np.full_like(x2, _ERF_Q[0])
+    for c in _ERF_Q[1:]:
+        q *= x2
+        q += c
+    p *= x
+    p /= q
+    return np.clip(p, np.float32(-1), np.float32(1), out=p)
 
 
 def _sigmoid(x):
