@@ -201,6 +201,15 @@ class ActFunc(enum.IntEnum):
     ROUND = 23
 
 
+# ERF (and GELU's erf) is computed by the rational approximation XLA uses for f32, a few ulp from
+# the exact value: erf(x) ~ x * P(x^2) / Q(x^2) with x clamped to [-4, 4] (coefficients highest
+# power first). The compiler also recognises this expansion in imported graphs.
+ERF_F32_P = (-2.72614237e-10, 2.77068146e-08, -2.10102394e-06, -5.69250624e-05, -7.34990637e-04,
+             -2.954600e-03, -1.60960332e-02)
+ERF_F32_Q = (-1.45660715e-05, -2.13374049e-04, -1.68282702e-03, -7.37332925e-03, -1.42647391e-02)
+ERF_F32_CLAMP = 4.0
+
+
 class Wait(NamedTuple):
     """Do not start before stream (engine, queue) has completed ``count`` instructions."""
 

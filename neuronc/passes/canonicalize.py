@@ -14,7 +14,7 @@ import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import DType
+from neuronc.isa import ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
 
 
@@ -182,11 +182,9 @@ def simplify(graph: ir.Graph) -> ir.Graph:
 # erf, recognised ------------------------------------------------------------------------------
 # StableHLO has no erf: torch-mlir expands chlo.erf into XLA's f32 rational approximation,
 #   erf(x) ~ x * P(x^2) / Q(x^2) on x clamped to [-4, 4],
-# about 30 elementwise ops per GELU. The Scalar engine computes erf in one instruction, so the
-# expansion is folded back into ERF when its coefficients are exactly XLA's.
-_ERF_P = (-2.72614237e-10, 2.77068146e-08, -2.10102394e-06, -5.69250624e-05, -7.34990637e-04,
-          -2.954600e-03, -1.60960332e-02)
-_ERF_Q = (-1.45660715e-05, -2.13374049e-04, -1.68282702e-03, -7.37332925e-03, -1.42647391e-02)
+# about 30 elementwise ops per GELU. The Scalar engine computes erf in one instruction (with this
+# very approximation, see isa.ERF_F32_P), so the expansion is folded back into ERF when its
+# coefficients are exactly XLA's.
 
 
 def _splat(node):
@@ -231,7 +229,7 @@ def raise_erf(graph: ir.Graph) -> ir.Graph:
         numerator, denominator = inputs
         for x, p in (numerator.inputs, numerator.inputs[::-1]):
             x2 = _square_in(p, x)
-            if x2 is not None and _matches(_horner(p, x2), _ERF_P) and _matches(_horner(denominator, x2), _ERF_Q):
+            if x2 is not None and _matches(_horner(p, x2), ERF_F32_P) and _matches(_horner(denominator, x2), ERF_F32_Q):
                 return ir.node(Op.ERF, [x], node.shape, node.dtype, node.loc)
         return None
 
