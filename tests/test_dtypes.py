@@ -1,0 +1,24 @@
+"""Low-precision models: the zoo in bf16 and fp16 (storage through ml_dtypes, matmuls accumulated in
+fp32 in PSUM, conversions rounding to nearest even) matches eager PyTorch in the same dtype
+within that dtype's tolerance."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.compiler import compile_exported
+from neuronc.frontend.tensors import from_numpy, to_numpy
+from runtime import run_neff
+from tests import zoo
+from tests.conftest import assert_matches_eager
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_zoo_in_low_precision_matches_eager(name, dtype):
+    model, inputs = zoo.build(name)
+    model, inputs = model.to(dtype), tuple(x.to(dtype) for x in inputs)
+    neff = compile_exported(torch.export.export(model, inputs)).neff
+    out = from_numpy(run_neff(neff, [to_numpy(x) for x in inputs]).outputs[0])
+    with torch.no_grad():
+        assert_matches_eager(out, model(*inputs))
