@@ -66,6 +66,7 @@ class Op(enum.Enum):
     SLICE = enum.auto()  # attrs: start, limit, strides
     CONCATENATE = enum.auto()  # attrs: dimension
     PAD = enum.auto()  # (x, pad_value); attrs: low, high, interior
+    REVERSE = enum.auto()  # attrs: dims
     # reductions and contractions
     REDUCE = enum.auto()  # (x, init); attrs: dims, kind ("add" | "max" | "min" | "mul" | "and" | "or")
     REDUCE_WINDOW = enum.auto()  # (x, init); attrs: window, strides, padding, kind

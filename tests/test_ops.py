@@ -1,4 +1,5 @@
-"""Ops beyond the first zoo, each checked against eager: embedding lookups (gather)."""
+"""Ops beyond the first zoo, each checked against eager: embedding lookups (gather), reversal,
+transposed convolution (kernel layouts other than [o, i, spatial])."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,3 +50,26 @@ def test_torch_compile_of_an_embedding_matches_eager():
     with torch.no_grad():
         assert_matches_eager(torch.compile(model, backend="neuron")(idx), model(idx))
     assert np.all(idx.numpy() < 50)
+
+
+class Flip(torch.nn.Module):
+    def forward(self, x):
+        return torch.flip(x, [0, 2]) * 2
+
+
+class UpConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return self.up(x)
+
+
+@pytest.mark.parametrize("model, shape", [(Flip(), (3, 4, 5)), (UpConv(), (2, 4, 5, 5))], ids=["flip", "conv_transpose"])
+def test_reversal_and_transposed_convolution_match_eager(model, shape):
+    torch.manual_seed(2)
+    x = torch.randn(*shape)
+    neff = compile_exported(torch.export.export(model.eval(), (x,))).neff
+    out = run_neff(neff, [x.numpy()]).outputs[0]
+    assert_matches_eager(torch.from_numpy(out), model(x).detach())

@@ -176,6 +176,10 @@ def _pad(op, inputs, shape, dtype, loc):
                    high=tuple(_ints(a["edge_padding_high"])), interior=tuple(_ints(a["interior_padding"])))
 
 
+def _reverse(op, inputs, shape, dtype, loc):
+    return ir.node(Op.REVERSE, inputs, shape, dtype, loc, dims=tuple(_ints(op.attributes["dimensions"])))
+
+
 def _iota(op, inputs, shape, dtype, loc):
     return ir.node(Op.IOTA, [], shape, dtype, loc, dimension=_int(op.attributes["iota_dimension"]))
 
@@ -225,22 +229,40 @@ def _dot_general(op, inputs, shape, dtype, loc):
                    rhs_batch=dims[_DOT_KEYS[1]], lhs_contract=dims[_DOT_KEYS[2]], rhs_contract=dims[_DOT_KEYS[3]])
 
 
+def _layout_perm(labels: list, first: str, second: str) -> list:
+    """Permutation taking a tensor laid out as `labels` to [first, second, 0, 1, ...]."""
+    spatial = sorted((label for label in labels if label.isdigit()), key=int)
+    return [labels.index(label) for label in [first, second, *spatial]]
+
+
+def _transposed(x, perm, loc):
+    if perm == list(range(len(perm))):
+        return x
+    return ir.node(Op.TRANSPOSE, [x], [x.shape[p] for p in perm], x.dtype, loc, perm=tuple(perm))
+
+
 def _convolution(op, inputs, shape, dtype, loc):
+    """Any layout: operands are transposed to [b, f, spatial...] x [o, i, spatial...] first."""
     a = op.attributes
-    layout = str(a["dimension_numbers"])
-    spatial = len(shape) - 2
-    canonical = ", ".join(str(i) for i in range(spatial))
-    expected = f"[b, f, {canonical}]x[o, i, {canonical}]->[b, f, {canonical}]"
-    if expected not in layout:
-        raise _Unsupported(f"convolution layout {layout}")
+    match = re.search(r"\[([^\]]*)\]x\[([^\]]*)\]->\[([^\]]*)\]", str(a["dimension_numbers"]))
+    if match is None:
+        raise _Unsupported(f"convolution layout {a['dimension_numbers']}")
+    lhs, rhs, out = ([label.strip() for label in group.split(",")] for group in match.groups())
     if "batch_group_count" in a and _int(a["batch_group_count"]) != 1:
         raise _Unsupported("batch_group_count != 1")
-    return ir.node(Op.CONVOLUTION, inputs, shape, dtype, loc,
+    spatial = len(shape) - 2
+    x = _transposed(inputs[0], _layout_perm(lhs, "b", "f"), loc)
+    w = _transposed(inputs[1], _layout_perm(rhs, "o", "i"), loc)
+    out_perm = _layout_perm(out, "b", "f")  # canonical dim k is result dim out_perm[k]
+    canonical = [shape[p] for p in out_perm]
+    conv = ir.node(Op.CONVOLUTION, [x, w], canonical, dtype, loc,
                    strides=_window_attr(op, "window_strides", spatial, 1),
                    padding=_padding(op, spatial),
                    lhs_dilation=_window_attr(op, "lhs_dilation", spatial, 1),
                    rhs_dilation=_window_attr(op, "rhs_dilation", spatial, 1),
                    groups=_int(a["feature_group_count"]) if "feature_group_count" in a else 1)
+    inverse = [out_perm.index(k) for k in range(len(shape))]
+    return _transposed(conv, inverse, loc)
 
 
 def _gather(op, inputs, shape, dtype, loc):
@@ -275,6 +297,7 @@ _CONVERTERS = {
     "stablehlo.concatenate": _concatenate,
     "stablehlo.pad": _pad,
     "stablehlo.iota": _iota,
+    "stablehlo.reverse": _reverse,
     "stablehlo.compare": _compare,
     "stablehlo.reduce": _reduce,
     "stablehlo.reduce_window": _reduce_window,

@@ -129,6 +129,17 @@ def _slice(node, inputs):
     return view(x, node.shape, [st * step for st, step in zip(xs, a["strides"])], offset, node.loc)
 
 
+def _reverse(node, inputs):
+    """A reversal is a view with negative strides, starting at the last element of each dim."""
+    x = inputs[0]
+    strides = list(dense_strides(x.shape))
+    offset = 0
+    for d in node.attrs["dims"]:
+        offset += (x.shape[d] - 1) * strides[d]
+        strides[d] = -strides[d]
+    return view(x, x.shape, strides, offset, node.loc)
+
+
 def _pad(node, inputs):
     x, value = inputs
     pad_value = splat_value(value)
@@ -275,6 +286,7 @@ RULES = {
     Op.TRANSPOSE: _transpose,
     Op.SLICE: _slice,
     Op.PAD: _pad,
+    Op.REVERSE: _reverse,
     Op.CLAMP: _clamp,
     Op.SELECT: _select,
     Op.REDUCE: _reduce,
