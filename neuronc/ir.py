@@ -40,6 +40,7 @@ class Op(enum.Enum):
     CEIL = enum.auto()
     ROUND = enum.auto()  # round half to even
     ERF = enum.auto()
+    GELU = enum.auto()  # x * (1 + erf(x / sqrt 2)) / 2
     NOT = enum.auto()
     CONVERT = enum.auto()  # to the node's dtype
     # elementwise, binary
@@ -82,7 +83,7 @@ class Op(enum.Enum):
 
 UNARY = {
     Op.NEGATE, Op.ABS, Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH,
-    Op.LOGISTIC, Op.SIN, Op.COS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.ERF, Op.NOT, Op.CONVERT,
+    Op.LOGISTIC, Op.SIN, Op.COS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.ERF, Op.GELU, Op.NOT, Op.CONVERT,
 }
 BINARY = {
     Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.REMAINDER, Op.POWER, Op.MAXIMUM, Op.MINIMUM,

@@ -32,19 +32,21 @@ def test_every_optimisation_level_matches_eager(zoo_model):
 def test_linear_layers_become_one_kernel_each_with_bias_and_gelu_as_epilogue():
     baseline, _, _ = _compile("mlp", 0)
     fused, _, _ = _compile("mlp", 2)
-    assert len(fused.neff.kernels) < len(baseline.neff.kernels) / 4
+    assert len(baseline.neff.kernels) > 20
+    assert len(fused.neff.kernels) == 3 + 4  # a kernel per linear layer; softmax's 4 (reductions are not fused yet)
     ops = [n.op for n in fused.graph.nodes()]
     assert Op.VIEW not in ops  # weight transposes and bias broadcasts are read through their views
     matmuls = [n for n in fused.graph.nodes() if n.op is Op.MATMUL]
     assert len(matmuls) == 3 and all("epilogue" in m.attrs for m in matmuls)
-    gelu = [m for m in matmuls if any(step.op is Op.ERF for step in m.attrs["epilogue"])]
-    assert len(gelu) == 2  # bias + GELU computed from PSUM, twice
+    epilogues = [[step.op for step in m.attrs["epilogue"]] for m in matmuls]
+    assert epilogues.count([Op.ADD, Op.GELU]) == 2  # bias + GELU computed from PSUM, twice
 
 
-def test_the_erf_expansion_of_gelu_is_folded_back_into_one_erf():
+def test_the_erf_expansion_of_gelu_is_folded_back_into_one_gelu():
     compiled, _, _ = _compile("mlp", 0)
     ops = [n.op for n in compiled.graph.nodes()]
-    assert ops.count(Op.ERF) == 2  # one per GELU, instead of XLA's ~30-op rational approximation
+    assert ops.count(Op.GELU) == 2  # one op per GELU, instead of ~35 (XLA's erf approximation and more)
+    assert Op.ERF not in ops and Op.MAXIMUM not in ops  # erf and its clamps are inside GELU
     assert ops.count(Op.DIVIDE) == 1  # only softmax's: the approximations' P/Q divisions are gone
 
 

@@ -22,6 +22,7 @@ ACTIVATIONS = {
     Op.LOG1P: ActFunc.LOG1P, Op.SQRT: ActFunc.SQRT, Op.RSQRT: ActFunc.RSQRT, Op.TANH: ActFunc.TANH,
     Op.LOGISTIC: ActFunc.SIGMOID, Op.SIN: ActFunc.SIN, Op.COS: ActFunc.COS, Op.SIGN: ActFunc.SIGN,
     Op.FLOOR: ActFunc.FLOOR, Op.CEIL: ActFunc.CEIL, Op.ROUND: ActFunc.ROUND, Op.ERF: ActFunc.ERF,
+    Op.GELU: ActFunc.GELU,
 }
 ALU = {
     Op.ADD: AluOp.ADD, Op.SUBTRACT: AluOp.SUBTRACT, Op.MULTIPLY: AluOp.MULTIPLY, Op.DIVIDE: AluOp.DIVIDE,

@@ -6,15 +6,18 @@
   (one value broadcast to a shape) as 0-d arrays.
 * `simplify`: drop no-op converts, reshapes, transposes and broadcasts, and identities (x + 0,
   x * 1, x / 1); merge reshape chains.
-* `raise_erf`: fold torch-mlir's expansion of erf (a rational polynomial) back into one ERF.
+* `raise_erf`, `raise_gelu`: fold torch-mlir's expansion of erf (a rational polynomial) back into
+  one ERF, and the erf form of GELU into one GELU: single Scalar-engine instructions.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import ERF_F32_P, ERF_F32_Q, DType
+from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
 
 
@@ -75,8 +78,8 @@ def _evaluate(node: ir.Node, values: list):
     if op in ir.ELEMENTWISE:
         if op is Op.CONVERT:
             result = values[0]
-        elif op is Op.ERF:
-            return None
+        elif op in (Op.ERF, Op.GELU):
+            return None  # never constant in practice; the runtime's approximation defines them
         elif op in _NUMPY_UNARY:
             result = _NUMPY_UNARY[op](values[0])
         elif op is Op.COMPARE:
@@ -223,14 +226,57 @@ def _matches(found, expected) -> bool:
 
 
 def raise_erf(graph: ir.Graph) -> ir.Graph:
+    """Fold the expansion, and the clamps around it: erf's input clamp to [-4, 4] changes nothing
+    in f32 (erf(4) rounds to 1), and its output is within [-1, 1] anyway."""
+
     def fold(node, inputs):
+        if node.op is Op.CLAMP and inputs[1].op is Op.ERF:
+            low, high = _splat(inputs[0]), _splat(inputs[2])
+            if low is not None and high is not None and low <= -1 and high >= 1:
+                return inputs[1]
         if node.op is not Op.DIVIDE or inputs[0].op is not Op.MULTIPLY:
             return None
         numerator, denominator = inputs
         for x, p in (numerator.inputs, numerator.inputs[::-1]):
             x2 = _square_in(p, x)
             if x2 is not None and _matches(_horner(p, x2), ERF_F32_P) and _matches(_horner(denominator, x2), ERF_F32_Q):
+                if x.op is Op.CLAMP and _splat(x.inputs[0]) == -ERF_F32_CLAMP and _splat(x.inputs[2]) == ERF_F32_CLAMP:
+                    x = x.inputs[1]
                 return ir.node(Op.ERF, [x], node.shape, node.dtype, node.loc)
+        return None
+
+    return graph.rewrite(fold)
+
+
+def raise_gelu(graph: ir.Graph) -> ir.Graph:
+    """x * 0.5 * (1 + erf(x / sqrt 2)), as decompositions write GELU, becomes one GELU (one
+    Scalar-engine instruction)."""
+
+    def half_of(node):
+        if node.op is Op.MULTIPLY:
+            for x, c in (node.inputs, node.inputs[::-1]):
+                if _splat(c) == 0.5:
+                    return x
+        return None
+
+    def erf_term_of(node):  # 1 + erf(x * (1 / sqrt 2)) -> x
+        if node.op is not Op.ADD:
+            return None
+        for e, one in (node.inputs, node.inputs[::-1]):
+            if _splat(one) == 1.0 and e.op is Op.ERF and e.inputs[0].op is Op.MULTIPLY:
+                for x, c in (e.inputs[0].inputs, e.inputs[0].inputs[::-1]):
+                    k = _splat(c)
+                    if k is not None and abs(k - math.sqrt(0.5)) <= 1e-6:
+                        return x
+        return None
+
+    def fold(node, inputs):
+        if node.op is not Op.MULTIPLY:
+            return None
+        for a, b in (inputs, inputs[::-1]):
+            x = half_of(a)
+            if x is not None and erf_term_of(b) is x:
+                return ir.node(Op.GELU, [x], node.shape, node.dtype, node.loc)
         return None
 
     return graph.rewrite(fold)
