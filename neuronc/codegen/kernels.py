@@ -265,27 +265,44 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """out[r] = reduce(x[r, :]): rows on partitions, columns reduced along the free axis in chunks."""
-    x = node.inputs[0]
-    rows, cols = x.shape
+    """out[r] = reduce(x[r, :]): rows on partitions, columns reduced along the free axis in chunks.
+
+    x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
+    read through their [R, C] views."""
+    rows = node.shape[0]
+    cols = node.attrs.get("cols") or node.inputs[0].shape[1]
     kind = node.attrs["kind"]
     if kind not in REDUCTIONS:
         raise NeuronCompileError(f"a {kind!r} reduction is not supported yet", location=str(node.loc))
     alu = REDUCTIONS[kind]
+    body = node.attrs.get("prologue")
+    views = node.attrs.get("views") or ((0, (cols, 1)),)
+    slots, temp_count = _assign_slots(body) if body else ([], 0)
+    reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
-    chunk = tile_free_elements(em, DType.F32)
-    tiles = em.sbuf_pool(x.dtype, chunk, bufs=3)
+    widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
+    tiles = 3 * len(node.inputs) + 2 * temp_count + 3 + 3
+    chunk = min(tile_free_elements(em, DType.F32),
+                (em.target.sbuf_bytes_per_partition // tiles - em.SLOT_ALIGNMENT - 8 * 64) // widest)
+    pools = [em.sbuf_pool(x.dtype, chunk, bufs=3) for x in node.inputs]
+    temps = [em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
+    body_out = em.sbuf_pool(reduced_dtype, chunk, bufs=3) if body else None
+    constants = em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=1) if body else None
     partials = em.sbuf_pool(acc_dtype, 1, bufs=2)
     accs = em.sbuf_pool(acc_dtype, 1, bufs=2)
     outs = em.sbuf_pool(node.dtype, 1, bufs=2)
-    xi = x.dtype.itemsize
     for r0 in range(0, rows, em.target.partitions):
         rt = min(em.target.partitions, rows - r0)
         acc = accs.next().ap(rt, 1)
         for c0 in range(0, cols, chunk):
             ct = min(chunk, cols - c0)
-            tile = tiles.next().ap(rt, ct)
-            em.dma(tile, hbm(x.dtype, plan.offset(x) + (r0 * cols + c0) * xi, ((cols, rt), (1, ct))))
+            loaded = {}
+            for i, (x, pool, (offset, (sr, sc))) in enumerate(zip(node.inputs, pools, views)):
+                loaded[i] = pool.next().ap(rt, ct)
+                at = offset + r0 * sr + c0 * sc
+                em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + at * x.dtype.itemsize, ((sr, rt), (sc, ct))))
+            tile = loaded[0] if body is None else _emit_body(
+                em, body, slots, loaded, [pool.next() for pool in temps], body_out.next(), (rt, ct), constants, node.loc)
             if c0 == 0:
                 em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, acc, tile, alu=alu)
             else:

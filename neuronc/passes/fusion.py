@@ -198,3 +198,57 @@ def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
         return fused if fused.shape == node.shape else ir.node(Op.RESHAPE, [fused], node.shape, node.dtype, node.loc)
 
     return graph.rewrite(fold)
+
+
+def _compact(body, inputs, views) -> tuple:
+    """Keep only the inputs the body reads, renumbering its ("input", i) args."""
+    read = sorted({a[1] for step in body for a in step.args if a[0] == "input"})
+    index = {old: new for new, old in enumerate(read)}
+    body = tuple(step._replace(args=tuple(("input", index[a[1]]) if a[0] == "input" else a for a in step.args))
+                 for step in body)
+    return body, [inputs[i] for i in read], [views[i] for i in read]
+
+
+def fuse_reduction_prologues(graph: ir.Graph) -> ir.Graph:
+    """A reduction reads its [R, C] operand through the operand's producer: an elementwise group
+    (computed tile by tile before the reduce, never stored) or a strided view (a transposed or
+    windowed operand, read in place)."""
+    consumers: dict = {}
+    for n in graph.nodes():
+        for i in n.inputs:
+            consumers.setdefault(i, set()).add(n)
+    outputs = set(graph.outputs)
+
+    def fold(node, inputs):
+        if node.op is not Op.REDUCE_LAST or "cols" in node.attrs:
+            return None
+        chain, new = [node.inputs[0]], inputs[0]
+        while chain[-1].op is Op.RESHAPE:
+            chain.append(chain[-1].inputs[0])
+            new = new.inputs[0]
+        if any(c in outputs for c in chain) or any(
+                consumers.get(c) != {reader} for c, reader in zip(chain, [node] + chain)):
+            return None
+        producer = chain[-1]
+        rows, cols = node.inputs[0].shape
+        if producer.op in ir.ELEMENTWISE | {Op.FUSED}:
+            body = ir.body_of(new)
+            views = new.attrs.get("views") or (None,) * len(new.inputs)
+            body, sources, views = _compact(body, list(new.inputs), list(views))
+        elif producer.op is Op.VIEW and new.inputs[0].op is not Op.CONSTANT:
+            body, sources, views = None, [new.inputs[0]], [(new.attrs["offset"], new.attrs["strides"])]
+        else:
+            return None
+        converted = []
+        for view in views:
+            offset, strides = view or (0, dense_strides(new.shape))
+            strides = reshaped_strides(new.shape, strides, (rows, cols))
+            if strides is None:
+                return None
+            converted.append((offset, strides))
+        if len(sources) > MAX_INPUTS:
+            return None
+        return ir.node(Op.REDUCE_LAST, sources, node.shape, node.dtype, node.loc, kind=node.attrs["kind"],
+                       cols=cols, prologue=body, views=tuple(converted))
+
+    return graph.rewrite(fold)

@@ -9,11 +9,13 @@ from __future__ import annotations
 from neuronc import ir
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
-from neuronc.passes.fusion import fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands
+from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
+                                   fuse_reduction_prologues)
 from neuronc.passes.legalize import legalize
 
 BASELINE = [demote_f64, fold_constants, simplify, fold_constants, raise_erf, raise_gelu, legalize, simplify]
-OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues, simplify]
+OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues, fuse_reduction_prologues,
+                        simplify]
 
 PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
 
