@@ -101,3 +101,10 @@ def test_reshaped_strides_read_what_numpy_reshape_gives(shape, data):
     if strides is not None:
         read = np.lib.stride_tricks.as_strided(np.arange(size), new_shape, [s * 8 for s in strides])
         np.testing.assert_array_equal(read, view.reshape(new_shape))
+
+
+def test_layer_norm_variance_is_reduced_straight_from_its_producer():
+    compiled, _, _ = _compile("transformer_block", 2)
+    with_prologue = [n for n in compiled.graph.nodes() if n.op is Op.REDUCE_LAST and n.attrs.get("prologue")]
+    assert len(with_prologue) == 2  # one per LayerNorm: (x - mean)^2 computed per tile, never stored
+    assert all(Op.MULTIPLY in {s.op for s in n.attrs["prologue"]} for n in with_prologue)
