@@ -1,0 +1,133 @@
+"""How close compiled programs come to the Trainium roofline (issue 4's cases), -O0 against -O2.
+
+For each case: the estimated device time on trn2 (the cost model, the same rules the emulator's
+clock uses), the roofline lower bound max(FLOPs / peak, minimal HBM bytes / HBM bandwidth), the
+efficiency bound / time, HBM bytes moved against the minimum (inputs + weights + outputs once),
+the kernel count, and the -O2 speed-up over -O0. Nothing is asserted: it prints measurements.
+
+    python -m benchmarks.roofline [--cases matmul,softmax,...] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.isa import Engine, Opcode, Space
+from neuronc.targets import get_target
+from runtime.metrics import matmul_flops, peak_tflops
+
+
+class MatMul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+class Mlp(nn.Module):
+    def __init__(self, width, hidden, swiglu=False):
+        super().__init__()
+        self.up = nn.Linear(width, hidden, bias=not swiglu)
+        self.gate = nn.Linear(width, hidden, bias=False) if swiglu else None
+        self.down = nn.Linear(hidden, width, bias=not swiglu)
+
+    def forward(self, x):
+        h = F.silu(self.gate(x)) * self.up(x) if self.gate is not None else F.gelu(self.up(x))
+        return self.down(h)
+
+
+class Norm(nn.Module):
+    def __init__(self, kind, width):
+        super().__init__()
+        self.kind = kind
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        if self.kind == "softmax":
+            return torch.softmax(x, -1)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, x.shape[-1:], self.weight)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, v):
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.c2, self.b2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return F.relu(x + self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
+
+
+def _cases(quick: bool) -> dict:
+    bf16 = torch.bfloat16
+    n, tokens, seq = (1024, 128, 256) if quick else (4096, 512, 512)
+    return {
+        "matmul": (MatMul(), (torch.randn(n, n), torch.randn(n, n)), bf16),
+        "gpt2_mlp": (Mlp(768, 3072), (torch.randn(tokens, 768),), bf16),
+        "swiglu_mlp": (Mlp(2048, 5632, swiglu=True), (torch.randn(tokens, 2048),), bf16),
+        "softmax": (Norm("softmax", n), (torch.randn(n, n),), torch.float32),
+        "layernorm": (Norm("layernorm", n), (torch.randn(n, n),), torch.float32),
+        "rmsnorm": (Norm("rmsnorm", n), (torch.randn(n, n),), torch.float32),
+        "attention": (Attention(), tuple(torch.randn(1, 12, seq, 64) for _ in range(3)), bf16),
+        "resnet_block": (BasicBlock(64), (torch.randn(2 if quick else 8, 64, 56, 56),), torch.float32),
+    }
+
+
+def _measure(neff, target) -> dict:
+    flops, ideal_ns, hbm = 0, 0.0, 0
+    for (engine, _), stream in neff.streams.items():
+        for inst in stream:
+            if inst.opcode == Opcode.MATMUL:
+                f = matmul_flops(inst)
+                flops += f
+                ideal_ns += f / (peak_tflops(target, inst.operands[1].dtype) * 1e3)
+            elif engine == Engine.DMA:
+                hbm += sum(ap.num_elements * ap.dtype.itemsize for ap in inst.operands if ap.space == Space.HBM)
+    minimum = sum(t.nbytes for t in neff.tensors if t.kind.name in ("INPUT", "OUTPUT", "WEIGHT", "CONSTANT"))
+    bound_ns = max(ideal_ns, minimum / target.hbm_gbps)  # bytes / (GB/s) = ns
+    return {"time_us": neff.estimated_ns / 1e3, "bound_us": bound_ns / 1e3,
+            "efficiency": bound_ns / neff.estimated_ns if neff.estimated_ns else 0.0,
+            "hbm_ratio": hbm / minimum if minimum else 0.0, "kernels": len(neff.kernels), "flops": flops}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="", help="comma-separated subset")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes (a minute instead of many)")
+    args = parser.parse_args()
+    target = get_target("trn2")
+    cases = _cases(args.quick)
+    chosen = [c for c in args.cases.split(",") if c] or list(cases)
+    print(f"target trn2; estimated times from the cost model; {'quick shapes' if args.quick else 'issue 4 shapes'}")
+    print(f"{'case':<14} {'O2 us':>10} {'bound us':>10} {'eff':>6} {'HBM/min':>8} {'kernels':>8} "
+          f"{'O0 us':>10} {'O2/O0 speed-up':>15} {'compile s':>10}")
+    for name in chosen:
+        model, inputs, dtype = cases[name]
+        model, inputs = model.eval().to(dtype), tuple(x.to(dtype) for x in inputs)
+        program = torch.export.export(model, inputs)
+        results = {}
+        for level in (0, 2):
+            start = time.perf_counter()
+            neff = compile_exported(program, CompileOptions(opt_level=level, name=name)).neff
+            results[level] = _measure(neff, target) | {"compile_s": time.perf_counter() - start}
+        o2, o0 = results[2], results[0]
+        print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.2f} "
+              f"{o2['hbm_ratio']:>8.2f} {o2['kernels']:>8} {o0['time_us']:>10.1f} "
+              f"{o0['time_us'] / o2['time_us']:>15.2f} {o2['compile_s']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
