@@ -231,7 +231,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     slots, temp_count = _assign_slots(body)
     t = em.target
     tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
-    stationary = em.sbuf_pool(a.dtype, tm, bufs=3)
+    k_tiles = -(-k // tk)
+    # The stationary strip of a row block (all its K tiles) stays in SBUF across the N tiles when it
+    # fits a quarter of a partition (twice, so the next strip can load meanwhile).
+    hoist = 2 * k_tiles * tm * a.dtype.itemsize <= em.target.sbuf_bytes_per_partition // 4
+    stationary = em.sbuf_pool(a.dtype, tm, bufs=2 * k_tiles if hoist else 3)
     moving = em.sbuf_pool(b.dtype, tn, bufs=3)
     result = em.sbuf_pool(node.dtype, tn, bufs=2)
     extra_pools = [em.sbuf_pool(x.dtype, tn, bufs=2) for x in extra]
@@ -239,17 +243,22 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
     psum = em.psum_pool()
     ai, bi, ci = a.dtype.itemsize, b.dtype.itemsize, node.dtype.itemsize
+    def load_stationary(g, m0, mt, k0, kt):
+        st = stationary.next().ap(kt, mt)
+        a_at = a_offset + g * asb + m0 * asm + k0 * ask
+        em.dma(st, hbm(a.dtype, plan.offset(a) + a_at * ai, ((ask, kt), (asm, mt))))
+        return st
+
     for g in range(batch):
         for m0 in range(0, m, tm):
             mt = min(tm, m - m0)
+            strip = [load_stationary(g, m0, mt, k0, min(tk, k - k0)) for k0 in range(0, k, tk)] if hoist else None
             for n0 in range(0, n, tn):
                 nt = min(tn, n - n0)
                 acc = psum.next().ap(mt, nt)
                 for k0 in range(0, k, tk):
                     kt = min(tk, k - k0)
-                    st = stationary.next().ap(kt, mt)
-                    a_at = a_offset + g * asb + m0 * asm + k0 * ask
-                    em.dma(st, hbm(a.dtype, plan.offset(a) + a_at * ai, ((ask, kt), (asm, mt))))
+                    st = strip[k0 // tk] if hoist else load_stationary(g, m0, mt, k0, kt)
                     mv = moving.next().ap(kt, nt)
                     b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
                     em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
