@@ -232,8 +232,8 @@ def _sized_program(name: str, nbytes: int) -> Neff:
 
 def test_programs_share_their_cores_hbm_and_one_that_does_not_fit_is_refused_saying_what_holds_it():
     core = NeuronCore(TINY_HBM)
-    a, b = core.load(_sized_program("a", 400)), core.load(_sized_program("b", 400))
-    assert core.memory_allocated() == 800
+    loaded = [core.load(_sized_program("a", 400)), core.load(_sized_program("b", 400))]  # held: dropping frees
+    assert core.memory_allocated() == 800 and all(p.loaded for p in loaded)
 
     with pytest.raises(DeviceOutOfMemoryError) as err:
         core.load(_sized_program("c", 400))

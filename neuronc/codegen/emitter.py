@@ -97,9 +97,11 @@ class Emitter:
         self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
                                              debug=kernel.debug, **fields))
 
-    def dma(self, dst: AccessPattern, src: AccessPattern, *, opcode: Opcode = Opcode.DMA_COPY, indices=None) -> None:
+    def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None) -> None:
         """A DMA on the next queue (round robin); with `indices`, an indirect gather of rows."""
         queue = self._dma_turn % self.target.dma_queues
         self._dma_turn += 1
-        operands = (dst, src) if indices is None else (dst, src, indices)
-        self.emit(Opcode.DMA_GATHER if indices is not None else opcode, Engine.DMA, *operands, queue=queue)
+        if indices is None:
+            self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
+        else:
+            self.emit(Opcode.DMA_GATHER, Engine.DMA, dst, src, indices, queue=queue)
