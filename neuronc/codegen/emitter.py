@@ -6,6 +6,7 @@ compute on this one), the round-robin choice of DMA queue, and the kernel/debug 
 """
 from __future__ import annotations
 
+from neuronc.codegen.sync import SBUF_PAGE_BYTES
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, DType, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import DebugLoc, KernelInfo
@@ -44,7 +45,9 @@ class Pool:
 
 
 class Emitter:
-    SLOT_ALIGNMENT = 64  # bytes; every tile slot starts aligned
+    # Tile slots start on the sync pass's tracking pages: two slots never share a page, so the sync
+    # pass sees no false dependency between them.
+    SLOT_ALIGNMENT = SBUF_PAGE_BYTES
 
     def __init__(self, target: Target):
         self.target = target

@@ -10,7 +10,8 @@ from neuronc import ir
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
+from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
@@ -231,37 +232,57 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     slots, temp_count = _assign_slots(body)
     t = em.target
     tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
-    k_tiles = -(-k // tk)
-    # The stationary strip of a row block (all its K tiles) stays in SBUF across the N tiles when it
-    # fits a quarter of a partition (twice, so the next strip can load meanwhile).
-    hoist = 2 * k_tiles * tm * a.dtype.itemsize <= em.target.sbuf_bytes_per_partition // 4
-    stationary = em.sbuf_pool(a.dtype, tm, bufs=2 * k_tiles if hoist else 3)
-    moving = em.sbuf_pool(b.dtype, tn, bufs=3)
+    k_tiles, m_tiles, n_tiles = -(-k // tk), -(-m // tm), -(-n // tn)
+    # One operand's strip (all K tiles of a row block of A, or of a column block of B) stays in SBUF
+    # across the other's blocks, double-buffered, when it fits a quarter of a partition. Which one:
+    # the order whose operand loads cost less, priced by the instruction cost model (a transposed
+    # stationary load costs more than a moving one of the same size).
+    # TODO(issue 4): this tiling choice belongs in a pass of its own, beside passes/cost_model.py.
+    budget = em.target.sbuf_bytes_per_partition // 4
+    fits = {"rows": 2 * k_tiles * tm * a.dtype.itemsize <= budget, "cols": 2 * k_tiles * tn * b.dtype.itemsize <= budget}
+    st_ns = _dma_ns(em, a.dtype, ((ask, min(tk, k)), (asm, min(tm, m))))
+    mv_ns = _dma_ns(em, b.dtype, ((bsk, min(tk, k)), (bsn, min(tn, n))))
+    tiles = m_tiles * n_tiles * k_tiles
+    cost = {"rows": m_tiles * k_tiles * st_ns + tiles * mv_ns, "cols": n_tiles * k_tiles * mv_ns + tiles * st_ns}
+    order = min((o for o in cost if fits[o]), key=cost.get, default=None)
+    stationary = em.sbuf_pool(a.dtype, tm, bufs=2 * k_tiles if order == "rows" else 3)
+    moving = em.sbuf_pool(b.dtype, tn, bufs=2 * k_tiles if order == "cols" else 3)
     result = em.sbuf_pool(node.dtype, tn, bufs=2)
     extra_pools = [em.sbuf_pool(x.dtype, tn, bufs=2) for x in extra]
     temps = [em.sbuf_pool(DType.F32, tn * 2, bufs=2) for _ in range(temp_count)]  # room for 8-byte dtypes
     constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
     psum = em.psum_pool()
     ai, bi, ci = a.dtype.itemsize, b.dtype.itemsize, node.dtype.itemsize
-    def load_stationary(g, m0, mt, k0, kt):
+
+    def load_stationary(g, m0, k0):
+        mt, kt = min(tm, m - m0), min(tk, k - k0)
         st = stationary.next().ap(kt, mt)
         a_at = a_offset + g * asb + m0 * asm + k0 * ask
         em.dma(st, hbm(a.dtype, plan.offset(a) + a_at * ai, ((ask, kt), (asm, mt))))
         return st
 
+    def load_moving(g, n0, k0):
+        nt, kt = min(tn, n - n0), min(tk, k - k0)
+        mv = moving.next().ap(kt, nt)
+        b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
+        em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
+        return mv
+
     for g in range(batch):
-        for m0 in range(0, m, tm):
-            mt = min(tm, m - m0)
-            strip = [load_stationary(g, m0, mt, k0, min(tk, k - k0)) for k0 in range(0, k, tk)] if hoist else None
-            for n0 in range(0, n, tn):
-                nt = min(tn, n - n0)
+        outer, inner = (range(0, m, tm), range(0, n, tn)) if order != "cols" else (range(0, n, tn), range(0, m, tm))
+        for o0 in outer:
+            strip = None
+            if order == "rows":
+                strip = [load_stationary(g, o0, k0) for k0 in range(0, k, tk)]
+            elif order == "cols":
+                strip = [load_moving(g, o0, k0) for k0 in range(0, k, tk)]
+            for i0 in inner:
+                m0, n0 = (i0, o0) if order == "cols" else (o0, i0)
+                mt, nt = min(tm, m - m0), min(tn, n - n0)
                 acc = psum.next().ap(mt, nt)
                 for k0 in range(0, k, tk):
-                    kt = min(tk, k - k0)
-                    st = strip[k0 // tk] if hoist else load_stationary(g, m0, mt, k0, kt)
-                    mv = moving.next().ap(kt, nt)
-                    b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
-                    em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
+                    st = strip[k0 // tk] if order == "rows" else load_stationary(g, m0, k0)
+                    mv = strip[k0 // tk] if order == "cols" else load_moving(g, n0, k0)
                     em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
                 loaded = {0: acc}
                 for j, (x, pool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
@@ -271,6 +292,13 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], result.next(), (mt, nt),
                                  constants, node.loc)
                 em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
+
+
+def _dma_ns(em: Emitter, dtype: DType, dims) -> float:
+    """What the cost model charges for one HBM -> SBUF load of this pattern."""
+    src = hbm(dtype, 0, dims)
+    dst = AccessPattern(Space.SBUF, dtype, 0, ((1, dims[0][1]), (1, src.free_elements)))
+    return instruction_cost_ns(Instruction(Opcode.DMA_COPY, Engine.DMA, (dst, src)), em.target)
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -290,9 +318,9 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
     widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
-    tiles = 3 * len(node.inputs) + 2 * temp_count + 3 + 3
+    tiles = 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6  # + body outputs, constants, accumulators
     chunk = min(tile_free_elements(em, DType.F32),
-                (em.target.sbuf_bytes_per_partition // tiles - em.SLOT_ALIGNMENT - 8 * 64) // widest)
+                (em.target.sbuf_bytes_per_partition // tiles - 2 * em.SLOT_ALIGNMENT) // widest)
     pools = [em.sbuf_pool(x.dtype, chunk, bufs=3) for x in node.inputs]
     temps = [em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
     body_out = em.sbuf_pool(reduced_dtype, chunk, bufs=3) if body else None
