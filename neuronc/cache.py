@@ -19,10 +19,10 @@ import hashlib
 import json
 import os
 import shlex
-import tempfile
 import time
 
 from neuronc import __version__
+from neuronc.atomic_file import write_atomically
 from neuronc.errors import NeffFormatError, NeuronConfigError
 
 ENTRY_SUFFIX = ".neff"
@@ -138,7 +138,7 @@ class CompileCache:
             self.remove(key)
             return None
         meta["last_used"] = time.time()
-        _write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
         return neff
 
     def put(self, key: str, neff) -> str:
@@ -150,8 +150,8 @@ class CompileCache:
         now = time.time()
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
                 "name": neff.name, "target": neff.target, "versions": _versions()}
-        _write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
-        _write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
+        write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
         return path
 
     def remove(self, key: str) -> None:
@@ -199,17 +199,3 @@ class CompileCache:
                 self.remove(entry.key)
                 removed.append(entry)
         return removed
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise

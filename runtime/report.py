@@ -17,11 +17,11 @@ import dataclasses
 import math
 from html import escape
 
+from neuronc.atomic_file import write_atomically
 from neuronc.isa import Engine
 from neuronc.neff.program import Neff
 from runtime.timeline import Timeline
-from runtime.trace import (ENGINE_NAMES, debug_loc_of, kernel_of, source_line, stream_name, streams_of,
-                           write_text_atomically)
+from runtime.trace import ENGINE_NAMES, debug_loc_of, kernel_of, source_line, stream_name, streams_of
 
 # Drawing choices (SVG user units, which are CSS pixels at the page's natural width).
 SVG_WIDTH = 1280
@@ -162,7 +162,7 @@ def html_report(neff: Neff, timeline: Timeline) -> str:
 
 def write_html_report(neff: Neff, timeline: Timeline, path) -> None:
     """Write :func:`html_report` to ``path`` (atomically)."""
-    write_text_atomically(path, html_report(neff, timeline))
+    write_atomically(path, html_report(neff, timeline))
 
 
 def _header(neff: Neff, timeline: Timeline) -> str:

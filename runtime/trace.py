@@ -13,9 +13,8 @@ Names and lane order are shared with the HTML report (:mod:`runtime.report`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
+from neuronc.atomic_file import write_atomically
 from neuronc.isa import Engine
 from neuronc.neff.program import Neff
 from runtime.timeline import Timeline
@@ -107,22 +106,6 @@ def chrome_trace(neff: Neff, timeline: Timeline) -> dict:
     }
 
 
-def write_text_atomically(path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory, so readers never see half a file."""
-    path = os.fspath(path)
-    directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_chrome_trace(neff: Neff, timeline: Timeline, path) -> None:
     """Write :func:`chrome_trace` as JSON to ``path`` (atomically)."""
-    write_text_atomically(path, json.dumps(chrome_trace(neff, timeline)))
+    write_atomically(path, json.dumps(chrome_trace(neff, timeline)))

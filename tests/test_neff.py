@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neuronc import atomic_file
 from neuronc.errors import NeffFormatError
 from neuronc.isa import ARITY, AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff import decode, encode, load, regenerate, save, verifier, writer
@@ -262,7 +263,7 @@ def test_a_save_that_fails_midway_leaves_the_old_file_and_no_temporary_file(tmp_
     def crash(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(writer.os, "fsync", crash)
+    monkeypatch.setattr(atomic_file.os, "fsync", crash)  # save writes through neuronc.atomic_file
     with pytest.raises(OSError, match="disk full"):
         save(Neff("other", "trn1", [], {}, 0), path)
     assert path.read_bytes() == before

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import secrets
 import struct
 
 import flatbuffers
 import numpy as np
 
+from neuronc.atomic_file import write_atomically
 from neuronc.errors import NeffFormatError
 from neuronc.neff.generated import AccessPattern as fb_operand
 from neuronc.neff.generated import DebugLoc as fb_debug_loc
@@ -46,20 +45,7 @@ def encode(neff: Neff) -> bytes:
 
 def save(neff: Neff, path) -> None:
     """Write `neff` to `path`. Atomic: readers (and a crash) see the old file or the new one, never part."""
-    data = encode(neff)
-    path = os.fspath(path)
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"  # same directory, so os.replace is a rename
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, encode(neff))
 
 
 def _encode_file(neff: Neff, program: bytes, content_hash: str) -> bytes:
