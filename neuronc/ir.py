@@ -177,6 +177,14 @@ class Graph:
             new[node] = replacement
         return Graph([new[p] for p in self.params], [new[o] for o in self.outputs], self.name)
 
+    def consumers(self) -> dict:
+        """node -> the set of nodes that read it."""
+        readers: dict = {}
+        for n in self.nodes():
+            for i in n.inputs:
+                readers.setdefault(i, set()).add(n)
+        return readers
+
     def renumbered(self) -> "Graph":
         """The same graph with fresh display ids (for graphs built in another process)."""
         for node in self.nodes():
@@ -188,6 +196,13 @@ class Graph:
         lines += [f"  {n!r}" for n in self.nodes()]
         lines.append("  return " + ", ".join(f"%{o.id}" for o in self.outputs))
         return "\n".join(lines)
+
+
+def unreshaped(node: Node) -> Node:
+    """The value a chain of RESHAPEs (aliases of the same bytes) starts from."""
+    while node.op is Op.RESHAPE:
+        node = node.inputs[0]
+    return node
 
 
 def node(op: Op, inputs, shape, dtype: DType, loc: DebugLoc | None = None, **attrs) -> Node:

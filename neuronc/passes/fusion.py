@@ -20,12 +20,19 @@ MAX_STEPS = 64
 MAX_INPUTS = 8
 
 
+def _private_chain(reader, x, consumers: dict, outputs: set) -> list | None:
+    """[x, the reshapes under it..., the value they reshape] when each link is read by the next
+    one only (the first by `reader`) and none is an output; else None."""
+    chain = [x]
+    while chain[-1].op is Op.RESHAPE:
+        chain.append(chain[-1].inputs[0])
+    private = all(consumers.get(c) == {r} for c, r in zip(chain, [reader] + chain))
+    return chain if private and not any(c in outputs for c in chain) else None
+
+
 def _groups(graph: ir.Graph) -> dict:
     """node -> the root of its fusion group (elementwise nodes only)."""
-    consumers: dict = {}
-    for n in graph.nodes():
-        for i in n.inputs:
-            consumers.setdefault(i, set()).add(n)
+    consumers = graph.consumers()
     outputs = set(graph.outputs)
     root_of, size = {}, {}
     for n in reversed(graph.nodes()):
@@ -135,23 +142,15 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
 
 
 def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
-    consumers: dict = {}
-    for n in graph.nodes():
-        for i in n.inputs:
-            consumers.setdefault(i, set()).add(n)
+    consumers = graph.consumers()
     outputs = set(graph.outputs)
 
     def product(node, position):
         """The MATMUL whose value input `position` of `node` is, if `node` is its only reader."""
-        chain = [node.inputs[position]]  # the input, the reshapes under it, and what they reshape
-        while chain[-1].op is Op.RESHAPE:
-            chain.append(chain[-1].inputs[0])
-        m = chain[-1]
-        readers_ok = all(consumers.get(c) == {reader} for c, reader in zip(chain, [node] + chain))
+        chain = _private_chain(node, node.inputs[position], consumers, outputs)
         views = node.attrs.get("views") or (None,) * len(node.inputs)
-        if (m.op is Op.MATMUL and readers_ok
-                and not any(c in outputs for c in chain) and views[position] is None):
-            return m
+        if chain is not None and chain[-1].op is Op.MATMUL and views[position] is None:
+            return chain[-1]
         return None
 
     def fold(node, inputs):
@@ -160,9 +159,7 @@ def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
         position = next((p for p in range(len(node.inputs)) if product(node, p) is not None), None)
         if position is None:
             return None
-        matmul = inputs[position]
-        while matmul.op is Op.RESHAPE:
-            matmul = matmul.inputs[0]
+        matmul = ir.unreshaped(inputs[position])
         views = node.attrs.get("views") or (None,) * len(node.inputs)
         body = ir.body_of(node)
         read = {a[1] for step in body for a in step.args if a[0] == "input"}
@@ -213,23 +210,16 @@ def fuse_reduction_prologues(graph: ir.Graph) -> ir.Graph:
     """A reduction reads its [R, C] operand through the operand's producer: an elementwise group
     (computed tile by tile before the reduce, never stored) or a strided view (a transposed or
     windowed operand, read in place)."""
-    consumers: dict = {}
-    for n in graph.nodes():
-        for i in n.inputs:
-            consumers.setdefault(i, set()).add(n)
+    consumers = graph.consumers()
     outputs = set(graph.outputs)
 
     def fold(node, inputs):
         if node.op is not Op.REDUCE_LAST or "cols" in node.attrs:
             return None
-        chain, new = [node.inputs[0]], inputs[0]
-        while chain[-1].op is Op.RESHAPE:
-            chain.append(chain[-1].inputs[0])
-            new = new.inputs[0]
-        if any(c in outputs for c in chain) or any(
-                consumers.get(c) != {reader} for c, reader in zip(chain, [node] + chain)):
+        chain = _private_chain(node, node.inputs[0], consumers, outputs)
+        if chain is None:
             return None
-        producer = chain[-1]
+        producer, new = chain[-1], ir.unreshaped(inputs[0])
         rows, cols = node.inputs[0].shape
         if producer.op in ir.ELEMENTWISE | {Op.FUSED}:
             body = ir.body_of(new)

@@ -315,9 +315,7 @@ def _outputs_own_buffers(graph: ir.Graph) -> ir.Graph:
     another output (a RESHAPE aliases its operand)."""
     outputs, seen = [], set()
     for out in graph.outputs:
-        root = out
-        while root.op is Op.RESHAPE:
-            root = root.inputs[0]
+        root = ir.unreshaped(out)
         if root.op in (Op.PARAMETER, Op.CONSTANT) or root in seen:
             out = ir.node(Op.VIEW, [out], out.shape, out.dtype, out.loc, offset=0, strides=dense_strides(out.shape))
             root = out

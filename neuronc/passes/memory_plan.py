@@ -37,18 +37,12 @@ def _needs_buffer(node: ir.Node, consumers: dict, outputs: set) -> bool:
 
 def plan_memory(graph: ir.Graph) -> MemoryPlan:
     nodes = graph.nodes()
-    consumers: dict = {}
-    for n in nodes:
-        for i in n.inputs:
-            consumers.setdefault(i, []).append(n)
+    consumers = graph.consumers()
     # An output that reshapes a value is that value's bytes: the value is placed in the output.
     # (legalize guarantees that each output's root is its own, not a parameter or constant.)
     output_index = {}
     for i, o in enumerate(graph.outputs):
-        root = o
-        while root.op is Op.RESHAPE:
-            root = root.inputs[0]
-        output_index[root] = (i, o)
+        output_index[ir.unreshaped(o)] = (i, o)
     tensors, placement, cursor = [], {}, 0
     input_count = 0
     for n in nodes:
