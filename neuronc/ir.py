@@ -111,8 +111,7 @@ def body_of(node: "Node") -> tuple:
         return node.attrs["body"]
     args = []
     for i, x in enumerate(node.inputs):
-        splat = x.op is Op.CONSTANT and x.attrs["value"].ndim == 0
-        args.append(("imm", x.attrs["value"].item()) if splat else ("input", i))
+        args.append(("imm", x.scalar) if x.scalar is not None else ("input", i))
     return (Step(node.op, tuple(args), node.dtype, node.attrs),)
 
 
@@ -133,6 +132,13 @@ class Node:
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    @property
+    def scalar(self):
+        """The value of a constant stored as one scalar (a splat or a 0-d constant), else None."""
+        if self.op is Op.CONSTANT and self.attrs["value"].ndim == 0:
+            return self.attrs["value"].item()
+        return None
 
     @property
     def is_splat(self) -> bool:

@@ -40,11 +40,6 @@ def tile_free_elements(em: Emitter, dtype: DType) -> int:
     return min(em.target.max_free_elements_sbuf, per_slot // max(dtype.itemsize, DType.F32.itemsize))
 
 
-def _scalar(node: Node):
-    value = node.attrs["value"]
-    return value.item() if value.ndim == 0 else None
-
-
 # elementwise -----------------------------------------------------------------------------------
 
 
@@ -190,7 +185,7 @@ def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> No
 
 
 def splat_constant(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    fill(em, node.dtype, plan.offset(node), node.size, float(_scalar(node)))
+    fill(em, node.dtype, plan.offset(node), node.size, float(node.scalar))
 
 
 def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:

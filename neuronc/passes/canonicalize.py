@@ -148,9 +148,7 @@ def _identity_operand(node, inputs):
     """The operand that `node` passes through unchanged (x + 0, x * 1, ...), or None."""
     for position, identity in _IDENTITIES.get(node.op, ()):
         constant, other = inputs[position], inputs[1 - position]
-        if (constant.op is Op.CONSTANT and constant.attrs["value"].ndim == 0
-                and constant.attrs["value"].item() == identity
-                and other.shape == node.shape and other.dtype == node.dtype):
+        if constant.scalar == identity and other.shape == node.shape and other.dtype == node.dtype:
             return other
     return None
 
@@ -190,17 +188,11 @@ def simplify(graph: ir.Graph) -> ir.Graph:
 # coefficients are exactly XLA's.
 
 
-def _splat(node):
-    if node.op is Op.CONSTANT and node.attrs["value"].ndim == 0:
-        return float(node.attrs["value"].item())
-    return None
-
-
 def _horner(node, x2) -> list | None:
     """Coefficients (highest power first) if `node` is c0*x2 (+c1)*x2 (+c2)... evaluated by Horner."""
     if node.op is Op.ADD:
         for inner, constant in (node.inputs, node.inputs[::-1]):
-            c = _splat(constant)
+            c = constant.scalar
             if c is not None and inner.op is Op.MULTIPLY:
                 head = _horner_product(inner, x2)
                 if head is not None:
@@ -216,7 +208,7 @@ def _horner_product(node, x2) -> list | None:
     other = b if a is x2 else a if b is x2 else None
     if other is None:
         return None
-    c = _splat(other)
+    c = other.scalar
     return [c] if c is not None else _horner(other, x2)
 
 
@@ -231,7 +223,7 @@ def raise_erf(graph: ir.Graph) -> ir.Graph:
 
     def fold(node, inputs):
         if node.op is Op.CLAMP and inputs[1].op is Op.ERF:
-            low, high = _splat(inputs[0]), _splat(inputs[2])
+            low, high = inputs[0].scalar, inputs[2].scalar
             if low is not None and high is not None and low <= -1 and high >= 1:
                 return inputs[1]
         if node.op is not Op.DIVIDE or inputs[0].op is not Op.MULTIPLY:
@@ -240,7 +232,7 @@ def raise_erf(graph: ir.Graph) -> ir.Graph:
         for x, p in (numerator.inputs, numerator.inputs[::-1]):
             x2 = _square_in(p, x)
             if x2 is not None and _matches(_horner(p, x2), ERF_F32_P) and _matches(_horner(denominator, x2), ERF_F32_Q):
-                if x.op is Op.CLAMP and _splat(x.inputs[0]) == -ERF_F32_CLAMP and _splat(x.inputs[2]) == ERF_F32_CLAMP:
+                if x.op is Op.CLAMP and x.inputs[0].scalar == -ERF_F32_CLAMP and x.inputs[2].scalar == ERF_F32_CLAMP:
                     x = x.inputs[1]
                 return ir.node(Op.ERF, [x], node.shape, node.dtype, node.loc)
         return None
@@ -255,7 +247,7 @@ def raise_gelu(graph: ir.Graph) -> ir.Graph:
     def half_of(node):
         if node.op is Op.MULTIPLY:
             for x, c in (node.inputs, node.inputs[::-1]):
-                if _splat(c) == 0.5:
+                if c.scalar == 0.5:
                     return x
         return None
 
@@ -263,9 +255,9 @@ def raise_gelu(graph: ir.Graph) -> ir.Graph:
         if node.op is not Op.ADD:
             return None
         for e, one in (node.inputs, node.inputs[::-1]):
-            if _splat(one) == 1.0 and e.op is Op.ERF and e.inputs[0].op is Op.MULTIPLY:
+            if one.scalar == 1.0 and e.op is Op.ERF and e.inputs[0].op is Op.MULTIPLY:
                 for x, c in (e.inputs[0].inputs, e.inputs[0].inputs[::-1]):
-                    k = _splat(c)
+                    k = c.scalar
                     if k is not None and abs(k - math.sqrt(0.5)) <= 1e-6:
                         return x
         return None

@@ -79,8 +79,8 @@ def fuse_elementwise(graph: ir.Graph) -> ir.Graph:
             for old, new in zip(m.inputs, new_inputs[m]):
                 if old in position:
                     args.append(("step", position[old]))
-                elif new.op is Op.CONSTANT and new.attrs["value"].ndim == 0:
-                    args.append(("imm", new.attrs["value"].item()))
+                elif new.scalar is not None:
+                    args.append(("imm", new.scalar))
                 else:
                     args.append(external(new))
             steps.append(Step(m.op, tuple(args), m.dtype, m.attrs))
