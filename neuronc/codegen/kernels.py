@@ -34,6 +34,13 @@ COMPARISONS = {"EQ": AluOp.EQ, "NE": AluOp.NE, "LT": AluOp.LT, "LE": AluOp.LE, "
 REDUCTIONS = {"add": AluOp.ADD, "max": AluOp.MAX, "min": AluOp.MIN, "and": AluOp.MIN, "or": AluOp.MAX}
 
 
+def _free_for(em: Emitter, slots: int, widest: int) -> int:
+    """Elements per partition of each tile when `slots` tiles of up to `widest` bytes an element
+    share the partition (each slot rounded up to the emitter's alignment), at most a default tile."""
+    slot_bytes = em.target.sbuf_bytes_per_partition // slots - em.SLOT_ALIGNMENT  # room for rounding up
+    return min(tile_free_elements(em, DType.F32), slot_bytes // widest)
+
+
 def tile_free_elements(em: Emitter, dtype: DType) -> int:
     """Elements per partition of one tile, so that a kernel's tile slots fit in SBUF."""
     per_slot = em.target.sbuf_bytes_per_partition // SLOTS_PER_KERNEL
@@ -81,9 +88,7 @@ def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
     widest = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]
                  + [node.inputs[i].dtype.itemsize for i in used])
-    tiles = 3 * len(used) + 2 * temp_count + 3 + (3 if needs_constants else 0)
-    slot_bytes = em.target.sbuf_bytes_per_partition // tiles - em.SLOT_ALIGNMENT  # room for rounding up
-    free = min(tile_free_elements(em, DType.F32), slot_bytes // widest)
+    free = _free_for(em, 3 * len(used) + 2 * temp_count + 3 + (3 if needs_constants else 0), widest)
     inputs = {i: em.sbuf_pool(node.inputs[i].dtype, free, bufs=3) for i in used}
     temps = [em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
     out_pool = em.sbuf_pool(node.dtype, free, bufs=3)
@@ -247,21 +252,21 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     temps = [em.sbuf_pool(DType.F32, tn * 2, bufs=2) for _ in range(temp_count)]  # room for 8-byte dtypes
     constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
     psum = em.psum_pool()
-    ai, bi, ci = a.dtype.itemsize, b.dtype.itemsize, node.dtype.itemsize
+    ci = node.dtype.itemsize
+
+    def load(pool, x, element, dims):
+        """A [rows, cols] tile of x starting at `element`, rows and cols strided as `dims` say."""
+        tile = pool.next().ap(dims[0][1], dims[1][1])
+        em.dma(tile, hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize, dims))
+        return tile
 
     def load_stationary(g, m0, k0):
-        mt, kt = min(tm, m - m0), min(tk, k - k0)
-        st = stationary.next().ap(kt, mt)
-        a_at = a_offset + g * asb + m0 * asm + k0 * ask
-        em.dma(st, hbm(a.dtype, plan.offset(a) + a_at * ai, ((ask, kt), (asm, mt))))
-        return st
+        return load(stationary, a, a_offset + g * asb + m0 * asm + k0 * ask,
+                    ((ask, min(tk, k - k0)), (asm, min(tm, m - m0))))
 
     def load_moving(g, n0, k0):
-        nt, kt = min(tn, n - n0), min(tk, k - k0)
-        mv = moving.next().ap(kt, nt)
-        b_at = b_offset + g * bsb + k0 * bsk + n0 * bsn
-        em.dma(mv, hbm(b.dtype, plan.offset(b) + b_at * bi, ((bsk, kt), (bsn, nt))))
-        return mv
+        return load(moving, b, b_offset + g * bsb + k0 * bsk + n0 * bsn,
+                    ((bsk, min(tk, k - k0)), (bsn, min(tn, n - n0))))
 
     for g in range(batch):
         outer, inner = (range(0, m, tm), range(0, n, tn)) if order != "cols" else (range(0, n, tn), range(0, m, tm))
@@ -281,9 +286,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
                 loaded = {0: acc}
                 for j, (x, pool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
-                    loaded[j] = pool.next().ap(mt, nt)
-                    at = offset + g * sb + m0 * sm + n0 * sn
-                    em.dma(loaded[j], hbm(x.dtype, plan.offset(x) + at * x.dtype.itemsize, ((sm, mt), (sn, nt))))
+                    loaded[j] = load(pool, x, offset + g * sb + m0 * sm + n0 * sn, ((sm, mt), (sn, nt)))
                 out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], result.next(), (mt, nt),
                                  constants, node.loc)
                 em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
@@ -313,9 +316,8 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
     widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
-    tiles = 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6  # + body outputs, constants, accumulators
-    chunk = min(tile_free_elements(em, DType.F32),
-                (em.target.sbuf_bytes_per_partition // tiles - 2 * em.SLOT_ALIGNMENT) // widest)
+    # inputs, temporaries, body outputs, constants, and the six [rows, 1] accumulator tiles
+    chunk = _free_for(em, 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6, widest)
     pools = [em.sbuf_pool(x.dtype, chunk, bufs=3) for x in node.inputs]
     temps = [em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
     body_out = em.sbuf_pool(reduced_dtype, chunk, bufs=3) if body else None
