@@ -18,11 +18,11 @@ import functools
 import hashlib
 import json
 import os
-import shlex
 import time
 
 from neuronc import __version__
 from neuronc.atomic_file import write_atomically
+from neuronc.cc_flags import cc_flags, flag_value
 from neuronc.errors import NeffFormatError, NeuronConfigError
 
 ENTRY_SUFFIX = ".neff"
@@ -72,7 +72,7 @@ def cache_key(stablehlo: str, options: dict, weights: dict | None = None) -> str
 
 def cache_settings() -> tuple:
     """(enabled, directory) from NEURON_COMPILE_CACHE_URL and NEURON_CC_FLAGS."""
-    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    flags = cc_flags()
     if "--no_cache" in flags:
         return False, None
     url = os.environ.get("NEURON_COMPILE_CACHE_URL", "")
@@ -81,11 +81,9 @@ def cache_settings() -> tuple:
             raise NeuronConfigError(f"NEURON_COMPILE_CACHE_URL={url}: only local directories are supported",
                                     hint="set it to a directory path (or file:///path)")
         return True, url.removeprefix("file://")
-    for i, flag in enumerate(flags):
-        if flag.startswith("--cache_dir="):
-            return True, flag.split("=", 1)[1]
-        if flag == "--cache_dir" and i + 1 < len(flags):
-            return True, flags[i + 1]
+    directory = flag_value(flags, "cache_dir")
+    if directory is not None:
+        return True, directory
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return True, os.path.join(base, "neuronc")
 

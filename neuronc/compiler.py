@@ -10,10 +10,10 @@ import dataclasses
 import logging
 import os
 import re
-import shlex
 import time
 
 from neuronc import debug_dir, ir
+from neuronc.cc_flags import cc_flags, flag_value
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
@@ -48,19 +48,14 @@ class CompileOptions:
 
 def flags_from_env() -> dict:
     """Options from NEURON_CC_FLAGS (`--target trn1 -O1`), the real toolchain's convention."""
-    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    flags = cc_flags()
     options: dict = {}
-    i = 0
-    while i < len(flags):
-        flag = flags[i]
+    for flag in flags:
         if re.fullmatch(r"-O[0-3]", flag):
             options["opt_level"] = int(flag[2])
-        elif flag.startswith("--target="):
-            options["target"] = flag.split("=", 1)[1]
-        elif flag == "--target" and i + 1 < len(flags):
-            options["target"] = flags[i + 1]
-            i += 1
-        i += 1
+    target = flag_value(flags, "target")
+    if target is not None:
+        options["target"] = target
     return options
 
 
