@@ -82,12 +82,10 @@ def transpose(x: Node, perm, loc=None) -> Node:
 
 
 def splat_value(node: Node):
-    """The scalar value of a constant whose elements are all equal, else None."""
-    if node.op is not Op.CONSTANT:
-        return None
+    """The value of a constant holding one value (a splat, or any one-element tensor), else None."""
+    if node.scalar is not None or node.op is not Op.CONSTANT:
+        return node.scalar
     value = node.attrs["value"]
-    if value.ndim == 0:
-        return value.item()
     return value.reshape(-1)[0].item() if value.size == 1 else None
 
 
