@@ -8,8 +8,9 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   ("16 engines, ~27 GiB/s each"). Bandwidth is halved when either operand's innermost dimension is
   not element-contiguous (TRAINIUM.md: "an innermost stride above 16 bytes halves bandwidth"; we
   take any non-unit element stride, which is what the DMA descriptors see as a gather/scatter).
-* DMA_GATHER — an indirect DMA: one issue, and its bytes at half a queue's bandwidth since the
-  rows come from scattered addresses (as a strided DMA).
+* DMA_GATHER / DMA_SCATTER — an indirect DMA: one issue, and its bytes at half a queue's bandwidth since
+  the rows come from (or go to) scattered addresses, as a strided DMA; a scatter that adds moves each
+  row twice (read, then write).
 * MATMUL — "initiation interval about max(N, 64) cycles" of the Tensor engine clock, N being the
   moving operand's free size; "fp32 operands run at 1/4 of the bf16 rate".
 * Vector / Scalar / GpSimd — "about N cycles for N elements per partition with one input, about 2N
@@ -19,7 +20,7 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
 """
 from __future__ import annotations
 
-from neuronc.isa import DType, Engine, Instruction, Opcode
+from neuronc.isa import AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.targets import Target
 
 
@@ -60,13 +61,16 @@ def _elementwise_ns(instr: Instruction, target: Target) -> float:
     return cycles / _CLOCK_GHZ[instr.engine](target)
 
 
-def _gather_ns(instr: Instruction, target: Target) -> float:
-    """An indirect DMA: one issue, rows fetched from scattered addresses (half bandwidth)."""
-    dst = instr.dst
-    return target.dma_fixed_ns + dst.num_elements * dst.dtype.itemsize / (target.dma_gbps_per_queue / 2)
+def _indirect_ns(instr: Instruction, target: Target) -> float:
+    """An indirect DMA: one issue, rows moved to or from scattered addresses (half bandwidth); a scatter
+    that adds reads each row before writing it (twice the traffic)."""
+    rows = next(ap for ap in instr.operands[:2] if ap.space != Space.HBM)
+    traffic = 2 if instr.alu == AluOp.ADD else 1
+    return target.dma_fixed_ns + traffic * rows.num_elements * rows.dtype.itemsize / (target.dma_gbps_per_queue / 2)
 
 
-_COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _gather_ns}
+_COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,
+         Opcode.DMA_SCATTER: _indirect_ns}
 
 
 def instruction_cost_ns(instr: Instruction, target: Target) -> float:

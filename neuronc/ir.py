@@ -73,11 +73,18 @@ class Op(enum.Enum):
     REDUCE_WINDOW = enum.auto()  # (x, init); attrs: window, strides, padding, kind
     DOT_GENERAL = enum.auto()  # attrs: lhs_batch, rhs_batch, lhs_contract, rhs_contract
     CONVOLUTION = enum.auto()  # attrs: strides, padding, lhs_dilation, rhs_dilation, groups, layouts
-    GATHER = enum.auto()  # (table [V, ...], indices [...]) -> [..., table row]: whole rows by index
+    # StableHLO's gather/scatter, normalised (see passes/indexing.py). attrs: window_dims (result/updates dims of the
+    # window), dropped_dims (operand dims without one), operand_batching_dims, indices_batching_dims, index_map
+    # (operand dim of each index component), index_vector_dim, window (size per operand dim); SCATTER also
+    # combine ("add" | "replace")
+    GATHER = enum.auto()  # (operand, indices)
+    SCATTER = enum.auto()  # (operand, indices, updates)
     # kernel-level ops, produced by the legalize pass
     VIEW = enum.auto()  # copy of a strided view of the operand's dense buffer; attrs: offset, strides
     MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]; attrs: k, views (per operand, or None)
     REDUCE_LAST = enum.auto()  # [R, C] -> [R], attrs: kind
+    GATHER_ROWS = enum.auto()  # (table [V, W], rows [N]) -> [N, W]
+    SCATTER_ROWS = enum.auto()  # (base [V, W], rows [N], updates [N, W]) -> base with rows replaced/added; attrs: combine
     FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
 
 

@@ -35,6 +35,12 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            table is an HBM pattern whose dims[0] = (row stride, rows)
                                            bounds the rows; indices is an integer [p, 1] SBUF tile;
                                            an index outside [0, rows) is an error, not a wrap.
+``DMA_SCATTER(table, src, indices)``       table[indices[p, 0], ...] = src[p, ...], or += with ``alu`` ADD
+                                           (an indirect DMA writing rows; ADD is an atomic read-modify-write,
+                                           so repeated indices accumulate, as NKI's ``atomic_rmw``). With
+                                           repeated indices and no ALU, the last partition's row wins.
+                                           table is an HBM pattern like DMA_GATHER's; it is read as well as
+                                           written (rows no index names keep their values).
 
 Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their own type) and
 rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
@@ -134,6 +140,7 @@ class Opcode(enum.IntEnum):
     MEMSET = 8
     IOTA = 9
     DMA_GATHER = 10
+    DMA_SCATTER = 11
 
 
 # Operand count of each opcode (dst included).
@@ -149,6 +156,7 @@ ARITY = {
     Opcode.MEMSET: 1,
     Opcode.IOTA: 1,
     Opcode.DMA_GATHER: 3,
+    Opcode.DMA_SCATTER: 3,
 }
 
 
@@ -276,3 +284,10 @@ class Instruction:
     @property
     def srcs(self) -> tuple:
         return self.operands[1:]
+
+    @property
+    def reads(self) -> tuple:
+        """The operands the instruction reads: its sources, and its destination when it updates it in place
+        (a matmul accumulating into PSUM, a scatter writing some rows of its table)."""
+        updates_dst = (self.opcode == Opcode.MATMUL and self.accumulate) or self.opcode == Opcode.DMA_SCATTER
+        return self.operands if updates_dst else self.operands[1:]

@@ -44,7 +44,7 @@ import numpy as np
 
 from neuronc.errors import InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import instruction_cost_ns
-from neuronc.isa import AccessPattern, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
@@ -97,10 +97,8 @@ def _operand_text(ap: AccessPattern) -> str:
 
 
 def _reads(instr: Instruction) -> tuple:
-    """Positions of the operands an instruction reads: its sources, and its destination when a matmul
-    accumulates into it."""
-    first = 0 if instr.opcode == Opcode.MATMUL and instr.accumulate else 1
-    return tuple(range(first, len(instr.operands)))
+    """Positions of the operands an instruction reads (Instruction.reads)."""
+    return tuple(range(len(instr.operands) - len(instr.reads), len(instr.operands)))
 
 
 def _region(ap: AccessPattern) -> tuple:

@@ -206,14 +206,29 @@ def _iota(instr, dst):
     return values.reshape(dst.shape)
 
 
-def _dma_gather(instr, dst, table, indices):
-    rows = table.shape[0]
+def _row_indices(indices, rows: int) -> np.ndarray:
     index = indices.reshape(-1)
     outside = (index < 0) | (index >= rows)
     if outside.any():
         p = int(np.argmax(outside))
         raise IndexError(f"index {index[p]} (partition {p}) is outside the table's {rows} rows")
-    return table[index.astype(np.intp)]
+    return index.astype(np.intp)
+
+
+def _dma_gather(instr, dst, table, indices):
+    return table[_row_indices(indices, table.shape[0])]
+
+
+def _dma_scatter(instr, table, src, indices):
+    rows = _row_indices(indices, table.shape[0])
+    updated = np.array(table)
+    if instr.alu == AluOp.ADD:  # an atomic read-modify-write: repeated rows accumulate, in fp32 for floats
+        dtype = _compute_dtype(table.dtype, src.dtype)
+        total = updated.astype(dtype)
+        np.add.at(total, rows, src.astype(dtype))
+        return total
+    updated[rows] = src
+    return updated
 
 
 SEMANTICS = {
@@ -228,6 +243,7 @@ SEMANTICS = {
     Opcode.MEMSET: _memset,
     Opcode.IOTA: _iota,
     Opcode.DMA_GATHER: _dma_gather,
+    Opcode.DMA_SCATTER: _dma_scatter,
 }
 
 
@@ -428,6 +444,7 @@ _ELEMENTWISE_ENGINES = frozenset({Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD})
 ENGINES = {
     Opcode.DMA_COPY: frozenset({Engine.DMA}),
     Opcode.DMA_GATHER: frozenset({Engine.DMA}),
+    Opcode.DMA_SCATTER: frozenset({Engine.DMA}),
     Opcode.MATMUL: frozenset({Engine.TENSOR}),
     Opcode.ACTIVATE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
@@ -500,21 +517,28 @@ def _reduce_shapes(instr: Instruction, target: Target):
         _fail(f"TENSOR_REDUCE destination has shape {dst.shape}, must be {src.shape[:-1] + (1,)}")
 
 
-def _gather_shapes(instr: Instruction, target: Target):
-    dst, table, indices = instr.operands
+def _indirect_shapes(instr: Instruction, target: Target):
+    """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
+    and their indices in SBUF."""
+    name = instr.opcode.name
+    gather = instr.opcode == Opcode.DMA_GATHER
+    (rows, table), indices = (instr.operands[:2] if gather else instr.operands[1::-1]), instr.operands[2]
     if table.space != Space.HBM or indices.space != Space.SBUF:
-        _fail(f"DMA_GATHER reads its table from HBM ({table.space.name} given) and its indices from SBUF "
+        _fail(f"{name} has its table in HBM ({table.space.name} given) and its indices in SBUF "
               f"({indices.space.name} given)")
-    if indices.dtype.is_float or indices.shape != (dst.shape[0], 1):
-        _fail(f"DMA_GATHER indices must be an integer [{dst.shape[0]}, 1] tile, got {indices.dtype.name}"
+    if indices.dtype.is_float or indices.shape != (rows.shape[0], 1):
+        _fail(f"{name} indices must be an integer [{rows.shape[0]}, 1] tile, got {indices.dtype.name}"
               f"{list(indices.shape)}")
-    if dst.dtype != table.dtype or dst.shape[1:] != table.shape[1:]:
-        _fail(f"DMA_GATHER destination {dst.dtype.name}{list(dst.shape)} must be rows of the table "
-              f"{table.dtype.name}{list(table.shape)}")
+    if rows.dtype != table.dtype or rows.shape[1:] != table.shape[1:]:
+        _fail(f"{name} moves rows of the table {table.dtype.name}{list(table.shape)}; the tile is "
+              f"{rows.dtype.name}{list(rows.shape)}")
+    if instr.alu not in (AluOp.NONE, AluOp.ADD) or (gather and instr.alu != AluOp.NONE):
+        _fail(f"{name} does not support ALU op {instr.alu.name}", hint="DMA_SCATTER may ADD; nothing else")
 
 
 SHAPE_RULES = {
-    Opcode.DMA_GATHER: _gather_shapes,
+    Opcode.DMA_GATHER: _indirect_shapes,
+    Opcode.DMA_SCATTER: _indirect_shapes,
     Opcode.DMA_COPY: _dma_shapes,
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,

@@ -12,6 +12,10 @@ TOLERANCES = {
     torch.float32: dict(rtol=1e-4, atol=1e-5),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
     torch.float16: dict(rtol=1e-3, atol=1e-3),
+    # integers and booleans (indices, masks, argmax) are exact
+    torch.int64: dict(rtol=0, atol=0),
+    torch.int32: dict(rtol=0, atol=0),
+    torch.bool: dict(rtol=0, atol=0),
 }
 
 

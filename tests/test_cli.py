@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from neuronc.cli import main
+from neuronc.neff.program import FORMAT_MAJOR, FORMAT_MINOR
 from tests import zoo
 from tests.test_frontend import Unsupported
 
@@ -63,7 +64,7 @@ def test_inspect_shows_header_tensor_table_instruction_counts_and_time(cli, mlp_
     neff, _ = mlp_neff
     result = cli("inspect", neff)
     assert result.exit_code == 0, result.output
-    for expected in ("target trn2", "format 1.1", "content hash", "estimated device time", "MFU",
+    for expected in ("target trn2", f"format {FORMAT_MAJOR}.{FORMAT_MINOR}", "content hash", "estimated device time", "MFU",
                      "engines (busy fraction, instructions)", "top kernels", "tensor", "dma", "input",
                      "output0", "weight", "fc1.weight"):
         assert expected in result.output

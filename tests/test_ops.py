@@ -1,10 +1,12 @@
-"""Ops beyond the first zoo, each checked against eager: embedding lookups (gather), reversal,
-transposed convolution (kernel layouts other than [o, i, spatial])."""
+"""Ops beyond the first zoo, each checked against eager: embedding lookups and general gathers,
+scatters (index_put, scatter_add, the backward of an embedding and of a cross-entropy), argmax/argmin,
+reversal, transposed convolution (kernel layouts other than [o, i, spatial])."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from neuronc.compiler import compile_exported
 from neuronc.errors import NeuronRuntimeError
@@ -73,3 +75,61 @@ def test_reversal_and_transposed_convolution_match_eager(model, shape):
     neff = compile_exported(torch.export.export(model.eval(), (x,))).neff
     out = run_neff(neff, [x.numpy()]).outputs[0]
     assert_matches_eager(torch.from_numpy(out), model(x).detach())
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _compiled_outputs(fn, *args):
+    neff = compile_exported(torch.export.export(Fn(fn), args)).neff
+    return [torch.from_numpy(out) for out in run_neff(neff, [a.numpy() for a in args]).outputs]
+
+
+_g = torch.Generator().manual_seed(3)
+_x, _targets = torch.randn(4, 10, generator=_g), torch.tensor([1, 3, 0, 9])
+INDEXING = {
+    "take_along_dim": (lambda x, t: torch.gather(x, 1, t[:, None]), _x, _targets),
+    "gather_middle_dim": (lambda x, i: torch.gather(x, 1, i), torch.randn(2, 6, 5, generator=_g),
+                          torch.randint(0, 6, (2, 3, 5), generator=_g)),
+    "index_select_columns": (lambda x, t: x.index_select(1, t), _x, _targets),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t), _x, _targets),
+    "cross_entropy_backward": (lambda x, t: torch.ops.aten.nll_loss_backward(
+        torch.tensor(0.5), F.log_softmax(x, -1), t, None, 1, -100, torch.tensor(4.0)), _x, _targets),
+    "embedding_backward_repeated_rows": (lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 10, -1, False),
+                                         torch.randn(2, 3, 8, generator=_g), torch.tensor([[1, 2, 1], [0, 9, 1]])),
+    "index_put": (lambda x, t, v: torch.index_put(x, (t,), v), torch.zeros(10, 3), _targets,
+                  torch.randn(4, 3, generator=_g)),
+    "index_put_accumulate": (lambda x, t, v: torch.index_put(x, (t,), v, accumulate=True), torch.ones(10, 3),
+                             torch.tensor([1, 1, 2, 1]), torch.randn(4, 3, generator=_g)),
+    "scatter_add_columns": (lambda t, v: torch.zeros(4, 10).scatter_add(1, t[:, None], v), _targets,
+                            torch.randn(4, 1, generator=_g)),
+    "scatter_middle_dim": (lambda x, i, v: x.scatter(1, i, v), torch.randn(2, 6, 5, generator=_g),
+                           torch.tensor([[[0, 1, 2, 3, 4]], [[5, 4, 3, 2, 1]]]), torch.randn(2, 1, 5, generator=_g)),
+    "argmax_last": (lambda x: x.argmax(-1), _x),
+    "argmin_first": (lambda x: x.argmin(0), _x),
+    "max_with_indices": (lambda x: x.max(-1), _x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEXING))
+def test_gather_scatter_and_argmax_match_eager(name):
+    fn, *args = INDEXING[name]
+    assert_matches_eager(_compiled_outputs(fn, *args), fn(*args))
+
+
+def test_argmax_picks_the_first_of_equal_values_like_eager():
+    x = torch.tensor([[1.0, 5.0, 5.0, 2.0], [7.0, 7.0, 7.0, 7.0]])
+    assert_matches_eager(_compiled_outputs(lambda x: x.argmax(-1), x), x.argmax(-1))
+
+
+def test_a_gather_index_outside_the_operand_is_an_error_naming_the_line():
+    neff = compile_exported(torch.export.export(Fn(lambda x, t: torch.gather(x, 1, t[:, None])), (_x, _targets))).neff
+    with pytest.raises(NeuronRuntimeError, match="outside the table's 40 rows") as caught:
+        run_neff(neff, [_x.numpy(), np.array([1, 3, 10, 9])])  # column 10 of a 10-column row: not the next row
+    assert "test_ops.py" in str(caught.value)

@@ -6,9 +6,12 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
+from neuronc import ir
 from neuronc.codegen.blocks import blocks
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
+from neuronc.isa import DType
+from neuronc.passes.canonicalize import fold_constants
 from neuronc.passes.legalize import reshaped_strides
 from runtime import run_neff
 from tests import zoo
@@ -108,3 +111,11 @@ def test_layer_norm_variance_is_reduced_straight_from_its_producer():
     with_prologue = [n for n in compiled.graph.nodes() if n.op is Op.REDUCE_LAST and n.attrs.get("prologue")]
     assert len(with_prologue) == 2  # one per LayerNorm: (x - mean)^2 computed per tile, never stored
     assert all(Op.MULTIPLY in {s.op for s in n.attrs["prologue"]} for n in with_prologue)
+
+
+def test_folding_a_transposed_splat_keeps_it_a_splat():
+    splat = ir.node(Op.CONSTANT, [], (4, 1), DType.F32, value=np.array(-1.0, np.float32))
+    flipped = ir.node(Op.TRANSPOSE, [splat], (1, 4), DType.F32, perm=(1, 0))
+    reshaped = ir.node(Op.RESHAPE, [flipped], (2, 2), DType.F32)
+    (out,) = fold_constants(ir.Graph([], [reshaped])).outputs
+    assert out.op is Op.CONSTANT and out.scalar == -1.0 and out.shape == (2, 2)

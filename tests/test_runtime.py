@@ -472,6 +472,38 @@ def test_dma_gather_fetches_the_indexed_rows_and_refuses_an_index_outside_the_ta
         program.run([np.array([[3], [0], [10], [3]], np.int32)])
 
 
+def _scatter_program(alu: AluOp) -> Neff:
+    """y = base (10x6, all 1); then y[index[p]] (+)= rows[p] for 4 rows."""
+    p = Program()
+    base = p.tensor("base", TensorKind.WEIGHT, (10, 6), data=np.ones((10, 6), np.float32))
+    rows = p.tensor("rows", TensorKind.WEIGHT, (4, 6), data=np.arange(24, dtype=np.float32).reshape(4, 6))
+    index_t, out = p.tensor("index", TensorKind.INPUT, (4, 1), DType.I32), p.tensor("y", TensorKind.OUTPUT, (10, 6))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 1), DType.I32), hbm(index_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 6), offset=64), hbm(rows))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out), hbm(base))
+    p.emit(Opcode.DMA_SCATTER, Engine.DMA, hbm(out), chip((4, 6), offset=64), chip((4, 1), DType.I32), alu=alu)
+    return p.neff()
+
+
+def test_dma_scatter_add_accumulates_repeated_rows_and_overwrite_keeps_the_other_rows(core):
+    index = np.array([[3], [0], [9], [3]], np.int32)
+    rows = np.arange(24, dtype=np.float32).reshape(4, 6)
+    added = core.load(_scatter_program(AluOp.ADD)).run([index]).outputs[0]
+    expected = np.ones((10, 6), np.float32)
+    np.add.at(expected, index[:, 0], rows)
+    np.testing.assert_array_equal(added, expected)
+    written = core.load(_scatter_program(AluOp.NONE)).run([np.array([[3], [0], [9], [5]], np.int32)]).outputs[0]
+    expected = np.ones((10, 6), np.float32)
+    expected[[3, 0, 9, 5]] = rows
+    np.testing.assert_array_equal(written, expected)
+
+
+def test_dma_scatter_refuses_an_index_outside_the_table(core):
+    program = core.load(_scatter_program(AluOp.ADD))
+    with pytest.raises(NeuronRuntimeError, match=r"DMA_SCATTER #3 .*index -1 \(partition 1\) is outside"):
+        program.run([np.array([[3], [-1], [9], [3]], np.int32)])
+
+
 # ---------------------------------------------------------------------------------------------
 # Ordering between streams and the timeline
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from neuronc.codegen.sync import SBUF_PAGE_BYTES
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import AccessPattern, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import DebugLoc, KernelInfo
 from neuronc.targets import Target
 
@@ -100,11 +100,16 @@ class Emitter:
         self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
                                              debug=kernel.debug, **fields))
 
-    def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None) -> None:
-        """A DMA on the next queue (round robin); with `indices`, an indirect gather of rows."""
+    def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None,
+            add: bool = False) -> None:
+        """A DMA on the next queue (round robin). With `indices`, an indirect one: a gather of table rows
+        when `src` is the HBM table, else a scatter of `src`'s rows into the table `dst` (adding if `add`)."""
         queue = self._dma_turn % self.target.dma_queues
         self._dma_turn += 1
         if indices is None:
             self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
-        else:
+        elif src.space == Space.HBM:
             self.emit(Opcode.DMA_GATHER, Engine.DMA, dst, src, indices, queue=queue)
+        else:
+            self.emit(Opcode.DMA_SCATTER, Engine.DMA, dst, src, indices, queue=queue,
+                      alu=AluOp.ADD if add else AluOp.NONE)

@@ -348,24 +348,43 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-def gather(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """out[i, :] = table[indices[i], :]: indices to SBUF, rows fetched by indirect DMA, stored."""
-    table, indices = node.inputs
-    rows, width = table.shape
-    count = indices.size
+def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType):
+    """(index tile, r0, rt, c0, ct, data tile) for every tile of `rows`' index rows x `width` columns:
+    up to a partition per row, the row cut to what fits a tile; each index tile loaded from HBM once."""
+    count = rows.size
     chunk = min(width, tile_free_elements(em, DType.F32))
-    index_tiles = em.sbuf_pool(indices.dtype, 1, bufs=2)
-    data = em.sbuf_pool(node.dtype, chunk, bufs=3)
-    size = node.dtype.itemsize
+    index_tiles = em.sbuf_pool(rows.dtype, 1, bufs=2)
+    data = em.sbuf_pool(dtype, chunk, bufs=3)
     for r0 in range(0, count, em.target.partitions):
         rt = min(em.target.partitions, count - r0)
         index = index_tiles.next().ap(rt, 1)
-        em.dma(index, hbm(indices.dtype, plan.offset(indices) + r0 * indices.dtype.itemsize, ((1, rt), (1, 1))))
+        em.dma(index, hbm(rows.dtype, plan.offset(rows) + r0 * rows.dtype.itemsize, ((1, rt), (1, 1))))
         for c0 in range(0, width, chunk):
             ct = min(chunk, width - c0)
-            tile = data.next().ap(rt, ct)
-            em.dma(tile, hbm(table.dtype, plan.offset(table) + c0 * size, ((width, rows), (1, ct))), indices=index)
-            em.dma(hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
+            yield index, r0, rt, c0, ct, data.next().ap(rt, ct)
+
+
+def gather_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """out[i, :] = table[rows[i], :]: row numbers to SBUF, rows fetched by indirect DMA, stored."""
+    table, rows = node.inputs
+    count, width = table.shape[0], table.shape[1]
+    size = node.dtype.itemsize
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
+        em.dma(tile, hbm(table.dtype, plan.offset(table) + c0 * size, ((width, count), (1, ct))), indices=index)
+        em.dma(hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
+
+
+def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """out = base, then out[rows[i], :] = (or +=) updates[i, :]: updates to SBUF, written by indirect DMA."""
+    base, rows, updates = node.inputs
+    count, width = base.shape
+    size = node.dtype.itemsize
+    whole = ((width, count), (1, width))
+    em.dma(hbm(node.dtype, plan.offset(node), whole), hbm(base.dtype, plan.offset(base), whole))
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
+        em.dma(tile, hbm(updates.dtype, plan.offset(updates) + (r0 * width + c0) * size, ((width, rt), (1, ct))))
+        em.dma(hbm(node.dtype, plan.offset(node) + c0 * size, ((width, count), (1, ct))), tile, indices=index,
+               add=node.attrs["combine"] == "add")
 
 
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
@@ -375,7 +394,8 @@ KERNELS.update({
     Op.CONCATENATE: concatenate,
     Op.MATMUL: matmul,
     Op.REDUCE_LAST: reduce_last,
-    Op.GATHER: gather,
+    Op.GATHER_ROWS: gather_rows,
+    Op.SCATTER_ROWS: scatter_rows,
 })
 
 

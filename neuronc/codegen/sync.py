@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from neuronc.isa import AccessPattern, Instruction, Opcode, Space, Wait
+from neuronc.isa import AccessPattern, Instruction, Space, Wait
 from neuronc.targets import Target
 
 SBUF_PAGE_BYTES = 1024  # granularity of hazard tracking in SBUF (a tracking choice, not hardware)
@@ -33,12 +33,6 @@ class _Keys:
         return [("sbuf", p) for p in range(first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES + 1)]
 
 
-def _reads(inst: Instruction) -> list:
-    if inst.opcode == Opcode.MATMUL and inst.accumulate:
-        return list(inst.operands)
-    return list(inst.srcs)
-
-
 def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     """Returns {(engine, queue): [instructions]} with `waits` filled in."""
     keys = _Keys(tensors, target)
@@ -48,7 +42,7 @@ def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     known: dict = defaultdict(dict)  # stream -> {other stream: count already waited for}
     for inst in instructions:
         me = inst.stream
-        read_keys = [k for ap in _reads(inst) for k in keys(ap)]
+        read_keys = [k for ap in inst.reads for k in keys(ap)]
         write_keys = keys(inst.dst)
         need: dict = {}
         for key in read_keys:

@@ -122,17 +122,18 @@ class _Importer:
         loc = self.loc(op)
         try:
             inputs = [self.values[v] for v in op.operands]
-            if len(op.results) != 1:
-                raise _Unsupported(f"{len(op.results)} results")
             shape, dtype = tensor_type(op.results[0].type)
             converter = _CONVERTERS.get(name)
             if converter is None and name in _SIMPLE:
-                node = ir.node(_SIMPLE[name], inputs, shape, dtype, loc)
+                nodes = ir.node(_SIMPLE[name], inputs, shape, dtype, loc)
             elif converter is None:
                 raise _Unsupported("no lowering")
             else:
-                node = converter(op, inputs, shape, dtype, loc)
-            self.values[op.results[0]] = node
+                nodes = converter(op, inputs, shape, dtype, loc)
+            nodes = nodes if isinstance(nodes, tuple) else (nodes,)
+            if len(nodes) != len(op.results):
+                raise _Unsupported(f"{len(op.results)} results")
+            self.values.update(zip(op.results, nodes))
         except (_Unsupported, KeyError) as why:
             if not isinstance(why, KeyError):  # a KeyError: an operand of an op already reported
                 self.problems.append(f"{name} ({why}) at {loc}")
@@ -190,8 +191,43 @@ def _compare(op, inputs, shape, dtype, loc):
 
 
 def _reduce(op, inputs, shape, dtype, loc):
-    return ir.node(Op.REDUCE, inputs, shape, dtype, loc, dims=tuple(_ints(op.attributes["dimensions"])),
-                   kind=_region_reducer(op))
+    dims = tuple(_ints(op.attributes["dimensions"]))
+    if len(inputs) == 4:
+        return _arg_reduce(op, inputs, dims, loc)
+    return ir.node(Op.REDUCE, inputs, shape, dtype, loc, dims=dims, kind=_region_reducer(op))
+
+
+_ARG_REDUCERS = {"GE": "max", "GT": "max", "LE": "min", "LT": "min"}
+_SWAPPED = {"GE": "LE", "GT": "LT", "LE": "GE", "LT": "GT"}
+
+
+def _arg_reduce(op, inputs, dims, loc):
+    """argmax/argmin: a reduction of (values, indices) pairs whose body keeps the larger (smaller) value and,
+    on a tie, the smaller index. As IR: the max (min) of the values, then the smallest index holding it."""
+    x, indices, init, _ = inputs
+    block = op.regions[0].blocks[0]
+    acc, current = block.arguments[0], block.arguments[2]
+    compare = next((o.operation for o in block.operations if o.operation.name == "stablehlo.compare"), None)
+    direction = compare and re.search(r"comparison_direction (\w+)", str(compare.attributes["comparison_direction"]))
+    direction = direction and direction.group(1)
+    if direction not in _ARG_REDUCERS or indices.dtype.is_float:
+        raise _Unsupported("a reduction of several values that is not argmax/argmin")
+    if list(compare.operands) == [current, acc]:
+        direction = _SWAPPED[direction]
+    elif list(compare.operands) != [acc, current]:
+        raise _Unsupported("a reduction of several values that is not argmax/argmin")
+    kind = _ARG_REDUCERS[direction]
+    kept = tuple(d for d in range(len(x.shape)) if d not in dims)
+    reduced_shape = tuple(x.shape[d] for d in kept)
+    best = ir.node(Op.REDUCE, [x, init], reduced_shape, x.dtype, loc, dims=dims, kind=kind)
+    spread = ir.node(Op.BROADCAST_IN_DIM, [best], x.shape, x.dtype, loc, dims=kept)
+    holds = ir.node(Op.COMPARE, [x, spread], x.shape, DType.BOOL, loc, direction="EQ")
+    last = np.array(np.prod([x.shape[d] for d in dims]), indices.dtype.numpy)  # past every index
+    never = ir.node(Op.CONSTANT, [], x.shape, indices.dtype, loc, value=last)
+    candidates = ir.node(Op.SELECT, [holds, indices, never], x.shape, indices.dtype, loc)
+    no_index = ir.node(Op.CONSTANT, [], (), indices.dtype, loc, value=last)
+    index = ir.node(Op.REDUCE, [candidates, no_index], reduced_shape, indices.dtype, loc, dims=dims, kind="min")
+    return best, index
 
 
 def _window_attr(op, key, rank, default):
@@ -265,27 +301,51 @@ def _convolution(op, inputs, shape, dtype, loc):
     return _transposed(conv, inverse, loc)
 
 
-def _gather(op, inputs, shape, dtype, loc):
-    """Only the row gather (embedding lookup, index_select along dim 0): whole rows of the table."""
-    table, indices = inputs
-    text = str(op.attributes["dimension_numbers"])
-
-    def field(name):
-        match = re.search(name + r" = \[([0-9, ]*)\]", text)
-        return tuple(int(v) for v in match.group(1).split(",") if v.strip()) if match else ()
-
+def _dimension_numbers(attr) -> dict:
+    """The fields of a #stablehlo.gather<...> / #stablehlo.scatter<...> attribute (absent lists are empty)."""
+    text = str(attr)
+    fields = {name: tuple(int(v) for v in values.split(",") if v.strip())
+              for name, values in re.findall(r"(\w+) = \[([0-9, ]*)\]", text)}
     vector_dim = re.search(r"index_vector_dim = (\d+)", text)
-    vector_dim = int(vector_dim.group(1)) if vector_dim else len(indices.shape)
-    batch = indices.shape if vector_dim == len(indices.shape) else indices.shape[:-1]
-    row = table.shape[1:]
-    sizes = tuple(_ints(op.attributes["slice_sizes"]))
-    if (field("collapsed_slice_dims") != (0,) or field("start_index_map") != (0,) or sizes != (1, *row)
-            or field("offset_dims") != tuple(range(len(batch), len(batch) + len(row)))
-            or vector_dim not in (len(indices.shape), len(indices.shape) - 1)
-            or (vector_dim < len(indices.shape) and indices.shape[-1] != 1)
-            or field("operand_batching_dims")):
-        raise _Unsupported("a gather that is not a lookup of whole rows along dimension 0")
-    return ir.node(Op.GATHER, inputs, shape, dtype, loc)
+    fields["index_vector_dim"] = int(vector_dim.group(1)) if vector_dim else 0
+    return fields
+
+
+def _gather(op, inputs, shape, dtype, loc):
+    f = _dimension_numbers(op.attributes["dimension_numbers"])
+    return ir.node(Op.GATHER, inputs, shape, dtype, loc, window_dims=f.get("offset_dims", ()),
+                   dropped_dims=f.get("collapsed_slice_dims", ()),
+                   operand_batching_dims=f.get("operand_batching_dims", ()),
+                   indices_batching_dims=f.get("start_indices_batching_dims", ()),
+                   index_map=f.get("start_index_map", ()), index_vector_dim=f["index_vector_dim"],
+                   window=tuple(_ints(op.attributes["slice_sizes"])))
+
+
+def _scatter_combine(op) -> str:
+    """"add" for a body that adds the update, "replace" for one that returns it."""
+    block = op.regions[0].blocks[0]
+    body = [o.operation for o in block.operations]
+    update = block.arguments[1]
+    if len(body) == 1 and body[0].operands[0] == update:
+        return "replace"
+    if len(body) == 2 and body[0].name == "stablehlo.add" and body[1].operands[0] == body[0].results[0]:
+        return "add"
+    raise _Unsupported("a scatter whose update is neither a replacement nor an addition")
+
+
+def _scatter(op, inputs, shape, dtype, loc):
+    if len(inputs) != 3:
+        raise _Unsupported(f"a scatter of {len(inputs) // 2} operands at once")
+    operand, _, updates = inputs
+    f = _dimension_numbers(op.attributes["scatter_dimension_numbers"])
+    dropped, batching = f.get("inserted_window_dims", ()), f.get("input_batching_dims", ())
+    window_sizes = iter(updates.shape[d] for d in f.get("update_window_dims", ()))
+    window = tuple(1 if d in dropped or d in batching else next(window_sizes) for d in range(len(operand.shape)))
+    return ir.node(Op.SCATTER, inputs, shape, dtype, loc, window_dims=f.get("update_window_dims", ()),
+                   dropped_dims=dropped, operand_batching_dims=batching,
+                   indices_batching_dims=f.get("scatter_indices_batching_dims", ()),
+                   index_map=f.get("scatter_dims_to_operand_dims", ()), index_vector_dim=f["index_vector_dim"],
+                   window=window, combine=_scatter_combine(op))
 
 
 _CONVERTERS = {
@@ -304,6 +364,7 @@ _CONVERTERS = {
     "stablehlo.dot_general": _dot_general,
     "stablehlo.convolution": _convolution,
     "stablehlo.gather": _gather,
+    "stablehlo.scatter": _scatter,
 }
 
 

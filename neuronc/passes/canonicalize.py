@@ -130,7 +130,8 @@ def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
         value = _evaluate(node, values)
         if value is None:
             return None
-        return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.ascontiguousarray(value))
+        value = np.ascontiguousarray(value) if value.ndim else value  # (ascontiguousarray makes a splat 1-d)
+        return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=value)
 
     return graph.rewrite(fold)
 

@@ -3,8 +3,8 @@
 After this pass a graph holds only: parameters and constants, elementwise ops whose operands have
 the result's shape (or are splat constants), RESHAPE (an alias, no data moves), VIEW (copy of an
 affine strided view: transposes, broadcasts, slices, im2col patches, pooling windows), PAD,
-CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]) and GATHER ([V,D] rows by
-[N] indices -> [N,D]).
+CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]), and GATHER_ROWS / SCATTER_ROWS
+(from passes/indexing.py, which runs first).
 
 Convolutions become im2col + MATMUL, pooling becomes windows + REDUCE_LAST, dot_general becomes
 transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each rule is a small
@@ -270,15 +270,6 @@ def _unsupported(node, what: str) -> NeuronCompileError:
                               hint="rewrite this operation, or keep it outside the compiled region")
 
 
-def _gather(node, inputs):
-    table, indices = inputs
-    rows, width = table.shape[0], int(np.prod(table.shape[1:], dtype=np.int64))
-    count = indices.size
-    gathered = ir.node(Op.GATHER, [reshape(table, (rows, width), node.loc), reshape(indices, (count,), node.loc)],
-                       (count, width), node.dtype, node.loc)
-    return reshape(gathered, node.shape, node.loc)
-
-
 RULES = {
     Op.BROADCAST_IN_DIM: _broadcast,
     Op.TRANSPOSE: _transpose,
@@ -291,7 +282,6 @@ RULES = {
     Op.REDUCE_WINDOW: _reduce_window,
     Op.DOT_GENERAL: _dot_general,
     Op.CONVOLUTION: _convolution,
-    Op.GATHER: _gather,
 }
 
 

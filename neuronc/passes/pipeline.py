@@ -11,9 +11,11 @@ from neuronc.errors import NeuronConfigError
 from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
+from neuronc.passes.indexing import lower_gather_scatter
 from neuronc.passes.legalize import legalize
 
-BASELINE = [demote_f64, fold_constants, simplify, fold_constants, raise_erf, raise_gelu, legalize, simplify]
+BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
+            legalize, simplify]
 OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues, fuse_reduction_prologues,
                         simplify]
 

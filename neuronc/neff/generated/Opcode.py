@@ -14,3 +14,4 @@ class Opcode(object):
     MEMSET = 8
     IOTA = 9
     DMA_GATHER = 10
+    DMA_SCATTER = 11

@@ -1,0 +1,161 @@
+"""Gather and scatter: StableHLO's general index semantics, lowered to moves of whole rows.
+
+A StableHLO gather reads, for every index vector, a window of the operand starting where the vector
+says; a scatter writes (or adds) windows of updates the same way. The device moves rows by index
+(DMA_GATHER, DMA_SCATTER). So the operand is seen as a [rows, width] table, `width` covering the
+trailing operand dims that every window spans whole, and this pass computes with ordinary
+elementwise IR the table row of every row of every window. What is left is GATHER_ROWS
+([V, W] table, [N] rows -> [N, W]) and SCATTER_ROWS ([V, W] base, [N] rows, [N, W] updates).
+
+An index outside the operand is an error at run time, as in eager PyTorch (StableHLO would clamp
+a gather's start and drop a scatter's update): its row becomes V, which the DMA refuses.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.ir import Node, Op
+from neuronc.isa import DType
+
+ROW = DType.I32  # the DMA's index type
+
+
+def lower_gather_scatter(graph: ir.Graph) -> ir.Graph:
+    return graph.rewrite(lambda node, inputs: _RULES[node.op](node, *inputs) if node.op in _RULES else None)
+
+
+def _gather(node: Node, operand: Node, indices: Node) -> Node:
+    space = _IndexSpace(node, operand.shape, indices)
+    table = _node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    rows = _node(Op.GATHER_ROWS, [table, space.row_numbers()], (space.count, space.width), node.dtype, node.loc)
+    canonical = _node(Op.RESHAPE, [rows], space.canonical_shape + space.row_shape, node.dtype, node.loc)
+    # canonical order: batch dims, then window dims in operand order; the result puts the window at window_dims
+    batch_positions = [d for d in range(len(node.shape)) if d not in node.attrs["window_dims"]]
+    perm = [0] * len(node.shape)
+    for i, d in enumerate(batch_positions + list(node.attrs["window_dims"])):
+        perm[d] = i
+    return _node(Op.TRANSPOSE, [canonical], node.shape, node.dtype, node.loc, perm=tuple(perm))
+
+
+def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
+    space = _IndexSpace(node, operand.shape, indices)
+    window_dims = list(node.attrs["window_dims"])
+    batch_positions = [d for d in range(len(updates.shape)) if d not in window_dims]
+    perm = tuple(batch_positions + window_dims)
+    ordered = _node(Op.TRANSPOSE, [updates], [updates.shape[d] for d in perm], updates.dtype, node.loc, perm=perm)
+    rows_of_updates = _node(Op.RESHAPE, [ordered], (space.count, space.width), updates.dtype, node.loc)
+    base = _node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    scattered = _node(Op.SCATTER_ROWS, [base, space.row_numbers(), rows_of_updates], base.shape, node.dtype,
+                      node.loc, combine=node.attrs["combine"])
+    return _node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
+
+
+_RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter}
+
+
+class _IndexSpace:
+    """The windows of one gather/scatter as table rows.
+
+    Canonical order of the rows: the batch dims (the dims of the indices but the index vector's), then the
+    window dims that lie before the row (`lead`). A window spans the operand dims after `lead` whole."""
+
+    def __init__(self, node: Node, shape: tuple, indices: Node):
+        a = node.attrs
+        self.node, self.shape, self.indices, self.a = node, shape, indices, a
+        self.window = a["window"]
+        fixed = set(a["index_map"]) | set(a["operand_batching_dims"]) | set(a["dropped_dims"])
+        split = len(shape)
+        while split > 0 and split - 1 not in fixed and self.window[split - 1] == shape[split - 1]:
+            split -= 1
+        self.split = split  # operand dims [split:) form the row
+        self.row_shape = tuple(shape[split:])
+        self.width = math.prod(self.row_shape)
+        self.rows = math.prod(shape[:split])
+        vector_dim = a["index_vector_dim"]
+        self.batch_dims = [d for d in range(len(indices.shape)) if d != vector_dim]
+        self.lead = [d for d in range(split) if d not in a["dropped_dims"] and d not in a["operand_batching_dims"]]
+        self.canonical_shape = tuple([indices.shape[d] for d in self.batch_dims] + [self.window[d] for d in self.lead])
+        self.count = math.prod(self.canonical_shape)
+        if self.rows * max(self.width, 1) >= np.iinfo(ROW.numpy).max:
+            raise NeuronCompileError(f"an operand of {self.rows} x {self.width} elements is too large to index",
+                                     location=str(node.loc), hint="split the tensor before indexing it")
+
+    def row_numbers(self) -> Node:
+        """[count] int32: the table row of each canonical window row (V where an index is out of bounds)."""
+        loc, shape = self.node.loc, self.canonical_shape
+        strides = [math.prod(self.shape[d + 1:self.split]) for d in range(self.split)]
+        terms, checks = [], []
+        for k, d in enumerate(self.a["index_map"]):
+            start = self._component(k)
+            terms.append(_scaled(_spread(start, shape, range(len(self.batch_dims)), loc), strides[d], loc))
+            limit = self.shape[d] - self.window[d]
+            checks.append(_and(_compare(start, 0, "GE", loc), _compare(start, limit, "LE", loc), loc))
+        for d, indices_dim in zip(self.a["operand_batching_dims"], self.a["indices_batching_dims"]):
+            position = self.batch_dims.index(indices_dim)
+            terms.append(_scaled(_node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
+        for i, d in enumerate(self.lead):
+            if self.window[d] > 1:
+                position = len(self.batch_dims) + i
+                terms.append(_scaled(_node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
+        row = terms[0] if terms else _splat(0, shape, loc)
+        for term in terms[1:]:
+            row = _node(Op.ADD, [row, term], shape, ROW, loc)
+        row_lookup = self.split == 1 and self.window[0] == 1 and len(terms) == 1  # a lookup of whole rows:
+        if checks and not row_lookup:  # the DMA's own bounds check is the index's
+            valid = checks[0]
+            for check in checks[1:]:
+                valid = _and(valid, check, loc)
+            valid = _spread(valid, shape, range(len(self.batch_dims)), loc)
+            row = _node(Op.SELECT, [valid, row, _splat(self.rows, shape, loc)], shape, ROW, loc)
+        return _node(Op.RESHAPE, [row], (self.count,), ROW, loc)
+
+    def _component(self, k: int) -> Node:
+        """Index component k over the batch dims, in int32."""
+        indices, loc = self.indices, self.node.loc
+        batch = tuple(indices.shape[d] for d in self.batch_dims)
+        vector_dim = self.a["index_vector_dim"]
+        if vector_dim < len(indices.shape):
+            start = [0] * len(indices.shape)
+            limit = list(indices.shape)
+            start[vector_dim], limit[vector_dim] = k, k + 1
+            sliced = tuple(limit[d] - start[d] for d in range(len(limit)))
+            indices = _node(Op.SLICE, [indices], sliced, indices.dtype, loc, start=tuple(start), limit=tuple(limit),
+                            strides=(1,) * len(limit))
+            indices = _node(Op.RESHAPE, [indices], batch, indices.dtype, loc)
+        if indices.dtype != ROW:  # out-of-range int64 values stay out of range
+            big = np.iinfo(ROW.numpy).max
+            clipped = _node(Op.CLAMP, [_splat(-1, batch, loc, indices.dtype), indices,
+                                       _splat(big, batch, loc, indices.dtype)], batch, indices.dtype, loc)
+            indices = _node(Op.CONVERT, [clipped], batch, ROW, loc)
+        return indices
+
+
+def _node(op, inputs, shape, dtype, loc, **attrs) -> Node:
+    return ir.node(op, inputs, shape, dtype, loc, **attrs)
+
+
+def _splat(value, shape, loc, dtype=ROW) -> Node:
+    return _node(Op.CONSTANT, [], shape, dtype, loc, value=np.array(value, dtype.numpy))
+
+
+def _scaled(x: Node, factor: int, loc) -> Node:
+    return x if factor == 1 else _node(Op.MULTIPLY, [x, _splat(factor, x.shape, loc)], x.shape, ROW, loc)
+
+
+def _spread(x: Node, shape, dims, loc) -> Node:
+    dims = tuple(dims)
+    if x.shape == tuple(shape):
+        return x
+    return _node(Op.BROADCAST_IN_DIM, [x], shape, x.dtype, loc, dims=dims)
+
+
+def _compare(x: Node, value: int, direction: str, loc) -> Node:
+    return _node(Op.COMPARE, [x, _splat(value, x.shape, loc)], x.shape, DType.BOOL, loc, direction=direction)
+
+
+def _and(a: Node, b: Node, loc) -> Node:
+    return _node(Op.AND, [a, b], a.shape, DType.BOOL, loc)
