@@ -60,6 +60,12 @@ def test_the_compiled_graph_runs_on_the_emulated_device():
     assert function.last_run.timeline.estimated_ns > 0  # the device, not eager, produced `out`
 
 
+def test_a_scalar_result_keeps_its_zero_dimensional_shape():
+    x = torch.randn(3, 4)
+    out = torch.compile(lambda x: (x * x).sum(), backend="neuron")(x)
+    assert out.shape == () and torch.allclose(out, (x * x).sum())
+
+
 def test_unknown_compile_options_are_refused_by_name():
     model, inputs = zoo.build("mlp")
     with pytest.raises(Exception) as caught:

@@ -1,5 +1,6 @@
 """Training through torch.compile: AOTAutograd's backward graph is compiled and runs on the
-emulated device too, and the gradients match eager."""
+emulated device too, and the gradients match eager; a GPT-2-style model trains with AdamW step for
+step like eager, in fp32 and under bf16 autocast."""
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,43 @@ def test_gradients_of_a_compiled_model_match_eager(name):
     assert forward.last_run is not None and backward.last_run is not None
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=pname)
+
+
+def _adamw_losses(model, forward, idx, targets, steps, autocast):
+    """The loss of every step of an AdamW loop over `model` run by `forward`, and the gradients after the
+    first step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, first_grads = [], None
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(idx, targets)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), first_grads
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_gpt2_trains_with_adamw_like_eager_step_for_step(autocast):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = zoo.GPT2(layers=2).train()
+    reference = copy.deepcopy(model)
+    idx, targets = torch.randint(0, 128, (4, 64)), torch.randint(0, 128, (4, 64))
+    before = backend.compile_count()
+    losses, grads = _adamw_losses(model, torch.compile(model, backend="neuron"), idx, targets, 20, autocast)
+    expected_losses, expected_grads = _adamw_losses(reference, reference, idx, targets, 20,
+                                                   autocast)
+    assert backend.compile_count() - before == 2  # one forward and one backward graph, compiled once for 20 steps
+    forward, backward = backend.compiled_graphs[-2:]
+    assert forward.last_run is not None and backward.last_run is not None
+    tolerance = TOLERANCES[torch.bfloat16 if autocast else torch.float32]
+    torch.testing.assert_close(losses, expected_losses, **tolerance)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **tolerance, msg=name)
 
 
 class WithGraphBreaks(torch.nn.Module):

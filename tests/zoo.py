@@ -79,6 +79,31 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class GPT2(nn.Module):
+    """GPT-2-style decoder: learned token and position embeddings, pre-norm causal blocks, a final
+    LayerNorm and an LM head tied to the token embedding. With targets, returns the cross-entropy loss."""
+
+    def __init__(self, vocab=128, width=64, layers=2, heads=4, context=64):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(TransformerBlock(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight  # tied
+        nn.init.normal_(self.tokens.weight, std=0.02)  # GPT-2's initialisation: logits start near uniform
+        nn.init.normal_(self.positions.weight, std=0.01)
+
+    def forward(self, idx, targets=None):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _cnn():
     model = SmallCNN()
     for bn in (model.bn1, model.bn2):  # non-trivial running statistics, as after training
@@ -91,6 +116,7 @@ ZOO = {
     "mlp": lambda: (MLP(), (torch.randn(8, 32),)),
     "cnn": _cnn,
     "transformer_block": lambda: (TransformerBlock(), (torch.randn(2, 64, 128),)),
+    "gpt2": lambda: (GPT2(), (torch.randint(0, 128, (2, 64)),)),
 }
 
 

@@ -43,7 +43,7 @@ def to_numpy(tensor) -> np.ndarray:
 def from_numpy(array: np.ndarray):
     import torch
 
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray alone makes a 0-d array 1-d
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
     if array.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
