@@ -111,6 +111,10 @@ INDEXING = {
                             torch.randn(4, 1, generator=_g)),
     "scatter_middle_dim": (lambda x, i, v: x.scatter(1, i, v), torch.randn(2, 6, 5, generator=_g),
                            torch.tensor([[[0, 1, 2, 3, 4]], [[5, 4, 3, 2, 1]]]), torch.randn(2, 1, 5, generator=_g)),
+    "index_with_negative_indices": (lambda w, i: w[i] * 2, torch.randn(10, 3, generator=_g), torch.tensor([1, 4, -1])),
+    "take_with_negative_indices": (lambda x, i: torch.take(x, i), _x, torch.tensor([0, -1, 5, -40])),
+    "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), torch.randn(2, 3, 4, 5, generator=_g)),
+    "max_pool_with_indices": (lambda x: F.max_pool2d(x, 2, return_indices=True), torch.randn(2, 3, 6, 6, generator=_g)),
     "argmax_last": (lambda x: x.argmax(-1), _x),
     "argmin_first": (lambda x: x.argmin(0), _x),
     "max_with_indices": (lambda x: x.max(-1), _x),
@@ -118,7 +122,7 @@ INDEXING = {
 
 
 @pytest.mark.parametrize("name", sorted(INDEXING))
-def test_gather_scatter_and_argmax_match_eager(name):
+def test_indexing_ops_match_eager(name):
     fn, *args = INDEXING[name]
     assert_matches_eager(_compiled_outputs(fn, *args), fn(*args))
 

@@ -7,13 +7,14 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from neuronc.pytorch import backend
 from tests import zoo
 from tests.conftest import TOLERANCES
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer_block"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_block"])
 def test_gradients_of_a_compiled_model_match_eager(name):
     model, inputs = zoo.build(name)
     model.train()
@@ -62,6 +63,28 @@ def test_gpt2_trains_with_adamw_like_eager_step_for_step(autocast):
     torch.testing.assert_close(losses, expected_losses, **tolerance)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], **tolerance, msg=name)
+
+
+class GroupNormUpsample(torch.nn.Module):
+    """The diffusion-UNet pieces: nearest upsampling, convolution, GroupNorm, SiLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return F.silu(self.norm(self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))))
+
+
+def test_gradients_through_group_norm_and_nearest_upsampling_match_eager():
+    torch.manual_seed(0)
+    model, x = GroupNormUpsample(), torch.randn(2, 4, 5, 5)
+    reference = copy.deepcopy(model)
+    torch.compile(model, backend="neuron")(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=name)
 
 
 class WithGraphBreaks(torch.nn.Module):

@@ -17,6 +17,8 @@ import operator
 import os
 import re
 
+import numpy as np
+
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.frontend.isolate import run_isolated
@@ -33,10 +35,52 @@ class ImportedGraph:
 
 
 def decomposition_table() -> dict:
-    """ATen decompositions applied before import: torch-mlir's own table (core ATen and more)."""
+    """ATen decompositions applied before import: torch-mlir's own table (core ATen and more), plus
+    torch's decompositions of ops that torch-mlir cannot lower to StableHLO."""
+    import torch
+    from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    return get_decomposition_table()
+    aten = torch.ops.aten
+    table = dict(get_decomposition_table())
+    table.update(get_decompositions([
+        aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward,  # CNN training
+        aten.native_group_norm, aten.native_group_norm_backward,
+        aten.upsample_nearest2d, aten._unsafe_index,
+    ]))
+    return table
+
+
+def wrap_negative_indices(gm) -> None:
+    """In place: before each advanced-indexing op (x[i], x[i] = v and their backward), map negative indices
+    i to i + size as eager PyTorch does (torch-mlir's lowering reads them as out of bounds)."""
+    import torch
+
+    aten = torch.ops.aten
+    indexing = {aten.index.Tensor, aten.index_put.default, aten._unsafe_index.Tensor, aten._unsafe_index_put.default}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target not in indexing:
+            continue
+        source, indices = node.args[0], list(node.args[1])
+        for dim, index in enumerate(indices):
+            if index is None or index.meta["val"].dtype in (torch.bool, torch.uint8):
+                continue
+            size = source.meta["val"].shape[dim]
+            with gm.graph.inserting_before(node):
+                negative = gm.graph.call_function(aten.lt.Scalar, (index, 0))
+                shifted = gm.graph.call_function(aten.add.Tensor, (index, size))
+                wrapped = gm.graph.call_function(aten.where.self, (negative, shifted, index))
+            val = index.meta["val"]
+            with val.fake_mode:
+                metas = (val < 0, val + size, torch.where(val < 0, val + size, val))
+            for new, meta in zip((negative, shifted, wrapped), metas):
+                new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}, val=meta)
+            indices[dim] = wrapped
+            changed = True
+        node.args = (source, indices, *node.args[2:])
+    if changed:
+        gm.recompile()
 
 
 def node_locations(gm) -> dict:
@@ -136,7 +180,8 @@ def _lower(gm, name: str):
 
     context = mlir.Context()
     torch_d.register_dialect(context)
-    importer = FxImporter(context=context)
+    importer = FxImporter(context=context, hooks=_dense_literals())
+    wrap_negative_indices(gm)
     _tag_locations_with_node_names(importer, context)
     module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)
     with module.context:
@@ -156,6 +201,35 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
         raise _diagnose(gm, locations, err) from None
     complete = module.operation.get_asm(enable_debug_info=True).encode()
     return ImportedGraph(graph, module.operation.get_asm(large_elements_limit=16), hashlib.sha256(complete).hexdigest())
+
+
+def _dense_literal_types() -> dict:
+    import torch
+
+    return {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
+            torch.uint8: np.uint8}
+
+
+def _dense_literals():
+    """Importer hooks that inline the FX graph's tensor constants (e.g. index tables made by a
+    decomposition) as dense elements, which the StableHLO importer reads; torch-mlir's default is a
+    dense_resource blob, whose bytes the MLIR python bindings do not expose."""
+    from torch_mlir import ir as mlir
+    from torch_mlir.extras.fx_importer import FxImporterHooks
+
+    class DenseLiterals(FxImporterHooks):
+        def resolve_literal(self, gni, literal, info):
+            import torch
+
+            if not isinstance(literal, torch.Tensor) or literal.dtype not in _dense_literal_types():
+                return None
+            # tolist(): the literal may be a FakeTensor's constant, which refuses .numpy()
+            array = np.array(literal.tolist(), _dense_literal_types()[literal.dtype]).reshape(tuple(literal.shape))
+            value = mlir.DenseElementsAttr.get(array, type=gni._cc.dtype_to_type(literal.dtype), shape=list(array.shape))
+            vtensor = gni._cc.tensor_to_vtensor_type(literal)
+            return mlir.Operation.create("torch.vtensor.literal", results=[vtensor], attributes={"value": value}).result
+
+    return DenseLiterals()
 
 
 def _tag_locations_with_node_names(importer, context) -> None:
