@@ -79,6 +79,8 @@ class Op(enum.Enum):
     MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]; attrs: k, views (per operand, or None)
     REDUCE_LAST = enum.auto()  # [R, C] -> [R], attrs: kind
     FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
+    ROWWISE = enum.auto()  # reductions of [R, C] rows and the elementwise ops around them, one row tile at
+    # a time (softmax, layer-norm...); attrs: body (Steps, REDUCE_LAST among them), rows, cols, views, out_strides
 
 
 UNARY = {
@@ -106,8 +108,8 @@ class Step(NamedTuple):
 
 
 def body_of(node: "Node") -> tuple:
-    """The steps a node computes: its body if FUSED, else itself as one step (splats as scalars)."""
-    if node.op is Op.FUSED:
+    """The steps a node computes: its body if FUSED or ROWWISE, else itself as one step (splats as scalars)."""
+    if node.op in (Op.FUSED, Op.ROWWISE):
         return node.attrs["body"]
     args = []
     for i, x in enumerate(node.inputs):

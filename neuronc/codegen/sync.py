@@ -12,9 +12,8 @@ import bisect
 from collections import defaultdict
 
 from neuronc.isa import AccessPattern, Instruction, Opcode, Space, Wait
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
-
-SBUF_PAGE_BYTES = 1024  # granularity of hazard tracking in SBUF (a tracking choice, not hardware)
 
 
 class _Keys:
