@@ -387,7 +387,9 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             engines.compute(step, out, args, constants, node.loc)
             results[j] = out
     sr_out, sc_out = node.attrs["out_strides"]
-    for r0 in range(0, rows, parts):
+
+    def load(r0):
+        """Issue the loads of the row tile at r0: its input tiles by input index."""
         rt = min(parts, rows - r0)
         tiles = {}
         for i, x in enumerate(node.inputs):
@@ -399,6 +401,15 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 _dma_by_rows(em, tiles[i], src)
             else:
                 tiles[i] = _first_rows(loaded[i], rt)
+        return tiles
+
+    starts = list(range(0, rows, parts))
+    ahead = load(starts[0]) if starts else {}
+    for n, r0 in enumerate(starts):
+        rt = min(parts, rows - r0)
+        tiles = ahead
+        if n + 1 < len(starts):  # the next tile's loads go ahead of this tile's store on the DMA queues
+            ahead = load(starts[n + 1])
         full = [pool.next() for pool in full_temps]
         per_row = [pool.next() for pool in row_temps]
         out_tile = out_pool.next()
