@@ -70,6 +70,71 @@ def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's 
     click.echo(f"  compile time: {stages}")
 
 
+def kernel_table(neff, timeline, target=None) -> list:
+    """Per kernel: name, ops fused into it, on-chip tile shapes, estimated time (its span on the timeline),
+    FLOPs, HBM bytes moved and the least it must move (each tensor it touches once), and its roofline
+    lower bound max(FLOPs / peak, least bytes / HBM bandwidth) on the target, with efficiency bound/time."""
+    from neuronc.isa import Engine, Opcode, Space
+    from neuronc.targets import get_target
+    from runtime.metrics import matmul_flops, peak_tflops
+
+    target = get_target(target or neff.target)
+    starts = sorted((t.offset, t) for t in neff.tensors)
+    rows = [{"name": k.name, "ops": list(k.ops), "tiles": {}, "start": None, "end": 0.0, "flops": 0, "ideal_ns": 0.0,
+             "hbm_bytes": 0, "touched": {}} for k in neff.kernels]
+    for stream in neff.streams.values():
+        for inst in stream:
+            if not 0 <= inst.kernel < len(rows):
+                continue
+            row = rows[inst.kernel]
+            if inst.opcode == Opcode.MATMUL:
+                flops = matmul_flops(inst)
+                row["flops"] += flops
+                row["ideal_ns"] += flops / (peak_tflops(target, inst.operands[1].dtype) * 1e3)
+            for ap in inst.operands:
+                if ap.space == Space.HBM:
+                    moved = ap.num_elements * ap.dtype.itemsize
+                    row["hbm_bytes"] += moved
+                    tensor = next((t for offset, t in reversed(starts) if offset <= ap.offset), None)
+                    if tensor is not None:
+                        row["touched"][tensor.name] = min(tensor.nbytes, row["touched"].get(tensor.name, 0) + moved)
+                elif inst.engine != Engine.DMA:
+                    shape = "x".join(map(str, ap.shape))
+                    row["tiles"][shape] = max(row["tiles"].get(shape, 0), ap.num_elements)
+    for event in timeline.events:
+        if 0 <= event.kernel < len(rows):
+            row = rows[event.kernel]
+            row["start"] = event.start_ns if row["start"] is None else min(row["start"], event.start_ns)
+            row["end"] = max(row["end"], event.end_ns)
+    table = []
+    for row in rows:
+        least = sum(row["touched"].values())
+        bound_ns = max(row["ideal_ns"], least / target.hbm_gbps)  # bytes / (GB/s) = ns
+        time_ns = row["end"] - (row["start"] or 0.0)
+        table.append({
+            "name": row["name"], "ops": row["ops"],
+            "tiles": sorted(row["tiles"], key=lambda shape: -row["tiles"][shape])[:4],
+            "estimated_time_us": time_ns / 1e3, "roofline_us": bound_ns / 1e3,
+            "efficiency": bound_ns / time_ns if time_ns else 0.0,
+            "flops": row["flops"], "hbm_bytes": row["hbm_bytes"], "min_hbm_bytes": least,
+        })
+    return table
+
+
+def _show_kernels(neff, timeline, target, as_json: bool) -> None:
+    table = kernel_table(neff, timeline, target)
+    if as_json:
+        click.echo(json.dumps({"name": neff.name, "target": target or neff.target, "kernels": table}, indent=2))
+        return
+    click.echo(f"NEFF {neff.name}: {len(table)} kernels on {target or neff.target} "
+               f"(time: span on the estimated timeline; bound: max(FLOPs / peak, least HBM bytes / bandwidth))")
+    click.echo(f"  {'kernel':<18} {'time us':>9} {'bound us':>9} {'eff':>5} {'HBM/min':>7}  tiles; ops")
+    for k in table:
+        ratio = k["hbm_bytes"] / k["min_hbm_bytes"] if k["min_hbm_bytes"] else 0.0
+        click.echo(f"  {k['name']:<18} {k['estimated_time_us']:>9.2f} {k['roofline_us']:>9.2f} {k['efficiency']:>5.2f} "
+                   f"{ratio:>7.2f}  [{', '.join(k['tiles'])}]; {' '.join(k['ops'])}")
+
+
 @main.command()
 @click.argument("neff_file", type=click.Path(dir_okay=False))
 @click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
@@ -124,14 +189,19 @@ def _timeline(neff, inputs: tuple, target):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
               help="Time it on this target [default: the NEFF's target].")
+@click.option("--kernels", "per_kernel", is_flag=True,
+              help="Show every kernel: the ops fused into it, its tiles, its time and its roofline bound.")
 @_friendly
-def inspect(neff_file, as_json, target):
+def inspect(neff_file, as_json, target, per_kernel):
     """Show a NEFF's header, tensor table, instruction counts, estimated time, MFU and bandwidth."""
     from neuronc.neff import load
     from runtime.metrics import summarize
 
     neff = load(neff_file)
     timeline = _timeline(neff, (), target)
+    if per_kernel:
+        _show_kernels(neff, timeline, target, as_json)
+        return
     summary = {
         "format_version": f"{neff.format_major}.{neff.format_minor}",
         "compiler_version": neff.compiler_version,

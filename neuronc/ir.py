@@ -86,6 +86,8 @@ class Op(enum.Enum):
     GATHER_ROWS = enum.auto()  # (table [V, W], rows [N]) -> [N, W]
     SCATTER_ROWS = enum.auto()  # (base [V, W], rows [N], updates [N, W]) -> base with rows replaced/added; attrs: combine
     FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
+    ROWWISE = enum.auto()  # reductions of [R, C] rows and the elementwise ops around them, one row tile at
+    # a time (softmax, layer-norm...); attrs: body (Steps, REDUCE_LAST among them), rows, cols, views, out_strides
 
 
 UNARY = {
@@ -113,8 +115,8 @@ class Step(NamedTuple):
 
 
 def body_of(node: "Node") -> tuple:
-    """The steps a node computes: its body if FUSED, else itself as one step (splats as scalars)."""
-    if node.op is Op.FUSED:
+    """The steps a node computes: its body if FUSED or ROWWISE, else itself as one step (splats as scalars)."""
+    if node.op in (Op.FUSED, Op.ROWWISE):
         return node.attrs["body"]
     args = []
     for i, x in enumerate(node.inputs):

@@ -24,7 +24,7 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
             if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT):
                 raise NeuronCompileError(f"no kernel for {node.op.name.lower()}", location=str(node.loc))
             continue
-        ops = tuple(step.op.name.lower() for step in ir.body_of(node)) if node.op is ir.Op.FUSED else (node.op.name.lower(),)
+        ops = tuple(step.op.name.lower() for step in ir.body_of(node)) if node.op in (ir.Op.FUSED, ir.Op.ROWWISE) else (node.op.name.lower(),)
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
         kernel(em, node, plan)
     streams = insert_waits(em.instructions, plan.tensors, target)

@@ -6,6 +6,8 @@ the target: at most `partitions` rows on chip, matmul stationary [K<=128, M<=128
 """
 from __future__ import annotations
 
+import dataclasses
+
 from neuronc import ir
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
@@ -15,6 +17,7 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.passes.rowwise import BUFS, slot_plan, step_kinds
 
 SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size from the SBUF size
 
@@ -124,28 +127,29 @@ def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_til
     return results[-1]
 
 
-def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc) -> None:
-    """One instruction computing `step` into `out`; args are tiles or floats (scalars)."""
+def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
+    """One instruction computing `step` into `out`; args are tiles or floats (scalars). ALU work runs on
+    `engine` (Vector or GpSimd), activation functions on the Scalar engine."""
     op = step.op
     tiles = [a for a in args if isinstance(a, AccessPattern)]
     if op in ACTIVATIONS:
         em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=1.0, imm1=0.0)
     elif op is Op.NEGATE:
-        em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
+        em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
     elif op is Op.CONVERT:
-        em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, args[0])
+        em.emit(Opcode.TENSOR_COPY, engine, out, args[0])
     elif op is Op.NOT:
         alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, -1.0)
-        em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, args[0], alu=alu, imm0=imm)
+        em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=alu, imm0=imm)
     elif op in ALU or op is Op.COMPARE:
         alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]
         a, b = args
         if len(tiles) == 2:
-            em.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, out, a, b, alu=alu)
+            em.emit(Opcode.TENSOR_TENSOR, engine, out, a, b, alu=alu)
         elif isinstance(a, AccessPattern):
-            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, a, alu=alu, imm0=b)
+            em.emit(Opcode.TENSOR_SCALAR, engine, out, a, alu=alu, imm0=b)
         else:
-            em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, out, b, alu=alu, imm0=a, reverse=True)
+            em.emit(Opcode.TENSOR_SCALAR, engine, out, b, alu=alu, imm0=a, reverse=True)
     elif op is Op.SELECT:
         operands = []
         for arg, dtype in zip(args, (DType.BOOL, step.dtype, step.dtype)):
@@ -154,7 +158,7 @@ def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc) 
                 em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=arg)
                 arg = tile
             operands.append(arg)
-        em.emit(Opcode.SELECT, Engine.VECTOR, out, *operands)
+        em.emit(Opcode.SELECT, engine, out, *operands)
     else:
         raise NeuronCompileError(f"no elementwise kernel for {op.name.lower()}", location=str(loc))
 
@@ -348,6 +352,152 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
+def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """A row-wise normalisation (passes/rowwise.py): for each tile of rows (a row per partition), load
+    every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
+    steps (reduced values broadcast over the row with a stride-0 read) on chip, store the result once.
+    Inputs the same for every row (a norm's weight and bias) are loaded once for all row tiles."""
+    body, views = node.attrs["body"], node.attrs["views"]
+    rows, cols = node.attrs["rows"], node.attrs["cols"]
+    kinds = step_kinds(body, views)
+    slots, count = slot_plan(body, kinds)
+    parts = em.target.partitions
+    wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
+    full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) for _ in range(count["full"])]
+    row_temps = [em.sbuf_pool(DType.F32, wide, bufs=BUFS) for _ in range(count["row"])]
+    out_pool = em.sbuf_pool(node.dtype, cols, bufs=BUFS)
+    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
+    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) if needs_constants else None
+    engines = _Balancer(em)
+    loaded, pools = {}, {}
+    for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
+        width = cols if sc else 1
+        if sr == 0:  # the same for every row: loaded once, on every partition
+            tile = em.sbuf_pool(x.dtype, width, bufs=1).next().ap(parts, width)
+            _dma_by_rows(em, tile, hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width))))
+            loaded[i] = tile
+        else:
+            pools[i] = em.sbuf_pool(x.dtype, width, bufs=BUFS)
+    col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
+    results = {}  # step -> its result: the col steps once, here; the others per row tile, below
+    for j, (step, kind) in enumerate(zip(body, kinds)):
+        if kind == "col":
+            out = col_tiles[slots[j]].ap(parts, cols, dtype=step.dtype)
+            args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref] for a, ref in step.args]
+            engines.compute(step, out, args, constants, node.loc)
+            results[j] = out
+    sr_out, sc_out = node.attrs["out_strides"]
+
+    def load(r0):
+        """Issue the loads of the row tile at r0: its input tiles by input index."""
+        rt = min(parts, rows - r0)
+        tiles = {}
+        for i, x in enumerate(node.inputs):
+            offset, (sr, sc) = views[i]
+            width = cols if sc else 1
+            if i in pools:
+                tiles[i] = pools[i].next().ap(rt, width)
+                src = hbm(x.dtype, plan.offset(x) + (offset + r0 * sr) * x.dtype.itemsize, ((sr, rt), (sc or 1, width)))
+                _dma_by_rows(em, tiles[i], src)
+            else:
+                tiles[i] = _first_rows(loaded[i], rt)
+        return tiles
+
+    starts = list(range(0, rows, parts))
+    ahead = load(starts[0]) if starts else {}
+    for n, r0 in enumerate(starts):
+        rt = min(parts, rows - r0)
+        tiles = ahead
+        if n + 1 < len(starts):  # the next tile's loads go ahead of this tile's store on the DMA queues
+            ahead = load(starts[n + 1])
+        full = [pool.next() for pool in full_temps]
+        per_row = [pool.next() for pool in row_temps]
+        out_tile = out_pool.next()
+        for j, (step, kind, slot) in enumerate(zip(body, kinds, slots)):
+            if kind == "col":
+                continue
+            width = cols if kind == "full" else 1
+            if slot is None:
+                out = out_tile.ap(rt, width)
+            else:
+                out = (full if kind == "full" else per_row)[slot].ap(rt, width, dtype=step.dtype)
+            args = []
+            for a, ref in step.args:
+                if a == "imm":
+                    args.append(float(ref))
+                    continue
+                arg = _first_rows(tiles[ref] if a == "input" else results[ref], rt)
+                args.append(_broadcast(arg, cols) if kind == "full" and arg.free_elements == 1 < cols else arg)
+            if step.op is Op.REDUCE_LAST:
+                engines.emit(Opcode.TENSOR_REDUCE, out, args[0], alu=REDUCTIONS[step.attrs["kind"]])
+            else:
+                engines.compute(step, out, args, constants, node.loc)
+            results[j] = out
+        dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
+        _dma_by_rows(em, dst, results[len(body) - 1])
+
+
+class _Balancer:
+    """Puts each ALU instruction on the Vector or GpSimd engine, whichever has less work so far (as the
+    cost model prices it), so the two share a kernel's elementwise work; activations go to Scalar."""
+
+    CANDIDATES = (Engine.VECTOR, Engine.GPSIMD)
+
+    def __init__(self, em: Emitter):
+        self.em = em
+        self.busy = {e: 0.0 for e in self.CANDIDATES}
+
+    def _charge(self, start: int) -> None:
+        for inst in self.em.instructions[start:]:
+            if inst.engine in self.busy:
+                self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target)
+
+    def _engine(self) -> Engine:
+        return min(self.CANDIDATES, key=self.busy.get)
+
+    def emit(self, opcode, *operands, **fields) -> None:
+        start = len(self.em.instructions)
+        self.em.emit(opcode, self._engine(), *operands, **fields)
+        self._charge(start)
+
+    def compute(self, step, out, args, constants, loc) -> None:
+        start = len(self.em.instructions)
+        _compute(self.em, step, out, args, constants, loc, self._engine())
+        self._charge(start)
+
+
+def _broadcast(ap: AccessPattern, cols: int) -> AccessPattern:
+    """A [rows, 1] tile read as [rows, cols]: the free axis with stride 0."""
+    return dataclasses.replace(ap, dims=(ap.dims[0], (0, cols)))
+
+
+def _first_rows(ap: AccessPattern, rows: int) -> AccessPattern:
+    return dataclasses.replace(ap, dims=((ap.dims[0][0], rows), *ap.dims[1:]))
+
+
+def _dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
+    """One DMA per slice of partitions, on consecutive queues, so that a large tile moves at the
+    bandwidth of several queues. A slice is at least the bytes that keep a DMA efficient on the target
+    (its efficient bytes per partition, over all partitions, shared by the queues)."""
+    t = em.target
+    rows = dst.partitions
+    nbytes = dst.num_elements * dst.dtype.itemsize
+    smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
+    pieces = max(1, min(rows, t.dma_queues, nbytes // smallest))
+    for k in range(pieces):
+        p0, p1 = rows * k // pieces, rows * (k + 1) // pieces
+        em.dma(_rows(dst, p0, p1), _rows(src, p0, p1))
+
+
+def _rows(ap: AccessPattern, p0: int, p1: int) -> AccessPattern:
+    """Partitions [p0, p1) of an on-chip tile, or the matching rows of an HBM pattern."""
+    stride, _ = ap.dims[0]
+    dims = ((stride, p1 - p0), *ap.dims[1:])
+    if ap.space == Space.HBM:
+        return dataclasses.replace(ap, offset=ap.offset + p0 * stride * ap.dtype.itemsize, dims=dims)
+    return dataclasses.replace(ap, partition=ap.partition + p0, dims=dims)
+
+
 def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType):
     """(index tile, r0, rt, c0, ct, data tile) for every tile of `rows`' index rows x `width` columns:
     up to a partition per row, the row cut to what fits a tile; each index tile loaded from HBM once."""
@@ -394,6 +544,7 @@ KERNELS.update({
     Op.CONCATENATE: concatenate,
     Op.MATMUL: matmul,
     Op.REDUCE_LAST: reduce_last,
+    Op.ROWWISE: rowwise,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
 })

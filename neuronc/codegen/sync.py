@@ -3,8 +3,11 @@
 Codegen emits instructions in one program order. Here each goes to its stream (engine, or DMA
 queue), and for every cross-stream hazard on the memory it touches (read after write, write after
 read, write after write) it gets a wait on the other stream's semaphore. Memory is tracked per HBM
-tensor, per SBUF page and per PSUM bank: coarse, so never missing a dependency, at the price of a
-few unnecessary ones. Waits a stream has already implied by an earlier wait are dropped.
+page (a tensor cut into at most HBM_PAGES_PER_TENSOR pages, so row tiles of one tensor stored from
+several DMA queues do not wait on each other), per SBUF page and group of partitions (a DMA queue's
+share: loads of one tile split by partitions run side by side) and per PSUM bank: coarse, so never
+missing a dependency, at the price of a few unnecessary ones. Waits a stream has already implied by
+an earlier wait are dropped.
 """
 from __future__ import annotations
 
@@ -12,25 +15,36 @@ import bisect
 from collections import defaultdict
 
 from neuronc.isa import AccessPattern, Instruction, Space, Wait
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
-SBUF_PAGE_BYTES = 1024  # granularity of hazard tracking in SBUF (a tracking choice, not hardware)
+HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
+HBM_MIN_PAGE_BYTES = 64 * 1024
 
 
 class _Keys:
     def __init__(self, tensors: list, target: Target):
         ordered = sorted(tensors, key=lambda t: t.offset)
         self.starts = [t.offset for t in ordered]
+        self.pages = [max(HBM_MIN_PAGE_BYTES, -(-t.nbytes // HBM_PAGES_PER_TENSOR)) for t in ordered]
         self.psum_bank = target.psum_bank_bytes
+        self.partition_group = max(1, target.partitions // target.dma_queues)
 
     def __call__(self, ap: AccessPattern) -> list:
         if ap.space == Space.HBM:
-            return [("hbm", bisect.bisect_right(self.starts, ap.offset) - 1)]
+            tensor = bisect.bisect_right(self.starts, ap.offset) - 1
+            reach = [stride * (size - 1) * ap.dtype.itemsize for stride, size in ap.dims]
+            first = ap.offset + sum(r for r in reach if r < 0) - self.starts[tensor]
+            last = ap.offset + sum(r for r in reach if r > 0) + ap.dtype.itemsize - 1 - self.starts[tensor]
+            page = self.pages[tensor]
+            return [("hbm", tensor, p) for p in range(first // page, last // page + 1)]
         extent = 1 + sum(stride * (size - 1) for stride, size in ap.dims[1:])
         first, last = ap.offset, ap.offset + extent * ap.dtype.itemsize - 1
         if ap.space == Space.PSUM:
             return [("psum", b) for b in range(first // self.psum_bank, last // self.psum_bank + 1)]
-        return [("sbuf", p) for p in range(first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES + 1)]
+        groups = range(ap.partition // self.partition_group,
+                       (ap.partition + ap.partitions - 1) // self.partition_group + 1)
+        return [("sbuf", p, g) for p in range(first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES + 1) for g in groups]
 
 
 def insert_waits(instructions: list, tensors: list, target: Target) -> dict:

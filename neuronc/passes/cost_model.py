@@ -9,6 +9,15 @@ from __future__ import annotations
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.targets import Target
 
+# On-chip tiles are placed on pages of this many bytes per partition (the sync pass tracks hazards per
+# page, so two tiles never share one): a placement granularity of codegen, not a hardware number.
+SBUF_PAGE_BYTES = 1024
+
+
+def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
+    """Whether a kernel's tiles, `bytes_per_partition` on each partition, fit the target's SBUF."""
+    return bytes_per_partition <= target.sbuf_bytes_per_partition
+
 
 def estimate_streams(streams: dict, target: Target) -> tuple:
     """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""

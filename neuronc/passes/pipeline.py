@@ -1,8 +1,10 @@
 """The pass pipeline of each optimisation level, readable top to bottom.
 
--O0/-O1 keep one kernel per op (the baseline); -O2/-O3 fuse elementwise groups, read matmul
-operands through their views, and compute elementwise consumers of a matmul as its epilogue. Layout, tiling
-search and scheduling passes join them as they are written. Every level must give the same numbers as eager PyTorch.
+-O0/-O1 keep one kernel per op (the baseline); -O2/-O3 compute row-wise normalisations as one kernel each,
+fuse elementwise groups, read matmul operands through their views, and compute elementwise consumers of a
+matmul as its epilogue. Layout, tiling search and scheduling passes join them as they are written. Every
+level must give the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
+the target's budgets (listed in TARGETED) also take the target.
 """
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
 from neuronc.passes.legalize import legalize
+from neuronc.passes.rowwise import fuse_rowwise
+from neuronc.targets import Target, get_target
 
 BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
             legalize, simplify]
-OPTIMISED = BASELINE + [fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues, fuse_reduction_prologues,
+OPTIMISED = BASELINE + [fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
+                        fuse_reduction_prologues,
                         simplify]
 
 PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
+TARGETED = {fuse_rowwise}  # passes that take the target (SBUF budget) as their second argument
 
 
 def passes_for(opt_level: int) -> list:
@@ -28,7 +34,8 @@ def passes_for(opt_level: int) -> list:
     return PIPELINES[opt_level]
 
 
-def run_pipeline(graph: ir.Graph, opt_level: int = 2) -> ir.Graph:
+def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None) -> ir.Graph:
+    target = target or get_target()
     for step in passes_for(opt_level):
-        graph = step(graph)
+        graph = step(graph, target) if step in TARGETED else step(graph)
     return graph

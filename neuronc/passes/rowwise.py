@@ -1,0 +1,435 @@
+"""Row-wise fusion: a normalisation (softmax, log-softmax, layer-norm, RMS-norm, ...) as one kernel.
+
+Such a computation reduces rows of an [R, C] iteration space (the reduced axis, C, need not be the
+last axis of the tensors: rows and columns are any merge of their axes) and broadcasts the reduced
+values back over the row. Unfused, every reduction and every elementwise group between them is a
+kernel of its own and the row makes a round trip through HBM for each. Fused, a tile of rows (one
+row per partition) is loaded once, every reduction and elementwise step runs on chip, and the
+result is stored once: HBM sees each input and the output once, the minimum.
+
+The pass grows a group around each reduction: elementwise producers whose value is read only inside
+the group, and elementwise consumers and further reductions reading the group's values. A group is
+kept when it computes a normalisation (a full-row value reads a reduced one), has one value leaving
+it, and its whole-row tiles fit SBUF (`rowwise_sbuf_bytes`, against the target's budget from the
+cost model); otherwise the graph is left as it was, for the other fusion passes.
+
+The result is `Op.ROWWISE` with attrs: body (a tuple of `ir.Step`, REDUCE_LAST steps reducing the
+columns), rows, cols, views (per input: (element offset, (row stride, column stride)); a column
+stride of 0 is a per-row value, a row stride of 0 a per-column one such as a norm's weight) and
+out_strides (how the [R, C] result is stored into the node's dense buffer).
+"""
+from __future__ import annotations
+
+import math
+
+from neuronc import ir
+from neuronc.ir import Op, Step
+from neuronc.isa import DType
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
+from neuronc.passes.legalize import dense_strides, reshaped_strides
+from neuronc.targets import Target, get_target
+
+MAX_INPUTS = 8
+MAX_STEPS = 64
+REDUCTIONS = ("add", "max", "min")  # what TENSOR_REDUCE computes
+BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
+
+
+# Reading values through reshapes and views --------------------------------------------------------
+
+
+def _links(node) -> bool:
+    return node.op in (Op.RESHAPE, Op.VIEW)
+
+
+def _resolve(x):
+    """(source, offset, strides over x.shape): the materialised value x reads through its chain of
+    reshapes (aliases) and views, as element offset and strides into the source's dense buffer, or
+    None when no single strided view says it (a view of a strided view that does not merge)."""
+    offset, strides, shape = 0, dense_strides(x.shape), x.shape
+    while _links(x):
+        if x.op is Op.VIEW:
+            if offset or strides != dense_strides(shape):
+                return None
+            strides = reshaped_strides(x.shape, x.attrs["strides"], shape)
+            if strides is None:
+                return None
+            offset, strides = x.attrs["offset"], tuple(strides)
+        x = x.inputs[0]  # a reshape's bytes are its operand's
+    return x, offset, tuple(strides)
+
+
+# The [R, C] frame of a group ------------------------------------------------------------------
+
+
+class Frame:
+    """Rows and columns of a group, and how a dense tensor of the group's full shape maps onto them:
+    each of the two axes is a merge of axes of `shape` (`groups`, innermost first)."""
+
+    def __init__(self, shape, rows, cols, groups):
+        self.shape, self.rows, self.cols, self.groups = tuple(shape), rows, cols, groups
+        self.dense = self.strides(dense_strides(shape))
+
+    def strides(self, strides):
+        """(row stride, column stride) of a tensor of `shape` read with `strides`, or None."""
+        result = []
+        for axes in self.groups:
+            if not axes:
+                result.append(0)
+                continue
+            size, first = 1, strides[axes[0]]
+            for a in axes:
+                if strides[a] != first * size:
+                    return None
+                size *= self.shape[a]
+            result.append(first)
+        return tuple(result)
+
+
+def _frame(shape, rows, cols, strides):
+    """The Frame in which a dense tensor of `shape` read with (row, col) element strides `strides`
+    is an [rows, cols] matrix, or None when the two axes are not merges of the tensor's axes."""
+    dense = dense_strides(shape)
+    free = {a for a, n in enumerate(shape) if n > 1}
+    groups = []
+    for stride, size in zip(strides, (rows, cols)):
+        axes, covered = [], 1
+        while covered < size:
+            step = stride * covered
+            match = [a for a in free if dense[a] == step and size % (covered * shape[a]) == 0]
+            if not match:
+                return None
+            axes.append(match[0])
+            free.discard(match[0])
+            covered *= shape[match[0]]
+        groups.append(axes)
+    if free:
+        return None
+    return Frame(shape, rows, cols, groups)
+
+
+# Growing a group ----------------------------------------------------------------------------
+
+
+class _Group:
+    def __init__(self, graph: ir.Graph, seed):
+        self.consumers = graph.consumers()
+        self.outputs = set(graph.outputs)
+        self.seed = seed
+        self.frame = None
+        self.members: dict = {}  # node -> "full" | "row"
+
+    def users(self, node) -> set:
+        """The non-link nodes that read `node`, through chains of reshapes and views."""
+        found, stack = set(), [node]
+        while stack:
+            for c in self.consumers.get(stack.pop(), ()):
+                (stack.append if _links(c) else found.add)(c)
+        return found
+
+    def escapes(self, node) -> bool:
+        if node in self.outputs or any(_links(c) and c in self.outputs for c in self._link_closure(node)):
+            return True
+        return not self.users(node) <= set(self.members)
+
+    def _link_closure(self, node):
+        found, stack = [], [node]
+        while stack:
+            for c in self.consumers.get(stack.pop(), ()):
+                if _links(c):
+                    found.append(c)
+                    stack.append(c)
+        return found
+
+    # how a node of `kind` reads one of its inputs, in the frame: (source, offset, (row stride, col stride))
+    def read(self, consumer, kind, x):
+        resolved = _resolve(x)
+        if resolved is None:
+            return None
+        source, offset, strides = resolved
+        if consumer.op is Op.REDUCE_LAST:
+            return (source, offset, strides) if len(strides) == 2 else None
+        if kind == "full":
+            mapped = self.frame.strides(strides) if x.shape == self.frame.shape else None
+        else:  # a per-row or per-column value: its elements in row-major order along its axis
+            size = self.frame.rows if kind == "row" else self.frame.cols
+            flat = reshaped_strides(x.shape, strides, (size,))
+            mapped = None if flat is None else (flat[0], 0) if kind == "row" else (0, flat[0])
+        return None if mapped is None else (source, offset, mapped)
+
+    def shape_kind(self, node):
+        """What a node computes in the frame by its shape: the full [R, C] values, or one per row."""
+        if node.op is Op.REDUCE_LAST:
+            return "row"
+        if node.shape == self.frame.shape:
+            return "full"
+        return "row" if node.size == self.frame.rows else None
+
+    def admissible(self, node, kind) -> bool:
+        """Whether `node` may be computed in the group as `kind`: each input is a scalar, a member read
+        as the group holds it, or a value from outside read in the frame."""
+        if kind is None or node.op not in ir.ELEMENTWISE and not (
+                node.op is Op.REDUCE_LAST and node.attrs["kind"] in REDUCTIONS and node.dtype.is_float
+                and node.inputs[0].shape == (self.frame.rows, self.frame.cols)):
+            return False
+        for x in node.inputs:
+            if x.scalar is not None:
+                continue
+            read = self.read(node, kind, x)
+            if read is None:
+                return False
+            source, offset, strides = read
+            if source in self.members and not self.holds(source, offset, strides):
+                return False
+            if kind == "col" and source in self.members and self.members[source] != "col":
+                return False
+        return True
+
+    def holds(self, member, offset, strides) -> bool:
+        """Whether a read of a member with this view gets the member's values as the group holds them."""
+        return not offset and self.layout_is(self.members[member], strides)
+
+    def layout_is(self, kind, strides) -> bool:
+        if kind == "full":
+            return strides == self.frame.dense
+        if kind == "col":
+            return strides[0] == 0 and (strides[1] == 1 or self.frame.cols == 1)
+        return strides[1] == 0 and (strides[0] == 1 or self.frame.rows == 1)
+
+    def producer_kind(self, consumer, x):
+        """(source, the kind it would have as a member) of what member `consumer` reads through `x`:
+        the kind whose layout the read is (a per-column value is a norm's weight converted, say)."""
+        read = self.read(consumer, self.members[consumer], x)
+        if read is None:
+            return None, None
+        source, offset, strides = read
+        sizes = {"full": math.prod(self.frame.shape), "row": self.frame.rows, "col": self.frame.cols}
+        for kind in ("full", "row", "col"):
+            shaped = source.shape == self.frame.shape if kind == "full" else source.size == sizes[kind]
+            if shaped and not offset and self.layout_is(kind, strides) and (kind != "full" or self.shape_kind(source)):
+                return source, kind
+        return source, None
+
+    def grow(self) -> bool:
+        seed = self.seed
+        resolved = _resolve(seed.inputs[0])
+        if resolved is None:
+            return False
+        source, offset, strides = resolved
+        rows, cols = seed.inputs[0].shape
+        if offset or len(strides) != 2:
+            return False
+        self.frame = _frame(source.shape, rows, cols, strides)
+        if self.frame is None or self.frame.dense != strides:
+            return False
+        self.members[seed] = "row"
+        changed = True
+        while changed:
+            changed = False
+            for member in list(self.members):
+                for user in self.users(member):  # consumers computed in the group too
+                    if user not in self.members and self.admissible(user, self.shape_kind(user)):
+                        self.members[user] = self.shape_kind(user)
+                        changed = True
+                for x in member.inputs:  # producers read only inside the group
+                    if x.scalar is not None:
+                        continue
+                    source, kind = self.producer_kind(member, x)
+                    if (source is not None and source not in self.members and source not in self.outputs
+                            and self.users(source) <= set(self.members) and not _reads_a_product(source)
+                            and self.admissible(source, kind)):
+                        self.members[source] = kind
+                        changed = True
+        return True
+
+    def prune(self, order: dict):
+        """Drop the latest escaping members until one value leaves the group; the root, or None."""
+        while self.members:
+            escaping = [m for m in self.members if self.escapes(m)]
+            if len(escaping) == 1 and self._consistent():
+                return escaping[0]
+            if not escaping:
+                return None
+            del self.members[max(escaping, key=order.get)]
+        return None
+
+    def _consistent(self) -> bool:
+        """Every member still reads only admissible inputs (pruning can remove what one relied on)."""
+        return all(self.admissible_now(m) for m in self.members)
+
+    def admissible_now(self, node) -> bool:
+        members = self.members
+        self.members = {k: v for k, v in members.items() if k is not node}
+        ok = self.admissible(node, members[node])
+        self.members = members
+        return ok
+
+
+def _reads_a_product(node) -> bool:
+    """Whether node reads a matmul's result: it is left to be the matmul's epilogue (fusion.py), where
+    it is computed from PSUM on the product's way out at no HBM cost."""
+    return any(ir.unreshaped(x).op is Op.MATMUL for x in node.inputs)
+
+
+def _externals_independent(members: dict, externals: list) -> bool:
+    """No input of the group depends on a value computed in it (that would be a cycle)."""
+    stack, seen = list(externals), set()
+    while stack:
+        n = stack.pop()
+        if n in members:
+            return False
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.inputs)
+    return True
+
+
+# Building the kernel node -----------------------------------------------------------------------
+
+
+def _body(group: _Group, order: dict, root):
+    """(steps, externals [(node, view)]) of a group, in topological order, identical steps shared."""
+    members = sorted(group.members, key=order.get)
+    index, steps, externals, seen = {}, [], [], {}
+    for m in members:
+        args = []
+        for x in m.inputs:
+            if x.scalar is not None:
+                args.append(("imm", x.scalar))
+                continue
+            source, offset, strides = group.read(m, group.members[m], x)
+            if source in group.members:
+                args.append(("step", index[source]))
+            else:
+                view = (offset, strides)
+                if (source, view) not in externals:
+                    externals.append((source, view))
+                args.append(("input", externals.index((source, view))))
+        attrs = {"kind": m.attrs["kind"]} if m.op is Op.REDUCE_LAST else m.attrs
+        step = Step(m.op, tuple(args), m.dtype, attrs)
+        key = (step.op, step.args, step.dtype, tuple(sorted((k, repr(v)) for k, v in attrs.items())))
+        if key in seen and m is not root:
+            index[m] = seen[key]  # the same value computed twice (layer-norm's two means): once
+            continue
+        seen[key] = index[m] = len(steps)
+        steps.append(step)
+    if index[root] != len(steps) - 1:
+        return None, None
+    return tuple(steps), externals
+
+
+def input_kind(view) -> str:
+    """"full", "row" (one value per row), "col" (one per column, the same for every row) or "row" for
+    one value for everything, by the (row, column) strides of an input's view."""
+    _, (sr, sc) = view
+    return "full" if sr and sc else "col" if sc else "row"
+
+
+def step_kinds(body, views) -> list:
+    """"full" ([rows, cols] tile per row tile), "row" ([rows, 1] per row tile) or "col" ([partitions,
+    cols], computed once for all row tiles) for each step of a ROWWISE body."""
+    kinds = []
+    for step in body:
+        arg_kinds = {kinds[ref] if a == "step" else input_kind(views[ref]) for a, ref in step.args if a != "imm"}
+        if step.op is Op.REDUCE_LAST:
+            kinds.append("row")
+        elif "full" in arg_kinds or {"row", "col"} <= arg_kinds:
+            kinds.append("full")
+        else:
+            kinds.append("col" if "col" in arg_kinds else "row")
+    return kinds
+
+
+def slot_plan(body, kinds) -> tuple:
+    """Linear-scan tile slots per kind: ([slot of each step, None for the last], {kind: count})."""
+    last = list(range(len(body)))
+    for j, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                last[ref] = j
+    free = {"full": [], "row": [], "col": []}
+    count = {"full": 0, "row": 0, "col": 0}
+    slots = []
+    for j in range(len(body)):
+        for k in range(j):
+            if last[k] == j and slots[k] is not None and kinds[k] != "col":  # col tiles live throughout
+                free[kinds[k]].append(slots[k])
+        if j == len(body) - 1:
+            slots.append(None)
+        elif free[kinds[j]]:
+            slots.append(free[kinds[j]].pop())
+        else:
+            slots.append(count[kinds[j]])
+            count[kinds[j]] += 1
+    return slots, count
+
+
+def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int) -> int:
+    """Bytes per partition the ROWWISE kernel allocates (codegen allocates exactly these tiles)."""
+    kinds = step_kinds(body, views)
+    _, count = slot_plan(body, kinds)
+
+    def slot(elements, itemsize):
+        return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
+
+    wide = max([DType.F32.itemsize, out_dtype.itemsize] + [s.dtype.itemsize for s in body])
+    total = slot(cols, wide) * BUFS * (count["full"] + 1)  # full temporaries, output (and SELECT constants)
+    total += slot(1, wide) * BUFS * (count["row"] + 1) + slot(cols, wide) * count["col"]
+    for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
+        total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else BUFS)
+    return total + slot(cols, wide) * BUFS  # the output tile
+
+
+def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
+    """Each row-wise normalisation becomes one ROWWISE kernel when its row tiles fit SBUF."""
+    target = target or get_target()
+    nodes = graph.nodes()
+    order = {n: i for i, n in enumerate(nodes)}
+    taken, roots = set(), {}
+    for seed in nodes:
+        if seed.op is not Op.REDUCE_LAST or seed in taken:
+            continue
+        group = _Group(graph, seed)
+        if not group.grow():
+            continue
+        root = group.prune(order)
+        if root is None or group.members[root] != "full" or taken & set(group.members):
+            continue
+        body, externals = _body(group, order, root)
+        if body is None or len(body) > MAX_STEPS or len(externals) > MAX_INPUTS:
+            continue
+        views = [view for _, view in externals]
+        kinds = step_kinds(body, views)
+        if kinds[-1] != "full" or not any(s.op is Op.REDUCE_LAST for s in body):
+            continue
+        reads_reduced = any(kinds[j] == "full" and any(a[0] == "step" and kinds[a[1]] == "row" for a in s.args)
+                            for j, s in enumerate(body))
+        if not reads_reduced or not _externals_independent(group.members, [x for x, _ in externals]):
+            continue
+        frame = group.frame
+        need = rowwise_sbuf_bytes(body, views, [x.dtype for x, _ in externals], root.dtype, frame.cols)
+        if frame.cols > target.max_free_elements_sbuf or not fits_sbuf(need, target):
+            continue
+        taken |= set(group.members)
+        roots[root] = (body, externals, frame)
+    if not roots:
+        return graph
+    return _rewrite(graph, roots)
+
+
+def _rewrite(graph: ir.Graph, roots: dict) -> ir.Graph:
+    new_of: dict = {}
+
+    def fuse(node, inputs):
+        for old, new in zip(node.inputs, inputs):
+            new_of[old] = new
+        if node not in roots:
+            return None
+        body, externals, frame = roots[node]
+        return ir.node(Op.ROWWISE, [new_of.get(x, x) for x, _ in externals], node.shape, node.dtype, node.loc,
+                       body=body, views=tuple(v for _, v in externals), rows=frame.rows, cols=frame.cols,
+                       out_strides=frame.dense)
+
+    for p in graph.params:
+        new_of[p] = p
+    return graph.rewrite(fuse)

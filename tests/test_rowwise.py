@@ -1,0 +1,103 @@
+"""Row-wise normalisations (softmax, log-softmax, layer-norm, RMS-norm) compile at -O2 to one kernel
+each that loads every row once, and give eager PyTorch's numbers; a row too wide for SBUF keeps
+the unfused kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.frontend.tensors import from_numpy, to_numpy
+from neuronc.ir import Op
+from neuronc.isa import Engine, Space
+from runtime import run_neff
+from tests.conftest import assert_matches_eager
+
+
+class Softmax(nn.Module):
+    def __init__(self, dim=-1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.softmax(x, self.dim)
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x, -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def _layer_norm(width):
+    norm = nn.LayerNorm(width)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm
+
+
+NORMALISATIONS = {
+    "softmax": lambda width: Softmax(),
+    "softmax_dim0": lambda width: Softmax(0),
+    "log_softmax": lambda width: LogSoftmax(),
+    "layer_norm": _layer_norm,
+    "rms_norm": RMSNorm,
+}
+
+
+def _compile_and_run(model, x, level=2):
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=level))
+    return compiled, from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(NORMALISATIONS))
+def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
+    torch.manual_seed(0)
+    model = NORMALISATIONS[name](96).eval().to(dtype)
+    x = (torch.randn(200, 96) * 3).to(dtype)  # 200 rows: a full and a partial tile of 128 partitions
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    assert len(compiled.neff.kernels) == 1
+    assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    assert_matches_eager(out, expected)
+
+
+def test_a_rowwise_kernel_reads_its_input_and_writes_its_output_once():
+    torch.manual_seed(0)
+    model, x = _layer_norm(256).eval(), torch.randn(512, 256)
+    compiled, _ = _compile_and_run(model, x)
+    moved = sum(ap.num_elements * ap.dtype.itemsize for (engine, _), stream in compiled.neff.streams.items()
+                if engine == Engine.DMA for inst in stream for ap in inst.operands if ap.space == Space.HBM)
+    weights = 2 * 256 * 4 * 128  # weight and bias, loaded once onto every partition
+    assert moved == 2 * x.numel() * 4 + weights
+
+
+def test_the_transformer_blocks_layer_norms_and_softmax_become_one_kernel_each():
+    from tests import zoo
+
+    model, inputs = zoo.build("transformer_block")
+    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    rowwise = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
+    assert len(rowwise) == 3  # ln1, the attention softmax, ln2
+    assert not any(n.op is Op.REDUCE_LAST for n in compiled.graph.nodes())
+
+
+def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
+    x = torch.randn(4, 60_000)  # 60k fp32 columns: a few whole-row tiles need more than SBUF holds
+    model = Softmax()
+    compiled, out = _compile_and_run(model, x)
+    assert not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
+    assert_matches_eager(out, model(x))
