@@ -1,0 +1,152 @@
+"""The `neuron` device: tensors on emulated NeuronCores through the `torch.backends` autoload (no
+import of neuronc), eager ops compiled per signature, CPU fallback, torch.accelerator, streams, events."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError
+from neuronc.pytorch import eager
+from neuronc.pytorch.device_memory import array_of, core
+from tests.conftest import assert_matches_eager
+
+
+def _run_python(code: str, **env) -> str:
+    import os
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture
+def neuron():
+    torch.neuron._lazy_init()
+    return torch.device("neuron", 0)
+
+
+# ---- registration ----------------------------------------------------------------------------------
+
+def test_to_neuron_needs_no_import_and_behaves_like_a_device(tmp_path):
+    out = _run_python(f"""
+        import io, sys, torch
+        assert "neuronc.compiler" not in sys.modules and "torch_mlir" not in sys.modules  # autoload stays cheap
+        x = torch.randn(4, 4)
+        y = x.to("neuron")
+        assert y.device == torch.device("neuron", 0) and str(y.device) == "neuron:0", y.device
+        assert y.is_neuron and torch.equal(y.cpu(), x)
+        assert (y.cpu().numpy() == x.numpy()).all()
+        text = repr(y)
+        assert "device='neuron:0'" in text and f"{{x[0, 0].item():.4f}}" in text, text
+        model = torch.nn.Linear(4, 2).to("neuron")
+        torch.save({{k: v.cpu() for k, v in model.state_dict().items()}}, {str(tmp_path / "sd.pt")!r})
+        loaded = torch.load({str(tmp_path / "sd.pt")!r})
+        assert torch.equal(loaded["weight"], model.weight.cpu())
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_device_tensor_bytes_are_the_cores_hbm(neuron):
+    hbm = core(0).hbm
+    before = hbm.in_use
+    x = torch.zeros(256, 64, device=neuron)
+    assert hbm.in_use - before == 256 * 64 * 4
+    array_of(x)[3, 5] = 7.0  # the tensor is that memory: no copy on the side
+    assert x.cpu()[3, 5].item() == 7.0
+    del x
+    assert hbm.in_use == before
+
+
+def test_out_of_device_memory_is_a_typed_error(neuron):
+    with pytest.raises(DeviceOutOfMemoryError, match="HBM"):
+        torch.empty(core(0).hbm.capacity // 4 + 1, dtype=torch.float32, device=neuron)
+
+
+def test_views_alias_device_memory(neuron):
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(neuron)
+    column = x.t()[1]
+    x.zero_()
+    assert torch.equal(column.cpu(), torch.zeros(3))
+    assert torch.equal(x[1:, ::2].cpu(), torch.zeros(2, 2))
+
+
+# ---- eager ops ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: a + b * 2.5,
+    lambda a, b: torch.relu(a) @ b.t(),
+    lambda a, b: torch.softmax(a, dim=-1),
+    lambda a, b: (a * b).sum(dim=0),
+], ids=["add_mul", "relu_matmul", "softmax", "sum"])
+def test_eager_ops_match_cpu(neuron, fn):
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    assert_matches_eager(fn(a.to(neuron), b.to(neuron)).cpu(), fn(a, b))
+
+
+def test_second_call_of_a_signature_is_a_cache_lookup(neuron):
+    a = torch.randn(3, 5).to(neuron)
+    torch.sub(a, a)
+    compiled = len(eager.programs)
+    entry = next(e for k, e in eager.programs.items() if k[0] == torch.ops.aten.sub.Tensor and k[2][0][0] == (3, 5))
+    launches = entry.launches
+    torch.sub(a, a)
+    assert len(eager.programs) == compiled and entry.launches == launches + 1
+    torch.sub(torch.randn(4, 5).to(neuron), a[:1])  # a new shape is a new program
+    assert len(eager.programs) == compiled + 1
+
+
+def test_in_place_and_out_ops_write_device_memory(neuron):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    x = a.to(neuron)
+    x.mul_(b.to(neuron))
+    out = torch.empty(4, 4, device=neuron)
+    torch.add(x, 1.0, out=out)
+    assert_matches_eager((x.cpu(), out.cpu()), (a * b, a * b + 1.0))
+
+
+def test_unsupported_op_falls_back_to_cpu_with_one_warning(neuron):
+    x = torch.tensor([0.0, 1.5, 0.0, -2.0]).to(neuron)
+    eager.fallen_back.pop("aten.nonzero.default", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = torch.nonzero(x), torch.nonzero(x)
+    assert [str(w.message) for w in caught if "aten.nonzero" in str(w.message)].__len__() == 1
+    assert first.device == neuron and torch.equal(second.cpu(), torch.tensor([[1], [3]]))
+
+
+def test_disabled_fallback_raises_an_error_naming_the_op(neuron, monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    with pytest.raises(FallbackDisabledError, match="aten.nonzero"):
+        torch.nonzero(torch.ones(3).to(neuron))
+
+
+def test_tensors_on_two_devices_do_not_mix(neuron):
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # PyTorch's own check, as on CUDA
+        torch.ones(2, device="neuron:0") + torch.ones(2, device="neuron:1")
+
+
+def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(model).to(neuron)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    losses = []
+    for m, data, target in ((model, x, y), (on_device, x.to(neuron), y.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(data), target)
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.detach().cpu())
+    assert all(p.device == neuron for p in on_device.parameters())
+    assert_matches_eager(losses[1], losses[0])
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
