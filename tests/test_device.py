@@ -95,7 +95,7 @@ def test_second_call_of_a_signature_is_a_cache_lookup(neuron):
     a = torch.randn(3, 5).to(neuron)
     torch.sub(a, a)
     compiled = len(eager.programs)
-    entry = next(e for k, e in eager.programs.items() if k[0] == torch.ops.aten.sub.Tensor and k[2][0][0] == (3, 5))
+    [entry] = eager.compiled_for(torch.ops.aten.sub.Tensor, (3, 5))
     launches = entry.launches
     torch.sub(a, a)
     assert len(eager.programs) == compiled and entry.launches == launches + 1
@@ -150,3 +150,92 @@ def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
     assert all(p.device == neuron for p in on_device.parameters())
     assert_matches_eager(losses[1], losses[0])
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+# ---- torch.accelerator ---------------------------------------------------------------------------------
+
+def test_accelerator_sees_the_neuron_device(neuron):
+    assert torch.accelerator.current_accelerator() == torch.device("neuron")
+    assert torch.accelerator.device_count() == 2 == torch.neuron.device_count()
+    assert torch.accelerator.is_available()
+
+
+def test_visible_cores_set_the_device_count():
+    out = _run_python("""
+        import torch
+        print(torch.accelerator.device_count(), torch.ones(1, device="neuron:3").device)
+    """, NEURON_RT_VISIBLE_CORES="0-3")
+    assert out.split() == ["4", "neuron:3"]
+
+
+def test_set_device_index_selects_the_default_device(neuron):
+    try:
+        torch.accelerator.set_device_index(1)
+        assert torch.accelerator.current_device_index() == 1
+        assert torch.empty(2, device="neuron").device == torch.device("neuron", 1)
+    finally:
+        torch.accelerator.set_device_index(0)
+
+
+def test_each_core_has_its_own_memory_and_statistics(neuron):
+    torch.accelerator.synchronize()
+    base0, base1 = torch.accelerator.memory_allocated(0), torch.accelerator.memory_allocated(1)
+    torch.accelerator.reset_peak_memory_stats(1)
+    x = torch.ones(1024, device="neuron:1")
+    assert torch.accelerator.memory_allocated(1) == base1 + 4096 and torch.accelerator.memory_allocated(0) == base0
+    assert core(1) is not core(0) and core(1).hbm.in_use >= 4096
+    y = x * 3.0  # computed on core 1
+    assert y.device == torch.device("neuron", 1) and torch.equal(y.cpu(), torch.full((1024,), 3.0))
+    del x, y
+    torch.accelerator.empty_cache()
+    assert torch.accelerator.memory_allocated(1) == base1
+    assert torch.accelerator.max_memory_allocated(1) >= base1 + 2 * 4096
+    stats = torch.accelerator.memory_stats(1)
+    assert stats["allocated_bytes.all.current"] == base1 and stats["allocation.all.allocated"] >= 2
+
+
+# ---- streams and events ----------------------------------------------------------------------------------
+
+def _work(x):
+    return (x @ x).relu()
+
+
+def test_events_time_work_on_a_stream_from_the_emulated_timeline(neuron):
+    x = torch.randn(64, 64).to(neuron)
+    _work(x)  # compile first: a cached launch advances the stream by its program's estimated time
+    stream = torch.Stream(device="neuron")
+    assert stream.device == neuron
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    with torch.neuron.stream(stream):
+        assert torch.accelerator.current_stream() == stream
+        start.record()
+        _work(x)
+        end.record()
+    assert torch.accelerator.current_stream() != stream
+    end.synchronize()
+    assert start.query() and end.query() and stream.query()
+    [mm], [relu] = (eager.compiled_for(op, (64, 64)) for op in (torch.ops.aten.mm.default, torch.ops.aten.relu.default))
+    expected_ms = (mm.duration_ns + relu.duration_ns) / 1e6
+    assert start.elapsed_time(end) == pytest.approx(expected_ms)
+
+
+def test_a_missing_wait_shows_on_the_timeline(neuron):
+    x = torch.randn(64, 64).to(neuron)
+    _work(x)
+    producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
+
+    def consumer_start_vs_producer_end(wait: bool) -> float:
+        with torch.neuron.stream(producer):
+            _work(x)
+            produced = torch.Event(enable_timing=True)
+            produced.record()
+        if wait:
+            consumer.wait_event(produced)
+        consumed = torch.Event(enable_timing=True)
+        with torch.neuron.stream(consumer):
+            consumed.record()
+            _work(x)
+        return produced.elapsed_time(consumed)
+
+    assert consumer_start_vs_producer_end(wait=False) < 0  # the consumer starts before the producer is done
+    assert consumer_start_vs_producer_end(wait=True) >= 0

@@ -72,13 +72,13 @@ def allocate(index: int, nbytes: int) -> tuple:
 def array_of(tensor: torch.Tensor) -> np.ndarray:
     """A writable numpy view of a `neuron` tensor's elements, in its device memory."""
     dtype = NUMPY_DTYPES[tensor.dtype]
-    if tensor.numel() == 0:
+    pointer = tensor.data_ptr()
+    if pointer == 0:  # no elements
         return np.empty(tuple(tensor.shape), dtype)
     itemsize = dtype.itemsize
-    base = tensor.data_ptr() - tensor.storage_offset() * itemsize
-    memory = _buffers[base]
-    return np.ndarray(tuple(tensor.shape), dtype, buffer=memory, offset=tensor.storage_offset() * itemsize,
-                      strides=tuple(s * itemsize for s in tensor.stride()))
+    offset = tensor.storage_offset() * itemsize
+    return np.ndarray(tensor.shape, dtype, buffer=_buffers[pointer - offset], offset=offset,
+                      strides=[s * itemsize for s in tensor.stride()])
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:

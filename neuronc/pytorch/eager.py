@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -49,7 +50,13 @@ class EagerProgram:
     launches: int = 0
 
 
-programs: dict = {}  # signature -> EagerProgram (or the reason it runs on the CPU)
+programs: dict = {}  # ((op, signature of args, of kwargs), device) -> EagerProgram, or why it runs on the CPU
+
+
+def compiled_for(op, first_shape: tuple) -> list:
+    """The EagerPrograms of ``op`` whose first argument has ``first_shape`` (for tests and tools)."""
+    return [entry for ((functional, args, _), _), entry in programs.items()
+            if functional == op and args and args[0][0] == first_shape and isinstance(entry, EagerProgram)]
 fallen_back: dict = {}  # op name -> why it ran on the CPU (warned once)
 
 
@@ -83,22 +90,33 @@ def _print_from_host() -> None:
 
 def run_op(op, *args, **kwargs):
     """Run ``op`` on the NeuronCore of its tensors (compiled on first use), or on the CPU if it cannot."""
-    reason = _not_compilable(op)
-    if reason:
-        return cpu_fallback(op, args, kwargs, reason)
-    device = _device_of(op, args, kwargs)
-    functional, writes = _functional(op)
-    if functional is None:
-        return cpu_fallback(op, args, kwargs, "it mutates its arguments in a way neuronc does not compile")
-    call_args, call_kwargs = args, {k: v for k, v in kwargs.items() if k not in writes.get("out", ())}
-    key = (functional, device, _signature(call_args), _signature(call_kwargs))
-    entry = programs.get(key)
+    plan = _plans.get(op) or _plan(op)
+    if isinstance(plan, str):
+        return cpu_fallback(op, args, kwargs, plan)
+    functional, writes = plan
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in writes.get("out", ())} if kwargs else kwargs
+    tensors = []
+    key = (functional, _signature(args, tensors), _signature(call_kwargs, tensors) if call_kwargs else ())
+    device = _device_of(op, tensors)
+    entry = programs.get((key, device))
     if entry is None:
-        entry = programs[key] = _compile(functional, call_args, call_kwargs, device)
+        entry = programs[(key, device)] = _compile(functional, args, call_kwargs, device)
     if isinstance(entry, str):
         return cpu_fallback(op, args, kwargs, entry)
-    results = _launch(entry, device, call_args, call_kwargs)
-    return _write_back(op, writes, args, kwargs, results, entry)
+    results = _launch(entry, device, tensors)
+    return _write_back(writes, args, kwargs, results, entry)
+
+
+_plans: dict = {}  # op -> (functional op, what it writes) or the reason it runs on the CPU
+
+
+def _plan(op):
+    reason = _not_compilable(op)
+    functional, writes = _functional(op)
+    if not reason and functional is None:
+        reason = "it mutates its arguments in a way neuronc does not compile"
+    _plans[op] = reason or (functional, writes)
+    return _plans[op]
 
 
 def cpu_fallback(op, args, kwargs, reason: str):
@@ -190,18 +208,17 @@ def _functional(op) -> tuple:
     return found
 
 
-def _device_of(op, args, kwargs) -> int:
+def _device_of(op, tensors: list) -> int:
     index = None
-    for x in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, torch.Tensor):
-            if x.device.type == "neuron":
-                if index is not None and x.device.index != index:
-                    raise NeuronDeviceError(f"{op} got tensors on neuron:{index} and {x.device}",
-                                            hint="move them to one device with .to(...)")
-                index = x.device.index
-            elif x.dim() > 0:
-                raise NeuronDeviceError(f"{op} got a {x.device} tensor of shape {tuple(x.shape)} with neuron tensors",
-                                        hint='move it with .to("neuron") (only 0-d CPU tensors mix with device tensors)')
+    for x in tensors:
+        if x.device.type == "neuron":
+            if index is not None and x.device.index != index:
+                raise NeuronDeviceError(f"{op} got tensors on neuron:{index} and {x.device}",
+                                        hint="move them to one device with .to(...)")
+            index = x.device.index
+        elif x.dim() > 0:
+            raise NeuronDeviceError(f"{op} got a {x.device} tensor of shape {tuple(x.shape)} with neuron tensors",
+                                    hint='move it with .to("neuron") (only 0-d CPU tensors mix with device tensors)')
     return index if index is not None else torch.accelerator.current_device_index()
 
 
@@ -212,14 +229,16 @@ def _first_device(args, kwargs):
     return None
 
 
-def _signature(value):
-    """A hashable description of arguments: tensors by (shape, dtype, device type), the rest by value."""
+def _signature(value, tensors: list):
+    """A hashable description of arguments: tensors by (shape, dtype, device type), the rest by value.
+    Appends the tensors met, in order (the program's inputs), to ``tensors``."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device.type)
+        tensors.append(value)
+        return (value.shape, value.dtype, value.device.type)
     if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
+        return tuple(_signature(v, tensors) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
+        return tuple((k, _signature(v, tensors)) for k, v in value.items())
     return (type(value), value)
 
 
@@ -266,22 +285,26 @@ def _compile(op, args, kwargs, device: int):
                         out_spec[-1], program.time().estimated_ns)
 
 
-def _launch(entry: EagerProgram, device: int, args, kwargs) -> list:
+def _launch(entry: EagerProgram, device: int, tensors: list) -> list:
     """Run the program on the tensors' memory; returns the flat results as new device tensors."""
-    inputs = [array_of(x) if x.device.type == "neuron" else host_array(x)
-              for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    inputs = [array_of(x) if x.device.type == "neuron" else host_array(x) for x in tensors]
     result = entry.program.run(inputs)
-    shim.load_built().launch(device, entry.duration_ns)
+    _shim().launch(device, entry.duration_ns)
     entry.launches += 1
     flat = []
+    where = torch.device("neuron", device)
     for index, (shape, dtype) in zip(entry.layout, entry.outputs):
-        out = torch.empty(shape, dtype=dtype, device=torch.device("neuron", device))
+        out = torch.empty(shape, dtype=dtype, device=where)
         array_of(out)[...] = result.outputs[index]
         flat.append(out)
     return flat
 
 
-def _write_back(op, writes: dict, args, kwargs, flat: list, entry: EagerProgram):
+def _shim():
+    return sys.modules[shim.NAME]
+
+
+def _write_back(writes: dict, args, kwargs, flat: list, entry: EagerProgram):
     if writes.get("self"):
         target = args[0]
         array_of(target)[...] = array_of(flat[0])

@@ -65,12 +65,13 @@ def build():
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
-                           verbose=False)
+        module = cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
+                                    verbose=False)
     except Exception as e:  # compiler errors: show them with what to do
         raise NeuronDeviceError(f"building the neuron device's C++ shim failed: {e}",
                                 hint=f"see the build log in {directory}; a C++20 g++ is needed") from e
-    return sys.modules[NAME]
+    sys.modules[NAME] = module
+    return module
 
 
 def _pip_ninja(tool: str) -> bool:

@@ -152,6 +152,12 @@ c10::Stream make_stream(c10::DeviceIndex device, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, device), id);
 }
 
+c10::DeviceIndex index_of(c10::Device d) {  // "neuron" without an index is the current device
+  c10::DeviceIndex index = d.has_index() ? d.index() : current_device();
+  check_index(index);
+  return index;
+}
+
 struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kDevice; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -165,13 +171,12 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     t_current_device = d.index();
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override { t_current_device = d.index(); }
-  c10::Stream getStream(c10::Device d) const override { return make_stream(d.index(), t_current_stream[d.index()]); }
-  c10::Stream getDefaultStream(c10::Device d) const override { return make_stream(d.index(), 0); }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
-  c10::Stream getNewStream(c10::Device d, int) const override {
-    check_index(d.index());
-    return make_stream(d.index(), g_next_stream++);
+  c10::Stream getStream(c10::Device d) const override {
+    return make_stream(index_of(d), t_current_stream[index_of(d)]);
   }
+  c10::Stream getDefaultStream(c10::Device d) const override { return make_stream(index_of(d), 0); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  c10::Stream getNewStream(c10::Device d, int) const override { return make_stream(index_of(d), g_next_stream++); }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto old = getStream(s.device());
     t_current_stream[s.device_index()] = s.id();
