@@ -152,6 +152,21 @@ def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
+def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    on_device = copy.deepcopy(model).to(neuron)
+    x = torch.randn(2, 4)
+    for m, data in ((model, x), (on_device, x.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        m(data).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's warning, tested above
+            optimizer.step()
+    assert "aten._fused_adamw_.default" in eager.fallen_back
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
 # ---- torch.accelerator ---------------------------------------------------------------------------------
 
 def test_accelerator_sees_the_neuron_device(neuron):
