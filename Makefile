@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build of 2.13.0 is on disk; anything else pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# the neuron device's C++ shim (g++ and ninja), so that `import torch` finds it built
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m neuronc.pytorch.shim
 	touch $(STAMP)
 
 install: $(STAMP)

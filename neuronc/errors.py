@@ -68,3 +68,11 @@ class DeviceOutOfMemoryError(NeuronRuntimeError):
 
 class InputMismatchError(NeuronError):
     """Inputs given to a compiled program do not match its signature (count, shape or dtype)."""
+
+
+class NeuronDeviceError(NeuronError):
+    """The `neuron` device cannot do what was asked (no such core, its C++ shim cannot be built, ...)."""
+
+
+class FallbackDisabledError(NeuronDeviceError):
+    """An op the NeuronCore does not run would fall back to the CPU, and fallback is turned off."""

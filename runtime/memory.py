@@ -57,6 +57,23 @@ class HbmAllocator:
         self.peak = max(self.peak, self.in_use)
         return handle
 
+    def reserve(self, name: str, nbytes: int) -> int:
+        """Reserve ``nbytes`` for a buffer of the host's choosing (a `neuron` device tensor's storage);
+        returns the handle to free it with. Counts against the same capacity as loaded programs."""
+        if nbytes > self.capacity - self.in_use:
+            loaded = ", ".join(f"{n!r} ({size_text(b)})" for n, b in self.allocations.values()) or "nothing"
+            raise DeviceOutOfMemoryError(
+                f"{name} needs {_exact(nbytes)} of HBM, but the {self.target.name} NeuronCore has "
+                f"{_exact(self.capacity)}, {_exact(self.capacity - self.in_use)} free (in use: {loaded})",
+                hint="free tensors you no longer need (del, then torch.accelerator.empty_cache()), use a smaller "
+                "batch, or spread the work over more NeuronCores (neuron:1, ...)",
+            )
+        handle = next(self._handles)
+        self.allocations[handle] = (name, nbytes)
+        self.in_use += nbytes
+        self.peak = max(self.peak, self.in_use)
+        return handle
+
     def free(self, handle: int) -> None:
         """Give back the bytes of ``handle`` (freeing twice is harmless)."""
         _, nbytes = self.allocations.pop(handle, (None, 0))

@@ -1,0 +1,255 @@
+"""The `neuron` device: tensors on emulated NeuronCores through the `torch.backends` autoload (no
+import of neuronc), eager ops compiled per signature, CPU fallback, torch.accelerator, streams, events."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError
+from neuronc.pytorch import eager
+from neuronc.pytorch.device_memory import array_of, core
+from tests.conftest import assert_matches_eager
+
+
+def _run_python(code: str, **env) -> str:
+    import os
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture
+def neuron():
+    torch.neuron._lazy_init()
+    return torch.device("neuron", 0)
+
+
+# ---- registration ----------------------------------------------------------------------------------
+
+def test_to_neuron_needs_no_import_and_behaves_like_a_device(tmp_path):
+    out = _run_python(f"""
+        import io, sys, torch
+        assert "neuronc.compiler" not in sys.modules and "torch_mlir" not in sys.modules  # autoload stays cheap
+        x = torch.randn(4, 4)
+        y = x.to("neuron")
+        assert y.device == torch.device("neuron", 0) and str(y.device) == "neuron:0", y.device
+        assert y.is_neuron and torch.equal(y.cpu(), x)
+        assert (y.cpu().numpy() == x.numpy()).all()
+        assert repr(y) == repr(x)[:-1] + ", device='neuron:0')", repr(y)
+        model = torch.nn.Linear(4, 2).to("neuron")
+        torch.save({{k: v.cpu() for k, v in model.state_dict().items()}}, {str(tmp_path / "sd.pt")!r})
+        loaded = torch.load({str(tmp_path / "sd.pt")!r})
+        assert torch.equal(loaded["weight"], model.weight.cpu())
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_device_tensor_bytes_are_the_cores_hbm(neuron):
+    hbm = core(0).hbm
+    before = hbm.in_use
+    x = torch.zeros(256, 64, device=neuron)
+    assert hbm.in_use - before == 256 * 64 * 4
+    array_of(x)[3, 5] = 7.0  # the tensor is that memory: no copy on the side
+    assert x.cpu()[3, 5].item() == 7.0
+    del x
+    assert hbm.in_use == before
+
+
+def test_out_of_device_memory_is_a_typed_error(neuron):
+    with pytest.raises(DeviceOutOfMemoryError, match="HBM"):
+        torch.empty(core(0).hbm.capacity // 4 + 1, dtype=torch.float32, device=neuron)
+
+
+def test_views_alias_device_memory(neuron):
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(neuron)
+    column = x.t()[1]
+    x.zero_()
+    assert torch.equal(column.cpu(), torch.zeros(3))
+    assert torch.equal(x[1:, ::2].cpu(), torch.zeros(2, 2))
+
+
+# ---- eager ops ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: a + b * 2.5,
+    lambda a, b: torch.relu(a) @ b.t(),
+    lambda a, b: torch.softmax(a, dim=-1),
+    lambda a, b: (a * b).sum(dim=0),
+], ids=["add_mul", "relu_matmul", "softmax", "sum"])
+def test_eager_ops_match_cpu(neuron, fn):
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    assert_matches_eager(fn(a.to(neuron), b.to(neuron)).cpu(), fn(a, b))
+
+
+def test_second_call_of_a_signature_is_a_cache_lookup(neuron):
+    a = torch.randn(3, 5).to(neuron)
+    torch.sub(a, a)
+    compiled = len(eager.programs)
+    [entry] = eager.compiled_for(torch.ops.aten.sub.Tensor, (3, 5))
+    launches = entry.launches
+    torch.sub(a, a)
+    assert len(eager.programs) == compiled and entry.launches == launches + 1
+    torch.sub(torch.randn(4, 5).to(neuron), a[:1])  # a new shape is a new program
+    assert len(eager.programs) == compiled + 1
+
+
+def test_in_place_and_out_ops_write_device_memory(neuron):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    x = a.to(neuron)
+    x.mul_(b.to(neuron))
+    out = torch.empty(4, 4, device=neuron)
+    torch.add(x, 1.0, out=out)
+    assert_matches_eager((x.cpu(), out.cpu()), (a * b, a * b + 1.0))
+
+
+def test_unsupported_op_falls_back_to_cpu_with_one_warning(neuron):
+    x = torch.tensor([0.0, 1.5, 0.0, -2.0]).to(neuron)
+    eager.fallen_back.pop("aten.nonzero.default", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = torch.nonzero(x), torch.nonzero(x)
+    assert [str(w.message) for w in caught if "aten.nonzero" in str(w.message)].__len__() == 1
+    assert first.device == neuron and torch.equal(second.cpu(), torch.tensor([[1], [3]]))
+
+
+def test_disabled_fallback_raises_an_error_naming_the_op(neuron, monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    with pytest.raises(FallbackDisabledError, match="aten.nonzero"):
+        torch.nonzero(torch.ones(3).to(neuron))
+
+
+def test_tensors_on_two_devices_do_not_mix(neuron):
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # PyTorch's own check, as on CUDA
+        torch.ones(2, device="neuron:0") + torch.ones(2, device="neuron:1")
+
+
+def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(model).to(neuron)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    losses = []
+    for m, data, target in ((model, x, y), (on_device, x.to(neuron), y.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(data), target)
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.detach().cpu())
+    assert all(p.device == neuron for p in on_device.parameters())
+    assert_matches_eager(losses[1], losses[0])
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    on_device = copy.deepcopy(model).to(neuron)
+    x = torch.randn(2, 4)
+    for m, data in ((model, x), (on_device, x.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        m(data).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's warning, tested above
+            optimizer.step()
+    assert "aten._fused_adamw_.default" in eager.fallen_back
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+# ---- torch.accelerator ---------------------------------------------------------------------------------
+
+def test_accelerator_sees_the_neuron_device(neuron):
+    assert torch.accelerator.current_accelerator() == torch.device("neuron")
+    assert torch.accelerator.device_count() == 2 == torch.neuron.device_count()
+    assert torch.accelerator.is_available()
+
+
+def test_visible_cores_set_the_device_count():
+    out = _run_python("""
+        import torch
+        print(torch.accelerator.device_count(), torch.ones(1, device="neuron:3").device)
+    """, NEURON_RT_VISIBLE_CORES="0-3")
+    assert out.split() == ["4", "neuron:3"]
+
+
+def test_set_device_index_selects_the_default_device(neuron):
+    try:
+        torch.accelerator.set_device_index(1)
+        assert torch.accelerator.current_device_index() == 1
+        assert torch.empty(2, device="neuron").device == torch.device("neuron", 1)
+    finally:
+        torch.accelerator.set_device_index(0)
+
+
+def test_each_core_has_its_own_memory_and_statistics(neuron):
+    torch.accelerator.synchronize()
+    base0, base1 = torch.accelerator.memory_allocated(0), torch.accelerator.memory_allocated(1)
+    torch.accelerator.reset_peak_memory_stats(1)
+    x = torch.ones(1024, device="neuron:1")
+    assert torch.accelerator.memory_allocated(1) == base1 + 4096 and torch.accelerator.memory_allocated(0) == base0
+    assert core(1) is not core(0) and core(1).hbm.in_use >= 4096
+    y = x * 3.0  # computed on core 1
+    assert y.device == torch.device("neuron", 1) and torch.equal(y.cpu(), torch.full((1024,), 3.0))
+    del x, y
+    torch.accelerator.empty_cache()
+    assert torch.accelerator.memory_allocated(1) == base1
+    assert torch.accelerator.max_memory_allocated(1) >= base1 + 2 * 4096
+    stats = torch.accelerator.memory_stats(1)
+    assert stats["allocated_bytes.all.current"] == base1 and stats["allocation.all.allocated"] >= 2
+
+
+# ---- streams and events ----------------------------------------------------------------------------------
+
+def _work(x):
+    return (x @ x).relu()
+
+
+def test_events_time_work_on_a_stream_from_the_emulated_timeline(neuron):
+    x = torch.randn(64, 64).to(neuron)
+    _work(x)  # compile first: a cached launch advances the stream by its program's estimated time
+    stream = torch.Stream(device="neuron")
+    assert stream.device == neuron
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    with torch.neuron.stream(stream):
+        assert torch.accelerator.current_stream() == stream
+        start.record()
+        _work(x)
+        end.record()
+    assert torch.accelerator.current_stream() != stream
+    end.synchronize()
+    assert start.query() and end.query() and stream.query()
+    [mm], [relu] = (eager.compiled_for(op, (64, 64)) for op in (torch.ops.aten.mm.default, torch.ops.aten.relu.default))
+    expected_ms = (mm.duration_ns + relu.duration_ns) / 1e6
+    assert start.elapsed_time(end) == pytest.approx(expected_ms)
+
+
+def test_a_missing_wait_shows_on_the_timeline(neuron):
+    x = torch.randn(64, 64).to(neuron)
+    _work(x)
+    producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
+
+    def consumer_start_vs_producer_end(wait: bool) -> float:
+        with torch.neuron.stream(producer):
+            _work(x)
+            produced = torch.Event(enable_timing=True)
+            produced.record()
+        if wait:
+            consumer.wait_event(produced)
+        consumed = torch.Event(enable_timing=True)
+        with torch.neuron.stream(consumer):
+            consumed.record()
+            _work(x)
+        return produced.elapsed_time(consumed)
+
+    assert consumer_start_vs_producer_end(wait=False) < 0  # the consumer starts before the producer is done
+    assert consumer_start_vs_producer_end(wait=True) >= 0
