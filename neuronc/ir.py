@@ -78,6 +78,7 @@ class Op(enum.Enum):
     # (operand dim of each index component), index_vector_dim, window (size per operand dim); SCATTER also
     # combine ("add" | "replace")
     GATHER = enum.auto()  # (operand, indices)
+    TOPK = enum.auto()  # x -> int32 positions of its k largest (smallest) along a dim, in order; attrs: dimension, k, descending
     SCATTER = enum.auto()  # (operand, indices, updates)
     # kernel-level ops, produced by the legalize pass
     VIEW = enum.auto()  # copy of a strided view of the operand's dense buffer; attrs: offset, strides

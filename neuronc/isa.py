@@ -41,6 +41,14 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            repeated indices and no ALU, the last partition's row wins.
                                            table is an HBM pattern like DMA_GATHER's; it is read as well as
                                            written (rows no index names keep their values).
+``MAX8(dst, src)``                         dst[p, 0:8] = the 8 largest values of src[p, :] (fp32), largest first.
+``FIND_INDEX8(dst, src, values)``          dst[p, j] = a position i with src[p, i] == values[p, j] (int32), taking
+                                           for j = 0..7 in turn the first such position not taken by an
+                                           earlier j (so repeated values get distinct positions); -1 if none.
+``MATCH_REPLACE8(dst, src, values)``       dst = src, except that for j = 0..7 in turn the first position holding
+                                           values[p, j] not yet replaced is set to imm0. With MAX8 and
+                                           FIND_INDEX8, the Vector engine's way to top-k and sort (NKI's
+                                           max8 / nc_find_index8 / nc_match_replace8).
 
 Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their own type) and
 rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
@@ -141,6 +149,9 @@ class Opcode(enum.IntEnum):
     IOTA = 9
     DMA_GATHER = 10
     DMA_SCATTER = 11
+    MAX8 = 12
+    FIND_INDEX8 = 13
+    MATCH_REPLACE8 = 14
 
 
 # Operand count of each opcode (dst included).
@@ -157,6 +168,9 @@ ARITY = {
     Opcode.IOTA: 1,
     Opcode.DMA_GATHER: 3,
     Opcode.DMA_SCATTER: 3,
+    Opcode.MAX8: 2,
+    Opcode.FIND_INDEX8: 3,
+    Opcode.MATCH_REPLACE8: 3,
 }
 
 

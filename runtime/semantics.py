@@ -231,6 +231,41 @@ def _dma_scatter(instr, table, src, indices):
     return updated
 
 
+TOP = 8  # values MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handle at once
+
+
+def _max8(instr, dst, src):
+    x = src.astype(F32)
+    return -np.sort(-x, axis=-1)[:, :TOP]
+
+
+def _matches(src, values):
+    """Per j = 0..7: (rows having a match, its position), each position taken at most once."""
+    x = src.astype(F32)
+    taken = np.zeros(x.shape, bool)
+    rows = np.arange(x.shape[0])
+    for j in range(TOP):
+        hit = (x == values[:, j:j + 1].astype(F32)) & ~taken
+        found, position = hit.any(axis=1), hit.argmax(axis=1)
+        taken[rows[found], position[found]] = True
+        yield found, position
+
+
+def _find_index8(instr, dst, src, values):
+    out = np.full(dst.shape, -1, np.int64)
+    for j, (found, position) in enumerate(_matches(src, values)):
+        out[found, j] = position[found]
+    return out
+
+
+def _match_replace8(instr, dst, src, values):
+    out = src.astype(F32)
+    rows = np.arange(out.shape[0])
+    for found, position in _matches(src, values):
+        out[rows[found], position[found]] = F32(instr.imm0)
+    return out
+
+
 SEMANTICS = {
     Opcode.DMA_COPY: _dma_copy,
     Opcode.MATMUL: _matmul,
@@ -244,6 +279,9 @@ SEMANTICS = {
     Opcode.IOTA: _iota,
     Opcode.DMA_GATHER: _dma_gather,
     Opcode.DMA_SCATTER: _dma_scatter,
+    Opcode.MAX8: _max8,
+    Opcode.FIND_INDEX8: _find_index8,
+    Opcode.MATCH_REPLACE8: _match_replace8,
 }
 
 
@@ -449,6 +487,7 @@ ENGINES = {
     Opcode.ACTIVATE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
+    **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8)},
 }
 
 # Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip.
@@ -536,7 +575,25 @@ def _indirect_shapes(instr: Instruction, target: Target):
         _fail(f"{name} does not support ALU op {instr.alu.name}", hint="DMA_SCATTER may ADD; nothing else")
 
 
+def _top8_shapes(instr: Instruction, target: Target):
+    """MAX8(dst[p, 8], src[p, n]), FIND_INDEX8(dst[p, 8] int, src[p, n], values[p, 8]) and
+    MATCH_REPLACE8(dst[p, n], src[p, n], values[p, 8]), all 2-D with n >= 8."""
+    name, dst, src = instr.opcode.name, instr.dst, instr.srcs[0]
+    values = instr.srcs[1] if len(instr.srcs) > 1 else dst
+    if len(src.shape) != 2 or src.shape[1] < TOP:
+        _fail(f"{name} reads rows of at least {TOP} values, got {list(src.shape)}")
+    if values.shape != (src.shape[0], TOP):
+        _fail(f"{name} values must be [{src.shape[0]}, {TOP}], got {list(values.shape)}")
+    if instr.opcode == Opcode.MATCH_REPLACE8 and dst.shape != src.shape:
+        _fail(f"MATCH_REPLACE8 destination {list(dst.shape)} must have the source's shape {list(src.shape)}")
+    if instr.opcode == Opcode.FIND_INDEX8 and (dst.shape != values.shape or dst.dtype.is_float):
+        _fail(f"FIND_INDEX8 writes [{src.shape[0]}, {TOP}] integer positions, got {dst.dtype.name}{list(dst.shape)}")
+
+
 SHAPE_RULES = {
+    Opcode.MAX8: _top8_shapes,
+    Opcode.FIND_INDEX8: _top8_shapes,
+    Opcode.MATCH_REPLACE8: _top8_shapes,
     Opcode.DMA_GATHER: _indirect_shapes,
     Opcode.DMA_SCATTER: _indirect_shapes,
     Opcode.DMA_COPY: _dma_shapes,

@@ -14,14 +14,16 @@ from neuronc.errors import FrontendCrashError, NeuronCompileError
 from neuronc.frontend.exported import import_exported_program
 from neuronc.frontend.isolate import run_isolated
 from neuronc.ir import Op
+from runtime import run_neff
 from tests import zoo
+from tests.conftest import assert_matches_eager
 
 
 class Unsupported(torch.nn.Module):
     def forward(self, x):
         a = torch.fft.rfft(x).abs()  # SPEC: unsupported by torch-mlir
-        b = torch.sort(x, dim=-1).values  # SPEC: unsupported by neuronc's backend
-        c = torch.sort(x * 2, dim=-1).values
+        b = torch.bitwise_left_shift(x.int(), 1 + x.int().abs()).float()  # SPEC: unsupported by neuronc's backend
+        c = torch.bitwise_left_shift(x.int(), 2 + x.int().abs()).float()
         return a.sum() + b + c
 
 
@@ -73,12 +75,12 @@ def test_every_unsupported_op_is_listed_with_its_source_line():
     with pytest.raises(NeuronCompileError) as caught:
         compile_exported(_export(Unsupported(), torch.randn(4, 8)))
     err = caught.value
-    assert len(err.problems) == 3, err.problems  # rfft, abs of a complex tensor, sort; not just the first
+    assert len(err.problems) == 3, err.problems  # rfft, abs of a complex tensor, shift; not just the first
     text = str(err)
     assert "aten.fft_rfft.default: torch-mlir cannot lower it" in text
     assert f"test_frontend.py:{_line_of('rfft')}" in text
-    assert "aten.sort.default: neuronc has no kernel yet for stablehlo.sort; 2 use(s)" in text
-    assert f"test_frontend.py:{_line_of('torch.sort(x, dim')}" in text
+    assert "aten.bitwise_left_shift.Tensor: neuronc has no kernel yet for stablehlo.shift_left; 2 use(s)" in text
+    assert f"test_frontend.py:{_line_of('x.int(), 1 +')}" in text
     assert "hint:" in text
 
 
@@ -115,3 +117,14 @@ def test_float64_constants_of_decompositions_are_computed_in_fp32():
     compiled = compile_exported(_export(model, *inputs))
     assert all(n.dtype.name != "F64" for n in compiled.graph.nodes())
     assert not any(n.op in (Op.CONVOLUTION, Op.DOT_GENERAL, Op.REDUCE) for n in compiled.graph.nodes())
+
+
+class Casts(torch.nn.Module):
+    def forward(self, x):
+        return (x.int() * 3).to(torch.float32) + x.to(torch.float16).float()
+
+
+def test_casts_in_an_exported_program_compile_without_torch_exports_metadata_checks():
+    x = torch.randn(4, 8) * 10
+    neff = compile_exported(_export(Casts(), x)).neff
+    assert_matches_eager(torch.from_numpy(run_neff(neff, [x.numpy()]).outputs[0]), Casts()(x))

@@ -1,7 +1,10 @@
 """Ops beyond the first zoo, each checked against eager: embedding lookups and general gathers,
 scatters (index_put, scatter_add, the backward of an embedding and of a cross-entropy), argmax/argmin,
+sort and top-k,
 reversal, transposed convolution (kernel layouts other than [o, i, spatial])."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronc.compiler import compile_exported
-from neuronc.errors import NeuronRuntimeError
+from neuronc.errors import NeuronCompileError, NeuronRuntimeError
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -119,6 +122,33 @@ INDEXING = {
     "argmin_first": (lambda x: x.argmin(0), _x),
     "max_with_indices": (lambda x: x.max(-1), _x),
 }
+
+
+_ties = torch.randint(-100, 100, (5, 37), generator=_g)
+SORTING = {
+    "topk_last_dim": (lambda x: torch.topk(x, 3, dim=-1), _x),
+    "topk_of_rows_with_minus_infinity": (lambda x: torch.topk(x, 4), torch.tensor(
+        [[1.0, -math.inf, 3.0, -math.inf, 0.5, 2.0, -1.0, -2.0, 5.0]])),
+    "topk_over_several_row_tiles": (lambda x: torch.topk(x, 20), torch.randn(300, 257, generator=_g)),
+    "sort_ascending": (lambda x: torch.sort(x, dim=-1), _x),
+    "sort_descending_first_dim": (lambda x: torch.sort(x, dim=0, descending=True), _x),
+    "sort_rows_shorter_than_eight": (lambda x: torch.sort(x), torch.randn(3, 5, generator=_g)),
+    "stable_sort_of_integers_with_ties": (lambda x: torch.sort(x, stable=True), _ties),
+    "stable_descending_sort_with_ties": (lambda x: torch.sort(x, stable=True, descending=True), _ties),
+    "argsort": (lambda x: torch.argsort(x, dim=-1), _x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SORTING))
+def test_sort_and_topk_match_eager(name):
+    fn, *args = SORTING[name]
+    assert_matches_eager(_compiled_outputs(fn, *args), fn(*args))
+
+
+def test_a_sort_of_rows_wider_than_a_tile_is_refused_with_the_limit():
+    with pytest.raises(NeuronCompileError, match=r"sort or top-k over rows of 200000 values: at most \d+ fit") as caught:
+        compile_exported(torch.export.export(Fn(lambda x: torch.sort(x).values), (torch.randn(2, 200_000),)))
+    assert "test_ops.py" in str(caught.value)
 
 
 @pytest.mark.parametrize("name", sorted(INDEXING))

@@ -829,3 +829,27 @@ def test_matmul_reduce_copy_select_memset_iota_and_dma_kernels_are_exact():
         _kernel_and_semantics_agree(Opcode.IOTA, Engine.GPSIMD, dtype, (), imm0=3, imm1=-2)
     for shapes in ([(4, 8), (4, 8)], [(4, 8), (2, 16)], [(8, 4), (4, 8)]):
         _kernel_and_semantics_agree(Opcode.DMA_COPY, Engine.DMA, DType.F32, (DType.F32,), shapes=shapes)
+
+
+def _top8_program() -> Neff:
+    """x [2, 10] -> the 8 largest per row, where they are, and x with them replaced by -1."""
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (2, 10))
+    best_t, where_t = p.tensor("best", TensorKind.OUTPUT, (2, 8)), p.tensor("where", TensorKind.OUTPUT, (2, 8), DType.I32)
+    rest_t = p.tensor("rest", TensorKind.OUTPUT, (2, 10))
+    xs, best, where, rest = chip((2, 10)), chip((2, 8), offset=64), chip((2, 8), DType.I32, offset=128), chip((2, 10), offset=192)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, xs, hbm(x))
+    p.emit(Opcode.MAX8, Engine.VECTOR, best, xs, waits=done(Engine.DMA))
+    p.emit(Opcode.FIND_INDEX8, Engine.VECTOR, where, xs, best)
+    p.emit(Opcode.MATCH_REPLACE8, Engine.VECTOR, rest, xs, best, imm0=-1.0)
+    for i, (dst, src) in enumerate(((best_t, best), (where_t, where), (rest_t, rest))):
+        p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(dst), src, queue=1 + i, waits=done(Engine.VECTOR, 3))
+    return p.neff()
+
+
+def test_top8_instructions_give_repeated_values_distinct_positions(core):
+    x = np.array([[5, 1, 9, 9, 0, 3, 7, 9, 2, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], np.float32)
+    best, where, rest = core.load(_top8_program()).run([x]).outputs
+    np.testing.assert_array_equal(best, [[9, 9, 9, 8, 7, 5, 3, 2], [9, 8, 7, 6, 5, 4, 3, 2]])
+    np.testing.assert_array_equal(where, [[2, 3, 7, 9, 6, 0, 5, 8], [9, 8, 7, 6, 5, 4, 3, 2]])
+    np.testing.assert_array_equal(rest, [[-1, 1, -1, -1, 0, -1, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1, -1, -1]])

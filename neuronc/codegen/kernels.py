@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from neuronc import ir
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
@@ -537,6 +539,48 @@ def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                add=node.attrs["combine"] == "add")
 
 
+TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
+LOWEST_F32 = float(np.finfo(np.float32).min)
+
+
+def _columns(ap: AccessPattern, c0: int, c1: int) -> AccessPattern:
+    """Columns [c0, c1) of a [partitions, n] on-chip tile."""
+    return dataclasses.replace(ap, offset=ap.offset + c0 * ap.dtype.itemsize, dims=(ap.dims[0], (1, c1 - c0)))
+
+
+def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """positions[r, :k] of the k largest of x[r, :], largest first: per tile of rows, rounds of MAX8 (the next
+    8 values), FIND_INDEX8 (where they are) and MATCH_REPLACE8 (strike them out with -inf). The keys are
+    x raised to at least the lowest finite float, so a struck-out slot is below every real value."""
+    (x,) = node.inputs
+    rows, n = x.shape
+    k = node.attrs["k"]
+    width, rounds = max(n, TOP), -(-k // TOP)
+    if width > tile_free_elements(em, DType.F32):
+        raise NeuronCompileError(f"a sort or top-k over rows of {n} values: at most {tile_free_elements(em, DType.F32)} "
+                                 f"fit one tile", location=str(node.loc),
+                                 hint="sort shorter rows (split the dimension), or keep this op outside the compiled region")
+    loads = em.sbuf_pool(x.dtype, n, bufs=2)
+    works = em.sbuf_pool(DType.F32, width, bufs=2)
+    bests = em.sbuf_pool(DType.F32, TOP, bufs=2)
+    outs = em.sbuf_pool(node.dtype, rounds * TOP, bufs=2)
+    size = x.dtype.itemsize
+    for r0 in range(0, rows, em.target.partitions):
+        rt = min(em.target.partitions, rows - r0)
+        tile, work, out = loads.next().ap(rt, n), works.next().ap(rt, width), outs.next().ap(rt, rounds * TOP)
+        em.dma(tile, hbm(x.dtype, plan.offset(x) + r0 * n * size, ((n, rt), (1, n))))
+        em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, _columns(work, 0, n), tile, alu=AluOp.MAX, imm0=LOWEST_F32)
+        if width > n:
+            em.emit(Opcode.MEMSET, Engine.VECTOR, _columns(work, n, width), imm0=-np.inf)
+        for r in range(rounds):
+            best = bests.next().ap(rt, TOP)
+            em.emit(Opcode.MAX8, Engine.VECTOR, best, work)
+            em.emit(Opcode.FIND_INDEX8, Engine.VECTOR, _columns(out, r * TOP, (r + 1) * TOP), work, best)
+            if r + 1 < rounds:
+                em.emit(Opcode.MATCH_REPLACE8, Engine.VECTOR, work, work, best, imm0=-np.inf)
+        em.dma(hbm(node.dtype, plan.offset(node) + r0 * k * node.dtype.itemsize, ((k, rt), (1, k))), _columns(out, 0, k))
+
+
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
@@ -547,6 +591,7 @@ KERNELS.update({
     Op.ROWWISE: rowwise,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
+    Op.TOPK: topk,
 })
 
 

@@ -348,6 +348,39 @@ def _scatter(op, inputs, shape, dtype, loc):
                    window=window, combine=_scatter_combine(op))
 
 
+def _counts_along(x, dimension: int) -> bool:
+    """Whether x is 0, 1, 2, ... along `dimension` (an iota, maybe broadcast), whatever the other dims."""
+    if x.op is Op.BROADCAST_IN_DIM and x.inputs[0].op is Op.IOTA:
+        return x.attrs["dims"][x.inputs[0].attrs["dimension"]] == dimension
+    return x.op is Op.IOTA and x.attrs["dimension"] == dimension
+
+
+def _sort(op, inputs, shape, dtype, loc):
+    """A sort along one dimension keyed by the first operand (GT: descending, LT: ascending), the other
+    operands carried along: TOPK positions of the whole row, then each operand taken at those positions."""
+    block = op.regions[0].blocks[0]
+    body = [o.operation for o in block.operations]
+    compare = body[0] if len(body) == 2 and body[0].name == "stablehlo.compare" else None
+    direction = compare and re.search(r"comparison_direction (\w+)", str(compare.attributes["comparison_direction"]))
+    if not direction or direction.group(1) not in ("GT", "LT") or list(compare.operands) != list(block.arguments[:2]):
+        raise _Unsupported("a sort whose comparator is not one > or < of the first operand")
+    dimension = _int(op.attributes["dimension"])
+    keys = inputs[0]
+    rank = len(keys.shape)
+    positions = ir.node(Op.TOPK, [keys], keys.shape, DType.I32, loc, dimension=dimension, k=keys.shape[dimension],
+                        descending=direction.group(1) == "GT")
+    others = tuple(d for d in range(rank) if d != dimension)
+    results = []
+    for x in inputs:
+        if _counts_along(x, dimension):  # the indices of the sorted values
+            results.append(ir.node(Op.CONVERT, [positions], x.shape, x.dtype, loc))
+            continue
+        results.append(ir.node(Op.GATHER, [x, positions], x.shape, x.dtype, loc, window_dims=(),
+                               dropped_dims=(dimension,), operand_batching_dims=others, indices_batching_dims=others,
+                               index_map=(dimension,), index_vector_dim=rank, window=(1,) * rank))
+    return tuple(results)
+
+
 _CONVERTERS = {
     "stablehlo.constant": _constant,
     "arith.constant": _constant,
@@ -365,6 +398,7 @@ _CONVERTERS = {
     "stablehlo.convolution": _convolution,
     "stablehlo.gather": _gather,
     "stablehlo.scatter": _scatter,
+    "stablehlo.sort": _sort,
 }
 
 

@@ -48,7 +48,28 @@ def decomposition_table() -> dict:
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
+    table[aten.sort.stable] = _stable_sort
     return table
+
+
+def _stable_sort(x, *, stable=None, dim=-1, descending=False):
+    """torch-mlir lowers only sort.default; neuronc's sort keeps equal keys in order either way (stable)."""
+    import torch
+
+    return torch.ops.aten.sort.default(x, dim, descending)
+
+
+def drop_assertions(gm) -> None:
+    """In place: remove torch.export's run-time checks of tensor metadata (a `.to(dtype)` leaves one), which
+    check what static shapes and dtypes already guarantee and which torch-mlir cannot lower."""
+    import torch
+
+    checks = {torch.ops.aten._assert_tensor_metadata.default}
+    dropped = [node for node in gm.graph.nodes if node.target in checks and not node.users]
+    for node in dropped:
+        gm.graph.erase_node(node)
+    if dropped:
+        gm.recompile()
 
 
 def wrap_negative_indices(gm) -> None:
@@ -181,6 +202,7 @@ def _lower(gm, name: str):
     context = mlir.Context()
     torch_d.register_dialect(context)
     importer = FxImporter(context=context, hooks=_dense_literals())
+    drop_assertions(gm)
     wrap_negative_indices(gm)
     _tag_locations_with_node_names(importer, context)
     module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)

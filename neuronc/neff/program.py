@@ -13,7 +13,7 @@ import numpy as np
 from neuronc.isa import DType, Engine, Instruction
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2  # 1.1: Opcode.DMA_GATHER; 1.2: Opcode.DMA_SCATTER
+FORMAT_MINOR = 2  # 1.1: Opcode.DMA_GATHER; 1.2: DMA_SCATTER, MAX8, FIND_INDEX8, MATCH_REPLACE8
 
 
 class TensorKind(enum.IntEnum):

@@ -3,8 +3,8 @@
 After this pass a graph holds only: parameters and constants, elementwise ops whose operands have
 the result's shape (or are splat constants), RESHAPE (an alias, no data moves), VIEW (copy of an
 affine strided view: transposes, broadcasts, slices, im2col patches, pooling windows), PAD,
-CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]), and GATHER_ROWS / SCATTER_ROWS
-(from passes/indexing.py, which runs first).
+CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]), TOPK over the last dim of
+[R, n], and GATHER_ROWS / SCATTER_ROWS (from passes/indexing.py, which runs first).
 
 Convolutions become im2col + MATMUL, pooling becomes windows + REDUCE_LAST, dot_general becomes
 transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each rule is a small
@@ -270,6 +270,20 @@ def _unsupported(node, what: str) -> NeuronCompileError:
                               hint="rewrite this operation, or keep it outside the compiled region")
 
 
+def _topk(node, inputs):
+    """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation)."""
+    x = inputs[0]
+    dim, last = node.attrs["dimension"], len(x.shape) - 1
+    if not node.attrs["descending"]:
+        x = ir.node(Op.NEGATE, [x], x.shape, x.dtype, node.loc)
+    perm = [d for d in range(len(x.shape)) if d != dim] + [dim]
+    rows = reshape(transpose(x, perm, node.loc), (x.size // x.shape[dim], x.shape[dim]), node.loc)
+    k = node.attrs["k"]
+    top = ir.node(Op.TOPK, [rows], (rows.shape[0], k), node.dtype, node.loc, dimension=1, k=k, descending=True)
+    moved = reshape(top, [node.shape[d] for d in perm], node.loc)
+    return transpose(moved, [perm.index(d) for d in range(len(perm))], node.loc) if dim != last else moved
+
+
 RULES = {
     Op.BROADCAST_IN_DIM: _broadcast,
     Op.TRANSPOSE: _transpose,
@@ -282,6 +296,7 @@ RULES = {
     Op.REDUCE_WINDOW: _reduce_window,
     Op.DOT_GENERAL: _dot_general,
     Op.CONVOLUTION: _convolution,
+    Op.TOPK: _topk,
 }
 
 

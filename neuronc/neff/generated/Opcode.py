@@ -15,3 +15,6 @@ class Opcode(object):
     IOTA = 9
     DMA_GATHER = 10
     DMA_SCATTER = 11
+    MAX8 = 12
+    FIND_INDEX8 = 13
+    MATCH_REPLACE8 = 14
