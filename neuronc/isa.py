@@ -50,6 +50,9 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            FIND_INDEX8, the Vector engine's way to top-k and sort (NKI's
                                            max8 / nc_find_index8 / nc_match_replace8).
 
+Immediates (``imm0``, ``imm1``) are float64; an integer operation takes them in its own type, saturating
+(the largest int64, which float64 rounds up to 2**63, stays the largest int64).
+
 Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their own type) and
 rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
 REMAINDER takes the dividend's sign (C's ``/`` and ``fmod``), as StableHLO's divide and remainder.

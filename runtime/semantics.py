@@ -175,9 +175,22 @@ def _tensor_tensor(instr, dst, a, b):
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
 
 
+def immediate(value: float, dtype) -> np.ndarray:
+    """An instruction's immediate (a float64 in the NEFF) in an operation's type; integers saturate, so a
+    bound like the largest int64 (which float64 rounds up to 2**63) stays the largest int64."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if value >= info.max:
+            return np.asarray(info.max, dtype)
+        if value <= info.min:
+            return np.asarray(info.min, dtype)
+    return np.asarray(value).astype(dtype)
+
+
 def _tensor_scalar(instr, dst, src):
     dtype = _compute_dtype(src.dtype)
-    x, imm = src.astype(dtype), np.asarray(instr.imm0).astype(dtype)  # x copied: NONE returns it
+    x, imm = src.astype(dtype), immediate(instr.imm0, dtype)  # x copied: NONE returns it
     return ALU[instr.alu](imm, x) if instr.reverse else ALU[instr.alu](x, imm)
 
 
@@ -195,14 +208,14 @@ def _select(instr, dst, pred, on_true, on_false):
 
 
 def _memset(instr, dst):
-    return instr.imm0
+    return immediate(instr.imm0, dst.dtype)
 
 
 def _iota(instr, dst):
     dtype = _compute_dtype(dst.dtype)
     partitions, free = dst.shape[0], dst.size // dst.shape[0]
-    rows = np.arange(partitions, dtype=dtype)[:, None] * np.asarray(instr.imm1).astype(dtype)
-    values = np.asarray(instr.imm0).astype(dtype) + rows + np.arange(free, dtype=dtype)
+    rows = np.arange(partitions, dtype=dtype)[:, None] * immediate(instr.imm1, dtype)
+    values = immediate(instr.imm0, dtype) + rows + np.arange(free, dtype=dtype)
     return values.reshape(dst.shape)
 
 
@@ -388,7 +401,7 @@ def _tensor_tensor_kernel(instr, new, dst, a, b):
 def _tensor_scalar_kernel(instr, new, dst, src):
     dtype = _compute_dtype(src.dtype)
     (x,), calls = _as(new, dtype, (src,))
-    imm = np.asarray(instr.imm0).astype(dtype)
+    imm = immediate(instr.imm0, dtype)
     if instr.alu == AluOp.NONE:  # passes its first operand through
         return [partial(np.copyto, dst, imm, "unsafe")] if instr.reverse else calls + [
             partial(np.copyto, dst, x, "unsafe")]
@@ -424,7 +437,7 @@ def _iota_kernel(instr, new, dst):
 
 
 def _memset_kernel(instr, new, dst):
-    return [partial(dst.__setitem__, Ellipsis, instr.imm0)]
+    return [partial(dst.__setitem__, Ellipsis, immediate(instr.imm0, dst.dtype))]
 
 
 _KERNELS = {

@@ -139,6 +139,30 @@ SORTING = {
 }
 
 
+_table, _ids = torch.randn(20, 6, generator=_g), torch.tensor([3, 7, 7, 0, 19, 5, 2, 11])
+_offsets = torch.tensor([0, 3, 3, 5])  # the second bag is empty
+EMBEDDING_BAGS = {
+    "sum": dict(mode="sum"),
+    "mean": dict(mode="mean"),
+    "max": dict(mode="max"),
+    "per_sample_weights": dict(mode="sum", per_sample_weights=torch.rand(8, generator=_g)),
+    "padding_idx": dict(mode="mean", padding_idx=7),
+    "include_last_offset": dict(mode="sum", include_last_offset=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDING_BAGS))
+def test_embedding_bags_match_eager(name):
+    kwargs = EMBEDDING_BAGS[name]
+    weights = kwargs.pop("per_sample_weights", None)
+    args = (_table, _ids, _offsets) if weights is None else (_table, _ids, _offsets, weights)
+
+    def bag(table, ids, offsets, weights=None):
+        return F.embedding_bag(ids, table, offsets, per_sample_weights=weights, **kwargs)
+
+    assert_matches_eager(_compiled_outputs(bag, *args), bag(*args))
+
+
 @pytest.mark.parametrize("name", sorted(SORTING))
 def test_sort_and_topk_match_eager(name):
     fn, *args = SORTING[name]
@@ -167,3 +191,9 @@ def test_a_gather_index_outside_the_operand_is_an_error_naming_the_line():
     with pytest.raises(NeuronRuntimeError, match="outside the table's 40 rows") as caught:
         run_neff(neff, [_x.numpy(), np.array([1, 3, 10, 9])])  # column 10 of a 10-column row: not the next row
     assert "test_ops.py" in str(caught.value)
+
+
+def test_an_integer_clamp_with_only_a_lower_bound_keeps_large_values():
+    # its upper bound is the largest int64, which a float64 immediate rounds up to 2**63: it must saturate
+    x = torch.tensor([-5, 0, 3, 2**40])
+    assert_matches_eager(_compiled_outputs(lambda x: x.clamp(min=1), x), x.clamp(min=1))

@@ -36,8 +36,10 @@ class ImportedGraph:
 
 def decomposition_table() -> dict:
     """ATen decompositions applied before import: torch-mlir's own table (core ATen and more), plus
-    torch's decompositions of ops that torch-mlir cannot lower to StableHLO."""
+    torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own."""
     import torch
+
+    from neuronc.frontend import decompositions
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -48,15 +50,8 @@ def decomposition_table() -> dict:
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
-    table[aten.sort.stable] = _stable_sort
+    table.update(decompositions.OWN)
     return table
-
-
-def _stable_sort(x, *, stable=None, dim=-1, descending=False):
-    """torch-mlir lowers only sort.default; neuronc's sort keeps equal keys in order either way (stable)."""
-    import torch
-
-    return torch.ops.aten.sort.default(x, dim, descending)
 
 
 def drop_assertions(gm) -> None:
