@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -39,6 +40,7 @@ def main():
       neuronc compile model.pt2 -o model.neff     # a torch.export.save'd program -> NEFF
       neuronc run model.neff --input x.npy        # execute it on the emulated device
       neuronc inspect model.neff                  # what is inside, and how long it takes
+      neuronc check model.pt2                     # which ops cannot be compiled, and where
       neuronc hlo model.pt2                       # the StableHLO the frontend produces
     """
 
@@ -68,6 +70,36 @@ def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's 
     click.echo(f"  kernels: {len(neff.kernels)}; instructions: {counts}")
     click.echo(f"  estimated device time: {neff.estimated_ns / 1e3:.1f} us")
     click.echo(f"  compile time: {stages}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="Trainium generation to check for.")
+@click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
+              help="Optimisation level whose passes judge each op.")
+@_friendly
+def check(model, target, opt_level):
+    """List every op of a saved ExportedProgram (.pt2) that cannot be compiled, with its uses and
+    source lines; exit 1 if there is any. Each op is compiled alone, nothing is written."""
+    from neuronc.check import check_program
+    from neuronc.compiler import CompileOptions
+    from neuronc.frontend.torch_import import where
+
+    report = check_program(model, CompileOptions(target=target, opt_level=opt_level))
+    total = sum(report.uses.values())
+    if report.ok:
+        click.echo(f"{model}: all {len(report.uses)} distinct ops ({total} uses) compile for {target} at -O{opt_level}")
+        return
+    click.echo(f"{model}: {len(report.unsupported)} of {len(report.uses)} distinct ops cannot be compiled "
+               f"for {target} at -O{opt_level}:")
+    for op in report.unsupported:
+        click.echo(f"  {op.op} ({len(op.places)} of {report.uses[op.op]} uses): {op.why}")
+        for place, count in collections.Counter(where(loc) for loc in op.places).items():
+            click.echo(f"      {place}" + (f" ({count}x)" if count > 1 else ""))
+    click.echo("hint: rewrite these ops with supported ones, or keep them outside the compiled region "
+               "(torch.compiler.disable); README.md lists the supported ops", err=True)
+    sys.exit(1)
 
 
 @main.command()

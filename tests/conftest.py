@@ -26,6 +26,12 @@ def assert_matches_eager(actual, expected):
         torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[want.dtype])
 
 
+def line_of(path, marker: str) -> int:
+    """The number of the first line of a source file that contains `marker`."""
+    with open(path) as source:
+        return next(i for i, line in enumerate(source, 1) if marker in line)
+
+
 @pytest.fixture(params=sorted(zoo.ZOO))
 def zoo_model(request):
     """(name, model, inputs, eager outputs) for each model of the zoo."""

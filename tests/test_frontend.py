@@ -15,6 +15,7 @@ from neuronc.frontend.exported import import_exported_program
 from neuronc.frontend.isolate import run_isolated
 from neuronc.ir import Op
 from tests import zoo
+from tests.conftest import line_of
 
 
 class Unsupported(torch.nn.Module):
@@ -37,11 +38,6 @@ class ZeroDimSoftmax(torch.nn.Module):
 
 def _export(model, *inputs):
     return torch.export.export(model, inputs)
-
-
-def _line_of(marker: str) -> int:
-    with open(__file__) as source:
-        return next(i for i, line in enumerate(source, 1) if marker in line and "SPEC" in line)
 
 
 def test_parameters_and_buffers_are_function_arguments_not_constants():
@@ -76,9 +72,9 @@ def test_every_unsupported_op_is_listed_with_its_source_line():
     assert len(err.problems) == 3, err.problems  # rfft, abs of a complex tensor, sort; not just the first
     text = str(err)
     assert "aten.fft_rfft.default: torch-mlir cannot lower it" in text
-    assert f"test_frontend.py:{_line_of('rfft')}" in text
+    assert f"test_frontend.py:{line_of(__file__, 'torch.fft.rfft(x)')}" in text
     assert "aten.sort.default: neuronc has no kernel yet for stablehlo.sort; 2 use(s)" in text
-    assert f"test_frontend.py:{_line_of('torch.sort(x, dim')}" in text
+    assert f"test_frontend.py:{line_of(__file__, 'torch.sort(x, dim')}" in text
     assert "hint:" in text
 
 
