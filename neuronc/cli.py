@@ -15,6 +15,7 @@ import click
 
 from neuronc import __version__
 from neuronc.errors import NeuronError
+from neuronc.passes.auto_cast import CAST_TYPES, MODES
 from neuronc.targets import DEFAULT_TARGET, TARGETS
 
 
@@ -45,6 +46,15 @@ def main():
     """
 
 
+def _auto_cast_options(fn):
+    """--auto-cast and --auto-cast-type, as neuronx-cc spells them."""
+    fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)), default="bf16", show_default=True,
+                      help="The narrower type auto-cast uses.")(fn)
+    return click.option("--auto-cast", type=click.Choice(list(MODES)), default="none", show_default=True,
+                        help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
+                        "convolutions; fp32 accumulation), all.")(fn)
+
+
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="NEFF file to write [default: MODEL with .neff]")
@@ -52,15 +62,18 @@ def main():
               help="Trainium generation to compile for.")
 @click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
               help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")
+@_auto_cast_options
 @_friendly
-def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's name
+def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
     """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file."""
     from neuronc.compiler import CompileOptions, compile_exported
     from neuronc.neff import save
 
     output = output or os.path.splitext(model)[0] + ".neff"
     name = os.path.splitext(os.path.basename(model))[0]
-    compiled = compile_exported(model, CompileOptions(target=target, opt_level=opt_level, name=name))
+    options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
+                             auto_cast_type=auto_cast_type)
+    compiled = compile_exported(model, options)
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
@@ -78,15 +91,17 @@ def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's 
               help="Trainium generation to check for.")
 @click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
               help="Optimisation level whose passes judge each op.")
+@_auto_cast_options
 @_friendly
-def check(model, target, opt_level):
+def check(model, target, opt_level, auto_cast, auto_cast_type):
     """List every op of a saved ExportedProgram (.pt2) that cannot be compiled, with its uses and
     source lines; exit 1 if there is any. Each op is compiled alone, nothing is written."""
     from neuronc.check import check_program
     from neuronc.compiler import CompileOptions
     from neuronc.frontend.torch_import import where
 
-    report = check_program(model, CompileOptions(target=target, opt_level=opt_level))
+    options = CompileOptions(target=target, opt_level=opt_level, auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    report = check_program(model, options)
     total = sum(report.uses.values())
     if report.ok:
         click.echo(f"{model}: all {len(report.uses)} distinct ops ({total} uses) compile for {target} at -O{opt_level}")

@@ -1,21 +1,28 @@
 """Shared fixtures: the zoo, the per-dtype tolerance table, and the comparison with eager PyTorch."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 from tests import zoo
 
-# Golden tolerances per dtype (DESIGN.md "Testing"): outputs must match eager PyTorch on CPU.
+# Golden tolerances per dtype (DESIGN.md "Testing"): outputs must match eager PyTorch on CPU. The
+# one table: a bf16/fp16 result is held to its dtype's row against an fp32 reference (see
+# `eager_reference`), and so is an fp32 result computed in a narrower type (auto-cast).
 TOLERANCES = {
     torch.float32: dict(rtol=1e-4, atol=1e-5),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
     torch.float16: dict(rtol=1e-3, atol=1e-3),
 }
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def assert_matches_eager(actual, expected):
+def assert_matches_eager(actual, expected, tolerance: torch.dtype | None = None):
+    """Each output has eager's shape and dtype and is within the tolerance of its dtype, or of
+    `tolerance` when it was computed in a narrower type than it is stored in."""
     actual = actual if isinstance(actual, (tuple, list)) else (actual,)
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     assert len(actual) == len(expected)
@@ -23,7 +30,25 @@ def assert_matches_eager(actual, expected):
         got = torch.as_tensor(np.asarray(got)) if not isinstance(got, torch.Tensor) else got
         assert got.shape == want.shape, f"shape {tuple(got.shape)} != eager {tuple(want.shape)}"
         assert got.dtype == want.dtype, f"dtype {got.dtype} != eager {want.dtype}"
-        torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[want.dtype])
+        torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[tolerance or want.dtype])
+
+
+def eager_reference(model, inputs):
+    """The golden of a model run in its own dtype, computed by eager PyTorch on CPU.
+
+    For a bf16/fp16 model this is what Inductor's tests do (`reference_in_float`): the same weights
+    and inputs, already rounded to the low-precision type, upcast to fp32 and run in fp32; each
+    floating-point output is then rounded once to the type eager gives it in low precision. The
+    error measured is the compiled program's alone, not eager bf16's as well."""
+    low = {t.dtype for t in [*model.parameters(), *model.buffers(), *inputs] if t.dtype in LOW_PRECISION}
+    with torch.no_grad():
+        if not low:
+            return model(*inputs)
+        as_run = model(*inputs)
+        reference = copy.deepcopy(model).float()(*[x.float() if x.dtype in low else x for x in inputs])
+    pairs = zip(reference, as_run) if isinstance(as_run, (tuple, list)) else [(reference, as_run)]
+    rounded = [ref.to(run.dtype) for ref, run in pairs]
+    return type(as_run)(rounded) if isinstance(as_run, (tuple, list)) else rounded[0]
 
 
 def line_of(path, marker: str) -> int:
