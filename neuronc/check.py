@@ -34,7 +34,12 @@ def check_program(program, options: CompileOptions | None = None) -> CheckReport
         program = load_exported_program(program)
     program = decompose(program)
     check_inference_only(program)
-    gm = program.graph_module
+    return check_graph(program.graph_module, options)
+
+
+def check_graph(gm, options: CompileOptions | None = None) -> CheckReport:
+    """Probe every op of a decomposed ATen FX graph (an ExportedProgram's, or AOTAutograd's)."""
+    options = options or CompileOptions()
     check_static_shapes(gm)
     uses = collections.Counter(op_name(n) for n in gm.graph.nodes
                                if n.op == "call_function" and n.target is not operator.getitem)

@@ -7,16 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from neuronc.tolerances import TOLERANCES  # the one table (bf16/fp16 against an fp32 reference)
 from tests import zoo
 
-# Golden tolerances per dtype (DESIGN.md "Testing"): outputs must match eager PyTorch on CPU. The
-# one table: a bf16/fp16 result is held to its dtype's row against an fp32 reference (see
-# `eager_reference`), and so is an fp32 result computed in a narrower type (auto-cast).
-TOLERANCES = {
-    torch.float32: dict(rtol=1e-4, atol=1e-5),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-}
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

@@ -33,10 +33,28 @@ class ImportedGraph:
 
 
 def decomposition_table() -> dict:
-    """ATen decompositions applied before import: torch-mlir's own table (core ATen and more)."""
+    """ATen decompositions applied before import: torch-mlir's own table (core ATen and more), and
+    ours for what torch-mlir lowers wrongly and PyTorch's table cannot help with (its remainder
+    decomposes to prims.remainder, which torch-mlir does not lower)."""
+    import torch
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    return get_decomposition_table()
+    table = get_decomposition_table()
+    for overload in (torch.ops.aten.remainder.Tensor, torch.ops.aten.remainder.Scalar):
+        table[overload] = _python_remainder
+    return table
+
+
+def _python_remainder(a, b):
+    """torch.remainder is Python's modulo (the divisor's sign); torch-mlir lowers it to
+    stablehlo.remainder, C's fmod (the dividend's sign). fmod, moved into the divisor's sign."""
+    import torch
+
+    divisor_negative = b < 0
+    if not isinstance(b, torch.Tensor):  # torch-mlir lowers fmod.Tensor, not fmod.Scalar
+        b = torch.scalar_tensor(b, dtype=a.dtype)
+    r = torch.fmod(a, b)
+    return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
 
 
 def node_locations(gm) -> dict:
@@ -218,12 +236,18 @@ def _verdicts(gm, accept, probe) -> dict:
     by_signature: dict = {}
     why = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
+        if node.op == "call_function" and node.target is not operator.getitem and not _valueless(node):
             key = _signature(node)
             if key not in by_signature:
                 by_signature[key] = probe(node, accept)
             why[node.name] = by_signature[key]
     return why
+
+
+def _valueless(node) -> bool:
+    """An op that returns nothing (an assertion on metadata): there is nothing to compile."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.returns
 
 
 def _signature(node) -> tuple:
