@@ -14,7 +14,8 @@ import operator
 
 from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.frontend.exported import check_inference_only, decompose, load_exported_program
-from neuronc.frontend.torch_import import check_static_shapes, node_locations, op_name, unsupported_ops
+from neuronc.frontend.op_probe import unsupported_ops
+from neuronc.frontend.torch_import import check_static_shapes, node_locations, op_name
 
 
 @dataclasses.dataclass

@@ -98,7 +98,7 @@ def check(model, target, opt_level, auto_cast, auto_cast_type):
     source lines; exit 1 if there is any. Each op is compiled alone, nothing is written."""
     from neuronc.check import check_program
     from neuronc.compiler import CompileOptions
-    from neuronc.frontend.torch_import import where
+    from neuronc.frontend.op_probe import where
 
     options = CompileOptions(target=target, opt_level=opt_level, auto_cast=auto_cast, auto_cast_type=auto_cast_type)
     report = check_program(model, options)
