@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -14,6 +15,7 @@ import click
 
 from neuronc import __version__
 from neuronc.errors import NeuronError
+from neuronc.passes.auto_cast import CAST_TYPES, MODES
 from neuronc.targets import DEFAULT_TARGET, TARGETS
 
 
@@ -39,8 +41,18 @@ def main():
       neuronc compile model.pt2 -o model.neff     # a torch.export.save'd program -> NEFF
       neuronc run model.neff --input x.npy        # execute it on the emulated device
       neuronc inspect model.neff                  # what is inside, and how long it takes
+      neuronc check model.pt2                     # which ops cannot be compiled, and where
       neuronc hlo model.pt2                       # the StableHLO the frontend produces
     """
+
+
+def _auto_cast_options(fn):
+    """--auto-cast and --auto-cast-type, as neuronx-cc spells them."""
+    fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)), default="bf16", show_default=True,
+                      help="The narrower type auto-cast uses.")(fn)
+    return click.option("--auto-cast", type=click.Choice(list(MODES)), default="none", show_default=True,
+                        help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
+                        "convolutions; fp32 accumulation), all.")(fn)
 
 
 @main.command()
@@ -50,15 +62,18 @@ def main():
               help="Trainium generation to compile for.")
 @click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
               help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")
+@_auto_cast_options
 @_friendly
-def compile(model, output, target, opt_level):  # noqa: A001 - the subcommand's name
+def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
     """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file."""
     from neuronc.compiler import CompileOptions, compile_exported
     from neuronc.neff import save
 
     output = output or os.path.splitext(model)[0] + ".neff"
     name = os.path.splitext(os.path.basename(model))[0]
-    compiled = compile_exported(model, CompileOptions(target=target, opt_level=opt_level, name=name))
+    options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
+                             auto_cast_type=auto_cast_type)
+    compiled = compile_exported(model, options)
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
@@ -133,6 +148,38 @@ def _show_kernels(neff, timeline, target, as_json: bool) -> None:
         ratio = k["hbm_bytes"] / k["min_hbm_bytes"] if k["min_hbm_bytes"] else 0.0
         click.echo(f"  {k['name']:<18} {k['estimated_time_us']:>9.2f} {k['roofline_us']:>9.2f} {k['efficiency']:>5.2f} "
                    f"{ratio:>7.2f}  [{', '.join(k['tiles'])}]; {' '.join(k['ops'])}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="Trainium generation to check for.")
+@click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
+              help="Optimisation level whose passes judge each op.")
+@_auto_cast_options
+@_friendly
+def check(model, target, opt_level, auto_cast, auto_cast_type):
+    """List every op of a saved ExportedProgram (.pt2) that cannot be compiled, with its uses and
+    source lines; exit 1 if there is any. Each op is compiled alone, nothing is written."""
+    from neuronc.check import check_program
+    from neuronc.compiler import CompileOptions
+    from neuronc.frontend.op_probe import where
+
+    options = CompileOptions(target=target, opt_level=opt_level, auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    report = check_program(model, options)
+    total = sum(report.uses.values())
+    if report.ok:
+        click.echo(f"{model}: all {len(report.uses)} distinct ops ({total} uses) compile for {target} at -O{opt_level}")
+        return
+    click.echo(f"{model}: {len(report.unsupported)} of {len(report.uses)} distinct ops cannot be compiled "
+               f"for {target} at -O{opt_level}:")
+    for op in report.unsupported:
+        click.echo(f"  {op.op} ({len(op.places)} of {report.uses[op.op]} uses): {op.why}")
+        for place, count in collections.Counter(where(loc) for loc in op.places).items():
+            click.echo(f"      {place}" + (f" ({count}x)" if count > 1 else ""))
+    click.echo("hint: rewrite these ops with supported ones, or keep them outside the compiled region "
+               "(torch.compiler.disable); README.md lists the supported ops", err=True)
+    sys.exit(1)
 
 
 @main.command()

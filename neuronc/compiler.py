@@ -17,6 +17,7 @@ from neuronc.cc_flags import cc_flags, flag_value
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
+from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.memory_plan import plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
@@ -28,10 +29,16 @@ class CompileOptions:
     target: str = "trn2"
     opt_level: int = 2
     name: str = "main"
+    auto_cast: str = "none"  # none | matmult | all: which fp32 ops compute in auto_cast_type
+    auto_cast_type: str = "bf16"  # bf16 | fp16 | fp8_e4m3
 
     def __post_init__(self):
         get_target(self.target)
-        passes_for(self.opt_level)
+        passes_for(self.opt_level, self.cast)
+
+    @property
+    def cast(self) -> AutoCast:
+        return AutoCast(self.auto_cast, self.auto_cast_type)
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "CompileOptions":
@@ -47,15 +54,17 @@ class CompileOptions:
 
 
 def flags_from_env() -> dict:
-    """Options from NEURON_CC_FLAGS (`--target trn1 -O1`), the real toolchain's convention."""
+    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`),
+    the real toolchain's convention; the last of repeated flags wins, as in neuronx-cc."""
     flags = cc_flags()
     options: dict = {}
     for flag in flags:
         if re.fullmatch(r"-O[0-3]", flag):
             options["opt_level"] = int(flag[2])
-    target = flag_value(flags, "target")
-    if target is not None:
-        options["target"] = target
+    for flag, option in (("target", "target"), ("auto-cast", "auto_cast"), ("auto-cast-type", "auto_cast_type")):
+        value = flag_value(flags, flag)
+        if value is not None:
+            options[option] = value
     return options
 
 
@@ -92,7 +101,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, options.opt_level, target)
+    graph = run_pipeline(graph, options.opt_level, target, options.cast)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)

@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from neuronc.cli import main
 from neuronc.neff.program import FORMAT_MAJOR, FORMAT_MINOR
 from tests import zoo
+from tests import test_frontend
+from tests.conftest import line_of
 from tests.test_frontend import Unsupported
 
 
@@ -86,14 +88,15 @@ def test_missing_model_names_the_path(cli, tmp_path):
     assert f"no such file: {tmp_path / 'nope.pt2'}" in result.output
 
 
+@pytest.mark.parametrize("command", ["compile", "check"])
 @pytest.mark.parametrize("content", ["text", "state_dict"])
-def test_a_file_that_is_not_an_exported_program_is_refused(cli, tmp_path, content):
+def test_a_file_that_is_not_an_exported_program_is_refused(cli, tmp_path, content, command):
     path = tmp_path / "bad.pt2"
     if content == "text":
         path.write_text("not a model")
     else:  # a zip archive too, but written by torch.save
         torch.save(zoo.build("mlp")[0].state_dict(), str(path))
-    result = cli("compile", path, "-o", tmp_path / "bad.neff")
+    result = cli(command, path, *(["-o", tmp_path / "bad.neff"] if command == "compile" else []))
     assert result.exit_code == 1
     assert str(path) in result.output and "ExportedProgram" in result.output
     assert not (tmp_path / "bad.neff").exists()
@@ -155,3 +158,33 @@ def test_inspect_kernels_shows_each_kernels_ops_tiles_time_and_roofline(cli, mlp
     assert table[0]["flops"] == 2 * 8 * 32 * 128  # fc1: [8, 32] @ [32, 128]
     text = cli("inspect", neff, "--kernels").output
     assert "bound us" in text and softmax["name"] in text and "reduce_last" in text
+def test_check_accepts_a_model_whose_every_op_compiles(cli, saved_program):
+    model, inputs = zoo.build("mlp")
+    result = cli("check", saved_program(model, inputs))
+    assert result.exit_code == 0, result.output
+    assert "distinct ops" in result.output and "compile for trn2 at -O2" in result.output
+
+
+def test_check_lists_every_unsupported_op_with_its_uses_and_source_lines(cli, saved_program):
+    result = cli("check", saved_program(Unsupported(), (torch.randn(4, 8),)))
+    assert result.exit_code == 1
+    assert "3 of 7 distinct ops cannot be compiled" in result.output
+    assert ("aten.bitwise_left_shift.Tensor (2 of 2 uses): neuronc has no kernel yet for stablehlo.shift_left"
+            in result.output)
+    assert "aten.fft_rfft.default (1 of 1 uses): torch-mlir cannot lower it" in result.output
+    for marker in ("torch.fft.rfft(x)", "x.int(), 1 +", "x.int(), 2 +"):
+        assert f"test_frontend.py:{line_of(test_frontend.__file__, marker)}" in result.output
+
+
+class IntegerMatmul(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b + 1  # SPEC: legalize refuses integer matmuls
+
+
+def test_check_asks_the_passes_too_not_only_the_importer(cli, saved_program):
+    program = saved_program(IntegerMatmul(), (torch.randint(0, 5, (4, 8)), torch.randint(0, 5, (8, 3))))
+    result = cli("check", program)
+    assert result.exit_code == 1
+    assert "aten.mm.default (1 of 1 uses): an integer matrix multiplication is not supported yet" in result.output
+    assert f"test_cli.py:{line_of(__file__, 'legalize refuses')}" in result.output
+    assert "aten.add" not in result.output

@@ -16,7 +16,7 @@ from neuronc.frontend.isolate import run_isolated
 from neuronc.ir import Op
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, line_of
 
 
 class Unsupported(torch.nn.Module):
@@ -39,11 +39,6 @@ class ZeroDimSoftmax(torch.nn.Module):
 
 def _export(model, *inputs):
     return torch.export.export(model, inputs)
-
-
-def _line_of(marker: str) -> int:
-    with open(__file__) as source:
-        return next(i for i, line in enumerate(source, 1) if marker in line and "SPEC" in line)
 
 
 def test_parameters_and_buffers_are_function_arguments_not_constants():
@@ -78,9 +73,9 @@ def test_every_unsupported_op_is_listed_with_its_source_line():
     assert len(err.problems) == 3, err.problems  # rfft, abs of a complex tensor, shift; not just the first
     text = str(err)
     assert "aten.fft_rfft.default: torch-mlir cannot lower it" in text
-    assert f"test_frontend.py:{_line_of('rfft')}" in text
+    assert f"test_frontend.py:{line_of(__file__, 'torch.fft.rfft(x)')}" in text
     assert "aten.bitwise_left_shift.Tensor: neuronc has no kernel yet for stablehlo.shift_left; 2 use(s)" in text
-    assert f"test_frontend.py:{_line_of('x.int(), 1 +')}" in text
+    assert f"test_frontend.py:{line_of(__file__, 'x.int(), 1 +')}" in text
     assert "hint:" in text
 
 

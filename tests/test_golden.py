@@ -26,11 +26,11 @@ def test_cli_compile_and_run_matches_eager(zoo_model, saved_program, tmp_path):
     assert result.exit_code == 0, result.output
     input_args = []
     for i, x in enumerate(inputs):
-        np.save(tmp_path / f"x{i}.npy", x.numpy())
+        np.save(tmp_path / f"x{i}.npy", x.numpy())  # int64 ids and bool masks too
         input_args += ["--input", str(tmp_path / f"x{i}.npy")]
     out = tmp_path / "out.npz"
     result = runner.invoke(main, ["run", str(neff), *input_args, "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert "estimated device time" in result.output
     with np.load(out) as outputs:
-        assert_matches_eager(torch.from_numpy(outputs["output0"]), expected)
+        assert_matches_eager([torch.from_numpy(outputs[f"output{i}"]) for i in range(len(outputs))], expected)

@@ -1,7 +1,7 @@
 """Ops beyond the first zoo, each checked against eager: embedding lookups and general gathers,
 scatters (index_put, scatter_add, the backward of an embedding and of a cross-entropy), argmax/argmin,
-sort and top-k,
-reversal, transposed convolution (kernel layouts other than [o, i, spatial])."""
+sort and top-k, embedding bags, reversal, transposed convolution (kernel layouts other than [o, i, spatial]),
+Python-style remainder."""
 from __future__ import annotations
 
 import math
@@ -78,6 +78,16 @@ def test_reversal_and_transposed_convolution_match_eager(model, shape):
     neff = compile_exported(torch.export.export(model.eval(), (x,))).neff
     out = run_neff(neff, [x.numpy()]).outputs[0]
     assert_matches_eager(torch.from_numpy(out), model(x).detach())
+
+
+@pytest.mark.parametrize("divisor", [0.7, -0.7, 3, -3, "tensor"], ids=["f", "f-neg", "int", "int-neg", "tensor"])
+def test_remainder_takes_the_divisor_sign_as_python_and_torch_do(divisor):
+    torch.manual_seed(3)
+    integer = isinstance(divisor, int)
+    x = torch.randint(-9, 10, (4, 8)) if integer else torch.randn(4, 8) * 3
+    args = (x, torch.randn(4, 8)) if divisor == "tensor" else (x,)
+    fn = (lambda a, b: torch.remainder(a, b)) if divisor == "tensor" else (lambda a: a % divisor)
+    assert_matches_eager(_compiled_outputs(fn, *args), fn(*args))
 
 
 class Fn(torch.nn.Module):

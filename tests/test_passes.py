@@ -29,7 +29,7 @@ def test_every_optimisation_level_matches_eager(zoo_model):
     for level in (0, 1, 2, 3):
         neff = compile_exported(program, CompileOptions(opt_level=level)).neff
         outputs = run_neff(neff, [x.numpy() for x in inputs]).outputs
-        assert_matches_eager(torch.from_numpy(outputs[0]), expected)
+        assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)
 
 
 def test_linear_layers_become_one_kernel_each_with_bias_and_gelu_as_epilogue():

@@ -1,7 +1,8 @@
 """The model zoo of the golden tests: plain torch.nn models, random init, small widths.
 
 Each entry builds (model, example inputs) from a fixed seed, so eager PyTorch on CPU gives the
-golden outputs in the same run.
+golden outputs in the same run. Models that need an op neuronc cannot compile yet wait in PENDING
+(same form), each with the op that blocks it; `neuronc check` on it names the op and its line.
 """
 from __future__ import annotations
 
@@ -104,19 +105,134 @@ class GPT2(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _cnn():
-    model = SmallCNN()
-    for bn in (model.bn1, model.bn2):  # non-trivial running statistics, as after training
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv + batch-norm, a 1x1 strided projection when the shape changes."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet(nn.Module):
+    """A small ResNet: stem, two stages of basic blocks (the second strided), global average pooling."""
+
+    def __init__(self, width=16, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, stride=2), BasicBlock(2 * width, 2 * width))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm (ViT) or post-norm (BERT) encoder block: bidirectional attention with an optional
+    key mask through scaled_dot_product_attention, and a GELU MLP."""
+
+    def __init__(self, width, heads, pre_norm):
+        super().__init__()
+        self.heads, self.pre_norm = heads, pre_norm
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def attention(self, x, mask):
+        batch, seq, width = x.shape
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(width, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+    def forward(self, x, mask=None):
+        if self.pre_norm:
+            x = x + self.attention(self.ln1(x), mask)
+            return x + self.mlp(self.ln2(x))
+        x = self.ln1(x + self.attention(x, mask))
+        return self.ln2(x + self.mlp(x))
+
+
+class ViT(nn.Module):
+    """A small vision transformer: strided-conv patch embedding, class token, learned position
+    embeddings, pre-norm encoder blocks, classification from the class token."""
+
+    def __init__(self, image=16, patch=4, width=32, heads=2, depth=2, classes=10):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, width, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, width) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, width) * 0.02)
+        self.blocks = nn.ModuleList(EncoderBlock(width, heads, pre_norm=True) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images):
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+class BertEncoder(nn.Module):
+    """A small BERT-style encoder: word + position + token-type embeddings, post-norm blocks whose
+    attention ignores padding (a boolean mask over keys), and a tanh pooler on the first token."""
+
+    def __init__(self, vocab=100, width=32, heads=2, depth=2, positions=32, token_types=2):
+        super().__init__()
+        self.words = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(positions, width)
+        self.token_types = nn.Embedding(token_types, width)
+        self.ln = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(EncoderBlock(width, heads, pre_norm=False) for _ in range(depth))
+        self.pooler = nn.Linear(width, width)
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        positions = torch.arange(input_ids.shape[1])
+        x = self.ln(self.words(input_ids) + self.positions(positions) + self.token_types(token_type_ids))
+        mask = attention_mask[:, None, None, :]  # [batch, 1, 1, keys]: True where a real token is
+        for block in self.blocks:
+            x = block(x, mask)
+        return torch.tanh(self.pooler(x[:, 0])), x
+
+
+def _with_running_statistics(model):
+    """Non-trivial batch-norm statistics, as after training."""
+    for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
-    return model, (torch.randn(2, 3, 16, 16),)
+    return model
+
+
+def _bert():
+    batch, seq = 2, 16
+    input_ids = torch.randint(0, 100, (batch, seq))
+    token_type_ids = (torch.arange(seq) >= seq // 2).long().expand(batch, seq).contiguous()  # sentence A, B
+    attention_mask = torch.ones(batch, seq, dtype=torch.bool)
+    attention_mask[1, 11:] = False  # the second sequence is padded
+    return BertEncoder(), (input_ids, token_type_ids, attention_mask)
 
 
 ZOO = {
     "mlp": lambda: (MLP(), (torch.randn(8, 32),)),
-    "cnn": _cnn,
+    "cnn": lambda: (_with_running_statistics(SmallCNN()), (torch.randn(2, 3, 16, 16),)),
     "transformer_block": lambda: (TransformerBlock(), (torch.randn(2, 64, 128),)),
     "gpt2": lambda: (GPT2(), (torch.randint(0, 128, (2, 64)),)),
+    "resnet": lambda: (_with_running_statistics(ResNet()), (torch.randn(2, 3, 16, 16),)),
+    "vit": lambda: (ViT(), (torch.randn(2, 3, 16, 16),)),
+    "bert": _bert,  # integer token ids and token types, a boolean padding mask
 }
 
 
@@ -125,3 +241,7 @@ def build(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model, inputs = ZOO[name]()
     return model.eval(), inputs
+
+
+# Models of issue 5 that need ops not lowered yet; they join ZOO when `neuronc check` passes on them.
+PENDING: dict = {}

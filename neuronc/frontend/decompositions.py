@@ -52,7 +52,20 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
     return output, bag_of, sizes, max_indices
 
 
+def _python_remainder(a, b):
+    """torch.remainder is Python's modulo (the divisor's sign); torch-mlir lowers it to stablehlo.remainder,
+    C's fmod (the dividend's sign), and torch's own decomposition gives prims.remainder, which torch-mlir
+    does not lower. fmod, moved into the divisor's sign."""
+    divisor_negative = b < 0
+    if not isinstance(b, torch.Tensor):  # torch-mlir lowers fmod.Tensor, not fmod.Scalar
+        b = torch.scalar_tensor(b, dtype=a.dtype)
+    r = torch.fmod(a, b)
+    return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
+
+
 OWN = {
+    aten.remainder.Tensor: _python_remainder,
+    aten.remainder.Scalar: _python_remainder,
     aten.sort.stable: _stable_sort,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,

@@ -50,13 +50,11 @@ def exported_stablehlo(program, name: str = "main") -> str:
     return stablehlo_text(decompose(program).graph_module, name)
 
 
-def import_exported_program(program, name: str = "main"):
-    """Returns (ImportedGraph, weights) where weights maps a placeholder name to a numpy array."""
-    from torch.export.graph_signature import InputKind, OutputKind
+def check_inference_only(program) -> None:
+    """.pt2 programs are compiled for inference: refuse one that updates its own state."""
+    from torch.export.graph_signature import OutputKind
 
-    program = decompose(program)
-    signature = program.graph_signature
-    mutations = [s for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    mutations = [s for s in program.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
     if mutations:
         raise NeuronCompileError(
             "this program mutates its state (e.g. batch-norm statistics in training mode); neuronc "
@@ -64,6 +62,15 @@ def import_exported_program(program, name: str = "main"):
             problems=[f"{s.kind.name.lower()}: {s.target}" for s in mutations],
             hint="call model.eval() before torch.export.export",
         )
+
+
+def import_exported_program(program, name: str = "main"):
+    """Returns (ImportedGraph, weights) where weights maps a placeholder name to a numpy array."""
+    from torch.export.graph_signature import InputKind
+
+    program = decompose(program)
+    check_inference_only(program)
+    signature = program.graph_signature
     params, weights = [], {}
     state = dict(program.state_dict)
     state.update(program.constants)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import operator
 import os
 import re
 
@@ -110,7 +109,7 @@ def node_locations(gm) -> dict:
         for f, ln, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
             if not f.startswith(torch_dir):
                 file, line = f, int(ln)  # the innermost frame outside torch itself
-        locations[node.name] = DebugLoc(file=file, line=line, module_path=_module_path(node), op=_op_name(node))
+        locations[node.name] = DebugLoc(file=file, line=line, module_path=_module_path(node), op=op_name(node))
     return locations
 
 
@@ -122,7 +121,7 @@ def _module_path(node) -> str:
     return re.sub(r"^L\['self'\]\.?|^L__self___?", "", str(path))
 
 
-def _op_name(node) -> str:
+def op_name(node) -> str:
     if node.op != "call_function":
         return node.op
     if hasattr(node.target, "_schema"):  # an ATen OpOverload: "aten.addmm.default"
@@ -183,12 +182,12 @@ def stablehlo_text(gm, name: str = "main") -> str:
 
 def _text_in_child(gm, locations, name) -> str:
     try:
-        return _lower(gm, name).operation.get_asm(large_elements_limit=16)
+        return lower(gm, name).operation.get_asm(large_elements_limit=16)
     except Exception as err:  # noqa: BLE001 - diagnosed op by op
         raise _diagnose(gm, locations, err) from None
 
 
-def _lower(gm, name: str):
+def lower(gm, name: str):
     """torch-mlir: FX graph -> StableHLO module (simplified), with node names in the locations."""
     from torch_mlir import fx, ir as mlir, passmanager
     from torch_mlir.dialects import torch as torch_d
@@ -212,7 +211,7 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
     from neuronc.frontend.stablehlo_import import import_module
 
     try:
-        module = _lower(gm, name)
+        module = lower(gm, name)
         graph = import_module(module, params, locations, name)
     except Exception as err:  # noqa: BLE001 - diagnosed op by op below
         raise _diagnose(gm, locations, err) from None
@@ -268,26 +267,11 @@ def _tag_locations_with_node_names(importer, context) -> None:
     importer._cc.__class__ = NamedLocations
 
 
-def unsupported_ops(gm, locations: dict) -> list:
-    """Every distinct op of the graph that cannot be compiled, each probed alone, as messages
-    naming the op, why, how often it is used and the first PyTorch line using it."""
-    problems, seen = [], set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target in seen or node.target is operator.getitem:
-            continue
-        seen.add(node.target)
-        why = _probe(node)
-        if why:
-            uses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == node.target]
-            loc = locations[node.name]
-            where = f"{loc.file}:{loc.line}" + (f" in {loc.module_path}" if loc.module_path else "")
-            problems.append(f"{_op_name(node)}: {why}; {len(uses)} use(s), first at {where}")
-    return problems
-
-
 def _diagnose(gm, locations: dict, err: Exception) -> NeuronCompileError:
     """torch-mlir stops at its first failure; probe each distinct op alone to list all of them."""
-    problems = unsupported_ops(gm, locations)
+    from neuronc.frontend.op_probe import unsupported_ops
+
+    problems = [str(op) for op in unsupported_ops(gm, locations)]
     if not problems:
         if isinstance(err, NeuronCompileError):
             return err
@@ -299,51 +283,3 @@ def _diagnose(gm, locations: dict, err: Exception) -> NeuronCompileError:
         hint="rewrite these ops with supported ones, or keep that code outside the compiled region "
         "(torch.compiler.disable)",
     )
-
-
-def _probe(node) -> str:
-    """Why a graph holding only this node cannot be compiled ("" if it can)."""
-    import torch
-    from torch import fx as torch_fx
-
-    from neuronc.frontend.stablehlo_import import import_module
-
-    graph = torch_fx.Graph()
-    mapping = {}
-
-    def arg(a):
-        if isinstance(a, torch_fx.Node):
-            if a not in mapping:
-                placeholder = graph.placeholder(f"in{len(mapping)}")
-                placeholder.meta = dict(a.meta)
-                mapping[a] = placeholder
-            return mapping[a]
-        return a
-
-    new = graph.call_function(node.target, torch_fx.node.map_aggregate(node.args, arg),
-                              torch_fx.node.map_aggregate(node.kwargs, arg))
-    new.meta = dict(node.meta)
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        outputs = []
-        for i, v in enumerate(val):
-            if isinstance(v, torch.Tensor):
-                item = graph.call_function(operator.getitem, (new, i))
-                item.meta = {"val": v}
-                outputs.append(item)
-        graph.output(tuple(outputs))
-    else:
-        graph.output((new,))
-    try:
-        module = _lower(torch_fx.GraphModule({}, graph), "probe")
-    except Exception:  # noqa: BLE001 - any failure means torch-mlir cannot lower it
-        return "torch-mlir cannot lower it to StableHLO"
-    try:
-        import_module(module, [(f"in{i}", "input") for i in range(len(mapping))], {}, "probe")
-    except NeuronCompileError as err:
-        if not err.problems:
-            return err.message
-        return f"neuronc has no kernel yet for {', '.join(sorted({p.split(' ')[0] for p in err.problems}))}"
-    except Exception as err:  # noqa: BLE001 - e.g. an element type the NeuronCore lacks
-        return f"neuronc cannot import it ({err})"
-    return ""

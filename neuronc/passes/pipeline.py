@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from neuronc import ir
 from neuronc.errors import NeuronConfigError
+from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
@@ -28,14 +29,20 @@ PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
 TARGETED = {fuse_rowwise}  # passes that take the target (SBUF budget) as their second argument
 
 
-def passes_for(opt_level: int) -> list:
+def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:
+    """The passes of an optimisation level; an auto-cast other than none goes right after canonicalize."""
     if opt_level not in PIPELINES:
         raise NeuronConfigError(f"unknown optimisation level {opt_level}", hint="use -O0, -O1, -O2 or -O3")
-    return PIPELINES[opt_level]
+    passes = PIPELINES[opt_level]
+    if cast.mode == "none":
+        return passes
+    after_canonicalize = passes.index(legalize)
+    return passes[:after_canonicalize] + [cast] + passes[after_canonicalize:]
 
 
-def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None) -> ir.Graph:
+def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None,
+                 cast: AutoCast = AutoCast()) -> ir.Graph:
     target = target or get_target()
-    for step in passes_for(opt_level):
+    for step in passes_for(opt_level, cast):
         graph = step(graph, target) if step in TARGETED else step(graph)
     return graph

@@ -1,0 +1,82 @@
+"""Auto-cast: fp32 work done in a narrower float type, as neuronx-cc's `--auto-cast` and
+`--auto-cast-type` do it, traded for speed (the Tensor engine is several times faster in bf16/fp16/fp8).
+
+    --auto-cast none      every op in the dtype the model gives it (neuronc's default)
+    --auto-cast matmult   fp32 matmuls and convolutions, the Tensor engine's work, read their
+                          operands cast to the narrower type; they still accumulate in fp32 PSUM and
+                          give an fp32 result, so the rest of the graph is untouched
+    --auto-cast all       every fp32 op computes in the narrower type; the program's fp32 inputs
+                          and outputs keep their type, cast on the way in and out
+    --auto-cast-type bf16 | fp16 | fp8_e4m3    the narrower type (default bf16)
+
+Ops already in bf16/fp16, and integer and boolean ops, are never changed. The pass runs after
+canonicalize (fp64 is gone by then) and before legalize, on DOT_GENERAL and CONVOLUTION.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.errors import NeuronConfigError
+from neuronc.ir import Op
+from neuronc.isa import DType
+
+MODES = ("none", "matmult", "all")
+CAST_TYPES = {"bf16": DType.BF16, "fp16": DType.F16, "fp8_e4m3": DType.F8E4M3}
+MATMULT_OPS = {Op.DOT_GENERAL, Op.CONVOLUTION}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCast:
+    mode: str = "none"
+    cast_type: str = "bf16"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise NeuronConfigError(f"unknown --auto-cast mode {self.mode!r}", hint=f"use one of {', '.join(MODES)}")
+        if self.cast_type not in CAST_TYPES:
+            raise NeuronConfigError(f"unknown --auto-cast-type {self.cast_type!r}",
+                                    hint=f"use one of {', '.join(CAST_TYPES)}")
+
+    def __call__(self, graph: ir.Graph) -> ir.Graph:
+        narrow = CAST_TYPES[self.cast_type]
+        if self.mode == "matmult":
+            return cast_matmults(graph, narrow)
+        if self.mode == "all":
+            return cast_all(graph, narrow)
+        return graph
+
+    @property
+    def __name__(self) -> str:  # a pass has a name (pipeline listings, timings)
+        return f"auto_cast_{self.mode}_{self.cast_type}"
+
+
+def convert(x: ir.Node, dtype: DType) -> ir.Node:
+    return ir.node(Op.CONVERT, [x], x.shape, dtype, x.loc)
+
+
+def cast_matmults(graph: ir.Graph, narrow: DType) -> ir.Graph:
+    def cast(node, inputs):
+        if node.op in MATMULT_OPS and node.dtype is DType.F32 and all(x.dtype is DType.F32 for x in inputs):
+            return ir.node(node.op, [convert(x, narrow) for x in inputs], node.shape, node.dtype, node.loc, **node.attrs)
+        return None
+
+    return graph.rewrite(cast)
+
+
+def cast_all(graph: ir.Graph, narrow: DType) -> ir.Graph:
+    new: dict = {}
+    for node in graph.nodes():
+        if node.op is Op.PARAMETER:
+            new[node] = convert(node, narrow) if node.dtype is DType.F32 else node
+            continue
+        inputs = [new[x] for x in node.inputs]
+        dtype = narrow if node.dtype is DType.F32 else node.dtype
+        attrs = dict(node.attrs)
+        if node.op is Op.CONSTANT and dtype is not node.dtype:
+            attrs["value"] = np.asarray(attrs["value"]).astype(narrow.numpy)
+        new[node] = ir.node(node.op, inputs, node.shape, dtype, node.loc, **attrs)
+    outputs = [convert(new[o], DType.F32) if o.dtype is DType.F32 else new[o] for o in graph.outputs]
+    return ir.Graph(graph.params, outputs, graph.name)
