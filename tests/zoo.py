@@ -208,6 +208,169 @@ class BertEncoder(nn.Module):
         return torch.tanh(self.pooler(x[:, 0])), x
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x, positions):
+    """RoPE: rotate the two halves of each head's features by position-dependent angles."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None].float() / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, grouped-query causal attention with RoPE through scaled_dot_product_attention, SwiGLU."""
+
+    def __init__(self, width=64, heads=4, kv_heads=2, hidden=172):
+        super().__init__()
+        self.heads, self.kv_heads, self.head = heads, kv_heads, width // heads
+        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        self.q = nn.Linear(width, width, bias=False)
+        self.kv = nn.Linear(width, 2 * kv_heads * self.head, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(batch, seq, self.heads, self.head).transpose(1, 2)
+        k, v = self.kv(h).view(batch, seq, 2, self.kv_heads, self.head).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(seq)
+        q, k = rotary(q, positions), rotary(k, positions)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(batch, seq, width))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab=128, width=64, layers=2):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(LlamaBlock(width) for _ in range(layers))
+        self.norm = RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tokens(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class MambaBlock(nn.Module):
+    """Mamba-style selective scan: input projection, causal depthwise conv1d, SiLU, input-dependent
+    step sizes (softplus) and B/C, a linear recurrence over the sequence (unrolled: static length), gating."""
+
+    def __init__(self, width=32, state=8, inner=64, kernel=4):
+        super().__init__()
+        self.inner, self.state = inner, state
+        self.in_proj = nn.Linear(width, 2 * inner)
+        self.conv = nn.Conv1d(inner, inner, kernel, groups=inner, padding=kernel - 1)
+        self.x_proj = nn.Linear(inner, 1 + 2 * state)
+        self.dt_proj = nn.Linear(1, inner)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).repeat(inner, 1))
+        self.D = nn.Parameter(torch.ones(inner))
+        self.out_proj = nn.Linear(inner, width)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        u, gate = self.in_proj(x).chunk(2, dim=-1)
+        u = F.silu(self.conv(u.transpose(1, 2))[..., :seq].transpose(1, 2))  # causal: drop the look-ahead
+        dt, B, C = self.x_proj(u).split([1, self.state, self.state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt))  # [batch, seq, inner]
+        decay = torch.exp(dt[..., None] * -torch.exp(self.A_log))  # [batch, seq, inner, state]
+        drive = (dt * u)[..., None] * B[:, :, None, :]
+        h = torch.zeros(batch, self.inner, self.state, dtype=x.dtype)
+        ys = []
+        for t in range(seq):
+            h = decay[:, t] * h + drive[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        y = torch.stack(ys, dim=1) + u * self.D
+        return self.out_proj(y * F.silu(gate))
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-k routing: router softmax, top-k experts per token, the routed (token, expert) slots
+    gathered and grouped by expert (a stable argsort), each slot's expert weights gathered, and the
+    weighted results scattered back onto their tokens (index_add)."""
+
+    def __init__(self, width=32, experts=4, hidden=64, k=2):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(width, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, width, hidden) / math.sqrt(width))
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, width) / math.sqrt(hidden))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.router(tokens), dim=-1), self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        expert_of_slot = chosen.reshape(-1)
+        order = torch.argsort(expert_of_slot, stable=True)
+        token_of_slot = order // self.k
+        routed = tokens[token_of_slot]  # [tokens * k, width]
+        expert = expert_of_slot[order]
+        hidden = F.gelu(torch.bmm(routed[:, None, :], self.w1[expert]))
+        y = torch.bmm(hidden, self.w2[expert])[:, 0, :] * weights.reshape(-1)[order][:, None]
+        return torch.zeros_like(tokens).index_add(0, token_of_slot, y).reshape(x.shape)
+
+
+class UNetBlock(nn.Module):
+    """A diffusion UNet level: sinusoidal timestep embedding, strided-conv downsampling, GroupNorm +
+    SiLU + conv, nearest upsampling plus a transposed conv, skip concatenation, GroupNorm + conv."""
+
+    def __init__(self, channels=8, time_dim=16):
+        super().__init__()
+        self.time_dim = time_dim
+        self.time = nn.Sequential(nn.Linear(time_dim, channels), nn.SiLU())
+        self.down = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.norm1, self.conv1 = nn.GroupNorm(4, channels), nn.Conv2d(channels, channels, 3, padding=1)
+        self.up = nn.ConvTranspose2d(channels, channels, 2, stride=2)
+        self.norm2, self.conv2 = nn.GroupNorm(4, 2 * channels), nn.Conv2d(2 * channels, channels, 3, padding=1)
+
+    def embed(self, t):
+        half = self.time_dim // 2
+        angles = t[:, None].float() * torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1).to(t.dtype)
+
+    def forward(self, x, t):
+        h = self.down(x)
+        h = self.conv1(F.silu(self.norm1(h))) + self.time(self.embed(t))[:, :, None, None]
+        h = F.interpolate(h, scale_factor=2, mode="nearest") + self.up(h)
+        return self.conv2(F.silu(self.norm2(torch.cat([h, x], dim=1))))
+
+
+class Recommender(nn.Module):
+    """Embedding-bag recommendation model: a bag (sum) of each user's item ids, a masked mean of the
+    same history (a boolean mask of real entries), the candidate item's embedding, dense features, MLP."""
+
+    def __init__(self, items=100, width=16, dense=8):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(items, width, mode="sum")
+        self.items = nn.Embedding(items, width)
+        self.mlp = nn.Sequential(nn.Linear(3 * width + dense, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, history, mask, candidate, dense):
+        offsets = torch.arange(0, history.numel(), history.shape[1])
+        bag = self.bag(history.reshape(-1), offsets)
+        kept = mask[..., None].to(dense.dtype)
+        mean = (self.items(history) * kept).sum(1) / kept.sum(1).clamp(min=1)
+        return torch.sigmoid(self.mlp(torch.cat([bag, mean, self.items(candidate), dense], dim=-1))).squeeze(-1)
+
+
 def _with_running_statistics(model):
     """Non-trivial batch-norm statistics, as after training."""
     for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
@@ -233,6 +396,12 @@ ZOO = {
     "resnet": lambda: (_with_running_statistics(ResNet()), (torch.randn(2, 3, 16, 16),)),
     "vit": lambda: (ViT(), (torch.randn(2, 3, 16, 16),)),
     "bert": _bert,  # integer token ids and token types, a boolean padding mask
+    "llama": lambda: (Llama(), (torch.randint(0, 128, (2, 32)),)),
+    "mamba": lambda: (MambaBlock(), (torch.randn(2, 16, 32),)),
+    "moe": lambda: (MixtureOfExperts(), (torch.randn(2, 8, 32),)),
+    "unet": lambda: (UNetBlock(), (torch.randn(2, 8, 8, 8), torch.rand(2) * 100)),
+    "recommender": lambda: (Recommender(), (torch.randint(0, 100, (4, 6)), torch.rand(4, 6) > 0.3,
+                                            torch.randint(0, 100, (4,)), torch.randn(4, 8))),
 }
 
 
