@@ -77,6 +77,19 @@ def _probes() -> dict:
         "advanced indexing": (lambda a, i: a[i], (x, torch.tensor([2, 0, 3]))),
         "sort and topk": (lambda a: torch.sort(a, dim=-1).values + torch.topk(a, 8).values, (x,)),
         "upsample_nearest2d": (lambda a: F.interpolate(a, scale_factor=2, mode="nearest"), (image,)),
+        "upsample_bilinear2d": (lambda a: F.interpolate(a, scale_factor=2, mode="bilinear"), (image,)),
+        "reflect and replicate pad": (lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect")
+                                      + F.pad(a, (1, 2, 2, 1), mode="replicate"), (image,)),
+        "index_put and index_add": (lambda a, i, s: torch.index_put(a, (i,), s, accumulate=True).index_add(0, i, s),
+                                    (x, torch.tensor([1, 1, 3]), torch.randn(3, 8))),
+        "embedding_bag": (lambda t, i, o: F.embedding_bag(i, t, o, mode="mean"),
+                          (torch.randn(10, 8), torch.randint(0, 10, (9,)), torch.tensor([0, 4, 4]))),
+        "max and argsort": (lambda a: a.max(-1).values + torch.argsort(a, dim=-1, stable=True)[:, 0], (x,)),
+        "losses": (lambda a, t: F.cross_entropy(a, t) + F.mse_loss(a, a.flip(0)) + F.nll_loss(F.log_softmax(a, -1), t),
+                   (x, torch.randint(0, 8, (4,)))),
+        "logsumexp and baddbmm": (lambda a, b, c: torch.logsumexp(torch.baddbmm(a, b, c), -1),
+                                  (torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
+        "cumprod": (lambda a: torch.cumprod(a, dim=-1), (x,)),
     }
 
 
