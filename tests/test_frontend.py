@@ -123,3 +123,15 @@ def test_casts_in_an_exported_program_compile_without_torch_exports_metadata_che
     x = torch.randn(4, 8) * 10
     neff = compile_exported(_export(Casts(), x)).neff
     assert_matches_eager(torch.from_numpy(run_neff(neff, [x.numpy()]).outputs[0]), Casts()(x))
+
+
+class Cholesky(torch.nn.Module):
+    def forward(self, x):
+        return torch.linalg.cholesky(x.T @ x + torch.eye(4))  # SPEC: an effect (its error check) ordered by a token
+
+
+def test_a_program_with_side_effect_tokens_is_refused_naming_the_op_and_line():
+    with pytest.raises(NeuronCompileError, match="side effects that torch.export orders with tokens") as caught:
+        compile_exported(_export(Cholesky(), torch.randn(6, 4)))
+    problem = caught.value.problems[0]
+    assert "_linalg_check_errors" in problem and f"test_frontend.py:{line_of(__file__, 'SPEC: an effect')}" in problem

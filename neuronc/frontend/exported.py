@@ -54,7 +54,21 @@ def check_inference_only(program) -> None:
     """.pt2 programs are compiled for inference: refuse one that updates its own state."""
     from torch.export.graph_signature import OutputKind
 
-    mutations = [s for s in program.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    specs = program.graph_signature.output_specs
+    tokens = [s for s in specs if s.kind == OutputKind.TOKEN]
+    if tokens:
+        from neuronc.frontend.torch_import import node_locations
+
+        where = node_locations(program.graph_module)
+        effects = [f"{n.args[1]} at {where.get(n.name, '?')}" for n in program.graph.nodes
+                   if n.op == "call_function" and getattr(n.target, "__name__", "") == "with_effects"]
+        raise NeuronCompileError(
+            "this program has side effects that torch.export orders with tokens (e.g. linalg's error checks "
+            "in torch.linalg.cholesky/inv, or prints); neuronc compiles pure tensor programs",
+            problems=effects,
+            hint="keep that computation outside the exported model, or use the op's unchecked form",
+        )
+    mutations = [s for s in specs if s.kind != OutputKind.USER_OUTPUT]
     if mutations:
         raise NeuronCompileError(
             "this program mutates its state (e.g. batch-norm statistics in training mode); neuronc "
