@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from neuronc import ir
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
@@ -537,6 +539,187 @@ def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                add=node.attrs["combine"] == "add")
 
 
+# attention ---------------------------------------------------------------------------------------
+
+NEG_BIG = -3.0e38  # the running max starts here: finite, so a row masked so far gives exp(-inf) = 0, not NaN
+CAUSAL_BIAS = -2.0e38  # added to masked scores by a matmul (a -inf would meet the identity's zeros: NaN)
+
+
+def _at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
+    """The [partitions, free...] tile starting `element` elements into each partition of `ap`'s slot."""
+    dims, stride = [], 1
+    for size in reversed(free):
+        dims.append((stride, size))
+        stride *= size
+    return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize,
+                               dims=((1, partitions), *reversed(dims)))
+
+
+def _identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
+    """An identity matrix [size, size]: iota gives column - partition, compared with 0."""
+    ramp = scratch.ap(size, size, dtype=DType.F32)
+    em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=0.0, imm1=-1.0)
+    ident = tile.ap(size, size)
+    em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, ident, ramp, alu=AluOp.EQ, imm0=0.0)
+    return ident
+
+
+def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """softmax(mask(scale * Q K^T)) V, flash-attention style (passes/attention.py).
+
+    Per batch-head, K^T and V are loaded once and stay in SBUF. Per tile of 128 query rows (one per
+    partition), the keys are visited in blocks of a PSUM bank: S = Q K^T into PSUM, the causal mask added
+    by a matmul with an on-chip bias tile (blocks wholly above the diagonal skipped), the running row max m
+    and sum l updated and P = exp(scale * (S - m)) made, P transposed on the Tensor engine (a matmul with the
+    identity) so the keys lie on partitions, and P V accumulated into the rescaled accumulator. The scores
+    never leave the chip; the output is acc / l."""
+    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_deltas, pools_of, probability_dtype
+
+    a = node.attrs
+    q, k, v = node.inputs[:3]
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    batch, sq, dv = node.shape
+    sk, d, scale = a["keys"], a["head_dim"], a["scale"]
+    causal, offset = a["mask"] == "causal", a["causal_offset"]
+    p_dtype = probability_dtype(v.dtype)
+    block = min(KEY_BLOCK, sk)
+    d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
+    pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
+    s_psum, pt_psum, o_psum = em.psum_pool(2), em.psum_pool(2), em.psum_pool(2)
+    engines = _Balancer(em)
+
+    def vector(opcode, *operands, **fields):
+        engines.emit(opcode, *operands, **fields)
+
+    def exp(dst, src, factor):
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, dst, src, func=ActFunc.EXP, imm0=factor, imm1=0.0)
+
+    def small(name, rows):
+        return pools[name].next().ap(rows, 1)
+
+    # constants of the kernel: identities, the causal bias tiles, a mask's fill, the guard's zeros
+    identity = _identity(em, pools["identity"].next(), Q_TILE, pools["shifted"].next())
+    bias_identity, bias = identity, {}
+    if causal:
+        if p_dtype != DType.BF16:
+            bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["shifted"].next())
+        ramp = pools["iota"].next().ap(Q_TILE, block)
+        for delta in causal_deltas(sq, sk, offset):
+            tile = pools["bias"].next().ap(Q_TILE, block)
+            em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(delta), imm1=-1.0)  # key - query - offset
+            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
+            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
+            bias[delta] = tile
+    if a["mask"] == "select":
+        fill = pools["fill"].next().ap(Q_TILE, block)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=a["fill"])
+    if a["zero_masked_rows"]:
+        zeros = pools["zeros"].next().ap(Q_TILE, dv)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
+
+    def origin(i, g):
+        offset0, strides = a["views"][i]
+        index = np.unravel_index(g, a["batch_shape"])
+        return offset0 + sum(int(j) * s for j, s in zip(index, strides[:-2])), strides[-2], strides[-1]
+
+    def address(x, element):
+        return plan.offset(x) + element * x.dtype.itemsize
+
+    for g in range(batch):
+        # K^T [d, Sk] (d on partitions, by tiles of 128) and V [Sk, Dv] (keys on partitions, by chunks of 128)
+        kb0, ks, kd = origin(1, g)
+        kt = pools["k"].next().ap(Q_TILE, d_tiles * sk)
+        for j in range(d_tiles):
+            dt = min(Q_TILE, d - j * Q_TILE)
+            _dma_by_rows(em, _at(kt, j * sk, dt, sk), hbm(k.dtype, address(k, kb0 + j * Q_TILE * kd), ((kd, dt), (ks, sk))))
+        vb0, vs, vd = origin(2, g)
+        vt = pools["v"].next().ap(Q_TILE, k_chunks * dv)
+        full = sk // Q_TILE
+        if full:
+            _dma_by_rows(em, _at(vt, 0, Q_TILE, full, dv),
+                         hbm(v.dtype, address(v, vb0), ((vs, Q_TILE), (Q_TILE * vs, full), (vd, dv))))
+        if sk % Q_TILE:
+            em.dma(_at(vt, full * dv, sk % Q_TILE, dv),
+                   hbm(v.dtype, address(v, vb0 + full * Q_TILE * vs), ((vs, sk % Q_TILE), (vd, dv))))
+        qb0, qs, qd = origin(0, g)
+        for q0 in range(0, sq, Q_TILE):
+            qt = min(Q_TILE, sq - q0)
+            qtile = pools["q"].next().ap(Q_TILE, d_tiles * Q_TILE)
+            for j in range(d_tiles):
+                dt = min(Q_TILE, d - j * Q_TILE)
+                em.dma(_at(qtile, j * Q_TILE, dt, qt),
+                       hbm(q.dtype, address(q, qb0 + q0 * qs + j * Q_TILE * qd), ((qd, dt), (qs, qt))))
+            m, l = small("m", qt), small("l", qt)
+            acc = pools["acc"].next().ap(qt, dv)
+            vector(Opcode.MEMSET, m, imm0=NEG_BIG)
+            vector(Opcode.MEMSET, l, imm0=0.0)
+            vector(Opcode.MEMSET, acc, imm0=0.0)
+            last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
+            for k0 in range(0, last_key, block):
+                kb = min(block, last_key - k0)
+                scores = s_psum.next().ap(qt, kb)
+                for j in range(d_tiles):
+                    dt = min(Q_TILE, d - j * Q_TILE)
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(qtile, j * Q_TILE, dt, qt),
+                            _at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
+                if causal and k0 + kb - 1 > q0 + offset:
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(bias_identity, 0, qt, qt),
+                            _at(bias[k0 - q0 - offset], 0, qt, kb), accumulate=True)
+                logits, factor = scores, scale
+                if a["mask"] in ("select", "add"):
+                    logits, factor = pools["logits"].next().ap(qt, kb), 1.0
+                    em.emit(Opcode.ACTIVATE, Engine.SCALAR, logits, scores, func=ActFunc.IDENTITY, imm0=scale, imm1=0.0)
+                    mb0, ms, mk = origin(3, g)
+                    mtile = pools["mask"].next().ap(qt, kb)
+                    em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))
+                    if a["mask"] == "add":
+                        vector(Opcode.TENSOR_TENSOR, logits, logits, mtile, alu=AluOp.ADD)
+                    else:
+                        filled = _at(fill, 0, qt, kb)
+                        on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
+                        vector(Opcode.SELECT, logits, mtile, on_true, on_false)
+                # online softmax: m' = max(m, rowmax), P = exp(f (x - m')), l' = l e^(f (m - m')) + rowsum P
+                peak, m_new = small("peak", qt), small("m", qt)
+                vector(Opcode.TENSOR_REDUCE, peak, logits, alu=AluOp.MAX)
+                vector(Opcode.TENSOR_TENSOR, m_new, m, peak, alu=AluOp.MAX)
+                shifted = pools["shifted"].next().ap(qt, kb)
+                vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
+                p = pools["p"].next().ap(qt, kb)
+                exp(p, shifted, factor)
+                rowsum, dm, corr, l_new = small("rowsum", qt), small("dm", qt), small("corr", qt), small("l", qt)
+                vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
+                vector(Opcode.TENSOR_TENSOR, dm, m, m_new, alu=AluOp.SUBTRACT)
+                exp(corr, dm, factor)
+                vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
+                vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
+                # P^T by chunks of 128 keys (Tensor-engine transposes side by side in one PSUM bank), then P V
+                chunks = [(c, min(Q_TILE, kb - c)) for c in range(0, kb, Q_TILE)]
+                pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
+                for n, (c, rows) in enumerate(chunks):
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, _at(pt_acc, n * qt, rows, qt), _at(p, c, qt, rows),
+                            _at(identity, 0, qt, qt))
+                pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
+                whole = kb // Q_TILE
+                if whole:
+                    vector(Opcode.TENSOR_COPY, _at(pt, 0, Q_TILE, whole * qt), _at(pt_acc, 0, Q_TILE, whole * qt))
+                if kb % Q_TILE:
+                    vector(Opcode.TENSOR_COPY, _at(pt, whole * qt, kb % Q_TILE, qt), _at(pt_acc, whole * qt, kb % Q_TILE, qt))
+                product = o_psum.next().ap(qt, dv)
+                for n, (c, rows) in enumerate(chunks):
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, product, _at(pt, n * qt, rows, qt),
+                            _at(vt, (k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
+                vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(corr, dv), alu=AluOp.MULTIPLY)
+                vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
+                m, l = m_new, l_new
+            out = pools["out"].next().ap(qt, dv)
+            vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
+            if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
+                empty = small("empty_row", qt)
+                vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
+                vector(Opcode.SELECT, out, _broadcast(empty, dv), _at(zeros, 0, qt, dv), out)
+            em.dma(hbm(node.dtype, plan.offset(node) + (g * sq + q0) * dv * node.dtype.itemsize, ((dv, qt), (1, dv))), out)
+
+
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
@@ -545,6 +728,7 @@ KERNELS.update({
     Op.MATMUL: matmul,
     Op.REDUCE_LAST: reduce_last,
     Op.ROWWISE: rowwise,
+    Op.ATTENTION: attention,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
 })
