@@ -40,6 +40,7 @@ import numpy as np
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
+from neuronc.passes.canonicalize import _evaluate
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -254,19 +255,30 @@ def _causal_offset(masked: np.ndarray):
                                np.broadcast_to(pattern, masked.shape[:-2] + (sq, sk))) else None
 
 
-def _mask_constant(node):
-    """The numpy value a mask node reads (through reshapes and broadcasting views), or None."""
-    resolved = _resolve(node)
-    if resolved is None:
-        return None
-    source, offset, strides = resolved
-    if source.op is not Op.CONSTANT:
-        return None
-    value = np.asarray(source.attrs["value"])
-    if value.ndim == 0:
-        return np.broadcast_to(value, node.shape)
-    flat = value.reshape(-1)
-    return np.lib.stride_tricks.as_strided(flat[offset:], node.shape, [s * flat.itemsize for s in strides])
+def _mask_constant(node, memo=None):
+    """The value of a mask computed from constants only (iota comparisons, broadcasts, views), evaluated
+    here in numpy, or None. (Constant folding leaves big ones alone; a causal mask is one.)"""
+    memo = {} if memo is None else memo
+    if node in memo:
+        return memo[node]
+    value = None
+    if node.size <= MAX_COMPOSED_ELEMENTS:
+        if node.op is Op.CONSTANT:
+            value = np.asarray(node.attrs["value"])
+        elif node.op is Op.VIEW:
+            x = _mask_constant(node.inputs[0], memo)
+            if x is not None:
+                flat = np.ascontiguousarray(np.broadcast_to(x, node.inputs[0].shape)).reshape(-1)
+                value = np.lib.stride_tricks.as_strided(flat[node.attrs["offset"]:], node.shape,
+                                                        [s * flat.itemsize for s in node.attrs["strides"]])
+        elif node.op in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
+            inputs = [_mask_constant(x, memo) for x in node.inputs]
+            if all(x is not None for x in inputs):
+                if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM):
+                    inputs = [np.broadcast_to(inputs[0], node.inputs[0].shape)]
+                value = _evaluate(node, inputs)
+    memo[node] = value
+    return value
 
 
 def _classify_mask(attrs: dict) -> None:
@@ -276,6 +288,7 @@ def _classify_mask(attrs: dict) -> None:
     value = _mask_constant(attrs["mask_node"])
     if value is None:
         return
+    value = np.broadcast_to(value, attrs["mask_node"].shape)
     if attrs["mask"] == "select" and attrs["fill"] == -math.inf:
         masked = value.astype(bool) == attrs["masked_when"]
     elif attrs["mask"] == "add" and np.all((value == 0) | (value == -np.inf)):
