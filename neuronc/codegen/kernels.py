@@ -573,7 +573,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     and sum l updated and P = exp(scale * (S - m)) made, P transposed on the Tensor engine (a matmul with the
     identity) so the keys lie on partitions, and P V accumulated into the rescaled accumulator. The scores
     never leave the chip; the output is acc / l."""
-    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_deltas, pools_of, probability_dtype
+    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_deltas, pools_of, probability_dtype, rounds_logits
 
     a = node.attrs
     q, k, v = node.inputs[:3]
@@ -582,6 +582,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     sk, d, scale = a["keys"], a["head_dim"], a["scale"]
     causal, offset = a["mask"] == "causal", a["causal_offset"]
     p_dtype = probability_dtype(v.dtype)
+    rounded = rounds_logits(a)
     block = min(KEY_BLOCK, sk)
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
@@ -666,9 +667,14 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(bias_identity, 0, qt, qt),
                             _at(bias[k0 - q0 - offset], 0, qt, kb), accumulate=True)
                 logits, factor = scores, scale
-                if a["mask"] in ("select", "add"):
-                    logits, factor = pools["logits"].next().ap(qt, kb), 1.0
+                if rounded or a["mask"] in ("select", "add"):  # the logits in SBUF, rounded where eager rounds
+                    if a["score_dtype"] != DType.F32:
+                        rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
+                        vector(Opcode.TENSOR_COPY, rounded_scores, scores)
+                        scores = rounded_scores
+                    logits, factor = pools["logits"].next().ap(qt, kb, dtype=a["logits_dtype"]), 1.0
                     em.emit(Opcode.ACTIVATE, Engine.SCALAR, logits, scores, func=ActFunc.IDENTITY, imm0=scale, imm1=0.0)
+                if a["mask"] in ("select", "add"):
                     mb0, ms, mk = origin(3, g)
                     mtile = pools["mask"].next().ap(qt, kb)
                     em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))

@@ -127,6 +127,7 @@ class _Matcher:
         """Peel the scale and mask steps off the logits (the kernel computes mask(scale * S));
         returns the QK^T MATMUL."""
         node = self.through_converts(node)
+        attrs["logits_dtype"] = node.dtype  # eager rounds the logits to this before the softmax
         scale, after_mask = 1.0, 1.0  # after_mask: the scales applied to the masked logits
         masked = False
         while node.op is not Op.MATMUL:
@@ -352,7 +353,9 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
         _need(m.private(pv))
         dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": pv.dtype, "p": probability_dtype(v.dtype),
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
-        pools = tile_pools(sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"])
+        attrs["score_dtype"] = qk.dtype
+        pools = tile_pools(sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"],
+                           rounds_logits(attrs))
         _need(fits_sbuf(sbuf_bytes(pools), target))
     except _NoMatch:
         return None
@@ -360,7 +363,8 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
     return ir.node(Op.ATTENTION, inputs, pv.shape, pv.dtype, pv.loc, batch_shape=batch_shape, views=tuple(views),
                    scale=float(scale), head_dim=d, keys=sk,
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
-                   masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops)
+                   masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
+                   score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"])
 
 
 def causal_deltas(sq: int, sk: int, offset: int) -> list:
@@ -376,7 +380,8 @@ def causal_deltas(sq: int, sk: int, offset: int) -> list:
     return sorted(deltas)
 
 
-def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int) -> dict:
+def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
+               rounded: bool) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -399,8 +404,10 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         pools["iota"] = (f32, block, 1)
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
         pools["bias"] = (DType.BF16, block, max(1, len(causal_deltas(sq, sk, causal_offset))))
-    elif mask in ("select", "add"):
+    if rounded or mask in ("select", "add"):  # logits made in SBUF (rounded as eager does, masked)
         pools["logits"] = (f32, block, 2)
+        pools["scores"] = (f32, block, 2)
+    if mask in ("select", "add"):
         pools["mask"] = (dtypes["mask"], block, 2)
         if mask == "select":
             pools["fill"] = (f32, block, 1)
@@ -422,7 +429,12 @@ def pools_of(node) -> dict:
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
     return tile_pools(node.shape[1], a["keys"], a["head_dim"], node.shape[2], dtypes, a["mask"],
-                      a["zero_masked_rows"], a["causal_offset"])
+                      a["zero_masked_rows"], a["causal_offset"], rounds_logits(a))
+
+
+def rounds_logits(attrs: dict) -> bool:
+    """Whether eager rounds the scores or the scaled logits to a narrow dtype (a bf16 model's Q K^T)."""
+    return attrs["score_dtype"] != DType.F32 or attrs["logits_dtype"] != DType.F32
 
 
 def probability_dtype(v_dtype: DType) -> DType:
