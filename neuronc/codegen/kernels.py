@@ -15,7 +15,7 @@ from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import instruction_cost_ns
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
@@ -224,85 +224,121 @@ def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM.
+    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
+    tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
 
-    With an epilogue (fused elementwise consumers: bias, activation, residual, cast), each result
-    tile is computed from the PSUM accumulator and the epilogue's other inputs on its way out."""
+    Operands are loaded as strips [K tile, k tiles x width] by one DMA each (split over the queues by
+    partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
+    operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
+    residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
+    inputs on its way out."""
+    from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
+
     a, b, *extra = node.inputs
     (batch, m, n), k = node.shape, node.attrs["k"]
+    tiling = node.attrs.get("tiling") or default_tiling(node, em.target)
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
         view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
     extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
     body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
     slots, temp_count = _assign_slots(body)
-    t = em.target
-    tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
-    k_tiles, m_tiles, n_tiles = -(-k // tk), -(-m // tm), -(-n // tn)
-    # One operand's strip (all K tiles of a row block of A, or of a column block of B) stays in SBUF
-    # across the other's blocks, double-buffered, when it fits a quarter of a partition. Which one:
-    # the order whose operand loads cost less, priced by the instruction cost model (a transposed
-    # stationary load costs more than a moving one of the same size).
-    # TODO(issue 4): this tiling choice belongs in a pass of its own, beside passes/cost_model.py.
-    budget = em.target.sbuf_bytes_per_partition // 4
-    fits = {"rows": 2 * k_tiles * tm * a.dtype.itemsize <= budget, "cols": 2 * k_tiles * tn * b.dtype.itemsize <= budget}
-    st_ns = _dma_ns(em, a.dtype, ((ask, min(tk, k)), (asm, min(tm, m))))
-    mv_ns = _dma_ns(em, b.dtype, ((bsk, min(tk, k)), (bsn, min(tn, n))))
-    tiles = m_tiles * n_tiles * k_tiles
-    cost = {"rows": m_tiles * k_tiles * st_ns + tiles * mv_ns, "cols": n_tiles * k_tiles * mv_ns + tiles * st_ns}
-    order = min((o for o in cost if fits[o]), key=cost.get, default=None)
-    stationary = em.sbuf_pool(a.dtype, tm, bufs=2 * k_tiles if order == "rows" else 3)
-    moving = em.sbuf_pool(b.dtype, tn, bufs=2 * k_tiles if order == "cols" else 3)
-    result = em.sbuf_pool(node.dtype, tn, bufs=2)
-    extra_pools = [em.sbuf_pool(x.dtype, tn, bufs=2) for x in extra]
-    temps = [em.sbuf_pool(DType.F32, tn * 2, bufs=2) for _ in range(temp_count)]  # room for 8-byte dtypes
-    constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
+    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
+    k_tiles = -(-k // tk)
+    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()}
+    out_pools = epilogue_pools(node, tn)
+    pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
+    result, constants = pool("result"), pool("constants")
+    extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
     ci = node.dtype.itemsize
 
-    def load(pool, x, element, dims):
-        """A [rows, cols] tile of x starting at `element`, rows and cols strided as `dims` say."""
-        tile = pool.next().ap(dims[0][1], dims[1][1])
-        em.dma(tile, hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize, dims))
-        return tile
+    def load_strip(name, x, element, k_stride, w_stride, width):
+        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]."""
+        tile = strips[name].next().ap(tk, k_tiles * width)
+        whole, tail = divmod(k, tk)
+        if whole:
+            _dma_by_rows(em, _at(tile, 0, min(tk, k), whole, width),
+                         hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize,
+                             ((k_stride, min(tk, k)), (tk * k_stride, whole), (w_stride, width))))
+        if tail:
+            em.dma(_at(tile, whole * width, tail, width),
+                   hbm(x.dtype, plan.offset(x) + (element + whole * tk * k_stride) * x.dtype.itemsize,
+                       ((k_stride, tail), (w_stride, width))))
+        return tile, width
 
-    def load_stationary(g, m0, k0):
-        return load(stationary, a, a_offset + g * asb + m0 * asm + k0 * ask,
-                    ((ask, min(tk, k - k0)), (asm, min(tm, m - m0))))
+    def a_strip(g, m0, rows):
+        return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
 
-    def load_moving(g, n0, k0):
-        return load(moving, b, b_offset + g * bsb + k0 * bsk + n0 * bsn,
-                    ((bsk, min(tk, k - k0)), (bsn, min(tn, n - n0))))
+    def b_strip(g, n0, cols):
+        return load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(cols, n - n0))
 
+    def in_strip(strip, col, size):
+        """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
+        tile, width = strip
+        return lambda j: _at(tile, j * width + col, min(tk, k - j * tk), size)
+
+    def streamed(name, x, element, k_stride, w_stride, size):
+        """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
+        def load(j):
+            rows = min(tk, k - j * tk)
+            tile = strips[name].next().ap(rows, size)
+            em.dma(tile, hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
+                             ((k_stride, rows), (w_stride, size))))
+            return tile
+        return load
+
+    def output_tile(g, m0, n0, stationary, moving):
+        """One [mt, nt] output tile: K tiles accumulated in PSUM, the epilogue, the store."""
+        mt, nt = min(tm, m - m0), min(tn, n - n0)
+        acc = psum.next().ap(mt, nt)
+        for j in range(k_tiles):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+        loaded = {0: acc}
+        for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+            loaded[i] = xpool.next().ap(mt, nt)
+            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
+                                  ((sm, mt), (sn, nt))))
+        out = _emit_body(em, body, slots, loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                         constants, node.loc)
+        em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
+
+    if tiling.resident == "none":
+        for g in range(batch):
+            for m0 in range(0, m, tm):
+                for n0 in range(0, n, tn):
+                    output_tile(g, m0, n0,
+                                streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
+                                streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
+        return
+    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued one
+    # step ahead (before the previous step's tiles and their stores), so it overlaps their compute.
+    steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
     for g in range(batch):
-        outer, inner = (range(0, m, tm), range(0, n, tn)) if order != "cols" else (range(0, n, tn), range(0, m, tm))
-        for o0 in outer:
-            strip = None
-            if order == "rows":
-                strip = [load_stationary(g, o0, k0) for k0 in range(0, k, tk)]
-            elif order == "cols":
-                strip = [load_moving(g, o0, k0) for k0 in range(0, k, tk)]
-            for i0 in inner:
-                m0, n0 = (i0, o0) if order == "cols" else (o0, i0)
-                mt, nt = min(tm, m - m0), min(tn, n - n0)
-                acc = psum.next().ap(mt, nt)
-                for k0 in range(0, k, tk):
-                    st = strip[k0 // tk] if order == "rows" else load_stationary(g, m0, k0)
-                    mv = strip[k0 // tk] if order == "cols" else load_moving(g, n0, k0)
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
-                loaded = {0: acc}
-                for j, (x, pool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
-                    loaded[j] = load(pool, x, offset + g * sb + m0 * sm + n0 * sn, ((sm, mt), (sn, nt)))
-                out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], result.next(), (mt, nt),
-                                 constants, node.loc)
-                em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
-
-
-def _dma_ns(em: Emitter, dtype: DType, dims) -> float:
-    """What the cost model charges for one HBM -> SBUF load of this pattern."""
-    src = hbm(dtype, 0, dims)
-    dst = AccessPattern(Space.SBUF, dtype, 0, ((1, dims[0][1]), (1, src.free_elements)))
-    return instruction_cost_ns(Instruction(Opcode.DMA_COPY, Engine.DMA, (dst, src)), em.target)
+        if tiling.resident == "a":
+            for mb in range(0, m, tiling.block * tm):
+                steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
+                a_step = len(steps) - 1
+                for n0 in range(0, n, tn):
+                    steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
+                    steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
+                                        for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+        else:
+            for nb in range(0, n, tiling.block * tn):
+                steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
+                b_step = len(steps) - 1
+                for m0 in range(0, m, tm):
+                    steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
+                    steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
+                                        for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+    loaded: dict = {}
+    for i, (_, tiles) in enumerate(steps):
+        for j in range(len(loaded), min(len(steps), i + 2)):
+            loaded[j] = steps[j][0]()
+        for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
+            output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
+                        in_strip(loaded[b_step], b_col, min(tn, n - n0)))
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
