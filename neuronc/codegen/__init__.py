@@ -20,7 +20,9 @@ def _fused_ops(node: ir.Node) -> tuple:
     """The graph ops a kernel computes, for `neuronc inspect --kernels`."""
     if node.op in (ir.Op.FUSED, ir.Op.ROWWISE):
         return tuple(step.op.name.lower() for step in ir.body_of(node))
-    return tuple(node.attrs.get("ops", (node.op.name.lower(),)))
+    ops = tuple(node.attrs.get("ops", (node.op.name.lower(),)))
+    tiling = node.attrs.get("tiling")
+    return ops + (f"[tiles {tiling}]",) if tiling is not None else ops
 
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main") -> Neff:

@@ -364,7 +364,8 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    scale=float(scale), head_dim=d, keys=sk,
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
-                   score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"])
+                   score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
+                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, K/V resident")
 
 
 def causal_deltas(sq: int, sk: int, offset: int) -> list:
