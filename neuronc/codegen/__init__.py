@@ -16,6 +16,15 @@ from neuronc.passes.memory_plan import MemoryPlan
 from neuronc.targets import Target
 
 
+def _fused_ops(node: ir.Node) -> tuple:
+    """The graph ops a kernel computes, for `neuronc inspect --kernels`."""
+    if node.op in (ir.Op.FUSED, ir.Op.ROWWISE):
+        return tuple(step.op.name.lower() for step in ir.body_of(node))
+    ops = tuple(node.attrs.get("ops", (node.op.name.lower(),)))
+    tiling = node.attrs.get("tiling")
+    return ops + (f"[tiles {tiling}]",) if tiling is not None else ops
+
+
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main") -> Neff:
     em = Emitter(target)
     for index, node in enumerate(graph.nodes()):
@@ -24,7 +33,7 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
             if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT):
                 raise NeuronCompileError(f"no kernel for {node.op.name.lower()}", location=str(node.loc))
             continue
-        ops = tuple(step.op.name.lower() for step in ir.body_of(node)) if node.op in (ir.Op.FUSED, ir.Op.ROWWISE) else (node.op.name.lower(),)
+        ops = _fused_ops(node)
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
         kernel(em, node, plan)
     streams = insert_waits(em.instructions, plan.tensors, target)

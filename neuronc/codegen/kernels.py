@@ -15,7 +15,7 @@ from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import instruction_cost_ns
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
@@ -224,85 +224,121 @@ def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM.
+    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
+    tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
 
-    With an epilogue (fused elementwise consumers: bias, activation, residual, cast), each result
-    tile is computed from the PSUM accumulator and the epilogue's other inputs on its way out."""
+    Operands are loaded as strips [K tile, k tiles x width] by one DMA each (split over the queues by
+    partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
+    operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
+    residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
+    inputs on its way out."""
+    from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
+
     a, b, *extra = node.inputs
     (batch, m, n), k = node.shape, node.attrs["k"]
+    tiling = node.attrs.get("tiling") or default_tiling(node, em.target)
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
         view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
     extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
     body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
     slots, temp_count = _assign_slots(body)
-    t = em.target
-    tk, tm, tn = t.matmul_max_k, t.matmul_max_m, min(t.matmul_max_n, em.psum_bank_elements())
-    k_tiles, m_tiles, n_tiles = -(-k // tk), -(-m // tm), -(-n // tn)
-    # One operand's strip (all K tiles of a row block of A, or of a column block of B) stays in SBUF
-    # across the other's blocks, double-buffered, when it fits a quarter of a partition. Which one:
-    # the order whose operand loads cost less, priced by the instruction cost model (a transposed
-    # stationary load costs more than a moving one of the same size).
-    # TODO(issue 4): this tiling choice belongs in a pass of its own, beside passes/cost_model.py.
-    budget = em.target.sbuf_bytes_per_partition // 4
-    fits = {"rows": 2 * k_tiles * tm * a.dtype.itemsize <= budget, "cols": 2 * k_tiles * tn * b.dtype.itemsize <= budget}
-    st_ns = _dma_ns(em, a.dtype, ((ask, min(tk, k)), (asm, min(tm, m))))
-    mv_ns = _dma_ns(em, b.dtype, ((bsk, min(tk, k)), (bsn, min(tn, n))))
-    tiles = m_tiles * n_tiles * k_tiles
-    cost = {"rows": m_tiles * k_tiles * st_ns + tiles * mv_ns, "cols": n_tiles * k_tiles * mv_ns + tiles * st_ns}
-    order = min((o for o in cost if fits[o]), key=cost.get, default=None)
-    stationary = em.sbuf_pool(a.dtype, tm, bufs=2 * k_tiles if order == "rows" else 3)
-    moving = em.sbuf_pool(b.dtype, tn, bufs=2 * k_tiles if order == "cols" else 3)
-    result = em.sbuf_pool(node.dtype, tn, bufs=2)
-    extra_pools = [em.sbuf_pool(x.dtype, tn, bufs=2) for x in extra]
-    temps = [em.sbuf_pool(DType.F32, tn * 2, bufs=2) for _ in range(temp_count)]  # room for 8-byte dtypes
-    constants = em.sbuf_pool(DType.F32, tn * 2, bufs=2)
+    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
+    k_tiles = -(-k // tk)
+    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()}
+    out_pools = epilogue_pools(node, tn)
+    pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
+    result, constants = pool("result"), pool("constants")
+    extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
     ci = node.dtype.itemsize
 
-    def load(pool, x, element, dims):
-        """A [rows, cols] tile of x starting at `element`, rows and cols strided as `dims` say."""
-        tile = pool.next().ap(dims[0][1], dims[1][1])
-        em.dma(tile, hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize, dims))
-        return tile
+    def load_strip(name, x, element, k_stride, w_stride, width):
+        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]."""
+        tile = strips[name].next().ap(tk, k_tiles * width)
+        whole, tail = divmod(k, tk)
+        if whole:
+            _dma_by_rows(em, _at(tile, 0, min(tk, k), whole, width),
+                         hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize,
+                             ((k_stride, min(tk, k)), (tk * k_stride, whole), (w_stride, width))))
+        if tail:
+            em.dma(_at(tile, whole * width, tail, width),
+                   hbm(x.dtype, plan.offset(x) + (element + whole * tk * k_stride) * x.dtype.itemsize,
+                       ((k_stride, tail), (w_stride, width))))
+        return tile, width
 
-    def load_stationary(g, m0, k0):
-        return load(stationary, a, a_offset + g * asb + m0 * asm + k0 * ask,
-                    ((ask, min(tk, k - k0)), (asm, min(tm, m - m0))))
+    def a_strip(g, m0, rows):
+        return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
 
-    def load_moving(g, n0, k0):
-        return load(moving, b, b_offset + g * bsb + k0 * bsk + n0 * bsn,
-                    ((bsk, min(tk, k - k0)), (bsn, min(tn, n - n0))))
+    def b_strip(g, n0, cols):
+        return load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(cols, n - n0))
 
+    def in_strip(strip, col, size):
+        """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
+        tile, width = strip
+        return lambda j: _at(tile, j * width + col, min(tk, k - j * tk), size)
+
+    def streamed(name, x, element, k_stride, w_stride, size):
+        """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
+        def load(j):
+            rows = min(tk, k - j * tk)
+            tile = strips[name].next().ap(rows, size)
+            em.dma(tile, hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
+                             ((k_stride, rows), (w_stride, size))))
+            return tile
+        return load
+
+    def output_tile(g, m0, n0, stationary, moving):
+        """One [mt, nt] output tile: K tiles accumulated in PSUM, the epilogue, the store."""
+        mt, nt = min(tm, m - m0), min(tn, n - n0)
+        acc = psum.next().ap(mt, nt)
+        for j in range(k_tiles):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+        loaded = {0: acc}
+        for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+            loaded[i] = xpool.next().ap(mt, nt)
+            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
+                                  ((sm, mt), (sn, nt))))
+        out = _emit_body(em, body, slots, loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                         constants, node.loc)
+        em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
+
+    if tiling.resident == "none":
+        for g in range(batch):
+            for m0 in range(0, m, tm):
+                for n0 in range(0, n, tn):
+                    output_tile(g, m0, n0,
+                                streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
+                                streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
+        return
+    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued one
+    # step ahead (before the previous step's tiles and their stores), so it overlaps their compute.
+    steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
     for g in range(batch):
-        outer, inner = (range(0, m, tm), range(0, n, tn)) if order != "cols" else (range(0, n, tn), range(0, m, tm))
-        for o0 in outer:
-            strip = None
-            if order == "rows":
-                strip = [load_stationary(g, o0, k0) for k0 in range(0, k, tk)]
-            elif order == "cols":
-                strip = [load_moving(g, o0, k0) for k0 in range(0, k, tk)]
-            for i0 in inner:
-                m0, n0 = (i0, o0) if order == "cols" else (o0, i0)
-                mt, nt = min(tm, m - m0), min(tn, n - n0)
-                acc = psum.next().ap(mt, nt)
-                for k0 in range(0, k, tk):
-                    st = strip[k0 // tk] if order == "rows" else load_stationary(g, m0, k0)
-                    mv = strip[k0 // tk] if order == "cols" else load_moving(g, n0, k0)
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, acc, st, mv, accumulate=k0 > 0)
-                loaded = {0: acc}
-                for j, (x, pool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
-                    loaded[j] = load(pool, x, offset + g * sb + m0 * sm + n0 * sn, ((sm, mt), (sn, nt)))
-                out = _emit_body(em, body, slots, loaded, [pool.next() for pool in temps], result.next(), (mt, nt),
-                                 constants, node.loc)
-                em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
-
-
-def _dma_ns(em: Emitter, dtype: DType, dims) -> float:
-    """What the cost model charges for one HBM -> SBUF load of this pattern."""
-    src = hbm(dtype, 0, dims)
-    dst = AccessPattern(Space.SBUF, dtype, 0, ((1, dims[0][1]), (1, src.free_elements)))
-    return instruction_cost_ns(Instruction(Opcode.DMA_COPY, Engine.DMA, (dst, src)), em.target)
+        if tiling.resident == "a":
+            for mb in range(0, m, tiling.block * tm):
+                steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
+                a_step = len(steps) - 1
+                for n0 in range(0, n, tn):
+                    steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
+                    steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
+                                        for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+        else:
+            for nb in range(0, n, tiling.block * tn):
+                steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
+                b_step = len(steps) - 1
+                for m0 in range(0, m, tm):
+                    steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
+                    steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
+                                        for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+    loaded: dict = {}
+    for i, (_, tiles) in enumerate(steps):
+        for j in range(len(loaded), min(len(steps), i + 2)):
+            loaded[j] = steps[j][0]()
+        for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
+            output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
+                        in_strip(loaded[b_step], b_col, min(tn, n - n0)))
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -579,6 +615,191 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if r + 1 < rounds:
                 em.emit(Opcode.MATCH_REPLACE8, Engine.VECTOR, work, work, best, imm0=-np.inf)
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * k * node.dtype.itemsize, ((k, rt), (1, k))), _columns(out, 0, k))
+# attention ---------------------------------------------------------------------------------------
+
+NEG_BIG = -3.0e38  # the running max starts here: finite, so a row masked so far gives exp(-inf) = 0, not NaN
+CAUSAL_BIAS = -2.0e38  # added to masked scores by a matmul (a -inf would meet the identity's zeros: NaN)
+
+
+def _at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
+    """The [partitions, free...] tile starting `element` elements into each partition of `ap`'s slot."""
+    dims, stride = [], 1
+    for size in reversed(free):
+        dims.append((stride, size))
+        stride *= size
+    return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize,
+                               dims=((1, partitions), *reversed(dims)))
+
+
+def _identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
+    """An identity matrix [size, size]: iota gives column - partition, compared with 0."""
+    ramp = scratch.ap(size, size, dtype=DType.F32)
+    em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=0.0, imm1=-1.0)
+    ident = tile.ap(size, size)
+    em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, ident, ramp, alu=AluOp.EQ, imm0=0.0)
+    return ident
+
+
+def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """softmax(mask(scale * Q K^T)) V, flash-attention style (passes/attention.py).
+
+    Per batch-head, K^T and V are loaded once and stay in SBUF. Per tile of 128 query rows (one per
+    partition), the keys are visited in blocks of a PSUM bank: S = Q K^T into PSUM, the causal mask added
+    by a matmul with an on-chip bias tile (blocks wholly above the diagonal skipped), the running row max m
+    and sum l updated and P = exp(scale * (S - m)) made, P transposed on the Tensor engine (a matmul with the
+    identity) so the keys lie on partitions, and P V accumulated into the rescaled accumulator. The scores
+    never leave the chip; the output is acc / l."""
+    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_deltas, pools_of, probability_dtype, rounds_logits
+
+    a = node.attrs
+    q, k, v = node.inputs[:3]
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    batch, sq, dv = node.shape
+    sk, d, scale = a["keys"], a["head_dim"], a["scale"]
+    causal, offset = a["mask"] == "causal", a["causal_offset"]
+    p_dtype = probability_dtype(v.dtype)
+    rounded = rounds_logits(a)
+    block = min(KEY_BLOCK, sk)
+    d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
+    pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
+    s_psum, pt_psum, o_psum = em.psum_pool(2), em.psum_pool(2), em.psum_pool(2)
+    engines = _Balancer(em)
+
+    def vector(opcode, *operands, **fields):
+        engines.emit(opcode, *operands, **fields)
+
+    def exp(dst, src, factor):
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, dst, src, func=ActFunc.EXP, imm0=factor, imm1=0.0)
+
+    def small(name, rows):
+        return pools[name].next().ap(rows, 1)
+
+    # constants of the kernel: identities, the causal bias tiles, a mask's fill, the guard's zeros
+    identity = _identity(em, pools["identity"].next(), Q_TILE, pools["shifted"].next())
+    bias_identity, bias = identity, {}
+    if causal:
+        if p_dtype != DType.BF16:
+            bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["shifted"].next())
+        ramp = pools["iota"].next().ap(Q_TILE, block)
+        for delta in causal_deltas(sq, sk, offset):
+            tile = pools["bias"].next().ap(Q_TILE, block)
+            em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(delta), imm1=-1.0)  # key - query - offset
+            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
+            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
+            bias[delta] = tile
+    if a["mask"] == "select":
+        fill = pools["fill"].next().ap(Q_TILE, block)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=a["fill"])
+    if a["zero_masked_rows"]:
+        zeros = pools["zeros"].next().ap(Q_TILE, dv)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
+
+    def origin(i, g):
+        offset0, strides = a["views"][i]
+        index = np.unravel_index(g, a["batch_shape"])
+        return offset0 + sum(int(j) * s for j, s in zip(index, strides[:-2])), strides[-2], strides[-1]
+
+    def address(x, element):
+        return plan.offset(x) + element * x.dtype.itemsize
+
+    for g in range(batch):
+        # K^T [d, Sk] (d on partitions, by tiles of 128) and V [Sk, Dv] (keys on partitions, by chunks of 128)
+        kb0, ks, kd = origin(1, g)
+        kt = pools["k"].next().ap(Q_TILE, d_tiles * sk)
+        for j in range(d_tiles):
+            dt = min(Q_TILE, d - j * Q_TILE)
+            _dma_by_rows(em, _at(kt, j * sk, dt, sk), hbm(k.dtype, address(k, kb0 + j * Q_TILE * kd), ((kd, dt), (ks, sk))))
+        vb0, vs, vd = origin(2, g)
+        vt = pools["v"].next().ap(Q_TILE, k_chunks * dv)
+        full = sk // Q_TILE
+        if full:
+            _dma_by_rows(em, _at(vt, 0, Q_TILE, full, dv),
+                         hbm(v.dtype, address(v, vb0), ((vs, Q_TILE), (Q_TILE * vs, full), (vd, dv))))
+        if sk % Q_TILE:
+            em.dma(_at(vt, full * dv, sk % Q_TILE, dv),
+                   hbm(v.dtype, address(v, vb0 + full * Q_TILE * vs), ((vs, sk % Q_TILE), (vd, dv))))
+        qb0, qs, qd = origin(0, g)
+        for q0 in range(0, sq, Q_TILE):
+            qt = min(Q_TILE, sq - q0)
+            qtile = pools["q"].next().ap(Q_TILE, d_tiles * Q_TILE)
+            for j in range(d_tiles):
+                dt = min(Q_TILE, d - j * Q_TILE)
+                em.dma(_at(qtile, j * Q_TILE, dt, qt),
+                       hbm(q.dtype, address(q, qb0 + q0 * qs + j * Q_TILE * qd), ((qd, dt), (qs, qt))))
+            m, l = small("m", qt), small("l", qt)
+            acc = pools["acc"].next().ap(qt, dv)
+            vector(Opcode.MEMSET, m, imm0=NEG_BIG)
+            vector(Opcode.MEMSET, l, imm0=0.0)
+            vector(Opcode.MEMSET, acc, imm0=0.0)
+            last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
+            for k0 in range(0, last_key, block):
+                kb = min(block, last_key - k0)
+                scores = s_psum.next().ap(qt, kb)
+                for j in range(d_tiles):
+                    dt = min(Q_TILE, d - j * Q_TILE)
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(qtile, j * Q_TILE, dt, qt),
+                            _at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
+                if causal and k0 + kb - 1 > q0 + offset:
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(bias_identity, 0, qt, qt),
+                            _at(bias[k0 - q0 - offset], 0, qt, kb), accumulate=True)
+                logits, factor = scores, scale
+                if rounded or a["mask"] in ("select", "add"):  # the logits in SBUF, rounded where eager rounds
+                    if a["score_dtype"] != DType.F32:
+                        rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
+                        vector(Opcode.TENSOR_COPY, rounded_scores, scores)
+                        scores = rounded_scores
+                    logits, factor = pools["logits"].next().ap(qt, kb, dtype=a["logits_dtype"]), 1.0
+                    em.emit(Opcode.ACTIVATE, Engine.SCALAR, logits, scores, func=ActFunc.IDENTITY, imm0=scale, imm1=0.0)
+                if a["mask"] in ("select", "add"):
+                    mb0, ms, mk = origin(3, g)
+                    mtile = pools["mask"].next().ap(qt, kb)
+                    em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))
+                    if a["mask"] == "add":
+                        vector(Opcode.TENSOR_TENSOR, logits, logits, mtile, alu=AluOp.ADD)
+                    else:
+                        filled = _at(fill, 0, qt, kb)
+                        on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
+                        vector(Opcode.SELECT, logits, mtile, on_true, on_false)
+                # online softmax: m' = max(m, rowmax), P = exp(f (x - m')), l' = l e^(f (m - m')) + rowsum P
+                peak, m_new = small("peak", qt), small("m", qt)
+                vector(Opcode.TENSOR_REDUCE, peak, logits, alu=AluOp.MAX)
+                vector(Opcode.TENSOR_TENSOR, m_new, m, peak, alu=AluOp.MAX)
+                shifted = pools["shifted"].next().ap(qt, kb)
+                vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
+                p = pools["p"].next().ap(qt, kb)
+                exp(p, shifted, factor)
+                rowsum, dm, corr, l_new = small("rowsum", qt), small("dm", qt), small("corr", qt), small("l", qt)
+                vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
+                vector(Opcode.TENSOR_TENSOR, dm, m, m_new, alu=AluOp.SUBTRACT)
+                exp(corr, dm, factor)
+                vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
+                vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
+                # P^T by chunks of 128 keys (Tensor-engine transposes side by side in one PSUM bank), then P V
+                chunks = [(c, min(Q_TILE, kb - c)) for c in range(0, kb, Q_TILE)]
+                pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
+                for n, (c, rows) in enumerate(chunks):
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, _at(pt_acc, n * qt, rows, qt), _at(p, c, qt, rows),
+                            _at(identity, 0, qt, qt))
+                pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
+                whole = kb // Q_TILE
+                if whole:
+                    vector(Opcode.TENSOR_COPY, _at(pt, 0, Q_TILE, whole * qt), _at(pt_acc, 0, Q_TILE, whole * qt))
+                if kb % Q_TILE:
+                    vector(Opcode.TENSOR_COPY, _at(pt, whole * qt, kb % Q_TILE, qt), _at(pt_acc, whole * qt, kb % Q_TILE, qt))
+                product = o_psum.next().ap(qt, dv)
+                for n, (c, rows) in enumerate(chunks):
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, product, _at(pt, n * qt, rows, qt),
+                            _at(vt, (k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
+                vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(corr, dv), alu=AluOp.MULTIPLY)
+                vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
+                m, l = m_new, l_new
+            out = pools["out"].next().ap(qt, dv)
+            vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
+            if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
+                empty = small("empty_row", qt)
+                vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
+                vector(Opcode.SELECT, out, _broadcast(empty, dv), _at(zeros, 0, qt, dv), out)
+            em.dma(hbm(node.dtype, plan.offset(node) + (g * sq + q0) * dv * node.dtype.itemsize, ((dv, qt), (1, dv))), out)
 
 
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
@@ -589,6 +810,7 @@ KERNELS.update({
     Op.MATMUL: matmul,
     Op.REDUCE_LAST: reduce_last,
     Op.ROWWISE: rowwise,
+    Op.ATTENTION: attention,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,

@@ -49,3 +49,75 @@ def estimate_streams(streams: dict, target: Target) -> tuple:
             cursor[stream] = i
     makespan = max((ends[-1] for ends in done.values() if ends), default=0.0)
     return makespan, kernel_ns
+
+
+# Pricing a matmul tiling before its instructions exist --------------------------------------------------
+
+def _dma_piece_ns(nbytes: int, contiguous: bool, target: Target) -> float:
+    return target.dma_fixed_ns + nbytes / (target.dma_gbps_per_queue / (1 if contiguous else 2))
+
+
+def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
+    """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
+    partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
+    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
+    pieces = max(1, min(rows, target.dma_queues, nbytes // smallest))
+    one = _dma_piece_ns(nbytes / pieces, contiguous, target)
+    return pieces * one, one
+
+
+def _matmul_instr_ns(tile_n: int, fp32: bool, target: Target) -> float:
+    cycles = max(tile_n, target.matmul_min_interval_cycles) * (target.matmul_fp32_slowdown if fp32 else 1)
+    return cycles / target.tensor_ghz
+
+
+def _vector_ns(elements: int, inputs: int, target: Target) -> float:
+    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * max(1, inputs)
+    return cycles / target.vector_ghz
+
+
+def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue_steps: int, tiling,
+              target: Target) -> float:
+    """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
+    per-instruction rules of `neuronc.instruction_cost`: the busiest of the Tensor engine, the DMA queues
+    (their summed time shared by all queues) and the epilogue's engine, plus the time to load the first
+    strips before the Tensor engine can start."""
+    from neuronc.isa import DType
+
+    batch, m, n = shape
+    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
+    m_tiles, n_tiles, k_tiles = -(-m // tm), -(-n // tn), -(-k // tk)
+    tiles = batch * m_tiles * n_tiles
+    fp32 = DType.F32 in (a_dtype, b_dtype)
+    tensor = tiles * k_tiles * _matmul_instr_ns(tn, fp32, target)
+    a_item, b_item, c_item = a_dtype.itemsize, b_dtype.itemsize, out_dtype.itemsize
+    rows_k = min(tk, k)
+
+    def a_strip(rows):  # A^T: K on partitions, the rows of A along the free axis (a strided read)
+        return strip_load_ns(rows_k, k * min(rows, m) * a_item, False, target)
+
+    def b_strip(cols):
+        return strip_load_ns(rows_k, k * min(cols, n) * b_item, True, target)
+
+    if tiling.resident == "a":
+        blocks = -(-m_tiles // tiling.block)
+        a_total, a_first = a_strip(tiling.block * tm)
+        b_total, b_first = b_strip(tn)
+        loads = batch * blocks * (a_total + n_tiles * b_total)
+        first = a_first + b_first
+    elif tiling.resident == "b":
+        blocks = -(-n_tiles // tiling.block)
+        b_total, b_first = b_strip(tiling.block * tn)
+        a_total, a_first = a_strip(tm)
+        loads = batch * blocks * (b_total + m_tiles * a_total)
+        first = a_first + b_first
+    else:
+        a_one = _dma_piece_ns(min(tk, k) * min(tm, m) * a_item, False, target)
+        b_one = _dma_piece_ns(min(tk, k) * min(tn, n) * b_item, True, target)
+        loads = tiles * k_tiles * (a_one + b_one)
+        first = a_one + b_one
+    out_tile = min(tm, m) * min(tn, n)
+    stores = tiles * _dma_piece_ns(out_tile * (c_item + extras_bytes), True, target)
+    dma = (loads + stores) / target.dma_queues
+    epilogue = tiles * epilogue_steps * _vector_ns(min(tn, n), 2, target)
+    return max(tensor, dma, epilogue) + first

@@ -1,14 +1,18 @@
 """The pass pipeline of each optimisation level, readable top to bottom.
 
--O0/-O1 keep one kernel per op (the baseline); -O2/-O3 compute row-wise normalisations as one kernel each,
+-O0/-O1 keep one kernel per op (the baseline); -O2/-O3 compute attention as one flash-attention kernel
+(softmax(Q K^T) V, the scores never in HBM) and row-wise normalisations as one kernel each,
 fuse elementwise groups, read matmul operands through their views, and compute elementwise consumers of a
-matmul as its epilogue. Layout, tiling search and scheduling passes join them as they are written. Every
+matmul as its epilogue; the tiling pass then chooses each matmul's tiles and loop order with the cost model
+(-O3 searching more candidates; -O0/-O1 stream both operands tile by tile). Layout and scheduling passes
+join them as they are written. Every
 level must give the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
 the target's budgets (listed in TARGETED) also take the target.
 """
 from __future__ import annotations
 
 from neuronc import ir
+from neuronc.passes.attention import fuse_attention
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
@@ -17,16 +21,19 @@ from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse
 from neuronc.passes.indexing import lower_gather_scatter
 from neuronc.passes.legalize import legalize
 from neuronc.passes.rowwise import fuse_rowwise
+from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.targets import Target, get_target
 
 BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
             legalize, simplify]
-OPTIMISED = BASELINE + [fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
+OPTIMISED = BASELINE + [fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
                         fuse_reduction_prologues,
                         simplify]
 
-PIPELINES = {0: BASELINE, 1: BASELINE, 2: OPTIMISED, 3: OPTIMISED}
-TARGETED = {fuse_rowwise}  # passes that take the target (SBUF budget) as their second argument
+PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
+             3: OPTIMISED + [search_matmul_tiles]}
+# passes that take the target (SBUF budget, cost model) as their second argument
+TARGETED = {fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles}
 
 
 def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:

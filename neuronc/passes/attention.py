@@ -1,0 +1,465 @@
+"""Attention fusion: scaled dot-product attention as one flash-attention-style kernel.
+
+Unfused, attention is a matmul writing the [Sq, Sk] scores of every head to HBM, a softmax reading and
+writing them again, and a second matmul reading the probabilities: the S x S tensor makes three round
+trips through HBM and dominates the time. Fused (`Op.ATTENTION`, codegen `kernels.attention`), a tile of
+query rows meets the keys block by block with an online softmax (running max and sum, the accumulator
+rescaled), so the scores live only in PSUM and SBUF; causal blocks above the diagonal are skipped.
+
+The pass recognises, after legalisation (before the other fusions), the forms the frontend produces:
+
+    P = softmax(logits(Q @ K^T)) [guarded]      O = P @ V
+
+- `Q @ K^T`: a MATMUL whose operands may be strided views (heads split out of a fused projection,
+  K transposed), bf16 -> fp32 conversions (read in their own dtype) and multiplications by a scalar
+  (F.scaled_dot_product_attention scales Q and K by sqrt(scale) each);
+- logits: scalar multiplications/divisions (the scale), conversions, and at most one mask, either
+  `select(pred, fill, x)` / `select(pred, x, fill)` (masked_fill) or `x + bias` (an additive mask), before
+  the scale only if it is a -inf select;
+- softmax over the last axis: max, subtract, exp, sum, divide (with conversions around it);
+- guarded: `select(all(logits == -inf) per row, 0, softmax)`, what torch's SDPA decomposition adds so a
+  fully masked row gives zeros rather than NaN.
+
+A mask that is a constant lower-triangular pattern with -inf above the diagonal becomes `causal` (made on
+chip, never read from HBM, and the blocks it hides skipped); any other mask is read block by block.
+
+attrs of the ATTENTION node ([B, Sq, Dv] = O's shape, B merging batch and heads):
+  batch_shape: B's dims (batch, heads); views: per input (element offset, strides over (*batch_shape, rows,
+  cols)) — q [.., Sq, D], k [.., Sk, D], v [.., Sk, Dv], mask [.., Sq, Sk];
+  scale (> 0, on the logits); mask: "none" | "causal" | "select" | "add"; causal_offset (key j is kept for
+  query i when j <= i + offset); fill and masked_when (select: logits become fill where pred == masked_when);
+  zero_masked_rows (the guard); ops (what was fused, for `neuronc inspect --kernels`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.ir import Op
+from neuronc.isa import DType
+from neuronc.passes.canonicalize import _evaluate
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
+from neuronc.passes.legalize import dense_strides, reshaped_strides
+from neuronc.passes.rowwise import _resolve
+from neuronc.targets import Target
+
+Q_TILE = 128  # query rows per tile: one per partition
+KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
+MAX_HEAD_DIM = 512  # the PV product [queries, Dv] must fit one PSUM bank
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _need(condition: bool) -> None:
+    if not condition:
+        raise _NoMatch
+
+
+class _Matcher:
+    """Walks from a candidate PV matmul up to the QK^T matmul, collecting the nodes the pattern
+    consumes (`inner`, which must not be read from outside) and the kernel's attributes."""
+
+    def __init__(self, consumers: dict, outputs: set):
+        self.consumers, self.outputs = consumers, outputs
+        self.inner: set = set()
+        self.ops: list = []
+
+    def take(self, node):
+        self.inner.add(node)
+        return node
+
+    def through_reshapes(self, node):
+        while node.op is Op.RESHAPE:
+            node = self.take(node).inputs[0]
+        return node
+
+    def through_converts(self, node):
+        node = self.through_reshapes(node)
+        while node.op is Op.CONVERT and node.dtype.is_float and node.inputs[0].dtype.is_float:
+            node = self.through_reshapes(self.take(node).inputs[0])
+        return node
+
+    def row_reduction(self, view, kind: str, of):
+        """`view` broadcasts over the last axis a REDUCE_LAST(kind) of the rows of `of`'s last axis;
+        returns the node reduced (through reshapes and converts)."""
+        _need(view.op is Op.VIEW and view.attrs["offset"] == 0 and view.attrs["strides"][-1] == 0)
+        reduced = self.through_reshapes(self.take(view).inputs[0])
+        _need(reduced.op is Op.REDUCE_LAST and reduced.attrs["kind"] == kind and "cols" not in reduced.attrs)
+        rows = self.take(reduced).inputs[0]
+        _need(rows.shape[-1] == of.shape[-1] and len(rows.shape) == 2)
+        return self.through_reshapes(rows)
+
+    def softmax(self, node):
+        """node = softmax(x) over the last axis; returns x (the logits)."""
+        _need(node.op is Op.DIVIDE)
+        e, total = self.take(node).inputs
+        e = self.through_reshapes(e)
+        _need(self.row_reduction(total, "add", node) is e and e.op is Op.EXP)
+        shifted = self.through_reshapes(self.take(e).inputs[0])
+        _need(shifted.op is Op.SUBTRACT)
+        logits, peak = self.take(shifted).inputs
+        _need(self.row_reduction(peak, "max", node) is self.through_reshapes(logits))
+        self.ops += ["reduce_last", "subtract", "exp", "reduce_last", "divide"]
+        return logits
+
+    def guard(self, node):
+        """select(all(x == -inf) per row, 0, y) -> (y, x), else (node, None)."""
+        if node.op is not Op.SELECT or node.inputs[1].scalar != 0.0:
+            return node, None
+        pred, _, value = node.inputs
+        try:
+            saved = set(self.inner)
+            self.take(node)
+            x = self.row_reduction(pred, "and", value)
+            _need(x.op is Op.COMPARE and x.attrs["direction"] == "EQ" and x.inputs[1].scalar == -math.inf)
+            self.take(x)
+            return value, self.through_reshapes(x.inputs[0])
+        except _NoMatch:
+            self.inner = saved
+            return node, None
+
+    def logits(self, node, attrs: dict):
+        """Peel the scale and mask steps off the logits (the kernel computes mask(scale * S));
+        returns the QK^T MATMUL."""
+        node = self.through_converts(node)
+        attrs["logits_dtype"] = node.dtype  # eager rounds the logits to this before the softmax
+        scale, after_mask = 1.0, 1.0  # after_mask: the scales applied to the masked logits
+        masked = False
+        while node.op is not Op.MATMUL:
+            _need(node.op in (Op.MULTIPLY, Op.DIVIDE, Op.ADD, Op.SELECT))
+            self.take(node)
+            if node.op in (Op.MULTIPLY, Op.DIVIDE):
+                x, c = node.inputs
+                if x.scalar is not None and node.op is Op.MULTIPLY:
+                    x, c = c, x
+                _need(c.scalar is not None and c.scalar != 0)
+                factor = c.scalar if node.op is Op.MULTIPLY else 1.0 / c.scalar
+                scale *= factor
+                if not masked:
+                    after_mask *= factor
+                self.ops.append(node.op.name.lower())
+                node = self.through_converts(x)
+                continue
+            _need(not masked)
+            masked = True
+            if node.op is Op.ADD:
+                _need(after_mask == 1.0)  # c * (x + bias) would need the bias scaled
+                x, bias = node.inputs
+                if _is_mask_like(x) or self.through_converts(bias).op is Op.MATMUL:
+                    x, bias = bias, x
+                _need(bias.shape == node.shape and bias.dtype.is_float)
+                attrs.update(mask="add", mask_node=bias)
+            else:
+                pred, a, b = node.inputs
+                if a.scalar is not None:
+                    fill, x, masked_when = a.scalar, b, True
+                else:
+                    _need(b.scalar is not None)
+                    fill, x, masked_when = b.scalar, a, False
+                attrs.update(mask="select", mask_node=pred, fill=float(fill) * after_mask, masked_when=masked_when)
+            self.ops.append(node.op.name.lower())
+            node = self.through_converts(x)
+        attrs["scale"] = scale
+        return node
+
+    def operand(self, node, scale: float):
+        """(source, offset, strides, scale) of a matmul operand read through conversions, scalar
+        multiplications and views."""
+        while True:
+            node = self.through_reshapes(node)
+            if node.op is Op.CONVERT and node.dtype.is_float and node.inputs[0].dtype.is_float:
+                node = self.take(node).inputs[0]
+            elif node.op is Op.MULTIPLY and any(x.scalar is not None for x in node.inputs):
+                x, c = node.inputs if node.inputs[1].scalar is not None else node.inputs[::-1]
+                scale *= c.scalar
+                self.take(node)
+                node = x
+            else:
+                break
+        resolved = _resolve(node) or _composed_view(node)
+        _need(resolved is not None)
+        source, offset, strides = resolved
+        for link in _chain(node, source):
+            self.take(link)
+        while source.op is Op.CONVERT and source.dtype.is_float and source.inputs[0].dtype.is_float:
+            source = self.take(source).inputs[0]  # a conversion of the viewed tensor: read the original
+        return source, offset, strides, node.shape, scale
+
+    def private(self, root) -> bool:
+        """Every node the pattern consumes is read only inside it (or by `root`) and is no output."""
+        inside = self.inner | {root}
+        return all(n not in self.outputs and self.consumers.get(n, set()) <= inside for n in self.inner)
+
+
+MAX_COMPOSED_ELEMENTS = 1 << 24  # views composed numerically up to this size
+
+
+def _composed_view(x):
+    """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
+    symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
+    element positions are composed numerically and fitted by one affine map, or None."""
+    if x.size > MAX_COMPOSED_ELEMENTS or x.size == 0:
+        return None
+    positions = np.arange(x.size, dtype=np.int64).reshape(x.shape)
+    source = x
+    while source.op in (Op.RESHAPE, Op.VIEW):
+        if source.op is Op.VIEW:
+            coords = np.unravel_index(positions, source.shape)
+            positions = source.attrs["offset"] + sum(c * s for c, s in zip(coords, source.attrs["strides"]))
+        source = source.inputs[0]
+    base = int(positions.reshape(-1)[0])
+    strides = []
+    for axis, size in enumerate(x.shape):
+        step = [0] * len(x.shape)
+        step[axis] = 1 if size > 1 else 0
+        strides.append(int(positions[tuple(step)]) - base if size > 1 else 0)
+    grid = np.indices(x.shape, dtype=np.int64)
+    if not np.array_equal(positions, base + sum(g * s for g, s in zip(grid, strides))):
+        return None
+    return source, base, tuple(strides)
+
+
+def _is_mask_like(node) -> bool:
+    """A value that is not computed from the scores: a view, constant or input."""
+    return ir.unreshaped(node).op in (Op.VIEW, Op.CONSTANT, Op.PARAMETER)
+
+
+def _chain(node, source) -> list:
+    chain = []
+    while node is not source:
+        chain.append(node)
+        node = node.inputs[0]
+    return chain
+
+
+def _as_batched(offset: int, strides: tuple, shape: tuple, batched: tuple):
+    """(offset, strides) of an operand of `shape` read as `batched` = (*batch dims, rows, cols), or None."""
+    merged = reshaped_strides(shape, strides, batched)
+    return None if merged is None else (offset, tuple(merged))
+
+
+def _causal_offset(masked: np.ndarray):
+    """The offset d such that masked[..., i, j] == (j > i + d) for every leading index, or None."""
+    sq, sk = masked.shape[-2:]
+    first = masked.reshape(-1, sq, sk)[0]
+    kept_in_row0 = int(np.argmax(first[0])) if first[0].any() else sk
+    d = kept_in_row0 - 1
+    if d < 0:
+        return None  # query 0 sees no key: its row would be fully masked
+    pattern = np.arange(sk)[None, :] > np.arange(sq)[:, None] + d
+    return d if np.array_equal(np.broadcast_to(masked, masked.shape[:-2] + (sq, sk)),
+                               np.broadcast_to(pattern, masked.shape[:-2] + (sq, sk))) else None
+
+
+def _mask_constant(node, memo=None):
+    """The value of a mask computed from constants only (iota comparisons, broadcasts, views), evaluated
+    here in numpy, or None. (Constant folding leaves big ones alone; a causal mask is one.)"""
+    memo = {} if memo is None else memo
+    if node in memo:
+        return memo[node]
+    value = None
+    if node.size <= MAX_COMPOSED_ELEMENTS:
+        if node.op is Op.CONSTANT:
+            value = np.asarray(node.attrs["value"])
+        elif node.op is Op.VIEW:
+            x = _mask_constant(node.inputs[0], memo)
+            if x is not None:
+                flat = np.ascontiguousarray(np.broadcast_to(x, node.inputs[0].shape)).reshape(-1)
+                value = np.lib.stride_tricks.as_strided(flat[node.attrs["offset"]:], node.shape,
+                                                        [s * flat.itemsize for s in node.attrs["strides"]])
+        elif node.op in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
+            inputs = [_mask_constant(x, memo) for x in node.inputs]
+            if all(x is not None for x in inputs):
+                if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM):
+                    inputs = [np.broadcast_to(inputs[0], node.inputs[0].shape)]
+                value = _evaluate(node, inputs)
+    memo[node] = value
+    return value
+
+
+def _classify_mask(attrs: dict) -> None:
+    """A constant causal mask becomes `causal` (made on chip); any other stays a tensor read by blocks."""
+    if attrs["mask"] == "none":
+        return
+    value = _mask_constant(attrs["mask_node"])
+    if value is None:
+        return
+    value = np.broadcast_to(value, attrs["mask_node"].shape)
+    if attrs["mask"] == "select" and attrs["fill"] == -math.inf:
+        masked = value.astype(bool) == attrs["masked_when"]
+    elif attrs["mask"] == "add" and np.all((value == 0) | (value == -np.inf)):
+        masked = value == -np.inf
+    else:
+        return
+    offset = _causal_offset(masked)
+    if offset is not None:
+        attrs.update(mask="causal", causal_offset=offset, mask_node=None)
+
+
+def _match(pv, consumers: dict, outputs: set, target: Target):
+    """The ATTENTION node replacing `pv` (a MATMUL), or None."""
+    m = _Matcher(consumers, outputs)
+    attrs = {"mask": "none", "causal_offset": 0, "fill": 0.0, "masked_when": True, "mask_node": None}
+    try:
+        _need(pv.op is Op.MATMUL and not pv.attrs.get("views") and len(pv.inputs) == 2)
+        p = m.through_converts(pv.inputs[0])
+        p, guarded = m.guard(p)
+        p = m.through_converts(p)
+        logits = m.softmax(p)
+        _need(guarded is None or m.through_converts(guarded) is m.through_converts(logits))
+        qk = m.logits(logits, attrs)
+        _need(qk.op is Op.MATMUL and not qk.attrs.get("views") and len(qk.inputs) == 2)
+        m.take(qk)
+        batch, sq, sk = qk.shape
+        _, _, dv = pv.shape
+        d = qk.attrs["k"]
+        _need(pv.shape[:2] == (batch, sq) and pv.attrs["k"] == sk and 0 < dv <= MAX_HEAD_DIM)
+        # the batch dims as the frontend wrote them (batch, heads): heads split out of one projection are
+        # strided views that do not merge into one batch dim
+        batch_shape = tuple(logits.shape[:-2]) if math.prod(logits.shape[:-2]) == batch else (batch,)
+        q, qo, qs, q_shape, scale = m.operand(qk.inputs[0], attrs["scale"])
+        k, ko, ks, k_shape, scale = m.operand(qk.inputs[1], scale)
+        v, vo, vs, v_shape, _ = m.operand(pv.inputs[1], 1.0)
+        _need(scale > 0 and math.isfinite(scale))
+        views = [_as_batched(qo, qs, q_shape, (*batch_shape, sq, d)),
+                 _as_batched(ko, ks, k_shape, (*batch_shape, d, sk)),
+                 _as_batched(vo, vs, v_shape, (*batch_shape, sk, dv))]
+        _need(None not in views)
+        k_off, k_strides = views[1]
+        views[1] = (k_off, (*k_strides[:-2], k_strides[-1], k_strides[-2]))  # K read as [..., Sk, D]
+        inputs = [q, k, v]
+        _need(all(x.dtype.is_float for x in inputs))
+        _classify_mask(attrs)
+        mask = attrs.pop("mask_node")
+        if mask is not None:
+            resolved = _resolve(mask)
+            _need(resolved is not None)
+            source, offset, strides = resolved
+            if source.op is Op.CONSTANT and source.attrs["value"].ndim == 0:
+                source, offset, strides = mask, 0, dense_strides(mask.shape)
+            view = _as_batched(offset, strides, mask.shape, (*batch_shape, sq, sk))
+            _need(view is not None)
+            inputs.append(source)
+            views.append(view)
+            if source is not mask:
+                for link in _chain(mask, source):
+                    if consumers.get(link, set()) <= m.inner | {pv}:
+                        m.take(link)
+        _need(m.private(pv))
+        dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": pv.dtype, "p": probability_dtype(v.dtype),
+                  "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
+        attrs["score_dtype"] = qk.dtype
+        pools = tile_pools(sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"],
+                           rounds_logits(attrs))
+        _need(fits_sbuf(sbuf_bytes(pools), target))
+    except _NoMatch:
+        return None
+    ops = ("matmul", *reversed(m.ops), "matmul")
+    return ir.node(Op.ATTENTION, inputs, pv.shape, pv.dtype, pv.loc, batch_shape=batch_shape, views=tuple(views),
+                   scale=float(scale), head_dim=d, keys=sk,
+                   mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
+                   masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
+                   score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
+                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, K/V resident")
+
+
+def causal_deltas(sq: int, sk: int, offset: int) -> list:
+    """The distinct (first key - first query - offset) of the key blocks the causal mask cuts through:
+    one on-chip bias tile each, made once per kernel."""
+    deltas = set()
+    for q0 in range(0, sq, Q_TILE):
+        qt = min(Q_TILE, sq - q0)
+        for k0 in range(0, min(sk, q0 + qt + offset), KEY_BLOCK):
+            kb = min(KEY_BLOCK, sk - k0)
+            if k0 + kb - 1 > q0 + offset:
+                deltas.add(k0 - q0 - offset)
+    return sorted(deltas)
+
+
+def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
+               rounded: bool) -> dict:
+    """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
+    the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
+    out, p (the probabilities fed to the PV matmul), mask."""
+    d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
+    block = min(KEY_BLOCK, sk)
+    f32 = DType.F32
+    pools = {
+        "k": (dtypes["k"], d_tiles * sk, 2),  # a head's K^T, resident; the next head's loads meanwhile
+        "v": (dtypes["v"], k_chunks * dv, 2),
+        "q": (dtypes["q"], d_tiles * Q_TILE, 2),
+        "identity": (dtypes["p"], Q_TILE, 1),
+        "shifted": (f32, block, 2),
+        "p": (dtypes["p"], block, 2),
+        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 2),
+        "acc": (f32, dv, 2),
+        "out": (dtypes["out"], dv, 2),
+        **{name: (f32, 1, 3) for name in ("peak", "m", "l", "rowsum", "dm", "corr")},
+    }
+    if mask == "causal":
+        pools["iota"] = (f32, block, 1)
+        pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
+        pools["bias"] = (DType.BF16, block, max(1, len(causal_deltas(sq, sk, causal_offset))))
+    if rounded or mask in ("select", "add"):  # logits made in SBUF (rounded as eager does, masked)
+        pools["logits"] = (f32, block, 2)
+        pools["scores"] = (f32, block, 2)
+    if mask in ("select", "add"):
+        pools["mask"] = (dtypes["mask"], block, 2)
+        if mask == "select":
+            pools["fill"] = (f32, block, 1)
+    if guarded:
+        pools["empty_row"] = (DType.U8, 1, 2)
+        pools["zeros"] = (dtypes["out"], dv, 1)
+    return pools
+
+
+def sbuf_bytes(pools: dict) -> int:
+    """SBUF bytes per partition of `pools`, slots rounded to the pages tiles are placed on."""
+    return sum(-(-n * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES * bufs for dtype, n, bufs in pools.values())
+
+
+def pools_of(node) -> dict:
+    """tile_pools of an ATTENTION node."""
+    a = node.attrs
+    q, k, v = node.inputs[:3]
+    dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
+              "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
+    return tile_pools(node.shape[1], a["keys"], a["head_dim"], node.shape[2], dtypes, a["mask"],
+                      a["zero_masked_rows"], a["causal_offset"], rounds_logits(a))
+
+
+def rounds_logits(attrs: dict) -> bool:
+    """Whether eager rounds the scores or the scaled logits to a narrow dtype (a bf16 model's Q K^T)."""
+    return attrs["score_dtype"] != DType.F32 or attrs["logits_dtype"] != DType.F32
+
+
+def probability_dtype(v_dtype: DType) -> DType:
+    """The probabilities meet V in the Tensor engine in V's dtype (as eager rounds them before P @ V)."""
+    return v_dtype if v_dtype in (DType.BF16, DType.F16) else DType.F32
+
+
+def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
+    consumers = graph.consumers()
+    outputs = set(graph.outputs)
+    matches = {n: fused for n in graph.nodes() if n.op is Op.MATMUL
+               for fused in [_match(n, consumers, outputs, target)] if fused is not None}
+    if not matches:
+        return graph
+    built: dict = {}  # old node -> its rebuilt self: the fused node's inputs are old nodes
+
+    def rebuild(node, inputs):
+        if node in matches:
+            fused = matches[node]
+            result = ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape, fused.dtype, fused.loc,
+                             **fused.attrs)
+        else:
+            result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        built[node] = result
+        return result
+
+    return graph.rewrite(rebuild)

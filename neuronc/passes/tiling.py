@@ -1,0 +1,146 @@
+"""Tiling: the tile sizes and loop order of every matmul, chosen by pricing candidates with the cost model.
+
+A matmul C[b] = A[b] @ B[b] is computed in output tiles of [tile_m <= 128, tile_n <= one PSUM bank],
+accumulating over K tiles of 128. What costs time besides the Tensor engine is moving operands: each
+operand tile is a DMA with a fixed issue cost, and the same tile may be loaded many times. A tiling keeps
+one operand's strip resident in SBUF — all K tiles of `block` columns of B ("b") or `block` rows of A
+("a"), loaded by a few large DMAs spread over the queues — while the other operand streams through it
+strip by strip, double (or more) buffered so the next strip loads while this one is multiplied. With
+resident "none" both operands stream tile by tile (the baseline, -O0/-O1).
+
+`tile_matmuls` (-O2) tries every resident choice with blocks of 1, 2, 4... output tiles up to the whole
+operand, within the SBUF left after the epilogue's tiles; `search_matmul_tiles` (-O3) also tries narrower
+N tiles and deeper buffering. The price is `cost_model.matmul_ns`. The decision is the node's
+attrs["tiling"] (a `MatmulTiling`); codegen follows it and decides nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from neuronc import ir
+from neuronc.ir import Op
+from neuronc.isa import DType
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, matmul_ns
+from neuronc.targets import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTiling:
+    resident: str  # "a" | "b" | "none"
+    block: int  # output tiles along M ("a") or N ("b") whose operand strip stays resident
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    stream_bufs: int  # buffers of the streamed operand's strip
+
+    def __str__(self) -> str:
+        keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
+        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}"
+
+
+def _pages(elements: int, dtype: DType) -> int:
+    """Bytes per partition of a tile slot of `elements`, rounded up to the placement page."""
+    return -(-elements * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
+
+
+def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
+    """name -> (dtype, elements, buffers) of the matmul kernel's output-side pools: the result tile, the
+    epilogue's other inputs and temporaries, constants. The kernel allocates exactly these."""
+    body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
+    temps = len(body) - 1  # at most one per step but the last (the kernel's slot plan may use fewer)
+    pools = {"result": (node.dtype, tile_n, 2), "constants": (DType.F32, tile_n * 2, 2)}
+    pools.update({f"extra{i}": (x.dtype, tile_n, 2) for i, x in enumerate(node.inputs[2:])})
+    pools.update({f"temp{i}": (DType.F32, tile_n * 2, 2) for i in range(temps)})  # room for 8-byte dtypes
+    return pools
+
+
+def operand_pools(node: ir.Node, tiling: MatmulTiling) -> dict:
+    """name -> (dtype, elements, buffers) of the operand strips: "a" holds [K tile, k tiles x rows], "b"
+    [K tile, k tiles x columns]; the resident one double buffered (the next strip loads meanwhile)."""
+    a, b = node.inputs[:2]
+    k_tiles = -(-node.attrs["k"] // tiling.tile_k)
+    if tiling.resident == "a":
+        return {"a": (a.dtype, k_tiles * tiling.block * tiling.tile_m, 2),
+                "b": (b.dtype, k_tiles * tiling.tile_n, tiling.stream_bufs)}
+    if tiling.resident == "b":
+        return {"a": (a.dtype, k_tiles * tiling.tile_m, tiling.stream_bufs),
+                "b": (b.dtype, k_tiles * tiling.block * tiling.tile_n, 2)}
+    return {"a": (a.dtype, tiling.tile_m, tiling.stream_bufs), "b": (b.dtype, tiling.tile_n, tiling.stream_bufs)}
+
+
+def sbuf_bytes(pools: dict) -> int:
+    return sum(_pages(n, dtype) * bufs for dtype, n, bufs in pools.values())
+
+
+def fits(node: ir.Node, tiling: MatmulTiling, target: Target) -> bool:
+    used = sbuf_bytes(operand_pools(node, tiling)) + sbuf_bytes(epilogue_pools(node, tiling.tile_n))
+    return used <= target.sbuf_bytes_per_partition
+
+
+def default_tiling(node: ir.Node, target: Target) -> MatmulTiling:
+    """The baseline: the largest tiles the Tensor engine takes, both operands streamed tile by tile."""
+    return MatmulTiling("none", 1, target.matmul_max_m, _max_tile_n(target), target.matmul_max_k, 3)
+
+
+def _max_tile_n(target: Target) -> int:
+    return min(target.matmul_max_n, target.psum_bank_bytes // DType.F32.itemsize)
+
+
+def candidates(node: ir.Node, target: Target, wide: bool) -> list:
+    batch, m, n = node.shape
+    tile_ns = [_max_tile_n(target)] + ([256, 128] if wide else [])
+    bufs = [2, 3] + ([4] if wide else [])
+    found = []
+    for tile_n in tile_ns:
+        tm, tk = target.matmul_max_m, target.matmul_max_k
+        for stream_bufs in bufs:
+            found.append(MatmulTiling("none", 1, tm, tile_n, tk, stream_bufs))
+            for resident, tiles in (("a", -(-m // tm)), ("b", -(-n // tile_n))):
+                block = 1
+                while True:
+                    found.append(MatmulTiling(resident, min(block, tiles), tm, tile_n, tk, stream_bufs))
+                    if block >= tiles:
+                        break
+                    block *= 2
+    return [t for t in dict.fromkeys(found) if fits(node, t, target)]
+
+
+def _extras_bytes(node: ir.Node) -> int:
+    """Bytes of the epilogue's other inputs per output element."""
+    return sum(x.dtype.itemsize for x in node.inputs[2:])
+
+
+def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
+    """The candidate the cost model prices lowest (the baseline if none fits)."""
+    a, b = node.inputs[:2]
+    body = node.attrs.get("epilogue") or ()
+    options = candidates(node, target, wide)
+    if not options:
+        return default_tiling(node, target)
+    return min(options, key=lambda t: matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype,
+                                                _extras_bytes(node), max(1, len(body)), t, target))
+
+
+def _tile_all(graph: ir.Graph, target: Target, pick) -> ir.Graph:
+    def tile(node, inputs):
+        if node.op is not Op.MATMUL:
+            return None
+        node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        return dataclasses.replace(node, attrs={**node.attrs, "tiling": pick(node, target)}, id=next(ir._ids))
+
+    return graph.rewrite(tile)
+
+
+def baseline_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
+    """-O0/-O1: every matmul streams both operands tile by tile."""
+    return _tile_all(graph, target, default_tiling)
+
+
+def tile_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
+    """-O2: resident operand and block size searched with the cost model."""
+    return _tile_all(graph, target, choose)
+
+
+def search_matmul_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
+    """-O3: also narrower N tiles and deeper buffering of the streamed operand."""
+    return _tile_all(graph, target, lambda node, t: choose(node, t, wide=True))
