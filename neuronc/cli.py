@@ -46,23 +46,23 @@ def main():
     """
 
 
-def _auto_cast_options(fn):
-    """--auto-cast and --auto-cast-type, as neuronx-cc spells them."""
+def _compile_options(fn):
+    """--target, -O, --auto-cast and --auto-cast-type (as neuronx-cc spells them): what a compilation is for."""
     fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)), default="bf16", show_default=True,
                       help="The narrower type auto-cast uses.")(fn)
-    return click.option("--auto-cast", type=click.Choice(list(MODES)), default="none", show_default=True,
-                        help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
-                        "convolutions; fp32 accumulation), all.")(fn)
+    fn = click.option("--auto-cast", type=click.Choice(list(MODES)), default="none", show_default=True,
+                      help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
+                      "convolutions; fp32 accumulation), all.")(fn)
+    fn = click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
+                      help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")(fn)
+    return click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+                        help="Trainium generation to compile for.")(fn)
 
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="NEFF file to write [default: MODEL with .neff]")
-@click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help="Trainium generation to compile for.")
-@click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
-              help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")
-@_auto_cast_options
+@_compile_options
 @_friendly
 def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
     """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file."""
@@ -152,11 +152,7 @@ def _show_kernels(neff, timeline, target, as_json: bool) -> None:
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help="Trainium generation to check for.")
-@click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
-              help="Optimisation level whose passes judge each op.")
-@_auto_cast_options
+@_compile_options
 @_friendly
 def check(model, target, opt_level, auto_cast, auto_cast_type):
     """List every op of a saved ExportedProgram (.pt2) that cannot be compiled, with its uses and
