@@ -64,7 +64,8 @@ class Compiled:
     neff: Neff
     stablehlo: str
     graph: ir.Graph | None  # the optimised graph (None when the NEFF came from the cache)
-    seconds: dict  # time spent per stage
+    seconds: dict  # time spent per stage: totals ("import", "passes", "codegen", ...) and, under keys
+    # with a "/", their parts ("import/torch-mlir", "pass/legalize", "codegen/sync", ...)
     output_layout: list | None = None  # FX graphs: per output, its NEFF output index, or None for a None
     cache_hit: bool = False
 
@@ -73,18 +74,23 @@ def compile_imported(imported, options: CompileOptions, timings: dict) -> Compil
     """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
     from neuronc.cache import CompileCache, cache_key
 
+    timings = {**timings, **imported.seconds}
     cache = CompileCache.from_env()
     key = None
     if cache is not None:
+        start = time.perf_counter()
         weights = {p.attrs["name"]: p.attrs["data"] for p in imported.graph.params if p.attrs["kind"] == "weight"}
         key = cache_key(imported.fingerprint, dataclasses.asdict(options), weights)
         neff = cache.get(key)
+        timings["cache lookup"] = time.perf_counter() - start
         if neff is not None:
             log.info("neuronc: %s: compile cache hit (%s)", options.name, cache.directory)
             return Compiled(neff, imported.stablehlo, None, timings, cache_hit=True)
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
     if key is not None:
+        start = time.perf_counter()
         cache.put(key, compiled.neff)
+        compiled.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
     return compiled
 
 
@@ -92,11 +98,13 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, options.opt_level, target)
+    graph = run_pipeline(graph, options.opt_level, target, timings)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
-    neff = generate(graph, plan, target, options.name)
+    timings["memory plan"] = time.perf_counter() - t
+    t = time.perf_counter()
+    neff = generate(graph, plan, target, options.name, timings)
     timings["codegen"] = time.perf_counter() - t
     return Compiled(neff, stablehlo, graph, timings)
 

@@ -8,6 +8,8 @@ the target's budgets (listed in TARGETED) also take the target.
 """
 from __future__ import annotations
 
+import time
+
 from neuronc import ir
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
@@ -34,8 +36,18 @@ def passes_for(opt_level: int) -> list:
     return PIPELINES[opt_level]
 
 
-def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None) -> ir.Graph:
+def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None,
+                 timings: dict | None = None) -> ir.Graph:
+    """Run the passes of `opt_level` in order; with `timings`, record each pass's seconds in it as
+    "pass/<name>" ("pass/<name>#2" for its second run, ...)."""
     target = target or get_target()
     for step in passes_for(opt_level):
+        start = time.perf_counter()
         graph = step(graph, target) if step in TARGETED else step(graph)
+        if timings is not None:
+            key, run = f"pass/{step.__name__}", 1
+            while key in timings:
+                run += 1
+                key = f"pass/{step.__name__}#{run}"
+            timings[key] = time.perf_counter() - start
     return graph
