@@ -6,7 +6,9 @@ Used by the CLI (`neuronc compile`), the torch.compile backend and the tests ali
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -70,6 +72,23 @@ class Compiled:
     cache_hit: bool = False
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """CPython's cyclic garbage collector paused for the duration (as it was on exit).
+
+    A compilation allocates millions of short-lived objects (IR nodes, access patterns, instructions),
+    and every so often the collector would rescan the whole heap, torch's objects included, finding
+    nothing: a third of the compiler's time on a large model. Reference counting still frees them
+    meanwhile; the few cycles made are collected once the collector runs again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def compile_imported(imported, options: CompileOptions, timings: dict) -> Compiled:
     """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
     from neuronc.cache import CompileCache, cache_key
@@ -117,11 +136,12 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
     t = time.perf_counter()
     if isinstance(program, (str, os.PathLike)):
         program = load_exported_program(program)
-    imported, weights = import_exported_program(program, options.name)
-    for param in imported.graph.params:
-        if param.attrs["kind"] == "weight":
-            param.attrs["data"] = weights[param.attrs["name"]]
-    compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    with collector_paused():
+        imported, weights = import_exported_program(program, options.name)
+        for param in imported.graph.params:
+            if param.attrs["kind"] == "weight":
+                param.attrs["data"] = weights[param.attrs["name"]]
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     debug_dir.keep(compiled, program.graph_module.code)
     return compiled
 
@@ -132,10 +152,11 @@ def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
 
     options = options or CompileOptions()
     t = time.perf_counter()
-    layout = drop_none_outputs(gm)
-    params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
-    imported = import_fx(gm, params, options.name)
-    compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    with collector_paused():
+        layout = drop_none_outputs(gm)
+        params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
+        imported = import_fx(gm, params, options.name)
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     compiled.output_layout = layout
     debug_dir.keep(compiled, gm.code)
     return compiled
