@@ -46,55 +46,16 @@ os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
 import torch  # noqa: E402 - after the cache settings above
 
 from benchmarks import gpt2_small  # noqa: E402
+from benchmarks.hooks import stopwatch, timing_only  # noqa: E402
 
 TARGET_RATIO = 1.0  # issue 4: neuronc's cold compile no slower than inductor's
 PARTS = {"passes": "pass/"}  # the prefix of the parts of a total in Compiled.seconds, where not "<total>/"
-
-
-@contextlib.contextmanager
-def stopwatch(cls, method: str):
-    """Times every call of `cls.method` while active; yields the list of seconds, in call order."""
-    original, spent = getattr(cls, method), []
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent.append(time.perf_counter() - start)
-
-    setattr(cls, method, timed)
-    try:
-        yield spent
-    finally:
-        setattr(cls, method, original)
 
 
 def seconds(fn):
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
-
-
-@contextlib.contextmanager
-def timing_only():
-    """While active, a loaded program's `run` only times it (`LoadedProgram.time()`) and returns zeros: for
-    measuring the compile when a full forward on the emulator would take too long. Outputs are not checked."""
-    import numpy as np
-
-    from runtime.core import LoadedProgram, RunResult
-
-    original = LoadedProgram.run
-
-    def run(self, inputs):
-        outputs = [np.zeros(t.shape, t.dtype.numpy) for t in self.neff.outputs()]
-        return RunResult(outputs, self.time())
-
-    LoadedProgram.run = run
-    try:
-        yield
-    finally:
-        LoadedProgram.run = original
 
 
 def measure_neuron(model, inputs, profile: str | None, numerics: bool) -> dict:
