@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from neuronc.isa import AccessPattern, Instruction, Space, Wait
+from neuronc.isa import AccessPattern, Space, Wait
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
