@@ -77,7 +77,7 @@ def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noq
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
-    stages = ", ".join(f"{k} {v:.2f}s" for k, v in compiled.seconds.items())
+    stages = ", ".join(f"{k} {v:.2f}s" for k, v in compiled.seconds.items() if "/" not in k)  # totals
     origin = " (from the compile cache)" if compiled.cache_hit else ""
     click.echo(f"wrote {output} ({os.path.getsize(output)} bytes) for {target} at -O{opt_level}{origin}")
     click.echo(f"  kernels: {len(neff.kernels)}; instructions: {counts}")

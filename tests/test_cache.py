@@ -136,3 +136,33 @@ def test_a_new_process_running_the_same_torch_compile_compiles_nothing(cache_dir
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert "hits [False]" in runs[0].stdout and "hits [True]" in runs[1].stdout
+
+
+TRAINING_SCRIPT = textwrap.dedent("""
+    import torch
+    from tests import zoo
+    from neuronc.pytorch import backend
+    torch.manual_seed(0)
+    model = zoo.GPT2(layers=1).train()
+    step = torch.compile(model, backend="neuron")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx, targets = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        loss = step(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print("loss", loss.item())
+    print("graphs", backend.compile_count(), "from the cache", sum(f.compiled.cache_hit for f in backend.compiled_graphs))
+""")
+
+
+def test_a_second_run_of_a_training_script_compiles_nothing(cache_dir):
+    runs = [subprocess.run([sys.executable, "-c", TRAINING_SCRIPT], capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    first, second = (r.stdout.splitlines() for r in runs)
+    assert first[-1] == "graphs 2 from the cache 0"  # the forward and the backward graph, compiled
+    assert second[-1] == "graphs 2 from the cache 2"  # ... and in the new process, both from the cache
+    assert first[:-1] == second[:-1]  # the same losses, step for step
+    assert len(CompileCache(str(cache_dir)).entries()) == 2

@@ -14,6 +14,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import fold_constants
 from neuronc.passes.legalize import reshaped_strides
+from neuronc.passes.pipeline import passes_for
 from runtime import run_neff
 from tests import zoo
 from tests.conftest import assert_matches_eager
@@ -134,3 +135,14 @@ def test_folding_a_transposed_splat_keeps_it_a_splat():
     reshaped = ir.node(Op.RESHAPE, [flipped], (2, 2), DType.F32)
     (out,) = fold_constants(ir.Graph([], [reshaped])).outputs
     assert out.op is Op.CONSTANT and out.scalar == -1.0 and out.shape == (2, 2)
+
+
+def test_the_compile_time_of_every_stage_and_pass_is_recorded():
+    model, inputs = zoo.build("mlp")
+    seconds = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).seconds
+    passes = [name for name in seconds if name.startswith("pass/")]
+    assert [name.split("#")[0] for name in passes] == [f"pass/{p.__name__}" for p in passes_for(2)]
+    for stage in ("import", "import/torch-mlir", "import/stablehlo->ir", "passes", "memory plan", "codegen",
+                  "codegen/kernels", "codegen/sync", "codegen/estimate"):
+        assert seconds[stage] >= 0
+    assert seconds["passes"] >= sum(seconds[name] for name in passes)

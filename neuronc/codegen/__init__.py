@@ -5,6 +5,8 @@ streams. The result is the in-memory NEFF the writer serialises and the runtime 
 """
 from __future__ import annotations
 
+import time
+
 from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.kernels import kernel_for
@@ -25,7 +27,11 @@ def _fused_ops(node: ir.Node) -> tuple:
     return ops + (f"[tiles {tiling}]",) if tiling is not None else ops
 
 
-def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main") -> Neff:
+def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
+             timings: dict | None = None) -> Neff:
+    """With `timings`, records the seconds of its stages: kernels, sync (waits) and the cost estimate."""
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     em = Emitter(target)
     for index, node in enumerate(graph.nodes()):
         kernel = kernel_for(node, plan)
@@ -36,8 +42,13 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         ops = _fused_ops(node)
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
         kernel(em, node, plan)
+    timings["codegen/kernels"] = time.perf_counter() - start
+    start = time.perf_counter()
     streams = insert_waits(em.instructions, plan.tensors, target)
+    timings["codegen/sync"] = time.perf_counter() - start
+    start = time.perf_counter()
     makespan, kernel_ns = estimate_streams(streams, target)
+    timings["codegen/estimate"] = time.perf_counter() - start
     for index, ns in kernel_ns.items():
         em.kernels[index].estimated_ns = ns
     return Neff(

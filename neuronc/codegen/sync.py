@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from neuronc.isa import AccessPattern, Instruction, Space, Wait
+from neuronc.isa import AccessPattern, Space, Wait
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
@@ -22,7 +22,10 @@ HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least
 HBM_MIN_PAGE_BYTES = 64 * 1024
 
 
-class _Keys:
+class _Regions:
+    """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM pages of
+    one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
+
     def __init__(self, tensors: list, target: Target):
         ordered = sorted(tensors, key=lambda t: t.offset)
         self.starts = [t.offset for t in ordered]
@@ -30,53 +33,122 @@ class _Keys:
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = max(1, target.partitions // target.dma_queues)
 
-    def __call__(self, ap: AccessPattern) -> list:
+    def __call__(self, ap: AccessPattern) -> tuple:
+        """(space, tensor index or -1, first row, last row, first column, last column), bounds included."""
         if ap.space == Space.HBM:
             tensor = bisect.bisect_right(self.starts, ap.offset) - 1
-            reach = [stride * (size - 1) * ap.dtype.itemsize for stride, size in ap.dims]
-            first = ap.offset + sum(r for r in reach if r < 0) - self.starts[tensor]
-            last = ap.offset + sum(r for r in reach if r > 0) + ap.dtype.itemsize - 1 - self.starts[tensor]
+            first = last = ap.offset - self.starts[tensor]
+            for stride, size in ap.dims:
+                reach = stride * (size - 1) * ap.dtype.itemsize
+                if reach < 0:
+                    first += reach
+                else:
+                    last += reach
             page = self.pages[tensor]
-            return [("hbm", tensor, p) for p in range(first // page, last // page + 1)]
-        extent = 1 + sum(stride * (size - 1) for stride, size in ap.dims[1:])
+            return Space.HBM, tensor, first // page, (last + ap.dtype.itemsize - 1) // page, 0, 0
+        extent = 1
+        for stride, size in ap.dims[1:]:
+            extent += stride * (size - 1)
         first, last = ap.offset, ap.offset + extent * ap.dtype.itemsize - 1
         if ap.space == Space.PSUM:
-            return [("psum", b) for b in range(first // self.psum_bank, last // self.psum_bank + 1)]
-        groups = range(ap.partition // self.partition_group,
-                       (ap.partition + ap.partitions - 1) // self.partition_group + 1)
-        return [("sbuf", p, g) for p in range(first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES + 1) for g in groups]
+            return Space.PSUM, -1, first // self.psum_bank, last // self.psum_bank, 0, 0
+        group = self.partition_group
+        return (Space.SBUF, -1, first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES,
+                ap.partition // group, (ap.partition + ap.partitions - 1) // group)
+
+
+class _Last:
+    """What one tracking cell last saw: its last write (stream number and position in that stream; stream
+    -1 for none) and, since then, the last read of each stream. Immutable, so that the many cells one
+    instruction touches share one object and a hazard check looks at each distinct object once."""
+
+    __slots__ = ("writer", "position", "reads")
+
+    def __init__(self, writer: int, position: int, reads: dict):
+        self.writer, self.position, self.reads = writer, position, reads
+
+    def read_by(self, stream: int, position: int) -> "_Last":
+        return _Last(self.writer, self.position, {**self.reads, stream: position})
+
+
+_NEVER = _Last(-1, 0, {})
+
+
+class _Cells:
+    """The tracking cells of every memory, numbered: one block per HBM tensor (its pages, as far as accesses
+    reach), PSUM (its banks) and SBUF (page by page, the partition groups of a page side by side), so a box
+    is one contiguous span of cell numbers, or one per page when it covers only some partition groups."""
+
+    def __init__(self, boxes: list):
+        reach: dict = {}  # (space, tensor) -> (first row, last row, columns)
+        for space, tensor, row0, row1, _c0, col1 in boxes:
+            lo, hi, cols = reach.get((space, tensor), (row0, row1, col1 + 1))
+            reach[(space, tensor)] = (min(lo, row0), max(hi, row1), max(cols, col1 + 1))
+        self.blocks, self.count = {}, 0
+        for block, (lo, hi, cols) in reach.items():
+            self.blocks[block] = (self.count - lo * cols, cols)
+            self.count += (hi - lo + 1) * cols
+
+    def spans(self, box: tuple) -> tuple:
+        """The [start, stop) spans of cell numbers of `box`."""
+        space, tensor, row0, row1, col0, col1 = box
+        base, cols = self.blocks[(space, tensor)]
+        if col0 == 0 and col1 == cols - 1:
+            return ((base + row0 * cols, base + (row1 + 1) * cols),)
+        return tuple((base + row * cols + col0, base + row * cols + col1 + 1) for row in range(row0, row1 + 1))
 
 
 def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     """Returns {(engine, queue): [instructions]} with `waits` filled in."""
-    keys = _Keys(tensors, target)
-    streams: dict = defaultdict(list)
-    last_write: dict = {}
-    last_reads: dict = defaultdict(dict)
-    known: dict = defaultdict(dict)  # stream -> {other stream: count already waited for}
+    regions = _Regions(tensors, target)
+    boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
+    accesses = []
     for inst in instructions:
-        me = inst.stream
-        read_keys = [k for ap in inst.reads for k in keys(ap)]
-        write_keys = keys(inst.dst)
+        for ap in (*inst.reads, inst.dst):
+            if ap not in boxes:
+                boxes[ap] = regions(ap)
+        accesses.append(([boxes[ap] for ap in inst.reads], boxes[inst.dst]))
+    layout = _Cells(list(boxes.values()))
+    spans = {box: layout.spans(box) for box in boxes.values()}
+    stream_keys = sorted({inst.stream for inst in instructions})
+    number = {key: n for n, key in enumerate(stream_keys)}
+    cells = [_NEVER] * layout.count
+    known = [[0] * len(stream_keys) for _ in stream_keys]  # [me][other]: count already waited for
+    streams: dict = defaultdict(list)
+    for inst, (reads, write) in zip(instructions, accesses):
+        me = number[inst.stream]
+        read_spans = [span for box in reads for span in spans[box]]
+        write_spans = spans[write]
         need: dict = {}
-        for key in read_keys:
-            for other, count in last_write.get(key, {}).items():
-                need[other] = max(need.get(other, 0), count)
-        for key in write_keys:
-            for source in (last_write.get(key, {}), last_reads.get(key, {})):
-                for other, count in source.items():
-                    need[other] = max(need.get(other, 0), count)
-        waits = []
-        for other, count in sorted(need.items()):
-            if other != me and known[me].get(other, 0) < count:
-                waits.append(Wait(other[0], other[1], count))
-                known[me][other] = count
+        for start, stop in read_spans:  # read after write
+            for last in set(cells[start:stop]):
+                if last.writer >= 0 and need.get(last.writer, 0) < last.position:
+                    need[last.writer] = last.position
+        for start, stop in write_spans:  # write after write, write after read
+            for last in set(cells[start:stop]):
+                if last.writer >= 0 and need.get(last.writer, 0) < last.position:
+                    need[last.writer] = last.position
+                for other, position in last.reads.items():
+                    if need.get(other, 0) < position:
+                        need[other] = position
+        waits, mine = [], known[me]
+        for other in sorted(need):
+            if other != me and mine[other] < need[other]:
+                waits.append(Wait(*stream_keys[other], need[other]))
+                mine[other] = need[other]
         inst.waits = tuple(waits)
-        streams[me].append(inst)
-        position = len(streams[me])
-        for key in read_keys:
-            last_reads[key][me] = position
-        for key in write_keys:
-            last_write[key] = {me: position}
-            last_reads[key] = {}
+        stream = streams[inst.stream]
+        stream.append(inst)
+        position = len(stream)
+        for start, stop in read_spans:
+            segment = cells[start:stop]
+            distinct = set(segment)
+            if len(distinct) == 1:
+                cells[start:stop] = [distinct.pop().read_by(me, position)] * (stop - start)
+            else:
+                updated = {last: last.read_by(me, position) for last in distinct}
+                cells[start:stop] = [updated[last] for last in segment]
+        written = _Last(me, position, {})
+        for start, stop in write_spans:
+            cells[start:stop] = [written] * (stop - start)
     return dict(streams)

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import time
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class ImportedGraph:
     graph: ir.Graph
     stablehlo: str  # the StableHLO module, as text (large constants elided)
     fingerprint: str  # sha256 of the complete module, constants and source locations included
+    seconds: dict = dataclasses.field(default_factory=dict)  # time per import stage (see compiler.Compiled)
 
 
 def decomposition_table() -> dict:
@@ -210,13 +212,19 @@ def lower(gm, name: str):
 def _import_in_child(gm, params, locations, name) -> ImportedGraph:
     from neuronc.frontend.stablehlo_import import import_module
 
+    seconds, start = {}, time.perf_counter()
     try:
         module = lower(gm, name)
+        seconds["import/torch-mlir"] = time.perf_counter() - start
         graph = import_module(module, params, locations, name)
+        seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
     except Exception as err:  # noqa: BLE001 - diagnosed op by op below
         raise _diagnose(gm, locations, err) from None
+    start = time.perf_counter()
     complete = module.operation.get_asm(enable_debug_info=True).encode()
-    return ImportedGraph(graph, module.operation.get_asm(large_elements_limit=16), hashlib.sha256(complete).hexdigest())
+    text, fingerprint = module.operation.get_asm(large_elements_limit=16), hashlib.sha256(complete).hexdigest()
+    seconds["import/fingerprint"] = time.perf_counter() - start
+    return ImportedGraph(graph, text, fingerprint, seconds)
 
 
 def _dense_literal_types() -> dict:

@@ -11,6 +11,8 @@ the target's budgets (listed in TARGETED) also take the target.
 """
 from __future__ import annotations
 
+import time
+
 from neuronc import ir
 from neuronc.passes.attention import fuse_attention
 from neuronc.errors import NeuronConfigError
@@ -48,8 +50,18 @@ def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:
 
 
 def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None,
-                 cast: AutoCast = AutoCast()) -> ir.Graph:
+                 cast: AutoCast = AutoCast(), timings: dict | None = None) -> ir.Graph:
+    """Run the passes of `opt_level` in order; with `timings`, record each pass's seconds in it as
+    "pass/<name>" ("pass/<name>#2" for its second run, ...)."""
     target = target or get_target()
     for step in passes_for(opt_level, cast):
+        start = time.perf_counter()
         graph = step(graph, target) if step in TARGETED else step(graph)
+        if timings is not None:
+            name = getattr(step, "__name__", type(step).__name__)
+            key, run = f"pass/{name}", 1
+            while key in timings:
+                run += 1
+                key = f"pass/{name}#{run}"
+            timings[key] = time.perf_counter() - start
     return graph

@@ -112,9 +112,9 @@ def _frame(shape, rows, cols, strides):
 
 
 class _Group:
-    def __init__(self, graph: ir.Graph, seed):
-        self.consumers = graph.consumers()
-        self.outputs = set(graph.outputs)
+    def __init__(self, consumers: dict, outputs: set, seed):
+        self.consumers = consumers  # of the whole graph (Graph.consumers), shared by every group
+        self.outputs = outputs
         self.seed = seed
         self.frame = None
         self.members: dict = {}  # node -> "full" | "row"
@@ -386,10 +386,11 @@ def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
     nodes = graph.nodes()
     order = {n: i for i, n in enumerate(nodes)}
     taken, roots = set(), {}
+    consumers, outputs = graph.consumers(), set(graph.outputs)
     for seed in nodes:
         if seed.op is not Op.REDUCE_LAST or seed in taken:
             continue
-        group = _Group(graph, seed)
+        group = _Group(consumers, outputs, seed)
         if not group.grow():
             continue
         root = group.prune(order)
