@@ -57,7 +57,7 @@ def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     for inst in instructions:
         me = inst.stream
         read_keys = [k for ap in inst.reads for k in keys(ap)]
-        write_keys = keys(inst.dst)
+        write_keys = [k for ap in inst.writes for k in keys(ap)]
         need: dict = {}
         for key in read_keys:
             for other, count in last_write.get(key, {}).items():
