@@ -760,16 +760,23 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                         filled = _at(fill, 0, qt, kb)
                         on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
                         vector(Opcode.SELECT, logits, mtile, on_true, on_false)
-                # online softmax: m' = max(m, rowmax), P = exp(f (x - m')), l' = l e^(f (m - m')) + rowsum P
+                # online softmax: m' = max(m, rowmax), P = exp(f x - f m') with its row sum in the same Scalar
+                # pass (the bias -f m' is one value per partition), l' = l e^(f (m - m')) + rowsum P
                 peak, m_new = small("peak", qt), small("m", qt)
                 vector(Opcode.TENSOR_REDUCE, peak, logits, alu=AluOp.MAX)
                 vector(Opcode.TENSOR_TENSOR, m_new, m, peak, alu=AluOp.MAX)
-                shifted = pools["shifted"].next().ap(qt, kb)
-                vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
                 p = pools["p"].next().ap(qt, kb)
-                exp(p, shifted, factor)
                 rowsum, dm, corr, l_new = small("rowsum", qt), small("dm", qt), small("corr", qt), small("l", qt)
-                vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
+                if abs(factor) <= 1:  # then -f m' is finite: m' lies between the masking constants and the logits
+                    neg_peak = peak  # the row max is used up: its tile takes the bias
+                    vector(Opcode.TENSOR_SCALAR, neg_peak, m_new, alu=AluOp.MULTIPLY, imm0=-factor)
+                    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, p, rowsum, logits, neg_peak,
+                            func=ActFunc.EXP, imm0=factor)
+                else:  # a scale above 1 could take -f m' of a masked row past fp32: shift first, then exp, then sum
+                    shifted = pools["shifted"].next().ap(qt, kb)
+                    vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
+                    exp(p, shifted, factor)
+                    vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
                 vector(Opcode.TENSOR_TENSOR, dm, m, m_new, alu=AluOp.SUBTRACT)
                 exp(corr, dm, factor)
                 vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
