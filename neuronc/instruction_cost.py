@@ -17,6 +17,8 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   with two, plus about 100 cycles fixed cost; about 60 cycles extra to access SBUF/PSUM", at the
   engine's own clock. N is the largest free size among the operands (a reduction reads more than
   it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
+  ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
+  accumulates as the outputs stream by.
 """
 from __future__ import annotations
 
@@ -54,9 +56,13 @@ _CLOCK_GHZ = {
 }
 
 
+# Opcodes making fewer passes over the elements than they have sources.
+_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1}
+
+
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
     elements = max(ap.free_elements for ap in instr.operands)
-    passes = max(1, len(instr.srcs))
+    passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))
     cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
     return cycles / _CLOCK_GHZ[instr.engine](target)
 

@@ -23,6 +23,13 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            dst is in PSUM; ``accumulate`` adds to dst instead of
                                            overwriting it (the accumulation group over K tiles).
 ``ACTIVATE(dst, src)``                     dst = func(src * imm0 + imm1)   (Scalar engine)
+``ACTIVATE_BIAS_REDUCE(dst, row_sum, src, bias)``
+                                           dst = func(src * imm0 + bias[p, 0]) and, in the same pass,
+                                           row_sum[p, 0] = the fp32 sum over the free axis of that
+                                           value before it is rounded to dst's dtype (Scalar engine;
+                                           NKI's activation with ``bias`` and ``reduce_res``). bias and
+                                           row_sum are fp32 [p, 1] tiles in SBUF; src has dst's shape, 2-D.
+                                           Two destinations: dst and row_sum (see ``Instruction.writes``).
 ``TENSOR_TENSOR(dst, a, b)``               dst = alu(a, b)
 ``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
 ``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
@@ -155,6 +162,7 @@ class Opcode(enum.IntEnum):
     MAX8 = 12
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
+    ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
 
 
 # Operand count of each opcode (dst included).
@@ -174,6 +182,12 @@ ARITY = {
     Opcode.MAX8: 2,
     Opcode.FIND_INDEX8: 3,
     Opcode.MATCH_REPLACE8: 3,
+    Opcode.ACTIVATE_BIAS_REDUCE: 4,
+}
+
+# How many leading operands an opcode writes (1 unless listed): its destinations, before its sources.
+DESTINATIONS = {
+    Opcode.ACTIVATE_BIAS_REDUCE: 2,
 }
 
 
@@ -282,8 +296,8 @@ class Instruction:
     queue: int = 0  # DMA queue index; 0 for compute engines
     alu: AluOp = AluOp.NONE
     func: ActFunc = ActFunc.NONE
-    imm0: float = 0.0  # ACTIVATE: scale (codegen always sets it); others: the scalar operand
-    imm1: float = 0.0  # ACTIVATE: bias
+    imm0: float = 0.0  # ACTIVATE(_BIAS_REDUCE): scale (codegen always sets it); others: the scalar operand
+    imm1: float = 0.0  # ACTIVATE: bias (ACTIVATE_BIAS_REDUCE takes it from its bias operand)
     accumulate: bool = False
     reverse: bool = False
     waits: tuple = ()  # of Wait
@@ -299,12 +313,19 @@ class Instruction:
         return self.operands[0]
 
     @property
+    def writes(self) -> tuple:
+        """The operands the instruction writes: its destination, and a second one for the opcodes that have
+        it (DESTINATIONS), which follows the first."""
+        return self.operands[:DESTINATIONS.get(self.opcode, 1)]
+
+    @property
     def srcs(self) -> tuple:
-        return self.operands[1:]
+        return self.operands[DESTINATIONS.get(self.opcode, 1):]
 
     @property
     def reads(self) -> tuple:
         """The operands the instruction reads: its sources, and its destination when it updates it in place
-        (a matmul accumulating into PSUM, a scatter writing some rows of its table)."""
+        (a matmul accumulating into PSUM, a scatter writing some rows of its table). Always a suffix of
+        the operands."""
         updates_dst = (self.opcode == Opcode.MATMUL and self.accumulate) or self.opcode == Opcode.DMA_SCATTER
-        return self.operands if updates_dst else self.operands[1:]
+        return self.operands if updates_dst else self.srcs

@@ -49,7 +49,7 @@ from neuronc.neff.program import Neff, TensorKind
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
                             check_bounds, extent, granule, overlaps)
-from runtime.semantics import SEMANTICS, Scratch, check, kernel
+from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
 
@@ -319,27 +319,34 @@ class LoadedProgram:
                         if not ordered(w, vc, ap.space == Space.HBM):
                             raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
                 continue
-            dst, vc = i.instr.dst, clock[i.key]
-            who = writers[dst.space].of(dst)
-            for w in _distinct(who):
-                if w >= 2 and not ordered(w, vc, True):
-                    raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
-                                     f"also written by")
-            box = _region(dst)
-            readers = [(r, operand) for t in range(n) if t != s  # started, not happening before i
-                       for r in instrs[t][vc[t]:started[t]] for operand in r.reads
-                       if overlaps(box, _region(r.instr.operands[operand]))]
-            if readers:
-                mark = probes[dst.space].of(dst)
-                mark[...] = True
-                for r, operand in readers:
-                    ap = r.instr.operands[operand]
-                    shared = probes[ap.space].of(ap)
-                    if shared.any():
-                        place = self._where(ap, probes[ap.space], shared)
-                        raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
-                mark[...] = False
-            who[...] = ids[i.key]
+            for dst in i.instr.writes:
+                self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, ordered)
+            for dst in i.instr.writes:
+                writers[dst.space].of(dst)[...] = ids[i.key]
+
+    def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
+                     by_id: list, ordered) -> None:
+        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it."""
+        instrs, n, s = self._instrs, len(self._instrs), i.stream
+        who = writers[dst.space].of(dst)
+        for w in _distinct(who):
+            if w >= 2 and not ordered(w, vc, True):
+                raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
+                                 f"also written by")
+        box = _region(dst)
+        readers = [(r, operand) for t in range(n) if t != s  # started, not happening before i
+                   for r in instrs[t][vc[t]:started[t]] for operand in r.reads
+                   if overlaps(box, _region(r.instr.operands[operand]))]
+        if readers:
+            mark = probes[dst.space].of(dst)
+            mark[...] = True
+            for r, operand in readers:
+                ap = r.instr.operands[operand]
+                shared = probes[ap.space].of(ap)
+                if shared.any():
+                    place = self._where(ap, probes[ap.space], shared)
+                    raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
+            mark[...] = False
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
                   position: int) -> NeuronRuntimeError:
@@ -378,8 +385,10 @@ class LoadedProgram:
         probe = Cells(self._shapes[ap.space], cells.granule, bool)
         for phase, s, k in self._order[position:]:
             writer = self._instrs[s][k]
-            if phase == _COMPLETE and writer.instr.dst.space == ap.space:
-                probe.of(writer.instr.dst)[...] = True
+            written = [dst for dst in writer.instr.writes if dst.space == ap.space]
+            if phase == _COMPLETE and written:
+                for dst in written:
+                    probe.of(dst)[...] = True
                 if probe.at(partition, byte):
                     problem += f"; {self._name(writer)} writes it, completing at {self._times(writer)[1]:.0f} ns"
                     return self._error(i.instr, i.index, problem, f"{hint}: {self._wait_for(writer)}")
@@ -445,9 +454,9 @@ class LoadedProgram:
                 running[s] = (i.key, [_region(i.instr.operands[r]) for r in i.reads])
                 continue
             del running[s]
-            written = _region(i.instr.dst)
+            written = [_region(dst) for dst in i.instr.writes]
             for key, reads in running.values():
-                if any(overlaps(written, r) for r in reads):
+                if any(overlaps(w, r) for w in written for r in reads):
                     deferred.add(key)
 
         memory, scratch = self.memory, Scratch()
@@ -464,7 +473,7 @@ class LoadedProgram:
                 steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
                                            *map(memory.view, i.instr.operands))]
             else:
-                steps = [functools.partial(_write, memory.view(i.instr.dst), values.pop(i.key))]
+                steps = [functools.partial(_write, tuple(map(memory.view, i.instr.writes)), values.pop(i.key))]
             calls += steps
             owners += [i] * len(steps)
         hbm = memory.arrays[Space.HBM]
@@ -547,9 +556,9 @@ def _read(box: list, fn, instr: Instruction, dst: np.ndarray, *srcs: np.ndarray)
     box[0] = fn(instr, dst, *srcs)
 
 
-def _write(dst: np.ndarray, box: list) -> None:
-    """... and its completion: round the value into the destination."""
-    dst[...] = box[0]
+def _write(dsts: tuple, box: list) -> None:
+    """... and its completion: round the value into the destination(s)."""
+    store_all(dsts, box[0])
 
 
 def run_neff(neff_or_path, inputs: list | None = None, target: str | Target | None = None, *,

@@ -153,7 +153,8 @@ REDUCTIONS = {AluOp.ADD: np.add, AluOp.MAX: np.maximum, AluOp.MIN: np.minimum}
 
 # ---------------------------------------------------------------------------------------------
 # Semantics: fn(instr, dst, *srcs) -> the new value of dst, a fresh array (never a view of memory)
-# or a scalar. The runtime reads operands when an instruction starts and writes the value into dst,
+# or a scalar; for an instruction with two destinations (Instruction.writes, which lead the operands
+# and so arrive as dst and srcs[0]), a pair of such values. The runtime reads operands when an instruction starts and writes the value into dst,
 # rounding to its dtype, when it completes.
 
 
@@ -168,6 +169,12 @@ def _matmul(instr, dst, stationary, moving):
 
 def _activate(instr, dst, src):
     return ACTIVATIONS[instr.func](src.astype(F32) * F32(instr.imm0) + F32(instr.imm1))
+
+
+def _activate_bias_reduce(instr, dst, row_sum, src, bias):
+    """(dst, row_sum): two destinations, so a pair of values."""
+    value = ACTIVATIONS[instr.func](src.astype(F32) * F32(instr.imm0) + bias.astype(F32, copy=False))
+    return value, np.add.reduce(np.asarray(value, F32), axis=-1, keepdims=True, dtype=F32)
 
 
 def _tensor_tensor(instr, dst, a, b):
@@ -295,6 +302,7 @@ SEMANTICS = {
     Opcode.MAX8: _max8,
     Opcode.FIND_INDEX8: _find_index8,
     Opcode.MATCH_REPLACE8: _match_replace8,
+    Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
 }
 
 
@@ -320,6 +328,20 @@ _EXACT_FLOAT_UFUNCS = frozenset({
 def _store(dst, fn, *args):
     """The generic step: compute a fresh value, then round it into dst."""
     dst[...] = fn(*args)
+
+
+def store_all(dsts: tuple, values) -> None:
+    """Round an instruction's value into its destinations: ``values`` is one value per destination
+    when there are several (Instruction.writes), else the value of the one."""
+    if len(dsts) == 1:
+        dsts[0][...] = values
+        return
+    for dst, value in zip(dsts, values):
+        dst[...] = value
+
+
+def _store_all(dsts: tuple, fn, *args):
+    store_all(dsts, fn(*args))
 
 
 def _as(new, dtype: np.dtype, operands: tuple) -> tuple:
@@ -459,8 +481,9 @@ def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new=np.empty)
 
     ``new(shape, dtype)`` makes the temporary arrays the calls use (see :class:`Scratch`)."""
     build = _KERNELS.get(instr.opcode)
+    dsts = (dst, *srcs)[:len(instr.writes)]
     return (build(instr, new, dst, *srcs) if build else None) or [
-        partial(_store, dst, SEMANTICS[instr.opcode], instr, dst, *srcs)]
+        partial(_store_all, dsts, SEMANTICS[instr.opcode], instr, dst, *srcs)]
 
 
 class Scratch:
@@ -498,6 +521,7 @@ ENGINES = {
     Opcode.DMA_SCATTER: frozenset({Engine.DMA}),
     Opcode.MATMUL: frozenset({Engine.TENSOR}),
     Opcode.ACTIVATE: frozenset({Engine.SCALAR}),
+    Opcode.ACTIVATE_BIAS_REDUCE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8)},
@@ -569,6 +593,20 @@ def _reduce_shapes(instr: Instruction, target: Target):
         _fail(f"TENSOR_REDUCE destination has shape {dst.shape}, must be {src.shape[:-1] + (1,)}")
 
 
+def _activate_bias_reduce_shapes(instr: Instruction, target: Target):
+    """ACTIVATE_BIAS_REDUCE(dst[p, n], row_sum[p, 1] fp32, src[p, n], bias[p, 1] fp32), the two [p, 1]
+    tiles in SBUF."""
+    dst, row_sum, src, bias = instr.operands
+    if len(dst.dims) != 2 or src.shape != dst.shape:
+        _fail(f"ACTIVATE_BIAS_REDUCE source {list(src.shape)} and destination {list(dst.shape)} must be the "
+              f"same 2-D [partitions, elements] shape")
+    for name, ap in (("row sum", row_sum), ("bias", bias)):
+        if ap.shape != (dst.shape[0], 1) or ap.dtype != DType.F32 or ap.space != Space.SBUF:
+            _fail(f"ACTIVATE_BIAS_REDUCE {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
+                  f"{ap.dtype.name}{list(ap.shape)} in {ap.space.name}",
+                  hint="one fp32 value per partition, in SBUF")
+
+
 def _indirect_shapes(instr: Instruction, target: Target):
     """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
     and their indices in SBUF."""
@@ -612,6 +650,7 @@ SHAPE_RULES = {
     Opcode.DMA_COPY: _dma_shapes,
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,
+    Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,
 }
 
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}

@@ -38,12 +38,12 @@ class MaskedFillAttention(nn.Module):
 
 
 class Sdpa(nn.Module):
-    def __init__(self, causal=False):
+    def __init__(self, causal=False, scale=None):
         super().__init__()
-        self.causal = causal
+        self.causal, self.scale = causal, scale
 
     def forward(self, q, k, v, mask=None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale)
 
 
 def _qkv(heads, seq, dim, dtype, batch=1):
@@ -83,6 +83,27 @@ def test_scaled_dot_product_attention_is_one_kernel_and_matches_eager(causal, dt
     compiled, out = _compile_and_run(model, inputs)
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == ("causal" if causal else "none")
+    assert_matches_eager(out, model(*inputs))
+
+
+def _opcodes(compiled) -> list:
+    return [i.opcode for stream in compiled.neff.streams.values() for i in stream]
+
+
+def test_each_key_block_makes_its_probabilities_and_their_row_sum_in_one_scalar_instruction():
+    model, inputs = Sdpa(), _qkv(1, 640, 64, torch.float32)
+    compiled, out = _compile_and_run(model, inputs)
+    opcodes = _opcodes(compiled)
+    assert opcodes.count(Opcode.ACTIVATE_BIAS_REDUCE) == 5 * 2  # 5 query tiles x 2 key blocks of 512
+    assert Opcode.TENSOR_REDUCE in opcodes  # the row max still takes a Vector pass
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_a_scale_above_one_shifts_the_logits_before_exp_and_matches_eager():
+    model, inputs = Sdpa(causal=True, scale=2.0), _qkv(1, 200, 32, torch.float32)
+    compiled, out = _compile_and_run(model, inputs)
+    assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
+    assert Opcode.ACTIVATE_BIAS_REDUCE not in _opcodes(compiled)
     assert_matches_eager(out, model(*inputs))
 
 

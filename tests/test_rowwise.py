@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
-from neuronc.isa import Engine, Space
+from neuronc.isa import Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -72,6 +72,22 @@ def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
     compiled, out = _compile_and_run(model, x)
     assert len(compiled.neff.kernels) == 1
     assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    assert_matches_eager(out, expected)
+
+
+@pytest.mark.parametrize("name, other_reductions", [("softmax", 1), ("log_softmax", 1), ("layer_norm", 1),
+                                                     ("rms_norm", 0)])
+def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name, other_reductions):
+    """exp(x - max) and its sum (softmax), (x - mean)^2 and its sum (layer-norm), x^2 and its sum (RMS-norm):
+    one ACTIVATE_BIAS_REDUCE per tile of rows, leaving the Vector engines only the other reductions."""
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](96).eval(), torch.randn(200, 96) * 3  # two row tiles
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    opcodes = [i.opcode for stream in compiled.neff.streams.values() for i in stream]
+    assert opcodes.count(Opcode.ACTIVATE_BIAS_REDUCE) == 2
+    assert opcodes.count(Opcode.TENSOR_REDUCE) == 2 * other_reductions
     assert_matches_eager(out, expected)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -417,6 +418,59 @@ def test_tensor_reduce_reduces_the_last_dim_accumulating_bf16_in_fp32(core, alu)
                           alu=alu)
     reduce = {AluOp.ADD: np.sum, AluOp.MAX: np.max, AluOp.MIN: np.min}[alu]
     np.testing.assert_allclose(got, reduce(x.astype(np.float64), axis=-1, keepdims=True), rtol=1e-5)
+
+
+def _activate_bias_reduce_program(dst_dtype: DType, row_sum_waits: bool = True) -> Neff:
+    """x [4, 8] and bias [4, 1] loaded; ACTIVATE_BIAS_REDUCE(exp) on Scalar; y and its row sum stored from
+    two queues, the row sum's store waiting for the Scalar engine (or not)."""
+    p = Program()
+    x_t, b_t = p.tensor("x", TensorKind.INPUT, (4, 8)), p.tensor("bias", TensorKind.INPUT, (4, 1))
+    y_t, s_t = p.tensor("y", TensorKind.OUTPUT, (4, 8), dst_dtype), p.tensor("row_sum", TensorKind.OUTPUT, (4, 1))
+    x, bias, y, row_sum = chip((4, 8)), chip((4, 1), offset=64), chip((4, 8), dst_dtype, offset=128), chip((4, 1), offset=192)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, x, hbm(x_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, bias, hbm(b_t))
+    p.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, y, row_sum, x, bias, func=ActFunc.EXP, imm0=0.5,
+           waits=done(Engine.DMA, 2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), y, queue=1, waits=done(Engine.SCALAR))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(s_t), row_sum, queue=2, waits=done(Engine.SCALAR) if row_sum_waits else ())
+    return p.neff()
+
+
+@pytest.mark.parametrize("dst_dtype", [DType.F32, DType.BF16], ids=lambda d: d.name)
+def test_activate_bias_reduce_adds_a_bias_per_partition_and_sums_each_row_before_rounding(core, dst_dtype):
+    x, bias = uniform(-3, 3), uniform(-2, 2, (4, 1))
+    y, row_sum = core.load(_activate_bias_reduce_program(dst_dtype)).run([x, bias]).outputs
+
+    value = np.exp(x * np.float32(0.5) + bias)  # fp32 throughout, as ACTIVATE
+    np.testing.assert_array_equal(y, value.astype(dst_dtype.numpy))
+    np.testing.assert_array_equal(row_sum, np.add.reduce(value, axis=-1, keepdims=True, dtype=np.float32))
+    np.testing.assert_allclose(row_sum, np.exp(x.astype(np.float64) * 0.5 + bias).sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_a_store_of_the_row_sum_not_waiting_for_it_is_refused_as_reading_unwritten_memory(core):
+    with pytest.raises(NeuronRuntimeError) as err:
+        core.load(_activate_bias_reduce_program(DType.F32, row_sum_waits=False))
+    message = str(err.value)
+    assert "DMA_COPY #0 on DMA queue 2" in message and "ACTIVATE_BIAS_REDUCE #0 on SCALAR writes it" in message
+
+
+@pytest.mark.parametrize("operand, shape, problem", [
+    (3, (4, 8), "bias must be an F32 [4, 1] tile"), (1, (4, 2), "row sum must be an F32 [4, 1] tile"),
+])
+def test_activate_bias_reduce_refuses_bias_or_row_sum_not_one_value_per_partition(core, operand, shape, problem):
+    operands = [chip((4, 8)), chip((4, 1), offset=64), chip((4, 8), offset=128), chip((4, 1), offset=192)]
+    operands[operand] = chip(shape, offset=256)
+    p = Program()
+    p.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, *operands, func=ActFunc.EXP, imm0=1.0)
+    with pytest.raises(NeuronRuntimeError, match=re.escape(problem)):
+        core.load(p.neff())
+
+
+def test_activate_bias_reduce_costs_one_pass_as_activate():
+    tile, column = chip((128, 512)), chip((128, 1))
+    fused = Instruction(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, (tile, column, tile, column), func=ActFunc.EXP)
+    plain = Instruction(Opcode.ACTIVATE, Engine.SCALAR, (tile, tile), func=ActFunc.EXP)
+    assert instruction_cost_ns(fused, TRN2) == instruction_cost_ns(plain, TRN2)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ the target: at most `partitions` rows on chip, matmul stationary [K<=128, M<=128
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -390,6 +391,67 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
+class _SummedActivation(NamedTuple):
+    """A ROWWISE step made with its row sum by one ACTIVATE_BIAS_REDUCE: func(src + bias) where bias is
+    -shift (a [rows, 1] step) or 0."""
+
+    func: ActFunc
+    row_sum: int  # the REDUCE_LAST(add) step it also makes
+    src: tuple  # (kind, ref) of the source
+    shift: int | None  # the [rows, 1] step subtracted from src, or None
+
+
+def _summed_activations(body, kinds) -> tuple:
+    """({step: _SummedActivation}, {steps they make redundant}): the fp32 full-row activations (or squares)
+    whose row sum is the very next step, as exp(x - max) then sum in a softmax, or (x - mean)^2 then sum
+    in a layer-norm. A subtraction of a row value used by nothing else is folded in as the bias: fp32
+    x + (-m) is x - m exactly, and the row sum is the fp32 sum of the fp32 values, as the reduction's."""
+    users = [[j for j, step in enumerate(body) for a, ref in step.args if a == "step" and ref == i]
+             for i in range(len(body))]
+    fused, skipped = {}, set()
+    for j, step in enumerate(body[:-1]):
+        reduce = body[j + 1]
+        if (kinds[j] != "full" or step.dtype != DType.F32 or reduce.dtype != DType.F32 or reduce.op is not Op.REDUCE_LAST
+                or reduce.attrs["kind"] != "add" or reduce.args != (("step", j),)):
+            continue
+        func, src = _as_activation(step)
+        if func is None or src[0] == "imm":
+            continue
+        shift = None
+        if src[0] == "step" and users[src[1]] == [j]:
+            producer = body[src[1]]
+            if producer.op is Op.SUBTRACT and producer.dtype == DType.F32 and producer.args[1][0] == "step" and \
+                    kinds[producer.args[1][1]] == "row" and body[producer.args[1][1]].dtype == DType.F32:
+                skipped.add(src[1])
+                src, shift = producer.args[0], producer.args[1][1]
+        fused[j] = _SummedActivation(func, j + 1, src, shift)
+        skipped.add(j + 1)
+    return fused, skipped
+
+
+def _summed_activation(em: Emitter, engines, fused: _SummedActivation, out, tile_of, tiles, results, bias, rt, cols):
+    """Emit ``fused`` for a tile of ``rt`` rows: its bias (-shift, or 0), then the activation with its row sum."""
+    if fused.shift is None:
+        engines.emit(Opcode.MEMSET, bias, imm0=0.0)
+    else:
+        engines.emit(Opcode.TENSOR_SCALAR, bias, _first_rows(results[fused.shift], rt), alu=AluOp.MULTIPLY, imm0=-1.0)
+    kind, ref = fused.src
+    src = _first_rows(tiles[ref] if kind == "input" else results[ref], rt)
+    src = _broadcast(src, cols) if src.free_elements == 1 < cols else src
+    results[fused.row_sum] = tile_of(fused.row_sum)
+    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, results[fused.row_sum], src, bias, func=fused.func,
+            imm0=1.0)
+
+
+def _as_activation(step) -> tuple:
+    """(ActFunc, (kind, ref) of its source) computing ``step`` as an activation, or (None, None)."""
+    if step.op in ACTIVATIONS:
+        return ACTIVATIONS[step.op], step.args[0]
+    square = (step.op is Op.MULTIPLY and step.args[0] == step.args[1]) or (
+        step.op is Op.POWER and step.args[1] == ("imm", 2.0))
+    return (ActFunc.SQUARE, step.args[0]) if square else (None, None)
+
+
 def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """A row-wise normalisation (passes/rowwise.py): for each tile of rows (a row per partition), load
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
@@ -403,6 +465,8 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
     full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) for _ in range(count["full"])]
     row_temps = [em.sbuf_pool(DType.F32, wide, bufs=BUFS) for _ in range(count["row"])]
+    summed, skipped = _summed_activations(body, kinds)
+    biases = em.sbuf_pool(DType.F32, wide, bufs=BUFS) if summed else None  # the budget's spare row tile
     out_pool = em.sbuf_pool(node.dtype, cols, bufs=BUFS)
     needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
     constants = em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) if needs_constants else None
@@ -451,14 +515,20 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         full = [pool.next() for pool in full_temps]
         per_row = [pool.next() for pool in row_temps]
         out_tile = out_pool.next()
+        def tile_of(j):
+            width = cols if kinds[j] == "full" else 1
+            if slots[j] is None:
+                return out_tile.ap(rt, width)
+            return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
+
         for j, (step, kind, slot) in enumerate(zip(body, kinds, slots)):
-            if kind == "col":
+            if kind == "col" or j in skipped:
                 continue
-            width = cols if kind == "full" else 1
-            if slot is None:
-                out = out_tile.ap(rt, width)
-            else:
-                out = (full if kind == "full" else per_row)[slot].ap(rt, width, dtype=step.dtype)
+            out = tile_of(j)
+            if j in summed:
+                _summed_activation(em, engines, summed[j], out, tile_of, tiles, results, biases.next().ap(rt, 1), rt, cols)
+                results[j] = out
+                continue
             args = []
             for a, ref in step.args:
                 if a == "imm":
@@ -760,16 +830,23 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                         filled = _at(fill, 0, qt, kb)
                         on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
                         vector(Opcode.SELECT, logits, mtile, on_true, on_false)
-                # online softmax: m' = max(m, rowmax), P = exp(f (x - m')), l' = l e^(f (m - m')) + rowsum P
+                # online softmax: m' = max(m, rowmax), P = exp(f x - f m') with its row sum in the same Scalar
+                # pass (the bias -f m' is one value per partition), l' = l e^(f (m - m')) + rowsum P
                 peak, m_new = small("peak", qt), small("m", qt)
                 vector(Opcode.TENSOR_REDUCE, peak, logits, alu=AluOp.MAX)
                 vector(Opcode.TENSOR_TENSOR, m_new, m, peak, alu=AluOp.MAX)
-                shifted = pools["shifted"].next().ap(qt, kb)
-                vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
                 p = pools["p"].next().ap(qt, kb)
-                exp(p, shifted, factor)
                 rowsum, dm, corr, l_new = small("rowsum", qt), small("dm", qt), small("corr", qt), small("l", qt)
-                vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
+                if abs(factor) <= 1:  # then -f m' is finite: m' lies between the masking constants and the logits
+                    neg_peak = peak  # the row max is used up: its tile takes the bias
+                    vector(Opcode.TENSOR_SCALAR, neg_peak, m_new, alu=AluOp.MULTIPLY, imm0=-factor)
+                    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, p, rowsum, logits, neg_peak,
+                            func=ActFunc.EXP, imm0=factor)
+                else:  # a scale above 1 could take -f m' of a masked row past fp32: shift first, then exp, then sum
+                    shifted = pools["shifted"].next().ap(qt, kb)
+                    vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
+                    exp(p, shifted, factor)
+                    vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
                 vector(Opcode.TENSOR_TENSOR, dm, m, m_new, alu=AluOp.SUBTRACT)
                 exp(corr, dm, factor)
                 vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)

@@ -104,10 +104,10 @@ def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
     accesses = []
     for inst in instructions:
-        for ap in (*inst.reads, inst.dst):
+        for ap in (*inst.reads, *inst.writes):
             if ap not in boxes:
                 boxes[ap] = regions(ap)
-        accesses.append(([boxes[ap] for ap in inst.reads], boxes[inst.dst]))
+        accesses.append(([boxes[ap] for ap in inst.reads], [boxes[ap] for ap in inst.writes]))
     layout = _Cells(list(boxes.values()))
     spans = {box: layout.spans(box) for box in boxes.values()}
     stream_keys = sorted({inst.stream for inst in instructions})
@@ -115,10 +115,10 @@ def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     cells = [_NEVER] * layout.count
     known = [[0] * len(stream_keys) for _ in stream_keys]  # [me][other]: count already waited for
     streams: dict = defaultdict(list)
-    for inst, (reads, write) in zip(instructions, accesses):
+    for inst, (reads, writes) in zip(instructions, accesses):
         me = number[inst.stream]
         read_spans = [span for box in reads for span in spans[box]]
-        write_spans = spans[write]
+        write_spans = [span for box in writes for span in spans[box]]
         need: dict = {}
         for start, stop in read_spans:  # read after write
             for last in set(cells[start:stop]):

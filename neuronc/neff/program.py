@@ -13,7 +13,9 @@ import numpy as np
 from neuronc.isa import DType, Engine, Instruction
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2  # 1.1: Opcode.DMA_GATHER; 1.2: DMA_SCATTER, MAX8, FIND_INDEX8, MATCH_REPLACE8
+# 1.1: Opcode.DMA_GATHER; 1.2: DMA_SCATTER, MAX8, FIND_INDEX8, MATCH_REPLACE8;
+# 1.3: ACTIVATE_BIAS_REDUCE (an activation with a per-partition bias tile and a row-sum destination)
+FORMAT_MINOR = 3
 
 
 class TensorKind(enum.IntEnum):

@@ -18,3 +18,4 @@ class Opcode(object):
     MAX8 = 12
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
+    ACTIVATE_BIAS_REDUCE = 20
