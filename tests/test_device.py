@@ -58,6 +58,7 @@ def test_device_tensor_bytes_are_the_cores_hbm(neuron):
     before = hbm.in_use
     x = torch.zeros(256, 64, device=neuron)
     assert hbm.in_use - before == 256 * 64 * 4
+    torch.accelerator.synchronize()  # the queued zero-fill runs
     array_of(x)[3, 5] = 7.0  # the tensor is that memory: no copy on the side
     assert x.cpu()[3, 5].item() == 7.0
     del x

@@ -40,15 +40,30 @@ def _visible_cores() -> int:
     return len(cores)
 
 
-def _allocate(index: int, nbytes: int) -> tuple:
+def _reserve(index: int, nbytes: int) -> int:
     """The shim's allocator calls this for every storage (the runtime is imported on first use)."""
-    from neuronc.pytorch.device_memory import allocate
+    global _reserve, _release
+    from neuronc.pytorch.device_memory import release, reserve
 
-    return allocate(index, nbytes)
+    _reserve, _release = reserve, release
+    return reserve(index, nbytes)
+
+
+def _release(index: int, handle: int) -> None:
+    from neuronc.pytorch.device_memory import release
+
+    release(index, handle)
+
+
+def _synchronize(index: int) -> None:
+    """The shim calls this when a stream, an event or the device is synchronised or queried."""
+    from neuronc.pytorch.queues import synchronize
+
+    synchronize(index)
 
 
 def _init_shim(shim) -> None:
-    shim.init(_visible_cores(), _allocate)
+    shim.init(_visible_cores(), lambda i, n: _reserve(i, n), lambda i, h: _release(i, h), _synchronize)
 
 
 def _lazy_init() -> None:
@@ -60,8 +75,11 @@ def _lazy_init() -> None:
         if _initialized:
             return
         from neuronc.pytorch import eager, shim
+        from neuronc.pytorch.device_memory import NUMPY_DTYPES
 
-        _init_shim(shim.load())
+        loaded = shim.load()
+        _init_shim(loaded)
+        loaded.set_numpy_dtypes(NUMPY_DTYPES)
         eager.register()
         _initialized = True
 
@@ -93,7 +111,7 @@ def set_device(device) -> None:
 
 
 def synchronize(device=None) -> None:
-    """Wait for the device's work. Ops run synchronously on the emulator, so this returns at once."""
+    """Run the device's queued work (every stream, in emulated-time order); its errors are raised here."""
     _lazy_init()
     torch.accelerator.synchronize(device)
 

@@ -1,9 +1,11 @@
 // The C++ half of the `neuron` device: what PyTorch only accepts from C++.
 //
-// * an allocator (c10::DeviceAllocator) whose bytes come from the emulated NeuronCore's HBM: it asks
-//   the Python runtime (neuronc.pytorch.device_memory) for a buffer and keeps it alive until PyTorch frees it;
+// * an allocator (c10::DeviceAllocator) whose bytes are counted on the emulated NeuronCore's HBM (the
+//   Python runtime's accounting, neuronc.pytorch.device_memory) and held in a numpy array, so that
+//   `view` gives Python a numpy view of a tensor's elements with one call;
 // * a DeviceGuardImplInterface: current device, streams and events over an emulated per-stream clock
-//   (each launched program advances its stream's clock by its estimated device time);
+//   (each queued program advances its stream's clock by its estimated device time); synchronising or
+//   querying runs the device's queued work (neuronc.pytorch.queues);
 // * PrivateUse1HooksInterface, so torch.accelerator sees the device;
 // * the kernels that only touch tensor metadata (empty, views, resize, set_), which must alias storage.
 //
@@ -20,8 +22,10 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 
 #include <array>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -45,12 +49,14 @@ void check_index(c10::DeviceIndex index) {
 
 // ---- memory -------------------------------------------------------------------------------------
 
-py::object* g_allocate = nullptr;  // Python: (device index, nbytes) -> (data pointer, owner object)
+py::object* g_reserve = nullptr;  // Python: (device index, nbytes) -> handle of the bytes on the core's HBM
+py::object* g_release = nullptr;  // Python: (device index, handle) -> None
 
 struct Buffer {
-  PyObject* owner;  // keeps the runtime's bytes alive; dropping it frees them on the NeuronCore
+  PyObject* bytes;  // the numpy uint8 array holding the storage; views of it keep it alive after the free
   c10::DeviceIndex device;
   size_t nbytes;
+  int64_t handle;
 };
 
 std::mutex g_stats_mutex;
@@ -74,7 +80,13 @@ void free_buffer(void* context) {
   update_stats(buffer->device, buffer->nbytes, false);
   if (Py_IsInitialized()) {
     py::gil_scoped_acquire gil;
-    Py_DECREF(buffer->owner);
+    py::error_scope pending;  // tensors are also freed while an exception unwinds: keep it for later
+    try {
+      (*g_release)(buffer->device, buffer->handle);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("freeing a neuron tensor's HBM");
+    }
+    Py_DECREF(buffer->bytes);  // queued work holding views of the bytes keeps them until it has run
   }
   delete buffer;
 }
@@ -85,19 +97,20 @@ struct NeuronAllocator final : public c10::DeviceAllocator {
     if (nbytes == 0) {
       return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(kDevice, device)};
     }
-    TORCH_CHECK(g_allocate != nullptr, "the neuron device is not initialised (import neuronc.pytorch.device)");
+    TORCH_CHECK(g_reserve != nullptr, "the neuron device is not initialised (import neuronc.pytorch.device)");
     py::gil_scoped_acquire gil;
-    py::tuple result = (*g_allocate)(device, nbytes);  // raises DeviceOutOfMemoryError through pybind
-    auto* data = reinterpret_cast<void*>(result[0].cast<uintptr_t>());
-    PyObject* owner = result[1].ptr();
-    Py_INCREF(owner);
+    auto handle = (*g_reserve)(device, nbytes).cast<int64_t>();  // raises DeviceOutOfMemoryError through pybind
+    py::array_t<uint8_t> bytes(static_cast<py::ssize_t>(nbytes));
+    void* data = bytes.mutable_data();
+    std::memset(data, 0xFF, nbytes);  // uninitialised HBM reads as NaN, as the runtime's does
     update_stats(device, nbytes, true);
-    return {data, new Buffer{owner, device, nbytes}, &free_buffer, c10::Device(kDevice, device)};
+    return {data, new Buffer{bytes.release().ptr(), device, nbytes, handle}, &free_buffer,
+            c10::Device(kDevice, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const final { default_copy_data(dest, src, count); }
 
-  bool initialized() override { return g_allocate != nullptr; }
+  bool initialized() override { return g_reserve != nullptr; }
   void emptyCache(c10::MempoolId_t) override {}  // nothing is cached: freed bytes go back to the core at once
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -130,15 +143,37 @@ REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
 
 // ---- streams and events on the emulated timeline --------------------------------------------------
 
-// Work on a stream runs in order: each launch starts at its stream's clock and moves it on by the
-// program's estimated device time. Execution itself is synchronous (the numerics are done when the
-// launch returns); the clocks are what the device would have done, so events read them.
+// Work is queued per stream (neuronc/pytorch/queues.py) and runs at synchronisation points. Each launch
+// starts at its stream's clock and moves it on by the program's estimated device time; a stream never
+// starts before the device's last synchronisation (the host waited for everything queued until then),
+// and an event wait moves the waiting stream's clock to the event's. Events read these clocks.
 std::mutex g_clock_mutex;
 std::map<std::pair<c10::DeviceIndex, c10::StreamId>, double> g_clock_ns;
+std::array<double, kMaxDevices> g_synced_ns{};  // per device: the emulated time of its last synchronisation
 std::atomic<c10::StreamId> g_next_stream{1};
 thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};
+py::object* g_synchronize = nullptr;  // Python: (device index) -> None, runs the device's queued work
 
-double& clock_of(c10::DeviceIndex device, c10::StreamId stream) { return g_clock_ns[{device, stream}]; }
+double& clock_of(c10::DeviceIndex device, c10::StreamId stream) {  // callers hold g_clock_mutex
+  double& clock = g_clock_ns[{device, stream}];
+  clock = std::max(clock, g_synced_ns[device]);
+  return clock;
+}
+
+// Run the queued work of `device` (Python), then no stream of it starts before the latest of them ended.
+void synchronize_device(c10::DeviceIndex device) {
+  if (g_synchronize != nullptr) {
+    py::gil_scoped_acquire gil;
+    (*g_synchronize)(device);  // an error of queued work is raised here, with the op that caused it
+  }
+}
+
+void settle(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_clock_mutex);
+  for (auto& [key, clock] : g_clock_ns) {
+    if (key.first == device) g_synced_ns[device] = std::max(g_synced_ns[device], clock);
+  }
+}
 
 struct NeuronEvent {
   c10::DeviceIndex device = -1;
@@ -201,14 +236,27 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     double& clock = clock_of(stream.device_index(), stream.id());
     clock = std::max(clock, e->time_ns);  // the stream's next work starts after the event
   }
-  bool queryEvent(void*) const override { return true; }  // synchronous execution: recorded work is done
+  // Querying or waiting for an event or a stream is a synchronisation point: the device's queued work runs
+  // (in emulated-time order across its streams), so the answer is always "done".
+  bool queryEvent(void* event) const override {
+    synchronizeEvent(event);
+    return true;
+  }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<NeuronEvent*>(event);
   }
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  bool queryStream(const c10::Stream& stream) const override {
+    synchronizeStream(stream);
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& stream) const override { synchronize_device(stream.device_index()); }
+  void synchronizeEvent(void* event) const override {
+    auto* e = static_cast<NeuronEvent*>(event);
+    if (e != nullptr && e->recorded) synchronize_device(e->device);
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override {
+    synchronize_device(device < 0 ? current_device() : device);
+  }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
     TORCH_CHECK(start && end, "both events must be recorded before elapsed_time");
     auto* a = static_cast<NeuronEvent*>(start);
@@ -304,24 +352,57 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 
 // ---- what Python sees --------------------------------------------------------------------------------
 
-void init(c10::DeviceIndex device_count, py::object allocate) {
+std::array<PyObject*, 64> g_numpy_dtypes{};  // ScalarType -> numpy dtype of the elements (owned references)
+
+void init(c10::DeviceIndex device_count, py::object reserve, py::object release, py::object synchronize) {
   TORCH_CHECK(device_count >= 1 && device_count <= kMaxDevices, "between 1 and ", kMaxDevices,
               " NeuronCores can be emulated, not ", static_cast<int>(device_count));
   g_device_count = device_count;
-  if (g_allocate == nullptr) g_allocate = new py::object(std::move(allocate));  // leaked: lives as long as torch
+  if (g_reserve == nullptr) {  // leaked: they live as long as torch
+    g_reserve = new py::object(std::move(reserve));
+    g_release = new py::object(std::move(release));
+    g_synchronize = new py::object(std::move(synchronize));
+  }
   if (g_hooks == nullptr) {
     g_hooks = new NeuronHooks();
     at::RegisterPrivateUse1HooksInterface(g_hooks);
   }
 }
 
-// Launch bookkeeping: a program of `duration_ns` runs on the current stream of `device`.
-std::pair<double, double> launch(c10::DeviceIndex device, double duration_ns) {
+void set_numpy_dtypes(py::dict numpy_dtypes) {  // torch dtype -> numpy dtype, for `view`
+  for (auto item : numpy_dtypes) {
+    auto type = static_cast<size_t>(item.first.cast<at::ScalarType>());
+    TORCH_CHECK(type < g_numpy_dtypes.size(), "unexpected dtype");
+    if (g_numpy_dtypes[type] == nullptr) {
+      g_numpy_dtypes[type] = py::reinterpret_borrow<py::object>(item.second).release().ptr();
+    }
+  }
+}
+
+// A numpy view of a `neuron` tensor's elements in its storage's bytes (no copy; keeps the bytes alive).
+py::array numpy_view(const at::Tensor& tensor) {
+  auto type = static_cast<size_t>(tensor.scalar_type());
+  TORCH_CHECK(type < g_numpy_dtypes.size() && g_numpy_dtypes[type] != nullptr, "neuron tensors of dtype ",
+              tensor.scalar_type(), " cannot be viewed as numpy arrays");
+  auto dtype = py::reinterpret_borrow<py::dtype>(g_numpy_dtypes[type]);
+  std::vector<py::ssize_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+  const auto& data = tensor.storage().data_ptr();
+  if (tensor.numel() == 0 || data.get_deleter() != &free_buffer) return py::array(dtype, shape);
+  TORCH_CHECK(tensor.device().type() == kDevice, "not a neuron tensor");
+  std::vector<py::ssize_t> strides;
+  for (auto stride : tensor.strides()) strides.push_back(stride * dtype.itemsize());
+  auto* buffer = static_cast<Buffer*>(data.get_context());
+  return py::array(dtype, shape, strides, tensor.data_ptr(), py::handle(buffer->bytes));
+}
+
+// A launch on the current stream of `device`: (its start on the emulated clock, the stream's id).
+std::pair<double, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
-  double& clock = clock_of(device, t_current_stream[device]);
+  auto stream = t_current_stream[device];
+  double& clock = clock_of(device, stream);
   double start = clock;
   clock += duration_ns;
-  return {start, clock};
+  return {start, stream};
 }
 
 double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
@@ -333,8 +414,11 @@ double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "neuron device shim: allocator, device guard, hooks and metadata kernels for PrivateUse1";
-  m.def("init", &neuron::init, "set the device count and the Python allocator; register the hooks");
-  m.def("launch", &neuron::launch, "advance the current stream of a device by a program's duration");
+  m.def("init", &neuron::init, "set the device count, the Python HBM accounting and queue runner; register the hooks");
+  m.def("launch", &neuron::launch, "queue a program of a duration on the current stream of a device: (start, stream)");
+  m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
+  m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
+  m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
   m.def("current_device", []() { return static_cast<int>(neuron::current_device()); });
 }
