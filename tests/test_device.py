@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError
-from neuronc.pytorch import eager
+from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError, QueuedOpError
+from neuronc.pytorch import eager, queues
 from neuronc.pytorch.device_memory import array_of, core
 from tests.conftest import assert_matches_eager
 
@@ -152,6 +152,36 @@ def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
+def test_a_training_loop_compiles_only_in_its_first_step(neuron):
+    """AdamW's step sizes change every step; as runtime inputs of the programs they compile nothing new."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    on_device = copy.deepcopy(model).to(neuron)
+    x = torch.randn(4, 6)
+    compiled_after_step = []
+    for m, data in ((model, x), (on_device, x.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            m(data).square().mean().backward()
+            optimizer.step()
+            compiled_after_step.append(len(eager.programs))
+    device_counts = compiled_after_step[3:]
+    assert device_counts[0] == device_counts[1] == device_counts[2]
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+def test_python_numbers_are_runtime_inputs_not_part_of_the_signature(neuron):
+    a, b, c = torch.randn(5), torch.randn(5), torch.rand(5) + 0.5
+    da, db, dc = a.to(neuron), b.to(neuron), c.to(neuron)
+    torch.addcdiv(da, db, dc, value=0.5).mul(3.0)
+    compiled = len(eager.programs)
+    for value, factor in ((-0.25, 1.5), (2.0, -7.0)):
+        result = torch.addcdiv(da, db, dc, value=value).mul(factor)
+        assert_matches_eager(result.cpu(), torch.addcdiv(a, b, c, value=value).mul(factor))
+    assert len(eager.programs) == compiled
+
+
 def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -254,3 +284,50 @@ def test_a_missing_wait_shows_on_the_timeline(neuron):
 
     assert consumer_start_vs_producer_end(wait=False) < 0  # the consumer starts before the producer is done
     assert consumer_start_vs_producer_end(wait=True) >= 0
+
+
+def test_ops_are_queued_and_run_at_a_synchronization_point(neuron):
+    x = torch.ones(4, device=neuron)
+    torch.accelerator.synchronize()
+    y = x * 3.0
+    assert queues.pending(0) >= 1  # queued, not run
+    torch.accelerator.synchronize()
+    assert queues.pending(0) == 0
+    assert torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_a_missing_wait_reads_the_old_data(neuron):
+    """The consumer on one stream reads a buffer the producer on another writes later in emulated time:
+    without a wait on the producer's event it reads what the buffer held before."""
+    x = torch.randn(64, 64).to(neuron)
+    buffer = torch.zeros(4, device=neuron)
+    _work(x), buffer.add_(1.0), buffer * 2.0  # compiled before the streams time them
+    producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
+
+    def consumed(wait: bool) -> torch.Tensor:
+        buffer.zero_()
+        with torch.neuron.stream(producer):
+            _work(x)  # keeps the producer busy ...
+            buffer.add_(1.0)  # ... so this write happens later on the emulated clock
+            written = torch.Event()
+            written.record()
+        if wait:
+            consumer.wait_event(written)
+        with torch.neuron.stream(consumer):
+            seen = buffer * 2.0
+        return seen.cpu()
+
+    assert torch.equal(consumed(wait=False), torch.zeros(4))
+    assert torch.equal(consumed(wait=True), torch.full((4,), 2.0))
+    assert torch.equal(buffer.cpu(), torch.ones(4))
+
+
+def test_an_error_surfaces_at_the_next_synchronization_naming_the_op(neuron):
+    base = torch.tensor([2, 3], dtype=torch.int32).to(neuron)
+    exponent = torch.tensor([-1, 2], dtype=torch.int32).to(neuron)
+    powers = torch.pow(base, exponent)  # integers to negative powers: the NeuronCore refuses, when it runs
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(QueuedOpError, match="aten.pow") as raised:
+        powers.cpu()
+    assert f"test_device.py:{line}" in str(raised.value) and "Integers to negative" in str(raised.value)
+    assert torch.equal((base * 2).cpu(), torch.tensor([4, 6], dtype=torch.int32))  # the device goes on
