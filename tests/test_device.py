@@ -197,6 +197,50 @@ def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
+# ---- autocast and random numbers ---------------------------------------------------------------------
+
+def test_autocast_runs_matmuls_in_bfloat16_and_softmax_in_float32(neuron):
+    a, b, w = torch.randn(4, 8), torch.randn(8, 8), torch.randn(3, 8)
+    with torch.autocast("neuron"):  # bfloat16 unless dtype= says otherwise
+        product = a.to(neuron) @ b.to(neuron)
+        probabilities = torch.softmax(product, dim=-1)
+        projected = torch.nn.functional.linear(a.to(neuron), w.to(neuron))
+    expected = a.bfloat16() @ b.bfloat16()
+    assert_matches_eager(product.cpu(), expected)
+    assert_matches_eager(probabilities.cpu(), torch.softmax(expected.float(), dim=-1))
+    assert_matches_eager(projected.cpu(), torch.nn.functional.linear(a.bfloat16(), w.bfloat16()))
+    with torch.autocast("neuron", dtype=torch.bfloat16, enabled=False):
+        assert (a.to(neuron) @ b.to(neuron)).dtype == torch.float32
+
+
+def test_manual_seed_makes_device_random_tensors_reproducible(neuron):
+    torch.manual_seed(7)
+    first = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
+    torch.manual_seed(7)
+    again = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
+    assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(first, again))
+    torch.manual_seed(7)
+    assert torch.equal(first[0].cpu(), torch.randn(3, 4))  # drawn by the device's CPU generator stream
+    torch.manual_seed(7)
+    torch.neuron.manual_seed(8)  # reseeds the current device (neuron:0) only
+    assert not torch.equal(torch.randn(3, 4, device=neuron).cpu(), first[0].cpu())
+    assert torch.equal(torch.rand(5, device="neuron:1").cpu(), first[1].cpu())
+
+
+def test_a_device_generator_gives_reproducible_random_tensors(neuron):
+    generator = torch.Generator(device="neuron")
+    assert generator.device == neuron
+    generator.manual_seed(11)
+    first = torch.rand(6, device=neuron, generator=generator)
+    state = generator.get_state()
+    second = torch.rand(6, device=neuron, generator=generator)
+    generator.set_state(state)
+    assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), second.cpu())
+    generator.manual_seed(11)
+    assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), first.cpu())
+    assert not torch.equal(first.cpu(), second.cpu())
+
+
 # ---- torch.accelerator ---------------------------------------------------------------------------------
 
 def test_accelerator_sees_the_neuron_device(neuron):

@@ -173,9 +173,48 @@ def get_amp_supported_dtype() -> list:
     return [torch.bfloat16, torch.float16]
 
 
-def manual_seed_all(seed: int) -> None:
-    """Random ops run on the CPU generator (see the README's limits), so ``torch.manual_seed`` already seeds them."""
+def default_generator(device=None) -> torch.Generator:
+    """The default generator of ``neuron:device`` (the current device for None): one per NeuronCore. Its
+    numbers are drawn by a CPU generator (random ops run on the CPU), so a seed gives the same tensors as
+    the same seed on the CPU."""
+    _lazy_init()
+    from neuronc.pytorch import shim
+
+    return shim.load().default_generator(_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    """See :func:`manual_seed_all`."""
+    """Seed the default generator of the current device."""
+    default_generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed the default generator of every device (``torch.manual_seed`` calls this)."""
+    for index in range(device_count()):
+        default_generator(index).manual_seed(int(seed))
+
+
+def seed() -> None:
+    """Seed the current device's default generator with a non-deterministic number."""
+    default_generator().seed()
+
+
+def initial_seed() -> int:
+    return default_generator().initial_seed()
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    return default_generator(device).get_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    default_generator(device).set_state(state)
+
+
+def _index(device) -> int:
+    if device is None:
+        return torch.accelerator.current_device_index()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.accelerator.current_device_index()

@@ -182,6 +182,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
         return x
 
     host_args, host_kwargs = torch.utils._pytree.tree_map(to_host, (args, kwargs))
+    host_args, host_kwargs = _draw_from_the_device_generator(op, host_args, host_kwargs, device)
     result = op(*host_args, **host_kwargs)
     for i, argument in enumerate(op._schema.arguments):  # mutated arguments: their new bytes go back
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -202,6 +203,24 @@ def cpu_fallback(op, args, kwargs, reason: str):
         return x
 
     return torch.utils._pytree.tree_map(to_device, result)
+
+
+def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch.device) -> tuple:
+    """(args, kwargs) of a random op run on the CPU, drawing from the CPU generator behind the device's
+    generator (the one it was given, or the device's default): ``torch.manual_seed`` and
+    ``torch.Generator(device="neuron")`` apply."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "generator" and "Generator" in str(argument.type):
+            positional = not argument.kwarg_only and i < len(args)
+            given = args[i] if positional else kwargs.get("generator")
+            if given is None or given.device.type == "neuron":
+                drawn = sys.modules[shim.NAME].cpu_generator(given, device.index)
+                if positional:
+                    args = (*args[:i], drawn, *args[i + 1:])
+                else:
+                    kwargs = {**kwargs, "generator": drawn}
+            break
+    return args, kwargs
 
 
 # ---- what runs where ---------------------------------------------------------------------------------

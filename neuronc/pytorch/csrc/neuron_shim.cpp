@@ -6,11 +6,14 @@
 // * a DeviceGuardImplInterface: current device, streams and events over an emulated per-stream clock
 //   (each queued program advances its stream's clock by its estimated device time); synchronising or
 //   querying runs the device's queued work (neuronc.pytorch.queues);
-// * PrivateUse1HooksInterface, so torch.accelerator sees the device;
+// * PrivateUse1HooksInterface, so torch.accelerator sees the device, with a generator per device;
+// * autocast: PyTorch's op lists registered on AutocastPrivateUse1;
 // * the kernels that only touch tensor metadata (empty, views, resize, set_), which must alias storage.
 //
 // Every op that computes is in Python (neuronc/pytorch/eager.py).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/TensorFactories.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
@@ -268,6 +271,53 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
 
+// ---- random numbers ------------------------------------------------------------------------------
+
+// A `neuron` generator: the device, and a CPU generator (Philox-free mt19937) that draws the numbers.
+// Random ops run on the CPU (neuronc.pytorch.eager's fallback hands them `cpu()`), so a seed gives the
+// same tensors as the same seed on a CPU generator, and each NeuronCore has its own default generator.
+struct NeuronGeneratorImpl final : public c10::GeneratorImpl {
+  NeuronGeneratorImpl(c10::DeviceIndex device, uint64_t seed)
+      : c10::GeneratorImpl{c10::Device(kDevice, device), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)},
+        cpu(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+  void set_current_seed(uint64_t seed) override { cpu.set_current_seed(seed); }
+  void set_offset(uint64_t offset) override { cpu.set_offset(offset); }
+  uint64_t get_offset() const override { return cpu.get_offset(); }
+  uint64_t current_seed() const override { return cpu.current_seed(); }
+  uint64_t seed() override { return cpu.seed(); }
+  void set_state(const c10::TensorImpl& state) override { cpu.unsafeGetGeneratorImpl()->set_state(state); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { return cpu.unsafeGetGeneratorImpl()->get_state(); }
+  static c10::DeviceType device_type() { return kDevice; }
+
+  at::Generator cpu;
+
+ private:
+  NeuronGeneratorImpl* clone_impl() const override {
+    auto* copy = new NeuronGeneratorImpl(device_.index(), 0);
+    copy->cpu = cpu.clone();
+    return copy;
+  }
+};
+
+std::array<at::Generator, kMaxDevices> g_default_generators;
+std::once_flag g_generators_once;
+
+const at::Generator& default_generator(c10::DeviceIndex device) {
+  std::call_once(g_generators_once, [] {
+    for (int i = 0; i < kMaxDevices; ++i) {
+      g_default_generators[i] = at::make_generator<NeuronGeneratorImpl>(i, c10::detail::getNonDeterministicRandom());
+    }
+  });
+  return g_default_generators[device < 0 ? current_device() : device];
+}
+
+// The CPU generator that draws a `neuron` generator's numbers (the default one of `device` for None).
+at::Generator cpu_generator(std::optional<at::Generator> generator, c10::DeviceIndex device) {
+  const at::Generator& chosen = generator.has_value() ? *generator : default_generator(device);
+  TORCH_CHECK(chosen.device().type() == kDevice, "expected a neuron generator, got one of ", chosen.device());
+  return chosen.get<NeuronGeneratorImpl>()->cpu;
+}
+
 struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
@@ -285,6 +335,13 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kDevice, current_device()); }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device) const override {
+    return default_generator(device);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex device) const override {
+    return at::make_generator<NeuronGeneratorImpl>(device < 0 ? current_device() : device,
+                                                   c10::default_rng_seed_val);
+  }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     c10::DeviceGuard guard(storage.device());
     at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
@@ -349,6 +406,31 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", view);
   m.impl("_reshape_alias", reshape_alias);
 }
+
+// ---- autocast ----------------------------------------------------------------------------------------
+
+// torch.autocast("neuron"): PyTorch's own op lists and cast policies (the ones CUDA uses), on the
+// AutocastPrivateUse1 key; the lower precision is the autocast dtype (bfloat16 by default on neuron).
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {  // ops outside the lists run as they are
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+namespace autocast_kernels {
+using namespace at;  // the op lists name ATen types unqualified
+using namespace at::autocast;
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define NEURON_LOWER_PRECISION(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(NEURON_LOWER_PRECISION)
+#define NEURON_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(NEURON_FP32)
+#define NEURON_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+  AT_FORALL_FP32_SET_OPT_DTYPE(NEURON_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+#define NEURON_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_PROMOTE(NEURON_PROMOTE)
+}
+}  // namespace autocast_kernels
 
 // ---- what Python sees --------------------------------------------------------------------------------
 
@@ -420,5 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
   m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
+  m.def("default_generator", [](c10::DeviceIndex device) { return neuron::default_generator(device); },
+        "the default generator of a neuron device");
+  m.def("cpu_generator", &neuron::cpu_generator, "the CPU generator drawing a neuron generator's numbers");
   m.def("current_device", []() { return static_cast<int>(neuron::current_device()); });
 }
