@@ -26,6 +26,7 @@ device memory directly, as DMA and memset would, queued like ops; reading device
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -89,6 +90,7 @@ def compiled_for(op, first_shape: tuple) -> list:
     return [entry for ((functional, args, _), _), entry in programs.items()
             if functional == op and args and args[0][0] == first_shape and isinstance(entry, EagerProgram)]
 fallen_back: dict = {}  # op name -> why it ran on the CPU (warned once)
+fallback_calls: collections.Counter = collections.Counter()  # op name -> calls that ran on the CPU
 
 
 # ---- entry points ----------------------------------------------------------------------------------
@@ -167,6 +169,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
     if os.environ.get(FALLBACK_ENV, "") not in ("", "0"):
         raise FallbackDisabledError(f"{name} cannot run on the NeuronCore ({reason}), and CPU fallback is off",
                                     hint=f"unset {FALLBACK_ENV} to run it on the CPU, or avoid the op")
+    fallback_calls[name] += 1
     if name not in fallen_back:
         fallen_back[name] = reason
         warnings.warn(f"neuron: {name} runs on the CPU ({reason}); its arguments are copied to the host and "
@@ -532,7 +535,18 @@ def _zero(tensor: torch.Tensor) -> torch.Tensor:
     return _fill(tensor, 0)
 
 
+def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
+    """A range is a constant: made on the host and copied into the device memory (as a NEFF's constants are)."""
+    values = torch.arange(start, end, step, dtype=out.dtype)
+    if out.shape != values.shape:
+        queues.synchronize(out.device.index)  # resizing moves the bytes
+        out.resize_(values.shape)
+    queues.enqueue(out.device.index, 0.0, _assign, (_view(out), host_array(values)), "arange")
+    return out
+
+
 DIRECT_KERNELS = {
+    "arange.start_out": _arange,
     "_copy_from": _copy_from,
     "_copy_from_and_resize": _copy_from_and_resize,
     "_local_scalar_dense": _local_scalar_dense,
