@@ -408,3 +408,28 @@ def test_an_error_surfaces_at_the_next_synchronization_naming_the_op(neuron):
         powers.cpu()
     assert f"test_device.py:{line}" in str(raised.value) and "Integers to negative" in str(raised.value)
     assert torch.equal((base * 2).cpu(), torch.tensor([4, 6], dtype=torch.int32))  # the device goes on
+
+
+# ---- torch.compile on device memory ----------------------------------------------------------------
+
+def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(neuron):
+    from neuronc.pytorch import backend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(model).to(neuron)
+    compiled = torch.compile(on_device, backend="neuron")
+    x = torch.randn(5, 8)
+    data = x.to(neuron)
+    torch.accelerator.synchronize()
+    transfers, graphs = dict(eager.host_transfers), len(backend.compiled_graphs)
+    out = compiled(data)
+    out.square().sum().backward()
+    torch.accelerator.synchronize()
+    assert eager.host_transfers == transfers  # parameters, activations and gradients never left the device
+    forward, backward = backend.compiled_graphs[graphs:]
+    assert forward.device_launches == backward.device_launches == 1 and out.device == neuron
+    assert "program" not in vars(forward)  # no NEFF was loaded for host tensors
+    model(x).square().sum().backward()
+    assert_matches_eager(out.detach().cpu(), model(x).detach())
+    assert_matches_eager([p.grad.cpu() for p in on_device.parameters()], [p.grad for p in model.parameters()])

@@ -91,6 +91,7 @@ def compiled_for(op, first_shape: tuple) -> list:
             if functional == op and args and args[0][0] == first_shape and isinstance(entry, EagerProgram)]
 fallen_back: dict = {}  # op name -> why it ran on the CPU (warned once)
 fallback_calls: collections.Counter = collections.Counter()  # op name -> calls that ran on the CPU
+host_transfers: collections.Counter = collections.Counter()  # "to device" / "to host" -> copies through the host
 
 
 # ---- entry points ----------------------------------------------------------------------------------
@@ -480,6 +481,19 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     return result
 
 
+def launch_graph(program, duration_ns: float, args, device: int, what: str) -> list:
+    """Queue a loaded program (a torch.compile graph) on ``device``'s current stream, on the device memory of
+    ``args``; returns its outputs, new device tensors in the NEFF's output order."""
+    from neuronc.frontend.tensors import torch_dtype
+
+    inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
+              for x in args]
+    where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
+    outputs = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype), device=where) for t in program.neff.outputs()]
+    queues.enqueue(device, duration_ns, program.run_into, (inputs, [_view(o) for o in outputs]), what)
+    return outputs
+
+
 def _view(tensor):
     global _view
     _view = sys.modules[shim.NAME].view
@@ -501,9 +515,11 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         elif src.device.type == "neuron":
             queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), _view(src)), "copy_ (device to device)")
         else:  # the host's bytes are taken now: the tensor may change before the copy runs
+            host_transfers["to device"] += 1
             data = np.array(host_array(src.to(dst.dtype)), copy=True)
             queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), data), "copy_ (host to device)")
     else:
+        host_transfers["to host"] += 1
         queues.synchronize(src.device.index)
         dst.copy_(host_tensor(array_of(src), src.dtype))
     return dst
