@@ -169,6 +169,14 @@ def empty_cache() -> None:
     torch.accelerator.empty_cache()
 
 
+def set_adaptive_eager(enabled: bool) -> None:
+    """Opt in (or out) of adaptive eager: the ops queued between two synchronisations are batched into one
+    NEFF (experimental; off under torch.use_deterministic_algorithms(True)). See neuronc.pytorch.adaptive."""
+    from neuronc.pytorch import adaptive
+
+    adaptive.set_enabled(enabled)
+
+
 def get_amp_supported_dtype() -> list:
     return [torch.bfloat16, torch.float16]
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronDeviceError, NeuronError
-from neuronc.pytorch import queues, shim
+from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import array_of, core, host_array, host_tensor
 
 log = logging.getLogger("neuronc")
@@ -322,6 +322,45 @@ def _signature(values, runtime: frozenset, operands: list) -> tuple:
     return tuple(parts)
 
 
+OPERAND = object()  # stands for a tensor operand in the arguments adaptive eager keeps of a queued op
+
+
+def call_with_operands(op, args, kwargs, runtime: frozenset, operands: list, dtypes: list) -> list:
+    """``op``'s flat results with its operands (the tensors and runtime numbers, in ``_signature``'s order)
+    replaced by ``operands``, computed as ``_compile`` traces it (SCALAR_FORMS for runtime Scalars) and cast
+    to ``dtypes`` (the op's own result types): used to replay queued ops into one graph."""
+    replacements = iter(operands)
+    scalar_slot = [False]
+
+    def substitute(values):
+        items = values.items() if isinstance(values, dict) else enumerate(values)
+        done = {}
+        for where, value in items:
+            if value is OPERAND or isinstance(value, torch.Tensor):
+                done[where] = next(replacements)
+            elif type(value) in _NUMBERS and where in runtime:
+                done[where] = next(replacements)
+                scalar_slot[0] |= isinstance(_argument_type(op, where), torch.NumberType)
+            elif isinstance(value, (list, tuple)):
+                done[where] = type(value)(nested(v) for v in value)
+            else:
+                done[where] = value
+        return done if isinstance(values, dict) else tuple(done[i] for i in range(len(values)))
+
+    def nested(value):
+        if value is OPERAND or isinstance(value, torch.Tensor):
+            return next(replacements)
+        if isinstance(value, (list, tuple)):
+            return type(value)(nested(v) for v in value)
+        return value
+
+    a, k = substitute(args), substitute(kwargs)
+    form = SCALAR_FORMS.get(_schema_name(op)) if scalar_slot[0] else None
+    result = form(**dict(zip([x.name for x in op._schema.arguments], a)), **k) if form else op(*a, **k)
+    flat = torch.utils._pytree.tree_leaves(result)
+    return [t.to(d) if t.dtype != d else t for t, d in zip(flat, dtypes)]
+
+
 def _nested(value, operands: list):
     if isinstance(value, torch.Tensor):
         operands.append(value)
@@ -474,9 +513,17 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
                 target.resize_(shape)
         result = flat[0] if len(flat) == 1 else tuple(flat)
     outputs = [_view(t) for t in flat]
+    flat_outputs = outputs
     if entry.permuted:
         outputs = entry.arrange(outputs)
-    queues.enqueue(device, entry.duration_ns, entry.run, (inputs, outputs), op)
+    if adaptive.ENABLED and (writes is None or all(t.is_contiguous() for t in flat)):  # may be batched
+        functional, _, runtime = _plans[op]
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if writes else kwargs
+        launch = adaptive.Launch(entry, functional, runtime, args, call_kwargs, operands, inputs, outputs,
+                                 flat_outputs, flat)
+        queues.enqueue(device, entry.duration_ns, launch, (), op)
+    else:
+        queues.enqueue(device, entry.duration_ns, entry.run, (inputs, outputs), op)
     entry.launches += 1
     return result
 

@@ -15,6 +15,7 @@ A launch that fails raises :class:`~neuronc.errors.QueuedOpError` at the synchro
 op, its stream and the line of user code that queued it; the launches queued after it on the device are
 dropped (what they would have written keeps its old values), as a CUDA error poisons its queue.
 ``QUEUE_DEPTH`` queued launches on a device run them as a synchronisation would (a full launch queue).
+With adaptive eager on, consecutive ops of a stream run as one NEFF (:mod:`neuronc.pytorch.adaptive`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import sys
 import torch
 
 from neuronc.errors import QueuedOpError
+from neuronc.pytorch import adaptive
 
 QUEUE_DEPTH = 1024
 _queues: dict = {}  # device index -> [(start ns, sequence number, function, arguments, context)]
@@ -52,6 +54,8 @@ def synchronize(device: int) -> None:
     if queue:
         _queues[device] = []
         queue.sort(key=_order)
+        if adaptive.ENABLED:
+            queue = adaptive.batch(queue, device)
         for start, _, function, arguments, context in queue:
             try:
                 function(*arguments)
