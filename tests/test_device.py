@@ -62,7 +62,12 @@ def test_device_tensor_bytes_are_the_cores_hbm(neuron):
     torch.accelerator.synchronize()  # the queued zero-fill runs
     array_of(x)[3, 5] = 7.0  # the tensor is that memory: no copy on the side
     assert x.cpu()[3, 5].item() == 7.0
-    del x
+    del x  # its bytes wait in the allocator's cache for the next storage of that size ...
+    assert hbm.in_use - before == 256 * 64 * 4 and torch.accelerator.memory_reserved() >= 256 * 64 * 4
+    y = torch.empty(256, 64, device=neuron)
+    assert hbm.in_use - before == 256 * 64 * 4  # ... which reuses them
+    del y
+    torch.accelerator.empty_cache()  # ... until the cache gives them back to the core
     assert hbm.in_use == before
 
 

@@ -164,7 +164,7 @@ def reset_peak_memory_stats(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing to do: freed storage goes back to its NeuronCore at once (there is no caching allocator)."""
+    """Give the storage buffers the allocator keeps for reuse back to their NeuronCores' HBM."""
     _lazy_init()
     torch.accelerator.empty_cache()
 

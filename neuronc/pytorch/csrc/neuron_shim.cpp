@@ -2,7 +2,8 @@
 //
 // * an allocator (c10::DeviceAllocator) whose bytes are counted on the emulated NeuronCore's HBM (the
 //   Python runtime's accounting, neuronc.pytorch.device_memory) and held in a numpy array, so that
-//   `view` gives Python a numpy view of a tensor's elements with one call;
+//   `view` gives Python a numpy view of a tensor's elements with one call; freed buffers are cached by
+//   size for the next storage (empty_cache gives them back);
 // * a DeviceGuardImplInterface: current device, streams and events over an emulated per-stream clock
 //   (each queued program advances its stream's clock by its estimated device time); synchronising or
 //   querying runs the device's queued work (neuronc.pytorch.queues);
@@ -41,6 +42,7 @@ constexpr int kMaxDevices = 64;
 
 c10::DeviceIndex g_device_count = 1;
 thread_local c10::DeviceIndex t_current_device = 0;
+thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};  // per device: the current stream
 
 c10::DeviceIndex current_device() { return t_current_device; }
 
@@ -57,41 +59,112 @@ py::object* g_release = nullptr;  // Python: (device index, handle) -> None
 
 struct Buffer {
   PyObject* bytes;  // the numpy uint8 array holding the storage; views of it keep it alive after the free
+  void* data;
   c10::DeviceIndex device;
   size_t nbytes;
   int64_t handle;
+  int64_t stream;  // the stream it was allocated on; -1 once recorded on another (it is not cached then)
 };
 
 std::mutex g_stats_mutex;
 std::array<c10::CachingDeviceAllocator::DeviceStats, kMaxDevices> g_stats;
 
-void update_stats(c10::DeviceIndex device, size_t nbytes, bool allocated) {
+// `in_use`: bytes held by tensors (allocated, active, requested); `reserved`: bytes held on the core's HBM
+// (reserved, segments), which a freed buffer keeps while it waits in the cache.
+void update_stats(c10::DeviceIndex device, size_t nbytes, bool increase, bool in_use, bool reserved) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
   auto& stats = g_stats[device];
   auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  for (auto* stat : {&stats.allocated_bytes[agg], &stats.reserved_bytes[agg], &stats.active_bytes[agg],
-                     &stats.requested_bytes[agg]}) {
-    allocated ? stat->increase(nbytes) : stat->decrease(nbytes);
+  auto change = [&](c10::CachingAllocator::Stat& stat, int64_t amount) {
+    increase ? stat.increase(amount) : stat.decrease(amount);
+  };
+  if (in_use) {
+    for (auto* stat : {&stats.allocated_bytes[agg], &stats.active_bytes[agg], &stats.requested_bytes[agg]}) {
+      change(*stat, nbytes);
+    }
+    for (auto* stat : {&stats.allocation[agg], &stats.active[agg]}) change(*stat, 1);
   }
-  for (auto* stat : {&stats.allocation[agg], &stats.segment[agg], &stats.active[agg]}) {
-    allocated ? stat->increase(1) : stat->decrease(1);
+  if (reserved) {
+    change(stats.reserved_bytes[agg], nbytes);
+    change(stats.segment[agg], 1);
   }
 }
 
+// Freed buffers wait here, per (device, stream, size), to be given to the next storage of that size on that
+// stream without asking Python, as CUDA's caching allocator does (torch.accelerator.empty_cache() gives them
+// back to the core). Queued work of the stream that still reads a freed buffer runs before the stream's later
+// work that reuses it; a buffer used on another stream (Tensor.record_stream) is not cached.
+std::mutex g_cache_mutex;
+std::map<std::tuple<c10::DeviceIndex, int64_t, size_t>, std::vector<Buffer*>> g_cached;
+
+void release_buffer(Buffer* buffer);
+
 void free_buffer(void* context) {
   auto* buffer = static_cast<Buffer*>(context);
-  update_stats(buffer->device, buffer->nbytes, false);
-  if (Py_IsInitialized()) {
-    py::gil_scoped_acquire gil;
-    py::error_scope pending;  // tensors are also freed while an exception unwinds: keep it for later
-    try {
-      (*g_release)(buffer->device, buffer->handle);
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("freeing a neuron tensor's HBM");
+  update_stats(buffer->device, buffer->nbytes, false, true, false);
+  if (buffer->stream < 0) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      release_buffer(buffer);
     }
-    Py_DECREF(buffer->bytes);  // queued work holding views of the bytes keeps them until it has run
+    return;
   }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  g_cached[{buffer->device, buffer->stream, buffer->nbytes}].push_back(buffer);
+}
+
+void release_buffer(Buffer* buffer) {  // with the GIL
+  update_stats(buffer->device, buffer->nbytes, false, false, true);
+  py::error_scope pending;  // tensors are also freed while an exception unwinds: keep it for later
+  try {
+    (*g_release)(buffer->device, buffer->handle);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("freeing a neuron tensor's HBM");
+  }
+  Py_DECREF(buffer->bytes);  // queued work holding views of the bytes keeps them until it has run
   delete buffer;
+}
+
+void empty_cache(c10::DeviceIndex device) {  // device -1: all of them
+  std::vector<Buffer*> released;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto it = g_cached.begin(); it != g_cached.end();) {
+      if (device >= 0 && std::get<0>(it->first) != device) {
+        ++it;
+        continue;
+      }
+      released.insert(released.end(), it->second.begin(), it->second.end());
+      it = g_cached.erase(it);
+    }
+  }
+  if (released.empty() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  for (auto* buffer : released) release_buffer(buffer);
+}
+
+Buffer* cached_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  auto it = g_cached.find({device, stream, nbytes});
+  if (it == g_cached.end() || it->second.empty()) return nullptr;
+  auto* buffer = it->second.back();
+  it->second.pop_back();
+  return buffer;
+}
+
+Buffer* new_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {  // with the GIL
+  int64_t handle;
+  try {
+    handle = (*g_reserve)(device, nbytes).cast<int64_t>();
+  } catch (py::error_already_set&) {  // out of HBM: give back what the cache holds, and try once more
+    empty_cache(device);
+    handle = (*g_reserve)(device, nbytes).cast<int64_t>();  // raises DeviceOutOfMemoryError through pybind
+  }
+  py::array_t<uint8_t> bytes(static_cast<py::ssize_t>(nbytes));
+  void* data = bytes.mutable_data();
+  std::memset(data, 0xFF, nbytes);  // uninitialised HBM reads as NaN, as the runtime's does
+  update_stats(device, nbytes, true, false, true);
+  return new Buffer{bytes.release().ptr(), data, device, nbytes, handle, stream};
 }
 
 struct NeuronAllocator final : public c10::DeviceAllocator {
@@ -101,21 +174,25 @@ struct NeuronAllocator final : public c10::DeviceAllocator {
       return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(kDevice, device)};
     }
     TORCH_CHECK(g_reserve != nullptr, "the neuron device is not initialised (import neuronc.pytorch.device)");
-    py::gil_scoped_acquire gil;
-    auto handle = (*g_reserve)(device, nbytes).cast<int64_t>();  // raises DeviceOutOfMemoryError through pybind
-    py::array_t<uint8_t> bytes(static_cast<py::ssize_t>(nbytes));
-    void* data = bytes.mutable_data();
-    std::memset(data, 0xFF, nbytes);  // uninitialised HBM reads as NaN, as the runtime's does
-    update_stats(device, nbytes, true);
-    return {data, new Buffer{bytes.release().ptr(), device, nbytes, handle}, &free_buffer,
-            c10::Device(kDevice, device)};
+    int64_t stream = t_current_stream[device];
+    Buffer* buffer = cached_buffer(device, stream, nbytes);
+    if (buffer == nullptr) {
+      py::gil_scoped_acquire gil;
+      buffer = new_buffer(device, stream, nbytes);
+    }
+    update_stats(device, nbytes, true, true, false);
+    return {buffer->data, buffer, &free_buffer, c10::Device(kDevice, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const final { default_copy_data(dest, src, count); }
 
   bool initialized() override { return g_reserve != nullptr; }
-  void emptyCache(c10::MempoolId_t) override {}  // nothing is cached: freed bytes go back to the core at once
-  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  void emptyCache(c10::MempoolId_t) override { empty_cache(-1); }
+  void recordStream(const c10::DataPtr& data, c10::Stream stream) override {
+    if (data.get_deleter() != &free_buffer) return;
+    auto* buffer = static_cast<Buffer*>(data.get_context());
+    if (stream.id() != buffer->stream) buffer->stream = -1;  // read on another stream: never reused
+  }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_index(device);
     std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -154,7 +231,6 @@ std::mutex g_clock_mutex;
 std::map<std::pair<c10::DeviceIndex, c10::StreamId>, double> g_clock_ns;
 std::array<double, kMaxDevices> g_synced_ns{};  // per device: the emulated time of its last synchronisation
 std::atomic<c10::StreamId> g_next_stream{1};
-thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};
 py::object* g_synchronize = nullptr;  // Python: (device index) -> None, runs the device's queued work
 
 double& clock_of(c10::DeviceIndex device, c10::StreamId stream) {  // callers hold g_clock_mutex
