@@ -71,6 +71,25 @@ def test_device_tensor_bytes_are_the_cores_hbm(neuron):
     assert hbm.in_use == before
 
 
+def test_freed_storage_is_reused_on_its_own_stream_only(neuron):
+    x = torch.empty(123, device=neuron)
+    pointer = x.data_ptr()
+    del x
+    y = torch.empty(123, device=neuron)
+    assert y.data_ptr() == pointer  # the cached buffer, without asking the core
+    del y
+    other = torch.Stream(device="neuron")
+    with torch.neuron.stream(other):
+        z = torch.empty(123, device=neuron)
+    assert z.data_ptr() != pointer  # queued work on the first stream may still read it
+    w = torch.empty(123, device=neuron)
+    assert w.data_ptr() == pointer
+    reserved = torch.accelerator.memory_reserved()
+    w.record_stream(other)  # read on another stream: never reused, given back to the core when freed
+    del w
+    assert torch.accelerator.memory_reserved() == reserved - 123 * 4
+
+
 def test_out_of_device_memory_is_a_typed_error(neuron):
     with pytest.raises(DeviceOutOfMemoryError, match="HBM"):
         torch.empty(core(0).hbm.capacity // 4 + 1, dtype=torch.float32, device=neuron)

@@ -472,7 +472,12 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::
   return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  g_allocator.recordStream(self.storage().data_ptr(), stream);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("record_stream", record_stream);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", as_strided);
