@@ -76,3 +76,8 @@ class NeuronDeviceError(NeuronError):
 
 class FallbackDisabledError(NeuronDeviceError):
     """An op the NeuronCore does not run would fall back to the CPU, and fallback is turned off."""
+
+
+class QueuedOpError(NeuronDeviceError):
+    """An op queued on a `neuron` stream failed when it ran, at the next synchronisation point;
+    the message names the op, its stream and the line that queued it (``__cause__`` is the failure)."""

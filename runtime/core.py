@@ -28,7 +28,9 @@ that does not need data, once:
   completion in one go; the others (only racy programs have them) read into a buffer at their
   start and write it at their completion, exactly as the simulation says.
 
-Running is then: copy the inputs in, make the calls in order, copy the outputs out.
+Running is then: copy the inputs in, make the calls in order, copy the outputs out (``run``; or, for a
+host launching one program many times on its own buffers, ``run_into``, which skips the timeline and the
+output copies).
 """
 from __future__ import annotations
 
@@ -501,6 +503,29 @@ class LoadedProgram:
         self._check_loaded()
         plan = self._plan
         self._write_inputs(inputs, plan.inputs)
+        self._execute(plan)
+        return RunResult([view.copy() for view in plan.outputs], self.time())
+
+    def run_into(self, inputs: list, outputs: list) -> None:
+        """Execute the program reading ``inputs`` and writing ``outputs`` in place: the host's own arrays
+        (any strides; a Python number for a 0-d input), in the program's input and output order.
+
+        For a host that launches one loaded program many times on its own buffers (the `neuron` device's
+        eager ops): no timeline is built (``time()`` is the same for every run, the host reads it once),
+        the outputs go straight into the host's arrays instead of into fresh copies, and the shapes and
+        dtypes are not checked again (the host keys its programs by them; ``run`` checks). The inputs are
+        still copied into the program's HBM: its kernels are bound to views of it at the first run, and
+        rebinding them to other buffers on every launch would cost more than the copy of the small
+        tensors an eager op usually has."""
+        self._check_loaded()
+        plan = self._plan
+        for view, x in zip(plan.inputs, inputs):
+            view[...] = x
+        self._execute(plan)
+        for out, view in zip(outputs, plan.outputs):
+            out[...] = view
+
+    def _execute(self, plan: _Plan) -> None:
         for region in plan.resets:
             region.fill(UNINITIALISED)
         calls = plan.calls
@@ -512,7 +537,6 @@ class LoadedProgram:
             except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
                 i = plan.owners[len(calls) - operator.length_hint(remaining) - 1]  # the call that raised
                 raise self._error(i.instr, i.index, f"failed: {e}") from e
-        return RunResult([view.copy() for view in plan.outputs], self.time())
 
     def time(self) -> Timeline:
         """The timeline of a run, without running: times depend on the program and the target, not on data."""

@@ -11,9 +11,10 @@ import warnings
 import pytest
 import torch
 
-from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError
-from neuronc.pytorch import eager
+from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError, QueuedOpError
+from neuronc.pytorch import eager, queues
 from neuronc.pytorch.device_memory import array_of, core
+from tests import zoo
 from tests.conftest import assert_matches_eager
 
 
@@ -58,10 +59,35 @@ def test_device_tensor_bytes_are_the_cores_hbm(neuron):
     before = hbm.in_use
     x = torch.zeros(256, 64, device=neuron)
     assert hbm.in_use - before == 256 * 64 * 4
+    torch.accelerator.synchronize()  # the queued zero-fill runs
     array_of(x)[3, 5] = 7.0  # the tensor is that memory: no copy on the side
     assert x.cpu()[3, 5].item() == 7.0
-    del x
+    del x  # its bytes wait in the allocator's cache for the next storage of that size ...
+    assert hbm.in_use - before == 256 * 64 * 4 and torch.accelerator.memory_reserved() >= 256 * 64 * 4
+    y = torch.empty(256, 64, device=neuron)
+    assert hbm.in_use - before == 256 * 64 * 4  # ... which reuses them
+    del y
+    torch.accelerator.empty_cache()  # ... until the cache gives them back to the core
     assert hbm.in_use == before
+
+
+def test_freed_storage_is_reused_on_its_own_stream_only(neuron):
+    x = torch.empty(123, device=neuron)
+    pointer = x.data_ptr()
+    del x
+    y = torch.empty(123, device=neuron)
+    assert y.data_ptr() == pointer  # the cached buffer, without asking the core
+    del y
+    other = torch.Stream(device="neuron")
+    with torch.neuron.stream(other):
+        z = torch.empty(123, device=neuron)
+    assert z.data_ptr() != pointer  # queued work on the first stream may still read it
+    w = torch.empty(123, device=neuron)
+    assert w.data_ptr() == pointer
+    reserved = torch.accelerator.memory_reserved()
+    w.record_stream(other)  # read on another stream: never reused, given back to the core when freed
+    del w
+    assert torch.accelerator.memory_reserved() == reserved - 123 * 4
 
 
 def test_out_of_device_memory_is_a_typed_error(neuron):
@@ -151,6 +177,68 @@ def test_mlp_trains_with_adamw_on_the_device_as_on_cpu(neuron):
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
+def test_a_training_loop_compiles_only_in_its_first_step(neuron):
+    """AdamW's step sizes change every step; as runtime inputs of the programs they compile nothing new."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    on_device = copy.deepcopy(model).to(neuron)
+    x = torch.randn(4, 6)
+    compiled_after_step = []
+    for m, data in ((model, x), (on_device, x.to(neuron))):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            m(data).square().mean().backward()
+            optimizer.step()
+            compiled_after_step.append(len(eager.programs))
+    device_counts = compiled_after_step[3:]
+    assert device_counts[0] == device_counts[1] == device_counts[2]
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+def test_gpt2_trains_on_the_device_as_on_cpu(neuron):
+    """The zoo's GPT-2 (tied embedding and head, attention, cross-entropy) trains for a few AdamW steps with
+    every op on the NeuronCore, and the losses and parameters match the same loop on the CPU.
+
+    Two notes. PyTorch gives a PrivateUse1 module new Parameters in .to() (its tensors are not
+    shallow-copy compatible with CPU ones), so tied weights are tied again, as with torch_xla. And the
+    gradient of attention's key bias is zero in exact arithmetic (softmax ignores a per-row shift): what
+    autograd computes is rounding noise, ~1e-11, which AdamW with eps=1e-8 would blow up to a full step
+    of a different sign on each machine; eps=1e-6 keeps the comparison about the computation."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=32, width=16, layers=1, heads=2, context=8)
+    on_device = copy.deepcopy(model).to(neuron)
+    on_device.head.weight = on_device.tokens.weight
+    tokens, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    fallbacks, losses, compiled = sum(eager.fallback_calls.values()), [], []
+    for m, where in ((model, torch.device("cpu")), (on_device, neuron)):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6)
+        for _ in range(3):
+            optimizer.zero_grad()
+            with where:  # GPT2.forward makes its positions with torch.arange
+                loss = m(tokens.to(where), targets.to(where))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach().cpu())
+            compiled.append(len(eager.programs))
+    assert sum(eager.fallback_calls.values()) == fallbacks  # nothing ran on the CPU
+    assert compiled[3] == compiled[4] == compiled[5]  # steps 2 and 3 compile nothing
+    assert all(p.device == neuron for p in on_device.parameters())
+    assert_matches_eager(losses[3:], losses[:3])
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+def test_python_numbers_are_runtime_inputs_not_part_of_the_signature(neuron):
+    a, b, c = torch.randn(5), torch.randn(5), torch.rand(5) + 0.5
+    da, db, dc = a.to(neuron), b.to(neuron), c.to(neuron)
+    torch.addcdiv(da, db, dc, value=0.5).mul(3.0)
+    compiled = len(eager.programs)
+    for value, factor in ((-0.25, 1.5), (2.0, -7.0)):
+        result = torch.addcdiv(da, db, dc, value=value).mul(factor)
+        assert_matches_eager(result.cpu(), torch.addcdiv(a, b, c, value=value).mul(factor))
+    assert len(eager.programs) == compiled
+
+
 def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -164,6 +252,50 @@ def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
             optimizer.step()
     assert "aten._fused_adamw_.default" in eager.fallen_back
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
+# ---- autocast and random numbers ---------------------------------------------------------------------
+
+def test_autocast_runs_matmuls_in_bfloat16_and_softmax_in_float32(neuron):
+    a, b, w = torch.randn(4, 8), torch.randn(8, 8), torch.randn(3, 8)
+    with torch.autocast("neuron"):  # bfloat16 unless dtype= says otherwise
+        product = a.to(neuron) @ b.to(neuron)
+        probabilities = torch.softmax(product, dim=-1)
+        projected = torch.nn.functional.linear(a.to(neuron), w.to(neuron))
+    expected = a.bfloat16() @ b.bfloat16()
+    assert_matches_eager(product.cpu(), expected)
+    assert_matches_eager(probabilities.cpu(), torch.softmax(expected.float(), dim=-1))
+    assert_matches_eager(projected.cpu(), torch.nn.functional.linear(a.bfloat16(), w.bfloat16()))
+    with torch.autocast("neuron", dtype=torch.bfloat16, enabled=False):
+        assert (a.to(neuron) @ b.to(neuron)).dtype == torch.float32
+
+
+def test_manual_seed_makes_device_random_tensors_reproducible(neuron):
+    torch.manual_seed(7)
+    first = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
+    torch.manual_seed(7)
+    again = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
+    assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(first, again))
+    torch.manual_seed(7)
+    assert torch.equal(first[0].cpu(), torch.randn(3, 4))  # drawn by the device's CPU generator stream
+    torch.manual_seed(7)
+    torch.neuron.manual_seed(8)  # reseeds the current device (neuron:0) only
+    assert not torch.equal(torch.randn(3, 4, device=neuron).cpu(), first[0].cpu())
+    assert torch.equal(torch.rand(5, device="neuron:1").cpu(), first[1].cpu())
+
+
+def test_a_device_generator_gives_reproducible_random_tensors(neuron):
+    generator = torch.Generator(device="neuron")
+    assert generator.device == neuron
+    generator.manual_seed(11)
+    first = torch.rand(6, device=neuron, generator=generator)
+    state = generator.get_state()
+    second = torch.rand(6, device=neuron, generator=generator)
+    generator.set_state(state)
+    assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), second.cpu())
+    generator.manual_seed(11)
+    assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), first.cpu())
+    assert not torch.equal(first.cpu(), second.cpu())
 
 
 # ---- torch.accelerator ---------------------------------------------------------------------------------
@@ -253,3 +385,128 @@ def test_a_missing_wait_shows_on_the_timeline(neuron):
 
     assert consumer_start_vs_producer_end(wait=False) < 0  # the consumer starts before the producer is done
     assert consumer_start_vs_producer_end(wait=True) >= 0
+
+
+def test_ops_are_queued_and_run_at_a_synchronization_point(neuron):
+    x = torch.ones(4, device=neuron)
+    torch.accelerator.synchronize()
+    y = x * 3.0
+    assert queues.pending(0) >= 1  # queued, not run
+    torch.accelerator.synchronize()
+    assert queues.pending(0) == 0
+    assert torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_a_missing_wait_reads_the_old_data(neuron):
+    """The consumer on one stream reads a buffer the producer on another writes later in emulated time:
+    without a wait on the producer's event it reads what the buffer held before."""
+    x = torch.randn(64, 64).to(neuron)
+    buffer = torch.zeros(4, device=neuron)
+    _work(x), buffer.add_(1.0), buffer * 2.0  # compiled before the streams time them
+    producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
+
+    def consumed(wait: bool) -> torch.Tensor:
+        buffer.zero_()
+        with torch.neuron.stream(producer):
+            _work(x)  # keeps the producer busy ...
+            buffer.add_(1.0)  # ... so this write happens later on the emulated clock
+            written = torch.Event()
+            written.record()
+        if wait:
+            consumer.wait_event(written)
+        with torch.neuron.stream(consumer):
+            seen = buffer * 2.0
+        return seen.cpu()
+
+    assert torch.equal(consumed(wait=False), torch.zeros(4))
+    assert torch.equal(consumed(wait=True), torch.full((4,), 2.0))
+    assert torch.equal(buffer.cpu(), torch.ones(4))
+
+
+def test_an_error_surfaces_at_the_next_synchronization_naming_the_op(neuron):
+    base = torch.tensor([2, 3], dtype=torch.int32).to(neuron)
+    exponent = torch.tensor([-1, 2], dtype=torch.int32).to(neuron)
+    powers = torch.pow(base, exponent)  # integers to negative powers: the NeuronCore refuses, when it runs
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(QueuedOpError, match="aten.pow") as raised:
+        powers.cpu()
+    assert f"test_device.py:{line}" in str(raised.value) and "Integers to negative" in str(raised.value)
+    assert torch.equal((base * 2).cpu(), torch.tensor([4, 6], dtype=torch.int32))  # the device goes on
+
+
+# ---- torch.compile on device memory ----------------------------------------------------------------
+
+def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(neuron):
+    from neuronc.pytorch import backend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(model).to(neuron)
+    compiled = torch.compile(on_device, backend="neuron")
+    x = torch.randn(5, 8)
+    data = x.to(neuron)
+    torch.accelerator.synchronize()
+    transfers, graphs = dict(eager.host_transfers), len(backend.compiled_graphs)
+    out = compiled(data)
+    out.square().sum().backward()
+    torch.accelerator.synchronize()
+    assert eager.host_transfers == transfers  # parameters, activations and gradients never left the device
+    forward, backward = backend.compiled_graphs[graphs:]
+    assert forward.device_launches == backward.device_launches == 1 and out.device == neuron
+    assert "program" not in vars(forward)  # no NEFF was loaded for host tensors
+    model(x).square().sum().backward()
+    assert_matches_eager(out.detach().cpu(), model(x).detach())
+    assert_matches_eager([p.grad.cpu() for p in on_device.parameters()], [p.grad for p in model.parameters()])
+
+
+# ---- adaptive eager ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def adaptive_eager(neuron):
+    from neuronc.pytorch import adaptive
+
+    torch.accelerator.synchronize()
+    torch.neuron.set_adaptive_eager(True)
+    try:
+        yield adaptive.stats
+    finally:
+        torch.neuron.set_adaptive_eager(False)
+
+
+def _chain(a, b, c):
+    hidden = torch.relu(a @ b) * 0.5 + c
+    return torch.softmax(hidden, dim=-1)
+
+
+def test_adaptive_eager_runs_queued_ops_as_one_neff_and_matches_cpu(adaptive_eager, neuron):
+    a, b, c = torch.randn(6, 8), torch.randn(8, 8), torch.randn(6, 8)
+    before = dict(adaptive_eager)
+    result = _chain(a.to(neuron), b.to(neuron), c.to(neuron))
+    assert_matches_eager(result.cpu(), _chain(a, b, c))
+    assert adaptive_eager["batches"] == before.get("batches", 0) + 1
+    assert adaptive_eager["batched ops"] - before.get("batched ops", 0) >= 4  # mm, relu, mul, add, softmax
+    assert adaptive_eager["results not written"] > before.get("results not written", 0)  # dropped intermediates
+
+
+def test_printing_ends_an_adaptive_batch(adaptive_eager, neuron, capsys):
+    x = torch.randn(4, 4).to(neuron)
+    torch.accelerator.synchronize()
+    before = adaptive_eager["batches"]
+    y = (x * 2.0).relu()
+    print(y)  # a synchronisation point: the ops queued so far run, as one batch
+    z = (y + 1.0).tanh()
+    assert_matches_eager(z.cpu(), ((x.cpu() * 2.0).relu() + 1.0).tanh())
+    assert adaptive_eager["batches"] == before + 2
+    assert "tensor(" in capsys.readouterr().out
+
+
+def test_adaptive_eager_is_off_under_deterministic_algorithms(adaptive_eager, neuron):
+    a, b, c = torch.randn(6, 8), torch.randn(8, 8), torch.randn(6, 8)
+    before = adaptive_eager["batches"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = _chain(a.to(neuron), b.to(neuron), c.to(neuron)).cpu()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert adaptive_eager["batches"] == before
+    assert_matches_eager(result, _chain(a, b, c))

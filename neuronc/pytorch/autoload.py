@@ -16,6 +16,7 @@ def register() -> None:
     torch.utils.rename_privateuse1_backend("neuron")
     torch._register_device_module("neuron", device)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+    torch.set_autocast_dtype("neuron", torch.bfloat16)  # the NeuronCore's native low precision
     built = shim.load_built()
     if built is not None:
         device._init_shim(built)

@@ -2,8 +2,11 @@
 
 Registered through the `torch_dynamo_backends` entry point, so no import of neuronc is needed.
 AOTAutograd lifts parameters to graph inputs and applies the frontend's ATen decompositions; each
-resulting graph is compiled to a NEFF, loaded on an emulated NeuronCore, and wrapped in a callable
-that takes and returns CPU tensors.
+resulting graph is compiled to a NEFF and wrapped in a callable. Given CPU tensors, it runs the NEFF on
+an emulated NeuronCore of its own and returns CPU tensors. Given `neuron` tensors (a model moved with
+``.to("neuron")``), it runs the NEFF on the core of their device, directly on their device memory: the
+program is loaded on that core, the launch is queued on the current stream like an eager op, and its
+outputs are new device tensors; nothing goes through the host.
 
 neuronc compiles one program per input shape (as the Neuron toolchain does): graphs with dynamic
 shapes (`dynamic=True`, `mark_dynamic`) are refused with a message saying how to pad or bucket,
@@ -13,6 +16,7 @@ logger) rather than a shape-generic graph.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 from neuronc.compiler import CompileOptions, compile_fx
@@ -22,21 +26,43 @@ log = logging.getLogger("neuronc")
 
 
 class NeffFunction:
-    """A compiled graph: CPU tensors in, run on the emulated device, CPU tensors out."""
+    """A compiled graph: CPU tensors in and out through a core of its own, or `neuron` tensors in and out
+    on their device's memory."""
 
     def __init__(self, compiled, options: CompileOptions):
+        self.compiled, self.options = compiled, options
+        self.last_run = None
+        self.on_device: dict = {}  # neuron device index -> (LoadedProgram, estimated ns)
+        self.device_launches = 0
+
+    @functools.cached_property
+    def program(self):
+        """The NEFF loaded on a core of its own, for CPU tensors."""
         from runtime import NeuronCore
 
-        self.compiled = compiled
-        self.program = NeuronCore(options.target).load(compiled.neff)
-        self.last_run = None
+        return NeuronCore(self.options.target).load(self.compiled.neff)
 
     def __call__(self, *args):
+        device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
+        if device is not None:
+            return self._run_on_device(device, args)
         from neuronc.frontend.tensors import from_numpy, to_numpy
 
         result = self.program.run([to_numpy(a) for a in args])
         self.last_run = result
         outputs = [from_numpy(o) for o in result.outputs]
+        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+
+    def _run_on_device(self, device: int, args) -> tuple:
+        from neuronc.pytorch import eager
+        from neuronc.pytorch.device_memory import core
+
+        if device not in self.on_device:
+            program = core(device).load(self.compiled.neff)
+            self.on_device[device] = (program, program.time().estimated_ns)
+        program, duration_ns = self.on_device[device]
+        outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
+        self.device_launches += 1
         return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
 
 
@@ -60,6 +86,18 @@ def _refuse_dynamic_shapes(gm) -> None:
         )
 
 
+def _devices_to_host(gm) -> None:
+    """In place: factory ops of a graph traced on `neuron` tensors name that device (``scalar_tensor(0.0,
+    device=neuron)``); the compiler only needs shapes and dtypes, and torch-mlir knows no `neuron` device."""
+    import torch
+
+    for node in gm.graph.nodes:
+        device = node.kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "neuron":
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    gm.recompile()
+
+
 def compile_count() -> int:
     """How many graphs the backend has compiled (or taken from the compile cache) in this process."""
     return len(compiled_graphs)
@@ -77,6 +115,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None):
     torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 
     def compile_graph(graph_module, inputs):
+        _devices_to_host(graph_module)
         compiled = compile_fx(graph_module, compile_options)
         neff = compiled.neff
         function = NeffFunction(compiled, compile_options)

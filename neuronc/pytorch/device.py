@@ -40,15 +40,30 @@ def _visible_cores() -> int:
     return len(cores)
 
 
-def _allocate(index: int, nbytes: int) -> tuple:
+def _reserve(index: int, nbytes: int) -> int:
     """The shim's allocator calls this for every storage (the runtime is imported on first use)."""
-    from neuronc.pytorch.device_memory import allocate
+    global _reserve, _release
+    from neuronc.pytorch.device_memory import release, reserve
 
-    return allocate(index, nbytes)
+    _reserve, _release = reserve, release
+    return reserve(index, nbytes)
+
+
+def _release(index: int, handle: int) -> None:
+    from neuronc.pytorch.device_memory import release
+
+    release(index, handle)
+
+
+def _synchronize(index: int) -> None:
+    """The shim calls this when a stream, an event or the device is synchronised or queried."""
+    from neuronc.pytorch.queues import synchronize
+
+    synchronize(index)
 
 
 def _init_shim(shim) -> None:
-    shim.init(_visible_cores(), _allocate)
+    shim.init(_visible_cores(), lambda i, n: _reserve(i, n), lambda i, h: _release(i, h), _synchronize)
 
 
 def _lazy_init() -> None:
@@ -60,8 +75,11 @@ def _lazy_init() -> None:
         if _initialized:
             return
         from neuronc.pytorch import eager, shim
+        from neuronc.pytorch.device_memory import NUMPY_DTYPES
 
-        _init_shim(shim.load())
+        loaded = shim.load()
+        _init_shim(loaded)
+        loaded.set_numpy_dtypes(NUMPY_DTYPES)
         eager.register()
         _initialized = True
 
@@ -93,7 +111,7 @@ def set_device(device) -> None:
 
 
 def synchronize(device=None) -> None:
-    """Wait for the device's work. Ops run synchronously on the emulator, so this returns at once."""
+    """Run the device's queued work (every stream, in emulated-time order); its errors are raised here."""
     _lazy_init()
     torch.accelerator.synchronize(device)
 
@@ -146,18 +164,65 @@ def reset_peak_memory_stats(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing to do: freed storage goes back to its NeuronCore at once (there is no caching allocator)."""
+    """Give the storage buffers the allocator keeps for reuse back to their NeuronCores' HBM."""
     _lazy_init()
     torch.accelerator.empty_cache()
+
+
+def set_adaptive_eager(enabled: bool) -> None:
+    """Opt in (or out) of adaptive eager: the ops queued between two synchronisations are batched into one
+    NEFF (experimental; off under torch.use_deterministic_algorithms(True)). See neuronc.pytorch.adaptive."""
+    from neuronc.pytorch import adaptive
+
+    adaptive.set_enabled(enabled)
 
 
 def get_amp_supported_dtype() -> list:
     return [torch.bfloat16, torch.float16]
 
 
-def manual_seed_all(seed: int) -> None:
-    """Random ops run on the CPU generator (see the README's limits), so ``torch.manual_seed`` already seeds them."""
+def default_generator(device=None) -> torch.Generator:
+    """The default generator of ``neuron:device`` (the current device for None): one per NeuronCore. Its
+    numbers are drawn by a CPU generator (random ops run on the CPU), so a seed gives the same tensors as
+    the same seed on the CPU."""
+    _lazy_init()
+    from neuronc.pytorch import shim
+
+    return shim.load().default_generator(_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    """See :func:`manual_seed_all`."""
+    """Seed the default generator of the current device."""
+    default_generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed the default generator of every device (``torch.manual_seed`` calls this)."""
+    for index in range(device_count()):
+        default_generator(index).manual_seed(int(seed))
+
+
+def seed() -> None:
+    """Seed the current device's default generator with a non-deterministic number."""
+    default_generator().seed()
+
+
+def initial_seed() -> int:
+    return default_generator().initial_seed()
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    return default_generator(device).get_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    default_generator(device).set_state(state)
+
+
+def _index(device) -> int:
+    if device is None:
+        return torch.accelerator.current_device_index()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.accelerator.current_device_index()

@@ -1,14 +1,15 @@
 """The memory of `neuron` tensors: bytes in the HBM of an emulated NeuronCore, one core per device.
 
-The C++ shim's allocator asks :func:`allocate` for every storage PyTorch makes on ``neuron:i``; the
-bytes are reserved on core *i*'s HBM allocator (the runtime's, so the capacity of the target and its
-``DeviceOutOfMemoryError`` apply) and held in a numpy byte array that PyTorch then owns through the
-returned owner object. Ops read and write tensors through :func:`array_of`, a strided numpy view of
-those bytes: there is no other copy of a device tensor.
+The C++ shim's allocator calls :func:`reserve` for every storage PyTorch makes on ``neuron:i``: the
+bytes are accounted on core *i*'s HBM (the runtime's allocator, so the capacity of the target and its
+``DeviceOutOfMemoryError`` apply) and held in a numpy byte array the shim makes; :func:`release` gives
+them back when PyTorch frees the storage. Ops read and write tensors through :func:`array_of`, a
+strided numpy view of those bytes made by the shim in one call: there is no other copy of a device
+tensor. Work still queued on a stream holds views of the bytes, so they outlive the free until it ran.
 """
 from __future__ import annotations
 
-import weakref
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -16,10 +17,8 @@ import torch
 
 from neuronc.cc_flags import cc_flags, flag_value
 from runtime import NeuronCore
-from runtime.memory import allocate_hbm
 
 _cores: dict = {}  # device index -> NeuronCore
-_buffers: dict = {}  # data pointer of a storage -> its bytes
 
 NUMPY_DTYPES = {
     torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64), torch.float16: np.dtype(np.float16),
@@ -43,42 +42,25 @@ def core(index: int) -> NeuronCore:
     return _cores[index]
 
 
-class DeviceBuffer:
-    """The bytes of one storage; dropping the last reference gives them back to the core."""
-
-    __slots__ = ("bytes", "__weakref__")
-
-    def __init__(self, array: np.ndarray):
-        self.bytes = array
+def reserve(index: int, nbytes: int) -> int:
+    """Account ``nbytes`` of a new storage on core ``index``'s HBM; the handle to release them with."""
+    return core(index).hbm.reserve(f"a neuron:{index} tensor storage of {nbytes} bytes", nbytes)
 
 
-def _release(hbm, handle: int, pointer: int) -> None:
-    hbm.free(handle)
-    _buffers.pop(pointer, None)
-
-
-def allocate(index: int, nbytes: int) -> tuple:
-    """(data pointer, owner) of ``nbytes`` fresh bytes of core ``index``'s HBM (read as NaN until written)."""
-    hbm = core(index).hbm
-    handle = hbm.reserve(f"a neuron:{index} tensor storage of {nbytes} bytes", nbytes)
-    array = allocate_hbm(nbytes)
-    pointer = array.ctypes.data
-    _buffers[pointer] = array
-    owner = DeviceBuffer(array)
-    weakref.finalize(owner, _release, hbm, handle, pointer)
-    return pointer, owner
+def release(index: int, handle: int) -> None:
+    core(index).hbm.free(handle)
 
 
 def array_of(tensor: torch.Tensor) -> np.ndarray:
-    """A writable numpy view of a `neuron` tensor's elements, in its device memory."""
-    dtype = NUMPY_DTYPES[tensor.dtype]
-    pointer = tensor.data_ptr()
-    if pointer == 0:  # no elements
-        return np.empty(tuple(tensor.shape), dtype)
-    itemsize = dtype.itemsize
-    offset = tensor.storage_offset() * itemsize
-    return np.ndarray(tensor.shape, dtype, buffer=_buffers[pointer - offset], offset=offset,
-                      strides=[s * itemsize for s in tensor.stride()])
+    """A writable numpy view of a `neuron` tensor's elements, in its device memory (queued work not run:
+    see :func:`neuronc.pytorch.queues.synchronize`)."""
+    return _view(tensor)
+
+
+def _view(tensor):
+    global _view
+    _view = sys.modules["neuron_shim"].view  # the shim is loaded before any tensor exists
+    return _view(tensor)
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:

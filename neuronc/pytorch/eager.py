@@ -5,21 +5,30 @@ Every op PyTorch dispatches to the device and that no composite kernel handles r
 into a one-op FX graph (``make_fx``, torch-mlir's decompositions), compiled by the same pipeline as
 ``torch.compile`` (:func:`neuronc.compiler.compile_fx`) to a NEFF and loaded on the core of the
 tensors' device; the loaded program is kept in memory under (op, shapes, dtypes, other arguments,
-device), so the next call with the same signature is a dictionary lookup and a run. Python scalars are
-part of the signature (a new value compiles anew). In-place and ``out=`` ops run their functional form
-and write the result into the mutated tensor's memory.
+device), so the next call with the same signature is a dictionary lookup and a launch. A Python number
+where the op takes a tensor (``x * 0.9``), or where it takes a Scalar of an op in :data:`SCALAR_FORMS`
+(``add``'s alpha, ``addcdiv``'s value, ``lerp``'s weight...), is a runtime input of the program (a 0-d
+tensor), keyed by its type only: an optimizer whose step sizes change every step compiles in its first step
+only. Other arguments (dims, shapes, flags) are part of the signature. In-place and ``out=`` ops run their
+functional form with the mutated tensor's memory as the program's output.
+
+Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
+synchronisation point; the host pays only for the lookup, the new output tensors and the queueing.
 
 Ops the NeuronCore cannot run (the compiler refuses them, random ops, ops with data-dependent output
 shapes or non-tensor results) run on the CPU: arguments copied to the host, results copied back, with
 one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
-Moving bytes (``_copy_from``: host <-> device and device <-> device), ``fill_``/``zero_`` and reading
-one element (``.item()``) act on the device memory directly, as DMA and memset would.
+Moving bytes (``_copy_from``: host <-> device and device <-> device) and ``fill_``/``zero_`` act on the
+device memory directly, as DMA and memset would, queued like ops; reading device memory from the host
+(``.cpu()``, ``.item()``) is a synchronisation point.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -29,7 +38,7 @@ import numpy as np
 import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronDeviceError, NeuronError
-from neuronc.pytorch import shim
+from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import array_of, core, host_array, host_tensor
 
 log = logging.getLogger("neuronc")
@@ -49,6 +58,29 @@ class EagerProgram:
     duration_ns: float  # estimated device time of one run
     launches: int = 0
 
+    def __post_init__(self):
+        self.single = self.out_spec.is_leaf()
+        self.permuted = list(self.layout) != list(range(len(self.layout)))
+        self.run = self.program.run_into if not self.permuted else self._run_permuted
+
+    def arrange(self, flat: list) -> list:
+        """The op's flat outputs in the NEFF's output order; a NEFF output two op outputs share goes to the
+        first, and the others copy it (see ``_run_permuted``)."""
+        ordered = [None] * (max(self.layout) + 1)
+        for index, array in zip(self.layout, flat):
+            if ordered[index] is None:
+                ordered[index] = array
+        return [ordered, flat]
+
+    def _run_permuted(self, inputs: list, arranged: list) -> None:
+        ordered, flat = arranged
+        scratch = [np.empty(tuple(t.shape), t.dtype.numpy) if a is None else a
+                   for a, t in zip(ordered, self.program.neff.outputs())]
+        self.program.run_into(inputs, scratch)
+        for index, array in zip(self.layout, flat):
+            if array is not scratch[index]:
+                array[...] = scratch[index]
+
 
 programs: dict = {}  # ((op, signature of args, of kwargs), device) -> EagerProgram, or why it runs on the CPU
 
@@ -58,6 +90,8 @@ def compiled_for(op, first_shape: tuple) -> list:
     return [entry for ((functional, args, _), _), entry in programs.items()
             if functional == op and args and args[0][0] == first_shape and isinstance(entry, EagerProgram)]
 fallen_back: dict = {}  # op name -> why it ran on the CPU (warned once)
+fallback_calls: collections.Counter = collections.Counter()  # op name -> calls that ran on the CPU
+host_transfers: collections.Counter = collections.Counter()  # "to device" / "to host" -> copies through the host
 
 
 # ---- entry points ----------------------------------------------------------------------------------
@@ -91,23 +125,23 @@ def _print_from_host() -> None:
 def run_op(op, *args, **kwargs):
     """Run ``op`` on the NeuronCore of its tensors (compiled on first use), or on the CPU if it cannot."""
     plan = _plans.get(op) or _plan(op)
-    if isinstance(plan, str):
+    if plan.__class__ is str:
         return cpu_fallback(op, args, kwargs, plan)
-    functional, writes = plan
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in writes.get("out", ())} if kwargs else kwargs
-    tensors = []
-    key = (functional, _signature(args, tensors), _signature(call_kwargs, tensors) if call_kwargs else ())
-    device = _device_of(op, tensors)
+    functional, writes, runtime = plan
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if kwargs and writes else kwargs
+    operands = []
+    key = (functional, _signature(args, runtime, operands),
+           _signature(call_kwargs, runtime, operands) if call_kwargs else ())
+    device = _device_of(op, operands)
     entry = programs.get((key, device))
     if entry is None:
-        entry = programs[(key, device)] = _compile(functional, args, call_kwargs, device)
-    if isinstance(entry, str):
+        entry = programs[(key, device)] = _compile(functional, args, call_kwargs, device, runtime)
+    if entry.__class__ is str:
         return cpu_fallback(op, args, kwargs, entry)
-    results = _launch(entry, device, tensors)
-    return _write_back(writes, args, kwargs, results, entry)
+    return _launch(op, entry, device, operands, writes, args, kwargs)
 
 
-_plans: dict = {}  # op -> (functional op, what it writes) or the reason it runs on the CPU
+_plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments) or why it runs on the CPU
 
 
 def _plan(op):
@@ -115,8 +149,19 @@ def _plan(op):
     functional, writes = _functional(op)
     if not reason and functional is None:
         reason = "it mutates its arguments in a way neuronc does not compile"
-    _plans[op] = reason or (functional, writes)
+    _plans[op] = reason or (functional, writes, _runtime_scalars(functional))
+    if not reason:
+        _register_direct(op)
     return _plans[op]
+
+
+def _register_direct(op) -> None:
+    """From now on PyTorch calls ``run_op`` for ``op`` as its own PrivateUse1 kernel rather than through the
+    boxed fallback, which looks the op up by name on every call (about 5 us of the launch overhead)."""
+    try:
+        _libraries[0].impl(op, functools.partial(run_op, op), "PrivateUse1")
+    except RuntimeError as e:  # already has a kernel: the fallback keeps serving it
+        log.debug("neuronc: %s keeps the fallback kernel: %s", op, e)
 
 
 def cpu_fallback(op, args, kwargs, reason: str):
@@ -125,6 +170,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
     if os.environ.get(FALLBACK_ENV, "") not in ("", "0"):
         raise FallbackDisabledError(f"{name} cannot run on the NeuronCore ({reason}), and CPU fallback is off",
                                     hint=f"unset {FALLBACK_ENV} to run it on the CPU, or avoid the op")
+    fallback_calls[name] += 1
     if name not in fallen_back:
         fallen_back[name] = reason
         warnings.warn(f"neuron: {name} runs on the CPU ({reason}); its arguments are copied to the host and "
@@ -140,6 +186,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
         return x
 
     host_args, host_kwargs = torch.utils._pytree.tree_map(to_host, (args, kwargs))
+    host_args, host_kwargs = _draw_from_the_device_generator(op, host_args, host_kwargs, device)
     result = op(*host_args, **host_kwargs)
     for i, argument in enumerate(op._schema.arguments):  # mutated arguments: their new bytes go back
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -150,6 +197,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
             if isinstance(host, torch.Tensor) and id(host) in originals:
                 original = originals[id(host)]
                 if original.shape != host.shape:
+                    queues.synchronize(original.device.index)  # resizing moves the bytes
                     original.resize_(host.shape)
                 original.copy_(host)
 
@@ -159,6 +207,24 @@ def cpu_fallback(op, args, kwargs, reason: str):
         return x
 
     return torch.utils._pytree.tree_map(to_device, result)
+
+
+def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch.device) -> tuple:
+    """(args, kwargs) of a random op run on the CPU, drawing from the CPU generator behind the device's
+    generator (the one it was given, or the device's default): ``torch.manual_seed`` and
+    ``torch.Generator(device="neuron")`` apply."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "generator" and "Generator" in str(argument.type):
+            positional = not argument.kwarg_only and i < len(args)
+            given = args[i] if positional else kwargs.get("generator")
+            if given is None or given.device.type == "neuron":
+                drawn = sys.modules[shim.NAME].cpu_generator(given, device.index)
+                if positional:
+                    args = (*args[:i], drawn, *args[i + 1:])
+                else:
+                    kwargs = {**kwargs, "generator": drawn}
+            break
+    return args, kwargs
 
 
 # ---- what runs where ---------------------------------------------------------------------------------
@@ -180,14 +246,15 @@ _functional_cache: dict = {}
 
 
 def _functional(op) -> tuple:
-    """(the op without mutation, {"self": True} or {"out": names}) — or (None, {}) if there is none."""
+    """(the op without mutation, None or what it writes: {"self": True, "out": ()} or {"self": False, "out":
+    names}) — or (None, None) if there is none."""
     if op in _functional_cache:
         return _functional_cache[op]
     schema = op._schema
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    found = (op, {})
+    found = (op, None)
     if written:
-        found = (None, {})
+        found = (None, None)
         packet_name = schema.name.split("::")[1]
         outs = [a.name for a in written if a.kwarg_only]
         if outs and len(outs) == len(written):
@@ -197,29 +264,32 @@ def _functional(op) -> tuple:
                 candidate = getattr(packet, overload)
                 if not candidate._schema.is_mutable and \
                         [(a.name, str(a.type)) for a in candidate._schema.arguments] == wanted:
-                    found = (candidate, {"out": outs})
+                    found = (candidate, {"out": outs, "self": False})
                     break
         elif packet_name.endswith("_") and written == [schema.arguments[0]]:
             packet = getattr(torch.ops.aten, packet_name[:-1], None)
             candidate = getattr(packet, op._overloadname, None) if packet else None
             if candidate is not None and not candidate._schema.is_mutable:
-                found = (candidate, {"self": True})
+                found = (candidate, {"out": (), "self": True})
     _functional_cache[op] = found
     return found
 
 
-def _device_of(op, tensors: list) -> int:
-    index = None
-    for x in tensors:
-        if x.device.type == "neuron":
-            if index is not None and x.device.index != index:
-                raise NeuronDeviceError(f"{op} got tensors on neuron:{index} and {x.device}",
-                                        hint="move them to one device with .to(...)")
-            index = x.device.index
-        elif x.dim() > 0:
-            raise NeuronDeviceError(f"{op} got a {x.device} tensor of shape {tuple(x.shape)} with neuron tensors",
-                                    hint='move it with .to("neuron") (only 0-d CPU tensors mix with device tensors)')
-    return index if index is not None else torch.accelerator.current_device_index()
+def _device_of(op, operands: list) -> int:
+    index = -1
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            where = x.get_device()
+            if where >= 0:
+                if index >= 0 and where != index:
+                    raise NeuronDeviceError(f"{op} got tensors on neuron:{index} and {x.device}",
+                                            hint="move them to one device with .to(...)")
+                index = where
+            elif x.dim() > 0:
+                raise NeuronDeviceError(
+                    f"{op} got a {x.device} tensor of shape {tuple(x.shape)} with neuron tensors",
+                    hint='move it with .to("neuron") (only 0-d CPU tensors mix with device tensors)')
+    return index if index >= 0 else torch.accelerator.current_device_index()
 
 
 def _first_device(args, kwargs):
@@ -229,51 +299,179 @@ def _first_device(args, kwargs):
     return None
 
 
-def _signature(value, tensors: list):
-    """A hashable description of arguments: tensors by (shape, dtype, device type), the rest by value.
-    Appends the tensors met, in order (the program's inputs), to ``tensors``."""
+_NUMBERS = (float, int)  # bool is an int, but a flag: it stays in the signature (type(x) is checked)
+
+
+def _signature(values, runtime: frozenset, operands: list) -> tuple:
+    """A hashable description of the arguments (a tuple, or a dict of keyword arguments): tensors by
+    (shape, dtype), runtime scalars (numbers in the ``runtime`` positions or names) by type, the rest by
+    (type, value). Appends the program's inputs, tensors and runtime numbers in order, to ``operands``."""
+    parts = []
+    items = values.items() if isinstance(values, dict) else enumerate(values)
+    for where, value in items:
+        if isinstance(value, torch.Tensor):
+            operands.append(value)
+            parts.append((value.shape, value.dtype))
+        elif type(value) in _NUMBERS and where in runtime:
+            operands.append(value)
+            parts.append(type(value))
+        elif isinstance(value, (list, tuple)):
+            parts.append(_nested(value, operands))
+        else:
+            parts.append((type(value), value))
+    return tuple(parts)
+
+
+OPERAND = object()  # stands for a tensor operand in the arguments adaptive eager keeps of a queued op
+
+
+def call_with_operands(op, args, kwargs, runtime: frozenset, operands: list, dtypes: list) -> list:
+    """``op``'s flat results with its operands (the tensors and runtime numbers, in ``_signature``'s order)
+    replaced by ``operands``, computed as ``_compile`` traces it (SCALAR_FORMS for runtime Scalars) and cast
+    to ``dtypes`` (the op's own result types): used to replay queued ops into one graph."""
+    replacements = iter(operands)
+    scalar_slot = [False]
+
+    def substitute(values):
+        items = values.items() if isinstance(values, dict) else enumerate(values)
+        done = {}
+        for where, value in items:
+            if value is OPERAND or isinstance(value, torch.Tensor):
+                done[where] = next(replacements)
+            elif type(value) in _NUMBERS and where in runtime:
+                done[where] = next(replacements)
+                scalar_slot[0] |= isinstance(_argument_type(op, where), torch.NumberType)
+            elif isinstance(value, (list, tuple)):
+                done[where] = type(value)(nested(v) for v in value)
+            else:
+                done[where] = value
+        return done if isinstance(values, dict) else tuple(done[i] for i in range(len(values)))
+
+    def nested(value):
+        if value is OPERAND or isinstance(value, torch.Tensor):
+            return next(replacements)
+        if isinstance(value, (list, tuple)):
+            return type(value)(nested(v) for v in value)
+        return value
+
+    a, k = substitute(args), substitute(kwargs)
+    form = SCALAR_FORMS.get(_schema_name(op)) if scalar_slot[0] else None
+    result = form(**dict(zip([x.name for x in op._schema.arguments], a)), **k) if form else op(*a, **k)
+    flat = torch.utils._pytree.tree_leaves(result)
+    return [t.to(d) if t.dtype != d else t for t, d in zip(flat, dtypes)]
+
+
+def _nested(value, operands: list):
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return (value.shape, value.dtype, value.device.type)
+        operands.append(value)
+        return (value.shape, value.dtype)
     if isinstance(value, (list, tuple)):
-        return tuple(_signature(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v, tensors)) for k, v in value.items())
+        return tuple(_nested(v, operands) for v in value)
     return (type(value), value)
+
+
+# ---- Python numbers as runtime inputs ----------------------------------------------------------------
+
+def _add(self, other, alpha=1):
+    return self + other * alpha
+
+
+def _sub(self, other, alpha=1):
+    return self - other * alpha
+
+
+def _clamp(self, min=None, max=None):  # noqa: A002 (the schema's names)
+    return torch.clamp(self, min=min, max=max)
+
+
+SCALAR_FORMS = {
+    # op whose Scalar arguments may be runtime inputs -> the same computation with them as 0-d tensors
+    "aten::add.Tensor": _add, "aten::add.Scalar": _add, "aten::sub.Tensor": _sub, "aten::sub.Scalar": _sub,
+    "aten::rsub.Tensor": lambda self, other, alpha=1: other - self * alpha,
+    "aten::rsub.Scalar": lambda self, other, alpha=1: other - self * alpha,
+    "aten::mul.Scalar": lambda self, other: self * other,
+    "aten::div.Scalar": lambda self, other: self / other,
+    "aten::addcmul": lambda self, tensor1, tensor2, value=1: self + value * tensor1 * tensor2,
+    "aten::addcdiv": lambda self, tensor1, tensor2, value=1: self + value * tensor1 / tensor2,
+    "aten::lerp.Scalar": lambda self, end, weight: torch.lerp(self, end, weight.to(self.dtype)),
+    "aten::clamp": _clamp,
+}
+
+
+def _schema_name(op) -> str:
+    schema = op._schema
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def _runtime_scalars(op) -> frozenset:
+    """The positions and names of ``op``'s arguments where a Python number is a runtime input: the
+    Tensor arguments (PyTorch passes ``x * 0.9``'s 0.9 there), and the Scalars of ops in SCALAR_FORMS."""
+    form = _schema_name(op) in SCALAR_FORMS
+    where = set()
+    for i, argument in enumerate(op._schema.arguments):
+        kind = argument.type
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch.TensorType) or (form and isinstance(kind, torch.NumberType)):
+            where.update((i, argument.name) if not argument.kwarg_only else (argument.name,))
+    return frozenset(where)
+
+
+def _scalar_tensor(value) -> torch.Tensor:
+    """The 0-d example a runtime number is traced as: fp32 for a float (the device has no fp64), int64."""
+    return torch.tensor(value, dtype=torch.float32 if isinstance(value, float) else torch.int64)
+
+
+def _with_scalar_tensors(values, runtime: frozenset):
+    """``values`` (args tuple or kwargs dict) with the runtime numbers replaced by 0-d tensors."""
+    if isinstance(values, dict):
+        return {k: _scalar_tensor(v) if type(v) in _NUMBERS and k in runtime else v for k, v in values.items()}
+    return tuple(_scalar_tensor(v) if type(v) in _NUMBERS and i in runtime else v for i, v in enumerate(values))
 
 
 # ---- compile, launch, write back -------------------------------------------------------------------
 
-def _compile(op, args, kwargs, device: int):
+def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     """An EagerProgram for this signature, or the reason (a string) the op runs on the CPU instead."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from neuronc.compiler import CompileOptions, compile_fx
     from neuronc.frontend.torch_import import decomposition_table
 
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    def example(x):
+        return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+    real = torch.utils._pytree.tree_map(example, (args, kwargs))  # with its numbers: the op's result types
+    traced = (_with_scalar_tensors(args, runtime), _with_scalar_tensors(kwargs, runtime))
+    leaves, spec = torch.utils._pytree.tree_flatten(traced)
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    examples = [torch.zeros(leaves[i].shape, dtype=leaves[i].dtype) for i in positions]
+    examples = [example(leaves[i]) for i in positions]
     if not positions:
         return "it has no tensor inputs"
-    out_spec = []
+    form = SCALAR_FORMS.get(_schema_name(op)) if any(
+        type(v) in _NUMBERS and k in runtime and isinstance(_argument_type(op, k), torch.NumberType)
+        for k, v in [*enumerate(args), *kwargs.items()]) else None
+    names = [a.name for a in op._schema.arguments]
+    out_spec, dtypes = [], []
 
     def one_op(*tensors):
         filled = list(leaves)
         for i, t in zip(positions, tensors):
             filled[i] = t
         a, k = torch.utils._pytree.tree_unflatten(filled, spec)
-        flat, result_spec = torch.utils._pytree.tree_flatten(op(*a, **k))
+        result = form(**dict(zip(names, a)), **k) if form else op(*a, **k)
+        flat, result_spec = torch.utils._pytree.tree_flatten(result)
         out_spec.append(result_spec)
-        return tuple(flat)
+        return tuple(t.to(d) if dtypes and t.dtype != d else t for t, d in zip(flat, dtypes or flat))
 
     name = str(op).replace(".", "_")
     try:
-        gm = make_fx(one_op, decomposition_table=decomposition_table())(*examples)
-        expected = one_op(*examples)
+        expected = torch.utils._pytree.tree_leaves(op(*real[0], **real[1]))
         if not expected or not all(isinstance(t, torch.Tensor) for t in expected) or \
                 any(t.numel() == 0 for t in expected):
             return "it has empty or non-tensor results"
+        dtypes.extend(t.dtype for t in expected)
+        gm = make_fx(one_op, decomposition_table=decomposition_table())(*examples)
         compiled = compile_fx(gm, CompileOptions.from_dict({"name": f"eager_{name}"}))
         program = core(device).load(compiled.neff)
     except NeuronError as e:
@@ -285,60 +483,105 @@ def _compile(op, args, kwargs, device: int):
                         out_spec[-1], program.time().estimated_ns)
 
 
-def _launch(entry: EagerProgram, device: int, tensors: list) -> list:
-    """Run the program on the tensors' memory; returns the flat results as new device tensors."""
-    inputs = [array_of(x) if x.device.type == "neuron" else host_array(x) for x in tensors]
-    result = entry.program.run(inputs)
-    _shim().launch(device, entry.duration_ns)
+def _argument_type(op, where):
+    arguments = op._schema.arguments
+    argument = arguments[where] if isinstance(where, int) else next(a for a in arguments if a.name == where)
+    kind = argument.type
+    return kind.getElementType() if isinstance(kind, torch.OptionalType) else kind
+
+
+_devices: dict = {}  # index -> torch.device
+
+
+def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, kwargs):
+    """Queue the program on the current stream of ``device``, on the operands' memory; returns its results
+    (new device tensors, or the tensors it writes)."""
+    inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
+              for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
+    if writes is None:
+        where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
+        flat = [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in entry.outputs]
+        result = flat[0] if entry.single else torch.utils._pytree.tree_unflatten(flat, entry.out_spec)
+    elif writes["self"]:
+        flat = [args[0]]
+        result = args[0]
+    else:
+        flat = [kwargs[name] for name in writes["out"]]
+        for target, (shape, _) in zip(flat, entry.outputs):
+            if tuple(target.shape) != shape:
+                queues.synchronize(device)  # resizing moves the bytes: queued work must have run
+                target.resize_(shape)
+        result = flat[0] if len(flat) == 1 else tuple(flat)
+    outputs = [_view(t) for t in flat]
+    flat_outputs = outputs
+    if entry.permuted:
+        outputs = entry.arrange(outputs)
+    if adaptive.ENABLED and (writes is None or all(t.is_contiguous() for t in flat)):  # may be batched
+        functional, _, runtime = _plans[op]
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if writes else kwargs
+        launch = adaptive.Launch(entry, functional, runtime, args, call_kwargs, operands, inputs, outputs,
+                                 flat_outputs, flat)
+        queues.enqueue(device, entry.duration_ns, launch, (), op)
+    else:
+        queues.enqueue(device, entry.duration_ns, entry.run, (inputs, outputs), op)
     entry.launches += 1
-    flat = []
-    where = torch.device("neuron", device)
-    for index, (shape, dtype) in zip(entry.layout, entry.outputs):
-        out = torch.empty(shape, dtype=dtype, device=where)
-        array_of(out)[...] = result.outputs[index]
-        flat.append(out)
-    return flat
+    return result
 
 
-def _shim():
-    return sys.modules[shim.NAME]
+def launch_graph(program, duration_ns: float, args, device: int, what: str) -> list:
+    """Queue a loaded program (a torch.compile graph) on ``device``'s current stream, on the device memory of
+    ``args``; returns its outputs, new device tensors in the NEFF's output order."""
+    from neuronc.frontend.tensors import torch_dtype
+
+    inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
+              for x in args]
+    where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
+    outputs = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype), device=where) for t in program.neff.outputs()]
+    queues.enqueue(device, duration_ns, program.run_into, (inputs, [_view(o) for o in outputs]), what)
+    return outputs
 
 
-def _write_back(writes: dict, args, kwargs, flat: list, entry: EagerProgram):
-    if writes.get("self"):
-        target = args[0]
-        array_of(target)[...] = array_of(flat[0])
-        return target
-    if writes.get("out"):
-        targets = [kwargs[name] for name in writes["out"]]
-        for target, value in zip(targets, flat):
-            if target.shape != value.shape:
-                target.resize_(value.shape)
-            array_of(target)[...] = array_of(value)
-        return targets[0] if len(targets) == 1 else tuple(targets)
-    return torch.utils._pytree.tree_unflatten(flat, entry.out_spec)
+def _view(tensor):
+    global _view
+    _view = sys.modules[shim.NAME].view
+    return _view(tensor)
 
 
 # ---- kernels on device memory itself -------------------------------------------------------------------
 
+def _assign(dst: np.ndarray, src) -> None:
+    dst[...] = src
+
+
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "neuron":
-        if src.device.type == "neuron":
+        if src.device.type == "neuron" and src.device.index != dst.device.index:
+            queues.synchronize(src.device.index)  # from one core to another: both run what they queued
+            queues.synchronize(dst.device.index)
             array_of(dst)[...] = array_of(src)
-        else:
-            array_of(dst)[...] = host_array(src.to(dst.dtype))
+        elif src.device.type == "neuron":
+            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), _view(src)), "copy_ (device to device)")
+        else:  # the host's bytes are taken now: the tensor may change before the copy runs
+            host_transfers["to device"] += 1
+            data = np.array(host_array(src.to(dst.dtype)), copy=True)
+            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), data), "copy_ (host to device)")
     else:
+        host_transfers["to host"] += 1
+        queues.synchronize(src.device.index)
         dst.copy_(host_tensor(array_of(src), src.dtype))
     return dst
 
 
 def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.shape != src.shape:
+        if dst.device.type == "neuron":
+            queues.synchronize(dst.device.index)
         dst.resize_(src.shape)
     return _copy_from(src, dst)
 
 
 def _local_scalar_dense(tensor: torch.Tensor):
+    queues.synchronize(tensor.device.index)
     value = array_of(tensor).reshape(()).item()
     return float(value) if tensor.dtype.is_floating_point else value
 
@@ -346,7 +589,8 @@ def _local_scalar_dense(tensor: torch.Tensor):
 def _fill(tensor: torch.Tensor, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         value = value.item()
-    array_of(tensor)[...] = np.asarray(value).astype(array_of(tensor).dtype)
+    target = _view(tensor)
+    queues.enqueue(tensor.device.index, 0.0, _assign, (target, np.asarray(value).astype(target.dtype)), "fill_")
     return tensor
 
 
@@ -354,7 +598,18 @@ def _zero(tensor: torch.Tensor) -> torch.Tensor:
     return _fill(tensor, 0)
 
 
+def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
+    """A range is a constant: made on the host and copied into the device memory (as a NEFF's constants are)."""
+    values = torch.arange(start, end, step, dtype=out.dtype)
+    if out.shape != values.shape:
+        queues.synchronize(out.device.index)  # resizing moves the bytes
+        out.resize_(values.shape)
+    queues.enqueue(out.device.index, 0.0, _assign, (_view(out), host_array(values)), "arange")
+    return out
+
+
 DIRECT_KERNELS = {
+    "arange.start_out": _arange,
     "_copy_from": _copy_from,
     "_copy_from_and_resize": _copy_from_and_resize,
     "_local_scalar_dense": _local_scalar_dense,

@@ -1,14 +1,20 @@
 // The C++ half of the `neuron` device: what PyTorch only accepts from C++.
 //
-// * an allocator (c10::DeviceAllocator) whose bytes come from the emulated NeuronCore's HBM: it asks
-//   the Python runtime (neuronc.pytorch.device_memory) for a buffer and keeps it alive until PyTorch frees it;
+// * an allocator (c10::DeviceAllocator) whose bytes are counted on the emulated NeuronCore's HBM (the
+//   Python runtime's accounting, neuronc.pytorch.device_memory) and held in a numpy array, so that
+//   `view` gives Python a numpy view of a tensor's elements with one call; freed buffers are cached by
+//   size for the next storage (empty_cache gives them back);
 // * a DeviceGuardImplInterface: current device, streams and events over an emulated per-stream clock
-//   (each launched program advances its stream's clock by its estimated device time);
-// * PrivateUse1HooksInterface, so torch.accelerator sees the device;
+//   (each queued program advances its stream's clock by its estimated device time); synchronising or
+//   querying runs the device's queued work (neuronc.pytorch.queues);
+// * PrivateUse1HooksInterface, so torch.accelerator sees the device, with a generator per device;
+// * autocast: PyTorch's op lists registered on AutocastPrivateUse1;
 // * the kernels that only touch tensor metadata (empty, views, resize, set_), which must alias storage.
 //
 // Every op that computes is in Python (neuronc/pytorch/eager.py).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/TensorFactories.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
@@ -20,8 +26,10 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 
 #include <array>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -34,6 +42,7 @@ constexpr int kMaxDevices = 64;
 
 c10::DeviceIndex g_device_count = 1;
 thread_local c10::DeviceIndex t_current_device = 0;
+thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};  // per device: the current stream
 
 c10::DeviceIndex current_device() { return t_current_device; }
 
@@ -45,38 +54,117 @@ void check_index(c10::DeviceIndex index) {
 
 // ---- memory -------------------------------------------------------------------------------------
 
-py::object* g_allocate = nullptr;  // Python: (device index, nbytes) -> (data pointer, owner object)
+py::object* g_reserve = nullptr;  // Python: (device index, nbytes) -> handle of the bytes on the core's HBM
+py::object* g_release = nullptr;  // Python: (device index, handle) -> None
 
 struct Buffer {
-  PyObject* owner;  // keeps the runtime's bytes alive; dropping it frees them on the NeuronCore
+  PyObject* bytes;  // the numpy uint8 array holding the storage; views of it keep it alive after the free
+  void* data;
   c10::DeviceIndex device;
   size_t nbytes;
+  int64_t handle;
+  int64_t stream;  // the stream it was allocated on; -1 once recorded on another (it is not cached then)
 };
 
 std::mutex g_stats_mutex;
 std::array<c10::CachingDeviceAllocator::DeviceStats, kMaxDevices> g_stats;
 
-void update_stats(c10::DeviceIndex device, size_t nbytes, bool allocated) {
+// `in_use`: bytes held by tensors (allocated, active, requested); `reserved`: bytes held on the core's HBM
+// (reserved, segments), which a freed buffer keeps while it waits in the cache.
+void update_stats(c10::DeviceIndex device, size_t nbytes, bool increase, bool in_use, bool reserved) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
   auto& stats = g_stats[device];
   auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  for (auto* stat : {&stats.allocated_bytes[agg], &stats.reserved_bytes[agg], &stats.active_bytes[agg],
-                     &stats.requested_bytes[agg]}) {
-    allocated ? stat->increase(nbytes) : stat->decrease(nbytes);
+  auto change = [&](c10::CachingAllocator::Stat& stat, int64_t amount) {
+    increase ? stat.increase(amount) : stat.decrease(amount);
+  };
+  if (in_use) {
+    for (auto* stat : {&stats.allocated_bytes[agg], &stats.active_bytes[agg], &stats.requested_bytes[agg]}) {
+      change(*stat, nbytes);
+    }
+    for (auto* stat : {&stats.allocation[agg], &stats.active[agg]}) change(*stat, 1);
   }
-  for (auto* stat : {&stats.allocation[agg], &stats.segment[agg], &stats.active[agg]}) {
-    allocated ? stat->increase(1) : stat->decrease(1);
+  if (reserved) {
+    change(stats.reserved_bytes[agg], nbytes);
+    change(stats.segment[agg], 1);
   }
 }
 
+// Freed buffers wait here, per (device, stream, size), to be given to the next storage of that size on that
+// stream without asking Python, as CUDA's caching allocator does (torch.accelerator.empty_cache() gives them
+// back to the core). Queued work of the stream that still reads a freed buffer runs before the stream's later
+// work that reuses it; a buffer used on another stream (Tensor.record_stream) is not cached.
+std::mutex g_cache_mutex;
+std::map<std::tuple<c10::DeviceIndex, int64_t, size_t>, std::vector<Buffer*>> g_cached;
+
+void release_buffer(Buffer* buffer);
+
 void free_buffer(void* context) {
   auto* buffer = static_cast<Buffer*>(context);
-  update_stats(buffer->device, buffer->nbytes, false);
-  if (Py_IsInitialized()) {
-    py::gil_scoped_acquire gil;
-    Py_DECREF(buffer->owner);
+  update_stats(buffer->device, buffer->nbytes, false, true, false);
+  if (buffer->stream < 0) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      release_buffer(buffer);
+    }
+    return;
   }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  g_cached[{buffer->device, buffer->stream, buffer->nbytes}].push_back(buffer);
+}
+
+void release_buffer(Buffer* buffer) {  // with the GIL
+  update_stats(buffer->device, buffer->nbytes, false, false, true);
+  py::error_scope pending;  // tensors are also freed while an exception unwinds: keep it for later
+  try {
+    (*g_release)(buffer->device, buffer->handle);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("freeing a neuron tensor's HBM");
+  }
+  Py_DECREF(buffer->bytes);  // queued work holding views of the bytes keeps them until it has run
   delete buffer;
+}
+
+void empty_cache(c10::DeviceIndex device) {  // device -1: all of them
+  std::vector<Buffer*> released;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto it = g_cached.begin(); it != g_cached.end();) {
+      if (device >= 0 && std::get<0>(it->first) != device) {
+        ++it;
+        continue;
+      }
+      released.insert(released.end(), it->second.begin(), it->second.end());
+      it = g_cached.erase(it);
+    }
+  }
+  if (released.empty() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  for (auto* buffer : released) release_buffer(buffer);
+}
+
+Buffer* cached_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  auto it = g_cached.find({device, stream, nbytes});
+  if (it == g_cached.end() || it->second.empty()) return nullptr;
+  auto* buffer = it->second.back();
+  it->second.pop_back();
+  return buffer;
+}
+
+Buffer* new_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {  // with the GIL
+  int64_t handle;
+  try {
+    handle = (*g_reserve)(device, nbytes).cast<int64_t>();
+  } catch (py::error_already_set&) {  // out of HBM: give back what the cache holds, and try once more
+    empty_cache(device);
+    handle = (*g_reserve)(device, nbytes).cast<int64_t>();  // raises DeviceOutOfMemoryError through pybind
+  }
+  py::array_t<uint8_t> bytes(static_cast<py::ssize_t>(nbytes));
+  void* data = bytes.mutable_data();
+  std::memset(data, 0xFF, nbytes);  // uninitialised HBM reads as NaN, as the runtime's does
+  update_stats(device, nbytes, true, false, true);
+  return new Buffer{bytes.release().ptr(), data, device, nbytes, handle, stream};
 }
 
 struct NeuronAllocator final : public c10::DeviceAllocator {
@@ -85,21 +173,26 @@ struct NeuronAllocator final : public c10::DeviceAllocator {
     if (nbytes == 0) {
       return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(kDevice, device)};
     }
-    TORCH_CHECK(g_allocate != nullptr, "the neuron device is not initialised (import neuronc.pytorch.device)");
-    py::gil_scoped_acquire gil;
-    py::tuple result = (*g_allocate)(device, nbytes);  // raises DeviceOutOfMemoryError through pybind
-    auto* data = reinterpret_cast<void*>(result[0].cast<uintptr_t>());
-    PyObject* owner = result[1].ptr();
-    Py_INCREF(owner);
-    update_stats(device, nbytes, true);
-    return {data, new Buffer{owner, device, nbytes}, &free_buffer, c10::Device(kDevice, device)};
+    TORCH_CHECK(g_reserve != nullptr, "the neuron device is not initialised (import neuronc.pytorch.device)");
+    int64_t stream = t_current_stream[device];
+    Buffer* buffer = cached_buffer(device, stream, nbytes);
+    if (buffer == nullptr) {
+      py::gil_scoped_acquire gil;
+      buffer = new_buffer(device, stream, nbytes);
+    }
+    update_stats(device, nbytes, true, true, false);
+    return {buffer->data, buffer, &free_buffer, c10::Device(kDevice, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const final { default_copy_data(dest, src, count); }
 
-  bool initialized() override { return g_allocate != nullptr; }
-  void emptyCache(c10::MempoolId_t) override {}  // nothing is cached: freed bytes go back to the core at once
-  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  bool initialized() override { return g_reserve != nullptr; }
+  void emptyCache(c10::MempoolId_t) override { empty_cache(-1); }
+  void recordStream(const c10::DataPtr& data, c10::Stream stream) override {
+    if (data.get_deleter() != &free_buffer) return;
+    auto* buffer = static_cast<Buffer*>(data.get_context());
+    if (stream.id() != buffer->stream) buffer->stream = -1;  // read on another stream: never reused
+  }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_index(device);
     std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -130,15 +223,36 @@ REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
 
 // ---- streams and events on the emulated timeline --------------------------------------------------
 
-// Work on a stream runs in order: each launch starts at its stream's clock and moves it on by the
-// program's estimated device time. Execution itself is synchronous (the numerics are done when the
-// launch returns); the clocks are what the device would have done, so events read them.
+// Work is queued per stream (neuronc/pytorch/queues.py) and runs at synchronisation points. Each launch
+// starts at its stream's clock and moves it on by the program's estimated device time; a stream never
+// starts before the device's last synchronisation (the host waited for everything queued until then),
+// and an event wait moves the waiting stream's clock to the event's. Events read these clocks.
 std::mutex g_clock_mutex;
 std::map<std::pair<c10::DeviceIndex, c10::StreamId>, double> g_clock_ns;
+std::array<double, kMaxDevices> g_synced_ns{};  // per device: the emulated time of its last synchronisation
 std::atomic<c10::StreamId> g_next_stream{1};
-thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};
+py::object* g_synchronize = nullptr;  // Python: (device index) -> None, runs the device's queued work
 
-double& clock_of(c10::DeviceIndex device, c10::StreamId stream) { return g_clock_ns[{device, stream}]; }
+double& clock_of(c10::DeviceIndex device, c10::StreamId stream) {  // callers hold g_clock_mutex
+  double& clock = g_clock_ns[{device, stream}];
+  clock = std::max(clock, g_synced_ns[device]);
+  return clock;
+}
+
+// Run the queued work of `device` (Python), then no stream of it starts before the latest of them ended.
+void synchronize_device(c10::DeviceIndex device) {
+  if (g_synchronize != nullptr) {
+    py::gil_scoped_acquire gil;
+    (*g_synchronize)(device);  // an error of queued work is raised here, with the op that caused it
+  }
+}
+
+void settle(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_clock_mutex);
+  for (auto& [key, clock] : g_clock_ns) {
+    if (key.first == device) g_synced_ns[device] = std::max(g_synced_ns[device], clock);
+  }
+}
 
 struct NeuronEvent {
   c10::DeviceIndex device = -1;
@@ -201,14 +315,27 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     double& clock = clock_of(stream.device_index(), stream.id());
     clock = std::max(clock, e->time_ns);  // the stream's next work starts after the event
   }
-  bool queryEvent(void*) const override { return true; }  // synchronous execution: recorded work is done
+  // Querying or waiting for an event or a stream is a synchronisation point: the device's queued work runs
+  // (in emulated-time order across its streams), so the answer is always "done".
+  bool queryEvent(void* event) const override {
+    synchronizeEvent(event);
+    return true;
+  }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<NeuronEvent*>(event);
   }
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  bool queryStream(const c10::Stream& stream) const override {
+    synchronizeStream(stream);
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& stream) const override { synchronize_device(stream.device_index()); }
+  void synchronizeEvent(void* event) const override {
+    auto* e = static_cast<NeuronEvent*>(event);
+    if (e != nullptr && e->recorded) synchronize_device(e->device);
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override {
+    synchronize_device(device < 0 ? current_device() : device);
+  }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
     TORCH_CHECK(start && end, "both events must be recorded before elapsed_time");
     auto* a = static_cast<NeuronEvent*>(start);
@@ -219,6 +346,53 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
+
+// ---- random numbers ------------------------------------------------------------------------------
+
+// A `neuron` generator: the device, and a CPU generator (Philox-free mt19937) that draws the numbers.
+// Random ops run on the CPU (neuronc.pytorch.eager's fallback hands them `cpu()`), so a seed gives the
+// same tensors as the same seed on a CPU generator, and each NeuronCore has its own default generator.
+struct NeuronGeneratorImpl final : public c10::GeneratorImpl {
+  NeuronGeneratorImpl(c10::DeviceIndex device, uint64_t seed)
+      : c10::GeneratorImpl{c10::Device(kDevice, device), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)},
+        cpu(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+  void set_current_seed(uint64_t seed) override { cpu.set_current_seed(seed); }
+  void set_offset(uint64_t offset) override { cpu.set_offset(offset); }
+  uint64_t get_offset() const override { return cpu.get_offset(); }
+  uint64_t current_seed() const override { return cpu.current_seed(); }
+  uint64_t seed() override { return cpu.seed(); }
+  void set_state(const c10::TensorImpl& state) override { cpu.unsafeGetGeneratorImpl()->set_state(state); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { return cpu.unsafeGetGeneratorImpl()->get_state(); }
+  static c10::DeviceType device_type() { return kDevice; }
+
+  at::Generator cpu;
+
+ private:
+  NeuronGeneratorImpl* clone_impl() const override {
+    auto* copy = new NeuronGeneratorImpl(device_.index(), 0);
+    copy->cpu = cpu.clone();
+    return copy;
+  }
+};
+
+std::array<at::Generator, kMaxDevices> g_default_generators;
+std::once_flag g_generators_once;
+
+const at::Generator& default_generator(c10::DeviceIndex device) {
+  std::call_once(g_generators_once, [] {
+    for (int i = 0; i < kMaxDevices; ++i) {
+      g_default_generators[i] = at::make_generator<NeuronGeneratorImpl>(i, c10::detail::getNonDeterministicRandom());
+    }
+  });
+  return g_default_generators[device < 0 ? current_device() : device];
+}
+
+// The CPU generator that draws a `neuron` generator's numbers (the default one of `device` for None).
+at::Generator cpu_generator(std::optional<at::Generator> generator, c10::DeviceIndex device) {
+  const at::Generator& chosen = generator.has_value() ? *generator : default_generator(device);
+  TORCH_CHECK(chosen.device().type() == kDevice, "expected a neuron generator, got one of ", chosen.device());
+  return chosen.get<NeuronGeneratorImpl>()->cpu;
+}
 
 struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -237,6 +411,13 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kDevice, current_device()); }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device) const override {
+    return default_generator(device);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex device) const override {
+    return at::make_generator<NeuronGeneratorImpl>(device < 0 ? current_device() : device,
+                                                   c10::default_rng_seed_val);
+  }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     c10::DeviceGuard guard(storage.device());
     at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
@@ -291,7 +472,12 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::
   return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  g_allocator.recordStream(self.storage().data_ptr(), stream);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("record_stream", record_stream);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", as_strided);
@@ -302,26 +488,84 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_reshape_alias", reshape_alias);
 }
 
+// ---- autocast ----------------------------------------------------------------------------------------
+
+// torch.autocast("neuron"): PyTorch's own op lists and cast policies (the ones CUDA uses), on the
+// AutocastPrivateUse1 key; the lower precision is the autocast dtype (bfloat16 by default on neuron).
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {  // ops outside the lists run as they are
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+namespace autocast_kernels {
+using namespace at;  // the op lists name ATen types unqualified
+using namespace at::autocast;
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define NEURON_LOWER_PRECISION(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(NEURON_LOWER_PRECISION)
+#define NEURON_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(NEURON_FP32)
+#define NEURON_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+  AT_FORALL_FP32_SET_OPT_DTYPE(NEURON_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+#define NEURON_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_PROMOTE(NEURON_PROMOTE)
+}
+}  // namespace autocast_kernels
+
 // ---- what Python sees --------------------------------------------------------------------------------
 
-void init(c10::DeviceIndex device_count, py::object allocate) {
+std::array<PyObject*, 64> g_numpy_dtypes{};  // ScalarType -> numpy dtype of the elements (owned references)
+
+void init(c10::DeviceIndex device_count, py::object reserve, py::object release, py::object synchronize) {
   TORCH_CHECK(device_count >= 1 && device_count <= kMaxDevices, "between 1 and ", kMaxDevices,
               " NeuronCores can be emulated, not ", static_cast<int>(device_count));
   g_device_count = device_count;
-  if (g_allocate == nullptr) g_allocate = new py::object(std::move(allocate));  // leaked: lives as long as torch
+  if (g_reserve == nullptr) {  // leaked: they live as long as torch
+    g_reserve = new py::object(std::move(reserve));
+    g_release = new py::object(std::move(release));
+    g_synchronize = new py::object(std::move(synchronize));
+  }
   if (g_hooks == nullptr) {
     g_hooks = new NeuronHooks();
     at::RegisterPrivateUse1HooksInterface(g_hooks);
   }
 }
 
-// Launch bookkeeping: a program of `duration_ns` runs on the current stream of `device`.
-std::pair<double, double> launch(c10::DeviceIndex device, double duration_ns) {
+void set_numpy_dtypes(py::dict numpy_dtypes) {  // torch dtype -> numpy dtype, for `view`
+  for (auto item : numpy_dtypes) {
+    auto type = static_cast<size_t>(item.first.cast<at::ScalarType>());
+    TORCH_CHECK(type < g_numpy_dtypes.size(), "unexpected dtype");
+    if (g_numpy_dtypes[type] == nullptr) {
+      g_numpy_dtypes[type] = py::reinterpret_borrow<py::object>(item.second).release().ptr();
+    }
+  }
+}
+
+// A numpy view of a `neuron` tensor's elements in its storage's bytes (no copy; keeps the bytes alive).
+py::array numpy_view(const at::Tensor& tensor) {
+  auto type = static_cast<size_t>(tensor.scalar_type());
+  TORCH_CHECK(type < g_numpy_dtypes.size() && g_numpy_dtypes[type] != nullptr, "neuron tensors of dtype ",
+              tensor.scalar_type(), " cannot be viewed as numpy arrays");
+  auto dtype = py::reinterpret_borrow<py::dtype>(g_numpy_dtypes[type]);
+  std::vector<py::ssize_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+  const auto& data = tensor.storage().data_ptr();
+  if (tensor.numel() == 0 || data.get_deleter() != &free_buffer) return py::array(dtype, shape);
+  TORCH_CHECK(tensor.device().type() == kDevice, "not a neuron tensor");
+  std::vector<py::ssize_t> strides;
+  for (auto stride : tensor.strides()) strides.push_back(stride * dtype.itemsize());
+  auto* buffer = static_cast<Buffer*>(data.get_context());
+  return py::array(dtype, shape, strides, tensor.data_ptr(), py::handle(buffer->bytes));
+}
+
+// A launch on the current stream of `device`: (its start on the emulated clock, the stream's id).
+std::pair<double, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
-  double& clock = clock_of(device, t_current_stream[device]);
+  auto stream = t_current_stream[device];
+  double& clock = clock_of(device, stream);
   double start = clock;
   clock += duration_ns;
-  return {start, clock};
+  return {start, stream};
 }
 
 double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
@@ -333,8 +577,14 @@ double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "neuron device shim: allocator, device guard, hooks and metadata kernels for PrivateUse1";
-  m.def("init", &neuron::init, "set the device count and the Python allocator; register the hooks");
-  m.def("launch", &neuron::launch, "advance the current stream of a device by a program's duration");
+  m.def("init", &neuron::init, "set the device count, the Python HBM accounting and queue runner; register the hooks");
+  m.def("launch", &neuron::launch, "queue a program of a duration on the current stream of a device: (start, stream)");
+  m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
+  m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
+  m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
+  m.def("default_generator", [](c10::DeviceIndex device) { return neuron::default_generator(device); },
+        "the default generator of a neuron device");
+  m.def("cpu_generator", &neuron::cpu_generator, "the CPU generator drawing a neuron generator's numbers");
   m.def("current_device", []() { return static_cast<int>(neuron::current_device()); });
 }

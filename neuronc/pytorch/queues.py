@@ -1,0 +1,105 @@
+"""The per-stream queues of the `neuron` device: ops are queued when PyTorch calls them and run at
+synchronisation points, in emulated device-time order.
+
+Each launch is stamped by the C++ shim with its stream and its start on that stream's emulated clock
+(the stream's previous work, raised by event waits and by the device's last synchronisation). A
+synchronisation point — ``torch.accelerator.synchronize()``, a stream's or an event's ``synchronize`` or
+``query``, reading device memory from the host (``.cpu()``, ``.item()``, printing, the CPU fallback) —
+runs every launch queued on the device in order of start time (ties in the order they were queued).
+So work on one stream runs in order, and across streams only as their clocks say: a consumer on a stream
+that did not wait for the producer's event starts before the producer did, and reads what the memory
+held before. Each launch runs whole at its start (reads its inputs, writes its outputs); the host then
+counts as having waited for all of it, so nothing queued later starts earlier (``neuron_shim.settle``).
+
+A launch that fails raises :class:`~neuronc.errors.QueuedOpError` at the synchronisation point, naming the
+op, its stream and the line of user code that queued it; the launches queued after it on the device are
+dropped (what they would have written keeps its old values), as a CUDA error poisons its queue.
+``QUEUE_DEPTH`` queued launches on a device run them as a synchronisation would (a full launch queue).
+With adaptive eager on, consecutive ops of a stream run as one NEFF (:mod:`neuronc.pytorch.adaptive`).
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import os
+import sys
+
+import torch
+
+from neuronc.errors import QueuedOpError
+from neuronc.pytorch import adaptive
+
+QUEUE_DEPTH = 1024
+_queues: dict = {}  # device index -> [(start ns, sequence number, function, arguments, context)]
+_sequence = itertools.count()
+_order = operator.itemgetter(0, 1)
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch, neuronc
+
+
+def enqueue(device: int, duration_ns: float, function, arguments: tuple, what) -> None:
+    """Queue ``function(*arguments)`` on the current stream of ``device``, lasting ``duration_ns`` of
+    device time. ``what`` names it in an error (an op, or a string)."""
+    start, stream = _launch(device, duration_ns)
+    queue = _queues.get(device)
+    if queue is None:
+        queue = _queues[device] = []
+    queue.append((start, next(_sequence), function, arguments, (what, stream, _caller())))
+    if len(queue) >= QUEUE_DEPTH:
+        synchronize(device)
+
+
+def synchronize(device: int) -> None:
+    """Run the launches queued on ``device`` in emulated-time order; raise the first failure."""
+    queue = _queues.get(device)
+    if queue:
+        _queues[device] = []
+        queue.sort(key=_order)
+        if adaptive.ENABLED:
+            queue = adaptive.batch(queue, device)
+        for start, _, function, arguments, context in queue:
+            try:
+                function(*arguments)
+            except Exception as e:
+                _shim().settle(device)
+                raise _failure(device, start, context, e) from e
+    _shim().settle(device)
+
+
+def synchronize_all() -> None:
+    for device in list(_queues):
+        synchronize(device)
+
+
+def pending(device: int) -> int:
+    """How many launches wait on ``device`` (for tests and tools)."""
+    return len(_queues.get(device, ()))
+
+
+def _launch(device: int, duration_ns: float) -> tuple:
+    global _launch
+    _launch = _shim().launch
+    return _launch(device, duration_ns)
+
+
+def _shim():
+    return sys.modules["neuron_shim"]
+
+
+def _caller():
+    """(file, line) of the innermost frame outside torch and neuronc: the user code that queued the op."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+
+
+def _failure(device: int, start: float, context: tuple, error: Exception) -> QueuedOpError:
+    what, stream, caller = context
+    cause = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
+    return QueuedOpError(
+        f"{what} queued on stream {stream} of neuron:{device} failed when it ran (emulated start "
+        f"{start / 1e3:.1f} us): {cause}",
+        hint="the error surfaced at this synchronisation point, not where the op was called; the ops queued "
+        "after it on the device did not run",
+        location=f"{caller[0]}:{caller[1]}" if caller else "",
+    )
