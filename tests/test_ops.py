@@ -128,6 +128,8 @@ INDEXING = {
     "take_with_negative_indices": (lambda x, i: torch.take(x, i), _x, torch.tensor([0, -1, 5, -40])),
     "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), torch.randn(2, 3, 4, 5, generator=_g)),
     "max_pool_with_indices": (lambda x: F.max_pool2d(x, 2, return_indices=True), torch.randn(2, 3, 6, 6, generator=_g)),
+    "max_pool_padded_strided_dilated": (lambda x: F.max_pool2d(x, 3, stride=2, padding=1, dilation=(1, 2),
+                                                               return_indices=True), torch.randn(2, 3, 9, 11, generator=_g)),
     "argmax_last": (lambda x: x.argmax(-1), _x),
     "argmin_first": (lambda x: x.argmin(0), _x),
     "max_with_indices": (lambda x: x.max(-1), _x),

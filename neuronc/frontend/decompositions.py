@@ -63,7 +63,44 @@ def _python_remainder(a, b):
     return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
 
 
+def _pair(value) -> tuple:
+    value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return value * 2 if len(value) == 1 else value
+
+
+def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max pooling as the running maximum of the window's kh*kw strided views of the (-inf padded) input,
+    and the flat input index of the first maximum (as eager keeps the first). Strided views and elementwise
+    maxima fuse into one kernel, where torch's own decomposition gathers every window element; the indices,
+    needed only for the backward, are dead code in inference."""
+    if ceil_mode or x.dim() not in (3, 4) or not x.is_floating_point():
+        from torch._decomp import decomposition_table
+
+        return decomposition_table[aten.max_pool2d_with_indices.default](
+            x, kernel_size, stride, padding, dilation, ceil_mode)
+    (kh, kw), (sh, sw) = _pair(kernel_size), _pair(stride or kernel_size)
+    (ph, pw), (dh, dw) = _pair(padding), _pair(dilation)
+    height, width = x.shape[-2:]
+    out_h = (height + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    out_w = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    padded = aten.constant_pad_nd(x, [pw, pw, ph, ph], float("-inf"))
+    rows = torch.arange(out_h, device=x.device) * sh - ph
+    cols = torch.arange(out_w, device=x.device) * sw - pw
+    best = index = None
+    for i in range(kh):
+        for j in range(kw):
+            view = padded[..., i * dh: i * dh + sh * (out_h - 1) + 1: sh, j * dw: j * dw + sw * (out_w - 1) + 1: sw]
+            here = ((rows[:, None] + i * dh) * width + (cols[None, :] + j * dw)).expand(view.shape)
+            if best is None:
+                best, index = view, here
+                continue
+            larger = view > best
+            best, index = torch.where(larger, view, best), torch.where(larger, here, index)
+    return best, index
+
+
 OWN = {
+    aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.remainder.Tensor: _python_remainder,
     aten.remainder.Scalar: _python_remainder,
     aten.sort.stable: _stable_sort,

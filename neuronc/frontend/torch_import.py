@@ -47,7 +47,7 @@ def decomposition_table() -> dict:
     aten = torch.ops.aten
     table = dict(get_decomposition_table())
     table.update(get_decompositions([
-        aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward,  # CNN training
+        aten.max_pool2d_with_indices_backward,  # CNN training (the forward is neuronc's own)
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
