@@ -185,8 +185,15 @@ def _iota(op, inputs, shape, dtype, loc):
     return ir.node(Op.IOTA, [], shape, dtype, loc, dimension=_int(op.attributes["iota_dimension"]))
 
 
+def _direction(compare) -> str | None:
+    """EQ, NE, LT, LE, GT or GE of a stablehlo.compare (None for no compare)."""
+    if compare is None:
+        return None
+    return re.search(r"comparison_direction (\w+)", str(compare.attributes["comparison_direction"])).group(1)
+
+
 def _compare(op, inputs, shape, dtype, loc):
-    direction = re.search(r"comparison_direction (\w+)", str(op.attributes["comparison_direction"])).group(1)
+    direction = _direction(op)
     return ir.node(Op.COMPARE, inputs, shape, dtype, loc, direction=direction)
 
 
@@ -208,8 +215,7 @@ def _arg_reduce(op, inputs, dims, loc):
     block = op.regions[0].blocks[0]
     acc, current = block.arguments[0], block.arguments[2]
     compare = next((o.operation for o in block.operations if o.operation.name == "stablehlo.compare"), None)
-    direction = compare and re.search(r"comparison_direction (\w+)", str(compare.attributes["comparison_direction"]))
-    direction = direction and direction.group(1)
+    direction = _direction(compare)
     if direction not in _ARG_REDUCERS or indices.dtype.is_float:
         raise _Unsupported("a reduction of several values that is not argmax/argmin")
     if list(compare.operands) == [current, acc]:
@@ -361,14 +367,14 @@ def _sort(op, inputs, shape, dtype, loc):
     block = op.regions[0].blocks[0]
     body = [o.operation for o in block.operations]
     compare = body[0] if len(body) == 2 and body[0].name == "stablehlo.compare" else None
-    direction = compare and re.search(r"comparison_direction (\w+)", str(compare.attributes["comparison_direction"]))
-    if not direction or direction.group(1) not in ("GT", "LT") or list(compare.operands) != list(block.arguments[:2]):
+    direction = _direction(compare)
+    if direction not in ("GT", "LT") or list(compare.operands) != list(block.arguments[:2]):
         raise _Unsupported("a sort whose comparator is not one > or < of the first operand")
     dimension = _int(op.attributes["dimension"])
     keys = inputs[0]
     rank = len(keys.shape)
     positions = ir.node(Op.TOPK, [keys], keys.shape, DType.I32, loc, dimension=dimension, k=keys.shape[dimension],
-                        descending=direction.group(1) == "GT")
+                        descending=direction == "GT")
     others = tuple(d for d in range(rank) if d != dimension)
     results = []
     for x in inputs:

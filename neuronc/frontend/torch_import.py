@@ -245,10 +245,11 @@ def _dense_literals():
         def resolve_literal(self, gni, literal, info):
             import torch
 
-            if not isinstance(literal, torch.Tensor) or literal.dtype not in _dense_literal_types():
+            numpy_type = _dense_literal_types().get(literal.dtype) if isinstance(literal, torch.Tensor) else None
+            if numpy_type is None:
                 return None
             # tolist(): the literal may be a FakeTensor's constant, which refuses .numpy()
-            array = np.array(literal.tolist(), _dense_literal_types()[literal.dtype]).reshape(tuple(literal.shape))
+            array = np.array(literal.tolist(), numpy_type).reshape(tuple(literal.shape))
             value = mlir.DenseElementsAttr.get(array, type=gni._cc.dtype_to_type(literal.dtype), shape=list(array.shape))
             vtensor = gni._cc.tensor_to_vtensor_type(literal)
             return mlir.Operation.create("torch.vtensor.literal", results=[vtensor], attributes={"value": value}).result

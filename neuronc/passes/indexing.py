@@ -30,15 +30,15 @@ def lower_gather_scatter(graph: ir.Graph) -> ir.Graph:
 
 def _gather(node: Node, operand: Node, indices: Node) -> Node:
     space = _IndexSpace(node, operand.shape, indices)
-    table = _node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
-    rows = _node(Op.GATHER_ROWS, [table, space.row_numbers()], (space.count, space.width), node.dtype, node.loc)
-    canonical = _node(Op.RESHAPE, [rows], space.canonical_shape + space.row_shape, node.dtype, node.loc)
+    table = ir.node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    rows = ir.node(Op.GATHER_ROWS, [table, space.row_numbers()], (space.count, space.width), node.dtype, node.loc)
+    canonical = ir.node(Op.RESHAPE, [rows], space.canonical_shape + space.row_shape, node.dtype, node.loc)
     # canonical order: batch dims, then window dims in operand order; the result puts the window at window_dims
     batch_positions = [d for d in range(len(node.shape)) if d not in node.attrs["window_dims"]]
     perm = [0] * len(node.shape)
     for i, d in enumerate(batch_positions + list(node.attrs["window_dims"])):
         perm[d] = i
-    return _node(Op.TRANSPOSE, [canonical], node.shape, node.dtype, node.loc, perm=tuple(perm))
+    return ir.node(Op.TRANSPOSE, [canonical], node.shape, node.dtype, node.loc, perm=tuple(perm))
 
 
 def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
@@ -46,12 +46,12 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
     window_dims = list(node.attrs["window_dims"])
     batch_positions = [d for d in range(len(updates.shape)) if d not in window_dims]
     perm = tuple(batch_positions + window_dims)
-    ordered = _node(Op.TRANSPOSE, [updates], [updates.shape[d] for d in perm], updates.dtype, node.loc, perm=perm)
-    rows_of_updates = _node(Op.RESHAPE, [ordered], (space.count, space.width), updates.dtype, node.loc)
-    base = _node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
-    scattered = _node(Op.SCATTER_ROWS, [base, space.row_numbers(), rows_of_updates], base.shape, node.dtype,
+    ordered = ir.node(Op.TRANSPOSE, [updates], [updates.shape[d] for d in perm], updates.dtype, node.loc, perm=perm)
+    rows_of_updates = ir.node(Op.RESHAPE, [ordered], (space.count, space.width), updates.dtype, node.loc)
+    base = ir.node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    scattered = ir.node(Op.SCATTER_ROWS, [base, space.row_numbers(), rows_of_updates], base.shape, node.dtype,
                       node.loc, combine=node.attrs["combine"])
-    return _node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
+    return ir.node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
 
 
 _RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter}
@@ -96,22 +96,22 @@ class _IndexSpace:
             checks.append(_and(_compare(start, 0, "GE", loc), _compare(start, limit, "LE", loc), loc))
         for d, indices_dim in zip(self.a["operand_batching_dims"], self.a["indices_batching_dims"]):
             position = self.batch_dims.index(indices_dim)
-            terms.append(_scaled(_node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
+            terms.append(_scaled(ir.node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
         for i, d in enumerate(self.lead):
             if self.window[d] > 1:
                 position = len(self.batch_dims) + i
-                terms.append(_scaled(_node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
+                terms.append(_scaled(ir.node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
         row = terms[0] if terms else _splat(0, shape, loc)
         for term in terms[1:]:
-            row = _node(Op.ADD, [row, term], shape, ROW, loc)
+            row = ir.node(Op.ADD, [row, term], shape, ROW, loc)
         row_lookup = self.split == 1 and self.window[0] == 1 and len(terms) == 1  # a lookup of whole rows:
         if checks and not row_lookup:  # the DMA's own bounds check is the index's
             valid = checks[0]
             for check in checks[1:]:
                 valid = _and(valid, check, loc)
             valid = _spread(valid, shape, range(len(self.batch_dims)), loc)
-            row = _node(Op.SELECT, [valid, row, _splat(self.rows, shape, loc)], shape, ROW, loc)
-        return _node(Op.RESHAPE, [row], (self.count,), ROW, loc)
+            row = ir.node(Op.SELECT, [valid, row, _splat(self.rows, shape, loc)], shape, ROW, loc)
+        return ir.node(Op.RESHAPE, [row], (self.count,), ROW, loc)
 
     def _component(self, k: int) -> Node:
         """Index component k over the batch dims, in int32."""
@@ -123,39 +123,35 @@ class _IndexSpace:
             limit = list(indices.shape)
             start[vector_dim], limit[vector_dim] = k, k + 1
             sliced = tuple(limit[d] - start[d] for d in range(len(limit)))
-            indices = _node(Op.SLICE, [indices], sliced, indices.dtype, loc, start=tuple(start), limit=tuple(limit),
+            indices = ir.node(Op.SLICE, [indices], sliced, indices.dtype, loc, start=tuple(start), limit=tuple(limit),
                             strides=(1,) * len(limit))
-            indices = _node(Op.RESHAPE, [indices], batch, indices.dtype, loc)
+            indices = ir.node(Op.RESHAPE, [indices], batch, indices.dtype, loc)
         if indices.dtype != ROW:  # out-of-range int64 values stay out of range
             big = np.iinfo(ROW.numpy).max
-            clipped = _node(Op.CLAMP, [_splat(-1, batch, loc, indices.dtype), indices,
+            clipped = ir.node(Op.CLAMP, [_splat(-1, batch, loc, indices.dtype), indices,
                                        _splat(big, batch, loc, indices.dtype)], batch, indices.dtype, loc)
-            indices = _node(Op.CONVERT, [clipped], batch, ROW, loc)
+            indices = ir.node(Op.CONVERT, [clipped], batch, ROW, loc)
         return indices
 
 
-def _node(op, inputs, shape, dtype, loc, **attrs) -> Node:
-    return ir.node(op, inputs, shape, dtype, loc, **attrs)
-
-
 def _splat(value, shape, loc, dtype=ROW) -> Node:
-    return _node(Op.CONSTANT, [], shape, dtype, loc, value=np.array(value, dtype.numpy))
+    return ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.array(value, dtype.numpy))
 
 
 def _scaled(x: Node, factor: int, loc) -> Node:
-    return x if factor == 1 else _node(Op.MULTIPLY, [x, _splat(factor, x.shape, loc)], x.shape, ROW, loc)
+    return x if factor == 1 else ir.node(Op.MULTIPLY, [x, _splat(factor, x.shape, loc)], x.shape, ROW, loc)
 
 
 def _spread(x: Node, shape, dims, loc) -> Node:
     dims = tuple(dims)
     if x.shape == tuple(shape):
         return x
-    return _node(Op.BROADCAST_IN_DIM, [x], shape, x.dtype, loc, dims=dims)
+    return ir.node(Op.BROADCAST_IN_DIM, [x], shape, x.dtype, loc, dims=dims)
 
 
 def _compare(x: Node, value: int, direction: str, loc) -> Node:
-    return _node(Op.COMPARE, [x, _splat(value, x.shape, loc)], x.shape, DType.BOOL, loc, direction=direction)
+    return ir.node(Op.COMPARE, [x, _splat(value, x.shape, loc)], x.shape, DType.BOOL, loc, direction=direction)
 
 
 def _and(a: Node, b: Node, loc) -> Node:
-    return _node(Op.AND, [a, b], a.shape, DType.BOOL, loc)
+    return ir.node(Op.AND, [a, b], a.shape, DType.BOOL, loc)
