@@ -7,7 +7,8 @@ import numpy as np
 from neuronc.isa import DType
 
 
-def _torch_dtypes():
+def torch_dtypes() -> dict:
+    """torch dtype -> DType, for every dtype the device and the compiler handle."""
     import torch
 
     return {
@@ -19,11 +20,11 @@ def _torch_dtypes():
 
 
 def dtype_of(torch_dtype) -> DType:
-    return _torch_dtypes()[torch_dtype]
+    return torch_dtypes()[torch_dtype]
 
 
 def torch_dtype(dtype: DType):
-    return {v: k for k, v in _torch_dtypes().items()}[dtype]
+    return {v: k for k, v in torch_dtypes().items()}[dtype]
 
 
 _BITCAST = {DType.BF16: "int16", DType.F8E4M3: "uint8", DType.F8E5M2: "uint8"}

@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import sys
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from neuronc.cc_flags import cc_flags, flag_value
+from neuronc.frontend.tensors import torch_dtypes
 from runtime import NeuronCore
 
 _cores: dict = {}  # device index -> NeuronCore
 
-NUMPY_DTYPES = {
-    torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64), torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2), torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8),
-    torch.bool: np.dtype(np.bool_),
-}
+NUMPY_DTYPES = {t: np.dtype(d.numpy) for t, d in torch_dtypes().items()}  # the one torch <-> DType table
 _BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
