@@ -139,6 +139,27 @@ class CompileCache:
         write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
         return neff
 
+    def checked_by(self, key: str) -> str | None:
+        """The id of the runtime access check that the entry's NEFF passed (:meth:`mark_checked`), if any."""
+        try:
+            with open(self._path(key) + META_SUFFIX) as f:
+                return json.load(f).get("access_checked_by")
+        except (OSError, ValueError):
+            return None
+
+    def mark_checked(self, key: str, checker: str) -> None:
+        """Record that the entry's NEFF passed the runtime's load-time access check `checker`, so that the
+        next process loading it from the cache can skip that check (the NEFF's bytes are verified by their
+        sha256 on every read, and the verdict depends on nothing else)."""
+        path = self._path(key) + META_SUFFIX
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return  # the entry is gone or damaged: it will be recompiled and checked again
+        meta["access_checked_by"] = checker
+        write_atomically(path, json.dumps(meta).encode())
+
     def put(self, key: str, neff) -> str:
         from neuronc.neff import encode
 

@@ -79,6 +79,16 @@ class Compiled:
     # with a "/", their parts ("import/torch-mlir", "pass/legalize", "codegen/sync", ...)
     output_layout: list | None = None  # FX graphs: per output, its NEFF output index, or None for a None
     cache_hit: bool = False
+    cache_entry: tuple | None = None  # (CompileCache, key) where the NEFF is stored, when the cache is on
+
+    def checked_by(self) -> str | None:
+        """The runtime access check this NEFF passed in an earlier load, as its cache entry records."""
+        return self.cache_entry[0].checked_by(self.cache_entry[1]) if self.cache_entry else None
+
+    def mark_checked(self, checker: str) -> None:
+        """Record in the cache entry that the NEFF passed the runtime access check `checker`."""
+        if self.cache_entry:
+            self.cache_entry[0].mark_checked(self.cache_entry[1], checker)
 
 
 @contextlib.contextmanager
@@ -113,11 +123,12 @@ def compile_imported(imported, options: CompileOptions, timings: dict) -> Compil
         timings["cache lookup"] = time.perf_counter() - start
         if neff is not None:
             log.info("neuronc: %s: compile cache hit (%s)", options.name, cache.directory)
-            return Compiled(neff, imported.stablehlo, None, timings, cache_hit=True)
+            return Compiled(neff, imported.stablehlo, None, timings, cache_hit=True, cache_entry=(cache, key))
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
     if key is not None:
         start = time.perf_counter()
         cache.put(key, compiled.neff)
+        compiled.cache_entry = (cache, key)
         compiled.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
     return compiled
 

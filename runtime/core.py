@@ -21,7 +21,8 @@ that does not need data, once:
   the same byte, one writing, and no chain of semaphore waits orders them, so the program is right,
   if at all, only by the timing (a consumer that forgot to wait for its producer, say). Exact to the
   byte and independent of durations (``LoadedProgram._check_accesses``); off with
-  ``NeuronCore(target, check_uninitialised=False)``;
+  ``NeuronCore(target, check_uninitialised=False)``, and skipped for a NEFF that already passed it under
+  this runtime (``load(neff, checked_by=access_check_id())``, which the compile cache records);
 * turns the schedule into one flat list of numpy calls on views of the memories
   (:func:`runtime.semantics.kernel`; done on the first run, with the program's HBM and weights).
   An instruction that nothing else writes under while it runs computes and writes at its
@@ -34,8 +35,10 @@ output copies).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import hashlib
 import heapq
 import operator
 import os
@@ -80,6 +83,19 @@ class _Instr(NamedTuple):
         return self.stream, self.index
 
 
+@functools.cache
+def access_check_id() -> str:
+    """Names this runtime's load-time access check (a sha256 of the runtime's source): a verdict recorded
+    under another id, an older or edited runtime's, is not trusted."""
+    digest = hashlib.sha256()
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
 def _as_neff(neff_or_path) -> Neff:
     if isinstance(neff_or_path, Neff):
         return neff_or_path
@@ -107,14 +123,34 @@ def _region(ap: AccessPattern) -> tuple:
     return ap.space, extent(ap)
 
 
-def _distinct(ids: np.ndarray) -> list:
-    """The distinct values of ``ids``, fastest when there are few: one writer is the common case."""
-    found, lo, hi = [], ids.min(), ids.max()
-    while hi > lo:
-        found.append(int(hi))
-        ids = ids[ids < hi]
-        hi = ids.max()
-    return found + [int(lo)]
+def _unordered_writer(who: np.ndarray, clock: np.ndarray, stream_of: np.ndarray, index_of: np.ndarray):
+    """A writer id among ``who`` that does not happen before the instruction whose vector clock is
+    ``clock`` (writer w does when ``clock[stream_of[w]] > index_of[w]``), or None. One writer is the
+    common case: two reductions; several are judged all at once."""
+    lo = who.min()
+    if lo == who.max():
+        return None if clock[stream_of[lo]] > index_of[lo] else int(lo)
+    late = clock[stream_of[who]] <= index_of[who]
+    return int(who[late][0]) if late.any() else None
+
+
+def _merged(spans: list) -> tuple:
+    """Byte spans [lo, hi) merged into disjoint sorted ones: (starts, ends)."""
+    starts, ends = [], []
+    for lo, hi in sorted(spans):
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    return starts, ends
+
+
+def _intersects(merged: tuple, lo: int, hi: int) -> bool:
+    """Whether [lo, hi) shares a byte with the spans of :func:`_merged`."""
+    starts, ends = merged
+    k = bisect.bisect_right(starts, lo) - 1  # the last span starting at or before lo
+    return (k >= 0 and ends[k] > lo) or (k + 1 < len(starts) and starts[k + 1] < hi)
 
 
 class _Plan(NamedTuple):
@@ -141,9 +177,13 @@ class NeuronCore:
         self.hbm = HbmAllocator(self.target)
         self.sbuf, self.psum = allocate_on_chip(self.target)
 
-    def load(self, neff) -> "LoadedProgram":
-        """Load a :class:`Neff` (or the path of a NEFF file) into this core."""
-        return LoadedProgram(self, _as_neff(neff))
+    def load(self, neff, *, checked_by: str | None = None) -> "LoadedProgram":
+        """Load a :class:`Neff` (or the path of a NEFF file) into this core.
+
+        ``checked_by``: the :func:`access_check_id` under which this very NEFF already passed the access
+        check (a compile cache records it, next to the NEFF's checksum). When it is this runtime's, the
+        check, whose verdict depends on nothing but the program and the checker, is not run again."""
+        return LoadedProgram(self, _as_neff(neff), trusted=checked_by == access_check_id())
 
     def unload(self, program: "LoadedProgram") -> None:
         """Free ``program``'s HBM (same as ``program.unload()``)."""
@@ -165,8 +205,12 @@ class LoadedProgram:
 
     Its HBM bytes, weights and bound kernels are made on the first ``run`` (``time`` needs none)."""
 
-    def __init__(self, core: NeuronCore, neff: Neff):
+    def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False):
         self.core, self.neff = core, neff
+        # Whether the program is known free of races and of reads of unwritten memory: checked at this load,
+        # or before (``trusted``, see NeuronCore.load). Runs of an unchecked one reset its memory to NaN.
+        self.access_checked = trusted or core.check_uninitialised
+        self._trusted = trusted
         self._shapes = {Space.HBM: (neff.hbm_size,), Space.SBUF: core.sbuf.shape, Space.PSUM: core.psum.shape}
         self._check_tensors()
         self._input_entries = neff.inputs()
@@ -188,7 +232,7 @@ class LoadedProgram:
         ]
         self._order, self._events = self._schedule()
         self._hbm_bytes = sum(i.hbm_bytes for stream in self._instrs for i in stream)
-        if self.core.check_uninitialised:
+        if self.access_checked and not self._trusted:
             self._check_accesses()
 
     # -- loading ----------------------------------------------------------------------------------
@@ -288,9 +332,9 @@ class LoadedProgram:
         # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
+        volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
         for space, shape in self._shapes.items():
             aps = [ap for i in by_id[2:] for ap in i.instr.operands if ap.space == space]
-            volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
@@ -299,10 +343,18 @@ class LoadedProgram:
             for t in volatile if space == Space.HBM else ():
                 writers[space].table[t.offset // g:(t.offset + t.nbytes) // g] = 1
 
-        def ordered(w: int, vc: list, host: bool) -> bool:
-            """Whether writer ``w`` happens before the instruction of clock ``vc`` (``host``: id 0 does)."""
-            return w == 0 and host if w < 2 else vc[by_id[w].stream] > by_id[w].index
+        # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
+        # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
+        stream_of = np.array([n, n + 1] + [i.stream for i in by_id[2:]])
+        index_of = np.array([0, 0] + [i.index for i in by_id[2:]])
+        unordered = functools.partial(_unordered_writer, stream_of=stream_of, index_of=index_of)
 
+        # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
+        # written by no instruction. A read of only such bytes is ordered with everything: not checked.
+        device_written = _merged([(t.offset, t.offset + t.nbytes) for t in volatile] +
+                                 [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
+        read_regions = {i.key: [(operand, _region(i.instr.operands[operand])) for operand in i.reads]
+                        for i in by_id[2:]}
         clock, started = {}, [0] * n  # key -> vector clock at its start; instructions started per stream
         for position, (phase, s, k) in enumerate(self._order):
             i = instrs[s][k]
@@ -314,31 +366,33 @@ class LoadedProgram:
                         vc = [max(a, b) for a, b in zip(vc, clock[(t, count - 1)])]
                         vc[t] = max(vc[t], count)
                 clock[i.key], started[s] = vc, started[s] + 1
-                for operand in i.reads:
+                for operand, (space, box) in read_regions[i.key]:
+                    if space == Space.HBM and not _intersects(device_written, box[2], box[3]):
+                        continue
                     ap = i.instr.operands[operand]
                     who = writers[ap.space].of(ap)
-                    for w in _distinct(who):
-                        if not ordered(w, vc, ap.space == Space.HBM):
-                            raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
+                    w = unordered(who, np.array(vc + [space == Space.HBM, False]))  # the host wrote HBM only
+                    if w is not None:
+                        raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
                 continue
             for dst in i.instr.writes:
-                self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, ordered)
+                self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, ordered) -> None:
+                     by_id: list, unordered, read_regions: dict) -> None:
         """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
         who = writers[dst.space].of(dst)
-        for w in _distinct(who):
-            if w >= 2 and not ordered(w, vc, True):
-                raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
-                                 f"also written by")
+        w = unordered(who, np.array(vc + [True, True]))  # overwriting host data or nothing is no race
+        if w is not None:
+            raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
+                             f"also written by")
         box = _region(dst)
         readers = [(r, operand) for t in range(n) if t != s  # started, not happening before i
-                   for r in instrs[t][vc[t]:started[t]] for operand in r.reads
-                   if overlaps(box, _region(r.instr.operands[operand]))]
+                   for r in instrs[t][vc[t]:started[t]] for operand, region in read_regions[r.key]
+                   if overlaps(box, region)]
         if readers:
             mark = probes[dst.space].of(dst)
             mark[...] = True
@@ -481,7 +535,7 @@ class LoadedProgram:
         hbm = memory.arrays[Space.HBM]
         return _Plan(calls, owners, [self._tensor_view(hbm, t) for t in self.neff.inputs()],
                      [self._tensor_view(hbm, t) for t in self.neff.outputs()],
-                     [] if self.core.check_uninitialised else self._used_memory(hbm))
+                     [] if self.access_checked else self._used_memory(hbm))
 
     def _used_memory(self, hbm: np.ndarray) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch

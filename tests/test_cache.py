@@ -123,19 +123,25 @@ def test_cache_commands_list_show_prune_and_clear(cache_dir):
     assert CompileCache(str(cache_dir)).entries() == []
 
 
-def test_a_new_process_running_the_same_torch_compile_compiles_nothing(cache_dir):
+def test_a_new_process_running_the_same_torch_compile_compiles_nothing_and_checks_nothing_again(cache_dir):
     script = textwrap.dedent("""
         import torch
         from tests import zoo
         from neuronc.pytorch.backend import compiled_graphs
+        from runtime.core import LoadedProgram
+        checks, check = [], LoadedProgram._check_accesses
+        LoadedProgram._check_accesses = lambda self: checks.append(1) or check(self)
         model, inputs = zoo.build("transformer_block")
         with torch.no_grad():
-            torch.compile(model, backend="neuron")(*inputs)
-        print("hits", [f.compiled.cache_hit for f in compiled_graphs])
+            out = torch.compile(model, backend="neuron")(*inputs)
+        print("hits", [f.compiled.cache_hit for f in compiled_graphs], "access checks", len(checks))
+        print("output", out.flatten()[:8].tolist())
     """)
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
-    assert "hits [False]" in runs[0].stdout and "hits [True]" in runs[1].stdout
+    first, second = (r.stdout.splitlines() for r in runs)
+    assert "hits [False] access checks 1" in first and "hits [True] access checks 0" in second
+    assert first[-1] == second[-1]  # the same outputs from the trusted load
 
 
 TRAINING_SCRIPT = textwrap.dedent("""

@@ -19,6 +19,7 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
 from neuronc.targets import get_target
 from runtime import NeuronCore, run_neff
+from runtime.core import access_check_id
 from runtime.memory import view
 from runtime.semantics import SEMANTICS, kernel
 
@@ -605,6 +606,16 @@ def test_without_the_check_a_consumer_not_waiting_reads_nan_filled_sbuf_instead_
     events = {(e.stream, e.index): e for e in result.timeline.events}
     load, consume = events[(Engine.DMA, 0), 0], events[(Engine.VECTOR, 0), 1]
     assert load.start_ns < consume.start_ns < load.end_ns
+
+
+def test_a_verdict_of_this_runtimes_access_check_skips_the_check_and_any_other_does_not():
+    core, racy = NeuronCore("trn2"), _producer_consumer(False)
+    with pytest.raises(NeuronRuntimeError, match="a race|nothing wrote"):
+        core.load(racy, checked_by="the id of another runtime's check")
+    trusted = core.load(racy, checked_by=access_check_id())  # vouched for (wrongly, here): not checked again
+    assert trusted.access_checked
+    x = uniform(-1, 1, (128, 256))
+    assert not np.allclose(trusted.run([x]).outputs[0], 2 * x)  # the race runs as the timing has it
 
 
 def test_dropping_any_needed_wait_is_refused_even_when_the_timing_hides_it():

@@ -40,7 +40,7 @@ class NeffFunction:
         """The NEFF loaded on a core of its own, for CPU tensors."""
         from runtime import NeuronCore
 
-        return NeuronCore(self.options.target).load(self.compiled.neff)
+        return _load(self.compiled, NeuronCore(self.options.target))
 
     def __call__(self, *args):
         device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
@@ -58,12 +58,25 @@ class NeffFunction:
         from neuronc.pytorch.device_memory import core
 
         if device not in self.on_device:
-            program = core(device).load(self.compiled.neff)
+            program = _load(self.compiled, core(device))
             self.on_device[device] = (program, program.time().estimated_ns)
         program, duration_ns = self.on_device[device]
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
         self.device_launches += 1
         return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+
+
+def _load(compiled, core):
+    """``compiled``'s NEFF loaded on ``core``. The runtime's access check (races, reads of unwritten memory:
+    most of the load time of a large program) is skipped when the NEFF's cache entry says it passed it,
+    and a check passed now is recorded there, so a warm process loads at once."""
+    from runtime.core import access_check_id
+
+    checked_by = compiled.checked_by()
+    program = core.load(compiled.neff, checked_by=checked_by)
+    if program.access_checked and checked_by != access_check_id():
+        compiled.mark_checked(access_check_id())
+    return program
 
 
 def _refuse_dynamic_shapes(gm) -> None:
