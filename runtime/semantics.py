@@ -49,24 +49,32 @@ def _compute_dtype(*dtypes) -> np.dtype:
 
 # erf as the ISA defines it (isa.ERF_F32_*): about 5x faster than scipy.special.erf on float32
 # arrays, which matters: GELU runs it on whole activation tiles.
-_ERF_P = np.array(ERF_F32_P, dtype=np.float32)
-_ERF_Q = np.array(ERF_F32_Q, dtype=np.float32)
+# P and Q evaluated together (Horner on a [2, ...] stack, Q's missing leading coefficients zero: 0 * x^2 + 0
+# stays 0 for the clamped, finite x^2), in ufunc calls only (np.clip costs several): GELU runs erf on
+# whole activation tiles, and on tiny ones the number of numpy calls is the cost.
+_ERF_PQ = np.array([ERF_F32_P, (0.0,) * (len(ERF_F32_P) - len(ERF_F32_Q)) + ERF_F32_Q], dtype=np.float32)
+
+
+@functools.cache
+def _erf_columns(ndim: int) -> tuple:
+    """The coefficient pairs of _ERF_PQ, shaped to broadcast against a [2, ...] stack of ndim-d arrays."""
+    return tuple(c.reshape((2,) + (1,) * ndim) for c in _ERF_PQ.T)
 
 
 def _erf(x):
-    x = np.clip(np.asarray(x, dtype=np.float32), np.float32(-ERF_F32_CLAMP), np.float32(ERF_F32_CLAMP))
+    x = np.asarray(x, dtype=np.float32)
+    x = np.minimum(np.maximum(x, np.float32(-ERF_F32_CLAMP)), np.float32(ERF_F32_CLAMP))
     x2 = x * x
-    p = np.full_like(x2, _ERF_P[0])
-    for c in _ERF_P[1:]:
-        p *= x2
-        p += c
-    q = np.full_like(x2, _ERF_Q[0])
-    for c in _ERF_Q[1:]:
-        q *= x2
-        q += c
+    first, *rest = _erf_columns(x.ndim)
+    pq = first * x2
+    for c in rest[:-1]:
+        pq += c
+        pq *= x2
+    pq += rest[-1]
+    p, q = pq[0, ...], pq[1, ...]  # views, 0-d arrays for a 0-d x
     p *= x
     p /= q
-    return np.clip(p, np.float32(-1), np.float32(1), out=p)
+    return np.minimum(np.maximum(p, np.float32(-1), out=p), np.float32(1), out=p)
 
 
 def _sigmoid(x):
