@@ -268,29 +268,29 @@ def _max8(instr, dst, src):
 
 
 def _matches(src, values):
-    """Per j = 0..7: (rows having a match, its position), each position taken at most once."""
-    x = src.astype(F32)
-    taken = np.zeros(x.shape, bool)
-    rows = np.arange(x.shape[0])
-    for j in range(TOP):
-        hit = (x == values[:, j:j + 1].astype(F32)) & ~taken
-        found, position = hit.any(axis=1), hit.argmax(axis=1)
-        taken[rows[found], position[found]] = True
-        yield found, position
+    """(found, position), each [rows, 8]: whether value j of a row occurs in it, and where; each position is
+    taken at most once, in order of j. So a value repeated among the eight takes its occurrences in turn: the
+    j-th copy of a value gets the row's j-th occurrence of it."""
+    x, v = src.astype(F32), values.astype(F32)
+    same = v[:, :, None] == v[:, None, :]  # [rows, j, j']
+    copy = np.tril(same, -1).sum(axis=2)  # how many earlier j' hold the same value
+    equal = x[:, None, :] == v[:, :, None]  # [rows, j, n]
+    # Running count of occurrences; in uint8 it may wrap after 255, but it first equals copy + 1 (at most 8)
+    # at the true occurrence, and argmax takes the first hit.
+    hit = equal & (np.cumsum(equal, axis=2, dtype=np.uint8) == (copy + 1)[:, :, None])
+    return hit.any(axis=2), hit.argmax(axis=2)
 
 
 def _find_index8(instr, dst, src, values):
-    out = np.full(dst.shape, -1, np.int64)
-    for j, (found, position) in enumerate(_matches(src, values)):
-        out[found, j] = position[found]
-    return out
+    found, position = _matches(src, values)
+    return np.where(found, position, -1)
 
 
 def _match_replace8(instr, dst, src, values):
     out = src.astype(F32)
-    rows = np.arange(out.shape[0])
-    for found, position in _matches(src, values):
-        out[rows[found], position[found]] = F32(instr.imm0)
+    found, position = _matches(src, values)
+    rows = np.broadcast_to(np.arange(out.shape[0])[:, None], found.shape)
+    out[rows[found], position[found]] = F32(instr.imm0)
     return out
 
 
