@@ -59,6 +59,28 @@ def test_linear_layers_become_one_kernel_each_with_bias_and_gelu_as_epilogue():
     assert epilogues.count([Op.ADD, Op.GELU]) == 2  # bias + GELU computed from PSUM, twice
 
 
+class _Chain(torch.nn.Module):
+    """Twenty [256, 256] intermediates, each dead once the next is computed."""
+
+    def forward(self, x):
+        for i in range(20):
+            x = torch.tanh(x) * 0.5 + i
+        return x
+
+
+def test_dead_intermediates_share_scratch_memory_and_the_program_stays_exact():
+    model, x = _Chain(), torch.randn(256, 256)
+    neff = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=0)).neff  # a kernel per op
+    scratch = [t for t in neff.tensors if t.kind.name == "SCRATCH"]
+    assert len(scratch) >= 40
+    starts = {t.offset for t in scratch}
+    assert len(starts) <= 8  # a few slots, reused by tensors whose lifetimes do not overlap
+    assert neff.hbm_size < sum(t.nbytes for t in scratch) / 4
+    others = [t for t in neff.tensors if t.kind.name != "SCRATCH"]
+    assert not any(t.offset < s.offset + s.nbytes and s.offset < t.offset + t.nbytes for t in others for s in scratch)
+    assert_matches_eager(torch.from_numpy(run_neff(neff, [x.numpy()]).outputs[0]), model(x))
+
+
 def test_the_erf_expansion_of_gelu_is_folded_back_into_one_gelu():
     compiled, _, _ = _compile("mlp", 0)
     ops = [n.op for n in compiled.graph.nodes()]

@@ -27,9 +27,13 @@ class _Regions:
     one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
 
     def __init__(self, tensors: list, target: Target):
-        ordered = sorted(tensors, key=lambda t: t.offset)
-        self.starts = [t.offset for t in ordered]
-        self.pages = [max(HBM_MIN_PAGE_BYTES, -(-t.nbytes // HBM_PAGES_PER_TENSOR)) for t in ordered]
+        # Tensors that share bytes (scratch buffers reused over time) start at the same offset (the memory
+        # plan's slots): one block of pages per start, as long as its longest tensor.
+        blocks: dict = {}
+        for t in tensors:
+            blocks[t.offset] = max(blocks.get(t.offset, 0), t.nbytes)
+        self.starts = sorted(blocks)
+        self.pages = [max(HBM_MIN_PAGE_BYTES, -(-blocks[start] // HBM_PAGES_PER_TENSOR)) for start in self.starts]
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = max(1, target.partitions // target.dma_queues)
 

@@ -3,7 +3,13 @@
 Inputs, outputs, weights and constants become entries of the NEFF's tensor table; intermediates
 get scratch space. A RESHAPE is an alias: it shares its operand's bytes. Splat constants only need
 memory when a consumer reads them as a tensor (elementwise kernels take them as immediates).
-Buffers are not yet reused across lifetimes (planned in the optimisation work).
+
+Scratch buffers are reused by liveness. Kernels run in the order of ``graph.nodes()`` (codegen emits
+them so); an intermediate lives from its kernel to the last kernel reading it (through its RESHAPE
+aliases). Each goes into a slot whose last tenant is dead: the smallest free slot it fits, else the
+largest free one, grown. Tenants of a slot all start at the slot's offset (the sync pass tracks hazards
+by start offset, and orders a new tenant's writes after the old one's reads); a slot is as long as its
+longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.neff.program import TensorEntry, TensorKind
 
+COOLING = 4  # nodes: a slot freed this recently is not reused, so that a kernel's stores need not wait for
+# the loads of the kernel just before it (the sync pass orders a new tenant's writes after the old one's reads)
 ALIGNMENT = 64  # bytes; keeps every tensor's start aligned for any dtype and for DMA descriptors
 
 
@@ -35,6 +43,45 @@ def _needs_buffer(node: ir.Node, consumers: dict, outputs: set) -> bool:
     return node in outputs or any(c.op not in ir.ELEMENTWISE for c in consumers.get(node, ()))
 
 
+def _last_reads(nodes: list) -> dict:
+    """node owning a buffer -> position (in `nodes`) of the last node reading it, directly or through RESHAPEs."""
+    last = {}
+    for position, n in enumerate(nodes):
+        if n.op is Op.RESHAPE:
+            continue
+        for x in n.inputs:
+            last[ir.unreshaped(x)] = position
+    return last
+
+
+class _Slots:
+    """Scratch slots: each a length and whether a live tensor holds it."""
+
+    def __init__(self):
+        self.sizes, self.free = [], []  # free: (position freed, slot), oldest first
+
+    def take(self, nbytes: int, position: int) -> int:
+        cooled = [slot for freed, slot in self.free if freed < position - COOLING]  # oldest first
+        fitting = [slot for slot in cooled if self.sizes[slot] >= nbytes]
+        if fitting:
+            slot = fitting[0]
+        elif cooled:
+            slot = max(cooled, key=self.sizes.__getitem__)
+            self.sizes[slot] = nbytes  # grown: no cooled slot is long enough
+        else:
+            self.sizes.append(nbytes)
+            return len(self.sizes) - 1
+        self.free = [f for f in self.free if f[1] != slot]
+        return slot
+
+    def give_back(self, slot: int, position: int) -> None:
+        self.free.append((position, slot))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+
+
 def plan_memory(graph: ir.Graph) -> MemoryPlan:
     nodes = graph.nodes()
     consumers = graph.consumers()
@@ -43,29 +90,43 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     output_index = {}
     for i, o in enumerate(graph.outputs):
         output_index[ir.unreshaped(o)] = (i, o)
+    last_read = _last_reads(nodes)
+    dying: dict = {}  # position -> scratch slots whose tenant is last read there
+    slots, scratch = _Slots(), []  # scratch: (entry, slot)
     tensors, placement, cursor = [], {}, 0
     input_count = 0
-    for n in nodes:
+    for position, n in enumerate(nodes):
         if n.op is Op.RESHAPE:
             placement[n] = placement[n.inputs[0]]
             continue
-        if not _needs_buffer(n, consumers, set(output_index)):
-            continue
-        if n in output_index:
-            index, out = output_index[n]
-            entry = TensorEntry(f"output{index}", TensorKind.OUTPUT, out.dtype, out.shape, 0, index)
-        elif n.op is Op.PARAMETER and n.attrs["kind"] == "input":
-            entry = TensorEntry(n.attrs["name"], TensorKind.INPUT, n.dtype, n.shape, 0, input_count)
-            input_count += 1
-        elif n.op is Op.PARAMETER:
-            entry = TensorEntry(n.attrs["name"], TensorKind.WEIGHT, n.dtype, n.shape, 0, -1, n.attrs["data"])
-        elif n.op is Op.CONSTANT and not n.is_splat:
-            entry = TensorEntry(f"const{n.id}", TensorKind.CONSTANT, n.dtype, n.shape, 0, -1,
-                                n.attrs["value"].reshape(n.shape))
-        else:
-            entry = TensorEntry(f"t{n.id}_{n.op.name.lower()}", TensorKind.SCRATCH, n.dtype, n.shape, 0)
-        entry.offset = cursor
-        cursor += -(-max(entry.nbytes, 1) // ALIGNMENT) * ALIGNMENT
-        tensors.append(entry)
-        placement[n] = entry
-    return MemoryPlan(tensors, placement, cursor)
+        if _needs_buffer(n, consumers, set(output_index)):
+            if n in output_index:
+                index, out = output_index[n]
+                entry = TensorEntry(f"output{index}", TensorKind.OUTPUT, out.dtype, out.shape, 0, index)
+            elif n.op is Op.PARAMETER and n.attrs["kind"] == "input":
+                entry = TensorEntry(n.attrs["name"], TensorKind.INPUT, n.dtype, n.shape, 0, input_count)
+                input_count += 1
+            elif n.op is Op.PARAMETER:
+                entry = TensorEntry(n.attrs["name"], TensorKind.WEIGHT, n.dtype, n.shape, 0, -1, n.attrs["data"])
+            elif n.op is Op.CONSTANT and not n.is_splat:
+                entry = TensorEntry(f"const{n.id}", TensorKind.CONSTANT, n.dtype, n.shape, 0, -1,
+                                    n.attrs["value"].reshape(n.shape))
+            else:
+                entry = TensorEntry(f"t{n.id}_{n.op.name.lower()}", TensorKind.SCRATCH, n.dtype, n.shape, 0)
+            if entry.kind is TensorKind.SCRATCH:
+                scratch.append((entry, slots.take(_aligned(entry.nbytes), position)))
+                dying.setdefault(max(position, last_read.get(n, position)), []).append(scratch[-1][1])
+            else:
+                entry.offset = cursor
+                cursor += _aligned(entry.nbytes)
+            tensors.append(entry)
+            placement[n] = entry
+        for slot in dying.pop(position, ()):  # after the kernel's own buffer is taken: it reads them
+            slots.give_back(slot, position)
+    starts = []
+    for size in slots.sizes:
+        starts.append(cursor)
+        cursor += size
+    for entry, slot in scratch:
+        entry.offset = starts[slot]
+    return MemoryPlan(sorted(tensors, key=lambda t: t.offset), placement, cursor)
