@@ -117,17 +117,71 @@ def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), out)
 
 
-def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
+def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc,
+               engines=None):
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
-    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
+    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP. With `engines`
+    (a `_StepBalancer`), each step goes to the engine it chooses; else ALU steps run on the Vector engine."""
     results = []
     for step, slot in zip(body, slots):
         out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
         args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
                 for kind, ref in step.args]
-        _compute(em, step, out, args, constants, loc)
+        if engines is None:
+            _compute(em, step, out, args, constants, loc)
+        else:
+            engines.compute(step, out, args, constants, loc)
         results.append(out)
     return results[-1]
+
+
+def _scalar_form(step, args) -> tuple | None:
+    """(func, scale, bias, source) computing `step` as one Scalar-engine ACTIVATE, func(scale * x + bias) in
+    fp32 rounded once to the destination, exactly as the ALU computes it; or None. A bias of -0.0 adds
+    nothing, not even to a zero's sign."""
+    if step.op in ACTIVATIONS:
+        return ACTIVATIONS[step.op], 1.0, 0.0, args[0]
+    if not step.dtype.is_float or not all(isinstance(a, float) or a.dtype.is_float for a in args):
+        return None
+    if step.op is Op.CONVERT:
+        return ActFunc.IDENTITY, 1.0, -0.0, args[0]
+    if step.op is Op.NEGATE:
+        return ActFunc.IDENTITY, -1.0, -0.0, args[0]
+    if len(args) != 2 or isinstance(args[0], float) == isinstance(args[1], float):
+        return None
+    (x, c), reverse = (args, False) if isinstance(args[1], float) else (args[::-1], True)
+    forms = {Op.MULTIPLY: (c, -0.0), Op.ADD: (1.0, c), Op.SUBTRACT: (-1.0, c) if reverse else (1.0, -c)}
+    if step.op not in forms:
+        return None
+    return (ActFunc.IDENTITY, *forms[step.op], x)
+
+
+class _StepBalancer:
+    """Puts each step of a body on the least busy engine that can compute it (as the cost model prices the
+    work so far): the Vector engine takes any step, GpSimd those that read no PSUM (it cannot reach PSUM on
+    the hardware), the Scalar engine activations and the steps that are a scale and a bias (`_scalar_form`)."""
+
+    def __init__(self, em: Emitter):
+        self.em = em
+        self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}
+
+    def compute(self, step, out, args, constants, loc) -> None:
+        form = _scalar_form(step, args)
+        tiles = [a for a in args if isinstance(a, AccessPattern)]
+        engines = [] if step.op in ACTIVATIONS else [Engine.VECTOR]
+        if step.op not in ACTIVATIONS and all(t.space != Space.PSUM for t in tiles + [out]):
+            engines.append(Engine.GPSIMD)
+        if form is not None:
+            engines.append(Engine.SCALAR)
+        engine = min(engines, key=self.busy.get)
+        start = len(self.em.instructions)
+        if engine is Engine.SCALAR:
+            func, scale, bias, x = form
+            self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+        else:
+            _compute(self.em, step, out, args, constants, loc, engine)
+        for inst in self.em.instructions[start:]:
+            self.busy[inst.engine] = self.busy.get(inst.engine, 0.0) + instruction_cost_ns(inst, self.em.target)
 
 
 def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
@@ -253,6 +307,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
     temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
+    engines = _StepBalancer(em)
     ci = node.dtype.itemsize
 
     def load_strip(name, x, element, k_stride, w_stride, width):
@@ -302,7 +357,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
         out = _emit_body(em, body, slots, loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                         constants, node.loc)
+                         constants, node.loc, engines)
         em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
 
     if tiling.resident == "none":
@@ -313,8 +368,9 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                 streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
         return
-    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued one
-    # step ahead (before the previous step's tiles and their stores), so it overlaps their compute.
+    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
+    # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
+    # compute.
     steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
     for g in range(batch):
         if tiling.resident == "a":
@@ -335,7 +391,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                         for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
     loaded: dict = {}
     for i, (_, tiles) in enumerate(steps):
-        for j in range(len(loaded), min(len(steps), i + 2)):
+        for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
             loaded[j] = steps[j][0]()
         for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
             output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
