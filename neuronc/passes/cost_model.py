@@ -19,11 +19,11 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     return bytes_per_partition <= target.sbuf_bytes_per_partition
 
 
-def estimate_streams(streams: dict, target: Target) -> tuple:
-    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+def replay(streams: dict, target: Target):
+    """(instruction, start ns, end ns) of every instruction of scheduled streams, each stream in order and
+    each instruction after the semaphore counts it waits for: the emulator's timeline, without running."""
     done = {s: [] for s in streams}  # stream -> end time of each completed instruction
     cursor = {s: 0 for s in streams}
-    kernel_ns: dict = {}
     progressed = True
     while progressed:
         progressed = False
@@ -39,16 +39,32 @@ def estimate_streams(streams: dict, target: Target) -> tuple:
                     ready = max(ready, finished[wait.count - 1])
                 else:
                     start = max(ready, done[stream][-1] if done[stream] else 0.0)
-                    cost = instruction_cost_ns(inst, target)
-                    done[stream].append(start + cost)
-                    kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + cost
+                    end = start + instruction_cost_ns(inst, target)
+                    done[stream].append(end)
+                    yield inst, start, end
                     i += 1
                     progressed = True
                     continue
                 break
             cursor[stream] = i
-    makespan = max((ends[-1] for ends in done.values() if ends), default=0.0)
+
+
+def estimate_streams(streams: dict, target: Target) -> tuple:
+    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+    makespan, kernel_ns = 0.0, {}
+    for inst, start, end in replay(streams, target):
+        kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
+        makespan = max(makespan, end)
     return makespan, kernel_ns
+
+
+def kernel_spans(streams: dict, target: Target) -> dict:
+    """{kernel index: (first start, last end)} of scheduled streams: when each kernel ran (kernels overlap)."""
+    spans: dict = {}
+    for inst, start, end in replay(streams, target):
+        first, last = spans.get(inst.kernel, (start, end))
+        spans[inst.kernel] = (min(first, start), max(last, end))
+    return spans
 
 
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
