@@ -202,3 +202,18 @@ def test_fold_converts_keeps_a_convert_whose_source_is_read_elsewhere_or_is_not_
     assert fold_converts(shared, {0: DType.F32}) == shared
     integer = (_step(Op.CONVERT, [("input", 0)], DType.F32), _step(Op.EXP, [("step", 0)], DType.F32))
     assert fold_converts(integer, {0: DType.I32}) == integer
+
+
+def test_a_weight_read_only_transposed_is_stored_transposed_and_a_tied_one_is_not():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32).eval()
+    inputs = (torch.randn(8, 64),)
+    program = torch.export.export(linear, inputs)
+    weights = {level: next(t for t in compile_exported(program, CompileOptions(opt_level=level)).neff.tensors
+                           if t.name == "weight") for level in (0, 2)}
+    assert weights[0].shape == (32, 64) and weights[2].shape == (64, 32)
+    np.testing.assert_array_equal(weights[2].data, linear.weight.detach().numpy().T)
+    model, inputs = zoo.build("gpt2")  # the token embedding is gathered by rows and read transposed by the head
+    neff = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).neff
+    table = model.tokens.weight
+    assert tuple(next(t for t in neff.tensors if t.name == "tokens.weight").shape) == tuple(table.shape)

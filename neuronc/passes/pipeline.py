@@ -22,6 +22,7 @@ from neuronc.passes.canonicalize import (demote_f64, fold_constants, narrow_matm
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
+from neuronc.passes.layout import store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
@@ -29,7 +30,7 @@ from neuronc.targets import Target, get_target
 
 BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
             narrow_matmul_operands, legalize, simplify]
-OPTIMISED = BASELINE + [fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
+OPTIMISED = BASELINE + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
                         fuse_reduction_prologues,
                         simplify]
 
