@@ -156,13 +156,16 @@ def _bf16_gelu_mlp():
     return model.to(torch.bfloat16), (torch.randn(32, 64).to(torch.bfloat16),)
 
 
-def test_a_bf16_linear_multiplies_its_bf16_operands_and_reads_its_bias_in_the_epilogue():
+def test_a_bf16_linear_multiplies_its_bf16_operands_and_adds_its_bias_in_psum():
     model, inputs = _bf16_gelu_mlp()
     compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
     matmuls = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert len(matmuls) == 2 and len(compiled.neff.kernels) == 2  # no kernel widens an operand or a bias
     assert all(x.dtype is DType.BF16 for m in matmuls for x in m.inputs)  # bf16 rate, not fp32's quarter
-    assert all(step.op is not Op.CONVERT for m in matmuls for step in m.attrs["epilogue"])
+    assert all(m.attrs.get("bias_row") == 1 for m in matmuls)  # the bias row goes into PSUM by a matmul
+    epilogues = [[(step.op, step.dtype) for step in m.attrs["epilogue"]] for m in matmuls]
+    assert [epilogue[0] for epilogue in epilogues] == [(Op.CONVERT, DType.BF16)] * 2  # PSUM rounded once
+    assert all(op is not Op.CONVERT for epilogue in epilogues for op, _ in epilogue[1:])  # no widening left
 
 
 def test_the_optimised_bf16_mlp_gives_the_baseline_bits():

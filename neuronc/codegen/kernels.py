@@ -305,6 +305,10 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
     extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
+    if bias_row is not None:
+        ones = pool("ones").next().ap(1, tm)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
     temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
     engines = _StepBalancer(em)
@@ -353,6 +357,12 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+            if i == bias_row:  # acc[m, n] += 1 * bias[n]
+                row = xpool.next().ap(1, nt)
+                em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, nt))))
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, _columns(ones, 0, mt), row,
+                        accumulate=True)
+                continue
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))

@@ -112,14 +112,15 @@ class _Servers:
 
 
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
-              contiguous: tuple = (False, True)) -> float:
+              contiguous: tuple = (False, True), bias_row: bool = False) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
     that read it; a step's output tiles on the Tensor engine once its strips are in, each tile's epilogue on
     the other engines once its PSUM bank is full (8 banks: the Tensor engine runs at most that far ahead),
     its store on the DMA queues. `contiguous` says whether A^T's and B's strips are contiguous loads (a
-    transposed operand is a strided DMA at half bandwidth)."""
+    transposed operand is a strided DMA at half bandwidth). With `bias_row`, each tile also gets a bias row
+    (one small DMA) added into PSUM by one more matmul."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -131,6 +132,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     queues = target.dma_queues
     out_tile = min(tm, m) * min(tn, n)
     store = _dma_piece_ns(out_tile * (out_dtype.itemsize + extras_bytes), True, target)
+    if bias_row:
+        store += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
     epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
@@ -138,7 +141,7 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         b_one = _dma_piece_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
         per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, (a_one + b_one) / queues)
         tiles = batch * m_tiles * n_tiles
-        return tiles * max(k_tiles * per_k, epilogue_share, store / queues) + epilogue_latency + store
+        return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, store / queues) + epilogue_latency + store
 
     def load(width, item, is_contiguous):  # (combined queue time, latency, one piece's time) of one strip
         total, one = strip_load_ns(rows_k, k * width * item, is_contiguous, target)
@@ -183,7 +186,7 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         start = max(clock.tensor, loaded_at[i], loaded_at[owner])
         for _ in range(tiles):
             start = max(start, banks[turn % len(banks)])
-            done = start + k_tiles * instr
+            done = start + (k_tiles + bias_row) * instr
             epilogue_start = max(clock.epilogue, done)
             clock.epilogue = epilogue_start + epilogue_share
             banks[turn % len(banks)] = epilogue_start + epilogue_latency

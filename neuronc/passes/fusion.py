@@ -155,10 +155,32 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
                 inputs[i] = inputs[i].inputs[0]
                 body = _widened_input(body, i - 1)
         dtypes = {0: DType.F32} | {i: x.dtype for i, x in enumerate(inputs[2:], start=1)}  # 0: the accumulator
-        return ir.node(Op.MATMUL, inputs, node.shape, node.dtype, node.loc,
-                       **{**node.attrs, "epilogue": fold_converts(body, dtypes)})
+        body = fold_converts(body, dtypes)
+        views = node.attrs.get("views") or (None,) * len(inputs)
+        attrs = {**node.attrs, "epilogue": body}
+        row = _bias_row(body, inputs, views)
+        if row is not None:  # the bias is added by the Tensor engine: the epilogue reads the sum from PSUM
+            first = body[0]
+            attrs.update(epilogue=(first._replace(op=Op.CONVERT, args=(("input", 0),)),) + body[1:], bias_row=row)
+        return ir.node(Op.MATMUL, inputs, node.shape, node.dtype, node.loc, **attrs)
 
     return fused.rewrite(fold)
+
+
+def _bias_row(body, inputs, views) -> int | None:
+    """The epilogue input j that is a 16-bit float row [N] added to the accumulator by the first step (a
+    linear layer's bias) and read by nothing else, or None. The kernel adds it into PSUM with a rank-1
+    matmul (ones [1, M] x bias [1, N]): fp32 acc + the exact product 1 * bias, rounded to fp32, is the ADD's
+    fp32 sum, so the first step becomes the rounding of the PSUM value to the ADD's dtype."""
+    if not body or body[0].op is not Op.ADD or ("input", 0) not in body[0].args:
+        return None
+    (kind, j), = [arg for arg in body[0].args if arg != ("input", 0)] or [("imm", None)]
+    if kind != "input" or any(("input", j) in step.args for step in body[1:]):
+        return None
+    x, view = inputs[1 + j], views[1 + j]
+    if x.dtype not in _NARROW or view is None or tuple(view[1]) != (0, 0, 1):
+        return None
+    return j
 
 
 def _widened_input(body, index: int) -> tuple:

@@ -54,6 +54,11 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
     bufs = EPILOGUE_BUFS
     pools = {"result": (node.dtype, tile_n, bufs), "constants": (DType.F32, tile_n * 2, 2)}
     pools.update({f"extra{i}": (x.dtype, tile_n, bufs) for i, x in enumerate(node.inputs[2:])})
+    row = node.attrs.get("bias_row")
+    if row is not None:  # a bias row added in PSUM: [1, N] rows and a [1, M] row of ones, not [M, N] tiles
+        dtype = node.inputs[1 + row].dtype
+        pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
+        pools["ones"] = (dtype, max(tile_n, 128), 1)
     pools.update({f"temp{i}": (DType.F32, tile_n * 2, bufs) for i in range(temps)})  # room for 8-byte dtypes
     return pools
 
@@ -110,8 +115,9 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
 
 
 def _extras_bytes(node: ir.Node) -> int:
-    """Bytes of the epilogue's other inputs per output element."""
-    return sum(x.dtype.itemsize for x in node.inputs[2:])
+    """Bytes of the epilogue's other inputs per output element (a bias row added in PSUM is not a tile)."""
+    row = node.attrs.get("bias_row")
+    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i != row)
 
 
 def _contiguous(node: ir.Node) -> tuple:
@@ -127,7 +133,8 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
     """The cost model's estimate of the matmul kernel of `node` under `tiling`."""
     a, b = node.inputs[:2]
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
-                     node.attrs.get("epilogue") or (), tiling, target, _contiguous(node))
+                     node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
+                     node.attrs.get("bias_row") is not None)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
