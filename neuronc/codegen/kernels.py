@@ -117,20 +117,15 @@ def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), out)
 
 
-def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc,
-               engines=None):
+def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
-    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP. With `engines`
-    (a `_StepBalancer`), each step goes to the engine it chooses; else ALU steps run on the Vector engine."""
+    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
     results = []
     for step, slot in zip(body, slots):
         out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
         args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
                 for kind, ref in step.args]
-        if engines is None:
-            _compute(em, step, out, args, constants, loc)
-        else:
-            engines.compute(step, out, args, constants, loc)
+        _compute(em, step, out, args, constants, loc)
         results.append(out)
     return results[-1]
 
@@ -366,9 +361,21 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
-        out = _emit_body(em, body, slots, loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                         constants, node.loc, engines)
-        em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
+        waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                        hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+        if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
+            flush(keep=1)
+
+    waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
+
+    def flush(keep=0):
+        """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
+        chains side by side on the engines, not one chain at a time), then their stores."""
+        jobs = waiting[:len(waiting) - keep]
+        del waiting[:len(jobs)]
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
+        for job, out in zip(jobs, outs):
+            em.dma(job[4], out)
 
     if tiling.resident == "none":
         for g in range(batch):
@@ -377,6 +384,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     output_tile(g, m0, n0,
                                 streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
+        flush()
         return
     # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
     # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
@@ -406,6 +414,24 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
             output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
                         in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+    flush()
+
+
+EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
+
+
+def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
+    """`_emit_body` for several tiles at once, each step for every tile before the next step: jobs are
+    (loaded, temp tiles, out tile, shape). Returns each job's result AP."""
+    results = [[] for _ in jobs]
+    for step, slot in zip(body, slots):
+        for (loaded, temp_tiles, out_tile, shape), done in zip(jobs, results):
+            out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+            args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
+                    for kind, ref in step.args]
+            engines.compute(step, out, args, constants, loc)
+            done.append(out)
+    return [done[-1] for done in results]
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
