@@ -374,8 +374,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
         outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
-        for job, out in zip(jobs, outs):
-            em.dma(job[4], out)
+        for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
+            _dma_by_rows(em, job[4], out)
 
     if tiling.resident == "none":
         for g in range(batch):

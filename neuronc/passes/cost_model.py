@@ -131,9 +131,11 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     rows_k = min(tk, k)
     queues = target.dma_queues
     out_tile = min(tm, m) * min(tn, n)
-    store = _dma_piece_ns(out_tile * (out_dtype.itemsize + extras_bytes), True, target)
+    # an output tile's DMAs: its store, split by rows over queues, and its epilogue's other inputs
+    stored_total, store = strip_load_ns(min(tm, m), out_tile * out_dtype.itemsize, True, target)
+    stored_total += _dma_piece_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
     if bias_row:
-        store += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
+        stored_total += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
     epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
@@ -141,7 +143,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         b_one = _dma_piece_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
         per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, (a_one + b_one) / queues)
         tiles = batch * m_tiles * n_tiles
-        return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, store / queues) + epilogue_latency + store
+        return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, stored_total / queues) + \
+            epilogue_latency + store
 
     def load(width, item, is_contiguous):  # (combined queue time, latency, one piece's time) of one strip
         total, one = strip_load_ns(rows_k, k * width * item, is_contiguous, target)
@@ -190,8 +193,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             epilogue_start = max(clock.epilogue, done)
             clock.epilogue = epilogue_start + epilogue_share
             banks[turn % len(banks)] = epilogue_start + epilogue_latency
-            clock.dma += store / queues  # the store shares the queues with later loads
-            stored = epilogue_start + epilogue_latency + store
+            clock.dma += stored_total / queues  # the store shares the queues with later loads
+            # stores of one kernel's tiles wait for each other (their HBM pages overlap, column tiles of the
+            # same rows), so they form a chain
+            stored = max(epilogue_start + epilogue_latency, stored) + store
             end = max(end, stored)
             turn += 1
             start = done
