@@ -5,11 +5,16 @@ clock uses), the roofline lower bound max(FLOPs / peak, minimal HBM bytes / HBM 
 efficiency bound / time, HBM bytes moved against the minimum (inputs + weights + outputs once),
 the kernel count, and the -O2 speed-up over -O0. Nothing is asserted: it prints measurements.
 
-    python -m benchmarks.roofline [--cases matmul,softmax,...] [--quick]
+    python -m benchmarks.roofline [--cases matmul,softmax,...] [--quick] [--breakdown]
+
+The whole-model cases are one GPT-2-small block and the 12-layer GPT-2-small forward (the zoo's GPT2: width
+768, 12 heads, vocabulary 50257, sequence 512, bf16); --quick runs 128 tokens and 2 layers. --breakdown prints,
+for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 
@@ -19,8 +24,10 @@ import torch.nn.functional as F
 
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.isa import Engine, Opcode, Space
+from neuronc.passes.cost_model import kernel_spans
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops, peak_tflops
+from tests.zoo import GPT2, TransformerBlock
 
 
 class MatMul(nn.Module):
@@ -83,7 +90,24 @@ def _cases(quick: bool) -> dict:
         "rmsnorm": (Norm("rmsnorm", n), (torch.randn(n, n),), torch.float32),
         "attention": (Attention(), tuple(torch.randn(1, 12, seq, 64) for _ in range(3)), bf16),
         "resnet_block": (BasicBlock(64), (torch.randn(2 if quick else 8, 64, 56, 56),), torch.float32),
+        "gpt2_block": (TransformerBlock(768, 12), (torch.randn(1, tokens, 768),), bf16),
+        "gpt2": (GPT2(vocab=50257, width=768, layers=2 if quick else 12, heads=12, context=1024),
+                 (torch.randint(0, 50257, (1, tokens)),), bf16),
     }
+
+
+def _minimal_bytes(neff) -> int:
+    """Inputs, outputs, weights and constants, each once: a tied weight (GPT-2's token embedding and LM head)
+    that the program holds twice, with the same values, counts once."""
+    seen, total = set(), 0
+    for t in neff.tensors:
+        if t.kind.name not in ("INPUT", "OUTPUT", "WEIGHT", "CONSTANT"):
+            continue
+        key = (t.dtype, tuple(t.shape), hashlib.sha1(t.data.tobytes()).digest()) if t.data is not None else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
 
 
 def _measure(neff, target, model_ideal_ns=None) -> dict:
@@ -99,7 +123,7 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
                 ideal_ns += f / (peak_tflops(target, inst.operands[1].dtype) * 1e3)
             elif engine == Engine.DMA:
                 hbm += sum(ap.num_elements * ap.dtype.itemsize for ap in inst.operands if ap.space == Space.HBM)
-    minimum = sum(t.nbytes for t in neff.tensors if t.kind.name in ("INPUT", "OUTPUT", "WEIGHT", "CONSTANT"))
+    minimum = _minimal_bytes(neff)
     ideal_ns = ideal_ns if model_ideal_ns is None else model_ideal_ns
     bound_ns = max(ideal_ns, minimum / target.hbm_gbps)  # bytes / (GB/s) = ns
     return {"time_us": neff.estimated_ns / 1e3, "bound_us": bound_ns / 1e3,
@@ -108,10 +132,22 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
             "ideal_ns": ideal_ns}
 
 
+def breakdown(neff, target) -> list:
+    """[(kind of kernel, count, us)] of a program, largest first: each kernel's span on the estimated
+    timeline (first instruction's start to last one's end; kernels overlap, so shares may sum past 1)."""
+    kinds: dict = {}
+    for index, (start, end) in kernel_spans(neff.streams, target).items():
+        kind = neff.kernels[index].name.rsplit("_", 1)[0] if 0 <= index < len(neff.kernels) else "(none)"
+        count, ns = kinds.get(kind, (0, 0.0))
+        kinds[kind] = (count + 1, ns + end - start)
+    return sorted(((kind, count, ns / 1e3) for kind, (count, ns) in kinds.items()), key=lambda k: -k[2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="", help="comma-separated subset")
     parser.add_argument("--quick", action="store_true", help="smaller shapes (a minute instead of many)")
+    parser.add_argument("--breakdown", action="store_true", help="where each case's -O2 time goes, by kernel kind")
     args = parser.parse_args()
     target = get_target("trn2")
     cases = _cases(args.quick)
@@ -121,7 +157,8 @@ def main() -> None:
           f"{'O0 us':>10} {'O2/O0 speed-up':>15} {'compile s':>10}")
     for name in chosen:
         model, inputs, dtype = cases[name]
-        model, inputs = model.eval().to(dtype), tuple(x.to(dtype) for x in inputs)
+        model = model.eval().to(dtype)
+        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)  # token ids stay integers
         program = torch.export.export(model, inputs)
         results = {}
         for level in (0, 2):
@@ -132,7 +169,11 @@ def main() -> None:
         o2, o0 = results[2], results[0]
         print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.2f} "
               f"{o2['hbm_ratio']:>8.2f} {o2['kernels']:>8} {o0['time_us']:>10.1f} "
-              f"{o0['time_us'] / o2['time_us']:>15.2f} {o2['compile_s']:>10.1f}")
+              f"{o0['time_us'] / o2['time_us']:>15.2f} {o2['compile_s']:>10.1f}", flush=True)
+        if args.breakdown:
+            shares = ", ".join(f"{kind} x{count} {us:.1f} us ({us * 1e3 / neff.estimated_ns:.0%})"
+                               for kind, count, us in breakdown(neff, target))
+            print(f"{'':<14} where the time goes: {shares}", flush=True)
 
 
 if __name__ == "__main__":

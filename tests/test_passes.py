@@ -2,6 +2,7 @@
 identities vanish, and the block cutter and the reshape-of-a-view rule are exact (property tests)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import fold_constants
+from neuronc.passes.fusion import fold_converts
 from neuronc.passes.legalize import reshaped_strides
 from neuronc.passes.pipeline import passes_for
 from runtime import run_neff
@@ -168,3 +170,75 @@ def test_the_compile_time_of_every_stage_and_pass_is_recorded():
                   "codegen/kernels", "codegen/sync", "codegen/estimate"):
         assert seconds[stage] >= 0
     assert seconds["passes"] >= sum(seconds[name] for name in passes)
+
+
+def _bf16_gelu_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    return model.to(torch.bfloat16), (torch.randn(32, 64).to(torch.bfloat16),)
+
+
+def test_a_bf16_linear_multiplies_its_bf16_operands_and_adds_its_bias_in_psum():
+    model, inputs = _bf16_gelu_mlp()
+    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    matmuls = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert len(matmuls) == 2 and len(compiled.neff.kernels) == 2  # no kernel widens an operand or a bias
+    assert all(x.dtype is DType.BF16 for m in matmuls for x in m.inputs)  # bf16 rate, not fp32's quarter
+    assert all(m.attrs.get("bias_row") == 1 for m in matmuls)  # the bias row goes into PSUM by a matmul
+    epilogues = [[(step.op, step.dtype) for step in m.attrs["epilogue"]] for m in matmuls]
+    assert [epilogue[0] for epilogue in epilogues] == [(Op.CONVERT, DType.BF16)] * 2  # PSUM rounded once
+    assert all(op is not Op.CONVERT for epilogue in epilogues for op, _ in epilogue[1:])  # no widening left
+
+
+def test_the_optimised_bf16_mlp_gives_the_baseline_bits():
+    """Epilogue converts folded into their instructions, steps moved to the Scalar or GpSimd engine, bf16
+    operands multiplied directly: every rounding stays where the baseline (one kernel per op) has it."""
+    model, inputs = _bf16_gelu_mlp()
+    program = torch.export.export(model, inputs)
+    outputs = [run_neff(compile_exported(program, CompileOptions(opt_level=level)).neff,
+                        [x.float().numpy().astype(ml_dtypes.bfloat16) for x in inputs]).outputs[0]
+               for level in (0, 2)]
+    assert outputs[0].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(*inputs))
+
+
+def _step(op, args, dtype):
+    return ir.Step(op, tuple(args), dtype, {})
+
+
+def test_fold_converts_writes_an_fp32_result_in_the_narrow_type_its_only_reader_converts_to():
+    body = (_step(Op.ADD, [("input", 0), ("input", 1)], DType.F32), _step(Op.CONVERT, [("step", 0)], DType.BF16))
+    assert fold_converts(body, {0: DType.F32, 1: DType.F32}) == (
+        _step(Op.ADD, [("input", 0), ("input", 1)], DType.BF16),)
+
+
+def test_fold_converts_lets_fp32_steps_read_a_narrow_value_without_widening_it():
+    body = (_step(Op.CONVERT, [("input", 1)], DType.F32), _step(Op.ADD, [("input", 0), ("step", 0)], DType.F32),
+            _step(Op.ERF, [("step", 1)], DType.F32))
+    assert fold_converts(body, {0: DType.F32, 1: DType.BF16}) == (
+        _step(Op.ADD, [("input", 0), ("input", 1)], DType.F32), _step(Op.ERF, [("step", 0)], DType.F32))
+
+
+def test_fold_converts_keeps_a_convert_whose_source_is_read_elsewhere_or_is_not_a_float():
+    shared = (_step(Op.ADD, [("input", 0), ("input", 0)], DType.F32), _step(Op.CONVERT, [("step", 0)], DType.BF16),
+              _step(Op.MULTIPLY, [("step", 0), ("step", 1)], DType.F32))
+    assert fold_converts(shared, {0: DType.F32}) == shared
+    integer = (_step(Op.CONVERT, [("input", 0)], DType.F32), _step(Op.EXP, [("step", 0)], DType.F32))
+    assert fold_converts(integer, {0: DType.I32}) == integer
+
+
+def test_a_weight_read_only_transposed_is_stored_transposed_and_a_tied_one_is_not():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32).eval()
+    inputs = (torch.randn(8, 64),)
+    program = torch.export.export(linear, inputs)
+    weights = {level: next(t for t in compile_exported(program, CompileOptions(opt_level=level)).neff.tensors
+                           if t.name == "weight") for level in (0, 2)}
+    assert weights[0].shape == (32, 64) and weights[2].shape == (64, 32)
+    np.testing.assert_array_equal(weights[2].data, linear.weight.detach().numpy().T)
+    model, inputs = zoo.build("gpt2")  # the token embedding is gathered by rows and read transposed by the head
+    neff = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).neff
+    table = model.tokens.weight
+    assert tuple(next(t for t in neff.tensors if t.name == "tokens.weight").shape) == tuple(table.shape)

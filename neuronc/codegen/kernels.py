@@ -130,6 +130,55 @@ def _emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_til
     return results[-1]
 
 
+def _scalar_form(step, args) -> tuple | None:
+    """(func, scale, bias, source) computing `step` as one Scalar-engine ACTIVATE, func(scale * x + bias) in
+    fp32 rounded once to the destination, exactly as the ALU computes it; or None. A bias of -0.0 adds
+    nothing, not even to a zero's sign."""
+    if step.op in ACTIVATIONS:
+        return ACTIVATIONS[step.op], 1.0, 0.0, args[0]
+    if not step.dtype.is_float or not all(isinstance(a, float) or a.dtype.is_float for a in args):
+        return None
+    if step.op is Op.CONVERT:
+        return ActFunc.IDENTITY, 1.0, -0.0, args[0]
+    if step.op is Op.NEGATE:
+        return ActFunc.IDENTITY, -1.0, -0.0, args[0]
+    if len(args) != 2 or isinstance(args[0], float) == isinstance(args[1], float):
+        return None
+    (x, c), reverse = (args, False) if isinstance(args[1], float) else (args[::-1], True)
+    forms = {Op.MULTIPLY: (c, -0.0), Op.ADD: (1.0, c), Op.SUBTRACT: (-1.0, c) if reverse else (1.0, -c)}
+    if step.op not in forms:
+        return None
+    return (ActFunc.IDENTITY, *forms[step.op], x)
+
+
+class _StepBalancer:
+    """Puts each step of a body on the least busy engine that can compute it (as the cost model prices the
+    work so far): the Vector engine takes any step, GpSimd those that read no PSUM (it cannot reach PSUM on
+    the hardware), the Scalar engine activations and the steps that are a scale and a bias (`_scalar_form`)."""
+
+    def __init__(self, em: Emitter):
+        self.em = em
+        self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}
+
+    def compute(self, step, out, args, constants, loc) -> None:
+        form = _scalar_form(step, args)
+        tiles = [a for a in args if isinstance(a, AccessPattern)]
+        engines = [] if step.op in ACTIVATIONS else [Engine.VECTOR]
+        if step.op not in ACTIVATIONS and all(t.space != Space.PSUM for t in tiles + [out]):
+            engines.append(Engine.GPSIMD)
+        if form is not None:
+            engines.append(Engine.SCALAR)
+        engine = min(engines, key=self.busy.get)
+        start = len(self.em.instructions)
+        if engine is Engine.SCALAR:
+            func, scale, bias, x = form
+            self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+        else:
+            _compute(self.em, step, out, args, constants, loc, engine)
+        for inst in self.em.instructions[start:]:
+            self.busy[inst.engine] = self.busy.get(inst.engine, 0.0) + instruction_cost_ns(inst, self.em.target)
+
+
 def _compute(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
     """One instruction computing `step` into `out`; args are tiles or floats (scalars). ALU work runs on
     `engine` (Vector or GpSimd), activation functions on the Scalar engine."""
@@ -251,8 +300,13 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
     extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
+    if bias_row is not None:
+        ones = pool("ones").next().ap(1, tm)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
     temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
+    engines = _StepBalancer(em)
     ci = node.dtype.itemsize
 
     def load_strip(name, x, element, k_stride, w_stride, width):
@@ -298,12 +352,30 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+            if i == bias_row:  # acc[m, n] += 1 * bias[n]
+                row = xpool.next().ap(1, nt)
+                em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, nt))))
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, _columns(ones, 0, mt), row,
+                        accumulate=True)
+                continue
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
-        out = _emit_body(em, body, slots, loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                         constants, node.loc)
-        em.dma(hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))), out)
+        waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                        hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+        if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
+            flush(keep=1)
+
+    waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
+
+    def flush(keep=0):
+        """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
+        chains side by side on the engines, not one chain at a time), then their stores."""
+        jobs = waiting[:len(waiting) - keep]
+        del waiting[:len(jobs)]
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
+        for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
+            _dma_by_rows(em, job[4], out)
 
     if tiling.resident == "none":
         for g in range(batch):
@@ -312,9 +384,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     output_tile(g, m0, n0,
                                 streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
+        flush()
         return
-    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued one
-    # step ahead (before the previous step's tiles and their stores), so it overlaps their compute.
+    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
+    # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
+    # compute.
     steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
     for g in range(batch):
         if tiling.resident == "a":
@@ -335,11 +409,29 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                         for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
     loaded: dict = {}
     for i, (_, tiles) in enumerate(steps):
-        for j in range(len(loaded), min(len(steps), i + 2)):
+        for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
             loaded[j] = steps[j][0]()
         for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
             output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
                         in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+    flush()
+
+
+EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
+
+
+def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
+    """`_emit_body` for several tiles at once, each step for every tile before the next step: jobs are
+    (loaded, temp tiles, out tile, shape). Returns each job's result AP."""
+    results = [[] for _ in jobs]
+    for step, slot in zip(body, slots):
+        for (loaded, temp_tiles, out_tile, shape), done in zip(jobs, results):
+            out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+            args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
+                    for kind, ref in step.args]
+            engines.compute(step, out, args, constants, loc)
+            done.append(out)
+    return [done[-1] for done in results]
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:

@@ -6,6 +6,9 @@
   (one value broadcast to a shape) as 0-d arrays.
 * `simplify`: drop no-op converts, reshapes, transposes and broadcasts, and identities (x + 0,
   x * 1, x / 1); merge reshape chains.
+* `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
+  as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
+  exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
 * `raise_erf`, `raise_gelu`: fold torch-mlir's expansion of erf (a rational polynomial) back into
   one ERF, and the erf form of GELU into one GELU: single Scalar-engine instructions.
 """
@@ -152,6 +155,29 @@ def _identity_operand(node, inputs):
         if constant.scalar == identity and other.shape == node.shape and other.dtype == node.dtype:
             return other
     return None
+
+
+_NARROW_FLOATS = (DType.BF16, DType.F16, DType.F8E4M3, DType.F8E5M2)
+
+
+def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
+    """DOT_GENERAL(convert_f32(a), convert_f32(b)) with a and b of one narrow float type -> DOT_GENERAL(a, b)
+    with the same fp32 result. Exact: widening is exact, a product of two narrow floats is exact in fp32,
+    and the accumulation is fp32 either way (the emulator widens the operands itself)."""
+
+    def widened(x):
+        return x.inputs[0] if x.op is Op.CONVERT and x.dtype is DType.F32 and x.inputs[0].dtype in _NARROW_FLOATS \
+            else None
+
+    def fold(node, inputs):
+        if node.op is not Op.DOT_GENERAL or node.dtype is not DType.F32:
+            return None
+        narrow = [widened(x) for x in inputs]
+        if None in narrow or len({x.dtype for x in narrow}) != 1:
+            return None
+        return ir.node(node.op, narrow, node.shape, node.dtype, node.loc, **node.attrs)
+
+    return graph.rewrite(fold)
 
 
 def simplify(graph: ir.Graph) -> ir.Graph:

@@ -19,11 +19,11 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     return bytes_per_partition <= target.sbuf_bytes_per_partition
 
 
-def estimate_streams(streams: dict, target: Target) -> tuple:
-    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+def replay(streams: dict, target: Target):
+    """(instruction, start ns, end ns) of every instruction of scheduled streams, each stream in order and
+    each instruction after the semaphore counts it waits for: the emulator's timeline, without running."""
     done = {s: [] for s in streams}  # stream -> end time of each completed instruction
     cursor = {s: 0 for s in streams}
-    kernel_ns: dict = {}
     progressed = True
     while progressed:
         progressed = False
@@ -39,16 +39,32 @@ def estimate_streams(streams: dict, target: Target) -> tuple:
                     ready = max(ready, finished[wait.count - 1])
                 else:
                     start = max(ready, done[stream][-1] if done[stream] else 0.0)
-                    cost = instruction_cost_ns(inst, target)
-                    done[stream].append(start + cost)
-                    kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + cost
+                    end = start + instruction_cost_ns(inst, target)
+                    done[stream].append(end)
+                    yield inst, start, end
                     i += 1
                     progressed = True
                     continue
                 break
             cursor[stream] = i
-    makespan = max((ends[-1] for ends in done.values() if ends), default=0.0)
+
+
+def estimate_streams(streams: dict, target: Target) -> tuple:
+    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+    makespan, kernel_ns = 0.0, {}
+    for inst, start, end in replay(streams, target):
+        kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
+        makespan = max(makespan, end)
     return makespan, kernel_ns
+
+
+def kernel_spans(streams: dict, target: Target) -> dict:
+    """{kernel index: (first start, last end)} of scheduled streams: when each kernel ran (kernels overlap)."""
+    spans: dict = {}
+    for inst, start, end in replay(streams, target):
+        first, last = spans.get(inst.kernel, (start, end))
+        spans[inst.kernel] = (min(first, start), max(last, end))
+    return spans
 
 
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
@@ -76,48 +92,115 @@ def _vector_ns(elements: int, inputs: int, target: Target) -> float:
     return cycles / target.vector_ghz
 
 
-def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue_steps: int, tiling,
-              target: Target) -> float:
+def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
+    """(engine time per output tile shared by the engines that take epilogue steps, its latency) of an
+    epilogue body (no body: the copy of the result out of PSUM). Codegen spreads the steps over the Vector,
+    Scalar and (for steps that read no PSUM) GpSimd engines, whichever is least busy."""
+    steps = [sum(1 for kind, _ in step.args if kind != "imm") for step in epilogue] or [1]
+    latency = sum(_vector_ns(tile_n, inputs, target) for inputs in steps)
+    engines = 2 if len(steps) == 1 else 3
+    return latency / engines, latency
+
+
+class _Servers:
+    """The busy-until times of the three resources a matmul kernel shares: the Tensor engine, the epilogue's
+    engines (one server at their combined rate) and the DMA queues (one server at their combined rate, each
+    load lasting at least its slowest piece)."""
+
+    def __init__(self):
+        self.tensor = self.epilogue = self.dma = 0.0
+
+
+def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
+              contiguous: tuple = (False, True), bias_row: bool = False) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
-    per-instruction rules of `neuronc.instruction_cost`: the busiest of the Tensor engine, the DMA queues
-    (their summed time shared by all queues) and the epilogue's engine, plus the time to load the first
-    strips before the Tensor engine can start."""
+    per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
+    strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
+    that read it; a step's output tiles on the Tensor engine once its strips are in, each tile's epilogue on
+    the other engines once its PSUM bank is full (8 banks: the Tensor engine runs at most that far ahead),
+    its store on the DMA queues. `contiguous` says whether A^T's and B's strips are contiguous loads (a
+    transposed operand is a strided DMA at half bandwidth). With `bias_row`, each tile also gets a bias row
+    (one small DMA) added into PSUM by one more matmul."""
     from neuronc.isa import DType
 
     batch, m, n = shape
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     m_tiles, n_tiles, k_tiles = -(-m // tm), -(-n // tn), -(-k // tk)
-    tiles = batch * m_tiles * n_tiles
     fp32 = DType.F32 in (a_dtype, b_dtype)
-    tensor = tiles * k_tiles * _matmul_instr_ns(tn, fp32, target)
-    a_item, b_item, c_item = a_dtype.itemsize, b_dtype.itemsize, out_dtype.itemsize
+    instr = _matmul_instr_ns(min(tn, n), fp32, target)
     rows_k = min(tk, k)
-
-    def a_strip(rows):  # A^T: K on partitions, the rows of A along the free axis (a strided read)
-        return strip_load_ns(rows_k, k * min(rows, m) * a_item, False, target)
-
-    def b_strip(cols):
-        return strip_load_ns(rows_k, k * min(cols, n) * b_item, True, target)
-
-    if tiling.resident == "a":
-        blocks = -(-m_tiles // tiling.block)
-        a_total, a_first = a_strip(tiling.block * tm)
-        b_total, b_first = b_strip(tn)
-        loads = batch * blocks * (a_total + n_tiles * b_total)
-        first = a_first + b_first
-    elif tiling.resident == "b":
-        blocks = -(-n_tiles // tiling.block)
-        b_total, b_first = b_strip(tiling.block * tn)
-        a_total, a_first = a_strip(tm)
-        loads = batch * blocks * (b_total + m_tiles * a_total)
-        first = a_first + b_first
-    else:
-        a_one = _dma_piece_ns(min(tk, k) * min(tm, m) * a_item, False, target)
-        b_one = _dma_piece_ns(min(tk, k) * min(tn, n) * b_item, True, target)
-        loads = tiles * k_tiles * (a_one + b_one)
-        first = a_one + b_one
+    queues = target.dma_queues
     out_tile = min(tm, m) * min(tn, n)
-    stores = tiles * _dma_piece_ns(out_tile * (c_item + extras_bytes), True, target)
-    dma = (loads + stores) / target.dma_queues
-    epilogue = tiles * epilogue_steps * _vector_ns(min(tn, n), 2, target)
-    return max(tensor, dma, epilogue) + first
+    # an output tile's DMAs: its store, split by rows over queues, and its epilogue's other inputs
+    stored_total, store = strip_load_ns(min(tm, m), out_tile * out_dtype.itemsize, True, target)
+    stored_total += _dma_piece_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
+    if bias_row:
+        stored_total += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
+    epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
+
+    if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
+        a_one = _dma_piece_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
+        b_one = _dma_piece_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
+        per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, (a_one + b_one) / queues)
+        tiles = batch * m_tiles * n_tiles
+        return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, stored_total / queues) + \
+            epilogue_latency + store
+
+    def load(width, item, is_contiguous):  # (combined queue time, latency, one piece's time) of one strip
+        total, one = strip_load_ns(rows_k, k * width * item, is_contiguous, target)
+        return total / queues, max(one, total / queues), one
+
+    # The steps of codegen's loop: (strip pool, load), then the number of output tiles the step completes.
+    steps = []
+    resident, streamed = ("a", "b") if tiling.resident == "a" else ("b", "a")
+    size = {"a": (m, tm, a_dtype.itemsize, contiguous[0]), "b": (n, tn, b_dtype.itemsize, contiguous[1])}
+    extent, tile, item, cont = size[resident]
+    s_extent, s_tile, s_item, s_cont = size[streamed]
+    for _ in range(batch):
+        for r0 in range(0, extent, tiling.block * tile):
+            width = min(tiling.block * tile, extent - r0)
+            steps.append((resident, load(width, item, cont), 0, None))
+            owner = len(steps) - 1
+            for s0 in range(0, s_extent, s_tile):
+                steps.append((streamed, load(min(s_tile, s_extent - s0), s_item, s_cont), -(-width // tile), owner))
+    bufs = {resident: 2, streamed: tiling.stream_bufs}
+    free = {}  # step -> time its strip's buffer is free again (its last reader's matmuls are done)
+    last_reader = {}
+    loaded_at = {}
+    issued = 0
+    clock = _Servers()
+    banks = [0.0] * target.psum_banks  # when each PSUM bank is free again (its tile's epilogue done)
+    turn = 0
+    same_pool = {name: [j for j, st in enumerate(steps) if st[0] == name] for name in ("a", "b")}
+    position = {j: i for name in same_pool for i, j in enumerate(same_pool[name])}
+    end = stored = 0.0
+    for i, (pool, _, tiles, owner) in enumerate(steps):
+        while issued < min(len(steps), i + tiling.stream_bufs):
+            name, (occupancy, latency, piece), _, _ = steps[issued]
+            earlier = position[issued] - bufs[name]
+            ready = free.get(same_pool[name][earlier], clock.tensor) if earlier >= 0 else 0.0
+            start = max(clock.dma, ready)
+            clock.dma = start + occupancy
+            # a queue runs in order: the piece queued behind the last store waits for that store
+            loaded_at[issued] = max(start + latency, stored + piece)
+            issued += 1
+        if not tiles:
+            continue
+        start = max(clock.tensor, loaded_at[i], loaded_at[owner])
+        for _ in range(tiles):
+            start = max(start, banks[turn % len(banks)])
+            done = start + (k_tiles + bias_row) * instr
+            epilogue_start = max(clock.epilogue, done)
+            clock.epilogue = epilogue_start + epilogue_share
+            banks[turn % len(banks)] = epilogue_start + epilogue_latency
+            clock.dma += stored_total / queues  # the store shares the queues with later loads
+            # stores of one kernel's tiles wait for each other (their HBM pages overlap, column tiles of the
+            # same rows), so they form a chain
+            stored = max(epilogue_start + epilogue_latency, stored) + store
+            end = max(end, stored)
+            turn += 1
+            start = done
+        clock.tensor = start
+        free[i] = start
+        free[owner] = start
+    return max(end, clock.tensor, clock.dma)

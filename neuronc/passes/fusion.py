@@ -133,12 +133,125 @@ def fuse_matmul_operands(graph: ir.Graph) -> ir.Graph:
 def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
     """An elementwise group reading a matmul's result (its only reader) becomes the matmul's
     epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM.
-    Repeated until nothing changes, so chains of groups (bias add, then GELU) all join."""
+    Repeated until nothing changes, so chains of groups (bias add, then GELU) all join; then the
+    epilogue's float converts are folded into the instructions around them (`fold_converts`)."""
     while True:
         fused = _fold_epilogues_once(graph)
         if len(fused.nodes()) == len(graph.nodes()):
-            return fused
+            break
         graph = fused
+
+    consumers = fused.consumers()
+    outputs = set(fused.outputs)
+
+    def fold(node, inputs):
+        if node.op is not Op.MATMUL or not node.attrs.get("epilogue"):
+            return None
+        inputs, body = list(inputs), tuple(node.attrs["epilogue"])
+        for i in range(2, len(inputs)):  # an epilogue input widened for this matmul only: widened in the epilogue
+            x = node.inputs[i]
+            if (x.op is Op.CONVERT and x.dtype is DType.F32 and x.inputs[0].dtype in _NARROW
+                    and consumers.get(x) == {node} and x not in outputs and inputs[i].op is Op.CONVERT):
+                inputs[i] = inputs[i].inputs[0]
+                body = _widened_input(body, i - 1)
+        dtypes = {0: DType.F32} | {i: x.dtype for i, x in enumerate(inputs[2:], start=1)}  # 0: the accumulator
+        body = fold_converts(body, dtypes)
+        views = node.attrs.get("views") or (None,) * len(inputs)
+        attrs = {**node.attrs, "epilogue": body}
+        row = _bias_row(body, inputs, views)
+        if row is not None:  # the bias is added by the Tensor engine: the epilogue reads the sum from PSUM
+            first = body[0]
+            attrs.update(epilogue=(first._replace(op=Op.CONVERT, args=(("input", 0),)),) + body[1:], bias_row=row)
+        return ir.node(Op.MATMUL, inputs, node.shape, node.dtype, node.loc, **attrs)
+
+    return fused.rewrite(fold)
+
+
+def _bias_row(body, inputs, views) -> int | None:
+    """The epilogue input j that is a 16-bit float row [N] added to the accumulator by the first step (a
+    linear layer's bias) and read by nothing else, or None. The kernel adds it into PSUM with a rank-1
+    matmul (ones [1, M] x bias [1, N]): fp32 acc + the exact product 1 * bias, rounded to fp32, is the ADD's
+    fp32 sum, so the first step becomes the rounding of the PSUM value to the ADD's dtype."""
+    if not body or body[0].op is not Op.ADD or ("input", 0) not in body[0].args:
+        return None
+    (kind, j), = [arg for arg in body[0].args if arg != ("input", 0)] or [("imm", None)]
+    if kind != "input" or any(("input", j) in step.args for step in body[1:]):
+        return None
+    x, view = inputs[1 + j], views[1 + j]
+    if x.dtype not in _NARROW or view is None or tuple(view[1]) != (0, 0, 1):
+        return None
+    return j
+
+
+def _widened_input(body, index: int) -> tuple:
+    """`body` reading input `index` through a first step converting it to fp32."""
+    def shift(arg):
+        kind, ref = arg
+        return ("step", 0) if arg == ("input", index) else ("step", ref + 1) if kind == "step" else arg
+
+    first = Step(Op.CONVERT, (("input", index),), DType.F32, {})
+    return (first,) + tuple(step._replace(args=tuple(map(shift, step.args))) for step in body)
+
+
+# Steps computed in fp32 and rounded once to their dtype by the instruction that writes them.
+_ROUNDED_ONCE = {Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.POWER, Op.NEGATE, Op.ABS,
+                 Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH, Op.LOGISTIC, Op.SIN, Op.COS,
+                 Op.ERF, Op.GELU}
+_NARROW = (DType.BF16, DType.F16)
+
+
+def _dtype_of(body, arg, inputs_dtype) -> DType | None:
+    kind, ref = arg
+    return body[ref].dtype if kind == "step" else inputs_dtype(ref) if kind == "input" else None
+
+
+def fold_converts(body, input_dtypes=None) -> tuple:
+    """A body without the float converts an instruction does anyway. A kernel computes each step in fp32 and
+    rounds it once to the step's dtype as it writes it, so (exactly):
+    * convert_bf16(x) of an fp32 step x read by nothing else: x is written in bf16 directly;
+    * convert_f32(y) of a bf16/fp16 value y, read only by fp32-computing steps: they read y (widening is exact).
+    `input_dtypes` (input index -> dtype) tells the inputs' dtypes; unknown inputs keep their converts."""
+    body = list(body)
+    dtype_of_input = (lambda i: input_dtypes.get(i)) if input_dtypes else (lambda i: None)
+    last = len(body) - 1
+    users = [[j for j, step in enumerate(body) if ("step", i) in step.args] for i in range(len(body))]
+    alias: dict = {}  # step -> the (kind, ref) it is replaced by
+    for j, step in enumerate(body):
+        if step.op is not Op.CONVERT or step.args[0][0] == "imm":
+            continue
+        src = step.args[0]
+        src_dtype = _dtype_of(body, src, dtype_of_input)
+        if (step.dtype in _NARROW and src[0] == "step" and src_dtype is DType.F32 and users[src[1]] == [j]
+                and body[src[1]].op in _ROUNDED_ONCE and src[1] not in alias):
+            body[src[1]] = body[src[1]]._replace(dtype=step.dtype)
+            alias[j] = src
+        elif (step.dtype is DType.F32 and src_dtype in _NARROW and j != last and users[j]
+              and all(body[u].op in _ROUNDED_ONCE for u in users[j])):
+            alias[j] = src
+    if not alias:
+        return tuple(body)
+
+    def resolve(arg):
+        while arg[0] == "step" and arg[1] in alias:
+            arg = alias[arg[1]]
+        return arg
+
+    return _without(body, alias, resolve, resolve(("step", last))[1])  # the last step is never an input's alias
+
+
+def _without(body, alias, resolve, root) -> tuple:
+    """The steps the root needs (aliased steps dropped, args resolved), renumbered, the root last."""
+    needed, stack = set(), [root]
+    while stack:
+        j = stack.pop()
+        if j in needed:
+            continue
+        needed.add(j)
+        stack.extend(r for kind, r in map(resolve, body[j].args) if kind == "step")
+    order = sorted(needed)
+    number = {j: n for n, j in enumerate(order)}
+    return tuple(body[j]._replace(args=tuple(("step", number[r]) if kind == "step" else (kind, r)
+                                             for kind, r in map(resolve, body[j].args))) for j in order)
 
 
 def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:

@@ -17,18 +17,20 @@ from neuronc import ir
 from neuronc.passes.attention import fuse_attention
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.auto_cast import AutoCast
-from neuronc.passes.canonicalize import demote_f64, fold_constants, raise_erf, raise_gelu, simplify
+from neuronc.passes.canonicalize import (demote_f64, fold_constants, narrow_matmul_operands, raise_erf, raise_gelu,
+                                         simplify)
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
+from neuronc.passes.layout import store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.targets import Target, get_target
 
 BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
-            legalize, simplify]
-OPTIMISED = BASELINE + [fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
+            narrow_matmul_operands, legalize, simplify]
+OPTIMISED = BASELINE + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
                         fuse_reduction_prologues,
                         simplify]
 

@@ -31,7 +31,7 @@ class MatmulTiling:
     tile_m: int
     tile_n: int
     tile_k: int
-    stream_bufs: int  # buffers of the streamed operand's strip
+    stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
 
     def __str__(self) -> str:
         keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
@@ -43,14 +43,23 @@ def _pages(elements: int, dtype: DType) -> int:
     return -(-elements * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
 
 
+EPILOGUE_BUFS = 4  # output tiles whose epilogues may be in flight at once (spread over three engines)
+
+
 def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
     """name -> (dtype, elements, buffers) of the matmul kernel's output-side pools: the result tile, the
     epilogue's other inputs and temporaries, constants. The kernel allocates exactly these."""
     body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
     temps = len(body) - 1  # at most one per step but the last (the kernel's slot plan may use fewer)
-    pools = {"result": (node.dtype, tile_n, 2), "constants": (DType.F32, tile_n * 2, 2)}
-    pools.update({f"extra{i}": (x.dtype, tile_n, 2) for i, x in enumerate(node.inputs[2:])})
-    pools.update({f"temp{i}": (DType.F32, tile_n * 2, 2) for i in range(temps)})  # room for 8-byte dtypes
+    bufs = EPILOGUE_BUFS
+    pools = {"result": (node.dtype, tile_n, bufs), "constants": (DType.F32, tile_n * 2, 2)}
+    pools.update({f"extra{i}": (x.dtype, tile_n, bufs) for i, x in enumerate(node.inputs[2:])})
+    row = node.attrs.get("bias_row")
+    if row is not None:  # a bias row added in PSUM: [1, N] rows and a [1, M] row of ones, not [M, N] tiles
+        dtype = node.inputs[1 + row].dtype
+        pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
+        pools["ones"] = (dtype, max(tile_n, 128), 1)
+    pools.update({f"temp{i}": (DType.F32, tile_n * 2, bufs) for i in range(temps)})  # room for 8-byte dtypes
     return pools
 
 
@@ -106,19 +115,34 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
 
 
 def _extras_bytes(node: ir.Node) -> int:
-    """Bytes of the epilogue's other inputs per output element."""
-    return sum(x.dtype.itemsize for x in node.inputs[2:])
+    """Bytes of the epilogue's other inputs per output element (a bias row added in PSUM is not a tile)."""
+    row = node.attrs.get("bias_row")
+    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i != row)
+
+
+def _contiguous(node: ir.Node) -> tuple:
+    """Whether the strips of A^T ([K, M]: M along the free axis) and of B ([K, N]) are contiguous reads."""
+    views = node.attrs.get("views") or (None, None)
+    strides = [view[1] if view else None for view in views[:2]]
+    a_rows_stride = strides[0][1] if strides[0] else node.attrs["k"]  # A [B, M, K]: the M stride
+    b_cols_stride = strides[1][2] if strides[1] else 1  # B [B, K, N]: the N stride
+    return a_rows_stride == 1, b_cols_stride == 1
+
+
+def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
+    """The cost model's estimate of the matmul kernel of `node` under `tiling`."""
+    a, b = node.inputs[:2]
+    return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
+                     node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
+                     node.attrs.get("bias_row") is not None)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
     """The candidate the cost model prices lowest (the baseline if none fits)."""
-    a, b = node.inputs[:2]
-    body = node.attrs.get("epilogue") or ()
     options = candidates(node, target, wide)
     if not options:
         return default_tiling(node, target)
-    return min(options, key=lambda t: matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype,
-                                                _extras_bytes(node), max(1, len(body)), t, target))
+    return min(options, key=lambda t: price(node, t, target))
 
 
 def _tile_all(graph: ir.Graph, target: Target, pick) -> ir.Graph:
