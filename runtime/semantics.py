@@ -22,6 +22,7 @@ import functools
 import math
 from functools import partial
 
+import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
@@ -251,6 +252,32 @@ def _dma_scatter(instr, table, src, indices):
     return updated
 
 
+def _uniform_bits(dtype: np.dtype) -> int:
+    """Random bits an RNG draw keeps: what the float dtype holds exactly in [0, 1) (its mantissa and the
+    implicit bit), so no draw rounds up to 1."""
+    return int(ml_dtypes.finfo(dtype).nmant) + 1
+
+
+def philox_words(seed: int, elements: np.ndarray) -> np.ndarray:
+    """Word ``e`` of the Philox4x64-10 stream keyed by ``seed``, for each ``e`` of ``elements`` (uint64): numpy's
+    Philox bit generator does the rounds; each call draws only the span of blocks the elements cover."""
+    first, last = int(elements.min()), int(elements.max())
+    start = first - first % 4
+    words = np.random.Philox(key=seed, counter=start // 4).random_raw(last - start + 1)
+    return words[(elements - start).astype(np.intp)]
+
+
+def _rng(instr, dst, state):
+    seed, offset = (int(v) for v in np.asarray(state).reshape(-1)[:2].view(np.uint64))
+    partitions, free = dst.shape[0], dst.size // dst.shape[0]
+    first = offset + int(instr.imm0)
+    elements = (first + np.arange(partitions, dtype=np.uint64)[:, None] * np.uint64(int(instr.imm1))
+                + np.arange(free, dtype=np.uint64))
+    bits = _uniform_bits(dst.dtype if dst.dtype in _FLOATS else np.dtype(F32))
+    words = philox_words(seed, elements) >> np.uint64(64 - bits)
+    return (words.astype(np.float64) * 2.0 ** -bits).reshape(dst.shape)
+
+
 TOP = 8  # values MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handle at once
 
 
@@ -302,6 +329,7 @@ SEMANTICS = {
     Opcode.MAX8: _max8,
     Opcode.FIND_INDEX8: _find_index8,
     Opcode.MATCH_REPLACE8: _match_replace8,
+    Opcode.RNG: _rng,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
 }
 
@@ -524,6 +552,7 @@ ENGINES = {
     Opcode.ACTIVATE_BIAS_REDUCE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
+    Opcode.RNG: frozenset({Engine.GPSIMD}),
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8)},
 }
 
@@ -641,7 +670,21 @@ def _top8_shapes(instr: Instruction, target: Target):
         _fail(f"FIND_INDEX8 writes [{src.shape[0]}, {TOP}] integer positions, got {dst.dtype.name}{list(dst.shape)}")
 
 
+def _rng_shapes(instr: Instruction, target: Target):
+    """RNG(dst float, state I64 [1, 2] in SBUF)."""
+    dst, state = instr.operands
+    if not dst.dtype.is_float:
+        _fail(f"RNG draws floats in [0, 1); its destination is {dst.dtype.name}",
+              hint="draw into a float tile and convert it with TENSOR_COPY")
+    if state.dtype != DType.I64 or state.shape != (1, 2) or state.space != Space.SBUF:
+        _fail(f"RNG state must be an I64 [1, 2] tile (seed, offset) in SBUF, got {state.dtype.name}"
+              f"{list(state.shape)} in {state.space.name}")
+    if instr.imm0 < 0 or instr.imm1 < 0 or instr.imm0 != int(instr.imm0) or instr.imm1 != int(instr.imm1):
+        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole and not negative")
+
+
 SHAPE_RULES = {
+    Opcode.RNG: _rng_shapes,
     Opcode.MAX8: _top8_shapes,
     Opcode.FIND_INDEX8: _top8_shapes,
     Opcode.MATCH_REPLACE8: _top8_shapes,

@@ -277,8 +277,6 @@ def test_manual_seed_makes_device_random_tensors_reproducible(neuron):
     again = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
     assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(first, again))
     torch.manual_seed(7)
-    assert torch.equal(first[0].cpu(), torch.randn(3, 4))  # drawn by the device's CPU generator stream
-    torch.manual_seed(7)
     torch.neuron.manual_seed(8)  # reseeds the current device (neuron:0) only
     assert not torch.equal(torch.randn(3, 4, device=neuron).cpu(), first[0].cpu())
     assert torch.equal(torch.rand(5, device="neuron:1").cpu(), first[1].cpu())
@@ -296,6 +294,80 @@ def test_a_device_generator_gives_reproducible_random_tensors(neuron):
     generator.manual_seed(11)
     assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), first.cpu())
     assert not torch.equal(first.cpu(), second.cpu())
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        generator.set_state(torch.zeros(5, dtype=torch.uint8))
+
+
+@pytest.fixture
+def no_fallback(neuron, monkeypatch):
+    """What runs under it must run on the device: the CPU fallback raises."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    return neuron
+
+
+def test_random_ops_draw_on_the_device_from_its_generator_state(no_fallback):
+    generator = torch.Generator(device="neuron").manual_seed(5)
+    before = generator.get_offset()
+    x = torch.empty(10, device=no_fallback)
+    for draw in (lambda: x.uniform_(-2, 3, generator=generator), lambda: x.normal_(1, 2, generator=generator),
+                 lambda: x.bernoulli_(0.5, generator=generator), lambda: x.random_(0, 7, generator=generator)):
+        draw()
+    torch.nn.functional.dropout(x, 0.5)
+    torch.randint(0, 9, (4,), device=no_fallback), torch.bernoulli(torch.rand(3, device=no_fallback))
+    # uniform, bernoulli and random_ draw one number an element, normal two; each launch takes whole blocks of 4
+    assert generator.get_offset() - before == 12 + 20 + 12 + 12
+
+
+def test_a_draw_depends_on_the_seed_and_the_element_only(no_fallback):
+    """Element e of a draw is number offset + e of the seed's stream, however the program tiles it; the next
+    draw continues the stream."""
+    torch.manual_seed(3)
+    long = torch.rand(200_000, device=no_fallback).cpu()  # tiles of 128 x 1024 and a tail
+    torch.manual_seed(3)
+    short = torch.rand(1000, device=no_fallback).cpu()
+    following = torch.rand(1000, device=no_fallback).cpu()
+    assert torch.equal(short, long[:1000]) and torch.equal(following, long[1000:2000])
+
+
+def test_uniform_draws_are_uniform_and_independent(no_fallback):
+    n = 1 << 16
+    torch.manual_seed(0)
+    u, v = torch.rand(n, device=no_fallback).cpu().double(), torch.rand(n, device=no_fallback).cpu().double()
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.006 and abs(u.std() - 12 ** -0.5) < 0.004  # 5 standard errors
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    assert (counts - n / 16).abs().max() < 5 * (n / 16) ** 0.5
+    for a, b in ((u, v), (u[:-1], u[1:])):  # two draws, and neighbours within one
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.02
+    low = torch.rand(n, dtype=torch.bfloat16, device=no_fallback).cpu()
+    assert low.max() < 1 and len(low.unique()) > 200  # bf16 draws keep its 8 bits: never rounded up to 1
+
+
+def test_normal_draws_have_the_mean_std_and_shape_asked_for(no_fallback):
+    n = 1 << 16
+    torch.manual_seed(1)
+    z = torch.randn(n, device=no_fallback).cpu().double()
+    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.015
+    assert abs((z.abs() < 1).double().mean() - 0.6827) < 0.01 and abs((z.abs() < 2).double().mean() - 0.9545) < 0.006
+    scaled = torch.empty(n, device=no_fallback).normal_(3.0, 0.5).cpu().double()
+    assert abs(scaled.mean() - 3) < 0.01 and abs(scaled.std() - 0.5) < 0.008
+
+
+def test_integer_bernoulli_and_dropout_draws(no_fallback):
+    n = 1 << 15
+    torch.manual_seed(2)
+    r = torch.randint(-3, 5, (n,), device=no_fallback).cpu()
+    assert r.dtype == torch.int64 and r.min() == -3 and r.max() == 4
+    assert (torch.bincount(r + 3) - n / 8).abs().max() < 5 * (n / 8) ** 0.5
+    p = torch.tensor([0.0, 1.0, 0.25]).repeat_interleave(n // 4).to(no_fallback)
+    b = torch.bernoulli(p).cpu()
+    quarter = n // 4
+    assert b[:quarter].sum() == 0 and b[quarter:2 * quarter].sum() == quarter
+    assert abs(b[2 * quarter:].mean() - 0.25) < 5 * (0.25 * 0.75 / quarter) ** 0.5
+    x = torch.randn(n)
+    out, mask = torch.ops.aten.native_dropout(x.to(no_fallback), 0.3, True)
+    assert mask.dtype == torch.bool and abs(mask.cpu().double().mean() - 0.7) < 5 * (0.21 / n) ** 0.5
+    assert_matches_eager(out.cpu(), x * mask.cpu() * (1 / 0.7))
 
 
 # ---- torch.accelerator ---------------------------------------------------------------------------------

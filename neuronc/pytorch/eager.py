@@ -15,8 +15,9 @@ functional form with the mutated tensor's memory as the program's output.
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
 synchronisation point; the host pays only for the lookup, the new output tensors and the queueing.
 
-Ops the NeuronCore cannot run (the compiler refuses them, random ops, ops with data-dependent output
-shapes or non-tensor results) run on the CPU: arguments copied to the host, results copied back, with
+Random ops (``uniform_``, ``normal_``, ``bernoulli_``, dropout, ``random_``) are drawn on the device by
+:mod:`neuronc.pytorch.random_ops`. Ops the NeuronCore cannot run (the compiler refuses them, other random
+ops, ops with data-dependent output shapes or non-tensor results) run on the CPU: arguments copied to the host, results copied back, with
 one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
@@ -100,8 +101,10 @@ def register() -> None:
     """Register the kernels on the PrivateUse1 key (called by ``torch.neuron._lazy_init``)."""
     if _libraries:
         return
+    from neuronc.pytorch import random_ops
+
     aten = torch.library.Library("aten", "IMPL")
-    for name, kernel in DIRECT_KERNELS.items():
+    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS}.items():
         aten.impl(name, kernel, "PrivateUse1")
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
@@ -210,15 +213,15 @@ def cpu_fallback(op, args, kwargs, reason: str):
 
 
 def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch.device) -> tuple:
-    """(args, kwargs) of a random op run on the CPU, drawing from the CPU generator behind the device's
-    generator (the one it was given, or the device's default): ``torch.manual_seed`` and
-    ``torch.Generator(device="neuron")`` apply."""
+    """(args, kwargs) of a random op run on the CPU, drawing from a CPU generator seeded by the next block of
+    the device generator's stream (the one it was given, or the device's default): ``torch.manual_seed`` and
+    ``torch.Generator(device="neuron")`` apply, and the device generator moves on."""
     for i, argument in enumerate(op._schema.arguments):
         if argument.name == "generator" and "Generator" in str(argument.type):
             positional = not argument.kwarg_only and i < len(args)
             given = args[i] if positional else kwargs.get("generator")
             if given is None or given.device.type == "neuron":
-                drawn = sys.modules[shim.NAME].cpu_generator(given, device.index)
+                drawn = torch.Generator().manual_seed(_cpu_seed(given, device.index))
                 if positional:
                     args = (*args[:i], drawn, *args[i + 1:])
                 else:
@@ -227,12 +230,20 @@ def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch
     return args, kwargs
 
 
+def _cpu_seed(generator, device: int) -> int:
+    """A seed for a CPU generator: the first number of the next block of the device generator's stream."""
+    from runtime.semantics import philox_words
+
+    seed, offset = sys.modules[shim.NAME].philox_state(generator, device, 4)
+    return int(philox_words(seed, np.array([offset], np.uint64))[0] >> np.uint64(1))
+
+
 # ---- what runs where ---------------------------------------------------------------------------------
 
 def _not_compilable(op) -> str:
     tags = op.tags
     if torch.Tag.nondeterministic_seeded in tags:
-        return "random numbers come from the CPU generator"
+        return "the device has no kernel for this random op (see neuronc.pytorch.random_ops)"
     if torch.Tag.dynamic_output_shape in tags:
         return "its output shape depends on the data"
     for ret in op._schema.returns:
