@@ -239,19 +239,31 @@ def test_python_numbers_are_runtime_inputs_not_part_of_the_signature(neuron):
     assert len(eager.programs) == compiled
 
 
-def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
+@pytest.mark.parametrize("optimizer, options", [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, maximize=True)),
+], ids=["adamw", "adam-amsgrad-maximize-tensor-lr"])
+def test_fused_adam_steps_run_as_one_device_program_and_match_the_cpu_fused_step(no_fallback, optimizer, options):
+    from neuronc.pytorch import fused_optim
+
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    on_device = copy.deepcopy(model).to(neuron)
-    x = torch.randn(2, 4)
-    for m, data in ((model, x), (on_device, x.to(neuron))):
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-        m(data).pow(2).sum().backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fallback's warning, tested above
-            optimizer.step()
-    assert "aten._fused_adamw_.default" in eager.fallen_back
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    on_device = copy.deepcopy(model).to(no_fallback)
+    x = torch.randn(5, 4)
+    compiled = len(fused_optim._programs)
+    steps = []
+    for m, data in ((model, x), (on_device, x.to(no_fallback))):
+        steps.append(optimizer(m.parameters(), fused=True, **options))
+        for _ in range(3):
+            steps[-1].zero_grad()
+            m(data).pow(2).sum().backward()
+            steps[-1].step()
+    assert len(fused_optim._programs) == compiled + 1  # one program for the parameter list, run each step
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+    on_cpu, on_neuron = (list(s.state.values()) for s in steps)
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if options.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+    for name in names:
+        assert_matches_eager([state[name].cpu() for state in on_neuron], [state[name] for state in on_cpu])
 
 
 # ---- autocast and random numbers ---------------------------------------------------------------------

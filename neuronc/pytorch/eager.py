@@ -101,10 +101,10 @@ def register() -> None:
     """Register the kernels on the PrivateUse1 key (called by ``torch.neuron._lazy_init``)."""
     if _libraries:
         return
-    from neuronc.pytorch import random_ops
+    from neuronc.pytorch import fused_optim, random_ops
 
     aten = torch.library.Library("aten", "IMPL")
-    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS}.items():
+    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS, **fused_optim.KERNELS}.items():
         aten.impl(name, kernel, "PrivateUse1")
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
