@@ -449,6 +449,29 @@ def test_events_time_work_on_a_stream_from_the_emulated_timeline(neuron):
     assert start.elapsed_time(end) == pytest.approx(expected_ms)
 
 
+def _timed(work) -> float:
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e6  # ns
+
+
+def test_copies_last_the_dma_time_of_their_bytes_on_the_stream(neuron):
+    """Host to device, device to device and device to host: one DMA issue and the bytes over every DMA queue,
+    at most the HBM bandwidth (targets.py)."""
+    target = core(0).target
+    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
+    for rows in (64, 256):
+        host = torch.randn(rows, 256)
+        nbytes = host.numel() * 4
+        on_device = torch.empty(rows, 256, device=neuron)
+        times = [_timed(lambda: on_device.copy_(host)), _timed(lambda: torch.empty_like(on_device).copy_(on_device)),
+                 _timed(lambda: on_device.cpu())]
+        assert times == pytest.approx([target.dma_fixed_ns + nbytes / bytes_per_ns] * 3)
+
+
 def test_a_missing_wait_shows_on_the_timeline(neuron):
     x = torch.randn(64, 64).to(neuron)
     _work(x)
@@ -487,6 +510,7 @@ def test_a_missing_wait_reads_the_old_data(neuron):
     x = torch.randn(64, 64).to(neuron)
     buffer = torch.zeros(4, device=neuron)
     _work(x), buffer.add_(1.0), buffer * 2.0  # compiled before the streams time them
+    torch.accelerator.synchronize()  # the copy and fill above take time on the default stream: let them end
     producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
 
     def consumed(wait: bool) -> torch.Tensor:

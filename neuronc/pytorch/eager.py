@@ -22,8 +22,9 @@ one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
 Moving bytes (``_copy_from``: host <-> device and device <-> device) and ``fill_``/``zero_`` act on the
-device memory directly, as DMA and memset would, queued like ops; reading device memory from the host
-(``.cpu()``, ``.item()``) is a synchronisation point.
+device memory directly, as DMA and memset would, queued like ops and lasting the cost model's DMA time
+for their bytes (:func:`neuronc.instruction_cost.copy_ns`) on the stream's clock; reading device memory
+from the host (``.cpu()``, ``.item()``) is a synchronisation point.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronDeviceError, NeuronError
 from neuronc.pytorch import adaptive, queues, shim
-from neuronc.pytorch.device_memory import array_of, core, host_array, host_tensor
+from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
 
 log = logging.getLogger("neuronc")
 
@@ -564,22 +565,35 @@ def _assign(dst: np.ndarray, src) -> None:
     dst[...] = src
 
 
+def _copy_ns(device: int, tensor: torch.Tensor) -> float:
+    """The emulated duration of moving ``tensor``'s bytes to or from ``device``'s HBM (the cost model's DMA)."""
+    from neuronc.instruction_cost import copy_ns
+
+    return copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
+
+
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "neuron":
-        if src.device.type == "neuron" and src.device.index != dst.device.index:
+        device = dst.device.index
+        if src.device.type == "neuron" and src.device.index != device:
             queues.synchronize(src.device.index)  # from one core to another: both run what they queued
-            queues.synchronize(dst.device.index)
+            queues.synchronize(device)
             array_of(dst)[...] = array_of(src)
         elif src.device.type == "neuron":
-            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), _view(src)), "copy_ (device to device)")
+            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), _view(src)),
+                           "copy_ (device to device)")
         else:  # the host's bytes are taken now: the tensor may change before the copy runs
             host_transfers["to device"] += 1
             data = np.array(host_array(src.to(dst.dtype)), copy=True)
-            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), data), "copy_ (host to device)")
+            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), data), "copy_ (host to device)")
     else:
         host_transfers["to host"] += 1
-        queues.synchronize(src.device.index)
-        dst.copy_(host_tensor(array_of(src), src.dtype))
+        device = src.device.index
+        staged = np.empty(tuple(src.shape), NUMPY_DTYPES[src.dtype])
+        queues.synchronize(device)  # the host waits for every stream: the copy reads what they wrote
+        queues.enqueue(device, _copy_ns(device, src), _assign, (staged, _view(src)), "copy_ (device to host)")
+        queues.synchronize(device)
+        dst.copy_(host_tensor(staged, src.dtype))
     return dst
 
 
@@ -601,7 +615,8 @@ def _fill(tensor: torch.Tensor, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         value = value.item()
     target = _view(tensor)
-    queues.enqueue(tensor.device.index, 0.0, _assign, (target, np.asarray(value).astype(target.dtype)), "fill_")
+    queues.enqueue(tensor.device.index, _copy_ns(tensor.device.index, tensor), _assign,
+                   (target, np.asarray(value).astype(target.dtype)), "fill_")
     return tensor
 
 
@@ -615,7 +630,8 @@ def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
     if out.shape != values.shape:
         queues.synchronize(out.device.index)  # resizing moves the bytes
         out.resize_(values.shape)
-    queues.enqueue(out.device.index, 0.0, _assign, (_view(out), host_array(values)), "arange")
+    queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
+                   "arange")
     return out
 
 
