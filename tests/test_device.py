@@ -154,7 +154,7 @@ def test_disabled_fallback_raises_an_error_naming_the_op(neuron, monkeypatch):
 
 
 def test_tensors_on_two_devices_do_not_mix(neuron):
-    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # PyTorch's own check, as on CUDA
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # a RuntimeError naming both, as on CUDA
         torch.ones(2, device="neuron:0") + torch.ones(2, device="neuron:1")
 
 

@@ -128,10 +128,16 @@ def _print_from_host() -> None:
 
 def run_op(op, *args, **kwargs):
     """Run ``op`` on the NeuronCore of its tensors (compiled on first use), or on the CPU if it cannot."""
-    plan = _plans.get(op) or _plan(op)
+    return run_planned(op, _plans.get(op) or _plan(op), *args, **kwargs)
+
+
+def run_planned(op, plan, *args, **kwargs):
+    """``run_op`` with ``op``'s plan already looked up (the kernel PyTorch calls for an op seen before)."""
     if plan.__class__ is str:
         return cpu_fallback(op, args, kwargs, plan)
-    functional, writes, runtime = plan
+    functional, writes, runtime, defaults = plan
+    if kwargs:  # keyword arguments left at their defaults are no part of the signature, nor program inputs
+        kwargs = {k: v for k, v in kwargs.items() if not _is_default(defaults, k, v)}
     call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if kwargs and writes else kwargs
     operands = []
     key = (functional, _signature(args, runtime, operands),
@@ -145,7 +151,23 @@ def run_op(op, *args, **kwargs):
     return _launch(op, entry, device, operands, writes, args, kwargs)
 
 
-_plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments) or why it runs on the CPU
+_plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments, keyword defaults)
+# or why it runs on the CPU
+_NO_DEFAULT = object()
+
+
+def _is_default(defaults: dict, name: str, value) -> bool:
+    """Whether ``value`` is the schema's default of keyword argument ``name`` (None, a bool or a number of the
+    default's own type): PyTorch passes every keyword argument, ``add``'s ``alpha=1`` included."""
+    default = defaults.get(name, _NO_DEFAULT)
+    return value is default or (type(value) is type(default) and type(value) in _DEFAULTABLE and value == default)
+
+
+_DEFAULTABLE = (bool, int, float)
+
+
+def _keyword_defaults(op) -> dict:
+    return {a.name: a.default_value for a in op._schema.arguments if a.kwarg_only and a.has_default_value()}
 
 
 def _plan(op):
@@ -153,17 +175,32 @@ def _plan(op):
     functional, writes = _functional(op)
     if not reason and functional is None:
         reason = "it mutates its arguments in a way neuronc does not compile"
-    _plans[op] = reason or (functional, writes, _runtime_scalars(functional))
+    _plans[op] = reason or (functional, writes, _runtime_scalars(functional), _keyword_defaults(op))
     if not reason:
         _register_direct(op)
+        if writes and writes["out"]:
+            _plan_siblings(functional)
     return _plans[op]
+
+
+def _plan_siblings(functional) -> None:
+    """Also take the functional and in-place forms of an op PyTorch reached through its ``out=`` form: for a
+    structured op (add, mul, mm...) PyTorch makes the output and calls ``out=`` unless the backend has a
+    kernel for the form called, and a kernel of our own makes the output with its numpy view in one call."""
+    name = functional._schema.name.split("::")[1]
+    inplace = getattr(getattr(torch.ops.aten, name + "_", None), functional._overloadname, None)
+    for op in (functional, inplace):
+        if op is not None and op not in _plans and torch._C._dispatch_has_kernel_for_dispatch_key(
+                op._schema.name + ("." + op._overloadname if op._overloadname != "default" else ""),
+                "CompositeExplicitAutogradNonFunctional"):
+            _plan(op)
 
 
 def _register_direct(op) -> None:
     """From now on PyTorch calls ``run_op`` for ``op`` as its own PrivateUse1 kernel rather than through the
     boxed fallback, which looks the op up by name on every call (about 5 us of the launch overhead)."""
     try:
-        _libraries[0].impl(op, functools.partial(run_op, op), "PrivateUse1")
+        _libraries[0].impl(op, functools.partial(run_planned, op, _plans[op]), "PrivateUse1")
     except RuntimeError as e:  # already has a kernel: the fallback keeps serving it
         log.debug("neuronc: %s keeps the fallback kernel: %s", op, e)
 
@@ -510,9 +547,9 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     (new device tensors, or the tensors it writes)."""
     inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
               for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
-    if writes is None:
-        where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
-        flat = [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in entry.outputs]
+    if writes is None:  # new tensors, made with their numpy views in one call
+        made = [_empty_with_view(shape, dtype, device) for shape, dtype in entry.outputs]
+        flat, outputs = [t for t, _ in made], [v for _, v in made]
         result = flat[0] if entry.single else torch.utils._pytree.tree_unflatten(flat, entry.out_spec)
     elif writes["self"]:
         flat = [args[0]]
@@ -524,12 +561,13 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
                 queues.synchronize(device)  # resizing moves the bytes: queued work must have run
                 target.resize_(shape)
         result = flat[0] if len(flat) == 1 else tuple(flat)
-    outputs = [_view(t) for t in flat]
+    if writes is not None:
+        outputs = [_view(t) for t in flat]
     flat_outputs = outputs
     if entry.permuted:
         outputs = entry.arrange(outputs)
     if adaptive.ENABLED and (writes is None or all(t.is_contiguous() for t in flat)):  # may be batched
-        functional, _, runtime = _plans[op]
+        functional, _, runtime, _ = _plans[op]
         call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if writes else kwargs
         launch = adaptive.Launch(entry, functional, runtime, args, call_kwargs, operands, inputs, outputs,
                                  flat_outputs, flat)
@@ -557,6 +595,12 @@ def _view(tensor):
     global _view
     _view = sys.modules[shim.NAME].view
     return _view(tensor)
+
+
+def _empty_with_view(shape, dtype, device: int):
+    global _empty_with_view
+    _empty_with_view = sys.modules[shim.NAME].empty_with_view
+    return _empty_with_view(shape, dtype, device)
 
 
 # ---- kernels on device memory itself -------------------------------------------------------------------

@@ -591,6 +591,17 @@ py::array numpy_view(const at::Tensor& tensor) {
   return py::array(dtype, shape, strides, tensor.data_ptr(), py::handle(buffer->bytes));
 }
 
+// A new contiguous `neuron` tensor on `device` and a numpy view of its elements: an eager op's output, made
+// without the dispatcher's trip through torch.empty (argument parsing, device guard, dispatch).
+std::pair<at::Tensor, py::array> empty_with_view(c10::IntArrayRef sizes, c10::ScalarType dtype,
+                                                 c10::DeviceIndex device) {
+  check_index(device);
+  c10::DeviceGuard guard(c10::Device(kDevice, device));
+  at::Tensor tensor = at::detail::empty_generic(sizes, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                dtype, std::nullopt);
+  return {tensor, numpy_view(tensor)};
+}
+
 // A launch on the current stream of `device`: (its start on the emulated clock, the stream's id).
 std::pair<double, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
@@ -615,6 +626,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
   m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
   m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
+  m.def("empty_with_view", &neuron::empty_with_view, "a new neuron tensor (sizes, dtype, device) and its numpy view");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
   m.def("default_generator", [](c10::DeviceIndex device) { return neuron::default_generator(device); },
         "the default generator of a neuron device");
