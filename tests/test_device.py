@@ -365,6 +365,16 @@ def test_normal_draws_have_the_mean_std_and_shape_asked_for(no_fallback):
     assert abs(scaled.mean() - 3) < 0.01 and abs(scaled.std() - 0.5) < 0.008
 
 
+def test_randperm_draws_reproducible_uniform_permutations_on_the_device(no_fallback):
+    torch.manual_seed(4)
+    first = torch.randperm(50, device=no_fallback).cpu()
+    torch.manual_seed(4)
+    assert torch.equal(torch.randperm(50, device=no_fallback).cpu(), first)
+    assert sorted(first.tolist()) == list(range(50)) and first.dtype == torch.int64
+    leading = torch.stack([torch.randperm(8, device=no_fallback) for _ in range(400)]).cpu()[:, 0]
+    assert ((torch.bincount(leading, minlength=8) - 50).abs() < 5 * 50 ** 0.5).all()  # each value leads 1/8 of them
+
+
 def test_integer_bernoulli_and_dropout_draws(no_fallback):
     n = 1 << 15
     torch.manual_seed(2)

@@ -9,7 +9,7 @@ programs) that computes its tensor from that span. So ``torch.manual_seed`` and
 launch runs, and two ops never share numbers. The values are not those of the CPU generator (CUDA's are
 not either).
 
-Cases a recipe does not cover (float64 tensors, integer spans beyond what an fp32 draw resolves) go to
+``randperm`` sorts a uniform draw on the device. Cases a recipe does not cover (float64 tensors, integer spans beyond what an fp32 draw resolves) go to
 the CPU fallback, which draws from a CPU generator seeded from the device generator's stream.
 """
 from __future__ import annotations
@@ -154,6 +154,25 @@ def _random(self, *, generator=None):
     return _integers(torch.ops.aten.random_.default, (self,), 0, None, generator)
 
 
+def _randperm(n, *, generator=None, out):
+    """The order that sorts n uniform draws (a stable sort on the device: ties, rare with 24-bit draws, keep
+    their order). A sort longer than a tile holds runs on the CPU, with the fallback's warning naming it."""
+    if out.dtype not in _INTEGERS + _FLOATS:
+        return _on_cpu(torch.ops.aten.randperm.generator_out, (n,), {"generator": generator, "out": out},
+                       f"the device draws permutations into integers and floats, not {out.dtype}")
+    keys = torch.empty(n, device=out.device)
+    if n:
+        _launch("uniform", (0.0, 1.0), keys, generator)
+    if out.shape != (n,):
+        queues.synchronize(out.device.index)  # resizing moves the bytes: queued work must have run
+        out.resize_(n)
+    return out.copy_(torch.argsort(keys, stable=True))
+
+
+def _randperm_out(n, *, out):
+    return _randperm(n, out=out)
+
+
 KERNELS = {
     "uniform_": _uniform,
     "normal_": _normal,
@@ -164,4 +183,6 @@ KERNELS = {
     "random_.from": _random_from,
     "random_.to": _random_to,
     "random_": _random,
+    "randperm.generator_out": _randperm,
+    "randperm.out": _randperm_out,
 }
