@@ -26,6 +26,7 @@ CASES = {
     "relu (8x8)": lambda a, b: torch.relu(a),
     "mm (8x8 @ 8x8)": lambda a, b: a @ b,
     "add_ in place (8x8)": lambda a, b: a.add_(b),
+    "uniform_ (8x8)": lambda a, b: a.uniform_(),  # a random op: the RNG program (neuronc/codegen/rng.py)
 }
 CHUNK = 500  # launches queued between synchronisations (below the queue depth, so none runs early)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from functools import partial
 
 import ml_dtypes
@@ -252,30 +253,46 @@ def _dma_scatter(instr, table, src, indices):
     return updated
 
 
+@functools.cache
 def _uniform_bits(dtype: np.dtype) -> int:
     """Random bits an RNG draw keeps: what the float dtype holds exactly in [0, 1) (its mantissa and the
     implicit bit), so no draw rounds up to 1."""
     return int(ml_dtypes.finfo(dtype).nmant) + 1
 
 
-def philox_words(seed: int, elements: np.ndarray) -> np.ndarray:
-    """Word ``e`` of the Philox4x64-10 stream keyed by ``seed``, for each ``e`` of ``elements`` (uint64): numpy's
-    Philox bit generator does the rounds; each call draws only the span of blocks the elements cover."""
-    first, last = int(elements.min()), int(elements.max())
+_philox = threading.local()  # one numpy Philox per thread, re-keyed for each draw (making one costs ~25 us)
+
+
+def philox_words(seed: int, first: int, count: int) -> np.ndarray:
+    """Words first .. first + count - 1 of the Philox4x64-10 stream keyed by ``seed`` (uint64): numpy's Philox
+    bit generator does the rounds, from the block holding word ``first``."""
+    generator = getattr(_philox, "generator", None)
+    if generator is None:
+        generator = _philox.generator = np.random.Philox(0)
     start = first - first % 4
-    words = np.random.Philox(key=seed, counter=start // 4).random_raw(last - start + 1)
-    return words[(elements - start).astype(np.intp)]
+    generator.state = {"bit_generator": "Philox", "buffer": _NO_BUFFER, "buffer_pos": 4, "has_uint32": 0,
+                       "uinteger": 0, "state": {"counter": np.array([start // 4 % 2 ** 64, start // 4 >> 64, 0, 0],
+                                                                    np.uint64),
+                                                "key": np.array([seed, 0], np.uint64)}}
+    return generator.random_raw(first - start + count)[first - start:]
+
+
+_NO_BUFFER = np.zeros(4, np.uint64)
 
 
 def _rng(instr, dst, state):
-    seed, offset = (int(v) for v in np.asarray(state).reshape(-1)[:2].view(np.uint64))
+    words = np.ascontiguousarray(state).view(np.uint64).reshape(-1)
+    seed, offset = int(words[0]), int(words[1])
     partitions, free = dst.shape[0], dst.size // dst.shape[0]
-    first = offset + int(instr.imm0)
-    elements = (first + np.arange(partitions, dtype=np.uint64)[:, None] * np.uint64(int(instr.imm1))
-                + np.arange(free, dtype=np.uint64))
+    first, stride = offset + int(instr.imm0), int(instr.imm1)
+    if stride == free or partitions == 1:  # the tile's elements are consecutive numbers of the stream
+        words = philox_words(seed, first, partitions * free).reshape(partitions, free)
+    else:
+        numbers = np.arange(partitions)[:, None] * stride + np.arange(free)
+        words = philox_words(seed, first, int(numbers.max()) + 1)[numbers]
     bits = _uniform_bits(dst.dtype if dst.dtype in _FLOATS else np.dtype(F32))
-    words = philox_words(seed, elements) >> np.uint64(64 - bits)
-    return (words.astype(np.float64) * 2.0 ** -bits).reshape(dst.shape)
+    exact = F32 if bits <= 24 else np.float64  # k-bit integers times 2**-k are exact in either
+    return ((words >> np.uint64(64 - bits)).astype(exact) * exact(2.0 ** -bits)).reshape(dst.shape)
 
 
 TOP = 8  # values MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handle at once

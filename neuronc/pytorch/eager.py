@@ -273,7 +273,7 @@ def _cpu_seed(generator, device: int) -> int:
     from runtime.semantics import philox_words
 
     seed, offset = sys.modules[shim.NAME].philox_state(generator, device, 4)
-    return int(philox_words(seed, np.array([offset], np.uint64))[0] >> np.uint64(1))
+    return int(philox_words(seed, offset, 1)[0] >> np.uint64(1))
 
 
 # ---- what runs where ---------------------------------------------------------------------------------
