@@ -266,6 +266,23 @@ def test_fused_adam_steps_run_as_one_device_program_and_match_the_cpu_fused_step
         assert_matches_eager([state[name].cpu() for state in on_neuron], [state[name] for state in on_cpu])
 
 
+def test_a_fused_step_unscales_amp_gradients_and_skips_a_step_that_overflowed(no_fallback):
+    """GradScaler's grad_scale and found_inf reach the fused step: the device program divides the gradients by
+    the scale and leaves parameters and state alone when found_inf is set, as the CPU fused step does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    on_device = copy.deepcopy(model).to(no_fallback)
+    x = torch.randn(5, 4)
+    for m, data, where in ((model, x, "cpu"), (on_device, x.to(no_fallback), no_fallback)):
+        step = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1.0, fused=True)  # eps: not
+        for overflowed in (0.0, 1.0, 0.0):  # scale-invariant, so an unscaled gradient would show
+            step.zero_grad()
+            (m(data).pow(2).sum() * 4).backward()
+            step.grad_scale, step.found_inf = torch.tensor(4.0, device=where), torch.tensor(overflowed, device=where)
+            step.step()
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+
+
 # ---- autocast and random numbers ---------------------------------------------------------------------
 
 def test_autocast_runs_matmuls_in_bfloat16_and_softmax_in_float32(neuron):

@@ -6,9 +6,8 @@ PyTorch's fused kernels, in fp32) and compiled by the same pipeline as any eager
 parameters' shapes and dtypes and the flags (amsgrad, maximize). The hyperparameters (lr, betas, weight
 decay, eps) are runtime inputs, so a learning-rate schedule does not recompile; the step counts are read
 from their device tensors by the program. The parameters and the optimizer state are written in place.
-
-AMP's ``grad_scale``/``found_inf`` arguments are not compiled: such a call runs on the CPU (with the
-fallback's warning).
+AMP's ``grad_scale`` and ``found_inf`` (set by ``GradScaler``) are inputs of the program too: gradients are
+unscaled by the first, and a nonzero second leaves everything as it was.
 """
 from __future__ import annotations
 
@@ -21,13 +20,16 @@ HYPERPARAMETERS = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 
 def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-              *, decoupled: bool, amsgrad: bool, maximize: bool):
+              *, decoupled: bool, amsgrad: bool, maximize: bool, grad_scale=None, found_inf=None):
     """The new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) of one Adam(W) step, as PyTorch's fused kernels
-    compute it: in fp32, bias corrections from each parameter's step count."""
+    compute it: in fp32, bias corrections from each parameter's step count; with AMP's ``grad_scale`` the
+    gradients are unscaled first, and where ``found_inf`` is nonzero nothing changes."""
     new_params, new_avgs, new_sqs, new_maxes = [], [], [], []
     for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         p, g, m, v = (t.float() for t in (param, grad, exp_avg, exp_avg_sq))
         step = step.float()
+        if grad_scale is not None:
+            g = g / grad_scale
         if maximize:
             g = -g
         if weight_decay is not None:
@@ -50,6 +52,12 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, 
         new_params.append(p.to(param.dtype))
         new_avgs.append(m.to(exp_avg.dtype))
         new_sqs.append(v.to(exp_avg_sq.dtype))
+    if found_inf is not None:  # an overflowing step changes nothing
+        skip = found_inf != 0
+        new_params, new_avgs, new_sqs, new_maxes = (
+            [torch.where(skip, old, new) for old, new in zip(olds, news)]
+            for olds, news in ((params, new_params), (exp_avgs, new_avgs), (exp_avg_sqs, new_sqs),
+                               (max_exp_avg_sqs, new_maxes)))
     return new_params, new_avgs, new_sqs, new_maxes
 
 
@@ -61,19 +69,20 @@ def _fused(op, decoupled: bool):
         flags = dict(amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
         if not params:
             return None
-        if grad_scale is not None or found_inf is not None:
-            return eager.cpu_fallback(op, args, {**hyper, **flags}, "AMP's grad_scale/found_inf are not compiled")
         lists = (params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if amsgrad else []), state_steps)
         device = eager._device_of(op, [t for group in lists for t in group])
         with_decay = weight_decay != 0
+        amp = tuple(t for t in (grad_scale, found_inf) if t is not None)
         key = (op, tuple(tuple((tuple(t.shape), t.dtype) for t in group) for group in lists), amsgrad, maximize,
-               with_decay, isinstance(lr, torch.Tensor), device)
+               with_decay, isinstance(lr, torch.Tensor), grad_scale is not None, found_inf is not None,
+               tuple((tuple(t.shape), t.dtype) for t in amp), device)
         entry = _programs.get(key)
         if entry is None:
-            entry = _programs[key] = _compile(lists, decoupled, amsgrad, maximize, with_decay, lr, device)
+            entry = _programs[key] = _compile(lists, decoupled, amsgrad, maximize, with_decay, lr, grad_scale,
+                                              found_inf, device)
         if isinstance(entry, str):
             return eager.cpu_fallback(op, args, {**hyper, **flags}, entry)
-        scalars = [lr if isinstance(lr, torch.Tensor) else float(lr), float(beta1), float(beta2),
+        scalars = [*amp, lr if isinstance(lr, torch.Tensor) else float(lr), float(beta1), float(beta2),
                    *([float(weight_decay)] if with_decay else []), float(eps)]
         inputs = [eager._view(t) for group in lists for t in group] + [
             eager._view(s) if isinstance(s, torch.Tensor) and not s.is_cpu else
@@ -89,7 +98,8 @@ def _fused(op, decoupled: bool):
     return kernel
 
 
-def _compile(lists, decoupled: bool, amsgrad: bool, maximize: bool, with_decay: bool, lr, device: int):
+def _compile(lists, decoupled: bool, amsgrad: bool, maximize: bool, with_decay: bool, lr, grad_scale, found_inf,
+             device: int):
     """An EagerProgram updating every tensor of ``lists`` at once, or why the step runs on the CPU."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -100,8 +110,11 @@ def _compile(lists, decoupled: bool, amsgrad: bool, maximize: bool, with_decay: 
 
     sizes = [len(group) for group in lists]
     examples = [torch.zeros(t.shape, dtype=t.dtype) for group in lists for t in group]
-    lr_example = torch.zeros(lr.shape, dtype=lr.dtype) if isinstance(lr, torch.Tensor) else torch.tensor(0.0)
-    scalars = [lr_example] + [torch.tensor(0.0) for _ in range(3 if with_decay else 2)] + [torch.tensor(0.0)]
+    def like(t):
+        return torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else torch.tensor(0.0)
+
+    amp = [like(t) for t in (grad_scale, found_inf) if t is not None]
+    scalars = [*amp, like(lr)] + [torch.tensor(0.0) for _ in range(3 if with_decay else 2)] + [torch.tensor(0.0)]
 
     def step(*tensors):
         groups, at = [], 0
@@ -110,9 +123,13 @@ def _compile(lists, decoupled: bool, amsgrad: bool, maximize: bool, with_decay: 
             at += size
         params, grads, exp_avgs, exp_avg_sqs, *rest = groups
         maxes, steps = (rest[0], rest[1]) if amsgrad else ([], rest[0])
-        lr_, beta1, beta2, *decay, eps = tensors[at:]
+        rest = list(tensors[at:])
+        scale = rest.pop(0) if grad_scale is not None else None
+        inf = rest.pop(0) if found_inf is not None else None
+        lr_, beta1, beta2, *decay, eps = rest
         new = adam_step(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr_, beta1, beta2,
-                        decay[0] if decay else None, eps, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
+                        decay[0] if decay else None, eps, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
+                        grad_scale=scale, found_inf=inf)
         return tuple(t for group in new for t in group)
 
     try:
