@@ -40,6 +40,7 @@ import functools
 import heapq
 import operator
 import os
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -529,7 +530,7 @@ class LoadedProgram:
     def _execute(self, plan: _Plan) -> None:
         for region in plan.resets:
             region.fill(UNINITIALISED)
-        if _quiet:
+        if getattr(_quiet, "on", False):
             self._call(plan)
         else:
             with quiet_numerics():
@@ -582,7 +583,8 @@ class LoadedProgram:
             view[...] = x
 
 
-_quiet = False  # inside quiet_numerics(): numpy's floating-point errors are already ignored
+_quiet = threading.local()  # .on inside quiet_numerics(): numpy's float errors are already ignored (errstate is
+# per thread too)
 
 
 @contextlib.contextmanager
@@ -590,16 +592,15 @@ def quiet_numerics():
     """Runs inside it treat IEEE results (inf, NaN) as the device's answer, not as numpy warnings. Every run
     enters it; a host that runs many programs back to back (the `neuron` device's queues) enters it once
     around them all, which saves numpy's errstate switch per run (a few us of an eager op's few tens)."""
-    global _quiet
-    if _quiet:
+    if getattr(_quiet, "on", False):
         yield
         return
     with np.errstate(all="ignore"):
-        _quiet = True
+        _quiet.on = True
         try:
             yield
         finally:
-            _quiet = False
+            _quiet.on = False
 
 
 def _read(box: list, fn, instr: Instruction, dst: np.ndarray, *srcs: np.ndarray) -> None:

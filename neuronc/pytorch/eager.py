@@ -15,10 +15,11 @@ functional form with the mutated tensor's memory as the program's output.
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
 synchronisation point; the host pays only for the lookup, the new output tensors and the queueing.
 
-Random ops (``uniform_``, ``normal_``, ``bernoulli_``, dropout, ``random_``) are drawn on the device by
-:mod:`neuronc.pytorch.random_ops`. Ops the NeuronCore cannot run (the compiler refuses them, other random
-ops, ops with data-dependent output shapes or non-tensor results) run on the CPU: arguments copied to the host, results copied back, with
-one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
+Random ops (``uniform_``, ``normal_``, ``bernoulli_``, dropout, ``random_``, ``randperm``) are drawn on
+the device by :mod:`neuronc.pytorch.random_ops`, fused Adam/AdamW steps run as one program
+(:mod:`neuronc.pytorch.fused_optim`). Ops the NeuronCore cannot run (the compiler refuses them, other
+random ops, ops with data-dependent output shapes or non-tensor results) run on the CPU: arguments
+copied to the host, results copied back, with one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
 Moving bytes (``_copy_from``: host <-> device and device <-> device) and ``fill_``/``zero_`` act on the
