@@ -70,7 +70,7 @@ class InputMismatchError(NeuronError):
     """Inputs given to a compiled program do not match its signature (count, shape or dtype)."""
 
 
-class NeuronDeviceError(NeuronError):
+class NeuronDeviceError(NeuronError, RuntimeError):  # a RuntimeError, as PyTorch device errors are
     """The `neuron` device cannot do what was asked (no such core, its C++ shim cannot be built, ...)."""
 
 

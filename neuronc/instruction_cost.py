@@ -18,7 +18,13 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   engine's own clock. N is the largest free size among the operands (a reduction reads more than
   it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
-  accumulates as the outputs stream by.
+  accumulates as the outputs stream by. RNG makes one pass over its destination too (an assumption:
+  TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
+  two values).
+
+A copy of a whole tensor by the runtime (the `neuron` device's host <-> device and device <-> device copies,
+its fills) is priced by :func:`copy_ns`: one DMA issue, the bytes spread over every DMA queue, no faster
+than the core's HBM bandwidth.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ _CLOCK_GHZ = {
 
 
 # Opcodes making fewer passes over the elements than they have sources.
-_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1}
+_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.RNG: 1}
 
 
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
@@ -82,3 +88,9 @@ _COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER:
 def instruction_cost_ns(instr: Instruction, target: Target) -> float:
     """Estimated duration of ``instr`` on ``target`` in nanoseconds."""
     return _COST.get(instr.opcode, _elementwise_ns)(instr, target)
+
+
+def copy_ns(nbytes: int, target: Target) -> float:
+    """Estimated duration of moving ``nbytes`` to or from one NeuronCore's HBM with all its DMA queues."""
+    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
+    return target.dma_fixed_ns + nbytes / bytes_per_ns

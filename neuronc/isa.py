@@ -52,6 +52,16 @@ Instruction semantics (``dst`` is always ``operands[0]``)
 ``FIND_INDEX8(dst, src, values)``          dst[p, j] = a position i with src[p, i] == values[p, j] (int32), taking
                                            for j = 0..7 in turn the first such position not taken by an
                                            earlier j (so repeated values get distinct positions); -1 if none.
+``RNG(dst, state)``                        dst[p, i...] = uniform random numbers in [0, 1): element number
+                                           e = offset + imm0 + p * imm1 + (row-major free index) of the
+                                           counter-based stream of the key ``seed``, where (seed, offset)
+                                           is ``state``, an I64 [1, 2] SBUF tile (the seed's bits as an
+                                           int64). Element e is the (e % 4)-th 64-bit word of the Philox4x64-10
+                                           block at counter e // 4 + 1 (``numpy.random.Philox(key=seed)``'s
+                                           stream), its top bits scaled to [0, 1): as many bits as dst's
+                                           float dtype holds exactly (24 for fp32, 8 for bf16, 11 for fp16).
+                                           The GpSimd engine's random-number generator: a draw is a pure
+                                           function of (seed, element number), so tiles are independent.
 ``MATCH_REPLACE8(dst, src, values)``       dst = src, except that for j = 0..7 in turn the first position holding
                                            values[p, j] not yet replaced is set to imm0. With MAX8 and
                                            FIND_INDEX8, the Vector engine's way to top-k and sort (NKI's
@@ -162,6 +172,7 @@ class Opcode(enum.IntEnum):
     MAX8 = 12
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
+    RNG = 19  # the highest of 15-19, to keep clear of opcodes other branches add from 15
     ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
 
 
@@ -182,6 +193,7 @@ ARITY = {
     Opcode.MAX8: 2,
     Opcode.FIND_INDEX8: 3,
     Opcode.MATCH_REPLACE8: 3,
+    Opcode.RNG: 2,
     Opcode.ACTIVATE_BIAS_REDUCE: 4,
 }
 

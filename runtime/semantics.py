@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from functools import partial
 
+import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
@@ -259,6 +261,48 @@ def _dma_scatter(instr, table, src, indices):
     return updated
 
 
+@functools.cache
+def _uniform_bits(dtype: np.dtype) -> int:
+    """Random bits an RNG draw keeps: what the float dtype holds exactly in [0, 1) (its mantissa and the
+    implicit bit), so no draw rounds up to 1."""
+    return int(ml_dtypes.finfo(dtype).nmant) + 1
+
+
+_philox = threading.local()  # one numpy Philox per thread, re-keyed for each draw (making one costs ~25 us)
+
+
+def philox_words(seed: int, first: int, count: int) -> np.ndarray:
+    """Words first .. first + count - 1 of the Philox4x64-10 stream keyed by ``seed`` (uint64): numpy's Philox
+    bit generator does the rounds, from the block holding word ``first``."""
+    generator = getattr(_philox, "generator", None)
+    if generator is None:
+        generator = _philox.generator = np.random.Philox(0)
+    start = first - first % 4
+    generator.state = {"bit_generator": "Philox", "buffer": _NO_BUFFER, "buffer_pos": 4, "has_uint32": 0,
+                       "uinteger": 0, "state": {"counter": np.array([start // 4 % 2 ** 64, start // 4 >> 64, 0, 0],
+                                                                    np.uint64),
+                                                "key": np.array([seed, 0], np.uint64)}}
+    return generator.random_raw(first - start + count)[first - start:]
+
+
+_NO_BUFFER = np.zeros(4, np.uint64)
+
+
+def _rng(instr, dst, state):
+    words = np.ascontiguousarray(state).view(np.uint64).reshape(-1)
+    seed, offset = int(words[0]), int(words[1])
+    partitions, free = dst.shape[0], dst.size // dst.shape[0]
+    first, stride = offset + int(instr.imm0), int(instr.imm1)
+    if stride == free or partitions == 1:  # the tile's elements are consecutive numbers of the stream
+        words = philox_words(seed, first, partitions * free).reshape(partitions, free)
+    else:
+        numbers = np.arange(partitions)[:, None] * stride + np.arange(free)
+        words = philox_words(seed, first, int(numbers.max()) + 1)[numbers]
+    bits = _uniform_bits(dst.dtype if dst.dtype in _FLOATS else np.dtype(F32))
+    exact = F32 if bits <= 24 else np.float64  # k-bit integers times 2**-k are exact in either
+    return ((words >> np.uint64(64 - bits)).astype(exact) * exact(2.0 ** -bits)).reshape(dst.shape)
+
+
 TOP = 8  # values MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handle at once
 
 
@@ -310,6 +354,7 @@ SEMANTICS = {
     Opcode.MAX8: _max8,
     Opcode.FIND_INDEX8: _find_index8,
     Opcode.MATCH_REPLACE8: _match_replace8,
+    Opcode.RNG: _rng,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
 }
 
@@ -532,6 +577,7 @@ ENGINES = {
     Opcode.ACTIVATE_BIAS_REDUCE: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
+    Opcode.RNG: frozenset({Engine.GPSIMD}),
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8)},
 }
 
@@ -649,7 +695,21 @@ def _top8_shapes(instr: Instruction, target: Target):
         _fail(f"FIND_INDEX8 writes [{src.shape[0]}, {TOP}] integer positions, got {dst.dtype.name}{list(dst.shape)}")
 
 
+def _rng_shapes(instr: Instruction, target: Target):
+    """RNG(dst float, state I64 [1, 2] in SBUF)."""
+    dst, state = instr.operands
+    if not dst.dtype.is_float:
+        _fail(f"RNG draws floats in [0, 1); its destination is {dst.dtype.name}",
+              hint="draw into a float tile and convert it with TENSOR_COPY")
+    if state.dtype != DType.I64 or state.shape != (1, 2) or state.space != Space.SBUF:
+        _fail(f"RNG state must be an I64 [1, 2] tile (seed, offset) in SBUF, got {state.dtype.name}"
+              f"{list(state.shape)} in {state.space.name}")
+    if instr.imm0 < 0 or instr.imm1 < 0 or instr.imm0 != int(instr.imm0) or instr.imm1 != int(instr.imm1):
+        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole and not negative")
+
+
 SHAPE_RULES = {
+    Opcode.RNG: _rng_shapes,
     Opcode.MAX8: _top8_shapes,
     Opcode.FIND_INDEX8: _top8_shapes,
     Opcode.MATCH_REPLACE8: _top8_shapes,

@@ -154,7 +154,7 @@ def test_disabled_fallback_raises_an_error_naming_the_op(neuron, monkeypatch):
 
 
 def test_tensors_on_two_devices_do_not_mix(neuron):
-    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # PyTorch's own check, as on CUDA
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # a RuntimeError naming both, as on CUDA
         torch.ones(2, device="neuron:0") + torch.ones(2, device="neuron:1")
 
 
@@ -239,18 +239,47 @@ def test_python_numbers_are_runtime_inputs_not_part_of_the_signature(neuron):
     assert len(eager.programs) == compiled
 
 
-def test_fused_adamw_runs_through_the_cpu_fallback_and_matches(neuron):
+@pytest.mark.parametrize("optimizer, options", [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, maximize=True)),
+], ids=["adamw", "adam-amsgrad-maximize-tensor-lr"])
+def test_fused_adam_steps_run_as_one_device_program_and_match_the_cpu_fused_step(no_fallback, optimizer, options):
+    from neuronc.pytorch import fused_optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    on_device = copy.deepcopy(model).to(no_fallback)
+    x = torch.randn(5, 4)
+    compiled = len(fused_optim._programs)
+    steps = []
+    for m, data in ((model, x), (on_device, x.to(no_fallback))):
+        steps.append(optimizer(m.parameters(), fused=True, **options))
+        for _ in range(3):
+            steps[-1].zero_grad()
+            m(data).pow(2).sum().backward()
+            steps[-1].step()
+    assert len(fused_optim._programs) == compiled + 1  # one program for the parameter list, run each step
+    assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
+    on_cpu, on_neuron = (list(s.state.values()) for s in steps)
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if options.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+    for name in names:
+        assert_matches_eager([state[name].cpu() for state in on_neuron], [state[name] for state in on_cpu])
+
+
+def test_a_fused_step_unscales_amp_gradients_and_skips_a_step_that_overflowed(no_fallback):
+    """GradScaler's grad_scale and found_inf reach the fused step: the device program divides the gradients by
+    the scale and leaves parameters and state alone when found_inf is set, as the CPU fused step does."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    on_device = copy.deepcopy(model).to(neuron)
-    x = torch.randn(2, 4)
-    for m, data in ((model, x), (on_device, x.to(neuron))):
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-        m(data).pow(2).sum().backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fallback's warning, tested above
-            optimizer.step()
-    assert "aten._fused_adamw_.default" in eager.fallen_back
+    on_device = copy.deepcopy(model).to(no_fallback)
+    x = torch.randn(5, 4)
+    for m, data, where in ((model, x, "cpu"), (on_device, x.to(no_fallback), no_fallback)):
+        step = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1.0, fused=True)  # eps: not
+        for overflowed in (0.0, 1.0, 0.0):  # scale-invariant, so an unscaled gradient would show
+            step.zero_grad()
+            (m(data).pow(2).sum() * 4).backward()
+            step.grad_scale, step.found_inf = torch.tensor(4.0, device=where), torch.tensor(overflowed, device=where)
+            step.step()
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
@@ -277,8 +306,6 @@ def test_manual_seed_makes_device_random_tensors_reproducible(neuron):
     again = torch.randn(3, 4, device=neuron), torch.rand(5, device="neuron:1")
     assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(first, again))
     torch.manual_seed(7)
-    assert torch.equal(first[0].cpu(), torch.randn(3, 4))  # drawn by the device's CPU generator stream
-    torch.manual_seed(7)
     torch.neuron.manual_seed(8)  # reseeds the current device (neuron:0) only
     assert not torch.equal(torch.randn(3, 4, device=neuron).cpu(), first[0].cpu())
     assert torch.equal(torch.rand(5, device="neuron:1").cpu(), first[1].cpu())
@@ -296,6 +323,90 @@ def test_a_device_generator_gives_reproducible_random_tensors(neuron):
     generator.manual_seed(11)
     assert torch.equal(torch.rand(6, device=neuron, generator=generator).cpu(), first.cpu())
     assert not torch.equal(first.cpu(), second.cpu())
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        generator.set_state(torch.zeros(5, dtype=torch.uint8))
+
+
+@pytest.fixture
+def no_fallback(neuron, monkeypatch):
+    """What runs under it must run on the device: the CPU fallback raises."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    return neuron
+
+
+def test_random_ops_draw_on_the_device_from_its_generator_state(no_fallback):
+    generator = torch.Generator(device="neuron").manual_seed(5)
+    before = generator.get_offset()
+    x = torch.empty(10, device=no_fallback)
+    for draw in (lambda: x.uniform_(-2, 3, generator=generator), lambda: x.normal_(1, 2, generator=generator),
+                 lambda: x.bernoulli_(0.5, generator=generator), lambda: x.random_(0, 7, generator=generator)):
+        draw()
+    torch.nn.functional.dropout(x, 0.5)
+    torch.randint(0, 9, (4,), device=no_fallback), torch.bernoulli(torch.rand(3, device=no_fallback))
+    # uniform, bernoulli and random_ draw one number an element, normal two; each launch takes whole blocks of 4
+    assert generator.get_offset() - before == 12 + 20 + 12 + 12
+
+
+def test_a_draw_depends_on_the_seed_and_the_element_only(no_fallback):
+    """Element e of a draw is number offset + e of the seed's stream, however the program tiles it; the next
+    draw continues the stream."""
+    torch.manual_seed(3)
+    long = torch.rand(200_000, device=no_fallback).cpu()  # tiles of 128 x 1024 and a tail
+    torch.manual_seed(3)
+    short = torch.rand(1000, device=no_fallback).cpu()
+    following = torch.rand(1000, device=no_fallback).cpu()
+    assert torch.equal(short, long[:1000]) and torch.equal(following, long[1000:2000])
+
+
+def test_uniform_draws_are_uniform_and_independent(no_fallback):
+    n = 1 << 16
+    torch.manual_seed(0)
+    u, v = torch.rand(n, device=no_fallback).cpu().double(), torch.rand(n, device=no_fallback).cpu().double()
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.006 and abs(u.std() - 12 ** -0.5) < 0.004  # 5 standard errors
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    assert (counts - n / 16).abs().max() < 5 * (n / 16) ** 0.5
+    for a, b in ((u, v), (u[:-1], u[1:])):  # two draws, and neighbours within one
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.02
+    low = torch.rand(n, dtype=torch.bfloat16, device=no_fallback).cpu()
+    assert low.max() < 1 and len(low.unique()) > 200  # bf16 draws keep its 8 bits: never rounded up to 1
+
+
+def test_normal_draws_have_the_mean_std_and_shape_asked_for(no_fallback):
+    n = 1 << 16
+    torch.manual_seed(1)
+    z = torch.randn(n, device=no_fallback).cpu().double()
+    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.015
+    assert abs((z.abs() < 1).double().mean() - 0.6827) < 0.01 and abs((z.abs() < 2).double().mean() - 0.9545) < 0.006
+    scaled = torch.empty(n, device=no_fallback).normal_(3.0, 0.5).cpu().double()
+    assert abs(scaled.mean() - 3) < 0.01 and abs(scaled.std() - 0.5) < 0.008
+
+
+def test_randperm_draws_reproducible_uniform_permutations_on_the_device(no_fallback):
+    torch.manual_seed(4)
+    first = torch.randperm(50, device=no_fallback).cpu()
+    torch.manual_seed(4)
+    assert torch.equal(torch.randperm(50, device=no_fallback).cpu(), first)
+    assert sorted(first.tolist()) == list(range(50)) and first.dtype == torch.int64
+    leading = torch.stack([torch.randperm(8, device=no_fallback) for _ in range(400)]).cpu()[:, 0]
+    assert ((torch.bincount(leading, minlength=8) - 50).abs() < 5 * 50 ** 0.5).all()  # each value leads 1/8 of them
+
+
+def test_integer_bernoulli_and_dropout_draws(no_fallback):
+    n = 1 << 15
+    torch.manual_seed(2)
+    r = torch.randint(-3, 5, (n,), device=no_fallback).cpu()
+    assert r.dtype == torch.int64 and r.min() == -3 and r.max() == 4
+    assert (torch.bincount(r + 3) - n / 8).abs().max() < 5 * (n / 8) ** 0.5
+    p = torch.tensor([0.0, 1.0, 0.25]).repeat_interleave(n // 4).to(no_fallback)
+    b = torch.bernoulli(p).cpu()
+    quarter = n // 4
+    assert b[:quarter].sum() == 0 and b[quarter:2 * quarter].sum() == quarter
+    assert abs(b[2 * quarter:].mean() - 0.25) < 5 * (0.25 * 0.75 / quarter) ** 0.5
+    x = torch.randn(n)
+    out, mask = torch.ops.aten.native_dropout(x.to(no_fallback), 0.3, True)
+    assert mask.dtype == torch.bool and abs(mask.cpu().double().mean() - 0.7) < 5 * (0.21 / n) ** 0.5
+    assert_matches_eager(out.cpu(), x * mask.cpu() * (1 / 0.7))
 
 
 # ---- torch.accelerator ---------------------------------------------------------------------------------
@@ -365,6 +476,29 @@ def test_events_time_work_on_a_stream_from_the_emulated_timeline(neuron):
     assert start.elapsed_time(end) == pytest.approx(expected_ms)
 
 
+def _timed(work) -> float:
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e6  # ns
+
+
+def test_copies_last_the_dma_time_of_their_bytes_on_the_stream(neuron):
+    """Host to device, device to device and device to host: one DMA issue and the bytes over every DMA queue,
+    at most the HBM bandwidth (targets.py)."""
+    target = core(0).target
+    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
+    for rows in (64, 256):
+        host = torch.randn(rows, 256)
+        nbytes = host.numel() * 4
+        on_device = torch.empty(rows, 256, device=neuron)
+        times = [_timed(lambda: on_device.copy_(host)), _timed(lambda: torch.empty_like(on_device).copy_(on_device)),
+                 _timed(lambda: on_device.cpu())]
+        assert times == pytest.approx([target.dma_fixed_ns + nbytes / bytes_per_ns] * 3)
+
+
 def test_a_missing_wait_shows_on_the_timeline(neuron):
     x = torch.randn(64, 64).to(neuron)
     _work(x)
@@ -403,6 +537,7 @@ def test_a_missing_wait_reads_the_old_data(neuron):
     x = torch.randn(64, 64).to(neuron)
     buffer = torch.zeros(4, device=neuron)
     _work(x), buffer.add_(1.0), buffer * 2.0  # compiled before the streams time them
+    torch.accelerator.synchronize()  # the copy and fill above take time on the default stream: let them end
     producer, consumer = torch.Stream(device="neuron"), torch.Stream(device="neuron")
 
     def consumed(wait: bool) -> torch.Tensor:

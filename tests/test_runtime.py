@@ -507,6 +507,27 @@ def test_memset_and_iota_fill_their_destination():
     np.testing.assert_array_equal(ramp_out, 5 + 10 * np.arange(3)[:, None, None] + np.arange(4).reshape(2, 2))
 
 
+def test_rng_draws_the_philox_stream_of_its_seed_from_its_offset(core):
+    """Element (p, i) is number offset + imm0 + p * imm1 + i of numpy's Philox4x64 stream keyed by the seed,
+    its top 24 bits as an fp32 in [0, 1)."""
+    seed, offset = 2 ** 63 + 12345, 6
+    state = np.array([[seed, offset]], np.uint64).view(np.int64)
+    got = compute_on_chip(core, Opcode.RNG, Engine.GPSIMD, [state], out_shape=(4, 8), out_dtype=DType.F32,
+                          imm0=3, imm1=10)
+    stream = np.random.Philox(key=seed).random_raw(offset + 3 + 3 * 10 + 8)
+    numbers = offset + 3 + 10 * np.arange(4)[:, None] + np.arange(8)
+    np.testing.assert_array_equal(got, (stream[numbers] >> np.uint64(40)) * 2.0 ** -24)
+
+
+def test_rng_refuses_an_integer_destination_or_a_malformed_state(core):
+    state = np.zeros((1, 2), np.int64)
+    with pytest.raises(NeuronRuntimeError, match="RNG draws floats"):
+        compute_on_chip(core, Opcode.RNG, Engine.GPSIMD, [state], out_shape=(2, 2), out_dtype=DType.I32)
+    with pytest.raises(NeuronRuntimeError, match=r"I64 \[1, 2\] tile"):
+        compute_on_chip(core, Opcode.RNG, Engine.GPSIMD, [np.zeros((1, 3), np.int64)], out_shape=(2, 2),
+                        out_dtype=DType.F32)
+
+
 def _gather_program() -> Neff:
     p = Program()
     table = p.tensor("table", TensorKind.WEIGHT, (10, 6), data=np.arange(60, dtype=np.float32).reshape(10, 6))

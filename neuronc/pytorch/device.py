@@ -182,9 +182,9 @@ def get_amp_supported_dtype() -> list:
 
 
 def default_generator(device=None) -> torch.Generator:
-    """The default generator of ``neuron:device`` (the current device for None): one per NeuronCore. Its
-    numbers are drawn by a CPU generator (random ops run on the CPU), so a seed gives the same tensors as
-    the same seed on the CPU."""
+    """The default generator of ``neuron:device`` (the current device for None): one per NeuronCore, a
+    counter-based (Philox) state (seed, offset) that the device's random ops draw from on the device
+    (:mod:`neuronc.pytorch.random_ops`)."""
     _lazy_init()
     from neuronc.pytorch import shim
 

@@ -15,14 +15,17 @@ functional form with the mutated tensor's memory as the program's output.
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
 synchronisation point; the host pays only for the lookup, the new output tensors and the queueing.
 
-Ops the NeuronCore cannot run (the compiler refuses them, random ops, ops with data-dependent output
-shapes or non-tensor results) run on the CPU: arguments copied to the host, results copied back, with
-one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
+Random ops (``uniform_``, ``normal_``, ``bernoulli_``, dropout, ``random_``, ``randperm``) are drawn on
+the device by :mod:`neuronc.pytorch.random_ops`, fused Adam/AdamW steps run as one program
+(:mod:`neuronc.pytorch.fused_optim`). Ops the NeuronCore cannot run (the compiler refuses them, other
+random ops, ops with data-dependent output shapes or non-tensor results) run on the CPU: arguments
+copied to the host, results copied back, with one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
 Moving bytes (``_copy_from``: host <-> device and device <-> device) and ``fill_``/``zero_`` act on the
-device memory directly, as DMA and memset would, queued like ops; reading device memory from the host
-(``.cpu()``, ``.item()``) is a synchronisation point.
+device memory directly, as DMA and memset would, queued like ops and lasting the cost model's DMA time
+for their bytes (:func:`neuronc.instruction_cost.copy_ns`) on the stream's clock; reading device memory
+from the host (``.cpu()``, ``.item()``) is a synchronisation point.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronDeviceError, NeuronError
 from neuronc.pytorch import adaptive, queues, shim
-from neuronc.pytorch.device_memory import array_of, core, host_array, host_tensor
+from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
 
 log = logging.getLogger("neuronc")
 
@@ -100,8 +103,10 @@ def register() -> None:
     """Register the kernels on the PrivateUse1 key (called by ``torch.neuron._lazy_init``)."""
     if _libraries:
         return
+    from neuronc.pytorch import fused_optim, random_ops
+
     aten = torch.library.Library("aten", "IMPL")
-    for name, kernel in DIRECT_KERNELS.items():
+    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS, **fused_optim.KERNELS}.items():
         aten.impl(name, kernel, "PrivateUse1")
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
@@ -124,10 +129,16 @@ def _print_from_host() -> None:
 
 def run_op(op, *args, **kwargs):
     """Run ``op`` on the NeuronCore of its tensors (compiled on first use), or on the CPU if it cannot."""
-    plan = _plans.get(op) or _plan(op)
+    return run_planned(op, _plans.get(op) or _plan(op), *args, **kwargs)
+
+
+def run_planned(op, plan, *args, **kwargs):
+    """``run_op`` with ``op``'s plan already looked up (the kernel PyTorch calls for an op seen before)."""
     if plan.__class__ is str:
         return cpu_fallback(op, args, kwargs, plan)
-    functional, writes, runtime = plan
+    functional, writes, runtime, defaults = plan
+    if kwargs:  # keyword arguments left at their defaults are no part of the signature, nor program inputs
+        kwargs = {k: v for k, v in kwargs.items() if not _is_default(defaults, k, v)}
     call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if kwargs and writes else kwargs
     operands = []
     key = (functional, _signature(args, runtime, operands),
@@ -141,7 +152,23 @@ def run_op(op, *args, **kwargs):
     return _launch(op, entry, device, operands, writes, args, kwargs)
 
 
-_plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments) or why it runs on the CPU
+_plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments, keyword defaults)
+# or why it runs on the CPU
+_NO_DEFAULT = object()
+
+
+def _is_default(defaults: dict, name: str, value) -> bool:
+    """Whether ``value`` is the schema's default of keyword argument ``name`` (None, a bool or a number of the
+    default's own type): PyTorch passes every keyword argument, ``add``'s ``alpha=1`` included."""
+    default = defaults.get(name, _NO_DEFAULT)
+    return value is default or (type(value) is type(default) and type(value) in _DEFAULTABLE and value == default)
+
+
+_DEFAULTABLE = (bool, int, float)
+
+
+def _keyword_defaults(op) -> dict:
+    return {a.name: a.default_value for a in op._schema.arguments if a.kwarg_only and a.has_default_value()}
 
 
 def _plan(op):
@@ -149,17 +176,32 @@ def _plan(op):
     functional, writes = _functional(op)
     if not reason and functional is None:
         reason = "it mutates its arguments in a way neuronc does not compile"
-    _plans[op] = reason or (functional, writes, _runtime_scalars(functional))
+    _plans[op] = reason or (functional, writes, _runtime_scalars(functional), _keyword_defaults(op))
     if not reason:
         _register_direct(op)
+        if writes and writes["out"]:
+            _plan_siblings(functional)
     return _plans[op]
+
+
+def _plan_siblings(functional) -> None:
+    """Also take the functional and in-place forms of an op PyTorch reached through its ``out=`` form: for a
+    structured op (add, mul, mm...) PyTorch makes the output and calls ``out=`` unless the backend has a
+    kernel for the form called, and a kernel of our own makes the output with its numpy view in one call."""
+    name = functional._schema.name.split("::")[1]
+    inplace = getattr(getattr(torch.ops.aten, name + "_", None), functional._overloadname, None)
+    for op in (functional, inplace):
+        if op is not None and op not in _plans and torch._C._dispatch_has_kernel_for_dispatch_key(
+                op._schema.name + ("." + op._overloadname if op._overloadname != "default" else ""),
+                "CompositeExplicitAutogradNonFunctional"):
+            _plan(op)
 
 
 def _register_direct(op) -> None:
     """From now on PyTorch calls ``run_op`` for ``op`` as its own PrivateUse1 kernel rather than through the
     boxed fallback, which looks the op up by name on every call (about 5 us of the launch overhead)."""
     try:
-        _libraries[0].impl(op, functools.partial(run_op, op), "PrivateUse1")
+        _libraries[0].impl(op, functools.partial(run_planned, op, _plans[op]), "PrivateUse1")
     except RuntimeError as e:  # already has a kernel: the fallback keeps serving it
         log.debug("neuronc: %s keeps the fallback kernel: %s", op, e)
 
@@ -210,15 +252,15 @@ def cpu_fallback(op, args, kwargs, reason: str):
 
 
 def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch.device) -> tuple:
-    """(args, kwargs) of a random op run on the CPU, drawing from the CPU generator behind the device's
-    generator (the one it was given, or the device's default): ``torch.manual_seed`` and
-    ``torch.Generator(device="neuron")`` apply."""
+    """(args, kwargs) of a random op run on the CPU, drawing from a CPU generator seeded by the next block of
+    the device generator's stream (the one it was given, or the device's default): ``torch.manual_seed`` and
+    ``torch.Generator(device="neuron")`` apply, and the device generator moves on."""
     for i, argument in enumerate(op._schema.arguments):
         if argument.name == "generator" and "Generator" in str(argument.type):
             positional = not argument.kwarg_only and i < len(args)
             given = args[i] if positional else kwargs.get("generator")
             if given is None or given.device.type == "neuron":
-                drawn = sys.modules[shim.NAME].cpu_generator(given, device.index)
+                drawn = torch.Generator().manual_seed(_cpu_seed(given, device.index))
                 if positional:
                     args = (*args[:i], drawn, *args[i + 1:])
                 else:
@@ -227,12 +269,20 @@ def _draw_from_the_device_generator(op, args: tuple, kwargs: dict, device: torch
     return args, kwargs
 
 
+def _cpu_seed(generator, device: int) -> int:
+    """A seed for a CPU generator: the first number of the next block of the device generator's stream."""
+    from runtime.semantics import philox_words
+
+    seed, offset = sys.modules[shim.NAME].philox_state(generator, device, 4)
+    return int(philox_words(seed, offset, 1)[0] >> np.uint64(1))
+
+
 # ---- what runs where ---------------------------------------------------------------------------------
 
 def _not_compilable(op) -> str:
     tags = op.tags
     if torch.Tag.nondeterministic_seeded in tags:
-        return "random numbers come from the CPU generator"
+        return "the device has no kernel for this random op (see neuronc.pytorch.random_ops)"
     if torch.Tag.dynamic_output_shape in tags:
         return "its output shape depends on the data"
     for ret in op._schema.returns:
@@ -498,9 +548,9 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     (new device tensors, or the tensors it writes)."""
     inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
               for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
-    if writes is None:
-        where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
-        flat = [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in entry.outputs]
+    if writes is None:  # new tensors, made with their numpy views in one call
+        made = [_empty_with_view(shape, dtype, device) for shape, dtype in entry.outputs]
+        flat, outputs = [t for t, _ in made], [v for _, v in made]
         result = flat[0] if entry.single else torch.utils._pytree.tree_unflatten(flat, entry.out_spec)
     elif writes["self"]:
         flat = [args[0]]
@@ -512,12 +562,13 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
                 queues.synchronize(device)  # resizing moves the bytes: queued work must have run
                 target.resize_(shape)
         result = flat[0] if len(flat) == 1 else tuple(flat)
-    outputs = [_view(t) for t in flat]
+    if writes is not None:
+        outputs = [_view(t) for t in flat]
     flat_outputs = outputs
     if entry.permuted:
         outputs = entry.arrange(outputs)
     if adaptive.ENABLED and (writes is None or all(t.is_contiguous() for t in flat)):  # may be batched
-        functional, _, runtime = _plans[op]
+        functional, _, runtime, _ = _plans[op]
         call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if writes else kwargs
         launch = adaptive.Launch(entry, functional, runtime, args, call_kwargs, operands, inputs, outputs,
                                  flat_outputs, flat)
@@ -547,28 +598,47 @@ def _view(tensor):
     return _view(tensor)
 
 
+def _empty_with_view(shape, dtype, device: int):
+    global _empty_with_view
+    _empty_with_view = sys.modules[shim.NAME].empty_with_view
+    return _empty_with_view(shape, dtype, device)
+
+
 # ---- kernels on device memory itself -------------------------------------------------------------------
 
 def _assign(dst: np.ndarray, src) -> None:
     dst[...] = src
 
 
+def _copy_ns(device: int, tensor: torch.Tensor) -> float:
+    """The emulated duration of moving ``tensor``'s bytes to or from ``device``'s HBM (the cost model's DMA)."""
+    from neuronc.instruction_cost import copy_ns
+
+    return copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
+
+
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "neuron":
-        if src.device.type == "neuron" and src.device.index != dst.device.index:
+        device = dst.device.index
+        if src.device.type == "neuron" and src.device.index != device:
             queues.synchronize(src.device.index)  # from one core to another: both run what they queued
-            queues.synchronize(dst.device.index)
+            queues.synchronize(device)
             array_of(dst)[...] = array_of(src)
         elif src.device.type == "neuron":
-            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), _view(src)), "copy_ (device to device)")
+            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), _view(src)),
+                           "copy_ (device to device)")
         else:  # the host's bytes are taken now: the tensor may change before the copy runs
             host_transfers["to device"] += 1
             data = np.array(host_array(src.to(dst.dtype)), copy=True)
-            queues.enqueue(dst.device.index, 0.0, _assign, (_view(dst), data), "copy_ (host to device)")
+            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), data), "copy_ (host to device)")
     else:
         host_transfers["to host"] += 1
-        queues.synchronize(src.device.index)
-        dst.copy_(host_tensor(array_of(src), src.dtype))
+        device = src.device.index
+        staged = np.empty(tuple(src.shape), NUMPY_DTYPES[src.dtype])
+        queues.synchronize(device)  # the host waits for every stream: the copy reads what they wrote
+        queues.enqueue(device, _copy_ns(device, src), _assign, (staged, _view(src)), "copy_ (device to host)")
+        queues.synchronize(device)
+        dst.copy_(host_tensor(staged, src.dtype))
     return dst
 
 
@@ -590,7 +660,8 @@ def _fill(tensor: torch.Tensor, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         value = value.item()
     target = _view(tensor)
-    queues.enqueue(tensor.device.index, 0.0, _assign, (target, np.asarray(value).astype(target.dtype)), "fill_")
+    queues.enqueue(tensor.device.index, _copy_ns(tensor.device.index, tensor), _assign,
+                   (target, np.asarray(value).astype(target.dtype)), "fill_")
     return tensor
 
 
@@ -604,7 +675,8 @@ def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
     if out.shape != values.shape:
         queues.synchronize(out.device.index)  # resizing moves the bytes
         out.resize_(values.shape)
-    queues.enqueue(out.device.index, 0.0, _assign, (_view(out), host_array(values)), "arange")
+    queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
+                   "arange")
     return out
 
 

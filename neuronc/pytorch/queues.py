@@ -28,6 +28,7 @@ import torch
 
 from neuronc.errors import QueuedOpError
 from neuronc.pytorch import adaptive
+from runtime.core import quiet_numerics
 
 QUEUE_DEPTH = 1024
 _queues: dict = {}  # device index -> [(start ns, sequence number, function, arguments, context)]
@@ -56,12 +57,13 @@ def synchronize(device: int) -> None:
         queue.sort(key=_order)
         if adaptive.ENABLED:
             queue = adaptive.batch(queue, device)
-        for start, _, function, arguments, context in queue:
-            try:
-                function(*arguments)
-            except Exception as e:
-                _shim().settle(device)
-                raise _failure(device, start, context, e) from e
+        with quiet_numerics():  # once for the whole queue rather than once per launch
+            for start, _, function, arguments, context in queue:
+                try:
+                    function(*arguments)
+                except Exception as e:
+                    _shim().settle(device)
+                    raise _failure(device, start, context, e) from e
     _shim().settle(device)
 
 

@@ -18,4 +18,5 @@ class Opcode(object):
     MAX8 = 12
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
+    RNG = 19
     ACTIVATE_BIAS_REDUCE = 20

@@ -12,7 +12,7 @@
 // * the kernels that only touch tensor metadata (empty, views, resize, set_), which must alias storage.
 //
 // Every op that computes is in Python (neuronc/pytorch/eager.py).
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
@@ -349,28 +349,59 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
 
 // ---- random numbers ------------------------------------------------------------------------------
 
-// A `neuron` generator: the device, and a CPU generator (Philox-free mt19937) that draws the numbers.
-// Random ops run on the CPU (neuronc.pytorch.eager's fallback hands them `cpu()`), so a seed gives the
-// same tensors as the same seed on a CPU generator, and each NeuronCore has its own default generator.
+// A `neuron` generator is the state of a counter-based generator, as CUDA's Philox one: a seed and an offset
+// (how many numbers of the seed's stream were handed out). Random ops run on the emulated device (the GpSimd
+// engine's RNG instruction draws element e of the stream as a pure function of (seed, e)), so a launch
+// only reserves its span of the stream (`philox_state`), and the generator's whole state is 16 bytes.
 struct NeuronGeneratorImpl final : public c10::GeneratorImpl {
   NeuronGeneratorImpl(c10::DeviceIndex device, uint64_t seed)
       : c10::GeneratorImpl{c10::Device(kDevice, device), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)},
-        cpu(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
-  void set_current_seed(uint64_t seed) override { cpu.set_current_seed(seed); }
-  void set_offset(uint64_t offset) override { cpu.set_offset(offset); }
-  uint64_t get_offset() const override { return cpu.get_offset(); }
-  uint64_t current_seed() const override { return cpu.current_seed(); }
-  uint64_t seed() override { return cpu.seed(); }
-  void set_state(const c10::TensorImpl& state) override { cpu.unsafeGetGeneratorImpl()->set_state(state); }
-  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { return cpu.unsafeGetGeneratorImpl()->get_state(); }
+        seed_(seed) {}
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    auto random = c10::detail::getNonDeterministicRandom();
+    set_current_seed(random);
+    return random;
+  }
+  void set_state(const c10::TensorImpl& state) override {
+    at::detail::check_rng_state(state);
+    TORCH_CHECK(state.numel() == kStateBytes, "a neuron generator's state is ", kStateBytes,
+                " bytes (seed, offset), not ", state.numel(), ": take it from a neuron generator's get_state()");
+    const auto* bytes = static_cast<const uint8_t*>(state.data());
+    std::memcpy(&seed_, bytes, 8);
+    std::memcpy(&offset_, bytes + 8, 8);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::detail::empty_cpu({kStateBytes}, c10::ScalarType::Byte, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt);
+    auto* bytes = static_cast<uint8_t*>(state.data_ptr());
+    std::memcpy(bytes, &seed_, 8);
+    std::memcpy(bytes + 8, &offset_, 8);
+    return state.getIntrusivePtr();
+  }
+  // (seed, offset) for a launch drawing `count` numbers; the offset moves on by them, rounded up to whole
+  // Philox blocks of 4 so that two launches never share a block.
+  std::pair<uint64_t, uint64_t> reserve(uint64_t count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto taken = std::make_pair(seed_, offset_);
+    offset_ += (count + 3) / 4 * 4;
+    return taken;
+  }
   static c10::DeviceType device_type() { return kDevice; }
-
-  at::Generator cpu;
+  static constexpr int64_t kStateBytes = 16;
 
  private:
+  uint64_t seed_;
+  uint64_t offset_ = 0;
   NeuronGeneratorImpl* clone_impl() const override {
-    auto* copy = new NeuronGeneratorImpl(device_.index(), 0);
-    copy->cpu = cpu.clone();
+    auto* copy = new NeuronGeneratorImpl(device_.index(), seed_);
+    copy->offset_ = offset_;
     return copy;
   }
 };
@@ -387,11 +418,13 @@ const at::Generator& default_generator(c10::DeviceIndex device) {
   return g_default_generators[device < 0 ? current_device() : device];
 }
 
-// The CPU generator that draws a `neuron` generator's numbers (the default one of `device` for None).
-at::Generator cpu_generator(std::optional<at::Generator> generator, c10::DeviceIndex device) {
+// (seed, offset) of `generator` (the default one of `device` for None) for `count` numbers: the span of the
+// stream one launch draws; the generator moves past it.
+std::pair<uint64_t, uint64_t> philox_state(std::optional<at::Generator> generator, c10::DeviceIndex device,
+                                           uint64_t count) {
   const at::Generator& chosen = generator.has_value() ? *generator : default_generator(device);
   TORCH_CHECK(chosen.device().type() == kDevice, "expected a neuron generator, got one of ", chosen.device());
-  return chosen.get<NeuronGeneratorImpl>()->cpu;
+  return chosen.get<NeuronGeneratorImpl>()->reserve(count);
 }
 
 struct NeuronHooks final : public at::PrivateUse1HooksInterface {
@@ -558,6 +591,17 @@ py::array numpy_view(const at::Tensor& tensor) {
   return py::array(dtype, shape, strides, tensor.data_ptr(), py::handle(buffer->bytes));
 }
 
+// A new contiguous `neuron` tensor on `device` and a numpy view of its elements: an eager op's output, made
+// without the dispatcher's trip through torch.empty (argument parsing, device guard, dispatch).
+std::pair<at::Tensor, py::array> empty_with_view(c10::IntArrayRef sizes, c10::ScalarType dtype,
+                                                 c10::DeviceIndex device) {
+  check_index(device);
+  c10::DeviceGuard guard(c10::Device(kDevice, device));
+  at::Tensor tensor = at::detail::empty_generic(sizes, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                dtype, std::nullopt);
+  return {tensor, numpy_view(tensor)};
+}
+
 // A launch on the current stream of `device`: (its start on the emulated clock, the stream's id).
 std::pair<double, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
@@ -582,9 +626,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
   m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
   m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
+  m.def("empty_with_view", &neuron::empty_with_view, "a new neuron tensor (sizes, dtype, device) and its numpy view");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
   m.def("default_generator", [](c10::DeviceIndex device) { return neuron::default_generator(device); },
         "the default generator of a neuron device");
-  m.def("cpu_generator", &neuron::cpu_generator, "the CPU generator drawing a neuron generator's numbers");
+  m.def("philox_state", &neuron::philox_state,
+        "(seed, offset) of a neuron generator for a launch drawing a count of numbers; the offset moves past them");
   m.def("current_device", []() { return static_cast<int>(neuron::current_device()); });
 }
