@@ -99,11 +99,14 @@ def test_each_key_block_makes_its_probabilities_and_their_row_sum_in_one_scalar_
     assert_matches_eager(out, model(*inputs))
 
 
-def test_a_scale_above_one_shifts_the_logits_before_exp_and_matches_eager():
+def test_a_scale_above_one_is_applied_to_the_logits_in_sbuf_before_exp_and_matches_eager():
     model, inputs = Sdpa(causal=True, scale=2.0), _qkv(1, 200, 32, torch.float32)
     compiled, out = _compile_and_run(model, inputs)
     assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
-    assert Opcode.ACTIVATE_BIAS_REDUCE not in _opcodes(compiled)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    # the logits are made negated in SBUF (-2 S), so the exp's bias is a row min of finite-or-+inf values
+    assert any(i.opcode in (Opcode.ACTIVATE, Opcode.TENSOR_SCALAR) and i.imm0 == pytest.approx(-2.0) for i in instructions)
+    assert all(i.imm0 == -1.0 for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE)
     assert_matches_eager(out, model(*inputs))
 
 

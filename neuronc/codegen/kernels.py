@@ -547,13 +547,14 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 class _Balancer:
     """Puts each ALU instruction on the Vector or GpSimd engine, whichever has less work so far (as the
-    cost model prices it), so the two share a kernel's elementwise work; activations go to Scalar."""
+    cost model prices it), so the two share a kernel's elementwise work; activations go to Scalar. A copy
+    or a scaling by a constant may also go to Scalar (an ACTIVATE of the identity), when it has less work."""
 
     CANDIDATES = (Engine.VECTOR, Engine.GPSIMD)
 
     def __init__(self, em: Emitter):
         self.em = em
-        self.busy = {e: 0.0 for e in self.CANDIDATES}
+        self.busy = {e: 0.0 for e in (*self.CANDIDATES, Engine.SCALAR)}
 
     def _charge(self, start: int) -> None:
         for inst in self.em.instructions[start:]:
@@ -572,6 +573,21 @@ class _Balancer:
         start = len(self.em.instructions)
         _compute(self.em, step, out, args, constants, loc, self._engine())
         self._charge(start)
+
+    def activate(self, opcode, *operands, **fields) -> None:
+        """A Scalar-engine instruction, counted so that the other choices see Scalar's load."""
+        start = len(self.em.instructions)
+        self.em.emit(opcode, Engine.SCALAR, *operands, **fields)
+        self._charge(start)
+
+    def scale(self, dst, src, factor: float) -> None:
+        """dst = src * factor (fp32, rounded to dst's dtype) on the least loaded of Vector, GpSimd, Scalar."""
+        if min(self.busy, key=self.busy.get) is Engine.SCALAR:
+            self.activate(Opcode.ACTIVATE, dst, src, func=ActFunc.IDENTITY, imm0=factor, imm1=0.0)
+        elif factor == 1.0:
+            self.emit(Opcode.TENSOR_COPY, dst, src)
+        else:
+            self.emit(Opcode.TENSOR_SCALAR, dst, src, alu=AluOp.MULTIPLY, imm0=factor)
 
 
 def _broadcast(ap: AccessPattern, cols: int) -> AccessPattern:
@@ -687,7 +703,7 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * k * node.dtype.itemsize, ((k, rt), (1, k))), _columns(out, 0, k))
 # attention ---------------------------------------------------------------------------------------
 
-NEG_BIG = -3.0e38  # the running max starts here: finite, so a row masked so far gives exp(-inf) = 0, not NaN
+NEG_BIG = -3.0e38  # a masked row's running max is held at least here: finite, so exp(-inf - m) = 0, not NaN
 CAUSAL_BIAS = -2.0e38  # added to masked scores by a matmul (a -inf would meet the identity's zeros: NaN)
 
 
@@ -710,16 +726,32 @@ def _identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
     return ident
 
 
+def _is_power_of_two(x: float) -> bool:
+    mantissa, _ = np.frexp(x)
+    return x > 0 and mantissa == 0.5
+
+
+def _fused_logits(a: dict) -> bool:
+    """Whether one instruction makes the logits (in SBUF) of an ATTENTION node's attrs `a` from the PSUM
+    scores: fp32 scores need no rounding of their own, and a power-of-two scale commutes with rounding,
+    so round(round(S) * scale) is round(S * scale) (outside the subnormal range)."""
+    score, logit = a["score_dtype"], a["logits_dtype"]
+    return score == DType.F32 or (_is_power_of_two(a["scale"]) and logit in (DType.F32, score))
+
+
 def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """softmax(mask(scale * Q K^T)) V, flash-attention style (passes/attention.py).
 
-    Per batch-head, K^T and V are loaded once and stay in SBUF. Per tile of 128 query rows (one per
+    Per batch-head, K^T, V and Q^T are loaded once and stay in SBUF. Per tile of 128 query rows (one per
     partition), the keys are visited in blocks of a PSUM bank: S = Q K^T into PSUM, the causal mask added
-    by a matmul with an on-chip bias tile (blocks wholly above the diagonal skipped), the running row max m
-    and sum l updated and P = exp(scale * (S - m)) made, P transposed on the Tensor engine (a matmul with the
-    identity) so the keys lie on partitions, and P V accumulated into the rescaled accumulator. The scores
-    never leave the chip; the output is acc / l."""
-    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_deltas, pools_of, probability_dtype, rounds_logits
+    by a matmul with an on-chip bias tile over the at most 127 keys it cuts (blocks wholly above the diagonal
+    skipped). The logits are kept negated, -scale * S, so that one row reduction (min) gives the bias b = -m
+    of the exp directly; the online softmax keeps b and the row sum l, and P = exp(logits + b) comes with its
+    row sum from one Scalar instruction. P is transposed on the Tensor engine (a matmul with the identity) so
+    the keys lie on partitions, and P V accumulates into the rescaled accumulator. A query tile that sees one
+    key block needs no rescaling: its output is P V / l straight from PSUM. The scores never leave the chip.
+    Copies and scalings go to whichever of Vector, GpSimd and Scalar has least work, so no one dominates."""
+    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_cuts, logits_in_sbuf, pools_of, probability_dtype
 
     a = node.attrs
     q, k, v = node.inputs[:3]
@@ -727,39 +759,35 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     batch, sq, dv = node.shape
     sk, d, scale = a["keys"], a["head_dim"], a["scale"]
     causal, offset = a["mask"] == "causal", a["causal_offset"]
+    tensor_mask = a["mask"] in ("select", "add")
     p_dtype = probability_dtype(v.dtype)
-    rounded = rounds_logits(a)
+    materialise, fused = logits_in_sbuf(a), _fused_logits(a)
     block = min(KEY_BLOCK, sk)
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
     s_psum, pt_psum, o_psum = em.psum_pool(2), em.psum_pool(2), em.psum_pool(2)
     engines = _Balancer(em)
-
-    def vector(opcode, *operands, **fields):
-        engines.emit(opcode, *operands, **fields)
-
-    def exp(dst, src, factor):
-        em.emit(Opcode.ACTIVATE, Engine.SCALAR, dst, src, func=ActFunc.EXP, imm0=factor, imm1=0.0)
+    vector = engines.emit
 
     def small(name, rows):
         return pools[name].next().ap(rows, 1)
 
     # constants of the kernel: identities, the causal bias tiles, a mask's fill, the guard's zeros
-    identity = _identity(em, pools["identity"].next(), Q_TILE, pools["shifted"].next())
+    identity = _identity(em, pools["identity"].next(), Q_TILE, pools["ramp"].next())
     bias_identity, bias = identity, {}
     if causal:
         if p_dtype != DType.BF16:
-            bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["shifted"].next())
-        ramp = pools["iota"].next().ap(Q_TILE, block)
-        for delta in causal_deltas(sq, sk, offset):
-            tile = pools["bias"].next().ap(Q_TILE, block)
-            em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(delta), imm1=-1.0)  # key - query - offset
+            bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["ramp"].next())
+        ramp = pools["ramp"].next().ap(Q_TILE, Q_TILE, dtype=DType.F32)
+        for cut in causal_cuts(sq, sk, offset):
+            tile = pools["bias"].next().ap(Q_TILE, Q_TILE)  # column c masks row i where c - i + cut > 0
+            em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
-            bias[delta] = tile
+            bias[cut] = tile
     if a["mask"] == "select":
         fill = pools["fill"].next().ap(Q_TILE, block)
-        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=a["fill"])
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=-a["fill"])  # negated, as the logits are
     if a["zero_masked_rows"]:
         zeros = pools["zeros"].next().ap(Q_TILE, dv)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
@@ -772,8 +800,73 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     def address(x, element):
         return plan.offset(x) + element * x.dtype.itemsize
 
+    def scores_of(g, qtile, kt, q0, qt, k0, kb):
+        """S = Q K^T of a key block into PSUM, the causal bias added over the keys the diagonal cuts."""
+        scores = s_psum.next().ap(qt, kb)
+        for j in range(d_tiles):
+            dt = min(Q_TILE, d - j * Q_TILE)
+            em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(qtile, j * sq + q0, dt, qt),
+                    _at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
+        first_cut = max(k0, q0 + offset + 1)  # keys from here on are masked for some row of the tile
+        if causal and first_cut < k0 + kb:
+            cut = k0 - q0 - offset if k0 > q0 + offset else 1
+            width = k0 + kb - first_cut
+            em.emit(Opcode.MATMUL, Engine.TENSOR, _at(scores, first_cut - k0, qt, width),
+                    _at(bias_identity, 0, qt, qt), _at(bias[cut], 0, qt, width), accumulate=True)
+        return scores
+
+    def logits_of(g, scores, q0, qt, k0, kb):
+        """(src, factor): the exp's argument is src * factor + b. Materialised logits are negated (factor -1)."""
+        if not materialise:
+            return scores, scale
+        if not fused:  # S rounded as eager rounds it, then scaled
+            rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
+            engines.scale(rounded_scores, scores, 1.0)
+            scores = rounded_scores
+        dtype = a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"]
+        logits = pools["logits"].next().ap(qt, kb, dtype=dtype)
+        engines.scale(logits, scores, -scale)
+        if tensor_mask:
+            mb0, ms, mk = origin(3, g)
+            mtile = pools["mask"].next().ap(qt, kb)
+            em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))
+            if a["mask"] == "add":
+                vector(Opcode.TENSOR_TENSOR, logits, logits, mtile, alu=AluOp.SUBTRACT)
+            else:
+                filled = _at(fill, 0, qt, kb)
+                on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
+                vector(Opcode.SELECT, logits, mtile, on_true, on_false)
+        return logits, -1.0
+
+    def row_bias(src, factor, qt):
+        """b = -(the row max of the logits) of a key block: the exp's bias."""
+        b = small("b_block", qt)
+        if factor < 0:  # negated logits: their row min
+            vector(Opcode.TENSOR_REDUCE, b, src, alu=AluOp.MIN)
+        else:
+            vector(Opcode.TENSOR_REDUCE, b, src, alu=AluOp.MAX)
+            vector(Opcode.TENSOR_SCALAR, b, b, alu=AluOp.MULTIPLY, imm0=-factor)
+        return b
+
+    def transposed(p, qt, kb):
+        """P^T [keys, queries] in SBUF: Tensor-engine transposes by chunks of 128 keys side by side in one
+        PSUM bank, evacuated by one copy."""
+        chunks = [(c, min(Q_TILE, kb - c)) for c in range(0, kb, Q_TILE)]
+        pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
+        for n, (c, rows) in enumerate(chunks):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, _at(pt_acc, n * qt, rows, qt), _at(p, c, qt, rows),
+                    _at(identity, 0, qt, qt))
+        pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
+        whole = kb // Q_TILE
+        if whole:
+            engines.scale(_at(pt, 0, Q_TILE, whole * qt), _at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
+        if kb % Q_TILE:
+            engines.scale(_at(pt, whole * qt, kb % Q_TILE, qt), _at(pt_acc, whole * qt, kb % Q_TILE, qt), 1.0)
+        return pt, chunks
+
     for g in range(batch):
-        # K^T [d, Sk] (d on partitions, by tiles of 128) and V [Sk, Dv] (keys on partitions, by chunks of 128)
+        # K^T [d, Sk] and Q^T [d, Sq] (d on partitions, by tiles of 128), V [Sk, Dv] (keys on partitions,
+        # by chunks of 128)
         kb0, ks, kd = origin(1, g)
         kt = pools["k"].next().ap(Q_TILE, d_tiles * sk)
         for j in range(d_tiles):
@@ -789,87 +882,56 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.dma(_at(vt, full * dv, sk % Q_TILE, dv),
                    hbm(v.dtype, address(v, vb0 + full * Q_TILE * vs), ((vs, sk % Q_TILE), (vd, dv))))
         qb0, qs, qd = origin(0, g)
+        qtile = pools["q"].next().ap(Q_TILE, d_tiles * sq)
+        for j in range(d_tiles):
+            dt = min(Q_TILE, d - j * Q_TILE)
+            _dma_by_rows(em, _at(qtile, j * sq, dt, sq), hbm(q.dtype, address(q, qb0 + j * Q_TILE * qd), ((qd, dt), (qs, sq))))
         for q0 in range(0, sq, Q_TILE):
             qt = min(Q_TILE, sq - q0)
-            qtile = pools["q"].next().ap(Q_TILE, d_tiles * Q_TILE)
-            for j in range(d_tiles):
-                dt = min(Q_TILE, d - j * Q_TILE)
-                em.dma(_at(qtile, j * Q_TILE, dt, qt),
-                       hbm(q.dtype, address(q, qb0 + q0 * qs + j * Q_TILE * qd), ((qd, dt), (qs, qt))))
-            m, l = small("m", qt), small("l", qt)
-            acc = pools["acc"].next().ap(qt, dv)
-            vector(Opcode.MEMSET, m, imm0=NEG_BIG)
-            vector(Opcode.MEMSET, l, imm0=0.0)
-            vector(Opcode.MEMSET, acc, imm0=0.0)
             last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
-            for k0 in range(0, last_key, block):
+            starts = list(range(0, last_key, block))
+            b = l = acc = None
+            for k0 in starts:
                 kb = min(block, last_key - k0)
-                scores = s_psum.next().ap(qt, kb)
-                for j in range(d_tiles):
-                    dt = min(Q_TILE, d - j * Q_TILE)
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(qtile, j * Q_TILE, dt, qt),
-                            _at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
-                if causal and k0 + kb - 1 > q0 + offset:
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, scores, _at(bias_identity, 0, qt, qt),
-                            _at(bias[k0 - q0 - offset], 0, qt, kb), accumulate=True)
-                logits, factor = scores, scale
-                if rounded or a["mask"] in ("select", "add"):  # the logits in SBUF, rounded where eager rounds
-                    if a["score_dtype"] != DType.F32:
-                        rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
-                        vector(Opcode.TENSOR_COPY, rounded_scores, scores)
-                        scores = rounded_scores
-                    logits, factor = pools["logits"].next().ap(qt, kb, dtype=a["logits_dtype"]), 1.0
-                    em.emit(Opcode.ACTIVATE, Engine.SCALAR, logits, scores, func=ActFunc.IDENTITY, imm0=scale, imm1=0.0)
-                if a["mask"] in ("select", "add"):
-                    mb0, ms, mk = origin(3, g)
-                    mtile = pools["mask"].next().ap(qt, kb)
-                    em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))
-                    if a["mask"] == "add":
-                        vector(Opcode.TENSOR_TENSOR, logits, logits, mtile, alu=AluOp.ADD)
-                    else:
-                        filled = _at(fill, 0, qt, kb)
-                        on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
-                        vector(Opcode.SELECT, logits, mtile, on_true, on_false)
-                # online softmax: m' = max(m, rowmax), P = exp(f x - f m') with its row sum in the same Scalar
-                # pass (the bias -f m' is one value per partition), l' = l e^(f (m - m')) + rowsum P
-                peak, m_new = small("peak", qt), small("m", qt)
-                vector(Opcode.TENSOR_REDUCE, peak, logits, alu=AluOp.MAX)
-                vector(Opcode.TENSOR_TENSOR, m_new, m, peak, alu=AluOp.MAX)
+                first, last = k0 == starts[0], k0 == starts[-1]
+                scores = scores_of(g, qtile, kt, q0, qt, k0, kb)
+                src, factor = logits_of(g, scores, q0, qt, k0, kb)
+                # online softmax: b' = min(b, -rowmax) (b = -m, the exp's bias), P = exp(src f + b') with its
+                # row sum l_P in the same Scalar pass, corr = e^(b' - b), l' = l corr + l_P
+                b_block = row_bias(src, factor, qt)
+                if first:
+                    b_new = b_block
+                    if tensor_mask:  # a row masked so far keeps a finite bias
+                        vector(Opcode.TENSOR_SCALAR, b_block, b_block, alu=AluOp.MIN, imm0=-NEG_BIG)
+                else:
+                    b_new = small("b", qt)
+                    vector(Opcode.TENSOR_TENSOR, b_new, b, b_block, alu=AluOp.MIN)
                 p = pools["p"].next().ap(qt, kb)
-                rowsum, dm, corr, l_new = small("rowsum", qt), small("dm", qt), small("corr", qt), small("l", qt)
-                if abs(factor) <= 1:  # then -f m' is finite: m' lies between the masking constants and the logits
-                    neg_peak = peak  # the row max is used up: its tile takes the bias
-                    vector(Opcode.TENSOR_SCALAR, neg_peak, m_new, alu=AluOp.MULTIPLY, imm0=-factor)
-                    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, p, rowsum, logits, neg_peak,
-                            func=ActFunc.EXP, imm0=factor)
-                else:  # a scale above 1 could take -f m' of a masked row past fp32: shift first, then exp, then sum
-                    shifted = pools["shifted"].next().ap(qt, kb)
-                    vector(Opcode.TENSOR_TENSOR, shifted, logits, _broadcast(m_new, kb), alu=AluOp.SUBTRACT)
-                    exp(p, shifted, factor)
-                    vector(Opcode.TENSOR_REDUCE, rowsum, p, alu=AluOp.ADD)
-                vector(Opcode.TENSOR_TENSOR, dm, m, m_new, alu=AluOp.SUBTRACT)
-                exp(corr, dm, factor)
-                vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
-                vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
-                # P^T by chunks of 128 keys (Tensor-engine transposes side by side in one PSUM bank), then P V
-                chunks = [(c, min(Q_TILE, kb - c)) for c in range(0, kb, Q_TILE)]
-                pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
-                for n, (c, rows) in enumerate(chunks):
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, _at(pt_acc, n * qt, rows, qt), _at(p, c, qt, rows),
-                            _at(identity, 0, qt, qt))
-                pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
-                whole = kb // Q_TILE
-                if whole:
-                    vector(Opcode.TENSOR_COPY, _at(pt, 0, Q_TILE, whole * qt), _at(pt_acc, 0, Q_TILE, whole * qt))
-                if kb % Q_TILE:
-                    vector(Opcode.TENSOR_COPY, _at(pt, whole * qt, kb % Q_TILE, qt), _at(pt_acc, whole * qt, kb % Q_TILE, qt))
+                rowsum = small("rowsum", qt)
+                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, p, rowsum, src, b_new, func=ActFunc.EXP, imm0=factor)
+                if first:
+                    l_new = rowsum
+                else:
+                    dm, corr, l_new = small("dm", qt), small("corr", qt), small("l", qt)
+                    vector(Opcode.TENSOR_TENSOR, dm, b_new, b, alu=AluOp.SUBTRACT)
+                    engines.activate(Opcode.ACTIVATE, corr, dm, func=ActFunc.EXP, imm0=1.0, imm1=0.0)
+                    vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
+                    vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
+                pt, chunks = transposed(p, qt, kb)
                 product = o_psum.next().ap(qt, dv)
                 for n, (c, rows) in enumerate(chunks):
                     em.emit(Opcode.MATMUL, Engine.TENSOR, product, _at(pt, n * qt, rows, qt),
                             _at(vt, (k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
-                vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(corr, dv), alu=AluOp.MULTIPLY)
-                vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
-                m, l = m_new, l_new
+                if first:
+                    if not last:
+                        acc = pools["acc"].next().ap(qt, dv)
+                        engines.scale(acc, product, 1.0)
+                    else:
+                        acc = product
+                else:
+                    vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(corr, dv), alu=AluOp.MULTIPLY)
+                    vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
+                b, l = b_new, l_new
             out = pools["out"].next().ap(qt, dv)
             vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
             if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0

@@ -355,7 +355,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
         pools = tile_pools(sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"],
-                           rounds_logits(attrs))
+                           logits_in_sbuf(attrs | {"scale": scale}))
         _need(fits_sbuf(sbuf_bytes(pools), target))
     except _NoMatch:
         return None
@@ -365,24 +365,25 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, K/V resident")
+                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, Q/K/V resident")
 
 
-def causal_deltas(sq: int, sk: int, offset: int) -> list:
-    """The distinct (first key - first query - offset) of the key blocks the causal mask cuts through:
-    one on-chip bias tile each, made once per kernel."""
-    deltas = set()
+def causal_cuts(sq: int, sk: int, offset: int) -> list:
+    """The distinct cuts of the key blocks the causal mask cuts through: key first + c is masked for query
+    q0 + i when c - i + cut > 0, `first` being the first key masked for some query of the tile (the mask
+    covers at most Q_TILE - 1 keys of a block). One on-chip bias tile each, made once per kernel."""
+    cuts = set()
     for q0 in range(0, sq, Q_TILE):
         qt = min(Q_TILE, sq - q0)
         for k0 in range(0, min(sk, q0 + qt + offset), KEY_BLOCK):
-            kb = min(KEY_BLOCK, sk - k0)
-            if k0 + kb - 1 > q0 + offset:
-                deltas.add(k0 - q0 - offset)
-    return sorted(deltas)
+            kb = min(KEY_BLOCK, sk - k0, q0 + qt + offset - k0)
+            if max(k0, q0 + offset + 1) < k0 + kb:
+                cuts.add(k0 - q0 - offset if k0 > q0 + offset else 1)
+    return sorted(cuts)
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
-               rounded: bool) -> dict:
+               in_sbuf: bool) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -392,20 +393,19 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     pools = {
         "k": (dtypes["k"], d_tiles * sk, 2),  # a head's K^T, resident; the next head's loads meanwhile
         "v": (dtypes["v"], k_chunks * dv, 2),
-        "q": (dtypes["q"], d_tiles * Q_TILE, 2),
+        "q": (dtypes["q"], d_tiles * sq, 2),  # a head's Q^T, resident
         "identity": (dtypes["p"], Q_TILE, 1),
-        "shifted": (f32, block, 2),
+        "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 2),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 2),
         "acc": (f32, dv, 2),
         "out": (dtypes["out"], dv, 2),
-        **{name: (f32, 1, 3) for name in ("peak", "m", "l", "rowsum", "dm", "corr")},
+        **{name: (f32, 1, 3) for name in ("b_block", "b", "l", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
-        pools["iota"] = (f32, block, 1)
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
-        pools["bias"] = (DType.BF16, block, max(1, len(causal_deltas(sq, sk, causal_offset))))
-    if rounded or mask in ("select", "add"):  # logits made in SBUF (rounded as eager does, masked)
+        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
+    if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
         pools["logits"] = (f32, block, 2)
         pools["scores"] = (f32, block, 2)
     if mask in ("select", "add"):
@@ -430,12 +430,18 @@ def pools_of(node) -> dict:
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
     return tile_pools(node.shape[1], a["keys"], a["head_dim"], node.shape[2], dtypes, a["mask"],
-                      a["zero_masked_rows"], a["causal_offset"], rounds_logits(a))
+                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a))
 
 
 def rounds_logits(attrs: dict) -> bool:
     """Whether eager rounds the scores or the scaled logits to a narrow dtype (a bf16 model's Q K^T)."""
     return attrs["score_dtype"] != DType.F32 or attrs["logits_dtype"] != DType.F32
+
+
+def logits_in_sbuf(attrs: dict) -> bool:
+    """Whether the kernel makes the logits in SBUF: rounded where eager rounds them, masked by a tensor, or
+    scaled by more than 1 (then no masked score can take the exp's bias past fp32's range)."""
+    return rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
 
 
 def probability_dtype(v_dtype: DType) -> DType:
