@@ -751,7 +751,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     the keys lie on partitions, and P V accumulates into the rescaled accumulator. A query tile that sees one
     key block needs no rescaling: its output is P V / l straight from PSUM. The scores never leave the chip.
     Copies and scalings go to whichever of Vector, GpSimd and Scalar has least work, so no one dominates."""
-    from neuronc.passes.attention import KEY_BLOCK, Q_TILE, causal_cuts, logits_in_sbuf, pools_of, probability_dtype
+    from neuronc.passes.attention import (KEY_BLOCK, PIPELINE_DEPTH, Q_TILE, causal_cuts, logits_in_sbuf, pools_of,
+                                         probability_dtype)
 
     a = node.attrs
     q, k, v = node.inputs[:3]
@@ -765,7 +766,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     block = min(KEY_BLOCK, sk)
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
-    s_psum, pt_psum, o_psum = em.psum_pool(2), em.psum_pool(2), em.psum_pool(2)
+    s_psum, pt_psum, o_psum = em.psum_pool(3), em.psum_pool(2), em.psum_pool(2)
     engines = _Balancer(em)
     vector = engines.emit
 
@@ -848,25 +849,28 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             vector(Opcode.TENSOR_SCALAR, b, b, alu=AluOp.MULTIPLY, imm0=-factor)
         return b
 
-    def transposed(p, qt, kb):
-        """P^T [keys, queries] in SBUF: Tensor-engine transposes by chunks of 128 keys side by side in one
-        PSUM bank, evacuated by one copy."""
-        chunks = [(c, min(Q_TILE, kb - c)) for c in range(0, kb, Q_TILE)]
+    def transposes(p, qt, chunks):
+        """P^T [keys, queries] into PSUM: Tensor-engine transposes (matmuls with the identity) by chunks of
+        128 keys, side by side in one bank."""
         pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
         for n, (c, rows) in enumerate(chunks):
             em.emit(Opcode.MATMUL, Engine.TENSOR, _at(pt_acc, n * qt, rows, qt), _at(p, c, qt, rows),
                     _at(identity, 0, qt, qt))
+        return pt_acc
+
+    def evacuated(pt_acc, qt, kb, chunks):
+        """P^T copied from PSUM to SBUF, where the Tensor engine reads it."""
         pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
         whole = kb // Q_TILE
         if whole:
             engines.scale(_at(pt, 0, Q_TILE, whole * qt), _at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
         if kb % Q_TILE:
             engines.scale(_at(pt, whole * qt, kb % Q_TILE, qt), _at(pt_acc, whole * qt, kb % Q_TILE, qt), 1.0)
-        return pt, chunks
+        return pt
 
-    for g in range(batch):
-        # K^T [d, Sk] and Q^T [d, Sq] (d on partitions, by tiles of 128), V [Sk, Dv] (keys on partitions,
-        # by chunks of 128)
+    def load_head(g):
+        """K^T [d, Sk] and Q^T [d, Sq] (d on partitions, by tiles of 128), V [Sk, Dv] (keys on partitions, by
+        chunks of 128) of one batch-head, resident while its query tiles run."""
         kb0, ks, kd = origin(1, g)
         kt = pools["k"].next().ap(Q_TILE, d_tiles * sk)
         for j in range(d_tiles):
@@ -886,59 +890,126 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         for j in range(d_tiles):
             dt = min(Q_TILE, d - j * Q_TILE)
             _dma_by_rows(em, _at(qtile, j * sq, dt, sq), hbm(q.dtype, address(q, qb0 + j * Q_TILE * qd), ((qd, dt), (qs, sq))))
-        for q0 in range(0, sq, Q_TILE):
-            qt = min(Q_TILE, sq - q0)
-            last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
-            starts = list(range(0, last_key, block))
-            b = l = acc = None
-            for k0 in starts:
-                kb = min(block, last_key - k0)
-                first, last = k0 == starts[0], k0 == starts[-1]
-                scores = scores_of(g, qtile, kt, q0, qt, k0, kb)
-                src, factor = logits_of(g, scores, q0, qt, k0, kb)
-                # online softmax: b' = min(b, -rowmax) (b = -m, the exp's bias), P = exp(src f + b') with its
-                # row sum l_P in the same Scalar pass, corr = e^(b' - b), l' = l corr + l_P
-                b_block = row_bias(src, factor, qt)
-                if first:
-                    b_new = b_block
-                    if tensor_mask:  # a row masked so far keeps a finite bias
-                        vector(Opcode.TENSOR_SCALAR, b_block, b_block, alu=AluOp.MIN, imm0=-NEG_BIG)
-                else:
-                    b_new = small("b", qt)
-                    vector(Opcode.TENSOR_TENSOR, b_new, b, b_block, alu=AluOp.MIN)
-                p = pools["p"].next().ap(qt, kb)
-                rowsum = small("rowsum", qt)
-                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, p, rowsum, src, b_new, func=ActFunc.EXP, imm0=factor)
-                if first:
-                    l_new = rowsum
-                else:
-                    dm, corr, l_new = small("dm", qt), small("corr", qt), small("l", qt)
-                    vector(Opcode.TENSOR_TENSOR, dm, b_new, b, alu=AluOp.SUBTRACT)
-                    engines.activate(Opcode.ACTIVATE, corr, dm, func=ActFunc.EXP, imm0=1.0, imm1=0.0)
-                    vector(Opcode.TENSOR_TENSOR, l_new, l, corr, alu=AluOp.MULTIPLY)
-                    vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
-                pt, chunks = transposed(p, qt, kb)
-                product = o_psum.next().ap(qt, dv)
-                for n, (c, rows) in enumerate(chunks):
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, product, _at(pt, n * qt, rows, qt),
-                            _at(vt, (k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
-                if first:
-                    if not last:
-                        acc = pools["acc"].next().ap(qt, dv)
-                        engines.scale(acc, product, 1.0)
-                    else:
-                        acc = product
-                else:
-                    vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(corr, dv), alu=AluOp.MULTIPLY)
-                    vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
-                b, l = b_new, l_new
-            out = pools["out"].next().ap(qt, dv)
-            vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
-            if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
-                empty = small("empty_row", qt)
-                vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
-                vector(Opcode.SELECT, out, _broadcast(empty, dv), _at(zeros, 0, qt, dv), out)
-            em.dma(hbm(node.dtype, plan.offset(node) + (g * sq + q0) * dv * node.dtype.itemsize, ((dv, qt), (1, dv))), out)
+        return qtile, kt, vt
+
+    def blocks():
+        """(g, q0, qt, k0, kb, first, last) of every key block of every query tile, in order."""
+        for g in range(batch):
+            for q0 in range(0, sq, Q_TILE):
+                qt = min(Q_TILE, sq - q0)
+                last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
+                starts = list(range(0, last_key, block))
+                for k0 in starts:
+                    yield _Block(g, q0, qt, k0, min(block, last_key - k0), k0 == starts[0], k0 == starts[-1])
+
+    heads: dict = {}
+
+    # One key block passes through these stages, each a hop to another engine; `x` holds what a block's
+    # stages made, `row` the online softmax state of its query tile (b = -m, the exp's bias; l; acc).
+    def scores_stage(blk, row, x):
+        """S = Q K^T into PSUM, the causal bias added."""
+        for g in (blk.g, blk.g + 1):  # this head's, and the next one's loads ahead of its turn
+            if g not in heads and g < batch:
+                heads[g] = load_head(g)
+        qtile, kt, _ = heads[blk.g]
+        x["scores"] = scores_of(blk.g, qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
+
+    def logits_stage(blk, row, x):
+        x["src"], x["factor"] = logits_of(blk.g, x["scores"], blk.q0, blk.qt, blk.k0, blk.kb)
+
+    def bias_stage(blk, row, x):
+        """b' = min(b, -rowmax)."""
+        b_block = row_bias(x["src"], x["factor"], blk.qt)
+        if blk.first:
+            b_new = b_block
+            if tensor_mask:  # a row masked so far keeps a finite bias
+                vector(Opcode.TENSOR_SCALAR, b_block, b_block, alu=AluOp.MIN, imm0=-NEG_BIG)
+        else:
+            b_new = small("b", blk.qt)
+            vector(Opcode.TENSOR_TENSOR, b_new, row["b"], b_block, alu=AluOp.MIN)
+        x["b_old"], x["b_new"], row["b"] = row.get("b"), b_new, b_new
+
+    def exp_stage(blk, row, x):
+        """P = exp(src f + b') with its row sum in one Scalar pass; corr = e^(b' - b), l' = l corr + rowsum(P)."""
+        qt, b_new = blk.qt, x["b_new"]
+        x["p"] = pools["p"].next().ap(qt, blk.kb)
+        rowsum = small("rowsum", qt)
+        engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["p"], rowsum, x["src"], b_new, func=ActFunc.EXP,
+                         imm0=x["factor"])
+        if blk.first:
+            row["l"] = x["l"] = rowsum
+            return
+        dm, x["corr"], l_new = small("dm", qt), small("corr", qt), small("l", qt)
+        vector(Opcode.TENSOR_TENSOR, dm, b_new, x["b_old"], alu=AluOp.SUBTRACT)
+        engines.activate(Opcode.ACTIVATE, x["corr"], dm, func=ActFunc.EXP, imm0=1.0, imm1=0.0)
+        vector(Opcode.TENSOR_TENSOR, l_new, row["l"], x["corr"], alu=AluOp.MULTIPLY)
+        vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
+        row["l"] = x["l"] = l_new
+
+    def transpose_stage(blk, row, x):
+        x["chunks"] = [(c, min(Q_TILE, blk.kb - c)) for c in range(0, blk.kb, Q_TILE)]
+        x["pt_psum"] = transposes(x["p"], blk.qt, x["chunks"])
+
+    def evacuate_stage(blk, row, x):
+        x["pt"] = evacuated(x["pt_psum"], blk.qt, blk.kb, x["chunks"])
+
+    def product_stage(blk, row, x):
+        """P V into PSUM."""
+        qt, vt = blk.qt, heads[blk.g][2]
+        x["product"] = o_psum.next().ap(qt, dv)
+        for n, (c, rows) in enumerate(x["chunks"]):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, x["product"], _at(x["pt"], n * qt, rows, qt),
+                    _at(vt, (blk.k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
+
+    def output_stage(blk, row, x):
+        """acc' = acc corr + P V; after the query tile's last block, out = acc / l stored."""
+        qt, product = blk.qt, x["product"]
+        if blk.first and blk.last:
+            acc = product
+        elif blk.first:
+            acc = row["acc"] = pools["acc"].next().ap(qt, dv)
+            engines.scale(acc, product, 1.0)
+        else:
+            acc = row["acc"]
+            vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(x["corr"], dv), alu=AluOp.MULTIPLY)
+            vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
+        if not blk.last:
+            return
+        l, out = x["l"], pools["out"].next().ap(qt, dv)
+        vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
+        if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
+            empty = small("empty_row", qt)
+            vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
+            vector(Opcode.SELECT, out, _broadcast(empty, dv), _at(zeros, 0, qt, dv), out)
+        em.dma(hbm(node.dtype, plan.offset(node) + (blk.g * sq + blk.q0) * dv * node.dtype.itemsize,
+                   ((dv, qt), (1, dv))), out)
+
+    # Software-pipelined: at step t, stage s of block t - s is emitted (the oldest block first), so each
+    # engine's in-order queue holds later blocks' work while one block's chain crosses the engines.
+    stages = (scores_stage, logits_stage, bias_stage, exp_stage, transpose_stage, evacuate_stage, product_stage,
+              output_stage)
+    assert len(stages) == PIPELINE_DEPTH  # the pools are sized for it
+    in_flight: list = []  # (block, row state, what its stages made), oldest first
+    rows: dict = {}
+    for step, blk in enumerate([*blocks(), *[None] * (len(stages) - 1)]):
+        if blk is not None:
+            in_flight.append((blk, rows.setdefault((blk.g, blk.q0), {}), {"step": step}))
+        for blk_, row, x in in_flight:
+            stages[step - x["step"]](blk_, row, x)
+        in_flight = [item for item in in_flight if step - item[2]["step"] + 1 < len(stages)]
+
+
+class _Block(NamedTuple):
+    """A key block of a query tile of the attention kernel."""
+
+    g: int  # batch-head
+    q0: int
+    qt: int
+    k0: int
+    kb: int
+    first: bool  # the query tile's first key block
+    last: bool
+
 
 
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}

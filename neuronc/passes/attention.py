@@ -49,6 +49,7 @@ from neuronc.targets import Target
 Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
 MAX_HEAD_DIM = 512  # the PV product [queries, Dv] must fit one PSUM bank
+PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
 
 
 class _NoMatch(Exception):
@@ -382,6 +383,18 @@ def causal_cuts(sq: int, sk: int, offset: int) -> list:
     return sorted(cuts)
 
 
+def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
+    """How many key blocks the kernel visits for one batch-head (causal: none wholly above the diagonal)."""
+    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+               for q0 in range(0, sq, Q_TILE))
+
+
+def resident_heads(sq: int, sk: int, causal: bool, offset: int) -> int:
+    """Buffers of a head's K^T, V and Q^T: a head's are loaded as the previous head starts, and stay while any
+    of its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
+    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 2
+
+
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
                in_sbuf: bool) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
@@ -390,26 +403,28 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     block = min(KEY_BLOCK, sk)
     f32 = DType.F32
+    heads = resident_heads(sq, sk, mask == "causal", causal_offset)
     pools = {
-        "k": (dtypes["k"], d_tiles * sk, 2),  # a head's K^T, resident; the next head's loads meanwhile
-        "v": (dtypes["v"], k_chunks * dv, 2),
-        "q": (dtypes["q"], d_tiles * sq, 2),  # a head's Q^T, resident
+        # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
+        "k": (dtypes["k"], d_tiles * sk, heads),
+        "v": (dtypes["v"], k_chunks * dv, heads),
+        "q": (dtypes["q"], d_tiles * sq, heads),
         "identity": (dtypes["p"], Q_TILE, 1),
         "ramp": (f32, Q_TILE, 1),
-        "p": (dtypes["p"], block, 2),
-        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 2),
-        "acc": (f32, dv, 2),
-        "out": (dtypes["out"], dv, 2),
-        **{name: (f32, 1, 3) for name in ("b_block", "b", "l", "rowsum", "dm", "corr")},
+        "p": (dtypes["p"], block, 3),
+        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
+        "acc": (f32, dv, 3),
+        "out": (dtypes["out"], dv, 3),
+        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "l", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
         pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
     if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
-        pools["logits"] = (f32, block, 2)
-        pools["scores"] = (f32, block, 2)
+        pools["logits"] = (f32, block, 4)
+        pools["scores"] = (f32, block, 3)
     if mask in ("select", "add"):
-        pools["mask"] = (dtypes["mask"], block, 2)
+        pools["mask"] = (dtypes["mask"], block, 3)
         if mask == "select":
             pools["fill"] = (f32, block, 1)
     if guarded:
