@@ -785,6 +785,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
+            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.ADD, imm0=0.0)  # -0 (0 x bias) to +0
             bias[cut] = tile
     if a["mask"] == "select":
         fill = pools["fill"].next().ap(Q_TILE, block)
