@@ -878,14 +878,17 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             dt = min(Q_TILE, d - j * Q_TILE)
             _dma_by_rows(em, _at(kt, j * sk, dt, sk), hbm(k.dtype, address(k, kb0 + j * Q_TILE * kd), ((kd, dt), (ks, sk))))
         vb0, vs, vd = origin(2, g)
-        vt = pools["v"].next().ap(Q_TILE, k_chunks * dv)
+        vt = pools["v"].next().ap(Q_TILE, k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
+        chunk_dims = lambda chunks, rows, cols: dataclasses.replace(vt, dims=((1, rows), (dv + 1, chunks), (1, cols)))
         full = sk // Q_TILE
         if full:
-            _dma_by_rows(em, _at(vt, 0, Q_TILE, full, dv),
+            _dma_by_rows(em, chunk_dims(full, Q_TILE, dv),
                          hbm(v.dtype, address(v, vb0), ((vs, Q_TILE), (Q_TILE * vs, full), (vd, dv))))
         if sk % Q_TILE:
-            em.dma(_at(vt, full * dv, sk % Q_TILE, dv),
+            em.dma(_at(vt, full * (dv + 1), sk % Q_TILE, dv),
                    hbm(v.dtype, address(v, vb0 + full * Q_TILE * vs), ((vs, sk % Q_TILE), (vd, dv))))
+        ones = dataclasses.replace(chunk_dims(k_chunks, Q_TILE, 1), offset=vt.offset + dv * vt.dtype.itemsize)
+        vector(Opcode.MEMSET, ones, imm0=1.0)
         qb0, qs, qd = origin(0, g)
         qtile = pools["q"].next().ap(Q_TILE, d_tiles * sq)
         for j in range(d_tiles):
@@ -906,7 +909,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     heads: dict = {}
 
     # One key block passes through these stages, each a hop to another engine; `x` holds what a block's
-    # stages made, `row` the online softmax state of its query tile (b = -m, the exp's bias; l; acc).
+    # stages made, `row` the online softmax state of its query tile: b = -m, the exp's bias, and acc = [P V | l]
+    # in PSUM (l, the row sum, from V's ones column).
     def scores_stage(blk, row, x):
         """S = Q K^T into PSUM, the causal bias added."""
         for g in (blk.g, blk.g + 1):  # this head's, and the next one's loads ahead of its turn
@@ -931,21 +935,16 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         x["b_old"], x["b_new"], row["b"] = row.get("b"), b_new, b_new
 
     def exp_stage(blk, row, x):
-        """P = exp(src f + b') with its row sum in one Scalar pass; corr = e^(b' - b), l' = l corr + rowsum(P)."""
+        """P = exp(src f + b') in one Scalar pass (its row sum comes with P V, from V's ones column), and
+        corr = e^(b' - b), the accumulator's rescaling, in another (-b taken as the source, b' as the bias)."""
         qt, b_new = blk.qt, x["b_new"]
         x["p"] = pools["p"].next().ap(qt, blk.kb)
-        rowsum = small("rowsum", qt)
-        engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["p"], rowsum, x["src"], b_new, func=ActFunc.EXP,
-                         imm0=x["factor"])
-        if blk.first:
-            row["l"] = x["l"] = rowsum
-            return
-        dm, x["corr"], l_new = small("dm", qt), small("corr", qt), small("l", qt)
-        vector(Opcode.TENSOR_TENSOR, dm, b_new, x["b_old"], alu=AluOp.SUBTRACT)
-        engines.activate(Opcode.ACTIVATE, x["corr"], dm, func=ActFunc.EXP, imm0=1.0, imm1=0.0)
-        vector(Opcode.TENSOR_TENSOR, l_new, row["l"], x["corr"], alu=AluOp.MULTIPLY)
-        vector(Opcode.TENSOR_TENSOR, l_new, l_new, rowsum, alu=AluOp.ADD)
-        row["l"] = x["l"] = l_new
+        engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["p"], small("rowsum", qt), x["src"], b_new,
+                         func=ActFunc.EXP, imm0=x["factor"])
+        if not blk.first:
+            x["corr"] = small("corr", qt)
+            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["corr"], small("dm", qt), x["b_old"], b_new,
+                             func=ActFunc.EXP, imm0=-1.0)
 
     def transpose_stage(blk, row, x):
         x["chunks"] = [(c, min(Q_TILE, blk.kb - c)) for c in range(0, blk.kb, Q_TILE)]
@@ -953,31 +952,26 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
     def evacuate_stage(blk, row, x):
         x["pt"] = evacuated(x["pt_psum"], blk.qt, blk.kb, x["chunks"])
+        if not blk.first:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
+            acc = row["acc"]
+            vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(x["corr"], dv + 1), alu=AluOp.MULTIPLY)
 
     def product_stage(blk, row, x):
-        """P V into PSUM."""
+        """[P V | rowsum P] into (or added to) the query tile's accumulator in PSUM."""
         qt, vt = blk.qt, heads[blk.g][2]
-        x["product"] = o_psum.next().ap(qt, dv)
+        if blk.first:
+            row["acc"] = o_psum.next().ap(qt, dv + 1)
         for n, (c, rows) in enumerate(x["chunks"]):
-            em.emit(Opcode.MATMUL, Engine.TENSOR, x["product"], _at(x["pt"], n * qt, rows, qt),
-                    _at(vt, (blk.k0 + c) // Q_TILE * dv, rows, dv), accumulate=n > 0)
+            em.emit(Opcode.MATMUL, Engine.TENSOR, row["acc"], _at(x["pt"], n * qt, rows, qt),
+                    _at(vt, (blk.k0 + c) // Q_TILE * (dv + 1), rows, dv + 1), accumulate=n > 0 or not blk.first)
 
     def output_stage(blk, row, x):
-        """acc' = acc corr + P V; after the query tile's last block, out = acc / l stored."""
-        qt, product = blk.qt, x["product"]
-        if blk.first and blk.last:
-            acc = product
-        elif blk.first:
-            acc = row["acc"] = pools["acc"].next().ap(qt, dv)
-            engines.scale(acc, product, 1.0)
-        else:
-            acc = row["acc"]
-            vector(Opcode.TENSOR_TENSOR, acc, acc, _broadcast(x["corr"], dv), alu=AluOp.MULTIPLY)
-            vector(Opcode.TENSOR_TENSOR, acc, acc, product, alu=AluOp.ADD)
+        """After the query tile's last block, out = P V / l stored."""
         if not blk.last:
             return
-        l, out = x["l"], pools["out"].next().ap(qt, dv)
-        vector(Opcode.TENSOR_TENSOR, out, acc, _broadcast(l, dv), alu=AluOp.DIVIDE)
+        qt, acc = blk.qt, row["acc"]
+        l, out = _at(acc, dv, qt, 1), pools["out"].next().ap(qt, dv)
+        vector(Opcode.TENSOR_TENSOR, out, _at(acc, 0, qt, dv), _broadcast(l, dv), alu=AluOp.DIVIDE)
         if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
             empty = small("empty_row", qt)
             vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)

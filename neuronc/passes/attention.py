@@ -48,7 +48,7 @@ from neuronc.targets import Target
 
 Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
-MAX_HEAD_DIM = 512  # the PV product [queries, Dv] must fit one PSUM bank
+MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
 PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
 
 
@@ -264,7 +264,8 @@ def _mask_constant(node, memo=None):
     if node in memo:
         return memo[node]
     value = None
-    if node.size <= MAX_COMPOSED_ELEMENTS:
+    broadcast_view = node.op is Op.VIEW and node.inputs[0].size <= MAX_COMPOSED_ELEMENTS  # a view costs nothing
+    if node.size <= MAX_COMPOSED_ELEMENTS or broadcast_view:
         if node.op is Op.CONSTANT:
             value = np.asarray(node.attrs["value"])
         elif node.op is Op.VIEW:
@@ -291,6 +292,7 @@ def _classify_mask(attrs: dict) -> None:
     if value is None:
         return
     value = np.broadcast_to(value, attrs["mask_node"].shape)
+    value = value[tuple(0 if stride == 0 else slice(None) for stride in value.strides[:-2])]  # one per distinct mask
     if attrs["mask"] == "select" and attrs["fill"] == -math.inf:
         masked = value.astype(bool) == attrs["masked_when"]
     elif attrs["mask"] == "add" and np.all((value == 0) | (value == -np.inf)):
@@ -407,15 +409,14 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
         "k": (dtypes["k"], d_tiles * sk, heads),
-        "v": (dtypes["v"], k_chunks * dv, heads),
+        "v": (dtypes["v"], k_chunks * (dv + 1), heads),  # [V | 1]
         "q": (dtypes["q"], d_tiles * sq, heads),
         "identity": (dtypes["p"], Q_TILE, 1),
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "acc": (f32, dv, 3),
         "out": (dtypes["out"], dv, 3),
-        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "l", "rowsum", "dm", "corr")},
+        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
