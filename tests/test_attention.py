@@ -103,13 +103,25 @@ def test_each_key_block_makes_its_probabilities_in_one_scalar_instruction_and_th
     assert_matches_eager(out, model(*inputs))
 
 
+def test_a_bf16_kernel_makes_the_rounded_logits_and_their_row_min_in_one_pass():
+    """1/sqrt(64) is a power of two, so round(round(S) / 8) is round(S / 8): one TENSOR_SCALAR_REDUCE per key
+    block makes the logits (negated) and the exp's bias, their row min."""
+    model, inputs = MaskedFillAttention(), _qkv(1, 640, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    opcodes = _opcodes(compiled)
+    assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 1 + 1 + 1 + 1 + 2  # causal: the 5th query tile sees 640 keys
+    assert Opcode.TENSOR_REDUCE not in opcodes
+    assert_matches_eager(out, model(*inputs))
+
+
 def test_a_scale_above_one_is_applied_to_the_logits_in_sbuf_before_exp_and_matches_eager():
     model, inputs = Sdpa(causal=True, scale=2.0), _qkv(1, 200, 32, torch.float32)
     compiled, out = _compile_and_run(model, inputs)
     assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     # the logits are made negated in SBUF (-2 S), so the exp's bias is a row min of finite-or-+inf values
-    assert any(i.opcode in (Opcode.ACTIVATE, Opcode.TENSOR_SCALAR) and i.imm0 == pytest.approx(-2.0) for i in instructions)
+    assert any(i.opcode in (Opcode.ACTIVATE, Opcode.TENSOR_SCALAR, Opcode.TENSOR_SCALAR_REDUCE)
+               and i.imm0 == pytest.approx(-2.0) for i in instructions)
     assert all(i.imm0 == -1.0 for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE)
     assert_matches_eager(out, model(*inputs))
 

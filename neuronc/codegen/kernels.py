@@ -742,15 +742,16 @@ def _fused_logits(a: dict) -> bool:
 def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """softmax(mask(scale * Q K^T)) V, flash-attention style (passes/attention.py).
 
-    Per batch-head, K^T, V and Q^T are loaded once and stay in SBUF. Per tile of 128 query rows (one per
-    partition), the keys are visited in blocks of a PSUM bank: S = Q K^T into PSUM, the causal mask added
-    by a matmul with an on-chip bias tile over the at most 127 keys it cuts (blocks wholly above the diagonal
-    skipped). The logits are kept negated, -scale * S, so that one row reduction (min) gives the bias b = -m
-    of the exp directly; the online softmax keeps b and the row sum l, and P = exp(logits + b) comes with its
-    row sum from one Scalar instruction. P is transposed on the Tensor engine (a matmul with the identity) so
-    the keys lie on partitions, and P V accumulates into the rescaled accumulator. A query tile that sees one
-    key block needs no rescaling: its output is P V / l straight from PSUM. The scores never leave the chip.
-    Copies and scalings go to whichever of Vector, GpSimd and Scalar has least work, so no one dominates."""
+    Per batch-head, K^T, V (beside a column of ones) and Q^T are loaded once and stay in SBUF. Per tile of 128
+    query rows (one per partition), the keys are visited in blocks of a PSUM bank: S = Q K^T into PSUM, the
+    causal mask added by a matmul with an on-chip bias tile over the at most 127 keys it cuts (blocks wholly
+    above the diagonal skipped). The logits are kept negated, -scale * S, so that their row min is the exp's
+    bias b = -m, made in the same pass (TENSOR_SCALAR_REDUCE); P = exp(logits + b) takes one Scalar pass, is
+    transposed on the Tensor engine (a matmul with the identity) so the keys lie on partitions, and
+    P [V | 1] = [P V | rowsum P] accumulates in PSUM, rescaled in place by e^(b' - b) when the running max
+    grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
+    software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
+    Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
     from neuronc.passes.attention import (KEY_BLOCK, PIPELINE_DEPTH, Q_TILE, causal_cuts, logits_in_sbuf, pools_of,
                                          probability_dtype)
 
@@ -818,15 +819,20 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         return scores
 
     def logits_of(g, scores, q0, qt, k0, kb):
-        """(src, factor): the exp's argument is src * factor + b. Materialised logits are negated (factor -1)."""
+        """(src, factor, b or None): the exp's argument is src * factor + b. Materialised logits are negated
+        (factor -1); unless a mask tensor comes in between, their row min, b, is made in the same pass."""
         if not materialise:
-            return scores, scale
+            return scores, scale, None
         if not fused:  # S rounded as eager rounds it, then scaled
             rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
             engines.scale(rounded_scores, scores, 1.0)
             scores = rounded_scores
         dtype = a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"]
         logits = pools["logits"].next().ap(qt, kb, dtype=dtype)
+        if not tensor_mask:
+            b = small("b_block", qt)
+            vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=-scale)
+            return logits, -1.0, b
         engines.scale(logits, scores, -scale)
         if tensor_mask:
             mb0, ms, mk = origin(3, g)
@@ -838,7 +844,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 filled = _at(fill, 0, qt, kb)
                 on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
                 vector(Opcode.SELECT, logits, mtile, on_true, on_false)
-        return logits, -1.0
+        return logits, -1.0, None
 
     def row_bias(src, factor, qt):
         """b = -(the row max of the logits) of a key block: the exp's bias."""
@@ -920,11 +926,11 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         x["scores"] = scores_of(blk.g, qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
 
     def logits_stage(blk, row, x):
-        x["src"], x["factor"] = logits_of(blk.g, x["scores"], blk.q0, blk.qt, blk.k0, blk.kb)
+        x["src"], x["factor"], x["b_block"] = logits_of(blk.g, x["scores"], blk.q0, blk.qt, blk.k0, blk.kb)
 
     def bias_stage(blk, row, x):
         """b' = min(b, -rowmax)."""
-        b_block = row_bias(x["src"], x["factor"], blk.qt)
+        b_block = x["b_block"] or row_bias(x["src"], x["factor"], blk.qt)
         if blk.first:
             b_new = b_block
             if tensor_mask:  # a row masked so far keeps a finite bias

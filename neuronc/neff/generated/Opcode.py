@@ -19,3 +19,4 @@ class Opcode(object):
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
     ACTIVATE_BIAS_REDUCE = 20
+    TENSOR_SCALAR_REDUCE = 21
