@@ -726,6 +726,11 @@ def _identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
     return ident
 
 
+def _v_chunks(vt: AccessPattern, chunks: int, rows: int, cols: int, stride: int) -> AccessPattern:
+    """`cols` columns of each of `chunks` chunks of `stride` elements of a [partitions, chunks * stride] tile."""
+    return dataclasses.replace(vt, dims=((1, rows), (stride, chunks), (1, cols)))
+
+
 def _is_power_of_two(x: float) -> bool:
     mantissa, _ = np.frexp(x)
     return x > 0 and mantissa == 0.5
@@ -752,7 +757,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
     software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
     Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
-    from neuronc.passes.attention import (KEY_BLOCK, PIPELINE_DEPTH, Q_TILE, causal_cuts, logits_in_sbuf, pools_of,
+    from neuronc.passes.attention import (HEADS_AHEAD, KEY_BLOCK, PIPELINE_DEPTH, Q_TILE, causal_cuts, logits_in_sbuf, pools_of,
                                          probability_dtype)
 
     a = node.attrs
@@ -788,6 +793,10 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.ADD, imm0=0.0)  # -0 (0 x bias) to +0
             bias[cut] = tile
+    for _ in range(pools["v"].bufs):  # V's ones columns, which the loads of V leave alone: made once
+        vt = pools["v"].next().ap(Q_TILE, k_chunks * (dv + 1))
+        ones = _v_chunks(vt, k_chunks, Q_TILE, 1, dv + 1)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, dataclasses.replace(ones, offset=vt.offset + dv * vt.dtype.itemsize), imm0=1.0)
     if a["mask"] == "select":
         fill = pools["fill"].next().ap(Q_TILE, block)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=-a["fill"])  # negated, as the logits are
@@ -885,16 +894,13 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             _dma_by_rows(em, _at(kt, j * sk, dt, sk), hbm(k.dtype, address(k, kb0 + j * Q_TILE * kd), ((kd, dt), (ks, sk))))
         vb0, vs, vd = origin(2, g)
         vt = pools["v"].next().ap(Q_TILE, k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
-        chunk_dims = lambda chunks, rows, cols: dataclasses.replace(vt, dims=((1, rows), (dv + 1, chunks), (1, cols)))
         full = sk // Q_TILE
         if full:
-            _dma_by_rows(em, chunk_dims(full, Q_TILE, dv),
+            _dma_by_rows(em, _v_chunks(vt, full, Q_TILE, dv, dv + 1),
                          hbm(v.dtype, address(v, vb0), ((vs, Q_TILE), (Q_TILE * vs, full), (vd, dv))))
         if sk % Q_TILE:
             em.dma(_at(vt, full * (dv + 1), sk % Q_TILE, dv),
                    hbm(v.dtype, address(v, vb0 + full * Q_TILE * vs), ((vs, sk % Q_TILE), (vd, dv))))
-        ones = dataclasses.replace(chunk_dims(k_chunks, Q_TILE, 1), offset=vt.offset + dv * vt.dtype.itemsize)
-        vector(Opcode.MEMSET, ones, imm0=1.0)
         qb0, qs, qd = origin(0, g)
         qtile = pools["q"].next().ap(Q_TILE, d_tiles * sq)
         for j in range(d_tiles):
@@ -919,7 +925,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     # in PSUM (l, the row sum, from V's ones column).
     def scores_stage(blk, row, x):
         """S = Q K^T into PSUM, the causal bias added."""
-        for g in (blk.g, blk.g + 1):  # this head's, and the next one's loads ahead of its turn
+        for g in range(blk.g, blk.g + 1 + HEADS_AHEAD):  # this head's loads, and the next ones' ahead of their turn
             if g not in heads and g < batch:
                 heads[g] = load_head(g)
         qtile, kt, _ = heads[blk.g]

@@ -50,6 +50,7 @@ Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
 PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
+HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
 
 
 class _NoMatch(Exception):
@@ -392,9 +393,9 @@ def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
 
 
 def resident_heads(sq: int, sk: int, causal: bool, offset: int) -> int:
-    """Buffers of a head's K^T, V and Q^T: a head's are loaded as the previous head starts, and stay while any
-    of its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
-    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 2
+    """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
+    its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
+    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
@@ -415,7 +416,7 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "out": (dtypes["out"], dv, 3),
+        "out": (dtypes["out"], dv, PIPELINE_DEPTH),
         **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
