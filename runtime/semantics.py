@@ -404,8 +404,8 @@ def _eye(n: int) -> np.ndarray:
 
 
 def _is_identity(x: np.ndarray) -> bool:
-    n = x.shape[0] if x.ndim == 2 else 0
-    return n > 0 and x.shape == (n, n) and x[0, 0] == 1 and (n == 1 or x[0, 1] == 0) and np.array_equal(x, _eye(n))
+    n = x.shape[0]
+    return x.shape == (n, n) and x[0, 0] == 1 and (n == 1 or x[0, 1] == 0) and np.array_equal(x, _eye(n))
 
 
 def _plain(x: np.ndarray) -> bool:
