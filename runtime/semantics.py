@@ -398,39 +398,10 @@ def _dma_copy_kernel(instr, new, dst, src):
     return [partial(np.copyto, dst_as_src, src)] if dst_as_src is not None else None
 
 
-@functools.lru_cache(maxsize=8)
-def _eye(n: int) -> np.ndarray:
-    return np.eye(n, dtype=F32)
-
-
-def _is_identity(x: np.ndarray) -> bool:
-    n = x.shape[0]
-    return x.shape == (n, n) and x[0, 0] == 1 and (n == 1 or x[0, 1] == 0) and np.array_equal(x, _eye(n))
-
-
-def _plain(x: np.ndarray) -> bool:
-    """Every value is a normal float or +0: then x * 1 plus any number of +-0 terms is x, in any summation
-    order (no inf * 0, no -0 + 0, no subnormal a BLAS might flush)."""
-    magnitude = np.abs(x)
-    normal = (magnitude >= np.finfo(F32).tiny) & (magnitude <= np.finfo(F32).max)
-    return bool(np.all(normal | ((x == 0) & ~np.signbit(x))))
-
-
-def _matmul_into(stationary: np.ndarray, moving: np.ndarray, product: np.ndarray) -> None:
-    """product = stationary.T @ moving in fp32. Kernels transpose a tile (moving is the identity) or add one
-    (stationary is the identity) with matmuls; those are copies, bit for bit, when the other side is plain."""
-    if _is_identity(moving) and _plain(stationary):
-        np.copyto(product, stationary.T)
-    elif _is_identity(stationary) and _plain(moving):
-        np.copyto(product, moving)
-    else:
-        np.matmul(stationary.T, moving, product)
-
-
 def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp32 matmul, no temporaries
     (stationary, moving), calls = _as(new, np.dtype(F32), (stationary, moving))
     product = new(dst.shape, F32)  # C order, as numpy lays out a fresh product: the same BLAS call
-    calls.append(partial(_matmul_into, stationary, moving, product))
+    calls.append(partial(np.matmul, stationary.T, moving, product))
     calls.append(partial(np.add, dst, product, dst) if instr.accumulate else partial(np.copyto, dst, product))
     return calls
 

@@ -924,35 +924,6 @@ def test_matmul_reduce_copy_select_memset_iota_and_dma_kernels_are_exact():
         _kernel_and_semantics_agree(Opcode.DMA_COPY, Engine.DMA, DType.F32, (DType.F32,), shapes=shapes)
 
 
-@pytest.mark.parametrize("identity_side", ["moving", "stationary"])
-@pytest.mark.parametrize("values", ["plain", "special"])
-def test_a_matmul_with_an_identity_operand_gives_the_matmuls_bits(identity_side, values):
-    """A transpose (moving = I) or an add (stationary = I) by matmul runs as a copy when the other operand's
-    values allow; with -0, inf, nan or subnormals it must still give what the fp32 matmul gives."""
-    n, width = 8, 8
-    other = RNG.standard_normal((n, width)).astype(np.float32)
-    if values == "special":
-        other.reshape(-1)[: SPECIAL.size] = SPECIAL
-    stationary, moving = (other, np.eye(n, dtype=np.float32)) if identity_side == "moving" else (
-        np.eye(n, dtype=np.float32), other)
-    operands = [chip((width if identity_side == "moving" else n, n if identity_side == "moving" else width),
-                     space=Space.PSUM), chip((n, width if identity_side == "moving" else n), offset=512),
-                chip((n, n if identity_side == "moving" else width), offset=1024)]
-    for accumulate in (False, True):
-        instr = Instruction(Opcode.MATMUL, Engine.TENSOR, tuple(operands), accumulate=accumulate)
-        memory = {Space.PSUM: np.zeros((n, 2048), np.uint8), Space.SBUF: np.zeros((n, 2048), np.uint8)}
-        memory[Space.PSUM][...] = RNG.integers(0, 256, (n, 2048), dtype=np.uint8)
-        views = [view(memory[ap.space], ap) for ap in operands]
-        views[1][...], views[2][...] = stationary, moving
-        reference = {space: m.copy() for space, m in memory.items()}
-        expected = [view(reference[ap.space], ap) for ap in operands]
-        with np.errstate(all="ignore"):
-            expected[0][...] = SEMANTICS[Opcode.MATMUL](instr, *expected)
-            for call in kernel(instr, *views):
-                call()
-        np.testing.assert_array_equal(memory[Space.PSUM], reference[Space.PSUM], err_msg=f"{values} {instr}")
-
-
 def _top8_program() -> Neff:
     """x [2, 10] -> the 8 largest per row, where they are, and x with them replaced by -1."""
     p = Program()

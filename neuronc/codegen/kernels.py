@@ -791,7 +791,6 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.MULTIPLY, imm0=CAUSAL_BIAS)
-            em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, tile, alu=AluOp.ADD, imm0=0.0)  # -0 (0 x bias) to +0
             bias[cut] = tile
     for _ in range(pools["v"].bufs):  # V's ones columns, which the loads of V leave alone: made once
         vt = pools["v"].next().ap(Q_TILE, k_chunks * (dv + 1))
