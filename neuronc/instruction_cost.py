@@ -18,7 +18,8 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   engine's own clock. N is the largest free size among the operands (a reduction reads more than
   it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
-  accumulates as the outputs stream by. RNG makes one pass over its destination too (an assumption:
+  accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
+  small additional performance cost"). RNG makes one pass over its destination too (an assumption:
   TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
   two values).
 
@@ -63,7 +64,7 @@ _CLOCK_GHZ = {
 
 
 # Opcodes making fewer passes over the elements than they have sources.
-_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.RNG: 1}
+_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.TENSOR_SCALAR_REDUCE: 1, Opcode.RNG: 1}
 
 
 def _elementwise_ns(instr: Instruction, target: Target) -> float:

@@ -30,6 +30,12 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            NKI's activation with ``bias`` and ``reduce_res``). bias and
                                            row_sum are fp32 [p, 1] tiles in SBUF; src has dst's shape, 2-D.
                                            Two destinations: dst and row_sum (see ``Instruction.writes``).
+``TENSOR_SCALAR_REDUCE(dst, reduced, src)``
+                                           dst = src * imm0 (fp32, rounded to dst's dtype) and, in the same
+                                           pass, reduced[p, 0] = the alu-reduction (ADD, MAX or MIN) of those
+                                           dst values over the free axes (Vector/GpSimd engine; NKI's
+                                           tensor_scalar_reduce with a multiplication). reduced is an fp32
+                                           [p, 1] tile in SBUF; src has dst's shape, 2-D. Two destinations.
 ``TENSOR_TENSOR(dst, a, b)``               dst = alu(a, b)
 ``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
 ``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
@@ -172,8 +178,9 @@ class Opcode(enum.IntEnum):
     MAX8 = 12
     FIND_INDEX8 = 13
     MATCH_REPLACE8 = 14
-    RNG = 19  # the highest of 15-19, to keep clear of opcodes other branches add from 15
+    RNG = 19
     ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
+    TENSOR_SCALAR_REDUCE = 21
 
 
 # Operand count of each opcode (dst included).
@@ -195,11 +202,13 @@ ARITY = {
     Opcode.MATCH_REPLACE8: 3,
     Opcode.RNG: 2,
     Opcode.ACTIVATE_BIAS_REDUCE: 4,
+    Opcode.TENSOR_SCALAR_REDUCE: 3,
 }
 
 # How many leading operands an opcode writes (1 unless listed): its destinations, before its sources.
 DESTINATIONS = {
     Opcode.ACTIVATE_BIAS_REDUCE: 2,
+    Opcode.TENSOR_SCALAR_REDUCE: 2,
 }
 
 

@@ -187,6 +187,12 @@ def _activate_bias_reduce(instr, dst, row_sum, src, bias):
     return value, np.add.reduce(np.asarray(value, F32), axis=-1, keepdims=True, dtype=F32)
 
 
+def _tensor_scalar_reduce(instr, dst, reduced, src):
+    """(dst, reduced): the scaled values rounded to dst's dtype, and their reduction over the free axis."""
+    value = np.asarray(src.astype(F32) * F32(instr.imm0)).astype(dst.dtype)
+    return value, REDUCTIONS[instr.alu].reduce(value.astype(F32), axis=-1, keepdims=True)
+
+
 def _tensor_tensor(instr, dst, a, b):
     dtype = _compute_dtype(a.dtype, b.dtype)
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
@@ -356,6 +362,7 @@ SEMANTICS = {
     Opcode.MATCH_REPLACE8: _match_replace8,
     Opcode.RNG: _rng,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
+    Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce,
 }
 
 
@@ -578,7 +585,8 @@ ENGINES = {
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     Opcode.RNG: frozenset({Engine.GPSIMD}),
-    **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8)},
+    **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8,
+                                                               Opcode.TENSOR_SCALAR_REDUCE)},
 }
 
 # Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip.
@@ -661,6 +669,20 @@ def _activate_bias_reduce_shapes(instr: Instruction, target: Target):
                   hint="one fp32 value per partition, in SBUF")
 
 
+def _tensor_scalar_reduce_shapes(instr: Instruction, target: Target):
+    """TENSOR_SCALAR_REDUCE(dst[p, n] float, reduced[p, 1] fp32 in SBUF, src[p, n] float), reducing by ADD, MAX
+    or MIN."""
+    dst, reduced, src = instr.operands
+    if len(dst.dims) != 2 or src.shape != dst.shape or not (dst.dtype.is_float and src.dtype.is_float):
+        _fail(f"TENSOR_SCALAR_REDUCE source {src.dtype.name}{list(src.shape)} and destination "
+              f"{dst.dtype.name}{list(dst.shape)} must be float tiles of the same 2-D [partitions, elements] shape")
+    if reduced.shape != (dst.shape[0], 1) or reduced.dtype != DType.F32 or reduced.space != Space.SBUF:
+        _fail(f"TENSOR_SCALAR_REDUCE's reduction must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
+              f"{reduced.dtype.name}{list(reduced.shape)} in {reduced.space.name}", hint="one fp32 value per partition, in SBUF")
+    if instr.alu not in REDUCTIONS:
+        _fail(f"TENSOR_SCALAR_REDUCE reduces by ADD, MAX or MIN, not {instr.alu.name}")
+
+
 def _indirect_shapes(instr: Instruction, target: Target):
     """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
     and their indices in SBUF."""
@@ -719,6 +741,7 @@ SHAPE_RULES = {
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,
+    Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce_shapes,
 }
 
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}

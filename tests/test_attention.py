@@ -90,20 +90,39 @@ def _opcodes(compiled) -> list:
     return [i.opcode for stream in compiled.neff.streams.values() for i in stream]
 
 
-def test_each_key_block_makes_its_probabilities_and_their_row_sum_in_one_scalar_instruction():
+def test_each_key_block_makes_its_probabilities_in_one_scalar_instruction_and_their_row_sum_with_p_v():
     model, inputs = Sdpa(), _qkv(1, 640, 64, torch.float32)
     compiled, out = _compile_and_run(model, inputs)
-    opcodes = _opcodes(compiled)
-    assert opcodes.count(Opcode.ACTIVATE_BIAS_REDUCE) == 5 * 2  # 5 query tiles x 2 key blocks of 512
-    assert Opcode.TENSOR_REDUCE in opcodes  # the row max still takes a Vector pass
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    exps = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE and i.srcs[0].free_elements > 1]
+    assert len(exps) == 5 * 2  # 5 query tiles x 2 key blocks of 512
+    assert Opcode.TENSOR_REDUCE in _opcodes(compiled)  # the row max still takes a Vector pass
+    # P V's moving operand is [V | 1]: the accumulator's last column is the row sum
+    products = [i for i in instructions if i.opcode == Opcode.MATMUL and i.operands[2].free_elements == 64 + 1]
+    assert len(products) == 5 * 5  # 5 query tiles x 5 chunks of 128 keys
     assert_matches_eager(out, model(*inputs))
 
 
-def test_a_scale_above_one_shifts_the_logits_before_exp_and_matches_eager():
+def test_a_bf16_kernel_makes_the_rounded_logits_and_their_row_min_in_one_pass():
+    """1/sqrt(64) is a power of two, so round(round(S) / 8) is round(S / 8): one TENSOR_SCALAR_REDUCE per key
+    block makes the logits (negated) and the exp's bias, their row min."""
+    model, inputs = MaskedFillAttention(), _qkv(1, 640, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    opcodes = _opcodes(compiled)
+    assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 1 + 1 + 1 + 1 + 2  # causal: the 5th query tile sees 640 keys
+    assert Opcode.TENSOR_REDUCE not in opcodes
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_a_scale_above_one_is_applied_to_the_logits_in_sbuf_before_exp_and_matches_eager():
     model, inputs = Sdpa(causal=True, scale=2.0), _qkv(1, 200, 32, torch.float32)
     compiled, out = _compile_and_run(model, inputs)
     assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
-    assert Opcode.ACTIVATE_BIAS_REDUCE not in _opcodes(compiled)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    # the logits are made negated in SBUF (-2 S), so the exp's bias is a row min of finite-or-+inf values
+    assert any(i.opcode in (Opcode.ACTIVATE, Opcode.TENSOR_SCALAR, Opcode.TENSOR_SCALAR_REDUCE)
+               and i.imm0 == pytest.approx(-2.0) for i in instructions)
+    assert all(i.imm0 == -1.0 for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE)
     assert_matches_eager(out, model(*inputs))
 
 
@@ -150,3 +169,12 @@ def test_the_transformer_blocks_attention_is_one_kernel():
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"
     assert not any(n.op is Op.MATMUL and n.shape[-1] == n.shape[-2] == 64 for n in compiled.graph.nodes())
+
+
+def test_a_causal_mask_broadcast_over_many_heads_is_still_made_on_chip():
+    """The mask's view over (heads, Sq, Sk) is larger than the masks evaluated at compile time; its source
+    (one Sq x Sk pattern) is not, so it is still recognised as causal."""
+    inputs = tuple(torch.zeros(1, 8, 1500, 8, dtype=torch.bfloat16) for _ in range(3))
+    compiled = compile_exported(torch.export.export(MaskedFillAttention(), inputs), CompileOptions(opt_level=2))
+    attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"

@@ -474,6 +474,45 @@ def test_activate_bias_reduce_costs_one_pass_as_activate():
     assert instruction_cost_ns(fused, TRN2) == instruction_cost_ns(plain, TRN2)
 
 
+def _tensor_scalar_reduce_program(dst_dtype: DType, alu: AluOp) -> Neff:
+    """x [4, 8] loaded; TENSOR_SCALAR_REDUCE(x * -0.125, alu) on GpSimd; y and its reduction stored."""
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (4, 8))
+    y_t, r_t = p.tensor("y", TensorKind.OUTPUT, (4, 8), dst_dtype), p.tensor("reduced", TensorKind.OUTPUT, (4, 1))
+    x, y, reduced = chip((4, 8)), chip((4, 8), dst_dtype, offset=128), chip((4, 1), offset=192)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, x, hbm(x_t))
+    p.emit(Opcode.TENSOR_SCALAR_REDUCE, Engine.GPSIMD, y, reduced, x, alu=alu, imm0=-0.125, waits=done(Engine.DMA))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), y, queue=1, waits=done(Engine.GPSIMD))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(r_t), reduced, queue=2, waits=done(Engine.GPSIMD))
+    return p.neff()
+
+
+@pytest.mark.parametrize("dst_dtype", [DType.F32, DType.BF16], ids=lambda d: d.name)
+@pytest.mark.parametrize("alu", [AluOp.ADD, AluOp.MAX, AluOp.MIN], ids=lambda a: a.name)
+def test_tensor_scalar_reduce_scales_and_reduces_each_row_of_the_rounded_values(core, dst_dtype, alu):
+    x = uniform(-3, 3)
+    y, reduced = core.load(_tensor_scalar_reduce_program(dst_dtype, alu)).run([x]).outputs
+    value = (x * np.float32(-0.125)).astype(dst_dtype.numpy)
+    np.testing.assert_array_equal(y, value)
+    reduce = {AluOp.ADD: np.add, AluOp.MAX: np.maximum, AluOp.MIN: np.minimum}[alu]
+    np.testing.assert_array_equal(reduced, reduce.reduce(value.astype(np.float32), axis=-1, keepdims=True))
+
+
+def test_tensor_scalar_reduce_refuses_a_reduction_not_one_fp32_value_per_partition(core):
+    p = Program()
+    p.emit(Opcode.TENSOR_SCALAR_REDUCE, Engine.VECTOR, chip((4, 8)), chip((4, 2), offset=64), chip((4, 8), offset=128),
+           alu=AluOp.MAX, imm0=1.0)
+    with pytest.raises(NeuronRuntimeError, match=re.escape("reduction must be an F32 [4, 1] tile")):
+        core.load(p.neff())
+
+
+def test_tensor_scalar_reduce_costs_one_pass_as_tensor_scalar():
+    tile, column = chip((128, 512)), chip((128, 1))
+    fused = Instruction(Opcode.TENSOR_SCALAR_REDUCE, Engine.VECTOR, (tile, column, tile), alu=AluOp.MIN, imm0=2.0)
+    plain = Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (tile, tile), alu=AluOp.MULTIPLY, imm0=2.0)
+    assert instruction_cost_ns(fused, TRN2) == instruction_cost_ns(plain, TRN2)
+
+
 @pytest.mark.parametrize(
     "x, out_dtype, expected",
     [

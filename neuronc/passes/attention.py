@@ -48,7 +48,9 @@ from neuronc.targets import Target
 
 Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
-MAX_HEAD_DIM = 512  # the PV product [queries, Dv] must fit one PSUM bank
+MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
+PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
+HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
 
 
 class _NoMatch(Exception):
@@ -263,7 +265,8 @@ def _mask_constant(node, memo=None):
     if node in memo:
         return memo[node]
     value = None
-    if node.size <= MAX_COMPOSED_ELEMENTS:
+    broadcast_view = node.op is Op.VIEW and node.inputs[0].size <= MAX_COMPOSED_ELEMENTS  # a view costs nothing
+    if node.size <= MAX_COMPOSED_ELEMENTS or broadcast_view:
         if node.op is Op.CONSTANT:
             value = np.asarray(node.attrs["value"])
         elif node.op is Op.VIEW:
@@ -290,6 +293,7 @@ def _classify_mask(attrs: dict) -> None:
     if value is None:
         return
     value = np.broadcast_to(value, attrs["mask_node"].shape)
+    value = value[tuple(0 if stride == 0 else slice(None) for stride in value.strides[:-2])]  # one per distinct mask
     if attrs["mask"] == "select" and attrs["fill"] == -math.inf:
         masked = value.astype(bool) == attrs["masked_when"]
     elif attrs["mask"] == "add" and np.all((value == 0) | (value == -np.inf)):
@@ -355,7 +359,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
         pools = tile_pools(sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"],
-                           rounds_logits(attrs))
+                           logits_in_sbuf(attrs | {"scale": scale}))
         _need(fits_sbuf(sbuf_bytes(pools), target))
     except _NoMatch:
         return None
@@ -365,51 +369,64 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, K/V resident")
+                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, Q/K/V resident")
 
 
-def causal_deltas(sq: int, sk: int, offset: int) -> list:
-    """The distinct (first key - first query - offset) of the key blocks the causal mask cuts through:
-    one on-chip bias tile each, made once per kernel."""
-    deltas = set()
+def causal_cuts(sq: int, sk: int, offset: int) -> list:
+    """The distinct cuts of the key blocks the causal mask cuts through: key first + c is masked for query
+    q0 + i when c - i + cut > 0, `first` being the first key masked for some query of the tile (the mask
+    covers at most Q_TILE - 1 keys of a block). One on-chip bias tile each, made once per kernel."""
+    cuts = set()
     for q0 in range(0, sq, Q_TILE):
         qt = min(Q_TILE, sq - q0)
         for k0 in range(0, min(sk, q0 + qt + offset), KEY_BLOCK):
-            kb = min(KEY_BLOCK, sk - k0)
-            if k0 + kb - 1 > q0 + offset:
-                deltas.add(k0 - q0 - offset)
-    return sorted(deltas)
+            kb = min(KEY_BLOCK, sk - k0, q0 + qt + offset - k0)
+            if max(k0, q0 + offset + 1) < k0 + kb:
+                cuts.add(k0 - q0 - offset if k0 > q0 + offset else 1)
+    return sorted(cuts)
+
+
+def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
+    """How many key blocks the kernel visits for one batch-head (causal: none wholly above the diagonal)."""
+    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+               for q0 in range(0, sq, Q_TILE))
+
+
+def resident_heads(sq: int, sk: int, causal: bool, offset: int) -> int:
+    """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
+    its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
+    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
-               rounded: bool) -> dict:
+               in_sbuf: bool) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     block = min(KEY_BLOCK, sk)
     f32 = DType.F32
+    heads = resident_heads(sq, sk, mask == "causal", causal_offset)
     pools = {
-        "k": (dtypes["k"], d_tiles * sk, 2),  # a head's K^T, resident; the next head's loads meanwhile
-        "v": (dtypes["v"], k_chunks * dv, 2),
-        "q": (dtypes["q"], d_tiles * Q_TILE, 2),
+        # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
+        "k": (dtypes["k"], d_tiles * sk, heads),
+        "v": (dtypes["v"], k_chunks * (dv + 1), heads),  # [V | 1]
+        "q": (dtypes["q"], d_tiles * sq, heads),
         "identity": (dtypes["p"], Q_TILE, 1),
-        "shifted": (f32, block, 2),
-        "p": (dtypes["p"], block, 2),
-        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 2),
-        "acc": (f32, dv, 2),
-        "out": (dtypes["out"], dv, 2),
-        **{name: (f32, 1, 3) for name in ("peak", "m", "l", "rowsum", "dm", "corr")},
+        "ramp": (f32, Q_TILE, 1),
+        "p": (dtypes["p"], block, 3),
+        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
+        "out": (dtypes["out"], dv, PIPELINE_DEPTH),
+        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
-        pools["iota"] = (f32, block, 1)
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
-        pools["bias"] = (DType.BF16, block, max(1, len(causal_deltas(sq, sk, causal_offset))))
-    if rounded or mask in ("select", "add"):  # logits made in SBUF (rounded as eager does, masked)
-        pools["logits"] = (f32, block, 2)
-        pools["scores"] = (f32, block, 2)
+        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
+    if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
+        pools["logits"] = (f32, block, 4)
+        pools["scores"] = (f32, block, 3)
     if mask in ("select", "add"):
-        pools["mask"] = (dtypes["mask"], block, 2)
+        pools["mask"] = (dtypes["mask"], block, 3)
         if mask == "select":
             pools["fill"] = (f32, block, 1)
     if guarded:
@@ -430,12 +447,18 @@ def pools_of(node) -> dict:
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
     return tile_pools(node.shape[1], a["keys"], a["head_dim"], node.shape[2], dtypes, a["mask"],
-                      a["zero_masked_rows"], a["causal_offset"], rounds_logits(a))
+                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a))
 
 
 def rounds_logits(attrs: dict) -> bool:
     """Whether eager rounds the scores or the scaled logits to a narrow dtype (a bf16 model's Q K^T)."""
     return attrs["score_dtype"] != DType.F32 or attrs["logits_dtype"] != DType.F32
+
+
+def logits_in_sbuf(attrs: dict) -> bool:
+    """Whether the kernel makes the logits in SBUF: rounded where eager rounds them, masked by a tensor, or
+    scaled by more than 1 (then no masked score can take the exp's bias past fp32's range)."""
+    return rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
 
 
 def probability_dtype(v_dtype: DType) -> DType:

@@ -20,3 +20,4 @@ class Opcode(object):
     MATCH_REPLACE8 = 14
     RNG = 19
     ACTIVATE_BIAS_REDUCE = 20
+    TENSOR_SCALAR_REDUCE = 21
