@@ -879,6 +879,13 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.dma(hbm(node.dtype, plan.offset(node) + (g * sq + q0) * dv * node.dtype.itemsize, ((dv, qt), (1, dv))), out)
 
 
+def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """The implicit-GEMM convolution, in a module of its own (codegen/conv.py)."""
+    from neuronc.codegen.conv import convolution as conv_kernel
+
+    conv_kernel(em, node, plan)
+
+
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
@@ -888,6 +895,7 @@ KERNELS.update({
     Op.REDUCE_LAST: reduce_last,
     Op.ROWWISE: rowwise,
     Op.ATTENTION: attention,
+    Op.CONV: convolution,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,

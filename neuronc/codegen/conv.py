@@ -1,0 +1,190 @@
+"""The implicit-GEMM convolution kernel (`Op.CONV`, planned by passes/conv.py, which explains the method).
+
+Per image and band of output rows: the band's input rows are loaded once into a zeroed SBUF tile (channels on
+the partitions, one phase plane per stride phase), the next band's load issued ahead. Per output-channel tile
+and block of rows, every tap of every input-channel tile is one matmul into the block's PSUM accumulator;
+the epilogue reads the accumulator's kept columns, and the result is stored. Weights are loaded once, values
+the epilogue needs per output channel are loaded and computed once.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.codegen.kernels import _Balancer, _rows
+from neuronc.isa import AccessPattern, Engine, Opcode, Space
+from neuronc.ir import Node
+from neuronc.passes.conv import (PSUM_BUFS, channel_inputs, element_slots, epilogue_body, geometry, pools,
+                                 step_kinds)
+from neuronc.passes.memory_plan import MemoryPlan
+
+
+def _free(ap: AccessPattern, element: int, partitions: int, *dims) -> AccessPattern:
+    """A pattern over `ap`'s slot: `partitions` partitions, free dims (stride, size) from `element`."""
+    return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize, dims=((1, partitions), *dims))
+
+
+def _spans(start: int, step: int, count: int, low: int, high: int) -> tuple:
+    """(first, number) of the i in [0, count) with low <= start + step * i < high."""
+    first = max(0, -(-(low - start) // step))
+    last = min(count - 1, (high - 1 - start) // step)
+    return first, max(0, last - first + 1)
+
+
+def _dma_split(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
+    """One DMA per slice of partitions on consecutive queues, as kernels._dma_by_rows, each slice whole
+    groups of partitions (a DMA queue's share, which the sync pass tracks hazards by), so that the slices
+    never wait on each other."""
+    t = em.target
+    on_chip = dst if dst.space != Space.HBM else src
+    rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
+    nbytes = on_chip.num_elements * on_chip.dtype.itemsize
+    smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
+    most = max(1, min(t.dma_queues, nbytes // smallest, rows // group))
+    pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
+        if rows % group == 0 else 1
+    for k in range(pieces):
+        p0, p1 = rows * k // pieces, rows * (k + 1) // pieces
+        em.dma(_rows(dst, p0, p1), _rows(src, p0, p1))
+
+
+def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    g = geometry(node)
+    tiling = node.attrs["tiling"]
+    x, w, *extras = node.inputs
+    parts = em.target.partitions
+    (sh, sw), ((pt, _), (pl, _)) = g.strides, g.padding
+    oh, ow = g.out
+    pitch, taps, cin, cout = g.pitch, g.taps, g.channels, g.out_channels
+    band_elements, plane_elements = g.band_elements(tiling.band), g.plane_elements(tiling.band)
+    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling).items()}
+    psum = em.psum_pool(PSUM_BUFS)
+    engines = _Balancer(em)
+    c_tiles = [(c0, min(parts, cin - c0)) for c0 in range(0, cin, parts)]
+    o_tiles = [(o0, min(parts, cout - o0)) for o0 in range(0, cout, parts)]
+    body = epilogue_body(node)
+    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    slots, _ = element_slots(body, kinds)
+    per_channel = channel_inputs(node)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    constants = made.get("constants")
+
+    # the weights, once: [C tile, O, taps] per C tile, as w[o, c, kh, kw] lies in HBM
+    wtile = made["weights"].next().ap(parts, 1)
+    n_taps = len(taps)
+    for j, (c0, ct) in enumerate(c_tiles):
+        _dma_split(em, _free(wtile, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
+                     hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
+                         ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))))
+
+    def stationary(j, o0, ot, tap):
+        return _free(wtile, j * cout * n_taps + o0 * n_taps + tap, c_tiles[j][1], (n_taps, ot))
+
+    # per-channel epilogue inputs and steps, once: column t of a [O tile, O tiles] tile for O tile t
+    columns: dict = {}
+    for i in sorted(per_channel):
+        tile = made[f"extra{i}"].next().ap(parts, 1)
+        offset, strides = views[i]
+        for t, (o0, ot) in enumerate(o_tiles):
+            em.dma(_free(tile, t, ot, (1, 1)), hbm(extras[i - 2].dtype, plan.offset(extras[i - 2])
+                                                   + (offset + o0 * strides[1]) * extras[i - 2].dtype.itemsize,
+                                                   ((strides[1], ot), (1, 1))))
+        columns[("input", i - 1)] = tile
+    for j, (step, kind) in enumerate(zip(body, kinds)):
+        if kind != "channel":
+            continue
+        tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
+        for t, (o0, ot) in enumerate(o_tiles):
+            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot, (1, 1)) for a, ref in step.args]
+            engines.compute(step, _free(tile, t, ot, (1, 1)), args, constants, node.loc)
+        columns[("step", j)] = tile
+
+    # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
+    # which move from band to band, are zeroed again with each band
+    width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts)
+    buffers = [made["input"].next() for _ in range(made["input"].bufs)]
+    for tile in buffers:
+        for start in range(0, width, most):
+            engines.emit(Opcode.MEMSET, _free(tile.ap(parts, 1), start, used, (1, min(most, width - start))), imm0=0.0)
+    turn = iter(range(len(buffers) * (g.batch * -(-oh // tiling.band) + 1)))
+
+    def load_band(n, r0):
+        """The tile of the input rows of output rows [r0, r0 + band) of image n: its planes filled, the rows
+        of the padding zeroed."""
+        tile = buffers[next(turn) % len(buffers)].ap(parts, width)
+        rows = g.plane_rows(tiling.band)
+        for j, (c0, ct) in enumerate(c_tiles):
+            for ph in range(sh):
+                t0, nt = _spans(r0 * sh + ph - pt, sh, rows, 0, g.height)
+                for pw in range(sw):
+                    plane = j * band_elements + (ph * sw + pw) * plane_elements
+                    for z0, z1 in ((0, t0), (t0 + nt, rows)):  # padding rows (all of them if nt is 0)
+                        if z1 > z0:
+                            engines.emit(Opcode.MEMSET, _free(tile, plane + z0 * pitch, ct, (1, (z1 - z0) * pitch)),
+                                         imm0=0.0)
+                    u0, nu = _spans(pw - pl, sw, pitch, 0, g.width)
+                    if not nt or not nu:
+                        continue
+                    row, col = r0 * sh + ph + sh * t0 - pt, pw + sw * u0 - pl
+                    element = j * band_elements + (ph * sw + pw) * plane_elements + t0 * pitch + u0
+                    _dma_split(em, _free(tile, element, ct, (pitch, nt), (1, nu)),
+                                 hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
+                                     * x.dtype.itemsize, ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))))
+        return tile
+
+    def block(n, r0, band, q0, rows, t, o0, ot):
+        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n."""
+        acc = psum.next().ap(ot, rows * pitch)
+        for j, (c0, ct) in enumerate(c_tiles):
+            for k, (_, _, plane, dr, dc) in enumerate(taps):
+                element = j * band_elements + plane * plane_elements + (q0 + dr) * pitch + dc
+                i = j * n_taps + k
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j, o0, ot, k),
+                        _free(band, element, ct, (1, rows * pitch)), accumulate=i > 0)
+        shape = (ot, rows, ow)
+        loaded = {("input", 0): dataclasses.replace(acc, dims=((1, ot), (pitch, rows), (1, ow)))}
+        row = r0 + q0
+        for i, extra in enumerate(extras, start=2):
+            if i in per_channel:
+                continue
+            offset, (sn, sc, sy, sx) = views[i] or (0, (cout * oh * ow, oh * ow, ow, 1))
+            tile = made[f"extra{i}"].next().ap(*shape)
+            em.dma(tile, hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + row * sy) * extra.dtype.itemsize,
+                             ((sc, ot), (sy, rows), (sx, ow))))
+            loaded[("input", i - 1)] = tile
+        temps = {}
+        results: dict = {}
+        for j, (step, kind) in enumerate(zip(body, kinds)):
+            if kind == "channel":
+                continue
+            if j == len(body) - 1:
+                out = made["result"].next().ap(*shape)
+            else:
+                if slots[j] not in temps:
+                    temps[slots[j]] = made[f"temp{slots[j]}"].next()
+                out = temps[slots[j]].ap(*shape, dtype=step.dtype)
+            args = []
+            for a, ref in step.args:
+                if a == "imm":
+                    args.append(float(ref))
+                elif a == "step" and kinds[ref] == "element":
+                    args.append(results[ref])
+                elif (a, ref) in loaded:
+                    args.append(loaded[(a, ref)])
+                else:  # a per-channel value, read along the block with stride 0
+                    args.append(_free(columns[(a, ref)], t, ot, (0, rows), (0, ow)))
+            engines.compute(step, out, args, constants, node.loc)
+            results[j] = out
+        _dma_split(em, hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + row) * ow) * node.dtype.itemsize,
+                             ((oh * ow, ot), (ow, rows), (1, ow))), results[len(body) - 1])
+
+    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
+    ahead = load_band(*bands[0])
+    for index, (n, r0) in enumerate(bands):
+        band = ahead
+        if index + 1 < len(bands):  # the next band loads while this one is multiplied
+            ahead = load_band(*bands[index + 1])
+        height = min(tiling.band, oh - r0)
+        for t, (o0, ot) in enumerate(o_tiles):
+            for q0 in range(0, height, tiling.rows):
+                block(n, r0, band, q0, min(tiling.rows, height - q0), t, o0, ot)

@@ -1,0 +1,274 @@
+"""Convolutions as implicit GEMM: the input loaded once into SBUF, a KxK convolution as K*K shifted matmuls.
+
+The im2col lowering (passes/legalize.py) copies every input element K*K times through HBM before a matmul
+reads it back. Here a convolution stays one kernel (`Op.CONV`, codegen/conv.py): per image and band of
+output rows, the input rows it needs are loaded once into SBUF, channels on the partitions, into a zeroed
+tile (the padding is the tile's zero border, never an HBM copy). Each tap (kh, kw) of the kernel is then a
+matmul whose moving operand is that tile read at a shifted offset: stationary = w[:, :, kh, kw] as
+[C tile, O tile], moving = [C tile, rows x pitch] input elements, accumulated over taps and C tiles in one
+PSUM bank as [O tile, rows x pitch]. A row of the tile is `pitch` elements, wider than the output row: the
+extra columns of each PSUM row are computed and dropped.
+
+A stride s is read with a stride-1 pattern too: the band is stored as s_h x s_w phase planes (element
+(y, x) of the padded input in plane (y mod s_h, x mod s_w) at (y div s_h, x div s_w)), and each tap reads
+one plane at the offset (kh d_h div s_h, kw d_w div s_w).
+
+The bias, BatchNorm(eval) scale and shift, activation and residual add reading the result become the
+kernel's epilogue (`fuse_conv_epilogues`), computed from PSUM on the way out; values the same for a whole
+output channel (a BatchNorm's rsqrt(var + eps)) are computed once per channel, not per element.
+
+The tiling (rows per PSUM block, output rows per loaded band) is chosen by pricing the candidates that fit
+SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed convolutions,
+rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path.
+"""
+from __future__ import annotations
+
+import dataclasses
+from neuronc import ir
+from neuronc.ir import Node, Op, Step
+from neuronc.isa import DType
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, conv_ns
+from neuronc.passes.legalize import reshape
+from neuronc.targets import Target
+
+INPUT_BUFS = 2  # input bands in SBUF: the next one loads while this one is multiplied
+PSUM_BUFS = 4  # PSUM banks the accumulators rotate over: the epilogue of one block overlaps the next one's matmuls
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """Sizes of a 2-D convolution [N, C, H, W] x [O, C, KH, KW] -> [N, O, OH, OW] and of its SBUF planes."""
+
+    batch: int
+    channels: int
+    height: int
+    width: int
+    out_channels: int
+    kernel: tuple  # (KH, KW)
+    out: tuple  # (OH, OW)
+    strides: tuple
+    padding: tuple  # ((top, bottom), (left, right))
+    dilation: tuple
+
+    @property
+    def taps(self) -> list:
+        """(kh, kw, plane, row offset, column offset) of every tap, in the planes of the strided input."""
+        (kh_, kw_), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilation
+        return [(kh, kw, (kh * dh % sh) * sw + kw * dw % sw, kh * dh // sh, kw * dw // sw)
+                for kh in range(kh_) for kw in range(kw_)]
+
+    @property
+    def phases(self) -> int:
+        return self.strides[0] * self.strides[1]
+
+    @property
+    def pitch(self) -> int:
+        """Elements of one row of a plane: the output row plus the reach of the kernel's columns."""
+        return self.out[1] + (self.kernel[1] - 1) * self.dilation[1] // self.strides[1]
+
+    def plane_rows(self, band: int) -> int:
+        return band + (self.kernel[0] - 1) * self.dilation[0] // self.strides[0]
+
+    def plane_elements(self, band: int) -> int:
+        return self.plane_rows(band) * self.pitch
+
+    def band_elements(self, band: int) -> int:
+        """Elements per partition of one C tile's band: its planes, plus one row of slack that the last
+        tap's dropped columns read past the end."""
+        return self.phases * self.plane_elements(band) + self.pitch
+
+    @property
+    def c_tiles(self) -> int:
+        return -(-self.channels // 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvTiling:
+    rows: int  # output rows per PSUM accumulator block (rows x pitch <= one bank)
+    band: int  # output rows whose input rows are loaded at once (a multiple of rows, or all of them)
+
+    def __str__(self) -> str:
+        return f"{self.rows} rows/block, {self.band} rows/band"
+
+
+def geometry(node: Node) -> ConvGeometry:
+    x, w = node.inputs[:2]
+    a = node.attrs
+    return ConvGeometry(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[0], tuple(w.shape[2:]),
+                        tuple(node.shape[2:]), tuple(a["strides"]), tuple(map(tuple, a["padding"])),
+                        tuple(a["dilation"]))
+
+
+# eligibility and lowering -----------------------------------------------------------------------------------
+
+
+def _eligible(node: Node) -> bool:
+    a = node.attrs
+    spatial = len(node.shape) - 2
+    x, w = node.inputs
+    return (spatial in (1, 2) and a["groups"] == 1 and all(d == 1 for d in a["lhs_dilation"])
+            and x.dtype.is_float and w.dtype.is_float and node.dtype.is_float and node.size > 0
+            and all(lo >= 0 and hi >= 0 for lo, hi in a["padding"]))
+
+
+def lower_convolutions(graph: ir.Graph, target: Target) -> ir.Graph:
+    """Each convolution the implicit-GEMM kernel takes becomes an `Op.CONV` (1-D ones as 2-D with one row);
+    the others are left to legalize's im2col."""
+
+    def lower(node, inputs):
+        if node.op is not Op.CONVOLUTION or not _eligible(node):
+            return None
+        a = node.attrs
+        x, w = inputs
+        if len(node.shape) == 3:  # [N, C, W] as [N, C, 1, W]
+            x = reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]), node.loc)
+            w = reshape(w, (w.shape[0], w.shape[1], 1, w.shape[2]), node.loc)
+            shape = (node.shape[0], node.shape[1], 1, node.shape[2])
+            strides, padding, dilation = (1, *a["strides"]), ((0, 0), *a["padding"]), (1, *a["rhs_dilation"])
+        else:
+            shape, strides, padding, dilation = node.shape, a["strides"], a["padding"], a["rhs_dilation"]
+        conv = ir.node(Op.CONV, [x, w], shape, node.dtype, node.loc, strides=tuple(strides),
+                       padding=tuple(tuple(p) for p in padding), dilation=tuple(dilation))
+        tiling = choose_tiling(conv, target)
+        if tiling is None:
+            return None
+        conv.attrs["tiling"] = tiling
+        return reshape(conv, node.shape, node.loc)
+
+    return graph.rewrite(lower)
+
+
+# the epilogue: which values are per channel ------------------------------------------------------------------
+
+
+def channel_inputs(node: Node) -> set:
+    """Epilogue inputs (indices into node.inputs) the same for every element of an output channel: read
+    through a view with stride 0 along the batch and both spatial dims."""
+    views = node.attrs.get("views") or ()
+    return {i for i, view in enumerate(views) if i >= 2 and view is not None
+            and (view[1][0], view[1][2], view[1][3]) == (0, 0, 0)}
+
+
+def step_kinds(node: Node) -> list:
+    """Per epilogue step, "channel" (depends on per-channel inputs and immediates only: computed once per
+    output channel) or "element" (computed for every output element)."""
+    per_channel = channel_inputs(node)
+    kinds: list = []
+    for step in node.attrs.get("epilogue") or ():
+        channel = all((kind == "imm") or (kind == "input" and ref != 0 and ref + 1 in per_channel)
+                      or (kind == "step" and kinds[ref] == "channel") for kind, ref in step.args)
+        kinds.append("channel" if channel else "element")
+    if kinds:
+        kinds[-1] = "element"  # the result is made for every element
+    return kinds
+
+
+def epilogue_body(node: Node) -> tuple:
+    return node.attrs.get("epilogue") or (Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
+
+
+def element_slots(body, kinds) -> tuple:
+    """Linear-scan slots of the per-element steps' temporaries (the last step writes the result tile):
+    (slot per step or None, number of slots)."""
+    last = list(range(len(body)))
+    for j, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                last[ref] = j
+    free, slots, count = [], [None] * len(body), 0
+    for j, kind in enumerate(kinds):
+        for k in range(j):
+            if last[k] == j and slots[k] is not None and kinds[k] == "element":
+                free.append(slots[k])
+        if kind != "element" or j == len(body) - 1:
+            continue
+        if free:
+            slots[j] = free.pop()
+        else:
+            slots[j], count = count, count + 1
+    return slots, count
+
+
+# SBUF budget and tiling -------------------------------------------------------------------------------------
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
+
+
+def pools(node: Node, tiling: ConvTiling) -> dict:
+    """name -> (dtype, elements per partition, buffers) of every SBUF pool of the kernel; codegen allocates
+    exactly these."""
+    g = geometry(node)
+    x, w, *extras = node.inputs
+    body = epilogue_body(node)
+    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    _, temps = element_slots(body, kinds)
+    per_channel = channel_inputs(node)
+    block = tiling.rows * g.out[1]
+    co_tiles = -(-g.out_channels // 128)
+    found = {
+        "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band), INPUT_BUFS),
+        "weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
+        "result": (node.dtype, block, 2),
+    }
+    for i, extra in enumerate(extras, start=2):
+        found[f"extra{i}"] = (extra.dtype, co_tiles, 1) if i in per_channel else (extra.dtype, block, 2)
+    for j, kind in enumerate(kinds):
+        if kind == "channel":
+            found[f"channel{j}"] = (DType.F32, 2 * co_tiles, 1)  # room for 8-byte dtypes
+    found.update({f"temp{t}": (DType.F32, 2 * block, 2) for t in range(temps)})
+    if any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body):
+        found["constants"] = (DType.F32, 2 * block, 2)
+    return found
+
+
+def sbuf_bytes(node: Node, tiling: ConvTiling) -> int:
+    return sum(_page(n * dtype.itemsize) * bufs for dtype, n, bufs in pools(node, tiling).values())
+
+
+def candidates(node: Node, target: Target) -> list:
+    """Tilings whose accumulator fits a PSUM bank and whose pools fit SBUF: as many rows per block as a bank
+    holds (or the same number of blocks, balanced), bands of 1, 2, 4... blocks up to the whole image."""
+    g = geometry(node)
+    oh = g.out[0]
+    bank = target.psum_bank_bytes // DType.F32.itemsize
+    widest = min(oh, bank // g.pitch, target.matmul_max_n // g.pitch)
+    if widest < 1 or g.out[1] > target.max_free_elements_psum:
+        return []
+    rows_options = {widest, -(-oh // -(-oh // widest))}
+    found = []
+    for rows in sorted(rows_options):
+        band = rows
+        while True:
+            found.append(ConvTiling(rows, min(band, oh)))
+            if band >= oh:
+                break
+            band *= 2
+    return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t) <= target.sbuf_bytes_per_partition]
+
+
+def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
+    """The candidate `cost_model.conv_ns` prices lowest, or None if none fits."""
+    options = candidates(node, target)
+    if not options:
+        return None
+    g = geometry(node)
+    x, w, *extras = node.inputs
+    per_channel = channel_inputs(node)
+    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
+    return min(options, key=lambda t: conv_ns(g, t, x.dtype, node.dtype, element_bytes,
+                                              kinds.count("element"), target))
+
+
+def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
+    """Elementwise consumers of a convolution (bias, BatchNorm, activation, residual add) become its epilogue,
+    as a matmul's (fusion.fuse_matmul_epilogues), when the kernel still fits SBUF; the tiling is re-chosen."""
+    from neuronc.passes.fusion import fuse_epilogues
+
+    def retile(node: Node) -> Node | None:
+        tiling = choose_tiling(node, target)
+        return None if tiling is None else dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling})
+
+    return fuse_epilogues(graph, Op.CONV, retile)
