@@ -15,13 +15,17 @@ from neuronc.codegen.kernels import _Balancer, _rows
 from neuronc.isa import AccessPattern, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.passes.conv import (PSUM_BUFS, channel_inputs, element_slots, epilogue_body, geometry, pools,
-                                 step_kinds)
+                                 step_kinds, tap_pairs)
 from neuronc.passes.memory_plan import MemoryPlan
 
 
 def _free(ap: AccessPattern, element: int, partitions: int, *dims) -> AccessPattern:
     """A pattern over `ap`'s slot: `partitions` partitions, free dims (stride, size) from `element`."""
     return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize, dims=((1, partitions), *dims))
+
+
+def _from(ap: AccessPattern, partition: int) -> AccessPattern:
+    return dataclasses.replace(ap, partition=ap.partition + partition) if partition else ap
 
 
 def _spans(start: int, step: int, count: int, low: int, high: int) -> tuple:
@@ -31,11 +35,12 @@ def _spans(start: int, step: int, count: int, low: int, high: int) -> tuple:
     return first, max(0, last - first + 1)
 
 
-def _dma_split(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
+def _dma_split(em: Emitter, dst: AccessPattern, src: AccessPattern, partition: int = 0) -> None:
     """One DMA per slice of partitions on consecutive queues, as kernels._dma_by_rows, each slice whole
     groups of partitions (a DMA queue's share, which the sync pass tracks hazards by), so that the slices
     never wait on each other."""
     t = em.target
+    dst, src = (_from(ap, partition) if ap.space != Space.HBM else ap for ap in (dst, src))
     on_chip = dst if dst.space != Space.HBM else src
     rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
     nbytes = on_chip.num_elements * on_chip.dtype.itemsize
@@ -56,7 +61,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     (sh, sw), ((pt, _), (pl, _)) = g.strides, g.padding
     oh, ow = g.out
     pitch, taps, cin, cout = g.pitch, g.taps, g.channels, g.out_channels
-    band_elements, plane_elements = g.band_elements(tiling.band), g.plane_elements(tiling.band)
+    band_elements, plane_elements = None, g.plane_elements(tiling.band)
     made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling).items()}
     psum = em.psum_pool(PSUM_BUFS)
     engines = _Balancer(em)
@@ -69,16 +74,25 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     constants = made.get("constants")
 
-    # the weights, once: [C tile, O, taps] per C tile, as w[o, c, kh, kw] lies in HBM
-    wtile = made["weights"].next().ap(parts, 1)
-    n_taps = len(taps)
+    # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
+    # shifted copy), then per matmul rearranged on chip into [C tile, O] of tap a (and [C, O] of tap b)
+    pairs = tap_pairs(g, tiling.band, parts)
+    n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
+    raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
     for j, (c0, ct) in enumerate(c_tiles):
-        _dma_split(em, _free(wtile, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
-                     hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
-                         ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))))
+        for copy in range(pairs.copies):
+            _dma_split(em, _free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
+                       hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
+                           ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
+        for m, matmul in enumerate(pairs.matmuls):
+            for copy, tap in enumerate(matmul):
+                if tap is not None:
+                    engines.emit(Opcode.TENSOR_COPY, _from(_free(wtile, (j * n_matmuls + m) * cout, ct, (1, cout)), copy * ct),
+                                 _from(_free(raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct))
 
-    def stationary(j, o0, ot, tap):
-        return _free(wtile, j * cout * n_taps + o0 * n_taps + tap, c_tiles[j][1], (n_taps, ot))
+    def stationary(j, m, o0, ot):
+        rows = c_tiles[j][1] * (1 if pairs.matmuls[m][1] is None else 2)
+        return _free(wtile, (j * n_matmuls + m) * cout + o0, rows, (1, ot))
 
     # per-channel epilogue inputs and steps, once: column t of a [O tile, O tiles] tile for O tile t
     columns: dict = {}
@@ -99,9 +113,10 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             engines.compute(step, _free(tile, t, ot, (1, 1)), args, constants, node.loc)
         columns[("step", j)] = tile
 
+    band_elements = g.band_elements(tiling.band, margin)
     # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
     # which move from band to band, are zeroed again with each band
-    width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts)
+    width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts) * pairs.copies
     buffers = [made["input"].next() for _ in range(made["input"].bufs)]
     for tile in buffers:
         for start in range(0, width, most):
@@ -117,30 +132,30 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             for ph in range(sh):
                 t0, nt = _spans(r0 * sh + ph - pt, sh, rows, 0, g.height)
                 for pw in range(sw):
-                    plane = j * band_elements + (ph * sw + pw) * plane_elements
-                    for z0, z1 in ((0, t0), (t0 + nt, rows)):  # padding rows (all of them if nt is 0)
-                        if z1 > z0:
-                            engines.emit(Opcode.MEMSET, _free(tile, plane + z0 * pitch, ct, (1, (z1 - z0) * pitch)),
-                                         imm0=0.0)
                     u0, nu = _spans(pw - pl, sw, pitch, 0, g.width)
-                    if not nt or not nu:
-                        continue
                     row, col = r0 * sh + ph + sh * t0 - pt, pw + sw * u0 - pl
-                    element = j * band_elements + (ph * sw + pw) * plane_elements + t0 * pitch + u0
-                    _dma_split(em, _free(tile, element, ct, (pitch, nt), (1, nu)),
-                                 hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
-                                     * x.dtype.itemsize, ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))))
+                    for copy in range(pairs.copies):  # the shifted copy on partitions [C, 2C), delta elements earlier
+                        plane = j * band_elements + margin - copy * pairs.delta + (ph * sw + pw) * plane_elements
+                        for z0, z1 in ((0, t0), (t0 + nt, rows)):  # padding rows (all of them if nt is 0)
+                            if z1 > z0:
+                                engines.emit(Opcode.MEMSET, _from(_free(tile, plane + z0 * pitch, ct,
+                                                                        (1, (z1 - z0) * pitch)), copy * ct), imm0=0.0)
+                        if nt and nu:
+                            _dma_split(em, _free(tile, plane + t0 * pitch + u0, ct, (pitch, nt), (1, nu)),
+                                       hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
+                                           * x.dtype.itemsize, ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
+                                       partition=copy * ct)
         return tile
 
     def block(n, r0, band, q0, rows, t, o0, ot):
         """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n."""
         acc = psum.next().ap(ot, rows * pitch)
         for j, (c0, ct) in enumerate(c_tiles):
-            for k, (_, _, plane, dr, dc) in enumerate(taps):
-                element = j * band_elements + plane * plane_elements + (q0 + dr) * pitch + dc
-                i = j * n_taps + k
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j, o0, ot, k),
-                        _free(band, element, ct, (1, rows * pitch)), accumulate=i > 0)
+            for m, (a, b) in enumerate(pairs.matmuls):
+                element = j * band_elements + margin + g.tap_offset(taps[a], tiling.band) + q0 * pitch
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j, m, o0, ot),
+                        _free(band, element, ct * (1 if b is None else 2), (1, rows * pitch)),
+                        accumulate=j + m > 0)
         shape = (ot, rows, ow)
         loaded = {("input", 0): dataclasses.replace(acc, dims=((1, ot), (pitch, rows), (1, ow)))}
         row = r0 + q0

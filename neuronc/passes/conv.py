@@ -19,7 +19,8 @@ output channel (a BatchNorm's rsqrt(var + eps)) are computed once per channel, n
 
 The tiling (rows per PSUM block, output rows per loaded band) is chosen by pricing the candidates that fit
 SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed convolutions,
-rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path.
+rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path, as do those whose windows do not
+overlap (a patch embedding): im2col copies nothing twice there.
 """
 from __future__ import annotations
 
@@ -72,14 +73,54 @@ class ConvGeometry:
     def plane_elements(self, band: int) -> int:
         return self.plane_rows(band) * self.pitch
 
-    def band_elements(self, band: int) -> int:
-        """Elements per partition of one C tile's band: its planes, plus one row of slack that the last
-        tap's dropped columns read past the end."""
-        return self.phases * self.plane_elements(band) + self.pitch
+    def band_elements(self, band: int, margin: int = 0) -> int:
+        """Elements per partition of one C tile's band: its planes after `margin` elements, plus one row of
+        slack that the last tap's dropped columns read past the end."""
+        return margin + self.phases * self.plane_elements(band) + self.pitch
+
+    def tap_offset(self, tap, band: int) -> int:
+        """Where a tap reads in the band, relative to the output element it contributes to."""
+        _, _, plane, dr, dc = tap
+        return plane * self.plane_elements(band) + dr * self.pitch + dc
 
     @property
     def c_tiles(self) -> int:
         return -(-self.channels // 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TapPairs:
+    """Taps two at a time: with C <= 64 input channels, a second copy of the band on partitions [C, 2C),
+    shifted `delta` elements, lets one matmul contract 2C rows: taps a and b whose offsets differ by delta.
+    The first copy starts `delta` elements into the tile (its margin), so the shifted one starts at 0."""
+
+    delta: int  # 0: one copy, one tap per matmul
+    matmuls: tuple  # per matmul, (tap a, tap b or None)
+
+    @property
+    def copies(self) -> int:
+        return 2 if self.delta else 1
+
+
+def tap_pairs(g: ConvGeometry, band: int, partitions: int) -> TapPairs:
+    """The shift pairing the most taps (fewest matmuls), the smallest on a tie; unpaired when C > partitions / 2."""
+    offsets = [g.tap_offset(tap, band) for tap in g.taps]
+    best = TapPairs(0, tuple((k, None) for k in range(len(offsets))))
+    if g.c_tiles != 1 or 2 * g.channels > partitions:
+        return best
+    at = {offset: k for k, offset in enumerate(offsets)}
+    for delta in sorted({b - a for a in offsets for b in offsets if b > a}):
+        paired, matmuls = set(), []
+        for k in sorted(range(len(offsets)), key=offsets.__getitem__):
+            if k in paired:
+                continue
+            partner = at.get(offsets[k] + delta)
+            partner = None if partner in paired else partner
+            matmuls.append((k, partner))
+            paired.update({k, partner} - {None})
+        if len(matmuls) < len(best.matmuls):
+            best = TapPairs(delta, tuple(matmuls))
+    return best
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +143,18 @@ def geometry(node: Node) -> ConvGeometry:
 # eligibility and lowering -----------------------------------------------------------------------------------
 
 
+def _overlapping(node: Node) -> bool:
+    """Whether neighbouring windows share input elements (the kernel reaches past the stride in some dim): else
+    im2col copies each element at most once (a patch embedding, a strided 1x1 convolution) and is as good."""
+    a, kernel = node.attrs, node.inputs[1].shape[2:]
+    return any((k - 1) * d + 1 > s for k, d, s in zip(kernel, a["rhs_dilation"], a["strides"]))
+
+
 def _eligible(node: Node) -> bool:
     a = node.attrs
     spatial = len(node.shape) - 2
     x, w = node.inputs
-    return (spatial in (1, 2) and a["groups"] == 1 and all(d == 1 for d in a["lhs_dilation"])
+    return (spatial in (1, 2) and a["groups"] == 1 and all(d == 1 for d in a["lhs_dilation"]) and _overlapping(node)
             and x.dtype.is_float and w.dtype.is_float and node.dtype.is_float and node.size > 0
             and all(lo >= 0 and hi >= 0 for lo, hi in a["padding"]))
 
@@ -207,9 +255,11 @@ def pools(node: Node, tiling: ConvTiling) -> dict:
     per_channel = channel_inputs(node)
     block = tiling.rows * g.out[1]
     co_tiles = -(-g.out_channels // 128)
+    pairs = tap_pairs(g, tiling.band, 128)
     found = {
-        "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band), INPUT_BUFS),
-        "weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
+        "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band, pairs.delta), INPUT_BUFS),
+        "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
+        "weights": (w.dtype, g.c_tiles * g.out_channels * len(pairs.matmuls), 1),
         "result": (node.dtype, block, 2),
     }
     for i, extra in enumerate(extras, start=2):
@@ -258,8 +308,8 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     per_channel = channel_inputs(node)
     kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
-    return min(options, key=lambda t: conv_ns(g, t, x.dtype, node.dtype, element_bytes,
-                                              kinds.count("element"), target))
+    return min(options, key=lambda t: conv_ns(g, t, tap_pairs(g, t.band, target.partitions), x.dtype, node.dtype,
+                                              element_bytes, kinds.count("element"), target))
 
 
 def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
