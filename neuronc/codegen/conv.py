@@ -14,7 +14,7 @@ from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.kernels import _Balancer, _rows
 from neuronc.isa import AccessPattern, Engine, Opcode, Space
 from neuronc.ir import Node
-from neuronc.passes.conv import (PSUM_BUFS, channel_inputs, element_slots, epilogue_body, geometry, pools,
+from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_body, geometry, pools,
                                  step_kinds, tap_pairs)
 from neuronc.passes.memory_plan import MemoryPlan
 
@@ -35,22 +35,45 @@ def _spans(start: int, step: int, count: int, low: int, high: int) -> tuple:
     return first, max(0, last - first + 1)
 
 
-def _dma_split(em: Emitter, dst: AccessPattern, src: AccessPattern, partition: int = 0) -> None:
-    """One DMA per slice of partitions on consecutive queues, as kernels._dma_by_rows, each slice whole
-    groups of partitions (a DMA queue's share, which the sync pass tracks hazards by), so that the slices
-    never wait on each other."""
-    t = em.target
-    dst, src = (_from(ap, partition) if ap.space != Space.HBM else ap for ap in (dst, src))
-    on_chip = dst if dst.space != Space.HBM else src
-    rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
-    nbytes = on_chip.num_elements * on_chip.dtype.itemsize
-    smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
-    most = max(1, min(t.dma_queues, nbytes // smallest, rows // group))
-    pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
-        if rows % group == 0 else 1
-    for k in range(pieces):
-        p0, p1 = rows * k // pieces, rows * (k + 1) // pieces
-        em.dma(_rows(dst, p0, p1), _rows(src, p0, p1))
+class _Queues:
+    """The kernel's DMAs, split by partitions (as kernels._dma_by_rows) into slices of whole partition groups (a
+    DMA queue's share, by which the sync pass tracks hazards, so the slices never wait on each other). Result
+    stores go to queues of their own, slice k always to store queue k: a store's rows of every channel share
+    HBM pages with the image's other stores, which on other queues would wait on each other one after the
+    other (slice k of the next block waits for slice k of this one in its queue's order, no semaphore needed),
+    and loads queued behind stores would wait for the epilogue."""
+
+    def __init__(self, em: Emitter, store_queues: int):
+        self.em, self.stores, self.turn = em, store_queues, 0
+
+    def _slices(self, dst: AccessPattern, src: AccessPattern, most: int) -> list:
+        t = self.em.target
+        on_chip = dst if dst.space != Space.HBM else src
+        rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
+        nbytes = on_chip.num_elements * on_chip.dtype.itemsize
+        smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
+        most = max(1, min(most, nbytes // smallest, rows // group))
+        pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
+            if rows % group == 0 else 1
+        return [(_rows(dst, rows * k // pieces, rows * (k + 1) // pieces),
+                 _rows(src, rows * k // pieces, rows * (k + 1) // pieces)) for k in range(pieces)]
+
+    def _emit(self, queue: int, dst, src) -> None:
+        self.em.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
+
+    def load(self, dst: AccessPattern, src: AccessPattern, partition: int = 0) -> None:
+        dst, src = (_from(ap, partition) if ap.space != Space.HBM else ap for ap in (dst, src))
+        loaders = self.em.target.dma_queues - self.stores
+        for piece in self._slices(dst, src, loaders):
+            self._emit(self.stores + self.turn % loaders, *piece)
+            self.turn += 1
+
+    def store(self, dst: AccessPattern, src: AccessPattern) -> None:
+        """Slices of neighbouring channels share an HBM page: the even ones go first, so that each odd one waits
+        for its two neighbours, running side by side, rather than for a chain of them."""
+        pieces = self._slices(dst, src, self.stores)
+        for k in [*range(0, len(pieces), 2), *range(1, len(pieces), 2)]:
+            self._emit(k, *pieces[k])
 
 
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -65,6 +88,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling).items()}
     psum = em.psum_pool(PSUM_BUFS)
     engines = _Balancer(em)
+    queues = _Queues(em, STORE_QUEUES)
     c_tiles = [(c0, min(parts, cin - c0)) for c0 in range(0, cin, parts)]
     o_tiles = [(o0, min(parts, cout - o0)) for o0 in range(0, cout, parts)]
     body = epilogue_body(node)
@@ -81,7 +105,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
     for j, (c0, ct) in enumerate(c_tiles):
         for copy in range(pairs.copies):
-            _dma_split(em, _free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
+            queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
                        hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
                            ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
         for m, matmul in enumerate(pairs.matmuls):
@@ -100,7 +124,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         tile = made[f"extra{i}"].next().ap(parts, 1)
         offset, strides = views[i]
         for t, (o0, ot) in enumerate(o_tiles):
-            em.dma(_free(tile, t, ot, (1, 1)), hbm(extras[i - 2].dtype, plan.offset(extras[i - 2])
+            queues.load(_free(tile, t, ot, (1, 1)), hbm(extras[i - 2].dtype, plan.offset(extras[i - 2])
                                                    + (offset + o0 * strides[1]) * extras[i - 2].dtype.itemsize,
                                                    ((strides[1], ot), (1, 1))))
         columns[("input", i - 1)] = tile
@@ -141,14 +165,14 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                 engines.emit(Opcode.MEMSET, _from(_free(tile, plane + z0 * pitch, ct,
                                                                         (1, (z1 - z0) * pitch)), copy * ct), imm0=0.0)
                         if nt and nu:
-                            _dma_split(em, _free(tile, plane + t0 * pitch + u0, ct, (pitch, nt), (1, nu)),
+                            queues.load(_free(tile, plane + t0 * pitch + u0, ct, (pitch, nt), (1, nu)),
                                        hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
                                            * x.dtype.itemsize, ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
                                        partition=copy * ct)
         return tile
 
-    def block(n, r0, band, q0, rows, t, o0, ot):
-        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n."""
+    def block(n, r0, band, q0, rows, t, o0, ot, result):
+        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's result."""
         acc = psum.next().ap(ot, rows * pitch)
         for j, (c0, ct) in enumerate(c_tiles):
             for m, (a, b) in enumerate(pairs.matmuls):
@@ -164,7 +188,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 continue
             offset, (sn, sc, sy, sx) = views[i] or (0, (cout * oh * ow, oh * ow, ow, 1))
             tile = made[f"extra{i}"].next().ap(*shape)
-            em.dma(tile, hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + row * sy) * extra.dtype.itemsize,
+            queues.load(tile, hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + row * sy) * extra.dtype.itemsize,
                              ((sc, ot), (sy, rows), (sx, ow))))
             loaded[("input", i - 1)] = tile
         temps = {}
@@ -173,7 +197,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if kind == "channel":
                 continue
             if j == len(body) - 1:
-                out = made["result"].next().ap(*shape)
+                out = _free(result, q0 * ow, ot, (ow, rows), (1, ow))
             else:
                 if slots[j] not in temps:
                     temps[slots[j]] = made[f"temp{slots[j]}"].next()
@@ -190,8 +214,6 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     args.append(_free(columns[(a, ref)], t, ot, (0, rows), (0, ow)))
             engines.compute(step, out, args, constants, node.loc)
             results[j] = out
-        _dma_split(em, hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + row) * ow) * node.dtype.itemsize,
-                             ((oh * ow, ot), (ow, rows), (1, ow))), results[len(body) - 1])
 
     bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
     ahead = load_band(*bands[0])
@@ -201,5 +223,10 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             ahead = load_band(*bands[index + 1])
         height = min(tiling.band, oh - r0)
         for t, (o0, ot) in enumerate(o_tiles):
+            result = made["result"].next().ap(parts, 1)
             for q0 in range(0, height, tiling.rows):
-                block(n, r0, band, q0, min(tiling.rows, height - q0), t, o0, ot)
+                block(n, r0, band, q0, min(tiling.rows, height - q0), t, o0, ot, result)
+            # stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones
+            # wait on each other less
+            queues.store(hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + r0) * ow) * node.dtype.itemsize,
+                             ((oh * ow, ot), (1, height * ow))), _free(result, 0, ot, (1, height * ow)))

@@ -33,6 +33,7 @@ from neuronc.passes.legalize import reshape
 from neuronc.targets import Target
 
 INPUT_BUFS = 2  # input bands in SBUF: the next one loads while this one is multiplied
+STORE_QUEUES = 8  # DMA queues the results are stored on (the others load)
 PSUM_BUFS = 4  # PSUM banks the accumulators rotate over: the epilogue of one block overlaps the next one's matmuls
 
 
@@ -260,7 +261,7 @@ def pools(node: Node, tiling: ConvTiling) -> dict:
         "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band, pairs.delta), INPUT_BUFS),
         "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
         "weights": (w.dtype, g.c_tiles * g.out_channels * len(pairs.matmuls), 1),
-        "result": (node.dtype, block, 2),
+        "result": (node.dtype, tiling.band * g.out[1], 2),
     }
     for i, extra in enumerate(extras, start=2):
         found[f"extra{i}"] = (extra.dtype, co_tiles, 1) if i in per_channel else (extra.dtype, block, 2)

@@ -1,0 +1,111 @@
+"""The implicit-GEMM convolution kernel (passes/conv.py, codegen/conv.py) against eager PyTorch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.ir import Op
+from runtime import run_neff
+from tests.conftest import assert_matches_eager
+
+
+class ConvBnRelu(nn.Module):
+    """A convolution, then (optionally) BatchNorm in eval mode, ReLU and a residual add."""
+
+    def __init__(self, conv: nn.Module, norm: bool = False, residual: bool = False):
+        super().__init__()
+        self.conv, self.residual = conv, residual
+        self.norm = nn.BatchNorm2d(conv.out_channels) if norm else None
+        if self.norm is not None:
+            with torch.no_grad():  # running statistics other than the identity's
+                self.norm.running_mean.uniform_(-0.5, 0.5)
+                self.norm.running_var.uniform_(0.5, 2.0)
+                self.norm.weight.uniform_(0.5, 1.5)
+                self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.norm is None:
+            return y
+        y = F.relu(self.norm(y))
+        return F.relu(y + x) if self.residual else y
+
+
+def _compiled(model, x, level=2):
+    model = model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=level))
+    got = torch.from_numpy(run_neff(compiled.neff, [x.numpy()]).outputs[0])
+    return compiled, got, expected
+
+
+def _convs(compiled) -> list:
+    return [n for n in compiled.graph.nodes() if n.op is Op.CONV]
+
+
+CASES = {
+    "3x3_padding_1": ((2, 5, 9, 11), lambda: nn.Conv2d(5, 7, 3, padding=1)),
+    "stride_2": ((2, 4, 9, 7), lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1)),
+    "no_padding_odd_sizes": ((1, 3, 7, 13), lambda: nn.Conv2d(3, 4, (3, 5), bias=False)),
+    "asymmetric_stride_dilation_padding": ((1, 5, 10, 11), lambda: nn.Conv2d(5, 3, (3, 2), stride=(1, 2), padding=(2, 0),
+                                                                            dilation=(2, 1))),
+    "channels_over_128": ((1, 130, 6, 5), lambda: nn.Conv2d(130, 140, 3, padding=1, bias=False)),
+    "conv1d": ((2, 6, 20), lambda: nn.Conv1d(6, 8, 5, padding=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_convolution_is_one_implicit_gemm_kernel_matching_eager(name):
+    shape, make = CASES[name]
+    torch.manual_seed(0)
+    compiled, got, expected = _compiled(make(), torch.randn(*shape))
+    assert len(_convs(compiled)) == 1
+    assert Op.MATMUL not in [n.op for n in compiled.graph.nodes()]  # no im2col + matmul
+    assert_matches_eager(got, expected)
+
+
+def test_taps_are_paired_on_the_partitions_when_there_are_at_most_64_input_channels():
+    from neuronc.passes.conv import geometry, tap_pairs
+
+    torch.manual_seed(0)
+    compiled, got, expected = _compiled(nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.randn(1, 64, 12, 12))
+    (conv,) = _convs(compiled)
+    pairs = tap_pairs(geometry(conv), conv.attrs["tiling"].band, 128)
+    assert pairs.copies == 2 and len(pairs.matmuls) == 6  # 3 pairs of neighbouring columns + 3 single taps
+    assert_matches_eager(got, expected)
+
+
+def test_batch_norm_relu_and_residual_are_the_epilogue_with_per_channel_values_computed_once():
+    from neuronc.passes.conv import step_kinds
+
+    torch.manual_seed(0)
+    model = ConvBnRelu(nn.Conv2d(8, 8, 3, padding=1, bias=False), norm=True, residual=True)
+    compiled, got, expected = _compiled(model, torch.randn(2, 8, 10, 10))
+    (conv,) = _convs(compiled)
+    assert len(compiled.neff.kernels) <= 2  # the conv with its epilogue (and at most one kernel of BN constants)
+    kinds = step_kinds(conv)
+    assert kinds.count("element") <= 7 and Op.MAXIMUM in [s.op for s in conv.attrs["epilogue"]]
+    assert_matches_eager(got, expected)
+
+
+def test_the_baseline_keeps_im2col_and_matches_eager_too():
+    torch.manual_seed(0)
+    compiled, got, expected = _compiled(nn.Conv2d(4, 6, 3, stride=2, padding=1), torch.randn(2, 4, 9, 7), level=0)
+    assert not _convs(compiled)
+    assert_matches_eager(got, expected)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Conv2d(4, 4, 3, padding=1, groups=2),  # grouped
+                                  lambda: nn.ConvTranspose2d(4, 4, 2, stride=2),  # lhs dilation
+                                  lambda: nn.Conv2d(3, 8, 4, stride=4)],  # patches: windows do not overlap
+                         ids=["grouped", "transposed", "patches"])
+def test_convolutions_the_kernel_does_not_take_stay_on_im2col_and_match_eager(make):
+    torch.manual_seed(0)
+    compiled, got, expected = _compiled(make(), torch.randn(2, 4 if not isinstance(make(), nn.Conv2d) or make().in_channels == 4
+                                                            else 3, 8, 8))
+    assert not _convs(compiled)
+    assert_matches_eager(got, expected)
