@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.codegen.kernels import _Balancer, _rows
-from neuronc.isa import AccessPattern, Engine, Opcode, Space
+from neuronc.codegen.kernels import ACTIVATIONS, _Balancer, _rows
+from neuronc.ir import Op
+from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
 from neuronc.ir import Node
-from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_body, geometry, pools,
-                                 step_kinds, tap_pairs)
+from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
+                                 pools, tap_pairs)
 from neuronc.passes.memory_plan import MemoryPlan
 
 
@@ -76,6 +77,60 @@ class _Queues:
             self._emit(k, *pieces[k])
 
 
+def _rows_of(whole: AccessPattern, rows: int, pitch: int, ow: int) -> AccessPattern:
+    """The kept columns [partitions, rows, ow] of a tile of rows of `pitch` elements."""
+    return dataclasses.replace(whole, dims=(whole.dims[0], (pitch, rows), (1, ow)))
+
+
+def _whole_of(view: AccessPattern, rows: int, pitch: int) -> AccessPattern:
+    return dataclasses.replace(view, dims=(view.dims[0], (1, rows * pitch)))
+
+
+def _activate(em: Emitter, func, out, source, shift, columns, t, ot, made) -> None:
+    """out = func(source + shift) on the Scalar engine, the shift one value per partition (or an immediate)."""
+    if shift[0] == "imm":
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, source, func=func, imm0=1.0, imm1=float(shift[1]))
+        return
+    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, made["row_sum"].next().ap(ot, 1), source,
+            _free(columns[shift], t, ot, (1, 1)), func=func, imm0=1.0)
+
+
+def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, weight_rows) -> tuple:
+    """The epilogue's per-channel inputs and steps, once: ({value: [O tile, O tiles] tile, column t for O tile t},
+    {value: [weight rows, O] tile, the same values along the free axis, when the weights are scaled})."""
+    x, w, *extras = node.inputs
+    parts, cout = em.target.partitions, node.shape[1]
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    constants = made.get("constants")
+    columns, rows = {}, {}
+    for i in sorted(channel_inputs(node)):
+        extra, (offset, strides) = extras[i - 2], views[i]
+        tile = made[f"extra{i}"].next().ap(parts, 1)
+        for t, (o0, ot) in enumerate(o_tiles):
+            queues.load(_free(tile, t, ot, (1, 1)), hbm(extra.dtype, plan.offset(extra) + (offset + o0 * strides[1])
+                                                        * extra.dtype.itemsize, ((strides[1], ot), (1, 1))))
+        columns[("input", i - 1)] = tile
+        if epi.scale is not None:
+            row = made[f"extra_row{i}"].next().ap(weight_rows, cout)
+            queues.load(row, hbm(extra.dtype, plan.offset(extra) + offset * extra.dtype.itemsize,
+                                 ((0, weight_rows), (strides[1], cout))))
+            rows[("input", i - 1)] = row
+    for j, (step, kind) in enumerate(zip(epi.body, epi.kinds)):
+        if kind != "channel":
+            continue
+        tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
+        for t, (o0, ot) in enumerate(o_tiles):
+            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot, (1, 1)) for a, ref in step.args]
+            engines.compute(step, _free(tile, t, ot, (1, 1)), args, constants, node.loc)
+        columns[("step", j)] = tile
+        if epi.scale is not None:
+            row = made[f"channel_row{j}"].next().ap(weight_rows, cout, dtype=step.dtype)
+            args = [float(ref) if a == "imm" else rows[(a, ref)] for a, ref in step.args]
+            engines.compute(step, row, args, constants, node.loc)
+            rows[("step", j)] = row
+    return columns, rows
+
+
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     g = geometry(node)
     tiling = node.attrs["tiling"]
@@ -91,52 +146,16 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     queues = _Queues(em, STORE_QUEUES)
     c_tiles = [(c0, min(parts, cin - c0)) for c0 in range(0, cin, parts)]
     o_tiles = [(o0, min(parts, cout - o0)) for o0 in range(0, cout, parts)]
-    body = epilogue_body(node)
-    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    epi = epilogue_plan(node)
+    body, kinds = epi.body, epi.kinds
+    final = max(j for j, kind in enumerate(kinds) if kind != "channel")  # the step whose value is the result
     slots, _ = element_slots(body, kinds)
     per_channel = channel_inputs(node)
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     constants = made.get("constants")
 
-    # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
-    # shifted copy), then per matmul rearranged on chip into [C tile, O] of tap a (and [C, O] of tap b)
     pairs = tap_pairs(g, tiling.band, parts)
     n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
-    raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
-    for j, (c0, ct) in enumerate(c_tiles):
-        for copy in range(pairs.copies):
-            queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
-                       hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
-                           ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
-        for m, matmul in enumerate(pairs.matmuls):
-            for copy, tap in enumerate(matmul):
-                if tap is not None:
-                    engines.emit(Opcode.TENSOR_COPY, _from(_free(wtile, (j * n_matmuls + m) * cout, ct, (1, cout)), copy * ct),
-                                 _from(_free(raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct))
-
-    def stationary(j, m, o0, ot):
-        rows = c_tiles[j][1] * (1 if pairs.matmuls[m][1] is None else 2)
-        return _free(wtile, (j * n_matmuls + m) * cout + o0, rows, (1, ot))
-
-    # per-channel epilogue inputs and steps, once: column t of a [O tile, O tiles] tile for O tile t
-    columns: dict = {}
-    for i in sorted(per_channel):
-        tile = made[f"extra{i}"].next().ap(parts, 1)
-        offset, strides = views[i]
-        for t, (o0, ot) in enumerate(o_tiles):
-            queues.load(_free(tile, t, ot, (1, 1)), hbm(extras[i - 2].dtype, plan.offset(extras[i - 2])
-                                                   + (offset + o0 * strides[1]) * extras[i - 2].dtype.itemsize,
-                                                   ((strides[1], ot), (1, 1))))
-        columns[("input", i - 1)] = tile
-    for j, (step, kind) in enumerate(zip(body, kinds)):
-        if kind != "channel":
-            continue
-        tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
-        for t, (o0, ot) in enumerate(o_tiles):
-            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot, (1, 1)) for a, ref in step.args]
-            engines.compute(step, _free(tile, t, ot, (1, 1)), args, constants, node.loc)
-        columns[("step", j)] = tile
-
     band_elements = g.band_elements(tiling.band, margin)
     # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
     # which move from band to band, are zeroed again with each band
@@ -146,6 +165,11 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         for start in range(0, width, most):
             engines.emit(Opcode.MEMSET, _free(tile.ap(parts, 1), start, used, (1, min(most, width - start))), imm0=0.0)
     turn = iter(range(len(buffers) * (g.batch * -(-oh // tiling.band) + 1)))
+    # temporaries zeroed once too: the Scalar engine's activations read their rows whole (the dropped columns too)
+    for name, pool in made.items():
+        if name.startswith("temp"):
+            for _ in range(pool.bufs):
+                engines.emit(Opcode.MEMSET, pool.next().ap(parts, 2 * tiling.rows * pitch), imm0=0.0)
 
     def load_band(n, r0):
         """The tile of the input rows of output rows [r0, r0 + band) of image n: its planes filled, the rows
@@ -171,6 +195,39 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                        partition=copy * ct)
         return tile
 
+    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
+    ahead = load_band(*bands[0])  # first: the Tensor engine waits for it and for the weights
+
+    # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
+    # shifted copy), then per matmul rearranged on chip into [C tile, O] of tap a (and [C, O] of tap b), each
+    # output channel's column times the epilogue's scale
+    raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
+    for j, (c0, ct) in enumerate(c_tiles):
+        for copy in range(pairs.copies):
+            queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
+                       hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
+                           ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
+    columns, rows_ = _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles,
+                                         min(cin, parts) * pairs.copies)
+    for j, (c0, ct) in enumerate(c_tiles):
+        for m, matmul in enumerate(pairs.matmuls):
+            for copy, tap in enumerate(matmul):
+                if tap is None:
+                    continue
+                dst = _from(_free(wtile, (j * n_matmuls + m) * cout, ct, (1, cout)), copy * ct)
+                src = _from(_free(raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct)
+                if epi.scale is None:
+                    engines.emit(Opcode.TENSOR_COPY, dst, src)
+                elif epi.scale[0] == "imm":
+                    engines.emit(Opcode.TENSOR_SCALAR, dst, src, alu=AluOp.MULTIPLY, imm0=float(epi.scale[1]))
+                else:
+                    scale = _from(_free(rows_[epi.scale], 0, ct, (1, cout)), copy * ct)
+                    engines.emit(Opcode.TENSOR_TENSOR, dst, src, scale, alu=AluOp.MULTIPLY)
+
+    def stationary(j, m, o0, ot):
+        rows = c_tiles[j][1] * (1 if pairs.matmuls[m][1] is None else 2)
+        return _free(wtile, (j * n_matmuls + m) * cout + o0, rows, (1, ot))
+
     def block(n, r0, band, q0, rows, t, o0, ot, result):
         """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's result."""
         acc = psum.next().ap(ot, rows * pitch)
@@ -181,7 +238,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                         _free(band, element, ct * (1 if b is None else 2), (1, rows * pitch)),
                         accumulate=j + m > 0)
         shape = (ot, rows, ow)
-        loaded = {("input", 0): dataclasses.replace(acc, dims=((1, ot), (pitch, rows), (1, ow)))}
+        loaded = {("input", 0): _rows_of(acc, rows, pitch, ow)}
         row = r0 + q0
         for i, extra in enumerate(extras, start=2):
             if i in per_channel:
@@ -191,22 +248,47 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             queues.load(tile, hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + row * sy) * extra.dtype.itemsize,
                              ((sc, ot), (sy, rows), (sx, ow))))
             loaded[("input", i - 1)] = tile
-        temps = {}
+        temps: dict = {}
         results: dict = {}
-        for j, (step, kind) in enumerate(zip(body, kinds)):
-            if kind == "channel":
-                continue
-            if j == len(body) - 1:
-                out = _free(result, q0 * ow, ot, (ow, rows), (1, ow))
+
+        def tile_of(j):
+            """The (block view, whole rows) of step j's tile: the result's, or a temporary's."""
+            if j == final:
+                whole = _free(result, q0 * pitch, ot, (1, rows * pitch))
             else:
                 if slots[j] not in temps:
                     temps[slots[j]] = made[f"temp{slots[j]}"].next()
-                out = temps[slots[j]].ap(*shape, dtype=step.dtype)
+                whole = temps[slots[j]].ap(ot, rows * pitch, dtype=body[j].dtype)
+            return _rows_of(whole, rows, pitch, ow), whole
+
+        whole_acc = acc
+        if epi.folded is not None:  # acc * scale, plus the shift now unless an activation takes it as its bias
+            if epi.shift is None or epi.biased is not None:
+                results[epi.folded] = loaded[("input", 0)]
+            else:
+                view, whole = tile_of(epi.folded) if epi.folded == final else (None, None)
+                if whole is None:
+                    whole = made["shifted"].next().ap(ot, rows * pitch)
+                    view = _rows_of(whole, rows, pitch, ow)
+                _activate(em, ActFunc.IDENTITY, whole, whole_acc, epi.shift, columns, t, ot, made)
+                results[epi.folded] = view
+        for j, (step, kind) in enumerate(zip(body, kinds)):
+            if kind != "element":
+                continue
+            out, whole = tile_of(j)
+            if j == epi.biased:  # func(x + shift), x the value so far read whole (with its dropped columns)
+                (x_arg,) = [a for a in step.args if a[0] == "step"]
+                source = results[x_arg[1]]
+                source_whole = whole_acc if source is loaded[("input", 0)] else _whole_of(source, rows, pitch)
+                func = ActFunc.RELU if step.op is Op.MAXIMUM else ACTIVATIONS[step.op]
+                _activate(em, func, whole, source_whole, epi.shift, columns, t, ot, made)
+                results[j] = out
+                continue
             args = []
             for a, ref in step.args:
                 if a == "imm":
                     args.append(float(ref))
-                elif a == "step" and kinds[ref] == "element":
+                elif a == "step" and kinds[ref] != "channel":
                     args.append(results[ref])
                 elif (a, ref) in loaded:
                     args.append(loaded[(a, ref)])
@@ -215,8 +297,6 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             engines.compute(step, out, args, constants, node.loc)
             results[j] = out
 
-    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
-    ahead = load_band(*bands[0])
     for index, (n, r0) in enumerate(bands):
         band = ahead
         if index + 1 < len(bands):  # the next band loads while this one is multiplied
@@ -229,4 +309,4 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             # stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones
             # wait on each other less
             queues.store(hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + r0) * ow) * node.dtype.itemsize,
-                             ((oh * ow, ot), (1, height * ow))), _free(result, 0, ot, (1, height * ow)))
+                             ((oh * ow, ot), (ow, height), (1, ow))), _free(result, 0, ot, (pitch, height), (1, ow)))

@@ -216,6 +216,99 @@ def epilogue_body(node: Node) -> tuple:
     return node.attrs.get("epilogue") or (Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
 
 
+@dataclasses.dataclass(frozen=True)
+class EpiloguePlan:
+    """How the kernel computes its epilogue. Its first element steps, while each is the previous value (at first,
+    the accumulator) plus, minus, times or over a per-channel value (a bias, a BatchNorm's mean, scale and
+    shift), make acc * scale + shift: the scale is folded into the weights (w[o] * scale[o], as BatchNorm
+    folding does; eager's own BatchNorm computes x * scale + shift too), the shift is the bias of the Scalar
+    engine's activation (ACTIVATE_BIAS_REDUCE, one value per partition), of the activation step that follows
+    (after any additions of other inputs, such as a residual) or of an identity. The steps `body` adds after
+    the epilogue's make the scale and the shift, once per channel."""
+
+    body: tuple  # the epilogue's steps, then the per-channel steps making scale and shift
+    kinds: tuple  # per step: "channel", "element", or "folded" (into scale and shift)
+    scale: tuple | None  # ("step", j) or ("imm", v): the per-channel factor folded into the weights
+    shift: tuple | None  # ("step", j) or ("imm", v): the per-channel value added as an activation's bias
+    folded: int | None  # the last folded step: its value is acc * scale (+ shift unless `biased`)
+    biased: int | None  # the activation step whose bias is the shift (after additions of other inputs)
+
+
+AFFINE = {Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE}
+ACTIVATION_OPS = {Op.EXP, Op.TANH, Op.LOGISTIC, Op.GELU, Op.ERF, Op.SQRT, Op.RSQRT, Op.ABS}  # and max(x, 0)
+
+
+def epilogue_plan(node: Node) -> EpiloguePlan:
+    body = list(epilogue_body(node))
+    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
+    plain = EpiloguePlan(tuple(body), tuple(kinds), None, None, None, None)
+    x, w = node.inputs[:2]
+    if not node.attrs.get("epilogue") or x.dtype != DType.F32 or w.dtype != DType.F32:
+        return plain
+
+    per_channel = channel_inputs(node)
+
+    def channel_value(arg) -> bool:
+        return (arg[0] == "imm" or (arg[0] == "input" and arg[1] != 0 and arg[1] + 1 in per_channel)
+                or (arg[0] == "step" and kinds[arg[1]] == "channel"))
+
+    def combine(op, a, b):
+        if a is None or b is None:
+            return a if b is None else b
+        if a[0] == b[0] == "imm":
+            value = {Op.ADD: a[1] + b[1], Op.SUBTRACT: a[1] - b[1], Op.MULTIPLY: a[1] * b[1]}.get(op)
+            if value is not None:
+                return ("imm", value)
+        body.append(Step(op, (a, b), DType.F32, {}))
+        kinds.append("channel")
+        return ("step", len(body) - 1)
+
+    chain, scale, shift, folded = ("input", 0), None, None, None
+    for j, step in enumerate(list(body)):
+        if kinds[j] == "channel":
+            continue
+        if step.op not in AFFINE or step.dtype != DType.F32 or chain not in step.args or len(set(step.args)) != 2:
+            break
+        c = step.args[1] if step.args[0] == chain else step.args[0]
+        if not channel_value(c) or (chain[0] == "step" and users[chain[1]] != [j]):
+            break
+        first = step.args[0] == chain
+        if step.op is Op.ADD:
+            shift = combine(Op.ADD, shift, c)
+        elif step.op is Op.SUBTRACT and first:
+            shift = combine(Op.SUBTRACT, shift if shift is not None else ("imm", 0.0), c)
+        elif step.op is Op.SUBTRACT:  # c - value
+            scale = combine(Op.MULTIPLY, scale if scale is not None else ("imm", 1.0), ("imm", -1.0))
+            shift = combine(Op.SUBTRACT, c, shift) if shift is not None else c
+        elif step.op is Op.MULTIPLY:
+            scale, shift = combine(Op.MULTIPLY, scale, c), None if shift is None else combine(Op.MULTIPLY, shift, c)
+        elif first:  # value / c
+            scale = combine(Op.DIVIDE, scale if scale is not None else ("imm", 1.0), c)
+            shift = None if shift is None else combine(Op.DIVIDE, shift, c)
+        else:
+            break
+        kinds[j], chain, folded = "folded", ("step", j), j
+    if folded is None:
+        return plain
+    # additions of other values, then an activation: the shift is the activation's bias
+    biased, value = None, chain
+    for j in range(folded + 1, len(body)):
+        step = body[j]
+        if kinds[j] != "element":
+            continue
+        if value[0] == "step" and users[value[1]] != [j]:
+            break
+        relu = step.op is Op.MAXIMUM and set(step.args) == {value, ("imm", 0.0)}
+        if relu or (step.op in ACTIVATION_OPS and step.args == (value,)):
+            biased = j if shift is not None and step.dtype == DType.F32 else None
+            break
+        if step.op is not Op.ADD or value not in step.args or step.dtype != DType.F32 or len(set(step.args)) != 2:
+            break
+        value = ("step", j)
+    return EpiloguePlan(tuple(body), tuple(kinds), scale, shift, folded, biased)
+
+
 def element_slots(body, kinds) -> tuple:
     """Linear-scan slots of the per-element steps' temporaries (the last step writes the result tile):
     (slot per step or None, number of slots)."""
@@ -250,24 +343,32 @@ def pools(node: Node, tiling: ConvTiling) -> dict:
     exactly these."""
     g = geometry(node)
     x, w, *extras = node.inputs
-    body = epilogue_body(node)
-    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    plan = epilogue_plan(node)
+    body, kinds = plan.body, plan.kinds
     _, temps = element_slots(body, kinds)
     per_channel = channel_inputs(node)
-    block = tiling.rows * g.out[1]
+    block = tiling.rows * g.pitch  # element tiles keep the accumulator's rows of `pitch` elements
     co_tiles = -(-g.out_channels // 128)
     pairs = tap_pairs(g, tiling.band, 128)
     found = {
         "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band, pairs.delta), INPUT_BUFS),
         "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
         "weights": (w.dtype, g.c_tiles * g.out_channels * len(pairs.matmuls), 1),
-        "result": (node.dtype, tiling.band * g.out[1], 2),
+        "result": (node.dtype, tiling.band * g.pitch, 2),
     }
     for i, extra in enumerate(extras, start=2):
         found[f"extra{i}"] = (extra.dtype, co_tiles, 1) if i in per_channel else (extra.dtype, block, 2)
+        if i in per_channel and plan.scale is not None:  # along the free axis too, for the weights' scale
+            found[f"extra_row{i}"] = (extra.dtype, g.out_channels, 1)
     for j, kind in enumerate(kinds):
         if kind == "channel":
             found[f"channel{j}"] = (DType.F32, 2 * co_tiles, 1)  # room for 8-byte dtypes
+            if plan.scale is not None:
+                found[f"channel_row{j}"] = (DType.F32, 2 * g.out_channels, 1)
+    if plan.shift is not None:
+        found["row_sum"] = (DType.F32, 1, 2)
+        if plan.biased is None and plan.folded != max(j for j, k in enumerate(kinds) if k != "channel"):
+            found["shifted"] = (DType.F32, block, 2)
     found.update({f"temp{t}": (DType.F32, 2 * block, 2) for t in range(temps)})
     if any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body):
         found["constants"] = (DType.F32, 2 * block, 2)
@@ -307,10 +408,11 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     g = geometry(node)
     x, w, *extras = node.inputs
     per_channel = channel_inputs(node)
-    kinds = step_kinds(node) if node.attrs.get("epilogue") else ["element"]
+    plan = epilogue_plan(node)
+    steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
     return min(options, key=lambda t: conv_ns(g, t, tap_pairs(g, t.band, target.partitions), x.dtype, node.dtype,
-                                              element_bytes, kinds.count("element"), target))
+                                              element_bytes, steps, target))
 
 
 def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
