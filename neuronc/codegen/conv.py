@@ -16,7 +16,7 @@ from neuronc.ir import Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
-                                 pools, tap_pairs)
+                                 pools)
 from neuronc.passes.memory_plan import MemoryPlan
 
 
@@ -47,13 +47,13 @@ class _Queues:
     def __init__(self, em: Emitter, store_queues: int):
         self.em, self.stores, self.turn = em, store_queues, 0
 
-    def _slices(self, dst: AccessPattern, src: AccessPattern, most: int) -> list:
+    def _slices(self, dst: AccessPattern, src: AccessPattern, most: int, by_bytes: bool = True) -> list:
         t = self.em.target
         on_chip = dst if dst.space != Space.HBM else src
         rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
         nbytes = on_chip.num_elements * on_chip.dtype.itemsize
         smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
-        most = max(1, min(most, nbytes // smallest, rows // group))
+        most = max(1, min(most, nbytes // smallest if by_bytes else most, rows // group))
         pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
             if rows % group == 0 else 1
         return [(_rows(dst, rows * k // pieces, rows * (k + 1) // pieces),
@@ -69,12 +69,15 @@ class _Queues:
             self._emit(self.stores + self.turn % loaders, *piece)
             self.turn += 1
 
-    def store(self, dst: AccessPattern, src: AccessPattern) -> None:
-        """Slices of neighbouring channels share an HBM page: the even ones go first, so that each odd one waits
-        for its two neighbours, running side by side, rather than for a chain of them."""
-        pieces = self._slices(dst, src, self.stores)
-        for k in [*range(0, len(pieces), 2), *range(1, len(pieces), 2)]:
-            self._emit(k, *pieces[k])
+    def store(self, parts: list) -> None:
+        """Store (dst, src) parts of the same channels (the rows of each half): slice k of every part on store queue
+        k, where it shares pages with slice k of the other parts and of the other stores. Slices of neighbouring
+        channels share an HBM page too: the even ones go first, so that each odd one waits for its two
+        neighbours, running side by side, rather than for a chain of them."""
+        pieces = [self._slices(dst, src, self.stores, by_bytes=False) for dst, src in parts]
+        for k in [*range(0, len(pieces[0]), 2), *range(1, len(pieces[0]), 2)]:
+            for part in pieces:
+                self._emit(k, *part[k])
 
 
 def _rows_of(whole: AccessPattern, rows: int, pitch: int, ow: int) -> AccessPattern:
@@ -95,9 +98,10 @@ def _activate(em: Emitter, func, out, source, shift, columns, t, ot, made) -> No
             _free(columns[shift], t, ot, (1, 1)), func=func, imm0=1.0)
 
 
-def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, weight_rows) -> tuple:
-    """The epilogue's per-channel inputs and steps, once: ({value: [O tile, O tiles] tile, column t for O tile t},
-    {value: [weight rows, O] tile, the same values along the free axis, when the weights are scaled})."""
+def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, weight_rows, halves) -> tuple:
+    """The epilogue's per-channel inputs and steps, once: ({value: [O tile, O tiles] tile, column t for O tile t,
+    repeated on partitions [O, 2O) with two halves}, {value: [weight rows, O] tile, the same values along the
+    free axis, when the weights are scaled})."""
     x, w, *extras = node.inputs
     parts, cout = em.target.partitions, node.shape[1]
     views = node.attrs.get("views") or (None,) * len(node.inputs)
@@ -107,8 +111,10 @@ def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, wei
         extra, (offset, strides) = extras[i - 2], views[i]
         tile = made[f"extra{i}"].next().ap(parts, 1)
         for t, (o0, ot) in enumerate(o_tiles):
-            queues.load(_free(tile, t, ot, (1, 1)), hbm(extra.dtype, plan.offset(extra) + (offset + o0 * strides[1])
-                                                        * extra.dtype.itemsize, ((strides[1], ot), (1, 1))))
+            for half in range(halves):
+                queues.load(_from(_free(tile, t, ot, (1, 1)), half * ot),
+                            hbm(extra.dtype, plan.offset(extra) + (offset + o0 * strides[1]) * extra.dtype.itemsize,
+                                ((strides[1], ot), (1, 1))))
         columns[("input", i - 1)] = tile
         if epi.scale is not None:
             row = made[f"extra_row{i}"].next().ap(weight_rows, cout)
@@ -120,8 +126,8 @@ def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, wei
             continue
         tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
         for t, (o0, ot) in enumerate(o_tiles):
-            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot, (1, 1)) for a, ref in step.args]
-            engines.compute(step, _free(tile, t, ot, (1, 1)), args, constants, node.loc)
+            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot * halves, (1, 1)) for a, ref in step.args]
+            engines.compute(step, _free(tile, t, ot * halves, (1, 1)), args, constants, node.loc)
         columns[("step", j)] = tile
         if epi.scale is not None:
             row = made[f"channel_row{j}"].next().ap(weight_rows, cout, dtype=step.dtype)
@@ -154,9 +160,10 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     constants = made.get("constants")
 
-    pairs = tap_pairs(g, tiling.band, parts)
+    pairs = tiling.plan(g, parts)
+    halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
     n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
-    band_elements = g.band_elements(tiling.band, margin)
+    band_elements = g.band_elements(tiling.band + halves - 1, margin)
     # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
     # which move from band to band, are zeroed again with each band
     width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts) * pairs.copies
@@ -169,7 +176,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     for name, pool in made.items():
         if name.startswith("temp"):
             for _ in range(pool.bufs):
-                engines.emit(Opcode.MEMSET, pool.next().ap(parts, 2 * tiling.rows * pitch), imm0=0.0)
+                engines.emit(Opcode.MEMSET, pool.next().ap(parts, 2 * tiling.rows // halves * pitch), imm0=0.0)
 
     def load_band(n, r0):
         """The tile of the input rows of output rows [r0, r0 + band) of image n: its planes filled, the rows
@@ -199,22 +206,25 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     ahead = load_band(*bands[0])  # first: the Tensor engine waits for it and for the weights
 
     # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
-    # shifted copy), then per matmul rearranged on chip into [C tile, O] of tap a (and [C, O] of tap b), each
-    # output channel's column times the epilogue's scale
+    # shifted copy), then per matmul rearranged on chip into its stationary [C tile (x 2), O (x 2)], each block
+    # a tap's [C, O] (or zeros), each output channel's column times the epilogue's scale
     raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
+    m_size = cout * halves if halves == 2 else cout  # columns of one matmul's stationary
+    if any(len(blocks) < pairs.copies * halves for _, blocks in pairs.matmuls):
+        size = len(c_tiles) * n_matmuls * m_size
+        for start in range(0, size, most):
+            engines.emit(Opcode.MEMSET, _free(wtile, start, used, (1, min(most, size - start))), imm0=0.0)
     for j, (c0, ct) in enumerate(c_tiles):
         for copy in range(pairs.copies):
             queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
                        hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
                            ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
     columns, rows_ = _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles,
-                                         min(cin, parts) * pairs.copies)
+                                         min(cin, parts) * pairs.copies, halves)
     for j, (c0, ct) in enumerate(c_tiles):
-        for m, matmul in enumerate(pairs.matmuls):
-            for copy, tap in enumerate(matmul):
-                if tap is None:
-                    continue
-                dst = _from(_free(wtile, (j * n_matmuls + m) * cout, ct, (1, cout)), copy * ct)
+        for m, (_, blocks) in enumerate(pairs.matmuls):
+            for copy, mh, tap in blocks:
+                dst = _from(_free(wtile, (j * n_matmuls + m) * m_size + mh * cout, ct, (1, cout)), copy * ct)
                 src = _from(_free(raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct)
                 if epi.scale is None:
                     engines.emit(Opcode.TENSOR_COPY, dst, src)
@@ -225,28 +235,34 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                     engines.emit(Opcode.TENSOR_TENSOR, dst, src, scale, alu=AluOp.MULTIPLY)
 
     def stationary(j, m, o0, ot):
-        rows = c_tiles[j][1] * (1 if pairs.matmuls[m][1] is None else 2)
-        return _free(wtile, (j * n_matmuls + m) * cout + o0, rows, (1, ot))
+        k_rows = c_tiles[j][1] * (2 if any(copy for copy, _, _ in pairs.matmuls[m][1]) else 1)
+        return _free(wtile, (j * n_matmuls + m) * m_size + o0, k_rows, (1, ot * halves))
 
     def block(n, r0, band, q0, rows, t, o0, ot, result):
-        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's result."""
-        acc = psum.next().ap(ot, rows * pitch)
-        for j, (c0, ct) in enumerate(c_tiles):
-            for m, (a, b) in enumerate(pairs.matmuls):
-                element = j * band_elements + margin + g.tap_offset(taps[a], tiling.band) + q0 * pitch
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j, m, o0, ot),
-                        _free(band, element, ct * (1 if b is None else 2), (1, rows * pitch)),
-                        accumulate=j + m > 0)
-        shape = (ot, rows, ow)
-        loaded = {("input", 0): _rows_of(acc, rows, pitch, ow)}
+        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's result: `lines`
+        rows of `pitch` in PSUM, the output row r0 + q0 + halves * line + half on partitions [half * ot, ...)."""
+        lines, width = rows // halves, ot * halves
+        acc = psum.next().ap(width, lines * pitch)
+        spans = [(i * pitch, pitch) for i in range(lines)] if halves == 2 else [(0, rows * pitch)]
+        for s_, (start, size) in enumerate(spans):
+            for j, (c0, ct) in enumerate(c_tiles):
+                for m, (a, blocks) in enumerate(pairs.matmuls):
+                    element = j * band_elements + margin + a + (q0 + halves * s_) * pitch
+                    k_rows = ct * (2 if any(copy for copy, _, _ in blocks) else 1)
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, _free(acc, start, width, (1, size)), stationary(j, m, o0, ot),
+                            _free(band, element, k_rows, (1, size)), accumulate=j + m > 0)
+        shape = (width, lines, ow)
+        loaded = {("input", 0): _rows_of(acc, lines, pitch, ow)}
         row = r0 + q0
         for i, extra in enumerate(extras, start=2):
             if i in per_channel:
                 continue
             offset, (sn, sc, sy, sx) = views[i] or (0, (cout * oh * ow, oh * ow, ow, 1))
             tile = made[f"extra{i}"].next().ap(*shape)
-            queues.load(tile, hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + row * sy) * extra.dtype.itemsize,
-                             ((sc, ot), (sy, rows), (sx, ow))))
+            for half in range(halves):
+                queues.load(_from(_free(tile, 0, ot, (ow, lines), (1, ow)), half * ot),
+                            hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + (row + half) * sy)
+                                * extra.dtype.itemsize, ((sc, ot), (halves * sy, lines), (sx, ow))))
             loaded[("input", i - 1)] = tile
         temps: dict = {}
         results: dict = {}
@@ -254,12 +270,12 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         def tile_of(j):
             """The (block view, whole rows) of step j's tile: the result's, or a temporary's."""
             if j == final:
-                whole = _free(result, q0 * pitch, ot, (1, rows * pitch))
+                whole = _free(result, q0 // halves * pitch, width, (1, lines * pitch))
             else:
                 if slots[j] not in temps:
                     temps[slots[j]] = made[f"temp{slots[j]}"].next()
-                whole = temps[slots[j]].ap(ot, rows * pitch, dtype=body[j].dtype)
-            return _rows_of(whole, rows, pitch, ow), whole
+                whole = temps[slots[j]].ap(width, lines * pitch, dtype=body[j].dtype)
+            return _rows_of(whole, lines, pitch, ow), whole
 
         whole_acc = acc
         if epi.folded is not None:  # acc * scale, plus the shift now unless an activation takes it as its bias
@@ -268,9 +284,9 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             else:
                 view, whole = tile_of(epi.folded) if epi.folded == final else (None, None)
                 if whole is None:
-                    whole = made["shifted"].next().ap(ot, rows * pitch)
-                    view = _rows_of(whole, rows, pitch, ow)
-                _activate(em, ActFunc.IDENTITY, whole, whole_acc, epi.shift, columns, t, ot, made)
+                    whole = made["shifted"].next().ap(width, lines * pitch)
+                    view = _rows_of(whole, lines, pitch, ow)
+                _activate(em, ActFunc.IDENTITY, whole, whole_acc, epi.shift, columns, t, width, made)
                 results[epi.folded] = view
         for j, (step, kind) in enumerate(zip(body, kinds)):
             if kind != "element":
@@ -279,9 +295,9 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if j == epi.biased:  # func(x + shift), x the value so far read whole (with its dropped columns)
                 (x_arg,) = [a for a in step.args if a[0] == "step"]
                 source = results[x_arg[1]]
-                source_whole = whole_acc if source is loaded[("input", 0)] else _whole_of(source, rows, pitch)
+                source_whole = whole_acc if source is loaded[("input", 0)] else _whole_of(source, lines, pitch)
                 func = ActFunc.RELU if step.op is Op.MAXIMUM else ACTIVATIONS[step.op]
-                _activate(em, func, whole, source_whole, epi.shift, columns, t, ot, made)
+                _activate(em, func, whole, source_whole, epi.shift, columns, t, width, made)
                 results[j] = out
                 continue
             args = []
@@ -293,7 +309,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 elif (a, ref) in loaded:
                     args.append(loaded[(a, ref)])
                 else:  # a per-channel value, read along the block with stride 0
-                    args.append(_free(columns[(a, ref)], t, ot, (0, rows), (0, ow)))
+                    args.append(_free(columns[(a, ref)], t, width, (0, lines), (0, ow)))
             engines.compute(step, out, args, constants, node.loc)
             results[j] = out
 
@@ -308,5 +324,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 block(n, r0, band, q0, min(tiling.rows, height - q0), t, o0, ot, result)
             # stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones
             # wait on each other less
-            queues.store(hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + r0) * ow) * node.dtype.itemsize,
-                             ((oh * ow, ot), (ow, height), (1, ow))), _free(result, 0, ot, (pitch, height), (1, ow)))
+            queues.store([(hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + r0 + half) * ow)
+                               * node.dtype.itemsize, ((oh * ow, ot), (halves * ow, height // halves), (1, ow))),
+                           _from(_free(result, 0, ot, (pitch, height // halves), (1, ow)), half * ot))
+                          for half in range(halves)])

@@ -90,47 +90,67 @@ class ConvGeometry:
 
 
 @dataclasses.dataclass(frozen=True)
-class TapPairs:
-    """Taps two at a time: with C <= 64 input channels, a second copy of the band on partitions [C, 2C),
-    shifted `delta` elements, lets one matmul contract 2C rows: taps a and b whose offsets differ by delta.
-    The first copy starts `delta` elements into the tile (its margin), so the shifted one starts at 0."""
+class TapPlan:
+    """Which taps each matmul computes. A 128 x 128 Tensor engine multiplying C <= 64 input channels into O <= 64
+    output channels is a quarter used; two ways fill it:
 
-    delta: int  # 0: one copy, one tap per matmul
-    matmuls: tuple  # per matmul, (tap a, tap b or None)
+    - on K (C <= 64): a second copy of the band on partitions [C, 2C), shifted `delta` elements, so the moving
+      operand holds the input at two offsets, a and a + delta: two taps per matmul;
+    - on M (O <= 64, `halves` 2): the output partitions [O, 2O) compute the next output row, whose taps read
+      one row (`pitch` elements) further: the same moving operand serves tap t of this row and the tap one
+      kernel row above of the next. Each matmul then makes one row of each half (N = pitch).
+
+    A matmul is (a, blocks): its moving operand starts `a` elements into the band (relative to its output
+    row), and each block (k half, m half, tap) of its stationary holds that tap's weights; other blocks are zero."""
+
+    delta: int  # 0: one copy of the band
+    halves: int  # 1, or 2: the upper output partitions make the next row
+    matmuls: tuple
 
     @property
     def copies(self) -> int:
         return 2 if self.delta else 1
 
 
-def tap_pairs(g: ConvGeometry, band: int, partitions: int) -> TapPairs:
-    """The shift pairing the most taps (fewest matmuls), the smallest on a tie; unpaired when C > partitions / 2."""
+def tap_plan(g: ConvGeometry, band: int, partitions: int, halves: int = 1) -> TapPlan:
+    """The fewest matmuls covering every (tap, half), by a greedy cover over the candidate offsets, for the best
+    shift of the second copy (or none)."""
     offsets = [g.tap_offset(tap, band) for tap in g.taps]
-    best = TapPairs(0, tuple((k, None) for k in range(len(offsets))))
-    if g.c_tiles != 1 or 2 * g.channels > partitions:
-        return best
-    at = {offset: k for k, offset in enumerate(offsets)}
-    for delta in sorted({b - a for a in offsets for b in offsets if b > a}):
-        paired, matmuls = set(), []
-        for k in sorted(range(len(offsets)), key=offsets.__getitem__):
-            if k in paired:
-                continue
-            partner = at.get(offsets[k] + delta)
-            partner = None if partner in paired else partner
-            matmuls.append((k, partner))
-            paired.update({k, partner} - {None})
-        if len(matmuls) < len(best.matmuls):
-            best = TapPairs(delta, tuple(matmuls))
+    deltas = [0]
+    if g.c_tiles == 1 and 2 * g.channels <= partitions:
+        deltas += sorted({b - a for a in offsets for b in offsets if b > a} | {g.pitch})
+    best = None
+    for delta in deltas:
+        k_halves = (0, 1) if delta else (0,)
+        where = {(offsets[t] + mh * g.pitch - kh * delta, kh, mh): t for t in range(len(offsets))
+                 for kh in k_halves for mh in range(halves)}
+        left = {(t, mh) for t in range(len(offsets)) for mh in range(halves)}
+        matmuls = []
+        while left:
+            def covered(a):
+                return [(kh, mh, where[(a, kh, mh)]) for kh in k_halves for mh in range(halves)
+                        if (a, kh, mh) in where and (where[(a, kh, mh)], mh) in left]
+            a = min({offset for offset, _, _ in where}, key=lambda a: (-len(covered(a)), a))
+            blocks = covered(a)
+            left -= {(t, mh) for _, mh, t in blocks}
+            matmuls.append((a, tuple(blocks)))
+        if best is None or len(matmuls) < len(best.matmuls):
+            best = TapPlan(delta, halves, tuple(matmuls))
     return best
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvTiling:
-    rows: int  # output rows per PSUM accumulator block (rows x pitch <= one bank)
+    rows: int  # output rows per PSUM accumulator block (rows / halves x pitch <= one bank)
     band: int  # output rows whose input rows are loaded at once (a multiple of rows, or all of them)
+    halves: int = 1  # 2: output rows two at a time on the output partitions (TapPlan)
 
     def __str__(self) -> str:
-        return f"{self.rows} rows/block, {self.band} rows/band"
+        pairs = ", row pairs" if self.halves == 2 else ""
+        return f"{self.rows} rows/block, {self.band} rows/band{pairs}"
+
+    def plan(self, g: ConvGeometry, partitions: int) -> TapPlan:
+        return tap_plan(g, self.band, partitions, self.halves)
 
 
 def geometry(node: Node) -> ConvGeometry:
@@ -347,14 +367,14 @@ def pools(node: Node, tiling: ConvTiling) -> dict:
     body, kinds = plan.body, plan.kinds
     _, temps = element_slots(body, kinds)
     per_channel = channel_inputs(node)
-    block = tiling.rows * g.pitch  # element tiles keep the accumulator's rows of `pitch` elements
+    block = tiling.rows // tiling.halves * g.pitch  # element tiles keep the accumulator's rows of `pitch` elements
     co_tiles = -(-g.out_channels // 128)
-    pairs = tap_pairs(g, tiling.band, 128)
+    taps = tiling.plan(g, 128)
     found = {
-        "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band, pairs.delta), INPUT_BUFS),
+        "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band + tiling.halves - 1, taps.delta), INPUT_BUFS),
         "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
-        "weights": (w.dtype, g.c_tiles * g.out_channels * len(pairs.matmuls), 1),
-        "result": (node.dtype, tiling.band * g.pitch, 2),
+        "weights": (w.dtype, g.c_tiles * g.out_channels * tiling.halves * len(taps.matmuls), 1),
+        "result": (node.dtype, tiling.band // tiling.halves * g.pitch, 2),
     }
     for i, extra in enumerate(extras, start=2):
         found[f"extra{i}"] = (extra.dtype, co_tiles, 1) if i in per_channel else (extra.dtype, block, 2)
@@ -385,18 +405,21 @@ def candidates(node: Node, target: Target) -> list:
     g = geometry(node)
     oh = g.out[0]
     bank = target.psum_bank_bytes // DType.F32.itemsize
-    widest = min(oh, bank // g.pitch, target.matmul_max_n // g.pitch)
-    if widest < 1 or g.out[1] > target.max_free_elements_psum:
+    if g.pitch > min(bank, target.matmul_max_n) or g.out[1] > target.max_free_elements_psum:
         return []
-    rows_options = {widest, -(-oh // -(-oh // widest))}
     found = []
-    for rows in sorted(rows_options):
-        band = rows
-        while True:
-            found.append(ConvTiling(rows, min(band, oh)))
-            if band >= oh:
-                break
-            band *= 2
+    for halves in (1, 2) if 2 * g.out_channels <= target.partitions and oh % 2 == 0 and oh > 1 else (1,):
+        widest = min(oh, halves * (bank // g.pitch), halves * (target.matmul_max_n // g.pitch)) // halves * halves
+        if widest < halves:
+            continue
+        blocks = -(-oh // widest)
+        for rows in sorted({widest, -(-oh // blocks // halves) * halves}):
+            band = rows
+            while True:
+                found.append(ConvTiling(rows, min(band, oh), halves))
+                if band >= oh:
+                    break
+                band *= 2
     return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t) <= target.sbuf_bytes_per_partition]
 
 
@@ -411,7 +434,7 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     plan = epilogue_plan(node)
     steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
-    return min(options, key=lambda t: conv_ns(g, t, tap_pairs(g, t.band, target.partitions), x.dtype, node.dtype,
+    return min(options, key=lambda t: conv_ns(g, t, t.plan(g, target.partitions), x.dtype, node.dtype,
                                               element_bytes, steps, target))
 
 

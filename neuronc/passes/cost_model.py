@@ -123,10 +123,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     return max(tensor, dma, epilogue) + first
 
 
-def conv_ns(geometry, tiling, pairs, x_dtype, out_dtype, element_extras_bytes: int, element_steps: int,
+def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: int, element_steps: int,
             target: Target) -> float:
-    """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and tap `pairs`, with
-    the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per tap pair, C tile and block of
+    """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and `taps` (a TapPlan), with
+    the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per entry of the plan, C tile and block of
     rows x pitch), the DMA queues (each band's input rows per C tile, the result and per-element epilogue
     inputs per block, the weights once) and the epilogue's two ALU engines, plus the first band's load."""
     from neuronc.isa import DType
@@ -137,16 +137,19 @@ def conv_ns(geometry, tiling, pairs, x_dtype, out_dtype, element_extras_bytes: i
     co_tiles = -(-g.out_channels // target.matmul_max_m)
     bands = -(-oh // band)
     blocks = [min(rows, oh - r) for r in range(0, oh, rows)]
-    tensor = g.batch * co_tiles * g.c_tiles * len(pairs.matmuls) * sum(
-        _matmul_instr_ns(r * g.pitch, fp32, target) for r in blocks)
+    if tiling.halves == 2:  # a matmul per pair of rows, N = pitch
+        per_block = [r // 2 * _matmul_instr_ns(g.pitch, fp32, target) for r in blocks]
+    else:
+        per_block = [_matmul_instr_ns(r * g.pitch, fp32, target) for r in blocks]
+    tensor = g.batch * co_tiles * g.c_tiles * len(taps.matmuls) * sum(per_block)
     partitions = min(g.channels, target.partitions)
     band_bytes = partitions * g.phases * g.plane_elements(band) * x_dtype.itemsize
     band_total, band_first = strip_load_ns(partitions, band_bytes, g.strides[1] == 1, target)
-    loads = g.batch * bands * g.c_tiles * band_total * pairs.copies
+    loads = g.batch * bands * g.c_tiles * band_total * taps.copies
     out_rows = min(g.out_channels, target.partitions)
     stores = g.batch * co_tiles * sum(
         _dma_piece_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target) for r in blocks)
-    weights, _ = strip_load_ns(partitions, pairs.copies * partitions * g.c_tiles * g.out_channels * len(g.taps)
+    weights, _ = strip_load_ns(partitions, taps.copies * partitions * g.c_tiles * g.out_channels * len(g.taps)
                                * x_dtype.itemsize, True, target)
     dma = (loads + stores + weights) / target.dma_queues
     epilogue = g.batch * co_tiles * sum(max(1, element_steps) * _vector_ns(r * ow, 2, target) for r in blocks) / 2
