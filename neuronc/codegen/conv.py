@@ -168,10 +168,14 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     # which move from band to band, are zeroed again with each band
     width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts) * pairs.copies
     buffers = [made["input"].next() for _ in range(made["input"].bufs)]
-    for tile in buffers:
-        for start in range(0, width, most):
-            engines.emit(Opcode.MEMSET, _free(tile.ap(parts, 1), start, used, (1, min(most, width - start))), imm0=0.0)
     turn = iter(range(len(buffers) * (g.batch * -(-oh // tiling.band) + 1)))
+
+    def zero(tile):
+        for start in range(0, width, most):
+            em.emit(Opcode.MEMSET, Engine.GPSIMD, _free(tile.ap(parts, 1), start, used, (1, min(most, width - start))),
+                    imm0=0.0)
+
+    zero(buffers[0])  # the others before their first band
     # temporaries zeroed once too: the Scalar engine's activations read their rows whole (the dropped columns too)
     for name, pool in made.items():
         if name.startswith("temp"):
@@ -181,7 +185,10 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     def load_band(n, r0):
         """The tile of the input rows of output rows [r0, r0 + band) of image n: its planes filled, the rows
         of the padding zeroed."""
-        tile = buffers[next(turn) % len(buffers)].ap(parts, width)
+        number = next(turn)
+        if 0 < number < len(buffers):
+            zero(buffers[number])
+        tile = buffers[number % len(buffers)].ap(parts, width)
         rows = g.plane_rows(tiling.band)
         for j, (c0, ct) in enumerate(c_tiles):
             for ph in range(sh):
@@ -202,9 +209,6 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                        partition=copy * ct)
         return tile
 
-    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
-    ahead = load_band(*bands[0])  # first: the Tensor engine waits for it and for the weights
-
     # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
     # shifted copy), then per matmul rearranged on chip into its stationary [C tile (x 2), O (x 2)], each block
     # a tap's [C, O] (or zeros), each output channel's column times the epilogue's scale
@@ -221,6 +225,8 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                            ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
     columns, rows_ = _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles,
                                          min(cin, parts) * pairs.copies, halves)
+    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
+    ahead = load_band(*bands[0])
     for j, (c0, ct) in enumerate(c_tiles):
         for m, (_, blocks) in enumerate(pairs.matmuls):
             for copy, mh, tap in blocks:

@@ -447,4 +447,51 @@ def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
         tiling = choose_tiling(node, target)
         return None if tiling is None else dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling})
 
-    return fuse_epilogues(graph, Op.CONV, retile)
+    return _absorb_channel_producers(fuse_epilogues(graph, Op.CONV, retile), target)
+
+
+def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:
+    """A per-channel epilogue input made by an elementwise kernel read by the convolution alone (a BatchNorm's
+    1 / sqrt(var + eps)) is computed in the convolution's prologue instead, once per channel: its steps join
+    the epilogue ahead of the others, its inputs are read through the same view."""
+    from neuronc.passes.fusion import MAX_INPUTS, MAX_STEPS, _private_chain
+
+    consumers, outputs = graph.consumers(), set(graph.outputs)
+
+    def absorb(node, inputs):
+        if node.op is not Op.CONV or not node.attrs.get("epilogue"):
+            return None
+        body, views, new_inputs = list(node.attrs["epilogue"]), list(node.attrs["views"]), list(inputs)
+        for i in sorted(channel_inputs(node)):
+            chain = _private_chain(node, node.inputs[i], consumers, outputs)
+            producer = ir.unreshaped(inputs[i])
+            if chain is None or chain[-1].op not in ir.ELEMENTWISE | {Op.FUSED} or any(producer.attrs.get("views") or ()):
+                continue
+            head = ir.body_of(producer)
+            if any(x.shape != producer.shape for x in producer.inputs) or len(body) + len(head) > MAX_STEPS:
+                continue
+            first = len(new_inputs)  # the producer's inputs, read through the conv's view of the producer
+            new_inputs += producer.inputs
+            views += [views[i]] * len(producer.inputs)
+            shift = len(head)
+            head = [step._replace(args=tuple(("input", first - 1 + ref) if kind == "input" else (kind, ref)
+                                             for kind, ref in step.args)) for step in head]
+            body = head + [step._replace(args=tuple(
+                ("step", shift - 1) if (kind, ref) == ("input", i - 1) else ("step", ref + shift) if kind == "step"
+                else (kind, ref) for kind, ref in step.args)) for step in body]
+        if len(new_inputs) == len(inputs):
+            return None
+        # keep the inputs the body still reads (the accumulator's operands always)
+        read = sorted({ref + 1 for step in body for kind, ref in step.args if kind == "input" and ref > 0})
+        if len(read) > MAX_INPUTS:
+            return None
+        index = {old: new for new, old in enumerate([0, 1, *read])}
+        body = [step._replace(args=tuple(("input", index[ref + 1] - 1) if kind == "input" and ref > 0 else (kind, ref)
+                                         for kind, ref in step.args)) for step in body]
+        fused = dataclasses.replace(node, inputs=tuple(new_inputs[k] for k in [0, 1, *read]), id=next(ir._ids),
+                                    attrs={**node.attrs, "epilogue": tuple(body),
+                                           "views": tuple(views[k] for k in [0, 1, *read])})
+        tiling = choose_tiling(fused, target)
+        return None if tiling is None else dataclasses.replace(fused, attrs={**fused.attrs, "tiling": tiling})
+
+    return graph.rewrite(absorb)
