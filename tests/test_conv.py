@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
+from neuronc.targets import get_target
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -74,25 +75,28 @@ def test_taps_are_paired_on_the_partitions_when_there_are_at_most_64_input_chann
     torch.manual_seed(0)
     compiled, got, expected = _compiled(nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.randn(1, 64, 12, 12))
     (conv,) = _convs(compiled)
-    plan = tap_plan(geometry(conv), conv.attrs["tiling"].band, 128, halves=1)
+    plan = tap_plan(geometry(conv, get_target().partitions), conv.attrs["tiling"].band, halves=1)
     assert plan.copies == 2 and len(plan.matmuls) == 6  # 3 pairs of neighbouring columns + 3 single taps
     assert_matches_eager(got, expected)
 
 
-@pytest.mark.parametrize("shape", [(1, 64, 40, 70), (2, 32, 6, 9)], ids=["wide", "narrow"])
-def test_rows_are_paired_on_the_output_partitions_when_there_are_at_most_64_output_channels(shape):
+@pytest.mark.parametrize("shape, stride", [((1, 64, 40, 70), 1), ((2, 32, 6, 9), 1), ((1, 16, 20, 140), 2)],
+                         ids=["wide", "narrow", "strided"])
+def test_rows_are_paired_on_the_output_partitions_when_there_are_at_most_64_output_channels(shape, stride):
     from neuronc.passes.conv import geometry, tap_plan
 
     torch.manual_seed(0)
-    model = ConvBnRelu(nn.Conv2d(shape[1], shape[1], 3, padding=1, bias=False), norm=True, residual=True)
+    channels = shape[1]
+    model = ConvBnRelu(nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), norm=True,
+                       residual=stride == 1)
     compiled, got, expected = _compiled(model, torch.randn(*shape))
     (conv,) = _convs(compiled)
-    plan = tap_plan(geometry(conv), 8, 128, halves=2)
-    # the 18 (tap, row) products of two output rows in 6 matmuls (3 blocks of the 4 each), where one row at a
-    # time takes 6 matmuls per row
-    assert len(plan.matmuls) == 6
+    plan = tap_plan(geometry(conv, get_target().partitions), 8, halves=2)
+    # every (tap, row) product of two output rows exactly once, 18 in 6 matmuls (3 blocks of the 4 each)
     assert sorted((t, mh) for _, blocks in plan.matmuls for _, mh, t in blocks) == [(t, h) for t in range(9) for h in (0, 1)]
-    if shape[-1] > 64:  # rows wider than the Tensor engine's minimum interval: pairs of rows pay off
+    if stride == 1:
+        assert len(plan.matmuls) == 6  # where one row at a time takes 6 matmuls per row
+    if conv.shape[-1] > 64:  # rows wider than the Tensor engine's minimum interval: pairs of rows pay off
         assert conv.attrs["tiling"].halves == 2
     assert_matches_eager(got, expected)
 

@@ -138,7 +138,7 @@ def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, wei
 
 
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    g = geometry(node)
+    g = geometry(node, em.target.partitions)
     tiling = node.attrs["tiling"]
     x, w, *extras = node.inputs
     parts = em.target.partitions
@@ -146,7 +146,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     oh, ow = g.out
     pitch, taps, cin, cout = g.pitch, g.taps, g.channels, g.out_channels
     band_elements, plane_elements = None, g.plane_elements(tiling.band)
-    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling).items()}
+    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling, em.target.partitions).items()}
     psum = em.psum_pool(PSUM_BUFS)
     engines = _Balancer(em)
     queues = _Queues(em, STORE_QUEUES)
@@ -160,7 +160,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     constants = made.get("constants")
 
-    pairs = tiling.plan(g, parts)
+    pairs = tiling.plan(g)
     halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
     n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
     band_elements = g.band_elements(tiling.band + halves - 1, margin)

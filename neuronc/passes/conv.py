@@ -13,18 +13,24 @@ A stride s is read with a stride-1 pattern too: the band is stored as s_h x s_w 
 (y, x) of the padded input in plane (y mod s_h, x mod s_w) at (y div s_h, x div s_w)), and each tap reads
 one plane at the offset (kh d_h div s_h, kw d_w div s_w).
 
+With 64 channels or fewer the Tensor engine would be a quarter used: taps are paired on K (a shifted copy
+of the band on the upper partitions) and output rows on M (the upper output partitions make the next row),
+see `TapPlan`.
+
 The bias, BatchNorm(eval) scale and shift, activation and residual add reading the result become the
 kernel's epilogue (`fuse_conv_epilogues`), computed from PSUM on the way out; values the same for a whole
-output channel (a BatchNorm's rsqrt(var + eps)) are computed once per channel, not per element.
+output channel (a BatchNorm's rsqrt(var + eps)) are computed once per channel, not per element, and the
+affine head of the epilogue is folded into the weights and the activation's bias (`EpiloguePlan`).
 
-The tiling (rows per PSUM block, output rows per loaded band) is chosen by pricing the candidates that fit
-SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed convolutions,
+The tiling (rows per PSUM block, output rows per loaded band, rows paired or not) is chosen by pricing the
+candidates that fit SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed convolutions,
 rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path, as do those whose windows do not
 overlap (a patch embedding): im2col copies nothing twice there.
 """
 from __future__ import annotations
 
 import dataclasses
+
 from neuronc import ir
 from neuronc.ir import Node, Op, Step
 from neuronc.isa import DType
@@ -51,6 +57,7 @@ class ConvGeometry:
     strides: tuple
     padding: tuple  # ((top, bottom), (left, right))
     dilation: tuple
+    partitions: int  # the target's: channels are tiled by this many
 
     @property
     def taps(self) -> list:
@@ -86,7 +93,7 @@ class ConvGeometry:
 
     @property
     def c_tiles(self) -> int:
-        return -(-self.channels // 128)
+        return -(-self.channels // self.partitions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +119,12 @@ class TapPlan:
         return 2 if self.delta else 1
 
 
-def tap_plan(g: ConvGeometry, band: int, partitions: int, halves: int = 1) -> TapPlan:
+def tap_plan(g: ConvGeometry, band: int, halves: int = 1) -> TapPlan:
     """The fewest matmuls covering every (tap, half), by a greedy cover over the candidate offsets, for the best
     shift of the second copy (or none)."""
     offsets = [g.tap_offset(tap, band) for tap in g.taps]
     deltas = [0]
-    if g.c_tiles == 1 and 2 * g.channels <= partitions:
+    if g.c_tiles == 1 and 2 * g.channels <= g.partitions:
         deltas += sorted({b - a for a in offsets for b in offsets if b > a} | {g.pitch})
     best = None
     for delta in deltas:
@@ -149,16 +156,16 @@ class ConvTiling:
         pairs = ", row pairs" if self.halves == 2 else ""
         return f"{self.rows} rows/block, {self.band} rows/band{pairs}"
 
-    def plan(self, g: ConvGeometry, partitions: int) -> TapPlan:
-        return tap_plan(g, self.band, partitions, self.halves)
+    def plan(self, g: ConvGeometry) -> TapPlan:
+        return tap_plan(g, self.band, self.halves)
 
 
-def geometry(node: Node) -> ConvGeometry:
+def geometry(node: Node, partitions: int) -> ConvGeometry:
     x, w = node.inputs[:2]
     a = node.attrs
     return ConvGeometry(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[0], tuple(w.shape[2:]),
                         tuple(node.shape[2:]), tuple(a["strides"]), tuple(map(tuple, a["padding"])),
-                        tuple(a["dilation"]))
+                        tuple(a["dilation"]), partitions)
 
 
 # eligibility and lowering -----------------------------------------------------------------------------------
@@ -358,18 +365,18 @@ def _page(nbytes: int) -> int:
     return -(-nbytes // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
 
 
-def pools(node: Node, tiling: ConvTiling) -> dict:
+def pools(node: Node, tiling: ConvTiling, partitions: int) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF pool of the kernel; codegen allocates
     exactly these."""
-    g = geometry(node)
+    g = geometry(node, partitions)
     x, w, *extras = node.inputs
     plan = epilogue_plan(node)
     body, kinds = plan.body, plan.kinds
     _, temps = element_slots(body, kinds)
     per_channel = channel_inputs(node)
     block = tiling.rows // tiling.halves * g.pitch  # element tiles keep the accumulator's rows of `pitch` elements
-    co_tiles = -(-g.out_channels // 128)
-    taps = tiling.plan(g, 128)
+    co_tiles = -(-g.out_channels // partitions)
+    taps = tiling.plan(g)
     found = {
         "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band + tiling.halves - 1, taps.delta), INPUT_BUFS),
         "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
@@ -395,14 +402,14 @@ def pools(node: Node, tiling: ConvTiling) -> dict:
     return found
 
 
-def sbuf_bytes(node: Node, tiling: ConvTiling) -> int:
-    return sum(_page(n * dtype.itemsize) * bufs for dtype, n, bufs in pools(node, tiling).values())
+def sbuf_bytes(node: Node, tiling: ConvTiling, partitions: int) -> int:
+    return sum(_page(n * dtype.itemsize) * bufs for dtype, n, bufs in pools(node, tiling, partitions).values())
 
 
 def candidates(node: Node, target: Target) -> list:
     """Tilings whose accumulator fits a PSUM bank and whose pools fit SBUF: as many rows per block as a bank
     holds (or the same number of blocks, balanced), bands of 1, 2, 4... blocks up to the whole image."""
-    g = geometry(node)
+    g = geometry(node, target.partitions)
     oh = g.out[0]
     bank = target.psum_bank_bytes // DType.F32.itemsize
     if g.pitch > min(bank, target.matmul_max_n) or g.out[1] > target.max_free_elements_psum:
@@ -420,7 +427,7 @@ def candidates(node: Node, target: Target) -> list:
                 if band >= oh:
                     break
                 band *= 2
-    return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t) <= target.sbuf_bytes_per_partition]
+    return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t, target.partitions) <= target.sbuf_bytes_per_partition]
 
 
 def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
@@ -428,13 +435,13 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     options = candidates(node, target)
     if not options:
         return None
-    g = geometry(node)
+    g = geometry(node, target.partitions)
     x, w, *extras = node.inputs
     per_channel = channel_inputs(node)
     plan = epilogue_plan(node)
     steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
-    return min(options, key=lambda t: conv_ns(g, t, t.plan(g, target.partitions), x.dtype, node.dtype,
+    return min(options, key=lambda t: conv_ns(g, t, t.plan(g), x.dtype, node.dtype,
                                               element_bytes, steps, target))
 
 
