@@ -98,14 +98,13 @@ def _activate(em: Emitter, func, out, source, shift, columns, t, ot, made) -> No
             _free(columns[shift], t, ot, (1, 1)), func=func, imm0=1.0)
 
 
-def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, weight_rows, halves) -> tuple:
-    """The epilogue's per-channel inputs and steps, once: ({value: [O tile, O tiles] tile, column t for O tile t,
+def _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, weight_rows, halves) -> tuple:
+    """The epilogue's per-channel inputs, loaded once: ({value: [O tile, O tiles] tile, column t for O tile t,
     repeated on partitions [O, 2O) with two halves}, {value: [weight rows, O] tile, the same values along the
     free axis, when the weights are scaled})."""
     x, w, *extras = node.inputs
     parts, cout = em.target.partitions, node.shape[1]
     views = node.attrs.get("views") or (None,) * len(node.inputs)
-    constants = made.get("constants")
     columns, rows = {}, {}
     for i in sorted(channel_inputs(node)):
         extra, (offset, strides) = extras[i - 2], views[i]
@@ -121,6 +120,13 @@ def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, wei
             queues.load(row, hbm(extra.dtype, plan.offset(extra) + offset * extra.dtype.itemsize,
                                  ((0, weight_rows), (strides[1], cout))))
             rows[("input", i - 1)] = row
+    return columns, rows
+
+
+def _per_channel_steps(em, node, epi, engines, made, o_tiles, weight_rows, halves, columns, rows) -> None:
+    """The epilogue's per-channel steps, once, into `columns` (and `rows`, when the weights are scaled)."""
+    parts, cout = em.target.partitions, node.shape[1]
+    constants = made.get("constants")
     for j, (step, kind) in enumerate(zip(epi.body, epi.kinds)):
         if kind != "channel":
             continue
@@ -134,7 +140,6 @@ def _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles, wei
             args = [float(ref) if a == "imm" else rows[(a, ref)] for a, ref in step.args]
             engines.compute(step, row, args, constants, node.loc)
             rows[("step", j)] = row
-    return columns, rows
 
 
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -218,15 +223,16 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         size = len(c_tiles) * n_matmuls * m_size
         for start in range(0, size, most):
             engines.emit(Opcode.MEMSET, _free(wtile, start, used, (1, min(most, size - start))), imm0=0.0)
+    columns, rows_ = _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, min(cin, parts) * pairs.copies,
+                                         halves)
     for j, (c0, ct) in enumerate(c_tiles):
         for copy in range(pairs.copies):
             queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
                        hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
                            ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
-    columns, rows_ = _per_channel_values(em, node, plan, epi, engines, queues, made, o_tiles,
-                                         min(cin, parts) * pairs.copies, halves)
     bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
-    ahead = load_band(*bands[0])
+    ahead = load_band(*bands[0])  # its memsets ahead of the per-channel steps on the engines
+    _per_channel_steps(em, node, epi, engines, made, o_tiles, min(cin, parts) * pairs.copies, halves, columns, rows_)
     for j, (c0, ct) in enumerate(c_tiles):
         for m, (_, blocks) in enumerate(pairs.matmuls):
             for copy, mh, tap in blocks:
