@@ -30,6 +30,7 @@ overlap (a patch embedding): im2col copies nothing twice there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from neuronc import ir
 from neuronc.ir import Node, Op, Step
@@ -40,6 +41,7 @@ from neuronc.targets import Target
 
 INPUT_BUFS = 2  # input bands in SBUF: the next one loads while this one is multiplied
 STORE_QUEUES = 8  # DMA queues the results are stored on (the others load)
+MAX_SHIFTS = 24  # shifts of the second copy tried by tap_plan (bounds compile time for large kernels)
 PSUM_BUFS = 4  # PSUM banks the accumulators rotate over: the epilogue of one block overlaps the next one's matmuls
 
 
@@ -119,27 +121,34 @@ class TapPlan:
         return 2 if self.delta else 1
 
 
+@functools.lru_cache(maxsize=256)  # asked for by every tiling candidate of every convolution
 def tap_plan(g: ConvGeometry, band: int, halves: int = 1) -> TapPlan:
     """The fewest matmuls covering every (tap, half), by a greedy cover over the candidate offsets, for the best
     shift of the second copy (or none)."""
     offsets = [g.tap_offset(tap, band) for tap in g.taps]
     deltas = [0]
-    if g.c_tiles == 1 and 2 * g.channels <= g.partitions:
-        deltas += sorted({b - a for a in offsets for b in offsets if b > a} | {g.pitch})
+    if g.c_tiles == 1 and 2 * g.channels <= g.partitions:  # shifts from the first tap to the others
+        deltas += sorted({offset - min(offsets) for offset in offsets} - {0})[:MAX_SHIFTS]
     best = None
     for delta in deltas:
         k_halves = (0, 1) if delta else (0,)
         where = {(offsets[t] + mh * g.pitch - kh * delta, kh, mh): t for t in range(len(offsets))
                  for kh in k_halves for mh in range(halves)}
+        by_offset: dict = {}  # offset -> the blocks a matmul there could fill
+        at: dict = {}  # (tap, half) -> the offsets whose matmul could compute it
+        for (a, kh, mh), t in where.items():
+            by_offset.setdefault(a, []).append((kh, mh, t))
+            at.setdefault((t, mh), []).append(a)
+        count = {a: len(blocks) for a, blocks in by_offset.items()}  # of (tap, half) not computed yet
         left = {(t, mh) for t in range(len(offsets)) for mh in range(halves)}
         matmuls = []
         while left:
-            def covered(a):
-                return [(kh, mh, where[(a, kh, mh)]) for kh in k_halves for mh in range(halves)
-                        if (a, kh, mh) in where and (where[(a, kh, mh)], mh) in left]
-            a = min({offset for offset, _, _ in where}, key=lambda a: (-len(covered(a)), a))
-            blocks = covered(a)
-            left -= {(t, mh) for _, mh, t in blocks}
+            a = min(count, key=lambda a: (-count[a], a))
+            blocks = sorted((kh, mh, t) for kh, mh, t in by_offset[a] if (t, mh) in left)
+            for _, mh, t in blocks:
+                left.discard((t, mh))
+                for other in at[(t, mh)]:
+                    count[other] -= 1
             matmuls.append((a, tuple(blocks)))
         if best is None or len(matmuls) < len(best.matmuls):
             best = TapPlan(delta, halves, tuple(matmuls))
