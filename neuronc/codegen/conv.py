@@ -12,9 +12,8 @@ import dataclasses
 
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.kernels import ACTIVATIONS, _Balancer, _rows
-from neuronc.ir import Op
+from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
-from neuronc.ir import Node
 from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
                                  pools)
 from neuronc.passes.memory_plan import MemoryPlan
@@ -132,7 +131,8 @@ def _per_channel_steps(em, node, epi, engines, made, o_tiles, weight_rows, halve
             continue
         tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
         for t, (o0, ot) in enumerate(o_tiles):
-            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot * halves, (1, 1)) for a, ref in step.args]
+            args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot * halves, (1, 1))
+                    for a, ref in step.args]
             engines.compute(step, _free(tile, t, ot * halves, (1, 1)), args, constants, node.loc)
         columns[("step", j)] = tile
         if epi.scale is not None:
@@ -150,8 +150,8 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     (sh, sw), ((pt, _), (pl, _)) = g.strides, g.padding
     oh, ow = g.out
     pitch, taps, cin, cout = g.pitch, g.taps, g.channels, g.out_channels
-    band_elements, plane_elements = None, g.plane_elements(tiling.band)
-    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling, em.target.partitions).items()}
+    plane_elements = g.plane_elements(tiling.band)
+    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
     psum = em.psum_pool(PSUM_BUFS)
     engines = _Balancer(em)
     queues = _Queues(em, STORE_QUEUES)
@@ -165,7 +165,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     views = node.attrs.get("views") or (None,) * len(node.inputs)
     constants = made.get("constants")
 
-    pairs = tiling.plan(g)
+    pairs = tiling.plan(g)  # which taps (and rows) each matmul computes
     halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
     n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
     band_elements = g.band_elements(tiling.band + halves - 1, margin)
@@ -210,7 +210,8 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                         if nt and nu:
                             queues.load(_free(tile, plane + t0 * pitch + u0, ct, (pitch, nt), (1, nu)),
                                        hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
-                                           * x.dtype.itemsize, ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
+                                           * x.dtype.itemsize,
+                                           ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
                                        partition=copy * ct)
         return tile
 

@@ -23,9 +23,9 @@ output channel (a BatchNorm's rsqrt(var + eps)) are computed once per channel, n
 affine head of the epilogue is folded into the weights and the activation's bias (`EpiloguePlan`).
 
 The tiling (rows per PSUM block, output rows per loaded band, rows paired or not) is chosen by pricing the
-candidates that fit SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed convolutions,
-rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path, as do those whose windows do not
-overlap (a patch embedding): im2col copies nothing twice there.
+candidates that fit SBUF with `cost_model.conv_ns`. Convolutions this kernel does not take (groups, transposed
+convolutions, rows wider than a PSUM bank, weights too large for SBUF) stay on the im2col path, as do those whose
+windows do not overlap (a patch embedding): im2col copies nothing twice there.
 """
 from __future__ import annotations
 
@@ -436,7 +436,8 @@ def candidates(node: Node, target: Target) -> list:
                 if band >= oh:
                     break
                 band *= 2
-    return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t, target.partitions) <= target.sbuf_bytes_per_partition]
+    budget = target.sbuf_bytes_per_partition
+    return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t, target.partitions) <= budget]
 
 
 def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
@@ -481,7 +482,8 @@ def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:
         for i in sorted(channel_inputs(node)):
             chain = _private_chain(node, node.inputs[i], consumers, outputs)
             producer = ir.unreshaped(inputs[i])
-            if chain is None or chain[-1].op not in ir.ELEMENTWISE | {Op.FUSED} or any(producer.attrs.get("views") or ()):
+            viewed = any(producer.attrs.get("views") or ())
+            if chain is None or chain[-1].op not in ir.ELEMENTWISE | {Op.FUSED} or viewed:
                 continue
             head = ir.body_of(producer)
             if any(x.shape != producer.shape for x in producer.inputs) or len(body) + len(head) > MAX_STEPS:

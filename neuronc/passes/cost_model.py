@@ -125,10 +125,11 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
 
 def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: int, element_steps: int,
             target: Target) -> float:
-    """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and `taps` (a TapPlan), with
-    the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per entry of the plan, C tile and block of
-    rows x pitch), the DMA queues (each band's input rows per C tile, the result and per-element epilogue
-    inputs per block, the weights once) and the epilogue's two ALU engines, plus the first band's load."""
+    """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and `taps` (a TapPlan),
+    with the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per entry of the plan,
+    C tile and block of rows x pitch, or pair of rows), the DMA queues (each band's input rows per C tile, the result
+    and per-element epilogue inputs per block, the weights once) and the epilogue's two ALU engines, plus the first
+    band's load."""
     from neuronc.isa import DType
 
     g, rows, band = geometry, tiling.rows, tiling.band
