@@ -12,6 +12,7 @@ import dataclasses
 
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.kernels import ACTIVATIONS, _Balancer, _rows
+from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
 from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
@@ -44,7 +45,8 @@ class _Queues:
     and loads queued behind stores would wait for the epilogue."""
 
     def __init__(self, em: Emitter, store_queues: int):
-        self.em, self.stores, self.turn = em, store_queues, 0
+        self.em, self.stores = em, store_queues
+        self.busy = [0.0] * (em.target.dma_queues - store_queues)  # ns of loads given to each load queue
 
     def _slices(self, dst: AccessPattern, src: AccessPattern, most: int, by_bytes: bool = True) -> list:
         t = self.em.target
@@ -62,11 +64,12 @@ class _Queues:
         self.em.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
 
     def load(self, dst: AccessPattern, src: AccessPattern, partition: int = 0) -> None:
+        """Each slice on the load queue with the least work so far (as the cost model prices it)."""
         dst, src = (_from(ap, partition) if ap.space != Space.HBM else ap for ap in (dst, src))
-        loaders = self.em.target.dma_queues - self.stores
-        for piece in self._slices(dst, src, loaders):
-            self._emit(self.stores + self.turn % loaders, *piece)
-            self.turn += 1
+        for piece in self._slices(dst, src, len(self.busy)):
+            queue = min(range(len(self.busy)), key=self.busy.__getitem__)
+            self._emit(self.stores + queue, *piece)
+            self.busy[queue] += instruction_cost_ns(self.em.instructions[-1], self.em.target)
 
     def store(self, parts: list) -> None:
         """Store (dst, src) parts of the same channels (the rows of each half): slice k of every part on store queue
@@ -122,24 +125,28 @@ def _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, weight_rows,
     return columns, rows
 
 
-def _per_channel_steps(em, node, epi, engines, made, o_tiles, weight_rows, halves, columns, rows) -> None:
-    """The epilogue's per-channel steps, once, into `columns` (and `rows`, when the weights are scaled)."""
-    parts, cout = em.target.partitions, node.shape[1]
-    constants = made.get("constants")
-    for j, (step, kind) in enumerate(zip(epi.body, epi.kinds)):
-        if kind != "channel":
-            continue
-        tile = made[f"channel{j}"].next().ap(parts, 1, dtype=step.dtype)
+def _channel_steps(epi) -> list:
+    return [(j, step) for j, (step, kind) in enumerate(zip(epi.body, epi.kinds)) if kind == "channel"]
+
+
+def _per_channel_rows(em, node, epi, engines, made, weight_rows, rows) -> None:
+    """The epilogue's per-channel steps along the free axis, into `rows`: what the weights' scale is made of."""
+    for j, step in _channel_steps(epi):
+        row = made[f"channel_row{j}"].next().ap(weight_rows, node.shape[1], dtype=step.dtype)
+        args = [float(ref) if a == "imm" else rows[(a, ref)] for a, ref in step.args]
+        engines.compute(step, row, args, made.get("constants"), node.loc)
+        rows[("step", j)] = row
+
+
+def _per_channel_columns(em, node, epi, engines, made, o_tiles, halves, columns) -> None:
+    """The epilogue's per-channel steps, once per channel (on its partition), into `columns`."""
+    for j, step in _channel_steps(epi):
+        tile = made[f"channel{j}"].next().ap(em.target.partitions, 1, dtype=step.dtype)
         for t, (o0, ot) in enumerate(o_tiles):
             args = [float(ref) if a == "imm" else _free(columns[(a, ref)], t, ot * halves, (1, 1))
                     for a, ref in step.args]
-            engines.compute(step, _free(tile, t, ot * halves, (1, 1)), args, constants, node.loc)
+            engines.compute(step, _free(tile, t, ot * halves, (1, 1)), args, made.get("constants"), node.loc)
         columns[("step", j)] = tile
-        if epi.scale is not None:
-            row = made[f"channel_row{j}"].next().ap(weight_rows, cout, dtype=step.dtype)
-            args = [float(ref) if a == "imm" else rows[(a, ref)] for a, ref in step.args]
-            engines.compute(step, row, args, constants, node.loc)
-            rows[("step", j)] = row
 
 
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -233,7 +240,8 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                            ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
     bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
     ahead = load_band(*bands[0])  # its memsets ahead of the per-channel steps on the engines
-    _per_channel_steps(em, node, epi, engines, made, o_tiles, min(cin, parts) * pairs.copies, halves, columns, rows_)
+    if epi.scale is not None:
+        _per_channel_rows(em, node, epi, engines, made, min(cin, parts) * pairs.copies, rows_)
     for j, (c0, ct) in enumerate(c_tiles):
         for m, (_, blocks) in enumerate(pairs.matmuls):
             for copy, mh, tap in blocks:
@@ -246,6 +254,8 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 else:
                     scale = _from(_free(rows_[epi.scale], 0, ct, (1, cout)), copy * ct)
                     engines.emit(Opcode.TENSOR_TENSOR, dst, src, scale, alu=AluOp.MULTIPLY)
+
+    _per_channel_columns(em, node, epi, engines, made, o_tiles, halves, columns)  # after the weights: not waited for
 
     def stationary(j, m, o0, ot):
         k_rows = c_tiles[j][1] * (2 if any(copy for copy, _, _ in pairs.matmuls[m][1]) else 1)

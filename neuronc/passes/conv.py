@@ -440,8 +440,18 @@ def candidates(node: Node, target: Target) -> list:
     return [t for t in dict.fromkeys(found) if sbuf_bytes(node, t, target.partitions) <= budget]
 
 
+NEAR = 0.005  # tilings priced this close to the cheapest are as good to the model: the evenest of them is taken
+
+
+def _unevenness(tiling: ConvTiling, rows: int) -> int:
+    """How much shorter the last band is than the others: a short last band cannot hide the stores of the one
+    before it, which the analytic price does not see."""
+    return (-rows) % tiling.band
+
+
 def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
-    """The candidate `cost_model.conv_ns` prices lowest, or None if none fits."""
+    """The candidate `cost_model.conv_ns` prices lowest (the evenest bands among those within NEAR of it), or None
+    if none fits."""
     options = candidates(node, target)
     if not options:
         return None
@@ -451,8 +461,10 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     plan = epilogue_plan(node)
     steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
-    return min(options, key=lambda t: conv_ns(g, t, t.plan(g), x.dtype, node.dtype,
-                                              element_bytes, steps, target))
+    price = {t: conv_ns(g, t, t.plan(g), x.dtype, node.dtype, element_bytes, steps, target) for t in options}
+    cheapest = min(price.values())
+    near = [t for t in options if price[t] <= cheapest * (1 + NEAR)]
+    return min(near, key=lambda t: (_unevenness(t, g.out[0]), price[t]))
 
 
 def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
