@@ -89,6 +89,8 @@ class Op(enum.Enum):
     FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
     ROWWISE = enum.auto()  # reductions of [R, C] rows and the elementwise ops around them, one row tile at
     # a time (softmax, layer-norm...); attrs: body (Steps, REDUCE_LAST among them), rows, cols, views, out_strides
+    CONV = enum.auto()  # (x [N, C, H, W], w [O, C, KH, KW], epilogue inputs...) -> [N, O, OH, OW], an implicit-GEMM
+    # convolution (passes/conv.py); attrs: strides, padding, dilation, tiling, views, epilogue
     ATTENTION = enum.auto()  # (q, k, v[, mask]) -> softmax(mask(scale * q @ k^T)) @ v, one flash-attention
     # kernel (passes/attention.py); attrs: views, scale, mask, causal_offset, fill, masked_when, zero_masked_rows
 

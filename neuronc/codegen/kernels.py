@@ -1110,6 +1110,13 @@ class _Block(NamedTuple):
 
 
 
+def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """The implicit-GEMM convolution, in a module of its own (codegen/conv.py)."""
+    from neuronc.codegen.conv import convolution as conv_kernel
+
+    conv_kernel(em, node, plan)
+
+
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
@@ -1119,6 +1126,7 @@ KERNELS.update({
     Op.REDUCE_LAST: reduce_last,
     Op.ROWWISE: rowwise,
     Op.ATTENTION: attention,
+    Op.CONV: convolution,
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,

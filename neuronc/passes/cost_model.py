@@ -204,3 +204,37 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         free[i] = start
         free[owner] = start
     return max(end, clock.tensor, clock.dma)
+
+
+def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: int, element_steps: int,
+            target: Target) -> float:
+    """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and `taps` (a TapPlan),
+    with the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per entry of the plan,
+    C tile and block of rows x pitch, or pair of rows), the DMA queues (each band's input rows per C tile, the result
+    and per-element epilogue inputs per block, the weights once) and the epilogue's two ALU engines, plus the first
+    band's load."""
+    from neuronc.isa import DType
+
+    g, rows, band = geometry, tiling.rows, tiling.band
+    oh, ow = g.out
+    fp32 = x_dtype == DType.F32
+    co_tiles = -(-g.out_channels // target.matmul_max_m)
+    bands = -(-oh // band)
+    blocks = [min(rows, oh - r) for r in range(0, oh, rows)]
+    if tiling.halves == 2:  # a matmul per pair of rows, N = pitch
+        per_block = [r // 2 * _matmul_instr_ns(g.pitch, fp32, target) for r in blocks]
+    else:
+        per_block = [_matmul_instr_ns(r * g.pitch, fp32, target) for r in blocks]
+    tensor = g.batch * co_tiles * g.c_tiles * len(taps.matmuls) * sum(per_block)
+    partitions = min(g.channels, target.partitions)
+    band_bytes = partitions * g.phases * g.plane_elements(band) * x_dtype.itemsize
+    band_total, band_first = strip_load_ns(partitions, band_bytes, g.strides[1] == 1, target)
+    loads = g.batch * bands * g.c_tiles * band_total * taps.copies
+    out_rows = min(g.out_channels, target.partitions)
+    stores = g.batch * co_tiles * sum(
+        _dma_piece_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target) for r in blocks)
+    weights, _ = strip_load_ns(partitions, taps.copies * partitions * g.c_tiles * g.out_channels * len(g.taps)
+                               * x_dtype.itemsize, True, target)
+    dma = (loads + stores + weights) / target.dma_queues
+    epilogue = g.batch * co_tiles * sum(max(1, element_steps) * _vector_ns(r * ow, 2, target) for r in blocks) / 2
+    return max(tensor, dma, epilogue) + band_first * g.c_tiles

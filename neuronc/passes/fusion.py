@@ -135,12 +135,7 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
     epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM.
     Repeated until nothing changes, so chains of groups (bias add, then GELU) all join; then the
     epilogue's float converts are folded into the instructions around them (`fold_converts`)."""
-    while True:
-        fused = _fold_epilogues_once(graph)
-        if len(fused.nodes()) == len(graph.nodes()):
-            break
-        graph = fused
-
+    fused = fuse_epilogues(graph, Op.MATMUL)
     consumers = fused.consumers()
     outputs = set(fused.outputs)
 
@@ -166,6 +161,16 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
 
     return fused.rewrite(fold)
 
+
+def fuse_epilogues(graph: ir.Graph, kind: Op, refine=lambda node: node) -> ir.Graph:
+    """Elementwise consumers of `kind` nodes (kernels accumulating in PSUM, first two inputs their operands)
+    folded in as their epilogue, until nothing changes. `refine(fused)` may adjust a fused node (re-tile
+    it) or reject the fusion with None."""
+    while True:
+        fused = _fold_epilogues_once(graph, kind, refine)
+        if len(fused.nodes()) == len(graph.nodes()):
+            return fused
+        graph = fused
 
 def _bias_row(body, inputs, views) -> int | None:
     """The epilogue input j that is a 16-bit float row [N] added to the accumulator by the first step (a
@@ -254,15 +259,15 @@ def _without(body, alias, resolve, root) -> tuple:
                                              for kind, r in map(resolve, body[j].args))) for j in order)
 
 
-def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
+def _fold_epilogues_once(graph: ir.Graph, kind: Op, refine) -> ir.Graph:
     consumers = graph.consumers()
     outputs = set(graph.outputs)
 
     def product(node, position):
-        """The MATMUL whose value input `position` of `node` is, if `node` is its only reader."""
+        """The `kind` node whose value input `position` of `node` is, if `node` is its only reader."""
         chain = _private_chain(node, node.inputs[position], consumers, outputs)
         views = node.attrs.get("views") or (None,) * len(node.inputs)
-        if chain is not None and chain[-1].op is Op.MATMUL and views[position] is None:
+        if chain is not None and chain[-1].op is kind and views[position] is None:
             return chain[-1]
         return None
 
@@ -303,8 +308,12 @@ def _fold_epilogues_once(graph: ir.Graph) -> ir.Graph:
             steps.append(step._replace(args=args))
         if len(steps) > MAX_STEPS or len(extra) > MAX_INPUTS:
             return None
-        fused = ir.node(Op.MATMUL, [*matmul.inputs[:2], *extra], matmul.shape, node.dtype, matmul.loc,
-                        k=matmul.attrs["k"], views=tuple(matmul_views[:2]) + tuple(extra_views), epilogue=tuple(steps))
+        fused = ir.node(kind, [*matmul.inputs[:2], *extra], matmul.shape, node.dtype, matmul.loc,
+                        **{**matmul.attrs, "views": tuple(matmul_views[:2]) + tuple(extra_views),
+                           "epilogue": tuple(steps)})
+        fused = refine(fused)
+        if fused is None:
+            return None
         return fused if fused.shape == node.shape else ir.node(Op.RESHAPE, [fused], node.shape, node.dtype, node.loc)
 
     return graph.rewrite(fold)

@@ -4,9 +4,10 @@
 (softmax(Q K^T) V, the scores never in HBM) and row-wise normalisations as one kernel each,
 fuse elementwise groups, read matmul operands through their views, and compute elementwise consumers of a
 matmul as its epilogue; the tiling pass then chooses each matmul's tiles and loop order with the cost model
-(-O3 searching more candidates; -O0/-O1 stream both operands tile by tile). Layout and scheduling passes
-join them as they are written. Every
-level must give the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
+(-O3 searching more candidates; -O0/-O1 stream both operands tile by tile). At -O2/-O3 convolutions are
+implicit-GEMM kernels with their epilogue (passes/conv.py); -O0/-O1 keep im2col + matmul. The layout pass
+(-O2/-O3) stores a weight that matmuls read only transposed transposed in the NEFF. Every level must give
+the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
 the target's budgets (listed in TARGETED) also take the target.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from neuronc.errors import NeuronConfigError
 from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.canonicalize import (demote_f64, fold_constants, narrow_matmul_operands, raise_erf, raise_gelu,
                                          simplify)
+from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
@@ -30,14 +32,15 @@ from neuronc.targets import Target, get_target
 
 BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
             narrow_matmul_operands, legalize, simplify]
-OPTIMISED = BASELINE + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise, fuse_matmul_epilogues,
-                        fuse_reduction_prologues,
-                        simplify]
+OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
+             + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
+                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify])
 
 PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
              3: OPTIMISED + [search_matmul_tiles]}
 # passes that take the target (SBUF budget, cost model) as their second argument
-TARGETED = {fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles}
+TARGETED = {fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
+            fuse_conv_epilogues}
 
 
 def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:
@@ -47,7 +50,7 @@ def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:
     passes = PIPELINES[opt_level]
     if cast.mode == "none":
         return passes
-    after_canonicalize = passes.index(legalize)
+    after_canonicalize = min(passes.index(p) for p in (lower_convolutions, legalize) if p in passes)
     return passes[:after_canonicalize] + [cast] + passes[after_canonicalize:]
 
 
