@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
+from neuronc.passes.cost_model import fits_sbuf
+from neuronc.passes.rowwise import BUFS, PAIRED_BUFS, rowwise_sbuf_bytes
+from neuronc.targets import get_target
 from neuronc.isa import Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
@@ -109,6 +112,41 @@ def test_the_transformer_blocks_layer_norms_become_one_kernel_each():
     rowwise = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     assert len(rowwise) == 2  # ln1, ln2 (the attention softmax is inside the attention kernel, test_attention.py)
     assert not any(n.op is Op.REDUCE_LAST for n in compiled.graph.nodes())
+
+
+def _rowwise_node(compiled):
+    (node,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
+    return node
+
+
+def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
+    torch.manual_seed(0)
+    model, x = _layer_norm(96), torch.randn(600, 96) * 3  # five row tiles: two pairs and one alone
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    assert _rowwise_node(compiled).attrs["bufs"] == PAIRED_BUFS
+    assert_matches_eager(out, expected)
+
+
+def test_rows_too_wide_to_pair_keep_two_buffers_and_one_tile_at_a_time():
+    target = get_target()
+    narrow = _rowwise_node(_compile_and_run(_layer_norm(96), torch.randn(8, 96))[0])  # the same tiles, narrower
+
+    def need(width, bufs):
+        dtypes = [x.dtype for x in narrow.inputs]
+        return rowwise_sbuf_bytes(narrow.attrs["body"], narrow.attrs["views"], dtypes, narrow.dtype, width, bufs)
+
+    width = next(w for w in range(512, target.max_free_elements_sbuf, 512)
+                 if not fits_sbuf(need(w, PAIRED_BUFS), target))
+    assert fits_sbuf(need(width, BUFS), target)
+    torch.manual_seed(0)
+    model, x = _layer_norm(width), torch.randn(256, width)
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    assert _rowwise_node(compiled).attrs["bufs"] == BUFS
+    assert_matches_eager(out, expected)
 
 
 def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():

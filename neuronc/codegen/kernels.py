@@ -548,20 +548,23 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """A row-wise normalisation (passes/rowwise.py): for each tile of rows (a row per partition), load
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
     steps (reduced values broadcast over the row with a stride-0 read) on chip, store the result once.
-    Inputs the same for every row (a norm's weight and bias) are loaded once for all row tiles."""
+    Inputs the same for every row (a norm's weight and bias) are loaded once for all row tiles. With the
+    node's "bufs" twice BUFS, row tiles go in pairs whose steps are emitted interleaved, step by step, so the
+    engines' in-order queues alternate between two independent chains instead of waiting on one."""
     body, views = node.attrs["body"], node.attrs["views"]
     rows, cols = node.attrs["rows"], node.attrs["cols"]
     kinds = step_kinds(body, views)
     slots, count = slot_plan(body, kinds)
+    bufs = node.attrs.get("bufs", BUFS)
     parts = em.target.partitions
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
-    full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) for _ in range(count["full"])]
-    row_temps = [em.sbuf_pool(DType.F32, wide, bufs=BUFS) for _ in range(count["row"])]
+    full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) for _ in range(count["full"])]
+    row_temps = [em.sbuf_pool(DType.F32, wide, bufs=bufs) for _ in range(count["row"])]
     summed, skipped = _summed_activations(body, kinds)
-    biases = em.sbuf_pool(DType.F32, wide, bufs=BUFS) if summed else None  # the budget's spare row tile
-    out_pool = em.sbuf_pool(node.dtype, cols, bufs=BUFS)
+    biases = em.sbuf_pool(DType.F32, wide, bufs=bufs) if summed else None  # the budget's spare row tile
+    out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
     needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
-    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=BUFS) if needs_constants else None
+    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants else None
     engines = _Balancer(em)
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
@@ -571,7 +574,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             _dma_by_rows(em, tile, hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width))))
             loaded[i] = tile
         else:
-            pools[i] = em.sbuf_pool(x.dtype, width, bufs=BUFS)
+            pools[i] = em.sbuf_pool(x.dtype, width, bufs=bufs)
     col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
     results = {}  # step -> its result: the col steps once, here; the others per row tile, below
     for j, (step, kind) in enumerate(zip(body, kinds)):
@@ -597,16 +600,14 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 tiles[i] = _first_rows(loaded[i], rt)
         return tiles
 
-    starts = list(range(0, rows, parts))
-    ahead = load(starts[0]) if starts else {}
-    for n, r0 in enumerate(starts):
+    def compute(r0, tiles):
+        """The steps of the row tile at r0 and its store, a step at a time (a generator: see below)."""
         rt = min(parts, rows - r0)
-        tiles = ahead
-        if n + 1 < len(starts):  # the next tile's loads go ahead of this tile's store on the DMA queues
-            ahead = load(starts[n + 1])
         full = [pool.next() for pool in full_temps]
         per_row = [pool.next() for pool in row_temps]
         out_tile = out_pool.next()
+        results_here = dict(results)
+
         def tile_of(j):
             width = cols if kinds[j] == "full" else 1
             if slots[j] is None:
@@ -618,23 +619,40 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 continue
             out = tile_of(j)
             if j in summed:
-                _summed_activation(em, engines, summed[j], out, tile_of, tiles, results, biases.next().ap(rt, 1), rt, cols)
-                results[j] = out
+                _summed_activation(em, engines, summed[j], out, tile_of, tiles, results_here, biases.next().ap(rt, 1),
+                                   rt, cols)
+                results_here[j] = out
+                yield
                 continue
             args = []
             for a, ref in step.args:
                 if a == "imm":
                     args.append(float(ref))
                     continue
-                arg = _first_rows(tiles[ref] if a == "input" else results[ref], rt)
+                arg = _first_rows(tiles[ref] if a == "input" else results_here[ref], rt)
                 args.append(_broadcast(arg, cols) if kind == "full" and arg.free_elements == 1 < cols else arg)
             if step.op is Op.REDUCE_LAST:
                 engines.emit(Opcode.TENSOR_REDUCE, out, args[0], alu=REDUCTIONS[step.attrs["kind"]])
             else:
                 engines.compute(step, out, args, constants, node.loc)
-            results[j] = out
+            results_here[j] = out
+            yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        _dma_by_rows(em, dst, results[len(body) - 1])
+        _dma_by_rows(em, dst, results_here[len(body) - 1])
+
+    # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
+    # DMA queues; within a group the tiles' steps are emitted in turn.
+    together = bufs // BUFS
+    starts = list(range(0, rows, parts))
+    groups = [starts[g:g + together] for g in range(0, len(starts), together)]
+    ahead = [load(r0) for r0 in groups[0]] if groups else []
+    for n, group in enumerate(groups):
+        tiles = ahead
+        if n + 1 < len(groups):
+            ahead = [load(r0) for r0 in groups[n + 1]]
+        chains = [compute(r0, t) for r0, t in zip(group, tiles)]
+        while chains:
+            chains = [chain for chain in chains if next(chain, StopIteration) is not StopIteration]
 
 
 class _Balancer:

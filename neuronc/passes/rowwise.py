@@ -33,6 +33,9 @@ MAX_INPUTS = 8
 MAX_STEPS = 64
 REDUCTIONS = ("add", "max", "min")  # what TENSOR_REDUCE computes
 BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
+# With room for twice as many, row tiles are computed in pairs, their steps interleaved, so that the engines'
+# in-order queues hold two independent chains (codegen reads the node's "bufs")
+PAIRED_BUFS = 2 * BUFS
 
 
 # Reading values through reshapes and views --------------------------------------------------------
@@ -364,8 +367,9 @@ def slot_plan(body, kinds) -> tuple:
     return slots, count
 
 
-def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int) -> int:
-    """Bytes per partition the ROWWISE kernel allocates (codegen allocates exactly these tiles)."""
+def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
+    """Bytes per partition the ROWWISE kernel allocates with `bufs` buffers per row tile (codegen allocates
+    exactly these tiles)."""
     kinds = step_kinds(body, views)
     _, count = slot_plan(body, kinds)
 
@@ -373,11 +377,11 @@ def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int) -
         return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
 
     wide = max([DType.F32.itemsize, out_dtype.itemsize] + [s.dtype.itemsize for s in body])
-    total = slot(cols, wide) * BUFS * (count["full"] + 1)  # full temporaries, output (and SELECT constants)
-    total += slot(1, wide) * BUFS * (count["row"] + 1) + slot(cols, wide) * count["col"]
+    total = slot(cols, wide) * bufs * (count["full"] + 1)  # full temporaries, output (and SELECT constants)
+    total += slot(1, wide) * bufs * (count["row"] + 1) + slot(cols, wide) * count["col"]
     for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
-        total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else BUFS)
-    return total + slot(cols, wide) * BUFS  # the output tile
+        total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else bufs)
+    return total + slot(cols, wide) * bufs  # the output tile
 
 
 def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
@@ -408,11 +412,13 @@ def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
         if not reads_reduced or not _externals_independent(group.members, [x for x, _ in externals]):
             continue
         frame = group.frame
-        need = rowwise_sbuf_bytes(body, views, [x.dtype for x, _ in externals], root.dtype, frame.cols)
-        if frame.cols > target.max_free_elements_sbuf or not fits_sbuf(need, target):
+        dtypes = [x.dtype for x, _ in externals]
+        fitting = [bufs for bufs in (PAIRED_BUFS, BUFS)
+                   if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
+        if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
         taken |= set(group.members)
-        roots[root] = (body, externals, frame)
+        roots[root] = (body, externals, frame, fitting[0])
     if not roots:
         return graph
     return _rewrite(graph, roots)
@@ -426,10 +432,10 @@ def _rewrite(graph: ir.Graph, roots: dict) -> ir.Graph:
             new_of[old] = new
         if node not in roots:
             return None
-        body, externals, frame = roots[node]
+        body, externals, frame, bufs = roots[node]
         return ir.node(Op.ROWWISE, [new_of.get(x, x) for x, _ in externals], node.shape, node.dtype, node.loc,
                        body=body, views=tuple(v for _, v in externals), rows=frame.rows, cols=frame.cols,
-                       out_strides=frame.dense)
+                       out_strides=frame.dense, bufs=bufs)
 
     for p in graph.params:
         new_of[p] = p
