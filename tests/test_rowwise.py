@@ -119,14 +119,19 @@ def _rowwise_node(compiled):
     return node
 
 
-def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
+def _layer_norm_buffers(rows: int, width: int) -> int:
+    """The buffers per row tile of a layer-norm kernel of [rows, width], checked against eager."""
     torch.manual_seed(0)
-    model, x = _layer_norm(96), torch.randn(600, 96) * 3  # five row tiles: two pairs and one alone
+    model, x = _layer_norm(width), torch.randn(rows, width) * 3
     with torch.no_grad():
         expected = model(x)
     compiled, out = _compile_and_run(model, x)
-    assert _rowwise_node(compiled).attrs["bufs"] == PAIRED_BUFS
     assert_matches_eager(out, expected)
+    return _rowwise_node(compiled).attrs["bufs"]
+
+
+def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
+    assert _layer_norm_buffers(600, 96) == PAIRED_BUFS  # five row tiles: two pairs and one alone
 
 
 def test_rows_too_wide_to_pair_keep_two_buffers_and_one_tile_at_a_time():
@@ -140,13 +145,7 @@ def test_rows_too_wide_to_pair_keep_two_buffers_and_one_tile_at_a_time():
     width = next(w for w in range(512, target.max_free_elements_sbuf, 512)
                  if not fits_sbuf(need(w, PAIRED_BUFS), target))
     assert fits_sbuf(need(width, BUFS), target)
-    torch.manual_seed(0)
-    model, x = _layer_norm(width), torch.randn(256, width)
-    with torch.no_grad():
-        expected = model(x)
-    compiled, out = _compile_and_run(model, x)
-    assert _rowwise_node(compiled).attrs["bufs"] == BUFS
-    assert_matches_eager(out, expected)
+    assert _layer_norm_buffers(256, width) == BUFS
 
 
 def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
