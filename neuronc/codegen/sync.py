@@ -19,7 +19,12 @@ from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard t
 from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
-HBM_MIN_PAGE_BYTES = 64 * 1024
+HBM_MIN_PAGE_BYTES = 4 * 1024
+
+
+def _power_of_two_above(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 class _Regions:
@@ -33,7 +38,9 @@ class _Regions:
         for t in tensors:
             blocks[t.offset] = max(blocks.get(t.offset, 0), t.nbytes)
         self.starts = sorted(blocks)
-        self.pages = [max(HBM_MIN_PAGE_BYTES, -(-blocks[start] // HBM_PAGES_PER_TENSOR)) for start in self.starts]
+        # Pages are powers of two, so that tiles of power-of-two rows never share a page at their boundary
+        self.pages = [max(HBM_MIN_PAGE_BYTES, _power_of_two_above(-(-blocks[start] // HBM_PAGES_PER_TENSOR)))
+                      for start in self.starts]
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = max(1, target.partitions // target.dma_queues)
 
