@@ -119,13 +119,13 @@ class CompileCache:
         """The cached Neff for `key`, or None (a damaged entry is removed and reported as a miss)."""
         from neuronc.neff import decode
 
-        path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            with open(self._path(key), "rb") as f:
                 data = f.read()
-            with open(path + META_SUFFIX) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
+        except OSError:
+            return None
+        meta = self._meta(key)
+        if meta is None:
             return None
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             self.remove(key)
@@ -135,30 +135,31 @@ class CompileCache:
         except NeffFormatError:
             self.remove(key)
             return None
-        meta["last_used"] = time.time()
-        write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        self._write_meta(key, {**meta, "last_used": time.time()})
         return neff
+
+    def _meta(self, key: str) -> dict | None:
+        """The sidecar of `key`'s entry, or None when it is missing or damaged."""
+        try:
+            with open(self._path(key) + META_SUFFIX) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _write_meta(self, key: str, meta: dict) -> None:
+        write_atomically(self._path(key) + META_SUFFIX, json.dumps(meta).encode())
 
     def checked_by(self, key: str) -> str | None:
         """The id of the runtime access check that the entry's NEFF passed (:meth:`mark_checked`), if any."""
-        try:
-            with open(self._path(key) + META_SUFFIX) as f:
-                return json.load(f).get("access_checked_by")
-        except (OSError, ValueError):
-            return None
+        return (self._meta(key) or {}).get("access_checked_by")
 
     def mark_checked(self, key: str, checker: str) -> None:
         """Record that the entry's NEFF passed the runtime's load-time access check `checker`, so that the
         next process loading it from the cache can skip that check (the NEFF's bytes are verified by their
         sha256 on every read, and the verdict depends on nothing else)."""
-        path = self._path(key) + META_SUFFIX
-        try:
-            with open(path) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            return  # the entry is gone or damaged: it will be recompiled and checked again
-        meta["access_checked_by"] = checker
-        write_atomically(path, json.dumps(meta).encode())
+        meta = self._meta(key)
+        if meta is not None:  # else the entry is gone or damaged: it will be recompiled and checked again
+            self._write_meta(key, {**meta, "access_checked_by": checker})
 
     def put(self, key: str, neff) -> str:
         from neuronc.neff import encode
@@ -170,7 +171,7 @@ class CompileCache:
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
                 "name": neff.name, "target": neff.target, "versions": _versions()}
         write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
-        write_atomically(path + META_SUFFIX, json.dumps(meta).encode())
+        self._write_meta(key, meta)
         return path
 
     def remove(self, key: str) -> None:
@@ -191,15 +192,11 @@ class CompileCache:
             for name in os.listdir(folder):
                 if not name.endswith(ENTRY_SUFFIX):
                     continue
-                path = os.path.join(folder, name)
-                try:
-                    with open(path + META_SUFFIX) as f:
-                        meta = json.load(f)
-                    size = os.path.getsize(path)
-                except (OSError, ValueError):
-                    meta, size = {}, os.path.getsize(path) if os.path.exists(path) else 0
-                found.append(Entry(name[: -len(ENTRY_SUFFIX)], path, size, meta.get("created", 0.0),
-                                   meta.get("last_used", 0.0), meta.get("name", "?"), meta.get("target", "?")))
+                path, key = os.path.join(folder, name), name[: -len(ENTRY_SUFFIX)]
+                meta = self._meta(key) or {}
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                found.append(Entry(key, path, size, meta.get("created", 0.0), meta.get("last_used", 0.0),
+                                   meta.get("name", "?"), meta.get("target", "?")))
         return sorted(found, key=lambda e: -e.last_used)
 
     def clear(self) -> int:
