@@ -70,22 +70,18 @@ def _on_cpu(op, args, kwargs, reason: str):
     return eager.cpu_fallback(op, args, kwargs, reason)
 
 
-def _uniform(self, from_=0.0, to=1.0, *, generator=None):
-    if self.dtype not in _FLOATS:
-        return _on_cpu(torch.ops.aten.uniform_.default, (self, from_, to), {"generator": generator},
-                       f"the device draws uniform {', '.join(map(str, _FLOATS))}, not {self.dtype}")
-    if self.numel():
-        _launch("uniform", (float(from_), float(to)), self, generator)
-    return self
+def _float_draw(recipe: str, op):
+    """The in-place kernel of ``op`` (uniform_(from, to) or normal_(mean, std)): the recipe's draw into floats."""
 
+    def kernel(self, a=0.0, b=1.0, *, generator=None):
+        if self.dtype not in _FLOATS:
+            return _on_cpu(op, (self, a, b), {"generator": generator},
+                           f"the device draws {recipe} {', '.join(map(str, _FLOATS))}, not {self.dtype}")
+        if self.numel():
+            _launch(recipe, (float(a), float(b)), self, generator)
+        return self
 
-def _normal(self, mean=0.0, std=1.0, *, generator=None):
-    if self.dtype not in _FLOATS:
-        return _on_cpu(torch.ops.aten.normal_.default, (self, mean, std), {"generator": generator},
-                       f"the device draws normal {', '.join(map(str, _FLOATS))}, not {self.dtype}")
-    if self.numel():
-        _launch("normal", (float(mean), float(std)), self, generator)
-    return self
+    return kernel
 
 
 def _bernoulli_float(self, p=0.5, *, generator=None):
@@ -174,8 +170,8 @@ def _randperm_out(n, *, out):
 
 
 KERNELS = {
-    "uniform_": _uniform,
-    "normal_": _normal,
+    "uniform_": _float_draw("uniform", torch.ops.aten.uniform_.default),
+    "normal_": _float_draw("normal", torch.ops.aten.normal_.default),
     "bernoulli_.float": _bernoulli_float,
     "bernoulli_.Tensor": _bernoulli_tensor,
     "bernoulli": _bernoulli,
