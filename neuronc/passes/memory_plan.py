@@ -37,7 +37,7 @@ class MemoryPlan:
         return node in self.placement
 
 
-def _needs_buffer(node: ir.Node, consumers: dict, outputs: set) -> bool:
+def _needs_buffer(node: ir.Node, consumers: dict, outputs) -> bool:
     if node.op is not Op.CONSTANT or not node.is_splat:
         return True
     return node in outputs or any(c.op not in ir.ELEMENTWISE for c in consumers.get(node, ()))
@@ -82,6 +82,21 @@ def _aligned(nbytes: int) -> int:
     return -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
 
 
+def _entry(n: ir.Node, output_index: dict, input_count: int) -> TensorEntry:
+    """The tensor-table entry of node `n` (its offset set by the caller); `input_count` inputs came before."""
+    if n in output_index:
+        index, out = output_index[n]
+        return TensorEntry(f"output{index}", TensorKind.OUTPUT, out.dtype, out.shape, 0, index)
+    if n.op is Op.PARAMETER and n.attrs["kind"] == "input":
+        return TensorEntry(n.attrs["name"], TensorKind.INPUT, n.dtype, n.shape, 0, input_count)
+    if n.op is Op.PARAMETER:
+        return TensorEntry(n.attrs["name"], TensorKind.WEIGHT, n.dtype, n.shape, 0, -1, n.attrs["data"])
+    if n.op is Op.CONSTANT and not n.is_splat:
+        return TensorEntry(f"const{n.id}", TensorKind.CONSTANT, n.dtype, n.shape, 0, -1,
+                           n.attrs["value"].reshape(n.shape))
+    return TensorEntry(f"t{n.id}_{n.op.name.lower()}", TensorKind.SCRATCH, n.dtype, n.shape, 0)
+
+
 def plan_memory(graph: ir.Graph) -> MemoryPlan:
     nodes = graph.nodes()
     consumers = graph.consumers()
@@ -99,23 +114,12 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
         if n.op is Op.RESHAPE:
             placement[n] = placement[n.inputs[0]]
             continue
-        if _needs_buffer(n, consumers, set(output_index)):
-            if n in output_index:
-                index, out = output_index[n]
-                entry = TensorEntry(f"output{index}", TensorKind.OUTPUT, out.dtype, out.shape, 0, index)
-            elif n.op is Op.PARAMETER and n.attrs["kind"] == "input":
-                entry = TensorEntry(n.attrs["name"], TensorKind.INPUT, n.dtype, n.shape, 0, input_count)
-                input_count += 1
-            elif n.op is Op.PARAMETER:
-                entry = TensorEntry(n.attrs["name"], TensorKind.WEIGHT, n.dtype, n.shape, 0, -1, n.attrs["data"])
-            elif n.op is Op.CONSTANT and not n.is_splat:
-                entry = TensorEntry(f"const{n.id}", TensorKind.CONSTANT, n.dtype, n.shape, 0, -1,
-                                    n.attrs["value"].reshape(n.shape))
-            else:
-                entry = TensorEntry(f"t{n.id}_{n.op.name.lower()}", TensorKind.SCRATCH, n.dtype, n.shape, 0)
+        if _needs_buffer(n, consumers, output_index):
+            entry = _entry(n, output_index, input_count)
+            input_count += entry.kind is TensorKind.INPUT
             if entry.kind is TensorKind.SCRATCH:
                 scratch.append((entry, slots.take(_aligned(entry.nbytes), position)))
-                dying.setdefault(max(position, last_read.get(n, position)), []).append(scratch[-1][1])
+                dying.setdefault(last_read.get(n, position), []).append(scratch[-1][1])
             else:
                 entry.offset = cursor
                 cursor += _aligned(entry.nbytes)
