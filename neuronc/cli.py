@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import json
@@ -94,7 +95,10 @@ def kernel_table(neff, timeline, target=None) -> list:
     from runtime.metrics import matmul_flops, peak_tflops
 
     target = get_target(target or neff.target)
-    starts = sorted((t.offset, t) for t in neff.tensors)
+    extents: dict = {}  # HBM region start -> its size; memory planning lets tensors share a start
+    for t in neff.tensors:
+        extents[t.offset] = max(extents.get(t.offset, 0), t.nbytes)
+    starts = sorted(extents)
     rows = [{"name": k.name, "ops": list(k.ops), "tiles": {}, "start": None, "end": 0.0, "flops": 0, "ideal_ns": 0.0,
              "hbm_bytes": 0, "touched": {}} for k in neff.kernels]
     for stream in neff.streams.values():
@@ -110,9 +114,10 @@ def kernel_table(neff, timeline, target=None) -> list:
                 if ap.space == Space.HBM:
                     moved = ap.num_elements * ap.dtype.itemsize
                     row["hbm_bytes"] += moved
-                    tensor = next((t for offset, t in reversed(starts) if offset <= ap.offset), None)
-                    if tensor is not None:
-                        row["touched"][tensor.name] = min(tensor.nbytes, row["touched"].get(tensor.name, 0) + moved)
+                    index = bisect.bisect_right(starts, ap.offset) - 1
+                    if index >= 0:
+                        start = starts[index]
+                        row["touched"][start] = min(extents[start], row["touched"].get(start, 0) + moved)
                 elif inst.engine != Engine.DMA:
                     shape = "x".join(map(str, ap.shape))
                     row["tiles"][shape] = max(row["tiles"].get(shape, 0), ap.num_elements)

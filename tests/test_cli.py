@@ -158,6 +158,19 @@ def test_inspect_kernels_shows_each_kernels_ops_tiles_time_and_roofline(cli, mlp
     assert table[0]["flops"] == 2 * 8 * 32 * 128  # fc1: [8, 32] @ [32, 128]
     text = cli("inspect", neff, "--kernels").output
     assert "bound us" in text and softmax["name"] in text and "reduce_last" in text
+def test_inspect_kernels_handles_tensors_that_share_scratch_memory(cli, saved_program, tmp_path):
+    from tests.test_passes import _Chain  # forty intermediates in a few reused HBM slots
+
+    neff = tmp_path / "chain.neff"
+    assert cli("compile", saved_program(_Chain(), (torch.randn(256, 256),)), "-o", neff, "-O0").exit_code == 0
+    result = cli("inspect", neff, "--kernels", "--json")
+    assert result.exit_code == 0, result.output
+    table = json.loads(result.output)["kernels"]
+    assert len(table) >= 40
+    for kernel in table:  # a [256, 256] fp32 operand is read and one written, each at least once
+        assert 2 * 256 * 256 * 4 <= kernel["min_hbm_bytes"] <= kernel["hbm_bytes"]
+
+
 def test_check_accepts_a_model_whose_every_op_compiles(cli, saved_program):
     model, inputs = zoo.build("mlp")
     result = cli("check", saved_program(model, inputs))
