@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.codegen.kernels import ACTIVATIONS, _Balancer, _rows
+from neuronc.codegen.access import row_slice
+from neuronc.codegen.elementwise import ACTIVATIONS, Balancer
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
@@ -37,7 +38,7 @@ def _spans(start: int, step: int, count: int, low: int, high: int) -> tuple:
 
 
 class _Queues:
-    """The kernel's DMAs, split by partitions (as kernels._dma_by_rows) into slices of whole partition groups (a
+    """The kernel's DMAs, split by partitions (as access.dma_by_rows) into slices of whole partition groups (a
     DMA queue's share, by which the sync pass tracks hazards, so the slices never wait on each other). Result
     stores go to queues of their own, slice k always to store queue k: a store's rows of every channel share
     HBM pages with the image's other stores, which on other queues would wait on each other one after the
@@ -57,8 +58,8 @@ class _Queues:
         most = max(1, min(most, nbytes // smallest if by_bytes else most, rows // group))
         pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
             if rows % group == 0 else 1
-        return [(_rows(dst, rows * k // pieces, rows * (k + 1) // pieces),
-                 _rows(src, rows * k // pieces, rows * (k + 1) // pieces)) for k in range(pieces)]
+        return [(row_slice(dst, rows * k // pieces, rows * (k + 1) // pieces),
+                 row_slice(src, rows * k // pieces, rows * (k + 1) // pieces)) for k in range(pieces)]
 
     def _emit(self, queue: int, dst, src) -> None:
         self.em.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
@@ -160,7 +161,7 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     plane_elements = g.plane_elements(tiling.band)
     made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
     psum = em.psum_pool(PSUM_BUFS)
-    engines = _Balancer(em)
+    engines = Balancer(em)
     queues = _Queues(em, STORE_QUEUES)
     c_tiles = [(c0, min(parts, cin - c0)) for c0 in range(0, cin, parts)]
     o_tiles = [(o0, min(parts, cout - o0)) for o0 in range(0, cout, parts)]

@@ -2,7 +2,7 @@
 
 Unfused, attention is a matmul writing the [Sq, Sk] scores of every head to HBM, a softmax reading and
 writing them again, and a second matmul reading the probabilities: the S x S tensor makes three round
-trips through HBM and dominates the time. Fused (`Op.ATTENTION`, codegen `kernels.attention`), a tile of
+trips through HBM and dominates the time. Fused (`Op.ATTENTION`, codegen `codegen/attention.py`), a tile of
 query rows meets the keys block by block with an online softmax (running max and sum, the accumulator
 rescaled), so the scores live only in PSUM and SBUF; causal blocks above the diagonal are skipped.
 

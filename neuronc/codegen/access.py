@@ -1,0 +1,55 @@
+"""Slices of access patterns (a tile at an offset, rows, columns, a column broadcast) and the DMA split
+that moves a large tile over several queues: the vocabulary kernels build their tiles from."""
+from __future__ import annotations
+
+import dataclasses
+
+from neuronc.codegen.emitter import Emitter
+from neuronc.isa import AccessPattern, Space
+
+
+def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
+    """The [partitions, free...] tile starting `element` elements into each partition of `ap`'s slot."""
+    dims, stride = [], 1
+    for size in reversed(free):
+        dims.append((stride, size))
+        stride *= size
+    return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize,
+                               dims=((1, partitions), *reversed(dims)))
+
+
+def column_slice(ap: AccessPattern, c0: int, c1: int) -> AccessPattern:
+    """Columns [c0, c1) of a [partitions, n] on-chip tile."""
+    return dataclasses.replace(ap, offset=ap.offset + c0 * ap.dtype.itemsize, dims=(ap.dims[0], (1, c1 - c0)))
+
+
+def row_slice(ap: AccessPattern, p0: int, p1: int) -> AccessPattern:
+    """Partitions [p0, p1) of an on-chip tile, or the matching rows of an HBM pattern."""
+    stride, _ = ap.dims[0]
+    dims = ((stride, p1 - p0), *ap.dims[1:])
+    if ap.space == Space.HBM:
+        return dataclasses.replace(ap, offset=ap.offset + p0 * stride * ap.dtype.itemsize, dims=dims)
+    return dataclasses.replace(ap, partition=ap.partition + p0, dims=dims)
+
+
+def first_rows(ap: AccessPattern, rows: int) -> AccessPattern:
+    return dataclasses.replace(ap, dims=((ap.dims[0][0], rows), *ap.dims[1:]))
+
+
+def broadcast_columns(ap: AccessPattern, cols: int) -> AccessPattern:
+    """A [rows, 1] tile read as [rows, cols]: the free axis with stride 0."""
+    return dataclasses.replace(ap, dims=(ap.dims[0], (0, cols)))
+
+
+def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
+    """One DMA per slice of partitions, on consecutive queues, so that a large tile moves at the
+    bandwidth of several queues. A slice is at least the bytes that keep a DMA efficient on the target
+    (its efficient bytes per partition, over all partitions, shared by the queues)."""
+    t = em.target
+    rows = dst.partitions
+    nbytes = dst.num_elements * dst.dtype.itemsize
+    smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
+    pieces = max(1, min(rows, t.dma_queues, nbytes // smallest))
+    for k in range(pieces):
+        p0, p1 = rows * k // pieces, rows * (k + 1) // pieces
+        em.dma(row_slice(dst, p0, p1), row_slice(src, p0, p1))

@@ -1,0 +1,313 @@
+"""Element-wise kernels and the tile helpers every kernel shares: a fused chain of element-wise ops
+computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and the data-movement kernels
+(strided view copies, fills, pads, concatenation) that need no arithmetic."""
+from __future__ import annotations
+
+
+
+
+from neuronc import ir
+from neuronc.codegen.blocks import blocks
+from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.errors import NeuronCompileError
+from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
+from neuronc.ir import Node, Op
+from neuronc.passes.legalize import dense_strides
+from neuronc.passes.memory_plan import MemoryPlan
+
+
+SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size from the SBUF size
+
+ACTIVATIONS = {
+    Op.ABS: ActFunc.ABS, Op.EXP: ActFunc.EXP, Op.EXPM1: ActFunc.EXPM1, Op.LOG: ActFunc.LOG,
+    Op.LOG1P: ActFunc.LOG1P, Op.SQRT: ActFunc.SQRT, Op.RSQRT: ActFunc.RSQRT, Op.TANH: ActFunc.TANH,
+    Op.LOGISTIC: ActFunc.SIGMOID, Op.SIN: ActFunc.SIN, Op.COS: ActFunc.COS, Op.SIGN: ActFunc.SIGN,
+    Op.FLOOR: ActFunc.FLOOR, Op.CEIL: ActFunc.CEIL, Op.ROUND: ActFunc.ROUND, Op.ERF: ActFunc.ERF,
+    Op.GELU: ActFunc.GELU,
+}
+ALU = {
+    Op.ADD: AluOp.ADD, Op.SUBTRACT: AluOp.SUBTRACT, Op.MULTIPLY: AluOp.MULTIPLY, Op.DIVIDE: AluOp.DIVIDE,
+    Op.REMAINDER: AluOp.REMAINDER, Op.POWER: AluOp.POW, Op.MAXIMUM: AluOp.MAX, Op.MINIMUM: AluOp.MIN,
+    Op.ATAN2: AluOp.ATAN2, Op.AND: AluOp.AND, Op.OR: AluOp.OR, Op.XOR: AluOp.XOR,
+}
+COMPARISONS = {"EQ": AluOp.EQ, "NE": AluOp.NE, "LT": AluOp.LT, "LE": AluOp.LE, "GT": AluOp.GT, "GE": AluOp.GE}
+REDUCTIONS = {"add": AluOp.ADD, "max": AluOp.MAX, "min": AluOp.MIN, "and": AluOp.MIN, "or": AluOp.MAX}
+
+
+def free_for(em: Emitter, slots: int, widest: int) -> int:
+    """Elements per partition of each tile when `slots` tiles of up to `widest` bytes an element
+    share the partition (each slot rounded up to the emitter's alignment), at most a default tile."""
+    slot_bytes = em.target.sbuf_bytes_per_partition // slots - em.SLOT_ALIGNMENT  # room for rounding up
+    return min(tile_free_elements(em, DType.F32), slot_bytes // widest)
+
+
+def tile_free_elements(em: Emitter, dtype: DType) -> int:
+    """Elements per partition of one tile, so that a kernel's tile slots fit in SBUF."""
+    per_slot = em.target.sbuf_bytes_per_partition // SLOTS_PER_KERNEL
+    return min(em.target.max_free_elements_sbuf, per_slot // max(dtype.itemsize, DType.F32.itemsize))
+
+
+# elementwise -----------------------------------------------------------------------------------
+
+
+def _last_uses(body) -> list:
+    last = list(range(len(body)))
+    for j, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                last[ref] = j
+    return last
+
+
+def assign_slots(body) -> tuple:
+    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the
+    output tile). Returns (slot of each step or None, number of slots)."""
+    last = _last_uses(body)
+    free, slots, count = [], [], 0
+    for j in range(len(body)):
+        for k in range(j):
+            if last[k] == j and slots[k] is not None:
+                free.append(slots[k])  # the step's inputs die here: their tiles are reusable
+        if j == len(body) - 1:
+            slots.append(None)
+        elif free:
+            slots.append(free.pop())
+        else:
+            slots.append(count)
+            count += 1
+    return slots, count
+
+
+def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """One or many fused elementwise ops: load each input tile once (through its strided view, if
+    the fusion pass folded one in), compute every step of the body in SBUF, store the result."""
+    body = ir.body_of(node)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    used = sorted({ref for step in body for kind, ref in step.args if kind == "input"})
+    slots, temp_count = assign_slots(body)
+    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
+    widest = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]
+                 + [node.inputs[i].dtype.itemsize for i in used])
+    free = free_for(em, 3 * len(used) + 2 * temp_count + 3 + (3 if needs_constants else 0), widest)
+    inputs = {i: em.sbuf_pool(node.inputs[i].dtype, free, bufs=3) for i in used}
+    temps = [em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
+    out_pool = em.sbuf_pool(node.dtype, free, bufs=3)
+    constants = em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=3) if needs_constants else None
+    strides = [dense_strides(node.shape)]
+    offsets = [0]
+    for i in used:
+        view = views[i]
+        strides.append(view[1] if view else dense_strides(node.shape))
+        offsets.append(view[0] if view else 0)
+    for block in blocks(node.shape, strides, free, em.target.partitions, offsets):
+        shape = (block.partitions, *block.free)
+        loaded = {}
+        for k, i in enumerate(used, start=1):
+            x = node.inputs[i]
+            loaded[i] = inputs[i].next().ap(*shape)
+            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize, block.dims[k]))
+        out = emit_body(em, body, slots, loaded, [pool.next() for pool in temps], out_pool.next(), shape,
+                         constants, node.loc)
+        em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), out)
+
+
+def emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
+    """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
+    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
+    results = []
+    for step, slot in zip(body, slots):
+        out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+        args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
+                for kind, ref in step.args]
+        compute_step(em, step, out, args, constants, loc)
+        results.append(out)
+    return results[-1]
+
+
+def _scalar_form(step, args) -> tuple | None:
+    """(func, scale, bias, source) computing `step` as one Scalar-engine ACTIVATE, func(scale * x + bias) in
+    fp32 rounded once to the destination, exactly as the ALU computes it; or None. A bias of -0.0 adds
+    nothing, not even to a zero's sign."""
+    if step.op in ACTIVATIONS:
+        return ACTIVATIONS[step.op], 1.0, 0.0, args[0]
+    if not step.dtype.is_float or not all(isinstance(a, float) or a.dtype.is_float for a in args):
+        return None
+    if step.op is Op.CONVERT:
+        return ActFunc.IDENTITY, 1.0, -0.0, args[0]
+    if step.op is Op.NEGATE:
+        return ActFunc.IDENTITY, -1.0, -0.0, args[0]
+    if len(args) != 2 or isinstance(args[0], float) == isinstance(args[1], float):
+        return None
+    (x, c), reverse = (args, False) if isinstance(args[1], float) else (args[::-1], True)
+    forms = {Op.MULTIPLY: (c, -0.0), Op.ADD: (1.0, c), Op.SUBTRACT: (-1.0, c) if reverse else (1.0, -c)}
+    if step.op not in forms:
+        return None
+    return (ActFunc.IDENTITY, *forms[step.op], x)
+
+
+class StepBalancer:
+    """Puts each step of a body on the least busy engine that can compute it (as the cost model prices the
+    work so far): the Vector engine takes any step, GpSimd those that read no PSUM (it cannot reach PSUM on
+    the hardware), the Scalar engine activations and the steps that are a scale and a bias (`_scalar_form`)."""
+
+    def __init__(self, em: Emitter):
+        self.em = em
+        self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}
+
+    def compute(self, step, out, args, constants, loc) -> None:
+        form = _scalar_form(step, args)
+        tiles = [a for a in args if isinstance(a, AccessPattern)]
+        engines = [] if step.op in ACTIVATIONS else [Engine.VECTOR]
+        if step.op not in ACTIVATIONS and all(t.space != Space.PSUM for t in tiles + [out]):
+            engines.append(Engine.GPSIMD)
+        if form is not None:
+            engines.append(Engine.SCALAR)
+        engine = min(engines, key=self.busy.get)
+        start = len(self.em.instructions)
+        if engine is Engine.SCALAR:
+            func, scale, bias, x = form
+            self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+        else:
+            compute_step(self.em, step, out, args, constants, loc, engine)
+        for inst in self.em.instructions[start:]:
+            self.busy[inst.engine] = self.busy.get(inst.engine, 0.0) + instruction_cost_ns(inst, self.em.target)
+
+
+def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
+    """One instruction computing `step` into `out`; args are tiles or floats (scalars). ALU work runs on
+    `engine` (Vector or GpSimd), activation functions on the Scalar engine."""
+    op = step.op
+    tiles = [a for a in args if isinstance(a, AccessPattern)]
+    if op in ACTIVATIONS:
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=1.0, imm1=0.0)
+    elif op is Op.NEGATE:
+        em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
+    elif op is Op.CONVERT:
+        em.emit(Opcode.TENSOR_COPY, engine, out, args[0])
+    elif op is Op.NOT:
+        alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, -1.0)
+        em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=alu, imm0=imm)
+    elif op in ALU or op is Op.COMPARE:
+        alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]
+        a, b = args
+        if len(tiles) == 2:
+            em.emit(Opcode.TENSOR_TENSOR, engine, out, a, b, alu=alu)
+        elif isinstance(a, AccessPattern):
+            em.emit(Opcode.TENSOR_SCALAR, engine, out, a, alu=alu, imm0=b)
+        else:
+            em.emit(Opcode.TENSOR_SCALAR, engine, out, b, alu=alu, imm0=a, reverse=True)
+    elif op is Op.SELECT:
+        operands = []
+        for arg, dtype in zip(args, (DType.BOOL, step.dtype, step.dtype)):
+            if not isinstance(arg, AccessPattern):  # a scalar operand: materialise it as a tile
+                tile = constants.next().ap(*out.shape, dtype=dtype)
+                em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=arg)
+                arg = tile
+            operands.append(arg)
+        em.emit(Opcode.SELECT, engine, out, *operands)
+    else:
+        raise NeuronCompileError(f"no elementwise kernel for {op.name.lower()}", location=str(loc))
+
+
+# data movement ---------------------------------------------------------------------------------
+
+
+def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides, dst_offset: int, dst_strides, shape) -> None:
+    """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks."""
+    size = dtype.itemsize
+    for block in blocks(shape, [dst_strides, src_strides], tile_free_elements(em, DType.F32), em.target.partitions):
+        em.dma(hbm(dtype, dst_offset + block.offsets[0] * size, block.dims[0]),
+               hbm(dtype, src_offset + block.offsets[1] * size, block.dims[1]))
+
+
+def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    x = node.inputs[0]
+    size = node.dtype.itemsize
+    copy_strided(em, node.dtype, plan.offset(x) + node.attrs["offset"] * size, node.attrs["strides"],
+                 plan.offset(node), dense_strides(node.shape), node.shape)
+
+
+def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> None:
+    """Write `value` to `count` contiguous HBM elements: one memset tile, DMA'd out block by block."""
+    free = tile_free_elements(em, DType.F32)
+    cover = list(blocks((count,), [(1,)], free, em.target.partitions))
+    widest = max(b.free_elements for b in cover)
+    tile = em.sbuf_pool(dtype, widest, bufs=1).next()
+    em.emit(Opcode.MEMSET, Engine.GPSIMD, tile.ap(em.target.partitions, widest), imm0=value)
+    for block in cover:
+        em.dma(hbm(dtype, offset + block.offsets[0] * dtype.itemsize, block.dims[0]),
+               tile.ap(block.partitions, *block.free))
+
+
+def splat_constant(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    fill(em, node.dtype, plan.offset(node), node.size, float(node.scalar))
+
+
+def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    x = node.inputs[0]
+    a = node.attrs
+    fill(em, node.dtype, plan.offset(node), node.size, a["value"])
+    out_strides = dense_strides(node.shape)
+    start = sum(lo * s for lo, s in zip(a["low"], out_strides))
+    copy_strided(em, node.dtype, plan.offset(x), dense_strides(x.shape),
+                 plan.offset(node) + start * node.dtype.itemsize,
+                 [s * (it + 1) for s, it in zip(out_strides, a["interior"])], x.shape)
+
+
+def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    dim = node.attrs["dimension"]
+    out_strides = dense_strides(node.shape)
+    position = 0
+    for x in node.inputs:
+        copy_strided(em, node.dtype, plan.offset(x), dense_strides(x.shape),
+                     plan.offset(node) + position * out_strides[dim] * node.dtype.itemsize, out_strides, x.shape)
+        position += x.shape[dim]
+
+
+# matmul and reductions -------------------------------------------------------------------------
+
+
+class Balancer:
+    """Puts each ALU instruction on the Vector or GpSimd engine, whichever has less work so far (as the
+    cost model prices it), so the two share a kernel's elementwise work; activations go to Scalar. A copy
+    or a scaling by a constant may also go to Scalar (an ACTIVATE of the identity), when it has less work."""
+
+    CANDIDATES = (Engine.VECTOR, Engine.GPSIMD)
+
+    def __init__(self, em: Emitter):
+        self.em = em
+        self.busy = {e: 0.0 for e in (*self.CANDIDATES, Engine.SCALAR)}
+
+    def _charge(self, start: int) -> None:
+        for inst in self.em.instructions[start:]:
+            if inst.engine in self.busy:
+                self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target)
+
+    def _engine(self) -> Engine:
+        return min(self.CANDIDATES, key=self.busy.get)
+
+    def emit(self, opcode, *operands, **fields) -> None:
+        start = len(self.em.instructions)
+        self.em.emit(opcode, self._engine(), *operands, **fields)
+        self._charge(start)
+
+    def compute(self, step, out, args, constants, loc) -> None:
+        start = len(self.em.instructions)
+        compute_step(self.em, step, out, args, constants, loc, self._engine())
+        self._charge(start)
+
+    def activate(self, opcode, *operands, **fields) -> None:
+        """A Scalar-engine instruction, counted so that the other choices see Scalar's load."""
+        start = len(self.em.instructions)
+        self.em.emit(opcode, Engine.SCALAR, *operands, **fields)
+        self._charge(start)
+
+    def scale(self, dst, src, factor: float) -> None:
+        """dst = src * factor (fp32, rounded to dst's dtype) on the least loaded of Vector, GpSimd, Scalar."""
+        if min(self.busy, key=self.busy.get) is Engine.SCALAR:
+            self.activate(Opcode.ACTIVATE, dst, src, func=ActFunc.IDENTITY, imm0=factor, imm1=0.0)
+        elif factor == 1.0:
+            self.emit(Opcode.TENSOR_COPY, dst, src)
+        else:
+            self.emit(Opcode.TENSOR_SCALAR, dst, src, alu=AluOp.MULTIPLY, imm0=factor)

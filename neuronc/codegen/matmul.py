@@ -1,0 +1,176 @@
+"""The matmul kernel: stationary and moving tiles on the Tensor engine accumulating in PSUM, loads issued ahead,
+and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines."""
+from __future__ import annotations
+
+
+
+
+from neuronc import ir
+from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
+from neuronc.codegen.elementwise import StepBalancer, assign_slots
+from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.isa import Engine, Opcode
+from neuronc.ir import Node, Op
+from neuronc.passes.legalize import dense_strides
+from neuronc.passes.memory_plan import MemoryPlan
+
+
+def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
+    tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
+
+    Operands are loaded as strips [K tile, k tiles x width] by one DMA each (split over the queues by
+    partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
+    operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
+    residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
+    inputs on its way out."""
+    from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
+
+    a, b, *extra = node.inputs
+    (batch, m, n), k = node.shape, node.attrs["k"]
+    tiling = node.attrs.get("tiling") or default_tiling(node, em.target)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
+        view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
+    extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
+    body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
+    slots, temp_count = assign_slots(body)
+    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
+    k_tiles = -(-k // tk)
+    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()}
+    out_pools = epilogue_pools(node, tn)
+    pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
+    result, constants = pool("result"), pool("constants")
+    extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
+    if bias_row is not None:
+        ones = pool("ones").next().ap(1, tm)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
+    temps = [pool(f"temp{i}") for i in range(temp_count)]
+    psum = em.psum_pool()
+    engines = StepBalancer(em)
+    ci = node.dtype.itemsize
+
+    def load_strip(name, x, element, k_stride, w_stride, width):
+        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]."""
+        tile = strips[name].next().ap(tk, k_tiles * width)
+        whole, tail = divmod(k, tk)
+        if whole:
+            dma_by_rows(em, tile_at(tile, 0, min(tk, k), whole, width),
+                         hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize,
+                             ((k_stride, min(tk, k)), (tk * k_stride, whole), (w_stride, width))))
+        if tail:
+            em.dma(tile_at(tile, whole * width, tail, width),
+                   hbm(x.dtype, plan.offset(x) + (element + whole * tk * k_stride) * x.dtype.itemsize,
+                       ((k_stride, tail), (w_stride, width))))
+        return tile, width
+
+    def a_strip(g, m0, rows):
+        return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
+
+    def b_strip(g, n0, cols):
+        return load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(cols, n - n0))
+
+    def in_strip(strip, col, size):
+        """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
+        tile, width = strip
+        return lambda j: tile_at(tile, j * width + col, min(tk, k - j * tk), size)
+
+    def streamed(name, x, element, k_stride, w_stride, size):
+        """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
+        def load(j):
+            rows = min(tk, k - j * tk)
+            tile = strips[name].next().ap(rows, size)
+            em.dma(tile, hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
+                             ((k_stride, rows), (w_stride, size))))
+            return tile
+        return load
+
+    def output_tile(g, m0, n0, stationary, moving):
+        """One [mt, nt] output tile: K tiles accumulated in PSUM, the epilogue, the store."""
+        mt, nt = min(tm, m - m0), min(tn, n - n0)
+        acc = psum.next().ap(mt, nt)
+        for j in range(k_tiles):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+        loaded = {0: acc}
+        for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
+            if i == bias_row:  # acc[m, n] += 1 * bias[n]
+                row = xpool.next().ap(1, nt)
+                em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, nt))))
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
+                        accumulate=True)
+                continue
+            loaded[i] = xpool.next().ap(mt, nt)
+            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
+                                  ((sm, mt), (sn, nt))))
+        waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                        hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+        if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
+            flush(keep=1)
+
+    waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
+
+    def flush(keep=0):
+        """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
+        chains side by side on the engines, not one chain at a time), then their stores."""
+        jobs = waiting[:len(waiting) - keep]
+        del waiting[:len(jobs)]
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
+        for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
+            dma_by_rows(em, job[4], out)
+
+    if tiling.resident == "none":
+        for g in range(batch):
+            for m0 in range(0, m, tm):
+                for n0 in range(0, n, tn):
+                    output_tile(g, m0, n0,
+                                streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
+                                streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
+        flush()
+        return
+    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
+    # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
+    # compute.
+    steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
+    for g in range(batch):
+        if tiling.resident == "a":
+            for mb in range(0, m, tiling.block * tm):
+                steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
+                a_step = len(steps) - 1
+                for n0 in range(0, n, tn):
+                    steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
+                    steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
+                                        for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+        else:
+            for nb in range(0, n, tiling.block * tn):
+                steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
+                b_step = len(steps) - 1
+                for m0 in range(0, m, tm):
+                    steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
+                    steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
+                                        for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+    loaded: dict = {}
+    for i, (_, tiles) in enumerate(steps):
+        for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
+            loaded[j] = steps[j][0]()
+        for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
+            output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
+                        in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+    flush()
+
+
+EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
+
+
+def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
+    """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
+    (loaded, temp tiles, out tile, shape). Returns each job's result AP."""
+    results = [[] for _ in jobs]
+    for step, slot in zip(body, slots):
+        for (loaded, temp_tiles, out_tile, shape), done in zip(jobs, results):
+            out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+            args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
+                    for kind, ref in step.args]
+            engines.compute(step, out, args, constants, loc)
+            done.append(out)
+    return [done[-1] for done in results]
