@@ -476,6 +476,20 @@ def test_events_time_work_on_a_stream_from_the_emulated_timeline(neuron):
     assert start.elapsed_time(end) == pytest.approx(expected_ms)
 
 
+def test_the_profiler_gives_each_op_the_device_time_it_added_to_its_stream(neuron):
+    x = torch.randn(64, 64).to(neuron)
+    _work(x)  # compiled: the profiled launches are lookups
+    with torch.autograd.profiler.profile(use_device="neuron", use_kineto=False) as prof:
+        _work(x).view(-1)
+    torch.accelerator.synchronize()
+    device_us = {e.key: e.self_device_time_total for e in prof.key_averages()}
+    [mm], [relu] = (eager.compiled_for(op, (64, 64)) for op in (torch.ops.aten.mm.default, torch.ops.aten.relu.default))
+    # PyTorch's profiler keeps whole microseconds of a device interval
+    assert abs(device_us["aten::mm"] - mm.duration_ns / 1e3) < 1
+    assert abs(device_us["aten::relu"] - relu.duration_ns / 1e3) < 1
+    assert device_us["aten::view"] == 0  # metadata only: nothing ran on the core
+
+
 def _timed(work) -> float:
     start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
     start.record()

@@ -9,6 +9,8 @@
 //   querying runs the device's queued work (neuronc.pytorch.queues);
 // * PrivateUse1HooksInterface, so torch.accelerator sees the device, with a generator per device;
 // * autocast: PyTorch's op lists registered on AutocastPrivateUse1;
+// * profiler stubs: the profiler stamps each op with its stream's emulated clock before and after it, so
+//   an op's device time is what it added to the clock (torch.profiler's PrivateUse1 activity);
 // * the kernels that only touch tensor metadata (empty, views, resize, set_), which must alias storage.
 //
 // Every op that computes is in Python (neuronc/pytorch/eager.py).
@@ -25,6 +27,8 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <torch/extension.h>
 #include <pybind11/numpy.h>
 
@@ -459,6 +463,40 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
 
 NeuronHooks* g_hooks = nullptr;
 
+// ---- profiler ------------------------------------------------------------------------------------
+
+// An event of the profiler is a reading of the current stream's emulated clock; two readings around an op
+// give the device time of the work it queued (the clock moves on at each launch, see `launch`).
+struct NeuronProfilerStubs final : public torch::profiler::impl::ProfilerStubs {
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event,
+              int64_t* cpu_ns) const override {
+    auto index = current_device();
+    if (device != nullptr) *device = index;
+    if (cpu_ns != nullptr) *cpu_ns = c10::getTime();
+    std::lock_guard<std::mutex> lock(g_clock_mutex);
+    *event = std::make_shared<double>(clock_of(index, t_current_stream[index]));
+  }
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* start,
+                const torch::profiler::impl::ProfilerVoidEventStub* end) const override {  // microseconds
+    return static_cast<float>((*static_cast<double*>(end->get()) - *static_cast<double*>(start->get())) / 1e3);
+  }
+  void mark(const char*) const override {}
+  void rangePush(const char*) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+  void onEachDevice(std::function<void(int)> op) const override {
+    auto previous = current_device();
+    for (c10::DeviceIndex d = 0; d < g_device_count; ++d) {
+      t_current_device = d;
+      op(d);
+    }
+    t_current_device = previous;
+  }
+  void synchronize() const override {}  // the clocks move at launch: nothing to wait for
+};
+
+NeuronProfilerStubs* g_profiler_stubs = nullptr;
+
 // ---- metadata kernels ------------------------------------------------------------------------------
 
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
@@ -562,6 +600,10 @@ void init(c10::DeviceIndex device_count, py::object reserve, py::object release,
   if (g_hooks == nullptr) {
     g_hooks = new NeuronHooks();
     at::RegisterPrivateUse1HooksInterface(g_hooks);
+  }
+  if (g_profiler_stubs == nullptr) {
+    g_profiler_stubs = new NeuronProfilerStubs();
+    torch::profiler::impl::registerPrivateUse1Methods(g_profiler_stubs);
   }
 }
 
