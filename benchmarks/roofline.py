@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.isa import Engine, Opcode, Space
+from neuronc.instruction_cost import hbm_bytes
+from neuronc.isa import Engine, Opcode
 from neuronc.passes.cost_model import kernel_spans
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops, peak_tflops
@@ -122,7 +123,7 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
                 flops += f
                 ideal_ns += f / (peak_tflops(target, inst.operands[1].dtype) * 1e3)
             elif engine == Engine.DMA:
-                hbm += sum(ap.num_elements * ap.dtype.itemsize for ap in inst.operands if ap.space == Space.HBM)
+                hbm += hbm_bytes(inst)
     minimum = _minimal_bytes(neff)
     ideal_ns = ideal_ns if model_ideal_ns is None else model_ideal_ns
     bound_ns = max(ideal_ns, minimum / target.hbm_gbps)  # bytes / (GB/s) = ns

@@ -90,6 +90,7 @@ def kernel_table(neff, timeline, target=None) -> list:
     """Per kernel: name, ops fused into it, on-chip tile shapes, estimated time (its span on the timeline),
     FLOPs, HBM bytes moved and the least it must move (each tensor it touches once), and its roofline
     lower bound max(FLOPs / peak, least bytes / HBM bandwidth) on the target, with efficiency bound/time."""
+    from neuronc.instruction_cost import transfer_bytes
     from neuronc.isa import Engine, Opcode, Space
     from neuronc.targets import get_target
     from runtime.metrics import matmul_flops, peak_tflops
@@ -112,7 +113,7 @@ def kernel_table(neff, timeline, target=None) -> list:
                 row["ideal_ns"] += flops / (peak_tflops(target, inst.operands[1].dtype) * 1e3)
             for ap in inst.operands:
                 if ap.space == Space.HBM:
-                    moved = ap.num_elements * ap.dtype.itemsize
+                    moved = transfer_bytes(inst)
                     row["hbm_bytes"] += moved
                     index = bisect.bisect_right(starts, ap.offset) - 1
                     if index >= 0:

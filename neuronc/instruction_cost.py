@@ -74,12 +74,25 @@ def _elementwise_ns(instr: Instruction, target: Target) -> float:
     return cycles / _CLOCK_GHZ[instr.engine](target)
 
 
+def transfer_bytes(instr: Instruction) -> int:
+    """The bytes a DMA moves: its on-chip side's for an indirect one (the rows gathered or scattered, not
+    the table its HBM pattern spans), its destination's otherwise."""
+    if instr.opcode in (Opcode.DMA_GATHER, Opcode.DMA_SCATTER):
+        rows = next(ap for ap in instr.operands[:2] if ap.space != Space.HBM)
+        return rows.num_elements * rows.dtype.itemsize
+    return instr.dst.num_elements * instr.dst.dtype.itemsize
+
+
+def hbm_bytes(instr: Instruction) -> int:
+    """The HBM traffic of an instruction: what it moves, once per HBM operand (only DMAs reach HBM)."""
+    return sum(ap.space == Space.HBM for ap in instr.operands[:2]) * transfer_bytes(instr)
+
+
 def _indirect_ns(instr: Instruction, target: Target) -> float:
     """An indirect DMA: one issue, rows moved to or from scattered addresses (half bandwidth); a scatter
     that adds reads each row before writing it (twice the traffic)."""
-    rows = next(ap for ap in instr.operands[:2] if ap.space != Space.HBM)
     traffic = 2 if instr.alu == AluOp.ADD else 1
-    return target.dma_fixed_ns + traffic * rows.num_elements * rows.dtype.itemsize / (target.dma_gbps_per_queue / 2)
+    return target.dma_fixed_ns + traffic * transfer_bytes(instr) / (target.dma_gbps_per_queue / 2)
 
 
 _COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,

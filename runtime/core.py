@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neuronc.errors import InputMismatchError, NeuronRuntimeError
-from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.targets import Target, get_target
@@ -262,10 +262,8 @@ class LoadedProgram:
                 check_bounds(ap, self._shapes[ap.space])
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
-        hbm_operands = sum(ap.space == Space.HBM for ap in instr.operands)  # only DMA reaches HBM
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
-                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
-                      hbm_operands * instr.dst.num_elements * instr.dst.dtype.itemsize)
+                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr), hbm_bytes(instr))
 
     def _schedule(self) -> tuple:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
