@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.sync import partition_group
 from neuronc.isa import AccessPattern, Space
 
 
@@ -43,13 +44,24 @@ def broadcast_columns(ap: AccessPattern, cols: int) -> AccessPattern:
 
 def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
     """One DMA per slice of partitions, on consecutive queues, so that a large tile moves at the
-    bandwidth of several queues. A slice is at least the bytes that keep a DMA efficient on the target
-    (its efficient bytes per partition, over all partitions, shared by the queues)."""
-    t = em.target
-    rows = dst.partitions
-    nbytes = dst.num_elements * dst.dtype.itemsize
-    smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
-    pieces = max(1, min(rows, t.dma_queues, nbytes // smallest))
-    for k in range(pieces):
-        p0, p1 = rows * k // pieces, rows * (k + 1) // pieces
+    bandwidth of several queues (see :func:`dma_slices`)."""
+    onchip = dst if dst.space != Space.HBM else src
+    for p0, p1 in dma_slices(em.target, onchip):
         em.dma(row_slice(dst, p0, p1), row_slice(src, p0, p1))
+
+
+def dma_slices(target, tile: AccessPattern) -> list:
+    """[(p0, p1)] slices of a tile's partitions (relative to its first) that DMAs on consecutive queues move
+    at once: as many as the queues, each at least the bytes that keep a DMA efficient on the target (its
+    efficient bytes per partition, over all partitions, shared by the queues), cut at partition-group
+    boundaries (a slice sharing a group with the next would be ordered before it)."""
+    rows, nbytes = tile.partitions, tile.num_elements * tile.dtype.itemsize
+    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
+    pieces = max(1, min(rows, target.dma_queues, nbytes // smallest))
+    if tile.space == Space.HBM:
+        return [(rows * k // pieces, rows * (k + 1) // pieces) for k in range(pieces)]
+    group, base = partition_group(target), tile.partition
+    first, last = base // group, (base + rows - 1) // group  # the groups the tile touches
+    pieces = min(pieces, last - first + 1)
+    cuts = [0] + [(first + (last - first + 1) * k // pieces) * group - base for k in range(1, pieces)] + [rows]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]

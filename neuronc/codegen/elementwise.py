@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 from neuronc import ir
+from neuronc.codegen.access import dma_by_rows
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
@@ -106,10 +107,12 @@ def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         for k, i in enumerate(used, start=1):
             x = node.inputs[i]
             loaded[i] = inputs[i].next().ap(*shape)
-            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize, block.dims[k]))
+            dma_by_rows(em, loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize,
+                                           block.dims[k]))
         out = emit_body(em, body, slots, loaded, [pool.next() for pool in temps], out_pool.next(), shape,
-                         constants, node.loc)
-        em.dma(hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]), out)
+                        constants, node.loc)
+        dma_by_rows(em, hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]),
+                    out)
 
 
 def emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from neuronc.codegen.access import column_slice
+from neuronc.codegen.access import column_slice, dma_by_rows, dma_slices, row_slice
 from neuronc.codegen.elementwise import tile_free_elements
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
@@ -21,8 +21,10 @@ def gather_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     count, width = table.shape[0], table.shape[1]
     size = node.dtype.itemsize
     for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
-        em.dma(tile, hbm(table.dtype, plan.offset(table) + c0 * size, ((width, count), (1, ct))), indices=index)
-        em.dma(hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
+        source = hbm(table.dtype, plan.offset(table) + c0 * size, ((width, count), (1, ct)))
+        for p0, p1 in dma_slices(em.target, tile):
+            em.dma(row_slice(tile, p0, p1), source, indices=row_slice(index, p0, p1))
+        dma_by_rows(em, hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
 
 
 def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -33,7 +35,8 @@ def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     whole = ((width, count), (1, width))
     em.dma(hbm(node.dtype, plan.offset(node), whole), hbm(base.dtype, plan.offset(base), whole))
     for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
-        em.dma(tile, hbm(updates.dtype, plan.offset(updates) + (r0 * width + c0) * size, ((width, rt), (1, ct))))
+        dma_by_rows(em, tile, hbm(updates.dtype, plan.offset(updates) + (r0 * width + c0) * size, ((width, rt), (1, ct))))
+        # one indirect DMA: rows bound for the same table row are written (or added) in order, never racing
         em.dma(hbm(node.dtype, plan.offset(node) + c0 * size, ((width, count), (1, ct))), tile, indices=index,
                add=node.attrs["combine"] == "add")
 

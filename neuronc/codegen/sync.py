@@ -27,6 +27,12 @@ def _power_of_two_above(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+
+def partition_group(target: Target) -> int:
+    """Partitions per DMA queue's share of a tile, the granularity of SBUF hazards across partitions: DMAs
+    of slices cut at group boundaries (codegen.access.dma_slices) run side by side."""
+    return max(1, target.partitions // target.dma_queues)
+
 class _Regions:
     """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM pages of
     one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
@@ -42,7 +48,7 @@ class _Regions:
         self.pages = [max(HBM_MIN_PAGE_BYTES, _power_of_two_above(-(-blocks[start] // HBM_PAGES_PER_TENSOR)))
                       for start in self.starts]
         self.psum_bank = target.psum_bank_bytes
-        self.partition_group = max(1, target.partitions // target.dma_queues)
+        self.partition_group = partition_group(target)
 
     def __call__(self, ap: AccessPattern) -> tuple:
         """(space, tensor index or -1, first row, last row, first column, last column), bounds included."""
