@@ -91,3 +91,20 @@ def test_dma_moves_data_between_hbm_and_sbuf_only_through_dma_queues(linear):
     for inst in _instructions(compiled.neff):
         touches_hbm = any(ap.space == Space.HBM for ap in inst.operands)
         assert touches_hbm == (inst.engine == Engine.DMA)
+
+
+@pytest.mark.parametrize("partition, rows, columns", [(0, 128, 768), (64, 64, 4096), (3, 100, 2048)])
+def test_a_tile_moved_by_slices_is_cut_at_the_sync_pass_partition_groups(partition, rows, columns):
+    """Slices that share a partition group would be ordered one after the other by the sync pass."""
+    from neuronc.codegen.access import dma_slices
+    from neuronc.codegen.sync import partition_group
+    from neuronc.isa import AccessPattern, DType
+
+    target = get_target("trn2")
+    tile = AccessPattern(Space.SBUF, DType.BF16, 0, ((1, rows), (1, columns)), partition=partition)
+    slices = dma_slices(target, tile)
+    assert len(slices) > 1 and slices[0][0] == 0 and slices[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous, in order
+    group = partition_group(target)
+    groups = [set(range((partition + p0) // group, (partition + p1 - 1) // group + 1)) for p0, p1 in slices]
+    assert all(not (g & h) for g, h in zip(groups, groups[1:]))
