@@ -242,3 +242,22 @@ def test_a_weight_read_only_transposed_is_stored_transposed_and_a_tied_one_is_no
     neff = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).neff
     table = model.tokens.weight
     assert tuple(next(t for t in neff.tensors if t.name == "tokens.weight").shape) == tuple(table.shape)
+
+
+class _Positions(torch.nn.Module):
+    """GPT-2's position embedding: rows of an arange, known when compiling."""
+
+    def __init__(self, first=0):
+        super().__init__()
+        self.first = first
+        self.table = torch.nn.Embedding(64, 16)
+
+    def forward(self, x):
+        return x + self.table(torch.arange(self.first, self.first + x.shape[0]))
+
+
+def test_a_gather_of_consecutive_constant_rows_is_a_slice_of_the_table():
+    model, x = _Positions(first=3).eval(), torch.randn(32, 16)
+    neff = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2)).neff
+    assert not any("gather_rows" in k.name for k in neff.kernels)
+    assert_matches_eager(torch.from_numpy(run_neff(neff, [x.numpy()]).outputs[0]), model(x))

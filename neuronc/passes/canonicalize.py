@@ -197,6 +197,8 @@ def simplify(graph: ir.Graph) -> ir.Graph:
             return x
         if op is Op.RESHAPE and x.op is Op.RESHAPE:
             return ir.node(Op.RESHAPE, x.inputs, node.shape, node.dtype, node.loc)
+        if op is Op.GATHER_ROWS:
+            return _gather_as_slice(node, *inputs)
         if op is Op.CONSTANT and node.attrs["value"].ndim != 0 and node.size > 1:
             value = node.attrs["value"]
             flat = value.reshape(-1)
@@ -213,6 +215,19 @@ def simplify(graph: ir.Graph) -> ir.Graph:
 # about 30 elementwise ops per GELU. The Scalar engine computes erf in one instruction (with this
 # very approximation, see isa.ERF_F32_P), so the expansion is folded back into ERF when its
 # coefficients are exactly XLA's.
+
+
+def _gather_as_slice(node, table, rows) -> ir.Node | None:
+    """A gather of consecutive rows known at compile time (GPT-2's positions, an arange) is a slice of the
+    table, which kernels read in place; rows outside the table stay a gather (its run-time error)."""
+    if rows.op is not Op.CONSTANT or node.shape[0] < 1:
+        return None
+    first = int(np.asarray(rows.attrs["value"]).reshape(-1)[0])
+    wanted = np.arange(first, first + node.shape[0])
+    if first < 0 or wanted[-1] >= table.shape[0] or not np.array_equal(np.broadcast_to(rows.attrs["value"], rows.shape), wanted):
+        return None
+    return ir.node(Op.SLICE, [table], node.shape, node.dtype, node.loc, start=(first, 0),
+                   limit=(first + node.shape[0], table.shape[1]), strides=(1, 1))
 
 
 def _horner(node, x2) -> list | None:
