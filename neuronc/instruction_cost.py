@@ -23,6 +23,12 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
   two values).
 
+The DMA queues share the core's HBM: :class:`HbmChannel` serves every transfer's HBM bytes at the core's
+HBM bandwidth ("HBM per core: divide the chip figure by the cores"), in order of their starts, so 16
+queues at ~29 GB/s each do not move more than the ~362 GB/s a trn2 core has. A transfer ends when both
+its queue and its share of the channel are done. The runtime's clock and the cost model's replay both
+take their DMA ends from it.
+
 A copy of a whole tensor by the runtime (the `neuron` device's host <-> device and device <-> device copies,
 its fills) is priced by :func:`copy_ns`: one DMA issue, the bytes spread over every DMA queue, no faster
 than the core's HBM bandwidth.
@@ -108,3 +114,21 @@ def copy_ns(nbytes: int, target: Target) -> float:
     """Estimated duration of moving ``nbytes`` to or from one NeuronCore's HBM with all its DMA queues."""
     bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
     return target.dma_fixed_ns + nbytes / bytes_per_ns
+
+
+class HbmChannel:
+    """The HBM bandwidth of one core, shared by its DMA queues. Transfers reserve it in the order they
+    start (callers ask in that order): each occupies it for its HBM bytes at the core's bandwidth, from
+    when its data can first flow (its issue cost paid) or when the channel frees, whichever is later."""
+
+    def __init__(self, target: Target):
+        self.gbps, self.issue_ns = target.hbm_gbps, target.dma_fixed_ns
+        self.free_at = 0.0
+
+    def end(self, start: float, duration: float, nbytes: int) -> float:
+        """When a transfer of ``nbytes`` HBM bytes that starts at ``start`` and alone would last
+        ``duration`` ends."""
+        if not nbytes:
+            return start + duration
+        self.free_at = max(self.free_at, start + self.issue_ns) + nbytes / self.gbps  # bytes / (GB/s) = ns
+        return max(start + duration, self.free_at)

@@ -1,9 +1,11 @@
 """The emulated NeuronCore: loads a NEFF into its memories and runs the instruction streams.
 
-Running is a discrete-event simulation. Each stream (an engine, or one DMA queue) executes its list
-in order; an instruction starts at the later of its stream's clock and the time every semaphore it
-waits on reached its count (a stream's semaphore counts its completed instructions), and lasts
-:func:`~neuronc.instruction_cost.instruction_cost_ns`. Events are processed in simulated-time order
+Running is a discrete-event simulation (:func:`neuronc.stream_timing.simulate`, which the cost model
+runs too). Each stream (an engine, or one DMA queue) executes its list in order; an instruction starts
+at the later of its stream's clock and the time every semaphore it waits on reached its count (a
+stream's semaphore counts its completed instructions), and lasts
+:func:`~neuronc.instruction_cost.instruction_cost_ns` (a DMA longer when the queues together ask more of
+HBM than the core has). Events are processed in simulated-time order
 (ties: completions first, then by stream): an instruction reads its operands when it starts and
 writes its destination when it completes. So a consumer that does not wait for its producer reads
 what the memory held before the producer finished, never silently the right data.
@@ -40,7 +42,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import heapq
 import operator
 import os
 import threading
@@ -53,6 +54,7 @@ from neuronc.errors import InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
+from neuronc.stream_timing import COMPLETE, START, simulate
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
                             check_bounds, extent, granule, overlaps)
@@ -66,7 +68,6 @@ class RunResult:
     timeline: Timeline
 
 
-_COMPLETE, _START = 0, 1  # phases of an instruction in the schedule; at equal times completions go first
 
 
 class _Instr(NamedTuple):
@@ -269,45 +270,20 @@ class LoadedProgram:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
         order they happen, the events of the timeline in order of completion)."""
         instrs = self._instrs
-        done = [0] * len(instrs)  # instructions completed per stream: its semaphore
-        ends = [[] for _ in instrs]  # completion time of each completed instruction per stream
+        done = [0] * len(instrs)  # instructions completed per stream
         started = [0.0] * len(instrs)  # start time of each stream's running instruction
-        blocked_on = [[] for _ in instrs]  # streams whose next instruction waits for this stream
-        agenda = []  # heap of (time, phase, stream number)
         order, events = [], []
-
-        def schedule(s: int) -> None:
-            if done[s] == len(instrs[s]):
-                return
-            start = ends[s][-1] if ends[s] else 0.0
-            for t, count in instrs[s][done[s]].waits:
-                if done[t] < count:
-                    blocked_on[t].append(s)
-                    return
-                if count > 0:
-                    start = max(start, ends[t][count - 1])
-            heapq.heappush(agenda, (start, _START, s))
-
-        for s in range(len(instrs)):
-            schedule(s)
-        while agenda:
-            time, phase, s = heapq.heappop(agenda)
-            i = instrs[s][done[s]]
-            order.append((phase, s, done[s]))
-            if phase == _START:
+        for phase, s, index, time in simulate([[i.duration_ns for i in stream] for stream in instrs],
+                                              [[i.waits for i in stream] for stream in instrs],
+                                              [[i.hbm_bytes for i in stream] for stream in instrs], self.core.target):
+            order.append((phase, s, index))
+            if phase == START:
                 started[s] = time
-                heapq.heappush(agenda, (time + i.duration_ns, _COMPLETE, s))
                 continue
-            ends[s].append(time)
             done[s] += 1
+            i = instrs[s][index]
             events.append(Event(self.streams[s], i.index, i.instr.opcode, started[s], time, i.instr.kernel,
                                 i.instr.debug))
-            schedule(s)
-            if blocked_on[s]:
-                waiters, blocked_on[s] = blocked_on[s], []
-                for w in waiters:
-                    schedule(w)
-
         if any(done[s] < len(instrs[s]) for s in range(len(instrs))):
             raise self._deadlock(done)
         return order, events
@@ -358,7 +334,7 @@ class LoadedProgram:
         clock, started = {}, [0] * n  # key -> vector clock at its start; instructions started per stream
         for position, (phase, s, k) in enumerate(self._order):
             i = instrs[s][k]
-            if phase == _START:
+            if phase == START:
                 vc = list(clock[(s, k - 1)]) if k else [0] * n
                 vc[s] = k
                 for t, count in i.waits:
@@ -442,7 +418,7 @@ class LoadedProgram:
         for phase, s, k in self._order[position:]:
             writer = self._instrs[s][k]
             written = [dst for dst in writer.instr.writes if dst.space == ap.space]
-            if phase == _COMPLETE and written:
+            if phase == COMPLETE and written:
                 for dst in written:
                     probe.of(dst)[...] = True
                 if probe.at(partition, byte):
@@ -506,7 +482,7 @@ class LoadedProgram:
         deferred, running = set(), {}  # keys of instructions that must read at their start; stream -> reads
         for phase, s, k in self._order:
             i = self._instrs[s][k]
-            if phase == _START:
+            if phase == START:
                 running[s] = (i.key, [_region(i.instr.operands[r]) for r in i.reads])
                 continue
             del running[s]
@@ -520,11 +496,11 @@ class LoadedProgram:
         for phase, s, k in self._order:
             i = self._instrs[s][k]
             if i.key not in deferred:
-                if phase == _START:
+                if phase == START:
                     continue
                 scratch.next_kernel()
                 steps = kernel(i.instr, *map(memory.view, i.instr.operands), new=scratch)
-            elif phase == _START:
+            elif phase == START:
                 values[i.key] = box = [None]
                 steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
                                            *map(memory.view, i.instr.operands))]

@@ -17,6 +17,7 @@ from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRun
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
+from neuronc.passes.cost_model import estimate_streams
 from neuronc.targets import get_target
 from runtime import NeuronCore, run_neff
 from runtime.core import access_check_id
@@ -268,6 +269,28 @@ def test_unloading_or_dropping_a_program_frees_its_hbm():
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
+
+
+def _parallel_loads(queues: int) -> Neff:
+    """`queues` DMA queues each loading 64 KiB from HBM into SBUF at the same time."""
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (queues * 128, 128))
+    for q in range(queues):
+        rows = AccessPattern(Space.HBM, DType.F32, x.offset + q * 128 * 128 * 4, ((128, 128), (1, 128)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 128), offset=q * 512), rows, queue=q)
+    return p.neff()
+
+
+def test_dma_queues_together_move_no_more_than_the_cores_hbm_bandwidth(core):
+    target = core.target
+    nbytes = 128 * 128 * 4
+    one = core.load(_parallel_loads(1)).time().estimated_ns
+    assert one == pytest.approx(target.dma_fixed_ns + nbytes / target.dma_gbps_per_queue)  # a queue's own rate
+    every = core.load(_parallel_loads(target.dma_queues))
+    assert target.dma_queues * target.dma_gbps_per_queue > target.hbm_gbps  # so the queues contend
+    assert every.time().estimated_ns == pytest.approx(target.dma_fixed_ns + target.dma_queues * nbytes / target.hbm_gbps)
+    neff = _parallel_loads(target.dma_queues)
+    assert estimate_streams(neff.streams, target)[0] == every.time().estimated_ns  # the cost model agrees
 
 
 def _copy_program() -> Neff:

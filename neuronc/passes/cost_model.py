@@ -6,7 +6,8 @@ Passes ask it to choose between alternatives; the NEFF header records its estima
 """
 from __future__ import annotations
 
-from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
+from neuronc.stream_timing import START, simulate
 from neuronc.targets import Target
 
 # On-chip tiles are placed on pages of this many bytes per partition (the sync pass tracks hazards per
@@ -20,33 +21,20 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
 
 
 def replay(streams: dict, target: Target):
-    """(instruction, start ns, end ns) of every instruction of scheduled streams, each stream in order and
-    each instruction after the semaphore counts it waits for: the emulator's timeline, without running."""
-    done = {s: [] for s in streams}  # stream -> end time of each completed instruction
-    cursor = {s: 0 for s in streams}
-    progressed = True
-    while progressed:
-        progressed = False
-        for stream, instructions in streams.items():
-            i = cursor[stream]
-            while i < len(instructions):
-                inst = instructions[i]
-                ready = 0.0
-                for wait in inst.waits:
-                    finished = done.get((wait.engine, wait.queue), [])
-                    if len(finished) < wait.count:
-                        break
-                    ready = max(ready, finished[wait.count - 1])
-                else:
-                    start = max(ready, done[stream][-1] if done[stream] else 0.0)
-                    end = start + instruction_cost_ns(inst, target)
-                    done[stream].append(end)
-                    yield inst, start, end
-                    i += 1
-                    progressed = True
-                    continue
-                break
-            cursor[stream] = i
+    """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
+    the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
+    keys = sorted(set(streams) | {(w.engine, w.queue) for s in streams.values() for i in s for w in i.waits})
+    number = {key: n for n, key in enumerate(keys)}
+    lists = [streams.get(key, []) for key in keys]
+    started = [0.0] * len(keys)
+    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
+                                          [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
+                                            for i in stream] for stream in lists],
+                                          [[hbm_bytes(i) for i in stream] for stream in lists], target):
+        if phase == START:
+            started[s] = time
+        else:
+            yield lists[s][index], started[s], time
 
 
 def estimate_streams(streams: dict, target: Target) -> tuple:

@@ -1,0 +1,61 @@
+"""When each instruction of semaphore-synchronised streams starts and ends: the discrete-event schedule that
+both the runtime's clock and the cost model's estimate run, so the two agree to the nanosecond.
+
+Each stream (an engine, or one DMA queue) executes its list in order; an instruction starts at the later of
+its stream's previous end and the time every semaphore it waits on reached its count (a stream's semaphore
+counts its completed instructions), and lasts its duration, a DMA longer when the queues together ask more
+of the core's HBM than it has (:class:`~neuronc.instruction_cost.HbmChannel`, served in order of start).
+Events come in simulated-time order; at equal times completions first, then by stream number.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Iterator
+
+from neuronc.instruction_cost import HbmChannel
+from neuronc.targets import Target
+
+COMPLETE, START = 0, 1  # phases of an instruction; at equal times completions go first
+
+
+def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> Iterator[tuple]:
+    """(phase, stream, index, time) of every start and completion, in the order they happen.
+
+    Per stream number s: ``durations[s][i]`` the ns instruction i takes alone, ``waits[s][i]`` its
+    ((stream, count), ...) semaphore waits, ``hbm_bytes[s][i]`` the HBM bytes it moves. Stops early, with
+    instructions left, when the streams deadlock (the caller sees it in what completed)."""
+    n = len(durations)
+    done = [0] * n  # completed instructions per stream: its semaphore
+    ends = [[] for _ in range(n)]  # completion time of each completed instruction per stream
+    blocked_on = [[] for _ in range(n)]  # streams whose next instruction waits for this stream
+    agenda = []  # heap of (time, phase, stream)
+    hbm = HbmChannel(target)
+
+    def schedule(s: int) -> None:
+        if done[s] == len(durations[s]):
+            return
+        start = ends[s][-1] if ends[s] else 0.0
+        for t, count in waits[s][done[s]]:
+            if done[t] < count:
+                blocked_on[t].append(s)
+                return
+            if count > 0:
+                start = max(start, ends[t][count - 1])
+        heapq.heappush(agenda, (start, START, s))
+
+    for s in range(n):
+        schedule(s)
+    while agenda:
+        time, phase, s = heapq.heappop(agenda)
+        i = done[s]
+        yield phase, s, i, time
+        if phase == START:
+            heapq.heappush(agenda, (hbm.end(time, durations[s][i], hbm_bytes[s][i]), COMPLETE, s))
+            continue
+        ends[s].append(time)
+        done[s] += 1
+        schedule(s)
+        if blocked_on[s]:
+            waiters, blocked_on[s] = blocked_on[s], []
+            for w in waiters:
+                schedule(w)
