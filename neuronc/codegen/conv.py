@@ -13,6 +13,7 @@ import dataclasses
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.access import row_slice
 from neuronc.codegen.elementwise import ACTIVATIONS, Balancer
+from neuronc.codegen.sync import partition_group
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
@@ -52,7 +53,7 @@ class _Queues:
     def _slices(self, dst: AccessPattern, src: AccessPattern, most: int, by_bytes: bool = True) -> list:
         t = self.em.target
         on_chip = dst if dst.space != Space.HBM else src
-        rows, group = on_chip.partitions, max(1, t.partitions // t.dma_queues)
+        rows, group = on_chip.partitions, partition_group(t)
         nbytes = on_chip.num_elements * on_chip.dtype.itemsize
         smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
         most = max(1, min(most, nbytes // smallest if by_bytes else most, rows // group))
@@ -151,166 +152,231 @@ def _per_channel_columns(em, node, epi, engines, made, o_tiles, halves, columns)
 
 
 def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    g = geometry(node, em.target.partitions)
-    tiling = node.attrs["tiling"]
-    x, w, *extras = node.inputs
-    parts = em.target.partitions
-    (sh, sw), ((pt, _), (pl, _)) = g.strides, g.padding
-    oh, ow = g.out
-    pitch, taps, cin, cout = g.pitch, g.taps, g.channels, g.out_channels
-    plane_elements = g.plane_elements(tiling.band)
-    made = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
-    psum = em.psum_pool(PSUM_BUFS)
-    engines = Balancer(em)
-    queues = _Queues(em, STORE_QUEUES)
-    c_tiles = [(c0, min(parts, cin - c0)) for c0 in range(0, cin, parts)]
-    o_tiles = [(o0, min(parts, cout - o0)) for o0 in range(0, cout, parts)]
-    epi = epilogue_plan(node)
-    body, kinds = epi.body, epi.kinds
-    final = max(j for j, kind in enumerate(kinds) if kind != "channel")  # the step whose value is the result
-    slots, _ = element_slots(body, kinds)
-    per_channel = channel_inputs(node)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    constants = made.get("constants")
+    _ConvKernel(em, node, plan).emit()
 
-    pairs = tiling.plan(g)  # which taps (and rows) each matmul computes
-    halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
-    n_taps, n_matmuls, margin = len(taps), len(pairs.matmuls), pairs.delta
-    band_elements = g.band_elements(tiling.band + halves - 1, margin)
-    # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
-    # which move from band to band, are zeroed again with each band
-    width, most, used = len(c_tiles) * band_elements, em.target.max_free_elements_sbuf, min(cin, parts) * pairs.copies
-    buffers = [made["input"].next() for _ in range(made["input"].bufs)]
-    turn = iter(range(len(buffers) * (g.batch * -(-oh // tiling.band) + 1)))
 
-    def zero(tile):
-        for start in range(0, width, most):
-            em.emit(Opcode.MEMSET, Engine.GPSIMD, _free(tile.ap(parts, 1), start, used, (1, min(most, width - start))),
-                    imm0=0.0)
+class _ConvKernel:
+    """One convolution's instructions: the geometry, plans and tiles its phases share, a method per phase
+    (buffers zeroed, weights loaded and arranged, each band loaded ahead, each block multiplied and its
+    epilogue computed, each band's result stored)."""
 
-    zero(buffers[0])  # the others before their first band
-    # temporaries zeroed once too: the Scalar engine's activations read their rows whole (the dropped columns too)
-    for name, pool in made.items():
-        if name.startswith("temp"):
-            for _ in range(pool.bufs):
-                engines.emit(Opcode.MEMSET, pool.next().ap(parts, 2 * tiling.rows // halves * pitch), imm0=0.0)
+    def __init__(self, em: Emitter, node: Node, plan: MemoryPlan):
+        self.em, self.node, self.plan = em, node, plan
+        self.g = g = geometry(node, em.target.partitions)
+        self.tiling = tiling = node.attrs["tiling"]
+        self.x, self.w, *self.extras = node.inputs
+        self.parts = parts = em.target.partitions
+        self.oh, self.ow = g.out
+        self.pitch, self.cin, self.cout = g.pitch, g.channels, g.out_channels
+        self.plane_elements = g.plane_elements(tiling.band)
+        self.made = {name: em.sbuf_pool(dtype, n, bufs=bufs)
+                     for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
+        self.psum = em.psum_pool(PSUM_BUFS)
+        self.engines = Balancer(em)
+        self.queues = _Queues(em, STORE_QUEUES)
+        self.c_tiles = [(c0, min(parts, self.cin - c0)) for c0 in range(0, self.cin, parts)]
+        self.o_tiles = [(o0, min(parts, self.cout - o0)) for o0 in range(0, self.cout, parts)]
+        self.epi = epilogue_plan(node)
+        self.final = max(j for j, kind in enumerate(self.epi.kinds) if kind != "channel")  # the result's step
+        self.slots, _ = element_slots(self.epi.body, self.epi.kinds)
+        self.per_channel = channel_inputs(node)
+        self.views = node.attrs.get("views") or (None,) * len(node.inputs)
+        self.pairs = pairs = tiling.plan(g)  # which taps (and rows) each matmul computes
+        self.halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
+        self.n_taps, self.n_matmuls, self.margin = len(g.taps), len(pairs.matmuls), pairs.delta
+        self.band_elements = g.band_elements(tiling.band + self.halves - 1, pairs.delta)
+        # each input buffer zeroed once: the columns of the padding are never written; the rows of the padding,
+        # which move from band to band, are zeroed again with each band
+        self.width, self.most = len(self.c_tiles) * self.band_elements, em.target.max_free_elements_sbuf
+        self.used = min(self.cin, parts) * pairs.copies
+        self.buffers = [self.made["input"].next() for _ in range(self.made["input"].bufs)]
+        self.turn = iter(range(len(self.buffers) * (g.batch * -(-self.oh // tiling.band) + 1)))
 
-    def load_band(n, r0):
+    def emit(self) -> None:
+        self._zero(self.buffers[0])  # the others before their first band
+        self._zero_temporaries()
+        self.raw = self.made["raw_weights"].next().ap(self.parts, 1)
+        self.wtile = self.made["weights"].next().ap(self.parts, 1)
+        self._zero_unused_weight_blocks()
+        self.columns, rows = _per_channel_inputs(self.em, self.node, self.plan, self.epi, self.queues, self.made,
+                                                 self.o_tiles, self.used, self.halves)
+        self._load_weights()
+        bands = [(n, r0) for n in range(self.g.batch) for r0 in range(0, self.oh, self.tiling.band)]
+        ahead = self._load_band(*bands[0])  # its memsets ahead of the per-channel steps on the engines
+        if self.epi.scale is not None:
+            _per_channel_rows(self.em, self.node, self.epi, self.engines, self.made, self.used, rows)
+        self._arrange_weights(rows)
+        _per_channel_columns(self.em, self.node, self.epi, self.engines, self.made, self.o_tiles, self.halves,
+                             self.columns)  # after the weights: not waited for
+        for index, (n, r0) in enumerate(bands):
+            band = ahead
+            if index + 1 < len(bands):  # the next band loads while this one is multiplied
+                ahead = self._load_band(*bands[index + 1])
+            height = min(self.tiling.band, self.oh - r0)
+            for t, (o0, ot) in enumerate(self.o_tiles):
+                result = self.made["result"].next().ap(self.parts, 1)
+                for q0 in range(0, height, self.tiling.rows):
+                    rows_here = min(self.tiling.rows, height - q0)
+                    acc = self._accumulate(band, q0, rows_here, o0, ot)
+                    self._epilogue(n, r0, q0, rows_here, t, o0, ot, acc, result)
+                self._store(n, r0, height, o0, ot, result)
+
+    # -- buffers ------------------------------------------------------------------------------------------
+
+    def _zero(self, tile) -> None:
+        for start in range(0, self.width, self.most):
+            self.em.emit(Opcode.MEMSET, Engine.GPSIMD,
+                         _free(tile.ap(self.parts, 1), start, self.used, (1, min(self.most, self.width - start))),
+                         imm0=0.0)
+
+    def _zero_temporaries(self) -> None:
+        """Temporaries zeroed once too: the Scalar engine's activations read their rows whole (the dropped
+        columns too)."""
+        for name, pool in self.made.items():
+            if name.startswith("temp"):
+                for _ in range(pool.bufs):
+                    self.engines.emit(Opcode.MEMSET, pool.next().ap(self.parts, 2 * self.tiling.rows // self.halves
+                                                                     * self.pitch), imm0=0.0)
+
+    def _load_band(self, n: int, r0: int):
         """The tile of the input rows of output rows [r0, r0 + band) of image n: its planes filled, the rows
         of the padding zeroed."""
-        number = next(turn)
-        if 0 < number < len(buffers):
-            zero(buffers[number])
-        tile = buffers[number % len(buffers)].ap(parts, width)
-        rows = g.plane_rows(tiling.band)
-        for j, (c0, ct) in enumerate(c_tiles):
+        g, pairs = self.g, self.pairs
+        (sh, sw), ((pt, _), (pl, _)) = g.strides, g.padding
+        number = next(self.turn)
+        if 0 < number < len(self.buffers):
+            self._zero(self.buffers[number])
+        tile = self.buffers[number % len(self.buffers)].ap(self.parts, self.width)
+        rows = g.plane_rows(self.tiling.band)
+        for j, (c0, ct) in enumerate(self.c_tiles):
             for ph in range(sh):
                 t0, nt = _spans(r0 * sh + ph - pt, sh, rows, 0, g.height)
                 for pw in range(sw):
-                    u0, nu = _spans(pw - pl, sw, pitch, 0, g.width)
+                    u0, nu = _spans(pw - pl, sw, self.pitch, 0, g.width)
                     row, col = r0 * sh + ph + sh * t0 - pt, pw + sw * u0 - pl
                     for copy in range(pairs.copies):  # the shifted copy on partitions [C, 2C), delta elements earlier
-                        plane = j * band_elements + margin - copy * pairs.delta + (ph * sw + pw) * plane_elements
+                        plane = (j * self.band_elements + self.margin - copy * pairs.delta
+                                 + (ph * sw + pw) * self.plane_elements)
                         for z0, z1 in ((0, t0), (t0 + nt, rows)):  # padding rows (all of them if nt is 0)
                             if z1 > z0:
-                                engines.emit(Opcode.MEMSET, _from(_free(tile, plane + z0 * pitch, ct,
-                                                                        (1, (z1 - z0) * pitch)), copy * ct), imm0=0.0)
+                                self.engines.emit(Opcode.MEMSET, _from(_free(tile, plane + z0 * self.pitch, ct,
+                                                                             (1, (z1 - z0) * self.pitch)), copy * ct),
+                                                  imm0=0.0)
                         if nt and nu:
-                            queues.load(_free(tile, plane + t0 * pitch + u0, ct, (pitch, nt), (1, nu)),
-                                       hbm(x.dtype, plan.offset(x) + (((n * cin + c0) * g.height + row) * g.width + col)
-                                           * x.dtype.itemsize,
-                                           ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
-                                       partition=copy * ct)
+                            x = self.x
+                            self.queues.load(
+                                _free(tile, plane + t0 * self.pitch + u0, ct, (self.pitch, nt), (1, nu)),
+                                hbm(x.dtype, self.plan.offset(x) + (((n * self.cin + c0) * g.height + row) * g.width
+                                                                    + col) * x.dtype.itemsize,
+                                    ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
+                                partition=copy * ct)
         return tile
 
-    # the weights, once: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the
-    # shifted copy), then per matmul rearranged on chip into its stationary [C tile (x 2), O (x 2)], each block
-    # a tap's [C, O] (or zeros), each output channel's column times the epilogue's scale
-    raw, wtile = made["raw_weights"].next().ap(parts, 1), made["weights"].next().ap(parts, 1)
-    m_size = cout * halves if halves == 2 else cout  # columns of one matmul's stationary
-    if any(len(blocks) < pairs.copies * halves for _, blocks in pairs.matmuls):
-        size = len(c_tiles) * n_matmuls * m_size
-        for start in range(0, size, most):
-            engines.emit(Opcode.MEMSET, _free(wtile, start, used, (1, min(most, size - start))), imm0=0.0)
-    columns, rows_ = _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, min(cin, parts) * pairs.copies,
-                                         halves)
-    for j, (c0, ct) in enumerate(c_tiles):
-        for copy in range(pairs.copies):
-            queues.load(_free(raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
-                       hbm(w.dtype, plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
-                           ((n_taps, ct), (cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
-    bands = [(n, r0) for n in range(g.batch) for r0 in range(0, oh, tiling.band)]
-    ahead = load_band(*bands[0])  # its memsets ahead of the per-channel steps on the engines
-    if epi.scale is not None:
-        _per_channel_rows(em, node, epi, engines, made, min(cin, parts) * pairs.copies, rows_)
-    for j, (c0, ct) in enumerate(c_tiles):
-        for m, (_, blocks) in enumerate(pairs.matmuls):
-            for copy, mh, tap in blocks:
-                dst = _from(_free(wtile, (j * n_matmuls + m) * m_size + mh * cout, ct, (1, cout)), copy * ct)
-                src = _from(_free(raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct)
-                if epi.scale is None:
-                    engines.emit(Opcode.TENSOR_COPY, dst, src)
-                elif epi.scale[0] == "imm":
-                    engines.emit(Opcode.TENSOR_SCALAR, dst, src, alu=AluOp.MULTIPLY, imm0=float(epi.scale[1]))
-                else:
-                    scale = _from(_free(rows_[epi.scale], 0, ct, (1, cout)), copy * ct)
-                    engines.emit(Opcode.TENSOR_TENSOR, dst, src, scale, alu=AluOp.MULTIPLY)
+    # -- weights: w[o, c, kh, kw] loaded as it lies, [C tile, O, taps] (again on the partitions of the shifted
+    # copy), then per matmul arranged on chip into its stationary [C tile (x 2), O (x 2)], each block a tap's
+    # [C, O] (or zeros), each output channel's column times the epilogue's scale --------------------------
 
-    _per_channel_columns(em, node, epi, engines, made, o_tiles, halves, columns)  # after the weights: not waited for
+    @property
+    def _m_size(self) -> int:
+        """Columns of one matmul's stationary."""
+        return self.cout * self.halves if self.halves == 2 else self.cout
 
-    def stationary(j, m, o0, ot):
-        k_rows = c_tiles[j][1] * (2 if any(copy for copy, _, _ in pairs.matmuls[m][1]) else 1)
-        return _free(wtile, (j * n_matmuls + m) * m_size + o0, k_rows, (1, ot * halves))
+    def _zero_unused_weight_blocks(self) -> None:
+        if any(len(blocks) < self.pairs.copies * self.halves for _, blocks in self.pairs.matmuls):
+            size = len(self.c_tiles) * self.n_matmuls * self._m_size
+            for start in range(0, size, self.most):
+                self.engines.emit(Opcode.MEMSET, _free(self.wtile, start, self.used, (1, min(self.most, size - start))),
+                                  imm0=0.0)
 
-    def block(n, r0, band, q0, rows, t, o0, ot, result):
-        """Output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's result: `lines`
-        rows of `pitch` in PSUM, the output row r0 + q0 + halves * line + half on partitions [half * ot, ...)."""
+    def _load_weights(self) -> None:
+        w, cout, n_taps = self.w, self.cout, self.n_taps
+        for j, (c0, ct) in enumerate(self.c_tiles):
+            for copy in range(self.pairs.copies):
+                self.queues.load(_free(self.raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
+                                 hbm(w.dtype, self.plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
+                                     ((n_taps, ct), (self.cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
+
+    def _arrange_weights(self, rows: dict) -> None:
+        epi, cout, n_taps = self.epi, self.cout, self.n_taps
+        for j, (c0, ct) in enumerate(self.c_tiles):
+            for m, (_, blocks) in enumerate(self.pairs.matmuls):
+                for copy, mh, tap in blocks:
+                    dst = _from(_free(self.wtile, (j * self.n_matmuls + m) * self._m_size + mh * cout, ct, (1, cout)),
+                                copy * ct)
+                    src = _from(_free(self.raw, j * cout * n_taps + tap, ct, (n_taps, cout)), copy * ct)
+                    if epi.scale is None:
+                        self.engines.emit(Opcode.TENSOR_COPY, dst, src)
+                    elif epi.scale[0] == "imm":
+                        self.engines.emit(Opcode.TENSOR_SCALAR, dst, src, alu=AluOp.MULTIPLY, imm0=float(epi.scale[1]))
+                    else:
+                        scale = _from(_free(rows[epi.scale], 0, ct, (1, cout)), copy * ct)
+                        self.engines.emit(Opcode.TENSOR_TENSOR, dst, src, scale, alu=AluOp.MULTIPLY)
+
+    def _stationary(self, j: int, m: int, o0: int, ot: int) -> AccessPattern:
+        k_rows = self.c_tiles[j][1] * (2 if any(copy for copy, _, _ in self.pairs.matmuls[m][1]) else 1)
+        return _free(self.wtile, (j * self.n_matmuls + m) * self._m_size + o0, k_rows, (1, ot * self.halves))
+
+    # -- a block: output rows [r0 + q0, r0 + q0 + rows) of channels [o0, o0 + ot) of image n, into the band's
+    # result: `lines` rows of `pitch` in PSUM, the output row r0 + q0 + halves * line + half on partitions
+    # [half * ot, ...) ----------------------------------------------------------------------------------------
+
+    def _accumulate(self, band, q0: int, rows: int, o0: int, ot: int) -> AccessPattern:
+        """Every tap of every input-channel tile as one matmul into the block's PSUM accumulator."""
+        halves, pitch = self.halves, self.pitch
         lines, width = rows // halves, ot * halves
-        acc = psum.next().ap(width, lines * pitch)
+        acc = self.psum.next().ap(width, lines * pitch)
         spans = [(i * pitch, pitch) for i in range(lines)] if halves == 2 else [(0, rows * pitch)]
         for s_, (start, size) in enumerate(spans):
-            for j, (c0, ct) in enumerate(c_tiles):
-                for m, (a, blocks) in enumerate(pairs.matmuls):
-                    element = j * band_elements + margin + a + (q0 + halves * s_) * pitch
+            for j, (c0, ct) in enumerate(self.c_tiles):
+                for m, (a, blocks) in enumerate(self.pairs.matmuls):
+                    element = j * self.band_elements + self.margin + a + (q0 + halves * s_) * pitch
                     k_rows = ct * (2 if any(copy for copy, _, _ in blocks) else 1)
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, _free(acc, start, width, (1, size)), stationary(j, m, o0, ot),
-                            _free(band, element, k_rows, (1, size)), accumulate=j + m > 0)
+                    self.em.emit(Opcode.MATMUL, Engine.TENSOR, _free(acc, start, width, (1, size)),
+                                 self._stationary(j, m, o0, ot), _free(band, element, k_rows, (1, size)),
+                                 accumulate=j + m > 0)
+        return acc
+
+    def _epilogue(self, n, r0, q0, rows, t, o0, ot, acc, result) -> None:
+        """The epilogue's steps on the accumulator's kept columns, the last one into the result."""
+        em, epi, halves, pitch, ow = self.em, self.epi, self.halves, self.pitch, self.ow
+        body, kinds, made = epi.body, epi.kinds, self.made
+        lines, width = rows // halves, ot * halves
         shape = (width, lines, ow)
         loaded = {("input", 0): _rows_of(acc, lines, pitch, ow)}
         row = r0 + q0
-        for i, extra in enumerate(extras, start=2):
-            if i in per_channel:
+        for i, extra in enumerate(self.extras, start=2):
+            if i in self.per_channel:
                 continue
-            offset, (sn, sc, sy, sx) = views[i] or (0, (cout * oh * ow, oh * ow, ow, 1))
+            offset, (sn, sc, sy, sx) = self.views[i] or (0, (self.cout * self.oh * ow, self.oh * ow, ow, 1))
             tile = made[f"extra{i}"].next().ap(*shape)
             for half in range(halves):
-                queues.load(_from(_free(tile, 0, ot, (ow, lines), (1, ow)), half * ot),
-                            hbm(extra.dtype, plan.offset(extra) + (offset + n * sn + o0 * sc + (row + half) * sy)
-                                * extra.dtype.itemsize, ((sc, ot), (halves * sy, lines), (sx, ow))))
+                start = offset + n * sn + o0 * sc + (row + half) * sy
+                self.queues.load(_from(_free(tile, 0, ot, (ow, lines), (1, ow)), half * ot),
+                                 hbm(extra.dtype, self.plan.offset(extra) + start * extra.dtype.itemsize,
+                                     ((sc, ot), (halves * sy, lines), (sx, ow))))
             loaded[("input", i - 1)] = tile
         temps: dict = {}
         results: dict = {}
 
         def tile_of(j):
             """The (block view, whole rows) of step j's tile: the result's, or a temporary's."""
-            if j == final:
+            if j == self.final:
                 whole = _free(result, q0 // halves * pitch, width, (1, lines * pitch))
             else:
-                if slots[j] not in temps:
-                    temps[slots[j]] = made[f"temp{slots[j]}"].next()
-                whole = temps[slots[j]].ap(width, lines * pitch, dtype=body[j].dtype)
+                if self.slots[j] not in temps:
+                    temps[self.slots[j]] = made[f"temp{self.slots[j]}"].next()
+                whole = temps[self.slots[j]].ap(width, lines * pitch, dtype=body[j].dtype)
             return _rows_of(whole, lines, pitch, ow), whole
 
-        whole_acc = acc
         if epi.folded is not None:  # acc * scale, plus the shift now unless an activation takes it as its bias
             if epi.shift is None or epi.biased is not None:
                 results[epi.folded] = loaded[("input", 0)]
             else:
-                view, whole = tile_of(epi.folded) if epi.folded == final else (None, None)
+                view, whole = tile_of(epi.folded) if epi.folded == self.final else (None, None)
                 if whole is None:
                     whole = made["shifted"].next().ap(width, lines * pitch)
                     view = _rows_of(whole, lines, pitch, ow)
-                _activate(em, ActFunc.IDENTITY, whole, whole_acc, epi.shift, columns, t, width, made)
+                _activate(em, ActFunc.IDENTITY, whole, acc, epi.shift, self.columns, t, width, made)
                 results[epi.folded] = view
         for j, (step, kind) in enumerate(zip(body, kinds)):
             if kind != "element":
@@ -319,9 +385,9 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if j == epi.biased:  # func(x + shift), x the value so far read whole (with its dropped columns)
                 (x_arg,) = [a for a in step.args if a[0] == "step"]
                 source = results[x_arg[1]]
-                source_whole = whole_acc if source is loaded[("input", 0)] else _whole_of(source, lines, pitch)
+                source_whole = acc if source is loaded[("input", 0)] else _whole_of(source, lines, pitch)
                 func = ActFunc.RELU if step.op is Op.MAXIMUM else ACTIVATIONS[step.op]
-                _activate(em, func, whole, source_whole, epi.shift, columns, t, width, made)
+                _activate(em, func, whole, source_whole, epi.shift, self.columns, t, width, made)
                 results[j] = out
                 continue
             args = []
@@ -333,22 +399,15 @@ def convolution(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 elif (a, ref) in loaded:
                     args.append(loaded[(a, ref)])
                 else:  # a per-channel value, read along the block with stride 0
-                    args.append(_free(columns[(a, ref)], t, width, (0, lines), (0, ow)))
-            engines.compute(step, out, args, constants, node.loc)
+                    args.append(_free(self.columns[(a, ref)], t, width, (0, lines), (0, ow)))
+            self.engines.compute(step, out, args, made.get("constants"), self.node.loc)
             results[j] = out
 
-    for index, (n, r0) in enumerate(bands):
-        band = ahead
-        if index + 1 < len(bands):  # the next band loads while this one is multiplied
-            ahead = load_band(*bands[index + 1])
-        height = min(tiling.band, oh - r0)
-        for t, (o0, ot) in enumerate(o_tiles):
-            result = made["result"].next().ap(parts, 1)
-            for q0 in range(0, height, tiling.rows):
-                block(n, r0, band, q0, min(tiling.rows, height - q0), t, o0, ot, result)
-            # stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones
-            # wait on each other less
-            queues.store([(hbm(node.dtype, plan.offset(node) + (((n * cout + o0) * oh + r0 + half) * ow)
-                               * node.dtype.itemsize, ((oh * ow, ot), (halves * ow, height // halves), (1, ow))),
-                           _from(_free(result, 0, ot, (pitch, height // halves), (1, ow)), half * ot))
-                          for half in range(halves)])
+    def _store(self, n, r0, height, o0, ot, result) -> None:
+        """Stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones wait on
+        each other less."""
+        node, halves, oh, ow = self.node, self.halves, self.oh, self.ow
+        self.queues.store([(hbm(node.dtype, self.plan.offset(node) + (((n * self.cout + o0) * oh + r0 + half) * ow)
+                                * node.dtype.itemsize, ((oh * ow, ot), (halves * ow, height // halves), (1, ow))),
+                            _from(_free(result, 0, ot, (self.pitch, height // halves), (1, ow)), half * ot))
+                           for half in range(halves)])
