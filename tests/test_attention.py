@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
-from neuronc.isa import Opcode
+from neuronc.isa import DType, Opcode
 from neuronc.neff.program import TensorKind
 from runtime import run_neff
 from runtime.metrics import matmul_flops
@@ -178,3 +179,23 @@ def test_a_causal_mask_broadcast_over_many_heads_is_still_made_on_chip():
     compiled = compile_exported(torch.export.export(MaskedFillAttention(), inputs), CompileOptions(opt_level=2))
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"
+
+
+def test_the_blocks_attention_reads_q_k_v_in_place_and_writes_its_output_in_place():
+    """Inside a transformer block, q, k and v are head views of the qkv projection's bf16 output and the
+    output is transposed back to [batch, seq, heads * dim] for the projection: the kernel reads the views
+    and writes that layout itself, so the graph is the two projections and the attention, no copy."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    model = zoo.CausalSelfAttention(128, 4).eval().to(torch.bfloat16)
+    inputs = (torch.randn(2, 200, 128, dtype=torch.bfloat16),)
+    compiled, out = _compile_and_run(model, inputs)
+    kernels = [n for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)]
+    assert [n.op for n in kernels] == [Op.MATMUL, Op.ATTENTION, Op.MATMUL]
+    qkv, attention, proj = kernels
+    assert all(ir.unreshaped(x) is qkv for x in attention.inputs)
+    assert qkv.dtype == attention.dtype == DType.BF16  # q, k, v read as eager rounds them, at the bf16 rate
+    assert ir.unreshaped(proj.inputs[0]) is attention and attention.shape[-1] == 128  # [tokens, heads * dim]
+    assert len(compiled.neff.kernels) == 3
+    assert_matches_eager(out, model(*inputs))

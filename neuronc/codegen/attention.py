@@ -66,7 +66,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     a = node.attrs
     q, k, v = node.inputs[:3]
     mask = node.inputs[3] if len(node.inputs) > 3 else None
-    batch, sq, dv = node.shape
+    batch, sq, dv = int(np.prod(a["batch_shape"])), a["queries"], a["value_dim"]
     sk, d, scale = a["keys"], a["head_dim"], a["scale"]
     causal, offset = a["mask"] == "causal", a["causal_offset"]
     tensor_mask = a["mask"] in ("select", "add")
@@ -107,7 +107,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
 
     def origin(i, g):
-        offset0, strides = a["views"][i]
+        """(element, row stride, column stride) of batch-head g of input i (-1: the output)."""
+        offset0, strides = a["views"][i] if i >= 0 else a["out_view"]
         index = np.unravel_index(g, a["batch_shape"])
         return offset0 + sum(int(j) * s for j, s in zip(index, strides[:-2])), strides[-2], strides[-1]
 
@@ -290,8 +291,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             empty = small("empty_row", qt)
             vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
             vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(zeros, 0, qt, dv), out)
-        em.dma(hbm(node.dtype, plan.offset(node) + (blk.g * sq + blk.q0) * dv * node.dtype.itemsize,
-                   ((dv, qt), (1, dv))), out)
+        ob0, os_, od = origin(-1, blk.g)
+        em.dma(hbm(node.dtype, address(node, ob0 + blk.q0 * os_), ((os_, qt), (od, dv))), out)
 
     # Software-pipelined: at step t, stage s of block t - s is emitted (the oldest block first), so each
     # engine's in-order queue holds later blocks' work while one block's chain crosses the engines.
