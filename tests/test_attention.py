@@ -111,7 +111,23 @@ def test_a_bf16_kernel_makes_the_rounded_logits_and_their_row_min_in_one_pass():
     compiled, out = _compile_and_run(model, inputs)
     opcodes = _opcodes(compiled)
     assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 1 + 1 + 1 + 1 + 2  # causal: the 5th query tile sees 640 keys
-    assert Opcode.TENSOR_REDUCE not in opcodes
+    assert opcodes.count(Opcode.TENSOR_REDUCE) == 1  # the 5th tile's two row mins, combined before either exp
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_the_key_blocks_of_a_softmax_group_share_one_bias_so_the_accumulator_is_never_rescaled():
+    """Up to SOFTMAX_BLOCKS key blocks make their logits before any meets exp: 1536 keys are one group, whose
+    exps all take one bias; the online rescaling (an exp of the bias change, a multiply of the accumulator)
+    is left for sequences longer than a group."""
+    from neuronc.passes.attention import KEY_BLOCK, SOFTMAX_BLOCKS
+
+    assert 1536 <= KEY_BLOCK * SOFTMAX_BLOCKS
+    model, inputs = MaskedFillAttention(causal=False), _qkv(1, 1536, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    exps = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE]
+    assert len(exps) == 12 * 3 and all(i.srcs[0].free_elements == 512 for i in exps)  # no [rows, 1] rescaling exp
+    assert not [i for i in instructions if i.opcode == Opcode.TENSOR_TENSOR and i.alu.name == "MULTIPLY"]
     assert_matches_eager(out, model(*inputs))
 
 
@@ -198,4 +214,15 @@ def test_the_blocks_attention_reads_q_k_v_in_place_and_writes_its_output_in_plac
     assert qkv.dtype == attention.dtype == DType.BF16  # q, k, v read as eager rounds them, at the bf16 rate
     assert ir.unreshaped(proj.inputs[0]) is attention and attention.shape[-1] == 128  # [tokens, heads * dim]
     assert len(compiled.neff.kernels) == 3
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_keys_beyond_one_softmax_group_rescale_the_accumulator_once_per_group_and_match_eager():
+    """2200 keys are a group of four key blocks and a group of one: the second group's bias moves the running
+    max, and each query tile's accumulator is rescaled once, before that group's P V."""
+    model, inputs = MaskedFillAttention(causal=False), _qkv(1, 2200, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    rescales = [i for i in instructions if i.opcode == Opcode.TENSOR_TENSOR and i.alu.name == "MULTIPLY"]
+    assert len(rescales) == -(-2200 // 128)
     assert_matches_eager(out, model(*inputs))

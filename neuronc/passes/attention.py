@@ -51,7 +51,8 @@ from neuronc.targets import Target
 Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
-PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
+STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
+SOFTMAX_BLOCKS = 4  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 4
 HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
 
 
@@ -443,10 +444,29 @@ def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
                for q0 in range(0, sq, Q_TILE))
 
 
-def resident_heads(sq: int, sk: int, causal: bool, offset: int) -> int:
+def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+    """Key blocks per softmax statistic: a query tile's keys are taken by groups of up to SOFTMAX_BLOCKS
+    blocks whose logits are all made (with their row mins) before any of them meets exp, so the running max
+    moves, and the accumulator is rescaled, once per group rather than once per block. Logits the exp reads
+    from PSUM (not in_sbuf) cannot wait there: one block per group."""
+    if not in_sbuf:
+        return 1
+    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+               for q0 in range(0, sq, Q_TILE))
+    return max(1, min(SOFTMAX_BLOCKS, most))
+
+
+def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+    """Key blocks in flight in the kernel's software pipeline: one per stage, and a block waits between its
+    logits and its exp until the last block of its softmax group has made its logits."""
+    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf) - 1
+
+
+def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
-    its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
-    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
+    its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
+    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf)
+    return -(-depth // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
@@ -457,7 +477,8 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     block = min(KEY_BLOCK, sk)
     f32 = DType.F32
-    heads = resident_heads(sq, sk, mask == "causal", causal_offset)
+    shape = (sq, sk, mask == "causal", causal_offset, in_sbuf)
+    heads, depth, group = resident_heads(*shape), pipeline_depth(*shape), softmax_blocks(*shape)
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
         "k": (dtypes["k"], d_tiles * sk, heads),
@@ -467,14 +488,15 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "out": (dtypes["out"], dv, PIPELINE_DEPTH),
-        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "rowsum", "dm", "corr")},
+        "out": (dtypes["out"], dv, depth),
+        "b_blocks": (f32, group, depth),  # the row mins of a softmax group's blocks, side by side
+        **{name: (f32, 1, depth) for name in ("b", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
         pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
     if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
-        pools["logits"] = (f32, block, 4)
+        pools["logits"] = (f32, block, group + 3)  # a group's logits wait for its last block's
         pools["scores"] = (f32, block, 3)
     if mask in ("select", "add"):
         pools["mask"] = (dtypes["mask"], block, 3)
