@@ -60,7 +60,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
     software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
     Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
-    from neuronc.passes.attention import (HEADS_AHEAD, KEY_BLOCK, Q_TILE, causal_cuts, logits_in_sbuf, pipeline_depth,
+    from neuronc.passes.attention import (HEADS_AHEAD, Q_TILE, causal_cuts, key_block, logits_in_sbuf, pipeline_depth,
                                          pools_of, probability_dtype, softmax_blocks)
 
     a = node.attrs
@@ -72,12 +72,14 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     tensor_mask = a["mask"] in ("select", "add")
     p_dtype = probability_dtype(v.dtype)
     materialise, fused = logits_in_sbuf(a), _fused_logits(a)
-    block = min(KEY_BLOCK, sk)
+    block = key_block(sk, materialise)
     shape = (sq, sk, causal, offset, materialise)
     group_size, depth = softmax_blocks(*shape), pipeline_depth(*shape)
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
-    s_psum, pt_psum, o_psum = em.psum_pool(3), em.psum_pool(2), em.psum_pool(2)
+    bank = em.psum_bank_elements()
+    score_banks = -(-block // bank)  # a key block's fp32 scores span this many PSUM banks
+    s_psum, pt_psum, o_psum = em.psum_pool(4 // score_banks * score_banks), em.psum_pool(2), em.psum_pool(2)
     engines = Balancer(em)
     vector = engines.emit
 
@@ -91,7 +93,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         if p_dtype != DType.BF16:
             bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["ramp"].next())
         ramp = pools["ramp"].next().ap(Q_TILE, Q_TILE, dtype=DType.F32)
-        for cut in causal_cuts(sq, sk, offset):
+        for cut in causal_cuts(sq, sk, offset, block):
             tile = pools["bias"].next().ap(Q_TILE, Q_TILE)  # column c masks row i where c - i + cut > 0
             em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
@@ -117,19 +119,32 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     def address(x, element):
         return plan.offset(x) + element * x.dtype.itemsize
 
+    def score_tile(qt, kb):
+        """A [qt, kb] fp32 tile on consecutive PSUM banks (a matmul writes within one: by bank_spans)."""
+        slots = [s_psum.next() for _ in range(score_banks)]
+        assert all(b.offset == a.offset + em.target.psum_bank_bytes for a, b in zip(slots, slots[1:]))
+        return slots[0].ap(qt, kb)
+
+    def bank_spans(c0, c1):
+        """[c0, c1) cut at the PSUM bank boundaries of a score tile's columns."""
+        return [(c, min(c1, (c // bank + 1) * bank)) for c in range(c0, c1) if c == c0 or c % bank == 0]
+
     def scores_of(g, qtile, kt, q0, qt, k0, kb):
         """S = Q K^T of a key block into PSUM, the causal bias added over the keys the diagonal cuts."""
-        scores = s_psum.next().ap(qt, kb)
-        for j in range(d_tiles):
-            dt = min(Q_TILE, d - j * Q_TILE)
-            em.emit(Opcode.MATMUL, Engine.TENSOR, scores, tile_at(qtile, j * sq + q0, dt, qt),
-                    tile_at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
+        scores = score_tile(qt, kb)
+        for c0, c1 in bank_spans(0, kb):
+            for j in range(d_tiles):
+                dt = min(Q_TILE, d - j * Q_TILE)
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, c0, qt, c1 - c0),
+                        tile_at(qtile, j * sq + q0, dt, qt), tile_at(kt, j * sk + k0 + c0, dt, c1 - c0),
+                        accumulate=j > 0)
         first_cut = max(k0, q0 + offset + 1)  # keys from here on are masked for some row of the tile
         if causal and first_cut < k0 + kb:
             cut = k0 - q0 - offset if k0 > q0 + offset else 1
-            width = k0 + kb - first_cut
-            em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, first_cut - k0, qt, width),
-                    tile_at(bias_identity, 0, qt, qt), tile_at(bias[cut], 0, qt, width), accumulate=True)
+            for c0, c1 in bank_spans(first_cut - k0, kb):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, c0, qt, c1 - c0),
+                        tile_at(bias_identity, 0, qt, qt),
+                        tile_at(bias[cut], c0 - (first_cut - k0), qt, c1 - c0), accumulate=True)
         return scores
 
     def logits_of(g, scores, q0, qt, k0, kb, b, logits):
@@ -170,21 +185,29 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
     def transposes(p, qt, chunks):
         """P^T [keys, queries] into PSUM: Tensor-engine transposes (matmuls with the identity) by chunks of
-        128 keys, side by side in one bank."""
-        pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
-        for n, (c, rows) in enumerate(chunks):
-            em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
-                    tile_at(identity, 0, qt, qt))
-        return pt_acc
+        128 keys, side by side, a bank's worth of chunks per PSUM buffer; [(buffer, its chunks)]."""
+        per_bank = max(1, bank // qt)
+        parts = []
+        for first in range(0, len(chunks), per_bank):
+            part = chunks[first:first + per_bank]
+            pt_acc = pt_psum.next().ap(Q_TILE, len(part) * qt)
+            for n, (c, rows) in enumerate(part):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
+                        tile_at(identity, 0, qt, qt))
+            parts.append((pt_acc, part))
+        return parts
 
-    def evacuated(pt_acc, qt, kb, chunks):
-        """P^T copied from PSUM to SBUF, where the Tensor engine reads it."""
+    def evacuated(parts, qt, chunks):
+        """P^T copied from PSUM to SBUF, where the Tensor engine reads it: chunk n at column n * qt."""
         pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
-        whole = kb // Q_TILE
-        if whole:
-            engines.scale(tile_at(pt, 0, Q_TILE, whole * qt), tile_at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
-        if kb % Q_TILE:
-            engines.scale(tile_at(pt, whole * qt, kb % Q_TILE, qt), tile_at(pt_acc, whole * qt, kb % Q_TILE, qt), 1.0)
+        n0 = 0
+        for pt_acc, part in parts:
+            whole = sum(rows == Q_TILE for _, rows in part)
+            if whole:
+                engines.scale(tile_at(pt, n0 * qt, Q_TILE, whole * qt), tile_at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
+            for n, (_, rows) in enumerate(part[whole:], whole):
+                engines.scale(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
+            n0 += len(part)
         return pt
 
     def load_head(g):
@@ -287,7 +310,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         x["pt_psum"] = transposes(x["p"], blk.qt, x["chunks"])
 
     def evacuate_stage(blk, row, x):
-        x["pt"] = evacuated(x["pt_psum"], blk.qt, blk.kb, x["chunks"])
+        x["pt"] = evacuated(x["pt_psum"], blk.qt, x["chunks"])
         if "corr" in x:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
             acc = row["acc"]
             vector(Opcode.TENSOR_TENSOR, acc, acc, broadcast_columns(x["corr"], dv + 1), alu=AluOp.MULTIPLY)

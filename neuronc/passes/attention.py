@@ -49,10 +49,11 @@ from neuronc.passes.rowwise import _resolve
 from neuronc.targets import Target
 
 Q_TILE = 128  # query rows per tile: one per partition
-KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
+KEY_BLOCK = 1024  # keys per block when the logits are made in SBUF: two PSUM banks of fp32 scores
+BANK_KEYS = 512  # keys per block when the exp reads the scores in PSUM: one bank, as a third buffer is needed
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
 STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
-SOFTMAX_BLOCKS = 4  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 4
+SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
 HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
 
 
@@ -421,26 +422,33 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, Q/K/V resident")
+                   tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                          "Q/K/V resident")
 
 
-def causal_cuts(sq: int, sk: int, offset: int) -> list:
+def key_block(sk: int, in_sbuf: bool) -> int:
+    """Keys per block: the fixed cost of an instruction is paid per 1024 keys when the logits are made in SBUF;
+    scores the exp reads in PSUM wait there for it, in three buffers of one bank."""
+    return min(KEY_BLOCK if in_sbuf else BANK_KEYS, sk)
+
+
+def causal_cuts(sq: int, sk: int, offset: int, block: int) -> list:
     """The distinct cuts of the key blocks the causal mask cuts through: key first + c is masked for query
     q0 + i when c - i + cut > 0, `first` being the first key masked for some query of the tile (the mask
     covers at most Q_TILE - 1 keys of a block). One on-chip bias tile each, made once per kernel."""
     cuts = set()
     for q0 in range(0, sq, Q_TILE):
         qt = min(Q_TILE, sq - q0)
-        for k0 in range(0, min(sk, q0 + qt + offset), KEY_BLOCK):
-            kb = min(KEY_BLOCK, sk - k0, q0 + qt + offset - k0)
+        for k0 in range(0, min(sk, q0 + qt + offset), block):
+            kb = min(block, sk - k0, q0 + qt + offset - k0)
             if max(k0, q0 + offset + 1) < k0 + kb:
                 cuts.add(k0 - q0 - offset if k0 > q0 + offset else 1)
     return sorted(cuts)
 
 
-def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
+def key_blocks(sq: int, sk: int, causal: bool, offset: int, block: int) -> int:
     """How many key blocks the kernel visits for one batch-head (causal: none wholly above the diagonal)."""
-    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // block)
                for q0 in range(0, sq, Q_TILE))
 
 
@@ -451,7 +459,7 @@ def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -
     from PSUM (not in_sbuf) cannot wait there: one block per group."""
     if not in_sbuf:
         return 1
-    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // key_block(sk, in_sbuf))
                for q0 in range(0, sq, Q_TILE))
     return max(1, min(SOFTMAX_BLOCKS, most))
 
@@ -466,7 +474,7 @@ def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -
     """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
     its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
     depth = pipeline_depth(sq, sk, causal, offset, in_sbuf)
-    return -(-depth // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
+    return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf)))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
@@ -475,7 +483,7 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
-    block = min(KEY_BLOCK, sk)
+    block = key_block(sk, in_sbuf)
     f32 = DType.F32
     shape = (sq, sk, mask == "causal", causal_offset, in_sbuf)
     heads, depth, group = resident_heads(*shape), pipeline_depth(*shape), softmax_blocks(*shape)
@@ -494,7 +502,7 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
-        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
+        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset, block))))
     if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
         pools["logits"] = (f32, block, group + 3)  # a group's logits wait for its last block's
         pools["scores"] = (f32, block, 3)
