@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
-from neuronc.isa import Opcode
+from neuronc.isa import DType, Opcode
 from neuronc.neff.program import TensorKind
 from runtime import run_neff
 from runtime.metrics import matmul_flops
@@ -105,12 +106,28 @@ def test_each_key_block_makes_its_probabilities_in_one_scalar_instruction_and_th
 
 def test_a_bf16_kernel_makes_the_rounded_logits_and_their_row_min_in_one_pass():
     """1/sqrt(64) is a power of two, so round(round(S) / 8) is round(S / 8): one TENSOR_SCALAR_REDUCE per key
-    block makes the logits (negated) and the exp's bias, their row min."""
-    model, inputs = MaskedFillAttention(), _qkv(1, 640, 64, torch.bfloat16)
+    block of 1024 (two PSUM banks) makes the logits (negated) and the exp's bias, their row min."""
+    model, inputs = MaskedFillAttention(), _qkv(1, 1280, 64, torch.bfloat16)
     compiled, out = _compile_and_run(model, inputs)
     opcodes = _opcodes(compiled)
-    assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 1 + 1 + 1 + 1 + 2  # causal: the 5th query tile sees 640 keys
-    assert Opcode.TENSOR_REDUCE not in opcodes
+    assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 8 * 1 + 2 * 2  # causal: the last 2 query tiles see > 1024 keys
+    assert opcodes.count(Opcode.TENSOR_REDUCE) == 2  # their two row mins, combined before either exp
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_the_key_blocks_of_a_softmax_group_share_one_bias_so_the_accumulator_is_never_rescaled():
+    """Up to SOFTMAX_BLOCKS key blocks make their logits before any meets exp: 1536 keys are one group, whose
+    exps all take one bias; the online rescaling (an exp of the bias change, a multiply of the accumulator)
+    is left for sequences longer than a group."""
+    from neuronc.passes.attention import KEY_BLOCK, SOFTMAX_BLOCKS
+
+    assert KEY_BLOCK < 1536 <= KEY_BLOCK * SOFTMAX_BLOCKS
+    model, inputs = MaskedFillAttention(causal=False), _qkv(1, 1536, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    exps = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE]
+    assert sorted(i.srcs[0].free_elements for i in exps) == [1536 - KEY_BLOCK] * 12 + [KEY_BLOCK] * 12  # none [rows, 1]
+    assert not [i for i in instructions if i.opcode == Opcode.TENSOR_TENSOR and i.alu.name == "MULTIPLY"]
     assert_matches_eager(out, model(*inputs))
 
 
@@ -178,3 +195,34 @@ def test_a_causal_mask_broadcast_over_many_heads_is_still_made_on_chip():
     compiled = compile_exported(torch.export.export(MaskedFillAttention(), inputs), CompileOptions(opt_level=2))
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"
+
+
+def test_the_blocks_attention_reads_q_k_v_in_place_and_writes_its_output_in_place():
+    """Inside a transformer block, q, k and v are head views of the qkv projection's bf16 output and the
+    output is transposed back to [batch, seq, heads * dim] for the projection: the kernel reads the views
+    and writes that layout itself, so the graph is the two projections and the attention, no copy."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    model = zoo.CausalSelfAttention(128, 4).eval().to(torch.bfloat16)
+    inputs = (torch.randn(2, 200, 128, dtype=torch.bfloat16),)
+    compiled, out = _compile_and_run(model, inputs)
+    kernels = [n for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)]
+    assert [n.op for n in kernels] == [Op.MATMUL, Op.ATTENTION, Op.MATMUL]
+    qkv, attention, proj = kernels
+    assert all(ir.unreshaped(x) is qkv for x in attention.inputs)
+    assert qkv.dtype == attention.dtype == DType.BF16  # q, k, v read as eager rounds them, at the bf16 rate
+    assert ir.unreshaped(proj.inputs[0]) is attention and attention.shape[-1] == 128  # [tokens, heads * dim]
+    assert len(compiled.neff.kernels) == 3
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_keys_beyond_one_softmax_group_rescale_the_accumulator_once_per_group_and_match_eager():
+    """2200 keys are a softmax group (2048 keys) and a group of one block: the second group's bias moves the running
+    max, and each query tile's accumulator is rescaled once, before that group's P V."""
+    model, inputs = MaskedFillAttention(causal=False), _qkv(1, 2200, 64, torch.bfloat16)
+    compiled, out = _compile_and_run(model, inputs)
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    rescales = [i for i in instructions if i.opcode == Opcode.TENSOR_TENSOR and i.alu.name == "MULTIPLY"]
+    assert len(rescales) == -(-2200 // 128)
+    assert_matches_eager(out, model(*inputs))

@@ -60,22 +60,26 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
     software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
     Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
-    from neuronc.passes.attention import (HEADS_AHEAD, KEY_BLOCK, PIPELINE_DEPTH, Q_TILE, causal_cuts, logits_in_sbuf, pools_of,
-                                         probability_dtype)
+    from neuronc.passes.attention import (HEADS_AHEAD, Q_TILE, causal_cuts, key_block, logits_in_sbuf, pipeline_depth,
+                                         pools_of, probability_dtype, softmax_blocks)
 
     a = node.attrs
     q, k, v = node.inputs[:3]
     mask = node.inputs[3] if len(node.inputs) > 3 else None
-    batch, sq, dv = node.shape
+    batch, sq, dv = int(np.prod(a["batch_shape"])), a["queries"], a["value_dim"]
     sk, d, scale = a["keys"], a["head_dim"], a["scale"]
     causal, offset = a["mask"] == "causal", a["causal_offset"]
     tensor_mask = a["mask"] in ("select", "add")
     p_dtype = probability_dtype(v.dtype)
     materialise, fused = logits_in_sbuf(a), _fused_logits(a)
-    block = min(KEY_BLOCK, sk)
+    block = key_block(sk, materialise)
+    shape = (sq, sk, causal, offset, materialise)
+    group_size, depth = softmax_blocks(*shape), pipeline_depth(*shape)
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
     pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
-    s_psum, pt_psum, o_psum = em.psum_pool(3), em.psum_pool(2), em.psum_pool(2)
+    bank = em.psum_bank_elements()
+    score_banks = -(-block // bank)  # a key block's fp32 scores span this many PSUM banks
+    s_psum, pt_psum, o_psum = em.psum_pool(4 // score_banks * score_banks), em.psum_pool(2), em.psum_pool(2)
     engines = Balancer(em)
     vector = engines.emit
 
@@ -89,7 +93,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         if p_dtype != DType.BF16:
             bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["ramp"].next())
         ramp = pools["ramp"].next().ap(Q_TILE, Q_TILE, dtype=DType.F32)
-        for cut in causal_cuts(sq, sk, offset):
+        for cut in causal_cuts(sq, sk, offset, block):
             tile = pools["bias"].next().ap(Q_TILE, Q_TILE)  # column c masks row i where c - i + cut > 0
             em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
@@ -107,43 +111,56 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
 
     def origin(i, g):
-        offset0, strides = a["views"][i]
+        """(element, row stride, column stride) of batch-head g of input i (-1: the output)."""
+        offset0, strides = a["views"][i] if i >= 0 else a["out_view"]
         index = np.unravel_index(g, a["batch_shape"])
         return offset0 + sum(int(j) * s for j, s in zip(index, strides[:-2])), strides[-2], strides[-1]
 
     def address(x, element):
         return plan.offset(x) + element * x.dtype.itemsize
 
+    def score_tile(qt, kb):
+        """A [qt, kb] fp32 tile on consecutive PSUM banks (a matmul writes within one: by bank_spans)."""
+        slots = [s_psum.next() for _ in range(score_banks)]
+        assert all(b.offset == a.offset + em.target.psum_bank_bytes for a, b in zip(slots, slots[1:]))
+        return slots[0].ap(qt, kb)
+
+    def bank_spans(c0, c1):
+        """[c0, c1) cut at the PSUM bank boundaries of a score tile's columns."""
+        return [(c, min(c1, (c // bank + 1) * bank)) for c in range(c0, c1) if c == c0 or c % bank == 0]
+
     def scores_of(g, qtile, kt, q0, qt, k0, kb):
         """S = Q K^T of a key block into PSUM, the causal bias added over the keys the diagonal cuts."""
-        scores = s_psum.next().ap(qt, kb)
-        for j in range(d_tiles):
-            dt = min(Q_TILE, d - j * Q_TILE)
-            em.emit(Opcode.MATMUL, Engine.TENSOR, scores, tile_at(qtile, j * sq + q0, dt, qt),
-                    tile_at(kt, j * sk + k0, dt, kb), accumulate=j > 0)
+        scores = score_tile(qt, kb)
+        for c0, c1 in bank_spans(0, kb):
+            for j in range(d_tiles):
+                dt = min(Q_TILE, d - j * Q_TILE)
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, c0, qt, c1 - c0),
+                        tile_at(qtile, j * sq + q0, dt, qt), tile_at(kt, j * sk + k0 + c0, dt, c1 - c0),
+                        accumulate=j > 0)
         first_cut = max(k0, q0 + offset + 1)  # keys from here on are masked for some row of the tile
         if causal and first_cut < k0 + kb:
             cut = k0 - q0 - offset if k0 > q0 + offset else 1
-            width = k0 + kb - first_cut
-            em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, first_cut - k0, qt, width),
-                    tile_at(bias_identity, 0, qt, qt), tile_at(bias[cut], 0, qt, width), accumulate=True)
+            for c0, c1 in bank_spans(first_cut - k0, kb):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(scores, c0, qt, c1 - c0),
+                        tile_at(bias_identity, 0, qt, qt),
+                        tile_at(bias[cut], c0 - (first_cut - k0), qt, c1 - c0), accumulate=True)
         return scores
 
-    def logits_of(g, scores, q0, qt, k0, kb):
-        """(src, factor, b or None): the exp's argument is src * factor + b. Materialised logits are negated
-        (factor -1); unless a mask tensor comes in between, their row min, b, is made in the same pass."""
+    def logits_of(g, scores, q0, qt, k0, kb, b, logits):
+        """(src, factor): the exp's argument is src * factor + bias, and b [qt, 1] = -(the row max of src *
+        factor). Materialised logits are made negated (factor -1) in `logits`; unless a mask tensor comes in
+        between, their row min, b, is made in the same pass."""
         if not materialise:
-            return scores, scale, None
+            row_bias(b, scores, scale)
+            return scores, scale
         if not fused:  # S rounded as eager rounds it, then scaled
             rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
             engines.scale(rounded_scores, scores, 1.0)
             scores = rounded_scores
-        dtype = a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"]
-        logits = pools["logits"].next().ap(qt, kb, dtype=dtype)
         if not tensor_mask:
-            b = small("b_block", qt)
             vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=-scale)
-            return logits, -1.0, b
+            return logits, -1.0
         engines.scale(logits, scores, -scale)
         if tensor_mask:
             mb0, ms, mk = origin(3, g)
@@ -155,35 +172,42 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 filled = tile_at(fill, 0, qt, kb)
                 on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
                 vector(Opcode.SELECT, logits, mtile, on_true, on_false)
-        return logits, -1.0, None
+        row_bias(b, logits, -1.0)
+        return logits, -1.0
 
-    def row_bias(src, factor, qt):
-        """b = -(the row max of the logits) of a key block: the exp's bias."""
-        b = small("b_block", qt)
+    def row_bias(b, src, factor):
+        """b = -(the row max of src * factor) of a key block."""
         if factor < 0:  # negated logits: their row min
             vector(Opcode.TENSOR_REDUCE, b, src, alu=AluOp.MIN)
         else:
             vector(Opcode.TENSOR_REDUCE, b, src, alu=AluOp.MAX)
             vector(Opcode.TENSOR_SCALAR, b, b, alu=AluOp.MULTIPLY, imm0=-factor)
-        return b
 
     def transposes(p, qt, chunks):
         """P^T [keys, queries] into PSUM: Tensor-engine transposes (matmuls with the identity) by chunks of
-        128 keys, side by side in one bank."""
-        pt_acc = pt_psum.next().ap(Q_TILE, len(chunks) * qt)
-        for n, (c, rows) in enumerate(chunks):
-            em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
-                    tile_at(identity, 0, qt, qt))
-        return pt_acc
+        128 keys, side by side, a bank's worth of chunks per PSUM buffer; [(buffer, its chunks)]."""
+        per_bank = max(1, bank // qt)
+        parts = []
+        for first in range(0, len(chunks), per_bank):
+            part = chunks[first:first + per_bank]
+            pt_acc = pt_psum.next().ap(Q_TILE, len(part) * qt)
+            for n, (c, rows) in enumerate(part):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
+                        tile_at(identity, 0, qt, qt))
+            parts.append((pt_acc, part))
+        return parts
 
-    def evacuated(pt_acc, qt, kb, chunks):
-        """P^T copied from PSUM to SBUF, where the Tensor engine reads it."""
+    def evacuated(parts, qt, chunks):
+        """P^T copied from PSUM to SBUF, where the Tensor engine reads it: chunk n at column n * qt."""
         pt = pools["pt"].next().ap(Q_TILE, len(chunks) * qt)
-        whole = kb // Q_TILE
-        if whole:
-            engines.scale(tile_at(pt, 0, Q_TILE, whole * qt), tile_at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
-        if kb % Q_TILE:
-            engines.scale(tile_at(pt, whole * qt, kb % Q_TILE, qt), tile_at(pt_acc, whole * qt, kb % Q_TILE, qt), 1.0)
+        n0 = 0
+        for pt_acc, part in parts:
+            whole = sum(rows == Q_TILE for _, rows in part)
+            if whole:
+                engines.scale(tile_at(pt, n0 * qt, Q_TILE, whole * qt), tile_at(pt_acc, 0, Q_TILE, whole * qt), 1.0)
+            for n, (_, rows) in enumerate(part[whole:], whole):
+                engines.scale(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
+            n0 += len(part)
         return pt
 
     def load_head(g):
@@ -217,14 +241,18 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 qt = min(Q_TILE, sq - q0)
                 last_key = min(sk, q0 + qt + offset) if causal else sk  # keys beyond are masked for every row
                 starts = list(range(0, last_key, block))
-                for k0 in starts:
-                    yield _Block(g, q0, qt, k0, min(block, last_key - k0), k0 == starts[0], k0 == starts[-1])
+                for n, k0 in enumerate(starts):
+                    member = n % group_size
+                    members = min(group_size, len(starts) - (n - member))
+                    yield _Block(g, q0, qt, k0, min(block, last_key - k0), n == 0, n == len(starts) - 1,
+                                 member, members)
 
     heads: dict = {}
 
     # One key block passes through these stages, each a hop to another engine; `x` holds what a block's
     # stages made, `row` the online softmax state of its query tile: b = -m, the exp's bias, and acc = [P V | l]
-    # in PSUM (l, the row sum, from V's ones column).
+    # in PSUM (l, the row sum, from V's ones column). The blocks of a softmax group share x["group"]: their
+    # row mins side by side, and the bias b' their exps take, made once all their logits are.
     def scores_stage(blk, row, x):
         """S = Q K^T into PSUM, the causal bias added."""
         for g in range(blk.g, blk.g + 1 + HEADS_AHEAD):  # this head's loads, and the next ones' ahead of their turn
@@ -233,40 +261,57 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         qtile, kt, _ = heads[blk.g]
         x["scores"] = scores_of(blk.g, qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
 
+    logits_dtype = a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"]
+
     def logits_stage(blk, row, x):
-        x["src"], x["factor"], x["b_block"] = logits_of(blk.g, x["scores"], blk.q0, blk.qt, blk.k0, blk.kb)
+        """The block's logits and their row min, in its column of the group's."""
+        qt = blk.qt
+        if blk.member == 0:
+            row["group"] = {"b_blocks": pools["b_blocks"].next().ap(qt, blk.members)}
+        group = x["group"] = row["group"]
+        b = tile_at(group["b_blocks"], blk.member, qt, 1)
+        logits = pools["logits"].next().ap(qt, blk.kb, dtype=logits_dtype) if materialise else None
+        x["src"], x["factor"] = logits_of(blk.g, x["scores"], blk.q0, qt, blk.k0, blk.kb, b, logits)
 
     def bias_stage(blk, row, x):
-        """b' = min(b, -rowmax)."""
-        b_block = x["b_block"] or row_bias(x["src"], x["factor"], blk.qt)
-        if blk.first:
-            b_new = b_block
+        """After a softmax group's last block: b' = min(b, the group's row mins)."""
+        if blk.member < blk.members - 1:
+            return
+        group, qt = x["group"], blk.qt
+        b_group = group["b_blocks"]
+        if blk.members > 1:
+            b_group = small("b", qt)
+            vector(Opcode.TENSOR_REDUCE, b_group, group["b_blocks"], alu=AluOp.MIN)
+        if "b" not in row:
+            b_new = b_group
             if tensor_mask:  # a row masked so far keeps a finite bias
-                vector(Opcode.TENSOR_SCALAR, b_block, b_block, alu=AluOp.MIN, imm0=-NEG_BIG)
+                vector(Opcode.TENSOR_SCALAR, b_group, b_group, alu=AluOp.MIN, imm0=-NEG_BIG)
         else:
-            b_new = small("b", blk.qt)
-            vector(Opcode.TENSOR_TENSOR, b_new, row["b"], b_block, alu=AluOp.MIN)
-        x["b_old"], x["b_new"], row["b"] = row.get("b"), b_new, b_new
+            b_new = small("b", qt)
+            vector(Opcode.TENSOR_TENSOR, b_new, row["b"], b_group, alu=AluOp.MIN)
+        group["b_old"], group["b_new"], row["b"] = row.get("b"), b_new, b_new
 
     def exp_stage(blk, row, x):
-        """P = exp(src f + b') in one Scalar pass (its row sum comes with P V, from V's ones column), and
-        corr = e^(b' - b), the accumulator's rescaling, in another (-b taken as the source, b' as the bias)."""
-        qt, b_new = blk.qt, x["b_new"]
+        """P = exp(src f + b') in one Scalar pass (its row sum comes with P V, from V's ones column), and, for
+        the first block of a group after the first, corr = e^(b' - b), the accumulator's rescaling, in another
+        (-b taken as the source, b' as the bias). (One exp per block, not per group: the group's first
+        transposes would wait for all of its exps.)"""
+        qt, group = blk.qt, x["group"]
         x["p"] = pools["p"].next().ap(qt, blk.kb)
-        engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["p"], small("rowsum", qt), x["src"], b_new,
+        engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["p"], small("rowsum", qt), x["src"], group["b_new"],
                          func=ActFunc.EXP, imm0=x["factor"])
-        if not blk.first:
+        if blk.member == 0 and group["b_old"] is not None:
             x["corr"] = small("corr", qt)
-            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["corr"], small("dm", qt), x["b_old"], b_new,
-                             func=ActFunc.EXP, imm0=-1.0)
+            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, x["corr"], small("dm", qt), group["b_old"],
+                             group["b_new"], func=ActFunc.EXP, imm0=-1.0)
 
     def transpose_stage(blk, row, x):
         x["chunks"] = [(c, min(Q_TILE, blk.kb - c)) for c in range(0, blk.kb, Q_TILE)]
         x["pt_psum"] = transposes(x["p"], blk.qt, x["chunks"])
 
     def evacuate_stage(blk, row, x):
-        x["pt"] = evacuated(x["pt_psum"], blk.qt, blk.kb, x["chunks"])
-        if not blk.first:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
+        x["pt"] = evacuated(x["pt_psum"], blk.qt, x["chunks"])
+        if "corr" in x:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
             acc = row["acc"]
             vector(Opcode.TENSOR_TENSOR, acc, acc, broadcast_columns(x["corr"], dv + 1), alu=AluOp.MULTIPLY)
 
@@ -290,14 +335,17 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             empty = small("empty_row", qt)
             vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
             vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(zeros, 0, qt, dv), out)
-        em.dma(hbm(node.dtype, plan.offset(node) + (blk.g * sq + blk.q0) * dv * node.dtype.itemsize,
-                   ((dv, qt), (1, dv))), out)
+        ob0, os_, od = origin(-1, blk.g)
+        em.dma(hbm(node.dtype, address(node, ob0 + blk.q0 * os_), ((os_, qt), (od, dv))), out)
+
+    def waiting_stage(blk, row, x):
+        """A block waits here for the later blocks of its softmax group to make their logits."""
 
     # Software-pipelined: at step t, stage s of block t - s is emitted (the oldest block first), so each
     # engine's in-order queue holds later blocks' work while one block's chain crosses the engines.
-    stages = (scores_stage, logits_stage, bias_stage, exp_stage, transpose_stage, evacuate_stage, product_stage,
-              output_stage)
-    assert len(stages) == PIPELINE_DEPTH  # the pools are sized for it
+    stages = (scores_stage, logits_stage, bias_stage, *[waiting_stage] * (group_size - 1), exp_stage,
+              transpose_stage, evacuate_stage, product_stage, output_stage)
+    assert len(stages) == depth  # the pools are sized for it
     in_flight: list = []  # (block, row state, what its stages made), oldest first
     rows: dict = {}
     for step, blk in enumerate([*blocks(), *[None] * (len(stages) - 1)]):
@@ -318,3 +366,5 @@ class _Block(NamedTuple):
     kb: int
     first: bool  # the query tile's first key block
     last: bool
+    member: int  # its place in its softmax group
+    members: int  # the blocks of its softmax group

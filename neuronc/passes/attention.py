@@ -23,9 +23,11 @@ The pass recognises, after legalisation (before the other fusions), the forms th
 A mask that is a constant lower-triangular pattern with -inf above the diagonal becomes `causal` (made on
 chip, never read from HBM, and the blocks it hides skipped); any other mask is read block by block.
 
-attrs of the ATTENTION node ([B, Sq, Dv] = O's shape, B merging batch and heads):
-  batch_shape: B's dims (batch, heads); views: per input (element offset, strides over (*batch_shape, rows,
-  cols)) — q [.., Sq, D], k [.., Sk, D], v [.., Sk, Dv], mask [.., Sq, Sk];
+attrs of the ATTENTION node (O is [B, Sq, Dv], B merging batch and heads; the node's shape is O's, or that of
+the permutation of O the model makes next, heads transposed back and merged, which the kernel writes in place):
+  batch_shape: B's dims (batch, heads); queries, keys, head_dim, value_dim: Sq, Sk, D, Dv;
+  views: per input (element offset, strides over (*batch_shape, rows, cols)) — q [.., Sq, D], k [.., Sk, D],
+  v [.., Sk, Dv], mask [.., Sq, Sk]; out_view: where O [*batch_shape, Sq, Dv] lies in the node's dense buffer;
   scale (> 0, on the logits); mask: "none" | "causal" | "select" | "add"; causal_offset (key j is kept for
   query i when j <= i + offset); fill and masked_when (select: logits become fill where pred == masked_when);
   zero_masked_rows (the guard); ops (what was fused, for `neuronc inspect --kernels`).
@@ -47,9 +49,11 @@ from neuronc.passes.rowwise import _resolve
 from neuronc.targets import Target
 
 Q_TILE = 128  # query rows per tile: one per partition
-KEY_BLOCK = 512  # keys per block: one PSUM bank of fp32 scores
+KEY_BLOCK = 1024  # keys per block when the logits are made in SBUF: two PSUM banks of fp32 scores
+BANK_KEYS = 512  # keys per block when the exp reads the scores in PSUM: one bank, as a third buffer is needed
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
-PIPELINE_DEPTH = 8  # key blocks in flight in the kernel's software pipeline (one per stage)
+STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
+SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
 HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
 
 
@@ -174,7 +178,7 @@ class _Matcher:
         multiplications and views."""
         while True:
             node = self.through_reshapes(node)
-            if node.op is Op.CONVERT and node.dtype.is_float and node.inputs[0].dtype.is_float:
+            if _widening(node):
                 node = self.take(node).inputs[0]
             elif node.op is Op.MULTIPLY and any(x.scalar is not None for x in node.inputs):
                 x, c = node.inputs if node.inputs[1].scalar is not None else node.inputs[::-1]
@@ -188,8 +192,8 @@ class _Matcher:
         source, offset, strides = resolved
         for link in _chain(node, source):
             self.take(link)
-        while source.op is Op.CONVERT and source.dtype.is_float and source.inputs[0].dtype.is_float:
-            source = self.take(source).inputs[0]  # a conversion of the viewed tensor: read the original
+        while _widening(source):
+            source = self.take(source).inputs[0]  # an exact conversion of the viewed tensor: read the original
         return source, offset, strides, node.shape, scale
 
     def private(self, root) -> bool:
@@ -201,12 +205,18 @@ class _Matcher:
 MAX_COMPOSED_ELEMENTS = 1 << 24  # views composed numerically up to this size
 
 
-def _composed_view(x):
-    """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
-    symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
-    element positions are composed numerically and fitted by one affine map, or None."""
+def _widening(node) -> bool:
+    """A float conversion that every value survives (bf16 -> f32): reading its operand instead is exact.
+    (A narrowing one rounds, as eager does: the rounded tensor is what must be read.)"""
+    return (node.op is Op.CONVERT and node.dtype.is_float and node.inputs[0].dtype.is_float
+            and node.inputs[0].dtype.itemsize < node.dtype.itemsize)
+
+
+def _source_positions(x):
+    """(source, positions): the element of the dense buffer of `source` that each element of x reads,
+    through x's chain of reshapes and views, or (None, None) when x is too large to compose numerically."""
     if x.size > MAX_COMPOSED_ELEMENTS or x.size == 0:
-        return None
+        return None, None
     positions = np.arange(x.size, dtype=np.int64).reshape(x.shape)
     source = x
     while source.op in (Op.RESHAPE, Op.VIEW):
@@ -214,16 +224,53 @@ def _composed_view(x):
             coords = np.unravel_index(positions, source.shape)
             positions = source.attrs["offset"] + sum(c * s for c, s in zip(coords, source.attrs["strides"]))
         source = source.inputs[0]
+    return source, positions
+
+
+def _affine(positions: np.ndarray):
+    """(offset, strides) with positions[i] == offset + i . strides for every index i, or None."""
     base = int(positions.reshape(-1)[0])
     strides = []
-    for axis, size in enumerate(x.shape):
-        step = [0] * len(x.shape)
+    for axis, size in enumerate(positions.shape):
+        step = [0] * positions.ndim
         step[axis] = 1 if size > 1 else 0
         strides.append(int(positions[tuple(step)]) - base if size > 1 else 0)
-    grid = np.indices(x.shape, dtype=np.int64)
+    grid = np.indices(positions.shape, dtype=np.int64)
     if not np.array_equal(positions, base + sum(g * s for g, s in zip(grid, strides))):
         return None
-    return source, base, tuple(strides)
+    return base, tuple(strides)
+
+
+def _composed_view(x):
+    """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
+    symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
+    element positions are composed numerically and fitted by one affine map, or None."""
+    source, positions = _source_positions(x)
+    fitted = None if positions is None else _affine(positions)
+    return None if fitted is None else (source, *fitted)
+
+
+def _output_view(pv, consumers: dict, outputs: set, batched: tuple):
+    """(node, offset, strides): the furthest node of the chain of reshapes and views that alone reads the
+    PV matmul (heads transposed back and merged: [batch, seq, heads * dim]) that only permutes its elements,
+    and where element (*batch, row, col) of the attention output lies in that node's dense buffer; or None.
+    The kernel writes straight into that layout, so no copy kernel is left for the permutation."""
+    chain, node = [], pv
+    while node not in outputs and len(consumers.get(node, ())) == 1:
+        (node,) = consumers[node]
+        if node.op not in (Op.RESHAPE, Op.VIEW) or node.size != pv.size:
+            break
+        chain.append(node)
+    for end in reversed(chain):
+        source, positions = _source_positions(end)
+        if source is not pv or len(np.unique(positions)) != pv.size:
+            continue
+        inverse = np.empty(pv.size, dtype=np.int64)
+        inverse[positions.reshape(-1)] = np.arange(pv.size)
+        fitted = _affine(inverse.reshape(batched))
+        if fitted is not None:
+            return (end, *fitted)
+    return None
 
 
 def _is_mask_like(node) -> bool:
@@ -306,7 +353,8 @@ def _classify_mask(attrs: dict) -> None:
 
 
 def _match(pv, consumers: dict, outputs: set, target: Target):
-    """The ATTENTION node replacing `pv` (a MATMUL), or None."""
+    """(the node replaced, the ATTENTION node) for a candidate PV matmul `pv`, or None: the node replaced is
+    pv, or the permutation of pv's elements the kernel writes in place (see _output_view)."""
     m = _Matcher(consumers, outputs)
     attrs = {"mask": "none", "causal_offset": 0, "fill": 0.0, "masked_when": True, "mask_node": None}
     try:
@@ -364,38 +412,69 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
     except _NoMatch:
         return None
     ops = ("matmul", *reversed(m.ops), "matmul")
-    return ir.node(Op.ATTENTION, inputs, pv.shape, pv.dtype, pv.loc, batch_shape=batch_shape, views=tuple(views),
+    batched = (*batch_shape, sq, dv)
+    written, *out_view = _output_view(pv, consumers, outputs, batched) or (pv, 0, dense_strides(batched))
+    if tuple(out_view) != (0, dense_strides(batched)):
+        ops += ("transpose",)
+    return written, ir.node(Op.ATTENTION, inputs, written.shape, pv.dtype, pv.loc, batch_shape=batch_shape,
+                   views=tuple(views), out_view=tuple(out_view), queries=sq, value_dim=dv,
                    scale=float(scale), head_dim=d, keys=sk,
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   tiling=f"{Q_TILE} queries x {min(KEY_BLOCK, sk)} keys, Q/K/V resident")
+                   tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                          "Q/K/V resident")
 
 
-def causal_cuts(sq: int, sk: int, offset: int) -> list:
+def key_block(sk: int, in_sbuf: bool) -> int:
+    """Keys per block: the fixed cost of an instruction is paid per 1024 keys when the logits are made in SBUF;
+    scores the exp reads in PSUM wait there for it, in three buffers of one bank."""
+    return min(KEY_BLOCK if in_sbuf else BANK_KEYS, sk)
+
+
+def causal_cuts(sq: int, sk: int, offset: int, block: int) -> list:
     """The distinct cuts of the key blocks the causal mask cuts through: key first + c is masked for query
     q0 + i when c - i + cut > 0, `first` being the first key masked for some query of the tile (the mask
     covers at most Q_TILE - 1 keys of a block). One on-chip bias tile each, made once per kernel."""
     cuts = set()
     for q0 in range(0, sq, Q_TILE):
         qt = min(Q_TILE, sq - q0)
-        for k0 in range(0, min(sk, q0 + qt + offset), KEY_BLOCK):
-            kb = min(KEY_BLOCK, sk - k0, q0 + qt + offset - k0)
+        for k0 in range(0, min(sk, q0 + qt + offset), block):
+            kb = min(block, sk - k0, q0 + qt + offset - k0)
             if max(k0, q0 + offset + 1) < k0 + kb:
                 cuts.add(k0 - q0 - offset if k0 > q0 + offset else 1)
     return sorted(cuts)
 
 
-def key_blocks(sq: int, sk: int, causal: bool, offset: int) -> int:
+def key_blocks(sq: int, sk: int, causal: bool, offset: int, block: int) -> int:
     """How many key blocks the kernel visits for one batch-head (causal: none wholly above the diagonal)."""
-    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // KEY_BLOCK)
+    return sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // block)
                for q0 in range(0, sq, Q_TILE))
 
 
-def resident_heads(sq: int, sk: int, causal: bool, offset: int) -> int:
+def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+    """Key blocks per softmax statistic: a query tile's keys are taken by groups of up to SOFTMAX_BLOCKS
+    blocks whose logits are all made (with their row mins) before any of them meets exp, so the running max
+    moves, and the accumulator is rescaled, once per group rather than once per block. Logits the exp reads
+    from PSUM (not in_sbuf) cannot wait there: one block per group."""
+    if not in_sbuf:
+        return 1
+    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // key_block(sk, in_sbuf))
+               for q0 in range(0, sq, Q_TILE))
+    return max(1, min(SOFTMAX_BLOCKS, most))
+
+
+def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+    """Key blocks in flight in the kernel's software pipeline: one per stage, and a block waits between its
+    logits and its exp until the last block of its softmax group has made its logits."""
+    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf) - 1
+
+
+def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
-    its blocks is in the pipeline (PIPELINE_DEPTH blocks may span several short heads)."""
-    return -(-PIPELINE_DEPTH // max(1, key_blocks(sq, sk, causal, offset))) + 1 + HEADS_AHEAD
+    its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
+    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf)
+    return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf)))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
@@ -404,9 +483,10 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
-    block = min(KEY_BLOCK, sk)
+    block = key_block(sk, in_sbuf)
     f32 = DType.F32
-    heads = resident_heads(sq, sk, mask == "causal", causal_offset)
+    shape = (sq, sk, mask == "causal", causal_offset, in_sbuf)
+    heads, depth, group = resident_heads(*shape), pipeline_depth(*shape), softmax_blocks(*shape)
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
         "k": (dtypes["k"], d_tiles * sk, heads),
@@ -416,14 +496,15 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "out": (dtypes["out"], dv, PIPELINE_DEPTH),
-        **{name: (f32, 1, PIPELINE_DEPTH) for name in ("b_block", "b", "rowsum", "dm", "corr")},
+        "out": (dtypes["out"], dv, depth),
+        "b_blocks": (f32, group, depth),  # the row mins of a softmax group's blocks, side by side
+        **{name: (f32, 1, depth) for name in ("b", "rowsum", "dm", "corr")},
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
-        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset))))
+        pools["bias"] = (DType.BF16, Q_TILE, max(1, len(causal_cuts(sq, sk, causal_offset, block))))
     if in_sbuf:  # logits made in SBUF (logits_in_sbuf)
-        pools["logits"] = (f32, block, 4)
+        pools["logits"] = (f32, block, group + 3)  # a group's logits wait for its last block's
         pools["scores"] = (f32, block, 3)
     if mask in ("select", "add"):
         pools["mask"] = (dtypes["mask"], block, 3)
@@ -446,7 +527,7 @@ def pools_of(node) -> dict:
     q, k, v = node.inputs[:3]
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
-    return tile_pools(node.shape[1], a["keys"], a["head_dim"], node.shape[2], dtypes, a["mask"],
+    return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
                       a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a))
 
 
@@ -469,8 +550,8 @@ def probability_dtype(v_dtype: DType) -> DType:
 def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
     consumers = graph.consumers()
     outputs = set(graph.outputs)
-    matches = {n: fused for n in graph.nodes() if n.op is Op.MATMUL
-               for fused in [_match(n, consumers, outputs, target)] if fused is not None}
+    matches = dict(match for n in graph.nodes() if n.op is Op.MATMUL
+                   for match in [_match(n, consumers, outputs, target)] if match is not None)
     if not matches:
         return graph
     built: dict = {}  # old node -> its rebuilt self: the fused node's inputs are old nodes
