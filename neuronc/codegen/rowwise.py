@@ -3,17 +3,14 @@ one row tile per 128 partitions, row tiles computed in pairs when SBUF holds bot
 from __future__ import annotations
 
 
-from typing import NamedTuple
-
-
 from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows
-from neuronc.codegen.elementwise import ACTIVATIONS, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
+from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import BUFS, slot_plan, step_kinds
+from neuronc.passes.rowwise import BUFS, Act, Alu2, RowSum, Summed, step_kinds, tile_plan
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -65,89 +62,89 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-class _SummedActivation(NamedTuple):
-    """A ROWWISE step made with its row sum by one ACTIVATE_BIAS_REDUCE: func(src + bias) where bias is
-    -shift (a [rows, 1] step) or 0."""
-
-    func: ActFunc
-    row_sum: int  # the REDUCE_LAST(add) step it also makes
-    src: tuple  # (kind, ref) of the source
-    shift: int | None  # the [rows, 1] step subtracted from src, or None
+def _tile_arg(arg, tiles, results, rt, cols, full: bool):
+    """The tile an instruction reads for `arg` in a row tile of `rt` rows; a per-row value read by a full-row
+    instruction is broadcast along the free axis (stride 0)."""
+    kind, ref = arg
+    tile = first_rows(tiles[ref] if kind == "input" else results[ref], rt)
+    return broadcast_columns(tile, cols) if full and tile.free_elements == 1 < cols else tile
 
 
-def _summed_activations(body, kinds) -> tuple:
-    """({step: _SummedActivation}, {steps they make redundant}): the fp32 full-row activations (or squares)
-    whose row sum is the very next step, as exp(x - max) then sum in a softmax, or (x - mean)^2 then sum
-    in a layer-norm. A subtraction of a row value used by nothing else is folded in as the bias: fp32
-    x + (-m) is x - m exactly, and the row sum is the fp32 sum of the fp32 values, as the reduction's."""
-    users = [[j for j, step in enumerate(body) for a, ref in step.args if a == "step" and ref == i]
-             for i in range(len(body))]
-    fused, skipped = {}, set()
-    for j, step in enumerate(body[:-1]):
-        reduce = body[j + 1]
-        if (kinds[j] != "full" or step.dtype != DType.F32 or reduce.dtype != DType.F32 or reduce.op is not Op.REDUCE_LAST
-                or reduce.attrs["kind"] != "add" or reduce.args != (("step", j),)):
-            continue
-        func, src = _as_activation(step)
-        if func is None or src[0] == "imm":
-            continue
-        shift = None
-        if src[0] == "step" and users[src[1]] == [j]:
-            producer = body[src[1]]
-            if producer.op is Op.SUBTRACT and producer.dtype == DType.F32 and producer.args[1][0] == "step" and \
-                    kinds[producer.args[1][1]] == "row" and body[producer.args[1][1]].dtype == DType.F32:
-                skipped.add(src[1])
-                src, shift = producer.args[0], producer.args[1][1]
-        fused[j] = _SummedActivation(func, j + 1, src, shift)
-        skipped.add(j + 1)
-    return fused, skipped
+def _activation_func(op) -> ActFunc:
+    return ActFunc.SQUARE if op is Op.MULTIPLY or op is Op.POWER else ACTIVATIONS[op]
 
 
-def _summed_activation(em: Emitter, engines, fused: _SummedActivation, out, tile_of, tiles, results, bias, rt, cols):
-    """Emit ``fused`` for a tile of ``rt`` rows: its bias (-shift, or 0), then the activation with its row sum."""
-    if fused.shift is None:
-        engines.emit(Opcode.MEMSET, bias, imm0=0.0)
-    else:
-        engines.emit(Opcode.TENSOR_SCALAR, bias, first_rows(results[fused.shift], rt), alu=AluOp.MULTIPLY, imm0=-1.0)
-    kind, ref = fused.src
-    src = first_rows(tiles[ref] if kind == "input" else results[ref], rt)
-    src = broadcast_columns(src, cols) if src.free_elements == 1 < cols else src
-    results[fused.row_sum] = tile_of(fused.row_sum)
-    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, results[fused.row_sum], src, bias, func=fused.func,
-            imm0=1.0)
+class _RowTile:
+    """Emits the instructions of one row tile's plan (passes/rowwise.py `tile_plan`)."""
 
+    def __init__(self, em, engines, node, plan, kinds, consts):
+        self.em, self.engines, self.node, self.plan, self.kinds, self.consts = em, engines, node, plan, kinds, consts
 
-def _as_activation(step) -> tuple:
-    """(ActFunc, (kind, ref) of its source) computing ``step`` as an activation, or (None, None)."""
-    if step.op in ACTIVATIONS:
-        return ACTIVATIONS[step.op], step.args[0]
-    square = (step.op is Op.MULTIPLY and step.args[0] == step.args[1]) or (
-        step.op is Op.POWER and step.args[1] == ("imm", 2.0))
-    return (ActFunc.SQUARE, step.args[0]) if square else (None, None)
+    def emit(self, j, instr, out, read, results, rt, extra):
+        body, engines = self.node.attrs["body"], self.engines
+        if isinstance(instr, Alu2):
+            a, b = read(instr.a), read(instr.b)
+            c = read(instr.c) if instr.c else b
+            engines.emit(Opcode.TENSOR_ALU2, out, a, b, c, alu=ALU[instr.op],
+                         alu1=ALU[instr.op1] if instr.op1 else AluOp.NONE)
+        elif isinstance(instr, Summed):
+            row_sum = extra["tile_of"](instr.row_sum)
+            results[instr.row_sum] = row_sum
+            if instr.shift is None:
+                bias, scale = self.consts["zero"](rt), 1.0
+            elif instr.negated:
+                bias, scale = read(instr.shift, full=False), -1.0
+            else:
+                bias, scale = extra["bias"](), 1.0
+                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0)
+            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, out, row_sum, read(instr.src), bias,
+                             func=_activation_func(instr.act), imm0=scale)
+        elif isinstance(instr, Act):
+            engines.activate(Opcode.ACTIVATE, out, read(instr.src), func=ACTIVATIONS[instr.act], imm0=instr.scale,
+                             imm1=instr.bias)
+        elif isinstance(instr, RowSum):
+            src = read(instr.src)
+            junk = extra["junk"](src)
+            if junk is not None and engines.scalar_is_freest():
+                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, junk, out, src, self.consts["zero"](rt),
+                                 func=ActFunc.IDENTITY, imm0=1.0)
+            else:
+                engines.emit(Opcode.TENSOR_REDUCE, out, src, alu=AluOp.ADD)
+        elif body[j].op is Op.REDUCE_LAST:
+            engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.args[0]), alu=REDUCTIONS[body[j].attrs["kind"]])
+        else:
+            args = [float(ref) if a == "imm" else read((a, ref)) for a, ref in instr.args]
+            engines.compute(body[j], out, args, self.consts["select"], self.node.loc)
 
 
 def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """A row-wise normalisation (passes/rowwise.py): for each tile of rows (a row per partition), load
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
-    steps (reduced values broadcast over the row with a stride-0 read) on chip, store the result once.
-    Inputs the same for every row (a norm's weight and bias) are loaded once for all row tiles. With the
-    node's "bufs" twice BUFS, row tiles go in pairs whose steps are emitted interleaved, step by step, so the
-    engines' in-order queues alternate between two independent chains instead of waiting on one."""
+    steps (reduced values broadcast over the row with a stride-0 read) on chip, as the fewer instructions of
+    the body's `tile_plan`, and store the result once. Inputs the same for every row (a norm's weight and bias)
+    are loaded once for all row tiles. With the node's "bufs" twice BUFS, row tiles go in pairs whose
+    instructions are emitted interleaved, so the engines' in-order queues alternate between two independent
+    chains instead of waiting on one."""
     body, views = node.attrs["body"], node.attrs["views"]
     rows, cols = node.attrs["rows"], node.attrs["cols"]
     kinds = step_kinds(body, views)
-    slots, count = slot_plan(body, kinds)
+    tiles_plan = tile_plan(body, views, [x.dtype for x in node.inputs])
+    slots, count = tiles_plan.slots, tiles_plan.count
     bufs = node.attrs.get("bufs", BUFS)
     parts = em.target.partitions
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
     full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) for _ in range(count["full"])]
     row_temps = [em.sbuf_pool(DType.F32, wide, bufs=bufs) for _ in range(count["row"])]
-    summed, skipped = _summed_activations(body, kinds)
-    biases = em.sbuf_pool(DType.F32, wide, bufs=bufs) if summed else None  # the budget's spare row tile
+    biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift
+    zero = None
     out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
     needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
     constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants else None
     engines = Balancer(em)
+    if any(isinstance(i, (Summed, RowSum)) for i in tiles_plan.instrs.values()):
+        zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
+    consts = {"zero": lambda rt: first_rows(zero, rt), "select": constants}
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
         width = cols if sc else 1
@@ -159,13 +156,14 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             pools[i] = em.sbuf_pool(x.dtype, width, bufs=bufs)
     col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
     results = {}  # step -> its result: the col steps once, here; the others per row tile, below
-    for j, (step, kind) in enumerate(zip(body, kinds)):
-        if kind == "col":
-            out = col_tiles[slots[j]].ap(parts, cols, dtype=step.dtype)
-            args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref] for a, ref in step.args]
-            engines.compute(step, out, args, constants, node.loc)
+    for j, instr in tiles_plan.instrs.items():
+        if kinds[j] == "col":
+            out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
+            args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref] for a, ref in instr.args]
+            engines.compute(body[j], out, args, constants, node.loc)
             results[j] = out
     sr_out, sc_out = node.attrs["out_strides"]
+    emitter = _RowTile(em, engines, node, tiles_plan, kinds, consts)
 
     def load(r0):
         """Issue the loads of the row tile at r0: its input tiles by input index."""
@@ -183,47 +181,40 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         return tiles
 
     def compute(r0, tiles):
-        """The steps of the row tile at r0 and its store, a step at a time (a generator: see below)."""
+        """The instructions of the row tile at r0 and its store, one at a time (a generator: see below)."""
         rt = min(parts, rows - r0)
         full = [pool.next() for pool in full_temps]
         per_row = [pool.next() for pool in row_temps]
         out_tile = out_pool.next()
         results_here = dict(results)
+        written = set()
 
         def tile_of(j):
             width = cols if kinds[j] == "full" else 1
-            if slots[j] is None:
+            if j == tiles_plan.out_step:
                 return out_tile.ap(rt, width)
             return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
 
-        for j, (step, kind, slot) in enumerate(zip(body, kinds, slots)):
-            if kind == "col" or j in skipped:
+        def junk(src):  # the output tile, before the out step writes it: room for a value nothing reads
+            return None if tiles_plan.out_step in written else out_tile.ap(rt, cols)
+
+        extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1), "junk": junk}
+        for j, instr in tiles_plan.instrs.items():
+            if kinds[j] == "col":
                 continue
             out = tile_of(j)
-            if j in summed:
-                _summed_activation(em, engines, summed[j], out, tile_of, tiles, results_here, biases.next().ap(rt, 1),
-                                   rt, cols)
-                results_here[j] = out
-                yield
-                continue
-            args = []
-            for a, ref in step.args:
-                if a == "imm":
-                    args.append(float(ref))
-                    continue
-                arg = first_rows(tiles[ref] if a == "input" else results_here[ref], rt)
-                args.append(broadcast_columns(arg, cols) if kind == "full" and arg.free_elements == 1 < cols else arg)
-            if step.op is Op.REDUCE_LAST:
-                engines.emit(Opcode.TENSOR_REDUCE, out, args[0], alu=REDUCTIONS[step.attrs["kind"]])
-            else:
-                engines.compute(step, out, args, constants, node.loc)
+            full_row = kinds[j] == "full"
+            emitter.emit(j, instr, out,
+                         lambda arg, full=full_row: _tile_arg(arg, tiles, results_here, rt, cols, full),
+                         results_here, rt, extra)
             results_here[j] = out
+            written.add(j)
             yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        dma_by_rows(em, dst, results_here[len(body) - 1])
+        dma_by_rows(em, dst, results_here[tiles_plan.out_step])
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
-    # DMA queues; within a group the tiles' steps are emitted in turn.
+    # DMA queues; within a group the tiles' instructions are emitted in turn.
     together = bufs // BUFS
     starts = list(range(0, rows, parts))
     groups = [starts[g:g + together] for g in range(0, len(starts), together)]
