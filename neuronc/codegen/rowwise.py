@@ -3,11 +3,11 @@ one row tile per 128 partitions, row tiles computed in pairs when SBUF holds bot
 from __future__ import annotations
 
 
-from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows
+from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows, row_slice
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
 from neuronc.passes.rowwise import BUFS, Act, Alu2, RowSum, Summed, step_kinds, tile_plan
@@ -60,6 +60,29 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         out = outs.next().ap(rt, 1)
         em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, acc)
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
+
+
+def _dma_aligned(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: int) -> None:
+    """One DMA per slice of partitions, on consecutive queues, the slices cut at multiples of the partitions one
+    DMA queue serves (the sync pass tracks SBUF hazards by such groups: slices sharing a group would wait on
+    each other instead of running side by side)."""
+    t = em.target
+    group = max(1, t.partitions // t.dma_queues)
+    rows = dst.partitions
+    groups = -(-rows // group)
+    pieces = max(1, min(pieces, groups))
+    for k in range(pieces):
+        p0, p1 = min(rows, groups * k // pieces * group), min(rows, groups * (k + 1) // pieces * group)
+        em.dma(row_slice(dst, p0, p1), row_slice(src, p0, p1))
+
+
+def _pieces(em: Emitter, nbytes: int, latency_bound: bool) -> int:
+    """Slices of a row tile's DMA: every queue when the kernel waits on this transfer (its first loads, its last
+    stores), else slices of at least the bytes that keep a DMA efficient (as `dma_by_rows`)."""
+    t = em.target
+    if latency_bound:
+        return t.dma_queues
+    return max(1, min(t.dma_queues, nbytes // (t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues)))
 
 
 def _tile_arg(arg, tiles, results, rt, cols, full: bool):
@@ -148,25 +171,33 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
         width = cols if sc else 1
-        if sr == 0:  # the same for every row: loaded once, on every partition
-            tile = em.sbuf_pool(x.dtype, width, bufs=1).next().ap(parts, width)
-            dma_by_rows(em, tile, hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width))))
-            loaded[i] = tile
+        if sr == 0:  # the same for every row: loaded once, on every partition (below)
+            loaded[i] = em.sbuf_pool(x.dtype, width, bufs=1).next().ap(parts, width)
         else:
             pools[i] = em.sbuf_pool(x.dtype, width, bufs=bufs)
     col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
     results = {}  # step -> its result: the col steps once, here; the others per row tile, below
-    for j, instr in tiles_plan.instrs.items():
-        if kinds[j] == "col":
-            out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
-            args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref] for a, ref in instr.args]
-            engines.compute(body[j], out, args, constants, node.loc)
-            results[j] = out
+
+    def load_shared():
+        """Load the inputs the same for every row, and compute the col steps from them."""
+        for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
+            if sr == 0:
+                width = cols if sc else 1
+                src = hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width)))
+                _dma_aligned(em, loaded[i], src, _pieces(em, parts * width * x.dtype.itemsize, True))
+        for j, instr in tiles_plan.instrs.items():
+            if kinds[j] == "col":
+                out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
+                args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref]
+                        for a, ref in instr.args]
+                engines.compute(body[j], out, args, constants, node.loc)
+                results[j] = out
+
     sr_out, sc_out = node.attrs["out_strides"]
     emitter = _RowTile(em, engines, node, tiles_plan, kinds, consts)
 
-    def load(r0):
-        """Issue the loads of the row tile at r0: its input tiles by input index."""
+    def load(r0, first):
+        """Issue the loads of the row tile at r0 (of the first group: every queue at once): its input tiles."""
         rt = min(parts, rows - r0)
         tiles = {}
         for i, x in enumerate(node.inputs):
@@ -175,12 +206,12 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if i in pools:
                 tiles[i] = pools[i].next().ap(rt, width)
                 src = hbm(x.dtype, plan.offset(x) + (offset + r0 * sr) * x.dtype.itemsize, ((sr, rt), (sc or 1, width)))
-                dma_by_rows(em, tiles[i], src)
+                _dma_aligned(em, tiles[i], src, _pieces(em, rt * width * x.dtype.itemsize, first))
             else:
                 tiles[i] = first_rows(loaded[i], rt)
         return tiles
 
-    def compute(r0, tiles):
+    def compute(r0, tiles, last):
         """The instructions of the row tile at r0 and its store, one at a time (a generator: see below)."""
         rt = min(parts, rows - r0)
         full = [pool.next() for pool in full_temps]
@@ -211,18 +242,19 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             written.add(j)
             yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        dma_by_rows(em, dst, results_here[tiles_plan.out_step])
+        _dma_aligned(em, dst, results_here[tiles_plan.out_step], _pieces(em, rt * cols * node.dtype.itemsize, last))
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.
     together = bufs // BUFS
     starts = list(range(0, rows, parts))
     groups = [starts[g:g + together] for g in range(0, len(starts), together)]
-    ahead = [load(r0) for r0 in groups[0]] if groups else []
+    ahead = [load(r0, True) for r0 in groups[0]] if groups else []
+    load_shared()  # after the first row tiles: the first steps do not read them
     for n, group in enumerate(groups):
         tiles = ahead
         if n + 1 < len(groups):
-            ahead = [load(r0) for r0 in groups[n + 1]]
-        chains = [compute(r0, t) for r0, t in zip(group, tiles)]
+            ahead = [load(r0, False) for r0 in groups[n + 1]]
+        chains = [compute(r0, t, n == len(groups) - 1) for r0, t in zip(group, tiles)]
         while chains:
             chains = [chain for chain in chains if next(chain, StopIteration) is not StopIteration]
