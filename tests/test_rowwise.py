@@ -12,7 +12,7 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.passes.cost_model import fits_sbuf
-from neuronc.passes.rowwise import BUFS, PAIRED_BUFS, rowwise_sbuf_bytes
+from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
 from neuronc.targets import get_target
 from neuronc.isa import Engine, Opcode, Space
 from runtime import run_neff
@@ -134,18 +134,19 @@ def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
     assert _layer_norm_buffers(600, 96) == PAIRED_BUFS  # five row tiles: two pairs and one alone
 
 
-def test_rows_too_wide_to_pair_keep_two_buffers_and_one_tile_at_a_time():
+@pytest.mark.parametrize("bufs", BUF_CHOICES[1:])
+def test_rows_too_wide_for_more_buffers_keep_fewer_and_one_tile_at_a_time(bufs):
     target = get_target()
     narrow = _rowwise_node(_compile_and_run(_layer_norm(96), torch.randn(8, 96))[0])  # the same tiles, narrower
+    more = BUF_CHOICES[BUF_CHOICES.index(bufs) - 1]
 
     def need(width, bufs):
         dtypes = [x.dtype for x in narrow.inputs]
         return rowwise_sbuf_bytes(narrow.attrs["body"], narrow.attrs["views"], dtypes, narrow.dtype, width, bufs)
 
-    width = next(w for w in range(512, target.max_free_elements_sbuf, 512)
-                 if not fits_sbuf(need(w, PAIRED_BUFS), target))
-    assert fits_sbuf(need(width, BUFS), target)
-    assert _layer_norm_buffers(256, width) == BUFS
+    width = next(w for w in range(512, target.max_free_elements_sbuf, 512) if not fits_sbuf(need(w, more), target))
+    assert fits_sbuf(need(width, bufs), target)
+    assert _layer_norm_buffers(256, width) == bufs
 
 
 def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():

@@ -2,6 +2,8 @@
 one row tile per 128 partitions, row tiles computed in pairs when SBUF holds both."""
 from __future__ import annotations
 
+import dataclasses
+
 
 from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows, row_slice
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
@@ -10,7 +12,7 @@ from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import BUFS, Act, Alu2, RowSum, Summed, step_kinds, tile_plan
+from neuronc.passes.rowwise import BUFS, OUT_SLOT, PAIRED_BUFS, Act, Alu2, RowSum, Summed, needs_constants, step_kinds, tile_plan
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -161,12 +163,13 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift
     zero = None
     out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
-    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
-    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants else None
+    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants(body) else None
     engines = Balancer(em)
+    scratch = None
     if any(isinstance(i, (Summed, RowSum)) for i in tiles_plan.instrs.values()):
         zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
+        scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
     consts = {"zero": lambda rt: first_rows(zero, rt), "select": constants}
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
@@ -224,10 +227,14 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             width = cols if kinds[j] == "full" else 1
             if j == tiles_plan.out_step:
                 return out_tile.ap(rt, width)
+            if slots.get(j) == OUT_SLOT:
+                return out_tile.ap(rt, width, dtype=body[j].dtype)
+            if j not in slots:
+                return dataclasses.replace(first_rows(scratch, rt), dtype=body[j].dtype)  # nothing reads it
             return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
 
-        def junk(src):  # the output tile, before the out step writes it: room for a value nothing reads
-            return None if tiles_plan.out_step in written else out_tile.ap(rt, cols)
+        def junk(src):  # room for a value nothing reads, written by the Scalar engine alone
+            return first_rows(scratch, rt)
 
         extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1), "junk": junk}
         for j, instr in tiles_plan.instrs.items():
@@ -246,15 +253,16 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.
-    together = bufs // BUFS
+    together = 2 if bufs == PAIRED_BUFS else 1
+    depth = bufs // together - 1  # groups loaded ahead of the one computed
     starts = list(range(0, rows, parts))
     groups = [starts[g:g + together] for g in range(0, len(starts), together)]
-    ahead = [load(r0, True) for r0 in groups[0]] if groups else []
+    ahead = [[load(r0, n == 0) for r0 in group] for n, group in enumerate(groups[:depth])]
     load_shared()  # after the first row tiles: the first steps do not read them
     for n, group in enumerate(groups):
-        tiles = ahead
-        if n + 1 < len(groups):
-            ahead = [load(r0, False) for r0 in groups[n + 1]]
+        if n + depth < len(groups):
+            ahead.append([load(r0, False) for r0 in groups[n + depth]])
+        tiles = ahead.pop(0)
         chains = [compute(r0, t, n == len(groups) - 1) for r0, t in zip(group, tiles)]
         while chains:
             chains = [chain for chain in chains if next(chain, StopIteration) is not StopIteration]

@@ -37,6 +37,8 @@ BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this o
 # With room for twice as many, row tiles are computed in pairs, their steps interleaved, so that the engines'
 # in-order queues hold two independent chains (codegen reads the node's "bufs")
 PAIRED_BUFS = 2 * BUFS
+# Else, with room for one more, row tiles go one at a time with two loaded ahead
+BUF_CHOICES = (PAIRED_BUFS, BUFS + 1, BUFS)
 
 
 # Reading values through reshapes and views --------------------------------------------------------
@@ -428,7 +430,8 @@ class RowSum(NamedTuple):
 class TilePlan(NamedTuple):
     instrs: dict  # step -> how it is computed (Plain, Alu2, ...), in step order; col steps are Plain
     out_step: int  # the step whose instruction writes the output tile
-    slots: dict  # step -> its tile slot of its kind (the out step has none); a Summed's row sum has one too
+    slots: dict  # step -> its tile slot of its kind; a Summed's row sum has one too. The out step has none, nor
+    # a full value nothing reads (it goes to one scratch tile of the kernel, written by the Scalar engine alone)
     count: dict  # kind -> slots
 
 
@@ -516,7 +519,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
         del instrs[last]
     live = _live(instrs, out_step, kinds)
     instrs = {j: instr for j, instr in instrs.items() if j in live}
-    slots, count = _slots(instrs, out_step, kinds)
+    slots, count = _slots(body, instrs, out_step, kinds)
     return TilePlan(instrs, out_step, slots, count)
 
 
@@ -554,7 +557,10 @@ def _live(instrs, out_step, kinds) -> set:
     return live
 
 
-def _slots(instrs, out_step, kinds) -> tuple:
+OUT_SLOT = "out"  # the slot of a value kept in the output tile
+
+
+def _slots(body, instrs, out_step, kinds) -> tuple:
     """Linear-scan tile slots per kind over the instructions: a value's slot is free after its last reader (a full
     tile may be rewritten in place by its last reader, elementwise; a per-row one only after it)."""
     made = {}  # step -> the instruction index making it
@@ -570,24 +576,34 @@ def _slots(instrs, out_step, kinds) -> tuple:
     free = {"full": [], "row": [], "col": []}
     count = {"full": 0, "row": 0, "col": 0}
     slots = {}
+    # The output tile holds nothing before the out step: a value that step reads last may live there (it is
+    # overwritten in place, elementwise), when the output's elements are as wide as the value's
+    out_free = True
 
     def release(values, kind):
-        free[kind].extend(slots[v] for v in sorted(values) if v in slots and kinds[v] == kind)
+        free[kind].extend(slots[v] for v in sorted(values) if slots.get(v, OUT_SLOT) != OUT_SLOT and kinds[v] == kind)
 
     for j in sorted(instrs):
         dying = {v for v, at in last.items() if at == j and made[v] != j}
         release(dying, "full")
         for v in sorted(v for v, at in made.items() if at == j and v != out_step):
+            if last[v] == j and kinds[v] == "full":
+                continue  # written and never read (an activation made for its row sum): the kernel's scratch tile
             kind = kinds[v]
-            if free[kind]:
+            if out_free and kind == "full" and last[v] == out_step and body[v].dtype.itemsize <= body[-1].dtype.itemsize:
+                slots[v], out_free = OUT_SLOT, False
+            elif free[kind]:
                 slots[v] = free[kind].pop()
             else:
                 slots[v], count[kind] = count[kind], count[kind] + 1
         release(dying, "row")  # col tiles live throughout
-        unread = {v for v, at in made.items() if at == j and last[v] == j}
-        release(unread, "full")
-        release(unread, "row")
+        release({v for v, at in made.items() if at == j and last[v] == j}, "row")
     return slots, count
+
+
+def needs_constants(body) -> bool:
+    """Whether a SELECT of the body takes a constant (codegen makes it a tile per row tile)."""
+    return any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
 
 
 def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
@@ -599,8 +615,9 @@ def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int, b
         return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
 
     wide = max([DType.F32.itemsize, out_dtype.itemsize] + [s.dtype.itemsize for s in body])
-    total = slot(cols, wide) * bufs * (count["full"] + 1)  # full temporaries, output (and SELECT constants)
-    total += slot(1, wide) * bufs * (count["row"] + 1) + slot(cols, wide) * count["col"] + slot(1, wide)  # + zero bias
+    total = slot(cols, wide) * bufs * (count["full"] + needs_constants(body))  # full temporaries, SELECT constants
+    total += slot(1, wide) * bufs * (count["row"] + 1) + slot(cols, wide) * count["col"]
+    total += slot(1, wide) + slot(cols, wide)  # a zero bias and the Scalar engine's scratch tile
     for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
         total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else bufs)
     return total + slot(cols, wide) * bufs  # the output tile
@@ -635,7 +652,7 @@ def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
             continue
         frame = group.frame
         dtypes = [x.dtype for x, _ in externals]
-        fitting = [bufs for bufs in (PAIRED_BUFS, BUFS)
+        fitting = [bufs for bufs in BUF_CHOICES
                    if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
