@@ -155,3 +155,33 @@ def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
     compiled, out = _compile_and_run(model, x)
     assert not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
     assert_matches_eager(out, model(x))
+
+
+# Instructions of a row tile that pass over whole rows, as tile_plan fuses the steps: softmax is a max, an exp
+# with its sum, a division by the sum held per partition; log-softmax a max, an exp with its sum, x - max - log(sum);
+# layer-norm a sum, a square of x - mean with its sum, (x - mean) * rstd, the affine (w, b); RMS-norm a square with
+# its sum, x * rstd * w. The bf16 RMSNorm module rounds every step to bf16 (as eager does), so that only its
+# x * rstd, one rounding either way, is fused.
+PASSES_PER_ROW_TILE = {"softmax": (3, 3), "log_softmax": (3, 3), "layer_norm": (4, 4), "rms_norm": (2, 4)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(PASSES_PER_ROW_TILE))
+def test_a_row_tile_makes_one_pass_per_fused_group_of_steps(name, dtype):
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](96).eval().to(dtype), (torch.randn(200, 96) * 3).to(dtype)  # two row tiles
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    compute = [i for (engine, _), stream in compiled.neff.streams.items() if engine != Engine.DMA for i in stream]
+    last_tile = [i for i in compute if i.dst.partitions == 200 - 128 and max(ap.free_elements for ap in i.operands) == 96]
+    assert len(last_tile) == PASSES_PER_ROW_TILE[name][dtype == torch.bfloat16]
+    assert not any(i.opcode == Opcode.TENSOR_COPY for i in last_tile)  # converts folded into the instructions
+    assert_matches_eager(out, expected)
+
+
+def test_the_planner_knows_the_activations_codegen_computes():
+    from neuronc.codegen.elementwise import ACTIVATIONS
+    from neuronc.passes.rowwise import ACTIVATION_OPS
+
+    assert ACTIVATION_OPS == set(ACTIVATIONS)

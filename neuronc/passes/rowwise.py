@@ -352,8 +352,8 @@ def step_kinds(body, views) -> list:
 # replaces (every instruction computes in fp32 and rounds once, to its destination's dtype):
 #   - a widening float convert of an input is no instruction: its readers read the input (they compute in fp32);
 #   - a narrowing convert of the result is no instruction: the step before it writes the output tile;
-#   - two arithmetic steps, the second reading the first, are one TENSOR_ALU2 ((a op b) op1 c), and so is one
-#     step reading a per-row value (held per partition, not streamed: one pass instead of two);
+#   - two arithmetic steps, the second reading the first (an fp32 value), are one TENSOR_ALU2 ((a op b) op1 c), and
+#     so is one step reading a per-row value (held per partition, not streamed: one pass instead of two);
 #   - an activation (or a square) whose row sum is the next step is one ACTIVATE_BIAS_REDUCE, a subtraction of a
 #     per-row value before it folded in as the bias (a square of (x - m) as one of (-x + m): the same value);
 #   - an activation of a value scaled or shifted by a constant is one ACTIVATE with that scale and bias;
@@ -506,7 +506,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
             u = body[args[0][1]]
             scale, bias = _AFFINE[u.op](float(u.args[1][1]))
             add(j, Act(step.op, resolve(u.args[0]), scale, bias))
-        elif step.op in ARITHMETIC and kinds[j] == "full" and step.dtype == DType.F32 and len(_tiles(args)) == 2:
+        elif step.op in ARITHMETIC and kinds[j] == "full" and step.dtype.is_float and len(_tiles(args)) == 2:
             add(j, _arithmetic(step.op, args, one_op, per_row, lambda u: only_reader(u, j)))
         else:
             add(j, Plain(args))
