@@ -14,7 +14,7 @@ from neuronc.ir import Op
 from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
 from neuronc.targets import get_target
-from neuronc.isa import ActFunc, Engine, Opcode, Space
+from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -189,3 +189,25 @@ def test_the_planner_knows_the_activations_codegen_computes():
     from neuronc.passes.rowwise import ACTIVATION_OPS
 
     assert ACTIVATION_OPS == set(ACTIVATIONS)
+
+
+class ShiftedSoftmax(nn.Module):
+    """A softmax shifted by a per-row input instead of its own max (exp(x - m) / sum): the shift is an input."""
+
+    def forward(self, x, m):
+        e = torch.exp(x - m)
+        return e / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("shift_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_per_row_input_is_subtracted_in_the_summed_activation_when_fp32(shift_dtype):
+    torch.manual_seed(0)
+    x, m = torch.randn(200, 96), torch.randn(200, 1).to(shift_dtype)
+    model = ShiftedSoftmax()
+    compiled = compile_exported(torch.export.export(model, (x, m)), CompileOptions(opt_level=2))
+    out = from_numpy(run_neff(compiled.neff, [to_numpy(x), to_numpy(m)]).outputs[0])
+    assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    subtractions = [i for stream in compiled.neff.streams.values() for i in stream
+                    if i.opcode == Opcode.TENSOR_ALU2 and i.alu == AluOp.SUBTRACT]
+    assert len(subtractions) == (0 if shift_dtype == torch.float32 else 2)  # a bf16 shift is subtracted on its own
+    assert_matches_eager(out, model(x, m))

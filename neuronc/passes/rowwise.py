@@ -452,6 +452,9 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
     def body_input_float(arg) -> bool:
         return input_dtypes[arg[1]].is_float
 
+    def dtype_of(arg):
+        return body[arg[1]].dtype if arg[0] == "step" else input_dtypes[arg[1]]
+
     def full_f32(arg) -> bool:
         return arg[0] == "step" and kinds[arg[1]] == "full" and body[arg[1]].dtype == DType.F32
 
@@ -494,7 +497,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
             src, shift, negated = args[0], None, False
             producer = body[src[1]] if src[0] == "step" else None
             if (producer is not None and producer.op is Op.SUBTRACT and producer.dtype == DType.F32
-                    and per_row(resolve(producer.args[1])) and body[producer.args[1][1]].dtype == DType.F32
+                    and per_row(resolve(producer.args[1])) and dtype_of(resolve(producer.args[1])) == DType.F32
                     and resolve(producer.args[0])[0] != "imm"):
                 src, shift = resolve(producer.args[0]), resolve(producer.args[1])
                 negated = _square(step)
