@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-
-from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows, row_slice
+from neuronc.codegen.access import broadcast_columns, first_rows, row_slice
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import BUFS, OUT_SLOT, PAIRED_BUFS, Act, Alu2, RowSum, Summed, needs_constants, step_kinds, tile_plan
+from neuronc.passes.rowwise import (BUFS, OUT_SLOT, PAIRED_BUFS, Act, Alu2, RowSum, Summed, needs_constants, step_kinds,
+                                    tile_plan)
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -102,8 +102,8 @@ def _activation_func(op) -> ActFunc:
 class _RowTile:
     """Emits the instructions of one row tile's plan (passes/rowwise.py `tile_plan`)."""
 
-    def __init__(self, em, engines, node, plan, kinds, consts):
-        self.em, self.engines, self.node, self.plan, self.kinds, self.consts = em, engines, node, plan, kinds, consts
+    def __init__(self, engines, node, consts):
+        self.engines, self.node, self.consts = engines, node, consts
 
     def emit(self, j, instr, out, read, results, rt, extra):
         body, engines = self.node.attrs["body"], self.engines
@@ -128,13 +128,11 @@ class _RowTile:
             engines.activate(Opcode.ACTIVATE, out, read(instr.src), func=ACTIVATIONS[instr.act], imm0=instr.scale,
                              imm1=instr.bias)
         elif isinstance(instr, RowSum):
-            src = read(instr.src)
-            junk = extra["junk"](src)
-            if junk is not None and engines.scalar_is_freest():
-                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, junk, out, src, self.consts["zero"](rt),
-                                 func=ActFunc.IDENTITY, imm0=1.0)
+            if engines.scalar_is_freest():  # the identity values go to the scratch tile
+                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, self.consts["scratch"](rt), out, read(instr.src),
+                                 self.consts["zero"](rt), func=ActFunc.IDENTITY, imm0=1.0)
             else:
-                engines.emit(Opcode.TENSOR_REDUCE, out, src, alu=AluOp.ADD)
+                engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.src), alu=AluOp.ADD)
         elif body[j].op is Op.REDUCE_LAST:
             engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.args[0]), alu=REDUCTIONS[body[j].attrs["kind"]])
         else:
@@ -170,7 +168,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
         scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
-    consts = {"zero": lambda rt: first_rows(zero, rt), "select": constants}
+    consts = {"zero": lambda rt: first_rows(zero, rt), "scratch": lambda rt: first_rows(scratch, rt), "select": constants}
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
         width = cols if sc else 1
@@ -197,7 +195,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 results[j] = out
 
     sr_out, sc_out = node.attrs["out_strides"]
-    emitter = _RowTile(em, engines, node, tiles_plan, kinds, consts)
+    emitter = _RowTile(engines, node, consts)
 
     def load(r0, first):
         """Issue the loads of the row tile at r0 (of the first group: every queue at once): its input tiles."""
@@ -221,7 +219,6 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         per_row = [pool.next() for pool in row_temps]
         out_tile = out_pool.next()
         results_here = dict(results)
-        written = set()
 
         def tile_of(j):
             width = cols if kinds[j] == "full" else 1
@@ -233,10 +230,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 return dataclasses.replace(first_rows(scratch, rt), dtype=body[j].dtype)  # nothing reads it
             return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
 
-        def junk(src):  # room for a value nothing reads, written by the Scalar engine alone
-            return first_rows(scratch, rt)
-
-        extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1), "junk": junk}
+        extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1)}
         for j, instr in tiles_plan.instrs.items():
             if kinds[j] == "col":
                 continue
@@ -246,7 +240,6 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                          lambda arg, full=full_row: _tile_arg(arg, tiles, results_here, rt, cols, full),
                          results_here, rt, extra)
             results_here[j] = out
-            written.add(j)
             yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
         _dma_aligned(em, dst, results_here[tiles_plan.out_step], _pieces(em, rt * cols * node.dtype.itemsize, last))
