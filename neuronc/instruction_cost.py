@@ -21,7 +21,9 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
   small additional performance cost"). RNG makes one pass over its destination too (an assumption:
   TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
-  two values).
+  two values). TENSOR_ALU2 (two ALU ops in one pass) makes a pass per source it streams: a per-partition
+value (a [p, 1] tile read with stride 0 along the free axes, NKI's tensor_scalar operand) is held, not
+streamed, and a source read twice (as both operands) is streamed once.
 
 The DMA queues share the core's HBM: :class:`HbmChannel` serves every transfer's HBM bytes at the core's
 HBM bandwidth ("HBM per core: divide the chip figure by the cores"), in order of their starts, so 16
@@ -73,9 +75,22 @@ _CLOCK_GHZ = {
 _PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.TENSOR_SCALAR_REDUCE: 1, Opcode.RNG: 1}
 
 
+def _streamed(ap) -> bool:
+    """Whether a source is read element by element (not one value per partition held for the pass)."""
+    return any(stride and size > 1 for stride, size in ap.dims[1:])
+
+
+def _alu2_passes(instr: Instruction) -> int:
+    sources = instr.srcs[:2] if instr.alu1 == AluOp.NONE else instr.srcs
+    return max(1, len({ap for ap in sources if _streamed(ap)}))
+
+
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
     elements = max(ap.free_elements for ap in instr.operands)
-    passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))
+    if instr.opcode == Opcode.TENSOR_ALU2:
+        passes = _alu2_passes(instr)
+    else:
+        passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))
     cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
     return cycles / _CLOCK_GHZ[instr.engine](target)
 

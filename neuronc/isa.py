@@ -37,6 +37,12 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            tensor_scalar_reduce with a multiplication). reduced is an fp32
                                            [p, 1] tile in SBUF; src has dst's shape, 2-D. Two destinations.
 ``TENSOR_TENSOR(dst, a, b)``               dst = alu(a, b)
+``TENSOR_ALU2(dst, a, b, c)``              dst = alu1(alu(a, b), c): two ALU ops in one pass, in fp32, rounded once
+                                           to dst's dtype (NKI's tensor_scalar with op0/op1 and
+                                           scalar_tensor_tensor). b and c have dst's shape; a per-partition
+                                           value is a [p, 1] tile read with stride 0 along the free axes.
+                                           ``alu1`` NONE: dst = alu(a, b) (c is not read). Floats only
+                                           (Vector/GpSimd engine).
 ``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
 ``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
                                            dst has src's shape with the last size replaced by 1.
@@ -181,6 +187,7 @@ class Opcode(enum.IntEnum):
     RNG = 19
     ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
     TENSOR_SCALAR_REDUCE = 21
+    TENSOR_ALU2 = 22
 
 
 # Operand count of each opcode (dst included).
@@ -203,6 +210,7 @@ ARITY = {
     Opcode.RNG: 2,
     Opcode.ACTIVATE_BIAS_REDUCE: 4,
     Opcode.TENSOR_SCALAR_REDUCE: 3,
+    Opcode.TENSOR_ALU2: 4,
 }
 
 # How many leading operands an opcode writes (1 unless listed): its destinations, before its sources.
@@ -316,6 +324,7 @@ class Instruction:
     operands: tuple  # of AccessPattern; operands[0] is the destination
     queue: int = 0  # DMA queue index; 0 for compute engines
     alu: AluOp = AluOp.NONE
+    alu1: AluOp = AluOp.NONE  # TENSOR_ALU2: the second operation
     func: ActFunc = ActFunc.NONE
     imm0: float = 0.0  # ACTIVATE(_BIAS_REDUCE): scale (codegen always sets it); others: the scalar operand
     imm1: float = 0.0  # ACTIVATE: bias (ACTIVATE_BIAS_REDUCE takes it from its bias operand)

@@ -193,6 +193,12 @@ def _tensor_scalar_reduce(instr, dst, reduced, src):
     return value, REDUCTIONS[instr.alu].reduce(value.astype(F32), axis=-1, keepdims=True)
 
 
+def _tensor_alu2(instr, dst, a, b, c):
+    """alu1(alu(a, b), c) in fp32; the first result is an fp32 value, never rounded to dst's dtype."""
+    first = ALU[instr.alu](a.astype(F32), b.astype(F32, copy=False))
+    return first if instr.alu1 == AluOp.NONE else ALU[instr.alu1](first, c.astype(F32, copy=False))
+
+
 def _tensor_tensor(instr, dst, a, b):
     dtype = _compute_dtype(a.dtype, b.dtype)
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
@@ -363,6 +369,7 @@ SEMANTICS = {
     Opcode.RNG: _rng,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce,
+    Opcode.TENSOR_ALU2: _tensor_alu2,
 }
 
 
@@ -586,7 +593,7 @@ ENGINES = {
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     Opcode.RNG: frozenset({Engine.GPSIMD}),
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8,
-                                                               Opcode.TENSOR_SCALAR_REDUCE)},
+                                                               Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2)},
 }
 
 # Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip.
@@ -683,6 +690,24 @@ def _tensor_scalar_reduce_shapes(instr: Instruction, target: Target):
         _fail(f"TENSOR_SCALAR_REDUCE reduces by ADD, MAX or MIN, not {instr.alu.name}")
 
 
+# The ALU ops TENSOR_ALU2 takes: the arithmetic ones (a comparison's 0/1 or a bitwise op has no use in the middle
+# of a float computation).
+ALU2_OPS = frozenset({AluOp.ADD, AluOp.SUBTRACT, AluOp.MULTIPLY, AluOp.DIVIDE, AluOp.MAX, AluOp.MIN, AluOp.POW})
+
+
+def _tensor_alu2_shapes(instr: Instruction, target: Target):
+    """TENSOR_ALU2(dst, a, b, c): float operands of dst's shape (stride 0 broadcasts), arithmetic ALU ops."""
+    _same_shape(instr, target)
+    if not all(ap.dtype.is_float for ap in instr.operands):
+        _fail(f"TENSOR_ALU2 computes on floats, got {', '.join(ap.dtype.name for ap in instr.operands)}",
+              hint="use TENSOR_TENSOR / TENSOR_SCALAR for integers")
+    if instr.alu not in ALU2_OPS or instr.alu1 not in ALU2_OPS | {AluOp.NONE}:
+        _fail(f"TENSOR_ALU2 takes arithmetic ALU ops ({', '.join(op.name for op in sorted(ALU2_OPS))}; alu1 also "
+              f"NONE), got {instr.alu.name} then {instr.alu1.name}")
+    if instr.reverse:
+        _fail("TENSOR_ALU2 has no reversed form", hint="swap the operands of a commutative op, or use TENSOR_TENSOR")
+
+
 def _indirect_shapes(instr: Instruction, target: Target):
     """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
     and their indices in SBUF."""
@@ -742,6 +767,7 @@ SHAPE_RULES = {
     Opcode.TENSOR_REDUCE: _reduce_shapes,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce_shapes,
+    Opcode.TENSOR_ALU2: _tensor_alu2_shapes,
 }
 
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}

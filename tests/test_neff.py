@@ -58,6 +58,7 @@ def full_neff() -> Neff:
                     operands=operands,
                     queue=queue,
                     alu=alus[i % len(alus)],
+                    alu1=alus[(i + 1) % len(alus)],
                     func=funcs[i % len(funcs)],
                     imm0=i * 0.1 - 3.0,
                     imm1=-1e300 if i % 2 else 2.5e-310,

@@ -12,9 +12,9 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.passes.cost_model import fits_sbuf
-from neuronc.passes.rowwise import BUFS, PAIRED_BUFS, rowwise_sbuf_bytes
+from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
 from neuronc.targets import get_target
-from neuronc.isa import Engine, Opcode, Space
+from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -88,9 +88,13 @@ def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name,
     with torch.no_grad():
         expected = model(x)
     compiled, out = _compile_and_run(model, x)
-    opcodes = [i.opcode for stream in compiled.neff.streams.values() for i in stream]
-    assert opcodes.count(Opcode.ACTIVATE_BIAS_REDUCE) == 2
-    assert opcodes.count(Opcode.TENSOR_REDUCE) == 2 * other_reductions
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    summed = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE and i.func != ActFunc.IDENTITY]
+    # the other reductions: TENSOR_REDUCE, or a plain row sum on the Scalar engine (an identity activation)
+    others = [i for i in instructions if i.opcode == Opcode.TENSOR_REDUCE or i.opcode == Opcode.ACTIVATE_BIAS_REDUCE
+              and i.func == ActFunc.IDENTITY]
+    assert len(summed) == 2
+    assert len(others) == 2 * other_reductions
     assert_matches_eager(out, expected)
 
 
@@ -134,18 +138,19 @@ def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
     assert _layer_norm_buffers(600, 96) == PAIRED_BUFS  # five row tiles: two pairs and one alone
 
 
-def test_rows_too_wide_to_pair_keep_two_buffers_and_one_tile_at_a_time():
+@pytest.mark.parametrize("bufs", BUF_CHOICES[1:])
+def test_rows_too_wide_for_more_buffers_keep_fewer_and_one_tile_at_a_time(bufs):
     target = get_target()
     narrow = _rowwise_node(_compile_and_run(_layer_norm(96), torch.randn(8, 96))[0])  # the same tiles, narrower
+    more = BUF_CHOICES[BUF_CHOICES.index(bufs) - 1]
 
     def need(width, bufs):
         dtypes = [x.dtype for x in narrow.inputs]
         return rowwise_sbuf_bytes(narrow.attrs["body"], narrow.attrs["views"], dtypes, narrow.dtype, width, bufs)
 
-    width = next(w for w in range(512, target.max_free_elements_sbuf, 512)
-                 if not fits_sbuf(need(w, PAIRED_BUFS), target))
-    assert fits_sbuf(need(width, BUFS), target)
-    assert _layer_norm_buffers(256, width) == BUFS
+    width = next(w for w in range(512, target.max_free_elements_sbuf, 512) if not fits_sbuf(need(w, more), target))
+    assert fits_sbuf(need(width, bufs), target)
+    assert _layer_norm_buffers(256, width) == bufs
 
 
 def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
@@ -154,3 +159,55 @@ def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
     compiled, out = _compile_and_run(model, x)
     assert not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
     assert_matches_eager(out, model(x))
+
+
+# Instructions of a row tile that pass over whole rows, as tile_plan fuses the steps: softmax is a max, an exp
+# with its sum, a division by the sum held per partition; log-softmax a max, an exp with its sum, x - max - log(sum);
+# layer-norm a sum, a square of x - mean with its sum, (x - mean) * rstd, the affine (w, b); RMS-norm a square with
+# its sum, x * rstd * w. The bf16 RMSNorm module rounds every step to bf16 (as eager does), so that only its
+# x * rstd, one rounding either way, is fused.
+PASSES_PER_ROW_TILE = {"softmax": (3, 3), "log_softmax": (3, 3), "layer_norm": (4, 4), "rms_norm": (2, 4)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(PASSES_PER_ROW_TILE))
+def test_a_row_tile_makes_one_pass_per_fused_group_of_steps(name, dtype):
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](96).eval().to(dtype), (torch.randn(200, 96) * 3).to(dtype)  # two row tiles
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = _compile_and_run(model, x)
+    compute = [i for (engine, _), stream in compiled.neff.streams.items() if engine != Engine.DMA for i in stream]
+    last_tile = [i for i in compute if i.dst.partitions == 200 - 128 and max(ap.free_elements for ap in i.operands) == 96]
+    assert len(last_tile) == PASSES_PER_ROW_TILE[name][dtype == torch.bfloat16]
+    assert not any(i.opcode == Opcode.TENSOR_COPY for i in last_tile)  # converts folded into the instructions
+    assert_matches_eager(out, expected)
+
+
+def test_the_planner_knows_the_activations_codegen_computes():
+    from neuronc.codegen.elementwise import ACTIVATIONS
+    from neuronc.passes.rowwise import ACTIVATION_OPS
+
+    assert ACTIVATION_OPS == set(ACTIVATIONS)
+
+
+class ShiftedSoftmax(nn.Module):
+    """A softmax shifted by a per-row input instead of its own max (exp(x - m) / sum): the shift is an input."""
+
+    def forward(self, x, m):
+        e = torch.exp(x - m)
+        return e / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("shift_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_per_row_input_is_subtracted_in_the_summed_activation_when_fp32(shift_dtype):
+    torch.manual_seed(0)
+    x, m = torch.randn(200, 96), torch.randn(200, 1).to(shift_dtype)
+    model = ShiftedSoftmax()
+    compiled = compile_exported(torch.export.export(model, (x, m)), CompileOptions(opt_level=2))
+    out = from_numpy(run_neff(compiled.neff, [to_numpy(x), to_numpy(m)]).outputs[0])
+    assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    subtractions = [i for stream in compiled.neff.streams.values() for i in stream
+                    if i.opcode == Opcode.TENSOR_ALU2 and i.alu == AluOp.SUBTRACT]
+    assert len(subtractions) == (0 if shift_dtype == torch.float32 else 2)  # a bf16 shift is subtracted on its own
+    assert_matches_eager(out, model(x, m))

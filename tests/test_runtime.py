@@ -1001,3 +1001,58 @@ def test_top8_instructions_give_repeated_values_distinct_positions(core):
     np.testing.assert_array_equal(best, [[9, 9, 9, 8, 7, 5, 3, 2], [9, 8, 7, 6, 5, 4, 3, 2]])
     np.testing.assert_array_equal(where, [[2, 3, 7, 9, 6, 0, 5, 8], [9, 8, 7, 6, 5, 4, 3, 2]])
     np.testing.assert_array_equal(rest, [[-1, 1, -1, -1, 0, -1, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1, -1, -1]])
+
+
+def _tensor_alu2_program(alu: AluOp, alu1: AluOp, dst_dtype: DType) -> Neff:
+    """a [4, 8], s [4, 1] (read with stride 0: one value per partition), c [4, 8] loaded; TENSOR_ALU2 on GpSimd."""
+    p = Program()
+    a_t, s_t, c_t = p.tensor("a", TensorKind.INPUT, (4, 8)), p.tensor("s", TensorKind.INPUT, (4, 1)), p.tensor(
+        "c", TensorKind.INPUT, (4, 8))
+    out_t = p.tensor("out", TensorKind.OUTPUT, (4, 8), dst_dtype)
+    a, s, c, out = chip((4, 8)), chip((4, 1), offset=64), chip((4, 8), offset=128), chip((4, 8), dst_dtype, offset=192)
+    for tile, t in ((a, a_t), (s, s_t), (c, c_t)):
+        p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(t))
+    per_partition = dataclasses.replace(s, dims=(s.dims[0], (0, 8)))
+    p.emit(Opcode.TENSOR_ALU2, Engine.GPSIMD, out, a, per_partition, c, alu=alu, alu1=alu1, waits=done(Engine.DMA, 3))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out_t), out, queue=1, waits=done(Engine.GPSIMD))
+    return p.neff()
+
+
+@pytest.mark.parametrize("dst_dtype", [DType.F32, DType.BF16], ids=lambda d: d.name)
+@pytest.mark.parametrize("alu, alu1", [(AluOp.SUBTRACT, AluOp.MULTIPLY), (AluOp.MULTIPLY, AluOp.ADD),
+                                       (AluOp.DIVIDE, AluOp.NONE)], ids=lambda a: a.name)
+def test_tensor_alu2_makes_two_alu_ops_in_fp32_and_rounds_once(core, alu, alu1, dst_dtype):
+    a, s, c = uniform(-3, 3), uniform(0.5, 2, (4, 1)), uniform(-3, 3)
+    (out,) = core.load(_tensor_alu2_program(alu, alu1, dst_dtype)).run([a, s, c]).outputs
+    ufunc = {AluOp.SUBTRACT: np.subtract, AluOp.MULTIPLY: np.multiply, AluOp.ADD: np.add, AluOp.DIVIDE: np.divide}
+    first = ufunc[alu](a, s)  # fp32 arrays: numpy computes in fp32
+    expected = first if alu1 == AluOp.NONE else ufunc[alu1](first, c)
+    np.testing.assert_array_equal(out, expected.astype(dst_dtype.numpy))
+
+
+def test_tensor_alu2_refuses_integers_and_non_arithmetic_ops(core):
+    tile = chip((4, 8))
+    for dtype, alu in ((DType.I32, AluOp.ADD), (DType.F32, AluOp.XOR)):
+        p = Program()
+        p.emit(Opcode.TENSOR_ALU2, Engine.VECTOR, chip((4, 8), dtype), tile, tile, tile, alu=alu, alu1=AluOp.ADD)
+        with pytest.raises(NeuronRuntimeError, match="TENSOR_ALU2"):
+            core.load(p.neff())
+
+
+def test_tensor_alu2_streams_each_source_once_and_holds_a_per_partition_value():
+    tile, column = chip((128, 512)), chip((128, 1))
+    per_partition = dataclasses.replace(column, dims=(column.dims[0], (0, 512)))
+
+    def cost(*srcs, alu1=AluOp.MULTIPLY):
+        return instruction_cost_ns(Instruction(Opcode.TENSOR_ALU2, Engine.VECTOR, (tile, tile, *srcs), alu=AluOp.SUBTRACT,
+                                               alu1=alu1), TRN2)
+
+    def plain(srcs):
+        return instruction_cost_ns(Instruction(Opcode.TENSOR_TENSOR, Engine.VECTOR, (tile, *[tile] * srcs),
+                                               alu=AluOp.ADD), TRN2)
+
+    assert cost(per_partition, per_partition) == instruction_cost_ns(
+        Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (tile, tile), alu=AluOp.ADD, imm0=1.0), TRN2)
+    assert cost(per_partition, chip((128, 512), offset=4096)) == plain(2)
+    assert cost(chip((128, 512), offset=4096), chip((128, 512), offset=8192)) > plain(2)
+    assert cost(per_partition, chip((128, 512), offset=4096), alu1=AluOp.NONE) == cost(per_partition, per_partition)

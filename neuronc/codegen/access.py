@@ -42,22 +42,25 @@ def broadcast_columns(ap: AccessPattern, cols: int) -> AccessPattern:
     return dataclasses.replace(ap, dims=(ap.dims[0], (0, cols)))
 
 
-def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern) -> None:
+def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: int | None = None) -> None:
     """One DMA per slice of partitions, on consecutive queues, so that a large tile moves at the
-    bandwidth of several queues (see :func:`dma_slices`)."""
+    bandwidth of several queues (see :func:`dma_slices`; `pieces` at most, when given)."""
     onchip = dst if dst.space != Space.HBM else src
-    for p0, p1 in dma_slices(em.target, onchip):
+    for p0, p1 in dma_slices(em.target, onchip, pieces):
         em.dma(row_slice(dst, p0, p1), row_slice(src, p0, p1))
 
 
-def dma_slices(target, tile: AccessPattern) -> list:
+def dma_slices(target, tile: AccessPattern, pieces: int | None = None) -> list:
     """[(p0, p1)] slices of a tile's partitions (relative to its first) that DMAs on consecutive queues move
-    at once: as many as the queues, each at least the bytes that keep a DMA efficient on the target (its
-    efficient bytes per partition, over all partitions, shared by the queues), cut at partition-group
-    boundaries (a slice sharing a group with the next would be ordered before it)."""
+    at once, cut at partition-group boundaries (a slice sharing a group with the next would be ordered
+    before it). `pieces` slices at most; by default as many as the queues, each at least the bytes that
+    keep a DMA efficient on the target (its efficient bytes per partition, over all partitions, shared by
+    the queues)."""
     rows, nbytes = tile.partitions, tile.num_elements * tile.dtype.itemsize
-    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
-    pieces = max(1, min(rows, target.dma_queues, nbytes // smallest))
+    if pieces is None:
+        smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
+        pieces = min(target.dma_queues, nbytes // smallest)
+    pieces = max(1, min(rows, pieces))
     if tile.space == Space.HBM:
         return [(rows * k // pieces, rows * (k + 1) // pieces) for k in range(pieces)]
     group, base = partition_group(target), tile.partition

@@ -300,6 +300,9 @@ class Balancer:
         compute_step(self.em, step, out, args, constants, loc, self._engine())
         self._charge(start)
 
+    def scalar_is_freest(self) -> bool:
+        return min(self.busy, key=self.busy.get) is Engine.SCALAR
+
     def activate(self, opcode, *operands, **fields) -> None:
         """A Scalar-engine instruction, counted so that the other choices see Scalar's load."""
         start = len(self.em.instructions)

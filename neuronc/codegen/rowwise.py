@@ -2,18 +2,17 @@
 one row tile per 128 partitions, row tiles computed in pairs when SBUF holds both."""
 from __future__ import annotations
 
-
-from typing import NamedTuple
-
+import dataclasses
 
 from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows
-from neuronc.codegen.elementwise import ACTIVATIONS, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
+from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import BUFS, slot_plan, step_kinds
+from neuronc.passes.rowwise import (BUFS, OUT_SLOT, PAIRED_BUFS, Act, Alu2, RowSum, Summed, needs_constants, step_kinds,
+                                    tile_plan)
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -65,110 +64,124 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-class _SummedActivation(NamedTuple):
-    """A ROWWISE step made with its row sum by one ACTIVATE_BIAS_REDUCE: func(src + bias) where bias is
-    -shift (a [rows, 1] step) or 0."""
-
-    func: ActFunc
-    row_sum: int  # the REDUCE_LAST(add) step it also makes
-    src: tuple  # (kind, ref) of the source
-    shift: int | None  # the [rows, 1] step subtracted from src, or None
+def _pieces(em: Emitter, latency_bound: bool) -> int | None:
+    """Slices of a row tile's DMA: every queue when the kernel waits on this transfer (its first loads, its last
+    stores), else `dma_by_rows`'s default (slices of at least the bytes that keep a DMA efficient)."""
+    return em.target.dma_queues if latency_bound else None
 
 
-def _summed_activations(body, kinds) -> tuple:
-    """({step: _SummedActivation}, {steps they make redundant}): the fp32 full-row activations (or squares)
-    whose row sum is the very next step, as exp(x - max) then sum in a softmax, or (x - mean)^2 then sum
-    in a layer-norm. A subtraction of a row value used by nothing else is folded in as the bias: fp32
-    x + (-m) is x - m exactly, and the row sum is the fp32 sum of the fp32 values, as the reduction's."""
-    users = [[j for j, step in enumerate(body) for a, ref in step.args if a == "step" and ref == i]
-             for i in range(len(body))]
-    fused, skipped = {}, set()
-    for j, step in enumerate(body[:-1]):
-        reduce = body[j + 1]
-        if (kinds[j] != "full" or step.dtype != DType.F32 or reduce.dtype != DType.F32 or reduce.op is not Op.REDUCE_LAST
-                or reduce.attrs["kind"] != "add" or reduce.args != (("step", j),)):
-            continue
-        func, src = _as_activation(step)
-        if func is None or src[0] == "imm":
-            continue
-        shift = None
-        if src[0] == "step" and users[src[1]] == [j]:
-            producer = body[src[1]]
-            if producer.op is Op.SUBTRACT and producer.dtype == DType.F32 and producer.args[1][0] == "step" and \
-                    kinds[producer.args[1][1]] == "row" and body[producer.args[1][1]].dtype == DType.F32:
-                skipped.add(src[1])
-                src, shift = producer.args[0], producer.args[1][1]
-        fused[j] = _SummedActivation(func, j + 1, src, shift)
-        skipped.add(j + 1)
-    return fused, skipped
+def _tile_arg(arg, tiles, results, rt, cols, full: bool):
+    """The tile an instruction reads for `arg` in a row tile of `rt` rows; a per-row value read by a full-row
+    instruction is broadcast along the free axis (stride 0)."""
+    kind, ref = arg
+    tile = first_rows(tiles[ref] if kind == "input" else results[ref], rt)
+    return broadcast_columns(tile, cols) if full and tile.free_elements == 1 < cols else tile
 
 
-def _summed_activation(em: Emitter, engines, fused: _SummedActivation, out, tile_of, tiles, results, bias, rt, cols):
-    """Emit ``fused`` for a tile of ``rt`` rows: its bias (-shift, or 0), then the activation with its row sum."""
-    if fused.shift is None:
-        engines.emit(Opcode.MEMSET, bias, imm0=0.0)
-    else:
-        engines.emit(Opcode.TENSOR_SCALAR, bias, first_rows(results[fused.shift], rt), alu=AluOp.MULTIPLY, imm0=-1.0)
-    kind, ref = fused.src
-    src = first_rows(tiles[ref] if kind == "input" else results[ref], rt)
-    src = broadcast_columns(src, cols) if src.free_elements == 1 < cols else src
-    results[fused.row_sum] = tile_of(fused.row_sum)
-    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, results[fused.row_sum], src, bias, func=fused.func,
-            imm0=1.0)
+def _activation_func(op) -> ActFunc:
+    return ActFunc.SQUARE if op is Op.MULTIPLY or op is Op.POWER else ACTIVATIONS[op]
 
 
-def _as_activation(step) -> tuple:
-    """(ActFunc, (kind, ref) of its source) computing ``step`` as an activation, or (None, None)."""
-    if step.op in ACTIVATIONS:
-        return ACTIVATIONS[step.op], step.args[0]
-    square = (step.op is Op.MULTIPLY and step.args[0] == step.args[1]) or (
-        step.op is Op.POWER and step.args[1] == ("imm", 2.0))
-    return (ActFunc.SQUARE, step.args[0]) if square else (None, None)
+class _RowTile:
+    """Emits the instructions of one row tile's plan (passes/rowwise.py `tile_plan`)."""
+
+    def __init__(self, engines, node, consts):
+        self.engines, self.node, self.consts = engines, node, consts
+
+    def emit(self, j, instr, out, read, results, rt, extra):
+        body, engines = self.node.attrs["body"], self.engines
+        if isinstance(instr, Alu2):
+            a, b = read(instr.a), read(instr.b)
+            c = read(instr.c) if instr.c else b
+            engines.emit(Opcode.TENSOR_ALU2, out, a, b, c, alu=ALU[instr.op],
+                         alu1=ALU[instr.op1] if instr.op1 else AluOp.NONE)
+        elif isinstance(instr, Summed):
+            row_sum = extra["tile_of"](instr.row_sum)
+            results[instr.row_sum] = row_sum
+            if instr.shift is None:
+                bias, scale = self.consts["zero"](rt), 1.0
+            elif instr.negated:
+                bias, scale = read(instr.shift, full=False), -1.0
+            else:
+                bias, scale = extra["bias"](), 1.0
+                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0)
+            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, out, row_sum, read(instr.src), bias,
+                             func=_activation_func(instr.act), imm0=scale)
+        elif isinstance(instr, Act):
+            engines.activate(Opcode.ACTIVATE, out, read(instr.src), func=ACTIVATIONS[instr.act], imm0=instr.scale,
+                             imm1=instr.bias)
+        elif isinstance(instr, RowSum):
+            if engines.scalar_is_freest():  # the identity values go to the scratch tile
+                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, self.consts["scratch"](rt), out, read(instr.src),
+                                 self.consts["zero"](rt), func=ActFunc.IDENTITY, imm0=1.0)
+            else:
+                engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.src), alu=AluOp.ADD)
+        elif body[j].op is Op.REDUCE_LAST:
+            engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.args[0]), alu=REDUCTIONS[body[j].attrs["kind"]])
+        else:
+            args = [float(ref) if a == "imm" else read((a, ref)) for a, ref in instr.args]
+            engines.compute(body[j], out, args, self.consts["select"], self.node.loc)
 
 
 def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """A row-wise normalisation (passes/rowwise.py): for each tile of rows (a row per partition), load
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
-    steps (reduced values broadcast over the row with a stride-0 read) on chip, store the result once.
-    Inputs the same for every row (a norm's weight and bias) are loaded once for all row tiles. With the
-    node's "bufs" twice BUFS, row tiles go in pairs whose steps are emitted interleaved, step by step, so the
-    engines' in-order queues alternate between two independent chains instead of waiting on one."""
+    steps (reduced values broadcast over the row with a stride-0 read) on chip, as the fewer instructions of
+    the body's `tile_plan`, and store the result once. Inputs the same for every row (a norm's weight and bias)
+    are loaded once for all row tiles. With the node's "bufs" twice BUFS, row tiles go in pairs whose
+    instructions are emitted interleaved, so the engines' in-order queues alternate between two independent
+    chains instead of waiting on one."""
     body, views = node.attrs["body"], node.attrs["views"]
     rows, cols = node.attrs["rows"], node.attrs["cols"]
     kinds = step_kinds(body, views)
-    slots, count = slot_plan(body, kinds)
+    tiles_plan = tile_plan(body, views, [x.dtype for x in node.inputs])
+    slots, count = tiles_plan.slots, tiles_plan.count
     bufs = node.attrs.get("bufs", BUFS)
     parts = em.target.partitions
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
     full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) for _ in range(count["full"])]
     row_temps = [em.sbuf_pool(DType.F32, wide, bufs=bufs) for _ in range(count["row"])]
-    summed, skipped = _summed_activations(body, kinds)
-    biases = em.sbuf_pool(DType.F32, wide, bufs=bufs) if summed else None  # the budget's spare row tile
+    biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift
+    zero = None
     out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
-    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
-    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants else None
+    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants(body) else None
     engines = Balancer(em)
+    scratch = None
+    if any(isinstance(i, (Summed, RowSum)) for i in tiles_plan.instrs.values()):
+        zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
+        scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
+    consts = {"zero": lambda rt: first_rows(zero, rt), "scratch": lambda rt: first_rows(scratch, rt), "select": constants}
     loaded, pools = {}, {}
     for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
         width = cols if sc else 1
-        if sr == 0:  # the same for every row: loaded once, on every partition
-            tile = em.sbuf_pool(x.dtype, width, bufs=1).next().ap(parts, width)
-            dma_by_rows(em, tile, hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width))))
-            loaded[i] = tile
+        if sr == 0:  # the same for every row: loaded once, on every partition (below)
+            loaded[i] = em.sbuf_pool(x.dtype, width, bufs=1).next().ap(parts, width)
         else:
             pools[i] = em.sbuf_pool(x.dtype, width, bufs=bufs)
     col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
     results = {}  # step -> its result: the col steps once, here; the others per row tile, below
-    for j, (step, kind) in enumerate(zip(body, kinds)):
-        if kind == "col":
-            out = col_tiles[slots[j]].ap(parts, cols, dtype=step.dtype)
-            args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref] for a, ref in step.args]
-            engines.compute(step, out, args, constants, node.loc)
-            results[j] = out
-    sr_out, sc_out = node.attrs["out_strides"]
 
-    def load(r0):
-        """Issue the loads of the row tile at r0: its input tiles by input index."""
+    def load_shared():
+        """Load the inputs the same for every row, and compute the col steps from them."""
+        for i, (x, (offset, (sr, sc))) in enumerate(zip(node.inputs, views)):
+            if sr == 0:
+                width = cols if sc else 1
+                src = hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width)))
+                dma_by_rows(em, loaded[i], src, _pieces(em, True))
+        for j, instr in tiles_plan.instrs.items():
+            if kinds[j] == "col":
+                out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
+                args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref]
+                        for a, ref in instr.args]
+                engines.compute(body[j], out, args, constants, node.loc)
+                results[j] = out
+
+    sr_out, sc_out = node.attrs["out_strides"]
+    emitter = _RowTile(engines, node, consts)
+
+    def load(r0, first):
+        """Issue the loads of the row tile at r0 (of the first group: every queue at once): its input tiles."""
         rt = min(parts, rows - r0)
         tiles = {}
         for i, x in enumerate(node.inputs):
@@ -177,13 +190,13 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if i in pools:
                 tiles[i] = pools[i].next().ap(rt, width)
                 src = hbm(x.dtype, plan.offset(x) + (offset + r0 * sr) * x.dtype.itemsize, ((sr, rt), (sc or 1, width)))
-                dma_by_rows(em, tiles[i], src)
+                dma_by_rows(em, tiles[i], src, _pieces(em, first))
             else:
                 tiles[i] = first_rows(loaded[i], rt)
         return tiles
 
-    def compute(r0, tiles):
-        """The steps of the row tile at r0 and its store, a step at a time (a generator: see below)."""
+    def compute(r0, tiles, last):
+        """The instructions of the row tile at r0 and its store, one at a time (a generator: see below)."""
         rt = min(parts, rows - r0)
         full = [pool.next() for pool in full_temps]
         per_row = [pool.next() for pool in row_temps]
@@ -192,46 +205,40 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
         def tile_of(j):
             width = cols if kinds[j] == "full" else 1
-            if slots[j] is None:
+            if j == tiles_plan.out_step:
                 return out_tile.ap(rt, width)
+            if slots.get(j) == OUT_SLOT:
+                return out_tile.ap(rt, width, dtype=body[j].dtype)
+            if j not in slots:
+                return dataclasses.replace(first_rows(scratch, rt), dtype=body[j].dtype)  # nothing reads it
             return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
 
-        for j, (step, kind, slot) in enumerate(zip(body, kinds, slots)):
-            if kind == "col" or j in skipped:
+        extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1)}
+        for j, instr in tiles_plan.instrs.items():
+            if kinds[j] == "col":
                 continue
             out = tile_of(j)
-            if j in summed:
-                _summed_activation(em, engines, summed[j], out, tile_of, tiles, results_here, biases.next().ap(rt, 1),
-                                   rt, cols)
-                results_here[j] = out
-                yield
-                continue
-            args = []
-            for a, ref in step.args:
-                if a == "imm":
-                    args.append(float(ref))
-                    continue
-                arg = first_rows(tiles[ref] if a == "input" else results_here[ref], rt)
-                args.append(broadcast_columns(arg, cols) if kind == "full" and arg.free_elements == 1 < cols else arg)
-            if step.op is Op.REDUCE_LAST:
-                engines.emit(Opcode.TENSOR_REDUCE, out, args[0], alu=REDUCTIONS[step.attrs["kind"]])
-            else:
-                engines.compute(step, out, args, constants, node.loc)
+            full_row = kinds[j] == "full"
+            emitter.emit(j, instr, out,
+                         lambda arg, full=full_row: _tile_arg(arg, tiles, results_here, rt, cols, full),
+                         results_here, rt, extra)
             results_here[j] = out
             yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        dma_by_rows(em, dst, results_here[len(body) - 1])
+        dma_by_rows(em, dst, results_here[tiles_plan.out_step], _pieces(em, last))
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
-    # DMA queues; within a group the tiles' steps are emitted in turn.
-    together = bufs // BUFS
+    # DMA queues; within a group the tiles' instructions are emitted in turn.
+    together = 2 if bufs == PAIRED_BUFS else 1
+    depth = bufs // together - 1  # groups loaded ahead of the one computed
     starts = list(range(0, rows, parts))
     groups = [starts[g:g + together] for g in range(0, len(starts), together)]
-    ahead = [load(r0) for r0 in groups[0]] if groups else []
+    ahead = [[load(r0, n == 0) for r0 in group] for n, group in enumerate(groups[:depth])]
+    load_shared()  # after the first row tiles: the first steps do not read them
     for n, group in enumerate(groups):
-        tiles = ahead
-        if n + 1 < len(groups):
-            ahead = [load(r0) for r0 in groups[n + 1]]
-        chains = [compute(r0, t) for r0, t in zip(group, tiles)]
+        if n + depth < len(groups):
+            ahead.append([load(r0, False) for r0 in groups[n + depth]])
+        tiles = ahead.pop(0)
+        chains = [compute(r0, t, n == len(groups) - 1) for r0, t in zip(group, tiles)]
         while chains:
             chains = [chain for chain in chains if next(chain, StopIteration) is not StopIteration]

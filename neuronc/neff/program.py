@@ -16,8 +16,9 @@ FORMAT_MAJOR = 1
 # 1.1: Opcode.DMA_GATHER; 1.2: DMA_SCATTER, MAX8, FIND_INDEX8, MATCH_REPLACE8;
 # 1.3: ACTIVATE_BIAS_REDUCE (an activation with a per-partition bias tile and a row-sum destination);
 # 1.4: RNG (the GpSimd engine's counter-based random numbers); TENSOR_SCALAR_REDUCE (a multiplication by
-#      a scalar with a row-reduction destination)
-FORMAT_MINOR = 4
+#      a scalar with a row-reduction destination); 1.5: TENSOR_ALU2 (two ALU ops in one pass) and the
+#      instruction field alu1
+FORMAT_MINOR = 5
 
 
 class TensorKind(enum.IntEnum):

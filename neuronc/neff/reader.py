@@ -163,6 +163,7 @@ def _instruction(inst, operands: dict) -> Instruction:
         operands=tuple(_operand(operand, operands) for operand in inst.operands),
         queue=inst.queue,
         alu=_ALU_OPS[inst.alu],
+        alu1=_ALU_OPS[inst.alu1],
         func=_ACT_FUNCS[inst.func],
         imm0=inst.imm0,
         imm1=inst.imm1,

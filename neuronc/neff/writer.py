@@ -172,6 +172,7 @@ def _instruction(builder, inst, operands: dict) -> int:
     fb_instruction.AddQueue(builder, inst.queue)
     fb_instruction.AddOperands(builder, operand_vector)
     fb_instruction.AddAlu(builder, inst.alu)
+    fb_instruction.AddAlu1(builder, inst.alu1)
     fb_instruction.AddFunc(builder, inst.func)
     _add_float(builder, fb_instruction.AddImm0, inst.imm0)
     _add_float(builder, fb_instruction.AddImm1, inst.imm1)

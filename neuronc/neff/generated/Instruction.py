@@ -156,7 +156,14 @@ class Instruction(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return -1
 
-def InstructionStart(builder): builder.StartObject(13)
+    # Instruction
+    def Alu1(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+def InstructionStart(builder): builder.StartObject(14)
 def Start(builder):
     return InstructionStart(builder)
 def InstructionAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -204,6 +211,9 @@ def AddKernel(builder, kernel):
 def InstructionAddDebug(builder, debug): builder.PrependInt32Slot(12, debug, -1)
 def AddDebug(builder, debug):
     return InstructionAddDebug(builder, debug)
+def InstructionAddAlu1(builder, alu1): builder.PrependUint8Slot(13, alu1, 0)
+def AddAlu1(builder, alu1):
+    return InstructionAddAlu1(builder, alu1)
 def InstructionEnd(builder): return builder.EndObject()
 def End(builder):
     return InstructionEnd(builder)

@@ -21,3 +21,4 @@ class Opcode(object):
     RNG = 19
     ACTIVATE_BIAS_REDUCE = 20
     TENSOR_SCALAR_REDUCE = 21
+    TENSOR_ALU2 = 22
