@@ -64,10 +64,15 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-def _pieces(em: Emitter, latency_bound: bool) -> int | None:
-    """Slices of a row tile's DMA: every queue when the kernel waits on this transfer (its first loads, its last
-    stores), else `dma_by_rows`'s default (slices of at least the bytes that keep a DMA efficient)."""
-    return em.target.dma_queues if latency_bound else None
+def _pieces(em: Emitter, tile, latency_bound: bool) -> int | None:
+    """Slices of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last stores) as
+    many queues as give each slice a transfer at least as long as its issue (a smaller slice would mostly
+    pay the issue), else `dma_by_rows`'s default (slices of at least the bytes that keep a DMA efficient)."""
+    if not latency_bound:
+        return None
+    t = em.target
+    worth_issuing = t.dma_fixed_ns * t.dma_gbps_per_queue  # bytes moved in one issue time (GB/s = bytes/ns)
+    return max(1, min(t.dma_queues, int(tile.num_elements * tile.dtype.itemsize // worth_issuing)))
 
 
 def _tile_arg(arg, tiles, results, rt, cols, full: bool):
@@ -168,7 +173,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if sr == 0:
                 width = cols if sc else 1
                 src = hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width)))
-                dma_by_rows(em, loaded[i], src, _pieces(em, True))
+                dma_by_rows(em, loaded[i], src, _pieces(em, loaded[i], True))
         for j, instr in tiles_plan.instrs.items():
             if kinds[j] == "col":
                 out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
@@ -190,7 +195,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             if i in pools:
                 tiles[i] = pools[i].next().ap(rt, width)
                 src = hbm(x.dtype, plan.offset(x) + (offset + r0 * sr) * x.dtype.itemsize, ((sr, rt), (sc or 1, width)))
-                dma_by_rows(em, tiles[i], src, _pieces(em, first))
+                dma_by_rows(em, tiles[i], src, _pieces(em, tiles[i], first))
             else:
                 tiles[i] = first_rows(loaded[i], rt)
         return tiles
@@ -225,7 +230,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             results_here[j] = out
             yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        dma_by_rows(em, dst, results_here[tiles_plan.out_step], _pieces(em, last))
+        dma_by_rows(em, dst, results_here[tiles_plan.out_step], _pieces(em, results_here[tiles_plan.out_step], last))
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.
