@@ -91,3 +91,26 @@ def test_dma_moves_data_between_hbm_and_sbuf_only_through_dma_queues(linear):
     for inst in _instructions(compiled.neff):
         touches_hbm = any(ap.space == Space.HBM for ap in inst.operands)
         assert touches_hbm == (inst.engine == Engine.DMA)
+
+
+def test_an_epilogue_step_goes_to_the_engine_that_finishes_it_first():
+    """A step waiting for an input made late is not put on the least loaded engine if another one, loaded
+    but faster, ends it sooner; and a step never starts before its inputs are made."""
+    from neuronc import ir
+    from neuronc.codegen.elementwise import StepBalancer
+    from neuronc.codegen.emitter import Emitter
+    from neuronc.isa import DType
+    from neuronc.neff.program import DebugLoc
+
+    target = get_target("trn2")
+    em = Emitter(target)
+    em.begin_kernel("epilogue", ("multiply",), DebugLoc())
+    src, out = (em.sbuf_pool(DType.F32, 512, bufs=1).next().ap(128, 512) for _ in range(2))
+    scale = ir.Step(Op.MULTIPLY, (("input", 0), ("imm", 0.5)), DType.F32, {})  # Vector, GpSimd or Scalar
+    balancer = StepBalancer(em)
+    balancer.busy.update({Engine.VECTOR: 0.0, Engine.GPSIMD: 900.0, Engine.SCALAR: 1000.0})
+    done = balancer.compute(scale, out, [src, 0.5], None, None, ready=1000.0)
+    assert em.instructions[-1].engine is Engine.GPSIMD  # free by 1000 ns like Vector, and quicker on trn2
+    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + 512
+    assert done == pytest.approx(1000.0 + cycles / target.gpsimd_ghz)
+    assert balancer.busy[Engine.GPSIMD] == done and balancer.busy[Engine.VECTOR] == 0.0

@@ -164,13 +164,16 @@ EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by
 
 def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
     """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
-    (loaded, temp tiles, out tile, shape). Returns each job's result AP."""
+    (loaded, temp tiles, out tile, shape). Returns each job's result AP. Each step goes to the engine that
+    would finish it first, after the steps it reads (`StepBalancer`)."""
     results = [[] for _ in jobs]
+    made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
     for step, slot in zip(body, slots):
-        for (loaded, temp_tiles, out_tile, shape), done in zip(jobs, results):
+        for (loaded, temp_tiles, out_tile, shape), done, times in zip(jobs, results, made):
             out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
             args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
-            engines.compute(step, out, args, constants, loc)
+            ready = max([times[ref] for kind, ref in step.args if kind == "step"], default=0.0)
+            times.append(engines.compute(step, out, args, constants, loc, ready))
             done.append(out)
     return [done[-1] for done in results]
