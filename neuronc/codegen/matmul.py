@@ -9,7 +9,7 @@ from neuronc import ir
 from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
 from neuronc.codegen.elementwise import StepBalancer, assign_slots
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.isa import ActFunc, Engine, Opcode
+from neuronc.isa import Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
@@ -46,9 +46,6 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
-    bias_column = node.attrs.get("bias_column")  # an extra input of one value per row, added by the first step
-    if bias_column is not None:
-        column_sums, widened = pool("row_sum"), pool("bias")
     temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = em.psum_pool()
     engines = StepBalancer(em)
@@ -103,15 +100,6 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
                         accumulate=True)
                 continue
-            if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
-                column = xpool.next().ap(mt, 1)
-                em.dma(column, hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize,
-                                   ((sm, mt), (1, 1))))
-                loaded[i] = widened.next().ap(mt, 1)
-                em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
-                engines.account(em.instructions[-1:])
-                loaded["row_sum"] = column_sums.next().ap(mt, 1)
-                continue
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
@@ -127,7 +115,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         chains side by side on the engines, not one chain at a time), then their stores."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
-        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             dma_by_rows(em, job[4], out)
 
@@ -174,24 +162,18 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
 
 
-def _emit_bodies(body, slots, jobs, constants, loc, engines, bias_column=None) -> list:
+def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
     """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
     (loaded, temp tiles, out tile, shape). Returns each job's result AP. Each step goes to the engine that
-    would finish it first, after the steps it reads (`StepBalancer`). With `bias_column`, the first step (the
-    accumulator rounded to its dtype) adds that input's per-partition values on its way, in one Scalar pass."""
+    would finish it first, after the steps it reads (`StepBalancer`)."""
     results = [[] for _ in jobs]
     made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
-    for index, (step, slot) in enumerate(zip(body, slots)):
+    for step, slot in zip(body, slots):
         for (loaded, temp_tiles, out_tile, shape), done, times in zip(jobs, results, made):
             out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
             args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
             ready = max([times[ref] for kind, ref in step.args if kind == "step"], default=0.0)
-            if index == 0 and bias_column is not None:  # acc + bias in fp32, rounded once: the ADD's sum
-                engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, loaded["row_sum"], args[0],
-                                loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
-                times.append(engines.account(engines.em.instructions[-1:], ready))
-            else:
-                times.append(engines.compute(step, out, args, constants, loc, ready))
+            times.append(engines.compute(step, out, args, constants, loc, ready))
             done.append(out)
     return [done[-1] for done in results]

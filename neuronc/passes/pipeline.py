@@ -24,7 +24,7 @@ from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
-from neuronc.passes.layout import store_matmul_results_transposed, store_weights_transposed
+from neuronc.passes.layout import store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
@@ -34,13 +34,12 @@ BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_con
             narrow_matmul_operands, legalize, simplify]
 OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
              + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
-                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify,
-                store_matmul_results_transposed])
+                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify])
 
 PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
              3: OPTIMISED + [search_matmul_tiles]}
 # passes that take the target (SBUF budget, cost model) as their second argument
-TARGETED = {store_matmul_results_transposed, fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
+TARGETED = {fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
             fuse_conv_epilogues}
 
 

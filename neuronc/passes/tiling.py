@@ -59,10 +59,6 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
         dtype = node.inputs[1 + row].dtype
         pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
         pools["ones"] = (dtype, max(tile_n, 128), 1)
-    column = node.attrs.get("bias_column")
-    if column is not None:  # one value per row: a [M, 1] column, widened to fp32, and the pass's row sums
-        pools[f"extra{column - 1}"] = (node.inputs[1 + column].dtype, 1, bufs)
-        pools.update(bias=(DType.F32, 1, bufs), row_sum=(DType.F32, 1, bufs))
     pools.update({f"temp{i}": (DType.F32, tile_n * 2, bufs) for i in range(temps)})  # room for 8-byte dtypes
     return pools
 
@@ -119,9 +115,9 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
 
 
 def _extras_bytes(node: ir.Node) -> int:
-    """Bytes of the epilogue's other inputs per output element (a bias row or column is not a tile)."""
-    rows = (node.attrs.get("bias_row"), node.attrs.get("bias_column"))
-    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i not in rows)
+    """Bytes of the epilogue's other inputs per output element (a bias row added in PSUM is not a tile)."""
+    row = node.attrs.get("bias_row")
+    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i != row)
 
 
 def _contiguous(node: ir.Node) -> tuple:
@@ -138,7 +134,7 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
     a, b = node.inputs[:2]
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
-                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None)
+                     node.attrs.get("bias_row") is not None)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
