@@ -2,20 +2,45 @@
 and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines."""
 from __future__ import annotations
 
-
-
+from typing import NamedTuple
 
 from neuronc import ir
 from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
 from neuronc.codegen.elementwise import StepBalancer, assign_slots
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.isa import Engine, Opcode
+from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
+    transposed, stays in SBUF as the second one's stationary operand."""
+    if node.attrs.get("chain") is None:
+        return _matmul(em, node, plan)
+    from neuronc.passes.matmul_chain import stages
+
+    first, second = stages(node)
+    tile_k = node.attrs["tiling"].tile_k
+    (_, rows, columns), dtype = first.shape, first.dtype
+    kept = em.sbuf_pool(dtype, -(-rows // tile_k) * columns, bufs=1).next().ap(tile_k, -(-rows // tile_k) * columns)
+    psum = em.psum_pool()
+    _matmul(em, first, plan, sink=kept, psum=psum)
+    _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+
+
+class _Placed(NamedTuple):
+    """An output tile placed in a tile the caller owns (a chain's kept result), in place of a pool's slot."""
+
+    at: AccessPattern
+
+    def ap(self, *shape, dtype=None) -> AccessPattern:
+        return self.at
+
+
+def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern | None = None,
+            sink: AccessPattern | None = None, psum=None, home: Node | None = None) -> None:
     """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
     tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
 
@@ -23,7 +48,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
     operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
     residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
-    inputs on its way out."""
+    inputs on its way out.
+
+    With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded; with `sink` ([M tile,
+    M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM; `psum`, a
+    PSUM pool to share; `home`, the graph node whose HBM buffer the result is stored in (default: `node`)."""
     from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
 
     a, b, *extra = node.inputs
@@ -37,7 +66,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     slots, temp_count = assign_slots(body)
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     k_tiles = -(-k // tk)
-    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()}
+    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()
+              if not (name == "a" and a_resident is not None)}
     out_pools = epilogue_pools(node, tn)
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
@@ -46,8 +76,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
+    bias_column = node.attrs.get("bias_column")  # an extra input of one value per row, added by the first step
+    if bias_column is not None:
+        column_sums, widened = pool("row_sum"), pool("bias")
     temps = [pool(f"temp{i}") for i in range(temp_count)]
-    psum = em.psum_pool()
+    psum = psum or em.psum_pool()
     engines = StepBalancer(em)
     ci = node.dtype.itemsize
 
@@ -66,6 +99,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         return tile, width
 
     def a_strip(g, m0, rows):
+        if a_resident is not None:
+            return a_resident, m
         return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
 
     def b_strip(g, n0, cols):
@@ -100,11 +135,24 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
                         accumulate=True)
                 continue
+            if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
+                column = xpool.next().ap(mt, 1)
+                em.dma(column, hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize,
+                                   ((sm, mt), (1, 1))))
+                loaded[i] = widened.next().ap(mt, 1)
+                em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
+                engines.account(em.instructions[-1:])
+                loaded["row_sum"] = column_sums.next().ap(mt, 1)
+                continue
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
-        waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                        hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+        if sink is not None:
+            waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
+                            (mt, nt), None))
+        else:
+            waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
         if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
             flush(keep=1)
 
@@ -115,9 +163,10 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         chains side by side on the engines, not one chain at a time), then their stores."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
-        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
-            dma_by_rows(em, job[4], out)
+            if job[4] is not None:
+                dma_by_rows(em, job[4], out)
 
     if tiling.resident == "none":
         for g in range(batch):
@@ -162,18 +211,24 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
 
 
-def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
+def _emit_bodies(body, slots, jobs, constants, loc, engines, bias_column=None) -> list:
     """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
     (loaded, temp tiles, out tile, shape). Returns each job's result AP. Each step goes to the engine that
-    would finish it first, after the steps it reads (`StepBalancer`)."""
+    would finish it first, after the steps it reads (`StepBalancer`). With `bias_column`, the first step (the
+    accumulator rounded to its dtype) adds that input's per-partition values on its way, in one Scalar pass."""
     results = [[] for _ in jobs]
     made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
-    for step, slot in zip(body, slots):
+    for index, (step, slot) in enumerate(zip(body, slots)):
         for (loaded, temp_tiles, out_tile, shape), done, times in zip(jobs, results, made):
             out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
             args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
             ready = max([times[ref] for kind, ref in step.args if kind == "step"], default=0.0)
-            times.append(engines.compute(step, out, args, constants, loc, ready))
+            if index == 0 and bias_column is not None:  # acc + bias in fp32, rounded once: the ADD's sum
+                engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, loaded["row_sum"], args[0],
+                                loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
+                times.append(engines.account(engines.em.instructions[-1:], ready))
+            else:
+                times.append(engines.compute(step, out, args, constants, loc, ready))
             done.append(out)
     return [done[-1] for done in results]
