@@ -22,12 +22,40 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     from neuronc.passes.matmul_chain import stages
 
     first, second = stages(node)
-    tile_k = node.attrs["tiling"].tile_k
+    tiling = node.attrs["tiling"]
     (_, rows, columns), dtype = first.shape, first.dtype
-    kept = em.sbuf_pool(dtype, -(-rows // tile_k) * columns, bufs=1).next().ap(tile_k, -(-rows // tile_k) * columns)
-    psum = em.psum_pool()
-    _matmul(em, first, plan, sink=kept, psum=psum)
-    _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+    k_tiles = -(-rows // tiling.tile_k)
+    kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
+    row_tiles = -(-second.shape[1] // tiling.tile_m)
+    early = row_tiles if row_tiles <= em.target.psum_banks // 2 else 0
+    psum = em.psum_pool(bufs=em.target.psum_banks - early)
+    if not early:
+        _matmul(em, first, plan, sink=kept, psum=psum)
+        _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+        return
+    later = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
+    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
+    # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
+    made, pending = [0] * k_tiles, []
+    first_tiles = -(-columns // first.attrs["tiling"].tile_n)
+
+    def made_tile(m0):
+        made[m0 // tiling.tile_k] += 1
+        if made[m0 // tiling.tile_k] == first_tiles:
+            pending.append(m0 // tiling.tile_k)
+            later.early_load(m0 // tiling.tile_k)
+            if sum(count == first_tiles for count in made) == k_tiles // 2:
+                later.prefetch()  # halfway through the first matmul
+        while len(pending) > LAG:
+            later.early_k(pending.pop(0))
+
+    _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
+    for j in pending:
+        later.early_k(j)
+    later()
+
+
+LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
 
 
 class _Placed(NamedTuple):
@@ -40,7 +68,8 @@ class _Placed(NamedTuple):
 
 
 def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern | None = None,
-            sink: AccessPattern | None = None, psum=None, home: Node | None = None) -> None:
+            sink: AccessPattern | None = None, psum=None, home: Node | None = None, after_tile=None,
+            early_psum=None):
     """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
     tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
 
@@ -52,7 +81,13 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded; with `sink` ([M tile,
     M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM; `psum`, a
-    PSUM pool to share; `home`, the graph node whose HBM buffer the result is stored in (default: `node`)."""
+    PSUM pool to share; `home`, the graph node whose HBM buffer the result is stored in (default: `node`);
+    `after_tile(m0)` is called once a row tile's epilogue is emitted.
+
+    With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
+    accumulators from `early_psum`, and the kernel is returned as a function emitting the rest, with
+    `early_load(j)` loading K tile j of that column's B strip, `early_k(j)` emitting its matmuls into those
+    accumulators (as soon as A^T's K tile j is made) and `prefetch()` loading the first strips of the rest."""
     from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
 
     a, b, *extra = node.inputs
@@ -121,12 +156,14 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             return tile
         return load
 
-    def output_tile(g, m0, n0, stationary, moving):
-        """One [mt, nt] output tile: K tiles accumulated in PSUM, the epilogue, the store."""
+    def output_tile(g, m0, n0, stationary, moving, acc=None):
+        """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue, the
+        store."""
         mt, nt = min(tm, m - m0), min(tn, n - n0)
-        acc = psum.next().ap(mt, nt)
-        for j in range(k_tiles):
-            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+        if acc is None:
+            acc = psum.next().ap(mt, nt)
+            for j in range(k_tiles):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
             if i == bias_row:  # acc[m, n] += 1 * bias[n]
@@ -149,10 +186,11 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                                   ((sm, mt), (sn, nt))))
         if sink is not None:
             waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
-                            (mt, nt), None))
+                            (mt, nt), None, m0))
         else:
             waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))),
+                            m0))
         if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
             flush(keep=1)
 
@@ -167,6 +205,9 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job[4] is not None:
                 dma_by_rows(em, job[4], out)
+        for job in jobs:
+            if after_tile is not None:
+                after_tile(job[5])
 
     if tiling.resident == "none":
         for g in range(batch):
@@ -177,35 +218,70 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
         flush()
         return
-    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
-    # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
-    # compute.
-    steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
-    for g in range(batch):
-        if tiling.resident == "a":
-            for mb in range(0, m, tiling.block * tm):
-                steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
-                a_step = len(steps) - 1
-                for n0 in range(0, n, tn):
-                    steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
-                    steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
-                                        for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
-        else:
-            for nb in range(0, n, tiling.block * tn):
-                steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
-                b_step = len(steps) - 1
-                for m0 in range(0, m, tm):
-                    steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
-                    steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
-                                        for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
-    loaded: dict = {}
-    for i, (_, tiles) in enumerate(steps):
-        for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
+    def plan_steps(first_column=0):
+        """The strip loads in order of use, each with the output tiles it completes (columns from
+        `first_column` on)."""
+        steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
+        for g in range(batch):
+            if tiling.resident == "a":
+                for mb in range(0, m, tiling.block * tm):
+                    steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
+                    a_step = len(steps) - 1
+                    for n0 in range(first_column, n, tn):
+                        steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
+                        steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
+                                            for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+            else:
+                for nb in range(first_column, n, tiling.block * tn):
+                    steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
+                    b_step = len(steps) - 1
+                    for m0 in range(0, m, tm):
+                        steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
+                        steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
+                                            for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+        return steps
+
+    def run(steps, loaded):
+        """Every strip load issued `stream_bufs - 1` steps ahead (before the previous steps' tiles and their
+        stores), so it overlaps their compute; `loaded`: the strips loaded already, by step."""
+        for i, (_, tiles) in enumerate(steps):
+            for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
+                loaded[j] = steps[j][0]()
+            for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
+                output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
+                            in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+        flush()
+
+    if early_psum is None:
+        run(plan_steps(), {})
+        return None
+    width = min(tn, n)
+    strip = strips["b"].next().ap(tk, k_tiles * width), width  # the first column's B strip, a K tile at a time
+    accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
+
+    def early_load(j):
+        rows = min(tk, k - j * tk)
+        dma_by_rows(em, tile_at(strip[0], j * width, rows, width),
+                    hbm(b.dtype, plan.offset(b) + (b_offset + j * tk * bsk) * b.dtype.itemsize, ((bsk, rows), (bsn, width))))
+
+    def early_k(j):
+        for m0, acc in accs:
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip((a_resident, m), m0, min(tm, m - m0))(j),
+                    in_strip(strip, 0, min(tn, n))(j), accumulate=j > 0)
+
+    steps, loaded = plan_steps(first_column=tn), {}
+
+    def prefetch():  # the strips of the first steps after the first column
+        for j in range(min(len(steps), tiling.stream_bufs - 1)):
             loaded[j] = steps[j][0]()
-        for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
-            output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
-                        in_strip(loaded[b_step], b_col, min(tn, n - n0)))
-    flush()
+
+    def later():
+        for m0, acc in accs:
+            output_tile(0, m0, 0, None, None, acc=acc)
+        run(steps, loaded)
+
+    later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
+    return later
 
 
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side

@@ -62,8 +62,10 @@ def transposed(node: ir.Node) -> ir.Node:
     swapped = [_transposed_view(views[1], (batch, k, n)), _transposed_view(views[0], (batch, m, k))]
     swapped += [_transposed_view(view, node.shape) for view in views[2:]]
     attrs = {key: value for key, value in node.attrs.items() if key not in ("views", "bias_row", "tiling")}
-    if node.attrs.get("bias_row") is not None:
-        attrs["bias_column"] = node.attrs["bias_row"]
+    column = _bias_row(node)
+    if column is not None:
+        body = node.attrs["epilogue"]
+        attrs.update(bias_column=column, epilogue=(body[0]._replace(op=Op.CONVERT, args=(("input", 0),)),) + body[1:])
     return ir.node(Op.MATMUL, [b, a, *extras], (batch, n, m), node.dtype, node.loc, views=tuple(swapped), **attrs)
 
 
@@ -86,10 +88,27 @@ def _producer(reader: ir.Node, consumers: dict, outputs: set) -> ir.Node | None:
     return x
 
 
+def _bias_row(node: ir.Node) -> int | None:
+    """The epilogue input that is a bias row (one value per column) added to the accumulator by the first step
+    and read by nothing else: added into PSUM by a rank-1 matmul (16-bit biases, attrs["bias_row"]), or by
+    that step (others); None if there is none."""
+    if node.attrs.get("bias_row") is not None:
+        return node.attrs["bias_row"]
+    body = node.attrs.get("epilogue") or ()
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    if not body or body[0].op is not Op.ADD or ("input", 0) not in body[0].args:
+        return None
+    others = [ref for kind, ref in body[0].args if kind == "input" and ref != 0]
+    if len(others) != 1 or any(("input", others[0]) in step.args for step in body[1:]):
+        return None
+    view = views[1 + others[0]]
+    return others[0] if view is not None and tuple(view[1]) == (0, 0, 1) else None
+
+
 def _reads_no_tiles(producer: ir.Node) -> bool:
-    """Whether the producer's epilogue reads no input but its bias row: transposed, an [M, N] input of the
+    """Whether the producer's epilogue reads no input but a bias row: transposed, an [M, N] input of the
     epilogue would be read a strided element at a time (SwiGLU's gate, say), costing more than the chain saves."""
-    return len(producer.inputs) == 2 or (len(producer.inputs) == 3 and producer.attrs.get("bias_row") == 1)
+    return len(producer.inputs) == 2 or (len(producer.inputs) == 3 and _bias_row(producer) == 1)
 
 
 def _fits(node: ir.Node, target: Target) -> bool:
