@@ -30,7 +30,9 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     early = row_tiles if row_tiles <= em.target.psum_banks // 2 else 0
     psum = em.psum_pool(bufs=em.target.psum_banks - early)
     if not early:
+        em.locate(first.loc)
         _matmul(em, first, plan, sink=kept, psum=psum)
+        em.locate(None)
         _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
         return
     later = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
@@ -49,7 +51,9 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         while len(pending) > LAG:
             later.early_k(pending.pop(0))
 
+    em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
     _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
+    em.locate(None)
     for j in pending:
         later.early_k(j)
     later()

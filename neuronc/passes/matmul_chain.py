@@ -32,6 +32,7 @@ class Chain:
     shape: tuple  # the first matmul's result, transposed: [1, N1, M]
     dtype: object
     attrs: dict  # the first matmul's attributes (views of its swapped operands, epilogue, bias column, tiling)
+    loc: object  # the first matmul's source location
 
     def __hash__(self) -> int:
         return hash((self.split, self.shape))
@@ -40,7 +41,7 @@ class Chain:
 def stages(node: ir.Node) -> tuple:
     """(first, second): the two matmuls of a chained node, the second reading the first's result as A."""
     chain = node.attrs["chain"]
-    first = ir.node(Op.MATMUL, list(node.inputs[:chain.split]), chain.shape, chain.dtype, node.loc, **chain.attrs)
+    first = ir.node(Op.MATMUL, list(node.inputs[:chain.split]), chain.shape, chain.dtype, chain.loc, **chain.attrs)
     attrs = {key: value for key, value in node.attrs.items() if key != "chain"}
     second = ir.node(Op.MATMUL, [first, *node.inputs[chain.split:]], node.shape, node.dtype, node.loc, **attrs)
     return first, second
@@ -121,7 +122,7 @@ def _chained(reader: ir.Node, inputs: tuple, producer: ir.Node, new: dict, targe
     """`reader` (its inputs rewritten to `inputs`) chained with `producer` (rewritten inputs in `new`), or None
     if the chain's tiles do not fit in SBUF."""
     first = transposed(dataclasses.replace(producer, inputs=tuple(new[x] for x in producer.inputs)))
-    chain = Chain(len(first.inputs), first.shape, first.dtype, dict(first.attrs))
+    chain = Chain(len(first.inputs), first.shape, first.dtype, dict(first.attrs), first.loc)
     fused = ir.node(Op.MATMUL, [*first.inputs, *inputs[1:]], reader.shape, reader.dtype, reader.loc,
                     **{**reader.attrs, "chain": chain})
     return fused if _fits(fused, target) else None
