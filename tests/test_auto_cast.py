@@ -10,7 +10,6 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.errors import NeuronConfigError
 from neuronc.ir import Op
 from neuronc.isa import DType
-from neuronc.passes.matmul_chain import stages
 from runtime import run_neff
 from tests import zoo
 from tests.conftest import assert_matches_eager
@@ -28,14 +27,9 @@ def compile_mlp(monkeypatch, flags: str):
         return compiled, out, model(*inputs)
 
 
-def matmuls(graph) -> list:
-    """The graph's matmuls, a chain of two (passes/matmul_chain.py) as its two."""
-    return [m for n in graph.nodes() if n.op is Op.MATMUL for m in (stages(n) if n.attrs.get("chain") else (n,))]
-
-
 def matmul_operand_dtypes(graph) -> set:
     """Dtypes of what the Tensor engine multiplies (later inputs of a MATMUL feed its epilogue)."""
-    return {x.dtype for n in matmuls(graph) for x in n.inputs[:2]}
+    return {x.dtype for n in graph.nodes() if n.op is Op.MATMUL for x in n.inputs[:2]}
 
 
 @pytest.mark.parametrize("cast_type", ["bf16", "fp16"])
@@ -43,7 +37,7 @@ def test_matmult_runs_the_matmuls_in_the_cast_type_and_matches_fp32_eager(monkey
     compiled, out, expected = compile_mlp(monkeypatch, f"--auto-cast matmult --auto-cast-type {cast_type}")
     narrow, torch_dtype = NARROW[cast_type]
     assert matmul_operand_dtypes(compiled.graph) == {narrow}
-    assert len(matmuls(compiled.graph)) == 3
+    assert len([n for n in compiled.graph.nodes() if n.op is Op.MATMUL]) == 3
     assert_matches_eager(out, expected, tolerance=torch_dtype)
     assert not torch.equal(out, expected)  # the narrower matmuls did change the numbers
 

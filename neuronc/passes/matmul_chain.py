@@ -6,7 +6,9 @@ stored to HBM and loaded back, it moves more bytes than both weights (the reader
 partitions: a strided DMA at half a queue's bandwidth), and the second kernel idles until the first one's
 last store. Chained, the first matmul is computed transposed, h^T = W1^T x^T: its output tiles are [hidden,
 tokens], the hidden axis on partitions as the second matmul's stationary operand wants it, and a bias of one
-value per hidden unit is one value per partition, added by the epilogue's first pass (no rank-1 matmul).
+value per hidden unit is one value per partition, added by the epilogue's first pass (no rank-1 matmul). So
+a chain needs as many tokens as its first matmul's output tiles are wide (512 for a wide layer): with fewer,
+the transposed tiles are narrower and the epilogue's instructions more.
 h^T stays in SBUF and the second matmul multiplies it by W2 from there, its K tiles as soon as each is made.
 
 The chained node is the second matmul's MATMUL node: its inputs are the first matmul's (its operands swapped,
@@ -112,6 +114,14 @@ def _reads_no_tiles(producer: ir.Node) -> bool:
     return len(producer.inputs) == 2 or (len(producer.inputs) == 3 and _bias_row(producer) == 1)
 
 
+def _wide_enough(producer: ir.Node, target: Target) -> bool:
+    """Whether the transposed producer's output tiles [N rows, M columns] are as wide as its own [M, N]: with
+    fewer rows M (tokens) than that, its epilogue would take more, narrower instructions, each paying the
+    engines' fixed cost (at 128 tokens a GELU epilogue costs more than the chain saves)."""
+    _, m, n = producer.shape
+    return m >= min(n, target.matmul_max_n, target.psum_bank_bytes // 4)
+
+
 def _fits(node: ir.Node, target: Target) -> bool:
     from neuronc.passes.tiling import chain_sbuf_bytes
 
@@ -135,7 +145,7 @@ def chain_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
     producers = {}  # reader -> the matmul it chains with
     for node in graph.nodes():
         producer = _producer(node, consumers, outputs)
-        if producer is None or producer.shape[2] % target.partitions:
+        if producer is None or producer.shape[2] % target.partitions or not _wide_enough(producer, target):
             continue
         kept = producer.shape[2] // target.partitions * producer.shape[1] * producer.dtype.itemsize
         if kept <= KEPT_BYTES_PER_PARTITION and producer not in producers:  # chains of two, not of three
