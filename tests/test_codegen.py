@@ -108,3 +108,26 @@ def test_a_tile_moved_by_slices_is_cut_at_the_sync_pass_partition_groups(partiti
     group = partition_group(target)
     groups = [set(range((partition + p0) // group, (partition + p1 - 1) // group + 1)) for p0, p1 in slices]
     assert all(not (g & h) for g, h in zip(groups, groups[1:]))
+
+
+def test_an_epilogue_step_goes_to_the_engine_that_finishes_it_first():
+    """A step waiting for an input made late is not put on the least loaded engine if another one, loaded
+    but faster, ends it sooner; and a step never starts before its inputs are made."""
+    from neuronc import ir
+    from neuronc.codegen.elementwise import StepBalancer
+    from neuronc.codegen.emitter import Emitter
+    from neuronc.isa import DType
+    from neuronc.neff.program import DebugLoc
+
+    target = get_target("trn2")
+    em = Emitter(target)
+    em.begin_kernel("epilogue", ("multiply",), DebugLoc())
+    src, out = (em.sbuf_pool(DType.F32, 512, bufs=1).next().ap(128, 512) for _ in range(2))
+    scale = ir.Step(Op.MULTIPLY, (("input", 0), ("imm", 0.5)), DType.F32, {})  # Vector, GpSimd or Scalar
+    balancer = StepBalancer(em)
+    balancer.busy.update({Engine.VECTOR: 0.0, Engine.GPSIMD: 900.0, Engine.SCALAR: 1000.0})
+    done = balancer.compute(scale, out, [src, 0.5], None, None, ready=1000.0)
+    assert em.instructions[-1].engine is Engine.GPSIMD  # free by 1000 ns like Vector, and quicker on trn2
+    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + 512
+    assert done == pytest.approx(1000.0 + cycles / target.gpsimd_ghz)
+    assert balancer.busy[Engine.GPSIMD] == done and balancer.busy[Engine.VECTOR] == 0.0

@@ -204,6 +204,24 @@ def test_the_optimised_bf16_mlp_gives_the_baseline_bits():
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(*inputs))
 
 
+@pytest.mark.parametrize("tokens", [300, 640])  # a partial row tile; more row tiles than half the PSUM banks
+def test_a_chained_mlp_gives_the_baseline_bits_for_any_number_of_tokens(tokens):
+    """The chain's first matmul computed transposed and kept in SBUF, the second's first column accumulated
+    while it is made (when its row tiles leave the first matmul half the PSUM banks) or after it: the same
+    roundings as one kernel per op."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 96)).eval()
+    model, x = model.to(torch.bfloat16), torch.randn(tokens, 64).to(torch.bfloat16)
+    program = torch.export.export(model, (x,))
+    compiled = {level: compile_exported(program, CompileOptions(opt_level=level)) for level in (0, 2)}
+    assert [n.attrs.get("chain") is not None for n in compiled[2].graph.nodes() if n.op is Op.MATMUL] == [True]
+    outputs = [run_neff(compiled[level].neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+               for level in (0, 2)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
 def _step(op, args, dtype):
     return ir.Step(op, tuple(args), dtype, {})
 

@@ -150,15 +150,21 @@ def _scalar_form(step, args) -> tuple | None:
 
 
 class StepBalancer:
-    """Puts each step of a body on the least busy engine that can compute it (as the cost model prices the
-    work so far): the Vector engine takes any step, GpSimd those that read no PSUM (it cannot reach PSUM on
-    the hardware), the Scalar engine activations and the steps that are a scale and a bias (`_scalar_form`)."""
+    """Puts each step of a body on the engine that can compute it and would finish it first (as the cost model
+    prices the work so far, the step starting once its engine is free and its inputs are made): the Vector
+    engine takes any step, GpSimd those that read no PSUM (it cannot reach PSUM on the hardware), the Scalar
+    engine activations and the steps that are a scale and a bias (`_scalar_form`). Placing by finish time, not
+    by load alone, keeps a chain of steps from waiting on an engine that is free but far behind its inputs."""
 
     def __init__(self, em: Emitter):
         self.em = em
-        self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}
+        self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}  # when each is free again
 
-    def compute(self, step, out, args, constants, loc) -> None:
+    CLOCKS = {Engine.VECTOR: lambda t: t.vector_ghz, Engine.GPSIMD: lambda t: t.gpsimd_ghz,
+              Engine.SCALAR: lambda t: t.scalar_ghz}
+
+    def compute(self, step, out, args, constants, loc, ready: float = 0.0) -> float:
+        """Emit `step`; `ready` is when its inputs are made. Returns when it is done."""
         form = _scalar_form(step, args)
         tiles = [a for a in args if isinstance(a, AccessPattern)]
         engines = [] if step.op in ACTIVATIONS else [Engine.VECTOR]
@@ -166,15 +172,29 @@ class StepBalancer:
             engines.append(Engine.GPSIMD)
         if form is not None:
             engines.append(Engine.SCALAR)
-        engine = min(engines, key=self.busy.get)
+        elements = max(ap.free_elements for ap in tiles + [out])
+
+        def finish(engine):
+            passes = 1 if engine is Engine.SCALAR else max(1, len(tiles))
+            cycles = self.em.target.elementwise_fixed_cycles + self.em.target.onchip_access_cycles + elements * passes
+            return max(self.busy[engine], ready) + cycles / self.CLOCKS[engine](self.em.target)
+
+        engine = min(engines, key=finish)
         start = len(self.em.instructions)
         if engine is Engine.SCALAR:
             func, scale, bias, x = form
             self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
         else:
             compute_step(self.em, step, out, args, constants, loc, engine)
-        for inst in self.em.instructions[start:]:
-            self.busy[inst.engine] = self.busy.get(inst.engine, 0.0) + instruction_cost_ns(inst, self.em.target)
+        return self.account(self.em.instructions[start:], ready)
+
+    def account(self, instructions, ready: float = 0.0) -> float:
+        """Book `instructions` (emitted in order, on the balancer's engines) after `ready`; returns their end."""
+        end = ready
+        for inst in instructions:
+            end = max(self.busy.get(inst.engine, 0.0), end) + instruction_cost_ns(inst, self.em.target)
+            self.busy[inst.engine] = end
+        return end
 
 
 def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:

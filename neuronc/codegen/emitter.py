@@ -56,16 +56,14 @@ class Emitter:
         self.debug_locs: list = []
         self._debug_index: dict = {}
         self._dma_turn = 0
+        self._located = None  # debug-location index overriding the kernel's (`locate`)
         self._sbuf_used = 0
         self._psum_used = 0
 
     # kernels ----------------------------------------------------------------------------------
     def begin_kernel(self, name: str, ops: tuple, loc: DebugLoc) -> None:
-        key = (loc.file, loc.line, loc.module_path, loc.op)
-        if key not in self._debug_index:
-            self._debug_index[key] = len(self.debug_locs)
-            self.debug_locs.append(loc)
-        self.kernels.append(KernelInfo(name=name, ops=tuple(ops), debug=self._debug_index[key]))
+        self.kernels.append(KernelInfo(name=name, ops=tuple(ops), debug=self._debug(loc)))
+        self._located = None
         self._sbuf_used = 0
         self._psum_used = 0
 
@@ -95,10 +93,24 @@ class Emitter:
         return self.target.psum_bank_bytes // DType.F32.itemsize
 
     # instructions ------------------------------------------------------------------------------
+    def _debug(self, loc: DebugLoc) -> int:
+        """The index of `loc` in the debug-location table (added if new)."""
+        key = (loc.file, loc.line, loc.module_path, loc.op)
+        if key not in self._debug_index:
+            self._debug_index[key] = len(self.debug_locs)
+            self.debug_locs.append(loc)
+        return self._debug_index[key]
+
+    def locate(self, loc: DebugLoc | None) -> None:
+        """Instructions emitted from now on in this kernel come from `loc` (None: the kernel's own location),
+        for a kernel computing several source ops one after the other (a matmul chain)."""
+        self._located = None if loc is None else self._debug(loc)
+
     def emit(self, opcode: Opcode, engine: Engine, *operands: AccessPattern, **fields) -> None:
         kernel = self.kernels[-1]
+        debug = kernel.debug if self._located is None else self._located
         self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
-                                             debug=kernel.debug, **fields))
+                                             debug=debug, **fields))
 
     def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None,
             add: bool = False) -> None:

@@ -2,20 +2,78 @@
 and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines."""
 from __future__ import annotations
 
-
-
+from typing import NamedTuple
 
 from neuronc import ir
 from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
 from neuronc.codegen.elementwise import StepBalancer, assign_slots
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.isa import Engine, Opcode
+from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.memory_plan import MemoryPlan
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
+    transposed, stays in SBUF as the second one's stationary operand."""
+    if node.attrs.get("chain") is None:
+        return _matmul(em, node, plan)
+    from neuronc.passes.matmul_chain import stages
+
+    first, second = stages(node)
+    tiling = node.attrs["tiling"]
+    (_, rows, columns), dtype = first.shape, first.dtype
+    k_tiles = -(-rows // tiling.tile_k)
+    kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
+    row_tiles = -(-second.shape[1] // tiling.tile_m)
+    early = row_tiles if row_tiles <= em.target.psum_banks // 2 else 0
+    psum = em.psum_pool(bufs=em.target.psum_banks - early)
+    if not early:
+        em.locate(first.loc)
+        _matmul(em, first, plan, sink=kept, psum=psum)
+        em.locate(None)
+        _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+        return
+    later = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
+    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
+    # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
+    made, pending = [0] * k_tiles, []
+    first_tiles = -(-columns // first.attrs["tiling"].tile_n)
+
+    def made_tile(m0):
+        made[m0 // tiling.tile_k] += 1
+        if made[m0 // tiling.tile_k] == first_tiles:
+            pending.append(m0 // tiling.tile_k)
+            later.early_load(m0 // tiling.tile_k)
+            if sum(count == first_tiles for count in made) == k_tiles // 2:
+                later.prefetch()  # halfway through the first matmul
+        while len(pending) > LAG:
+            later.early_k(pending.pop(0))
+
+    em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
+    _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
+    em.locate(None)
+    for j in pending:
+        later.early_k(j)
+    later()
+
+
+LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+
+
+class _Placed(NamedTuple):
+    """An output tile placed in a tile the caller owns (a chain's kept result), in place of a pool's slot."""
+
+    at: AccessPattern
+
+    def ap(self, *shape, dtype=None) -> AccessPattern:
+        return self.at
+
+
+def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern | None = None,
+            sink: AccessPattern | None = None, psum=None, home: Node | None = None, after_tile=None,
+            early_psum=None):
     """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
     tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
 
@@ -23,7 +81,17 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
     operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
     residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
-    inputs on its way out."""
+    inputs on its way out.
+
+    With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded; with `sink` ([M tile,
+    M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM; `psum`, a
+    PSUM pool to share; `home`, the graph node whose HBM buffer the result is stored in (default: `node`);
+    `after_tile(m0)` is called once a row tile's epilogue is emitted.
+
+    With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
+    accumulators from `early_psum`, and the kernel is returned as a function emitting the rest, with
+    `early_load(j)` loading K tile j of that column's B strip, `early_k(j)` emitting its matmuls into those
+    accumulators (as soon as A^T's K tile j is made) and `prefetch()` loading the first strips of the rest."""
     from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
 
     a, b, *extra = node.inputs
@@ -37,7 +105,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     slots, temp_count = assign_slots(body)
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     k_tiles = -(-k // tk)
-    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()}
+    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()
+              if not (name == "a" and a_resident is not None)}
     out_pools = epilogue_pools(node, tn)
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
@@ -46,8 +115,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
+    bias_column = node.attrs.get("bias_column")  # an extra input of one value per row, added by the first step
+    if bias_column is not None:
+        column_sums, widened = pool("row_sum"), pool("bias")
     temps = [pool(f"temp{i}") for i in range(temp_count)]
-    psum = em.psum_pool()
+    psum = psum or em.psum_pool()
     engines = StepBalancer(em)
     ci = node.dtype.itemsize
 
@@ -66,6 +138,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         return tile, width
 
     def a_strip(g, m0, rows):
+        if a_resident is not None:
+            return a_resident, m
         return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
 
     def b_strip(g, n0, cols):
@@ -86,12 +160,14 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             return tile
         return load
 
-    def output_tile(g, m0, n0, stationary, moving):
-        """One [mt, nt] output tile: K tiles accumulated in PSUM, the epilogue, the store."""
+    def output_tile(g, m0, n0, stationary, moving, acc=None):
+        """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue, the
+        store."""
         mt, nt = min(tm, m - m0), min(tn, n - n0)
-        acc = psum.next().ap(mt, nt)
-        for j in range(k_tiles):
-            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+        if acc is None:
+            acc = psum.next().ap(mt, nt)
+            for j in range(k_tiles):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
             if i == bias_row:  # acc[m, n] += 1 * bias[n]
@@ -100,11 +176,25 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
                         accumulate=True)
                 continue
+            if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
+                column = xpool.next().ap(mt, 1)
+                em.dma(column, hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize,
+                                   ((sm, mt), (1, 1))))
+                loaded[i] = widened.next().ap(mt, 1)
+                em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
+                engines.account(em.instructions[-1:])
+                loaded["row_sum"] = column_sums.next().ap(mt, 1)
+                continue
             loaded[i] = xpool.next().ap(mt, nt)
             em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
-        waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                        hbm(node.dtype, plan.offset(node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt)))))
+        if sink is not None:
+            waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
+                            (mt, nt), None, m0))
+        else:
+            waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
+                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))),
+                            m0))
         if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
             flush(keep=1)
 
@@ -115,9 +205,13 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         chains side by side on the engines, not one chain at a time), then their stores."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
-        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines)
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
-            dma_by_rows(em, job[4], out)
+            if job[4] is not None:
+                dma_by_rows(em, job[4], out)
+        for job in jobs:
+            if after_tile is not None:
+                after_tile(job[5])
 
     if tiling.resident == "none":
         for g in range(batch):
@@ -128,49 +222,93 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
         flush()
         return
-    # Strip loads in order of use, each followed by the output tiles it completes; every load is issued
-    # `stream_bufs - 1` steps ahead (before the previous steps' tiles and their stores), so it overlaps their
-    # compute.
-    steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
-    for g in range(batch):
-        if tiling.resident == "a":
-            for mb in range(0, m, tiling.block * tm):
-                steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
-                a_step = len(steps) - 1
-                for n0 in range(0, n, tn):
-                    steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
-                    steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
-                                        for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
-        else:
-            for nb in range(0, n, tiling.block * tn):
-                steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
-                b_step = len(steps) - 1
-                for m0 in range(0, m, tm):
-                    steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
-                    steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
-                                        for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
-    loaded: dict = {}
-    for i, (_, tiles) in enumerate(steps):
-        for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
+    def plan_steps(first_column=0):
+        """The strip loads in order of use, each with the output tiles it completes (columns from
+        `first_column` on)."""
+        steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
+        for g in range(batch):
+            if tiling.resident == "a":
+                for mb in range(0, m, tiling.block * tm):
+                    steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
+                    a_step = len(steps) - 1
+                    for n0 in range(first_column, n, tn):
+                        steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
+                        steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
+                                            for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+            else:
+                for nb in range(first_column, n, tiling.block * tn):
+                    steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
+                    b_step = len(steps) - 1
+                    for m0 in range(0, m, tm):
+                        steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
+                        steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
+                                            for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+        return steps
+
+    def run(steps, loaded):
+        """Every strip load issued `stream_bufs - 1` steps ahead (before the previous steps' tiles and their
+        stores), so it overlaps their compute; `loaded`: the strips loaded already, by step."""
+        for i, (_, tiles) in enumerate(steps):
+            for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
+                loaded[j] = steps[j][0]()
+            for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
+                output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
+                            in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+        flush()
+
+    if early_psum is None:
+        run(plan_steps(), {})
+        return None
+    width = min(tn, n)
+    strip = strips["b"].next().ap(tk, k_tiles * width), width  # the first column's B strip, a K tile at a time
+    accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
+
+    def early_load(j):
+        rows = min(tk, k - j * tk)
+        dma_by_rows(em, tile_at(strip[0], j * width, rows, width),
+                    hbm(b.dtype, plan.offset(b) + (b_offset + j * tk * bsk) * b.dtype.itemsize, ((bsk, rows), (bsn, width))))
+
+    def early_k(j):
+        for m0, acc in accs:
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip((a_resident, m), m0, min(tm, m - m0))(j),
+                    in_strip(strip, 0, min(tn, n))(j), accumulate=j > 0)
+
+    steps, loaded = plan_steps(first_column=tn), {}
+
+    def prefetch():  # the strips of the first steps after the first column
+        for j in range(min(len(steps), tiling.stream_bufs - 1)):
             loaded[j] = steps[j][0]()
-        for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
-            output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
-                        in_strip(loaded[b_step], b_col, min(tn, n - n0)))
-    flush()
+
+    def later():
+        for m0, acc in accs:
+            output_tile(0, m0, 0, None, None, acc=acc)
+        run(steps, loaded)
+
+    later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
+    return later
 
 
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
 
 
-def _emit_bodies(body, slots, jobs, constants, loc, engines) -> list:
+def _emit_bodies(body, slots, jobs, constants, loc, engines, bias_column=None) -> list:
     """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
-    (loaded, temp tiles, out tile, shape). Returns each job's result AP."""
+    (loaded, temp tiles, out tile, shape). Returns each job's result AP. Each step goes to the engine that
+    would finish it first, after the steps it reads (`StepBalancer`). With `bias_column`, the first step (the
+    accumulator rounded to its dtype) adds that input's per-partition values on its way, in one Scalar pass."""
     results = [[] for _ in jobs]
-    for step, slot in zip(body, slots):
-        for (loaded, temp_tiles, out_tile, shape), done in zip(jobs, results):
+    made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
+    for index, (step, slot) in enumerate(zip(body, slots)):
+        for (loaded, temp_tiles, out_tile, shape), done, times in zip(jobs, results, made):
             out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
             args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
-            engines.compute(step, out, args, constants, loc)
+            ready = max([times[ref] for kind, ref in step.args if kind == "step"], default=0.0)
+            if index == 0 and bias_column is not None:  # acc + bias in fp32, rounded once: the ADD's sum
+                engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, loaded["row_sum"], args[0],
+                                loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
+                times.append(engines.account(engines.em.instructions[-1:], ready))
+            else:
+                times.append(engines.compute(step, out, args, constants, loc, ready))
             done.append(out)
     return [done[-1] for done in results]

@@ -100,7 +100,7 @@ class _Servers:
 
 
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
-              contiguous: tuple = (False, True), bias_row: bool = False) -> float:
+              contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -108,7 +108,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     the other engines once its PSUM bank is full (8 banks: the Tensor engine runs at most that far ahead),
     its store on the DMA queues. `contiguous` says whether A^T's and B's strips are contiguous loads (a
     transposed operand is a strided DMA at half bandwidth). With `bias_row`, each tile also gets a bias row
-    (one small DMA) added into PSUM by one more matmul."""
+    (one small DMA) added into PSUM by one more matmul; with `bias_column`, a bias column (one small DMA and its
+    widening to fp32 on an epilogue engine) that the first epilogue step adds on its way."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -125,6 +126,9 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     if bias_row:
         stored_total += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
     epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
+    if bias_column:
+        stored_total += _dma_piece_ns(min(tm, m) * out_dtype.itemsize, True, target)
+        epilogue_share += _vector_ns(1, 1, target) / 3
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
         a_one = _dma_piece_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
@@ -153,7 +157,6 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
                 steps.append((streamed, load(min(s_tile, s_extent - s0), s_item, s_cont), -(-width // tile), owner))
     bufs = {resident: 2, streamed: tiling.stream_bufs}
     free = {}  # step -> time its strip's buffer is free again (its last reader's matmuls are done)
-    last_reader = {}
     loaded_at = {}
     issued = 0
     clock = _Servers()

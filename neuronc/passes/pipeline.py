@@ -26,6 +26,7 @@ from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse
 from neuronc.passes.indexing import lower_gather_scatter
 from neuronc.passes.layout import store_weights_transposed
 from neuronc.passes.legalize import legalize
+from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.targets import Target, get_target
@@ -34,12 +35,12 @@ BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_con
             narrow_matmul_operands, legalize, simplify]
 OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
              + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
-                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify])
+                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify, chain_matmuls])
 
 PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
              3: OPTIMISED + [search_matmul_tiles]}
 # passes that take the target (SBUF budget, cost model) as their second argument
-TARGETED = {fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
+TARGETED = {chain_matmuls, fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
             fuse_conv_epilogues}
 
 

@@ -59,7 +59,12 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
         dtype = node.inputs[1 + row].dtype
         pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
         pools["ones"] = (dtype, max(tile_n, 128), 1)
-    pools.update({f"temp{i}": (DType.F32, tile_n * 2, bufs) for i in range(temps)})  # room for 8-byte dtypes
+    column = node.attrs.get("bias_column")
+    if column is not None:  # one value per row: a [M, 1] column, widened to fp32, and the pass's row sums
+        pools[f"extra{column - 1}"] = (node.inputs[1 + column].dtype, 1, bufs)
+        pools.update(bias=(DType.F32, 1, bufs), row_sum=(DType.F32, 1, bufs))
+    widest = max(step.dtype.itemsize for step in body)  # a temporary holds one step's values
+    pools.update({f"temp{i}": (DType.F32, -(-tile_n * widest // DType.F32.itemsize), bufs) for i in range(temps)})
     return pools
 
 
@@ -115,9 +120,9 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
 
 
 def _extras_bytes(node: ir.Node) -> int:
-    """Bytes of the epilogue's other inputs per output element (a bias row added in PSUM is not a tile)."""
-    row = node.attrs.get("bias_row")
-    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i != row)
+    """Bytes of the epilogue's other inputs per output element (a bias row or column is not a tile)."""
+    rows = (node.attrs.get("bias_row"), node.attrs.get("bias_column"))
+    return sum(x.dtype.itemsize for i, x in enumerate(node.inputs[2:], start=1) if i not in rows)
 
 
 def _contiguous(node: ir.Node) -> tuple:
@@ -134,7 +139,7 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
     a, b = node.inputs[:2]
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
-                     node.attrs.get("bias_row") is not None)
+                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
@@ -145,11 +150,57 @@ def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
     return min(options, key=lambda t: price(node, t, target))
 
 
-def _tile_all(graph: ir.Graph, target: Target, pick) -> ir.Graph:
+# Chains (passes/matmul_chain.py): the second matmul keeps all of A^T (the first's result) in SBUF and streams
+# B's strips through it; the first is tiled in the SBUF left.
+
+def _second_tiling(second: ir.Node, target: Target, stream_bufs: int) -> MatmulTiling:
+    tiles = -(-second.shape[1] // target.matmul_max_m)
+    return MatmulTiling("a", tiles, target.matmul_max_m, _max_tile_n(target), target.matmul_max_k, stream_bufs)
+
+
+def _chain_bytes(first: ir.Node, second: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling) -> int:
+    """SBUF bytes per partition of a chain: the kept result, then both matmuls' pools (the second's A not loaded)."""
+    _, rows, columns = first.shape
+    kept = _pages(-(-rows // second_tiling.tile_k) * columns, first.dtype)
+    second_pools = {name: p for name, p in operand_pools(second, second_tiling).items() if name != "a"}
+    return (kept + sbuf_bytes(operand_pools(first, first_tiling)) + sbuf_bytes(epilogue_pools(first, first_tiling.tile_n))
+            + sbuf_bytes(second_pools) + sbuf_bytes(epilogue_pools(second, second_tiling.tile_n)))
+
+
+def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
+    """(first's tiling, second's tiling) of a chained node: the first's candidate the cost model prices lowest
+    among those that fit beside the kept result and the second's tiles; None if none fits."""
+    from neuronc.passes.matmul_chain import stages
+
+    first, second = stages(node)
+    options = [(price(first, t, target), -stream_bufs, t, _second_tiling(second, target, stream_bufs))
+               for stream_bufs in (3, 2) for t in candidates(first, target, wide)
+               if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
+               <= target.sbuf_bytes_per_partition]
+    return min(options, key=lambda o: o[:2])[2:] if options else None
+
+
+def chain_sbuf_bytes(node: ir.Node, target: Target) -> int:
+    """SBUF bytes per partition of a chained node's kernel as tiled (more than there is if no tiling fits)."""
+    from neuronc.passes.matmul_chain import stages
+
+    tilings = chain_tilings(node, target)
+    if tilings is None:
+        return target.sbuf_bytes_per_partition + 1
+    return _chain_bytes(*stages(node), *tilings)
+
+
+def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.Graph:
     def tile(node, inputs):
         if node.op is not Op.MATMUL:
             return None
         node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        chain = node.attrs.get("chain")
+        if chain is not None:  # made only where a tiling fits (passes/matmul_chain.py)
+            first_tiling, second_tiling = chain_tilings(node, target, wide)
+            chain = dataclasses.replace(chain, attrs={**chain.attrs, "tiling": first_tiling})
+            return dataclasses.replace(node, attrs={**node.attrs, "chain": chain, "tiling": second_tiling},
+                                       id=next(ir._ids))
         return dataclasses.replace(node, attrs={**node.attrs, "tiling": pick(node, target)}, id=next(ir._ids))
 
     return graph.rewrite(tile)
@@ -167,4 +218,4 @@ def tile_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
 
 def search_matmul_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
     """-O3: also narrower N tiles and deeper buffering of the streamed operand."""
-    return _tile_all(graph, target, lambda node, t: choose(node, t, wide=True))
+    return _tile_all(graph, target, lambda node, t: choose(node, t, wide=True), wide=True)
