@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
