@@ -237,11 +237,12 @@ def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, l
 
 
 def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides, dst_offset: int, dst_strides, shape) -> None:
-    """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks."""
+    """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks, each by row
+    slices over the queues."""
     size = dtype.itemsize
     for block in blocks(shape, [dst_strides, src_strides], tile_free_elements(em, DType.F32), em.target.partitions):
-        em.dma(hbm(dtype, dst_offset + block.offsets[0] * size, block.dims[0]),
-               hbm(dtype, src_offset + block.offsets[1] * size, block.dims[1]))
+        dma_by_rows(em, hbm(dtype, dst_offset + block.offsets[0] * size, block.dims[0]),
+                    hbm(dtype, src_offset + block.offsets[1] * size, block.dims[1]))
 
 
 def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
