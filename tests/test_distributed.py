@@ -50,8 +50,8 @@ _RANK = textwrap.dedent("""
 
     try:
         dist.all_reduce(torch.zeros(4, 4).to("neuron").t())
-    except ValueError as e:
-        out["non_contiguous"] = str(e)
+    except Exception as e:
+        out["non_contiguous"] = f"{type(e).__name__}: {e}"
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to("neuron")
@@ -111,4 +111,6 @@ def test_a_collective_lasts_the_dma_time_of_its_ring_traffic_on_the_stream(ranks
 
 def test_a_non_contiguous_tensor_is_refused_with_the_way_out(ranks):
     for out in ranks:
-        assert "non-contiguous" in out["non_contiguous"] and ".contiguous()" in out["non_contiguous"]
+        error = out["non_contiguous"]
+        assert error.startswith("NeuronDeviceError") and "non-contiguous" in error and ".contiguous()" in error
+        assert "rank.py:" in error  # the line of the user's script that asked

@@ -57,6 +57,14 @@ def _view(tensor):
     return _view(tensor)
 
 
+def host_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over a contiguous `neuron` tensor's bytes (no copy; bf16 and fp8 through their bits)."""
+    array = array_of(tensor)
+    if tensor.dtype in _BITCAST:
+        return torch.from_numpy(array.view(NUMPY_DTYPES[_BITCAST[tensor.dtype]])).view(tensor.dtype)
+    return torch.from_numpy(array)
+
+
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (bf16 and fp8 through ml_dtypes)."""
     tensor = tensor.detach()

@@ -13,18 +13,15 @@ when a group is made.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from neuronc.errors import NeuronDeviceError
 from neuronc.instruction_cost import copy_ns
 from neuronc.pytorch import device_memory, queues
-from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of
+from neuronc.pytorch.device_memory import host_alias
 from neuronc.targets import get_target
-
-_BITCAST = {torch.bfloat16: np.int16, torch.float8_e4m3fn: np.uint8, torch.float8_e5m2: np.uint8}
-
 
 def create(store, rank: int, size: int, timeout) -> "NeuronProcessGroup":
     """The creator torch.distributed calls for backend "neuron"."""
@@ -36,14 +33,12 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "neuron":
         return tensor
     if not tensor.is_contiguous():
-        raise ValueError(f"a collective over a non-contiguous neuron tensor of shape {list(tensor.shape)}: "
-                         "call .contiguous() on it first")
+        caller = queues.caller()
+        raise NeuronDeviceError(f"a collective over a non-contiguous neuron tensor of shape {list(tensor.shape)}",
+                                hint="call .contiguous() on it first (gloo moves dense bytes)",
+                                location=f"{caller[0]}:{caller[1]}" if caller else "")
     queues.synchronize(tensor.device.index)
-    array = array_of(tensor)
-    if tensor.dtype in _BITCAST:
-        return torch.from_numpy(array.view(_BITCAST[tensor.dtype])).view(tensor.dtype)
-    assert array.dtype == NUMPY_DTYPES[tensor.dtype]
-    return torch.from_numpy(array)
+    return host_alias(tensor)
 
 
 def _hosts(tensors):

@@ -44,7 +44,7 @@ def enqueue(device: int, duration_ns: float, function, arguments: tuple, what) -
     queue = _queues.get(device)
     if queue is None:
         queue = _queues[device] = []
-    queue.append((start, next(_sequence), function, arguments, (what, stream, _caller())))
+    queue.append((start, next(_sequence), function, arguments, (what, stream, caller())))
     if len(queue) >= QUEUE_DEPTH:
         synchronize(device)
 
@@ -87,8 +87,9 @@ def _shim():
     return sys.modules["neuron_shim"]
 
 
-def _caller():
-    """(file, line) of the innermost frame outside torch and neuronc: the user code that queued the op."""
+def caller():
+    """(file, line) of the innermost frame outside torch and neuronc: the user code that queued the op (or
+    called the API that asks)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame = frame.f_back
