@@ -46,21 +46,27 @@ def _contiguous(ap) -> bool:
     return stride == 1 or size == 1
 
 
+def dma_transfer_ns(nbytes: int, contiguous: bool, target: Target) -> float:
+    """One DMA on one queue: its issue, then its bytes at the queue's bandwidth (half when strided)."""
+    bytes_per_ns = target.dma_gbps_per_queue / (1 if contiguous else 2)  # 1 GB/s is 1 byte/ns
+    return target.dma_fixed_ns + nbytes / bytes_per_ns
+
+
 def _dma_ns(instr: Instruction, target: Target) -> float:
     src = instr.srcs[0]
-    nbytes = src.num_elements * src.dtype.itemsize
-    bytes_per_ns = target.dma_gbps_per_queue  # 1 GB/s is 1 byte/ns
-    if not all(_contiguous(ap) for ap in instr.operands):
-        bytes_per_ns /= 2
-    return target.dma_fixed_ns + nbytes / bytes_per_ns
+    return dma_transfer_ns(src.num_elements * src.dtype.itemsize, all(_contiguous(ap) for ap in instr.operands),
+                           target)
+
+
+def matmul_pass_ns(moving_free: int, fp32: bool, target: Target) -> float:
+    """One matmul whose moving operand has `moving_free` elements per partition (fp32 operands: the slow rate)."""
+    cycles = max(moving_free, target.matmul_min_interval_cycles) * (target.matmul_fp32_slowdown if fp32 else 1)
+    return cycles / target.tensor_ghz
 
 
 def _matmul_ns(instr: Instruction, target: Target) -> float:
     _dst, stationary, moving = instr.operands
-    cycles = max(moving.free_elements, target.matmul_min_interval_cycles)
-    if DType.F32 in (stationary.dtype, moving.dtype):
-        cycles *= target.matmul_fp32_slowdown
-    return cycles / target.tensor_ghz
+    return matmul_pass_ns(moving.free_elements, DType.F32 in (stationary.dtype, moving.dtype), target)
 
 
 _CLOCK_GHZ = {
@@ -85,14 +91,19 @@ def _alu2_passes(instr: Instruction) -> int:
     return max(1, len({ap for ap in sources if _streamed(ap)}))
 
 
+def engine_pass_ns(engine: Engine, elements: int, passes: int, target: Target) -> float:
+    """An instruction of the Vector, Scalar or GpSimd engine making `passes` over `elements` per partition."""
+    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
+    return cycles / _CLOCK_GHZ[engine](target)
+
+
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
     elements = max(ap.free_elements for ap in instr.operands)
     if instr.opcode == Opcode.TENSOR_ALU2:
         passes = _alu2_passes(instr)
     else:
         passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))
-    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
-    return cycles / _CLOCK_GHZ[instr.engine](target)
+    return engine_pass_ns(instr.engine, elements, passes, target)
 
 
 def transfer_bytes(instr: Instruction) -> int:

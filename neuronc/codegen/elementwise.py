@@ -11,7 +11,7 @@ from neuronc.codegen.access import dma_by_rows
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
-from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.passes.legalize import dense_strides
@@ -160,9 +160,6 @@ class StepBalancer:
         self.em = em
         self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}  # when each is free again
 
-    CLOCKS = {Engine.VECTOR: lambda t: t.vector_ghz, Engine.GPSIMD: lambda t: t.gpsimd_ghz,
-              Engine.SCALAR: lambda t: t.scalar_ghz}
-
     def compute(self, step, out, args, constants, loc, ready: float = 0.0) -> float:
         """Emit `step`; `ready` is when its inputs are made. Returns when it is done."""
         form = _scalar_form(step, args)
@@ -176,8 +173,7 @@ class StepBalancer:
 
         def finish(engine):
             passes = 1 if engine is Engine.SCALAR else max(1, len(tiles))
-            cycles = self.em.target.elementwise_fixed_cycles + self.em.target.onchip_access_cycles + elements * passes
-            return max(self.busy[engine], ready) + cycles / self.CLOCKS[engine](self.em.target)
+            return max(self.busy[engine], ready) + engine_pass_ns(engine, elements, passes, self.em.target)
 
         engine = min(engines, key=finish)
         start = len(self.em.instructions)
@@ -332,7 +328,7 @@ class Balancer:
 
     def scale(self, dst, src, factor: float) -> None:
         """dst = src * factor (fp32, rounded to dst's dtype) on the least loaded of Vector, GpSimd, Scalar."""
-        if min(self.busy, key=self.busy.get) is Engine.SCALAR:
+        if self.scalar_is_freest():
             self.activate(Opcode.ACTIVATE, dst, src, func=ActFunc.IDENTITY, imm0=factor, imm1=0.0)
         elif factor == 1.0:
             self.emit(Opcode.TENSOR_COPY, dst, src)

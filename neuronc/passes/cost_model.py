@@ -6,7 +6,9 @@ Passes ask it to choose between alternatives; the NEFF header records its estima
 """
 from __future__ import annotations
 
-from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
+from neuronc.instruction_cost import (dma_transfer_ns, engine_pass_ns, hbm_bytes, instruction_cost_ns,
+                                      matmul_pass_ns)
+from neuronc.isa import Engine
 from neuronc.stream_timing import START, simulate
 from neuronc.targets import Target
 
@@ -57,27 +59,13 @@ def kernel_spans(streams: dict, target: Target) -> dict:
 
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
 
-def _dma_piece_ns(nbytes: int, contiguous: bool, target: Target) -> float:
-    return target.dma_fixed_ns + nbytes / (target.dma_gbps_per_queue / (1 if contiguous else 2))
-
-
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
     partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
     smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
     pieces = max(1, min(rows, target.dma_queues, nbytes // smallest))
-    one = _dma_piece_ns(nbytes / pieces, contiguous, target)
+    one = dma_transfer_ns(nbytes / pieces, contiguous, target)
     return pieces * one, one
-
-
-def _matmul_instr_ns(tile_n: int, fp32: bool, target: Target) -> float:
-    cycles = max(tile_n, target.matmul_min_interval_cycles) * (target.matmul_fp32_slowdown if fp32 else 1)
-    return cycles / target.tensor_ghz
-
-
-def _vector_ns(elements: int, inputs: int, target: Target) -> float:
-    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * max(1, inputs)
-    return cycles / target.vector_ghz
 
 
 def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
@@ -85,7 +73,7 @@ def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
     epilogue body (no body: the copy of the result out of PSUM). Codegen spreads the steps over the Vector,
     Scalar and (for steps that read no PSUM) GpSimd engines, whichever is least busy."""
     steps = [sum(1 for kind, _ in step.args if kind != "imm") for step in epilogue] or [1]
-    latency = sum(_vector_ns(tile_n, inputs, target) for inputs in steps)
+    latency = sum(engine_pass_ns(Engine.VECTOR, tile_n, max(1, inputs), target) for inputs in steps)
     engines = 2 if len(steps) == 1 else 3
     return latency / engines, latency
 
@@ -116,23 +104,23 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     m_tiles, n_tiles, k_tiles = -(-m // tm), -(-n // tn), -(-k // tk)
     fp32 = DType.F32 in (a_dtype, b_dtype)
-    instr = _matmul_instr_ns(min(tn, n), fp32, target)
+    instr = matmul_pass_ns(min(tn, n), fp32, target)
     rows_k = min(tk, k)
     queues = target.dma_queues
     out_tile = min(tm, m) * min(tn, n)
     # an output tile's DMAs: its store, split by rows over queues, and its epilogue's other inputs
     stored_total, store = strip_load_ns(min(tm, m), out_tile * out_dtype.itemsize, True, target)
-    stored_total += _dma_piece_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
+    stored_total += dma_transfer_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
     if bias_row:
-        stored_total += _dma_piece_ns(min(tn, n) * out_dtype.itemsize, True, target)
+        stored_total += dma_transfer_ns(min(tn, n) * out_dtype.itemsize, True, target)
     epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
     if bias_column:
-        stored_total += _dma_piece_ns(min(tm, m) * out_dtype.itemsize, True, target)
-        epilogue_share += _vector_ns(1, 1, target) / 3
+        stored_total += dma_transfer_ns(min(tm, m) * out_dtype.itemsize, True, target)
+        epilogue_share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
-        a_one = _dma_piece_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
-        b_one = _dma_piece_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
+        a_one = dma_transfer_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
+        b_one = dma_transfer_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
         per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, (a_one + b_one) / queues)
         tiles = batch * m_tiles * n_tiles
         return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, stored_total / queues) + \
@@ -213,9 +201,9 @@ def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: in
     bands = -(-oh // band)
     blocks = [min(rows, oh - r) for r in range(0, oh, rows)]
     if tiling.halves == 2:  # a matmul per pair of rows, N = pitch
-        per_block = [r // 2 * _matmul_instr_ns(g.pitch, fp32, target) for r in blocks]
+        per_block = [r // 2 * matmul_pass_ns(g.pitch, fp32, target) for r in blocks]
     else:
-        per_block = [_matmul_instr_ns(r * g.pitch, fp32, target) for r in blocks]
+        per_block = [matmul_pass_ns(r * g.pitch, fp32, target) for r in blocks]
     tensor = g.batch * co_tiles * g.c_tiles * len(taps.matmuls) * sum(per_block)
     partitions = min(g.channels, target.partitions)
     band_bytes = partitions * g.phases * g.plane_elements(band) * x_dtype.itemsize
@@ -223,9 +211,10 @@ def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: in
     loads = g.batch * bands * g.c_tiles * band_total * taps.copies
     out_rows = min(g.out_channels, target.partitions)
     stores = g.batch * co_tiles * sum(
-        _dma_piece_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target) for r in blocks)
+        dma_transfer_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target) for r in blocks)
     weights, _ = strip_load_ns(partitions, taps.copies * partitions * g.c_tiles * g.out_channels * len(g.taps)
                                * x_dtype.itemsize, True, target)
     dma = (loads + stores + weights) / target.dma_queues
-    epilogue = g.batch * co_tiles * sum(max(1, element_steps) * _vector_ns(r * ow, 2, target) for r in blocks) / 2
+    epilogue = g.batch * co_tiles * sum(max(1, element_steps) * engine_pass_ns(Engine.VECTOR, r * ow, 2, target)
+                                        for r in blocks) / 2
     return max(tensor, dma, epilogue) + band_first * g.c_tiles
