@@ -18,6 +18,12 @@ from neuronc.targets import Target
 COMPLETE, START = 0, 1  # phases of an instruction; at equal times completions go first
 
 
+def stream_order(streams: dict) -> list:
+    """The (engine, queue) of each stream number: the program's streams and those its instructions wait on."""
+    waited = {(w[0], w[1]) for stream in streams.values() for instr in stream for w in instr.waits}
+    return sorted(set(streams) | waited)
+
+
 def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> Iterator[tuple]:
     """(phase, stream, index, time) of every start and completion, in the order they happen.
 

@@ -54,7 +54,7 @@ from neuronc.errors import InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
-from neuronc.stream_timing import COMPLETE, START, simulate
+from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
                             check_bounds, extent, granule, overlaps)
@@ -226,8 +226,7 @@ class LoadedProgram:
 
     def _load(self) -> None:
         neff = self.neff
-        waited = {(w[0], w[1]) for stream in neff.streams.values() for instr in stream for w in instr.waits}
-        self.streams = sorted(set(neff.streams) | waited)  # (Engine, queue) of each stream number
+        self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
         self._instrs = [
             [self._prepare(key, index, instr, number) for index, instr in enumerate(neff.streams.get(key, []))]

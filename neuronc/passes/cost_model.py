@@ -9,7 +9,7 @@ from __future__ import annotations
 from neuronc.instruction_cost import (dma_transfer_ns, engine_pass_ns, hbm_bytes, instruction_cost_ns,
                                       matmul_pass_ns)
 from neuronc.isa import Engine
-from neuronc.stream_timing import START, simulate
+from neuronc.stream_timing import START, simulate, stream_order
 from neuronc.targets import Target
 
 # On-chip tiles are placed on pages of this many bytes per partition (the sync pass tracks hazards per
@@ -25,7 +25,7 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
 def replay(streams: dict, target: Target):
     """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
     the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
-    keys = sorted(set(streams) | {(w.engine, w.queue) for s in streams.values() for i in s for w in i.waits})
+    keys = stream_order(streams)
     number = {key: n for n, key in enumerate(keys)}
     lists = [streams.get(key, []) for key in keys]
     started = [0.0] * len(keys)
