@@ -7,6 +7,7 @@ import dataclasses
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.sync import partition_group
 from neuronc.isa import AccessPattern, Space
+from neuronc.passes.cost_model import dma_slice_count
 
 
 def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
@@ -53,13 +54,10 @@ def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: int
 def dma_slices(target, tile: AccessPattern, pieces: int | None = None) -> list:
     """[(p0, p1)] slices of a tile's partitions (relative to its first) that DMAs on consecutive queues move
     at once, cut at partition-group boundaries (a slice sharing a group with the next would be ordered
-    before it). `pieces` slices at most; by default as many as the queues, each at least the bytes that
-    keep a DMA efficient on the target (its efficient bytes per partition, over all partitions, shared by
-    the queues)."""
-    rows, nbytes = tile.partitions, tile.num_elements * tile.dtype.itemsize
+    before it). `pieces` slices at most; by default the cost model's `dma_slice_count`."""
+    rows = tile.partitions
     if pieces is None:
-        smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
-        pieces = min(target.dma_queues, nbytes // smallest)
+        pieces = dma_slice_count(rows, tile.num_elements * tile.dtype.itemsize, target)
     pieces = max(1, min(rows, pieces))
     if tile.space == Space.HBM:
         return [(rows * k // pieces, rows * (k + 1) // pieces) for k in range(pieces)]

@@ -19,6 +19,7 @@ from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
 from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
                                  pools)
+from neuronc.passes.cost_model import dma_slice_count
 from neuronc.passes.memory_plan import MemoryPlan
 
 
@@ -54,9 +55,9 @@ class _Queues:
         t = self.em.target
         on_chip = dst if dst.space != Space.HBM else src
         rows, group = on_chip.partitions, partition_group(t)
-        nbytes = on_chip.num_elements * on_chip.dtype.itemsize
-        smallest = t.dma_efficient_bytes_per_partition * t.partitions // t.dma_queues
-        most = max(1, min(most, nbytes // smallest if by_bytes else most, rows // group))
+        if by_bytes:
+            most = min(most, dma_slice_count(rows, on_chip.num_elements * on_chip.dtype.itemsize, t))
+        most = max(1, min(most, rows // group))
         pieces = max(p for p in range(1, most + 1) if rows % p == 0 and (rows // p) % group == 0) \
             if rows % group == 0 else 1
         return [(row_slice(dst, rows * k // pieces, rows * (k + 1) // pieces),

@@ -59,11 +59,18 @@ def kernel_spans(streams: dict, target: Target) -> dict:
 
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
 
+def dma_slice_count(rows: int, nbytes: int, target: Target) -> int:
+    """Into how many partition slices codegen splits a DMA of `nbytes` over `rows` partitions (one queue each):
+    as many as the queues, each at least the bytes that keep a DMA efficient on the target (its efficient
+    bytes per partition, over all partitions, shared by the queues)."""
+    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
+    return max(1, min(rows, target.dma_queues, nbytes // smallest))
+
+
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
     partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
-    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
-    pieces = max(1, min(rows, target.dma_queues, nbytes // smallest))
+    pieces = dma_slice_count(rows, nbytes, target)
     one = dma_transfer_ns(nbytes / pieces, contiguous, target)
     return pieces * one, one
 
