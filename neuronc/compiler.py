@@ -143,7 +143,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     plan = plan_memory(graph)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
-    neff = generate(graph, plan, target, options.name, timings)
+    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
     timings["codegen"] = time.perf_counter() - t
     return Compiled(neff, stablehlo, graph, timings)
 

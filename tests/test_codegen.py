@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from neuronc.compiler import compile_exported
+from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import Engine, Opcode, Space
 from neuronc.ir import Op
 from neuronc.targets import get_target
 from runtime import run_neff
 from tests import zoo
+from tests.conftest import assert_matches_eager
 
 
 class Linear(torch.nn.Module):
@@ -131,3 +132,26 @@ def test_an_epilogue_step_goes_to_the_engine_that_finishes_it_first():
     cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + 512
     assert done == pytest.approx(1000.0 + cycles / target.gpsimd_ghz)
     assert balancer.busy[Engine.GPSIMD] == done and balancer.busy[Engine.VECTOR] == 0.0
+
+
+class NormThenLinear(torch.nn.Module):
+    def __init__(self, width=256, out=512):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(width), torch.nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_a_kernel_loads_its_first_weights_while_the_previous_kernel_runs():
+    torch.manual_seed(0)
+    model, x = NormThenLinear().eval(), torch.randn(256, 256)
+    program = torch.export.export(model, (x,))
+    for level, prefetched in ((0, False), (2, True)):
+        neff = compile_exported(program, CompileOptions(opt_level=level)).neff
+        # a queue runs in program order: a later kernel's load ahead of an earlier kernel's transfer
+        ahead = any(b.kernel < a.kernel for (engine, _), stream in neff.streams.items() if engine == Engine.DMA
+                    for a, b in zip(stream, stream[1:]))
+        assert ahead == prefetched, level
+        out = run_neff(neff, [x.numpy()]).outputs[0]  # the runtime refuses any race the move would cause
+        assert_matches_eager(torch.from_numpy(out), model(x))

@@ -10,6 +10,7 @@ import time
 from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.kernels import kernel_for
+from neuronc.codegen.schedule import prefetch_loads
 from neuronc.codegen.sync import insert_waits
 from neuronc.errors import NeuronCompileError
 from neuronc.neff.program import Neff
@@ -28,8 +29,9 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
-             timings: dict | None = None) -> Neff:
-    """With `timings`, records the seconds of its stages: kernels, sync (waits) and the cost estimate."""
+             timings: dict | None = None, prefetch: bool = False) -> Neff:
+    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `timings`,
+    records the seconds of its stages: kernels, prefetch, sync (waits) and the cost estimate."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
     em = Emitter(target)
@@ -43,8 +45,13 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
         kernel(em, node, plan)
     timings["codegen/kernels"] = time.perf_counter() - start
+    instructions = em.instructions
+    if prefetch:
+        start = time.perf_counter()
+        instructions = prefetch_loads(instructions, plan.tensors, target)
+        timings["codegen/prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
-    streams = insert_waits(em.instructions, plan.tensors, target)
+    streams = insert_waits(instructions, plan.tensors, target)
     timings["codegen/sync"] = time.perf_counter() - start
     start = time.perf_counter()
     makespan, kernel_ns = estimate_streams(streams, target)

@@ -70,8 +70,11 @@ class Emitter:
     # on-chip memory ----------------------------------------------------------------------------
     def sbuf_pool(self, dtype: DType, free_elements: int, bufs: int = 2) -> Pool:
         slot = -(-free_elements * dtype.itemsize // self.SLOT_ALIGNMENT) * self.SLOT_ALIGNMENT
-        pool = Pool(Space.SBUF, dtype, self._sbuf_used, slot, bufs)
+        base = self._sbuf_used
         self._sbuf_used += slot * bufs
+        if (len(self.kernels) - 1) % 2:  # an odd kernel's pools stack down from the top
+            base = self.target.sbuf_bytes_per_partition - self._sbuf_used
+        pool = Pool(Space.SBUF, dtype, base, slot, bufs)
         if self._sbuf_used > self.target.sbuf_bytes_per_partition:
             raise NeuronCompileError(
                 f"kernel {self.kernels[-1].name} needs {self._sbuf_used} SBUF bytes per partition, "

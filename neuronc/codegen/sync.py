@@ -33,7 +33,7 @@ def partition_group(target: Target) -> int:
     of slices cut at group boundaries (codegen.access.dma_slices) run side by side."""
     return max(1, target.partitions // target.dma_queues)
 
-class _Regions:
+class Regions:
     """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM pages of
     one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
 
@@ -91,7 +91,7 @@ class _Last:
 _NEVER = _Last(-1, 0, {})
 
 
-class _Cells:
+class Cells:
     """The tracking cells of every memory, numbered: one block per HBM tensor (its pages, as far as accesses
     reach), PSUM (its banks) and SBUF (page by page, the partition groups of a page side by side), so a box
     is one contiguous span of cell numbers, or one per page when it covers only some partition groups."""
@@ -117,7 +117,7 @@ class _Cells:
 
 def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
     """Returns {(engine, queue): [instructions]} with `waits` filled in."""
-    regions = _Regions(tensors, target)
+    regions = Regions(tensors, target)
     boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
     accesses = []
     for inst in instructions:
@@ -125,7 +125,7 @@ def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
             if ap not in boxes:
                 boxes[ap] = regions(ap)
         accesses.append(([boxes[ap] for ap in inst.reads], [boxes[ap] for ap in inst.writes]))
-    layout = _Cells(list(boxes.values()))
+    layout = Cells(list(boxes.values()))
     spans = {box: layout.spans(box) for box in boxes.values()}
     stream_keys = sorted({inst.stream for inst in instructions})
     number = {key: n for n, key in enumerate(stream_keys)}
