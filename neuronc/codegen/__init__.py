@@ -11,7 +11,7 @@ from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.kernels import kernel_for
 from neuronc.codegen.schedule import prefetch_loads
-from neuronc.codegen.sync import insert_waits
+from neuronc.codegen.sync import HazardGrid, insert_waits
 from neuronc.errors import NeuronCompileError
 from neuronc.neff.program import Neff
 from neuronc.passes.cost_model import estimate_streams
@@ -31,7 +31,7 @@ def _fused_ops(node: ir.Node) -> tuple:
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
              timings: dict | None = None, prefetch: bool = False) -> Neff:
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `timings`,
-    records the seconds of its stages: kernels, prefetch, sync (waits) and the cost estimate."""
+    records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the cost estimate."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
     em = Emitter(target)
@@ -45,13 +45,15 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
         kernel(em, node, plan)
     timings["codegen/kernels"] = time.perf_counter() - start
-    instructions = em.instructions
+    start = time.perf_counter()
+    instructions, grid = em.instructions, HazardGrid(em.instructions, plan.tensors, target)
+    timings["codegen/hazard grid"] = time.perf_counter() - start
     if prefetch:
         start = time.perf_counter()
-        instructions = prefetch_loads(instructions, plan.tensors, target)
+        instructions = prefetch_loads(instructions, grid)
         timings["codegen/prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
-    streams = insert_waits(instructions, plan.tensors, target)
+    streams = insert_waits(instructions, plan.tensors, target, grid)
     timings["codegen/sync"] = time.perf_counter() - start
     start = time.perf_counter()
     makespan, kernel_ns = estimate_streams(streams, target)

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from neuronc.codegen.sync import Cells, Regions
+from neuronc.codegen.sync import HazardGrid
 from neuronc.isa import Engine, Instruction, Opcode, Space
-from neuronc.targets import Target
 
 
 # How many of a kernel's first computing instructions get their operands prefetched: enough for a matmul's
@@ -35,40 +34,32 @@ def _is_load(inst: Instruction) -> bool:
             and inst.operands[0].space == Space.SBUF)
 
 
-def _first_reads(instructions: list, cells, count: int) -> dict:
+def _first_reads(instructions: list, grid: HazardGrid) -> dict:
     """{kernel: boolean mask of the tracking cells its first PREFETCH_STEPS computing instructions read}."""
     steps: dict = {}
     needs: dict = {}
     for inst in instructions:
         if inst.engine != Engine.DMA and inst.reads and steps.get(inst.kernel, 0) < PREFETCH_STEPS:
             steps[inst.kernel] = steps.get(inst.kernel, 0) + 1
-            mask = needs.setdefault(inst.kernel, np.zeros(count, dtype=bool))
-            for a, b in cells(inst.reads):
+            mask = needs.setdefault(inst.kernel, np.zeros(grid.count, dtype=bool))
+            for a, b in grid.access(inst)[0]:
                 mask[a:b] = True
     return needs
 
 
-def prefetch_loads(instructions: list, tensors: list, target: Target) -> list:
+def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     """The instructions in a new program order: the loads a kernel's first steps read, when they depend on
     nothing of their own kernel, moved up into the previous kernel (everything else in emitted order)."""
-    regions = Regions(tensors, target)
-    boxes = {ap: regions(ap) for inst in instructions for ap in (*inst.reads, *inst.writes)}
-    layout = Cells(list(set(boxes.values())))
-    spans = {box: layout.spans(box) for box in set(boxes.values())}
-
-    def cells(aps) -> list:
-        return [span for ap in aps for span in spans[boxes[ap]]]
-
-    needs = _first_reads(instructions, cells, layout.count)
-    last_write = np.full(layout.count, -1, dtype=np.int64)  # program position of each cell's last writer
-    last_use = np.full(layout.count, -1, dtype=np.int64)  # ... of its last reader or writer
+    needs = _first_reads(instructions, grid)
+    last_write = np.full(grid.count, -1, dtype=np.int64)  # program position of each cell's last writer
+    last_use = np.full(grid.count, -1, dtype=np.int64)  # ... of its last reader or writer
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> the position it now precedes
     for position, inst in enumerate(instructions):
         kernel = inst.kernel
         first.setdefault(kernel, position)
-        reads, writes = cells(inst.reads), cells(inst.writes)
+        reads, writes = grid.access(inst)
         if _is_load(inst):
             if kernel - 1 in first and kernel in needs and any(needs[kernel][a:b].any() for a, b in writes):
                 after = max([last_write[a:b].max() for a, b in reads] + [last_use[a:b].max() for a, b in writes])

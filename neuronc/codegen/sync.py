@@ -115,27 +115,41 @@ class Cells:
         return tuple((base + row * cols + col0, base + row * cols + col1 + 1) for row in range(row0, row1 + 1))
 
 
-def insert_waits(instructions: list, tensors: list, target: Target) -> dict:
-    """Returns {(engine, queue): [instructions]} with `waits` filled in."""
-    regions = Regions(tensors, target)
-    boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
-    accesses = []
-    for inst in instructions:
-        for ap in (*inst.reads, *inst.writes):
-            if ap not in boxes:
-                boxes[ap] = regions(ap)
-        accesses.append(([boxes[ap] for ap in inst.reads], [boxes[ap] for ap in inst.writes]))
-    layout = Cells(list(boxes.values()))
-    spans = {box: layout.spans(box) for box in boxes.values()}
+class HazardGrid:
+    """What each instruction of a program touches, as [start, stop) spans of tracking cells: the one
+    description of memory that the scheduling pass (codegen.schedule) and the waits share."""
+
+    def __init__(self, instructions: list, tensors: list, target: Target):
+        regions = Regions(tensors, target)
+        boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
+        for inst in instructions:
+            for ap in (*inst.reads, *inst.writes):
+                if ap not in boxes:
+                    boxes[ap] = regions(ap)
+        distinct = list(dict.fromkeys(boxes.values()))
+        layout = Cells(distinct)
+        spans = {box: layout.spans(box) for box in distinct}
+        self.count = layout.count
+        self._access = {id(inst): ([span for ap in inst.reads for span in spans[boxes[ap]]],
+                                   [span for ap in inst.writes for span in spans[boxes[ap]]])
+                        for inst in instructions}
+
+    def access(self, inst) -> tuple:
+        """(spans read, spans written) of an instruction of the program."""
+        return self._access[id(inst)]
+
+
+def insert_waits(instructions: list, tensors: list, target: Target, grid: HazardGrid | None = None) -> dict:
+    """Returns {(engine, queue): [instructions]} with `waits` filled in (`grid`: the program's, if made)."""
+    grid = grid or HazardGrid(instructions, tensors, target)
     stream_keys = sorted({inst.stream for inst in instructions})
     number = {key: n for n, key in enumerate(stream_keys)}
-    cells = [_NEVER] * layout.count
+    cells = [_NEVER] * grid.count
     known = [[0] * len(stream_keys) for _ in stream_keys]  # [me][other]: count already waited for
     streams: dict = defaultdict(list)
-    for inst, (reads, writes) in zip(instructions, accesses):
+    for inst in instructions:
         me = number[inst.stream]
-        read_spans = [span for box in reads for span in spans[box]]
-        write_spans = [span for box in writes for span in spans[box]]
+        read_spans, write_spans = grid.access(inst)
         need: dict = {}
         for start, stop in read_spans:  # read after write
             for last in set(cells[start:stop]):
