@@ -134,13 +134,16 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
 
 
 def breakdown(neff, target) -> list:
-    """[(kind of kernel, count, us)] of a program, largest first: each kernel's span on the estimated
-    timeline (first instruction's start to last one's end; kernels overlap, so shares may sum past 1)."""
+    """[(kind of kernel, count, us)] of a program, largest first: what each kernel adds to the program's end
+    time, in program order (its end past the latest end of the kernels before it). Kernels overlap (and
+    prefetch their loads during the previous one), so this splits the estimated time exactly: shares sum to 1."""
     kinds: dict = {}
-    for index, (start, end) in kernel_spans(neff.streams, target).items():
+    reached = 0.0
+    for index, (_, end) in sorted(kernel_spans(neff.streams, target).items()):
         kind = neff.kernels[index].name.rsplit("_", 1)[0] if 0 <= index < len(neff.kernels) else "(none)"
         count, ns = kinds.get(kind, (0, 0.0))
-        kinds[kind] = (count + 1, ns + end - start)
+        kinds[kind] = (count + 1, ns + max(0.0, end - reached))
+        reached = max(reached, end)
     return sorted(((kind, count, ns / 1e3) for kind, (count, ns) in kinds.items()), key=lambda k: -k[2])
 
 
