@@ -330,7 +330,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             return
         qt, acc = blk.qt, row["acc"]
         l, out = tile_at(acc, dv, qt, 1), pools["out"].next().ap(qt, dv)
-        vector(Opcode.TENSOR_TENSOR, out, tile_at(acc, 0, qt, dv), broadcast_columns(l, dv), alu=AluOp.DIVIDE)
+        per_row = broadcast_columns(l, dv)  # held per partition: one pass over P V, divided as TENSOR_TENSOR would
+        vector(Opcode.TENSOR_ALU2, out, tile_at(acc, 0, qt, dv), per_row, per_row, alu=AluOp.DIVIDE)
         if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
             empty = small("empty_row", qt)
             vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
