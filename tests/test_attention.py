@@ -223,6 +223,6 @@ def test_keys_beyond_one_softmax_group_rescale_the_accumulator_once_per_group_an
     model, inputs = MaskedFillAttention(causal=False), _qkv(1, 2200, 64, torch.bfloat16)
     compiled, out = _compile_and_run(model, inputs)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
-    rescales = [i for i in instructions if i.opcode == Opcode.TENSOR_TENSOR and i.alu.name == "MULTIPLY"]
+    rescales = [i for i in instructions if i.opcode == Opcode.TENSOR_ALU2 and i.alu.name == "MULTIPLY"]
     assert len(rescales) == -(-2200 // 128)
     assert_matches_eager(out, model(*inputs))

@@ -313,7 +313,8 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         x["pt"] = evacuated(x["pt_psum"], blk.qt, x["chunks"])
         if "corr" in x:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
             acc = row["acc"]
-            vector(Opcode.TENSOR_TENSOR, acc, acc, broadcast_columns(x["corr"], dv + 1), alu=AluOp.MULTIPLY)
+            corr = broadcast_columns(x["corr"], dv + 1)  # held per partition: one pass
+            vector(Opcode.TENSOR_ALU2, acc, acc, corr, corr, alu=AluOp.MULTIPLY)
 
     def product_stage(blk, row, x):
         """[P V | rowsum P] into (or added to) the query tile's accumulator in PSUM."""
