@@ -74,13 +74,18 @@ def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: 
     the row sums and per-row steps on the Scalar engine or not, the tail whole or cut, shared inputs loaded after
     the first one or two groups of row tiles."""
     plan = tile_plan(body, views, input_dtypes)
+    kinds = step_kinds(body, views)
     tail = tail_steps(body, views, plan)
     bufs = fitting[0]
     together = (1, 2) if bufs == PAIRED_BUFS else (1,)
+    # a choice that changes nothing in this kernel is not offered twice
+    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instrs.values()) else (True,)
+    row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) for j in plan.instrs) else (True,)
     cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
-    return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in
-            itertools.product(together, (True, False), (True, False), cuts, (1, 2))
-            if bufs // t - 1 >= 1]
+    shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
+    return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
+                                                                                   shared)
+            if bufs // t - 1 >= a]  # groups loaded ahead: at least one, and those loaded before the shared inputs
 
 
 class _Op(NamedTuple):
