@@ -107,7 +107,8 @@ class _RowTile:
                 bias, scale = read(instr.shift, full=False), -1.0
             else:
                 bias, scale = extra["bias"](), 1.0
-                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0)
+                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0,
+                             on=Engine.SCALAR if self.schedule.row_steps_on_scalar else None)  # a per-row step
             engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, out, row_sum, read(instr.src), bias,
                              func=_activation_func(instr.act), imm0=scale)
         elif isinstance(instr, Act):

@@ -80,7 +80,8 @@ def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: 
     together = (1, 2) if bufs == PAIRED_BUFS else (1,)
     # a choice that changes nothing in this kernel is not offered twice
     row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instrs.values()) else (True,)
-    row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) for j in plan.instrs) else (True,)
+    row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) or isinstance(i, Summed) and i.shift
+                                     and not i.negated for j, i in plan.instrs.items()) else (True,)
     cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
     shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
     return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
@@ -96,6 +97,7 @@ class _Op(NamedTuple):
     reads_input: bool  # a row-tile input
     reads_shared: bool  # an input the same for every row
     makes: tuple  # the steps it makes
+    ends_step: bool = True  # the last instruction of its plan step (codegen's chains yield after each step)
 
 
 def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) -> list:
@@ -121,34 +123,33 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
             continue
         width = cols if kinds[j] == "full" else 1
         if isinstance(instr, Alu2):
-            args = instr.reads
-            if j in tail:
-                tail_ops.append((j, args, streamed(args)))
-                continue
-            ops.append(op("alu", width, streamed(args), args, (j,)))
+            engine, passes, reads = "alu", streamed(instr.reads), instr.reads
         elif isinstance(instr, Summed):
             if instr.shift is not None and not instr.negated:
-                ops.append(op("alu", 1, 1, (instr.shift,), ()))
+                negate = op(Engine.SCALAR if schedule.row_steps_on_scalar else "alu", 1, 1, (instr.shift,), ())
+                ops.append(negate._replace(ends_step=False))  # the bias, -shift: a per-row ALU step
             ops.append(op(Engine.SCALAR, cols, 1, instr.reads, (j, instr.row_sum)))
+            continue
         elif isinstance(instr, Act):
-            ops.append(op(Engine.SCALAR, width, 1, instr.reads, (j,)))
+            engine, passes, reads = Engine.SCALAR, 1, instr.reads
         elif isinstance(instr, RowSum):
-            ops.append(op(Engine.SCALAR if schedule.row_sum_on_scalar else "alu", cols, 1, instr.reads, (j,)))
+            engine, passes, reads = Engine.SCALAR if schedule.row_sum_on_scalar else "alu", 1, instr.reads
+            width = cols
         elif body[j].op is Op.REDUCE_LAST:
-            ops.append(op("alu", cols, 1, instr.reads, (j,)))
+            engine, passes, reads, width = "alu", 1, instr.reads, cols
         else:
-            tiles = [a for a in instr.args if a[0] != "imm"]
-            if j in tail:
-                tail_ops.append((j, tuple(tiles), len(tiles)))
-                continue
+            reads = tuple(a for a in instr.args if a[0] != "imm")
             engine = Engine.SCALAR if body[j].op in ACTIVATION_OPS or (
                 schedule.row_steps_on_scalar and width == 1 and per_row_alu(body[j])) else "alu"
-            elements = cols if any(kind_of(a) in ("full", "col") for a in tiles) else width
-            ops.append(op(engine, elements, len(tiles), tuple(tiles), (j,)))
-    if tail:
-        for (c0, c1), engine in zip(((0, schedule.cut), (schedule.cut, cols)), split_engines(target)):
-            for j, args, passes in tail_ops:
-                ops.append(op(engine, c1 - c0, passes, args, (j,)))
+            passes = len(reads)
+            width = cols if any(kind_of(a) in ("full", "col") for a in reads) else width
+        if j in tail:
+            tail_ops.append((j, engine, passes, reads))
+        else:
+            ops.append(op(engine, width, passes, reads, (j,)))
+    for (c0, c1), half_engine in zip(((0, schedule.cut), (schedule.cut, cols)) if tail else (), split_engines(target)):
+        for j, engine, passes, reads in tail_ops:  # an activation stays on the Scalar engine
+            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,)))
     return ops
 
 
@@ -204,7 +205,8 @@ def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int
             load[engine] += cost
             for s in o.makes:
                 made[s] = max(made.get(s, 0.0), start + cost)
-            yield
+            if o.ends_step:
+                yield
         out = made.get(plan.out_step, 0.0)
         nbytes = rt * cols * out_dtype.itemsize
         done_at[n] = dma(nbytes, dma_pieces(nbytes, rt, last, target), out)
