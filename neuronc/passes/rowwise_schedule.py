@@ -48,11 +48,15 @@ def split_engines(target: Target) -> tuple:
 
 def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> int:
     """Slices (one queue each) of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last
-    stores) as many as give each slice a transfer at least as long as its issue, else the cost model's default."""
+    stores) as many as give each slice a transfer at least as long as its issue, and a divisor of the tile's groups
+    of partitions (codegen cuts slices at their boundaries: uneven slices would end with the largest); else the
+    cost model's default."""
     if not latency_bound:
         return dma_slice_count(rows, nbytes, target)
     worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue  # bytes moved in one issue time
-    return max(1, min(target.dma_queues, rows, int(nbytes // worth_issuing)))
+    groups = -(-rows // max(1, target.partitions // target.dma_queues))  # codegen.access.dma_slices' cut points
+    pieces = max(1, min(target.dma_queues, groups, int(nbytes // worth_issuing)))
+    return max(n for n in range(1, pieces + 1) if groups % n == 0)
 
 
 def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list:
