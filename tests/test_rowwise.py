@@ -15,7 +15,7 @@ from neuronc.passes import rowwise_schedule
 from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
 from neuronc.passes.rowwise_schedule import Schedule
 from neuronc.targets import get_target
-from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
+from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -272,3 +272,17 @@ def test_a_schedules_price_is_the_emulated_time_within_a_tenth(monkeypatch, sche
     priced = rowwise_schedule.rowwise_ns(node.attrs["body"], node.attrs["views"], [i.dtype for i in node.inputs],
                                          node.dtype, 512, 768, schedule, get_target())
     assert priced == pytest.approx(compiled.neff.estimated_ns, rel=0.1)
+
+
+@pytest.mark.parametrize("rows", [128, 72, 8])
+def test_a_latency_bound_row_tile_dma_is_cut_into_even_slices(rows):
+    """The first loads and last stores go over several queues, in slices codegen cuts at partition groups: a count
+    that does not divide the groups would leave one slice larger than the others, and the transfer ends with it."""
+    from neuronc.codegen.access import dma_slices
+    from neuronc.codegen.emitter import Emitter
+
+    target = get_target()
+    tile = Emitter(target).sbuf_pool(DType.BF16, 768).next().ap(rows, 768)
+    pieces = rowwise_schedule.dma_pieces(rows * 768 * DType.BF16.itemsize, rows, True, target)
+    slices = dma_slices(target, tile, pieces)
+    assert len(slices) == pieces and len({b - a for a, b in slices}) == 1

@@ -134,7 +134,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
     steps (reduced values broadcast over the row with a stride-0 read) on chip, as the fewer instructions of
     the body's `tile_plan`, and store the result once. Inputs the same for every row (a norm's weight and bias)
-    are loaded once for all row tiles. The node's "schedule" (passes/rowwise.py, chosen by pricing) says how:
+    are loaded once for all row tiles. The node's "schedule" (passes/rowwise_schedule.py, priced) says how:
     its row tiles in pairs (their instructions emitted interleaved, so that the engines' in-order queues
     alternate between two independent chains) or one at a time, the row sum and the per-row steps on the Scalar
     engine or not, and where the tail's columns are cut in two halves computed side by side on two engines."""

@@ -529,7 +529,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
 def tail_steps(body, views, plan: TilePlan) -> tuple:
     """The last instructions of a row tile's plan that are elementwise over full rows (no reduction, no row sum),
     ending with the output's: each column of them needs only the same columns of what it reads, so they may be
-    computed, and the output stored, a piece of the columns at a time."""
+    computed a part of the columns at a time, the parts on different engines (a schedule's `cut`)."""
     kinds = step_kinds(body, views)
     tail = []
     for j in reversed([j for j in plan.instrs if kinds[j] != "col"]):

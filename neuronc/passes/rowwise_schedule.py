@@ -42,8 +42,11 @@ class Schedule(NamedTuple):
 
 def split_engines(target: Target) -> tuple:
     """The engines of a cut tail's two halves: the faster ALU engine takes the first, wider one."""
-    clocks = {Engine.VECTOR: target.vector_ghz, Engine.GPSIMD: target.gpsimd_ghz}
-    return tuple(sorted(ALU_ENGINES, key=lambda e: -clocks[e]))
+    return tuple(sorted(ALU_ENGINES, key=lambda e: -_alu_ghz(e, target)))
+
+
+def _alu_ghz(engine: Engine, target: Target) -> float:
+    return target.vector_ghz if engine is Engine.VECTOR else target.gpsimd_ghz
 
 
 def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> int:
@@ -66,8 +69,7 @@ def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list
         return []
     widths = [DType.F32.itemsize] + [out_dtype.itemsize] + [body[j].dtype.itemsize for j in tail]
     step = SBUF_PAGE_BYTES // min(widths)
-    fast, slow = (target.gpsimd_ghz, target.vector_ghz) if split_engines(target)[0] is Engine.GPSIMD else (
-        target.vector_ghz, target.gpsimd_ghz)
+    fast, slow = (_alu_ghz(e, target) for e in split_engines(target))
     even = cols * fast / (fast + slow)
     near = {int(even // step) * step, -(-int(even) // step) * step}
     return sorted(c for c in near if 0 < c < cols)
