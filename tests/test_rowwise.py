@@ -11,9 +11,11 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.passes.cost_model import fits_sbuf
+from neuronc.passes import rowwise_schedule
 from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
+from neuronc.passes.rowwise_schedule import Schedule
 from neuronc.targets import get_target
-from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
+from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from runtime import run_neff
 from tests.conftest import assert_matches_eager
 
@@ -130,11 +132,11 @@ def _layer_norm_buffers(rows: int, width: int) -> int:
         expected = model(x)
     compiled, out = _compile_and_run(model, x)
     assert_matches_eager(out, expected)
-    return _rowwise_node(compiled).attrs["bufs"]
+    return _rowwise_node(compiled).attrs["schedule"].bufs
 
 
-def test_row_tiles_are_computed_in_pairs_when_sbuf_holds_twice_the_buffers():
-    assert _layer_norm_buffers(600, 96) == PAIRED_BUFS  # five row tiles: two pairs and one alone
+def test_row_tiles_get_twice_the_buffers_when_sbuf_holds_them():
+    assert _layer_norm_buffers(600, 96) == PAIRED_BUFS  # five row tiles: pairs are among the schedules priced
 
 
 @pytest.mark.parametrize("bufs", BUF_CHOICES[1:])
@@ -183,11 +185,13 @@ def test_a_row_tile_makes_one_pass_per_fused_group_of_steps(name, dtype):
     assert_matches_eager(out, expected)
 
 
-def test_the_planner_knows_the_activations_codegen_computes():
-    from neuronc.codegen.elementwise import ACTIVATIONS
+def test_the_planner_knows_the_activations_and_alu_ops_codegen_computes():
+    from neuronc.codegen.elementwise import ACTIVATIONS, ALU
     from neuronc.passes.rowwise import ACTIVATION_OPS
+    from neuronc.passes.rowwise_schedule import ALU_OPS
 
     assert ACTIVATION_OPS == set(ACTIVATIONS)
+    assert ALU_OPS == set(ALU)
 
 
 class ShiftedSoftmax(nn.Module):
@@ -210,3 +214,75 @@ def test_a_per_row_input_is_subtracted_in_the_summed_activation_when_fp32(shift_
                     if i.opcode == Opcode.TENSOR_ALU2 and i.alu == AluOp.SUBTRACT]
     assert len(subtractions) == (0 if shift_dtype == torch.float32 else 2)  # a bf16 shift is subtracted on its own
     assert_matches_eager(out, model(x, m))
+
+
+# Schedules: how the row tiles go over the engines (passes/rowwise_schedule.py) --------------------------------------
+
+PAIRED = Schedule(bufs=PAIRED_BUFS, together=2, row_sum_on_scalar=False, row_steps_on_scalar=False, cut=0,
+                  shared_after=1)  # row tiles in pairs, every ALU step balanced over Vector and GpSimd
+
+
+def _compile_with(monkeypatch, model, x, schedule=None):
+    """Compile and run `model` at -O2, its ROWWISE kernel under `schedule` (None: the one priced cheapest)."""
+    with monkeypatch.context() as patched:
+        if schedule is not None:
+            patched.setattr(rowwise_schedule, "choose_schedule", lambda *args: schedule)
+        return _compile_and_run(model, x)
+
+
+def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits(monkeypatch):
+    """GPT-2's layer-norm ([512, 768] bf16: four row tiles) as priced: one tile at a time, row statistics on the
+    Scalar engine, the tail cut over GpSimd and Vector; faster than row tiles in pairs, and bit for bit the same."""
+    torch.manual_seed(0)
+    model, x = _layer_norm(768).to(torch.bfloat16), (torch.randn(512, 768) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+    chosen, out = _compile_with(monkeypatch, model, x)
+    paired, paired_out = _compile_with(monkeypatch, model, x, PAIRED)
+    schedule = _rowwise_node(chosen).attrs["schedule"]
+    assert schedule.together == 1 and schedule.row_steps_on_scalar and schedule.cut == 512
+    assert chosen.neff.estimated_ns < 0.9 * paired.neff.estimated_ns
+    assert torch.equal(out, paired_out)
+    assert_matches_eager(out, expected)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "softmax", "rms_norm"])
+def test_every_schedule_computes_the_same_bits(monkeypatch, name):
+    """A partial last row tile (200 rows), a tail cut at a page boundary (256 fp32 columns), the per-row steps and
+    row sums on either engine: the numbers never change."""
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](768).eval(), torch.randn(200, 768) * 3
+    with torch.no_grad():
+        expected = model(x)
+    schedules = [PAIRED, Schedule(3, 1, True, True, 512, 2), Schedule(2, 1, False, True, 256, 1)]
+    programs, outs = zip(*(_compile_with(monkeypatch, model, x, schedule) for schedule in schedules))
+    work = {tuple(sorted((key, i.opcode, i.dst.free_elements) for key, stream in p.neff.streams.items() for i in stream))
+            for p in programs}
+    assert len(work) == len(schedules)  # three different programs
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert_matches_eager(outs[0], expected)
+
+
+@pytest.mark.parametrize("schedule", [PAIRED, Schedule(4, 1, True, True, 512, 2)], ids=["paired", "cut"])
+def test_a_schedules_price_is_the_emulated_time_within_a_tenth(monkeypatch, schedule):
+    torch.manual_seed(0)
+    model, x = _layer_norm(768).to(torch.bfloat16), torch.randn(512, 768).to(torch.bfloat16)
+    compiled, _ = _compile_with(monkeypatch, model, x, schedule)
+    node = _rowwise_node(compiled)
+    priced = rowwise_schedule.rowwise_ns(node.attrs["body"], node.attrs["views"], [i.dtype for i in node.inputs],
+                                         node.dtype, 512, 768, schedule, get_target())
+    assert priced == pytest.approx(compiled.neff.estimated_ns, rel=0.1)
+
+
+@pytest.mark.parametrize("rows", [128, 72, 8])
+def test_a_latency_bound_row_tile_dma_is_cut_into_even_slices(rows):
+    """The first loads and last stores go over several queues, in slices codegen cuts at partition groups: a count
+    that does not divide the groups would leave one slice larger than the others, and the transfer ends with it."""
+    from neuronc.codegen.access import dma_slices
+    from neuronc.codegen.emitter import Emitter
+
+    target = get_target()
+    tile = Emitter(target).sbuf_pool(DType.BF16, 768).next().ap(rows, 768)
+    pieces = rowwise_schedule.dma_pieces(rows * 768 * DType.BF16.itemsize, rows, True, target)
+    slices = dma_slices(target, tile, pieces)
+    assert len(slices) == pieces and len({b - a for a, b in slices}) == 1

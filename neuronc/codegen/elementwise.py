@@ -304,17 +304,18 @@ class Balancer:
             if inst.engine in self.busy:
                 self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target)
 
-    def _engine(self) -> Engine:
-        return min(self.CANDIDATES, key=self.busy.get)
+    def _engine(self, on: Engine | None = None) -> Engine:
+        return on or min(self.CANDIDATES, key=self.busy.get)
 
-    def emit(self, opcode, *operands, **fields) -> None:
+    def emit(self, opcode, *operands, on: Engine | None = None, **fields) -> None:
+        """An ALU instruction on the least loaded candidate, or on engine `on` when the caller places it."""
         start = len(self.em.instructions)
-        self.em.emit(opcode, self._engine(), *operands, **fields)
+        self.em.emit(opcode, self._engine(on), *operands, **fields)
         self._charge(start)
 
-    def compute(self, step, out, args, constants, loc) -> None:
+    def compute(self, step, out, args, constants, loc, on: Engine | None = None) -> None:
         start = len(self.em.instructions)
-        compute_step(self.em, step, out, args, constants, loc, self._engine())
+        compute_step(self.em, step, out, args, constants, loc, self._engine(on))
         self._charge(start)
 
     def scalar_is_freest(self) -> bool:

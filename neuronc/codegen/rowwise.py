@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc.codegen.access import broadcast_columns, dma_by_rows, first_rows
+from neuronc.codegen.access import broadcast_columns, column_slice, dma_by_rows, first_rows
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import (BUFS, OUT_SLOT, PAIRED_BUFS, Act, Alu2, RowSum, Summed, needs_constants, step_kinds,
-                                    tile_plan)
+from neuronc.passes.rowwise import OUT_SLOT, Act, Alu2, RowSum, Summed, needs_constants, step_kinds, tail_steps, tile_plan
+from neuronc.passes.rowwise_schedule import Schedule, dma_pieces, per_row_alu, split_engines
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -64,23 +64,20 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
 
 
-def _pieces(em: Emitter, tile, latency_bound: bool) -> int | None:
-    """Slices of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last stores) as
-    many queues as give each slice a transfer at least as long as its issue (a smaller slice would mostly
-    pay the issue), else `dma_by_rows`'s default (slices of at least the bytes that keep a DMA efficient)."""
-    if not latency_bound:
-        return None
-    t = em.target
-    worth_issuing = t.dma_fixed_ns * t.dma_gbps_per_queue  # bytes moved in one issue time (GB/s = bytes/ns)
-    return max(1, min(t.dma_queues, int(tile.num_elements * tile.dtype.itemsize // worth_issuing)))
+def _pieces(em: Emitter, tile, latency_bound: bool) -> int:
+    """Slices of a row tile's DMA (passes/rowwise_schedule.py `dma_pieces`, the rule its pricing uses)."""
+    return dma_pieces(tile.num_elements * tile.dtype.itemsize, tile.partitions, latency_bound, em.target)
 
 
-def _tile_arg(arg, tiles, results, rt, cols, full: bool):
-    """The tile an instruction reads for `arg` in a row tile of `rt` rows; a per-row value read by a full-row
-    instruction is broadcast along the free axis (stride 0)."""
+def _tile_arg(arg, tiles, results, rt, cols, full: bool, columns=None):
+    """The tile an instruction reads for `arg` in a row tile of `rt` rows, or in its columns [c0, c1) when
+    `columns` is given; a per-row value read by a full-row instruction is broadcast along the free axis."""
     kind, ref = arg
     tile = first_rows(tiles[ref] if kind == "input" else results[ref], rt)
-    return broadcast_columns(tile, cols) if full and tile.free_elements == 1 < cols else tile
+    if columns is not None and tile.free_elements == cols > 1:
+        return column_slice(tile, *columns)
+    width = cols if columns is None else columns[1] - columns[0]
+    return broadcast_columns(tile, width) if full and tile.free_elements == 1 < width else tile
 
 
 def _activation_func(op) -> ActFunc:
@@ -90,16 +87,17 @@ def _activation_func(op) -> ActFunc:
 class _RowTile:
     """Emits the instructions of one row tile's plan (passes/rowwise.py `tile_plan`)."""
 
-    def __init__(self, engines, node, consts):
-        self.engines, self.node, self.consts = engines, node, consts
+    def __init__(self, engines, node, consts, schedule: Schedule):
+        self.engines, self.node, self.consts, self.schedule = engines, node, consts, schedule
 
-    def emit(self, j, instr, out, read, results, rt, extra):
+    def emit(self, j, instr, out, read, results, rt, extra, on=None):
+        """The instruction(s) of step j into `out`; ALU work on engine `on`, or as the schedule places it."""
         body, engines = self.node.attrs["body"], self.engines
         if isinstance(instr, Alu2):
             a, b = read(instr.a), read(instr.b)
             c = read(instr.c) if instr.c else b
             engines.emit(Opcode.TENSOR_ALU2, out, a, b, c, alu=ALU[instr.op],
-                         alu1=ALU[instr.op1] if instr.op1 else AluOp.NONE)
+                         alu1=ALU[instr.op1] if instr.op1 else AluOp.NONE, on=on)
         elif isinstance(instr, Summed):
             row_sum = extra["tile_of"](instr.row_sum)
             results[instr.row_sum] = row_sum
@@ -109,14 +107,15 @@ class _RowTile:
                 bias, scale = read(instr.shift, full=False), -1.0
             else:
                 bias, scale = extra["bias"](), 1.0
-                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0)
+                engines.emit(Opcode.TENSOR_SCALAR, bias, read(instr.shift, full=False), alu=AluOp.MULTIPLY, imm0=-1.0,
+                             on=Engine.SCALAR if self.schedule.row_steps_on_scalar else None)  # a per-row step
             engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, out, row_sum, read(instr.src), bias,
                              func=_activation_func(instr.act), imm0=scale)
         elif isinstance(instr, Act):
             engines.activate(Opcode.ACTIVATE, out, read(instr.src), func=ACTIVATIONS[instr.act], imm0=instr.scale,
                              imm1=instr.bias)
         elif isinstance(instr, RowSum):
-            if engines.scalar_is_freest():  # the identity values go to the scratch tile
+            if self.schedule.row_sum_on_scalar:  # the identity values go to the scratch tile
                 engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, self.consts["scratch"](rt), out, read(instr.src),
                                  self.consts["zero"](rt), func=ActFunc.IDENTITY, imm0=1.0)
             else:
@@ -125,7 +124,9 @@ class _RowTile:
             engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.args[0]), alu=REDUCTIONS[body[j].attrs["kind"]])
         else:
             args = [float(ref) if a == "imm" else read((a, ref)) for a, ref in instr.args]
-            engines.compute(body[j], out, args, self.consts["select"], self.node.loc)
+            if on is None and self.schedule.row_steps_on_scalar and out.free_elements == 1 and per_row_alu(body[j]):
+                on = Engine.SCALAR  # a per-row value: the Scalar engine, where the row's statistics are made
+            engines.compute(body[j], out, args, self.consts["select"], self.node.loc, on=on)
 
 
 def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -133,15 +134,17 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     every input's whole rows once, compute the body's reductions ([rows, 1] results) and elementwise
     steps (reduced values broadcast over the row with a stride-0 read) on chip, as the fewer instructions of
     the body's `tile_plan`, and store the result once. Inputs the same for every row (a norm's weight and bias)
-    are loaded once for all row tiles. With the node's "bufs" twice BUFS, row tiles go in pairs whose
-    instructions are emitted interleaved, so the engines' in-order queues alternate between two independent
-    chains instead of waiting on one."""
+    are loaded once for all row tiles. The node's "schedule" (passes/rowwise_schedule.py, priced) says how:
+    its row tiles in pairs (their instructions emitted interleaved, so that the engines' in-order queues
+    alternate between two independent chains) or one at a time, the row sum and the per-row steps on the Scalar
+    engine or not, and where the tail's columns are cut in two halves computed side by side on two engines."""
     body, views = node.attrs["body"], node.attrs["views"]
     rows, cols = node.attrs["rows"], node.attrs["cols"]
     kinds = step_kinds(body, views)
     tiles_plan = tile_plan(body, views, [x.dtype for x in node.inputs])
     slots, count = tiles_plan.slots, tiles_plan.count
-    bufs = node.attrs.get("bufs", BUFS)
+    schedule = node.attrs["schedule"]
+    bufs = schedule.bufs
     parts = em.target.partitions
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
     full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) for _ in range(count["full"])]
@@ -183,7 +186,9 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 results[j] = out
 
     sr_out, sc_out = node.attrs["out_strides"]
-    emitter = _RowTile(engines, node, consts)
+    emitter = _RowTile(engines, node, consts, schedule)
+    tail = tail_steps(body, views, tiles_plan) if schedule.cut else ()
+    halves = [(0, schedule.cut), (schedule.cut, cols)]  # the tail's columns, side by side on two engines
 
     def load(r0, first):
         """Issue the loads of the row tile at r0 (of the first group: every queue at once): its input tiles."""
@@ -220,7 +225,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
         extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1)}
         for j, instr in tiles_plan.instrs.items():
-            if kinds[j] == "col":
+            if kinds[j] == "col" or j in tail:
                 continue
             out = tile_of(j)
             full_row = kinds[j] == "full"
@@ -229,17 +234,27 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                          results_here, rt, extra)
             results_here[j] = out
             yield
+        for j in tail:
+            results_here[j] = tile_of(j)
+        for (c0, c1), on in zip(halves if tail else (), split_engines(em.target)):
+            for j in tail:
+                emitter.emit(j, tiles_plan.instrs[j], column_slice(results_here[j], c0, c1),
+                             lambda arg: _tile_arg(arg, tiles, results_here, rt, cols, True, (c0, c1)),
+                             results_here, rt, extra, on)
+                yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
         dma_by_rows(em, dst, results_here[tiles_plan.out_step], _pieces(em, results_here[tiles_plan.out_step], last))
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.
-    together = 2 if bufs == PAIRED_BUFS else 1
+    together = schedule.together
     depth = bufs // together - 1  # groups loaded ahead of the one computed
     starts = list(range(0, rows, parts))
     groups = [starts[g:g + together] for g in range(0, len(starts), together)]
-    ahead = [[load(r0, n == 0) for r0 in group] for n, group in enumerate(groups[:depth])]
-    load_shared()  # after the first row tiles: the first steps do not read them
+    first = min(depth, schedule.shared_after)  # groups loaded before the shared inputs: the first steps do not read them
+    ahead = [[load(r0, n == 0) for r0 in group] for n, group in enumerate(groups[:first])]
+    load_shared()
+    ahead += [[load(r0, False) for r0 in group] for group in groups[first:depth]]
     for n, group in enumerate(groups):
         if n + depth < len(groups):
             ahead.append([load(r0, False) for r0 in groups[n + depth]])

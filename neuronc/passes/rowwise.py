@@ -34,10 +34,10 @@ MAX_INPUTS = 8
 MAX_STEPS = 64
 REDUCTIONS = ("add", "max", "min")  # what TENSOR_REDUCE computes
 BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
-# With room for twice as many, row tiles are computed in pairs, their steps interleaved, so that the engines'
-# in-order queues hold two independent chains (codegen reads the node's "bufs")
+# With room for twice as many, row tiles may be computed in pairs, their steps interleaved, so that the engines'
+# in-order queues hold two independent chains; else, with room for one more, two row tiles are loaded ahead.
+# Which way a kernel goes is its "schedule" (passes/rowwise_schedule.py, priced), codegen follows it.
 PAIRED_BUFS = 2 * BUFS
-# Else, with room for one more, row tiles go one at a time with two loaded ahead
 BUF_CHOICES = (PAIRED_BUFS, BUFS + 1, BUFS)
 
 
@@ -526,6 +526,21 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
     return TilePlan(instrs, out_step, slots, count)
 
 
+def tail_steps(body, views, plan: TilePlan) -> tuple:
+    """The last instructions of a row tile's plan that are elementwise over full rows (no reduction, no row sum),
+    ending with the output's: each column of them needs only the same columns of what it reads, so they may be
+    computed a part of the columns at a time, the parts on different engines (a schedule's `cut`)."""
+    kinds = step_kinds(body, views)
+    tail = []
+    for j in reversed([j for j in plan.instrs if kinds[j] != "col"]):
+        instr = plan.instrs[j]
+        if (kinds[j] != "full" or isinstance(instr, (Summed, RowSum))
+                or (isinstance(instr, Plain) and body[j].op is Op.REDUCE_LAST)):
+            break
+        tail.append(j)
+    return tuple(reversed(tail))
+
+
 def _arithmetic(op, args, inner_op, per_row, absorbable):
     """A full-row arithmetic step with two tile operands: a TENSOR_ALU2 absorbing the one-op arithmetic step it
     reads (leftmost, or either for a commutative op; `inner_op` gives (a, b, op) of such a step) when that one dies
@@ -659,8 +674,11 @@ def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
                    if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
+        from neuronc.passes.rowwise_schedule import choose_schedule  # it prices this module's tile plans
+
+        schedule = choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
         taken |= set(group.members)
-        roots[root] = (body, externals, frame, fitting[0])
+        roots[root] = (body, externals, frame, schedule)
     if not roots:
         return graph
     return _rewrite(graph, roots)
@@ -674,10 +692,10 @@ def _rewrite(graph: ir.Graph, roots: dict) -> ir.Graph:
             new_of[old] = new
         if node not in roots:
             return None
-        body, externals, frame, bufs = roots[node]
+        body, externals, frame, schedule = roots[node]
         return ir.node(Op.ROWWISE, [new_of.get(x, x) for x, _ in externals], node.shape, node.dtype, node.loc,
                        body=body, views=tuple(v for _, v in externals), rows=frame.rows, cols=frame.cols,
-                       out_strides=frame.dense, bufs=bufs)
+                       out_strides=frame.dense, schedule=schedule)
 
     for p in graph.params:
         new_of[p] = p

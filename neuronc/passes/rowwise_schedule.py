@@ -1,0 +1,243 @@
+"""How a ROWWISE kernel's row tiles are scheduled on the engines, chosen by pricing each candidate.
+
+A row tile's work is a chain: its loads, its row statistics (reductions and a few per-row steps), then its tail
+(the elementwise passes over the full rows after the last reduction) and its store. With few row tiles (GPT-2's
+512 rows are four) the chains barely overlap unless the engines' in-order queues take them well; with many, the
+busiest engine sets the pace. Which arrangement is fastest depends on the body, the width and the row count, so
+each candidate `Schedule` is priced by `rowwise_ns`, a replay of what codegen emits for it with the rules of
+`neuronc.instruction_cost` (the same numbers the emulator's clock uses), and the cheapest is kept.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
+from neuronc.ir import Op
+from neuronc.isa import DType, Engine
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count
+from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowSum, Summed, input_kind, step_kinds,
+                                    tail_steps, tile_plan)
+from neuronc.targets import Target
+
+ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU work between these
+ALU_OPS = frozenset({Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.REMAINDER, Op.POWER, Op.MAXIMUM, Op.MINIMUM,
+                     Op.ATAN2, Op.AND, Op.OR, Op.XOR})  # what an ALU instruction computes (codegen's ALU table)
+
+
+def per_row_alu(step) -> bool:
+    """Whether a per-row step is one float ALU instruction, which a schedule may put on the Scalar engine (NKI's
+    tensor_scalar runs on the Vector, Scalar or GpSimd engine)."""
+    return step.op in ALU_OPS and step.dtype.is_float
+
+
+class Schedule(NamedTuple):
+    bufs: int  # buffers of each per-row-tile pool (passes/rowwise.py BUF_CHOICES)
+    together: int  # row tiles whose instructions are emitted interleaved (2 needs PAIRED_BUFS)
+    row_sum_on_scalar: bool  # a plain row sum as an identity ACTIVATE_BIAS_REDUCE, else TENSOR_REDUCE on an ALU engine
+    row_steps_on_scalar: bool  # per-row ALU steps (a mean's division) on the Scalar engine, next to the row sums
+    cut: int  # the tail's columns [0, cut) and [cut, cols) on two engines side by side (`split_engines`); 0: whole
+    shared_after: int  # groups of row tiles loaded before the inputs shared by every row (a norm's weight)
+
+
+def split_engines(target: Target) -> tuple:
+    """The engines of a cut tail's two halves: the faster ALU engine takes the first, wider one."""
+    return tuple(sorted(ALU_ENGINES, key=lambda e: -_alu_ghz(e, target)))
+
+
+def _alu_ghz(engine: Engine, target: Target) -> float:
+    return target.vector_ghz if engine is Engine.VECTOR else target.gpsimd_ghz
+
+
+def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> int:
+    """Slices (one queue each) of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last
+    stores) as many as give each slice a transfer at least as long as its issue, and a divisor of the tile's groups
+    of partitions (codegen cuts slices at their boundaries: uneven slices would end with the largest); else the
+    cost model's default."""
+    if not latency_bound:
+        return dma_slice_count(rows, nbytes, target)
+    worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue  # bytes moved in one issue time
+    groups = -(-rows // max(1, target.partitions // target.dma_queues))  # codegen.access.dma_slices' cut points
+    pieces = max(1, min(target.dma_queues, groups, int(nbytes // worth_issuing)))
+    return max(n for n in range(1, pieces + 1) if groups % n == 0)
+
+
+def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list:
+    """Columns where a tail may be cut: at a page boundary of every tile it writes (so that the two halves share
+    no page the sync pass tracks), near the split that would finish both halves together."""
+    if not tail:
+        return []
+    widths = [DType.F32.itemsize] + [out_dtype.itemsize] + [body[j].dtype.itemsize for j in tail]
+    step = SBUF_PAGE_BYTES // min(widths)
+    fast, slow = (_alu_ghz(e, target) for e in split_engines(target))
+    even = cols * fast / (fast + slow)
+    near = {int(even // step) * step, -(-int(even) // step) * step}
+    return sorted(c for c in near if 0 < c < cols)
+
+
+def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
+    """Every schedule the kernel may take: with its largest fitting buffers (pairs of row tiles need PAIRED_BUFS),
+    the row sums and per-row steps on the Scalar engine or not, the tail whole or cut, shared inputs loaded after
+    the first one or two groups of row tiles."""
+    plan = tile_plan(body, views, input_dtypes)
+    kinds = step_kinds(body, views)
+    tail = tail_steps(body, views, plan)
+    bufs = fitting[0]
+    together = (1, 2) if bufs == PAIRED_BUFS else (1,)
+    # a choice that changes nothing in this kernel is not offered twice
+    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instrs.values()) else (True,)
+    row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) or isinstance(i, Summed) and i.shift
+                                     and not i.negated for j, i in plan.instrs.items()) else (True,)
+    cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
+    shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
+    return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
+                                                                                   shared)
+            if bufs // t - 1 >= a]  # groups loaded ahead: at least one, and those loaded before the shared inputs
+
+
+class _Op(NamedTuple):
+    engine: object  # an Engine, or "alu" (the Balancer's choice)
+    elements: int
+    passes: int
+    after: tuple  # the steps whose values it reads
+    reads_input: bool  # a row-tile input
+    reads_shared: bool  # an input the same for every row
+    makes: tuple  # the steps it makes
+    ends_step: bool = True  # the last instruction of its plan step (codegen's chains yield after each step)
+
+
+def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) -> list:
+    """The instructions of one row tile as codegen emits them, each as an _Op."""
+    kinds = step_kinds(body, views)
+    tail = tail_steps(body, views, plan) if schedule.cut else ()
+
+    def kind_of(arg):
+        return kinds[arg[1]] if arg[0] == "step" else input_kind(views[arg[1]]) if arg[0] == "input" else "imm"
+
+    def streamed(args):
+        return len({a for a in args if kind_of(a) in ("full", "col")})
+
+    def op(engine, elements, passes, args, makes):
+        steps = tuple(a[1] for a in args if a[0] == "step" and kinds[a[1]] != "col")
+        inputs = [a for a in args if a[0] == "input"]
+        return _Op(engine, elements, max(1, passes), steps, any(kind_of(a) != "col" for a in inputs),
+                   any(kind_of(a) == "col" for a in args), makes)
+
+    ops, tail_ops = [], []
+    for j, instr in plan.instrs.items():
+        if kinds[j] == "col":
+            continue
+        width = cols if kinds[j] == "full" else 1
+        if isinstance(instr, Alu2):
+            engine, passes, reads = "alu", streamed(instr.reads), instr.reads
+        elif isinstance(instr, Summed):
+            if instr.shift is not None and not instr.negated:
+                negate = op(Engine.SCALAR if schedule.row_steps_on_scalar else "alu", 1, 1, (instr.shift,), ())
+                ops.append(negate._replace(ends_step=False))  # the bias, -shift: a per-row ALU step
+            ops.append(op(Engine.SCALAR, cols, 1, instr.reads, (j, instr.row_sum)))
+            continue
+        elif isinstance(instr, Act):
+            engine, passes, reads = Engine.SCALAR, 1, instr.reads
+        elif isinstance(instr, RowSum):
+            engine, passes, reads = Engine.SCALAR if schedule.row_sum_on_scalar else "alu", 1, instr.reads
+            width = cols
+        elif body[j].op is Op.REDUCE_LAST:
+            engine, passes, reads, width = "alu", 1, instr.reads, cols
+        else:
+            reads = tuple(a for a in instr.args if a[0] != "imm")
+            engine = Engine.SCALAR if body[j].op in ACTIVATION_OPS or (
+                schedule.row_steps_on_scalar and width == 1 and per_row_alu(body[j])) else "alu"
+            passes = len(reads)
+            width = cols if any(kind_of(a) in ("full", "col") for a in reads) else width
+        if j in tail:
+            tail_ops.append((j, engine, passes, reads))
+        else:
+            ops.append(op(engine, width, passes, reads, (j,)))
+    for (c0, c1), half_engine in zip(((0, schedule.cut), (schedule.cut, cols)) if tail else (), split_engines(target)):
+        for j, engine, passes, reads in tail_ops:  # an activation stays on the Scalar engine
+            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,)))
+    return ops
+
+
+def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
+               target: Target) -> float:
+    """Estimated time of a ROWWISE kernel under `schedule`: codegen's instructions in codegen's order, each on its
+    engine's (or DMA queue's) in-order queue once the values it reads are made, its cost by instruction_cost's rules;
+    loads of a row tile wait for the tile `bufs` before it to be done with their buffer; DMAs share the HBM channel."""
+    plan = tile_plan(body, views, input_dtypes)
+    ops = _tile_ops(body, views, plan, schedule, cols, target)
+    parts = target.partitions
+    free = {e: 0.0 for e in (*ALU_ENGINES, Engine.SCALAR)}  # when each engine is free again
+    load = {e: 0.0 for e in free}  # the Balancer's work so far
+    queues = [0.0] * target.dma_queues
+    turn = [0]
+    hbm = HbmChannel(target)
+
+    def dma(nbytes: int, pieces: int, ready: float) -> float:
+        end = ready
+        for _ in range(pieces):
+            q = turn[0] % len(queues)
+            turn[0] += 1
+            start = max(queues[q], ready)
+            queues[q] = hbm.end(start, dma_transfer_ns(nbytes / pieces, True, target), nbytes / pieces)
+            end = max(end, queues[q])
+        return end
+
+    tile_inputs = [(dt, v) for dt, v in zip(input_dtypes, views) if v[1][0] != 0]
+    shared = [(dt, v) for dt, v in zip(input_dtypes, views) if v[1][0] == 0]
+    starts = list(range(0, rows, parts))
+    done_at = {}  # row tile -> when its last instruction ends
+
+    def load_tile(n, first):
+        rt = min(parts, rows - starts[n])
+        ready = done_at.get(n - schedule.bufs, 0.0)
+        end = ready
+        for dt, (_, (_, sc)) in tile_inputs:
+            nbytes = rt * (cols if sc else 1) * dt.itemsize
+            end = max(end, dma(nbytes, dma_pieces(nbytes, rt, first, target), ready))
+        return end
+
+    def run(n, loaded, shared_end, last):
+        """The instructions of row tile n, one per step of the generator (codegen's interleaving)."""
+        rt = min(parts, rows - starts[n])
+        made = {}
+        for o in ops:
+            engine = o.engine if o.engine != "alu" else min(ALU_ENGINES, key=load.get)
+            cost = engine_pass_ns(engine, o.elements, o.passes, target)
+            ready = max([made.get(s, 0.0) for s in o.after] + [loaded if o.reads_input else 0.0,
+                                                                 shared_end if o.reads_shared else 0.0])
+            start = max(free[engine], ready)
+            free[engine] = start + cost
+            load[engine] += cost
+            for s in o.makes:
+                made[s] = max(made.get(s, 0.0), start + cost)
+            if o.ends_step:
+                yield
+        out = made.get(plan.out_step, 0.0)
+        nbytes = rt * cols * out_dtype.itemsize
+        done_at[n] = dma(nbytes, dma_pieces(nbytes, rt, last, target), out)
+
+    groups = [list(range(g, min(g + schedule.together, len(starts)))) for g in range(0, len(starts), schedule.together)]
+    depth = schedule.bufs // schedule.together - 1
+    first = min(depth, schedule.shared_after)
+    ahead = [[load_tile(n, g == 0) for n in group] for g, group in enumerate(groups[:first])]
+    shared_end = 0.0
+    for dt, (_, (_, sc)) in shared:
+        nbytes = parts * (cols if sc else 1) * dt.itemsize
+        shared_end = max(shared_end, dma(nbytes, dma_pieces(nbytes, parts, True, target), 0.0))
+    ahead += [[load_tile(n, False) for n in group] for group in groups[first:depth]]
+    for g, group in enumerate(groups):
+        if g + depth < len(groups):
+            ahead.append([load_tile(n, False) for n in groups[g + depth]])
+        loaded = ahead.pop(0)
+        chains = [run(n, t, shared_end, g == len(groups) - 1) for n, t in zip(group, loaded)]
+        while chains:
+            chains = [c for c in chains if next(c, StopIteration) is not StopIteration]
+    return max(list(done_at.values()) + list(free.values()))
+
+
+def choose_schedule(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, fitting: list,
+                    target: Target) -> Schedule:
+    """The candidate schedule `rowwise_ns` prices cheapest (the first of equals)."""
+    options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
+    return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
