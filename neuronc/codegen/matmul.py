@@ -62,6 +62,15 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
 
 
+class _Strip(NamedTuple):
+    """A loaded operand strip: [K tile, k tiles x width] in SBUF, and the part of the bias that travels with it
+    (B's strips: the bias row's columns, [1, width]; A's: the bias column's rows, [M tile, row tiles])."""
+
+    tile: AccessPattern
+    width: int
+    bias: AccessPattern | None = None
+
+
 class _Placed(NamedTuple):
     """An output tile placed in a tile the caller owns (a chain's kept result), in place of a pool's slot."""
 
@@ -110,7 +119,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     out_pools = epilogue_pools(node, tn)
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
-    extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    extra_pools = [pool(f"extra{i}") if f"extra{i}" in out_pools else None for i in range(len(extra))]
     bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
@@ -139,16 +148,38 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     def a_strip(g, m0, rows):
         if a_resident is not None:
-            return a_resident, m
-        return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
+            return _Strip(a_resident, m)
+        rows = min(rows, m - m0)
+        return _Strip(*load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, rows),
+                      bias_column_of(g, m0, rows) if bias_column is not None else None)
 
     def b_strip(g, n0, cols):
-        return load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(cols, n - n0))
+        cols = min(cols, n - n0)
+        return _Strip(*load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, cols),
+                      bias_row_of(g, n0, cols) if bias_row is not None else None)
+
+    def bias_row_of(g, n0, cols):
+        """[1, cols] of the bias row from column n0, loaded now (with the B strip it is added to)."""
+        x, (offset, (sb, _, sn)) = extra[bias_row - 1], extra_views[bias_row - 1]
+        row = strips["bias_row"].next().ap(1, cols)
+        em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, cols))))
+        return row
+
+    def bias_column_of(g, m0, rows):
+        """[M tile, row tiles] of the bias column from row m0 (row tile i in column i), loaded now."""
+        x, (offset, (sb, sm, _)) = extra[bias_column - 1], extra_views[bias_column - 1]
+        tiles, tail = divmod(rows, tm)
+        column = strips["bias_column"].next().ap(min(tm, rows), tiles + bool(tail))
+        at = plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize
+        if tiles:
+            em.dma(tile_at(column, 0, min(tm, rows), tiles), hbm(x.dtype, at, ((sm, min(tm, rows)), (tm * sm, tiles))))
+        if tail:
+            em.dma(tile_at(column, tiles, tail, 1), hbm(x.dtype, at + tiles * tm * sm * x.dtype.itemsize, ((sm, tail), (1, 1))))
+        return column
 
     def in_strip(strip, col, size):
         """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
-        tile, width = strip
-        return lambda j: tile_at(tile, j * width + col, min(tk, k - j * tk), size)
+        return lambda j: tile_at(strip.tile, j * strip.width + col, min(tk, k - j * tk), size)
 
     def streamed(name, x, element, k_stride, w_stride, size):
         """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
@@ -160,9 +191,9 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             return tile
         return load
 
-    def output_tile(g, m0, n0, stationary, moving, acc=None):
+    def output_tile(g, m0, n0, stationary, moving, acc=None, row=None, column=None):
         """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue, the
-        store."""
+        store. `row` / `column`: its part of the bias row / column, loaded with the strips (else loaded here)."""
         mt, nt = min(tm, m - m0), min(tn, n - n0)
         if acc is None:
             acc = psum.next().ap(mt, nt)
@@ -171,15 +202,12 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
             if i == bias_row:  # acc[m, n] += 1 * bias[n]
-                row = xpool.next().ap(1, nt)
-                em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, nt))))
+                row = row if row is not None else bias_row_of(g, n0, nt)
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
                         accumulate=True)
                 continue
             if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
-                column = xpool.next().ap(mt, 1)
-                em.dma(column, hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize,
-                                   ((sm, mt), (1, 1))))
+                column = column if column is not None else bias_column_of(g, m0, mt)
                 loaded[i] = widened.next().ap(mt, 1)
                 em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
                 engines.account(em.instructions[-1:])
@@ -252,25 +280,27 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
                 loaded[j] = steps[j][0]()
             for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
-                output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
-                            in_strip(loaded[b_step], b_col, min(tn, n - n0)))
+                mt, nt, a_strip_, b_strip_ = min(tm, m - m0), min(tn, n - n0), loaded[a_step], loaded[b_step]
+                output_tile(g, m0, n0, in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
+                            row=b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
+                            column=a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
         flush()
 
     if early_psum is None:
         run(plan_steps(), {})
         return None
     width = min(tn, n)
-    strip = strips["b"].next().ap(tk, k_tiles * width), width  # the first column's B strip, a K tile at a time
+    strip = _Strip(strips["b"].next().ap(tk, k_tiles * width), width)  # the first column's B strip, a K tile at a time
     accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
 
     def early_load(j):
         rows = min(tk, k - j * tk)
-        dma_by_rows(em, tile_at(strip[0], j * width, rows, width),
+        dma_by_rows(em, tile_at(strip.tile, j * width, rows, width),
                     hbm(b.dtype, plan.offset(b) + (b_offset + j * tk * bsk) * b.dtype.itemsize, ((bsk, rows), (bsn, width))))
 
     def early_k(j):
         for m0, acc in accs:
-            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip((a_resident, m), m0, min(tm, m - m0))(j),
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip(_Strip(a_resident, m), m0, min(tm, m - m0))(j),
                     in_strip(strip, 0, min(tn, n))(j), accumulate=j > 0)
 
     steps, loaded = plan_steps(first_column=tn), {}

@@ -55,13 +55,12 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
     pools = {"result": (node.dtype, tile_n, bufs), "constants": (DType.F32, tile_n * 2, 2)}
     pools.update({f"extra{i}": (x.dtype, tile_n, bufs) for i, x in enumerate(node.inputs[2:])})
     row = node.attrs.get("bias_row")
-    if row is not None:  # a bias row added in PSUM: [1, N] rows and a [1, M] row of ones, not [M, N] tiles
-        dtype = node.inputs[1 + row].dtype
-        pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
-        pools["ones"] = (dtype, max(tile_n, 128), 1)
+    if row is not None:  # a bias row added in PSUM by a [1, M] row of ones (the row travels with B's strips)
+        del pools[f"extra{row - 1}"]
+        pools["ones"] = (node.inputs[1 + row].dtype, max(tile_n, 128), 1)
     column = node.attrs.get("bias_column")
-    if column is not None:  # one value per row: a [M, 1] column, widened to fp32, and the pass's row sums
-        pools[f"extra{column - 1}"] = (node.inputs[1 + column].dtype, 1, bufs)
+    if column is not None:  # one value per row (travelling with A's strips), widened to fp32; the row sums
+        del pools[f"extra{column - 1}"]
         pools.update(bias=(DType.F32, 1, bufs), row_sum=(DType.F32, 1, bufs))
     widest = max(step.dtype.itemsize for step in body)  # a temporary holds one step's values
     pools.update({f"temp{i}": (DType.F32, -(-tile_n * widest // DType.F32.itemsize), bufs) for i in range(temps)})
@@ -70,16 +69,26 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
 
 def operand_pools(node: ir.Node, tiling: MatmulTiling) -> dict:
     """name -> (dtype, elements, buffers) of the operand strips: "a" holds [K tile, k tiles x rows], "b"
-    [K tile, k tiles x columns]; the resident one double buffered (the next strip loads meanwhile)."""
+    [K tile, k tiles x columns]; the resident one double buffered (the next strip loads meanwhile). A bias
+    row travels with B's strips ("bias_row": [1, columns]), a bias column with A's ("bias_column": [M tile,
+    row tiles]), so that it is loaded with the strip it is added to, not queued behind later strips."""
     a, b = node.inputs[:2]
     k_tiles = -(-node.attrs["k"] // tiling.tile_k)
     if tiling.resident == "a":
-        return {"a": (a.dtype, k_tiles * tiling.block * tiling.tile_m, 2),
-                "b": (b.dtype, k_tiles * tiling.tile_n, tiling.stream_bufs)}
-    if tiling.resident == "b":
-        return {"a": (a.dtype, k_tiles * tiling.tile_m, tiling.stream_bufs),
-                "b": (b.dtype, k_tiles * tiling.block * tiling.tile_n, 2)}
-    return {"a": (a.dtype, tiling.tile_m, tiling.stream_bufs), "b": (b.dtype, tiling.tile_n, tiling.stream_bufs)}
+        rows, columns, a_bufs, b_bufs = tiling.block, 1, 2, tiling.stream_bufs
+    elif tiling.resident == "b":
+        rows, columns, a_bufs, b_bufs = 1, tiling.block, tiling.stream_bufs, 2
+    else:  # tile by tile: a K tile of each operand, a bias per output tile
+        rows, columns, a_bufs, b_bufs = 1, 1, tiling.stream_bufs, tiling.stream_bufs
+        k_tiles = 1
+    pools = {"a": (a.dtype, k_tiles * rows * tiling.tile_m, a_bufs),
+             "b": (b.dtype, k_tiles * columns * tiling.tile_n, b_bufs)}
+    row, column = node.attrs.get("bias_row"), node.attrs.get("bias_column")
+    if row is not None:
+        pools["bias_row"] = (node.inputs[1 + row].dtype, columns * tiling.tile_n, b_bufs)
+    if column is not None:
+        pools["bias_column"] = (node.inputs[1 + column].dtype, rows, a_bufs)
+    return pools
 
 
 def sbuf_bytes(pools: dict) -> int:
