@@ -91,9 +91,9 @@ class Servers:
     rate), the DMA queues (one server at their combined rate, no faster than the core's HBM, each load
     lasting at least its slowest piece), the PSUM banks, the last store and the last end."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, banks: int | None = None):
         self.tensor = self.epilogue = self.dma = self.stored = self.end = 0.0
-        self.banks = [0.0] * target.psum_banks  # when each PSUM bank is free again (its tile's epilogue done)
+        self.banks = [0.0] * (banks or target.psum_banks)  # when each PSUM bank is free again (its epilogue done)
         self.turn = 0
 
 
@@ -103,9 +103,23 @@ def _queues_ns(total: float, nbytes: float, target: Target) -> float:
     return max(total / target.dma_queues, nbytes / target.hbm_gbps)  # bytes / (GB/s) = ns
 
 
+def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, bias_itemsize: int,
+             target: Target) -> tuple:
+    """(the DMA queues' combined time, latency, one piece's time) of loading a strip of all K tiles of `width`
+    columns of an operand, and its part of the bias (`bias_itemsize` per column; 0: none), as codegen does."""
+    nbytes = k * width * itemsize
+    total, one = strip_load_ns(min(k, tile_k), nbytes, contiguous, target)
+    if bias_itemsize:
+        total += dma_transfer_ns(width * bias_itemsize, True, target)
+        nbytes += width * bias_itemsize
+    occupancy = _queues_ns(total, nbytes, target)
+    return occupancy, max(one, occupancy), one
+
+
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
               contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False,
-              servers: Servers | None = None, a_kept: bool = False) -> float:
+              servers: Servers | None = None, a_kept: bool = False, sink: bool = False, preloaded: int = 0,
+              meanwhile_ns: float = 0.0) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -116,7 +130,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     added into PSUM by one more matmul (the whole row loaded once, first); with `bias_column`, a bias column
     (the whole column loaded once, first, and each tile's part widened to fp32 on an epilogue engine) that the
     first epilogue step adds on its way. `servers` carries the resources' state in from a matmul before (and
-    out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded."""
+    out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
+    `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
+    first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
+    time of those loads, spread over this matmul's output tiles."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -126,15 +143,24 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     instr = matmul_pass_ns(min(tn, n), fp32, target)
     rows_k = min(tk, k)
     clock = servers or Servers(target)
-    out_tile = min(tm, m) * min(tn, n)
-    # an output tile's DMAs: its store, split by rows over queues, and its epilogue's other inputs
-    stored_total, store = strip_load_ns(min(tm, m), out_tile * out_dtype.itemsize, True, target)
-    stored_bytes = out_tile * (out_dtype.itemsize + extras_bytes)
-    stored_total += dma_transfer_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
-    stored_share = _queues_ns(stored_total, stored_bytes, target)
-    epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
-    if bias_column:
-        epilogue_share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
+
+    def tile_ns(rows, columns):
+        """(Tensor engine time, epilogue engines' share, epilogue latency, DMA queues' share, store latency) of
+        a [rows, columns] output tile: its K tiles' matmuls, its epilogue, its store split by rows over queues
+        and its epilogue's other inputs (none stored with `sink`)."""
+        out_tile = rows * columns
+        stored_total, store = strip_load_ns(rows, out_tile * out_dtype.itemsize, True, target)
+        stored_bytes = out_tile * (out_dtype.itemsize + extras_bytes)
+        if sink:
+            stored_total, store, stored_bytes = 0.0, 0.0, out_tile * extras_bytes
+        stored_total += dma_transfer_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
+        share, latency = _epilogue_ns(epilogue, columns, target)
+        if bias_column:
+            share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
+        tensor = (k_tiles + bias_row) * matmul_pass_ns(columns, fp32, target)
+        return tensor, share, latency, _queues_ns(stored_total, stored_bytes, target), store
+
+    _, epilogue_share, epilogue_latency, stored_share, store = tile_ns(min(tm, m), min(tn, n))
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
         a_one = dma_transfer_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
@@ -150,15 +176,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         return clock.end
 
     def load(width, item, is_contiguous, bias):  # (combined queue time, latency, one piece's time) of one strip
-        nbytes = k * width * item  # and its part of the bias (a row with B's strips, a column with A's), if any
-        total, one = strip_load_ns(rows_k, nbytes, is_contiguous, target)
-        if bias:
-            total += dma_transfer_ns(width * out_dtype.itemsize, True, target)
-            nbytes += width * out_dtype.itemsize
-        occupancy = _queues_ns(total, nbytes, target)
-        return occupancy, max(one, occupancy), one
+        return strip_ns(k, tk, width, item, is_contiguous, bias and out_dtype.itemsize, target)
 
-    # The steps of codegen's loop: (strip pool, load), then the number of output tiles the step completes.
+    # The steps of codegen's loop: (strip pool, load), then the [rows, columns] of the output tiles the step
+    # completes.
     steps = []
     resident, streamed = ("a", "b") if tiling.resident == "a" else ("b", "a")
     size = {"a": (m, tm, a_dtype.itemsize, contiguous[0], bias_column),
@@ -172,8 +193,15 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             steps.append((resident, (0.0, 0.0, 0.0) if kept[resident] else load(width, item, cont, bias), 0, None))
             owner = len(steps) - 1
             for s0 in range(0, s_extent, s_tile):
-                strip = (0.0, 0.0, 0.0) if kept[streamed] else load(min(s_tile, s_extent - s0), s_item, s_cont, s_bias)
-                steps.append((streamed, strip, -(-width // tile), owner))
+                s_width = min(s_tile, s_extent - s0)
+                kept[streamed] = kept[streamed] or len(steps) - 1 < preloaded  # steps: 1 + the streamed ones
+                strip = (0.0, 0.0, 0.0) if kept[streamed] else load(s_width, s_item, s_cont, s_bias)
+                kept[streamed] = False
+                if resident == "a":  # (first row, rows, columns) of each output tile
+                    sizes = [(r0 + r, min(tile, width - r), s_width) for r in range(0, width, tile)]
+                else:
+                    sizes = [(s0, s_width, min(tile, width - c)) for c in range(0, width, tile)]
+                steps.append((streamed, strip, sizes, owner))
     bufs = {resident: 2, streamed: tiling.stream_bufs}
     free = {}  # step -> time its strip's buffer is free again (its last reader's matmuls are done)
     loaded_at = {}
@@ -181,6 +209,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     banks = clock.banks
     same_pool = {name: [j for j, st in enumerate(steps) if st[0] == name] for name in ("a", "b")}
     position = {j: i for name in same_pool for i, j in enumerate(same_pool[name])}
+    costs = {}  # [rows, columns] -> tile_ns
+    stored_rows = {}  # first row of a tile -> when the last store of its rows is done
     for i, (pool, _, tiles, owner) in enumerate(steps):
         while issued < min(len(steps), i + tiling.stream_bufs):
             name, (occupancy, latency, piece), _, _ = steps[issued]
@@ -194,17 +224,19 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         if not tiles:
             continue
         start = max(clock.tensor, loaded_at[i], loaded_at[owner])
-        for _ in range(tiles):
+        for row, rows, columns in tiles:
+            tensor, epilogue_share, epilogue_latency, stored_share, store = costs.get((rows, columns)) or \
+                costs.setdefault((rows, columns), tile_ns(rows, columns))
             start = max(start, banks[clock.turn % len(banks)])
-            done = start + (k_tiles + bias_row) * instr
+            done = start + tensor
             epilogue_start = max(clock.epilogue, done)
             clock.epilogue = epilogue_start + epilogue_share
             banks[clock.turn % len(banks)] = epilogue_start + epilogue_latency
-            clock.dma += stored_share  # the store shares the queues with later loads
-            # stores of one kernel's tiles wait for each other (their HBM pages overlap, column tiles of the
-            # same rows), so they form a chain
-            clock.stored = max(epilogue_start + epilogue_latency, clock.stored) + store
-            clock.end = max(clock.end, clock.stored)
+            clock.dma += stored_share + meanwhile_ns / (batch * m_tiles * n_tiles)  # the queues' other work
+            # the stores of tiles of the same rows wait for each other (their HBM pages overlap)
+            if not sink:
+                clock.stored = stored_rows[row] = max(epilogue_start + epilogue_latency, stored_rows.get(row, 0.0)) + store
+            clock.end = max(clock.end, epilogue_start + epilogue_latency, clock.stored)
             clock.turn += 1
             start = done
         clock.tensor = start

@@ -20,7 +20,7 @@ import dataclasses
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, matmul_ns
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
 from neuronc.targets import Target
 
 
@@ -143,12 +143,14 @@ def _contiguous(node: ir.Node) -> tuple:
     return a_rows_stride == 1, b_cols_stride == 1
 
 
-def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
-    """The cost model's estimate of the matmul kernel of `node` under `tiling`."""
+def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
+    """The cost model's estimate of the matmul kernel of `node` under `tiling` (`servers`, `chained`: as part of
+    a chain, see `chain_price`)."""
     a, b = node.inputs[:2]
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
-                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None)
+                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None,
+                     servers, **chained)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
@@ -176,17 +178,54 @@ def _chain_bytes(first: ir.Node, second: ir.Node, first_tiling: MatmulTiling, se
             + sbuf_bytes(second_pools) + sbuf_bytes(epilogue_pools(second, second_tiling.tile_n)))
 
 
-def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
-    """(first's tiling, second's tiling) of a chained node: the first's candidate the cost model prices lowest
-    among those that fit beside the kept result and the second's tiles; None if none fits."""
+def early_rows(second: ir.Node, target: Target) -> int:
+    """How many row tiles of a chain's second matmul codegen accumulates early, K tile by K tile as the first
+    matmul makes them (its first column of output tiles, in PSUM banks of their own): all of them when they
+    take at most half the banks, else none."""
+    rows = -(-second.shape[1] // target.matmul_max_m)
+    return rows if rows <= target.psum_banks // 2 else 0
+
+
+def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> float:
+    """The cost model's estimate of a chained node's kernel: the first matmul (its result kept in SBUF, not
+    stored), then the second (A^T not loaded), on the same Tensor engine, epilogue engines and DMA queues.
+    With early rows, the second's first column strip (a K tile at a time) and the strips it loads ahead are
+    loaded while the first runs, and the first has the PSUM banks the early tiles do not take."""
     from neuronc.passes.matmul_chain import stages
 
     first, second = stages(node)
-    options = [(price(first, t, target), -stream_bufs, t, _second_tiling(second, target, stream_bufs))
-               for stream_bufs in (3, 2) for t in candidates(first, target, wide)
-               if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
-               <= target.sbuf_bytes_per_partition]
-    return min(options, key=lambda o: o[:2])[2:] if options else None
+    early = early_rows(second, target)
+    servers = Servers(target, target.psum_banks - early)
+    preloaded, meanwhile = 0, 0.0
+    if early:
+        b, (_, n, k) = second.inputs[1], (second.shape[0], second.shape[2], second.attrs["k"])
+        tn, tk = second_tiling.tile_n, second_tiling.tile_k
+        column = strip_ns(tk, tk, min(tn, n), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
+        preloaded = min(-(-n // tn), second_tiling.stream_bufs)
+        meanwhile = -(-k // tk) * column + sum(
+            strip_ns(k, tk, min(tn, n - n0), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
+            for n0 in range(tn, preloaded * tn, tn))
+    price(first, first_tiling, target, servers, sink=True, meanwhile_ns=meanwhile)
+    return price(second, second_tiling, target, servers, a_kept=True, preloaded=preloaded)
+
+
+def chain_options(node: ir.Node, target: Target, wide: bool = False) -> list:
+    """Every (first's tiling, second's tiling) of a chained node that fits beside the kept result."""
+    from neuronc.passes.matmul_chain import stages
+
+    first, second = stages(node)
+    return [(t, _second_tiling(second, target, stream_bufs)) for stream_bufs in (3, 2)
+            for t in candidates(first, target, wide)
+            if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
+            <= target.sbuf_bytes_per_partition]
+
+
+def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
+    """(first's tiling, second's tiling) of a chained node: the pair the cost model prices lowest for the chain
+    as a whole (`chain_price`) among those that fit, the deeper buffered of equals; None if none fits."""
+    options = chain_options(node, target, wide)
+    key = lambda o: (chain_price(node, *o, target), -o[0].stream_bufs, -o[1].stream_bufs)  # noqa: E731
+    return min(options, key=key) if options else None
 
 
 def chain_sbuf_bytes(node: ir.Node, target: Target) -> int:
