@@ -213,8 +213,8 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                 engines.account(em.instructions[-1:])
                 loaded["row_sum"] = column_sums.next().ap(mt, 1)
                 continue
-            loaded[i] = xpool.next().ap(mt, nt)
-            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
+            loaded[i] = xpool.next().ap(mt, nt)  # by rows over several queues, as the store
+            dma_by_rows(em, loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
         if sink is not None:
             waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
@@ -271,6 +271,8 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                         steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
                         steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
                                             for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+        if tiling.streamed_first and a_resident is None and len(steps) > 1:
+            return _streamed_first(steps)
         return steps
 
     def run(steps, loaded):
@@ -316,6 +318,15 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
     return later
+
+
+def _streamed_first(steps: list) -> list:
+    """The steps with the first streamed strip loaded before the first resident one: its output tiles move to
+    the resident strip's step (the later of their two loads), the step numbers they name swapped."""
+    swap = {0: 1, 1: 0}
+    steps = [(steps[1][0], []), (steps[0][0], steps[1][1]), *steps[2:]]
+    return [(load, [(g, m0, n0, swap.get(a_step, a_step), a_col, swap.get(b_step, b_step), b_col)
+                    for g, m0, n0, a_step, a_col, b_step, b_col in tiles]) for load, tiles in steps]
 
 
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side

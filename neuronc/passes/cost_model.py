@@ -153,7 +153,7 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         stored_bytes = out_tile * (out_dtype.itemsize + extras_bytes)
         if sink:
             stored_total, store, stored_bytes = 0.0, 0.0, out_tile * extras_bytes
-        stored_total += dma_transfer_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
+        stored_total += strip_load_ns(rows, out_tile * extras_bytes, True, target)[0] if extras_bytes else 0.0
         share, latency = _epilogue_ns(epilogue, columns, target)
         if bias_column:
             share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
@@ -202,6 +202,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
                 else:
                     sizes = [(s0, s_width, min(tile, width - c)) for c in range(0, width, tile)]
                 steps.append((streamed, strip, sizes, owner))
+    if tiling.streamed_first and not kept[resident] and len(steps) > 1:
+        (_, first_load, _, _), (_, second_load, tiles, _) = steps[:2]  # as codegen's `_streamed_first`
+        steps = [(streamed, second_load, [], None), (resident, first_load, tiles, 0),
+                 *((pool, load_, tiles_, 1 if owner == 0 else owner) for pool, load_, tiles_, owner in steps[2:])]
     bufs = {resident: 2, streamed: tiling.stream_bufs}
     free = {}  # step -> time its strip's buffer is free again (its last reader's matmuls are done)
     loaded_at = {}

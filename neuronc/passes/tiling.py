@@ -32,10 +32,12 @@ class MatmulTiling:
     tile_n: int
     tile_k: int
     stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
+    streamed_first: bool = False  # the first streamed strip loaded before the first resident one
 
     def __str__(self) -> str:
         keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}"
+        first = " streamed first" if self.streamed_first else ""
+        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
 
 
 def _pages(elements: int, dtype: DType) -> int:
@@ -109,6 +111,22 @@ def _max_tile_n(target: Target) -> int:
     return min(target.matmul_max_n, target.psum_bank_bytes // DType.F32.itemsize)
 
 
+def _is_weight(x: ir.Node) -> bool:
+    """Whether an operand is in HBM before the program runs (a weight or a constant, through reshapes)."""
+    while x.op is Op.RESHAPE:
+        x = x.inputs[0]
+    return x.op is Op.CONSTANT or (x.op is Op.PARAMETER and x.attrs.get("kind") == "weight")
+
+
+def streamed_first(node: ir.Node, resident: str) -> bool:
+    """Whether the first strip of the streamed operand should load before the resident one: when it is a
+    weight and the resident operand is not, it loads while the kernel before (that makes the resident
+    operand) finishes, and the first output tile waits for one strip less."""
+    a, b = node.inputs[:2]
+    streamed, kept = (b, a) if resident == "a" else (a, b)
+    return resident != "none" and _is_weight(streamed) and not _is_weight(kept)
+
+
 def candidates(node: ir.Node, target: Target, wide: bool) -> list:
     batch, m, n = node.shape
     tile_ns = [_max_tile_n(target)] + ([256, 128] if wide else [])
@@ -121,7 +139,8 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
             for resident, tiles in (("a", -(-m // tm)), ("b", -(-n // tile_n))):
                 block = 1
                 while True:
-                    found.append(MatmulTiling(resident, min(block, tiles), tm, tile_n, tk, stream_bufs))
+                    found.append(MatmulTiling(resident, min(block, tiles), tm, tile_n, tk, stream_bufs,
+                                              streamed_first(node, resident)))
                     if block >= tiles:
                         break
                     block *= 2
