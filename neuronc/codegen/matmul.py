@@ -228,15 +228,16 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
 
-    def flush(keep=0):
+    def flush(keep=0, last=False):
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
-        chains side by side on the engines, not one chain at a time), then their stores."""
+        chains side by side on the engines, not one chain at a time), then their stores. The `last` tile of
+        the kernel is stored by rows over every queue: nothing comes after it to share them with."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
         outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job[4] is not None:
-                dma_by_rows(em, job[4], out)
+                dma_by_rows(em, job[4], out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
         for job in jobs:
             if after_tile is not None:
                 after_tile(job[5])
@@ -248,7 +249,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                     output_tile(g, m0, n0,
                                 streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
-        flush()
+        flush(last=True)
         return
     def plan_steps(first_column=0):
         """The strip loads in order of use, each with the output tiles it completes (columns from
@@ -286,7 +287,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                 output_tile(g, m0, n0, in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
                             row=b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
                             column=a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
-        flush()
+        flush(last=True)
 
     if early_psum is None:
         run(plan_steps(), {})
