@@ -264,7 +264,8 @@ def test_every_tiling_of_a_linear_with_a_bias_row_and_a_residual_gives_the_basel
 @pytest.mark.parametrize("resident,block,bufs", [("a", 2, 2), ("b", 1, 3)])
 def test_every_tiling_of_a_chain_gives_the_baseline_bits(monkeypatch, resident, block, bufs):
     """The first matmul's bias column loaded with its A strips (two row tiles each, the last strip partial) or
-    with each streamed row tile: the same bits as one kernel per op."""
+    with each streamed row tile, the second's next column of tiles accumulated partly while the first's last
+    epilogues run: the same bits as one kernel per op."""
     from neuronc.passes import tiling
 
     def forced(node, target, wide=False):
@@ -276,7 +277,7 @@ def test_every_tiling_of_a_chain_gives_the_baseline_bits(monkeypatch, resident, 
 
     monkeypatch.setattr(tiling, "chain_tilings", forced)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.GELU(), torch.nn.Linear(384, 96)).eval()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.GELU(), torch.nn.Linear(384, 640)).eval()
     model = model.to(torch.bfloat16)
     compiled = _baseline_and_optimised_bits(model, (torch.randn(400, 64).to(torch.bfloat16),))
     chained = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("chain") is not None]

@@ -54,12 +54,11 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
     _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
     em.locate(None)
-    for j in pending:
-        later.early_k(j)
-    later()
+    later(pending)
 
 
 LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first matmul's last epilogues run
 
 
 class _Strip(NamedTuple):
@@ -282,18 +281,25 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         for i, (_, tiles) in enumerate(steps):
             for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
                 loaded[j] = steps[j][0]()
-            for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
-                mt, nt, a_strip_, b_strip_ = min(tm, m - m0), min(tn, n - n0), loaded[a_step], loaded[b_step]
-                output_tile(g, m0, n0, in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
-                            row=b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
-                            column=a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
+            for tile in tiles:
+                stationary, moving, row, column = operands(tile, loaded)
+                output_tile(*tile[:3], stationary, moving, row=row, column=column)
         flush(last=True)
+
+    def operands(tile, loaded):
+        """(stationary, moving, bias row, bias column) of an output tile of `plan_steps`, from the loaded strips."""
+        g, m0, n0, a_step, a_col, b_step, b_col = tile
+        mt, nt, a_strip_, b_strip_ = min(tm, m - m0), min(tn, n - n0), loaded[a_step], loaded[b_step]
+        return (in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
+                b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
+                a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
 
     if early_psum is None:
         run(plan_steps(), {})
         return None
     width = min(tn, n)
-    strip = _Strip(strips["b"].next().ap(tk, k_tiles * width), width)  # the first column's B strip, a K tile at a time
+    strip = _Strip(strips["b"].next().ap(tk, k_tiles * width), width,  # the first column's B strip, a K tile at a time,
+                   bias_row_of(0, 0, width) if bias_row is not None else None)  # and its bias row, now
     accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
 
     def early_load(j):
@@ -312,9 +318,34 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         for j in range(min(len(steps), tiling.stream_bufs - 1)):
             loaded[j] = steps[j][0]()
 
-    def later():
+    def later(pending):
+        """The rest, once the first matmul's matmuls are emitted and `pending` are its K tiles whose early matmuls
+        are not (the last made: their epilogues end last): the next strip's output tiles accumulated over the
+        other K tiles first, so the Tensor engine has work while those epilogues finish, then over them."""
+        head = next((i for i, (_, tiles) in enumerate(steps) if tiles), None)
+        ahead = []  # (output tile, its accumulator, its operands)
+        if head is not None and pending:
+            for j in range(len(loaded), head + 1):
+                loaded[j] = steps[j][0]()
+            ahead = [(tile, psum.next().ap(min(tm, m - tile[1]), min(tn, n - tile[2])), operands(tile, loaded))
+                     for tile in steps[head][1]]
+            steps[head] = (steps[head][0], [])
+        def accumulate(order, first):
+            for index, j in enumerate(order):
+                for _, acc, (stationary, moving, _, _) in ahead:
+                    em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index + first > 0)
+
+        made = [j for j in range(k_tiles) if j not in pending]
+        lead = -(-len(made) // LEAD_PART)
+        accumulate(made[:lead], 0)
+        for j in pending:
+            early_k(j)
         for m0, acc in accs:
-            output_tile(0, m0, 0, None, None, acc=acc)
+            output_tile(0, m0, 0, None, None, acc=acc, row=strip.bias)
+        for tile, acc, (stationary, moving, row, column) in ahead:  # one by one: each epilogue overlaps the next
+            for index, j in enumerate(made[lead:] + list(pending), start=lead):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index > 0)
+            output_tile(*tile[:3], None, None, acc=acc, row=row, column=column)
         run(steps, loaded)
 
     later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
