@@ -66,6 +66,11 @@ def _print_rows(rows, picked) -> None:
               f"{model_ns / emulator_ns:>10.2f}{mark}", flush=True)
 
 
+def _chain_key(node) -> tuple:
+    """A chain's shapes: the chain pass and the tiling pass ask for its tilings with different nodes."""
+    return node.attrs["chain"].shape, node.shape, node.attrs["k"]
+
+
 def _chain_index(neff, chain: int) -> int:
     """Which matmul kernel of the NEFF is its chain-th chain (`neuronc inspect --kernels` says "chain tiles")."""
     kernels = [k for k in neff.kernels if k.name.startswith("matmul")]
@@ -93,7 +98,7 @@ def main() -> None:
                 rows.append((str(candidate), candidate, tiling.price(node, candidate, target),
                              _kernel_span_ns(neff, index)))
             _print_rows(rows, picked)
-        for chain, node in enumerate(dict.fromkeys(chains)):  # the chain pass asks for a chain's tiling too
+        for chain, node in enumerate({_chain_key(n): n for n in chains}.values()):
             picked = tiling.chain_tilings(node, target, args.wide)
             print(f"{name} chain {node.attrs['chain'].shape} then {node.shape}, picked {picked[0]}, "
                   f"then bufs={picked[1].stream_bufs}")
@@ -101,7 +106,7 @@ def main() -> None:
             rows = []
             for option in tiling.chain_options(node, target, args.wide):
                 neff, _, _ = _compile_with(graph, name, lambda i, n, t: None,
-                                           lambda n, t, o=option: o if n.attrs["chain"] == node.attrs["chain"] else None)
+                                           lambda n, t, o=option: o if _chain_key(n) == _chain_key(node) else None)
                 rows.append((f"{option[0]}, then bufs={option[1].stream_bufs}", option,
                              tiling.chain_price(node, *option, target), _kernel_span_ns(neff, _chain_index(neff, chain))))
             _print_rows(rows, picked)

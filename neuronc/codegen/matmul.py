@@ -20,14 +20,14 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     if node.attrs.get("chain") is None:
         return _matmul(em, node, plan)
     from neuronc.passes.matmul_chain import stages
+    from neuronc.passes.tiling import early_rows
 
     first, second = stages(node)
     tiling = node.attrs["tiling"]
     (_, rows, columns), dtype = first.shape, first.dtype
     k_tiles = -(-rows // tiling.tile_k)
     kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
-    row_tiles = -(-second.shape[1] // tiling.tile_m)
-    early = row_tiles if row_tiles <= em.target.psum_banks // 2 else 0
+    early = early_rows(second, em.target)
     psum = em.psum_pool(bufs=em.target.psum_banks - early)
     if not early:
         em.locate(first.loc)
@@ -230,7 +230,8 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     def flush(keep=0, last=False):
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
         chains side by side on the engines, not one chain at a time), then their stores. The `last` tile of
-        the kernel is stored by rows over every queue: nothing comes after it to share them with."""
+        the kernel is stored by rows over half the queues (the other half may still hold the store before it):
+        nothing comes after it to share them with."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
         outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
@@ -319,9 +320,10 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             loaded[j] = steps[j][0]()
 
     def later(pending):
-        """The rest, once the first matmul's matmuls are emitted and `pending` are its K tiles whose early matmuls
-        are not (the last made: their epilogues end last): the next strip's output tiles accumulated over the
-        other K tiles first, so the Tensor engine has work while those epilogues finish, then over them."""
+        """The rest, once the first matmul's matmuls are emitted, `pending` its K tiles whose early matmuls are not
+        (the last made: their epilogues end last). The next strip's output tiles first accumulate a part of the
+        other K tiles, so the Tensor engine has work while those epilogues finish; then the early column is
+        finished, then those tiles one by one (each one's epilogue beside the next one's matmuls), then the rest."""
         head = next((i for i, (_, tiles) in enumerate(steps) if tiles), None)
         ahead = []  # (output tile, its accumulator, its operands)
         if head is not None and pending:
@@ -330,21 +332,23 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             ahead = [(tile, psum.next().ap(min(tm, m - tile[1]), min(tn, n - tile[2])), operands(tile, loaded))
                      for tile in steps[head][1]]
             steps[head] = (steps[head][0], [])
-        def accumulate(order, first):
-            for index, j in enumerate(order):
-                for _, acc, (stationary, moving, _, _) in ahead:
-                    em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index + first > 0)
+        order = [j for j in range(k_tiles) if j not in pending] + list(pending)
+        lead = -(-(k_tiles - len(pending)) // LEAD_PART)
 
-        made = [j for j in range(k_tiles) if j not in pending]
-        lead = -(-len(made) // LEAD_PART)
-        accumulate(made[:lead], 0)
+        def accumulate(acc, stationary, moving, part):
+            for index in part:
+                j = order[index]
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index > 0)
+
+        for index in range(lead):
+            for _, acc, (stationary, moving, _, _) in ahead:
+                accumulate(acc, stationary, moving, [index])
         for j in pending:
             early_k(j)
         for m0, acc in accs:
             output_tile(0, m0, 0, None, None, acc=acc, row=strip.bias)
-        for tile, acc, (stationary, moving, row, column) in ahead:  # one by one: each epilogue overlaps the next
-            for index, j in enumerate(made[lead:] + list(pending), start=lead):
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index > 0)
+        for tile, acc, (stationary, moving, row, column) in ahead:
+            accumulate(acc, stationary, moving, range(lead, k_tiles))
             output_tile(*tile[:3], None, None, acc=acc, row=row, column=column)
         run(steps, loaded)
 

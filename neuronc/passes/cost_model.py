@@ -127,9 +127,10 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     the other engines once its PSUM bank is full (8 banks: the Tensor engine runs at most that far ahead),
     its store on the DMA queues. `contiguous` says whether A^T's and B's strips are contiguous loads (a
     transposed operand is a strided DMA at half bandwidth). With `bias_row`, each tile also gets a bias row
-    added into PSUM by one more matmul (the whole row loaded once, first); with `bias_column`, a bias column
-    (the whole column loaded once, first, and each tile's part widened to fp32 on an epilogue engine) that the
-    first epilogue step adds on its way. `servers` carries the resources' state in from a matmul before (and
+    added into PSUM by one more matmul (its columns loaded with B's strips); with `bias_column`, a bias column
+    (its rows loaded with A's strips, each tile's part widened to fp32 on an epilogue engine) that the first
+    epilogue step adds on its way. The first streamed strip loads before the first resident one when the tiling
+    says so (`streamed_first`); the kernel's last store is cut over half the queues. `servers` carries the resources' state in from a matmul before (and
     out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
     `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
     first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
@@ -194,9 +195,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             owner = len(steps) - 1
             for s0 in range(0, s_extent, s_tile):
                 s_width = min(s_tile, s_extent - s0)
-                kept[streamed] = kept[streamed] or len(steps) - 1 < preloaded  # steps: 1 + the streamed ones
-                strip = (0.0, 0.0, 0.0) if kept[streamed] else load(s_width, s_item, s_cont, s_bias)
-                kept[streamed] = False
+                before = len(steps) - 1 < preloaded  # (the steps so far: the resident strip, then streamed ones)
+                strip = (0.0, 0.0, 0.0) if kept[streamed] or before else load(s_width, s_item, s_cont, s_bias)
                 if resident == "a":  # (first row, rows, columns) of each output tile
                     sizes = [(r0 + r, min(tile, width - r), s_width) for r in range(0, width, tile)]
                 else:
@@ -240,10 +240,11 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             clock.dma += stored_share + meanwhile_ns / (batch * m_tiles * n_tiles)  # the queues' other work
             # the stores of tiles of the same rows wait for each other (their HBM pages overlap)
             if not sink:
-                if clock.turn == last_turn:  # the kernel's last store goes by rows over every queue
-                    store = dma_transfer_ns(rows * columns * out_dtype.itemsize / min(rows, target.dma_queues // 2),
-                                            True, target)
-                clock.stored = stored_rows[row] = max(epilogue_start + epilogue_latency, stored_rows.get(row, 0.0)) + store
+                if clock.turn == last_turn:  # the kernel's last store goes by rows over half the queues
+                    pieces = min(rows, target.dma_queues // 2)
+                    store = dma_transfer_ns(rows * columns * out_dtype.itemsize / pieces, True, target)
+                stored_after = max(epilogue_start + epilogue_latency, stored_rows.get(row, 0.0))
+                clock.stored = stored_rows[row] = stored_after + store
             clock.end = max(clock.end, epilogue_start + epilogue_latency, clock.stored)
             clock.turn += 1
             start = done

@@ -217,7 +217,7 @@ def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: Matmul
     servers = Servers(target, target.psum_banks - early)
     preloaded, meanwhile = 0, 0.0
     if early:
-        b, (_, n, k) = second.inputs[1], (second.shape[0], second.shape[2], second.attrs["k"])
+        b, n, k = second.inputs[1], second.shape[2], second.attrs["k"]
         tn, tk = second_tiling.tile_n, second_tiling.tile_k
         column = strip_ns(tk, tk, min(tn, n), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
         preloaded = min(-(-n // tn), second_tiling.stream_bufs)
