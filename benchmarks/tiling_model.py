@@ -1,7 +1,8 @@
 """The tiling cost model against the emulator: every candidate tiling of a few matmuls, priced by
 `cost_model.matmul_ns` and timed on the emulated NeuronCore (the span of the matmul's kernel on the timeline,
 compiled with that tiling forced), side by side. Nothing is asserted: it prints the two and their ratio,
-and marks the candidate the tiling pass picks and the one the emulator finds fastest.
+and marks the candidate the tiling pass picks and the one the emulator finds fastest. A chain of two matmuls
+(passes/matmul_chain.py, one kernel) is listed by its pairs of tilings, priced by `tiling.chain_price`.
 
     python -m benchmarks.tiling_model [--cases matmul,gpt2_mlp] [--quick] [--wide]
 """
@@ -29,19 +30,24 @@ def _imported(model, inputs, dtype, name):
     return imported.graph
 
 
-def _compile_with(graph, name, pick):
-    """The NEFF of `graph` at -O2 with the tiling pass's choice replaced by pick(index of the matmul, node, target)."""
-    chosen, seen = tiling.choose, []
+def _compile_with(graph, name, pick, pick_chain=lambda node, target: None):
+    """The NEFF of `graph` at -O2 with the tiling pass's choice replaced by pick(index of the matmul, node, target)
+    and a chain's by pick_chain(node, target), and the matmul nodes tiled alone and the chained ones."""
+    chosen, chained, seen, chains = tiling.choose, tiling.chain_tilings, [], []
 
     def choose(node, target, wide=False):
         seen.append(node)
         return pick(len(seen) - 1, node, target) or chosen(node, target, wide)
 
-    tiling.choose = choose
+    def chain_tilings(node, target, wide=False):
+        chains.append(node)
+        return pick_chain(node, target) or chained(node, target, wide)
+
+    tiling.choose, tiling.chain_tilings = choose, chain_tilings
     try:
-        return compile_graph(graph, CompileOptions(opt_level=2, name=name)).neff, seen
+        return compile_graph(graph, CompileOptions(opt_level=2, name=name)).neff, seen, chains
     finally:
-        tiling.choose = chosen
+        tiling.choose, tiling.chain_tilings = chosen, chained
 
 
 def _kernel_span_ns(neff, index: int) -> float:
@@ -49,6 +55,26 @@ def _kernel_span_ns(neff, index: int) -> float:
     kernel = [i for i, k in enumerate(neff.kernels) if k.name.startswith("matmul")][index]
     events = [e for e in run_neff(neff, numerics=False).timeline.events if e.kernel == kernel]
     return max(e.end_ns for e in events) - min(e.start_ns for e in events)
+
+
+def _print_rows(rows, picked) -> None:
+    """(label, candidate, model ns, emulator ns) rows, the picked and the fastest marked."""
+    fastest = min(rows, key=lambda row: row[3])[1]
+    for label, candidate, model_ns, emulator_ns in rows:
+        mark = (" <- picked" if candidate == picked else "") + (" <- fastest" if candidate == fastest else "")
+        print(f"  {label:<66} {model_ns / 1e3:>9.1f} {emulator_ns / 1e3:>12.1f} "
+              f"{model_ns / emulator_ns:>10.2f}{mark}", flush=True)
+
+
+def _chain_key(node) -> tuple:
+    """A chain's shapes: the chain pass and the tiling pass ask for its tilings with different nodes."""
+    return node.attrs["chain"].shape, node.shape, node.attrs["k"]
+
+
+def _chain_index(neff, chain: int) -> int:
+    """Which matmul kernel of the NEFF is its chain-th chain (`neuronc inspect --kernels` says "chain tiles")."""
+    kernels = [k for k in neff.kernels if k.name.startswith("matmul")]
+    return [i for i, k in enumerate(kernels) if any(op.startswith("[chain") for op in k.ops)][chain]
 
 
 def main() -> None:
@@ -61,20 +87,29 @@ def main() -> None:
     cases = _cases(args.quick)
     for name in args.cases.split(","):
         graph = _imported(*cases[name], name)
-        _, nodes = _compile_with(graph, name, lambda i, node, t: None)
+        _, nodes, chains = _compile_with(graph, name, lambda i, node, t: None)
         for index, node in enumerate(nodes):
             picked = tiling.choose(node, target, args.wide)
             print(f"{name} matmul {index}: {node.shape} x K={node.attrs['k']}, picked {picked}")
-            print(f"  {'tiling':<44} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
+            print(f"  {'tiling':<66} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
             rows = []
             for candidate in tiling.candidates(node, target, args.wide):
-                neff, _ = _compile_with(graph, name, lambda i, n, t, c=candidate: c if i == index else None)
-                rows.append((candidate, tiling.price(node, candidate, target), _kernel_span_ns(neff, index)))
-            fastest = min(rows, key=lambda row: row[2])[0]
-            for candidate, model_ns, emulator_ns in rows:
-                mark = (" <- picked" if candidate == picked else "") + (" <- fastest" if candidate == fastest else "")
-                print(f"  {str(candidate):<44} {model_ns / 1e3:>9.1f} {emulator_ns / 1e3:>12.1f} "
-                      f"{model_ns / emulator_ns:>10.2f}{mark}", flush=True)
+                neff, _, _ = _compile_with(graph, name, lambda i, n, t, c=candidate: c if i == index else None)
+                rows.append((str(candidate), candidate, tiling.price(node, candidate, target),
+                             _kernel_span_ns(neff, index)))
+            _print_rows(rows, picked)
+        for chain, node in enumerate({_chain_key(n): n for n in chains}.values()):
+            picked = tiling.chain_tilings(node, target, args.wide)
+            print(f"{name} chain {node.attrs['chain'].shape} then {node.shape}, picked {picked[0]}, "
+                  f"then bufs={picked[1].stream_bufs}")
+            print(f"  {'first tiling, then the second bufs':<66} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
+            rows = []
+            for option in tiling.chain_options(node, target, args.wide):
+                neff, _, _ = _compile_with(graph, name, lambda i, n, t: None,
+                                           lambda n, t, o=option: o if _chain_key(n) == _chain_key(node) else None)
+                rows.append((f"{option[0]}, then bufs={option[1].stream_bufs}", option,
+                             tiling.chain_price(node, *option, target), _kernel_span_ns(neff, _chain_index(neff, chain))))
+            _print_rows(rows, picked)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,68 @@ def test_a_chained_mlp_gives_the_baseline_bits_for_any_number_of_tokens(tokens):
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
 
 
+def _baseline_and_optimised_bits(model, inputs):
+    """Runs the model compiled at -O0 and -O2, checks both give the same bits and match eager; returns the -O2
+    compilation."""
+    program = torch.export.export(model, inputs)
+    arrays = [x.float().numpy().astype(ml_dtypes.bfloat16) for x in inputs]
+    compiled = {level: compile_exported(program, CompileOptions(opt_level=level)) for level in (0, 2)}
+    outputs = [run_neff(compiled[level].neff, arrays).outputs[0] for level in (0, 2)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(*inputs))
+    return compiled[2]
+
+
+class _LinearWithResidual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(192, 640)
+
+    def forward(self, x, y):
+        return self.linear(x) + y
+
+
+@pytest.mark.parametrize("resident,block,bufs", [("a", 2, 2), ("b", 2, 3), ("none", 1, 3)])
+def test_every_tiling_of_a_linear_with_a_bias_row_and_a_residual_gives_the_baseline_bits(
+        monkeypatch, resident, block, bufs):
+    """Partial row, column and K tiles; the bias row loaded with B's strips (or with each tile when both
+    operands stream), the weight's first strip loaded before the activations, the residual by rows."""
+    from neuronc.passes import tiling
+
+    def forced(node, target, wide=False):
+        return tiling.MatmulTiling(resident, block, 128, 512, 128, bufs, tiling.streamed_first(node, resident))
+
+    monkeypatch.setattr(tiling, "choose", forced)
+    torch.manual_seed(0)
+    model = _LinearWithResidual().eval().to(torch.bfloat16)
+    _baseline_and_optimised_bits(model, (torch.randn(300, 192).to(torch.bfloat16),
+                                         torch.randn(300, 640).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("resident,block,bufs", [("a", 2, 2), ("b", 1, 3)])
+def test_every_tiling_of_a_chain_gives_the_baseline_bits(monkeypatch, resident, block, bufs):
+    """The first matmul's bias column loaded with its A strips (two row tiles each, the last strip partial) or
+    with each streamed row tile, the second's next column of tiles accumulated partly while the first's last
+    epilogues run: the same bits as one kernel per op."""
+    from neuronc.passes import tiling
+
+    def forced(node, target, wide=False):
+        from neuronc.passes.matmul_chain import stages
+
+        first, second = stages(node)
+        return (tiling.MatmulTiling(resident, block, 128, 512, 128, bufs, tiling.streamed_first(first, resident)),
+                tiling._second_tiling(second, target, bufs))
+
+    monkeypatch.setattr(tiling, "chain_tilings", forced)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.GELU(), torch.nn.Linear(384, 640)).eval()
+    model = model.to(torch.bfloat16)
+    compiled = _baseline_and_optimised_bits(model, (torch.randn(400, 64).to(torch.bfloat16),))
+    chained = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("chain") is not None]
+    assert len(chained) == 1 and chained[0].attrs["chain"].attrs.get("bias_column") is not None
+
+
 def _step(op, args, dtype):
     return ir.Step(op, tuple(args), dtype, {})
 

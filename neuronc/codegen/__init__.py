@@ -24,7 +24,10 @@ def _fused_ops(node: ir.Node) -> tuple:
     if node.op in (ir.Op.FUSED, ir.Op.ROWWISE):
         return tuple(step.op.name.lower() for step in ir.body_of(node))
     ops = tuple(node.attrs.get("ops", (node.op.name.lower(),)))
-    tiling = node.attrs.get("tiling")
+    tiling, chain = node.attrs.get("tiling"), node.attrs.get("chain")
+    if chain is not None:  # two matmuls in one kernel (passes/matmul_chain.py)
+        return tuple(chain.attrs.get("ops", ("matmul",))) + ops + (
+            f"[chain tiles {chain.attrs.get('tiling')}, then {tiling}]",)
     return ops + (f"[tiles {tiling}]",) if tiling is not None else ops
 
 

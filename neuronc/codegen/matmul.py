@@ -20,14 +20,14 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     if node.attrs.get("chain") is None:
         return _matmul(em, node, plan)
     from neuronc.passes.matmul_chain import stages
+    from neuronc.passes.tiling import early_rows
 
     first, second = stages(node)
     tiling = node.attrs["tiling"]
     (_, rows, columns), dtype = first.shape, first.dtype
     k_tiles = -(-rows // tiling.tile_k)
     kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
-    row_tiles = -(-second.shape[1] // tiling.tile_m)
-    early = row_tiles if row_tiles <= em.target.psum_banks // 2 else 0
+    early = early_rows(second, em.target)
     psum = em.psum_pool(bufs=em.target.psum_banks - early)
     if not early:
         em.locate(first.loc)
@@ -54,12 +54,20 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
     _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
     em.locate(None)
-    for j in pending:
-        later.early_k(j)
-    later()
+    later(pending)
 
 
 LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first matmul's last epilogues run
+
+
+class _Strip(NamedTuple):
+    """A loaded operand strip: [K tile, k tiles x width] in SBUF, and the part of the bias that travels with it
+    (B's strips: the bias row's columns, [1, width]; A's: the bias column's rows, [M tile, row tiles])."""
+
+    tile: AccessPattern
+    width: int
+    bias: AccessPattern | None = None
 
 
 class _Placed(NamedTuple):
@@ -110,7 +118,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     out_pools = epilogue_pools(node, tn)
     pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
     result, constants = pool("result"), pool("constants")
-    extra_pools = [pool(f"extra{i}") for i in range(len(extra))]
+    extra_pools = [pool(f"extra{i}") if f"extra{i}" in out_pools else None for i in range(len(extra))]
     bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
@@ -139,16 +147,38 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     def a_strip(g, m0, rows):
         if a_resident is not None:
-            return a_resident, m
-        return load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(rows, m - m0))
+            return _Strip(a_resident, m)
+        rows = min(rows, m - m0)
+        return _Strip(*load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, rows),
+                      bias_column_of(g, m0, rows) if bias_column is not None else None)
 
     def b_strip(g, n0, cols):
-        return load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(cols, n - n0))
+        cols = min(cols, n - n0)
+        return _Strip(*load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, cols),
+                      bias_row_of(g, n0, cols) if bias_row is not None else None)
+
+    def bias_row_of(g, n0, cols):
+        """[1, cols] of the bias row from column n0, loaded now (with the B strip it is added to)."""
+        x, (offset, (sb, _, sn)) = extra[bias_row - 1], extra_views[bias_row - 1]
+        row = strips["bias_row"].next().ap(1, cols)
+        em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, cols))))
+        return row
+
+    def bias_column_of(g, m0, rows):
+        """[M tile, row tiles] of the bias column from row m0 (row tile i in column i), loaded now."""
+        x, (offset, (sb, sm, _)) = extra[bias_column - 1], extra_views[bias_column - 1]
+        tiles, tail = divmod(rows, tm)
+        column = strips["bias_column"].next().ap(min(tm, rows), tiles + bool(tail))
+        at = plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize
+        if tiles:
+            em.dma(tile_at(column, 0, min(tm, rows), tiles), hbm(x.dtype, at, ((sm, min(tm, rows)), (tm * sm, tiles))))
+        if tail:
+            em.dma(tile_at(column, tiles, tail, 1), hbm(x.dtype, at + tiles * tm * sm * x.dtype.itemsize, ((sm, tail), (1, 1))))
+        return column
 
     def in_strip(strip, col, size):
         """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
-        tile, width = strip
-        return lambda j: tile_at(tile, j * width + col, min(tk, k - j * tk), size)
+        return lambda j: tile_at(strip.tile, j * strip.width + col, min(tk, k - j * tk), size)
 
     def streamed(name, x, element, k_stride, w_stride, size):
         """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
@@ -160,9 +190,9 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             return tile
         return load
 
-    def output_tile(g, m0, n0, stationary, moving, acc=None):
+    def output_tile(g, m0, n0, stationary, moving, acc=None, row=None, column=None):
         """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue, the
-        store."""
+        store. `row` / `column`: its part of the bias row / column, loaded with the strips (else loaded here)."""
         mt, nt = min(tm, m - m0), min(tn, n - n0)
         if acc is None:
             acc = psum.next().ap(mt, nt)
@@ -171,22 +201,19 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         loaded = {0: acc}
         for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
             if i == bias_row:  # acc[m, n] += 1 * bias[n]
-                row = xpool.next().ap(1, nt)
-                em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, nt))))
+                row = row if row is not None else bias_row_of(g, n0, nt)
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
                         accumulate=True)
                 continue
             if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
-                column = xpool.next().ap(mt, 1)
-                em.dma(column, hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize,
-                                   ((sm, mt), (1, 1))))
+                column = column if column is not None else bias_column_of(g, m0, mt)
                 loaded[i] = widened.next().ap(mt, 1)
                 em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
                 engines.account(em.instructions[-1:])
                 loaded["row_sum"] = column_sums.next().ap(mt, 1)
                 continue
-            loaded[i] = xpool.next().ap(mt, nt)
-            em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
+            loaded[i] = xpool.next().ap(mt, nt)  # by rows over several queues, as the store
+            dma_by_rows(em, loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
                                   ((sm, mt), (sn, nt))))
         if sink is not None:
             waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
@@ -200,15 +227,17 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
 
     waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
 
-    def flush(keep=0):
+    def flush(keep=0, last=False):
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
-        chains side by side on the engines, not one chain at a time), then their stores."""
+        chains side by side on the engines, not one chain at a time), then their stores. The `last` tile of
+        the kernel is stored by rows over half the queues (the other half may still hold the store before it):
+        nothing comes after it to share them with."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
         outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job[4] is not None:
-                dma_by_rows(em, job[4], out)
+                dma_by_rows(em, job[4], out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
         for job in jobs:
             if after_tile is not None:
                 after_tile(job[5])
@@ -220,7 +249,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                     output_tile(g, m0, n0,
                                 streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
                                 streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
-        flush()
+        flush(last=True)
         return
     def plan_steps(first_column=0):
         """The strip loads in order of use, each with the output tiles it completes (columns from
@@ -243,6 +272,8 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                         steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
                         steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
                                             for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
+        if tiling.streamed_first and a_resident is None and len(steps) > 1:
+            return _streamed_first(steps)
         return steps
 
     def run(steps, loaded):
@@ -251,26 +282,35 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         for i, (_, tiles) in enumerate(steps):
             for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
                 loaded[j] = steps[j][0]()
-            for g, m0, n0, a_step, a_col, b_step, b_col in tiles:
-                output_tile(g, m0, n0, in_strip(loaded[a_step], a_col, min(tm, m - m0)),
-                            in_strip(loaded[b_step], b_col, min(tn, n - n0)))
-        flush()
+            for tile in tiles:
+                stationary, moving, row, column = operands(tile, loaded)
+                output_tile(*tile[:3], stationary, moving, row=row, column=column)
+        flush(last=True)
+
+    def operands(tile, loaded):
+        """(stationary, moving, bias row, bias column) of an output tile of `plan_steps`, from the loaded strips."""
+        g, m0, n0, a_step, a_col, b_step, b_col = tile
+        mt, nt, a_strip_, b_strip_ = min(tm, m - m0), min(tn, n - n0), loaded[a_step], loaded[b_step]
+        return (in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
+                b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
+                a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
 
     if early_psum is None:
         run(plan_steps(), {})
         return None
     width = min(tn, n)
-    strip = strips["b"].next().ap(tk, k_tiles * width), width  # the first column's B strip, a K tile at a time
+    strip = _Strip(strips["b"].next().ap(tk, k_tiles * width), width,  # the first column's B strip, a K tile at a time,
+                   bias_row_of(0, 0, width) if bias_row is not None else None)  # and its bias row, now
     accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
 
     def early_load(j):
         rows = min(tk, k - j * tk)
-        dma_by_rows(em, tile_at(strip[0], j * width, rows, width),
+        dma_by_rows(em, tile_at(strip.tile, j * width, rows, width),
                     hbm(b.dtype, plan.offset(b) + (b_offset + j * tk * bsk) * b.dtype.itemsize, ((bsk, rows), (bsn, width))))
 
     def early_k(j):
         for m0, acc in accs:
-            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip((a_resident, m), m0, min(tm, m - m0))(j),
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip(_Strip(a_resident, m), m0, min(tm, m - m0))(j),
                     in_strip(strip, 0, min(tn, n))(j), accumulate=j > 0)
 
     steps, loaded = plan_steps(first_column=tn), {}
@@ -279,13 +319,50 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         for j in range(min(len(steps), tiling.stream_bufs - 1)):
             loaded[j] = steps[j][0]()
 
-    def later():
+    def later(pending):
+        """The rest, once the first matmul's matmuls are emitted, `pending` its K tiles whose early matmuls are not
+        (the last made: their epilogues end last). The next strip's output tiles first accumulate a part of the
+        other K tiles, so the Tensor engine has work while those epilogues finish; then the early column is
+        finished, then those tiles one by one (each one's epilogue beside the next one's matmuls), then the rest."""
+        head = next((i for i, (_, tiles) in enumerate(steps) if tiles), None)
+        ahead = []  # (output tile, its accumulator, its operands)
+        if head is not None and pending:
+            for j in range(len(loaded), head + 1):
+                loaded[j] = steps[j][0]()
+            ahead = [(tile, psum.next().ap(min(tm, m - tile[1]), min(tn, n - tile[2])), operands(tile, loaded))
+                     for tile in steps[head][1]]
+            steps[head] = (steps[head][0], [])
+        order = [j for j in range(k_tiles) if j not in pending] + list(pending)
+        lead = -(-(k_tiles - len(pending)) // LEAD_PART)
+
+        def accumulate(acc, stationary, moving, part):
+            for index in part:
+                j = order[index]
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index > 0)
+
+        for index in range(lead):
+            for _, acc, (stationary, moving, _, _) in ahead:
+                accumulate(acc, stationary, moving, [index])
+        for j in pending:
+            early_k(j)
         for m0, acc in accs:
-            output_tile(0, m0, 0, None, None, acc=acc)
+            output_tile(0, m0, 0, None, None, acc=acc, row=strip.bias)
+        for tile, acc, (stationary, moving, row, column) in ahead:
+            accumulate(acc, stationary, moving, range(lead, k_tiles))
+            output_tile(*tile[:3], None, None, acc=acc, row=row, column=column)
         run(steps, loaded)
 
     later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
     return later
+
+
+def _streamed_first(steps: list) -> list:
+    """The steps with the first streamed strip loaded before the first resident one: its output tiles move to
+    the resident strip's step (the later of their two loads), the step numbers they name swapped."""
+    swap = {0: 1, 1: 0}
+    steps = [(steps[1][0], []), (steps[0][0], steps[1][1]), *steps[2:]]
+    return [(load, [(g, m0, n0, swap.get(a_step, a_step), a_col, swap.get(b_step, b_step), b_col)
+                    for g, m0, n0, a_step, a_col, b_step, b_col in tiles]) for load, tiles in steps]
 
 
 EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side

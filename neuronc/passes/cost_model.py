@@ -85,17 +85,41 @@ def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
     return latency / engines, latency
 
 
-class _Servers:
-    """The busy-until times of the three resources a matmul kernel shares: the Tensor engine, the epilogue's
-    engines (one server at their combined rate) and the DMA queues (one server at their combined rate, each
-    load lasting at least its slowest piece)."""
+class Servers:
+    """The busy-until times of the resources matmul kernels share, carried from one matmul to the next in a
+    chain (passes/matmul_chain.py): the Tensor engine, the epilogue's engines (one server at their combined
+    rate), the DMA queues (one server at their combined rate, no faster than the core's HBM, each load
+    lasting at least its slowest piece), the PSUM banks, the last store and the last end."""
 
-    def __init__(self):
-        self.tensor = self.epilogue = self.dma = 0.0
+    def __init__(self, target: Target, banks: int | None = None):
+        self.tensor = self.epilogue = self.dma = self.stored = self.end = 0.0
+        self.banks = [0.0] * (banks or target.psum_banks)  # when each PSUM bank is free again (its epilogue done)
+        self.turn = 0
+
+
+def _queues_ns(total: float, nbytes: float, target: Target) -> float:
+    """The DMA queues' combined time for transfers of `nbytes` taking `total` ns of queue time: spread over the
+    queues, and no faster than the core's HBM bandwidth (`instruction_cost.HbmChannel`)."""
+    return max(total / target.dma_queues, nbytes / target.hbm_gbps)  # bytes / (GB/s) = ns
+
+
+def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, bias_itemsize: int,
+             target: Target) -> tuple:
+    """(the DMA queues' combined time, latency, one piece's time) of loading a strip of all K tiles of `width`
+    columns of an operand, and its part of the bias (`bias_itemsize` per column; 0: none), as codegen does."""
+    nbytes = k * width * itemsize
+    total, one = strip_load_ns(min(k, tile_k), nbytes, contiguous, target)
+    if bias_itemsize:
+        total += dma_transfer_ns(width * bias_itemsize, True, target)
+        nbytes += width * bias_itemsize
+    occupancy = _queues_ns(total, nbytes, target)
+    return occupancy, max(one, occupancy), one
 
 
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
-              contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False) -> float:
+              contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False,
+              servers: Servers | None = None, a_kept: bool = False, sink: bool = False, preloaded: int = 0,
+              meanwhile_ns: float = 0.0) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -103,8 +127,14 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     the other engines once its PSUM bank is full (8 banks: the Tensor engine runs at most that far ahead),
     its store on the DMA queues. `contiguous` says whether A^T's and B's strips are contiguous loads (a
     transposed operand is a strided DMA at half bandwidth). With `bias_row`, each tile also gets a bias row
-    (one small DMA) added into PSUM by one more matmul; with `bias_column`, a bias column (one small DMA and its
-    widening to fp32 on an epilogue engine) that the first epilogue step adds on its way."""
+    added into PSUM by one more matmul (its columns loaded with B's strips); with `bias_column`, a bias column
+    (its rows loaded with A's strips, each tile's part widened to fp32 on an epilogue engine) that the first
+    epilogue step adds on its way. The first streamed strip loads before the first resident one when the tiling
+    says so (`streamed_first`); the kernel's last store is cut over half the queues. `servers` carries the resources' state in from a matmul before (and
+    out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
+    `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
+    first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
+    time of those loads, spread over this matmul's output tiles."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -113,53 +143,79 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     fp32 = DType.F32 in (a_dtype, b_dtype)
     instr = matmul_pass_ns(min(tn, n), fp32, target)
     rows_k = min(tk, k)
-    queues = target.dma_queues
-    out_tile = min(tm, m) * min(tn, n)
-    # an output tile's DMAs: its store, split by rows over queues, and its epilogue's other inputs
-    stored_total, store = strip_load_ns(min(tm, m), out_tile * out_dtype.itemsize, True, target)
-    stored_total += dma_transfer_ns(out_tile * extras_bytes, True, target) if extras_bytes else 0.0
-    if bias_row:
-        stored_total += dma_transfer_ns(min(tn, n) * out_dtype.itemsize, True, target)
-    epilogue_share, epilogue_latency = _epilogue_ns(epilogue, min(tn, n), target)
-    if bias_column:
-        stored_total += dma_transfer_ns(min(tm, m) * out_dtype.itemsize, True, target)
-        epilogue_share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
+    clock = servers or Servers(target)
+
+    def tile_ns(rows, columns):
+        """(Tensor engine time, epilogue engines' share, epilogue latency, DMA queues' share, store latency) of
+        a [rows, columns] output tile: its K tiles' matmuls, its epilogue, its store split by rows over queues
+        and its epilogue's other inputs (none stored with `sink`)."""
+        out_tile = rows * columns
+        stored_total, store = strip_load_ns(rows, out_tile * out_dtype.itemsize, True, target)
+        stored_bytes = out_tile * (out_dtype.itemsize + extras_bytes)
+        if sink:
+            stored_total, store, stored_bytes = 0.0, 0.0, out_tile * extras_bytes
+        stored_total += strip_load_ns(rows, out_tile * extras_bytes, True, target)[0] if extras_bytes else 0.0
+        share, latency = _epilogue_ns(epilogue, columns, target)
+        if bias_column:
+            share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
+        tensor = (k_tiles + bias_row) * matmul_pass_ns(columns, fp32, target)
+        return tensor, share, latency, _queues_ns(stored_total, stored_bytes, target), store
+
+    _, epilogue_share, epilogue_latency, stored_share, store = tile_ns(min(tm, m), min(tn, n))
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
         a_one = dma_transfer_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
         b_one = dma_transfer_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
-        per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, (a_one + b_one) / queues)
+        k_bytes = rows_k * (min(tm, m) * a_dtype.itemsize + min(tn, n) * b_dtype.itemsize)
+        per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, _queues_ns(a_one + b_one, k_bytes, target))
         tiles = batch * m_tiles * n_tiles
-        return tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share, stored_total / queues) + \
-            epilogue_latency + store
+        bias = (bias_row * min(tn, n) + bias_column * min(tm, m)) * out_dtype.itemsize  # a tile's, loaded with it
+        bias_share = _queues_ns(dma_transfer_ns(bias, True, target), bias, target) if bias else 0.0
+        clock.end = clock.dma + tiles * max(k_tiles * per_k + bias_row * instr, epilogue_share,
+                                            stored_share + bias_share) + epilogue_latency + store
+        clock.tensor = clock.dma = clock.epilogue = clock.stored = clock.end
+        return clock.end
 
-    def load(width, item, is_contiguous):  # (combined queue time, latency, one piece's time) of one strip
-        total, one = strip_load_ns(rows_k, k * width * item, is_contiguous, target)
-        return total / queues, max(one, total / queues), one
+    def load(width, item, is_contiguous, bias):  # (combined queue time, latency, one piece's time) of one strip
+        return strip_ns(k, tk, width, item, is_contiguous, bias and out_dtype.itemsize, target)
 
-    # The steps of codegen's loop: (strip pool, load), then the number of output tiles the step completes.
+    # The steps of codegen's loop: (strip pool, load), then the [rows, columns] of the output tiles the step
+    # completes.
     steps = []
     resident, streamed = ("a", "b") if tiling.resident == "a" else ("b", "a")
-    size = {"a": (m, tm, a_dtype.itemsize, contiguous[0]), "b": (n, tn, b_dtype.itemsize, contiguous[1])}
-    extent, tile, item, cont = size[resident]
-    s_extent, s_tile, s_item, s_cont = size[streamed]
+    size = {"a": (m, tm, a_dtype.itemsize, contiguous[0], bias_column),
+            "b": (n, tn, b_dtype.itemsize, contiguous[1], bias_row)}
+    extent, tile, item, cont, bias = size[resident]
+    s_extent, s_tile, s_item, s_cont, s_bias = size[streamed]
+    kept = {"a": a_kept, "b": False}
     for _ in range(batch):
         for r0 in range(0, extent, tiling.block * tile):
             width = min(tiling.block * tile, extent - r0)
-            steps.append((resident, load(width, item, cont), 0, None))
+            steps.append((resident, (0.0, 0.0, 0.0) if kept[resident] else load(width, item, cont, bias), 0, None))
             owner = len(steps) - 1
             for s0 in range(0, s_extent, s_tile):
-                steps.append((streamed, load(min(s_tile, s_extent - s0), s_item, s_cont), -(-width // tile), owner))
+                s_width = min(s_tile, s_extent - s0)
+                before = len(steps) - 1 < preloaded  # (the steps so far: the resident strip, then streamed ones)
+                strip = (0.0, 0.0, 0.0) if kept[streamed] or before else load(s_width, s_item, s_cont, s_bias)
+                if resident == "a":  # (first row, rows, columns) of each output tile
+                    sizes = [(r0 + r, min(tile, width - r), s_width) for r in range(0, width, tile)]
+                else:
+                    sizes = [(s0, s_width, min(tile, width - c)) for c in range(0, width, tile)]
+                steps.append((streamed, strip, sizes, owner))
+    if tiling.streamed_first and not kept[resident] and len(steps) > 1:
+        (_, first_load, _, _), (_, second_load, tiles, _) = steps[:2]  # as codegen's `_streamed_first`
+        steps = [(streamed, second_load, [], None), (resident, first_load, tiles, 0),
+                 *((pool, load_, tiles_, 1 if owner == 0 else owner) for pool, load_, tiles_, owner in steps[2:])]
     bufs = {resident: 2, streamed: tiling.stream_bufs}
     free = {}  # step -> time its strip's buffer is free again (its last reader's matmuls are done)
     loaded_at = {}
     issued = 0
-    clock = _Servers()
-    banks = [0.0] * target.psum_banks  # when each PSUM bank is free again (its tile's epilogue done)
-    turn = 0
+    banks = clock.banks
     same_pool = {name: [j for j, st in enumerate(steps) if st[0] == name] for name in ("a", "b")}
     position = {j: i for name in same_pool for i, j in enumerate(same_pool[name])}
-    end = stored = 0.0
+    costs = {}  # [rows, columns] -> tile_ns
+    stored_rows = {}  # first row of a tile -> when the last store of its rows is done
+    last_turn = clock.turn + sum(len(tiles) for _, _, tiles, _ in steps if tiles) - 1
     for i, (pool, _, tiles, owner) in enumerate(steps):
         while issued < min(len(steps), i + tiling.stream_bufs):
             name, (occupancy, latency, piece), _, _ = steps[issued]
@@ -168,28 +224,35 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             start = max(clock.dma, ready)
             clock.dma = start + occupancy
             # a queue runs in order: the piece queued behind the last store waits for that store
-            loaded_at[issued] = max(start + latency, stored + piece)
+            loaded_at[issued] = max(start + latency, clock.stored + piece) if occupancy else 0.0
             issued += 1
         if not tiles:
             continue
         start = max(clock.tensor, loaded_at[i], loaded_at[owner])
-        for _ in range(tiles):
-            start = max(start, banks[turn % len(banks)])
-            done = start + (k_tiles + bias_row) * instr
+        for row, rows, columns in tiles:
+            tensor, epilogue_share, epilogue_latency, stored_share, store = costs.get((rows, columns)) or \
+                costs.setdefault((rows, columns), tile_ns(rows, columns))
+            start = max(start, banks[clock.turn % len(banks)])
+            done = start + tensor
             epilogue_start = max(clock.epilogue, done)
             clock.epilogue = epilogue_start + epilogue_share
-            banks[turn % len(banks)] = epilogue_start + epilogue_latency
-            clock.dma += stored_total / queues  # the store shares the queues with later loads
-            # stores of one kernel's tiles wait for each other (their HBM pages overlap, column tiles of the
-            # same rows), so they form a chain
-            stored = max(epilogue_start + epilogue_latency, stored) + store
-            end = max(end, stored)
-            turn += 1
+            banks[clock.turn % len(banks)] = epilogue_start + epilogue_latency
+            clock.dma += stored_share + meanwhile_ns / (batch * m_tiles * n_tiles)  # the queues' other work
+            # the stores of tiles of the same rows wait for each other (their HBM pages overlap)
+            if not sink:
+                if clock.turn == last_turn:  # the kernel's last store goes by rows over half the queues
+                    pieces = min(rows, target.dma_queues // 2)
+                    store = dma_transfer_ns(rows * columns * out_dtype.itemsize / pieces, True, target)
+                stored_after = max(epilogue_start + epilogue_latency, stored_rows.get(row, 0.0))
+                clock.stored = stored_rows[row] = stored_after + store
+            clock.end = max(clock.end, epilogue_start + epilogue_latency, clock.stored)
+            clock.turn += 1
             start = done
         clock.tensor = start
         free[i] = start
         free[owner] = start
-    return max(end, clock.tensor, clock.dma)
+    clock.end = max(clock.end, clock.tensor, clock.dma)
+    return clock.end
 
 
 def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: int, element_steps: int,

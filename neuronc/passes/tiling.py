@@ -20,7 +20,7 @@ import dataclasses
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, matmul_ns
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
 from neuronc.targets import Target
 
 
@@ -32,10 +32,12 @@ class MatmulTiling:
     tile_n: int
     tile_k: int
     stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
+    streamed_first: bool = False  # the first streamed strip loaded before the first resident one
 
     def __str__(self) -> str:
         keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}"
+        first = " streamed first" if self.streamed_first else ""
+        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
 
 
 def _pages(elements: int, dtype: DType) -> int:
@@ -55,13 +57,12 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
     pools = {"result": (node.dtype, tile_n, bufs), "constants": (DType.F32, tile_n * 2, 2)}
     pools.update({f"extra{i}": (x.dtype, tile_n, bufs) for i, x in enumerate(node.inputs[2:])})
     row = node.attrs.get("bias_row")
-    if row is not None:  # a bias row added in PSUM: [1, N] rows and a [1, M] row of ones, not [M, N] tiles
-        dtype = node.inputs[1 + row].dtype
-        pools[f"extra{row - 1}"] = (dtype, tile_n, bufs)
-        pools["ones"] = (dtype, max(tile_n, 128), 1)
+    if row is not None:  # a bias row added in PSUM by a [1, M] row of ones (the row travels with B's strips)
+        del pools[f"extra{row - 1}"]
+        pools["ones"] = (node.inputs[1 + row].dtype, max(tile_n, 128), 1)
     column = node.attrs.get("bias_column")
-    if column is not None:  # one value per row: a [M, 1] column, widened to fp32, and the pass's row sums
-        pools[f"extra{column - 1}"] = (node.inputs[1 + column].dtype, 1, bufs)
+    if column is not None:  # one value per row (travelling with A's strips), widened to fp32; the row sums
+        del pools[f"extra{column - 1}"]
         pools.update(bias=(DType.F32, 1, bufs), row_sum=(DType.F32, 1, bufs))
     widest = max(step.dtype.itemsize for step in body)  # a temporary holds one step's values
     pools.update({f"temp{i}": (DType.F32, -(-tile_n * widest // DType.F32.itemsize), bufs) for i in range(temps)})
@@ -70,16 +71,26 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
 
 def operand_pools(node: ir.Node, tiling: MatmulTiling) -> dict:
     """name -> (dtype, elements, buffers) of the operand strips: "a" holds [K tile, k tiles x rows], "b"
-    [K tile, k tiles x columns]; the resident one double buffered (the next strip loads meanwhile)."""
+    [K tile, k tiles x columns]; the resident one double buffered (the next strip loads meanwhile). A bias
+    row travels with B's strips ("bias_row": [1, columns]), a bias column with A's ("bias_column": [M tile,
+    row tiles]), so that it is loaded with the strip it is added to, not queued behind later strips."""
     a, b = node.inputs[:2]
     k_tiles = -(-node.attrs["k"] // tiling.tile_k)
     if tiling.resident == "a":
-        return {"a": (a.dtype, k_tiles * tiling.block * tiling.tile_m, 2),
-                "b": (b.dtype, k_tiles * tiling.tile_n, tiling.stream_bufs)}
-    if tiling.resident == "b":
-        return {"a": (a.dtype, k_tiles * tiling.tile_m, tiling.stream_bufs),
-                "b": (b.dtype, k_tiles * tiling.block * tiling.tile_n, 2)}
-    return {"a": (a.dtype, tiling.tile_m, tiling.stream_bufs), "b": (b.dtype, tiling.tile_n, tiling.stream_bufs)}
+        rows, columns, a_bufs, b_bufs = tiling.block, 1, 2, tiling.stream_bufs
+    elif tiling.resident == "b":
+        rows, columns, a_bufs, b_bufs = 1, tiling.block, tiling.stream_bufs, 2
+    else:  # tile by tile: a K tile of each operand, a bias per output tile
+        rows, columns, a_bufs, b_bufs = 1, 1, tiling.stream_bufs, tiling.stream_bufs
+        k_tiles = 1
+    pools = {"a": (a.dtype, k_tiles * rows * tiling.tile_m, a_bufs),
+             "b": (b.dtype, k_tiles * columns * tiling.tile_n, b_bufs)}
+    row, column = node.attrs.get("bias_row"), node.attrs.get("bias_column")
+    if row is not None:
+        pools["bias_row"] = (node.inputs[1 + row].dtype, columns * tiling.tile_n, b_bufs)
+    if column is not None:
+        pools["bias_column"] = (node.inputs[1 + column].dtype, rows, a_bufs)
+    return pools
 
 
 def sbuf_bytes(pools: dict) -> int:
@@ -100,6 +111,22 @@ def _max_tile_n(target: Target) -> int:
     return min(target.matmul_max_n, target.psum_bank_bytes // DType.F32.itemsize)
 
 
+def _is_weight(x: ir.Node) -> bool:
+    """Whether an operand is in HBM before the program runs (a weight or a constant, through reshapes)."""
+    while x.op is Op.RESHAPE:
+        x = x.inputs[0]
+    return x.op is Op.CONSTANT or (x.op is Op.PARAMETER and x.attrs.get("kind") == "weight")
+
+
+def streamed_first(node: ir.Node, resident: str) -> bool:
+    """Whether the first strip of the streamed operand should load before the resident one: when it is a
+    weight and the resident operand is not, it loads while the kernel before (that makes the resident
+    operand) finishes, and the first output tile waits for one strip less."""
+    a, b = node.inputs[:2]
+    streamed, kept = (b, a) if resident == "a" else (a, b)
+    return resident != "none" and _is_weight(streamed) and not _is_weight(kept)
+
+
 def candidates(node: ir.Node, target: Target, wide: bool) -> list:
     batch, m, n = node.shape
     tile_ns = [_max_tile_n(target)] + ([256, 128] if wide else [])
@@ -112,7 +139,8 @@ def candidates(node: ir.Node, target: Target, wide: bool) -> list:
             for resident, tiles in (("a", -(-m // tm)), ("b", -(-n // tile_n))):
                 block = 1
                 while True:
-                    found.append(MatmulTiling(resident, min(block, tiles), tm, tile_n, tk, stream_bufs))
+                    found.append(MatmulTiling(resident, min(block, tiles), tm, tile_n, tk, stream_bufs,
+                                              streamed_first(node, resident)))
                     if block >= tiles:
                         break
                     block *= 2
@@ -134,12 +162,14 @@ def _contiguous(node: ir.Node) -> tuple:
     return a_rows_stride == 1, b_cols_stride == 1
 
 
-def price(node: ir.Node, tiling: MatmulTiling, target: Target) -> float:
-    """The cost model's estimate of the matmul kernel of `node` under `tiling`."""
+def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
+    """The cost model's estimate of the matmul kernel of `node` under `tiling` (`servers`, `chained`: as part of
+    a chain, see `chain_price`)."""
     a, b = node.inputs[:2]
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
-                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None)
+                     node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None,
+                     servers, **chained)
 
 
 def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
@@ -167,17 +197,54 @@ def _chain_bytes(first: ir.Node, second: ir.Node, first_tiling: MatmulTiling, se
             + sbuf_bytes(second_pools) + sbuf_bytes(epilogue_pools(second, second_tiling.tile_n)))
 
 
-def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
-    """(first's tiling, second's tiling) of a chained node: the first's candidate the cost model prices lowest
-    among those that fit beside the kept result and the second's tiles; None if none fits."""
+def early_rows(second: ir.Node, target: Target) -> int:
+    """How many row tiles of a chain's second matmul codegen accumulates early, K tile by K tile as the first
+    matmul makes them (its first column of output tiles, in PSUM banks of their own): all of them when they
+    take at most half the banks, else none."""
+    rows = -(-second.shape[1] // target.matmul_max_m)
+    return rows if rows <= target.psum_banks // 2 else 0
+
+
+def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> float:
+    """The cost model's estimate of a chained node's kernel: the first matmul (its result kept in SBUF, not
+    stored), then the second (A^T not loaded), on the same Tensor engine, epilogue engines and DMA queues.
+    With early rows, the second's first column strip (a K tile at a time) and the strips it loads ahead are
+    loaded while the first runs, and the first has the PSUM banks the early tiles do not take."""
     from neuronc.passes.matmul_chain import stages
 
     first, second = stages(node)
-    options = [(price(first, t, target), -stream_bufs, t, _second_tiling(second, target, stream_bufs))
-               for stream_bufs in (3, 2) for t in candidates(first, target, wide)
-               if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
-               <= target.sbuf_bytes_per_partition]
-    return min(options, key=lambda o: o[:2])[2:] if options else None
+    early = early_rows(second, target)
+    servers = Servers(target, target.psum_banks - early)
+    preloaded, meanwhile = 0, 0.0
+    if early:
+        b, n, k = second.inputs[1], second.shape[2], second.attrs["k"]
+        tn, tk = second_tiling.tile_n, second_tiling.tile_k
+        column = strip_ns(tk, tk, min(tn, n), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
+        preloaded = min(-(-n // tn), second_tiling.stream_bufs)
+        meanwhile = -(-k // tk) * column + sum(
+            strip_ns(k, tk, min(tn, n - n0), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
+            for n0 in range(tn, preloaded * tn, tn))
+    price(first, first_tiling, target, servers, sink=True, meanwhile_ns=meanwhile)
+    return price(second, second_tiling, target, servers, a_kept=True, preloaded=preloaded)
+
+
+def chain_options(node: ir.Node, target: Target, wide: bool = False) -> list:
+    """Every (first's tiling, second's tiling) of a chained node that fits beside the kept result."""
+    from neuronc.passes.matmul_chain import stages
+
+    first, second = stages(node)
+    return [(t, _second_tiling(second, target, stream_bufs)) for stream_bufs in (3, 2)
+            for t in candidates(first, target, wide)
+            if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
+            <= target.sbuf_bytes_per_partition]
+
+
+def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
+    """(first's tiling, second's tiling) of a chained node: the pair the cost model prices lowest for the chain
+    as a whole (`chain_price`) among those that fit, the deeper buffered of equals; None if none fits."""
+    options = chain_options(node, target, wide)
+    key = lambda o: (chain_price(node, *o, target), -o[0].stream_bufs, -o[1].stream_bufs)  # noqa: E731
+    return min(options, key=key) if options else None
 
 
 def chain_sbuf_bytes(node: ir.Node, target: Target) -> int:
