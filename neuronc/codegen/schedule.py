@@ -24,9 +24,10 @@ from neuronc.isa import Engine, Instruction, Opcode, Space
 # How many of a kernel's first computing instructions get their operands prefetched: enough for a matmul's
 # first output tile over its K slices or a row-wise kernel's first row tile. Prefetching more (all the
 # weights a kernel can hold) takes HBM bandwidth from the previous kernel's last stores, which the next
-# kernel waits for. Measured on GPT-2-small's forward (`python -m benchmarks.roofline --cases gpt2`):
-# 3149 us without prefetch, 3012 at 1 or 4, 2981 at 8 and 12, 3002 at 24, 3012 at 64.
-PREFETCH_STEPS = 8
+# kernel waits for. Measured (`python -m benchmarks.roofline --cases gpt2_block,gpt2`), GPT-2-small block /
+# 12-layer forward in us: no prefetch 176.6 / 2738.0, 1 or 4 steps 172.0 / 2685.6, 8 171.3 / 2661.6,
+# 12 or 16 171.3 / 2654.8, 24 171.5 / 2659.6, 64 175.5 / 2708.6.
+PREFETCH_STEPS = 12
 
 
 def _is_load(inst: Instruction) -> bool:
