@@ -171,7 +171,7 @@ def main() -> None:
             model_ideal = results[0]["ideal_ns"] if level else None
             results[level] = _measure(neff, target, model_ideal) | {"compile_s": time.perf_counter() - start}
         o2, o0 = results[2], results[0]
-        print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.2f} "
+        print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.3f} "
               f"{o2['hbm_ratio']:>8.2f} {o2['kernels']:>8} {o0['time_us']:>10.1f} "
               f"{o0['time_us'] / o2['time_us']:>15.2f} {o2['compile_s']:>10.1f}", flush=True)
         if args.breakdown:
