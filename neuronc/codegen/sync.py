@@ -15,7 +15,7 @@ import bisect
 from collections import defaultdict
 
 from neuronc.isa import AccessPattern, Space, Wait
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES  # granularity of hazard tracking in SBUF
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
@@ -27,13 +27,7 @@ def _power_of_two_above(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-
-def partition_group(target: Target) -> int:
-    """Partitions per DMA queue's share of a tile, the granularity of SBUF hazards across partitions: DMAs
-    of slices cut at group boundaries (codegen.access.dma_slices) run side by side."""
-    return max(1, target.partitions // target.dma_queues)
-
-class Regions:
+class _Regions:
     """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM pages of
     one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
 
@@ -91,7 +85,7 @@ class _Last:
 _NEVER = _Last(-1, 0, {})
 
 
-class Cells:
+class _Cells:
     """The tracking cells of every memory, numbered: one block per HBM tensor (its pages, as far as accesses
     reach), PSUM (its banks) and SBUF (page by page, the partition groups of a page side by side), so a box
     is one contiguous span of cell numbers, or one per page when it covers only some partition groups."""
@@ -120,14 +114,14 @@ class HazardGrid:
     description of memory that the scheduling pass (codegen.schedule) and the waits share."""
 
     def __init__(self, instructions: list, tensors: list, target: Target):
-        regions = Regions(tensors, target)
+        regions = _Regions(tensors, target)
         boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
         for inst in instructions:
             for ap in (*inst.reads, *inst.writes):
                 if ap not in boxes:
                     boxes[ap] = regions(ap)
         distinct = list(dict.fromkeys(boxes.values()))
-        layout = Cells(distinct)
+        layout = _Cells(distinct)
         spans = {box: layout.spans(box) for box in distinct}
         self.count = layout.count
         self._access = {id(inst): ([span for ap in inst.reads for span in spans[boxes[ap]]],

@@ -17,6 +17,12 @@ from neuronc.targets import Target
 SBUF_PAGE_BYTES = 1024
 
 
+def partition_group(target: Target) -> int:
+    """Partitions per DMA queue's share of a tile, the granularity of SBUF hazards across partitions (the sync
+    pass's columns): DMAs of slices cut at group boundaries (codegen.access.dma_slices) run side by side."""
+    return max(1, target.partitions // target.dma_queues)
+
+
 def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     """Whether a kernel's tiles, `bytes_per_partition` on each partition, fit the target's SBUF."""
     return bytes_per_partition <= target.sbuf_bytes_per_partition

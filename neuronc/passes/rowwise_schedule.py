@@ -15,7 +15,7 @@ from typing import NamedTuple
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
 from neuronc.ir import Op
 from neuronc.isa import DType, Engine
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count, partition_group
 from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowSum, Summed, input_kind, step_kinds,
                                     tail_steps, tile_plan)
 from neuronc.targets import Target
@@ -57,7 +57,7 @@ def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> i
     if not latency_bound:
         return dma_slice_count(rows, nbytes, target)
     worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue  # bytes moved in one issue time
-    groups = -(-rows // max(1, target.partitions // target.dma_queues))  # codegen.access.dma_slices' cut points
+    groups = -(-rows // partition_group(target))  # codegen.access.dma_slices' cut points
     pieces = max(1, min(target.dma_queues, groups, int(nbytes // worth_issuing)))
     return max(n for n in range(1, pieces + 1) if groups % n == 0)
 
