@@ -6,7 +6,8 @@ engine of every kernel started only after its operands' whole trip. `prefetch_lo
 a kernel's first steps read (the weights of its first output tile, say), when they depend on nothing of
 that kernel, up into the previous kernel: right after the last instruction they depend on (a store of the
 rows they read, the last use of the SBUF they fill) and after that kernel's own loads, so they neither
-overtake a conflicting access nor delay the previous kernel's inputs. The emitter places consecutive
+overtake a conflicting access nor delay the previous kernel's inputs; a load that waits for the previous
+kernel also goes after that kernel's last transfer on its own queue, which it would otherwise hold up. The emitter places consecutive
 kernels' tiles at opposite ends of SBUF, so most of them have no SBUF conflict to wait for.
 
 Moving an instruction up past instructions whose memory it does not share (no read-write, write-read or
@@ -57,6 +58,7 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> the position it now precedes
+    last_on_queue: dict = {}  # (kernel, stream) -> position of its last instruction
     for position, inst in enumerate(instructions):
         kernel = inst.kernel
         first.setdefault(kernel, position)
@@ -65,8 +67,12 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
             if kernel - 1 in first and kernel in needs and any(needs[kernel][a:b].any() for a, b in writes):
                 after = max([last_write[a:b].max() for a, b in reads] + [last_use[a:b].max() for a, b in writes])
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
-                    moved[position] = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1)) + 1
+                    at = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
+                    if after >= first[kernel - 1]:  # it waits for the previous kernel: not ahead of it on its queue
+                        at = max(at, last_on_queue.get((kernel - 1, inst.stream), -1))
+                    moved[position] = at + 1
             last_load[kernel] = position
+        last_on_queue[(kernel, inst.stream)] = position
         for a, b in reads:
             last_use[a:b] = np.maximum(last_use[a:b], position)
         for a, b in writes:
