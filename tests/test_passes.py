@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from neuronc import ir
 from neuronc.codegen.blocks import blocks
@@ -15,6 +15,8 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import fold_constants
 from neuronc.passes.fusion import fold_converts
+from neuronc.passes import pipeline
+from neuronc.passes.layout import store_activations_transposed, view_of_transposed
 from neuronc.passes.legalize import reshaped_strides
 from neuronc.passes.pipeline import passes_for
 from runtime import run_neff
@@ -322,6 +324,78 @@ def test_a_weight_read_only_transposed_is_stored_transposed_and_a_tied_one_is_no
     neff = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).neff
     table = model.tokens.weight
     assert tuple(next(t for t in neff.tensors if t.name == "tokens.weight").shape) == tuple(table.shape)
+
+
+def _elements(buffer: np.ndarray, view: tuple, extents: tuple) -> np.ndarray:
+    offset, strides = view
+    index = offset + sum(np.arange(n).reshape([-1 if i == axis else 1 for i in range(len(extents))]) * stride
+                         for axis, (stride, n) in enumerate(zip(strides, extents)))
+    return buffer.reshape(-1)[index]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.data())
+def test_a_view_of_a_buffer_stored_transposed_reads_the_same_elements_or_is_refused(rows, cols, data):
+    axes = data.draw(st.integers(1, 3))
+    extents = tuple(data.draw(st.integers(1, 4)) for _ in range(axes))
+    strides = tuple(data.draw(st.sampled_from([0, 1, 2, cols, 2 * cols, cols + 1])) for _ in range(axes))
+    offset = data.draw(st.integers(0, rows * cols - 1))
+    reach = offset + sum(s * (n - 1) for s, n in zip(strides, extents))
+    assume(reach < rows * cols)
+    dense = np.arange(rows * cols).reshape(rows, cols)
+    relaid = view_of_transposed((offset, strides), extents, rows, cols)
+    if relaid is not None:
+        np.testing.assert_array_equal(_elements(np.ascontiguousarray(dense.T), relaid, extents),
+                                      _elements(dense, (offset, strides), extents))
+    row, col = divmod(offset, cols)
+    along_rows = sum(n - 1 for s, n in zip(strides, extents) if s == cols)
+    along_a_row = sum(n - 1 for s, n in zip(strides, extents) if s == 1)
+    if cols > 1 and all(s in (0, 1, cols) for s in strides) and row + along_rows < rows and col + along_a_row < cols:
+        assert relaid is not None  # a box of the [rows, cols] matrix is a box of its transpose
+
+
+def _linear_after_layer_norm(tokens=300, width=192, residual=False):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.linear = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.linear(y) + y if residual else self.linear(y)
+
+    torch.manual_seed(0)
+    return Model().eval().to(torch.bfloat16), (torch.randn(tokens, width).to(torch.bfloat16),)
+
+
+def _with_and_without_transposed_activations(monkeypatch, model, inputs):
+    """The -O2 compilation; checks its output has the bits of -O2 without the activation layout pass, and
+    matches eager."""
+    program = torch.export.export(model, inputs)
+    arrays = [x.float().numpy().astype(ml_dtypes.bfloat16) for x in inputs]
+    compiled = compile_exported(program, CompileOptions(opt_level=2))
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.PIPELINES, 2, [p for p in pipeline.PIPELINES[2] if p is not store_activations_transposed])
+        plain = compile_exported(program, CompileOptions(opt_level=2))
+    outputs = [run_neff(c.neff, arrays).outputs[0] for c in (plain, compiled)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(*inputs))
+    return compiled
+
+
+def test_a_layer_norm_read_only_by_a_matmul_is_written_transposed_with_the_same_bits(monkeypatch):
+    compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm())
+    (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
+    (linear,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert norm.attrs["out_strides"] == (1, 300)  # [192, 300]: the matmul's A^T
+    assert linear.attrs["views"][0][1][1] == 1  # its strips of A^T are contiguous rows
+
+
+def test_a_layer_norm_also_read_by_rows_keeps_its_layout(monkeypatch):
+    compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm(residual=True))
+    (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
+    assert norm.attrs["out_strides"] == (192, 1)
 
 
 class _Positions(torch.nn.Module):

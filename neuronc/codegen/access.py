@@ -21,8 +21,9 @@ def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> Acc
 
 
 def column_slice(ap: AccessPattern, c0: int, c1: int) -> AccessPattern:
-    """Columns [c0, c1) of a [partitions, n] on-chip tile."""
-    return dataclasses.replace(ap, offset=ap.offset + c0 * ap.dtype.itemsize, dims=(ap.dims[0], (1, c1 - c0)))
+    """Columns [c0, c1) of a [partitions, n] on-chip tile, or of a [rows, n] HBM pattern (its column stride)."""
+    stride = ap.dims[1][0] if ap.space == Space.HBM else 1
+    return dataclasses.replace(ap, offset=ap.offset + c0 * stride * ap.dtype.itemsize, dims=(ap.dims[0], (stride, c1 - c0)))
 
 
 def row_slice(ap: AccessPattern, p0: int, p1: int) -> AccessPattern:
@@ -49,6 +50,17 @@ def dma_by_rows(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: int
     onchip = dst if dst.space != Space.HBM else src
     for p0, p1 in dma_slices(em.target, onchip, pieces):
         em.dma(row_slice(dst, p0, p1), row_slice(src, p0, p1))
+
+
+def dma_by_columns(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: int) -> None:
+    """One DMA per slice of columns (every partition), on consecutive queues: the split of a tile stored
+    transposed, where a slice of partitions would write a few elements of every row of the destination and
+    so share its hazard-tracking pages with every other slice (a slice of columns writes rows of its own)."""
+    onchip = dst if dst.space != Space.HBM else src
+    (_, cols), = onchip.dims[1:]
+    pieces = max(1, min(cols, pieces))
+    for c0, c1 in ((cols * k // pieces, cols * (k + 1) // pieces) for k in range(pieces)):
+        em.dma(column_slice(dst, c0, c1), column_slice(src, c0, c1))
 
 
 def dma_slices(target, tile: AccessPattern, pieces: int | None = None) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc.codegen.access import broadcast_columns, column_slice, dma_by_rows, first_rows
+from neuronc.codegen.access import broadcast_columns, column_slice, dma_by_columns, dma_by_rows, first_rows
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
@@ -12,7 +12,7 @@ from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.passes.memory_plan import MemoryPlan
 from neuronc.passes.rowwise import OUT_SLOT, Act, Alu2, RowSum, Summed, needs_constants, step_kinds, tail_steps, tile_plan
-from neuronc.passes.rowwise_schedule import Schedule, dma_pieces, per_row_alu, split_engines
+from neuronc.passes.rowwise_schedule import Schedule, dma_pieces, per_row_alu, split_engines, transposed_store_pieces
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -243,7 +243,11 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                              results_here, rt, extra, on)
                 yield
         dst = hbm(node.dtype, plan.offset(node) + r0 * sr_out * node.dtype.itemsize, ((sr_out, rt), (sc_out, cols)))
-        dma_by_rows(em, dst, results_here[tiles_plan.out_step], _pieces(em, results_here[tiles_plan.out_step], last))
+        out = results_here[tiles_plan.out_step]
+        if sc_out == 1:
+            dma_by_rows(em, dst, out, _pieces(em, out, last))
+        else:  # stored transposed (passes/layout.py)
+            dma_by_columns(em, dst, out, transposed_store_pieces(out.num_elements * out.dtype.itemsize, em.target))
 
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.

@@ -6,7 +6,8 @@ fuse elementwise groups, read matmul operands through their views, and compute e
 matmul as its epilogue; the tiling pass then chooses each matmul's tiles and loop order with the cost model
 (-O3 searching more candidates; -O0/-O1 stream both operands tile by tile). At -O2/-O3 convolutions are
 implicit-GEMM kernels with their epilogue (passes/conv.py); -O0/-O1 keep im2col + matmul. The layout pass
-(-O2/-O3) stores a weight that matmuls read only transposed transposed in the NEFF. Every level must give
+(-O2/-O3) stores a weight that matmuls read only transposed transposed in the NEFF, and has a row-wise
+kernel write its result transposed when matmuls read only its transpose. Every level must give
 the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
 the target's budgets (listed in TARGETED) also take the target.
 """
@@ -24,7 +25,7 @@ from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
-from neuronc.passes.layout import store_weights_transposed
+from neuronc.passes.layout import store_activations_transposed, store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.rowwise import fuse_rowwise
@@ -35,7 +36,8 @@ BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_con
             narrow_matmul_operands, legalize, simplify]
 OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
              + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
-                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify, chain_matmuls])
+                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify, store_activations_transposed,
+                chain_matmuls])
 
 PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
              3: OPTIMISED + [search_matmul_tiles]}
