@@ -390,6 +390,7 @@ def test_a_layer_norm_read_only_by_a_matmul_is_written_transposed_with_the_same_
     (linear,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert norm.attrs["out_strides"] == (1, 300)  # [192, 300]: the matmul's A^T
     assert linear.attrs["views"][0][1][1] == 1  # its strips of A^T are contiguous rows
+    assert compiled.neff.kernels[0].ops[-1] == "[stored transposed]"  # as `neuronc inspect --kernels` shows it
 
 
 def test_a_layer_norm_also_read_by_rows_keeps_its_layout(monkeypatch):

@@ -22,7 +22,9 @@ from neuronc.targets import Target
 def _fused_ops(node: ir.Node) -> tuple:
     """The graph ops a kernel computes, for `neuronc inspect --kernels`."""
     if node.op in (ir.Op.FUSED, ir.Op.ROWWISE):
-        return tuple(step.op.name.lower() for step in ir.body_of(node))
+        ops = tuple(step.op.name.lower() for step in ir.body_of(node))
+        transposed = node.op is ir.Op.ROWWISE and node.attrs["out_strides"][1] != 1  # passes/layout.py
+        return ops + ("[stored transposed]",) * transposed
     ops = tuple(node.attrs.get("ops", (node.op.name.lower(),)))
     tiling, chain = node.attrs.get("tiling"), node.attrs.get("chain")
     if chain is not None:  # two matmuls in one kernel (passes/matmul_chain.py)
