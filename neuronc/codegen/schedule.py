@@ -27,7 +27,8 @@ from neuronc.isa import Engine, Instruction, Opcode, Space
 # weights a kernel can hold) takes HBM bandwidth from the previous kernel's last stores, which the next
 # kernel waits for. Measured (`python -m benchmarks.roofline --cases gpt2_block,gpt2`), GPT-2-small block /
 # 12-layer forward in us: no prefetch 176.6 / 2738.0, 1 or 4 steps 172.0 / 2685.6, 8 171.3 / 2661.6,
-# 12 or 16 171.3 / 2654.8, 24 171.5 / 2659.6, 64 175.5 / 2708.6.
+# 12 or 16 171.3 / 2654.8, 24 171.5 / 2659.6, 64 175.5 / 2708.6; with transposed layer-norm stores
+# (passes/layout.py): 8 169.0 / 2629.6, 12 or 16 169.0 / 2629.8, 64 175.2 / 2698.4.
 PREFETCH_STEPS = 12
 
 
