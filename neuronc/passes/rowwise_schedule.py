@@ -13,7 +13,7 @@ import itertools
 from typing import NamedTuple
 
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
-from neuronc.ir import Op
+from neuronc.ir import BINARY, Op
 from neuronc.isa import DType, Engine
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count, partition_group
 from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowSum, Summed, input_kind, step_kinds,
@@ -21,8 +21,7 @@ from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowS
 from neuronc.targets import Target
 
 ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU work between these
-ALU_OPS = frozenset({Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.REMAINDER, Op.POWER, Op.MAXIMUM, Op.MINIMUM,
-                     Op.ATAN2, Op.AND, Op.OR, Op.XOR})  # what an ALU instruction computes (codegen's ALU table)
+ALU_OPS = frozenset(BINARY - {Op.COMPARE})  # the binary ops one ALU instruction computes (codegen's ALU table)
 
 
 def per_row_alu(step) -> bool:
