@@ -2,7 +2,7 @@
 and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from neuronc import ir
 from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
@@ -35,7 +35,7 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         em.locate(None)
         _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
         return
-    later = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
+    rest = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
     # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
     # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
     made, pending = [0] * k_tiles, []
@@ -45,16 +45,16 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         made[m0 // tiling.tile_k] += 1
         if made[m0 // tiling.tile_k] == first_tiles:
             pending.append(m0 // tiling.tile_k)
-            later.early_load(m0 // tiling.tile_k)
+            rest.load_k(m0 // tiling.tile_k)
             if sum(count == first_tiles for count in made) == k_tiles // 2:
-                later.prefetch()  # halfway through the first matmul
+                rest.prefetch()  # halfway through the first matmul
         while len(pending) > LAG:
-            later.early_k(pending.pop(0))
+            rest.accumulate_k(pending.pop(0))
 
     em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
     _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
     em.locate(None)
-    later(pending)
+    rest.finish(pending)
 
 
 LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
@@ -68,6 +68,15 @@ class _Strip(NamedTuple):
     tile: AccessPattern
     width: int
     bias: AccessPattern | None = None
+
+
+class _Rest(NamedTuple):
+    """A chain's second matmul, emitted in parts while the first one makes its stationary operand A^T."""
+
+    load_k: Callable  # (j): load K tile j of the first output column's B strip
+    accumulate_k: Callable  # (j): that column's matmuls of K tile j, once A^T's K tile j is made
+    prefetch: Callable  # (): load the first strips of the columns after the first
+    finish: Callable  # (pending K tiles): the rest of the kernel
 
 
 class _Placed(NamedTuple):
@@ -97,9 +106,8 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     `after_tile(m0)` is called once a row tile's epilogue is emitted.
 
     With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
-    accumulators from `early_psum`, and the kernel is returned as a function emitting the rest, with
-    `early_load(j)` loading K tile j of that column's B strip, `early_k(j)` emitting its matmuls into those
-    accumulators (as soon as A^T's K tile j is made) and `prefetch()` loading the first strips of the rest."""
+    accumulators from `early_psum`, and the kernel is returned as a `_Rest`, whose functions the caller
+    interleaves with the making of A^T (see `matmul`)."""
     from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
 
     a, b, *extra = node.inputs
@@ -352,8 +360,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
             output_tile(*tile[:3], None, None, acc=acc, row=row, column=column)
         run(steps, loaded)
 
-    later.early_load, later.early_k, later.prefetch = early_load, early_k, prefetch
-    return later
+    return _Rest(load_k=early_load, accumulate_k=early_k, prefetch=prefetch, finish=later)
 
 
 def _streamed_first(steps: list) -> list:
