@@ -354,7 +354,7 @@ def test_a_view_of_a_buffer_stored_transposed_reads_the_same_elements_or_is_refu
         assert relaid is not None  # a box of the [rows, cols] matrix is a box of its transpose
 
 
-def _linear_after_layer_norm(tokens=300, width=192, residual=False):
+def _linear_after_layer_norm(tokens=(300,), width=192, residual=False):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -365,7 +365,7 @@ def _linear_after_layer_norm(tokens=300, width=192, residual=False):
             return self.linear(y) + y if residual else self.linear(y)
 
     torch.manual_seed(0)
-    return Model().eval().to(torch.bfloat16), (torch.randn(tokens, width).to(torch.bfloat16),)
+    return Model().eval().to(torch.bfloat16), (torch.randn(*tokens, width).to(torch.bfloat16),)
 
 
 def _with_and_without_transposed_activations(monkeypatch, model, inputs):
@@ -384,8 +384,9 @@ def _with_and_without_transposed_activations(monkeypatch, model, inputs):
     return compiled
 
 
-def test_a_layer_norm_read_only_by_a_matmul_is_written_transposed_with_the_same_bits(monkeypatch):
-    compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm())
+@pytest.mark.parametrize("tokens", [(300,), (2, 150)])  # a partial row tile; a batch of sequences
+def test_a_layer_norm_read_only_by_a_matmul_is_written_transposed_with_the_same_bits(monkeypatch, tokens):
+    compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm(tokens))
     (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     (linear,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert norm.attrs["out_strides"] == (1, 300)  # [192, 300]: the matmul's A^T
