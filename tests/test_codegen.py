@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.errors import NeuronRuntimeError
@@ -155,3 +156,67 @@ def test_a_kernel_loads_its_first_weights_while_the_previous_kernel_runs():
         assert ahead == prefetched, level
         out = run_neff(neff, [x.numpy()]).outputs[0]  # the runtime refuses any race the move would cause
         assert_matches_eager(torch.from_numpy(out), model(x))
+
+
+def _hbm_tensor(rows=512, cols=768):
+    from neuronc.isa import DType
+    from neuronc.neff.program import TensorEntry, TensorKind
+
+    return TensorEntry("out", TensorKind.SCRATCH, DType.BF16, (rows, cols), 0)
+
+
+def _store(queue, first_row, rows, first_col, cols, width=768):
+    """A DMA on `queue` writing [rows, cols] of a row-major bf16 [*, width] HBM tensor from SBUF."""
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    dst = AccessPattern(Space.HBM, DType.BF16, (first_row * width + first_col) * 2, ((width, rows), (1, cols)))
+    src = AccessPattern(Space.SBUF, DType.BF16, queue * 4096, ((1, rows), (1, cols)))
+    return Instruction(Opcode.DMA_COPY, Engine.DMA, (dst, src), queue=queue)
+
+
+def test_stores_to_different_columns_of_the_same_rows_do_not_wait_for_each_other():
+    """Two attention heads' outputs, say: a reader of both waits for both."""
+    from neuronc.codegen.sync import insert_waits
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    head0, head1 = _store(0, 0, 128, 0, 64), _store(1, 0, 128, 64, 64)
+    both = AccessPattern(Space.HBM, DType.BF16, 0, ((768, 128), (1, 128)))
+    reader = Instruction(Opcode.DMA_COPY, Engine.DMA, (AccessPattern(Space.SBUF, DType.BF16, 65536, ((1, 128), (1, 128))),
+                                                       both), queue=2)
+    insert_waits([head0, head1, reader], [_hbm_tensor()], get_target("trn2"))
+    assert head1.waits == ()
+    assert {(w.engine, w.queue) for w in reader.waits} == {(Engine.DMA, 0), (Engine.DMA, 1)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_sync_pass_orders_any_two_hbm_accesses_that_share_a_byte(data):
+    """Whatever their shapes (row blocks, column blocks, transposed element by element), two writes touching a
+    common byte of a tensor are ordered (the sync pass tracks HBM by pages of rows and column blocks)."""
+    from neuronc.codegen.sync import insert_waits
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    rows, cols = 64, 768
+
+    def access():
+        first_row, first_col = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, cols - 1))
+        n_rows = data.draw(st.integers(1, rows - first_row))
+        n_cols = data.draw(st.integers(1, cols - first_col))
+        if data.draw(st.booleans()):  # [n_cols, n_rows] read transposed: one element of each row at a time
+            dims = ((1, min(n_cols, 128)), (cols, n_rows))
+        else:
+            dims = ((cols, min(n_rows, 128)), (1, n_cols))
+        return AccessPattern(Space.HBM, DType.BF16, (first_row * cols + first_col) * 2, dims)
+
+    def elements(ap):
+        start = ap.offset // 2
+        (s0, n0), (s1, n1) = ap.dims
+        return {start + i * s0 + j * s1 for i in range(n0) for j in range(n1)}
+
+    a, b = access(), access()
+    writes = [Instruction(Opcode.DMA_COPY, Engine.DMA, (ap, AccessPattern(Space.SBUF, DType.BF16, q * 65536, ap.dims)),
+                          queue=q) for q, ap in enumerate((a, b))]
+    insert_waits(writes, [_hbm_tensor(rows, cols)], get_target("trn2"))
+    if elements(a) & elements(b):
+        assert writes[1].waits, (a, b)
+

@@ -4,7 +4,9 @@ Codegen emits instructions in one program order. Here each goes to its stream (e
 queue), and for every cross-stream hazard on the memory it touches (read after write, write after
 read, write after write) it gets a wait on the other stream's semaphore. Memory is tracked per HBM
 page (a tensor cut into at most HBM_PAGES_PER_TENSOR pages, so row tiles of one tensor stored from
-several DMA queues do not wait on each other), per SBUF page and group of partitions (a DMA queue's
+several DMA queues do not wait on each other; a 2-D tensor's pages of rows further cut into column
+blocks, so an attention head's output columns, or a transposed store's, do not wait for the other
+columns of the same rows), per SBUF page and group of partitions (a DMA queue's
 share: loads of one tile split by partitions run side by side) and per PSUM bank: coarse, so never
 missing a dependency, at the price of a few unnecessary ones. Waits a stream has already implied by
 an earlier wait are dropped.
@@ -20,6 +22,7 @@ from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
 HBM_MIN_PAGE_BYTES = 4 * 1024
+HBM_COLUMNS, HBM_COLUMN_BYTES = 16, 128  # a 2-D tensor's rows are tracked in up to 16 column blocks of >= 128 bytes
 
 
 def _power_of_two_above(n: int) -> int:
@@ -35,12 +38,19 @@ class _Regions:
         # Tensors that share bytes (scratch buffers reused over time) start at the same offset (the memory
         # plan's slots): one block of pages per start, as long as its longest tensor.
         blocks: dict = {}
+        widths: dict = {}  # start -> the row bytes of every tensor there (one value: tracked as rows by columns)
         for t in tensors:
             blocks[t.offset] = max(blocks.get(t.offset, 0), t.nbytes)
+            widths.setdefault(t.offset, set()).add(t.shape[-1] * t.dtype.itemsize if len(t.shape) >= 2 else 0)
         self.starts = sorted(blocks)
         # Pages are powers of two, so that tiles of power-of-two rows never share a page at their boundary
         self.pages = [max(HBM_MIN_PAGE_BYTES, _power_of_two_above(-(-blocks[start] // HBM_PAGES_PER_TENSOR)))
                       for start in self.starts]
+        self.rows = []  # per block: (row bytes, rows per page, column bytes), or None for pages of bytes
+        for start, page in zip(self.starts, self.pages):
+            (width,) = widths[start] if len(widths[start]) == 1 else (0,)
+            columns = min(HBM_COLUMNS, width // HBM_COLUMN_BYTES)
+            self.rows.append((width, max(1, page // width), -(-width // columns)) if columns > 1 else None)
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = partition_group(target)
 
@@ -48,6 +58,9 @@ class _Regions:
         """(space, tensor index or -1, first row, last row, first column, last column), bounds included."""
         if ap.space == Space.HBM:
             tensor = bisect.bisect_right(self.starts, ap.offset) - 1
+            box = self._rows_by_columns(ap, tensor) if self.rows[tensor] else None
+            if box is not None:
+                return box
             first = last = ap.offset - self.starts[tensor]
             for stride, size in ap.dims:
                 reach = stride * (size - 1) * ap.dtype.itemsize
@@ -55,8 +68,13 @@ class _Regions:
                     first += reach
                 else:
                     last += reach
+            last += ap.dtype.itemsize - 1
+            if self.rows[tensor]:  # the rows it spans, every column
+                width, rows_per_page, column_bytes = self.rows[tensor]
+                return (Space.HBM, tensor, first // width // rows_per_page, last // width // rows_per_page,
+                        0, (width - 1) // column_bytes)
             page = self.pages[tensor]
-            return Space.HBM, tensor, first // page, (last + ap.dtype.itemsize - 1) // page, 0, 0
+            return Space.HBM, tensor, first // page, last // page, 0, 0
         extent = 1
         for stride, size in ap.dims[1:]:
             extent += stride * (size - 1)
@@ -66,6 +84,29 @@ class _Regions:
         group = self.partition_group
         return (Space.SBUF, -1, first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES,
                 ap.partition // group, (ap.partition + ap.partitions - 1) // group)
+
+    def _rows_by_columns(self, ap: AccessPattern, tensor: int) -> tuple | None:
+        """The box of an HBM access in its block's rows (grouped by page) by column blocks, when each of its axes
+        steps along rows or within a row without leaving it; else None (pages of bytes, all columns)."""
+        width, rows_per_page, column_bytes = self.rows[tensor]
+        row, col = divmod(ap.offset - self.starts[tensor], width)
+        last_row, last_col = row, col + ap.dtype.itemsize - 1
+        for stride, size in ap.dims:
+            step = stride * ap.dtype.itemsize
+            if size == 1 or step == 0:
+                continue
+            if step < 0:
+                return None
+            if step % width == 0:
+                last_row += step // width * (size - 1)
+            elif step < width:
+                last_col += step * (size - 1)
+            else:
+                return None
+        if last_col >= width:
+            return None
+        return (Space.HBM, tensor, row // rows_per_page, last_row // rows_per_page,
+                col // column_bytes, last_col // column_bytes)
 
 
 class _Last:
