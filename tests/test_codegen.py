@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -220,3 +221,28 @@ def test_the_sync_pass_orders_any_two_hbm_accesses_that_share_a_byte(data):
     if elements(a) & elements(b):
         assert writes[1].waits, (a, b)
 
+
+def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_last_heads_run():
+    """The projection's A^T is loaded K tile by K tile, each waiting only for its heads' stores, so the early
+    heads' columns arrive before the attention ends (on the estimated timeline); the block matches eager."""
+    from neuronc.passes.cost_model import replay
+    from neuronc.passes.tiling import loads_a_by_k_tile
+
+    torch.manual_seed(0)
+    model = zoo.TransformerBlock(width=512, heads=8).eval().to(torch.bfloat16)
+    x = torch.randn(1, 256, 512).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
+    assert sum(loads_a_by_k_tile(n) for n in compiled.graph.nodes() if n.op is Op.MATMUL) == 1
+    names = [k.name for k in compiled.neff.kernels]
+    attention = next(i for i, name in enumerate(names) if name.startswith("attention"))
+    assert names[attention + 1].startswith("matmul")  # the projection
+    timeline = list(replay(compiled.neff.streams, get_target(compiled.neff.target)))
+    stored = [inst.operands[0].offset for inst, _, _ in timeline
+              if inst.kernel == attention and inst.operands[0].space == Space.HBM]
+    attention_end = max(end for inst, _, end in timeline if inst.kernel == attention)
+    heads_loaded = [end for inst, _, end in timeline if inst.kernel == attention + 1 and inst.engine == Engine.DMA
+                    and min(stored) <= inst.operands[1].offset <= max(stored)]
+    assert min(heads_loaded) < attention_end
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))

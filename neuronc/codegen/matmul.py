@@ -108,7 +108,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
     accumulators from `early_psum`, and the kernel is returned as a `_Rest`, whose functions the caller
     interleaves with the making of A^T (see `matmul`)."""
-    from neuronc.passes.tiling import default_tiling, epilogue_pools, operand_pools
+    from neuronc.passes.tiling import default_tiling, epilogue_pools, loads_a_by_k_tile, operand_pools
 
     a, b, *extra = node.inputs
     (batch, m, n), k = node.shape, node.attrs["k"]
@@ -139,11 +139,20 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     engines = StepBalancer(em)
     ci = node.dtype.itemsize
 
+    a_by_k_tile = loads_a_by_k_tile(node)
+
     def load_strip(name, x, element, k_stride, w_stride, width):
-        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]."""
+        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]: one
+        DMA split over the queues by partitions, or one per K tile for A^T written head by head by an attention
+        (passes/tiling.py `loads_a_by_k_tile`)."""
         tile = strips[name].next().ap(tk, k_tiles * width)
         whole, tail = divmod(k, tk)
-        if whole:
+        if whole and name == "a" and a_by_k_tile:
+            for j in range(whole):
+                dma_by_rows(em, tile_at(tile, j * width, tk, width),
+                            hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
+                                ((k_stride, tk), (w_stride, width))))
+        elif whole:
             dma_by_rows(em, tile_at(tile, 0, min(tk, k), whole, width),
                          hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize,
                              ((k_stride, min(tk, k)), (tk * k_stride, whole), (w_stride, width))))

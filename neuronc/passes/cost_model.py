@@ -110,11 +110,14 @@ def _queues_ns(total: float, nbytes: float, target: Target) -> float:
 
 
 def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, bias_itemsize: int,
-             target: Target) -> tuple:
+             target: Target, by_k_tile: bool = False) -> tuple:
     """(the DMA queues' combined time, latency, one piece's time) of loading a strip of all K tiles of `width`
-    columns of an operand, and its part of the bias (`bias_itemsize` per column; 0: none), as codegen does."""
+    columns of an operand, and its part of the bias (`bias_itemsize` per column; 0: none), as codegen does:
+    one DMA, or one per K tile (`by_k_tile`: passes/tiling.py `loads_a_by_k_tile`)."""
     nbytes = k * width * itemsize
-    total, one = strip_load_ns(min(k, tile_k), nbytes, contiguous, target)
+    loads = [min(tile_k, k - k0) for k0 in range(0, k, tile_k)] if by_k_tile else [k]
+    priced = [strip_load_ns(min(rows, tile_k), rows * width * itemsize, contiguous, target) for rows in loads]
+    total, one = sum(t for t, _ in priced), max(o for _, o in priced)
     if bias_itemsize:
         total += dma_transfer_ns(width * bias_itemsize, True, target)
         nbytes += width * bias_itemsize
@@ -125,7 +128,7 @@ def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, b
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
               contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False,
               servers: Servers | None = None, a_kept: bool = False, sink: bool = False, preloaded: int = 0,
-              meanwhile_ns: float = 0.0) -> float:
+              meanwhile_ns: float = 0.0, a_by_k_tile: bool = False) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -140,7 +143,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
     `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
     first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
-    time of those loads, spread over this matmul's output tiles."""
+    time of those loads, spread over this matmul's output tiles; with `a_by_k_tile`, A^T's strips load one DMA
+    per K tile (passes/tiling.py `loads_a_by_k_tile`)."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -182,8 +186,9 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         clock.tensor = clock.dma = clock.epilogue = clock.stored = clock.end
         return clock.end
 
-    def load(width, item, is_contiguous, bias):  # (combined queue time, latency, one piece's time) of one strip
-        return strip_ns(k, tk, width, item, is_contiguous, bias and out_dtype.itemsize, target)
+    def load(width, item, is_contiguous, bias, operand):  # (queue time, latency, a piece's time) of a strip
+        return strip_ns(k, tk, width, item, is_contiguous, bias and out_dtype.itemsize, target,
+                        operand == "a" and a_by_k_tile)
 
     # The steps of codegen's loop: (strip pool, load), then the [rows, columns] of the output tiles the step
     # completes.
@@ -197,12 +202,14 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     for _ in range(batch):
         for r0 in range(0, extent, tiling.block * tile):
             width = min(tiling.block * tile, extent - r0)
-            steps.append((resident, (0.0, 0.0, 0.0) if kept[resident] else load(width, item, cont, bias), 0, None))
+            steps.append((resident, (0.0, 0.0, 0.0) if kept[resident]
+                          else load(width, item, cont, bias, resident), 0, None))
             owner = len(steps) - 1
             for s0 in range(0, s_extent, s_tile):
                 s_width = min(s_tile, s_extent - s0)
                 before = len(steps) - 1 < preloaded  # (the steps so far: the resident strip, then streamed ones)
-                strip = (0.0, 0.0, 0.0) if kept[streamed] or before else load(s_width, s_item, s_cont, s_bias)
+                strip = ((0.0, 0.0, 0.0) if kept[streamed] or before
+                         else load(s_width, s_item, s_cont, s_bias, streamed))
                 if resident == "a":  # (first row, rows, columns) of each output tile
                     sizes = [(r0 + r, min(tile, width - r), s_width) for r in range(0, width, tile)]
                 else:
