@@ -176,16 +176,16 @@ def _store(queue, first_row, rows, first_col, cols, width=768):
 
 
 def test_stores_to_different_columns_of_the_same_rows_do_not_wait_for_each_other():
-    """Two attention heads' outputs, say: a reader of both waits for both."""
+    """Two pairs of attention heads' outputs, say (a K tile of columns each): a reader of both waits for both."""
     from neuronc.codegen.sync import insert_waits
     from neuronc.isa import AccessPattern, DType, Instruction
 
-    head0, head1 = _store(0, 0, 128, 0, 64), _store(1, 0, 128, 64, 64)
-    both = AccessPattern(Space.HBM, DType.BF16, 0, ((768, 128), (1, 128)))
-    reader = Instruction(Opcode.DMA_COPY, Engine.DMA, (AccessPattern(Space.SBUF, DType.BF16, 65536, ((1, 128), (1, 128))),
+    heads01, heads23 = _store(0, 0, 128, 0, 128), _store(1, 0, 128, 128, 128)
+    both = AccessPattern(Space.HBM, DType.BF16, 0, ((768, 128), (1, 256)))
+    reader = Instruction(Opcode.DMA_COPY, Engine.DMA, (AccessPattern(Space.SBUF, DType.BF16, 65536, ((1, 128), (1, 256))),
                                                        both), queue=2)
-    insert_waits([head0, head1, reader], [_hbm_tensor()], get_target("trn2"))
-    assert head1.waits == ()
+    insert_waits([heads01, heads23, reader], [_hbm_tensor()], get_target("trn2"))
+    assert heads23.waits == ()
     assert {(w.engine, w.queue) for w in reader.waits} == {(Engine.DMA, 0), (Engine.DMA, 1)}
 
 

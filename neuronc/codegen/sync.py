@@ -5,10 +5,10 @@ queue), and for every cross-stream hazard on the memory it touches (read after w
 read, write after write) it gets a wait on the other stream's semaphore. Memory is tracked per HBM
 page (a tensor cut into at most HBM_PAGES_PER_TENSOR pages, so row tiles of one tensor stored from
 several DMA queues do not wait on each other; a 2-D tensor's pages of rows further cut into column
-blocks, so an attention head's output columns, or a transposed store's, do not wait for the other
-columns of the same rows), per SBUF page and group of partitions (a DMA queue's
-share: loads of one tile split by partitions run side by side) and per PSUM bank: coarse, so never
-missing a dependency, at the price of a few unnecessary ones. Waits a stream has already implied by
+blocks, so an attention's output columns of a pair of heads, or a transposed store's, do not wait for
+the other columns of the same rows), per SBUF page and group of partitions (a DMA queue's share: loads
+of one tile split by partitions run side by side) and per PSUM bank: coarse, so never missing a
+dependency, at the price of a few unnecessary ones. Waits a stream has already implied by
 an earlier wait are dropped.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
 HBM_MIN_PAGE_BYTES = 4 * 1024
-HBM_COLUMNS, HBM_COLUMN_BYTES = 16, 128  # a 2-D tensor's rows are tracked in up to 16 column blocks of >= 128 bytes
+HBM_COLUMNS, HBM_COLUMN_BYTES = 8, 256  # a 2-D tensor's rows in up to 8 column blocks of >= 256 bytes (a K tile of bf16)
 
 
 def _power_of_two_above(n: int) -> int:
@@ -129,7 +129,10 @@ _NEVER = _Last(-1, 0, {})
 class _Cells:
     """The tracking cells of every memory, numbered: one block per HBM tensor (its pages, as far as accesses
     reach), PSUM (its banks) and SBUF (page by page, the partition groups of a page side by side), so a box
-    is one contiguous span of cell numbers, or one per page when it covers only some partition groups."""
+    is one contiguous span of cell numbers, or one per page when it covers only some partition groups. A 2-D
+    HBM tensor's block is numbered page by page (the column blocks of a page side by side), or column block by
+    column block (its pages consecutive within each) when its accesses are fewer spans so: a few columns of
+    every row, say the heads of a fused qkv projection, are a few spans instead of one per page."""
 
     def __init__(self, boxes: list):
         reach: dict = {}  # (space, tensor) -> (first row, last row, columns)
@@ -138,16 +141,30 @@ class _Cells:
             reach[(space, tensor)] = (min(lo, row0), max(hi, row1), max(cols, col1 + 1))
         self.blocks, self.count = {}, 0
         for block, (lo, hi, cols) in reach.items():
-            self.blocks[block] = (self.count - lo * cols, cols)
+            self.blocks[block] = (self.count, lo, hi - lo + 1, cols, False)
             self.count += (hi - lo + 1) * cols
+        by_column = {block: 0 for block, (_, _, cols) in reach.items() if cols > 1 and block[0] == Space.HBM}
+        for box in boxes:  # spans by column minus spans by page, over a block's distinct boxes
+            if box[:2] in by_column:
+                by_column[box[:2]] += len(self._spans(box, True)) - len(self._spans(box, False))
+        for block, more in by_column.items():
+            if more < 0:
+                self.blocks[block] = self.blocks[block][:4] + (True,)
+
+    def _spans(self, box: tuple, by_column: bool) -> tuple:
+        space, tensor, row0, row1, col0, col1 = box
+        base, lo, rows, cols, _ = self.blocks[(space, tensor)]
+        if by_column:
+            if row0 == lo and row1 == lo + rows - 1:
+                return ((base + col0 * rows, base + (col1 + 1) * rows),)
+            return tuple((base + col * rows + row0 - lo, base + col * rows + row1 - lo + 1) for col in range(col0, col1 + 1))
+        if col0 == 0 and col1 == cols - 1:
+            return ((base + (row0 - lo) * cols, base + (row1 - lo + 1) * cols),)
+        return tuple((base + (row - lo) * cols + col0, base + (row - lo) * cols + col1 + 1) for row in range(row0, row1 + 1))
 
     def spans(self, box: tuple) -> tuple:
         """The [start, stop) spans of cell numbers of `box`."""
-        space, tensor, row0, row1, col0, col1 = box
-        base, cols = self.blocks[(space, tensor)]
-        if col0 == 0 and col1 == cols - 1:
-            return ((base + row0 * cols, base + (row1 + 1) * cols),)
-        return tuple((base + row * cols + col0, base + row * cols + col1 + 1) for row in range(row0, row1 + 1))
+        return self._spans(box, self.blocks[box[:2]][4])
 
 
 class HazardGrid:
