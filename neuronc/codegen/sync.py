@@ -50,7 +50,12 @@ class _Regions:
         for start, page in zip(self.starts, self.pages):
             (width,) = widths[start] if len(widths[start]) == 1 else (0,)
             columns = min(HBM_COLUMNS, width // HBM_COLUMN_BYTES)
-            self.rows.append((width, max(1, page // width), -(-width // columns)) if columns > 1 else None)
+            if columns > 1:  # pages of a power of two rows, as many cells as HBM_PAGES_PER_TENSOR pages at most
+                rows = -(-blocks[start] // width)
+                per_page = _power_of_two_above(max(1, page // width, -(-rows * columns // HBM_PAGES_PER_TENSOR)))
+                self.rows.append((width, per_page, -(-width // columns)))
+            else:
+                self.rows.append(None)
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = partition_group(target)
 
