@@ -92,7 +92,7 @@ class _Regions:
 
     def _rows_by_columns(self, ap: AccessPattern, tensor: int) -> tuple | None:
         """The box of an HBM access in its block's rows (grouped by page) by column blocks, when each of its axes
-        steps along rows or within a row without leaving it; else None (pages of bytes, all columns)."""
+        steps along rows or within a row without leaving it; else None (then: every column of the rows it spans)."""
         width, rows_per_page, column_bytes = self.rows[tensor]
         row, col = divmod(ap.offset - self.starts[tensor], width)
         last_row, last_col = row, col + ap.dtype.itemsize - 1
@@ -148,11 +148,11 @@ class _Cells:
         for block, (lo, hi, cols) in reach.items():
             self.blocks[block] = (self.count, lo, hi - lo + 1, cols, False)
             self.count += (hi - lo + 1) * cols
-        by_column = {block: 0 for block, (_, _, cols) in reach.items() if cols > 1 and block[0] == Space.HBM}
-        for box in boxes:  # spans by column minus spans by page, over a block's distinct boxes
-            if box[:2] in by_column:
-                by_column[box[:2]] += len(self._spans(box, True)) - len(self._spans(box, False))
-        for block, more in by_column.items():
+        extra_spans = {block: 0 for block, (_, _, cols) in reach.items() if cols > 1 and block[0] == Space.HBM}
+        for box in boxes:  # spans numbered by column minus spans numbered by page, over a block's distinct boxes
+            if box[:2] in extra_spans:
+                extra_spans[box[:2]] += len(self._spans(box, True)) - len(self._spans(box, False))
+        for block, more in extra_spans.items():
             if more < 0:
                 self.blocks[block] = self.blocks[block][:4] + (True,)
 
