@@ -7,8 +7,9 @@ a kernel's first steps read (the weights of its first output tile, say), when th
 that kernel, up into the previous kernel: right after the last instruction they depend on (a store of the
 rows they read, the last use of the SBUF they fill) and after that kernel's own loads, so they neither
 overtake a conflicting access nor delay the previous kernel's inputs; a load that waits for the previous
-kernel also goes after that kernel's last transfer on its own queue, which it would otherwise hold up. The emitter places consecutive
-kernels' tiles at opposite ends of SBUF, so most of them have no SBUF conflict to wait for.
+kernel also goes after that kernel's last transfer on its own queue, which it would otherwise hold up.
+The emitter places consecutive kernels' tiles at opposite ends of SBUF, so most of them have no SBUF
+conflict to wait for.
 
 Moving an instruction up past instructions whose memory it does not share (no read-write, write-read or
 write-write overlap on the hazard grid of codegen.sync) keeps the program's meaning; the sync pass then

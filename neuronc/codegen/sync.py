@@ -22,7 +22,8 @@ from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
 HBM_MIN_PAGE_BYTES = 4 * 1024
-HBM_COLUMNS, HBM_COLUMN_BYTES = 8, 256  # a 2-D tensor's rows in up to 8 column blocks of >= 256 bytes (a K tile of bf16)
+# a 2-D tensor's rows are tracked in up to 8 column blocks of at least 256 bytes (a K tile of bf16)
+HBM_COLUMNS, HBM_COLUMN_BYTES = 8, 256
 
 
 def _power_of_two_above(n: int) -> int:
@@ -144,32 +145,32 @@ class _Cells:
         for space, tensor, row0, row1, _c0, col1 in boxes:
             lo, hi, cols = reach.get((space, tensor), (row0, row1, col1 + 1))
             reach[(space, tensor)] = (min(lo, row0), max(hi, row1), max(cols, col1 + 1))
-        self.blocks, self.count = {}, 0
+        self.blocks, self.count = {}, 0  # (space, tensor) -> (first cell, first row, rows, columns)
         for block, (lo, hi, cols) in reach.items():
-            self.blocks[block] = (self.count, lo, hi - lo + 1, cols, False)
+            self.blocks[block] = (self.count, lo, hi - lo + 1, cols)
             self.count += (hi - lo + 1) * cols
         extra_spans = {block: 0 for block, (_, _, cols) in reach.items() if cols > 1 and block[0] == Space.HBM}
         for box in boxes:  # spans numbered by column minus spans numbered by page, over a block's distinct boxes
             if box[:2] in extra_spans:
                 extra_spans[box[:2]] += len(self._spans(box, True)) - len(self._spans(box, False))
-        for block, more in extra_spans.items():
-            if more < 0:
-                self.blocks[block] = self.blocks[block][:4] + (True,)
+        self.by_column = {block for block, more in extra_spans.items() if more < 0}
 
     def _spans(self, box: tuple, by_column: bool) -> tuple:
         space, tensor, row0, row1, col0, col1 = box
-        base, lo, rows, cols, _ = self.blocks[(space, tensor)]
+        base, lo, rows, cols = self.blocks[(space, tensor)]
         if by_column:
             if row0 == lo and row1 == lo + rows - 1:
                 return ((base + col0 * rows, base + (col1 + 1) * rows),)
-            return tuple((base + col * rows + row0 - lo, base + col * rows + row1 - lo + 1) for col in range(col0, col1 + 1))
+            return tuple((base + col * rows + row0 - lo, base + col * rows + row1 - lo + 1)
+                         for col in range(col0, col1 + 1))
         if col0 == 0 and col1 == cols - 1:
             return ((base + (row0 - lo) * cols, base + (row1 - lo + 1) * cols),)
-        return tuple((base + (row - lo) * cols + col0, base + (row - lo) * cols + col1 + 1) for row in range(row0, row1 + 1))
+        return tuple((base + (row - lo) * cols + col0, base + (row - lo) * cols + col1 + 1)
+                     for row in range(row0, row1 + 1))
 
     def spans(self, box: tuple) -> tuple:
         """The [start, stop) spans of cell numbers of `box`."""
-        return self._spans(box, self.blocks[box[:2]][4])
+        return self._spans(box, box[:2] in self.by_column)
 
 
 class HazardGrid:

@@ -139,8 +139,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     added into PSUM by one more matmul (its columns loaded with B's strips); with `bias_column`, a bias column
     (its rows loaded with A's strips, each tile's part widened to fp32 on an epilogue engine) that the first
     epilogue step adds on its way. The first streamed strip loads before the first resident one when the tiling
-    says so (`streamed_first`); the kernel's last store is cut over half the queues. `servers` carries the resources' state in from a matmul before (and
-    out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
+    says so (`streamed_first`); the kernel's last store is cut over half the queues. `servers` carries the
+    resources' state in from a matmul before (and out to one after); with `a_kept`, A^T is in SBUF already (a chain's second matmul) and is not loaded; with
     `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
     first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
     time of those loads, spread over this matmul's output tiles; with `a_by_k_tile`, A^T's strips load one DMA

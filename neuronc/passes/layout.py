@@ -91,8 +91,8 @@ def _operand_view(reader: ir.Node, index: int) -> tuple:
 
 
 def _gains(reader: ir.Node, x: ir.Node, rows: int, cols: int) -> bool:
-    """Whether `reader` is a matmul loading x (or a reshape of it) as an operand whose strips are strided now and contiguous with x
-    stored transposed."""
+    """Whether `reader` is a matmul loading x (or a reshape of it) as an operand whose strips are strided now
+    and contiguous with x stored transposed."""
     aliases = [i for i, y in enumerate(reader.inputs) if ir.unreshaped(y) is x]
     if reader.op is not Op.MATMUL or reader.attrs.get("chain") or len(aliases) != 1:
         return False

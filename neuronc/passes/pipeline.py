@@ -36,8 +36,8 @@ BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_con
             narrow_matmul_operands, legalize, simplify]
 OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
              + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
-                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify, store_activations_transposed,
-                chain_matmuls])
+                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify,
+                store_activations_transposed, chain_matmuls])
 
 PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
              3: OPTIMISED + [search_matmul_tiles]}
