@@ -114,3 +114,10 @@ def no_compile_cache(monkeypatch):
     """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+
+
+@pytest.fixture
+def neuron():
+    """neuron:0, the `neuron` device initialised (shim loaded, eager kernels registered)."""
+    torch.neuron._lazy_init()
+    return torch.device("neuron", 0)

@@ -27,12 +27,6 @@ def _run_python(code: str, **env) -> str:
     return done.stdout
 
 
-@pytest.fixture
-def neuron():
-    torch.neuron._lazy_init()
-    return torch.device("neuron", 0)
-
-
 # ---- registration ----------------------------------------------------------------------------------
 
 def test_to_neuron_needs_no_import_and_behaves_like_a_device(tmp_path):
@@ -606,56 +600,3 @@ def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(
     model(x).square().sum().backward()
     assert_matches_eager(out.detach().cpu(), model(x).detach())
     assert_matches_eager([p.grad.cpu() for p in on_device.parameters()], [p.grad for p in model.parameters()])
-
-
-# ---- adaptive eager ----------------------------------------------------------------------------------
-
-@pytest.fixture
-def adaptive_eager(neuron):
-    from neuronc.pytorch import adaptive
-
-    torch.accelerator.synchronize()
-    torch.neuron.set_adaptive_eager(True)
-    try:
-        yield adaptive.stats
-    finally:
-        torch.neuron.set_adaptive_eager(False)
-
-
-def _chain(a, b, c):
-    hidden = torch.relu(a @ b) * 0.5 + c
-    return torch.softmax(hidden, dim=-1)
-
-
-def test_adaptive_eager_runs_queued_ops_as_one_neff_and_matches_cpu(adaptive_eager, neuron):
-    a, b, c = torch.randn(6, 8), torch.randn(8, 8), torch.randn(6, 8)
-    before = dict(adaptive_eager)
-    result = _chain(a.to(neuron), b.to(neuron), c.to(neuron))
-    assert_matches_eager(result.cpu(), _chain(a, b, c))
-    assert adaptive_eager["batches"] == before.get("batches", 0) + 1
-    assert adaptive_eager["batched ops"] - before.get("batched ops", 0) >= 4  # mm, relu, mul, add, softmax
-    assert adaptive_eager["results not written"] > before.get("results not written", 0)  # dropped intermediates
-
-
-def test_printing_ends_an_adaptive_batch(adaptive_eager, neuron, capsys):
-    x = torch.randn(4, 4).to(neuron)
-    torch.accelerator.synchronize()
-    before = adaptive_eager["batches"]
-    y = (x * 2.0).relu()
-    print(y)  # a synchronisation point: the ops queued so far run, as one batch
-    z = (y + 1.0).tanh()
-    assert_matches_eager(z.cpu(), ((x.cpu() * 2.0).relu() + 1.0).tanh())
-    assert adaptive_eager["batches"] == before + 2
-    assert "tensor(" in capsys.readouterr().out
-
-
-def test_adaptive_eager_is_off_under_deterministic_algorithms(adaptive_eager, neuron):
-    a, b, c = torch.randn(6, 8), torch.randn(8, 8), torch.randn(6, 8)
-    before = adaptive_eager["batches"]
-    torch.use_deterministic_algorithms(True)
-    try:
-        result = _chain(a.to(neuron), b.to(neuron), c.to(neuron)).cpu()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert adaptive_eager["batches"] == before
-    assert_matches_eager(result, _chain(a, b, c))

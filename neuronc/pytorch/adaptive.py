@@ -22,10 +22,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import weakref
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger("neuronc")
 
@@ -47,14 +47,17 @@ class Launch:
 
     def __init__(self, entry, op, runtime, args, kwargs, operands, inputs, outputs, flat_outputs, results):
         """``op`` is the functional form of the op called; ``results`` the tensors it writes (contiguous).
-        No tensor is kept: a result nobody holds any more need not be written by a batch."""
+        No tensor is kept, only a weak reference to each result's storage: a result whose storage nothing
+        holds any more need not be written by a batch. The storage, not the Python tensor: autograd keeps
+        what it saves for the backward, and ``.grad`` what it accumulates, as other tensors of the same
+        storage, so a result whose own tensor object is gone may still be read later."""
         self.entry, self.op, self.runtime = entry, op, runtime
         self.args, self.kwargs = _skeleton(args), _skeleton(kwargs)
         self.operands = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in operands]
         self.inputs, self.outputs, self.flat_outputs = inputs, outputs, flat_outputs
         self.identities = [_identity(x) for x in operands]
         self.produced = [(t.data_ptr(), t.numel() * t.element_size(), t.dtype) for t in results]
-        self.results = [weakref.ref(t) for t in results]
+        self.results = [StorageWeakRef(t.untyped_storage()) for t in results]
 
     def __call__(self) -> None:
         self.entry.run(self.inputs, self.outputs)
@@ -132,7 +135,7 @@ def _reads(item) -> list:
 def _needed(launches: list, reads: list) -> tuple:
     """Per result of the launches, whether the batch must write it: its tensor is still held, or later
     queued work may read its bytes."""
-    return tuple(ref() is not None or any(p < base + nbytes and base < p + span for p, span in reads)
+    return tuple(not ref.expired() or any(p < base + nbytes and base < p + span for p, span in reads)
                  for launch in launches for ref, (base, nbytes, _) in zip(launch.results, launch.produced))
 
 
