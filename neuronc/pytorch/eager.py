@@ -56,10 +56,13 @@ class EagerProgram:
 
     program: object  # runtime.LoadedProgram
     layout: list  # per flat output of the op: its NEFF output index
-    outputs: list  # per flat output: (shape, dtype)
+    outputs: list  # per flat output that is a tensor: (shape, dtype)
     out_spec: object  # pytree spec rebuilding the op's result from the flat outputs
     duration_ns: float  # estimated device time of one run
     launches: int = 0
+    nones: tuple = ()  # positions among the op's flat results of those that are None
+    mutated: tuple = ()  # operands the op also writes (batch norm's running statistics): the NEFF's last outputs
+    empty: tuple = ()  # which of ``outputs`` are empty tensors, made but not written by the NEFF
 
     def __post_init__(self):
         self.single = self.out_spec.is_leaf()
@@ -407,7 +410,7 @@ def call_with_operands(op, args, kwargs, runtime: frozenset, operands: list, dty
     a, k = substitute(args), substitute(kwargs)
     form = SCALAR_FORMS.get(_schema_name(op)) if scalar_slot[0] else None
     result = form(**dict(zip([x.name for x in op._schema.arguments], a)), **k) if form else op(*a, **k)
-    flat = torch.utils._pytree.tree_leaves(result)
+    flat = [t for t in torch.utils._pytree.tree_leaves(result) if t is not None]
     return [t.to(d) if t.dtype != d else t for t, d in zip(flat, dtypes)]
 
 
@@ -482,10 +485,74 @@ def _with_scalar_tensors(values, runtime: frozenset):
 # ---- compile, launch, write back -------------------------------------------------------------------
 
 def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
-    """An EagerProgram for this signature, or the reason (a string) the op runs on the CPU instead."""
+    """An EagerProgram for this signature, or the reason (a string) the op runs on the CPU instead: lowered
+    straight to the IR (:mod:`neuronc.frontend.aten_lowering`, a millisecond) when it can be, else traced and
+    compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
+    from neuronc.compiler import CompileOptions, collector_paused
+
+    options = CompileOptions.from_dict({"name": f"eager_{str(op).replace('.', '_')}"})
+    with collector_paused():
+        return _compile_with(op, args, kwargs, device, runtime, options)
+
+
+def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
+    lowered = _lower(op, args, kwargs, runtime)
+    try:
+        if lowered is not None:
+            compiled = _compile_lowered(lowered, options)
+            outputs, out_spec, how = lowered.outputs, lowered.out_spec, "lowered"
+        else:
+            found = _traced(op, args, kwargs, runtime, options)
+            if isinstance(found, str):
+                return found
+            compiled, outputs, out_spec = found
+            how = "traced"
+        program = core(device).load(compiled.neff, checked_by=compiled.checked_by())
+    except NeuronError as e:
+        return f"neuronc cannot compile it: {e.message}"
+    compile_stats[how] += 1
+    log.info("neuronc: eager %s compiled (%s) for %s", op, how,
+             ", ".join(str(tuple(t.shape)) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)))
+    return EagerProgram(program, compiled.output_layout or list(range(len(outputs))), outputs, out_spec,
+                        program.time().estimated_ns, nones=lowered.nones if lowered is not None else (),
+                        mutated=tuple(lowered.mutated) if lowered is not None else (),
+                        empty=lowered.empty if lowered is not None else ())
+
+
+compile_stats: collections.Counter = collections.Counter()  # "lowered" / "traced": programs made each way
+
+
+def _lower(op, args, kwargs, runtime: frozenset):
+    """The op lowered straight to the IR, or None when it has no lowering (logged)."""
+    from neuronc.frontend.aten_lowering import NotLowered, lower
+
+    try:
+        return lower(op, args, kwargs, runtime, f"eager_{op}")
+    except NotLowered as why:
+        log.debug("neuronc: eager %s is traced through torch-mlir: %s", op, why)
+    except Exception as e:  # a rule that failed: the op still runs, traced, and the log says which rule
+        log.warning("neuronc: lowering eager %s failed (%s: %s); it is traced through torch-mlir instead", op,
+                    type(e).__name__, e)
+    return None
+
+
+def _compile_lowered(lowered, options):
+    from neuronc.compiler import compile_graph
+
+    compiled = compile_graph(lowered.graph, options)
+    compiled.output_layout = list(range(len(lowered.outputs)))
+    return compiled
+
+
+def _traced(op, args, kwargs, runtime: frozenset, options):
+    """(Compiled, [(shape, dtype)] of the flat results, their pytree spec) of the op traced by make_fx and
+    compiled through torch-mlir; or the reason it cannot be. The compile cache keeps the NEFF under the op's
+    signature, so a later process neither traces nor imports it again."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from neuronc.compiler import CompileOptions, compile_fx
+    from neuronc.cache import CompileCache, cache_key
+    from neuronc.compiler import Compiled, compile_fx
     from neuronc.frontend.torch_import import decomposition_table
 
     def example(x):
@@ -514,23 +581,34 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
         out_spec.append(result_spec)
         return tuple(t.to(d) if dtypes and t.dtype != d else t for t, d in zip(flat, dtypes or flat))
 
-    name = str(op).replace(".", "_")
     try:
-        expected = torch.utils._pytree.tree_leaves(op(*real[0], **real[1]))
+        result = op(*real[0], **real[1])
+        expected = torch.utils._pytree.tree_leaves(result)
         if not expected or not all(isinstance(t, torch.Tensor) for t in expected) or \
                 any(t.numel() == 0 for t in expected):
             return "it has empty or non-tensor results"
         dtypes.extend(t.dtype for t in expected)
+        outputs = [(tuple(t.shape), t.dtype) for t in expected]
+        cache = CompileCache.from_env()
+        key = None
+        if cache is not None:  # keyed by the signature: a hit needs neither make_fx nor torch-mlir
+            signature = repr((_schema_name(op), _signature(args, runtime, []), _signature(kwargs, runtime, []),
+                              sorted(map(str, runtime))))
+            key = cache_key("eager op " + signature, {**dataclasses.asdict(options), "form": "eager"})
+            neff = cache.get(key)
+            if neff is not None:
+                return (Compiled(neff, "", None, {}, output_layout=list(range(len(outputs))), cache_hit=True,
+                                 cache_entry=(cache, key)), outputs, torch.utils._pytree.tree_flatten(result)[1])
         gm = make_fx(one_op, decomposition_table=decomposition_table())(*examples)
-        compiled = compile_fx(gm, CompileOptions.from_dict({"name": f"eager_{name}"}))
-        program = core(device).load(compiled.neff)
+        compiled = compile_fx(gm, options)
     except NeuronError as e:
         return f"neuronc cannot compile it: {e.message}"
     except Exception as e:  # tracing or importing failed: the op stays on the CPU, and the warning says why
         return f"it could not be traced or imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    log.info("neuronc: eager %s compiled for %s", op, ", ".join(str(tuple(t.shape)) for t in examples))
-    return EagerProgram(program, compiled.output_layout, [(tuple(t.shape), t.dtype) for t in expected],
-                        out_spec[-1], program.time().estimated_ns)
+    if key is not None and compiled.output_layout == list(range(len(outputs))):
+        cache.put(key, compiled.neff)
+        compiled.cache_entry = (cache, key)
+    return compiled, outputs, out_spec[-1]
 
 
 def _argument_type(op, where):
@@ -551,7 +629,13 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     if writes is None:  # new tensors, made with their numpy views in one call
         made = [_empty_with_view(shape, dtype, device) for shape, dtype in entry.outputs]
         flat, outputs = [t for t, _ in made], [v for _, v in made]
-        result = flat[0] if entry.single else torch.utils._pytree.tree_unflatten(flat, entry.out_spec)
+        if entry.single:
+            result = flat[0]
+        else:
+            leaves = list(flat)
+            for position in entry.nones:
+                leaves.insert(position, None)
+            result = torch.utils._pytree.tree_unflatten(leaves, entry.out_spec)
     elif writes["self"]:
         flat = [args[0]]
         result = args[0]
@@ -567,7 +651,11 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     flat_outputs = outputs
     if entry.permuted:
         outputs = entry.arrange(outputs)
-    if adaptive.ENABLED and (writes is None or all(t.is_contiguous() for t in flat)):  # may be batched
+    if entry.empty:
+        outputs = [v for i, v in enumerate(outputs) if i not in entry.empty]
+    if entry.mutated:  # written in place after the program read them
+        outputs = outputs + [_view(operands[i]) for i in entry.mutated]
+    if adaptive.ENABLED and not entry.mutated and not entry.empty and (writes is None or all(t.is_contiguous() for t in flat)):
         functional, _, runtime, _ = _plans[op]
         call_kwargs = {k: v for k, v in kwargs.items() if k not in writes["out"]} if writes else kwargs
         launch = adaptive.Launch(entry, functional, runtime, args, call_kwargs, operands, inputs, outputs,
@@ -680,7 +768,23 @@ def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _convolution(*args):
+    """``convolution_overrideable``, which PyTorch calls for a convolution on an accelerator it has no kernel
+    of its own for: the same arguments as ``convolution``, run as that op."""
+    return run_op(torch.ops.aten.convolution.default, *args)
+
+
+def _convolution_backward(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups,
+                          output_mask):
+    """``convolution_backward_overrideable``: ``convolution_backward``, given the bias's size."""
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    return run_op(torch.ops.aten.convolution_backward.default, grad, x, weight, bias_sizes, stride, padding,
+                  dilation, transposed, output_padding, groups, output_mask)
+
+
 DIRECT_KERNELS = {
+    "convolution_overrideable": _convolution,
+    "convolution_backward_overrideable": _convolution_backward,
     "arange.start_out": _arange,
     "_copy_from": _copy_from,
     "_copy_from_and_resize": _copy_from_and_resize,
