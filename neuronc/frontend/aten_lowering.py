@@ -1547,6 +1547,41 @@ def _upsample_nearest_backward(lw, meta, grad, output_size, input_size, *scales)
     return lw.convert(lw.reshape(summed, shape), dtype)
 
 
+@rule(aten.avg_pool2d.default, aten.avg_pool3d.default)
+def _avg_pool(lw, meta, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    """Window sums (REDUCE_WINDOW) divided by the window's size, or by how many of its elements are not padding."""
+    shape, dtype = _out(meta)
+    spatial = 2 if lw.current.startswith("aten::avg_pool2d") else 3
+    kernel = _spread(kernel_size, spatial)
+    stride = _spread(stride, spatial) if stride else kernel
+    padding = _spread(padding, spatial)
+    lead = x.dim() - spatial
+    low = list(padding)
+    high = [(o - 1) * s + k - i - p for o, s, k, i, p in zip(shape[lead:], stride, kernel, x.shape[lead:], padding)]
+    compute = _opmath(dtype)
+    attrs = dict(window=(1,) * lead + kernel, strides=(1,) * lead + stride,
+                 padding=((0, 0),) * lead + tuple(zip(low, high)), kind="add")
+    sums = lw.op(Op.REDUCE_WINDOW, [lw.node(x, compute), lw.splat(0.0, compute)], shape, compute, **attrs)
+    if divisor_override:
+        divisor = lw.splat(divisor_override, compute, shape)
+    elif count_include_pad and not ceil_mode:
+        divisor = lw.splat(int(np.prod(kernel)), compute, shape)
+    elif not count_include_pad:  # per window: how many of its elements are inside the input
+        ones = lw.splat(1.0, compute, tuple(x.shape))
+        divisor = lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], shape, compute, **attrs)
+    else:  # ceil_mode's last windows may reach past the padding: inside the input or its padding
+        extra = [max(0, h - p) for h, p in zip(high, padding)]
+        counted = lw.splat(1.0, compute, tuple(x.shape[:lead]) + tuple(i + 2 * p for i, p in zip(x.shape[lead:],
+                                                                                                 padding)))
+        ones = lw.op(Op.PAD, [counted, lw.splat(0.0, compute)],
+                     tuple(counted.shape[:lead]) + tuple(c + e for c, e in zip(counted.shape[lead:], extra)), compute,
+                     low=(0,) * x.dim(), high=(0,) * lead + tuple(extra), interior=(0,) * x.dim())
+        attrs = dict(attrs, padding=((0, 0),) * x.dim())
+        divisor = lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], shape, compute, **attrs)
+    return lw.convert(lw.op(Op.DIVIDE, [sums, divisor], shape, compute), dtype)
+
+
 # -- convolution ----------------------------------------------------------------------------------------------
 
 @rule(aten.convolution.default, aten.convolution_overrideable.default)
@@ -1586,6 +1621,87 @@ def _convolution(lw, meta, x, weight, bias, stride, padding, dilation, transpose
 def _spread(value, n) -> tuple:
     value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value * n if len(value) == 1 else value
+
+
+# -- prims (what torch._refs decompositions reach) ---------------------------------------------------------
+
+for _prim, _aten_op in {
+    prims.add.default: aten.add.Tensor, prims.sub.default: aten.sub.Tensor, prims.mul.default: aten.mul.Tensor,
+    prims.div.default: aten.div.Tensor, prims.maximum.default: aten.maximum.default,
+    prims.minimum.default: aten.minimum.default, prims.neg.default: aten.neg.default, prims.abs.default: aten.abs.default,
+    prims.exp.default: aten.exp.default, prims.expm1.default: aten.expm1.default, prims.log.default: aten.log.default,
+    prims.log1p.default: aten.log1p.default, prims.sqrt.default: aten.sqrt.default,
+    prims.rsqrt.default: aten.rsqrt.default, prims.tanh.default: aten.tanh.default, prims.sin.default: aten.sin.default,
+    prims.cos.default: aten.cos.default, prims.sign.default: aten.sign.default, prims.floor.default: aten.floor.default,
+    prims.ceil.default: aten.ceil.default, prims.erf.default: aten.erf.default, prims.atan2.default: aten.atan2.default,
+    prims.pow.default: aten.pow.Tensor_Tensor, prims.fmod.default: aten.fmod.Tensor,
+    prims.bitwise_and.default: aten.bitwise_and.Tensor, prims.bitwise_or.default: aten.bitwise_or.Tensor,
+    prims.bitwise_xor.default: aten.bitwise_xor.Tensor, prims.bitwise_not.default: aten.bitwise_not.default,
+    prims.where.default: aten.where.self, prims.eq.default: aten.eq.Tensor, prims.ne.default: aten.ne.Tensor,
+    prims.lt.default: aten.lt.Tensor, prims.le.default: aten.le.Tensor, prims.gt.default: aten.gt.Tensor,
+    prims.ge.default: aten.ge.Tensor, prims.amax.default: aten.amax.default, prims.amin.default: aten.amin.default,
+}.items():
+    RULES[_prim] = (lambda fn, name: lambda lw, meta, *a, **k: _as(lw, name, fn, meta, *a, **k))(
+        RULES[_aten_op], f"{_aten_op._schema.name}.{_aten_op._overloadname}")
+
+
+def _as(lw, name, fn, meta, *args, **kwargs):
+    """A prim lowered by the rule of its ATen op (rules that serve several ops look at ``lw.current``)."""
+    lw.current = name
+    return fn(lw, meta, *args, **kwargs)
+
+
+def _formula(build):
+    """A unary op computed in fp32 from other IR ops: ``build(lw, x, shape, dtype) -> node``."""
+    def lower_formula(lw, meta, x):
+        shape, dtype = _out(meta)
+        compute = _opmath(dtype)
+        return lw.convert(build(lw, lw.node(x, compute, shape), shape, compute), dtype)
+    return lower_formula
+
+
+def _scale(lw, x, factor, shape, dtype):
+    return lw.op(Op.MULTIPLY, [x, lw.splat(factor, dtype, shape)], shape, dtype)
+
+
+def _trunc(lw, x, shape, dtype):
+    if not dtype.is_float:
+        return x
+    negative = lw.compare(x, lw.splat(0.0, dtype, shape), "LT")
+    return lw.select(negative, lw.op(Op.CEIL, [x], shape, dtype), lw.op(Op.FLOOR, [x], shape, dtype))
+
+
+def _exp_pair(lw, x, shape, dtype, kind):
+    grows = lw.op(Op.EXP, [x], shape, dtype)
+    decays = lw.op(Op.EXP, [lw.op(Op.NEGATE, [x], shape, dtype)], shape, dtype)
+    return _scale(lw, lw.op(kind, [grows, decays], shape, dtype), 0.5, shape, dtype)
+
+
+def _complement_root(lw, x, shape, dtype):
+    """sqrt(1 - x^2)"""
+    one_minus = lw.op(Op.SUBTRACT, [lw.splat(1.0, dtype, shape), lw.op(Op.MULTIPLY, [x, x], shape, dtype)], shape,
+                      dtype)
+    return lw.op(Op.SQRT, [one_minus], shape, dtype)
+
+
+for _ops, _build in {
+    (aten.trunc.default, prims.trunc.default): _trunc,
+    (aten.log2.default, prims.log2.default): lambda lw, x, s, d: _scale(lw, lw.op(Op.LOG, [x], s, d), 1 / math.log(2), s, d),
+    (aten.log10.default, prims.log10.default):
+        lambda lw, x, s, d: _scale(lw, lw.op(Op.LOG, [x], s, d), 1 / math.log(10), s, d),
+    (aten.exp2.default, prims.exp2.default): lambda lw, x, s, d: lw.op(Op.EXP, [_scale(lw, x, math.log(2), s, d)], s, d),
+    (aten.sinh.default, prims.sinh.default): lambda lw, x, s, d: _exp_pair(lw, x, s, d, Op.SUBTRACT),
+    (aten.cosh.default, prims.cosh.default): lambda lw, x, s, d: _exp_pair(lw, x, s, d, Op.ADD),
+    (aten.tan.default, prims.tan.default):
+        lambda lw, x, s, d: lw.op(Op.DIVIDE, [lw.op(Op.SIN, [x], s, d), lw.op(Op.COS, [x], s, d)], s, d),
+    (aten.atan.default, prims.atan.default): lambda lw, x, s, d: lw.op(Op.ATAN2, [x, lw.splat(1.0, d, s)], s, d),
+    (aten.asin.default, prims.asin.default):
+        lambda lw, x, s, d: lw.op(Op.ATAN2, [x, _complement_root(lw, x, s, d)], s, d),
+    (aten.acos.default, prims.acos.default):
+        lambda lw, x, s, d: lw.op(Op.ATAN2, [_complement_root(lw, x, s, d), x], s, d),
+}.items():
+    for _op in _ops:
+        RULES[_op] = _formula(_build)
 
 
 # ---- decompositions of our own ---------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ from runtime import NeuronCore
 _cores: dict = {}  # device index -> NeuronCore
 
 NUMPY_DTYPES = {t: np.dtype(d.numpy) for t, d in torch_dtypes().items()}  # the one torch <-> DType table
+# dtypes device tensors may hold, though the compiler has none for them: ops on them run on the CPU
+HOST_ONLY_DTYPES = {torch.complex64: np.dtype(np.complex64), torch.complex128: np.dtype(np.complex128),
+                    torch.uint16: np.dtype(np.uint16), torch.uint32: np.dtype(np.uint32),
+                    torch.uint64: np.dtype(np.uint64)}
+NUMPY_DTYPES.update(HOST_ONLY_DTYPES)
 _BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 

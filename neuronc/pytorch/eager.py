@@ -496,6 +496,11 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
 
 
 def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
+    from neuronc.pytorch.device_memory import HOST_ONLY_DTYPES
+
+    for x in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor) and x.dtype in HOST_ONLY_DTYPES:
+            return f"the NeuronCore has no {x.dtype} arithmetic"
     lowered = _lower(op, args, kwargs, runtime)
     try:
         if lowered is not None:
@@ -782,7 +787,50 @@ def _convolution_backward(grad, x, weight, stride, padding, dilation, transposed
                   dilation, transposed, output_padding, groups, output_mask)
 
 
+# ---- views PyTorch has no generic kernel for (the others reach the shim's as_strided) ---------------------
+
+def _unfold(x: torch.Tensor, dimension: int, size: int, step: int) -> torch.Tensor:
+    """The windows of ``size`` elements every ``step`` along ``dimension``, as a view (Tensor.repeat uses it)."""
+    dimension %= max(1, x.dim())
+    shape, strides = list(x.shape), list(x.stride())
+    count = (shape[dimension] - size) // step + 1 if x.dim() else 1
+    if x.dim():
+        shape[dimension], strides[dimension] = count, strides[dimension] * step
+    return x.as_strided([*shape, size], [*strides, x.stride(dimension) if x.dim() else 1], x.storage_offset())
+
+
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _storage_as(x: torch.Tensor, dtype) -> torch.Tensor:
+    """All of ``x``'s storage, as a 1-D tensor of ``dtype`` (a view)."""
+    whole = x.as_strided([x.untyped_storage().nbytes() // x.element_size()], [1], 0)
+    return whole.view(dtype)
+
+
+def _view_as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's (real, imaginary) pairs, as a view."""
+    if x.dtype not in _REAL:
+        raise RuntimeError(f"view_as_real is only supported for complex tensors, not {x.dtype}")
+    return _storage_as(x, _REAL[x.dtype]).as_strided([*x.shape, 2], [2 * s for s in x.stride()] + [1],
+                                                     2 * x.storage_offset())
+
+
+def _view_as_complex(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor of (real, imaginary) pairs in its last dim, as a complex view."""
+    complex_of = {v: k for k, v in _REAL.items()}
+    if x.dtype not in complex_of or x.dim() == 0 or x.shape[-1] != 2 or x.stride(-1) != 1:
+        raise RuntimeError("view_as_complex needs a float tensor whose last dim has size 2 and stride 1")
+    if any(s % 2 for s in x.stride()[:-1]) or x.storage_offset() % 2:
+        raise RuntimeError("view_as_complex needs strides and an offset that are whole complex numbers")
+    return _storage_as(x, complex_of[x.dtype]).as_strided(list(x.shape[:-1]), [s // 2 for s in x.stride()[:-1]],
+                                                          x.storage_offset() // 2)
+
+
 DIRECT_KERNELS = {
+    "unfold": _unfold,
+    "view_as_real": _view_as_real,
+    "view_as_complex": _view_as_complex,
     "convolution_overrideable": _convolution,
     "convolution_backward_overrideable": _convolution_backward,
     "arange.start_out": _arange,
