@@ -600,3 +600,62 @@ def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(
     model(x).square().sum().backward()
     assert_matches_eager(out.detach().cpu(), model(x).detach())
     assert_matches_eager([p.grad.cpu() for p in on_device.parameters()], [p.grad for p in model.parameters()])
+
+
+# ---- pinned host memory, complex tensors ---------------------------------------------------------------
+
+def test_pinned_host_memory_is_registered_for_the_device(neuron):
+    x = torch.randn(5, 3)
+    pinned = x.pin_memory()
+    assert not x.is_pinned() and pinned.is_pinned() and pinned[1:].is_pinned() and torch.equal(pinned, x)
+    assert torch.empty(4, pin_memory=True).is_pinned()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.arange(5)), batch_size=2,
+                                         pin_memory=True)
+    for features, labels in loader:
+        assert features.is_pinned() and labels.is_pinned()
+        assert torch.equal(features.to(neuron, non_blocking=True).cpu(), features)
+
+
+def test_a_non_blocking_copy_from_pinned_memory_reads_it_when_it_runs(neuron):
+    """As on CUDA: the host must not change pinned memory before the copy ran; pageable memory is copied at once."""
+    pinned, pageable = torch.zeros(4).pin_memory(), torch.zeros(4)
+    from_pinned, from_pageable = pinned.to(neuron, non_blocking=True), pageable.to(neuron, non_blocking=True)
+    pinned += 1
+    pageable += 1
+    assert torch.equal(from_pinned.cpu(), torch.ones(4)) and torch.equal(from_pageable.cpu(), torch.zeros(4))
+
+
+def test_complex_tensors_live_on_the_device_and_their_ops_run_on_the_cpu(neuron):
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    on_device = z.to(neuron)
+    eager.fallen_back.pop("aten.mul.out", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        product = (on_device * on_device).cpu()
+    assert torch.equal(product, z * z) and any("complex64" in str(w.message) for w in caught)
+    pairs = torch.view_as_real(on_device)  # views, as on the CPU
+    assert pairs.data_ptr() == on_device.data_ptr() and torch.equal(pairs.cpu(), torch.view_as_real(z))
+    assert torch.equal(torch.view_as_complex(pairs[1:]).cpu(), z[1:])
+
+
+def test_repeat_and_unfold_view_device_memory(neuron):
+    x = torch.randn(2, 3)
+    assert torch.equal(x.to(neuron).repeat(2, 1, 2).cpu(), x.repeat(2, 1, 2))
+    on_device = x.to(neuron)
+    windows = on_device.unfold(1, 2, 1)
+    assert windows.data_ptr() == on_device.data_ptr() and windows.stride() == x.unfold(1, 2, 1).stride()
+    assert torch.equal(windows.cpu(), x.unfold(1, 2, 1))
+
+
+def test_data_parallel_splits_the_batch_over_the_cores(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    parallel = torch.nn.DataParallel(copy.deepcopy(model)).to(neuron)
+    assert parallel.device_ids == [0, 1]
+    x = torch.randn(6, 4)
+    out = parallel(x.to(neuron))
+    out.square().sum().backward()
+    model(x).square().sum().backward()
+    assert out.device == neuron
+    assert_matches_eager(out.detach().cpu(), model(x).detach())
+    assert_matches_eager(parallel.module.weight.grad.cpu(), model.weight.grad)

@@ -110,11 +110,17 @@ def _meta_results(func, args, kwargs):
         return (torch.empty(x.shape, dtype=x.dtype, device="meta"),
                 torch.empty(stat_shape, dtype=statistics, device="meta"),
                 torch.empty(stat_shape, dtype=statistics, device="meta"))
+    metas = tree_map(_meta, args), tree_map(_meta, kwargs)
     try:
-        return func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        return func(*metas[0], **metas[1])
     except NotLowered:
         raise
     except Exception as e:  # no meta kernel, or arguments it refuses
+        if func in OWN_DECOMPOSITIONS:  # ours run on meta tensors too (the RNN cells have no meta kernel)
+            try:
+                return OWN_DECOMPOSITIONS[func](*metas[0], **metas[1])
+            except Exception:  # noqa: BLE001 - reported below
+                pass
         raise NotLowered(f"{func} has no meta kernel for these arguments: {type(e).__name__}: {e}") from None
 
 
@@ -221,6 +227,9 @@ class Lowering:
             self.current = f"{func._schema.name}.{func._overloadname}"
             return rule(self, out_meta, *args, **kwargs)
         decomposition = _decompositions().get(func)
+        if decomposition is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"):
+            decomposition = func.decompose  # a composite op called by name inside a decomposition
         if decomposition is None:
             raise NotLowered(f"no rule or decomposition for {func}")
         if any(isinstance(x, RuntimeScalar) for x in tree_flatten((args, kwargs))[0]):
@@ -232,6 +241,8 @@ class Lowering:
             result = decomposition(*args, **kwargs)
         finally:
             self.depth -= 1
+        if result is NotImplemented:
+            raise NotLowered(f"{func}'s decomposition does not take these arguments")
         flat = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor) or x is None]
         return tuple(self.node(x) for x in flat if x is not None)
 
@@ -449,6 +460,18 @@ def _is_tensor_type(kind) -> bool:
     return isinstance(kind, torch.TensorType)
 
 
+# ops whose torch decomposition disagrees with eager PyTorch (so torch-mlir's route, which uses it, would too):
+# they run on the CPU
+UNTRUSTED = {
+    aten.multilabel_margin_loss_forward.default: "torch 2.13's decomposition of it disagrees with eager PyTorch",
+}
+
+
+def refused(op) -> str:
+    """Why ``op`` must not be compiled at all (it runs on the CPU), or ""."""
+    return UNTRUSTED.get(op, "")
+
+
 @functools.cache
 def _decompositions() -> dict:
     from torch._decomp import decomposition_table
@@ -458,6 +481,8 @@ def _decompositions() -> dict:
     table = dict(decomposition_table)
     table.update(decompositions.OWN)
     table.update(OWN_DECOMPOSITIONS)
+    for op in UNTRUSTED:
+        table.pop(op, None)
     return table
 
 
@@ -1547,39 +1572,216 @@ def _upsample_nearest_backward(lw, meta, grad, output_size, input_size, *scales)
     return lw.convert(lw.reshape(summed, shape), dtype)
 
 
+def _pool_windows(x_shape, out_shape, spatial, kernel_size, stride, padding):
+    """(lead dims, kernel, stride, padding, the high padding the windows reach) of an N-d pooling."""
+    kernel = _spread(kernel_size, spatial)
+    stride = _spread(stride, spatial) if stride else kernel
+    padding = _spread(padding, spatial)
+    lead = len(x_shape) - spatial
+    high = [(o - 1) * s + k - i - p for o, s, k, i, p in zip(out_shape[lead:], stride, kernel, x_shape[lead:], padding)]
+    return lead, kernel, stride, padding, high
+
+
+def _avg_divisor(lw, x_shape, out_shape, spatial, kernel, stride, padding, high, lead, ceil_mode, count_include_pad,
+                 divisor_override, compute):
+    """What each window's sum is divided by: the override, the window's size, or how many of its elements are in
+    the input (or in the input and its padding, for ceil_mode's last windows)."""
+    attrs = dict(window=(1,) * lead + kernel, strides=(1,) * lead + stride,
+                 padding=((0, 0),) * lead + tuple(zip(padding, high)), kind="add")
+    if divisor_override:
+        return lw.splat(divisor_override, compute, out_shape)
+    if count_include_pad and not ceil_mode:
+        return lw.splat(int(np.prod(kernel)), compute, out_shape)
+    if not count_include_pad:
+        ones = lw.splat(1.0, compute, tuple(x_shape))
+        return lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], out_shape, compute, **attrs)
+    extra = [max(0, h - p) for h, p in zip(high, padding)]
+    counted = lw.splat(1.0, compute, tuple(x_shape[:lead]) + tuple(i + 2 * p for i, p in zip(x_shape[lead:], padding)))
+    ones = lw.op(Op.PAD, [counted, lw.splat(0.0, compute)],
+                 tuple(counted.shape[:lead]) + tuple(c + e for c, e in zip(counted.shape[lead:], extra)), compute,
+                 low=(0,) * len(x_shape), high=(0,) * lead + tuple(extra), interior=(0,) * len(x_shape))
+    return lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], out_shape, compute,
+                 **dict(attrs, padding=((0, 0),) * len(x_shape)))
+
+
 @rule(aten.avg_pool2d.default, aten.avg_pool3d.default)
 def _avg_pool(lw, meta, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
               divisor_override=None):
     """Window sums (REDUCE_WINDOW) divided by the window's size, or by how many of its elements are not padding."""
     shape, dtype = _out(meta)
     spatial = 2 if lw.current.startswith("aten::avg_pool2d") else 3
-    kernel = _spread(kernel_size, spatial)
-    stride = _spread(stride, spatial) if stride else kernel
-    padding = _spread(padding, spatial)
-    lead = x.dim() - spatial
-    low = list(padding)
-    high = [(o - 1) * s + k - i - p for o, s, k, i, p in zip(shape[lead:], stride, kernel, x.shape[lead:], padding)]
+    lead, kernel, stride, padding, high = _pool_windows(x.shape, shape, spatial, kernel_size, stride, padding)
     compute = _opmath(dtype)
-    attrs = dict(window=(1,) * lead + kernel, strides=(1,) * lead + stride,
-                 padding=((0, 0),) * lead + tuple(zip(low, high)), kind="add")
-    sums = lw.op(Op.REDUCE_WINDOW, [lw.node(x, compute), lw.splat(0.0, compute)], shape, compute, **attrs)
-    if divisor_override:
-        divisor = lw.splat(divisor_override, compute, shape)
-    elif count_include_pad and not ceil_mode:
-        divisor = lw.splat(int(np.prod(kernel)), compute, shape)
-    elif not count_include_pad:  # per window: how many of its elements are inside the input
-        ones = lw.splat(1.0, compute, tuple(x.shape))
-        divisor = lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], shape, compute, **attrs)
-    else:  # ceil_mode's last windows may reach past the padding: inside the input or its padding
-        extra = [max(0, h - p) for h, p in zip(high, padding)]
-        counted = lw.splat(1.0, compute, tuple(x.shape[:lead]) + tuple(i + 2 * p for i, p in zip(x.shape[lead:],
-                                                                                                 padding)))
-        ones = lw.op(Op.PAD, [counted, lw.splat(0.0, compute)],
-                     tuple(counted.shape[:lead]) + tuple(c + e for c, e in zip(counted.shape[lead:], extra)), compute,
-                     low=(0,) * x.dim(), high=(0,) * lead + tuple(extra), interior=(0,) * x.dim())
-        attrs = dict(attrs, padding=((0, 0),) * x.dim())
-        divisor = lw.op(Op.REDUCE_WINDOW, [ones, lw.splat(0.0, compute)], shape, compute, **attrs)
+    sums = lw.op(Op.REDUCE_WINDOW, [lw.node(x, compute), lw.splat(0.0, compute)], shape, compute,
+                 window=(1,) * lead + kernel, strides=(1,) * lead + stride,
+                 padding=((0, 0),) * lead + tuple(zip(padding, high)), kind="add")
+    divisor = _avg_divisor(lw, tuple(x.shape), shape, spatial, kernel, stride, padding, high, lead, ceil_mode,
+                           count_include_pad, divisor_override, compute)
     return lw.convert(lw.op(Op.DIVIDE, [sums, divisor], shape, compute), dtype)
+
+
+@rule(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+def _avg_pool_backward(lw, meta, grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                       divisor_override):
+    """Each input element gathers grad / divisor of every window holding it: the windows' values spread back by
+    the stride (interior padding), summed over a window, and cut to the input."""
+    shape, dtype = _out(meta)
+    spatial = 2 if lw.current.startswith("aten::avg_pool2d") else 3
+    out_shape = tuple(grad.shape)
+    lead, kernel, stride, padding, high = _pool_windows(shape, out_shape, spatial, kernel_size, stride, padding)
+    compute = _opmath(dtype)
+    divisor = _avg_divisor(lw, shape, out_shape, spatial, kernel, stride, padding, high, lead, ceil_mode,
+                           count_include_pad, divisor_override, compute)
+    share = lw.op(Op.DIVIDE, [lw.node(grad, compute), divisor], out_shape, compute)
+    spread_shape = tuple(out_shape[:lead]) + tuple((o - 1) * s + 1 + 2 * (k - 1)
+                                                   for o, s, k in zip(out_shape[lead:], stride, kernel))
+    spread = lw.op(Op.PAD, [share, lw.splat(0.0, compute)], spread_shape, compute,
+                   low=(0,) * lead + tuple(k - 1 for k in kernel), high=(0,) * lead + tuple(k - 1 for k in kernel),
+                   interior=(0,) * lead + tuple(s - 1 for s in stride))
+    summed_shape = tuple(out_shape[:lead]) + tuple((o - 1) * s + k for o, s, k in zip(out_shape[lead:], stride, kernel))
+    summed = lw.op(Op.REDUCE_WINDOW, [spread, lw.splat(0.0, compute)], summed_shape, compute,
+                   window=(1,) * lead + kernel, strides=(1,) * len(shape), padding=((0, 0),) * len(shape), kind="add")
+    # position j of the sums is input element j - padding; elements no window reaches get nothing
+    extra = [max(0, p + i - t) for p, i, t in zip(padding, shape[lead:], summed_shape[lead:])]
+    if any(extra):
+        summed = lw.op(Op.PAD, [summed, lw.splat(0.0, compute)],
+                       tuple(summed_shape[:lead]) + tuple(t + e for t, e in zip(summed_shape[lead:], extra)), compute,
+                       low=(0,) * len(shape), high=(0,) * lead + tuple(extra), interior=(0,) * len(shape))
+    cut = lw.op(Op.SLICE, [summed], shape, compute, start=(0,) * lead + tuple(padding),
+                limit=tuple(shape[:lead]) + tuple(p + i for p, i in zip(padding, shape[lead:])),
+                strides=(1,) * len(shape))
+    return lw.convert(cut, dtype)
+
+
+def _along(lw, node: ir.Node, dim: int, matrix: np.ndarray) -> ir.Node:
+    """``node`` with dim ``dim`` (size n) replaced by ``matrix @ it`` (matrix: [m, n], a constant)."""
+    m, n = matrix.shape
+    constant = ir.node(Op.CONSTANT, [], (m, n), node.dtype, lw.loc, value=matrix.astype(node.dtype.numpy))
+    rank = len(node.shape)
+    product_shape = tuple(s for d, s in enumerate(node.shape) if d != dim) + (m,)
+    product = lw.op(Op.DOT_GENERAL, [node, constant], product_shape, node.dtype, lhs_batch=(), rhs_batch=(),
+                    lhs_contract=(dim,), rhs_contract=(1,))
+    perm = list(range(rank - 1))
+    perm.insert(dim, rank - 1)
+    return lw.transpose(product, perm)
+
+
+def _adaptive_windows(size: int, out: int) -> np.ndarray:
+    """[out, size]: 1 where output o's adaptive window [floor(o size / out), ceil((o + 1) size / out)) holds i."""
+    windows = np.zeros((out, size), np.float64)
+    for o in range(out):
+        windows[o, (o * size) // out: -(-((o + 1) * size) // out)] = 1.0
+    return windows
+
+
+@rule(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool(lw, meta, x, output_size):
+    """The mean over each adaptive window, dim by dim: a product with a constant [out, in] matrix of 1 / count."""
+    shape, dtype = _out(meta)
+    compute = _opmath(dtype)
+    node = lw.node(x, compute)
+    lead = x.dim() - len(output_size)
+    for i, out in enumerate(output_size):
+        windows = _adaptive_windows(x.shape[lead + i], out)
+        node = _along(lw, node, lead + i, windows / windows.sum(1, keepdims=True))
+    return lw.convert(node, dtype)
+
+
+@rule(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool_backward(lw, meta, grad, x):
+    shape, dtype = _out(meta)
+    compute = _opmath(dtype)
+    node = lw.node(grad, compute)
+    spatial = 2 if "2d" in lw.current else 3
+    lead = len(shape) - spatial
+    for i in range(spatial):
+        windows = _adaptive_windows(shape[lead + i], grad.shape[lead + i])
+        node = _along(lw, node, lead + i, (windows / windows.sum(1, keepdims=True)).T)
+    return lw.convert(node, dtype)
+
+
+@rule(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default,
+      aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
+def _max_pool_backward(lw, meta, grad, x, *args):
+    """Each output's gradient added at the input position its index names (indices count within the image)."""
+    shape, dtype = _out(meta)
+    indices = args[-1]
+    spatial = 2 if "2d" in lw.current else 3
+    lead = len(shape) - spatial
+    compute = _opmath(dtype)
+    positions = int(np.prod(shape[lead:]))
+    flat_shape = tuple(shape[:lead]) + (positions,)
+    outputs = int(np.prod(grad.shape[lead:]))
+    g = lw.reshape(lw.node(grad, compute), tuple(grad.shape[:lead]) + (outputs,))
+    i = lw.reshape(lw.convert(lw.node(indices), DType.I64), tuple(grad.shape[:lead]) + (outputs,))
+    others = tuple(range(lead))
+    base = lw.splat(0.0, compute, flat_shape)
+    scattered = lw.op(Op.SCATTER, [base, i, g], flat_shape, compute, window_dims=(), dropped_dims=(lead,),
+                      operand_batching_dims=others, indices_batching_dims=others, index_map=(lead,),
+                      index_vector_dim=lead + 1, window=(1,) * (lead + 1), combine="add")
+    return lw.convert(lw.reshape(scattered, shape), dtype)
+
+
+def _linear_weights(size: int, out: int, align_corners: bool, scale) -> np.ndarray:
+    """[out, size]: PyTorch's linear interpolation weights (upsample_*linear: area_pixel_compute_source_index)."""
+    weights = np.zeros((out, size), np.float64)
+    for o in range(out):
+        if align_corners:
+            source = o * (size - 1) / (out - 1) if out > 1 else 0.0
+        else:
+            ratio = (1.0 / scale) if scale else size / out
+            source = max(0.0, (o + 0.5) * ratio - 0.5)
+        low = min(int(np.floor(source)), size - 1)
+        high = min(low + 1, size - 1)
+        frac = source - low
+        weights[o, low] += 1.0 - frac
+        weights[o, high] += frac
+    return weights
+
+
+@rule(aten.upsample_bilinear2d_backward.default, aten.upsample_linear1d_backward.default,
+      aten.upsample_trilinear3d_backward.default)
+def _upsample_linear_backward(lw, meta, grad, output_size, input_size, align_corners, *scales):
+    """Linear upsampling is a product with an interpolation matrix per spatial dim; its gradient, with their
+    transposes."""
+    shape, dtype = _out(meta)
+    compute = _opmath(dtype)
+    node = lw.node(grad, compute)
+    spatial = len(output_size)
+    lead = len(shape) - spatial
+    for i in range(spatial):
+        scale = scales[i] if i < len(scales) else None
+        weights = _linear_weights(shape[lead + i], output_size[i], align_corners, scale)
+        node = _along(lw, node, lead + i, weights.T)
+    return lw.convert(node, dtype)
+
+
+@rule(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+      aten.replication_pad3d_backward.default)
+def _replication_pad_backward(lw, meta, grad, x, padding):
+    """Each padded position copies the nearest input element: its gradient goes back there (a 0/1 matrix per dim)."""
+    shape, dtype = _out(meta)
+    compute = _opmath(dtype)
+    node = lw.node(grad, compute)
+    spatial = len(padding) // 2
+    lead = len(shape) - spatial
+    for i in range(spatial):
+        dim = len(shape) - 1 - i
+        before = padding[2 * i]
+        size, out = shape[dim], grad.shape[dim]
+        copies = np.zeros((size, out))
+        for o in range(out):
+            copies[min(max(o - before, 0), size - 1), o] = 1.0
+        node = _along(lw, node, dim, copies)
+    return lw.convert(node, dtype)
+
+
+@rule(aten.hardshrink_backward.default, aten.softshrink_backward.default)
+def _shrink_backward(lw, meta, grad, x, lambd):
+    shape, dtype = _out(meta)
+    value = lw.node(x, _dtype(x.dtype), shape)
+    outside = lw.compare(lw.op(Op.ABS, [value], shape, value.dtype), lw.splat(lambd, value.dtype, shape), "GT")
+    return lw.select(outside, lw.node(grad, dtype, shape), lw.splat(0, dtype, shape))
 
 
 # -- convolution ----------------------------------------------------------------------------------------------
@@ -1828,7 +2030,37 @@ def _weight_gradient(x, grad, weight_shape, stride, padding, dilation, groups):
     return stacked.reshape(out_channels, per_group_in, *kernel)
 
 
+def _adaptive_max_pool(x, output_size):
+    """(max, flat index within the image of its first occurrence) over each adaptive window: the windows'
+    elements gathered dim by dim (a window shorter than the longest repeats its last element, which changes
+    neither the max nor which occurrence is first), then a max over them."""
+    spatial = len(output_size)
+    lead = x.dim() - spatial
+    sizes = x.shape[lead:]
+    gathered, positions = x, None
+    for i, (size, out) in enumerate(zip(sizes, output_size)):
+        starts = [(o * size) // out for o in range(out)]
+        ends = [-(-((o + 1) * size) // out) for o in range(out)]
+        length = max(e - b for b, e in zip(starts, ends))
+        rows = torch.tensor([[b + min(t, e - b - 1) for t in range(length)] for b, e in zip(starts, ends)])
+        dim = lead + 2 * i
+        gathered = gathered.index_select(dim, rows.flatten()).unflatten(dim, (out, length))
+        stride = int(np.prod(sizes[i + 1:]))
+        here = (rows * stride).reshape([1] * (2 * i) + [out, length] + [1] * (2 * (spatial - i - 1)))
+        positions = here if positions is None else positions + here
+    order = list(range(lead)) + [lead + 2 * i for i in range(spatial)] + [lead + 2 * i + 1 for i in range(spatial)]
+    windows = gathered.permute(order).flatten(lead + spatial)
+    values, which = windows.max(-1)
+    window_positions = positions.permute([2 * i for i in range(spatial)] + [2 * i + 1 for i in range(spatial)])
+    window_positions = window_positions.expand(*output_size, *window_positions.shape[spatial:]).flatten(spatial)
+    indices = torch.gather(window_positions.expand(*x.shape[:lead], *window_positions.shape), -1,
+                           which.unsqueeze(-1)).squeeze(-1)
+    return values, indices
+
+
 OWN_DECOMPOSITIONS.update({
+    aten.adaptive_max_pool2d.default: _adaptive_max_pool,
+    aten.adaptive_max_pool3d.default: _adaptive_max_pool,
     aten.convolution_backward.default: _convolution_backward,
     aten._thnn_fused_lstm_cell.default: _lstm_cell,
     aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward,

@@ -74,13 +74,14 @@ def _lazy_init() -> None:
     with _init_lock:
         if _initialized:
             return
-        from neuronc.pytorch import eager, shim
+        from neuronc.pytorch import data_parallel, eager, shim
         from neuronc.pytorch.device_memory import NUMPY_DTYPES
 
         loaded = shim.load()
         _init_shim(loaded)
         loaded.set_numpy_dtypes(NUMPY_DTYPES)
         eager.register()
+        data_parallel.install()
         _initialized = True
 
 

@@ -496,8 +496,11 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
 
 
 def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
+    from neuronc.frontend.aten_lowering import refused
     from neuronc.pytorch.device_memory import HOST_ONLY_DTYPES
 
+    if refused(op):
+        return refused(op)
     for x in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and x.dtype in HOST_ONLY_DTYPES:
             return f"the NeuronCore has no {x.dtype} arithmetic"
@@ -720,9 +723,10 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         elif src.device.type == "neuron":
             queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), _view(src)),
                            "copy_ (device to device)")
-        else:  # the host's bytes are taken now: the tensor may change before the copy runs
-            host_transfers["to device"] += 1
-            data = np.array(host_array(src.to(dst.dtype)), copy=True)
+        else:  # the host's bytes are taken now (the tensor may change before the copy runs) unless they are pinned
+            host_transfers["to device"] += 1  # and the copy non-blocking: then, as on CUDA, read when it runs
+            pinned = non_blocking and src.dtype == dst.dtype and sys.modules[shim.NAME].is_pinned(src)
+            data = host_array(src) if pinned else np.array(host_array(src.to(dst.dtype)), copy=True)
             queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), data), "copy_ (host to device)")
     else:
         host_transfers["to host"] += 1

@@ -33,6 +33,7 @@
 #include <pybind11/numpy.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -431,7 +432,61 @@ std::pair<uint64_t, uint64_t> philox_state(std::optional<at::Generator> generato
   return chosen.get<NeuronGeneratorImpl>()->reserve(count);
 }
 
+// ---- pinned host memory ------------------------------------------------------------------------------------
+
+// Host memory registered for the device (`Tensor.pin_memory()`, `DataLoader(pin_memory=True)`): page-aligned
+// buffers whose address ranges are recorded, so that `is_pinned()` can tell them, and a copy to the device can
+// read them when it runs rather than when it is queued (see `pinned_span`).
+struct PinnedAllocator final : public c10::Allocator {
+  static constexpr size_t kAlignment = 4096;
+  std::mutex mutex;
+  std::map<uintptr_t, size_t> spans;  // start address -> bytes
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = nullptr;
+    if (nbytes > 0) {
+      TORCH_CHECK(posix_memalign(&data, kAlignment, nbytes) == 0, "neuron: cannot allocate ", nbytes,
+                  " bytes of pinned host memory");
+      std::lock_guard<std::mutex> lock(mutex);
+      spans[reinterpret_cast<uintptr_t>(data)] = nbytes;
+    }
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  static void release(void* data);
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+  // The pinned buffer holding `data`: (start, bytes), or (0, 0).
+  std::pair<uintptr_t, size_t> span_of(const void* data) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto address = reinterpret_cast<uintptr_t>(data);
+    auto after = spans.upper_bound(address);
+    if (after == spans.begin()) return {0, 0};
+    --after;
+    if (address >= after->first + after->second) return {0, 0};
+    return *after;
+  }
+};
+
+PinnedAllocator g_pinned_allocator;
+
+void PinnedAllocator::release(void* data) {
+  if (data == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_allocator.mutex);
+    g_pinned_allocator.spans.erase(reinterpret_cast<uintptr_t>(data));
+  }
+  free(data);
+}
+
+// Whether a CPU tensor's bytes lie in pinned host memory.
+bool is_pinned(const at::Tensor& tensor) {
+  return tensor.device().is_cpu() && g_pinned_allocator.span_of(tensor.data_ptr()).second > 0;
+}
+
 struct NeuronHooks final : public at::PrivateUse1HooksInterface {
+  bool isPinnedPtr(const void* data) const override { return g_pinned_allocator.span_of(data).second > 0; }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
@@ -667,6 +722,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch", &neuron::launch, "queue a program of a duration on the current stream of a device: (start, stream)");
   m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
   m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
+  m.def("is_pinned", &neuron::is_pinned, "whether a CPU tensor's bytes are in pinned host memory");
   m.def("view", &neuron::numpy_view, "a numpy view of a neuron tensor's elements");
   m.def("empty_with_view", &neuron::empty_with_view, "a new neuron tensor (sizes, dtype, device) and its numpy view");
   m.def("stream_clock", &neuron::stream_clock, "the emulated clock (ns) of a stream");
