@@ -27,7 +27,7 @@ import sys
 import torch
 
 from neuronc.errors import QueuedOpError
-from neuronc.pytorch import adaptive
+from neuronc.pytorch import adaptive, profiler
 from runtime.core import quiet_numerics
 
 QUEUE_DEPTH = 1024
@@ -40,7 +40,9 @@ _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__
 def enqueue(device: int, duration_ns: float, function, arguments: tuple, what) -> None:
     """Queue ``function(*arguments)`` on the current stream of ``device``, lasting ``duration_ns`` of
     device time. ``what`` names it in an error (an op, or a string)."""
-    start, stream = _launch(device, duration_ns)
+    start, stream, correlation = _launch(device, duration_ns)
+    if correlation >= 0:  # a torch.profiler trace records device activities
+        profiler.record(device, stream, start, duration_ns, what, function, arguments, correlation)
     queue = _queues.get(device)
     if queue is None:
         queue = _queues[device] = []

@@ -65,7 +65,9 @@ def build():
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        module = cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
+        kineto = Path(cpp_extension.include_paths()[0]) / "kineto"  # torch's Kineto headers: the profiler plugin
+        module = cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(directory),
+                                    extra_cflags=["-O2", "-DUSE_KINETO"], extra_include_paths=[str(kineto)],
                                     verbose=False)
     except Exception as e:  # compiler errors: show them with what to do
         raise NeuronDeviceError(f"building the neuron device's C++ shim failed: {e}",

@@ -29,10 +29,17 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/ApproximateClock.h>
 #include <torch/csrc/profiler/stubs/base.h>
+#include <torch/csrc/profiler/standalone/privateuse1_profiler.h>  // (USE_KINETO: see shim.py)
+#include <GenericTraceActivity.h>
+#include <IActivityProfiler.h>
+#include <libkineto.h>  // CpuTraceBuffer
 #include <torch/extension.h>
 #include <pybind11/numpy.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -552,6 +559,215 @@ struct NeuronProfilerStubs final : public torch::profiler::impl::ProfilerStubs {
 
 NeuronProfilerStubs* g_profiler_stubs = nullptr;
 
+// ---- Kineto plugin: device rows in torch.profiler ---------------------------------------------------------
+
+// `torch.profiler.profile(activities=[CPU, PrivateUse1])` asks Kineto for a session of this profiler, which
+// PyTorch registered through REGISTER_PRIVATEUSE1_PROFILER. While it records, each launch carries the
+// correlation id of the ATen op that queued it (Kineto pushes it here as the op starts), and Python records the
+// launch's kernels with their emulated start and duration on the stream (`record_activity`). At the end they
+// become Kineto activities: kernels, copies and fills on a row per device and stream, linked to their op, and
+// the ranges of record_function on the same rows. Times are the emulated clock's, shifted so that the first
+// launch of a device starts when the host queued it.
+struct DeviceActivity {
+  std::string name;
+  libkineto::ActivityType type;
+  c10::DeviceIndex device;
+  int64_t stream;
+  uint64_t correlation;
+  double start_ns;  // emulated
+  double end_ns;
+  int64_t host_ns;  // when the host queued the launch (system clock)
+  int64_t flow;  // the launch it belongs to
+};
+
+struct HostLaunch {  // the host side of a launch: where the flow arrow to its device activities starts
+  std::string name;
+  uint64_t correlation;
+  int64_t host_ns;
+  int32_t thread;
+  int64_t flow;
+};
+
+struct UserRange {  // a record_function range: the launches queued inside it
+  uint64_t correlation;
+  size_t first, last;  // [first, last) of g_activities
+};
+
+std::mutex g_trace_mutex;
+std::atomic<bool> g_tracing{false};
+std::vector<DeviceActivity> g_activities;
+std::vector<HostLaunch> g_launches;
+std::vector<UserRange> g_user_ranges;
+thread_local std::vector<uint64_t> t_correlations;
+thread_local std::vector<std::pair<uint64_t, size_t>> t_user_ranges;  // (correlation, first activity)
+
+int64_t system_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The correlation id of the op a launch belongs to: 0 outside an op, -1 when no trace records.
+int64_t current_correlation() {
+  if (!g_tracing.load(std::memory_order_relaxed)) return -1;
+  return t_correlations.empty() ? 0 : static_cast<int64_t>(t_correlations.back());
+}
+
+// A launch queued by the host now (by the op of `correlation`): the id its device activities are recorded with.
+int64_t record_launch(const std::string& name, uint64_t correlation) {
+  if (!g_tracing.load()) return 0;
+  std::lock_guard<std::mutex> lock(g_trace_mutex);
+  int64_t flow = static_cast<int64_t>(g_launches.size()) + 1;
+  g_launches.push_back({name, correlation, system_ns(), libkineto::systemThreadId(), flow});
+  return flow;
+}
+
+void record_activity(const std::string& name, const std::string& kind, c10::DeviceIndex device, int64_t stream,
+                     uint64_t correlation, double start_ns, double end_ns, int64_t flow) {
+  if (!g_tracing.load()) return;
+  auto type = kind == "memcpy" ? libkineto::ActivityType::GPU_MEMCPY
+              : kind == "memset" ? libkineto::ActivityType::GPU_MEMSET
+                                 : libkineto::ActivityType::CONCURRENT_KERNEL;
+  std::lock_guard<std::mutex> lock(g_trace_mutex);
+  int64_t host_ns = flow > 0 && flow <= static_cast<int64_t>(g_launches.size()) ? g_launches[flow - 1].host_ns
+                                                                                : system_ns();
+  g_activities.push_back({name, type, device, stream, correlation, start_ns, end_ns, host_ns, flow});
+}
+
+class NeuronProfilerSession final : public libkineto::IActivityProfilerSession {
+ public:
+  void start() override {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    g_activities.clear();
+    g_launches.clear();
+    g_user_ranges.clear();
+    g_tracing = true;
+    status_ = libkineto::TraceStatus::RECORDING;
+  }
+  void stop() override {
+    g_tracing = false;
+    status_ = libkineto::TraceStatus::PROCESSING;
+  }
+  void pushCorrelationId(uint64_t id) override { t_correlations.push_back(id); }
+  void popCorrelationId() override {
+    if (!t_correlations.empty()) t_correlations.pop_back();
+  }
+  void pushUserCorrelationId(uint64_t id) override {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    t_user_ranges.emplace_back(id, g_activities.size());
+  }
+  void popUserCorrelationId() override {
+    if (t_user_ranges.empty()) return;
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    auto [id, first] = t_user_ranges.back();
+    t_user_ranges.pop_back();
+    if (g_activities.size() > first) g_user_ranges.push_back({id, first, g_activities.size()});
+  }
+  std::vector<std::string> errors() override { return {}; }
+  void processTrace(libkineto::ActivityLogger& logger) override {
+    processTrace(logger, [](int32_t) -> const libkineto::ITraceActivity* { return nullptr; }, 0, 0);
+  }
+  void processTrace(libkineto::ActivityLogger& logger, libkineto::getLinkedActivityCallback linked, int64_t,
+                    int64_t) override {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    // per device: (host ns, emulated ns) of its first activity; a time since then is added in integer ns, as a
+    // double holds the system clock's ns only to 256 ns
+    std::map<c10::DeviceIndex, std::pair<int64_t, double>> origin;
+    for (const auto& a : g_activities) origin.try_emplace(a.device, a.host_ns, a.start_ns);
+    auto host = [&origin](c10::DeviceIndex device, double emulated_ns) {
+      const auto& [host_ns, start_ns] = origin[device];
+      return host_ns + static_cast<int64_t>(std::llround(emulated_ns - start_ns));
+    };
+    int64_t first = g_activities.empty() ? system_ns() : g_activities.front().host_ns;
+    span_ = std::make_unique<libkineto::TraceSpan>(first, first, "neuron");
+    for (const auto& a : g_activities) {
+      libkineto::GenericTraceActivity activity(*span_, a.type, a.name);
+      activity.startTime = host(a.device, a.start_ns);
+      activity.endTime = std::max(activity.startTime + 1, host(a.device, a.end_ns));
+      activity.device = a.device;
+      activity.resource = a.stream;
+      activity.id = static_cast<int32_t>(a.correlation);
+      activity.linked = a.correlation ? linked(static_cast<int32_t>(a.correlation)) : nullptr;
+      activity.flow.id = a.flow;
+      activity.flow.type = libkineto::kLinkAsyncCpuGpu;
+      activity.flow.start = false;
+      activity.addMetadataQuoted("emulated start ns", std::to_string(a.start_ns));  // (addMetadata needs fmt,
+      activity.addMetadataQuoted("device time ns", std::to_string(a.end_ns - a.start_ns));  // not exported)
+      activity.addMetadataQuoted("stream", std::to_string(a.stream));
+      activity.log(logger);
+    }
+    for (const auto& launch : g_launches) {  // on the host thread that queued it, the arrow's start
+      libkineto::GenericTraceActivity activity(*span_, libkineto::ActivityType::PRIVATEUSE1_RUNTIME, launch.name);
+      activity.startTime = launch.host_ns;
+      activity.endTime = launch.host_ns + 1;
+      activity.device = libkineto::processId();
+      activity.resource = launch.thread;
+      activity.threadId = launch.thread;
+      activity.id = static_cast<int32_t>(launch.correlation);
+      activity.linked = launch.correlation ? linked(static_cast<int32_t>(launch.correlation)) : nullptr;
+      activity.flow.id = launch.flow;
+      activity.flow.type = libkineto::kLinkAsyncCpuGpu;
+      activity.flow.start = true;
+      activity.log(logger);
+    }
+    for (const auto& range : g_user_ranges) {  // a record_function range, on the rows of the launches in it
+      const libkineto::ITraceActivity* cpu = linked(static_cast<int32_t>(range.correlation));
+      std::map<std::pair<c10::DeviceIndex, int64_t>, std::pair<double, double>> spans;
+      for (size_t i = range.first; i < range.last; ++i) {
+        const auto& a = g_activities[i];
+        auto [it, fresh] = spans.try_emplace({a.device, a.stream}, a.start_ns, a.end_ns);
+        if (!fresh) it->second = {std::min(it->second.first, a.start_ns), std::max(it->second.second, a.end_ns)};
+      }
+      for (const auto& [where, span] : spans) {
+        libkineto::GenericTraceActivity activity(*span_, libkineto::ActivityType::GPU_USER_ANNOTATION,
+                                                 cpu != nullptr ? cpu->name() : std::string("record_function"));
+        activity.startTime = host(where.first, span.first);
+        activity.endTime = std::max(activity.startTime + 1, host(where.first, span.second));
+        activity.device = where.first;
+        activity.resource = where.second;
+        activity.id = static_cast<int32_t>(range.correlation);
+        activity.linked = cpu;
+        activity.log(logger);
+      }
+    }
+    status_ = libkineto::TraceStatus::READY;
+  }
+  std::unique_ptr<libkineto::DeviceInfo> getDeviceInfo() override {
+    return std::make_unique<libkineto::DeviceInfo>(0, 0, "neuron", "neuron (emulated NeuronCore)");
+  }
+  std::vector<libkineto::ResourceInfo> getResourceInfos() override { return {}; }
+  std::unique_ptr<libkineto::CpuTraceBuffer> getTraceBuffer() override { return nullptr; }
+
+ private:
+  std::unique_ptr<libkineto::TraceSpan> span_;
+};
+
+class NeuronActivityProfiler final : public libkineto::IActivityProfiler {
+ public:
+  const std::string& name() const override { return name_; }
+  const std::set<libkineto::ActivityType>& availableActivities() const override { return activities_; }
+  std::unique_ptr<libkineto::IActivityProfilerSession> configure(const std::set<libkineto::ActivityType>& types,
+                                                                 const libkineto::Config&) override {
+    for (auto type : types) {
+      if (activities_.count(type)) return std::make_unique<NeuronProfilerSession>();
+    }
+    return nullptr;
+  }
+  std::unique_ptr<libkineto::IActivityProfilerSession> configure(int64_t, int64_t,
+                                                                 const std::set<libkineto::ActivityType>& types,
+                                                                 const libkineto::Config& config) override {
+    return configure(types, config);
+  }
+
+ private:
+  std::string name_{"neuron"};
+  std::set<libkineto::ActivityType> activities_{
+      libkineto::ActivityType::CONCURRENT_KERNEL, libkineto::ActivityType::GPU_MEMCPY,
+      libkineto::ActivityType::GPU_MEMSET, libkineto::ActivityType::GPU_USER_ANNOTATION,
+      libkineto::ActivityType::PRIVATEUSE1_RUNTIME};
+};
+
+REGISTER_PRIVATEUSE1_PROFILER(NeuronActivityProfiler);
+
 // ---- metadata kernels ------------------------------------------------------------------------------
 
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
@@ -699,14 +915,15 @@ std::pair<at::Tensor, py::array> empty_with_view(c10::IntArrayRef sizes, c10::Sc
   return {tensor, numpy_view(tensor)};
 }
 
-// A launch on the current stream of `device`: (its start on the emulated clock, the stream's id).
-std::pair<double, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
+// A launch on the current stream of `device`: (its start on the emulated clock, the stream's id, the correlation
+// id of the op queueing it for the profiler's trace, or -1 when no trace records).
+std::tuple<double, int64_t, int64_t> launch(c10::DeviceIndex device, double duration_ns) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
   auto stream = t_current_stream[device];
   double& clock = clock_of(device, stream);
   double start = clock;
   clock += duration_ns;
-  return {start, stream};
+  return {start, stream, current_correlation()};
 }
 
 double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
@@ -719,7 +936,12 @@ double stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "neuron device shim: allocator, device guard, hooks and metadata kernels for PrivateUse1";
   m.def("init", &neuron::init, "set the device count, the Python HBM accounting and queue runner; register the hooks");
-  m.def("launch", &neuron::launch, "queue a program of a duration on the current stream of a device: (start, stream)");
+  m.def("launch", &neuron::launch,
+        "queue a program of a duration on the current stream of a device: (start, stream, profiler correlation)");
+  m.def("record_launch", &neuron::record_launch,
+        "a launch the host queues now, for the profiler's trace: (name, correlation) -> its id");
+  m.def("record_activity", &neuron::record_activity,
+        "a device activity of the profiler's trace: (name, kind, device, stream, correlation, start, end, launch)");
   m.def("settle", &neuron::settle, "after a device's queued work ran: no stream of it starts earlier");
   m.def("set_numpy_dtypes", &neuron::set_numpy_dtypes, "the numpy dtype of each torch dtype, for view");
   m.def("is_pinned", &neuron::is_pinned, "whether a CPU tensor's bytes are in pinned host memory");
