@@ -596,6 +596,9 @@ def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(
     assert eager.host_transfers == transfers  # parameters, activations and gradients never left the device
     forward, backward = backend.compiled_graphs[graphs:]
     assert forward.device_launches == backward.device_launches == 1 and out.device == neuron
+    for graph in (forward, backward):  # the timeline of the run, as for CPU tensors
+        assert graph.last_run.timeline.estimated_ns == pytest.approx(graph.on_device[0][1])
+    assert (forward.last_run.outputs[0] == out.detach().cpu().numpy()).all()
     assert "program" not in vars(forward)  # no NEFF was loaded for host tensors
     model(x).square().sum().backward()
     assert_matches_eager(out.detach().cpu(), model(x).detach())

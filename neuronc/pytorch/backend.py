@@ -63,7 +63,19 @@ class NeffFunction:
         program, duration_ns = self.on_device[device]
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
         self.device_launches += 1
+        self.last_run = _device_run(program, outputs)
         return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+
+
+def _device_run(program, outputs):
+    """The RunResult of a launch on device tensors: the program's timeline (it depends on nothing but the program),
+    and numpy views of the output tensors' device memory, which hold the outputs once the launch ran (at the next
+    synchronisation)."""
+    from runtime import RunResult
+
+    from neuronc.pytorch.device_memory import array_of
+
+    return RunResult([array_of(o) for o in outputs], program.time())
 
 
 def _load(compiled, core):
