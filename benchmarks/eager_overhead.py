@@ -11,7 +11,16 @@ best over chunks of ops (as ``timeit`` reports the best run): the machine may be
 loaded by other work, ``--clock cpu`` times the process's own CPU time (``time.process_time``) instead of
 the wall clock, which the other processes do not inflate.
 
+With ``--new-shapes`` it measures the other cost of eager: the first call of an op at a shape it has not
+met. The zoo's models run forward and backward (training mode) once, then again at a batch one larger: every op
+of the second pass meets new shapes. Each such first call costs the op's lowering to the IR
+(neuronc/frontend/aten_lowering.py), the passes and codegen, the load on the core (with the runtime's access
+check) and the program's first run (binding its kernels); printed per stage and in all, as the median, mean and
+90th percentile over the new programs, in the process's CPU time and in wall time. ``--traced N`` also compiles
+N of them through torch-mlir (the route without the lowering) for comparison.
+
     .venv/bin/python -m benchmarks.eager_overhead [--repeat 2000] [--clock cpu]   (from the repo root)
+    .venv/bin/python -m benchmarks.eager_overhead --new-shapes [--models mlp,gpt2] [--traced 8]
 """
 from __future__ import annotations
 
@@ -60,12 +69,154 @@ def neuron_us(fn, a, b, repeat: int) -> tuple:
     return launch, run
 
 
+class Stopwatch:
+    """Time spent in some functions of a module (CPU and wall seconds per call), by wrapping them."""
+
+    def __init__(self):
+        self.calls: dict = {}
+
+    def wrap(self, owner, name: str, label: str):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            cpu, wall = time.process_time(), time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.calls.setdefault(label, []).append((time.process_time() - cpu, time.perf_counter() - wall))
+
+        setattr(owner, name, timed)
+        return original
+
+
+def _grown(x: torch.Tensor) -> torch.Tensor:
+    """x with one more row (batch) than it has: the same ops at new shapes."""
+    return torch.cat([x, x[:1]]) if x.dim() else x
+
+
+def _pass(name: str, grow: bool) -> None:
+    from tests import zoo
+
+    model, inputs = zoo.build(name)
+    model = model.train().to("neuron")
+    if isinstance(model, zoo.GPT2):
+        model.head.weight = model.tokens.weight
+    inputs = [(_grown(x) if grow else x).to("neuron") for x in inputs]
+    with torch.device("neuron"):
+        out = model(*inputs)
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+    torch.accelerator.synchronize()
+
+
+def new_shapes(models: list, traced: int) -> None:
+    import statistics
+
+    from neuronc.pytorch import eager
+    from runtime.core import LoadedProgram, NeuronCore
+
+    for name in models:  # every op compiled once (and the imports paid)
+        _pass(name, grow=False)
+    watch = Stopwatch()
+    compiled = {}  # id of a new LoadedProgram -> (cpu, wall) seconds of its compile
+    compile_op = eager._compile
+
+    def timed_compile(*args, **kwargs):
+        cpu, wall = time.process_time(), time.perf_counter()
+        entry = compile_op(*args, **kwargs)
+        if isinstance(entry, eager.EagerProgram):
+            compiled[id(entry.program)] = (time.process_time() - cpu, time.perf_counter() - wall)
+        return entry
+
+    eager._compile = timed_compile
+    watch.wrap(eager, "_lower", "lower to IR")
+    watch.wrap(eager, "_compile_lowered", "passes + codegen")
+    watch.wrap(NeuronCore, "load", "load (access check)")
+    first_runs = []
+    original_run_into = LoadedProgram.run_into
+    seen: set = set()
+
+    def run_into(program, inputs, outputs):  # the first run of each new program
+        if id(program) in seen:
+            return original_run_into(program, inputs, outputs)
+        seen.add(id(program))
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            return original_run_into(program, inputs, outputs)
+        finally:
+            first_runs.append((id(program), time.process_time() - cpu, time.perf_counter() - wall))
+
+    programs_before = set(id(p) for p in eager.programs.values())
+    seen.update(id(getattr(p, "program", None)) for p in eager.programs.values())
+    LoadedProgram.run_into = run_into
+    try:
+        for name in models:
+            _pass(name, grow=True)
+    finally:
+        LoadedProgram.run_into = original_run_into
+        eager._compile = compile_op
+    new = [p for p in eager.programs.values() if id(p) not in programs_before]
+    runs = {program: (cpu, wall) for program, cpu, wall in first_runs}
+    totals = [(c + runs.get(program, (0.0, 0.0))[0], w + runs.get(program, (0.0, 0.0))[1])
+              for program, (c, w) in compiled.items()]
+    print(f"first call of an op at a new shape: the zoo ({', '.join(models)}), forward and backward at batch + 1: "
+          f"{len(compiled)} new programs, {sum(1 for p in new if isinstance(p, str))} ops on the CPU")
+    print(f"  {'stage':26} {'median ms (cpu)':>16} {'mean':>8} {'p90':>8} {'median ms (wall)':>17}")
+    stages = list(watch.calls.items()) + [("first run", [(c, w) for _, c, w in first_runs]),
+                                          ("all (compile + first run)", totals)]
+    for label, calls in stages:
+        if not calls:
+            continue
+        cpu = sorted(c * 1e3 for c, _ in calls)
+        wall = sorted(w * 1e3 for _, w in calls)
+        print(f"  {label:26} {statistics.median(cpu):16.2f} {statistics.mean(cpu):8.2f} "
+              f"{cpu[int(0.9 * (len(cpu) - 1))]:8.2f} {statistics.median(wall):17.2f}")
+    if traced:
+        _traced_sample(traced)
+
+
+def _traced_sample(count: int) -> None:
+    """Compile ``count`` ops at yet newer shapes through torch-mlir (the lowering switched off)."""
+    import statistics
+
+    from neuronc.pytorch import eager
+
+    lower = eager._lower
+    eager._lower = lambda *args: None
+    watch = Stopwatch()
+    watch.wrap(eager, "_compile", "traced")
+    try:
+        x, y = torch.randn(7, 13).to("neuron"), torch.randn(13, 5).to("neuron")
+        ops = [lambda: x + 1.0, lambda: x @ y, lambda: x.softmax(-1), lambda: x.relu(), lambda: x.sum(0),
+               lambda: torch.nn.functional.layer_norm(x, (13,)), lambda: x.exp(), lambda: x.mean(1),
+               lambda: torch.nn.functional.gelu(x), lambda: x.t().contiguous(), lambda: x * x, lambda: x.tanh()]
+        for op in ops[:count]:
+            op()
+        torch.accelerator.synchronize()
+    finally:
+        eager._lower = lower
+    cpu = [c * 1e3 for c, _ in watch.calls.get("traced", [])]
+    wall = [w * 1e3 for _, w in watch.calls.get("traced", [])]
+    if cpu:
+        print(f"  {'through torch-mlir (' + str(len(cpu)) + ' ops)':26} {statistics.median(cpu):16.2f} "
+              f"{statistics.mean(cpu):8.2f} {max(cpu):8.2f} {statistics.median(wall):17.2f}   "
+              "(CPU time of this process: the forked torch-mlir child's is not counted)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or the process's CPU time (for a machine shared with other work)")
+    parser.add_argument("--new-shapes", action="store_true", help="the first call of ops at new shapes")
+    parser.add_argument("--models", default="mlp,cnn,transformer_block,gpt2,resnet,vit,bert,llama,mamba,moe,unet")
+    parser.add_argument("--traced", type=int, default=0, help="also compile this many ops through torch-mlir")
     options = parser.parse_args()
+    if options.new_shapes:
+        import warnings
+
+        warnings.simplefilter("ignore")
+        new_shapes(options.models.split(","), options.traced)
+        return
     global clock
     repeat, clock = options.repeat, CLOCKS[options.clock]
     a, b = torch.randn(8, 8), torch.randn(8, 8)

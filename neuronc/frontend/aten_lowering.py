@@ -442,6 +442,24 @@ def lower(op, args: tuple, kwargs: dict, runtime: frozenset = frozenset(), name:
                    tuple(i for i, m in enumerate(tensors) if m.numel() == 0))
 
 
+def lower_function(fn, examples: list, name: str = "graph") -> ir.Graph:
+    """The graph of ``fn`` (a function of tensors made of ATen ops, returning a tuple of tensors) on tensors of
+    the examples' shapes and dtypes: each op lowered by its rule, so one graph holds them all (adaptive eager's
+    batches of queued ops)."""
+    lowering = Lowering(name)
+    inputs = [lowering.tensor_input(x) for x in examples]
+    previous = getattr(_state, "lowering", None)
+    _state.lowering = lowering
+    try:
+        results = fn(*inputs)
+        outputs = [lowering.node(r) for r in results]
+    finally:
+        _state.lowering = previous
+    if lowering.mutated:
+        raise NotLowered("a function that mutates its inputs")
+    return ir.Graph(lowering.params, outputs, name)
+
+
 def _wrapped_numbers(op, args: tuple) -> tuple:
     """Runtime numbers where the schema takes a Tensor become 0-d IRTensors (PyTorch's wrapped numbers), so
     that a decomposition can compute with them; those at Scalar positions stay RuntimeScalars for the rules."""
@@ -824,10 +842,8 @@ def _addc(lw, meta, x, tensor1, tensor2, value=1):
     compute = _opmath(dtype)
     base, t1, t2 = (lw.node(v, compute, shape) for v in (x, tensor1, tensor2))
     kind = Op.MULTIPLY if lw.current.startswith("aten::addcmul") else Op.DIVIDE
-    if kind is Op.MULTIPLY:
-        term = lw.op(Op.MULTIPLY, [_scaled(lw, t1, value, compute, shape), t2], shape, compute)
-    else:
-        term = _scaled(lw, lw.op(Op.DIVIDE, [t1, t2], shape, compute), value, compute, shape)
+    # as PyTorch's CPU kernels round: self + value * tensor1 (*|/) tensor2, left to right
+    term = lw.op(kind, [_scaled(lw, t1, value, compute, shape), t2], shape, compute)
     return lw.convert(lw.op(Op.ADD, [base, term], shape, compute), dtype)
 
 
@@ -978,6 +994,16 @@ def _expand(lw, meta, x, size, implicit=False):
 @rule(prims.broadcast_in_dim.default)
 def _broadcast_in_dim(lw, meta, x, shape, dims):
     return lw.op(Op.BROADCAST_IN_DIM, [lw.node(x)], tuple(shape), _dtype(x.dtype), dims=tuple(dims))
+
+
+@rule(aten.as_strided.default)
+def _as_strided(lw, meta, x, size, stride, storage_offset=None):
+    """A strided view of a value's dense buffer (what adaptive eager reads a result through)."""
+    if not x.is_contiguous() or x.storage_offset():
+        raise NotLowered("as_strided of a value that is not a whole dense tensor")
+    shape, dtype = _out(meta)
+    return lw.op(Op.VIEW, [lw.node(x)], shape, dtype, offset=int(storage_offset or 0),
+                 strides=tuple(int(s) for s in stride))
 
 
 @rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, prims.squeeze.default,

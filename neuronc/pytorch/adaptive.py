@@ -235,6 +235,22 @@ def _view_of(source: torch.Tensor, shape: tuple, strides: tuple, offset: int) ->
     return torch.as_strided(source, shape, strides, offset)
 
 
+def _lowered(replay, examples: list, options):
+    """The batch lowered straight to the IR (neuronc/frontend/aten_lowering.py) and compiled, or None."""
+    from neuronc.compiler import collector_paused, compile_graph
+    from neuronc.frontend.aten_lowering import NotLowered, lower_function
+
+    try:
+        graph = lower_function(replay, examples, options.name)
+    except NotLowered as why:
+        log.debug("neuronc: an adaptive batch is traced through torch-mlir: %s", why)
+        return None
+    with collector_paused():
+        compiled = compile_graph(graph, options)
+    compiled.output_layout = list(range(len(graph.outputs)))
+    return compiled
+
+
 def _compile(launches: list, wiring: list, inputs: list, device: int, needed: tuple):
     """The EagerProgram of the batch, or why it runs op by op."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -267,9 +283,12 @@ def _compile(launches: list, wiring: list, inputs: list, device: int, needed: tu
         return tuple(t for t, wanted in zip(flat, needed) if wanted)
 
     examples = [example(operand) for _, operand in inputs]
+    options = CompileOptions.from_dict({"name": f"adaptive_{len(launches)}_ops"})
     try:
-        gm = make_fx(replay, decomposition_table=decomposition_table())(*examples)
-        compiled = compile_fx(gm, CompileOptions.from_dict({"name": f"adaptive_{len(launches)}_ops"}))
+        compiled = _lowered(replay, examples, options)  # the ops' own lowerings, as plain eager's programs
+        if compiled is None:  # an op without one: traced and compiled through torch-mlir
+            gm = make_fx(replay, decomposition_table=decomposition_table())(*examples)
+            compiled = compile_fx(gm, options)
         program = core(device).load(compiled.neff)
     except NeuronError as e:
         stats["refused"] += 1

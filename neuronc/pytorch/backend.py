@@ -113,10 +113,15 @@ def _refuse_dynamic_shapes(gm) -> None:
 
 def _devices_to_host(gm) -> None:
     """In place: factory ops of a graph traced on `neuron` tensors name that device (``scalar_tensor(0.0,
-    device=neuron)``); the compiler only needs shapes and dtypes, and torch-mlir knows no `neuron` device."""
+    device=neuron)``), and a CPU tensor moved to it is a ``device_put`` (HF's static cache moves its lengths);
+    the compiler only needs shapes and dtypes, and torch-mlir knows no `neuron` device."""
     import torch
 
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.prims.device_put.default:  # a tensor moved to a device: the same values
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
         device = node.kwargs.get("device")
         if isinstance(device, torch.device) and device.type == "neuron":
             node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
