@@ -22,10 +22,10 @@ random ops, ops with data-dependent output shapes or non-tensor results) run on 
 copied to the host, results copied back, with one warning per op. ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` makes that a
 :class:`~neuronc.errors.FallbackDisabledError` naming the op.
 
-Moving bytes (``_copy_from``: host <-> device and device <-> device) and ``fill_``/``zero_`` act on the
-device memory directly, as DMA and memset would, queued like ops and lasting the cost model's DMA time
-for their bytes (:func:`neuronc.instruction_cost.copy_ns`) on the stream's clock; reading device memory
-from the host (``.cpu()``, ``.item()``) is a synchronisation point.
+Moving bytes (``_copy_from``: host <-> device and device <-> device; ``cat`` and ``clone``, whatever their
+sizes) and ``fill_``/``zero_`` act on the device memory directly, as DMA and memset would, queued like ops and
+lasting the cost model's DMA time for their bytes (:func:`neuronc.instruction_cost.copy_ns`) on the stream's
+clock; reading device memory from the host (``.cpu()``, ``.item()``) is a synchronisation point.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ log = logging.getLogger("neuronc")
 
 FALLBACK_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
 _libraries: list = []  # the torch.library registrations, kept alive
+_own_kernels: set = set()  # "name[.overload]" of the ATen ops with a PrivateUse1 kernel of our own
 
 
 @dataclasses.dataclass
@@ -111,6 +112,7 @@ def register() -> None:
     aten = torch.library.Library("aten", "IMPL")
     for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS, **fused_optim.KERNELS}.items():
         aten.impl(name, kernel, "PrivateUse1")
+        _own_kernels.add(name)
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
     _libraries.extend([aten, every])
@@ -202,7 +204,11 @@ def _plan_siblings(functional) -> None:
 
 def _register_direct(op) -> None:
     """From now on PyTorch calls ``run_op`` for ``op`` as its own PrivateUse1 kernel rather than through the
-    boxed fallback, which looks the op up by name on every call (about 5 us of the launch overhead)."""
+    boxed fallback, which looks the op up by name on every call (about 5 us of the launch overhead). Not an
+    op with a kernel of our own (``cat`` as DMA calls ``run_op`` for the cases it leaves to a program)."""
+    name = op._schema.name.split("::")[1] + ("" if op._overloadname == "default" else "." + op._overloadname)
+    if name in _own_kernels:
+        return
     try:
         _libraries[0].impl(op, functools.partial(run_planned, op, _plans[op]), "PrivateUse1")
     except RuntimeError as e:  # already has a kernel: the fallback keeps serving it
@@ -791,6 +797,42 @@ def _convolution_backward(grad, x, weight, stride, padding, dilation, transposed
                   dilation, transposed, output_padding, groups, output_mask)
 
 
+def _moved(device: int, out: torch.Tensor, function, arguments: tuple, what: str) -> torch.Tensor:
+    """Queue a move of bytes into ``out`` (a new tensor) lasting the DMA time of its bytes."""
+    queues.enqueue(device, _copy_ns(device, out), function, arguments, what)
+    return out
+
+
+def _concatenate(out: np.ndarray, parts: list, dim: int) -> None:
+    np.concatenate(parts, axis=dim, out=out)
+
+
+def _cat(tensors, dim: int = 0):
+    """torch.cat of device tensors of one dtype as DMA into the new tensor: no program to compile, whatever the
+    sizes (a KV cache grows by one row every token). Others (mixed dtypes, CPU tensors) are an op like any."""
+    parts = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]
+    devices = {t.device for t in tensors}
+    if not parts or len(devices) != 1 or next(iter(devices)).type != "neuron" or \
+            len({t.dtype for t in tensors}) != 1 or len({t.dim() for t in parts}) != 1:
+        return run_op(torch.ops.aten.cat.default, tensors, dim)
+    dim %= parts[0].dim()
+    shape = list(parts[0].shape)
+    if any(list(t.shape[:dim]) + list(t.shape[dim + 1:]) != shape[:dim] + shape[dim + 1:] for t in parts):
+        torch.cat([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], dim)  # PyTorch's error
+    shape[dim] = sum(t.shape[dim] for t in parts)
+    device = parts[0].device.index
+    out, view = _empty_with_view(tuple(shape), parts[0].dtype, device)
+    return _moved(device, out, _concatenate, (view, [_view(t) for t in parts], dim), "cat")
+
+
+def _clone(x: torch.Tensor, *, memory_format=None) -> torch.Tensor:
+    """A copy of a device tensor as DMA: no program to compile for a new shape or stride."""
+    if memory_format not in (None, torch.preserve_format, torch.contiguous_format) or x.device.type != "neuron":
+        return run_op(torch.ops.aten.clone.default, x, memory_format=memory_format)
+    out = torch.empty_like(x, memory_format=memory_format or torch.preserve_format)  # a dense tensor's strides
+    return _moved(x.device.index, out, _assign, (_view(out), _view(x)), "clone")
+
+
 # ---- views PyTorch has no generic kernel for (the others reach the shim's as_strided) ---------------------
 
 def _unfold(x: torch.Tensor, dimension: int, size: int, step: int) -> torch.Tensor:
@@ -832,6 +874,8 @@ def _view_as_complex(x: torch.Tensor) -> torch.Tensor:
 
 
 DIRECT_KERNELS = {
+    "cat": _cat,
+    "clone": _clone,
     "unfold": _unfold,
     "view_as_real": _view_as_real,
     "view_as_complex": _view_as_complex,
