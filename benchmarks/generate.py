@@ -8,7 +8,9 @@ Side by side in one process, for each model:
                      each op at each new shape) and warm (the same prompt again: every program cached);
   neuron compiled    `model.forward = torch.compile(model.forward, backend="neuron")` with the static cache
                      (two graphs: prefill and decode): cold (compiles both) and warm.
-Prints wall seconds, the ratio to warm CPU eager (the targets: eager within 20x, compiled within 5x), whether
+Prints wall and CPU seconds (the process's own, which the machine's other load does not inflate; the
+forked torch-mlir children of a compile are not counted), their ratios to warm CPU eager (the targets: eager
+within 20x, compiled within 5x, of the wall time), whether
 the tokens equal the CPU's, and the emulated device's tokens/s: the tokens over the device time of one warm
 generate (the stream's emulated clock, torch.Event.elapsed_time). Wall times on a shared machine vary with
 its load; the ratios are measured side by side. PyTorch and numpy run one thread: on the shared 2-core machine
@@ -48,11 +50,12 @@ def build(name: str, layers: int, width: int):
 
 
 def timed(fn) -> tuple:
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process, the tokens on the host)."""
+    start, cpu = time.perf_counter(), time.process_time()
     result = fn()
     if result.device.type == "neuron":
         result = result.cpu()  # the generate is over when its tokens are on the host
-    return time.perf_counter() - start, result
+    return time.perf_counter() - start, time.process_time() - cpu, result
 
 
 def device_seconds(fn) -> float:
@@ -72,34 +75,40 @@ def run(name: str, options) -> list:
     prompt = torch.randint(1, 512, (1, options.prompt))
     settings = dict(max_new_tokens=options.tokens, min_new_tokens=options.tokens, do_sample=False, pad_token_id=0)
     rows = []
+
+    def best(fn) -> tuple:
+        runs = [timed(fn) for _ in range(options.repeat)]
+        return min(r[0] for r in runs), min(r[1] for r in runs), runs[0][2]
+
     with torch.no_grad():
         model.generate(prompt, **settings)  # warm-up
-        cpu = [timed(lambda: model.generate(prompt, **settings)) for _ in range(options.repeat)]
-        cpu_s, expected = min(t for t, _ in cpu), cpu[0][1]
-        rows.append((name, "cpu eager (warm)", cpu_s, None, True, None))
+        cpu_s, cpu_cpu, expected = best(lambda: model.generate(prompt, **settings))
+        rows.append((name, "cpu eager (warm)", cpu_s, cpu_cpu, cpu_s, cpu_cpu, True, None))
 
         on_device = model.to("neuron")
         device_prompt = prompt.to("neuron")
         eager.programs.clear()  # cold: nothing compiled by the models before this one
-        compiled_before = eager.compile_stats.copy()
-        cold, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
-        programs = sum(eager.compile_stats.values()) - sum(compiled_before.values())
-        warm = min(timed(lambda: on_device.generate(device_prompt, **settings))[0] for _ in range(options.repeat))
+        compiled_before = sum(eager.compile_stats.values())
+        cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
+        programs = sum(eager.compile_stats.values()) - compiled_before
+        warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
         device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
         same = torch.equal(tokens, expected)
-        rows.append((name, f"neuron eager, cold ({programs} programs)", cold, cold / cpu_s, same, None))
-        rows.append((name, "neuron eager, warm", warm, warm / cpu_s, same, options.tokens / device_s))
+        rows.append((name, f"neuron eager, cold ({programs} programs)", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
+        rows.append((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
 
         graphs = backend.compile_count()
         on_device.generation_config.cache_implementation = "static"
         on_device.forward = torch.compile(on_device.forward, backend="neuron")
-        cold, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
+        cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
         graphs = backend.compile_count() - graphs
-        warm = min(timed(lambda: on_device.generate(device_prompt, **settings))[0] for _ in range(options.repeat))
+        warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
         device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
         same = torch.equal(tokens, expected)
-        rows.append((name, f"neuron compiled+static, cold ({graphs} graphs)", cold, cold / cpu_s, same, None))
-        rows.append((name, "neuron compiled+static, warm", warm, warm / cpu_s, same, options.tokens / device_s))
+        rows.append((name, f"neuron compiled+static, cold ({graphs} graphs)", cold, cold_cpu, cpu_s, cpu_cpu, same,
+                     None))
+        rows.append((name, "neuron compiled+static, warm", warm, warm_cpu, cpu_s, cpu_cpu, same,
+                     options.tokens / device_s))
     return rows
 
 
@@ -116,10 +125,11 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"generate() of {options.tokens} tokens after a {options.prompt}-token prompt, {options.layers} layers, "
           f"width {options.width}, greedy")
-    print(f"{'model':6} {'run':44} {'wall s':>8} {'/ cpu':>7} {'tokens = cpu':>13} {'device tokens/s':>16}")
+    print(f"{'model':6} {'run':44} {'wall s':>7} {'/ cpu':>7} {'cpu s':>7} {'/ cpu':>7} {'tokens = cpu':>13} "
+          f"{'device tokens/s':>16}")
     for name in options.models.split(","):
-        for model, what, seconds, ratio, same, rate in run(name, options):
-            print(f"{model:6} {what:44} {seconds:8.2f} {'' if ratio is None else f'{ratio:6.2f}x':>7} "
+        for model, what, wall, cpu, peer_wall, peer_cpu, same, rate in run(name, options):
+            print(f"{model:6} {what:44} {wall:7.2f} {wall / peer_wall:6.2f}x {cpu:7.2f} {cpu / peer_cpu:6.2f}x "
                   f"{str(same):>13} {'' if rate is None else f'{rate:,.0f}':>16}")
 
 
