@@ -19,8 +19,7 @@ from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
 from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
                                  pools)
-from neuronc.passes.cost_model import dma_slice_count
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 def _free(ap: AccessPattern, element: int, partitions: int, *dims) -> AccessPattern:

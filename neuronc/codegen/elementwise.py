@@ -14,8 +14,8 @@ from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
-from neuronc.passes.legalize import dense_strides
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import dense_strides
+from neuronc.plans import MemoryPlan
 
 
 SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size from the SBUF size
