@@ -43,6 +43,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -558,7 +559,8 @@ def probability_dtype(v_dtype: DType) -> DType:
     return v_dtype if v_dtype in (DType.BF16, DType.F16) else DType.F32
 
 
-def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
+def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    target = ctx.target
     consumers = graph.consumers()
     outputs = set(graph.outputs)
     matches = dict(match for n in graph.nodes() if n.op is Op.MATMUL

@@ -22,9 +22,10 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
 
 
-def demote_f64(graph: ir.Graph) -> ir.Graph:
+def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     wide = [p for p in graph.params if p.dtype == DType.F64] + [o for o in graph.outputs if o.dtype == DType.F64]
     if wide:
         raise NeuronCompileError(
@@ -117,7 +118,7 @@ def _full(value: np.ndarray, shape) -> np.ndarray:
     return np.broadcast_to(value, shape) if value.ndim == 0 else value
 
 
-def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
+def fold_constants(graph: ir.Graph, ctx: PassContext, max_elements: int = 1 << 16) -> ir.Graph:
     def fold(node, inputs):
         if node.op not in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
             return None
@@ -160,7 +161,7 @@ def _identity_operand(node, inputs):
 _NARROW_FLOATS = (DType.BF16, DType.F16, DType.F8E4M3, DType.F8E5M2)
 
 
-def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
+def narrow_matmul_operands(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """DOT_GENERAL(convert_f32(a), convert_f32(b)) with a and b of one narrow float type -> DOT_GENERAL(a, b)
     with the same fp32 result. Exact: widening is exact, a product of two narrow floats is exact in fp32,
     and the accumulation is fp32 either way (the emulator widens the operands itself)."""
@@ -180,7 +181,7 @@ def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
     return graph.rewrite(fold)
 
 
-def simplify(graph: ir.Graph) -> ir.Graph:
+def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def simple(node, inputs):
         op = node.op
         x = inputs[0] if inputs else None
@@ -259,7 +260,7 @@ def _matches(found, expected) -> bool:
         abs(f - e) <= 1e-6 * abs(e) for f, e in zip(found, expected))
 
 
-def raise_erf(graph: ir.Graph) -> ir.Graph:
+def raise_erf(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Fold the expansion, and the clamps around it: erf's input clamp to [-4, 4] changes nothing
     in f32 (erf(4) rounds to 1), and its output is within [-1, 1] anyway."""
 
@@ -282,7 +283,7 @@ def raise_erf(graph: ir.Graph) -> ir.Graph:
     return graph.rewrite(fold)
 
 
-def raise_gelu(graph: ir.Graph) -> ir.Graph:
+def raise_gelu(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """x * 0.5 * (1 + erf(x / sqrt 2)), as decompositions write GELU, becomes one GELU (one
     Scalar-engine instruction)."""
 

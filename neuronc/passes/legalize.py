@@ -19,6 +19,7 @@ import numpy as np
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
+from neuronc.passes.context import PassContext
 
 REDUCE_IDENTITY = {"add": 0.0, "max": -math.inf, "min": math.inf, "mul": 1.0, "and": True, "or": False}
 REDUCE_COMBINE = {"add": Op.ADD, "max": Op.MAXIMUM, "min": Op.MINIMUM, "mul": Op.MULTIPLY, "and": Op.AND, "or": Op.OR}
@@ -300,7 +301,7 @@ RULES = {
 }
 
 
-def legalize(graph: ir.Graph) -> ir.Graph:
+def legalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def rule(node, inputs):
         fn = RULES.get(node.op)
         if fn is None:
