@@ -251,14 +251,19 @@ class RowwisePlan:
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
     """The flash-attention kernel of an ATTENTION node: its sizes, its key blocks and pipeline, its pools."""
-    batch: int  # batch-heads
+    batch_shape: tuple  # (batch, heads): the batch-heads
     queries: int
     keys: int
     head_dim: int
     value_dim: int
     scale: float
     mask: str  # "none" | "causal" | "select" | "add"
-    causal_offset: int
+    causal_offset: int  # causal: key j is seen by query i when j <= i + offset
+    fill: float  # select: the logits' value where the mask tensor equals `masked_when`
+    masked_when: bool
+    zero_masked_rows: bool  # a row every key is masked for gives zeros
+    views: tuple  # View of q [.., Sq, D], k [.., Sk, D], v [.., Sk, Dv] (and the mask [.., Sq, Sk])
+    out_view: View  # where O [*batch_shape, Sq, Dv] lies in the node's buffer
     q_tile: int  # query rows per tile (one per partition)
     key_block: int  # keys per block
     softmax_blocks: int  # key blocks sharing one softmax statistic
@@ -271,6 +276,14 @@ class AttentionPlan:
     logits_dtype: DType  # the dtype the logits are made in
     probability_dtype: DType
     pools: tuple  # PoolSpecs
+
+    @property
+    def batch(self) -> int:
+        """Batch-heads: the kernel's outer loop."""
+        count = 1
+        for size in self.batch_shape:
+            count *= size
+        return count
 
 
 # convolutions (passes/conv.py) ------------------------------------------------------------------------------
