@@ -48,26 +48,10 @@ def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
 
 # numpy evaluation of the ops constant folding handles ------------------------------------------
 
-_NUMPY_UNARY = {
-    Op.NEGATE: np.negative, Op.ABS: np.abs, Op.EXP: np.exp, Op.EXPM1: np.expm1, Op.LOG: np.log,
-    Op.LOG1P: np.log1p, Op.SQRT: np.sqrt, Op.RSQRT: lambda x: 1 / np.sqrt(x), Op.TANH: np.tanh,
-    Op.LOGISTIC: lambda x: 1 / (1 + np.exp(-x)), Op.SIN: np.sin, Op.COS: np.cos, Op.SIGN: np.sign,
-    Op.FLOOR: np.floor, Op.CEIL: np.ceil, Op.ROUND: np.round,
-    Op.NOT: lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x),
-}
-_NUMPY_BINARY = {
-    Op.ADD: np.add, Op.SUBTRACT: np.subtract, Op.MULTIPLY: np.multiply, Op.MAXIMUM: np.maximum,
-    Op.MINIMUM: np.minimum, Op.POWER: np.power, Op.ATAN2: np.arctan2, Op.AND: np.bitwise_and,
-    Op.OR: np.bitwise_or, Op.XOR: np.bitwise_xor,
-    Op.DIVIDE: lambda a, b: np.true_divide(a, b) if a.dtype.kind == "f" else _int_divide(a, b),
-    Op.REMAINDER: lambda a, b: np.fmod(a, b),
-}
-_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal}
 
-
-def _int_divide(a, b):
-    q = np.abs(a) // np.where(b == 0, 1, np.abs(b))
-    return (np.sign(a) * np.sign(b) * q).astype(a.dtype)
+def _computable(value: np.ndarray) -> np.ndarray:
+    """Floats narrower than fp32 widened to fp32, as the engines compute them (the result is rounded back)."""
+    return value.astype(np.float32) if value.dtype.kind == "f" and value.dtype.itemsize < 4 else value
 
 
 def _evaluate(node: ir.Node, values: list):
@@ -79,22 +63,13 @@ def _evaluate(node: ir.Node, values: list):
         shape[a["dimension"]] = node.shape[a["dimension"]]
         return np.broadcast_to(np.arange(node.shape[a["dimension"]]).reshape(shape), node.shape).astype(out_dtype)
     splat = all(v.ndim == 0 for v in values)
-    if op in ir.ELEMENTWISE:
-        if op is Op.CONVERT:
-            result = values[0]
-        elif op in (Op.ERF, Op.GELU):
-            return None  # never constant in practice; the runtime's approximation defines them
-        elif op in _NUMPY_UNARY:
-            result = _NUMPY_UNARY[op](values[0])
-        elif op is Op.COMPARE:
-            result = _COMPARE[a["direction"]](*values)
-        elif op in _NUMPY_BINARY:
-            with np.errstate(all="ignore"):
-                result = _NUMPY_BINARY[op](*values)
-        elif op is Op.SELECT:
-            result = np.where(values[0], values[1], values[2])
-        else:  # CLAMP
-            result = np.minimum(np.maximum(values[1], values[0]), values[2])
+    if op in ir.ELEMENTWISE:  # the op's semantics from the op-facts table: what the device computes
+        fact = ir.facts(op)
+        with np.errstate(all="ignore"):
+            if op is Op.COMPARE:
+                result = fact.numpy(*values, a["direction"])
+            else:
+                result = fact.semantics(*map(_computable, values))
         result = np.asarray(result)
         if not splat:
             result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)

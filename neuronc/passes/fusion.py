@@ -200,9 +200,7 @@ def _widened_input(body, index: int) -> tuple:
 
 
 # Steps computed in fp32 and rounded once to their dtype by the instruction that writes them.
-_ROUNDED_ONCE = {Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.POWER, Op.NEGATE, Op.ABS,
-                 Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH, Op.LOGISTIC, Op.SIN, Op.COS,
-                 Op.ERF, Op.GELU}
+_ROUNDED_ONCE = frozenset(op for op in Op if ir.facts(op).rounded_once)
 _NARROW = (DType.BF16, DType.F16)
 
 
