@@ -7,8 +7,9 @@ CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]), TOPK over t
 [R, n], and GATHER_ROWS / SCATTER_ROWS (from passes/indexing.py, which runs first).
 
 Convolutions become im2col + MATMUL, pooling becomes windows + REDUCE_LAST, dot_general becomes
-transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each rule is a small
-function in a registry keyed by op.
+transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each is a named rewrite rule
+(passes/rewrite.py); the pass runs them with canonicalize's simplifications (reshape chains and no-ops the
+lowering makes) to a fixed point.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.op_facts import REDUCTIONS
+from neuronc.passes.canonicalize import SIMPLIFY
 from neuronc.passes.context import PassContext
+from neuronc.passes.rewrite import Rule, rewrite
 
 REDUCE_IDENTITY = {kind: r.identity for kind, r in REDUCTIONS.items()}
 REDUCE_COMBINE = {kind: Op[r.combine] for kind, r in REDUCTIONS.items()}
@@ -140,6 +143,8 @@ def _reverse(node, inputs):
 
 
 def _pad(node, inputs):
+    if len(inputs) == 1:  # legal already: the padding value is an attribute
+        return None
     x, value = inputs
     pad_value = splat_value(value)
     if pad_value is None:
@@ -176,6 +181,8 @@ def _clamp(node, inputs):
 
 
 def _select(node, inputs):
+    if all(i.shape == node.shape for i in inputs):
+        return None
     inputs = [broadcast_to(i, node.shape, node.loc) for i in inputs]
     return ir.node(Op.SELECT, inputs, node.shape, node.dtype, node.loc)
 
@@ -275,6 +282,8 @@ def _topk(node, inputs):
     """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation)."""
     x = inputs[0]
     dim, last = node.attrs["dimension"], len(x.shape) - 1
+    if len(x.shape) == 2 and dim == 1 and node.attrs["descending"]:  # legal already
+        return None
     if not node.attrs["descending"]:
         x = ir.node(Op.NEGATE, [x], x.shape, x.dtype, node.loc)
     perm = [d for d in range(len(x.shape)) if d != dim] + [dim]
@@ -285,33 +294,26 @@ def _topk(node, inputs):
     return transpose(moved, [perm.index(d) for d in range(len(perm))], node.loc) if dim != last else moved
 
 
-RULES = {
-    Op.BROADCAST_IN_DIM: _broadcast,
-    Op.TRANSPOSE: _transpose,
-    Op.SLICE: _slice,
-    Op.PAD: _pad,
-    Op.REVERSE: _reverse,
-    Op.CLAMP: _clamp,
-    Op.SELECT: _select,
-    Op.REDUCE: _reduce,
-    Op.REDUCE_WINDOW: _reduce_window,
-    Op.DOT_GENERAL: _dot_general,
-    Op.CONVOLUTION: _convolution,
-    Op.TOPK: _topk,
-}
+LEGALIZE = (
+    Rule("broadcast_as_view", frozenset({Op.BROADCAST_IN_DIM}), _broadcast),
+    Rule("transpose_as_view", frozenset({Op.TRANSPOSE}), _transpose),
+    Rule("slice_as_view", frozenset({Op.SLICE}), _slice),
+    Rule("pad_value_as_attribute", frozenset({Op.PAD}), _pad),
+    Rule("reverse_as_view", frozenset({Op.REVERSE}), _reverse),
+    Rule("clamp_as_max_min", frozenset({Op.CLAMP}), _clamp),
+    Rule("select_of_whole_operands", frozenset({Op.SELECT}), _select),
+    Rule("reduce_as_reduce_last", frozenset({Op.REDUCE}), _reduce),
+    Rule("pooling_as_reduce_last", frozenset({Op.REDUCE_WINDOW}), _reduce_window),
+    Rule("dot_general_as_matmul", frozenset({Op.DOT_GENERAL}), _dot_general),
+    Rule("convolution_as_im2col_matmul", frozenset({Op.CONVOLUTION}), _convolution),
+    Rule("topk_along_rows", frozenset({Op.TOPK}), _topk),
+)
 
 
 def legalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    def rule(node, inputs):
-        fn = RULES.get(node.op)
-        if fn is None:
-            if node.op is Op.RESHAPE:
-                return reshape(inputs[0], node.shape, node.loc)
-            return None
-        return fn(node, inputs)
-
-    legal = graph.rewrite(rule)
-    return _outputs_own_buffers(legal)
+    """The pass: the lowering rules and the simplifications, to a fixed point; then each output gets a buffer
+    of its own."""
+    return _outputs_own_buffers(rewrite(graph, LEGALIZE + SIMPLIFY, ctx))
 
 
 def _outputs_own_buffers(graph: ir.Graph) -> ir.Graph:
