@@ -1,13 +1,15 @@
-"""Slices of access patterns (a tile at an offset, rows, columns, a column broadcast) and the DMA split
-that moves a large tile over several queues: the vocabulary kernels build their tiles from."""
+"""Slices of access patterns (a tile at an offset, rows, columns, a column broadcast), tensors in HBM addressed by
+slices (`HbmTensor`), and the DMA split that moves a large tile over several queues: the vocabulary kernels build
+their tiles from."""
 from __future__ import annotations
 
 import dataclasses
 
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.sync import partition_group
-from neuronc.isa import AccessPattern, Space
+from neuronc.isa import AccessPattern, DType, Space
 from neuronc.placement import dma_slice_count
+from neuronc.plans import MemoryPlan, View, dense_strides
 
 
 def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
@@ -78,3 +80,53 @@ def dma_slices(target, tile: AccessPattern, pieces: int | None = None) -> list:
     pieces = min(pieces, last - first + 1)
     cuts = [0] + [(first + (last - first + 1) * k // pieces) * group - base for k in range(1, pieces)] + [rows]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmTensor:
+    """A tensor in HBM as a kernel addresses it, the way NKI kernels write it: `x[g, m0:m1, n0:n1]` is the view of
+    those elements (an int drops its dim, a slice narrows it), `x.T` swaps its last two dims, `x.tiled(t)` cuts its
+    rows into tiles side by side, and `x.ap` is the access pattern a DMA moves."""
+
+    dtype: DType
+    offset: int  # bytes: where element [0, ..., 0] lies
+    dims: tuple  # ((element stride, size), ...), outermost first
+
+    @classmethod
+    def of(cls, memory: MemoryPlan, node, view: View | None = None, shape: tuple | None = None) -> "HbmTensor":
+        """`node`'s buffer read through `view` (None: densely) as a tensor of `shape` (default: the node's)."""
+        shape = node.shape if shape is None else shape
+        view = view or View(0, dense_strides(shape))
+        return cls(node.dtype, memory.offset(node) + view.offset * node.dtype.itemsize,
+                   tuple((int(stride), int(size)) for stride, size in zip(view.strides, shape)))
+
+    def __getitem__(self, index) -> "HbmTensor":
+        index = index if isinstance(index, tuple) else (index,)
+        offset, dims = self.offset, []
+        for k, (stride, size) in enumerate(self.dims):
+            at = index[k] if k < len(index) else slice(None)
+            if isinstance(at, slice):
+                start, stop = at.start or 0, size if at.stop is None else at.stop
+                offset += int(start) * stride * self.dtype.itemsize
+                dims.append((stride, int(stop) - int(start)))
+            else:
+                offset += int(at) * stride * self.dtype.itemsize
+        return HbmTensor(self.dtype, offset, tuple(dims))
+
+    @property
+    def T(self) -> "HbmTensor":  # noqa: N802 (numpy's name)
+        return dataclasses.replace(self, dims=(*self.dims[:-2], self.dims[-1], self.dims[-2]))
+
+    def tiled(self, size: int) -> "HbmTensor":
+        """Rows [0, n x size) as [size, n, ...]: row r of tile t at [r, t] (tiles side by side on the free axis)."""
+        (stride, rows), *rest = self.dims
+        return dataclasses.replace(self, dims=((stride, size), (stride * size, rows // size), *rest))
+
+    @property
+    def column(self) -> "HbmTensor":
+        """A vector as a [rows, 1] column."""
+        return dataclasses.replace(self, dims=(*self.dims, (1, 1)))
+
+    @property
+    def ap(self) -> AccessPattern:
+        return AccessPattern(Space.HBM, self.dtype, int(self.offset), self.dims)
