@@ -106,6 +106,7 @@ class MatmulPlan:
     b: View  # B [batch, k, n]
     extras: tuple  # View of each extra input, read as the [batch, m, n] result
     epilogue: tuple
+    slots: tuple  # per epilogue step: its temporary's slot, or None (the last step writes the result tile)
     operand_pools: tuple  # PoolSpecs of the operand strips ("a", "b", "bias_row", "bias_column")
     epilogue_pools: tuple  # PoolSpecs of the output side ("result", "constants", "extraI", "tempI", ...)
     bias_row: int | None = None
@@ -244,6 +245,47 @@ class RowwisePlan:
     split_engines: tuple  # the Engines of the two halves of a cut tail
     needs_constants: bool  # a SELECT takes a constant (a tile of it per row tile)
     scalar_steps: tuple  # per step: a per-row ALU step the schedule may put on the Scalar engine
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducePlan:
+    """A REDUCE_LAST kernel: out[r] = reduce(x[r, :]), x the input or a prologue body computed per tile from the
+    inputs read through their [R, C] views; columns reduced `chunk` at a time (passes/kernel_plans.py)."""
+    rows: int
+    cols: int
+    kind: str  # "add" | "max" | "min" | "and" | "or"
+    prologue: tuple  # IR steps computing x per tile (empty: x is input 0)
+    slots: tuple  # per prologue step: its temporary's slot, or None (the last step's output tile)
+    views: tuple  # View [R, C] of each input
+    chunk: int  # columns per tile
+    pools: tuple  # PoolSpecs
+
+
+# elementwise and indexing kernels (passes/kernel_plans.py) ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ElementwisePlan:
+    """One or many fused elementwise ops computed tile by tile: the body, the inputs it reads, how each operand
+    lies over the node's shape, the tile size and the pools."""
+    body: tuple  # IR steps
+    inputs: tuple  # indices of the inputs the body reads
+    views: tuple  # View of the result (dense), then of each read input, over the node's shape
+    slots: tuple  # per step: its temporary's slot, or None (the last step writes the output tile)
+    free: int  # elements per partition of a tile
+    pools: tuple  # PoolSpecs: "input{i}", "temp{t}", "out", "constants"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsPlan:
+    """A GATHER_ROWS / SCATTER_ROWS kernel: rows moved by indirect DMA, each cut into `chunk` columns per tile."""
+    chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkPlan:
+    """A TOPK kernel: per tile of rows, `rounds` rounds of the 8 largest over rows padded to `width` values."""
+    width: int
+    rounds: int
 
 
 # attention (passes/attention.py) -----------------------------------------------------------------------------
@@ -411,4 +453,5 @@ class ConvPlan:
 
 __all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan", "Plain",
            "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "AttentionPlan",
-           "ConvGeometry", "TapPlan", "ConvTiling", "EpiloguePlan", "ConvPlan"]
+           "ConvGeometry", "TapPlan", "ConvTiling", "EpiloguePlan", "ConvPlan", "ReducePlan",
+           "ElementwisePlan", "RowsPlan", "TopkPlan"]

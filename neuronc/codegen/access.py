@@ -130,3 +130,8 @@ class HbmTensor:
     @property
     def ap(self) -> AccessPattern:
         return AccessPattern(Space.HBM, self.dtype, int(self.offset), self.dims)
+
+    def block(self, element: int, dims: tuple) -> AccessPattern:
+        """The elements from `element` on through `dims` ((stride, size), ...): a block of codegen.blocks."""
+        return AccessPattern(Space.HBM, self.dtype, int(self.offset + element * self.dtype.itemsize),
+                             tuple((int(stride), int(size)) for stride, size in dims))

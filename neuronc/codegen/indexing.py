@@ -7,9 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from neuronc.codegen.access import column_slice, dma_by_rows, dma_slices, row_slice
-from neuronc.codegen.elementwise import tile_free_elements
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.errors import NeuronCompileError
 from neuronc.isa import AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
 from neuronc.plans import MemoryPlan
@@ -20,7 +18,7 @@ def gather_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     table, rows = node.inputs
     count, width = table.shape[0], table.shape[1]
     size = node.dtype.itemsize
-    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype, node.attrs["plan"].chunk):
         source = hbm(table.dtype, plan.offset(table) + c0 * size, ((width, count), (1, ct)))
         for p0, p1 in dma_slices(em.target, tile):
             em.dma(row_slice(tile, p0, p1), source, indices=row_slice(index, p0, p1))
@@ -34,7 +32,7 @@ def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     size = node.dtype.itemsize
     whole = ((width, count), (1, width))
     em.dma(hbm(node.dtype, plan.offset(node), whole), hbm(base.dtype, plan.offset(base), whole))
-    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype, node.attrs["plan"].chunk):
         dma_by_rows(em, tile, hbm(updates.dtype, plan.offset(updates) + (r0 * width + c0) * size, ((width, rt), (1, ct))))
         # one indirect DMA: rows bound for the same table row are written (or added) in order, never racing
         em.dma(hbm(node.dtype, plan.offset(node) + c0 * size, ((width, count), (1, ct))), tile, indices=index,
@@ -52,11 +50,7 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     (x,) = node.inputs
     rows, n = x.shape
     k = node.attrs["k"]
-    width, rounds = max(n, TOP), -(-k // TOP)
-    if width > tile_free_elements(em, DType.F32):
-        raise NeuronCompileError(f"a sort or top-k over rows of {n} values: at most {tile_free_elements(em, DType.F32)} "
-                                 f"fit one tile", location=str(node.loc),
-                                 hint="sort shorter rows (split the dimension), or keep this op outside the compiled region")
+    width, rounds = node.attrs["plan"].width, node.attrs["plan"].rounds  # rows padded to `width` (passes/kernel_plans.py)
     loads = em.sbuf_pool(x.dtype, n, bufs=2)
     works = em.sbuf_pool(DType.F32, width, bufs=2)
     bests = em.sbuf_pool(DType.F32, TOP, bufs=2)
@@ -79,11 +73,10 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 # attention ---------------------------------------------------------------------------------------
 
 
-def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType):
+def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType, chunk: int):
     """(index tile, r0, rt, c0, ct, data tile) for every tile of `rows`' index rows x `width` columns:
-    up to a partition per row, the row cut to what fits a tile; each index tile loaded from HBM once."""
+    up to a partition per row, the row cut into chunks of `chunk` columns; each index tile loaded from HBM once."""
     count = rows.size
-    chunk = min(width, tile_free_elements(em, DType.F32))
     index_tiles = em.sbuf_pool(rows.dtype, 1, bufs=2)
     data = em.sbuf_pool(dtype, chunk, bufs=3)
     for r0 in range(0, count, em.target.partitions):

@@ -14,7 +14,7 @@ import functools
 from typing import Callable
 
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
-from neuronc.codegen.elementwise import StepBalancer, assign_slots
+from neuronc.codegen.elementwise import StepBalancer
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
 from neuronc.ir import Node
@@ -194,7 +194,8 @@ class _Matmul:
         self.b = HbmTensor.of(memory, b, plan.b, (batch, k, n))
         self.extras = [HbmTensor.of(memory, x, view, (batch, m, n)) for x, view in zip(extras, plan.extras)]
         self.out = HbmTensor.of(memory, home) if sink is None else None
-        self.slots, temp_count = assign_slots(plan.epilogue)
+        self.slots = plan.slots
+        temp_count = len({slot for slot in plan.slots if slot is not None})
         self.strips = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.operand_pools
                        if not (p.name == "a" and a_resident is not None)}
         specs = {p.name: p for p in plan.epilogue_pools}

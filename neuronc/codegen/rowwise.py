@@ -4,63 +4,48 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc.codegen.access import broadcast_columns, column_slice, dma_by_columns, dma_by_rows, first_rows
-from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, assign_slots, emit_body, free_for
+from neuronc.codegen.access import (HbmTensor, broadcast_columns, column_slice, dma_by_columns, dma_by_rows,
+                                    first_rows)
+from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, emit_body
 from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.errors import NeuronCompileError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.placement import dma_pieces, transposed_store_pieces
-from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, RowSum, RowwisePlan, Summed
+from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, ReducePlan, RowSum, RowwisePlan, Summed
 
 
-def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """out[r] = reduce(x[r, :]): rows on partitions, columns reduced along the free axis in chunks.
+def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
+    """out[r] = reduce(x[r, :]) (its ReducePlan): rows on partitions, columns reduced along the free axis in chunks.
 
     x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
     read through their [R, C] views."""
-    rows = node.shape[0]
-    cols = node.attrs.get("cols") or node.inputs[0].shape[1]
-    kind = node.attrs["kind"]
-    if kind not in REDUCTIONS:
-        raise NeuronCompileError(f"a {kind!r} reduction is not supported yet", location=str(node.loc))
-    alu = REDUCTIONS[kind]
-    body = node.attrs.get("prologue")
-    views = node.attrs.get("views") or ((0, (cols, 1)),)
-    slots, temp_count = assign_slots(body) if body else ([], 0)
-    reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
-    acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
-    widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
-    # inputs, temporaries, body outputs, constants, and the six [rows, 1] accumulator tiles
-    chunk = free_for(em, 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6, widest)
-    pools = [em.sbuf_pool(x.dtype, chunk, bufs=3) for x in node.inputs]
-    temps = [em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
-    body_out = em.sbuf_pool(reduced_dtype, chunk, bufs=3) if body else None
-    constants = em.sbuf_pool(DType.F32, chunk * widest // DType.F32.itemsize, bufs=1) if body else None
-    partials = em.sbuf_pool(acc_dtype, 1, bufs=2)
-    accs = em.sbuf_pool(acc_dtype, 1, bufs=2)
-    outs = em.sbuf_pool(node.dtype, 1, bufs=2)
-    for r0 in range(0, rows, em.target.partitions):
-        rt = min(em.target.partitions, rows - r0)
-        acc = accs.next().ap(rt, 1)
-        for c0 in range(0, cols, chunk):
-            ct = min(chunk, cols - c0)
+    plan: ReducePlan = node.attrs["plan"]
+    alu, body, chunk = REDUCTIONS[plan.kind], plan.prologue, plan.chunk
+    pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
+    temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]
+    inputs = [HbmTensor.of(memory, x, view, (plan.rows, plan.cols)) for x, view in zip(node.inputs, plan.views)]
+    out = HbmTensor.of(memory, node, shape=(plan.rows,))
+    for r0 in range(0, plan.rows, em.target.partitions):
+        rt = min(em.target.partitions, plan.rows - r0)
+        acc = pools["accs"].next().ap(rt, 1)
+        for c0 in range(0, plan.cols, chunk):
+            ct = min(chunk, plan.cols - c0)
             loaded = {}
-            for i, (x, pool, (offset, (sr, sc))) in enumerate(zip(node.inputs, pools, views)):
-                loaded[i] = pool.next().ap(rt, ct)
-                at = offset + r0 * sr + c0 * sc
-                em.dma(loaded[i], hbm(x.dtype, plan.offset(x) + at * x.dtype.itemsize, ((sr, rt), (sc, ct))))
-            tile = loaded[0] if body is None else emit_body(
-                em, body, slots, loaded, [pool.next() for pool in temps], body_out.next(), (rt, ct), constants, node.loc)
+            for i, x in enumerate(inputs):
+                loaded[i] = pools[f"input{i}"].next().ap(rt, ct)
+                em.dma(loaded[i], x[r0:r0 + rt, c0:c0 + ct].ap)
+            tile = loaded[0] if not body else emit_body(
+                em, body, plan.slots, loaded, [pool.next() for pool in temps], pools["body_out"].next(), (rt, ct),
+                pools["constants"], node.loc)
             if c0 == 0:
                 em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, acc, tile, alu=alu)
             else:
-                part = partials.next().ap(rt, 1)
+                part = pools["partials"].next().ap(rt, 1)
                 em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, part, tile, alu=alu)
                 em.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, acc, acc, part, alu=alu)
-        out = outs.next().ap(rt, 1)
-        em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, out, acc)
-        em.dma(hbm(node.dtype, plan.offset(node) + r0 * node.dtype.itemsize, ((1, rt), (1, 1))), out)
+        result = pools["outs"].next().ap(rt, 1)
+        em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, result, acc)
+        em.dma(out[r0:r0 + rt].column.ap, result)
 
 
 def _pieces(em: Emitter, tile, latency_bound: bool) -> int:

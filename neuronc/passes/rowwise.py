@@ -24,7 +24,6 @@ import math
 
 from neuronc import ir
 from neuronc.ir import Op, Step
-from neuronc.isa import DType
 from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIRED_BUFS,  # noqa: F401 (re-exported)

@@ -25,6 +25,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
+from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
 from neuronc.targets import Target
 
@@ -279,11 +280,12 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
     batch, m, n = node.shape
     k = node.attrs["k"]
     views = node.attrs.get("views") or (None,) * len(node.inputs)
+    epilogue = tuple(node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),))
     return MatmulPlan(
         batch=batch, m=m, n=n, k=k, dtype=node.dtype, tiling=tiling,
         a=View.of(views[0], (batch, m, k)), b=View.of(views[1], (batch, k, n)),
         extras=tuple(View.of(view, node.shape) for view in views[2:]),
-        epilogue=tuple(node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)),
+        epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
         a_by_k_tile=loads_a_by_k_tile(node))
@@ -317,15 +319,15 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.G
 
 
 def baseline_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O0/-O1: every matmul streams both operands tile by tile."""
-    return _tile_all(graph, target, default_tiling)
+    """-O0/-O1: every matmul streams both operands tile by tile (the other kernels planned: `plan_kernels`)."""
+    return plan_kernels(_tile_all(graph, target, default_tiling), target)
 
 
 def tile_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O2: resident operand and block size searched with the cost model."""
-    return _tile_all(graph, target, choose)
+    """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, target, choose), target)
 
 
 def search_matmul_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O3: also narrower N tiles and deeper buffering of the streamed operand."""
-    return _tile_all(graph, target, lambda node, t: choose(node, t, wide=True), wide=True)
+    """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, target, lambda node, t: choose(node, t, wide=True), wide=True), target)
