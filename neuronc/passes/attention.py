@@ -43,6 +43,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -592,7 +593,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)))
 
 
-def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
+def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    target = ctx.target
     consumers = graph.consumers()
     outputs = set(graph.outputs)
     matches = dict(match for n in graph.nodes() if n.op is Op.MATMUL

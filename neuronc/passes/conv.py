@@ -35,6 +35,7 @@ import functools
 from neuronc import ir
 from neuronc.ir import Node, Op, Step
 from neuronc.isa import DType
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, conv_ns
 from neuronc.passes.legalize import reshape
 from neuronc.plans import ConvGeometry, ConvPlan, ConvTiling, EpiloguePlan, TapPlan, View, pool_specs
@@ -107,9 +108,10 @@ def _eligible(node: Node) -> bool:
             and all(lo >= 0 and hi >= 0 for lo, hi in a["padding"]))
 
 
-def lower_convolutions(graph: ir.Graph, target: Target) -> ir.Graph:
+def lower_convolutions(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each convolution the implicit-GEMM kernel takes becomes an `Op.CONV` (1-D ones as 2-D with one row);
     the others are left to legalize's im2col."""
+    target = ctx.target
 
     def lower(node, inputs):
         if node.op is not Op.CONVOLUTION or not _eligible(node):
@@ -382,9 +384,10 @@ def _tiled(node: Node, target: Target) -> Node | None:
                                             "plan": conv_plan(node, tiling, target.partitions)})
 
 
-def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
+def fuse_conv_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Elementwise consumers of a convolution (bias, BatchNorm, activation, residual add) become its epilogue,
     as a matmul's (fusion.fuse_matmul_epilogues), when the kernel still fits SBUF; the tiling is re-chosen."""
+    target = ctx.target
     from neuronc.passes.fusion import fuse_epilogues
 
     def retile(node: Node) -> Node | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc import ir
+from neuronc import ir, op_facts
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.isa import DType
@@ -14,7 +14,7 @@ from neuronc.placement import free_for, tile_free_elements
 from neuronc.plans import ElementwisePlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
 from neuronc.targets import Target
 
-REDUCTIONS = ("add", "max", "min", "and", "or")  # the reductions TENSOR_REDUCE computes (and/or on 0/1 as min/max)
+REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None)  # TENSOR_REDUCE computes these
 TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
 
 

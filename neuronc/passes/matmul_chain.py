@@ -22,6 +22,7 @@ import dataclasses
 
 from neuronc import ir
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.tiling import Chain, chain_sbuf_bytes, stages  # noqa: F401 (stages: how a chain is read)
 from neuronc.targets import Target
@@ -116,9 +117,10 @@ def _chained(reader: ir.Node, inputs: tuple, producer: ir.Node, new: dict, targe
     return fused if _fits(fused, target) else None
 
 
-def chain_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
+def chain_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each matmul read only by another matmul as its A operand is computed with that reader as one kernel,
     its result kept in SBUF transposed, when it and the tiles of both fit."""
+    target = ctx.target
     consumers, outputs = graph.consumers(), set(graph.outputs)
     producers = {}  # reader -> the matmul it chains with
     for node in graph.nodes():

@@ -24,13 +24,14 @@ import math
 
 from neuronc import ir
 from neuronc.ir import Op, Step
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIRED_BUFS,  # noqa: F401 (re-exported)
                                          needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
 from neuronc.passes.rowwise_schedule import choose_schedule, per_row_alu, split_engines
 from neuronc.plans import RowwisePlan
-from neuronc.targets import Target, get_target
+from neuronc.targets import Target
 
 MAX_INPUTS = 8
 MAX_STEPS = 64
@@ -318,9 +319,9 @@ def _body(group: _Group, order: dict, root):
     return tuple(steps), externals
 
 
-def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
+def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each row-wise normalisation becomes one ROWWISE kernel when its row tiles fit SBUF."""
-    target = target or get_target()
+    target = ctx.target
     nodes = graph.nodes()
     order = {n: i for i, n in enumerate(nodes)}
     taken, roots = set(), {}

@@ -24,6 +24,7 @@ import dataclasses
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
@@ -318,16 +319,17 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.G
     return graph.rewrite(tile)
 
 
-def baseline_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
+def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O0/-O1: every matmul streams both operands tile by tile (the other kernels planned: `plan_kernels`)."""
-    return plan_kernels(_tile_all(graph, target, default_tiling), target)
+    return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx.target)
 
 
-def tile_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
+def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, target, choose), target)
+    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx.target)
 
 
-def search_matmul_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
+def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, target, lambda node, t: choose(node, t, wide=True), wide=True), target)
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True),
+                        ctx.target)
