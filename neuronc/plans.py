@@ -24,14 +24,14 @@ class MemoryPlan:
     placement: dict  # node -> TensorEntry holding the node's bytes (aliases share one)
     hbm_size: int
 
-    def offset(self, node) -> int:
+    def offset(self, node: object) -> int:
         return self.placement[node].offset
 
-    def has_buffer(self, node) -> bool:
+    def has_buffer(self, node: object) -> bool:
         return node in self.placement
 
 
-def dense_strides(shape) -> tuple:
+def dense_strides(shape: tuple) -> tuple:
     """Element strides of a dense row-major tensor of `shape`."""
     strides, acc = [], 1
     for size in reversed(shape):
@@ -64,7 +64,7 @@ class View:
     strides: tuple
 
     @classmethod
-    def of(cls, view, shape) -> "View":
+    def of(cls, view: tuple | None, shape: tuple) -> "View":
         """An IR view attribute ((offset, strides) or None for a dense read of `shape`) as a View."""
         offset, strides = view or (0, dense_strides(shape))
         return cls(int(offset), tuple(int(s) for s in strides))
@@ -373,7 +373,7 @@ class ConvGeometry:
         slack that the last tap's dropped columns read past the end."""
         return margin + self.phases * self.plane_elements(band) + self.pitch
 
-    def tap_offset(self, tap, band: int) -> int:
+    def tap_offset(self, tap: tuple, band: int) -> int:
         """Where a tap reads in the band, relative to the output element it contributes to."""
         _, _, plane, dr, dc = tap
         return plane * self.plane_elements(band) + dr * self.pitch + dc

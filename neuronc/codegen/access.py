@@ -7,9 +7,11 @@ import dataclasses
 
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.sync import partition_group
+from neuronc.ir import Node
 from neuronc.isa import AccessPattern, DType, Space
 from neuronc.placement import dma_slice_count
 from neuronc.plans import MemoryPlan, View, dense_strides
+from neuronc.targets import Target
 
 
 def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
@@ -65,7 +67,7 @@ def dma_by_columns(em: Emitter, dst: AccessPattern, src: AccessPattern, pieces: 
         em.dma(column_slice(dst, c0, c1), column_slice(src, c0, c1))
 
 
-def dma_slices(target, tile: AccessPattern, pieces: int | None = None) -> list:
+def dma_slices(target: Target, tile: AccessPattern, pieces: int | None = None) -> list:
     """[(p0, p1)] slices of a tile's partitions (relative to its first) that DMAs on consecutive queues move
     at once, cut at partition-group boundaries (a slice sharing a group with the next would be ordered
     before it). `pieces` slices at most; by default the cost model's `dma_slice_count`."""
@@ -93,7 +95,7 @@ class HbmTensor:
     dims: tuple  # ((element stride, size), ...), outermost first
 
     @classmethod
-    def of(cls, memory: MemoryPlan, node, view: View | None = None, shape: tuple | None = None) -> "HbmTensor":
+    def of(cls, memory: MemoryPlan, node: Node, view: View | None = None, shape: tuple | None = None) -> "HbmTensor":
         """`node`'s buffer read through `view` (None: densely) as a tensor of `shape` (default: the node's)."""
         shape = node.shape if shape is None else shape
         view = view or View(0, dense_strides(shape))

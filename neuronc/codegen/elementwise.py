@@ -6,12 +6,13 @@ from __future__ import annotations
 from neuronc import ir, op_facts
 from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
-from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
+from neuronc.neff.program import DebugLoc
 from neuronc.plans import ElementwisePlan, MemoryPlan, dense_strides
 
 
@@ -42,7 +43,8 @@ def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
         dma_by_rows(em, tensors[0].block(block.offsets[0], block.dims[0]), out)
 
 
-def emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
+def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: list, out_tile: Tile, shape: tuple,
+              constants: Pool | None, loc: DebugLoc) -> AccessPattern:
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
     intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
     results = []
@@ -120,7 +122,8 @@ class StepBalancer:
         return end
 
 
-def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
+def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, constants: Pool | None, loc: DebugLoc,
+                 engine: Engine = Engine.VECTOR) -> None:
     """One instruction computing `step` into `out`; args are tiles or floats (scalars). ALU work runs on
     `engine` (Vector or GpSimd), activation functions on the Scalar engine."""
     op = step.op
@@ -159,7 +162,8 @@ def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, l
 # data movement ---------------------------------------------------------------------------------
 
 
-def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides, dst_offset: int, dst_strides, shape) -> None:
+def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides: tuple, dst_offset: int, dst_strides: tuple,
+                 shape: tuple) -> None:
     """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks, each by row
     slices over the queues."""
     size = dtype.itemsize

@@ -18,7 +18,7 @@ REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is n
 TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
 
 
-def assign_slots(body) -> tuple:
+def assign_slots(body: tuple) -> tuple:
     """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the output tile).
     Returns (slot of each step or None, number of slots)."""
     last = list(range(len(body)))
