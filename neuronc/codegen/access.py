@@ -87,8 +87,8 @@ def dma_slices(target: Target, tile: AccessPattern, pieces: int | None = None) -
 @dataclasses.dataclass(frozen=True)
 class HbmTensor:
     """A tensor in HBM as a kernel addresses it, the way NKI kernels write it: `x[g, m0:m1, n0:n1]` is the view of
-    those elements (an int drops its dim, a slice narrows it), `x.T` swaps its last two dims, `x.tiled(t)` cuts its
-    rows into tiles side by side, and `x.ap` is the access pattern a DMA moves."""
+    those elements (an int drops its dim, a slice narrows it, a step strides it), `x.T` swaps its last two dims,
+    `x.tiled(t)` cuts its rows into tiles side by side, and `x.ap` is the access pattern a DMA moves."""
 
     dtype: DType
     offset: int  # bytes: where element [0, ..., 0] lies
@@ -108,9 +108,9 @@ class HbmTensor:
         for k, (stride, size) in enumerate(self.dims):
             at = index[k] if k < len(index) else slice(None)
             if isinstance(at, slice):
-                start, stop = at.start or 0, size if at.stop is None else at.stop
-                offset += int(start) * stride * self.dtype.itemsize
-                dims.append((stride, int(stop) - int(start)))
+                start, stop, step = int(at.start or 0), size if at.stop is None else int(at.stop), int(at.step or 1)
+                offset += start * stride * self.dtype.itemsize
+                dims.append((stride * step, -(-(stop - start) // step)))
             else:
                 offset += int(at) * stride * self.dtype.itemsize
         return HbmTensor(self.dtype, offset, tuple(dims))
@@ -118,6 +118,14 @@ class HbmTensor:
     @property
     def T(self) -> "HbmTensor":  # noqa: N802 (numpy's name)
         return dataclasses.replace(self, dims=(*self.dims[:-2], self.dims[-1], self.dims[-2]))
+
+    def permute(self, *axes: int) -> "HbmTensor":
+        """The dims in the order `axes` (numpy's transpose)."""
+        return dataclasses.replace(self, dims=tuple(self.dims[a] for a in axes))
+
+    def broadcast_rows(self, rows: int) -> "HbmTensor":
+        """`rows` copies of the tensor, one above the other: a leading dim of stride 0."""
+        return dataclasses.replace(self, dims=((0, rows), *self.dims))
 
     def tiled(self, size: int) -> "HbmTensor":
         """Rows [0, n x size) as [size, n, ...]: row r of tile t at [r, t] (tiles side by side on the free axis)."""
