@@ -139,7 +139,8 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, PassContext(target, options.opt_level, options.cast), timings)
+    ctx = PassContext(target, options.opt_level, options.cast, verify=options.opt_level == 0 or debug_dir.verifying())
+    graph = run_pipeline(graph, ctx, timings)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)

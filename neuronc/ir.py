@@ -90,8 +90,10 @@ class Node:
         return self.op is Op.CONSTANT and self.attrs["value"].ndim == 0 and self.shape != ()
 
     def __repr__(self) -> str:
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        return f"%{self.id} = {self.op.name.lower()}({', '.join(f'%{i.id}' for i in self.inputs)}) : {shape}x{self.dtype.name.lower()}"
+        """The node's line of IR text (neuronc/ir_text.py), nodes named by their display ids, long arrays elided."""
+        from neuronc import ir_text
+
+        return ir_text.node_text(self)
 
 
 @dataclasses.dataclass
@@ -143,10 +145,10 @@ class Graph:
         return self
 
     def __str__(self) -> str:
-        lines = [f"graph {self.name}:"]
-        lines += [f"  {n!r}" for n in self.nodes()]
-        lines.append("  return " + ", ".join(f"%{o.id}" for o in self.outputs))
-        return "\n".join(lines)
+        """The graph as IR text (neuronc/ir_text.py), arrays of more than 16 elements elided."""
+        from neuronc import ir_text
+
+        return ir_text.to_text(self, elide_arrays_over=16)
 
 
 def unreshaped(node: Node) -> Node:

@@ -306,8 +306,8 @@ FACTS = (
            attrs={"low": "ints", "high": "ints", "interior": "ints", "value?": "float"}),
     OpFact("REVERSE", "movement", 1, SAME, DMA, attrs={"dims": "ints"}),
     # reductions and contractions
-    OpFact("REDUCE", "reduction", 2, FIRST, ALU, attrs={"dims": "ints", "kind": REDUCE_KINDS}),  # (x, init)
-    OpFact("REDUCE_WINDOW", "reduction", 2, FIRST, ALU,  # (x, init)
+    OpFact("REDUCE", "reduction", 2, SAME, ALU, attrs={"dims": "ints", "kind": REDUCE_KINDS}),  # (x, init)
+    OpFact("REDUCE_WINDOW", "reduction", 2, SAME, ALU,  # (x, init)
            attrs={"window": "ints", "strides": "ints", "padding": "pairs", "kind": REDUCE_KINDS}),
     OpFact("DOT_GENERAL", "reduction", 2, ANY, TENSOR,
            attrs={"lhs_batch": "ints", "rhs_batch": "ints", "lhs_contract": "ints", "rhs_contract": "ints"}),

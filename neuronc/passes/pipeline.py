@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from neuronc import ir
+from neuronc import ir, ir_verifier
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.attention import fuse_attention
 from neuronc.passes.auto_cast import auto_cast
@@ -86,7 +86,9 @@ def passes_for(opt_level: int) -> list:
 
 def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None) -> ir.Graph:
     """Run the passes of `ctx.opt_level` in order; with `timings`, record each pass's seconds in it as
-    "pass/<name>" ("pass/<name>#2" for its second run, ...)."""
+    "pass/<name>" ("pass/<name>#2" for its second run, ...). With `ctx.verify`, the graph is verified before the
+    first pass and after each one (ir_verifier: a pass that breaks the IR is named), the time under "verify IR"."""
+    verify(graph, ctx, "the import", timings)
     for step in passes_for(ctx.opt_level):
         start = time.perf_counter()
         graph = step(graph, ctx)
@@ -96,4 +98,13 @@ def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None)
                 run += 1
                 key = f"pass/{step.__name__}#{run}"
             timings[key] = time.perf_counter() - start
+        verify(graph, ctx, step.__name__, timings)
     return graph
+
+
+def verify(graph: ir.Graph, ctx: PassContext, after: str, timings: dict | None) -> None:
+    if ctx.verify:
+        start = time.perf_counter()
+        ir_verifier.verify(graph, after)
+        if timings is not None:
+            timings["verify IR"] = timings.get("verify IR", 0.0) + time.perf_counter() - start
