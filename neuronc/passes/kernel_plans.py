@@ -1,7 +1,7 @@
 """Plans of the kernels no fusion pass shapes: elementwise (fused or single) ops, last-axis reductions, gathers,
 scatters and top-k. Their tile sizes follow from the SBUF budget alone (no alternatives to price), so they are
-planned here, at the end of every pipeline (passes/tiling.py's passes call `plan_kernels`), and codegen
-follows the plans (neuronc/plans.py)."""
+planned here, at the end of every pipeline (passes/tiling.py's passes end with `plan_kernels`, a pass of its
+own signature), and codegen follows the plans (neuronc/plans.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ from neuronc.ir import Node, Op
 from neuronc.isa import DType
 from neuronc.placement import free_for, tile_free_elements
 from neuronc.plans import ElementwisePlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
+from neuronc.passes.context import PassContext
 from neuronc.targets import Target
 
 REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None)  # TENSOR_REDUCE computes these
@@ -117,8 +118,10 @@ _PLANNERS = {Op.FUSED: elementwise_plan, Op.REDUCE_LAST: reduce_plan, Op.TOPK: t
 _PLANNERS.update({op: elementwise_plan for op in ir.ELEMENTWISE - {Op.CLAMP}})
 
 
-def plan_kernels(graph: ir.Graph, target: Target) -> ir.Graph:
+def plan_kernels(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Every elementwise, reduction and indexing kernel with its plan (attrs["plan"])."""
+    target = ctx.target
+
     def plan(node, inputs):
         planner = _PLANNERS.get(node.op)
         if planner is None:

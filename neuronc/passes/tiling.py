@@ -321,15 +321,14 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.G
 
 def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O0/-O1: every matmul streams both operands tile by tile (the other kernels planned: `plan_kernels`)."""
-    return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx.target)
+    return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx)
 
 
 def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx.target)
+    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx)
 
 
 def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True),
-                        ctx.target)
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True), ctx)
