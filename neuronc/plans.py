@@ -1,8 +1,9 @@
 """Kernel plans: what the planning passes decided about each fused kernel, as frozen data that codegen reads.
 
 A pass that shapes a kernel (tiling for matmuls and chains, fuse_rowwise, fuse_attention, the convolution
-lowering) computes its plan once and attaches it to the node (attrs["plan"]); codegen emits instructions from
-the plan and decides nothing, and imports nothing from `neuronc.passes` (this module sits below both). A plan is
+passes; passes/kernel_plans.py for the elementwise, reduction and indexing kernels) computes its plan once and
+attaches it to the node (attrs["plan"]); codegen emits instructions from the plan and decides nothing, and
+imports nothing from `neuronc.passes` (this module sits below both). A plan is
 plain values: ints, bools, strings, enums, tuples and nested plans, so the IR printer prints it field by field
 and the parser reads it back.
 
@@ -112,6 +113,7 @@ class MatmulPlan:
     bias_row: int | None = None
     bias_column: int | None = None
     a_by_k_tile: bool = False  # A^T's strips loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`)
+    epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ChainPlan:
     second: MatmulPlan
     early_rows: int
     first_loc: object  # the first matmul's source location (instructions it emits carry it)
+    lag: int = 2  # the first's tiles made between the making of a K tile and the second's matmuls reading it
+    lead_part: int = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------
@@ -451,7 +455,7 @@ class ConvPlan:
     store_queues: int  # DMA queues the results are stored on (the others load)
 
 
-__all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan", "Plain",
-           "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "AttentionPlan",
-           "ConvGeometry", "TapPlan", "ConvTiling", "EpiloguePlan", "ConvPlan", "ReducePlan",
-           "ElementwisePlan", "RowsPlan", "TopkPlan"]
+__all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan",
+           "Plain", "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "ReducePlan",
+           "ElementwisePlan", "RowsPlan", "TopkPlan", "AttentionPlan", "ConvGeometry", "TapPlan", "ConvTiling",
+           "EpiloguePlan", "ConvPlan"]

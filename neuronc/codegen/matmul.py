@@ -20,10 +20,6 @@ from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
 from neuronc.ir import Node
 from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan
 
-LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
-LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first matmul's last epilogues run
-EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
-
 
 def matmul(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
@@ -50,8 +46,8 @@ def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node) -> Non
         return
     early_psum = em.psum_pool(bufs=chain.early_rows)
     rest = _Matmul(em, second, memory, second_inputs, node.loc, home=node, a_resident=kept,
-                   psum=psum).early_column(early_psum)
-    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
+                   psum=psum).early_column(early_psum, chain.lead_part)
+    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `lag` of
     # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
     made, pending = [0] * k_tiles, []
     first_tiles = -(-first.n // first.tiling.tile_n)
@@ -64,7 +60,7 @@ def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node) -> Non
             rest.load_k(j)
             if sum(count == first_tiles for count in made) == k_tiles // 2:
                 rest.prefetch()  # halfway through the first matmul
-        while len(pending) > LAG:
+        while len(pending) > chain.lag:
             rest.accumulate_k(pending.pop(0))
 
     em.locate(chain.first_loc)  # the second's early matmuls, emitted among the first's, keep the first's location
@@ -298,7 +294,7 @@ class _Matmul:
         else:
             job = _Job(loaded, temps, self.result.next(), (mt, nt), self.out[g, m0:m0 + mt, n0:n0 + nt].ap, m0)
         self.waiting.append(job)
-        if len(self.waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
+        if len(self.waiting) > self.plan.epilogue_group:  # this tile's matmuls go ahead of the epilogues of the ones before
             self.flush(keep=1)
 
     def flush(self, keep: int = 0, last: bool = False) -> None:
@@ -382,17 +378,17 @@ class _Matmul:
                          row=b_strip.bias and tile_at(b_strip.bias, tile.b_col, 1, nt),
                          column=a_strip.bias and tile_at(a_strip.bias, tile.a_col // self.tm, mt, 1))
 
-    def early_column(self, early_psum: Pool) -> "_EarlyColumn":
+    def early_column(self, early_psum: Pool, lead_part: int) -> "_EarlyColumn":
         """A chain's second matmul, emitted in parts while the first makes A^T (nothing emitted yet but the
         first column's bias row): its first column of output tiles takes its accumulators from `early_psum`."""
-        return _EarlyColumn(self, early_psum)
+        return _EarlyColumn(self, early_psum, lead_part)
 
 
 class _EarlyColumn:
     """A chain's second matmul in parts, interleaved with the making of its A^T by the first (see `_chain`)."""
 
-    def __init__(self, kernel: _Matmul, early_psum: Pool):
-        plan, self.kernel = kernel.plan, kernel
+    def __init__(self, kernel: _Matmul, early_psum: Pool, lead_part: int):
+        plan, self.kernel, self.lead_part = kernel.plan, kernel, lead_part
         width = self.width = min(kernel.tn, plan.n)
         self.strip = _Strip(kernel.strips["b"].next().ap(kernel.tk, kernel.k_tiles * width), width,  # a K tile at a
                             kernel.bias_row_of(0, 0, width) if plan.bias_row is not None else None)  # time; bias now
@@ -436,7 +432,7 @@ class _EarlyColumn:
                      for tile in steps[head].tiles]
             steps[head] = dataclasses.replace(steps[head], tiles=[])
         order = [j for j in range(k_tiles) if j not in pending] + list(pending)
-        lead = -(-(k_tiles - len(pending)) // LEAD_PART)
+        lead = -(-(k_tiles - len(pending)) // self.lead_part)
 
         def accumulate(acc: AccessPattern, ops: _Operands, part) -> None:
             for index in part:

@@ -37,6 +37,9 @@ def _pages(elements: int, dtype: DType) -> int:
 
 
 EPILOGUE_BUFS = 4  # output tiles whose epilogues may be in flight at once (spread over three engines)
+EPILOGUE_GROUP = 2  # output tiles whose epilogues the kernel emits side by side
+CHAIN_LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+CHAIN_LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
 def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
@@ -289,7 +292,7 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node))
+        a_by_k_tile=loads_a_by_k_tile(node), epilogue_group=EPILOGUE_GROUP)
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
@@ -297,7 +300,7 @@ def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulT
     first, second = stages(node)
     return ChainPlan(split=node.attrs["chain"].split, first=matmul_plan(first, first_tiling),
                      second=matmul_plan(second, second_tiling), early_rows=early_rows(second, target),
-                     first_loc=first.loc)
+                     first_loc=first.loc, lag=CHAIN_LAG, lead_part=CHAIN_LEAD_PART)
 
 
 def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.Graph:
