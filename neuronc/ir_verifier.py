@@ -15,6 +15,8 @@ left ill formed, instead of surfacing kernels later as wrong numbers or a crash 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from neuronc import op_facts
@@ -108,8 +110,14 @@ def _attrs(attrs: dict, fact: op_facts.OpFact):
             yield f"attribute {name} = {attrs[name]!r} is not {_describe(kind)}"
     if not fact.open_attrs:
         for name in attrs:
-            if name not in spec:
+            if name not in spec and not (name == "plan" and _is_plan(attrs[name])):  # any kernel may carry a plan
                 yield f"attribute {name} is not one of {fact.name.lower()}'s ({', '.join(spec) or 'none'})"
+
+
+def _is_plan(v) -> bool:
+    """Whether `v` is a kernel plan: a frozen dataclass of neuronc/plans.py, attached by the pass that planned it."""
+    return (dataclasses.is_dataclass(v) and not isinstance(v, type) and type(v).__dataclass_params__.frozen
+            and type(v).__module__ == "neuronc.plans")
 
 
 def _integer(v) -> bool:
