@@ -34,7 +34,8 @@ def same(a, b, number_a=None, number_b=None) -> bool:
         return False
     if isinstance(a, np.ndarray):
         return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, (float, np.floating)):
+    if isinstance(a, float) or (isinstance(a, np.generic) and DType.from_numpy(a.dtype).is_float):
+        a, b = float(a), float(b)  # (bf16 and fp8 scalars are numpy scalars but not np.floating)
         return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(same(x, y, number_a, number_b) for x, y in zip(a, b))
