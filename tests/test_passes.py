@@ -2,6 +2,8 @@
 identities vanish, and the block cutter and the reshape-of-a-view rule are exact (property tests)."""
 from __future__ import annotations
 
+import copy
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from neuronc import ir
 from neuronc.codegen.blocks import blocks
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes import pipeline
@@ -20,7 +22,7 @@ from neuronc.passes.legalize import reshaped_strides
 from neuronc.passes.pipeline import passes_for
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager, canonical, run_pass
+from tests.conftest import assert_matches_eager, canonical, imported_zoo, run_pass
 
 
 def _compile(name, level):
@@ -37,9 +39,17 @@ def _matches_eager_at(levels, model, inputs, expected):
 
 
 def test_the_baseline_pipeline_matches_eager(zoo_model):
-    """-O0 (one kernel per op) on every zoo model; -O2 is the golden tests' (test_golden.py)."""
-    _, model, inputs, expected = zoo_model
-    _matches_eager_at((0,), model, inputs, expected)  # -O1 runs -O0's passes (pipeline.py)
+    """-O0 (one kernel per op) on every zoo model, from the graph the test session imported once; -O2 is the
+    golden tests' (test_golden.py), -O1 runs -O0's passes (pipeline.py)."""
+    name, _, inputs, expected = zoo_model
+    graph, weights = imported_zoo(name)
+    graph = copy.deepcopy(graph)
+    for param in graph.params:
+        if param.attrs["kind"] == "weight":
+            param.attrs["data"] = weights[param.attrs["name"]]
+    neff = compile_graph(graph, CompileOptions(opt_level=0)).neff
+    outputs = run_neff(neff, [x.numpy() for x in inputs]).outputs
+    assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)
 
 
 @pytest.mark.parametrize("level", [1, 3])
