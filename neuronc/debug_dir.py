@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuronc.compiler import Compiled
 
 ENV = "TORCH_NEURONX_DEBUG_DIR"
 VERIFY_ENV = "NEURONC_VERIFY_IR"
@@ -21,7 +25,7 @@ def verifying() -> bool:
     return bool(os.environ.get(ENV)) or os.environ.get(VERIFY_ENV, "") not in ("", "0")
 
 
-def keep(compiled, fx_text: str = "") -> str | None:
+def keep(compiled: Compiled, fx_text: str = "") -> str | None:
     """Write the artefacts of `compiled` if TORCH_NEURONX_DEBUG_DIR is set; returns the folder."""
     root = os.environ.get(ENV)
     if not root:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class Node:
         return self.size * self.dtype.itemsize
 
     @property
-    def scalar(self):
+    def scalar(self) -> float | int | bool | None:
         """The value of a constant stored as one scalar (a splat or a 0-d constant), else None."""
         if self.op is Op.CONSTANT and self.attrs["value"].ndim == 0:
             return self.attrs["value"].item()
@@ -158,5 +158,7 @@ def unreshaped(node: Node) -> Node:
     return node
 
 
-def node(op: Op, inputs, shape, dtype: DType, loc: DebugLoc | None = None, **attrs) -> Node:
+def node(op: Op, inputs: Iterable[Node], shape: Iterable[int], dtype: DType, loc: DebugLoc | None = None,
+         **attrs) -> Node:
+    """A new node (shape as ints, inputs as a tuple), its attributes given by keyword."""
     return Node(op, tuple(inputs), tuple(int(s) for s in shape), dtype, attrs, loc or DebugLoc())

@@ -32,7 +32,8 @@ _REDUCERS = {
 }
 
 
-def tensor_type(mlir_type):
+def tensor_type(mlir_type: object) -> tuple:
+    """(shape, DType) of an MLIR ranked tensor type."""
     from torch_mlir import ir as mlir
 
     t = mlir.RankedTensorType(mlir_type)
@@ -400,7 +401,7 @@ def supported_stablehlo_ops() -> list:
     return sorted(set(_SIMPLE) | set(_CONVERTERS))
 
 
-def import_module(module, params: list, locations: dict, name: str = "main") -> ir.Graph:
+def import_module(module: object, params: list, locations: dict, name: str = "main") -> ir.Graph:
     """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument."""
     func = next(op for op in module.body.operations if op.operation.name == "func.func")
     block = func.regions[0].blocks[0]

@@ -19,6 +19,7 @@ import numpy as np
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
+from neuronc.neff.program import DebugLoc
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.canonicalize import SIMPLIFY
 from neuronc.passes.context import PassContext
@@ -28,7 +29,7 @@ REDUCE_IDENTITY = {kind: r.identity for kind, r in REDUCTIONS.items()}
 REDUCE_COMBINE = {kind: Op[r.combine] for kind, r in REDUCTIONS.items()}
 
 
-def dense_strides(shape) -> tuple:
+def dense_strides(shape: tuple) -> tuple:
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)
@@ -36,7 +37,7 @@ def dense_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def reshaped_strides(shape, strides, new_shape):
+def reshaped_strides(shape: tuple, strides: tuple, new_shape: tuple) -> tuple | None:
     """Strides that read a strided view of `shape` as `new_shape` in row-major order, or None if
     no single set of strides can (the reshape would need a copy). As numpy's no-copy reshape."""
     old = [(n, s) for n, s in zip(shape, strides) if n != 1]
@@ -65,13 +66,13 @@ def reshaped_strides(shape, strides, new_shape):
     return tuple(result) if i == len(old) else None
 
 
-def view(x: Node, shape, strides, offset: int = 0, loc=None) -> Node:
+def view(x: Node, shape: tuple, strides: tuple, offset: int = 0, loc: DebugLoc | None = None) -> Node:
     if tuple(shape) == x.shape and tuple(strides) == dense_strides(x.shape) and offset == 0:
         return x
     return ir.node(Op.VIEW, [x], shape, x.dtype, loc or x.loc, offset=int(offset), strides=tuple(int(s) for s in strides))
 
 
-def reshape(x: Node, shape, loc=None) -> Node:
+def reshape(x: Node, shape: tuple, loc: DebugLoc | None = None) -> Node:
     shape = tuple(int(s) for s in shape)
     if shape == x.shape:
         return x
@@ -80,12 +81,12 @@ def reshape(x: Node, shape, loc=None) -> Node:
     return ir.node(Op.RESHAPE, [x], shape, x.dtype, loc or x.loc)
 
 
-def transpose(x: Node, perm, loc=None) -> Node:
+def transpose(x: Node, perm: tuple, loc: DebugLoc | None = None) -> Node:
     strides = dense_strides(x.shape)
     return view(x, [x.shape[p] for p in perm], [strides[p] for p in perm], 0, loc)
 
 
-def splat_value(node: Node):
+def splat_value(node: Node) -> float | int | bool | None:
     """The value of a constant holding one value (a splat, or any one-element tensor), else None."""
     if node.scalar is not None or node.op is not Op.CONSTANT:
         return node.scalar
@@ -93,7 +94,7 @@ def splat_value(node: Node):
     return value.reshape(-1)[0].item() if value.size == 1 else None
 
 
-def broadcast_to(x: Node, shape, loc=None) -> Node:
+def broadcast_to(x: Node, shape: tuple, loc: DebugLoc | None = None) -> Node:
     if x.shape == tuple(shape):
         return x
     if x.shape == ():
@@ -152,7 +153,8 @@ def _pad(node, inputs):
     return pad(x, pad_value, node.attrs["low"], node.attrs["high"], node.attrs["interior"], node.loc)
 
 
-def pad(x: Node, value, low, high, interior=None, loc=None) -> Node:
+def pad(x: Node, value: float, low: tuple, high: tuple, interior: tuple | None = None,
+        loc: DebugLoc | None = None) -> Node:
     """x padded with `value`: `low`/`high` elements at each end (negative crops), `interior`
     elements between neighbours."""
     low, high = list(low), list(high)
