@@ -20,7 +20,7 @@ from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
-from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.memory_plan import check_capacity, plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
 
@@ -141,6 +141,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
+    check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
     neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
