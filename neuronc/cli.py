@@ -51,6 +51,15 @@ def _check_output(path: str, suffix: str, option: str) -> None:
         raise NeuronConfigError(f"cannot write {path}: {why}", hint=hint)
 
 
+def _regular_files(ctx, param, value):
+    """A click callback refusing a path that exists but is no regular file: reading a FIFO or a device
+    would block, or never end (click already refuses directories)."""
+    for path in value if isinstance(value, tuple) else (value,):
+        if path is not None and os.path.exists(path) and not os.path.isfile(path):
+            raise click.BadParameter(f"{path} is not a regular file")
+    return value
+
+
 def _check_compile_settings() -> dict:
     """The options NEURON_CC_FLAGS sets, once every setting a compilation reads is checked: the flags, the
     compile cache's directory (made if missing), TORCH_NEURONX_DEBUG_DIR, NEURONC_FRONTEND_TIMEOUT."""
@@ -105,7 +114,7 @@ def _options(name: str | None = None, **given):
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="NEFF file to write [default: MODEL with .neff]")
 @_compile_options
 @_friendly
@@ -204,7 +213,7 @@ def _show_kernels(neff, timeline, target, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @_compile_options
 @_friendly
 def check(model, target, opt_level, auto_cast, auto_cast_type):
@@ -233,8 +242,8 @@ def check(model, target, opt_level, auto_cast, auto_cast_type):
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
-@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False), callback=_regular_files,
               help="An input as a .npy file (an .npz file: its arrays, in their order); repeat in the "
               "program's input order.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the outputs to this .npz file.")
@@ -285,7 +294,7 @@ def _timeline(neff, inputs: tuple, target):
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
               help="Time it on this target [default: the NEFF's target].")
@@ -339,8 +348,8 @@ def inspect(neff_file, as_json, target, per_kernel):
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
-@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False), callback=_regular_files,
               help="An input as a .npy file, in the program's input order; without inputs the "
               "program is timed without computing numbers.")
 @click.option("-o", "--output", "trace", type=click.Path(dir_okay=False), default="trace.json", show_default=True,
@@ -372,7 +381,7 @@ def profile(neff_file, inputs, trace, html, target):
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @_friendly
 def hlo(model):
     """Print the StableHLO module the frontend makes of a saved ExportedProgram."""

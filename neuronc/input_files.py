@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import stat
 import zipfile
 
 import numpy as np
@@ -45,6 +47,8 @@ def load_inputs(paths, entries: list, program: str) -> list:
 
 def _arrays_in(path) -> list:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block, or never end
+            raise InputMismatchError(f"cannot read input {path}: not a regular file", hint=HINT)
         with open(path, "rb") as file:
             magic = file.read(len(NPY_MAGIC))
             if magic.startswith(NPY_MAGIC):

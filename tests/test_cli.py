@@ -3,6 +3,9 @@ exit, nothing half-written) for every bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -322,3 +325,13 @@ def test_an_input_declaring_a_huge_array_is_refused_before_its_data_is_read(cli,
     assert result.exit_code == 1
     expected = ", ".join(map(str, x.shape))
     assert f"must be float32[{expected}], got float32[1000000, 1000000] from {path}" in result.output
+
+
+@pytest.mark.parametrize("command", ["compile", "inspect", "run --input"])
+def test_a_fifo_given_as_a_file_is_refused_instead_of_blocking(mlp_neff, tmp_path, command):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = [str(mlp_neff[0]), "--input", str(fifo)] if command == "run --input" else [str(fifo)]
+    done = subprocess.run([sys.executable, "-m", "neuronc.cli", command.split()[0], *args], capture_output=True,
+                          text=True, timeout=120)  # a regression blocks on open(): the timeout fails the test
+    assert done.returncode == 2 and f"{fifo} is not a regular file" in done.stderr
