@@ -12,6 +12,7 @@ import dataclasses
 import os
 import stat
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from neuronc.errors import InputMismatchError
 
 NPY_MAGIC, ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
 HINT = "inputs are .npy files written by numpy.save (or .npz files, by numpy.savez) of numeric arrays"
+# what zipfile raises on a damaged or unusual archive (an encrypted member: RuntimeError, an unknown
+# compression: NotImplementedError, a damaged deflate stream: zlib.error)
+ZIP_ERRORS = (zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError, zlib.error)
 RECOMPILE = "the program was compiled for these shapes and dtypes; recompile for new ones"
 
 
@@ -72,7 +76,7 @@ def _npz_arrays(path) -> list:
                 with archive.open(member) as file:
                     arrays.append(_header(file, where, lambda member=member: _member(path, member)))
             return arrays
-    except (zipfile.BadZipFile, EOFError) as error:
+    except ZIP_ERRORS as error:
         raise InputMismatchError(f"cannot read input {path}: a damaged .npz file ({error})", hint=HINT) from None
 
 
@@ -104,5 +108,5 @@ def _read(array: _Array) -> np.ndarray:
     try:
         with array.open() as file:
             return np.lib.format.read_array(file, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+    except (OSError, ValueError, *ZIP_ERRORS) as error:
         raise InputMismatchError(f"cannot read input {array.where}: damaged data ({error})", hint=HINT) from None
