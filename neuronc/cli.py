@@ -66,15 +66,16 @@ def _compile_options(fn):
 @_compile_options
 @_friendly
 def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
-    """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file."""
-    from neuronc.compiler import CompileOptions, compile_exported
+    """Compile a saved ExportedProgram (.pt2, from torch.export.save), a StableHLO module (.mlir text,
+    .mlirbc bytecode) or a serialized jax.export artifact to a NEFF file."""
+    from neuronc.compiler import CompileOptions, compile_file
     from neuronc.neff import save
 
     output = output or os.path.splitext(model)[0] + ".neff"
     name = os.path.splitext(os.path.basename(model))[0]
     options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
                              auto_cast_type=auto_cast_type)
-    compiled = compile_exported(model, options)
+    compiled = compile_file(model, options)
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
