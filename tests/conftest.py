@@ -114,3 +114,22 @@ def no_compile_cache(monkeypatch):
     """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+
+
+@pytest.fixture
+def cli():
+    """Run the `neuronc` command line in-process: cli("compile", path, ...) -> click's Result. A command
+    may fail, but only with its own error message and exit code, never a traceback."""
+    from click.testing import CliRunner
+
+    from neuronc.cli import main
+
+    runner = CliRunner()
+
+    def invoke(*args):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output
+        return result
+
+    return invoke
