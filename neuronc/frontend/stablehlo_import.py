@@ -108,7 +108,7 @@ def _region_reducer(op) -> str:
     return _REDUCERS[body[0].operation.name]
 
 
-_LOC_NAME = re.compile(r'loc\("([^"]+)"\(')
+_LOC_NAME = re.compile(r'loc\("([^"]+)"[()]')
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
 _SCOPE = re.compile(r'"([^"]*)"\(')
 
@@ -120,6 +120,17 @@ def mlir_location(op) -> DebugLoc:
     where, scope = _FILE_LINE.search(text), _SCOPE.search(text)
     return DebugLoc(file=where.group(1) if where else "", line=int(where.group(2)) if where else 0,
                     module_path=scope.group(1) if scope else "", op=op.name)
+
+
+def location_of(op, locations: dict | None) -> DebugLoc:
+    """Where an op came from: its FX node's line (`locations`: FX node name -> DebugLoc), or with no
+    FX graph (None), the line its MLIR location names."""
+    if locations is None:
+        return mlir_location(op)
+    match = _LOC_NAME.search(str(op.location))
+    if match and match.group(1) in locations:
+        return locations[match.group(1)]
+    return DebugLoc()
 
 
 def values(block) -> list:
@@ -146,12 +157,7 @@ class _Importer:
         self.problems: list = []  # of UnsupportedUse
 
     def loc(self, op) -> DebugLoc:
-        if self.locations is None:
-            return mlir_location(op)
-        match = _LOC_NAME.search(str(op.location))
-        if match and match.group(1) in self.locations:
-            return self.locations[match.group(1)]
-        return DebugLoc()
+        return location_of(op, self.locations)
 
     def convert(self, op) -> None:
         name = op.name
