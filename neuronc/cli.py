@@ -44,6 +44,7 @@ def main():
       neuronc inspect model.neff                  # what is inside, and how long it takes
       neuronc check model.pt2                     # which ops cannot be compiled, and where
       neuronc hlo model.pt2                       # the StableHLO the frontend produces
+      neuronc bisect model.pt2 --input x.npy      # the first op the NEFF gets wrong, and which pass
     """
 
 
@@ -316,6 +317,34 @@ def profile(neff_file, inputs, trace, html, target):
     summary = summarize(neff, timeline, target)
     click.echo(f"estimated device time {summary['estimated_time_us']:.1f} us, MFU {summary['mfu']:.1%}, "
                f"HBM {summary['hbm_gbps_achieved']:.1f} GB/s")
+
+
+@main.command("bisect")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+              help="An input as a .npy file; repeat in the program's input order [default: a .pt2's example inputs].")
+@click.option("--reference", type=click.Choice(["xla", "interpreter"]), default="xla", show_default=True,
+              help="What computes the expected values: XLA on CPU, or the StableHLO reference interpreter "
+              "(slow; small graphs).")
+@_compile_options
+@_friendly
+def bisect_command(model, inputs, reference, target, opt_level, auto_cast, auto_cast_type):
+    """Find the first op whose value the NEFF gets wrong, and the compiler pass after which it does.
+
+    Runs the program's StableHLO on the reference executor and the NEFF on the emulated core, compares
+    every value the NEFF keeps in HBM (each kernel's output) within its dtype's tolerance, and prints the
+    first that differs with its source line, kernel and error, and the pass found by bisecting the
+    pipeline. Exits 1 when the program diverges. MODEL: a .pt2, .mlir, .mlirbc or jax.export file."""
+    from neuronc.compiler import CompileOptions
+    from neuronc.differential import bisect_file
+
+    name = os.path.splitext(os.path.basename(model))[0]
+    options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
+                             auto_cast_type=auto_cast_type)
+    report = bisect_file(model, _load_inputs(inputs), options, reference)
+    click.echo(str(report))
+    if report.diverges:
+        sys.exit(1)
 
 
 @main.command()

@@ -309,7 +309,8 @@ def _compare(got: np.ndarray, want: np.ndarray, node: ir.Node, options: CompileO
     except (KeyError, AttributeError, TypeError):
         limits = tolerance(DType.BF16.numpy)  # fp8 and the like: no row of their own
     g, w = got.astype(np.float64), want.astype(np.float64)
-    error = np.abs(g - w)
+    with np.errstate(invalid="ignore"):  # inf - inf: compared below as equal infinities
+        error = np.abs(g - w)
     same_nan = np.isnan(g) & np.isnan(w)
     same_inf = np.isinf(g) & (g == w)
     outside = ~(same_nan | same_inf | (error <= limits["atol"] + limits["rtol"] * np.abs(w)))
@@ -496,3 +497,20 @@ def _bisect_torch(fn, args, options, reference) -> Bisection:
     with torch.no_grad():
         compiled(*args)
     return reports
+
+
+def bisect_file(path, inputs: list | None, options: CompileOptions, reference: str = "xla") -> BisectReport:
+    """`neuronc bisect`: a saved ExportedProgram (.pt2) or a StableHLO program (.mlir, .mlirbc, jax.export
+    artifact), on `inputs` (numpy arrays; for a .pt2 without them, the example inputs saved with it)."""
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file
+
+    if is_stablehlo_file(path):
+        program, examples = debug_stablehlo(path), None
+    else:
+        program, examples = debug_exported(path, options.name)
+    if not inputs:
+        if examples is None:
+            raise InputMismatchError(f"{os.fspath(path)} needs inputs to be bisected",
+                                     hint="give each input as a .npy file: --input x.npy (repeat in order)")
+        inputs = examples
+    return bisect_program(program, inputs, options, reference)
