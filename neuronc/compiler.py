@@ -20,6 +20,7 @@ from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
+from neuronc.passes.context import PassContext
 from neuronc.passes.memory_plan import plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
@@ -36,7 +37,8 @@ class CompileOptions:
 
     def __post_init__(self):
         get_target(self.target)
-        passes_for(self.opt_level, self.cast)
+        passes_for(self.opt_level)  # an unknown level or auto-cast option is refused here, not mid-compile
+        AutoCast(self.auto_cast, self.auto_cast_type)
 
     @property
     def cast(self) -> AutoCast:
@@ -137,7 +139,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, options.opt_level, target, options.cast, timings)
+    graph = run_pipeline(graph, PassContext(target, options.opt_level, options.cast), timings)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)

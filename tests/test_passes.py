@@ -16,6 +16,7 @@ from neuronc.isa import DType
 from neuronc.passes.canonicalize import fold_constants
 from neuronc.passes.fusion import fold_converts
 from neuronc.passes import pipeline
+from neuronc.passes.context import PassContext
 from neuronc.passes.layout import store_activations_transposed, view_of_transposed
 from neuronc.passes.legalize import reshaped_strides
 from neuronc.passes.pipeline import passes_for
@@ -159,7 +160,7 @@ def test_folding_a_transposed_splat_keeps_it_a_splat():
     splat = ir.node(Op.CONSTANT, [], (4, 1), DType.F32, value=np.array(-1.0, np.float32))
     flipped = ir.node(Op.TRANSPOSE, [splat], (1, 4), DType.F32, perm=(1, 0))
     reshaped = ir.node(Op.RESHAPE, [flipped], (2, 2), DType.F32)
-    (out,) = fold_constants(ir.Graph([], [reshaped])).outputs
+    (out,) = fold_constants(ir.Graph([], [reshaped]), PassContext()).outputs
     assert out.op is Op.CONSTANT and out.scalar == -1.0 and out.shape == (2, 2)
 
 

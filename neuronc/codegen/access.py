@@ -7,7 +7,7 @@ import dataclasses
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.sync import partition_group
 from neuronc.isa import AccessPattern, Space
-from neuronc.passes.cost_model import dma_slice_count
+from neuronc.placement import dma_slice_count
 
 
 def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:

@@ -13,7 +13,7 @@ from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import AttentionPlan, MemoryPlan
 
 
 NEG_BIG = -3.0e38  # a masked row's running max is held at least here: finite, so exp(-inf - m) = 0, not NaN
@@ -34,19 +34,6 @@ def _v_chunks(vt: AccessPattern, chunks: int, rows: int, cols: int, stride: int)
     return dataclasses.replace(vt, dims=((1, rows), (stride, chunks), (1, cols)))
 
 
-def _is_power_of_two(x: float) -> bool:
-    mantissa, _ = np.frexp(x)
-    return x > 0 and mantissa == 0.5
-
-
-def _fused_logits(a: dict) -> bool:
-    """Whether one instruction makes the logits (in SBUF) of an ATTENTION node's attrs `a` from the PSUM
-    scores: fp32 scores need no rounding of their own, and a power-of-two scale commutes with rounding,
-    so round(round(S) * scale) is round(S * scale) (outside the subnormal range)."""
-    score, logit = a["score_dtype"], a["logits_dtype"]
-    return score == DType.F32 or (_is_power_of_two(a["scale"]) and logit in (DType.F32, score))
-
-
 def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """softmax(mask(scale * Q K^T)) V, flash-attention style (passes/attention.py).
 
@@ -60,23 +47,20 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
     software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
     Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
-    from neuronc.passes.attention import (HEADS_AHEAD, Q_TILE, causal_cuts, key_block, logits_in_sbuf, pipeline_depth,
-                                         pools_of, probability_dtype, softmax_blocks)
-
-    a = node.attrs
+    a: AttentionPlan = node.attrs["plan"]
+    Q_TILE, HEADS_AHEAD = a.q_tile, a.heads_ahead  # noqa: N806
     q, k, v = node.inputs[:3]
     mask = node.inputs[3] if len(node.inputs) > 3 else None
-    batch, sq, dv = int(np.prod(a["batch_shape"])), a["queries"], a["value_dim"]
-    sk, d, scale = a["keys"], a["head_dim"], a["scale"]
-    causal, offset = a["mask"] == "causal", a["causal_offset"]
-    tensor_mask = a["mask"] in ("select", "add")
-    p_dtype = probability_dtype(v.dtype)
-    materialise, fused = logits_in_sbuf(a), _fused_logits(a)
-    block = key_block(sk, materialise)
-    shape = (sq, sk, causal, offset, materialise)
-    group_size, depth = softmax_blocks(*shape), pipeline_depth(*shape)
+    batch, sq, dv = a.batch, a.queries, a.value_dim
+    sk, d, scale = a.keys, a.head_dim, a.scale
+    causal, offset = a.mask == "causal", a.causal_offset
+    tensor_mask = a.mask in ("select", "add")
+    p_dtype = a.probability_dtype
+    materialise, fused = a.logits_in_sbuf, a.fused_logits
+    block = a.key_block
+    group_size, depth = a.softmax_blocks, a.depth
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
-    pools = {name: em.sbuf_pool(dtype, n, bufs=bufs) for name, (dtype, n, bufs) in pools_of(node).items()}
+    pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in a.pools}
     bank = em.psum_bank_elements()
     score_banks = -(-block // bank)  # a key block's fp32 scores span this many PSUM banks
     s_psum, pt_psum, o_psum = em.psum_pool(4 // score_banks * score_banks), em.psum_pool(2), em.psum_pool(2)
@@ -93,7 +77,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         if p_dtype != DType.BF16:
             bias_identity = _identity(em, pools["bias_identity"].next(), Q_TILE, pools["ramp"].next())
         ramp = pools["ramp"].next().ap(Q_TILE, Q_TILE, dtype=DType.F32)
-        for cut in causal_cuts(sq, sk, offset, block):
+        for cut in a.causal_cuts:
             tile = pools["bias"].next().ap(Q_TILE, Q_TILE)  # column c masks row i where c - i + cut > 0
             em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=float(cut), imm1=-1.0)
             em.emit(Opcode.TENSOR_SCALAR, Engine.GPSIMD, tile, ramp, alu=AluOp.GT, imm0=0.0)
@@ -103,17 +87,18 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         vt = pools["v"].next().ap(Q_TILE, k_chunks * (dv + 1))
         ones = _v_chunks(vt, k_chunks, Q_TILE, 1, dv + 1)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, dataclasses.replace(ones, offset=vt.offset + dv * vt.dtype.itemsize), imm0=1.0)
-    if a["mask"] == "select":
+    if a.mask == "select":
         fill = pools["fill"].next().ap(Q_TILE, block)
-        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=-a["fill"])  # negated, as the logits are
-    if a["zero_masked_rows"]:
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, fill, imm0=-a.fill)  # negated, as the logits are
+    if a.zero_masked_rows:
         zeros = pools["zeros"].next().ap(Q_TILE, dv)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zeros, imm0=0.0)
 
     def origin(i, g):
         """(element, row stride, column stride) of batch-head g of input i (-1: the output)."""
-        offset0, strides = a["views"][i] if i >= 0 else a["out_view"]
-        index = np.unravel_index(g, a["batch_shape"])
+        view = a.views[i] if i >= 0 else a.out_view
+        offset0, strides = view.offset, view.strides
+        index = np.unravel_index(g, a.batch_shape)
         return offset0 + sum(int(j) * s for j, s in zip(index, strides[:-2])), strides[-2], strides[-1]
 
     def address(x, element):
@@ -155,7 +140,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             row_bias(b, scores, scale)
             return scores, scale
         if not fused:  # S rounded as eager rounds it, then scaled
-            rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a["score_dtype"])
+            rounded_scores = pools["scores"].next().ap(qt, kb, dtype=a.score_dtype)
             engines.scale(rounded_scores, scores, 1.0)
             scores = rounded_scores
         if not tensor_mask:
@@ -166,11 +151,11 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             mb0, ms, mk = origin(3, g)
             mtile = pools["mask"].next().ap(qt, kb)
             em.dma(mtile, hbm(mask.dtype, address(mask, mb0 + q0 * ms + k0 * mk), ((ms, qt), (mk, kb))))
-            if a["mask"] == "add":
+            if a.mask == "add":
                 vector(Opcode.TENSOR_TENSOR, logits, logits, mtile, alu=AluOp.SUBTRACT)
             else:
                 filled = tile_at(fill, 0, qt, kb)
-                on_true, on_false = (filled, logits) if a["masked_when"] else (logits, filled)
+                on_true, on_false = (filled, logits) if a.masked_when else (logits, filled)
                 vector(Opcode.SELECT, logits, mtile, on_true, on_false)
         row_bias(b, logits, -1.0)
         return logits, -1.0
@@ -261,7 +246,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         qtile, kt, _ = heads[blk.g]
         x["scores"] = scores_of(blk.g, qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
 
-    logits_dtype = a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"]
+    logits_dtype = a.logits_dtype
 
     def logits_stage(blk, row, x):
         """The block's logits and their row min, in its column of the group's."""
@@ -333,7 +318,7 @@ def attention(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         l, out = tile_at(acc, dv, qt, 1), pools["out"].next().ap(qt, dv)
         per_row = broadcast_columns(l, dv)  # held per partition: one pass over P V, divided as TENSOR_TENSOR would
         vector(Opcode.TENSOR_ALU2, out, tile_at(acc, 0, qt, dv), per_row, per_row, alu=AluOp.DIVIDE)
-        if a["zero_masked_rows"]:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
+        if a.zero_masked_rows:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
             empty = small("empty_row", qt)
             vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
             vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(zeros, 0, qt, dv), out)

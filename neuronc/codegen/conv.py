@@ -13,14 +13,11 @@ import dataclasses
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.access import row_slice
 from neuronc.codegen.elementwise import ACTIVATIONS, Balancer
-from neuronc.codegen.sync import partition_group
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
-from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
-                                 pools)
-from neuronc.passes.cost_model import dma_slice_count
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.placement import dma_slice_count, partition_group
+from neuronc.plans import ConvPlan, MemoryPlan
 
 
 def _free(ap: AccessPattern, element: int, partitions: int, *dims) -> AccessPattern:
@@ -103,16 +100,15 @@ def _activate(em: Emitter, func, out, source, shift, columns, t, ot, made) -> No
             _free(columns[shift], t, ot, (1, 1)), func=func, imm0=1.0)
 
 
-def _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, weight_rows, halves) -> tuple:
+def _per_channel_inputs(em, node, plan, kernel: ConvPlan, queues, made, o_tiles, weight_rows, halves) -> tuple:
     """The epilogue's per-channel inputs, loaded once: ({value: [O tile, O tiles] tile, column t for O tile t,
     repeated on partitions [O, 2O) with two halves}, {value: [weight rows, O] tile, the same values along the
     free axis, when the weights are scaled})."""
     x, w, *extras = node.inputs
-    parts, cout = em.target.partitions, node.shape[1]
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    parts, cout, epi = em.target.partitions, node.shape[1], kernel.epilogue
     columns, rows = {}, {}
-    for i in sorted(channel_inputs(node)):
-        extra, (offset, strides) = extras[i - 2], views[i]
+    for i in kernel.channel_inputs:
+        extra, (offset, strides) = extras[i - 2], (kernel.views[i].offset, kernel.views[i].strides)
         tile = made[f"extra{i}"].next().ap(parts, 1)
         for t, (o0, ot) in enumerate(o_tiles):
             for half in range(halves):
@@ -163,26 +159,26 @@ class _ConvKernel:
 
     def __init__(self, em: Emitter, node: Node, plan: MemoryPlan):
         self.em, self.node, self.plan = em, node, plan
-        self.g = g = geometry(node, em.target.partitions)
-        self.tiling = tiling = node.attrs["tiling"]
+        self.kernel = kernel = node.attrs["plan"]
+        self.g = g = kernel.geometry
+        self.tiling = tiling = kernel.tiling
         self.x, self.w, *self.extras = node.inputs
         self.parts = parts = em.target.partitions
         self.oh, self.ow = g.out
         self.pitch, self.cin, self.cout = g.pitch, g.channels, g.out_channels
         self.plane_elements = g.plane_elements(tiling.band)
-        self.made = {name: em.sbuf_pool(dtype, n, bufs=bufs)
-                     for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
-        self.psum = em.psum_pool(PSUM_BUFS)
+        self.made = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in kernel.pools}
+        self.psum = em.psum_pool(kernel.psum_bufs)
         self.engines = Balancer(em)
-        self.queues = _Queues(em, STORE_QUEUES)
+        self.queues = _Queues(em, kernel.store_queues)
         self.c_tiles = [(c0, min(parts, self.cin - c0)) for c0 in range(0, self.cin, parts)]
         self.o_tiles = [(o0, min(parts, self.cout - o0)) for o0 in range(0, self.cout, parts)]
-        self.epi = epilogue_plan(node)
+        self.epi = kernel.epilogue
         self.final = max(j for j, kind in enumerate(self.epi.kinds) if kind != "channel")  # the result's step
-        self.slots, _ = element_slots(self.epi.body, self.epi.kinds)
-        self.per_channel = channel_inputs(node)
-        self.views = node.attrs.get("views") or (None,) * len(node.inputs)
-        self.pairs = pairs = tiling.plan(g)  # which taps (and rows) each matmul computes
+        self.slots = kernel.slots
+        self.per_channel = kernel.channel_inputs
+        self.views = kernel.views
+        self.pairs = pairs = kernel.taps  # which taps (and rows) each matmul computes
         self.halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
         self.n_taps, self.n_matmuls, self.margin = len(g.taps), len(pairs.matmuls), pairs.delta
         self.band_elements = g.band_elements(tiling.band + self.halves - 1, pairs.delta)
@@ -199,7 +195,7 @@ class _ConvKernel:
         self.raw = self.made["raw_weights"].next().ap(self.parts, 1)
         self.wtile = self.made["weights"].next().ap(self.parts, 1)
         self._zero_unused_weight_blocks()
-        self.columns, rows = _per_channel_inputs(self.em, self.node, self.plan, self.epi, self.queues, self.made,
+        self.columns, rows = _per_channel_inputs(self.em, self.node, self.plan, self.kernel, self.queues, self.made,
                                                  self.o_tiles, self.used, self.halves)
         self._load_weights()
         bands = [(n, r0) for n in range(self.g.batch) for r0 in range(0, self.oh, self.tiling.band)]
@@ -348,7 +344,7 @@ class _ConvKernel:
         for i, extra in enumerate(self.extras, start=2):
             if i in self.per_channel:
                 continue
-            offset, (sn, sc, sy, sx) = self.views[i] or (0, (self.cout * self.oh * ow, self.oh * ow, ow, 1))
+            offset, (sn, sc, sy, sx) = self.views[i].offset, self.views[i].strides
             tile = made[f"extra{i}"].next().ap(*shape)
             for half in range(halves):
                 start = offset + n * sn + o0 * sc + (row + half) * sy

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 
-from neuronc import ir
+from neuronc import ir, op_facts
 from neuronc.codegen.access import dma_by_rows
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, hbm
@@ -14,26 +14,18 @@ from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
-from neuronc.passes.legalize import dense_strides
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import dense_strides
+from neuronc.plans import MemoryPlan
 
 
 SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size from the SBUF size
 
-ACTIVATIONS = {
-    Op.ABS: ActFunc.ABS, Op.EXP: ActFunc.EXP, Op.EXPM1: ActFunc.EXPM1, Op.LOG: ActFunc.LOG,
-    Op.LOG1P: ActFunc.LOG1P, Op.SQRT: ActFunc.SQRT, Op.RSQRT: ActFunc.RSQRT, Op.TANH: ActFunc.TANH,
-    Op.LOGISTIC: ActFunc.SIGMOID, Op.SIN: ActFunc.SIN, Op.COS: ActFunc.COS, Op.SIGN: ActFunc.SIGN,
-    Op.FLOOR: ActFunc.FLOOR, Op.CEIL: ActFunc.CEIL, Op.ROUND: ActFunc.ROUND, Op.ERF: ActFunc.ERF,
-    Op.GELU: ActFunc.GELU,
-}
-ALU = {
-    Op.ADD: AluOp.ADD, Op.SUBTRACT: AluOp.SUBTRACT, Op.MULTIPLY: AluOp.MULTIPLY, Op.DIVIDE: AluOp.DIVIDE,
-    Op.REMAINDER: AluOp.REMAINDER, Op.POWER: AluOp.POW, Op.MAXIMUM: AluOp.MAX, Op.MINIMUM: AluOp.MIN,
-    Op.ATAN2: AluOp.ATAN2, Op.AND: AluOp.AND, Op.OR: AluOp.OR, Op.XOR: AluOp.XOR,
-}
-COMPARISONS = {"EQ": AluOp.EQ, "NE": AluOp.NE, "LT": AluOp.LT, "LE": AluOp.LE, "GT": AluOp.GT, "GE": AluOp.GE}
-REDUCTIONS = {"add": AluOp.ADD, "max": AluOp.MAX, "min": AluOp.MIN, "and": AluOp.MIN, "or": AluOp.MAX}
+# How each elementwise op is computed (the op-facts table, neuronc/op_facts.py): by one Scalar-engine function,
+# by one ALU op, or (COMPARE) by the ALU op of its direction; reductions by the ALU op of their kind.
+ACTIVATIONS = {op: ir.facts(op).activation for op in Op if ir.facts(op).activation is not None}
+ALU = {op: ir.facts(op).alu for op in Op if ir.facts(op).alu is not None}
+COMPARISONS = op_facts.COMPARISONS
+REDUCTIONS = {kind: r.alu for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None}
 
 
 def free_for(em: Emitter, slots: int, widest: int) -> int:

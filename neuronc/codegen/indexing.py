@@ -12,7 +12,7 @@ from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 def gather_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:

@@ -15,7 +15,7 @@ from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
 from neuronc.codegen.matmul import matmul
 from neuronc.codegen.rowwise import reduce_last, rowwise
 from neuronc.ir import Node, Op
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}

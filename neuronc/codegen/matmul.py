@@ -4,42 +4,41 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from neuronc import ir
 from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
 from neuronc.codegen.elementwise import StepBalancer, assign_slots
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
-from neuronc.ir import Node, Op
-from neuronc.passes.legalize import dense_strides
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.ir import Node
+from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan
 
 
 def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
     transposed, stays in SBUF as the second one's stationary operand."""
-    if node.attrs.get("chain") is None:
-        return _matmul(em, node, plan)
-    from neuronc.passes.matmul_chain import stages
-    from neuronc.passes.tiling import early_rows
-
-    first, second = stages(node)
-    tiling = node.attrs["tiling"]
-    (_, rows, columns), dtype = first.shape, first.dtype
+    kernel = node.attrs["plan"]
+    if isinstance(kernel, MatmulPlan):
+        return _matmul(em, kernel, plan, node.inputs, node.loc, home=node)
+    assert isinstance(kernel, ChainPlan)
+    first, second = kernel.first, kernel.second
+    first_inputs, second_inputs = node.inputs[:kernel.split], (None, *node.inputs[kernel.split:])
+    tiling = second.tiling
+    rows, columns, dtype = first.m, first.n, first.dtype
     k_tiles = -(-rows // tiling.tile_k)
     kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
-    early = early_rows(second, em.target)
+    early = kernel.early_rows
     psum = em.psum_pool(bufs=em.target.psum_banks - early)
     if not early:
-        em.locate(first.loc)
-        _matmul(em, first, plan, sink=kept, psum=psum)
+        em.locate(kernel.first_loc)
+        _matmul(em, first, plan, first_inputs, kernel.first_loc, sink=kept, psum=psum)
         em.locate(None)
-        _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+        _matmul(em, second, plan, second_inputs, node.loc, a_resident=kept, psum=psum, home=node)
         return
-    rest = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
+    rest = _matmul(em, second, plan, second_inputs, node.loc, a_resident=kept, psum=psum, home=node,
+                   early_psum=em.psum_pool(bufs=early))
     # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
     # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
     made, pending = [0] * k_tiles, []
-    first_tiles = -(-columns // first.attrs["tiling"].tile_n)
+    first_tiles = -(-columns // first.tiling.tile_n)
 
     def made_tile(m0):
         made[m0 // tiling.tile_k] += 1
@@ -51,8 +50,8 @@ def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         while len(pending) > LAG:
             rest.accumulate_k(pending.pop(0))
 
-    em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
-    _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
+    em.locate(kernel.first_loc)  # the second's early matmuls, emitted among the first's, keep the first's location
+    _matmul(em, first, plan, first_inputs, kernel.first_loc, sink=kept, psum=psum, after_tile=made_tile)
     em.locate(None)
     rest.finish(pending)
 
@@ -88,7 +87,7 @@ class _Placed(NamedTuple):
         return self.at
 
 
-def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern | None = None,
+def _matmul(em: Emitter, kernel: MatmulPlan, plan: MemoryPlan, inputs: tuple, loc, a_resident: AccessPattern | None = None,
             sink: AccessPattern | None = None, psum=None, home: Node | None = None, after_tile=None,
             early_psum=None):
     """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
@@ -108,38 +107,35 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
     With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
     accumulators from `early_psum`, and the kernel is returned as a `_Rest`, whose functions the caller
     interleaves with the making of A^T (see `matmul`)."""
-    from neuronc.passes.tiling import default_tiling, epilogue_pools, loads_a_by_k_tile, operand_pools
-
-    a, b, *extra = node.inputs
-    (batch, m, n), k = node.shape, node.attrs["k"]
-    tiling = node.attrs.get("tiling") or default_tiling(node, em.target)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
-        view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
-    extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
-    body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
+    a, b, *extra = inputs
+    batch, m, n, k = kernel.batch, kernel.m, kernel.n, kernel.k
+    tiling = kernel.tiling
+    a_offset, (asb, asm, ask) = kernel.a.offset, kernel.a.strides
+    b_offset, (bsb, bsk, bsn) = kernel.b.offset, kernel.b.strides
+    extra_views = [(view.offset, view.strides) for view in kernel.extras]
+    body = kernel.epilogue
     slots, temp_count = assign_slots(body)
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     k_tiles = -(-k // tk)
-    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()
-              if not (name == "a" and a_resident is not None)}
-    out_pools = epilogue_pools(node, tn)
-    pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
+    strips = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in kernel.operand_pools
+              if not (p.name == "a" and a_resident is not None)}
+    out_pools = {p.name: p for p in kernel.epilogue_pools}
+    pool = lambda name: em.sbuf_pool(out_pools[name].dtype, out_pools[name].elements, bufs=out_pools[name].bufs)  # noqa: E731
     result, constants = pool("result"), pool("constants")
     extra_pools = [pool(f"extra{i}") if f"extra{i}" in out_pools else None for i in range(len(extra))]
-    bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
+    bias_row = kernel.bias_row  # an extra input added into PSUM as a row, by a rank-1 matmul
     if bias_row is not None:
         ones = pool("ones").next().ap(1, tm)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
-    bias_column = node.attrs.get("bias_column")  # an extra input of one value per row, added by the first step
+    bias_column = kernel.bias_column  # an extra input of one value per row, added by the first step
     if bias_column is not None:
         column_sums, widened = pool("row_sum"), pool("bias")
     temps = [pool(f"temp{i}") for i in range(temp_count)]
     psum = psum or em.psum_pool()
     engines = StepBalancer(em)
-    ci = node.dtype.itemsize
+    ci = kernel.dtype.itemsize
 
-    a_by_k_tile = loads_a_by_k_tile(node)
+    a_by_k_tile = kernel.a_by_k_tile
 
     def load_strip(name, x, element, k_stride, w_stride, width):
         """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]: one
@@ -237,7 +233,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
                             (mt, nt), None, m0))
         else:
             waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))),
+                            hbm(kernel.dtype, plan.offset(home) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))),
                             m0))
         if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
             flush(keep=1)
@@ -251,7 +247,7 @@ def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern
         nothing comes after it to share them with."""
         jobs = waiting[:len(waiting) - keep]
         del waiting[:len(jobs)]
-        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
+        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, loc, engines, bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job[4] is not None:
                 dma_by_rows(em, job[4], out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)

@@ -22,7 +22,7 @@ from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.sync import insert_waits
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
-from neuronc.passes.cost_model import estimate_streams
+from neuronc.stream_timing import estimate_streams
 from neuronc.targets import Target
 
 MAX_FREE = 1024  # elements per partition of a tile (eight tiles of each dtype fit in SBUF)

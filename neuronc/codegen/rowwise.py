@@ -10,9 +10,8 @@ from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
-from neuronc.passes.memory_plan import MemoryPlan
-from neuronc.passes.rowwise import OUT_SLOT, Act, Alu2, RowSum, Summed, needs_constants, step_kinds, tail_steps, tile_plan
-from neuronc.passes.rowwise_schedule import Schedule, dma_pieces, per_row_alu, split_engines, transposed_store_pieces
+from neuronc.placement import dma_pieces, transposed_store_pieces
+from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, RowSum, RowwisePlan, Summed
 
 
 def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
@@ -65,7 +64,7 @@ def reduce_last(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def _pieces(em: Emitter, tile, latency_bound: bool) -> int:
-    """Slices of a row tile's DMA (passes/rowwise_schedule.py `dma_pieces`, the rule its pricing uses)."""
+    """Slices of a row tile's DMA (neuronc/placement.py `dma_pieces`, the rule the schedule's pricing uses)."""
     return dma_pieces(tile.num_elements * tile.dtype.itemsize, tile.partitions, latency_bound, em.target)
 
 
@@ -85,10 +84,11 @@ def _activation_func(op) -> ActFunc:
 
 
 class _RowTile:
-    """Emits the instructions of one row tile's plan (passes/rowwise.py `tile_plan`)."""
+    """Emits the instructions of one row tile's plan (the RowwisePlan's `tile`)."""
 
-    def __init__(self, engines, node, consts, schedule: Schedule):
-        self.engines, self.node, self.consts, self.schedule = engines, node, consts, schedule
+    def __init__(self, engines, node, consts, kernel: RowwisePlan):
+        self.engines, self.node, self.consts = engines, node, consts
+        self.schedule, self.scalar_steps = kernel.schedule, kernel.scalar_steps
 
     def emit(self, j, instr, out, read, results, rt, extra, on=None):
         """The instruction(s) of step j into `out`; ALU work on engine `on`, or as the schedule places it."""
@@ -124,7 +124,7 @@ class _RowTile:
             engines.emit(Opcode.TENSOR_REDUCE, out, read(instr.args[0]), alu=REDUCTIONS[body[j].attrs["kind"]])
         else:
             args = [float(ref) if a == "imm" else read((a, ref)) for a, ref in instr.args]
-            if on is None and self.schedule.row_steps_on_scalar and out.free_elements == 1 and per_row_alu(body[j]):
+            if on is None and self.schedule.row_steps_on_scalar and out.free_elements == 1 and self.scalar_steps[j]:
                 on = Engine.SCALAR  # a per-row value: the Scalar engine, where the row's statistics are made
             engines.compute(body[j], out, args, self.consts["select"], self.node.loc, on=on)
 
@@ -140,10 +140,10 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     engine or not, and where the tail's columns are cut in two halves computed side by side on two engines."""
     body, views = node.attrs["body"], node.attrs["views"]
     rows, cols = node.attrs["rows"], node.attrs["cols"]
-    kinds = step_kinds(body, views)
-    tiles_plan = tile_plan(body, views, [x.dtype for x in node.inputs])
-    slots, count = tiles_plan.slots, tiles_plan.count
-    schedule = node.attrs["schedule"]
+    kernel: RowwisePlan = node.attrs["plan"]
+    kinds, tiles_plan = kernel.kinds, kernel.tile
+    instrs, slots, count = tiles_plan.instr_of, tiles_plan.slot_of, tiles_plan.count_of
+    schedule = kernel.schedule
     bufs = schedule.bufs
     parts = em.target.partitions
     wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]) // DType.F32.itemsize
@@ -152,10 +152,10 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift
     zero = None
     out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
-    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if needs_constants(body) else None
+    constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if kernel.needs_constants else None
     engines = Balancer(em)
     scratch = None
-    if any(isinstance(i, (Summed, RowSum)) for i in tiles_plan.instrs.values()):
+    if any(isinstance(i, (Summed, RowSum)) for i in instrs.values()):
         zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
         em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
         scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
@@ -177,7 +177,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 width = cols if sc else 1
                 src = hbm(x.dtype, plan.offset(x) + offset * x.dtype.itemsize, ((0, parts), (sc or 1, width)))
                 dma_by_rows(em, loaded[i], src, _pieces(em, loaded[i], True))
-        for j, instr in tiles_plan.instrs.items():
+        for j, instr in instrs.items():
             if kinds[j] == "col":
                 out = col_tiles[slots[j]].ap(parts, cols, dtype=body[j].dtype)
                 args = [float(ref) if a == "imm" else loaded[ref] if a == "input" else results[ref]
@@ -186,8 +186,8 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
                 results[j] = out
 
     sr_out, sc_out = node.attrs["out_strides"]
-    emitter = _RowTile(engines, node, consts, schedule)
-    tail = tail_steps(body, views, tiles_plan) if schedule.cut else ()
+    emitter = _RowTile(engines, node, consts, kernel)
+    tail = kernel.tail
     halves = [(0, schedule.cut), (schedule.cut, cols)]  # the tail's columns, side by side on two engines
 
     def load(r0, first):
@@ -224,7 +224,7 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             return (full if kinds[j] == "full" else per_row)[slots[j]].ap(rt, width, dtype=body[j].dtype)
 
         extra = {"tile_of": tile_of, "bias": lambda: biases.next().ap(rt, 1)}
-        for j, instr in tiles_plan.instrs.items():
+        for j, instr in instrs.items():
             if kinds[j] == "col" or j in tail:
                 continue
             out = tile_of(j)
@@ -236,9 +236,9 @@ def rowwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             yield
         for j in tail:
             results_here[j] = tile_of(j)
-        for (c0, c1), on in zip(halves if tail else (), split_engines(em.target)):
+        for (c0, c1), on in zip(halves if tail else (), kernel.split_engines):
             for j in tail:
-                emitter.emit(j, tiles_plan.instrs[j], column_slice(results_here[j], c0, c1),
+                emitter.emit(j, instrs[j], column_slice(results_here[j], c0, c1),
                              lambda arg: _tile_arg(arg, tiles, results_here, rt, cols, True, (c0, c1)),
                              results_here, rt, extra, on)
                 yield

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc import ir
+from neuronc import ir, op_facts
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import DType
 from neuronc.ir import Op
@@ -29,20 +29,8 @@ _ELEMENT_TYPES = {
     "ui8": DType.U8,
 }
 
-_SIMPLE = {
-    "stablehlo.negate": Op.NEGATE, "stablehlo.abs": Op.ABS, "stablehlo.exponential": Op.EXP,
-    "stablehlo.exponential_minus_one": Op.EXPM1, "stablehlo.log": Op.LOG,
-    "stablehlo.log_plus_one": Op.LOG1P, "stablehlo.sqrt": Op.SQRT, "stablehlo.rsqrt": Op.RSQRT,
-    "stablehlo.tanh": Op.TANH, "stablehlo.logistic": Op.LOGISTIC, "stablehlo.sine": Op.SIN,
-    "stablehlo.cosine": Op.COS, "stablehlo.sign": Op.SIGN, "stablehlo.floor": Op.FLOOR,
-    "stablehlo.ceil": Op.CEIL, "stablehlo.round_nearest_even": Op.ROUND, "chlo.erf": Op.ERF,
-    "stablehlo.not": Op.NOT, "stablehlo.convert": Op.CONVERT,
-    "stablehlo.add": Op.ADD, "stablehlo.subtract": Op.SUBTRACT, "stablehlo.multiply": Op.MULTIPLY,
-    "stablehlo.divide": Op.DIVIDE, "stablehlo.remainder": Op.REMAINDER, "stablehlo.power": Op.POWER,
-    "stablehlo.maximum": Op.MAXIMUM, "stablehlo.minimum": Op.MINIMUM, "stablehlo.atan2": Op.ATAN2,
-    "stablehlo.and": Op.AND, "stablehlo.or": Op.OR, "stablehlo.xor": Op.XOR,
-    "stablehlo.select": Op.SELECT, "stablehlo.clamp": Op.CLAMP, "stablehlo.reshape": Op.RESHAPE,
-}
+# StableHLO / CHLO ops imported one to one as an IR op without attributes (the op-facts table lists them).
+_SIMPLE = {name: Op[fact.name] for fact in op_facts.FACTS for name in fact.stablehlo}
 
 _REDUCERS = {
     "stablehlo.add": "add", "stablehlo.maximum": "max", "stablehlo.minimum": "min",

@@ -22,9 +22,10 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
 
 
-def demote_f64(graph: ir.Graph) -> ir.Graph:
+def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     wide = [p for p in graph.params if p.dtype == DType.F64] + [o for o in graph.outputs if o.dtype == DType.F64]
     if wide:
         raise NeuronCompileError(
@@ -47,26 +48,10 @@ def demote_f64(graph: ir.Graph) -> ir.Graph:
 
 # numpy evaluation of the ops constant folding handles ------------------------------------------
 
-_NUMPY_UNARY = {
-    Op.NEGATE: np.negative, Op.ABS: np.abs, Op.EXP: np.exp, Op.EXPM1: np.expm1, Op.LOG: np.log,
-    Op.LOG1P: np.log1p, Op.SQRT: np.sqrt, Op.RSQRT: lambda x: 1 / np.sqrt(x), Op.TANH: np.tanh,
-    Op.LOGISTIC: lambda x: 1 / (1 + np.exp(-x)), Op.SIN: np.sin, Op.COS: np.cos, Op.SIGN: np.sign,
-    Op.FLOOR: np.floor, Op.CEIL: np.ceil, Op.ROUND: np.round,
-    Op.NOT: lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x),
-}
-_NUMPY_BINARY = {
-    Op.ADD: np.add, Op.SUBTRACT: np.subtract, Op.MULTIPLY: np.multiply, Op.MAXIMUM: np.maximum,
-    Op.MINIMUM: np.minimum, Op.POWER: np.power, Op.ATAN2: np.arctan2, Op.AND: np.bitwise_and,
-    Op.OR: np.bitwise_or, Op.XOR: np.bitwise_xor,
-    Op.DIVIDE: lambda a, b: np.true_divide(a, b) if a.dtype.kind == "f" else _int_divide(a, b),
-    Op.REMAINDER: lambda a, b: np.fmod(a, b),
-}
-_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal}
 
-
-def _int_divide(a, b):
-    q = np.abs(a) // np.where(b == 0, 1, np.abs(b))
-    return (np.sign(a) * np.sign(b) * q).astype(a.dtype)
+def _computable(value: np.ndarray) -> np.ndarray:
+    """Floats narrower than fp32 widened to fp32, as the engines compute them (the result is rounded back)."""
+    return value.astype(np.float32) if value.dtype.kind == "f" and value.dtype.itemsize < 4 else value
 
 
 def _evaluate(node: ir.Node, values: list):
@@ -78,22 +63,13 @@ def _evaluate(node: ir.Node, values: list):
         shape[a["dimension"]] = node.shape[a["dimension"]]
         return np.broadcast_to(np.arange(node.shape[a["dimension"]]).reshape(shape), node.shape).astype(out_dtype)
     splat = all(v.ndim == 0 for v in values)
-    if op in ir.ELEMENTWISE:
-        if op is Op.CONVERT:
-            result = values[0]
-        elif op in (Op.ERF, Op.GELU):
-            return None  # never constant in practice; the runtime's approximation defines them
-        elif op in _NUMPY_UNARY:
-            result = _NUMPY_UNARY[op](values[0])
-        elif op is Op.COMPARE:
-            result = _COMPARE[a["direction"]](*values)
-        elif op in _NUMPY_BINARY:
-            with np.errstate(all="ignore"):
-                result = _NUMPY_BINARY[op](*values)
-        elif op is Op.SELECT:
-            result = np.where(values[0], values[1], values[2])
-        else:  # CLAMP
-            result = np.minimum(np.maximum(values[1], values[0]), values[2])
+    if op in ir.ELEMENTWISE:  # the op's semantics from the op-facts table: what the device computes
+        fact = ir.facts(op)
+        with np.errstate(all="ignore"):
+            if op is Op.COMPARE:
+                result = fact.numpy(*values, a["direction"])
+            else:
+                result = fact.semantics(*map(_computable, values))
         result = np.asarray(result)
         if not splat:
             result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
@@ -117,7 +93,7 @@ def _full(value: np.ndarray, shape) -> np.ndarray:
     return np.broadcast_to(value, shape) if value.ndim == 0 else value
 
 
-def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
+def fold_constants(graph: ir.Graph, ctx: PassContext, max_elements: int = 1 << 16) -> ir.Graph:
     def fold(node, inputs):
         if node.op not in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
             return None
@@ -160,7 +136,7 @@ def _identity_operand(node, inputs):
 _NARROW_FLOATS = (DType.BF16, DType.F16, DType.F8E4M3, DType.F8E5M2)
 
 
-def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
+def narrow_matmul_operands(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """DOT_GENERAL(convert_f32(a), convert_f32(b)) with a and b of one narrow float type -> DOT_GENERAL(a, b)
     with the same fp32 result. Exact: widening is exact, a product of two narrow floats is exact in fp32,
     and the accumulation is fp32 either way (the emulator widens the operands itself)."""
@@ -180,7 +156,7 @@ def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
     return graph.rewrite(fold)
 
 
-def simplify(graph: ir.Graph) -> ir.Graph:
+def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def simple(node, inputs):
         op = node.op
         x = inputs[0] if inputs else None
@@ -259,7 +235,7 @@ def _matches(found, expected) -> bool:
         abs(f - e) <= 1e-6 * abs(e) for f, e in zip(found, expected))
 
 
-def raise_erf(graph: ir.Graph) -> ir.Graph:
+def raise_erf(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Fold the expansion, and the clamps around it: erf's input clamp to [-4, 4] changes nothing
     in f32 (erf(4) rounds to 1), and its output is within [-1, 1] anyway."""
 
@@ -282,7 +258,7 @@ def raise_erf(graph: ir.Graph) -> ir.Graph:
     return graph.rewrite(fold)
 
 
-def raise_gelu(graph: ir.Graph) -> ir.Graph:
+def raise_gelu(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """x * 0.5 * (1 + erf(x / sqrt 2)), as decompositions write GELU, becomes one GELU (one
     Scalar-engine instruction)."""
 

@@ -12,16 +12,17 @@ function in a registry keyed by op.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
+from neuronc.op_facts import REDUCTIONS
+from neuronc.passes.context import PassContext
 
-REDUCE_IDENTITY = {"add": 0.0, "max": -math.inf, "min": math.inf, "mul": 1.0, "and": True, "or": False}
-REDUCE_COMBINE = {"add": Op.ADD, "max": Op.MAXIMUM, "min": Op.MINIMUM, "mul": Op.MULTIPLY, "and": Op.AND, "or": Op.OR}
+REDUCE_IDENTITY = {kind: r.identity for kind, r in REDUCTIONS.items()}
+REDUCE_COMBINE = {kind: Op[r.combine] for kind, r in REDUCTIONS.items()}
 
 
 def dense_strides(shape) -> tuple:
@@ -300,7 +301,7 @@ RULES = {
 }
 
 
-def legalize(graph: ir.Graph) -> ir.Graph:
+def legalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def rule(node, inputs):
         fn = RULES.get(node.op)
         if fn is None:

@@ -13,28 +13,14 @@ longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.neff.program import TensorEntry, TensorKind
+from neuronc.plans import MemoryPlan  # noqa: F401 (the plan type, beside the planner)
 
 COOLING = 4  # nodes: a slot freed this recently is not reused, so that a kernel's stores need not wait for
 # the loads of the kernel just before it (the sync pass orders a new tenant's writes after the old one's reads)
 ALIGNMENT = 64  # bytes; keeps every tensor's start aligned for any dtype and for DMA descriptors
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    tensors: list  # TensorEntry, in HBM order
-    placement: dict  # node -> TensorEntry holding the node's bytes (aliases share one)
-    hbm_size: int
-
-    def offset(self, node: ir.Node) -> int:
-        return self.placement[node].offset
-
-    def has_buffer(self, node: ir.Node) -> bool:
-        return node in self.placement
 
 
 def _needs_buffer(node: ir.Node, consumers: dict, outputs) -> bool:

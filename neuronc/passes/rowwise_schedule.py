@@ -15,9 +15,9 @@ from typing import NamedTuple
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
 from neuronc.ir import BINARY, Op
 from neuronc.isa import DType, Engine
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count, partition_group
-from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowSum, Summed, input_kind, step_kinds,
-                                    tail_steps, tile_plan)
+from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
+from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
+from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
 from neuronc.targets import Target
 
 ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU work between these
@@ -30,15 +30,6 @@ def per_row_alu(step) -> bool:
     return step.op in ALU_OPS and step.dtype.is_float
 
 
-class Schedule(NamedTuple):
-    bufs: int  # buffers of each per-row-tile pool (passes/rowwise.py BUF_CHOICES)
-    together: int  # row tiles whose instructions are emitted interleaved (2 needs PAIRED_BUFS)
-    row_sum_on_scalar: bool  # a plain row sum as an identity ACTIVATE_BIAS_REDUCE, else TENSOR_REDUCE on an ALU engine
-    row_steps_on_scalar: bool  # per-row ALU steps (a mean's division) on the Scalar engine, next to the row sums
-    cut: int  # the tail's columns [0, cut) and [cut, cols) on two engines side by side (`split_engines`); 0: whole
-    shared_after: int  # groups of row tiles loaded before the inputs shared by every row (a norm's weight)
-
-
 def split_engines(target: Target) -> tuple:
     """The engines of a cut tail's two halves: the faster ALU engine takes the first, wider one."""
     return tuple(sorted(ALU_ENGINES, key=lambda e: -_alu_ghz(e, target)))
@@ -46,28 +37,6 @@ def split_engines(target: Target) -> tuple:
 
 def _alu_ghz(engine: Engine, target: Target) -> float:
     return target.vector_ghz if engine is Engine.VECTOR else target.gpsimd_ghz
-
-
-def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> int:
-    """Slices (one queue each) of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last
-    stores) as many as give each slice a transfer at least as long as its issue, and a divisor of the tile's groups
-    of partitions (codegen cuts slices at their boundaries: uneven slices would end with the largest); else the
-    cost model's default."""
-    if not latency_bound:
-        return dma_slice_count(rows, nbytes, target)
-    worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue  # bytes moved in one issue time
-    groups = -(-rows // partition_group(target))  # codegen.access.dma_slices' cut points
-    pieces = max(1, min(target.dma_queues, groups, int(nbytes // worth_issuing)))
-    return max(n for n in range(1, pieces + 1) if groups % n == 0)
-
-
-def transposed_store_pieces(nbytes: int, target: Target) -> int:
-    """Slices (one queue each, by columns) of a row tile stored transposed (passes/layout.py): a strided transfer,
-    at half a queue's bandwidth, so every row tile's store is cut as a last store is, into as many slices as give
-    each a transfer at least as long as its issue. Measured on the GPT-2 block: 169.0 us, against 175.7 with the
-    default slices for all but the last row tile."""
-    worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue / 2  # strided bytes moved in one issue time
-    return max(1, min(target.dma_queues, int(nbytes // worth_issuing)))
 
 
 def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list:
@@ -93,9 +62,9 @@ def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: 
     bufs = fitting[0]
     together = (1, 2) if bufs == PAIRED_BUFS else (1,)
     # a choice that changes nothing in this kernel is not offered twice
-    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instrs.values()) else (True,)
+    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instr_of.values()) else (True,)
     row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) or isinstance(i, Summed) and i.shift
-                                     and not i.negated for j, i in plan.instrs.items()) else (True,)
+                                     and not i.negated for j, i in plan.instr_of.items()) else (True,)
     cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
     shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
     return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
@@ -132,7 +101,7 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
                    any(kind_of(a) == "col" for a in args), makes)
 
     ops, tail_ops = [], []
-    for j, instr in plan.instrs.items():
+    for j, instr in plan.instr_of.items():
         if kinds[j] == "col":
             continue
         width = cols if kinds[j] == "full" else 1
