@@ -143,23 +143,23 @@ def pipeline(options: CompileOptions) -> list:
     """The passes of the options' level, in order."""
     from neuronc.passes.pipeline import passes_for
 
-    return list(passes_for(options.opt_level, options.cast))
+    return list(passes_for(options.opt_level))
 
 
 def required(options: CompileOptions) -> list:
     """The passes no compile can do without: -O0's, and the level's own tiling pass (its last)."""
     from neuronc.passes.pipeline import passes_for
 
-    return [*passes_for(0, options.cast), pipeline(options)[-1]]
+    return [*passes_for(0), pipeline(options)[-1]]
 
 
 def run_passes(graph: ir.Graph, passes: list, options: CompileOptions) -> ir.Graph:
-    from neuronc.passes.pipeline import TARGETED
+    from neuronc.passes.context import PassContext
     from neuronc.targets import get_target
 
-    target = get_target(options.target)
+    ctx = PassContext(get_target(options.target), options.opt_level, options.cast)
     for step in passes:
-        graph = step(graph, target) if step in TARGETED else step(graph)
+        graph = step(graph, ctx)
     return graph
 
 

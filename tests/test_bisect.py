@@ -45,7 +45,7 @@ def flip_a_sign_in_fusion(monkeypatch) -> None:
     real = fusion.fuse_elementwise
 
     @functools.wraps(real)
-    def fuse_elementwise(graph):
+    def fuse_elementwise(graph, ctx):
         flipped = []
 
         def flip(node, inputs):
@@ -56,7 +56,7 @@ def flip_a_sign_in_fusion(monkeypatch) -> None:
             negate = ir.Step(ir.Op.NEGATE, (("step", len(body) - 1),), node.dtype, {})
             return ir.node(ir.Op.FUSED, inputs, node.shape, node.dtype, node.loc, **{**node.attrs, "body": body + (negate,)})
 
-        return real(graph).rewrite(flip)
+        return real(graph, ctx).rewrite(flip)
 
     monkeypatch.setattr(pipeline, "PIPELINES", {level: [fuse_elementwise if p is real else p for p in passes]
                                                 for level, passes in pipeline.PIPELINES.items()})

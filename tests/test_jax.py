@@ -107,7 +107,7 @@ def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path)
     result = cli("check", path)
     assert result.exit_code == 1
     assert "2 of" in result.output
-    assert f"stablehlo.cbrt (1 of 1 uses)" in result.output and f"stablehlo.popcnt (1 of 1 uses)" in result.output
+    assert "stablehlo.cbrt (1 of 1 uses)" in result.output and "stablehlo.popcnt (1 of 1 uses)" in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: check cbrt')}" in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: check popcnt')}" in result.output
     compiled = cli("compile", path, "-o", tmp_path / "out.neff")

@@ -77,7 +77,7 @@ def _from_jax_export(data: bytes, path: str) -> StableHLOProgram:
 
     try:
         exported = export.deserialize(bytearray(data))
-        module = bytes(exported.mlir_module_serialized)
+        bytes(exported.mlir_module_serialized)  # a damaged artifact fails here, not later
     except Exception as err:  # noqa: BLE001 - a damaged flatbuffer raises many kinds
         raise ModelLoadError(
             f"{path} is neither StableHLO (.mlir text, .mlirbc bytecode), a jax.export artifact nor a .pt2 "
