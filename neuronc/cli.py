@@ -351,9 +351,13 @@ def bisect_command(model, inputs, reference, target, opt_level, auto_cast, auto_
 @click.argument("model", type=click.Path(dir_okay=False))
 @_friendly
 def hlo(model):
-    """Print the StableHLO module the frontend makes of a saved ExportedProgram."""
+    """Print the StableHLO module the frontend makes of a saved ExportedProgram (or of a StableHLO file)."""
     from neuronc.frontend.exported import exported_stablehlo, load_exported_program
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file, program_text, read_program
 
+    if is_stablehlo_file(model):
+        click.echo(program_text(read_program(model)))
+        return
     click.echo(exported_stablehlo(load_exported_program(model)))
 
 

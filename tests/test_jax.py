@@ -87,6 +87,7 @@ def _write_forms(tmp_path, function, args) -> dict:
 def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
     function, (params, x) = jax_programs.build("mlp")
     path = _write_forms(tmp_path, function, (params, x))[form]
+    assert "stablehlo.dot_general" in cli("hlo", path).output
     assert cli("compile", path, "-o", tmp_path / "mlp.neff", "-O1").exit_code == 0
     inputs = jax.tree_util.tree_leaves((params, x))  # the module's arguments, in JAX's flattening order
     for i, array in enumerate(inputs):
