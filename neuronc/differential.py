@@ -206,7 +206,10 @@ def _find_pass(program, inputs, expected, passes, options) -> str:
     def diverges(count: int):
         return _diverges(program, inputs, expected, variant(count), options)
 
-    if diverges(0) is not False:
+    baseline = diverges(0)
+    if baseline is None:
+        return "no pass named: the pipeline without its optional passes does not compile for this program"
+    if baseline:
         return ("it diverges with no optional pass: the fault is in a pass every compile needs (" +
                 ", ".join(dict.fromkeys(getattr(p, "__name__", type(p).__name__) for p in needed)) +
                 "), in codegen or in the runtime")

@@ -154,3 +154,15 @@ def test_read_program_names_a_missing_file(tmp_path):
 
     with pytest.raises(ModelLoadError, match="no such file"):
         read_program(tmp_path / "nope.mlir")
+
+
+def test_a_jitted_function_is_compiled_once_across_jit_objects_through_the_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEURON_CC_FLAGS", "")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "cache"))
+    function, args = jax_programs.build("mlp")
+    first, second = neuronc.jax.jit(function), neuronc.jax.jit(function)
+    first(*args)
+    got = second(*args)
+    hits = [program.compiled.cache_hit for jitted in (first, second) for program in jitted.programs.values()]
+    assert hits == [False, True]
+    assert_matches_jax(got, jax.jit(function)(*args))
