@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -81,7 +81,7 @@ class Node:
         return self.size * self.dtype.itemsize
 
     @property
-    def scalar(self):
+    def scalar(self) -> float | int | bool | None:
         """The value of a constant stored as one scalar (a splat or a 0-d constant), else None."""
         if self.op is Op.CONSTANT and self.attrs["value"].ndim == 0:
             return self.attrs["value"].item()
@@ -92,8 +92,10 @@ class Node:
         return self.op is Op.CONSTANT and self.attrs["value"].ndim == 0 and self.shape != ()
 
     def __repr__(self) -> str:
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        return f"%{self.id} = {self.op.name.lower()}({', '.join(f'%{i.id}' for i in self.inputs)}) : {shape}x{self.dtype.name.lower()}"
+        """The node's line of IR text (neuronc/ir_text.py), nodes named by their display ids, long arrays elided."""
+        from neuronc import ir_text
+
+        return ir_text.node_text(self)
 
 
 @dataclasses.dataclass
@@ -147,10 +149,10 @@ class Graph:
         return self
 
     def __str__(self) -> str:
-        lines = [f"graph {self.name}:"]
-        lines += [f"  {n!r}" for n in self.nodes()]
-        lines.append("  return " + ", ".join(f"%{o.id}" for o in self.outputs))
-        return "\n".join(lines)
+        """The graph as IR text (neuronc/ir_text.py), arrays of more than 16 elements elided."""
+        from neuronc import ir_text
+
+        return ir_text.to_text(self, elide_arrays_over=16)
 
 
 def unreshaped(node: Node) -> Node:
@@ -160,5 +162,7 @@ def unreshaped(node: Node) -> Node:
     return node
 
 
-def node(op: Op, inputs, shape, dtype: DType, loc: DebugLoc | None = None, **attrs) -> Node:
+def node(op: Op, inputs: Iterable[Node], shape: Iterable[int], dtype: DType, loc: DebugLoc | None = None,
+         **attrs) -> Node:
+    """A new node (shape as ints, inputs as a tuple), its attributes given by keyword."""
     return Node(op, tuple(inputs), tuple(int(s) for s in shape), dtype, attrs, loc or DebugLoc())

@@ -42,7 +42,7 @@ def _erf_columns(ndim: int) -> tuple:
     return tuple(c.reshape((2,) + (1,) * ndim) for c in _ERF_PQ.T)
 
 
-def erf(x):
+def erf(x: np.ndarray) -> np.ndarray:
     """XLA's f32 rational approximation of erf, on x clamped to [-4, 4] (isa.ERF_F32_*)."""
     x = np.asarray(x, dtype=np.float32)
     x = np.minimum(np.maximum(x, np.float32(-ERF_F32_CLAMP)), np.float32(ERF_F32_CLAMP))
@@ -59,18 +59,18 @@ def erf(x):
     return np.minimum(np.maximum(p, np.float32(-1), out=p), np.float32(1), out=p)
 
 
-def gelu(x):
+def gelu(x: np.ndarray) -> np.ndarray:
     """x * (1 + erf(x / sqrt 2)) / 2, with the ISA's erf."""
     return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
 
-def sigmoid(x):
+def sigmoid(x: np.ndarray) -> np.ndarray:
     import scipy.special
 
     return scipy.special.expit(x)
 
 
-def identity(x):
+def identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
@@ -103,7 +103,7 @@ SCALAR_FUNCTIONS: dict = {
 }
 
 
-def truncating_divide(a, b):
+def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Integer division rounding toward zero (C's `/`, StableHLO's divide)."""
     q = np.floor_divide(a, b)
     inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
@@ -306,8 +306,8 @@ FACTS = (
            attrs={"low": "ints", "high": "ints", "interior": "ints", "value?": "float"}),
     OpFact("REVERSE", "movement", 1, SAME, DMA, attrs={"dims": "ints"}),
     # reductions and contractions
-    OpFact("REDUCE", "reduction", 2, FIRST, ALU, attrs={"dims": "ints", "kind": REDUCE_KINDS}),  # (x, init)
-    OpFact("REDUCE_WINDOW", "reduction", 2, FIRST, ALU,  # (x, init)
+    OpFact("REDUCE", "reduction", 2, SAME, ALU, attrs={"dims": "ints", "kind": REDUCE_KINDS}),  # (x, init)
+    OpFact("REDUCE_WINDOW", "reduction", 2, SAME, ALU,  # (x, init)
            attrs={"window": "ints", "strides": "ints", "padding": "pairs", "kind": REDUCE_KINDS}),
     OpFact("DOT_GENERAL", "reduction", 2, ANY, TENSOR,
            attrs={"lhs_batch": "ints", "rhs_batch": "ints", "lhs_contract": "ints", "rhs_contract": "ints"}),

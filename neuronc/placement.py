@@ -48,3 +48,20 @@ def transposed_store_pieces(nbytes: int, target: Target) -> int:
     default slices for all but the last row tile."""
     worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue / 2  # strided bytes moved in one issue time
     return max(1, min(target.dma_queues, int(nbytes // worth_issuing)))
+
+
+SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size of copies from the SBUF size
+
+
+def tile_free_elements(target: Target, itemsize: int = 4) -> int:
+    """Elements per partition of one tile (of elements of at least fp32's width), so that a kernel's
+    SLOTS_PER_KERNEL tile slots fit in SBUF."""
+    per_slot = target.sbuf_bytes_per_partition // SLOTS_PER_KERNEL
+    return min(target.max_free_elements_sbuf, per_slot // max(itemsize, 4))
+
+
+def free_for(target: Target, slots: int, widest: int) -> int:
+    """Elements per partition of each tile when `slots` tiles of up to `widest` bytes an element share the
+    partition (each slot rounded up to the page tiles are placed on), at most a default tile."""
+    slot_bytes = target.sbuf_bytes_per_partition // slots - SBUF_PAGE_BYTES  # room for rounding up
+    return min(tile_free_elements(target), slot_bytes // widest)

@@ -1,8 +1,9 @@
 """Kernel plans: what the planning passes decided about each fused kernel, as frozen data that codegen reads.
 
 A pass that shapes a kernel (tiling for matmuls and chains, fuse_rowwise, fuse_attention, the convolution
-lowering) computes its plan once and attaches it to the node (attrs["plan"]); codegen emits instructions from
-the plan and decides nothing, and imports nothing from `neuronc.passes` (this module sits below both). A plan is
+passes; passes/kernel_plans.py for the elementwise, reduction and indexing kernels) computes its plan once and
+attaches it to the node (attrs["plan"]); codegen emits instructions from the plan and decides nothing, and
+imports nothing from `neuronc.passes` (this module sits below both). A plan is
 plain values: ints, bools, strings, enums, tuples and nested plans, so the IR printer prints it field by field
 and the parser reads it back.
 
@@ -24,14 +25,14 @@ class MemoryPlan:
     placement: dict  # node -> TensorEntry holding the node's bytes (aliases share one)
     hbm_size: int
 
-    def offset(self, node) -> int:
+    def offset(self, node: object) -> int:
         return self.placement[node].offset
 
-    def has_buffer(self, node) -> bool:
+    def has_buffer(self, node: object) -> bool:
         return node in self.placement
 
 
-def dense_strides(shape) -> tuple:
+def dense_strides(shape: tuple) -> tuple:
     """Element strides of a dense row-major tensor of `shape`."""
     strides, acc = [], 1
     for size in reversed(shape):
@@ -64,7 +65,7 @@ class View:
     strides: tuple
 
     @classmethod
-    def of(cls, view, shape) -> "View":
+    def of(cls, view: tuple | None, shape: tuple) -> "View":
         """An IR view attribute ((offset, strides) or None for a dense read of `shape`) as a View."""
         offset, strides = view or (0, dense_strides(shape))
         return cls(int(offset), tuple(int(s) for s in strides))
@@ -106,11 +107,13 @@ class MatmulPlan:
     b: View  # B [batch, k, n]
     extras: tuple  # View of each extra input, read as the [batch, m, n] result
     epilogue: tuple
+    slots: tuple  # per epilogue step: its temporary's slot, or None (the last step writes the result tile)
     operand_pools: tuple  # PoolSpecs of the operand strips ("a", "b", "bias_row", "bias_column")
     epilogue_pools: tuple  # PoolSpecs of the output side ("result", "constants", "extraI", "tempI", ...)
     bias_row: int | None = None
     bias_column: int | None = None
     a_by_k_tile: bool = False  # A^T's strips loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`)
+    epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,8 @@ class ChainPlan:
     second: MatmulPlan
     early_rows: int
     first_loc: object  # the first matmul's source location (instructions it emits carry it)
+    lag: int = 2  # the first's tiles made between the making of a K tile and the second's matmuls reading it
+    lead_part: int = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------
@@ -246,6 +251,47 @@ class RowwisePlan:
     scalar_steps: tuple  # per step: a per-row ALU step the schedule may put on the Scalar engine
 
 
+@dataclasses.dataclass(frozen=True)
+class ReducePlan:
+    """A REDUCE_LAST kernel: out[r] = reduce(x[r, :]), x the input or a prologue body computed per tile from the
+    inputs read through their [R, C] views; columns reduced `chunk` at a time (passes/kernel_plans.py)."""
+    rows: int
+    cols: int
+    kind: str  # "add" | "max" | "min" | "and" | "or"
+    prologue: tuple  # IR steps computing x per tile (empty: x is input 0)
+    slots: tuple  # per prologue step: its temporary's slot, or None (the last step's output tile)
+    views: tuple  # View [R, C] of each input
+    chunk: int  # columns per tile
+    pools: tuple  # PoolSpecs
+
+
+# elementwise and indexing kernels (passes/kernel_plans.py) ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ElementwisePlan:
+    """One or many fused elementwise ops computed tile by tile: the body, the inputs it reads, how each operand
+    lies over the node's shape, the tile size and the pools."""
+    body: tuple  # IR steps
+    inputs: tuple  # indices of the inputs the body reads
+    views: tuple  # View of the result (dense), then of each read input, over the node's shape
+    slots: tuple  # per step: its temporary's slot, or None (the last step writes the output tile)
+    free: int  # elements per partition of a tile
+    pools: tuple  # PoolSpecs: "input{i}", "temp{t}", "out", "constants"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsPlan:
+    """A GATHER_ROWS / SCATTER_ROWS kernel: rows moved by indirect DMA, each cut into `chunk` columns per tile."""
+    chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkPlan:
+    """A TOPK kernel: per tile of rows, `rounds` rounds of the 8 largest over rows padded to `width` values."""
+    width: int
+    rounds: int
+
+
 # attention (passes/attention.py) -----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +377,7 @@ class ConvGeometry:
         slack that the last tap's dropped columns read past the end."""
         return margin + self.phases * self.plane_elements(band) + self.pitch
 
-    def tap_offset(self, tap, band: int) -> int:
+    def tap_offset(self, tap: tuple, band: int) -> int:
         """Where a tap reads in the band, relative to the output element it contributes to."""
         _, _, plane, dr, dc = tap
         return plane * self.plane_elements(band) + dr * self.pitch + dc
@@ -409,6 +455,7 @@ class ConvPlan:
     store_queues: int  # DMA queues the results are stored on (the others load)
 
 
-__all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan", "Plain",
-           "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "AttentionPlan",
-           "ConvGeometry", "TapPlan", "ConvTiling", "EpiloguePlan", "ConvPlan"]
+__all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan",
+           "Plain", "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "ReducePlan",
+           "ElementwisePlan", "RowsPlan", "TopkPlan", "AttentionPlan", "ConvGeometry", "TapPlan", "ConvTiling",
+           "EpiloguePlan", "ConvPlan"]

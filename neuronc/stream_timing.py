@@ -67,7 +67,7 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> I
                 schedule(w)
 
 
-def replay(streams: dict, target: Target):
+def replay(streams: dict, target: Target) -> Iterator[tuple]:
     """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
     the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
     keys = stream_order(streams)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable
 from functools import partial
 
 import ml_dtypes
@@ -99,7 +100,7 @@ def _tensor_tensor(instr, dst, a, b):
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
 
 
-def immediate(value: float, dtype) -> np.ndarray:
+def immediate(value: float, dtype: np.dtype | type) -> np.ndarray:
     """An instruction's immediate (a float64 in the NEFF) in an operation's type; integers saturate, so a
     bound like the largest int64 (which float64 rounds up to 2**63) stays the largest int64."""
     dtype = np.dtype(dtype)
@@ -292,7 +293,7 @@ def _store(dst, fn, *args):
     dst[...] = fn(*args)
 
 
-def store_all(dsts: tuple, values) -> None:
+def store_all(dsts: tuple, values: object) -> None:
     """Round an instruction's value into its destinations: ``values`` is one value per destination
     when there are several (Instruction.writes), else the value of the one."""
     if len(dsts) == 1:
@@ -438,7 +439,7 @@ _KERNELS = {
 }
 
 
-def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new=np.empty) -> list:
+def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new: Callable = np.empty) -> list:
     """``instr`` on these views of its operands, as a list of calls to make in order; each returns nothing.
 
     ``new(shape, dtype)`` makes the temporary arrays the calls use (see :class:`Scratch`)."""

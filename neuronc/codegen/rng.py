@@ -144,7 +144,7 @@ def random_program(recipe: str, params: tuple, shape: tuple, dtype: DType, targe
         tile_shape = (block.partitions, *block.free)
         b = _Block(em, pools, state_tile, tile_shape, block.offsets[0], block.dims[0][0][0], n)
 
-        def at(entry):
+        def at(entry, block=block):
             return hbm(entry.dtype, entry.offset + block.offsets[0] * entry.dtype.itemsize, block.dims[0])
 
         if x is not None:

@@ -534,7 +534,7 @@ def sbuf_bytes(pools: dict) -> int:
     return sum(-(-n * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES * bufs for dtype, n, bufs in pools.values())
 
 
-def pools_of(node) -> dict:
+def pools_of(node: ir.Node) -> dict:
     """tile_pools of an ATTENTION node."""
     a = node.attrs
     q, k, v = node.inputs[:3]

@@ -240,7 +240,7 @@ def epilogue_plan(node: Node) -> EpiloguePlan:
     return EpiloguePlan(tuple(body), tuple(kinds), scale, shift, folded, biased)
 
 
-def element_slots(body, kinds) -> tuple:
+def element_slots(body: tuple, kinds: tuple) -> tuple:
     """Linear-scan slots of the per-element steps' temporaries (the last step writes the result tile):
     (slot per step or None, number of slots)."""
     last = list(range(len(body)))

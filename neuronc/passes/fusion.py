@@ -11,6 +11,8 @@ the kernel's tiles fit SBUF, which the limits below guarantee.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from neuronc import ir
 from neuronc.isa import DType
 from neuronc.ir import Op, Step
@@ -163,7 +165,8 @@ def fuse_matmul_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     return fused.rewrite(fold)
 
 
-def fuse_epilogues(graph: ir.Graph, kind: Op, refine=lambda node: node) -> ir.Graph:
+def fuse_epilogues(graph: ir.Graph, kind: Op, refine: Callable[[ir.Node], ir.Node | None] = lambda node: node
+                   ) -> ir.Graph:
     """Elementwise consumers of `kind` nodes (kernels accumulating in PSUM, first two inputs their operands)
     folded in as their epilogue, until nothing changes. `refine(fused)` may adjust a fused node (re-tile
     it) or reject the fusion with None."""
@@ -209,7 +212,7 @@ def _dtype_of(body, arg, inputs_dtype) -> DType | None:
     return body[ref].dtype if kind == "step" else inputs_dtype(ref) if kind == "input" else None
 
 
-def fold_converts(body, input_dtypes=None) -> tuple:
+def fold_converts(body: tuple, input_dtypes: dict | None = None) -> tuple:
     """A body without the float converts an instruction does anyway. A kernel computes each step in fp32 and
     rounds it once to the step's dtype as it writes it, so (exactly):
     * convert_bf16(x) of an fp32 step x read by nothing else: x is written in bf16 directly;

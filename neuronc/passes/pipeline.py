@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import time
 
-from neuronc import ir
+from neuronc import ir, ir_verifier
 from neuronc.errors import NeuronConfigError
 from neuronc.passes.attention import fuse_attention
 from neuronc.passes.auto_cast import auto_cast
-from neuronc.passes.canonicalize import (demote_f64, fold_constants, narrow_matmul_operands, raise_erf, raise_gelu,
-                                         simplify)
+from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
 from neuronc.passes.context import PassContext
 from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
@@ -33,15 +32,9 @@ from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matm
 O0 = [
     demote_f64,  # first: no pass below computes in float64; a float64 input or output is refused here
     lower_gather_scatter,  # gathers/scatters as row gathers: their index arithmetic is folded with the rest
-    fold_constants,  # then the canonical forms: constants evaluated,
-    simplify,  # no-ops and identities dropped (x + 0, reshape chains, splats),
-    fold_constants,  # what simplify exposed evaluated,
-    raise_erf,  # torch-mlir's expansion of erf folded back into one ERF,
-    raise_gelu,  # and erf's GELU into one GELU (one Scalar-engine instruction each),
-    narrow_matmul_operands,  # bf16 x bf16 matmuls widened to fp32 by the decompositions read bf16 again
+    canonicalize,  # rules to a fixed point: constants folded, no-ops dropped, erf and GELU raised, matmuls narrowed
     auto_cast,  # --auto-cast: after canonicalisation (no float64 left), before legalize (sees DOT_GENERAL)
-    legalize,  # StableHLO-level ops -> the kernel forms codegen knows (VIEW, MATMUL, REDUCE_LAST...)
-    simplify,  # what legalize made trivial (identity views, reshape chains)
+    legalize,  # StableHLO-level ops -> the kernel forms codegen knows (VIEW, MATMUL, REDUCE_LAST...), simplified
     baseline_tiles,  # last: every matmul streams both operands tile by tile
 ]
 O1 = O0  # the same passes today
@@ -49,16 +42,10 @@ O1 = O0  # the same passes today
 O2 = [
     demote_f64,  # as -O0
     lower_gather_scatter,
-    fold_constants,
-    simplify,
-    fold_constants,
-    raise_erf,
-    raise_gelu,
-    narrow_matmul_operands,
+    canonicalize,
     auto_cast,  # before the convolutions are lowered: it casts CONVOLUTION's operands
     lower_convolutions,  # before legalize: convolutions the implicit-GEMM kernel takes become CONV, the rest im2col
     legalize,
-    simplify,
     store_weights_transposed,  # before fusion: matmuls then read the stored transpose as a dense operand
     fuse_attention,  # before row-wise fusion: the softmax of an attention belongs to its flash kernel
     fuse_rowwise,  # softmax, layer-norm...: one kernel per normalisation, before elementwise fusion takes its ops
@@ -67,7 +54,7 @@ O2 = [
     fuse_matmul_epilogues,  # elementwise groups reading a matmul become its epilogue (computed from PSUM)
     fuse_conv_epilogues,  # and a convolution's (bias, BatchNorm, activation, residual)
     fuse_reduction_prologues,  # reductions read their operand through its producer group or view
-    simplify,  # reshape chains the fusions left
+    simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     store_activations_transposed,  # after fusion: a row-wise result that matmuls read transposed is written so
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     tile_matmuls,  # last: tiles and loop order of every matmul (and chain) chosen with the cost model
@@ -86,7 +73,9 @@ def passes_for(opt_level: int) -> list:
 
 def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None) -> ir.Graph:
     """Run the passes of `ctx.opt_level` in order; with `timings`, record each pass's seconds in it as
-    "pass/<name>" ("pass/<name>#2" for its second run, ...)."""
+    "pass/<name>" ("pass/<name>#2" for its second run, ...). With `ctx.verify`, the graph is verified before the
+    first pass and after each one (ir_verifier: a pass that breaks the IR is named), the time under "verify IR"."""
+    verify(graph, ctx, "the import", timings)
     for step in passes_for(ctx.opt_level):
         start = time.perf_counter()
         graph = step(graph, ctx)
@@ -96,4 +85,13 @@ def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None)
                 run += 1
                 key = f"pass/{step.__name__}#{run}"
             timings[key] = time.perf_counter() - start
+        verify(graph, ctx, step.__name__, timings)
     return graph
+
+
+def verify(graph: ir.Graph, ctx: PassContext, after: str, timings: dict | None) -> None:
+    if ctx.verify:
+        start = time.perf_counter()
+        ir_verifier.verify(graph, after)
+        if timings is not None:
+            timings["verify IR"] = timings.get("verify IR", 0.0) + time.perf_counter() - start

@@ -24,14 +24,14 @@ import math
 
 from neuronc import ir
 from neuronc.ir import Op, Step
-from neuronc.isa import DType
 from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIRED_BUFS,  # noqa: F401 (re-exported)
                                          needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
-from neuronc.passes.rowwise_schedule import choose_schedule, per_row_alu, split_engines
-from neuronc.plans import RowwisePlan
+from neuronc.passes import rowwise_schedule
+from neuronc.passes.rowwise_schedule import per_row_alu, split_engines
+from neuronc.plans import RowwisePlan, Schedule
 from neuronc.targets import Target
 
 MAX_INPUTS = 8
@@ -353,7 +353,7 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
                    if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
-        schedule = choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
+        schedule = rowwise_schedule.choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
         taken |= set(group.members)
         roots[root] = (body, externals, frame, schedule)
     if not roots:
@@ -361,7 +361,7 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     return _rewrite(graph, roots, target)
 
 
-def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule, target: Target) -> RowwisePlan:
+def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target) -> RowwisePlan:
     """The kernel plan of a ROWWISE node: its schedule, its row tile's instructions (passes/rowwise_plan.py)."""
     tile = tile_plan(body, views, input_dtypes)
     return RowwisePlan(schedule=schedule, tile=tile, kinds=tuple(step_kinds(body, views)),

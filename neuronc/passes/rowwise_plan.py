@@ -21,14 +21,14 @@ BUF_CHOICES = (PAIRED_BUFS, BUFS + 1, BUFS)
 
 
 
-def input_kind(view) -> str:
+def input_kind(view: tuple) -> str:
     """"full", "row" (one value per row), "col" (one per column, the same for every row) or "row" for
     one value for everything, by the (row, column) strides of an input's view."""
     _, (sr, sc) = view
     return "full" if sr and sc else "col" if sc else "row"
 
 
-def step_kinds(body, views) -> list:
+def step_kinds(body: tuple, views: tuple) -> list:
     """"full" ([rows, cols] tile per row tile), "row" ([rows, 1] per row tile) or "col" ([partitions,
     cols], computed once for all row tiles) for each step of a ROWWISE body."""
     kinds = []
@@ -72,7 +72,7 @@ def _square(step) -> bool:
         step.op is Op.POWER and step.args[1] == ("imm", 2.0))
 
 
-def tile_plan(body, views, input_dtypes) -> TilePlan:
+def tile_plan(body: tuple, views: tuple, input_dtypes: list) -> TilePlan:
     """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes."""
     kinds = step_kinds(body, views)
     users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
@@ -142,7 +142,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
             scale, bias = _AFFINE[u.op](float(u.args[1][1]))
             add(j, Act(step.op, resolve(u.args[0]), scale, bias))
         elif step.op in ARITHMETIC and kinds[j] == "full" and step.dtype.is_float and len(_reads(args)) == 2:
-            add(j, _arithmetic(step.op, args, one_op, per_row, lambda u: only_reader(u, j)))
+            add(j, _arithmetic(step.op, args, one_op, per_row, lambda u, j=j: only_reader(u, j)))
         else:
             add(j, Plain(args))
     out_step = last
@@ -158,7 +158,7 @@ def tile_plan(body, views, input_dtypes) -> TilePlan:
     return TilePlan(tuple(instrs.items()), out_step, tuple(slots.items()), tuple(count.items()))
 
 
-def tail_steps(body, views, plan: TilePlan) -> tuple:
+def tail_steps(body: tuple, views: tuple, plan: TilePlan) -> tuple:
     """The last instructions of a row tile's plan that are elementwise over full rows (no reduction, no row sum),
     ending with the output's: each column of them needs only the same columns of what it reads, so they may be
     computed a part of the columns at a time, the parts on different engines (a schedule's `cut`)."""
@@ -249,12 +249,12 @@ def _slots(body, instrs, out_step, kinds) -> tuple:
     return slots, count
 
 
-def needs_constants(body) -> bool:
+def needs_constants(body: tuple) -> bool:
     """Whether a SELECT of the body takes a constant (codegen makes it a tile per row tile)."""
     return any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
 
 
-def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
+def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
     """Bytes per partition the ROWWISE kernel allocates with `bufs` buffers per row tile (codegen allocates
     exactly these tiles)."""
     count = tile_plan(body, views, input_dtypes).count_of

@@ -13,7 +13,7 @@ import itertools
 from typing import NamedTuple
 
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
-from neuronc.ir import BINARY, Op
+from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import DType, Engine
 from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
@@ -24,7 +24,7 @@ ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU wo
 ALU_OPS = frozenset(BINARY - {Op.COMPARE})  # the binary ops one ALU instruction computes (codegen's ALU table)
 
 
-def per_row_alu(step) -> bool:
+def per_row_alu(step: Step) -> bool:
     """Whether a per-row step is one float ALU instruction, which a schedule may put on the Scalar engine (NKI's
     tensor_scalar runs on the Vector, Scalar or GpSimd engine)."""
     return step.op in ALU_OPS and step.dtype.is_float
@@ -52,7 +52,7 @@ def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list
     return sorted(c for c in near if 0 < c < cols)
 
 
-def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
+def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
     """Every schedule the kernel may take: with its largest fitting buffers (pairs of row tiles need PAIRED_BUFS),
     the row sums and per-row steps on the Scalar engine or not, the tail whole or cut, shared inputs loaded after
     the first one or two groups of row tiles."""
@@ -136,7 +136,7 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
     return ops
 
 
-def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
+def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
                target: Target) -> float:
     """Estimated time of a ROWWISE kernel under `schedule`: codegen's instructions in codegen's order, each on its
     engine's (or DMA queue's) in-order queue once the values it reads are made, its cost by instruction_cost's rules;
@@ -213,7 +213,7 @@ def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int
     return max(list(done_at.values()) + list(free.values()))
 
 
-def choose_schedule(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, fitting: list,
+def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
                     target: Target) -> Schedule:
     """The candidate schedule `rowwise_ns` prices cheapest (the first of equals)."""
     options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)

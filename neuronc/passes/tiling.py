@@ -26,6 +26,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
+from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
 from neuronc.targets import Target
 
@@ -36,6 +37,9 @@ def _pages(elements: int, dtype: DType) -> int:
 
 
 EPILOGUE_BUFS = 4  # output tiles whose epilogues may be in flight at once (spread over three engines)
+EPILOGUE_GROUP = 2  # output tiles whose epilogues the kernel emits side by side
+CHAIN_LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+CHAIN_LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
 def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
@@ -280,14 +284,15 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
     batch, m, n = node.shape
     k = node.attrs["k"]
     views = node.attrs.get("views") or (None,) * len(node.inputs)
+    epilogue = tuple(node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),))
     return MatmulPlan(
         batch=batch, m=m, n=n, k=k, dtype=node.dtype, tiling=tiling,
         a=View.of(views[0], (batch, m, k)), b=View.of(views[1], (batch, k, n)),
         extras=tuple(View.of(view, node.shape) for view in views[2:]),
-        epilogue=tuple(node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)),
+        epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node))
+        a_by_k_tile=loads_a_by_k_tile(node), epilogue_group=EPILOGUE_GROUP)
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
@@ -295,7 +300,7 @@ def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulT
     first, second = stages(node)
     return ChainPlan(split=node.attrs["chain"].split, first=matmul_plan(first, first_tiling),
                      second=matmul_plan(second, second_tiling), early_rows=early_rows(second, target),
-                     first_loc=first.loc)
+                     first_loc=first.loc, lag=CHAIN_LAG, lead_part=CHAIN_LEAD_PART)
 
 
 def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.Graph:
@@ -318,15 +323,15 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.G
 
 
 def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    """-O0/-O1: every matmul streams both operands tile by tile."""
-    return _tile_all(graph, ctx.target, default_tiling)
+    """-O0/-O1: every matmul streams both operands tile by tile (the other kernels planned: `plan_kernels`)."""
+    return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx)
 
 
 def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    """-O2: resident operand and block size searched with the cost model."""
-    return _tile_all(graph, ctx.target, choose)
+    """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx)
 
 
 def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    """-O3: also narrower N tiles and deeper buffering of the streamed operand."""
-    return _tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True)
+    """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True), ctx)
