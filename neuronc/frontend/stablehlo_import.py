@@ -469,7 +469,6 @@ def supported_stablehlo_ops() -> list:
     return sorted(set(_SIMPLE) | set(_CONVERTERS))
 
 
-<<<<<<< HEAD
 def main_function(module):
     """The module's entry point: func @main (else its first function)."""
     functions = [op.operation for op in module.body.operations if op.operation.name == "func.func"]
@@ -492,13 +491,6 @@ def convert_module(module, params: list, locations: dict | None, name: str = "ma
     it cannot convert, and those ops as UnsupportedUse records (for `neuronc check`, which probes the rest)."""
     block = main_function(module).regions[0].blocks[0]
     importer = _Importer(locations, {value: number for number, value in enumerate(values(block))})
-=======
-def import_module(module: object, params: list, locations: dict, name: str = "main") -> ir.Graph:
-    """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument."""
-    func = next(op for op in module.body.operations if op.operation.name == "func.func")
-    block = func.regions[0].blocks[0]
-    importer = _Importer(locations)
->>>>>>> irtext
     graph_params = []
     for index, arg in enumerate(block.arguments):
         try:
