@@ -398,13 +398,11 @@ def bisect_command(model, inputs, reference, target, opt_level, auto_cast, auto_
     every value the NEFF keeps in HBM (each kernel's output) within its dtype's tolerance, and prints the
     first that differs with its source line, kernel and error, and the pass found by bisecting the
     pipeline. Exits 1 when the program diverges. MODEL: a .pt2, .mlir, .mlirbc or jax.export file."""
-    from neuronc.compiler import CompileOptions
     from neuronc.differential import bisect_file
 
-    name = os.path.splitext(os.path.basename(model))[0]
-    options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
-                             auto_cast_type=auto_cast_type)
-    report = bisect_file(model, _load_inputs(inputs), options, reference)
+    options = _options(os.path.splitext(os.path.basename(model))[0], target=target, opt_level=opt_level,
+                       auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    report = bisect_file(model, inputs, options, reference)
     click.echo(str(report))
     if report.diverges:
         sys.exit(1)

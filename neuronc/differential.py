@@ -502,18 +502,23 @@ def _bisect_torch(fn, args, options, reference) -> Bisection:
     return reports
 
 
-def bisect_file(path, inputs: list | None, options: CompileOptions, reference: str = "xla") -> BisectReport:
+def bisect_file(path, input_paths, options: CompileOptions, reference: str = "xla") -> BisectReport:
     """`neuronc bisect`: a saved ExportedProgram (.pt2) or a StableHLO program (.mlir, .mlirbc, jax.export
-    artifact), on `inputs` (numpy arrays; for a .pt2 without them, the example inputs saved with it)."""
+    artifact), on the arrays of `input_paths` (.npy/.npz files, checked against the program's inputs before
+    they are read; for a .pt2 without them, the example inputs saved with it)."""
     from neuronc.frontend.stablehlo_program import is_stablehlo_file
+    from neuronc.input_files import load_inputs
+    from neuronc.neff.program import TensorEntry, TensorKind
 
     if is_stablehlo_file(path):
-        program, examples = debug_stablehlo(path), None
+        program, inputs = debug_stablehlo(path), None
     else:
-        program, examples = debug_exported(path, options.name)
-    if not inputs:
-        if examples is None:
-            raise InputMismatchError(f"{os.fspath(path)} needs inputs to be bisected",
-                                     hint="give each input as a .npy file: --input x.npy (repeat in order)")
-        inputs = examples
+        program, inputs = debug_exported(path, options.name)
+    if input_paths:
+        entries = [TensorEntry(p.attrs["name"], TensorKind.INPUT, p.dtype, p.shape, 0) for p in program.graph.params
+                   if p.attrs["kind"] == "input"]
+        inputs = load_inputs(input_paths, entries, program.origin)
+    if inputs is None:
+        raise InputMismatchError(f"{os.fspath(path)} needs inputs to be bisected",
+                                 hint="give each input as a .npy file: --input x.npy (repeat in order)")
     return bisect_program(program, inputs, options, reference)

@@ -137,4 +137,4 @@ def test_a_program_given_the_wrong_number_of_inputs_is_refused(cli, tmp_path, sa
     path = saved_program(model, (x,))
     np.save(tmp_path / "x.npy", x.numpy())
     result = cli("bisect", path, "-i", tmp_path / "x.npy", "-i", tmp_path / "x.npy")
-    assert result.exit_code == 1 and "takes 1 inputs, got 2" in result.output
+    assert result.exit_code == 1 and "takes 1 inputs" in result.output and "got 2" in result.output
