@@ -87,6 +87,7 @@ def main():
       neuronc inspect model.neff                  # what is inside, and how long it takes
       neuronc check model.pt2                     # which ops cannot be compiled, and where
       neuronc hlo model.pt2                       # the StableHLO the frontend produces
+      neuronc bisect model.pt2 --input x.npy      # the first op the NEFF gets wrong, and which pass
     """
 
 
@@ -119,10 +120,11 @@ def _options(name: str | None = None, **given):
 @_compile_options
 @_friendly
 def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
-    """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file.
+    """Compile a saved ExportedProgram (.pt2, from torch.export.save), a StableHLO module (.mlir text,
+    .mlirbc bytecode) or a serialized jax.export artifact to a NEFF file.
 
     Options not given are taken from NEURON_CC_FLAGS when it sets them."""
-    from neuronc.compiler import compile_exported
+    from neuronc.compiler import compile_file
     from neuronc.neff import save
 
     output = output or os.path.splitext(model)[0] + ".neff"
@@ -130,7 +132,7 @@ def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noq
     options = _options(os.path.splitext(os.path.basename(model))[0], target=target, opt_level=opt_level,
                        auto_cast=auto_cast, auto_cast_type=auto_cast_type)
     target, opt_level = options.target, options.opt_level
-    compiled = compile_exported(model, options)
+    compiled = compile_file(model, options)
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
@@ -380,13 +382,43 @@ def profile(neff_file, inputs, trace, html, target):
                f"HBM {summary['hbm_gbps_achieved']:.1f} GB/s")
 
 
+@main.command("bisect")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+              help="An input as a .npy file; repeat in the program's input order [default: a .pt2's example inputs].")
+@click.option("--reference", type=click.Choice(["xla", "interpreter"]), default="xla", show_default=True,
+              help="What computes the expected values: XLA on CPU, or the StableHLO reference interpreter "
+              "(slow; small graphs).")
+@_compile_options
+@_friendly
+def bisect_command(model, inputs, reference, target, opt_level, auto_cast, auto_cast_type):
+    """Find the first op whose value the NEFF gets wrong, and the compiler pass after which it does.
+
+    Runs the program's StableHLO on the reference executor and the NEFF on the emulated core, compares
+    every value the NEFF keeps in HBM (each kernel's output) within its dtype's tolerance, and prints the
+    first that differs with its source line, kernel and error, and the pass found by bisecting the
+    pipeline. Exits 1 when the program diverges. MODEL: a .pt2, .mlir, .mlirbc or jax.export file."""
+    from neuronc.differential import bisect_file
+
+    options = _options(os.path.splitext(os.path.basename(model))[0], target=target, opt_level=opt_level,
+                       auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    report = bisect_file(model, inputs, options, reference)
+    click.echo(str(report))
+    if report.diverges:
+        sys.exit(1)
+
+
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @_friendly
 def hlo(model):
-    """Print the StableHLO module the frontend makes of a saved ExportedProgram."""
+    """Print the StableHLO module the frontend makes of a saved ExportedProgram (or of a StableHLO file)."""
     from neuronc.frontend.exported import exported_stablehlo, load_exported_program
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file, program_text, read_program
 
+    if is_stablehlo_file(model):
+        click.echo(program_text(read_program(model)))
+        return
     click.echo(exported_stablehlo(load_exported_program(model)))
 
 

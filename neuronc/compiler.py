@@ -180,3 +180,27 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) 
     compiled.output_layout = layout
     debug_dir.keep(compiled, gm.code)
     return compiled
+
+
+def compile_stablehlo(program, options: CompileOptions | None = None) -> Compiled:
+    """Compile a StableHLO program: a `.mlir`/`.mlirbc` file or jax.export artifact (its path), or a
+    frontend.stablehlo_program.StableHLOProgram (a JAX function's, from neuronc.jax). Every argument of
+    its func @main is a NEFF input."""
+    from neuronc.frontend.stablehlo_program import import_program, read_program
+
+    options = options or CompileOptions()
+    t = time.perf_counter()
+    if isinstance(program, (str, os.PathLike)):
+        program = read_program(program)
+    with collector_paused():
+        imported = import_program(program, options.name)
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    debug_dir.keep(compiled)
+    return compiled
+
+
+def compile_file(path, options: CompileOptions | None = None) -> Compiled:
+    """`neuronc compile`: a saved ExportedProgram (.pt2), or StableHLO (.mlir, .mlirbc, a jax.export artifact)."""
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file
+
+    return compile_stablehlo(path, options) if is_stablehlo_file(path) else compile_exported(path, options)

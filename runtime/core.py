@@ -560,6 +560,29 @@ class LoadedProgram:
             for out, view in zip(outputs, plan.outputs):
                 out[...] = view
 
+    def run_observed(self, inputs: list, observe) -> RunResult:
+        """`run`, calling ``observe(kernel, hbm)`` as soon as the last instruction of each kernel has completed
+        (a kernel's number, the program's HBM as bytes): a debugger reads a kernel's output tensor there,
+        before any later kernel can reuse its memory (`neuronc bisect`). Slower than `run`."""
+        self._check_loaded()
+        plan = self._plan
+        last_call = {owner.instr.kernel: position for position, owner in enumerate(plan.owners)}
+        ends = {position: kernel for kernel, position in last_call.items()}
+        hbm = self.memory.arrays[Space.HBM]
+        self._write_inputs(inputs, plan.inputs)
+        for region in plan.resets:
+            region.fill(UNINITIALISED)
+        with quiet_numerics():
+            for position, call in enumerate(plan.calls):
+                try:
+                    call()
+                except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
+                    owner = plan.owners[position]
+                    raise self._error(owner.instr, owner.index, f"failed: {e}") from e
+                if position in ends:
+                    observe(ends[position], hbm)
+        return RunResult([view.copy() for view in plan.outputs], self.time())
+
     def _execute(self, plan: _Plan) -> None:
         for region in plan.resets:
             region.fill(UNINITIALISED)

@@ -21,19 +21,6 @@ from tests.conftest import line_of
 from tests.test_frontend import Unsupported
 
 
-@pytest.fixture
-def cli():
-    runner = CliRunner()
-
-    def invoke(*args):
-        result = runner.invoke(main, [str(a) for a in args])
-        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-        assert "Traceback" not in result.output
-        return result
-
-    return invoke
-
-
 @pytest.fixture(scope="module")
 def mlp_neff(tmp_path_factory):
     """A compiled MLP: (neff path, input array)."""

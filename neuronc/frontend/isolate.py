@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
 from neuronc.errors import FrontendCrashError, NeuronConfigError, NeuronError
 
@@ -31,7 +32,11 @@ def run_isolated(fn, *args, what: str = "the torch-mlir import"):
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # JAX warns at every fork of a process it runs threads in: a child that used JAX could deadlock on a
+        # lock one of them held. The child here runs only torch-mlir and neuronc's importer, never JAX.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        pid = os.fork()
     if pid == 0:  # child
         os.close(read_fd)
         _silence_native_diagnostics()
