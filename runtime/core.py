@@ -54,6 +54,7 @@ from neuronc.errors import InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
+from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
@@ -114,7 +115,8 @@ def _stream_name(stream: tuple) -> str:
 
 def _operand_text(ap: AccessPattern) -> str:
     where = f"@{ap.offset}" if ap.space == Space.HBM else f"@p{ap.partition}+{ap.offset}"
-    return f"{ap.space.name} {ap.dtype.name}{list(ap.shape)}{where}"
+    shape = list(ap.shape) if len(ap.dims) <= 8 else f"[{', '.join(map(str, ap.shape[:4]))}, ... ({len(ap.dims)} dims)]"
+    return f"{ap.space.name} {ap.dtype.name}{shape}{where}"
 
 
 def _reads(instr: Instruction) -> tuple:
@@ -228,8 +230,9 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
+        tensors = TensorIndex(neff.tensors)
         self._instrs = [
-            [self._prepare(key, index, instr, number) for index, instr in enumerate(neff.streams.get(key, []))]
+            [self._prepare(key, index, instr, number, tensors) for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
         self._order, self._events = self._schedule()
@@ -240,12 +243,8 @@ class LoadedProgram:
     # -- loading ----------------------------------------------------------------------------------
 
     def _check_tensors(self) -> None:
+        check_tensor_table(self.neff)
         for t in self.neff.tensors:
-            if t.offset < 0 or t.offset + t.nbytes > self.neff.hbm_size:
-                raise NeuronRuntimeError(
-                    f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
-                    f"outside the program's {self.neff.hbm_size} bytes"
-                )
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT) and (
                     t.data is None or t.data.shape != tuple(t.shape) or t.data.dtype != t.dtype.numpy):
                 got = "no data" if t.data is None else f"{t.data.dtype}{list(t.data.shape)}"
@@ -253,13 +252,16 @@ class LoadedProgram:
                     f"{t.kind.name.lower()} {t.name!r} should hold {t.dtype.name}{list(t.shape)}, has {got}"
                 )
 
-    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict) -> _Instr:
+    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex) -> _Instr:
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
             check(instr, self.core.target)
-            for ap in instr.operands:
+            written = len(instr.writes)
+            for position, ap in enumerate(instr.operands):
                 check_bounds(ap, self._shapes[ap.space])
+                if ap.space == Space.HBM:
+                    check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
@@ -354,6 +356,19 @@ class LoadedProgram:
                 self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
+        self._check_outputs_written(writers[Space.HBM])
+
+    def _check_outputs_written(self, writers: Cells) -> None:
+        """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
+        g = writers.granule
+        for t in self.neff.outputs():
+            unwritten = np.flatnonzero(writers.table[t.offset // g:(t.offset + t.nbytes) // g] == 1)
+            if unwritten.size:
+                byte = int(unwritten[0]) * g
+                raise NeuronRuntimeError(
+                    f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
+                    f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
+                    hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
                      by_id: list, unordered, read_regions: dict) -> None:
