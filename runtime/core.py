@@ -119,6 +119,16 @@ def _operand_text(ap: AccessPattern) -> str:
     return f"{ap.space.name} {ap.dtype.name}{shape}{where}"
 
 
+def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> None:
+    """Refuse a stride that reaches further than the memory the operand is in, even on a dim of one element
+    (where it moves nothing, but is still an address the emulator's numpy views must hold)."""
+    limit = memory_shape[-1]  # bytes of HBM, or of each partition on chip
+    for stride, _ in ap.dims if ap.space == Space.HBM else ap.dims[1:]:
+        if abs(stride) * ap.dtype.itemsize > limit:
+            raise NeuronRuntimeError(f"operand {position} has a stride of {stride} elements of {ap.dtype.name}, "
+                                     f"further than its {ap.space.name}'s {limit} bytes")
+
+
 def _reads(instr: Instruction) -> tuple:
     """Positions of the operands an instruction reads (Instruction.reads)."""
     return tuple(range(len(instr.operands) - len(instr.reads), len(instr.operands)))
@@ -259,6 +269,7 @@ class LoadedProgram:
             check(instr, self.core.target)
             written = len(instr.writes)
             for position, ap in enumerate(instr.operands):
+                _check_strides(ap, position, self._shapes[ap.space])
                 check_bounds(ap, self._shapes[ap.space])
                 if ap.space == Space.HBM:
                     check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
@@ -315,6 +326,9 @@ class LoadedProgram:
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
+            else:  # as far as the operands and the outputs reach, not the program's declared size
+                shape = (max([extent(ap)[3] for ap in aps] + [t.offset + t.nbytes for t in self.neff.outputs()],
+                             default=1),)
             g = granule(aps, bounds)
             writers[space], probes[space] = Cells(shape, g, dtype), Cells(shape, g, bool)
             for t in volatile if space == Space.HBM else ():

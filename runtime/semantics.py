@@ -307,9 +307,11 @@ def _rng(instr, dst, state):
     first, stride = offset + int(instr.imm0), int(instr.imm1)
     if stride == free or partitions == 1:  # the tile's elements are consecutive numbers of the stream
         words = philox_words(seed, first, partitions * free).reshape(partitions, free)
-    else:
+    elif (partitions - 1) * stride + free <= 4 * partitions * free:  # close together: draw the span, pick
         numbers = np.arange(partitions)[:, None] * stride + np.arange(free)
-        words = philox_words(seed, first, int(numbers.max()) + 1)[numbers]
+        words = philox_words(seed, first, (partitions - 1) * stride + free)[numbers]
+    else:  # far apart: each partition's own words (drawing the span between them could take gigabytes)
+        words = np.stack([philox_words(seed, first + p * stride, free) for p in range(partitions)])
     bits = _uniform_bits(dst.dtype if dst.dtype in _FLOATS else np.dtype(F32))
     exact = F32 if bits <= 24 else np.float64  # k-bit integers times 2**-k are exact in either
     return ((words >> np.uint64(64 - bits)).astype(exact) * exact(2.0 ** -bits)).reshape(dst.shape)
@@ -751,8 +753,8 @@ def _rng_shapes(instr: Instruction, target: Target):
     if state.dtype != DType.I64 or state.shape != (1, 2) or state.space != Space.SBUF:
         _fail(f"RNG state must be an I64 [1, 2] tile (seed, offset) in SBUF, got {state.dtype.name}"
               f"{list(state.shape)} in {state.space.name}")
-    if not all(math.isfinite(imm) and imm >= 0 and imm == int(imm) for imm in (instr.imm0, instr.imm1)):
-        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole and not negative")
+    if not all(math.isfinite(imm) and 0 <= imm < 2**63 and imm == int(imm) for imm in (instr.imm0, instr.imm1)):
+        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole, not negative and below 2**63")
 
 
 SHAPE_RULES = {

@@ -5,9 +5,9 @@ sense. A file changed and re-hashed (a buggy writer, or a hostile file) passes e
 runtime checks these at load and refuses a program that breaks one with a NeuronRuntimeError, before it
 allocates or computes anything:
 
-* the tensor table: inputs and outputs each numbered 0..n-1 once, with names of their own; entries inside
-  the program's HBM; and an input, output, weight or constant holds bytes of its own (only scratch entries
-  share bytes: the memory planner reuses scratch space by liveness);
+* the tensor table: inputs and outputs each numbered 0..n-1 once, with names of their own; entries of at
+  most MAX_TENSOR_DIMS dims, inside the program's HBM; and an input, output, weight or constant holds bytes
+  of its own (only scratch entries share bytes: the memory planner reuses scratch space by liveness);
 * every HBM operand lies inside one tensor entry (``covering_entry``): the program touches no HBM byte
   that the table does not describe. This is what lets the runtime give host memory only to tensor
   entries, and it is what the compiler's programs do (each HBM access pattern is a view of one tensor);
@@ -27,7 +27,7 @@ import itertools
 
 from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import AccessPattern, Space
-from neuronc.neff.program import TensorKind
+from neuronc.neff.program import MAX_TENSOR_DIMS, TensorKind
 
 # Entries whose bytes may be written by instructions; the others are filled by the host.
 WRITABLE = frozenset({TensorKind.OUTPUT, TensorKind.SCRATCH})
@@ -98,6 +98,9 @@ def check_tensor_table(neff) -> None:
     if neff.hbm_size < 0:
         raise NeuronRuntimeError(f"program {neff.name!r} declares {neff.hbm_size} bytes of HBM")
     for t in neff.tensors:
+        if len(t.shape) > MAX_TENSOR_DIMS or any(size < 0 for size in t.shape):
+            raise NeuronRuntimeError(f"tensor {t.name!r} has the shape {tuple(t.shape)}: a tensor has at most "
+                                     f"{MAX_TENSOR_DIMS} dimensions, none negative")
         if t.offset < 0 or t.offset + t.nbytes > neff.hbm_size:
             raise NeuronRuntimeError(
                 f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
