@@ -11,16 +11,15 @@ import dataclasses
 import gc
 import logging
 import os
-import re
 import time
 
 from neuronc import debug_dir, ir
-from neuronc.cc_flags import cc_flags, flag_value
+from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
-from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.memory_plan import check_capacity, plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
 
@@ -56,18 +55,9 @@ class CompileOptions:
 
 
 def flags_from_env() -> dict:
-    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`),
-    the real toolchain's convention; the last of repeated flags wins, as in neuronx-cc."""
-    flags = cc_flags()
-    options: dict = {}
-    for flag in flags:
-        if re.fullmatch(r"-O[0-3]", flag):
-            options["opt_level"] = int(flag[2])
-    for flag, option in (("target", "target"), ("auto-cast", "auto_cast"), ("auto-cast-type", "auto_cast_type")):
-        value = flag_value(flags, flag)
-        if value is not None:
-            options[option] = value
-    return options
+    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`), the
+    real toolchain's convention; an unknown flag or a bad value is refused (see neuronc/cc_flags.py)."""
+    return compile_flags()
 
 
 @dataclasses.dataclass
@@ -127,8 +117,8 @@ def compile_imported(imported, options: CompileOptions, timings: dict) -> Compil
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
     if key is not None:
         start = time.perf_counter()
-        cache.put(key, compiled.neff)
-        compiled.cache_entry = (cache, key)
+        if cache.put(key, compiled.neff) is not None:
+            compiled.cache_entry = (cache, key)
         compiled.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
     return compiled
 
@@ -141,6 +131,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
+    check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
     neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)

@@ -57,7 +57,7 @@ from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
+from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip, allocate_hbm,
                             check_bounds, extent, granule, overlaps)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
@@ -186,11 +186,16 @@ class NeuronCore:
     faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
     in the outputs, and races run as the timing has them."""
 
-    def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True):
+    def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True,
+                 on_chip: OnChip | None = None):
         self.target = target if isinstance(target, Target) else get_target(target)
         self.check_uninitialised = check_uninitialised
         self.hbm = HbmAllocator(self.target)
-        self.sbuf, self.psum = allocate_on_chip(self.target)
+        if on_chip is not None and on_chip.target != self.target:
+            raise NeuronRuntimeError(f"a {self.target.name} NeuronCore cannot share the SBUF and PSUM of a "
+                                     f"{on_chip.target.name} one")
+        self.on_chip = on_chip or OnChip(self.target)  # shared with other cores when given: runs take turns
+        self.sbuf, self.psum = self.on_chip.sbuf, self.on_chip.psum
 
     def load(self, neff, *, checked_by: str | None = None) -> "LoadedProgram":
         """Load a :class:`Neff` (or the path of a NEFF file) into this core.
@@ -228,6 +233,7 @@ class LoadedProgram:
         self._trusted = trusted
         self._shapes = {Space.HBM: (neff.hbm_size,), Space.SBUF: core.sbuf.shape, Space.PSUM: core.psum.shape}
         self._check_tensors()
+        self._layout = HbmLayout(neff.tensors)  # host memory for the tensors' bytes only
         self._input_entries = neff.inputs()
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff))  # frees also when dropped
         try:
@@ -273,6 +279,7 @@ class LoadedProgram:
                 check_bounds(ap, self._shapes[ap.space])
                 if ap.space == Space.HBM:
                     check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
+                    self._layout.check(ap)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
@@ -326,13 +333,11 @@ class LoadedProgram:
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
-            else:  # as far as the operands and the outputs reach, not the program's declared size
-                shape = (max([extent(ap)[3] for ap in aps] + [t.offset + t.nbytes for t in self.neff.outputs()],
-                             default=1),)
-            g = granule(aps, bounds)
-            writers[space], probes[space] = Cells(shape, g, dtype), Cells(shape, g, bool)
+            g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
+            writers[space], probes[space] = Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
             for t in volatile if space == Space.HBM else ():
-                writers[space].table[t.offset // g:(t.offset + t.nbytes) // g] = 1
+                if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
+                    writers[space].span(t.offset, t.nbytes)[...] = 1
 
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
@@ -376,8 +381,8 @@ class LoadedProgram:
         """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
         g = writers.granule
         for t in self.neff.outputs():
-            unwritten = np.flatnonzero(writers.table[t.offset // g:(t.offset + t.nbytes) // g] == 1)
-            if unwritten.size:
+            unwritten = np.flatnonzero(writers.span(t.offset, t.nbytes) == 1) if t.nbytes else ()
+            if len(unwritten):
                 byte = int(unwritten[0]) * g
                 raise NeuronRuntimeError(
                     f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
@@ -442,7 +447,7 @@ class LoadedProgram:
                    f"instruction started at {self._times(i)[0]:.0f} ns")
         hint = "a missing semaphore wait or a tile read before it is loaded"
         partition, byte = cells.locate(ap, tuple(int(x) for x in np.argwhere(unwritten)[0]))
-        probe = Cells(self._shapes[ap.space], cells.granule, bool)
+        probe = Cells(self._shapes[ap.space], cells.granule, bool, cells.layout)
         for phase, s, k in self._order[position:]:
             writer = self._instrs[s][k]
             written = [dst for dst in writer.instr.writes if dst.space == ap.space]
@@ -490,15 +495,11 @@ class LoadedProgram:
     @functools.cached_property
     def memory(self) -> Memory:
         """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
-        hbm = allocate_hbm(self.neff.hbm_size)
+        memory = Memory(allocate_hbm(self._layout, self.neff.name), self.core.sbuf, self.core.psum, self._layout)
         for t in self.neff.tensors:
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT):
-                self._tensor_view(hbm, t)[...] = t.data
-        return Memory(hbm, self.core.sbuf, self.core.psum)
-
-    @staticmethod
-    def _tensor_view(hbm: np.ndarray, t) -> np.ndarray:
-        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=hbm, offset=t.offset)
+                memory.tensor(t)[...] = t.data
+        return memory
 
     @functools.cached_property
     def _plan(self) -> _Plan:
@@ -536,15 +537,14 @@ class LoadedProgram:
                 steps = [functools.partial(_write, tuple(map(memory.view, i.instr.writes)), values.pop(i.key))]
             calls += steps
             owners += [i] * len(steps)
-        hbm = memory.arrays[Space.HBM]
-        return _Plan(calls, owners, [self._tensor_view(hbm, t) for t in self.neff.inputs()],
-                     [self._tensor_view(hbm, t) for t in self.neff.outputs()],
-                     [] if self.access_checked else self._used_memory(hbm))
+        return _Plan(calls, owners, [memory.tensor(t) for t in self.neff.inputs()],
+                     [memory.tensor(t) for t in self.neff.outputs()],
+                     [] if self.access_checked else self._used_memory(memory))
 
-    def _used_memory(self, hbm: np.ndarray) -> list:
+    def _used_memory(self, memory: Memory) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
         HBM, and the box of SBUF and PSUM that the program's operands cover."""
-        regions = [hbm[t.offset:t.offset + t.nbytes] for t in self.neff.tensors
+        regions = [memory.tensor_bytes(t) for t in self.neff.tensors
                    if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
         for space, memory in ((Space.SBUF, self.core.sbuf), (Space.PSUM, self.core.psum)):
             boxes = [extent(ap) for stream in self._instrs for i in stream for ap in i.instr.operands
@@ -560,9 +560,11 @@ class LoadedProgram:
         """Execute the program on ``inputs``; returns copies of the outputs and the timeline."""
         self._check_loaded()
         plan = self._plan
-        self._write_inputs(inputs, plan.inputs)
-        self._execute(plan)
-        return RunResult([view.copy() for view in plan.outputs], self.time())
+        with self.core.on_chip.lock:
+            self._write_inputs(inputs, plan.inputs)
+            self._execute(plan)
+            outputs = [view.copy() for view in plan.outputs]
+        return RunResult(outputs, self.time())
 
     def run_into(self, inputs: list, outputs: list) -> None:
         """Execute the program reading ``inputs`` and writing ``outputs`` in place: the host's own arrays
@@ -577,11 +579,12 @@ class LoadedProgram:
         tensors an eager op usually has."""
         self._check_loaded()
         plan = self._plan
-        for view, x in zip(plan.inputs, inputs):
-            view[...] = x
-        self._execute(plan)
-        for out, view in zip(outputs, plan.outputs):
-            out[...] = view
+        with self.core.on_chip.lock:
+            for view, x in zip(plan.inputs, inputs):
+                view[...] = x
+            self._execute(plan)
+            for out, view in zip(outputs, plan.outputs):
+                out[...] = view
 
     def _execute(self, plan: _Plan) -> None:
         for region in plan.resets:

@@ -1082,3 +1082,15 @@ def test_the_fuzzers_judgement_catches_a_runtime_that_runs_a_program_reading_mem
     judged = fuzz_neff.judge(base, "program", "bias entry removed", no_bias)
     assert judged["outcome"] == "ran"
     assert judged["finding"] == "outputs depend on the contents of memory nothing wrote"
+
+
+def test_an_empty_output_at_an_address_of_its_own_loads_and_runs(mlp_program):
+    def add_empty_output(neff):
+        out = _entry(neff, "output0")
+        neff.tensors.append(dataclasses.replace(out, name="empty", shape=(0,), offset=neff.hbm_size + 64, index=1))
+        neff.hbm_size += 128
+
+    data, inputs, outputs = mlp_program
+    got = _load(_rehashed(data, add_empty_output)).run(inputs).outputs  # was a TypeError in the access check
+    assert [o.shape for o in got] == [outputs[0].shape, (0,)]
+    assert got[0].tobytes() == outputs[0].tobytes()

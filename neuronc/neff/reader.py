@@ -110,6 +110,7 @@ def _decode_checked(data: bytes) -> Neff:
         format_major=header.format_major,
         format_minor=header.format_minor,
         content_hash=header.content_hash,
+        cache_key=header.cache_key or "",
     )
     operands = {}  # id of a record -> its AccessPattern: operands that share a table share the object
     for stream in program.streams:

@@ -5,7 +5,8 @@
 * `fold_constants`: evaluate every node whose inputs are all constants (numpy), keeping splats
   (one value broadcast to a shape) as 0-d arrays.
 * `simplify`: drop no-op converts, reshapes, transposes and broadcasts, and identities (x + 0,
-  x * 1, x / 1); merge reshape chains.
+  x * 1, x / 1); merge reshape chains; slice before broadcasting (a slice of a broadcast is the
+  broadcast of a slice, and never materialises the large tensor).
 * `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
   as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
   exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
@@ -199,6 +200,8 @@ def simplify(graph: ir.Graph) -> ir.Graph:
             return ir.node(Op.RESHAPE, x.inputs, node.shape, node.dtype, node.loc)
         if op is Op.GATHER_ROWS:
             return _gather_as_slice(node, *inputs)
+        if op is Op.SLICE and x.op is Op.BROADCAST_IN_DIM:
+            return _slice_before_broadcast(node, x)
         if op is Op.CONSTANT and node.attrs["value"].ndim != 0 and node.size > 1:
             value = node.attrs["value"]
             flat = value.reshape(-1)
@@ -207,6 +210,23 @@ def simplify(graph: ir.Graph) -> ir.Graph:
         return None
 
     return graph.rewrite(simple)
+
+
+def _slice_before_broadcast(node, broadcast) -> ir.Node:
+    """slice(broadcast_in_dim(x)) as broadcast_in_dim(slice(x)): x's broadcast dims are read at [0:1]."""
+    x, dims = broadcast.inputs[0], broadcast.attrs["dims"]
+    start, limit, strides = [], [], []
+    for i, d in enumerate(dims):
+        if x.shape[i] == 1:
+            start, limit, strides = start + [0], limit + [1], strides + [1]
+        else:
+            start, limit = start + [node.attrs["start"][d]], limit + [node.attrs["limit"][d]]
+            strides.append(node.attrs["strides"][d])
+    shape = tuple(1 if x.shape[i] == 1 else node.shape[d] for i, d in enumerate(dims))
+    if shape != x.shape:
+        x = ir.node(Op.SLICE, [x], shape, x.dtype, node.loc, start=tuple(start), limit=tuple(limit),
+                    strides=tuple(strides))
+    return ir.node(Op.BROADCAST_IN_DIM, [x], node.shape, node.dtype, node.loc, dims=tuple(dims))
 
 
 # erf, recognised ------------------------------------------------------------------------------
