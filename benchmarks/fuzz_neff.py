@@ -11,7 +11,8 @@ it in one way, chosen by its mutation class:
                  entry (a table's size, a field's place), an offset to a table, vector or string, a vector
                  or string length, an enum, a bool or another scalar (dims, offsets, counts, indices,
                  immediates) set to an edge value
-  header         a header field (HBM size, target, format version, name, estimate) changed, its hash fixed
+  header         a header field (HBM size, target, format version, name, estimate, cache key) changed, and
+                 the header's hash recomputed
   program        a change to the decoded program, re-encoded (and so re-hashed) by the writer: an operand's
                  dims, strides, offset, partition, dtype or space; an instruction's opcode, engine, queue,
                  ALU ops, activation, immediates, flags, waits, kernel or debug index; instructions dropped,
@@ -337,16 +338,16 @@ def _make_fields(rng, base):
 
 def _make_header(rng, base):
     neff = dataclasses.replace(base.neff)
-    field = rng.choice(["hbm_size", "hbm_size", "target", "format_minor", "name", "estimated_ns"])
+    field = rng.choice(["hbm_size", "hbm_size", "target", "format_minor", "name", "estimated_ns", "cache_key"])
     if field == "hbm_size":
         value = rng.choice([0, -1, -2**63, base.neff.hbm_size - 1, base.neff.hbm_size // 2, base.neff.hbm_size + 1,
-                            base.neff.hbm_size * 2, 2**31, 2**40, 2**63 - 1])
+                            base.neff.hbm_size * 2, 2**31, 2**33, 2**40, 2**63 - 1])
     elif field == "target":
         value = rng.choice(["trn1", "trn3", "", "trn9", "TRN2", "trn2\x00", "ünï"])
     elif field == "format_minor":
         value = rng.choice([0, 65535, base.neff.format_minor + 1])
-    elif field == "name":
-        value = rng.choice(["", "x" * 10000, "ünïcode\u202e", "a\x00b"])
+    elif field in ("name", "cache_key"):
+        value = rng.choice(["", "x" * 10000, "ünïcode\u202e", "a\x00b", "0" * 64])
     else:
         value = rng.choice([math.nan, math.inf, -1.0, 0.0])
     setattr(neff, field, value)
@@ -538,7 +539,7 @@ def _mutate_tensors(rng, neff) -> str:
     k = rng.randrange(len(tensors))
     t = tensors[k]
     how = rng.choice(["remove", "remove", "remove-kind", "offset", "shape", "dtype", "kind", "index", "name",
-                      "duplicate", "data", "data-nan", "hbm_size"])
+                      "duplicate", "data", "data-nan", "hbm_size", "grow"])
     if how == "remove":
         del tensors[k]
     elif how == "remove-kind":
@@ -567,6 +568,11 @@ def _mutate_tensors(rng, neff) -> str:
         tensors[k] = dataclasses.replace(t, name=rng.choice([x.name for x in tensors] + ["", "ünï"]))
     elif how == "duplicate":
         tensors.insert(rng.randrange(len(tensors) + 1), t)
+    elif how == "grow":  # to gigabytes, within the target's HBM: what host memory can the runtime be made to take?
+        nbytes = rng.choice([2**30, 2**33])
+        tensors[k] = dataclasses.replace(t, shape=(nbytes // t.dtype.itemsize,), data=None)
+        neff.hbm_size = max(neff.hbm_size, t.offset + nbytes)
+        how = f"grown to {nbytes} bytes"
     elif how in ("data", "data-nan") and t.data is not None:
         values = np.random.default_rng(rng.randrange(2**32)).standard_normal(t.data.shape)
         data = np.full(t.data.shape, np.nan) if how == "data-nan" else values * 10

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import operator
 import os
 import threading
@@ -50,15 +51,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc.errors import InputMismatchError, NeuronRuntimeError
+from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
+from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip, allocate_hbm,
-                            check_bounds, extent, granule, overlaps)
+from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
+                            allocate_hbm, check_bounds, extent, granule, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -334,7 +336,7 @@ class LoadedProgram:
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
             g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
-            writers[space], probes[space] = Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -388,6 +390,23 @@ class LoadedProgram:
                     f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
+
+    def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
+        """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
+        entry per granule of the program's tensors in HBM (as its HBM is), of the box its operands use on chip."""
+        size, cell = (shape[-1], g) if layout is None else (layout.size, math.gcd(g, HOST_ALIGNMENT))  # as Cells
+        need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
+        try:
+            if need > budget:
+                raise MemoryError
+            return Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+        except MemoryError:
+            limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
+            raise DeviceOutOfMemoryError(
+                f"checking the memory accesses of {self.neff.name!r} needs {need} bytes ({size_text(need)}) of host "
+                f"memory, more than the host {limit}",
+                hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
+                "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
                      by_id: list, unordered, read_regions: dict) -> None:

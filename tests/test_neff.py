@@ -925,14 +925,14 @@ def test_a_program_reading_hbm_that_its_bias_entry_no_longer_covers_is_refused(m
         _load(data)
     message = str(raised.value)
     assert re.search(r"DMA_COPY #\d+ on DMA queue \d+ \(kernel \w+\) \[.*\]: operand 1 addresses HBM bytes "
-                     r"\[\d+, \d+\), which no tensor entry of the program holds", message), message
+                     r"\[\d+, \d+\), which no tensor of the program holds", message), message
     assert "hint:" in message
 
 
 def test_a_program_without_its_output_entry_is_refused(mlp_program):
     data = _rehashed(mlp_program[0], lambda neff: neff.tensors.remove(_entry(neff, "output0")))
     with pytest.raises(NeuronRuntimeError, match=r"DMA_COPY #\d+ .*: operand 0 addresses HBM bytes .* which no "
-                                                 r"tensor entry of the program holds"):  # used to run, returning []
+                                                 r"tensor of the program holds"):  # used to run, returning []
         _load(data)
 
 
@@ -1069,17 +1069,17 @@ def test_fuzzed_neffs_end_in_a_documented_error_or_a_correct_run(fuzz_corpus):
         assert outcomes[outcome] > 50, outcomes
 
 
-def test_the_fuzzers_judgement_catches_a_runtime_that_runs_a_program_reading_memory_nothing_wrote(
+def test_the_fuzzers_judgement_catches_a_runtime_that_runs_a_program_returning_memory_nothing_wrote(
         mlp_program, monkeypatch):
-    import runtime.core
     from benchmarks import fuzz_neff
+    from runtime.core import LoadedProgram
 
     data, inputs, outputs = mlp_program
     base = fuzz_neff.Base("mlp", data, decode(data), inputs, outputs)
-    no_bias = _rehashed(data, lambda neff: neff.tensors.remove(_entry(neff, "fc1.bias")))
-    assert fuzz_neff.judge(base, "program", "bias entry removed", no_bias)["finding"] is None  # refused: correct
-    monkeypatch.setattr(runtime.core, "check_hbm_operand", lambda *args: None)  # a runtime without the rule
-    judged = fuzz_neff.judge(base, "program", "bias entry removed", no_bias)
+    no_store = _rehashed(data, _drop_output_stores)
+    assert fuzz_neff.judge(base, "program", "output stores dropped", no_store)["finding"] is None  # refused
+    monkeypatch.setattr(LoadedProgram, "_check_outputs_written", lambda *args: None)  # a runtime without the rule
+    judged = fuzz_neff.judge(base, "program", "output stores dropped", no_store)
     assert judged["outcome"] == "ran"
     assert judged["finding"] == "outputs depend on the contents of memory nothing wrote"
 
@@ -1094,3 +1094,20 @@ def test_an_empty_output_at_an_address_of_its_own_loads_and_runs(mlp_program):
     got = _load(_rehashed(data, add_empty_output)).run(inputs).outputs  # was a TypeError in the access check
     assert [o.shape for o in got] == [outputs[0].shape, (0,)]
     assert got[0].tobytes() == outputs[0].tobytes()
+
+
+def test_a_tensor_grown_to_gigabytes_is_refused_within_the_host_budget_not_with_a_memory_error(mlp_program,
+                                                                                               monkeypatch):
+    def grow_scratch(neff):
+        k = max(i for i, t in enumerate(neff.tensors) if t.kind == TensorKind.SCRATCH)
+        t = neff.tensors[k]
+        neff.tensors[k] = dataclasses.replace(t, shape=(2**31 // 4,))  # 2 GiB, inside trn2's HBM
+        neff.hbm_size = t.offset + 2**31
+
+    monkeypatch.setenv("NEURONC_HOST_MEMORY_BUDGET", "1G")
+    from neuronc.errors import DeviceOutOfMemoryError
+
+    with pytest.raises(DeviceOutOfMemoryError, match=r"checking the memory accesses of 'mlp' needs \d+ bytes "
+                                                     r"\(1\.5 GiB\) of host memory, more than the host budget of "
+                                                     r"1073741824 bytes"):
+        _load(_rehashed(mlp_program[0], grow_scratch))

@@ -81,7 +81,7 @@ def check_hbm_operand(index: TensorIndex, ap: AccessPattern, written: bool, hbm_
     entry = index.covering(lo, hi)
     if entry is None:
         raise NeuronRuntimeError(
-            f"{what} addresses HBM bytes [{lo}, {hi}), which no tensor entry of the program holds "
+            f"{what} addresses HBM bytes [{lo}, {hi}), which no tensor of the program holds "
             f"(of its {hbm_size} bytes of HBM, a program may touch only the tensors its table lists)",
             hint="the NEFF's tensor table and its instructions disagree: the file was damaged or changed; "
             "compile the model again")
