@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import operator
 import os
 import threading
@@ -50,14 +51,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc.errors import InputMismatchError, NeuronRuntimeError
+from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
+from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
+from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip, allocate_hbm,
-                            check_bounds, extent, granule, overlaps)
+from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
+                            allocate_hbm, check_bounds, extent, granule, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -114,7 +117,18 @@ def _stream_name(stream: tuple) -> str:
 
 def _operand_text(ap: AccessPattern) -> str:
     where = f"@{ap.offset}" if ap.space == Space.HBM else f"@p{ap.partition}+{ap.offset}"
-    return f"{ap.space.name} {ap.dtype.name}{list(ap.shape)}{where}"
+    shape = list(ap.shape) if len(ap.dims) <= 8 else f"[{', '.join(map(str, ap.shape[:4]))}, ... ({len(ap.dims)} dims)]"
+    return f"{ap.space.name} {ap.dtype.name}{shape}{where}"
+
+
+def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> None:
+    """Refuse a stride that reaches further than the memory the operand is in, even on a dim of one element
+    (where it moves nothing, but is still an address the emulator's numpy views must hold)."""
+    limit = memory_shape[-1]  # bytes of HBM, or of each partition on chip
+    for stride, _ in ap.dims if ap.space == Space.HBM else ap.dims[1:]:
+        if abs(stride) * ap.dtype.itemsize > limit:
+            raise NeuronRuntimeError(f"operand {position} has a stride of {stride} elements of {ap.dtype.name}, "
+                                     f"further than its {ap.space.name}'s {limit} bytes")
 
 
 def _reads(instr: Instruction) -> tuple:
@@ -234,8 +248,9 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
+        tensors = TensorIndex(neff.tensors)
         self._instrs = [
-            [self._prepare(key, index, instr, number) for index, instr in enumerate(neff.streams.get(key, []))]
+            [self._prepare(key, index, instr, number, tensors) for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
         self._order, self._events = self._schedule()
@@ -246,12 +261,8 @@ class LoadedProgram:
     # -- loading ----------------------------------------------------------------------------------
 
     def _check_tensors(self) -> None:
+        check_tensor_table(self.neff)
         for t in self.neff.tensors:
-            if t.offset < 0 or t.offset + t.nbytes > self.neff.hbm_size:
-                raise NeuronRuntimeError(
-                    f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
-                    f"outside the program's {self.neff.hbm_size} bytes"
-                )
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT) and (
                     t.data is None or t.data.shape != tuple(t.shape) or t.data.dtype != t.dtype.numpy):
                 got = "no data" if t.data is None else f"{t.data.dtype}{list(t.data.shape)}"
@@ -259,14 +270,17 @@ class LoadedProgram:
                     f"{t.kind.name.lower()} {t.name!r} should hold {t.dtype.name}{list(t.shape)}, has {got}"
                 )
 
-    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict) -> _Instr:
+    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex) -> _Instr:
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
             check(instr, self.core.target)
-            for ap in instr.operands:
+            written = len(instr.writes)
+            for position, ap in enumerate(instr.operands):
+                _check_strides(ap, position, self._shapes[ap.space])
                 check_bounds(ap, self._shapes[ap.space])
                 if ap.space == Space.HBM:
+                    check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
                     self._layout.check(ap)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
@@ -322,9 +336,10 @@ class LoadedProgram:
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
             g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
-            writers[space], probes[space] = Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
             for t in volatile if space == Space.HBM else ():
-                writers[space].span(t.offset, t.nbytes)[...] = 1
+                if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
+                    writers[space].span(t.offset, t.nbytes)[...] = 1
 
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
@@ -362,6 +377,36 @@ class LoadedProgram:
                 self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
+        self._check_outputs_written(writers[Space.HBM])
+
+    def _check_outputs_written(self, writers: Cells) -> None:
+        """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
+        g = writers.granule
+        for t in self.neff.outputs():
+            unwritten = np.flatnonzero(writers.span(t.offset, t.nbytes) == 1) if t.nbytes else ()
+            if len(unwritten):
+                byte = int(unwritten[0]) * g
+                raise NeuronRuntimeError(
+                    f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
+                    f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
+                    hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
+
+    def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
+        """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
+        entry per granule of the program's tensors in HBM (as its HBM is), of the box its operands use on chip."""
+        size, cell = (shape[-1], g) if layout is None else (layout.size, math.gcd(g, HOST_ALIGNMENT))  # as Cells
+        need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
+        try:
+            if need > budget:
+                raise MemoryError
+            return Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+        except MemoryError:
+            limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
+            raise DeviceOutOfMemoryError(
+                f"checking the memory accesses of {self.neff.name!r} needs {need} bytes ({size_text(need)}) of host "
+                f"memory, more than the host {limit}",
+                hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
+                "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
                      by_id: list, unordered, read_regions: dict) -> None:

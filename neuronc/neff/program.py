@@ -21,6 +21,11 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 6
 
 
+# The most dimensions a tensor entry may have: numpy's limit (an entry's values are a numpy array), which is
+# also PyTorch's.
+MAX_TENSOR_DIMS = 64
+
+
 class TensorKind(enum.IntEnum):
     INPUT = 0
     OUTPUT = 1
@@ -109,6 +114,7 @@ __all__ = [
     "FORMAT_MINOR",
     "Instruction",
     "KernelInfo",
+    "MAX_TENSOR_DIMS",
     "Neff",
     "TensorEntry",
     "TensorKind",
