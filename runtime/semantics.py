@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import MAX_DIMS, ARITY, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import ARITY, MAX_DIMS, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
