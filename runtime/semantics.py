@@ -19,6 +19,7 @@ erf; SIGMOID uses scipy.special.expit in fp32.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Callable
 from functools import partial

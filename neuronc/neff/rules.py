@@ -26,7 +26,7 @@ import bisect
 import itertools
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import AccessPattern, Space
+from neuronc.isa import AccessPattern
 from neuronc.neff.program import MAX_TENSOR_DIMS, TensorKind
 
 # Entries whose bytes may be written by instructions; the others are filled by the host.
