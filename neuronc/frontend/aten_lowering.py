@@ -1549,7 +1549,7 @@ def _index_put(lw, meta, x, indices, values, accumulate=False, unsafe=False):
 
 @rule(aten.topk.default)
 def _topk(lw, meta, x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
-    (shape, dtype), (index_shape, _) = _out(meta[0]), _out(meta[1])
+    shape, dtype = _out(meta[0])
     dim %= max(1, x.dim())
     node = lw.node(x)
     positions = lw.op(Op.TOPK, [node], shape, DType.I32, dimension=dim, k=k, descending=largest)
@@ -1790,7 +1790,6 @@ def _replication_pad_backward(lw, meta, grad, x, padding):
     compute = _opmath(dtype)
     node = lw.node(grad, compute)
     spatial = len(padding) // 2
-    lead = len(shape) - spatial
     for i in range(spatial):
         dim = len(shape) - 1 - i
         before = padding[2 * i]
@@ -2032,7 +2031,7 @@ def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation
 def _weight_gradient(x, grad, weight_shape, stride, padding, dilation, groups):
     """dL/dw of y = conv(x, w) (w: [O, C / groups, k...]): per kernel tap, the strided window of the padded
     input that the tap multiplies, contracted with grad over images and positions, group by group (a bmm)."""
-    n, spatial = x.shape[0], x.dim() - 2
+    n = x.shape[0]
     out_channels, per_group_in, kernel = weight_shape[0], weight_shape[1], weight_shape[2:]
     per_group_out = out_channels // groups
     taps = int(np.prod(kernel))
