@@ -10,6 +10,7 @@ until no rule fires. So a pass that simplifies need not be run twice, nor ordere
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from neuronc import ir
@@ -40,8 +41,8 @@ def rule(*ops: Op, name: str | None = None) -> Callable[[Callable], Rule]:
 
 def rewrite(graph: ir.Graph, rules: Iterable[Rule], ctx: PassContext | None = None) -> ir.Graph:
     """`graph` with `rules` applied until none fires (see the module's docstring)."""
-    rules = list(rules)
-    by_op = {op: [r for r in rules if not r.ops or op in r.ops] for op in Op}
+    rules = tuple(rules)
+    by_op = _rules_by_op(rules)
     for _ in range(MAX_SWEEPS):
         fired: list = []
         graph = _sweep(graph, by_op, fired)
@@ -51,6 +52,12 @@ def rewrite(graph: ir.Graph, rules: Iterable[Rule], ctx: PassContext | None = No
             return graph
     raise NeuronCompileError(f"the rewrite rules {', '.join(r.name for r in rules)} still change the graph after "
                              f"{MAX_SWEEPS} sweeps", hint="a neuronc bug (two rules undo each other): please report it")
+
+
+@functools.lru_cache(maxsize=64)
+def _rules_by_op(rules: tuple) -> dict:
+    """Per op, the rules that may fire on it (made once per rule set: a pass runs on every eager op's graph)."""
+    return {op: [r for r in rules if not r.ops or op in r.ops] for op in Op}
 
 
 def _sweep(graph: ir.Graph, by_op: dict, fired: list) -> ir.Graph:
