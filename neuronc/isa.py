@@ -220,6 +220,20 @@ DESTINATIONS = {
 }
 
 
+class CollectiveOp(enum.IntEnum):
+    """What a collective does (priced by neuronc.collective_cost)."""
+
+    ALL_REDUCE = 0
+    ALL_GATHER = 1
+    REDUCE_SCATTER = 2
+    ALL_TO_ALL = 3
+    BROADCAST = 4
+    REDUCE = 5
+    SEND = 6
+    RECV = 7
+    BARRIER = 8
+
+
 class AluOp(enum.IntEnum):
     NONE = 0
     ADD = 1
