@@ -97,6 +97,21 @@ def collective_ns(op: CollectiveOp, nbytes: int, ranks: int, target: Target) -> 
     raise ValueError(f"no cost for collective {op!r}")
 
 
+def collective_hbm_bytes(op: CollectiveOp, nbytes: int, ranks: int, target: Target) -> int:
+    """The HBM accesses of one rank's core during a collective (what it shares its HBM bandwidth with its DMA
+    queues for): per byte it moves within the chip, 2 (a copy) or 3 (a reduction); per byte it sends or
+    receives over NeuronLink, 1."""
+    if ranks <= 1:
+        return 0
+    per_chip, chips = chip_layout(ranks, target)
+    within, across = nbytes * (per_chip - 1) / per_chip, nbytes * (chips - 1) / chips / per_chip
+    touches = {CollectiveOp.ALL_GATHER: COPY_TOUCHES, CollectiveOp.REDUCE_SCATTER: REDUCE_TOUCHES,
+               CollectiveOp.ALL_REDUCE: COPY_TOUCHES + REDUCE_TOUCHES, CollectiveOp.REDUCE: COPY_TOUCHES + REDUCE_TOUCHES,
+               CollectiveOp.ALL_TO_ALL: COPY_TOUCHES, CollectiveOp.BROADCAST: COPY_TOUCHES}.get(op, 0)
+    passes = 2 if op in (CollectiveOp.ALL_REDUCE, CollectiveOp.REDUCE) else 1
+    return int(touches * within + passes * across)
+
+
 def p2p_ns(nbytes: int, *, same_chip: bool, target: Target) -> float:
     """One message of ``nbytes`` between two ranks: one hop, at a core's on-chip rate or over one NeuronLink."""
     gbps = on_chip_gbps(COPY_TOUCHES, target) if same_chip else target.neuronlink_gbps / 2 / target.neuronlink_links

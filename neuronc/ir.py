@@ -91,6 +91,8 @@ class Op(enum.Enum):
     # a time (softmax, layer-norm...); attrs: body (Steps, REDUCE_LAST among them), rows, cols, views, out_strides
     CONV = enum.auto()  # (x [N, C, H, W], w [O, C, KH, KW], epilogue inputs...) -> [N, O, OH, OW], an implicit-GEMM
     # convolution (passes/conv.py); attrs: strides, padding, dilation, tiling, views, epilogue
+    COLLECTIVE = enum.auto()  # x -> a collective of the ranks of a process group (frontend/collectives.py), one
+    # instruction of the collective engine; attrs: collective (isa.CollectiveOp), reduce (isa.AluOp), ranks, group
     ATTENTION = enum.auto()  # (q, k, v[, mask]) -> softmax(mask(scale * q @ k^T)) @ v, one flash-attention
     # kernel (passes/attention.py); attrs: views, scale, mask, causal_offset, fill, masked_when, zero_masked_rows
 

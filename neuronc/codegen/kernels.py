@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from neuronc import ir
 from neuronc.codegen.attention import attention
+from neuronc.codegen.collective import collective
 from neuronc.codegen.conv import convolution
 from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
@@ -31,6 +32,7 @@ KERNELS.update({
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,
+    Op.COLLECTIVE: collective,
 })
 
 

@@ -40,30 +40,45 @@ class NeffFunction:
         """The NEFF loaded on a core of its own, for CPU tensors."""
         from runtime import NeuronCore
 
-        return _load(self.compiled, NeuronCore(self.options.target))
+        return self._with_transport(_load(self.compiled, NeuronCore(self.options.target)))
+
+    def _with_transport(self, program):
+        """``program``, given the process groups its collective instructions name (if it has any)."""
+        if self.compiled.collective_groups:
+            from neuronc.pytorch.collective_transport import ProcessGroupTransport
+
+            program.transport = ProcessGroupTransport(self.compiled.collective_groups)
+        return program
 
     def __call__(self, *args):
+        given = args
+        if self.compiled.input_mask is not None:  # arguments the program does not take (a device mesh object)
+            args = [a for a, kept in zip(args, self.compiled.input_mask) if kept]
         device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
         if device is not None:
-            return self._run_on_device(device, args)
+            return self._arrange(self._run_on_device(device, args), given)
         from neuronc.frontend.tensors import from_numpy, to_numpy
 
         result = self.program.run([to_numpy(a) for a in args])
         self.last_run = result
-        outputs = [from_numpy(o) for o in result.outputs]
-        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+        return self._arrange([from_numpy(o) for o in result.outputs], given)
+
+    def _arrange(self, outputs: list, args) -> tuple:
+        """The graph's outputs from the program's (output_layout: an index, None, or an argument returned)."""
+        return tuple(None if i is None else args[i[1]] if isinstance(i, tuple) else outputs[i]
+                     for i in self.compiled.output_layout)
 
     def _run_on_device(self, device: int, args) -> tuple:
         from neuronc.pytorch import eager
         from neuronc.pytorch.device_memory import core
 
         if device not in self.on_device:
-            program = _load(self.compiled, core(device))
+            program = self._with_transport(_load(self.compiled, core(device)))
             self.on_device[device] = (program, program.time().estimated_ns)
         program, duration_ns = self.on_device[device]
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
         self.device_launches += 1
-        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+        return outputs
 
 
 def _load(compiled, core):
