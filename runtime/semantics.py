@@ -771,7 +771,9 @@ def _collective_shapes(instr: Instruction, target: Target):
             _fail(f"{name} operand {i} must be dense in HBM (row-major strides), got dims {list(ap.dims)}")
     n, ranks = src.num_elements, int(ranks)
     expected = {Opcode.ALL_GATHER: n * ranks, Opcode.REDUCE_SCATTER: n // ranks}.get(instr.opcode, n)
-    if dst.num_elements != expected or (instr.opcode != Opcode.ALL_GATHER and n % ranks):
+    if instr.opcode in (Opcode.REDUCE_SCATTER, Opcode.ALL_TO_ALL) and n % ranks:
+        _fail(f"{name} cuts its {n} source elements into {ranks} equal blocks, one per rank: they do not divide")
+    if dst.num_elements != expected:
         _fail(f"{name} over {ranks} ranks of {n} source elements gives {expected}, but the destination has "
               f"{dst.num_elements}", hint="the blocks of the ranks are equal slices of the buffer")
     reduces = instr.opcode in (Opcode.ALL_REDUCE, Opcode.REDUCE_SCATTER)

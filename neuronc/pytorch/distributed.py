@@ -26,7 +26,6 @@ a group is made.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from datetime import timedelta
 
@@ -38,6 +37,7 @@ from neuronc.collective_cost import collective_ns, p2p_ns
 from neuronc.errors import CollectiveError, CollectiveMismatchError, NeuronDeviceError
 from neuronc.isa import CollectiveOp
 from neuronc.pytorch import device_memory, queues, shim
+from neuronc.pytorch.collective_streams import collective_streams, occupy
 from neuronc.pytorch.device_memory import host_alias
 from neuronc.targets import get_target
 
@@ -85,41 +85,6 @@ def _hosts(tensors):
 def _reduce_op_name(opts) -> str:
     op = opts.reduceOp
     return str(getattr(op, "op", op)).rpartition(".")[2]
-
-
-# ---- the collective stream of each device ------------------------------------------------------------------
-
-_streams: dict = {}  # device index -> the torch.Stream its collectives run on (the collective engine's)
-
-
-@contextlib.contextmanager
-def _collective_streams(devices: list):
-    """Inside: each device's current stream is its collective stream, which first waits for the stream that
-    was current (the collective's inputs were made there)."""
-    previous = [torch.accelerator.current_stream(i) for i in devices]
-    index = torch.accelerator.current_device_index()
-    for i, current in zip(devices, previous):
-        stream = _streams.get(i)
-        if stream is None:
-            stream = _streams[i] = torch.Stream(device=torch.device("neuron", i))
-        stream.wait_stream(current)
-        torch.accelerator.set_stream(stream)
-    try:
-        yield
-    finally:
-        for stream in previous:
-            torch.accelerator.set_stream(stream)
-        torch.accelerator.set_device_index(index)
-
-
-def _occupy(devices: list, duration_ns: float, what: str) -> None:
-    """Queue ``duration_ns`` of the collective engine's time on each device (inside _collective_streams)."""
-    for i in devices:
-        queues.enqueue(i, duration_ns, _nothing, (), what)
-
-
-def _nothing() -> None:
-    """A collective's launch: its bytes moved when it was called; the launch only holds its time."""
 
 
 # ---- the backend -------------------------------------------------------------------------------------------
@@ -252,8 +217,8 @@ class NeuronCollectives:
             future.set_result(outputs)
             return _create_work_from_future(future)
         future = torch.futures.Future(devices=[torch.device("neuron", i) for i in devices])
-        with _collective_streams(devices):
-            _occupy(devices, collective_ns(op, nbytes, self.size, self.target), f"{what} (rank {self.rank} of "
+        with collective_streams(devices):
+            occupy(devices, collective_ns(op, nbytes, self.size, self.target), f"{what} (rank {self.rank} of "
                     f"{self.size})")
             future.set_result(outputs)
         return _create_work_from_future(future)
@@ -270,8 +235,8 @@ class NeuronCollectives:
         if not devices:
             return work
         ends = []
-        with _collective_streams(devices):
-            _occupy(devices, p2p_ns(_nbytes(tensors), same_chip=self.size <= self.target.cores_per_chip,
+        with collective_streams(devices):
+            occupy(devices, p2p_ns(_nbytes(tensors), same_chip=self.size <= self.target.cores_per_chip,
                                     target=self.target), f"{what} (rank {self.rank})")
             for i in devices:
                 end = torch.Event(device=torch.device("neuron", i))
