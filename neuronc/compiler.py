@@ -12,18 +12,24 @@ import gc
 import hashlib
 import logging
 import os
-import re
 import time
+from typing import TYPE_CHECKING, Iterator
 
 from neuronc import debug_dir, ir
-from neuronc.cc_flags import cc_flags, flag_value
+from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
-from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.context import PassContext
+from neuronc.passes.memory_plan import check_capacity, plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
+
+if TYPE_CHECKING:  # torch is imported only by the frontend, when a program is compiled
+    import torch
+
+    from neuronc.frontend.torch_import import ImportedGraph
 
 log = logging.getLogger("neuronc")
 
@@ -37,7 +43,8 @@ class CompileOptions:
 
     def __post_init__(self):
         get_target(self.target)
-        passes_for(self.opt_level, self.cast)
+        passes_for(self.opt_level)  # an unknown level or auto-cast option is refused here, not mid-compile
+        AutoCast(self.auto_cast, self.auto_cast_type)
 
     @property
     def cast(self) -> AutoCast:
@@ -57,18 +64,9 @@ class CompileOptions:
 
 
 def flags_from_env() -> dict:
-    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`),
-    the real toolchain's convention; the last of repeated flags wins, as in neuronx-cc."""
-    flags = cc_flags()
-    options: dict = {}
-    for flag in flags:
-        if re.fullmatch(r"-O[0-3]", flag):
-            options["opt_level"] = int(flag[2])
-    for flag, option in (("target", "target"), ("auto-cast", "auto_cast"), ("auto-cast-type", "auto_cast_type")):
-        value = flag_value(flags, flag)
-        if value is not None:
-            options[option] = value
-    return options
+    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`), the
+    real toolchain's convention; an unknown flag or a bad value is refused (see neuronc/cc_flags.py)."""
+    return compile_flags()
 
 
 @dataclasses.dataclass
@@ -97,7 +95,7 @@ class Compiled:
 
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused() -> Iterator[None]:
     """CPython's cyclic garbage collector paused for the duration (as it was on exit).
 
     A compilation allocates millions of short-lived objects (IR nodes, access patterns, instructions),
@@ -113,7 +111,7 @@ def collector_paused():
             gc.enable()
 
 
-def compile_imported(imported, options: CompileOptions, timings: dict) -> Compiled:
+def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
     """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
     from neuronc.cache import CompileCache, cache_key
 
@@ -132,8 +130,8 @@ def compile_imported(imported, options: CompileOptions, timings: dict) -> Compil
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
     if key is not None:
         start = time.perf_counter()
-        cache.put(key, compiled.neff)
-        compiled.cache_entry = (cache, key)
+        if cache.put(key, compiled.neff) is not None:
+            compiled.cache_entry = (cache, key)
         compiled.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
     return compiled
 
@@ -142,10 +140,12 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, options.opt_level, target, options.cast, timings)
+    ctx = PassContext(target, options.opt_level, options.cast, verify=options.opt_level == 0 or debug_dir.verifying())
+    graph = run_pipeline(graph, ctx, timings)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
+    check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
     neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
@@ -153,7 +153,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     return Compiled(neff, stablehlo, graph, timings)
 
 
-def compile_exported(program, options: CompileOptions | None = None) -> Compiled:
+def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, options: CompileOptions | None = None) -> Compiled:
     """Compile a torch.export ExportedProgram (or the path of a saved one)."""
     from neuronc.frontend.exported import import_exported_program, load_exported_program
 
@@ -171,7 +171,7 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
     return compiled
 
 
-def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
+def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
     from neuronc.frontend.torch_import import drop_none_outputs, drop_opaque_values, import_fx
@@ -195,3 +195,27 @@ def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
     compiled.collective_groups = collectives.groups
     debug_dir.keep(compiled, gm.code)
     return compiled
+
+
+def compile_stablehlo(program, options: CompileOptions | None = None) -> Compiled:
+    """Compile a StableHLO program: a `.mlir`/`.mlirbc` file or jax.export artifact (its path), or a
+    frontend.stablehlo_program.StableHLOProgram (a JAX function's, from neuronc.jax). Every argument of
+    its func @main is a NEFF input."""
+    from neuronc.frontend.stablehlo_program import import_program, read_program
+
+    options = options or CompileOptions()
+    t = time.perf_counter()
+    if isinstance(program, (str, os.PathLike)):
+        program = read_program(program)
+    with collector_paused():
+        imported = import_program(program, options.name)
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    debug_dir.keep(compiled)
+    return compiled
+
+
+def compile_file(path, options: CompileOptions | None = None) -> Compiled:
+    """`neuronc compile`: a saved ExportedProgram (.pt2), or StableHLO (.mlir, .mlirbc, a jax.export artifact)."""
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file
+
+    return compile_stablehlo(path, options) if is_stablehlo_file(path) else compile_exported(path, options)

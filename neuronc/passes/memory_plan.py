@@ -13,28 +13,14 @@ longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.neff.program import TensorEntry, TensorKind
+from neuronc.plans import MemoryPlan  # noqa: F401 (the plan type, beside the planner)
 
 COOLING = 4  # nodes: a slot freed this recently is not reused, so that a kernel's stores need not wait for
 # the loads of the kernel just before it (the sync pass orders a new tenant's writes after the old one's reads)
 ALIGNMENT = 64  # bytes; keeps every tensor's start aligned for any dtype and for DMA descriptors
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    tensors: list  # TensorEntry, in HBM order
-    placement: dict  # node -> TensorEntry holding the node's bytes (aliases share one)
-    hbm_size: int
-
-    def offset(self, node: ir.Node) -> int:
-        return self.placement[node].offset
-
-    def has_buffer(self, node: ir.Node) -> bool:
-        return node in self.placement
 
 
 def _needs_buffer(node: ir.Node, consumers: dict, outputs) -> bool:
@@ -134,3 +120,21 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     for entry, slot in scratch:
         entry.offset = starts[slot]
     return MemoryPlan(sorted(tensors, key=lambda t: t.offset), placement, cursor)
+
+
+def check_capacity(plan: MemoryPlan, target) -> None:
+    """Refuse a program whose tensors need more HBM than one NeuronCore of ``target`` has, before code is
+    generated for it (and before anything would try to hold its bytes)."""
+    if plan.hbm_size <= target.hbm_bytes:
+        return
+    from neuronc.errors import NeuronCompileError
+
+    gib = 2**30
+    largest = sorted(plan.tensors, key=lambda t: t.nbytes, reverse=True)[:5]
+    raise NeuronCompileError(
+        f"the program needs {plan.hbm_size / gib:.2f} GiB of HBM, but a {target.name} NeuronCore has "
+        f"{target.hbm_bytes / gib:.2f} GiB",
+        problems=[f"{t.kind.name.lower()} {t.name}: {t.dtype.name}{list(t.shape)}, {t.nbytes / gib:.2f} GiB"
+                  for t in largest],
+        hint="use a smaller batch or sequence, cast weights to bf16 (--auto-cast all), or a target with more "
+        "HBM per core")
