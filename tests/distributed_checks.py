@@ -162,8 +162,70 @@ def late_rank(rank: int, world: int, device) -> dict:
         return {"error": _error(e), "seconds": time.monotonic() - start}
 
 
+def _train(model, forward, device, x, steps: int = 2) -> list:
+    """Losses of ``steps`` SGD steps of ``forward`` (the model, wrapped or compiled) on ``x``: the negative
+    log-likelihood of class 0 (gradients of order one, so that the steps move the parameters)."""
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False), []  # DTensor and Tensor parameters
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = -forward(x.to(device))[:, 0].log().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().float().cpu().item())
+    return losses
+
+
+def _params(model) -> list:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().tolist() for p in model.parameters()]
+
+
+def _mlp(device):
+    from tests import zoo
+
+    torch.manual_seed(0)
+    return zoo.MLP().to(device)
+
+
+def compiled(rank: int, world: int, device) -> dict:
+    """DDP, FSDP2 and tensor parallelism under torch.compile(backend="neuron") against the same in eager; for TP,
+    whether the compiled graphs hold collective instructions (the all-reduce of the row-wise layer). Data parallel
+    ranks train on batches of their own, tensor parallel ones on the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from neuronc.isa import Engine
+    from neuronc.pytorch import backend
+
+    mesh, out = init_device_mesh("neuron", (world,)), {}
+    for name in ("ddp", "fsdp2", "tp"):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0 if name == "tp" else 1 + rank))
+        runs = []
+        for compile_it in (False, True):
+            model = _mlp(device)
+            if name == "ddp":
+                forward = torch.nn.parallel.DistributedDataParallel(model)
+            elif name == "fsdp2":
+                for layer in (model.fc1, model.fc2, model.fc3):
+                    fully_shard(layer, mesh=mesh)
+                forward = fully_shard(model, mesh=mesh)
+            else:
+                forward = parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            before = len(backend.compiled_graphs)
+            if compile_it:
+                torch._dynamo.reset()
+                forward = torch.compile(forward, backend="neuron")
+            runs.append({"losses": _train(model, forward, device, x), "params": _params(model),
+                         "graphs": len(backend.compiled_graphs) - before,
+                         "collective_instructions": sum(len(s) for f in backend.compiled_graphs[before:]
+                                                        for (e, _), s in f.compiled.neff.streams.items()
+                                                        if e == Engine.COLLECTIVE)})
+        out[name] = {"eager": runs[0], "compiled": runs[1]}
+    return out
+
+
 TIMEOUT_S = 3
-SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank)}
+SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
 
 
 def main(name: str) -> None:

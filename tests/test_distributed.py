@@ -98,3 +98,19 @@ def test_a_rank_that_comes_after_the_timeout_fails_on_every_rank():
     early, late = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
     for out in (early, late):
         assert out["error"].startswith("CollectiveError") and f"timeout ({TIMEOUT_S} s)" in out["error"]
+
+
+def test_ddp_fsdp2_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager():
+    results = run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
+    for out in results:
+        for name in ("ddp", "fsdp2", "tp"):
+            eager, compiled = out[name]["eager"], out[name]["compiled"]
+            assert compiled["graphs"] >= 2, name  # it was compiled: a forward and a backward graph at least
+            assert eager["losses"][1] < eager["losses"][0], name  # the steps trained
+            torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                                       **TOLERANCES[torch.float32], msg=name)
+            for got, expected in zip(compiled["params"], eager["params"]):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32],
+                                           msg=name)
+        # The row-wise layer's all-reduce runs inside the compiled forward graph, on the collective engine.
+        assert out["tp"]["compiled"]["collective_instructions"] >= 1

@@ -175,6 +175,17 @@ def compile_count() -> int:
     return len(compiled_graphs)
 
 
+@functools.cache
+def _dynamo_skips_neuronc() -> None:
+    """Dynamo must not trace neuronc's own Python (the device's eager kernels, the process group's collectives):
+    PyTorch calls it from C++ while a compiled function runs its eager parts (FSDP2's hooks, DDP's reducer,
+    a graph break), and Dynamo would try to compile it into graphs."""
+    import torch._dynamo.trace_rules as rules
+
+    rules.add("neuronc")
+    rules.add("runtime")
+
+
 def neuron_backend(gm, example_inputs, options: dict | None = None):
     import torch._dynamo.config
     from torch._dynamo.backends.common import aot_autograd
@@ -183,6 +194,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None):
     from neuronc.frontend.torch_import import decomposition_table
 
     compile_options = CompileOptions.from_dict(options)
+    _dynamo_skips_neuronc()
     _refuse_dynamic_shapes(gm)
     torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 

@@ -48,6 +48,7 @@ class ProcessGroupTransport:
                                   f"compiled for {ranks}", hint="recompile for this group")
         return pg
 
+    @torch.compiler.disable  # called by the runtime, maybe while a compiled function runs: never traced
     def collective(self, op: CollectiveOp, group: int, ranks: int, reduce: AluOp, dst: np.ndarray,
                    src: np.ndarray) -> None:
         pg = self._group(group, ranks)

@@ -316,6 +316,15 @@ class NeuronCollectives:
                     location=f"{caller[0]}:{caller[1]}" if caller else "")
 
 
+# torch.compile must not trace these: the C++ Backend calls them while a compiled function runs (FSDP2's hooks,
+# DDP's reducer), and Dynamo would try to compile their gloo calls into a graph.
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "all_gather_single",
+              "allgather_coalesced", "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter",
+              "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "alltoall", "all_to_all_single", "barrier",
+              "send", "recv", "recv_anysource"):
+    setattr(NeuronCollectives, _name, torch.compiler.disable(getattr(NeuronCollectives, _name)))
+
+
 class _MessageWork(dist.Work):
     """A send or receive in flight: wait() waits for gloo, then makes the current streams wait for the
     message's end on the emulated clock."""
@@ -324,6 +333,7 @@ class _MessageWork(dist.Work):
         super().__init__()
         self._collectives, self._work, self._ends, self._what = collectives, work, ends, what
 
+    @torch.compiler.disable
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._collectives._wait(self._work, self._what)
         for index, end in self._ends:
