@@ -104,6 +104,10 @@ def test_compute_that_does_not_wait_for_a_collective_runs_beside_it():
     (dict(operands=lambda i: (i.operands[0], dataclasses.replace(i.operands[1], dims=((2, 3),)))), "dense"),
     (dict(operands=lambda i: (i.operands[0], dataclasses.replace(i.operands[1], dtype=DType.BF16))), "one dtype"),
     (dict(engine=Engine.DMA), "cannot run on the DMA engine"),
+    (dict(queue=1), "one instruction queue"),
+    # the NEFF rules of every instruction (neuronc/neff/rules.py): inputs are read-only, HBM is the table's
+    (dict(operands=lambda i: (i.operands[1], i.operands[1])), "read-only"),
+    (dict(operands=lambda i: (dataclasses.replace(i.operands[0], offset=24), i.operands[1])), "no tensor"),  # x ends at 24
 ])
 def test_the_runtime_refuses_a_malformed_collective(change, problem):
     neff = collective_neff(Opcode.ALL_REDUCE, 6, 6, 2, AluOp.ADD)
