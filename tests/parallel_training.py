@@ -222,15 +222,16 @@ _STAGE_NAMES = ({"tokens.": "tokens.", "positions.": "positions.", "block.": "bl
                 {"block.": "blocks.1.", "ln_f.": "ln_f.", "head.": "tokens."})
 
 
-def pp_1f1b(device, rank: int, ranks: int) -> dict:
-    """Two pipeline stages, two micro-batches, the 1F1B schedule. The embedding and the head share one weight
-    across the stages: each stage keeps a copy and their gradients are summed before the step (as Megatron does)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _pipeline(device, rank: int, ranks: int, schedule_class) -> dict:
+    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``. The embedding and the head share
+    one weight across the stages: each stage keeps a copy and their gradients are summed before the step (as
+    Megatron does)."""
+    from torch.distributed.pipelining import PipelineStage
 
     stage_module = (_FirstStage if rank == 0 else _LastStage)(model()).to(device)
     stage = PipelineStage(stage_module, rank, ranks, device)
-    schedule = Schedule1F1B(stage, n_microbatches=2,
-                            loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    schedule = schedule_class(stage, n_microbatches=2,
+                              loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     tied = stage_module.tokens.weight if rank == 0 else stage_module.head.weight
     opt, (idx, targets), losses = optimizer(stage_module.parameters()), data(), []
     for _ in range(STEPS):
@@ -254,7 +255,19 @@ def pp_1f1b(device, rank: int, ranks: int) -> dict:
     return {"losses": losses, "params": params}
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b)}
+def pp_1f1b(device, rank: int, ranks: int) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return _pipeline(device, rank, ranks, Schedule1F1B)
+
+
+def pp_gpipe(device, rank: int, ranks: int) -> dict:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    return _pipeline(device, rank, ranks, ScheduleGPipe)
+
+
+CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b, pp_gpipe)}
 
 
 def main(names: list) -> None:

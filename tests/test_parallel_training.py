@@ -1,6 +1,6 @@
 """The zoo's GPT-2 trained for 5 AdamW steps on `neuron` tensors with each way of spreading it over ranks — DDP,
 FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallelism and loss_parallel, FSDP2 x
-TP on a 2x2 mesh, a 2-stage 1F1B pipeline — gives the losses and parameters of one process on the whole batch
+TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules — gives the losses and parameters of one process on the whole batch
 (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision). The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from tests import parallel_training
 from tests.conftest import TOLERANCES, run_ranks
 
-TWO_RANKS = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "pp_1f1b"]
+TWO_RANKS = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "pp_1f1b", "pp_gpipe"]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def reference():
 @pytest.fixture(scope="module")
 def two_ranks():
     """Both ranks' results of every two-rank configuration (one job: each rank compiles its device programs once)."""
-    return run_ranks(["-m", "tests.parallel_training", *TWO_RANKS], ranks=2, timeout=900)
+    return run_ranks(["-m", "tests.parallel_training", *TWO_RANKS], ranks=2, timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _assert_trains_as_one_process(results: list, reference: dict, tolerance: dic
     assert set(seen) == set(reference["params"])  # together the ranks hold the whole model
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe"])
 def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, reference, name):
     _assert_trains_as_one_process([rank[name] for rank in two_ranks], reference, TOLERANCES[torch.float32])
 
