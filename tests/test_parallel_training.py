@@ -1,7 +1,7 @@
 """The zoo's GPT-2 trained for 5 AdamW steps on `neuron` tensors with each way of spreading it over ranks — DDP,
 FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallelism and loss_parallel, FSDP2 x
-TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules — gives the losses and parameters of one process on the whole batch
-(eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision). The rank program is
+TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules — gives the losses and parameters
+of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision). The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
 
