@@ -8,7 +8,7 @@ from __future__ import annotations
 from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.ir import Node
 from neuronc.isa import COLLECTIVES, Engine
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 OPCODES = {op: opcode for opcode, op in COLLECTIVES.items()}
 
