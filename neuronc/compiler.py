@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import logging
 import os
 import time
@@ -75,9 +76,13 @@ class Compiled:
     graph: ir.Graph | None  # the optimised graph (None when the NEFF came from the cache)
     seconds: dict  # time spent per stage: totals ("import", "passes", "codegen", ...) and, under keys
     # with a "/", their parts ("import/torch-mlir", "pass/legalize", "codegen/sync", ...)
-    output_layout: list | None = None  # FX graphs: per output, its NEFF output index, or None for a None
+    output_layout: list | None = None  # FX graphs: per output, its NEFF output index, None for a None, or
+    # ("input", i) for an argument returned as it is (an object the program does not take, see input_mask)
     cache_hit: bool = False
     cache_entry: tuple | None = None  # (CompileCache, key) where the NEFF is stored, when the cache is on
+    input_mask: list | None = None  # FX graphs: per placeholder, whether the program takes it (None: all)
+    collective_groups: list = dataclasses.field(default_factory=list)  # FX graphs: the process group of each
+    # group number its collective instructions name (frontend/collectives.py)
 
     def checked_by(self) -> str | None:
         """The runtime access check this NEFF passed in an earlier load, as its cache entry records."""
@@ -168,16 +173,26 @@ def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, 
 
 def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
-    from neuronc.frontend.torch_import import drop_none_outputs, import_fx
+    from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
+    from neuronc.frontend.torch_import import drop_none_outputs, drop_opaque_values, import_fx
 
     options = options or CompileOptions()
     t = time.perf_counter()
     with collector_paused():
-        layout = drop_none_outputs(gm)
+        mask, passed = drop_opaque_values(gm)
+        computed = drop_none_outputs(gm)
+        rest = iter(computed)
+        layout = [("input", passed[i]) if i in passed else next(rest) for i in range(len(passed) + len(computed))]
+        collectives = cut_collectives(gm) if has_collectives(gm) else Collectives([], [])
         params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
         imported = import_fx(gm, params, options.name)
+        if collectives.cuts:
+            imported.graph = splice_collectives(imported.graph, collectives)
+            imported.fingerprint = hashlib.sha256((imported.fingerprint + collectives.fingerprint()).encode()).hexdigest()
         compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     compiled.output_layout = layout
+    compiled.input_mask = None if all(mask) else mask
+    compiled.collective_groups = collectives.groups
     debug_dir.keep(compiled, gm.code)
     return compiled
 

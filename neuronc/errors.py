@@ -81,3 +81,13 @@ class FallbackDisabledError(NeuronDeviceError):
 class QueuedOpError(NeuronDeviceError):
     """An op queued on a `neuron` stream failed when it ran, at the next synchronisation point;
     the message names the op, its stream and the line that queued it (``__cause__`` is the failure)."""
+
+
+class CollectiveError(NeuronError, RuntimeError):  # a RuntimeError, as torch.distributed's errors are
+    """A collective between ranks failed: a rank died or left, or it did not arrive within the process group's
+    timeout. The group cannot be used any more."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks of a group called different collectives, or the same one on tensors of different shapes or
+    dtypes; every rank raises it, naming what each rank passed."""

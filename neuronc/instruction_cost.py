@@ -31,13 +31,19 @@ queues at ~29 GB/s each do not move more than the ~362 GB/s a trn2 core has. A t
 its queue and its share of the channel are done. The runtime's clock and the cost model's replay both
 take their DMA ends from it.
 
+Collective-engine instructions (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL) last what the interconnect
+model says (:func:`neuronc.collective_cost.collective_ns`) for the group's ``imm0`` ranks and their buffer
+(the larger of the two operands), and occupy the HBM channel for the core's accesses of the collective
+(:func:`~neuronc.collective_cost.collective_hbm_bytes`).
+
 A copy of a whole tensor by the runtime (the `neuron` device's host <-> device and device <-> device copies,
 its fills) is priced by :func:`copy_ns`: one DMA issue, the bytes spread over every DMA queue, no faster
 than the core's HBM bandwidth.
 """
 from __future__ import annotations
 
-from neuronc.isa import AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.collective_cost import collective_hbm_bytes, collective_ns
+from neuronc.isa import COLLECTIVES, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.targets import Target
 
 
@@ -115,9 +121,22 @@ def transfer_bytes(instr: Instruction) -> int:
     return instr.dst.num_elements * instr.dst.dtype.itemsize
 
 
-def hbm_bytes(instr: Instruction) -> int:
-    """The HBM traffic of an instruction: what it moves, once per HBM operand (only DMAs reach HBM)."""
+def hbm_bytes(instr: Instruction, target: Target | None = None) -> int:
+    """The HBM traffic of an instruction: what it moves, once per HBM operand (only DMAs and collectives reach
+    HBM); a collective's is the model's (it needs the target)."""
+    if instr.opcode in COLLECTIVES:
+        return collective_hbm_bytes(COLLECTIVES[instr.opcode], collective_buffer_bytes(instr), int(instr.imm0),
+                                    target) if target is not None else 0
     return sum(ap.space == Space.HBM for ap in instr.operands[:2]) * transfer_bytes(instr)
+
+
+def collective_buffer_bytes(instr: Instruction) -> int:
+    """The whole buffer of a collective: the larger operand (an all-gather's output, a reduce-scatter's input)."""
+    return max(ap.num_elements * ap.dtype.itemsize for ap in instr.operands)
+
+
+def _collective_ns(instr: Instruction, target: Target) -> float:
+    return collective_ns(COLLECTIVES[instr.opcode], collective_buffer_bytes(instr), int(instr.imm0), target)
 
 
 def _indirect_ns(instr: Instruction, target: Target) -> float:
@@ -128,7 +147,7 @@ def _indirect_ns(instr: Instruction, target: Target) -> float:
 
 
 _COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,
-         Opcode.DMA_SCATTER: _indirect_ns}
+         Opcode.DMA_SCATTER: _indirect_ns, **{op: _collective_ns for op in COLLECTIVES}}
 
 
 def instruction_cost_ns(instr: Instruction, target: Target) -> float:

@@ -34,7 +34,7 @@ import numpy as np
 
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Graph, Node, Op, Step
-from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
+from neuronc.isa import ActFunc, AluOp, CollectiveOp, DType, Engine, Opcode, Space
 from neuronc.neff.program import DebugLoc
 
 WIDTH = 120  # a node's attributes wrap, one a line, past this many characters
@@ -42,7 +42,7 @@ INLINE_ELEMENTS = 16  # arrays up to this many elements print their values; long
 PLAN_MODULES = ("neuronc.plans",)  # every frozen dataclass, named tuple and enum defined there may be an attribute
 
 _DTYPES = {d.name.lower(): d for d in DType}
-_ENUMS = {cls.__name__: cls for cls in (Op, DType, ActFunc, AluOp, Engine, Opcode, Space)}
+_ENUMS = {cls.__name__: cls for cls in (Op, DType, ActFunc, AluOp, CollectiveOp, Engine, Opcode, Space)}
 _CLASSES: dict = {"DebugLoc": DebugLoc}
 _loaded = False
 

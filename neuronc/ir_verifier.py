@@ -22,7 +22,7 @@ import numpy as np
 from neuronc import op_facts
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Graph, Node, Op, Step, facts
-from neuronc.isa import DType
+from neuronc.isa import AluOp, CollectiveOp, DType
 from neuronc.neff.program import DebugLoc
 
 
@@ -141,6 +141,10 @@ def _is_kind(v, kind) -> bool:
         return isinstance(v, np.ndarray)
     if kind == "dtype":
         return isinstance(v, DType)
+    if kind == "collective":
+        return isinstance(v, CollectiveOp)
+    if kind == "alu":
+        return isinstance(v, AluOp)
     if kind == "pairs":
         return isinstance(v, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
                                                    and all(map(_integer, p)) for p in v)

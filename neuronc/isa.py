@@ -82,6 +82,20 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            FIND_INDEX8, the Vector engine's way to top-k and sort (NKI's
                                            max8 / nc_find_index8 / nc_match_replace8).
 
+Collectives (the collective engine; operands in HBM, both dense, of one dtype)
+--------------------------------------------------------------------------
+``imm0`` is the number of ranks of the group (the NeuronCores taking part, this one among them) and ``imm1``
+the group: its index in the table of groups the host gives the runtime's transport (a program may use several,
+e.g. the two dimensions of a 2-D mesh). Every rank of the group runs the same program; a collective completes
+on all of them with the same result. Rank r's blocks are the r-th of ``imm0`` equal contiguous slices.
+``ALL_REDUCE(dst, src)``                   dst = the alu-reduction (ADD, MAX, MIN or MULTIPLY) of every rank's src,
+                                           in fp32 for floats (their own type for integers), rounded once to dst's
+                                           dtype; dst has src's shape.
+``ALL_GATHER(dst, src)``                   block r of dst = rank r's src (dst has ``imm0`` times src's elements).
+``REDUCE_SCATTER(dst, src)``               dst = block r (this rank's) of the alu-reduction of every rank's src,
+                                           as ALL_REDUCE computes it (src has ``imm0`` times dst's elements).
+``ALL_TO_ALL(dst, src)``                   block j of dst = block r (this rank's) of rank j's src (same sizes).
+
 Immediates (``imm0``, ``imm1``) are float64; an integer operation takes them in its own type, saturating
 (the largest int64, which float64 rounds up to 2**63, stays the largest int64).
 
@@ -118,6 +132,7 @@ class Engine(enum.IntEnum):
     SCALAR = 2
     GPSIMD = 3
     DMA = 4
+    COLLECTIVE = 5  # the collective-communication engine: its cores move data between the ranks of a group
 
 
 class DType(enum.IntEnum):
@@ -191,6 +206,11 @@ class Opcode(enum.IntEnum):
     ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
     TENSOR_SCALAR_REDUCE = 21
     TENSOR_ALU2 = 22
+    # the collective engine's (40-49: kept clear of the numbers other branches take for compute opcodes)
+    ALL_REDUCE = 40
+    ALL_GATHER = 41
+    REDUCE_SCATTER = 42
+    ALL_TO_ALL = 43
 
 
 # Operand count of each opcode (dst included).
@@ -214,12 +234,39 @@ ARITY = {
     Opcode.ACTIVATE_BIAS_REDUCE: 4,
     Opcode.TENSOR_SCALAR_REDUCE: 3,
     Opcode.TENSOR_ALU2: 4,
+    Opcode.ALL_REDUCE: 2,
+    Opcode.ALL_GATHER: 2,
+    Opcode.REDUCE_SCATTER: 2,
+    Opcode.ALL_TO_ALL: 2,
 }
 
 # How many leading operands an opcode writes (1 unless listed): its destinations, before its sources.
 DESTINATIONS = {
     Opcode.ACTIVATE_BIAS_REDUCE: 2,
     Opcode.TENSOR_SCALAR_REDUCE: 2,
+}
+
+
+class CollectiveOp(enum.IntEnum):
+    """What a collective does (priced by neuronc.collective_cost)."""
+
+    ALL_REDUCE = 0
+    ALL_GATHER = 1
+    REDUCE_SCATTER = 2
+    ALL_TO_ALL = 3
+    BROADCAST = 4
+    REDUCE = 5
+    SEND = 6
+    RECV = 7
+    BARRIER = 8
+
+
+# The collective each opcode of the collective engine performs, and the reductions it may apply.
+COLLECTIVES = {
+    Opcode.ALL_REDUCE: CollectiveOp.ALL_REDUCE,
+    Opcode.ALL_GATHER: CollectiveOp.ALL_GATHER,
+    Opcode.REDUCE_SCATTER: CollectiveOp.REDUCE_SCATTER,
+    Opcode.ALL_TO_ALL: CollectiveOp.ALL_TO_ALL,
 }
 
 
@@ -243,6 +290,9 @@ class AluOp(enum.IntEnum):
     XOR = 16
     REMAINDER = 17
     ATAN2 = 18
+
+
+COLLECTIVE_REDUCTIONS = frozenset({AluOp.ADD, AluOp.MAX, AluOp.MIN, AluOp.MULTIPLY})
 
 
 class ActFunc(enum.IntEnum):

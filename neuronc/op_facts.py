@@ -179,6 +179,8 @@ ALU = "alu"  # one pass of the Vector or GpSimd engine (or the Scalar engine's s
 DMA = "dma"  # data movement by the DMA queues (views, pads, concatenation, gathers, scatters)
 TENSOR = "tensor"  # the Tensor engine (matmul and the kernels around it)
 KERNEL = "kernel"  # a fused kernel, priced by its plan
+COLLECTIVE = "collective"  # the collective engine: a collective of the ranks of a process group, priced by the
+# interconnect model (neuronc/collective_cost.py)
 
 # Dtype rules: how an op's result dtype relates to its operands'.
 SAME = "same"  # operands and result share one dtype
@@ -189,8 +191,9 @@ FIRST = "first"  # the result has the first operand's dtype (the others are indi
 ANY = "any"  # set by the op (leaves, contractions and kernels)
 
 # Attribute kinds (the verifier checks them): "int", "ints" (a tuple of ints), "float", "bool", "str", "array",
-# "dtype", "pairs" (a tuple of (int, int)), "steps" (a tuple of ir.Step), "views" (a tuple of None or (offset,
-# strides)), "any", or a tuple of the strings allowed. A name ending in "?" is optional.
+# "dtype", "collective" (an isa.CollectiveOp), "alu" (an isa.AluOp), "pairs" (a tuple of (int, int)), "steps" (a
+# tuple of ir.Step), "views" (a tuple of None or (offset, strides)), "any", or a tuple of the strings allowed. A
+# name ending in "?" is optional.
 REDUCE_KINDS = tuple(REDUCTIONS)
 DIRECTIONS = tuple(COMPARISONS)
 
@@ -330,6 +333,10 @@ FACTS = (
     OpFact("ROWWISE", "kernel", None, ANY, KERNEL, attrs={"body": "steps"}, open_attrs=True),  # normalisations
     OpFact("CONV", "kernel", None, ANY, TENSOR, open_attrs=True),  # implicit-GEMM convolution (passes/conv.py)
     OpFact("ATTENTION", "kernel", None, ANY, TENSOR, open_attrs=True),  # flash attention (passes/attention.py)
+    # x -> a collective of the ranks of a process group (frontend/collectives.py), one instruction of the
+    # collective engine; group: the group's number among the graph's groups
+    OpFact("COLLECTIVE", "kernel", 1, SAME, COLLECTIVE,
+           attrs={"collective": "collective", "reduce": "alu", "ranks": "int", "group": "int"}),
 )
 
 BY_NAME = {fact.name: fact for fact in FACTS}

@@ -77,7 +77,7 @@ def replay(streams: dict, target: Target) -> Iterator[tuple]:
     for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
                                           [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
                                             for i in stream] for stream in lists],
-                                          [[hbm_bytes(i) for i in stream] for stream in lists], target):
+                                          [[hbm_bytes(i, target) for i in stream] for stream in lists], target):
         if phase == START:
             started[s] = time
         else:

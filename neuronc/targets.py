@@ -54,6 +54,15 @@ class Target:
     # Chip.
     cores_per_chip: int
     neff_load_ns: float  # one-off start-up cost of a NEFF's first execution
+    # Interconnect (neuronc.collective_cost): NeuronLink between the chips of a node, GB/s per chip. The docs give
+    # one figure per chip and do not say whether it counts both directions; it is taken as the sum of both (a
+    # chip sends at half of it), the more expensive reading.
+    neuronlink_gbps: float
+    # Latency of one step (hop) of a collective algorithm: "about 1-2 us (HBM load dependent)" for Ring/KangaRing
+    # (aws-neuron-sdk neuron-runtime/explore/intranode-collective-comm.rst); the upper end is taken.
+    collective_hop_ns: float
+    # NeuronLink links of a chip (its neighbours on the 2D torus): a message between two chips crosses one.
+    neuronlink_links: int
 
     @property
     def sbuf_bytes(self) -> int:
@@ -80,6 +89,7 @@ _COMMON = dict(
     dma_efficient_bytes_per_partition=4 * KIB,
     dma_fixed_ns=600.0,
     neff_load_ns=1_000_000.0,
+    collective_hop_ns=2000.0,
 )
 
 TARGETS = {
@@ -98,6 +108,10 @@ TARGETS = {
         dma_queues=16,
         dma_gbps_per_queue=27.0 * GIB / 1e9,
         cores_per_chip=2,
+        # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
+        # trn1-arch.rst, the instance table's NeuronLink column)
+        neuronlink_gbps=384.0,
+        neuronlink_links=4,  # 2D torus (trn1-arch.rst): four neighbours
         **_COMMON,
     ),
     "trn2": Target(
@@ -115,6 +129,11 @@ TARGETS = {
         dma_queues=16,
         dma_gbps_per_queue=27.0 * GIB / 1e9,
         cores_per_chip=8,
+        # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
+        # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
+        # GB/s link instances of an UltraServer). Collectives within a node have the 1,024.
+        neuronlink_gbps=1024.0,
+        neuronlink_links=4,  # "4 NeuronLink-v3 for device-to-device collective communication" (trainium2_arch.rst)
         **_COMMON,
     ),
     "trn3": Target(
@@ -132,6 +151,10 @@ TARGETS = {
         dma_queues=16,
         dma_gbps_per_queue=27.0 * GIB / 1e9,
         cores_per_chip=8,
+        # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
+        # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.
+        neuronlink_gbps=2048 * GIB / 1e9,
+        neuronlink_links=4,  # "four PCIe Gen6 x8 links" to the server's switch (trn3-arch.rst)
         **_COMMON,
     ),
 }

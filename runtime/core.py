@@ -51,10 +51,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
+from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
-from neuronc.isa import AccessPattern, Engine, Instruction, Space
+from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
@@ -229,6 +229,9 @@ class LoadedProgram:
 
     def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False):
         self.core, self.neff = core, neff
+        # How its collective instructions reach the other ranks of their groups (runtime.collectives.Transport),
+        # given by the host; a program with collectives cannot run without one.
+        self.transport = None
         # Whether the program is known free of races and of reads of unwritten memory: checked at this load,
         # or before (``trusted``, see NeuronCore.load). Runs of an unchecked one reset its memory to NaN.
         self.access_checked = trusted or core.check_uninitialised
@@ -285,7 +288,8 @@ class LoadedProgram:
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
-                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr), hbm_bytes(instr))
+                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
+                      hbm_bytes(instr, self.core.target))
 
     def _schedule(self) -> tuple:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
@@ -543,7 +547,12 @@ class LoadedProgram:
         calls, owners, values = [], [], {}
         for phase, s, k in self._order:
             i = self._instrs[s][k]
-            if i.key not in deferred:
+            if i.instr.opcode in COLLECTIVES:  # through the transport, at its completion, racy or not
+                if phase == START:
+                    continue
+                steps = [functools.partial(self._collective, i.instr,
+                                           *(memory.view(ap).reshape(-1) for ap in i.instr.operands))]
+            elif i.key not in deferred:
                 if phase == START:
                     continue
                 scratch.next_kernel()
@@ -637,12 +646,24 @@ class LoadedProgram:
             with quiet_numerics():
                 self._call(plan)
 
+    def _collective(self, instr: Instruction, dst: np.ndarray, src: np.ndarray) -> None:
+        """A collective instruction, run by the host's transport (see runtime.collectives)."""
+        if self.transport is None:
+            raise CollectiveError(
+                f"program {self.neff.name!r} has collective instructions ({instr.opcode.name} over {int(instr.imm0)} "
+                "ranks) and was given no transport to the other ranks",
+                hint="run it where its group exists: under torch.distributed (a compiled graph on neuron tensors), "
+                "or on the cores of one process with runtime.collectives.run_on_cores")
+        self.transport.collective(COLLECTIVES[instr.opcode], int(instr.imm1), int(instr.imm0), instr.alu, dst, src)
+
     def _call(self, plan: _Plan) -> None:
         calls = plan.calls
         remaining = iter(calls)
         try:
             for call in remaining:
                 call()
+        except CollectiveError:  # the group failed (a rank died, a timeout): said as it is
+            raise
         except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
             i = plan.owners[len(calls) - operator.length_hint(remaining) - 1]  # the call that raised
             raise self._error(i.instr, i.index, f"failed: {e}") from e

@@ -42,6 +42,7 @@ COLOURS = {  # per engine; the Tableau 10 palette, readable for most colour-visi
     Engine.SCALAR: "#59a14f",
     Engine.GPSIMD: "#b07aa1",
     Engine.DMA: "#76b7b2",
+    Engine.COLLECTIVE: "#e15759",
 }
 
 _CSS = """
@@ -215,7 +216,7 @@ def timeline_svg(neff: Neff, timeline: Timeline) -> str:
     plot_w = SVG_WIDTH - LABEL_WIDTH - RIGHT_MARGIN
     tops, y = [], LANE_GAP
     for n, stream in enumerate(streams):
-        if n and stream[0] == Engine.DMA and streams[n - 1][0] != Engine.DMA:
+        if n and stream[0] != streams[n - 1][0] and Engine.DMA in (stream[0], streams[n - 1][0]):
             y += GROUP_GAP
         tops.append(y)
         y += LANE_HEIGHT + LANE_GAP

@@ -28,7 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import ARITY, MAX_DIMS, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import (ARITY, COLLECTIVE_REDUCTIONS, COLLECTIVES, MAX_DIMS, ActFunc, AluOp, DType, Engine,
+                         Instruction, Opcode, Space)
 from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
@@ -491,6 +492,7 @@ ENGINES = {
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     Opcode.RNG: frozenset({Engine.GPSIMD}),
+    **{op: frozenset({Engine.COLLECTIVE}) for op in COLLECTIVES},
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8,
                                                                Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2)},
 }
@@ -498,6 +500,7 @@ ENGINES = {
 # Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip.
 SPACES = {
     Engine.DMA: frozenset({Space.HBM, Space.SBUF}),
+    Engine.COLLECTIVE: frozenset({Space.HBM}),
     **{e: frozenset({Space.SBUF, Space.PSUM}) for e in (Engine.TENSOR, *_ELEMENTWISE_ENGINES)},
 }
 
@@ -654,7 +657,41 @@ def _rng_shapes(instr: Instruction, target: Target):
         _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole, not negative and below 2**63")
 
 
+def _collective_shapes(instr: Instruction, target: Target):
+    """ALL_REDUCE / ALL_GATHER / REDUCE_SCATTER / ALL_TO_ALL(dst, src): dense HBM operands of one dtype, sized as
+    the collective of imm0 ranks needs; imm1 a group number."""
+    name, (dst, src) = instr.opcode.name, instr.operands
+    ranks, group = instr.imm0, instr.imm1
+    if ranks < 1 or ranks != int(ranks) or group < 0 or group != int(group):
+        _fail(f"{name} needs a whole number of ranks >= 1 (imm0 = {ranks}) and a group number >= 0 (imm1 = {group})")
+    if dst.dtype != src.dtype:
+        _fail(f"{name} moves {src.dtype.name} into {dst.dtype.name}: the operands must have one dtype")
+    for i, ap in enumerate(instr.operands):
+        if ap.dims != _dense(ap.shape):
+            _fail(f"{name} operand {i} must be dense in HBM (row-major strides), got dims {list(ap.dims)}")
+    n, ranks = src.num_elements, int(ranks)
+    expected = {Opcode.ALL_GATHER: n * ranks, Opcode.REDUCE_SCATTER: n // ranks}.get(instr.opcode, n)
+    if instr.opcode in (Opcode.REDUCE_SCATTER, Opcode.ALL_TO_ALL) and n % ranks:
+        _fail(f"{name} cuts its {n} source elements into {ranks} equal blocks, one per rank: they do not divide")
+    if dst.num_elements != expected:
+        _fail(f"{name} over {ranks} ranks of {n} source elements gives {expected}, but the destination has "
+              f"{dst.num_elements}", hint="the blocks of the ranks are equal slices of the buffer")
+    reduces = instr.opcode in (Opcode.ALL_REDUCE, Opcode.REDUCE_SCATTER)
+    if reduces and instr.alu not in COLLECTIVE_REDUCTIONS or not reduces and instr.alu != AluOp.NONE:
+        allowed = ", ".join(op.name for op in sorted(COLLECTIVE_REDUCTIONS)) if reduces else "NONE"
+        _fail(f"{name} does not reduce by {instr.alu.name}", hint=f"its ALU op is one of {allowed}")
+
+
+def _dense(shape: tuple) -> tuple:
+    dims, stride = [], 1
+    for size in reversed(shape):
+        dims.append((stride, size))
+        stride *= size
+    return tuple(reversed(dims))
+
+
 SHAPE_RULES = {
+    **{op: _collective_shapes for op in COLLECTIVES},
     Opcode.RNG: _rng_shapes,
     Opcode.MAX8: _top8_shapes,
     Opcode.FIND_INDEX8: _top8_shapes,

@@ -19,7 +19,8 @@ from neuronc.isa import Engine
 from neuronc.neff.program import Neff
 from runtime.timeline import Timeline
 
-ENGINE_NAMES = {Engine.TENSOR: "Tensor", Engine.VECTOR: "Vector", Engine.SCALAR: "Scalar", Engine.GPSIMD: "GpSimd"}
+ENGINE_NAMES = {Engine.TENSOR: "Tensor", Engine.VECTOR: "Vector", Engine.SCALAR: "Scalar", Engine.GPSIMD: "GpSimd",
+                Engine.COLLECTIVE: "Collective"}
 
 _PID = 1  # one process: the NeuronCore that ran the program
 

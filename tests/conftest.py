@@ -124,6 +124,46 @@ def neuron():
     return torch.device("neuron", 0)
 
 
+def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None, may_fail: bool = False) -> list:
+    """Run ``python *args`` as the ``ranks`` processes of one torch.distributed job on this host (loopback, a port
+    the OS gives, the environment torchrun sets), and return each rank's last line of output, parsed as JSON, in
+    rank order. A rank that fails fails the test with its error output (unless ``may_fail``: its entry is then
+    None); a job that outlives ``timeout`` seconds is killed (every rank) and fails it too."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(ranks):
+        rank_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks)}
+        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__))))
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        errors = [p.communicate()[1][-1500:] for p in procs]
+        pytest.fail(f"the {ranks} ranks did not finish within {timeout} s:\n" + "\n".join(errors))
+    results = []
+    for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0 and may_fail:
+            results.append(None)
+            continue
+        assert p.returncode == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results
+
+
 @functools.cache
 def imported_zoo(name: str) -> tuple:
     """(graph, weights by name) torch-mlir and the importer make of a zoo model, once per test session: copy the

@@ -1,84 +1,24 @@
-"""The "neuron" backend of torch.distributed: collectives between two processes on `neuron` tensors give
-what the same collectives give on the CPU, DistributedDataParallel averages gradients as one process
-would, and a collective lasts its ring traffic's DMA time on the stream clock."""
+"""The "neuron" backend of torch.distributed, between two processes on `neuron` tensors: collectives give what
+they give on the CPU; the process group is a c10d Backend with a name, so DeviceMesh, DTensor and the functional
+collectives work; DDP averages gradients as one process would; a collective lasts the interconnect model's time
+on the emulated clock and overlaps with compute until it is waited for; ranks that disagree on a collective, a
+rank that dies and one that comes too late give every surviving rank a clear error instead of a hang. The rank
+program is tests/distributed_checks.py."""
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from tests.conftest import TOLERANCES, run_ranks
+from tests.distributed_checks import TIMEOUT_S
+
 WORLD = 2
-
-_RANK = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    from neuronc.instruction_cost import copy_ns
-    from neuronc.targets import get_target
-    rank, store = int(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("neuron", init_method="file://" + store, rank=rank, world_size=%(world)d)
-    world, out = dist.get_world_size(), {}
-
-    x = (torch.arange(6, dtype=torch.float32) + 10 * rank).to("neuron")
-    dist.all_reduce(x)
-    out["all_reduce"] = x.cpu().tolist()
-    m = torch.full((4,), float(rank + 2)).to("neuron")
-    dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    out["all_reduce_max"] = m.cpu().tolist()
-    b = torch.full((3,), float(rank), dtype=torch.bfloat16).to("neuron")
-    dist.broadcast(b, src=1)
-    out["broadcast_bf16"] = b.float().cpu().tolist()
-    gathered = [torch.empty(2).to("neuron") for _ in range(world)]
-    dist.all_gather(gathered, torch.full((2,), float(rank)).to("neuron"))
-    out["all_gather"] = [g.cpu().tolist() for g in gathered]
-    part = torch.empty(2).to("neuron")
-    dist.reduce_scatter_tensor(part, (torch.arange(4, dtype=torch.float32) * (rank + 1)).to("neuron"))
-    out["reduce_scatter"] = part.cpu().tolist()
-
-    message = torch.arange(5, dtype=torch.float32).to("neuron") if rank == 0 else torch.zeros(5).to("neuron")
-    dist.send(message, dst=1) if rank == 0 else dist.recv(message, src=0)
-    out["recv"] = message.cpu().tolist()
-
-    y = torch.randn(256, 64).to("neuron")
-    dist.all_reduce(y)  # the first call of each op compiles; time the second
-    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
-    start.record(); dist.all_reduce(y); end.record(); end.synchronize()
-    out["all_reduce_ns"] = start.elapsed_time(end) * 1e6
-    out["ring_ns"] = copy_ns(int(2 * (world - 1) / world * y.numel() * 4), get_target("trn2"))
-
-    try:
-        dist.all_reduce(torch.zeros(4, 4).to("neuron").t())
-    except Exception as e:
-        out["non_contiguous"] = f"{type(e).__name__}: {e}"
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to("neuron")
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    batch = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
-    ddp(batch[2 * rank:2 * rank + 2].to("neuron")).pow(2).sum().backward()
-    out["ddp_grads"] = [p.grad.cpu().tolist() for p in model.parameters()]
-    out["ddp_grad_device"] = str(model[0].weight.grad.device)
-    dist.destroy_process_group()
-    print(json.dumps(out))
-""") % {"world": WORLD}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """What each of two ranks observed (one run of the script above per rank, side by side)."""
-    tmp = tmp_path_factory.mktemp("dist")
-    script = tmp / "rank.py"
-    script.write_text(_RANK)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp / "store")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        assert p.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    return results
+def ranks():
+    """What each of two ranks observed (one job)."""
+    return run_ranks(["-m", "tests.distributed_checks", "collectives"], ranks=WORLD, timeout=600)
 
 
 def test_collectives_and_messages_on_neuron_tensors_give_what_they_give_on_the_cpu(ranks):
@@ -86,11 +26,27 @@ def test_collectives_and_messages_on_neuron_tensors_give_what_they_give_on_the_c
     for out in ranks:
         assert out["all_reduce"] == sum(inputs).tolist()
         assert out["all_reduce_max"] == [float(WORLD + 1)] * 4
+        assert out["all_reduce_avg"] == [1.5] * 4
+        assert out["all_reduce_bf16"] == [torch.tensor(2 + 1 / 256, dtype=torch.bfloat16).item()] * 3
         assert out["broadcast_bf16"] == [1.0] * 3
         assert out["all_gather"] == [[float(r)] * 2 for r in range(WORLD)]
         assert out["recv"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     total = sum(torch.arange(4, dtype=torch.float32) * (r + 1) for r in range(WORLD))
     assert [out["reduce_scatter"] for out in ranks] == [total[2 * r:2 * r + 2].tolist() for r in range(WORLD)]
+    sent = [torch.arange(4, dtype=torch.float32) + 10 * r for r in range(WORLD)]
+    assert [out["all_to_all"] for out in ranks] == [torch.cat([s[2 * r:2 * r + 2] for s in sent]).tolist()
+                                                    for r in range(WORLD)]
+
+
+def test_the_group_is_a_named_backend_so_device_mesh_dtensor_and_functional_collectives_work(ranks):
+    whole = torch.arange(8.0).reshape(4, 2)
+    for rank, out in enumerate(ranks):
+        assert out["backend"] == "neuron" and out["group_name"]
+        assert out["functional"] == [3.0] * 3
+        assert out["mesh"] == ["neuron", True]
+        assert out["shard"] == whole[2 * rank:2 * rank + 2].tolist()
+        assert out["replicated"] == whole.tolist()
+        assert out["local_device"].startswith("neuron:")
 
 
 def test_ddp_on_neuron_averages_gradients_as_one_process_on_the_whole_batch(ranks):
@@ -99,18 +55,62 @@ def test_ddp_on_neuron_averages_gradients_as_one_process_on_the_whole_batch(rank
     batch = torch.randn(2 * WORLD, 8, generator=torch.Generator().manual_seed(1))
     (model(batch).pow(2).sum() / WORLD).backward()
     for out in ranks:
-        assert out["ddp_grad_device"] == "neuron:0"
+        assert out["ddp_grad_device"].startswith("neuron:")
         for grad, expected in zip(out["ddp_grads"], model.parameters()):
-            torch.testing.assert_close(torch.tensor(grad), expected.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(grad), expected.grad, **TOLERANCES[torch.float32])
 
 
-def test_a_collective_lasts_the_dma_time_of_its_ring_traffic_on_the_stream(ranks):
+def test_a_collective_lasts_the_interconnect_models_time_and_overlaps_with_compute_until_waited_for(ranks):
     for out in ranks:
-        assert out["all_reduce_ns"] == pytest.approx(out["ring_ns"])
+        assert out["all_reduce_ns"] == pytest.approx(out["model_ns"])
+        collective, compute = out["model_ns"], out["matmul_ns"]
+        assert out["overlapped_ns"] == pytest.approx(max(collective, compute))  # side by side, not one after the other
 
 
 def test_a_non_contiguous_tensor_is_refused_with_the_way_out(ranks):
     for out in ranks:
         error = out["non_contiguous"]
         assert error.startswith("NeuronDeviceError") and "non-contiguous" in error and ".contiguous()" in error
-        assert "rank.py:" in error  # the line of the user's script that asked
+        assert "distributed_checks.py:" in error  # the line of the rank program that asked
+
+
+def test_ranks_that_disagree_on_a_collective_all_raise_saying_what_each_passed_and_the_group_survives():
+    results = run_ranks(["-m", "tests.distributed_checks", "mismatch"], ranks=WORLD, timeout=300)
+    for rank, out in enumerate(results):
+        for key in ("shape", "op", "dtype"):
+            assert out[key].startswith("CollectiveMismatchError"), out[key]
+        assert "rank 0: all_reduce SUM of float32[4]" in out["shape"] and "rank 1: all_reduce SUM of float32[5]" in \
+            out["shape"]
+        assert "rank 1: broadcast from rank 0" in out["op"] and "bfloat16[3]" in out["dtype"]
+        assert out["untouched"] == [1.0] * (4 + rank)  # nothing was moved
+        assert out["after"] == [3.0, 3.0]  # the next collective the ranks agree on works
+
+
+# A hang fails these two: run_ranks kills a job that outlives its timeout.
+def test_a_rank_that_dies_gives_the_others_a_collective_error_not_a_hang():
+    survivor, dead = run_ranks(["-m", "tests.distributed_checks", "dead_rank"], ranks=WORLD, timeout=240,
+                               may_fail=True)
+    assert dead is None
+    assert survivor["error"].startswith("CollectiveError") and "another rank died or left" in survivor["error"]
+
+
+def test_a_rank_that_comes_after_the_timeout_fails_on_every_rank():
+    early, late = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
+    for out in (early, late):
+        assert out["error"].startswith("CollectiveError") and f"timeout ({TIMEOUT_S} s)" in out["error"]
+
+
+def test_ddp_fsdp2_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager():
+    results = run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
+    for out in results:
+        for name in ("ddp", "fsdp2", "tp"):
+            eager, compiled = out[name]["eager"], out[name]["compiled"]
+            assert compiled["graphs"] >= 2, name  # it was compiled: a forward and a backward graph at least
+            assert eager["losses"][1] < eager["losses"][0], name  # the steps trained
+            torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                                       **TOLERANCES[torch.float32], msg=name)
+            for got, expected in zip(compiled["params"], eager["params"]):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32],
+                                           msg=name)
+        # The row-wise layer's all-reduce runs inside the compiled forward graph, on the collective engine.
+        assert out["tp"]["compiled"]["collective_instructions"] >= 1

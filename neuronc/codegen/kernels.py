@@ -11,6 +11,7 @@ from typing import Callable
 
 from neuronc import ir
 from neuronc.codegen.attention import attention
+from neuronc.codegen.collective import collective
 from neuronc.codegen.conv import convolution
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
@@ -34,6 +35,7 @@ KERNELS.update({
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,
+    Op.COLLECTIVE: collective,
 })
 
 

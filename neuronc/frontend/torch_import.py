@@ -150,6 +150,31 @@ def check_static_shapes(gm) -> None:
         )
 
 
+def drop_opaque_values(gm) -> tuple:
+    """Remove, in place, the placeholders holding no tensor nor number (the device-mesh or process-group objects a
+    graph of DTensors is given, which torch-mlir cannot type), and the outputs that return them (AOTAutograd saves
+    them for the backward graph). Returns (per original placeholder, whether the program still takes it; per
+    original output position returning one, the position among the placeholders of the argument it returns)."""
+    import torch
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    opaque = {n for n in placeholders if n.meta.get("val") is not None
+              and not isinstance(n.meta["val"], (torch.Tensor, int, float, bool, torch.SymInt))}
+    if not opaque:
+        return [True] * len(placeholders), {}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    passed = {i: placeholders.index(v) for i, v in enumerate(values) if v in opaque}
+    output.args = (tuple(v for v in values if v not in opaque),)
+    for node in opaque:
+        if node.users:
+            raise NeuronCompileError(f"graph input {node.name} is a {type(node.meta['val']).__name__}, which an op "
+                                     "of the graph reads", hint="keep that op outside the compiled region")
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return [n not in opaque for n in placeholders], passed
+
+
 def drop_none_outputs(gm) -> list:
     """Remove None outputs (AOTAutograd's gradients of inputs that need none) in place, which
     torch-mlir cannot return. Returns, per original output, its index among the kept ones or None."""

@@ -42,31 +42,47 @@ class NeffFunction:
         such programs share one SBUF and PSUM per target (their runs take turns)."""
         from runtime import NeuronCore
 
-        return _load(self.compiled, NeuronCore(self.options.target, on_chip=_host_on_chip(self.options.target)))
+        return self._with_transport(_load(self.compiled, NeuronCore(self.options.target,
+                                                                     on_chip=_host_on_chip(self.options.target))))
+
+    def _with_transport(self, program):
+        """``program``, given the process groups its collective instructions name (if it has any)."""
+        if self.compiled.collective_groups:
+            from neuronc.pytorch.collective_transport import ProcessGroupTransport
+
+            program.transport = ProcessGroupTransport(self.compiled.collective_groups)
+        return program
 
     def __call__(self, *args):
+        given = args
+        if self.compiled.input_mask is not None:  # arguments the program does not take (a device mesh object)
+            args = [a for a, kept in zip(args, self.compiled.input_mask) if kept]
         device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
         if device is not None:
-            return self._run_on_device(device, args)
+            return self._arrange(self._run_on_device(device, args), given)
         from neuronc.frontend.tensors import from_numpy, to_numpy
 
         result = self.program.run([to_numpy(a) for a in args])
         self.last_run = result
-        outputs = [from_numpy(o) for o in result.outputs]
-        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+        return self._arrange([from_numpy(o) for o in result.outputs], given)
+
+    def _arrange(self, outputs: list, args) -> tuple:
+        """The graph's outputs from the program's (output_layout: an index, None, or an argument returned)."""
+        return tuple(None if i is None else args[i[1]] if isinstance(i, tuple) else outputs[i]
+                     for i in self.compiled.output_layout)
 
     def _run_on_device(self, device: int, args) -> tuple:
         from neuronc.pytorch import eager
         from neuronc.pytorch.device_memory import core
 
         if device not in self.on_device:
-            program = _load(self.compiled, core(device))
+            program = self._with_transport(_load(self.compiled, core(device)))
             self.on_device[device] = (program, program.time().estimated_ns)
         program, duration_ns = self.on_device[device]
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
         self.device_launches += 1
         self.last_run = _device_run(program, outputs)
-        return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+        return outputs
 
 
 def _device_run(program, outputs):
@@ -176,6 +192,17 @@ def compile_count() -> int:
     return len(compiled_graphs)
 
 
+@functools.cache
+def _dynamo_skips_neuronc() -> None:
+    """Dynamo must not trace neuronc's own Python (the device's eager kernels, the process group's collectives):
+    PyTorch calls it from C++ while a compiled function runs its eager parts (FSDP2's hooks, DDP's reducer,
+    a graph break), and Dynamo would try to compile it into graphs."""
+    import torch._dynamo.trace_rules as rules
+
+    rules.add("neuronc")
+    rules.add("runtime")
+
+
 def neuron_backend(gm, example_inputs, options: dict | None = None):
     import torch._dynamo.config
     from torch._dynamo.backends.common import aot_autograd
@@ -184,6 +211,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None):
     from neuronc.frontend.torch_import import decomposition_table
 
     compile_options = CompileOptions.from_dict(options)
+    _dynamo_skips_neuronc()
     _refuse_dynamic_shapes(gm)
     torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 

@@ -220,6 +220,15 @@ def set_rng_state(state: torch.Tensor, device=None) -> None:
     default_generator(device).set_state(state)
 
 
+def __getattr__(name: str):
+    """``torch.neuron.comm``: collectives between the cores of this process (imported on first use)."""
+    if name == "comm":
+        from neuronc.pytorch import comm
+
+        return comm
+    raise AttributeError(f"module 'torch.neuron' has no attribute {name!r}")
+
+
 def _index(device) -> int:
     if device is None:
         return torch.accelerator.current_device_index()

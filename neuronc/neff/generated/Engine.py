@@ -8,3 +8,4 @@ class Engine(object):
     SCALAR = 2
     GPSIMD = 3
     DMA = 4
+    COLLECTIVE = 5

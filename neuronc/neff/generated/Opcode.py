@@ -22,3 +22,7 @@ class Opcode(object):
     ACTIVATE_BIAS_REDUCE = 20
     TENSOR_SCALAR_REDUCE = 21
     TENSOR_ALU2 = 22
+    ALL_REDUCE = 40
+    ALL_GATHER = 41
+    REDUCE_SCATTER = 42
+    ALL_TO_ALL = 43

@@ -1,0 +1,256 @@
+"""Scale-out on the emulated timeline: estimated device time per training step of GPT-2-small on 1, 2, 4 and 8
+NeuronCores of one trn2 chip, data parallel, FSDP2-style and tensor parallel; the share of the communication
+hidden behind compute; the scaling efficiency.
+
+    python -m benchmarks.scaling [--ranks 1 2 4 8] [--strategies dp fsdp tp] [--quick] [--target trn2]
+
+How it measures. One process compiles the training step a rank runs (forward and backward graphs of
+torch.compile, through neuronc) for each strategy and group size, against a fake process group of that size
+(torch's "fake" backend: nothing is sent, only the graphs are traced), and times the NEFFs without running them:
+the runtime's schedule of every engine, the collective engine included (LoadedProgram.time()). Parallelism is
+expressed the way it reaches compiled graphs, as DTensor collectives the frontend turns into collective
+instructions:
+* dp: every parameter replicated; its gradient all-reduced in the backward graph (SimpleFSDP's "replicate").
+* fsdp: every parameter sharded on its first dimension and all-gathered where it is used, in the forward and
+  again in the backward graph; its gradient reduce-scattered (SimpleFSDP's "fully_shard", which is what FSDP2's
+  all-gathers and reduce-scatters are; reshard after forward). bf16 parameters in the computation, fp32
+  gradients reduced, fp32 master weights (FSDP2's MixedPrecisionPolicy(bf16, fp32)).
+* tp: Megatron-style column/row-parallel MLPs, vocabulary-parallel embedding and head, sequence-parallel norms
+  (tests/parallel_training.py's plan; attention computed whole on every rank), bf16.
+The collectives' times come from the interconnect model (neuronc/collective_cost.py, with the target's numbers).
+Every collective of a graph may start as soon as its input exists (the program's semaphores): an all-gather of
+a later layer's weights runs during an earlier layer's compute, as FSDP2's prefetch does (here without its
+one-layer limit), and a gradient's reduction during the rest of the backward pass.
+
+The optimizer step (AdamW over the rank's parameters: fp32 param, grad, two moments read, three written, 28
+bytes per parameter) is charged at the core's HBM bandwidth: a stated choice, not compiled.
+
+Weak scaling (dp, fsdp): each rank keeps its batch (--batch sequences of --seq tokens), so the ideal step time is
+flat, and efficiency(N) = step(1) / step(N). Strong scaling (tp): the batch is the same at every N, ideally
+step(1) / N, and efficiency(N) = step(1) / (N x step(N)). Hidden share: of the collective engine's busy time,
+the part during which another engine or DMA queue is busy too.
+
+GPT-2-small: the zoo's GPT2 with width 768, 12 layers, 12 heads, context 1024, vocabulary 50304 (50257 padded to
+a multiple of 64, as nanoGPT does, so that 8 ranks divide it). --quick: 2 layers, 128 tokens.
+Nothing is asserted: it prints measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from neuronc.collective_cost import chip_layout
+from neuronc.isa import Engine
+
+FULL = dict(vocab=50304, width=768, layers=12, heads=12, context=1024)
+QUICK = dict(vocab=50304, width=768, layers=2, heads=12, context=1024)
+
+
+# ---- compiling one rank's training step ----------------------------------------------------------------------
+
+def _fake_outputs(gm):
+    """A function returning zeros shaped as ``gm``'s outputs (an argument it returns: itself): the compiled graphs
+    are timed, not run."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outputs = list(gm.graph.output_node().args[0])
+    given = {i: placeholders.index(o) for i, o in enumerate(outputs) if o in placeholders}
+    metas = [getattr(o, "meta", {}).get("val") if o is not None else None for o in outputs]
+
+    def run(args):  # a boxed call: one list of the arguments
+        return [args[given[i]] if i in given else None if m is None else torch.zeros(m.shape, dtype=m.dtype)
+                for i, m in enumerate(metas)]
+
+    run._boxed_call = True
+    return run
+
+
+def compile_step(model, inputs, target: str) -> list:
+    """The Compiled graphs (forward, backward, ...) of one training step of ``model`` on ``inputs``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from neuronc.compiler import CompileOptions, compile_fx
+    from neuronc.frontend.torch_import import decomposition_table
+
+    compiled, options = [], CompileOptions(target=target)
+
+    def compiler(gm, _inputs):
+        run = _fake_outputs(gm)
+        compiled.append(compile_fx(gm, options))
+        return run
+
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                                                     decompositions=decomposition_table()))
+    loss = step(*inputs)
+    loss.backward()
+    return compiled
+
+
+# ---- the strategies (DTensor parametrizations, as SimpleFSDP does) -------------------------------------------
+
+class _Gathered(torch.nn.Module):
+    """A parameter kept as a DTensor (sharded or replicated), used whole: redistributed to Replicate in the
+    computation's dtype; its gradient leaves as Partial and is reduced (reduce-scatter to the shard, or
+    all-reduce) in the reduction dtype."""
+
+    def __init__(self, param_dtype, reduce_dtype):
+        super().__init__()
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial, Replicate
+
+        return x.redistribute(placements=(Replicate(),), forward_dtype=self.param_dtype,
+                              backward_dtype=self.reduce_dtype).to_local(grad_placements=(Partial(),))
+
+
+def _data_parallel(model, mesh, shard: bool):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.nn.utils import parametrize
+
+    placement = Shard(0) if shard else Replicate()
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.data, mesh, [placement])))
+            parametrize.register_parametrization(module, name, _Gathered(torch.bfloat16, torch.float32),
+                                                 unsafe=True)
+    return model
+
+
+def _tensor_parallel(model, mesh):
+    from tests.parallel_training import _tensor_parallel as plan
+
+    model = plan(model.to(torch.bfloat16), mesh)
+    return model
+
+
+STRATEGIES = {
+    "dp": lambda model, mesh: _data_parallel(model, mesh, shard=False),
+    "fsdp": lambda model, mesh: _data_parallel(model, mesh, shard=True),
+    "tp": _tensor_parallel,
+}
+WEAK = {"dp", "fsdp"}
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, model, tp: bool):
+        super().__init__()
+        self.model, self.tp = model, tp
+
+    def forward(self, idx, targets):
+        if self.tp:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                return self.model(idx, targets)
+        return self.model(idx, targets)
+
+
+def step_graphs(strategy: str, ranks: int, config: dict, batch: int, seq: int, target: str) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.zoo import GPT2
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        mesh = init_device_mesh("cpu", (ranks,))
+        torch.manual_seed(0)
+        model = STRATEGIES[strategy](GPT2(**config), mesh)
+        if strategy == "tp":
+            model.head.weight = model.tokens.weight
+        generator = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, config["vocab"], (batch, seq), generator=generator)
+        return compile_step(_Loss(model, strategy == "tp"), (idx, idx.roll(-1, 1)), target)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- measuring the timeline -------------------------------------------------------------------------------
+
+def _union(spans: list) -> list:
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _overlap(a: list, b: list) -> float:
+    """Length of the intersection of two unions of intervals."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def measure(compiled: list, target: str) -> dict:
+    """Device time of the graphs run one after the other, and their collective engine's busy and hidden time."""
+    from runtime import NeuronCore
+
+    total = comm = hidden = 0.0
+    for c in compiled:
+        timeline = NeuronCore(target, check_uninitialised=False).load(c.neff).time()
+        collective = _union([(e.start_ns, e.end_ns) for e in timeline.events if e.stream[0] == Engine.COLLECTIVE])
+        compute = _union([(e.start_ns, e.end_ns) for e in timeline.events if e.stream[0] != Engine.COLLECTIVE])
+        total += timeline.estimated_ns
+        comm += sum(end - start for start, end in collective)
+        hidden += _overlap(collective, compute)
+    return {"graph_ns": total, "comm_ns": comm, "hidden_ns": hidden, "graphs": len(compiled)}
+
+
+def optimizer_ns(params_per_rank: int, target: str) -> float:
+    from neuronc.targets import get_target
+
+    return params_per_rank * 28 / get_target(target).hbm_gbps  # bytes / (GB/s) = ns
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--strategies", nargs="*", default=["dp", "fsdp", "tp"], choices=sorted(STRATEGIES))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank (dp, fsdp) or in all (tp)")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--target", default="trn2")
+    parser.add_argument("--quick", action="store_true", help="2 layers, 128 tokens: checks the script, not GPT-2")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("NEURON_CC_FLAGS", "--no_cache")
+    config, seq = (QUICK, 128) if args.quick else (FULL, args.seq)
+    from neuronc.targets import get_target
+    from tests.zoo import GPT2
+
+    params = sum(p.numel() for p in GPT2(**config).parameters())
+    print(f"GPT-2 {config['layers']} layers, width {config['width']}, vocabulary {config['vocab']}: {params / 1e6:.1f}M "
+          f"parameters; {args.batch} x {seq} tokens per rank (dp, fsdp) / in all (tp); "
+          f"target {args.target}, {get_target(args.target).cores_per_chip} cores per chip")
+    print(f"{'strategy':<8} {'ranks':>5} {'chips':>5} {'step ms':>9} {'comm ms':>8} {'hidden':>7} {'efficiency':>10} "
+          f"{'graphs':>6} {'compile s':>9}")
+    for strategy in args.strategies:
+        baseline = None
+        for ranks in args.ranks:
+            start = time.perf_counter()
+            compiled = step_graphs(strategy, ranks, config, args.batch, seq, args.target)
+            m = measure(compiled, args.target)
+            shard = ranks if strategy in ("fsdp", "tp") else 1
+            step = m["graph_ns"] + optimizer_ns(params // shard, args.target)
+            baseline = baseline or (step, ranks)
+            efficiency = baseline[0] / step if strategy in WEAK else baseline[0] * baseline[1] / (ranks * step)
+            hidden = m["hidden_ns"] / m["comm_ns"] if m["comm_ns"] else float("nan")
+            print(f"{strategy:<8} {ranks:>5} {chip_layout(ranks, get_target(args.target))[1]:>5} {step / 1e6:>9.3f} "
+                  f"{m['comm_ns'] / 1e6:>8.3f} {hidden:>7.1%} {efficiency:>10.3f} {m['graphs']:>6} "
+                  f"{time.perf_counter() - start:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

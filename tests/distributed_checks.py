@@ -1,0 +1,242 @@
+"""What one rank of the "neuron" process group observes in each scenario of tests/test_distributed.py:
+
+    python -m tests.distributed_checks collectives      # as each rank of a torchrun-style launch (2 ranks)
+
+Each scenario prints one JSON line of what it saw; the test compares the ranks' lines with what PyTorch computes
+on the CPU, and with the interconnect model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def collectives(rank: int, world: int, device) -> dict:
+    from neuronc.collective_cost import collective_ns
+    from neuronc.isa import CollectiveOp
+    from neuronc.targets import get_target
+
+    out = {"backend": dist.get_backend(), "group_name": dist.group.WORLD.group_name}
+    x = (torch.arange(6, dtype=torch.float32) + 10 * rank).to(device)
+    dist.all_reduce(x)
+    out["all_reduce"] = x.cpu().tolist()
+    m = torch.full((4,), float(rank + 2)).to(device)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out["all_reduce_max"] = m.cpu().tolist()
+    a = torch.full((4,), float(rank + 1)).to(device)
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    out["all_reduce_avg"] = a.cpu().tolist()
+    h = torch.full((3,), 1.0 + rank / 256, dtype=torch.bfloat16).to(device)
+    dist.all_reduce(h)
+    out["all_reduce_bf16"] = h.float().cpu().tolist()
+    b = torch.full((3,), float(rank), dtype=torch.bfloat16).to(device)
+    dist.broadcast(b, src=1)
+    out["broadcast_bf16"] = b.float().cpu().tolist()
+    gathered = [torch.empty(2).to(device) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)).to(device))
+    out["all_gather"] = [g.cpu().tolist() for g in gathered]
+    part = torch.empty(2).to(device)
+    dist.reduce_scatter_tensor(part, (torch.arange(4, dtype=torch.float32) * (rank + 1)).to(device))
+    out["reduce_scatter"] = part.cpu().tolist()
+    swapped = torch.empty(4).to(device)
+    dist.all_to_all_single(swapped, (torch.arange(4, dtype=torch.float32) + 10 * rank).to(device))
+    out["all_to_all"] = swapped.cpu().tolist()
+    message = torch.arange(5, dtype=torch.float32).to(device) if rank == 0 else torch.zeros(5).to(device)
+    dist.send(message, dst=1) if rank == 0 else dist.recv(message, src=0)
+    out["recv"] = message.cpu().tolist()
+
+    # the functional collectives (DTensor's, compiled graphs') and DeviceMesh / DTensor
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out["functional"] = funcol.all_reduce(torch.full((3,), rank + 1.0).to(device), "sum", dist.group.WORLD).cpu().tolist()
+    mesh = init_device_mesh("neuron", (world,))
+    out["mesh"] = [mesh.device_type, mesh.get_group().group_name != ""]
+    whole = torch.arange(8.0).reshape(4, 2)
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    out["shard"] = sharded.to_local().cpu().tolist()
+    out["replicated"] = sharded.redistribute(mesh, [Replicate()]).to_local().cpu().tolist()
+    out["local_device"] = str(sharded.to_local().device)
+
+    # the interconnect model on the emulated clock: a blocking all-reduce holds the current stream for the
+    # model's time; an async one overlaps with what the stream does before wait()
+    y = torch.randn(256, 64).to(device)
+    dist.all_reduce(y)  # the first call of each op compiles; time the second
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    dist.all_reduce(y)
+    end.record()
+    end.synchronize()
+    out["all_reduce_ns"] = start.elapsed_time(end) * 1e6
+    out["model_ns"] = collective_ns(CollectiveOp.ALL_REDUCE, y.numel() * 4, world, get_target("trn2"))
+    z = torch.randn(512, 512).to(device)
+    (z @ z).cpu()  # compiled once
+    start.record()
+    z @ z
+    end.record()
+    end.synchronize()
+    out["matmul_ns"] = start.elapsed_time(end) * 1e6
+    start.record()
+    work = dist.all_reduce(y, async_op=True)
+    z @ z
+    work.wait()
+    end.record()
+    end.synchronize()
+    out["overlapped_ns"] = start.elapsed_time(end) * 1e6
+
+    try:
+        dist.all_reduce(torch.zeros(4, 4).to(device).t())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["non_contiguous"] = _error(e)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    batch = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
+    ddp(batch[2 * rank:2 * rank + 2].to(device)).pow(2).sum().backward()
+    out["ddp_grads"] = [p.grad.cpu().tolist() for p in model.parameters()]
+    out["ddp_grad_device"] = str(model[0].weight.grad.device)
+    return out
+
+
+def mismatch(rank: int, world: int, device) -> dict:
+    """Ranks that disagree on a collective: every rank is told, and the group still works afterwards."""
+    out = {}
+    x = torch.ones(4 + rank).to(device)
+    try:
+        dist.all_reduce(x)
+    except Exception as e:  # noqa: BLE001
+        out["shape"] = _error(e)
+    out["untouched"] = x.cpu().tolist()
+    try:
+        dist.all_reduce(torch.ones(2).to(device)) if rank == 0 else dist.broadcast(torch.ones(2).to(device), src=0)
+    except Exception as e:  # noqa: BLE001
+        out["op"] = _error(e)
+    y = torch.ones(3, dtype=torch.float32 if rank == 0 else torch.bfloat16).to(device)
+    try:
+        dist.all_reduce(y)
+    except Exception as e:  # noqa: BLE001
+        out["dtype"] = _error(e)
+    z = torch.full((2,), rank + 1.0).to(device)
+    dist.all_reduce(z)
+    out["after"] = z.cpu().tolist()
+    return out
+
+
+def dead_rank(rank: int, world: int, device) -> dict:
+    """Rank 1 dies before the collective; rank 0 must fail, not hang."""
+    x = torch.ones(4).to(device)
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": _error(e), "seconds": time.monotonic() - start}
+
+
+def late_rank(rank: int, world: int, device) -> dict:
+    """Rank 1 reaches the collective after the group's timeout: rank 0 fails when it expires, rank 1 after."""
+    x = torch.ones(4).to(device)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(TIMEOUT_S * 2.5)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": _error(e), "seconds": time.monotonic() - start}
+
+
+def _train(model, forward, device, x, steps: int = 2) -> list:
+    """Losses of ``steps`` SGD steps of ``forward`` (the model, wrapped or compiled) on ``x``: the negative
+    log-likelihood of class 0 (gradients of order one, so that the steps move the parameters)."""
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False), []  # DTensor and Tensor parameters
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = -forward(x.to(device))[:, 0].log().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().float().cpu().item())
+    return losses
+
+
+def _params(model) -> list:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().tolist() for p in model.parameters()]
+
+
+def _mlp(device):
+    from tests import zoo
+
+    torch.manual_seed(0)
+    return zoo.MLP().to(device)
+
+
+def compiled(rank: int, world: int, device) -> dict:
+    """DDP, FSDP2 and tensor parallelism under torch.compile(backend="neuron") against the same in eager; for TP,
+    whether the compiled graphs hold collective instructions (the all-reduce of the row-wise layer). Data parallel
+    ranks train on batches of their own, tensor parallel ones on the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from neuronc.isa import Engine
+    from neuronc.pytorch import backend
+
+    mesh, out = init_device_mesh("neuron", (world,)), {}
+    for name in ("ddp", "fsdp2", "tp"):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0 if name == "tp" else 1 + rank))
+        runs = []
+        for compile_it in (False, True):
+            model = _mlp(device)
+            if name == "ddp":
+                forward = torch.nn.parallel.DistributedDataParallel(model)
+            elif name == "fsdp2":
+                for layer in (model.fc1, model.fc2, model.fc3):
+                    fully_shard(layer, mesh=mesh)
+                forward = fully_shard(model, mesh=mesh)
+            else:
+                forward = parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            before = len(backend.compiled_graphs)
+            if compile_it:
+                torch._dynamo.reset()
+                forward = torch.compile(forward, backend="neuron")
+            runs.append({"losses": _train(model, forward, device, x), "params": _params(model),
+                         "graphs": len(backend.compiled_graphs) - before,
+                         "collective_instructions": sum(len(s) for f in backend.compiled_graphs[before:]
+                                                        for (e, _), s in f.compiled.neff.streams.items()
+                                                        if e == Engine.COLLECTIVE)})
+        out[name] = {"eager": runs[0], "compiled": runs[1]}
+    return out
+
+
+TIMEOUT_S = 3
+SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
+
+
+def main(name: str) -> None:
+    timeout = timedelta(seconds=TIMEOUT_S) if name in ("dead_rank", "late_rank") else timedelta(minutes=10)
+    dist.init_process_group("neuron", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("neuron", rank % torch.neuron.device_count())
+    torch.neuron.set_device(device.index)
+    print(json.dumps(SCENARIOS[name](rank, world, device)), flush=True)
+    os._exit(0)  # not destroy_process_group: in the failure scenarios the group is broken
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

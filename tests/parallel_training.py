@@ -1,0 +1,284 @@
+"""The zoo's GPT-2 trained with AdamW by one rank of a parallel run on `neuron` tensors, or by one process on the
+whole batch on the CPU (the reference): the rank program of tests/test_parallel_training.py.
+
+    python -m tests.parallel_training ddp fsdp2 tp pp_1f1b      # as each rank of a torchrun-style launch
+
+Each rank runs the named configurations one after the other in one process group (so the device programs the
+first compiles serve the others) and prints one JSON line: per configuration, the loss of every step (the mean
+over the whole batch) and every parameter after the last step, whole (gathered from the shards or stages).
+
+The model is small (2 layers, width 16, 8 tokens of a 32-word vocabulary, a batch of 4 sequences) and AdamW's
+eps is 1e-4: the gradient of attention's key bias is zero in exact arithmetic (softmax ignores a per-row shift),
+and what autograd computes is rounding noise that a small eps would turn into full steps of arbitrary sign, as
+tests/test_device.py explains; a larger eps keeps the comparison about the computation.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests import zoo
+
+CONFIG = dict(vocab=32, width=16, layers=2, heads=2, context=8)
+BATCH, STEPS = 4, 5
+
+
+def data() -> tuple:
+    generator = torch.Generator().manual_seed(1)
+    shape = (BATCH, CONFIG["context"])
+    return (torch.randint(0, CONFIG["vocab"], shape, generator=generator),
+            torch.randint(0, CONFIG["vocab"], shape, generator=generator))
+
+
+def model() -> zoo.GPT2:
+    torch.manual_seed(0)
+    return zoo.GPT2(**CONFIG)
+
+
+def optimizer(parameters, **options) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameters, lr=1e-2, eps=1e-4, **options)
+
+
+def reference() -> dict:
+    """One process, the whole batch, on the CPU."""
+    m, (idx, targets) = model(), data()
+    opt, losses = optimizer(m.parameters()), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = m(idx, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach() for k, v in m.named_parameters()}}
+
+
+def _whole(p: torch.Tensor) -> list:
+    p = p.detach()
+    p = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return p.float().cpu().tolist()
+
+
+def _mean_over(value: torch.Tensor, group=None) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=group)
+    return value.item()
+
+
+def _on_device(m, device):
+    m = m.to(device)
+    m.head.weight = m.tokens.weight  # .to() of a PrivateUse1 module makes new Parameters: tie them again
+    return m
+
+
+def _data_parallel_loop(m, forward, device, rank: int, ranks: int, opt) -> list:
+    idx, targets = data()
+    per, losses = BATCH // ranks, []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with device:  # GPT2.forward makes its positions with torch.arange
+            loss = forward(idx[rank * per:(rank + 1) * per].to(device), targets[rank * per:(rank + 1) * per].to(device))
+        loss.backward()
+        opt.step()
+        losses.append(_mean_over(loss))
+    return losses
+
+
+def ddp(device, rank: int, ranks: int) -> dict:
+    m = _on_device(model(), device)
+    wrapped = torch.nn.parallel.DistributedDataParallel(m)
+    losses = _data_parallel_loop(m, wrapped, device, rank, ranks, optimizer(m.parameters()))
+    return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}}
+
+
+def _fsdp2(device, rank: int, ranks: int, mixed: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("neuron", (ranks,))
+    m = _on_device(model(), device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else \
+        MixedPrecisionPolicy()
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(m, mesh=mesh, mp_policy=policy)
+    losses = _data_parallel_loop(m, m, device, rank, ranks, optimizer(m.parameters()))
+    return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}}
+
+
+def fsdp2(device, rank: int, ranks: int) -> dict:
+    return _fsdp2(device, rank, ranks, mixed=False)
+
+
+def fsdp2_bf16(device, rank: int, ranks: int) -> dict:
+    return _fsdp2(device, rank, ranks, mixed=True)
+
+
+def tensor_parallel_plan(m) -> dict:
+    """Megatron-style tensor parallelism with sequence parallelism for the zoo's GPT-2: the vocabulary-sharded
+    embedding and head (tied: one Shard(0) weight) with loss_parallel, each MLP column- then row-wise, the layer
+    norms sequence-parallel; attention (its heads come from the width) computed whole on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    plan = {
+        "tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "positions": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
+                                         use_local_output=True),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(m.blocks)):
+        plan.update({
+            f"blocks.{i}.ln1": SequenceParallel(),
+            f"blocks.{i}.attn": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+            f"blocks.{i}.ln2": SequenceParallel(),
+            f"blocks.{i}.mlp.0": ColwiseParallel(input_layouts=Shard(1)),
+            f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def _tensor_parallel(m, mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(m, mesh, tensor_parallel_plan(m))
+    m.head.weight = m.tokens.weight  # one vocabulary-sharded weight for both
+    return m
+
+
+def _loss_parallel_loop(m, device, idx, targets, opt) -> list:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with device, loss_parallel():
+            loss = m(idx.to(device), targets.to(device))
+            loss.backward()
+        opt.step()
+        losses.append(loss.full_tensor())
+    return losses
+
+
+def tp(device, rank: int, ranks: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = _tensor_parallel(_on_device(model(), device), init_device_mesh("neuron", (ranks,)))
+    # foreach AdamW (the default on an accelerator) refuses a mix of DTensor and plain parameters (attention's)
+    losses = _loss_parallel_loop(m, device, *data(), optimizer(m.parameters(), foreach=False))
+    return {"losses": [loss.item() for loss in losses], "params": {k: _whole(v) for k, v in m.named_parameters()}}
+
+
+def fsdp2_tp(device, rank: int, ranks: int) -> dict:
+    """FSDP2 over the first dimension of a 2 x (ranks/2) mesh, tensor parallelism over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("neuron", (2, ranks // 2), mesh_dim_names=("dp", "tp"))
+    m = _tensor_parallel(_on_device(model(), device), mesh["tp"])
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    idx, targets = data()
+    dp, per = mesh["dp"].get_local_rank(), BATCH // 2
+    losses = _loss_parallel_loop(m, device, idx[dp * per:(dp + 1) * per], targets[dp * per:(dp + 1) * per],
+                                 optimizer(m.parameters(), foreach=False))
+    return {"losses": [_mean_over(loss, mesh["dp"].get_group()) for loss in losses],
+            "params": {k: _whole(v) for k, v in m.named_parameters()}}
+
+
+class _FirstStage(torch.nn.Module):
+    """Embeddings and the first block."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.tokens, self.positions, self.block = m.tokens, m.positions, m.blocks[0]
+
+    def forward(self, idx):
+        return self.block(self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device)))
+
+
+class _LastStage(torch.nn.Module):
+    """The second block, the final norm and the head (its own copy of the tied weight)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.block, self.ln_f = m.blocks[1], m.ln_f
+        self.head = torch.nn.Linear(CONFIG["width"], CONFIG["vocab"], bias=False)
+        self.head.weight = torch.nn.Parameter(m.tokens.weight.detach().clone())
+
+    def forward(self, x):
+        return self.head(self.ln_f(self.block(x)))
+
+
+_STAGE_NAMES = ({"tokens.": "tokens.", "positions.": "positions.", "block.": "blocks.0."},
+                {"block.": "blocks.1.", "ln_f.": "ln_f.", "head.": "tokens."})
+
+
+def _pipeline(device, rank: int, ranks: int, schedule_class) -> dict:
+    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``. The embedding and the head share
+    one weight across the stages: each stage keeps a copy and their gradients are summed before the step (as
+    Megatron does)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stage_module = (_FirstStage if rank == 0 else _LastStage)(model()).to(device)
+    stage = PipelineStage(stage_module, rank, ranks, device)
+    schedule = schedule_class(stage, n_microbatches=2,
+                              loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    tied = stage_module.tokens.weight if rank == 0 else stage_module.head.weight
+    opt, (idx, targets), losses = optimizer(stage_module.parameters()), data(), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with device:
+            if rank == 0:
+                schedule.step(idx.to(device))
+                loss = torch.zeros((), device=device)
+            else:
+                per_microbatch = []
+                schedule.step(target=targets.to(device), losses=per_microbatch)
+                loss = torch.stack(per_microbatch).mean().detach()
+        dist.all_reduce(tied.grad)
+        opt.step()
+        dist.broadcast(loss, src=ranks - 1)
+        losses.append(loss.item())
+    params = {}
+    for name, value in stage_module.named_parameters():
+        prefix = next(p for p in _STAGE_NAMES[rank] if name.startswith(p))
+        params[_STAGE_NAMES[rank][prefix] + name[len(prefix):]] = _whole(value)
+    return {"losses": losses, "params": params}
+
+
+def pp_1f1b(device, rank: int, ranks: int) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return _pipeline(device, rank, ranks, Schedule1F1B)
+
+
+def pp_gpipe(device, rank: int, ranks: int) -> dict:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    return _pipeline(device, rank, ranks, ScheduleGPipe)
+
+
+CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b, pp_gpipe)}
+
+
+def main(names: list) -> None:
+    dist.init_process_group("neuron")
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("neuron", rank % torch.neuron.device_count())
+    torch.neuron.set_device(device.index)
+    results = {name: CONFIGURATIONS[name](device, rank, ranks) for name in names}
+    dist.destroy_process_group()
+    print(json.dumps({"rank": rank, **results}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
