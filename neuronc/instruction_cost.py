@@ -4,13 +4,16 @@ and the compiler's cost model, so the estimate the compiler optimises is the tim
 Every number comes from the :class:`~neuronc.targets.Target`; the rules are the instruction-level
 rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
 
-* DMA_COPY — "about 600 ns per DMA issue" plus the bytes moved at one DMA queue's bandwidth
-  ("16 engines, ~27 GiB/s each"). Bandwidth is halved when either operand's innermost dimension is
-  not element-contiguous (TRAINIUM.md: "an innermost stride above 16 bytes halves bandwidth"; we
-  take any non-unit element stride, which is what the DMA descriptors see as a gather/scatter).
-* DMA_GATHER / DMA_SCATTER — an indirect DMA: one issue, and its bytes at half a queue's bandwidth since
-  the rows come from (or go to) scattered addresses, as a strided DMA; a scatter that adds moves each
-  row twice (read, then write).
+* DMA_COPY — the fixed cost of every DMA transfer (``Target.dma_fixed_ns``: descriptor setup, synchronisation,
+  semaphore-to-start latency, ~1300 ns; descriptors precomputed, see targets.py) plus the bytes moved at one DMA
+  engine's achievable rate (``dma_gbps_per_queue``: 17 / 23 / 33 B/ns on trn1 / trn2 / trn3), scaled by the
+  payload curve (:func:`payload_efficiency`: a transfer moving few bytes per partition runs far below the rate).
+  Bandwidth is halved when either operand's innermost dimension is not element-contiguous (TRAINIUM.md: "an
+  innermost stride above 16 bytes halves bandwidth"; we take any non-unit element stride, which is what the
+  DMA descriptors see as a gather/scatter).
+* DMA_GATHER / DMA_SCATTER — an indirect DMA: the fixed cost, and its bytes at half a queue's bandwidth since
+  the rows come from (or go to) scattered addresses, as a strided DMA, scaled by the payload curve of a row;
+  a scatter that adds moves each row twice (read, then write).
 * MATMUL — "initiation interval about max(N, 64) cycles" of the Tensor engine clock, N being the
   moving operand's free size; "fp32 operands run at 1/4 of the bf16 rate".
 * Vector / Scalar / GpSimd — "about N cycles for N elements per partition with one input, about 2N
@@ -26,8 +29,9 @@ value (a [p, 1] tile read with stride 0 along the free axes, NKI's tensor_scalar
 streamed, and a source read twice (as both operands) is streamed once.
 
 The DMA queues share the core's HBM: :class:`HbmChannel` serves every transfer's HBM bytes at the core's
-HBM bandwidth ("HBM per core: divide the chip figure by the cores"), in order of their starts, so 16
-queues at ~29 GB/s each do not move more than the ~362 GB/s a trn2 core has. A transfer ends when both
+sustained HBM bandwidth (``Target.hbm_sustained_gbps``: "HBM per core: divide the chip figure by the cores",
+times the sustained fraction), in order of their starts, so 16 queues at 23 GB/s each do not move more than
+the ~326 GB/s a trn2 core sustains. A transfer ends when both
 its queue and its share of the channel are done. The runtime's clock and the cost model's replay both
 take their DMA ends from it.
 
@@ -52,16 +56,34 @@ def _contiguous(ap) -> bool:
     return stride == 1 or size == 1
 
 
-def dma_transfer_ns(nbytes: int, contiguous: bool, target: Target) -> float:
-    """One DMA on one queue: its issue, then its bytes at the queue's bandwidth (half when strided)."""
-    bytes_per_ns = target.dma_gbps_per_queue / (1 if contiguous else 2)  # 1 GB/s is 1 byte/ns
-    return target.dma_fixed_ns + nbytes / bytes_per_ns
+def payload_efficiency(bytes_per_partition: float, target: Target) -> float:
+    """The fraction of a DMA engine's achievable rate a transfer of ``bytes_per_partition`` per partition gets:
+    b / (b + half), normalised to 1 at the efficient payload (4 KiB) and above (targets.py: the payload curve)."""
+    half, full = target.dma_half_rate_bytes, target.dma_efficient_bytes_per_partition
+    if bytes_per_partition >= full:
+        return 1.0
+    b = max(bytes_per_partition, 1.0)
+    return (b / (b + half)) / (full / (full + half))
+
+
+def dma_transfer_ns(nbytes: float, contiguous: bool, target: Target, partitions: int | None = None) -> float:
+    """One DMA on one queue: its fixed cost, then its bytes at the queue's rate (half when strided), scaled by the
+    payload curve of its bytes per partition (``partitions``: the rows it spans; default all of the target's)."""
+    per_partition = nbytes / max(1, partitions or target.partitions)
+    bytes_per_ns = target.dma_gbps_per_queue / (1 if contiguous else 2) * payload_efficiency(per_partition, target)
+    return target.dma_fixed_ns + nbytes / bytes_per_ns  # 1 GB/s is 1 byte/ns
+
+
+def dma_partitions(instr: Instruction) -> int:
+    """The partitions (rows) a DMA's payload is spread over: its on-chip side's, or its destination's outer dim."""
+    side = next((ap for ap in instr.operands[:2] if ap.space != Space.HBM), instr.dst)
+    return side.dims[0][1] if side.dims else 1
 
 
 def _dma_ns(instr: Instruction, target: Target) -> float:
     src = instr.srcs[0]
     return dma_transfer_ns(src.num_elements * src.dtype.itemsize, all(_contiguous(ap) for ap in instr.operands),
-                           target)
+                           target, dma_partitions(instr))
 
 
 def matmul_pass_ns(moving_free: int, fp32: bool, target: Target) -> float:
@@ -140,14 +162,23 @@ def _collective_ns(instr: Instruction, target: Target) -> float:
 
 
 def _indirect_ns(instr: Instruction, target: Target) -> float:
-    """An indirect DMA: one issue, rows moved to or from scattered addresses (half bandwidth); a scatter
-    that adds reads each row before writing it (twice the traffic)."""
+    """An indirect DMA: its fixed cost, rows moved to or from scattered addresses (half bandwidth, the payload
+    curve of the rows); a scatter that adds reads each row before writing it (twice the traffic)."""
     traffic = 2 if instr.alu == AluOp.ADD else 1
-    return target.dma_fixed_ns + traffic * transfer_bytes(instr) / (target.dma_gbps_per_queue / 2)
+    return dma_transfer_ns(traffic * transfer_bytes(instr), False, target, traffic * dma_partitions(instr))
 
 
 _COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,
          Opcode.DMA_SCATTER: _indirect_ns, **{op: _collective_ns for op in COLLECTIVES}}
+
+
+def start_latency_ns(instr: Instruction, target: Target) -> float:
+    """The leading part of ``instr``'s duration before its data moves, which a DMA queue overlaps with the previous
+    transfer's data (stream_timing): a DMA's fixed cost (descriptor setup, synchronisation, semaphore-to-start
+    latency); 0 for compute instructions. A stated choice: the docs say small transfers are bound by this per-transfer
+    overhead and >= 4 KiB per partition saturate an engine at its rate, which holds only if a queue prepares its next
+    transfer while one moves data; we let it prepare one transfer ahead."""
+    return target.dma_fixed_ns if instr.engine == Engine.DMA else 0.0
 
 
 def instruction_cost_ns(instr: Instruction, target: Target) -> float:
@@ -157,7 +188,7 @@ def instruction_cost_ns(instr: Instruction, target: Target) -> float:
 
 def copy_ns(nbytes: int, target: Target) -> float:
     """Estimated duration of moving ``nbytes`` to or from one NeuronCore's HBM with all its DMA queues."""
-    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
+    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_sustained_gbps)
     return target.dma_fixed_ns + nbytes / bytes_per_ns
 
 
@@ -167,13 +198,14 @@ class HbmChannel:
     when its data can first flow (its issue cost paid) or when the channel frees, whichever is later."""
 
     def __init__(self, target: Target):
-        self.gbps, self.issue_ns = target.hbm_gbps, target.dma_fixed_ns
+        self.gbps, self.issue_ns = target.hbm_sustained_gbps, target.dma_fixed_ns
         self.free_at = 0.0
 
-    def end(self, start: float, duration: float, nbytes: int) -> float:
+    def end(self, start: float, duration: float, nbytes: int, lead: float | None = None) -> float:
         """When a transfer of ``nbytes`` HBM bytes that starts at ``start`` and alone would last
-        ``duration`` ends."""
+        ``duration`` ends; its data flows ``lead`` ns after its start (default: its whole fixed cost)."""
         if not nbytes:
             return start + duration
-        self.free_at = max(self.free_at, start + self.issue_ns) + nbytes / self.gbps  # bytes / (GB/s) = ns
+        lead = self.issue_ns if lead is None else lead
+        self.free_at = max(self.free_at, start + lead) + nbytes / self.gbps  # bytes / (GB/s) = ns
         return max(start + duration, self.free_at)

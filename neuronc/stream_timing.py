@@ -12,7 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns
+from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns, start_latency_ns
+from neuronc.parallel_access import ports
 from neuronc.targets import Target
 
 COMPLETE, START = 0, 1  # phases of an instruction; at equal times completions go first
@@ -24,15 +25,24 @@ def stream_order(streams: dict) -> list:
     return sorted(set(streams) | waited)
 
 
-def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> Iterator[tuple]:
+def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, ports: list | None = None,
+             latencies: list | None = None) -> Iterator[tuple]:
     """(phase, stream, index, time) of every start and completion, in the order they happen.
 
     Per stream number s: ``durations[s][i]`` the ns instruction i takes alone, ``waits[s][i]`` its
-    ((stream, count), ...) semaphore waits, ``hbm_bytes[s][i]`` the HBM bytes it moves. Stops early, with
-    instructions left, when the streams deadlock (the caller sees it in what completed)."""
+    ((stream, count), ...) semaphore waits, ``hbm_bytes[s][i]`` the HBM bytes it moves, ``ports[s][i]`` the
+    memory ports it holds while it runs (neuronc.parallel_access: an instruction ready while another holds one of
+    its ports starts when that one ends), ``latencies[s][i]`` the leading part of its duration before its data
+    moves (a DMA's fixed cost, instruction_cost.start_latency_ns): it runs from when its waits are met and the
+    previous instruction of its stream moves data, so a queue prepares its next transfer while one moves data
+    (only what is left of it when the instruction starts counts). Stops early, with instructions left, when
+    the streams deadlock (the caller sees it in what completed)."""
     n = len(durations)
+    held: dict = {}  # port -> when the instruction holding it ends
     done = [0] * n  # completed instructions per stream: its semaphore
     ends = [[] for _ in range(n)]  # completion time of each completed instruction per stream
+    moving = [0.0] * n  # when the last started instruction of each stream began moving data
+    ready = [0.0] * n  # when the waits of each stream's next instruction were met
     blocked_on = [[] for _ in range(n)]  # streams whose next instruction waits for this stream
     agenda = []  # heap of (time, phase, stream)
     hbm = HbmChannel(target)
@@ -41,22 +51,39 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> I
         if done[s] == len(durations[s]):
             return
         start = ends[s][-1] if ends[s] else 0.0
+        met = 0.0
         for t, count in waits[s][done[s]]:
             if done[t] < count:
                 blocked_on[t].append(s)
                 return
             if count > 0:
-                start = max(start, ends[t][count - 1])
-        heapq.heappush(agenda, (start, START, s))
+                met = max(met, ends[t][count - 1])
+        ready[s] = met
+        heapq.heappush(agenda, (max(start, met), START, s))
 
     for s in range(n):
         schedule(s)
     while agenda:
         time, phase, s = heapq.heappop(agenda)
         i = done[s]
+        if phase == START and ports is not None and ports[s][i]:
+            free_at = max(held.get(port, 0.0) for port in ports[s][i])
+            if free_at > time:  # a port is taken: try again when it frees
+                heapq.heappush(agenda, (free_at, START, s))
+                continue
         yield phase, s, i, time
         if phase == START:
-            heapq.heappush(agenda, (hbm.end(time, durations[s][i], hbm_bytes[s][i]), COMPLETE, s))
+            duration, lead = durations[s][i], 0.0
+            if latencies is not None and latencies[s][i]:
+                latency = latencies[s][i]
+                lead = max(0.0, max(ready[s], moving[s] if i else 0.0) + latency - time)  # what is left of it
+                duration -= latency - lead
+            moving[s] = time + lead
+            end = hbm.end(time, duration, hbm_bytes[s][i], lead)
+            if ports is not None:
+                for port in ports[s][i]:
+                    held[port] = end
+            heapq.heappush(agenda, (end, COMPLETE, s))
             continue
         ends[s].append(time)
         done[s] += 1
@@ -77,7 +104,9 @@ def replay(streams: dict, target: Target) -> Iterator[tuple]:
     for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
                                           [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
                                             for i in stream] for stream in lists],
-                                          [[hbm_bytes(i, target) for i in stream] for stream in lists], target):
+                                          [[hbm_bytes(i, target) for i in stream] for stream in lists], target,
+                                          [[ports(i, target) for i in stream] for stream in lists],
+                                          [[start_latency_ns(i, target) for i in stream] for stream in lists]):
         if phase == START:
             started[s] = time
         else:

@@ -46,11 +46,38 @@ class Target:
     onchip_access_cycles: int  # extra cycles to reach SBUF/PSUM
     # Memory system (per NeuronCore).
     hbm_bytes: int
-    hbm_gbps: float  # GB/s available to one NeuronCore
+    hbm_gbps: float  # GB/s peak available to one NeuronCore (the roofline's bound)
+    # Fraction of the peak HBM bandwidth sustained by streaming DMA traffic. A stated choice: the docs give no
+    # figure; the NKI performance guide (nki/deep-dives/nki_perf_guide.rst) calls a sustained utilisation of
+    # 60%+ good and tells kernel writers not to expect 100%. We take 0.9, the typical streaming efficiency of
+    # HBM (refresh, bank and read/write turnaround losses), so the model never assumes the peak is sustained;
+    # the 60% is a whole-kernel utilisation the model's idle gaps already produce on their own.
+    hbm_sustained_fraction: float
     dma_queues: int
+    # Achievable rate of one DMA engine with >= 4 KiB contiguous per partition, bytes/ns (= GB/s):
+    # nki/deep-dives/nki-dma-bandwidth-guide.rst, "BW / Engine": trn1 17, trn2 23, trn3 33 (aggregate 272 / 368 /
+    # 528 GB/s per NeuronCore). nki-dma-overview's 27.2 (v2, v3) and 38.4 GB/s (v4) are theoretical, not used.
     dma_gbps_per_queue: float
-    dma_fixed_ns: float  # cost of issuing one DMA
+    # Fixed cost of every DMA transfer: "descriptor setup, synchronization, and semaphore-to-start latency
+    # (~1300 ns cross-engine)" (nki-dma-bandwidth-guide.rst). neuronc's programs have static shapes, so their
+    # descriptors are precomputed in HBM before execution (NKI's dge_mode "none"): no DMA instruction generates
+    # descriptors at run time, so neither the hardware DGE's ~600 ns per instruction (two DGE instances per
+    # NeuronCore-v3, nki-dge.rst) nor GpSimd's software DGE is charged; indirect DMAs (gather/scatter), the only
+    # case needing software descriptors on hardware, pay the same fixed cost (their rows are addressed by
+    # precomputed index tiles). A queue runs one transfer at a time, so the latency occupies it.
+    dma_fixed_ns: float
+    # The payload curve (nki-dma-bandwidth-guide.rst): < 256 B per partition severely overhead-bound, 256 B - 2 KiB
+    # improving, >= 2 KiB approaching peak, >= 4 KiB saturating (dma_efficient_bytes_per_partition). The docs give
+    # no formula: we take a transfer of b bytes per partition at b / (b + dma_half_rate_bytes) of the rate,
+    # normalised to 1 at 4 KiB (so 256 B runs at 53%, 64 B at 21%, 2 KiB at 94%).
+    dma_half_rate_bytes: int
     dma_efficient_bytes_per_partition: int
+    # Memory ports (TRAINIUM.md "Corrections and additions", from aws-neuron-sdk
+    # nki/guides/architecture/trainium2_arch.rst): NeuronCore-v2 (trn1) "Vector and GpSimd cannot access SBUF in
+    # parallel; Vector and Scalar cannot access PSUM in parallel"; NeuronCore-v3 lifts both, Vector and Scalar
+    # reading PSUM in parallel "if they use different banks". neuronc.parallel_access turns these into ports.
+    vector_gpsimd_exclusive_sbuf: bool
+    vector_scalar_exclusive_psum: bool
     # Chip.
     cores_per_chip: int
     neff_load_ns: float  # one-off start-up cost of a NEFF's first execution
@@ -67,6 +94,11 @@ class Target:
     @property
     def sbuf_bytes(self) -> int:
         return self.partitions * self.sbuf_bytes_per_partition
+
+    @property
+    def hbm_sustained_gbps(self) -> float:
+        """The HBM bandwidth DMA traffic gets (GB/s): the peak times the sustained fraction."""
+        return self.hbm_gbps * self.hbm_sustained_fraction
 
     @property
     def psum_bank_bytes(self) -> int:
@@ -87,7 +119,9 @@ _COMMON = dict(
     elementwise_fixed_cycles=100,
     onchip_access_cycles=60,
     dma_efficient_bytes_per_partition=4 * KIB,
-    dma_fixed_ns=600.0,
+    dma_half_rate_bytes=256,
+    dma_fixed_ns=1300.0,
+    hbm_sustained_fraction=0.9,
     neff_load_ns=1_000_000.0,
     collective_hop_ns=2000.0,
 )
@@ -106,7 +140,9 @@ TARGETS = {
         hbm_bytes=32 * GIB // 2,
         hbm_gbps=820.0 / 2,
         dma_queues=16,
-        dma_gbps_per_queue=27.0 * GIB / 1e9,
+        dma_gbps_per_queue=17.0,
+        vector_gpsimd_exclusive_sbuf=True,
+        vector_scalar_exclusive_psum=True,
         cores_per_chip=2,
         # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
         # trn1-arch.rst, the instance table's NeuronLink column)
@@ -127,7 +163,9 @@ TARGETS = {
         hbm_bytes=96 * GIB // 8,
         hbm_gbps=2900.0 / 8,
         dma_queues=16,
-        dma_gbps_per_queue=27.0 * GIB / 1e9,
+        dma_gbps_per_queue=23.0,
+        vector_gpsimd_exclusive_sbuf=False,
+        vector_scalar_exclusive_psum=False,
         cores_per_chip=8,
         # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
         # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
@@ -149,7 +187,9 @@ TARGETS = {
         hbm_bytes=144 * GIB // 8,
         hbm_gbps=4900.0 / 8,
         dma_queues=16,
-        dma_gbps_per_queue=27.0 * GIB / 1e9,
+        dma_gbps_per_queue=33.0,
+        vector_gpsimd_exclusive_sbuf=False,
+        vector_scalar_exclusive_psum=False,
         cores_per_chip=8,
         # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
         # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.

@@ -53,10 +53,11 @@ import numpy as np
 
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
-from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
+from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
+from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
@@ -83,6 +84,8 @@ class _Instr(NamedTuple):
     waits: tuple  # ((stream number, count), ...)
     reads: tuple  # positions of the operands it reads
     hbm_bytes: int
+    ports: tuple  # the memory ports it holds while it runs (neuronc.parallel_access)
+    latency_ns: float  # the leading part of its duration a DMA queue overlaps (instruction_cost.start_latency_ns)
 
     @property
     def key(self) -> tuple:
@@ -289,7 +292,8 @@ class LoadedProgram:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
                       tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
-                      hbm_bytes(instr, self.core.target))
+                      hbm_bytes(instr, self.core.target), ports(instr, self.core.target),
+                      start_latency_ns(instr, self.core.target))
 
     def _schedule(self) -> tuple:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
@@ -300,7 +304,9 @@ class LoadedProgram:
         order, events = [], []
         for phase, s, index, time in simulate([[i.duration_ns for i in stream] for stream in instrs],
                                               [[i.waits for i in stream] for stream in instrs],
-                                              [[i.hbm_bytes for i in stream] for stream in instrs], self.core.target):
+                                              [[i.hbm_bytes for i in stream] for stream in instrs], self.core.target,
+                                              [[i.ports for i in stream] for stream in instrs],
+                                              [[i.latency_ns for i in stream] for stream in instrs]):
             order.append((phase, s, index))
             if phase == START:
                 started[s] = time

@@ -497,11 +497,14 @@ ENGINES = {
                                                                Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2)},
 }
 
-# Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip.
+# Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip, but GpSimd
+# never reaches PSUM (TRAINIUM.md, "Corrections and additions": "GpSimd cannot access PSUM"; aws-neuron-sdk
+# nki/guides/architecture/trainium2_arch.rst): an instruction with a PSUM operand runs on Vector or Scalar.
 SPACES = {
     Engine.DMA: frozenset({Space.HBM, Space.SBUF}),
     Engine.COLLECTIVE: frozenset({Space.HBM}),
-    **{e: frozenset({Space.SBUF, Space.PSUM}) for e in (Engine.TENSOR, *_ELEMENTWISE_ENGINES)},
+    Engine.GPSIMD: frozenset({Space.SBUF}),
+    **{e: frozenset({Space.SBUF, Space.PSUM}) for e in (Engine.TENSOR, Engine.VECTOR, Engine.SCALAR)},
 }
 
 
@@ -744,7 +747,9 @@ def check(instr: Instruction, target: Target) -> None:
                   f"each byte at most once, and an indirect DMA's table holds each row once")
     for i, ap in enumerate(instr.operands):
         if ap.space not in SPACES[instr.engine]:
-            _fail(f"operand {i} is in {ap.space.name}, which the {instr.engine.name} engine cannot reach")
+            _fail(f"operand {i} is in {ap.space.name}, which the {instr.engine.name} engine cannot reach",
+                  hint="place the instruction on an engine that reaches " + ap.space.name + " ("
+                  + ", ".join(sorted(e.name for e in ENGINES[instr.opcode] if ap.space in SPACES[e])) + ")")
         if ap.space == Space.HBM or not ap.dims:
             continue
         if ap.partitions > target.partitions:

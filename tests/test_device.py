@@ -502,7 +502,7 @@ def test_copies_last_the_dma_time_of_their_bytes_on_the_stream(neuron):
     """Host to device, device to device and device to host: one DMA issue and the bytes over every DMA queue,
     at most the HBM bandwidth (targets.py)."""
     target = core(0).target
-    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_gbps)
+    bytes_per_ns = min(target.dma_queues * target.dma_gbps_per_queue, target.hbm_sustained_gbps)
     for rows in (64, 256):
         host = torch.randn(rows, 256)
         nbytes = host.numel() * 4

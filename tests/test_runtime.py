@@ -272,23 +272,24 @@ def test_unloading_or_dropping_a_program_frees_its_hbm():
 
 
 def _parallel_loads(queues: int) -> Neff:
-    """`queues` DMA queues each loading 64 KiB from HBM into SBUF at the same time."""
+    """`queues` DMA queues each loading 512 KiB (4 KiB per partition) from HBM into SBUF at the same time."""
     p = Program()
-    x = p.tensor("x", TensorKind.INPUT, (queues * 128, 128))
+    x = p.tensor("x", TensorKind.INPUT, (queues * 128, 1024))
     for q in range(queues):
-        rows = AccessPattern(Space.HBM, DType.F32, x.offset + q * 128 * 128 * 4, ((128, 128), (1, 128)))
-        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 128), offset=q * 512), rows, queue=q)
+        rows = AccessPattern(Space.HBM, DType.F32, x.offset + q * 128 * 1024 * 4, ((1024, 128), (1, 1024)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 1024), offset=q * 4096), rows, queue=q)
     return p.neff()
 
 
 def test_dma_queues_together_move_no_more_than_the_cores_hbm_bandwidth(core):
     target = core.target
-    nbytes = 128 * 128 * 4
+    nbytes = 128 * 1024 * 4
     one = core.load(_parallel_loads(1)).time().estimated_ns
     assert one == pytest.approx(target.dma_fixed_ns + nbytes / target.dma_gbps_per_queue)  # a queue's own rate
     every = core.load(_parallel_loads(target.dma_queues))
-    assert target.dma_queues * target.dma_gbps_per_queue > target.hbm_gbps  # so the queues contend
-    assert every.time().estimated_ns == pytest.approx(target.dma_fixed_ns + target.dma_queues * nbytes / target.hbm_gbps)
+    assert target.dma_queues * target.dma_gbps_per_queue > target.hbm_sustained_gbps  # so the queues contend
+    assert every.time().estimated_ns == pytest.approx(
+        target.dma_fixed_ns + target.dma_queues * nbytes / target.hbm_sustained_gbps)
     neff = _parallel_loads(target.dma_queues)
     assert estimate_streams(neff.streams, target)[0] == every.time().estimated_ns  # the cost model agrees
 
@@ -838,11 +839,11 @@ def test_timeline_durations_follow_the_cost_rules():
 
 
 def test_dma_with_a_strided_innermost_dim_runs_at_half_bandwidth():
-    contiguous = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 256)), chip((128, 256), offset=4096)))
-    strided = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 256)), AccessPattern(
-        Space.SBUF, DType.F32, 4096, ((1, 128), (2, 256)))))
+    contiguous = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 1024)), chip((128, 1024), offset=4096)))
+    strided = Instruction(Opcode.DMA_COPY, Engine.DMA, (chip((128, 1024)), AccessPattern(
+        Space.SBUF, DType.F32, 4096, ((1, 128), (2, 1024)))))
     transfer_ns = instruction_cost_ns(contiguous, TRN2) - TRN2.dma_fixed_ns
-    assert transfer_ns == pytest.approx(128 * 256 * 4 / TRN2.dma_gbps_per_queue)
+    assert transfer_ns == pytest.approx(128 * 1024 * 4 / TRN2.dma_gbps_per_queue)  # 4 KiB per partition: the rate
     assert instruction_cost_ns(strided, TRN2) - TRN2.dma_fixed_ns == pytest.approx(2 * transfer_ns)
 
 

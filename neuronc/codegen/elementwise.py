@@ -222,7 +222,8 @@ def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 class Balancer:
     """Puts each ALU instruction on the Vector or GpSimd engine, whichever has less work so far (as the
     cost model prices it), so the two share a kernel's elementwise work; activations go to Scalar. A copy
-    or a scaling by a constant may also go to Scalar (an ACTIVATE of the identity), when it has less work."""
+    or a scaling by a constant may also go to Scalar (an ACTIVATE of the identity), when it has less work.
+    GpSimd is offered only for instructions that touch no PSUM tile: it cannot reach PSUM on the hardware."""
 
     CANDIDATES = (Engine.VECTOR, Engine.GPSIMD)
 
@@ -235,18 +236,23 @@ class Balancer:
             if inst.engine in self.busy:
                 self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target)
 
-    def _engine(self, on: Engine | None = None) -> Engine:
-        return on or min(self.CANDIDATES, key=self.busy.get)
+    def _engine(self, tiles, on: Engine | None = None) -> Engine:
+        if on is not None:
+            return on
+        reach = [e for e in self.CANDIDATES if e is not Engine.GPSIMD or all(
+            not isinstance(t, AccessPattern) or t.space != Space.PSUM for t in tiles)]
+        return min(reach, key=self.busy.get)
 
     def emit(self, opcode, *operands, on: Engine | None = None, **fields) -> None:
-        """An ALU instruction on the least loaded candidate, or on engine `on` when the caller places it."""
+        """An ALU instruction on the least loaded candidate that reaches its operands, or on engine `on` when
+        the caller places it."""
         start = len(self.em.instructions)
-        self.em.emit(opcode, self._engine(on), *operands, **fields)
+        self.em.emit(opcode, self._engine(operands, on), *operands, **fields)
         self._charge(start)
 
     def compute(self, step, out, args, constants, loc, on: Engine | None = None) -> None:
         start = len(self.em.instructions)
-        compute_step(self.em, step, out, args, constants, loc, self._engine(on))
+        compute_step(self.em, step, out, args, constants, loc, self._engine([out, *args], on))
         self._charge(start)
 
     def scalar_is_freest(self) -> bool:

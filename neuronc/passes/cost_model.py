@@ -24,7 +24,7 @@ def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> t
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
     partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
     pieces = dma_slice_count(rows, nbytes, target)
-    one = dma_transfer_ns(nbytes / pieces, contiguous, target)
+    one = dma_transfer_ns(nbytes / pieces, contiguous, target, -(-rows // pieces))
     return pieces * one, one
 
 
@@ -53,7 +53,7 @@ class Servers:
 def _queues_ns(total: float, nbytes: float, target: Target) -> float:
     """The DMA queues' combined time for transfers of `nbytes` taking `total` ns of queue time: spread over the
     queues, and no faster than the core's HBM bandwidth (`instruction_cost.HbmChannel`)."""
-    return max(total / target.dma_queues, nbytes / target.hbm_gbps)  # bytes / (GB/s) = ns
+    return max(total / target.dma_queues, nbytes / target.hbm_sustained_gbps)  # bytes / (GB/s) = ns
 
 
 def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, bias_itemsize: int,
@@ -121,8 +121,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     _, epilogue_share, epilogue_latency, stored_share, store = tile_ns(min(tm, m), min(tn, n))
 
     if tiling.resident == "none":  # both operands tile by tile on demand: `stream_bufs` loads of each in flight
-        a_one = dma_transfer_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target)
-        b_one = dma_transfer_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target)
+        a_one = dma_transfer_ns(rows_k * min(tm, m) * a_dtype.itemsize, contiguous[0], target, rows_k)
+        b_one = dma_transfer_ns(rows_k * min(tn, n) * b_dtype.itemsize, contiguous[1], target, rows_k)
         k_bytes = rows_k * (min(tm, m) * a_dtype.itemsize + min(tn, n) * b_dtype.itemsize)
         per_k = max(instr, max(a_one, b_one) / tiling.stream_bufs, _queues_ns(a_one + b_one, k_bytes, target))
         tiles = batch * m_tiles * n_tiles
@@ -202,7 +202,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
             if not sink:
                 if clock.turn == last_turn:  # the kernel's last store goes by rows over half the queues
                     pieces = min(rows, target.dma_queues // 2)
-                    store = dma_transfer_ns(rows * columns * out_dtype.itemsize / pieces, True, target)
+                    store = dma_transfer_ns(rows * columns * out_dtype.itemsize / pieces, True, target,
+                                            -(-rows // pieces))
                 stored_after = max(epilogue_start + epilogue_latency, stored_rows.get(row, 0.0))
                 clock.stored = stored_rows[row] = stored_after + store
             clock.end = max(clock.end, epilogue_start + epilogue_latency, clock.stored)
@@ -241,7 +242,8 @@ def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: in
     loads = g.batch * bands * g.c_tiles * band_total * taps.copies
     out_rows = min(g.out_channels, target.partitions)
     stores = g.batch * co_tiles * sum(
-        dma_transfer_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target) for r in blocks)
+        dma_transfer_ns(out_rows * r * ow * (out_dtype.itemsize + element_extras_bytes), True, target, out_rows)
+        for r in blocks)
     weights, _ = strip_load_ns(partitions, taps.copies * partitions * g.c_tiles * g.out_channels * len(g.taps)
                                * x_dtype.itemsize, True, target)
     dma = (loads + stores + weights) / target.dma_queues

@@ -150,13 +150,14 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
     turn = [0]
     hbm = HbmChannel(target)
 
-    def dma(nbytes: int, pieces: int, ready: float) -> float:
+    def dma(nbytes: int, pieces: int, ready: float, rows: int) -> float:
         end = ready
         for _ in range(pieces):
             q = turn[0] % len(queues)
             turn[0] += 1
             start = max(queues[q], ready)
-            queues[q] = hbm.end(start, dma_transfer_ns(nbytes / pieces, True, target), nbytes / pieces)
+            queues[q] = hbm.end(start, dma_transfer_ns(nbytes / pieces, True, target, -(-rows // pieces)),
+                                nbytes / pieces)
             end = max(end, queues[q])
         return end
 
@@ -171,7 +172,7 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
         end = ready
         for dt, (_, (_, sc)) in tile_inputs:
             nbytes = rt * (cols if sc else 1) * dt.itemsize
-            end = max(end, dma(nbytes, dma_pieces(nbytes, rt, first, target), ready))
+            end = max(end, dma(nbytes, dma_pieces(nbytes, rt, first, target), ready, rt))
         return end
 
     def run(n, loaded, shared_end, last):
@@ -192,7 +193,7 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
                 yield
         out = made.get(plan.out_step, 0.0)
         nbytes = rt * cols * out_dtype.itemsize
-        done_at[n] = dma(nbytes, dma_pieces(nbytes, rt, last, target), out)
+        done_at[n] = dma(nbytes, dma_pieces(nbytes, rt, last, target), out, rt)
 
     groups = [list(range(g, min(g + schedule.together, len(starts)))) for g in range(0, len(starts), schedule.together)]
     depth = schedule.bufs // schedule.together - 1
@@ -201,7 +202,7 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
     shared_end = 0.0
     for dt, (_, (_, sc)) in shared:
         nbytes = parts * (cols if sc else 1) * dt.itemsize
-        shared_end = max(shared_end, dma(nbytes, dma_pieces(nbytes, parts, True, target), 0.0))
+        shared_end = max(shared_end, dma(nbytes, dma_pieces(nbytes, parts, True, target), 0.0, parts))
     ahead += [[load_tile(n, False) for n in group] for group in groups[first:depth]]
     for g, group in enumerate(groups):
         if g + depth < len(groups):

@@ -1,0 +1,156 @@
+"""The documented rules of the NeuronCore's engines and DMA queues (TRAINIUM.md, "Corrections and additions"):
+GpSimd never reaches PSUM (refused at load, and never chosen by codegen); which engines may access SBUF and PSUM at
+the same time on trn1 and on trn2 (timing); DMA costs per target, the payload curve and the per-transfer latency a
+queue overlaps with the previous transfer's data."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from neuronc.errors import NeuronRuntimeError
+from neuronc.instruction_cost import dma_transfer_ns, instruction_cost_ns, payload_efficiency
+from neuronc.isa import AccessPattern, DType, Engine, Opcode, Space
+from neuronc.neff.program import DebugLoc, TensorKind
+from neuronc.stream_timing import estimate_streams
+from neuronc.targets import get_target
+from runtime import NeuronCore
+from tests.test_runtime import Program, chip, done, hbm
+
+TRN1, TRN2 = get_target("trn1"), get_target("trn2")
+BANK = TRN2.psum_bank_bytes
+
+
+def _load(p: Program, target: str):
+    return NeuronCore(target, check_uninitialised=False).load(dataclasses.replace(p.neff(), target=target))
+
+
+@pytest.mark.parametrize("opcode, operands", [
+    (Opcode.MEMSET, (chip((128, 64), space=Space.PSUM),)),
+    (Opcode.TENSOR_COPY, (chip((128, 64)), chip((128, 64), space=Space.PSUM))),
+], ids=["writes-psum", "reads-psum"])
+def test_a_gpsimd_instruction_with_a_psum_operand_is_refused_at_load(opcode, operands):
+    p = Program()
+    p.emit(opcode, Engine.GPSIMD, *operands)
+    with pytest.raises(NeuronRuntimeError, match="in PSUM, which the GPSIMD engine cannot reach") as err:
+        _load(p, "trn2")
+    assert "VECTOR" in err.value.hint  # the way out: an engine that reaches PSUM
+
+
+def test_the_same_instruction_on_the_vector_engine_loads():
+    p = Program()
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((128, 64), space=Space.PSUM))
+    _load(p, "trn2")
+
+
+def _two_engines(first: Engine, first_tile: AccessPattern, second: Engine, second_tile: AccessPattern) -> Program:
+    """Two independent MEMSETs of 512 elements, one on each engine."""
+    p = Program()
+    p.emit(Opcode.MEMSET, first, first_tile)
+    p.emit(Opcode.MEMSET, second, second_tile)
+    return p
+
+
+def _overlap(p: Program, target: str) -> bool:
+    a, b = _load(p, target).time().events
+    return a.start_ns < b.end_ns and b.start_ns < a.end_ns
+
+
+def test_vector_and_gpsimd_access_sbuf_in_parallel_on_trn2_but_not_on_trn1():
+    p = _two_engines(Engine.VECTOR, chip((128, 512)), Engine.GPSIMD, chip((128, 512), offset=4096))
+    assert _overlap(p, "trn2")
+    assert not _overlap(p, "trn1")
+
+
+def test_vector_and_scalar_access_psum_in_parallel_on_trn2_only_in_different_banks():
+    different = _two_engines(Engine.VECTOR, chip((128, 256), space=Space.PSUM), Engine.SCALAR,
+                             chip((128, 256), space=Space.PSUM, offset=BANK))
+    same = _two_engines(Engine.VECTOR, chip((128, 128), space=Space.PSUM), Engine.SCALAR,
+                        chip((128, 128), space=Space.PSUM, offset=512))
+    assert _overlap(different, "trn2")
+    assert not _overlap(same, "trn2")
+    assert not _overlap(different, "trn1")  # trn1: never at the same time
+
+
+def test_the_compilers_estimate_applies_the_same_access_rules():
+    p = _two_engines(Engine.VECTOR, chip((128, 512)), Engine.GPSIMD, chip((128, 512), offset=4096))
+    for target in ("trn1", "trn2"):
+        assert estimate_streams(p.streams, get_target(target))[0] == _load(p, target).time().estimated_ns
+
+
+def test_dma_engine_rates_are_the_documented_achievable_rates_per_target():
+    assert [get_target(t).dma_gbps_per_queue for t in ("trn1", "trn2", "trn3")] == [17.0, 23.0, 33.0]
+
+
+def test_a_dma_moving_little_per_partition_runs_far_below_the_engines_rate():
+    assert payload_efficiency(4096, TRN2) == 1.0
+    assert payload_efficiency(2048, TRN2) > 0.9  # approaches peak
+    assert payload_efficiency(128, TRN2) < 0.4  # severely overhead-bound
+    small = dma_transfer_ns(128 * 64, True, TRN2, 128) - TRN2.dma_fixed_ns  # 64 B per partition
+    assert small > 3 * 128 * 64 / TRN2.dma_gbps_per_queue
+
+
+def _queue_of_loads(count: int, waits_on_vector: bool = False) -> Program:
+    """`count` loads of 4 KiB per partition on one DMA queue, each into its own tile."""
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (count * 128, 1024))
+    for n in range(count):
+        rows = AccessPattern(Space.HBM, DType.F32, x.offset + n * 128 * 4096, ((1024, 128), (1, 1024)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 1024), offset=n * 4096), rows)
+    return p
+
+
+def test_a_queue_prepares_its_next_transfer_while_one_moves_data():
+    one = instruction_cost_ns(_queue_of_loads(1).streams[(Engine.DMA, 0)][0], TRN2)
+    transfer = one - TRN2.dma_fixed_ns
+    assert transfer > TRN2.dma_fixed_ns  # 4 KiB per partition moves longer than the fixed cost: it hides
+    events = _load(_queue_of_loads(3), "trn2").time().events
+    assert events[0].end_ns - events[0].start_ns == pytest.approx(one)
+    for before, after in zip(events, events[1:]):  # later transfers pay only their bytes (HBM permitting)
+        assert after.end_ns - before.end_ns == pytest.approx(max(transfer, 128 * 4096 / TRN2.hbm_sustained_gbps))
+
+
+def test_a_transfer_waiting_on_a_semaphore_pays_its_latency_after_the_wait():
+    p = Program()
+    out = p.tensor("out", TensorKind.OUTPUT, (128, 1024))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((128, 1024)))
+    store = p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out), chip((128, 1024)), waits=done(Engine.VECTOR))
+    memset, dma = _load(p, "trn2").time().events
+    assert dma.start_ns == memset.end_ns
+    assert dma.end_ns - dma.start_ns == pytest.approx(instruction_cost_ns(store, TRN2))
+
+
+def test_codegen_never_places_a_psum_operand_on_gpsimd():
+    from neuronc.codegen.elementwise import Balancer
+    from neuronc.codegen.emitter import Emitter
+    from neuronc.isa import AluOp
+
+    em = Emitter(TRN2)
+    em.begin_kernel("k", (), DebugLoc())
+    balancer = Balancer(em)
+    balancer.busy[Engine.VECTOR] = 1e9  # GpSimd is far less busy: it would be chosen if it could reach PSUM
+    psum, sbuf = chip((128, 64), space=Space.PSUM), chip((128, 64))
+    balancer.emit(Opcode.TENSOR_SCALAR, sbuf, psum, alu=AluOp.MULTIPLY, imm0=2.0)
+    balancer.emit(Opcode.TENSOR_SCALAR, sbuf, sbuf, alu=AluOp.MULTIPLY, imm0=2.0)
+    assert [i.engine for i in em.instructions] == [Engine.VECTOR, Engine.GPSIMD]
+
+
+def test_compiled_attention_puts_no_psum_operand_on_gpsimd():
+    import math
+
+    import torch
+
+    from neuronc.compiler import CompileOptions, compile_exported
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+            return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+    inputs = tuple(torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(3))
+    neff = compile_exported(torch.export.export(Attention(), inputs), CompileOptions(opt_level=2, name="attn")).neff
+    gpsimd = neff.streams[(Engine.GPSIMD, 0)]
+    assert gpsimd  # the kernel still uses GpSimd, on SBUF
+    assert not [i for i in gpsimd if any(ap.space == Space.PSUM for ap in i.operands)]
+    assert any(n.name.startswith("attention") for n in neff.kernels)
