@@ -255,3 +255,11 @@ def test_logcumsumexp_of_large_values_is_finite_as_in_eager():
     out, want = fn(x), torch.logcumsumexp(x, 1)
     assert torch.isfinite(want[:, 1:]).all()
     assert_matches_eager(out, want)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.zeros_like(x), lambda x: torch.full_like(x, 2.0) + x],
+                         ids=["zeros_like", "full_like_plus"])
+def test_filling_an_empty_tensor_compiles_and_returns_it_empty(fn):
+    x = torch.randn(0, 3)
+    out = torch.compile(fn, backend="neuron")(x)
+    assert out.shape == (0, 3) and out.dtype == torch.float32
