@@ -263,3 +263,32 @@ def test_filling_an_empty_tensor_compiles_and_returns_it_empty(fn):
     x = torch.randn(0, 3)
     out = torch.compile(fn, backend="neuron")(x)
     assert out.shape == (0, 3) and out.dtype == torch.float32
+
+
+MISLOWERED = {**{name: POOLING[name] for name in ("avg_pool3d_divisor_override", "avg_pool3d_ceil_clipped_divisor",
+                                                  "avg_pool2d_ceil_without_padding_counted", "max_pool3d_ceil")},
+              "logcumsumexp": (lambda x: torch.logcumsumexp(x, 1), (5, 6))}
+
+
+@pytest.mark.parametrize("name", sorted(MISLOWERED))
+def test_a_form_torch_mlir_lowers_wrongly_is_refused_unless_decomposed(name):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.mislowered import refuse_mislowered
+    from neuronc.frontend.torch_import import decomposition_table
+
+    fn, shape = MISLOWERED[name]
+    x = torch.randn(shape)
+    refuse_mislowered(make_fx(fn, decomposition_table=decomposition_table())(x))  # neuronc's own rule: no refusal
+    with pytest.raises(NeuronCompileError, match="wrong results through torch-mlir"):
+        refuse_mislowered(make_fx(fn)(x))
+
+
+def test_compiling_an_undecomposed_graph_with_a_mislowered_form_is_an_error_not_wrong_numbers():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.compiler import compile_fx
+
+    gm = make_fx(lambda x: F.avg_pool3d(x, 2, stride=1, divisor_override=3))(torch.randn(1, 1, 3, 3, 3))
+    with pytest.raises(NeuronCompileError, match="divisor_override is ignored"):
+        compile_fx(gm)
