@@ -292,3 +292,23 @@ def test_compiling_an_undecomposed_graph_with_a_mislowered_form_is_an_error_not_
     gm = make_fx(lambda x: F.avg_pool3d(x, 2, stride=1, divisor_override=3))(torch.randn(1, 1, 3, 3, 3))
     with pytest.raises(NeuronCompileError, match="divisor_override is ignored"):
         compile_fx(gm)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+SLICE_SCATTERS = {
+    "rotate_half": _rotate_half,  # RoPE: its backward writes each half's gradient into a slice
+    "strided": lambda x: torch.slice_scatter(x, x[:, 1:7:3] * 2, 1, 1, 7, 3),
+    "negative_bounds": lambda x: torch.slice_scatter(x, x[:, -5:-1].exp(), 1, -5, -1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICE_SCATTERS))
+def test_slice_scatter_and_the_backward_of_slices_match_eager(name):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    (out, grad), (want, want_grad) = _compiled_with_gradient(SLICE_SCATTERS[name], x)
+    assert_matches_eager(out, want)
+    assert_matches_eager(grad, want_grad)

@@ -265,6 +265,35 @@ def _max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dil
     return total.reshape(x.shape)
 
 
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """x with src written over x[start:end:step] along dim (the backward of a slice, e.g. RoPE's rotate_half):
+    with step 1 the untouched parts and src concatenated; with a step, src spread to every step-th position
+    (a pad and a reshape) and selected where the slice lies. torch's own decomposition gathers from src
+    through an index per element; torch-mlir does not lower the op itself."""
+    dim = dim % x.dim() if x.dim() else 0
+    size = x.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    count = max(0, (end - start + step - 1) // step)
+    if count == 0:
+        return x.clone()
+    shape = list(x.shape)
+    shape[dim] = count
+    src = src.expand(shape).to(x.dtype)
+    if step == 1:
+        parts = [aten.slice(x, dim, 0, start), src, aten.slice(x, dim, end, size)]
+        return torch.cat([p for p in parts if p.shape[dim] > 0], dim)
+    spread = _spread(src, dim, step)
+    after = size - start - spread.shape[dim]
+    placed = aten.constant_pad_nd(spread, [0, 0] * (x.dim() - 1 - dim) + [start, after], 0.0)
+    position = torch.arange(size, device=x.device)
+    inside = (position >= start) & (position < start + spread.shape[dim]) & ((position - start) % step == 0)
+    mask_shape = [1] * x.dim()
+    mask_shape[dim] = size
+    return torch.where(inside.reshape(mask_shape), placed, x)
+
+
 def _logaddexp(a, b):
     """log(exp(a) + exp(b)) without overflow: the larger plus log1p of the smaller's share (a == b, infinities
     included, is a + log 2)."""
@@ -295,6 +324,7 @@ OWN = {
     aten.avg_pool2d.default: _avg_pool2d,
     aten.avg_pool3d.default: _avg_pool3d,
     aten.logcumsumexp.default: _logcumsumexp,
+    aten.slice_scatter.default: _slice_scatter,
     aten.avg_pool2d_backward.default: _avg_pool2d_backward,
     aten.avg_pool3d_backward.default: _avg_pool3d_backward,
     aten.max_pool3d_with_indices_backward.default: _max_pool3d_with_indices_backward,
