@@ -209,3 +209,106 @@ def test_an_integer_clamp_with_only_a_lower_bound_keeps_large_values():
     # its upper bound is the largest int64, which a float64 immediate rounds up to 2**63: it must saturate
     x = torch.tensor([-5, 0, 3, 2**40])
     assert_matches_eager(_compiled_outputs(lambda x: x.clamp(min=1), x), x.clamp(min=1))
+
+
+def _compiled_with_gradient(fn, x):
+    """fn(x) and d(sum(fn(x) * w))/dx, compiled (torch.compile, backend neuron) and eager."""
+    w = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for run in (torch.compile(fn, backend="neuron"), fn):
+        leaf = x.detach().clone().requires_grad_()
+        out = run(leaf)
+        (out * w).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    return results
+
+
+# Pooling forms torch-mlir lowers to wrong numbers (divisor_override ignored; ceil_mode's last window padded on
+# both sides) or not at all (avg_pool3d, max_pool3d backward): OpInfo's samples of them, on neuronc's own rules.
+POOLING = {
+    "avg_pool3d_divisor_override": (lambda x: F.avg_pool3d(x, 2, stride=1, padding=1, ceil_mode=True,
+                                                           count_include_pad=False, divisor_override=2), (1, 2, 4, 4, 4)),
+    "avg_pool3d_ceil_clipped_divisor": (lambda x: F.avg_pool3d(x, (2, 3, 4), stride=(1, 2, 2), padding=(0, 1, 2),
+                                                               ceil_mode=True), (1, 2, 5, 5, 5)),
+    "avg_pool2d_ceil_without_padding_counted": (lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
+                                                                       count_include_pad=False), (1, 3, 8, 8)),
+    "max_pool3d_ceil": (lambda x: F.max_pool3d(x, 3, stride=2, ceil_mode=True), (1, 2, 3, 6, 5)),
+    "max_pool3d_dilated_padded": (lambda x: F.max_pool3d(x, 3, stride=2, padding=1, dilation=(1, 2, 1)),
+                                  (1, 2, 4, 7, 5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POOLING))
+def test_pooling_forms_match_eager_forward_and_backward(name):
+    fn, shape = POOLING[name]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)) * 3
+    (out, grad), (want, want_grad) = _compiled_with_gradient(fn, x)
+    assert_matches_eager(out, want)
+    assert_matches_eager(grad, want_grad)
+
+
+def test_logcumsumexp_of_large_values_is_finite_as_in_eager():
+    """torch-mlir lowers logcumsumexp as log(cumsum(exp(x))): inf for x above ~88 in float32."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2)) * 1e3
+    x[0, 0] = float("-inf")
+    fn = torch.compile(lambda t: torch.logcumsumexp(t, 1), backend="neuron")
+    out, want = fn(x), torch.logcumsumexp(x, 1)
+    assert torch.isfinite(want[:, 1:]).all()
+    assert_matches_eager(out, want)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.zeros_like(x), lambda x: torch.full_like(x, 2.0) + x],
+                         ids=["zeros_like", "full_like_plus"])
+def test_filling_an_empty_tensor_compiles_and_returns_it_empty(fn):
+    x = torch.randn(0, 3)
+    out = torch.compile(fn, backend="neuron")(x)
+    assert out.shape == (0, 3) and out.dtype == torch.float32
+
+
+MISLOWERED = {**{name: POOLING[name] for name in ("avg_pool3d_divisor_override", "avg_pool3d_ceil_clipped_divisor",
+                                                  "avg_pool2d_ceil_without_padding_counted", "max_pool3d_ceil")},
+              "logcumsumexp": (lambda x: torch.logcumsumexp(x, 1), (5, 6))}
+
+
+@pytest.mark.parametrize("name", sorted(MISLOWERED))
+def test_a_form_torch_mlir_lowers_wrongly_is_refused_unless_decomposed(name):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.mislowered import refuse_mislowered
+    from neuronc.frontend.torch_import import decomposition_table
+
+    fn, shape = MISLOWERED[name]
+    x = torch.randn(shape)
+    refuse_mislowered(make_fx(fn, decomposition_table=decomposition_table())(x))  # neuronc's own rule: no refusal
+    with pytest.raises(NeuronCompileError, match="wrong results through torch-mlir"):
+        refuse_mislowered(make_fx(fn)(x))
+
+
+def test_compiling_an_undecomposed_graph_with_a_mislowered_form_is_an_error_not_wrong_numbers():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.compiler import compile_fx
+
+    gm = make_fx(lambda x: F.avg_pool3d(x, 2, stride=1, divisor_override=3))(torch.randn(1, 1, 3, 3, 3))
+    with pytest.raises(NeuronCompileError, match="divisor_override is ignored"):
+        compile_fx(gm)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+SLICE_SCATTERS = {
+    "rotate_half": _rotate_half,  # RoPE: its backward writes each half's gradient into a slice
+    "strided": lambda x: torch.slice_scatter(x, x[:, 1:7:3] * 2, 1, 1, 7, 3),
+    "negative_bounds": lambda x: torch.slice_scatter(x, x[:, -5:-1].exp(), 1, -5, -1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICE_SCATTERS))
+def test_slice_scatter_and_the_backward_of_slices_match_eager(name):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    (out, grad), (want, want_grad) = _compiled_with_gradient(SLICE_SCATTERS[name], x)
+    assert_matches_eager(out, want)
+    assert_matches_eager(grad, want_grad)

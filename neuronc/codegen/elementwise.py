@@ -180,7 +180,10 @@ def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> None:
-    """Write `value` to `count` contiguous HBM elements: one memset tile, DMA'd out block by block."""
+    """Write `value` to `count` contiguous HBM elements: one memset tile, DMA'd out block by block (none for an
+    empty tensor)."""
+    if count == 0:
+        return
     free = tile_free_elements(em.target)
     cover = list(blocks((count,), [(1,)], free, em.target.partitions))
     widest = max(b.free_elements for b in cover)

@@ -22,6 +22,7 @@ import numpy as np
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.frontend.isolate import run_isolated
+from neuronc.frontend.mislowered import refuse_mislowered
 from neuronc.neff.program import DebugLoc
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -194,6 +195,7 @@ def drop_none_outputs(gm) -> list:
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind)."""
     check_static_shapes(gm)
+    refuse_mislowered(gm)
     locations = node_locations(gm)
     imported = run_isolated(_import_in_child, gm, params, locations, name)
     imported.graph.renumbered()

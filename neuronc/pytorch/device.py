@@ -182,6 +182,14 @@ def get_amp_supported_dtype() -> list:
     return [torch.bfloat16, torch.float16]
 
 
+def _outside_graphs(fn):
+    """The generator-state functions run eagerly, never traced by Dynamo: they read and write the shim's
+    generator, which Dynamo's fake tensors cannot stand for (traced under `no_dispatch()`, as
+    `torch.testing`'s `freeze_rng_state` calls `set_rng_state`, Dynamo failed with an AssertionError
+    inside the compiled function). A compiled function calling them is split around the call."""
+    return torch._disable_dynamo(fn)
+
+
 def default_generator(device=None) -> torch.Generator:
     """The default generator of ``neuron:device`` (the current device for None): one per NeuronCore, a
     counter-based (Philox) state (seed, offset) that the device's random ops draw from on the device
@@ -192,30 +200,36 @@ def default_generator(device=None) -> torch.Generator:
     return shim.load().default_generator(_index(device))
 
 
+@_outside_graphs
 def manual_seed(seed: int) -> None:
     """Seed the default generator of the current device."""
     default_generator().manual_seed(int(seed))
 
 
+@_outside_graphs
 def manual_seed_all(seed: int) -> None:
     """Seed the default generator of every device (``torch.manual_seed`` calls this)."""
     for index in range(device_count()):
         default_generator(index).manual_seed(int(seed))
 
 
+@_outside_graphs
 def seed() -> None:
     """Seed the current device's default generator with a non-deterministic number."""
     default_generator().seed()
 
 
+@_outside_graphs
 def initial_seed() -> int:
     return default_generator().initial_seed()
 
 
+@_outside_graphs
 def get_rng_state(device=None) -> torch.Tensor:
     return default_generator(device).get_state()
 
 
+@_outside_graphs
 def set_rng_state(state: torch.Tensor, device=None) -> None:
     default_generator(device).set_state(state)
 
