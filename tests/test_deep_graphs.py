@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import pickle
 import sys
 
@@ -87,3 +88,58 @@ def test_a_thousand_block_mlp_compiles_and_matches_eager(monkeypatch):
     with torch.no_grad():
         expected = model(inputs[0])
     assert_matches_eager(torch.from_numpy(np.asarray(outputs[0])), expected)
+
+
+def norm_stack(blocks: int, width: int = 64):
+    """(FX graph of `blocks` x (Linear, LayerNorm) with the weights as inputs, its inputs)."""
+    from neuronc.frontend.torch_import import decomposition_table
+
+    torch.manual_seed(0)
+    weights = [t for _ in range(blocks) for t in (torch.randn(width, width) / 8, torch.randn(width), torch.randn(width))]
+
+    def forward(x, *params):
+        for k in range(blocks):
+            w, g, b = params[3 * k:3 * k + 3]
+            x = torch.nn.functional.layer_norm(x @ w, (width,), g, b)
+        return (x,)
+
+    x = torch.randn(32, width)
+    return make_fx(forward, decomposition_table=decomposition_table())(x, *weights), [x, *weights]
+
+
+def test_repeated_layer_norms_share_one_schedule_search_and_make_the_same_neff(monkeypatch):
+    from neuronc.neff import encode
+    from neuronc.passes import rowwise_schedule
+
+    searches = []
+    candidates = rowwise_schedule.candidates
+    monkeypatch.setattr(rowwise_schedule, "candidates", lambda *a: searches.append(a) or candidates(*a))
+    monkeypatch.setattr(rowwise_schedule, "_CHOSEN", {})
+    monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
+    shared = compile_fx(norm_stack(3)[0])
+    assert sum(k.startswith("rowwise") or "ROWWISE" in k.upper() for k in _kernel_names(shared.neff)) == 3
+    assert len(searches) == 1
+
+    def no_key(value):
+        raise TypeError("searched every time")
+
+    monkeypatch.setattr(rowwise_schedule, "structural_key", no_key)
+    searches.clear()
+    monkeypatch.setattr(ir, "_ids", itertools.count())
+    alone = compile_fx(norm_stack(3)[0])
+    assert len(searches) == 3
+    assert encode(shared.neff) == encode(alone.neff)
+
+
+def _kernel_names(neff) -> list:
+    return [k.name for k in neff.kernels]
+
+
+def test_a_structural_key_tells_apart_what_equality_confuses():
+    from neuronc.passes.rowwise_schedule import structural_key
+
+    assert structural_key(("imm", 0.0)) != structural_key(("imm", -0.0))
+    assert structural_key(("imm", 1)) != structural_key(("imm", 1.0)) != structural_key(("imm", True))
+    assert structural_key(np.float32(0.5)) != structural_key(np.float16(0.5))
+    assert structural_key({"a": np.arange(3)}) == structural_key({"a": np.arange(3)})
+    assert structural_key({"a": np.arange(3)}) != structural_key({"a": np.arange(3).astype(np.int32)})
