@@ -143,3 +143,15 @@ def test_a_structural_key_tells_apart_what_equality_confuses():
     assert structural_key(np.float32(0.5)) != structural_key(np.float16(0.5))
     assert structural_key({"a": np.arange(3)}) == structural_key({"a": np.arange(3)})
     assert structural_key({"a": np.arange(3)}) != structural_key({"a": np.arange(3).astype(np.int32)})
+
+
+def test_a_mask_made_by_a_long_chain_of_constant_ops_is_evaluated_without_recursing():
+    from neuronc.passes.attention import _mask_constant
+
+    value = np.array([[0.0, -np.inf], [0.0, 0.0]], np.float32)
+    node = ir.node(Op.CONSTANT, (), (2, 2), DType.F32, value=value)
+    for _ in range(3000):  # negated an even number of times: the mask itself
+        node = ir.node(Op.NEGATE, (node,), (2, 2), DType.F32)
+    with recursion_limit(SHALLOW_LIMIT):
+        result = _mask_constant(node)
+    np.testing.assert_array_equal(result, value)
