@@ -18,7 +18,7 @@ two intra-op threads contend with the other processes and make CPU eager's gener
 flatter the device.
 
     .venv/bin/python -m benchmarks.generate [--tokens 32] [--models gpt2,llama] [--repeat 3]
-(needs transformers: pip install -e '.[benchmark]')
+(needs transformers: pip install -e '.[bench]')
 """
 from __future__ import annotations
 

@@ -148,11 +148,77 @@ class Graph:
             node.id = next(_ids)
         return self
 
+    def __reduce__(self):
+        """Pickle (and deepcopy) as a flat table of nodes: pickling the nodes as they are would recurse once per
+        node of a chain (a node's inputs inside its state) and exceed Python's recursion limit on deep graphs."""
+        return _graph_from_table, _graph_table(self)
+
     def __str__(self) -> str:
         """The graph as IR text (neuronc/ir_text.py), arrays of more than 16 elements elided."""
         from neuronc import ir_text
 
         return ir_text.to_text(self, elide_arrays_over=16)
+
+
+class _NodeRef(NamedTuple):
+    """A node, in a pickled graph's table, named by its row."""
+
+    row: int
+
+
+def _graph_table(graph: Graph) -> tuple:
+    """(rows, param rows, output rows, name): one row per node, its inputs and any node among its attributes
+    named by their rows (a node only an attribute refers to gets a row too)."""
+    order = graph.nodes()
+    row = {n: i for i, n in enumerate(order)}
+
+    def flat(value):
+        if isinstance(value, Node):
+            if value not in row:
+                row[value] = len(order)
+                order.append(value)
+            return _NodeRef(row[value])
+        return _map_attr(value, flat)
+
+    rows = []
+    k = 0
+    while k < len(order):  # order grows while attributes name nodes outside the graph
+        n = order[k]
+        for i in n.inputs:
+            if i not in row:
+                row[i] = len(order)
+                order.append(i)
+        attrs = {key: flat(v) for key, v in n.attrs.items()}
+        rows.append((n.op, tuple(row[i] for i in n.inputs), n.shape, n.dtype, attrs, n.loc, n.id, n.origin))
+        k += 1
+    return rows, [row[p] for p in graph.params], [row[o] for o in graph.outputs], graph.name
+
+
+def _graph_from_table(rows: list, params: list, outputs: list, name: str) -> Graph:
+    nodes = [Node(op, (), shape, dtype, attrs, loc, id_, origin) for op, _, shape, dtype, attrs, loc, id_, origin in rows]
+
+    def resolve(value):
+        return nodes[value.row] if isinstance(value, _NodeRef) else _map_attr(value, resolve)
+
+    for n, (_, inputs, *_rest) in zip(nodes, rows):
+        n.inputs = tuple(nodes[i] for i in inputs)
+        n.attrs = {key: resolve(v) for key, v in n.attrs.items()}
+    return Graph([nodes[i] for i in params], [nodes[i] for i in outputs], name)
+
+
+def _map_attr(value, fn):
+    """`value` with fn applied to each item of its containers (tuples, lists, dicts, named tuples, Steps); leaves
+    (arrays, numbers, plans) as they are. Attributes nest a few levels, never once per node of a graph."""
+    if isinstance(value, Step):
+        return value._replace(attrs={k: fn(v) for k, v in value.attrs.items()}) if value.attrs else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(fn(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        mapped = [fn(v) for v in value]
+        return mapped if isinstance(value, list) else value if all(a is b for a, b in zip(mapped, value)) else tuple(mapped)
+    if isinstance(value, dict):
+        return {k: fn(v) for k, v in value.items()}
+    return value
 
 
 def unreshaped(node: Node) -> Node:

@@ -318,31 +318,60 @@ def _causal_offset(masked: np.ndarray):
                                np.broadcast_to(pattern, masked.shape[:-2] + (sq, sk))) else None
 
 
-def _mask_constant(node, memo=None):
+def _mask_constant(root):
     """The value of a mask computed from constants only (iota comparisons, broadcasts, views), evaluated
-    here in numpy, or None. (Constant folding leaves big ones alone; a causal mask is one.)"""
-    memo = {} if memo is None else memo
-    if node in memo:
-        return memo[node]
-    value = None
+    here in numpy, or None. (Constant folding leaves big ones alone; a causal mask is one.) An explicit stack
+    walks its producers: a chain of them as long as a deep model's never meets Python's recursion limit."""
+    memo: dict = {}
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if node in memo:
+            stack.pop()
+            continue
+        needed = _mask_inputs(node)
+        pending = [x for x in needed if x not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        memo[node] = _mask_value(node, [memo[x] for x in needed])
+    return memo[root]
+
+
+def _mask_inputs(node) -> tuple:
+    """The inputs whose values `_mask_value` needs for `node`'s (none for a node too large to evaluate)."""
     broadcast_view = node.op is Op.VIEW and node.inputs[0].size <= MAX_COMPOSED_ELEMENTS  # a view costs nothing
-    if node.size <= MAX_COMPOSED_ELEMENTS or broadcast_view:
-        if node.op is Op.CONSTANT:
-            value = np.asarray(node.attrs["value"])
-        elif node.op is Op.VIEW:
-            x = _mask_constant(node.inputs[0], memo)
-            if x is not None:
-                flat = np.ascontiguousarray(np.broadcast_to(x, node.inputs[0].shape)).reshape(-1)
-                value = np.lib.stride_tricks.as_strided(flat[node.attrs["offset"]:], node.shape,
-                                                        [s * flat.itemsize for s in node.attrs["strides"]])
-        elif node.op in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
-            inputs = [_mask_constant(x, memo) for x in node.inputs]
-            if all(x is not None for x in inputs):
-                if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM):
-                    inputs = [np.broadcast_to(inputs[0], node.inputs[0].shape)]
-                value = _evaluate(node, inputs)
-    memo[node] = value
-    return value
+    if not (node.size <= MAX_COMPOSED_ELEMENTS or broadcast_view):
+        return ()
+    if node.op is Op.VIEW:
+        return node.inputs[:1]
+    if node.op in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
+        return tuple(node.inputs)
+    return ()
+
+
+def _mask_value(node, inputs: list):
+    """`node`'s value from its inputs' (`_mask_inputs`), or None."""
+    broadcast_view = node.op is Op.VIEW and node.inputs[0].size <= MAX_COMPOSED_ELEMENTS
+    if not (node.size <= MAX_COMPOSED_ELEMENTS or broadcast_view):
+        return None
+    if node.op is Op.CONSTANT:
+        return np.asarray(node.attrs["value"])
+    if node.op is Op.VIEW:
+        x = inputs[0]
+        if x is None:
+            return None
+        flat = np.ascontiguousarray(np.broadcast_to(x, node.inputs[0].shape)).reshape(-1)
+        return np.lib.stride_tricks.as_strided(flat[node.attrs["offset"]:], node.shape,
+                                               [s * flat.itemsize for s in node.attrs["strides"]])
+    if node.op in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
+        if any(x is None for x in inputs):
+            return None
+        if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM):
+            inputs = [np.broadcast_to(inputs[0], node.inputs[0].shape)]
+        return _evaluate(node, inputs)
+    return None
 
 
 def _classify_mask(attrs: dict) -> None:

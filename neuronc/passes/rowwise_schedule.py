@@ -9,8 +9,12 @@ each candidate `Schedule` is priced by `rowwise_ns`, a replay of what codegen em
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import itertools
 from typing import NamedTuple
+
+import numpy as np
 
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
 from neuronc.ir import BINARY, Op, Step
@@ -216,6 +220,46 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
 
 def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
                     target: Target) -> Schedule:
-    """The candidate schedule `rowwise_ns` prices cheapest (the first of equals)."""
+    """The candidate schedule `rowwise_ns` prices cheapest (the first of equals).
+
+    The choice depends on nothing but its arguments, so it is made once per distinct kernel: a model's N copies of
+    one layer norm (or softmax) share one search, and get the very schedule each search would have chosen."""
+    try:
+        key = (structural_key(body), structural_key(views), tuple(input_dtypes), out_dtype, rows, cols, tuple(fitting),
+               target)
+        hash(key)
+    except TypeError:  # an attribute of a kind the key does not know: searched every time
+        key = None
+    if key is not None and key in _CHOSEN:
+        return _CHOSEN[key]
     options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
-    return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
+    chosen = min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
+    if key is not None:
+        if len(_CHOSEN) >= _CHOSEN_LIMIT:
+            _CHOSEN.clear()
+        _CHOSEN[key] = chosen
+    return chosen
+
+
+_CHOSEN: dict = {}  # structural key of choose_schedule's arguments -> its schedule
+_CHOSEN_LIMIT = 4096  # distinct row-wise kernels remembered per process
+
+
+def structural_key(value):
+    """A hashable value equal for equal bodies and views, and only for them: floats and numpy scalars by their
+    type and bits (so -0.0 and 0.0, 1 and 1.0, stay apart), arrays by dtype, shape and bytes."""
+    if isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, (float, np.floating, np.generic)):
+        return type(value).__name__, np.asarray(value).tobytes()
+    if isinstance(value, (bool, int, str)) or value is None:
+        return type(value).__name__, value
+    if isinstance(value, np.ndarray):
+        return "array", value.dtype.str, value.shape, value.tobytes()
+    if isinstance(value, dict):
+        return "dict", tuple((structural_key(k), structural_key(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(structural_key(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return type(value).__name__, tuple(structural_key(getattr(value, f.name)) for f in dataclasses.fields(value))
+    raise TypeError(f"no structural key for a {type(value).__name__}: {value!r}")
