@@ -56,6 +56,33 @@ def reference() -> dict:
     return {"losses": losses, "params": {k: v.detach() for k, v in m.named_parameters()}}
 
 
+def reference_mixed_precision(ranks: int) -> dict:
+    """The CPU's eager counterpart of FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over
+    ``ranks`` ranks: fp32 master parameters; each step every rank's share of the batch runs forward and backward on a
+    bf16 copy of them, the gradients are averaged in fp32 and AdamW updates the fp32 masters. A bf16 run must be held
+    to a bf16 computation: against the fp32 reference, AdamW turns bf16's rounding of near-zero gradients into whole
+    steps of either sign (lr 1e-2), a difference of training in bf16, not of the device."""
+    import copy
+
+    m, (idx, targets) = model(), data()
+    opt, losses, per = optimizer(m.parameters()), [], BATCH // ranks
+    for _ in range(STEPS):
+        opt.zero_grad()
+        grads, step_losses = [torch.zeros_like(p) for p in m.parameters()], []
+        for rank in range(ranks):
+            low = copy.deepcopy(m).to(torch.bfloat16)  # deepcopy keeps the tied embedding and head one Parameter
+            loss = low(idx[rank * per:(rank + 1) * per], targets[rank * per:(rank + 1) * per])
+            loss.backward()
+            for g, p in zip(grads, low.parameters()):
+                g += p.grad.float() / ranks
+            step_losses.append(loss.float().item())
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+        opt.step()
+        losses.append(sum(step_losses) / ranks)
+    return {"losses": losses, "params": {k: v.detach() for k, v in m.named_parameters()}}
+
+
 def _whole(p: torch.Tensor) -> list:
     p = p.detach()
     p = p.full_tensor() if hasattr(p, "full_tensor") else p
