@@ -81,3 +81,13 @@ class FallbackDisabledError(NeuronDeviceError):
 class QueuedOpError(NeuronDeviceError):
     """An op queued on a `neuron` stream failed when it ran, at the next synchronisation point;
     the message names the op, its stream and the line that queued it (``__cause__`` is the failure)."""
+
+
+class KernelError(NeuronCompileError):
+    """A custom kernel written in the NKI-compatible kernel language (`neuronc.nki`) breaks a rule of the language
+    or of the NeuronCore; ``location`` is the kernel's own source line."""
+
+
+class KernelUnsupportedError(KernelError):
+    """A kernel uses an NKI API (or an argument of one) that neuronc's kernel language does not cover; the
+    message names the API."""

@@ -1,0 +1,105 @@
+"""A traced kernel: its instructions with on-chip addresses chosen, ready to be placed in a program.
+
+A :class:`TracedKernel` keeps its HBM operands symbolic (the storages of its arguments, outputs and scratch
+tensors), so the same kernel can be a program of its own (``to_neff``: for ``nki.simulate_kernel`` and
+``nki.benchmark``) or one kernel among the compiler's in a graph's NEFF (``instructions`` with the graph's
+tensors' offsets, see ``neuronc/codegen/custom.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from neuronc import __version__
+from neuronc.codegen.sync import insert_waits
+from neuronc.isa import DESTINATIONS, Instruction, Space
+from neuronc.neff.program import KernelInfo, Neff, TensorEntry, TensorKind
+from neuronc.nki.alloc import allocate
+from neuronc.nki.trace import Trace
+from neuronc.passes.cost_model import estimate_streams
+from neuronc.targets import Target
+
+ALIGNMENT = 64
+
+
+@dataclasses.dataclass
+class TracedKernel:
+    name: str
+    target: Target
+    instrs: list  # of trace.Emitted, program order
+    inputs: list  # HBM Storages of the array arguments, in argument order
+    outputs: list  # HBM Storages the kernel returns, in order
+    scratch: list  # other HBM Storages (nl.ndarray in HBM not returned)
+    debug_locs: list
+    written_inputs: tuple  # positions (among inputs) of arguments the kernel writes
+
+    @classmethod
+    def from_trace(cls, trace: Trace, inputs: list, outputs: list) -> "TracedKernel":
+        trace.flush()
+        allocate(trace.storages, trace.target)
+        outputs_ids = {s.id for s in outputs}
+        input_ids = {s.id for s in inputs}
+        scratch = [s for s in trace.hbm if s.id not in outputs_ids and s.id not in input_ids]
+        written = set()
+        for e in trace.instrs:
+            for storage, _ in e.operands[:_destinations(e)]:
+                if storage.id in input_ids:
+                    written.add(next(i for i, s in enumerate(inputs) if s.id == storage.id))
+        return cls(trace.name, trace.target, list(trace.instrs), list(inputs), list(outputs), scratch,
+                   list(trace.debug_locs), tuple(sorted(written)))
+
+    # -- instructions at addresses -----------------------------------------------------------------------
+    def instructions(self, hbm_offsets: dict, kernel: int = 0, debug_base: int = 0) -> list:
+        """The kernel's instructions in program order, HBM operands at ``hbm_offsets`` ({storage id: byte offset})
+        and debug locations numbered from ``debug_base``."""
+        out = []
+        for e in self.instrs:
+            operands = []
+            for storage, ap in e.operands:
+                base = hbm_offsets[storage.id] if storage.space == Space.HBM else storage.base
+                operands.append(dataclasses.replace(ap, offset=ap.offset + base))
+            out.append(Instruction(e.opcode, e.engine, tuple(operands), queue=e.queue, kernel=kernel,
+                                   debug=debug_base + e.debug, **e.fields))
+        return out
+
+    @property
+    def instruction_count(self) -> int:
+        return len(self.instrs)
+
+    # -- as a program of its own --------------------------------------------------------------------------
+    def to_neff(self) -> Neff:
+        tensors, offsets, cursor = [], {}, 0
+        for kind, storages in ((TensorKind.INPUT, self.inputs), (TensorKind.OUTPUT, self.outputs),
+                               (TensorKind.SCRATCH, self.scratch)):
+            for index, s in enumerate(storages):
+                offsets[s.id] = cursor
+                tensors.append(TensorEntry(s.name, kind, s.dtype, tuple(s.shape), cursor,
+                                           index if kind != TensorKind.SCRATCH else -1))
+                cursor += -(-max(s.hbm_bytes, 1) // ALIGNMENT) * ALIGNMENT
+        instructions = self.instructions(offsets)
+        streams = insert_waits(instructions, tensors, self.target)
+        makespan, kernel_ns = estimate_streams(streams, self.target)
+        info = KernelInfo(name=self.name, ops=("nki_kernel",), debug=0, estimated_ns=kernel_ns.get(0, makespan))
+        return Neff(name=self.name, target=self.target.name, tensors=tensors, streams=streams, hbm_size=max(cursor, 64),
+                    debug_locs=list(self.debug_locs), kernels=[info], estimated_ns=makespan,
+                    compiler_version=__version__)
+
+
+def _destinations(e) -> int:
+    return DESTINATIONS.get(e.opcode, 1)
+
+
+def as_numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        t = x.detach().cpu()
+        import torch
+
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(x)
