@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 
-from neuronc.errors import KernelUnsupportedError
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.nki import ops
 from neuronc.nki.dtypes import isa_dtype
@@ -506,8 +505,8 @@ def _tensor_scalar_reduce(dst, data, b, api):
 
 
 def tensor_partition_reduce(*args, **kwargs):
-    raise KernelUnsupportedError("nisa.tensor_partition_reduce is not supported by neuronc.nki",
-                                 hint="reduce across partitions with nisa.nc_matmul by a ones column (the "
+    fail("not supported by neuronc.nki", api="nisa.tensor_partition_reduce", unsupported=True,
+         hint="reduce across partitions with nisa.nc_matmul by a ones column (the "
                                  "Tensor engine contracts over partitions)")
 
 
@@ -642,10 +641,10 @@ def dma_transpose(*args, **kwargs):
 
 def _unsupported(name: str):
     def fn(*args, **kwargs):
-        raise KernelUnsupportedError(f"nisa.{name} is not supported by neuronc.nki",
-                                     hint="the emulated instruction set has no such instruction")
+        fail("not supported by neuronc.nki", api=f"nisa.{name}", unsupported=True,
+             hint="the emulated instruction set has no instruction for it; compose it from supported calls")
 
-    fn.__name__ = name
+    fn.__name__ = fn.nki_name = name
     return fn
 
 

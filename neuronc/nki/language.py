@@ -11,7 +11,6 @@ import contextlib
 
 import numpy as np
 
-from neuronc.errors import KernelUnsupportedError
 from neuronc.isa import ActFunc, AluOp, DType, Space
 from neuronc.nki import ops
 from neuronc.nki.dtypes import (bf16, bfloat16, bool_, finfo, float8_e4m3, float8_e4m3fn, float8_e5m2,  # noqa: F401
@@ -193,8 +192,8 @@ static_range = affine_range
 
 
 def dynamic_range(*args, **kwargs):
-    raise KernelUnsupportedError("nl.dynamic_range: loops with bounds known only on the device are not supported",
-                                 hint="use affine_range / sequential_range / static_range with Python ints")
+    fail("loops with bounds known only on the device are not supported", api="nl.dynamic_range", unsupported=True,
+         hint="use affine_range / sequential_range / static_range with Python ints")
 
 
 def program_id(axis: int = 0) -> int:
@@ -222,8 +221,8 @@ def no_reorder():
 
 
 def device_print(prefix, tensor, **kwargs):
-    raise KernelUnsupportedError("nl.device_print: kernel values exist only on the emulated device",
-                                 hint="return the tensor from the kernel (or store it to an output) to inspect it")
+    fail("kernel values exist only on the emulated device", api="nl.device_print", unsupported=True,
+         hint="return the tensor from the kernel (or store it to an output) to inspect it")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -465,8 +464,8 @@ def silu(x, dtype=None, mask=None, **kwargs):
 
 def _unsupported(name: str):
     def fn(*args, **kwargs):
-        raise KernelUnsupportedError(f"nl.{name} is not supported by neuronc.nki",
-                                     hint="the emulated ISA has no instruction for it; compose it from supported ops")
+        fail("not supported by neuronc.nki", api=f"nl.{name}", unsupported=True,
+             hint="the emulated instruction set has no instruction for it; compose it from supported calls")
 
     fn.__name__ = fn.nki_name = name
     return fn

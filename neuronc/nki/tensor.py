@@ -22,7 +22,7 @@ import numpy as np
 from neuronc.errors import KernelError, KernelUnsupportedError
 from neuronc.isa import AccessPattern, DType, Space
 from neuronc.nki import dtypes
-from neuronc.nki.index import Affine, Arange, Var
+from neuronc.nki.index import Affine, Arange
 
 _ids = itertools.count()
 
