@@ -93,6 +93,10 @@ class Op(enum.Enum):
     # convolution (passes/conv.py); attrs: strides, padding, dilation, tiling, views, epilogue
     ATTENTION = enum.auto()  # (q, k, v[, mask]) -> softmax(mask(scale * q @ k^T)) @ v, one flash-attention
     # kernel (passes/attention.py); attrs: views, scale, mask, causal_offset, fill, masked_when, zero_masked_rows
+    # custom kernels (neuronc.nki): a traced kernel called on its inputs, written by the user, placed as it is
+    CUSTOM_KERNEL = enum.auto()  # inputs -> the kernel's first output; attrs: kernel (nki TracedKernel), outputs
+    # ((shape, dtype) of each output)
+    KERNEL_OUTPUT = enum.auto()  # (custom kernel) -> its output number attrs["index"] (>= 1), which the kernel writes
 
 
 UNARY = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from neuronc import ir
 from neuronc.codegen.attention import attention
 from neuronc.codegen.conv import convolution
+from neuronc.codegen.custom import custom_kernel
 from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
 from neuronc.codegen.matmul import matmul
@@ -31,12 +32,13 @@ KERNELS.update({
     Op.GATHER_ROWS: gather_rows,
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,
+    Op.CUSTOM_KERNEL: custom_kernel,
 })
 
 
 def kernel_for(node: Node, plan: MemoryPlan):
     """The kernel that computes `node`, or None when it needs no instructions."""
-    if node.op in (Op.PARAMETER, Op.RESHAPE):
+    if node.op in (Op.PARAMETER, Op.RESHAPE, Op.KERNEL_OUTPUT):  # a kernel output: written by its kernel
         return None
     if node.op is Op.CONSTANT:
         return splat_constant if node.is_splat and plan.has_buffer(node) else None

@@ -25,8 +25,10 @@ timeline. Called with ``torch`` tensors it runs as a PyTorch operator (``neuronc
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import threading
 
 import numpy as np
 
@@ -137,15 +139,17 @@ class Kernel:
                                   "updated in place")
             t.storage.kind = "output"
             outputs.append(t.storage)
-        self._returns_tuple = isinstance(returned, (tuple, list))
-        return TracedKernel.from_trace(trace, inputs, outputs)
+        traced = TracedKernel.from_trace(trace, inputs, outputs)
+        traced.returns_tuple = isinstance(returned, (tuple, list))
+        return traced
 
     # -- running ------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        calls = getattr(_recording, "calls", None)
+        if calls is not None:  # a compiler is finding the kernel a framework op calls (see recording_calls)
+            return calls.record(self, args, kwargs)
         if any(_is_torch(a) for a in list(args) + list(kwargs.values())):
-            from neuronc.pytorch.custom_kernels import call_kernel
-
-            return call_kernel(self, args, kwargs)
+            return _framework_call("torch")(self, args, kwargs)
         return self.simulate(*args, **kwargs)
 
     def simulate(self, *args, **kwargs):
@@ -166,9 +170,59 @@ class Kernel:
             if arrays[position].flags.writeable:
                 np.copyto(arrays[position], _tensor_bytes(program, neff.inputs()[position]), casting="no")
         outs = result.outputs
-        if getattr(self, "_returns_tuple", False) or len(outs) > 1:
+        if traced.returns_tuple or len(outs) > 1:
             return tuple(outs)
         return outs[0] if outs else None
+
+
+# The framework integrations, named here and imported only when a kernel is called with that framework's tensors
+# (the integration sits above this package: NKI's jit likewise detects the framework by its arguments).
+FRAMEWORKS = {"torch": "neuronc.pytorch.custom_kernels:call_kernel"}
+
+
+def _framework_call(name: str):
+    import importlib
+
+    module, function = FRAMEWORKS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+class KernelCall:
+    """One kernel call seen while recording: the kernel, its arguments, what it returned (placeholders)."""
+
+    def __init__(self, kernel: "Kernel", args: tuple, kwargs: dict, traced: TracedKernel, returned):
+        self.kernel, self.args, self.kwargs, self.traced, self.returned = kernel, args, kwargs, traced, returned
+
+
+class KernelOutput:
+    """A placeholder for one output of a recorded kernel call (shape and dtype of the traced kernel's output)."""
+
+    def __init__(self, call_index: int, index: int, shape: tuple, dtype):
+        self.call_index, self.index, self.shape, self.dtype = call_index, index, shape, dtype
+
+
+class _Calls(list):
+    def record(self, kernel: "Kernel", args: tuple, kwargs: dict):
+        traced = kernel.trace(*args, **kwargs)
+        outs = tuple(KernelOutput(len(self), i, tuple(s.shape), s.dtype) for i, s in enumerate(traced.outputs))
+        returned = outs if traced.returns_tuple or len(outs) != 1 else outs[0]
+        self.append(KernelCall(kernel, args, kwargs, traced, returned))
+        return returned
+
+
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording_calls():
+    """Within it, calling a kernel traces it and records the call instead of running it; the block gets the list
+    of :class:`KernelCall`. A compiler uses it to find which kernel a framework's custom op calls."""
+    previous = getattr(_recording, "calls", None)
+    _recording.calls = _Calls()
+    try:
+        yield _recording.calls
+    finally:
+        _recording.calls = previous
 
 
 def _tensor_bytes(program, entry) -> np.ndarray:

@@ -25,7 +25,8 @@ tfloat32 = float32  # the Tensor engine's tf32 inputs are fp32 values here (fp32
 _BY_NAME = {"float32": float32, "fp32": float32, "bfloat16": bfloat16, "bf16": bfloat16, "float16": float16,
             "fp16": float16, "float8_e4m3": float8_e4m3, "float8_e4m3fn": float8_e4m3, "float8_e5m2": float8_e5m2,
             "int8": int8, "int16": int16, "int32": int32, "uint8": uint8, "bool": bool_, "bool_": bool_,
-            "tfloat32": tfloat32, "int64": np.dtype(np.int64)}
+            "tfloat32": tfloat32, "int64": np.dtype(np.int64), "float64": np.dtype(np.float64),
+            "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
 def numpy_dtype(dtype) -> np.dtype:
@@ -35,10 +36,9 @@ def numpy_dtype(dtype) -> np.dtype:
             raise KernelUnsupportedError(f"dtype {dtype!r} is not supported by neuronc.nki",
                                          hint=f"supported: {', '.join(sorted(_BY_NAME))}")
         return _BY_NAME[dtype]
-    if type(dtype).__module__.startswith("torch"):
-        import torch
-
-        return np.dtype(torch.empty((), dtype=dtype).numpy().dtype) if dtype != torch.bfloat16 else bfloat16
+    if type(dtype).__module__.startswith("torch"):  # torch.float32 -> "float32"
+        name = str(dtype).rsplit(".", 1)[-1]
+        return numpy_dtype({"float8_e4m3fn": "float8_e4m3"}.get(name, name))
     try:
         return np.dtype(dtype)
     except TypeError:

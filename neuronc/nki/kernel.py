@@ -33,6 +33,7 @@ class TracedKernel:
     scratch: list  # other HBM Storages (nl.ndarray in HBM not returned)
     debug_locs: list
     written_inputs: tuple  # positions (among inputs) of arguments the kernel writes
+    returns_tuple: bool = False  # the kernel returns a tuple (or list) of tensors
 
     @classmethod
     def from_trace(cls, trace: Trace, inputs: list, outputs: list) -> "TracedKernel":
@@ -50,9 +51,9 @@ class TracedKernel:
                    list(trace.debug_locs), tuple(sorted(written)))
 
     # -- instructions at addresses -----------------------------------------------------------------------
-    def instructions(self, hbm_offsets: dict, kernel: int = 0, debug_base: int = 0) -> list:
-        """The kernel's instructions in program order, HBM operands at ``hbm_offsets`` ({storage id: byte offset})
-        and debug locations numbered from ``debug_base``."""
+    def instructions(self, hbm_offsets: dict, kernel: int = 0, debug: list | None = None) -> list:
+        """The kernel's instructions in program order, HBM operands at ``hbm_offsets`` ({storage id: byte offset}),
+        of kernel number ``kernel``; ``debug`` maps the kernel's debug locations to the program's table."""
         out = []
         for e in self.instrs:
             operands = []
@@ -60,7 +61,7 @@ class TracedKernel:
                 base = hbm_offsets[storage.id] if storage.space == Space.HBM else storage.base
                 operands.append(dataclasses.replace(ap, offset=ap.offset + base))
             out.append(Instruction(e.opcode, e.engine, tuple(operands), queue=e.queue, kernel=kernel,
-                                   debug=debug_base + e.debug, **e.fields))
+                                   debug=debug[e.debug] if debug is not None else e.debug, **e.fields))
         return out
 
     @property
