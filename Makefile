@@ -29,6 +29,7 @@ demo: $(STAMP)
 	$(BIN)/python -m neuronc.demo
 
 test: $(STAMP) system-tools
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 clean:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import time
+from typing import TYPE_CHECKING, Iterator
 
 from neuronc import debug_dir, ir
 from neuronc.cc_flags import cc_flags, flag_value
@@ -20,9 +21,15 @@ from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
+from neuronc.passes.context import PassContext
 from neuronc.passes.memory_plan import plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
+
+if TYPE_CHECKING:  # torch is imported only by the frontend, when a program is compiled
+    import torch
+
+    from neuronc.frontend.torch_import import ImportedGraph
 
 log = logging.getLogger("neuronc")
 
@@ -36,7 +43,8 @@ class CompileOptions:
 
     def __post_init__(self):
         get_target(self.target)
-        passes_for(self.opt_level, self.cast)
+        passes_for(self.opt_level)  # an unknown level or auto-cast option is refused here, not mid-compile
+        AutoCast(self.auto_cast, self.auto_cast_type)
 
     @property
     def cast(self) -> AutoCast:
@@ -92,7 +100,7 @@ class Compiled:
 
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused() -> Iterator[None]:
     """CPython's cyclic garbage collector paused for the duration (as it was on exit).
 
     A compilation allocates millions of short-lived objects (IR nodes, access patterns, instructions),
@@ -108,7 +116,7 @@ def collector_paused():
             gc.enable()
 
 
-def compile_imported(imported, options: CompileOptions, timings: dict) -> Compiled:
+def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
     """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
     from neuronc.cache import CompileCache, cache_key
 
@@ -137,7 +145,8 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
-    graph = run_pipeline(graph, options.opt_level, target, options.cast, timings)
+    ctx = PassContext(target, options.opt_level, options.cast, verify=options.opt_level == 0 or debug_dir.verifying())
+    graph = run_pipeline(graph, ctx, timings)
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
@@ -148,7 +157,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     return Compiled(neff, stablehlo, graph, timings)
 
 
-def compile_exported(program, options: CompileOptions | None = None) -> Compiled:
+def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, options: CompileOptions | None = None) -> Compiled:
     """Compile a torch.export ExportedProgram (or the path of a saved one)."""
     from neuronc.frontend.exported import import_exported_program, load_exported_program
 
@@ -166,7 +175,7 @@ def compile_exported(program, options: CompileOptions | None = None) -> Compiled
     return compiled
 
 
-def compile_fx(gm, options: CompileOptions | None = None) -> Compiled:
+def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
     from neuronc.frontend.torch_import import drop_none_outputs, import_fx
 

@@ -1,18 +1,31 @@
 """TORCH_NEURONX_DEBUG_DIR: keep what every compilation saw and made, to debug it afterwards.
 
 For each compilation a folder `<dir>/<NNNN>_<name>/` gets the FX graph, the StableHLO, the
-optimised graph IR, the NEFF, and `INDEX`, one line per file saying what it is.
+optimised graph IR (as text: every attribute and plan, see neuronc/ir_text.py), the NEFF, and `INDEX`,
+one line per file saying what it is. With a debug folder (or NEURONC_VERIFY_IR=1), the IR verifier
+checks the graph after every pass, as it does at -O0.
 """
 from __future__ import annotations
 
 import itertools
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuronc.compiler import Compiled
 
 ENV = "TORCH_NEURONX_DEBUG_DIR"
+VERIFY_ENV = "NEURONC_VERIFY_IR"
+ELIDE_ARRAYS_OVER = 64  # elements: longer arrays (weights) are elided in optimized_ir.txt; the NEFF holds them
 _counter = itertools.count()
 
 
-def keep(compiled, fx_text: str = "") -> str | None:
+def verifying() -> bool:
+    """Whether compilations verify their graph after every pass (a debug folder, or NEURONC_VERIFY_IR=1)."""
+    return bool(os.environ.get(ENV)) or os.environ.get(VERIFY_ENV, "") not in ("", "0")
+
+
+def keep(compiled: Compiled, fx_text: str = "") -> str | None:
     """Write the artefacts of `compiled` if TORCH_NEURONX_DEBUG_DIR is set; returns the folder."""
     root = os.environ.get(ENV)
     if not root:
@@ -24,8 +37,8 @@ def keep(compiled, fx_text: str = "") -> str | None:
     files = {
         "fx_graph.txt": ("the FX graph handed to neuronc", fx_text),
         "stablehlo.mlir": ("the StableHLO module torch-mlir produced (large constants elided)", compiled.stablehlo),
-        "optimized_ir.txt": ("the neuronc graph IR after the pass pipeline",
-                             str(compiled.graph) if compiled.graph is not None else "(NEFF taken from the compile cache)"),
+        "optimized_ir.txt": ("the neuronc graph IR after the pass pipeline, every attribute and plan (neuronc/ir_text.py; "
+                             f"arrays of more than {ELIDE_ARRAYS_OVER} elements elided)", _ir_text(compiled.graph)),
     }
     index = []
     for name, (what, text) in files.items():
@@ -37,3 +50,11 @@ def keep(compiled, fx_text: str = "") -> str | None:
     with open(os.path.join(folder, "INDEX"), "w") as f:
         f.write("\n".join(index) + "\n")
     return folder
+
+
+def _ir_text(graph) -> str:
+    if graph is None:
+        return "(NEFF taken from the compile cache)\n"
+    from neuronc import ir_text
+
+    return ir_text.to_text(graph, elide_arrays_over=ELIDE_ARRAYS_OVER)

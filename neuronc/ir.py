@@ -9,105 +9,32 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
+from neuronc import op_facts
 from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
 
 
-class Op(enum.Enum):
-    # leaves
-    PARAMETER = enum.auto()  # attrs: index, name, kind ("input" | "weight")
-    CONSTANT = enum.auto()  # attrs: value (np.ndarray; a 0-d array for a splat)
-    IOTA = enum.auto()  # attrs: dimension
-    # elementwise, unary
-    NEGATE = enum.auto()
-    ABS = enum.auto()
-    EXP = enum.auto()
-    EXPM1 = enum.auto()
-    LOG = enum.auto()
-    LOG1P = enum.auto()
-    SQRT = enum.auto()
-    RSQRT = enum.auto()
-    TANH = enum.auto()
-    LOGISTIC = enum.auto()
-    SIN = enum.auto()
-    COS = enum.auto()
-    SIGN = enum.auto()
-    FLOOR = enum.auto()
-    CEIL = enum.auto()
-    ROUND = enum.auto()  # round half to even
-    ERF = enum.auto()
-    GELU = enum.auto()  # x * (1 + erf(x / sqrt 2)) / 2
-    NOT = enum.auto()
-    CONVERT = enum.auto()  # to the node's dtype
-    # elementwise, binary
-    ADD = enum.auto()
-    SUBTRACT = enum.auto()
-    MULTIPLY = enum.auto()
-    DIVIDE = enum.auto()
-    REMAINDER = enum.auto()
-    POWER = enum.auto()
-    MAXIMUM = enum.auto()
-    MINIMUM = enum.auto()
-    ATAN2 = enum.auto()
-    AND = enum.auto()
-    OR = enum.auto()
-    XOR = enum.auto()
-    COMPARE = enum.auto()  # attrs: direction ("EQ" | "NE" | "LT" | "LE" | "GT" | "GE")
-    # elementwise, ternary
-    SELECT = enum.auto()  # (pred, on_true, on_false)
-    CLAMP = enum.auto()  # (min, x, max)
-    # data movement
-    RESHAPE = enum.auto()
-    BROADCAST_IN_DIM = enum.auto()  # attrs: dims (operand dim i -> result dim dims[i])
-    TRANSPOSE = enum.auto()  # attrs: perm
-    SLICE = enum.auto()  # attrs: start, limit, strides
-    CONCATENATE = enum.auto()  # attrs: dimension
-    PAD = enum.auto()  # (x, pad_value); attrs: low, high, interior
-    REVERSE = enum.auto()  # attrs: dims
-    # reductions and contractions
-    REDUCE = enum.auto()  # (x, init); attrs: dims, kind ("add" | "max" | "min" | "mul" | "and" | "or")
-    REDUCE_WINDOW = enum.auto()  # (x, init); attrs: window, strides, padding, kind
-    DOT_GENERAL = enum.auto()  # attrs: lhs_batch, rhs_batch, lhs_contract, rhs_contract
-    CONVOLUTION = enum.auto()  # attrs: strides, padding, lhs_dilation, rhs_dilation, groups, layouts
-    # StableHLO's gather/scatter, normalised (see passes/indexing.py). attrs: window_dims (result/updates dims of the
-    # window), dropped_dims (operand dims without one), operand_batching_dims, indices_batching_dims, index_map
-    # (operand dim of each index component), index_vector_dim, window (size per operand dim); SCATTER also
-    # combine ("add" | "replace")
-    GATHER = enum.auto()  # (operand, indices)
-    TOPK = enum.auto()  # x -> int32 positions of its k largest (smallest) along a dim, in order; attrs: dimension, k, descending
-    SCATTER = enum.auto()  # (operand, indices, updates)
-    # kernel-level ops, produced by the legalize pass
-    VIEW = enum.auto()  # copy of a strided view of the operand's dense buffer; attrs: offset, strides
-    MATMUL = enum.auto()  # [B, M, K] x [B, K, N] -> [B, M, N]; attrs: k, views (per operand, or None)
-    REDUCE_LAST = enum.auto()  # [R, C] -> [R], attrs: kind
-    GATHER_ROWS = enum.auto()  # (table [V, W], rows [N]) -> [N, W]
-    SCATTER_ROWS = enum.auto()  # (base [V, W], rows [N], updates [N, W]) -> base with rows replaced/added; attrs: combine
-    FUSED = enum.auto()  # elementwise ops computed in one kernel; attrs: body (a tuple of Step)
-    ROWWISE = enum.auto()  # reductions of [R, C] rows and the elementwise ops around them, one row tile at
-    # a time (softmax, layer-norm...); attrs: body (Steps, REDUCE_LAST among them), rows, cols, views, out_strides
-    CONV = enum.auto()  # (x [N, C, H, W], w [O, C, KH, KW], epilogue inputs...) -> [N, O, OH, OW], an implicit-GEMM
-    # convolution (passes/conv.py); attrs: strides, padding, dilation, tiling, views, epilogue
-    ATTENTION = enum.auto()  # (q, k, v[, mask]) -> softmax(mask(scale * q @ k^T)) @ v, one flash-attention
-    # kernel (passes/attention.py); attrs: views, scale, mask, causal_offset, fill, masked_when, zero_masked_rows
-    # custom kernels (neuronc.nki): a traced kernel called on its inputs, written by the user, placed as it is
-    CUSTOM_KERNEL = enum.auto()  # inputs -> the kernel's first output; attrs: kernel (nki TracedKernel), outputs
-    # ((shape, dtype) of each output)
-    KERNEL_OUTPUT = enum.auto()  # (custom kernel) -> its output number attrs["index"] (>= 1), which the kernel writes
+# The ops of the IR, one per entry of the op-facts table (neuronc/op_facts.py says what each takes, computes
+# and is computed by), in the table's order: Op.ADD, Op.MATMUL, ... `op_facts.BY_NAME[op.name]` is its entry.
+Op = enum.Enum("Op", [fact.name for fact in op_facts.FACTS], module=__name__, qualname="Op")
 
 
-UNARY = {
-    Op.NEGATE, Op.ABS, Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH,
-    Op.LOGISTIC, Op.SIN, Op.COS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.ERF, Op.GELU, Op.NOT, Op.CONVERT,
-}
-BINARY = {
-    Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.REMAINDER, Op.POWER, Op.MAXIMUM, Op.MINIMUM,
-    Op.ATAN2, Op.AND, Op.OR, Op.XOR, Op.COMPARE,
-}
-TERNARY = {Op.SELECT, Op.CLAMP}
+def facts(op: Op) -> op_facts.OpFact:
+    """The op-facts table's entry of `op`."""
+    return op_facts.BY_NAME[op.name]
+
+
+def _ops(kind: str) -> frozenset:
+    return frozenset(Op[fact.name] for fact in op_facts.FACTS if fact.kind == kind)
+
+
+UNARY = _ops("unary")
+BINARY = _ops("binary")
+TERNARY = _ops("ternary")
 ELEMENTWISE = UNARY | BINARY | TERNARY
 
 _ids = itertools.count()
@@ -152,7 +79,7 @@ class Node:
         return self.size * self.dtype.itemsize
 
     @property
-    def scalar(self):
+    def scalar(self) -> float | int | bool | None:
         """The value of a constant stored as one scalar (a splat or a 0-d constant), else None."""
         if self.op is Op.CONSTANT and self.attrs["value"].ndim == 0:
             return self.attrs["value"].item()
@@ -163,8 +90,10 @@ class Node:
         return self.op is Op.CONSTANT and self.attrs["value"].ndim == 0 and self.shape != ()
 
     def __repr__(self) -> str:
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        return f"%{self.id} = {self.op.name.lower()}({', '.join(f'%{i.id}' for i in self.inputs)}) : {shape}x{self.dtype.name.lower()}"
+        """The node's line of IR text (neuronc/ir_text.py), nodes named by their display ids, long arrays elided."""
+        from neuronc import ir_text
+
+        return ir_text.node_text(self)
 
 
 @dataclasses.dataclass
@@ -216,10 +145,10 @@ class Graph:
         return self
 
     def __str__(self) -> str:
-        lines = [f"graph {self.name}:"]
-        lines += [f"  {n!r}" for n in self.nodes()]
-        lines.append("  return " + ", ".join(f"%{o.id}" for o in self.outputs))
-        return "\n".join(lines)
+        """The graph as IR text (neuronc/ir_text.py), arrays of more than 16 elements elided."""
+        from neuronc import ir_text
+
+        return ir_text.to_text(self, elide_arrays_over=16)
 
 
 def unreshaped(node: Node) -> Node:
@@ -229,5 +158,7 @@ def unreshaped(node: Node) -> Node:
     return node
 
 
-def node(op: Op, inputs, shape, dtype: DType, loc: DebugLoc | None = None, **attrs) -> Node:
+def node(op: Op, inputs: Iterable[Node], shape: Iterable[int], dtype: DType, loc: DebugLoc | None = None,
+         **attrs) -> Node:
+    """A new node (shape as ints, inputs as a tuple), its attributes given by keyword."""
     return Node(op, tuple(inputs), tuple(int(s) for s in shape), dtype, attrs, loc or DebugLoc())

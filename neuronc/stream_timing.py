@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from neuronc.instruction_cost import HbmChannel
+from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns
 from neuronc.targets import Target
 
 COMPLETE, START = 0, 1  # phases of an instruction; at equal times completions go first
@@ -65,3 +65,38 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target) -> I
             waiters, blocked_on[s] = blocked_on[s], []
             for w in waiters:
                 schedule(w)
+
+
+def replay(streams: dict, target: Target) -> Iterator[tuple]:
+    """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
+    the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
+    keys = stream_order(streams)
+    number = {key: n for n, key in enumerate(keys)}
+    lists = [streams.get(key, []) for key in keys]
+    started = [0.0] * len(keys)
+    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
+                                          [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
+                                            for i in stream] for stream in lists],
+                                          [[hbm_bytes(i) for i in stream] for stream in lists], target):
+        if phase == START:
+            started[s] = time
+        else:
+            yield lists[s][index], started[s], time
+
+
+def estimate_streams(streams: dict, target: Target) -> tuple:
+    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+    makespan, kernel_ns = 0.0, {}
+    for inst, start, end in replay(streams, target):
+        kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
+        makespan = max(makespan, end)
+    return makespan, kernel_ns
+
+
+def kernel_spans(streams: dict, target: Target) -> dict:
+    """{kernel index: (first start, last end)} of scheduled streams: when each kernel ran (kernels overlap)."""
+    spans: dict = {}
+    for inst, start, end in replay(streams, target):
+        first, last = spans.get(inst.kernel, (start, end))
+        spans[inst.kernel] = (min(first, start), max(last, end))
+    return spans

@@ -19,16 +19,16 @@ erf; SIGMOID uses scipy.special.expit in fp32.
 from __future__ import annotations
 
 import functools
-import math
 import threading
+from typing import Callable
 from functools import partial
 
 import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import (ARITY, ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, ActFunc, AluOp, DType, Engine,
-                         Instruction, Opcode, Space)
+from neuronc.isa import ARITY, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
 
@@ -49,114 +49,10 @@ def _compute_dtype(*dtypes) -> np.dtype:
 # Tables of functions
 
 
-# erf as the ISA defines it (isa.ERF_F32_*): about 5x faster than scipy.special.erf on float32
-# arrays, which matters: GELU runs it on whole activation tiles.
-# P and Q evaluated together (Horner on a [2, ...] stack, Q's missing leading coefficients zero: 0 * x^2 + 0
-# stays 0 for the clamped, finite x^2), in ufunc calls only (np.clip costs several): GELU runs erf on
-# whole activation tiles, and on tiny ones the number of numpy calls is the cost.
-_ERF_PQ = np.array([ERF_F32_P, (0.0,) * (len(ERF_F32_P) - len(ERF_F32_Q)) + ERF_F32_Q], dtype=np.float32)
-
-
-@functools.cache
-def _erf_columns(ndim: int) -> tuple:
-    """The coefficient pairs of _ERF_PQ, shaped to broadcast against a [2, ...] stack of ndim-d arrays."""
-    return tuple(c.reshape((2,) + (1,) * ndim) for c in _ERF_PQ.T)
-
-
-def _erf(x):
-    x = np.asarray(x, dtype=np.float32)
-    x = np.minimum(np.maximum(x, np.float32(-ERF_F32_CLAMP)), np.float32(ERF_F32_CLAMP))
-    x2 = x * x
-    first, *rest = _erf_columns(x.ndim)
-    pq = first * x2
-    for c in rest[:-1]:
-        pq += c
-        pq *= x2
-    pq += rest[-1]
-    p, q = pq[0, ...], pq[1, ...]  # views, 0-d arrays for a 0-d x
-    p *= x
-    p /= q
-    return np.minimum(np.maximum(p, np.float32(-1), out=p), np.float32(1), out=p)
-
-
-def _sigmoid(x):
-    import scipy.special
-
-    return scipy.special.expit(x)
-
-
-ACTIVATIONS = {
-    ActFunc.NONE: lambda x: x,
-    ActFunc.IDENTITY: lambda x: x,
-    ActFunc.EXP: np.exp,
-    ActFunc.LOG: np.log,
-    ActFunc.TANH: np.tanh,
-    ActFunc.SQRT: np.sqrt,
-    ActFunc.RSQRT: lambda x: np.reciprocal(np.sqrt(x)),
-    ActFunc.RELU: lambda x: np.maximum(x, F32(0)),
-    ActFunc.SIGMOID: _sigmoid,
-    ActFunc.ERF: _erf,
-    ActFunc.GELU: lambda x: 0.5 * x * (1.0 + _erf(x * (1.0 / math.sqrt(2.0)))),
-    ActFunc.ABS: np.abs,
-    ActFunc.NEG: np.negative,
-    ActFunc.SQUARE: np.square,
-    ActFunc.SIN: np.sin,
-    ActFunc.COS: np.cos,
-    ActFunc.SIGN: np.sign,
-    ActFunc.RECIPROCAL: np.reciprocal,
-    ActFunc.FLOOR: np.floor,
-    ActFunc.CEIL: np.ceil,
-    ActFunc.NOT: lambda x: (x == 0).astype(F32),
-    ActFunc.LOG1P: np.log1p,
-    ActFunc.EXPM1: np.expm1,
-    ActFunc.ROUND: np.rint,  # half to even
-}
-
-
-def _truncating_divide(a, b):
-    q = np.floor_divide(a, b)
-    inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
-    return q + inexact.astype(q.dtype)
-
-
-class _ByKind:
-    """An ALU op that means one function on integers and another on floats."""
-
-    def __init__(self, on_integers, on_floats):
-        self.on_integers, self.on_floats = on_integers, on_floats
-
-    def __call__(self, a, b):
-        return self.pick(np.result_type(a, b))(a, b)
-
-    def pick(self, dtype: np.dtype):
-        return self.on_floats if dtype.kind == "f" else self.on_integers
-
-
-def _by_kind(on_integers, on_floats):
-    return _ByKind(on_integers, on_floats)
-
-
-ALU = {
-    AluOp.NONE: lambda a, b: a,
-    AluOp.ADD: np.add,
-    AluOp.SUBTRACT: np.subtract,
-    AluOp.MULTIPLY: np.multiply,
-    AluOp.DIVIDE: _by_kind(_truncating_divide, np.divide),
-    AluOp.MAX: np.maximum,
-    AluOp.MIN: np.minimum,
-    AluOp.POW: np.power,
-    AluOp.EQ: np.equal,
-    AluOp.NE: np.not_equal,
-    AluOp.LT: np.less,
-    AluOp.LE: np.less_equal,
-    AluOp.GT: np.greater,
-    AluOp.GE: np.greater_equal,
-    AluOp.AND: _by_kind(np.bitwise_and, np.logical_and),
-    AluOp.OR: _by_kind(np.bitwise_or, np.logical_or),
-    AluOp.XOR: _by_kind(np.bitwise_xor, np.logical_xor),
-    AluOp.REMAINDER: np.fmod,
-    AluOp.ATAN2: np.arctan2,
-}
+# What each Scalar-engine function and ALU op computes: the op-facts table's (neuronc/op_facts.py), which the
+# compiler's constant folding reads too.
+ACTIVATIONS = SCALAR_FUNCTIONS
+ALU = ALU_FUNCTIONS
 
 REDUCTIONS = {AluOp.ADD: np.add, AluOp.MAX: np.maximum, AluOp.MIN: np.minimum}
 
@@ -204,7 +100,7 @@ def _tensor_tensor(instr, dst, a, b):
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
 
 
-def immediate(value: float, dtype) -> np.ndarray:
+def immediate(value: float, dtype: np.dtype | type) -> np.ndarray:
     """An instruction's immediate (a float64 in the NEFF) in an operation's type; integers saturate, so a
     bound like the largest int64 (which float64 rounds up to 2**63) stays the largest int64."""
     dtype = np.dtype(dtype)
@@ -397,7 +293,7 @@ def _store(dst, fn, *args):
     dst[...] = fn(*args)
 
 
-def store_all(dsts: tuple, values) -> None:
+def store_all(dsts: tuple, values: object) -> None:
     """Round an instruction's value into its destinations: ``values`` is one value per destination
     when there are several (Instruction.writes), else the value of the one."""
     if len(dsts) == 1:
@@ -482,7 +378,7 @@ def _tensor_tensor_kernel(instr, new, dst, a, b):
     if instr.alu == AluOp.NONE:
         return calls + [partial(np.copyto, dst, a, "unsafe")]
     fn = ALU[instr.alu]
-    fn = fn.pick(dtype) if isinstance(fn, _ByKind) else fn
+    fn = fn.pick(dtype) if isinstance(fn, ByKind) else fn
     fast = _ufunc_into(new, fn, (a, b), dst)
     return calls + fast if fast else None
 
@@ -495,7 +391,7 @@ def _tensor_scalar_kernel(instr, new, dst, src):
         return [partial(np.copyto, dst, imm, "unsafe")] if instr.reverse else calls + [
             partial(np.copyto, dst, x, "unsafe")]
     fn = ALU[instr.alu]
-    fn = fn.pick(dtype) if isinstance(fn, _ByKind) else fn
+    fn = fn.pick(dtype) if isinstance(fn, ByKind) else fn
     fast = _ufunc_into(new, fn, (imm, x) if instr.reverse else (x, imm), dst)
     return calls + fast if fast else None
 
@@ -543,7 +439,7 @@ _KERNELS = {
 }
 
 
-def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new=np.empty) -> list:
+def kernel(instr: Instruction, dst: np.ndarray, *srcs: np.ndarray, new: Callable = np.empty) -> list:
     """``instr`` on these views of its operands, as a list of calls to make in order; each returns nothing.
 
     ``new(shape, dtype)`` makes the temporary arrays the calls use (see :class:`Scratch`)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -114,3 +115,46 @@ def no_compile_cache(monkeypatch):
     """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+
+
+@functools.cache
+def imported_zoo(name: str) -> tuple:
+    """(graph, weights by name) torch-mlir and the importer make of a zoo model, once per test session: copy the
+    graph before changing it."""
+    from neuronc.frontend.exported import import_exported_program
+
+    model, inputs = zoo.build(name)
+    imported, weights = import_exported_program(torch.export.export(model, inputs), "main")
+    return imported.graph, weights
+
+
+@pytest.fixture(autouse=True)
+def verified_ir(monkeypatch):
+    """Every compilation in the tests verifies its graph after each pass (neuronc/ir_verifier.py)."""
+    monkeypatch.setenv("NEURONC_VERIFY_IR", "1")
+
+
+def ir(text: str):
+    """The graph of IR text (neuronc/ir_text.py), checked by the verifier."""
+    from neuronc import ir_text, ir_verifier
+
+    graph = ir_text.parse(text)
+    ir_verifier.verify(graph)
+    return graph
+
+
+def canonical(text: str) -> str:
+    """IR text as the printer writes it (whitespace, comments and line breaks normalised)."""
+    from neuronc import ir_text
+
+    return ir_text.to_text(ir_text.parse(text))
+
+
+def run_pass(pass_, text: str, **context) -> str:
+    """A pass tested as MLIR's and IREE's are: IR text in, IR text out; the result verified."""
+    from neuronc import ir_text, ir_verifier
+    from neuronc.passes.context import PassContext
+
+    result = pass_(ir(text), PassContext(**context))
+    ir_verifier.verify(result, pass_.__name__)
+    return ir_text.to_text(result)

@@ -14,8 +14,8 @@ from neuronc.codegen.schedule import prefetch_loads
 from neuronc.codegen.sync import HazardGrid, insert_waits
 from neuronc.errors import NeuronCompileError
 from neuronc.neff.program import Neff
-from neuronc.passes.cost_model import estimate_streams
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
+from neuronc.stream_timing import estimate_streams
 from neuronc.targets import Target
 
 

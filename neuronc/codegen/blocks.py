@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 
 class Block(NamedTuple):
@@ -38,7 +38,7 @@ def _merged(shape, strides: list) -> list:
     return merged or [(1, tuple(1 for _ in strides))]
 
 
-def blocks(shape, strides: list, max_free: int, partitions: int, offsets=None):
+def blocks(shape: tuple, strides: list, max_free: int, partitions: int, offsets: list | None = None) -> Iterator[Block]:
     """Yield the Blocks covering `shape`; `strides` has one stride tuple per operand."""
     if 0 in shape:
         return

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.codegen.access import row_slice
+from neuronc.codegen.access import HbmTensor, row_slice
+from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.elementwise import ACTIVATIONS, Balancer
-from neuronc.codegen.sync import partition_group
 from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.ir import Node, Op
 from neuronc.isa import AccessPattern, ActFunc, AluOp, Engine, Opcode, Space
-from neuronc.passes.conv import (PSUM_BUFS, STORE_QUEUES, channel_inputs, element_slots, epilogue_plan, geometry,
-                                 pools)
-from neuronc.passes.cost_model import dma_slice_count
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.placement import dma_slice_count, partition_group
+from neuronc.plans import ConvPlan, MemoryPlan
 
 
 def _free(ap: AccessPattern, element: int, partitions: int, *dims) -> AccessPattern:
@@ -103,27 +100,22 @@ def _activate(em: Emitter, func, out, source, shift, columns, t, ot, made) -> No
             _free(columns[shift], t, ot, (1, 1)), func=func, imm0=1.0)
 
 
-def _per_channel_inputs(em, node, plan, epi, queues, made, o_tiles, weight_rows, halves) -> tuple:
+def _per_channel_inputs(em, node, plan, kernel: ConvPlan, queues, made, o_tiles, weight_rows, halves) -> tuple:
     """The epilogue's per-channel inputs, loaded once: ({value: [O tile, O tiles] tile, column t for O tile t,
     repeated on partitions [O, 2O) with two halves}, {value: [weight rows, O] tile, the same values along the
     free axis, when the weights are scaled})."""
-    x, w, *extras = node.inputs
-    parts, cout = em.target.partitions, node.shape[1]
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    parts, cout, epi = em.target.partitions, node.shape[1], kernel.epilogue
     columns, rows = {}, {}
-    for i in sorted(channel_inputs(node)):
-        extra, (offset, strides) = extras[i - 2], views[i]
+    for i in kernel.channel_inputs:
+        values = HbmTensor.of(plan, node.inputs[i], kernel.views[i], node.shape)[0, :, 0, 0]  # one per channel
         tile = made[f"extra{i}"].next().ap(parts, 1)
         for t, (o0, ot) in enumerate(o_tiles):
             for half in range(halves):
-                queues.load(_from(_free(tile, t, ot, (1, 1)), half * ot),
-                            hbm(extra.dtype, plan.offset(extra) + (offset + o0 * strides[1]) * extra.dtype.itemsize,
-                                ((strides[1], ot), (1, 1))))
+                queues.load(_from(_free(tile, t, ot, (1, 1)), half * ot), values[o0:o0 + ot].column.ap)
         columns[("input", i - 1)] = tile
         if epi.scale is not None:
             row = made[f"extra_row{i}"].next().ap(weight_rows, cout)
-            queues.load(row, hbm(extra.dtype, plan.offset(extra) + offset * extra.dtype.itemsize,
-                                 ((0, weight_rows), (strides[1], cout))))
+            queues.load(row, values.broadcast_rows(weight_rows).ap)
             rows[("input", i - 1)] = row
     return columns, rows
 
@@ -163,26 +155,31 @@ class _ConvKernel:
 
     def __init__(self, em: Emitter, node: Node, plan: MemoryPlan):
         self.em, self.node, self.plan = em, node, plan
-        self.g = g = geometry(node, em.target.partitions)
-        self.tiling = tiling = node.attrs["tiling"]
+        self.kernel = kernel = node.attrs["plan"]
+        self.g = g = kernel.geometry
+        self.tiling = tiling = kernel.tiling
         self.x, self.w, *self.extras = node.inputs
+        # in HBM: the input [N, C, H, W], the weights [O, C, KH x KW] read as [C, O, taps], the result [N, O, OH, OW]
+        self.input = HbmTensor.of(plan, self.x)
+        self.weights = HbmTensor.of(plan, self.w, shape=(self.w.shape[0], self.w.shape[1],
+                                                         self.w.shape[2] * self.w.shape[3])).permute(1, 0, 2)
+        self.out = HbmTensor.of(plan, node)
         self.parts = parts = em.target.partitions
         self.oh, self.ow = g.out
         self.pitch, self.cin, self.cout = g.pitch, g.channels, g.out_channels
         self.plane_elements = g.plane_elements(tiling.band)
-        self.made = {name: em.sbuf_pool(dtype, n, bufs=bufs)
-                     for name, (dtype, n, bufs) in pools(node, tiling, parts).items()}
-        self.psum = em.psum_pool(PSUM_BUFS)
+        self.made = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in kernel.pools}
+        self.psum = em.psum_pool(kernel.psum_bufs)
         self.engines = Balancer(em)
-        self.queues = _Queues(em, STORE_QUEUES)
+        self.queues = _Queues(em, kernel.store_queues)
         self.c_tiles = [(c0, min(parts, self.cin - c0)) for c0 in range(0, self.cin, parts)]
         self.o_tiles = [(o0, min(parts, self.cout - o0)) for o0 in range(0, self.cout, parts)]
-        self.epi = epilogue_plan(node)
+        self.epi = kernel.epilogue
         self.final = max(j for j, kind in enumerate(self.epi.kinds) if kind != "channel")  # the result's step
-        self.slots, _ = element_slots(self.epi.body, self.epi.kinds)
-        self.per_channel = channel_inputs(node)
-        self.views = node.attrs.get("views") or (None,) * len(node.inputs)
-        self.pairs = pairs = tiling.plan(g)  # which taps (and rows) each matmul computes
+        self.slots = kernel.slots
+        self.per_channel = kernel.channel_inputs
+        self.views = kernel.views
+        self.pairs = pairs = kernel.taps  # which taps (and rows) each matmul computes
         self.halves = pairs.halves  # 2: partitions [O, 2O) of the accumulator hold the next output row
         self.n_taps, self.n_matmuls, self.margin = len(g.taps), len(pairs.matmuls), pairs.delta
         self.band_elements = g.band_elements(tiling.band + self.halves - 1, pairs.delta)
@@ -199,7 +196,7 @@ class _ConvKernel:
         self.raw = self.made["raw_weights"].next().ap(self.parts, 1)
         self.wtile = self.made["weights"].next().ap(self.parts, 1)
         self._zero_unused_weight_blocks()
-        self.columns, rows = _per_channel_inputs(self.em, self.node, self.plan, self.epi, self.queues, self.made,
+        self.columns, rows = _per_channel_inputs(self.em, self.node, self.plan, self.kernel, self.queues, self.made,
                                                  self.o_tiles, self.used, self.halves)
         self._load_weights()
         bands = [(n, r0) for n in range(self.g.batch) for r0 in range(0, self.oh, self.tiling.band)]
@@ -264,12 +261,9 @@ class _ConvKernel:
                                                                              (1, (z1 - z0) * self.pitch)), copy * ct),
                                                   imm0=0.0)
                         if nt and nu:
-                            x = self.x
                             self.queues.load(
                                 _free(tile, plane + t0 * self.pitch + u0, ct, (self.pitch, nt), (1, nu)),
-                                hbm(x.dtype, self.plan.offset(x) + (((n * self.cin + c0) * g.height + row) * g.width
-                                                                    + col) * x.dtype.itemsize,
-                                    ((g.height * g.width, ct), (sh * g.width, nt), (sw, nu))),
+                                self.input[n, c0:c0 + ct, row:row + nt * sh:sh, col:col + nu * sw:sw].ap,
                                 partition=copy * ct)
         return tile
 
@@ -290,12 +284,11 @@ class _ConvKernel:
                                   imm0=0.0)
 
     def _load_weights(self) -> None:
-        w, cout, n_taps = self.w, self.cout, self.n_taps
+        cout, n_taps = self.cout, self.n_taps
         for j, (c0, ct) in enumerate(self.c_tiles):
             for copy in range(self.pairs.copies):
                 self.queues.load(_free(self.raw, j * cout * n_taps, ct, (n_taps, cout), (1, n_taps)),
-                                 hbm(w.dtype, self.plan.offset(w) + c0 * n_taps * w.dtype.itemsize,
-                                     ((n_taps, ct), (self.cin * n_taps, cout), (1, n_taps))), partition=copy * ct)
+                                 self.weights[c0:c0 + ct].ap, partition=copy * ct)
 
     def _arrange_weights(self, rows: dict) -> None:
         epi, cout, n_taps = self.epi, self.cout, self.n_taps
@@ -348,13 +341,12 @@ class _ConvKernel:
         for i, extra in enumerate(self.extras, start=2):
             if i in self.per_channel:
                 continue
-            offset, (sn, sc, sy, sx) = self.views[i] or (0, (self.cout * self.oh * ow, self.oh * ow, ow, 1))
+            values = HbmTensor.of(self.plan, extra, self.views[i], self.node.shape)  # [N, O, OH, OW]
             tile = made[f"extra{i}"].next().ap(*shape)
             for half in range(halves):
-                start = offset + n * sn + o0 * sc + (row + half) * sy
+                first = row + half
                 self.queues.load(_from(_free(tile, 0, ot, (ow, lines), (1, ow)), half * ot),
-                                 hbm(extra.dtype, self.plan.offset(extra) + start * extra.dtype.itemsize,
-                                     ((sc, ot), (halves * sy, lines), (sx, ow))))
+                                 values[n, o0:o0 + ot, first:first + lines * halves:halves, 0:ow].ap)
             loaded[("input", i - 1)] = tile
         temps: dict = {}
         results: dict = {}
@@ -407,8 +399,7 @@ class _ConvKernel:
     def _store(self, n, r0, height, o0, ot, result) -> None:
         """Stored by band, not by block: the stores of one image share HBM pages, so fewer and larger ones wait on
         each other less."""
-        node, halves, oh, ow = self.node, self.halves, self.oh, self.ow
-        self.queues.store([(hbm(node.dtype, self.plan.offset(node) + (((n * self.cout + o0) * oh + r0 + half) * ow)
-                                * node.dtype.itemsize, ((oh * ow, ot), (halves * ow, height // halves), (1, ow))),
-                            _from(_free(result, 0, ot, (self.pitch, height // halves), (1, ow)), half * ot))
+        halves, lines = self.halves, height // self.halves
+        self.queues.store([(self.out[n, o0:o0 + ot, r0 + half:r0 + half + lines * halves:halves, :].ap,
+                            _from(_free(result, 0, ot, (self.pitch, lines), (1, self.ow)), half * ot))
                            for half in range(halves)])

@@ -15,7 +15,9 @@ from neuronc.passes.memory_plan import MemoryPlan
 
 
 def custom_kernel(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    kernel = node.attrs["kernel"]
+    from neuronc.nki.kernel import traced_kernel  # (imported here: neuronc.nki builds on codegen's sync pass)
+
+    kernel = traced_kernel(node.attrs["kernel"])
     offsets = {}
     for storage, source in zip(kernel.inputs, node.inputs):
         if tuple(storage.shape) != tuple(source.shape) or storage.dtype != source.dtype:

@@ -3,119 +3,48 @@ computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and t
 (strided view copies, fills, pads, concatenation) that need no arithmetic."""
 from __future__ import annotations
 
-
-
-
-from neuronc import ir
-from neuronc.codegen.access import dma_by_rows
+from neuronc import ir, op_facts
+from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
-from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
-from neuronc.passes.legalize import dense_strides
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.placement import tile_free_elements
+from neuronc.neff.program import DebugLoc
+from neuronc.plans import ElementwisePlan, MemoryPlan, dense_strides
 
 
-SLOTS_PER_KERNEL = 16  # tile slots a kernel may hold at once; sets the tile size from the SBUF size
-
-ACTIVATIONS = {
-    Op.ABS: ActFunc.ABS, Op.EXP: ActFunc.EXP, Op.EXPM1: ActFunc.EXPM1, Op.LOG: ActFunc.LOG,
-    Op.LOG1P: ActFunc.LOG1P, Op.SQRT: ActFunc.SQRT, Op.RSQRT: ActFunc.RSQRT, Op.TANH: ActFunc.TANH,
-    Op.LOGISTIC: ActFunc.SIGMOID, Op.SIN: ActFunc.SIN, Op.COS: ActFunc.COS, Op.SIGN: ActFunc.SIGN,
-    Op.FLOOR: ActFunc.FLOOR, Op.CEIL: ActFunc.CEIL, Op.ROUND: ActFunc.ROUND, Op.ERF: ActFunc.ERF,
-    Op.GELU: ActFunc.GELU,
-}
-ALU = {
-    Op.ADD: AluOp.ADD, Op.SUBTRACT: AluOp.SUBTRACT, Op.MULTIPLY: AluOp.MULTIPLY, Op.DIVIDE: AluOp.DIVIDE,
-    Op.REMAINDER: AluOp.REMAINDER, Op.POWER: AluOp.POW, Op.MAXIMUM: AluOp.MAX, Op.MINIMUM: AluOp.MIN,
-    Op.ATAN2: AluOp.ATAN2, Op.AND: AluOp.AND, Op.OR: AluOp.OR, Op.XOR: AluOp.XOR,
-}
-COMPARISONS = {"EQ": AluOp.EQ, "NE": AluOp.NE, "LT": AluOp.LT, "LE": AluOp.LE, "GT": AluOp.GT, "GE": AluOp.GE}
-REDUCTIONS = {"add": AluOp.ADD, "max": AluOp.MAX, "min": AluOp.MIN, "and": AluOp.MIN, "or": AluOp.MAX}
+# How each elementwise op is computed (the op-facts table, neuronc/op_facts.py): by one Scalar-engine function,
+# by one ALU op, or (COMPARE) by the ALU op of its direction; reductions by the ALU op of their kind.
+ACTIVATIONS = {op: ir.facts(op).activation for op in Op if ir.facts(op).activation is not None}
+ALU = {op: ir.facts(op).alu for op in Op if ir.facts(op).alu is not None}
+COMPARISONS = op_facts.COMPARISONS
+REDUCTIONS = {kind: r.alu for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None}
 
 
-def free_for(em: Emitter, slots: int, widest: int) -> int:
-    """Elements per partition of each tile when `slots` tiles of up to `widest` bytes an element
-    share the partition (each slot rounded up to the emitter's alignment), at most a default tile."""
-    slot_bytes = em.target.sbuf_bytes_per_partition // slots - em.SLOT_ALIGNMENT  # room for rounding up
-    return min(tile_free_elements(em, DType.F32), slot_bytes // widest)
-
-
-def tile_free_elements(em: Emitter, dtype: DType) -> int:
-    """Elements per partition of one tile, so that a kernel's tile slots fit in SBUF."""
-    per_slot = em.target.sbuf_bytes_per_partition // SLOTS_PER_KERNEL
-    return min(em.target.max_free_elements_sbuf, per_slot // max(dtype.itemsize, DType.F32.itemsize))
-
-
-# elementwise -----------------------------------------------------------------------------------
-
-
-def _last_uses(body) -> list:
-    last = list(range(len(body)))
-    for j, step in enumerate(body):
-        for kind, ref in step.args:
-            if kind == "step":
-                last[ref] = j
-    return last
-
-
-def assign_slots(body) -> tuple:
-    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the
-    output tile). Returns (slot of each step or None, number of slots)."""
-    last = _last_uses(body)
-    free, slots, count = [], [], 0
-    for j in range(len(body)):
-        for k in range(j):
-            if last[k] == j and slots[k] is not None:
-                free.append(slots[k])  # the step's inputs die here: their tiles are reusable
-        if j == len(body) - 1:
-            slots.append(None)
-        elif free:
-            slots.append(free.pop())
-        else:
-            slots.append(count)
-            count += 1
-    return slots, count
-
-
-def elementwise(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """One or many fused elementwise ops: load each input tile once (through its strided view, if
-    the fusion pass folded one in), compute every step of the body in SBUF, store the result."""
-    body = ir.body_of(node)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    used = sorted({ref for step in body for kind, ref in step.args if kind == "input"})
-    slots, temp_count = assign_slots(body)
-    needs_constants = any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
-    widest = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]
-                 + [node.inputs[i].dtype.itemsize for i in used])
-    free = free_for(em, 3 * len(used) + 2 * temp_count + 3 + (3 if needs_constants else 0), widest)
-    inputs = {i: em.sbuf_pool(node.inputs[i].dtype, free, bufs=3) for i in used}
-    temps = [em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=2) for _ in range(temp_count)]
-    out_pool = em.sbuf_pool(node.dtype, free, bufs=3)
-    constants = em.sbuf_pool(DType.F32, free * widest // DType.F32.itemsize, bufs=3) if needs_constants else None
-    strides = [dense_strides(node.shape)]
-    offsets = [0]
-    for i in used:
-        view = views[i]
-        strides.append(view[1] if view else dense_strides(node.shape))
-        offsets.append(view[0] if view else 0)
-    for block in blocks(node.shape, strides, free, em.target.partitions, offsets):
+def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
+    """One or many fused elementwise ops (its ElementwisePlan): load each input tile once (through its strided
+    view, if the fusion pass folded one in), compute every step of the body in SBUF, store the result."""
+    plan: ElementwisePlan = node.attrs["plan"]
+    pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
+    temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]
+    tensors = [HbmTensor(x.dtype, memory.offset(x), ()) for x in (node, *(node.inputs[i] for i in plan.inputs))]
+    for block in blocks(node.shape, [view.strides for view in plan.views], plan.free, em.target.partitions,
+                        [view.offset for view in plan.views]):
         shape = (block.partitions, *block.free)
         loaded = {}
-        for k, i in enumerate(used, start=1):
-            x = node.inputs[i]
-            loaded[i] = inputs[i].next().ap(*shape)
-            dma_by_rows(em, loaded[i], hbm(x.dtype, plan.offset(x) + block.offsets[k] * x.dtype.itemsize,
-                                           block.dims[k]))
-        out = emit_body(em, body, slots, loaded, [pool.next() for pool in temps], out_pool.next(), shape,
-                        constants, node.loc)
-        dma_by_rows(em, hbm(node.dtype, plan.offset(node) + block.offsets[0] * node.dtype.itemsize, block.dims[0]),
-                    out)
+        for k, i in enumerate(plan.inputs, start=1):
+            loaded[i] = pools[f"input{i}"].next().ap(*shape)
+            dma_by_rows(em, loaded[i], tensors[k].block(block.offsets[k], block.dims[k]))
+        out = emit_body(em, plan.body, plan.slots, loaded, [pool.next() for pool in temps], pools["out"].next(), shape,
+                        pools.get("constants"), node.loc)
+        dma_by_rows(em, tensors[0].block(block.offsets[0], block.dims[0]), out)
 
 
-def emit_body(em: Emitter, body, slots, loaded: dict, temp_tiles: list, out_tile, shape, constants, loc):
+def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: list, out_tile: Tile, shape: tuple,
+              constants: Pool | None, loc: DebugLoc) -> AccessPattern:
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
     intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
     results = []
@@ -193,7 +122,8 @@ class StepBalancer:
         return end
 
 
-def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, loc, engine=Engine.VECTOR) -> None:
+def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, constants: Pool | None, loc: DebugLoc,
+                 engine: Engine = Engine.VECTOR) -> None:
     """One instruction computing `step` into `out`; args are tiles or floats (scalars). ALU work runs on
     `engine` (Vector or GpSimd), activation functions on the Scalar engine."""
     op = step.op
@@ -232,11 +162,12 @@ def compute_step(em: Emitter, step, out: AccessPattern, args: list, constants, l
 # data movement ---------------------------------------------------------------------------------
 
 
-def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides, dst_offset: int, dst_strides, shape) -> None:
+def copy_strided(em: Emitter, dtype: DType, src_offset: int, src_strides: tuple, dst_offset: int, dst_strides: tuple,
+                 shape: tuple) -> None:
     """DMA a strided HBM view (element strides, byte offsets) to another, in bounded blocks, each by row
     slices over the queues."""
     size = dtype.itemsize
-    for block in blocks(shape, [dst_strides, src_strides], tile_free_elements(em, DType.F32), em.target.partitions):
+    for block in blocks(shape, [dst_strides, src_strides], tile_free_elements(em.target), em.target.partitions):
         dma_by_rows(em, hbm(dtype, dst_offset + block.offsets[0] * size, block.dims[0]),
                     hbm(dtype, src_offset + block.offsets[1] * size, block.dims[1]))
 
@@ -250,7 +181,7 @@ def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> None:
     """Write `value` to `count` contiguous HBM elements: one memset tile, DMA'd out block by block."""
-    free = tile_free_elements(em, DType.F32)
+    free = tile_free_elements(em.target)
     cover = list(blocks((count,), [(1,)], free, em.target.partitions))
     widest = max(b.free_elements for b in cover)
     tile = em.sbuf_pool(dtype, widest, bufs=1).next()

@@ -13,7 +13,7 @@ from neuronc.neff.program import DebugLoc, KernelInfo
 from neuronc.targets import Target
 
 
-def hbm(dtype: DType, byte_offset: int, dims) -> AccessPattern:
+def hbm(dtype: DType, byte_offset: int, dims: tuple) -> AccessPattern:
     return AccessPattern(Space.HBM, dtype, int(byte_offset), tuple((int(s), int(n)) for s, n in dims))
 
 

@@ -6,39 +6,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from neuronc.codegen.access import column_slice, dma_by_rows, dma_slices, row_slice
-from neuronc.codegen.elementwise import tile_free_elements
-from neuronc.codegen.emitter import Emitter, hbm
-from neuronc.errors import NeuronCompileError
+from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, dma_slices, row_slice
+from neuronc.codegen.emitter import Emitter
 from neuronc.isa import AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 def gather_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """out[i, :] = table[rows[i], :]: row numbers to SBUF, rows fetched by indirect DMA, stored."""
     table, rows = node.inputs
-    count, width = table.shape[0], table.shape[1]
-    size = node.dtype.itemsize
-    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
-        source = hbm(table.dtype, plan.offset(table) + c0 * size, ((width, count), (1, ct)))
+    width = table.shape[1]
+    source, out = HbmTensor.of(plan, table), HbmTensor.of(plan, node)
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype, node.attrs["plan"].chunk):
         for p0, p1 in dma_slices(em.target, tile):
-            em.dma(row_slice(tile, p0, p1), source, indices=row_slice(index, p0, p1))
-        dma_by_rows(em, hbm(node.dtype, plan.offset(node) + (r0 * width + c0) * size, ((width, rt), (1, ct))), tile)
+            em.dma(row_slice(tile, p0, p1), source[:, c0:c0 + ct].ap, indices=row_slice(index, p0, p1))
+        dma_by_rows(em, out[r0:r0 + rt, c0:c0 + ct].ap, tile)
 
 
 def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     """out = base, then out[rows[i], :] = (or +=) updates[i, :]: updates to SBUF, written by indirect DMA."""
     base, rows, updates = node.inputs
-    count, width = base.shape
-    size = node.dtype.itemsize
-    whole = ((width, count), (1, width))
-    em.dma(hbm(node.dtype, plan.offset(node), whole), hbm(base.dtype, plan.offset(base), whole))
-    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype):
-        dma_by_rows(em, tile, hbm(updates.dtype, plan.offset(updates) + (r0 * width + c0) * size, ((width, rt), (1, ct))))
+    width = base.shape[1]
+    out = HbmTensor.of(plan, node)
+    em.dma(out.ap, HbmTensor.of(plan, base).ap)
+    for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype, node.attrs["plan"].chunk):
+        dma_by_rows(em, tile, HbmTensor.of(plan, updates)[r0:r0 + rt, c0:c0 + ct].ap)
         # one indirect DMA: rows bound for the same table row are written (or added) in order, never racing
-        em.dma(hbm(node.dtype, plan.offset(node) + c0 * size, ((width, count), (1, ct))), tile, indices=index,
-               add=node.attrs["combine"] == "add")
+        em.dma(out[:, c0:c0 + ct].ap, tile, indices=index, add=node.attrs["combine"] == "add")
 
 
 TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
@@ -52,20 +47,16 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     (x,) = node.inputs
     rows, n = x.shape
     k = node.attrs["k"]
-    width, rounds = max(n, TOP), -(-k // TOP)
-    if width > tile_free_elements(em, DType.F32):
-        raise NeuronCompileError(f"a sort or top-k over rows of {n} values: at most {tile_free_elements(em, DType.F32)} "
-                                 f"fit one tile", location=str(node.loc),
-                                 hint="sort shorter rows (split the dimension), or keep this op outside the compiled region")
+    width, rounds = node.attrs["plan"].width, node.attrs["plan"].rounds  # rows padded to `width` (passes/kernel_plans.py)
     loads = em.sbuf_pool(x.dtype, n, bufs=2)
     works = em.sbuf_pool(DType.F32, width, bufs=2)
     bests = em.sbuf_pool(DType.F32, TOP, bufs=2)
     outs = em.sbuf_pool(node.dtype, rounds * TOP, bufs=2)
-    size = x.dtype.itemsize
+    source, result = HbmTensor.of(plan, x), HbmTensor.of(plan, node)
     for r0 in range(0, rows, em.target.partitions):
         rt = min(em.target.partitions, rows - r0)
         tile, work, out = loads.next().ap(rt, n), works.next().ap(rt, width), outs.next().ap(rt, rounds * TOP)
-        em.dma(tile, hbm(x.dtype, plan.offset(x) + r0 * n * size, ((n, rt), (1, n))))
+        em.dma(tile, source[r0:r0 + rt].ap)
         em.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, column_slice(work, 0, n), tile, alu=AluOp.MAX, imm0=LOWEST_F32)
         if width > n:
             em.emit(Opcode.MEMSET, Engine.VECTOR, column_slice(work, n, width), imm0=-np.inf)
@@ -75,21 +66,21 @@ def topk(em: Emitter, node: Node, plan: MemoryPlan) -> None:
             em.emit(Opcode.FIND_INDEX8, Engine.VECTOR, column_slice(out, r * TOP, (r + 1) * TOP), work, best)
             if r + 1 < rounds:
                 em.emit(Opcode.MATCH_REPLACE8, Engine.VECTOR, work, work, best, imm0=-np.inf)
-        em.dma(hbm(node.dtype, plan.offset(node) + r0 * k * node.dtype.itemsize, ((k, rt), (1, k))), column_slice(out, 0, k))
+        em.dma(result[r0:r0 + rt].ap, column_slice(out, 0, k))
 # attention ---------------------------------------------------------------------------------------
 
 
-def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType):
+def _row_chunks(em: Emitter, plan: MemoryPlan, rows: Node, width: int, dtype: DType, chunk: int):
     """(index tile, r0, rt, c0, ct, data tile) for every tile of `rows`' index rows x `width` columns:
-    up to a partition per row, the row cut to what fits a tile; each index tile loaded from HBM once."""
+    up to a partition per row, the row cut into chunks of `chunk` columns; each index tile loaded from HBM once."""
     count = rows.size
-    chunk = min(width, tile_free_elements(em, DType.F32))
+    numbers = HbmTensor.of(plan, rows, shape=(count,))
     index_tiles = em.sbuf_pool(rows.dtype, 1, bufs=2)
     data = em.sbuf_pool(dtype, chunk, bufs=3)
     for r0 in range(0, count, em.target.partitions):
         rt = min(em.target.partitions, count - r0)
         index = index_tiles.next().ap(rt, 1)
-        em.dma(index, hbm(rows.dtype, plan.offset(rows) + r0 * rows.dtype.itemsize, ((1, rt), (1, 1))))
+        em.dma(index, numbers[r0:r0 + rt].column.ap)
         for c0 in range(0, width, chunk):
             ct = min(chunk, width - c0)
             yield index, r0, rt, c0, ct, data.next().ap(rt, ct)

@@ -7,16 +7,19 @@ by DMA.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from neuronc import ir
 from neuronc.codegen.attention import attention
 from neuronc.codegen.conv import convolution
 from neuronc.codegen.custom import custom_kernel
+from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
 from neuronc.codegen.matmul import matmul
 from neuronc.codegen.rowwise import reduce_last, rowwise
 from neuronc.ir import Node, Op
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
@@ -36,7 +39,7 @@ KERNELS.update({
 })
 
 
-def kernel_for(node: Node, plan: MemoryPlan):
+def kernel_for(node: Node, plan: MemoryPlan) -> Callable[[Emitter, Node, MemoryPlan], None] | None:
     """The kernel that computes `node`, or None when it needs no instructions."""
     if node.op in (Op.PARAMETER, Op.RESHAPE, Op.KERNEL_OUTPUT):  # a kernel output: written by its kernel
         return None

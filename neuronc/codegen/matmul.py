@@ -1,67 +1,76 @@
 """The matmul kernel: stationary and moving tiles on the Tensor engine accumulating in PSUM, loads issued ahead,
-and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines."""
+and the fused epilogue (bias, activation, residual, cast) computed from PSUM on the other engines.
+
+The kernel follows its MatmulPlan (passes/tiling.py): the tiles and loop order, the operand strips it keeps
+resident, the pools. `_Matmul` holds what its stages share (the tensors in HBM, the pools, the output tiles
+whose epilogues are pending) and has a method per stage: load a strip, accumulate an output tile, compute the
+epilogues and store, walk the strips in order of use. A chain (ChainPlan, passes/matmul_chain.py) is two of
+them, the first one's result kept in SBUF as the second one's A^T (`_EarlyColumn`: the second's first column
+accumulated while the first runs)."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+import functools
+from typing import Callable
 
-from neuronc import ir
-from neuronc.codegen.access import column_slice, dma_by_rows, tile_at
-from neuronc.codegen.elementwise import StepBalancer, assign_slots
-from neuronc.codegen.emitter import Emitter, hbm
+from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
+from neuronc.codegen.elementwise import StepBalancer
+from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
-from neuronc.ir import Node, Op
-from neuronc.passes.legalize import dense_strides
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.ir import Node
+from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan
 
 
-def matmul(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+def matmul(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
     transposed, stays in SBUF as the second one's stationary operand."""
-    if node.attrs.get("chain") is None:
-        return _matmul(em, node, plan)
-    from neuronc.passes.matmul_chain import stages
-    from neuronc.passes.tiling import early_rows
+    plan = node.attrs["plan"]
+    if isinstance(plan, MatmulPlan):
+        _Matmul(em, plan, memory, node.inputs, node.loc, home=node).emit()
+    else:
+        _chain(em, plan, memory, node)
 
-    first, second = stages(node)
-    tiling = node.attrs["tiling"]
-    (_, rows, columns), dtype = first.shape, first.dtype
-    k_tiles = -(-rows // tiling.tile_k)
-    kept = em.sbuf_pool(dtype, k_tiles * columns, bufs=1).next().ap(tiling.tile_k, k_tiles * columns)
-    early = early_rows(second, em.target)
-    psum = em.psum_pool(bufs=em.target.psum_banks - early)
-    if not early:
-        em.locate(first.loc)
-        _matmul(em, first, plan, sink=kept, psum=psum)
+
+def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node) -> None:
+    first, second = chain.first, chain.second
+    first_inputs, second_inputs = node.inputs[:chain.split], (None, *node.inputs[chain.split:])
+    tiling = second.tiling
+    k_tiles = -(-first.m // tiling.tile_k)
+    kept = em.sbuf_pool(first.dtype, k_tiles * first.n, bufs=1).next().ap(tiling.tile_k, k_tiles * first.n)
+    psum = em.psum_pool(bufs=em.target.psum_banks - chain.early_rows)
+    if not chain.early_rows:
+        em.locate(chain.first_loc)
+        _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum).emit()
         em.locate(None)
-        _matmul(em, second, plan, a_resident=kept, psum=psum, home=node)
+        _Matmul(em, second, memory, second_inputs, node.loc, home=node, a_resident=kept, psum=psum).emit()
         return
-    rest = _matmul(em, second, plan, a_resident=kept, psum=psum, home=node, early_psum=em.psum_pool(bufs=early))
-    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `LAG` of
+    early_psum = em.psum_pool(bufs=chain.early_rows)
+    rest = _Matmul(em, second, memory, second_inputs, node.loc, home=node, a_resident=kept,
+                   psum=psum).early_column(early_psum, chain.lead_part)
+    # The second's first column of output tiles accumulates K tile by K tile as the first makes them, `lag` of
     # the first's tiles behind (so their epilogues are done when the Tensor engine reaches these matmuls).
     made, pending = [0] * k_tiles, []
-    first_tiles = -(-columns // first.attrs["tiling"].tile_n)
+    first_tiles = -(-first.n // first.tiling.tile_n)
 
-    def made_tile(m0):
-        made[m0 // tiling.tile_k] += 1
-        if made[m0 // tiling.tile_k] == first_tiles:
-            pending.append(m0 // tiling.tile_k)
-            rest.load_k(m0 // tiling.tile_k)
+    def made_tile(m0: int) -> None:
+        j = m0 // tiling.tile_k
+        made[j] += 1
+        if made[j] == first_tiles:
+            pending.append(j)
+            rest.load_k(j)
             if sum(count == first_tiles for count in made) == k_tiles // 2:
                 rest.prefetch()  # halfway through the first matmul
-        while len(pending) > LAG:
+        while len(pending) > chain.lag:
             rest.accumulate_k(pending.pop(0))
 
-    em.locate(first.loc)  # the second's early matmuls, emitted among the first's, keep the first's location
-    _matmul(em, first, plan, sink=kept, psum=psum, after_tile=made_tile)
+    em.locate(chain.first_loc)  # the second's early matmuls, emitted among the first's, keep the first's location
+    _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, after_tile=made_tile).emit()
     em.locate(None)
     rest.finish(pending)
 
 
-LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
-LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first matmul's last epilogues run
-
-
-class _Strip(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Strip:
     """A loaded operand strip: [K tile, k tiles x width] in SBUF, and the part of the bias that travels with it
     (B's strips: the bias row's columns, [1, width]; A's: the bias column's rows, [M tile, row tiles])."""
 
@@ -70,16 +79,39 @@ class _Strip(NamedTuple):
     bias: AccessPattern | None = None
 
 
-class _Rest(NamedTuple):
-    """A chain's second matmul, emitted in parts while the first one makes its stationary operand A^T."""
+@dataclasses.dataclass(frozen=True)
+class _StripColumns:
+    """`size` columns from `col` of a loaded strip: K tile j of them is an operand of the matmuls of K tile j."""
 
-    load_k: Callable  # (j): load K tile j of the first output column's B strip
-    accumulate_k: Callable  # (j): that column's matmuls of K tile j, once A^T's K tile j is made
-    prefetch: Callable  # (): load the first strips of the columns after the first
-    finish: Callable  # (pending K tiles): the rest of the kernel
+    strip: _Strip
+    col: int
+    size: int
+    tile_k: int
+    k: int
+
+    def k_tile(self, j: int) -> AccessPattern:
+        return tile_at(self.strip.tile, j * self.strip.width + self.col, min(self.tile_k, self.k - j * self.tile_k),
+                       self.size)
 
 
-class _Placed(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Streamed:
+    """An operand loaded K tile by K tile on demand ([rows, size] tiles: the baseline's stream), from `x` [K, size]."""
+
+    kernel: "_Matmul"
+    pool: Pool
+    x: HbmTensor
+
+    def k_tile(self, j: int) -> AccessPattern:
+        tk = self.kernel.tk
+        rows, size = min(tk, self.kernel.plan.k - j * tk), self.x.dims[1][1]
+        tile = self.pool.next().ap(rows, size)
+        self.kernel.em.dma(tile, self.x[j * tk:j * tk + rows].ap)
+        return tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
     """An output tile placed in a tile the caller owns (a chain's kept result), in place of a pool's slot."""
 
     at: AccessPattern
@@ -88,318 +120,366 @@ class _Placed(NamedTuple):
         return self.at
 
 
-def _matmul(em: Emitter, node: Node, plan: MemoryPlan, a_resident: AccessPattern | None = None,
-            sink: AccessPattern | None = None, psum=None, home: Node | None = None, after_tile=None,
-            early_psum=None):
-    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM,
-    tiled and ordered as the tiling pass decided (attrs["tiling"], passes/tiling.py).
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """An output tile whose matmuls are emitted and whose epilogue is not: its epilogue's inputs (0: the
+    accumulator), temporaries, result tile and shape, where it is stored (None: kept on chip), its first row."""
 
-    Operands are loaded as strips [K tile, k tiles x width] by one DMA each (split over the queues by
-    partitions): with a resident operand, its strip of `block` output tiles stays in SBUF while the other
-    operand's strips stream through it. With an epilogue (fused elementwise consumers: bias, activation,
-    residual, cast), each result tile is computed from the PSUM accumulator and the epilogue's other
-    inputs on its way out.
+    loaded: dict
+    temps: list
+    out: object  # a Tile, or _Placed
+    shape: tuple
+    store: AccessPattern | None
+    m0: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputTile:
+    """An output tile of a strip walk: batch g, rows from m0, columns from n0, and where its operands lie: the
+    loads (step numbers) of its A and B strips and its columns in them."""
+
+    g: int
+    m0: int
+    n0: int
+    a_load: int
+    a_col: int
+    b_load: int
+    b_col: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    """A step of the strip walk: the load of one strip and the output tiles it completes."""
+
+    load: Callable
+    tiles: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+    stationary: _StripColumns
+    moving: _StripColumns
+    row: AccessPattern | None  # the tile's part of the bias row, loaded with its B strip
+    column: AccessPattern | None  # ... of the bias column, loaded with its A strip
+
+
+class _Matmul:
+    """C[b] = A[b] @ B[b]: stationary = A tile transposed [K, M], moving = B tile [K, N], fp32 in PSUM, tiled and
+    ordered as the plan says.
+
+    Operands are loaded as strips [K tile, k tiles x width] by one DMA each (split over the queues by partitions):
+    with a resident operand, its strip of `block` output tiles stays in SBUF while the other operand's strips
+    stream through it. With an epilogue (fused elementwise consumers: bias, activation, residual, cast), each
+    result tile is computed from the PSUM accumulator and the epilogue's other inputs on its way out.
 
     With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded; with `sink` ([M tile,
-    M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM; `psum`, a
-    PSUM pool to share; `home`, the graph node whose HBM buffer the result is stored in (default: `node`);
-    `after_tile(m0)` is called once a row tile's epilogue is emitted.
+    M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM `home`'s buffer;
+    `psum`, a PSUM pool to share; `after_tile(m0)` is called once a row tile's epilogue is emitted."""
 
-    With `early_psum` (and `a_resident`), nothing is emitted yet: the first column of output tiles takes its
-    accumulators from `early_psum`, and the kernel is returned as a `_Rest`, whose functions the caller
-    interleaves with the making of A^T (see `matmul`)."""
-    from neuronc.passes.tiling import default_tiling, epilogue_pools, loads_a_by_k_tile, operand_pools
+    def __init__(self, em: Emitter, plan: MatmulPlan, memory: MemoryPlan, inputs: tuple, loc, *,
+                 home: Node | None = None, a_resident: AccessPattern | None = None, sink: AccessPattern | None = None,
+                 psum: Pool | None = None, after_tile: Callable | None = None):
+        self.em, self.plan, self.loc = em, plan, loc
+        self.a_resident, self.sink, self.after_tile = a_resident, sink, after_tile
+        a, b, *extras = inputs
+        batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
+        self.tm, self.tn, self.tk = plan.tiling.tile_m, plan.tiling.tile_n, plan.tiling.tile_k
+        self.k_tiles = -(-k // self.tk)
+        # the tensors in HBM: A^T [batch, k, m], B [batch, k, n], the epilogue's inputs and the result [batch, m, n]
+        self.a_t = HbmTensor.of(memory, a, plan.a, (batch, m, k)).T if a_resident is None else None
+        self.b = HbmTensor.of(memory, b, plan.b, (batch, k, n))
+        self.extras = [HbmTensor.of(memory, x, view, (batch, m, n)) for x, view in zip(extras, plan.extras)]
+        self.out = HbmTensor.of(memory, home) if sink is None else None
+        self.slots = plan.slots
+        temp_count = len({slot for slot in plan.slots if slot is not None})
+        self.strips = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.operand_pools
+                       if not (p.name == "a" and a_resident is not None)}
+        specs = {p.name: p for p in plan.epilogue_pools}
 
-    a, b, *extra = node.inputs
-    (batch, m, n), k = node.shape, node.attrs["k"]
-    tiling = node.attrs.get("tiling") or default_tiling(node, em.target)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    (a_offset, (asb, asm, ask)), (b_offset, (bsb, bsk, bsn)) = (
-        view or (0, dense_strides(shape)) for view, shape in zip(views, ((batch, m, k), (batch, k, n))))
-    extra_views = [view or (0, dense_strides(node.shape)) for view in views[2:]]
-    body = node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
-    slots, temp_count = assign_slots(body)
-    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
-    k_tiles = -(-k // tk)
-    strips = {name: em.sbuf_pool(dtype, n_, bufs=bufs) for name, (dtype, n_, bufs) in operand_pools(node, tiling).items()
-              if not (name == "a" and a_resident is not None)}
-    out_pools = epilogue_pools(node, tn)
-    pool = lambda name: em.sbuf_pool(*out_pools[name][:2], bufs=out_pools[name][2])  # noqa: E731
-    result, constants = pool("result"), pool("constants")
-    extra_pools = [pool(f"extra{i}") if f"extra{i}" in out_pools else None for i in range(len(extra))]
-    bias_row = node.attrs.get("bias_row")  # an extra input added into PSUM as a row, by a rank-1 matmul
-    if bias_row is not None:
-        ones = pool("ones").next().ap(1, tm)
-        em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
-    bias_column = node.attrs.get("bias_column")  # an extra input of one value per row, added by the first step
-    if bias_column is not None:
-        column_sums, widened = pool("row_sum"), pool("bias")
-    temps = [pool(f"temp{i}") for i in range(temp_count)]
-    psum = psum or em.psum_pool()
-    engines = StepBalancer(em)
-    ci = node.dtype.itemsize
+        def pool(name: str) -> Pool:
+            return em.sbuf_pool(specs[name].dtype, specs[name].elements, bufs=specs[name].bufs)
 
-    a_by_k_tile = loads_a_by_k_tile(node)
+        self.result, self.constants = pool("result"), pool("constants")
+        self.extra_pools = [pool(f"extra{i}") if f"extra{i}" in specs else None for i in range(len(extras))]
+        if plan.bias_row is not None:  # an extra input added into PSUM as a row, by a rank-1 matmul with ones
+            self.ones = pool("ones").next().ap(1, self.tm)
+            em.emit(Opcode.MEMSET, Engine.GPSIMD, self.ones, imm0=1.0)
+        if plan.bias_column is not None:  # an extra input of one value per row, added by the first step
+            self.column_sums, self.widened = pool("row_sum"), pool("bias")
+        self.temps = [pool(f"temp{i}") for i in range(temp_count)]
+        self.psum = psum or em.psum_pool()
+        self.engines = StepBalancer(em)
+        self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
 
-    def load_strip(name, x, element, k_stride, w_stride, width):
-        """All K tiles of `width` columns of x ([K, width] at `element`, strided) as [tk, k tiles x width]: one
-        DMA split over the queues by partitions, or one per K tile for A^T written head by head by an attention
-        (passes/tiling.py `loads_a_by_k_tile`)."""
-        tile = strips[name].next().ap(tk, k_tiles * width)
-        whole, tail = divmod(k, tk)
-        if whole and name == "a" and a_by_k_tile:
+    # loading strips -------------------------------------------------------------------------------------
+    def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
+        """All K tiles of x ([K, width]) as [tk, k tiles x width]: one DMA split over the queues by partitions, or
+        one per K tile for A^T written head by head by an attention (MatmulPlan.a_by_k_tile)."""
+        em, tk, width = self.em, self.tk, x.dims[1][1]
+        tile = self.strips[name].next().ap(tk, self.k_tiles * width)
+        whole, tail = divmod(self.plan.k, tk)
+        if whole and name == "a" and self.plan.a_by_k_tile:
             for j in range(whole):
-                dma_by_rows(em, tile_at(tile, j * width, tk, width),
-                            hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
-                                ((k_stride, tk), (w_stride, width))))
+                dma_by_rows(em, tile_at(tile, j * width, tk, width), x[j * tk:(j + 1) * tk].ap)
         elif whole:
-            dma_by_rows(em, tile_at(tile, 0, min(tk, k), whole, width),
-                         hbm(x.dtype, plan.offset(x) + element * x.dtype.itemsize,
-                             ((k_stride, min(tk, k)), (tk * k_stride, whole), (w_stride, width))))
+            dma_by_rows(em, tile_at(tile, 0, tk, whole, width), x[:whole * tk].tiled(tk).ap)
         if tail:
-            em.dma(tile_at(tile, whole * width, tail, width),
-                   hbm(x.dtype, plan.offset(x) + (element + whole * tk * k_stride) * x.dtype.itemsize,
-                       ((k_stride, tail), (w_stride, width))))
-        return tile, width
+            em.dma(tile_at(tile, whole * width, tail, width), x[whole * tk:].ap)
+        return tile
 
-    def a_strip(g, m0, rows):
-        if a_resident is not None:
-            return _Strip(a_resident, m)
-        rows = min(rows, m - m0)
-        return _Strip(*load_strip("a", a, a_offset + g * asb + m0 * asm, ask, asm, rows),
-                      bias_column_of(g, m0, rows) if bias_column is not None else None)
+    def a_strip(self, g: int, m0: int, rows: int) -> _Strip:
+        if self.a_resident is not None:
+            return _Strip(self.a_resident, self.plan.m)
+        rows = min(rows, self.plan.m - m0)
+        tile = self.load_strip("a", self.a_t[g, :, m0:m0 + rows])
+        return _Strip(tile, rows, self.bias_column_of(g, m0, rows) if self.plan.bias_column is not None else None)
 
-    def b_strip(g, n0, cols):
-        cols = min(cols, n - n0)
-        return _Strip(*load_strip("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, cols),
-                      bias_row_of(g, n0, cols) if bias_row is not None else None)
+    def b_strip(self, g: int, n0: int, cols: int) -> _Strip:
+        cols = min(cols, self.plan.n - n0)
+        tile = self.load_strip("b", self.b[g, :, n0:n0 + cols])
+        return _Strip(tile, cols, self.bias_row_of(g, n0, cols) if self.plan.bias_row is not None else None)
 
-    def bias_row_of(g, n0, cols):
+    def bias_row_of(self, g: int, n0: int, cols: int) -> AccessPattern:
         """[1, cols] of the bias row from column n0, loaded now (with the B strip it is added to)."""
-        x, (offset, (sb, _, sn)) = extra[bias_row - 1], extra_views[bias_row - 1]
-        row = strips["bias_row"].next().ap(1, cols)
-        em.dma(row, hbm(x.dtype, plan.offset(x) + (offset + g * sb + n0 * sn) * x.dtype.itemsize, ((0, 1), (sn, cols))))
+        row = self.strips["bias_row"].next().ap(1, cols)
+        self.em.dma(row, self.extras[self.plan.bias_row - 1][g, 0:1, n0:n0 + cols].ap)
         return row
 
-    def bias_column_of(g, m0, rows):
+    def bias_column_of(self, g: int, m0: int, rows: int) -> AccessPattern:
         """[M tile, row tiles] of the bias column from row m0 (row tile i in column i), loaded now."""
-        x, (offset, (sb, sm, _)) = extra[bias_column - 1], extra_views[bias_column - 1]
+        tm = self.tm
+        x = self.extras[self.plan.bias_column - 1][g, m0:m0 + rows, 0]
         tiles, tail = divmod(rows, tm)
-        column = strips["bias_column"].next().ap(min(tm, rows), tiles + bool(tail))
-        at = plan.offset(x) + (offset + g * sb + m0 * sm) * x.dtype.itemsize
+        column = self.strips["bias_column"].next().ap(min(tm, rows), tiles + bool(tail))
         if tiles:
-            em.dma(tile_at(column, 0, min(tm, rows), tiles), hbm(x.dtype, at, ((sm, min(tm, rows)), (tm * sm, tiles))))
+            self.em.dma(tile_at(column, 0, min(tm, rows), tiles), x[:tiles * tm].tiled(tm).ap)
         if tail:
-            em.dma(tile_at(column, tiles, tail, 1), hbm(x.dtype, at + tiles * tm * sm * x.dtype.itemsize, ((sm, tail), (1, 1))))
+            self.em.dma(tile_at(column, tiles, tail, 1), x[tiles * tm:].column.ap)
         return column
 
-    def in_strip(strip, col, size):
-        """The operand of K tile j: `size` columns from `col` of the strip's j-th K tile."""
-        return lambda j: tile_at(strip.tile, j * strip.width + col, min(tk, k - j * tk), size)
+    def columns(self, strip: _Strip, col: int, size: int) -> _StripColumns:
+        return _StripColumns(strip, col, size, self.tk, self.plan.k)
 
-    def streamed(name, x, element, k_stride, w_stride, size):
-        """The operand of K tile j loaded on demand ([rows, size] tiles, the baseline's stream)."""
-        def load(j):
-            rows = min(tk, k - j * tk)
-            tile = strips[name].next().ap(rows, size)
-            em.dma(tile, hbm(x.dtype, plan.offset(x) + (element + j * tk * k_stride) * x.dtype.itemsize,
-                             ((k_stride, rows), (w_stride, size))))
-            return tile
-        return load
-
-    def output_tile(g, m0, n0, stationary, moving, acc=None, row=None, column=None):
-        """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue, the
-        store. `row` / `column`: its part of the bias row / column, loaded with the strips (else loaded here)."""
-        mt, nt = min(tm, m - m0), min(tn, n - n0)
+    # output tiles ---------------------------------------------------------------------------------------
+    def output_tile(self, g: int, m0: int, n0: int, stationary, moving, acc: AccessPattern | None = None,
+                    row: AccessPattern | None = None, column: AccessPattern | None = None) -> None:
+        """One [mt, nt] output tile: K tiles accumulated in PSUM (unless `acc` holds them), the epilogue's inputs
+        loaded, its epilogue and store queued. `row` / `column`: its part of the bias row / column, loaded with
+        the strips (else loaded here)."""
+        em, plan = self.em, self.plan
+        mt, nt = min(self.tm, plan.m - m0), min(self.tn, plan.n - n0)
         if acc is None:
-            acc = psum.next().ap(mt, nt)
-            for j in range(k_tiles):
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=j > 0)
+            acc = self.psum.next().ap(mt, nt)
+            for j in range(self.k_tiles):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary.k_tile(j), moving.k_tile(j), accumulate=j > 0)
         loaded = {0: acc}
-        for i, (x, xpool, (offset, (sb, sm, sn))) in enumerate(zip(extra, extra_pools, extra_views), start=1):
-            if i == bias_row:  # acc[m, n] += 1 * bias[n]
-                row = row if row is not None else bias_row_of(g, n0, nt)
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(ones, 0, mt), row,
-                        accumulate=True)
+        for i, (x, pool) in enumerate(zip(self.extras, self.extra_pools), start=1):
+            if i == plan.bias_row:  # acc[m, n] += 1 * bias[n]
+                row = row if row is not None else self.bias_row_of(g, n0, nt)
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, column_slice(self.ones, 0, mt), row, accumulate=True)
                 continue
-            if i == bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
-                column = column if column is not None else bias_column_of(g, m0, mt)
-                loaded[i] = widened.next().ap(mt, 1)
+            if i == plan.bias_column:  # [mt, 1] values widened to fp32 for the first step's per-partition bias
+                column = column if column is not None else self.bias_column_of(g, m0, mt)
+                loaded[i] = self.widened.next().ap(mt, 1)
                 em.emit(Opcode.TENSOR_COPY, Engine.GPSIMD, loaded[i], column)
-                engines.account(em.instructions[-1:])
-                loaded["row_sum"] = column_sums.next().ap(mt, 1)
+                self.engines.account(em.instructions[-1:])
+                loaded["row_sum"] = self.column_sums.next().ap(mt, 1)
                 continue
-            loaded[i] = xpool.next().ap(mt, nt)  # by rows over several queues, as the store
-            dma_by_rows(em, loaded[i], hbm(x.dtype, plan.offset(x) + (offset + g * sb + m0 * sm + n0 * sn) * x.dtype.itemsize,
-                                  ((sm, mt), (sn, nt))))
-        if sink is not None:
-            waiting.append((loaded, [p.next() for p in temps], _Placed(tile_at(sink, m0 // tm * n + n0, mt, nt)),
-                            (mt, nt), None, m0))
+            loaded[i] = pool.next().ap(mt, nt)  # by rows over several queues, as the store
+            dma_by_rows(em, loaded[i], x[g, m0:m0 + mt, n0:n0 + nt].ap)
+        temps = [pool.next() for pool in self.temps]
+        if self.sink is not None:
+            job = _Job(loaded, temps, _Placed(tile_at(self.sink, m0 // self.tm * plan.n + n0, mt, nt)), (mt, nt),
+                       None, m0)
         else:
-            waiting.append((loaded, [p.next() for p in temps], result.next(), (mt, nt),
-                            hbm(node.dtype, plan.offset(home or node) + ((g * m + m0) * n + n0) * ci, ((n, mt), (1, nt))),
-                            m0))
-        if len(waiting) > EPILOGUE_GROUP:  # this tile's matmuls go ahead of the epilogues of the ones before
-            flush(keep=1)
+            job = _Job(loaded, temps, self.result.next(), (mt, nt), self.out[g, m0:m0 + mt, n0:n0 + nt].ap, m0)
+        self.waiting.append(job)
+        if len(self.waiting) > self.plan.epilogue_group:  # this tile's matmuls go ahead of the epilogues of the ones before
+            self.flush(keep=1)
 
-    waiting = []  # output tiles whose matmuls are emitted and whose epilogues are not
-
-    def flush(keep=0, last=False):
+    def flush(self, keep: int = 0, last: bool = False) -> None:
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
         chains side by side on the engines, not one chain at a time), then their stores. The `last` tile of
         the kernel is stored by rows over half the queues (the other half may still hold the store before it):
         nothing comes after it to share them with."""
-        jobs = waiting[:len(waiting) - keep]
-        del waiting[:len(jobs)]
-        outs = _emit_bodies(body, slots, [job[:4] for job in jobs], constants, node.loc, engines, bias_column)
+        em = self.em
+        jobs = self.waiting[:len(self.waiting) - keep]
+        del self.waiting[:len(jobs)]
+        outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
+                            self.plan.bias_column)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
-            if job[4] is not None:
-                dma_by_rows(em, job[4], out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
+            if job.store is not None:
+                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
         for job in jobs:
-            if after_tile is not None:
-                after_tile(job[5])
+            if self.after_tile is not None:
+                self.after_tile(job.m0)
 
-    if tiling.resident == "none":
-        for g in range(batch):
-            for m0 in range(0, m, tm):
-                for n0 in range(0, n, tn):
-                    output_tile(g, m0, n0,
-                                streamed("a", a, a_offset + g * asb + m0 * asm, ask, asm, min(tm, m - m0)),
-                                streamed("b", b, b_offset + g * bsb + n0 * bsn, bsk, bsn, min(tn, n - n0)))
-        flush(last=True)
-        return
-    def plan_steps(first_column=0):
-        """The strip loads in order of use, each with the output tiles it completes (columns from
+    # the walk over the strips ---------------------------------------------------------------------------
+    def emit(self) -> None:
+        """The whole kernel: both operands streamed tile by tile, or the strips walked as the tiling says."""
+        if self.plan.tiling.resident == "none":
+            self.emit_streamed()
+        else:
+            self.run(self.strip_walk(), {})
+
+    def emit_streamed(self) -> None:
+        plan, tm, tn = self.plan, self.tm, self.tn
+        for g in range(plan.batch):
+            for m0 in range(0, plan.m, tm):
+                for n0 in range(0, plan.n, tn):
+                    self.output_tile(g, m0, n0,
+                                     _Streamed(self, self.strips["a"], self.a_t[g, :, m0:m0 + min(tm, plan.m - m0)]),
+                                     _Streamed(self, self.strips["b"], self.b[g, :, n0:n0 + min(tn, plan.n - n0)]))
+        self.flush(last=True)
+
+    def strip_walk(self, first_column: int = 0) -> list:
+        """The strip loads in order of use (_Loads), each with the output tiles it completes (columns from
         `first_column` on)."""
-        steps = []  # (loader of one strip, [(g, m0, n0, a strip step, a col, b strip step, b col)])
-        for g in range(batch):
-            if tiling.resident == "a":
-                for mb in range(0, m, tiling.block * tm):
-                    steps.append((lambda g=g, mb=mb: a_strip(g, mb, tiling.block * tm), []))
-                    a_step = len(steps) - 1
-                    for n0 in range(first_column, n, tn):
-                        steps.append((lambda g=g, n0=n0: b_strip(g, n0, tn), []))
-                        steps[-1][1].extend((g, m0, n0, a_step, m0 - mb, len(steps) - 1, 0)
-                                            for m0 in range(mb, min(m, mb + tiling.block * tm), tm))
+        plan, tm, tn = self.plan, self.tm, self.tn
+        block = plan.tiling.block
+        steps: list = []
+        for g in range(plan.batch):
+            if plan.tiling.resident == "a":
+                for mb in range(0, plan.m, block * tm):
+                    steps.append(_Load(functools.partial(self.a_strip, g, mb, block * tm), []))
+                    a_load = len(steps) - 1
+                    for n0 in range(first_column, plan.n, tn):
+                        steps.append(_Load(functools.partial(self.b_strip, g, n0, tn), []))
+                        steps[-1].tiles.extend(_OutputTile(g, m0, n0, a_load, m0 - mb, len(steps) - 1, 0)
+                                               for m0 in range(mb, min(plan.m, mb + block * tm), tm))
             else:
-                for nb in range(first_column, n, tiling.block * tn):
-                    steps.append((lambda g=g, nb=nb: b_strip(g, nb, tiling.block * tn), []))
-                    b_step = len(steps) - 1
-                    for m0 in range(0, m, tm):
-                        steps.append((lambda g=g, m0=m0: a_strip(g, m0, tm), []))
-                        steps[-1][1].extend((g, m0, n0, len(steps) - 1, 0, b_step, n0 - nb)
-                                            for n0 in range(nb, min(n, nb + tiling.block * tn), tn))
-        if tiling.streamed_first and a_resident is None and len(steps) > 1:
+                for nb in range(first_column, plan.n, block * tn):
+                    steps.append(_Load(functools.partial(self.b_strip, g, nb, block * tn), []))
+                    b_load = len(steps) - 1
+                    for m0 in range(0, plan.m, tm):
+                        steps.append(_Load(functools.partial(self.a_strip, g, m0, tm), []))
+                        steps[-1].tiles.extend(_OutputTile(g, m0, n0, len(steps) - 1, 0, b_load, n0 - nb)
+                                               for n0 in range(nb, min(plan.n, nb + block * tn), tn))
+        if plan.tiling.streamed_first and self.a_resident is None and len(steps) > 1:
             return _streamed_first(steps)
         return steps
 
-    def run(steps, loaded):
+    def run(self, steps: list, loaded: dict) -> None:
         """Every strip load issued `stream_bufs - 1` steps ahead (before the previous steps' tiles and their
         stores), so it overlaps their compute; `loaded`: the strips loaded already, by step."""
-        for i, (_, tiles) in enumerate(steps):
-            for j in range(len(loaded), min(len(steps), i + tiling.stream_bufs)):
-                loaded[j] = steps[j][0]()
-            for tile in tiles:
-                stationary, moving, row, column = operands(tile, loaded)
-                output_tile(*tile[:3], stationary, moving, row=row, column=column)
-        flush(last=True)
+        for i, step in enumerate(steps):
+            for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
+                loaded[j] = steps[j].load()
+            for tile in step.tiles:
+                ops = self.operands(tile, loaded)
+                self.output_tile(tile.g, tile.m0, tile.n0, ops.stationary, ops.moving, row=ops.row, column=ops.column)
+        self.flush(last=True)
 
-    def operands(tile, loaded):
-        """(stationary, moving, bias row, bias column) of an output tile of `plan_steps`, from the loaded strips."""
-        g, m0, n0, a_step, a_col, b_step, b_col = tile
-        mt, nt, a_strip_, b_strip_ = min(tm, m - m0), min(tn, n - n0), loaded[a_step], loaded[b_step]
-        return (in_strip(a_strip_, a_col, mt), in_strip(b_strip_, b_col, nt),
-                b_strip_.bias and tile_at(b_strip_.bias, b_col, 1, nt),
-                a_strip_.bias and tile_at(a_strip_.bias, a_col // tm, mt, 1))
+    def operands(self, tile: _OutputTile, loaded: dict) -> _Operands:
+        """An output tile's operands and bias parts, from the loaded strips."""
+        mt, nt = min(self.tm, self.plan.m - tile.m0), min(self.tn, self.plan.n - tile.n0)
+        a_strip, b_strip = loaded[tile.a_load], loaded[tile.b_load]
+        return _Operands(stationary=self.columns(a_strip, tile.a_col, mt), moving=self.columns(b_strip, tile.b_col, nt),
+                         row=b_strip.bias and tile_at(b_strip.bias, tile.b_col, 1, nt),
+                         column=a_strip.bias and tile_at(a_strip.bias, tile.a_col // self.tm, mt, 1))
 
-    if early_psum is None:
-        run(plan_steps(), {})
-        return None
-    width = min(tn, n)
-    strip = _Strip(strips["b"].next().ap(tk, k_tiles * width), width,  # the first column's B strip, a K tile at a time,
-                   bias_row_of(0, 0, width) if bias_row is not None else None)  # and its bias row, now
-    accs = [(m0, early_psum.next().ap(min(tm, m - m0), width)) for m0 in range(0, m, tm)]
+    def early_column(self, early_psum: Pool, lead_part: int) -> "_EarlyColumn":
+        """A chain's second matmul, emitted in parts while the first makes A^T (nothing emitted yet but the
+        first column's bias row): its first column of output tiles takes its accumulators from `early_psum`."""
+        return _EarlyColumn(self, early_psum, lead_part)
 
-    def early_load(j):
-        rows = min(tk, k - j * tk)
-        dma_by_rows(em, tile_at(strip.tile, j * width, rows, width),
-                    hbm(b.dtype, plan.offset(b) + (b_offset + j * tk * bsk) * b.dtype.itemsize, ((bsk, rows), (bsn, width))))
 
-    def early_k(j):
-        for m0, acc in accs:
-            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, in_strip(_Strip(a_resident, m), m0, min(tm, m - m0))(j),
-                    in_strip(strip, 0, min(tn, n))(j), accumulate=j > 0)
+class _EarlyColumn:
+    """A chain's second matmul in parts, interleaved with the making of its A^T by the first (see `_chain`)."""
 
-    steps, loaded = plan_steps(first_column=tn), {}
+    def __init__(self, kernel: _Matmul, early_psum: Pool, lead_part: int):
+        plan, self.kernel, self.lead_part = kernel.plan, kernel, lead_part
+        width = self.width = min(kernel.tn, plan.n)
+        self.strip = _Strip(kernel.strips["b"].next().ap(kernel.tk, kernel.k_tiles * width), width,  # a K tile at a
+                            kernel.bias_row_of(0, 0, width) if plan.bias_row is not None else None)  # time; bias now
+        self.accs = [(m0, early_psum.next().ap(min(kernel.tm, plan.m - m0), width)) for m0 in range(0, plan.m, kernel.tm)]
+        self.steps, self.loaded = kernel.strip_walk(first_column=kernel.tn), {}
 
-    def prefetch():  # the strips of the first steps after the first column
-        for j in range(min(len(steps), tiling.stream_bufs - 1)):
-            loaded[j] = steps[j][0]()
+    def load_k(self, j: int) -> None:
+        """Load K tile j of the first output column's B strip."""
+        kernel = self.kernel
+        rows = min(kernel.tk, kernel.plan.k - j * kernel.tk)
+        dma_by_rows(kernel.em, tile_at(self.strip.tile, j * self.width, rows, self.width),
+                    kernel.b[0, j * kernel.tk:j * kernel.tk + rows, 0:self.width].ap)
 
-    def later(pending):
+    def accumulate_k(self, j: int) -> None:
+        """The first column's matmuls of K tile j, once A^T's K tile j is made."""
+        kernel, plan = self.kernel, self.kernel.plan
+        for m0, acc in self.accs:
+            stationary = kernel.columns(_Strip(kernel.a_resident, plan.m), m0, min(kernel.tm, plan.m - m0))
+            moving = kernel.columns(self.strip, 0, min(kernel.tn, plan.n))
+            kernel.em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary.k_tile(j), moving.k_tile(j), accumulate=j > 0)
+
+    def prefetch(self) -> None:
+        """Load the first strips of the columns after the first."""
+        for j in range(min(len(self.steps), self.kernel.plan.tiling.stream_bufs - 1)):
+            self.loaded[j] = self.steps[j].load()
+
+    def finish(self, pending: list) -> None:
         """The rest, once the first matmul's matmuls are emitted, `pending` its K tiles whose early matmuls are not
         (the last made: their epilogues end last). The next strip's output tiles first accumulate a part of the
         other K tiles, so the Tensor engine has work while those epilogues finish; then the early column is
         finished, then those tiles one by one (each one's epilogue beside the next one's matmuls), then the rest."""
-        head = next((i for i, (_, tiles) in enumerate(steps) if tiles), None)
+        kernel, steps, loaded = self.kernel, self.steps, self.loaded
+        k_tiles = kernel.k_tiles
+        head = next((i for i, step in enumerate(steps) if step.tiles), None)
         ahead = []  # (output tile, its accumulator, its operands)
         if head is not None and pending:
             for j in range(len(loaded), head + 1):
-                loaded[j] = steps[j][0]()
-            ahead = [(tile, psum.next().ap(min(tm, m - tile[1]), min(tn, n - tile[2])), operands(tile, loaded))
-                     for tile in steps[head][1]]
-            steps[head] = (steps[head][0], [])
+                loaded[j] = steps[j].load()
+            ahead = [(tile, kernel.psum.next().ap(min(kernel.tm, kernel.plan.m - tile.m0),
+                                                  min(kernel.tn, kernel.plan.n - tile.n0)), kernel.operands(tile, loaded))
+                     for tile in steps[head].tiles]
+            steps[head] = dataclasses.replace(steps[head], tiles=[])
         order = [j for j in range(k_tiles) if j not in pending] + list(pending)
-        lead = -(-(k_tiles - len(pending)) // LEAD_PART)
+        lead = -(-(k_tiles - len(pending)) // self.lead_part)
 
-        def accumulate(acc, stationary, moving, part):
+        def accumulate(acc: AccessPattern, ops: _Operands, part) -> None:
             for index in part:
                 j = order[index]
-                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary(j), moving(j), accumulate=index > 0)
+                kernel.em.emit(Opcode.MATMUL, Engine.TENSOR, acc, ops.stationary.k_tile(j), ops.moving.k_tile(j),
+                               accumulate=index > 0)
 
         for index in range(lead):
-            for _, acc, (stationary, moving, _, _) in ahead:
-                accumulate(acc, stationary, moving, [index])
+            for _, acc, ops in ahead:
+                accumulate(acc, ops, [index])
         for j in pending:
-            early_k(j)
-        for m0, acc in accs:
-            output_tile(0, m0, 0, None, None, acc=acc, row=strip.bias)
-        for tile, acc, (stationary, moving, row, column) in ahead:
-            accumulate(acc, stationary, moving, range(lead, k_tiles))
-            output_tile(*tile[:3], None, None, acc=acc, row=row, column=column)
-        run(steps, loaded)
-
-    return _Rest(load_k=early_load, accumulate_k=early_k, prefetch=prefetch, finish=later)
+            self.accumulate_k(j)
+        for m0, acc in self.accs:
+            kernel.output_tile(0, m0, 0, None, None, acc=acc, row=self.strip.bias)
+        for tile, acc, ops in ahead:
+            accumulate(acc, ops, range(lead, k_tiles))
+            kernel.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=acc, row=ops.row, column=ops.column)
+        kernel.run(steps, loaded)
 
 
 def _streamed_first(steps: list) -> list:
     """The steps with the first streamed strip loaded before the first resident one: its output tiles move to
     the resident strip's step (the later of their two loads), the step numbers they name swapped."""
     swap = {0: 1, 1: 0}
-    steps = [(steps[1][0], []), (steps[0][0], steps[1][1]), *steps[2:]]
-    return [(load, [(g, m0, n0, swap.get(a_step, a_step), a_col, swap.get(b_step, b_step), b_col)
-                    for g, m0, n0, a_step, a_col, b_step, b_col in tiles]) for load, tiles in steps]
+    steps = [_Load(steps[1].load, []), _Load(steps[0].load, steps[1].tiles), *steps[2:]]
+    return [_Load(step.load, [dataclasses.replace(tile, a_load=swap.get(tile.a_load, tile.a_load),
+                                                  b_load=swap.get(tile.b_load, tile.b_load)) for tile in step.tiles])
+            for step in steps]
 
 
-EPILOGUE_GROUP = 2  # output tiles whose epilogues a matmul kernel emits side by side
-
-
-def _emit_bodies(body, slots, jobs, constants, loc, engines, bias_column=None) -> list:
-    """`emit_body` for several tiles at once, each step for every tile before the next step: jobs are
-    (loaded, temp tiles, out tile, shape). Returns each job's result AP. Each step goes to the engine that
-    would finish it first, after the steps it reads (`StepBalancer`). With `bias_column`, the first step (the
-    accumulator rounded to its dtype) adds that input's per-partition values on its way, in one Scalar pass."""
+def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, engines: StepBalancer,
+                 bias_column: int | None = None) -> list:
+    """`emit_body` for several tiles (_Jobs) at once, each step for every tile before the next step. Returns each
+    job's result AP. Each step goes to the engine that would finish it first, after the steps it reads
+    (`StepBalancer`). With `bias_column`, the first step (the accumulator rounded to its dtype) adds that input's
+    per-partition values on its way, in one Scalar pass."""
     results = [[] for _ in jobs]
     made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
     for index, (step, slot) in enumerate(zip(body, slots)):
-        for (loaded, temp_tiles, out_tile, shape), done, times in zip(jobs, results, made):
-            out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
-            args = [loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
+        for job, done, times in zip(jobs, results, made):
+            out = job.out.ap(*job.shape) if slot is None else job.temps[slot].ap(*job.shape, dtype=step.dtype)
+            args = [job.loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
             ready = max([times[ref] for kind, ref in step.args if kind == "step"], default=0.0)
             if index == 0 and bias_column is not None:  # acc + bias in fp32, rounded once: the ADD's sum
-                engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, loaded["row_sum"], args[0],
-                                loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
+                engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, job.loaded["row_sum"], args[0],
+                                job.loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
                 times.append(engines.account(engines.em.instructions[-1:], ready))
             else:
                 times.append(engines.compute(step, out, args, constants, loc, ready))

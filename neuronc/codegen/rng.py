@@ -22,7 +22,7 @@ from neuronc.codegen.emitter import Emitter, hbm
 from neuronc.codegen.sync import insert_waits
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
-from neuronc.passes.cost_model import estimate_streams
+from neuronc.stream_timing import estimate_streams
 from neuronc.targets import Target
 
 MAX_FREE = 1024  # elements per partition of a tile (eight tiles of each dtype fit in SBUF)
@@ -144,7 +144,7 @@ def random_program(recipe: str, params: tuple, shape: tuple, dtype: DType, targe
         tile_shape = (block.partitions, *block.free)
         b = _Block(em, pools, state_tile, tile_shape, block.offsets[0], block.dims[0][0][0], n)
 
-        def at(entry):
+        def at(entry, block=block):
             return hbm(entry.dtype, entry.offset + block.offsets[0] * entry.dtype.itemsize, block.dims[0])
 
         if x is not None:

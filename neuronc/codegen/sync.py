@@ -17,7 +17,7 @@ import bisect
 from collections import defaultdict
 
 from neuronc.isa import AccessPattern, Space, Wait
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
+from neuronc.placement import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
 HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES

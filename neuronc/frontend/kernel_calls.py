@@ -186,6 +186,7 @@ def stitch(graph: ir.Graph, sites: list, params: int, outputs: int) -> ir.Graph:
     """The imported graph of a cut FX graph, joined again: the first ``params`` parameters and ``outputs`` outputs
     are the FX graph's own, the rest the cut's; each site becomes a CUSTOM_KERNEL node."""
     from neuronc.ir import Op
+    from neuronc.nki.kernel import register
 
     extra_params = list(graph.params[params:])
     for site in sites:
@@ -200,7 +201,9 @@ def stitch(graph: ir.Graph, sites: list, params: int, outputs: int) -> ir.Graph:
         specs = tuple((tuple(s.shape), s.dtype) for s in traced.outputs)
         first, *_ = specs
         loc = dataclasses.replace(site.loc, op=f"nki:{traced.name}")
-        kernel = ir.node(Op.CUSTOM_KERNEL, inputs, first[0], first[1], loc, kernel=traced, outputs=specs)
+        scratch = tuple((tuple(s.shape), s.dtype) for s in traced.scratch)
+        kernel = ir.node(Op.CUSTOM_KERNEL, inputs, first[0], first[1], loc, kernel=register(traced), outputs=specs,
+                         scratch=scratch)
         made = [kernel] + [ir.node(Op.KERNEL_OUTPUT, [kernel], shape, dtype, loc, index=i)
                            for i, (shape, dtype) in enumerate(specs[1:], 1)]
         replace = {extra_params[k]: made[i] for i, k in enumerate(site.outputs) if k is not None}

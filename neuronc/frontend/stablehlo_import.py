@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from neuronc import ir
+from neuronc import ir, op_facts
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import DType
 from neuronc.ir import Op
@@ -23,20 +23,8 @@ _ELEMENT_TYPES = {
     "ui8": DType.U8,
 }
 
-_SIMPLE = {
-    "stablehlo.negate": Op.NEGATE, "stablehlo.abs": Op.ABS, "stablehlo.exponential": Op.EXP,
-    "stablehlo.exponential_minus_one": Op.EXPM1, "stablehlo.log": Op.LOG,
-    "stablehlo.log_plus_one": Op.LOG1P, "stablehlo.sqrt": Op.SQRT, "stablehlo.rsqrt": Op.RSQRT,
-    "stablehlo.tanh": Op.TANH, "stablehlo.logistic": Op.LOGISTIC, "stablehlo.sine": Op.SIN,
-    "stablehlo.cosine": Op.COS, "stablehlo.sign": Op.SIGN, "stablehlo.floor": Op.FLOOR,
-    "stablehlo.ceil": Op.CEIL, "stablehlo.round_nearest_even": Op.ROUND, "chlo.erf": Op.ERF,
-    "stablehlo.not": Op.NOT, "stablehlo.convert": Op.CONVERT,
-    "stablehlo.add": Op.ADD, "stablehlo.subtract": Op.SUBTRACT, "stablehlo.multiply": Op.MULTIPLY,
-    "stablehlo.divide": Op.DIVIDE, "stablehlo.remainder": Op.REMAINDER, "stablehlo.power": Op.POWER,
-    "stablehlo.maximum": Op.MAXIMUM, "stablehlo.minimum": Op.MINIMUM, "stablehlo.atan2": Op.ATAN2,
-    "stablehlo.and": Op.AND, "stablehlo.or": Op.OR, "stablehlo.xor": Op.XOR,
-    "stablehlo.select": Op.SELECT, "stablehlo.clamp": Op.CLAMP, "stablehlo.reshape": Op.RESHAPE,
-}
+# StableHLO / CHLO ops imported one to one as an IR op without attributes (the op-facts table lists them).
+_SIMPLE = {name: Op[fact.name] for fact in op_facts.FACTS for name in fact.stablehlo}
 
 _REDUCERS = {
     "stablehlo.add": "add", "stablehlo.maximum": "max", "stablehlo.minimum": "min",
@@ -44,7 +32,8 @@ _REDUCERS = {
 }
 
 
-def tensor_type(mlir_type):
+def tensor_type(mlir_type: object) -> tuple:
+    """(shape, DType) of an MLIR ranked tensor type."""
     from torch_mlir import ir as mlir
 
     t = mlir.RankedTensorType(mlir_type)
@@ -412,7 +401,7 @@ def supported_stablehlo_ops() -> list:
     return sorted(set(_SIMPLE) | set(_CONVERTERS))
 
 
-def import_module(module, params: list, locations: dict, name: str = "main") -> ir.Graph:
+def import_module(module: object, params: list, locations: dict, name: str = "main") -> ir.Graph:
     """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument."""
     func = next(op for op in module.body.operations if op.operation.name == "func.func")
     block = func.regions[0].blocks[0]

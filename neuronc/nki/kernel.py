@@ -87,6 +87,44 @@ class TracedKernel:
                     compiler_version=__version__)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelRef:
+    """How a graph's CUSTOM_KERNEL node names its traced kernel (printable IR text): the kernel's name and the
+    key under which this process registered it (``register``)."""
+
+    name: str
+    key: str
+
+
+_REGISTRY: dict = {}  # key -> TracedKernel
+
+
+def register(traced: TracedKernel) -> KernelRef:
+    """A reference to ``traced`` for a graph node, keyed by the kernel's instructions (the same trace, the same key)."""
+    import hashlib
+
+    digest = hashlib.sha256(repr([(e.opcode, e.engine, e.queue, sorted(e.fields.items()),
+                                   [(s.id, ap) for s, ap in e.operands]) for e in traced.instrs]).encode())
+    key = f"{traced.name}-{digest.hexdigest()[:16]}-{id(traced):x}"
+    _REGISTRY[key] = traced
+    return KernelRef(traced.name, key)
+
+
+def traced_kernel(ref: KernelRef) -> TracedKernel:
+    if ref.key not in _REGISTRY:
+        raise KeyError(f"no traced kernel {ref.name} ({ref.key}) in this process")
+    return _REGISTRY[ref.key]
+
+
+def _register_ir_text() -> None:
+    from neuronc import ir_text
+
+    ir_text.register(KernelRef)
+
+
+_register_ir_text()
+
+
 def _destinations(e) -> int:
     return DESTINATIONS.get(e.opcode, 1)
 

@@ -43,9 +43,11 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
+from neuronc.plans import AttentionPlan, View, pool_specs
 from neuronc.targets import Target
 
 Q_TILE = 128  # query rows per tile: one per partition
@@ -532,7 +534,7 @@ def sbuf_bytes(pools: dict) -> int:
     return sum(-(-n * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES * bufs for dtype, n, bufs in pools.values())
 
 
-def pools_of(node) -> dict:
+def pools_of(node: ir.Node) -> dict:
     """tile_pools of an ATTENTION node."""
     a = node.attrs
     q, k, v = node.inputs[:3]
@@ -558,7 +560,41 @@ def probability_dtype(v_dtype: DType) -> DType:
     return v_dtype if v_dtype in (DType.BF16, DType.F16) else DType.F32
 
 
-def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
+def _is_power_of_two(x: float) -> bool:
+    mantissa, _ = np.frexp(x)
+    return x > 0 and mantissa == 0.5
+
+
+def fused_logits(attrs: dict) -> bool:
+    """Whether one instruction makes the logits (in SBUF) of an ATTENTION node's `attrs` from the PSUM scores:
+    fp32 scores need no rounding of their own, and a power-of-two scale commutes with rounding, so
+    round(round(S) * scale) is round(S * scale) (outside the subnormal range)."""
+    score, logit = attrs["score_dtype"], attrs["logits_dtype"]
+    return score == DType.F32 or (_is_power_of_two(attrs["scale"]) and logit in (DType.F32, score))
+
+
+def attention_plan(node: ir.Node) -> AttentionPlan:
+    """The kernel plan of an ATTENTION node: its key blocks, software pipeline, dtypes and SBUF pools."""
+    a = node.attrs
+    sq, sk, offset, causal = a["queries"], a["keys"], a["causal_offset"], a["mask"] == "causal"
+    in_sbuf, fused = logits_in_sbuf(a), fused_logits(a)
+    block = key_block(sk, in_sbuf)
+    shape = (sq, sk, causal, offset, in_sbuf)
+    return AttentionPlan(
+        batch_shape=tuple(a["batch_shape"]), queries=sq, keys=sk, head_dim=a["head_dim"], value_dim=a["value_dim"],
+        scale=float(a["scale"]), mask=a["mask"], causal_offset=offset, fill=float(a["fill"]),
+        masked_when=bool(a["masked_when"]), zero_masked_rows=bool(a["zero_masked_rows"]),
+        views=tuple(View(int(o), tuple(int(x) for x in st)) for o, st in a["views"]),
+        out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
+        q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape), depth=pipeline_depth(*shape),
+        heads_ahead=HEADS_AHEAD, causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
+        logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
+        logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
+        probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)))
+
+
+def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    target = ctx.target
     consumers = graph.consumers()
     outputs = set(graph.outputs)
     matches = dict(match for n in graph.nodes() if n.op is Op.MATMUL
@@ -572,6 +608,7 @@ def fuse_attention(graph: ir.Graph, target: Target) -> ir.Graph:
             fused = matches[node]
             result = ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape, fused.dtype, fused.loc,
                              **fused.attrs)
+            result.attrs["plan"] = attention_plan(result)
         else:
             result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
         built[node] = result

@@ -15,6 +15,7 @@ canonicalize (fp64 is gone by then) and before legalize, on DOT_GENERAL and CONV
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from neuronc.errors import NeuronConfigError
 from neuronc.ir import Op
 from neuronc.isa import DType
 
+if TYPE_CHECKING:
+    from neuronc.passes.context import PassContext
+
 MODES = ("none", "matmult", "all")
 CAST_TYPES = {"bf16": DType.BF16, "fp16": DType.F16, "fp8_e4m3": DType.F8E4M3}
 MATMULT_OPS = {Op.DOT_GENERAL, Op.CONVOLUTION}
@@ -30,6 +34,8 @@ MATMULT_OPS = {Op.DOT_GENERAL, Op.CONVOLUTION}
 
 @dataclasses.dataclass(frozen=True)
 class AutoCast:
+    """The options: which ops (`mode`) compute in which narrower type (`cast_type`)."""
+
     mode: str = "none"
     cast_type: str = "bf16"
 
@@ -40,17 +46,15 @@ class AutoCast:
             raise NeuronConfigError(f"unknown --auto-cast-type {self.cast_type!r}",
                                     hint=f"use one of {', '.join(CAST_TYPES)}")
 
-    def __call__(self, graph: ir.Graph) -> ir.Graph:
-        narrow = CAST_TYPES[self.cast_type]
-        if self.mode == "matmult":
-            return cast_matmults(graph, narrow)
-        if self.mode == "all":
-            return cast_all(graph, narrow)
-        return graph
 
-    @property
-    def __name__(self) -> str:  # a pass has a name (pipeline listings, timings)
-        return f"auto_cast_{self.mode}_{self.cast_type}"
+def auto_cast(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """The pass: the auto-cast `ctx.cast` asks for (nothing for --auto-cast none)."""
+    narrow = CAST_TYPES[ctx.cast.cast_type]
+    if ctx.cast.mode == "matmult":
+        return cast_matmults(graph, narrow)
+    if ctx.cast.mode == "all":
+        return cast_all(graph, narrow)
+    return graph
 
 
 def convert(x: ir.Node, dtype: DType) -> ir.Node:

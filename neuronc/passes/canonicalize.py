@@ -1,16 +1,19 @@
 """Canonicalisation: make the imported graph small and regular before anything is decided about it.
 
-* `demote_f64`: the NeuronCore has no fp64; decompositions introduce f64 arithmetic on constants
-  and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32.
-* `fold_constants`: evaluate every node whose inputs are all constants (numpy), keeping splats
-  (one value broadcast to a shape) as 0-d arrays.
-* `simplify`: drop no-op converts, reshapes, transposes and broadcasts, and identities (x + 0,
-  x * 1, x / 1); merge reshape chains.
+Named rewrite rules (passes/rewrite.py), run together to a fixed point by `canonicalize`:
+* `fold_constant`: evaluate a node whose inputs are all constants (with the op's numpy semantics from the
+  op-facts table, as the device computes it), keeping splats (one value broadcast to a shape) as 0-d arrays.
+* the simplifications (`SIMPLIFY`, which legalize runs too): drop no-op converts, reshapes, transposes and
+  broadcasts and identities (x + 0, x * 1, x / 1); merge reshape chains; a gather of consecutive constant rows
+  is a slice; a constant of one repeated value is a splat.
 * `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
   as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
   exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
-* `raise_erf`, `raise_gelu`: fold torch-mlir's expansion of erf (a rational polynomial) back into
-  one ERF, and the erf form of GELU into one GELU: single Scalar-engine instructions.
+* `raise_erf`, `drop_clamp_of_erf`, `raise_gelu`: fold torch-mlir's expansion of erf (a rational polynomial)
+  back into one ERF, and the erf form of GELU into one GELU: single Scalar-engine instructions.
+
+`demote_f64` runs first, alone: the NeuronCore has no fp64; decompositions introduce f64 arithmetic on constants
+and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
+from neuronc.passes.rewrite import rule, rewrite
 
 
-def demote_f64(graph: ir.Graph) -> ir.Graph:
+def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """The pass: every float64 node in float32; a program taking or returning float64 is refused."""
     wide = [p for p in graph.params if p.dtype == DType.F64] + [o for o in graph.outputs if o.dtype == DType.F64]
     if wide:
         raise NeuronCompileError(
@@ -33,40 +39,26 @@ def demote_f64(graph: ir.Graph) -> ir.Graph:
             hint="convert inputs and the model to float32 (model.float(), x.float())",
         )
 
-    def demote(node, inputs):
-        if node.dtype != DType.F64 and inputs == node.inputs:
-            return None
-        attrs = dict(node.attrs)
-        if node.op is Op.CONSTANT and node.dtype == DType.F64:
-            attrs["value"] = node.attrs["value"].astype(np.float32)
-        dtype = DType.F32 if node.dtype == DType.F64 else node.dtype
-        return ir.node(node.op, inputs, node.shape, dtype, node.loc, **attrs)
+    return rewrite(graph, [demote_float64], ctx)
 
-    return graph.rewrite(demote)
+
+@rule()
+def demote_float64(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A float64 node computed in float32 (a float64 constant's value rounded to float32)."""
+    if node.dtype != DType.F64:
+        return None
+    attrs = dict(node.attrs)
+    if node.op is Op.CONSTANT:
+        attrs["value"] = node.attrs["value"].astype(np.float32)
+    return ir.node(node.op, inputs, node.shape, DType.F32, node.loc, **attrs)
 
 
 # numpy evaluation of the ops constant folding handles ------------------------------------------
 
-_NUMPY_UNARY = {
-    Op.NEGATE: np.negative, Op.ABS: np.abs, Op.EXP: np.exp, Op.EXPM1: np.expm1, Op.LOG: np.log,
-    Op.LOG1P: np.log1p, Op.SQRT: np.sqrt, Op.RSQRT: lambda x: 1 / np.sqrt(x), Op.TANH: np.tanh,
-    Op.LOGISTIC: lambda x: 1 / (1 + np.exp(-x)), Op.SIN: np.sin, Op.COS: np.cos, Op.SIGN: np.sign,
-    Op.FLOOR: np.floor, Op.CEIL: np.ceil, Op.ROUND: np.round,
-    Op.NOT: lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x),
-}
-_NUMPY_BINARY = {
-    Op.ADD: np.add, Op.SUBTRACT: np.subtract, Op.MULTIPLY: np.multiply, Op.MAXIMUM: np.maximum,
-    Op.MINIMUM: np.minimum, Op.POWER: np.power, Op.ATAN2: np.arctan2, Op.AND: np.bitwise_and,
-    Op.OR: np.bitwise_or, Op.XOR: np.bitwise_xor,
-    Op.DIVIDE: lambda a, b: np.true_divide(a, b) if a.dtype.kind == "f" else _int_divide(a, b),
-    Op.REMAINDER: lambda a, b: np.fmod(a, b),
-}
-_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal}
 
-
-def _int_divide(a, b):
-    q = np.abs(a) // np.where(b == 0, 1, np.abs(b))
-    return (np.sign(a) * np.sign(b) * q).astype(a.dtype)
+def _computable(value: np.ndarray) -> np.ndarray:
+    """Floats narrower than fp32 widened to fp32, as the engines compute them (the result is rounded back)."""
+    return value.astype(np.float32) if value.dtype.kind == "f" and value.dtype.itemsize < 4 else value
 
 
 def _evaluate(node: ir.Node, values: list):
@@ -78,22 +70,13 @@ def _evaluate(node: ir.Node, values: list):
         shape[a["dimension"]] = node.shape[a["dimension"]]
         return np.broadcast_to(np.arange(node.shape[a["dimension"]]).reshape(shape), node.shape).astype(out_dtype)
     splat = all(v.ndim == 0 for v in values)
-    if op in ir.ELEMENTWISE:
-        if op is Op.CONVERT:
-            result = values[0]
-        elif op in (Op.ERF, Op.GELU):
-            return None  # never constant in practice; the runtime's approximation defines them
-        elif op in _NUMPY_UNARY:
-            result = _NUMPY_UNARY[op](values[0])
-        elif op is Op.COMPARE:
-            result = _COMPARE[a["direction"]](*values)
-        elif op in _NUMPY_BINARY:
-            with np.errstate(all="ignore"):
-                result = _NUMPY_BINARY[op](*values)
-        elif op is Op.SELECT:
-            result = np.where(values[0], values[1], values[2])
-        else:  # CLAMP
-            result = np.minimum(np.maximum(values[1], values[0]), values[2])
+    if op in ir.ELEMENTWISE:  # the op's semantics from the op-facts table: what the device computes
+        fact = ir.facts(op)
+        with np.errstate(all="ignore"):
+            if op is Op.COMPARE:
+                result = fact.numpy(*values, a["direction"])
+            else:
+                result = fact.semantics(*map(_computable, values))
         result = np.asarray(result)
         if not splat:
             result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
@@ -117,26 +100,26 @@ def _full(value: np.ndarray, shape) -> np.ndarray:
     return np.broadcast_to(value, shape) if value.ndim == 0 else value
 
 
-def fold_constants(graph: ir.Graph, max_elements: int = 1 << 16) -> ir.Graph:
-    def fold(node, inputs):
-        if node.op not in ir.ELEMENTWISE | {Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE}:
-            return None
-        if not all(i.op is Op.CONSTANT for i in inputs):
-            return None
-        values = [i.attrs["value"] for i in inputs]
-        if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM) and values[0].ndim != 0:
-            values = [_full(values[0], inputs[0].shape)]
-        elif not all(v.ndim == 0 for v in values):
-            values = [_full(v, i.shape) for v, i in zip(values, inputs)]
-        if node.size > max_elements and not all(v.ndim == 0 for v in values):
-            return None
-        value = _evaluate(node, values)
-        if value is None:
-            return None
-        value = np.ascontiguousarray(value) if value.ndim else value  # (ascontiguousarray makes a splat 1-d)
-        return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=value)
+FOLD_MAX_ELEMENTS = 1 << 16  # a constant computed from full (not splat) constants is folded up to this size
 
-    return graph.rewrite(fold)
+
+@rule(*ir.ELEMENTWISE, Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE)
+def fold_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A node whose inputs are all constants, evaluated."""
+    if not all(i.op is Op.CONSTANT for i in inputs):
+        return None
+    values = [i.attrs["value"] for i in inputs]
+    if node.op in (Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_IN_DIM) and values[0].ndim != 0:
+        values = [_full(values[0], inputs[0].shape)]
+    elif not all(v.ndim == 0 for v in values):
+        values = [_full(v, i.shape) for v, i in zip(values, inputs)]
+    if node.size > FOLD_MAX_ELEMENTS and not all(v.ndim == 0 for v in values):
+        return None
+    value = _evaluate(node, values)
+    if value is None:
+        return None
+    value = np.ascontiguousarray(value) if value.ndim else value  # (ascontiguousarray makes a splat 1-d)
+    return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=value)
 
 
 # x op identity == x: (op, which operand may be the identity, the identity's value)
@@ -148,65 +131,99 @@ _IDENTITIES = {
 }
 
 
-def _identity_operand(node, inputs):
-    """The operand that `node` passes through unchanged (x + 0, x * 1, ...), or None."""
-    for position, identity in _IDENTITIES.get(node.op, ()):
+@rule(*_IDENTITIES)
+def drop_identity_operand(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1: x."""
+    for position, identity in _IDENTITIES[node.op]:
         constant, other = inputs[position], inputs[1 - position]
         if constant.scalar == identity and other.shape == node.shape and other.dtype == node.dtype:
             return other
     return None
 
 
+@rule(Op.CONVERT)
+def drop_noop_convert(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    return inputs[0] if inputs[0].dtype == node.dtype else None
+
+
+@rule(Op.RESHAPE, Op.BROADCAST_IN_DIM)
+def drop_noop_reshape(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A reshape to the same shape, a broadcast to the same shape along the same dims."""
+    x = inputs[0]
+    if x.shape == node.shape and (node.op is Op.RESHAPE or tuple(node.attrs["dims"]) == tuple(range(len(x.shape)))):
+        return x
+    return None
+
+
+@rule(Op.TRANSPOSE)
+def drop_identity_transpose(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    return inputs[0] if tuple(node.attrs["perm"]) == tuple(range(len(node.shape))) else None
+
+
+@rule(Op.RESHAPE)
+def merge_reshapes(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A reshape of a reshape is one reshape."""
+    x = inputs[0]
+    return ir.node(Op.RESHAPE, x.inputs, node.shape, node.dtype, node.loc) if x.op is Op.RESHAPE else None
+
+
+@rule(Op.GATHER_ROWS)
+def gather_of_consecutive_rows_as_slice(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A gather of consecutive rows known at compile time (GPT-2's positions, an arange) is a slice of the
+    table, which kernels read in place; rows outside the table stay a gather (its run-time error)."""
+    table, rows = inputs
+    if rows.op is not Op.CONSTANT or node.shape[0] < 1:
+        return None
+    first = int(np.asarray(rows.attrs["value"]).reshape(-1)[0])
+    wanted = np.arange(first, first + node.shape[0])
+    if first < 0 or wanted[-1] >= table.shape[0] or not np.array_equal(
+            np.broadcast_to(rows.attrs["value"], rows.shape), wanted):
+        return None
+    return ir.node(Op.SLICE, [table], node.shape, node.dtype, node.loc, start=(first, 0),
+                   limit=(first + node.shape[0], table.shape[1]), strides=(1, 1))
+
+
+@rule(Op.CONSTANT)
+def splat_uniform_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A constant holding one value many times is a splat of it."""
+    value = node.attrs["value"]
+    if value.ndim == 0 or node.size <= 1:
+        return None
+    flat = value.reshape(-1)
+    if not (flat == flat[0]).all():
+        return None
+    return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(flat[0], value.dtype))
+
+
+# the simplifications: canonicalize runs them, and legalize, after it, for what its lowering makes trivial
+SIMPLIFY = (drop_identity_operand, drop_noop_convert, drop_noop_reshape, drop_identity_transpose, merge_reshapes,
+            gather_of_consecutive_rows_as_slice, splat_uniform_constant)
+
+
+def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """The pass: the simplification rules, to a fixed point."""
+    return rewrite(graph, SIMPLIFY, ctx)
+
+
 _NARROW_FLOATS = (DType.BF16, DType.F16, DType.F8E4M3, DType.F8E5M2)
 
 
-def narrow_matmul_operands(graph: ir.Graph) -> ir.Graph:
+def _widened(x: ir.Node) -> ir.Node | None:
+    return x.inputs[0] if x.op is Op.CONVERT and x.dtype is DType.F32 and x.inputs[0].dtype in _NARROW_FLOATS \
+        else None
+
+
+@rule(Op.DOT_GENERAL)
+def narrow_matmul_operands(node: ir.Node, inputs: tuple) -> ir.Node | None:
     """DOT_GENERAL(convert_f32(a), convert_f32(b)) with a and b of one narrow float type -> DOT_GENERAL(a, b)
     with the same fp32 result. Exact: widening is exact, a product of two narrow floats is exact in fp32,
     and the accumulation is fp32 either way (the emulator widens the operands itself)."""
-
-    def widened(x):
-        return x.inputs[0] if x.op is Op.CONVERT and x.dtype is DType.F32 and x.inputs[0].dtype in _NARROW_FLOATS \
-            else None
-
-    def fold(node, inputs):
-        if node.op is not Op.DOT_GENERAL or node.dtype is not DType.F32:
-            return None
-        narrow = [widened(x) for x in inputs]
-        if None in narrow or len({x.dtype for x in narrow}) != 1:
-            return None
-        return ir.node(node.op, narrow, node.shape, node.dtype, node.loc, **node.attrs)
-
-    return graph.rewrite(fold)
-
-
-def simplify(graph: ir.Graph) -> ir.Graph:
-    def simple(node, inputs):
-        op = node.op
-        x = inputs[0] if inputs else None
-        identity = _identity_operand(node, inputs)
-        if identity is not None:
-            return identity
-        if op is Op.CONVERT and x.dtype == node.dtype:
-            return x
-        if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM) and x.shape == node.shape and (
-            op is Op.RESHAPE or tuple(node.attrs["dims"]) == tuple(range(len(node.shape)))
-        ):
-            return x
-        if op is Op.TRANSPOSE and tuple(node.attrs["perm"]) == tuple(range(len(node.shape))):
-            return x
-        if op is Op.RESHAPE and x.op is Op.RESHAPE:
-            return ir.node(Op.RESHAPE, x.inputs, node.shape, node.dtype, node.loc)
-        if op is Op.GATHER_ROWS:
-            return _gather_as_slice(node, *inputs)
-        if op is Op.CONSTANT and node.attrs["value"].ndim != 0 and node.size > 1:
-            value = node.attrs["value"]
-            flat = value.reshape(-1)
-            if (flat == flat[0]).all():
-                return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(flat[0], value.dtype))
+    if node.dtype is not DType.F32:
         return None
-
-    return graph.rewrite(simple)
+    narrow = [_widened(x) for x in inputs]
+    if None in narrow or len({x.dtype for x in narrow}) != 1:
+        return None
+    return ir.node(node.op, narrow, node.shape, node.dtype, node.loc, **node.attrs)
 
 
 # erf, recognised ------------------------------------------------------------------------------
@@ -215,19 +232,6 @@ def simplify(graph: ir.Graph) -> ir.Graph:
 # about 30 elementwise ops per GELU. The Scalar engine computes erf in one instruction (with this
 # very approximation, see isa.ERF_F32_P), so the expansion is folded back into ERF when its
 # coefficients are exactly XLA's.
-
-
-def _gather_as_slice(node, table, rows) -> ir.Node | None:
-    """A gather of consecutive rows known at compile time (GPT-2's positions, an arange) is a slice of the
-    table, which kernels read in place; rows outside the table stay a gather (its run-time error)."""
-    if rows.op is not Op.CONSTANT or node.shape[0] < 1:
-        return None
-    first = int(np.asarray(rows.attrs["value"]).reshape(-1)[0])
-    wanted = np.arange(first, first + node.shape[0])
-    if first < 0 or wanted[-1] >= table.shape[0] or not np.array_equal(np.broadcast_to(rows.attrs["value"], rows.shape), wanted):
-        return None
-    return ir.node(Op.SLICE, [table], node.shape, node.dtype, node.loc, start=(first, 0),
-                   limit=(first + node.shape[0], table.shape[1]), strides=(1, 1))
 
 
 def _horner(node, x2) -> list | None:
@@ -259,61 +263,70 @@ def _matches(found, expected) -> bool:
         abs(f - e) <= 1e-6 * abs(e) for f, e in zip(found, expected))
 
 
-def raise_erf(graph: ir.Graph) -> ir.Graph:
-    """Fold the expansion, and the clamps around it: erf's input clamp to [-4, 4] changes nothing
-    in f32 (erf(4) rounds to 1), and its output is within [-1, 1] anyway."""
+@rule(Op.CLAMP)
+def drop_clamp_of_erf(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """erf's output clamped to a range holding [-1, 1]: the clamp changes nothing."""
+    if inputs[1].op is Op.ERF:
+        low, high = inputs[0].scalar, inputs[2].scalar
+        if low is not None and high is not None and low <= -1 and high >= 1:
+            return inputs[1]
+    return None
 
-    def fold(node, inputs):
-        if node.op is Op.CLAMP and inputs[1].op is Op.ERF:
-            low, high = inputs[0].scalar, inputs[2].scalar
-            if low is not None and high is not None and low <= -1 and high >= 1:
-                return inputs[1]
-        if node.op is not Op.DIVIDE or inputs[0].op is not Op.MULTIPLY:
-            return None
-        numerator, denominator = inputs
-        for x, p in (numerator.inputs, numerator.inputs[::-1]):
-            x2 = _square_in(p, x)
-            if x2 is not None and _matches(_horner(p, x2), ERF_F32_P) and _matches(_horner(denominator, x2), ERF_F32_Q):
-                if x.op is Op.CLAMP and x.inputs[0].scalar == -ERF_F32_CLAMP and x.inputs[2].scalar == ERF_F32_CLAMP:
-                    x = x.inputs[1]
-                return ir.node(Op.ERF, [x], node.shape, node.dtype, node.loc)
+
+@rule(Op.DIVIDE)
+def raise_erf(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """XLA's expansion of erf, x * P(x^2) / Q(x^2), is one ERF; so is the clamp of its input to [-4, 4], which
+    changes nothing in f32 (erf(4) rounds to 1)."""
+    if inputs[0].op is not Op.MULTIPLY:
         return None
+    numerator, denominator = inputs
+    for x, p in (numerator.inputs, numerator.inputs[::-1]):
+        x2 = _square_in(p, x)
+        if x2 is not None and _matches(_horner(p, x2), ERF_F32_P) and _matches(_horner(denominator, x2), ERF_F32_Q):
+            if x.op is Op.CLAMP and x.inputs[0].scalar == -ERF_F32_CLAMP and x.inputs[2].scalar == ERF_F32_CLAMP:
+                x = x.inputs[1]
+            return ir.node(Op.ERF, [x], node.shape, node.dtype, node.loc)
+    return None
 
-    return graph.rewrite(fold)
+
+def _half_of(node: ir.Node) -> ir.Node | None:  # x * 0.5 -> x
+    if node.op is Op.MULTIPLY:
+        for x, c in (node.inputs, node.inputs[::-1]):
+            if c.scalar == 0.5:
+                return x
+    return None
 
 
-def raise_gelu(graph: ir.Graph) -> ir.Graph:
-    """x * 0.5 * (1 + erf(x / sqrt 2)), as decompositions write GELU, becomes one GELU (one
-    Scalar-engine instruction)."""
-
-    def half_of(node):
-        if node.op is Op.MULTIPLY:
-            for x, c in (node.inputs, node.inputs[::-1]):
-                if c.scalar == 0.5:
+def _erf_term_of(node: ir.Node) -> ir.Node | None:  # 1 + erf(x * (1 / sqrt 2)) -> x
+    if node.op is not Op.ADD:
+        return None
+    for e, one in (node.inputs, node.inputs[::-1]):
+        if one.scalar == 1.0 and e.op is Op.ERF and e.inputs[0].op is Op.MULTIPLY:
+            for x, c in (e.inputs[0].inputs, e.inputs[0].inputs[::-1]):
+                k = c.scalar
+                if k is not None and abs(k - math.sqrt(0.5)) <= 1e-6:
                     return x
-        return None
+    return None
 
-    def erf_term_of(node):  # 1 + erf(x * (1 / sqrt 2)) -> x
-        if node.op is not Op.ADD:
-            return None
-        for e, one in (node.inputs, node.inputs[::-1]):
-            if one.scalar == 1.0 and e.op is Op.ERF and e.inputs[0].op is Op.MULTIPLY:
-                for x, c in (e.inputs[0].inputs, e.inputs[0].inputs[::-1]):
-                    k = c.scalar
-                    if k is not None and abs(k - math.sqrt(0.5)) <= 1e-6:
-                        return x
-        return None
 
-    def fold(node, inputs):
-        if node.op is not Op.MULTIPLY:
-            return None
-        for a, b in (inputs, inputs[::-1]):
-            x = half_of(a)
-            if x is not None and erf_term_of(b) is x:
-                return ir.node(Op.GELU, [x], node.shape, node.dtype, node.loc)
-        return None
+@rule(Op.MULTIPLY)
+def raise_gelu(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """x * 0.5 * (1 + erf(x / sqrt 2)), as decompositions write GELU, is one GELU (one Scalar-engine
+    instruction)."""
+    for a, b in (inputs, inputs[::-1]):
+        x = _half_of(a)
+        if x is not None and _erf_term_of(b) is x:
+            return ir.node(Op.GELU, [x], node.shape, node.dtype, node.loc)
+    return None
 
-    return graph.rewrite(fold)
+
+CANONICALIZE = (fold_constant, *SIMPLIFY, drop_clamp_of_erf, raise_erf, raise_gelu, narrow_matmul_operands)
+
+
+def canonicalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """The pass: constants folded, no-ops dropped, erf and GELU raised, matmul operands narrowed, to a fixed
+    point."""
+    return rewrite(graph, CANONICALIZE, ctx)
 
 
 def _square_in(node, x):

@@ -35,90 +35,16 @@ import functools
 from neuronc import ir
 from neuronc.ir import Node, Op, Step
 from neuronc.isa import DType
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, conv_ns
 from neuronc.passes.legalize import reshape
+from neuronc.plans import ConvGeometry, ConvPlan, ConvTiling, EpiloguePlan, TapPlan, View, pool_specs
 from neuronc.targets import Target
 
 INPUT_BUFS = 2  # input bands in SBUF: the next one loads while this one is multiplied
 STORE_QUEUES = 8  # DMA queues the results are stored on (the others load)
 MAX_SHIFTS = 24  # shifts of the second copy tried by tap_plan (bounds compile time for large kernels)
 PSUM_BUFS = 4  # PSUM banks the accumulators rotate over: the epilogue of one block overlaps the next one's matmuls
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvGeometry:
-    """Sizes of a 2-D convolution [N, C, H, W] x [O, C, KH, KW] -> [N, O, OH, OW] and of its SBUF planes."""
-
-    batch: int
-    channels: int
-    height: int
-    width: int
-    out_channels: int
-    kernel: tuple  # (KH, KW)
-    out: tuple  # (OH, OW)
-    strides: tuple
-    padding: tuple  # ((top, bottom), (left, right))
-    dilation: tuple
-    partitions: int  # the target's: channels are tiled by this many
-
-    @property
-    def taps(self) -> list:
-        """(kh, kw, plane, row offset, column offset) of every tap, in the planes of the strided input."""
-        (kh_, kw_), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilation
-        return [(kh, kw, (kh * dh % sh) * sw + kw * dw % sw, kh * dh // sh, kw * dw // sw)
-                for kh in range(kh_) for kw in range(kw_)]
-
-    @property
-    def phases(self) -> int:
-        return self.strides[0] * self.strides[1]
-
-    @property
-    def pitch(self) -> int:
-        """Elements of one row of a plane: the output row plus the reach of the kernel's columns."""
-        return self.out[1] + (self.kernel[1] - 1) * self.dilation[1] // self.strides[1]
-
-    def plane_rows(self, band: int) -> int:
-        return band + (self.kernel[0] - 1) * self.dilation[0] // self.strides[0]
-
-    def plane_elements(self, band: int) -> int:
-        return self.plane_rows(band) * self.pitch
-
-    def band_elements(self, band: int, margin: int = 0) -> int:
-        """Elements per partition of one C tile's band: its planes after `margin` elements, plus one row of
-        slack that the last tap's dropped columns read past the end."""
-        return margin + self.phases * self.plane_elements(band) + self.pitch
-
-    def tap_offset(self, tap, band: int) -> int:
-        """Where a tap reads in the band, relative to the output element it contributes to."""
-        _, _, plane, dr, dc = tap
-        return plane * self.plane_elements(band) + dr * self.pitch + dc
-
-    @property
-    def c_tiles(self) -> int:
-        return -(-self.channels // self.partitions)
-
-
-@dataclasses.dataclass(frozen=True)
-class TapPlan:
-    """Which taps each matmul computes. A 128 x 128 Tensor engine multiplying C <= 64 input channels into O <= 64
-    output channels is a quarter used; two ways fill it:
-
-    - on K (C <= 64): a second copy of the band on partitions [C, 2C), shifted `delta` elements, so the moving
-      operand holds the input at two offsets, a and a + delta: two taps per matmul;
-    - on M (O <= 64, `halves` 2): the output partitions [O, 2O) compute the next output row, whose taps read
-      one row (`pitch` elements) further: the same moving operand serves tap t of this row and the tap one
-      kernel row above of the next. Each matmul then makes one row of each half (N = pitch).
-
-    A matmul is (a, blocks): its moving operand starts `a` elements into the band (relative to its output
-    row), and each block (k half, m half, tap) of its stationary holds that tap's weights; other blocks are zero."""
-
-    delta: int  # 0: one copy of the band
-    halves: int  # 1, or 2: the upper output partitions make the next row
-    matmuls: tuple
-
-    @property
-    def copies(self) -> int:
-        return 2 if self.delta else 1
 
 
 @functools.lru_cache(maxsize=256)  # asked for by every tiling candidate of every convolution
@@ -155,20 +81,6 @@ def tap_plan(g: ConvGeometry, band: int, halves: int = 1) -> TapPlan:
     return best
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvTiling:
-    rows: int  # output rows per PSUM accumulator block (rows / halves x pitch <= one bank)
-    band: int  # output rows whose input rows are loaded at once (a multiple of rows, or all of them)
-    halves: int = 1  # 2: output rows two at a time on the output partitions (TapPlan)
-
-    def __str__(self) -> str:
-        pairs = ", row pairs" if self.halves == 2 else ""
-        return f"{self.rows} rows/block, {self.band} rows/band{pairs}"
-
-    def plan(self, g: ConvGeometry) -> TapPlan:
-        return tap_plan(g, self.band, self.halves)
-
-
 def geometry(node: Node, partitions: int) -> ConvGeometry:
     x, w = node.inputs[:2]
     a = node.attrs
@@ -196,9 +108,10 @@ def _eligible(node: Node) -> bool:
             and all(lo >= 0 and hi >= 0 for lo, hi in a["padding"]))
 
 
-def lower_convolutions(graph: ir.Graph, target: Target) -> ir.Graph:
+def lower_convolutions(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each convolution the implicit-GEMM kernel takes becomes an `Op.CONV` (1-D ones as 2-D with one row);
     the others are left to legalize's im2col."""
+    target = ctx.target
 
     def lower(node, inputs):
         if node.op is not Op.CONVOLUTION or not _eligible(node):
@@ -217,7 +130,7 @@ def lower_convolutions(graph: ir.Graph, target: Target) -> ir.Graph:
         tiling = choose_tiling(conv, target)
         if tiling is None:
             return None
-        conv.attrs["tiling"] = tiling
+        conv.attrs.update(tiling=tiling, plan=conv_plan(conv, tiling, target.partitions))
         return reshape(conv, node.shape, node.loc)
 
     return graph.rewrite(lower)
@@ -250,24 +163,6 @@ def step_kinds(node: Node) -> list:
 
 def epilogue_body(node: Node) -> tuple:
     return node.attrs.get("epilogue") or (Step(Op.CONVERT, (("input", 0),), node.dtype, {}),)
-
-
-@dataclasses.dataclass(frozen=True)
-class EpiloguePlan:
-    """How the kernel computes its epilogue. Its first element steps, while each is the previous value (at first,
-    the accumulator) plus, minus, times or over a per-channel value (a bias, a BatchNorm's mean, scale and
-    shift), make acc * scale + shift: the scale is folded into the weights (w[o] * scale[o], as BatchNorm
-    folding does; eager's own BatchNorm computes x * scale + shift too), the shift is the bias of the Scalar
-    engine's activation (ACTIVATE_BIAS_REDUCE, one value per partition), of the activation step that follows
-    (after any additions of other inputs, such as a residual) or of an identity. The steps `body` adds after
-    the epilogue's make the scale and the shift, once per channel."""
-
-    body: tuple  # the epilogue's steps, then the per-channel steps making scale and shift
-    kinds: tuple  # per step: "channel", "element", or "folded" (into scale and shift)
-    scale: tuple | None  # ("step", j) or ("imm", v): the per-channel factor folded into the weights
-    shift: tuple | None  # ("step", j) or ("imm", v): the per-channel value added as an activation's bias
-    folded: int | None  # the last folded step: its value is acc * scale (+ shift unless `biased`)
-    biased: int | None  # the activation step whose bias is the shift (after additions of other inputs)
 
 
 AFFINE = {Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE}
@@ -345,7 +240,7 @@ def epilogue_plan(node: Node) -> EpiloguePlan:
     return EpiloguePlan(tuple(body), tuple(kinds), scale, shift, folded, biased)
 
 
-def element_slots(body, kinds) -> tuple:
+def element_slots(body: tuple, kinds: tuple) -> tuple:
     """Linear-scan slots of the per-element steps' temporaries (the last step writes the result tile):
     (slot per step or None, number of slots)."""
     last = list(range(len(body)))
@@ -385,7 +280,7 @@ def pools(node: Node, tiling: ConvTiling, partitions: int) -> dict:
     per_channel = channel_inputs(node)
     block = tiling.rows // tiling.halves * g.pitch  # element tiles keep the accumulator's rows of `pitch` elements
     co_tiles = -(-g.out_channels // partitions)
-    taps = tiling.plan(g)
+    taps = tap_plan(g, tiling.band, tiling.halves)
     found = {
         "input": (x.dtype, g.c_tiles * g.band_elements(tiling.band + tiling.halves - 1, taps.delta), INPUT_BUFS),
         "raw_weights": (w.dtype, g.c_tiles * g.out_channels * len(g.taps), 1),
@@ -461,20 +356,42 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     plan = epilogue_plan(node)
     steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
-    price = {t: conv_ns(g, t, t.plan(g), x.dtype, node.dtype, element_bytes, steps, target) for t in options}
+    price = {t: conv_ns(g, t, tap_plan(g, t.band, t.halves), x.dtype, node.dtype, element_bytes, steps, target) for t in options}
     cheapest = min(price.values())
     near = [t for t in options if price[t] <= cheapest * (1 + NEAR)]
     return min(near, key=lambda t: (_unevenness(t, g.out[0]), price[t]))
 
 
-def fuse_conv_epilogues(graph: ir.Graph, target: Target) -> ir.Graph:
+def conv_plan(node: Node, tiling: ConvTiling, partitions: int) -> ConvPlan:
+    """The kernel plan of a CONV node under `tiling`: geometry, taps, epilogue, slots, views and SBUF pools."""
+    g = geometry(node, partitions)
+    epilogue = epilogue_plan(node)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    return ConvPlan(geometry=g, tiling=tiling, taps=tap_plan(g, tiling.band, tiling.halves), epilogue=epilogue,
+                    slots=tuple(element_slots(epilogue.body, epilogue.kinds)[0]),
+                    channel_inputs=tuple(sorted(channel_inputs(node))),
+                    views=tuple(View.of(view, node.shape if i >= 2 else x.shape)  # extras: as the result
+                                for i, (view, x) in enumerate(zip(views, node.inputs))),
+                    pools=pool_specs(pools(node, tiling, partitions)), psum_bufs=PSUM_BUFS, store_queues=STORE_QUEUES)
+
+
+def _tiled(node: Node, target: Target) -> Node | None:
+    """`node` (a CONV) with the tiling the cost model prefers and its plan, or None if none fits."""
+    tiling = choose_tiling(node, target)
+    if tiling is None:
+        return None
+    return dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling,
+                                            "plan": conv_plan(node, tiling, target.partitions)})
+
+
+def fuse_conv_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Elementwise consumers of a convolution (bias, BatchNorm, activation, residual add) become its epilogue,
     as a matmul's (fusion.fuse_matmul_epilogues), when the kernel still fits SBUF; the tiling is re-chosen."""
+    target = ctx.target
     from neuronc.passes.fusion import fuse_epilogues
 
     def retile(node: Node) -> Node | None:
-        tiling = choose_tiling(node, target)
-        return None if tiling is None else dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling})
+        return _tiled(node, target)
 
     return _absorb_channel_producers(fuse_epilogues(graph, Op.CONV, retile), target)
 
@@ -521,7 +438,6 @@ def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:
         fused = dataclasses.replace(node, inputs=tuple(new_inputs[k] for k in [0, 1, *read]), id=next(ir._ids),
                                     attrs={**node.attrs, "epilogue": tuple(body),
                                            "views": tuple(views[k] for k in [0, 1, *read])})
-        tiling = choose_tiling(fused, target)
-        return None if tiling is None else dataclasses.replace(fused, attrs={**fused.attrs, "tiling": tiling})
+        return _tiled(fused, target)
 
     return graph.rewrite(absorb)

@@ -6,21 +6,11 @@ Passes ask it to choose between alternatives; the NEFF header records its estima
 """
 from __future__ import annotations
 
-from neuronc.instruction_cost import (dma_transfer_ns, engine_pass_ns, hbm_bytes, instruction_cost_ns,
-                                      matmul_pass_ns)
+from neuronc.instruction_cost import dma_transfer_ns, engine_pass_ns, matmul_pass_ns
 from neuronc.isa import Engine
-from neuronc.stream_timing import START, simulate, stream_order
+from neuronc.placement import SBUF_PAGE_BYTES, dma_slice_count, partition_group  # noqa: F401 (placement rules)
+from neuronc.stream_timing import estimate_streams, kernel_spans, replay  # noqa: F401 (the replay of programs)
 from neuronc.targets import Target
-
-# On-chip tiles are placed on pages of this many bytes per partition (the sync pass tracks hazards per
-# page, so two tiles never share one): a placement granularity of codegen, not a hardware number.
-SBUF_PAGE_BYTES = 1024
-
-
-def partition_group(target: Target) -> int:
-    """Partitions per DMA queue's share of a tile, the granularity of SBUF hazards across partitions (the sync
-    pass's columns): DMAs of slices cut at group boundaries (codegen.access.dma_slices) run side by side."""
-    return max(1, target.partitions // target.dma_queues)
 
 
 def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
@@ -28,50 +18,7 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     return bytes_per_partition <= target.sbuf_bytes_per_partition
 
 
-def replay(streams: dict, target: Target):
-    """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
-    the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
-    keys = stream_order(streams)
-    number = {key: n for n, key in enumerate(keys)}
-    lists = [streams.get(key, []) for key in keys]
-    started = [0.0] * len(keys)
-    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
-                                          [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
-                                            for i in stream] for stream in lists],
-                                          [[hbm_bytes(i) for i in stream] for stream in lists], target):
-        if phase == START:
-            started[s] = time
-        else:
-            yield lists[s][index], started[s], time
-
-
-def estimate_streams(streams: dict, target: Target) -> tuple:
-    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
-    makespan, kernel_ns = 0.0, {}
-    for inst, start, end in replay(streams, target):
-        kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
-        makespan = max(makespan, end)
-    return makespan, kernel_ns
-
-
-def kernel_spans(streams: dict, target: Target) -> dict:
-    """{kernel index: (first start, last end)} of scheduled streams: when each kernel ran (kernels overlap)."""
-    spans: dict = {}
-    for inst, start, end in replay(streams, target):
-        first, last = spans.get(inst.kernel, (start, end))
-        spans[inst.kernel] = (min(first, start), max(last, end))
-    return spans
-
-
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
-
-def dma_slice_count(rows: int, nbytes: int, target: Target) -> int:
-    """Into how many partition slices codegen splits a DMA of `nbytes` over `rows` partitions (one queue each):
-    as many as the queues, each at least the bytes that keep a DMA efficient on the target (its efficient
-    bytes per partition, over all partitions, shared by the queues)."""
-    smallest = target.dma_efficient_bytes_per_partition * target.partitions // target.dma_queues
-    return max(1, min(rows, target.dma_queues, nbytes // smallest))
-
 
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by

@@ -11,9 +11,12 @@ the kernel's tiles fit SBUF, which the limits below guarantee.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from neuronc import ir
 from neuronc.isa import DType
 from neuronc.ir import Op, Step
+from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 
 MAX_STEPS = 64
@@ -50,7 +53,7 @@ def _groups(graph: ir.Graph) -> dict:
     return root_of
 
 
-def fuse_elementwise(graph: ir.Graph) -> ir.Graph:
+def fuse_elementwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     root_of = _groups(graph)
     members: dict = {}
     for n in graph.nodes():
@@ -114,7 +117,7 @@ def _as_view(x):
     return inner, (offset, tuple(strides))
 
 
-def fuse_matmul_operands(graph: ir.Graph) -> ir.Graph:
+def fuse_matmul_operands(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Matmuls read transposed, sliced or broadcast operands through their views: the Tensor
     engine's operand loads are DMAs with any access pattern, so the copy of the view is saved."""
 
@@ -130,7 +133,7 @@ def fuse_matmul_operands(graph: ir.Graph) -> ir.Graph:
     return graph.rewrite(fold)
 
 
-def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
+def fuse_matmul_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """An elementwise group reading a matmul's result (its only reader) becomes the matmul's
     epilogue: computed from the PSUM accumulator tile by tile, the product never touches HBM.
     Repeated until nothing changes, so chains of groups (bias add, then GELU) all join; then the
@@ -162,7 +165,8 @@ def fuse_matmul_epilogues(graph: ir.Graph) -> ir.Graph:
     return fused.rewrite(fold)
 
 
-def fuse_epilogues(graph: ir.Graph, kind: Op, refine=lambda node: node) -> ir.Graph:
+def fuse_epilogues(graph: ir.Graph, kind: Op, refine: Callable[[ir.Node], ir.Node | None] = lambda node: node
+                   ) -> ir.Graph:
     """Elementwise consumers of `kind` nodes (kernels accumulating in PSUM, first two inputs their operands)
     folded in as their epilogue, until nothing changes. `refine(fused)` may adjust a fused node (re-tile
     it) or reject the fusion with None."""
@@ -199,9 +203,7 @@ def _widened_input(body, index: int) -> tuple:
 
 
 # Steps computed in fp32 and rounded once to their dtype by the instruction that writes them.
-_ROUNDED_ONCE = {Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.POWER, Op.NEGATE, Op.ABS,
-                 Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH, Op.LOGISTIC, Op.SIN, Op.COS,
-                 Op.ERF, Op.GELU}
+_ROUNDED_ONCE = frozenset(op for op in Op if ir.facts(op).rounded_once)
 _NARROW = (DType.BF16, DType.F16)
 
 
@@ -210,7 +212,7 @@ def _dtype_of(body, arg, inputs_dtype) -> DType | None:
     return body[ref].dtype if kind == "step" else inputs_dtype(ref) if kind == "input" else None
 
 
-def fold_converts(body, input_dtypes=None) -> tuple:
+def fold_converts(body: tuple, input_dtypes: dict | None = None) -> tuple:
     """A body without the float converts an instruction does anyway. A kernel computes each step in fp32 and
     rounds it once to the step's dtype as it writes it, so (exactly):
     * convert_bf16(x) of an fp32 step x read by nothing else: x is written in bf16 directly;
@@ -328,7 +330,7 @@ def _compact(body, inputs, views) -> tuple:
     return body, [inputs[i] for i in read], [views[i] for i in read]
 
 
-def fuse_reduction_prologues(graph: ir.Graph) -> ir.Graph:
+def fuse_reduction_prologues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """A reduction reads its [R, C] operand through the operand's producer: an elementwise group
     (computed tile by tile before the reduce, never stored) or a strided view (a transposed or
     windowed operand, read in place)."""

@@ -20,11 +20,12 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.isa import DType
+from neuronc.passes.context import PassContext
 
 ROW = DType.I32  # the DMA's index type
 
 
-def lower_gather_scatter(graph: ir.Graph) -> ir.Graph:
+def lower_gather_scatter(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     return graph.rewrite(lambda node, inputs: _RULES[node.op](node, *inputs) if node.op in _RULES else None)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from neuronc import ir
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides
 
 
@@ -32,7 +33,7 @@ def _is_transpose_of(view: ir.Node, param: ir.Node) -> bool:
             and tuple(view.attrs["strides"]) == (1, cols))
 
 
-def store_weights_transposed(graph: ir.Graph) -> ir.Graph:
+def store_weights_transposed(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     consumers = graph.consumers()
     outputs = set(graph.outputs)
     turned = {}  # old weight -> the weight stored transposed
@@ -131,7 +132,7 @@ def _readers(node: ir.Node, consumers: dict, outputs: set) -> list:
     return readers
 
 
-def store_activations_transposed(graph: ir.Graph) -> ir.Graph:
+def store_activations_transposed(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Results of row-wise kernels that only matmuls read, each as an operand it loads transposed,
     are written transposed ([cols, rows] of the result seen as [rows, cols]) and read through the new layout."""
     consumers, outputs = graph.consumers(), set(graph.outputs)

@@ -7,24 +7,29 @@ CONCATENATE, MATMUL ([B,M,K] x [B,K,N]), REDUCE_LAST ([R,C] -> [R]), TOPK over t
 [R, n], and GATHER_ROWS / SCATTER_ROWS (from passes/indexing.py, which runs first).
 
 Convolutions become im2col + MATMUL, pooling becomes windows + REDUCE_LAST, dot_general becomes
-transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each rule is a small
-function in a registry keyed by op.
+transposes + MATMUL, general reductions become a transpose + REDUCE_LAST. Each is a named rewrite rule
+(passes/rewrite.py); the pass runs them with canonicalize's simplifications (reshape chains and no-ops the
+lowering makes) to a fixed point.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
+from neuronc.neff.program import DebugLoc
+from neuronc.op_facts import REDUCTIONS
+from neuronc.passes.canonicalize import SIMPLIFY
+from neuronc.passes.context import PassContext
+from neuronc.passes.rewrite import Rule, rewrite
 
-REDUCE_IDENTITY = {"add": 0.0, "max": -math.inf, "min": math.inf, "mul": 1.0, "and": True, "or": False}
-REDUCE_COMBINE = {"add": Op.ADD, "max": Op.MAXIMUM, "min": Op.MINIMUM, "mul": Op.MULTIPLY, "and": Op.AND, "or": Op.OR}
+REDUCE_IDENTITY = {kind: r.identity for kind, r in REDUCTIONS.items()}
+REDUCE_COMBINE = {kind: Op[r.combine] for kind, r in REDUCTIONS.items()}
 
 
-def dense_strides(shape) -> tuple:
+def dense_strides(shape: tuple) -> tuple:
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)
@@ -32,7 +37,7 @@ def dense_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def reshaped_strides(shape, strides, new_shape):
+def reshaped_strides(shape: tuple, strides: tuple, new_shape: tuple) -> tuple | None:
     """Strides that read a strided view of `shape` as `new_shape` in row-major order, or None if
     no single set of strides can (the reshape would need a copy). As numpy's no-copy reshape."""
     old = [(n, s) for n, s in zip(shape, strides) if n != 1]
@@ -61,13 +66,13 @@ def reshaped_strides(shape, strides, new_shape):
     return tuple(result) if i == len(old) else None
 
 
-def view(x: Node, shape, strides, offset: int = 0, loc=None) -> Node:
+def view(x: Node, shape: tuple, strides: tuple, offset: int = 0, loc: DebugLoc | None = None) -> Node:
     if tuple(shape) == x.shape and tuple(strides) == dense_strides(x.shape) and offset == 0:
         return x
     return ir.node(Op.VIEW, [x], shape, x.dtype, loc or x.loc, offset=int(offset), strides=tuple(int(s) for s in strides))
 
 
-def reshape(x: Node, shape, loc=None) -> Node:
+def reshape(x: Node, shape: tuple, loc: DebugLoc | None = None) -> Node:
     shape = tuple(int(s) for s in shape)
     if shape == x.shape:
         return x
@@ -76,12 +81,12 @@ def reshape(x: Node, shape, loc=None) -> Node:
     return ir.node(Op.RESHAPE, [x], shape, x.dtype, loc or x.loc)
 
 
-def transpose(x: Node, perm, loc=None) -> Node:
+def transpose(x: Node, perm: tuple, loc: DebugLoc | None = None) -> Node:
     strides = dense_strides(x.shape)
     return view(x, [x.shape[p] for p in perm], [strides[p] for p in perm], 0, loc)
 
 
-def splat_value(node: Node):
+def splat_value(node: Node) -> float | int | bool | None:
     """The value of a constant holding one value (a splat, or any one-element tensor), else None."""
     if node.scalar is not None or node.op is not Op.CONSTANT:
         return node.scalar
@@ -89,7 +94,7 @@ def splat_value(node: Node):
     return value.reshape(-1)[0].item() if value.size == 1 else None
 
 
-def broadcast_to(x: Node, shape, loc=None) -> Node:
+def broadcast_to(x: Node, shape: tuple, loc: DebugLoc | None = None) -> Node:
     if x.shape == tuple(shape):
         return x
     if x.shape == ():
@@ -139,6 +144,8 @@ def _reverse(node, inputs):
 
 
 def _pad(node, inputs):
+    if len(inputs) == 1:  # legal already: the padding value is an attribute
+        return None
     x, value = inputs
     pad_value = splat_value(value)
     if pad_value is None:
@@ -146,7 +153,8 @@ def _pad(node, inputs):
     return pad(x, pad_value, node.attrs["low"], node.attrs["high"], node.attrs["interior"], node.loc)
 
 
-def pad(x: Node, value, low, high, interior=None, loc=None) -> Node:
+def pad(x: Node, value: float, low: tuple, high: tuple, interior: tuple | None = None,
+        loc: DebugLoc | None = None) -> Node:
     """x padded with `value`: `low`/`high` elements at each end (negative crops), `interior`
     elements between neighbours."""
     low, high = list(low), list(high)
@@ -175,6 +183,8 @@ def _clamp(node, inputs):
 
 
 def _select(node, inputs):
+    if all(i.shape == node.shape for i in inputs):
+        return None
     inputs = [broadcast_to(i, node.shape, node.loc) for i in inputs]
     return ir.node(Op.SELECT, inputs, node.shape, node.dtype, node.loc)
 
@@ -274,6 +284,8 @@ def _topk(node, inputs):
     """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation)."""
     x = inputs[0]
     dim, last = node.attrs["dimension"], len(x.shape) - 1
+    if len(x.shape) == 2 and dim == 1 and node.attrs["descending"]:  # legal already
+        return None
     if not node.attrs["descending"]:
         x = ir.node(Op.NEGATE, [x], x.shape, x.dtype, node.loc)
     perm = [d for d in range(len(x.shape)) if d != dim] + [dim]
@@ -284,33 +296,26 @@ def _topk(node, inputs):
     return transpose(moved, [perm.index(d) for d in range(len(perm))], node.loc) if dim != last else moved
 
 
-RULES = {
-    Op.BROADCAST_IN_DIM: _broadcast,
-    Op.TRANSPOSE: _transpose,
-    Op.SLICE: _slice,
-    Op.PAD: _pad,
-    Op.REVERSE: _reverse,
-    Op.CLAMP: _clamp,
-    Op.SELECT: _select,
-    Op.REDUCE: _reduce,
-    Op.REDUCE_WINDOW: _reduce_window,
-    Op.DOT_GENERAL: _dot_general,
-    Op.CONVOLUTION: _convolution,
-    Op.TOPK: _topk,
-}
+LEGALIZE = (
+    Rule("broadcast_as_view", frozenset({Op.BROADCAST_IN_DIM}), _broadcast),
+    Rule("transpose_as_view", frozenset({Op.TRANSPOSE}), _transpose),
+    Rule("slice_as_view", frozenset({Op.SLICE}), _slice),
+    Rule("pad_value_as_attribute", frozenset({Op.PAD}), _pad),
+    Rule("reverse_as_view", frozenset({Op.REVERSE}), _reverse),
+    Rule("clamp_as_max_min", frozenset({Op.CLAMP}), _clamp),
+    Rule("select_of_whole_operands", frozenset({Op.SELECT}), _select),
+    Rule("reduce_as_reduce_last", frozenset({Op.REDUCE}), _reduce),
+    Rule("pooling_as_reduce_last", frozenset({Op.REDUCE_WINDOW}), _reduce_window),
+    Rule("dot_general_as_matmul", frozenset({Op.DOT_GENERAL}), _dot_general),
+    Rule("convolution_as_im2col_matmul", frozenset({Op.CONVOLUTION}), _convolution),
+    Rule("topk_along_rows", frozenset({Op.TOPK}), _topk),
+)
 
 
-def legalize(graph: ir.Graph) -> ir.Graph:
-    def rule(node, inputs):
-        fn = RULES.get(node.op)
-        if fn is None:
-            if node.op is Op.RESHAPE:
-                return reshape(inputs[0], node.shape, node.loc)
-            return None
-        return fn(node, inputs)
-
-    legal = graph.rewrite(rule)
-    return _outputs_own_buffers(legal)
+def legalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """The pass: the lowering rules and the simplifications, to a fixed point; then each output gets a buffer
+    of its own."""
+    return _outputs_own_buffers(rewrite(graph, LEGALIZE + SIMPLIFY, ctx))
 
 
 def _outputs_own_buffers(graph: ir.Graph) -> ir.Graph:

@@ -12,9 +12,9 @@ the transposed tiles are narrower and the epilogue's instructions more.
 h^T stays in SBUF and the second matmul multiplies it by W2 from there, its K tiles as soon as each is made.
 
 The chained node is the second matmul's MATMUL node: its inputs are the first matmul's (its operands swapped,
-then its epilogue's inputs) followed by the second one's but A; attrs["chain"] (a `Chain`) says how to split
-them and holds the first matmul's shape and attributes. `stages` rebuilds the two matmuls from it, for the
-tiling pass and codegen. A chain is made when h^T and both matmuls' tiles fit in SBUF.
+then its epilogue's inputs) followed by the second one's but A; attrs["chain"] (a `Chain`, passes/tiling.py) says how to
+split them and holds the first matmul's shape and attributes. `stages` rebuilds the two matmuls from it, for the
+tiling pass, which plans the chain's kernel (a `ChainPlan`). A chain is made when h^T and both matmuls' tiles fit in SBUF.
 """
 from __future__ import annotations
 
@@ -22,31 +22,12 @@ import dataclasses
 
 from neuronc import ir
 from neuronc.ir import Op
+from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides
+from neuronc.passes.tiling import Chain, chain_sbuf_bytes, stages  # noqa: F401 (stages: how a chain is read)
 from neuronc.targets import Target
 
 KEPT_BYTES_PER_PARTITION = 64 * 1024  # the most SBUF a kept intermediate may take (of 192-256 KiB)
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain:
-    split: int  # the first matmul's inputs are the node's inputs[:split]
-    shape: tuple  # the first matmul's result, transposed: [1, N1, M]
-    dtype: object
-    attrs: dict  # the first matmul's attributes (views of its swapped operands, epilogue, bias column, tiling)
-    loc: object  # the first matmul's source location
-
-    def __hash__(self) -> int:
-        return hash((self.split, self.shape))
-
-
-def stages(node: ir.Node) -> tuple:
-    """(first, second): the two matmuls of a chained node, the second reading the first's result as A."""
-    chain = node.attrs["chain"]
-    first = ir.node(Op.MATMUL, list(node.inputs[:chain.split]), chain.shape, chain.dtype, chain.loc, **chain.attrs)
-    attrs = {key: value for key, value in node.attrs.items() if key != "chain"}
-    second = ir.node(Op.MATMUL, [first, *node.inputs[chain.split:]], node.shape, node.dtype, node.loc, **attrs)
-    return first, second
 
 
 def _transposed_view(view, shape) -> tuple:
@@ -123,8 +104,6 @@ def _wide_enough(producer: ir.Node, target: Target) -> bool:
 
 
 def _fits(node: ir.Node, target: Target) -> bool:
-    from neuronc.passes.tiling import chain_sbuf_bytes
-
     return chain_sbuf_bytes(node, target) <= target.sbuf_bytes_per_partition
 
 
@@ -138,9 +117,10 @@ def _chained(reader: ir.Node, inputs: tuple, producer: ir.Node, new: dict, targe
     return fused if _fits(fused, target) else None
 
 
-def chain_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
+def chain_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each matmul read only by another matmul as its A operand is computed with that reader as one kernel,
     its result kept in SBUF transposed, when it and the tiles of both fit."""
+    target = ctx.target
     consumers, outputs = graph.consumers(), set(graph.outputs)
     producers = {}  # reader -> the matmul it chains with
     for node in graph.nodes():

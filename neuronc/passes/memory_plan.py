@@ -17,28 +17,14 @@ taken at its position, found in ``placement`` under ``(node, index)`` and ``(nod
 """
 from __future__ import annotations
 
-import dataclasses
-
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.neff.program import TensorEntry, TensorKind
+from neuronc.plans import MemoryPlan  # noqa: F401 (the plan type, beside the planner)
 
 COOLING = 4  # nodes: a slot freed this recently is not reused, so that a kernel's stores need not wait for
 # the loads of the kernel just before it (the sync pass orders a new tenant's writes after the old one's reads)
 ALIGNMENT = 64  # bytes; keeps every tensor's start aligned for any dtype and for DMA descriptors
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    tensors: list  # TensorEntry, in HBM order
-    placement: dict  # node -> TensorEntry holding the node's bytes (aliases share one)
-    hbm_size: int
-
-    def offset(self, node: ir.Node) -> int:
-        return self.placement[node].offset
-
-    def has_buffer(self, node: ir.Node) -> bool:
-        return node in self.placement
 
 
 def _needs_buffer(node: ir.Node, consumers: dict, outputs) -> bool:
@@ -143,10 +129,9 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
                 else:
                     placement[reader] = placement[(n, index)] = take_scratch(
                         _entry(reader, output_index, input_count), last_read.get(reader, position))
-            for index, storage in enumerate(n.attrs["kernel"].scratch):
+            for index, (shape, dtype) in enumerate(n.attrs["scratch"]):
                 placement[(n, "scratch", index)] = take_scratch(
-                    TensorEntry(f"t{n.id}_scratch{index}", TensorKind.SCRATCH, storage.dtype, tuple(storage.shape), 0),
-                    position)
+                    TensorEntry(f"t{n.id}_scratch{index}", TensorKind.SCRATCH, dtype, shape, 0), position)
         if _needs_buffer(n, consumers, output_index):
             entry = _entry(n, output_index, input_count)
             input_count += entry.kind is TensorKind.INPUT

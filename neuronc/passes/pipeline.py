@@ -1,26 +1,24 @@
 """The pass pipeline of each optimisation level, readable top to bottom.
 
--O0/-O1 keep one kernel per op (the baseline); -O2/-O3 compute attention as one flash-attention kernel
-(softmax(Q K^T) V, the scores never in HBM) and row-wise normalisations as one kernel each,
-fuse elementwise groups, read matmul operands through their views, and compute elementwise consumers of a
-matmul as its epilogue; the tiling pass then chooses each matmul's tiles and loop order with the cost model
-(-O3 searching more candidates; -O0/-O1 stream both operands tile by tile). At -O2/-O3 convolutions are
-implicit-GEMM kernels with their epilogue (passes/conv.py); -O0/-O1 keep im2col + matmul. The layout pass
-(-O2/-O3) stores a weight that matmuls read only transposed transposed in the NEFF, and has a row-wise
-kernel write its result transposed when matmuls read only its transpose. Every level must give
-the same numbers as eager PyTorch. A pass is a function of the graph; the few that weigh
-the target's budgets (listed in TARGETED) also take the target.
+Every pass is a function `(graph, ctx) -> graph` (ctx: passes/context.py's PassContext: the target, the options).
+-O0/-O1 keep one kernel per op (the baseline). -O2/-O3 compute attention as one flash-attention kernel (softmax(Q
+K^T) V, the scores never in HBM) and row-wise normalisations as one kernel each, fuse elementwise groups, read
+matmul operands through their views, compute elementwise consumers of a matmul as its epilogue and chain
+matmuls; convolutions become implicit-GEMM kernels with their epilogue (-O0/-O1: im2col + matmul); the layout
+passes store weights and activations that matmuls read only transposed transposed. The tiling pass last chooses
+each matmul's tiles and loop order with the cost model (-O3 searching more candidates; -O0/-O1 stream both
+operands tile by tile). Every level gives the same numbers as eager PyTorch.
 """
 from __future__ import annotations
 
 import time
 
-from neuronc import ir
-from neuronc.passes.attention import fuse_attention
+from neuronc import ir, ir_verifier
 from neuronc.errors import NeuronConfigError
-from neuronc.passes.auto_cast import AutoCast
-from neuronc.passes.canonicalize import (demote_f64, fold_constants, narrow_matmul_operands, raise_erf, raise_gelu,
-                                         simplify)
+from neuronc.passes.attention import fuse_attention
+from neuronc.passes.auto_cast import auto_cast
+from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
+from neuronc.passes.context import PassContext
 from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
@@ -30,46 +28,70 @@ from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
-from neuronc.targets import Target, get_target
 
-BASELINE = [demote_f64, lower_gather_scatter, fold_constants, simplify, fold_constants, raise_erf, raise_gelu,
-            narrow_matmul_operands, legalize, simplify]
-OPTIMISED = (BASELINE[:BASELINE.index(legalize)] + [lower_convolutions] + BASELINE[BASELINE.index(legalize):]
-             + [store_weights_transposed, fuse_attention, fuse_rowwise, fuse_matmul_operands, fuse_elementwise,
-                fuse_matmul_epilogues, fuse_conv_epilogues, fuse_reduction_prologues, simplify,
-                store_activations_transposed, chain_matmuls])
+O0 = [
+    demote_f64,  # first: no pass below computes in float64; a float64 input or output is refused here
+    lower_gather_scatter,  # gathers/scatters as row gathers: their index arithmetic is folded with the rest
+    canonicalize,  # rules to a fixed point: constants folded, no-ops dropped, erf and GELU raised, matmuls narrowed
+    auto_cast,  # --auto-cast: after canonicalisation (no float64 left), before legalize (sees DOT_GENERAL)
+    legalize,  # StableHLO-level ops -> the kernel forms codegen knows (VIEW, MATMUL, REDUCE_LAST...), simplified
+    baseline_tiles,  # last: every matmul streams both operands tile by tile
+]
+O1 = O0  # the same passes today
 
-PIPELINES = {0: BASELINE + [baseline_tiles], 1: BASELINE + [baseline_tiles], 2: OPTIMISED + [tile_matmuls],
-             3: OPTIMISED + [search_matmul_tiles]}
-# passes that take the target (SBUF budget, cost model) as their second argument
-TARGETED = {chain_matmuls, fuse_attention, fuse_rowwise, baseline_tiles, tile_matmuls, search_matmul_tiles, lower_convolutions,
-            fuse_conv_epilogues}
+O2 = [
+    demote_f64,  # as -O0
+    lower_gather_scatter,
+    canonicalize,
+    auto_cast,  # before the convolutions are lowered: it casts CONVOLUTION's operands
+    lower_convolutions,  # before legalize: convolutions the implicit-GEMM kernel takes become CONV, the rest im2col
+    legalize,
+    store_weights_transposed,  # before fusion: matmuls then read the stored transpose as a dense operand
+    fuse_attention,  # before row-wise fusion: the softmax of an attention belongs to its flash kernel
+    fuse_rowwise,  # softmax, layer-norm...: one kernel per normalisation, before elementwise fusion takes its ops
+    fuse_matmul_operands,  # matmuls read transposed, sliced or broadcast operands through their views
+    fuse_elementwise,  # the remaining elementwise groups, one kernel each
+    fuse_matmul_epilogues,  # elementwise groups reading a matmul become its epilogue (computed from PSUM)
+    fuse_conv_epilogues,  # and a convolution's (bias, BatchNorm, activation, residual)
+    fuse_reduction_prologues,  # reductions read their operand through its producer group or view
+    simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
+    store_activations_transposed,  # after fusion: a row-wise result that matmuls read transposed is written so
+    chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
+    tile_matmuls,  # last: tiles and loop order of every matmul (and chain) chosen with the cost model
+]
+O3 = O2[:-1] + [search_matmul_tiles]  # as -O2, the tiling search trying more candidates
+
+PIPELINES = {0: O0, 1: O1, 2: O2, 3: O3}
 
 
-def passes_for(opt_level: int, cast: AutoCast = AutoCast()) -> list:
-    """The passes of an optimisation level; an auto-cast other than none goes right after canonicalize."""
+def passes_for(opt_level: int) -> list:
+    """The passes of an optimisation level, in order."""
     if opt_level not in PIPELINES:
         raise NeuronConfigError(f"unknown optimisation level {opt_level}", hint="use -O0, -O1, -O2 or -O3")
-    passes = PIPELINES[opt_level]
-    if cast.mode == "none":
-        return passes
-    after_canonicalize = min(passes.index(p) for p in (lower_convolutions, legalize) if p in passes)
-    return passes[:after_canonicalize] + [cast] + passes[after_canonicalize:]
+    return PIPELINES[opt_level]
 
 
-def run_pipeline(graph: ir.Graph, opt_level: int = 2, target: Target | None = None,
-                 cast: AutoCast = AutoCast(), timings: dict | None = None) -> ir.Graph:
-    """Run the passes of `opt_level` in order; with `timings`, record each pass's seconds in it as
-    "pass/<name>" ("pass/<name>#2" for its second run, ...)."""
-    target = target or get_target()
-    for step in passes_for(opt_level, cast):
+def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None) -> ir.Graph:
+    """Run the passes of `ctx.opt_level` in order; with `timings`, record each pass's seconds in it as
+    "pass/<name>" ("pass/<name>#2" for its second run, ...). With `ctx.verify`, the graph is verified before the
+    first pass and after each one (ir_verifier: a pass that breaks the IR is named), the time under "verify IR"."""
+    verify(graph, ctx, "the import", timings)
+    for step in passes_for(ctx.opt_level):
         start = time.perf_counter()
-        graph = step(graph, target) if step in TARGETED else step(graph)
+        graph = step(graph, ctx)
         if timings is not None:
-            name = getattr(step, "__name__", type(step).__name__)
-            key, run = f"pass/{name}", 1
+            key, run = f"pass/{step.__name__}", 1
             while key in timings:
                 run += 1
-                key = f"pass/{name}#{run}"
+                key = f"pass/{step.__name__}#{run}"
             timings[key] = time.perf_counter() - start
+        verify(graph, ctx, step.__name__, timings)
     return graph
+
+
+def verify(graph: ir.Graph, ctx: PassContext, after: str, timings: dict | None) -> None:
+    if ctx.verify:
+        start = time.perf_counter()
+        ir_verifier.verify(graph, after)
+        if timings is not None:
+            timings["verify IR"] = timings.get("verify IR", 0.0) + time.perf_counter() - start

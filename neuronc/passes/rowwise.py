@@ -21,26 +21,22 @@ out_strides (how the [R, C] result is stored into the node's dense buffer).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 from neuronc import ir
 from neuronc.ir import Op, Step
-from neuronc.isa import DType
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
+from neuronc.passes.context import PassContext
+from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
-from neuronc.targets import Target, get_target
+from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIRED_BUFS,  # noqa: F401 (re-exported)
+                                         needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
+from neuronc.passes import rowwise_schedule
+from neuronc.passes.rowwise_schedule import per_row_alu, split_engines
+from neuronc.plans import RowwisePlan, Schedule
+from neuronc.targets import Target
 
 MAX_INPUTS = 8
 MAX_STEPS = 64
 REDUCTIONS = ("add", "max", "min")  # what TENSOR_REDUCE computes
-BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
-# With room for twice as many, row tiles may be computed in pairs, their steps interleaved, so that the engines'
-# in-order queues hold two independent chains; else, with room for one more, two row tiles are loaded ahead.
-# Which way a kernel goes is its "schedule" (passes/rowwise_schedule.py, priced), codegen follows it.
-PAIRED_BUFS = 2 * BUFS
-BUF_CHOICES = (PAIRED_BUFS, BUFS + 1, BUFS)
-
-
 # Reading values through reshapes and views --------------------------------------------------------
 
 
@@ -324,326 +320,9 @@ def _body(group: _Group, order: dict, root):
     return tuple(steps), externals
 
 
-def input_kind(view) -> str:
-    """"full", "row" (one value per row), "col" (one per column, the same for every row) or "row" for
-    one value for everything, by the (row, column) strides of an input's view."""
-    _, (sr, sc) = view
-    return "full" if sr and sc else "col" if sc else "row"
-
-
-def step_kinds(body, views) -> list:
-    """"full" ([rows, cols] tile per row tile), "row" ([rows, 1] per row tile) or "col" ([partitions,
-    cols], computed once for all row tiles) for each step of a ROWWISE body."""
-    kinds = []
-    for step in body:
-        arg_kinds = {kinds[ref] if a == "step" else input_kind(views[ref]) for a, ref in step.args if a != "imm"}
-        if step.op is Op.REDUCE_LAST:
-            kinds.append("row")
-        elif "full" in arg_kinds or {"row", "col"} <= arg_kinds:
-            kinds.append("full")
-        else:
-            kinds.append("col" if "col" in arg_kinds else "row")
-    return kinds
-
-
-# The instructions of a row tile --------------------------------------------------------------
-#
-# A row tile's steps are computed by fewer instructions than there are steps, each exactly as the steps it
-# replaces (every instruction computes in fp32 and rounds once, to its destination's dtype):
-#   - a widening float convert of an input is no instruction: its readers read the input (they compute in fp32);
-#   - a narrowing convert of the result is no instruction: the step before it writes the output tile;
-#   - two arithmetic steps, the second reading the first (an fp32 value), are one TENSOR_ALU2 ((a op b) op1 c), and
-#     so is one step reading a per-row value (held per partition, not streamed: one pass instead of two);
-#   - an activation (or a square) whose row sum is the next step is one ACTIVATE_BIAS_REDUCE, a subtraction of a
-#     per-row value before it folded in as the bias (a square of (x - m) as one of (-x + m): the same value);
-#   - an activation of a value scaled or shifted by a constant is one ACTIVATE with that scale and bias;
-#   - a row sum may go to the Scalar engine (an identity ACTIVATE_BIAS_REDUCE), where codegen finds it free.
-# Steps nothing reads any more are dropped. Codegen emits this plan; the SBUF budget counts its tiles.
-
-ACTIVATION_OPS = frozenset(ir.UNARY - {Op.NEGATE, Op.NOT, Op.CONVERT})  # what one ACTIVATE computes
-ARITHMETIC = frozenset({Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.POWER})
-COMMUTATIVE = frozenset({Op.ADD, Op.MULTIPLY, Op.MAXIMUM, Op.MINIMUM})
-_AFFINE = {Op.ADD: lambda c: (1.0, c), Op.SUBTRACT: lambda c: (1.0, -c), Op.MULTIPLY: lambda c: (c, -0.0)}
-
-
-def _tiles(args) -> tuple:
-    return tuple(a for a in args if a[0] != "imm")
-
-
-class Plain(NamedTuple):
-    """The step as it is: one instruction (TENSOR_REDUCE for a reduction)."""
-    args: tuple
-
-    @property
-    def reads(self):
-        return _tiles(self.args)
-
-
-class Alu2(NamedTuple):
-    """(a op b), then op1 with c unless op1 is None: one TENSOR_ALU2."""
-    a: tuple
-    b: tuple
-    op: Op
-    c: tuple | None = None
-    op1: Op | None = None
-
-    @property
-    def reads(self):
-        return (self.a, self.b) + ((self.c,) if self.c else ())
-
-
-class Summed(NamedTuple):
-    """act(scale * src + bias) and its row sum, step `row_sum`: one ACTIVATE_BIAS_REDUCE. The bias is 0 without a
-    shift; with one, the shift itself when `negated` (scale -1: a square of m - x) or else -shift (scale 1)."""
-    act: Op  # an activation, or MULTIPLY for a square
-    src: tuple
-    row_sum: int
-    shift: tuple | None = None
-    negated: bool = False
-
-    @property
-    def reads(self):
-        return (self.src,) + ((self.shift,) if self.shift else ())
-
-
-class Act(NamedTuple):
-    """act(scale * src + bias) with immediate scale and bias: one ACTIVATE."""
-    act: Op
-    src: tuple
-    scale: float
-    bias: float
-
-    @property
-    def reads(self):
-        return (self.src,)
-
-
-class RowSum(NamedTuple):
-    """The fp32 row sum of src: TENSOR_REDUCE, or an identity ACTIVATE_BIAS_REDUCE on the Scalar engine."""
-    src: tuple
-
-    @property
-    def reads(self):
-        return (self.src,)
-
-
-class TilePlan(NamedTuple):
-    instrs: dict  # step -> how it is computed (Plain, Alu2, ...), in step order; col steps are Plain
-    out_step: int  # the step whose instruction writes the output tile
-    slots: dict  # step -> its tile slot of its kind; a Summed's row sum has one too. The out step has none, nor
-    # a full value nothing reads (it goes to one scratch tile of the kernel, written by the Scalar engine alone)
-    count: dict  # kind -> slots
-
-
-def _square(step) -> bool:
-    return (step.op is Op.MULTIPLY and step.args[0] == step.args[1]) or (
-        step.op is Op.POWER and step.args[1] == ("imm", 2.0))
-
-
-def tile_plan(body, views, input_dtypes) -> TilePlan:
-    """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes."""
-    kinds = step_kinds(body, views)
-    users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
-    alias, instrs, readers = {}, {}, {}
-
-    def resolve(arg):
-        return alias.get(arg[1], arg) if arg[0] == "step" else arg
-
-    def body_input_float(arg) -> bool:
-        return input_dtypes[arg[1]].is_float
-
-    def dtype_of(arg):
-        return body[arg[1]].dtype if arg[0] == "step" else input_dtypes[arg[1]]
-
-    def full_f32(arg) -> bool:
-        return arg[0] == "step" and kinds[arg[1]] == "full" and body[arg[1]].dtype == DType.F32
-
-    def per_row(arg) -> bool:  # one value per row: held per partition by an instruction that reads it
-        return (kinds[arg[1]] if arg[0] == "step" else input_kind(views[arg[1]]) if arg[0] == "input" else "") == "row"
-
-    def one_op(arg):
-        """(a, b, op) of a full fp32 step computed by one arithmetic op on two tiles, or None."""
-        inner = instrs.get(arg[1]) if full_f32(arg) else None
-        if isinstance(inner, Alu2) and inner.op1 is None:
-            return inner.a, inner.b, inner.op
-        if isinstance(inner, Plain) and body[arg[1]].op in ARITHMETIC and len(_tiles(inner.args)) == 2:
-            return (*inner.args, body[arg[1]].op)
-        return None
-
-    def only_reader(u, j) -> bool:
-        return all(r == j for r in readers.get(u, ())) and all(k <= j for k in users[u])
-
-    def add(j, instr):
-        instrs[j] = instr
-        for arg in instr.reads:
-            if arg[0] == "step":
-                readers.setdefault(arg[1], set()).add(j)
-
-    last = len(body) - 1
-    summed_sums = set()
-    for j, step in enumerate(body):
-        args = tuple(resolve(a) for a in step.args)
-        if j in summed_sums:
-            continue
-        if step.op is Op.CONVERT and step.dtype == DType.F32 and args[0][0] == "input" and body_input_float(args[0]):
-            alias[j] = args[0]  # the input's readers compute in fp32 anyway
-        elif kinds[j] == "col":
-            add(j, Plain(args))
-        elif step.op is Op.REDUCE_LAST:
-            add(j, RowSum(args[0]) if step.attrs["kind"] == "add" and step.dtype == DType.F32 else Plain(args))
-        elif (j < last and kinds[j] == "full" and step.dtype == DType.F32 and body[j + 1].op is Op.REDUCE_LAST
-              and body[j + 1].attrs["kind"] == "add" and body[j + 1].dtype == DType.F32
-              and body[j + 1].args == (("step", j),) and (step.op in ACTIVATION_OPS or _square(step))):
-            src, shift, negated = args[0], None, False
-            producer = body[src[1]] if src[0] == "step" else None
-            if (producer is not None and producer.op is Op.SUBTRACT and producer.dtype == DType.F32
-                    and per_row(resolve(producer.args[1])) and dtype_of(resolve(producer.args[1])) == DType.F32
-                    and resolve(producer.args[0])[0] != "imm"):
-                src, shift = resolve(producer.args[0]), resolve(producer.args[1])
-                negated = _square(step)
-            add(j, Summed(Op.MULTIPLY if _square(step) else step.op, src, j + 1, shift, negated))
-            summed_sums.add(j + 1)
-        elif (step.op in ACTIVATION_OPS and step.dtype == DType.F32 and args[0][0] == "step"
-              and body[args[0][1]].op in _AFFINE and body[args[0][1]].dtype == DType.F32 and users[args[0][1]] == [j]
-              and len(_tiles(body[args[0][1]].args)) == 1 and body[args[0][1]].args[1][0] == "imm"):
-            u = body[args[0][1]]
-            scale, bias = _AFFINE[u.op](float(u.args[1][1]))
-            add(j, Act(step.op, resolve(u.args[0]), scale, bias))
-        elif step.op in ARITHMETIC and kinds[j] == "full" and step.dtype.is_float and len(_tiles(args)) == 2:
-            add(j, _arithmetic(step.op, args, one_op, per_row, lambda u: only_reader(u, j)))
-        else:
-            add(j, Plain(args))
-    out_step = last
-    root = body[last]
-    if (root.op is Op.CONVERT and root.dtype.is_float and root.args[0][0] == "step" and last in instrs
-            and users[root.args[0][1]] == [last] and body[root.args[0][1]].dtype == DType.F32
-            and kinds[root.args[0][1]] == "full" and not isinstance(instrs.get(root.args[0][1]), (Summed, type(None)))):
-        out_step = root.args[0][1]  # it writes the output tile, rounding to its dtype: the convert, done
-        del instrs[last]
-    live = _live(instrs, out_step, kinds)
-    instrs = {j: instr for j, instr in instrs.items() if j in live}
-    slots, count = _slots(body, instrs, out_step, kinds)
-    return TilePlan(instrs, out_step, slots, count)
-
-
-def tail_steps(body, views, plan: TilePlan) -> tuple:
-    """The last instructions of a row tile's plan that are elementwise over full rows (no reduction, no row sum),
-    ending with the output's: each column of them needs only the same columns of what it reads, so they may be
-    computed a part of the columns at a time, the parts on different engines (a schedule's `cut`)."""
-    kinds = step_kinds(body, views)
-    tail = []
-    for j in reversed([j for j in plan.instrs if kinds[j] != "col"]):
-        instr = plan.instrs[j]
-        if (kinds[j] != "full" or isinstance(instr, (Summed, RowSum))
-                or (isinstance(instr, Plain) and body[j].op is Op.REDUCE_LAST)):
-            break
-        tail.append(j)
-    return tuple(reversed(tail))
-
-
-def _arithmetic(op, args, inner_op, per_row, absorbable):
-    """A full-row arithmetic step with two tile operands: a TENSOR_ALU2 absorbing the one-op arithmetic step it
-    reads (leftmost, or either for a commutative op; `inner_op` gives (a, b, op) of such a step) when that one dies
-    with it or its operands stream no more than it does, or a TENSOR_ALU2 holding a per-row operand, or Plain."""
-    x, y = args
-    for first, other in ((x, y), (y, x)) if op in COMMUTATIVE else ((x, y),):
-        inner = inner_op(first)
-        if inner is not None:
-            a, b, inner_op_ = inner
-            if absorbable(first[1]) or sum(not per_row(v) for v in (a, b)) <= 1:
-                return Alu2(a, b, inner_op_, other, op)
-    if per_row(y):
-        return Alu2(x, y, op)
-    if per_row(x) and op in COMMUTATIVE:
-        return Alu2(y, x, op)
-    return Plain(args)
-
-
-def _live(instrs, out_step, kinds) -> set:
-    """The steps the output needs, through what each instruction reads."""
-    live, stack = set(), [out_step]
-    while stack:
-        j = stack.pop()
-        if j in live:
-            continue
-        live.add(j)
-        instr = instrs.get(j)
-        if instr is None:  # a Summed's row sum: made by the Summed before it
-            stack.append(j - 1)
-            continue
-        stack.extend(a[1] for a in instr.reads if a[0] == "step")
-    return live
-
-
-OUT_SLOT = "out"  # the slot of a value kept in the output tile
-
-
-def _slots(body, instrs, out_step, kinds) -> tuple:
-    """Linear-scan tile slots per kind over the instructions: a value's slot is free after its last reader (a full
-    tile may be rewritten in place by its last reader, elementwise; a per-row one only after it)."""
-    made = {}  # step -> the instruction index making it
-    for j, instr in instrs.items():
-        made[j] = j
-        if isinstance(instr, Summed):
-            made[instr.row_sum] = j
-    last = {v: at for v, at in made.items()}
-    for j, instr in instrs.items():
-        for a in instr.reads:
-            if a[0] == "step":
-                last[a[1]] = max(last[a[1]], j)
-    free = {"full": [], "row": [], "col": []}
-    count = {"full": 0, "row": 0, "col": 0}
-    slots = {}
-    # The output tile holds nothing before the out step: a value that step reads last may live there (it is
-    # overwritten in place, elementwise), when the output's elements are as wide as the value's
-    out_free = True
-
-    def release(values, kind):
-        free[kind].extend(slots[v] for v in sorted(values) if slots.get(v, OUT_SLOT) != OUT_SLOT and kinds[v] == kind)
-
-    for j in sorted(instrs):
-        dying = {v for v, at in last.items() if at == j and made[v] != j}
-        release(dying, "full")
-        for v in sorted(v for v, at in made.items() if at == j and v != out_step):
-            if last[v] == j and kinds[v] == "full":
-                continue  # written and never read (an activation made for its row sum): the kernel's scratch tile
-            kind = kinds[v]
-            if out_free and kind == "full" and last[v] == out_step and body[v].dtype.itemsize <= body[-1].dtype.itemsize:
-                slots[v], out_free = OUT_SLOT, False
-            elif free[kind]:
-                slots[v] = free[kind].pop()
-            else:
-                slots[v], count[kind] = count[kind], count[kind] + 1
-        release(dying, "row")  # col tiles live throughout
-        release({v for v, at in made.items() if at == j and last[v] == j}, "row")
-    return slots, count
-
-
-def needs_constants(body) -> bool:
-    """Whether a SELECT of the body takes a constant (codegen makes it a tile per row tile)."""
-    return any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
-
-
-def rowwise_sbuf_bytes(body, views, input_dtypes, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
-    """Bytes per partition the ROWWISE kernel allocates with `bufs` buffers per row tile (codegen allocates
-    exactly these tiles)."""
-    count = tile_plan(body, views, input_dtypes).count
-
-    def slot(elements, itemsize):
-        return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
-
-    wide = max([DType.F32.itemsize, out_dtype.itemsize] + [s.dtype.itemsize for s in body])
-    total = slot(cols, wide) * bufs * (count["full"] + needs_constants(body))  # full temporaries, SELECT constants
-    total += slot(1, wide) * bufs * (count["row"] + 1) + slot(cols, wide) * count["col"]
-    total += slot(1, wide) + slot(cols, wide)  # a zero bias and the Scalar engine's scratch tile
-    for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
-        total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else bufs)
-    return total + slot(cols, wide) * bufs  # the output tile
-
-
-def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
+def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each row-wise normalisation becomes one ROWWISE kernel when its row tiles fit SBUF."""
-    target = target or get_target()
+    target = ctx.target
     nodes = graph.nodes()
     order = {n: i for i, n in enumerate(nodes)}
     taken, roots = set(), {}
@@ -674,17 +353,24 @@ def fuse_rowwise(graph: ir.Graph, target: Target | None = None) -> ir.Graph:
                    if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
-        from neuronc.passes.rowwise_schedule import choose_schedule  # it prices this module's tile plans
-
-        schedule = choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
+        schedule = rowwise_schedule.choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
         taken |= set(group.members)
         roots[root] = (body, externals, frame, schedule)
     if not roots:
         return graph
-    return _rewrite(graph, roots)
+    return _rewrite(graph, roots, target)
 
 
-def _rewrite(graph: ir.Graph, roots: dict) -> ir.Graph:
+def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target) -> RowwisePlan:
+    """The kernel plan of a ROWWISE node: its schedule, its row tile's instructions (passes/rowwise_plan.py)."""
+    tile = tile_plan(body, views, input_dtypes)
+    return RowwisePlan(schedule=schedule, tile=tile, kinds=tuple(step_kinds(body, views)),
+                       tail=tail_steps(body, views, tile) if schedule.cut else (),
+                       split_engines=split_engines(target), needs_constants=needs_constants(body),
+                       scalar_steps=tuple(per_row_alu(step) for step in body))
+
+
+def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
     new_of: dict = {}
 
     def fuse(node, inputs):
@@ -693,9 +379,11 @@ def _rewrite(graph: ir.Graph, roots: dict) -> ir.Graph:
         if node not in roots:
             return None
         body, externals, frame, schedule = roots[node]
-        return ir.node(Op.ROWWISE, [new_of.get(x, x) for x, _ in externals], node.shape, node.dtype, node.loc,
-                       body=body, views=tuple(v for _, v in externals), rows=frame.rows, cols=frame.cols,
-                       out_strides=frame.dense, schedule=schedule)
+        inputs = [new_of.get(x, x) for x, _ in externals]
+        views = tuple(v for _, v in externals)
+        return ir.node(Op.ROWWISE, inputs, node.shape, node.dtype, node.loc, body=body, views=views, rows=frame.rows,
+                       cols=frame.cols, out_strides=frame.dense, schedule=schedule,
+                       plan=rowwise_plan(body, views, [x.dtype for x in inputs], schedule, target))
 
     for p in graph.params:
         new_of[p] = p

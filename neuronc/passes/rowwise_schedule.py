@@ -13,30 +13,21 @@ import itertools
 from typing import NamedTuple
 
 from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
-from neuronc.ir import BINARY, Op
+from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import DType, Engine
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, dma_slice_count, partition_group
-from neuronc.passes.rowwise import (ACTIVATION_OPS, PAIRED_BUFS, Act, Alu2, RowSum, Summed, input_kind, step_kinds,
-                                    tail_steps, tile_plan)
+from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
+from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
+from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
 from neuronc.targets import Target
 
 ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU work between these
 ALU_OPS = frozenset(BINARY - {Op.COMPARE})  # the binary ops one ALU instruction computes (codegen's ALU table)
 
 
-def per_row_alu(step) -> bool:
+def per_row_alu(step: Step) -> bool:
     """Whether a per-row step is one float ALU instruction, which a schedule may put on the Scalar engine (NKI's
     tensor_scalar runs on the Vector, Scalar or GpSimd engine)."""
     return step.op in ALU_OPS and step.dtype.is_float
-
-
-class Schedule(NamedTuple):
-    bufs: int  # buffers of each per-row-tile pool (passes/rowwise.py BUF_CHOICES)
-    together: int  # row tiles whose instructions are emitted interleaved (2 needs PAIRED_BUFS)
-    row_sum_on_scalar: bool  # a plain row sum as an identity ACTIVATE_BIAS_REDUCE, else TENSOR_REDUCE on an ALU engine
-    row_steps_on_scalar: bool  # per-row ALU steps (a mean's division) on the Scalar engine, next to the row sums
-    cut: int  # the tail's columns [0, cut) and [cut, cols) on two engines side by side (`split_engines`); 0: whole
-    shared_after: int  # groups of row tiles loaded before the inputs shared by every row (a norm's weight)
 
 
 def split_engines(target: Target) -> tuple:
@@ -46,28 +37,6 @@ def split_engines(target: Target) -> tuple:
 
 def _alu_ghz(engine: Engine, target: Target) -> float:
     return target.vector_ghz if engine is Engine.VECTOR else target.gpsimd_ghz
-
-
-def dma_pieces(nbytes: int, rows: int, latency_bound: bool, target: Target) -> int:
-    """Slices (one queue each) of a row tile's DMA: when the kernel waits on this transfer (its first loads, its last
-    stores) as many as give each slice a transfer at least as long as its issue, and a divisor of the tile's groups
-    of partitions (codegen cuts slices at their boundaries: uneven slices would end with the largest); else the
-    cost model's default."""
-    if not latency_bound:
-        return dma_slice_count(rows, nbytes, target)
-    worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue  # bytes moved in one issue time
-    groups = -(-rows // partition_group(target))  # codegen.access.dma_slices' cut points
-    pieces = max(1, min(target.dma_queues, groups, int(nbytes // worth_issuing)))
-    return max(n for n in range(1, pieces + 1) if groups % n == 0)
-
-
-def transposed_store_pieces(nbytes: int, target: Target) -> int:
-    """Slices (one queue each, by columns) of a row tile stored transposed (passes/layout.py): a strided transfer,
-    at half a queue's bandwidth, so every row tile's store is cut as a last store is, into as many slices as give
-    each a transfer at least as long as its issue. Measured on the GPT-2 block: 169.0 us, against 175.7 with the
-    default slices for all but the last row tile."""
-    worth_issuing = target.dma_fixed_ns * target.dma_gbps_per_queue / 2  # strided bytes moved in one issue time
-    return max(1, min(target.dma_queues, int(nbytes // worth_issuing)))
 
 
 def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list:
@@ -83,7 +52,7 @@ def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list
     return sorted(c for c in near if 0 < c < cols)
 
 
-def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
+def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
     """Every schedule the kernel may take: with its largest fitting buffers (pairs of row tiles need PAIRED_BUFS),
     the row sums and per-row steps on the Scalar engine or not, the tail whole or cut, shared inputs loaded after
     the first one or two groups of row tiles."""
@@ -93,9 +62,9 @@ def candidates(body, views, input_dtypes, out_dtype: DType, cols: int, fitting: 
     bufs = fitting[0]
     together = (1, 2) if bufs == PAIRED_BUFS else (1,)
     # a choice that changes nothing in this kernel is not offered twice
-    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instrs.values()) else (True,)
+    row_sums = (True, False) if any(isinstance(i, RowSum) for i in plan.instr_of.values()) else (True,)
     row_steps = (True, False) if any(kinds[j] == "row" and per_row_alu(body[j]) or isinstance(i, Summed) and i.shift
-                                     and not i.negated for j, i in plan.instrs.items()) else (True,)
+                                     and not i.negated for j, i in plan.instr_of.items()) else (True,)
     cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
     shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
     return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
@@ -132,7 +101,7 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
                    any(kind_of(a) == "col" for a in args), makes)
 
     ops, tail_ops = [], []
-    for j, instr in plan.instrs.items():
+    for j, instr in plan.instr_of.items():
         if kinds[j] == "col":
             continue
         width = cols if kinds[j] == "full" else 1
@@ -167,7 +136,7 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
     return ops
 
 
-def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
+def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
                target: Target) -> float:
     """Estimated time of a ROWWISE kernel under `schedule`: codegen's instructions in codegen's order, each on its
     engine's (or DMA queue's) in-order queue once the values it reads are made, its cost by instruction_cost's rules;
@@ -244,7 +213,7 @@ def rowwise_ns(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int
     return max(list(done_at.values()) + list(free.values()))
 
 
-def choose_schedule(body, views, input_dtypes, out_dtype: DType, rows: int, cols: int, fitting: list,
+def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
                     target: Target) -> Schedule:
     """The candidate schedule `rowwise_ns` prices cheapest (the first of equals)."""
     options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)

@@ -11,7 +11,11 @@ resident "none" both operands stream tile by tile (the baseline, -O0/-O1).
 `tile_matmuls` (-O2) tries every resident choice with blocks of 1, 2, 4... output tiles up to the whole
 operand, within the SBUF left after the epilogue's tiles; `search_matmul_tiles` (-O3) also tries narrower
 N tiles and deeper buffering. The price is `cost_model.matmul_ns`. The decision is the node's
-attrs["tiling"] (a `MatmulTiling`); codegen follows it and decides nothing.
+attrs["tiling"] (a `MatmulTiling`) and its kernel plan attrs["plan"] (a `MatmulPlan`, or a `ChainPlan` for a
+chain: neuronc/plans.py), which codegen follows, deciding nothing.
+
+Chains (passes/matmul_chain.py) are tiled here too: `Chain` and `stages` say how a chained node holds its two
+matmuls, and the chain's pricing lives beside the single matmul's.
 """
 from __future__ import annotations
 
@@ -20,24 +24,11 @@ import dataclasses
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
+from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
+from neuronc.passes.kernel_plans import assign_slots, plan_kernels
+from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
 from neuronc.targets import Target
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulTiling:
-    resident: str  # "a" | "b" | "none"
-    block: int  # output tiles along M ("a") or N ("b") whose operand strip stays resident
-    tile_m: int
-    tile_n: int
-    tile_k: int
-    stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
-    streamed_first: bool = False  # the first streamed strip loaded before the first resident one
-
-    def __str__(self) -> str:
-        keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
-        first = " streamed first" if self.streamed_first else ""
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
 
 
 def _pages(elements: int, dtype: DType) -> int:
@@ -46,6 +37,9 @@ def _pages(elements: int, dtype: DType) -> int:
 
 
 EPILOGUE_BUFS = 4  # output tiles whose epilogues may be in flight at once (spread over three engines)
+EPILOGUE_GROUP = 2  # output tiles whose epilogues the kernel emits side by side
+CHAIN_LAG = 2  # a chain's first-matmul tiles between the making of a K tile and the second's matmuls reading it
+CHAIN_LEAD_PART = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
 def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
@@ -109,6 +103,29 @@ def default_tiling(node: ir.Node, target: Target) -> MatmulTiling:
 
 def _max_tile_n(target: Target) -> int:
     return min(target.matmul_max_n, target.psum_bank_bytes // DType.F32.itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """attrs["chain"] of a chained MATMUL node (passes/matmul_chain.py)."""
+
+    split: int  # the first matmul's inputs are the node's inputs[:split]
+    shape: tuple  # the first matmul's result, transposed: [1, N1, M]
+    dtype: object
+    attrs: dict  # the first matmul's attributes (views of its swapped operands, epilogue, bias column, tiling)
+    loc: object  # the first matmul's source location
+
+    def __hash__(self) -> int:
+        return hash((self.split, self.shape))
+
+
+def stages(node: ir.Node) -> tuple:
+    """(first, second): the two matmuls of a chained node, the second reading the first's result as A."""
+    chain = node.attrs["chain"]
+    first = ir.node(Op.MATMUL, list(node.inputs[:chain.split]), chain.shape, chain.dtype, chain.loc, **chain.attrs)
+    attrs = {key: value for key, value in node.attrs.items() if key != "chain"}
+    second = ir.node(Op.MATMUL, [first, *node.inputs[chain.split:]], node.shape, node.dtype, node.loc, **attrs)
+    return first, second
 
 
 def _is_weight(x: ir.Node) -> bool:
@@ -221,8 +238,6 @@ def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: Matmul
     stored), then the second (A^T not loaded), on the same Tensor engine, epilogue engines and DMA queues.
     With early rows, the second's first column strip (a K tile at a time) and the strips it loads ahead are
     loaded while the first runs, and the first has the PSUM banks the early tiles do not take."""
-    from neuronc.passes.matmul_chain import stages
-
     first, second = stages(node)
     early = early_rows(second, target)
     servers = Servers(target, target.psum_banks - early)
@@ -241,8 +256,6 @@ def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: Matmul
 
 def chain_options(node: ir.Node, target: Target, wide: bool = False) -> list:
     """Every (first's tiling, second's tiling) of a chained node that fits beside the kept result."""
-    from neuronc.passes.matmul_chain import stages
-
     first, second = stages(node)
     return [(t, _second_tiling(second, target, stream_bufs)) for stream_bufs in (3, 2)
             for t in candidates(first, target, wide)
@@ -260,12 +273,34 @@ def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | 
 
 def chain_sbuf_bytes(node: ir.Node, target: Target) -> int:
     """SBUF bytes per partition of a chained node's kernel as tiled (more than there is if no tiling fits)."""
-    from neuronc.passes.matmul_chain import stages
-
     tilings = chain_tilings(node, target)
     if tilings is None:
         return target.sbuf_bytes_per_partition + 1
     return _chain_bytes(*stages(node), *tilings)
+
+
+def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
+    """The kernel plan of a matmul node under `tiling`: its sizes, operand views, epilogue and SBUF pools."""
+    batch, m, n = node.shape
+    k = node.attrs["k"]
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    epilogue = tuple(node.attrs.get("epilogue") or (ir.Step(Op.CONVERT, (("input", 0),), node.dtype, {}),))
+    return MatmulPlan(
+        batch=batch, m=m, n=n, k=k, dtype=node.dtype, tiling=tiling,
+        a=View.of(views[0], (batch, m, k)), b=View.of(views[1], (batch, k, n)),
+        extras=tuple(View.of(view, node.shape) for view in views[2:]),
+        epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
+        operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
+        bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
+        a_by_k_tile=loads_a_by_k_tile(node), epilogue_group=EPILOGUE_GROUP)
+
+
+def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
+    """The kernel plan of a chained node under its two tilings."""
+    first, second = stages(node)
+    return ChainPlan(split=node.attrs["chain"].split, first=matmul_plan(first, first_tiling),
+                     second=matmul_plan(second, second_tiling), early_rows=early_rows(second, target),
+                     first_loc=first.loc, lag=CHAIN_LAG, lead_part=CHAIN_LEAD_PART)
 
 
 def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.Graph:
@@ -277,23 +312,26 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.G
         if chain is not None:  # made only where a tiling fits (passes/matmul_chain.py)
             first_tiling, second_tiling = chain_tilings(node, target, wide)
             chain = dataclasses.replace(chain, attrs={**chain.attrs, "tiling": first_tiling})
-            return dataclasses.replace(node, attrs={**node.attrs, "chain": chain, "tiling": second_tiling},
-                                       id=next(ir._ids))
-        return dataclasses.replace(node, attrs={**node.attrs, "tiling": pick(node, target)}, id=next(ir._ids))
+            node = dataclasses.replace(node, attrs={**node.attrs, "chain": chain, "tiling": second_tiling})
+            return dataclasses.replace(node, attrs={**node.attrs, "plan": chain_plan(node, first_tiling, second_tiling,
+                                                                                        target)}, id=next(ir._ids))
+        tiling = pick(node, target)
+        return dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling, "plan": matmul_plan(node, tiling)},
+                                   id=next(ir._ids))
 
     return graph.rewrite(tile)
 
 
-def baseline_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O0/-O1: every matmul streams both operands tile by tile."""
-    return _tile_all(graph, target, default_tiling)
+def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """-O0/-O1: every matmul streams both operands tile by tile (the other kernels planned: `plan_kernels`)."""
+    return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx)
 
 
-def tile_matmuls(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O2: resident operand and block size searched with the cost model."""
-    return _tile_all(graph, target, choose)
+def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx)
 
 
-def search_matmul_tiles(graph: ir.Graph, target: Target) -> ir.Graph:
-    """-O3: also narrower N tiles and deeper buffering of the streamed operand."""
-    return _tile_all(graph, target, lambda node, t: choose(node, t, wide=True), wide=True)
+def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True), ctx)

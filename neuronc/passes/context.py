@@ -1,0 +1,22 @@
+"""What every pass is given besides the graph: one `PassContext` per compilation.
+
+Every pass is a function `(graph, ctx) -> graph` (passes/pipeline.py lists them per optimisation level). The
+context holds what a pass may weigh that is not in the graph: the target (its SBUF budget, its cost model),
+the optimisation level and the auto-cast options; and what the run records: the rewrite rules that fired.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from neuronc.passes.auto_cast import AutoCast
+from neuronc.targets import Target, get_target
+
+
+@dataclasses.dataclass
+class PassContext:
+    target: Target = dataclasses.field(default_factory=get_target)
+    opt_level: int = 2
+    cast: AutoCast = dataclasses.field(default_factory=AutoCast)
+    verify: bool = False  # check the graph (ir_verifier) after every pass
+    fired: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rewrite rule -> times

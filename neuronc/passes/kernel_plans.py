@@ -1,0 +1,132 @@
+"""Plans of the kernels no fusion pass shapes: elementwise (fused or single) ops, last-axis reductions, gathers,
+scatters and top-k. Their tile sizes follow from the SBUF budget alone (no alternatives to price), so they are
+planned here, at the end of every pipeline (passes/tiling.py's passes end with `plan_kernels`, a pass of its
+own signature), and codegen follows the plans (neuronc/plans.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from neuronc import ir, op_facts
+from neuronc.errors import NeuronCompileError
+from neuronc.ir import Node, Op
+from neuronc.isa import DType
+from neuronc.placement import free_for, tile_free_elements
+from neuronc.plans import ElementwisePlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
+from neuronc.passes.context import PassContext
+from neuronc.targets import Target
+
+REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None)  # TENSOR_REDUCE computes these
+TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
+
+
+def assign_slots(body: tuple) -> tuple:
+    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the output tile).
+    Returns (slot of each step or None, number of slots)."""
+    last = list(range(len(body)))
+    for j, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                last[ref] = j
+    free, slots, count = [], [], 0
+    for j in range(len(body)):
+        for k in range(j):
+            if last[k] == j and slots[k] is not None:
+                free.append(slots[k])  # the step's inputs die here: their tiles are reusable
+        if j == len(body) - 1:
+            slots.append(None)
+        elif free:
+            slots.append(free.pop())
+        else:
+            slots.append(count)
+            count += 1
+    return slots, count
+
+
+def _needs_constants(body) -> bool:
+    """Whether a SELECT of the body takes a constant (the kernel makes it a tile)."""
+    return any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
+
+
+def elementwise_plan(node: Node, target: Target) -> ElementwisePlan:
+    """Load each read input tile once (through its strided view, if the fusion pass folded one in), compute
+    every step in SBUF, store the result: tiles as large as the SBUF shared by all of them allows."""
+    body = ir.body_of(node)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    used = sorted({ref for step in body for kind, ref in step.args if kind == "input"})
+    slots, temp_count = assign_slots(body)
+    constants = _needs_constants(body)
+    widest = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in body]
+                 + [node.inputs[i].dtype.itemsize for i in used])
+    free = free_for(target, 3 * len(used) + 2 * temp_count + 3 + (3 if constants else 0), widest)
+    wide = free * widest // DType.F32.itemsize
+    pools = [PoolSpec(f"input{i}", node.inputs[i].dtype, free, 3) for i in used]
+    pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
+    pools.append(PoolSpec("out", node.dtype, free, 3))
+    if constants:
+        pools.append(PoolSpec("constants", DType.F32, wide, 3))
+    return ElementwisePlan(body=tuple(body), inputs=tuple(used),
+                           views=(View.of(None, node.shape), *(View.of(views[i], node.shape) for i in used)),
+                           slots=tuple(slots), free=free, pools=tuple(pools))
+
+
+def reduce_plan(node: Node, target: Target) -> ReducePlan:
+    """out[r] = reduce(x[r, :]) with rows on partitions, the columns reduced in chunks as large as the SBUF
+    shared by the inputs, the prologue's temporaries and the accumulators allows."""
+    rows = node.shape[0]
+    cols = node.attrs.get("cols") or node.inputs[0].shape[1]
+    kind = node.attrs["kind"]
+    if kind not in REDUCTIONS:
+        raise NeuronCompileError(f"a {kind!r} reduction is not supported yet", location=str(node.loc))
+    body = tuple(node.attrs.get("prologue") or ())
+    views = node.attrs.get("views") or ((0, (cols, 1)),)
+    slots, temp_count = assign_slots(body) if body else ([], 0)
+    reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
+    acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
+    widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
+    # inputs, temporaries, body outputs, constants, and the six [rows, 1] accumulator tiles
+    chunk = free_for(target, 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6, widest)
+    wide = chunk * widest // DType.F32.itemsize
+    pools = [PoolSpec(f"input{i}", x.dtype, chunk, 3) for i, x in enumerate(node.inputs)]
+    pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
+    if body:
+        pools += [PoolSpec("body_out", reduced_dtype, chunk, 3), PoolSpec("constants", DType.F32, wide, 1)]
+    pools += [PoolSpec("partials", acc_dtype, 1, 2), PoolSpec("accs", acc_dtype, 1, 2),
+              PoolSpec("outs", node.dtype, 1, 2)]
+    return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
+                      views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
+                      chunk=chunk, pools=tuple(pools))
+
+
+def topk_plan(node: Node, target: Target) -> TopkPlan:
+    """Rows padded to at least 8 values, in one tile: rows longer than a tile are refused."""
+    n, k = node.inputs[0].shape[1], node.attrs["k"]
+    width, most = max(n, TOP), tile_free_elements(target)
+    if width > most:
+        raise NeuronCompileError(f"a sort or top-k over rows of {n} values: at most {most} fit one tile",
+                                 location=str(node.loc),
+                                 hint="sort shorter rows (split the dimension), or keep this op outside the compiled region")
+    return TopkPlan(width=width, rounds=-(-k // TOP))
+
+
+def rows_plan(node: Node, target: Target) -> RowsPlan:
+    """Table rows cut into columns that fit a tile."""
+    return RowsPlan(chunk=min(node.shape[1], tile_free_elements(target)))
+
+
+_PLANNERS = {Op.FUSED: elementwise_plan, Op.REDUCE_LAST: reduce_plan, Op.TOPK: topk_plan,
+             Op.GATHER_ROWS: rows_plan, Op.SCATTER_ROWS: rows_plan}
+_PLANNERS.update({op: elementwise_plan for op in ir.ELEMENTWISE - {Op.CLAMP}})
+
+
+def plan_kernels(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """Every elementwise, reduction and indexing kernel with its plan (attrs["plan"])."""
+    target = ctx.target
+
+    def plan(node, inputs):
+        planner = _PLANNERS.get(node.op)
+        if planner is None:
+            return None
+        node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs)
+        return dataclasses.replace(node, attrs={**node.attrs, "plan": planner(node, target)}, id=next(ir._ids))
+
+    return graph.rewrite(plan)

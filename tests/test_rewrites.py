@@ -1,0 +1,360 @@
+"""Canonicalisation and legalisation, IR text in, IR text out: each named rule on the smallest graph that shows it,
+the rules composing to a fixed point in one run, and the rewrite driver refusing rules that never settle."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from neuronc import ir
+from neuronc.errors import NeuronCompileError
+from neuronc.ir import Op
+from neuronc.isa import ERF_F32_P, ERF_F32_Q
+from neuronc.passes.canonicalize import canonicalize, demote_f64
+from neuronc.passes.context import PassContext
+from neuronc.passes.legalize import legalize
+from neuronc.passes.rewrite import rewrite, rule
+from tests.conftest import canonical, ir as parse_ir, run_pass
+
+X = 'parameter() : {} {{index = 0, name = "x", kind = "input"}}'
+Y = 'parameter() : {} {{index = 1, name = "y", kind = "input"}}'
+
+
+# canonicalize ----------------------------------------------------------------------------------------------------
+
+
+def test_identities_vanish_and_the_rest_stays():
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = constant() : 4xf32 {{value = array<f32>[0.0]}}
+          %2 = add(%0, %1) : 4xf32                 // x + 0
+          %3 = constant() : 4xf32 {{value = array<f32>[1.0]}}
+          %4 = multiply(%3, %2) : 4xf32            // 1 * x
+          %5 = divide(%4, %3) : 4xf32              // x / 1
+          %6 = subtract(%1, %5) : 4xf32            // 0 - x: not x
+          %7 = divide(%3, %6) : 4xf32              // 1 / x: not x
+          return %7
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = constant() : 4xf32 {{value = array<f32>[1.0]}}
+          %2 = constant() : 4xf32 {{value = array<f32>[0.0]}}
+          %3 = subtract(%2, %0) : 4xf32
+          %4 = divide(%1, %3) : 4xf32
+          return %4
+        }}""")
+
+
+def test_no_op_converts_transposes_and_reshapes_vanish_and_reshape_chains_merge():
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = convert(%0) : 2x3xf32
+          %2 = transpose(%1) : 2x3xf32 {{perm = (0, 1)}}
+          %3 = reshape(%2) : 6xf32
+          %4 = reshape(%3) : 3x2xf32
+          %5 = exp(%4) : 3x2xf32
+          %6 = reshape(%4) : 2x3xf32
+          %7 = tanh(%6) : 2x3xf32
+          return %5, %7
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = reshape(%0) : 3x2xf32
+          %2 = exp(%1) : 3x2xf32
+          %3 = tanh(%0) : 2x3xf32
+          return %2, %3
+        }}""")
+
+
+def test_a_folded_constant_is_what_the_device_computes():
+    """exp of a bf16 constant: computed in fp32 and rounded once to bf16, as the Scalar engine does."""
+    x = np.array([0.5, 1.0, -2.0, 3.0], ml_dtypes.bfloat16)
+    device = np.exp(x.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    values = ", ".join(repr(float(v)) for v in x)
+    expected = ", ".join(repr(float(v)) for v in device)
+    assert run_pass(canonicalize, f"""
+        graph @f() {{
+          %0 = constant() : 4xbf16 {{value = array<4xbf16>[{values}]}}
+          %1 = exp(%0) : 4xbf16
+          return %1
+        }}""") == canonical(f"""
+        graph @f() {{
+          %0 = constant() : 4xbf16 {{value = array<4xbf16>[{expected}]}}
+          return %0
+        }}""")
+
+
+def test_folding_a_transposed_splat_keeps_it_a_splat_and_a_constant_of_one_value_becomes_a_splat():
+    assert run_pass(canonicalize, """
+        graph @f() {
+          %0 = constant() : 4x1xf32 {value = array<f32>[-1.0]}
+          %1 = transpose(%0) : 1x4xf32 {perm = (1, 0)}
+          %2 = reshape(%1) : 2x2xf32
+          %3 = constant() : 2x2xf32 {value = array<2x2xf32>[3.0, 3.0, 3.0, 3.0]}
+          return %2, %3
+        }""") == canonical("""
+        graph @f() {
+          %0 = constant() : 2x2xf32 {value = array<f32>[-1.0]}
+          %1 = constant() : 2x2xf32 {value = array<f32>[3.0]}
+          return %0, %1
+        }""")
+
+
+def _gather(rows: str) -> str:
+    return f"""
+        graph @f(%0) {{
+          %0 = parameter() : 8x4xf32 {{index = 0, name = "table", kind = "weight"}}
+          %1 = constant() : 3xi32 {{value = array<3xi32>[{rows}]}}
+          %2 = gather_rows(%0, %1) : 3x4xf32
+          return %2
+        }}"""
+
+
+def test_a_gather_of_consecutive_constant_rows_is_a_slice_of_the_table():
+    assert run_pass(canonicalize, _gather("2, 3, 4")) == canonical("""
+        graph @f(%0) {
+          %0 = parameter() : 8x4xf32 {index = 0, name = "table", kind = "weight"}
+          %1 = slice(%0) : 3x4xf32 {start = (2, 0), limit = (5, 4), strides = (1, 1)}
+          return %1
+        }""")
+    assert run_pass(canonicalize, _gather("2, 4, 3")) == canonical(_gather("2, 4, 3"))  # not consecutive
+    assert run_pass(canonicalize, _gather("6, 7, 8")) == canonical(_gather("6, 7, 8"))  # row 8 is past the table
+
+
+def test_the_erf_form_of_gelu_is_one_gelu():
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = constant() : 4xf32 {{value = array<f32>[0.5]}}
+          %2 = multiply(%0, %1) : 4xf32
+          %3 = constant() : 4xf32 {{value = array<f32>[0.7071067811865476]}}
+          %4 = multiply(%0, %3) : 4xf32
+          %5 = erf(%4) : 4xf32
+          %6 = constant() : 4xf32 {{value = array<f32>[1.0]}}
+          %7 = add(%5, %6) : 4xf32
+          %8 = multiply(%2, %7) : 4xf32
+          return %8
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = gelu(%0) : 4xf32
+          return %1
+        }}""")
+
+
+def _erf_expansion(p=ERF_F32_P, q=ERF_F32_Q) -> str:
+    """XLA's f32 expansion of erf as torch-mlir writes it: x clamped to [-4, 4], x * P(x^2) / Q(x^2) by Horner,
+    the result clamped to [-1, 1]."""
+    lines, count = [X.format("4xf32")], [0]
+
+    def node(text):
+        lines.append(text)
+        count[0] += 1
+        return f"%{len(lines) - 1}"
+
+    def const(value):
+        return node(f"constant() : 4xf32 {{value = array<f32>[{float(value)!r}]}}")
+
+    x = node(f"clamp({const(-4.0)}, %0, {const(4.0)}) : 4xf32")
+    x2 = node(f"multiply({x}, {x}) : 4xf32")
+
+    def horner(coefficients):
+        acc = node(f"multiply({const(coefficients[0])}, {x2}) : 4xf32")
+        for k, c in enumerate(coefficients[1:]):
+            acc = node(f"add({acc}, {const(c)}) : 4xf32")
+            if k < len(coefficients) - 2:
+                acc = node(f"multiply({acc}, {x2}) : 4xf32")
+        return acc
+
+    numerator = node(f"multiply({x}, {horner(p)}) : 4xf32")
+    erf = node(f"divide({numerator}, {horner(q)}) : 4xf32")
+    out = node(f"clamp({const(-1.0)}, {erf}, {const(1.0)}) : 4xf32")
+    body = "\n".join(f"  %{i} = {line}" for i, line in enumerate(lines))
+    return f"graph @f(%0) {{\n{body}\n  return {out}\n}}"
+
+
+def test_xla_s_expansion_of_erf_and_its_clamps_are_one_erf():
+    assert run_pass(canonicalize, _erf_expansion()) == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = erf(%0) : 4xf32
+          return %1
+        }}""")
+    other = _erf_expansion(p=(1.0,) + ERF_F32_P[1:])  # another polynomial is not erf
+    assert "erf(" not in run_pass(canonicalize, other)
+
+
+def test_a_matmul_of_widened_bf16_operands_reads_them_narrow():
+    def dot(a: str, b: str) -> str:
+        return f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format(f"2x3x{a}")}
+          %1 = {Y.format(f"3x4x{b}")}
+          %2 = convert(%0) : 2x3xf32
+          %3 = convert(%1) : 3x4xf32
+          %4 = dot_general(%2, %3) : 2x4xf32 {{lhs_batch = (), rhs_batch = (), lhs_contract = (1,), rhs_contract = (0,)}}
+          return %4
+        }}"""
+
+    assert run_pass(canonicalize, dot("bf16", "bf16")) == canonical(f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("2x3xbf16")}
+          %1 = {Y.format("3x4xbf16")}
+          %2 = dot_general(%0, %1) : 2x4xf32 {{lhs_batch = (), rhs_batch = (), lhs_contract = (1,), rhs_contract = (0,)}}
+          return %2
+        }}""")
+    assert run_pass(canonicalize, dot("bf16", "f16")) == canonical(dot("bf16", "f16"))  # two types: fp32 it stays
+
+
+def test_float64_is_computed_in_float32_and_a_float64_input_is_refused():
+    assert run_pass(demote_f64, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = convert(%0) : 4xf64
+          %2 = constant() : 4xf64 {{value = array<f64>[2.5]}}
+          %3 = multiply(%1, %2) : 4xf64
+          %4 = convert(%3) : 4xf32
+          return %4
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = convert(%0) : 4xf32
+          %2 = constant() : 4xf32 {{value = array<f32>[2.5]}}
+          %3 = multiply(%1, %2) : 4xf32
+          %4 = convert(%3) : 4xf32
+          return %4
+        }}""")
+    with pytest.raises(NeuronCompileError, match="no float64"):
+        run_pass(demote_f64, f"graph @f(%0) {{\n  %0 = {X.format('4xf64')}\n  return %0\n}}")
+
+
+def test_the_rules_compose_to_a_fixed_point_in_one_run():
+    """A fold exposes an identity, whose removal exposes a reshape chain: one run, each rule named."""
+    ctx = PassContext()
+    result = canonicalize(parse_ir(f"""
+        graph @f(%0) {{
+          %0 = {X.format("6xf32")}
+          %1 = reshape(%0) : 2x3xf32
+          %2 = constant() : 3xf32 {{value = array<f32>[0.0]}}
+          %3 = broadcast_in_dim(%2) : 2x3xf32 {{dims = (1,)}}
+          %4 = add(%1, %3) : 2x3xf32
+          %5 = reshape(%4) : 6xf32
+          return %5
+        }}"""), ctx)
+    assert [n.op for n in result.nodes()] == [Op.PARAMETER] and result.outputs == result.params
+    assert ctx.fired == {"fold_constant": 1, "drop_identity_operand": 1, "merge_reshapes": 1, "drop_noop_reshape": 1}
+
+
+def test_rules_that_never_settle_are_refused():
+    @rule(Op.NEGATE)
+    def negate_again(node, inputs):  # a new, equal node every time
+        return ir.node(Op.NEGATE, inputs, node.shape, node.dtype, node.loc)
+
+    graph = parse_ir(f"graph @f(%0) {{\n  %0 = {X.format('4xf32')}\n  %1 = negate(%0) : 4xf32\n  return %1\n}}")
+    with pytest.raises(NeuronCompileError, match="negate_again still change the graph"):
+        rewrite(graph, [negate_again])
+
+
+# legalize --------------------------------------------------------------------------------------------------------
+
+
+def test_transposes_slices_and_broadcasts_are_strided_views():
+    assert run_pass(legalize, f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("4x6xf32")}
+          %1 = {Y.format("6xf32")}
+          %2 = transpose(%0) : 6x4xf32 {{perm = (1, 0)}}
+          %3 = slice(%0) : 2x2xf32 {{start = (1, 2), limit = (3, 6), strides = (1, 2)}}
+          %4 = broadcast_in_dim(%1) : 4x6xf32 {{dims = (1,)}}
+          return %2, %3, %4
+        }}""") == canonical(f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("4x6xf32")}
+          %1 = {Y.format("6xf32")}
+          %2 = view(%0) : 6x4xf32 {{offset = 0, strides = (1, 6)}}
+          %3 = view(%0) : 2x2xf32 {{offset = 8, strides = (6, 2)}}
+          %4 = view(%1) : 4x6xf32 {{offset = 0, strides = (0, 1)}}
+          return %2, %3, %4
+        }}""")
+
+
+def test_a_reduction_over_a_leading_dim_reduces_rows_of_the_transpose():
+    assert run_pass(legalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = constant() : f32 {{value = array<f32>[0.0]}}
+          %2 = reduce(%0, %1) : 3xf32 {{dims = (0,), kind = "add"}}
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = view(%0) : 3x2xf32 {{offset = 0, strides = (1, 3)}}
+          %2 = reduce_last(%1) : 3xf32 {{kind = "add"}}
+          return %2
+        }}""")
+
+
+def test_a_dot_general_is_a_batched_matmul():
+    assert run_pass(legalize, f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = {Y.format("3x4xf32")}
+          %2 = dot_general(%0, %1) : 2x4xf32 {{lhs_batch = (), rhs_batch = (), lhs_contract = (1,), rhs_contract = (0,)}}
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = {Y.format("3x4xf32")}
+          %2 = reshape(%0) : 1x2x3xf32
+          %3 = reshape(%1) : 1x3x4xf32
+          %4 = matmul(%2, %3) : 1x2x4xf32 {{k = 3}}
+          %5 = reshape(%4) : 2x4xf32
+          return %5
+        }}""")
+
+
+def test_a_reshape_back_to_its_shape_vanishes_and_an_output_aliasing_an_input_is_copied():
+    assert run_pass(legalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = reshape(%0) : 6xf32
+          %2 = reshape(%1) : 2x3xf32
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("2x3xf32")}
+          %1 = view(%0) : 2x3xf32 {{offset = 0, strides = (3, 1)}}
+          return %1
+        }}""")
+
+
+def test_a_select_reads_a_scalar_predicate_broadcast():
+    assert run_pass(legalize, """
+        graph @f(%0, %1, %2) {
+          %0 = parameter() : bool {index = 0, name = "p", kind = "input"}
+          %1 = parameter() : 4xf32 {index = 1, name = "a", kind = "input"}
+          %2 = parameter() : 4xf32 {index = 2, name = "b", kind = "input"}
+          %3 = select(%0, %1, %2) : 4xf32
+          return %3
+        }""") == canonical("""
+        graph @f(%0, %1, %2) {
+          %0 = parameter() : bool {index = 0, name = "p", kind = "input"}
+          %1 = parameter() : 4xf32 {index = 1, name = "a", kind = "input"}
+          %2 = parameter() : 4xf32 {index = 2, name = "b", kind = "input"}
+          %3 = view(%0) : 4xbool {offset = 0, strides = (0,)}
+          %4 = select(%3, %1, %2) : 4xf32
+          return %4
+        }""")
+
+
+def test_legal_ops_are_left_as_they_are():
+    legal = """
+        graph @f(%0) {
+          %0 = parameter() : 3x8xf32 {index = 0, name = "x", kind = "input"}
+          %1 = topk(%0) : 3x2xi32 {dimension = 1, k = 2, descending = true}
+          %2 = pad(%0) : 3x10xf32 {value = 0.0, low = (0, 1), high = (0, 1), interior = (0, 0)}
+          return %1, %2
+        }"""
+    assert run_pass(legalize, legal) == canonical(legal)
