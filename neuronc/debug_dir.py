@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 ENV = "TORCH_NEURONX_DEBUG_DIR"
 VERIFY_ENV = "NEURONC_VERIFY_IR"
-ELIDE_ARRAYS_OVER = 64  # elements: longer arrays (weights) are elided in optimized_ir.txt; the NEFF holds them
+ELIDE_ARRAYS_OVER = 1024  # elements: longer arrays (weights) are elided in optimized_ir.txt; the NEFF holds them
 _counter = itertools.count()
 
 

@@ -79,3 +79,24 @@ def test_torch_autocast_regions_match_eager_under_the_same_autocast(name):
         expected = model(*inputs)
         actual = compiled(*inputs)
     assert_matches_eager(actual, expected, tolerance=torch.bfloat16)
+
+
+DOT = """
+    graph @f(%0, %1) {{
+      %0 = parameter() : 2x3xf32 {{index = 0, name = "x", kind = "input"}}
+      %1 = parameter() : 3x4xf32 {{index = 1, name = "w", kind = "weight"}}
+      %2 = dot_general({a}, {b}) : 2x4xf32 {{lhs_batch = (), rhs_batch = (), lhs_contract = (1,), rhs_contract = (0,)}}
+      %3 = exp(%2) : 2x4xf32
+      return %3
+    }}"""
+
+
+def test_auto_cast_matmult_in_ir_text_casts_the_operands_of_matmuls_only():
+    from neuronc.passes.auto_cast import AutoCast, auto_cast
+    from tests.conftest import canonical, run_pass
+
+    cast = DOT.format(a="%4", b="%5").replace("      %2 =", """      %4 = convert(%0) : 2x3xbf16
+      %5 = convert(%1) : 3x4xbf16
+      %2 =""")
+    assert run_pass(auto_cast, DOT.format(a="%0", b="%1"), cast=AutoCast("matmult", "bf16")) == canonical(cast)
+    assert run_pass(auto_cast, DOT.format(a="%0", b="%1")) == canonical(DOT.format(a="%0", b="%1"))  # none
