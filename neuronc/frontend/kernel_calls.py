@@ -207,7 +207,7 @@ def stitch(graph: ir.Graph, sites: list, params: int, outputs: int) -> ir.Graph:
         made = [kernel] + [ir.node(Op.KERNEL_OUTPUT, [kernel], shape, dtype, loc, index=i)
                            for i, (shape, dtype) in enumerate(specs[1:], 1)]
         replace = {extra_params[k]: made[i] for i, k in enumerate(site.outputs) if k is not None}
-        rewritten = graph.rewrite(lambda node, _inputs: replace.get(node))
+        rewritten = graph.rewrite(lambda node, _inputs, replace=replace: replace.get(node))
         graph = ir.Graph([p for p in rewritten.params if p.op is Op.PARAMETER], rewritten.outputs, graph.name)
         extra_params = [replace.get(p, p) for p in extra_params]
     return ir.Graph([p for p in graph.params if p.op is Op.PARAMETER][:params], graph.outputs[:outputs], graph.name)
