@@ -52,22 +52,29 @@ def _fake(value):
 
 
 def _record(node, opdef, where: str):
-    """The one kernel call the custom op's body makes on the node's fake tensors."""
+    """The one kernel call the custom op's body makes on the node's fake tensors; None when the body calls no NKI
+    kernel (not a kernel op: left to torch-mlir)."""
     import neuronc.nki as nki
 
     body = opdef._backend_fns.get("neuron") or opdef._init_fn
     args, kwargs = _fake(node.args), {k: _fake(v) for k, v in node.kwargs.items()}
-    try:
-        with nki.recording_calls() as calls:
+    with nki.recording_calls() as calls:
+        try:
             returned = body(*args, **kwargs)
-    except NeuronCompileError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the body did more than call a kernel
+            failure = None
+        except NeuronCompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported below if the body called a kernel
+            failure = e
+    if not calls:
+        return None
+    if failure is not None:
         raise NeuronCompileError(
-            f"custom op {opdef._qualname} cannot be compiled: its body failed on fake tensors ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''})", location=where,
+            f"custom op {opdef._qualname} cannot be compiled: its body failed on fake tensors after calling NKI kernel "
+            f"{calls[0].kernel.__name__} ({type(failure).__name__}: "
+            f"{str(failure).splitlines()[0][:200] if str(failure) else ''})", location=where,
             hint="inside torch.compile(backend='neuron') a custom op's body must call one @nki.jit kernel on its "
-            "arguments and return that kernel's outputs") from None
+            "arguments and return that kernel's outputs")
     if len(calls) != 1:
         raise NeuronCompileError(
             f"custom op {opdef._qualname} calls {len(calls)} NKI kernels; neuronc compiles custom ops whose body calls "
@@ -81,6 +88,9 @@ def _record(node, opdef, where: str):
             f"custom op {opdef._qualname} returns something other than its NKI kernel's outputs", location=where,
             hint="return the kernel's outputs as they are (reshape or compute on them outside the custom op)")
     return call, args, kwargs
+
+
+_TORCH_NAMESPACES = frozenset({"prims", "aten", "prim", "_c10d_functional", "c10d_functional", "quantized"})
 
 
 def _position_of(fake, args, kwargs, node):
@@ -111,14 +121,17 @@ def cut_kernel_calls(gm, locations: dict) -> list:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in list(graph.nodes):
         opdef = _opdef(node)
-        if opdef is None:
+        if opdef is None or opdef._namespace in _TORCH_NAMESPACES:
             continue
         where = str(locations.get(node.name, DebugLoc(op=str(node.target))))
-        if opdef._schema and "!" in str(node.target._schema):
+        recorded = _record(node, opdef, where)
+        if recorded is None:
+            continue
+        call, args, kwargs = recorded
+        if "!" in str(node.target._schema):
             raise NeuronCompileError(f"custom op {opdef._qualname} mutates its arguments; neuronc compiles custom "
                                      f"kernels that return new tensors", location=where,
                                      hint="declare mutates_args=() and return the result")
-        call, args, kwargs = _record(node, opdef, where)
         traced = call.traced
         if traced.written_inputs:
             raise NeuronCompileError(f"the NKI kernel {traced.name} of custom op {opdef._qualname} writes its "
