@@ -330,6 +330,8 @@ FACTS = (
     OpFact("ROWWISE", "kernel", None, ANY, KERNEL, attrs={"body": "steps"}, open_attrs=True),  # normalisations
     OpFact("CONV", "kernel", None, ANY, TENSOR, open_attrs=True),  # implicit-GEMM convolution (passes/conv.py)
     OpFact("ATTENTION", "kernel", None, ANY, TENSOR, open_attrs=True),  # flash attention (passes/attention.py)
+    # FlexAttention's forward (frontend/flex_attention.py): (q, k, v[, mask]) -> out; lowered to ATTENTION
+    OpFact("FLEX_ATTENTION", "kernel", (3, 4), ANY, TENSOR, open_attrs=True),
     # custom kernels (neuronc.nki): a traced kernel called on its inputs, placed as it is (codegen/custom.py); its
     # first output is the node's value, the others KERNEL_OUTPUT nodes; outputs and scratch: ((shape, dtype), ...)
     OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL, attrs={"kernel": "any", "outputs": "any", "scratch": "any"}),

@@ -75,6 +75,7 @@ class _Block:
     last: bool
     member: int  # its place in its softmax group
     members: int  # the blocks of its softmax group
+    masked: bool = True  # a mask tensor's block is read (key_visits: not for blocks the mask leaves whole)
 
 
 @dataclasses.dataclass
@@ -179,6 +180,14 @@ class _Attention:
         if a.zero_masked_rows:
             self.zeros = pools["zeros"].next().ap(q_tile, dv)
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.zeros, imm0=0.0)
+        self.score_mod = None
+        if a.score_mod:  # FlexAttention: the score_mod's steps on each block of logits (codegen/score_mod.py)
+            from neuronc.codegen.score_mod import ScoreMod
+
+            self.score_mod = ScoreMod(self, a.score_mod, q_tile, a.key_block)
+            if a.mask == "select":
+                self.fill_logits = pools["fill_logits"].next().ap(q_tile, a.key_block)
+                em.emit(Opcode.MEMSET, Engine.GPSIMD, self.fill_logits, imm0=a.fill)
 
     def blocks(self):
         """The _Block of every key block of every query tile, in order."""
@@ -188,13 +197,15 @@ class _Attention:
         for g in range(a.batch):
             for q0 in range(0, sq, q_tile):
                 qt = min(q_tile, sq - q0)
-                last_key = min(sk, q0 + qt + offset) if self.causal else sk  # keys beyond are masked for every row
-                starts = list(range(0, last_key, block))
-                for n, k0 in enumerate(starts):
+                if a.key_visits:  # FlexAttention: only the blocks its mask leaves anything in
+                    visits = a.key_visits[q0 // q_tile]
+                else:
+                    last_key = min(sk, q0 + qt + offset) if self.causal else sk  # keys beyond: masked for every row
+                    visits = [(k0, min(block, last_key - k0), True) for k0 in range(0, last_key, block)]
+                for n, (k0, kb, masked) in enumerate(visits):
                     member = n % group_size
-                    members = min(group_size, len(starts) - (n - member))
-                    yield _Block(g, q0, qt, k0, min(block, last_key - k0), n == 0, n == len(starts) - 1,
-                                 member, members)
+                    members = min(group_size, len(visits) - (n - member))
+                    yield _Block(g, q0, qt, k0, kb, n == 0, n == len(visits) - 1, member, members, masked)
 
     def stages(self) -> tuple:
         """The stages a key block passes through, in order (the pools are sized for as many blocks in flight)."""
@@ -262,7 +273,7 @@ class _Attention:
         return scores
 
     def logits_of(self, g: int, scores: AccessPattern, q0: int, qt: int, k0: int, kb: int, b: AccessPattern,
-                  logits: AccessPattern | None) -> tuple:
+                  logits: AccessPattern | None, masked: bool = True) -> tuple:
         """(src, factor): the exp's argument is src * factor + bias, and b [qt, 1] = -(the row max of src *
         factor). Materialised logits are made negated (factor -1) in `logits`; unless a mask tensor comes in
         between, their row min, b, is made in the same pass."""
@@ -274,7 +285,9 @@ class _Attention:
             rounded_scores = self.pools["scores"].next().ap(qt, kb, dtype=a.score_dtype)
             engines.scale(rounded_scores, scores, 1.0)
             scores = rounded_scores
-        if not self.tensor_mask:
+        if self.score_mod is not None:
+            return self.modified_logits(g, scores, q0, qt, k0, kb, b, logits, masked)
+        if not self.tensor_mask or not masked:
             vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=-a.scale)
             return logits, -1.0
         engines.scale(logits, scores, -a.scale)
@@ -288,6 +301,21 @@ class _Attention:
             vector(Opcode.SELECT, logits, mtile, on_true, on_false)
         self.row_bias(b, logits, -1.0)
         return logits, -1.0
+
+    def modified_logits(self, g: int, scores: AccessPattern, q0: int, qt: int, k0: int, kb: int, b: AccessPattern,
+                        logits: AccessPattern, masked: bool) -> tuple:
+        """FlexAttention: logits = scale * S, then the score_mod's steps, then the mask (masked scores -inf, after
+        the score_mod as flex_attention applies it), and b = -(their row max)."""
+        a = self.plan
+        self.engines.scale(logits, scores, a.scale)
+        batch, head = (int(i) for i in np.unravel_index(g, a.batch_shape))
+        self.score_mod.apply(logits, batch, head, q0, qt, k0, kb)
+        if self.tensor_mask and masked:
+            mtile = self.pools["mask"].next().ap(qt, kb)
+            self.em.dma(mtile, self.head(self.mask, g)[q0:q0 + qt, k0:k0 + kb].ap)
+            self.vector(Opcode.SELECT, logits, mtile, logits, tile_at(self.fill_logits, 0, qt, kb))
+        self.row_bias(b, logits, 1.0)
+        return logits, 1.0
 
     def row_bias(self, b: AccessPattern, src: AccessPattern, factor: float) -> None:
         """b = -(the row max of src * factor) of a key block."""
@@ -346,7 +374,7 @@ class _Attention:
         b = tile_at(x.group.b_blocks, blk.member, blk.qt, 1)
         logits = (self.pools["logits"].next().ap(blk.qt, blk.kb, dtype=self.plan.logits_dtype)
                   if self.plan.logits_in_sbuf else None)
-        x.src, x.factor = self.logits_of(blk.g, x.scores, blk.q0, blk.qt, blk.k0, blk.kb, b, logits)
+        x.src, x.factor = self.logits_of(blk.g, x.scores, blk.q0, blk.qt, blk.k0, blk.kb, b, logits, blk.masked)
 
     def bias_stage(self, x: _KeyBlock) -> None:
         """After a softmax group's last block: b' = min(b, the group's row mins)."""

@@ -152,3 +152,209 @@ def _inline(gm, node, traced, feeds) -> None:
     if node.users:
         raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
     graph.erase_node(node)
+
+
+# -- the forward as one flash-attention kernel ------------------------------------------------------------------
+#
+# A forward flex_attention whose auxiliary outputs nobody reads (inference; training reads the log-sum-exp) is cut
+# out of the graph (kernel_calls.GraphCut) and comes back as one FLEX_ATTENTION node: the compiler's flash-attention
+# kernel (passes/attention.py lowers it), the score_mod's ATen ops turned into elementwise steps the kernel runs on
+# each block of logits, the mask_mod evaluated here over the whole (query, key) grid: a causal pattern becomes the
+# kernel's on-chip causal mask, another pattern a constant mask read block by block, whole blocks it hides skipped.
+# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values, GQA) keeps the
+# dense lowering above.
+
+# score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
+_STEP_OPS = {
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg", "abs": "abs", "exp": "exp", "log": "log",
+    "tanh": "tanh", "sqrt": "sqrt", "rsqrt": "rsqrt", "sigmoid": "sigmoid", "where": "where", "lt": "lt",
+    "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "maximum": "max", "minimum": "min", "pow": "pow",
+    "exp2": "exp2", "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil", "sign": "sign",
+}
+_IDENTITY_OPS = {"_to_copy", "convert_element_type", "clone", "alias", "detach", "lift_fresh_copy"}
+
+
+class _NotFlash(Exception):
+    pass
+
+
+def _aten_name(target) -> str:
+    name = getattr(target, "__name__", str(target))  # "add.Tensor"
+    return name.split(".")[0]
+
+
+def score_steps(score_gm, buffers: list) -> tuple:
+    """The score_mod subgraph as steps: ((op, args), ...), args ("score",), ("b",), ("h",), ("q",), ("kv",),
+    ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h); raises _NotFlash."""
+    import torch.fx
+
+    names = ["score", "b", "h", "q", "kv"]
+    env, steps = {}, []
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    for n, name in zip(placeholders, names + [None] * len(buffers)):
+        env[n] = (name,) if name else None
+    for n, buffer in zip(placeholders[5:], buffers):
+        env[n] = ("buffer", buffer)
+
+    def ref(x):
+        if isinstance(x, torch.fx.Node):
+            value = env[x]
+            if value is None or value[0] == "buffer":
+                raise _NotFlash
+            return value
+        if isinstance(x, (bool, int, float)):
+            return ("imm", float(x))
+        raise _NotFlash
+
+    for n in score_gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            if n.op == "get_attr":
+                env[n] = ("buffer", getattr(score_gm, n.target))
+            continue
+        if n.op == "output":
+            result = n.args[0]
+            result = result[0] if isinstance(result, (tuple, list)) else result
+            final = ref(result)
+            if final != ("step", len(steps) - 1):
+                steps.append(("add", (final, ("imm", 0.0))))
+            return tuple(steps)
+        name = _aten_name(n.target)
+        if name in _IDENTITY_OPS:
+            env[n] = ref(n.args[0])
+            continue
+        if name in ("index", "select") and isinstance(n.args[0], torch.fx.Node) and env[n.args[0]] and \
+                env[n.args[0]][0] == "buffer":
+            table = env[n.args[0]][1]
+            index = n.args[1][0] if name == "index" else n.args[2]
+            where = ref(index)
+            if where not in (("b",), ("h",)) or table is None or table.dim() != 1:
+                raise _NotFlash
+            steps.append(("table", (("values", tuple(float(x) for x in table.tolist())), where)))
+            env[n] = ("step", len(steps) - 1)
+            continue
+        op = _STEP_OPS.get(name)
+        if op is None or n.kwargs.get("alpha", 1) != 1:
+            raise _NotFlash
+        args = tuple(ref(a) for a in n.args)
+        if op in ("div",) and n.kwargs.get("rounding_mode"):
+            raise _NotFlash
+        steps.append((op, args))
+        env[n] = ("step", len(steps) - 1)
+    raise _NotFlash
+
+
+def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int):
+    """The mask_mod evaluated over the whole grid, as one bool [sq, sk] array when it is the same for every
+    batch and head (else raises _NotFlash)."""
+    import numpy as np
+    import torch
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if any(b is None for b in buffers):
+        raise _NotFlash
+    with unset_fake_temporarily(), torch.no_grad():  # real values, outside the compiler's fake tensor mode
+        b = torch.arange(batch).view(batch, 1, 1, 1)
+        h = torch.arange(heads).view(1, heads, 1, 1)
+        q = torch.arange(sq).view(1, 1, sq, 1)
+        kv = torch.arange(sk).view(1, 1, 1, sk)
+        try:
+            value = mask_gm(b, h, q, kv, *buffers)
+        except Exception as e:  # noqa: BLE001 - a mask_mod not made of broadcasting ops: the dense path
+            raise _NotFlash from e
+        value = torch.broadcast_to(value, (batch, heads, sq, sk)).numpy().astype(bool)
+    first = value[0, 0]
+    if not (value == first).all():
+        raise _NotFlash
+    return np.ascontiguousarray(first)
+
+
+def _constant_of(gm, node):
+    """The value of a get_attr tensor (None for a value the graph computes or takes as input)."""
+    import torch.fx
+
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        return _real(getattr(gm, node.target))
+    return None
+
+
+def _flash_spec(gm, node) -> dict:
+    """What the flash kernel needs of a forward flex_attention node, or raises _NotFlash."""
+    import numpy as np
+
+    (q, k, v, score_mod, block_mask, scale, _options, score_buffers, mask_buffers) = node.args[:9]
+    if any(user.target is operator.getitem and user.args[1] != 0 and user.users for user in node.users):
+        raise _NotFlash  # the log-sum-exp is read (training): the dense forward makes it
+    qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
+    if qv.dim() != 4 or kv_.shape[:2] != qv.shape[:2] or vv.shape[:3] != kv_.shape[:3]:
+        raise _NotFlash  # GQA or broadcast batches
+    if not (qv.dtype == kv_.dtype == vv.dtype) or not qv.dtype.is_floating_point:
+        raise _NotFlash
+    batch, heads, sq, d = qv.shape
+    sk, dv = kv_.shape[2], vv.shape[3]
+    score_gm = getattr(gm, score_mod.target)
+    steps = score_steps(score_gm, [_constant_of(gm, b) for b in score_buffers])
+    if steps == (("add", (("score",), ("imm", 0.0))),):
+        steps = ()  # the identity score_mod
+    mask_gm = getattr(gm, block_mask[-1].target)
+    mask = static_mask(mask_gm, [_constant_of(gm, b) for b in mask_buffers], batch, heads, sq, sk)
+    spec = dict(batch_shape=(batch, heads), queries=sq, keys=sk, head_dim=d, value_dim=dv, scale=float(scale),
+                score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    if mask.all():
+        return spec
+    kept = mask[0]
+    offset = int(kept.sum()) - 1  # a causal pattern keeps keys 0..offset for query 0
+    causal = offset >= 0 and kept[:offset + 1].all() and np.array_equal(
+        mask, np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset)
+    if causal and not steps:  # the kernel's own causal mask, made on chip (with a score_mod: applied after it)
+        spec.update(mask="causal", causal_offset=offset)
+    else:
+        spec.update(mask="select", mask_value=mask)
+    return spec
+
+
+def cut_flex_attention(cut, locations: dict) -> None:
+    """Cut each forward flex_attention the flash kernel computes out of the graph (see above)."""
+    import hashlib
+
+    import torch
+
+    from neuronc.frontend.tensors import dtype_of
+    from neuronc.isa import DType
+    from neuronc.neff.program import DebugLoc
+
+    for node in list(cut.gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
+            continue
+        try:
+            spec = _flash_spec(cut.gm, node)
+        except _NotFlash:
+            continue
+        q, k, v = node.args[:3]
+        batch, heads = spec["batch_shape"]
+        dtype = dtype_of(q.meta["val"].dtype)
+        out = ((batch, heads, spec["queries"], spec["value_dim"]), dtype)
+        lse = ((batch, heads, spec["queries"]), DType.F32)
+        loc = locations.get(node.name, DebugLoc())
+        mask = spec["mask_value"]
+        digest = hashlib.sha256(repr({k_: v_ for k_, v_ in spec.items() if k_ != "mask_value"}).encode())
+        if mask is not None:
+            digest.update(mask.tobytes())
+        cut.cut(node, [q, k, v], [out, lse, lse],
+                lambda values, spec=spec, loc=loc, out=out: _flex_node(values, spec, out, loc), digest.hexdigest(), loc)
+
+
+def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
+    import dataclasses
+
+    from neuronc import ir
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+
+    inputs = list(values)
+    mask = spec["mask_value"]
+    if mask is not None:
+        inputs.append(ir.node(Op.CONSTANT, [], mask.shape, DType.BOOL, loc, value=mask))
+    attrs = {k: v for k, v in spec.items() if k != "mask_value"}
+    node = ir.node(Op.FLEX_ATTENTION, inputs, out[0], out[1], dataclasses.replace(loc, op="flex_attention"), **attrs)
+    return [node, None, None]

@@ -23,13 +23,61 @@ from neuronc.neff.program import DebugLoc
 
 @dataclasses.dataclass
 class CallSite:
-    """A kernel call cut out of the graph: which extra outputs feed its inputs, which extra inputs its outputs."""
+    """An op cut out of the graph: which extra outputs feed its inputs, which extra inputs stand for its outputs,
+    and how it comes back (``build``: its IR inputs -> one IR node per output)."""
 
-    op: str
-    traced: object  # neuronc.nki.TracedKernel
-    inputs: list  # per kernel input: index among the extra outputs
-    outputs: list  # per kernel output: index among the extra placeholders (None: nobody reads it)
+    inputs: list  # per input: index among the extra outputs
+    outputs: list  # per output: index among the extra placeholders (None: nobody reads it)
+    build: object  # callable(list of ir.Node) -> list of ir.Node
+    fingerprint: str  # what the StableHLO of the cut graph does not say about it
     loc: DebugLoc
+
+
+class GraphCut:
+    """Cuts ops out of an FX graph for torch-mlir: each op's inputs become extra outputs of the graph, its outputs
+    extra placeholders (after the graph's own), until ``stitch`` joins the imported graph again."""
+
+    def __init__(self, gm):
+        self.gm, self.sites, self.extra_outputs, self.extra_placeholders = gm, [], [], []
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def cut(self, node, inputs: list, outputs: list, build, fingerprint: str, loc: DebugLoc) -> None:
+        """Cut ``node`` (its value, or the getitems of its tuple value) out; ``outputs``: (shape, DType) per output."""
+        import torch
+
+        graph = self.gm.graph
+        first = len(self.extra_outputs)
+        self.extra_outputs.extend(inputs)
+        fake_mode = next((n.meta["val"].fake_mode for n in inputs if hasattr(n.meta.get("val"), "fake_mode")), None)
+        users = _output_users(node, len(outputs))
+        anchor = (self.extra_placeholders or self.placeholders or [next(iter(graph.nodes))])[-1]
+        slots = []
+        for index, (shape, dtype) in enumerate(outputs):
+            if not users[index]:
+                slots.append(None)
+                continue
+            with graph.inserting_after(anchor):
+                placeholder = graph.placeholder(f"{node.name}_out{index}")
+            anchor = placeholder
+            with fake_mode if fake_mode is not None else _null():
+                placeholder.meta["val"] = torch.empty(tuple(shape), dtype=torch_dtype(dtype))
+            for user in users[index]:
+                user.replace_all_uses_with(placeholder)
+            self.extra_placeholders.append(placeholder)
+            slots.append(len(self.extra_placeholders) - 1)
+        for getter in [u for u in node.users if u.target is operator.getitem]:
+            graph.erase_node(getter)
+        graph.erase_node(node)
+        self.sites.append(CallSite(list(range(first, len(self.extra_outputs))), slots, build, fingerprint, loc))
+
+    def finish(self) -> list:
+        """The sites, after the extra outputs are added to the graph's output (in place)."""
+        if self.sites:
+            output = next(n for n in self.gm.graph.nodes if n.op == "output")
+            values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+            output.args = (tuple(values) + tuple(self.extra_outputs),)
+            self.gm.recompile()
+        return self.sites
 
 
 def _opdef(node):
@@ -111,15 +159,11 @@ def _position_of(fake, args, kwargs, node):
     return None
 
 
-def cut_kernel_calls(gm, locations: dict) -> list:
-    """In place: cut every call of a custom op whose body is an NKI kernel out of ``gm`` (see the module docstring).
-    Returns the CallSites in graph order; the extra placeholders and outputs follow the graph's own."""
+def cut_kernel_calls(cut: GraphCut, locations: dict) -> None:
+    """Cut every call of a custom op whose body is an NKI kernel out of the graph (see the module docstring)."""
     import torch
 
-    sites, extra_outputs, extra_placeholders = [], [], []
-    graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node in list(graph.nodes):
+    for node in list(cut.gm.graph.nodes):
         opdef = _opdef(node)
         if opdef is None or opdef._namespace in _TORCH_NAMESPACES:
             continue
@@ -137,43 +181,36 @@ def cut_kernel_calls(gm, locations: dict) -> list:
             raise NeuronCompileError(f"the NKI kernel {traced.name} of custom op {opdef._qualname} writes its "
                                      f"arguments; inside a compiled graph kernels return new tensors", location=where)
         inputs = []
-        tensor_args = [a for a in list(call.args) + list(call.kwargs.values()) if isinstance(a, torch.Tensor)]
-        for fake in tensor_args:
+        for fake in [a for a in list(call.args) + list(call.kwargs.values()) if isinstance(a, torch.Tensor)]:
             source = _position_of(fake, args, kwargs, node)
             if source is None:
                 raise NeuronCompileError(f"custom op {opdef._qualname} calls its NKI kernel on a tensor that is not "
                                          f"one of its arguments", location=where,
                                          hint="compute the kernel's inputs outside the custom op")
-            extra_outputs.append(source)
-            inputs.append(len(extra_outputs) - 1)
-        # the kernel's outputs: new placeholders, after the last placeholder
-        fake_mode = next((a.fake_mode for a in tensor_args if hasattr(a, "fake_mode")), None)
-        outputs = []
-        users = _output_users(node, len(traced.outputs))
-        anchor = (extra_placeholders or placeholders or [next(iter(graph.nodes))])[-1]
-        for index, storage in enumerate(traced.outputs):
-            if not users[index]:
-                outputs.append(None)
-                continue
-            with graph.inserting_after(anchor):
-                placeholder = graph.placeholder(f"{node.name}_nki_out{index}")
-            anchor = placeholder
-            with fake_mode if fake_mode is not None else _null():
-                placeholder.meta["val"] = torch.empty(tuple(storage.shape), dtype=torch_dtype(storage.dtype))
-            for user in users[index]:
-                user.replace_all_uses_with(placeholder)
-            extra_placeholders.append(placeholder)
-            outputs.append(len(extra_placeholders) - 1)
-        for getter in [u for u in node.users if u.target is operator.getitem]:
-            graph.erase_node(getter)
-        graph.erase_node(node)
-        sites.append(CallSite(opdef._qualname, traced, inputs, outputs, locations.get(node.name, DebugLoc())))
-    if sites:
-        output = next(n for n in graph.nodes if n.op == "output")
-        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        output.args = (tuple(values) + tuple(extra_outputs),)
-        gm.recompile()
-    return sites
+            inputs.append(source)
+        loc = locations.get(node.name, DebugLoc())
+        cut.cut(node, inputs, [(tuple(s.shape), s.dtype) for s in traced.outputs],
+                lambda values, traced=traced, loc=loc: _kernel_nodes(traced, values, loc),
+                _fingerprint(opdef._qualname, traced), loc)
+
+
+def _kernel_nodes(traced, inputs: list, site_loc: DebugLoc) -> list:
+    """The CUSTOM_KERNEL node of a traced kernel on ``inputs``, and a KERNEL_OUTPUT per further output."""
+    from neuronc.ir import Op
+    from neuronc.nki.kernel import register
+
+    for storage, value in zip(traced.inputs, inputs):
+        if tuple(storage.shape) != tuple(value.shape) or storage.dtype != value.dtype:
+            raise NeuronCompileError(f"NKI kernel {traced.name} traced for {storage.dtype.name}"
+                                     f"{list(storage.shape)} meets {value.dtype.name}{list(value.shape)}",
+                                     location=str(site_loc))
+    specs = tuple((tuple(s.shape), s.dtype) for s in traced.outputs)
+    loc = dataclasses.replace(site_loc, op=f"nki:{traced.name}")
+    scratch = tuple((tuple(s.shape), s.dtype) for s in traced.scratch)
+    kernel = ir.node(Op.CUSTOM_KERNEL, inputs, specs[0][0], specs[0][1], loc, kernel=register(traced), outputs=specs,
+                     scratch=scratch)
+    return [kernel] + [ir.node(Op.KERNEL_OUTPUT, [kernel], shape, dtype, loc, index=i)
+                       for i, (shape, dtype) in enumerate(specs[1:], 1)]
 
 
 def _output_users(node, count: int) -> list:
@@ -197,28 +234,12 @@ class _null:
 
 def stitch(graph: ir.Graph, sites: list, params: int, outputs: int) -> ir.Graph:
     """The imported graph of a cut FX graph, joined again: the first ``params`` parameters and ``outputs`` outputs
-    are the FX graph's own, the rest the cut's; each site becomes a CUSTOM_KERNEL node."""
+    are the FX graph's own, the rest the cut's; each site's op is built on the values that fed it."""
     from neuronc.ir import Op
-    from neuronc.nki.kernel import register
 
     extra_params = list(graph.params[params:])
     for site in sites:
-        current = graph.outputs
-        inputs = [current[outputs + i] for i in site.inputs]
-        traced = site.traced
-        for storage, value in zip(traced.inputs, inputs):
-            if tuple(storage.shape) != tuple(value.shape) or storage.dtype != value.dtype:
-                raise NeuronCompileError(f"NKI kernel {traced.name} traced for {storage.dtype.name}"
-                                         f"{list(storage.shape)} meets {value.dtype.name}{list(value.shape)}",
-                                         location=str(site.loc))
-        specs = tuple((tuple(s.shape), s.dtype) for s in traced.outputs)
-        first, *_ = specs
-        loc = dataclasses.replace(site.loc, op=f"nki:{traced.name}")
-        scratch = tuple((tuple(s.shape), s.dtype) for s in traced.scratch)
-        kernel = ir.node(Op.CUSTOM_KERNEL, inputs, first[0], first[1], loc, kernel=register(traced), outputs=specs,
-                         scratch=scratch)
-        made = [kernel] + [ir.node(Op.KERNEL_OUTPUT, [kernel], shape, dtype, loc, index=i)
-                           for i, (shape, dtype) in enumerate(specs[1:], 1)]
+        made = site.build([graph.outputs[outputs + i] for i in site.inputs])
         replace = {extra_params[k]: made[i] for i, k in enumerate(site.outputs) if k is not None}
         rewritten = graph.rewrite(lambda node, _inputs, replace=replace: replace.get(node))
         graph = ir.Graph([p for p in rewritten.params if p.op is Op.PARAMETER], rewritten.outputs, graph.name)
@@ -226,15 +247,16 @@ def stitch(graph: ir.Graph, sites: list, params: int, outputs: int) -> ir.Graph:
     return ir.Graph([p for p in graph.params if p.op is Op.PARAMETER][:params], graph.outputs[:outputs], graph.name)
 
 
-def fingerprint(sites: list) -> str:
-    """What the StableHLO of a cut graph does not say: each kernel's instructions and where they came from."""
-    digest = hashlib.sha256()
-    for site in sites:
-        traced = site.traced
-        digest.update(repr((site.op, site.inputs, site.outputs)).encode())
-        for e in traced.instrs:
-            digest.update(repr((e.opcode, e.engine, e.queue, sorted(e.fields.items()),
-                                [(s.name, s.space, s.base, ap) for s, ap in e.operands])).encode())
-        digest.update(repr([(s.name, s.shape, s.dtype) for s in traced.inputs + traced.outputs + traced.scratch]).encode())
-        digest.update(repr(traced.debug_locs).encode())
+def _fingerprint(op: str, traced) -> str:
+    """A kernel call's part of the compile-cache key: its instructions and where they came from."""
+    digest = hashlib.sha256(op.encode())
+    for e in traced.instrs:
+        digest.update(repr((e.opcode, e.engine, e.queue, sorted(e.fields.items()),
+                            [(s.name, s.space, s.base, ap) for s, ap in e.operands])).encode())
+    digest.update(repr([(s.name, s.shape, s.dtype) for s in traced.inputs + traced.outputs + traced.scratch]).encode())
+    digest.update(repr(traced.debug_locs).encode())
     return digest.hexdigest()
+
+
+def fingerprint(sites: list) -> str:
+    return hashlib.sha256("".join(site.fingerprint for site in sites).encode()).hexdigest()

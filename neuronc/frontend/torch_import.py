@@ -172,10 +172,14 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     from neuronc.frontend import flex_attention, kernel_calls
 
     check_static_shapes(gm)
-    flex_attention.decompose_flex_attention(gm)
     locations = node_locations(gm)
     outputs = len(_output_values(gm))
-    sites = kernel_calls.cut_kernel_calls(gm, locations)
+    cut = kernel_calls.GraphCut(gm)
+    kernel_calls.cut_kernel_calls(cut, locations)
+    flex_attention.cut_flex_attention(cut, locations)
+    sites = cut.finish()
+    if flex_attention.decompose_flex_attention(gm):  # what was not cut: as ATen ops
+        locations = node_locations(gm)
     if sites:
         extra = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(params):]
         params = list(params) + [(p, "input") for p in extra]

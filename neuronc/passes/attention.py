@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from neuronc import ir
+from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
@@ -57,6 +58,7 @@ MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit 
 STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
 SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
 HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
+FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
 class _NoMatch(Exception):
@@ -491,7 +493,7 @@ def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
-               in_sbuf: bool) -> dict:
+               in_sbuf: bool, score_mod: bool = False) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -526,6 +528,13 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     if guarded:
         pools["empty_row"] = (DType.U8, 1, 2)
         pools["zeros"] = (dtypes["out"], dv, 1)
+    if score_mod:  # FlexAttention's score_mod: its steps' tiles, the key ramp, the query columns
+        pools["flex"] = (f32, block, FLEX_TEMPORARIES)
+        pools["kv_ramp"] = (f32, block, 1)
+        pools["q_ramp"] = (f32, 1, 1)
+        pools["flex_column"] = (f32, 1, 2 * FLEX_TEMPORARIES)
+        if mask == "select":
+            pools["fill_logits"] = (f32, block, 1)
     return pools
 
 
@@ -541,7 +550,7 @@ def pools_of(node: ir.Node) -> dict:
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
     return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
-                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a))
+                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a), bool(a.get("score_mod")))
 
 
 def rounds_logits(attrs: dict) -> bool:
@@ -552,7 +561,8 @@ def rounds_logits(attrs: dict) -> bool:
 def logits_in_sbuf(attrs: dict) -> bool:
     """Whether the kernel makes the logits in SBUF: rounded where eager rounds them, masked by a tensor, or
     scaled by more than 1 (then no masked score can take the exp's bias past fp32's range)."""
-    return rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
+    return (rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
+            or bool(attrs.get("score_mod")))
 
 
 def probability_dtype(v_dtype: DType) -> DType:
@@ -590,7 +600,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         heads_ahead=HEADS_AHEAD, causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
-        probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)))
+        probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
+        score_mod=tuple(a.get("score_mod", ())), key_visits=tuple(a.get("key_visits", ())))
 
 
 def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -615,3 +626,57 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
         return result
 
     return graph.rewrite(rebuild)
+
+
+def lower_flex_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """FlexAttention's forward (FLEX_ATTENTION, frontend/flex_attention.py) as the flash-attention kernel, at every
+    optimisation level: q, k, v dense [batch, heads, seq, dim]; the score_mod's steps applied to each block of
+    logits; a causal mask made on chip, or a mask tensor read for the blocks it cuts, the blocks it hides wholly
+    never visited (key_visits), rows with no key giving zeros, as flex_attention gives."""
+
+    def rule(node, inputs):
+        if node.op is not Op.FLEX_ATTENTION:
+            return None
+        a = node.attrs
+        (batch, heads), sq, sk, d, dv = a["batch_shape"], a["queries"], a["keys"], a["head_dim"], a["value_dim"]
+        views = [(0, (heads * sq * d, sq * d, d, 1)), (0, (heads * sk * d, sk * d, d, 1)),
+                 (0, (heads * sk * dv, sk * dv, dv, 1))]
+        if a["mask"] == "select":
+            views.append((0, (0, 0, sk, 1)))  # one [sq, sk] pattern for every batch and head
+        attrs = dict(batch_shape=(batch, heads), views=tuple(views), out_view=(0, (heads * sq * dv, sq * dv, dv, 1)),
+                     queries=sq, value_dim=dv, scale=float(a["scale"]), head_dim=d, keys=sk, mask=a["mask"],
+                     causal_offset=int(a["causal_offset"]), fill=-math.inf, masked_when=False,
+                     zero_masked_rows=a["mask"] == "select", ops=("flex_attention",), score_dtype=DType.F32,
+                     logits_dtype=DType.F32, score_mod=tuple(a["score_mod"]))
+        if not 0 < dv <= MAX_HEAD_DIM:
+            raise NeuronCompileError(f"flex_attention with a value dim of {dv}: the kernel takes at most {MAX_HEAD_DIM}",
+                                     location=str(node.loc))
+        block = key_block(sk, logits_in_sbuf(attrs))
+        attrs["tiling"] = f"{Q_TILE} queries x {block} keys, Q/K/V resident"
+        if a["mask"] == "select":
+            attrs["key_visits"] = key_visits(np.asarray(inputs[3].attrs["value"], dtype=bool), block)
+        attention = ir.node(Op.ATTENTION, inputs, node.shape, node.dtype, node.loc, **attrs)
+        if not fits_sbuf(sbuf_bytes(pools_of(attention)), ctx.target):
+            raise NeuronCompileError(
+                f"flex_attention over {sq} queries and {sk} keys (head dim {d}) does not fit SBUF: a head's Q, K and V "
+                f"stay resident", location=str(node.loc), hint="shorten the sequence or split it into chunks")
+        attention.attrs["plan"] = attention_plan(attention)
+        return attention
+
+    return graph.rewrite(rule)
+
+
+def key_visits(mask: np.ndarray, block: int) -> tuple:
+    """Per query tile, the key blocks a [sq, sk] keep-mask leaves anything in: (first key, keys, whether some of
+    its scores are masked). A tile with no key at all still visits its first block, to write its zeros."""
+    sq, sk = mask.shape
+    visits = []
+    for q0 in range(0, sq, Q_TILE):
+        rows = mask[q0:q0 + Q_TILE]
+        tile = []
+        for k0 in range(0, sk, block):
+            part = rows[:, k0:k0 + block]
+            if part.any():
+                tile.append((k0, part.shape[1], not part.all()))
+        visits.append(tuple(tile) or ((0, min(block, sk), True),))
+    return tuple(visits)
