@@ -76,6 +76,8 @@ class _Block:
     member: int  # its place in its softmax group
     members: int  # the blocks of its softmax group
     masked: bool = True  # a mask tensor's block is read (key_visits: not for blocks the mask leaves whole)
+    pattern: int = -1  # FlexAttention's mask patterns: the one added to this block's scores (-1: none)
+    pattern_col: int = 0  # from this column of the block on
 
 
 @dataclasses.dataclass
@@ -128,7 +130,9 @@ class _Attention:
         self.q = HbmTensor.of(memory, q, a.views[0], (*batch, sq, a.head_dim))
         self.k = HbmTensor.of(memory, k, a.views[1], (*batch, sk, a.head_dim))
         self.v = HbmTensor.of(memory, v, a.views[2], (*batch, sk, a.value_dim))
-        self.mask = HbmTensor.of(memory, node.inputs[3], a.views[3], (*batch, sq, sk)) if len(node.inputs) > 3 else None
+        self.mask = HbmTensor.of(memory, node.inputs[3], a.views[3], (*batch, sq, sk)) if len(node.inputs) > 3 and \
+            a.mask != "blocks" else None
+        self.patterns = HbmTensor.of(memory, node.inputs[3]) if a.mask == "blocks" else None
         self.out = HbmTensor.of(memory, node, a.out_view, (*batch, sq, a.value_dim))
         self.causal, self.tensor_mask = a.mask == "causal", a.mask in ("select", "add")
         self.d_tiles, self.k_chunks = -(-a.head_dim // a.q_tile), -(-sk // a.q_tile)
@@ -158,9 +162,16 @@ class _Attention:
         em, a, pools, q_tile = self.em, self.plan, self.pools, self.plan.q_tile
         self.identity = _identity(em, pools["identity"].next(), q_tile, pools["ramp"].next())
         self.bias_identity, self.bias = self.identity, {}
+        if (self.causal or self.patterns is not None) and a.probability_dtype != DType.BF16:
+            self.bias_identity = _identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
+        self.pattern_tiles = []
+        if self.patterns is not None:  # FlexAttention's mask patterns, loaded once
+            count, _, width = self.patterns.dims[0][1], None, self.patterns.dims[2][1]
+            for i in range(count):
+                tile = pools["patterns"].next().ap(q_tile, width)
+                dma_by_rows(em, tile, self.patterns[i].ap)
+                self.pattern_tiles.append(tile)
         if self.causal:
-            if a.probability_dtype != DType.BF16:
-                self.bias_identity = _identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
             ramp = pools["ramp"].next().ap(q_tile, q_tile, dtype=DType.F32)
             for cut in a.causal_cuts:
                 tile = pools["bias"].next().ap(q_tile, q_tile)  # column c masks row i where c - i + cut > 0
@@ -202,10 +213,11 @@ class _Attention:
                 else:
                     last_key = min(sk, q0 + qt + offset) if self.causal else sk  # keys beyond: masked for every row
                     visits = [(k0, min(block, last_key - k0), True) for k0 in range(0, last_key, block)]
-                for n, (k0, kb, masked) in enumerate(visits):
+                for n, (k0, kb, masked, *pattern) in enumerate(visits):
                     member = n % group_size
                     members = min(group_size, len(visits) - (n - member))
-                    yield _Block(g, q0, qt, k0, kb, n == 0, n == len(visits) - 1, member, members, masked)
+                    yield _Block(g, q0, qt, k0, kb, n == 0, n == len(visits) - 1, member, members, masked,
+                                 *pattern)
 
     def stages(self) -> tuple:
         """The stages a key block passes through, in order (the pools are sized for as many blocks in flight)."""
@@ -364,6 +376,13 @@ class _Attention:
                 self.heads[g] = self.load_head(g)
         qtile, kt, _ = self.heads[blk.g]
         x.scores = self.scores_of(qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
+        if blk.pattern >= 0:  # FlexAttention: the block's mask pattern added as the causal bias is
+            tile = self.pattern_tiles[blk.pattern]
+            width = min(tile.dims[1][1], blk.kb - blk.pattern_col)
+            for c0, c1 in self.bank_spans(blk.pattern_col, blk.pattern_col + width):
+                self.em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(x.scores, c0, blk.qt, c1 - c0),
+                             tile_at(self.bias_identity, 0, blk.qt, blk.qt),
+                             tile_at(tile, c0 - blk.pattern_col, blk.qt, c1 - c0), accumulate=True)
 
     def logits_stage(self, x: _KeyBlock) -> None:
         """The block's logits and their row min, in its column of the group's."""
