@@ -496,7 +496,7 @@ def _tensor_scalar_reduce(dst, data, b, api):
     if direct:
         d, s = ops.common_shape([dst, data])
         trace.emit(Opcode.TENSOR_SCALAR_REDUCE, Engine.VECTOR,
-                   [(dst.storage, d), (res.storage, ops.tile(res, api).ap()), (data.storage, s)], api, alu=red,
+                   [(dst.storage, d), (res.storage, ops.tile(res, api).access()), (data.storage, s)], api, alu=red,
                    imm0=float(b["operand0"]))
         return
     ops.tensor_scalar(dst, data, alu, b["operand0"], reverse0=b.get("reverse0", False), api=api)
@@ -518,7 +518,7 @@ def max8(*args, **kwargs):
     src = ops.tile(b["src"], api, "src")
     dst = b["dst"] if new else current().onchip(Space.SBUF, (src.partitions, 8), _out_dtype(b, src.isa_dtype), "max8")
     d = ops.tile(dst, api, "dst")
-    current().emit(Opcode.MAX8, Engine.VECTOR, [(d.storage, d.ap()), (src.storage, ops._flat2(src, api, "src"))], api)
+    current().emit(Opcode.MAX8, Engine.VECTOR, [(d.storage, d.access()), (src.storage, ops._flat2(src, api, "src"))], api)
     return None if new else dst
 
 

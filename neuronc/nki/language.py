@@ -474,7 +474,7 @@ def _unsupported(name: str):
 for _name in ("gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid", "gelu_apprx_sigmoid_dx", "silu_dx", "softplus",
               "mish", "erf_dx", "tan", "arctan", "trunc", "invert", "left_shift", "right_shift", "prod", "all",
               "dropout", "rand", "random_seed", "gather_flattened", "abs_max", "abs_min", "shared_constant",
-              "fori_loop", "while_loop", "atomic_rmw"):
+              "fori_loop", "while_loop"):
     globals()[_name] = _unsupported(_name)
 
 
@@ -598,6 +598,19 @@ def where(condition, x, y, dtype=None, mask=None, **kwargs):
     tiles = [t for t in (x, y) if isinstance(t, NkiTensor)]
     out = _result_dtype(tiles, dtype) if tiles else (isa_dtype(dtype) if dtype is not None else DType.F32)
     return ops.result(cond.shape, out, lambda dst: ops.select(dst, cond, x, y, mask=mask, api=api), api)
+
+
+def atomic_rmw(dst, value, op, mask=None, **kwargs):
+    """dst[idx, ...] <op>= value for rows picked by a tile of row numbers: an indirect DMA scatter that accumulates
+    (repeated rows add up). Only addition is supported."""
+    from neuronc.nki.opnames import ALU, lookup
+    from neuronc.nki.tensor import Indirect
+
+    if lookup(op, ALU, "op", "nl.atomic_rmw") != AluOp.ADD:
+        fail("only op=nl.add is supported", api="nl.atomic_rmw", unsupported=True)
+    if not isinstance(dst, Indirect):
+        fail("dst must be HBM rows picked by a tile of row numbers (t[idx, ...])", api="nl.atomic_rmw")
+    ops.indirect_dma(dst, ops.tile(value, "nl.atomic_rmw", "value"), "nl.atomic_rmw", add=True)
 
 
 def expand_dims(x, axis):

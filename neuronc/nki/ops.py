@@ -19,7 +19,7 @@ from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.nki import dtypes
 from neuronc.nki.index import Predicate
 from neuronc.nki.opnames import ACT, ALU, ARITHMETIC, COMMUTATIVE, REDUCE, lookup
-from neuronc.nki.tensor import NkiTensor, common_shape
+from neuronc.nki.tensor import Indirect, NkiTensor, common_shape
 from neuronc.nki.trace import current, fail
 from neuronc.passes.cost_model import dma_slice_count, partition_group
 
@@ -216,6 +216,9 @@ def dma(dst: NkiTensor, src: NkiTensor, api: str, mask=None) -> None:
     compute engine (NKI's DMA converts through fp32: the same values); PSUM, which DMA cannot reach, through
     an SBUF copy. Large transfers are cut into partition slices on consecutive queues."""
     trace = current()
+    if isinstance(src, Indirect) or isinstance(dst, Indirect):
+        indirect_dma(dst, src, api)
+        return
     views = apply_mask(mask, [dst, src], api)
     if views is None:
         return
@@ -257,6 +260,38 @@ def dma(dst: NkiTensor, src: NkiTensor, api: str, mask=None) -> None:
     _dma_pieces(trace, dst, src, api)
 
 
+def indirect_dma(dst, src, api: str, add: bool = False) -> None:
+    """A gather (src rows picked by a tile of row numbers) into an SBUF tile, or a scatter of an SBUF tile's rows
+    into the rows a tile of row numbers picks (``add``: accumulated, NKI's atomic_rmw): one indirect DMA. An index
+    outside the tensor is a run-time error, as the emulated DMA raises it."""
+    trace = current()
+    gather = isinstance(src, Indirect)
+    rows, table = (dst, src) if gather else (src, dst)
+    if not isinstance(rows, NkiTensor) or rows.space != Space.SBUF:
+        fail("an indirect DMA moves rows between HBM and an SBUF tile", api=api)
+    rows = rows.tile()
+    index = tile(table.index, api, "index")
+    if index.isa_dtype.is_float or index.free_size != 1 or index.partitions != rows.partitions:
+        fail(f"row numbers must be an integer [{rows.partitions}, 1] tile, got {index.isa_dtype.name}"
+             f"{list(index.shape)}", api=api)
+    if rows.isa_dtype != table.view.isa_dtype:
+        fail(f"an indirect DMA moves {table.view.isa_dtype.name} rows into a {rows.isa_dtype.name} tile", api=api,
+             unsupported=True, hint="gather in the tensor's dtype, then convert with nisa.tensor_copy")
+    t = table.table()
+    row_ap = rows.access()
+    import dataclasses
+
+    row_ap = dataclasses.replace(row_ap, dims=(row_ap.dims[0],) + t.dims[1:]) if row_ap.free_elements == \
+        int(np.prod([n for _, n in t.dims[1:]])) else row_ap
+    if gather:
+        trace.emit(Opcode.DMA_GATHER, Engine.DMA, [(rows.storage, row_ap), (table.view.storage, t),
+                                                   (index.storage, index.access())], api)
+    else:
+        trace.emit(Opcode.DMA_SCATTER, Engine.DMA, [(table.view.storage, t), (rows.storage, row_ap),
+                                                    (index.storage, index.access())], api,
+                   alu=AluOp.ADD if add else AluOp.NONE)
+
+
 def _dma_pieces(trace, dst: NkiTensor, src: NkiTensor, api: str) -> None:
     onchip = dst if dst.space != Space.HBM else (src if src.space != Space.HBM else None)
     if onchip is None:
@@ -296,6 +331,10 @@ def _rows(ap, p0: int, p1: int):
 
 
 def load(src: NkiTensor, dtype=None, mask=None, api: str = "nl.load") -> Result:
+    if isinstance(src, Indirect):
+        dtype = dtypes.isa_dtype(dtype) if dtype is not None else src.view.isa_dtype
+        return result(src.shape, dtype, lambda dst: dma(dst, src, api), api, spaces=(Space.SBUF,),
+                      exact_any_dtype=False)
     if not isinstance(src, NkiTensor):
         fail("nl.load reads a tensor", api=api)
     if src.space != Space.HBM:
@@ -307,6 +346,9 @@ def load(src: NkiTensor, dtype=None, mask=None, api: str = "nl.load") -> Result:
 
 
 def store(dst: NkiTensor, value, mask=None, api: str = "nl.store") -> None:
+    if isinstance(dst, Indirect):
+        indirect_dma(dst, value, api)
+        return
     if not isinstance(dst, NkiTensor) or dst.space != Space.HBM:
         fail("nl.store writes an HBM tensor", api=api, hint="assign to on-chip tiles with t[...] = value")
     if not isinstance(value, NkiTensor):
@@ -372,7 +414,7 @@ def _flat2(t: NkiTensor, api: str, what: str):
     """A tile as a 2-D [partitions, free] access pattern (its free dims must merge into one)."""
     import dataclasses
 
-    ap = t.ap()
+    ap = t.access()
     free = ap.dims[1:]
     stride = free[-1][0]
     expect = stride
@@ -673,7 +715,7 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
         fail(f"an activation with a bias tile or a reduction takes 2-D tiles (contiguous free dims), got "
              f"{list(dst.shape)}", api=api, hint="reshape the tiles to [P, F]")
     trace.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR,
-               [(dst.storage, d), (row_sum.storage, row_sum.ap()), (data.storage, s), (b.storage, b.ap())], api,
+               [(dst.storage, d), (row_sum.storage, row_sum.access()), (data.storage, s), (b.storage, b.access())], api,
                func=func, imm0=scale)
     if rows is not None and not direct:
         copy(rows, row_sum, api=api)
@@ -712,7 +754,7 @@ def tensor_reduce(dst: NkiTensor, op, data: NkiTensor, axis, negate: bool = Fals
     out = _reshape_ap(target, out_shape, api)
     eng = _engine(engine, VECTOR_ENGINES, [dst, data])
     _check_engine(eng, [dst, data], api)
-    trace.emit(Opcode.TENSOR_REDUCE, eng, [(target.storage, out), (src.storage, src.ap())], api, alu=alu)
+    trace.emit(Opcode.TENSOR_REDUCE, eng, [(target.storage, out), (src.storage, src.access())], api, alu=alu)
     if negate:
         tensor_scalar(dst, target, AluOp.MULTIPLY, -1.0, engine=engine, api=api)
 
@@ -728,14 +770,14 @@ def _reshape_ap(t: NkiTensor, shape, api: str):
     """``t``'s access pattern with the same elements in ``shape`` (t contiguous per partition, or already so)."""
     import dataclasses
 
-    ap = t.ap()
+    ap = t.access()
     if ap.shape == tuple(shape):
         return ap
     try:
         r = t.reshape(shape)
     except Exception:
         fail(f"tile {list(t.shape)} cannot be read as {list(shape)}", api=api)
-    return dataclasses.replace(r.ap())
+    return dataclasses.replace(r.access())
 
 
 def select(dst: NkiTensor, predicate, on_true, on_false, mask=None, api: str = "nl.where") -> None:

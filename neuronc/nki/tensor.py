@@ -184,7 +184,7 @@ class NkiTensor:
                               hint="index the block dims (t[i]) to pick one tile")
         return self._with(dims=self.dims[self.pdim:], pdim=0, vars=self.vars[self.pdim:])
 
-    def ap(self) -> AccessPattern:
+    def access(self) -> AccessPattern:
         """The access pattern of this view, relative to its storage (on chip: its base address is added later)."""
         self._check_bounds()
         t = self.tile()
@@ -218,6 +218,23 @@ class NkiTensor:
                  f"{elements}{'' if not self.on_chip else f', partitions [{p0}, {p1})'})",
                  hint="mask the out-of-range part (mask=...) or fix the index")
 
+    def ap(self, pattern, offset: int | None = None, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
+           dtype=None):
+        """NKI's explicit access pattern: ``pattern`` [[stride, count], ...] over this tensor's elements from its
+        offset (plus ``offset``); with ``vector_offset`` (an SBUF [P, 1] integer tile, HBM tensors only) dim
+        ``indirect_dim`` is indexed per partition: an indirect DMA's gather source or scatter destination."""
+        from neuronc.nki.trace import fail
+
+        if scalar_offset is not None:
+            fail("scalar_offset (a run-time offset) is not supported", api="NkiTensor.ap", unsupported=True)
+        view = self._with(offset=self.offset + (offset or 0), dims=tuple((int(st), int(n)) for st, n in pattern),
+                          _dtype=dtypes.isa_dtype(dtype) if dtype is not None else self._dtype)
+        if vector_offset is None:
+            return view
+        if self.on_chip or indirect_dim != 0:
+            fail("vector_offset indexes dim 0 of an HBM tensor", api="NkiTensor.ap", unsupported=True)
+        return Indirect(view, vector_offset)
+
     # -- indexing -------------------------------------------------------------------------------------
     def __getitem__(self, key) -> "NkiTensor":
         key = key if isinstance(key, tuple) else (key,)
@@ -226,6 +243,8 @@ class NkiTensor:
             key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1:]
         if len(key) > self.ndim:
             raise KernelError(f"{len(key)} indices for a tensor of {self.ndim} dims {list(self.shape)}")
+        if key and isinstance(key[0], NkiTensor) and key[0].on_chip and not self.on_chip:
+            return self._indirect(key)
         if any(_is_index_expr(k) for k in key):
             return self._index_tile(key)
         key = key + (slice(None),) * (self.ndim - len(key))
@@ -233,6 +252,15 @@ class NkiTensor:
         for dim in reversed(range(len(key))):  # right to left: selecting a dim does not move those before it
             view = view._index_dim(dim, key[dim])
         return view._at_least_2d()
+
+    def _indirect(self, key) -> "Indirect":
+        """``t[idx, ...]`` with an SBUF tile of row numbers: row idx[p] of t for each partition p (the rest of the
+        key selects within the rows)."""
+        index, rest = key[0], key[1:]
+        rows = self[(0, *rest)] if rest else self[0]
+        stride = self.dims[0]
+        dims = ((stride[0], index.tile().partitions),) + rows.dims
+        return Indirect(NkiTensor(self.storage, self._dtype, rows.offset, dims), index)
 
     def _at_least_2d(self) -> "NkiTensor":
         if self.on_chip and self.ndim - self.pdim < 2:
@@ -429,6 +457,32 @@ class NkiTensor:
         ops.assign(self[key], value)
 
 
+class Indirect:
+    """Rows of an HBM tensor picked per partition by a tile of row numbers (``t[idx, :]``, ``t.ap(...,
+    vector_offset=idx)``): the source of a gather or the destination of a scatter (an indirect DMA). ``view``'s dim 0
+    is (row stride, one row per partition); its offset is row 0's."""
+
+    def __init__(self, view: NkiTensor, index: NkiTensor):
+        self.view, self.index = view, index
+
+    @property
+    def shape(self) -> tuple:
+        return self.view.shape
+
+    @property
+    def dtype(self):
+        return self.view.dtype
+
+    def table(self) -> AccessPattern:
+        """The access pattern of every row (dims[0] bounding the rows), as DMA_GATHER / DMA_SCATTER take it."""
+        stride = self.view.dims[0][0]
+        rows = self.view.storage.hbm_bytes // self.view.itemsize // max(1, stride)
+        base = self.view.offset % stride if stride else self.view.offset
+        row0 = self.view.offset // stride if stride else 0
+        dims = ((stride, rows - row0),) + self.view.dims[1:]
+        return AccessPattern(Space.HBM, self.view.isa_dtype, (row0 * stride + base) * self.view.itemsize, dims)
+
+
 def _row_major(shape) -> tuple:
     dims, stride = [], 1
     for size in reversed(shape):
@@ -483,7 +537,7 @@ def common_shape(views: list) -> list:
     """The views as access patterns of one common shape (for instructions whose operands must agree):
     each view's dims split where another's dims have boundaries, then dims contiguous in every view merged.
     On-chip views keep the partition dim first. Raises when no common shape exists."""
-    aps = [v.ap() if isinstance(v, NkiTensor) else v for v in views]
+    aps = [v.access() if isinstance(v, NkiTensor) else v for v in views]
     total = {ap.num_elements for ap in aps}
     if len(total) != 1:
         raise KernelError("operands have different element counts: " + ", ".join(str(list(ap.shape)) for ap in aps))

@@ -155,7 +155,7 @@ class Trace:
         refs = []
         for x in operands:
             if isinstance(x, NkiTensor):
-                refs.append((x.storage, x.ap()))
+                refs.append((x.storage, x.access()))
             else:
                 refs.append(x)
         loc = user_location(api)
@@ -212,7 +212,7 @@ class Trace:
             storage.matmul_written = [b for b in storage.matmul_written if not _overlap(box, b)]
 
     def matmul_accumulates(self, dst: NkiTensor) -> bool:
-        box = _box(dst.ap())
+        box = _box(dst.access())
         return any(_overlap(box, b) for b in dst.storage.matmul_written)
 
     # -- engine choice --------------------------------------------------------------------------------------
