@@ -1,9 +1,10 @@
 """Addresses of a kernel's on-chip tiles, chosen once the whole kernel is traced.
 
 Each tile lives from the first instruction touching it to the last; a tile's bytes are reused by a later tile
-only after that. Among the free places one fits, the one freed longest ago is taken, so a loop's tiles rotate
-over several buffers and the next iteration's loads need not wait for this one's reads (the semaphores the
-sync pass adds order what does share bytes). SBUF tiles start on the sync pass's tracking pages (no false
+only after that. Tiles are placed round the memory like a ring (the first free place at or after where the last
+one was placed, wrapping), so a loop's tiles rotate over all the free bytes and the next iteration's tiles do not
+reuse this one's (whose reads the next iteration's writes would have to wait for: the semaphores the sync pass
+adds order what does share bytes). SBUF tiles start on the sync pass's tracking pages (no false
 dependencies between tiles), falling back to tighter packing when the pages do not fit; a PSUM tile lies within
 one bank (a matmul's accumulation group must), or spans whole banks.
 """
@@ -22,16 +23,20 @@ class _Free:
 
     def __init__(self, capacity: int):
         self.blocks = [[0, capacity, -1]]
+        self.cursor = 0
 
     def take(self, size: int, align: int) -> int | None:
-        best = None
-        for i, (start, end, freed) in enumerate(self.blocks):
-            at = -(-start // align) * align
-            if at + size <= end and (best is None or freed < self.blocks[best[0]][2]):
-                best = (i, at)
-        if best is None:
+        fits = []
+        for i, (start, end, _) in enumerate(self.blocks):
+            at = -(-max(start, self.cursor if start < self.cursor < end else start) // align) * align
+            if at + size > end:
+                at = -(-start // align) * align
+            if at + size <= end:
+                fits.append((at < self.cursor, at, i))  # at or after the cursor first, then wrapped round
+        if not fits:
             return None
-        i, at = best
+        _, at, i = min(fits)
+        self.cursor = at + size
         start, end, freed = self.blocks.pop(i)
         pieces = [[start, at, freed]] if at > start else []
         if at + size < end:

@@ -16,6 +16,7 @@ from neuronc.codegen.sync import insert_waits
 from neuronc.isa import DESTINATIONS, Instruction, Space
 from neuronc.neff.program import KernelInfo, Neff, TensorEntry, TensorKind
 from neuronc.nki.alloc import allocate
+from neuronc.nki.schedule import schedule
 from neuronc.nki.trace import Trace
 from neuronc.passes.cost_model import estimate_streams
 from neuronc.targets import Target
@@ -39,6 +40,7 @@ class TracedKernel:
     def from_trace(cls, trace: Trace, inputs: list, outputs: list) -> "TracedKernel":
         trace.flush()
         allocate(trace.storages, trace.target)
+        instrs = schedule(trace.instrs, trace.target)
         outputs_ids = {s.id for s in outputs}
         input_ids = {s.id for s in inputs}
         scratch = [s for s in trace.hbm if s.id not in outputs_ids and s.id not in input_ids]
@@ -47,7 +49,7 @@ class TracedKernel:
             for storage, _ in e.operands[:_destinations(e)]:
                 if storage.id in input_ids:
                     written.add(next(i for i, s in enumerate(inputs) if s.id == storage.id))
-        return cls(trace.name, trace.target, list(trace.instrs), list(inputs), list(outputs), scratch,
+        return cls(trace.name, trace.target, instrs, list(inputs), list(outputs), scratch,
                    list(trace.debug_locs), tuple(sorted(written)))
 
     # -- instructions at addresses -----------------------------------------------------------------------
