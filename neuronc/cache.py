@@ -8,8 +8,15 @@ else `--cache_dir=DIR` in `NEURON_CC_FLAGS`, else `$XDG_CACHE_HOME/neuronc` (`~/
 
 Safe under crashes and concurrency: an entry is written to a temporary file and renamed into place
 (atomic), with a sidecar holding its sha256; a corrupted or truncated entry fails the check (and
-the NEFF reader's own hashes), is deleted and recompiled, never executed. Two processes compiling
-the same graph both succeed and leave one valid entry. Only successful compilations are stored.
+the NEFF reader's own hashes), is deleted and recompiled, never executed. Each entry's NEFF holds its
+key in its header, so an entry holding another program's NEFF (valid, with a matching sidecar) is
+treated as damaged too, never served. Two processes compiling the same graph both succeed and leave
+one valid entry. Only successful compilations are stored; a store that fails (a full disk, a
+read-only cache) is a warning, not a lost compilation.
+
+Temporary files of writers killed before their rename are orphans: listed, removed by `clear` and
+`prune`, and aged out by every store into their shard; a live writer's is never touched (see
+neuronc/atomic_file.py for how the two are told apart).
 """
 from __future__ import annotations
 
@@ -17,16 +24,21 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import time
 
 from neuronc import __version__
-from neuronc.atomic_file import write_atomically
+from neuronc.atomic_file import is_orphaned, is_temporary, remove_if_orphaned, write_atomically
 from neuronc.cc_flags import cc_flags, flag_value
 from neuronc.errors import NeffFormatError, NeuronConfigError
 
 ENTRY_SUFFIX = ".neff"
 META_SUFFIX = ".json"
+NO_CACHE_HINT = ("point it at a directory neuronc may create, or turn the cache off with --no_cache in "
+                 "NEURON_CC_FLAGS")
+
+log = logging.getLogger("neuronc")
 
 
 @functools.cache
@@ -72,20 +84,27 @@ def cache_key(stablehlo: str, options: dict, weights: dict | None = None) -> str
 
 def cache_settings() -> tuple:
     """(enabled, directory) from NEURON_COMPILE_CACHE_URL and NEURON_CC_FLAGS."""
+    enabled, directory, _setting = _settings()
+    return enabled, directory
+
+
+def _settings() -> tuple:
+    """(enabled, directory, the setting that chose the directory, as a user would write it)."""
     flags = cc_flags()
     if "--no_cache" in flags:
-        return False, None
+        return False, None, "--no_cache"
     url = os.environ.get("NEURON_COMPILE_CACHE_URL", "")
     if url:
-        if "://" in url and not url.startswith("file://"):
+        if ("://" in url and not url.startswith("file://")) or not url.removeprefix("file://"):
             raise NeuronConfigError(f"NEURON_COMPILE_CACHE_URL={url}: only local directories are supported",
                                     hint="set it to a directory path (or file:///path)")
-        return True, url.removeprefix("file://")
+        return True, url.removeprefix("file://"), f"NEURON_COMPILE_CACHE_URL={url}"
     directory = flag_value(flags, "cache_dir")
     if directory is not None:
-        return True, directory
+        return True, directory, f"--cache_dir={directory} in NEURON_CC_FLAGS"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return True, os.path.join(base, "neuronc")
+    directory = os.path.join(base, "neuronc")
+    return True, directory, f"the default cache directory {directory}"
 
 
 @dataclasses.dataclass
@@ -103,14 +122,46 @@ class Entry:
         return time.time() - self.created
 
 
+@dataclasses.dataclass
+class TemporaryFile:
+    """A file being written into the cache, or left by a writer killed before its rename (orphaned)."""
+
+    path: str
+    size: int
+    age_s: float
+    orphaned: bool
+
+
+@dataclasses.dataclass
+class Cleanup:
+    """What `clear` or `prune` removed, and the temporary files of live writers they left in place."""
+
+    entries: list = dataclasses.field(default_factory=list)  # of Entry
+    orphans: list = dataclasses.field(default_factory=list)  # of TemporaryFile
+    being_written: list = dataclasses.field(default_factory=list)  # of TemporaryFile
+
+
 class CompileCache:
     def __init__(self, directory: str):
         self.directory = os.path.abspath(os.path.expanduser(directory))
 
     @classmethod
     def from_env(cls) -> "CompileCache | None":
-        enabled, directory = cache_settings()
-        return cls(directory) if enabled else None
+        """The cache the settings name, its directory made if missing; None when it is turned off.
+        A directory that is a file or cannot be made is a NeuronConfigError naming the setting."""
+        enabled, directory, setting = _settings()
+        if not enabled:
+            return None
+        cache = cls(directory)
+        try:
+            os.makedirs(cache.directory, exist_ok=True)
+        except FileExistsError:
+            raise NeuronConfigError(f"{setting}: {cache.directory} is a file, not a directory",
+                                    hint=NO_CACHE_HINT) from None
+        except OSError as error:
+            raise NeuronConfigError(f"{setting}: cannot make the cache directory {cache.directory} "
+                                    f"({error.strerror or error})", hint=NO_CACHE_HINT) from None
+        return cache
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ENTRY_SUFFIX)
@@ -135,7 +186,14 @@ class CompileCache:
         except NeffFormatError:
             self.remove(key)
             return None
-        self._write_meta(key, {**meta, "last_used": time.time()})
+        if neff.cache_key != key:  # another program's NEFF (or an older neuronc's) in this entry's place
+            self.remove(key)
+            return None
+        neff.cache_key = ""  # the NEFF as compiled: the same with the cache on or off
+        try:
+            self._write_meta(key, {**meta, "last_used": time.time()})
+        except OSError:
+            pass  # a read-only cache: `prune` sees an older last use, nothing else changes
         return neff
 
     def _meta(self, key: str) -> dict | None:
@@ -161,17 +219,27 @@ class CompileCache:
         if meta is not None:  # else the entry is gone or damaged: it will be recompiled and checked again
             self._write_meta(key, {**meta, "access_checked_by": checker})
 
-    def put(self, key: str, neff) -> str:
+    def put(self, key: str, neff) -> str | None:
+        """Store `neff` under `key`, bound to it (the key goes into the stored NEFF's header); the entry's
+        path, or None when it cannot be written (logged as a warning: the compilation is not lost)."""
         from neuronc.neff import encode
 
-        data = encode(neff)
+        stored = dataclasses.replace(neff, cache_key=key)
+        data = encode(stored)
+        neff.content_hash = stored.content_hash
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         now = time.time()
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
                 "name": neff.name, "target": neff.target, "versions": _versions()}
-        write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
-        self._write_meta(key, meta)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._sweep([os.path.dirname(path)])  # orphans of writers killed while storing into this shard
+            write_atomically(path, data)  # the entry first: a sidecar never vouches for missing bytes
+            self._write_meta(key, meta)
+        except OSError as error:
+            log.warning("neuronc: cannot store %s in the compile cache %s (%s); it will be compiled again "
+                        "next time", neff.name, self.directory, error.strerror or error)
+            return None
         return path
 
     def remove(self, key: str) -> None:
@@ -181,14 +249,41 @@ class CompileCache:
             except FileNotFoundError:
                 pass
 
+    def _folders(self) -> list:
+        """The cache directory and its shard folders."""
+        if not os.path.isdir(self.directory):
+            return []
+        shards = (os.path.join(self.directory, name) for name in sorted(os.listdir(self.directory)))
+        return [self.directory, *(folder for folder in shards if os.path.isdir(folder))]
+
+    def temporary_files(self, folders=None) -> list:
+        """The temporary files in `folders` (default: the whole cache): being written, or orphaned."""
+        found, now = [], time.time()
+        for folder in self._folders() if folders is None else folders:
+            for name in sorted(os.listdir(folder)):
+                if not is_temporary(name):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    info = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # renamed into place meanwhile
+                found.append(TemporaryFile(path, info.st_size, now - info.st_mtime, is_orphaned(path)))
+        return found
+
+    def _sweep(self, folders=None) -> Cleanup:
+        """Remove the orphaned temporary files in `folders` (default: the whole cache)."""
+        cleanup = Cleanup()
+        for temporary in self.temporary_files(folders):
+            if not temporary.orphaned:
+                cleanup.being_written.append(temporary)
+            elif remove_if_orphaned(temporary.path):
+                cleanup.orphans.append(temporary)
+        return cleanup
+
     def entries(self) -> list:
         found = []
-        if not os.path.isdir(self.directory):
-            return found
-        for shard in sorted(os.listdir(self.directory)):
-            folder = os.path.join(self.directory, shard)
-            if not os.path.isdir(folder):
-                continue
+        for folder in self._folders()[1:]:
             for name in os.listdir(folder):
                 if not name.endswith(ENTRY_SUFFIX):
                     continue
@@ -199,19 +294,22 @@ class CompileCache:
                                    meta.get("name", "?"), meta.get("target", "?")))
         return sorted(found, key=lambda e: -e.last_used)
 
-    def clear(self) -> int:
-        entries = self.entries()
-        for entry in entries:
+    def clear(self) -> Cleanup:
+        """Remove every entry and every orphaned temporary file."""
+        cleanup = self._sweep()
+        cleanup.entries = self.entries()
+        for entry in cleanup.entries:
             self.remove(entry.key)
-        return len(entries)
+        return cleanup
 
-    def prune(self, max_bytes: int) -> list:
-        """Remove least recently used entries until the cache holds at most `max_bytes`."""
-        removed, total = [], 0
+    def prune(self, max_bytes: int) -> Cleanup:
+        """Remove the orphaned temporary files, and the least recently used entries until the cache holds
+        at most `max_bytes`."""
+        cleanup, total = self._sweep(), 0
         for entry in self.entries():  # most recently used first
             if total + entry.size <= max_bytes:
                 total += entry.size
             else:
                 self.remove(entry.key)
-                removed.append(entry)
-        return removed
+                cleanup.entries.append(entry)
+        return cleanup

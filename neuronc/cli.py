@@ -15,7 +15,7 @@ import sys
 import click
 
 from neuronc import __version__
-from neuronc.errors import NeuronError
+from neuronc.errors import NeuronConfigError, NeuronError
 from neuronc.passes.auto_cast import CAST_TYPES, MODES
 from neuronc.targets import DEFAULT_TARGET, TARGETS
 
@@ -28,8 +28,51 @@ def _friendly(fn):
         except NeuronError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(1)
+        except OSError as err:  # the file system failed under a check that passed (a full disk, ...)
+            click.echo(f"error: {err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}", err=True)
+            sys.exit(1)
 
     return wrapper
+
+
+def _check_output(path: str, suffix: str, option: str) -> None:
+    """Refuse, before any work, an output file that could not be written or has the wrong extension."""
+    why = None
+    folder = os.path.dirname(path) or "."
+    if not path.lower().endswith(suffix):
+        why, hint = f"{option} must end in {suffix}", f"e.g. {option} {os.path.splitext(path)[0]}{suffix}"
+    elif not os.path.exists(folder):
+        why, hint = f"the directory {folder} does not exist", f"create it (mkdir -p {folder}) or write elsewhere"
+    elif not os.path.isdir(folder):
+        why, hint = f"{folder} is not a directory", "write into a directory"
+    elif not os.access(folder, os.W_OK):
+        why, hint = f"the directory {folder} is not writable", "write elsewhere"
+    if why:
+        raise NeuronConfigError(f"cannot write {path}: {why}", hint=hint)
+
+
+def _regular_files(ctx, param, value):
+    """A click callback refusing a path that exists but is no regular file: reading a FIFO or a device
+    would block, or never end (click already refuses directories)."""
+    for path in value if isinstance(value, tuple) else (value,):
+        if path is not None and os.path.exists(path) and not os.path.isfile(path):
+            raise click.BadParameter(f"{path} is not a regular file")
+    return value
+
+
+def _check_compile_settings() -> dict:
+    """The options NEURON_CC_FLAGS sets, once every setting a compilation reads is checked: the flags, the
+    compile cache's directory (made if missing), TORCH_NEURONX_DEBUG_DIR, NEURONC_FRONTEND_TIMEOUT."""
+    from neuronc import debug_dir
+    from neuronc.cache import CompileCache
+    from neuronc.cc_flags import compile_flags
+    from neuronc.frontend.isolate import timeout_s
+
+    flags = compile_flags()
+    CompileCache.from_env()
+    debug_dir.check()
+    timeout_s()
+    return flags
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,37 +87,52 @@ def main():
       neuronc inspect model.neff                  # what is inside, and how long it takes
       neuronc check model.pt2                     # which ops cannot be compiled, and where
       neuronc hlo model.pt2                       # the StableHLO the frontend produces
+      neuronc bisect model.pt2 --input x.npy      # the first op the NEFF gets wrong, and which pass
     """
 
 
 def _compile_options(fn):
-    """--target, -O, --auto-cast and --auto-cast-type (as neuronx-cc spells them): what a compilation is for."""
-    fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)), default="bf16", show_default=True,
-                      help="The narrower type auto-cast uses.")(fn)
-    fn = click.option("--auto-cast", type=click.Choice(list(MODES)), default="none", show_default=True,
+    """--target, -O, --auto-cast and --auto-cast-type (as neuronx-cc spells them): what a compilation is for.
+    Each one not given comes from NEURON_CC_FLAGS, else its default."""
+    fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)),
+                      help="The narrower type auto-cast uses. [default: bf16]")(fn)
+    fn = click.option("--auto-cast", type=click.Choice(list(MODES)),
                       help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
-                      "convolutions; fp32 accumulation), all.")(fn)
-    fn = click.option("-O", "opt_level", type=click.IntRange(0, 3), default=2, show_default=True,
+                      "convolutions; fp32 accumulation), all. [default: none]")(fn)
+    fn = click.option("-O", "opt_level", type=click.IntRange(0, 3),
                       help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")(fn)
-    return click.option("--target", type=click.Choice(sorted(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-                        help="Trainium generation to compile for.")(fn)
+    return click.option("--target", type=click.Choice(sorted(TARGETS)),
+                        help=f"Trainium generation to compile for. [default: {DEFAULT_TARGET}]")(fn)
+
+
+def _options(name: str | None = None, **given):
+    """CompileOptions from the command line's options, over NEURON_CC_FLAGS, over the defaults; every
+    setting a compilation reads is checked first (see _check_compile_settings)."""
+    from neuronc.compiler import CompileOptions
+
+    chosen = {**_check_compile_settings(), **{k: v for k, v in given.items() if v is not None}}
+    return CompileOptions(**chosen, **({"name": name} if name else {}))
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="NEFF file to write [default: MODEL with .neff]")
 @_compile_options
 @_friendly
 def compile(model, output, target, opt_level, auto_cast, auto_cast_type):  # noqa: A001 - the subcommand's name
-    """Compile a saved ExportedProgram (.pt2, from torch.export.save) to a NEFF file."""
-    from neuronc.compiler import CompileOptions, compile_exported
+    """Compile a saved ExportedProgram (.pt2, from torch.export.save), a StableHLO module (.mlir text,
+    .mlirbc bytecode) or a serialized jax.export artifact to a NEFF file.
+
+    Options not given are taken from NEURON_CC_FLAGS when it sets them."""
+    from neuronc.compiler import compile_file
     from neuronc.neff import save
 
     output = output or os.path.splitext(model)[0] + ".neff"
-    name = os.path.splitext(os.path.basename(model))[0]
-    options = CompileOptions(target=target, opt_level=opt_level, name=name, auto_cast=auto_cast,
-                             auto_cast_type=auto_cast_type)
-    compiled = compile_exported(model, options)
+    _check_output(output, ".neff", "-o")
+    options = _options(os.path.splitext(os.path.basename(model))[0], target=target, opt_level=opt_level,
+                       auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    target, opt_level = options.target, options.opt_level
+    compiled = compile_file(model, options)
     save(compiled.neff, output)
     neff = compiled.neff
     counts = ", ".join(f"{e.name.lower()} {n}" for e, n in sorted(neff.instruction_count().items()))
@@ -157,17 +215,18 @@ def _show_kernels(neff, timeline, target, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @_compile_options
 @_friendly
 def check(model, target, opt_level, auto_cast, auto_cast_type):
     """List every op of a saved ExportedProgram (.pt2) that cannot be compiled, with its uses and
-    source lines; exit 1 if there is any. Each op is compiled alone, nothing is written."""
+    source lines; exit 1 if there is any. Each op is compiled alone, nothing is written. Options not
+    given are taken from NEURON_CC_FLAGS when it sets them."""
     from neuronc.check import check_program
-    from neuronc.compiler import CompileOptions
     from neuronc.frontend.op_probe import where
 
-    options = CompileOptions(target=target, opt_level=opt_level, auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    options = _options(target=target, opt_level=opt_level, auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    target, opt_level = options.target, options.opt_level
     report = check_program(model, options)
     total = sum(report.uses.values())
     if report.ok:
@@ -185,9 +244,10 @@ def check(model, target, opt_level, auto_cast, auto_cast_type):
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
-@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
-              help="An input as a .npy file; repeat in the program's input order.")
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False), callback=_regular_files,
+              help="An input as a .npy file (an .npz file: its arrays, in their order); repeat in the "
+              "program's input order.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the outputs to this .npz file.")
 @click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
               help="Device to run on [default: the NEFF's target].")
@@ -199,42 +259,44 @@ def run(neff_file, inputs, output, target):
     from neuronc.neff import load
     from runtime import NeuronCore
 
+    if output:
+        _check_output(output, ".npz", "-o")
     neff = load(neff_file)
-    result = NeuronCore(target or neff.target).load(neff).run(_load_inputs(inputs))
+    arrays = _load_inputs(inputs, neff)
+    result = NeuronCore(target or neff.target).load(neff).run(arrays)
     timeline, outputs = result.timeline, result.outputs
     for entry, value in zip(neff.outputs(), outputs):
         click.echo(f"{entry.name}: shape {tuple(value.shape)} {value.dtype}, "
                    f"mean {float(np.mean(value.astype(np.float64))):.6g}")
     click.echo(f"estimated device time: {timeline.estimated_ns / 1e3:.1f} us")
     if output:
-        np.savez(output, **{e.name: v for e, v in zip(neff.outputs(), outputs)})
+        import io
+
+        from neuronc.atomic_file import write_atomically
+
+        buffer = io.BytesIO()  # np.savez to a file object writes exactly there (to a name, it adds .npz)
+        np.savez(buffer, **{e.name: v for e, v in zip(neff.outputs(), outputs)})
+        write_atomically(output, buffer.getvalue())
         click.echo(f"wrote {output}")
 
 
-def _load_inputs(paths) -> list:
-    import numpy as np
+def _load_inputs(paths, neff) -> list:
+    from neuronc.input_files import load_inputs
 
-    from neuronc.errors import InputMismatchError
-
-    arrays = []
-    for path in paths:
-        try:
-            arrays.append(np.load(path, allow_pickle=False))
-        except (OSError, ValueError) as err:
-            raise InputMismatchError(f"cannot read input {path}: {err}", hint="inputs are .npy files written by numpy.save") from None
-    return arrays
+    return load_inputs(paths, neff.inputs(), neff.name)
 
 
 def _timeline(neff, inputs: tuple, target):
     """The timeline of a run with these .npy inputs, or of a timing-only run when there are none."""
     from runtime import NeuronCore
 
+    arrays = _load_inputs(inputs, neff) if inputs else None
     program = NeuronCore(target or neff.target).load(neff)
-    return program.run(_load_inputs(inputs)).timeline if inputs else program.time()
+    return program.run(arrays).timeline if inputs else program.time()
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--target", type=click.Choice(sorted(TARGETS)), default=None,
               help="Time it on this target [default: the NEFF's target].")
@@ -288,8 +350,8 @@ def inspect(neff_file, as_json, target, per_kernel):
 
 
 @main.command()
-@click.argument("neff_file", type=click.Path(dir_okay=False))
-@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+@click.argument("neff_file", type=click.Path(dir_okay=False), callback=_regular_files)
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False), callback=_regular_files,
               help="An input as a .npy file, in the program's input order; without inputs the "
               "program is timed without computing numbers.")
 @click.option("-o", "--output", "trace", type=click.Path(dir_okay=False), default="trace.json", show_default=True,
@@ -305,6 +367,9 @@ def profile(neff_file, inputs, trace, html, target):
     from runtime.report import write_html_report
     from runtime.trace import write_chrome_trace
 
+    _check_output(trace, ".json", "-o")
+    if html:
+        _check_output(html, ".html", "--html")
     neff = load(neff_file)
     timeline = _timeline(neff, inputs, target)
     write_chrome_trace(neff, timeline, trace)
@@ -317,13 +382,43 @@ def profile(neff_file, inputs, trace, html, target):
                f"HBM {summary['hbm_gbps_achieved']:.1f} GB/s")
 
 
-@main.command()
+@main.command("bisect")
 @click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-i", "--input", "inputs", multiple=True, type=click.Path(dir_okay=False),
+              help="An input as a .npy file; repeat in the program's input order [default: a .pt2's example inputs].")
+@click.option("--reference", type=click.Choice(["xla", "interpreter"]), default="xla", show_default=True,
+              help="What computes the expected values: XLA on CPU, or the StableHLO reference interpreter "
+              "(slow; small graphs).")
+@_compile_options
+@_friendly
+def bisect_command(model, inputs, reference, target, opt_level, auto_cast, auto_cast_type):
+    """Find the first op whose value the NEFF gets wrong, and the compiler pass after which it does.
+
+    Runs the program's StableHLO on the reference executor and the NEFF on the emulated core, compares
+    every value the NEFF keeps in HBM (each kernel's output) within its dtype's tolerance, and prints the
+    first that differs with its source line, kernel and error, and the pass found by bisecting the
+    pipeline. Exits 1 when the program diverges. MODEL: a .pt2, .mlir, .mlirbc or jax.export file."""
+    from neuronc.differential import bisect_file
+
+    options = _options(os.path.splitext(os.path.basename(model))[0], target=target, opt_level=opt_level,
+                       auto_cast=auto_cast, auto_cast_type=auto_cast_type)
+    report = bisect_file(model, inputs, options, reference)
+    click.echo(str(report))
+    if report.diverges:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False), callback=_regular_files)
 @_friendly
 def hlo(model):
-    """Print the StableHLO module the frontend makes of a saved ExportedProgram."""
+    """Print the StableHLO module the frontend makes of a saved ExportedProgram (or of a StableHLO file)."""
     from neuronc.frontend.exported import exported_stablehlo, load_exported_program
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file, program_text, read_program
 
+    if is_stablehlo_file(model):
+        click.echo(program_text(read_program(model)))
+        return
     click.echo(exported_stablehlo(load_exported_program(model)))
 
 
@@ -332,7 +427,10 @@ def _size(text: str) -> int:
     text = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = text[-1] if text and text[-1] in units else ""
     try:
-        return int(float(text[: len(text) - len(unit)]) * units[unit])
+        size = float(text[: len(text) - len(unit)]) * units[unit]
+        if not 0 <= size < 1 << 63:  # refuses nan and inf too
+            raise ValueError
+        return int(size)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a size like 500M or 2G") from None
 
@@ -344,13 +442,17 @@ def _human(n: float) -> str:
         n /= 1024
 
 
-def _the_cache():
-    from neuronc.cache import CompileCache, cache_settings
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
-    enabled, directory = cache_settings()
-    if not enabled:
+
+def _the_cache():
+    from neuronc.cache import CompileCache
+
+    store = CompileCache.from_env()  # checks the settings, makes the directory
+    if store is None:
         raise NeuronError("the compile cache is disabled (--no_cache in NEURON_CC_FLAGS)")
-    return CompileCache(directory)
+    return store
 
 
 @main.group()
@@ -361,12 +463,27 @@ def cache():
 @cache.command("list")
 @_friendly
 def cache_list():
-    """List cached NEFFs, most recently used first."""
+    """List cached NEFFs, most recently used first, and temporary files (of writers at work, or orphaned
+    by writers killed before they finished)."""
     store = _the_cache()
     entries = store.entries()
     click.echo(f"{store.directory}: {len(entries)} entries, {_human(sum(e.size for e in entries))}")
     for e in entries:
         click.echo(f"  {e.key[:16]}  {_human(e.size):>10}  {e.age_s / 3600:7.1f} h old  {e.target}  {e.name}")
+    temporary = store.temporary_files()
+    orphans, live = [t for t in temporary if t.orphaned], [t for t in temporary if not t.orphaned]
+    if orphans:
+        click.echo(f"{_count(len(orphans), 'orphaned temporary file')}, {_human(sum(t.size for t in orphans))} "
+                   "(left by writers killed before they finished; `neuronc cache clear` or `prune` removes them):")
+    _list_temporary(store, orphans)
+    if live:
+        click.echo(f"{_count(len(live), 'temporary file')} being written, {_human(sum(t.size for t in live))}:")
+    _list_temporary(store, live)
+
+
+def _list_temporary(store, files) -> None:
+    for t in files:
+        click.echo(f"  {os.path.relpath(t.path, store.directory)}  {_human(t.size):>10}  {t.age_s / 3600:7.1f} h old")
 
 
 @cache.command("show")
@@ -383,20 +500,30 @@ def cache_show(key):
                f"target    {e.target}\nage       {e.age_s / 3600:.1f} h")
 
 
+def _removed(cleanup) -> str:
+    """What a cleanup removed, and the live writers' temporary files it left."""
+    size = sum(e.size for e in cleanup.entries) + sum(t.size for t in cleanup.orphans)
+    text = (f"removed {len(cleanup.entries)} entries and {_count(len(cleanup.orphans), 'orphaned temporary file')}"
+            f" ({_human(size)})")
+    if cleanup.being_written:
+        text += f"; {_count(len(cleanup.being_written), 'temporary file')} being written, left in place"
+    return text
+
+
 @cache.command("clear")
 @_friendly
 def cache_clear():
-    """Remove every entry."""
-    click.echo(f"removed {_the_cache().clear()} entries")
+    """Remove every entry and every orphaned temporary file."""
+    click.echo(_removed(_the_cache().clear()))
 
 
 @cache.command("prune")
 @click.option("--max-size", required=True, help="Keep the most recently used entries up to this size, e.g. 500M, 2G.")
 @_friendly
 def cache_prune(max_size):
-    """Remove the least recently used entries until the cache fits in --max-size."""
-    removed = _the_cache().prune(_size(max_size))
-    click.echo(f"removed {len(removed)} entries ({_human(sum(e.size for e in removed))})")
+    """Remove the orphaned temporary files, and the least recently used entries until the cache fits in
+    --max-size."""
+    click.echo(_removed(_the_cache().prune(_size(max_size))))
 
 
 if __name__ == "__main__":

@@ -11,18 +11,17 @@ import dataclasses
 import gc
 import logging
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Iterator
 
 from neuronc import debug_dir, ir
-from neuronc.cc_flags import cc_flags, flag_value
+from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.context import PassContext
-from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.memory_plan import check_capacity, plan_memory
 from neuronc.passes.pipeline import passes_for, run_pipeline
 from neuronc.targets import get_target
 
@@ -64,18 +63,9 @@ class CompileOptions:
 
 
 def flags_from_env() -> dict:
-    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`),
-    the real toolchain's convention; the last of repeated flags wins, as in neuronx-cc."""
-    flags = cc_flags()
-    options: dict = {}
-    for flag in flags:
-        if re.fullmatch(r"-O[0-3]", flag):
-            options["opt_level"] = int(flag[2])
-    for flag, option in (("target", "target"), ("auto-cast", "auto_cast"), ("auto-cast-type", "auto_cast_type")):
-        value = flag_value(flags, flag)
-        if value is not None:
-            options[option] = value
-    return options
+    """Options from NEURON_CC_FLAGS (`--target trn1 -O1 --auto-cast matmult --auto-cast-type bf16`), the
+    real toolchain's convention; an unknown flag or a bad value is refused (see neuronc/cc_flags.py)."""
+    return compile_flags()
 
 
 @dataclasses.dataclass
@@ -135,8 +125,8 @@ def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: 
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
     if key is not None:
         start = time.perf_counter()
-        cache.put(key, compiled.neff)
-        compiled.cache_entry = (cache, key)
+        if cache.put(key, compiled.neff) is not None:
+            compiled.cache_entry = (cache, key)
         compiled.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
     return compiled
 
@@ -150,6 +140,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     timings["passes"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_memory(graph)
+    check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
     neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
@@ -189,3 +180,27 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) 
     compiled.output_layout = layout
     debug_dir.keep(compiled, gm.code)
     return compiled
+
+
+def compile_stablehlo(program, options: CompileOptions | None = None) -> Compiled:
+    """Compile a StableHLO program: a `.mlir`/`.mlirbc` file or jax.export artifact (its path), or a
+    frontend.stablehlo_program.StableHLOProgram (a JAX function's, from neuronc.jax). Every argument of
+    its func @main is a NEFF input."""
+    from neuronc.frontend.stablehlo_program import import_program, read_program
+
+    options = options or CompileOptions()
+    t = time.perf_counter()
+    if isinstance(program, (str, os.PathLike)):
+        program = read_program(program)
+    with collector_paused():
+        imported = import_program(program, options.name)
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+    debug_dir.keep(compiled)
+    return compiled
+
+
+def compile_file(path, options: CompileOptions | None = None) -> Compiled:
+    """`neuronc compile`: a saved ExportedProgram (.pt2), or StableHLO (.mlir, .mlirbc, a jax.export artifact)."""
+    from neuronc.frontend.stablehlo_program import is_stablehlo_file
+
+    return compile_stablehlo(path, options) if is_stablehlo_file(path) else compile_exported(path, options)

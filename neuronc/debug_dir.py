@@ -8,8 +8,11 @@ checks the graph after every pass, as it does at -O0.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from typing import TYPE_CHECKING
+
+from neuronc.errors import NeuronConfigError
 
 if TYPE_CHECKING:
     from neuronc.compiler import Compiled
@@ -18,6 +21,23 @@ ENV = "TORCH_NEURONX_DEBUG_DIR"
 VERIFY_ENV = "NEURONC_VERIFY_IR"
 ELIDE_ARRAYS_OVER = 1024  # elements: longer arrays (weights) are elided in optimized_ir.txt; the NEFF holds them
 _counter = itertools.count()
+log = logging.getLogger("neuronc")
+
+
+def check() -> None:
+    """Make TORCH_NEURONX_DEBUG_DIR if it is set, or refuse it (a file, or a place it cannot be made),
+    before anything is compiled."""
+    root = os.environ.get(ENV)
+    if not root:
+        return
+    try:
+        os.makedirs(root, exist_ok=True)
+    except FileExistsError:
+        raise NeuronConfigError(f"{ENV}={root}: it is a file, not a directory",
+                                hint=f"point {ENV} at a directory, or unset it") from None
+    except OSError as error:
+        raise NeuronConfigError(f"{ENV}={root}: cannot make the directory ({error.strerror or error})",
+                                hint=f"point {ENV} at a directory neuronc may create, or unset it") from None
 
 
 def verifying() -> bool:
@@ -26,10 +46,20 @@ def verifying() -> bool:
 
 
 def keep(compiled: Compiled, fx_text: str = "") -> str | None:
-    """Write the artefacts of `compiled` if TORCH_NEURONX_DEBUG_DIR is set; returns the folder."""
+    """Write the artefacts of `compiled` if TORCH_NEURONX_DEBUG_DIR is set; returns the folder. A folder
+    that cannot be written is a warning: the compilation itself is not lost."""
     root = os.environ.get(ENV)
     if not root:
         return None
+    try:
+        return _write(compiled, fx_text, root)
+    except OSError as error:
+        log.warning("neuronc: cannot keep the artefacts of %s in %s=%s (%s)", compiled.neff.name, ENV, root,
+                    error.strerror or error)
+        return None
+
+
+def _write(compiled, fx_text: str, root: str) -> str:
     from neuronc.neff import save
 
     folder = os.path.join(root, f"{os.getpid()}_{next(_counter):04d}_{compiled.neff.name}")

@@ -56,7 +56,7 @@ def main(out_dir: str = "demo_out") -> int:
 
     with torch.no_grad():
         expected = model(x).numpy()
-    with np.load(out_path) as outputs:
+    with np.load(out_path, allow_pickle=False) as outputs:
         got = outputs["output0"]
     error = float(np.max(np.abs(got - expected)))
     ok = np.allclose(got, expected, rtol=1e-4, atol=1e-5)

@@ -69,6 +69,8 @@ class Node:
     attrs: dict = dataclasses.field(default_factory=dict)
     loc: DebugLoc = dataclasses.field(default_factory=DebugLoc)
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    origin: int = -1  # the number of the StableHLO value this node computes (the importer's numbering), or -1;
+    # inherited by the node that replaces it in `Graph.rewrite`: how `neuronc bisect` finds a kernel's value
 
     @property
     def size(self) -> int:
@@ -127,6 +129,8 @@ class Graph:
             replacement = fn(node, inputs)
             if replacement is None:
                 replacement = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(_ids))
+            elif replacement.origin < 0:
+                replacement.origin = node.origin  # it computes node's value
             new[node] = replacement
         return Graph([new[p] for p in self.params], [new[o] for o in self.outputs], self.name)
 

@@ -14,6 +14,9 @@ Memory model
 Every operand is an :class:`AccessPattern`: ``dims`` is a tuple of ``(stride, size)`` pairs,
 outermost first, strides in elements of ``dtype``. ``dims[0]`` is the partition dimension. A
 stride of 0 broadcasts. The logical shape of an operand is ``tuple(size for _, size in dims)``.
+An operand has 1 to ``MAX_DIMS`` dims, each of at least one element. An operand an instruction writes
+addresses each byte at most once (no stride-0 or overlapping dims: which write would win is undefined);
+so does the table of a DMA_GATHER.
 
 Instruction semantics (``dst`` is always ``operands[0]``)
 --------------------------------------------------------
@@ -276,6 +279,15 @@ ERF_F32_P = (-2.72614237e-10, 2.77068146e-08, -2.10102394e-06, -5.69250624e-05, 
              -2.954600e-03, -1.60960332e-02)
 ERF_F32_Q = (-1.45660715e-05, -2.13374049e-04, -1.68282702e-03, -7.37332925e-03, -1.42647391e-02)
 ERF_F32_CLAMP = 4.0
+
+
+# The most dimensions an access pattern may have (its partition dimension included). A stated bound: the
+# hardware's on-chip access patterns have at most four free dimensions ("NKI Access Patterns", AWS Neuron
+# docs), but this ISA lets codegen describe an N-d block of a tensor in one pattern, and its blocks have up to
+# about 1 + log2(free elements of a tile) dimensions (every free dimension but the innermost has two or more
+# elements), 17 on trn2. 32 leaves room above that and keeps the emulator's numpy views (which add a
+# dimension or two) well inside numpy's limit of 64.
+MAX_DIMS = 32
 
 
 class Wait(NamedTuple):

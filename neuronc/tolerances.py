@@ -7,6 +7,7 @@ that type.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 TOLERANCES = {
@@ -17,3 +18,12 @@ TOLERANCES = {
     **{dtype: dict(rtol=0, atol=0) for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
                                                  torch.bool)},
 }
+
+
+def tolerance(dtype) -> dict:
+    """The row of a dtype: a torch dtype, or a numpy one (ml_dtypes' bfloat16 included), as JAX arrays and the
+    emulator's outputs have."""
+    if isinstance(dtype, torch.dtype):
+        return TOLERANCES[dtype]
+    name = np.dtype(dtype).name
+    return TOLERANCES[getattr(torch, "bool" if name == "bool" else name)]

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import operator
 import os
 import threading
@@ -50,14 +51,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc.errors import InputMismatchError, NeuronRuntimeError
+from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
+from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns
 from neuronc.isa import AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
+from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (UNINITIALISED, Cells, HbmAllocator, Memory, allocate_hbm, allocate_on_chip,
-                            check_bounds, extent, granule, overlaps)
+from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
+                            allocate_hbm, check_bounds, extent, granule, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -114,7 +117,18 @@ def _stream_name(stream: tuple) -> str:
 
 def _operand_text(ap: AccessPattern) -> str:
     where = f"@{ap.offset}" if ap.space == Space.HBM else f"@p{ap.partition}+{ap.offset}"
-    return f"{ap.space.name} {ap.dtype.name}{list(ap.shape)}{where}"
+    shape = list(ap.shape) if len(ap.dims) <= 8 else f"[{', '.join(map(str, ap.shape[:4]))}, ... ({len(ap.dims)} dims)]"
+    return f"{ap.space.name} {ap.dtype.name}{shape}{where}"
+
+
+def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> None:
+    """Refuse a stride that reaches further than the memory the operand is in, even on a dim of one element
+    (where it moves nothing, but is still an address the emulator's numpy views must hold)."""
+    limit = memory_shape[-1]  # bytes of HBM, or of each partition on chip
+    for stride, _ in ap.dims if ap.space == Space.HBM else ap.dims[1:]:
+        if abs(stride) * ap.dtype.itemsize > limit:
+            raise NeuronRuntimeError(f"operand {position} has a stride of {stride} elements of {ap.dtype.name}, "
+                                     f"further than its {ap.space.name}'s {limit} bytes")
 
 
 def _reads(instr: Instruction) -> tuple:
@@ -174,11 +188,16 @@ class NeuronCore:
     faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
     in the outputs, and races run as the timing has them."""
 
-    def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True):
+    def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True,
+                 on_chip: OnChip | None = None):
         self.target = target if isinstance(target, Target) else get_target(target)
         self.check_uninitialised = check_uninitialised
         self.hbm = HbmAllocator(self.target)
-        self.sbuf, self.psum = allocate_on_chip(self.target)
+        if on_chip is not None and on_chip.target != self.target:
+            raise NeuronRuntimeError(f"a {self.target.name} NeuronCore cannot share the SBUF and PSUM of a "
+                                     f"{on_chip.target.name} one")
+        self.on_chip = on_chip or OnChip(self.target)  # shared with other cores when given: runs take turns
+        self.sbuf, self.psum = self.on_chip.sbuf, self.on_chip.psum
 
     def load(self, neff, *, checked_by: str | None = None) -> "LoadedProgram":
         """Load a :class:`Neff` (or the path of a NEFF file) into this core.
@@ -216,6 +235,7 @@ class LoadedProgram:
         self._trusted = trusted
         self._shapes = {Space.HBM: (neff.hbm_size,), Space.SBUF: core.sbuf.shape, Space.PSUM: core.psum.shape}
         self._check_tensors()
+        self._layout = HbmLayout(neff.tensors)  # host memory for the tensors' bytes only
         self._input_entries = neff.inputs()
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff))  # frees also when dropped
         try:
@@ -228,8 +248,9 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
+        tensors = TensorIndex(neff.tensors)
         self._instrs = [
-            [self._prepare(key, index, instr, number) for index, instr in enumerate(neff.streams.get(key, []))]
+            [self._prepare(key, index, instr, number, tensors) for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
         self._order, self._events = self._schedule()
@@ -240,12 +261,8 @@ class LoadedProgram:
     # -- loading ----------------------------------------------------------------------------------
 
     def _check_tensors(self) -> None:
+        check_tensor_table(self.neff)
         for t in self.neff.tensors:
-            if t.offset < 0 or t.offset + t.nbytes > self.neff.hbm_size:
-                raise NeuronRuntimeError(
-                    f"tensor {t.name!r} occupies HBM bytes [{t.offset}, {t.offset + t.nbytes}) "
-                    f"outside the program's {self.neff.hbm_size} bytes"
-                )
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT) and (
                     t.data is None or t.data.shape != tuple(t.shape) or t.data.dtype != t.dtype.numpy):
                 got = "no data" if t.data is None else f"{t.data.dtype}{list(t.data.shape)}"
@@ -253,13 +270,18 @@ class LoadedProgram:
                     f"{t.kind.name.lower()} {t.name!r} should hold {t.dtype.name}{list(t.shape)}, has {got}"
                 )
 
-    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict) -> _Instr:
+    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex) -> _Instr:
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
             check(instr, self.core.target)
-            for ap in instr.operands:
+            written = len(instr.writes)
+            for position, ap in enumerate(instr.operands):
+                _check_strides(ap, position, self._shapes[ap.space])
                 check_bounds(ap, self._shapes[ap.space])
+                if ap.space == Space.HBM:
+                    check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
+                    self._layout.check(ap)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
@@ -313,10 +335,11 @@ class LoadedProgram:
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
             if space != Space.HBM:
                 shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
-            g = granule(aps, bounds)
-            writers[space], probes[space] = Cells(shape, g, dtype), Cells(shape, g, bool)
+            g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
+            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
             for t in volatile if space == Space.HBM else ():
-                writers[space].table[t.offset // g:(t.offset + t.nbytes) // g] = 1
+                if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
+                    writers[space].span(t.offset, t.nbytes)[...] = 1
 
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
@@ -354,6 +377,36 @@ class LoadedProgram:
                 self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
+        self._check_outputs_written(writers[Space.HBM])
+
+    def _check_outputs_written(self, writers: Cells) -> None:
+        """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
+        g = writers.granule
+        for t in self.neff.outputs():
+            unwritten = np.flatnonzero(writers.span(t.offset, t.nbytes) == 1) if t.nbytes else ()
+            if len(unwritten):
+                byte = int(unwritten[0]) * g
+                raise NeuronRuntimeError(
+                    f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
+                    f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
+                    hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
+
+    def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
+        """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
+        entry per granule of the program's tensors in HBM (as its HBM is), of the box its operands use on chip."""
+        size, cell = (shape[-1], g) if layout is None else (layout.size, math.gcd(g, HOST_ALIGNMENT))  # as Cells
+        need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
+        try:
+            if need > budget:
+                raise MemoryError
+            return Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+        except MemoryError:
+            limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
+            raise DeviceOutOfMemoryError(
+                f"checking the memory accesses of {self.neff.name!r} needs {need} bytes ({size_text(need)}) of host "
+                f"memory, more than the host {limit}",
+                hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
+                "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
                      by_id: list, unordered, read_regions: dict) -> None:
@@ -413,7 +466,7 @@ class LoadedProgram:
                    f"instruction started at {self._times(i)[0]:.0f} ns")
         hint = "a missing semaphore wait or a tile read before it is loaded"
         partition, byte = cells.locate(ap, tuple(int(x) for x in np.argwhere(unwritten)[0]))
-        probe = Cells(self._shapes[ap.space], cells.granule, bool)
+        probe = Cells(self._shapes[ap.space], cells.granule, bool, cells.layout)
         for phase, s, k in self._order[position:]:
             writer = self._instrs[s][k]
             written = [dst for dst in writer.instr.writes if dst.space == ap.space]
@@ -461,15 +514,11 @@ class LoadedProgram:
     @functools.cached_property
     def memory(self) -> Memory:
         """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
-        hbm = allocate_hbm(self.neff.hbm_size)
+        memory = Memory(allocate_hbm(self._layout, self.neff.name), self.core.sbuf, self.core.psum, self._layout)
         for t in self.neff.tensors:
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT):
-                self._tensor_view(hbm, t)[...] = t.data
-        return Memory(hbm, self.core.sbuf, self.core.psum)
-
-    @staticmethod
-    def _tensor_view(hbm: np.ndarray, t) -> np.ndarray:
-        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=hbm, offset=t.offset)
+                memory.tensor(t)[...] = t.data
+        return memory
 
     @functools.cached_property
     def _plan(self) -> _Plan:
@@ -507,15 +556,14 @@ class LoadedProgram:
                 steps = [functools.partial(_write, tuple(map(memory.view, i.instr.writes)), values.pop(i.key))]
             calls += steps
             owners += [i] * len(steps)
-        hbm = memory.arrays[Space.HBM]
-        return _Plan(calls, owners, [self._tensor_view(hbm, t) for t in self.neff.inputs()],
-                     [self._tensor_view(hbm, t) for t in self.neff.outputs()],
-                     [] if self.access_checked else self._used_memory(hbm))
+        return _Plan(calls, owners, [memory.tensor(t) for t in self.neff.inputs()],
+                     [memory.tensor(t) for t in self.neff.outputs()],
+                     [] if self.access_checked else self._used_memory(memory))
 
-    def _used_memory(self, hbm: np.ndarray) -> list:
+    def _used_memory(self, memory: Memory) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
         HBM, and the box of SBUF and PSUM that the program's operands cover."""
-        regions = [hbm[t.offset:t.offset + t.nbytes] for t in self.neff.tensors
+        regions = [memory.tensor_bytes(t) for t in self.neff.tensors
                    if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
         for space, memory in ((Space.SBUF, self.core.sbuf), (Space.PSUM, self.core.psum)):
             boxes = [extent(ap) for stream in self._instrs for i in stream for ap in i.instr.operands
@@ -531,9 +579,11 @@ class LoadedProgram:
         """Execute the program on ``inputs``; returns copies of the outputs and the timeline."""
         self._check_loaded()
         plan = self._plan
-        self._write_inputs(inputs, plan.inputs)
-        self._execute(plan)
-        return RunResult([view.copy() for view in plan.outputs], self.time())
+        with self.core.on_chip.lock:
+            self._write_inputs(inputs, plan.inputs)
+            self._execute(plan)
+            outputs = [view.copy() for view in plan.outputs]
+        return RunResult(outputs, self.time())
 
     def run_into(self, inputs: list, outputs: list) -> None:
         """Execute the program reading ``inputs`` and writing ``outputs`` in place: the host's own arrays
@@ -548,11 +598,35 @@ class LoadedProgram:
         tensors an eager op usually has."""
         self._check_loaded()
         plan = self._plan
-        for view, x in zip(plan.inputs, inputs):
-            view[...] = x
-        self._execute(plan)
-        for out, view in zip(outputs, plan.outputs):
-            out[...] = view
+        with self.core.on_chip.lock:
+            for view, x in zip(plan.inputs, inputs):
+                view[...] = x
+            self._execute(plan)
+            for out, view in zip(outputs, plan.outputs):
+                out[...] = view
+
+    def run_observed(self, inputs: list, observe) -> RunResult:
+        """`run`, calling ``observe(kernel, hbm)`` as soon as the last instruction of each kernel has completed
+        (a kernel's number, the program's HBM as bytes): a debugger reads a kernel's output tensor there,
+        before any later kernel can reuse its memory (`neuronc bisect`). Slower than `run`."""
+        self._check_loaded()
+        plan = self._plan
+        last_call = {owner.instr.kernel: position for position, owner in enumerate(plan.owners)}
+        ends = {position: kernel for kernel, position in last_call.items()}
+        hbm = self.memory.arrays[Space.HBM]
+        self._write_inputs(inputs, plan.inputs)
+        for region in plan.resets:
+            region.fill(UNINITIALISED)
+        with quiet_numerics():
+            for position, call in enumerate(plan.calls):
+                try:
+                    call()
+                except Exception as e:  # numpy refused, e.g. an integer raised to a negative power
+                    owner = plan.owners[position]
+                    raise self._error(owner.instr, owner.index, f"failed: {e}") from e
+                if position in ends:
+                    observe(ends[position], hbm)
+        return RunResult([view.copy() for view in plan.outputs], self.time())
 
     def _execute(self, plan: _Plan) -> None:
         for region in plan.resets:

@@ -2,23 +2,29 @@
 raw bytes, and the one place where an access pattern becomes a numpy view of bytes.
 
 HBM is accounted per core (:class:`HbmAllocator`, the target's ``hbm_bytes``) and each loaded program
-keeps its bytes in its own flat array; SBUF and PSUM are ``partitions x bytes`` arrays sized by the
-target. Instructions never copy memory to read it: every operand is a strided numpy view over these
+keeps the bytes of its tensors in a host array of its own (:class:`HbmLayout`: host memory follows what
+a program can touch, not the size its NEFF declares); SBUF and PSUM are ``partitions x bytes`` arrays
+sized by the target, shared by the programs loaded on the core. Instructions never copy memory to read it: every operand is a strided numpy view over these
 bytes, so a write through one view is seen by every other. Fresh memory is filled with 0xFF bytes,
 which read as NaN in f32/bf16/f16 (like the NKI simulator).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import threading
 
 import numpy as np
 
 from neuronc.errors import DeviceOutOfMemoryError, NeuronRuntimeError
+from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.isa import AccessPattern, Space
 from neuronc.targets import TARGETS, Target
 
 UNINITIALISED = 0xFF  # byte pattern of memory nobody wrote: NaN for f32, bf16 and f16
+HOST_ALIGNMENT = 64  # bytes: a tensor keeps its HBM address modulo this in host memory (so every element
+# alignment, and every granule of the access checks, stays what the NEFF has); a host choice, not hardware's
 
 
 def size_text(nbytes: int) -> str:
@@ -100,16 +106,85 @@ class HbmAllocator:
         )
 
 
-def allocate_hbm(nbytes: int) -> np.ndarray:
-    """A program's own HBM bytes, all uninitialised."""
-    return np.full(nbytes, UNINITIALISED, np.uint8)
+class HbmLayout:
+    """Where the HBM bytes of a program live on the host.
+
+    A NEFF declares ``hbm_size`` bytes of HBM, but its instructions may only touch the bytes of its tensor
+    entries (an operand outside them is refused at load), so only those get host memory: the tensors'
+    extents, merged where they overlap or touch, are packed one after another into one host array, each
+    keeping its address modulo ``HOST_ALIGNMENT``. HBM addresses stay the NEFF's everywhere else (errors,
+    timelines, overlap checks); only views and access-check tables translate them, here."""
+
+    def __init__(self, tensors):
+        merged: list = []
+        for lo, hi in sorted((t.offset, t.offset + t.nbytes) for t in tensors if t.nbytes > 0):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts, self.ends, self.host_starts = [], [], []
+        host = 0
+        for lo, hi in merged:
+            host += (lo - host) % HOST_ALIGNMENT
+            self.starts.append(lo)
+            self.ends.append(hi)
+            self.host_starts.append(host)
+            host += hi - lo
+        self.size = host  # host bytes
+
+    def host(self, lo: int, hi: int) -> int | None:
+        """The host offset of HBM bytes [lo, hi), or None unless one tensor extent holds them all."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        if i < 0 or hi > self.ends[i]:
+            return None
+        return self.host_starts[i] + lo - self.starts[i]
+
+    def hbm(self, host: int) -> int:
+        """The HBM address of host byte ``host``."""
+        i = bisect.bisect_right(self.host_starts, host) - 1
+        return self.starts[i] + host - self.host_starts[i]
+
+    def check(self, ap: AccessPattern) -> int:
+        """The host offset of HBM operand ``ap``; raises unless one tensor extent holds every byte it addresses."""
+        lo, hi = free_byte_span(ap, ap.dims)
+        host = self.host(lo, hi) if ap.dims and all(size >= 1 for _, size in ap.dims) else None
+        if host is None:
+            raise NeuronRuntimeError(
+                f"HBM operand addresses bytes [{lo}, {hi}), which no tensor of the program holds",
+                hint="every HBM access must stay inside one tensor entry (input, output, weight, constant or "
+                "scratch) of the NEFF's tensor table")
+        return host + ap.offset - lo
 
 
-def allocate_on_chip(target: Target) -> tuple:
-    """Fresh (SBUF, PSUM) of ``target``."""
-    sbuf = np.full((target.partitions, target.sbuf_bytes_per_partition), UNINITIALISED, np.uint8)
-    psum = np.full((target.partitions, target.psum_bytes_per_partition), UNINITIALISED, np.uint8)
-    return sbuf, psum
+def allocate_hbm(layout: HbmLayout, name: str = "program") -> np.ndarray:
+    """A program's own HBM bytes (those ``layout`` gives host memory), all uninitialised; refused with
+    ``DeviceOutOfMemoryError`` before any allocation when they exceed the host budget or the host has not
+    got them."""
+    budget = host_memory_budget()
+    if layout.size > budget:
+        raise DeviceOutOfMemoryError(
+            f"emulating {name!r} needs {_exact(layout.size)} of host memory for its tensors, more than the "
+            f"emulator's budget of {_exact(budget)}",
+            hint=f"raise the budget ({HOST_BUDGET_VARIABLE}=16G) on a machine with that much memory, or use a "
+            "smaller batch")
+    try:
+        return np.full(layout.size, UNINITIALISED, np.uint8)
+    except MemoryError:
+        raise DeviceOutOfMemoryError(
+            f"the host could not allocate {_exact(layout.size)} to emulate the HBM of {name!r}",
+            hint="free memory on the host (other processes, unloaded programs), or use a smaller batch") from None
+
+
+class OnChip:
+    """The SBUF and PSUM of a NeuronCore of ``target``, fresh. Emulated cores made with the same one
+    (``NeuronCore(target, on_chip=...)``) share its bytes instead of each holding its own (tens of MiB),
+    and their runs take turns (``lock``): a program's on-chip state does not outlive its run."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.sbuf = np.full((target.partitions, target.sbuf_bytes_per_partition), UNINITIALISED, np.uint8)
+        self.psum = np.full((target.partitions, target.psum_bytes_per_partition), UNINITIALISED, np.uint8)
+        self.lock = threading.Lock()
 
 
 def free_byte_span(ap: AccessPattern, dims: tuple) -> tuple:
@@ -164,11 +239,13 @@ def check_bounds(ap: AccessPattern, memory_shape: tuple) -> None:
         )
 
 
-def view(memory: np.ndarray, ap: AccessPattern) -> np.ndarray:
-    """A writable numpy view of the elements ``ap`` addresses in ``memory`` (checked with ``check_bounds``)."""
+def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None) -> np.ndarray:
+    """A writable numpy view of the elements ``ap`` addresses in ``memory`` (checked with ``check_bounds``;
+    in HBM, with ``layout.check`` when the memory holds only a program's tensors)."""
     itemsize = ap.dtype.itemsize
     if ap.space == Space.HBM:
-        offset, strides = ap.offset, tuple(stride * itemsize for stride, _ in ap.dims)
+        offset = ap.offset if layout is None else layout.check(ap)
+        strides = tuple(stride * itemsize for stride, _ in ap.dims)
     else:
         row_bytes = memory.strides[0]
         offset = ap.partition * row_bytes + ap.offset
@@ -181,18 +258,30 @@ class Cells:
     keep facts about its bytes (who wrote them last) at the finest grain the program's operands use.
 
     ``granule`` is the largest number of bytes every operand is aligned to (:func:`granule`), so the
-    entries an operand covers form a strided view like the operand itself: ``of(ap)``."""
+    entries an operand covers form a strided view like the operand itself: ``of(ap)``. For HBM, ``layout``
+    (a program's :class:`HbmLayout`) keeps entries for its tensors' bytes only; addresses stay HBM's."""
 
-    def __init__(self, shape: tuple, granule: int, dtype):
-        self.granule = granule
+    def __init__(self, shape: tuple, granule: int, dtype, layout: HbmLayout | None = None):
+        self.granule, self.layout = granule, layout
+        if layout is not None:
+            shape, self.granule = (layout.size,), math.gcd(granule, HOST_ALIGNMENT)
         self.table = np.zeros(shape[:-1] + (-(-shape[-1] // granule),), dtype)  # untouched pages cost nothing
+
+    def _host(self, ap: AccessPattern) -> int:
+        return ap.offset if self.layout is None or ap.space != Space.HBM else self.layout.check(ap)
+
+    def span(self, offset: int, nbytes: int) -> np.ndarray:
+        """The entries of HBM bytes [offset, offset + nbytes) (one tensor's)."""
+        if self.layout is not None:
+            offset = self.layout.host(offset, offset + nbytes)
+        return self.table[offset // self.granule:(offset + nbytes) // self.granule]
 
     def of(self, ap: AccessPattern) -> np.ndarray:
         """The entries of the bytes ``ap`` addresses: ``ap.shape`` plus a last dim over each element's granules."""
         g, cell = self.granule, self.table.itemsize
         dims = ap.dims if ap.space == Space.HBM else ap.dims[1:]
         strides = tuple(stride * ap.dtype.itemsize // g * cell for stride, _ in dims) + (cell,)
-        offset = ap.offset // g * cell
+        offset = self._host(ap) // g * cell
         if ap.space != Space.HBM:
             strides, offset = (self.table.strides[0],) + strides, offset + ap.partition * self.table.strides[0]
         return np.ndarray(ap.shape + (ap.dtype.itemsize // g,), self.table.dtype, buffer=self.table,
@@ -200,7 +289,10 @@ class Cells:
 
     def at(self, partition: int, byte: int):
         """The entry of ``byte`` (of ``partition``, on chip)."""
-        return self.table[byte // self.granule] if self.table.ndim == 1 else self.table[partition, byte // self.granule]
+        if self.table.ndim == 1:
+            host = byte if self.layout is None else self.layout.host(byte, byte + 1)
+            return self.table[host // self.granule]
+        return self.table[partition, byte // self.granule]
 
     def locate(self, ap: AccessPattern, index: tuple) -> tuple:
         """(partition, first byte) of the granule at ``index`` of ``of(ap)`` (partition 0 in HBM)."""
@@ -225,13 +317,30 @@ def granule(aps, boundaries=()) -> int:
 
 
 class Memory:
-    """The bytes one loaded program sees: its own HBM plus its core's SBUF and PSUM."""
+    """The bytes one loaded program sees: its own HBM (its tensors', placed by ``layout``) plus its core's
+    SBUF and PSUM."""
 
-    def __init__(self, hbm: np.ndarray, sbuf: np.ndarray, psum: np.ndarray):
+    def __init__(self, hbm: np.ndarray, sbuf: np.ndarray, psum: np.ndarray, layout: HbmLayout | None = None):
         self.arrays = {Space.HBM: hbm, Space.SBUF: sbuf, Space.PSUM: psum}
+        self.layout = layout
 
     def view(self, ap: AccessPattern) -> np.ndarray:
         """A writable numpy view of the elements ``ap`` addresses; raises if any byte is outside."""
         memory = self.arrays[ap.space]
-        check_bounds(ap, memory.shape)
-        return view(memory, ap)
+        if ap.space != Space.HBM or self.layout is None:
+            check_bounds(ap, memory.shape)
+        return view(memory, ap, self.layout)
+
+    def tensor(self, t) -> np.ndarray:
+        """The elements of tensor entry ``t`` of the program, in its HBM."""
+        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=self.arrays[Space.HBM], offset=self._host(t))
+
+    def tensor_bytes(self, t) -> np.ndarray:
+        """The bytes of tensor entry ``t`` of the program, in its HBM."""
+        offset = self._host(t)
+        return self.arrays[Space.HBM][offset:offset + t.nbytes]
+
+    def _host(self, t) -> int:
+        if self.layout is None:
+            return t.offset
+        return self.layout.host(t.offset, t.offset + t.nbytes) if t.nbytes else 0

@@ -19,6 +19,7 @@ erf; SIGMOID uses scipy.special.expit in fp32.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Callable
 from functools import partial
@@ -27,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import ARITY, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import ARITY, MAX_DIMS, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
@@ -203,9 +204,11 @@ def _rng(instr, dst, state):
     first, stride = offset + int(instr.imm0), int(instr.imm1)
     if stride == free or partitions == 1:  # the tile's elements are consecutive numbers of the stream
         words = philox_words(seed, first, partitions * free).reshape(partitions, free)
-    else:
+    elif (partitions - 1) * stride + free <= 4 * partitions * free:  # close together: draw the span, pick
         numbers = np.arange(partitions)[:, None] * stride + np.arange(free)
-        words = philox_words(seed, first, int(numbers.max()) + 1)[numbers]
+        words = philox_words(seed, first, (partitions - 1) * stride + free)[numbers]
+    else:  # far apart: each partition's own words (drawing the span between them could take gigabytes)
+        words = np.stack([philox_words(seed, first + p * stride, free) for p in range(partitions)])
     bits = _uniform_bits(dst.dtype if dst.dtype in _FLOATS else np.dtype(F32))
     exact = F32 if bits <= 24 else np.float64  # k-bit integers times 2**-k are exact in either
     return ((words >> np.uint64(64 - bits)).astype(exact) * exact(2.0 ** -bits)).reshape(dst.shape)
@@ -647,8 +650,8 @@ def _rng_shapes(instr: Instruction, target: Target):
     if state.dtype != DType.I64 or state.shape != (1, 2) or state.space != Space.SBUF:
         _fail(f"RNG state must be an I64 [1, 2] tile (seed, offset) in SBUF, got {state.dtype.name}"
               f"{list(state.shape)} in {state.space.name}")
-    if instr.imm0 < 0 or instr.imm1 < 0 or instr.imm0 != int(instr.imm0) or instr.imm1 != int(instr.imm1):
-        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole and not negative")
+    if not all(math.isfinite(imm) and 0 <= imm < 2**63 and imm == int(imm) for imm in (instr.imm0, instr.imm1)):
+        _fail(f"RNG element numbers imm0={instr.imm0}, imm1={instr.imm1} must be whole, not negative and below 2**63")
 
 
 SHAPE_RULES = {
@@ -669,16 +672,39 @@ SHAPE_RULES = {
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}
 
 
+def addresses_bytes_once(ap) -> bool:
+    """Whether no two elements of ``ap`` share a byte (partitions are distinct rows on chip). Exact for the
+    patterns codegen makes (each dim's stride reaches past all the dims with smaller strides); a pattern
+    that interleaves its dims without overlapping is refused too, which no program needs."""
+    reach = ap.dtype.itemsize  # bytes spanned by one element, then by the dims taken so far
+    for stride, size in sorted((abs(stride) * ap.dtype.itemsize, size) for stride, size in
+                               (ap.dims if ap.space == Space.HBM else ap.dims[1:]) if size > 1):
+        if stride < reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
 def check(instr: Instruction, target: Target) -> None:
     """Raise :class:`NeuronRuntimeError` if ``instr`` breaks a rule of the ISA or of ``target``."""
     if len(instr.operands) != ARITY[instr.opcode]:
         _fail(f"{instr.opcode.name} takes {ARITY[instr.opcode]} operands, got {len(instr.operands)}")
+    for i, ap in enumerate(instr.operands):
+        if not 1 <= len(ap.dims) <= MAX_DIMS:
+            _fail(f"operand {i} has {len(ap.dims)} dimensions; an access pattern has 1 to {MAX_DIMS}")
     if instr.engine not in ENGINES[instr.opcode]:
         _fail(f"{instr.opcode.name} cannot run on the {instr.engine.name} engine",
               hint=f"it runs on {' or '.join(sorted(e.name for e in ENGINES[instr.opcode]))}")
     SHAPE_RULES.get(instr.opcode, _same_shape)(instr, target)
     if instr.engine == Engine.DMA and not 0 <= instr.queue < target.dma_queues:
         _fail(f"DMA queue {instr.queue} does not exist; {target.name} has queues 0..{target.dma_queues - 1}")
+    if instr.engine != Engine.DMA and instr.queue != 0:
+        _fail(f"the {instr.engine.name} engine has one instruction queue, 0; the instruction names queue {instr.queue}")
+    distinct = [*enumerate(instr.writes)] + ([(1, instr.operands[1])] if instr.opcode == Opcode.DMA_GATHER else [])
+    for i, ap in distinct:
+        if not addresses_bytes_once(ap):
+            _fail(f"operand {i} addresses some bytes more than once (dims {list(ap.dims)}); an instruction writes "
+                  f"each byte at most once, and an indirect DMA's table holds each row once")
     for i, ap in enumerate(instr.operands):
         if ap.space not in SPACES[instr.engine]:
             _fail(f"operand {i} is in {ap.space.name}, which the {instr.engine.name} engine cannot reach")

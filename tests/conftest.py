@@ -158,3 +158,22 @@ def run_pass(pass_, text: str, **context) -> str:
     result = pass_(ir(text), PassContext(**context))
     ir_verifier.verify(result, pass_.__name__)
     return ir_text.to_text(result)
+
+
+@pytest.fixture
+def cli():
+    """Run the `neuronc` command line in-process: cli("compile", path, ...) -> click's Result. A command
+    may fail, but only with its own error message and exit code, never a traceback."""
+    from click.testing import CliRunner
+
+    from neuronc.cli import main
+
+    runner = CliRunner()
+
+    def invoke(*args):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output
+        return result
+
+    return invoke

@@ -3,18 +3,25 @@ decides the NEFF; damaged entries are recompiled, never run; failures are not ca
 compiles leave one valid entry."""
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from neuronc.atomic_file import ORPHAN_AGE_S
 from neuronc.cache import CompileCache, cache_settings
 from neuronc.cli import main
 from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.errors import NeuronCompileError
+from neuronc.errors import NeuronCompileError, NeuronConfigError
+from neuronc.neff import encode
 from runtime import run_neff
 from tests import zoo
 from tests.test_frontend import Unsupported
@@ -172,3 +179,174 @@ def test_a_second_run_of_a_training_script_compiles_nothing(cache_dir):
     assert second[-1] == "graphs 2 from the cache 2"  # ... and in the new process, both from the cache
     assert first[:-1] == second[:-1]  # the same losses, step for step
     assert len(CompileCache(str(cache_dir)).entries()) == 2
+
+
+def test_an_entry_replaced_by_another_models_valid_neff_is_recompiled_not_served(cache_dir):
+    program, model, inputs = _program(seed=0)
+    compile_exported(program)
+    other = compile_exported(_program(seed=1)[0])  # the same graph with other weights: another valid NEFF
+    store = CompileCache(str(cache_dir))
+    (entry,) = [e for e in store.entries() if e.key != other.cache_entry[1]]
+    (other_entry,) = [e for e in store.entries() if e.key == other.cache_entry[1]]
+    data = open(other_entry.path, "rb").read()
+    open(entry.path, "wb").write(data)  # the other model's NEFF in this entry's place ...
+    sidecar = json.load(open(entry.path + ".json"))
+    sidecar["sha256"] = hashlib.sha256(data).hexdigest()  # ... with its checksum made to match
+    open(entry.path + ".json", "w").write(json.dumps(sidecar))
+    again = compile_exported(program)
+    assert not again.cache_hit
+    out = run_neff(again.neff, [inputs[0].numpy()]).outputs[0]
+    torch.testing.assert_close(torch.from_numpy(out), model(*inputs).detach(), rtol=1e-4, atol=1e-5)
+    assert open(entry.path, "rb").read() != data  # the entry was recompiled, and is served from now on
+    assert compile_exported(program).cache_hit
+
+
+def test_the_key_inside_an_entry_stays_in_the_cache(cache_dir):
+    program = _program()[0]
+    compiled = compile_exported(program)
+    cached = compile_exported(program)
+    assert cached.cache_hit and encode(cached.neff) == encode(compiled.neff)  # what a user saves is the same
+    assert compiled.neff.cache_key == cached.neff.cache_key == ""
+
+
+KILLED_WRITER = """
+import os, sys
+from neuronc.atomic_file import write_atomically
+os.replace = lambda *args: os.kill(os.getpid(), 9)  # killed after writing, before the rename
+write_atomically(sys.argv[1], b"half a NEFF")
+"""
+
+LIVE_WRITER = """
+import os, sys, time
+from neuronc.atomic_file import write_atomically
+def stall(*args):
+    print("writing", flush=True)
+    time.sleep(600)
+os.replace = stall  # still writing (a large NEFF on a slow disk)
+write_atomically(sys.argv[1], b"a NEFF being written")
+"""
+
+
+def _writer(script, path, wait=True):
+    """A child process writing `path` with write_atomically; `script` decides how far it gets."""
+    child = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
+    if wait:
+        assert child.wait(timeout=60) == -9
+    else:
+        assert child.stdout.readline() == "writing\n"
+    return child
+
+
+def _temporary_files(directory):
+    return sorted(p.name for p in directory.rglob("*.tmp"))
+
+
+def test_a_killed_writers_temporary_file_is_listed_and_removed_by_clear(cache_dir):
+    compile_exported(_program()[0])
+    (entry,) = CompileCache(str(cache_dir)).entries()
+    _writer(KILLED_WRITER, entry.path)
+    (orphan,) = _temporary_files(cache_dir)
+    runner = CliRunner()
+    listing = runner.invoke(main, ["cache", "list"])
+    assert listing.exit_code == 0 and "1 orphaned temporary file" in listing.output and orphan in listing.output
+    cleared = runner.invoke(main, ["cache", "clear"])
+    assert cleared.exit_code == 0, cleared.output
+    assert "removed 1 entries and 1 orphaned temporary file" in cleared.output
+    assert _temporary_files(cache_dir) == [] and CompileCache(str(cache_dir)).entries() == []
+
+
+def test_prune_removes_orphaned_temporary_files_too(cache_dir):
+    compile_exported(_program()[0])
+    (entry,) = CompileCache(str(cache_dir)).entries()
+    _writer(KILLED_WRITER, entry.path)
+    pruned = CliRunner().invoke(main, ["cache", "prune", "--max-size", "1G"])
+    assert pruned.exit_code == 0 and "removed 0 entries" in pruned.output and "1 orphaned" in pruned.output
+    assert _temporary_files(cache_dir) == [] and len(CompileCache(str(cache_dir)).entries()) == 1
+
+
+def test_a_live_writers_temporary_file_is_never_removed(cache_dir):
+    compile_exported(_program()[0])
+    (entry,) = CompileCache(str(cache_dir)).entries()
+    writer = _writer(LIVE_WRITER, entry.path, wait=False)
+    try:
+        (being_written,) = _temporary_files(cache_dir)
+        runner = CliRunner()
+        listing = runner.invoke(main, ["cache", "list"])
+        assert "1 temporary file being written" in listing.output and being_written in listing.output
+        cleared = runner.invoke(main, ["cache", "clear"])
+        assert "1 temporary file being written, left in place" in cleared.output
+        CompileCache(str(cache_dir)).remove(entry.key)
+        compile_exported(_program()[0])  # a store into this shard ages out its orphans, and only them
+        assert _temporary_files(cache_dir) == [being_written]
+    finally:
+        writer.kill()
+        writer.wait()
+    assert _temporary_files(cache_dir) == [being_written]  # its writer died: now an orphan
+    CliRunner().invoke(main, ["cache", "clear"])
+    assert _temporary_files(cache_dir) == []
+
+
+def test_a_store_ages_out_orphaned_temporary_files(cache_dir):
+    compile_exported(_program()[0])
+    (entry,) = CompileCache(str(cache_dir)).entries()
+    _writer(KILLED_WRITER, entry.path)
+    shard = os.path.dirname(entry.path)
+    # Left by a writer that took no lock (an older neuronc): orphaned once older than ORPHAN_AGE_S
+    old, young = os.path.join(shard, "x.neff.0badf00d.tmp"), os.path.join(shard, "y.neff.0badf00d.tmp")
+    for path in (old, young):
+        open(path, "wb").write(b"part of a NEFF")
+    long_ago = time.time() - ORPHAN_AGE_S - 60
+    os.utime(old, (long_ago, long_ago))
+    store = CompileCache(str(cache_dir))
+    store.remove(entry.key)
+    compile_exported(_program()[0])  # stored into the same shard again
+    assert _temporary_files(cache_dir) == ["y.neff.0badf00d.tmp"]
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_directory_that_is_a_file_or_cannot_be_made_is_refused_before_compiling(
+        tmp_path, monkeypatch, saved_program, where):
+    plain = tmp_path / "plain"
+    plain.write_text("not a directory")
+    url = plain if where == "a file" else plain / "cache"
+    monkeypatch.setenv("NEURON_CC_FLAGS", "")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(url))
+    pt2 = saved_program(*zoo.build("mlp"))
+    monkeypatch.setattr("neuronc.compiler.compile_exported", _must_not_compile)
+    result = CliRunner().invoke(main, ["compile", str(pt2), "-o", str(tmp_path / "m.neff")])
+    assert result.exit_code == 1 and not isinstance(result.exception, _Compiled), result.exception
+    assert f"NEURON_COMPILE_CACHE_URL={url}" in result.output and "hint:" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "m.neff").exists()
+    with pytest.raises(NeuronConfigError, match=str(plain)):
+        CompileCache.from_env()
+
+
+class _Compiled(Exception):
+    pass
+
+
+def _must_not_compile(*args, **kwargs):
+    raise _Compiled("compiled although a setting was bad")
+
+
+def test_a_failed_store_is_a_warning_and_the_compilation_is_not_lost(cache_dir, monkeypatch, caplog):
+    def disk_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr("neuronc.cache.write_atomically", disk_full)
+    program, model, inputs = _program()
+    with caplog.at_level("WARNING", logger="neuronc"):
+        compiled = compile_exported(program)
+    assert "No space left on device" in caplog.text and "compile cache" in caplog.text
+    out = run_neff(compiled.neff, [inputs[0].numpy()]).outputs[0]
+    torch.testing.assert_close(torch.from_numpy(out), model(*inputs).detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_an_entrys_key_is_kept_in_its_neff_header():
+    from neuronc.neff import decode
+
+    neff = compile_exported(_program()[0]).neff
+    neff.cache_key = "ab" * 32
+    assert decode(encode(neff)).cache_key == "ab" * 32
+    neff.cache_key = ""
+    assert decode(encode(neff)).cache_key == ""

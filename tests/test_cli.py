@@ -3,6 +3,9 @@ exit, nothing half-written) for every bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -16,19 +19,6 @@ from tests import zoo
 from tests import test_frontend
 from tests.conftest import line_of
 from tests.test_frontend import Unsupported
-
-
-@pytest.fixture
-def cli():
-    runner = CliRunner()
-
-    def invoke(*args):
-        result = runner.invoke(main, [str(a) for a in args])
-        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-        assert "Traceback" not in result.output
-        return result
-
-    return invoke
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +191,134 @@ def test_check_asks_the_passes_too_not_only_the_importer(cli, saved_program):
     assert "aten.mm.default (1 of 1 uses): an integer matrix multiplication is not supported yet" in result.output
     assert f"test_cli.py:{line_of(__file__, 'legalize refuses')}" in result.output
     assert "aten.add" not in result.output
+
+
+class _Worked(Exception):
+    pass
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Compiling or running anything fails the test: a bad argument must be refused before any work."""
+    def work(*args, **kwargs):
+        raise _Worked("the command started working although an argument was bad")
+
+    monkeypatch.setattr("neuronc.compiler.compile_exported", work)
+    monkeypatch.setattr("runtime.NeuronCore", work)
+
+
+def _commands_writing(mlp_neff, tmp_path, written: dict) -> list:
+    """Each command that writes a file, writing the file `written[kind]` (kinds: neff, npz, json, html)."""
+    neff, x = mlp_neff
+    np.save(tmp_path / "x.npy", x)
+    pt2 = neff.with_suffix(".pt2")
+    return [
+        ("compile", pt2, "-o", written["neff"]),
+        ("run", neff, "--input", tmp_path / "x.npy", "-o", written["npz"]),
+        ("profile", neff, "-o", written["json"]),
+        ("profile", neff, "-o", tmp_path / "trace.json", "--html", written["html"]),
+    ]
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_an_output_into_a_missing_directory_is_refused_before_any_work(cli, mlp_neff, tmp_path, no_work, which):
+    missing = tmp_path / "no" / "such" / "dir"
+    args = _commands_writing(mlp_neff, tmp_path, {kind: missing / f"out.{kind}" for kind in
+                                                  ("neff", "npz", "json", "html")})[which]
+    result = cli(*args)
+    assert result.exit_code == 1, result.output
+    assert f"error: cannot write {args[-1]}: the directory {missing} does not exist" in result.output
+    assert "hint: create it" in result.output and not missing.parent.parent.exists()
+
+
+@pytest.mark.parametrize("which, suffix", [(0, ".neff"), (1, ".npz"), (2, ".json"), (3, ".html")])
+def test_an_output_with_the_wrong_extension_is_refused_before_any_work(cli, mlp_neff, tmp_path, no_work, which,
+                                                                       suffix):
+    wrong = {"neff": mlp_neff[0].with_suffix(".pt2"),  # would overwrite the model compiled
+             "npz": tmp_path / "out.txt", "json": tmp_path / "trace.html", "html": tmp_path / "report.json"}
+    args = _commands_writing(mlp_neff, tmp_path, wrong)[which]
+    result = cli(*args)
+    assert result.exit_code == 1, result.output
+    assert f"error: cannot write {args[-1]}: " in result.output and f"must end in {suffix}" in result.output
+    assert not (tmp_path / "out.txt.npz").exists() and not (tmp_path / "out.txt").exists()
+
+
+class _Payload:
+    """Unpickling it would create `marker`: what a crafted input file runs if it is ever unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+def test_an_input_holding_python_objects_is_refused_without_unpickling_it(cli, mlp_neff, tmp_path, kind):
+    neff, _ = mlp_neff
+    marker = tmp_path / "payload-ran"
+    objects = np.array([_Payload(str(marker))], dtype=object)
+    path = tmp_path / f"crafted.{kind}"
+    if kind == "npy":
+        np.save(path, objects, allow_pickle=True)
+    else:
+        np.savez(path, x=objects)
+    result = cli("run", neff, "--input", path)
+    assert result.exit_code == 1
+    assert f"error: cannot read input {path}" in result.output and "Python objects" in result.output
+    assert not marker.exists()
+
+
+def test_an_npz_input_gives_its_arrays_in_order(cli, mlp_neff, tmp_path):
+    neff, x = mlp_neff
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "inputs.npz", x=x)
+    for source, out in ((tmp_path / "x.npy", "a.npz"), (tmp_path / "inputs.npz", "b.npz")):
+        assert cli("run", neff, "--input", source, "-o", tmp_path / out).exit_code == 0
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
+        np.testing.assert_array_equal(a["output0"], b["output0"])
+
+
+@pytest.mark.parametrize("content", [b"1.0, 2.0\n", b""])
+def test_an_input_that_is_not_a_numpy_file_says_so(cli, mlp_neff, tmp_path, content):
+    neff, _ = mlp_neff
+    (tmp_path / "x.csv").write_bytes(content)
+    result = cli("run", neff, "--input", tmp_path / "x.csv")
+    assert result.exit_code == 1
+    assert f"cannot read input {tmp_path / 'x.csv'}: not a .npy or .npz file" in result.output
+
+
+@pytest.mark.parametrize("variable, value", [("TORCH_NEURONX_DEBUG_DIR", "{file}"),
+                                             ("TORCH_NEURONX_DEBUG_DIR", "{file}/debug"),
+                                             ("NEURONC_FRONTEND_TIMEOUT", "ten minutes"),
+                                             ("NEURONC_FRONTEND_TIMEOUT", "-1")])
+def test_a_bad_setting_is_refused_before_compiling(cli, mlp_neff, tmp_path, monkeypatch, no_work, variable, value):
+    plain = tmp_path / "plain"
+    plain.write_text("a file")
+    monkeypatch.setenv(variable, value.format(file=plain))
+    result = cli("compile", mlp_neff[0].with_suffix(".pt2"), "-o", tmp_path / "m.neff")
+    assert result.exit_code == 1, result.output
+    assert f"error: {variable}={value.format(file=plain)}" in result.output and "hint:" in result.output
+
+
+def test_an_input_declaring_a_huge_array_is_refused_before_its_data_is_read(cli, mlp_neff, tmp_path):
+    neff, x = mlp_neff
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as file:  # 4 TB declared in a file of a few hundred bytes
+        np.lib.format.write_array_header_1_0(file, {"descr": "<f4", "fortran_order": False,
+                                                    "shape": (10**6, 10**6)})
+        file.write(bytes(64))
+    result = cli("run", neff, "--input", path)
+    assert result.exit_code == 1
+    expected = ", ".join(map(str, x.shape))
+    assert f"must be float32[{expected}], got float32[1000000, 1000000] from {path}" in result.output
+
+
+@pytest.mark.parametrize("command", ["compile", "inspect", "run --input"])
+def test_a_fifo_given_as_a_file_is_refused_instead_of_blocking(mlp_neff, tmp_path, command):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = [str(mlp_neff[0]), "--input", str(fifo)] if command == "run --input" else [str(fifo)]
+    done = subprocess.run([sys.executable, "-m", "neuronc.cli", command.split()[0], *args], capture_output=True,
+                          text=True, timeout=120)  # a regression blocks on open(): the timeout fails the test
+    assert done.returncode == 2 and f"{fifo} is not a regular file" in done.stderr

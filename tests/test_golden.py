@@ -32,5 +32,5 @@ def test_cli_compile_and_run_matches_eager(zoo_model, saved_program, tmp_path):
     result = runner.invoke(main, ["run", str(neff), *input_args, "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert "estimated device time" in result.output
-    with np.load(out) as outputs:
+    with np.load(out, allow_pickle=False) as outputs:
         assert_matches_eager([torch.from_numpy(outputs[f"output{i}"]) for i in range(len(outputs))], expected)

@@ -2,11 +2,14 @@
 turns every damaged, foreign, hostile or too-new file into a NeffFormatError."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import hashlib
 import io
 import math
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -20,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuronc import atomic_file
-from neuronc.errors import NeffFormatError
+from neuronc.errors import NeffFormatError, NeuronRuntimeError
 from neuronc.isa import ARITY, AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff import decode, encode, load, regenerate, save, verifier, writer
 from neuronc.neff.generated import Instruction as fb_instruction
@@ -827,3 +830,284 @@ def test_the_stale_check_lists_a_file_that_differs():
     del fresh["Wait.py"]
     assert regenerate.stale_files(fresh) == ["New.py", "Opcode.py", "Wait.py"]
 
+
+
+# ----- Programs changed and re-hashed: refused at load, never run wrong (issue 15) -----
+# A changed program behind correct hashes is what a buggy writer or a hostile file looks like: the
+# checksums pass, so the runtime's load checks (runtime/semantics.py, neuronc/neff/rules.py) decide.
+
+
+@pytest.fixture(scope="module")
+def mlp_program():
+    """The zoo's MLP compiled: (NEFF bytes, inputs, outputs of a run)."""
+    import torch
+
+    from neuronc.compiler import CompileOptions, compile_exported
+    from runtime import NeuronCore
+    from tests import zoo
+
+    model, inputs = zoo.build("mlp")
+    neff = compile_exported(torch.export.export(model, inputs), CompileOptions(name="mlp")).neff
+    inputs = [x.numpy() for x in inputs]
+    return encode(neff), inputs, NeuronCore("trn2").load(neff).run(inputs).outputs
+
+
+def _rehashed(data: bytes, change) -> bytes:
+    """`data` decoded, changed in place by `change(neff)`, and encoded again (so its hashes are right)."""
+    neff = decode(data)
+    change(neff)
+    return encode(neff)
+
+
+def _load(data: bytes, **core_options):
+    from runtime import NeuronCore
+
+    return NeuronCore("trn2", **core_options).load(decode(data))
+
+
+def _replace_operand(neff, find, change) -> Instruction:
+    """Replace the first operand `find(instruction, position, operand)` accepts by `change(operand)`."""
+    for stream in neff.streams.values():
+        for i, inst in enumerate(stream):
+            for k, ap in enumerate(inst.operands):
+                if find(inst, k, ap):
+                    operands = inst.operands[:k] + (change(ap),) + inst.operands[k + 1:]
+                    stream[i] = dataclasses.replace(inst, operands=operands)
+                    return stream[i]
+    raise AssertionError("no such operand")
+
+
+def _entry(neff, name: str) -> TensorEntry:
+    return next(t for t in neff.tensors if t.name == name)
+
+
+def _reads_weight(name: str):
+    def find(neff):
+        t = _entry(neff, name)
+        return lambda inst, k, ap: k >= len(inst.writes) and ap.space == Space.HBM and t.offset <= ap.offset < \
+            t.offset + t.nbytes
+    return find
+
+
+def _with_many_dims(data: bytes) -> bytes:
+    """The MLP with the first HBM read of fc1.weight given 63 more dims of size 1: 65 in all."""
+    return _rehashed(data, lambda neff: _replace_operand(
+        neff, _reads_weight("fc1.weight")(neff), lambda ap: dataclasses.replace(ap, dims=ap.dims + ((1, 1),) * 63)))
+
+
+@pytest.mark.parametrize("check_uninitialised", [True, False], ids=["checked", "unchecked"])
+def test_an_operand_of_65_dimensions_is_refused_at_load_naming_the_instruction(mlp_program, check_uninitialised):
+    data = _with_many_dims(mlp_program[0])
+    with pytest.raises(NeuronRuntimeError) as raised:
+        _load(data, check_uninitialised=check_uninitialised)  # used to load, then raise numpy's ValueError at run
+    message = str(raised.value)
+    assert re.search(r"DMA_COPY #\d+ on DMA queue \d+ \(kernel matmul_\d+\)", message), message
+    assert "operand 1 has 65 dimensions; an access pattern has 1 to 32" in message
+    assert "(65 dims)" in message and len(message) < 1000  # the operand is abbreviated, not 65 sizes long
+
+
+def test_neuronc_inspect_exits_1_with_the_error_on_a_program_the_runtime_refuses(mlp_program, tmp_path):
+    from click.testing import CliRunner
+
+    from neuronc.cli import main
+
+    path = tmp_path / "many_dims.neff"
+    path.write_bytes(_with_many_dims(mlp_program[0]))
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 1, result.output
+    assert "error: DMA_COPY" in result.output and "65 dimensions" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_program_reading_hbm_that_its_bias_entry_no_longer_covers_is_refused(mlp_program):
+    data = _rehashed(mlp_program[0], lambda neff: neff.tensors.remove(_entry(neff, "fc1.bias")))
+    with pytest.raises(NeuronRuntimeError) as raised:  # used to run and return all-NaN outputs
+        _load(data)
+    message = str(raised.value)
+    assert re.search(r"DMA_COPY #\d+ on DMA queue \d+ \(kernel \w+\) \[.*\]: operand 1 addresses HBM bytes "
+                     r"\[\d+, \d+\), which no tensor of the program holds", message), message
+    assert "hint:" in message
+
+
+def test_a_program_without_its_output_entry_is_refused(mlp_program):
+    data = _rehashed(mlp_program[0], lambda neff: neff.tensors.remove(_entry(neff, "output0")))
+    with pytest.raises(NeuronRuntimeError, match=r"DMA_COPY #\d+ .*: operand 0 addresses HBM bytes .* which no "
+                                                 r"tensor of the program holds"):  # used to run, returning []
+        _load(data)
+
+
+def _drop_output_stores(neff) -> None:
+    out = _entry(neff, "output0")
+    for key, stream in neff.streams.items():
+        neff.streams[key] = [inst for inst in stream if not (
+            inst.dst.space == Space.HBM and out.offset <= inst.dst.offset < out.offset + out.nbytes)]
+
+
+def test_a_program_that_never_writes_its_output_is_refused(mlp_program):
+    with pytest.raises(NeuronRuntimeError, match=r"never writes byte 0 of output 0 \('output0'"):
+        _load(_rehashed(mlp_program[0], _drop_output_stores))
+
+
+def test_a_program_writing_into_a_weight_is_refused(mlp_program):
+    def store_into_weight(neff):
+        out, weight = _entry(neff, "output0"), _entry(neff, "fc2.weight")
+        _replace_operand(neff, lambda inst, k, ap: k == 0 and ap.space == Space.HBM and ap.offset == out.offset,
+                         lambda ap: dataclasses.replace(ap, offset=weight.offset))
+
+    with pytest.raises(NeuronRuntimeError, match=r"operand 0 writes HBM bytes \[\d+, \d+\) of weight 'fc2.weight', "
+                                                 r"which is read-only"):
+        _load(_rehashed(mlp_program[0], store_into_weight))
+
+
+def test_a_destination_writing_a_byte_twice_is_refused(mlp_program):
+    def broadcast_store(neff):
+        _replace_operand(neff, lambda inst, k, ap: k == 0 and inst.opcode == Opcode.DMA_COPY and ap.space == Space.SBUF,
+                         lambda ap: dataclasses.replace(ap, dims=(ap.dims[0], (0, ap.dims[1][1])) + ap.dims[2:]))
+
+    with pytest.raises(NeuronRuntimeError, match=r"operand 0 addresses some bytes more than once"):
+        _load(_rehashed(mlp_program[0], broadcast_store))
+
+
+def test_a_compute_instruction_on_a_second_queue_of_its_engine_is_refused(mlp_program):
+    def second_queue(neff):
+        key = next(k for k in neff.streams if k[0] == Engine.TENSOR)
+        neff.streams[(Engine.TENSOR, 1)] = [dataclasses.replace(inst, queue=1) for inst in neff.streams.pop(key)]
+
+    with pytest.raises(NeuronRuntimeError, match="the TENSOR engine has one instruction queue, 0"):
+        _load(_rehashed(mlp_program[0], second_queue))
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda neff: setattr(_entry(neff, "x"), "offset", _entry(neff, "fc1.weight").offset),
+     r"weight 'fc1.weight' .* and input 'x' .* share bytes; only scratch tensors may"),
+    (lambda neff: neff.tensors.append(dataclasses.replace(_entry(neff, "x"), name="y", offset=neff.hbm_size - 1024)),
+     r"the 2 inputs of program 'mlp' are numbered \[0, 0\], not 0..1 once each"),
+    (lambda neff: neff.tensors.append(dataclasses.replace(_entry(neff, "output0"), index=1,
+                                                          offset=neff.hbm_size - 512)),
+     r"program 'mlp' has two outputs named 'output0'"),
+    (lambda neff: setattr(neff, "hbm_size", -1), r"declares -1 bytes of HBM"),
+], ids=["input-on-weight", "input-index-twice", "output-name-twice", "negative-hbm"])
+def test_a_tensor_table_that_cannot_describe_a_run_is_refused(mlp_program, change, problem):
+    with pytest.raises(NeuronRuntimeError, match=problem):
+        _load(_rehashed(mlp_program[0], change))
+
+
+def test_an_rng_position_that_is_not_a_number_is_refused_not_a_raw_error():
+    from neuronc.codegen.rng import random_program
+    from neuronc.targets import get_target
+    from runtime import NeuronCore
+
+    neff = random_program("uniform", (0.0, 1.0), (4, 8), DType.F32, get_target("trn2"))
+    for stream in neff.streams.values():
+        stream[:] = [dataclasses.replace(inst, imm1=math.nan) if inst.opcode == Opcode.RNG else inst for inst in stream]
+    with pytest.raises(NeuronRuntimeError, match=r"RNG #\d+ on GPSIMD .*RNG element numbers imm0=.*imm1=nan must be "
+                                                 r"whole, not negative and below 2\*\*63"):  # was int(nan)'s ValueError
+        NeuronCore("trn2").load(decode(encode(neff)))
+
+
+def test_the_compilers_own_programs_follow_the_rules(mlp_program):
+    data, inputs, outputs = mlp_program
+    assert [o.tobytes() for o in _load(data).run(inputs).outputs] == [o.tobytes() for o in outputs]
+
+
+# ----- The rule the runtime's HBM relies on: every HBM operand lies inside one tensor entry -----
+
+
+def _hbm(offset: int, dims: tuple, dtype=DType.F32) -> AccessPattern:
+    return AccessPattern(Space.HBM, dtype, offset, dims)
+
+
+def test_the_entry_covering_an_hbm_operand_is_the_one_holding_all_its_bytes():
+    from neuronc.neff.rules import covering_entry
+
+    a = TensorEntry("a", TensorKind.INPUT, DType.F32, (4, 8), 0, 0)  # bytes [0, 128)
+    b = TensorEntry("b", TensorKind.WEIGHT, DType.F32, (16,), 128)  # bytes [128, 192)
+    s1 = TensorEntry("s1", TensorKind.SCRATCH, DType.F32, (8,), 256)  # [256, 288), a slot's short tenant
+    s2 = TensorEntry("s2", TensorKind.SCRATCH, DType.F32, (32,), 256)  # [256, 384), its long one
+    tensors = [b, s1, a, s2]
+    assert covering_entry(tensors, _hbm(0, ((8, 4), (1, 8)))) is a
+    assert covering_entry(tensors, _hbm(4, ((8, 4), (1, 7)))) is a  # a sub-block
+    assert covering_entry(tensors, _hbm(124, ((1, 2),))) is None  # straddles a and b, adjacent as they are
+    assert covering_entry(tensors, _hbm(128, ((0, 128), (1, 16)))) is b  # a stride-0 broadcast of b
+    assert covering_entry(tensors, _hbm(188, ((-1, 4),))) is b  # elements 188, 184, 180, 176
+    assert covering_entry(tensors, _hbm(132, ((-1, 4),))) is None  # a negative stride reaching back into a
+    assert covering_entry(tensors, _hbm(192, ((1, 1),))) is None  # a gap no entry holds
+    assert covering_entry(tensors, _hbm(280, ((1, 4),))) is s2  # past the short tenant, inside the long one
+    assert covering_entry(tensors, _hbm(380, ((1, 2),))) is None  # past the end of every entry
+    assert covering_entry([], _hbm(0, ((1, 1),))) is None
+
+
+# ----- The fuzzer (benchmarks/fuzz_neff.py): a few thousand cases, every one correct -----
+
+
+@pytest.fixture(scope="module")
+def fuzz_corpus(mlp_program, tmp_path_factory):
+    """Base programs for the fuzzer: the MLP (already compiled) and codegen's random-number program."""
+    from benchmarks import fuzz_neff
+
+    directory = tmp_path_factory.mktemp("fuzz_corpus")
+    data, inputs, _ = mlp_program
+    (directory / "mlp.neff").write_bytes(data)
+    np.savez(directory / "mlp.npz", *inputs)
+    return fuzz_neff.build_corpus(str(directory), ["mlp", "rng"])
+
+
+def test_fuzzed_neffs_end_in_a_documented_error_or_a_correct_run(fuzz_corpus):
+    from benchmarks import fuzz_neff
+
+    report = fuzz_neff.fuzz(fuzz_corpus, ["mlp", "rng"], seed=15, cases=2000, workers=2, timeout=120)
+    assert not report.findings, "\n".join(
+        f"case {f['case']} ({f['class']}, {f['base']}): {f['finding']}: {f['what']}\n{f['detail']}"
+        for f in report.findings[:5])
+    assert report.cases == 2000
+    outcomes = collections.Counter()
+    for (klass, outcome), count in report.by_class.items():
+        outcomes[klass] += count
+        outcomes[outcome.split(":")[0]] += count
+    assert all(outcomes[klass] > 0 for klass in fuzz_neff.CLASSES), outcomes  # every kind of change was made
+    for outcome in ("refused at read", "refused at load", "ran"):  # and they were refused at each stage, or ran
+        assert outcomes[outcome] > 50, outcomes
+
+
+def test_the_fuzzers_judgement_catches_a_runtime_that_runs_a_program_returning_memory_nothing_wrote(
+        mlp_program, monkeypatch):
+    from benchmarks import fuzz_neff
+    from runtime.core import LoadedProgram
+
+    data, inputs, outputs = mlp_program
+    base = fuzz_neff.Base("mlp", data, decode(data), inputs, outputs)
+    no_store = _rehashed(data, _drop_output_stores)
+    assert fuzz_neff.judge(base, "program", "output stores dropped", no_store)["finding"] is None  # refused
+    monkeypatch.setattr(LoadedProgram, "_check_outputs_written", lambda *args: None)  # a runtime without the rule
+    judged = fuzz_neff.judge(base, "program", "output stores dropped", no_store)
+    assert judged["outcome"] == "ran"
+    assert judged["finding"] == "outputs depend on the contents of memory nothing wrote"
+
+
+def test_an_empty_output_at_an_address_of_its_own_loads_and_runs(mlp_program):
+    def add_empty_output(neff):
+        out = _entry(neff, "output0")
+        neff.tensors.append(dataclasses.replace(out, name="empty", shape=(0,), offset=neff.hbm_size + 64, index=1))
+        neff.hbm_size += 128
+
+    data, inputs, outputs = mlp_program
+    got = _load(_rehashed(data, add_empty_output)).run(inputs).outputs  # was a TypeError in the access check
+    assert [o.shape for o in got] == [outputs[0].shape, (0,)]
+    assert got[0].tobytes() == outputs[0].tobytes()
+
+
+def test_a_tensor_grown_to_gigabytes_is_refused_within_the_host_budget_not_with_a_memory_error(mlp_program,
+                                                                                               monkeypatch):
+    def grow_scratch(neff):
+        k = max(i for i, t in enumerate(neff.tensors) if t.kind == TensorKind.SCRATCH)
+        t = neff.tensors[k]
+        neff.tensors[k] = dataclasses.replace(t, shape=(2**31 // 4,))  # 2 GiB, inside trn2's HBM
+        neff.hbm_size = t.offset + 2**31
+
+    monkeypatch.setenv("NEURONC_HOST_MEMORY_BUDGET", "1G")
+    from neuronc.errors import DeviceOutOfMemoryError
+
+    with pytest.raises(DeviceOutOfMemoryError, match=r"checking the memory accesses of 'mlp' needs \d+ bytes "
+                                                     r"\(1\.5 GiB\) of host memory, more than the host budget of "
+                                                     r"1073741824 bytes"):
+        _load(_rehashed(mlp_program[0], grow_scratch))

@@ -123,6 +123,23 @@ def test_a_gather_of_consecutive_constant_rows_is_a_slice_of_the_table():
     assert run_pass(canonicalize, _gather("6, 7, 8")) == canonical(_gather("6, 7, 8"))  # row 8 is past the table
 
 
+def test_a_slice_of_a_broadcast_is_the_broadcast_of_a_slice():
+    """The large broadcast is never made: only the two values the slice reads are."""
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = broadcast_in_dim(%0) : 1000x4xf32 {{dims = (1,)}}
+          %2 = slice(%1) : 2x2xf32 {{start = (10, 1), limit = (12, 3), strides = (1, 1)}}
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = slice(%0) : 2xf32 {{start = (1,), limit = (3,), strides = (1,)}}
+          %2 = broadcast_in_dim(%1) : 2x2xf32 {{dims = (1,)}}
+          return %2
+        }}""")
+
+
 def test_the_erf_form_of_gelu_is_one_gelu():
     assert run_pass(canonicalize, f"""
         graph @f(%0) {{

@@ -11,12 +11,14 @@ import warnings
 import zipfile
 
 from neuronc.errors import ModelLoadError, NeuronCompileError
+from neuronc.frontend.pt2_archive import read_exported_program
 from neuronc.frontend.torch_import import ImportedGraph, decomposition_table, import_fx, stablehlo_text
 from neuronc.frontend.tensors import to_numpy
 
 
 def load_exported_program(path):
-    """Load a `.pt2` file written by `torch.export.save`, with an error a user can act on."""
+    """Load a `.pt2` file written by `torch.export.save`, with an error a user can act on, never running
+    code from the file (see pt2_archive)."""
     import torch
 
     path = os.fspath(path)
@@ -28,12 +30,10 @@ def load_exported_program(path):
             hint="create it with: ep = torch.export.export(model, example_inputs); torch.export.save(ep, path)",
         )
     try:
-        program = torch.export.load(path)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad archive
-        raise ModelLoadError(
-            f"{path} could not be loaded as an ExportedProgram: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-            hint="the file may be truncated, or written by torch.save rather than torch.export.save",
-        ) from None
+        program = read_exported_program(path)
+    except zipfile.BadZipFile as err:
+        raise ModelLoadError(f"{path} is a damaged zip archive ({err})",
+                             hint="the file may be truncated; save it again with torch.export.save") from None
     if not isinstance(program, torch.export.ExportedProgram):
         raise ModelLoadError(f"{path} holds a {type(program).__name__}, not an ExportedProgram")
     return program
@@ -94,8 +94,41 @@ def import_exported_program(program, name: str = "main"):
             params.append((placeholder, "input"))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             params.append((spec.target, "weight"))
-            weights[spec.target] = to_numpy(state[spec.target])
+            distinct, shape = distinct_elements(state[spec.target])
+            if shape is not None:
+                broadcast_placeholder(program.graph_module, placeholder, shape, distinct.shape)
+            weights[spec.target] = to_numpy(distinct)
         else:
             raise NeuronCompileError(f"unsupported input kind {spec.kind.name} ({placeholder})")
     imported: ImportedGraph = import_fx(program.graph_module, params, name)
     return imported, weights
+
+
+def distinct_elements(tensor):
+    """(the distinct elements of ``tensor``, the shape to broadcast them to) when its strides repeat elements
+    (stride 0, as ``expand`` makes), else (``tensor``, None): a 1 x 4 buffer expanded to 2^30 x 4 stays 16
+    bytes, in the host's memory and in the NEFF, and becomes a broadcast in the graph."""
+    repeated = [size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())]
+    if not any(repeated):
+        return tensor, None
+    index = tuple(slice(0, 1) if r else slice(None) for r in repeated)
+    return tensor.detach()[index], tuple(tensor.shape)
+
+
+def broadcast_placeholder(gm, name: str, shape: tuple, stored_shape) -> None:
+    """In place: placeholder ``name`` holds ``stored_shape`` and its users read it broadcast to ``shape``."""
+    import torch
+
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name)
+    val = placeholder.meta["val"]
+    with gm.graph.inserting_after(placeholder):
+        broadcast = gm.graph.call_function(torch.ops.aten.expand.default, (placeholder, list(shape)))
+    placeholder.replace_all_uses_with(broadcast, delete_user_cb=lambda user: user is not broadcast)
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    with val.fake_mode:
+        stored = torch.empty(tuple(stored_shape), dtype=val.dtype)
+        placeholder.meta["val"], broadcast.meta["val"] = stored, stored.expand(shape)
+    for node in (placeholder, broadcast):  # torch-mlir types a node by its tensor_meta first
+        node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    gm.recompile()

@@ -8,6 +8,7 @@ the cost low: nothing has to be imported again or sent to the child.
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import pickle
 import select
@@ -15,8 +16,9 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
-from neuronc.errors import FrontendCrashError, NeuronError
+from neuronc.errors import FrontendCrashError, NeuronConfigError, NeuronError
 
 _OK, _ERROR = b"O", b"E"
 DEFAULT_TIMEOUT_S = 600.0  # NEURONC_FRONTEND_TIMEOUT overrides; torch-mlir can also loop forever
@@ -26,10 +28,15 @@ def run_isolated(fn, *args, what: str = "the torch-mlir import"):
     """Return fn(*args), computed in a forked child. Exceptions raised by fn are re-raised here."""
     if not hasattr(os, "fork") or os.environ.get("NEURONC_NO_ISOLATION") == "1":
         return fn(*args)
+    timeout = timeout_s()
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # JAX warns at every fork of a process it runs threads in: a child that used JAX could deadlock on a
+        # lock one of them held. The child here runs only torch-mlir and neuronc's importer, never JAX.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        pid = os.fork()
     if pid == 0:  # child
         os.close(read_fd)
         _silence_native_diagnostics()
@@ -46,7 +53,6 @@ def run_isolated(fn, *args, what: str = "the torch-mlir import"):
         finally:
             os._exit(status)
     os.close(write_fd)
-    timeout = float(os.environ.get("NEURONC_FRONTEND_TIMEOUT", DEFAULT_TIMEOUT_S))
     try:
         payload, timed_out = _read_until(read_fd, time.monotonic() + timeout)
     except BaseException:  # e.g. Ctrl-C while waiting: never leave the child behind
@@ -74,6 +80,22 @@ def run_isolated(fn, *args, what: str = "the torch-mlir import"):
         "and report the graph (set TORCH_NEURONX_DEBUG_DIR to keep it). "
         "Rewriting the op that triggers it, or compiling a smaller part of the model, avoids it.",
     )
+
+
+def timeout_s() -> float:
+    """NEURONC_FRONTEND_TIMEOUT in seconds (default DEFAULT_TIMEOUT_S); anything else than a positive
+    number is refused."""
+    text = os.environ.get("NEURONC_FRONTEND_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise NeuronConfigError(f"NEURONC_FRONTEND_TIMEOUT={text}: not a positive number of seconds",
+                                hint=f"e.g. NEURONC_FRONTEND_TIMEOUT=1200, or unset it for {DEFAULT_TIMEOUT_S:.0f} s")
+    return seconds
 
 
 def _read_until(fd: int, deadline: float) -> tuple:

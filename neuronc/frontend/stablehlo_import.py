@@ -1,12 +1,18 @@
 """StableHLO (a live MLIR module, through the MLIR python bindings) -> neuronc graph IR.
 
 One converter per StableHLO op name, in a registry. Every op the backend cannot handle is
-collected, with the PyTorch source line it came from, and reported in one `NeuronCompileError`,
+collected, with the source line it came from, and reported in one `NeuronCompileError`,
 so a user sees all missing ops at once instead of one per compile.
+
+Source lines come from the FX graph (torch-mlir names each op's location after its FX node), or,
+for a module from elsewhere (JAX, a .mlir file), from the MLIR locations themselves. Every result
+of every op gets a number (`values`, in program order), and the node computing it carries that
+number as its `origin`, which `neuronc bisect` follows through the passes to the NEFF's kernels.
 """
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -91,20 +97,56 @@ def _region_reducer(op) -> str:
     return _REDUCERS[body[0].operation.name]
 
 
-_LOC_NAME = re.compile(r'loc\("([^"]+)"\(')
+_LOC_NAME = re.compile(r'loc\("([^"]+)"[()]')
+_FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
+_SCOPE = re.compile(r'"([^"]*)"\(')
+
+
+def mlir_location(op) -> DebugLoc:
+    """The source line an MLIR location names: its innermost `"file":line:col` (a JAX program's line; JAX
+    leaves out its own frames), with the name around it (JAX's name stack, e.g. "jit(f)/dot_general")."""
+    text = str(op.location)
+    where, scope = _FILE_LINE.search(text), _SCOPE.search(text)
+    return DebugLoc(file=where.group(1) if where else "", line=int(where.group(2)) if where else 0,
+                    module_path=scope.group(1) if scope else "", op=op.name)
+
+
+def location_of(op, locations: dict | None) -> DebugLoc:
+    """Where an op came from: its FX node's line (`locations`: FX node name -> DebugLoc), or with no
+    FX graph (None), the line its MLIR location names."""
+    if locations is None:
+        return mlir_location(op)
+    match = _LOC_NAME.search(str(op.location))
+    if match and match.group(1) in locations:
+        return locations[match.group(1)]
+    return DebugLoc()
+
+
+def values(block) -> list:
+    """Every result of every op of a function's body, in program order: the value numbers of `Node.origin`."""
+    return [result for op in block.operations if op.operation.name != "func.return" for result in op.results]
+
+
+class UnsupportedUse(NamedTuple):
+    """An op the importer cannot convert: its name, why, and where it is."""
+
+    op: str
+    why: str
+    loc: DebugLoc
+
+    def __str__(self) -> str:
+        return f"{self.op} ({self.why}) at {self.loc}"
 
 
 class _Importer:
-    def __init__(self, locations: dict):
-        self.locations = locations  # FX node name -> DebugLoc
+    def __init__(self, locations: dict | None, numbers: dict):
+        self.locations = locations  # FX node name -> DebugLoc; None: read the MLIR locations
+        self.numbers = numbers  # MLIR value -> its number
         self.values: dict = {}
-        self.problems: list = []
+        self.problems: list = []  # of UnsupportedUse
 
     def loc(self, op) -> DebugLoc:
-        match = _LOC_NAME.search(str(op.location))
-        if match and match.group(1) in self.locations:
-            return self.locations[match.group(1)]
-        return DebugLoc()
+        return location_of(op, self.locations)
 
     def convert(self, op) -> None:
         name = op.name
@@ -123,9 +165,12 @@ class _Importer:
             if len(nodes) != len(op.results):
                 raise _Unsupported(f"{len(op.results)} results")
             self.values.update(zip(op.results, nodes))
+            for result, node in zip(op.results, nodes):
+                if node.origin < 0:  # not an operand passed through (an identity)
+                    node.origin = self.numbers[result]
         except (_Unsupported, KeyError) as why:
             if not isinstance(why, KeyError):  # a KeyError: an operand of an op already reported
-                self.problems.append(f"{name} ({why}) at {loc}")
+                self.problems.append(UnsupportedUse(name, str(why), loc))
             for result in op.results:  # stand-ins, so the walk goes on and finds every problem
                 shape, dtype = _safe_type(result)
                 self.values[result] = ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.zeros((), dtype.numpy))
@@ -376,7 +421,30 @@ def _sort(op, inputs, shape, dtype, loc):
     return tuple(results)
 
 
+_COMPOSITES = {"chlo.erf": Op.ERF}  # composites computed as one op; the others were inlined (stablehlo_program.py)
+
+
+def _composite(op, inputs, shape, dtype, loc):
+    """JAX's `stablehlo.composite "chlo.erf"` (an erf with its polynomial as the decomposition) as one ERF."""
+    composite = str(op.attributes["name"]).strip('"')
+    if composite not in _COMPOSITES:
+        raise _Unsupported(f"composite {composite}")
+    return ir.node(_COMPOSITES[composite], inputs, shape, dtype, loc)
+
+
+def _optimization_barrier(op, inputs, shape, dtype, loc):
+    """JAX's rematerialisation fence: its results are its operands (neuronc does not rematerialise)."""
+    return tuple(inputs)
+
+
+def _custom_call(op, inputs, shape, dtype, loc):
+    raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
+
+
 _CONVERTERS = {
+    "stablehlo.composite": _composite,
+    "stablehlo.optimization_barrier": _optimization_barrier,
+    "stablehlo.custom_call": _custom_call,
     "stablehlo.constant": _constant,
     "arith.constant": _constant,
     "stablehlo.broadcast_in_dim": _broadcast,
@@ -401,11 +469,28 @@ def supported_stablehlo_ops() -> list:
     return sorted(set(_SIMPLE) | set(_CONVERTERS))
 
 
-def import_module(module: object, params: list, locations: dict, name: str = "main") -> ir.Graph:
-    """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument."""
-    func = next(op for op in module.body.operations if op.operation.name == "func.func")
-    block = func.regions[0].blocks[0]
-    importer = _Importer(locations)
+def main_function(module):
+    """The module's entry point: func @main (else its first function)."""
+    functions = [op.operation for op in module.body.operations if op.operation.name == "func.func"]
+    if not functions:
+        raise NeuronCompileError("this StableHLO module has no function", hint="a program is a module with func @main")
+    return next((f for f in functions if str(f.attributes["sym_name"]) == '"main"'), functions[0])
+
+
+def import_module(module, params: list, locations: dict | None, name: str = "main") -> ir.Graph:
+    """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument; `locations`
+    maps FX node names to their source lines (None: source lines are read from the MLIR locations)."""
+    graph, problems = convert_module(module, params, locations, name)
+    if problems:
+        raise unsupported_error(problems)
+    return graph
+
+
+def convert_module(module, params: list, locations: dict | None, name: str = "main") -> tuple:
+    """(graph, problems): import_module's graph, with a zero constant standing in for the results of each op
+    it cannot convert, and those ops as UnsupportedUse records (for `neuronc check`, which probes the rest)."""
+    block = main_function(module).regions[0].blocks[0]
+    importer = _Importer(locations, {value: number for number, value in enumerate(values(block))})
     graph_params = []
     for index, arg in enumerate(block.arguments):
         try:
@@ -423,11 +508,15 @@ def import_module(module: object, params: list, locations: dict, name: str = "ma
             outputs = [importer.values[v] for v in op.operands]
             continue
         importer.convert(op)
-    if importer.problems:
-        raise NeuronCompileError(
-            f"{len(importer.problems)} op(s) in this graph cannot be compiled for the NeuronCore yet",
-            problems=importer.problems,
-            hint="rewrite these ops with supported ones (see `neuronc check`), or keep that part of "
-            "the model outside the compiled region (torch.compiler.disable)",
-        )
-    return ir.Graph(graph_params, outputs, name)
+    return ir.Graph(graph_params, outputs, name), importer.problems
+
+
+def unsupported_error(problems: list) -> NeuronCompileError:
+    error = NeuronCompileError(
+        f"{len(problems)} op(s) in this graph cannot be compiled for the NeuronCore yet",
+        problems=[str(p) for p in problems],
+        hint="rewrite these ops with supported ones (see `neuronc check`), or keep that part of "
+        "the model outside the compiled region (torch.compiler.disable, or outside the jitted function)",
+    )
+    error.unsupported = list(problems)  # UnsupportedUse records, for `neuronc check`
+    return error

@@ -17,8 +17,13 @@ FORMAT_MAJOR = 1
 # 1.3: ACTIVATE_BIAS_REDUCE (an activation with a per-partition bias tile and a row-sum destination);
 # 1.4: RNG (the GpSimd engine's counter-based random numbers); TENSOR_SCALAR_REDUCE (a multiplication by
 #      a scalar with a row-reduction destination); 1.5: TENSOR_ALU2 (two ALU ops in one pass) and the
-#      instruction field alu1
-FORMAT_MINOR = 5
+#      instruction field alu1; 1.6: the header field cache_key
+FORMAT_MINOR = 6
+
+
+# The most dimensions a tensor entry may have: numpy's limit (an entry's values are a numpy array), which is
+# also PyTorch's.
+MAX_TENSOR_DIMS = 64
 
 
 class TensorKind(enum.IntEnum):
@@ -86,6 +91,7 @@ class Neff:
     format_major: int = FORMAT_MAJOR
     format_minor: int = FORMAT_MINOR
     content_hash: str = ""  # sha256 of the encoded program; filled in by the reader/writer
+    cache_key: str = ""  # the compile-cache key, in the NEFFs of cache entries only (neuronc/cache.py)
 
     def inputs(self) -> list:
         return sorted((t for t in self.tensors if t.kind == TensorKind.INPUT), key=lambda t: t.index)
@@ -108,6 +114,7 @@ __all__ = [
     "FORMAT_MINOR",
     "Instruction",
     "KernelInfo",
+    "MAX_TENSOR_DIMS",
     "Neff",
     "TensorEntry",
     "TensorKind",

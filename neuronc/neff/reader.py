@@ -22,7 +22,8 @@ import numpy as np
 from neuronc.errors import NeffFormatError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff import verifier
-from neuronc.neff.program import FORMAT_MAJOR, DebugLoc, KernelInfo, Neff, TensorEntry, TensorKind
+from neuronc.neff.program import (FORMAT_MAJOR, MAX_TENSOR_DIMS, DebugLoc, KernelInfo, Neff, TensorEntry,
+                                   TensorKind)
 from neuronc.neff.writer import FILE_IDENTIFIER
 
 MIN_SIZE = 8  # root offset + file identifier
@@ -109,6 +110,7 @@ def _decode_checked(data: bytes) -> Neff:
         format_major=header.format_major,
         format_minor=header.format_minor,
         content_hash=header.content_hash,
+        cache_key=header.cache_key or "",
     )
     operands = {}  # id of a record -> its AccessPattern: operands that share a table share the object
     for stream in program.streams:
@@ -134,6 +136,10 @@ _ALU_OPS, _ACT_FUNCS, _KINDS = _members(AluOp), _members(ActFunc), _members(Tens
 
 def _tensor(tensor) -> TensorEntry:
     dtype = _DTYPES[tensor.dtype]
+    if len(tensor.shape) > MAX_TENSOR_DIMS:
+        raise NeffFormatError(
+            f"corrupted NEFF: tensor {tensor.name!r} has {len(tensor.shape)} dimensions, more than {MAX_TENSOR_DIMS}",
+            hint=DAMAGED)
     if any(size < 0 for size in tensor.shape):
         raise NeffFormatError(
             f"corrupted NEFF: tensor {tensor.name!r} has a negative size in its shape {tensor.shape}", hint=DAMAGED

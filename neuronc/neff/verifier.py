@@ -55,6 +55,7 @@ class StructType:
         self.name = name
         self.size = size
         self.align = align
+        self.fields = tuple(fields)
         layout, end = "<", 0
         for offset, _, scalar in fields:
             layout += "x" * (offset - end) + scalar.fmt

@@ -58,6 +58,7 @@ def _encode_file(neff: Neff, program: bytes, content_hash: str) -> bytes:
     )
     strings = [builder.CreateString(s) for s in (neff.compiler_version, neff.target, neff.name, content_hash,
                                                   header_hash)]
+    cache_key = builder.CreateString(neff.cache_key) if neff.cache_key else None
     fb_header.Start(builder)
     fb_header.AddFormatMajor(builder, neff.format_major)
     fb_header.AddFormatMinor(builder, neff.format_minor)
@@ -68,6 +69,8 @@ def _encode_file(neff: Neff, program: bytes, content_hash: str) -> bytes:
     fb_header.AddHbmSize(builder, neff.hbm_size)
     _add_float(builder, fb_header.AddEstimatedNs, neff.estimated_ns)
     fb_header.AddHeaderHash(builder, strings[4])
+    if cache_key is not None:
+        fb_header.AddCacheKey(builder, cache_key)
     header = fb_header.End(builder)
     fb_file.Start(builder)
     fb_file.AddHeader(builder, header)

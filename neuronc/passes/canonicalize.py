@@ -5,7 +5,8 @@ Named rewrite rules (passes/rewrite.py), run together to a fixed point by `canon
   op-facts table, as the device computes it), keeping splats (one value broadcast to a shape) as 0-d arrays.
 * the simplifications (`SIMPLIFY`, which legalize runs too): drop no-op converts, reshapes, transposes and
   broadcasts and identities (x + 0, x * 1, x / 1); merge reshape chains; a gather of consecutive constant rows
-  is a slice; a constant of one repeated value is a splat.
+  is a slice; slice before broadcasting (a slice of a broadcast is the broadcast of a slice, and never
+  materialises the large tensor); a constant of one repeated value is a splat.
 * `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
   as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
   exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
@@ -183,6 +184,27 @@ def gather_of_consecutive_rows_as_slice(node: ir.Node, inputs: tuple) -> ir.Node
                    limit=(first + node.shape[0], table.shape[1]), strides=(1, 1))
 
 
+@rule(Op.SLICE)
+def slice_before_broadcast(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """slice(broadcast_in_dim(x)) as broadcast_in_dim(slice(x)): x's broadcast dims are read at [0:1]."""
+    broadcast = inputs[0]
+    if broadcast.op is not Op.BROADCAST_IN_DIM:
+        return None
+    x, dims = broadcast.inputs[0], broadcast.attrs["dims"]
+    start, limit, strides = [], [], []
+    for i, d in enumerate(dims):
+        if x.shape[i] == 1:
+            start, limit, strides = start + [0], limit + [1], strides + [1]
+        else:
+            start, limit = start + [node.attrs["start"][d]], limit + [node.attrs["limit"][d]]
+            strides.append(node.attrs["strides"][d])
+    shape = tuple(1 if x.shape[i] == 1 else node.shape[d] for i, d in enumerate(dims))
+    if shape != x.shape:
+        x = ir.node(Op.SLICE, [x], shape, x.dtype, node.loc, start=tuple(start), limit=tuple(limit),
+                    strides=tuple(strides))
+    return ir.node(Op.BROADCAST_IN_DIM, [x], node.shape, node.dtype, node.loc, dims=tuple(dims))
+
+
 @rule(Op.CONSTANT)
 def splat_uniform_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
     """A constant holding one value many times is a splat of it."""
@@ -197,7 +219,7 @@ def splat_uniform_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
 
 # the simplifications: canonicalize runs them, and legalize, after it, for what its lowering makes trivial
 SIMPLIFY = (drop_identity_operand, drop_noop_convert, drop_noop_reshape, drop_identity_transpose, merge_reshapes,
-            gather_of_consecutive_rows_as_slice, splat_uniform_constant)
+            gather_of_consecutive_rows_as_slice, slice_before_broadcast, splat_uniform_constant)
 
 
 def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:

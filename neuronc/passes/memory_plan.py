@@ -152,3 +152,21 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     for entry, slot in scratch:
         entry.offset = starts[slot]
     return MemoryPlan(sorted(tensors, key=lambda t: t.offset), placement, cursor)
+
+
+def check_capacity(plan: MemoryPlan, target) -> None:
+    """Refuse a program whose tensors need more HBM than one NeuronCore of ``target`` has, before code is
+    generated for it (and before anything would try to hold its bytes)."""
+    if plan.hbm_size <= target.hbm_bytes:
+        return
+    from neuronc.errors import NeuronCompileError
+
+    gib = 2**30
+    largest = sorted(plan.tensors, key=lambda t: t.nbytes, reverse=True)[:5]
+    raise NeuronCompileError(
+        f"the program needs {plan.hbm_size / gib:.2f} GiB of HBM, but a {target.name} NeuronCore has "
+        f"{target.hbm_bytes / gib:.2f} GiB",
+        problems=[f"{t.kind.name.lower()} {t.name}: {t.dtype.name}{list(t.shape)}, {t.nbytes / gib:.2f} GiB"
+                  for t in largest],
+        hint="use a smaller batch or sequence, cast weights to bf16 (--auto-cast all), or a target with more "
+        "HBM per core")

@@ -41,13 +41,13 @@ O0 = [
 O1 = O0  # the same passes today
 
 O2 = [
-    demote_f64,  # as -O0
-    lower_gather_scatter,
-    canonicalize,
+    demote_f64,  # as -O0: first, nothing below computes in float64
+    lower_gather_scatter,  # as -O0: index arithmetic folded by canonicalize
+    canonicalize,  # as -O0: the canonical forms every pattern below matches
     auto_cast,  # before the convolutions are lowered: it casts CONVOLUTION's operands
     lower_convolutions,  # before legalize: convolutions the implicit-GEMM kernel takes become CONV, the rest im2col
-    legalize,
-    lower_flex_attention,  # as -O0
+    legalize,  # as -O0: the kernel forms the fusion passes group
+    lower_flex_attention,  # as -O0: FLEX_ATTENTION becomes the flash-attention kernel
     store_weights_transposed,  # before fusion: matmuls then read the stored transpose as a dense operand
     fuse_attention,  # before row-wise fusion: the softmax of an attention belongs to its flash kernel
     fuse_rowwise,  # softmax, layer-norm...: one kernel per normalisation, before elementwise fusion takes its ops

@@ -5,7 +5,7 @@ A rule is a function `(node, inputs) -> replacement or None`, registered with th
 an existing one, such as an operand) computing the same values. `rewrite(graph, rules, ctx)` offers every node,
 operands first, to the rules of its op in order; a replacement is offered to the rules again, and sweeps repeat
 until no rule fires. So a pass that simplifies need not be run twice, nor ordered against the others: rules compose.
-`ctx.fired` counts the rules that fired, by name (tests and `neuronc compile` debug output read it).
+`ctx.fired` counts the rules that fired, by name (the tests read it).
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.errors import NeuronCompileError
@@ -37,10 +38,11 @@ class NeffFunction:
 
     @functools.cached_property
     def program(self):
-        """The NEFF loaded on a core of its own, for CPU tensors."""
+        """The NEFF loaded on a core of its own (its HBM accounted alone), for CPU tensors; the cores of all
+        such programs share one SBUF and PSUM per target (their runs take turns)."""
         from runtime import NeuronCore
 
-        return _load(self.compiled, NeuronCore(self.options.target))
+        return _load(self.compiled, NeuronCore(self.options.target, on_chip=_host_on_chip(self.options.target)))
 
     def __call__(self, *args):
         device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
@@ -64,6 +66,14 @@ class NeffFunction:
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
         self.device_launches += 1
         return tuple(None if i is None else outputs[i] for i in self.compiled.output_layout)
+
+
+@functools.cache
+def _host_on_chip(target: str):
+    from runtime.memory import OnChip
+    from neuronc.targets import get_target
+
+    return OnChip(get_target(target))
 
 
 def _load(compiled, core):
@@ -111,6 +121,39 @@ def _devices_to_host(gm) -> None:
     gm.recompile()
 
 
+class CompiledGraphs:
+    """The graphs the backend compiled in this process, in order, without keeping them alive.
+
+    ``len()`` counts every compilation (or compile-cache hit); ``[i]`` (and slices) give the i-th graph's
+    :class:`NeffFunction` while Dynamo still uses it. Dynamo's caches own the compiled graphs: once it drops
+    them (``torch._dynamo.reset()``, a model garbage-collected), their programs and memory go too, however
+    many graphs a long-running process compiles."""
+
+    def __init__(self):
+        self._refs: list = []
+
+    def append(self, function: NeffFunction) -> None:
+        self._refs.append(weakref.ref(function))
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._alive(i) for i in range(*index.indices(len(self._refs)))]
+        return self._alive(range(len(self._refs))[index])
+
+    def __iter__(self):
+        return (f for f in (ref() for ref in self._refs) if f is not None)
+
+    def _alive(self, i: int) -> NeffFunction:
+        function = self._refs[i]()
+        if function is None:
+            raise LookupError(f"compiled graph #{i} was freed (Dynamo no longer uses it); keep a reference to "
+                              "the compiled model, or read compiled_graphs right after the call")
+        return function
+
+
 def compile_count() -> int:
     """How many graphs the backend has compiled (or taken from the compile cache) in this process."""
     return len(compiled_graphs)
@@ -143,4 +186,4 @@ def neuron_backend(gm, example_inputs, options: dict | None = None):
                         decompositions=decomposition_table())(gm, example_inputs)
 
 
-compiled_graphs: list = []  # every NeffFunction made in this process, newest last (for tests and tools)
+compiled_graphs = CompiledGraphs()  # every NeffFunction made in this process, newest last (for tests and tools)

@@ -40,7 +40,7 @@ def _visible_cores() -> int:
     return len(cores)
 
 
-def _reserve(index: int, nbytes: int) -> int:
+def _reserve(index: int, nbytes: int) -> tuple:
     """The shim's allocator calls this for every storage (the runtime is imported on first use)."""
     global _reserve, _release
     from neuronc.pytorch.device_memory import release, reserve

@@ -15,8 +15,10 @@ import numpy as np
 import torch
 
 from neuronc.cc_flags import cc_flags, flag_value
+from neuronc.errors import DeviceOutOfMemoryError
 from neuronc.frontend.tensors import torch_dtypes
 from runtime import NeuronCore
+from runtime.memory import UNINITIALISED
 
 _cores: dict = {}  # device index -> NeuronCore
 
@@ -36,9 +38,19 @@ def core(index: int) -> NeuronCore:
     return _cores[index]
 
 
-def reserve(index: int, nbytes: int) -> int:
-    """Account ``nbytes`` of a new storage on core ``index``'s HBM; the handle to release them with."""
-    return core(index).hbm.reserve(f"a neuron:{index} tensor storage of {nbytes} bytes", nbytes)
+def reserve(index: int, nbytes: int) -> tuple:
+    """Account ``nbytes`` of a new storage on core ``index``'s HBM and make the host bytes holding them:
+    (the handle to release them with, the bytes, uninitialised). Reserves nothing when either fails."""
+    hbm = core(index).hbm
+    handle = hbm.reserve(f"a neuron:{index} tensor storage of {nbytes} bytes", nbytes)
+    try:
+        return handle, np.full(nbytes, UNINITIALISED, np.uint8)
+    except MemoryError:
+        hbm.free(handle)
+        raise DeviceOutOfMemoryError(
+            f"the host could not allocate the {nbytes} bytes of a neuron:{index} tensor storage",
+            hint="free tensors you no longer need (del, then torch.accelerator.empty_cache()), free memory on the "
+            "host, or use a smaller batch") from None
 
 
 def release(index: int, handle: int) -> None:

@@ -95,7 +95,17 @@ class Header(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
-def HeaderStart(builder): builder.StartObject(9)
+    # format 1.6: the compile-cache key the NEFF is stored under (absent outside the cache), so that an
+    # entry holding another program's NEFF is never served. Not covered by `header_hash`: its one reader
+    # compares it with the key it looked up, so a damaged key is a cache miss, never a wrong hit.
+    # Header
+    def CacheKey(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+def HeaderStart(builder): builder.StartObject(10)
 def Start(builder):
     return HeaderStart(builder)
 def HeaderAddFormatMajor(builder, formatMajor): builder.PrependUint16Slot(0, formatMajor, 0)
@@ -125,6 +135,9 @@ def AddEstimatedNs(builder, estimatedNs):
 def HeaderAddHeaderHash(builder, headerHash): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(headerHash), 0)
 def AddHeaderHash(builder, headerHash):
     return HeaderAddHeaderHash(builder, headerHash)
+def HeaderAddCacheKey(builder, cacheKey): builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(cacheKey), 0)
+def AddCacheKey(builder, cacheKey):
+    return HeaderAddCacheKey(builder, cacheKey)
 def HeaderEnd(builder): return builder.EndObject()
 def End(builder):
     return HeaderEnd(builder)

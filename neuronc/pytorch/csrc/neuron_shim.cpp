@@ -58,7 +58,8 @@ void check_index(c10::DeviceIndex index) {
 
 // ---- memory -------------------------------------------------------------------------------------
 
-py::object* g_reserve = nullptr;  // Python: (device index, nbytes) -> handle of the bytes on the core's HBM
+py::object* g_reserve = nullptr;  // Python: (device index, nbytes) -> (handle of the bytes on the core's HBM,
+                                   //   the numpy uint8 array holding them); on any failure it reserves nothing
 py::object* g_release = nullptr;  // Python: (device index, handle) -> None
 
 struct Buffer {
@@ -157,16 +158,16 @@ Buffer* cached_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {
 }
 
 Buffer* new_buffer(c10::DeviceIndex device, int64_t stream, size_t nbytes) {  // with the GIL
-  int64_t handle;
+  py::tuple reserved;
   try {
-    handle = (*g_reserve)(device, nbytes).cast<int64_t>();
-  } catch (py::error_already_set&) {  // out of HBM: give back what the cache holds, and try once more
+    reserved = (*g_reserve)(device, nbytes);
+  } catch (py::error_already_set&) {  // out of HBM or of host memory: give back what the cache holds, retry once
     empty_cache(device);
-    handle = (*g_reserve)(device, nbytes).cast<int64_t>();  // raises DeviceOutOfMemoryError through pybind
+    reserved = (*g_reserve)(device, nbytes);  // raises DeviceOutOfMemoryError through pybind
   }
-  py::array_t<uint8_t> bytes(static_cast<py::ssize_t>(nbytes));
+  auto handle = reserved[0].cast<int64_t>();
+  auto bytes = reserved[1].cast<py::array_t<uint8_t>>();  // filled with 0xFF: uninitialised HBM reads as NaN
   void* data = bytes.mutable_data();
-  std::memset(data, 0xFF, nbytes);  // uninitialised HBM reads as NaN, as the runtime's does
   update_stats(device, nbytes, true, false, true);
   return new Buffer{bytes.release().ptr(), data, device, nbytes, handle, stream};
 }

@@ -1,0 +1,101 @@
+"""`neuronc.jax.jit`: a JAX function compiled for the (emulated) NeuronCore, called as `jax.jit`'s is.
+
+    import neuronc.jax
+    step = neuronc.jax.jit(train_step, target="trn2", opt_level=2)
+    params, loss = step(params, batch)       # pytrees of JAX (or numpy) arrays in, of JAX arrays out
+
+Each call flattens its arguments as JAX does; the first call with a new pytree structure, shape or dtype
+exports the function with `jax.export` (JAX's own lowering to StableHLO, for the CPU platform), and
+neuronc compiles that module (frontend/stablehlo_program.py, through the compile cache, as torch graphs
+are) and loads it on an emulated NeuronCore of its own; later calls with the same signature only run it.
+Inputs are copied in, outputs come back as JAX arrays in the function's output pytree. JAX drops
+arguments the function does not use; they are not copied. The process's JAX settings are left alone:
+64-bit types exist only if the user turned on `jax_enable_x64` (JAX's default makes int32/float32).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+log = logging.getLogger("neuronc")
+
+
+def jit(fun, *, target: str | None = None, opt_level: int | None = None, **options):
+    """`fun` compiled for the NeuronCore: `target` trn1 | trn2 | trn3 (default trn2), `opt_level` 0-3 (default
+    2), and the other compile options (`auto_cast`, `auto_cast_type`) as torch.compile's `options` take them;
+    NEURON_CC_FLAGS gives those not passed."""
+    given = {"target": target, "opt_level": opt_level}
+    return Jitted(fun, {**{k: v for k, v in given.items() if v is not None}, **options})
+
+
+class Jitted:
+    """A jitted function: one compiled program per input signature (pytree structure, shapes, dtypes)."""
+
+    def __init__(self, fun, options: dict):
+        from neuronc.compiler import CompileOptions
+
+        self.fun = fun
+        self.name = getattr(fun, "__name__", "jax_function").strip("<>") or "jax_function"
+        self.options = CompileOptions.from_dict({**options, "name": self.name})
+        self.programs: dict = {}  # signature -> _Program
+        self.last_run = None  # the last RunResult (outputs as numpy, and the estimated device timeline)
+
+    def __call__(self, *args, **kwargs):
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        arrays = [_as_array(leaf) for leaf in leaves]
+        signature = (tree, tuple((a.shape, a.dtype) for a in arrays))
+        program = self.programs.get(signature)
+        if program is None:
+            program = self.programs[signature] = self._compile(args, kwargs)
+        self.last_run = program.loaded.run([arrays[i] for i in program.kept_inputs])
+        outputs = [jax.numpy.asarray(o) for o in self.last_run.outputs]
+        return jax.tree_util.tree_unflatten(program.out_tree, outputs)
+
+    def compile_count(self) -> int:
+        return len(self.programs)
+
+    def _compile(self, args, kwargs) -> "_Program":
+        import jax
+
+        from neuronc.compiler import compile_stablehlo
+        from neuronc.frontend.stablehlo_program import exported_program
+
+        exported = jax.export.export(jax.jit(self.fun), platforms=["cpu"])(*args, **kwargs)
+        compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options)
+        log.info("neuronc: JAX function %s compiled for %s (%d kernels, estimated %.1f us%s); inputs %s",
+                 self.name, self.options.target, len(compiled.neff.kernels), compiled.neff.estimated_ns / 1e3,
+                 " (from the compile cache)" if compiled.cache_hit else "",
+                 ", ".join(aval.str_short() for aval in exported.in_avals))
+        return _Program(compiled, _load(compiled, self.options.target), tuple(exported.module_kept_var_idx),
+                        exported.out_tree)
+
+
+class _Program:
+    def __init__(self, compiled, loaded, kept_inputs: tuple, out_tree):
+        self.compiled, self.loaded, self.kept_inputs, self.out_tree = compiled, loaded, kept_inputs, out_tree
+
+
+def _as_array(leaf) -> np.ndarray:
+    """A pytree leaf as the numpy array JAX would make of it: Python and numpy numbers in JAX's default
+    types (float32 and int32 unless jax_enable_x64 is on)."""
+    import jax
+
+    array = np.asarray(leaf)
+    dtype = jax.dtypes.canonicalize_dtype(array.dtype)
+    return array if array.dtype == dtype else array.astype(dtype)
+
+
+def _load(compiled, target: str):
+    """The NEFF loaded on a NeuronCore of its own; the runtime's access check is skipped when the compile
+    cache says the NEFF passed it, and recorded there when it passes now."""
+    from runtime import NeuronCore
+    from runtime.core import access_check_id
+
+    checked_by = compiled.checked_by()
+    loaded = NeuronCore(target).load(compiled.neff, checked_by=checked_by)
+    if loaded.access_checked and checked_by != access_check_id():
+        compiled.mark_checked(access_check_id())
+    return loaded

@@ -1,0 +1,86 @@
+"""Reference executors of StableHLO: what `neuronc bisect` holds the NEFF's values to.
+
+* "xla": XLA's CPU backend through jaxlib, the executor behind `jax.jit` on CPU. The module text is
+  compiled as it is and run on numpy inputs. 64-bit integers (torch-mlir's indices) need JAX's x64 mode for
+  the inputs to keep their type: it is switched on only around creating them (`jax.enable_x64`, scoped to
+  the calling thread), never for the user's process.
+* "interpreter": the StableHLO reference interpreter of the stablehlo project, from torch-mlir's bindings:
+  slow (an interpreter of each element), but independent of XLA's rewrites; for small graphs. It runs in a
+  forked child, like every use of torch-mlir's C++.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from neuronc.errors import NeuronConfigError
+
+EXECUTORS = ("xla", "interpreter")
+
+
+def run_reference(module_text: str, inputs: list, executor: str = "xla") -> list:
+    """The results of func @main of a StableHLO module (text) on `inputs` (numpy arrays), as numpy arrays."""
+    if executor == "xla":
+        return run_xla(module_text, inputs)
+    if executor == "interpreter":
+        return run_interpreter(module_text, inputs)
+    raise NeuronConfigError(f"unknown reference executor {executor!r}", hint=f"use one of {', '.join(EXECUTORS)}")
+
+
+def run_xla(module_text: str, inputs: list) -> list:
+    import jax
+    from jax._src.lib import xla_client
+    from jax.extend.backend import get_backend
+
+    backend = get_backend("cpu")
+    device = backend.local_devices()[0]
+    executable = backend.compile_and_load(module_text, xla_client.DeviceList((device,)), xla_client.CompileOptions())
+    with jax.enable_x64(True):
+        arguments = [jax.device_put(np.asarray(x), device) for x in inputs]
+        return [np.asarray(result) for result in executable.execute(arguments)]
+
+
+def run_interpreter(module_text: str, inputs: list) -> list:
+    from neuronc.frontend.isolate import run_isolated
+
+    return run_isolated(_interpret, module_text, [np.asarray(x) for x in inputs], what="the StableHLO interpreter")
+
+
+def _interpret(module_text: str, inputs: list) -> list:
+    from torch_mlir import ir as mlir
+    from torch_mlir._mlir_libs import _stablehlo
+
+    context = mlir.Context()
+    _stablehlo.register_dialect(context)
+    module = mlir.Module.parse(module_text, context)
+    with context, mlir.Location.unknown():
+        arguments = [_attribute(x) for x in inputs]
+        return [_array(result) for result in _stablehlo.eval_module(module, arguments)]
+
+
+def _attribute(array: np.ndarray):
+    """A numpy array as a dense elements attribute of its MLIR type (bf16 from its bits)."""
+    from torch_mlir import ir as mlir
+
+    if array.dtype.name != "bfloat16":
+        return mlir.DenseElementsAttr.get(np.ascontiguousarray(array))
+    kind = mlir.RankedTensorType.get(list(array.shape), mlir.BF16Type.get())
+    return mlir.DenseElementsAttr.get(np.ascontiguousarray(array).view(np.uint16), type=kind)
+
+
+def _array(attribute) -> np.ndarray:
+    import ml_dtypes
+    from torch_mlir import ir as mlir
+
+    kind = mlir.RankedTensorType(attribute.type)
+    shape = tuple(kind.shape)
+    if str(kind.element_type) == "bf16":  # the bindings give no bf16 buffer: the printed values, exact in fp32
+        text = str(attribute)
+        body = text[text.index("dense<") + len("dense<"):text.rindex("> :")]
+        values = [np.uint16(int(v, 16)).view(ml_dtypes.bfloat16) if v.startswith("0x") else ml_dtypes.bfloat16(float(v))
+                  for v in re.findall(r"0x[0-9A-Fa-f]+|[-+]?(?:inf|nan|[0-9.]+(?:[eE][-+]?[0-9]+)?)", body)]
+        return np.broadcast_to(np.array(values, ml_dtypes.bfloat16), shape).copy() if len(values) == 1 else \
+            np.array(values, ml_dtypes.bfloat16).reshape(shape)
+    values = np.array(mlir.DenseElementsAttr(attribute), copy=True)
+    return np.broadcast_to(values.reshape(-1)[:1], shape).copy() if values.size != int(np.prod(shape)) else values.reshape(shape)

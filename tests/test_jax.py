@@ -1,0 +1,168 @@
+"""The JAX frontend: `neuronc.jax.jit`, and StableHLO / jax.export files through `neuronc compile` and `check`.
+Goldens come from jax.jit on CPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import neuronc.jax
+from neuronc.errors import ModelLoadError, NeuronCompileError
+from neuronc.tolerances import tolerance
+from tests import jax_programs
+from tests.conftest import line_of
+
+
+def assert_matches_jax(got, want):
+    """Same pytree structure; each leaf a JAX array of jax.jit's shape and dtype, within its dtype's tolerance."""
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert isinstance(g, jax.Array)
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tolerance(w.dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", jax_programs.PROGRAMS)
+def test_jax_programs_match_jax_jit_on_cpu(name, dtype):
+    function, args = jax_programs.build(name, dtype)
+    assert_matches_jax(neuronc.jax.jit(function)(*args), jax.jit(function)(*args))
+
+
+def test_a_training_loop_follows_jax_step_by_step():
+    function, (params, x, y) = jax_programs.build("sgd_step")
+    ours, theirs = neuronc.jax.jit(function), jax.jit(function)
+    mine = golden = params
+    for _ in range(3):
+        (mine, loss), (golden, golden_loss) = ours(mine, x, y), theirs(golden, x, y)
+        assert_matches_jax((mine, loss), (golden, golden_loss))
+    assert ours.compile_count() == 1
+
+
+def test_a_new_shape_recompiles_and_a_seen_one_does_not():
+    function, (params, x) = jax_programs.build("mlp")
+    jitted = neuronc.jax.jit(function, opt_level=0)
+    jitted(params, x)
+    jitted(params, x + 1)
+    assert jitted.compile_count() == 1
+    longer = jnp.concatenate([x, x])
+    assert_matches_jax(jitted(params, longer), jax.jit(function)(params, longer))
+    assert jitted.compile_count() == 2
+
+
+def test_numpy_inputs_python_numbers_and_unused_arguments():
+    def scaled(x, unused, factor):
+        return {"y": x * factor, "n": jnp.sum(x > 0)}
+
+    x = np.arange(-3, 5, dtype=np.float32).reshape(2, 4)
+    got = neuronc.jax.jit(scaled)(x, np.ones(3, np.float32), 2.5)
+    assert_matches_jax(got, jax.jit(scaled)(x, np.ones(3, np.float32), 2.5))
+
+
+def test_unsupported_ops_are_all_listed_with_their_jax_lines():
+    def uses_two_unsupported_ops(x):
+        y = jax.lax.cbrt(x)  # marker: cbrt
+        return jnp.where(jax.lax.is_finite(y), y, 0.0)  # marker: is_finite
+
+    with pytest.raises(NeuronCompileError) as caught:
+        neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
+    message = str(caught.value)
+    assert "2 op(s)" in message
+    for op, marker in (("stablehlo.cbrt", "marker: cbrt"), ("stablehlo.is_finite", "marker: is_finite")):
+        assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
+
+
+def _write_forms(tmp_path, function, args) -> dict:
+    """The program as each file `neuronc compile` reads: StableHLO text, a portable artifact, a jax.export artifact."""
+    exported = jax.export.export(jax.jit(function), platforms=["cpu"])(*args)
+    paths = {"mlir": tmp_path / "program.mlir", "mlirbc": tmp_path / "program.mlirbc", "jax": tmp_path / "program.jax"}
+    paths["mlir"].write_text(jax.jit(function).lower(*args).as_text(debug_info=True))
+    paths["mlirbc"].write_bytes(bytes(exported.mlir_module_serialized))
+    paths["jax"].write_bytes(bytes(exported.serialize()))
+    return paths
+
+
+@pytest.mark.parametrize("form", ["mlir", "mlirbc", "jax"])
+def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
+    function, (params, x) = jax_programs.build("mlp")
+    path = _write_forms(tmp_path, function, (params, x))[form]
+    assert "stablehlo.dot_general" in cli("hlo", path).output
+    assert cli("compile", path, "-o", tmp_path / "mlp.neff", "-O1").exit_code == 0
+    inputs = jax.tree_util.tree_leaves((params, x))  # the module's arguments, in JAX's flattening order
+    for i, array in enumerate(inputs):
+        np.save(tmp_path / f"in{i}.npy", np.asarray(array))
+    result = cli("run", tmp_path / "mlp.neff", *[a for i in range(len(inputs)) for a in ("-i", tmp_path / f"in{i}.npy")],
+                 "-o", tmp_path / "out.npz")
+    assert result.exit_code == 0, result.output
+    got = np.load(tmp_path / "out.npz")["output0"]
+    np.testing.assert_allclose(got, np.asarray(jax.jit(function)(params, x)), **tolerance(np.float32))
+
+
+def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path):
+    def program(x, n):
+        y = jax.lax.cbrt(x) * 2  # marker: check cbrt
+        return jnp.sum(y, axis=-1) + jax.lax.population_count(n).astype(jnp.float32).sum()  # marker: check popcnt
+
+    path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.ones((4,), jnp.int32)))["mlir"]
+    result = cli("check", path)
+    assert result.exit_code == 1
+    assert "2 of" in result.output
+    assert "stablehlo.cbrt (1 of 1 uses)" in result.output and "stablehlo.popcnt (1 of 1 uses)" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check cbrt')}" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check popcnt')}" in result.output
+    compiled = cli("compile", path, "-o", tmp_path / "out.neff")
+    assert compiled.exit_code == 1 and "2 op(s)" in compiled.output
+    assert not (tmp_path / "out.neff").exists()
+
+
+def test_cli_check_passes_a_supported_program(cli, tmp_path):
+    function, args = jax_programs.build("transformer_block")
+    result = cli("check", _write_forms(tmp_path, function, args)["jax"])
+    assert result.exit_code == 0, result.output
+    assert "compile for trn2 at -O2" in result.output
+
+
+@pytest.mark.parametrize("damage", ["truncated text", "truncated artifact", "garbage"])
+def test_a_damaged_stablehlo_file_is_refused_with_a_message(cli, tmp_path, damage):
+    function, args = jax_programs.build("mlp")
+    paths = _write_forms(tmp_path, function, args)
+    bad = tmp_path / "bad.mlir" if damage == "truncated text" else tmp_path / "bad.bin"
+    if damage == "truncated text":
+        bad.write_text(paths["mlir"].read_text()[:300])
+    elif damage == "truncated artifact":
+        bad.write_bytes(paths["jax"].read_bytes()[:200])
+    else:
+        bad.write_bytes(bytes(range(256)) * 4)
+    result = cli("compile", bad, "-o", tmp_path / "bad.neff")
+    assert result.exit_code == 1
+    assert f"error: {bad}" in result.output and "hint:" in result.output
+    assert not (tmp_path / "bad.neff").exists()
+
+
+def test_shape_polymorphic_exports_are_refused():
+    from neuronc.frontend.stablehlo_program import exported_program
+
+    batch, = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(jnp.tanh), platforms=["cpu"])(jax.ShapeDtypeStruct((batch, 4), jnp.float32))
+    with pytest.raises(NeuronCompileError, match="one program per shape"):
+        exported_program(exported, "tanh")
+
+
+def test_read_program_names_a_missing_file(tmp_path):
+    from neuronc.frontend.stablehlo_program import read_program
+
+    with pytest.raises(ModelLoadError, match="no such file"):
+        read_program(tmp_path / "nope.mlir")
+
+
+def test_a_jitted_function_is_compiled_once_across_jit_objects_through_the_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEURON_CC_FLAGS", "")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "cache"))
+    function, args = jax_programs.build("mlp")
+    first, second = neuronc.jax.jit(function), neuronc.jax.jit(function)
+    first(*args)
+    got = second(*args)
+    hits = [program.compiled.cache_hit for jitted in (first, second) for program in jitted.programs.values()]
+    assert hits == [False, True]
+    assert_matches_jax(got, jax.jit(function)(*args))
