@@ -161,15 +161,15 @@ class Kernel:
         key = id(traced)
         if key not in self._loaded:
             neff = traced.to_neff()
-            self._loaded[key] = (neff, NeuronCore(traced.target).load(neff))
+            self._loaded[key] = (neff, NeuronCore(traced.target).load(neff, undefined_on_chip=True))
         neff, program = self._loaded[key]
         arrays = [as_numpy(a) for a in list(args) + [kwargs[k] for k in kwargs] if _is_array(a)]
         result = program.run(arrays)
         self.last_run, self.last_neff = result, neff
-        for position in traced.written_inputs:  # arguments the kernel writes, updated in place
-            if arrays[position].flags.writeable:
-                np.copyto(arrays[position], _tensor_bytes(program, neff.inputs()[position]), casting="no")
-        outs = result.outputs
+        outs = result.outputs[:len(traced.outputs)]
+        for position, value in zip(traced.written_inputs, result.outputs[len(traced.outputs):]):
+            if arrays[position].flags.writeable:  # arguments the kernel writes, updated in place
+                np.copyto(arrays[position], value, casting="no")
         if traced.returns_tuple or len(outs) > 1:
             return tuple(outs)
         return outs[0] if outs else None
@@ -223,13 +223,6 @@ def recording_calls():
         yield _recording.calls
     finally:
         _recording.calls = previous
-
-
-def _tensor_bytes(program, entry) -> np.ndarray:
-    from neuronc.isa import Space
-
-    hbm = program.memory.arrays[Space.HBM]
-    return np.ndarray(tuple(entry.shape), entry.dtype.numpy, buffer=hbm, offset=entry.offset)
 
 
 def _dtype_of(value):

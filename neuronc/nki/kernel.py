@@ -72,15 +72,24 @@ class TracedKernel:
 
     # -- as a program of its own --------------------------------------------------------------------------
     def to_neff(self) -> Neff:
+        """The kernel as a program of its own. An argument the kernel writes (NKI updates it in place) is an
+        input and, after the kernel's own outputs, an output: a program writes no input, so its first
+        instruction copies the input into the output entry, where the kernel's instructions read and write it."""
         tensors, offsets, cursor = [], {}, 0
-        for kind, storages in ((TensorKind.INPUT, self.inputs), (TensorKind.OUTPUT, self.outputs),
+        written = [self.inputs[position] for position in self.written_inputs]
+        copies = []
+        for kind, storages in ((TensorKind.INPUT, self.inputs), (TensorKind.OUTPUT, self.outputs + written),
                                (TensorKind.SCRATCH, self.scratch)):
             for index, s in enumerate(storages):
+                name = s.name
+                if kind == TensorKind.OUTPUT and index >= len(self.outputs):
+                    name = f"{s.name} (written)"
+                    copies.append((cursor, offsets[s.id], s))
                 offsets[s.id] = cursor
-                tensors.append(TensorEntry(s.name, kind, s.dtype, tuple(s.shape), cursor,
+                tensors.append(TensorEntry(name, kind, s.dtype, tuple(s.shape), cursor,
                                            index if kind != TensorKind.SCRATCH else -1))
                 cursor += -(-max(s.hbm_bytes, 1) // ALIGNMENT) * ALIGNMENT
-        instructions = self.instructions(offsets)
+        instructions = [_hbm_copy(dst, src, s) for dst, src, s in copies] + self.instructions(offsets)
         streams = insert_waits(instructions, tensors, self.target)
         makespan, kernel_ns = estimate_streams(streams, self.target)
         info = KernelInfo(name=self.name, ops=("nki_kernel",), debug=0, estimated_ns=kernel_ns.get(0, makespan))
@@ -125,6 +134,16 @@ def _register_ir_text() -> None:
 
 
 _register_ir_text()
+
+
+def _hbm_copy(dst: int, src: int, storage) -> Instruction:
+    """A DMA copying the HBM tensor ``storage`` (dense) from byte offset ``src`` to ``dst``."""
+    from neuronc.isa import AccessPattern, Engine, Opcode
+
+    n = max(int(np.prod(storage.shape, dtype=np.int64)), 1)
+    ap = AccessPattern(Space.HBM, storage.dtype, 0, ((n, 1), (1, n)))
+    return Instruction(Opcode.DMA_COPY, Engine.DMA, (dataclasses.replace(ap, offset=dst),
+                                                      dataclasses.replace(ap, offset=src)))
 
 
 def _destinations(e) -> int:

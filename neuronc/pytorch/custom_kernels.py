@@ -64,7 +64,7 @@ def _on_device(kernel, args: tuple, kwargs: dict, device: int):
     key = (id(traced), device)
     if key not in _programs:
         neff = traced.to_neff()
-        program = core(device).load(neff)
+        program = core(device).load(neff, undefined_on_chip=True)  # tiles undefined until written, as in NKI
         _programs[key] = (traced, program, program.time().estimated_ns)
     _, program, duration_ns = _programs[key]
     operands = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -80,13 +80,6 @@ def _on_device(kernel, args: tuple, kwargs: dict, device: int):
 
 
 def _run(program, inputs: list, outputs: list, written: list) -> None:
-    """One launch: the kernel on the operands' device memory, and the arguments it writes updated in place."""
-    from neuronc.isa import Space
-
-    program.run_into(inputs, outputs)
-    if written:
-        hbm = program.memory.arrays[Space.HBM]
-        entries = program.neff.inputs()
-        for position, view in written:
-            t = entries[position]
-            view[...] = np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=hbm, offset=t.offset)
+    """One launch: the kernel on the operands' device memory, and the arguments it writes updated in place (the
+    program's last outputs, see TracedKernel.to_neff)."""
+    program.run_into(inputs, outputs + [view for _, view in written])
