@@ -187,3 +187,16 @@ def test_a_custom_op_doing_more_than_calling_its_kernel_is_refused_clearly():
     assert "custom op nkitest::add_then_scale cannot be compiled: its body failed on fake tensors after calling NKI " \
         "kernel add_kernel" in str(error)
     assert "must call one @nki.jit kernel on its arguments and return that kernel's outputs" in str(error)
+
+
+@nki.jit
+def add_into_kernel(a, out):
+    """The older NKI style: the result written into an argument."""
+    nl.store(out, nl.load(a) + 1.0)
+
+
+def test_a_kernel_writing_its_argument_updates_the_neuron_tensor_in_place():
+    a = torch.rand(128, 32)
+    out = torch.zeros(128, 32, device="neuron")
+    add_into_kernel(a.to("neuron"), out)
+    torch.testing.assert_close(out.cpu(), a + 1.0)
