@@ -188,7 +188,7 @@ class NeuronCore:
     faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
     in the outputs, and races run as the timing has them.
 
-    ``load(neff, undefined_on_chip=True)``: SBUF and PSUM hold undefined values until written, as NKI kernels have them
+    ``load(neff, undefined_on_chip=True)`` (or a set of kernel numbers: for their instructions only): SBUF and PSUM hold undefined values until written, as NKI kernels have them
     (a masked load leaves the rest of its tile undefined, and the public samples compute on whole tiles,
     storing only the loaded rows): a read of on-chip bytes of which some, not all, were written is allowed,
     and every run fills the on-chip memory the program uses with NaN first, so that the undefined values show
@@ -206,7 +206,8 @@ class NeuronCore:
         self.on_chip = on_chip or OnChip(self.target)  # shared with other cores when given: runs take turns
         self.sbuf, self.psum = self.on_chip.sbuf, self.on_chip.psum
 
-    def load(self, neff, *, checked_by: str | None = None, undefined_on_chip: bool = False) -> "LoadedProgram":
+    def load(self, neff, *, checked_by: str | None = None,
+             undefined_on_chip: bool | frozenset = False) -> "LoadedProgram":
         """Load a :class:`Neff` (or the path of a NEFF file) into this core.
 
         ``checked_by``: the :func:`access_check_id` under which this very NEFF already passed the access
@@ -235,9 +236,12 @@ class LoadedProgram:
 
     Its HBM bytes, weights and bound kernels are made on the first ``run`` (``time`` needs none)."""
 
-    def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False, undefined_on_chip: bool = False):
+    def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False,
+                 undefined_on_chip: bool | frozenset = False):
         self.core, self.neff = core, neff
-        self.undefined_on_chip = undefined_on_chip  # on-chip bytes nothing wrote read as NaN (see NeuronCore)
+        # Instructions that may read on-chip bytes nothing wrote, as NaN (see NeuronCore): all, or those of
+        # the kernels numbered in the set.
+        self.undefined_on_chip = undefined_on_chip
         # Whether the program is known free of races and of reads of unwritten memory: checked at this load,
         # or before (``trusted``, see NeuronCore.load). Runs of an unchecked one reset its memory to NaN.
         self.access_checked = trusted or core.check_uninitialised
@@ -379,7 +383,7 @@ class LoadedProgram:
                     ap = i.instr.operands[operand]
                     who = writers[ap.space].of(ap)
                     w = unordered(who, np.array(vc + [space == Space.HBM, False]))  # the host wrote HBM only
-                    if w == 0 and self.undefined_on_chip and (who != 0).any():  # a partly written tile
+                    if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, np.array(vc + [True, False]))
                     if w is not None:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
@@ -389,6 +393,10 @@ class LoadedProgram:
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
         self._check_outputs_written(writers[Space.HBM])
+
+    def _undefined_on_chip(self, i: _Instr) -> bool:
+        allowed = self.undefined_on_chip
+        return allowed is True or (not isinstance(allowed, bool) and i.instr.kernel in allowed)
 
     def _check_outputs_written(self, writers: Cells) -> None:
         """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
@@ -570,7 +578,7 @@ class LoadedProgram:
         return _Plan(calls, owners, [memory.tensor(t) for t in self.neff.inputs()],
                      [memory.tensor(t) for t in self.neff.outputs()],
                      self._used_memory(memory, hbm=not self.access_checked)
-                     if not self.access_checked or self.undefined_on_chip else [])
+                     if not self.access_checked or bool(self.undefined_on_chip) else [])
 
     def _used_memory(self, memory: Memory, hbm: bool = True) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch

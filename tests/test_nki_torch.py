@@ -200,3 +200,29 @@ def test_a_kernel_writing_its_argument_updates_the_neuron_tensor_in_place():
     out = torch.zeros(128, 32, device="neuron")
     add_into_kernel(a.to("neuron"), out)
     torch.testing.assert_close(out.cpu(), a + 1.0)
+
+
+@nki.jit
+def masked_square_kernel(x):
+    """As the AWS RMSNorm sample: a masked load of the last partial row tile, the whole tile squared, the loaded
+    rows stored."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    rows = nl.arange(128)[:, None]
+    cols = nl.arange(x.shape[1])[None, :]
+    t = nl.load(x[rows, cols], mask=rows < x.shape[0])
+    nl.store(out[rows, cols], value=t * t, mask=rows < x.shape[0])
+    return out
+
+
+@torch.library.custom_op("nkitest::masked_square", mutates_args=())
+def masked_square(x: torch.Tensor) -> torch.Tensor:
+    return masked_square_kernel(x)
+
+
+masked_square.register_fake(lambda x: torch.empty_like(x))
+
+
+def test_a_kernel_computing_on_a_partly_loaded_tile_runs_in_a_compiled_graph():
+    x, y = inputs(100, 64)
+    out = torch.compile(lambda a, b: masked_square(a + b) - 1, backend="neuron")(x, y)
+    assert_matches_eager(out, (x + y) ** 2 - 1)

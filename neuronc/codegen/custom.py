@@ -11,7 +11,7 @@ from __future__ import annotations
 from neuronc.codegen.emitter import Emitter
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node
-from neuronc.passes.memory_plan import MemoryPlan
+from neuronc.plans import MemoryPlan
 
 
 def custom_kernel(em: Emitter, node: Node, plan: MemoryPlan) -> None:
