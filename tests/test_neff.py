@@ -13,7 +13,6 @@ import re
 import shutil
 import struct
 import zipfile
-from datetime import timedelta
 
 import flatbuffers
 import ml_dtypes
@@ -698,7 +697,8 @@ def test_a_stream_stored_twice_is_refused():
 
 # ----- Properties -----
 
-_PROPERTY = settings(max_examples=300, deadline=timedelta(seconds=3))
+# no deadline: a time limit is a timing assertion, and these machines are shared and noisy
+_PROPERTY = settings(max_examples=300, deadline=None)
 
 
 def _decodes_or_format_error(data: bytes) -> None:
