@@ -188,9 +188,9 @@ class NeuronCore:
     faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
     in the outputs, and races run as the timing has them.
 
-    ``load(neff, undefined_on_chip=True)`` (or a set of kernel numbers: for their instructions only): SBUF and PSUM hold undefined values until written, as NKI kernels have them
-    (a masked load leaves the rest of its tile undefined, and the public samples compute on whole tiles,
-    storing only the loaded rows): a read of on-chip bytes of which some, not all, were written is allowed,
+    ``load(neff, undefined_on_chip=True)`` (or a set of kernel numbers: for their instructions only): SBUF
+    and PSUM hold undefined values until written, as NKI kernels have them (a masked load leaves the rest of
+    its tile undefined, and the public samples compute on whole tiles, storing only the loaded rows): a read of on-chip bytes of which some, not all, were written is allowed,
     and every run fills the on-chip memory the program uses with NaN first, so that the undefined values show
     in the outputs if they reach them. A read of nothing but unwritten bytes, races and reads of unwritten
     HBM are still refused."""
