@@ -94,7 +94,7 @@ def main() -> None:
             print(f"  {'tiling':<66} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
             rows = []
             for candidate in tiling.candidates(node, target, args.wide):
-                neff, _, _ = _compile_with(graph, name, lambda i, n, t, c=candidate: c if i == index else None)  # noqa: B023
+                neff, _, _ = _compile_with(graph, name, lambda i, n, t, c=candidate, index=index: c if i == index else None)
                 rows.append((str(candidate), candidate, tiling.price(node, candidate, target),
                              _kernel_span_ns(neff, index)))
             _print_rows(rows, picked)
@@ -106,7 +106,7 @@ def main() -> None:
             rows = []
             for option in tiling.chain_options(node, target, args.wide):
                 neff, _, _ = _compile_with(graph, name, lambda i, n, t: None,
-                                           lambda n, t, o=option: o if _chain_key(n) == _chain_key(node) else None)  # noqa: B023
+                                           lambda n, t, o=option, node=node: o if _chain_key(n) == _chain_key(node) else None)
                 rows.append((f"{option[0]}, then bufs={option[1].stream_bufs}", option,
                              tiling.chain_price(node, *option, target), _kernel_span_ns(neff, _chain_index(neff, chain))))
             _print_rows(rows, picked)

@@ -91,3 +91,13 @@ class CollectiveError(NeuronError, RuntimeError):  # a RuntimeError, as torch.di
 class CollectiveMismatchError(CollectiveError):
     """The ranks of a group called different collectives, or the same one on tensors of different shapes or
     dtypes; every rank raises it, naming what each rank passed."""
+
+
+class KernelError(NeuronCompileError):
+    """A custom kernel written in the NKI-compatible kernel language (`neuronc.nki`) breaks a rule of the language
+    or of the NeuronCore; ``location`` is the kernel's own source line."""
+
+
+class KernelUnsupportedError(KernelError):
+    """A kernel uses an NKI API (or an argument of one) that neuronc's kernel language does not cover; the
+    message names the API."""

@@ -337,6 +337,12 @@ FACTS = (
     # collective engine; group: the group's number among the graph's groups
     OpFact("COLLECTIVE", "kernel", 1, SAME, COLLECTIVE,
            attrs={"collective": "collective", "reduce": "alu", "ranks": "int", "group": "int"}),
+    # FlexAttention's forward (frontend/flex_attention.py): (q, k, v[, mask]) -> out; lowered to ATTENTION
+    OpFact("FLEX_ATTENTION", "kernel", (3, 4), ANY, TENSOR, open_attrs=True),
+    # custom kernels (neuronc.nki): a traced kernel called on its inputs, placed as it is (codegen/custom.py); its
+    # first output is the node's value, the others KERNEL_OUTPUT nodes; outputs and scratch: ((shape, dtype), ...)
+    OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL, attrs={"kernel": "any", "outputs": "any", "scratch": "any"}),
+    OpFact("KERNEL_OUTPUT", "kernel", 1, ANY, FREE, attrs={"index": "int"}),  # (custom kernel) -> its output index
 )
 
 BY_NAME = {fact.name: fact for fact in FACTS}

@@ -322,6 +322,10 @@ class AttentionPlan:
     logits_dtype: DType  # the dtype the logits are made in
     probability_dtype: DType
     pools: tuple  # PoolSpecs
+    # FlexAttention (passes/attention.py lower_flex_attention): the score_mod's elementwise steps on each block of
+    # logits, and per query tile the key blocks visited, each (first key, keys, whether the mask tensor is read)
+    score_mod: tuple = ()
+    key_visits: tuple = ()
 
     @property
     def batch(self) -> int:

@@ -189,7 +189,14 @@ class NeuronCore:
     Loading a program checks that no instruction reads memory nothing wrote and that no two instructions
     race (see ``LoadedProgram._check_accesses``). ``check_uninitialised=False`` skips that: programs load
     faster, and every run resets the memory they use to NaN so that reads of unwritten memory still show
-    in the outputs, and races run as the timing has them."""
+    in the outputs, and races run as the timing has them.
+
+    ``load(neff, undefined_on_chip=True)`` (or a set of kernel numbers: for their instructions only): SBUF
+    and PSUM hold undefined values until written, as NKI kernels have them (a masked load leaves the rest of
+    its tile undefined, and the public samples compute on whole tiles, storing only the loaded rows): a read of on-chip bytes of which some, not all, were written is allowed,
+    and every run fills the on-chip memory the program uses with NaN first, so that the undefined values show
+    in the outputs if they reach them. A read of nothing but unwritten bytes, races and reads of unwritten
+    HBM are still refused."""
 
     def __init__(self, target: str | Target = "trn2", *, check_uninitialised: bool = True,
                  on_chip: OnChip | None = None):
@@ -202,13 +209,15 @@ class NeuronCore:
         self.on_chip = on_chip or OnChip(self.target)  # shared with other cores when given: runs take turns
         self.sbuf, self.psum = self.on_chip.sbuf, self.on_chip.psum
 
-    def load(self, neff, *, checked_by: str | None = None) -> "LoadedProgram":
+    def load(self, neff, *, checked_by: str | None = None,
+             undefined_on_chip: bool | frozenset = False) -> "LoadedProgram":
         """Load a :class:`Neff` (or the path of a NEFF file) into this core.
 
         ``checked_by``: the :func:`access_check_id` under which this very NEFF already passed the access
         check (a compile cache records it, next to the NEFF's checksum). When it is this runtime's, the
         check, whose verdict depends on nothing but the program and the checker, is not run again."""
-        return LoadedProgram(self, _as_neff(neff), trusted=checked_by == access_check_id())
+        return LoadedProgram(self, _as_neff(neff), trusted=checked_by == access_check_id(),
+                             undefined_on_chip=undefined_on_chip)
 
     def unload(self, program: "LoadedProgram") -> None:
         """Free ``program``'s HBM (same as ``program.unload()``)."""
@@ -230,11 +239,15 @@ class LoadedProgram:
 
     Its HBM bytes, weights and bound kernels are made on the first ``run`` (``time`` needs none)."""
 
-    def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False):
+    def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False,
+                 undefined_on_chip: bool | frozenset = False):
         self.core, self.neff = core, neff
         # How its collective instructions reach the other ranks of their groups (runtime.collectives.Transport),
         # given by the host; a program with collectives cannot run without one.
         self.transport = None
+        # Instructions that may read on-chip bytes nothing wrote, as NaN (see NeuronCore): all, or those of
+        # the kernels numbered in the set.
+        self.undefined_on_chip = undefined_on_chip
         # Whether the program is known free of races and of reads of unwritten memory: checked at this load,
         # or before (``trusted``, see NeuronCore.load). Runs of an unchecked one reset its memory to NaN.
         self.access_checked = trusted or core.check_uninitialised
@@ -380,6 +393,8 @@ class LoadedProgram:
                     ap = i.instr.operands[operand]
                     who = writers[ap.space].of(ap)
                     w = unordered(who, np.array(vc + [space == Space.HBM, False]))  # the host wrote HBM only
+                    if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
+                        w = unordered(who, np.array(vc + [True, False]))
                     if w is not None:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
                 continue
@@ -388,6 +403,10 @@ class LoadedProgram:
             for dst in i.instr.writes:
                 writers[dst.space].of(dst)[...] = ids[i.key]
         self._check_outputs_written(writers[Space.HBM])
+
+    def _undefined_on_chip(self, i: _Instr) -> bool:
+        allowed = self.undefined_on_chip
+        return allowed is True or (not isinstance(allowed, bool) and i.instr.kernel in allowed)
 
     def _check_outputs_written(self, writers: Cells) -> None:
         """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
@@ -573,13 +592,14 @@ class LoadedProgram:
             owners += [i] * len(steps)
         return _Plan(calls, owners, [memory.tensor(t) for t in self.neff.inputs()],
                      [memory.tensor(t) for t in self.neff.outputs()],
-                     [] if self.access_checked else self._used_memory(memory))
+                     self._used_memory(memory, hbm=not self.access_checked)
+                     if not self.access_checked or bool(self.undefined_on_chip) else [])
 
-    def _used_memory(self, memory: Memory) -> list:
+    def _used_memory(self, memory: Memory, hbm: bool = True) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
-        HBM, and the box of SBUF and PSUM that the program's operands cover."""
+        HBM (when ``hbm``), and the box of SBUF and PSUM that the program's operands cover."""
         regions = [memory.tensor_bytes(t) for t in self.neff.tensors
-                   if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+                   if hbm and t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
         for space, memory in ((Space.SBUF, self.core.sbuf), (Space.PSUM, self.core.psum)):
             boxes = [extent(ap) for stream in self._instrs for i in stream for ap in i.instr.operands
                      if ap.space == space]

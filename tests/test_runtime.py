@@ -667,6 +667,35 @@ def test_consumer_waiting_on_the_producers_semaphore_reads_its_data(core):
     np.testing.assert_array_equal(core.load(_producer_consumer(True)).run([x]).outputs[0], 2 * x)
 
 
+def _partly_loaded_tile_program() -> Neff:
+    """NKI's masked load: rows 0..63 of a 128-partition tile loaded, the whole tile negated, rows 0..63 stored."""
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (64, 8))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (64, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 8)), hbm(x_t))
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 8), offset=64), chip((128, 8)), alu=AluOp.MULTIPLY,
+           imm0=-1.0, waits=done(Engine.DMA))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 8), offset=64), queue=1, waits=done(Engine.VECTOR))
+    return p.neff()
+
+
+def test_a_partly_written_tile_is_refused_unless_on_chip_memory_is_undefined_until_written(core):
+    with pytest.raises(NeuronRuntimeError, match="SBUF partition 64 byte 0, which nothing wrote"):
+        core.load(_partly_loaded_tile_program())
+    program = core.load(_partly_loaded_tile_program(), undefined_on_chip=True)
+    x = uniform(-1, 1, (64, 8))
+    np.testing.assert_array_equal(program.run([x]).outputs[0], -x)
+    assert np.isnan(core.sbuf[64:128, 64:96].view(np.float32)).all()  # the undefined rows read NaN
+
+
+def test_a_tile_nothing_wrote_is_refused_even_when_on_chip_memory_is_undefined_until_written(core):
+    p = Program()
+    y_t = p.tensor("y", TensorKind.OUTPUT, (64, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 8)))
+    with pytest.raises(NeuronRuntimeError, match="nothing wrote"):
+        core.load(p.neff(), undefined_on_chip=True)
+
+
 def test_consumer_not_waiting_for_its_producer_is_refused_as_a_race_naming_both_and_the_source(core):
     with pytest.raises(NeuronRuntimeError) as err:
         core.load(_producer_consumer(False))

@@ -25,6 +25,8 @@ def _fused_ops(node: ir.Node) -> tuple:
         ops = tuple(step.op.name.lower() for step in ir.body_of(node))
         transposed = node.op is ir.Op.ROWWISE and node.attrs["out_strides"][1] != 1  # passes/layout.py
         return ops + ("[stored transposed]",) * transposed
+    if node.op is ir.Op.CUSTOM_KERNEL:
+        return (f"nki:{node.attrs['kernel'].name}",)
     ops = tuple(node.attrs.get("ops", (node.op.name.lower(),)))
     tiling, chain = node.attrs.get("tiling"), node.attrs.get("chain")
     if chain is not None:  # two matmuls in one kernel (passes/matmul_chain.py)
@@ -43,7 +45,7 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     for index, node in enumerate(graph.nodes()):
         kernel = kernel_for(node, plan)
         if kernel is None:
-            if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT):
+            if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT, ir.Op.KERNEL_OUTPUT):
                 raise NeuronCompileError(f"no kernel for {node.op.name.lower()}", location=str(node.loc))
             continue
         ops = _fused_ops(node)

@@ -75,6 +75,9 @@ class _Block:
     last: bool
     member: int  # its place in its softmax group
     members: int  # the blocks of its softmax group
+    masked: bool = True  # a mask tensor's block is read (key_visits: not for blocks the mask leaves whole)
+    pattern: int = -1  # FlexAttention's mask patterns: the one added to this block's scores (-1: none)
+    pattern_col: int = 0  # from this column of the block on
 
 
 @dataclasses.dataclass
@@ -127,7 +130,9 @@ class _Attention:
         self.q = HbmTensor.of(memory, q, a.views[0], (*batch, sq, a.head_dim))
         self.k = HbmTensor.of(memory, k, a.views[1], (*batch, sk, a.head_dim))
         self.v = HbmTensor.of(memory, v, a.views[2], (*batch, sk, a.value_dim))
-        self.mask = HbmTensor.of(memory, node.inputs[3], a.views[3], (*batch, sq, sk)) if len(node.inputs) > 3 else None
+        self.mask = HbmTensor.of(memory, node.inputs[3], a.views[3], (*batch, sq, sk)) if len(node.inputs) > 3 and \
+            a.mask != "blocks" else None
+        self.patterns = HbmTensor.of(memory, node.inputs[3]) if a.mask == "blocks" else None
         self.out = HbmTensor.of(memory, node, a.out_view, (*batch, sq, a.value_dim))
         self.causal, self.tensor_mask = a.mask == "causal", a.mask in ("select", "add")
         self.d_tiles, self.k_chunks = -(-a.head_dim // a.q_tile), -(-sk // a.q_tile)
@@ -157,9 +162,16 @@ class _Attention:
         em, a, pools, q_tile = self.em, self.plan, self.pools, self.plan.q_tile
         self.identity = _identity(em, pools["identity"].next(), q_tile, pools["ramp"].next())
         self.bias_identity, self.bias = self.identity, {}
+        if (self.causal or self.patterns is not None) and a.probability_dtype != DType.BF16:
+            self.bias_identity = _identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
+        self.pattern_tiles = []
+        if self.patterns is not None:  # FlexAttention's mask patterns, loaded once
+            count, _, width = self.patterns.dims[0][1], None, self.patterns.dims[2][1]
+            for i in range(count):
+                tile = pools["patterns"].next().ap(q_tile, width)
+                dma_by_rows(em, tile, self.patterns[i].ap)
+                self.pattern_tiles.append(tile)
         if self.causal:
-            if a.probability_dtype != DType.BF16:
-                self.bias_identity = _identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
             ramp = pools["ramp"].next().ap(q_tile, q_tile, dtype=DType.F32)
             for cut in a.causal_cuts:
                 tile = pools["bias"].next().ap(q_tile, q_tile)  # column c masks row i where c - i + cut > 0
@@ -179,6 +191,14 @@ class _Attention:
         if a.zero_masked_rows:
             self.zeros = pools["zeros"].next().ap(q_tile, dv)
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.zeros, imm0=0.0)
+        self.score_mod = None
+        if a.score_mod:  # FlexAttention: the score_mod's steps on each block of logits (codegen/score_mod.py)
+            from neuronc.codegen.score_mod import ScoreMod
+
+            self.score_mod = ScoreMod(self, a.score_mod, q_tile, a.key_block)
+            if a.mask == "select":
+                self.fill_logits = pools["fill_logits"].next().ap(q_tile, a.key_block)
+                em.emit(Opcode.MEMSET, Engine.GPSIMD, self.fill_logits, imm0=a.fill)
 
     def blocks(self):
         """The _Block of every key block of every query tile, in order."""
@@ -188,13 +208,16 @@ class _Attention:
         for g in range(a.batch):
             for q0 in range(0, sq, q_tile):
                 qt = min(q_tile, sq - q0)
-                last_key = min(sk, q0 + qt + offset) if self.causal else sk  # keys beyond are masked for every row
-                starts = list(range(0, last_key, block))
-                for n, k0 in enumerate(starts):
+                if a.key_visits:  # FlexAttention: only the blocks its mask leaves anything in
+                    visits = a.key_visits[q0 // q_tile]
+                else:
+                    last_key = min(sk, q0 + qt + offset) if self.causal else sk  # keys beyond: masked for every row
+                    visits = [(k0, min(block, last_key - k0), True) for k0 in range(0, last_key, block)]
+                for n, (k0, kb, masked, *pattern) in enumerate(visits):
                     member = n % group_size
-                    members = min(group_size, len(starts) - (n - member))
-                    yield _Block(g, q0, qt, k0, min(block, last_key - k0), n == 0, n == len(starts) - 1,
-                                 member, members)
+                    members = min(group_size, len(visits) - (n - member))
+                    yield _Block(g, q0, qt, k0, kb, n == 0, n == len(visits) - 1, member, members, masked,
+                                 *pattern)
 
     def stages(self) -> tuple:
         """The stages a key block passes through, in order (the pools are sized for as many blocks in flight)."""
@@ -262,7 +285,7 @@ class _Attention:
         return scores
 
     def logits_of(self, g: int, scores: AccessPattern, q0: int, qt: int, k0: int, kb: int, b: AccessPattern,
-                  logits: AccessPattern | None) -> tuple:
+                  logits: AccessPattern | None, masked: bool = True) -> tuple:
         """(src, factor): the exp's argument is src * factor + bias, and b [qt, 1] = -(the row max of src *
         factor). Materialised logits are made negated (factor -1) in `logits`; unless a mask tensor comes in
         between, their row min, b, is made in the same pass."""
@@ -274,7 +297,9 @@ class _Attention:
             rounded_scores = self.pools["scores"].next().ap(qt, kb, dtype=a.score_dtype)
             engines.scale(rounded_scores, scores, 1.0)
             scores = rounded_scores
-        if not self.tensor_mask:
+        if self.score_mod is not None:
+            return self.modified_logits(g, scores, q0, qt, k0, kb, b, logits, masked)
+        if not self.tensor_mask or not masked:
             vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=-a.scale)
             return logits, -1.0
         engines.scale(logits, scores, -a.scale)
@@ -288,6 +313,21 @@ class _Attention:
             vector(Opcode.SELECT, logits, mtile, on_true, on_false)
         self.row_bias(b, logits, -1.0)
         return logits, -1.0
+
+    def modified_logits(self, g: int, scores: AccessPattern, q0: int, qt: int, k0: int, kb: int, b: AccessPattern,
+                        logits: AccessPattern, masked: bool) -> tuple:
+        """FlexAttention: logits = scale * S, then the score_mod's steps, then the mask (masked scores -inf, after
+        the score_mod as flex_attention applies it), and b = -(their row max)."""
+        a = self.plan
+        self.engines.scale(logits, scores, a.scale)
+        batch, head = (int(i) for i in np.unravel_index(g, a.batch_shape))
+        self.score_mod.apply(logits, batch, head, q0, qt, k0, kb)
+        if self.tensor_mask and masked:
+            mtile = self.pools["mask"].next().ap(qt, kb)
+            self.em.dma(mtile, self.head(self.mask, g)[q0:q0 + qt, k0:k0 + kb].ap)
+            self.vector(Opcode.SELECT, logits, mtile, logits, tile_at(self.fill_logits, 0, qt, kb))
+        self.row_bias(b, logits, 1.0)
+        return logits, 1.0
 
     def row_bias(self, b: AccessPattern, src: AccessPattern, factor: float) -> None:
         """b = -(the row max of src * factor) of a key block."""
@@ -336,6 +376,13 @@ class _Attention:
                 self.heads[g] = self.load_head(g)
         qtile, kt, _ = self.heads[blk.g]
         x.scores = self.scores_of(qtile, kt, blk.q0, blk.qt, blk.k0, blk.kb)
+        if blk.pattern >= 0:  # FlexAttention: the block's mask pattern added as the causal bias is
+            tile = self.pattern_tiles[blk.pattern]
+            width = min(tile.dims[1][1], blk.kb - blk.pattern_col)
+            for c0, c1 in self.bank_spans(blk.pattern_col, blk.pattern_col + width):
+                self.em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(x.scores, c0, blk.qt, c1 - c0),
+                             tile_at(self.bias_identity, 0, blk.qt, blk.qt),
+                             tile_at(tile, c0 - blk.pattern_col, blk.qt, c1 - c0), accumulate=True)
 
     def logits_stage(self, x: _KeyBlock) -> None:
         """The block's logits and their row min, in its column of the group's."""
@@ -346,7 +393,7 @@ class _Attention:
         b = tile_at(x.group.b_blocks, blk.member, blk.qt, 1)
         logits = (self.pools["logits"].next().ap(blk.qt, blk.kb, dtype=self.plan.logits_dtype)
                   if self.plan.logits_in_sbuf else None)
-        x.src, x.factor = self.logits_of(blk.g, x.scores, blk.q0, blk.qt, blk.k0, blk.kb, b, logits)
+        x.src, x.factor = self.logits_of(blk.g, x.scores, blk.q0, blk.qt, blk.k0, blk.kb, b, logits, blk.masked)
 
     def bias_stage(self, x: _KeyBlock) -> None:
         """After a softmax group's last block: b' = min(b, the group's row mins)."""

@@ -13,6 +13,7 @@ from neuronc import ir
 from neuronc.codegen.attention import attention
 from neuronc.codegen.collective import collective
 from neuronc.codegen.conv import convolution
+from neuronc.codegen.custom import custom_kernel
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
@@ -36,12 +37,13 @@ KERNELS.update({
     Op.SCATTER_ROWS: scatter_rows,
     Op.TOPK: topk,
     Op.COLLECTIVE: collective,
+    Op.CUSTOM_KERNEL: custom_kernel,
 })
 
 
 def kernel_for(node: Node, plan: MemoryPlan) -> Callable[[Emitter, Node, MemoryPlan], None] | None:
     """The kernel that computes `node`, or None when it needs no instructions."""
-    if node.op in (Op.PARAMETER, Op.RESHAPE):
+    if node.op in (Op.PARAMETER, Op.RESHAPE, Op.KERNEL_OUTPUT):  # a kernel output: written by its kernel
         return None
     if node.op is Op.CONSTANT:
         return splat_constant if node.is_splat and plan.has_buffer(node) else None

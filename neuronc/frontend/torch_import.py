@@ -193,18 +193,43 @@ def drop_none_outputs(gm) -> list:
 
 
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
-    """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind)."""
+    """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind). Custom ops whose body
+    is an NKI kernel are cut out for torch-mlir and come back as custom kernels (frontend/kernel_calls.py)."""
+    from neuronc.frontend import flex_attention, kernel_calls
+
     check_static_shapes(gm)
     refuse_mislowered(gm)
     locations = node_locations(gm)
+    outputs = len(_output_values(gm))
+    cut = kernel_calls.GraphCut(gm)
+    kernel_calls.cut_kernel_calls(cut, locations)
+    flex_attention.cut_flex_attention(cut, locations)
+    sites = cut.finish()
+    if flex_attention.decompose_flex_attention(gm):  # what was not cut: as ATen ops
+        locations = node_locations(gm)
+    if sites:
+        extra = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(params):]
+        params = list(params) + [(p, "input") for p in extra]
     imported = run_isolated(_import_in_child, gm, params, locations, name)
+    if sites:
+        imported.graph = kernel_calls.stitch(imported.graph, sites, len(params) - len(extra), outputs)
+        imported.fingerprint = hashlib.sha256((imported.fingerprint + kernel_calls.fingerprint(sites)).encode()
+                                              ).hexdigest()
     imported.graph.renumbered()
     return imported
 
 
+def _output_values(gm) -> tuple:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+
+
 def stablehlo_text(gm, name: str = "main") -> str:
     """Only the StableHLO of a graph (for `neuronc hlo`), whether or not neuronc can compile it."""
+    from neuronc.frontend import flex_attention
+
     check_static_shapes(gm)
+    flex_attention.decompose_flex_attention(gm)
     locations = node_locations(gm)
     return run_isolated(_text_in_child, gm, locations, name)
 

@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from neuronc import ir
+from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
@@ -57,6 +58,7 @@ MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit 
 STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
 SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
 HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it run: a load takes about two heads' time
+FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
 class _NoMatch(Exception):
@@ -468,10 +470,11 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                           "Q/K/V resident")
 
 
-def key_block(sk: int, in_sbuf: bool) -> int:
+def key_block(sk: int, in_sbuf: bool, block: int | None = None) -> int:
     """Keys per block: the fixed cost of an instruction is paid per 1024 keys when the logits are made in SBUF;
-    scores the exp reads in PSUM wait there for it, in three buffers of one bank."""
-    return min(KEY_BLOCK if in_sbuf else BANK_KEYS, sk)
+    scores the exp reads in PSUM wait there for it, in three buffers of one bank. (`block`: FlexAttention's
+    choice for a sparse mask, see flex_block.)"""
+    return min(block or (KEY_BLOCK if in_sbuf else BANK_KEYS), sk)
 
 
 def causal_cuts(sq: int, sk: int, offset: int, block: int) -> list:
@@ -494,40 +497,40 @@ def key_blocks(sq: int, sk: int, causal: bool, offset: int, block: int) -> int:
                for q0 in range(0, sq, Q_TILE))
 
 
-def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None) -> int:
     """Key blocks per softmax statistic: a query tile's keys are taken by groups of up to SOFTMAX_BLOCKS
     blocks whose logits are all made (with their row mins) before any of them meets exp, so the running max
     moves, and the accumulator is rescaled, once per group rather than once per block. Logits the exp reads
     from PSUM (not in_sbuf) cannot wait there: one block per group."""
     if not in_sbuf:
         return 1
-    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // key_block(sk, in_sbuf))
+    most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // key_block(sk, in_sbuf, block))
                for q0 in range(0, sq, Q_TILE))
     return max(1, min(SOFTMAX_BLOCKS, most))
 
 
-def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None) -> int:
     """Key blocks in flight in the kernel's software pipeline: one per stage, and a block waits between its
     logits and its exp until the last block of its softmax group has made its logits."""
-    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf) - 1
+    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block) - 1
 
 
-def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded HEADS_AHEAD heads ahead, and stay while any of
     its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
-    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf)
-    return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf)))) + 1 + HEADS_AHEAD
+    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf, block)
+    return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf, block)))) + 1 + HEADS_AHEAD
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
-               in_sbuf: bool) -> dict:
+               in_sbuf: bool, score_mod: bool = False, patterns: tuple = (0, 0), key_block_: int | None = None) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
     d_tiles, k_chunks = -(-d // Q_TILE), -(-sk // Q_TILE)
-    block = key_block(sk, in_sbuf)
+    block = key_block(sk, in_sbuf, key_block_)
     f32 = DType.F32
-    shape = (sq, sk, mask == "causal", causal_offset, in_sbuf)
+    shape = (sq, sk, mask == "causal", causal_offset, in_sbuf, key_block_)
     heads, depth, group = resident_heads(*shape), pipeline_depth(*shape), softmax_blocks(*shape)
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
@@ -555,6 +558,17 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     if guarded:
         pools["empty_row"] = (DType.U8, 1, 2)
         pools["zeros"] = (dtypes["out"], dv, 1)
+    if mask == "blocks":  # FlexAttention's mask patterns, resident, added to the scores by a matmul as causal's
+        count, width = patterns
+        pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
+        pools["patterns"] = (DType.BF16, width, count)
+    if score_mod:  # FlexAttention's score_mod: its steps' tiles, the key ramp, the query columns
+        pools["flex"] = (f32, block, FLEX_TEMPORARIES)
+        pools["kv_ramp"] = (f32, block, 1)
+        pools["q_ramp"] = (f32, 1, 1)
+        pools["flex_column"] = (f32, 1, 2 * FLEX_TEMPORARIES)
+        if mask == "select":
+            pools["fill_logits"] = (f32, block, 1)
     return pools
 
 
@@ -569,8 +583,10 @@ def pools_of(node: ir.Node) -> dict:
     q, k, v = node.inputs[:3]
     dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": node.dtype, "p": probability_dtype(v.dtype),
               "mask": node.inputs[3].dtype if len(node.inputs) > 3 else DType.BOOL}
+    patterns = tuple(node.inputs[3].shape[::2]) if a["mask"] == "blocks" else (0, 0)  # (count, width)
     return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
-                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a))
+                      a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a), bool(a.get("score_mod")), patterns,
+                      a.get("key_block"))
 
 
 def rounds_logits(attrs: dict) -> bool:
@@ -581,7 +597,8 @@ def rounds_logits(attrs: dict) -> bool:
 def logits_in_sbuf(attrs: dict) -> bool:
     """Whether the kernel makes the logits in SBUF: rounded where eager rounds them, masked by a tensor, or
     scaled by more than 1 (then no masked score can take the exp's bias past fp32's range)."""
-    return rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
+    return (rounds_logits(attrs) or attrs["mask"] in ("select", "add") or attrs["scale"] > 1
+            or bool(attrs.get("score_mod")) or bool(attrs.get("logits_in_sbuf")))
 
 
 def probability_dtype(v_dtype: DType) -> DType:
@@ -607,8 +624,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
     a = node.attrs
     sq, sk, offset, causal = a["queries"], a["keys"], a["causal_offset"], a["mask"] == "causal"
     in_sbuf, fused = logits_in_sbuf(a), fused_logits(a)
-    block = key_block(sk, in_sbuf)
-    shape = (sq, sk, causal, offset, in_sbuf)
+    block = key_block(sk, in_sbuf, a.get("key_block"))
+    shape = (sq, sk, causal, offset, in_sbuf, a.get("key_block"))
     return AttentionPlan(
         batch_shape=tuple(a["batch_shape"]), queries=sq, keys=sk, head_dim=a["head_dim"], value_dim=a["value_dim"],
         scale=float(a["scale"]), mask=a["mask"], causal_offset=offset, fill=float(a["fill"]),
@@ -619,7 +636,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         heads_ahead=HEADS_AHEAD, causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
-        probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)))
+        probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
+        score_mod=tuple(a.get("score_mod", ())), key_visits=tuple(a.get("key_visits", ())))
 
 
 def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -644,3 +662,123 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
         return result
 
     return graph.rewrite(rebuild)
+
+
+def lower_flex_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """FlexAttention's forward (FLEX_ATTENTION, frontend/flex_attention.py) as the flash-attention kernel, at every
+    optimisation level: q, k, v dense [batch, heads, seq, dim]; the score_mod's steps applied to each block of
+    logits; a causal mask made on chip, or a mask tensor read for the blocks it cuts, the blocks it hides wholly
+    never visited (key_visits), rows with no key giving zeros, as flex_attention gives."""
+
+    def rule(node, inputs):
+        if node.op is not Op.FLEX_ATTENTION:
+            return None
+        a = node.attrs
+        (batch, heads), sq, sk, d, dv = a["batch_shape"], a["queries"], a["keys"], a["head_dim"], a["value_dim"]
+        views = [(0, (heads * sq * d, sq * d, d, 1)), (0, (heads * sk * d, sk * d, d, 1)),
+                 (0, (heads * sk * dv, sk * dv, dv, 1))]
+        if a["mask"] == "select":
+            views.append((0, (0, 0, sk, 1)))  # one [sq, sk] pattern for every batch and head
+        attrs = dict(batch_shape=(batch, heads), views=tuple(views), out_view=(0, (heads * sq * dv, sq * dv, dv, 1)),
+                     queries=sq, value_dim=dv, scale=float(a["scale"]), head_dim=d, keys=sk, mask=a["mask"],
+                     causal_offset=int(a["causal_offset"]), fill=-math.inf, masked_when=False,
+                     zero_masked_rows=a["mask"] == "select", ops=("flex_attention",), score_dtype=DType.F32,
+                     logits_dtype=DType.F32, score_mod=tuple(a["score_mod"]), logits_in_sbuf=True)
+        if not 0 < dv <= MAX_HEAD_DIM:
+            raise NeuronCompileError(f"flex_attention with a value dim of {dv}: the kernel takes at most {MAX_HEAD_DIM}",
+                                     location=str(node.loc))
+        block = key_block(sk, logits_in_sbuf(attrs))
+        if a["mask"] == "select":
+            mask = np.asarray(inputs[3].attrs["value"], dtype=bool)
+            block = attrs["key_block"] = flex_block(mask, sk)
+            attrs["key_visits"] = key_visits(mask, block)
+            found = None if a["score_mod"] else mask_patterns(mask, block)
+            if found is not None:  # partial blocks masked by resident bias patterns, no mask tensor read
+                patterns, visits = found
+                bias = ir.node(Op.CONSTANT, [], patterns.shape, DType.BF16, node.loc, value=patterns)
+                inputs = (*inputs[:3], bias)
+                attrs.update(mask="blocks", key_visits=visits, zero_masked_rows=False,
+                             views=(*views[:3], (0, dense_strides(patterns.shape))))
+        attrs["tiling"] = f"{Q_TILE} queries x {block} keys, Q/K/V resident"
+        attention = ir.node(Op.ATTENTION, inputs, node.shape, node.dtype, node.loc, **attrs)
+        if not fits_sbuf(sbuf_bytes(pools_of(attention)), ctx.target):
+            raise NeuronCompileError(
+                f"flex_attention over {sq} queries and {sk} keys (head dim {d}) does not fit SBUF: a head's Q, K and V "
+                f"stay resident", location=str(node.loc), hint="shorten the sequence or split it into chunks")
+        attention.attrs["plan"] = attention_plan(attention)
+        return attention
+
+    return graph.rewrite(rule)
+
+
+def key_visits(mask: np.ndarray, block: int) -> tuple:
+    """Per query tile, the key blocks a [sq, sk] keep-mask leaves anything in: (first key, keys, whether some of
+    its scores are masked). A tile with no key at all still visits its first block, to write its zeros."""
+    sq, sk = mask.shape
+    visits = []
+    for q0 in range(0, sq, Q_TILE):
+        rows = mask[q0:q0 + Q_TILE]
+        tile = []
+        for k0 in range(0, sk, block):
+            part = rows[:, k0:k0 + block]
+            if part.any():
+                tile.append((k0, part.shape[1], not part.all()))
+        visits.append(tuple(tile) or ((0, min(block, sk), True),))
+    return tuple(visits)
+
+
+PATTERN_BYTES = 48 * 1024  # SBUF bytes per partition the resident mask patterns may take
+MASKED_BIAS = -2.0e38  # added to the scores a pattern masks (as the causal bias: finite, so 0 * it is 0)
+
+
+def mask_patterns(mask: np.ndarray, block: int):
+    """(patterns [count, 128, width] bf16 of 0 and MASKED_BIAS, key visits (first key, keys, False, pattern, first
+    column)) of a keep-mask whose cut blocks repeat few patterns; None when they need more than PATTERN_BYTES of SBUF
+    or a row keeps no key (its zeros need the mask tensor's -inf). A block's pattern covers the columns from its
+    first masked one to its last."""
+    if not mask.any(axis=1).all():
+        return None
+    sq, sk = mask.shape
+    found: dict = {}
+    shapes, visits = [], []
+    for q0 in range(0, sq, Q_TILE):
+        rows = mask[q0:q0 + Q_TILE]
+        tile = []
+        for k0 in range(0, sk, block):
+            part = rows[:, k0:k0 + block]
+            if not part.any():
+                continue
+            if part.all():
+                tile.append((k0, part.shape[1], False, -1, 0))
+                continue
+            cols = np.nonzero(~part.all(axis=0))[0]
+            c0, c1 = int(cols[0]), int(cols[-1]) + 1
+            key = (part.shape[0], part[:, c0:c1].tobytes(), c1 - c0)
+            if key not in found:
+                found[key] = len(shapes)
+                shapes.append(part[:, c0:c1])
+            tile.append((k0, part.shape[1], False, found[key], c0))
+        visits.append(tuple(tile))
+    width = max((p.shape[1] for p in shapes), default=1)
+    if len(shapes) * width * 2 > PATTERN_BYTES:
+        return None
+    import ml_dtypes
+
+    bias = np.zeros((max(1, len(shapes)), Q_TILE, width), dtype=np.float32)
+    for i, p in enumerate(shapes):
+        bias[i, :p.shape[0], :p.shape[1]] = np.where(p, 0.0, MASKED_BIAS)
+    return bias.astype(ml_dtypes.bfloat16), tuple(visits)
+
+
+FLEX_BLOCKS = (1024, 512)  # key block sizes a FlexAttention mask may take
+BLOCK_OVERHEAD_KEYS = 1024  # a key block's fixed costs (its instructions' fixed cycles), in keys' worth of work
+
+
+def flex_block(mask: np.ndarray, sk: int) -> int:
+    """The key block of a FlexAttention mask: the size of FLEX_BLOCKS whose visited blocks cost least, a block
+    costing its keys plus BLOCK_OVERHEAD_KEYS (a sliding window wastes less of a smaller block)."""
+    def cost(block: int) -> int:
+        return sum((min(block, sk - k0) + BLOCK_OVERHEAD_KEYS) for visits in key_visits(mask, block)
+                   for k0, _, _ in visits)
+
+    return min((b for b in FLEX_BLOCKS if b <= max(sk, FLEX_BLOCKS[-1])), key=lambda b: (cost(b), -b))

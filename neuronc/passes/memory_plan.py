@@ -10,6 +10,10 @@ aliases). Each goes into a slot whose last tenant is dead: the smallest free slo
 largest free one, grown. Tenants of a slot all start at the slot's offset (the sync pass tracks hazards
 by start offset, and orders a new tenant's writes after the old one's reads); a slot is as long as its
 longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
+
+A custom kernel (``Op.CUSTOM_KERNEL``) writes all its outputs and its HBM scratch tensors when it runs: the
+buffers of its other outputs (its ``KERNEL_OUTPUT`` readers, or scratch nobody reads) and of its scratch are
+taken at its position, found in ``placement`` under ``(node, index)`` and ``(node, "scratch", index)``.
 """
 from __future__ import annotations
 
@@ -96,10 +100,38 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     slots, scratch = _Slots(), []  # scratch: (entry, slot)
     tensors, placement, cursor = [], {}, 0
     input_count = 0
+
+    def take_scratch(entry: TensorEntry, dies_at: int) -> TensorEntry:
+        scratch.append((entry, slots.take(_aligned(entry.nbytes), position)))
+        dying.setdefault(dies_at, []).append(scratch[-1][1])
+        tensors.append(entry)
+        return entry
+
     for position, n in enumerate(nodes):
         if n.op is Op.RESHAPE:
             placement[n] = placement[n.inputs[0]]
             continue
+        if n.op is Op.KERNEL_OUTPUT:  # placed with its kernel, below
+            continue
+        if n.op is Op.CUSTOM_KERNEL:
+            readers = {r.attrs["index"]: r for r in consumers.get(n, ()) if r.op is Op.KERNEL_OUTPUT}
+            for index, (shape, dtype) in enumerate(n.attrs["outputs"][1:], 1):
+                reader = readers.get(index)
+                if reader is None:
+                    placement[(n, index)] = take_scratch(
+                        TensorEntry(f"t{n.id}_out{index}", TensorKind.SCRATCH, dtype, shape, 0), position)
+                elif reader in output_index:
+                    entry = _entry(reader, output_index, input_count)
+                    entry.offset = cursor
+                    cursor += _aligned(entry.nbytes)
+                    tensors.append(entry)
+                    placement[reader] = placement[(n, index)] = entry
+                else:
+                    placement[reader] = placement[(n, index)] = take_scratch(
+                        _entry(reader, output_index, input_count), last_read.get(reader, position))
+            for index, (shape, dtype) in enumerate(n.attrs["scratch"]):
+                placement[(n, "scratch", index)] = take_scratch(
+                    TensorEntry(f"t{n.id}_scratch{index}", TensorKind.SCRATCH, dtype, shape, 0), position)
         if _needs_buffer(n, consumers, output_index):
             entry = _entry(n, output_index, input_count)
             input_count += entry.kind is TensorKind.INPUT

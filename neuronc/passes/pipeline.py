@@ -15,7 +15,7 @@ import time
 
 from neuronc import ir, ir_verifier
 from neuronc.errors import NeuronConfigError
-from neuronc.passes.attention import fuse_attention
+from neuronc.passes.attention import fuse_attention, lower_flex_attention
 from neuronc.passes.auto_cast import auto_cast
 from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
 from neuronc.passes.context import PassContext
@@ -35,6 +35,7 @@ O0 = [
     canonicalize,  # rules to a fixed point: constants folded, no-ops dropped, erf and GELU raised, matmuls narrowed
     auto_cast,  # --auto-cast: after canonicalisation (no float64 left), before legalize (sees DOT_GENERAL)
     legalize,  # StableHLO-level ops -> the kernel forms codegen knows (VIEW, MATMUL, REDUCE_LAST...), simplified
+    lower_flex_attention,  # FlexAttention's forward: the flash-attention kernel at every level (nothing else lowers it)
     baseline_tiles,  # last: every matmul streams both operands tile by tile
 ]
 O1 = O0  # the same passes today
@@ -46,6 +47,7 @@ O2 = [
     auto_cast,  # before the convolutions are lowered: it casts CONVOLUTION's operands
     lower_convolutions,  # before legalize: convolutions the implicit-GEMM kernel takes become CONV, the rest im2col
     legalize,  # as -O0: the kernel forms the fusion passes group
+    lower_flex_attention,  # as -O0: FLEX_ATTENTION becomes the flash-attention kernel
     store_weights_transposed,  # before fusion: matmuls then read the stored transpose as a dense operand
     fuse_attention,  # before row-wise fusion: the softmax of an attention belongs to its flash kernel
     fuse_rowwise,  # softmax, layer-norm...: one kernel per normalisation, before elementwise fusion takes its ops

@@ -111,7 +111,8 @@ def _load(compiled, core):
     from runtime.core import access_check_id
 
     checked_by = compiled.checked_by()
-    program = core.load(compiled.neff, checked_by=checked_by)
+    custom = frozenset(n for n, k in enumerate(compiled.neff.kernels) if k.ops[:1] and k.ops[0].startswith("nki:"))
+    program = core.load(compiled.neff, checked_by=checked_by, undefined_on_chip=custom)  # NKI: tiles undefined
     if program.access_checked and checked_by != access_check_id():
         compiled.mark_checked(access_check_id())
     return program

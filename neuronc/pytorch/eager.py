@@ -117,6 +117,9 @@ def register() -> None:
     every.fallback(run_op, "PrivateUse1")
     _libraries.extend([aten, every])
     _print_from_host()
+    from neuronc.pytorch.flex_attention import allow_neuron_devices
+
+    allow_neuron_devices()
 
 
 def _print_from_host() -> None:

@@ -1,0 +1,115 @@
+"""FlexAttention's estimated device time against the built-in attention paths, side by side in one run.
+
+Each program is captured as torch.compile(backend="neuron") captures it (Dynamo, AOTAutograd's forward graph)
+and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated device time (nothing is run).
+
+* causal: flex_attention with a causal block_mask against the compiler's built-in causal path (softmax of
+  masked_fill(~tril) scores @ v, which the attention pass fuses into its flash kernel with the on-chip causal
+  mask: benchmarks/kernels.py's case) at seq 2048 (issue 19: within 10% of its time); and, for information,
+  scaled_dot_product_attention(is_causal=True);
+* sliding window: flex_attention with a sliding-window block_mask (window 256) at seq 1024..4096, against the
+  same program without a mask: the windowed time should grow with the sequence (queries), not with its square.
+
+Nothing is asserted: it prints measurements.
+
+    python -m benchmarks.flex_attention [--heads 8] [--dim 64] [--dtype bf16] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from neuronc.compiler import CompileOptions, compile_fx
+
+
+class _Captured(Exception):
+    pass
+
+
+def compiled_ns(fn, inputs) -> tuple:
+    """(estimated ns, kernel count) of ``fn``'s forward graph as the neuron backend compiles it."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    graphs = {}
+
+    def capture(gm, example_inputs):
+        graphs["fw"] = gm
+        raise _Captured
+
+    def backend(gm, example_inputs):
+        return aot_autograd(fw_compiler=capture, decompositions=decomposition_table())(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=backend)(*inputs)
+    except Exception as e:  # Dynamo wraps the capture's exception
+        if "fw" not in graphs:
+            raise e
+    neff = compile_fx(graphs["fw"], CompileOptions(opt_level=2)).neff
+    return neff.estimated_ns, len(neff.kernels)
+
+
+def _flex(mask_mod, seq: int):
+    mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu") if mask_mod else None
+    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
+
+
+def _builtin_causal(q, k, v):
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _window(width: int):
+    def sliding_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < width)
+
+    return sliding_window
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="seq 512 for causal, 512..1024 for the window")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+    def qkv(seq):
+        return tuple(torch.randn(1, args.heads, seq, args.dim, dtype=dtype) for _ in range(3))
+
+    causal_seq = 512 if args.quick else 2048
+    print(f"trn2, -O2, batch 1, {args.heads} heads, head dim {args.dim}, {args.dtype}; estimated device time")
+    print(f"\ncausal at seq {causal_seq}")
+    builtin, builtin_kernels = compiled_ns(_builtin_causal, qkv(causal_seq))
+    sdpa, sdpa_kernels = compiled_ns(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                     qkv(causal_seq))
+    flex, kernels = compiled_ns(_flex(_causal, causal_seq), qkv(causal_seq))
+    print(f"  {'built-in causal (masked_fill tril)':<36} {builtin / 1e3:>10.1f} us  ({builtin_kernels} kernel(s))")
+    print(f"  {'sdpa(is_causal=True)':<36} {sdpa / 1e3:>10.1f} us  ({sdpa_kernels} kernel(s))")
+    print(f"  {'flex_attention, causal block_mask':<36} {flex / 1e3:>10.1f} us  ({kernels} kernel(s))")
+    print(f"  flex / built-in causal: {flex / builtin:.3f}   flex / sdpa: {flex / sdpa:.3f}")
+
+    print(f"\nsliding window {args.window}")
+    print(f"  {'seq':>6} {'window us':>10} {'us per 1k queries':>18} {'no mask us':>11} {'window / no mask':>17}")
+    for seq in ((512, 1024) if args.quick else (1024, 2048, 4096)):
+        windowed, _ = compiled_ns(_flex(_window(args.window), seq), qkv(seq))
+        full, _ = compiled_ns(_flex(None, seq), qkv(seq))
+        print(f"  {seq:>6} {windowed / 1e3:>10.1f} {windowed / 1e3 / (seq / 1024):>18.1f} {full / 1e3:>11.1f} "
+              f"{windowed / full:>17.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""FlexAttention in FX graphs: the `flex_attention` / `flex_attention_backward` higher-order ops, as ATen ops.
+
+Dynamo captures ``torch.nn.attention.flex_attention.flex_attention`` as a higher-order op whose ``score_mod`` and
+``mask_mod`` are subgraphs, and AOTAutograd's backward graph as ``flex_attention_backward``; torch-mlir lowers
+neither. Here each is replaced in the FX graph by the ATen ops of PyTorch's own dense implementation of the op
+(``sdpa_dense`` / ``sdpa_dense_backward``, what eager runs on CPU), traced with make_fx through the frontend's
+decompositions: the score_mod and mask_mod become elementwise ops over index tensors, the scores a matmul, the
+softmax and its backward ordinary ops, all of which neuronc compiles. The forward is then fused by the attention
+pass into one flash-attention kernel, the score_mod's steps and the mask inside it (passes/attention.py).
+"""
+from __future__ import annotations
+
+import operator
+
+
+def _hops():
+    import torch
+
+    hop = torch.ops.higher_order
+    return {hop.flex_attention, hop.flex_attention_backward}
+
+
+def decompose_flex_attention(gm) -> bool:
+    """In place: every FlexAttention higher-order op of ``gm`` replaced by its dense ATen implementation. Returns
+    whether there was one."""
+    import torch.fx
+
+    hops = _hops()
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hops]
+    for node in nodes:
+        _inline(gm, node, *_dense_graph(gm, node))
+    if nodes:
+        gm.graph.lint()
+        gm.recompile()
+        for name, _ in list(gm.named_children()):  # the score_mod / mask_mod subgraphs, now unused
+            if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+                delattr(gm, name)
+    return bool(nodes) and isinstance(gm, torch.fx.GraphModule)
+
+
+def _dense_graph(gm, node):
+    """(the dense implementation of ``node`` traced by make_fx, the FX nodes feeding its placeholders)."""
+    import torch
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch._higher_order_ops.flex_attention import sdpa_dense_backward
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    feeds: list = []
+
+    def lift(value):
+        """Arguments with their tensors replaced by slots of the traced function's inputs."""
+        if isinstance(value, torch.fx.Node):
+            if value.op == "get_attr":
+                return getattr(gm, value.target)
+            feeds.append(value)
+            return _Slot(len(feeds) - 1)
+        if isinstance(value, (tuple, list)):
+            return type(value)(lift(v) for v in value)
+        return value
+
+    args = lift(node.args)
+    impl = _forward if node.target is torch.ops.higher_order.flex_attention else sdpa_dense_backward
+
+    def fill(value, tensors):
+        if isinstance(value, _Slot):
+            return tensors[value.index]
+        if isinstance(value, (tuple, list)):
+            return type(value)(fill(v, tensors) for v in value)
+        return value
+
+    def dense(*tensors):
+        out = impl(*fill(args, tensors))
+        return _flat(out)
+
+    fakes = [n.meta["val"] for n in feeds]
+    fake_mode = detect_fake_mode(fakes)
+    with fake_mode:  # functionalized: the dense backward fills preallocated gradients in place
+        traced = make_fx(torch.func.functionalize(dense, remove="mutations"),
+                         decomposition_table=decomposition_table())(*fakes)
+    return traced, feeds
+
+
+def _forward(*args):
+    """The forward HOP's dense math (sdpa_dense without its final copy into the query's strides: neuronc's
+    tensors are dense)."""
+    from torch._higher_order_ops.flex_attention import math_attention
+
+    return math_attention(*args)
+
+
+class _Slot:
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _flat(value) -> tuple:
+    """The HOP's outputs flattened (the backward's fourth is a tuple of captured buffers' gradients)."""
+    out = []
+    for v in value:
+        if isinstance(v, (tuple, list)):
+            out.extend(v)
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _real(tensor):
+    """A constant made while tracing under the graph's fake mode (torch.tensor(-inf)), as a real CPU tensor: fake
+    tensor mode keeps the value of such small constants."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(tensor, FakeTensor):
+        if tensor.constant is None:
+            raise AssertionError("a FlexAttention constant without a value")
+        tensor = tensor.constant
+    return tensor.cpu()  # made on the tensors' device (a `neuron` one): the compiler reads its value
+
+
+def _inline(gm, node, traced, feeds) -> None:
+    """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``, and point each
+    ``getitem(node, i)`` at its i-th output."""
+    env = {}
+    placeholders = iter(feeds)
+    graph = gm.graph
+    with graph.inserting_before(node):
+        for n in traced.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "output":
+                results = n.args[0]
+            elif n.op == "get_attr":  # a tensor constant of the dense implementation
+                name = f"_flex_{node.name}_{n.target}"
+                gm.register_buffer(name, _real(getattr(traced, n.target)))
+                env[n] = graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+            else:
+                env[n] = graph.node_copy(n, lambda x: env[x])
+                device = env[n].kwargs.get("device")
+                if device is not None and getattr(device, "type", "cpu") != "cpu":  # only shapes and dtypes matter
+                    env[n].kwargs = {**env[n].kwargs, "device": type(device)("cpu")}
+                for key in ("stack_trace", "nn_module_stack"):  # located at the user's flex_attention call
+                    if key in node.meta:
+                        env[n].meta[key] = node.meta[key]
+    results = [env[r] if r is not None else None for r in results]
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
+    graph.erase_node(node)
+
+
+# -- the forward as one flash-attention kernel ------------------------------------------------------------------
+#
+# A forward flex_attention whose auxiliary outputs nobody reads (inference; training reads the log-sum-exp) is cut
+# out of the graph (kernel_calls.GraphCut) and comes back as one FLEX_ATTENTION node: the compiler's flash-attention
+# kernel (passes/attention.py lowers it), the score_mod's ATen ops turned into elementwise steps the kernel runs on
+# each block of logits, the mask_mod evaluated here over the whole (query, key) grid: a causal pattern becomes the
+# kernel's on-chip causal mask, another pattern a constant mask read block by block, whole blocks it hides skipped.
+# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values, GQA) keeps the
+# dense lowering above.
+
+# score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
+_STEP_OPS = {
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg", "abs": "abs", "exp": "exp", "log": "log",
+    "tanh": "tanh", "sqrt": "sqrt", "rsqrt": "rsqrt", "sigmoid": "sigmoid", "where": "where", "lt": "lt",
+    "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "maximum": "max", "minimum": "min", "pow": "pow",
+    "exp2": "exp2", "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil", "sign": "sign",
+}
+_IDENTITY_OPS = {"_to_copy", "convert_element_type", "clone", "alias", "detach", "lift_fresh_copy"}
+
+
+class _NotFlash(Exception):
+    pass
+
+
+def _aten_name(target) -> str:
+    name = getattr(target, "__name__", str(target))  # "add.Tensor"
+    return name.split(".")[0]
+
+
+def score_steps(score_gm, buffers: list) -> tuple:
+    """The score_mod subgraph as steps: ((op, args), ...), args ("score",), ("b",), ("h",), ("q",), ("kv",),
+    ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h); raises _NotFlash."""
+    import torch.fx
+
+    names = ["score", "b", "h", "q", "kv"]
+    env, steps = {}, []
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    for n, name in zip(placeholders, names + [None] * len(buffers)):
+        env[n] = (name,) if name else None
+    for n, buffer in zip(placeholders[5:], buffers):
+        env[n] = ("buffer", buffer)
+
+    def ref(x):
+        if isinstance(x, torch.fx.Node):
+            value = env[x]
+            if value is None or value[0] == "buffer":
+                raise _NotFlash
+            return value
+        if isinstance(x, (bool, int, float)):
+            return ("imm", float(x))
+        raise _NotFlash
+
+    for n in score_gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            if n.op == "get_attr":
+                env[n] = ("buffer", getattr(score_gm, n.target))
+            continue
+        if n.op == "output":
+            result = n.args[0]
+            result = result[0] if isinstance(result, (tuple, list)) else result
+            final = ref(result)
+            if final != ("step", len(steps) - 1):
+                steps.append(("add", (final, ("imm", 0.0))))
+            return tuple(steps)
+        name = _aten_name(n.target)
+        if name in _IDENTITY_OPS:
+            env[n] = ref(n.args[0])
+            continue
+        if name in ("index", "select") and isinstance(n.args[0], torch.fx.Node) and env[n.args[0]] and \
+                env[n.args[0]][0] == "buffer":
+            table = env[n.args[0]][1]
+            index = n.args[1][0] if name == "index" else n.args[2]
+            where = ref(index)
+            if where not in (("b",), ("h",)) or table is None or table.dim() != 1:
+                raise _NotFlash
+            steps.append(("table", (("values", tuple(float(x) for x in table.tolist())), where)))
+            env[n] = ("step", len(steps) - 1)
+            continue
+        op = _STEP_OPS.get(name)
+        if op is None or n.kwargs.get("alpha", 1) != 1:
+            raise _NotFlash
+        args = tuple(ref(a) for a in n.args)
+        if op in ("div",) and n.kwargs.get("rounding_mode"):
+            raise _NotFlash
+        steps.append((op, args))
+        env[n] = ("step", len(steps) - 1)
+    raise _NotFlash
+
+
+def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int):
+    """The mask_mod evaluated over the whole grid, as one bool [sq, sk] array when it is the same for every
+    batch and head (else raises _NotFlash)."""
+    import numpy as np
+    import torch
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if any(b is None for b in buffers):
+        raise _NotFlash
+    with unset_fake_temporarily(), torch.no_grad():  # real values, outside the compiler's fake tensor mode
+        b = torch.arange(batch).view(batch, 1, 1, 1)
+        h = torch.arange(heads).view(1, heads, 1, 1)
+        q = torch.arange(sq).view(1, 1, sq, 1)
+        kv = torch.arange(sk).view(1, 1, 1, sk)
+        try:
+            value = mask_gm(b, h, q, kv, *buffers)
+        except Exception as e:  # noqa: BLE001 - a mask_mod not made of broadcasting ops: the dense path
+            raise _NotFlash from e
+        value = torch.broadcast_to(value, (batch, heads, sq, sk)).numpy().astype(bool)
+    first = value[0, 0]
+    if not (value == first).all():
+        raise _NotFlash
+    return np.ascontiguousarray(first)
+
+
+def _constant_of(gm, node):
+    """The value of a get_attr tensor (None for a value the graph computes or takes as input)."""
+    import torch.fx
+
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        return _real(getattr(gm, node.target))
+    return None
+
+
+def _flash_spec(gm, node) -> dict:
+    """What the flash kernel needs of a forward flex_attention node, or raises _NotFlash."""
+    import numpy as np
+
+    (q, k, v, score_mod, block_mask, scale, _options, score_buffers, mask_buffers) = node.args[:9]
+    if any(user.target is operator.getitem and user.args[1] != 0 and user.users for user in node.users):
+        raise _NotFlash  # the log-sum-exp is read (training): the dense forward makes it
+    qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
+    if qv.dim() != 4 or kv_.shape[:2] != qv.shape[:2] or vv.shape[:3] != kv_.shape[:3]:
+        raise _NotFlash  # GQA or broadcast batches
+    if not (qv.dtype == kv_.dtype == vv.dtype) or not qv.dtype.is_floating_point:
+        raise _NotFlash
+    batch, heads, sq, d = qv.shape
+    sk, dv = kv_.shape[2], vv.shape[3]
+    score_gm = getattr(gm, score_mod.target)
+    steps = score_steps(score_gm, [_constant_of(gm, b) for b in score_buffers])
+    if steps == (("add", (("score",), ("imm", 0.0))),):
+        steps = ()  # the identity score_mod
+    mask_gm = getattr(gm, block_mask[-1].target)
+    mask = static_mask(mask_gm, [_constant_of(gm, b) for b in mask_buffers], batch, heads, sq, sk)
+    spec = dict(batch_shape=(batch, heads), queries=sq, keys=sk, head_dim=d, value_dim=dv, scale=float(scale),
+                score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    if mask.all():
+        return spec
+    kept = mask[0]
+    offset = int(kept.sum()) - 1  # a causal pattern keeps keys 0..offset for query 0
+    causal = offset >= 0 and kept[:offset + 1].all() and np.array_equal(
+        mask, np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset)
+    if causal and not steps:  # the kernel's own causal mask, made on chip (with a score_mod: applied after it)
+        spec.update(mask="causal", causal_offset=offset)
+    else:
+        spec.update(mask="select", mask_value=mask)
+    return spec
+
+
+def cut_flex_attention(cut, locations: dict) -> None:
+    """Cut each forward flex_attention the flash kernel computes out of the graph (see above)."""
+    import hashlib
+
+    import torch
+
+    from neuronc.frontend.tensors import dtype_of
+    from neuronc.isa import DType
+    from neuronc.neff.program import DebugLoc
+
+    for node in list(cut.gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
+            continue
+        try:
+            spec = _flash_spec(cut.gm, node)
+        except _NotFlash:
+            continue
+        q, k, v = node.args[:3]
+        batch, heads = spec["batch_shape"]
+        dtype = dtype_of(q.meta["val"].dtype)
+        out = ((batch, heads, spec["queries"], spec["value_dim"]), dtype)
+        lse = ((batch, heads, spec["queries"]), DType.F32)
+        loc = locations.get(node.name, DebugLoc())
+        mask = spec["mask_value"]
+        digest = hashlib.sha256(repr({k_: v_ for k_, v_ in spec.items() if k_ != "mask_value"}).encode())
+        if mask is not None:
+            digest.update(mask.tobytes())
+        cut.cut(node, [q, k, v], [out, lse, lse],
+                lambda values, spec=spec, loc=loc, out=out: _flex_node(values, spec, out, loc), digest.hexdigest(), loc)
+
+
+def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
+    import dataclasses
+
+    from neuronc import ir
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+
+    inputs = list(values)
+    mask = spec["mask_value"]
+    if mask is not None:
+        inputs.append(ir.node(Op.CONSTANT, [], mask.shape, DType.BOOL, loc, value=mask))
+    attrs = {k: v for k, v in spec.items() if k != "mask_value"}
+    node = ir.node(Op.FLEX_ATTENTION, inputs, out[0], out[1], dataclasses.replace(loc, op="flex_attention"), **attrs)
+    return [node, None, None]

@@ -1,0 +1,190 @@
+"""Flash attention, forward and backward, for q, k, v [heads, seq, d] (d <= 128, seq a multiple of 128), causal or
+not: out = softmax(scale q k^T [masked]) v, and the gradients of q, k, v.
+
+Forward (FlashAttention-2's loop order): per head, K^T [d, seq] and V (by chunks of 128 keys) stay in SBUF; per tile
+of 128 queries, the keys in blocks of 512 (one PSUM bank of fp32 scores): S = Q K^T on the Tensor engine, the causal
+mask added to the diagonal block by a matmul with a resident bias tile (blocks above the diagonal are never
+visited), the running row max m, P = exp(scale S - m) with its row sum in one Scalar pass, P transposed on the
+Tensor engine so keys lie on partitions, P V accumulated in PSUM and folded into the output accumulator rescaled by
+exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the backward's.
+
+Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile of 128 keys j (dK_j, dV_j accumulate in
+PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
+dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine); dQ and dK are scaled at
+the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import neuronc.nki as nki
+import neuronc.nki.isa as nisa
+import neuronc.nki.language as nl
+
+P = 128  # queries (and keys) per tile: one per partition
+KEY_BLOCK = 512  # keys per block of the forward: one PSUM bank of fp32 scores
+MASKED = -3.0e38  # added to masked scores (a finite -inf: exp(scale * it) is 0)
+
+
+def _causal_bias(dtype):
+    """A [128, 128] tile adding MASKED where key column j lies after query row p (j > p), 0 elsewhere."""
+    bias = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    ramp = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=ramp, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # j - p
+    nisa.tensor_scalar(dst=bias, data=ramp, op0=nl.greater, operand0=0.0, op1=nl.multiply, operand1=MASKED)
+    return bias
+
+
+def _load_transposed(dst, src):
+    """dst [d, rows] = src [rows, d]^T: a DMA reading the HBM rows by columns."""
+    nisa.dma_copy(dst=dst, src=src.permute((1, 0)))
+
+
+@nki.jit
+def flash_attention_forward(q, k, v, scale=None, causal=True):
+    heads, seq, d = q.shape
+    assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    dtype = q.dtype
+    out = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((heads, seq), dtype=nl.float32, buffer=nl.shared_hbm)
+    tiles = seq // P
+    identity = nl.shared_identity_matrix(P, dtype=dtype)
+    bias = _causal_bias(dtype) if causal else None
+    for g in nl.affine_range(heads):
+        k_t = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)
+        _load_transposed(k_t, k[g])
+        v_tiles = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
+        for c in nl.affine_range(tiles):
+            nisa.dma_copy(dst=v_tiles[:, c, :], src=v[g, c * P:(c + 1) * P, :])
+        for i in nl.affine_range(tiles):
+            q_t = nl.ndarray((d, P), dtype=dtype, buffer=nl.sbuf)
+            _load_transposed(q_t, q[g, i * P:(i + 1) * P, :])
+            last = (i + 1) * P if causal else seq
+            acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
+            total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            m = None
+            for k0 in range(0, last, KEY_BLOCK):
+                kb = min(KEY_BLOCK, last - k0)
+                scores = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=scores, stationary=q_t, moving=k_t[:, k0:k0 + kb])
+                if causal and k0 + kb > i * P:  # the diagonal: keys after each query masked
+                    c = i * P - k0
+                    nisa.nc_matmul(dst=scores[:, c:c + P], stationary=identity, moving=bias, accumulate=True)
+                block_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_reduce(dst=block_max, op=nl.max, data=scores, axis=1)
+                m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                if m is None:
+                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=scale)
+                else:
+                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=scale, op1=nl.maximum,
+                                       operand1=m)
+                neg_m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=neg_m, data=m_new, op0=nl.multiply, operand0=-1.0)
+                probs = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
+                row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_m, scale=scale, reduce_op=nl.add,
+                                reduce_res=row_sum)
+                probs_t_psum = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.psum)
+                for c in nl.affine_range(kb // P):
+                    nisa.nc_transpose(dst=probs_t_psum[:, c * P:(c + 1) * P], data=probs[:, c * P:(c + 1) * P])
+                probs_t = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=probs_t, src=probs_t_psum)
+                pv = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+                for c in nl.affine_range(kb // P):
+                    nisa.nc_matmul(dst=pv, stationary=probs_t[:, c * P:(c + 1) * P],
+                                   moving=v_tiles[:, k0 // P + c, :])
+                if m is None:
+                    nisa.tensor_copy(dst=acc, src=pv)
+                    nisa.tensor_copy(dst=total, src=row_sum)
+                else:  # rescale by exp(m_old - m_new), then add
+                    alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=alpha, op=nl.exp, data=m, bias=neg_m)
+                    nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                              operand1=pv)
+                    nisa.scalar_tensor_tensor(dst=total, data=total, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                              operand1=row_sum)
+                m = m_new
+            result = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total)
+            nisa.dma_copy(dst=out[g, i * P:(i + 1) * P, :], src=result)
+            log_total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=log_total, op=nl.log, data=total)
+            row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=row_lse, data1=log_total, data2=m, op=nl.add)
+            nisa.dma_copy(dst=lse[g, i * P:(i + 1) * P].reshape((P, 1)), src=row_lse)
+    return out, lse
+
+
+@nki.jit
+def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=True):
+    heads, seq, d = q.shape
+    assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    dtype = q.dtype
+    grad_q = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    grad_k = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    grad_v = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    tiles = seq // P
+    identity = nl.shared_identity_matrix(P, dtype=dtype)
+    bias = _causal_bias(dtype) if causal else None
+    for g in nl.affine_range(heads):
+        q_t, k_t, v_t, do_t = (nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
+        for dst, src in ((q_t, q), (k_t, k), (v_t, v), (do_t, grad_out)):
+            _load_transposed(dst, src[g])
+        q_rows, k_rows, do_rows = (nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf) for _ in range(3))
+        neg_lse = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
+        delta = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
+        grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=grad_q_acc, value=0.0)
+        for i in nl.affine_range(tiles):
+            rows = slice(i * P, (i + 1) * P)
+            nisa.dma_copy(dst=q_rows[:, i, :], src=q[g, rows, :])
+            nisa.dma_copy(dst=k_rows[:, i, :], src=k[g, rows, :])
+            nisa.dma_copy(dst=do_rows[:, i, :], src=grad_out[g, rows, :])
+            row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row_lse, src=lse[g, rows].reshape((P, 1)))
+            nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0)
+            o_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=o_rows, src=out[g, rows, :])
+            products = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=products, data1=o_rows, data2=do_rows[:, i, :], op=nl.multiply)
+            nisa.tensor_reduce(dst=delta[:, i:i + 1], op=nl.add, data=products, axis=1)
+        for j in nl.affine_range(tiles):
+            keys = slice(j * P, (j + 1) * P)
+            grad_v_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+            grad_k_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+            first = j if causal else 0
+            for i in nl.sequential_range(first, tiles):
+                queries = slice(i * P, (i + 1) * P)
+                scores = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=scores, stationary=q_t[:, queries], moving=k_t[:, keys])
+                if causal and i == j:
+                    nisa.nc_matmul(dst=scores, stationary=identity, moving=bias, accumulate=True)
+                probs = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+                nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
+                nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=i > first)
+                grad_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=grad_p, stationary=do_t[:, queries], moving=v_t[:, keys])
+                grad_s = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+                nisa.scalar_tensor_tensor(dst=grad_s, data=grad_p, op0=nl.subtract, operand0=delta[:, i:i + 1],
+                                          op1=nl.multiply, operand1=probs)
+                nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=i > first)
+                grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
+                grad_s_t = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=grad_s_t, src=grad_s_t_psum)
+                grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
+                nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum, op=nl.add)
+            grad_v_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=grad_v_rows, src=grad_v_psum)
+            nisa.dma_copy(dst=grad_v[g, keys, :], src=grad_v_rows)
+            grad_k_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=grad_k_rows, data=grad_k_psum, op0=nl.multiply, operand0=scale)
+            nisa.dma_copy(dst=grad_k[g, keys, :], src=grad_k_rows)
+        for i in nl.affine_range(tiles):
+            grad_q_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=grad_q_rows, data=grad_q_acc[:, i, :], op0=nl.multiply, operand0=scale)
+            nisa.dma_copy(dst=grad_q[g, i * P:(i + 1) * P, :], src=grad_q_rows)
+    return grad_q, grad_k, grad_v

@@ -1,0 +1,1 @@
+"""Public NKI sample kernels, ported by changing their imports (see each file)."""

@@ -1,0 +1,131 @@
+"""FlexAttention under torch.compile(backend="neuron"): score_mods and block masks against eager, fp32 and bf16,
+forward and backward; the forward of a static mask is one flash-attention kernel, the score_mod inside it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from neuronc.ir import Op
+from neuronc.pytorch.backend import compiled_graphs
+from neuronc.tolerances import TOLERANCES
+
+B, H, S, D = 1, 2, 256, 32
+DOCUMENTS = torch.tensor([0] * 100 + [1] * 60 + [2] * 96)  # three packed documents
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def sliding_window(b, h, q, kv):
+    return (q >= kv) & (q - kv < 64)
+
+
+def prefix_lm(b, h, q, kv):
+    return (kv < 48) | (q >= kv)
+
+
+def document(b, h, q, kv):
+    return DOCUMENTS[q] == DOCUMENTS[kv]
+
+
+def relative_bias(score, b, h, q, kv):
+    return score + (q - kv) * 0.05
+
+
+def alibi(score, b, h, q, kv):
+    return score + (kv - q) * torch.exp2(-(h + 1) * 8.0 / H)
+
+
+def soft_cap(score, b, h, q, kv):
+    return torch.tanh(score / 10.0) * 10.0
+
+
+def qkv(dtype, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    return tuple(torch.randn(B, H, S, D, dtype=dtype).to(device) for _ in range(3))
+
+
+def expected(q, k, v, score_mod, mask_mod):
+    """Eager flex_attention on CPU, in fp32 on the same (rounded) inputs, rounded once to the inputs' dtype."""
+    mask = create_block_mask(mask_mod, B, H, S, S, device="cpu") if mask_mod else None
+    out = flex_attention(*(x.cpu().float() for x in (q, k, v)), score_mod=score_mod, block_mask=mask)
+    return out.to(q.dtype)
+
+
+def compiled_attention(score_mod, mask_mod, device="cpu"):
+    mask = create_block_mask(mask_mod, B, H, S, S, device=device) if mask_mod else None
+    return torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask),
+                         backend="neuron")
+
+
+def last_kernels() -> list:
+    return [k.ops for k in compiled_graphs[-1].compiled.neff.kernels]
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", [
+    (None, causal), (relative_bias, causal), (alibi, sliding_window), (soft_cap, None), (None, prefix_lm),
+    (relative_bias, document)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_forward_matches_eager(score_mod, mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    out = compiled_attention(score_mod, mask_mod)(q, k, v)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected(q, k, v, score_mod, mask_mod), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
+def test_a_static_mask_and_score_mod_run_as_one_flash_kernel(score_mod, mask_mod):
+    torch._dynamo.reset()
+    q, k, v = qkv(torch.float32)
+    compiled_attention(score_mod, mask_mod)(q, k, v)
+    assert [ops[0] for ops in last_kernels()] == ["flex_attention"]
+
+
+def test_a_causal_block_mask_is_the_built_in_causal_mask():
+    torch._dynamo.reset()
+    q, k, v = qkv(torch.float32)
+    compiled_attention(None, causal)(q, k, v)
+    (kernel,) = [n for n in compiled_graphs[-1].compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert kernel.attrs["mask"] == "causal" and kernel.attrs["causal_offset"] == 0
+
+
+def test_a_mask_reading_a_captured_tensor_takes_the_dense_lowering():
+    torch._dynamo.reset()
+    q, k, v = qkv(torch.float32)
+    compiled_attention(None, document)(q, k, v)
+    assert "flex_attention" not in [ops[0] for ops in last_kernels()]
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_trains_on_neuron_tensors(score_mod, mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    grad = torch.randn(B, H, S, D, dtype=dtype)
+    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
+    out = compiled_attention(score_mod, mask_mod, device="neuron")(*device_inputs)
+    out.backward(grad.to("neuron"))
+    reference = [x.float().requires_grad_() for x in (q, k, v)]
+    eager_out = flex_attention_dense(*reference, score_mod, mask_mod)
+    eager_out.backward(grad.float())
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
+    for got, want in zip(device_inputs, reference):
+        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+
+
+def flex_attention_dense(q, k, v, score_mod, mask_mod):
+    """flex_attention's math on CPU with autograd (eager flex_attention has no CPU backward): the scores, the
+    score_mod and mask_mod applied elementwise, softmax, @ v."""
+    idx = torch.arange(S)
+    b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    qi, ki = idx.view(1, 1, S, 1), idx.view(1, 1, 1, S)
+    scores = q @ k.transpose(-2, -1) * D ** -0.5
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, qi, ki)
+    if mask_mod is not None:
+        scores = scores.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
+    return torch.softmax(scores, -1) @ v

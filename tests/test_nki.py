@@ -1,0 +1,245 @@
+"""The NKI-compatible kernel language: public NKI samples ported by an import change give eager PyTorch's results
+on the emulated NeuronCore; kernels breaking a rule fail at their own source line; the entry points
+(simulate_kernel, benchmark, SPMD grids) behave as NKI's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import neuronc.nki as nki
+import neuronc.nki.isa as nisa
+import neuronc.nki.language as nl
+from neuronc.errors import KernelError, KernelUnsupportedError, NeuronRuntimeError
+from neuronc.tolerances import TOLERANCES
+from tests.conftest import line_of
+from tests.nki_samples import attention_tutorial, layernorm, matmul_tutorial, rmsnorm, sd_attention
+
+FP32 = TOLERANCES[torch.float32]
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed + sum(shape)).random(shape, dtype=np.float32)
+
+
+def close(actual, expected, **tolerance):
+    torch.testing.assert_close(torch.as_tensor(np.asarray(actual)), expected, **(tolerance or FP32))
+
+
+# -- public samples --------------------------------------------------------------------------------------------
+
+
+def test_matmul_tutorial_basic_kernel_matches_eager():
+    lhsT, rhs = rand(128, 64), rand(128, 512)
+    close(matmul_tutorial.nki_matmul_basic_(lhsT, rhs), torch.from_numpy(lhsT).T @ torch.from_numpy(rhs))
+
+
+@pytest.mark.parametrize("kernel", ["nki_matmul_tiled_", "nki_matmul_hoist_load_", "nki_matmul_block_free_dimension_"])
+def test_matmul_tutorial_tiled_kernels_match_eager(kernel):
+    lhsT, rhs = rand(256, 256), rand(256, 1024)
+    close(getattr(matmul_tutorial, kernel)(lhsT, rhs), torch.from_numpy(lhsT).T @ torch.from_numpy(rhs))
+
+
+def test_matmul_tutorial_fully_optimized_kernel_matches_eager():
+    lhsT, rhs = rand(512, 512), rand(512, 1024)
+    out = matmul_tutorial.nki_matmul_fully_optimized_(lhsT, rhs, TILES_IN_BLOCK_M=2, TILES_IN_BLOCK_N=1,
+                                                       TILES_IN_BLOCK_K=2)
+    close(out, torch.from_numpy(lhsT).T @ torch.from_numpy(rhs))
+
+
+def test_rmsnorm_sample_masks_the_last_partial_row_tile():
+    a, g = rand(200, 512), rand(512)  # 200 rows: the second tile of 128 is masked to 72 rows
+    x = torch.from_numpy(a)
+    expected = x * torch.rsqrt(x.square().mean(dim=1, keepdim=True)) * torch.from_numpy(g)
+    close(rmsnorm.nki_rmsnorm_kernel(a, g), expected)
+
+
+@pytest.mark.parametrize("version", ["nki_layernorm_kernel_v1", "nki_layernorm_kernel_v2"])
+def test_layernorm_samples_match_eager(version):
+    x, gamma, beta = rand(300, 1024), rand(1024), rand(1024)
+    expected = F.layer_norm(torch.from_numpy(x), (1024,), torch.from_numpy(gamma), torch.from_numpy(beta), eps=1e-5)
+    close(getattr(layernorm, version)(x, 1e-5, gamma, beta), expected)
+
+
+@pytest.mark.parametrize("version,seq", [("attn_fwd_v1", 128), ("attn_fwd_v2", 128), ("attn_fwd_v3", 512)])
+def test_attention_tutorial_softmax_kernels_match_eager(version, seq):
+    q, k, v = rand(128, seq, seed=1), rand(128, seq, seed=2), rand(128, seq, seed=3)  # [d_head, seq]
+    tq, tk, tv = (torch.from_numpy(t) for t in (q, k, v))
+    expected = torch.softmax(tq.T @ tk, dim=-1) @ tv.T
+    close(getattr(attention_tutorial, version)(q, k, v), expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_sd_attention_sample_matches_sdpa(causal):
+    q, k, v = rand(512, 64, seed=1), rand(512, 64, seed=2), rand(512, 64, seed=3)
+    expected = F.scaled_dot_product_attention(*(torch.from_numpy(t)[None] for t in (q, k, v)), is_causal=causal,
+                                              scale=0.125)[0]
+    out = sd_attention.fused_self_attn_for_SD_small_head_size(q, k, v, use_causal_mask=causal, mixed_precision=False)
+    close(out, expected)
+
+
+def test_fused_sd_attention_sample_in_mixed_precision_is_within_bf16_tolerance():
+    q, k, v = rand(256, 64, seed=1), rand(256, 64, seed=2), rand(256, 64, seed=3)
+    expected = F.scaled_dot_product_attention(*(torch.from_numpy(t)[None] for t in (q, k, v)), scale=0.125)[0]
+    out = sd_attention.fused_self_attn_for_SD_small_head_size(q, k, v)
+    close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+# -- entry points -------------------------------------------------------------------------------------------
+
+
+@nki.jit
+def scaled_add(a, b, alpha):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    x = nl.load(a)
+    y = nl.load(b)
+    nl.store(out, x * alpha + y)
+    return out
+
+
+def test_simulate_kernel_runs_numpy_arrays_and_traces_once_per_signature():
+    a, b = rand(128, 256), rand(128, 256, seed=5)
+    close(nki.simulate_kernel(scaled_add, a, b, 2.0), torch.from_numpy(a) * 2.0 + torch.from_numpy(b))
+    traced = scaled_add.trace(a, b, 2.0)
+    scaled_add(a, b, 2.0)
+    assert scaled_add.trace(a, b, 2.0) is traced
+    assert scaled_add.trace(a, b, 3.0) is not traced  # a Python value is part of the signature
+
+
+def test_benchmark_reports_the_emulated_device_time():
+    bench = nki.benchmark(scaled_add)
+    a, b = rand(128, 256), rand(128, 256, seed=5)
+    bench(a, b, 2.0)
+    latency = bench.benchmark_result.nc_latency
+    timeline = scaled_add.last_run.timeline
+    assert latency.get_latency_percentile(50) == pytest.approx(timeline.estimated_ns / 1000)
+    assert latency.get_latency_percentile(99) == latency.get_latency_percentile(50) > 0
+
+
+@nki.jit
+def rows_by_program(a):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    i = nl.program_id(0)
+    tile = nl.load(a[i * 128:(i + 1) * 128, :])
+    nl.store(out[i * 128:(i + 1) * 128, :], tile * float(i + 1))
+    return out
+
+
+def test_spmd_grid_programs_share_their_outputs():
+    a = rand(384, 64)
+    out = rows_by_program[3](a)
+    scale = np.repeat(np.arange(1, 4, dtype=np.float32), 128)[:, None]
+    close(out, torch.from_numpy(a * scale))
+
+
+@nki.jit
+def bf16_in_fp32_out(a):
+    out = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    x = nl.load(a, dtype=nl.float32)
+    nl.store(out, nl.exp(x))
+    return out
+
+
+def test_loads_convert_dtypes_as_nki_dma_does():
+    a = torch.rand(128, 64, dtype=torch.bfloat16)
+    import ml_dtypes
+
+    out = bf16_in_fp32_out(a.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    close(out, torch.exp(a.float()))
+
+
+@nki.jit
+def writes_its_argument(a, out):
+    nl.store(out, nl.load(a) + 1.0)
+
+
+def test_an_argument_the_kernel_writes_is_updated_in_place():
+    a, out = rand(128, 32), np.zeros((128, 32), np.float32)
+    writes_its_argument(a, out)
+    close(out, torch.from_numpy(a) + 1.0)
+
+
+# -- rules, at the kernel's own line ------------------------------------------------------------------------
+
+
+@nki.jit
+def moving_too_wide(a):
+    out = nl.ndarray((128, 1024), dtype=nl.float32, buffer=nl.shared_hbm)
+    x = nl.load(a)
+    p = nl.ndarray((128, 1024), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=p, stationary=x[:, 0:128], moving=x)  # MOVING TOO WIDE
+    nl.store(out, p)
+    return out
+
+
+def test_a_tile_rule_broken_points_at_the_kernel_line():
+    with pytest.raises(KernelError, match="N=1024 exceeds the Tensor engine's limit N<=512") as e:
+        moving_too_wide(rand(128, 1024))
+    assert e.value.location.startswith(f"{__file__}:{line_of(__file__, '# MOVING TOO WIDE')}")
+
+
+@nki.jit
+def holds_nine_psum_tiles(a):
+    out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+    x = nl.load(a)
+    tiles = []
+    for _ in range(9):
+        p = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)  # NINE PSUM TILES
+        nisa.nc_matmul(dst=p, stationary=x[:, 0:128], moving=x)
+        tiles.append(p)
+    acc = nl.zeros((128, 512), dtype=nl.float32)
+    for p in tiles:
+        acc[...] = nl.add(acc, p)
+    nl.store(out, acc)
+    return out
+
+
+def test_more_live_psum_tiles_than_banks_is_an_error_at_the_allocation():
+    with pytest.raises(KernelError, match="PSUM is full") as e:
+        holds_nine_psum_tiles(rand(128, 512))
+    assert e.value.location.startswith(f"{__file__}:{line_of(__file__, '# NINE PSUM TILES')}")
+    assert "8 banks" in e.value.hint
+
+
+@nki.jit
+def reads_an_unwritten_tile(a):
+    out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+    x = nl.ndarray((128, 64), dtype=nl.float32)
+    nl.store(out, x)  # UNWRITTEN READ
+    return out
+
+
+def test_reading_an_unwritten_tile_is_refused_by_the_runtime_at_the_kernel_line():
+    with pytest.raises(NeuronRuntimeError, match="nothing wrote") as e:
+        reads_an_unwritten_tile(rand(128, 64))
+    assert e.value.location.startswith(f"{__file__}:{line_of(__file__, '# UNWRITTEN READ')}")
+
+
+@nki.jit
+def uses_partition_reduce(a):
+    x = nl.load(a)
+    y = nl.ndarray((1, 64), dtype=nl.float32)
+    nisa.tensor_partition_reduce(y, nl.add, x)
+
+
+def test_an_api_not_covered_is_named_in_a_clear_error():
+    with pytest.raises(KernelUnsupportedError, match="nisa.tensor_partition_reduce: not supported"):
+        uses_partition_reduce(rand(128, 64))
+
+
+def test_apis_outside_a_kernel_say_so():
+    with pytest.raises(KernelError, match="outside a kernel"):
+        nl.ndarray((128, 4), dtype=nl.float32)
+
+
+@nki.jit
+def branches_on_an_index(a):
+    i = nl.arange(128)[:, None]
+    if i < 64:
+        pass
+
+
+def test_python_control_flow_on_an_index_vector_is_refused():
+    with pytest.raises(KernelError, match="control flow"):
+        branches_on_an_index(rand(128, 4))

@@ -1,0 +1,80 @@
+"""The kernel library written in the NKI-compatible language (neuronc.nki.library) against eager PyTorch."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuronc.nki.library import flash_attention_backward, flash_attention_forward, moe_combine, moe_dispatch, rmsnorm
+from neuronc.tolerances import TOLERANCES
+
+
+def as_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_eager(dtype):
+    x, w = randn(200, 384, dtype=dtype), randn(384, dtype=dtype, seed=1)
+    out = as_torch(rmsnorm(as_numpy(x), as_numpy(w), 1e-6))
+    expected = F.rms_norm(x.float(), (384,), w.float(), 1e-6).to(dtype)  # fp32 reference rounded once
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def reference_attention(q, k, v, causal):
+    q, k, v = (x.detach().float().clone().requires_grad_() for x in (q, k, v))
+    return q, k, v, F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attention_forward_and_backward_match_eager(causal, dtype):
+    heads, seq, dim = 2, 256, 64
+    q, k, v, grad = (randn(heads, seq, dim, dtype=dtype, seed=s) for s in range(4))
+    out, lse = flash_attention_forward(*(as_numpy(x) for x in (q, k, v)), causal=causal)
+    rq, rk, rv, expected = reference_attention(q, k, v, causal)
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(as_torch(out), expected.detach().to(dtype), **tolerance)
+    scores = (rq @ rk.transpose(-1, -2)) / dim ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(torch.from_numpy(lse), torch.logsumexp(scores, -1).detach(), **TOLERANCES[torch.float32]
+                               if dtype == torch.float32 else tolerance)
+    expected.backward(grad.float())
+    grads = flash_attention_backward(*(as_numpy(x) for x in (q, k, v)), out, as_numpy(grad), lse, causal=causal)
+    for got, want in zip(grads, (rq, rk, rv)):
+        torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **tolerance)
+
+
+def routing(tokens: int, slots: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, tokens, slots).astype(np.int32)  # tokens repeat across slots
+
+
+def test_moe_dispatch_gathers_each_slots_token():
+    x = randn(300, 96)
+    slots = routing(300, 4 * 80)
+    out = moe_dispatch(x.numpy(), slots)
+    torch.testing.assert_close(torch.from_numpy(out), x[torch.from_numpy(slots).long()], rtol=0, atol=0)
+
+
+def test_moe_combine_adds_each_slots_gated_output_to_its_token():
+    tokens, slots = 300, 4 * 80
+    expert_out, gates, index = randn(slots, 96), torch.rand(slots), routing(tokens, slots, seed=1)
+    y = moe_combine(expert_out.numpy(), index, gates.numpy(), tokens)
+    expected = torch.zeros(tokens, 96).index_add(0, torch.from_numpy(index).long(), expert_out * gates[:, None])
+    torch.testing.assert_close(torch.from_numpy(y), expected, **TOLERANCES[torch.float32])
