@@ -46,10 +46,6 @@ def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, r
     _assert_trains_as_one_process([rank[name] for rank in two_ranks], reference, TOLERANCES[torch.float32])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open defect (issue 18): FSDP2 with bf16 mixed precision on neuron trains less accurately than the same policy "
-    "on the CPU: parameters' RMSE against the fp32 reference is 1.3-6x the CPU bf16 run's (positions.weight 4.1x, "
-    "blocks.0.attn.proj.bias 6.1x) after 5 AdamW steps; strict, so that a fix shows as XPASS"))
 def test_fsdp2_with_bf16_mixed_precision_trains_as_accurately_as_bf16_on_the_cpu(two_ranks, reference):
     """Held to the rule of the other low-precision tests (conftest.assert_as_accurate_as_eager): each parameter within
     bf16's tolerance of the fp32 reference or, where bf16 alone misses that row (AdamW, lr 1e-2, turns bf16's rounding

@@ -60,8 +60,12 @@ def test_the_passes_import_each_other_without_loops():
 
 @pytest.fixture(scope="module")
 def gpt2_graph():
+    """The optimised IR of the zoo's GPT-2, compiled for real: a module-scoped fixture runs before the autouse
+    no_compile_cache, and a cache hit holds no graph."""
     model, inputs = zoo.build("gpt2")
-    return compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).graph
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NEURON_CC_FLAGS", "--no_cache")
+        return compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).graph
 
 
 def test_every_kernel_of_an_optimised_graph_carries_a_frozen_plan(gpt2_graph):
