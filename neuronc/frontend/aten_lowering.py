@@ -1314,28 +1314,17 @@ def _dot(lw, a, b, out_shape, dtype, lhs_batch, rhs_batch, lhs_contract, rhs_con
     return product
 
 
-@rule(aten.mm.default)
-def _mm(lw, meta, a, b):
-    shape, dtype = _out(meta)
-    return lw.convert(_dot(lw, a, b, shape, dtype, (), (), (1,), (0,)), dtype)
+def _contraction(*dims):
+    """The rule of a matrix product whose dims are (lhs_batch, rhs_batch, lhs_contract, rhs_contract)."""
+    def lower(lw, meta, a, b):
+        shape, dtype = _out(meta)
+        return lw.convert(_dot(lw, a, b, shape, dtype, *dims), dtype)
+    return lower
 
 
-@rule(aten.bmm.default)
-def _bmm(lw, meta, a, b):
-    shape, dtype = _out(meta)
-    return lw.convert(_dot(lw, a, b, shape, dtype, (0,), (0,), (2,), (1,)), dtype)
-
-
-@rule(aten.mv.default)
-def _mv(lw, meta, a, b):
-    shape, dtype = _out(meta)
-    return lw.convert(_dot(lw, a, b, shape, dtype, (), (), (1,), (0,)), dtype)
-
-
-@rule(aten.dot.default)
-def _dot_rule(lw, meta, a, b):
-    shape, dtype = _out(meta)
-    return lw.convert(_dot(lw, a, b, shape, dtype, (), (), (0,), (0,)), dtype)
+for _aten_op, _contracted in {aten.mm.default: ((), (), (1,), (0,)), aten.bmm.default: ((0,), (0,), (2,), (1,)),
+                        aten.mv.default: ((), (), (1,), (0,)), aten.dot.default: ((), (), (0,), (0,))}.items():
+    RULES[_aten_op] = _contraction(*_contracted)
 
 
 @rule(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
