@@ -64,7 +64,8 @@ class Target:
     # descriptors at run time, so neither the hardware DGE's ~600 ns per instruction (two DGE instances per
     # NeuronCore-v3, nki-dge.rst) nor GpSimd's software DGE is charged; indirect DMAs (gather/scatter), the only
     # case needing software descriptors on hardware, pay the same fixed cost (their rows are addressed by
-    # precomputed index tiles). A queue runs one transfer at a time, so the latency occupies it.
+    # precomputed index tiles). A queue moves one transfer's data at a time and prepares the next one meanwhile
+    # (a stated choice, instruction_cost.start_latency_ns), so the latency shows after a wait and on small transfers.
     dma_fixed_ns: float
     # The payload curve (nki-dma-bandwidth-guide.rst): < 256 B per partition severely overhead-bound, 256 B - 2 KiB
     # improving, >= 2 KiB approaching peak, >= 4 KiB saturating (dma_efficient_bytes_per_partition). The docs give
