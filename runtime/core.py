@@ -412,9 +412,9 @@ class LoadedProgram:
         """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
         g = writers.granule
         for t in self.neff.outputs():
-            unwritten = np.flatnonzero(writers.span(t.offset, t.nbytes) == 1) if t.nbytes else ()
-            if len(unwritten):
-                byte = int(unwritten[0]) * g
+            entry = _first_equal(writers.span(t.offset, t.nbytes), 1) if t.nbytes else None
+            if entry is not None:
+                byte = entry * g
                 raise NeuronRuntimeError(
                     f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
@@ -771,3 +771,16 @@ def run_neff(neff_or_path, inputs: list | None = None, target: str | Target | No
     if not numerics:
         return RunResult([], program.time())
     return program.run(inputs if inputs is not None else [])
+
+
+SCAN_CHUNK = 1 << 20
+"""Entries compared at a time when scanning an access table: a 1 GiB output's scan must not need another GiB."""
+
+
+def _first_equal(entries: np.ndarray, value) -> int | None:
+    """The index of the first entry equal to ``value``, or None, in bounded extra memory (chunk by chunk)."""
+    for start in range(0, len(entries), SCAN_CHUNK):
+        hits = np.flatnonzero(entries[start:start + SCAN_CHUNK] == value)
+        if len(hits):
+            return start + int(hits[0])
+    return None

@@ -190,3 +190,38 @@ def test_compiled_graphs_are_not_kept_alive_by_the_backend():
     torch.compile(torch.cos, backend="neuron")(torch.randn(8, 8))
     assert backend.compiled_graphs[-1].program.core.on_chip is first_core.on_chip  # one SBUF/PSUM per target
     torch._dynamo.reset()
+
+
+def test_an_output_nothing_fully_writes_is_refused_in_bounded_extra_memory(monkeypatch):
+    """Found by `fuzz_neff --seed 3` (case 4739, an output grown to 1 GiB): the scan for its unwritten bytes made a
+    second array the size of the output, a raw MemoryError under an address-space limit instead of the refusal."""
+    import tracemalloc
+
+    from neuronc.isa import AccessPattern, Space
+    from runtime.core import LoadedProgram
+
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (4, 8))
+    y = p.tensor("y", TensorKind.OUTPUT, (2**26, 4))  # 1 GiB of float32, of which the program writes 128 bytes
+    tile = chip((4, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x))
+    first_bytes = AccessPattern(Space.HBM, y.dtype, y.offset, ((8, 4), (1, 8)))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, first_bytes, tile, queue=1, waits=done(Engine.DMA))
+    scan_growth, check = [], LoadedProgram._check_outputs_written
+
+    def measured(self, writers):
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        try:
+            check(self, writers)
+        finally:
+            scan_growth.append(tracemalloc.get_traced_memory()[1] - before)
+
+    monkeypatch.setattr(LoadedProgram, "_check_outputs_written", measured)
+    tracemalloc.start()
+    try:
+        with pytest.raises(NeuronRuntimeError, match=r"never writes byte 128 of output 0 \('y'"):
+            NeuronCore("trn2").load(p.neff())
+    finally:
+        tracemalloc.stop()
+    assert scan_growth and scan_growth[0] < 64 * 2**20, scan_growth  # chunks of the scan, not a copy of the output
