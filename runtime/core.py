@@ -396,7 +396,8 @@ class LoadedProgram:
                     if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, np.array(vc + [True, False]))
                     if w is not None:
-                        raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position)
+                        raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
+                                             probes[ap.space])
                 continue
             for dst in i.instr.writes:
                 self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
@@ -462,10 +463,10 @@ class LoadedProgram:
             mark[...] = False
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
-                  position: int) -> NeuronRuntimeError:
+                  position: int, probe: Cells) -> NeuronRuntimeError:
         """The error for ``i`` reading, ``where``, bytes nothing wrote or that ``writer`` wrote racing with it."""
         if writer is None:
-            return self._unwritten(i, operand, cells, where, position)
+            return self._unwritten(i, operand, cells, where, position, probe)
         ap = i.instr.operands[operand]
         return self._race(i, writer, f"operand {operand} reads {self._where(ap, cells, where)}, last written by")
 
@@ -488,14 +489,14 @@ class LoadedProgram:
     def _wait_for(self, i: _Instr) -> str:
         return f"wait for {_stream_name(self.streams[i.stream])}'s semaphore to reach {i.index + 1}"
 
-    def _unwritten(self, i: _Instr, operand: int, cells: Cells, unwritten: np.ndarray, position: int):
-        """The error for ``i`` reading bytes nothing wrote, naming the instruction that writes them later, if any."""
+    def _unwritten(self, i: _Instr, operand: int, cells: Cells, unwritten: np.ndarray, position: int, probe: Cells):
+        """The error for ``i`` reading bytes nothing wrote, naming the instruction that writes them later, if any.
+        ``probe`` is the check's own (all clear) table of marks for that memory: no second table of its size."""
         ap = i.instr.operands[operand]
         problem = (f"operand {operand} reads {self._where(ap, cells, unwritten)}, which nothing wrote before the "
                    f"instruction started at {self._times(i)[0]:.0f} ns")
         hint = "a missing semaphore wait or a tile read before it is loaded"
         partition, byte = cells.locate(ap, tuple(int(x) for x in np.argwhere(unwritten)[0]))
-        probe = Cells(self._shapes[ap.space], cells.granule, bool, cells.layout)
         for phase, s, k in self._order[position:]:
             writer = self._instrs[s][k]
             written = [dst for dst in writer.instr.writes if dst.space == ap.space]

@@ -192,36 +192,60 @@ def test_compiled_graphs_are_not_kept_alive_by_the_backend():
     torch._dynamo.reset()
 
 
-def test_an_output_nothing_fully_writes_is_refused_in_bounded_extra_memory(monkeypatch):
-    """Found by `fuzz_neff --seed 3` (case 4739, an output grown to 1 GiB): the scan for its unwritten bytes made a
-    second array the size of the output, a raw MemoryError under an address-space limit instead of the refusal."""
+
+def _extra_memory_of(monkeypatch, method: str) -> list:
+    """The peak extra host memory (bytes, traced) of each call of ``LoadedProgram.<method>``, filled as it runs."""
     import tracemalloc
 
-    from neuronc.isa import AccessPattern, Space
     from runtime.core import LoadedProgram
+
+    growth, original = [], getattr(LoadedProgram, method)
+
+    def measured(*args):
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        try:
+            return original(*args)
+        finally:
+            growth.append(tracemalloc.get_traced_memory()[1] - before)
+            tracemalloc.stop()
+
+    monkeypatch.setattr(LoadedProgram, method, measured)
+    return growth
+
+
+def _gigabyte_program(kind: TensorKind, reads_it: bool) -> Program:
+    """A copy of a small input into a 1 GiB tensor's first 128 bytes, then (``reads_it``) a read of its last bytes."""
+    from neuronc.isa import AccessPattern, Space
 
     p = Program()
     x = p.tensor("x", TensorKind.INPUT, (4, 8))
-    y = p.tensor("y", TensorKind.OUTPUT, (2**26, 4))  # 1 GiB of float32, of which the program writes 128 bytes
+    y = p.tensor("y", kind, (2**26, 4))  # 1 GiB of float32
     tile = chip((4, 8))
     p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x))
     first_bytes = AccessPattern(Space.HBM, y.dtype, y.offset, ((8, 4), (1, 8)))
     p.emit(Opcode.DMA_COPY, Engine.DMA, first_bytes, tile, queue=1, waits=done(Engine.DMA))
-    scan_growth, check = [], LoadedProgram._check_outputs_written
+    if reads_it:
+        last_bytes = AccessPattern(Space.HBM, y.dtype, y.offset + GIB - 128, ((8, 4), (1, 8)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 8), offset=4096), last_bytes, queue=2, waits=done(Engine.DMA, 1, 1))
+    return p
 
-    def measured(self, writers):
-        tracemalloc.reset_peak()
-        before = tracemalloc.get_traced_memory()[0]
-        try:
-            check(self, writers)
-        finally:
-            scan_growth.append(tracemalloc.get_traced_memory()[1] - before)
 
-    monkeypatch.setattr(LoadedProgram, "_check_outputs_written", measured)
-    tracemalloc.start()
-    try:
-        with pytest.raises(NeuronRuntimeError, match=r"never writes byte 128 of output 0 \('y'"):
-            NeuronCore("trn2").load(p.neff())
-    finally:
-        tracemalloc.stop()
-    assert scan_growth and scan_growth[0] < 64 * 2**20, scan_growth  # chunks of the scan, not a copy of the output
+def test_an_output_nothing_fully_writes_is_refused_in_bounded_extra_memory(monkeypatch):
+    """Found by `fuzz_neff --seed 3` (case 4739, an output grown to 1 GiB): the scan for its unwritten bytes made a
+    second array the size of the output, a raw MemoryError under an address-space limit instead of the refusal."""
+    growth = _extra_memory_of(monkeypatch, "_check_outputs_written")
+    with pytest.raises(NeuronRuntimeError, match=r"never writes byte 128 of output 0 \('y'"):
+        NeuronCore("trn2").load(_gigabyte_program(TensorKind.OUTPUT, reads_it=False).neff())
+    assert growth and growth[0] < 64 * 2**20, growth  # chunks of the scan, not a copy of the output
+
+
+def test_a_read_of_bytes_nothing_wrote_is_refused_in_bounded_extra_memory(monkeypatch):
+    """Found by `fuzz_neff --seed 3` (case 17077, a scratch grown to 1 GiB and read): naming the instruction that
+    writes the byte later made a fresh table of marks the size of HBM, a raw MemoryError instead of the refusal."""
+    growth = _extra_memory_of(monkeypatch, "_bad_read")
+    with pytest.raises(NeuronRuntimeError, match=r"reads HBM byte \d+ \(of scratch 'y'\), which nothing wrote"):
+        NeuronCore("trn2").load(_gigabyte_program(TensorKind.SCRATCH, reads_it=True).neff())
+    assert growth and growth[0] < 64 * 2**20, growth
