@@ -99,14 +99,8 @@ def test_a_mask_reading_a_captured_tensor_takes_the_dense_lowering():
     assert "flex_attention" not in [ops[0] for ops in last_kernels()]
 
 
-# Not run in bf16: tracing PyTorch's dense flex_attention backward (make_fx of sdpa_dense_backward, nested vmap,
-# frontend/flex_attention.py:_dense_graph) on bf16 neuron tensors did not finish in 40 minutes (issue 19, open).
-_BF16_TRAINING_DOES_NOT_FINISH = pytest.mark.xfail(run=False, reason="open defect (issue 19): bf16 FlexAttention "
-                                                   "training does not finish tracing its dense backward")
-
-
 @pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=_BF16_TRAINING_DOES_NOT_FINISH)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_attention_trains_on_neuron_tensors(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
     q, k, v = qkv(dtype)

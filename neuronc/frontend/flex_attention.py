@@ -54,7 +54,7 @@ def _dense_graph(gm, node):
         """Arguments with their tensors replaced by slots of the traced function's inputs."""
         if isinstance(value, torch.fx.Node):
             if value.op == "get_attr":
-                return getattr(gm, value.target)
+                return _batchable(getattr(gm, value.target))
             feeds.append(value)
             return _Slot(len(feeds) - 1)
         if isinstance(value, (tuple, list)):
@@ -89,6 +89,33 @@ def _forward(*args):
     from torch._higher_order_ops.flex_attention import math_attention
 
     return math_attention(*args)
+
+
+def _batchable(value):
+    """A score_mod / mask_mod / joint subgraph whose dtype conversions vmap batches.
+
+    PyTorch's dense implementation runs these subgraphs under five nested vmaps (batch, head, query, key). The joint
+    graph of a bf16 score_mod converts its gradient with ``prims.convert_element_type``, which has no batching rule:
+    vmap's fallback then runs it once per element, B*H*Sq*Sk traced calls (a 1x2x256x256 bf16 backward did not finish
+    tracing in 40 minutes). ``aten._to_copy`` is the same conversion with a batching rule; the decompositions turn it
+    back into a conversion after vmap has batched it."""
+    import copy
+
+    import torch
+    import torch.fx
+
+    if not isinstance(value, torch.fx.GraphModule):
+        return value
+    convert = torch.ops.prims.convert_element_type.default
+    if not any(n.target is convert for n in value.graph.nodes):
+        return value
+    value = copy.deepcopy(value)
+    for n in value.graph.nodes:
+        if n.target is convert:
+            source, dtype = n.args
+            n.target, n.args, n.kwargs = torch.ops.aten._to_copy.default, (source,), {"dtype": dtype}
+    value.recompile()
+    return value
 
 
 class _Slot:

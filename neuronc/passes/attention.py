@@ -288,6 +288,22 @@ def _output_view(pv, consumers: dict, outputs: set, batched: tuple):
     return None
 
 
+def _rounded_result(pv, consumers: dict, outputs: set):
+    """The node whose value the kernel writes: pv, or the one narrowing float conversion that alone reads it
+    (through reshapes: scaled_dot_product_attention on bf16 tensors computes in fp32 and rounds its output once,
+    as eager's math path does): the kernel accumulates P @ V in fp32 PSUM either way, and rounding that as it stores the output
+    is the same rounding, without an fp32 output and a conversion kernel after it."""
+    node = pv
+    while node not in outputs and len(consumers.get(node, ())) == 1:
+        (node,) = consumers[node]
+        if node.op is Op.CONVERT:
+            narrowing = node.dtype.is_float and node.dtype.itemsize < pv.dtype.itemsize
+            return node if narrowing else pv
+        if node.op is not Op.RESHAPE:
+            break
+    return pv
+
+
 def _is_mask_like(node) -> bool:
     """A value that is not computed from the scores: a view, constant or input."""
     return ir.unreshaped(node).op in (Op.VIEW, Op.CONSTANT, Op.PARAMETER)
@@ -457,10 +473,11 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
         return None
     ops = ("matmul", *reversed(m.ops), "matmul")
     batched = (*batch_shape, sq, dv)
-    written, *out_view = _output_view(pv, consumers, outputs, batched) or (pv, 0, dense_strides(batched))
+    result = _rounded_result(pv, consumers, outputs)
+    written, *out_view = _output_view(result, consumers, outputs, batched) or (result, 0, dense_strides(batched))
     if tuple(out_view) != (0, dense_strides(batched)):
         ops += ("transpose",)
-    return written, ir.node(Op.ATTENTION, inputs, written.shape, pv.dtype, pv.loc, batch_shape=batch_shape,
+    return written, ir.node(Op.ATTENTION, inputs, written.shape, result.dtype, pv.loc, batch_shape=batch_shape,
                    views=tuple(views), out_view=tuple(out_view), queries=sq, value_dim=dv,
                    scale=float(scale), head_dim=d, keys=sk,
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
