@@ -219,9 +219,17 @@ class CompileCache:
         if meta is not None:  # else the entry is gone or damaged: it will be recompiled and checked again
             self._write_meta(key, {**meta, "access_checked_by": checker})
 
-    def put(self, key: str, neff) -> str | None:
+    def extra(self, key: str) -> dict | None:
+        """What the caller stored beside the entry's NEFF (``put(..., extra=...)``), or None. The sidecar is
+        JSON and not code: the caller still checks it against the NEFF it describes."""
+        found = (self._meta(key) or {}).get("extra")
+        return found if isinstance(found, dict) else None
+
+    def put(self, key: str, neff, extra: dict | None = None, checked_by: str | None = None) -> str | None:
         """Store `neff` under `key`, bound to it (the key goes into the stored NEFF's header); the entry's
-        path, or None when it cannot be written (logged as a warning: the compilation is not lost)."""
+        path, or None when it cannot be written (logged as a warning: the compilation is not lost). ``extra``:
+        JSON data the caller needs beside the NEFF (an eager op's result structure); ``checked_by``: the
+        runtime access check the NEFF already passed (as :meth:`mark_checked`, in the same write)."""
         from neuronc.neff import encode
 
         stored = dataclasses.replace(neff, cache_key=key)
@@ -231,6 +239,10 @@ class CompileCache:
         now = time.time()
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
                 "name": neff.name, "target": neff.target, "versions": _versions()}
+        if extra is not None:
+            meta["extra"] = extra
+        if checked_by is not None:
+            meta["access_checked_by"] = checked_by
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self._sweep([os.path.dirname(path)])  # orphans of writers killed while storing into this shard
