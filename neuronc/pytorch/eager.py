@@ -69,6 +69,9 @@ class EagerProgram:
         self.single = self.out_spec.is_leaf()
         self.permuted = list(self.layout) != list(range(len(self.layout)))
         self.run = self.program.run_into if not self.permuted else self._run_permuted
+        # one new tensor, written by the NEFF's one output: the launch's short path (see ``_launch``)
+        self.plain = self.single and not self.permuted and not self.mutated and not self.empty and \
+            len(self.outputs) == 1
 
     def arrange(self, flat: list) -> list:
         """The op's flat outputs in the NEFF's output order; a NEFF output two op outputs share goes to the
@@ -708,6 +711,11 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     (new device tensors, or the tensors it writes)."""
     inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
               for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
+    if writes is None and entry.plain and not adaptive.ENABLED:  # most ops: one new tensor, nothing else to do
+        result, view = _empty_with_view(*entry.outputs[0], device)
+        queues.enqueue(device, entry.duration_ns, entry.run, (inputs, [view]), op)
+        entry.launches += 1
+        return result
     if writes is None:  # new tensors, made with their numpy views in one call
         made = [_empty_with_view(shape, dtype, device) for shape, dtype in entry.outputs]
         flat, outputs = [t for t, _ in made], [v for _, v in made]
