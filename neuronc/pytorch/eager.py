@@ -580,18 +580,40 @@ def _to_disk(cache, key: str, neff, entry: EagerProgram) -> None:
     extra = {"outputs": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in entry.outputs],
              "out_spec": out_spec, "nones": list(entry.nones), "mutated": list(entry.mutated),
              "empty": list(entry.empty)}
-    cache.put(key, neff, extra, checked_by=access_check_id() if entry.program.access_checked else None)
+    _writer().submit(_store, cache, key, neff, extra, access_check_id() if entry.program.access_checked else None)
+
+
+@functools.cache
+def _writer():
+    """One thread storing compiled ops in the cache (encode, checksum, atomic writes with their fsyncs) while
+    the op runs: off the op's path. Python waits for what it holds at exit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronc-eager-cache")
+
+
+def _store(cache, key: str, neff, extra: dict, checked_by) -> None:
+    try:
+        cache.put(key, neff, extra, checked_by=checked_by)
+    except Exception as e:  # noqa: BLE001 (a store that fails loses nothing but the next process's time)
+        log.warning("neuronc: cannot store eager program %s in the compile cache (%s: %s)", neff.name,
+                    type(e).__name__, e)
+
+
+def flush_compile_cache() -> None:
+    """Wait until the compiled ops handed to the compile cache are stored (for tests and tools)."""
+    _writer().submit(lambda: None).result()
 
 
 def _from_disk(cache, key: str, device: int):
     """The EagerProgram of ``key``'s entry, loaded on ``device``; None when there is none or it does not hold
     what it should (a damaged NEFF is refused by ``cache.get``; a sidecar that does not describe the NEFF's
     outputs is removed here): the op is then compiled again."""
-    neff = cache.get(key)
+    neff, meta = cache.read(key, touch=False)
     if neff is None:
         return None
     try:
-        extra = cache.extra(key)
+        extra = meta["extra"]
         outputs = [(tuple(int(n) for n in shape), getattr(torch, dtype)) for shape, dtype in extra["outputs"]]
         if any(not isinstance(d, torch.dtype) for _, d in outputs):
             raise ValueError("not a dtype")
@@ -610,11 +632,12 @@ def _from_disk(cache, key: str, device: int):
         cache.remove(key)
         return None
     try:
-        program = core(device).load(neff, checked_by=cache.checked_by(key))
+        program = core(device).load(neff, checked_by=meta.get("access_checked_by"))
     except NeuronError as e:
         log.warning("neuronc: the compile cache's entry %s does not load (%s); compiling again", key[:12], e.message)
         cache.remove(key)
         return None
+    _writer().submit(cache.touch, key, meta)
     return EagerProgram(program, list(range(len(outputs))), outputs, out_spec,
                         program.time().estimated_ns, nones=nones, mutated=mutated, empty=empty)
 
