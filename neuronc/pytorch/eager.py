@@ -600,23 +600,20 @@ def _store(cache, key: str, neff, extra: dict, checked_by) -> None:
                     type(e).__name__, e)
 
 
-def flush_compile_cache() -> None:
-    """Wait until the compiled ops handed to the compile cache are stored (for tests and tools)."""
-    _writer().submit(lambda: None).result()
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _from_disk(cache, key: str, device: int):
     """The EagerProgram of ``key``'s entry, loaded on ``device``; None when there is none or it does not hold
-    what it should (a damaged NEFF is refused by ``cache.get``; a sidecar that does not describe the NEFF's
-    outputs is removed here): the op is then compiled again."""
+    what it should (a damaged NEFF is refused by ``cache.read``; a sidecar that does not describe the NEFF's
+    outputs is removed here): the op is then compiled again. The sidecar is data: dtypes are looked up by
+    name among torch's, the result structure is pytree's JSON."""
     neff, meta = cache.read(key, touch=False)
     if neff is None:
         return None
     try:
         extra = meta["extra"]
-        outputs = [(tuple(int(n) for n in shape), getattr(torch, dtype)) for shape, dtype in extra["outputs"]]
-        if any(not isinstance(d, torch.dtype) for _, d in outputs):
-            raise ValueError("not a dtype")
+        outputs = [(tuple(int(n) for n in shape), _DTYPES[dtype]) for shape, dtype in extra["outputs"]]
         empty, mutated = tuple(int(i) for i in extra["empty"]), tuple(int(i) for i in extra["mutated"])
         nones, out_spec = tuple(int(i) for i in extra["nones"]), torch.utils._pytree.treespec_loads(extra["out_spec"])
         written = [(s, d) for i, (s, d) in enumerate(outputs) if i not in empty]
