@@ -8,7 +8,9 @@ Side by side in one process, for each model:
                      each op at each new shape) and warm (the same prompt again: every program cached);
   neuron compiled    `model.forward = torch.compile(model.forward, backend="neuron")` with the static cache
                      (two graphs: prefill and decode): cold (compiles both) and warm.
-Prints wall and CPU seconds (the process's own, which the machine's other load does not inflate; the
+A cold generate compiles each op at each new shape, or loads it from the compile cache on disk when an earlier
+process compiled it (the row says how many of each: run with ``NEURON_CC_FLAGS=--no_cache``, or an empty
+``NEURON_COMPILE_CACHE_URL``, for a first-ever run). Prints wall and CPU seconds (the process's own, which the machine's other load does not inflate; the
 forked torch-mlir children of a compile are not counted), their ratios to warm CPU eager (the targets: eager
 within 20x, compiled within 5x, of the wall time), whether
 the tokens equal the CPU's, and the emulated device's tokens/s: the tokens over the device time of one warm
@@ -88,13 +90,15 @@ def run(name: str, options) -> list:
         on_device = model.to("neuron")
         device_prompt = prompt.to("neuron")
         eager.programs.clear()  # cold: nothing compiled by the models before this one
-        compiled_before = sum(eager.compile_stats.values())
+        before = dict(eager.compile_stats)
         cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
-        programs = sum(eager.compile_stats.values()) - compiled_before
+        made = {how: n - before.get(how, 0) for how, n in eager.compile_stats.items()}
+        programs = f"{made.get('lowered', 0) + made.get('traced', 0)} programs" + (
+            f", {made['disk cache']} from disk" if made.get("disk cache") else "")
         warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
         device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
         same = torch.equal(tokens, expected)
-        rows.append((name, f"neuron eager, cold ({programs} programs)", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
+        rows.append((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
         rows.append((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
 
         graphs = backend.compile_count()

@@ -58,7 +58,10 @@ def _compiler_fingerprint() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def _versions() -> dict:
+    """The toolchain's versions, read once per process (3 ms a call: importlib.metadata scans the installed
+    packages; an upgrade during the process would not change the torch it has imported anyway)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = {"neuronc": __version__, "neuronc-source": _compiler_fingerprint()}
@@ -168,33 +171,43 @@ class CompileCache:
 
     def get(self, key: str):
         """The cached Neff for `key`, or None (a damaged entry is removed and reported as a miss)."""
+        return self.read(key)[0]
+
+    def read(self, key: str, touch: bool = True) -> tuple:
+        """(the cached Neff for `key`, its sidecar), or (None, None) (a damaged entry is removed and reported as
+        a miss). ``touch``: record the use now (else the caller does, with :meth:`touch`, when it suits it)."""
         from neuronc.neff import decode
 
         try:
             with open(self._path(key), "rb") as f:
                 data = f.read()
         except OSError:
-            return None
+            return None, None
         meta = self._meta(key)
         if meta is None:
-            return None
+            return None, None
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             self.remove(key)
-            return None
+            return None, None
         try:
             neff = decode(data)
         except NeffFormatError:
             self.remove(key)
-            return None
+            return None, None
         if neff.cache_key != key:  # another program's NEFF (or an older neuronc's) in this entry's place
             self.remove(key)
-            return None
+            return None, None
         neff.cache_key = ""  # the NEFF as compiled: the same with the cache on or off
+        if touch:
+            self.touch(key, meta)
+        return neff, meta
+
+    def touch(self, key: str, meta: dict) -> None:
+        """Record a use of `key`'s entry (its sidecar `meta`, as :meth:`read` gave it) for `prune`."""
         try:
             self._write_meta(key, {**meta, "last_used": time.time()})
         except OSError:
             pass  # a read-only cache: `prune` sees an older last use, nothing else changes
-        return neff
 
     def _meta(self, key: str) -> dict | None:
         """The sidecar of `key`'s entry, or None when it is missing or damaged."""
@@ -219,9 +232,12 @@ class CompileCache:
         if meta is not None:  # else the entry is gone or damaged: it will be recompiled and checked again
             self._write_meta(key, {**meta, "access_checked_by": checker})
 
-    def put(self, key: str, neff) -> str | None:
+    def put(self, key: str, neff, extra: dict | None = None, checked_by: str | None = None) -> str | None:
         """Store `neff` under `key`, bound to it (the key goes into the stored NEFF's header); the entry's
-        path, or None when it cannot be written (logged as a warning: the compilation is not lost)."""
+        path, or None when it cannot be written (logged as a warning: the compilation is not lost). ``extra``:
+        JSON data the caller needs beside the NEFF (an eager op's result structure; :meth:`read` returns it in
+        the sidecar, as ``meta["extra"]``: JSON, not code, which the caller checks); ``checked_by``: the
+        runtime access check the NEFF already passed (as :meth:`mark_checked`, in the same write)."""
         from neuronc.neff import encode
 
         stored = dataclasses.replace(neff, cache_key=key)
@@ -231,6 +247,10 @@ class CompileCache:
         now = time.time()
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now,
                 "name": neff.name, "target": neff.target, "versions": _versions()}
+        if extra is not None:
+            meta["extra"] = extra
+        if checked_by is not None:
+            meta["access_checked_by"] = checked_by
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self._sweep([os.path.dirname(path)])  # orphans of writers killed while storing into this shard

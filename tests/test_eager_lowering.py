@@ -4,7 +4,9 @@ torch-mlir and none run on the CPU."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -196,12 +198,79 @@ def test_an_op_without_a_lowering_is_traced_once_then_served_by_the_compile_cach
         x, y = torch.linspace(-3, 3, 12), torch.linspace(2, -2, 12)
         got = torch.fmax(x.to("neuron"), y.to("neuron")).cpu()
         torch.testing.assert_close(got, torch.fmax(x, y), rtol=1e-4, atol=1e-5)
-        print(eager.compile_stats["traced"], "torch_mlir" in sys.modules, len(eager.fallen_back))
+        print(eager.compile_stats["traced"], eager.compile_stats["disk cache"], "torch_mlir" in sys.modules,
+              len(eager.fallen_back))
     """)
     env = {**os.environ, "NEURON_COMPILE_CACHE_URL": str(tmp_path), "NEURON_CC_FLAGS": ""}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
             for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
-    assert runs[0].stdout.split() == ["1", "True", "0"]  # traced, through torch-mlir
-    assert runs[1].stdout.split() == ["1", "False", "0"]  # the cache's NEFF: torch-mlir not even imported
+    assert runs[0].stdout.split() == ["1", "0", "True", "0"]  # traced, through torch-mlir
+    assert runs[1].stdout.split() == ["0", "1", "False", "0"]  # the cache's NEFF: torch-mlir not even imported
+
+
+# ---- lowered ops in the compile cache: a second process loads them, and refuses damaged entries ----------
+
+_LOWERED_OPS = textwrap.dedent("""
+    import sys, torch
+    from neuronc.pytorch import eager
+    torch.manual_seed(0)
+    x = torch.randn(6, 10, requires_grad=True)
+    w, b = torch.randn(10, 4), torch.randn(4)
+    d = x.detach().to("neuron").requires_grad_()
+    y = torch.softmax(d @ w.to("neuron") * 2.0, -1)        # one result each
+    m, s = torch.std_mean(d, dim=0)                         # two results
+    out = torch.nn.functional.layer_norm(d, (10,)).sum()    # and a backward whose gradients include Nones
+    out.backward()
+    bits = b"".join(t.detach().cpu().numpy().tobytes() for t in (y, m, s, out, d.grad))
+    x2 = x.detach().clone().requires_grad_()
+    torch.nn.functional.layer_norm(x2, (10,)).sum().backward()
+    torch.testing.assert_close(y.cpu(), torch.softmax(x.detach() @ w * 2.0, -1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d.grad.cpu(), x2.grad, rtol=1e-4, atol=1e-5)
+    print(eager.compile_stats["lowered"], eager.compile_stats["disk cache"], bits.hex())
+""")
+
+
+def _run_lowered_ops(cache) -> tuple:
+    """(programs lowered and compiled, programs loaded from the cache, the results' bytes) of a new process."""
+    env = {**os.environ, "NEURON_COMPILE_CACHE_URL": str(cache), "NEURON_CC_FLAGS": ""}
+    run = subprocess.run([sys.executable, "-c", _LOWERED_OPS], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lowered, from_disk, bits = run.stdout.split()
+    return int(lowered), int(from_disk), bits
+
+
+@pytest.fixture(scope="module")
+def filled_cache(tmp_path_factory):
+    """A compile cache filled by one process running lowered ops, with what that process computed."""
+    cache = tmp_path_factory.mktemp("eager_cache")
+    lowered, from_disk, bits = _run_lowered_ops(cache)
+    assert lowered > 0 and from_disk == 0
+    return cache, lowered, bits
+
+
+def test_a_second_process_loads_lowered_ops_from_the_cache_and_gets_the_same_bits(filled_cache, tmp_path):
+    cache, lowered, bits = filled_cache
+    copy_of = tmp_path / "cache"
+    shutil.copytree(cache, copy_of)
+    assert _run_lowered_ops(copy_of) == (0, lowered, bits)
+
+
+def test_a_damaged_cache_entry_is_refused_and_compiled_again(filled_cache, tmp_path):
+    """One NEFF with a flipped byte, one sidecar describing other outputs than its NEFF's: both are refused (and
+    replaced); the rest load; the results are the same bits."""
+    cache, lowered, bits = filled_cache
+    copy_of = tmp_path / "cache"
+    shutil.copytree(cache, copy_of)
+    neffs = sorted(copy_of.glob("*/*.neff"))
+    assert len(neffs) == lowered
+    data = bytearray(neffs[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    neffs[0].write_bytes(bytes(data))
+    sidecar = neffs[1].with_name(neffs[1].name + ".json")
+    meta = json.loads(sidecar.read_text())
+    meta["extra"]["outputs"][0][0] = [n + 1 for n in meta["extra"]["outputs"][0][0]]
+    sidecar.write_text(json.dumps(meta))
+    assert _run_lowered_ops(copy_of) == (2, lowered - 2, bits)
+    assert _run_lowered_ops(copy_of) == (0, lowered, bits)  # the two entries were stored again

@@ -69,6 +69,9 @@ class EagerProgram:
         self.single = self.out_spec.is_leaf()
         self.permuted = list(self.layout) != list(range(len(self.layout)))
         self.run = self.program.run_into if not self.permuted else self._run_permuted
+        # one new tensor, written by the NEFF's one output: the launch's short path (see ``_launch``)
+        self.plain = self.single and not self.permuted and not self.mutated and not self.empty and \
+            len(self.outputs) == 1
 
     def arrange(self, flat: list) -> list:
         """The op's flat outputs in the NEFF's output order; a NEFF output two op outputs share goes to the
@@ -513,6 +516,12 @@ def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
     for x in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and x.dtype in HOST_ONLY_DTYPES:
             return f"the NeuronCore has no {x.dtype} arithmetic"
+    cache, key = _disk_cache(op, args, kwargs, runtime, options)
+    if cache is not None:
+        entry = _from_disk(cache, key, device)
+        if entry is not None:
+            compile_stats["disk cache"] += 1
+            return entry
     lowered = _lower(op, args, kwargs, runtime)
     try:
         if lowered is not None:
@@ -524,17 +533,110 @@ def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
                 return found
             compiled, outputs, out_spec = found
             how = "traced"
-        program = core(device).load(compiled.neff, checked_by=compiled.checked_by())
+        program = core(device).load(compiled.neff)
     except NeuronError as e:
         return f"neuronc cannot compile it: {e.message}"
     compile_stats[how] += 1
     log.info("neuronc: eager %s compiled (%s) for %s", op, how,
              ", ".join(str(tuple(t.shape)) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                        if isinstance(t, torch.Tensor)))
-    return EagerProgram(program, compiled.output_layout or list(range(len(outputs))), outputs, out_spec,
-                        program.time().estimated_ns, nones=lowered.nones if lowered is not None else (),
-                        mutated=tuple(lowered.mutated) if lowered is not None else (),
-                        empty=lowered.empty if lowered is not None else ())
+    entry = EagerProgram(program, compiled.output_layout or list(range(len(outputs))), outputs, out_spec,
+                         program.time().estimated_ns, nones=lowered.nones if lowered is not None else (),
+                         mutated=tuple(lowered.mutated) if lowered is not None else (),
+                         empty=lowered.empty if lowered is not None else ())
+    if cache is not None:
+        _to_disk(cache, key, compiled.neff, entry)
+    return entry
+
+
+# ---- the compile cache on disk: a signature compiled in an earlier process is loaded, not compiled --------
+
+def _disk_cache(op, args, kwargs, runtime: frozenset, options) -> tuple:
+    """(the compile cache, this signature's key in it), or (None, None) when the cache is off. The key holds
+    the op, the signature (shapes, dtypes, the other arguments' values, which numbers are runtime inputs), the
+    compile options, and (:func:`neuronc.cache.cache_key`) the versions and source of neuronc and torch."""
+    from neuronc.cache import CompileCache, cache_key
+
+    cache = CompileCache.from_env()
+    if cache is None:
+        return None, None
+    signature = repr((_schema_name(op), _signature(args, runtime, []), _signature(kwargs, runtime, []),
+                      sorted(map(str, runtime))))
+    return cache, cache_key("eager op " + signature, {**dataclasses.asdict(options), "form": "eager"})
+
+
+def _to_disk(cache, key: str, neff, entry: EagerProgram) -> None:
+    """Store ``entry``'s NEFF with what rebuilds the op's results from its outputs, and the access check the
+    load just ran on it (a later process loads it without that check). Not a NEFF whose outputs the op's
+    results use in another order (a traced graph's): rare, and compiled again."""
+    from runtime.core import access_check_id
+
+    if entry.permuted:
+        return
+    try:
+        out_spec = torch.utils._pytree.treespec_dumps(entry.out_spec)
+    except Exception:  # a result structure pytree cannot write (none of ATen's): compiled again next time
+        return
+    extra = {"outputs": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in entry.outputs],
+             "out_spec": out_spec, "nones": list(entry.nones), "mutated": list(entry.mutated),
+             "empty": list(entry.empty)}
+    _writer().submit(_store, cache, key, neff, extra, access_check_id() if entry.program.access_checked else None)
+
+
+@functools.cache
+def _writer():
+    """One thread storing compiled ops in the cache (encode, checksum, atomic writes with their fsyncs) while
+    the op runs: off the op's path. Python waits for what it holds at exit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronc-eager-cache")
+
+
+def _store(cache, key: str, neff, extra: dict, checked_by) -> None:
+    try:
+        cache.put(key, neff, extra, checked_by=checked_by)
+    except Exception as e:  # noqa: BLE001 (a store that fails loses nothing but the next process's time)
+        log.warning("neuronc: cannot store eager program %s in the compile cache (%s: %s)", neff.name,
+                    type(e).__name__, e)
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _from_disk(cache, key: str, device: int):
+    """The EagerProgram of ``key``'s entry, loaded on ``device``; None when there is none or it does not hold
+    what it should (a damaged NEFF is refused by ``cache.read``; a sidecar that does not describe the NEFF's
+    outputs is removed here): the op is then compiled again. The sidecar is data: dtypes are looked up by
+    name among torch's, the result structure is pytree's JSON."""
+    neff, meta = cache.read(key, touch=False)
+    if neff is None:
+        return None
+    try:
+        extra = meta["extra"]
+        outputs = [(tuple(int(n) for n in shape), _DTYPES[dtype]) for shape, dtype in extra["outputs"]]
+        empty, mutated = tuple(int(i) for i in extra["empty"]), tuple(int(i) for i in extra["mutated"])
+        nones, out_spec = tuple(int(i) for i in extra["nones"]), torch.utils._pytree.treespec_loads(extra["out_spec"])
+        written = [(s, d) for i, (s, d) in enumerate(outputs) if i not in empty]
+        from neuronc.frontend.tensors import torch_dtype
+
+        made = [(tuple(t.shape), torch_dtype(t.dtype)) for t in neff.outputs()]
+        if made[:len(written)] != written or len(made) != len(written) + len(mutated) or \
+                out_spec.num_leaves != len(outputs) + len(nones):
+            raise ValueError("the outputs it describes are not the NEFF's")
+    except Exception as e:  # noqa: BLE001 (whatever is wrong with the sidecar, the entry is not used)
+        log.warning("neuronc: the compile cache's entry %s does not describe its NEFF (%s); compiling again",
+                    key[:12], e)
+        cache.remove(key)
+        return None
+    try:
+        program = core(device).load(neff, checked_by=meta.get("access_checked_by"))
+    except NeuronError as e:
+        log.warning("neuronc: the compile cache's entry %s does not load (%s); compiling again", key[:12], e.message)
+        cache.remove(key)
+        return None
+    _writer().submit(cache.touch, key, meta)
+    return EagerProgram(program, list(range(len(outputs))), outputs, out_spec,
+                        program.time().estimated_ns, nones=nones, mutated=mutated, empty=empty)
 
 
 compile_stats: collections.Counter = collections.Counter()  # "lowered" / "traced": programs made each way
@@ -568,8 +670,7 @@ def _traced(op, args, kwargs, runtime: frozenset, options):
     signature, so a later process neither traces nor imports it again."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from neuronc.cache import CompileCache, cache_key
-    from neuronc.compiler import Compiled, compile_fx
+    from neuronc.compiler import compile_fx
     from neuronc.frontend.torch_import import decomposition_table
 
     def example(x):
@@ -606,25 +707,12 @@ def _traced(op, args, kwargs, runtime: frozenset, options):
             return "it has empty or non-tensor results"
         dtypes.extend(t.dtype for t in expected)
         outputs = [(tuple(t.shape), t.dtype) for t in expected]
-        cache = CompileCache.from_env()
-        key = None
-        if cache is not None:  # keyed by the signature: a hit needs neither make_fx nor torch-mlir
-            signature = repr((_schema_name(op), _signature(args, runtime, []), _signature(kwargs, runtime, []),
-                              sorted(map(str, runtime))))
-            key = cache_key("eager op " + signature, {**dataclasses.asdict(options), "form": "eager"})
-            neff = cache.get(key)
-            if neff is not None:
-                return (Compiled(neff, "", None, {}, output_layout=list(range(len(outputs))), cache_hit=True,
-                                 cache_entry=(cache, key)), outputs, torch.utils._pytree.tree_flatten(result)[1])
         gm = make_fx(one_op, decomposition_table=decomposition_table())(*examples)
         compiled = compile_fx(gm, options)
     except NeuronError as e:
         return f"neuronc cannot compile it: {e.message}"
     except Exception as e:  # tracing or importing failed: the op stays on the CPU, and the warning says why
         return f"it could not be traced or imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if key is not None and compiled.output_layout == list(range(len(outputs))):
-        cache.put(key, compiled.neff)
-        compiled.cache_entry = (cache, key)
     return compiled, outputs, out_spec[-1]
 
 
@@ -643,6 +731,11 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     (new device tensors, or the tensors it writes)."""
     inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
               for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
+    if writes is None and entry.plain and not adaptive.ENABLED:  # most ops: one new tensor, nothing else to do
+        result, view = _empty_with_view(*entry.outputs[0], device)
+        queues.enqueue(device, entry.duration_ns, entry.run, (inputs, [view]), op)
+        entry.launches += 1
+        return result
     if writes is None:  # new tensors, made with their numpy views in one call
         made = [_empty_with_view(shape, dtype, device) for shape, dtype in entry.outputs]
         flat, outputs = [t for t, _ in made], [v for _, v in made]
