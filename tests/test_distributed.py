@@ -100,17 +100,39 @@ def test_a_rank_that_comes_after_the_timeout_fails_on_every_rank():
         assert out["error"].startswith("CollectiveError") and f"timeout ({TIMEOUT_S} s)" in out["error"]
 
 
-def test_ddp_fsdp2_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager():
-    results = run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
-    for out in results:
-        for name in ("ddp", "fsdp2", "tp"):
-            eager, compiled = out[name]["eager"], out[name]["compiled"]
-            assert compiled["graphs"] >= 2, name  # it was compiled: a forward and a backward graph at least
-            assert eager["losses"][1] < eager["losses"][0], name  # the steps trained
-            torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
-                                       **TOLERANCES[torch.float32], msg=name)
-            for got, expected in zip(compiled["params"], eager["params"]):
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32],
-                                           msg=name)
-        # The row-wise layer's all-reduce runs inside the compiled forward graph, on the collective engine.
-        assert out["tp"]["compiled"]["collective_instructions"] >= 1
+@pytest.fixture(scope="module")
+def compiled_ranks():
+    """Each rank's eager and compiled runs of DDP, FSDP2, SimpleFSDP and tensor parallelism (one job)."""
+    return run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "simple_fsdp", "tp"])
+def test_data_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager(compiled_ranks, name):
+    for out in compiled_ranks:
+        eager, compiled = out[name]["eager"], out[name]["compiled"]
+        assert compiled["graphs"] >= 2  # it was compiled: a forward and a backward graph at least
+        assert eager["losses"][1] < eager["losses"][0]  # the steps trained
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                                   **TOLERANCES[torch.float32])
+        for got, expected in zip(compiled["params"], eager["params"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name, collectives", [
+    ("ddp", ["ALL_REDUCE"]),  # the gradients' all-reduces, in compiled autograd's backward graph
+    ("simple_fsdp", ["ALL_GATHER", "REDUCE_SCATTER"]),  # parameters gathered in the forward, gradients scattered
+    ("tp", ["ALL_REDUCE"]),  # the row-wise layer's, in the forward graph
+])
+def test_the_collectives_of_compiled_data_and_tensor_parallelism_are_instructions_of_the_neff(compiled_ranks, name,
+                                                                                              collectives):
+    for out in compiled_ranks:
+        assert out[name]["compiled"]["collectives"] == collectives
+        assert out[name]["eager"]["collective_instructions"] == 0  # eager's ran through the process group
+
+
+@pytest.mark.parametrize("name", ["ddp", "simple_fsdp"])
+def test_compiled_data_parallel_collectives_overlap_with_compute_on_the_emulated_timeline(compiled_ranks, name):
+    """The collective stream runs beside the compute engines: a gradient's all-reduce or reduce-scatter starts
+    while the gradients of earlier layers are still being computed."""
+    for out in compiled_ranks:
+        assert out[name]["compiled"]["overlap_ns"] > 0
