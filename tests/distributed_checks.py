@@ -1,8 +1,8 @@
 """What one rank of the "neuron" process group observes in each scenario of tests/test_distributed.py:
 
-    python -m tests.distributed_checks collectives      # as each rank of a torchrun-style launch (2 ranks)
+    python -m tests.distributed_checks collectives mismatch compiled   # as each rank of a torchrun-style launch (2 ranks)
 
-Each scenario prints one JSON line of what it saw; the test compares the ranks' lines with what PyTorch computes
+The scenarios named run one after the other in one process; it prints one JSON line of what each saw; the test compares the ranks' lines with what PyTorch computes
 on the CPU, and with the interconnect model.
 """
 from __future__ import annotations
@@ -276,7 +276,9 @@ def compiled(rank: int, world: int, device) -> dict:
             if compile_it:
                 torch._dynamo.reset()
                 forward = torch.compile(forward, backend="neuron")
-            runs.append({"losses": _train(model, forward, device, x, backward=backward), "params": _params(model),
+            losses = _train(model, forward, device, x, backward=backward)
+            torch._dynamo.config.optimize_ddp = True  # the default again
+            runs.append({"losses": losses, "params": _params(model),
                          "graphs": len(backend.compiled_graphs) - before,
                          **_collectives(backend.compiled_graphs[before:], device)})
         out[name] = {"eager": runs[0], "compiled": runs[1]}
@@ -287,15 +289,17 @@ TIMEOUT_S = 3
 SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
 
 
-def main(name: str) -> None:
-    timeout = timedelta(seconds=TIMEOUT_S) if name in ("dead_rank", "late_rank") else timedelta(minutes=10)
+def main(names: list) -> None:
+    """Run the scenarios ``names`` one after the other in one process group (the ones that break the group,
+    dead_rank and late_rank, alone, with a short timeout) and print one JSON line: each scenario's observations."""
+    timeout = timedelta(seconds=TIMEOUT_S) if {"dead_rank", "late_rank"} & set(names) else timedelta(minutes=10)
     dist.init_process_group("neuron", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("neuron", rank % torch.neuron.device_count())
     torch.neuron.set_device(device.index)
-    print(json.dumps(SCENARIOS[name](rank, world, device)), flush=True)
+    print(json.dumps({name: SCENARIOS[name](rank, world, device) for name in names}), flush=True)
     os._exit(0)  # not destroy_process_group: in the failure scenarios the group is broken
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

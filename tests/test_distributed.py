@@ -16,9 +16,22 @@ WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    """What each of two ranks observed (one job)."""
-    return run_ranks(["-m", "tests.distributed_checks", "collectives"], ranks=WORLD, timeout=600)
+def job():
+    """What each of two ranks observed in the scenarios that leave the group working (one job, one process per
+    rank: each compiles its device programs once)."""
+    return run_ranks(["-m", "tests.distributed_checks", "collectives", "mismatch", "compiled"], ranks=WORLD,
+                     timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ranks(job):
+    return [rank["collectives"] for rank in job]
+
+
+@pytest.fixture(scope="module")
+def compiled_ranks(job):
+    """Each rank's eager and compiled runs of DDP, FSDP2, SimpleFSDP and tensor parallelism."""
+    return [rank["compiled"] for rank in job]
 
 
 def test_collectives_and_messages_on_neuron_tensors_give_what_they_give_on_the_cpu(ranks):
@@ -74,9 +87,8 @@ def test_a_non_contiguous_tensor_is_refused_with_the_way_out(ranks):
         assert "distributed_checks.py:" in error  # the line of the rank program that asked
 
 
-def test_ranks_that_disagree_on_a_collective_all_raise_saying_what_each_passed_and_the_group_survives():
-    results = run_ranks(["-m", "tests.distributed_checks", "mismatch"], ranks=WORLD, timeout=300)
-    for rank, out in enumerate(results):
+def test_ranks_that_disagree_on_a_collective_all_raise_saying_what_each_passed_and_the_group_survives(job):
+    for rank, out in enumerate(rank["mismatch"] for rank in job):
         for key in ("shape", "op", "dtype"):
             assert out[key].startswith("CollectiveMismatchError"), out[key]
         assert "rank 0: all_reduce SUM of float32[4]" in out["shape"] and "rank 1: all_reduce SUM of float32[5]" in \
@@ -91,19 +103,14 @@ def test_a_rank_that_dies_gives_the_others_a_collective_error_not_a_hang():
     survivor, dead = run_ranks(["-m", "tests.distributed_checks", "dead_rank"], ranks=WORLD, timeout=240,
                                may_fail=True)
     assert dead is None
+    survivor = survivor["dead_rank"]
     assert survivor["error"].startswith("CollectiveError") and "another rank died or left" in survivor["error"]
 
 
 def test_a_rank_that_comes_after_the_timeout_fails_on_every_rank():
-    early, late = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
-    for out in (early, late):
+    results = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
+    for out in (rank["late_rank"] for rank in results):
         assert out["error"].startswith("CollectiveError") and f"timeout ({TIMEOUT_S} s)" in out["error"]
-
-
-@pytest.fixture(scope="module")
-def compiled_ranks():
-    """Each rank's eager and compiled runs of DDP, FSDP2, SimpleFSDP and tensor parallelism (one job)."""
-    return run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "simple_fsdp", "tp"])
