@@ -1,12 +1,14 @@
 """What one rank of the "neuron" process group observes in each scenario of tests/test_distributed.py:
 
-    python -m tests.distributed_checks collectives      # as each rank of a torchrun-style launch (2 ranks)
+    python -m tests.distributed_checks collectives mismatch compiled   # as each rank of a torchrun-style launch (2 ranks)
 
-Each scenario prints one JSON line of what it saw; the test compares the ranks' lines with what PyTorch computes
+The scenarios named run one after the other in one process; it prints one JSON line of what each saw; the test compares the ranks' lines with what PyTorch computes
 on the CPU, and with the interconnect model.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -162,14 +164,16 @@ def late_rank(rank: int, world: int, device) -> dict:
         return {"error": _error(e), "seconds": time.monotonic() - start}
 
 
-def _train(model, forward, device, x, steps: int = 2) -> list:
+def _train(model, forward, device, x, steps: int = 2, backward=contextlib.nullcontext) -> list:
     """Losses of ``steps`` SGD steps of ``forward`` (the model, wrapped or compiled) on ``x``: the negative
-    log-likelihood of class 0 (gradients of order one, so that the steps move the parameters)."""
+    log-likelihood of class 0 (gradients of order one, so that the steps move the parameters). ``backward`` is the
+    context the backward pass runs in (compiled autograd's, for compiled DDP)."""
     opt, losses = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False), []  # DTensor and Tensor parameters
     for _ in range(steps):
         opt.zero_grad()
         loss = -forward(x.to(device))[:, 0].log().mean()
-        loss.backward()
+        with backward():
+            loss.backward()
         opt.step()
         losses.append(loss.detach().float().cpu().item())
     return losses
@@ -186,40 +190,97 @@ def _mlp(device):
     return zoo.MLP().to(device)
 
 
+class _ReplicateComputation(torch.nn.Module):
+    """SimpleFSDP's parametrization (torchtitan's experiments/simple_fsdp; torch 2.13 does not ship SimpleFSDP):
+    a parameter is held as a Shard(0) DTensor and gathered whole where it is used; its gradient, a Partial
+    average, is reduce-scattered back to the shard. Under torch.compile both collectives are in the graphs."""
+
+    def forward(self, shard):
+        from torch.distributed.tensor import Partial, Replicate
+
+        return shard.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial("avg"),))
+
+
+def simple_fsdp(model, mesh):
+    """Every parameter of ``model`` sharded over ``mesh`` and parametrized by :class:`_ReplicateComputation`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn.utils.parametrize import register_parametrization
+
+    for module in list(model.modules()):
+        own = dict(module.named_parameters(recurse=False))
+        for name, p in own.items():
+            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(p, mesh, (Shard(0),))))
+            register_parametrization(module, name, _ReplicateComputation(), unsafe=True)
+    return model
+
+
+def _collectives(functions, device) -> dict:
+    """Of the compiled graphs ``functions``: the opcodes of their collective-engine instructions, and the time
+    their collective stream overlaps the other streams on the emulated timeline of the run on ``device``."""
+    from neuronc.isa import Engine
+
+    opcodes, overlap_ns = [], 0.0
+    for f in functions:
+        opcodes += [i.opcode.name for (e, _), s in f.compiled.neff.streams.items() if e == Engine.COLLECTIVE for i in s]
+        events = f.on_device[device.index][0].time().events
+        communicating = [(e.start_ns, e.end_ns) for e in events if e.stream[0] == Engine.COLLECTIVE]
+        computing = [(e.start_ns, e.end_ns) for e in events if e.stream[0] != Engine.COLLECTIVE]
+        overlap_ns += sum(max(0.0, min(b, d) - max(a, c)) for a, b in _union(communicating) for c, d in _union(computing))
+    return {"collectives": sorted(set(opcodes)), "collective_instructions": len(opcodes), "overlap_ns": overlap_ns}
+
+
+def _union(spans: list) -> list:
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
 def compiled(rank: int, world: int, device) -> dict:
-    """DDP, FSDP2 and tensor parallelism under torch.compile(backend="neuron") against the same in eager; for TP,
-    whether the compiled graphs hold collective instructions (the all-reduce of the row-wise layer). Data parallel
-    ranks train on batches of their own, tensor parallel ones on the same batch."""
+    """DDP, FSDP2, SimpleFSDP and tensor parallelism under torch.compile(backend="neuron") against the same in
+    eager, and which collectives the compiled graphs hold: compiled DDP runs its backward under compiled autograd
+    with the Python reducer (``optimize_ddp = "python_reducer"``), so its gradients' all-reduces are traced into
+    the backward graph; SimpleFSDP's all-gathers are in the forward graph and its reduce-scatters in the backward;
+    tensor parallelism's row-wise all-reduce in the forward. FSDP2's (fully_shard) collectives run in its hooks,
+    outside the graphs. Data parallel ranks train on batches of their own, tensor parallel ones on the same batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from neuronc.isa import Engine
     from neuronc.pytorch import backend
 
     mesh, out = init_device_mesh("neuron", (world,)), {}
-    for name in ("ddp", "fsdp2", "tp"):
+    for name in ("ddp", "fsdp2", "simple_fsdp", "tp"):
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0 if name == "tp" else 1 + rank))
         runs = []
         for compile_it in (False, True):
-            model = _mlp(device)
+            model, backward = _mlp(device), contextlib.nullcontext
             if name == "ddp":
+                torch._dynamo.config.optimize_ddp = "python_reducer" if compile_it else True  # read by DDP's init
                 forward = torch.nn.parallel.DistributedDataParallel(model)
+                if compile_it:
+                    backward = functools.partial(torch._dynamo.compiled_autograd._enable,
+                                                 torch.compile(backend="neuron"), dynamic=False)
             elif name == "fsdp2":
                 for layer in (model.fc1, model.fc2, model.fc3):
                     fully_shard(layer, mesh=mesh)
                 forward = fully_shard(model, mesh=mesh)
+            elif name == "simple_fsdp":
+                forward = simple_fsdp(model, mesh)
             else:
                 forward = parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
             before = len(backend.compiled_graphs)
             if compile_it:
                 torch._dynamo.reset()
                 forward = torch.compile(forward, backend="neuron")
-            runs.append({"losses": _train(model, forward, device, x), "params": _params(model),
+            losses = _train(model, forward, device, x, backward=backward)
+            torch._dynamo.config.optimize_ddp = True  # the default again
+            runs.append({"losses": losses, "params": _params(model),
                          "graphs": len(backend.compiled_graphs) - before,
-                         "collective_instructions": sum(len(s) for f in backend.compiled_graphs[before:]
-                                                        for (e, _), s in f.compiled.neff.streams.items()
-                                                        if e == Engine.COLLECTIVE)})
+                         **_collectives(backend.compiled_graphs[before:], device)})
         out[name] = {"eager": runs[0], "compiled": runs[1]}
     return out
 
@@ -228,15 +289,17 @@ TIMEOUT_S = 3
 SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
 
 
-def main(name: str) -> None:
-    timeout = timedelta(seconds=TIMEOUT_S) if name in ("dead_rank", "late_rank") else timedelta(minutes=10)
+def main(names: list) -> None:
+    """Run the scenarios ``names`` one after the other in one process group (the ones that break the group,
+    dead_rank and late_rank, alone, with a short timeout) and print one JSON line: each scenario's observations."""
+    timeout = timedelta(seconds=TIMEOUT_S) if {"dead_rank", "late_rank"} & set(names) else timedelta(minutes=10)
     dist.init_process_group("neuron", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("neuron", rank % torch.neuron.device_count())
     torch.neuron.set_device(device.index)
-    print(json.dumps(SCENARIOS[name](rank, world, device)), flush=True)
+    print(json.dumps({name: SCENARIOS[name](rank, world, device) for name in names}), flush=True)
     os._exit(0)  # not destroy_process_group: in the failure scenarios the group is broken
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -7,7 +7,9 @@ Each rank runs the named configurations one after the other in one process group
 first compiles serve the others) and prints one JSON line: per configuration, the loss of every step (the mean
 over the whole batch) and every parameter after the last step, whole (gathered from the shards or stages).
 
-The model is small (2 layers, width 16, 8 tokens of a 32-word vocabulary, a batch of 4 sequences) and AdamW's
+The model is small (2 layers, width 16, 8 tokens of a 32-word vocabulary, a batch of 4 sequences), trained for 2
+steps (each configuration's program compiles in the first; the second shows the ranks agree on the updated
+parameters and the optimizer's state), and AdamW's
 eps is 1e-4: the gradient of attention's key bias is zero in exact arithmetic (softmax ignores a per-row shift),
 and what autograd computes is rounding noise that a small eps would turn into full steps of arbitrary sign, as
 tests/test_device.py explains; a larger eps keeps the comparison about the computation.
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from tests import zoo
 
 CONFIG = dict(vocab=32, width=16, layers=2, heads=2, context=8)
-BATCH, STEPS = 4, 5
+BATCH, STEPS = 4, 2  # the second step starts from the first's parameters and AdamW state
 
 
 def data() -> tuple:
@@ -282,6 +284,39 @@ def _pipeline(device, rank: int, ranks: int, schedule_class) -> dict:
     return {"losses": losses, "params": params}
 
 
+def pp_traced(device, rank: int, ranks: int) -> dict:
+    """``torch.distributed.pipelining.pipeline()``: the whole model traced on the CPU and split before the second
+    block, each rank building its stage; the GPipe schedule. Both stages hold the tied embedding and head weight
+    (as the split makes them): their gradients are summed before the step, as in :func:`_pipeline`."""
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+
+    idx, targets = data()
+    pipe = pipeline(model(), mb_args=(idx[:BATCH // 2],), split_spec={"blocks.1": SplitPoint.BEGINNING})
+    stage_module = pipe.get_stage_module(rank).to(device)
+    stage = pipe.build_stage(rank, device)
+    schedule = ScheduleGPipe(stage, n_microbatches=2,
+                             loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    # the split leaves the first stage a "head.weight" it does not use: its own parameters are the others
+    own = {name: p for name, p in stage_module.named_parameters() if rank == 1 or name != "head.weight"}
+    tied = own["tokens.weight" if rank == 0 else "head.weight"]
+    opt, losses = optimizer(own.values()), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(idx.to(device))
+            loss = torch.zeros((), device=device)
+        else:
+            per_microbatch = []
+            schedule.step(target=targets.to(device), losses=per_microbatch)
+            loss = torch.stack(per_microbatch).mean().detach()
+        dist.all_reduce(tied.grad)
+        opt.step()
+        dist.broadcast(loss, src=ranks - 1)
+        losses.append(loss.item())
+    params = {"tokens.weight" if value is tied else name: _whole(value) for name, value in own.items()}
+    return {"losses": losses, "params": params}
+
+
 def pp_1f1b(device, rank: int, ranks: int) -> dict:
     from torch.distributed.pipelining import Schedule1F1B
 
@@ -294,7 +329,7 @@ def pp_gpipe(device, rank: int, ranks: int) -> dict:
     return _pipeline(device, rank, ranks, ScheduleGPipe)
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b, pp_gpipe)}
+CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b, pp_gpipe, pp_traced)}
 
 
 def main(names: list) -> None:

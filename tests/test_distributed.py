@@ -16,9 +16,22 @@ WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    """What each of two ranks observed (one job)."""
-    return run_ranks(["-m", "tests.distributed_checks", "collectives"], ranks=WORLD, timeout=600)
+def job():
+    """What each of two ranks observed in the scenarios that leave the group working (one job, one process per
+    rank: each compiles its device programs once)."""
+    return run_ranks(["-m", "tests.distributed_checks", "collectives", "mismatch", "compiled"], ranks=WORLD,
+                     timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ranks(job):
+    return [rank["collectives"] for rank in job]
+
+
+@pytest.fixture(scope="module")
+def compiled_ranks(job):
+    """Each rank's eager and compiled runs of DDP, FSDP2, SimpleFSDP and tensor parallelism."""
+    return [rank["compiled"] for rank in job]
 
 
 def test_collectives_and_messages_on_neuron_tensors_give_what_they_give_on_the_cpu(ranks):
@@ -74,9 +87,8 @@ def test_a_non_contiguous_tensor_is_refused_with_the_way_out(ranks):
         assert "distributed_checks.py:" in error  # the line of the rank program that asked
 
 
-def test_ranks_that_disagree_on_a_collective_all_raise_saying_what_each_passed_and_the_group_survives():
-    results = run_ranks(["-m", "tests.distributed_checks", "mismatch"], ranks=WORLD, timeout=300)
-    for rank, out in enumerate(results):
+def test_ranks_that_disagree_on_a_collective_all_raise_saying_what_each_passed_and_the_group_survives(job):
+    for rank, out in enumerate(rank["mismatch"] for rank in job):
         for key in ("shape", "op", "dtype"):
             assert out[key].startswith("CollectiveMismatchError"), out[key]
         assert "rank 0: all_reduce SUM of float32[4]" in out["shape"] and "rank 1: all_reduce SUM of float32[5]" in \
@@ -91,26 +103,43 @@ def test_a_rank_that_dies_gives_the_others_a_collective_error_not_a_hang():
     survivor, dead = run_ranks(["-m", "tests.distributed_checks", "dead_rank"], ranks=WORLD, timeout=240,
                                may_fail=True)
     assert dead is None
+    survivor = survivor["dead_rank"]
     assert survivor["error"].startswith("CollectiveError") and "another rank died or left" in survivor["error"]
 
 
 def test_a_rank_that_comes_after_the_timeout_fails_on_every_rank():
-    early, late = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
-    for out in (early, late):
+    results = run_ranks(["-m", "tests.distributed_checks", "late_rank"], ranks=WORLD, timeout=240)
+    for out in (rank["late_rank"] for rank in results):
         assert out["error"].startswith("CollectiveError") and f"timeout ({TIMEOUT_S} s)" in out["error"]
 
 
-def test_ddp_fsdp2_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager():
-    results = run_ranks(["-m", "tests.distributed_checks", "compiled"], ranks=WORLD, timeout=1200)
-    for out in results:
-        for name in ("ddp", "fsdp2", "tp"):
-            eager, compiled = out[name]["eager"], out[name]["compiled"]
-            assert compiled["graphs"] >= 2, name  # it was compiled: a forward and a backward graph at least
-            assert eager["losses"][1] < eager["losses"][0], name  # the steps trained
-            torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
-                                       **TOLERANCES[torch.float32], msg=name)
-            for got, expected in zip(compiled["params"], eager["params"]):
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32],
-                                           msg=name)
-        # The row-wise layer's all-reduce runs inside the compiled forward graph, on the collective engine.
-        assert out["tp"]["compiled"]["collective_instructions"] >= 1
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "simple_fsdp", "tp"])
+def test_data_and_tensor_parallelism_compiled_for_neuron_train_as_they_do_in_eager(compiled_ranks, name):
+    for out in compiled_ranks:
+        eager, compiled = out[name]["eager"], out[name]["compiled"]
+        assert compiled["graphs"] >= 2  # it was compiled: a forward and a backward graph at least
+        assert eager["losses"][1] < eager["losses"][0]  # the steps trained
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                                   **TOLERANCES[torch.float32])
+        for got, expected in zip(compiled["params"], eager["params"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name, collectives", [
+    ("ddp", ["ALL_REDUCE"]),  # the gradients' all-reduces, in compiled autograd's backward graph
+    ("simple_fsdp", ["ALL_GATHER", "REDUCE_SCATTER"]),  # parameters gathered in the forward, gradients scattered
+    ("tp", ["ALL_REDUCE"]),  # the row-wise layer's, in the forward graph
+])
+def test_the_collectives_of_compiled_data_and_tensor_parallelism_are_instructions_of_the_neff(compiled_ranks, name,
+                                                                                              collectives):
+    for out in compiled_ranks:
+        assert out[name]["compiled"]["collectives"] == collectives
+        assert out[name]["eager"]["collective_instructions"] == 0  # eager's ran through the process group
+
+
+@pytest.mark.parametrize("name", ["ddp", "simple_fsdp"])
+def test_compiled_data_parallel_collectives_overlap_with_compute_on_the_emulated_timeline(compiled_ranks, name):
+    """The collective stream runs beside the compute engines: a gradient's all-reduce or reduce-scatter starts
+    while the gradients of earlier layers are still being computed."""
+    for out in compiled_ranks:
+        assert out[name]["compiled"]["overlap_ns"] > 0

@@ -1,6 +1,7 @@
-"""The zoo's GPT-2 trained for 5 AdamW steps on `neuron` tensors with each way of spreading it over ranks — DDP,
+"""The zoo's GPT-2 trained for 2 AdamW steps on `neuron` tensors with each way of spreading it over ranks — DDP,
 FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallelism and loss_parallel, FSDP2 x
-TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules — gives the losses and parameters
+TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules, manual stages or split by tracing
+(`torch.distributed.pipelining.pipeline()`) — gives the losses and parameters
 of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision). The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from tests import parallel_training
 from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 
-TWO_RANKS = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "pp_1f1b", "pp_gpipe"]
+TWO_RANKS = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "pp_1f1b", "pp_gpipe", "pp_traced"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _assert_trains_as_one_process(results: list, reference: dict, tolerance: dic
     assert set(seen) == set(reference["params"])  # together the ranks hold the whole model
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe", "pp_traced"])
 def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, reference, name):
     _assert_trains_as_one_process([rank[name] for rank in two_ranks], reference, TOLERANCES[torch.float32])
 
