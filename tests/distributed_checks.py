@@ -289,14 +289,26 @@ TIMEOUT_S = 3
 SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
 
 
+def _all_ready(rank: int, world: int) -> dist.Store:
+    """The job's store, returned once every rank has imported and reached it: the group's timeout (3 s in the failure
+    scenarios) then counts only the collectives, not how much later a loaded machine starts one rank than another."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(minutes=10))
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(world)])
+    return store
+
+
 def main(names: list) -> None:
     """Run the scenarios ``names`` one after the other in one process group (the ones that break the group,
     dead_rank and late_rank, alone, with a short timeout) and print one JSON line: each scenario's observations."""
-    timeout = timedelta(seconds=TIMEOUT_S) if {"dead_rank", "late_rank"} & set(names) else timedelta(minutes=10)
-    dist.init_process_group("neuron", timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("neuron", rank % torch.neuron.device_count())
     torch.neuron.set_device(device.index)
+    torch.ones(4).to(device)  # the first device op, before any clock runs
+    store = _all_ready(rank, world)
+    timeout = timedelta(seconds=TIMEOUT_S) if {"dead_rank", "late_rank"} & set(names) else timedelta(minutes=10)
+    dist.init_process_group("neuron", store=store, rank=rank, world_size=world, timeout=timeout)
     print(json.dumps({name: SCENARIOS[name](rank, world, device) for name in names}), flush=True)
     os._exit(0)  # not destroy_process_group: in the failure scenarios the group is broken
 
