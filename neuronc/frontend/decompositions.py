@@ -1,7 +1,7 @@
 """Decompositions neuronc writes itself: ATen ops that neither torch-mlir nor torch's own
 decomposition table lowers, rewritten into ops that reach StableHLO. One function per op, in a
 registry (`OWN`); `torch_import.decomposition_table` merges it after torch-mlir's and torch's tables.
-Each is checked against eager in tests/test_ops.py.
+Each is checked against eager in tests/test_ops.py or tests/test_op_coverage.py.
 """
 from __future__ import annotations
 
