@@ -90,6 +90,10 @@ def _probes() -> dict:
         "logsumexp and baddbmm": (lambda a, b, c: torch.logsumexp(torch.baddbmm(a, b, c), -1),
                                   (torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
         "cumprod": (lambda a: torch.cumprod(a, dim=-1), (x,)),
+        "products, diagonals, windows": (lambda a: torch.cat([a.prod(-1), torch.diagonal(a, 1), a.unfold(1, 3, 2).flatten(),
+                                                              torch.cummax(a, 1).values.flatten()]), (x,)),
+        "special functions": (lambda b: torch.stack([torch.erfc(b), torch.lgamma(b), torch.digamma(b)]), (y,)),
+        "scatter_reduce": (lambda a, i: a.scatter_reduce(1, i.abs() % 8, a.flip(0), "amax"), (x, ints)),
     }
 
 

@@ -1,7 +1,7 @@
 """Decompositions neuronc writes itself: ATen ops that neither torch-mlir nor torch's own
 decomposition table lowers, rewritten into ops that reach StableHLO. One function per op, in a
 registry (`OWN`); `torch_import.decomposition_table` merges it after torch-mlir's and torch's tables.
-Each is checked against eager in tests/test_ops.py.
+Each is checked against eager in tests/test_ops.py or tests/test_op_coverage.py.
 """
 from __future__ import annotations
 
@@ -318,6 +318,383 @@ def _logcumsumexp(x, dim):
     return x
 
 
+
+# --- ops torch-mlir cannot lower, found by benchmarks/opinfo.py (issue 21, part 2) ---------------------------------
+
+
+def _zeros(size, dtype, device):
+    """Zeros from a scalar (torch.zeros itself decomposes into empty and a fill: it cannot make `_empty`)."""
+    return torch.scalar_tensor(0, dtype=dtype or torch.get_default_dtype(), device=device).expand(size).clone()
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """An uninitialised tensor: its values are unspecified, so zeros are one correct choice (a splat constant to
+    the compiler). torch-mlir has no lowering of tensor.empty to StableHLO."""
+    return _zeros(size, dtype, device)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _zeros(size, dtype, device)
+
+
+def _diagonal_geometry(shape, offset: int, dim1: int, dim2: int) -> tuple:
+    """(dim1, dim2, rows, cols, length, start): the diagonal's length and the flat index of its first element
+    in the [rows * cols] flattening of the two dims (moved last); each next element is cols + 1 further."""
+    rank = len(shape)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    rows, cols = shape[dim1], shape[dim2]
+    length = max(0, min(rows, cols - offset) if offset >= 0 else min(rows + offset, cols))
+    start = offset if offset >= 0 else -offset * cols
+    return dim1, dim2, rows, cols, length, start
+
+
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    """The diagonal of two dims as a strided slice: the dims moved last and flattened, the elements cols + 1
+    apart from the first (a view torch expresses with as_strided, which torch-mlir cannot lower)."""
+    dim1, dim2, rows, cols, length, start = _diagonal_geometry(x.shape, offset, dim1, dim2)
+    moved = x.movedim((dim1, dim2), (-2, -1))
+    batch = moved.shape[:-2]
+    if length == 0:
+        return _zeros((*batch, 0), x.dtype, x.device)
+    flat = moved.reshape(*batch, rows * cols)
+    return aten.slice(flat, -1, start, start + (length - 1) * (cols + 1) + 1, cols + 1)
+
+
+def _place_diagonal(src, shape, offset, dim1, dim2):
+    """(placed, mask): `src` written on the diagonal of a zero tensor of `shape`, and where the diagonal lies."""
+    dim1, dim2, rows, cols, length, start = _diagonal_geometry(shape, offset, dim1, dim2)
+    batch = [s for d, s in enumerate(shape) if d not in (dim1, dim2)]
+    moved_shape = (*batch, rows, cols)
+    last = len(batch)
+    spread = _spread(src.reshape(*batch, length), last, cols + 1)
+    after = rows * cols - start - spread.shape[last]
+    flat = aten.constant_pad_nd(spread, [start, after], 0)
+    position = torch.arange(rows * cols, device=src.device)
+    inside = (position >= start) & (position < start + spread.shape[last]) & ((position - start) % (cols + 1) == 0)
+    placed = flat.reshape(moved_shape).movedim((-2, -1), (dim1, dim2))
+    mask = inside.reshape(rows, cols)
+    mask = mask.reshape([1] * len(batch) + [rows, cols]).movedim((-2, -1), (dim1, dim2))
+    return placed, mask
+
+
+def _diagonal_backward(grad, input_sizes, offset, dim1, dim2):
+    """The adjoint of `_diagonal`: the gradient spread cols + 1 apart into zeros (a pad and a reshape)."""
+    if _diagonal_geometry(input_sizes, offset, dim1, dim2)[4] == 0:
+        return _zeros(input_sizes, grad.dtype, grad.device)
+    return _place_diagonal(grad, tuple(input_sizes), offset, dim1, dim2)[0]
+
+
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    if _diagonal_geometry(x.shape, offset, dim1, dim2)[4] == 0:
+        return x.clone()
+    placed, mask = _place_diagonal(src.to(x.dtype), tuple(x.shape), offset, dim1, dim2)
+    return torch.where(mask, placed, x)
+
+
+def _unfold(x, dimension, size, step):
+    """Windows of `size` elements every `step` along `dimension`, as a new last dim: one strided slice per
+    position in the window, stacked (torch expresses the view with as_strided, which torch-mlir cannot lower)."""
+    if x.dim() == 0:
+        return x.reshape(1)
+    dim = dimension % x.dim()
+    count = (x.shape[dim] - size) // step + 1
+    views = [aten.slice(x, dim, i, i + step * (count - 1) + 1, step) for i in range(size)]
+    return torch.stack(views, -1)
+
+
+def _unfold_backward(grad, input_sizes, dim, size, step):
+    """The adjoint of `_unfold`: each window position's gradient spread `step` apart, shifted to its offset and
+    summed."""
+    if len(input_sizes) == 0:
+        return grad.reshape(())
+    dim = dim % len(input_sizes)
+    length = input_sizes[dim]
+    total = None
+    for i in range(size):
+        spread = _spread(grad.select(-1, i), dim, step)
+        pads = [0, 0] * (len(input_sizes) - 1 - dim) + [i, length - i - spread.shape[dim]]
+        shifted = aten.constant_pad_nd(spread, pads, 0)
+        total = shifted if total is None else total + shifted
+    return total
+
+
+def _scan(x, dim: int, combine, identity):
+    """Inclusive scan of `combine` along `dim` over doubling strides (Hillis-Steele: ceil(log2 n) elementwise
+    steps, each combining x with itself shifted by the stride, the identity shifted in)."""
+    if x.dim() == 0:
+        return x.clone()
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    stride = 1
+    while stride < n:
+        pads = [0, 0] * (x.dim() - 1 - dim) + [stride, 0]
+        shifted = aten.slice(aten.constant_pad_nd(x, pads, identity), dim, 0, n)
+        x = combine(x, shifted)
+        stride *= 2
+    return x
+
+
+def _cumprod(x, dim, *, dtype=None):
+    """Running product as a scan of multiplications (torch-mlir cannot lower cumprod); integers and bools
+    multiply in int64, as eager's."""
+    if dtype is not None:
+        x = x.to(dtype)
+    elif not x.is_floating_point() and not x.is_complex():
+        x = x.to(torch.int64)
+    return _scan(x, dim, torch.mul, 1)
+
+
+# Special functions as documented approximations built of exp, log, sin, tan and arithmetic (torch-mlir lowers none
+# of them). Each is tested against eager in tests/test_op_coverage.py on wide ranges of inputs.
+
+# Numerical Recipes in C (2nd ed.) 6.2, erfcc: a Chebyshev fit of erfc with fractional error < 1.2e-7 everywhere.
+_ERFC_COEFFICIENTS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
+                      1.48851587, -0.82215223, 0.17087277)
+
+
+def _erfc(x):
+    """erfc(x) = 1 - erf(x) with a small relative error where erfc is tiny (1 - erf(x) would be 0 there)."""
+    z = torch.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = torch.full_like(t, _ERFC_COEFFICIENTS[-1])
+    for c in reversed(_ERFC_COEFFICIENTS[:-1]):
+        poly = c + t * poly
+    tail = t * torch.exp(-z * z + poly)
+    return torch.where(x >= 0, tail, 2.0 - tail)
+
+
+# Numerical Recipes in C (2nd ed.) 6.1, gammln: Lanczos' series with gamma = 5, six terms, error < 2e-10.
+_LANCZOS = (76.18009172947146, -86.50532032941677, 24.01409824083091, -1.231739572450155, 0.1208650973866179e-2,
+            -0.5395239384953e-5)
+
+
+def _lgamma_positive(x):
+    """log(Gamma(x)) for x >= 0.5 (Lanczos)."""
+    series = torch.full_like(x, 1.000000000190015)
+    for i, c in enumerate(_LANCZOS):
+        series = series + c / (x + (i + 1))
+    t = x + 5.5
+    return (x + 0.5) * torch.log(t) - t + torch.log(2.5066282746310005 * series / x)
+
+
+def _lgamma(x):
+    """log|Gamma(x)|: Lanczos for x >= 0.5, Euler's reflection log(pi / |sin(pi x)|) - lgamma(1 - x) below (the
+    sine of the fractional part, exact in float, so large negative x keep their accuracy); +inf at the poles
+    (0, -1, -2, ...) and at +-inf, as eager's."""
+    low = x < 0.5
+    y = torch.where(low, 1.0 - x, x)
+    main = _lgamma_positive(y)
+    fraction = x - torch.floor(x)
+    reflected = math.log(math.pi) - torch.log(torch.abs(torch.sin(math.pi * fraction))) - main
+    result = torch.where(low, reflected, main)
+    return torch.where(torch.isinf(x), torch.full_like(x, math.inf), result)
+
+
+def _digamma(x):
+    """psi(x): for x >= 0.5 the recurrence psi(x) = psi(x + 1) - 1/x up to x >= 6, then the asymptotic series
+    log x - 1/(2x) - sum B_2k / (2k x^2k) to x^-10 (error below 1e-11 there); below 0.5 the reflection
+    psi(1 - x) - pi cos(pi x) / sin(pi x) (of the fractional part). -inf at 0 and NaN at the negative integers, as eager's."""
+    low = x < 0.5
+    y = torch.where(low, 1.0 - x, x)
+    shifted = torch.zeros_like(y)
+    for _ in range(6):
+        small = y < 6.0
+        shifted = shifted + torch.where(small, 1.0 / y, torch.zeros_like(y))
+        y = torch.where(small, y + 1.0, y)
+    inverse_square = 1.0 / (y * y)
+    series = inverse_square * (1 / 12 - inverse_square * (1 / 120 - inverse_square * (
+        1 / 252 - inverse_square * (1 / 240 - inverse_square * (1 / 132)))))
+    main = torch.log(y) - 0.5 / y - series - shifted
+    fraction = x - torch.floor(x)
+    angle = math.pi * fraction
+    reflected = main - math.pi * torch.cos(angle) / torch.sin(angle)
+    result = torch.where(low, reflected, main)
+    integer = low & (fraction == 0)
+    pole = torch.where(1.0 / x > 0, -math.inf, math.inf)  # at 0 (-inf; +inf at -0.0, as eager's)
+    result = torch.where(integer, torch.where(x == 0, pole, math.nan), result)
+    return torch.where(x == math.inf, x, result)
+
+
+
+_BERNOULLI = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66)  # B_2, B_4, ..., B_10
+
+
+def _cot_derivative(x, n: int):
+    """The n-th derivative (n = 1, 2, 3) of cot(pi x), from the sine and cosine of pi times x's fractional part."""
+    angle = math.pi * (x - torch.floor(x))
+    csc2 = 1.0 / torch.sin(angle) ** 2
+    cot = torch.cos(angle) / torch.sin(angle)
+    if n == 1:
+        return -math.pi * csc2
+    if n == 2:
+        return 2 * math.pi ** 2 * csc2 * cot
+    return -2 * math.pi ** 3 * csc2 * (2 * cot * cot + csc2)
+
+
+def _polygamma(n, x):
+    """psi^(n)(x) for n = 1, 2, 3 (n = 0 is digamma): for x >= 0.5 the recurrence psi^(n)(x) = psi^(n)(x + 1) +
+    (-1)^(n+1) n! / x^(n+1) up to x >= 10, then the asymptotic series (-1)^(n+1) [(n-1)!/x^n + n!/(2x^(n+1)) +
+    sum B_2k (2k+n-1)! / ((2k)! x^(2k+n))] to B_10 (Abramowitz and Stegun 6.4.11; error below 1e-10 there);
+    below 0.5 the reflection psi^(n)(x) = (-1)^n psi^(n)(1 - x) - pi d^n/dx^n cot(pi x). Infinite at the poles
+    0, -1, -2, ..., as eager's. Larger n is left to torch-mlir, which refuses it by name."""
+    if n == 0:
+        return _digamma(x)
+    if n not in (1, 2, 3) or not x.is_floating_point():
+        return NotImplemented
+    low = x < 0.5
+    y = torch.where(low, 1.0 - x, x)
+    total = torch.zeros_like(y)
+    for _ in range(10):
+        small = y < 10.0
+        total = total + torch.where(small, 1.0 / y ** (n + 1), torch.zeros_like(y))
+        y = torch.where(small, y + 1.0, y)
+    tail = math.factorial(n - 1) / y ** n + math.factorial(n) / (2 * y ** (n + 1))
+    for k, b in enumerate(_BERNOULLI, start=1):
+        tail = tail + b * math.factorial(2 * k + n - 1) / math.factorial(2 * k) / y ** (2 * k + n)
+    main = (-1) ** (n + 1) * (math.factorial(n) * total + tail)
+    reflected = (-1) ** n * main - math.pi * _cot_derivative(x, n)
+    result = torch.where(low, reflected, main)
+    pole = low & (x == torch.floor(x))
+    return torch.where(pole, torch.full_like(x, (-1) ** (n + 1) * math.inf), result)
+
+def _lowest(dtype):
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
+
+
+def _region_mask(region_shape, shape, device):
+    """Where a tensor of `region_shape` lies in one of `shape` that it starts (a boolean of `shape`)."""
+    inside = None
+    for axis, (part, whole) in enumerate(zip(region_shape, shape)):
+        if part == whole:
+            continue
+        here = (torch.arange(whole, device=device) < part).reshape([whole if a == axis else 1 for a in range(len(shape))])
+        inside = here if inside is None else inside & here
+    return inside
+
+
+def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    """x with src's elements combined (sum, prod, mean, amax, amin) into the positions `index` names along dim.
+    Dense: a one-hot of each index against every position of dim ([.., N, M, ..]), the masked sources reduced
+    over M, combined with x's values (include_self) where any index lands. torch-mlir lowers no scatter_reduce;
+    its memory grows as N * M, which suits the index sizes of scatter_reduce's uses, not an embedding table."""
+    if x.dim() == 0:
+        x, index, src = x.reshape(1), index.reshape(1), src.reshape(1)
+        return _scatter_reduce(x, 0, index, src, reduce, include_self=include_self).reshape(())
+    d = dim % x.dim()
+    region = tuple(index.shape)
+    if index.numel() == 0:
+        return x.clone()
+    src = src[tuple(slice(0, n) for n in region)].to(x.dtype)
+    base = x[tuple(slice(None) if a == d else slice(0, n) for a, n in enumerate(region))]
+    n = x.shape[d]
+    index = torch.where(index < 0, index + n, index)
+    positions = torch.arange(n, device=x.device).reshape([n if a == d else 1 for a in range(x.dim() + 1)])
+    member = index.unsqueeze(d) == positions  # [.., N, M, ..]: N at d, M at d + 1
+    values = src.unsqueeze(d)
+    count = member.sum(d + 1)
+    landed = count > 0
+    if reduce in ("sum", "mean"):
+        reduced = torch.where(member, values, torch.scalar_tensor(0, dtype=x.dtype)).sum(d + 1).to(x.dtype)
+    elif reduce == "prod":
+        reduced = torch.where(member, values, torch.scalar_tensor(1, dtype=x.dtype)).prod(d + 1).to(x.dtype)
+    elif reduce == "amax":
+        reduced = torch.where(member, values, torch.scalar_tensor(_lowest(x.dtype), dtype=x.dtype)).amax(d + 1)
+    elif reduce == "amin":
+        reduced = torch.where(member, values, torch.scalar_tensor(_highest(x.dtype), dtype=x.dtype)).amin(d + 1)
+    else:
+        raise ValueError(f"scatter_reduce: unknown reduce {reduce!r}")
+    if reduce == "mean":
+        total, count = (base + reduced, count + 1) if include_self else (reduced, count)
+        divisor = count.clamp(min=1).to(x.dtype)
+        combined = total / divisor if x.is_floating_point() else torch.div(total, divisor, rounding_mode="floor")
+    elif not include_self:
+        combined = reduced
+    elif reduce == "sum":
+        combined = base + reduced
+    elif reduce == "prod":
+        combined = base * reduced
+    elif reduce == "amax":
+        combined = torch.maximum(base, reduced)
+    else:
+        combined = torch.minimum(base, reduced)
+    result = torch.where(landed, combined.to(x.dtype), base)
+    inside = _region_mask(result.shape, x.shape, x.device)
+    if inside is None:
+        return result
+    pads = []
+    for part, whole in reversed(list(zip(result.shape, x.shape))):
+        pads += [0, whole - part]
+    return torch.where(inside, aten.constant_pad_nd(result, pads, 0), x)
+
+
+def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    """index_reduce as scatter_reduce: each slice source[.., i, ..] goes to x[.., index[i], ..]."""
+    d = dim % x.dim() if x.dim() else 0
+    shape = [source.shape[a] if a == d else 1 for a in range(source.dim())] if source.dim() else []
+    full = index.reshape(shape).expand(source.shape) if source.dim() else index.reshape(())
+    return _scatter_reduce(x, d, full, source, reduce, include_self=include_self)
+
+
+def _fmax(a, b):
+    """The larger, NaN only where both are (torch-mlir lowers fmax only for operands of one shape)."""
+    if not a.is_floating_point():
+        return torch.maximum(a, b)
+    return torch.where(torch.isnan(b), a, torch.where(torch.isnan(a), b, torch.maximum(a, b)))
+
+
+def _fmin(a, b):
+    if not a.is_floating_point():
+        return torch.minimum(a, b)
+    return torch.where(torch.isnan(b), a, torch.where(torch.isnan(a), b, torch.minimum(a, b)))
+
+
+def _reduce_with_index_of_scalar(x, dim=0, keepdim=False):
+    """max.dim / min.dim of a 0-d tensor: the value and index 0 (torch-mlir cannot lower the 0-d form)."""
+    if x.dim() != 0:
+        return NotImplemented
+    return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+
+
+def _cumulative_extreme(x, dim, beats):
+    """cummax / cummin: a scan of (value, index) pairs over doubling strides; an earlier pair is kept only where
+    it beats the later one (`beats`: strictly larger or smaller, NaN beating numbers), so ties and repeated NaNs
+    take the later index, as eager's."""
+    if x.dim() == 0:
+        return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    index = torch.arange(n, device=x.device).reshape([n if a == dim else 1 for a in range(x.dim())]).expand(x.shape)
+    stride = 1
+    while stride < n:
+        pads = [0, 0] * (x.dim() - 1 - dim) + [stride, 0]
+        earlier = aten.slice(aten.constant_pad_nd(x, pads, 0), dim, 0, n)
+        earlier_index = aten.slice(aten.constant_pad_nd(index, pads, 0), dim, 0, n)
+        position = torch.arange(n, device=x.device).reshape([n if a == dim else 1 for a in range(x.dim())])
+        keep = (position >= stride) & beats(earlier, x)
+        x, index = torch.where(keep, earlier, x), torch.where(keep, earlier_index, index)
+        stride *= 2
+    return x, index
+
+
+def _larger(u, v):
+    return (u > v) | (torch.isnan(u) & ~torch.isnan(v)) if u.is_floating_point() else u > v
+
+
+def _smaller(u, v):
+    return (u < v) | (torch.isnan(u) & ~torch.isnan(v)) if u.is_floating_point() else u < v
+
+
+def _cummax(x, dim):
+    return _cumulative_extreme(x, dim, _larger)
+
+
+def _cummin(x, dim):
+    return _cumulative_extreme(x, dim, _smaller)
+
 OWN = {
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool3d_with_indices.default: _max_pool3d_with_indices,
@@ -333,4 +710,26 @@ OWN = {
     aten.sort.stable: _stable_sort,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,
+    aten.empty.memory_format: _empty,
+    aten.empty_strided.default: _empty_strided,
+    aten.diagonal.default: _diagonal,
+    aten.diagonal_copy.default: _diagonal,
+    aten.diagonal_backward.default: _diagonal_backward,
+    aten.diagonal_scatter.default: _diagonal_scatter,
+    aten.unfold.default: _unfold,
+    aten.unfold_copy.default: _unfold,
+    aten.unfold_backward.default: _unfold_backward,
+    aten.cumprod.default: _cumprod,
+    aten.erfc.default: _erfc,
+    aten.lgamma.default: _lgamma,
+    aten.digamma.default: _digamma,
+    aten.polygamma.default: _polygamma,
+    aten.scatter_reduce.two: _scatter_reduce,
+    aten.index_reduce.default: _index_reduce,
+    aten.fmax.default: _fmax,
+    aten.fmin.default: _fmin,
+    aten.max.dim: _reduce_with_index_of_scalar,
+    aten.min.dim: _reduce_with_index_of_scalar,
+    aten.cummax.default: _cummax,
+    aten.cummin.default: _cummin,
 }

@@ -1,0 +1,152 @@
+"""Ops torch-mlir cannot lower, compiled with neuronc's own lowerings (frontend/decompositions.py, and the product
+tree of stablehlo_import.py), each against eager PyTorch on CPU at the fp32 tolerance: found missing by
+benchmarks/opinfo.py (issue 21). Special functions are checked over wide ranges, poles and signs included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.tolerances import TOLERANCES
+from tests.conftest import assert_matches_eager
+
+
+def _compiled(fn, *inputs):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
+
+
+def _matches_eager(fn, *inputs):
+    """Each output has eager's shape and dtype, within the fp32 tolerance, NaN exactly where eager's is."""
+    got, want = _compiled(fn, *inputs), fn(*inputs)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{g.dtype}{list(g.shape)} != eager {w.dtype}{list(w.shape)}"
+        torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
+
+
+@pytest.fixture
+def x():
+    return torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("offset, dims", [(0, (0, 1)), (2, (1, 2)), (-1, (2, 0)), (-3, (0, 2))])
+def test_diagonal_is_a_strided_slice(x, offset, dims):
+    _matches_eager(lambda t: torch.diagonal(t, offset, *dims), x)
+
+
+def test_diagonal_past_the_matrix_is_empty(x):
+    _matches_eager(lambda t: torch.diagonal(t, 7, 1, 2) + 1, x)
+
+
+def _gradient(fn, t, weights):
+    t = t.clone().requires_grad_(True)
+    (fn(t) * weights).sum().backward()
+    return t.grad
+
+
+def test_diagonal_gradient_lands_on_the_diagonal(x):
+    diagonal = lambda t: torch.diagonal(t, 1, 1, 2)  # noqa: E731 - the op under test
+    weights = torch.randn(4, 5)
+    torch._dynamo.reset()
+    assert_matches_eager(_gradient(torch.compile(diagonal, backend="neuron"), x, weights),
+                         _gradient(diagonal, x, weights))
+
+
+def test_diagonal_scatter_writes_only_the_diagonal(x):
+    _matches_eager(lambda t, s: torch.diagonal_scatter(t, s, -1, 0, 1), x, torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("dim, size, step", [(0, 2, 1), (1, 3, 2), (-1, 6, 1), (2, 1, 4)])
+def test_unfold_stacks_strided_windows(x, dim, size, step):
+    _matches_eager(lambda t: t.unfold(dim, size, step), x)
+
+
+def test_unfold_gradient_sums_overlapping_windows(x):
+    unfold = lambda t: t.unfold(1, 3, 2)  # noqa: E731 - the op under test
+    weights = torch.randn(4, 2, 6, 3)
+    torch._dynamo.reset()
+    assert_matches_eager(_gradient(torch.compile(unfold, backend="neuron"), x, weights), _gradient(unfold, x, weights))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cumprod_is_a_running_product(x, dim):
+    _matches_eager(lambda t: torch.cumprod(t, dim), x * 0.5 + 1)
+
+
+def test_cumprod_of_integers_is_int64_like_eager():
+    _matches_eager(lambda t: torch.cumprod(t, 0), torch.tensor([3, -2, 5, 1, 7], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dims", [None, 0, 1, (0, 2)])
+def test_prod_is_a_tree_of_multiplications(x, dims):
+    t = x * 0.3 + 1
+    if dims is None:
+        _matches_eager(lambda a: a.prod(), t)
+    elif isinstance(dims, int):
+        _matches_eager(lambda a: a.prod(dims, keepdim=True), t)
+    else:
+        _matches_eager(lambda a: torch.prod(a.prod(dims[1]), dims[0]), t)
+
+
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_cummax_and_cummin_take_the_latest_of_ties(name):
+    t = torch.tensor([[1.0, 3.0, 3.0, 0.0, 5.0, 5.0, -1.0], [2.0, 2.0, 1.0, 1.0, 0.0, 4.0, 4.0]])
+    _matches_eager(lambda a: getattr(torch, name)(a, 1), t)
+
+
+def test_fmax_and_fmin_broadcast_and_skip_nans():
+    a = torch.tensor([[1.0], [float("nan")], [-2.0]])
+    b = torch.tensor([0.5, float("nan"), 3.0, -4.0])
+    _matches_eager(lambda p, q: (torch.fmax(p, q), torch.fmin(p, q)), a, b)
+
+
+def test_max_over_a_dim_of_a_scalar_is_the_scalar_at_index_zero():
+    _matches_eager(lambda a: torch.max(a, 0), torch.tensor(2.5))
+
+
+def test_empty_compiles_and_has_its_shape_and_dtype(x):
+    got = _compiled(lambda t: torch.empty(3, 4, dtype=torch.int32).fill_(2) + t.shape[0], x)
+    assert_matches_eager(got, torch.full((3, 4), 6, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_modes(reduce, include_self):
+    g = torch.Generator().manual_seed(1)
+    base, src = torch.randn(3, 5, generator=g), torch.randn(2, 6, generator=g)
+    index = torch.tensor([[0, 4, 0, 2, 4, 0], [1, 1, 3, 3, 1, 0]])  # column 2 of row 1 gets nothing
+    _matches_eager(lambda b, s: b.scatter_reduce(1, index, s, reduce, include_self=include_self), base, src)
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+def test_index_reduce_modes(reduce):
+    g = torch.Generator().manual_seed(2)
+    base, source = torch.randn(4, 3, generator=g), torch.randn(5, 3, generator=g)
+    index = torch.tensor([0, 2, 0, 3, 2])
+    _matches_eager(lambda b, s: b.index_reduce(0, index, s, reduce), base, source)
+
+
+_WIDE = torch.cat([torch.linspace(-30, 30, 241), torch.tensor([1e-4, 0.5, 1.0, 2.0, 1.4616, 35.0, 200.0, 1e4])])
+
+
+@pytest.mark.parametrize("name, inputs", [
+    ("erfc", torch.linspace(-6, 9, 151)),
+    ("lgamma", torch.cat([_WIDE + 0.25, torch.tensor([0.0, -1.0, -7.0, float("inf"), float("-inf")])])),
+    ("digamma", torch.cat([_WIDE + 0.25, torch.tensor([0.0, -0.0, -1.0, -3.0, float("inf")])])),
+])
+def test_special_functions_match_eager_over_wide_ranges(name, inputs):
+    _matches_eager(getattr(torch, name), inputs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_polygamma_matches_eager_over_wide_ranges(n):
+    inputs = torch.cat([torch.linspace(-8.65, 30.35, 131), torch.tensor([1e-3, 0.5, 1.0, 3.0, 100.0])])
+    _matches_eager(lambda t: torch.polygamma(n, t), inputs)
+
+
+@pytest.mark.parametrize("n, sign", [(1, 1), (2, -1), (3, 1)])
+def test_polygamma_is_infinite_at_its_poles(n, sign):
+    """Where eager's trigamma returns pi^2 / sin(pi x)^2 of a rounded pi x (3.2e14 at -2), the pole is kept."""
+    poles = torch.tensor([0.0, -1.0, -2.0, -5.0])
+    assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
