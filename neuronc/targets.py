@@ -42,8 +42,27 @@ class Target:
     # Instruction cost rules of thumb (cycles of the engine's clock).
     matmul_min_interval_cycles: int  # initiation interval is max(N, this)
     matmul_fp32_slowdown: int  # fp32 operands run at 1/this of the bf16 rate
-    elementwise_fixed_cycles: int  # fixed overhead of a Vector/Scalar/GpSimd instruction
-    onchip_access_cycles: int  # extra cycles to reach SBUF/PSUM
+    # Vector/Scalar/GpSimd instructions. An instruction making `passes` over N elements per partition occupies its
+    # engine max(MIN_II, N * passes) cycles: "max(MIN_II, N)" with "MIN_II ... roughly 64 engine cycles" (the
+    # engine-selection cost table of nki/api/nki.api.shared.rst), N cycles for one input and 2N for two
+    # (nki/guides/architecture/trainium_inferentia2_arch.rst, Vector Engine "Cost Model").
+    elementwise_min_interval_cycles: int
+    # An instruction reading what the instruction before it on the same engine wrote "cannot start data read until
+    # the previous instruction has all of its output committed to the local SRAM": the static overhead (~100
+    # cycles) plus the tensor access overhead (~60 cycles each way, trainium_inferentia2_arch.rst) show. The docs
+    # measure dependent 1-element activations "189 ns (264 ScalarE cycles on NC-v2)" apart (nki_perf_guide.rst,
+    # Opt #5a); such an instruction occupies MIN_II, so the gap after its producer's end is 264 - 64 = 200 cycles.
+    dependent_spacing_cycles: int
+    # Vector engine performance mode (NeuronCore-v3+, automatic; trainium2_arch.rst "Vector Engine Performance
+    # Mode"): tensor_copy / tensor_scalar 4x with bf16/fp16 operands in SBUF and a contiguous innermost dim, 2x
+    # when not contiguous or one side in PSUM; tensor_tensor 2x with both inputs in SBUF and every operand
+    # bf16/fp16. The speed-up divides the N-proportional part (the docs state it as throughput; MIN_II stays).
+    vector_perf_mode: bool
+    # Loading another activation function's table into the Scalar engine. The docs give no cost and do not say
+    # which functions share a table: a stated choice of 1300 cycles (~1 us on trn2, the order of one DMA's fixed
+    # cost: the table is fetched from memory), and one table per function, IDENTITY/NONE/NEG/ABS/copy-like
+    # functions needing none (instruction_cost.activation_table). Tracked per Scalar engine in stream order.
+    activation_table_load_cycles: int
     # Memory system (per NeuronCore).
     hbm_bytes: int
     hbm_gbps: float  # GB/s peak available to one NeuronCore (the roofline's bound)
@@ -117,8 +136,9 @@ _COMMON = dict(
     max_free_elements_psum=4 * 1024,
     matmul_min_interval_cycles=64,
     matmul_fp32_slowdown=4,
-    elementwise_fixed_cycles=100,
-    onchip_access_cycles=60,
+    elementwise_min_interval_cycles=64,
+    dependent_spacing_cycles=200,
+    activation_table_load_cycles=1300,
     dma_efficient_bytes_per_partition=4 * KIB,
     dma_half_rate_bytes=256,
     dma_fixed_ns=1300.0,
@@ -144,6 +164,7 @@ TARGETS = {
         dma_gbps_per_queue=17.0,
         vector_gpsimd_exclusive_sbuf=True,
         vector_scalar_exclusive_psum=True,
+        vector_perf_mode=False,
         cores_per_chip=2,
         # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
         # trn1-arch.rst, the instance table's NeuronLink column)
@@ -167,6 +188,7 @@ TARGETS = {
         dma_gbps_per_queue=23.0,
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
+        vector_perf_mode=True,
         cores_per_chip=8,
         # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
         # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
@@ -191,6 +213,7 @@ TARGETS = {
         dma_gbps_per_queue=33.0,
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
+        vector_perf_mode=True,
         cores_per_chip=8,
         # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
         # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.
