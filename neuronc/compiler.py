@@ -83,6 +83,7 @@ class Compiled:
     input_mask: list | None = None  # FX graphs: per placeholder, whether the program takes it (None: all)
     collective_groups: list = dataclasses.field(default_factory=list)  # FX graphs: the process group of each
     # group number its collective instructions name (frontend/collectives.py)
+    decisions: dict = dataclasses.field(default_factory=dict)  # priced pass -> (ns with it, ns without it)
 
     def checked_by(self) -> str | None:
         """The runtime access check this NEFF passed in an earlier load, as its cache entry records."""
@@ -141,8 +142,24 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     target = get_target(options.target)
     t = time.perf_counter()
     ctx = PassContext(target, options.opt_level, options.cast, verify=options.opt_level == 0 or debug_dir.verifying())
+    emitted = {}  # graph -> its NEFF, for the priced decisions of the pipeline (passes/pipeline.py PRICED)
+
+    def price(candidate: ir.Graph) -> float:
+        """The cost model's time of the program a finished graph compiles to (emitted once, kept if chosen)."""
+        start = time.perf_counter()
+        if id(candidate) not in emitted:
+            plan = plan_memory(candidate)
+            check_capacity(plan, target)
+            emitted[id(candidate)] = (candidate, generate(candidate, plan, target, options.name, {},
+                                                          prefetch=options.opt_level >= 2))
+        timings["pricing"] = timings.get("pricing", 0.0) + time.perf_counter() - start
+        return emitted[id(candidate)][1].estimated_ns
+
+    ctx.price = price
     graph = run_pipeline(graph, ctx, timings)
     timings["passes"] = time.perf_counter() - t
+    if id(graph) in emitted:  # priced: already emitted
+        return Compiled(emitted[id(graph)][1], stablehlo, graph, timings, decisions=ctx.decisions)
     t = time.perf_counter()
     plan = plan_memory(graph)
     check_capacity(plan, target)
@@ -150,7 +167,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     t = time.perf_counter()
     neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
     timings["codegen"] = time.perf_counter() - t
-    return Compiled(neff, stablehlo, graph, timings)
+    return Compiled(neff, stablehlo, graph, timings, decisions=ctx.decisions)
 
 
 def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, options: CompileOptions | None = None) -> Compiled:
