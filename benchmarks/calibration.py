@@ -147,7 +147,10 @@ def rows(name: str) -> list:
     out.append(("activation table load on a function switch (Scalar cycles)",
                 f"not documented; stated choice {t.activation_table_load_cycles}",
                 f"{(switch - same) * t.scalar_ghz:.0f} (first use {(first - same) * t.scalar_ghz:.0f})"))
-    out.append(("Tensor-engine transpose mode (fp32 2x, 16-bit PSUM output)", "trn2+", "not modelled yet"))
+    out.append(("Tensor-engine transpose mode: 16-bit PSUM output (evicted at the 2x above)",
+                "trn2+" if t.tensor_transpose_mode else "none (from trn2)",
+                "modelled" if t.tensor_transpose_mode else "refused at load"))
+    out.append(("Tensor-engine transpose mode: fp32 transposes 2x", "trn2+", "not modelled (priced as matmuls)"))
     out.append(("DMA transpose (HBM->SBUF 90%, SBUF->SBUF 50% of DMA rate)", "trn2+", "not modelled yet"))
     return out
 

@@ -58,6 +58,12 @@ class Target:
     # when not contiguous or one side in PSUM; tensor_tensor 2x with both inputs in SBUF and every operand
     # bf16/fp16. The speed-up divides the N-proportional part (the docs state it as throughput; MIN_II stays).
     vector_perf_mode: bool
+    # Tensor engine transpose mode (NeuronCore-v3+; trainium2_arch.rst "Built-in Transpose Support", nki.isa
+    # nc_matmul is_transpose): a bit-exact transpose whose PSUM output is bf16/fp16 for bf16/fp16 input ("This
+    # allows faster PSUM data eviction back to SBUF"). In neuronc's ISA a matmul writing a 16-bit PSUM tile is one
+    # (its moving operand the identity); its "2x speedup in FP32 transpose" is not modelled (fp32 transposes are
+    # not marked in the ISA: they are priced as matmuls, the slower reading).
+    tensor_transpose_mode: bool
     # Loading another activation function's table into the Scalar engine. The docs give no cost and do not say
     # which functions share a table: a stated choice of 1300 cycles (~1 us on trn2, the order of one DMA's fixed
     # cost: the table is fetched from memory), and one table per function, IDENTITY/NONE/NEG/ABS/copy-like
@@ -165,6 +171,7 @@ TARGETS = {
         vector_gpsimd_exclusive_sbuf=True,
         vector_scalar_exclusive_psum=True,
         vector_perf_mode=False,
+        tensor_transpose_mode=False,
         cores_per_chip=2,
         # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
         # trn1-arch.rst, the instance table's NeuronLink column)
@@ -189,6 +196,7 @@ TARGETS = {
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
         vector_perf_mode=True,
+        tensor_transpose_mode=True,
         cores_per_chip=8,
         # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
         # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
@@ -214,6 +222,7 @@ TARGETS = {
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
         vector_perf_mode=True,
+        tensor_transpose_mode=True,
         cores_per_chip=8,
         # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
         # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.

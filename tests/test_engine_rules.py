@@ -227,3 +227,37 @@ def test_the_scalar_engine_loads_an_activation_table_when_the_function_changes()
     plain, load = 512 / TRN2.scalar_ghz, TRN2.activation_table_load_cycles / TRN2.scalar_ghz
     assert durations == pytest.approx([plain + load, plain, plain + load, plain, plain + load])
     assert estimate_streams(p.streams, TRN2)[0] == pytest.approx(sum(durations))  # the compiler's estimate agrees
+
+
+def _transpose(dtype: DType, accumulate: bool = False) -> Program:
+    p = Program()
+    p.emit(Opcode.MATMUL, Engine.TENSOR, chip((128, 128), dtype, space=Space.PSUM), chip((128, 128), DType.BF16),
+           chip((128, 128), DType.BF16, offset=1024), accumulate=accumulate)
+    return p
+
+
+def test_a_matmul_writes_16_bit_psum_only_as_the_transpose_mode_of_trn2():
+    _load(_transpose(DType.BF16), "trn2")  # transpose mode: bf16 P^T in PSUM
+    with pytest.raises(NeuronRuntimeError, match="no transpose mode"):
+        _load(_transpose(DType.BF16), "trn1")
+    with pytest.raises(NeuronRuntimeError, match="transpose mode"):
+        _load(_transpose(DType.BF16, accumulate=True), "trn2")
+
+
+@pytest.mark.parametrize("target, transposes_in_bf16", [("trn2", True), ("trn1", False)])
+def test_the_attention_kernel_transposes_bf16_p_in_transpose_mode_where_the_target_has_it(target, transposes_in_bf16):
+    import torch
+
+    from neuronc.compiler import CompileOptions, compile_exported
+
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 256, 64).to(torch.bfloat16) for _ in range(3))
+    neff = compile_exported(torch.export.export(Attention(), (q, k, v)), CompileOptions(opt_level=2, target=target)).neff
+    matmuls = [i for i in neff.streams[(Engine.TENSOR, 0)] if i.opcode is Opcode.MATMUL]
+    assert any(i.dst.dtype is DType.BF16 for i in matmuls) == transposes_in_bf16
