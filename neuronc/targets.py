@@ -18,30 +18,34 @@ GIB = 1024 * MIB
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str
-    # On-chip memory geometry (per NeuronCore).
+    # On-chip memory geometry (per NeuronCore): SBUF 24 / 28 / 32 MiB as 128 partitions, PSUM 2 MiB in 8 banks of
+    # 2 KiB per partition (trainium_inferentia2_arch.rst, trainium2_arch.rst, trainium3_arch.rst).
     partitions: int
     sbuf_bytes_per_partition: int
     psum_bytes_per_partition: int
     psum_banks: int
-    # Tile rules of the Tensor engine: stationary [K <= k, M <= m], moving [K <= k, N <= n].
+    # Tile rules of the Tensor engine: stationary [K <= k, M <= m], moving [K <= k, N <= n] (nki.isa nc_matmul).
     matmul_max_k: int
     matmul_max_m: int
     matmul_max_n: int
-    # Free-axis size limits of Vector/Scalar instructions (elements per partition).
+    # Free-axis size limits of Vector/Scalar instructions (elements per partition): 64K from SBUF, 4K from PSUM
+    # (nki.language tile size limits).
     max_free_elements_sbuf: int
     max_free_elements_psum: int
-    # Clocks (GHz) of each engine.
+    # Clocks (GHz) of each engine (the architecture guides' engine tables; TRAINIUM.md "Per NeuronCore").
     tensor_ghz: float
     vector_ghz: float
     scalar_ghz: float
     gpsimd_ghz: float
-    # Peak dense matmul rate per NeuronCore, TFLOPS, by operand dtype family.
+    # Peak dense matmul rate per NeuronCore, TFLOPS, by operand dtype family (trainium2_arch.rst: "158 FP8, 79
+    # BF16/FP16/TF32 and 20 FP32 dense TFLOPS"; trn1 92 / 23; trn3's 315 mxfp8).
     matmul_tflops_bf16: float
     matmul_tflops_fp32: float
     matmul_tflops_fp8: float
-    # Instruction cost rules of thumb (cycles of the engine's clock).
-    matmul_min_interval_cycles: int  # initiation interval is max(N, this)
-    matmul_fp32_slowdown: int  # fp32 operands run at 1/this of the bf16 rate
+    # Instruction cost rules (cycles of the engine's clock). A matmul's initiation interval is "roughly max(N,
+    # MM_INIT_LATENCY), where MM_INIT_LATENCY is 64 TensorE cycles" (trainium_inferentia2_arch.rst, Tensor Engine).
+    matmul_min_interval_cycles: int
+    matmul_fp32_slowdown: int  # fp32 operands run at 1/this of the bf16 rate (20 vs 79 dense TFLOPS: 1/4)
     # Vector/Scalar/GpSimd instructions. An instruction making `passes` over N elements per partition occupies its
     # engine max(MIN_II, N * passes) cycles: "max(MIN_II, N)" with "MIN_II ... roughly 64 engine cycles" (the
     # engine-selection cost table of nki/api/nki.api.shared.rst), N cycles for one input and 2N for two
@@ -69,7 +73,8 @@ class Target:
     # cost: the table is fetched from memory), and one table per function, IDENTITY/NONE/NEG/ABS/copy-like
     # functions needing none (instruction_cost.activation_table). Tracked per Scalar engine in stream order.
     activation_table_load_cycles: int
-    # Memory system (per NeuronCore).
+    # Memory system (per NeuronCore): the chip's HBM (32 GiB at 0.82 TB/s, 96 GiB at 2.9 TB/s, 144 GiB at 4.9
+    # TB/s; trn1/trn2/trn3 arch pages) divided by its NeuronCores.
     hbm_bytes: int
     hbm_gbps: float  # GB/s peak available to one NeuronCore (the roofline's bound)
     # Fraction of the peak HBM bandwidth sustained by streaming DMA traffic. A stated choice: the docs give no
@@ -78,7 +83,7 @@ class Target:
     # HBM (refresh, bank and read/write turnaround losses), so the model never assumes the peak is sustained;
     # the 60% is a whole-kernel utilisation the model's idle gaps already produce on their own.
     hbm_sustained_fraction: float
-    dma_queues: int
+    dma_queues: int  # DMA engines per NeuronCore: 16 (nki-dma-bandwidth-guide.rst)
     # Achievable rate of one DMA engine with >= 4 KiB contiguous per partition, bytes/ns (= GB/s):
     # nki/deep-dives/nki-dma-bandwidth-guide.rst, "BW / Engine": trn1 17, trn2 23, trn3 33 (aggregate 272 / 368 /
     # 528 GB/s per NeuronCore). nki-dma-overview's 27.2 (v2, v3) and 38.4 GB/s (v4) are theoretical, not used.
@@ -105,8 +110,10 @@ class Target:
     vector_gpsimd_exclusive_sbuf: bool
     vector_scalar_exclusive_psum: bool
     # Chip.
-    cores_per_chip: int
-    neff_load_ns: float  # one-off start-up cost of a NEFF's first execution
+    cores_per_chip: int  # NeuronCores per chip: 2 / 8 / 8 (trn1-arch.rst, trainium2.rst, trainium3.rst)
+    # One-off start-up cost of a NEFF's first execution: "about 1 ms of GpSimd start-up" (TRAINIUM.md's rules of
+    # thumb; the docs give no exact figure: the 1 ms is taken as stated).
+    neff_load_ns: float
     # Interconnect (neuronc.collective_cost): NeuronLink between the chips of a node, GB/s per chip. The docs give
     # one figure per chip and do not say whether it counts both directions; it is taken as the sum of both (a
     # chip sends at half of it), the more expensive reading.
