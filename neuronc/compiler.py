@@ -142,24 +142,29 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     target = get_target(options.target)
     t = time.perf_counter()
     ctx = PassContext(target, options.opt_level, options.cast, verify=options.opt_level == 0 or debug_dir.verifying())
-    emitted = {}  # graph -> its NEFF, for the priced decisions of the pipeline (passes/pipeline.py PRICED)
+    emitted = {}  # id of a finished graph -> (the graph, its NEFF, its stages' seconds): the priced decisions'
 
     def price(candidate: ir.Graph) -> float:
         """The cost model's time of the program a finished graph compiles to (emitted once, kept if chosen)."""
-        start = time.perf_counter()
         if id(candidate) not in emitted:
+            seconds, start = {}, time.perf_counter()
             plan = plan_memory(candidate)
             check_capacity(plan, target)
-            emitted[id(candidate)] = (candidate, generate(candidate, plan, target, options.name, {},
-                                                          prefetch=options.opt_level >= 2))
-        timings["pricing"] = timings.get("pricing", 0.0) + time.perf_counter() - start
+            seconds["memory plan"], start = time.perf_counter() - start, time.perf_counter()
+            neff = generate(candidate, plan, target, options.name, seconds, prefetch=options.opt_level >= 2)
+            seconds["codegen"] = time.perf_counter() - start
+            emitted[id(candidate)] = (candidate, neff, seconds)
         return emitted[id(candidate)][1].estimated_ns
 
     ctx.price = price
     graph = run_pipeline(graph, ctx, timings)
+    if id(graph) in emitted:  # priced (passes/pipeline.py PRICED): emitted already; the others' stages are "pricing"
+        _, neff, seconds = emitted[id(graph)]
+        timings.update(seconds)
+        timings["pricing"] = sum(s["memory plan"] + s["codegen"] for g, _, s in emitted.values() if g is not graph)
+        timings["passes"] = time.perf_counter() - t - timings["pricing"] - seconds["memory plan"] - seconds["codegen"]
+        return Compiled(neff, stablehlo, graph, timings, decisions=ctx.decisions)
     timings["passes"] = time.perf_counter() - t
-    if id(graph) in emitted:  # priced: already emitted
-        return Compiled(emitted[id(graph)][1], stablehlo, graph, timings, decisions=ctx.decisions)
     t = time.perf_counter()
     plan = plan_memory(graph)
     check_capacity(plan, target)
