@@ -17,8 +17,12 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
 * MATMUL — "initiation interval about max(N, 64) cycles" of the Tensor engine clock, N being the
   moving operand's free size; "fp32 operands run at 1/4 of the bf16 rate".
 * Vector / Scalar / GpSimd — "about N cycles for N elements per partition with one input, about 2N
-  with two, plus about 100 cycles fixed cost; about 60 cycles extra to access SBUF/PSUM", at the
-  engine's own clock. N is the largest free size among the operands (a reduction reads more than
+  with two", never less than the minimum initiation interval (MIN_II, ~64 cycles), at the engine's own clock;
+  the Vector engine's performance mode (trn2+) divides the N part for 16-bit operands (:func:`vector_speedup`).
+  The ~100-cycle static overhead and ~60-cycle SRAM access show only between dependent instructions: one
+  reading what its engine's previous instruction wrote starts ``dependent_spacing_cycles`` after that one ends
+  (the docs' measured 264-cycle spacing of dependent activations), and a Scalar-engine activation needing
+  another function's table loads it first (:func:`stream_costs`; a stated cost). N is the largest free size among the operands (a reduction reads more than
   it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
   accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
@@ -47,7 +51,7 @@ than the core's HBM bandwidth.
 from __future__ import annotations
 
 from neuronc.collective_cost import collective_hbm_bytes, collective_ns
-from neuronc.isa import COLLECTIVES, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import COLLECTIVES, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.targets import Target
 
 
@@ -119,10 +123,41 @@ def _alu2_passes(instr: Instruction) -> int:
     return max(1, len({ap for ap in sources if _streamed(ap)}))
 
 
-def engine_pass_ns(engine: Engine, elements: int, passes: int, target: Target) -> float:
-    """An instruction of the Vector, Scalar or GpSimd engine making `passes` over `elements` per partition."""
-    cycles = target.elementwise_fixed_cycles + target.onchip_access_cycles + elements * passes
+def engine_pass_ns(engine: Engine, elements: int, passes: int, target: Target, speedup: float = 1.0) -> float:
+    """An instruction of the Vector, Scalar or GpSimd engine making `passes` over `elements` per partition:
+    max(MIN_II, N * passes) cycles of its engine's clock, the N-proportional part divided by a Vector
+    performance-mode ``speedup`` (targets.py)."""
+    cycles = max(target.elementwise_min_interval_cycles, elements * passes / speedup)
     return cycles / _CLOCK_GHZ[engine](target)
+
+
+_SIXTEEN_BIT = (DType.BF16, DType.F16)
+_COPY_LIKE = (Opcode.TENSOR_COPY, Opcode.TENSOR_SCALAR)  # NKI's tensor_copy / tensor_scalar
+
+
+def vector_speedup(instr: Instruction, target: Target, passes: int) -> float:
+    """The Vector engine's performance-mode speed-up of ``instr`` (targets.vector_perf_mode): 4x for a copy or
+    tensor_scalar whose operands are all bf16/fp16 in SBUF with contiguous innermost dims, 2x when one is not
+    contiguous or one side is in PSUM; 2x for a tensor_tensor (two streamed inputs) with both inputs in SBUF and
+    every operand bf16/fp16; 1 otherwise. TENSOR_ALU2 counts as tensor_scalar with one streamed source and as
+    tensor_tensor with two."""
+    if not target.vector_perf_mode or instr.engine != Engine.VECTOR:
+        return 1.0
+    operands = [instr.dst, *(ap for ap in instr.srcs if _streamed(ap))]  # a per-partition scalar is held
+    if any(ap.dtype not in _SIXTEEN_BIT for ap in operands):
+        return 1.0
+    scalar_like = instr.opcode in _COPY_LIKE or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 1)
+    if scalar_like:
+        in_psum = sum(ap.space == Space.PSUM for ap in operands)
+        if in_psum > 1 or any(ap.space == Space.HBM for ap in operands):
+            return 1.0
+        if in_psum == 0 and all(_contiguous(ap) for ap in operands):
+            return 4.0
+        return 2.0 if all(_contiguous(ap) for ap in operands) or in_psum == 0 else 1.0
+    tensor_tensor = instr.opcode == Opcode.TENSOR_TENSOR or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 2)
+    if tensor_tensor and all(ap.space == Space.SBUF for ap in operands[1:]):
+        return 2.0
+    return 1.0
 
 
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
@@ -131,7 +166,57 @@ def _elementwise_ns(instr: Instruction, target: Target) -> float:
         passes = _alu2_passes(instr)
     else:
         passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))
-    return engine_pass_ns(instr.engine, elements, passes, target)
+    return engine_pass_ns(instr.engine, elements, passes, target, vector_speedup(instr, target, passes))
+
+
+# Activation functions the Scalar engine computes without a table (a stated choice, targets.py).
+_NO_TABLE = {ActFunc.NONE, ActFunc.IDENTITY, ActFunc.RELU, ActFunc.ABS, ActFunc.NEG, ActFunc.SQUARE, ActFunc.SIGN,
+             ActFunc.FLOOR, ActFunc.CEIL, ActFunc.NOT, ActFunc.ROUND}
+
+
+def activation_table(instr: Instruction) -> ActFunc | None:
+    """The activation-function table ``instr`` needs loaded in its Scalar engine (None: it needs none)."""
+    if instr.opcode not in (Opcode.ACTIVATE, Opcode.ACTIVATE_BIAS_REDUCE) or instr.func in _NO_TABLE:
+        return None
+    return instr.func
+
+
+def _box(ap) -> tuple:
+    """(space, first partition, end partition, first byte, end byte): a box holding every byte ``ap`` addresses."""
+    lo = hi = ap.offset
+    for stride, size in ap.dims[1:] if ap.space != Space.HBM else ap.dims:
+        reach = stride * (size - 1) * ap.dtype.itemsize
+        lo, hi = lo + min(reach, 0), hi + max(reach, 0)
+    first = ap.partition if ap.space != Space.HBM else 0
+    return ap.space, first, first + (ap.dims[0][1] if ap.space != Space.HBM else 1), lo, hi + ap.dtype.itemsize
+
+
+def _reads_written(reader: Instruction, writer: Instruction) -> bool:
+    for a in map(_box, reader.reads):
+        for b in map(_box, writer.writes):
+            if a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]:
+                return True
+    return False
+
+
+def stream_costs(stream: list, target: Target) -> tuple:
+    """(extra ns, gap ns) of each instruction of one engine's stream from what ran before it on that engine: the
+    activation-table load it pays when it needs a table other than the one loaded (extra: the engine loads it
+    before computing), and the spacing after the previous instruction's end when it reads what that one wrote
+    (gap: its output committed to SRAM first; targets.dependent_spacing_cycles). DMA and Tensor-engine streams
+    have neither."""
+    extras, gaps = [0.0] * len(stream), [0.0] * len(stream)
+    if not stream or stream[0].engine not in (Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD):
+        return extras, gaps
+    ghz = _CLOCK_GHZ[stream[0].engine](target)
+    loaded = None
+    for i, instr in enumerate(stream):
+        table = activation_table(instr)
+        if table is not None and table != loaded:
+            extras[i], loaded = target.activation_table_load_cycles / ghz, table
+        if i and instr.opcode not in COLLECTIVES and _reads_written(instr, stream[i - 1]):
+            gaps[i] = target.dependent_spacing_cycles / ghz
+    return extras, gaps
 
 
 def transfer_bytes(instr: Instruction) -> int:

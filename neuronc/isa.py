@@ -25,6 +25,8 @@ Instruction semantics (``dst`` is always ``operands[0]``)
 ``MATMUL(dst, stationary, moving)``        dst[M, N] (+)= stationary[K, M].T @ moving[K, N] in fp32;
                                            dst is in PSUM; ``accumulate`` adds to dst instead of
                                            overwriting it (the accumulation group over K tiles).
+                                           trn2+: a bf16/fp16 dst with operands of its dtype, not
+                                           accumulating, is the Tensor engine's transpose mode.
 ``ACTIVATE(dst, src)``                     dst = func(src * imm0 + imm1)   (Scalar engine)
 ``ACTIVATE_BIAS_REDUCE(dst, row_sum, src, bias)``
                                            dst = func(src * imm0 + bias[p, 0]) and, in the same pass,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns, start_latency_ns
+from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.parallel_access import ports
 from neuronc.targets import Target
 
@@ -26,7 +26,7 @@ def stream_order(streams: dict) -> list:
 
 
 def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, ports: list | None = None,
-             latencies: list | None = None) -> Iterator[tuple]:
+             latencies: list | None = None, gaps: list | None = None) -> Iterator[tuple]:
     """(phase, stream, index, time) of every start and completion, in the order they happen.
 
     Per stream number s: ``durations[s][i]`` the ns instruction i takes alone, ``waits[s][i]`` its
@@ -35,7 +35,9 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, port
     its ports starts when that one ends), ``latencies[s][i]`` the leading part of its duration before its data
     moves (a DMA's fixed cost, instruction_cost.start_latency_ns): it runs from when its waits are met and the
     previous instruction of its stream moves data, so a queue prepares its next transfer while one moves data
-    (only what is left of it when the instruction starts counts). Stops early, with instructions left, when
+    (only what is left of it when the instruction starts counts), ``gaps[s][i]`` the ns it starts after the
+    previous instruction of its stream ends at the earliest (a dependent instruction,
+    instruction_cost.stream_costs). Stops early, with instructions left, when
     the streams deadlock (the caller sees it in what completed)."""
     n = len(durations)
     held: dict = {}  # port -> when the instruction holding it ends
@@ -50,7 +52,7 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, port
     def schedule(s: int) -> None:
         if done[s] == len(durations[s]):
             return
-        start = ends[s][-1] if ends[s] else 0.0
+        start = ends[s][-1] + (gaps[s][done[s]] if gaps is not None else 0.0) if ends[s] else 0.0
         met = 0.0
         for t, count in waits[s][done[s]]:
             if done[t] < count:
@@ -101,12 +103,15 @@ def replay(streams: dict, target: Target) -> Iterator[tuple]:
     number = {key: n for n, key in enumerate(keys)}
     lists = [streams.get(key, []) for key in keys]
     started = [0.0] * len(keys)
-    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) for i in stream] for stream in lists],
+    extras, gaps = zip(*(stream_costs(stream, target) for stream in lists)) if lists else ((), ())
+    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) + extra for i, extra in zip(stream, more)]
+                                           for stream, more in zip(lists, extras)],
                                           [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
                                             for i in stream] for stream in lists],
                                           [[hbm_bytes(i, target) for i in stream] for stream in lists], target,
                                           [[ports(i, target) for i in stream] for stream in lists],
-                                          [[start_latency_ns(i, target) for i in stream] for stream in lists]):
+                                          [[start_latency_ns(i, target) for i in stream] for stream in lists],
+                                          list(gaps)):
         if phase == START:
             started[s] = time
         else:

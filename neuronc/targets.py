@@ -18,33 +18,63 @@ GIB = 1024 * MIB
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str
-    # On-chip memory geometry (per NeuronCore).
+    # On-chip memory geometry (per NeuronCore): SBUF 24 / 28 / 32 MiB as 128 partitions, PSUM 2 MiB in 8 banks of
+    # 2 KiB per partition (trainium_inferentia2_arch.rst, trainium2_arch.rst, trainium3_arch.rst).
     partitions: int
     sbuf_bytes_per_partition: int
     psum_bytes_per_partition: int
     psum_banks: int
-    # Tile rules of the Tensor engine: stationary [K <= k, M <= m], moving [K <= k, N <= n].
+    # Tile rules of the Tensor engine: stationary [K <= k, M <= m], moving [K <= k, N <= n] (nki.isa nc_matmul).
     matmul_max_k: int
     matmul_max_m: int
     matmul_max_n: int
-    # Free-axis size limits of Vector/Scalar instructions (elements per partition).
+    # Free-axis size limits of Vector/Scalar instructions (elements per partition): 64K from SBUF, 4K from PSUM
+    # (nki.language tile size limits).
     max_free_elements_sbuf: int
     max_free_elements_psum: int
-    # Clocks (GHz) of each engine.
+    # Clocks (GHz) of each engine (the architecture guides' engine tables; TRAINIUM.md "Per NeuronCore").
     tensor_ghz: float
     vector_ghz: float
     scalar_ghz: float
     gpsimd_ghz: float
-    # Peak dense matmul rate per NeuronCore, TFLOPS, by operand dtype family.
+    # Peak dense matmul rate per NeuronCore, TFLOPS, by operand dtype family (trainium2_arch.rst: "158 FP8, 79
+    # BF16/FP16/TF32 and 20 FP32 dense TFLOPS"; trn1 92 / 23; trn3's 315 mxfp8).
     matmul_tflops_bf16: float
     matmul_tflops_fp32: float
     matmul_tflops_fp8: float
-    # Instruction cost rules of thumb (cycles of the engine's clock).
-    matmul_min_interval_cycles: int  # initiation interval is max(N, this)
-    matmul_fp32_slowdown: int  # fp32 operands run at 1/this of the bf16 rate
-    elementwise_fixed_cycles: int  # fixed overhead of a Vector/Scalar/GpSimd instruction
-    onchip_access_cycles: int  # extra cycles to reach SBUF/PSUM
-    # Memory system (per NeuronCore).
+    # Instruction cost rules (cycles of the engine's clock). A matmul's initiation interval is "roughly max(N,
+    # MM_INIT_LATENCY), where MM_INIT_LATENCY is 64 TensorE cycles" (trainium_inferentia2_arch.rst, Tensor Engine).
+    matmul_min_interval_cycles: int
+    matmul_fp32_slowdown: int  # fp32 operands run at 1/this of the bf16 rate (20 vs 79 dense TFLOPS: 1/4)
+    # Vector/Scalar/GpSimd instructions. An instruction making `passes` over N elements per partition occupies its
+    # engine max(MIN_II, N * passes) cycles: "max(MIN_II, N)" with "MIN_II ... roughly 64 engine cycles" (the
+    # engine-selection cost table of nki/api/nki.api.shared.rst), N cycles for one input and 2N for two
+    # (nki/guides/architecture/trainium_inferentia2_arch.rst, Vector Engine "Cost Model").
+    elementwise_min_interval_cycles: int
+    # An instruction reading what the instruction before it on the same engine wrote "cannot start data read until
+    # the previous instruction has all of its output committed to the local SRAM": the static overhead (~100
+    # cycles) plus the tensor access overhead (~60 cycles each way, trainium_inferentia2_arch.rst) show. The docs
+    # measure dependent 1-element activations "189 ns (264 ScalarE cycles on NC-v2)" apart (nki_perf_guide.rst,
+    # Opt #5a); such an instruction occupies MIN_II, so the gap after its producer's end is 264 - 64 = 200 cycles.
+    dependent_spacing_cycles: int
+    # Vector engine performance mode (NeuronCore-v3+, automatic; trainium2_arch.rst "Vector Engine Performance
+    # Mode"): tensor_copy / tensor_scalar 4x with bf16/fp16 operands in SBUF and a contiguous innermost dim, 2x
+    # when not contiguous or one side in PSUM; tensor_tensor 2x with both inputs in SBUF and every operand
+    # bf16/fp16. The speed-up divides the N-proportional part (the docs state it as throughput; MIN_II stays).
+    vector_perf_mode: bool
+    # Tensor engine transpose mode (NeuronCore-v3+; trainium2_arch.rst "Built-in Transpose Support", nki.isa
+    # nc_matmul is_transpose): a bit-exact transpose whose PSUM output is bf16/fp16 for bf16/fp16 input ("This
+    # allows faster PSUM data eviction back to SBUF"). In neuronc's ISA a matmul writing a 16-bit PSUM tile is one
+    # (its moving operand the identity); its "2x speedup in FP32 transpose" is not modelled (fp32 transposes are
+    # not marked in the ISA: they are priced as matmuls, the slower reading).
+    tensor_transpose_mode: bool
+    # Loading another activation function's table into the Scalar engine. The docs give no cost and do not say
+    # which functions share a table: a stated choice of 1300 cycles (~1 us on trn2, the order of one DMA's fixed
+    # cost: the table is fetched from memory), and one table per function, IDENTITY/NONE/NEG/ABS/copy-like
+    # functions needing none (instruction_cost.activation_table). Tracked per Scalar engine in stream order.
+    activation_table_load_cycles: int
+    # Memory system (per NeuronCore): the chip's HBM (32 GiB at 0.82 TB/s, 96 GiB at 2.9 TB/s, 144 GiB at 4.9
+    # TB/s; trn1/trn2/trn3 arch pages) divided by its NeuronCores.
     hbm_bytes: int
     hbm_gbps: float  # GB/s peak available to one NeuronCore (the roofline's bound)
     # Fraction of the peak HBM bandwidth sustained by streaming DMA traffic. A stated choice: the docs give no
@@ -53,7 +83,7 @@ class Target:
     # HBM (refresh, bank and read/write turnaround losses), so the model never assumes the peak is sustained;
     # the 60% is a whole-kernel utilisation the model's idle gaps already produce on their own.
     hbm_sustained_fraction: float
-    dma_queues: int
+    dma_queues: int  # DMA engines per NeuronCore: 16 (nki-dma-bandwidth-guide.rst)
     # Achievable rate of one DMA engine with >= 4 KiB contiguous per partition, bytes/ns (= GB/s):
     # nki/deep-dives/nki-dma-bandwidth-guide.rst, "BW / Engine": trn1 17, trn2 23, trn3 33 (aggregate 272 / 368 /
     # 528 GB/s per NeuronCore). nki-dma-overview's 27.2 (v2, v3) and 38.4 GB/s (v4) are theoretical, not used.
@@ -80,8 +110,10 @@ class Target:
     vector_gpsimd_exclusive_sbuf: bool
     vector_scalar_exclusive_psum: bool
     # Chip.
-    cores_per_chip: int
-    neff_load_ns: float  # one-off start-up cost of a NEFF's first execution
+    cores_per_chip: int  # NeuronCores per chip: 2 / 8 / 8 (trn1-arch.rst, trainium2.rst, trainium3.rst)
+    # One-off start-up cost of a NEFF's first execution: "about 1 ms of GpSimd start-up" (TRAINIUM.md's rules of
+    # thumb; the docs give no exact figure: the 1 ms is taken as stated).
+    neff_load_ns: float
     # Interconnect (neuronc.collective_cost): NeuronLink between the chips of a node, GB/s per chip. The docs give
     # one figure per chip and do not say whether it counts both directions; it is taken as the sum of both (a
     # chip sends at half of it), the more expensive reading.
@@ -117,8 +149,9 @@ _COMMON = dict(
     max_free_elements_psum=4 * 1024,
     matmul_min_interval_cycles=64,
     matmul_fp32_slowdown=4,
-    elementwise_fixed_cycles=100,
-    onchip_access_cycles=60,
+    elementwise_min_interval_cycles=64,
+    dependent_spacing_cycles=200,
+    activation_table_load_cycles=1300,
     dma_efficient_bytes_per_partition=4 * KIB,
     dma_half_rate_bytes=256,
     dma_fixed_ns=1300.0,
@@ -144,6 +177,8 @@ TARGETS = {
         dma_gbps_per_queue=17.0,
         vector_gpsimd_exclusive_sbuf=True,
         vector_scalar_exclusive_psum=True,
+        vector_perf_mode=False,
+        tensor_transpose_mode=False,
         cores_per_chip=2,
         # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
         # trn1-arch.rst, the instance table's NeuronLink column)
@@ -167,6 +202,8 @@ TARGETS = {
         dma_gbps_per_queue=23.0,
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
+        vector_perf_mode=True,
+        tensor_transpose_mode=True,
         cores_per_chip=8,
         # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
         # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
@@ -191,6 +228,8 @@ TARGETS = {
         dma_gbps_per_queue=33.0,
         vector_gpsimd_exclusive_sbuf=False,
         vector_scalar_exclusive_psum=False,
+        vector_perf_mode=True,
+        tensor_transpose_mode=True,
         cores_per_chip=8,
         # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
         # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.

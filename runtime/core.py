@@ -5,7 +5,8 @@ runs too). Each stream (an engine, or one DMA queue) executes its list in order;
 at the later of its stream's clock and the time every semaphore it waits on reached its count (a
 stream's semaphore counts its completed instructions), and lasts
 :func:`~neuronc.instruction_cost.instruction_cost_ns` (a DMA longer when the queues together ask more of
-HBM than the core has). Events are processed in simulated-time order
+HBM than the core has; a Scalar-engine activation longer by the table it loads, and an instruction reading its
+engine's previous result starts a dependency spacing after it: ``instruction_cost.stream_costs``). Events are processed in simulated-time order
 (ties: completions first, then by stream): an instruction reads its operands when it starts and
 writes its destination when it completes. So a consumer that does not wait for its producer reads
 what the memory held before the producer finished, never silently the right data.
@@ -53,7 +54,7 @@ import numpy as np
 
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
-from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns
+from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
@@ -315,11 +316,14 @@ class LoadedProgram:
         done = [0] * len(instrs)  # instructions completed per stream
         started = [0.0] * len(instrs)  # start time of each stream's running instruction
         order, events = [], []
-        for phase, s, index, time in simulate([[i.duration_ns for i in stream] for stream in instrs],
+        extras, gaps = zip(*(stream_costs([i.instr for i in stream], self.core.target) for stream in instrs)) \
+            if instrs else ((), ())
+        for phase, s, index, time in simulate([[i.duration_ns + extra for i, extra in zip(stream, more)]
+                                               for stream, more in zip(instrs, extras)],
                                               [[i.waits for i in stream] for stream in instrs],
                                               [[i.hbm_bytes for i in stream] for stream in instrs], self.core.target,
                                               [[i.ports for i in stream] for stream in instrs],
-                                              [[i.latency_ns for i in stream] for stream in instrs]):
+                                              [[i.latency_ns for i in stream] for stream in instrs], list(gaps)):
             order.append((phase, s, index))
             if phase == START:
                 started[s] = time

@@ -536,8 +536,14 @@ def _matmul_shapes(instr: Instruction, target: Target):
             _fail(f"matmul {name} operand is in {ap.space.name}; it must be in {space.name}")
         if len(ap.dims) != 2:
             _fail(f"matmul {name} operand must be 2-D, got shape {ap.shape}")
-    if dst.dtype != DType.F32:
-        _fail(f"matmul accumulates in fp32: destination is {dst.dtype.name}, must be F32")
+    if dst.dtype in (DType.BF16, DType.F16) and target.tensor_transpose_mode:  # transpose mode (targets.py)
+        if instr.accumulate or stationary.dtype != dst.dtype or moving.dtype != dst.dtype:
+            _fail(f"a matmul writing {dst.dtype.name} to PSUM is the Tensor engine's transpose mode: its operands "
+                  f"must be {dst.dtype.name} too and it cannot accumulate",
+                  hint="write F32 to PSUM for a matmul, or transpose a 16-bit tile by the identity")
+    elif dst.dtype != DType.F32:
+        _fail(f"matmul accumulates in fp32: destination is {dst.dtype.name}, must be F32"
+              + ("" if target.tensor_transpose_mode else f" ({target.name} has no transpose mode)"))
     for name, ap in (("stationary", stationary), ("moving", moving)):
         if not ap.dtype.is_float:
             _fail(f"matmul {name} operand is {ap.dtype.name}; the Tensor engine multiplies floats")

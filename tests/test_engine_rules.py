@@ -1,7 +1,8 @@
 """The documented rules of the NeuronCore's engines and DMA queues (TRAINIUM.md, "Corrections and additions"):
 GpSimd never reaches PSUM (refused at load, and never chosen by codegen); which engines may access SBUF and PSUM at
 the same time on trn1 and on trn2 (timing); DMA costs per target, the payload curve and the per-transfer latency a
-queue overlaps with the previous transfer's data."""
+queue overlaps with the previous transfer's data; the elementwise costs (minimum initiation interval, dependent
+spacing, the Vector engine's performance mode on trn2, activation-table loads)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import pytest
 
 from neuronc.errors import NeuronRuntimeError
 from neuronc.instruction_cost import dma_transfer_ns, instruction_cost_ns, payload_efficiency
-from neuronc.isa import AccessPattern, DType, Engine, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.neff.program import DebugLoc, TensorKind
 from neuronc.stream_timing import estimate_streams
 from neuronc.targets import get_target
@@ -154,3 +155,109 @@ def test_compiled_attention_puts_no_psum_operand_on_gpsimd():
     assert gpsimd  # the kernel still uses GpSimd, on SBUF
     assert not [i for i in gpsimd if any(ap.space == Space.PSUM for ap in i.operands)]
     assert any(n.name.startswith("attention") for n in neff.kernels)
+
+
+def _starts(p: Program, target: str = "trn2") -> list:
+    return [e.start_ns for e in _load(p, target).time().events]
+
+
+def test_a_tiny_instruction_takes_the_minimum_initiation_interval():
+    p = Program()
+    one = p.emit(Opcode.TENSOR_COPY, Engine.SCALAR, chip((128, 1)), chip((128, 1), offset=64))
+    assert instruction_cost_ns(one, TRN2) == pytest.approx(64 / TRN2.scalar_ghz)  # MIN_II, ~64 cycles
+    big = p.emit(Opcode.TENSOR_COPY, Engine.SCALAR, chip((128, 1024)), chip((128, 1024), offset=8192))
+    assert instruction_cost_ns(big, TRN2) == pytest.approx(1024 / TRN2.scalar_ghz)  # N cycles, no fixed cost
+
+
+def _activations(dependent: bool, count: int = 3) -> Program:
+    """`count` 1-element identity activations on the Scalar engine, each reading the previous one's output
+    (dependent) or its own tile."""
+    p = Program()
+    for n in range(count):
+        src = chip((128, 1), offset=4 * (n if dependent else 64 + n))
+        p.emit(Opcode.ACTIVATE, Engine.SCALAR, chip((128, 1), offset=4 * (n + 1)), src, func=ActFunc.IDENTITY,
+               imm0=1.0)
+    return p
+
+
+def test_dependent_one_element_activations_start_the_documented_264_cycles_apart():
+    starts = _starts(_activations(dependent=True))
+    for before, after in zip(starts, starts[1:]):
+        assert (after - before) * TRN2.scalar_ghz == pytest.approx(264)  # nki_perf_guide: 189 ns, 264 cycles
+    independent = _starts(_activations(dependent=False))
+    for before, after in zip(independent, independent[1:]):
+        assert (after - before) * TRN2.scalar_ghz == pytest.approx(64)
+
+
+def _copy(dtype: DType, space: Space = Space.SBUF, engine: Engine = Engine.VECTOR) -> Program:
+    p = Program()
+    p.emit(Opcode.TENSOR_COPY, engine, chip((128, 2048), dtype), chip((128, 2048), dtype, space=space, offset=0))
+    return p
+
+
+def _only_ns(p: Program, target: str = "trn2") -> float:
+    (event,) = _load(p, target).time().events
+    return event.end_ns - event.start_ns
+
+
+def test_the_vector_engine_copies_16_bit_sbuf_tiles_four_times_faster_on_trn2_only():
+    fp32 = _only_ns(_copy(DType.F32))
+    assert _only_ns(_copy(DType.BF16)) == pytest.approx(fp32 / 4)
+    assert _only_ns(_copy(DType.BF16, Space.PSUM)) == pytest.approx(fp32 / 2)  # one side in PSUM: 2x
+    assert _only_ns(_copy(DType.BF16, engine=Engine.GPSIMD)) == pytest.approx(2048 / TRN2.gpsimd_ghz)  # Vector only
+    assert _only_ns(_copy(DType.BF16), "trn1") == _only_ns(_copy(DType.F32), "trn1")  # no performance mode
+
+
+def test_the_vector_engine_adds_16_bit_sbuf_tiles_twice_as_fast_on_trn2():
+    def add(dtype):
+        p = Program()
+        p.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, chip((128, 512), dtype), chip((128, 512), dtype, offset=4096),
+               chip((128, 512), dtype, offset=8192), alu=AluOp.ADD)
+        return _only_ns(p)
+    assert add(DType.F32) == pytest.approx(2 * 512 / TRN2.vector_ghz)  # two inputs: 2N cycles
+    assert add(DType.BF16) == pytest.approx(512 / TRN2.vector_ghz)
+
+
+def test_the_scalar_engine_loads_an_activation_table_when_the_function_changes():
+    p = Program()
+    for n, func in enumerate((ActFunc.EXP, ActFunc.EXP, ActFunc.TANH, ActFunc.IDENTITY, ActFunc.EXP)):
+        p.emit(Opcode.ACTIVATE, Engine.SCALAR, chip((128, 512), offset=2048 * n), chip((128, 512), offset=16384),
+               func=func, imm0=1.0)
+    durations = [e.end_ns - e.start_ns for e in _load(p, "trn2").time().events]
+    plain, load = 512 / TRN2.scalar_ghz, TRN2.activation_table_load_cycles / TRN2.scalar_ghz
+    assert durations == pytest.approx([plain + load, plain, plain + load, plain, plain + load])
+    assert estimate_streams(p.streams, TRN2)[0] == pytest.approx(sum(durations))  # the compiler's estimate agrees
+
+
+def _transpose(dtype: DType, accumulate: bool = False) -> Program:
+    p = Program()
+    p.emit(Opcode.MATMUL, Engine.TENSOR, chip((128, 128), dtype, space=Space.PSUM), chip((128, 128), DType.BF16),
+           chip((128, 128), DType.BF16, offset=1024), accumulate=accumulate)
+    return p
+
+
+def test_a_matmul_writes_16_bit_psum_only_as_the_transpose_mode_of_trn2():
+    _load(_transpose(DType.BF16), "trn2")  # transpose mode: bf16 P^T in PSUM
+    with pytest.raises(NeuronRuntimeError, match="no transpose mode"):
+        _load(_transpose(DType.BF16), "trn1")
+    with pytest.raises(NeuronRuntimeError, match="transpose mode"):
+        _load(_transpose(DType.BF16, accumulate=True), "trn2")
+
+
+@pytest.mark.parametrize("target, transposes_in_bf16", [("trn2", True), ("trn1", False)])
+def test_the_attention_kernel_transposes_bf16_p_in_transpose_mode_where_the_target_has_it(target, transposes_in_bf16):
+    import torch
+
+    from neuronc.compiler import CompileOptions, compile_exported
+
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 256, 64).to(torch.bfloat16) for _ in range(3))
+    neff = compile_exported(torch.export.export(Attention(), (q, k, v)), CompileOptions(opt_level=2, target=target)).neff
+    matmuls = [i for i in neff.streams[(Engine.TENSOR, 0)] if i.opcode is Opcode.MATMUL]
+    assert any(i.dst.dtype is DType.BF16 for i in matmuls) == transposes_in_bf16

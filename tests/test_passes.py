@@ -473,12 +473,13 @@ def _linear_after_layer_norm(tokens=(300,), width=192, residual=False):
 
 
 def _with_and_without_transposed_activations(monkeypatch, model, inputs):
-    """The -O2 compilation; checks its output has the bits of -O2 without the activation layout pass, and
-    matches eager."""
+    """-O2 with the activation layout pass always taken (not priced); checks its output has the bits of -O2
+    without that pass, and matches eager."""
     program = torch.export.export(model, inputs)
     arrays = [x.float().numpy().astype(ml_dtypes.bfloat16) for x in inputs]
-    compiled = compile_exported(program, CompileOptions(opt_level=2))
     with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "PRICED", ())
+        compiled = compile_exported(program, CompileOptions(opt_level=2))
         patch.setitem(pipeline.PIPELINES, 2, [p for p in pipeline.PIPELINES[2] if p is not store_activations_transposed])
         plain = compile_exported(program, CompileOptions(opt_level=2))
     outputs = [run_neff(c.neff, arrays).outputs[0] for c in (plain, compiled)]
@@ -489,13 +490,23 @@ def _with_and_without_transposed_activations(monkeypatch, model, inputs):
 
 
 @pytest.mark.parametrize("tokens", [(300,), (2, 150)])  # a partial row tile; a batch of sequences
-def test_a_layer_norm_read_only_by_a_matmul_is_written_transposed_with_the_same_bits(monkeypatch, tokens):
+def test_a_layer_norm_read_only_by_a_matmul_can_be_written_transposed_with_the_same_bits(monkeypatch, tokens):
     compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm(tokens))
     (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     (linear,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert norm.attrs["out_strides"] == (1, 300)  # [192, 300]: the matmul's A^T
     assert linear.attrs["views"][0][1][1] == 1  # its strips of A^T are contiguous rows
     assert compiled.neff.kernels[0].ops[-1] == "[stored transposed]"  # as `neuronc inspect --kernels` shows it
+
+
+@pytest.mark.parametrize("tokens", [(300,), (4096,)])
+def test_the_transposed_layer_norm_store_is_kept_only_where_the_cost_model_times_it_faster(tokens):
+    model, inputs = _linear_after_layer_norm(tokens)
+    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    with_it, without = compiled.decisions["store_activations_transposed"]  # both emitted and timed
+    (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
+    assert (norm.attrs["out_strides"] != (192, 1)) == (with_it < without)
+    assert compiled.neff.estimated_ns == min(with_it, without)
 
 
 def test_a_layer_norm_also_read_by_rows_keeps_its_layout(monkeypatch):

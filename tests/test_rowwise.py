@@ -231,8 +231,10 @@ def _compile_with(monkeypatch, model, x, schedule=None):
 
 
 def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits(monkeypatch):
-    """GPT-2's layer-norm ([512, 768] bf16: four row tiles) as priced: one tile at a time, row statistics on the
-    Scalar engine, the tail cut over GpSimd and Vector; faster than row tiles in pairs, and bit for bit the same."""
+    """GPT-2's layer-norm ([512, 768] bf16: four row tiles) as priced: row statistics on the Scalar engine; faster on
+    the emulator than row tiles in pairs with every step balanced over Vector and GpSimd, and bit for bit the same.
+    (On the model before issue 16's elementwise costs it took one tile at a time with a tail cut, 10% faster; with
+    MIN_II and the dependent spacing, pairs with the statistics on Scalar are priced cheapest: 17.8 against 18.8 us.)"""
     torch.manual_seed(0)
     model, x = _layer_norm(768).to(torch.bfloat16), (torch.randn(512, 768) * 3).to(torch.bfloat16)
     with torch.no_grad():
@@ -240,8 +242,8 @@ def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits
     chosen, out = _compile_with(monkeypatch, model, x)
     paired, paired_out = _compile_with(monkeypatch, model, x, PAIRED)
     schedule = _rowwise_node(chosen).attrs["schedule"]
-    assert schedule.together == 1 and schedule.row_steps_on_scalar and schedule.cut == 512
-    assert chosen.neff.estimated_ns < 0.9 * paired.neff.estimated_ns
+    assert schedule != PAIRED and schedule.row_steps_on_scalar
+    assert chosen.neff.estimated_ns < paired.neff.estimated_ns
     assert torch.equal(out, paired_out)
     assert_matches_eager(out, expected)
 

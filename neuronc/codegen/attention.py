@@ -342,9 +342,11 @@ class _Attention:
         128 keys, side by side, a bank's worth of chunks per PSUM buffer; [(buffer, its chunks)]."""
         per_bank = max(1, self.bank // qt)
         parts = []
+        # trn2+: the transpose mode writes 16-bit P^T to PSUM, which the evacuating engines copy faster (targets.py)
+        mode = self.em.target.tensor_transpose_mode and p.dtype in (DType.BF16, DType.F16)
         for first in range(0, len(chunks), per_bank):
             part = chunks[first:first + per_bank]
-            pt_acc = self.pt_psum.next().ap(self.plan.q_tile, len(part) * qt)
+            pt_acc = self.pt_psum.next().ap(self.plan.q_tile, len(part) * qt, dtype=p.dtype if mode else DType.F32)
             for n, (c, rows) in enumerate(part):
                 self.em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
                              tile_at(self.identity, 0, qt, qt))

@@ -2,12 +2,15 @@
 
 Every pass is a function `(graph, ctx) -> graph` (passes/pipeline.py lists them per optimisation level). The
 context holds what a pass may weigh that is not in the graph: the target (its SBUF budget, its cost model),
-the optimisation level and the auto-cast options; and what the run records: the rewrite rules that fired.
+the optimisation level and the auto-cast options; how to price a finished graph (``price``: the compiler's
+emitted program timed by the cost model, set by neuronc.compiler; passes never import codegen); and what the run
+records: the rewrite rules that fired, the priced decisions taken.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable
 
 from neuronc.passes.auto_cast import AutoCast
 from neuronc.targets import Target, get_target
@@ -20,3 +23,7 @@ class PassContext:
     cast: AutoCast = dataclasses.field(default_factory=AutoCast)
     verify: bool = False  # check the graph (ir_verifier) after every pass
     fired: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rewrite rule -> times
+    # The estimated ns of a graph that has run every pass (None: the pipeline takes no priced decision).
+    price: Callable | None = None
+    # Priced pass -> (estimated ns with it, without it) of the decision taken (pipeline.PRICED).
+    decisions: dict = dataclasses.field(default_factory=dict)

@@ -73,22 +73,44 @@ def passes_for(opt_level: int) -> list:
     return PIPELINES[opt_level]
 
 
+# Passes whose rewrite is a trade the compiler prices (with `ctx.price`) instead of always taking: the rest of the
+# pipeline runs on the graph with the rewrite and on the graph without it, and the one the cost model times faster
+# is kept (ctx.decisions records both prices). Storing a row-wise result transposed moves a strided transfer from a
+# matmul's operand loads into the producer's stores; which side pays less depends on the shapes and queues.
+PRICED = (store_activations_transposed,)
+
+
 def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None) -> ir.Graph:
     """Run the passes of `ctx.opt_level` in order; with `timings`, record each pass's seconds in it as
     "pass/<name>" ("pass/<name>#2" for its second run, ...). With `ctx.verify`, the graph is verified before the
-    first pass and after each one (ir_verifier: a pass that breaks the IR is named), the time under "verify IR"."""
+    first pass and after each one (ir_verifier: a pass that breaks the IR is named), the time under "verify IR".
+    A PRICED pass that changes the graph is kept only if `ctx.price` times the finished graph faster with it."""
     verify(graph, ctx, "the import", timings)
-    for step in passes_for(ctx.opt_level):
+    return _run(graph, passes_for(ctx.opt_level), ctx, timings)
+
+
+def _run(graph: ir.Graph, passes: list, ctx: PassContext, timings: dict | None) -> ir.Graph:
+    for n, step in enumerate(passes):
         start = time.perf_counter()
-        graph = step(graph, ctx)
-        if timings is not None:
-            key, run = f"pass/{step.__name__}", 1
-            while key in timings:
-                run += 1
-                key = f"pass/{step.__name__}#{run}"
-            timings[key] = time.perf_counter() - start
-        verify(graph, ctx, step.__name__, timings)
+        before, graph = graph, step(graph, ctx)
+        if step in PRICED and ctx.price is not None and graph is not before:
+            _record(step, start, graph, ctx, timings)
+            taken, skipped = (_run(g, passes[n + 1:], ctx, timings) for g in (graph, before))
+            prices = ctx.price(taken), ctx.price(skipped)
+            ctx.decisions[step.__name__] = prices
+            return taken if prices[0] < prices[1] else skipped
+        _record(step, start, graph, ctx, timings)
     return graph
+
+
+def _record(step, start: float, graph: ir.Graph, ctx: PassContext, timings: dict | None) -> None:
+    if timings is not None:
+        key, run = f"pass/{step.__name__}", 1
+        while key in timings:
+            run += 1
+            key = f"pass/{step.__name__}#{run}"
+        timings[key] = time.perf_counter() - start
+    verify(graph, ctx, step.__name__, timings)
 
 
 def verify(graph: ir.Graph, ctx: PassContext, after: str, timings: dict | None) -> None:
