@@ -27,6 +27,32 @@ def assert_matches_eager(actual, expected, tolerance: torch.dtype | None = None)
         torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[tolerance or want.dtype])
 
 
+class OnDevice:
+    """``torch.compile(fn, backend="neuron", fullgraph=True)`` for tests that compare its outputs with eager's. Each
+    call checks that a graph neuronc compiled ran on the emulated device: otherwise a graph break or Dynamo's
+    recompile limit (past it Dynamo runs the function eagerly) would compare eager with eager and pass. Dynamo's
+    caches are reset first, so that what earlier tests compiled (and their recompile counts) plays no part."""
+
+    def __init__(self, fn, **kwargs):
+        from neuronc.pytorch import backend
+
+        torch._dynamo.reset()
+        self._backend, self._compiled = backend, torch.compile(fn, backend="neuron", fullgraph=True, **kwargs)
+        self._first = len(backend.compiled_graphs)
+
+    @property
+    def graphs(self) -> list:
+        """The NeffFunctions compiled for this function so far (forward, then backward graphs)."""
+        return self._backend.compiled_graphs[self._first:]
+
+    def __call__(self, *args, **kwargs):
+        runs = {id(g): g.last_run for g in self.graphs}
+        out = self._compiled(*args, **kwargs)
+        assert any(g.last_run is not None and g.last_run is not runs.get(id(g)) for g in self.graphs), \
+            "no graph compiled by neuronc ran on the device: the call ran eagerly"
+        return out
+
+
 def _fp32_reference(model, inputs):
     """(outputs as eager runs the model, outputs of the same rounded weights and inputs run in fp32)."""
     low = {t.dtype for t in [*model.parameters(), *model.buffers(), *inputs] if t.dtype in LOW_PRECISION}

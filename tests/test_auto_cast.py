@@ -12,7 +12,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager
+from tests.conftest import OnDevice, assert_matches_eager
 
 NARROW = {"bf16": (DType.BF16, torch.bfloat16), "fp16": (DType.F16, torch.float16)}
 
@@ -74,7 +74,7 @@ def test_an_unknown_mode_or_type_is_refused_with_the_choices(options):
 @pytest.mark.parametrize("name", ["mlp", "transformer_block"])
 def test_torch_autocast_regions_match_eager_under_the_same_autocast(name):
     model, inputs = zoo.build(name)
-    compiled = torch.compile(model, backend="neuron")
+    compiled = OnDevice(model)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(*inputs)
         actual = compiled(*inputs)

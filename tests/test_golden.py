@@ -7,12 +7,12 @@ import torch
 from click.testing import CliRunner
 
 from neuronc.cli import main
-from tests.conftest import assert_matches_eager
+from tests.conftest import OnDevice, assert_matches_eager
 
 
 def test_torch_compile_matches_eager(zoo_model):
     _, model, inputs, expected = zoo_model
-    compiled = torch.compile(model, backend="neuron")
+    compiled = OnDevice(model)
     with torch.no_grad():
         assert_matches_eager(compiled(*inputs), expected)
 
