@@ -109,6 +109,20 @@ def assert_as_accurate_as_eager(actual, model, inputs):
                                      f"eager {eager.dtype}'s {eagers:.3g}\n{outside}") from None
 
 
+def require_tool(tool: str, install: str) -> None:
+    """Skip the test when a system tool (`make system-tools` installs them) is missing, except in CI
+    (CI=true), where a missing tool fails it: CI must run every test, not stay green without them."""
+    import os
+    import shutil
+
+    if shutil.which(tool) is not None and os.access(shutil.which(tool), os.X_OK):
+        return
+    why = f"{tool} is not installed ({install})"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{why}: in CI every test runs; `make system-tools` installs it")
+    pytest.skip(why)
+
+
 def line_of(path, marker: str) -> int:
     """The number of the first line of a source file that contains `marker`."""
     with open(path) as source:
