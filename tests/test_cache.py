@@ -130,6 +130,14 @@ def test_cache_commands_list_show_prune_and_clear(cache_dir):
     assert CompileCache(str(cache_dir)).entries() == []
 
 
+def test_cache_show_of_an_unknown_key_says_none_matches_and_where_the_keys_are(cache_dir):
+    compile_exported(_program(seed=0)[0])
+    shown = CliRunner().invoke(main, ["cache", "show", "no-such-key"])
+    assert shown.exit_code == 1
+    assert "0 cache entries match 'no-such-key'" in shown.output and "neuronc cache list" in shown.output
+    assert "Traceback" not in shown.output
+
+
 def test_a_new_process_running_the_same_torch_compile_compiles_nothing_and_checks_nothing_again(cache_dir):
     script = textwrap.dedent("""
         import torch
