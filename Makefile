@@ -19,18 +19,22 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Debian tools the tests use: flatc (flatbuffers-compiler) for the NEFF schema freshness test,
-# Chromium to check that profile reports render. Without root they are skipped, with a message.
+# Chromium to check that profile reports render. Without root they are skipped, with a message;
+# in CI (CI=true) the tests that need them fail instead (tests/conftest.py, require_tool).
 system-tools:
 	@command -v flatc >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1 || \
 	  { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler chromium >/dev/null; } \
-	  || echo "warning: could not install flatc/chromium; the tests that need them will be skipped"
+	  || echo "warning: could not install flatc/chromium; the tests that need them will be skipped (failed in CI)"
 
 demo: $(STAMP)
 	$(BIN)/python -m neuronc.demo
 
+# Both cores (pytest-xdist, at most 2 workers: each holds torch and its compiled programs, and the suite must stay
+# within 8 GiB), one test file per worker at a time (module-scoped fixtures compile once); the order is shuffled
+# (pytest-randomly: the header prints the seed, `-p randomly --randomly-seed=N` repeats it); the slowest 25 listed.
 test: $(STAMP) system-tools
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses=2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -43,10 +43,19 @@ def load_inputs(paths, entries: list, program: str) -> list:
         raise InputMismatchError(f"program {program!r} takes {len(entries)} inputs ({names}), got {len(arrays)}",
                                  hint="give one --input per program input, in order (an .npz counts its arrays)")
     for i, (entry, array) in enumerate(zip(entries, arrays)):
+        if _raw_bytes_of(array.dtype, entry.dtype.numpy):
+            array.dtype = entry.dtype.numpy
         if array.shape != tuple(entry.shape) or array.dtype != entry.dtype.numpy:
             raise InputMismatchError(f"input {i} ({entry.name!r}) must be {entry.dtype.numpy}{list(entry.shape)}, "
                                      f"got {array.dtype}{list(array.shape)} from {array.where}", hint=RECOMPILE)
-    return [_read(array) for array in arrays]
+    return [_read(array).view(array.dtype) for array in arrays]
+
+
+def _raw_bytes_of(stored: np.dtype, wanted: np.dtype) -> bool:
+    """numpy.save writes an ml_dtypes array (bfloat16, float8_*) as raw bytes of its width ('|V2', '|V1'): such
+    an array, given for an input of that ml_dtypes type, is read as that type."""
+    return (stored.kind == "V" and stored.names is None and stored.subdtype is None and wanted.kind == "V"
+            and stored.itemsize == wanted.itemsize)
 
 
 def _arrays_in(path) -> list:

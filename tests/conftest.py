@@ -27,6 +27,32 @@ def assert_matches_eager(actual, expected, tolerance: torch.dtype | None = None)
         torch.testing.assert_close(got.detach(), want.detach(), **TOLERANCES[tolerance or want.dtype])
 
 
+class OnDevice:
+    """``torch.compile(fn, backend="neuron", fullgraph=True)`` for tests that compare its outputs with eager's. Each
+    call checks that a graph neuronc compiled ran on the emulated device: otherwise a graph break or Dynamo's
+    recompile limit (past it Dynamo runs the function eagerly) would compare eager with eager and pass. Dynamo's
+    caches are reset first, so that what earlier tests compiled (and their recompile counts) plays no part."""
+
+    def __init__(self, fn, **kwargs):
+        from neuronc.pytorch import backend
+
+        torch._dynamo.reset()
+        self._backend, self._compiled = backend, torch.compile(fn, backend="neuron", fullgraph=True, **kwargs)
+        self._first = len(backend.compiled_graphs)
+
+    @property
+    def graphs(self) -> list:
+        """The NeffFunctions compiled for this function so far (forward, then backward graphs)."""
+        return self._backend.compiled_graphs[self._first:]
+
+    def __call__(self, *args, **kwargs):
+        runs = {id(g): g.last_run for g in self.graphs}
+        out = self._compiled(*args, **kwargs)
+        assert any(g.last_run is not None and g.last_run is not runs.get(id(g)) for g in self.graphs), \
+            "no graph compiled by neuronc ran on the device: the call ran eagerly"
+        return out
+
+
 def _fp32_reference(model, inputs):
     """(outputs as eager runs the model, outputs of the same rounded weights and inputs run in fp32)."""
     low = {t.dtype for t in [*model.parameters(), *model.buffers(), *inputs] if t.dtype in LOW_PRECISION}
@@ -81,6 +107,20 @@ def assert_as_accurate_as_eager(actual, model, inputs):
             if ours > EAGER_ERROR_MULTIPLIER * eagers + tolerance["atol"] / 10:
                 raise AssertionError(f"RMSE against the fp32 reference {ours:.3g} > {EAGER_ERROR_MULTIPLIER} x "
                                      f"eager {eager.dtype}'s {eagers:.3g}\n{outside}") from None
+
+
+def require_tool(tool: str, install: str) -> None:
+    """Skip the test when a system tool (`make system-tools` installs them) is missing, except in CI
+    (CI=true), where a missing tool fails it: CI must run every test, not stay green without them."""
+    import os
+    import shutil
+
+    if shutil.which(tool) is not None and os.access(shutil.which(tool), os.X_OK):
+        return
+    why = f"{tool} is not installed ({install})"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{why}: in CI every test runs; `make system-tools` installs it")
+    pytest.skip(why)
 
 
 def line_of(path, marker: str) -> int:

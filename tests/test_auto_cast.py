@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.errors import NeuronConfigError
@@ -12,7 +13,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager
+from tests.conftest import OnDevice, assert_matches_eager
 
 NARROW = {"bf16": (DType.BF16, torch.bfloat16), "fp16": (DType.F16, torch.float16)}
 
@@ -57,9 +58,22 @@ def test_all_computes_every_fp32_op_in_the_cast_type_behind_an_fp32_interface(mo
     assert_matches_eager(out, expected, tolerance=torch.bfloat16)
 
 
-def test_fp8_matmuls_are_e4m3(monkeypatch):
+def _mlp_with_fp8_matmuls(model, x):
+    """The zoo MLP run by eager PyTorch with each matmul's operands rounded to float8_e4m3fn (the rest in fp32)."""
+    def linear(layer, x):
+        return F.linear(x.to(torch.float8_e4m3fn).float(), layer.weight.to(torch.float8_e4m3fn).float(), layer.bias)
+
+    with torch.no_grad():
+        x = F.gelu(linear(model.fc1, x))
+        x = F.gelu(linear(model.fc2, x))
+        return torch.softmax(linear(model.fc3, x), dim=-1)
+
+
+def test_fp8_matmuls_are_e4m3_and_match_eager_with_the_same_rounding(monkeypatch):
     compiled, out, expected = compile_mlp(monkeypatch, "--auto-cast matmult --auto-cast-type fp8_e4m3")
     assert matmul_operand_dtypes(compiled.graph) == {DType.F8E4M3}
+    model, (x,) = zoo.build("mlp")
+    assert_matches_eager(out, _mlp_with_fp8_matmuls(model, x), tolerance=torch.bfloat16)
     _, bf16_out, _ = compile_mlp(monkeypatch, "--auto-cast matmult --auto-cast-type bf16")
     assert (out - expected).abs().max() > (bf16_out - expected).abs().max()  # 3 mantissa bits, not 7
 
@@ -74,7 +88,7 @@ def test_an_unknown_mode_or_type_is_refused_with_the_choices(options):
 @pytest.mark.parametrize("name", ["mlp", "transformer_block"])
 def test_torch_autocast_regions_match_eager_under_the_same_autocast(name):
     model, inputs = zoo.build(name)
-    compiled = torch.compile(model, backend="neuron")
+    compiled = OnDevice(model)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(*inputs)
         actual = compiled(*inputs)

@@ -130,6 +130,15 @@ def test_cache_commands_list_show_prune_and_clear(cache_dir):
     assert CompileCache(str(cache_dir)).entries() == []
 
 
+def test_cache_show_of_an_unknown_key_says_none_matches_and_where_the_keys_are(cache_dir):
+    compile_exported(_program(seed=0)[0])
+    shown = CliRunner().invoke(main, ["cache", "show", "no-such-key"])
+    assert shown.exit_code == 1
+    assert "0 cache entries match 'no-such-key'" in shown.output and "neuronc cache list" in shown.output
+    assert "Traceback" not in shown.output
+
+
+@pytest.mark.slow("two fresh Python processes: the only test that the cache serves a new process, as a user's second run")
 def test_a_new_process_running_the_same_torch_compile_compiles_nothing_and_checks_nothing_again(cache_dir):
     script = textwrap.dedent("""
         import torch
@@ -170,6 +179,7 @@ TRAINING_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow("two fresh processes training: the forward and backward graphs, not only inference, come from the cache")
 def test_a_second_run_of_a_training_script_compiles_nothing(cache_dir):
     runs = [subprocess.run([sys.executable, "-c", TRAINING_SCRIPT], capture_output=True, text=True, timeout=600)
             for _ in range(2)]

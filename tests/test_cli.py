@@ -322,3 +322,25 @@ def test_a_fifo_given_as_a_file_is_refused_instead_of_blocking(mlp_neff, tmp_pat
     done = subprocess.run([sys.executable, "-m", "neuronc.cli", command.split()[0], *args], capture_output=True,
                           text=True, timeout=120)  # a regression blocks on open(): the timeout fails the test
     assert done.returncode == 2 and f"{fifo} is not a regular file" in done.stderr
+
+
+def test_profile_without_inputs_times_the_program_as_it_does_with_them(cli, mlp_neff, tmp_path):
+    neff, x = mlp_neff
+    np.save(tmp_path / "x.npy", x)
+    timed = cli("profile", neff, "-o", tmp_path / "timed.json")
+    computed = cli("profile", neff, "--input", tmp_path / "x.npy", "-o", tmp_path / "computed.json")
+    assert timed.exit_code == 0 and computed.exit_code == 0, timed.output + computed.output
+    estimate = [line for line in timed.output.splitlines() if line.startswith("estimated device time")]
+    assert estimate and estimate == [line for line in computed.output.splitlines()
+                                     if line.startswith("estimated device time")]
+    assert json.loads((tmp_path / "timed.json").read_text())["traceEvents"]  # the engines' tracks were written
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "profile"])
+def test_an_unknown_target_is_refused_with_the_choices(cli, mlp_neff, tmp_path, command):
+    neff, _ = mlp_neff
+    given = tmp_path / "m.pt2" if command == "compile" else neff
+    given.touch()
+    result = cli(command, given, "--target", "trn9")
+    assert result.exit_code == 2  # a usage error, before any work
+    assert "trn9" in result.output and all(t in result.output for t in ("trn1", "trn2", "trn3"))

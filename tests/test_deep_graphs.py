@@ -10,6 +10,7 @@ import pickle
 import sys
 
 import numpy as np
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -79,6 +80,7 @@ def deep_mlp(blocks: int, width: int):
     return make_fx(forward)(x, *weights), [x, *weights], model
 
 
+@pytest.mark.slow("the only graph deep enough (4000+ nodes) to catch recursion and quadratic passes in every layer")
 def test_a_thousand_block_mlp_compiles_and_matches_eager(monkeypatch):
     monkeypatch.setenv("NEURONC_VERIFY_IR", "0")  # 19 verifications of a 4,000-node graph: a minute, for nothing
     # this test is about (the verifier's walks are the passes' walks: Graph.nodes())

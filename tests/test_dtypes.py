@@ -4,6 +4,7 @@ tolerance, against an fp32 reference computed from the same rounded weights, or 
 than eager itself in that dtype (Inductor's accuracy check; tests/conftest.py assert_as_accurate_as_eager)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from neuronc.compiler import compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_as_accurate_as_eager
+from tests.conftest import OnDevice, assert_as_accurate_as_eager
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -23,3 +24,28 @@ def test_zoo_in_low_precision_matches_eager(name, dtype):
     neff = compile_exported(torch.export.export(model, inputs)).neff
     outs = [from_numpy(out) for out in run_neff(neff, [to_numpy(x) for x in inputs]).outputs]
     assert_as_accurate_as_eager(outs, model, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_at_O0_through_torch_compile_matches_eager(dtype):
+    """-O0 (one kernel per op, no fusion) in bf16 and fp16, through torch.compile: the graph ran on the device."""
+    model, (x,) = zoo.build("transformer_block")
+    model, x = model.to(dtype), x.to(dtype)
+    with torch.no_grad():
+        out = OnDevice(model, options={"opt_level": 0})(x)
+    assert_as_accurate_as_eager([out], model, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_at_O0_through_the_cli_matches_eager(dtype, cli, saved_program, tmp_path):
+    model, (x,) = zoo.build("transformer_block")
+    model, x = model.to(dtype), x.to(dtype)
+    neff = tmp_path / "block.neff"
+    compiled = cli("compile", saved_program(model, (x,)), "-o", neff, "-O0")
+    assert compiled.exit_code == 0 and "at -O0" in compiled.output, compiled.output
+    np.save(tmp_path / "x.npy", to_numpy(x))  # ml_dtypes' bfloat16 for bf16
+    ran = cli("run", neff, "--input", tmp_path / "x.npy", "--output", tmp_path / "out.npz")
+    assert ran.exit_code == 0, ran.output
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as outputs:
+        out = from_numpy(outputs["output0"].view(to_numpy(x).dtype))  # numpy stores bf16 as raw bytes ('|V2')
+    assert_as_accurate_as_eager([out], model, (x,))

@@ -3,16 +3,20 @@ PyTorch on CPU, through torch.compile and through the CLI."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from click.testing import CliRunner
 
 from neuronc.cli import main
-from tests.conftest import assert_matches_eager
+from neuronc.compiler import CompileOptions, compile_exported
+from runtime import run_neff
+from tests import zoo
+from tests.conftest import OnDevice, assert_matches_eager
 
 
 def test_torch_compile_matches_eager(zoo_model):
     _, model, inputs, expected = zoo_model
-    compiled = torch.compile(model, backend="neuron")
+    compiled = OnDevice(model)
     with torch.no_grad():
         assert_matches_eager(compiled(*inputs), expected)
 
@@ -34,3 +38,14 @@ def test_cli_compile_and_run_matches_eager(zoo_model, saved_program, tmp_path):
     assert "estimated device time" in result.output
     with np.load(out, allow_pickle=False) as outputs:
         assert_matches_eager([torch.from_numpy(outputs[f"output{i}"]) for i in range(len(outputs))], expected)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+def test_a_zoo_model_compiled_for_each_target_matches_eager_there(target):
+    model, inputs = zoo.build("transformer_block")
+    with torch.no_grad():
+        expected = model(*inputs)
+    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(target=target))
+    assert compiled.neff.target == target
+    outputs = run_neff(compiled.neff, [x.numpy() for x in inputs], target=target).outputs
+    assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)

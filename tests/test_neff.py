@@ -10,7 +10,6 @@ import io
 import math
 import os
 import re
-import shutil
 import struct
 import zipfile
 
@@ -33,6 +32,7 @@ from neuronc.neff.generated import Tensor as fb_tensor
 from neuronc.neff.generated.NeffFile import NeffFile as FbNeffFile
 from neuronc.neff.generated.Program import Program as FbProgram
 from neuronc.neff.program import FORMAT_MAJOR, FORMAT_MINOR, DebugLoc, KernelInfo, Neff, TensorEntry, TensorKind
+from tests.conftest import require_tool
 
 
 # ----- A program that uses every opcode, enum value and field -----
@@ -814,9 +814,7 @@ def test_the_header_layout_is_frozen():
 
 
 def test_the_generated_code_is_up_to_date_with_the_schema():
-    if shutil.which("flatc") is None:
-        pytest.skip("flatc is not installed (apt-get install flatbuffers-compiler), so the generated code "
-                    "cannot be compared with neff.fbs")
+    require_tool("flatc", "apt-get install flatbuffers-compiler")  # to compare the generated code with neff.fbs
     stale = regenerate.check()
     assert not stale, f"stale generated files {stale}: run `python -m neuronc.neff.regenerate`"
 

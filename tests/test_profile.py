@@ -20,6 +20,7 @@ from runtime import Event, Timeline, run_neff
 from runtime.report import html_report, write_html_report
 from runtime.trace import chrome_trace, stream_name, write_chrome_trace
 from tests import zoo
+from tests.conftest import require_tool
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -233,10 +234,10 @@ def _png_pixels(path) -> np.ndarray:
     return out.reshape(height, width, bpp)
 
 
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
-                    reason=f"{CHROMIUM} is not installed (Debian: apt-get install -y chromium)")
 def test_report_renders_in_headless_chromium(transformer, tmp_path):
     from benchmarks.render_report import screenshot
+
+    require_tool(CHROMIUM, "Debian: apt-get install -y chromium")
 
     neff, timeline = transformer
     write_html_report(neff, timeline, tmp_path / "report.html")
