@@ -17,6 +17,10 @@ when the kernel asks the plan for anything but a tensor of its signature, names 
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
+
+import numpy as np
 
 from neuronc import ir
 from neuronc.codegen.emitter import Emitter
@@ -56,6 +60,13 @@ class _Signature(_Printer):
                f"{n.dtype.name.lower()}{n.shape}"
         return head + (" {" + ", ".join(f"{self._key(k)} = {self.value(v)}" for k, v in n.attrs.items()) + "}"
                        if n.attrs else "")
+
+    def _flat(self, v) -> str:
+        if isinstance(v, float) and math.isnan(v):  # the IR text prints every NaN alike: its bits tell them apart
+            return f"nan<{struct.pack('<d', v).hex()}>"
+        if isinstance(v, np.floating) and np.isnan(v):
+            return f"nan<{v.dtype.name}:{v.tobytes().hex()}>"
+        return super()._flat(v)
 
 
 def _attr_nodes(value, found: list) -> None:
