@@ -10,6 +10,7 @@ import time
 from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.kernels import kernel_for
+from neuronc.codegen.reuse import NOT_REUSED, KernelReuse
 from neuronc.codegen.schedule import prefetch_loads
 from neuronc.codegen.sync import HazardGrid, insert_waits
 from neuronc.errors import NeuronCompileError
@@ -36,12 +37,15 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
-             timings: dict | None = None, prefetch: bool = False) -> Neff:
-    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `timings`,
-    records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the cost estimate."""
+             timings: dict | None = None, prefetch: bool = False, reuse: bool = True) -> Neff:
+    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `reuse`, kernels
+    of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
+    With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
+    cost estimate."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
     em = Emitter(target)
+    kernels = KernelReuse(target) if reuse else None
     for index, node in enumerate(graph.nodes()):
         kernel = kernel_for(node, plan)
         if kernel is None:
@@ -50,7 +54,10 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
             continue
         ops = _fused_ops(node)
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
-        kernel(em, node, plan)
+        if kernels is None or node.op in NOT_REUSED:
+            kernel(em, node, plan)
+        else:
+            kernels.emit(em, kernel, node, plan)
     timings["codegen/kernels"] = time.perf_counter() - start
     start = time.perf_counter()
     instructions, grid = em.instructions, HazardGrid(em.instructions, plan.tensors, target)

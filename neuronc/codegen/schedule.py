@@ -17,6 +17,8 @@ orders the streams from the new program order.
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from neuronc.codegen.sync import HazardGrid
@@ -39,16 +41,38 @@ def _is_load(inst: Instruction) -> bool:
 
 
 def _first_reads(instructions: list, grid: HazardGrid) -> dict:
-    """{kernel: boolean mask of the tracking cells its first PREFETCH_STEPS computing instructions read}."""
+    """{kernel: the sorted, merged [start, stop) spans of tracking cells its first PREFETCH_STEPS computing
+    instructions read} (spans, not a mask of every cell per kernel: that grew with kernels x cells)."""
     steps: dict = {}
     needs: dict = {}
     for inst in instructions:
         if inst.engine != Engine.DMA and inst.reads and steps.get(inst.kernel, 0) < PREFETCH_STEPS:
             steps[inst.kernel] = steps.get(inst.kernel, 0) + 1
-            mask = needs.setdefault(inst.kernel, np.zeros(grid.count, dtype=bool))
-            for a, b in grid.access(inst)[0]:
-                mask[a:b] = True
-    return needs
+            needs.setdefault(inst.kernel, []).extend(grid.access(inst)[0])
+    return {kernel: _merged(spans) for kernel, spans in needs.items()}
+
+
+def _merged(spans: list) -> tuple:
+    """(starts, stops) of the union of [start, stop) spans, sorted and disjoint."""
+    starts, stops = [], []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if stops and a <= stops[-1]:
+            stops[-1] = max(stops[-1], b)
+        else:
+            starts.append(a)
+            stops.append(b)
+    return starts, stops
+
+
+def _overlaps(merged: tuple, a: int, b: int) -> bool:
+    """Whether [a, b) shares a cell with the merged spans."""
+    if b <= a:
+        return False
+    starts, stops = merged
+    k = bisect.bisect_right(starts, a) - 1  # the last span starting at or before a
+    if k >= 0 and stops[k] > a:
+        return True
+    return k + 1 < len(starts) and starts[k + 1] < b
 
 
 def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
@@ -66,7 +90,7 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
         first.setdefault(kernel, position)
         reads, writes = grid.access(inst)
         if _is_load(inst):
-            if kernel - 1 in first and kernel in needs and any(needs[kernel][a:b].any() for a, b in writes):
+            if kernel - 1 in first and kernel in needs and any(_overlaps(needs[kernel], a, b) for a, b in writes):
                 after = max([last_write[a:b].max() for a, b in reads] + [last_use[a:b].max() for a, b in writes])
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
                     at = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))

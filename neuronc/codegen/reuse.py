@@ -1,0 +1,218 @@
+"""Repeated kernels generated once: a model's N identical layers make N copies of each of their kernels.
+
+A kernel's instructions depend on its node (op, shape, dtype, attributes and plans, its inputs' ops and types), on
+where its tensors lie in HBM, and on three things of the emitter: whether the kernel's number is odd (its SBUF
+pools stack from the other end), the DMA queue its first transfer takes (round robin) and its debug location.
+Everything else is the same for two kernels of the same *signature*: the node's canonical IR text (its line
+with the nodes it refers to numbered locally, no source location) and which of its tensors share a buffer.
+
+So each signature's kernel runs once, on a scratch emitter, against a symbolic memory plan that puts tensor k of
+the kernel at byte (k + 1) x 2**40; every instance (the first one too) is that recording with each HBM offset
+rebound to the instance's own tensor (offset - (k + 1) x 2**40 + the tensor's address), its queues turned by the
+emitter's round robin, and its kernel and debug numbers. A recording is not reused (the kernel runs as usual)
+when the kernel asks the plan for anything but a tensor of its signature, names a debug location of its own
+(a matmul chain's first matmul) or fails. The NEFF is the same, byte for byte, as the kernels emitted one by one
+(tests/test_kernel_reuse.py compares both).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.codegen.emitter import Emitter
+from neuronc.ir import Node
+from neuronc.ir_text import _Printer, _load_plan_types
+from neuronc.isa import AccessPattern, Instruction, Space
+from neuronc.plans import MemoryPlan
+
+SPAN = 1 << 40  # bytes between two symbolic tensors: far more than any tensor (or view offset) reaches
+
+
+class _NotReusable(Exception):
+    """The kernel read something its signature does not describe."""
+
+
+class _LocalIds:
+    """Numbers nodes in the order they are first referred to: the kernel's node 0, then the ones it names."""
+
+    def __init__(self):
+        self.ids: dict = {}
+
+    def __contains__(self, node) -> bool:
+        return True
+
+    def __getitem__(self, node: Node) -> int:
+        return self.ids.setdefault(node, len(self.ids))
+
+
+class _Signature(_Printer):
+    """A node's text without its source location."""
+
+    def __init__(self):
+        super().__init__(_LocalIds(), None, wrap=False)
+
+    def node(self, n: Node) -> str:
+        head = f"{self.ref(n)} = {n.op.name.lower()}({', '.join(self.ref(i) for i in n.inputs)}) : " \
+               f"{n.dtype.name.lower()}{n.shape}"
+        return head + (" {" + ", ".join(f"{self._key(k)} = {self.value(v)}" for k, v in n.attrs.items()) + "}"
+                       if n.attrs else "")
+
+    def _flat(self, v) -> str:
+        if isinstance(v, float) and math.isnan(v):  # the IR text prints every NaN alike: its bits tell them apart
+            return f"nan<{struct.pack('<d', v).hex()}>"
+        if isinstance(v, np.floating) and np.isnan(v):
+            return f"nan<{v.dtype.name}:{v.tobytes().hex()}>"
+        return super()._flat(v)
+
+
+def _attr_nodes(value, found: list) -> None:
+    """The nodes an attribute value refers to (a matmul chain's first matmul), in order."""
+    if isinstance(value, Node):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _attr_nodes(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _attr_nodes(v, found)
+
+
+def signature(node: Node, plan: MemoryPlan) -> tuple:
+    """(key, the nodes numbered as the key numbers them): nodes printed whole (the kernel's and those its attributes
+    name), the others (inputs) by op and type; with which of them share a buffer."""
+    _load_plan_types()
+    printer = _Signature()
+    whole, lines = [node], []
+    while len(lines) < len(whole):
+        n = whole[len(lines)]
+        lines.append(printer.node(n))
+        for attr in n.attrs.values():
+            found: list = []
+            _attr_nodes(attr, found)
+            whole += [f for f in found if f not in whole]
+    numbered = list(printer.number.ids)
+    lines += [f"%{k} : {n.op.name.lower()} {n.dtype.name.lower()}{n.shape}"
+              for k, n in enumerate(numbered) if n not in whole]
+    entries: dict = {}
+    shared = tuple(entries.setdefault(id(plan.placement[n]), k) if plan.has_buffer(n) else -1
+                   for k, n in enumerate(numbered))
+    text = "\n".join(lines) + f"\nbuffers {shared}"
+    return hashlib.sha256(text.encode()).hexdigest(), numbered
+
+
+class _SymbolicPlan:
+    """A memory plan that places the kernel's k-th node at (k + 1) x SPAN, and knows nothing else."""
+
+    def __init__(self, numbered: list, plan: MemoryPlan):
+        self._number = {n: k for k, n in enumerate(numbered)}
+        self._plan = plan
+
+    def offset(self, node) -> int:
+        if node not in self._number or not self._plan.has_buffer(node):
+            raise _NotReusable(node)
+        return (self._number[node] + 1) * SPAN
+
+    def has_buffer(self, node) -> bool:
+        if node not in self._number:
+            raise _NotReusable(node)
+        return self._plan.has_buffer(node)
+
+    def __getattr__(self, name):
+        raise _NotReusable(name)
+
+
+class _Recorder(Emitter):
+    """An emitter that notes which instructions took the DMA round robin."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.rotated: list = []
+
+    def dma(self, dst, src, **kwargs) -> None:
+        self.rotated.append(len(self.instructions))
+        super().dma(dst, src, **kwargs)
+
+
+class _Recording:
+    """One signature's instructions, with symbolic HBM offsets and queues counted from 0."""
+
+    def __init__(self, em: _Recorder, queues: int, tensors: int):
+        kernel, debug = len(em.kernels) - 1, em.kernels[-1].debug
+        for inst in em.instructions:
+            if inst.kernel != kernel or inst.debug != debug:
+                raise _NotReusable(inst)
+            for ap in inst.operands:
+                if ap.space == Space.HBM and not 0 <= (ap.offset + SPAN // 2) // SPAN - 1 < tensors:
+                    raise _NotReusable(ap)  # an HBM address not made from one of its tensors
+        rotated = set(em.rotated)
+        self.rows = [(i.opcode, i.engine, i.operands, i.queue, k in rotated, i.alu, i.alu1, i.func, i.imm0, i.imm1,
+                      i.accumulate, i.reverse) for k, i in enumerate(em.instructions)]
+        self.dmas, self.queues = len(rotated), queues
+        self.sbuf_used, self.psum_used = em._sbuf_used, em._psum_used
+
+    def instantiate(self, em: Emitter, bases: list) -> None:
+        """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]."""
+        kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
+        rebound: dict = {}
+
+        def rebind(ap: AccessPattern) -> AccessPattern:
+            if ap.space != Space.HBM:
+                return ap
+            new = rebound.get(ap)
+            if new is None:
+                k = (ap.offset + SPAN // 2) // SPAN - 1
+                new = rebound[ap] = AccessPattern(ap.space, ap.dtype, ap.offset - (k + 1) * SPAN + bases[k], ap.dims,
+                                                  ap.partition)
+            return new
+
+        out = em.instructions
+        for opcode, engine, operands, queue, rotated, alu, alu1, func, imm0, imm1, accumulate, reverse in self.rows:
+            out.append(Instruction(opcode, engine, tuple(map(rebind, operands)),
+                                   (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
+                                   accumulate, reverse, kernel=kernel, debug=debug))
+        em._dma_turn += self.dmas
+        em._sbuf_used, em._psum_used = self.sbuf_used, self.psum_used
+
+
+class KernelReuse:
+    """Emits kernels through recordings kept by signature (see the module's docstring)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.recordings: dict = {}  # (kernel function, signature, parity) -> _Recording, or None: not reusable
+        self.hits = 0
+
+    def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
+        """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
+        try:
+            key, numbered = signature(node, plan)
+        except (TypeError, ValueError):  # an attribute the IR text cannot print: emitted as usual
+            kernel(em, node, plan)
+            return
+        key = (kernel, key, (len(em.kernels) - 1) % 2)
+        if key not in self.recordings:
+            self.recordings[key] = self._record(em, kernel, node, plan, numbered)
+        else:
+            self.hits += 1
+        recording = self.recordings[key]
+        if recording is None:
+            kernel(em, node, plan)
+            return
+        recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered])
+
+    def _record(self, em: Emitter, kernel, node: Node, plan: MemoryPlan, numbered: list) -> _Recording | None:
+        scratch = _Recorder(self.target)
+        scratch.kernels = [None] * ((len(em.kernels) - 1) % 2)
+        scratch.begin_kernel("recording", (), node.loc)
+        try:
+            kernel(scratch, node, _SymbolicPlan(numbered, plan))
+            return _Recording(scratch, self.target.dma_queues, len(numbered))
+        except Exception:  # noqa: BLE001 - anything the signature does not cover, or an error: emitted as usual
+            return None
+
+
+NOT_REUSED = frozenset({ir.Op.CUSTOM_KERNEL, ir.Op.COLLECTIVE, ir.Op.CONSTANT})  # their own addressing/queues

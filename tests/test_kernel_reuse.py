@@ -1,0 +1,105 @@
+"""Repeated layers compiled once (issue 24): the kernels of a model's identical layers are generated once per
+signature and instantiated at each layer's addresses (neuronc/codegen/reuse.py). The NEFF is the one the kernels
+emitted one by one make, byte for byte, in this very tree; and it computes what eager computes."""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from neuronc import compiler, ir
+from neuronc.codegen import generate, reuse
+from neuronc.compiler import CompileOptions, compile_exported, compile_graph
+from neuronc.ir import Op
+from neuronc.isa import DType, Space
+from neuronc.neff import encode
+from neuronc.passes.memory_plan import plan_memory
+from runtime import run_neff
+from tests import zoo
+from tests.conftest import assert_matches_eager
+
+
+@pytest.fixture(scope="module")
+def three_layer_gpt2():
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=64, width=64, layers=3, heads=2, context=32).eval()
+    inputs = (torch.randint(0, 64, (1, 32)),)
+    return model, inputs, torch.export.export(model, inputs)
+
+
+def _compile(exported, monkeypatch, reuse_kernels: bool):
+    monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
+    monkeypatch.setattr(compiler, "generate", functools.partial(generate, reuse=reuse_kernels))
+    return compile_exported(exported)
+
+
+def test_a_three_layer_model_makes_the_same_neff_with_and_without_kernel_reuse(three_layer_gpt2, monkeypatch):
+    model, inputs, exported = three_layer_gpt2
+    recorded, hits = [], []
+    emit = reuse.KernelReuse.emit
+
+    def counting(self, *args):
+        emit(self, *args)
+        recorded[:] = [len([r for r in self.recordings.values() if r is not None])]
+        hits[:] = [self.hits]
+
+    monkeypatch.setattr(reuse.KernelReuse, "emit", counting)
+    reused = _compile(exported, monkeypatch, True)
+    alone = _compile(exported, monkeypatch, False)
+    layer_kernels = (len(reused.neff.kernels) - 3) // 3  # the embeddings, the final norm and the head aside
+    # A layer's kernels at the same parity as the first layer's (odd kernels stack their SBUF pools from the top)
+    # replay its recordings: the third layer's at least, but for the first layer's residual input (the embeddings)
+    # and the last layer's output (the final norm's input), which may make their kernels differ.
+    assert hits[0] >= layer_kernels - 2
+    assert recorded[0] + hits[0] >= len(reused.neff.kernels) - 4  # nearly every kernel went through a recording
+    assert encode(reused.neff) == encode(alone.neff)
+
+    outputs = run_neff(reused.neff, [t.numpy() for t in inputs]).outputs
+    with torch.no_grad():
+        expected = model(*inputs)
+    assert_matches_eager(torch.from_numpy(np.asarray(outputs[0])), expected)
+
+
+def _add_chain(layers: int) -> ir.Graph:
+    """x + w0, then + w1, ...: the same add kernel `layers` times on different weights."""
+    x = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=0, name="x", kind="input")
+    params, node = [x], x
+    for k in range(layers):
+        w = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=k + 1, name=f"w{k}", kind="input")
+        params.append(w)
+        node = ir.node(Op.ADD, (node, w), (256, 64), DType.F32)
+    return ir.Graph(params, [node])
+
+
+def test_each_instance_addresses_its_own_tensors():
+    compiled = compile_graph(_add_chain(4), CompileOptions(opt_level=0))  # -O0: four add kernels, not one fused
+    plan = plan_memory(compiled.graph)
+    adds = [n for n in compiled.graph.nodes() if n.op is Op.ADD]
+    assert len(adds) == len(compiled.neff.kernels) == 4
+    instructions = [inst for stream in compiled.neff.streams.values() for inst in stream]
+    nbytes = 256 * 64 * 4
+    for k, add in enumerate(adds):
+        touched = {ap.offset for inst in instructions if inst.kernel == k for ap in inst.operands
+                   if ap.space is Space.HBM}
+        own = [(plan.offset(n), plan.offset(n) + nbytes) for n in (*add.inputs, add)]
+        assert all(any(lo <= a < hi for lo, hi in own) for a in touched)  # nothing but its own tensors
+        assert all(any(lo <= a < hi for a in touched) for lo, hi in own)  # every one of them
+    inputs = [np.random.default_rng(k).standard_normal((256, 64), dtype=np.float32) for k in range(5)]
+    (out,) = run_neff(compiled.neff, inputs).outputs
+    np.testing.assert_allclose(np.asarray(out), functools.reduce(np.add, inputs), rtol=1e-6)
+
+
+def test_kernels_that_differ_in_an_op_or_a_shape_do_not_share_a_signature():
+    x = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=0, name="x", kind="input")
+    w = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=1, name="w", kind="input")
+    v = ir.node(Op.PARAMETER, (), (256, 32), DType.F32, index=2, name="v", kind="input")
+    first, second = ir.node(Op.ADD, (x, w), (256, 64), DType.F32), ir.node(Op.ADD, (w, x), (256, 64), DType.F32)
+    product = ir.node(Op.MULTIPLY, (x, w), (256, 64), DType.F32)
+    narrow = ir.node(Op.ADD, (v, v), (256, 32), DType.F32)
+    plan = plan_memory(ir.Graph([x, w, v], [first, second, product, narrow]))
+    keys = [reuse.signature(n, plan)[0] for n in (first, second, product, narrow)]
+    assert keys[0] == keys[1]  # the same kernel on other tensors
+    assert len({keys[0], keys[2], keys[3]}) == 3
