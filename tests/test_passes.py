@@ -477,15 +477,15 @@ def _linear_after_layer_norm(tokens=(300,), width=192, residual=False):
 
 
 def _with_and_without_transposed_activations(monkeypatch, model, inputs):
-    """-O2 with the activation layout pass always taken (not priced); checks its output has the bits of -O2
+    """-O3 with the activation layout pass always taken (not priced); checks its output has the bits of -O3
     without that pass, and matches eager."""
     program = torch.export.export(model, inputs)
     arrays = [x.float().numpy().astype(ml_dtypes.bfloat16) for x in inputs]
     with monkeypatch.context() as patch:
         patch.setattr(pipeline, "PRICED", ())
-        compiled = compile_exported(program, CompileOptions(opt_level=2))
-        patch.setitem(pipeline.PIPELINES, 2, [p for p in pipeline.PIPELINES[2] if p is not store_activations_transposed])
-        plain = compile_exported(program, CompileOptions(opt_level=2))
+        compiled = compile_exported(program, CompileOptions(opt_level=3))
+        patch.setitem(pipeline.PIPELINES, 3, [p for p in pipeline.PIPELINES[3] if p is not store_activations_transposed])
+        plain = compile_exported(program, CompileOptions(opt_level=3))
     outputs = [run_neff(c.neff, arrays).outputs[0] for c in (plain, compiled)]
     np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
     with torch.no_grad():
@@ -506,7 +506,7 @@ def test_a_layer_norm_read_only_by_a_matmul_can_be_written_transposed_with_the_s
 @pytest.mark.parametrize("tokens", [(300,), (4096,)])
 def test_the_transposed_layer_norm_store_is_kept_only_where_the_cost_model_times_it_faster(tokens):
     model, inputs = _linear_after_layer_norm(tokens)
-    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=3))
     with_it, without = compiled.decisions["store_activations_transposed"]  # both emitted and timed
     (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     assert (norm.attrs["out_strides"] != (192, 1)) == (with_it < without)
