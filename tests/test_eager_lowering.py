@@ -22,8 +22,10 @@ from tests.conftest import assert_matches_eager
 
 @pytest.fixture
 def lowered_only(neuron, monkeypatch):
-    """What runs under it is lowered: no op is traced through torch-mlir, none falls back to the CPU."""
+    """What runs under it is lowered: no op is traced through torch-mlir, none falls back to the CPU. It starts
+    with no program compiled in this process, so that what an earlier test compiled cannot answer for it."""
     monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    monkeypatch.setattr(eager, "programs", {})
     traced = eager.compile_stats["traced"]
     yield neuron
     assert eager.compile_stats["traced"] == traced
@@ -189,15 +191,15 @@ def test_a_new_shape_is_lowered_again_without_torch_mlir(lowered_only):
 
 
 def test_an_op_without_a_lowering_is_traced_once_then_served_by_the_compile_cache(tmp_path):
-    """torch.fmax has no lowering (its decomposition reaches prims.fmax, which has no rule): torch-mlir compiles it,
-    the compile cache keeps its NEFF under the op's signature, and a second process loads it without tracing or
-    importing anything."""
+    """torch.round with decimals has no lowering (aten.round.decimals has no rule): torch-mlir compiles it, the
+    compile cache keeps its NEFF under the op's signature, and a second process loads it without tracing or
+    importing anything. (torch.fmax served here until neuronc's own decomposition of it made it a lowered op.)"""
     code = textwrap.dedent("""
         import sys, torch
         from neuronc.pytorch import eager
-        x, y = torch.linspace(-3, 3, 12), torch.linspace(2, -2, 12)
-        got = torch.fmax(x.to("neuron"), y.to("neuron")).cpu()
-        torch.testing.assert_close(got, torch.fmax(x, y), rtol=1e-4, atol=1e-5)
+        x = torch.linspace(-3, 3, 12)
+        got = torch.round(x.to("neuron"), decimals=2).cpu()
+        torch.testing.assert_close(got, torch.round(x, decimals=2), rtol=1e-4, atol=1e-5)
         print(eager.compile_stats["traced"], eager.compile_stats["disk cache"], "torch_mlir" in sys.modules,
               len(eager.fallen_back))
     """)

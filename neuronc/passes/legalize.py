@@ -13,6 +13,8 @@ lowering makes) to a fixed point.
 """
 from __future__ import annotations
 
+import math
+
 
 import numpy as np
 
@@ -39,32 +41,30 @@ def dense_strides(shape: tuple) -> tuple:
 
 def reshaped_strides(shape: tuple, strides: tuple, new_shape: tuple) -> tuple | None:
     """Strides that read a strided view of `shape` as `new_shape` in row-major order, or None if
-    no single set of strides can (the reshape would need a copy). As numpy's no-copy reshape."""
+    no single set of strides can (the reshape would need a copy). As numpy's no-copy reshape: the old and new
+    dims (size-1 dims aside) are grouped into runs of equal product; a run's old dims must be contiguous among
+    themselves, and its new dims step through them from the run's innermost stride."""
+    if math.prod(shape) != math.prod(new_shape):
+        return None
+    if math.prod(shape) == 0:
+        return dense_strides(new_shape)  # nothing is read
     old = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    result, i = [], 0
-    for n in new_shape:
-        if n == 1:
-            result.append(0)
-            continue
-        if i >= len(old):
+    new = [k for k, n in enumerate(new_shape) if n != 1]
+    result, i, j = [0] * len(new_shape), 0, 0
+    while i < len(old):
+        first_old, first_new, size_old, size_new = i, j, old[i][0], new_shape[new[j]]
+        i, j = i + 1, j + 1
+        while size_old != size_new:  # equal products overall: the run closes before either list ends
+            if size_old < size_new:
+                size_old, i = size_old * old[i][0], i + 1
+            else:
+                size_new, j = size_new * new_shape[new[j]], j + 1
+        if any(old[k][1] != old[k + 1][0] * old[k + 1][1] for k in range(first_old, i - 1)):
             return None
-        # consume old dims until their sizes multiply to n; they must be contiguous among themselves
-        size, stride = old[i]
-        i += 1
-        while size < n and i < len(old):
-            if stride != old[i][0] * old[i][1]:
-                return None
-            size, stride = size * old[i][0], old[i][1]
-            i += 1
-        if size == n:
-            result.append(stride)
-        elif size > n and size % n == 0:  # split one old dim into several new ones
-            old.insert(i, (size // n, stride))
-            result.append(stride * (size // n))
-        else:
-            return None
-    return tuple(result) if i == len(old) else None
-
+        stride = old[i - 1][1]
+        for k in reversed(new[first_new:j]):
+            result[k], stride = stride, stride * new_shape[k]
+    return tuple(result)
 
 def view(x: Node, shape: tuple, strides: tuple, offset: int = 0, loc: DebugLoc | None = None) -> Node:
     if tuple(shape) == x.shape and tuple(strides) == dense_strides(x.shape) and offset == 0:
