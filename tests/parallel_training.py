@@ -16,6 +16,8 @@ tests/test_device.py explains; a larger eps keeps the comparison about the compu
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import sys
 
@@ -262,10 +264,23 @@ def _pipeline(device, rank: int, ranks: int, schedule_class) -> dict:
     schedule = schedule_class(stage, n_microbatches=2,
                               loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     tied = stage_module.tokens.weight if rank == 0 else stage_module.head.weight
-    opt, (idx, targets), losses = optimizer(stage_module.parameters()), data(), []
+    opt = optimizer(stage_module.parameters())
+    losses = _stage_steps(schedule, opt, tied, data(), device, rank, ranks, scope=lambda: device)
+    params = {}
+    for name, value in stage_module.named_parameters():
+        prefix = next(p for p in _STAGE_NAMES[rank] if name.startswith(p))
+        params[_STAGE_NAMES[rank][prefix] + name[len(prefix):]] = _whole(value)
+    return {"losses": losses, "params": params}
+
+
+def _stage_steps(schedule, opt, tied, batch, device, rank: int, ranks: int, scope=contextlib.nullcontext) -> list:
+    """STEPS steps of a two-stage pipeline ``schedule`` (run inside ``scope()``): the tied embedding/head weight's
+    gradients summed over the stages before each step; the losses, the last stage's mean over micro-batches."""
+    idx, targets = batch
+    losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        with device:
+        with scope():
             if rank == 0:
                 schedule.step(idx.to(device))
                 loss = torch.zeros((), device=device)
@@ -277,11 +292,7 @@ def _pipeline(device, rank: int, ranks: int, schedule_class) -> dict:
         opt.step()
         dist.broadcast(loss, src=ranks - 1)
         losses.append(loss.item())
-    params = {}
-    for name, value in stage_module.named_parameters():
-        prefix = next(p for p in _STAGE_NAMES[rank] if name.startswith(p))
-        params[_STAGE_NAMES[rank][prefix] + name[len(prefix):]] = _whole(value)
-    return {"losses": losses, "params": params}
+    return losses
 
 
 def pp_traced(device, rank: int, ranks: int) -> dict:
@@ -299,20 +310,7 @@ def pp_traced(device, rank: int, ranks: int) -> dict:
     # the split leaves the first stage a "head.weight" it does not use: its own parameters are the others
     own = {name: p for name, p in stage_module.named_parameters() if rank == 1 or name != "head.weight"}
     tied = own["tokens.weight" if rank == 0 else "head.weight"]
-    opt, losses = optimizer(own.values()), []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        if rank == 0:
-            schedule.step(idx.to(device))
-            loss = torch.zeros((), device=device)
-        else:
-            per_microbatch = []
-            schedule.step(target=targets.to(device), losses=per_microbatch)
-            loss = torch.stack(per_microbatch).mean().detach()
-        dist.all_reduce(tied.grad)
-        opt.step()
-        dist.broadcast(loss, src=ranks - 1)
-        losses.append(loss.item())
+    losses = _stage_steps(schedule, optimizer(own.values()), tied, (idx, targets), device, rank, ranks)
     params = {"tokens.weight" if value is tied else name: _whole(value) for name, value in own.items()}
     return {"losses": losses, "params": params}
 

@@ -302,20 +302,9 @@ def _logaddexp(a, b):
 
 
 def _logcumsumexp(x, dim):
-    """Running log-sum-exp as a scan of log-sum-exp over doubling strides (Hillis-Steele: ceil(log2 n)
-    elementwise steps of shifted views). torch-mlir lowers it as log(cumsum(exp(x))), which overflows to inf
-    for inputs above ~88 (float32): silently wrong results."""
-    if x.dim() == 0:
-        return x.clone()
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    stride = 1
-    while stride < n:
-        pads = [0, 0] * (x.dim() - 1 - dim) + [stride, 0]
-        shifted = aten.slice(aten.constant_pad_nd(x, pads, float("-inf")), dim, 0, n)
-        x = _logaddexp(x, shifted)
-        stride *= 2
-    return x
+    """Running log-sum-exp as a scan of log-sum-exp (:func:`_scan`). torch-mlir lowers it as
+    log(cumsum(exp(x))), which overflows to inf for inputs above ~88 (float32): silently wrong results."""
+    return _scan(x, dim, _logaddexp, float("-inf"))
 
 
 
