@@ -223,7 +223,8 @@ def transfer_bytes(instr: Instruction) -> int:
     """The bytes a DMA moves: its on-chip side's for an indirect one (the rows gathered or scattered, not
     the table its HBM pattern spans), its destination's otherwise."""
     if instr.opcode in (Opcode.DMA_GATHER, Opcode.DMA_SCATTER):
-        rows = next(ap for ap in instr.operands[:2] if ap.space != Space.HBM)
+        # (a damaged program may have no on-chip side: its destination is priced, and the load's rules refuse it)
+        rows = next((ap for ap in instr.operands[:2] if ap.space != Space.HBM), instr.dst)
         return rows.num_elements * rows.dtype.itemsize
     return instr.dst.num_elements * instr.dst.dtype.itemsize
 

@@ -261,3 +261,16 @@ def test_the_attention_kernel_transposes_bf16_p_in_transpose_mode_where_the_targ
     neff = compile_exported(torch.export.export(Attention(), (q, k, v)), CompileOptions(opt_level=2, target=target)).neff
     matmuls = [i for i in neff.streams[(Engine.TENSOR, 0)] if i.opcode is Opcode.MATMUL]
     assert any(i.dst.dtype is DType.BF16 for i in matmuls) == transposes_in_bf16
+
+
+def test_a_gather_with_no_on_chip_operand_is_priced_by_its_destination_not_a_crash():
+    """Found by `fuzz_neff --seed 3` (case 123264: a DMA_GATHER's SBUF destination replaced by an HBM pattern): the
+    cost of an indirect DMA looked for its on-chip side and raised StopIteration at load, before the rules refused it."""
+    from neuronc.instruction_cost import transfer_bytes
+    from neuronc.isa import AccessPattern, DType, Engine, Instruction, Opcode, Space
+
+    table = AccessPattern(Space.HBM, DType.F32, 0, ((16, 4), (1, 16)))
+    indices = AccessPattern(Space.HBM, DType.I32, 4096, ((1, 4), (1, 1)))
+    gather = Instruction(Opcode.DMA_GATHER, Engine.DMA, (AccessPattern(Space.HBM, DType.F32, 8192, ((16, 4), (1, 16))),
+                                                         table, indices))
+    assert transfer_bytes(gather) == 4 * 16 * 4
