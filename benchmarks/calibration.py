@@ -12,22 +12,14 @@ from __future__ import annotations
 
 import argparse
 
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, row_major_dims
 from neuronc.neff.program import Neff, TensorEntry, TensorKind
 from neuronc.targets import get_target
 from runtime import NeuronCore
 
 
-def _row_major(shape: tuple) -> tuple:
-    dims, stride = [], 1
-    for size in reversed(shape):
-        dims.append((stride, size))
-        stride *= size
-    return tuple(reversed(dims))
-
-
 def _chip(shape: tuple, dtype=DType.F32, space=Space.SBUF, offset=0) -> AccessPattern:
-    return AccessPattern(space, dtype, offset, ((1, shape[0]),) + _row_major(shape[1:]))
+    return AccessPattern(space, dtype, offset, ((1, shape[0]),) + row_major_dims(shape[1:]))
 
 
 class _Micro:

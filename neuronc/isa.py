@@ -350,6 +350,15 @@ class Wait(NamedTuple):
     count: int
 
 
+def row_major_dims(shape) -> tuple:
+    """``((stride, size), ...)`` of a dense row-major block of ``shape``, in elements (innermost stride 1)."""
+    dims, stride = [], 1
+    for size in reversed(shape):
+        dims.append((stride, int(size)))
+        stride *= int(size)
+    return tuple(reversed(dims))
+
+
 @dataclasses.dataclass(frozen=True)
 class AccessPattern:
     space: Space

@@ -29,7 +29,7 @@ import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import (ARITY, COLLECTIVE_REDUCTIONS, COLLECTIVES, MAX_DIMS, ActFunc, AluOp, DType, Engine,
-                         Instruction, Opcode, Space)
+                         Instruction, Opcode, Space, row_major_dims)
 from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
@@ -676,7 +676,7 @@ def _collective_shapes(instr: Instruction, target: Target):
     if dst.dtype != src.dtype:
         _fail(f"{name} moves {src.dtype.name} into {dst.dtype.name}: the operands must have one dtype")
     for i, ap in enumerate(instr.operands):
-        if ap.dims != _dense(ap.shape):
+        if ap.dims != row_major_dims(ap.shape):
             _fail(f"{name} operand {i} must be dense in HBM (row-major strides), got dims {list(ap.dims)}")
     n, ranks = src.num_elements, int(ranks)
     expected = {Opcode.ALL_GATHER: n * ranks, Opcode.REDUCE_SCATTER: n // ranks}.get(instr.opcode, n)
@@ -689,14 +689,6 @@ def _collective_shapes(instr: Instruction, target: Target):
     if reduces and instr.alu not in COLLECTIVE_REDUCTIONS or not reduces and instr.alu != AluOp.NONE:
         allowed = ", ".join(op.name for op in sorted(COLLECTIVE_REDUCTIONS)) if reduces else "NONE"
         _fail(f"{name} does not reduce by {instr.alu.name}", hint=f"its ALU op is one of {allowed}")
-
-
-def _dense(shape: tuple) -> tuple:
-    dims, stride = [], 1
-    for size in reversed(shape):
-        dims.append((stride, size))
-        stride *= size
-    return tuple(reversed(dims))
 
 
 SHAPE_RULES = {

@@ -15,7 +15,7 @@ import scipy.special
 
 from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.instruction_cost import instruction_cost_ns
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait, row_major_dims
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
 from neuronc.passes.cost_model import estimate_streams
 from neuronc.targets import get_target
@@ -32,22 +32,14 @@ RNG = np.random.default_rng(0)
 # Building tiny programs by hand
 
 
-def _row_major(shape: tuple) -> tuple:
-    dims, stride = [], 1
-    for size in reversed(shape):
-        dims.append((stride, size))
-        stride *= size
-    return tuple(reversed(dims))
-
-
 def hbm(t: TensorEntry) -> AccessPattern:
     """The whole of HBM tensor ``t``, row-major."""
-    return AccessPattern(Space.HBM, t.dtype, t.offset, _row_major(t.shape))
+    return AccessPattern(Space.HBM, t.dtype, t.offset, row_major_dims(t.shape))
 
 
 def chip(shape: tuple, dtype=DType.F32, *, space=Space.SBUF, partition=0, offset=0) -> AccessPattern:
     """A contiguous on-chip tile: ``shape[0]`` partitions from ``partition``, the rest row-major."""
-    return AccessPattern(space, dtype, offset, ((1, shape[0]),) + _row_major(shape[1:]), partition)
+    return AccessPattern(space, dtype, offset, ((1, shape[0]),) + row_major_dims(shape[1:]), partition)
 
 
 class Program:
@@ -204,7 +196,7 @@ def test_out_of_bounds_access_pattern_is_refused(core, operand, problem):
 def test_dma_past_the_end_of_hbm_is_refused(core):
     p = Program()
     x_t = p.tensor("x", TensorKind.INPUT, (4, 8))
-    beyond = AccessPattern(Space.HBM, DType.F32, x_t.offset + 4, _row_major((4, 8)))
+    beyond = AccessPattern(Space.HBM, DType.F32, x_t.offset + 4, row_major_dims((4, 8)))
     p.emit(Opcode.DMA_COPY, Engine.DMA, chip((4, 8)), beyond, queue=5)
     with pytest.raises(NeuronRuntimeError, match="DMA_COPY #0 on DMA queue 5.*outside the program's 128 bytes"):
         core.load(p.neff())

@@ -8,7 +8,7 @@ import dataclasses
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.sync import partition_group
 from neuronc.ir import Node
-from neuronc.isa import AccessPattern, DType, Space
+from neuronc.isa import AccessPattern, DType, Space, row_major_dims
 from neuronc.placement import dma_slice_count
 from neuronc.plans import MemoryPlan, View, dense_strides
 from neuronc.targets import Target
@@ -16,12 +16,8 @@ from neuronc.targets import Target
 
 def tile_at(ap: AccessPattern, element: int, partitions: int, *free: int) -> AccessPattern:
     """The [partitions, free...] tile starting `element` elements into each partition of `ap`'s slot."""
-    dims, stride = [], 1
-    for size in reversed(free):
-        dims.append((stride, size))
-        stride *= size
     return dataclasses.replace(ap, offset=ap.offset + element * ap.dtype.itemsize,
-                               dims=((1, partitions), *reversed(dims)))
+                               dims=((1, partitions), *row_major_dims(free)))
 
 
 def column_slice(ap: AccessPattern, c0: int, c1: int) -> AccessPattern:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from neuronc.codegen.sync import SBUF_PAGE_BYTES
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import AccessPattern, AluOp, DType, Engine, Instruction, Opcode, Space
+from neuronc.isa import AccessPattern, AluOp, DType, Engine, Instruction, Opcode, Space, row_major_dims
 from neuronc.neff.program import DebugLoc, KernelInfo
 from neuronc.targets import Target
 
@@ -24,11 +24,7 @@ class Tile:
         self.space, self.dtype, self.offset = space, dtype, offset
 
     def ap(self, partitions: int, *free: int, dtype: DType | None = None) -> AccessPattern:
-        dims, stride = [], 1
-        for size in reversed(free):
-            dims.append((stride, size))
-            stride *= size
-        return AccessPattern(self.space, dtype or self.dtype, self.offset, ((1, partitions), *reversed(dims)))
+        return AccessPattern(self.space, dtype or self.dtype, self.offset, ((1, partitions), *row_major_dims(free)))
 
 
 class Pool:

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from neuronc.errors import KernelError, KernelUnsupportedError
-from neuronc.isa import AccessPattern, DType, Space
+from neuronc.isa import AccessPattern, DType, Space, row_major_dims
 from neuronc.nki import dtypes
 from neuronc.nki.index import Affine, Arange
 
@@ -381,12 +381,12 @@ class NkiTensor:
         if not self.on_chip:
             if not self._contiguous_free():
                 raise KernelError(f"reshape of a strided HBM view {list(self.shape)}", hint="reshape the whole tensor")
-            return NkiTensor(self.storage, self._dtype, self.offset, _row_major(shape), None, 0)
+            return NkiTensor(self.storage, self._dtype, self.offset, row_major_dims(shape), None, 0)
         t = self.tile()
         if shape[0] != t.partitions or not t._contiguous_free():
             raise KernelError(f"reshape of a tile {list(self.shape)} to {list(shape)}: the partition dim must stay "
                               f"and the free dims be contiguous")
-        free = _row_major(shape[1:])
+        free = row_major_dims(shape[1:])
         return NkiTensor(t.storage, t._dtype, t.offset, ((1, shape[0]), *free), 0, t.partition)
 
     def broadcast_to(self, shape) -> "NkiTensor":
@@ -483,14 +483,6 @@ class Indirect:
         return AccessPattern(Space.HBM, self.view.isa_dtype, (row0 * stride + base) * self.view.itemsize, dims)
 
 
-def _row_major(shape) -> tuple:
-    dims, stride = [], 1
-    for size in reversed(shape):
-        dims.append((stride, int(size)))
-        stride *= int(size)
-    return tuple(reversed(dims))
-
-
 def par_dim(size: int) -> "ParDim":
     """``nl.par_dim(n)``: marks the partition dim in a shape (dims before it are block dims)."""
     return ParDim(size)
@@ -523,14 +515,14 @@ def new_onchip(space: Space, shape, dtype: DType, name: str, loc) -> NkiTensor:
     for b in reversed(blocks):
         block_dims.append((stride, b))
         stride *= b
-    dims = tuple(reversed(block_dims)) + ((1, p),) + _row_major(free)
+    dims = tuple(reversed(block_dims)) + ((1, p),) + row_major_dims(free)
     return NkiTensor(storage, dtype, 0, dims, pdim, 0)
 
 
 def new_hbm(shape, dtype: DType, name: str, kind: str, loc) -> NkiTensor:
     shape = tuple(int(s) for s in shape)
     storage = Storage(Space.HBM, dtype, name, shape=shape, kind=kind, loc=loc)
-    return NkiTensor(storage, dtype, 0, _row_major(shape))
+    return NkiTensor(storage, dtype, 0, row_major_dims(shape))
 
 
 def common_shape(views: list) -> list:
