@@ -75,6 +75,23 @@ def test_unknown_compile_options_are_refused_by_name():
     assert "tagret" in str(caught.value)
 
 
+def test_torch_compile_modes_choose_the_optimisation_level(fresh_dynamo):
+    model, (x,) = zoo.build("mlp")
+    with torch.no_grad():
+        assert_matches_eager(torch.compile(model, backend="neuron", mode="max-autotune")(x), model(x))
+    assert backend.compiled_graphs[-1].options.opt_level == 3
+    assert backend._options_for_mode("reduce-overhead", {"target": "trn1"}) == {"target": "trn1"}
+    assert backend._options_for_mode("max-autotune", {"opt_level": 1}) == {"opt_level": 1}  # options win
+
+
+def test_an_unknown_compile_mode_is_refused_with_the_known_ones(fresh_dynamo):
+    model, inputs = zoo.build("mlp")
+    with pytest.raises(Exception) as caught:
+        torch.compile(model, backend="neuron", mode="fastest")(*inputs)
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), NeuronConfigError)
+    assert "fastest" in str(caught.value) and "max-autotune" in str(caught.value)
+
+
 def test_neuron_cc_flags_set_target_and_level(monkeypatch):
     from neuronc.compiler import CompileOptions
 

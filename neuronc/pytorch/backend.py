@@ -13,6 +13,10 @@ shapes (`dynamic=True`, `mark_dynamic`) are refused with a message saying how to
 and Dynamo's automatic dynamic shapes are switched off when this backend is first used, so a new
 input shape is a recompilation (counted: `compile_count()`, and a log line on the "neuronc"
 logger) rather than a shape-generic graph.
+
+`torch.compile(mode=...)` is accepted: "max-autotune" (and "-no-cudagraphs") compiles at -O3, where the
+priced passes try their alternatives; "reduce-overhead" is the default level, since a graph is already one
+NEFF launch (what CUDA graphs buy inductor). `options={"opt_level": ...}` wins over a mode.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import logging
 import weakref
 
 from neuronc.compiler import CompileOptions, compile_fx
-from neuronc.errors import NeuronCompileError
+from neuronc.errors import NeuronCompileError, NeuronConfigError
 
 log = logging.getLogger("neuronc")
 
@@ -204,14 +208,28 @@ def _dynamo_skips_neuronc() -> None:
     rules.add("runtime")
 
 
-def neuron_backend(gm, example_inputs, options: dict | None = None):
+MODE_OPT_LEVELS = {"reduce-overhead": None, "max-autotune": 3, "max-autotune-no-cudagraphs": 3}  # None: unchanged
+
+
+def _options_for_mode(mode: str | None, options: dict | None) -> dict | None:
+    """torch.compile's `mode` as compile options (see the module docstring)."""
+    if mode is None:
+        return options
+    if mode not in MODE_OPT_LEVELS:
+        raise NeuronConfigError(f"unknown torch.compile mode {mode!r} for the neuron backend",
+                                hint=f"use one of: default, {', '.join(MODE_OPT_LEVELS)}; or options={{'opt_level': 0..3}}")
+    level = MODE_OPT_LEVELS[mode]
+    return {"opt_level": level, **(options or {})} if level is not None else options
+
+
+def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
     import torch._dynamo.config
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
     from neuronc.frontend.torch_import import decomposition_table
 
-    compile_options = CompileOptions.from_dict(options)
+    compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
     _dynamo_skips_neuronc()
     _refuse_dynamic_shapes(gm)
     torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
