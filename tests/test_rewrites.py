@@ -2,6 +2,8 @@
 the rules composing to a fixed point in one run, and the rewrite driver refusing rules that never settle."""
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -82,6 +84,26 @@ def test_a_folded_constant_is_what_the_device_computes():
         }}""") == canonical(f"""
         graph @f() {{
           %0 = constant() : 4xbf16 {{value = array<4xbf16>[{expected}]}}
+          return %0
+        }}""")
+
+
+def test_folding_an_infinite_value_to_an_integer_is_silent_and_converts_as_the_runtime_copies():
+    """T5's relative-position buckets convert log(0) = -inf to int: folded without numpy's RuntimeWarning."""
+    with np.errstate(all="ignore"):
+        device = np.log(np.float32([0.0, 4.0])).astype(np.int32)  # the runtime's TENSOR_COPY: numpy's cast
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        folded = run_pass(canonicalize, """
+            graph @f() {
+              %0 = constant() : 2xf32 {value = array<2xf32>[0.0, 4.0]}
+              %1 = log(%0) : 2xf32
+              %2 = convert(%1) : 2xi32
+              return %2
+            }""")
+    assert folded == canonical(f"""
+        graph @f() {{
+          %0 = constant() : 2xi32 {{value = array<2xi32>[{int(device[0])}, {int(device[1])}]}}
           return %0
         }}""")
 

@@ -78,10 +78,10 @@ def _evaluate(node: ir.Node, values: list):
                 result = fact.numpy(*values, a["direction"])
             else:
                 result = fact.semantics(*map(_computable, values))
-        result = np.asarray(result)
-        if not splat:
-            result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
-        return result.astype(out_dtype)
+            result = np.asarray(result)
+            if not splat:
+                result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
+            return result.astype(out_dtype)  # inf/NaN to an integer as the runtime's copy converts it, silently
     if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE):
         x = values[0]
         if x.ndim == 0:  # a splat stays a splat
