@@ -87,6 +87,41 @@ def test_gradients_through_group_norm_and_nearest_upsampling_match_eager():
         torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=name)
 
 
+class SdpaAttention(torch.nn.Module):
+    """Self-attention through F.scaled_dot_product_attention (HF models' default): on CPU tensors it is the
+    flash kernel, whose backward AOTAutograd records as one op."""
+
+    def __init__(self, heads=4, kv_heads=4, width=32):
+        super().__init__()
+        self.heads, self.kv_heads, self.head = heads, kv_heads, width // heads
+        self.q = torch.nn.Linear(width, width)
+        self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head)
+
+    def forward(self, x, mask=None, is_causal=False):
+        batch, seq, _ = x.shape
+        q = self.q(x).view(batch, seq, self.heads, self.head).transpose(1, 2)
+        k, v = (t.view(batch, seq, self.kv_heads, self.head).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=self.kv_heads != self.heads)
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool_mask", "float_mask", "grouped_query"])
+def test_gradients_through_scaled_dot_product_attention_match_eager(variant):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = SdpaAttention(kv_heads=2 if variant == "grouped_query" else 4), torch.randn(2, 8, 32)
+    kwargs = {"causal": {"is_causal": True}, "bool_mask": {"mask": torch.rand(2, 1, 8, 8) > 0.3},
+              "float_mask": {"mask": torch.randn(8, 8)}}.get(variant, {})
+    reference = copy.deepcopy(model)
+    before = len(backend.compiled_graphs)
+    torch.compile(model, backend="neuron")(x, **kwargs).pow(2).mean().backward()
+    reference(x, **kwargs).pow(2).mean().backward()
+    forward, backward = backend.compiled_graphs[before:]
+    assert forward.last_run is not None and backward.last_run is not None
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=name)
+
+
 class WithGraphBreaks(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -684,6 +684,36 @@ def _cummax(x, dim):
 def _cummin(x, dim):
     return _cumulative_extreme(x, dim, _smaller)
 
+
+def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                                      attn_mask=None, scale=None):
+    """The backward of the flash attention SDPA runs on CPU tensors (what AOTAutograd records when a model
+    with F.scaled_dot_product_attention trains). The probabilities are recomputed from q and k: the forward's
+    decomposition returns them where the log-sum-exp would be, so the saved tensor is not relied on. Narrow
+    types compute in fp32, as the CPU kernel accumulates; grouped-query heads add their gradients per group."""
+    wide = torch.float32 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
+    group = query.shape[1] // key.shape[1]
+    q, g = query.to(wide), grad_out.to(wide)
+    k, v = (t.to(wide).repeat_interleave(group, dim=1) if group > 1 else t.to(wide) for t in (key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.to(wide))
+    masked_row = (scores == -math.inf).all(dim=-1, keepdim=True)  # attends to nothing: output 0, no gradient
+    p = torch.where(masked_row, 0.0, torch.softmax(scores, dim=-1))
+    dv = p.transpose(-2, -1) @ g
+    dp = g @ v.transpose(-2, -1)
+    ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(-2, -1) @ q) * scale
+    if group > 1:
+        dk, dv = (t.unflatten(1, (key.shape[1], group)).sum(dim=2) for t in (dk, dv))
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
 OWN = {
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool3d_with_indices.default: _max_pool3d_with_indices,
@@ -721,4 +751,5 @@ OWN = {
     aten.min.dim: _reduce_with_index_of_scalar,
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
 }
