@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import parallel_training
+from tests import fallback_listing, parallel_training
 from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 
 TWO_RANKS = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "pp_1f1b", "pp_gpipe", "pp_traced"]
@@ -64,6 +64,8 @@ def test_fsdp2_with_bf16_mixed_precision_trains_as_accurately_as_bf16_on_the_cpu
             ours, eagers = _rmse(got, ref), _rmse(cpu_bf16["params"][name], ref)
             assert ours <= EAGER_ERROR_MULTIPLIER * eagers + tolerance["atol"] / 10, \
                 f"{name}: RMSE against the fp32 reference {ours:.3g} > {EAGER_ERROR_MULTIPLIER} x the CPU's {eagers:.3g}"
+            fallback_listing.record(f"GPT2 parameter {name} after training (fsdp2 bf16): RMSE {ours:.3g}, the CPU's "
+                                    f"{eagers:.3g} (limit {EAGER_ERROR_MULTIPLIER:g}x + {tolerance['atol'] / 10:g})")
     losses = torch.tensor(two_ranks[0]["fsdp2_bf16"]["losses"])
     assert not torch.equal(losses, torch.tensor(two_ranks[0]["fsdp2"]["losses"]))  # it did compute in bf16
 
