@@ -55,18 +55,42 @@ def _interpret(module_text: str, inputs: list) -> list:
     _stablehlo.register_dialect(context)
     module = mlir.Module.parse(module_text, context)
     with context, mlir.Location.unknown():
+        _tensor_constants_as_stablehlo(module)
         arguments = [_attribute(x) for x in inputs]
         return [_array(result) for result in _stablehlo.eval_module(module, arguments)]
+
+
+def _tensor_constants_as_stablehlo(module) -> None:
+    """In place: each `arith.constant` of a tensor (torch-mlir leaves a few, e.g. `dense<1> : tensor<1xi64>`)
+    becomes the `stablehlo.constant` of the same value, which means the same: the interpreter runs only the
+    StableHLO dialect, and aborts the process on any other op."""
+    from torch_mlir import ir as mlir
+
+    constants = []
+
+    def collect(op):
+        if op.name == "arith.constant" and isinstance(op.results[0].type, mlir.RankedTensorType):
+            constants.append(op)
+        return mlir.WalkResult.ADVANCE
+
+    module.operation.walk(collect)
+    for op in constants:
+        with mlir.InsertionPoint(op), op.location:
+            same = mlir.Operation.create("stablehlo.constant", results=[op.results[0].type],
+                                         attributes={"value": op.attributes["value"]})
+        op.results[0].replace_all_uses_with(same.results[0])
+        op.erase()
 
 
 def _attribute(array: np.ndarray):
     """A numpy array as a dense elements attribute of its MLIR type (bf16 from its bits)."""
     from torch_mlir import ir as mlir
 
+    array = np.require(array, requirements="C")  # not ascontiguousarray: it makes a 0-d array 1-d
     if array.dtype.name != "bfloat16":
-        return mlir.DenseElementsAttr.get(np.ascontiguousarray(array))
+        return mlir.DenseElementsAttr.get(array)
     kind = mlir.RankedTensorType.get(list(array.shape), mlir.BF16Type.get())
-    return mlir.DenseElementsAttr.get(np.ascontiguousarray(array).view(np.uint16), type=kind)
+    return mlir.DenseElementsAttr.get(array.view(np.uint16), type=kind)
 
 
 def _array(attribute) -> np.ndarray:

@@ -11,6 +11,8 @@ import torch
 from neuronc.tolerances import TOLERANCES  # the one table (bf16/fp16 against an fp32 reference)
 from tests import zoo
 
+pytest_plugins = ["tests.fallback_listing", "pytester"]  # the RMSE fallback's uses listed; pytester: a run in a test
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -91,11 +93,12 @@ def assert_as_accurate_as_eager(actual, model, inputs):
     """A low-precision model's outputs are right when each is within its dtype's tolerance of the fp32
     reference (eager_reference), or, where low precision alone misses that row, no less accurate than
     eager PyTorch in the same dtype: the accuracy check of Inductor's tests (torch._dynamo.utils.same
-    with a high-precision reference), RMSE against the fp32 reference at most 3x eager's, + atol/10."""
+    with a high-precision reference), RMSE against the fp32 reference at most 3x eager's, + atol/10.
+    Each output passing by that second rule is listed at the end of the run (tests/fallback_listing.py)."""
     as_run, reference = _fp32_reference(model, inputs)
     actual = _outputs(actual)
     assert len(actual) == len(_outputs(as_run))
-    for got, eager, ref in zip(actual, _outputs(as_run), _outputs(reference)):
+    for index, (got, eager, ref) in enumerate(zip(actual, _outputs(as_run), _outputs(reference))):
         assert got.shape == eager.shape and got.dtype == eager.dtype, (got.shape, got.dtype, eager.shape, eager.dtype)
         tolerance = TOLERANCES[eager.dtype]
         try:
@@ -107,6 +110,13 @@ def assert_as_accurate_as_eager(actual, model, inputs):
             if ours > EAGER_ERROR_MULTIPLIER * eagers + tolerance["atol"] / 10:
                 raise AssertionError(f"RMSE against the fp32 reference {ours:.3g} > {EAGER_ERROR_MULTIPLIER} x "
                                      f"eager {eager.dtype}'s {eagers:.3g}\n{outside}") from None
+            mismatched = (~torch.isclose(got.double(), ref.to(eager.dtype).double(), **tolerance)).sum().item()
+            from tests import fallback_listing
+
+            fallback_listing.record(
+                f"{type(model).__name__} output {index} {list(got.shape)} {str(eager.dtype).removeprefix('torch.')}: "
+                f"{mismatched} of {got.numel()} elements outside the tolerance; RMSE {ours:.3g}, eager's {eagers:.3g} "
+                f"(limit {EAGER_ERROR_MULTIPLIER:g}x + {tolerance['atol'] / 10:g})")
 
 
 def require_tool(tool: str, install: str) -> None:

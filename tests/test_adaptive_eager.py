@@ -4,6 +4,7 @@ forward and backward, on the zoo's training loops."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -135,19 +136,43 @@ def test_adaptive_eager_trains_bit_for_bit_as_plain_eager(neuron, name):
     assert_matches_eager(plain[0], expected[0])
 
 
-def test_the_environment_variable_turns_adaptive_eager_on():
+def test_the_environment_variable_turns_adaptive_eager_on_and_its_backward_is_plain_eagers():
+    """TORCH_NEURONX_ADAPTIVE_EAGER=1 is read when neuronc's device module is imported, hence a process of its own.
+    There, a small MLP's forward and backward run as batches, and give the loss and gradients plain eager gives in
+    the same process (adaptive eager switched off), bit for bit; the batched backward is the one measured."""
     code = textwrap.dedent("""
+        import json
         import torch
         from neuronc.pytorch import adaptive
-        x, w = torch.randn(4, 6), torch.randn(6, 3)
-        on_device = w.to("neuron").requires_grad_()
-        (x.to("neuron") @ on_device).pow(2).mean().backward()
-        on_cpu = w.clone().requires_grad_()
-        (x @ on_cpu).pow(2).mean().backward()
-        torch.testing.assert_close(on_device.grad.cpu(), on_cpu.grad, rtol=1e-4, atol=1e-5)
-        print(adaptive.ENABLED, adaptive.stats["batches"] >= 2)
+        from tests import zoo
+
+        torch.manual_seed(0)
+        model, x = zoo.MLP(width_in=8, hidden=16, classes=4), torch.randn(4, 8)
+
+        def step():
+            on_device = zoo.MLP(width_in=8, hidden=16, classes=4).to("neuron")
+            on_device.load_state_dict(model.state_dict())
+            loss = on_device(x.to("neuron")).pow(2).mean()
+            torch.accelerator.synchronize()
+            before = adaptive.stats.get("batches", 0)
+            loss.backward()
+            grads = [p.grad.cpu() for p in on_device.parameters()]  # the backward's batch runs here
+            return loss.detach().cpu(), grads, adaptive.stats.get("batches", 0) - before
+
+        enabled = adaptive.ENABLED
+        batched_loss, batched_grads, batches = step()
+        torch.neuron.set_adaptive_eager(False)
+        plain_loss, plain_grads, plain_batches = step()
+        print(json.dumps({"enabled": enabled, "backward batches": batches, "plain backward batches": plain_batches,
+                          "same loss": torch.equal(batched_loss, plain_loss),
+                          "same gradients": [torch.equal(b, p) for b, p in zip(batched_grads, plain_grads)]}))
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           env={**os.environ, "TORCH_NEURONX_ADAPTIVE_EAGER": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["True", "True"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["enabled"] is True
+    assert result["backward batches"] >= 1 and result["plain backward batches"] == 0
+    assert result["same loss"] is True
+    assert result["same gradients"] == [True] * 6  # 3 layers' weights and biases

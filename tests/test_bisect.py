@@ -132,6 +132,26 @@ def test_the_reference_executors_agree():
     assert not jax.config.jax_enable_x64  # switched on only around the reference's own inputs
 
 
+def test_the_interpreter_runs_what_torch_mlir_leaves_arith_constants_and_0d_arguments():
+    """torch-mlir's modules hold a few tensor `arith.constant`s (the interpreter knows only StableHLO) and 0-d
+    arguments (batch-norm's step counter): both run, as XLA runs them."""
+    module = """
+    func.func @main(%x: tensor<3xf32>, %n: tensor<i64>) -> (tensor<3xf32>, tensor<i64>) {
+      %one = arith.constant dense<1> : tensor<1xi64>
+      %0 = stablehlo.convert %one : (tensor<1xi64>) -> tensor<1xf32>
+      %1 = stablehlo.reshape %0 : (tensor<1xf32>) -> tensor<f32>
+      %2 = stablehlo.broadcast_in_dim %1, dims = [] : (tensor<f32>) -> tensor<3xf32>
+      %3 = stablehlo.add %x, %2 : tensor<3xf32>
+      %4 = stablehlo.add %n, %n : tensor<i64>
+      return %3, %4 : tensor<3xf32>, tensor<i64>
+    }"""
+    x, n = np.array([1.0, 2.0, 3.0], np.float32), np.array(21, np.int64)
+    for executor in ("xla", "interpreter"):
+        shifted, doubled = run_reference(module, [x, n], executor)
+        np.testing.assert_array_equal(shifted, x + 1)
+        assert doubled.shape == () and doubled == 42
+
+
 def test_a_program_given_the_wrong_number_of_inputs_is_refused(cli, tmp_path, saved_program, model_and_input):
     model, x = model_and_input
     path = saved_program(model, (x,))

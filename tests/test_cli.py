@@ -179,6 +179,21 @@ def test_check_lists_every_unsupported_op_with_its_uses_and_source_lines(cli, sa
         assert f"test_frontend.py:{line_of(test_frontend.__file__, marker)}" in result.output
 
 
+class CrashesTorchMlir(torch.nn.Module):
+    def forward(self, x):
+        return torch.var(x, correction=0) + torch.tanh(x)  # SPEC: torch-mlir segfaults on var of a 0-d tensor
+
+
+def test_check_survives_a_torch_mlir_crash_and_names_the_op_that_crashed(cli, saved_program):
+    """torch-mlir segfaults on one op (tests/test_frontend.py): `neuronc check` runs in the same process, so the
+    crash must stay in a child; the op is named with its line, and the ops that compile are not listed."""
+    result = cli("check", saved_program(CrashesTorchMlir(), (torch.tensor(3.0),)))
+    assert result.exit_code == 1
+    assert "aten.var.correction (1 of 1 uses): compiling it alone crashed (killed by SIGSEGV)" in result.output
+    assert f"test_cli.py:{line_of(__file__, 'segfaults on var of a 0-d')}" in result.output
+    assert "aten.tanh" not in result.output and "aten.add" not in result.output
+
+
 class IntegerMatmul(torch.nn.Module):
     def forward(self, a, b):
         return a @ b + 1  # SPEC: legalize refuses integer matmuls

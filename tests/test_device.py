@@ -48,6 +48,20 @@ def test_to_neuron_needs_no_import_and_behaves_like_a_device(tmp_path):
     assert out.strip() == "ok"
 
 
+def test_torch_device_backend_autoload_0_leaves_the_device_unregistered():
+    """PyTorch's switch (README): with TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import torch` runs no backend's entry point:
+    no `torch.neuron`, no "neuron" device, no neuronc module imported."""
+    out = _run_python("""
+        import sys, torch
+        print(hasattr(torch, "neuron"), any(name.startswith("neuronc") for name in sys.modules))
+        try:
+            torch.zeros(1).to("neuron")
+        except RuntimeError as refused:
+            print("refused" if "neuron" in str(refused) else refused)
+    """, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert out.split() == ["False", "False", "refused"]
+
+
 def test_device_tensor_bytes_are_the_cores_hbm(neuron):
     import gc
 
@@ -542,6 +556,20 @@ def test_ops_are_queued_and_run_at_a_synchronization_point(neuron):
     torch.accelerator.synchronize()
     assert queues.pending(0) == 0
     assert torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
+    """A device queues at most QUEUE_DEPTH (1024) launches, as a NeuronCore's launch queue holds a bounded number:
+    the launch that fills the queue runs it, in order, without any synchronisation asked for."""
+    x = torch.zeros(4, device=neuron)
+    x.add_(1.0)  # compiled now, launched once
+    torch.accelerator.synchronize()
+    waiting = []
+    for _ in range(queues.QUEUE_DEPTH):
+        x.add_(1.0)
+        waiting.append(queues.pending(0))
+    assert waiting == [*range(1, queues.QUEUE_DEPTH), 0]  # one launch per add_; the last one ran them all
+    assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
 def test_a_missing_wait_reads_the_old_data(neuron):

@@ -78,11 +78,15 @@ class GroupNormUpsample(torch.nn.Module):
 
 
 def test_gradients_through_group_norm_and_nearest_upsampling_match_eager():
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = GroupNormUpsample(), torch.randn(2, 4, 5, 5)
     reference = copy.deepcopy(model)
+    before = len(backend.compiled_graphs)
     torch.compile(model, backend="neuron")(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
+    forward, backward = backend.compiled_graphs[before:]  # both graphs went to the device, not eager
+    assert forward.last_run is not None and backward.last_run is not None
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=name)
 
