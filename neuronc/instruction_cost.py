@@ -22,8 +22,9 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   The ~100-cycle static overhead and ~60-cycle SRAM access show only between dependent instructions: one
   reading what its engine's previous instruction wrote starts ``dependent_spacing_cycles`` after that one ends
   (the docs' measured 264-cycle spacing of dependent activations), and a Scalar-engine activation needing
-  another function's table loads it first (:func:`stream_costs`; a stated cost). N is the largest free size among the operands (a reduction reads more than
-  it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
+  another function's table loads it first (:func:`stream_costs`; a stated cost). Compile-time planners price the
+  instructions they have not emitted yet with the same rules (:class:`PlannedStreams`, :func:`perf_mode_speedup`).
+  N is the largest free size among the operands (a reduction reads more than it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
   accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
   small additional performance cost"). RNG makes one pass over its destination too (an assumption:
