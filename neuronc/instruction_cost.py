@@ -140,14 +140,20 @@ def vector_speedup(instr: Instruction, target: Target, passes: int) -> float:
     """The Vector engine's performance-mode speed-up of ``instr`` (:func:`perf_mode_speedup`). TENSOR_ALU2 counts as
     tensor_scalar with one streamed source and as tensor_tensor with two; a per-partition scalar is held, not an
     operand of the pass."""
-    operands = [instr.dst, *(ap for ap in instr.srcs if _streamed(ap))]
+    operands = perf_mode_operands(instr.dst, instr.srcs)
     if instr.opcode in _COPY_LIKE or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 1):
         form = "copy"
     elif instr.opcode == Opcode.TENSOR_TENSOR or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 2):
         form = "tensor_tensor"
     else:
         form = None
-    return perf_mode_speedup(instr.engine, form, [(ap.dtype, ap.space, _contiguous(ap)) for ap in operands], target)
+    return perf_mode_speedup(instr.engine, form, operands, target)
+
+
+def perf_mode_operands(dst, srcs) -> list:
+    """(dtype, space, contiguous) of the operands the performance mode looks at: the destination and the sources
+    streamed (a per-partition scalar read with stride 0 is held, not streamed)."""
+    return [(ap.dtype, ap.space, _contiguous(ap)) for ap in (dst, *(ap for ap in srcs if _streamed(ap)))]
 
 
 def perf_mode_speedup(engine: Engine, form: str | None, operands: list, target: Target) -> float:
@@ -223,7 +229,12 @@ def _box(ap) -> tuple:
 
 
 def _reads_written(reader: Instruction, writer: Instruction) -> bool:
-    for a in map(_box, reader.reads):
+    return reads_written(reader.reads, writer)
+
+
+def reads_written(reads, writer: Instruction) -> bool:
+    """Whether any of the access patterns ``reads`` overlaps what ``writer`` writes (the dependent-spacing test)."""
+    for a in map(_box, reads):
         for b in map(_box, writer.writes):
             if a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]:
                 return True

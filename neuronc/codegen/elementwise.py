@@ -8,7 +8,8 @@ from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
-from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns, step_costs
+from neuronc.instruction_cost import (dependent_gap_ns, engine_pass_ns, instruction_cost_ns, perf_mode_operands,
+                                      perf_mode_speedup, reads_written, step_costs, table_load_ns, table_of)
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
@@ -102,8 +103,19 @@ class StepBalancer:
         elements = max(ap.free_elements for ap in tiles + [out])
 
         def finish(engine):
+            """When `step` would end on `engine`, priced as the emulator's clock will price it: its passes, the
+            Vector performance mode, the dependent spacing after the engine's last instruction when that one wrote
+            an input, an activation-table load (instruction_cost)."""
+            target = self.em.target
             passes = 1 if engine is Engine.SCALAR else max(1, len(tiles))
-            return max(self.busy[engine], ready) + engine_pass_ns(engine, elements, passes, self.em.target)
+            last, loaded = self.last.get(engine, (None, None))
+            gap = dependent_gap_ns(engine, target) if last is not None and reads_written(tiles, last) else 0.0
+            shape = None if engine is Engine.SCALAR or step.op is Op.SELECT else {1: "copy", 2: "tensor_tensor"}.get(
+                len(tiles))
+            speedup = perf_mode_speedup(engine, shape, perf_mode_operands(out, tiles), target)
+            table = table_of(form[0]) if engine is Engine.SCALAR else None
+            load = table_load_ns(engine, target) if table is not None and table != loaded else 0.0
+            return max(self.busy[engine] + gap, ready) + engine_pass_ns(engine, elements, passes, target, speedup) + load
 
         engine = min(engines, key=finish)
         start = len(self.em.instructions)
