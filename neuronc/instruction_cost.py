@@ -22,8 +22,9 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   The ~100-cycle static overhead and ~60-cycle SRAM access show only between dependent instructions: one
   reading what its engine's previous instruction wrote starts ``dependent_spacing_cycles`` after that one ends
   (the docs' measured 264-cycle spacing of dependent activations), and a Scalar-engine activation needing
-  another function's table loads it first (:func:`stream_costs`; a stated cost). N is the largest free size among the operands (a reduction reads more than
-  it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
+  another function's table loads it first (:func:`stream_costs`; a stated cost). Compile-time planners price the
+  instructions they have not emitted yet with the same rules (:class:`PlannedStreams`, :func:`perf_mode_speedup`).
+  N is the largest free size among the operands (a reduction reads more than it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
   accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
   small additional performance cost"). RNG makes one pass over its destination too (an assumption:
@@ -136,26 +137,46 @@ _COPY_LIKE = (Opcode.TENSOR_COPY, Opcode.TENSOR_SCALAR)  # NKI's tensor_copy / t
 
 
 def vector_speedup(instr: Instruction, target: Target, passes: int) -> float:
-    """The Vector engine's performance-mode speed-up of ``instr`` (targets.vector_perf_mode): 4x for a copy or
-    tensor_scalar whose operands are all bf16/fp16 in SBUF with contiguous innermost dims, 2x when one is not
-    contiguous or one side is in PSUM; 2x for a tensor_tensor (two streamed inputs) with both inputs in SBUF and
-    every operand bf16/fp16; 1 otherwise. TENSOR_ALU2 counts as tensor_scalar with one streamed source and as
-    tensor_tensor with two."""
-    if not target.vector_perf_mode or instr.engine != Engine.VECTOR:
+    """The Vector engine's performance-mode speed-up of ``instr`` (:func:`perf_mode_speedup`). TENSOR_ALU2 counts as
+    tensor_scalar with one streamed source and as tensor_tensor with two; a per-partition scalar is held, not an
+    operand of the pass."""
+    operands = perf_mode_operands(instr.dst, instr.srcs)
+    if instr.opcode in _COPY_LIKE or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 1):
+        form = "copy"
+    elif instr.opcode == Opcode.TENSOR_TENSOR or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 2):
+        form = "tensor_tensor"
+    else:
+        form = None
+    return perf_mode_speedup(instr.engine, form, operands, target)
+
+
+def perf_mode_operands(dst, srcs) -> list:
+    """(dtype, space, contiguous) of the operands the performance mode looks at: the destination and the sources
+    streamed (a per-partition scalar read with stride 0 is held, not streamed)."""
+    return [(ap.dtype, ap.space, _contiguous(ap)) for ap in (dst, *(ap for ap in srcs if _streamed(ap)))]
+
+
+def perf_mode_speedup(engine: Engine, form: str | None, operands: list, target: Target) -> float:
+    """The Vector engine's performance-mode speed-up (targets.vector_perf_mode) of an instruction of ``form`` ("copy":
+    tensor_copy / tensor_scalar; "tensor_tensor"; None: any other) whose destination and streamed sources are
+    ``operands``, each (dtype, space, contiguous innermost dim): 4x for a copy whose operands are all bf16/fp16 in
+    SBUF and contiguous, 2x when one is not contiguous or one side is in PSUM; 2x for a tensor_tensor with both
+    inputs in SBUF and every operand bf16/fp16; 1 otherwise. The one rule the emulator's clock and the planners
+    (passes/rowwise_schedule.py) both apply."""
+    if not target.vector_perf_mode or engine != Engine.VECTOR or form is None:
         return 1.0
-    operands = [instr.dst, *(ap for ap in instr.srcs if _streamed(ap))]  # a per-partition scalar is held
-    if any(ap.dtype not in _SIXTEEN_BIT for ap in operands):
+    if any(dtype not in _SIXTEEN_BIT for dtype, _, _ in operands):
         return 1.0
-    scalar_like = instr.opcode in _COPY_LIKE or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 1)
-    if scalar_like:
-        in_psum = sum(ap.space == Space.PSUM for ap in operands)
-        if in_psum > 1 or any(ap.space == Space.HBM for ap in operands):
+    spaces = [space for _, space, _ in operands]
+    contiguous = all(c for _, _, c in operands)
+    if form == "copy":
+        in_psum = spaces.count(Space.PSUM)
+        if in_psum > 1 or Space.HBM in spaces:
             return 1.0
-        if in_psum == 0 and all(_contiguous(ap) for ap in operands):
+        if in_psum == 0 and contiguous:
             return 4.0
-        return 2.0 if all(_contiguous(ap) for ap in operands) or in_psum == 0 else 1.0
-    tensor_tensor = instr.opcode == Opcode.TENSOR_TENSOR or (instr.opcode == Opcode.TENSOR_ALU2 and passes == 2)
-    if tensor_tensor and all(ap.space == Space.SBUF for ap in operands[1:]):
+        return 2.0 if contiguous or in_psum == 0 else 1.0
+    if all(space == Space.SBUF for space in spaces[1:]):
         return 2.0
     return 1.0
 
@@ -176,9 +197,25 @@ _NO_TABLE = {ActFunc.NONE, ActFunc.IDENTITY, ActFunc.RELU, ActFunc.ABS, ActFunc.
 
 def activation_table(instr: Instruction) -> ActFunc | None:
     """The activation-function table ``instr`` needs loaded in its Scalar engine (None: it needs none)."""
-    if instr.opcode not in (Opcode.ACTIVATE, Opcode.ACTIVATE_BIAS_REDUCE) or instr.func in _NO_TABLE:
+    if instr.opcode not in (Opcode.ACTIVATE, Opcode.ACTIVATE_BIAS_REDUCE):
         return None
-    return instr.func
+    return table_of(instr.func)
+
+
+def table_of(func: ActFunc) -> ActFunc | None:
+    """The table an activation of ``func`` needs (None: computed without one; a stated choice, targets.py)."""
+    return None if func in _NO_TABLE else func
+
+
+def dependent_gap_ns(engine: Engine, target: Target) -> float:
+    """How long after its engine's previous instruction ends an instruction reading that one's output starts (its
+    output committed to SRAM first; targets.dependent_spacing_cycles, at the engine's clock)."""
+    return target.dependent_spacing_cycles / _CLOCK_GHZ[engine](target)
+
+
+def table_load_ns(engine: Engine, target: Target) -> float:
+    """Loading another activation function's table into an engine (targets.activation_table_load_cycles)."""
+    return target.activation_table_load_cycles / _CLOCK_GHZ[engine](target)
 
 
 def _box(ap) -> tuple:
@@ -192,7 +229,12 @@ def _box(ap) -> tuple:
 
 
 def _reads_written(reader: Instruction, writer: Instruction) -> bool:
-    for a in map(_box, reader.reads):
+    return reads_written(reader.reads, writer)
+
+
+def reads_written(reads, writer: Instruction) -> bool:
+    """Whether any of the access patterns ``reads`` overlaps what ``writer`` writes (the dependent-spacing test)."""
+    for a in map(_box, reads):
         for b in map(_box, writer.writes):
             if a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]:
                 return True
@@ -208,15 +250,58 @@ def stream_costs(stream: list, target: Target) -> tuple:
     extras, gaps = [0.0] * len(stream), [0.0] * len(stream)
     if not stream or stream[0].engine not in (Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD):
         return extras, gaps
-    ghz = _CLOCK_GHZ[stream[0].engine](target)
     loaded = None
     for i, instr in enumerate(stream):
-        table = activation_table(instr)
-        if table is not None and table != loaded:
-            extras[i], loaded = target.activation_table_load_cycles / ghz, table
-        if i and instr.opcode not in COLLECTIVES and _reads_written(instr, stream[i - 1]):
-            gaps[i] = target.dependent_spacing_cycles / ghz
+        extras[i], gaps[i], loaded = step_costs(instr, stream[i - 1] if i else None, loaded, target)
     return extras, gaps
+
+
+def step_costs(instr: Instruction, previous: Instruction | None, loaded: ActFunc | None, target: Target) -> tuple:
+    """(extra ns, gap ns, table loaded after) of ``instr`` following ``previous`` on its Vector, Scalar or GpSimd
+    engine with ``loaded`` the table in it (:func:`stream_costs`' rule for one instruction; codegen's balancers
+    charge it too)."""
+    extra, gap = 0.0, 0.0
+    table = activation_table(instr)
+    if table is not None and table != loaded:
+        extra, loaded = table_load_ns(instr.engine, target), table
+    if previous is not None and instr.opcode not in COLLECTIVES and _reads_written(instr, previous):
+        gap = dependent_gap_ns(instr.engine, target)
+    return extra, gap, loaded
+
+
+class PlannedStreams:
+    """The in-order Vector, Scalar and GpSimd streams as a compile-time planner sees them before the instructions
+    exist (passes/rowwise_schedule.py), priced by :func:`stream_costs`' rules: an instruction reading what its
+    engine's previous instruction made starts ``dependent_gap_ns`` after that one ends, and one needing another
+    activation table than its engine's loaded one pays :func:`table_load_ns` first. What an instruction reads and
+    makes are the planner's own keys (its steps)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.free: dict = {}  # engine -> when its last instruction ends
+        self.made: dict = {}  # engine -> the keys its last instruction made
+        self.table: dict = {}  # engine -> the activation table loaded
+
+    def run(self, engine: Engine, ns: float, ready: float, reads=(), makes=(), func: ActFunc | None = None) -> tuple:
+        """(start, end, engine time charged: its cost, table load and dependent gap, as codegen's balancers charge)
+        of an instruction of ``ns`` on ``engine`` whose inputs are ready at ``ready``; ``func``: its activation
+        function (an ACTIVATE), None for any other instruction."""
+        free = self.free.get(engine, 0.0)
+        gap = dependent_gap_ns(engine, self.target) if any(key in self.made.get(engine, ()) for key in reads) else 0.0
+        start = max(ready, free + gap)
+        table = table_of(func) if func is not None else None
+        if table is not None and table != self.table.get(engine):
+            ns += table_load_ns(engine, self.target)
+            self.table[engine] = table
+        self.free[engine], self.made[engine] = start + ns, set(makes)
+        return start, start + ns, ns + gap
+
+
+def remaining_latency_ns(start: float, ready: float, moving: float, latency: float) -> float:
+    """What is left at ``start`` of a DMA's ``latency`` (start_latency_ns), prepared from when its waits were met
+    (``ready``) and its queue's previous transfer began moving data (``moving``): a queue prepares one transfer
+    ahead. Shared by the emulator's clock (stream_timing.simulate) and the planners' DMA queues."""
+    return max(0.0, max(ready, moving) + latency - start)
 
 
 def transfer_bytes(instr: Instruction) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from neuronc.instruction_cost import HbmChannel, hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
+from neuronc.instruction_cost import (HbmChannel, hbm_bytes, instruction_cost_ns, remaining_latency_ns, start_latency_ns,
+                                      stream_costs)
 from neuronc.parallel_access import ports
 from neuronc.targets import Target
 
@@ -78,7 +79,7 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, port
             duration, lead = durations[s][i], 0.0
             if latencies is not None and latencies[s][i]:
                 latency = latencies[s][i]
-                lead = max(0.0, max(ready[s], moving[s] if i else 0.0) + latency - time)  # what is left of it
+                lead = remaining_latency_ns(time, ready[s], moving[s] if i else 0.0, latency)
                 duration -= latency - lead
             moving[s] = time + lead
             end = hbm.end(time, duration, hbm_bytes[s][i], lead)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.instruction_cost import dma_transfer_ns, instruction_cost_ns, payload_efficiency
+from neuronc.instruction_cost import PlannedStreams, dma_transfer_ns, instruction_cost_ns, payload_efficiency
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.neff.program import DebugLoc, TensorKind
 from neuronc.stream_timing import estimate_streams
@@ -227,6 +227,24 @@ def test_the_scalar_engine_loads_an_activation_table_when_the_function_changes()
     plain, load = 512 / TRN2.scalar_ghz, TRN2.activation_table_load_cycles / TRN2.scalar_ghz
     assert durations == pytest.approx([plain + load, plain, plain + load, plain, plain + load])
     assert estimate_streams(p.streams, TRN2)[0] == pytest.approx(sum(durations))  # the compiler's estimate agrees
+
+
+def test_a_planners_streams_charge_the_spacing_and_table_loads_the_emulators_clock_charges():
+    """passes/rowwise_schedule.py prices schedules before their instructions exist with PlannedStreams: the same
+    dependent spacing and activation-table loads as the emulator's clock (one rule, instruction_cost)."""
+    tiles = {name: chip((128, 512), offset=2048 * n) for n, name in enumerate("abcde")}
+    steps = [("a", "b", ActFunc.EXP), ("b", "c", ActFunc.EXP), ("a", "d", ActFunc.TANH), ("d", "e", ActFunc.IDENTITY)]
+    p = Program()
+    for src, dst, func in steps:
+        p.emit(Opcode.ACTIVATE, Engine.SCALAR, tiles[dst], tiles[src], func=func, imm0=1.0)
+    emulated = [t for e in _load(p, "trn2").time().events for t in (e.start_ns, e.end_ns)]
+    planned = PlannedStreams(TRN2)
+    priced = [t for src, dst, func in steps for t in
+              planned.run(Engine.SCALAR, 512 / TRN2.scalar_ghz, 0.0, reads=(src,), makes=(dst,), func=func)[:2]]
+    assert priced == pytest.approx(emulated)  # (start, end) of each
+    gap = TRN2.dependent_spacing_cycles / TRN2.scalar_ghz
+    assert emulated[2] == pytest.approx(emulated[1] + gap)  # the second reads the first's output
+    assert emulated[4] == pytest.approx(emulated[3])  # the third does not
 
 
 def _transpose(dtype: DType, accumulate: bool = False) -> Program:

@@ -284,6 +284,22 @@ def test_a_schedules_price_is_the_emulated_time_within_a_tenth(monkeypatch, sche
     assert priced == pytest.approx(compiled.neff.estimated_ns, rel=0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, rows, cols", [("layer_norm", 512, 768), ("softmax", 256, 2048),
+                                              ("rms_norm", 1024, 1024)])
+def test_the_chosen_schedules_price_is_the_emulated_time_within_a_tenth(name, rows, cols, dtype):
+    """The planner prices with the emulator's own rules (MIN_II, dependent spacing, table loads, performance mode, a
+    DMA queue preparing its next transfer): its price of the schedule it chose is the emulated kernel's time within
+    10% on these shapes. (Not at [4096, 4096]: there it is 0.73-0.93 of the emulated time, docs/performance.md.)"""
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](cols).eval().to(dtype), torch.randn(rows, cols).to(dtype)
+    compiled, _ = _compile_and_run(model, x)
+    node = _rowwise_node(compiled)
+    priced = rowwise_schedule.rowwise_ns(node.attrs["body"], node.attrs["views"], [i.dtype for i in node.inputs],
+                                         node.dtype, rows, cols, node.attrs["schedule"], get_target())
+    assert priced == pytest.approx(compiled.neff.estimated_ns, rel=0.1)
+
+
 @pytest.mark.parametrize("rows", [128, 72, 8])
 def test_a_latency_bound_row_tile_dma_is_cut_into_even_slices(rows):
     """The first loads and last stores go over several queues, in slices codegen cuts at partition groups: a count

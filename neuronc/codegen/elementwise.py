@@ -8,7 +8,8 @@ from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
-from neuronc.instruction_cost import engine_pass_ns, instruction_cost_ns
+from neuronc.instruction_cost import (dependent_gap_ns, engine_pass_ns, instruction_cost_ns, perf_mode_operands,
+                                      perf_mode_speedup, reads_written, step_costs, table_load_ns, table_of)
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
@@ -88,6 +89,7 @@ class StepBalancer:
     def __init__(self, em: Emitter):
         self.em = em
         self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}  # when each is free again
+        self.last: dict = {}  # engine -> (its last instruction, the activation table it left loaded)
 
     def compute(self, step, out, args, constants, loc, ready: float = 0.0) -> float:
         """Emit `step`; `ready` is when its inputs are made. Returns when it is done."""
@@ -101,8 +103,19 @@ class StepBalancer:
         elements = max(ap.free_elements for ap in tiles + [out])
 
         def finish(engine):
+            """When `step` would end on `engine`, priced as the emulator's clock will price it: its passes, the
+            Vector performance mode, the dependent spacing after the engine's last instruction when that one wrote
+            an input, an activation-table load (instruction_cost)."""
+            target = self.em.target
             passes = 1 if engine is Engine.SCALAR else max(1, len(tiles))
-            return max(self.busy[engine], ready) + engine_pass_ns(engine, elements, passes, self.em.target)
+            last, loaded = self.last.get(engine, (None, None))
+            gap = dependent_gap_ns(engine, target) if last is not None and reads_written(tiles, last) else 0.0
+            shape = None if engine is Engine.SCALAR or step.op is Op.SELECT else {1: "copy", 2: "tensor_tensor"}.get(
+                len(tiles))
+            speedup = perf_mode_speedup(engine, shape, perf_mode_operands(out, tiles), target)
+            table = table_of(form[0]) if engine is Engine.SCALAR else None
+            load = table_load_ns(engine, target) if table is not None and table != loaded else 0.0
+            return max(self.busy[engine] + gap, ready) + engine_pass_ns(engine, elements, passes, target, speedup) + load
 
         engine = min(engines, key=finish)
         start = len(self.em.instructions)
@@ -116,9 +129,12 @@ class StepBalancer:
     def account(self, instructions, ready: float = 0.0) -> float:
         """Book `instructions` (emitted in order, on the balancer's engines) after `ready`; returns their end."""
         end = ready
-        for inst in instructions:
-            end = max(self.busy.get(inst.engine, 0.0), end) + instruction_cost_ns(inst, self.em.target)
+        for inst in instructions:  # each priced as the emulator's clock prices it (instruction_cost.step_costs)
+            previous, loaded = self.last.get(inst.engine, (None, None))
+            extra, gap, loaded = step_costs(inst, previous, loaded, self.em.target)
+            end = max(self.busy.get(inst.engine, 0.0) + gap, end) + instruction_cost_ns(inst, self.em.target) + extra
             self.busy[inst.engine] = end
+            self.last[inst.engine] = inst, loaded
         return end
 
 
@@ -233,11 +249,17 @@ class Balancer:
     def __init__(self, em: Emitter):
         self.em = em
         self.busy = {e: 0.0 for e in (*self.CANDIDATES, Engine.SCALAR)}
+        self.last: dict = {}  # engine -> (its last instruction placed here, the activation table it left loaded)
 
     def _charge(self, start: int) -> None:
+        """Book the instructions emitted since `start` with the emulator's costs: each one's duration, the table
+        load and the dependent spacing it pays after the previous one placed on its engine (instruction_cost)."""
         for inst in self.em.instructions[start:]:
             if inst.engine in self.busy:
-                self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target)
+                previous, loaded = self.last.get(inst.engine, (None, None))
+                extra, gap, loaded = step_costs(inst, previous, loaded, self.em.target)
+                self.busy[inst.engine] += instruction_cost_ns(inst, self.em.target) + extra + gap
+                self.last[inst.engine] = inst, loaded
 
     def _engine(self, tiles, on: Engine | None = None) -> Engine:
         if on is not None:

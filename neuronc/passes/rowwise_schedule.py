@@ -16,9 +16,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neuronc.instruction_cost import HbmChannel, dma_transfer_ns, engine_pass_ns
+from neuronc import ir
+from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_ns, engine_pass_ns, perf_mode_speedup,
+                                      remaining_latency_ns)
 from neuronc.ir import BINARY, Op, Step
-from neuronc.isa import DType, Engine
+from neuronc.isa import ActFunc, DType, Engine, Space
 from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
 from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
@@ -85,9 +87,12 @@ class _Op(NamedTuple):
     reads_shared: bool  # an input the same for every row
     makes: tuple  # the steps it makes
     ends_step: bool = True  # the last instruction of its plan step (codegen's chains yield after each step)
+    func: object = None  # the ActFunc of an activation (its table), None for an ALU instruction
+    form: str | None = None  # its Vector performance-mode form (instruction_cost.perf_mode_speedup)
+    dtypes: tuple = ()  # the dtypes of its destination and streamed sources (all in SBUF, contiguous)
 
 
-def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) -> list:
+def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, target: Target) -> list:
     """The instructions of one row tile as codegen emits them, each as an _Op."""
     kinds = step_kinds(body, views)
     tail = tail_steps(body, views, plan) if schedule.cut else ()
@@ -98,11 +103,21 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
     def streamed(args):
         return len({a for a in args if kind_of(a) in ("full", "col")})
 
-    def op(engine, elements, passes, args, makes):
+    def dtype_of(arg):
+        return body[arg[1]].dtype if arg[0] == "step" else input_dtypes[arg[1]]
+
+    def op(engine, elements, passes, args, makes, func=None, form=None):
         steps = tuple(a[1] for a in args if a[0] == "step" and kinds[a[1]] != "col")
         inputs = [a for a in args if a[0] == "input"]
+        dst = body[makes[0]].dtype if makes else DType.F32
+        held = elements > 1  # over full rows a per-row value is held, not streamed
+        dtypes = (dst, *(dtype_of(a) for a in args if a[0] != "imm" and not (held and kind_of(a) == "row")))
         return _Op(engine, elements, max(1, passes), steps, any(kind_of(a) != "col" for a in inputs),
-                   any(kind_of(a) == "col" for a in args), makes)
+                   any(kind_of(a) == "col" for a in args), makes, True, func, form, dtypes)
+
+    def alu_form(reads):
+        """The performance-mode form of the ALU instruction computing from `reads` (codegen's compute_step)."""
+        return {1: "copy", 2: "tensor_tensor"}.get(len(reads))
 
     ops, tail_ops = [], []
     for j, instr in plan.instr_of.items():
@@ -111,33 +126,47 @@ def _tile_ops(body, views, plan, schedule: Schedule, cols: int, target: Target) 
         width = cols if kinds[j] == "full" else 1
         if isinstance(instr, Alu2):
             engine, passes, reads = "alu", streamed(instr.reads), instr.reads
+            func, form = None, ("copy" if passes == 1 else "tensor_tensor")
         elif isinstance(instr, Summed):
-            if instr.shift is not None and not instr.negated:
-                negate = op(Engine.SCALAR if schedule.row_steps_on_scalar else "alu", 1, 1, (instr.shift,), ())
-                ops.append(negate._replace(ends_step=False))  # the bias, -shift: a per-row ALU step
-            ops.append(op(Engine.SCALAR, cols, 1, instr.reads, (j, instr.row_sum)))
+            bias = ()
+            if instr.shift is not None and not instr.negated:  # the bias, -shift: a per-row ALU step
+                negate = op(Engine.SCALAR if schedule.row_steps_on_scalar else "alu", 1, 1, (instr.shift,), (),
+                            form="copy")
+                ops.append(negate._replace(makes=(("bias", j),), ends_step=False, dtypes=(DType.F32, DType.F32)))
+                bias = (("bias", j),)
+            summed = op(Engine.SCALAR, cols, 1, instr.reads, (j, instr.row_sum), func=_act_func(instr.act))
+            ops.append(summed._replace(after=summed.after + bias))
             continue
         elif isinstance(instr, Act):
-            engine, passes, reads = Engine.SCALAR, 1, instr.reads
+            engine, passes, reads, func, form = Engine.SCALAR, 1, instr.reads, ir.facts(instr.act).activation, None
         elif isinstance(instr, RowSum):
             engine, passes, reads = Engine.SCALAR if schedule.row_sum_on_scalar else "alu", 1, instr.reads
-            width = cols
+            func, form, width = (ActFunc.IDENTITY if schedule.row_sum_on_scalar else None), None, cols
         elif body[j].op is Op.REDUCE_LAST:
-            engine, passes, reads, width = "alu", 1, instr.reads, cols
+            engine, passes, reads, width, func, form = "alu", 1, instr.reads, cols, None, None
         else:
             reads = tuple(a for a in instr.args if a[0] != "imm")
-            engine = Engine.SCALAR if body[j].op in ACTIVATION_OPS or (
-                schedule.row_steps_on_scalar and width == 1 and per_row_alu(body[j])) else "alu"
+            scalar = body[j].op in ACTIVATION_OPS or (
+                schedule.row_steps_on_scalar and width == 1 and per_row_alu(body[j]))
+            engine = Engine.SCALAR if scalar else "alu"
+            # on the Scalar engine an ALU step is an ACTIVATE of the identity (codegen's _scalar_form)
+            func = (ir.facts(body[j].op).activation or ActFunc.IDENTITY) if scalar else None
+            form = None if body[j].op is Op.SELECT else alu_form(reads)
             passes = len(reads)
             width = cols if any(kind_of(a) in ("full", "col") for a in reads) else width
         if j in tail:
-            tail_ops.append((j, engine, passes, reads))
+            tail_ops.append((j, engine, passes, reads, func, form))
         else:
-            ops.append(op(engine, width, passes, reads, (j,)))
+            ops.append(op(engine, width, passes, reads, (j,), func, form))
     for (c0, c1), half_engine in zip(((0, schedule.cut), (schedule.cut, cols)) if tail else (), split_engines(target)):
-        for j, engine, passes, reads in tail_ops:  # an activation stays on the Scalar engine
-            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,)))
+        for j, engine, passes, reads, func, form in tail_ops:  # an activation stays on the Scalar engine
+            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,), func, form))
     return ops
+
+
+def _act_func(act) -> ActFunc:
+    """The function of a Summed activation (a square for MULTIPLY), as codegen's `_activation_func`."""
+    return ActFunc.SQUARE if act is Op.MULTIPLY or act is Op.POWER else ir.facts(act).activation
 
 
 def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
@@ -146,22 +175,28 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
     engine's (or DMA queue's) in-order queue once the values it reads are made, its cost by instruction_cost's rules;
     loads of a row tile wait for the tile `bufs` before it to be done with their buffer; DMAs share the HBM channel."""
     plan = tile_plan(body, views, input_dtypes)
-    ops = _tile_ops(body, views, plan, schedule, cols, target)
+    ops = _tile_ops(body, views, input_dtypes, plan, schedule, cols, target)
     parts = target.partitions
-    free = {e: 0.0 for e in (*ALU_ENGINES, Engine.SCALAR)}  # when each engine is free again
-    load = {e: 0.0 for e in free}  # the Balancer's work so far
+    engines = PlannedStreams(target)  # the Vector, Scalar and GpSimd streams, with the emulator's stream rules
+    load = {e: 0.0 for e in (*ALU_ENGINES, Engine.SCALAR)}  # the Balancer's work so far
     queues = [0.0] * target.dma_queues
+    moving = [0.0] * target.dma_queues  # when each queue's last transfer began moving data
     turn = [0]
     hbm = HbmChannel(target)
 
     def dma(nbytes: int, pieces: int, ready: float, rows: int) -> float:
+        """A transfer cut into `pieces` on the next queues, each as the emulator's clock runs it: its fixed cost
+        (start latency) prepared while the queue's previous transfer moves data, its bytes through the HBM
+        channel (stream_timing.simulate)."""
         end = ready
         for _ in range(pieces):
             q = turn[0] % len(queues)
             turn[0] += 1
             start = max(queues[q], ready)
-            queues[q] = hbm.end(start, dma_transfer_ns(nbytes / pieces, True, target, -(-rows // pieces)),
-                                nbytes / pieces)
+            lead = remaining_latency_ns(start, ready, moving[q], target.dma_fixed_ns)
+            duration = dma_transfer_ns(nbytes / pieces, True, target, -(-rows // pieces)) - target.dma_fixed_ns + lead
+            moving[q] = start + lead
+            queues[q] = hbm.end(start, duration, nbytes / pieces, lead)
             end = max(end, queues[q])
         return end
 
@@ -185,14 +220,15 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
         made = {}
         for o in ops:
             engine = o.engine if o.engine != "alu" else min(ALU_ENGINES, key=load.get)
-            cost = engine_pass_ns(engine, o.elements, o.passes, target)
+            speedup = perf_mode_speedup(engine, o.form, [(dt, Space.SBUF, True) for dt in o.dtypes], target)
+            cost = engine_pass_ns(engine, o.elements, o.passes, target, speedup)
             ready = max([made.get(s, 0.0) for s in o.after] + [loaded if o.reads_input else 0.0,
                                                                  shared_end if o.reads_shared else 0.0])
-            start = max(free[engine], ready)
-            free[engine] = start + cost
-            load[engine] += cost
+            _, end, charged = engines.run(engine, cost, ready, reads=[(n, s) for s in o.after],
+                                          makes=[(n, s) for s in o.makes], func=o.func)
+            load[engine] += charged
             for s in o.makes:
-                made[s] = max(made.get(s, 0.0), start + cost)
+                made[s] = max(made.get(s, 0.0), end)
             if o.ends_step:
                 yield
         out = made.get(plan.out_step, 0.0)
@@ -215,7 +251,7 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
         chains = [run(n, t, shared_end, g == len(groups) - 1) for n, t in zip(group, loaded)]
         while chains:
             chains = [c for c in chains if next(c, StopIteration) is not StopIteration]
-    return max(list(done_at.values()) + list(free.values()))
+    return max(list(done_at.values()) + list(engines.free.values()))
 
 
 def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
