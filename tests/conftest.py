@@ -174,11 +174,11 @@ def neuron():
     return torch.device("neuron", 0)
 
 
-def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None, may_fail: bool = False) -> list:
+def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None) -> list:
     """Run ``python *args`` as the ``ranks`` processes of one torch.distributed job on this host (loopback, a port
     the OS gives, the environment torchrun sets), and return each rank's last line of output, parsed as JSON, in
-    rank order. A rank that fails fails the test with its error output (unless ``may_fail``: its entry is then
-    None); a job that outlives ``timeout`` seconds is killed (every rank) and fails it too."""
+    rank order. A rank that fails fails the test with its error output; a job that outlives ``timeout`` seconds
+    is killed (every rank) and fails it too."""
     import json
     import os
     import socket
@@ -206,9 +206,6 @@ def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None, m
         pytest.fail(f"the {ranks} ranks did not finish within {timeout} s:\n" + "\n".join(errors))
     results = []
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0 and may_fail:
-            results.append(None)
-            continue
         assert p.returncode == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results

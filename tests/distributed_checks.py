@@ -1,6 +1,6 @@
 """What one rank of the "neuron" process group observes in each scenario of tests/test_distributed.py:
 
-    python -m tests.distributed_checks collectives mismatch compiled   # as each rank of a torchrun-style launch (2 ranks)
+    python -m tests.distributed_checks collectives mismatch late_rank dead_rank   # as each rank of a torchrun-style launch (2 ranks)
 
 The scenarios named run one after the other in one process; it prints one JSON line of what each saw; the test compares the ranks' lines with what PyTorch computes
 on the CPU, and with the interconnect model.
@@ -24,8 +24,7 @@ def _error(e: Exception) -> str:
 
 
 def collectives(rank: int, world: int, device) -> dict:
-    from neuronc.collective_cost import collective_ns
-    from neuronc.isa import CollectiveOp
+    from neuronc.pytorch import device_memory
     from neuronc.targets import get_target
 
     out = {"backend": dist.get_backend(), "group_name": dist.group.WORLD.group_name}
@@ -71,17 +70,22 @@ def collectives(rank: int, world: int, device) -> dict:
     out["replicated"] = sharded.redistribute(mesh, [Replicate()]).to_local().cpu().tolist()
     out["local_device"] = str(sharded.to_local().device)
 
-    # the interconnect model on the emulated clock: a blocking all-reduce holds the current stream for the
-    # model's time; an async one overlaps with what the stream does before wait()
-    y = torch.randn(256, 64).to(device)
-    dist.all_reduce(y)  # the first call of each op compiles; time the second
+    # the interconnect model on the emulated clock: a blocking all-reduce holds the current stream for its time
+    # (of 1, 2 and 3 x 64 KiB); an async one overlaps with what the stream does before wait()
     start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
-    start.record()
-    dist.all_reduce(y)
-    end.record()
-    end.synchronize()
-    out["all_reduce_ns"] = start.elapsed_time(end) * 1e6
-    out["model_ns"] = collective_ns(CollectiveOp.ALL_REDUCE, y.numel() * 4, world, get_target("trn2"))
+    out["all_reduce_ns"] = []
+    for rows in (256, 512, 768):
+        y = torch.randn(rows, 64).to(device)
+        dist.all_reduce(y)  # the first call of each shape may compile; time the second
+        start.record()
+        dist.all_reduce(y)
+        end.record()
+        end.synchronize()
+        out["all_reduce_ns"].append(start.elapsed_time(end) * 1e6)
+    out["all_reduce_bytes"] = 256 * 64 * 4
+    target = get_target(device_memory.target())
+    out["hbm_gbps"], out["collective_hop_ns"] = target.hbm_gbps * target.cores_per_chip, target.collective_hop_ns
+    y = torch.randn(256, 64).to(device)
     z = torch.randn(512, 512).to(device)
     (z @ z).cpu()  # compiled once
     start.record()
@@ -112,6 +116,61 @@ def collectives(rank: int, world: int, device) -> dict:
     return out
 
 
+def _each_collective(rank: int, world: int, device, group, reductions: tuple) -> dict:
+    """reduce (with each of ``reductions``), gather, scatter, all_to_all (of lists), barrier, all_gather_into_tensor
+    and reduce_scatter of a list, run on ``device``'s tensors in ``group``; what each left, as lists."""
+    def tensor(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    def listed(t):
+        return t.float().cpu().tolist()
+
+    out = {}
+    for op in reductions:
+        x = tensor([1.0 + rank, 10.0 - 3 * rank, 0.5 * rank])
+        dist.reduce(x, dst=1, op=getattr(dist.ReduceOp, op), group=group)
+        out[f"reduce_{op.lower()}"] = listed(x)  # the root's result; on the others, unspecified
+    h = tensor([1.0, 1.0 + rank / 128], torch.bfloat16)
+    dist.reduce(h, dst=0, group=group)
+    out["reduce_bf16"] = listed(h)
+    gathered = [torch.zeros(3).to(device) for _ in range(world)] if rank == 0 else None
+    dist.gather(tensor([rank, rank * 2.0, -rank]), gathered, dst=0, group=group)
+    out["gather"] = [listed(g) for g in gathered] if rank == 0 else None
+    piece = torch.zeros(2).to(device)
+    pieces = [tensor([10.0 * r, 10.0 * r + 1]) for r in range(world)] if rank == 1 else None
+    dist.scatter(piece, pieces, src=1, group=group)
+    out["scatter"] = listed(piece)
+    received = [torch.zeros(2).to(device) for _ in range(world)]
+    dist.all_to_all(received, [tensor([100.0 * rank + r, -(100.0 * rank + r)]) for r in range(world)], group=group)
+    out["all_to_all"] = [listed(t) for t in received]
+    whole = torch.zeros(2 * world).to(device)
+    dist.all_gather_into_tensor(whole, tensor([rank, rank + 0.5]), group=group)
+    out["all_gather_into_tensor"] = listed(whole)
+    part = torch.zeros(2).to(device)
+    dist.reduce_scatter(part, [tensor([r + rank, r * rank]) for r in range(world)], group=group)
+    out["reduce_scatter_list"] = listed(part)
+    dist.barrier(group=group)
+    out["barrier"] = True
+    return out
+
+
+def other_collectives(rank: int, world: int, device) -> dict:
+    """Each collective of :func:`_each_collective` on `neuron` tensors in the neuron process group and on CPU
+    tensors in a gloo group of the same ranks (PyTorch's own CPU backend: the reference), and that a barrier
+    waits for every rank: what rank 1 stores before it, rank 0 finds after it, though rank 1 arrives late."""
+    gloo = dist.new_group(backend="gloo")
+    out = {"neuron": _each_collective(rank, world, device, None, ("SUM", "MAX", "AVG")),
+           "gloo": _each_collective(rank, world, torch.device("cpu"), gloo, ("SUM", "MAX"))}  # gloo has no AVG
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        time.sleep(1.0)
+        store.set("before_barrier", "rank 1 was here")
+    dist.barrier()
+    if rank == 0:  # the store's host (rank 1 may not reach it once rank 0 has left)
+        out["seen_after_barrier"] = store.check(["before_barrier"])
+    return out
+
+
 def mismatch(rank: int, world: int, device) -> dict:
     """Ranks that disagree on a collective: every rank is told, and the group still works afterwards."""
     out = {}
@@ -136,15 +195,28 @@ def mismatch(rank: int, world: int, device) -> dict:
     return out
 
 
-def dead_rank(rank: int, world: int, device) -> dict:
-    """Rank 1 dies before the collective; rank 0 must fail, not hang."""
-    x = torch.ones(4).to(device)
+def _short_lived_group():
+    """A neuron process group of every rank with a timeout of TIMEOUT_S, for a scenario that breaks it: made once
+    every rank is done with the scenario before (in the default group, whose timeout is 10 minutes), so that its
+    own short timeout counts only the scenario."""
     dist.barrier()
+    group = dist.new_group(backend="neuron", timeout=timedelta(seconds=TIMEOUT_S))
+    dist.barrier(group=group)  # every rank has made it
+    return group
+
+
+LEAVES = "leaves"  # what a rank's scenario returns when the rank must end the job there (main prints and exits)
+
+
+def dead_rank(rank: int, world: int, device) -> dict | str:
+    """Rank 1 dies before the collective (it leaves the job with os._exit, as a crash does: nothing closes its
+    groups); rank 0 must fail, not hang. The last scenario of a job."""
+    group, x = _short_lived_group(), torch.ones(4).to(device)
     if rank == 1:
-        os._exit(3)
+        return LEAVES
     start = time.monotonic()
     try:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return {"error": None}
     except Exception as e:  # noqa: BLE001
         return {"error": _error(e), "seconds": time.monotonic() - start}
@@ -152,13 +224,12 @@ def dead_rank(rank: int, world: int, device) -> dict:
 
 def late_rank(rank: int, world: int, device) -> dict:
     """Rank 1 reaches the collective after the group's timeout: rank 0 fails when it expires, rank 1 after."""
-    x = torch.ones(4).to(device)
-    dist.barrier()
+    group, x = _short_lived_group(), torch.ones(4).to(device)
     if rank == 1:
         time.sleep(TIMEOUT_S * 2.5)
     start = time.monotonic()
     try:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return {"error": None}
     except Exception as e:  # noqa: BLE001
         return {"error": _error(e), "seconds": time.monotonic() - start}
@@ -286,12 +357,12 @@ def compiled(rank: int, world: int, device) -> dict:
 
 
 TIMEOUT_S = 3
-SCENARIOS = {f.__name__: f for f in (collectives, mismatch, dead_rank, late_rank, compiled)}
+SCENARIOS = {f.__name__: f for f in (collectives, other_collectives, mismatch, dead_rank, late_rank, compiled)}
 
 
 def _all_ready(rank: int, world: int) -> dist.Store:
-    """The job's store, returned once every rank has imported and reached it: the group's timeout (3 s in the failure
-    scenarios) then counts only the collectives, not how much later a loaded machine starts one rank than another."""
+    """The job's store, returned once every rank has imported and reached it: no timeout then counts how much later
+    a loaded machine starts one rank than another."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=timedelta(minutes=10))
     store.set(f"ready/{rank}", "1")
@@ -300,17 +371,22 @@ def _all_ready(rank: int, world: int) -> dist.Store:
 
 
 def main(names: list) -> None:
-    """Run the scenarios ``names`` one after the other in one process group (the ones that break the group,
-    dead_rank and late_rank, alone, with a short timeout) and print one JSON line: each scenario's observations."""
+    """Run the scenarios ``names`` one after the other in one process group (the ones that break a group, late_rank
+    and dead_rank, in groups of their own with a short timeout; dead_rank last) and print one JSON line: each
+    scenario's observations."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("neuron", rank % torch.neuron.device_count())
     torch.neuron.set_device(device.index)
     torch.ones(4).to(device)  # the first device op, before any clock runs
     store = _all_ready(rank, world)
-    timeout = timedelta(seconds=TIMEOUT_S) if {"dead_rank", "late_rank"} & set(names) else timedelta(minutes=10)
-    dist.init_process_group("neuron", store=store, rank=rank, world_size=world, timeout=timeout)
-    print(json.dumps({name: SCENARIOS[name](rank, world, device) for name in names}), flush=True)
-    os._exit(0)  # not destroy_process_group: in the failure scenarios the group is broken
+    dist.init_process_group("neuron", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    seen = {}
+    for name in names:
+        seen[name] = SCENARIOS[name](rank, world, device)
+        if seen[name] == LEAVES:
+            break
+    print(json.dumps(seen), flush=True)
+    os._exit(0)  # not destroy_process_group: in the failure scenarios a group is broken, or a rank gone
 
 
 if __name__ == "__main__":

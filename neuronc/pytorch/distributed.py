@@ -247,9 +247,13 @@ class NeuronCollectives:
     def _reduce(self, gloo_op, tensors, opts, inputs=None, single: bool = False) -> None:
         """A reduction through gloo; AVG (which gloo lacks) as a SUM divided by the group's size."""
         average = getattr(opts.reduceOp, "op", opts.reduceOp) == dist.ReduceOp.AVG
-        if average:
-            opts = type(opts)()
-            opts.reduceOp = dist.ReduceOp.SUM
+        if average:  # the same options (a reduce's root among them) with SUM
+            summed = type(opts)()
+            for field in ("rootRank", "rootTensor", "timeout", "asyncOp"):
+                if hasattr(opts, field):
+                    setattr(summed, field, getattr(opts, field))
+            summed.reduceOp = dist.ReduceOp.SUM
+            opts = summed
         hosts = _hosts(tensors)
         if inputs is None:
             work = gloo_op(hosts, opts)
