@@ -25,6 +25,12 @@ def _matches_eager(fn, *inputs):
         torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
 
 
+@pytest.fixture(autouse=True)
+def strictly_on_the_device(monkeypatch):
+    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+
+
 @pytest.fixture
 def x():
     return torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0))
@@ -150,3 +156,26 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
     """Where eager's trigamma returns pi^2 / sin(pi x)^2 of a rounded pi x (3.2e14 at -2), the pole is kept."""
     poles = torch.tensor([0.0, -1.0, -2.0, -5.0])
     assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
+
+
+def test_bessel_j1_matches_eager_over_wide_ranges():
+    inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor([0.0, 1e-6, 4.999, 5.0, 5.001, -5.0, 1e4,
+                                                                     float("inf"), float("-inf"), float("nan")])])
+    _matches_eager(torch.special.bessel_j1, inputs)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("initial", [None, 2.0])
+def test_segment_reduce_over_lengths_and_offsets_with_empty_segments(reduce, initial):
+    data = torch.randn(6, 3, generator=torch.Generator().manual_seed(3))
+    data[3, 1] = float("nan")  # propagates through its segment as in eager
+    lengths = torch.tensor([2, 0, 3, 1, 0])
+    offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
+    _matches_eager(lambda d, n: torch.segment_reduce(d, reduce, lengths=n, initial=initial), data, lengths)
+    _matches_eager(lambda d, o: torch.segment_reduce(d, reduce, offsets=o, initial=initial), data, offsets)
+
+
+def test_segment_reduce_along_an_inner_axis():
+    data = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([[1, 2, 3], [0, 6, 0]])
+    _matches_eager(lambda d, n: torch.segment_reduce(d, "mean", lengths=n, axis=1, initial=1.0), data, lengths)
