@@ -6,7 +6,8 @@ codegen (`op_probe.node_verdicts`, as `neuronc check` does); the ops that compil
 largest subgraphs PyTorch's capability partitioner finds, each compiled to a NEFF, and the others run
 eagerly on the CPU between them, with one warning per op (as the eager device's fallback does).
 A device subgraph that still fails to compile as a whole runs on the CPU too (warned), so the graph
-never stops on an op and never returns numbers other than eager's for the ops that fell back.
+never stops on an op and never returns numbers other than eager's for the ops that fell back. An error in
+the user's own NKI kernel (KernelError) is raised, never worked around.
 
 ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` keeps today's strict behaviour: the error listing every
 op that cannot be compiled. The CLI never partitions: a NEFF holds device work only.
@@ -21,7 +22,7 @@ import warnings
 import torch
 from torch import fx
 
-from neuronc.errors import NeuronCompileError
+from neuronc.errors import KernelError, NeuronCompileError
 
 log = logging.getLogger("neuronc")
 FALLBACK_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
@@ -39,6 +40,8 @@ def compile_or_partition(gm: fx.GraphModule, options, compile_whole, compile_par
     CPU. `compile_whole` may change the graph it is given, so it gets a copy."""
     try:
         return compile_whole(_copy(gm))
+    except KernelError:  # the user's own NKI kernel is wrong: running it elsewhere would hide that
+        raise
     except NeuronCompileError:
         if fallback_disabled():
             raise
