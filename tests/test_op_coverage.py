@@ -179,3 +179,27 @@ def test_segment_reduce_along_an_inner_axis():
     data = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(4))
     lengths = torch.tensor([[1, 2, 3], [0, 6, 0]])
     _matches_eager(lambda d, n: torch.segment_reduce(d, "mean", lengths=n, axis=1, initial=1.0), data, lengths)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("argmax", lambda t: torch.argmax(t, 1)), ("argmin", lambda t: torch.argmin(t, 1, keepdim=True)),
+    ("max.dim", lambda t: torch.max(t, 1)), ("min of where of scalars", lambda t: torch.where(t > 0, 0, 1).amin(1)),
+])
+def test_index_reductions_over_a_dim_of_one_find_index_0(name, fn):
+    """The iota of a size-1 dim folds to the constant 0: its select of two scalars once shared one tile (gave 1)."""
+    _matches_eager(fn, torch.randn(3, 1, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_row_softmax_of_a_select_of_two_scalars():
+    _matches_eager(lambda t: torch.softmax(torch.where(t > 0, 0.5, 2.0), -1), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("sum", lambda t: t.sum(0, keepdim=True)), ("mean", lambda t: t.mean(-1)), ("nanmean", lambda t: t.nanmean(0)),
+    ("amax", lambda t: t.amax(0, keepdim=True)), ("argmax", lambda t: t.argmax(0, keepdim=True)),
+    ("var", lambda t: t.var(0)), ("std_mean", lambda t: torch.std_mean(t, [0], correction=0, keepdim=True)),
+    ("count", lambda t: (t > 0).sum(0)), ("logsumexp", lambda t: t.logsumexp(0, keepdim=True)),
+])
+def test_reductions_over_dim_0_of_a_scalar(name, fn):
+    """torch-mlir crashes on these (SIGSEGV): they reduce the scalar as a 1-element vector."""
+    _matches_eager(fn, torch.tensor(1.5))
