@@ -21,6 +21,10 @@ A full run is long (613 ops, ~1900 fp32 samples, a torch-mlir child per compile;
     .venv/bin/python -m benchmarks.opinfo --match pool --backward                         (substring)
     .venv/bin/python -m benchmarks.opinfo --every 10 --limit 30                           (a spread subset)
     .venv/bin/python -m benchmarks.opinfo --dtypes fp32 bf16 --peers inductor --json out.json
+    .venv/bin/python -m benchmarks.opinfo --every 30 --fallback   (also with the CPU fallback: "neuron+cpu")
+
+"neuron" is strictly on the device (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1); "neuron+cpu" lets a compiled
+graph run the ops the device cannot on the CPU (neuronc.pytorch.partition), as torch.compile does by default.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ RANDOM = {"bernoulli", "normal", "uniform", "rand_like", "randn_like", "randint_
           "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "cauchy", "exponential", "geometric",
           "log_normal", "randn", "rand", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
           "nn.functional.scaled_dot_product_attention", "torch._refs.rand", "empty_permuted"}
+FALLBACK_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+WITH_FALLBACK = "neuron+cpu"  # neuronc with the CPU fallback of ops the device cannot run; "neuron" is strict
 UNSUPPORTED_OP = re.compile(r"^\s*- (aten\.[\w.]+|stablehlo\.[\w.]+|chlo\.[\w.]+)", re.M)
 
 
@@ -165,7 +171,8 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool) -> 
     except Exception:  # noqa: BLE001 - eager itself refuses the sample: not counted
         return "eager error", [], ""
     torch._dynamo.reset()
-    compiled = torch.compile(sample.fn, backend=backend, fullgraph=True)
+    os.environ[FALLBACK_ENV] = "" if backend == WITH_FALLBACK else "1"
+    compiled = torch.compile(sample.fn, backend="neuron" if backend == WITH_FALLBACK else backend, fullgraph=True)
     try:
         got, got_grads = run(compiled, sample, backward)
     except Exception as err:  # noqa: BLE001 - every backend failure is a data point
@@ -245,6 +252,13 @@ def report(records: list, backends: list) -> None:
         if named:
             print(f"{backend}: ops that cannot be compiled, most named first")
             print("  " + ", ".join(f"{o} ({n})" for o, n in named.most_common(30)))
+        failing = collections.defaultdict(list)
+        for r in rows:
+            failing[r["op"]].append(r)
+        print(f"{backend}: failing ops, most samples first (samples: cause of the first)")
+        for op, rs in sorted(failing.items(), key=lambda item: (-len(item[1]), item[0])):
+            cause = rs[0]["outcome"] + (" " + ", ".join(sorted(set(rs[0]["ops"]))) if rs[0]["ops"] else "")
+            print(f"  {len(rs):3d}  {op}: {cause}{' ' + rs[0]['detail'] if rs[0]['detail'] else ''}")
         wrong = sorted({(r["op"], r["dtype"], r["direction"], r["detail"]) for r in rows
                         if r["outcome"].startswith("WRONG")})
         if wrong:
@@ -264,6 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=["fp32"], choices=sorted(DTYPES))
     parser.add_argument("--backward", action="store_true", help="compare gradients too (training graphs)")
     parser.add_argument("--peers", nargs="*", default=[], help="other backends side by side, e.g. inductor")
+    parser.add_argument("--fallback", action="store_true",
+                        help=f"also measure '{WITH_FALLBACK}': ops the device cannot run fall back to the CPU "
+                             "('neuron' alone is strictly on the device)")
     parser.add_argument("--json", help="write every sample's record here")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -274,7 +291,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     ops = select_ops(args)
-    backends = ["neuron", *args.peers]
+    backends = ["neuron", *([WITH_FALLBACK] if args.fallback else []), *args.peers]
     print(f"{len(ops)} ops, up to {args.samples} samples per dtype ({', '.join(args.dtypes)}), "
           f"{'forward and backward' if args.backward else 'forward'}; backends: {', '.join(backends)}", flush=True)
     start = time.perf_counter()

@@ -79,7 +79,11 @@ def test_every_unsupported_op_is_listed_with_its_source_line():
     assert "hint:" in text
 
 
-def test_a_segfault_in_torch_mlir_does_not_take_down_the_process():
+def test_a_segfault_in_torch_mlir_does_not_take_down_the_process(monkeypatch):
+    from neuronc.frontend import torch_import
+
+    # the 0-d variance crashes torch-mlir unless it is rewritten first (issue 21): keep the crash to test containment
+    monkeypatch.setattr(torch_import, "unsqueeze_scalar_reductions", lambda gm: None)
     with pytest.raises(FrontendCrashError, match="crashed \\(killed by SIGSEGV\\); your process was not affected"):
         compile_exported(_export(ZeroDimVariance(), torch.tensor(3.0)))
 

@@ -179,7 +179,8 @@ def test_an_autograd_function_with_a_backward_kernel_trains_under_compile():
     assert ("nki:square_kernel",) in kernels and ("nki:square_backward_kernel",) in kernels
 
 
-def test_a_custom_op_doing_more_than_calling_its_kernel_is_refused_clearly():
+def test_a_custom_op_doing_more_than_calling_its_kernel_is_refused_clearly(monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")  # else it runs on the CPU (partition.py)
     x, y = inputs(128, 64)
     with pytest.raises(Exception) as e:
         torch.compile(lambda a, b: add_then_scale(a, b) + 1, backend="neuron")(x, y)

@@ -25,6 +25,12 @@ def _matches_eager(fn, *inputs):
         torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
 
 
+@pytest.fixture(autouse=True)
+def strictly_on_the_device(monkeypatch):
+    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+
+
 @pytest.fixture
 def x():
     return torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0))
@@ -150,3 +156,50 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
     """Where eager's trigamma returns pi^2 / sin(pi x)^2 of a rounded pi x (3.2e14 at -2), the pole is kept."""
     poles = torch.tensor([0.0, -1.0, -2.0, -5.0])
     assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
+
+
+def test_bessel_j1_matches_eager_over_wide_ranges():
+    inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor([0.0, 1e-6, 4.999, 5.0, 5.001, -5.0, 1e4,
+                                                                     float("inf"), float("-inf"), float("nan")])])
+    _matches_eager(torch.special.bessel_j1, inputs)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("initial", [None, 2.0])
+def test_segment_reduce_over_lengths_and_offsets_with_empty_segments(reduce, initial):
+    data = torch.randn(6, 3, generator=torch.Generator().manual_seed(3))
+    data[3, 1] = float("nan")  # propagates through its segment as in eager
+    lengths = torch.tensor([2, 0, 3, 1, 0])
+    offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
+    _matches_eager(lambda d, n: torch.segment_reduce(d, reduce, lengths=n, initial=initial), data, lengths)
+    _matches_eager(lambda d, o: torch.segment_reduce(d, reduce, offsets=o, initial=initial), data, offsets)
+
+
+def test_segment_reduce_along_an_inner_axis():
+    data = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([[1, 2, 3], [0, 6, 0]])
+    _matches_eager(lambda d, n: torch.segment_reduce(d, "mean", lengths=n, axis=1, initial=1.0), data, lengths)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("argmax", lambda t: torch.argmax(t, 1)), ("argmin", lambda t: torch.argmin(t, 1, keepdim=True)),
+    ("max.dim", lambda t: torch.max(t, 1)), ("min of where of scalars", lambda t: torch.where(t > 0, 0, 1).amin(1)),
+])
+def test_index_reductions_over_a_dim_of_one_find_index_0(name, fn):
+    """The iota of a size-1 dim folds to the constant 0: its select of two scalars once shared one tile (gave 1)."""
+    _matches_eager(fn, torch.randn(3, 1, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_row_softmax_of_a_select_of_two_scalars():
+    _matches_eager(lambda t: torch.softmax(torch.where(t > 0, 0.5, 2.0), -1), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("sum", lambda t: t.sum(0, keepdim=True)), ("mean", lambda t: t.mean(-1)), ("nanmean", lambda t: t.nanmean(0)),
+    ("amax", lambda t: t.amax(0, keepdim=True)), ("argmax", lambda t: t.argmax(0, keepdim=True)),
+    ("var", lambda t: t.var(0)), ("std_mean", lambda t: torch.std_mean(t, [0], correction=0, keepdim=True)),
+    ("count", lambda t: (t > 0).sum(0)), ("logsumexp", lambda t: t.logsumexp(0, keepdim=True)),
+])
+def test_reductions_over_dim_0_of_a_scalar(name, fn):
+    """torch-mlir crashes on these (SIGSEGV): they reduce the scalar as a 1-element vector."""
+    _matches_eager(fn, torch.tensor(1.5))

@@ -163,10 +163,15 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
         else:
             em.emit(Opcode.TENSOR_SCALAR, engine, out, b, alu=alu, imm0=a, reverse=True)
     elif op is Op.SELECT:
-        operands = []
+        operands, materialised = [], set()
         for arg, dtype in zip(args, (DType.BOOL, step.dtype, step.dtype)):
             if not isinstance(arg, AccessPattern):  # a scalar operand: materialise it as a tile
-                tile = constants.next().ap(*out.shape, dtype=dtype)
+                made = constants.next()
+                if made.offset in materialised:  # a pool of too few buffers would give both scalars one tile
+                    raise NeuronCompileError("a select of two scalars needs two constant tiles; its kernel's "
+                                             "constants pool has one", location=str(loc))
+                materialised.add(made.offset)
+                tile = made.ap(*out.shape, dtype=dtype)
                 em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=arg)
                 arg = tile
             operands.append(arg)

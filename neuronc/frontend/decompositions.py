@@ -714,6 +714,83 @@ def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumex
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
+_SEGMENT_IDENTITY = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "max": float("-inf"), "min": float("inf")}
+
+
+def _segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    """Reduce consecutive segments of `axis` (of the given lengths, or between offsets) as a dense mask of
+    segments x positions (memory S x N x the trailing dims): each segment starts from `initial` when given;
+    an empty segment's mean is `initial`, or 0/0 as eager's."""
+    from neuronc.errors import NeuronCompileError
+
+    if not data.is_floating_point() or indices is not None:
+        raise NeuronCompileError("segment_reduce is lowered for floating-point data with lengths or offsets only",
+                                 hint="cast the data to float32, or keep this op outside the compiled region")
+    axis = axis % data.dim()
+    if lengths is None:
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    ends = torch.cumsum(lengths, -1)
+    starts = ends - lengths
+    position = torch.arange(data.shape[axis], device=data.device)
+    trailing = (1,) * (data.dim() - axis - 1)
+    member = (starts.unsqueeze(-1) <= position) & (position < ends.unsqueeze(-1))  # lengths' shape + (N,)
+    member = member.reshape(member.shape + trailing)
+    picked = torch.where(member, data.unsqueeze(axis), _SEGMENT_IDENTITY[reduce])
+    out = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "max": torch.amax, "min": torch.amin}[reduce](
+        picked, axis + 1)
+    if initial is not None:  # NaN propagates through clamp as through eager's max/min
+        out = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.clamp_min,
+               "min": torch.clamp_max}[reduce](out, initial)
+    if reduce == "mean":
+        count = lengths.reshape(lengths.shape + trailing)
+        out = out / count if initial is None else torch.where(count == 0, out, out / count)
+    return out
+
+
+def _horner(coefficients, z):
+    """sum of coefficients[i] z^(n-1-i), evaluated as ATen's special functions do (from 0: c0, then * z + c)."""
+    value = torch.zeros_like(z) + coefficients[0]
+    for c in coefficients[1:]:
+        value = value * z + c
+    return value
+
+
+_J1 = {  # aten/src/ATen/native/Math.h, bessel_j1_forward (Cephes j1.c)
+    "PP": (7.62125616208173112003e-04, 7.31397056940917570436e-02, 1.12719608129684925192e+00,
+           5.11207951146807644818e+00, 8.42404590141772420927e+00, 5.21451598682361504063e+00,
+           1.00000000000000000254e+00),
+    "PQ": (5.71323128072548699714e-04, 6.88455908754495404082e-02, 1.10514232634061696926e+00,
+           5.07386386128601488557e+00, 8.39985554327604159757e+00, 5.20982848682361821619e+00,
+           9.99999999999999997461e-01),
+    "QP": (5.10862594750176621635e-02, 4.98213872951233449420e+00, 7.58238284132545283818e+01,
+           3.66779609360150777800e+02, 7.10856304998926107277e+02, 5.97489612400613639965e+02,
+           2.11688757100572135698e+02, 2.52070205858023719784e+01),
+    "QQ": (7.42373277035675149943e+01, 1.05644886038262816351e+03, 4.98641058337653607651e+03,
+           9.56231892404756170795e+03, 7.99704160447350683650e+03, 2.82619278517639096600e+03,
+           3.36093607810698293419e+02),
+    "RP": (-8.99971225705559398224e+08, 4.52228297998194034323e+11, -7.27494245221818276015e+13,
+           3.68295732863852883286e+15),
+    "RQ": (6.20836478118054335476e+02, 2.56987256757748830383e+05, 8.35146791431949253037e+07,
+           2.21511595479792499675e+10, 4.74914122079991414898e+12, 7.84369607876235854894e+14,
+           8.95222336184627338078e+16, 5.32278620332680085395e+18),
+}
+
+
+def _bessel_j1(x):
+    """J1 as ATen computes it: a rational function of x^2 up to 5, Hankel's asymptotic form past it; odd."""
+    a = x.abs()
+    z = a * a
+    near = _horner(_J1["RP"], z) / _horner(_J1["RQ"], z) * a * (z - 1.46819706421238932572e+01) * (
+        z - 4.92184563216946036703e+01)
+    w = 5.0 / a
+    w2 = w * w
+    phase = a - 2.356194490192344928846982537459627163
+    far = (_horner(_J1["PP"], w2) / _horner(_J1["PQ"], w2) * torch.cos(phase)
+           - w * (_horner(_J1["QP"], w2) / _horner(_J1["QQ"], w2)) * torch.sin(phase)) * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+    value = torch.where(a <= 5.0, near, far)
+    return torch.where(x < 0, -value, value)
+
+
 OWN = {
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool3d_with_indices.default: _max_pool3d_with_indices,
@@ -752,4 +829,6 @@ OWN = {
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
+    aten.segment_reduce.default: _segment_reduce,
+    aten.special_bessel_j1.default: _bessel_j1,
 }

@@ -43,16 +43,21 @@ def unsupported_ops(gm, locations: dict, accept=None) -> list:
     torch-mlir, imported, and handed to `accept(graph)` (the compiler's passes and codegen, which
     raise NeuronCompileError for what they cannot do) when one is given. The frontend itself only
     knows the import, so `accept` is how the backend's own rules decide what is supported."""
-    try:  # all probes in one child process; if one crashes it, again with a child for each
-        why = run_isolated(_verdicts, gm, accept, _probe, what="probing each op alone")
-    except FrontendCrashError:
-        why = _verdicts(gm, accept, _probe_isolated)
+    why = node_verdicts(gm, accept)
     failures: dict = {}
     for node in gm.graph.nodes:
         if why.get(node.name):
             name = op_name(node)
             failures.setdefault(name, UnsupportedOp(name, why[node.name], [])).places.append(locations[node.name])
     return list(failures.values())
+
+
+def node_verdicts(gm, accept=None) -> dict:
+    """node name -> why it cannot be compiled ("" if it can), for every op of the graph (see unsupported_ops)."""
+    try:  # all probes in one child process; if one crashes it, again with a child for each
+        return run_isolated(_verdicts, gm, accept, _probe, what="probing each op alone")
+    except FrontendCrashError:
+        return _verdicts(gm, accept, _probe_isolated)
 
 
 def _verdicts(gm, accept, probe) -> dict:

@@ -101,6 +101,60 @@ def wrap_negative_indices(gm) -> None:
         gm.recompile()
 
 
+def unsqueeze_scalar_reductions(gm) -> None:
+    """In place: a reduction over a dim of a 0-d tensor (`x.sum(0, keepdim=True)` of a scalar, which crashes
+    torch-mlir) reduces the same value as a 1-element vector instead, with keepdim off: eager treats a 0-d
+    tensor as one element, and the result is 0-d either way."""
+    import torch
+    from torch import fx as torch_fx
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not node.args or not isinstance(node.args[0], torch_fx.Node):
+            continue
+        arguments = _ArgumentsByName(node, schema)
+        if arguments.names[:1] != ["self"] or "dim" not in arguments.names or "keepdim" not in arguments.names:
+            continue
+        value = node.args[0].meta.get("val")
+        dim = arguments.get("dim")
+        if not isinstance(value, torch.Tensor) or value.dim() != 0 or (isinstance(dim, (list, tuple)) and len(dim) > 1):
+            continue
+        with gm.graph.inserting_before(node):
+            vector = gm.graph.call_function(torch.ops.aten.unsqueeze.default, (node.args[0], 0))
+        with value.fake_mode:
+            vector.meta["val"] = value.unsqueeze(0)
+        arguments.put("self", vector)
+        if isinstance(dim, int):
+            arguments.put("dim", 0)
+        elif isinstance(dim, (list, tuple)) and dim:
+            arguments.put("dim", [0])
+        arguments.put("keepdim", False)
+        node.args, node.kwargs = tuple(arguments.args), arguments.kwargs
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+class _ArgumentsByName:
+    """A call's arguments read and replaced by their schema names, wherever they were passed."""
+
+    def __init__(self, node, schema):
+        self.schema, self.names = schema, [a.name for a in schema.arguments]
+        self.args, self.kwargs = list(node.args), dict(node.kwargs)
+
+    def get(self, name):
+        i = self.names.index(name)
+        return self.args[i] if i < len(self.args) else self.kwargs.get(name, self.schema.arguments[i].default_value)
+
+    def put(self, name, value) -> None:
+        i = self.names.index(name)
+        if i < len(self.args):
+            self.args[i] = value
+        else:
+            self.kwargs[name] = value
+
+
 def node_locations(gm) -> dict:
     """FX node name -> DebugLoc of the user's PyTorch line that created it."""
     import torch
@@ -252,6 +306,7 @@ def lower(gm, name: str):
     importer = FxImporter(context=context, hooks=_dense_literals())
     drop_assertions(gm)
     wrap_negative_indices(gm)
+    unsqueeze_scalar_reductions(gm)
     _tag_locations_with_node_names(importer, context)
     module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)
     with module.context:

@@ -83,13 +83,15 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan:
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
     widest = max([DType.F32.itemsize, reduced_dtype.itemsize] + [x.dtype.itemsize for x in node.inputs])
-    # inputs, temporaries, body outputs, constants, and the six [rows, 1] accumulator tiles
-    chunk = free_for(target, 3 * len(node.inputs) + 2 * temp_count + 3 + 1 + 6, widest)
+    # inputs, temporaries, body outputs, constants (a select may materialise two scalars, each a tile of its own:
+    # with one buffer both were the same tile, and argmax over a dim of size 1 returned 1), and the six [rows, 1]
+    # accumulator tiles
+    chunk = free_for(target, 3 * len(node.inputs) + 2 * temp_count + 3 + 2 + 6, widest)
     wide = chunk * widest // DType.F32.itemsize
     pools = [PoolSpec(f"input{i}", x.dtype, chunk, 3) for i, x in enumerate(node.inputs)]
     pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
     if body:
-        pools += [PoolSpec("body_out", reduced_dtype, chunk, 3), PoolSpec("constants", DType.F32, wide, 1)]
+        pools += [PoolSpec("body_out", reduced_dtype, chunk, 3), PoolSpec("constants", DType.F32, wide, 2)]
     pools += [PoolSpec("partials", acc_dtype, 1, 2), PoolSpec("accs", acc_dtype, 1, 2),
               PoolSpec("outs", node.dtype, 1, 2)]
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),

@@ -228,6 +228,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     from torch._functorch.aot_autograd import make_boxed_func
 
     from neuronc.frontend.torch_import import decomposition_table
+    from neuronc.pytorch.partition import compile_or_partition
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
     _dynamo_skips_neuronc()
@@ -236,15 +237,19 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
 
     def compile_graph(graph_module, inputs):
         _devices_to_host(graph_module)
+        return make_boxed_func(compile_or_partition(graph_module, compile_options, compile_one, compile_one))
+
+    def compile_one(graph_module):
         compiled = compile_fx(graph_module, compile_options)
         neff = compiled.neff
         function = NeffFunction(compiled, compile_options)
         compiled_graphs.append(function)
+        inputs = [n.meta.get("val") for n in graph_module.graph.nodes if n.op == "placeholder"]
         shapes = ", ".join(str(tuple(i.shape)) for i in inputs if hasattr(i, "shape"))
         log.info("neuronc: compilation #%d (%s) for %s: %d kernels, estimated %.1f us%s; inputs %s",
                  compile_count(), compile_options.name, compile_options.target, len(neff.kernels),
                  neff.estimated_ns / 1e3, " (from the compile cache)" if compiled.cache_hit else "", shapes)
-        return make_boxed_func(function)
+        return function
 
     return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
                         decompositions=decomposition_table())(gm, example_inputs)
