@@ -226,6 +226,18 @@ def imported_zoo(name: str) -> tuple:
 
 
 @pytest.fixture(autouse=True)
+def device_graphs_stay_whole(request):
+    """A compiled graph that falls back to the CPU in part (neuronc/pytorch/partition.py) fails the test, unless
+    it is marked `cpu_fallback`: a regression in a lowering cannot pass a test by running on the CPU."""
+    from neuronc.pytorch import partition
+
+    before = partition.partitioned_graphs
+    yield
+    if request.node.get_closest_marker("cpu_fallback") is None:
+        assert partition.partitioned_graphs == before, "a compiled graph ran in part on the CPU (partition fallback)"
+
+
+@pytest.fixture(autouse=True)
 def verified_ir(monkeypatch):
     """Every compilation in the tests verifies its graph after each pass (neuronc/ir_verifier.py)."""
     monkeypatch.setenv("NEURONC_VERIFY_IR", "1")

@@ -34,6 +34,7 @@ def inputs():
     return torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator)
 
 
+@pytest.mark.cpu_fallback
 def test_unsupported_ops_run_on_the_cpu_between_device_subgraphs(inputs, monkeypatch, fresh_dynamo):
     monkeypatch.delenv(partition.FALLBACK_ENV, raising=False)
     monkeypatch.setattr(partition, "warned", {})
@@ -50,6 +51,7 @@ def test_unsupported_ops_run_on_the_cpu_between_device_subgraphs(inputs, monkeyp
         assert sum(op in m for m in messages) == 1, messages  # one warning per op, naming it
 
 
+@pytest.mark.cpu_fallback
 def test_the_fallback_trains(inputs, monkeypatch, fresh_dynamo):
     monkeypatch.delenv(partition.FALLBACK_ENV, raising=False)
     loss = lambda a, b: sum(o.sum() for o in program(a, b))  # noqa: E731 - the program under test
