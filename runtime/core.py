@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 import operator
 import os
@@ -144,15 +145,31 @@ def _region(ap: AccessPattern) -> tuple:
     return ap.space, extent(ap)
 
 
-def _unordered_writer(who: np.ndarray, clock: np.ndarray, stream_of: np.ndarray, index_of: np.ndarray):
-    """A writer id among ``who`` that does not happen before the instruction whose vector clock is
-    ``clock`` (writer w does when ``clock[stream_of[w]] > index_of[w]``), or None. One writer is the
-    common case: two reductions; several are judged all at once."""
-    lo = who.min()
-    if lo == who.max():
-        return None if clock[stream_of[lo]] > index_of[lo] else int(lo)
-    late = clock[stream_of[who]] <= index_of[who]
-    return int(who[late][0]) if late.any() else None
+def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
+    """A writer id among ``who`` that does not happen before the instruction whose vector clock is ``clock``,
+    or None (the first such id in ``who``'s order when there are several).
+
+    Ids number the instructions stream by stream in order: stream t's are ``firsts[t]`` to ``firsts[t + 1]``,
+    and its writer at index k happens before the instruction when ``clock[t] > k``, so the writers that do
+    not are one range of ids per stream, ``firsts[t] + clock[t]`` to ``firsts[t + 1]``. Ids 0 (the host) and
+    1 (nobody) happen before it when their slots ``clock[n]``, ``clock[n + 1]`` are set. One writer is the
+    common case (two reductions); several are judged against a table of those ranges, one gather."""
+    n = len(firsts) - 1
+    lo, hi = int(who.min()), int(who.max())
+    if lo == hi:
+        if lo < 2:
+            return None if clock[n + lo] else lo
+        t = bisect.bisect_right(firsts, lo) - 1
+        return None if lo < firsts[t] + clock[t] else lo
+    late = np.zeros(hi + 1, bool)  # ids up to hi: which do not happen before
+    late[:2] = not clock[n], not clock[n + 1]
+    for t in range(n):
+        if firsts[t + 1] > lo and firsts[t] <= hi:
+            late[firsts[t] + clock[t]:firsts[t + 1]] = True
+    if not late[lo:].any():
+        return None
+    mask = late[who]
+    return int(who[mask][0]) if mask.any() else None
 
 
 def _merged(spans: list) -> tuple:
@@ -370,16 +387,15 @@ class LoadedProgram:
 
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
-        stream_of = np.array([n, n + 1] + [i.stream for i in by_id[2:]])
-        index_of = np.array([0, 0] + [i.index for i in by_id[2:]])
-        unordered = functools.partial(_unordered_writer, stream_of=stream_of, index_of=index_of)
+        firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
+        unordered = functools.partial(_unordered_writer, firsts=firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
         device_written = _merged([(t.offset, t.offset + t.nbytes) for t in volatile] +
                                  [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
-        read_regions = {i.key: [(operand, _region(i.instr.operands[operand])) for operand in i.reads]
-                        for i in by_id[2:]}
+        read_regions = [[[(operand, _region(i.instr.operands[operand])) for operand in i.reads] for i in stream]
+                        for stream in instrs]  # [stream][index]: (operand, (space, box)) of what it reads
         clock, started = {}, [0] * n  # key -> vector clock at its start; instructions started per stream
         for position, (phase, s, k) in enumerate(self._order):
             i = instrs[s][k]
@@ -391,14 +407,14 @@ class LoadedProgram:
                         vc = [max(a, b) for a, b in zip(vc, clock[(t, count - 1)])]
                         vc[t] = max(vc[t], count)
                 clock[i.key], started[s] = vc, started[s] + 1
-                for operand, (space, box) in read_regions[i.key]:
+                for operand, (space, box) in read_regions[s][k]:
                     if space == Space.HBM and not _intersects(device_written, box[2], box[3]):
                         continue
                     ap = i.instr.operands[operand]
                     who = writers[ap.space].of(ap)
-                    w = unordered(who, np.array(vc + [space == Space.HBM, False]))  # the host wrote HBM only
+                    w = unordered(who, vc + [space == Space.HBM, False])  # the host wrote HBM only
                     if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
-                        w = unordered(who, np.array(vc + [True, False]))
+                        w = unordered(who, vc + [True, False])
                     if w is not None:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
                                              probes[ap.space])
@@ -443,18 +459,19 @@ class LoadedProgram:
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, read_regions: dict) -> None:
+                     by_id: list, unordered, read_regions: list) -> None:
         """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
         who = writers[dst.space].of(dst)
-        w = unordered(who, np.array(vc + [True, True]))  # overwriting host data or nothing is no race
+        w = unordered(who, vc + [True, True])  # overwriting host data or nothing is no race
         if w is not None:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
-        box = _region(dst)
-        readers = [(r, operand) for t in range(n) if t != s  # started, not happening before i
-                   for r in instrs[t][vc[t]:started[t]] for operand, region in read_regions[r.key]
-                   if overlaps(box, region)]
+        space, (p0, p1, lo, hi) = _region(dst)
+        readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
+                   for k in range(vc[t], started[t])  # happening before i, reading a box that overlaps dst's
+                   for operand, (space2, (q0, q1, lo2, hi2)) in read_regions[t][k]
+                   if space2 == space and p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]
         if readers:
             mark = probes[dst.space].of(dst)
             mark[...] = True

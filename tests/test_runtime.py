@@ -1078,3 +1078,29 @@ def test_tensor_alu2_streams_each_source_once_and_holds_a_per_partition_value():
     assert cost(per_partition, chip((128, 512), offset=4096)) == plain(2)
     assert cost(chip((128, 512), offset=4096), chip((128, 512), offset=8192)) > plain(2)
     assert cost(per_partition, chip((128, 512), offset=4096), alu1=AluOp.NONE) == cost(per_partition, per_partition)
+
+
+def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_does_not_count_past_it():
+    """The access check's writer test (ranges of late ids per stream) against its definition, writer by writer:
+    writer (t, k), id firsts[t] + k, happens before an instruction whose clock counts past k on stream t; ids 0
+    (the host) and 1 (nobody) when their clock slots are set."""
+    from runtime.core import _unordered_writer
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(0, 6, size=rng.integers(1, 5))
+        firsts = [2] + list(2 + np.cumsum(lengths))
+        clock = [int(rng.integers(0, n + 1)) for n in lengths] + [bool(rng.integers(2)), bool(rng.integers(2))]
+        who = rng.integers(0, firsts[-1], size=tuple(rng.integers(1, 4, size=rng.integers(1, 4)))).astype(np.int16)
+        if rng.integers(3) == 0:
+            who[...] = who.flat[0]  # a single writer
+        n = len(lengths)
+
+        def happens_before(w: int) -> bool:
+            if w < 2:
+                return bool(clock[n + w])
+            t = max(s for s in range(n) if firsts[s] <= w)
+            return clock[t] > w - firsts[t]
+
+        late = [int(w) for w in who.flat if not happens_before(int(w))]
+        assert _unordered_writer(who, clock, firsts) == (late[0] if late else None)

@@ -99,8 +99,8 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
                     moved[position] = at + 1
             last_load[kernel] = position
         last_on_queue[(kernel, inst.stream)] = position
-        for a, b in reads:
-            last_use[a:b] = np.maximum(last_use[a:b], position)
+        for a, b in reads:  # (positions only grow: the latest use is this one)
+            last_use[a:b] = position
         for a, b in writes:
             last_write[a:b] = position
             last_use[a:b] = position

@@ -152,8 +152,16 @@ class _Cells:
         extra_spans = {block: 0 for block, (_, _, cols) in reach.items() if cols > 1 and block[0] == Space.HBM}
         for box in boxes:  # spans numbered by column minus spans numbered by page, over a block's distinct boxes
             if box[:2] in extra_spans:
-                extra_spans[box[:2]] += len(self._spans(box, True)) - len(self._spans(box, False))
+                extra_spans[box[:2]] += self._span_count(box, True) - self._span_count(box, False)
         self.by_column = {block for block, more in extra_spans.items() if more < 0}
+
+    def _span_count(self, box: tuple, by_column: bool) -> int:
+        """len(self._spans(box, by_column)), without making them."""
+        space, tensor, row0, row1, col0, col1 = box
+        _, lo, rows, cols = self.blocks[(space, tensor)]
+        if by_column:
+            return 1 if row0 == lo and row1 == lo + rows - 1 else col1 - col0 + 1
+        return 1 if col0 == 0 and col1 == cols - 1 else row1 - row0 + 1
 
     def _spans(self, box: tuple, by_column: bool) -> tuple:
         space, tensor, row0, row1, col0, col1 = box
@@ -209,10 +217,10 @@ def insert_waits(instructions: list, tensors: list, target: Target, grid: Hazard
         me = number[inst.stream]
         read_spans, write_spans = grid.access(inst)
         need: dict = {}
-        for start, stop in read_spans:  # read after write
-            for last in set(cells[start:stop]):
-                if last.writer >= 0 and need.get(last.writer, 0) < last.position:
-                    need[last.writer] = last.position
+        seen = [set(cells[start:stop]) for start, stop in read_spans]  # the distinct _Last of each span read
+        for last in set().union(*seen):  # read after write
+            if last.writer >= 0 and need.get(last.writer, 0) < last.position:
+                need[last.writer] = last.position
         for start, stop in write_spans:  # write after write, write after read
             for last in set(cells[start:stop]):
                 if last.writer >= 0 and need.get(last.writer, 0) < last.position:
@@ -229,14 +237,18 @@ def insert_waits(instructions: list, tensors: list, target: Target, grid: Hazard
         stream = streams[inst.stream]
         stream.append(inst)
         position = len(stream)
-        for start, stop in read_spans:
-            segment = cells[start:stop]
-            distinct = set(segment)
+        updated: dict = {}  # a _Last -> its value once this instruction read it (one per value, for all spans)
+        for (start, stop), distinct in zip(read_spans, seen):
             if len(distinct) == 1:
-                cells[start:stop] = [distinct.pop().read_by(me, position)] * (stop - start)
+                last = distinct.pop()
+                if last not in updated:
+                    updated[last] = last.read_by(me, position)
+                cells[start:stop] = [updated[last]] * (stop - start)
             else:
-                updated = {last: last.read_by(me, position) for last in distinct}
-                cells[start:stop] = [updated[last] for last in segment]
+                for last in distinct:
+                    if last not in updated:
+                        updated[last] = last.read_by(me, position)
+                cells[start:stop] = [updated.get(last, last) for last in cells[start:stop]]
         written = _Last(me, position, {})
         for start, stop in write_spans:
             cells[start:stop] = [written] * (stop - start)
