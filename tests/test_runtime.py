@@ -1096,7 +1096,7 @@ def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_d
             who[...] = who.flat[0]  # a single writer
         n = len(lengths)
 
-        def happens_before(w: int) -> bool:
+        def happens_before(w: int, clock=clock, n=n, firsts=firsts) -> bool:
             if w < 2:
                 return bool(clock[n + w])
             t = max(s for s in range(n) if firsts[s] <= w)
