@@ -6,6 +6,7 @@ streams. The result is the in-memory NEFF the writer serialises and the runtime 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
@@ -46,15 +47,18 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     start = time.perf_counter()
     em = Emitter(target)
     kernels = KernelReuse(target) if reuse else None
-    for index, node in enumerate(graph.nodes()):
-        kernel = kernel_for(node, plan)
+    found = [(node, kernel_for(node, plan)) for node in graph.nodes()]
+    # a recording pays off only for a kernel met twice; one whose function, op, shape and dtype no other kernel
+    # has cannot share a signature (a single op's eager program: every kernel) and is emitted directly
+    kinds = Counter((kernel, node.op, node.shape, node.dtype) for node, kernel in found if kernel is not None)
+    for index, (node, kernel) in enumerate(found):
         if kernel is None:
             if node.op not in (ir.Op.PARAMETER, ir.Op.RESHAPE, ir.Op.CONSTANT, ir.Op.KERNEL_OUTPUT):
                 raise NeuronCompileError(f"no kernel for {node.op.name.lower()}", location=str(node.loc))
             continue
         ops = _fused_ops(node)
         em.begin_kernel(f"{node.op.name.lower()}_{index}", ops, node.loc)
-        if kernels is None or node.op in NOT_REUSED:
+        if kernels is None or node.op in NOT_REUSED or kinds[(kernel, node.op, node.shape, node.dtype)] == 1:
             kernel(em, node, plan)
         else:
             kernels.emit(em, kernel, node, plan)
