@@ -188,7 +188,8 @@ def _inline(gm, node, traced, feeds) -> None:
 # kernel (passes/attention.py lowers it), the score_mod's ATen ops turned into elementwise steps the kernel runs on
 # each block of logits, the mask_mod evaluated here over the whole (query, key) grid: a causal pattern becomes the
 # kernel's on-chip causal mask, another pattern a constant mask read block by block, whole blocks it hides skipped.
-# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values, GQA) keeps the
+# GQA (fewer key/value heads, each shared by a group of query heads) reads each group's K and V in place.
+# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values) keeps the
 # dense lowering above.
 
 # score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
@@ -313,8 +314,10 @@ def _flash_spec(gm, node) -> dict:
     if any(user.target is operator.getitem and user.args[1] != 0 and user.users for user in node.users):
         raise _NotFlash  # the log-sum-exp is read (training): the dense forward makes it
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
-    if qv.dim() != 4 or kv_.shape[:2] != qv.shape[:2] or vv.shape[:3] != kv_.shape[:3]:
-        raise _NotFlash  # GQA or broadcast batches
+    if qv.dim() != 4 or kv_.dim() != 4 or kv_.shape[0] != qv.shape[0] or vv.shape[:3] != kv_.shape[:3]:
+        raise _NotFlash  # broadcast batches
+    if kv_.shape[1] == 0 or qv.shape[1] % kv_.shape[1]:
+        raise _NotFlash  # not GQA's grouping (flex_attention refuses it)
     if not (qv.dtype == kv_.dtype == vv.dtype) or not qv.dtype.is_floating_point:
         raise _NotFlash
     batch, heads, sq, d = qv.shape
@@ -325,8 +328,8 @@ def _flash_spec(gm, node) -> dict:
         steps = ()  # the identity score_mod
     mask_gm = getattr(gm, block_mask[-1].target)
     mask = static_mask(mask_gm, [_constant_of(gm, b) for b in mask_buffers], batch, heads, sq, sk)
-    spec = dict(batch_shape=(batch, heads), queries=sq, keys=sk, head_dim=d, value_dim=dv, scale=float(scale),
-                score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    spec = dict(batch_shape=(batch, heads), kv_heads=kv_.shape[1], queries=sq, keys=sk, head_dim=d, value_dim=dv,
+                scale=float(scale), score_mod=steps, mask="none", causal_offset=0, mask_value=None)
     if mask.all():
         return spec
     kept = mask[0]
