@@ -92,11 +92,14 @@ def test_a_causal_block_mask_is_the_built_in_causal_mask():
     assert kernel.attrs["mask"] == "causal" and kernel.attrs["causal_offset"] == 0
 
 
-def test_a_mask_reading_a_captured_tensor_takes_the_dense_lowering():
+def test_a_document_mask_is_computed_by_the_graph_and_read_by_the_flash_kernel():
     torch._dynamo.reset()
     q, k, v = qkv(torch.float32)
     compiled_attention(None, document)(q, k, v)
-    assert "flex_attention" not in [ops[0] for ops in last_kernels()]
+    kernels = [ops[0] for ops in last_kernels()]
+    assert kernels[-1] == "flex_attention" and kernels.count("flex_attention") == 1 and "matmul" not in kernels
+    (kernel,) = [n for n in compiled_graphs[-1].compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert kernel.attrs["mask"] == "select" and kernel.inputs[3].op is not Op.CONSTANT
 
 
 @pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])

@@ -149,6 +149,19 @@ def _real(tensor):
 def _inline(gm, node, traced, feeds) -> None:
     """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``, and point each
     ``getitem(node, i)`` at its i-th output."""
+    results = _insert(gm, node, traced, feeds)
+    graph = gm.graph
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
+    graph.erase_node(node)
+
+
+def _insert(gm, node, traced, feeds) -> list:
+    """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``: its outputs."""
     env = {}
     placeholders = iter(feeds)
     graph = gm.graph
@@ -171,14 +184,7 @@ def _inline(gm, node, traced, feeds) -> None:
                 for key in ("stack_trace", "nn_module_stack"):  # located at the user's flex_attention call
                     if key in node.meta:
                         env[n].meta[key] = node.meta[key]
-    results = [env[r] if r is not None else None for r in results]
-    for user in list(node.users):
-        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-    if node.users:
-        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
-    graph.erase_node(node)
+    return [env[r] if r is not None else None for r in results]
 
 
 # -- the forward as one flash-attention kernel ------------------------------------------------------------------
@@ -188,9 +194,12 @@ def _inline(gm, node, traced, feeds) -> None:
 # kernel (passes/attention.py lowers it), the score_mod's ATen ops turned into elementwise steps the kernel runs on
 # each block of logits, the mask_mod evaluated here over the whole (query, key) grid: a causal pattern becomes the
 # kernel's on-chip causal mask, another pattern a constant mask read block by block, whole blocks it hides skipped.
+# A mask_mod reading tensors the graph takes (a document mask's per-token ids) and the same for every batch and head
+# is computed by the graph as one [sq, sk] bool tensor the kernel reads block by block: every block is visited, as
+# which ones it hides is known only at run time.
 # GQA (fewer key/value heads, each shared by a group of query heads) reads each group's K and V in place.
-# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values) keeps the
-# dense lowering above.
+# Anything else (a score_mod reading tensors the graph computes, a run-time mask differing by batch or head) keeps
+# the dense lowering above.
 
 # score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
 _STEP_OPS = {
@@ -297,6 +306,40 @@ def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int
     return np.ascontiguousarray(first)
 
 
+def _same_for_every_head(mask_gm) -> bool:
+    """Whether a mask_mod ignores its batch and head indices (its value one [sq, sk] pattern)."""
+    placeholders = [n for n in mask_gm.graph.nodes if n.op == "placeholder"]
+    return len(placeholders) >= 4 and not placeholders[0].users and not placeholders[1].users
+
+
+def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
+    """FX nodes before ``node`` computing the [sq, sk] keep-mask of a mask_mod that reads tensors the graph takes
+    or computes (``buffers``): the mask_mod's ops over a column of query and a row of key indices."""
+    import torch
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
+
+    def mask(*tensors):
+        values = iter(tensors)
+        args = [_real(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
+                else next(values) if isinstance(b, torch.fx.Node) else b for b in buffers]
+        zero = torch.zeros((), dtype=torch.int64)
+        q = torch.arange(sq, dtype=torch.int64).view(sq, 1)
+        kv = torch.arange(sk, dtype=torch.int64).view(1, sk)
+        return (torch.broadcast_to(mask_gm(zero, zero, q, kv, *args), (sq, sk)).to(torch.bool),)
+
+    fakes = [n.meta["val"] for n in lifted]
+    with detect_fake_mode(fakes):
+        traced = make_fx(mask, decomposition_table=decomposition_table())(*fakes)
+    (result,) = _insert(gm, node, traced, lifted)
+    return result
+
+
 def _constant_of(gm, node):
     """The value of a get_attr tensor (None for a value the graph computes or takes as input)."""
     import torch.fx
@@ -327,9 +370,16 @@ def _flash_spec(gm, node) -> dict:
     if steps == (("add", (("score",), ("imm", 0.0))),):
         steps = ()  # the identity score_mod
     mask_gm = getattr(gm, block_mask[-1].target)
-    mask = static_mask(mask_gm, [_constant_of(gm, b) for b in mask_buffers], batch, heads, sq, sk)
+    constants = [_constant_of(gm, b) for b in mask_buffers]
+    runtime = any(c is None for c in constants)
+    if runtime and not _same_for_every_head(mask_gm):
+        raise _NotFlash
+    mask = None if runtime else static_mask(mask_gm, constants, batch, heads, sq, sk)
     spec = dict(batch_shape=(batch, heads), kv_heads=kv_.shape[1], queries=sq, keys=sk, head_dim=d, value_dim=dv,
                 scale=float(scale), score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    if runtime:  # computed by the graph (a document mask's ids), read block by block
+        spec.update(mask="select", runtime_mask=True)
+        return spec
     if mask.all():
         return spec
     kept = mask[0]
@@ -361,6 +411,10 @@ def cut_flex_attention(cut, locations: dict) -> None:
         except _NotFlash:
             continue
         q, k, v = node.args[:3]
+        inputs = [q, k, v]
+        if spec.get("runtime_mask"):
+            mask_gm = getattr(cut.gm, node.args[4][-1].target)
+            inputs.append(_runtime_mask(cut.gm, node, mask_gm, list(node.args[8]), spec["queries"], spec["keys"]))
         batch, heads = spec["batch_shape"]
         dtype = dtype_of(q.meta["val"].dtype)
         out = ((batch, heads, spec["queries"], spec["value_dim"]), dtype)
@@ -370,7 +424,7 @@ def cut_flex_attention(cut, locations: dict) -> None:
         digest = hashlib.sha256(repr({k_: v_ for k_, v_ in spec.items() if k_ != "mask_value"}).encode())
         if mask is not None:
             digest.update(mask.tobytes())
-        cut.cut(node, [q, k, v], [out, lse, lse],
+        cut.cut(node, inputs, [out, lse, lse],
                 lambda values, spec=spec, loc=loc, out=out: _flex_node(values, spec, out, loc), digest.hexdigest(), loc)
 
 

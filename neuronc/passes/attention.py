@@ -709,7 +709,10 @@ def lower_flex_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             raise NeuronCompileError(f"flex_attention with a value dim of {dv}: the kernel takes at most {MAX_HEAD_DIM}",
                                      location=str(node.loc))
         block = key_block(sk, logits_in_sbuf(attrs))
-        if a["mask"] == "select":
+        if a["mask"] == "select" and inputs[3].op is not Op.CONSTANT:  # computed at run time: every block read
+            attrs["key_visits"] = tuple(tuple((k0, min(block, sk - k0), True) for k0 in range(0, sk, block))
+                                        for _ in range(0, sq, Q_TILE))
+        elif a["mask"] == "select":
             mask = np.asarray(inputs[3].attrs["value"], dtype=bool)
             block = attrs["key_block"] = flex_block(mask, sk)
             attrs["key_visits"] = key_visits(mask, block)
