@@ -8,7 +8,10 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
   mask: benchmarks/kernels.py's case) at seq 2048 (issue 19: within 10% of its time); and, for information,
   scaled_dot_product_attention(is_causal=True);
 * sliding window: flex_attention with a sliding-window block_mask (window 256) at seq 1024..4096, against the
-  same program without a mask: the windowed time should grow with the sequence (queries), not with its square.
+  same program without a mask: the windowed time should grow with the sequence (queries), not with its square;
+* document mask (per-token document ids the graph takes) and GQA (2 key/value heads), for information: the flash
+  kernel against the same program without a mask / with every head's K and V, and the document mask against the
+  dense lowering of the same mask (written to read the head index, which keeps it out of the flash kernel).
 
 Nothing is asserted: it prints measurements.
 
@@ -55,9 +58,23 @@ def compiled_ns(fn, inputs) -> tuple:
     return neff.estimated_ns, len(neff.kernels)
 
 
-def _flex(mask_mod, seq: int):
+def _flex(mask_mod, seq: int, gqa: bool = False):
     mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu") if mask_mod else None
-    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
+    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def _documents(seq: int, per_head: bool = False):
+    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index, which keeps
+    it out of the flash kernel (the dense lowering: the peer)."""
+    ids = torch.arange(seq) * 4 // seq
+
+    def document(b, h, q, kv):
+        return ids[q] == ids[kv]
+
+    def document_per_head(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (h >= 0)
+
+    return document_per_head if per_head else document
 
 
 def _builtin_causal(q, k, v):
@@ -109,6 +126,21 @@ def main() -> None:
         full, _ = compiled_ns(_flex(None, seq), qkv(seq))
         print(f"  {seq:>6} {windowed / 1e3:>10.1f} {windowed / 1e3 / (seq / 1024):>18.1f} {full / 1e3:>11.1f} "
               f"{windowed / full:>17.3f}")
+
+    seq = causal_seq
+    print(f"\nat seq {seq}")
+    full, full_kernels = compiled_ns(_flex(None, seq), qkv(seq))
+    documents, doc_kernels = compiled_ns(_flex(_documents(seq), seq), qkv(seq))
+    dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    q, k, v = qkv(seq)
+    gqa, gqa_kernels = compiled_ns(_flex(None, seq, gqa=True), (q, k[:, :2], v[:, :2]))
+    print(f"  {'flex_attention, no mask':<36} {full / 1e3:>10.1f} us  ({full_kernels} kernel(s))")
+    print(f"  {'document mask (4 documents, ids)':<36} {documents / 1e3:>10.1f} us  ({doc_kernels} kernel(s))"
+          f"  / no mask: {documents / full:.3f}")
+    print(f"  {'document mask, dense lowering':<36} {dense / 1e3:>10.1f} us  ({dense_kernels} kernel(s))"
+          f"  flash / dense: {documents / dense:.3f}")
+    print(f"  {'GQA, 2 key/value heads, no mask':<36} {gqa / 1e3:>10.1f} us  ({gqa_kernels} kernel(s))"
+          f"  / no mask: {gqa / full:.3f}")
 
 
 if __name__ == "__main__":
