@@ -120,6 +120,26 @@ def test_flex_attention_trains_on_neuron_tensors(score_mod, mask_mod, dtype):
         torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
 
 
+@pytest.mark.parametrize("mask_mod,dtype", [(causal, torch.float32), (causal, torch.bfloat16), (None, torch.float32)])
+def test_training_without_a_score_mod_runs_the_flash_forward_and_backward_kernels(mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    grad = torch.randn(B, H, S, D, dtype=dtype)
+    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
+    out = compiled_attention(None, mask_mod, device="neuron")(*device_inputs)
+    out.backward(grad.to("neuron"))
+    forward, backward = ([k.ops[0] for k in graph.compiled.neff.kernels] for graph in compiled_graphs[-2:])
+    assert "nki:flash_attention_forward" in forward and "matmul" not in forward
+    assert "nki:flash_attention_backward" in backward and "matmul" not in backward
+    reference = [x.float().requires_grad_() for x in (q, k, v)]
+    eager_out = flex_attention_dense(*reference, None, mask_mod)
+    eager_out.backward(grad.float())
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
+    for got, want in zip(device_inputs, reference):
+        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+
+
 def documents_on(device):
     """The document mask reading its ids on the queries' device (as a CUDA user's mask reads a CUDA tensor)."""
     ids = DOCUMENTS.to(device)

@@ -299,7 +299,7 @@ def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int
             value = mask_gm(b, h, q, kv, *buffers)
         except Exception as e:  # noqa: BLE001 - a mask_mod not made of broadcasting ops: the dense path
             raise _NotFlash from e
-        value = torch.broadcast_to(value, (batch, heads, sq, sk)).numpy().astype(bool)
+        value = torch.broadcast_to(value, (batch, heads, sq, sk)).cpu().numpy().astype(bool)  # a noop mask: `neuron`
     first = value[0, 0]
     if not (value == first).all():
         raise _NotFlash
@@ -404,6 +404,13 @@ def cut_flex_attention(cut, locations: dict) -> None:
     from neuronc.neff.program import DebugLoc
 
     for node in list(cut.gm.graph.nodes):
+        if node.op == "call_function" and node.target in (torch.ops.higher_order.flex_attention,
+                                                          torch.ops.higher_order.flex_attention_backward):
+            try:
+                _cut_for_training(cut, node, locations)
+                continue
+            except _NotFlash:
+                pass
         if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
             continue
         try:
@@ -442,3 +449,122 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
     attrs = {k: v for k, v in spec.items() if k != "mask_value"}
     node = ir.node(Op.FLEX_ATTENTION, inputs, out[0], out[1], dataclasses.replace(loc, op="flex_attention"), **attrs)
     return [node, None, None]
+
+
+# -- training: the NKI library's flash forward (with the log-sum-exp) and backward ------------------------------
+#
+# In training the forward's log-sum-exp is read by the backward. Where the NKI library's flash-attention kernels
+# compute the same thing (neuronc/nki/library/flash_attention.py: no score_mod, no mask or the causal one, q, k, v of
+# one shape [batch, heads, seq, d], seq a multiple of 128, d <= 128, fp32 or bf16), the forward and the backward
+# flex_attention are each cut out as that kernel: the backward recomputes P block by block from the log-sum-exp
+# instead of the dense backward's S x S scores in HBM. flex_attention's log-sum-exp is in base 2 (its kernels work
+# in ln 2 space); the library's is natural: converted on the way out and back.
+
+def _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> bool:
+    """Whether the library kernels compute this flex_attention with the causal mask (False: no mask); raises
+    _NotFlash when they do not compute it."""
+    import numpy as np
+    import torch
+
+    qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
+    if qv.dim() != 4 or not (qv.shape == kv_.shape == vv.shape) or not (qv.dtype == kv_.dtype == vv.dtype):
+        raise _NotFlash
+    batch, heads, seq, d = qv.shape
+    if qv.dtype not in (torch.float32, torch.bfloat16) or seq % 128 or d > 128:
+        raise _NotFlash
+    steps = score_steps(getattr(gm, score_mod.target), [_constant_of(gm, b) for b in score_buffers])
+    if steps != (("add", (("score",), ("imm", 0.0))),):
+        raise _NotFlash
+    constants = [_constant_of(gm, b) for b in mask_buffers]
+    if any(c is None for c in constants):
+        raise _NotFlash
+    mask = static_mask(getattr(gm, block_mask[-1].target), constants, batch, heads, seq, seq)
+    if mask.all():
+        return False
+    if np.array_equal(mask, np.tril(np.ones((seq, seq), dtype=bool))):
+        return True
+    raise _NotFlash
+
+
+def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, causal: bool):
+    import numpy as np
+
+    from neuronc.frontend.tensors import dtype_of
+
+    arrays = [np.empty(shape, dtype=dtype_of(dtype).numpy) for shape, dtype in zip(shapes, dtypes)]
+    return kernel.trace(*arrays, scale=scale, causal=causal)
+
+
+def _cut_for_training(cut, node, locations: dict) -> None:
+    """Cut a forward flex_attention whose log-sum-exp is read, or a backward one, as the library's kernel (see
+    above); raises _NotFlash when it does not apply."""
+    import torch
+
+    from neuronc.neff.program import DebugLoc
+    from neuronc.nki.library.flash_attention import flash_attention_backward, flash_attention_forward
+
+    gm = cut.gm
+    forward = node.target is torch.ops.higher_order.flex_attention
+    getters = {u.args[1]: u for u in node.users if u.target is operator.getitem and u.users}
+    if forward:
+        q, k, v, score_mod, block_mask, scale, _options, score_buffers, mask_buffers = node.args[:9]
+        if 1 not in getters or 2 in getters:
+            raise _NotFlash  # inference (the flash forward above) or the row max read
+    else:
+        (q, k, v, out, lse, grad_out, grad_lse, score_mod, _joint, block_mask, scale, _options, score_buffers,
+         mask_buffers) = node.args[:14]
+        if grad_lse is not None or grad_out is None or any(i > 2 for i in getters):
+            raise _NotFlash  # the log-sum-exp's own gradient, or a score_mod buffer's
+    causal = _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
+    qv = q.meta["val"]
+    shape, dtype = tuple(qv.shape), qv.dtype
+    batch, heads, seq, d = shape
+    flat = (batch * heads, seq, d)
+    loc = locations.get(node.name, DebugLoc())
+    if forward:
+        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), causal)
+        outputs = [(shape, traced.outputs[0].dtype), ((batch, heads, seq), traced.outputs[1].dtype)] * 1
+        outputs.append(outputs[1])
+        inputs = [q, k, v]
+    else:
+        traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
+                                        [dtype] * 5 + [torch.float32], float(scale), causal)
+        outputs = [(shape, traced.outputs[0].dtype)] * 3
+        inputs = [q, k, v, out, grad_out, lse]
+    from neuronc.frontend.kernel_calls import _fingerprint
+
+    cut.cut(node, inputs, outputs,
+            lambda values, traced=traced, forward=forward, shape=shape, loc=loc:
+            _library_nodes(values, traced, forward, shape, loc),
+            _fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced), loc)
+
+
+def _library_nodes(values: list, traced, forward: bool, shape: tuple, loc) -> list:
+    """The library kernel's nodes on flex_attention's [batch, heads, ...] values, its results as flex_attention's."""
+    import math
+
+    import numpy as np
+
+    from neuronc import ir
+    from neuronc.frontend.kernel_calls import _kernel_nodes
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+
+    batch, heads, seq, d = shape
+
+    def reshaped(x, dims):
+        return ir.node(Op.RESHAPE, [x], dims, x.dtype, loc)
+
+    def scaled(x, factor):
+        c = ir.node(Op.CONSTANT, [], x.shape, DType.F32, loc, value=np.array(factor, dtype=np.float32))
+        return ir.node(Op.MULTIPLY, [x, c], x.shape, DType.F32, loc)
+
+    flat = (batch * heads, seq, d)
+    if forward:
+        out, lse = _kernel_nodes(traced, [reshaped(x, flat) for x in values], loc)
+        lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
+        return [reshaped(out, shape), lse2, None]
+    q, k, v, out, grad_out, lse2 = values
+    lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
+    grads = _kernel_nodes(traced, [reshaped(x, flat) for x in (q, k, v, out, grad_out)] + [lse], loc)
+    return [reshaped(g, shape) for g in grads]
