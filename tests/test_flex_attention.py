@@ -182,6 +182,8 @@ def test_gqa_and_document_masks_train_on_neuron_tensors(gqa, mask_mod, dtype):
     out = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa),
                         backend="neuron")(*device_inputs)
     out.backward(grad.to("neuron"))
+    backward = [k.ops[0] for k in compiled_graphs[-1].compiled.neff.kernels]
+    assert ("nki:flash_attention_backward" in backward) == gqa  # GQA: the flash kernels; a document mask: dense
     reference = [x.float().requires_grad_() for x in (q, k, v)]
     eager_out = flex_attention_dense(*reference, None, mask_mod)
     eager_out.backward(grad.float())

@@ -455,7 +455,8 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
 #
 # In training the forward's log-sum-exp is read by the backward. Where the NKI library's flash-attention kernels
 # compute the same thing (neuronc/nki/library/flash_attention.py: no score_mod, no mask or the causal one, q, k, v of
-# one shape [batch, heads, seq, d], seq a multiple of 128, d <= 128, fp32 or bf16), the forward and the backward
+# one shape [batch, heads, seq, d] (k and v may have fewer heads: GQA), seq a multiple of 128, d <= 128, fp32 or
+# bf16), the forward and the backward
 # flex_attention are each cut out as that kernel: the backward recomputes P block by block from the log-sum-exp
 # instead of the dense backward's S x S scores in HBM. flex_attention's log-sum-exp is in base 2 (its kernels work
 # in ln 2 space); the library's is natural: converted on the way out and back.
@@ -467,9 +468,11 @@ def _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buff
     import torch
 
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
-    if qv.dim() != 4 or not (qv.shape == kv_.shape == vv.shape) or not (qv.dtype == kv_.dtype == vv.dtype):
+    if qv.dim() != 4 or kv_.shape != vv.shape or kv_.dim() != 4 or not (qv.dtype == kv_.dtype == vv.dtype):
         raise _NotFlash
     batch, heads, seq, d = qv.shape
+    if (kv_.shape[0], kv_.shape[2], kv_.shape[3]) != (batch, seq, d) or heads % kv_.shape[1]:
+        raise _NotFlash  # GQA's groups are fine (K and V repeated for the kernel, their gradients summed)
     if qv.dtype not in (torch.float32, torch.bfloat16) or seq % 128 or d > 128:
         raise _NotFlash
     steps = score_steps(getattr(gm, score_mod.target), [_constant_of(gm, b) for b in score_buffers])
@@ -519,6 +522,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     qv = q.meta["val"]
     shape, dtype = tuple(qv.shape), qv.dtype
     batch, heads, seq, d = shape
+    kv_heads = k.meta["val"].shape[1]
     flat = (batch * heads, seq, d)
     loc = locations.get(node.name, DebugLoc())
     if forward:
@@ -529,18 +533,21 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     else:
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
                                         [dtype] * 5 + [torch.float32], float(scale), causal)
-        outputs = [(shape, traced.outputs[0].dtype)] * 3
+        kv_shape = (batch, kv_heads, seq, d)
+        outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2
         inputs = [q, k, v, out, grad_out, lse]
     from neuronc.frontend.kernel_calls import _fingerprint
 
     cut.cut(node, inputs, outputs,
-            lambda values, traced=traced, forward=forward, shape=shape, loc=loc:
-            _library_nodes(values, traced, forward, shape, loc),
+            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc:
+            _library_nodes(values, traced, forward, shape, kv_heads, loc),
             _fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced), loc)
 
 
-def _library_nodes(values: list, traced, forward: bool, shape: tuple, loc) -> list:
-    """The library kernel's nodes on flex_attention's [batch, heads, ...] values, its results as flex_attention's."""
+def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc) -> list:
+    """The library kernel's nodes on flex_attention's [batch, heads, ...] values, its results as flex_attention's;
+    with GQA, each K/V head repeated for the query heads of its group and their gradients summed over it, in fp32,
+    as flex_attention's dense backward sums them."""
     import math
 
     import numpy as np
@@ -560,11 +567,31 @@ def _library_nodes(values: list, traced, forward: bool, shape: tuple, loc) -> li
         return ir.node(Op.MULTIPLY, [x, c], x.shape, DType.F32, loc)
 
     flat = (batch * heads, seq, d)
+    group = heads // kv_heads
+    grouped = (batch, kv_heads, group, seq, d)
+
+    def repeated(x):  # [batch, kv_heads, seq, d] -> [batch * heads, seq, d], kv head j serving heads j*g..j*g+g-1
+        if group == 1:
+            return reshaped(x, flat)
+        spread = ir.node(Op.BROADCAST_IN_DIM, [reshaped(x, (batch, kv_heads, 1, seq, d))], grouped, x.dtype, loc,
+                         dims=(0, 1, 2, 3, 4))
+        return reshaped(spread, flat)
+
+    def summed(x):  # the gradient of `repeated`
+        if group == 1:
+            return reshaped(x, (batch, kv_heads, seq, d))
+        wide = ir.node(Op.CONVERT, [reshaped(x, grouped)], grouped, DType.F32, loc)
+        zero = ir.node(Op.CONSTANT, [], (), DType.F32, loc, value=np.array(0.0, dtype=np.float32))
+        total = ir.node(Op.REDUCE, [wide, zero], (batch, kv_heads, seq, d), DType.F32, loc, dims=(2,), kind="add")
+        return total if x.dtype == DType.F32 else ir.node(Op.CONVERT, [total], total.shape, x.dtype, loc)
+
     if forward:
-        out, lse = _kernel_nodes(traced, [reshaped(x, flat) for x in values], loc)
+        q, k, v = values
+        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)], loc)
         lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
         return [reshaped(out, shape), lse2, None]
     q, k, v, out, grad_out, lse2 = values
     lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
-    grads = _kernel_nodes(traced, [reshaped(x, flat) for x in (q, k, v, out, grad_out)] + [lse], loc)
-    return [reshaped(g, shape) for g in grads]
+    grad_q, grad_k, grad_v = _kernel_nodes(
+        traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse], loc)
+    return [reshaped(grad_q, shape), summed(grad_k), summed(grad_v)]
