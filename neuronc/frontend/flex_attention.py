@@ -527,8 +527,8 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     loc = locations.get(node.name, DebugLoc())
     if forward:
         traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), causal)
-        outputs = [(shape, traced.outputs[0].dtype), ((batch, heads, seq), traced.outputs[1].dtype)] * 1
-        outputs.append(outputs[1])
+        lse = ((batch, heads, seq), traced.outputs[1].dtype)
+        outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
     else:
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
