@@ -8,7 +8,13 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
   mask: benchmarks/kernels.py's case) at seq 2048 (issue 19: within 10% of its time); and, for information,
   scaled_dot_product_attention(is_causal=True);
 * sliding window: flex_attention with a sliding-window block_mask (window 256) at seq 1024..4096, against the
-  same program without a mask: the windowed time should grow with the sequence (queries), not with its square.
+  same program without a mask: the windowed time should grow with the sequence (queries), not with its square;
+* document mask (per-token document ids the graph takes) and GQA (2 key/value heads), for information: the flash
+  kernel against the same program without a mask / with every head's K and V, and the document mask against the
+  dense lowering of the same mask (written to read the head index, which keeps it out of the flash kernel);
+* training (forward and backward graphs), causal: the flash kernels (the NKI library's forward with the
+  log-sum-exp and its backward) against the dense forward and backward of the same attention (written with a
+  `score * 1.0` score_mod, which keeps it out of the flash kernels), time and the NEFFs' HBM sizes.
 
 Nothing is asserted: it prints measurements.
 
@@ -55,9 +61,59 @@ def compiled_ns(fn, inputs) -> tuple:
     return neff.estimated_ns, len(neff.kernels)
 
 
-def _flex(mask_mod, seq: int):
-    mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu") if mask_mod else None
-    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
+def training_ns(fn, inputs) -> tuple:
+    """(estimated ns, HBM bytes) of ``fn``'s forward and backward graphs, summed, as the neuron backend compiles
+    them (nothing is run but the forward graph, op by op on `neuron` tensors, to reach the backward)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    graphs = {}
+
+    def forward(gm, example_inputs):
+        graphs["fw"] = gm
+        return gm
+
+    def backward(gm, example_inputs):
+        graphs["bw"] = gm
+        raise _Captured
+
+    import neuronc.pytorch  # noqa: F401 - the `neuron` device: flex_attention refuses a backward on CPU tensors
+
+    torch._dynamo.reset()
+    inputs = [x.to("neuron").requires_grad_() for x in inputs]
+    try:
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=forward, bw_compiler=backward,
+                                                     decompositions=decomposition_table()))(*inputs)
+        out.sum().backward()
+    except Exception as e:  # Dynamo wraps the capture's exception
+        if "bw" not in graphs:
+            raise e
+    neffs = [compile_fx(graphs[g], CompileOptions(opt_level=2)).neff for g in ("fw", "bw")]
+    return sum(n.estimated_ns for n in neffs), sum(n.hbm_size for n in neffs)
+
+
+def _times_one(score, b, h, q, kv):
+    return score * 1.0
+
+
+def _flex(mask_mod, seq: int, gqa: bool = False, score_mod=None, device: str = "cpu"):
+    mask = create_block_mask(mask_mod, None, None, seq, seq, device=device) if mask_mod else None
+    return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
+
+
+def _documents(seq: int, per_head: bool = False):
+    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index, which keeps
+    it out of the flash kernel (the dense lowering: the peer)."""
+    ids = torch.arange(seq) * 4 // seq
+
+    def document(b, h, q, kv):
+        return ids[q] == ids[kv]
+
+    def document_per_head(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (h >= 0)
+
+    return document_per_head if per_head else document
 
 
 def _builtin_causal(q, k, v):
@@ -109,6 +165,29 @@ def main() -> None:
         full, _ = compiled_ns(_flex(None, seq), qkv(seq))
         print(f"  {seq:>6} {windowed / 1e3:>10.1f} {windowed / 1e3 / (seq / 1024):>18.1f} {full / 1e3:>11.1f} "
               f"{windowed / full:>17.3f}")
+
+    seq = causal_seq
+    print(f"\nat seq {seq}")
+    full, full_kernels = compiled_ns(_flex(None, seq), qkv(seq))
+    documents, doc_kernels = compiled_ns(_flex(_documents(seq), seq), qkv(seq))
+    dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    q, k, v = qkv(seq)
+    gqa, gqa_kernels = compiled_ns(_flex(None, seq, gqa=True), (q, k[:, :2], v[:, :2]))
+    print(f"  {'flex_attention, no mask':<36} {full / 1e3:>10.1f} us  ({full_kernels} kernel(s))")
+    print(f"  {'document mask (4 documents, ids)':<36} {documents / 1e3:>10.1f} us  ({doc_kernels} kernel(s))"
+          f"  / no mask: {documents / full:.3f}")
+    print(f"  {'document mask, dense lowering':<36} {dense / 1e3:>10.1f} us  ({dense_kernels} kernel(s))"
+          f"  flash / dense: {documents / dense:.3f}")
+    print(f"  {'GQA, 2 key/value heads, no mask':<36} {gqa / 1e3:>10.1f} us  ({gqa_kernels} kernel(s))"
+          f"  / no mask: {gqa / full:.3f}")
+
+    seq = 512 if args.quick else 1024
+    print(f"\ntraining (forward + backward graphs), causal block_mask, seq {seq}")
+    flash, flash_hbm = training_ns(_flex(_causal, seq, device="neuron"), qkv(seq))
+    dense, dense_hbm = training_ns(_flex(_causal, seq, score_mod=_times_one, device="neuron"), qkv(seq))
+    print(f"  {'flash kernels (library fwd + bwd)':<36} {flash / 1e3:>10.1f} us  HBM {flash_hbm / 2**20:8.1f} MiB")
+    print(f"  {'dense forward + backward':<36} {dense / 1e3:>10.1f} us  HBM {dense_hbm / 2**20:8.1f} MiB")
+    print(f"  flash / dense: time {flash / dense:.3f}, HBM {flash_hbm / dense_hbm:.3f}")
 
 
 if __name__ == "__main__":

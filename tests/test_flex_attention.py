@@ -92,11 +92,14 @@ def test_a_causal_block_mask_is_the_built_in_causal_mask():
     assert kernel.attrs["mask"] == "causal" and kernel.attrs["causal_offset"] == 0
 
 
-def test_a_mask_reading_a_captured_tensor_takes_the_dense_lowering():
+def test_a_document_mask_is_computed_by_the_graph_and_read_by_the_flash_kernel():
     torch._dynamo.reset()
     q, k, v = qkv(torch.float32)
     compiled_attention(None, document)(q, k, v)
-    assert "flex_attention" not in [ops[0] for ops in last_kernels()]
+    kernels = [ops[0] for ops in last_kernels()]
+    assert kernels[-1] == "flex_attention" and kernels.count("flex_attention") == 1 and "matmul" not in kernels
+    (kernel,) = [n for n in compiled_graphs[-1].compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert kernel.attrs["mask"] == "select" and kernel.inputs[3].op is not Op.CONSTANT
 
 
 @pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
@@ -117,9 +120,83 @@ def test_flex_attention_trains_on_neuron_tensors(score_mod, mask_mod, dtype):
         torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
 
 
+@pytest.mark.parametrize("mask_mod,dtype", [(causal, torch.float32), (causal, torch.bfloat16), (None, torch.float32)])
+def test_training_without_a_score_mod_runs_the_flash_forward_and_backward_kernels(mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    grad = torch.randn(B, H, S, D, dtype=dtype)
+    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
+    out = compiled_attention(None, mask_mod, device="neuron")(*device_inputs)
+    out.backward(grad.to("neuron"))
+    forward, backward = ([k.ops[0] for k in graph.compiled.neff.kernels] for graph in compiled_graphs[-2:])
+    assert "nki:flash_attention_forward" in forward and "matmul" not in forward
+    assert "nki:flash_attention_backward" in backward and "matmul" not in backward
+    reference = [x.float().requires_grad_() for x in (q, k, v)]
+    eager_out = flex_attention_dense(*reference, None, mask_mod)
+    eager_out.backward(grad.float())
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
+    for got, want in zip(device_inputs, reference):
+        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+
+
+def documents_on(device):
+    """The document mask reading its ids on the queries' device (as a CUDA user's mask reads a CUDA tensor)."""
+    ids = DOCUMENTS.to(device)
+
+    def document_mask(b, h, q, kv):
+        return ids[q] == ids[kv]
+
+    return document_mask
+
+
+def gqa_qkv(dtype, kv_heads: int, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    return q, torch.randn(B, kv_heads, S, D, dtype=dtype), torch.randn(B, kv_heads, S, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("score_mod,mask_mod,dtype", [(None, causal, torch.float32),
+                                                       (alibi, sliding_window, torch.float32),
+                                                       (alibi, sliding_window, torch.bfloat16)])
+def test_gqa_runs_as_one_flash_kernel_matching_eager(score_mod, mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = gqa_qkv(dtype, kv_heads=1)
+    mask = create_block_mask(mask_mod, B, H, S, S, device="cpu")
+    out = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
+                                                       enable_gqa=True), backend="neuron")(q, k, v)
+    assert [ops[0] for ops in last_kernels()] == ["flex_attention"]
+    want = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, want.to(dtype), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("gqa,mask_mod", [(True, causal), (False, document)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_and_document_masks_train_on_neuron_tensors(gqa, mask_mod, dtype):
+    torch._dynamo.reset()
+    q, k, v = gqa_qkv(dtype, kv_heads=1 if gqa else H)
+    grad = torch.randn(B, H, S, D, dtype=dtype)
+    device_mask = documents_on("neuron") if mask_mod is document else mask_mod
+    mask = create_block_mask(device_mask, B, H, S, S, device="neuron")
+    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
+    out = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa),
+                        backend="neuron")(*device_inputs)
+    out.backward(grad.to("neuron"))
+    backward = [k.ops[0] for k in compiled_graphs[-1].compiled.neff.kernels]
+    assert ("nki:flash_attention_backward" in backward) == gqa  # GQA: the flash kernels; a document mask: dense
+    reference = [x.float().requires_grad_() for x in (q, k, v)]
+    eager_out = flex_attention_dense(*reference, None, mask_mod)
+    eager_out.backward(grad.float())
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
+    for got, want in zip(device_inputs, reference):
+        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+
+
 def flex_attention_dense(q, k, v, score_mod, mask_mod):
     """flex_attention's math on CPU with autograd (eager flex_attention has no CPU backward): the scores, the
-    score_mod and mask_mod applied elementwise, softmax, @ v."""
+    score_mod and mask_mod applied elementwise, softmax, @ v; GQA's K/V heads repeated for their query heads."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     idx = torch.arange(S)
     b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
     qi, ki = idx.view(1, 1, S, 1), idx.view(1, 1, 1, S)

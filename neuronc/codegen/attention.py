@@ -320,7 +320,8 @@ class _Attention:
         the score_mod as flex_attention applies it), and b = -(their row max)."""
         a = self.plan
         self.engines.scale(logits, scores, a.scale)
-        batch, head = (int(i) for i in np.unravel_index(g, a.batch_shape))
+        batch, kv_head, member = (int(i) for i in np.unravel_index(g, a.batch_shape))  # (batch, kv head, g)
+        head = kv_head * a.batch_shape[2] + member
         self.score_mod.apply(logits, batch, head, q0, qt, k0, kb)
         if self.tensor_mask and masked:
             mtile = self.pools["mask"].next().ap(qt, kb)

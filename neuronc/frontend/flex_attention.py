@@ -149,6 +149,19 @@ def _real(tensor):
 def _inline(gm, node, traced, feeds) -> None:
     """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``, and point each
     ``getitem(node, i)`` at its i-th output."""
+    results = _insert(gm, node, traced, feeds)
+    graph = gm.graph
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
+    graph.erase_node(node)
+
+
+def _insert(gm, node, traced, feeds) -> list:
+    """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``: its outputs."""
     env = {}
     placeholders = iter(feeds)
     graph = gm.graph
@@ -171,14 +184,7 @@ def _inline(gm, node, traced, feeds) -> None:
                 for key in ("stack_trace", "nn_module_stack"):  # located at the user's flex_attention call
                     if key in node.meta:
                         env[n].meta[key] = node.meta[key]
-    results = [env[r] if r is not None else None for r in results]
-    for user in list(node.users):
-        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-    if node.users:
-        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
-    graph.erase_node(node)
+    return [env[r] if r is not None else None for r in results]
 
 
 # -- the forward as one flash-attention kernel ------------------------------------------------------------------
@@ -188,8 +194,12 @@ def _inline(gm, node, traced, feeds) -> None:
 # kernel (passes/attention.py lowers it), the score_mod's ATen ops turned into elementwise steps the kernel runs on
 # each block of logits, the mask_mod evaluated here over the whole (query, key) grid: a causal pattern becomes the
 # kernel's on-chip causal mask, another pattern a constant mask read block by block, whole blocks it hides skipped.
-# Anything else (a score_mod reading tensors the graph computes, a mask depending on run-time values, GQA) keeps the
-# dense lowering above.
+# A mask_mod reading tensors the graph takes (a document mask's per-token ids) and the same for every batch and head
+# is computed by the graph as one [sq, sk] bool tensor the kernel reads block by block: every block is visited, as
+# which ones it hides is known only at run time.
+# GQA (fewer key/value heads, each shared by a group of query heads) reads each group's K and V in place.
+# Anything else (a score_mod reading tensors the graph computes, a run-time mask differing by batch or head) keeps
+# the dense lowering above.
 
 # score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
 _STEP_OPS = {
@@ -289,11 +299,45 @@ def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int
             value = mask_gm(b, h, q, kv, *buffers)
         except Exception as e:  # noqa: BLE001 - a mask_mod not made of broadcasting ops: the dense path
             raise _NotFlash from e
-        value = torch.broadcast_to(value, (batch, heads, sq, sk)).numpy().astype(bool)
+        value = torch.broadcast_to(value, (batch, heads, sq, sk)).cpu().numpy().astype(bool)  # a noop mask: `neuron`
     first = value[0, 0]
     if not (value == first).all():
         raise _NotFlash
     return np.ascontiguousarray(first)
+
+
+def _same_for_every_head(mask_gm) -> bool:
+    """Whether a mask_mod ignores its batch and head indices (its value one [sq, sk] pattern)."""
+    placeholders = [n for n in mask_gm.graph.nodes if n.op == "placeholder"]
+    return len(placeholders) >= 4 and not placeholders[0].users and not placeholders[1].users
+
+
+def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
+    """FX nodes before ``node`` computing the [sq, sk] keep-mask of a mask_mod that reads tensors the graph takes
+    or computes (``buffers``): the mask_mod's ops over a column of query and a row of key indices."""
+    import torch
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
+
+    def mask(*tensors):
+        values = iter(tensors)
+        args = [_real(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
+                else next(values) if isinstance(b, torch.fx.Node) else b for b in buffers]
+        zero = torch.zeros((), dtype=torch.int64)
+        q = torch.arange(sq, dtype=torch.int64).view(sq, 1)
+        kv = torch.arange(sk, dtype=torch.int64).view(1, sk)
+        return (torch.broadcast_to(mask_gm(zero, zero, q, kv, *args), (sq, sk)).to(torch.bool),)
+
+    fakes = [n.meta["val"] for n in lifted]
+    with detect_fake_mode(fakes):
+        traced = make_fx(mask, decomposition_table=decomposition_table())(*fakes)
+    (result,) = _insert(gm, node, traced, lifted)
+    return result
 
 
 def _constant_of(gm, node):
@@ -313,8 +357,10 @@ def _flash_spec(gm, node) -> dict:
     if any(user.target is operator.getitem and user.args[1] != 0 and user.users for user in node.users):
         raise _NotFlash  # the log-sum-exp is read (training): the dense forward makes it
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
-    if qv.dim() != 4 or kv_.shape[:2] != qv.shape[:2] or vv.shape[:3] != kv_.shape[:3]:
-        raise _NotFlash  # GQA or broadcast batches
+    if qv.dim() != 4 or kv_.dim() != 4 or kv_.shape[0] != qv.shape[0] or vv.shape[:3] != kv_.shape[:3]:
+        raise _NotFlash  # broadcast batches
+    if kv_.shape[1] == 0 or qv.shape[1] % kv_.shape[1]:
+        raise _NotFlash  # not GQA's grouping (flex_attention refuses it)
     if not (qv.dtype == kv_.dtype == vv.dtype) or not qv.dtype.is_floating_point:
         raise _NotFlash
     batch, heads, sq, d = qv.shape
@@ -324,9 +370,16 @@ def _flash_spec(gm, node) -> dict:
     if steps == (("add", (("score",), ("imm", 0.0))),):
         steps = ()  # the identity score_mod
     mask_gm = getattr(gm, block_mask[-1].target)
-    mask = static_mask(mask_gm, [_constant_of(gm, b) for b in mask_buffers], batch, heads, sq, sk)
-    spec = dict(batch_shape=(batch, heads), queries=sq, keys=sk, head_dim=d, value_dim=dv, scale=float(scale),
-                score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    constants = [_constant_of(gm, b) for b in mask_buffers]
+    runtime = any(c is None for c in constants)
+    if runtime and not _same_for_every_head(mask_gm):
+        raise _NotFlash
+    mask = None if runtime else static_mask(mask_gm, constants, batch, heads, sq, sk)
+    spec = dict(batch_shape=(batch, heads), kv_heads=kv_.shape[1], queries=sq, keys=sk, head_dim=d, value_dim=dv,
+                scale=float(scale), score_mod=steps, mask="none", causal_offset=0, mask_value=None)
+    if runtime:  # computed by the graph (a document mask's ids), read block by block
+        spec.update(mask="select", runtime_mask=True)
+        return spec
     if mask.all():
         return spec
     kept = mask[0]
@@ -351,6 +404,13 @@ def cut_flex_attention(cut, locations: dict) -> None:
     from neuronc.neff.program import DebugLoc
 
     for node in list(cut.gm.graph.nodes):
+        if node.op == "call_function" and node.target in (torch.ops.higher_order.flex_attention,
+                                                          torch.ops.higher_order.flex_attention_backward):
+            try:
+                _cut_for_training(cut, node, locations)
+                continue
+            except _NotFlash:
+                pass
         if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
             continue
         try:
@@ -358,6 +418,10 @@ def cut_flex_attention(cut, locations: dict) -> None:
         except _NotFlash:
             continue
         q, k, v = node.args[:3]
+        inputs = [q, k, v]
+        if spec.get("runtime_mask"):
+            mask_gm = getattr(cut.gm, node.args[4][-1].target)
+            inputs.append(_runtime_mask(cut.gm, node, mask_gm, list(node.args[8]), spec["queries"], spec["keys"]))
         batch, heads = spec["batch_shape"]
         dtype = dtype_of(q.meta["val"].dtype)
         out = ((batch, heads, spec["queries"], spec["value_dim"]), dtype)
@@ -367,7 +431,7 @@ def cut_flex_attention(cut, locations: dict) -> None:
         digest = hashlib.sha256(repr({k_: v_ for k_, v_ in spec.items() if k_ != "mask_value"}).encode())
         if mask is not None:
             digest.update(mask.tobytes())
-        cut.cut(node, [q, k, v], [out, lse, lse],
+        cut.cut(node, inputs, [out, lse, lse],
                 lambda values, spec=spec, loc=loc, out=out: _flex_node(values, spec, out, loc), digest.hexdigest(), loc)
 
 
@@ -385,3 +449,149 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
     attrs = {k: v for k, v in spec.items() if k != "mask_value"}
     node = ir.node(Op.FLEX_ATTENTION, inputs, out[0], out[1], dataclasses.replace(loc, op="flex_attention"), **attrs)
     return [node, None, None]
+
+
+# -- training: the NKI library's flash forward (with the log-sum-exp) and backward ------------------------------
+#
+# In training the forward's log-sum-exp is read by the backward. Where the NKI library's flash-attention kernels
+# compute the same thing (neuronc/nki/library/flash_attention.py: no score_mod, no mask or the causal one, q, k, v of
+# one shape [batch, heads, seq, d] (k and v may have fewer heads: GQA), seq a multiple of 128, d <= 128, fp32 or
+# bf16), the forward and the backward
+# flex_attention are each cut out as that kernel: the backward recomputes P block by block from the log-sum-exp
+# instead of the dense backward's S x S scores in HBM. flex_attention's log-sum-exp is in base 2 (its kernels work
+# in ln 2 space); the library's is natural: converted on the way out and back.
+
+def _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> bool:
+    """Whether the library kernels compute this flex_attention with the causal mask (False: no mask); raises
+    _NotFlash when they do not compute it."""
+    import numpy as np
+    import torch
+
+    qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
+    if qv.dim() != 4 or kv_.shape != vv.shape or kv_.dim() != 4 or not (qv.dtype == kv_.dtype == vv.dtype):
+        raise _NotFlash
+    batch, heads, seq, d = qv.shape
+    if (kv_.shape[0], kv_.shape[2], kv_.shape[3]) != (batch, seq, d) or heads % kv_.shape[1]:
+        raise _NotFlash  # GQA's groups are fine (K and V repeated for the kernel, their gradients summed)
+    if qv.dtype not in (torch.float32, torch.bfloat16) or seq % 128 or d > 128:
+        raise _NotFlash
+    steps = score_steps(getattr(gm, score_mod.target), [_constant_of(gm, b) for b in score_buffers])
+    if steps != (("add", (("score",), ("imm", 0.0))),):
+        raise _NotFlash
+    constants = [_constant_of(gm, b) for b in mask_buffers]
+    if any(c is None for c in constants):
+        raise _NotFlash
+    mask = static_mask(getattr(gm, block_mask[-1].target), constants, batch, heads, seq, seq)
+    if mask.all():
+        return False
+    if np.array_equal(mask, np.tril(np.ones((seq, seq), dtype=bool))):
+        return True
+    raise _NotFlash
+
+
+def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, causal: bool):
+    import numpy as np
+
+    from neuronc.frontend.tensors import dtype_of
+
+    arrays = [np.empty(shape, dtype=dtype_of(dtype).numpy) for shape, dtype in zip(shapes, dtypes)]
+    return kernel.trace(*arrays, scale=scale, causal=causal)
+
+
+def _cut_for_training(cut, node, locations: dict) -> None:
+    """Cut a forward flex_attention whose log-sum-exp is read, or a backward one, as the library's kernel (see
+    above); raises _NotFlash when it does not apply."""
+    import torch
+
+    from neuronc.neff.program import DebugLoc
+    from neuronc.nki.library.flash_attention import flash_attention_backward, flash_attention_forward
+
+    gm = cut.gm
+    forward = node.target is torch.ops.higher_order.flex_attention
+    getters = {u.args[1]: u for u in node.users if u.target is operator.getitem and u.users}
+    if forward:
+        q, k, v, score_mod, block_mask, scale, _options, score_buffers, mask_buffers = node.args[:9]
+        if 1 not in getters or 2 in getters:
+            raise _NotFlash  # inference (the flash forward above) or the row max read
+    else:
+        (q, k, v, out, lse, grad_out, grad_lse, score_mod, _joint, block_mask, scale, _options, score_buffers,
+         mask_buffers) = node.args[:14]
+        if grad_lse is not None or grad_out is None or any(i > 2 for i in getters):
+            raise _NotFlash  # the log-sum-exp's own gradient, or a score_mod buffer's
+    causal = _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
+    qv = q.meta["val"]
+    shape, dtype = tuple(qv.shape), qv.dtype
+    batch, heads, seq, d = shape
+    kv_heads = k.meta["val"].shape[1]
+    flat = (batch * heads, seq, d)
+    loc = locations.get(node.name, DebugLoc())
+    if forward:
+        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), causal)
+        lse = ((batch, heads, seq), traced.outputs[1].dtype)
+        outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
+        inputs = [q, k, v]
+    else:
+        traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
+                                        [dtype] * 5 + [torch.float32], float(scale), causal)
+        kv_shape = (batch, kv_heads, seq, d)
+        outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2
+        inputs = [q, k, v, out, grad_out, lse]
+    from neuronc.frontend.kernel_calls import _fingerprint
+
+    cut.cut(node, inputs, outputs,
+            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc:
+            _library_nodes(values, traced, forward, shape, kv_heads, loc),
+            _fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced), loc)
+
+
+def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc) -> list:
+    """The library kernel's nodes on flex_attention's [batch, heads, ...] values, its results as flex_attention's;
+    with GQA, each K/V head repeated for the query heads of its group and their gradients summed over it, in fp32,
+    as flex_attention's dense backward sums them."""
+    import math
+
+    import numpy as np
+
+    from neuronc import ir
+    from neuronc.frontend.kernel_calls import _kernel_nodes
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+
+    batch, heads, seq, d = shape
+
+    def reshaped(x, dims):
+        return ir.node(Op.RESHAPE, [x], dims, x.dtype, loc)
+
+    def scaled(x, factor):
+        c = ir.node(Op.CONSTANT, [], x.shape, DType.F32, loc, value=np.array(factor, dtype=np.float32))
+        return ir.node(Op.MULTIPLY, [x, c], x.shape, DType.F32, loc)
+
+    flat = (batch * heads, seq, d)
+    group = heads // kv_heads
+    grouped = (batch, kv_heads, group, seq, d)
+
+    def repeated(x):  # [batch, kv_heads, seq, d] -> [batch * heads, seq, d], kv head j serving heads j*g..j*g+g-1
+        if group == 1:
+            return reshaped(x, flat)
+        spread = ir.node(Op.BROADCAST_IN_DIM, [reshaped(x, (batch, kv_heads, 1, seq, d))], grouped, x.dtype, loc,
+                         dims=(0, 1, 2, 3, 4))
+        return reshaped(spread, flat)
+
+    def summed(x):  # the gradient of `repeated`
+        if group == 1:
+            return reshaped(x, (batch, kv_heads, seq, d))
+        wide = ir.node(Op.CONVERT, [reshaped(x, grouped)], grouped, DType.F32, loc)
+        zero = ir.node(Op.CONSTANT, [], (), DType.F32, loc, value=np.array(0.0, dtype=np.float32))
+        total = ir.node(Op.REDUCE, [wide, zero], (batch, kv_heads, seq, d), DType.F32, loc, dims=(2,), kind="add")
+        return total if x.dtype == DType.F32 else ir.node(Op.CONVERT, [total], total.shape, x.dtype, loc)
+
+    if forward:
+        q, k, v = values
+        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)], loc)
+        lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
+        return [reshaped(out, shape), lse2, None]
+    q, k, v, out, grad_out, lse2 = values
+    lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
+    grad_q, grad_k, grad_v = _kernel_nodes(
+        traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse], loc)
+    return [reshaped(grad_q, shape), summed(grad_k), summed(grad_v)]

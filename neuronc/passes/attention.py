@@ -685,18 +685,22 @@ def lower_flex_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """FlexAttention's forward (FLEX_ATTENTION, frontend/flex_attention.py) as the flash-attention kernel, at every
     optimisation level: q, k, v dense [batch, heads, seq, dim]; the score_mod's steps applied to each block of
     logits; a causal mask made on chip, or a mask tensor read for the blocks it cuts, the blocks it hides wholly
-    never visited (key_visits), rows with no key giving zeros, as flex_attention gives."""
+    never visited (key_visits), rows with no key giving zeros, as flex_attention gives. The kernel's batch-heads are
+    (batch, kv head, query head in its group), so GQA's shared K and V are read where they lie."""
 
     def rule(node, inputs):
         if node.op is not Op.FLEX_ATTENTION:
             return None
         a = node.attrs
         (batch, heads), sq, sk, d, dv = a["batch_shape"], a["queries"], a["keys"], a["head_dim"], a["value_dim"]
-        views = [(0, (heads * sq * d, sq * d, d, 1)), (0, (heads * sk * d, sk * d, d, 1)),
-                 (0, (heads * sk * dv, sk * dv, dv, 1))]
+        kv_heads = a.get("kv_heads", heads)
+        group = heads // kv_heads  # GQA: query head h reads K/V head h // group; batch-heads are (batch, kv head, g)
+        views = [(0, (heads * sq * d, group * sq * d, sq * d, d, 1)), (0, (kv_heads * sk * d, sk * d, 0, d, 1)),
+                 (0, (kv_heads * sk * dv, sk * dv, 0, dv, 1))]
         if a["mask"] == "select":
-            views.append((0, (0, 0, sk, 1)))  # one [sq, sk] pattern for every batch and head
-        attrs = dict(batch_shape=(batch, heads), views=tuple(views), out_view=(0, (heads * sq * dv, sq * dv, dv, 1)),
+            views.append((0, (0, 0, 0, sk, 1)))  # one [sq, sk] pattern for every batch and head
+        attrs = dict(batch_shape=(batch, kv_heads, group), views=tuple(views),
+                     out_view=(0, (heads * sq * dv, group * sq * dv, sq * dv, dv, 1)),
                      queries=sq, value_dim=dv, scale=float(a["scale"]), head_dim=d, keys=sk, mask=a["mask"],
                      causal_offset=int(a["causal_offset"]), fill=-math.inf, masked_when=False,
                      zero_masked_rows=a["mask"] == "select", ops=("flex_attention",), score_dtype=DType.F32,
@@ -705,7 +709,10 @@ def lower_flex_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             raise NeuronCompileError(f"flex_attention with a value dim of {dv}: the kernel takes at most {MAX_HEAD_DIM}",
                                      location=str(node.loc))
         block = key_block(sk, logits_in_sbuf(attrs))
-        if a["mask"] == "select":
+        if a["mask"] == "select" and inputs[3].op is not Op.CONSTANT:  # computed at run time: every block read
+            attrs["key_visits"] = tuple(tuple((k0, min(block, sk - k0), True) for k0 in range(0, sk, block))
+                                        for _ in range(0, sq, Q_TILE))
+        elif a["mask"] == "select":
             mask = np.asarray(inputs[3].attrs["value"], dtype=bool)
             block = attrs["key_block"] = flex_block(mask, sk)
             attrs["key_visits"] = key_visits(mask, block)
