@@ -98,7 +98,8 @@ programs: dict = {}  # ((op, signature of args, of kwargs), device) -> EagerProg
 def compiled_for(op, first_shape: tuple) -> list:
     """The EagerPrograms of ``op`` whose first argument has ``first_shape`` (for tests and tools)."""
     return [entry for ((functional, args, _), _), entry in programs.items()
-            if functional == op and args and args[0][0] == first_shape and isinstance(entry, EagerProgram)]
+            if functional == op and args and isinstance(args[0], tuple) and args[0][0] == first_shape
+            and isinstance(entry, EagerProgram)]
 fallen_back: dict = {}  # op name -> why it ran on the CPU (warned once)
 fallback_calls: collections.Counter = collections.Counter()  # op name -> calls that ran on the CPU
 host_transfers: collections.Counter = collections.Counter()  # "to device" / "to host" -> copies through the host
