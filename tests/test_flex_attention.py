@@ -106,33 +106,28 @@ def test_a_document_mask_is_computed_by_the_graph_and_read_by_the_flash_kernel()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_attention_trains_on_neuron_tensors(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
-    q, k, v = qkv(dtype)
-    grad = torch.randn(B, H, S, D, dtype=dtype)
-    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
-    out = compiled_attention(score_mod, mask_mod, device="neuron")(*device_inputs)
-    out.backward(grad.to("neuron"))
-    reference = [x.float().requires_grad_() for x in (q, k, v)]
-    eager_out = flex_attention_dense(*reference, score_mod, mask_mod)
-    eager_out.backward(grad.float())
-    tolerance = TOLERANCES[dtype]
-    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
-    for got, want in zip(device_inputs, reference):
-        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+    assert_trains_like_eager(compiled_attention(score_mod, mask_mod, device="neuron"), qkv(dtype), score_mod, mask_mod,
+                             dtype)
 
 
 @pytest.mark.parametrize("mask_mod,dtype", [(causal, torch.float32), (causal, torch.bfloat16), (None, torch.float32)])
 def test_training_without_a_score_mod_runs_the_flash_forward_and_backward_kernels(mask_mod, dtype):
     torch._dynamo.reset()
-    q, k, v = qkv(dtype)
-    grad = torch.randn(B, H, S, D, dtype=dtype)
-    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
-    out = compiled_attention(None, mask_mod, device="neuron")(*device_inputs)
-    out.backward(grad.to("neuron"))
+    assert_trains_like_eager(compiled_attention(None, mask_mod, device="neuron"), qkv(dtype), None, mask_mod, dtype)
     forward, backward = ([k.ops[0] for k in graph.compiled.neff.kernels] for graph in compiled_graphs[-2:])
     assert "nki:flash_attention_forward" in forward and "matmul" not in forward
     assert "nki:flash_attention_backward" in backward and "matmul" not in backward
-    reference = [x.float().requires_grad_() for x in (q, k, v)]
-    eager_out = flex_attention_dense(*reference, None, mask_mod)
+
+
+def assert_trains_like_eager(run, inputs, score_mod, mask_mod, dtype):
+    """`run` of `inputs` moved to `neuron`, output and gradients of q, k, v, against flex_attention_dense on the CPU
+    in fp32, within `dtype`'s tolerance."""
+    grad = torch.randn(B, H, S, D, dtype=dtype)
+    device_inputs = [x.to("neuron").requires_grad_() for x in inputs]
+    out = run(*device_inputs)
+    out.backward(grad.to("neuron"))
+    reference = [x.float().requires_grad_() for x in inputs]
+    eager_out = flex_attention_dense(*reference, score_mod, mask_mod)
     eager_out.backward(grad.float())
     tolerance = TOLERANCES[dtype]
     torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
@@ -174,23 +169,13 @@ def test_gqa_runs_as_one_flash_kernel_matching_eager(score_mod, mask_mod, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_and_document_masks_train_on_neuron_tensors(gqa, mask_mod, dtype):
     torch._dynamo.reset()
-    q, k, v = gqa_qkv(dtype, kv_heads=1 if gqa else H)
-    grad = torch.randn(B, H, S, D, dtype=dtype)
+    inputs = gqa_qkv(dtype, kv_heads=1 if gqa else H)
     device_mask = documents_on("neuron") if mask_mod is document else mask_mod
     mask = create_block_mask(device_mask, B, H, S, S, device="neuron")
-    device_inputs = [x.to("neuron").requires_grad_() for x in (q, k, v)]
-    out = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa),
-                        backend="neuron")(*device_inputs)
-    out.backward(grad.to("neuron"))
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa), backend="neuron")
+    assert_trains_like_eager(run, inputs, None, mask_mod, dtype)
     backward = [k.ops[0] for k in compiled_graphs[-1].compiled.neff.kernels]
     assert ("nki:flash_attention_backward" in backward) == gqa  # GQA: the flash kernels; a document mask: dense
-    reference = [x.float().requires_grad_() for x in (q, k, v)]
-    eager_out = flex_attention_dense(*reference, None, mask_mod)
-    eager_out.backward(grad.float())
-    tolerance = TOLERANCES[dtype]
-    torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
-    for got, want in zip(device_inputs, reference):
-        torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
 
 
 def flex_attention_dense(q, k, v, score_mod, mask_mod):
