@@ -48,14 +48,11 @@ class OnDevice:
         return self._backend.compiled_graphs[self._first:]
 
     def __call__(self, *args, **kwargs):
-        from neuronc.pytorch import partition
-
-        runs, partitioned = {id(g): g.last_run for g in self.graphs}, partition.partitioned_graphs
+        runs = {id(g): g.last_run for g in self.graphs}
         out = self._compiled(*args, **kwargs)
         assert any(g.last_run is not None and g.last_run is not runs.get(id(g)) for g in self.graphs), \
             "no graph compiled by neuronc ran on the device: the call ran eagerly"
-        assert partition.partitioned_graphs == partitioned, "a graph ran in part on the CPU (partition fallback)"
-        return out
+        return out  # a graph run in part on the CPU fails the test in device_graphs_stay_whole
 
 
 def _fp32_reference(model, inputs):
