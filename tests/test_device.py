@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError, QueuedOpError
+from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError, NeuronConfigError, QueuedOpError
 from neuronc.pytorch import eager, queues
 from neuronc.pytorch.device_memory import array_of, core
 from tests import zoo
@@ -460,6 +460,29 @@ def test_set_device_index_selects_the_default_device(neuron):
         assert torch.empty(2, device="neuron").device == torch.device("neuron", 1)
     finally:
         torch.accelerator.set_device_index(0)
+
+
+def test_a_checkpoint_of_device_tensors_loads_back_onto_their_cores(neuron, tmp_path):
+    x, y = torch.randn(4, 5).to("neuron:1"), torch.arange(3).to("neuron:0")
+    torch.save({"x": x, "y": y}, tmp_path / "ckpt.pt")
+    back = torch.load(tmp_path / "ckpt.pt")  # torch.load switches devices with torch.neuron.device
+    assert back["x"].device == torch.device("neuron", 1) and back["y"].device == torch.device("neuron", 0)
+    assert torch.equal(back["x"].cpu(), x.cpu()) and torch.equal(back["y"].cpu(), y.cpu())
+    assert torch.load(tmp_path / "ckpt.pt", map_location="cpu")["x"].device == torch.device("cpu")
+
+
+def test_the_device_module_answers_what_device_agnostic_code_asks(neuron):
+    with torch.neuron.device(1):
+        assert torch.neuron.current_device() == 1
+        with torch.neuron.device_of(torch.ones(1, device="neuron:0")):
+            assert torch.empty(1, device="neuron").device == torch.device("neuron", 0)
+        assert torch.neuron.current_device() == 1
+    assert torch.neuron.current_device() == 0
+    free, total = torch.neuron.mem_get_info(1)
+    assert total == core(1).hbm.capacity == torch.neuron.get_device_properties(1).total_memory and 0 < free <= total
+    assert "NeuronCore" in torch.neuron.get_device_name() and torch.get_device_module("neuron").is_bf16_supported()
+    with pytest.raises(NeuronConfigError, match="not a neuron device"):
+        torch.neuron.device("cpu")
 
 
 def test_each_core_has_its_own_memory_and_statistics(neuron):

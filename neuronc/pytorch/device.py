@@ -111,6 +111,68 @@ def set_device(device) -> None:
     torch.accelerator.set_device_index(device)
 
 
+class device:  # noqa: N801 (torch.cuda.device's name: a class used as a context manager)
+    """``with torch.neuron.device(1):`` makes ``neuron:1`` the current device inside the block, as
+    ``torch.cuda.device`` does (None: no change). ``torch.load`` uses it to put back tensors saved from the device."""
+
+    def __init__(self, device):
+        self._switch = torch.accelerator.device_index(None if device is None else _index(device))
+
+    def __enter__(self):
+        _lazy_init()
+        self._switch.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._switch.__exit__(*exc_info)
+
+
+def device_of(obj) -> device:
+    """The current-device context of a tensor's device (no change for a tensor not on `neuron`)."""
+    return device(obj.get_device() if obj.device.type == "neuron" else None)
+
+
+def get_device_name(device=None) -> str:
+    from neuronc.pytorch.device_memory import target
+
+    return f"NeuronCore ({target()}, emulated) neuron:{_index(device)}"
+
+
+def get_device_properties(device=None):
+    """Name, emulated target and HBM capacity of ``neuron:device``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=get_device_name(device), total_memory=mem_get_info(device)[1],
+                           target=_device_memory().target())
+
+
+def mem_get_info(device=None) -> tuple:
+    """(free, total) bytes of the NeuronCore's HBM, as ``torch.cuda.mem_get_info``."""
+    _lazy_init()
+    hbm = _device_memory().core(_index(device)).hbm
+    return hbm.capacity - hbm.in_use, hbm.capacity
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def memory_reserved(device=None) -> int:
+    _lazy_init()
+    return torch.accelerator.memory_reserved(device)
+
+
+def max_memory_reserved(device=None) -> int:
+    _lazy_init()
+    return torch.accelerator.max_memory_reserved(device)
+
+
+def _device_memory():
+    from neuronc.pytorch import device_memory
+
+    return device_memory
+
+
 def synchronize(device=None) -> None:
     """Run the device's queued work (every stream, in emulated-time order); its errors are raised here."""
     _lazy_init()
@@ -249,4 +311,6 @@ def _index(device) -> int:
     if isinstance(device, int):
         return device
     device = torch.device(device)
+    if device.type != "neuron":
+        raise NeuronConfigError(f"{device} is not a neuron device", hint="name a core as neuron:N or N")
     return device.index if device.index is not None else torch.accelerator.current_device_index()
