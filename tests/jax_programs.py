@@ -1,5 +1,6 @@
 """JAX programs for the JAX frontend's golden tests: an MLP, a transformer block written with jax.numpy and
-jax.nn only, and a training step (jax.grad and an SGD update), each with its arguments."""
+jax.nn only, a training step (jax.grad and an SGD update) and an RNN written with lax.scan (forward, and its
+gradient: a reverse scan), each with its arguments."""
 from __future__ import annotations
 
 import jax
@@ -46,6 +47,20 @@ def sgd_step(params, x, y, learning_rate=0.1):
     return jax.tree_util.tree_map(lambda p, g: p - learning_rate * g, params, grads), loss
 
 
+def rnn(params, xs):
+    """An Elman RNN over the sequence with lax.scan (a while loop in StableHLO): the last state and every state."""
+    def cell(h, x):
+        h = jnp.tanh(x @ params["wx"] + h @ params["wh"] + params["b"])
+        return h, h
+
+    return jax.lax.scan(cell, jnp.zeros(params["b"].shape, xs.dtype), xs)
+
+
+def rnn_loss_gradient(params, xs):
+    """The gradient of the RNN's states' mean square: a reverse scan over saved states."""
+    return jax.grad(lambda p: jnp.mean(rnn(p, xs)[1] ** 2))(params)
+
+
 class _Draws:
     """Normal draws from numpy's generator (jax.random would compile a program for every shape drawn)."""
 
@@ -70,6 +85,11 @@ def block_params(draw, dim=32):
             "w_down": draw(4 * dim, dim, scale=(4 * dim) ** -0.5), "b_down": draw(dim, scale=0.1)}
 
 
+def rnn_params(draw, features=16, hidden=32):
+    return {"wx": draw(features, hidden, scale=features ** -0.5), "wh": draw(hidden, hidden, scale=hidden ** -0.5),
+            "b": draw(hidden, scale=0.1)}
+
+
 def build(name: str, dtype=jnp.float32) -> tuple:
     """(function, arguments) of a program, its arrays in `dtype`."""
     draw = _Draws(0)
@@ -77,9 +97,11 @@ def build(name: str, dtype=jnp.float32) -> tuple:
         "mlp": lambda: (mlp, (mlp_params(draw), draw(4, 16))),
         "transformer_block": lambda: (transformer_block, (block_params(draw), draw(2, 8, 32))),
         "sgd_step": lambda: (sgd_step, (mlp_params(draw), draw(4, 16), draw(4, 8))),
+        "rnn": lambda: (rnn, (rnn_params(draw), draw(6, 16))),
+        "rnn_loss_gradient": lambda: (rnn_loss_gradient, (rnn_params(draw), draw(6, 16))),
     }
     function, args = programs[name]()
     return function, jax.tree_util.tree_map(lambda a: a.astype(dtype), args)
 
 
-PROGRAMS = ("mlp", "transformer_block", "sgd_step")
+PROGRAMS = ("mlp", "transformer_block", "sgd_step", "rnn", "rnn_loss_gradient")

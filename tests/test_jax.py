@@ -73,6 +73,50 @@ def test_unsupported_ops_are_all_listed_with_their_jax_lines():
         assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
 
 
+def test_cond_and_switch_select_the_branch_the_runtime_index_names():
+    def choose(x, i):
+        flipped = jax.lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: -v, x)
+        return jax.lax.switch(i, [lambda v: v + 1.0, lambda v: v * 3.0, jnp.sin], flipped)
+
+    ours = neuronc.jax.jit(choose)
+    x = jnp.arange(-6.0, 6.0).reshape(3, 4)
+    for sign, index in ((1.0, 0), (-1.0, 1), (1.0, 2), (-1.0, 7)):  # both cond branches; 7: lax.switch clamps
+        assert_matches_jax(ours(sign * x + 0.5, jnp.int32(index)), jax.jit(choose)(sign * x + 0.5, jnp.int32(index)))
+    assert ours.compile_count() == 1  # one program: the index and the predicate are run-time values
+
+
+def test_windows_at_runtime_indices_are_clamped_as_jax_clamps_them():
+    def window_and_paste(x, update, i):
+        return jax.lax.dynamic_slice(x, (i, 1), (3, 2)), jax.lax.dynamic_update_slice(x, update, (i, 2))
+
+    ours = neuronc.jax.jit(window_and_paste)
+    x, update = jnp.arange(40.0).reshape(10, 4), -jnp.ones((2, 2))
+    for i in (4, 9, -3):  # inside, past the end, before the start
+        assert_matches_jax(ours(x, update, jnp.int32(i)), jax.jit(window_and_paste)(x, update, jnp.int32(i)))
+
+
+def test_nested_loops_with_constant_bounds_are_unrolled():
+    def nested(x):
+        def row(carry, r):
+            inner = jax.lax.fori_loop(0, 3, lambda j, v: v * 0.5 + r * j, carry)
+            return inner, inner.sum()
+        return jax.lax.scan(row, jnp.zeros(4), x, reverse=True)
+
+    x = jnp.arange(20.0).reshape(5, 4) / 10
+    assert_matches_jax(neuronc.jax.jit(nested)(x), jax.jit(nested)(x))
+
+
+def test_a_loop_whose_trip_count_depends_on_the_data_is_refused_with_its_line():
+    def doubling(x):
+        return jax.lax.while_loop(lambda v: v.sum() < 100.0, lambda v: v * 2.0, x)  # marker: data loop
+
+    with pytest.raises(NeuronCompileError) as caught:
+        neuronc.jax.jit(doubling)(jnp.ones(4))
+    message = str(caught.value)
+    assert "stablehlo.while (a loop whose trip count depends on the data" in message
+    assert f"{__file__}:{line_of(__file__, 'marker: data loop')}" in message
+
+
 def _write_forms(tmp_path, function, args) -> dict:
     """The program as each file `neuronc compile` reads: StableHLO text, a portable artifact, a jax.export artifact."""
     exported = jax.export.export(jax.jit(function), platforms=["cpu"])(*args)

@@ -144,6 +144,7 @@ class _Importer:
         self.numbers = numbers  # MLIR value -> its number
         self.values: dict = {}
         self.problems: list = []  # of UnsupportedUse
+        self.unrolling = 0  # how many loops the op being imported is inside
 
     def loc(self, op) -> DebugLoc:
         return location_of(op, self.locations)
@@ -153,9 +154,15 @@ class _Importer:
         loc = self.loc(op)
         try:
             inputs = [self.values[v] for v in op.operands]
+        except KeyError:  # an operand of an op already reported
+            self._stand_ins(op, loc)
+            return
+        try:
             shape, dtype = tensor_type(op.results[0].type)
             converter = _CONVERTERS.get(name)
-            if converter is None and name in _SIMPLE:
+            if name in _CONTROL_FLOW:
+                nodes = _CONTROL_FLOW[name](self, op, inputs, loc)
+            elif converter is None and name in _SIMPLE:
                 nodes = ir.node(_SIMPLE[name], inputs, shape, dtype, loc)
             elif converter is None:
                 raise _Unsupported("no lowering")
@@ -164,16 +171,100 @@ class _Importer:
             nodes = nodes if isinstance(nodes, tuple) else (nodes,)
             if len(nodes) != len(op.results):
                 raise _Unsupported(f"{len(op.results)} results")
-            self.values.update(zip(op.results, nodes))
-            for result, node in zip(op.results, nodes):
-                if node.origin < 0:  # not an operand passed through (an identity)
-                    node.origin = self.numbers[result]
-        except (_Unsupported, KeyError) as why:
-            if not isinstance(why, KeyError):  # a KeyError: an operand of an op already reported
-                self.problems.append(UnsupportedUse(name, str(why), loc))
-            for result in op.results:  # stand-ins, so the walk goes on and finds every problem
-                shape, dtype = _safe_type(result)
-                self.values[result] = ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.zeros((), dtype.numpy))
+        except _Unsupported as why:
+            self.problems.append(UnsupportedUse(name, str(why), loc))
+            self._stand_ins(op, loc)
+            return
+        if self.unrolling:  # a loop's counter stays a constant, so its condition can be evaluated
+            nodes = tuple(_folded(node) for node in nodes)
+        self.values.update(zip(op.results, nodes))
+        for result, node in zip(op.results, nodes):
+            if node.origin < 0:  # not an operand passed through (an identity); ops inside a loop have no number
+                node.origin = self.numbers.get(result, -1)
+
+    def _stand_ins(self, op, loc) -> None:
+        """Zero constants for an op's results, so the walk goes on and finds every problem."""
+        for result in op.results:
+            shape, dtype = _safe_type(result)
+            self.values[result] = ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.zeros((), dtype.numpy))
+
+    def import_block(self, block, arguments: list) -> list:
+        """The nodes a region's block returns, its arguments standing for `arguments` (a region may also use
+        values from around it)."""
+        self.values.update(zip(block.arguments, arguments))
+        for op in block.operations:
+            op = op.operation
+            if op.name == "stablehlo.return":
+                return [self.values[v] for v in op.operands]
+            self.convert(op)
+        raise _Unsupported("a region without stablehlo.return")
+
+    def unrolled_while(self, op, inputs, loc):
+        """stablehlo.while (JAX's scan, fori_loop, while_loop) unrolled: the condition imported with the
+        carried values, then the body, until the condition is a constant false. The NeuronCore runs static
+        instruction streams, so a loop whose trip count depends on the data cannot be compiled."""
+        cond, body = (region.blocks[0] for region in op.regions)
+        body_ops = sum(1 for _ in body.operations)
+        carried, problems, trips = list(inputs), len(self.problems), 0
+        self.unrolling += 1
+        try:
+            while True:
+                (go,) = self.import_block(cond, carried)
+                if go.op is not Op.CONSTANT:
+                    raise _Unsupported("a loop whose trip count depends on the data; neuronc unrolls loops whose "
+                                       "count is known when compiling (scan, fori_loop with constant bounds)")
+                if not np.asarray(go.attrs["value"]).reshape(-1)[0]:
+                    return tuple(carried)
+                trips += 1
+                if trips * body_ops > MAX_UNROLLED_OPS:
+                    raise _Unsupported(f"a loop of more than {MAX_UNROLLED_OPS // max(body_ops, 1)} iterations of "
+                                       f"{body_ops} ops: unrolled, it would pass {MAX_UNROLLED_OPS} ops")
+                carried = self.import_block(body, carried)
+                if len(self.problems) > problems:  # the body's unsupported ops, reported once
+                    return tuple(carried)
+        finally:
+            self.unrolling -= 1
+
+    def selected_case(self, op, inputs, loc):
+        """stablehlo.case (JAX's cond and switch): every branch computed, the result selected by the index (an
+        index out of range takes the last branch), as XLA's conditional-to-select does. StableHLO ops have no
+        side effects, so the branches not taken change no value, only time. A constant index imports its
+        branch alone."""
+        (index,) = inputs
+        count = len(op.regions)
+        if index.op is Op.CONSTANT:
+            k = int(np.asarray(index.attrs["value"]).reshape(-1)[0])
+            return tuple(self.import_block(op.regions[k if 0 <= k < count else count - 1].blocks[0], []))
+        branches = [self.import_block(region.blocks[0], []) for region in op.regions]
+        results = list(branches[-1])
+        for k in reversed(range(count - 1)):
+            k_node = ir.node(Op.CONSTANT, [], (), index.dtype, loc, value=np.array(k, index.dtype.numpy))
+            taken = ir.node(Op.COMPARE, [index, k_node], (), DType.BOOL, loc, direction="EQ")
+            results = [r if b is r else ir.node(Op.SELECT, [_spread(taken, b.shape, loc), b, r], b.shape, b.dtype, loc)
+                       for b, r in zip(branches[k], results)]
+        return tuple(results)
+
+
+# A stated choice (the docs are silent, it is not hardware): how many ops a loop may unroll to. Compile time grows
+# with it; past it the loop is refused with the count, rather than compiled for minutes.
+MAX_UNROLLED_OPS = 200_000
+_FOLDED_MAX_ELEMENTS = 64  # inside a loop, results this small computed from constants are folded (counters, indices)
+
+_CONTROL_FLOW = {"stablehlo.while": _Importer.unrolled_while, "stablehlo.case": _Importer.selected_case}
+
+
+def _folded(node: ir.Node) -> ir.Node:
+    """`node` evaluated if its inputs are constants and it is small (a loop counter and what is computed from it)."""
+    from neuronc.passes.canonicalize import fold_constant
+
+    if not node.inputs or node.size > _FOLDED_MAX_ELEMENTS or any(i.op is not Op.CONSTANT for i in node.inputs):
+        return node
+    return fold_constant(node, node.inputs) or node
+
+
+def _spread(x: ir.Node, shape: tuple, loc) -> ir.Node:
+    """A 0-d value broadcast to `shape`."""
+    return x if tuple(shape) == () else ir.node(Op.BROADCAST_IN_DIM, [x], shape, x.dtype, loc, dims=())
 
 
 def _safe_type(value):
@@ -393,6 +484,80 @@ def _gather(op, inputs, shape, dtype, loc):
                    window=tuple(_ints(op.attributes["slice_sizes"])))
 
 
+def _clamped_starts(operand, starts, sizes, loc) -> list:
+    """Each start index clamped to [0, dim - size], as stablehlo.dynamic_slice and dynamic_update_slice clamp
+    them: ints for constant indices, else I32 nodes."""
+    clamped = []
+    for start, dim, size in zip(starts, operand.shape, sizes):
+        if start.op is Op.CONSTANT:
+            clamped.append(min(max(int(np.asarray(start.attrs["value"]).reshape(-1)[0]), 0), dim - size))
+            continue
+        if start.dtype != DType.I32:
+            start = ir.node(Op.CONVERT, [start], (), DType.I32, loc)
+        low, high = (ir.node(Op.CONSTANT, [], (), DType.I32, loc, value=np.array(v, np.int32)) for v in (0, dim - size))
+        clamped.append(ir.node(Op.CLAMP, [low, start, high], (), DType.I32, loc))
+    return clamped
+
+
+def _index_vector(starts: list, loc) -> ir.Node:
+    """Start indices (ints or 0-d I32 nodes) as one [rank] I32 vector, a gather's or scatter's index."""
+    pieces = [ir.node(Op.CONSTANT, [], (1,), DType.I32, loc, value=np.array([s], np.int32)) if isinstance(s, int)
+              else ir.node(Op.RESHAPE, [s], (1,), DType.I32, loc) for s in starts]
+    return pieces[0] if len(pieces) == 1 else ir.node(Op.CONCATENATE, pieces, (len(pieces),), DType.I32, loc,
+                                                      dimension=0)
+
+
+def _dynamic_slice(op, inputs, shape, dtype, loc):
+    """A window at run-time start indices: a slice when they are constants (an unrolled loop's counter),
+    else a gather of one window."""
+    operand, *starts = inputs
+    sizes = tuple(_ints(op.attributes["slice_sizes"]))
+    starts = _clamped_starts(operand, starts, sizes, loc)
+    if all(isinstance(s, int) for s in starts):
+        return ir.node(Op.SLICE, [operand], shape, dtype, loc, start=tuple(starts),
+                       limit=tuple(s + n for s, n in zip(starts, sizes)), strides=(1,) * len(sizes))
+    rank = len(sizes)
+    return ir.node(Op.GATHER, [operand, _index_vector(starts, loc)], shape, dtype, loc, window_dims=tuple(range(rank)),
+                   dropped_dims=(), operand_batching_dims=(), indices_batching_dims=(), index_map=tuple(range(rank)),
+                   index_vector_dim=0, window=sizes)
+
+
+def _dynamic_update_slice(op, inputs, shape, dtype, loc):
+    """A window written at run-time start indices: for constant ones, the operand's pieces around the update
+    concatenated dim by dim; else a scatter replacing one window."""
+    operand, update, *starts = inputs
+    starts = _clamped_starts(operand, starts, update.shape, loc)
+    if all(isinstance(s, int) for s in starts):
+        return _pasted(operand, update, starts, 0, loc)
+    rank = len(shape)
+    return ir.node(Op.SCATTER, [operand, _index_vector(starts, loc), update], shape, dtype, loc,
+                   window_dims=tuple(range(rank)), dropped_dims=(), operand_batching_dims=(), indices_batching_dims=(),
+                   index_map=tuple(range(rank)), index_vector_dim=0, window=update.shape, combine="replace")
+
+
+def _pasted(operand, update, starts: list, dim: int, loc):
+    """`operand` with `update` written at `starts`, from dim `dim` on: along it, the operand before the window,
+    the window (pasted recursively over the next dims, one level per dim of the tensor), the operand after it."""
+    if dim == len(operand.shape):
+        return update
+    rank, start, length = len(operand.shape), starts[dim], update.shape[dim]
+    if length == operand.shape[dim]:
+        return _pasted(operand, update, starts, dim + 1, loc)
+
+    def part(lo, hi):
+        bounds = list(operand.shape)
+        bounds[dim] = hi - lo
+        return ir.node(Op.SLICE, [operand], bounds, operand.dtype, loc, start=tuple(lo if d == dim else 0
+                       for d in range(rank)), limit=tuple(hi if d == dim else n for d, n in enumerate(operand.shape)),
+                       strides=(1,) * rank)
+
+    window = _pasted(part(start, start + length), update, starts, dim + 1, loc)
+    pieces = [p for p in (part(0, start) if start else None, window,
+                          part(start + length, operand.shape[dim]) if start + length < operand.shape[dim] else None)
+              if p is not None]
+    return ir.node(Op.CONCATENATE, pieces, operand.shape, operand.dtype, loc, dimension=dim)
+
+
 def _scatter_combine(op) -> str:
     """"add" for a body that adds the update, "replace" for one that returns it."""
     block = op.regions[0].blocks[0]
@@ -492,13 +657,15 @@ _CONVERTERS = {
     "stablehlo.dot_general": _dot_general,
     "stablehlo.convolution": _convolution,
     "stablehlo.gather": _gather,
+    "stablehlo.dynamic_slice": _dynamic_slice,
+    "stablehlo.dynamic_update_slice": _dynamic_update_slice,
     "stablehlo.scatter": _scatter,
     "stablehlo.sort": _sort,
 }
 
 
 def supported_stablehlo_ops() -> list:
-    return sorted(set(_SIMPLE) | set(_CONVERTERS))
+    return sorted(set(_SIMPLE) | set(_CONVERTERS) | set(_CONTROL_FLOW))
 
 
 def main_function(module):
