@@ -311,6 +311,31 @@ def test_a_fused_step_unscales_amp_gradients_and_skips_a_step_that_overflowed(no
     assert_matches_eager([p.detach().cpu() for p in on_device.parameters()], list(model.parameters()))
 
 
+def test_grad_scaler_unscales_backs_off_and_grows_on_the_device_as_on_the_cpu(neuron):
+    """GradScaler's unscale and update ops run on the device (no gradient copied to the host): an overflowing step
+    is skipped and backs the scale off, two clean steps grow it, as with the CPU's kernels."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    runs = [(model, "cpu"), (copy.deepcopy(model).to(neuron), "neuron")]
+    x = torch.randn(5, 6)
+    amp_ops = ("aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._amp_update_scale_.default")
+    on_the_cpu = [eager.fallback_calls[name] for name in amp_ops]
+    for m, where in runs:
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(where, init_scale=2.0 ** 10, growth_interval=2)
+        m.scales = []
+        for factor in (1.0, float("inf"), 1.0, 1.0, 1.0):
+            (scaler.scale(m(x.to(where)).pow(2).mean() * factor)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            m.scales.append((scaler.get_scale(), int(scaler._growth_tracker.item())))
+    (cpu, _), (device, _) = runs
+    assert device.scales == cpu.scales == [(1024.0, 1), (512.0, 0), (512.0, 1), (1024.0, 0), (1024.0, 1)]
+    assert_matches_eager([p.detach().cpu() for p in device.parameters()], list(cpu.parameters()))
+    assert [eager.fallback_calls[name] for name in amp_ops] == on_the_cpu
+
+
 # ---- autocast and random numbers ---------------------------------------------------------------------
 
 def test_autocast_runs_matmuls_in_bfloat16_and_softmax_in_float32(neuron):

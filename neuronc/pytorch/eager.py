@@ -111,10 +111,10 @@ def register() -> None:
     """Register the kernels on the PrivateUse1 key (called by ``torch.neuron._lazy_init``)."""
     if _libraries:
         return
-    from neuronc.pytorch import fused_optim, random_ops
+    from neuronc.pytorch import amp_ops, fused_optim, random_ops
 
     aten = torch.library.Library("aten", "IMPL")
-    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS, **fused_optim.KERNELS}.items():
+    for name, kernel in {**DIRECT_KERNELS, **random_ops.KERNELS, **fused_optim.KERNELS, **amp_ops.KERNELS}.items():
         aten.impl(name, kernel, "PrivateUse1")
         _own_kernels.add(name)
     for name in ONE_PROGRAM:
