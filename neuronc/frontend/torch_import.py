@@ -249,9 +249,10 @@ def drop_none_outputs(gm) -> list:
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind). Custom ops whose body
     is an NKI kernel are cut out for torch-mlir and come back as custom kernels (frontend/kernel_calls.py)."""
-    from neuronc.frontend import flex_attention, kernel_calls
+    from neuronc.frontend import control_flow, flex_attention, kernel_calls
 
     check_static_shapes(gm)
+    control_flow.inline_conditionals(gm)
     refuse_mislowered(gm)
     locations = node_locations(gm)
     outputs = len(_output_values(gm))
@@ -280,9 +281,10 @@ def _output_values(gm) -> tuple:
 
 def stablehlo_text(gm, name: str = "main") -> str:
     """Only the StableHLO of a graph (for `neuronc hlo`), whether or not neuronc can compile it."""
-    from neuronc.frontend import flex_attention
+    from neuronc.frontend import control_flow, flex_attention
 
     check_static_shapes(gm)
+    control_flow.inline_conditionals(gm)
     flex_attention.decompose_flex_attention(gm)
     locations = node_locations(gm)
     return run_isolated(_text_in_child, gm, locations, name)

@@ -64,9 +64,11 @@ def partition(gm: fx.GraphModule, options):
     from torch.fx.passes.operator_support import OperatorSupportBase
 
     from neuronc.compiler import compile_graph
+    from neuronc.frontend import control_flow
     from neuronc.frontend.op_probe import node_verdicts
     from neuronc.frontend.torch_import import op_name
 
+    control_flow.inline_conditionals(gm)  # a cond's branches are device ops like any other
     why = node_verdicts(gm, accept=lambda graph: compile_graph(graph, options))
     cpu = {}
     for node in gm.graph.nodes:
