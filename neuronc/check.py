@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from neuronc.compiler import CompileOptions, compile_graph
+from neuronc.frontend import control_flow
 from neuronc.frontend.exported import check_inference_only, decompose, load_exported_program
 from neuronc.frontend.op_probe import UnsupportedOp, unsupported_ops
 from neuronc.frontend.torch_import import check_static_shapes, node_locations, op_name
@@ -52,6 +53,7 @@ def check_graph(gm, options: CompileOptions | None = None) -> CheckReport:
     """Probe every op of a decomposed ATen FX graph (an ExportedProgram's, or AOTAutograd's)."""
     options = options or CompileOptions()
     check_static_shapes(gm)
+    control_flow.inline_conditionals(gm)  # as compiling does: a cond's branches are probed op by op
     uses = collections.Counter(op_name(n) for n in gm.graph.nodes
                                if n.op == "call_function" and n.target is not operator.getitem)
     unsupported = unsupported_ops(gm, node_locations(gm), accept=lambda graph: compile_graph(graph, options))

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from neuronc.check import check_program
 from neuronc.compiler import CompileOptions, compile_exported
 from runtime import run_neff
 from tests.conftest import OnDevice, assert_matches_eager
@@ -52,9 +53,10 @@ def test_gradients_flow_through_the_branch_taken():
                              [model.linear.weight.grad, model.linear.bias.grad])
 
 
-def test_an_exported_program_with_cond_compiles_to_a_neff():
+def test_an_exported_program_with_cond_compiles_to_a_neff_and_checks_clean():
     model = Branching().eval()
     positive, negative, _ = _inputs()
+    assert check_program(torch.export.export(model, (positive,))).ok
     compiled = compile_exported(torch.export.export(model, (positive,)), CompileOptions())
     for x in (positive, negative):
         assert_matches_eager(torch.from_numpy(run_neff(compiled.neff, [x.numpy()]).outputs[0]), model(x))
