@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neuronc.jax
-from neuronc.errors import ModelLoadError, NeuronCompileError
+from neuronc.errors import ModelLoadError, NeuronCompileError, NeuronConfigError
 from neuronc.tolerances import tolerance
 from tests import jax_programs
 from tests.conftest import line_of
@@ -71,6 +71,21 @@ def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     assert "2 op(s)" in message
     for op, marker in (("stablehlo.cbrt", "marker: cbrt"), ("stablehlo.is_finite", "marker: is_finite")):
         assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
+
+
+def test_static_arguments_are_baked_in_and_each_new_value_compiles_once():
+    def fold(x, rows, *, reduce="sum"):
+        y = jnp.reshape(x, (rows, -1)) * rows
+        return y.sum(0) if reduce == "sum" else y.max(0)
+
+    ours = neuronc.jax.jit(fold, static_argnums=1, static_argnames="reduce")
+    theirs = jax.jit(fold, static_argnums=1, static_argnames="reduce")
+    x = jnp.arange(24.0)
+    for rows, reduce in ((2, "sum"), (3, "sum"), (2, "max"), (2, "sum")):
+        assert_matches_jax(ours(x, rows, reduce=reduce), theirs(x, rows, reduce=reduce))
+    assert ours.compile_count() == 3
+    with pytest.raises(NeuronConfigError, match="static argument 1 is a list, which is not hashable"):
+        ours(x, [2])
 
 
 def test_cond_and_switch_select_the_branch_the_runtime_index_names():

@@ -21,32 +21,47 @@ import numpy as np
 log = logging.getLogger("neuronc")
 
 
-def jit(fun, *, target: str | None = None, opt_level: int | None = None, **options):
+def jit(fun, *, static_argnums=(), static_argnames=(), target: str | None = None, opt_level: int | None = None,
+        **options):
     """`fun` compiled for the NeuronCore: `target` trn1 | trn2 | trn3 (default trn2), `opt_level` 0-3 (default
     2), and the other compile options (`auto_cast`, `auto_cast_type`) as torch.compile's `options` take them;
-    NEURON_CC_FLAGS gives those not passed."""
+    NEURON_CC_FLAGS gives those not passed. `static_argnums` / `static_argnames` as `jax.jit` takes them: those
+    arguments are Python values baked into the program (hashable; each new value compiles a new program)."""
     given = {"target": target, "opt_level": opt_level}
-    return Jitted(fun, {**{k: v for k, v in given.items() if v is not None}, **options})
+    return Jitted(fun, {**{k: v for k, v in given.items() if v is not None}, **options},
+                  _as_tuple(static_argnums), _as_tuple(static_argnames))
+
+
+def _as_tuple(value) -> tuple:
+    return (value,) if isinstance(value, (int, str)) else tuple(value or ())
 
 
 class Jitted:
-    """A jitted function: one compiled program per input signature (pytree structure, shapes, dtypes)."""
+    """A jitted function: one compiled program per input signature (pytree structure, shapes, dtypes, and the
+    values of the static arguments)."""
 
-    def __init__(self, fun, options: dict):
+    def __init__(self, fun, options: dict, static_argnums: tuple = (), static_argnames: tuple = ()):
         from neuronc.compiler import CompileOptions
 
         self.fun = fun
         self.name = getattr(fun, "__name__", "jax_function").strip("<>") or "jax_function"
         self.options = CompileOptions.from_dict({**options, "name": self.name})
+        self.static_argnums, self.static_argnames = static_argnums, static_argnames
         self.programs: dict = {}  # signature -> _Program
         self.last_run = None  # the last RunResult (outputs as numpy, and the estimated device timeline)
 
     def __call__(self, *args, **kwargs):
         import jax
 
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        static_positions = {i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)}
+        static = (tuple((i, args[i]) for i in sorted(static_positions)),
+                  tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+        _check_hashable(static)
+        dynamic = (tuple(a for i, a in enumerate(args) if i not in static_positions),
+                   {k: v for k, v in kwargs.items() if k not in self.static_argnames})
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
         arrays = [_as_array(leaf) for leaf in leaves]
-        signature = (tree, tuple((a.shape, a.dtype) for a in arrays))
+        signature = (static, tree, tuple((a.shape, a.dtype) for a in arrays))
         program = self.programs.get(signature)
         if program is None:
             program = self.programs[signature] = self._compile(args, kwargs)
@@ -63,7 +78,8 @@ class Jitted:
         from neuronc.compiler import compile_stablehlo
         from neuronc.frontend.stablehlo_program import exported_program
 
-        exported = jax.export.export(jax.jit(self.fun), platforms=["cpu"])(*args, **kwargs)
+        jitted = jax.jit(self.fun, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
+        exported = jax.export.export(jitted, platforms=["cpu"])(*args, **kwargs)
         compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options)
         log.info("neuronc: JAX function %s compiled for %s (%d kernels, estimated %.1f us%s); inputs %s",
                  self.name, self.options.target, len(compiled.neff.kernels), compiled.neff.estimated_ns / 1e3,
@@ -71,6 +87,18 @@ class Jitted:
                  ", ".join(aval.str_short() for aval in exported.in_avals))
         return _Program(compiled, _load(compiled, self.options.target), tuple(exported.module_kept_var_idx),
                         exported.out_tree)
+
+
+def _check_hashable(static: tuple) -> None:
+    from neuronc.errors import NeuronConfigError
+
+    for where, value in (*static[0], *static[1]):
+        try:
+            hash(value)
+        except TypeError:
+            raise NeuronConfigError(f"static argument {where!r} is a {type(value).__name__}, which is not hashable",
+                                    hint="pass a hashable value (a tuple rather than a list), or make the argument "
+                                    "dynamic (an array)") from None
 
 
 class _Program:
