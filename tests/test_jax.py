@@ -63,14 +63,24 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
         y = jax.lax.cbrt(x)  # marker: cbrt
-        return jnp.where(jax.lax.is_finite(y), y, 0.0)  # marker: is_finite
+        return y + jax.lax.population_count(x.astype(jnp.int32))  # marker: popcnt
 
     with pytest.raises(NeuronCompileError) as caught:
         neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
     message = str(caught.value)
     assert "2 op(s)" in message
-    for op, marker in (("stablehlo.cbrt", "marker: cbrt"), ("stablehlo.is_finite", "marker: is_finite")):
+    for op, marker in (("stablehlo.cbrt", "marker: cbrt"), ("stablehlo.popcnt", "marker: popcnt")):
         assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
+
+
+def test_is_finite_is_false_for_inf_and_nan_only():
+    def finite(x):
+        return jax.lax.is_finite(x), jax.nn.logsumexp(x, axis=1)  # logsumexp asks is_finite of its max
+
+    x = jnp.array([[0.0, -1.5, 3e38, jnp.inf], [-jnp.inf, jnp.nan, 1e-30, -2.0]])
+    got, want = neuronc.jax.jit(finite)(x), jax.jit(finite)(x)
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **tolerance(jnp.float32))
 
 
 def test_static_arguments_are_baked_in_and_each_new_value_compiles_once():

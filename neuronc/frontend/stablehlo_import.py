@@ -634,6 +634,14 @@ def _optimization_barrier(op, inputs, shape, dtype, loc):
     return tuple(inputs)
 
 
+def _is_finite(op, inputs, shape, dtype, loc):
+    """|x| < inf: false for +-inf and NaN (JAX's logsumexp asks)."""
+    (x,) = inputs
+    magnitude = ir.node(Op.ABS, [x], x.shape, x.dtype, loc)
+    inf = ir.node(Op.CONSTANT, [], x.shape, x.dtype, loc, value=np.array(np.inf, x.dtype.numpy))
+    return ir.node(Op.COMPARE, [magnitude, inf], shape, DType.BOOL, loc, direction="LT")
+
+
 def _custom_call(op, inputs, shape, dtype, loc):
     raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
 
@@ -642,6 +650,7 @@ _CONVERTERS = {
     "stablehlo.composite": _composite,
     "stablehlo.optimization_barrier": _optimization_barrier,
     "stablehlo.custom_call": _custom_call,
+    "stablehlo.is_finite": _is_finite,
     "stablehlo.constant": _constant,
     "arith.constant": _constant,
     "stablehlo.broadcast_in_dim": _broadcast,
