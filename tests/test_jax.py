@@ -83,6 +83,16 @@ def test_is_finite_is_false_for_inf_and_nan_only():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **tolerance(jnp.float32))
 
 
+def test_jax_sorts_with_their_canonicalising_comparator_match_jax():
+    def sorts(x):  # JAX's float comparator makes -0 equal to 0 and every NaN one NaN before comparing
+        return jnp.sort(x, axis=1), jnp.argsort(x, axis=1), jnp.sort(x, axis=1, descending=True), \
+            jax.lax.sort((x, -x), num_keys=1)
+
+    x = jnp.array([[3.0, -0.0, 0.0, -2.0, 3.0, jnp.inf], [5.0, 4.0, -1.0, -1.0, 0.0, -jnp.inf]])
+    for got, want in zip(jax.tree_util.tree_leaves(neuronc.jax.jit(sorts)(x)), jax.tree_util.tree_leaves(jax.jit(sorts)(x))):
+        assert np.array_equal(np.asarray(got), np.asarray(want))  # a stable sort: ties keep their order
+
+
 def test_static_arguments_are_baked_in_and_each_new_value_compiles_once():
     def fold(x, rows, *, reduce="sum"):
         y = jnp.reshape(x, (rows, -1)) * rows

@@ -592,14 +592,37 @@ def _counts_along(x, dimension: int) -> bool:
     return x.op is Op.IOTA and x.attrs["dimension"] == dimension
 
 
+def _defining_op(value):
+    """The op computing an MLIR value (None for a block argument)."""
+    from torch_mlir import ir as mlir
+
+    owner = value.owner
+    return None if isinstance(owner, mlir.Block) else getattr(owner, "operation", owner)
+
+
+def _sort_key(value):
+    """The comparator argument a compared value is, through JAX's canonicalisation of float keys (-0 made 0 and
+    every NaN one NaN: selects of a constant, whose other operand is the key); None if it is something else. The
+    TOPK sort compares -0 and 0 as equal too; NaN keys are its documented limit (README)."""
+    op = _defining_op(value)
+    while op is not None and op.name == "stablehlo.select":
+        chosen = _defining_op(op.operands[1])
+        if chosen is None or chosen.name != "stablehlo.constant":
+            return None
+        value = op.operands[2]
+        op = _defining_op(value)
+    return value if op is None else None
+
+
 def _sort(op, inputs, shape, dtype, loc):
     """A sort along one dimension keyed by the first operand (GT: descending, LT: ascending), the other
     operands carried along: TOPK positions of the whole row, then each operand taken at those positions."""
     block = op.regions[0].blocks[0]
     body = [o.operation for o in block.operations]
-    compare = body[0] if len(body) == 2 and body[0].name == "stablehlo.compare" else None
+    compare = _defining_op(body[-1].operands[0]) if body[-1].name == "stablehlo.return" else None
+    compare = compare if compare is not None and compare.name == "stablehlo.compare" else None
     direction = _direction(compare)
-    if direction not in ("GT", "LT") or list(compare.operands) != list(block.arguments[:2]):
+    if direction not in ("GT", "LT") or [_sort_key(v) for v in compare.operands] != list(block.arguments[:2]):
         raise _Unsupported("a sort whose comparator is not one > or < of the first operand")
     dimension = _int(op.attributes["dimension"])
     keys = inputs[0]
