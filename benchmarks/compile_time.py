@@ -28,12 +28,15 @@ graph and AOTAutograd caches off. Dynamo and AOTAutograd are warmed up first on 
 one-time costs the others skip; inductor pays its own (its code generators and the C++ compiler).
 
     .venv/bin/python -m benchmarks.compile_time [--model hf] [--mask] [--dtypes bf16 fp32] [--layers 12]
-        [--seq 512] [--backends neuron xla inductor] [--profile neuronc.prof] [--timing-only]   (from the repo root)
+        [--seq 512] [--backends neuron xla inductor] [--profile neuronc.prof] [--timing-only] [--cpu]
+    (from the repo root)
 
 `--profile FILE` runs neuronc's compilation under cProfile, writes the stats to FILE and prints the hottest
 functions; `--timing-only` has the emulator time the program (`LoadedProgram.time()`) instead of running it: a
 full forward of the 12-layer model on the emulator takes minutes (measured and printed without the flag), and
-the compile time does not depend on it. `--model hf` needs Hugging Face transformers (`pip install -e .[bench]`).
+the compile time does not depend on it. `--cpu` measures every time (the stages', the tables') in CPU seconds
+of the process and its waited-for children, all threads summed: on a shared machine wall times grow with the
+load, CPU times much less. `--model hf` needs Hugging Face transformers (`pip install -e .[bench]`).
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
 import torch  # noqa: E402 - after the cache settings above
 
 from benchmarks import gpt2_small  # noqa: E402
-from benchmarks.hooks import stopwatch, timing_only  # noqa: E402
+from benchmarks.hooks import cpu_clock, stopwatch, timing_only  # noqa: E402
 
 TARGET_RATIO = 1.0  # issue 4: neuronc's cold compile no slower than inductor's
 XLA_TARGET_RATIO = 2.0  # issue 24: neuronc's cold compile at most twice torch-mlir -> XLA's
@@ -275,11 +278,20 @@ def main() -> None:
     parser.add_argument("--profile", metavar="FILE", help="cProfile neuronc's compilation into FILE")
     parser.add_argument("--timing-only", action="store_true",
                         help="the emulator times the program instead of running it (a full forward takes minutes)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="every time in CPU seconds of this process and its children instead of wall seconds")
     args = parser.parse_args()
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads); {args.model} GPT-2, {args.layers} layers, "
           f"sequence {args.seq}, batch 1{', 4-D mask' if args.mask else ''}; neuronc NEURON_CC_FLAGS="
           f"{os.environ['NEURON_CC_FLAGS'].strip()!r}, inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']} "
-          f"(empty); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+          f"(empty); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; times in "
+          f"{'CPU seconds (process + children, all threads)' if args.cpu else 'wall seconds'}")
+    with cpu_clock() if args.cpu else contextlib.nullcontext():
+        compare(args)
+
+
+def compare(args) -> None:
+    """Compiles the model with each backend for each dtype and prints the tables and ratios."""
     warm_up()
     all_ratios: dict = {}
     for dtype in args.dtypes:
