@@ -635,6 +635,21 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
     assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
+def test_a_cached_program_reads_a_broadcast_operand_when_it_runs_not_when_it_is_queued(neuron):
+    """A program is cached by its operands' shapes and dtypes, not their strides: the program compiled for two
+    dense operands is launched again with an expanded (stride 0) view of a tensor that a queued launch writes.
+    It reads that view when it runs, after the writer. (Branch eager3-pieces flattened such a view with a numpy
+    reshape when the op was queued: a silent copy of bytes not written yet, the NaN gradients of CosineSimilarity.)"""
+    a, b = torch.randn(3, 5), torch.randn(3, 1)
+    dense = a.to(neuron)
+    dense * dense  # the (3, 5) * (3, 5) program, compiled with dense operands
+    torch.accelerator.synchronize()
+    column = b.to(neuron) + 1.0  # queued, not run yet
+    product = column.expand(3, 5) * dense  # the same signature, one operand a broadcast view
+    assert queues.pending(0) >= 3  # the copy, the add and the product wait
+    assert torch.equal(product.cpu(), (b + 1.0).expand(3, 5) * a)
+
+
 def test_a_missing_wait_reads_the_old_data(neuron):
     """The consumer on one stream reads a buffer the producer on another writes later in emulated time:
     without a wait on the producer's event it reads what the buffer held before."""

@@ -733,7 +733,7 @@ _devices: dict = {}  # index -> torch.device
 def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, kwargs):
     """Queue the program on the current stream of ``device``, on the operands' memory; returns its results
     (new device tensors, or the tensors it writes)."""
-    inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
+    inputs = [(_view(x) if not x.is_cpu else _host_scalar(x)) if isinstance(x, torch.Tensor) else x
               for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
     if writes is None and entry.plain and not adaptive.ENABLED:  # most ops: one new tensor, nothing else to do
         result, view = _empty_with_view(*entry.outputs[0], device)
@@ -786,12 +786,21 @@ def launch_graph(program, duration_ns: float, args, device: int, what: str) -> l
     ``args``; returns its outputs, new device tensors in the NEFF's output order."""
     from neuronc.frontend.tensors import torch_dtype
 
-    inputs = [(_view(x) if not x.is_cpu else host_array(x).copy()) if isinstance(x, torch.Tensor) else x
+    inputs = [(_view(x) if not x.is_cpu else _host_scalar(x)) if isinstance(x, torch.Tensor) else x
               for x in args]
     where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
     outputs = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype), device=where) for t in program.neff.outputs()]
     queues.enqueue(device, duration_ns, program.run_into, (inputs, [_view(o) for o in outputs]), what)
     return outputs
+
+
+def _host_scalar(x: torch.Tensor) -> np.ndarray:
+    """A 0-d CPU operand's value now, as a 0-d array of its dtype (``x * 0.5``'s wrapped 0.5): one ``item`` and one
+    small array, cheaper than a numpy view of the tensor and its copy (bf16 and fp8 values are exact in
+    ml_dtypes' types). A CPU operand of more elements (a tensor the op takes on the host) is copied whole."""
+    if x.dim():
+        return host_array(x).copy()
+    return np.array(x.item(), NUMPY_DTYPES[x.dtype])
 
 
 def _view(tensor):

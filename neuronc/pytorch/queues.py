@@ -89,13 +89,23 @@ def _shim():
     return sys.modules["neuron_shim"]
 
 
+_internal_files: dict = {}  # file name -> whether it is torch's or neuronc's (asked once per file)
+
+
 def caller():
     """(file, line) of the innermost frame outside torch and neuronc: the user code that queued the op (or
     called the API that asks)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+    internal = _internal_files
+    while frame is not None:
+        name = frame.f_code.co_filename
+        inside = internal.get(name)
+        if inside is None:
+            inside = internal[name] = name.startswith(_INTERNAL)
+        if not inside:
+            return (name, frame.f_lineno)
         frame = frame.f_back
-    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+    return None
 
 
 def _failure(device: int, start: float, context: tuple, error: Exception) -> QueuedOpError:
