@@ -222,6 +222,70 @@ def test_the_sync_pass_orders_any_two_hbm_accesses_that_share_a_byte(data):
         assert writes[1].waits, (a, b)
 
 
+def test_the_8_row_pieces_of_a_big_tensors_row_tile_stored_from_four_queues_do_not_wait_for_each_other():
+    """A [4096, 4096] layer-norm's output row tile goes out in pieces of 8 rows on queues 0-3: no piece shares a
+    byte with another, so none waits (a grid of 32-row cells made each wait for the one before); a reader of the
+    32 rows waits for all four."""
+    from neuronc.codegen.sync import insert_waits
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    pieces = [_store(q, 8 * q, 8, 0, 4096, width=4096) for q in range(4)]
+    rows = AccessPattern(Space.HBM, DType.BF16, 0, ((4096, 32), (1, 4096)))
+    reader = Instruction(Opcode.DMA_COPY, Engine.DMA, (AccessPattern(Space.SBUF, DType.BF16, 65536, ((1, 32), (1, 4096))),
+                                                       rows), queue=4)
+    insert_waits([*pieces, reader], [_hbm_tensor(4096, 4096)], get_target("trn2"))
+    assert all(piece.waits == () for piece in pieces)
+    assert {(w.engine, w.queue) for w in reader.waits} == {(Engine.DMA, q) for q in range(4)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_sync_pass_orders_every_pair_of_accesses_that_share_a_byte_on_a_grid_of_any_size(data):
+    """Loads and stores of a tensor, on one queue each: whenever two share a byte and one writes, the later one comes
+    after the earlier (directly or through other waits), also when the tensor's cells are capped below what its
+    accesses' boundaries would cut (the grid coarsened)."""
+    from unittest import mock
+
+    from neuronc.codegen import sync
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    rows, cols = 64, 96
+
+    def access():
+        first_row, first_col = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, cols - 1))
+        n_rows = data.draw(st.integers(1, rows - first_row))
+        n_cols = data.draw(st.integers(1, cols - first_col))
+        shape = data.draw(st.sampled_from(["rows", "transposed", "strided"]))
+        if shape == "transposed":
+            dims = ((1, n_cols), (cols, n_rows))
+        elif shape == "strided":  # every other column: bytes between its elements are not its own
+            dims = ((cols, n_rows), (2, max(1, n_cols // 2)))
+        else:
+            dims = ((cols, n_rows), (1, n_cols))
+        return AccessPattern(Space.HBM, DType.BF16, (first_row * cols + first_col) * 2, dims)
+
+    def elements(ap):
+        start = ap.offset // 2
+        (s0, n0), (s1, n1) = ap.dims
+        return {start + i * s0 + j * s1 for i in range(n0) for j in range(n1)}
+
+    accesses = [(access(), data.draw(st.booleans())) for _ in range(data.draw(st.integers(2, 5)))]
+    program = []
+    for q, (ap, writes) in enumerate(accesses):
+        on_chip = AccessPattern(Space.SBUF, DType.BF16, 0, ((1, 1), (1, ap.num_elements)), partition=q * 16)
+        program.append(Instruction(Opcode.DMA_COPY, Engine.DMA, (ap, on_chip) if writes else (on_chip, ap), queue=q))
+    with mock.patch.object(sync, "HBM_CELLS_PER_TENSOR", data.draw(st.sampled_from([1, 3, 8, 1024]))):
+        sync.insert_waits(program, [_hbm_tensor(rows, cols)], get_target("trn2"))
+    after = [{w.queue for w in inst.waits} for inst in program]  # each queue holds one instruction
+    for j in range(len(program)):
+        for i in list(after[j]):
+            after[j] |= after[i]  # i < j: its own set is complete
+    for j, (b, b_writes) in enumerate(accesses):
+        for i, (a, a_writes) in enumerate(accesses[:j]):
+            if (a_writes or b_writes) and elements(a) & elements(b):
+                assert i in after[j], (a, b)
+
+
 def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_last_heads_run():
     """The projection's A^T is loaded K tile by K tile, each waiting only for its heads' stores, so the early
     heads' columns arrive before the attention ends (on the estimated timeline); the block matches eager."""

@@ -2,14 +2,14 @@
 
 Codegen emits instructions in one program order. Here each goes to its stream (engine, or DMA
 queue), and for every cross-stream hazard on the memory it touches (read after write, write after
-read, write after write) it gets a wait on the other stream's semaphore. Memory is tracked per HBM
-page (a tensor cut into at most HBM_PAGES_PER_TENSOR pages, so row tiles of one tensor stored from
-several DMA queues do not wait on each other; a 2-D tensor's pages of rows further cut into column
-blocks, so an attention's output columns of a pair of heads, or a transposed store's, do not wait for
-the other columns of the same rows), per SBUF page and group of partitions (a DMA queue's share: loads
-of one tile split by partitions run side by side) and per PSUM bank: coarse, so never missing a
-dependency, at the price of a few unnecessary ones. Waits a stream has already implied by
-an earlier wait are dropped.
+read, write after write) it gets a wait on the other stream's semaphore. Memory is tracked per cell of a grid:
+an HBM tensor's grid is cut at every boundary its accesses have (a 2-D tensor's rows by bytes within a row, so the
+8-row pieces of one row tile stored from several DMA queues, an attention's output columns of a pair of heads, or a
+transposed store's columns, do not wait for each other; other tensors by bytes), exact unless a tensor's accesses
+would make more than HBM_CELLS_PER_TENSOR cells (then its cuts are rounded to a power of two); SBUF per page and
+group of partitions (a DMA queue's share: loads of one tile split by partitions run side by side); PSUM per bank.
+A coarse cell never misses a dependency, at the price of a few unnecessary ones. Waits a stream has already
+implied by an earlier wait are dropped.
 """
 from __future__ import annotations
 
@@ -20,67 +20,88 @@ from neuronc.isa import AccessPattern, Space, Wait
 from neuronc.placement import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
 
-HBM_PAGES_PER_TENSOR = 1024  # bounds the keys of one access; pages are at least HBM_MIN_PAGE_BYTES
-HBM_MIN_PAGE_BYTES = 4 * 1024
-# a 2-D tensor's rows are tracked in up to 8 column blocks of at least 256 bytes (a K tile of bf16)
-HBM_COLUMNS, HBM_COLUMN_BYTES = 8, 256
+# bounds the cells of one HBM tensor (so the keys of one access): a tensor whose accesses cut it finer is tracked on a
+# coarser grid (boundaries rounded down to a power of two), never missing an overlap
+HBM_CELLS_PER_TENSOR = 1024
 
 
-def _power_of_two_above(n: int) -> int:
-    """The least power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
+def _coarser(points: list, quantum: int) -> list:
+    """Cut points rounded down to a multiple of `quantum`, the last one kept: every access still falls between the
+    first and the last, and accesses that shared a cell still do."""
+    return sorted({point // quantum * quantum for point in points[:-1]} | {points[-1]})
+
+
+def _cuts(rows: list, columns: list, cells: int) -> tuple:
+    """(row cuts, column cuts) of a grid of at most `cells` cells: the given cut points, the axis with more
+    intervals rounded to ever larger powers of two while the grid has more."""
+    exact, quantum, cuts = (rows, columns), [1, 1], [rows, columns]
+    while (len(cuts[0]) - 1) * (len(cuts[1]) - 1) > cells:
+        axis = 0 if len(cuts[0]) >= len(cuts[1]) else 1
+        quantum[axis] *= 2
+        cuts[axis] = _coarser(exact[axis], quantum[axis])
+    return cuts[0], cuts[1]
 
 
 class _Regions:
-    """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM pages of
-    one tensor, PSUM banks, SBUF pages) by columns (SBUF partition groups; one column elsewhere)."""
+    """Where an access pattern falls on the hazard-tracking grid of its memory: a box of rows (HBM rows or bytes of
+    one tensor, PSUM banks, SBUF pages) by columns (a 2-D HBM tensor's bytes within a row, SBUF partition groups; one
+    column elsewhere). HBM boxes are first measured in rows and bytes (`extent`), then numbered on each tensor's
+    grid of the boundaries its accesses have (`grid`): exact, so accesses that share no byte share no cell."""
 
     def __init__(self, tensors: list, target: Target):
         # Tensors that share bytes (scratch buffers reused over time) start at the same offset (the memory
-        # plan's slots): one block of pages per start, as long as its longest tensor.
-        blocks: dict = {}
-        widths: dict = {}  # start -> the row bytes of every tensor there (one value: tracked as rows by columns)
+        # plan's slots): one block per start, tracked as rows by columns when every tensor there has one row width.
+        widths: dict = {}  # start -> the row bytes of every tensor there
         for t in tensors:
-            blocks[t.offset] = max(blocks.get(t.offset, 0), t.nbytes)
             widths.setdefault(t.offset, set()).add(t.shape[-1] * t.dtype.itemsize if len(t.shape) >= 2 else 0)
-        self.starts = sorted(blocks)
-        # Pages are powers of two, so that tiles of power-of-two rows never share a page at their boundary
-        self.pages = [max(HBM_MIN_PAGE_BYTES, _power_of_two_above(-(-blocks[start] // HBM_PAGES_PER_TENSOR)))
-                      for start in self.starts]
-        self.rows = []  # per block: (row bytes, rows per page, column bytes), or None for pages of bytes
-        for start, page in zip(self.starts, self.pages):
-            (width,) = widths[start] if len(widths[start]) == 1 else (0,)
-            columns = min(HBM_COLUMNS, width // HBM_COLUMN_BYTES)
-            if columns > 1:  # pages of a power of two rows, as many cells as HBM_PAGES_PER_TENSOR pages at most
-                rows = -(-blocks[start] // width)
-                per_page = _power_of_two_above(max(1, page // width, -(-rows * columns // HBM_PAGES_PER_TENSOR)))
-                self.rows.append((width, per_page, -(-width // columns)))
-            else:
-                self.rows.append(None)
+        self.starts = sorted(widths)
+        self.widths = [next(iter(widths[start])) if len(widths[start]) == 1 else 0 for start in self.starts]
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = partition_group(target)
 
+    def extent(self, ap: AccessPattern) -> tuple:
+        """An HBM access's box in its block: (space, block, first row, stop row, first column, stop column), rows and
+        columns in rows and bytes of the block's width (bytes and one column when it has none), stops excluded.
+        An on-chip access's box in cells (bounds included: see __call__)."""
+        if ap.space != Space.HBM:
+            return self(ap)
+        tensor = bisect.bisect_right(self.starts, ap.offset) - 1
+        width = self.widths[tensor]
+        box = self._rows_by_columns(ap, tensor, width) if width else None
+        if box is not None:
+            return box
+        first = last = ap.offset - self.starts[tensor]
+        for stride, size in ap.dims:
+            reach = stride * (size - 1) * ap.dtype.itemsize
+            if reach < 0:
+                first += reach
+            else:
+                last += reach
+        last += ap.dtype.itemsize - 1
+        if width:  # the rows it spans, every column
+            return Space.HBM, tensor, first // width, last // width + 1, 0, width
+        return Space.HBM, tensor, first, last + 1, 0, 1
+
+    @staticmethod
+    def grid(extents) -> dict:
+        """{HBM extent: its box of cells, bounds included}: each block's rows cut at every access's first and stop
+        row, its columns likewise (coarser where that makes more than HBM_CELLS_PER_TENSOR cells)."""
+        by_block: dict = {}
+        for box in extents:
+            by_block.setdefault(box[1], []).append(box)
+        cells = {}
+        for block, boxes in by_block.items():
+            row_cuts, column_cuts = _cuts(sorted({box[2] for box in boxes} | {box[3] for box in boxes}),
+                                          sorted({box[4] for box in boxes} | {box[5] for box in boxes}),
+                                          HBM_CELLS_PER_TENSOR)
+            for box in boxes:
+                cells[box] = (Space.HBM, block, bisect.bisect_right(row_cuts, box[2]) - 1,
+                              bisect.bisect_left(row_cuts, box[3]) - 1, bisect.bisect_right(column_cuts, box[4]) - 1,
+                              bisect.bisect_left(column_cuts, box[5]) - 1)
+        return cells
+
     def __call__(self, ap: AccessPattern) -> tuple:
-        """(space, tensor index or -1, first row, last row, first column, last column), bounds included."""
-        if ap.space == Space.HBM:
-            tensor = bisect.bisect_right(self.starts, ap.offset) - 1
-            box = self._rows_by_columns(ap, tensor) if self.rows[tensor] else None
-            if box is not None:
-                return box
-            first = last = ap.offset - self.starts[tensor]
-            for stride, size in ap.dims:
-                reach = stride * (size - 1) * ap.dtype.itemsize
-                if reach < 0:
-                    first += reach
-                else:
-                    last += reach
-            last += ap.dtype.itemsize - 1
-            if self.rows[tensor]:  # the rows it spans, every column
-                width, rows_per_page, column_bytes = self.rows[tensor]
-                return (Space.HBM, tensor, first // width // rows_per_page, last // width // rows_per_page,
-                        0, (width - 1) // column_bytes)
-            page = self.pages[tensor]
-            return Space.HBM, tensor, first // page, last // page, 0, 0
+        """An on-chip access's box: (space, -1, first row, last row, first column, last column), bounds included."""
         extent = 1
         for stride, size in ap.dims[1:]:
             extent += stride * (size - 1)
@@ -91,10 +112,9 @@ class _Regions:
         return (Space.SBUF, -1, first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES,
                 ap.partition // group, (ap.partition + ap.partitions - 1) // group)
 
-    def _rows_by_columns(self, ap: AccessPattern, tensor: int) -> tuple | None:
-        """The box of an HBM access in its block's rows (grouped by page) by column blocks, when each of its axes
-        steps along rows or within a row without leaving it; else None (then: every column of the rows it spans)."""
-        width, rows_per_page, column_bytes = self.rows[tensor]
+    def _rows_by_columns(self, ap: AccessPattern, tensor: int, width: int) -> tuple | None:
+        """The extent of an HBM access in its block's rows by bytes of a row, when each of its axes steps along rows
+        or within a row without leaving it; else None (then: every column of the rows it spans)."""
         row, col = divmod(ap.offset - self.starts[tensor], width)
         last_row, last_col = row, col + ap.dtype.itemsize - 1
         for stride, size in ap.dims:
@@ -111,8 +131,7 @@ class _Regions:
                 return None
         if last_col >= width:
             return None
-        return (Space.HBM, tensor, row // rows_per_page, last_row // rows_per_page,
-                col // column_bytes, last_col // column_bytes)
+        return Space.HBM, tensor, row, last_row + 1, col, last_col + 1
 
 
 class _Last:
@@ -133,12 +152,12 @@ _NEVER = _Last(-1, 0, {})
 
 
 class _Cells:
-    """The tracking cells of every memory, numbered: one block per HBM tensor (its pages, as far as accesses
-    reach), PSUM (its banks) and SBUF (page by page, the partition groups of a page side by side), so a box
-    is one contiguous span of cell numbers, or one per page when it covers only some partition groups. A 2-D
-    HBM tensor's block is numbered page by page (the column blocks of a page side by side), or column block by
-    column block (its pages consecutive within each) when its accesses are fewer spans so: a few columns of
-    every row, say the heads of a fused qkv projection, are a few spans instead of one per page."""
+    """The tracking cells of every memory, numbered: one block per HBM tensor (its grid's cells), PSUM (its banks)
+    and SBUF (page by page, the partition groups of a page side by side), so a box is one contiguous span of cell
+    numbers, or one per page when it covers only some partition groups. A 2-D HBM tensor's block is numbered row by
+    row of cells (the column cells of a row side by side), or column by column (its rows consecutive within each)
+    when its accesses are fewer spans so: a few columns of every row, say the heads of a fused qkv projection, are
+    a few spans instead of one per row of cells."""
 
     def __init__(self, boxes: list):
         reach: dict = {}  # (space, tensor) -> (first row, last row, columns)
@@ -187,11 +206,13 @@ class HazardGrid:
 
     def __init__(self, instructions: list, tensors: list, target: Target):
         regions = _Regions(tensors, target)
-        boxes: dict = {}  # AccessPattern -> its box (many instructions share operands)
+        boxes: dict = {}  # AccessPattern -> its extent (many instructions share operands), then its box of cells
         for inst in instructions:
             for ap in (*inst.reads, *inst.writes):
                 if ap not in boxes:
-                    boxes[ap] = regions(ap)
+                    boxes[ap] = regions.extent(ap)
+        hbm = regions.grid({box for box in boxes.values() if box[0] == Space.HBM})
+        boxes = {ap: hbm.get(box, box) for ap, box in boxes.items()}
         distinct = list(dict.fromkeys(boxes.values()))
         layout = _Cells(distinct)
         spans = {box: layout.spans(box) for box in distinct}
