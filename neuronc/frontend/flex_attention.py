@@ -464,6 +464,9 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
 # (a document mask's ids) is computed by the graph and read for every block. flex_attention's log-sum-exp is in
 # base 2 (its kernels work in ln 2 space); the library's is natural: converted on the way out and back.
 
+LIBRARY_KERNELS_FOR_TRAINING = True  # False: training keeps the dense lowering (benchmarks/flex_attention.py's peer)
+
+
 def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> dict:
     """How the library kernels compute this flex_attention: dict(causal, score_mod, blocks, mask: a constant bool
     [seq, seq] array, "runtime" or None); raises _NotFlash when they do not compute it."""
@@ -534,6 +537,8 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     from neuronc.neff.program import DebugLoc
     from neuronc.nki.library.flash_attention import flash_attention_backward, flash_attention_forward
 
+    if not LIBRARY_KERNELS_FOR_TRAINING:
+        raise _NotFlash
     gm = cut.gm
     forward = node.target is torch.ops.higher_order.flex_attention
     getters = {u.args[1]: u for u in node.users if u.target is operator.getitem and u.users}
