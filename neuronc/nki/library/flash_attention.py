@@ -91,6 +91,11 @@ def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivativ
     return z, grad
 
 
+def _by_tiles(rows, tiles: int, d: int):
+    """An HBM [tiles * 128, d] as [128, tiles, d]: row i * 128 + p at [p, i] (one DMA for a head's tiles)."""
+    return rows.reshape((tiles, P, d)).permute((1, 0, 2))
+
+
 @nki.jit
 def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None):
     groups, seq, d = q.shape
@@ -106,18 +111,24 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
     plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
     bias = _causal_bias(dtype) if causal else None
+    # each query tile's row sums and maxima, column g * tiles + i: their log-sum-exp is computed once at the end
+    # (a log between the exps would reload the Scalar engine's activation table twice per tile)
+    totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    maxima = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
     for g in nl.affine_range(groups):
         k_t = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)
         _load_transposed(k_t, k[g])
         v_tiles = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
-        for c in nl.affine_range(tiles):
-            nisa.dma_copy(dst=v_tiles[:, c, :], src=v[g, c * P:(c + 1) * P, :])
+        nisa.dma_copy(dst=v_tiles, src=_by_tiles(v[g], tiles, d))
+        q_heads = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)  # Q^T of the head: fewer, larger DMAs
+        _load_transposed(q_heads, q[g])
+        results = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
         for i in nl.affine_range(tiles):
             rows = slice(i * P, (i + 1) * P)
-            q_t = nl.ndarray((d, P), dtype=dtype, buffer=nl.sbuf)
-            _load_transposed(q_t, q[g, rows, :])
+            q_t = q_heads[:, rows]
             acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
-            total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            column = g * tiles + i
+            total = totals[:, column:column + 1]
             m = None
             for first, count, partly in _key_chunks(plan[i]):
                 k0, kb = first * P, count * P
@@ -164,25 +175,30 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                     nisa.scalar_tensor_tensor(dst=total, data=total, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                               operand1=row_sum)
                 m = m_new
-            result = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-            row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            if m is None:  # every key of these queries hidden
+            result = results[:, i, :]
+            if m is None:  # every key of these queries hidden: 0, and a log-sum-exp of log(1) - inf
                 nisa.memset(dst=result, value=0.0)
-                nisa.memset(dst=row_lse, value=-math.inf)
+                nisa.memset(dst=total, value=1.0)
+                nisa.memset(dst=maxima[:, column:column + 1], value=-math.inf)
             else:
-                log_total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=log_total, op=nl.log, data=total)
-                nisa.tensor_tensor(dst=row_lse, data1=log_total, data2=m, op=nl.add)
+                nisa.tensor_copy(dst=maxima[:, column:column + 1], src=m)
                 if mask is None:
                     nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total)
-                else:  # rows whose every key the mask hides (their max is MASKED): 0, log-sum-exp -inf
+                else:  # rows whose every key the mask hides (their max is MASKED): 0
                     seen = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=seen, data=m, op0=nl.greater, operand0=MASKED / 2)
                     nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total, op1=nl.multiply,
                                        operand1=seen)
-                    row_lse = nl.where(seen, row_lse, -math.inf, dtype=nl.float32)
-            nisa.dma_copy(dst=out[g, rows, :], src=result)
-            nisa.dma_copy(dst=lse[g, rows].reshape((P, 1)), src=row_lse)
+        nisa.dma_copy(dst=_by_tiles(out[g], tiles, d), src=results)
+    log_totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_totals, op=nl.log, data=totals)
+    row_lse = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=row_lse, data1=log_totals, data2=maxima, op=nl.add)
+    if mask is not None:  # a row that saw no key: -inf, as flex_attention's
+        seen = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=seen, data=maxima, op0=nl.greater, operand0=MASKED / 2)
+        row_lse = nl.where(seen, row_lse, -math.inf, dtype=nl.float32)
+    nisa.dma_copy(dst=lse.reshape((groups * tiles, P)).permute((1, 0)), src=row_lse)
     return out, lse
 
 
