@@ -91,6 +91,14 @@ def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivativ
     return z, grad
 
 
+def _transposed_dtype(dtype):
+    """The PSUM dtype of a transposed bf16/fp16 tile: its own on trn2+ (the Tensor engine's transpose mode: half
+    the bytes for the engine evacuating it), else fp32."""
+    if dtype in (nl.bfloat16, nl.float16) and nisa.get_nc_version() >= nisa.nc_version.gen3:
+        return dtype
+    return nl.float32
+
+
 def _by_tiles(rows, tiles: int, d: int):
     """An HBM [tiles * 128, d] as [128, tiles, d]: row i * 128 + p at [p, i] (one DMA for a head's tiles)."""
     return rows.reshape((tiles, P, d)).permute((1, 0, 2))
@@ -114,6 +122,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
     # each query tile's row sums and maxima, column g * tiles + i: their log-sum-exp is computed once at the end
     # (a log between the exps would reload the Scalar engine's activation table twice per tile)
     totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    transposed = _transposed_dtype(dtype)
     maxima = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
     for g in nl.affine_range(groups):
         k_t = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)
@@ -156,7 +165,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                 row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_m, scale=logit_scale,
                                 reduce_op=nl.add, reduce_res=row_sum)
-                probs_t_psum = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.psum)
+                probs_t_psum = nl.ndarray((P, kb), dtype=transposed, buffer=nl.psum)
                 for c in nl.affine_range(kb // P):
                     nisa.nc_transpose(dst=probs_t_psum[:, c * P:(c + 1) * P], data=probs[:, c * P:(c + 1) * P])
                 probs_t = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
