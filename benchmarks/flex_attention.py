@@ -12,13 +12,14 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
 * document mask (per-token document ids the graph takes) and GQA (2 key/value heads), for information: the flash
   kernel against the same program without a mask / with every head's K and V, and the document mask against the
   dense lowering of the same mask (written to read the head index, which keeps it out of the flash kernel);
-* training (forward and backward graphs), causal: the flash kernels (the NKI library's forward with the
-  log-sum-exp and its backward) against the dense forward and backward of the same attention (written with a
-  `score * 1.0` score_mod, which keeps it out of the flash kernels), time and the NEFFs' HBM sizes.
+* training (forward and backward graphs): the flash kernels (the NKI library's forward with the log-sum-exp and
+  its backward) against the dense forward and backward of the same program (compiled with
+  `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off), time and the NEFFs' HBM sizes, for a causal mask,
+  relative position bias + causal, ALiBi + sliding window, soft-capping, prefix-LM and a document mask.
 
 Nothing is asserted: it prints measurements.
 
-    python -m benchmarks.flex_attention [--heads 8] [--dim 64] [--dtype bf16] [--quick]
+    python -m benchmarks.flex_attention [--heads 8] [--dim 64] [--dtype bf16] [--quick] [--training-only]
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import neuronc.frontend.flex_attention as flex_frontend
 from neuronc.compiler import CompileOptions, compile_fx
 
 
@@ -93,10 +95,6 @@ def training_ns(fn, inputs) -> tuple:
     return sum(n.estimated_ns for n in neffs), sum(n.hbm_size for n in neffs)
 
 
-def _times_one(score, b, h, q, kv):
-    return score * 1.0
-
-
 def _flex(mask_mod, seq: int, gqa: bool = False, score_mod=None, device: str = "cpu"):
     mask = create_block_mask(mask_mod, None, None, seq, seq, device=device) if mask_mod else None
     return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
@@ -140,14 +138,21 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="seq 512 for causal, 512..1024 for the window")
+    parser.add_argument("--training-only", action="store_true", help="only the training comparison")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     def qkv(seq):
         return tuple(torch.randn(1, args.heads, seq, args.dim, dtype=dtype) for _ in range(3))
 
-    causal_seq = 512 if args.quick else 2048
     print(f"trn2, -O2, batch 1, {args.heads} heads, head dim {args.dim}, {args.dtype}; estimated device time")
+    if not args.training_only:
+        inference(args, qkv)
+    training(args, qkv)
+
+
+def inference(args, qkv) -> None:
+    causal_seq = 512 if args.quick else 2048
     print(f"\ncausal at seq {causal_seq}")
     builtin, builtin_kernels = compiled_ns(_builtin_causal, qkv(causal_seq))
     sdpa, sdpa_kernels = compiled_ns(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -181,14 +186,52 @@ def main() -> None:
     print(f"  {'GQA, 2 key/value heads, no mask':<36} {gqa / 1e3:>10.1f} us  ({gqa_kernels} kernel(s))"
           f"  / no mask: {gqa / full:.3f}")
 
-    seq = 512 if args.quick else 1024
-    print(f"\ntraining (forward + backward graphs), causal block_mask, seq {seq}")
-    flash, flash_hbm = training_ns(_flex(_causal, seq, device="neuron"), qkv(seq))
-    dense, dense_hbm = training_ns(_flex(_causal, seq, score_mod=_times_one, device="neuron"), qkv(seq))
-    print(f"  {'flash kernels (library fwd + bwd)':<36} {flash / 1e3:>10.1f} us  HBM {flash_hbm / 2**20:8.1f} MiB")
-    print(f"  {'dense forward + backward':<36} {dense / 1e3:>10.1f} us  HBM {dense_hbm / 2**20:8.1f} MiB")
-    print(f"  flash / dense: time {flash / dense:.3f}, HBM {flash_hbm / dense_hbm:.3f}")
 
+
+def training(args, qkv) -> None:
+    seq = 512 if args.quick else 1024
+    print(f"\ntraining (forward + backward graphs), seq {seq}: flash kernels (library fwd + bwd) vs dense lowering")
+    print(f"  {'case':<28} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
+          f"{'HBM':>6}")
+    for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window):
+        flash, flash_hbm = training_ns(_flex(mask_mod, seq, score_mod=score_mod, device="neuron"), qkv(seq))
+        flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False
+        try:
+            dense, dense_hbm = training_ns(_flex(mask_mod, seq, score_mod=score_mod, device="neuron"), qkv(seq))
+        finally:
+            flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = True
+        print(f"  {name:<28} {flash / 1e3:>10.1f} {dense / 1e3:>10.1f} {flash / dense:>6.3f} "
+              f"{flash_hbm / 2**20:>10.1f} {dense_hbm / 2**20:>10.1f} {flash_hbm / dense_hbm:>6.3f}")
+
+
+def training_cases(seq: int, heads: int, window: int) -> list:
+    """(name, score_mod, mask_mod) of the training comparison."""
+    def relative_bias(score, b, h, q, kv):
+        return score + (q - kv) * 0.05
+
+    def alibi(score, b, h, q, kv):
+        return score + (kv - q) * torch.exp2(-(h + 1) * 8.0 / heads)
+
+    def soft_cap(score, b, h, q, kv):
+        return torch.tanh(score / 20.0) * 20.0
+
+    def every_key(b, h, q, kv):  # block_mask=None's noop mask is built in the graph with ops compile_fx refuses
+        return q >= 0
+
+    def prefix_lm(b, h, q, kv):
+        return (kv < seq // 4) | (q >= kv)
+
+    import neuronc.pytorch  # noqa: F401 - the `neuron` device
+
+    ids = torch.arange(seq) * 4 // seq
+    documents = ids.to("neuron")
+
+    def document(b, h, q, kv):
+        return documents[q] == documents[kv]
+
+    return [("causal", None, _causal), ("relative bias + causal", relative_bias, _causal),
+            (f"ALiBi + window {window}", alibi, _window(window)), ("soft cap, no mask", soft_cap, every_key),
+            ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document)]
 
 if __name__ == "__main__":
     main()

@@ -243,3 +243,30 @@ def branches_on_an_index(a):
 def test_python_control_flow_on_an_index_vector_is_refused():
     with pytest.raises(KernelError, match="control flow"):
         branches_on_an_index(rand(128, 4))
+
+
+def _transpose_into_psum_of(dtype_name: str):
+    def kernel(x):
+        out = nl.ndarray((64, 128), dtype=x.dtype, buffer=nl.shared_hbm)
+        tile = nl.ndarray((128, 64), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x)
+        transposed = nl.ndarray((64, 128), dtype=getattr(nl, dtype_name), buffer=nl.psum)
+        nisa.nc_transpose(dst=transposed, data=tile)
+        result = nl.ndarray((64, 128), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=result, src=transposed)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+
+    return kernel
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn1"])
+def test_a_bf16_transpose_writes_bf16_psum_on_trn2_and_goes_through_fp32_on_trn1(target):
+    import ml_dtypes
+
+    x = rand(128, 64).astype(ml_dtypes.bfloat16)
+    kernel = nki.jit(_transpose_into_psum_of("bfloat16"), target=target)
+    out = kernel(x)
+    np.testing.assert_array_equal(np.asarray(out), x.T)  # a transpose is exact
+    copies = [e for e in kernel.trace(x).instrs if e.opcode.name == "TENSOR_COPY"]
+    assert len(copies) == (1 if target == "trn2" else 2)  # trn1: PSUM fp32 -> bf16 PSUM tile -> SBUF

@@ -61,6 +61,54 @@ def test_flash_attention_forward_and_backward_match_eager(causal, dtype):
         torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **tolerance)
 
 
+SOFT_CAP = (("div", (("score",), ("imm", 10.0))), ("tanh", (("step", 0),)), ("mul", (("step", 1), ("imm", 10.0))))
+ALIBI = (("sub", (("kv",), ("q",))), ("add", (("h",), ("imm", 1.0))), ("mul", (("step", 1), ("imm", -4.0))),
+         ("exp2", (("step", 2),)), ("mul", (("step", 0), ("step", 3))), ("add", (("score",), ("step", 4))))
+
+
+def soft_cap(score, h, q, kv):
+    return torch.tanh(score / 10.0) * 10.0
+
+
+def alibi(score, h, q, kv):
+    return score + (kv - q) * torch.exp2(-(h + 1) * 4.0)
+
+
+def block_table(mask: np.ndarray) -> tuple:
+    """HIDDEN / PARTLY / KEPT per 128 x 128 block of a keep-mask."""
+    tiles = mask.shape[0] // 128
+    cells = mask.reshape(tiles, 128, tiles, 128)
+    return tuple(tuple(2 if cells[i, :, j].all() else 1 if cells[i, :, j].any() else 0 for j in range(tiles))
+                 for i in range(tiles))
+
+
+@pytest.mark.parametrize("name,steps,score_mod,masked,dtype", [
+    ("soft cap, window, rows with no key", SOFT_CAP, soft_cap, True, torch.float32),
+    ("alibi, no mask", ALIBI, alibi, False, torch.bfloat16)])
+def test_flash_attention_with_a_score_mod_and_a_mask_matches_eager(name, steps, score_mod, masked, dtype):
+    heads, seq, dim = 2, 256, 32
+    q, k, v, grad = (randn(heads, seq, dim, dtype=dtype, seed=s) for s in range(4))
+    qi, ki = torch.arange(seq).view(seq, 1), torch.arange(seq).view(1, seq)
+    mask = (qi >= ki) & (qi - ki < 64) & (qi >= 16)  # a sliding window; queries 0-15 see no key
+    options = dict(causal=False, score_mod=steps, heads=heads)
+    if masked:
+        options.update(mask=mask.numpy(), blocks=block_table(mask.numpy()))
+        assert options["blocks"] == ((1, 0), (1, 1))  # the hidden block is skipped
+    out, lse = flash_attention_forward(*(as_numpy(x) for x in (q, k, v)), **options)
+    rq, rk, rv = (x.float().clone().requires_grad_() for x in (q, k, v))
+    scores = score_mod(rq @ rk.transpose(-1, -2) / dim ** 0.5, torch.arange(heads).view(heads, 1, 1), qi, ki)
+    if masked:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    expected = torch.softmax(scores, -1).nan_to_num(0.0) @ rv  # flex_attention: a row with no key is 0
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(as_torch(out), expected.detach().to(dtype), **tolerance)
+    torch.testing.assert_close(torch.from_numpy(lse), torch.logsumexp(scores, -1).detach(), **tolerance)
+    expected.backward(grad.float())
+    grads = flash_attention_backward(*(as_numpy(x) for x in (q, k, v)), out, as_numpy(grad), lse, **options)
+    for got, want in zip(grads, (rq, rk, rv)):
+        torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **tolerance)
+
+
 def routing(tokens: int, slots: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, tokens, slots).astype(np.int32)  # tokens repeat across slots
 

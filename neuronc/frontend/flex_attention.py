@@ -454,18 +454,27 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
 # -- training: the NKI library's flash forward (with the log-sum-exp) and backward ------------------------------
 #
 # In training the forward's log-sum-exp is read by the backward. Where the NKI library's flash-attention kernels
-# compute the same thing (neuronc/nki/library/flash_attention.py: no score_mod, no mask or the causal one, q, k, v of
-# one shape [batch, heads, seq, d] (k and v may have fewer heads: GQA), seq a multiple of 128, d <= 128, fp32 or
-# bf16), the forward and the backward
-# flex_attention are each cut out as that kernel: the backward recomputes P block by block from the log-sum-exp
-# instead of the dense backward's S x S scores in HBM. flex_attention's log-sum-exp is in base 2 (its kernels work
-# in ln 2 space); the library's is natural: converted on the way out and back.
+# compute the same thing (neuronc/nki/library/flash_attention.py: q, k, v of one shape [batch, heads, seq, d] (k and
+# v may have fewer heads: GQA), seq a multiple of 128, d <= 128, fp32 or bf16; a score_mod whose steps they can
+# differentiate (score_steps.py), reading no tensor the graph computes; any mask the same for every batch and head),
+# the forward and the backward flex_attention are each cut out as that kernel: the backward recomputes P block by
+# block from the log-sum-exp instead of the dense backward's S x S scores in HBM. No score_mod with no mask or the
+# causal one is the kernels' built-in path; otherwise a static mask is a constant [seq, seq] keep-mask and a table
+# of its 128 x 128 blocks (hidden ones skipped, fully kept ones read no mask), a mask reading tensors the graph takes
+# (a document mask's ids) is computed by the graph and read for every block. flex_attention's log-sum-exp is in
+# base 2 (its kernels work in ln 2 space); the library's is natural: converted on the way out and back.
 
-def _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> bool:
-    """Whether the library kernels compute this flex_attention with the causal mask (False: no mask); raises
-    _NotFlash when they do not compute it."""
+LIBRARY_KERNELS_FOR_TRAINING = True  # False: training keeps the dense lowering (benchmarks/flex_attention.py's peer)
+
+
+def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> dict:
+    """How the library kernels compute this flex_attention: dict(causal, score_mod, blocks, mask: a constant bool
+    [seq, seq] array, "runtime" or None); raises _NotFlash when they do not compute it."""
     import numpy as np
     import torch
+
+    from neuronc.nki.library.flash_attention import HIDDEN, KEPT, PARTLY, P
+    from neuronc.nki.library.score_steps import Unsupported, check_differentiable, is_identity
 
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
     if qv.dim() != 4 or kv_.shape != vv.shape or kv_.dim() != 4 or not (qv.dtype == kv_.dtype == vv.dtype):
@@ -473,39 +482,63 @@ def _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buff
     batch, heads, seq, d = qv.shape
     if (kv_.shape[0], kv_.shape[2], kv_.shape[3]) != (batch, seq, d) or heads % kv_.shape[1]:
         raise _NotFlash  # GQA's groups are fine (K and V repeated for the kernel, their gradients summed)
-    if qv.dtype not in (torch.float32, torch.bfloat16) or seq % 128 or d > 128:
+    if qv.dtype not in (torch.float32, torch.bfloat16) or seq % P or d > P:
         raise _NotFlash
     steps = score_steps(getattr(gm, score_mod.target), [_constant_of(gm, b) for b in score_buffers])
-    if steps != (("add", (("score",), ("imm", 0.0))),):
-        raise _NotFlash
+    steps = () if is_identity(steps) else steps
+    try:
+        check_differentiable(steps)
+    except Unsupported as e:
+        raise _NotFlash from e
+    mask_gm = getattr(gm, block_mask[-1].target)
     constants = [_constant_of(gm, b) for b in mask_buffers]
-    if any(c is None for c in constants):
-        raise _NotFlash
-    mask = static_mask(getattr(gm, block_mask[-1].target), constants, batch, heads, seq, seq)
+    plan = dict(causal=False, score_mod=steps, blocks=None, mask=None)
+    if any(c is None for c in constants):  # read at run time (a document mask's ids)
+        if not _same_for_every_head(mask_gm):
+            raise _NotFlash
+        plan.update(mask="runtime")
+        return plan
+    mask = static_mask(mask_gm, constants, batch, heads, seq, seq)
     if mask.all():
-        return False
-    if np.array_equal(mask, np.tril(np.ones((seq, seq), dtype=bool))):
-        return True
-    raise _NotFlash
+        return plan
+    if not steps and np.array_equal(mask, np.tril(np.ones((seq, seq), dtype=bool))):
+        plan.update(causal=True)  # the kernels' own causal mask, made on chip
+        return plan
+    tiles = seq // P
+    cells = mask.reshape(tiles, P, tiles, P)
+    kept, seen = cells.all(axis=(1, 3)), cells.any(axis=(1, 3))
+    plan.update(mask=mask, blocks=tuple(tuple(KEPT if kept[i, j] else PARTLY if seen[i, j] else HIDDEN
+                                              for j in range(tiles)) for i in range(tiles)))
+    return plan
 
 
-def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, causal: bool):
+def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int):
     import numpy as np
 
     from neuronc.frontend.tensors import dtype_of
 
     arrays = [np.empty(shape, dtype=dtype_of(dtype).numpy) for shape, dtype in zip(shapes, dtypes)]
-    return kernel.trace(*arrays, scale=scale, causal=causal)
+    options = dict(scale=scale, causal=plan["causal"])
+    if plan["score_mod"] or plan["mask"] is not None:
+        seq = shapes[0][1]
+        options.update(score_mod=plan["score_mod"], blocks=plan["blocks"], heads=heads,
+                       mask=None if plan["mask"] is None else np.empty((seq, seq), dtype=bool))
+    return kernel.trace(*arrays, **options)
 
 
 def _cut_for_training(cut, node, locations: dict) -> None:
     """Cut a forward flex_attention whose log-sum-exp is read, or a backward one, as the library's kernel (see
     above); raises _NotFlash when it does not apply."""
+    import hashlib
+
     import torch
 
+    from neuronc.frontend.kernel_calls import _fingerprint
     from neuronc.neff.program import DebugLoc
     from neuronc.nki.library.flash_attention import flash_attention_backward, flash_attention_forward
 
+    if not LIBRARY_KERNELS_FOR_TRAINING:
+        raise _NotFlash
     gm = cut.gm
     forward = node.target is torch.ops.higher_order.flex_attention
     getters = {u.args[1]: u for u in node.users if u.target is operator.getitem and u.users}
@@ -518,7 +551,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
          mask_buffers) = node.args[:14]
         if grad_lse is not None or grad_out is None or any(i > 2 for i in getters):
             raise _NotFlash  # the log-sum-exp's own gradient, or a score_mod buffer's
-    causal = _library_causal(gm, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
+    plan = _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
     qv = q.meta["val"]
     shape, dtype = tuple(qv.shape), qv.dtype
     batch, heads, seq, d = shape
@@ -526,27 +559,32 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     flat = (batch * heads, seq, d)
     loc = locations.get(node.name, DebugLoc())
     if forward:
-        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), causal)
+        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads)
         lse = ((batch, heads, seq), traced.outputs[1].dtype)
         outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
     else:
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
-                                        [dtype] * 5 + [torch.float32], float(scale), causal)
+                                        [dtype] * 5 + [torch.float32], float(scale), plan, heads)
         kv_shape = (batch, kv_heads, seq, d)
         outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2
         inputs = [q, k, v, out, grad_out, lse]
-    from neuronc.frontend.kernel_calls import _fingerprint
-
+    mask = plan["mask"]
+    if isinstance(mask, str):  # computed by the graph from the tensors the mask_mod reads
+        inputs.append(_runtime_mask(gm, node, getattr(gm, block_mask[-1].target), list(mask_buffers), seq, seq))
+        mask = None
+    digest = hashlib.sha256(_fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced).encode())
+    if mask is not None:  # a constant input: its values are not in the instructions
+        digest.update(mask.tobytes())
     cut.cut(node, inputs, outputs,
-            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc:
-            _library_nodes(values, traced, forward, shape, kv_heads, loc),
-            _fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced), loc)
+            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc, mask=mask:
+            _library_nodes(values, traced, forward, shape, kv_heads, loc, mask),
+            digest.hexdigest(), loc)
 
 
-def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc) -> list:
-    """The library kernel's nodes on flex_attention's [batch, heads, ...] values, its results as flex_attention's;
-    with GQA, each K/V head repeated for the query heads of its group and their gradients summed over it, in fp32,
+def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc, mask=None) -> list:
+    """The library kernel's nodes on flex_attention's [batch, heads, ...] values (a run-time mask last), and
+    ``mask`` (a constant keep-mask), its results as flex_attention's; with GQA, each K/V head repeated for the query heads of its group and their gradients summed over it, in fp32,
     as flex_attention's dense backward sums them."""
     import math
 
@@ -585,13 +623,17 @@ def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: 
         total = ir.node(Op.REDUCE, [wide, zero], (batch, kv_heads, seq, d), DType.F32, loc, dims=(2,), kind="add")
         return total if x.dtype == DType.F32 else ir.node(Op.CONVERT, [total], total.shape, x.dtype, loc)
 
+    masks = values[-1:] if len(values) in (4, 7) else []
+    if mask is not None:
+        masks = [ir.node(Op.CONSTANT, [], mask.shape, DType.BOOL, loc, value=mask)]
     if forward:
-        q, k, v = values
-        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)], loc)
+        q, k, v = values[:3]
+        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)] + masks, loc)
         lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
         return [reshaped(out, shape), lse2, None]
-    q, k, v, out, grad_out, lse2 = values
+    q, k, v, out, grad_out, lse2 = values[:6]
     lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
     grad_q, grad_k, grad_v = _kernel_nodes(
-        traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse], loc)
+        traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse]
+        + masks, loc)
     return [reshaped(grad_q, shape), summed(grad_k), summed(grad_v)]

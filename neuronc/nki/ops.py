@@ -384,7 +384,7 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes=None, api: str = "nisa.dm
 
 
 def matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, accumulate=None,
-           api: str = "nisa.nc_matmul", mask=None) -> None:
+           api: str = "nisa.nc_matmul", mask=None, transposing: bool = False) -> None:
     """dst[M, N] (+)= stationary[K, M].T @ moving[K, N] on the Tensor engine (fp32 in PSUM). ``accumulate`` None:
     accumulate onto what earlier matmuls wrote there, as NKI infers it."""
     trace = current()
@@ -395,7 +395,7 @@ def matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, accumulate=
     if dst.space != Space.PSUM:
         fail(f"the matmul result goes to PSUM; dst is in {dst.space.name}", api=api,
              hint="allocate it with buffer=nl.psum, then copy it to SBUF")
-    if dst.isa_dtype != DType.F32:
+    if dst.isa_dtype != DType.F32 and not transposing:
         fail(f"the matmul result is fp32 in PSUM on {trace.target.name}; dst is {dst.isa_dtype.name}", api=api,
              hint="declare the PSUM tile nl.float32 and convert when copying it out")
     k, m = stationary.partitions, stationary.free_size
@@ -428,7 +428,8 @@ def _flat2(t: NkiTensor, api: str, what: str):
 
 def transpose(dst: NkiTensor, data: NkiTensor, api: str = "nisa.nc_transpose") -> None:
     """dst[F, P] = data[P, F].T on the Tensor engine: a matmul of data (stationary) by an identity (moving), into
-    PSUM; a destination that is not an fp32 PSUM tile gets the transpose through an fp32 PSUM tile and a copy."""
+    PSUM; on trn2+ a bf16/fp16 tile into a PSUM tile of its dtype directly (the Tensor engine's transpose mode,
+    targets.py); any other destination gets the transpose through an fp32 PSUM tile and a copy."""
     trace = current()
     data = tile(data, api, "data")
     dst = tile(dst, api, "dst")
@@ -442,12 +443,15 @@ def transpose(dst: NkiTensor, data: NkiTensor, api: str = "nisa.nc_transpose") -
         fail(f"transposing [{p}, {f}] into a tile of shape {list(dst.shape)}", api=api)
     if dst.space == Space.PSUM and dst.isa_dtype == DType.F32:
         target = dst
+    elif dst.space == Space.PSUM and dst.isa_dtype == data.isa_dtype and trace.target.tensor_transpose_mode and \
+            dst.isa_dtype in (DType.BF16, DType.F16):  # trn2+: the transpose mode writes 16-bit values to PSUM
+        target = dst
     else:
         target = _scratch((f, p), DType.F32, Space.PSUM, "transpose_psum")
     ident = trace.identity(data.isa_dtype if data.isa_dtype.is_float else DType.F32, p)
     if not data.isa_dtype.is_float:
         fail("nc_transpose of an integer tile", api=api, unsupported=True)
-    matmul(target, data, ident, accumulate=False, api=api)
+    matmul(target, data, ident, accumulate=False, api=api, transposing=target.isa_dtype != DType.F32)
     if target is not dst:
         copy(dst, target, api=api)
 

@@ -12,6 +12,13 @@ Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile o
 PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
 dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine); dQ and dK are scaled at
 the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
+
+FlexAttention (both kernels): ``score_mod`` (the steps of a score_mod, see score_steps.py) is applied to each block
+of scaled logits in fp32, and the backward multiplies dS by its derivative; ``mask`` is a [seq, seq] keep-mask in
+HBM (the same for every head), read block by block for the blocks ``blocks`` marks partly kept; ``blocks`` (a
+[tiles][tiles] table of HIDDEN / PARTLY / KEPT per 128 x 128 block) skips the hidden ones entirely (no matmul, no
+DMA) and reads no mask for the kept ones. A row whose every key is masked gives 0 and a log-sum-exp of -inf, as
+flex_attention does.
 """
 from __future__ import annotations
 
@@ -20,10 +27,12 @@ import math
 import neuronc.nki as nki
 import neuronc.nki.isa as nisa
 import neuronc.nki.language as nl
+from neuronc.nki.library.score_steps import Block
 
 P = 128  # queries (and keys) per tile: one per partition
 KEY_BLOCK = 512  # keys per block of the forward: one PSUM bank of fp32 scores
 MASKED = -3.0e38  # added to masked scores (a finite -inf: exp(scale * it) is 0)
+HIDDEN, PARTLY, KEPT = 0, 1, 2  # a block of the mask: every key masked, some, none
 
 
 def _causal_bias(dtype):
@@ -40,60 +49,130 @@ def _load_transposed(dst, src):
     nisa.dma_copy(dst=dst, src=src.permute((1, 0)))
 
 
+def _block_plan(tiles: int, causal: bool, mask, blocks) -> tuple:
+    """[query tile][key tile] -> HIDDEN / PARTLY / KEPT."""
+    if blocks is not None:
+        return blocks
+    if mask is not None:  # a run-time mask: every block read
+        return tuple((PARTLY,) * tiles for _ in range(tiles))
+    if causal:
+        return tuple(tuple(KEPT if j < i else PARTLY if j == i else HIDDEN for j in range(tiles))
+                     for i in range(tiles))
+    return tuple((KEPT,) * tiles for _ in range(tiles))
+
+
+def _key_chunks(row: tuple) -> list:
+    """The visited key tiles of one query tile as runs of consecutive tiles of at most KEY_BLOCK keys:
+    [(first tile, count, whether any is PARTLY)]."""
+    chunks = []
+    for j, state in enumerate(row):
+        if state == HIDDEN:
+            continue
+        if chunks and chunks[-1][0] + chunks[-1][1] == j and chunks[-1][1] < KEY_BLOCK // P:
+            first, count, partly = chunks[-1]
+            chunks[-1] = (first, count + 1, partly or state == PARTLY)
+        else:
+            chunks.append((j, 1, state == PARTLY))
+    return chunks
+
+
+def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivative=False):
+    """(score_mod(scale * scores) with masked keys at MASKED, fp32 [P, keys] in SBUF; its derivative or None)."""
+    z = nl.ndarray((P, keys), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=z, data=scores, op0=nl.multiply, operand0=scale)
+    grad = 1.0
+    if score_mod:
+        z, grad = Block(P, keys, rows.start, k0, b, h).apply(score_mod, z, derivative=derivative)
+        grad = 0.0 if grad is None else grad
+    if mask is not None:
+        keep = nl.ndarray((P, keys), dtype=mask.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=keep, src=mask[rows, k0:k0 + keys])
+        z = nl.where(keep, z, MASKED, dtype=nl.float32)
+    return z, grad
+
+
+def _transposed_dtype(dtype):
+    """The PSUM dtype of a transposed bf16/fp16 tile: its own on trn2+ (the Tensor engine's transpose mode: half
+    the bytes for the engine evacuating it), else fp32."""
+    if dtype in (nl.bfloat16, nl.float16) and nisa.get_nc_version() >= nisa.nc_version.gen3:
+        return dtype
+    return nl.float32
+
+
+def _by_tiles(rows, tiles: int, d: int):
+    """An HBM [tiles * 128, d] as [128, tiles, d]: row i * 128 + p at [p, i] (one DMA for a head's tiles)."""
+    return rows.reshape((tiles, P, d)).permute((1, 0, 2))
+
+
 @nki.jit
-def flash_attention_forward(q, k, v, scale=None, causal=True):
-    heads, seq, d = q.shape
+def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None):
+    groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    flex = bool(score_mod) or mask is not None or blocks is not None
+    assert not (flex and causal), "causal=True is the built-in mask: pass a flex mask with causal=False"
+    heads = heads or groups
     dtype = q.dtype
-    out = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
-    lse = nl.ndarray((heads, seq), dtype=nl.float32, buffer=nl.shared_hbm)
+    out = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((groups, seq), dtype=nl.float32, buffer=nl.shared_hbm)
     tiles = seq // P
+    plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
     bias = _causal_bias(dtype) if causal else None
-    for g in nl.affine_range(heads):
+    # each query tile's row sums and maxima, column g * tiles + i: their log-sum-exp is computed once at the end
+    # (a log between the exps would reload the Scalar engine's activation table twice per tile)
+    totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    transposed = _transposed_dtype(dtype)
+    maxima = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    for g in nl.affine_range(groups):
         k_t = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)
         _load_transposed(k_t, k[g])
         v_tiles = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
-        for c in nl.affine_range(tiles):
-            nisa.dma_copy(dst=v_tiles[:, c, :], src=v[g, c * P:(c + 1) * P, :])
+        nisa.dma_copy(dst=v_tiles, src=_by_tiles(v[g], tiles, d))
+        q_heads = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)  # Q^T of the head: fewer, larger DMAs
+        _load_transposed(q_heads, q[g])
+        results = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
         for i in nl.affine_range(tiles):
-            q_t = nl.ndarray((d, P), dtype=dtype, buffer=nl.sbuf)
-            _load_transposed(q_t, q[g, i * P:(i + 1) * P, :])
-            last = (i + 1) * P if causal else seq
+            rows = slice(i * P, (i + 1) * P)
+            q_t = q_heads[:, rows]
             acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
-            total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            column = g * tiles + i
+            total = totals[:, column:column + 1]
             m = None
-            for k0 in range(0, last, KEY_BLOCK):
-                kb = min(KEY_BLOCK, last - k0)
+            for first, count, partly in _key_chunks(plan[i]):
+                k0, kb = first * P, count * P
                 scores = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=scores, stationary=q_t, moving=k_t[:, k0:k0 + kb])
-                if causal and k0 + kb > i * P:  # the diagonal: keys after each query masked
+                logits, logit_scale = scores, scale
+                if flex:
+                    logits, _ = _flex_logits(scores, scale, score_mod, mask if partly else None, rows, k0, kb,
+                                             g // heads, g % heads)
+                    logit_scale = 1.0
+                elif causal and partly:  # the diagonal: keys after each query masked
                     c = i * P - k0
                     nisa.nc_matmul(dst=scores[:, c:c + P], stationary=identity, moving=bias, accumulate=True)
                 block_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_reduce(dst=block_max, op=nl.max, data=scores, axis=1)
+                nisa.tensor_reduce(dst=block_max, op=nl.max, data=logits, axis=1)
                 m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 if m is None:
-                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=scale)
+                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=logit_scale)
                 else:
-                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=scale, op1=nl.maximum,
-                                       operand1=m)
+                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=logit_scale,
+                                       op1=nl.maximum, operand1=m)
                 neg_m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_scalar(dst=neg_m, data=m_new, op0=nl.multiply, operand0=-1.0)
                 probs = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
                 row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_m, scale=scale, reduce_op=nl.add,
-                                reduce_res=row_sum)
-                probs_t_psum = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.psum)
+                nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_m, scale=logit_scale,
+                                reduce_op=nl.add, reduce_res=row_sum)
+                probs_t_psum = nl.ndarray((P, kb), dtype=transposed, buffer=nl.psum)
                 for c in nl.affine_range(kb // P):
                     nisa.nc_transpose(dst=probs_t_psum[:, c * P:(c + 1) * P], data=probs[:, c * P:(c + 1) * P])
                 probs_t = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(dst=probs_t, src=probs_t_psum)
                 pv = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
                 for c in nl.affine_range(kb // P):
-                    nisa.nc_matmul(dst=pv, stationary=probs_t[:, c * P:(c + 1) * P],
-                                   moving=v_tiles[:, k0 // P + c, :])
+                    nisa.nc_matmul(dst=pv, stationary=probs_t[:, c * P:(c + 1) * P], moving=v_tiles[:, first + c, :])
                 if m is None:
                     nisa.tensor_copy(dst=acc, src=pv)
                     nisa.tensor_copy(dst=total, src=row_sum)
@@ -105,30 +184,51 @@ def flash_attention_forward(q, k, v, scale=None, causal=True):
                     nisa.scalar_tensor_tensor(dst=total, data=total, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                               operand1=row_sum)
                 m = m_new
-            result = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total)
-            nisa.dma_copy(dst=out[g, i * P:(i + 1) * P, :], src=result)
-            log_total = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=log_total, op=nl.log, data=total)
-            row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=row_lse, data1=log_total, data2=m, op=nl.add)
-            nisa.dma_copy(dst=lse[g, i * P:(i + 1) * P].reshape((P, 1)), src=row_lse)
+            result = results[:, i, :]
+            if m is None:  # every key of these queries hidden: 0, and a log-sum-exp of log(1) - inf
+                nisa.memset(dst=result, value=0.0)
+                nisa.memset(dst=total, value=1.0)
+                nisa.memset(dst=maxima[:, column:column + 1], value=-math.inf)
+            else:
+                nisa.tensor_copy(dst=maxima[:, column:column + 1], src=m)
+                if mask is None:
+                    nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total)
+                else:  # rows whose every key the mask hides (their max is MASKED): 0
+                    seen = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=seen, data=m, op0=nl.greater, operand0=MASKED / 2)
+                    nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total, op1=nl.multiply,
+                                       operand1=seen)
+        nisa.dma_copy(dst=_by_tiles(out[g], tiles, d), src=results)
+    log_totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_totals, op=nl.log, data=totals)
+    row_lse = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=row_lse, data1=log_totals, data2=maxima, op=nl.add)
+    if mask is not None:  # a row that saw no key: -inf, as flex_attention's
+        seen = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=seen, data=maxima, op0=nl.greater, operand0=MASKED / 2)
+        row_lse = nl.where(seen, row_lse, -math.inf, dtype=nl.float32)
+    nisa.dma_copy(dst=lse.reshape((groups * tiles, P)).permute((1, 0)), src=row_lse)
     return out, lse
 
 
 @nki.jit
-def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=True):
-    heads, seq, d = q.shape
+def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=True, score_mod=(), mask=None,
+                             blocks=None, heads=None):
+    groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    flex = bool(score_mod) or mask is not None or blocks is not None
+    assert not (flex and causal), "causal=True is the built-in mask: pass a flex mask with causal=False"
+    heads = heads or groups
     dtype = q.dtype
-    grad_q = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
-    grad_k = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
-    grad_v = nl.ndarray((heads, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    grad_q = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    grad_k = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    grad_v = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
     tiles = seq // P
+    plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
     bias = _causal_bias(dtype) if causal else None
-    for g in nl.affine_range(heads):
+    for g in nl.affine_range(groups):
         q_t, k_t, v_t, do_t = (nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
         for dst, src in ((q_t, q), (k_t, k), (v_t, v), (do_t, grad_out)):
             _load_transposed(dst, src[g])
@@ -144,7 +244,11 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
             nisa.dma_copy(dst=do_rows[:, i, :], src=grad_out[g, rows, :])
             row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=row_lse, src=lse[g, rows].reshape((P, 1)))
-            nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0)
+            if flex:  # a fully masked row's -inf: exp(MASKED - lse) must stay 0
+                nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0,
+                                   op1=nl.minimum, operand1=-MASKED / 4)
+            else:
+                nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0)
             o_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=o_rows, src=out[g, rows, :])
             products = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -152,24 +256,48 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
             nisa.tensor_reduce(dst=delta[:, i:i + 1], op=nl.add, data=products, axis=1)
         for j in nl.affine_range(tiles):
             keys = slice(j * P, (j + 1) * P)
+            visited = [i for i in range(tiles) if plan[i][j] != HIDDEN]
+            grad_v_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            grad_k_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            if not visited:  # no query sees these keys
+                nisa.memset(dst=grad_v_rows, value=0.0)
+                nisa.memset(dst=grad_k_rows, value=0.0)
+                nisa.dma_copy(dst=grad_v[g, keys, :], src=grad_v_rows)
+                nisa.dma_copy(dst=grad_k[g, keys, :], src=grad_k_rows)
+                continue
             grad_v_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
             grad_k_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-            first = j if causal else 0
-            for i in nl.sequential_range(first, tiles):
+            for n, i in enumerate(visited):
                 queries = slice(i * P, (i + 1) * P)
                 scores = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=scores, stationary=q_t[:, queries], moving=k_t[:, keys])
-                if causal and i == j:
-                    nisa.nc_matmul(dst=scores, stationary=identity, moving=bias, accumulate=True)
                 probs = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
-                nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=i > first)
+                grad_mod = 1.0
+                if flex:
+                    logits, grad_mod = _flex_logits(scores, scale, score_mod,
+                                                    mask if plan[i][j] == PARTLY else None, queries, j * P, P,
+                                                    g // heads, g % heads, derivative=True)
+                    nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_lse[:, i:i + 1])
+                else:
+                    if causal and i == j:
+                        nisa.nc_matmul(dst=scores, stationary=identity, moving=bias, accumulate=True)
+                    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
+                nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=n > 0)
                 grad_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=grad_p, stationary=do_t[:, queries], moving=v_t[:, keys])
                 grad_s = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                nisa.scalar_tensor_tensor(dst=grad_s, data=grad_p, op0=nl.subtract, operand0=delta[:, i:i + 1],
-                                          op1=nl.multiply, operand1=probs)
-                nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=i > first)
+                if isinstance(grad_mod, float) and grad_mod == 1.0:
+                    nisa.scalar_tensor_tensor(dst=grad_s, data=grad_p, op0=nl.subtract, operand0=delta[:, i:i + 1],
+                                              op1=nl.multiply, operand1=probs)
+                else:  # through the score_mod: dS = P (dP - D) * dmod/dscore
+                    grad_y = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.scalar_tensor_tensor(dst=grad_y, data=grad_p, op0=nl.subtract, operand0=delta[:, i:i + 1],
+                                              op1=nl.multiply, operand1=probs)
+                    if isinstance(grad_mod, float):
+                        nisa.tensor_scalar(dst=grad_s, data=grad_y, op0=nl.multiply, operand0=grad_mod)
+                    else:
+                        nisa.tensor_tensor(dst=grad_s, data1=grad_y, data2=grad_mod, op=nl.multiply)
+                nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=n > 0)
                 grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
                 grad_s_t = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
@@ -177,10 +305,8 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
                 nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum, op=nl.add)
-            grad_v_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=grad_v_rows, src=grad_v_psum)
             nisa.dma_copy(dst=grad_v[g, keys, :], src=grad_v_rows)
-            grad_k_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=grad_k_rows, data=grad_k_psum, op0=nl.multiply, operand0=scale)
             nisa.dma_copy(dst=grad_k[g, keys, :], src=grad_k_rows)
         for i in nl.affine_range(tiles):

@@ -1,0 +1,215 @@
+"""FlexAttention's score_mod inside the NKI library's flash kernels: its steps evaluated on a block of logits, and
+(for the backward) their derivative with respect to the score.
+
+A score_mod arrives as the steps of `neuronc.frontend.flex_attention.score_steps`: ((op, args), ...), each arg
+("score",), ("b",), ("h",), ("q",), ("kv",), ("imm", x), ("step", j) or ("table", (("values", xs), ("b",)|("h",))).
+Within one kernel block the batch and head are known numbers (the kernels unroll their loops), so they and the
+table lookups are folded at trace time; the query and key positions are iota tiles; everything else is an fp32
+[rows, keys] tile, one instruction per step, as the dense implementation computes in fp32.
+
+The backward needs dy/dscore of the whole score_mod (the chain rule through it: dS = dY * y'), carried forward
+alongside each value (forward-mode: a derivative is None where the value does not depend on the score). Steps
+without a derivative here (max, min, pow with a tensor exponent, ...) raise `Unsupported`, and the frontend keeps
+the dense lowering for them.
+"""
+from __future__ import annotations
+
+import math
+
+import neuronc.nki.isa as nisa
+import neuronc.nki.language as nl
+
+F32 = nl.float32
+LN2 = math.log(2.0)
+
+_BINARY = {"add": nl.add, "sub": nl.subtract, "mul": nl.multiply, "div": nl.divide, "max": nl.maximum,
+           "min": nl.minimum, "pow": nl.power, "lt": nl.less, "le": nl.less_equal, "gt": nl.greater,
+           "ge": nl.greater_equal, "eq": nl.equal, "ne": nl.not_equal}
+_PYTHON = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+           "div": lambda a, b: a / b, "max": max, "min": min, "pow": lambda a, b: a ** b,
+           "lt": lambda a, b: float(a < b), "le": lambda a, b: float(a <= b), "gt": lambda a, b: float(a > b),
+           "ge": lambda a, b: float(a >= b), "eq": lambda a, b: float(a == b), "ne": lambda a, b: float(a != b)}
+_UNARY = {"exp": (nl.exp, 1.0), "exp2": (nl.exp, LN2), "log": (nl.log, 1.0), "tanh": (nl.tanh, 1.0),
+          "sqrt": (nl.sqrt, 1.0), "rsqrt": (nl.rsqrt, 1.0), "sigmoid": (nl.sigmoid, 1.0), "abs": (nl.abs, 1.0),
+          "neg": (nl.negative, 1.0), "reciprocal": (nl.reciprocal, 1.0), "floor": (nl.floor, 1.0),
+          "ceil": (nl.ceil, 1.0), "sign": (nl.sign, 1.0)}
+_PYTHON_UNARY = {"exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
+                 "rsqrt": lambda x: 1 / math.sqrt(x), "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "abs": abs,
+                 "neg": lambda x: -x, "reciprocal": lambda x: 1 / x, "floor": math.floor, "ceil": math.ceil,
+                 "sign": lambda x: float((x > 0) - (x < 0))}
+_CONSTANT_DERIVATIVE = {"floor", "ceil", "sign", "lt", "le", "gt", "ge", "eq", "ne"}  # zero wherever defined
+_DIFFERENTIABLE = {"add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "tanh", "sigmoid", "sqrt", "rsqrt",
+                   "reciprocal", "abs", "where", "table", "pow"} | _CONSTANT_DERIVATIVE
+
+
+class Unsupported(Exception):
+    """A score_mod step the library kernels cannot differentiate (the frontend keeps the dense lowering)."""
+
+
+def check_differentiable(steps: tuple) -> None:
+    """Raises Unsupported unless every step's derivative is known here (pow only with a number exponent)."""
+    for op, args in steps:
+        if op not in _DIFFERENTIABLE:
+            raise Unsupported(op)
+        if op == "pow" and args[1][0] != "imm":
+            raise Unsupported("pow with a tensor exponent")
+
+
+def is_identity(steps: tuple) -> bool:
+    return steps in ((), (("add", (("score",), ("imm", 0.0))),))
+
+
+class Block:
+    """The score_mod's steps on one block of logits: rows [q0, q0 + rows), keys [k0, k0 + keys), batch b, head h."""
+
+    def __init__(self, rows: int, keys: int, q0: int, k0: int, b: int, h: int):
+        self.rows, self.keys, self.q0, self.k0, self.b, self.h = rows, keys, q0, k0, b, h
+
+    def tile(self):
+        return nl.ndarray((self.rows, self.keys), dtype=F32, buffer=nl.sbuf)
+
+    def full(self, x):
+        """A number as a tile (a score_mod whose result ignores the score)."""
+        if not isinstance(x, float):
+            return x
+        t = self.tile()
+        nisa.memset(dst=t, value=x)
+        return t
+
+    def apply(self, steps: tuple, score, derivative: bool = False):
+        """(score_mod(score) as an fp32 tile, its derivative with respect to score: a tile, a number, or None for
+        zero; None also when ``derivative`` is False)."""
+        values: list = []
+        grads: list = []
+
+        def arg(a):
+            kind = a[0]
+            if kind == "score":
+                return score, 1.0
+            if kind == "imm":
+                return float(a[1]), None
+            if kind == "step":
+                return values[a[1]], grads[a[1]]
+            if kind == "b":
+                return float(self.b), None
+            if kind == "h":
+                return float(self.h), None
+            if kind == "q":
+                t = self.tile()
+                nisa.iota(dst=t, pattern=[[0, self.keys]], offset=self.q0, channel_multiplier=1)
+                return t, None
+            if kind == "kv":
+                t = self.tile()
+                nisa.iota(dst=t, pattern=[[1, self.keys]], offset=self.k0, channel_multiplier=0)
+                return t, None
+            raise Unsupported(kind)
+
+        for op, args in steps:
+            if op == "table":
+                (_, xs), where = args
+                index = self.b if where == ("b",) else self.h
+                values.append(float(xs[index]))
+                grads.append(None)
+                continue
+            operands = [arg(a) for a in args]
+            xs = [v for v, _ in operands]
+            dxs = [d for _, d in operands]
+            value = self._value(op, xs)
+            values.append(value)
+            grads.append(self._derivative(op, xs, dxs, value) if derivative else None)
+        return self.full(values[-1]), grads[-1]
+
+    # values ---------------------------------------------------------------------------------------------
+
+    def _value(self, op, xs):
+        if op == "where":
+            cond, a, b = xs
+            if isinstance(cond, float):
+                return a if cond else b
+            return nl.where(cond, a, b, dtype=F32)
+        if op in _UNARY:
+            (x,) = xs
+            if isinstance(x, float):
+                return float(_PYTHON_UNARY[op](x))
+            fn, scale = _UNARY[op]
+            t = self.tile()
+            nisa.activation(dst=t, op=fn, data=x, scale=scale)
+            return t
+        if op not in _BINARY:
+            raise Unsupported(op)
+        return self.binary(op, *xs)
+
+    def binary(self, op, a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return float(_PYTHON[op](a, b))
+        t = self.tile()
+        fn = _BINARY[op]
+        if isinstance(b, float):
+            nisa.tensor_scalar(dst=t, data=a, op0=fn, operand0=b)
+        elif isinstance(a, float):
+            nisa.tensor_scalar(dst=t, data=b, op0=fn, operand0=a, reverse0=True)
+        else:
+            nisa.tensor_tensor(dst=t, data1=a, data2=b, op=fn)
+        return t
+
+    # derivatives (None: zero) ---------------------------------------------------------------------------
+
+    def _mul(self, a, b):
+        if a is None or b is None:
+            return None
+        return self.binary("mul", a, b)
+
+    def _add(self, a, b, op="add"):
+        if b is None:
+            return a
+        if a is None:
+            return b if op == "add" else self.binary("mul", b, -1.0)
+        return self.binary(op, a, b)
+
+    def _derivative(self, op, xs, dxs, value):
+        if all(d is None for d in dxs) or op in _CONSTANT_DERIVATIVE:
+            return None
+        if op in ("add", "sub"):
+            return self._add(dxs[0], dxs[1], op)
+        if op == "mul":
+            return self._add(self._mul(dxs[0], xs[1]), self._mul(xs[0], dxs[1]))
+        if op == "div":  # (da - y db) / b
+            numerator = self._add(dxs[0], self._mul(value, dxs[1]), "sub")
+            return self.binary("div", numerator, xs[1])
+        if op == "where":
+            cond = xs[0]
+            da, db = (0.0 if d is None else d for d in dxs[1:])
+            if isinstance(cond, float):
+                return dxs[1] if cond else dxs[2]
+            if isinstance(da, float) and isinstance(db, float) and da == db:
+                return da
+            return nl.where(cond, da, db, dtype=F32)
+        (dx,) = dxs[:1]
+        x = xs[0]
+        if op == "neg":
+            return self.binary("mul", dx, -1.0)
+        if op == "exp":
+            return self._mul(value, dx)
+        if op == "exp2":
+            return self._mul(self.binary("mul", value, LN2), dx)
+        if op == "log":
+            return self.binary("div", dx, x)
+        if op == "tanh":  # 1 - y^2
+            return self._mul(self.binary("sub", 1.0, self.binary("mul", value, value)), dx)
+        if op == "sigmoid":  # y (1 - y)
+            return self._mul(self.binary("mul", value, self.binary("sub", 1.0, value)), dx)
+        if op == "sqrt":  # 0.5 / y
+            return self._mul(self.binary("div", 0.5, value), dx)
+        if op == "rsqrt":  # -0.5 y^3
+            cube = self.binary("mul", self.binary("mul", value, value), value)
+            return self._mul(self.binary("mul", cube, -0.5), dx)
+        if op == "reciprocal":  # -y^2
+            return self._mul(self.binary("mul", self.binary("mul", value, value), -1.0), dx)
+        if op == "abs":
+            return self._mul(self._value("sign", [x]), dx)
+        if op == "pow":  # n x^(n-1), n a number
+            n = xs[1]
+            if not isinstance(n, float) or dxs[1] is not None:
+                raise Unsupported("pow with a tensor exponent")
+            return self._mul(self.binary("mul", self.binary("pow", x, n - 1.0), n), dx)
+        raise Unsupported(op)
