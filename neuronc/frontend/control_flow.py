@@ -19,10 +19,10 @@ def inline_conditionals(gm) -> bool:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is cond]
     if not nodes:
         return False
-    from neuronc.frontend.flex_attention import _inline
+    from neuronc.frontend.fx_splice import replace_with_traced
 
     for node in nodes:
-        _inline(gm, node, *_selected_branches(gm, node))
+        replace_with_traced(gm, node, *_selected_branches(gm, node))
     gm.graph.lint()
     gm.recompile()
     for name, _ in list(gm.named_children()):  # the branches' subgraphs, now unused

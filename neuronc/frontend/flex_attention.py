@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import operator
 
+from neuronc.frontend import fx_splice
+
 
 def _hops():
     import torch
@@ -28,7 +30,7 @@ def decompose_flex_attention(gm) -> bool:
     hops = _hops()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hops]
     for node in nodes:
-        _inline(gm, node, *_dense_graph(gm, node))
+        fx_splice.replace_with_traced(gm, node, *_dense_graph(gm, node))
     if nodes:
         gm.graph.lint()
         gm.recompile()
@@ -132,59 +134,6 @@ def _flat(value) -> tuple:
         else:
             out.append(v)
     return tuple(out)
-
-
-def _real(tensor):
-    """A constant made while tracing under the graph's fake mode (torch.tensor(-inf)), as a real CPU tensor: fake
-    tensor mode keeps the value of such small constants."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(tensor, FakeTensor):
-        if tensor.constant is None:
-            raise AssertionError("a FlexAttention constant without a value")
-        tensor = tensor.constant
-    return tensor.cpu()  # made on the tensors' device (a `neuron` one): the compiler reads its value
-
-
-def _inline(gm, node, traced, feeds) -> None:
-    """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``, and point each
-    ``getitem(node, i)`` at its i-th output."""
-    results = _insert(gm, node, traced, feeds)
-    graph = gm.graph
-    for user in list(node.users):
-        if user.target is operator.getitem and user.args[1] < len(results) and results[user.args[1]] is not None:
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-    if node.users:
-        raise AssertionError(f"unexpected use of {node.name}'s outputs: {list(node.users)}")
-    graph.erase_node(node)
-
-
-def _insert(gm, node, traced, feeds) -> list:
-    """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``: its outputs."""
-    env = {}
-    placeholders = iter(feeds)
-    graph = gm.graph
-    with graph.inserting_before(node):
-        for n in traced.graph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(placeholders)
-            elif n.op == "output":
-                results = n.args[0]
-            elif n.op == "get_attr":  # a tensor constant of the dense implementation
-                name = f"_flex_{node.name}_{n.target}"
-                gm.register_buffer(name, _real(getattr(traced, n.target)))
-                env[n] = graph.get_attr(name)
-                env[n].meta = dict(n.meta)
-            else:
-                env[n] = graph.node_copy(n, lambda x: env[x])
-                device = env[n].kwargs.get("device")
-                if device is not None and getattr(device, "type", "cpu") != "cpu":  # only shapes and dtypes matter
-                    env[n].kwargs = {**env[n].kwargs, "device": type(device)("cpu")}
-                for key in ("stack_trace", "nn_module_stack"):  # located at the user's flex_attention call
-                    if key in node.meta:
-                        env[n].meta[key] = node.meta[key]
-    return [env[r] if r is not None else None for r in results]
 
 
 # -- the forward as one flash-attention kernel ------------------------------------------------------------------
@@ -326,7 +275,7 @@ def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
 
     def mask(*tensors):
         values = iter(tensors)
-        args = [_real(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
+        args = [fx_splice.real_constant(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
                 else next(values) if isinstance(b, torch.fx.Node) else b for b in buffers]
         zero = torch.zeros((), dtype=torch.int64)
         q = torch.arange(sq, dtype=torch.int64).view(sq, 1)
@@ -336,7 +285,7 @@ def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
     fakes = [n.meta["val"] for n in lifted]
     with detect_fake_mode(fakes):
         traced = make_fx(mask, decomposition_table=decomposition_table())(*fakes)
-    (result,) = _insert(gm, node, traced, lifted)
+    (result,) = fx_splice.insert_traced(gm, node, traced, lifted)
     return result
 
 
@@ -345,7 +294,7 @@ def _constant_of(gm, node):
     import torch.fx
 
     if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        return _real(getattr(gm, node.target))
+        return fx_splice.real_constant(getattr(gm, node.target))
     return None
 
 
