@@ -90,7 +90,7 @@ def deep_mlp(blocks: int, width: int):
     for k in range(blocks):
         env = {x_in: value, w_in: params[2 * k], b_in: params[2 * k + 1]}
         for node in body:
-            env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node] = graph.node_copy(node, env.__getitem__)
         value = env[output.args[0][0]]
     graph.output((value,))
     return torch.fx.GraphModule(one, graph), [x, *weights], model
