@@ -175,7 +175,8 @@ SECOND_RUN_SCRIPT = textwrap.dedent("""
 def second_run(tmp_path_factory):
     """(the compile cache, the first process's output lines, the second's): the script above run twice."""
     directory = tmp_path_factory.mktemp("second_run") / "cache"
-    env = {**os.environ, "NEURON_CC_FLAGS": "", "NEURON_COMPILE_CACHE_URL": str(directory)}
+    env = {**os.environ, "NEURON_CC_FLAGS": "", "NEURON_COMPILE_CACHE_URL": str(directory),
+           "NEURONC_VERIFY_IR": "1"}  # (set for each test by conftest.verified_ir, after module fixtures run)
     runs = [subprocess.run([sys.executable, "-c", SECOND_RUN_SCRIPT], capture_output=True, text=True, timeout=600,
                            env=env) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]

@@ -170,7 +170,8 @@ def huge_buffer_compiles(tmp_path_factory):
             compile_exported({str(paths["whole"])!r})
         except NeuronCompileError as err:
             print("refused:", err)
-    """, headroom=3 * GIB, env={"NEURON_CC_FLAGS": "--no_cache"})
+    """, headroom=3 * GIB, env={"NEURON_CC_FLAGS": "--no_cache", "NEURONC_VERIFY_IR": "1"})  # (conftest.verified_ir
+    # sets it for each test, after module fixtures run)
     return f"exit status {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
 
 
