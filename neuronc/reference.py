@@ -102,6 +102,9 @@ def _array(attribute) -> np.ndarray:
     if str(kind.element_type) == "bf16":  # the bindings give no bf16 buffer: the printed values, exact in fp32
         text = str(attribute)
         body = text[text.index("dense<") + len("dense<"):text.rindex("> :")]
+        if body.startswith('"0x'):  # a large attribute prints as its raw bytes (little-endian), not value by value
+            bits = np.frombuffer(bytes.fromhex(body[3:-1]), np.dtype("<u2")).view(ml_dtypes.bfloat16)
+            return np.broadcast_to(bits, shape).copy() if bits.size == 1 else bits.reshape(shape).copy()
         values = [np.uint16(int(v, 16)).view(ml_dtypes.bfloat16) if v.startswith("0x") else ml_dtypes.bfloat16(float(v))
                   for v in re.findall(r"0x[0-9A-Fa-f]+|[-+]?(?:inf|nan|[0-9.]+(?:[eE][-+]?[0-9]+)?)", body)]
         return np.broadcast_to(np.array(values, ml_dtypes.bfloat16), shape).copy() if len(values) == 1 else \

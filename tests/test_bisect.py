@@ -152,6 +152,23 @@ def test_the_interpreter_runs_what_torch_mlir_leaves_arith_constants_and_0d_argu
         assert doubled.shape == () and doubled == 42
 
 
+def test_a_large_bf16_result_of_the_interpreter_keeps_its_values():
+    """MLIR prints a large dense attribute as its raw bytes (`dense<"0x...">`), not value by value: a bf16 result of
+    more than a hundred elements (found by the bf16 MoE of tests/test_differential.py) is read from those bytes."""
+    import ml_dtypes
+
+    module = """
+    func.func @main(%x: tensor<4x64xbf16>) -> tensor<4x64xbf16> {
+      %0 = stablehlo.negate %x : tensor<4x64xbf16>
+      return %0 : tensor<4x64xbf16>
+    }"""
+    x = np.linspace(-3, 5, 256, dtype=np.float32).reshape(4, 64).astype(ml_dtypes.bfloat16)
+    for executor in ("xla", "interpreter"):
+        (negated,) = run_reference(module, [x], executor)
+        assert negated.dtype == x.dtype and negated.shape == x.shape
+        np.testing.assert_array_equal(negated.view(np.uint16), (-x).view(np.uint16))
+
+
 def test_a_program_given_the_wrong_number_of_inputs_is_refused(cli, tmp_path, saved_program, model_and_input):
     model, x = model_and_input
     path = saved_program(model, (x,))
