@@ -248,7 +248,9 @@ def _shapes(n: Node):
             (b, m, k), (b2, k2, nn) = inputs[0], inputs[1]
             if b != b2 or k != k2 or k != a["k"] or shape != (b, m, nn):
                 yield f"[B, M, K] x [B, K, N] -> [B, M, N] does not hold for {inputs[0]} x {inputs[1]} -> {shape}"
-        elif op is Op.REDUCE_LAST and "cols" not in a:
+        if op in (Op.MATMUL, Op.CONV) and "k" in a and a["k"] < 1:  # canonicalize makes such a contraction 0
+            yield f"contracts over no elements (k = {a['k']}): its kernel would read a PSUM tile it never wrote"
+        if op is Op.REDUCE_LAST and "cols" not in a:
             if len(inputs[0]) != 2 or shape != inputs[0][:1]:
                 yield f"reduces {inputs[0]} to {shape}, expected [R, C] -> [R]"
     except (KeyError, IndexError, TypeError, ValueError) as why:  # attributes already reported as missing

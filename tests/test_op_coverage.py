@@ -203,3 +203,14 @@ def test_a_row_softmax_of_a_select_of_two_scalars():
 def test_reductions_over_dim_0_of_a_scalar(name, fn):
     """torch-mlir crashes on these (SIGSEGV): they reduce the scalar as a 1-element vector."""
     _matches_eager(fn, torch.tensor(1.5))
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("mm", lambda a, b: a @ b.mT, [(3, 0), (4, 0)]),  # linalg.pinv.singular's first sample: pinv(a @ b.mT)
+    ("bmm", torch.bmm, [(2, 3, 0), (2, 0, 5)]),
+    ("addmm", lambda c, a, b: torch.addmm(c, a, b), [(3, 5), (3, 0), (0, 5)]),
+])
+def test_a_product_over_an_empty_dimension_is_zero(name, fn, shapes):
+    """The sum of nothing: the kernel accumulated no tile into PSUM and read it unwritten (refused at load)."""
+    inputs = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    _matches_eager(fn, *inputs)
