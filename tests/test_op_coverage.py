@@ -214,3 +214,27 @@ def test_a_product_over_an_empty_dimension_is_zero(name, fn, shapes):
     """The sum of nothing: the kernel accumulated no tile into PSUM and read it unwritten (refused at load)."""
     inputs = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
     _matches_eager(fn, *inputs)
+
+
+@pytest.fixture
+def signed_specials():
+    """Values whose sign only the bits tell (-0.0, -NaN) among ordinary ones, over more than one tile."""
+    t = torch.randn(300, 700, generator=torch.Generator().manual_seed(1))
+    t[0, :6] = torch.tensor([-0.0, 0.0, float("nan"), -float("nan"), float("inf"), -float("inf")])
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_signbit_reads_the_sign_bit_of_zeros_and_nans(signed_specials, dtype):
+    _matches_eager(torch.signbit, signed_specials.to(dtype))
+
+
+def test_copysign_takes_the_sign_bit_of_negative_zero(signed_specials):
+    _matches_eager(torch.copysign, signed_specials.flip(1), signed_specials)
+
+
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.int32), (torch.int32, torch.float32),
+                                      (torch.bfloat16, torch.float16)])
+def test_a_view_as_another_dtype_of_its_width_keeps_the_bytes(signed_specials, src, dst):
+    x = signed_specials[:4].to(src) if src.is_floating_point else signed_specials[:4].view(torch.int32)
+    _matches_eager(lambda t: t.view(dst) + 1 if dst == torch.int32 else t.view(dst) * 2, x)

@@ -83,6 +83,8 @@ def _evaluate(node: ir.Node, values: list):
             if not splat:
                 result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
             return result.astype(out_dtype)  # inf/NaN to an integer as the runtime's copy converts it, silently
+    if op is Op.BITCAST:
+        return values[0].view(out_dtype)  # the same bytes (a splat stays a splat)
     if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE):
         x = values[0]
         if x.ndim == 0:  # a splat stays a splat
@@ -105,7 +107,7 @@ def _full(value: np.ndarray, shape) -> np.ndarray:
 FOLD_MAX_ELEMENTS = 1 << 16  # a constant computed from full (not splat) constants is folded up to this size
 
 
-@rule(*ir.ELEMENTWISE, Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE)
+@rule(*ir.ELEMENTWISE, Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE, Op.BITCAST)
 def fold_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
     """A node whose inputs are all constants, evaluated."""
     if not all(i.op is Op.CONSTANT for i in inputs):
