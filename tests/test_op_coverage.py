@@ -158,10 +158,11 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
     assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
 
 
-def test_bessel_j1_matches_eager_over_wide_ranges():
+@pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1"])
+def test_bessel_j_matches_eager_over_wide_ranges(name):
     inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor([0.0, 1e-6, 4.999, 5.0, 5.001, -5.0, 1e4,
                                                                      float("inf"), float("-inf"), float("nan")])])
-    _matches_eager(torch.special.bessel_j1, inputs)
+    _matches_eager(getattr(torch.special, name), inputs)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])

@@ -776,6 +776,41 @@ _J1 = {  # aten/src/ATen/native/Math.h, bessel_j1_forward (Cephes j1.c)
 }
 
 
+_J0 = {  # aten/src/ATen/native/Math.h, bessel_j0_forward (Cephes j0.c)
+    "PP": (7.96936729297347051624e-04, 8.28352392107440799803e-02, 1.23953371646414299388e+00,
+           5.44725003058768775090e+00, 8.74716500199817011941e+00, 5.30324038235394892183e+00,
+           9.99999999999999997821e-01),
+    "PQ": (9.24408810558863637013e-04, 8.56288474354474431428e-02, 1.25352743901058953537e+00,
+           5.47097740330417105182e+00, 8.76190883237069594232e+00, 5.30605288235394617618e+00,
+           1.00000000000000000218e+00),
+    "QP": (-1.13663838898469149931e-02, -1.28252718670509318512e+00, -1.95539544257735972385e+01,
+           -9.32060152123768231369e+01, -1.77681167980488050595e+02, -1.47077505154951170175e+02,
+           -5.14105326766599330220e+01, -6.05014350600728481186e+00),
+    "QQ": (6.43178256118178023184e+01, 8.56430025976980587198e+02, 3.88240183605401609683e+03,
+           7.24046774195652478189e+03, 5.93072701187316984827e+03, 2.06209331660327847417e+03,
+           2.42005740240291393179e+02),
+    "RP": (-4.79443220978201773821e+09, 1.95617491946556577543e+12, -2.49248344360967716204e+14,
+           9.70862251047306323952e+15),
+    "RQ": (4.99563147152651017219e+02, 1.73785401676374683123e+05, 4.84409658339962045305e+07,
+           1.11855537045356834862e+10, 2.11277520115489217587e+12, 3.10518229857422583814e+14,
+           3.18121955943204943306e+16, 1.71086294081043136091e+18),
+}
+
+
+def _bessel_j0(x):
+    """J0 as ATen computes it: 1 - x^2/4 below 1e-5, a rational function of x^2 up to 5, Hankel's asymptotic
+    form past it; even."""
+    a = x.abs()
+    z = a * a
+    near = (z - 5.78318596294678452118e+00) * (z - 3.04712623436620863991e+01) * _horner(_J0["RP"], z) / _horner(
+        _J0["RQ"], z)
+    w2 = 25.0 / z
+    phase = a - 0.785398163397448309615660845819875721
+    far = (_horner(_J0["PP"], w2) / _horner(_J0["PQ"], w2) * torch.cos(phase)
+           - 5.0 / a * (_horner(_J0["QP"], w2) / _horner(_J0["QQ"], w2)) * torch.sin(phase)) * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+    return torch.where(a < 1e-5, 1.0 - z / 4.0, torch.where(a <= 5.0, near, far))
+
+
 def _bessel_j1(x):
     """J1 as ATen computes it: a rational function of x^2 up to 5, Hankel's asymptotic form past it; odd."""
     a = x.abs()
@@ -830,5 +865,6 @@ OWN = {
     aten.cummin.default: _cummin,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
     aten.segment_reduce.default: _segment_reduce,
+    aten.special_bessel_j0.default: _bessel_j0,
     aten.special_bessel_j1.default: _bessel_j1,
 }
