@@ -158,8 +158,8 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
     assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
 
 
-@pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1"])
-def test_bessel_j_matches_eager_over_wide_ranges(name):
+@pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1"])
+def test_bessel_j_and_y_match_eager_over_wide_ranges(name):
     inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor([0.0, 1e-6, 4.999, 5.0, 5.001, -5.0, 1e4,
                                                                      float("inf"), float("-inf"), float("nan")])])
     _matches_eager(getattr(torch.special, name), inputs)

@@ -797,6 +797,18 @@ _J0 = {  # aten/src/ATen/native/Math.h, bessel_j0_forward (Cephes j0.c)
 }
 
 
+def _hankel(a, c: dict, offset: float, second_kind: bool):
+    """Hankel's asymptotic form past 5 (ATen's far branch of J and Y): P and Q rational in (5/a)^2, the phase
+    a - offset; J is P cos - Q sin, Y is P sin + Q cos, over sqrt(pi a / 2)."""
+    w = 5.0 / a
+    w2 = w * w
+    p = _horner(c["PP"], w2) / _horner(c["PQ"], w2)
+    q = w * (_horner(c["QP"], w2) / _horner(c["QQ"], w2))
+    phase = a - offset
+    value = p * torch.sin(phase) + q * torch.cos(phase) if second_kind else p * torch.cos(phase) - q * torch.sin(phase)
+    return value * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+
+
 def _bessel_j0(x):
     """J0 as ATen computes it: 1 - x^2/4 below 1e-5, a rational function of x^2 up to 5, Hankel's asymptotic
     form past it; even."""
@@ -804,10 +816,7 @@ def _bessel_j0(x):
     z = a * a
     near = (z - 5.78318596294678452118e+00) * (z - 3.04712623436620863991e+01) * _horner(_J0["RP"], z) / _horner(
         _J0["RQ"], z)
-    w2 = 25.0 / z
-    phase = a - 0.785398163397448309615660845819875721
-    far = (_horner(_J0["PP"], w2) / _horner(_J0["PQ"], w2) * torch.cos(phase)
-           - 5.0 / a * (_horner(_J0["QP"], w2) / _horner(_J0["QQ"], w2)) * torch.sin(phase)) * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+    far = _hankel(a, _J0, 0.785398163397448309615660845819875721, second_kind=False)
     return torch.where(a < 1e-5, 1.0 - z / 4.0, torch.where(a <= 5.0, near, far))
 
 
@@ -817,13 +826,46 @@ def _bessel_j1(x):
     z = a * a
     near = _horner(_J1["RP"], z) / _horner(_J1["RQ"], z) * a * (z - 1.46819706421238932572e+01) * (
         z - 4.92184563216946036703e+01)
-    w = 5.0 / a
-    w2 = w * w
-    phase = a - 2.356194490192344928846982537459627163
-    far = (_horner(_J1["PP"], w2) / _horner(_J1["PQ"], w2) * torch.cos(phase)
-           - w * (_horner(_J1["QP"], w2) / _horner(_J1["QQ"], w2)) * torch.sin(phase)) * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+    far = _hankel(a, _J1, 2.356194490192344928846982537459627163, second_kind=False)
     value = torch.where(a <= 5.0, near, far)
     return torch.where(x < 0, -value, value)
+
+
+_Y0 = {  # aten/src/ATen/native/Math.h, bessel_y0_forward (Cephes j0.c): rational part up to 5
+    "YP": (1.55924367855235737965e+04, -1.46639295903971606143e+07, 5.43526477051876500413e+09,
+           -9.82136065717911466409e+11, 8.75906394395366999549e+13, -3.46628303384729719441e+15,
+           4.42733268572569800351e+16, -1.84950800436986690637e+16),
+    "YQ": (1.04128353664259848412e+03, 6.26107330137134956842e+05, 2.68919633393814121987e+08,
+           8.64002487103935000337e+10, 2.02979612750105546709e+13, 3.17157752842975028269e+15,
+           2.50596256172653059228e+17),
+}
+_Y1 = {  # bessel_y1_forward (Cephes j1.c)
+    "YP": (1.26320474790178026440e+09, -6.47355876379160291031e+11, 1.14509511541823727583e+14,
+           -8.12770255501325109621e+15, 2.02439475713594898196e+17, -7.78877196265950026825e+17),
+    "YQ": (5.94301592346128195359e+02, 2.35564092943068577943e+05, 7.34811944459721705660e+07,
+           1.87601316108706159478e+10, 3.88231277496238566008e+12, 6.20557727146953693363e+14,
+           6.87141087355300489866e+16, 3.97270608116560655612e+18),
+}
+_TWO_OVER_PI = 0.636619772367581343075535053490057448
+
+
+def _bessel_y0(x):
+    """Y0 as ATen computes it: up to 5 a rational function of x^2 plus (2/pi) log(x) J0(x) (-inf at 0, NaN below),
+    Hankel's asymptotic form past it."""
+    z = x * x
+    near = _horner(_Y0["YP"], z) / _horner(_Y0["YQ"], z) + _TWO_OVER_PI * torch.log(x) * _bessel_j0(x)
+    near = torch.where(x == 0, -math.inf, torch.where(x < 0, math.nan, near))
+    return torch.where(x <= 5.0, near, _hankel(x, _J0, 0.785398163397448309615660845819875721, second_kind=True))
+
+
+def _bessel_y1(x):
+    """Y1 as ATen computes it: up to 5 x times a rational function of x^2 plus (2/pi)(J1(x) log(x) - 1/x) (-inf
+    at 0, NaN below), Hankel's asymptotic form past it."""
+    z = x * x
+    near = x * (_horner(_Y1["YP"], z) / _horner(_Y1["YQ"], z)) + _TWO_OVER_PI * (
+        _bessel_j1(x) * torch.log(x) - 1.0 / x)
+    near = torch.where(x == 0, -math.inf, torch.where(x < 0, math.nan, near))
+    return torch.where(x <= 5.0, near, _hankel(x, _J1, 2.356194490192344928846982537459627163, second_kind=True))
 
 
 OWN = {
@@ -867,4 +909,6 @@ OWN = {
     aten.segment_reduce.default: _segment_reduce,
     aten.special_bessel_j0.default: _bessel_j0,
     aten.special_bessel_j1.default: _bessel_j1,
+    aten.special_bessel_y0.default: _bessel_y0,
+    aten.special_bessel_y1.default: _bessel_y1,
 }
