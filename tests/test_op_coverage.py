@@ -160,11 +160,11 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
 
 @pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
                                   "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
-                                  "scaled_modified_bessel_k0", "scaled_modified_bessel_k1"])
+                                  "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0"])
 def test_bessel_functions_match_eager_over_wide_ranges(name):
     """Every branch of ATen's forms: the series near 0, each side of the switch (2, 5, 8), the asymptotic form
     far out, overflow, +-inf, NaN, and the pole or NaN of K and Y at and below 0."""
-    edges = [0.0, 1e-6, 1.999, 2.0, 2.001, 4.999, 5.0, 5.001, -5.0, 7.999, 8.0, 8.001, 1e4]
+    edges = [0.0, 1e-6, 0.499, 0.5, -0.5, 1.999, 2.0, 2.001, 4.999, 5.0, 5.001, -5.0, 7.999, 8.0, 8.001, 1e4]
     inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor(edges + [float("inf"), float("-inf"), float("nan")])])
     _matches_eager(getattr(torch.special, name), inputs)
 

@@ -1009,6 +1009,15 @@ def _scaled_modified_bessel_k1(x):
     return _k_of_second_kind(x, _k1_near(x), _K1["B"], scaled=True)
 
 
+def _spherical_bessel_j0(x):
+    """sin(x) / x as ATen computes it: its Taylor series below 0.5 (in Horner form), 0 at +-inf."""
+    z = x * x
+    series = 1.0 + z * _horner((1.0 / 6227020800.0, -1.0 / 39916800.0, 1.0 / 362880.0, -1.0 / 5040.0, 1.0 / 120.0,
+                                -1.0 / 6.0), z)
+    value = torch.where(x.abs() < 0.5, series, torch.sin(x) / x)
+    return torch.where(x.isinf(), 0.0, value)
+
+
 OWN = {
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool3d_with_indices.default: _max_pool3d_with_indices,
@@ -1058,4 +1067,5 @@ OWN = {
     aten.special_modified_bessel_k1.default: _modified_bessel_k1,
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
+    aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
 }
