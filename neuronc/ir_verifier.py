@@ -179,6 +179,8 @@ def _dtypes(n: Node, fact: op_facts.OpFact):
             yield f"predicate dtype {dtypes[0].name.lower()}, expected bool"
         if dtypes[1] != n.dtype or dtypes[2] != n.dtype:
             yield f"operand dtypes {_names(dtypes[1:])} differ from the result's {n.dtype.name.lower()}"
+    elif rule == op_facts.BITCAST and dtypes and dtypes[0].itemsize != n.dtype.itemsize:
+        yield f"bitcasts {dtypes[0].name.lower()} to {n.dtype.name.lower()}, of another width"
     elif rule == op_facts.FIRST and dtypes and dtypes[0] != n.dtype:
         yield f"first operand dtype {dtypes[0].name.lower()} differs from the result's {n.dtype.name.lower()}"
     if n.op is Op.CONSTANT and isinstance(n.attrs.get("value"), np.ndarray):
@@ -231,7 +233,7 @@ def _shapes(n: Node):
         elif op is Op.PAD:
             expected = tuple(lo + hi + s + max(0, s - 1) * it
                              for s, lo, hi, it in zip(inputs[0], a["low"], a["high"], a["interior"]))
-        elif op is Op.REVERSE:
+        elif op in (Op.REVERSE, Op.BITCAST):
             expected = inputs[0]
         elif op is Op.REDUCE:
             expected = tuple(s for d, s in enumerate(inputs[0]) if d not in a["dims"])
@@ -248,7 +250,9 @@ def _shapes(n: Node):
             (b, m, k), (b2, k2, nn) = inputs[0], inputs[1]
             if b != b2 or k != k2 or k != a["k"] or shape != (b, m, nn):
                 yield f"[B, M, K] x [B, K, N] -> [B, M, N] does not hold for {inputs[0]} x {inputs[1]} -> {shape}"
-        elif op is Op.REDUCE_LAST and "cols" not in a:
+        if op in (Op.MATMUL, Op.CONV) and "k" in a and a["k"] < 1:  # canonicalize makes such a contraction 0
+            yield f"contracts over no elements (k = {a['k']}): its kernel would read a PSUM tile it never wrote"
+        if op is Op.REDUCE_LAST and "cols" not in a:
             if len(inputs[0]) != 2 or shape != inputs[0][:1]:
                 yield f"reduces {inputs[0]} to {shape}, expected [R, C] -> [R]"
     except (KeyError, IndexError, TypeError, ValueError) as why:  # attributes already reported as missing

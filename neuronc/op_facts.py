@@ -186,6 +186,7 @@ COLLECTIVE = "collective"  # the collective engine: a collective of the ranks of
 SAME = "same"  # operands and result share one dtype
 PREDICATE = "predicate"  # operands share one dtype, the result is BOOL
 CONVERT = "convert"  # any dtype to any dtype
+BITCAST = "bitcast"  # another dtype of the same width: the same bytes read as it
 SELECTS = "selects"  # (pred BOOL, on_true, on_false) of the result's dtype
 FIRST = "first"  # the result has the first operand's dtype (the others are indices, or the initial value)
 ANY = "any"  # set by the op (leaves, contractions and kernels)
@@ -308,6 +309,7 @@ FACTS = (
     OpFact("PAD", "movement", (1, 2), SAME, DMA,  # (x, pad value), or legalized: (x,) with the value an attribute
            attrs={"low": "ints", "high": "ints", "interior": "ints", "value?": "float"}),
     OpFact("REVERSE", "movement", 1, SAME, DMA, attrs={"dims": "ints"}),
+    OpFact("BITCAST", "movement", 1, BITCAST, DMA),  # stablehlo.bitcast_convert of one width: a copy of the bytes
     # reductions and contractions
     OpFact("REDUCE", "reduction", 2, SAME, ALU, attrs={"dims": "ints", "kind": REDUCE_KINDS}),  # (x, init)
     OpFact("REDUCE_WINDOW", "reduction", 2, SAME, ALU,  # (x, init)

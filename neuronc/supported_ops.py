@@ -45,6 +45,8 @@ def _probes() -> dict:
                                   + torch.maximum(a, b) + torch.minimum(a, b), (x, y)),
         "masked_fill": (lambda a: a.masked_fill(a < 0, float("-inf")).exp(), (x,)),
         "integer arithmetic": (lambda i: i * 3 + i // 2 - (i % 4) + torch.abs(i), (ints,)),
+        "sign bits and bitcasts": (lambda a: torch.signbit(a) + torch.copysign(a, -a)
+                                   + a.view(torch.int32).to(torch.float32) * 1e-9, (x,)),
         "casts": (lambda a, i: a.to(torch.int32).to(torch.float32) + i.to(torch.float32) + a.half().float(), (x, ints)),
         "sum mean amax amin": (lambda a: a.sum(1) + a.mean(0).sum() + a.amax(-1) + a.amin(-1), (x,)),
         "var": (lambda a: torch.var(a, dim=1) + torch.var(a, dim=1, unbiased=False), (x,)),

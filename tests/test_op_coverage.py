@@ -158,10 +158,15 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
     assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
 
 
-def test_bessel_j1_matches_eager_over_wide_ranges():
-    inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor([0.0, 1e-6, 4.999, 5.0, 5.001, -5.0, 1e4,
-                                                                     float("inf"), float("-inf"), float("nan")])])
-    _matches_eager(torch.special.bessel_j1, inputs)
+@pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
+                                  "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
+                                  "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0"])
+def test_bessel_functions_match_eager_over_wide_ranges(name):
+    """Every branch of ATen's forms: the series near 0, each side of the switch (2, 5, 8), the asymptotic form
+    far out, overflow, +-inf, NaN, and the pole or NaN of K and Y at and below 0."""
+    edges = [0.0, 1e-6, 0.499, 0.5, -0.5, 1.999, 2.0, 2.001, 4.999, 5.0, 5.001, -5.0, 7.999, 8.0, 8.001, 1e4]
+    inputs = torch.cat([torch.linspace(-60, 60, 481), torch.tensor(edges + [float("inf"), float("-inf"), float("nan")])])
+    _matches_eager(getattr(torch.special, name), inputs)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
@@ -203,3 +208,38 @@ def test_a_row_softmax_of_a_select_of_two_scalars():
 def test_reductions_over_dim_0_of_a_scalar(name, fn):
     """torch-mlir crashes on these (SIGSEGV): they reduce the scalar as a 1-element vector."""
     _matches_eager(fn, torch.tensor(1.5))
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("mm", lambda a, b: a @ b.mT, [(3, 0), (4, 0)]),  # linalg.pinv.singular's first sample: pinv(a @ b.mT)
+    ("bmm", torch.bmm, [(2, 3, 0), (2, 0, 5)]),
+    ("addmm", lambda c, a, b: torch.addmm(c, a, b), [(3, 5), (3, 0), (0, 5)]),
+])
+def test_a_product_over_an_empty_dimension_is_zero(name, fn, shapes):
+    """The sum of nothing: the kernel accumulated no tile into PSUM and read it unwritten (refused at load)."""
+    inputs = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    _matches_eager(fn, *inputs)
+
+
+@pytest.fixture
+def signed_specials():
+    """Values whose sign only the bits tell (-0.0, -NaN) among ordinary ones, over more than one tile."""
+    t = torch.randn(300, 700, generator=torch.Generator().manual_seed(1))
+    t[0, :6] = torch.tensor([-0.0, 0.0, float("nan"), -float("nan"), float("inf"), -float("inf")])
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_signbit_reads_the_sign_bit_of_zeros_and_nans(signed_specials, dtype):
+    _matches_eager(torch.signbit, signed_specials.to(dtype))
+
+
+def test_copysign_takes_the_sign_bit_of_negative_zero(signed_specials):
+    _matches_eager(torch.copysign, signed_specials.flip(1), signed_specials)
+
+
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.int32), (torch.int32, torch.float32),
+                                      (torch.bfloat16, torch.float16)])
+def test_a_view_as_another_dtype_of_its_width_keeps_the_bytes(signed_specials, src, dst):
+    x = signed_specials[:4].to(src) if src.is_floating_point else signed_specials[:4].view(torch.int32)
+    _matches_eager(lambda t: t.view(dst) + 1 if dst == torch.int32 else t.view(dst) * 2, x)

@@ -247,6 +247,51 @@ def test_a_matmul_of_widened_bf16_operands_reads_them_narrow():
     assert run_pass(canonicalize, dot("bf16", "f16")) == canonical(dot("bf16", "f16"))  # two types: fp32 it stays
 
 
+def test_a_product_over_an_empty_contraction_is_a_zero_splat_and_a_matmul_of_k_0_is_refused():
+    assert run_pass(canonicalize, f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("2x0xf32")}
+          %1 = {Y.format("0x4xf32")}
+          %2 = dot_general(%0, %1) : 2x4xf32 {{lhs_batch = (), rhs_batch = (), lhs_contract = (1,), rhs_contract = (0,)}}
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("2x0xf32")}
+          %1 = {Y.format("0x4xf32")}
+          %2 = constant() : 2x4xf32 {{value = array<f32>[0.0]}}
+          return %2
+        }}""")
+    with pytest.raises(NeuronCompileError, match="contracts over no elements"):  # its kernel reads PSUM unwritten
+        parse_ir(f"""
+            graph @f(%0, %1) {{
+              %0 = {X.format("1x2x0xf32")}
+              %1 = {Y.format("1x0x4xf32")}
+              %2 = matmul(%0, %1) : 1x2x4xf32 {{k = 0}}
+              return %2
+            }}""")
+
+
+def test_a_bitcast_of_a_constant_folds_to_its_bytes_and_one_of_another_width_is_refused():
+    folded = run_pass(canonicalize, """
+        graph @f() {
+          %0 = constant() : 2xf32 {value = array<2xf32>[-0.0, 1.0]}
+          %1 = bitcast(%0) : 2xi32
+          return %1
+        }""")
+    assert folded == canonical("""
+        graph @f() {
+          %0 = constant() : 2xi32 {value = array<2xi32>[-2147483648, 1065353216]}
+          return %0
+        }""")
+    with pytest.raises(NeuronCompileError, match="of another width"):
+        parse_ir(f"""
+            graph @f(%0) {{
+              %0 = {X.format("2xf32")}
+              %1 = bitcast(%0) : 2xi16
+              return %1
+            }}""")
+
+
 def test_float64_is_computed_in_float32_and_a_float64_input_is_refused():
     assert run_pass(demote_f64, f"""
         graph @f(%0) {{

@@ -1,6 +1,6 @@
 """Element-wise kernels and the tile helpers every kernel shares: a fused chain of element-wise ops
 computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and the data-movement kernels
-(strided view copies, fills, pads, concatenation) that need no arithmetic."""
+(strided view copies, bitcasts, fills, pads, concatenation) that need no arithmetic."""
 from __future__ import annotations
 
 from neuronc import ir, op_facts
@@ -198,6 +198,12 @@ def view_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     size = node.dtype.itemsize
     copy_strided(em, node.dtype, plan.offset(x) + node.attrs["offset"] * size, node.attrs["strides"],
                  plan.offset(node), dense_strides(node.shape), node.shape)
+
+
+def bitcast_copy(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """The operand's bytes copied as they are, read as the result's dtype of the same width (DMA moves bytes)."""
+    copy_strided(em, node.dtype, plan.offset(node.inputs[0]), dense_strides(node.shape), plan.offset(node),
+                 dense_strides(node.shape), node.shape)
 
 
 def fill(em: Emitter, dtype: DType, offset: int, count: int, value: float) -> None:

@@ -15,7 +15,7 @@ from neuronc.codegen.collective import collective
 from neuronc.codegen.conv import convolution
 from neuronc.codegen.custom import custom_kernel
 from neuronc.codegen.emitter import Emitter
-from neuronc.codegen.elementwise import concatenate, elementwise, pad, splat_constant, view_copy
+from neuronc.codegen.elementwise import bitcast_copy, concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
 from neuronc.codegen.matmul import matmul
 from neuronc.codegen.rowwise import reduce_last, rowwise
@@ -26,6 +26,7 @@ from neuronc.plans import MemoryPlan
 KERNELS = {op: elementwise for op in (ir.ELEMENTWISE - {Op.CLAMP}) | {Op.FUSED}}
 KERNELS.update({
     Op.VIEW: view_copy,
+    Op.BITCAST: bitcast_copy,
     Op.PAD: pad,
     Op.CONCATENATE: concatenate,
     Op.MATMUL: matmul,

@@ -776,19 +776,246 @@ _J1 = {  # aten/src/ATen/native/Math.h, bessel_j1_forward (Cephes j1.c)
 }
 
 
+_J0 = {  # aten/src/ATen/native/Math.h, bessel_j0_forward (Cephes j0.c)
+    "PP": (7.96936729297347051624e-04, 8.28352392107440799803e-02, 1.23953371646414299388e+00,
+           5.44725003058768775090e+00, 8.74716500199817011941e+00, 5.30324038235394892183e+00,
+           9.99999999999999997821e-01),
+    "PQ": (9.24408810558863637013e-04, 8.56288474354474431428e-02, 1.25352743901058953537e+00,
+           5.47097740330417105182e+00, 8.76190883237069594232e+00, 5.30605288235394617618e+00,
+           1.00000000000000000218e+00),
+    "QP": (-1.13663838898469149931e-02, -1.28252718670509318512e+00, -1.95539544257735972385e+01,
+           -9.32060152123768231369e+01, -1.77681167980488050595e+02, -1.47077505154951170175e+02,
+           -5.14105326766599330220e+01, -6.05014350600728481186e+00),
+    "QQ": (6.43178256118178023184e+01, 8.56430025976980587198e+02, 3.88240183605401609683e+03,
+           7.24046774195652478189e+03, 5.93072701187316984827e+03, 2.06209331660327847417e+03,
+           2.42005740240291393179e+02),
+    "RP": (-4.79443220978201773821e+09, 1.95617491946556577543e+12, -2.49248344360967716204e+14,
+           9.70862251047306323952e+15),
+    "RQ": (4.99563147152651017219e+02, 1.73785401676374683123e+05, 4.84409658339962045305e+07,
+           1.11855537045356834862e+10, 2.11277520115489217587e+12, 3.10518229857422583814e+14,
+           3.18121955943204943306e+16, 1.71086294081043136091e+18),
+}
+
+
+def _hankel(a, c: dict, offset: float, second_kind: bool):
+    """Hankel's asymptotic form past 5 (ATen's far branch of J and Y): P and Q rational in (5/a)^2, the phase
+    a - offset; J is P cos - Q sin, Y is P sin + Q cos, over sqrt(pi a / 2)."""
+    w = 5.0 / a
+    w2 = w * w
+    p = _horner(c["PP"], w2) / _horner(c["PQ"], w2)
+    q = w * (_horner(c["QP"], w2) / _horner(c["QQ"], w2))
+    phase = a - offset
+    value = p * torch.sin(phase) + q * torch.cos(phase) if second_kind else p * torch.cos(phase) - q * torch.sin(phase)
+    return value * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+
+
+def _bessel_j0(x):
+    """J0 as ATen computes it: 1 - x^2/4 below 1e-5, a rational function of x^2 up to 5, Hankel's asymptotic
+    form past it; even."""
+    a = x.abs()
+    z = a * a
+    near = (z - 5.78318596294678452118e+00) * (z - 3.04712623436620863991e+01) * _horner(_J0["RP"], z) / _horner(
+        _J0["RQ"], z)
+    far = _hankel(a, _J0, 0.785398163397448309615660845819875721, second_kind=False)
+    return torch.where(a < 1e-5, 1.0 - z / 4.0, torch.where(a <= 5.0, near, far))
+
+
 def _bessel_j1(x):
     """J1 as ATen computes it: a rational function of x^2 up to 5, Hankel's asymptotic form past it; odd."""
     a = x.abs()
     z = a * a
     near = _horner(_J1["RP"], z) / _horner(_J1["RQ"], z) * a * (z - 1.46819706421238932572e+01) * (
         z - 4.92184563216946036703e+01)
-    w = 5.0 / a
-    w2 = w * w
-    phase = a - 2.356194490192344928846982537459627163
-    far = (_horner(_J1["PP"], w2) / _horner(_J1["PQ"], w2) * torch.cos(phase)
-           - w * (_horner(_J1["QP"], w2) / _horner(_J1["QQ"], w2)) * torch.sin(phase)) * 0.797884560802865355879892119868763737 / torch.sqrt(a)
+    far = _hankel(a, _J1, 2.356194490192344928846982537459627163, second_kind=False)
     value = torch.where(a <= 5.0, near, far)
     return torch.where(x < 0, -value, value)
+
+
+_Y0 = {  # aten/src/ATen/native/Math.h, bessel_y0_forward (Cephes j0.c): rational part up to 5
+    "YP": (1.55924367855235737965e+04, -1.46639295903971606143e+07, 5.43526477051876500413e+09,
+           -9.82136065717911466409e+11, 8.75906394395366999549e+13, -3.46628303384729719441e+15,
+           4.42733268572569800351e+16, -1.84950800436986690637e+16),
+    "YQ": (1.04128353664259848412e+03, 6.26107330137134956842e+05, 2.68919633393814121987e+08,
+           8.64002487103935000337e+10, 2.02979612750105546709e+13, 3.17157752842975028269e+15,
+           2.50596256172653059228e+17),
+}
+_Y1 = {  # bessel_y1_forward (Cephes j1.c)
+    "YP": (1.26320474790178026440e+09, -6.47355876379160291031e+11, 1.14509511541823727583e+14,
+           -8.12770255501325109621e+15, 2.02439475713594898196e+17, -7.78877196265950026825e+17),
+    "YQ": (5.94301592346128195359e+02, 2.35564092943068577943e+05, 7.34811944459721705660e+07,
+           1.87601316108706159478e+10, 3.88231277496238566008e+12, 6.20557727146953693363e+14,
+           6.87141087355300489866e+16, 3.97270608116560655612e+18),
+}
+_TWO_OVER_PI = 0.636619772367581343075535053490057448
+
+
+def _bessel_y0(x):
+    """Y0 as ATen computes it: up to 5 a rational function of x^2 plus (2/pi) log(x) J0(x) (-inf at 0, NaN below),
+    Hankel's asymptotic form past it."""
+    z = x * x
+    near = _horner(_Y0["YP"], z) / _horner(_Y0["YQ"], z) + _TWO_OVER_PI * torch.log(x) * _bessel_j0(x)
+    near = torch.where(x == 0, -math.inf, torch.where(x < 0, math.nan, near))
+    return torch.where(x <= 5.0, near, _hankel(x, _J0, 0.785398163397448309615660845819875721, second_kind=True))
+
+
+def _bessel_y1(x):
+    """Y1 as ATen computes it: up to 5 x times a rational function of x^2 plus (2/pi)(J1(x) log(x) - 1/x) (-inf
+    at 0, NaN below), Hankel's asymptotic form past it."""
+    z = x * x
+    near = x * (_horner(_Y1["YP"], z) / _horner(_Y1["YQ"], z)) + _TWO_OVER_PI * (
+        _bessel_j1(x) * torch.log(x) - 1.0 / x)
+    near = torch.where(x == 0, -math.inf, torch.where(x < 0, math.nan, near))
+    return torch.where(x <= 5.0, near, _hankel(x, _J1, 2.356194490192344928846982537459627163, second_kind=True))
+
+
+_I0 = {  # aten/src/ATen/native/Math.h, modified_bessel_i0_forward (Cephes): Chebyshev coefficients
+    "A": (-4.41534164647933937950e-18, 3.33079451882223809783e-17, -2.43127984654795469359e-16,
+          1.71539128555513303061e-15, -1.16853328779934516808e-14, 7.67618549860493561688e-14,
+          -4.85644678311192946090e-13, 2.95505266312963983461e-12, -1.72682629144155570723e-11,
+          9.67580903537323691224e-11, -5.18979560163526290666e-10, 2.65982372468238665035e-09,
+          -1.30002500998624804212e-08, 6.04699502254191894932e-08, -2.67079385394061173391e-07,
+          1.11738753912010371815e-06, -4.41673835845875056359e-06, 1.64484480707288970893e-05,
+          -5.75419501008210370398e-05, 1.88502885095841655729e-04, -5.76375574538582365885e-04,
+          1.63947561694133579842e-03, -4.32430999505057594430e-03, 1.05464603945949983183e-02,
+          -2.37374148058994688156e-02, 4.93052842396707084878e-02, -9.49010970480476444210e-02,
+          1.71620901522208775349e-01, -3.04682672343198398683e-01, 6.76795274409476084995e-01),
+    "B": (-7.23318048787475395456e-18, -4.83050448594418207126e-18, 4.46562142029675999901e-17,
+          3.46122286769746109310e-17, -2.82762398051658348494e-16, -3.42548561967721913462e-16,
+          1.77256013305652638360e-15, 3.81168066935262242075e-15, -9.55484669882830764870e-15,
+          -4.15056934728722208663e-14, 1.54008621752140982691e-14, 3.85277838274214270114e-13,
+          7.18012445138366623367e-13, -1.79417853150680611778e-12, -1.32158118404477131188e-11,
+          -3.14991652796324136454e-11, 1.18891471078464383424e-11, 4.94060238822496958910e-10,
+          3.39623202570838634515e-09, 2.26666899049817806459e-08, 2.04891858946906374183e-07,
+          2.89137052083475648297e-06, 6.88975834691682398426e-05, 3.36911647825569408990e-03,
+          8.04490411014108831608e-01),
+}
+_I1 = {  # aten/src/ATen/native/Math.h, modified_bessel_i1_forward (Cephes): Chebyshev coefficients
+    "A": (2.77791411276104639959e-18, -2.11142121435816608115e-17, 1.55363195773620046921e-16,
+          -1.10559694773538630805e-15, 7.60068429473540693410e-15, -5.04218550472791168711e-14,
+          3.22379336594557470981e-13, -1.98397439776494371520e-12, 1.17361862988909016308e-11,
+          -6.66348972350202774223e-11, 3.62559028155211703701e-10, -1.88724975172282928790e-09,
+          9.38153738649577178388e-09, -4.44505912879632808065e-08, 2.00329475355213526229e-07,
+          -8.56872026469545474066e-07, 3.47025130813767847674e-06, -1.32731636560394358279e-05,
+          4.78156510755005422638e-05, -1.61760815825896745588e-04, 5.12285956168575772895e-04,
+          -1.51357245063125314899e-03, 4.15642294431288815669e-03, -1.05640848946261981558e-02,
+          2.47264490306265168283e-02, -5.29459812080949914269e-02, 1.02643658689847095384e-01,
+          -1.76416518357834055153e-01, 2.52587186443633654823e-01),
+    "B": (7.51729631084210481353e-18, 4.41434832307170791151e-18, -4.65030536848935832153e-17,
+          -3.20952592199342395980e-17, 2.96262899764595013876e-16, 3.30820231092092828324e-16,
+          -1.88035477551078244854e-15, -3.81440307243700780478e-15, 1.04202769841288027642e-14,
+          4.27244001671195135429e-14, -2.10154184277266431302e-14, -4.08355111109219731823e-13,
+          -7.19855177624590851209e-13, 2.03562854414708950722e-12, 1.41258074366137813316e-11,
+          3.25260358301548823856e-11, -1.89749581235054123450e-11, -5.58974346219658380687e-10,
+          -3.83538038596423702205e-09, -2.63146884688951950684e-08, -2.51223623787020892529e-07,
+          -3.88256480887769039346e-06, -1.10588938762623716291e-04, -9.76109749136146840777e-03,
+          7.78576235018280120474e-01),
+}
+_K0 = {  # aten/src/ATen/native/Math.h, modified_bessel_k0_forward (Cephes): Chebyshev coefficients
+    "A": (1.37446543561352307156e-16, 4.25981614279661018399e-14, 1.03496952576338420167e-11,
+          1.90451637722020886025e-09, 2.53479107902614945675e-07, 2.28621210311945178607e-05,
+          1.26461541144692592338e-03, 3.59799365153615016266e-02, 3.44289899924628486886e-01,
+          -5.35327393233902768720e-01),
+    "B": (5.30043377268626276149e-18, -1.64758043015242134646e-17, 5.21039150503902756861e-17,
+          -1.67823109680541210385e-16, 5.51205597852431940784e-16, -1.84859337734377901440e-15,
+          6.34007647740507060557e-15, -2.22751332699166985548e-14, 8.03289077536357521100e-14,
+          -2.98009692317273043925e-13, 1.14034058820847496303e-12, -4.51459788337394416547e-12,
+          1.85594911495471785253e-11, -7.95748924447710747776e-11, 3.57739728140030116597e-10,
+          -1.69753450938905987466e-09, 8.57403401741422608519e-09, -4.66048989768794782956e-08,
+          2.76681363944501510342e-07, -1.83175552271911948767e-06, 1.39498137188764993662e-05,
+          -1.28495495816278026384e-04, 1.56988388573005337491e-03, -3.14481013119645005427e-02,
+          2.44030308206595545468e+00),
+}
+_K1 = {  # aten/src/ATen/native/Math.h, modified_bessel_k1_forward (Cephes): Chebyshev coefficients
+    "A": (-7.02386347938628759343e-18, -2.42744985051936593393e-15, -6.66690169419932900609e-13,
+          -1.41148839263352776110e-10, -2.21338763073472585583e-08, -2.43340614156596823496e-06,
+          -1.73028895751305206302e-04, -6.97572385963986435018e-03, -1.22611180822657148235e-01,
+          -3.53155960776544875667e-01, 1.52530022733894777053e+00),
+    "B": (-5.75674448366501715755e-18, 1.79405087314755922667e-17, -5.68946255844285935196e-17,
+          1.83809354436663880070e-16, -6.05704724837331885336e-16, 2.03870316562433424052e-15,
+          -7.01983709041831346144e-15, 2.47715442448130437068e-14, -8.97670518232499435011e-14,
+          3.34841966607842919884e-13, -1.28917396095102890680e-12, 5.13963967348173025100e-12,
+          -2.12996783842756842877e-11, 9.21831518760500529508e-11, -4.19035475934189648750e-10,
+          2.01504975519703286596e-09, -1.03457624656780970260e-08, 5.74108412545004946722e-08,
+          -3.50196060308781257119e-07, 2.40648494783721712015e-06, -1.93619797416608296024e-05,
+          1.95215518471351631108e-04, -2.85781685962277938680e-03, 1.03923736576817238437e-01,
+          2.72062619048444266945e+00),
+}
+
+
+def _chebyshev(t, coefficients):
+    """Cephes' chbevl as ATen runs it: the Chebyshev series sum' c_i T_i(t / 2), by Clenshaw's recurrence."""
+    b0, b1 = torch.zeros_like(t) + coefficients[0], torch.zeros_like(t)
+    b2 = b1
+    for c in coefficients[1:]:
+        b2, b1 = b1, b0
+        b0 = t * b1 - b2 + c
+    return 0.5 * (b0 - b2)
+
+
+def _i0_unscaled(a):
+    """exp(-a) I0(a) for a >= 0: a series in a/2 - 2 up to 8, in 32/a - 2 over sqrt(a) past it."""
+    return torch.where(a <= 8.0, _chebyshev(a / 2.0 - 2.0, _I0["A"]),
+                       _chebyshev(32.0 / a - 2.0, _I0["B"]) / torch.sqrt(a))
+
+
+def _i1_unscaled(a):
+    """exp(-a) I1(a) for a >= 0, as _i0_unscaled."""
+    return torch.where(a <= 8.0, _chebyshev(a / 2.0 - 2.0, _I1["A"]) * a,
+                       _chebyshev(32.0 / a - 2.0, _I1["B"]) / torch.sqrt(a))
+
+
+def _modified_bessel_i0(x):
+    """I0 as ATen computes it (even)."""
+    a = x.abs()
+    return torch.exp(a) * _i0_unscaled(a)
+
+
+def _modified_bessel_i1(x):
+    """I1 as ATen computes it (odd)."""
+    a = x.abs()
+    value = torch.exp(a) * _i1_unscaled(a)
+    return torch.where(x < 0, -value, value)
+
+
+def _k_of_second_kind(x, near, far_series, scaled: bool):
+    """K0 or K1 (times exp(x) if scaled): `near(x)` up to 2, exp(-x) times a series in 8/x - 2 over sqrt(x) past
+    it; +inf at 0 and NaN below 0, as ATen returns them."""
+    far = _chebyshev(8.0 / x - 2.0, far_series) / torch.sqrt(x)
+    value = torch.where(x <= 2.0, near * torch.exp(x) if scaled else near, far if scaled else torch.exp(-x) * far)
+    return torch.where(x == 0, math.inf, torch.where(x < 0, math.nan, value))
+
+
+def _k0_near(x):
+    return _chebyshev(x * x - 2.0, _K0["A"]) - torch.log(0.5 * x) * _modified_bessel_i0(x)
+
+
+def _k1_near(x):
+    return torch.log(0.5 * x) * _modified_bessel_i1(x) + _chebyshev(x * x - 2.0, _K1["A"]) / x
+
+
+def _modified_bessel_k0(x):
+    return _k_of_second_kind(x, _k0_near(x), _K0["B"], scaled=False)
+
+
+def _modified_bessel_k1(x):
+    return _k_of_second_kind(x, _k1_near(x), _K1["B"], scaled=False)
+
+
+def _scaled_modified_bessel_k0(x):
+    return _k_of_second_kind(x, _k0_near(x), _K0["B"], scaled=True)
+
+
+def _scaled_modified_bessel_k1(x):
+    return _k_of_second_kind(x, _k1_near(x), _K1["B"], scaled=True)
+
+
+def _spherical_bessel_j0(x):
+    """sin(x) / x as ATen computes it: its Taylor series below 0.5 (in Horner form), 0 at +-inf."""
+    z = x * x
+    series = 1.0 + z * _horner((1.0 / 6227020800.0, -1.0 / 39916800.0, 1.0 / 362880.0, -1.0 / 5040.0, 1.0 / 120.0,
+                                -1.0 / 6.0), z)
+    value = torch.where(x.abs() < 0.5, series, torch.sin(x) / x)
+    return torch.where(x.isinf(), 0.0, value)
 
 
 OWN = {
@@ -830,5 +1057,15 @@ OWN = {
     aten.cummin.default: _cummin,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
     aten.segment_reduce.default: _segment_reduce,
+    aten.special_bessel_j0.default: _bessel_j0,
     aten.special_bessel_j1.default: _bessel_j1,
+    aten.special_bessel_y0.default: _bessel_y0,
+    aten.special_bessel_y1.default: _bessel_y1,
+    aten.special_modified_bessel_i0.default: _modified_bessel_i0,
+    aten.special_modified_bessel_i1.default: _modified_bessel_i1,
+    aten.special_modified_bessel_k0.default: _modified_bessel_k0,
+    aten.special_modified_bessel_k1.default: _modified_bessel_k1,
+    aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
+    aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
+    aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
 }

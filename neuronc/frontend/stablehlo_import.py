@@ -306,6 +306,13 @@ def _reverse(op, inputs, shape, dtype, loc):
     return ir.node(Op.REVERSE, inputs, shape, dtype, loc, dims=tuple(_ints(op.attributes["dimensions"])))
 
 
+def _bitcast(op, inputs, shape, dtype, loc):
+    (x,) = inputs
+    if x.dtype.itemsize != dtype.itemsize:  # StableHLO then adds or drops a dimension of the narrower type's parts
+        raise _Unsupported(f"a bitcast of {x.dtype.name.lower()} to {dtype.name.lower()}, of another width")
+    return ir.node(Op.BITCAST, inputs, shape, dtype, loc)
+
+
 def _iota(op, inputs, shape, dtype, loc):
     return ir.node(Op.IOTA, [], shape, dtype, loc, dimension=_int(op.attributes["iota_dimension"]))
 
@@ -683,6 +690,7 @@ _CONVERTERS = {
     "stablehlo.pad": _pad,
     "stablehlo.iota": _iota,
     "stablehlo.reverse": _reverse,
+    "stablehlo.bitcast_convert": _bitcast,
     "stablehlo.compare": _compare,
     "stablehlo.reduce": _reduce,
     "stablehlo.reduce_window": _reduce_window,

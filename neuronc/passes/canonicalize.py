@@ -6,7 +6,8 @@ Named rewrite rules (passes/rewrite.py), run together to a fixed point by `canon
 * the simplifications (`SIMPLIFY`, which legalize runs too): drop no-op converts, reshapes, transposes and
   broadcasts and identities (x + 0, x * 1, x / 1); merge reshape chains; a gather of consecutive constant rows
   is a slice; slice before broadcasting (a slice of a broadcast is the broadcast of a slice, and never
-  materialises the large tensor); a constant of one repeated value is a splat.
+  materialises the large tensor); a constant of one repeated value is a splat; a contraction over no elements
+  (K = 0) is a zero splat.
 * `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
   as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
   exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
@@ -82,6 +83,8 @@ def _evaluate(node: ir.Node, values: list):
             if not splat:
                 result = result.reshape(node.shape) if result.size == node.size else np.broadcast_to(result, node.shape)
             return result.astype(out_dtype)  # inf/NaN to an integer as the runtime's copy converts it, silently
+    if op is Op.BITCAST:
+        return values[0].view(out_dtype)  # the same bytes (a splat stays a splat)
     if op in (Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE):
         x = values[0]
         if x.ndim == 0:  # a splat stays a splat
@@ -104,7 +107,7 @@ def _full(value: np.ndarray, shape) -> np.ndarray:
 FOLD_MAX_ELEMENTS = 1 << 16  # a constant computed from full (not splat) constants is folded up to this size
 
 
-@rule(*ir.ELEMENTWISE, Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE)
+@rule(*ir.ELEMENTWISE, Op.IOTA, Op.RESHAPE, Op.BROADCAST_IN_DIM, Op.TRANSPOSE, Op.BITCAST)
 def fold_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
     """A node whose inputs are all constants, evaluated."""
     if not all(i.op is Op.CONSTANT for i in inputs):
@@ -217,9 +220,19 @@ def splat_uniform_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
     return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(flat[0], value.dtype))
 
 
+@rule(Op.DOT_GENERAL)
+def empty_contraction_is_zero(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A product contracting over no elements ([M, 0] x [0, N]) is a zero splat: the sum of nothing. Its
+    kernel would accumulate no tile into PSUM and then read it unwritten (the verifier refuses MATMUL k = 0)."""
+    if node.size == 0 or all(inputs[0].shape[d] for d in node.attrs["lhs_contract"]):
+        return None
+    return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(0, node.dtype.numpy))
+
+
 # the simplifications: canonicalize runs them, and legalize, after it, for what its lowering makes trivial
 SIMPLIFY = (drop_identity_operand, drop_noop_convert, drop_noop_reshape, drop_identity_transpose, merge_reshapes,
-            gather_of_consecutive_rows_as_slice, slice_before_broadcast, splat_uniform_constant)
+            gather_of_consecutive_rows_as_slice, slice_before_broadcast, splat_uniform_constant,
+            empty_contraction_is_zero)
 
 
 def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
