@@ -125,6 +125,16 @@ def test_scatter_reduce_modes(reduce, include_self):
     _matches_eager(lambda b, s: b.scatter_reduce(1, index, s, reduce, include_self=include_self), base, src)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_boolean_mask_writes_one_value_where_it_is_true(accumulate):
+    """x[mask] = v (index_put with a bool index): elementwise, whatever the mask holds; a mask of leading dims too."""
+    x = torch.randn(6, 5)
+    value = torch.tensor(2.5)
+    _matches_eager(lambda t: t.index_put((t > 0,), value, accumulate=accumulate), x)
+    _matches_eager(lambda t: t.index_put((t[:, 0] > 0,), value, accumulate=accumulate), x)
+    _matches_eager(lambda t: t.long().index_put((t > 0,), torch.tensor(7), accumulate=accumulate), x)
+
+
 @pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 def test_index_reduce_modes(reduce):
     g = torch.Generator().manual_seed(2)
