@@ -106,7 +106,7 @@ def _on_device(m, device):
     return m
 
 
-def _data_parallel_loop(m, forward, device, group, opt) -> list:
+def _data_parallel_loop(m, forward, device, group, opt, backward=contextlib.nullcontext) -> list:
     idx, targets = data()
     rank, ranks = dist.get_rank(group), group.size()
     per, losses = BATCH // ranks, []
@@ -114,7 +114,8 @@ def _data_parallel_loop(m, forward, device, group, opt) -> list:
         opt.zero_grad()
         with device:  # GPT2.forward makes its positions with torch.arange
             loss = forward(idx[rank * per:(rank + 1) * per].to(device), targets[rank * per:(rank + 1) * per].to(device))
-        loss.backward()
+        with backward():
+            loss.backward()
         opt.step()
         losses.append(_mean_over(loss, group))
     return losses
@@ -132,6 +133,38 @@ def ddp(device, group) -> dict:
     wrapped = torch.nn.parallel.DistributedDataParallel(m, process_group=group)
     losses = _data_parallel_loop(m, wrapped, device, group, optimizer(m.parameters()))
     return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}}
+
+
+def _compiled_graphs(before: int) -> dict:
+    """How many graphs neuronc compiled since ``before``, and the collective-engine opcodes of their NEFFs."""
+    from neuronc.isa import Engine
+    from neuronc.pytorch import backend
+
+    graphs = backend.compiled_graphs[before:]
+    opcodes = {i.opcode.name for f in graphs for (e, _), s in f.compiled.neff.streams.items()
+               if e == Engine.COLLECTIVE for i in s}
+    return {"graphs": len(graphs), "collectives": sorted(opcodes)}
+
+
+def ddp_compiled(device, group) -> dict:
+    """DDP under torch.compile(backend="neuron"): the forward compiled, the backward under compiled autograd with
+    the Python reducer, so the gradients' all-reduces are collective instructions of the backward NEFF."""
+    import functools
+
+    from neuronc.pytorch import backend
+
+    torch._dynamo.reset()
+    before = len(backend.compiled_graphs)
+    torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's init
+    try:
+        m = _on_device(model(), device)
+        wrapped = torch.compile(torch.nn.parallel.DistributedDataParallel(m, process_group=group), backend="neuron")
+        compiled_autograd = functools.partial(torch._dynamo.compiled_autograd._enable,
+                                              torch.compile(backend="neuron"), dynamic=False)
+        losses = _data_parallel_loop(m, wrapped, device, group, optimizer(m.parameters()), backward=compiled_autograd)
+    finally:
+        torch._dynamo.config.optimize_ddp = True
+    return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}, **_compiled_graphs(before)}
 
 
 def _fsdp2(device, group, mixed: bool) -> dict:
@@ -206,11 +239,23 @@ def _loss_parallel_loop(m, device, idx, targets, opt) -> list:
     return losses
 
 
-def tp(device, group) -> dict:
+def tp(device, group, compiled: bool = False) -> dict:
+    from neuronc.pytorch import backend
+
     m = _tensor_parallel(_on_device(model(), device), _mesh(group))
+    before = len(backend.compiled_graphs)
+    if compiled:
+        torch._dynamo.reset()
+    forward = torch.compile(m, backend="neuron") if compiled else m
     # foreach AdamW (the default on an accelerator) refuses a mix of DTensor and plain parameters (attention's)
-    losses = _loss_parallel_loop(m, device, *data(), optimizer(m.parameters(), foreach=False))
-    return {"losses": [loss.item() for loss in losses], "params": {k: _whole(v) for k, v in m.named_parameters()}}
+    losses = _loss_parallel_loop(forward, device, *data(), optimizer(m.parameters(), foreach=False))
+    return {"losses": [loss.item() for loss in losses], "params": {k: _whole(v) for k, v in m.named_parameters()},
+            **(_compiled_graphs(before) if compiled else {})}
+
+
+def tp_compiled(device, group) -> dict:
+    """Tensor parallelism (with sequence parallelism and loss_parallel) under torch.compile(backend="neuron")."""
+    return tp(device, group, compiled=True)
 
 
 def fsdp2_tp(device, group) -> dict:
@@ -338,7 +383,8 @@ def pp_gpipe(device, group) -> dict:
     return _pipeline(device, group, ScheduleGPipe)
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, fsdp2, fsdp2_bf16, tp, fsdp2_tp, pp_1f1b, pp_gpipe, pp_traced)}
+CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
+                                           pp_gpipe, pp_traced)}
 
 
 def _plan(arguments: list, world: int) -> list:

@@ -2,7 +2,8 @@
 FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallelism and loss_parallel, FSDP2 x
 TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules, manual stages or split by tracing
 (`torch.distributed.pipelining.pipeline()`) — gives the losses and parameters
-of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision). The rank program is
+of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision); so do DDP and tensor parallelism
+under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs. The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from tests import parallel_training
 from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 
-DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp"]
+DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled"]
 PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_traced"]
 
 
@@ -47,7 +48,8 @@ def _assert_trains_as_one_process(results: list, reference: dict, tolerance: dic
     assert set(seen) == set(reference["params"])  # together the ranks hold the whole model
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe", "pp_traced"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe", "pp_traced", "ddp_compiled",
+                                  "tp_compiled"])
 def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, reference, name):
     assert len(two_ranks[name]) == 2
     _assert_trains_as_one_process(two_ranks[name], reference, TOLERANCES[torch.float32])
@@ -74,3 +76,17 @@ def test_fsdp2_with_bf16_mixed_precision_trains_as_accurately_as_bf16_on_the_cpu
 
 def test_fsdp2_times_tensor_parallelism_on_a_2x2_mesh_trains_as_one_process(job, reference):
     _assert_trains_as_one_process([rank["fsdp2_tp"] for rank in job], reference, TOLERANCES[torch.float32])
+
+
+
+def test_compiled_ddp_of_gpt2_holds_the_gradients_all_reduce_in_its_neff(two_ranks):
+    """DDP under torch.compile with its backward under compiled autograd (the Python reducer): one forward and one
+    backward graph, the gradients' all-reduces collective instructions of the backward NEFF."""
+    for result in two_ranks["ddp_compiled"]:
+        assert result["graphs"] == 2
+        assert result["collectives"] == ["ALL_REDUCE"]
+
+
+def test_compiled_tensor_parallel_gpt2_was_compiled(two_ranks):
+    for result in two_ranks["tp_compiled"]:
+        assert result["graphs"] >= 2  # a forward and a backward graph at least
