@@ -135,15 +135,18 @@ def ddp(device, group) -> dict:
     return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}}
 
 
-def _compiled_graphs(before: int) -> dict:
-    """How many graphs neuronc compiled since ``before``, and the collective-engine opcodes of their NEFFs."""
+def _compiled_graphs(before: int, partitioned_before: int) -> dict:
+    """How many graphs neuronc compiled since ``before``, the collective-engine opcodes of their NEFFs, and how many
+    graphs ran in part on the CPU since ``partitioned_before`` (the partition fallback; the test asserts none:
+    conftest's guard sees only its own process)."""
     from neuronc.isa import Engine
-    from neuronc.pytorch import backend
+    from neuronc.pytorch import backend, partition
 
     graphs = backend.compiled_graphs[before:]
     opcodes = {i.opcode.name for f in graphs for (e, _), s in f.compiled.neff.streams.items()
                if e == Engine.COLLECTIVE for i in s}
-    return {"graphs": len(graphs), "collectives": sorted(opcodes)}
+    return {"graphs": len(graphs), "collectives": sorted(opcodes),
+            "partitioned": partition.partitioned_graphs - partitioned_before}
 
 
 def ddp_compiled(device, group) -> dict:
@@ -151,10 +154,10 @@ def ddp_compiled(device, group) -> dict:
     the Python reducer, so the gradients' all-reduces are collective instructions of the backward NEFF."""
     import functools
 
-    from neuronc.pytorch import backend
+    from neuronc.pytorch import backend, partition
 
     torch._dynamo.reset()
-    before = len(backend.compiled_graphs)
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
     torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's init
     try:
         m = _on_device(model(), device)
@@ -164,7 +167,7 @@ def ddp_compiled(device, group) -> dict:
         losses = _data_parallel_loop(m, wrapped, device, group, optimizer(m.parameters()), backward=compiled_autograd)
     finally:
         torch._dynamo.config.optimize_ddp = True
-    return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}, **_compiled_graphs(before)}
+    return {"losses": losses, "params": {k: _whole(v) for k, v in m.named_parameters()}, **_compiled_graphs(before, partitioned_before)}
 
 
 def _fsdp2(device, group, mixed: bool) -> dict:
@@ -240,17 +243,17 @@ def _loss_parallel_loop(m, device, idx, targets, opt) -> list:
 
 
 def tp(device, group, compiled: bool = False) -> dict:
-    from neuronc.pytorch import backend
+    from neuronc.pytorch import backend, partition
 
     m = _tensor_parallel(_on_device(model(), device), _mesh(group))
-    before = len(backend.compiled_graphs)
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
     if compiled:
         torch._dynamo.reset()
     forward = torch.compile(m, backend="neuron") if compiled else m
     # foreach AdamW (the default on an accelerator) refuses a mix of DTensor and plain parameters (attention's)
     losses = _loss_parallel_loop(forward, device, *data(), optimizer(m.parameters(), foreach=False))
     return {"losses": [loss.item() for loss in losses], "params": {k: _whole(v) for k, v in m.named_parameters()},
-            **(_compiled_graphs(before) if compiled else {})}
+            **(_compiled_graphs(before, partitioned_before) if compiled else {})}
 
 
 def tp_compiled(device, group) -> dict:

@@ -83,10 +83,14 @@ def test_compiled_ddp_of_gpt2_holds_the_gradients_all_reduce_in_its_neff(two_ran
     """DDP under torch.compile with its backward under compiled autograd (the Python reducer): one forward and one
     backward graph, the gradients' all-reduces collective instructions of the backward NEFF."""
     for result in two_ranks["ddp_compiled"]:
+        assert result["partitioned"] == 0  # every graph whole on the device
         assert result["graphs"] == 2
         assert result["collectives"] == ["ALL_REDUCE"]
 
 
-def test_compiled_tensor_parallel_gpt2_was_compiled(two_ranks):
+def test_compiled_tensor_parallel_gpt2_runs_whole_on_the_device_its_collectives_in_the_neff(two_ranks):
+    """Sequence parallelism's all-gathers and reduce-scatters and loss_parallel's all-reduces are collective
+    instructions; no part of a graph falls back to the CPU."""
     for result in two_ranks["tp_compiled"]:
-        assert result["graphs"] >= 2  # a forward and a backward graph at least
+        assert result["partitioned"] == 0
+        assert {"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"} <= set(result["collectives"])
