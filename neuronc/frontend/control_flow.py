@@ -19,15 +19,11 @@ def inline_conditionals(gm) -> bool:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is cond]
     if not nodes:
         return False
-    from neuronc.frontend.fx_splice import replace_with_traced
+    from neuronc.frontend import fx_splice
 
     for node in nodes:
-        replace_with_traced(gm, node, *_selected_branches(gm, node))
-    gm.graph.lint()
-    gm.recompile()
-    for name, _ in list(gm.named_children()):  # the branches' subgraphs, now unused
-        if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
-            delattr(gm, name)
+        fx_splice.replace_with_traced(gm, node, *_selected_branches(gm, node))
+    fx_splice.drop_replaced_subgraphs(gm)
     return True
 
 

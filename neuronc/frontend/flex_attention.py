@@ -32,11 +32,7 @@ def decompose_flex_attention(gm) -> bool:
     for node in nodes:
         fx_splice.replace_with_traced(gm, node, *_dense_graph(gm, node))
     if nodes:
-        gm.graph.lint()
-        gm.recompile()
-        for name, _ in list(gm.named_children()):  # the score_mod / mask_mod subgraphs, now unused
-            if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
-                delattr(gm, name)
+        fx_splice.drop_replaced_subgraphs(gm)
     return bool(nodes) and isinstance(gm, torch.fx.GraphModule)
 
 

@@ -35,6 +35,16 @@ def replace_with_traced(gm, node, traced, feeds) -> None:
     graph.erase_node(node)
 
 
+def drop_replaced_subgraphs(gm) -> None:
+    """After replacing nodes: the graph checked and recompiled, and the subgraph modules no node reads any more
+    (the replaced higher-order ops' branches, score_mods and mask_mods) deleted."""
+    gm.graph.lint()
+    gm.recompile()
+    for name, _ in list(gm.named_children()):
+        if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+            delattr(gm, name)
+
+
 def insert_traced(gm, node, traced, feeds) -> list:
     """Copy ``traced``'s nodes into ``gm`` before ``node``, its placeholders bound to ``feeds``: its outputs."""
     env = {}

@@ -210,10 +210,10 @@ class _Importer:
         try:
             while True:
                 (go,) = self.import_block(cond, carried)
-                if go.op is not Op.CONSTANT:
+                if go.scalar is None:
                     raise _Unsupported("a loop whose trip count depends on the data; neuronc unrolls loops whose "
                                        "count is known when compiling (scan, fori_loop with constant bounds)")
-                if not np.asarray(go.attrs["value"]).reshape(-1)[0]:
+                if not go.scalar:
                     return tuple(carried)
                 trips += 1
                 if trips * body_ops > MAX_UNROLLED_OPS:
@@ -232,8 +232,8 @@ class _Importer:
         branch alone."""
         (index,) = inputs
         count = len(op.regions)
-        if index.op is Op.CONSTANT:
-            k = int(np.asarray(index.attrs["value"]).reshape(-1)[0])
+        k = index.scalar
+        if k is not None:
             return tuple(self.import_block(op.regions[k if 0 <= k < count else count - 1].blocks[0], []))
         branches = [self.import_block(region.blocks[0], []) for region in op.regions]
         results = list(branches[-1])
@@ -257,7 +257,7 @@ def _folded(node: ir.Node) -> ir.Node:
     """`node` evaluated if its inputs are constants and it is small (a loop counter and what is computed from it)."""
     from neuronc.passes.canonicalize import fold_constant
 
-    if not node.inputs or node.size > _FOLDED_MAX_ELEMENTS or any(i.op is not Op.CONSTANT for i in node.inputs):
+    if node.size > _FOLDED_MAX_ELEMENTS:
         return node
     return fold_constant(node, node.inputs) or node
 
@@ -496,8 +496,8 @@ def _clamped_starts(operand, starts, sizes, loc) -> list:
     them: ints for constant indices, else I32 nodes."""
     clamped = []
     for start, dim, size in zip(starts, operand.shape, sizes):
-        if start.op is Op.CONSTANT:
-            clamped.append(min(max(int(np.asarray(start.attrs["value"]).reshape(-1)[0]), 0), dim - size))
+        if start.scalar is not None:
+            clamped.append(min(max(int(start.scalar), 0), dim - size))
             continue
         if start.dtype != DType.I32:
             start = ir.node(Op.CONVERT, [start], (), DType.I32, loc)

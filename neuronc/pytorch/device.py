@@ -133,9 +133,7 @@ def device_of(obj) -> device:
 
 
 def get_device_name(device=None) -> str:
-    from neuronc.pytorch.device_memory import target
-
-    return f"NeuronCore ({target()}, emulated) neuron:{_index(device)}"
+    return f"NeuronCore ({_device_memory().target()}, emulated) neuron:{_index(device)}"
 
 
 def get_device_properties(device=None):
