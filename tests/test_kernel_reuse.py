@@ -103,3 +103,39 @@ def test_kernels_that_differ_in_an_op_or_a_shape_do_not_share_a_signature():
     keys = [reuse.signature(n, plan)[0] for n in (first, second, product, narrow)]
     assert keys[0] == keys[1]  # the same kernel on other tensors
     assert len({keys[0], keys[2], keys[3]}) == 3
+
+
+def test_the_attention_pass_composes_each_layers_view_chains_once_with_the_same_neff(three_layer_gpt2, monkeypatch):
+    """passes/attention.py fits each distinct chain of reshapes and views (q, k, v split out of one projection, the
+    output merged back) once, keyed by the chain's shapes and view attributes: the layers share the fits, and the
+    program is the one fitting every chain anew makes (a key too coarse to tell two chains apart would differ)."""
+    from neuronc.passes import attention
+
+    _, _, exported = three_layer_gpt2
+    fitted = (attention._fitted_chain, attention._fitted_inverse)
+    for memo in fitted:
+        memo.cache_clear()
+    shared = _compile(exported, monkeypatch, True)
+    hits = [memo.cache_info().hits for memo in fitted]
+    for memo in fitted:
+        monkeypatch.setattr(attention, memo.__name__, memo.__wrapped__)  # every chain fitted anew
+    anew = _compile(exported, monkeypatch, True)
+    assert sum(n.op is Op.ATTENTION for n in shared.graph.nodes()) == 3
+    assert hits[0] >= 2 * 2  # two layers' operand chains (at least q and k: v may merge symbolically) reuse the first's
+    assert encode(shared.neff) == encode(anew.neff)
+
+
+def _transposed_columns(source, offset: int) -> ir.Node:
+    """Columns offset..offset+3 of a [4, 8] source, then transposed: a view of a view (composed numerically)."""
+    columns = ir.node(Op.VIEW, (source,), (4, 4), DType.F32, offset=offset, strides=(8, 1))
+    return ir.node(Op.VIEW, (columns,), (4, 4), DType.F32, offset=0, strides=(1, 4))
+
+
+def test_view_chains_that_differ_only_in_an_offset_are_fitted_apart():
+    from neuronc.passes import attention
+
+    first = ir.node(Op.PARAMETER, (), (4, 8), DType.F32, index=0, name="a", kind="input")
+    second = ir.node(Op.PARAMETER, (), (4, 8), DType.F32, index=1, name="b", kind="input")
+    assert attention._composed_view(_transposed_columns(first, 0)) == (first, 0, (1, 8))
+    assert attention._composed_view(_transposed_columns(second, 0)) == (second, 0, (1, 8))  # its own source
+    assert attention._composed_view(_transposed_columns(first, 4)) == (first, 4, (1, 8))

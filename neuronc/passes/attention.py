@@ -35,6 +35,7 @@ the permutation of O the model makes next, heads transposed back and merged, whi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -216,19 +217,33 @@ def _widening(node) -> bool:
             and node.inputs[0].dtype.itemsize < node.dtype.itemsize)
 
 
-def _source_positions(x):
-    """(source, positions): the element of the dense buffer of `source` that each element of x reads,
-    through x's chain of reshapes and views, or (None, None) when x is too large to compose numerically."""
-    if x.size > MAX_COMPOSED_ELEMENTS or x.size == 0:
-        return None, None
-    positions = np.arange(x.size, dtype=np.int64).reshape(x.shape)
-    source = x
+def _view_chain(x) -> tuple:
+    """(key, source): the chain of reshapes and views from x down to the node they read (`source`), as a key of
+    plain values (x's shape, then each link's op, shape and view attributes). The positions x reads in source's
+    dense buffer depend on the key alone: every layer of a model has the same chains, fitted once (see
+    _fitted_chain, _fitted_inverse)."""
+    links, source = [], x
     while source.op in (Op.RESHAPE, Op.VIEW):
-        if source.op is Op.VIEW:
-            coords = np.unravel_index(positions, source.shape)
-            positions = source.attrs["offset"] + sum(c * s for c, s in zip(coords, source.attrs["strides"]))
+        links.append((source.op, source.shape) + ((source.attrs["offset"], tuple(source.attrs["strides"]))
+                                                  if source.op is Op.VIEW else ()))
         source = source.inputs[0]
-    return source, positions
+    return (tuple(x.shape), tuple(links)), source
+
+
+def _chain_positions(key: tuple):
+    """The element of the dense buffer of the chain's source that each element of its head reads (an array of
+    the head's shape), or None when the head is too large to compose numerically."""
+    shape, links = key
+    size = math.prod(shape)
+    if size > MAX_COMPOSED_ELEMENTS or size == 0:
+        return None
+    positions = np.arange(size, dtype=np.int64).reshape(shape)
+    for op, link_shape, *view in links:
+        if op is Op.VIEW:
+            offset, strides = view
+            coords = np.unravel_index(positions, link_shape)
+            positions = offset + sum(c * s for c, s in zip(coords, strides))
+    return positions
 
 
 def _affine(positions: np.ndarray):
@@ -249,9 +264,16 @@ def _composed_view(x):
     """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
     symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
     element positions are composed numerically and fitted by one affine map, or None."""
-    source, positions = _source_positions(x)
-    fitted = None if positions is None else _affine(positions)
+    key, source = _view_chain(x)
+    fitted = _fitted_chain(key)
     return None if fitted is None else (source, *fitted)
+
+
+@functools.lru_cache(maxsize=256)
+def _fitted_chain(key: tuple):
+    """_affine of a chain's positions, once per distinct chain (a chain of each layer is the same key)."""
+    positions = _chain_positions(key)
+    return None if positions is None else _affine(positions)
 
 
 def _is_permutation(positions: np.ndarray) -> bool:
@@ -277,15 +299,24 @@ def _output_view(pv, consumers: dict, outputs: set, batched: tuple):
             break
         chain.append(node)
     for end in reversed(chain):
-        source, positions = _source_positions(end)
-        if source is not pv or not _is_permutation(positions.reshape(-1)):
-            continue
-        inverse = np.empty(pv.size, dtype=np.int64)
-        inverse[positions.reshape(-1)] = np.arange(pv.size)
-        fitted = _affine(inverse.reshape(batched))
+        key, source = _view_chain(end)
+        fitted = _fitted_inverse(key, tuple(batched)) if source is pv else None
         if fitted is not None:
             return (end, *fitted)
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _fitted_inverse(key: tuple, batched: tuple):
+    """(offset, strides) where element i of the chain's source (indexed over `batched`) lies in the dense buffer
+    of the chain's head, when the chain only permutes the source's elements and that map is affine; else None.
+    Once per distinct chain and shape."""
+    positions = _chain_positions(key)
+    if positions is None or not _is_permutation(positions.reshape(-1)):
+        return None
+    inverse = np.empty(positions.size, dtype=np.int64)
+    inverse[positions.reshape(-1)] = np.arange(positions.size)
+    return _affine(inverse.reshape(batched))
 
 
 def _rounded_result(pv, consumers: dict, outputs: set):
