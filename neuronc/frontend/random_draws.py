@@ -100,9 +100,13 @@ def _recipe(node):
     if t is aten.bernoulli.default:
         return ("bernoulli", (node.args[0],)) if node.args[0].meta["val"].dtype in _float_dtypes() else None
     bounds = None
-    if t is aten.randint.low or t is aten.randint_like.low_dtype:
+    if t is aten.randint.low:  # (low, high, size)
+        bounds = node.args[0], node.args[1]
+    elif t is aten.randint.default:  # (high, size)
+        bounds = 0, node.args[0]
+    elif t is aten.randint_like.low_dtype:  # (x, low, high)
         bounds = node.args[1], node.args[2]
-    elif t is aten.randint.default or t is aten.randint_like.default:
+    elif t is aten.randint_like.default:  # (x, high)
         bounds = 0, node.args[1]
     if bounds is not None:
         low, high = bounds
