@@ -133,3 +133,14 @@ def test_compiled_dropout_on_neuron_tensors_draws_what_eager_draws(neuron):
     compiled = _compiled(lambda t: F.dropout(t, P, training=True))(x)
     assert torch.equal(compiled.cpu() != 0, eager.cpu() != 0)
     torch.testing.assert_close(compiled.cpu(), eager.cpu())
+
+
+def test_dropout2d_drops_whole_channels():
+    torch.manual_seed(8)
+    x = torch.rand(8, 16, 4, 4).add(0.5)
+    out = _compiled(nn.Dropout2d(0.5).train())(x)
+    dropped = (out == 0).flatten(2)
+    assert (dropped.all(-1) == dropped.any(-1)).all()  # a channel is dropped whole or kept whole
+    assert 0 < dropped.all(-1).float().mean() < 1
+    kept = ~dropped.all(-1)
+    torch.testing.assert_close(out.flatten(2)[kept], x.flatten(2)[kept] * 2)
