@@ -5,6 +5,8 @@ Random ops are drawn on the device inside the compiled graphs (neuronc/frontend/
 dropout cut its graph in two with the draw on the CPU between (a partition, neuronc/pytorch/partition.py). Models:
 `mlp` (Linear, Dropout(0.1), ReLU, Linear), `gpt2` (Hugging Face's GPT2LMHeadModel built from a 2-layer config,
 dropout 0.1 everywhere, needs transformers: `pip install -e .[bench]`). Tensors on the CPU, or `--device neuron`.
+The device time is the NEFFs' estimated time (the cost model's), the random ops on the CPU of a partitioned graph
+not included.
 
     .venv/bin/python -m benchmarks.random_graphs [--models mlp gpt2] [--device cpu|neuron]   (from the repo root)
 """
@@ -63,9 +65,11 @@ def measure(name: str, device: str) -> str:
     for _ in range(3):
         step()
     later = (time.perf_counter() - start) / 3
+    device_us = sum(f.compiled.neff.estimated_ns for f in backend.compiled_graphs[compiles:]) / 1e3
     return (f"{name:5s} on {device}: {backend.compile_count() - compiles} NEFFs, "
             f"{partition.partitioned_graphs - partitioned} graph(s) partitioned with ops on the CPU, "
-            f"first step {first:.1f} s, later steps {later * 1e3:.0f} ms")
+            f"first step {first:.1f} s, later steps {later * 1e3:.0f} ms (host wall clock, the emulator's run "
+            f"included), estimated device time of the NEFFs {device_us:.0f} us per step")
 
 
 def main() -> None:
