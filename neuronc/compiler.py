@@ -84,6 +84,8 @@ class Compiled:
     collective_groups: list = dataclasses.field(default_factory=list)  # FX graphs: the process group of each
     # group number its collective instructions name (frontend/collectives.py)
     decisions: dict = dataclasses.field(default_factory=dict)  # priced pass -> (ns with it, ns without it)
+    random_draws: int = 0  # FX graphs with random ops: numbers of the generator's stream a call uses; the NEFF's
+    # last input is then the generator state (seed, offset) (frontend/random_draws.py)
 
     def checked_by(self) -> str | None:
         """The runtime access check this NEFF passed in an earlier load, as its cache entry records."""
@@ -196,7 +198,8 @@ def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, 
 def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
-    from neuronc.frontend.torch_import import drop_none_outputs, drop_opaque_values, import_fx
+    from neuronc.frontend.random_draws import Draws, cut_random_ops, has_random_ops, splice_draws
+    from neuronc.frontend.torch_import import drop_none_outputs, drop_opaque_values, import_fx, node_locations
 
     options = options or CompileOptions()
     t = time.perf_counter()
@@ -205,16 +208,21 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) 
         computed = drop_none_outputs(gm)
         rest = iter(computed)
         layout = [("input", passed[i]) if i in passed else next(rest) for i in range(len(passed) + len(computed))]
+        draws = cut_random_ops(gm, node_locations(gm)) if has_random_ops(gm) else Draws([])
         collectives = cut_collectives(gm) if has_collectives(gm) else Collectives([], [])
         params = [(n.name, "input") for n in gm.graph.nodes if n.op == "placeholder"]
         imported = import_fx(gm, params, options.name)
         if collectives.cuts:
             imported.graph = splice_collectives(imported.graph, collectives)
             imported.fingerprint = hashlib.sha256((imported.fingerprint + collectives.fingerprint()).encode()).hexdigest()
+        if draws.draws:
+            imported.graph = splice_draws(imported.graph, draws)
+            imported.fingerprint = hashlib.sha256((imported.fingerprint + draws.fingerprint()).encode()).hexdigest()
         compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
     compiled.output_layout = layout
     compiled.input_mask = None if all(mask) else mask
     compiled.collective_groups = collectives.groups
+    compiled.random_draws = draws.count
     debug_dir.keep(compiled, gm.code)
     return compiled
 

@@ -252,6 +252,11 @@ def _shapes(n: Node):
                 yield f"[B, M, K] x [B, K, N] -> [B, M, N] does not hold for {inputs[0]} x {inputs[1]} -> {shape}"
         if op in (Op.MATMUL, Op.CONV) and "k" in a and a["k"] < 1:  # canonicalize makes such a contraction 0
             yield f"contracts over no elements (k = {a['k']}): its kernel would read a PSUM tile it never wrote"
+        if op is Op.RANDOM:
+            if inputs[0] != (2,) or n.inputs[0].dtype != DType.I64:
+                yield f"draws from a state of {n.inputs[0].dtype.name.lower()}{list(inputs[0])}, expected i64[2] (seed, offset)"
+            if not n.dtype.is_float or a["first"] < 0:
+                yield f"draws {n.dtype.name.lower()} from element {a['first']}: uniform floats from an element >= 0"
         if op is Op.REDUCE_LAST and "cols" not in a:
             if len(inputs[0]) != 2 or shape != inputs[0][:1]:
                 yield f"reduces {inputs[0]} to {shape}, expected [R, C] -> [R]"

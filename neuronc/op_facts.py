@@ -345,6 +345,9 @@ FACTS = (
     # first output is the node's value, the others KERNEL_OUTPUT nodes; outputs and scratch: ((shape, dtype), ...)
     OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL, attrs={"kernel": "any", "outputs": "any", "scratch": "any"}),
     OpFact("KERNEL_OUTPUT", "kernel", 1, ANY, FREE, attrs={"index": "int"}),  # (custom kernel) -> its output index
+    # (state I64[2] = (seed, offset), a run-time input) -> uniform floats in [0, 1), element e the draw number
+    # offset + first + e (row-major) of the GpSimd engine's RNG stream of the seed (frontend/random_draws.py)
+    OpFact("RANDOM", "kernel", 1, ANY, KERNEL, attrs={"first": "int"}),
 )
 
 BY_NAME = {fact.name: fact for fact in FACTS}

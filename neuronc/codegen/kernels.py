@@ -18,6 +18,7 @@ from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.elementwise import bitcast_copy, concatenate, elementwise, pad, splat_constant, view_copy
 from neuronc.codegen.indexing import gather_rows, scatter_rows, topk
 from neuronc.codegen.matmul import matmul
+from neuronc.codegen.rng import random_kernel
 from neuronc.codegen.rowwise import reduce_last, rowwise
 from neuronc.ir import Node, Op
 from neuronc.plans import MemoryPlan
@@ -39,6 +40,7 @@ KERNELS.update({
     Op.TOPK: topk,
     Op.COLLECTIVE: collective,
     Op.CUSTOM_KERNEL: custom_kernel,
+    Op.RANDOM: random_kernel,
 })
 
 

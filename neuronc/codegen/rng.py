@@ -162,3 +162,21 @@ def random_program(recipe: str, params: tuple, shape: tuple, dtype: DType, targe
     em.kernels[0].estimated_ns = kernel_ns.get(0, makespan)
     return Neff(name=f"rng_{recipe}", target=target.name, tensors=tensors, streams=streams, hbm_size=hbm_size,
                 debug_locs=em.debug_locs, kernels=em.kernels, estimated_ns=makespan, compiler_version=__version__)
+
+
+def random_kernel(em: Emitter, node, plan) -> None:
+    """A graph's RANDOM node (neuronc/ir.py): uniform floats in [0, 1) of the node's shape and dtype, element e
+    (row-major) the draw number offset + first + e of the stream of the state's seed. The state, an I64[2]
+    input of the NEFF, is loaded once; each block of the flattened output is one RNG instruction on the GpSimd
+    engine and one DMA out, so the numbers do not depend on the tiling (as the eager programs above)."""
+    (state,) = node.inputs
+    n = math.prod(node.shape)
+    state_tile = em.sbuf_pool(DType.I64, 2, bufs=1).next().ap(1, 2)
+    em.dma(state_tile, hbm(DType.I64, plan.offset(state), ((2, 1), (1, 2))))
+    tiles = em.sbuf_pool(node.dtype, MAX_FREE, bufs=3)
+    first, out = node.attrs["first"], plan.offset(node)
+    for block in blocks((n,), [(1,)], MAX_FREE, em.target.partitions):
+        tile = tiles.next().ap(block.partitions, *block.free)
+        em.emit(Opcode.RNG, Engine.GPSIMD, tile, state_tile, imm0=float(first + block.offsets[0]),
+                imm1=float(block.dims[0][0][0]))
+        em.dma(hbm(node.dtype, out + block.offsets[0] * node.dtype.itemsize, block.dims[0]), tile)

@@ -62,6 +62,8 @@ class NeffFunction:
         if self.compiled.input_mask is not None:  # arguments the program does not take (a device mesh object)
             args = [a for a, kept in zip(args, self.compiled.input_mask) if kept]
         device = next((a.device.index for a in args if getattr(a, "is_neuron", False)), None)
+        if self.compiled.random_draws:
+            args = [*args, _generator_state(device, self.compiled.random_draws)]
         if device is not None:
             return self._arrange(self._run_on_device(device, args), given)
         from neuronc.frontend.tensors import from_numpy, to_numpy
@@ -87,6 +89,21 @@ class NeffFunction:
         self.device_launches += 1
         self.last_run = _device_run(program, outputs)
         return outputs
+
+
+def _generator_state(device: int | None, count: int):
+    """The state (seed, offset) a graph with random ops draws from (frontend/random_draws.py), int64[2]: on a
+    `neuron` device its generator's, moved past the ``count`` numbers the graph draws (as eager random ops move
+    it); for CPU tensors a fresh seed drawn from torch's default CPU generator (as inductor seeds its random ops),
+    so ``torch.manual_seed`` makes a call's numbers reproducible either way."""
+    import torch
+
+    if device is not None:
+        from neuronc.pytorch.random_ops import generator_state
+
+        return generator_state(None, device, count)
+    seed = torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64)
+    return torch.stack([seed, torch.zeros((), dtype=torch.int64)])
 
 
 def _device_run(program, outputs):

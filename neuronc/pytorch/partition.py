@@ -66,13 +66,15 @@ def partition(gm: fx.GraphModule, options):
     from neuronc.compiler import compile_graph
     from neuronc.frontend import control_flow
     from neuronc.frontend.op_probe import node_verdicts
+    from neuronc.frontend.random_draws import is_random
     from neuronc.frontend.torch_import import op_name
 
     control_flow.inline_conditionals(gm)  # a cond's branches are device ops like any other
     why = node_verdicts(gm, accept=lambda graph: compile_graph(graph, options))
     cpu = {}
     for node in gm.graph.nodes:
-        if why.get(node.name):
+        if why.get(node.name) and not is_random(node):  # compile_fx draws random ops on the device
+            # (frontend/random_draws.py); alone, torch-mlir refuses them
             cpu[node.name] = why[node.name]
             _warn(op_name(node), why[node.name])
     if not cpu:

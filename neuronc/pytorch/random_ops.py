@@ -49,7 +49,7 @@ def _program(recipe: str, params: tuple, shape: tuple, dtype, input_dtype, devic
     return entry
 
 
-def _state(generator, device: int, count: int) -> np.ndarray:
+def generator_state(generator, device: int, count: int) -> np.ndarray:
     seed, offset = sys.modules[shim.NAME].philox_state(generator, device, count)
     return np.array([seed, offset], np.uint64).view(np.int64)
 
@@ -60,7 +60,7 @@ def _launch(recipe: str, params: tuple, out: torch.Tensor, generator, x=None, ma
     device = out.device.index
     shape = tuple(out.shape)
     program, duration = _program(recipe, params, shape, out.dtype, None if x is None else x.dtype, device)
-    state = _state(generator, device, RECIPES[recipe].draws * math.prod(shape))
+    state = generator_state(generator, device, RECIPES[recipe].draws * math.prod(shape))
     inputs = [state] + ([] if x is None else [eager._view(x) if x.device.type == "neuron" else host_array(x).copy()])
     outputs = [eager._view(out)] + ([] if mask is None else [eager._view(mask)])
     queues.enqueue(device, duration, program.run_into, (inputs, outputs), f"random {recipe}")

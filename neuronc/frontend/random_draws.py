@@ -1,0 +1,275 @@
+"""Random ops of an FX graph (dropout, rand, randn, randint, bernoulli, uniform, normal) as draws of the device's
+random-number generator, fed by the generator's state at run time.
+
+torch-mlir has no lowering for random ops, so before the import :func:`cut_random_ops` rewrites each one into
+elementwise ATen ops on uniform draws in [0, 1), and each draw becomes an extra placeholder of the graph (after
+its own): dropout is ``mask = u < 1 - p; out = x * mask / (1 - p)``, normal is Box-Muller on two draws,
+bernoulli ``u < p``, randint ``low + floor(u * span)`` (the recipes of neuronc/codegen/rng.py, as eager `neuron`
+tensors draw). After the import :func:`splice_draws` replaces each draw's parameter by an ``Op.RANDOM`` node
+reading ONE new parameter, the generator state ``(seed, offset)`` (int64[2], the NEFF's last input): draw i is
+elements ``offset + first_i ...`` of the seed's stream, the draws of a graph numbered one after the other, so a
+graph reserves ``Draws.count`` numbers per call. The seed and offset are inputs, not constants: each call draws
+new numbers without a recompile, and ``torch.manual_seed`` makes a call reproducible
+(neuronc/pytorch/backend.py gives the state: a `neuron` device's generator advanced by ``count``, as eager ops
+advance it; for CPU tensors, a seed drawn from torch's default CPU generator).
+
+This is inductor's design (``replace_random.py``: random ops become ``inductor_random`` of a seed input) with the
+device's counter-based generator: AOTAutograd saves dropout's mask for the backward graph, so the backward
+never draws again and its gradient uses the forward's mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+from neuronc import ir
+from neuronc.frontend.tensors import torch_dtypes
+from neuronc.isa import DType
+from neuronc.neff.program import DebugLoc
+
+STATE_NAME = "rng_state"
+MAX_INTEGER_SPAN = 2 ** 24  # what an fp32 uniform resolves exactly (codegen/rng.py's MAX_INTEGER_SPAN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One uniform draw in [0, 1): the placeholder standing for it, its shape and dtype, its first element number."""
+
+    name: str
+    shape: tuple
+    dtype: DType
+    first: int
+    loc: DebugLoc
+
+
+@dataclasses.dataclass
+class Draws:
+    draws: list
+
+    @property
+    def count(self) -> int:
+        """Numbers of the generator's stream one call of the graph uses."""
+        return sum(math.prod(d.shape) for d in self.draws)
+
+    def fingerprint(self) -> str:
+        return repr([(d.shape, d.dtype.name, d.first) for d in self.draws])
+
+
+def _float_dtypes():
+    import torch
+
+    return (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _recipe(node):
+    """(recipe, arguments) of a random op the device draws, or None (left as it is: an op the graph cannot
+    compile, which the partitioner runs on the CPU)."""
+    import torch
+
+    if node.op != "call_function" or node.kwargs.get("generator") is not None:
+        return None
+    aten = torch.ops.aten
+    val = node.meta.get("val")
+    t = node.target
+    if t is aten.native_dropout.default:
+        x, p, train = (list(node.args) + [None])[:3]
+        if train is False or not isinstance(p, (int, float)) or not 0 < p < 1 or val[0].dtype not in _float_dtypes():
+            return None
+        return "dropout", (x, float(p))
+    if not isinstance(val, torch.Tensor):
+        return None
+    floating = val.dtype in _float_dtypes()
+    if t in (aten.rand.default, aten.rand_like.default):
+        return ("uniform", (0.0, 1.0)) if floating else None
+    if t is aten.uniform.default:
+        args = list(node.args[1:]) + [node.kwargs.get("from", 0.0), node.kwargs.get("to", 1.0)][len(node.args) - 1:]
+        return ("uniform", (float(args[0]), float(args[1]))) if floating else None
+    if t in (aten.randn.default, aten.randn_like.default):
+        return ("normal", (0.0, 1.0)) if floating else None
+    if t is aten.normal_functional.default:
+        args = list(node.args[1:]) + [node.kwargs.get("mean", 0.0), node.kwargs.get("std", 1.0)][len(node.args) - 1:]
+        return ("normal", (float(args[0]), float(args[1]))) if floating else None
+    if t in (aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor, aten.normal.float_float):
+        mean = node.args[0] if node.args else node.kwargs.get("mean", 0.0)
+        std = node.args[1] if len(node.args) > 1 else node.kwargs.get("std", 1.0)
+        return ("normal", (mean, std)) if floating else None
+    if t is aten.bernoulli.p:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return ("bernoulli", (float(p),)) if isinstance(p, (int, float)) else None
+    if t is aten.bernoulli.default:
+        return ("bernoulli", (node.args[0],)) if node.args[0].meta["val"].dtype in _float_dtypes() else None
+    bounds = None
+    if t is aten.randint.low:  # (low, high, size)
+        bounds = node.args[0], node.args[1]
+    elif t is aten.randint.default:  # (high, size)
+        bounds = 0, node.args[0]
+    elif t is aten.randint_like.low_dtype:  # (x, low, high)
+        bounds = node.args[1], node.args[2]
+    elif t is aten.randint_like.default:  # (x, high)
+        bounds = 0, node.args[1]
+    if bounds is not None:
+        low, high = bounds
+        if not all(isinstance(b, int) for b in bounds) or not 0 < high - low <= MAX_INTEGER_SPAN:
+            return None
+        return "integers", (low, high)
+    return None
+
+
+def is_random(node) -> bool:
+    """Whether the node is a random op that :func:`cut_random_ops` turns into device draws."""
+    return _recipe(node) is not None
+
+
+def has_random_ops(gm) -> bool:
+    return any(is_random(n) for n in gm.graph.nodes)
+
+
+class _Builder:
+    """Inserts ATen ops (their fake values computed) before a node, and draw placeholders after the graph's own."""
+
+    def __init__(self, gm, fake_mode, locations: dict):
+        self.gm, self.graph, self.fake_mode, self.locations = gm, gm.graph, fake_mode, locations
+        self.draws: list = []
+        self.first = 0
+        self.anchor = [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def draw(self, at, shape: tuple, dtype) -> object:
+        import torch
+
+        name = f"rng_draw{len(self.draws)}"
+        if self.anchor:
+            with self.graph.inserting_after(self.anchor[-1]):
+                placeholder = self.graph.placeholder(name)
+        else:
+            with self.graph.inserting_before(next(iter(self.graph.nodes))):
+                placeholder = self.graph.placeholder(name)
+        self.anchor.append(placeholder)
+        val = at.meta["val"]
+        device = (val[0] if isinstance(val, (tuple, list)) else val).device  # the graph's (neuron or CPU)
+        with self.fake_mode:
+            placeholder.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
+        self.draws.append(Draw(placeholder.name, tuple(shape), torch_dtypes()[dtype], self.first,
+                               self.locations.get(at.name, DebugLoc(op=str(at.target)))))
+        self.first += math.prod(shape)
+        return placeholder
+
+    def call(self, target, *args):
+        import torch.fx
+
+        def fake(a):
+            return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+        node = self.graph.call_function(target, args)
+        with self.fake_mode:
+            node.meta["val"] = target(*[fake(a) for a in args])
+        return node
+
+
+def _fake_mode(gm):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        for v in vals:
+            if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+                return v.fake_mode
+    return FakeTensorMode()
+
+
+def _emit(b: _Builder, node, recipe: str, args: tuple):
+    """The values replacing ``node`` (one per output), computed from fresh draws (see the module docstring)."""
+    import torch
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    val = node.meta["val"]
+    f32 = torch.float32
+    if recipe == "dropout":
+        x, p = args
+        shape = tuple(x.meta["val"].shape)
+        mask = b.call(aten.lt.Scalar, b.draw(node, shape, f32), 1.0 - p)
+        out = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p))
+        return out, mask
+    shape, dtype = tuple(val.shape), val.dtype
+    if recipe == "uniform":  # drawn with the output's precision, so that no draw rounds up to 1
+        low, high = args
+        u = b.draw(node, shape, dtype)
+        if (low, high) == (0.0, 1.0):
+            return (u,)
+        return (b.call(aten.add.Tensor, b.call(aten.mul.Tensor, u, high - low), low),)
+    if recipe == "normal":  # Box-Muller: sqrt(-2 log(1 - u1)) * cos(2 pi u2) * std + mean
+        mean, std = args
+        u1, u2 = b.draw(node, shape, f32), b.draw(node, shape, f32)
+        one_minus = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, u1, -1.0), 1.0)
+        radius = b.call(aten.sqrt.default, b.call(aten.mul.Tensor, b.call(aten.log.default, one_minus), -2.0))
+        z = b.call(aten.mul.Tensor, radius, b.call(aten.cos.default, b.call(aten.mul.Tensor, u2, 2.0 * math.pi)))
+        if not (isinstance(std, float) and std == 1.0):
+            z = b.call(aten.mul.Tensor, z, std)
+        if not (isinstance(mean, float) and mean == 0.0):
+            z = b.call(aten.add.Tensor, z, mean)
+        return (b.call(prims.convert_element_type.default, z, dtype) if dtype != f32 else z,)
+    if recipe == "bernoulli":
+        (p,) = args
+        u = b.draw(node, shape, f32)
+        hit = b.call(aten.lt.Tensor if isinstance(p, torch.fx.Node) else aten.lt.Scalar, u, p)
+        return (b.call(prims.convert_element_type.default, hit, dtype),)
+    if recipe == "integers":  # low + floor(u * span), clamped below span against rounding up
+        low, high = args
+        span = high - low
+        scaled = b.call(aten.floor.default, b.call(aten.mul.Tensor, b.draw(node, shape, f32), float(span)))
+        whole = b.call(aten.clamp_max.default, scaled, float(span - 1))
+        if low:
+            whole = b.call(aten.add.Tensor, whole, float(low))
+        return (b.call(prims.convert_element_type.default, whole, dtype),)
+    raise AssertionError(recipe)
+
+
+def cut_random_ops(gm, locations: dict) -> Draws:
+    """In place: every random op of ``gm`` the device draws, as elementwise ops on draw placeholders (see the
+    module docstring). Returns the draws, in the order of their placeholders."""
+    b = _Builder(gm, _fake_mode(gm), locations)
+    for node in list(gm.graph.nodes):
+        found = _recipe(node)
+        if found is None:
+            continue
+        with gm.graph.inserting_before(node):
+            values = _emit(b, node, *found)
+        getters = [u for u in node.users if u.target is operator.getitem]
+        if getters:
+            for g in getters:
+                g.replace_all_uses_with(values[g.args[1]])
+                gm.graph.erase_node(g)
+        else:
+            node.replace_all_uses_with(values[0])
+        gm.graph.erase_node(node)
+    if b.draws:
+        gm.graph.lint()
+        gm.recompile()
+    return Draws(b.draws)
+
+
+def splice_draws(graph: ir.Graph, draws: Draws) -> ir.Graph:
+    """The imported graph with each draw's parameter replaced by a RANDOM node of the generator state, a new
+    last parameter (int64[2]: seed, offset)."""
+    if not draws.draws:
+        return graph
+    by_name = {d.name: d for d in draws.draws}
+    kept = [p for p in graph.params if p.attrs["name"] not in by_name]
+    state = ir.node(ir.Op.PARAMETER, [], (2,), DType.I64, None, index=len(kept), name=STATE_NAME, kind="input")
+    renumbered = {p: i for i, p in enumerate(kept)}
+
+    def replace(node, inputs):
+        if node.op is not ir.Op.PARAMETER:
+            return None
+        draw = by_name.get(node.attrs["name"])
+        if draw is not None:
+            return ir.node(ir.Op.RANDOM, [state], draw.shape, draw.dtype, draw.loc, first=draw.first)
+        if node.attrs["index"] != renumbered[node]:
+            return dataclasses.replace(node, attrs={**node.attrs, "index": renumbered[node]}, id=next(ir._ids))
+        return None
+
+    rewritten = graph.rewrite(replace)
+    params = [p for p in rewritten.params if p.op is ir.Op.PARAMETER] + [state]
+    return ir.Graph(params, rewritten.outputs, graph.name)
