@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 
 from neuronc.frontend import fx_splice
+from neuronc.score_mod_steps import is_identity
 
 
 def _hops():
@@ -312,8 +313,8 @@ def _flash_spec(gm, node) -> dict:
     sk, dv = kv_.shape[2], vv.shape[3]
     score_gm = getattr(gm, score_mod.target)
     steps = score_steps(score_gm, [_constant_of(gm, b) for b in score_buffers])
-    if steps == (("add", (("score",), ("imm", 0.0))),):
-        steps = ()  # the identity score_mod
+    if is_identity(steps):
+        steps = ()
     mask_gm = getattr(gm, block_mask[-1].target)
     constants = [_constant_of(gm, b) for b in mask_buffers]
     runtime = any(c is None for c in constants)
@@ -419,7 +420,7 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
     import torch
 
     from neuronc.nki.library.flash_attention import HIDDEN, KEPT, PARTLY, P
-    from neuronc.nki.library.score_steps import Unsupported, check_differentiable, is_identity
+    from neuronc.nki.library.score_steps import Unsupported, check_differentiable
 
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
     if qv.dim() != 4 or kv_.shape != vv.shape or kv_.dim() != 4 or not (qv.dtype == kv_.dtype == vv.dtype):

@@ -18,6 +18,7 @@ import math
 
 import neuronc.nki.isa as nisa
 import neuronc.nki.language as nl
+from neuronc.score_mod_steps import number
 
 F32 = nl.float32
 LN2 = math.log(2.0)
@@ -25,18 +26,10 @@ LN2 = math.log(2.0)
 _BINARY = {"add": nl.add, "sub": nl.subtract, "mul": nl.multiply, "div": nl.divide, "max": nl.maximum,
            "min": nl.minimum, "pow": nl.power, "lt": nl.less, "le": nl.less_equal, "gt": nl.greater,
            "ge": nl.greater_equal, "eq": nl.equal, "ne": nl.not_equal}
-_PYTHON = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-           "div": lambda a, b: a / b, "max": max, "min": min, "pow": lambda a, b: a ** b,
-           "lt": lambda a, b: float(a < b), "le": lambda a, b: float(a <= b), "gt": lambda a, b: float(a > b),
-           "ge": lambda a, b: float(a >= b), "eq": lambda a, b: float(a == b), "ne": lambda a, b: float(a != b)}
 _UNARY = {"exp": (nl.exp, 1.0), "exp2": (nl.exp, LN2), "log": (nl.log, 1.0), "tanh": (nl.tanh, 1.0),
           "sqrt": (nl.sqrt, 1.0), "rsqrt": (nl.rsqrt, 1.0), "sigmoid": (nl.sigmoid, 1.0), "abs": (nl.abs, 1.0),
           "neg": (nl.negative, 1.0), "reciprocal": (nl.reciprocal, 1.0), "floor": (nl.floor, 1.0),
           "ceil": (nl.ceil, 1.0), "sign": (nl.sign, 1.0)}
-_PYTHON_UNARY = {"exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
-                 "rsqrt": lambda x: 1 / math.sqrt(x), "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "abs": abs,
-                 "neg": lambda x: -x, "reciprocal": lambda x: 1 / x, "floor": math.floor, "ceil": math.ceil,
-                 "sign": lambda x: float((x > 0) - (x < 0))}
 _CONSTANT_DERIVATIVE = {"floor", "ceil", "sign", "lt", "le", "gt", "ge", "eq", "ne"}  # zero wherever defined
 _DIFFERENTIABLE = {"add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "tanh", "sigmoid", "sqrt", "rsqrt",
                    "reciprocal", "abs", "where", "table", "pow"} | _CONSTANT_DERIVATIVE
@@ -53,10 +46,6 @@ def check_differentiable(steps: tuple) -> None:
             raise Unsupported(op)
         if op == "pow" and args[1][0] != "imm":
             raise Unsupported("pow with a tensor exponent")
-
-
-def is_identity(steps: tuple) -> bool:
-    return steps in ((), (("add", (("score",), ("imm", 0.0))),))
 
 
 class Block:
@@ -130,7 +119,7 @@ class Block:
         if op in _UNARY:
             (x,) = xs
             if isinstance(x, float):
-                return float(_PYTHON_UNARY[op](x))
+                return number(op, x)
             fn, scale = _UNARY[op]
             t = self.tile()
             nisa.activation(dst=t, op=fn, data=x, scale=scale)
@@ -141,7 +130,7 @@ class Block:
 
     def binary(self, op, a, b):
         if isinstance(a, float) and isinstance(b, float):
-            return float(_PYTHON[op](a, b))
+            return number(op, a, b)
         t = self.tile()
         fn = _BINARY[op]
         if isinstance(b, float):
