@@ -129,7 +129,7 @@ def assert_ran_the_flash_kernels():
 
 def assert_trains_like_eager(run, inputs, score_mod, mask_mod, dtype):
     """`run` of `inputs` moved to `neuron`, output and gradients of q, k, v, against flex_attention_dense on the CPU
-    in fp32, within `dtype`'s tolerance."""
+    in fp32, within `dtype`'s tolerance. Returns the output's gradient it drew."""
     grad = torch.randn(B, H, S, D, dtype=dtype)
     device_inputs = [x.to("neuron").requires_grad_() for x in inputs]
     out = run(*device_inputs)
@@ -141,6 +141,7 @@ def assert_trains_like_eager(run, inputs, score_mod, mask_mod, dtype):
     torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
     for got, want in zip(device_inputs, reference):
         torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+    return grad
 
 
 def documents_on(device):
@@ -198,3 +199,34 @@ def flex_attention_dense(q, k, v, score_mod, mask_mod):
     if mask_mod is not None:
         scores = scores.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
     return torch.softmax(scores, -1) @ v
+
+
+def learned_bias(table):
+    """A relative-position bias learned per head: ``table[h, q - kv + S - 1]``, a tensor the score_mod captures."""
+    def score_mod(score, b, h, q, kv):
+        return score + table[h, q - kv + S - 1]
+
+    return score_mod
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_learned_bias_table_trains_with_its_gradient(dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    table = torch.randn(H, 2 * S - 1).to(dtype)
+    device_table = table.to("neuron").requires_grad_()
+    reference_table = table.float().requires_grad_()
+    inputs = qkv(dtype)
+    mask = create_block_mask(causal, B, H, S, S, device="neuron")
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=learned_bias(device_table), block_mask=mask),
+                        backend="neuron")
+    grad = assert_trains_like_eager(run, inputs, learned_bias(reference_table), causal, dtype)
+    got, want = device_table.grad.cpu(), reference_table.grad
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    else:  # each entry sums dS over a diagonal (cancelling terms): held to eager bf16's own error on the same inputs
+        eager_table = table.clone().requires_grad_()
+        eager_inputs = [x.clone().requires_grad_() for x in inputs]
+        flex_attention_dense(*eager_inputs, learned_bias(eager_table), causal).backward(grad)
+        eager_error = (eager_table.grad.float() - want).abs().max()
+        assert (got.float() - want).abs().max() <= eager_error

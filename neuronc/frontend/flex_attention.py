@@ -31,10 +31,24 @@ def decompose_flex_attention(gm) -> bool:
     hops = _hops()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hops]
     for node in nodes:
+        _flatten_buffer_gradients(gm, node)
         fx_splice.replace_with_traced(gm, node, *_dense_graph(gm, node))
     if nodes:
         fx_splice.drop_replaced_subgraphs(gm)
     return bool(nodes) and isinstance(gm, torch.fx.GraphModule)
+
+
+def _flatten_buffer_gradients(gm, node) -> None:
+    """The backward's fourth output is a tuple, the gradients of the score_mod's captured tensors (a learned bias
+    table): ``getitem(getitem(node, 3), i)`` read as ``getitem(node, 3 + i)``, the i-th of the flat outputs
+    (`_flat`)."""
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] == 3:
+            for reader in list(user.users):
+                if reader.target is not operator.getitem:
+                    raise AssertionError(f"unexpected use of {user.name}: {reader}")
+                reader.args = (node, 3 + reader.args[1])
+            gm.graph.erase_node(user)
 
 
 def _dense_graph(gm, node):
@@ -70,16 +84,41 @@ def _dense_graph(gm, node):
             return type(value)(fill(v, tensors) for v in value)
         return value
 
+    backward = node.target is torch.ops.higher_order.flex_attention_backward
+    wanted = {u.args[1] - 3 for u in node.users if u.target is operator.getitem and u.args[1] > 2} if backward \
+        else set()
+
     def dense(*tensors):
-        out = impl(*fill(args, tensors))
+        with torch.no_grad():
+            out = impl(*fill(args, tensors))
         return _flat(out)
 
     fakes = [n.meta["val"] for n in feeds]
     fake_mode = detect_fake_mode(fakes)
+    for i in wanted:  # the dense backward computes a captured tensor's gradient only if it requires one
+        slot = args[12][i]
+        fakes[slot.index] = fakes[slot.index].detach().requires_grad_()
     with fake_mode:  # functionalized: the dense backward fills preallocated gradients in place
+        if wanted:  # traced first with those tensors requiring a gradient (functionalize's tensors cannot)
+            dense = make_fx(dense)(*fakes)
+            fakes = [f.detach() for f in fakes]
         traced = make_fx(torch.func.functionalize(dense, remove="mutations"),
-                         decomposition_table=decomposition_table())(*fakes)
+                         decomposition_table={**decomposition_table(), **_scatter_decomposition()})(*fakes)
     return traced, feeds
+
+
+def _scatter_decomposition() -> dict:
+    """The joint graph's ``flex_lib.zeros_and_scatter`` (a captured tensor's gradient: dS added at the indices the
+    score_mod read) as what it computes, an accumulating index_put into zeros (torch-mlir lowers that), summed in
+    fp32 and rounded once (a bf16 table's entries sum hundreds of terms: bf16 additions drift past its tolerance)."""
+    import torch
+    import torch._dynamo._trace_wrapped_higher_order_op  # noqa: F401 - registers flex_lib.zeros_and_scatter
+
+    def zeros_and_scatter(shape, indices, vals):
+        zeros = torch.zeros(shape, device=vals.device, dtype=torch.float32)
+        return torch.ops.aten.index_put(zeros, indices, vals.float(), accumulate=True).to(vals.dtype)
+
+    return {torch.ops.flex_lib.zeros_and_scatter.default: zeros_and_scatter}
 
 
 def _forward(*args):
