@@ -42,6 +42,14 @@ def soft_cap(score, b, h, q, kv):
     return torch.tanh(score / 10.0) * 10.0
 
 
+def clamped(score, b, h, q, kv):
+    return torch.clamp(score, -1.0, 1.0)
+
+
+def floored(score, b, h, q, kv):
+    return torch.maximum(score, torch.tensor(-0.5))
+
+
 def qkv(dtype, device="cpu", seed=0):
     torch.manual_seed(seed)
     return tuple(torch.randn(B, H, S, D, dtype=dtype).to(device) for _ in range(3))
@@ -66,7 +74,7 @@ def last_kernels() -> list:
 
 @pytest.mark.parametrize("score_mod,mask_mod", [
     (None, causal), (relative_bias, causal), (alibi, sliding_window), (soft_cap, None), (None, prefix_lm),
-    (relative_bias, document)])
+    (relative_bias, document), (clamped, sliding_window), (floored, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_attention_forward_matches_eager(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
@@ -76,7 +84,8 @@ def test_flex_attention_forward_matches_eager(score_mod, mask_mod, dtype):
     torch.testing.assert_close(out, expected(q, k, v, score_mod, mask_mod), **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
+@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window),
+                                                (clamped, causal), (floored, None)])
 def test_a_static_mask_and_score_mod_run_as_one_flash_kernel(score_mod, mask_mod):
     torch._dynamo.reset()
     q, k, v = qkv(torch.float32)
@@ -105,7 +114,8 @@ def test_a_document_mask_is_computed_by_the_graph_and_read_by_the_flash_kernel()
 @pytest.mark.parametrize("score_mod,mask_mod,dtype", [
     (relative_bias, causal, torch.float32), (relative_bias, causal, torch.bfloat16),
     (soft_cap, sliding_window, torch.float32), (soft_cap, sliding_window, torch.bfloat16),
-    (alibi, prefix_lm, torch.float32)])
+    (alibi, prefix_lm, torch.float32), (clamped, causal, torch.float32), (clamped, causal, torch.bfloat16),
+    (floored, sliding_window, torch.float32)])
 def test_training_with_a_score_mod_and_a_mask_runs_the_flash_kernels(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
     assert_trains_like_eager(compiled_attention(score_mod, mask_mod, device="neuron"), qkv(dtype), score_mod, mask_mod,

@@ -193,6 +193,7 @@ _STEP_OPS = {
     "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "maximum": "max", "minimum": "min", "pow": "pow",
     "exp2": "exp2", "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil", "sign": "sign",
 }
+_CLAMPS = {"clamp", "clamp_min", "clamp_max"}
 _IDENTITY_OPS = {"_to_copy", "convert_element_type", "clone", "alias", "detach", "lift_fresh_copy"}
 
 
@@ -209,6 +210,7 @@ def score_steps(score_gm, buffers: list) -> tuple:
     """The score_mod subgraph as steps: ((op, args), ...), args ("score",), ("b",), ("h",), ("q",), ("kv",),
     ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h); raises _NotFlash."""
     import torch.fx
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     names = ["score", "b", "h", "q", "kv"]
     env, steps = {}, []
@@ -221,6 +223,9 @@ def score_steps(score_gm, buffers: list) -> tuple:
     def ref(x):
         if isinstance(x, torch.fx.Node):
             value = env[x]
+            if value is not None and value[0] == "buffer" and value[1] is not None and value[1].numel() == 1:
+                with unset_fake_temporarily():  # torch.tensor(c) in the score_mod
+                    return ("imm", float(fx_splice.real_constant(value[1]).reshape(())))
             if value is None or value[0] == "buffer":
                 raise _NotFlash
             return value
@@ -254,6 +259,17 @@ def score_steps(score_gm, buffers: list) -> tuple:
             steps.append(("table", (("values", tuple(float(x) for x in table.tolist())), where)))
             env[n] = ("step", len(steps) - 1)
             continue
+        if name in _CLAMPS:  # where(x < lo, lo, where(x > hi, hi, x)): clamp's value, and its gradient at the bounds
+            lo, hi = _clamp_bounds(name, n)
+            value = ref(n.args[0])
+            for bound, compare in ((lo, "lt"), (hi, "gt")):
+                if bound is not None:
+                    bound = ref(bound)
+                    steps.append((compare, (value, bound)))
+                    steps.append(("where", (("step", len(steps) - 1), bound, value)))
+                    value = ("step", len(steps) - 1)
+            env[n] = value
+            continue
         op = _STEP_OPS.get(name)
         if op is None or n.kwargs.get("alpha", 1) != 1:
             raise _NotFlash
@@ -263,6 +279,16 @@ def score_steps(score_gm, buffers: list) -> tuple:
         steps.append((op, args))
         env[n] = ("step", len(steps) - 1)
     raise _NotFlash
+
+
+def _clamp_bounds(name: str, n) -> tuple:
+    """(min, max) of a clamp node, None where it has none."""
+    args = list(n.args[1:]) + [None, None]
+    if name == "clamp":
+        return n.kwargs.get("min", args[0]), n.kwargs.get("max", args[1])
+    if name == "clamp_min":
+        return n.kwargs.get("min", args[0]), None
+    return None, n.kwargs.get("max", args[0])
 
 
 def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int):

@@ -9,8 +9,8 @@ table lookups are folded at trace time; the query and key positions are iota til
 
 The backward needs dy/dscore of the whole score_mod (the chain rule through it: dS = dY * y'), carried forward
 alongside each value (forward-mode: a derivative is None where the value does not depend on the score). Steps
-without a derivative here (max, min, pow with a tensor exponent, ...) raise `Unsupported`, and the frontend keeps
-the dense lowering for them.
+without a derivative here (pow with a tensor exponent) raise `Unsupported`, and the frontend keeps the dense
+lowering for them.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _UNARY = {"exp": (nl.exp, 1.0), "exp2": (nl.exp, LN2), "log": (nl.log, 1.0), "ta
           "ceil": (nl.ceil, 1.0), "sign": (nl.sign, 1.0)}
 _CONSTANT_DERIVATIVE = {"floor", "ceil", "sign", "lt", "le", "gt", "ge", "eq", "ne"}  # zero wherever defined
 _DIFFERENTIABLE = {"add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "tanh", "sigmoid", "sqrt", "rsqrt",
-                   "reciprocal", "abs", "where", "table", "pow"} | _CONSTANT_DERIVATIVE
+                   "reciprocal", "abs", "where", "table", "pow", "max", "min"} | _CONSTANT_DERIVATIVE
 
 
 class Unsupported(Exception):
@@ -165,6 +165,11 @@ class Block:
         if op == "div":  # (da - y db) / b
             numerator = self._add(dxs[0], self._mul(value, dxs[1]), "sub")
             return self.binary("div", numerator, xs[1])
+        if op in ("max", "min"):  # torch.maximum's: the larger operand's derivative, their mean at a tie
+            a, b = xs
+            picked = self.binary("gt" if op == "max" else "lt", a, b)
+            weight = self.binary("add", picked, self.binary("mul", self.binary("eq", a, b), 0.5))  # of a's
+            return self._add(self._mul(dxs[0], weight), self._mul(dxs[1], self.binary("sub", 1.0, weight)))
         if op == "where":
             cond = xs[0]
             da, db = (0.0 if d is None else d for d in dxs[1:])
