@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="seq 512 for causal, 512..1024 for the window")
     parser.add_argument("--training-only", action="store_true", help="only the training comparison")
+    parser.add_argument("--case", default="", help="only the training cases whose name contains this")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
@@ -194,6 +195,8 @@ def training(args, qkv) -> None:
     print(f"  {'case':<28} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
           f"{'HBM':>6}")
     for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window):
+        if args.case not in name:
+            continue
         flash, flash_hbm = training_ns(_flex(mask_mod, seq, score_mod=score_mod, device="neuron"), qkv(seq))
         flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False
         try:
@@ -215,6 +218,9 @@ def training_cases(seq: int, heads: int, window: int) -> list:
     def soft_cap(score, b, h, q, kv):
         return torch.tanh(score / 20.0) * 20.0
 
+    def clamp(score, b, h, q, kv):
+        return torch.clamp(score, -5.0, 5.0)
+
     def every_key(b, h, q, kv):  # block_mask=None's noop mask is built in the graph with ops compile_fx refuses
         return q >= 0
 
@@ -231,7 +237,9 @@ def training_cases(seq: int, heads: int, window: int) -> list:
 
     return [("causal", None, _causal), ("relative bias + causal", relative_bias, _causal),
             (f"ALiBi + window {window}", alibi, _window(window)), ("soft cap, no mask", soft_cap, every_key),
-            ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document)]
+            ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document),
+            ("clamp +-5 + causal", clamp, _causal)]
+
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,14 @@ def soft_cap(score, b, h, q, kv):
     return torch.tanh(score / 10.0) * 10.0
 
 
+def clamped(score, b, h, q, kv):
+    return torch.clamp(score, -1.0, 1.0)
+
+
+def floored(score, b, h, q, kv):
+    return torch.maximum(score, torch.tensor(-0.5))
+
+
 def qkv(dtype, device="cpu", seed=0):
     torch.manual_seed(seed)
     return tuple(torch.randn(B, H, S, D, dtype=dtype).to(device) for _ in range(3))
@@ -66,7 +74,7 @@ def last_kernels() -> list:
 
 @pytest.mark.parametrize("score_mod,mask_mod", [
     (None, causal), (relative_bias, causal), (alibi, sliding_window), (soft_cap, None), (None, prefix_lm),
-    (relative_bias, document)])
+    (relative_bias, document), (clamped, sliding_window), (floored, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_attention_forward_matches_eager(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
@@ -76,7 +84,8 @@ def test_flex_attention_forward_matches_eager(score_mod, mask_mod, dtype):
     torch.testing.assert_close(out, expected(q, k, v, score_mod, mask_mod), **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window)])
+@pytest.mark.parametrize("score_mod,mask_mod", [(relative_bias, causal), (soft_cap, sliding_window),
+                                                (clamped, causal), (floored, None)])
 def test_a_static_mask_and_score_mod_run_as_one_flash_kernel(score_mod, mask_mod):
     torch._dynamo.reset()
     q, k, v = qkv(torch.float32)
@@ -105,7 +114,8 @@ def test_a_document_mask_is_computed_by_the_graph_and_read_by_the_flash_kernel()
 @pytest.mark.parametrize("score_mod,mask_mod,dtype", [
     (relative_bias, causal, torch.float32), (relative_bias, causal, torch.bfloat16),
     (soft_cap, sliding_window, torch.float32), (soft_cap, sliding_window, torch.bfloat16),
-    (alibi, prefix_lm, torch.float32)])
+    (alibi, prefix_lm, torch.float32), (clamped, causal, torch.float32), (clamped, causal, torch.bfloat16),
+    (floored, sliding_window, torch.float32)])
 def test_training_with_a_score_mod_and_a_mask_runs_the_flash_kernels(score_mod, mask_mod, dtype):
     torch._dynamo.reset()
     assert_trains_like_eager(compiled_attention(score_mod, mask_mod, device="neuron"), qkv(dtype), score_mod, mask_mod,
@@ -129,7 +139,7 @@ def assert_ran_the_flash_kernels():
 
 def assert_trains_like_eager(run, inputs, score_mod, mask_mod, dtype):
     """`run` of `inputs` moved to `neuron`, output and gradients of q, k, v, against flex_attention_dense on the CPU
-    in fp32, within `dtype`'s tolerance."""
+    in fp32, within `dtype`'s tolerance. Returns the output's gradient it drew."""
     grad = torch.randn(B, H, S, D, dtype=dtype)
     device_inputs = [x.to("neuron").requires_grad_() for x in inputs]
     out = run(*device_inputs)
@@ -141,6 +151,7 @@ def assert_trains_like_eager(run, inputs, score_mod, mask_mod, dtype):
     torch.testing.assert_close(out.cpu(), eager_out.detach().to(dtype), **tolerance)
     for got, want in zip(device_inputs, reference):
         torch.testing.assert_close(got.grad.cpu(), want.grad.to(dtype), **tolerance)
+    return grad
 
 
 def documents_on(device):
@@ -198,3 +209,34 @@ def flex_attention_dense(q, k, v, score_mod, mask_mod):
     if mask_mod is not None:
         scores = scores.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
     return torch.softmax(scores, -1) @ v
+
+
+def learned_bias(table):
+    """A relative-position bias learned per head: ``table[h, q - kv + S - 1]``, a tensor the score_mod captures."""
+    def score_mod(score, b, h, q, kv):
+        return score + table[h, q - kv + S - 1]
+
+    return score_mod
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_learned_bias_table_trains_with_its_gradient(dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    table = torch.randn(H, 2 * S - 1).to(dtype)
+    device_table = table.to("neuron").requires_grad_()
+    reference_table = table.float().requires_grad_()
+    inputs = qkv(dtype)
+    mask = create_block_mask(causal, B, H, S, S, device="neuron")
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=learned_bias(device_table), block_mask=mask),
+                        backend="neuron")
+    grad = assert_trains_like_eager(run, inputs, learned_bias(reference_table), causal, dtype)
+    got, want = device_table.grad.cpu(), reference_table.grad
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    else:  # each entry sums dS over a diagonal (cancelling terms): held to eager bf16's own error on the same inputs
+        eager_table = table.clone().requires_grad_()
+        eager_inputs = [x.clone().requires_grad_() for x in inputs]
+        flex_attention_dense(*eager_inputs, learned_bias(eager_table), causal).backward(grad)
+        eager_error = (eager_table.grad.float() - want).abs().max()
+        assert (got.float() - want).abs().max() <= eager_error

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 
 from neuronc.codegen.access import broadcast_columns, tile_at
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
+from neuronc.score_mod_steps import last_uses, number
 
 _UNARY = {"exp": (ActFunc.EXP, 1.0), "exp2": (ActFunc.EXP, math.log(2.0)), "log": (ActFunc.LOG, 1.0),
           "tanh": (ActFunc.TANH, 1.0), "sqrt": (ActFunc.SQRT, 1.0), "rsqrt": (ActFunc.RSQRT, 1.0),
@@ -27,13 +27,6 @@ _UNARY = {"exp": (ActFunc.EXP, 1.0), "exp2": (ActFunc.EXP, math.log(2.0)), "log"
 _BINARY = {"add": AluOp.ADD, "sub": AluOp.SUBTRACT, "mul": AluOp.MULTIPLY, "div": AluOp.DIVIDE, "max": AluOp.MAX,
            "min": AluOp.MIN, "pow": AluOp.POW, "lt": AluOp.LT, "le": AluOp.LE, "gt": AluOp.GT, "ge": AluOp.GE,
            "eq": AluOp.EQ, "ne": AluOp.NE}
-_PYTHON = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv, "max": max,
-           "min": min, "pow": operator.pow, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
-           "ge": operator.ge, "eq": operator.eq, "ne": operator.ne}
-_PYTHON_UNARY = {"exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
-                 "rsqrt": lambda x: 1 / math.sqrt(x), "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "abs": abs,
-                 "neg": operator.neg, "reciprocal": lambda x: 1 / x, "floor": math.floor, "ceil": math.ceil,
-                 "sign": lambda x: float((x > 0) - (x < 0))}
 _ALU2 = frozenset({AluOp.ADD, AluOp.SUBTRACT, AluOp.MULTIPLY, AluOp.DIVIDE, AluOp.MAX, AluOp.MIN, AluOp.POW})
 
 
@@ -51,16 +44,6 @@ class _Affine:
 @dataclasses.dataclass
 class _Tile:
     ap: AccessPattern  # [qt, kb] fp32
-
-
-def last_uses(steps: tuple) -> dict:
-    """step -> the last step reading it."""
-    last = {}
-    for j, (_, args) in enumerate(steps):
-        for arg in args:
-            if arg[0] == "step":
-                last[arg[1]] = j
-    return last
 
 
 class ScoreMod:
@@ -151,7 +134,7 @@ class ScoreMod:
             raise NeuronCompileError(f"flex_attention score_mod step {op} is not supported in the kernel")
         x, y = operands
         if isinstance(x, float) and isinstance(y, float):
-            return float(_PYTHON[op](x, y))
+            return number(op, x, y)
         if op in ("add", "sub") and all(isinstance(v, (float, _Column, _Affine)) for v in (x, y)) \
                 and any(isinstance(v, _Affine) for v in (x, y)):
             return self._affine_sum(x, y, op == "sub")
@@ -224,7 +207,7 @@ class ScoreMod:
 
     def _unary(self, op: str, x, dst):
         if isinstance(x, float):
-            return float(_PYTHON_UNARY[op](x))
+            return number(op, x)
         if op == "neg" and isinstance(x, _Affine):
             return _Affine(-x.a, self._scaled(x.rest, -1.0) if not isinstance(x.rest, float) else -x.rest)
         func, scale = _UNARY[op]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 
 from neuronc.frontend import fx_splice
+from neuronc.score_mod_steps import is_identity
 
 
 def _hops():
@@ -30,10 +31,24 @@ def decompose_flex_attention(gm) -> bool:
     hops = _hops()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hops]
     for node in nodes:
+        _flatten_buffer_gradients(gm, node)
         fx_splice.replace_with_traced(gm, node, *_dense_graph(gm, node))
     if nodes:
         fx_splice.drop_replaced_subgraphs(gm)
     return bool(nodes) and isinstance(gm, torch.fx.GraphModule)
+
+
+def _flatten_buffer_gradients(gm, node) -> None:
+    """The backward's fourth output is a tuple, the gradients of the score_mod's captured tensors (a learned bias
+    table): ``getitem(getitem(node, 3), i)`` read as ``getitem(node, 3 + i)``, the i-th of the flat outputs
+    (`_flat`)."""
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] == 3:
+            for reader in list(user.users):
+                if reader.target is not operator.getitem:
+                    raise AssertionError(f"unexpected use of {user.name}: {reader}")
+                reader.args = (node, 3 + reader.args[1])
+            gm.graph.erase_node(user)
 
 
 def _dense_graph(gm, node):
@@ -69,16 +84,41 @@ def _dense_graph(gm, node):
             return type(value)(fill(v, tensors) for v in value)
         return value
 
+    backward = node.target is torch.ops.higher_order.flex_attention_backward
+    wanted = {u.args[1] - 3 for u in node.users if u.target is operator.getitem and u.args[1] > 2} if backward \
+        else set()
+
     def dense(*tensors):
-        out = impl(*fill(args, tensors))
+        with torch.no_grad():
+            out = impl(*fill(args, tensors))
         return _flat(out)
 
     fakes = [n.meta["val"] for n in feeds]
     fake_mode = detect_fake_mode(fakes)
+    for i in wanted:  # the dense backward computes a captured tensor's gradient only if it requires one
+        slot = args[12][i]
+        fakes[slot.index] = fakes[slot.index].detach().requires_grad_()
     with fake_mode:  # functionalized: the dense backward fills preallocated gradients in place
+        if wanted:  # traced first with those tensors requiring a gradient (functionalize's tensors cannot)
+            dense = make_fx(dense)(*fakes)
+            fakes = [f.detach() for f in fakes]
         traced = make_fx(torch.func.functionalize(dense, remove="mutations"),
-                         decomposition_table=decomposition_table())(*fakes)
+                         decomposition_table={**decomposition_table(), **_scatter_decomposition()})(*fakes)
     return traced, feeds
+
+
+def _scatter_decomposition() -> dict:
+    """The joint graph's ``flex_lib.zeros_and_scatter`` (a captured tensor's gradient: dS added at the indices the
+    score_mod read) as what it computes, an accumulating index_put into zeros (torch-mlir lowers that), summed in
+    fp32 and rounded once (a bf16 table's entries sum hundreds of terms: bf16 additions drift past its tolerance)."""
+    import torch
+    import torch._dynamo._trace_wrapped_higher_order_op  # noqa: F401 - registers flex_lib.zeros_and_scatter
+
+    def zeros_and_scatter(shape, indices, vals):
+        zeros = torch.zeros(shape, device=vals.device, dtype=torch.float32)
+        return torch.ops.aten.index_put(zeros, indices, vals.float(), accumulate=True).to(vals.dtype)
+
+    return {torch.ops.flex_lib.zeros_and_scatter.default: zeros_and_scatter}
 
 
 def _forward(*args):
@@ -153,6 +193,7 @@ _STEP_OPS = {
     "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "maximum": "max", "minimum": "min", "pow": "pow",
     "exp2": "exp2", "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil", "sign": "sign",
 }
+_CLAMPS = {"clamp", "clamp_min", "clamp_max"}
 _IDENTITY_OPS = {"_to_copy", "convert_element_type", "clone", "alias", "detach", "lift_fresh_copy"}
 
 
@@ -169,6 +210,7 @@ def score_steps(score_gm, buffers: list) -> tuple:
     """The score_mod subgraph as steps: ((op, args), ...), args ("score",), ("b",), ("h",), ("q",), ("kv",),
     ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h); raises _NotFlash."""
     import torch.fx
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     names = ["score", "b", "h", "q", "kv"]
     env, steps = {}, []
@@ -181,6 +223,9 @@ def score_steps(score_gm, buffers: list) -> tuple:
     def ref(x):
         if isinstance(x, torch.fx.Node):
             value = env[x]
+            if value is not None and value[0] == "buffer" and value[1] is not None and value[1].numel() == 1:
+                with unset_fake_temporarily():  # torch.tensor(c) in the score_mod
+                    return ("imm", float(fx_splice.real_constant(value[1]).reshape(())))
             if value is None or value[0] == "buffer":
                 raise _NotFlash
             return value
@@ -214,6 +259,17 @@ def score_steps(score_gm, buffers: list) -> tuple:
             steps.append(("table", (("values", tuple(float(x) for x in table.tolist())), where)))
             env[n] = ("step", len(steps) - 1)
             continue
+        if name in _CLAMPS:  # where(x < lo, lo, where(x > hi, hi, x)): clamp's value, and its gradient at the bounds
+            lo, hi = _clamp_bounds(name, n)
+            value = ref(n.args[0])
+            for bound, compare in ((lo, "lt"), (hi, "gt")):
+                if bound is not None:
+                    bound = ref(bound)
+                    steps.append((compare, (value, bound)))
+                    steps.append(("where", (("step", len(steps) - 1), bound, value)))
+                    value = ("step", len(steps) - 1)
+            env[n] = value
+            continue
         op = _STEP_OPS.get(name)
         if op is None or n.kwargs.get("alpha", 1) != 1:
             raise _NotFlash
@@ -223,6 +279,16 @@ def score_steps(score_gm, buffers: list) -> tuple:
         steps.append((op, args))
         env[n] = ("step", len(steps) - 1)
     raise _NotFlash
+
+
+def _clamp_bounds(name: str, n) -> tuple:
+    """(min, max) of a clamp node, None where it has none."""
+    args = list(n.args[1:]) + [None, None]
+    if name == "clamp":
+        return n.kwargs.get("min", args[0]), n.kwargs.get("max", args[1])
+    if name == "clamp_min":
+        return n.kwargs.get("min", args[0]), None
+    return None, n.kwargs.get("max", args[0])
 
 
 def static_mask(mask_gm, buffers: list, batch: int, heads: int, sq: int, sk: int):
@@ -312,8 +378,8 @@ def _flash_spec(gm, node) -> dict:
     sk, dv = kv_.shape[2], vv.shape[3]
     score_gm = getattr(gm, score_mod.target)
     steps = score_steps(score_gm, [_constant_of(gm, b) for b in score_buffers])
-    if steps == (("add", (("score",), ("imm", 0.0))),):
-        steps = ()  # the identity score_mod
+    if is_identity(steps):
+        steps = ()
     mask_gm = getattr(gm, block_mask[-1].target)
     constants = [_constant_of(gm, b) for b in mask_buffers]
     runtime = any(c is None for c in constants)
@@ -419,7 +485,7 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
     import torch
 
     from neuronc.nki.library.flash_attention import HIDDEN, KEPT, PARTLY, P
-    from neuronc.nki.library.score_steps import Unsupported, check_differentiable, is_identity
+    from neuronc.nki.library.score_steps import Unsupported, check_differentiable
 
     qv, kv_, vv = (x.meta["val"] for x in (q, k, v))
     if qv.dim() != 4 or kv_.shape != vv.shape or kv_.dim() != 4 or not (qv.dtype == kv_.dtype == vv.dtype):

@@ -9,8 +9,8 @@ table lookups are folded at trace time; the query and key positions are iota til
 
 The backward needs dy/dscore of the whole score_mod (the chain rule through it: dS = dY * y'), carried forward
 alongside each value (forward-mode: a derivative is None where the value does not depend on the score). Steps
-without a derivative here (max, min, pow with a tensor exponent, ...) raise `Unsupported`, and the frontend keeps
-the dense lowering for them.
+without a derivative here (pow with a tensor exponent) raise `Unsupported`, and the frontend keeps the dense
+lowering for them.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import math
 
 import neuronc.nki.isa as nisa
 import neuronc.nki.language as nl
+from neuronc.score_mod_steps import number
 
 F32 = nl.float32
 LN2 = math.log(2.0)
@@ -25,21 +26,13 @@ LN2 = math.log(2.0)
 _BINARY = {"add": nl.add, "sub": nl.subtract, "mul": nl.multiply, "div": nl.divide, "max": nl.maximum,
            "min": nl.minimum, "pow": nl.power, "lt": nl.less, "le": nl.less_equal, "gt": nl.greater,
            "ge": nl.greater_equal, "eq": nl.equal, "ne": nl.not_equal}
-_PYTHON = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-           "div": lambda a, b: a / b, "max": max, "min": min, "pow": lambda a, b: a ** b,
-           "lt": lambda a, b: float(a < b), "le": lambda a, b: float(a <= b), "gt": lambda a, b: float(a > b),
-           "ge": lambda a, b: float(a >= b), "eq": lambda a, b: float(a == b), "ne": lambda a, b: float(a != b)}
 _UNARY = {"exp": (nl.exp, 1.0), "exp2": (nl.exp, LN2), "log": (nl.log, 1.0), "tanh": (nl.tanh, 1.0),
           "sqrt": (nl.sqrt, 1.0), "rsqrt": (nl.rsqrt, 1.0), "sigmoid": (nl.sigmoid, 1.0), "abs": (nl.abs, 1.0),
           "neg": (nl.negative, 1.0), "reciprocal": (nl.reciprocal, 1.0), "floor": (nl.floor, 1.0),
           "ceil": (nl.ceil, 1.0), "sign": (nl.sign, 1.0)}
-_PYTHON_UNARY = {"exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
-                 "rsqrt": lambda x: 1 / math.sqrt(x), "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "abs": abs,
-                 "neg": lambda x: -x, "reciprocal": lambda x: 1 / x, "floor": math.floor, "ceil": math.ceil,
-                 "sign": lambda x: float((x > 0) - (x < 0))}
 _CONSTANT_DERIVATIVE = {"floor", "ceil", "sign", "lt", "le", "gt", "ge", "eq", "ne"}  # zero wherever defined
 _DIFFERENTIABLE = {"add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "tanh", "sigmoid", "sqrt", "rsqrt",
-                   "reciprocal", "abs", "where", "table", "pow"} | _CONSTANT_DERIVATIVE
+                   "reciprocal", "abs", "where", "table", "pow", "max", "min"} | _CONSTANT_DERIVATIVE
 
 
 class Unsupported(Exception):
@@ -53,10 +46,6 @@ def check_differentiable(steps: tuple) -> None:
             raise Unsupported(op)
         if op == "pow" and args[1][0] != "imm":
             raise Unsupported("pow with a tensor exponent")
-
-
-def is_identity(steps: tuple) -> bool:
-    return steps in ((), (("add", (("score",), ("imm", 0.0))),))
 
 
 class Block:
@@ -130,7 +119,7 @@ class Block:
         if op in _UNARY:
             (x,) = xs
             if isinstance(x, float):
-                return float(_PYTHON_UNARY[op](x))
+                return number(op, x)
             fn, scale = _UNARY[op]
             t = self.tile()
             nisa.activation(dst=t, op=fn, data=x, scale=scale)
@@ -141,7 +130,7 @@ class Block:
 
     def binary(self, op, a, b):
         if isinstance(a, float) and isinstance(b, float):
-            return float(_PYTHON[op](a, b))
+            return number(op, a, b)
         t = self.tile()
         fn = _BINARY[op]
         if isinstance(b, float):
@@ -176,6 +165,11 @@ class Block:
         if op == "div":  # (da - y db) / b
             numerator = self._add(dxs[0], self._mul(value, dxs[1]), "sub")
             return self.binary("div", numerator, xs[1])
+        if op in ("max", "min"):  # torch.maximum's: the larger operand's derivative, their mean at a tie
+            a, b = xs
+            picked = self.binary("gt" if op == "max" else "lt", a, b)
+            weight = self.binary("add", picked, self.binary("mul", self.binary("eq", a, b), 0.5))  # of a's
+            return self._add(self._mul(dxs[0], weight), self._mul(dxs[1], self.binary("sub", 1.0, weight)))
         if op == "where":
             cond = xs[0]
             da, db = (0.0 if d is None else d for d in dxs[1:])
