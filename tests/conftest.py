@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,11 @@ from neuronc.tolerances import TOLERANCES  # the one table (bf16/fp16 against an
 from tests import zoo
 
 pytest_plugins = ["tests.fallback_listing", "pytester"]  # the RMSE fallback's uses listed; pytester: a run in a test
+
+# No Hypothesis deadline (its default is 200 ms per example): a time limit is a timing assertion, and the machines
+# running the suite are shared and noisy. Every property test inherits it (tests/test_suite_rules.py).
+hypothesis.settings.register_profile("neuronc", deadline=None)
+hypothesis.settings.load_profile("neuronc")
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -220,6 +226,18 @@ def imported_zoo(name: str) -> tuple:
     model, inputs = zoo.build(name)
     imported, weights = import_exported_program(torch.export.export(model, inputs), "main")
     return imported.graph, weights
+
+
+def zoo_graph(name: str):
+    """A fresh copy of imported_zoo's graph of a zoo model, its weights attached as compile_exported attaches them:
+    for tests of what the compiler makes of a zoo model (compile_graph), not of torch.export or the import, which
+    then cost their ~2-5 CPU s once per test process instead of once per test."""
+    graph, weights = imported_zoo(name)
+    graph = copy.deepcopy(graph)
+    for param in graph.params:
+        if param.attrs["kind"] == "weight":
+            param.attrs["data"] = weights[param.attrs["name"]]
+    return graph
 
 
 @pytest.fixture(autouse=True)
