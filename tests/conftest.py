@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,11 @@ from neuronc.tolerances import TOLERANCES  # the one table (bf16/fp16 against an
 from tests import zoo
 
 pytest_plugins = ["tests.fallback_listing", "pytester"]  # the RMSE fallback's uses listed; pytester: a run in a test
+
+# No Hypothesis deadline (its default is 200 ms per example): a time limit is a timing assertion, and the machines
+# running the suite are shared and noisy. Every property test inherits it (tests/test_suite_rules.py).
+hypothesis.settings.register_profile("neuronc", deadline=None)
+hypothesis.settings.load_profile("neuronc")
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -211,15 +217,61 @@ def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None) -
     return results
 
 
-@functools.cache
-def imported_zoo(name: str) -> tuple:
-    """(graph, weights by name) torch-mlir and the importer make of a zoo model, once per test session: copy the
-    graph before changing it."""
+def import_keeping_stablehlo(program) -> tuple:
+    """(ImportedGraph, weights, the StableHLO module text it was imported from, in full: constants not elided) of
+    an ExportedProgram. The import runs in a forked child (frontend/isolate.py), so the text comes back through a
+    file; its hash is the fingerprint the compiler computed, i.e. it is the module neuronc compiles."""
+    import hashlib
+    import pathlib
+    import tempfile
+
+    from neuronc.frontend import torch_import
     from neuronc.frontend.exported import import_exported_program
 
+    real_lower = torch_import.lower
+    with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as patch:
+        path = pathlib.Path(directory) / "module.mlir"
+
+        def lower(gm, name):
+            module = real_lower(gm, name)
+            path.write_text(module.operation.get_asm(enable_debug_info=True))
+            return module
+
+        patch.setattr(torch_import, "lower", lower)
+        imported, weights = import_exported_program(program, "main")
+        text = path.read_text()
+    assert hashlib.sha256(text.encode()).hexdigest() == imported.fingerprint
+    return imported, weights, text
+
+
+@functools.cache
+def _imported_zoo(name: str) -> tuple:
     model, inputs = zoo.build(name)
-    imported, weights = import_exported_program(torch.export.export(model, inputs), "main")
-    return imported.graph, weights
+    imported, weights, text = import_keeping_stablehlo(torch.export.export(model, inputs))
+    return imported.graph, weights, text
+
+
+def imported_zoo(name: str) -> tuple:
+    """(graph, weights by name) torch-mlir and the importer make of a zoo model, once per test process: copy the
+    graph before changing it (zoo_graph does)."""
+    return _imported_zoo(name)[:2]
+
+
+def zoo_stablehlo(name: str) -> str:
+    """The StableHLO module text, in full, that imported_zoo's graph of a zoo model was imported from."""
+    return _imported_zoo(name)[2]
+
+
+def zoo_graph(name: str):
+    """A fresh copy of imported_zoo's graph of a zoo model, its weights attached as compile_exported attaches them:
+    for tests of what the compiler makes of a zoo model (compile_graph), not of torch.export or the import, which
+    then cost their ~2-5 CPU s once per test process instead of once per test."""
+    graph, weights = imported_zoo(name)
+    graph = copy.deepcopy(graph)
+    for param in graph.params:
+        if param.attrs["kind"] == "weight":
+            param.attrs["data"] = weights[param.attrs["name"]]
+    return graph
 
 
 @pytest.fixture(autouse=True)

@@ -13,14 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from neuronc import ir
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.frontend.tensors import dtype_of, from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.isa import DType, Opcode
 from neuronc.neff.program import TensorKind
 from runtime import run_neff
 from runtime.metrics import matmul_flops
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, zoo_graph
 
 
 class MaskedFillAttention(nn.Module):
@@ -180,10 +180,7 @@ def test_the_causal_kernel_skips_the_blocks_above_the_diagonal():
 
 
 def test_the_transformer_blocks_attention_is_one_kernel():
-    from tests import zoo
-
-    model, inputs = zoo.build("transformer_block")
-    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    compiled = compile_graph(zoo_graph("transformer_block"), CompileOptions(opt_level=2))
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"
     assert not any(n.op is Op.MATMUL and n.shape[-1] == n.shape[-2] == 64 for n in compiled.graph.nodes())

@@ -73,7 +73,9 @@ def test_fp8_matmuls_are_e4m3_and_match_eager_with_the_same_rounding(monkeypatch
     compiled, out, expected = compile_mlp(monkeypatch, "--auto-cast matmult --auto-cast-type fp8_e4m3")
     assert matmul_operand_dtypes(compiled.graph) == {DType.F8E4M3}
     model, (x,) = zoo.build("mlp")
-    assert_matches_eager(out, _mlp_with_fp8_matmuls(model, x), tolerance=torch.bfloat16)
+    # fp32's tolerance: the program rounds exactly as eager with the same e4m3 rounding (measured 1.5e-8 apart),
+    # while it is 1e-3 from fp32 eager, inside bf16's tolerance, so a looser bound would not see fp8 missing
+    assert_matches_eager(out, _mlp_with_fp8_matmuls(model, x))
     _, bf16_out, _ = compile_mlp(monkeypatch, "--auto-cast matmult --auto-cast-type bf16")
     assert (out - expected).abs().max() > (bf16_out - expected).abs().max()  # 3 mantissa bits, not 7
 

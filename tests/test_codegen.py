@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import Engine, Opcode, Space
 from neuronc.ir import Op
 from neuronc.targets import get_target
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, zoo_graph
 
 
 class Linear(torch.nn.Module):
@@ -68,8 +68,7 @@ def test_every_on_chip_operand_fits_the_partitions(zoo_model):
 
 
 def test_convolution_and_pooling_become_matmuls_and_window_reductions():
-    model, inputs = zoo.build("cnn")
-    graph = compile_exported(torch.export.export(model, inputs)).graph
+    graph = compile_graph(zoo_graph("cnn"), CompileOptions()).graph
     ops = {n.op for n in graph.nodes()}
     assert Op.CONVOLUTION not in ops and Op.REDUCE_WINDOW not in ops
     assert Op.MATMUL in ops and Op.REDUCE_LAST in ops and Op.VIEW in ops

@@ -14,6 +14,9 @@ from tests.distributed_checks import TIMEOUT_S
 
 WORLD = 2
 
+pytestmark = pytest.mark.slow("one 2-rank job (~45 s): the only tests of the neuron process group between real processes: "
+                               "collectives against gloo, DDP, failures that must not hang, compiled DP/TP collectives")
+
 
 @pytest.fixture(scope="module")
 def job():

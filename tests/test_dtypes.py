@@ -31,8 +31,10 @@ def test_low_precision_at_O0_through_torch_compile_matches_eager(dtype):
     """-O0 (one kernel per op, no fusion) in bf16 and fp16, through torch.compile: the graph ran on the device."""
     model, (x,) = zoo.build("transformer_block")
     model, x = model.to(dtype), x.to(dtype)
+    compiled = OnDevice(model, options={"opt_level": 0})
     with torch.no_grad():
-        out = OnDevice(model, options={"opt_level": 0})(x)
+        out = compiled(x)
+    assert {g.options.opt_level for g in compiled.graphs} == {0}  # compiled at -O0, not the default -O2
     assert_as_accurate_as_eager([out], model, (x,))
 
 

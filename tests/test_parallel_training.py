@@ -16,6 +16,9 @@ from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled"]
 PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_traced"]
 
+pytestmark = pytest.mark.slow("one 2-rank and one 4-rank job (~115 s of the suite): the only tests that a model trained over "
+                               "ranks, each way PyTorch spreads it, eager and compiled, ends as one process on the whole batch")
+
 
 @pytest.fixture(scope="module")
 def reference():

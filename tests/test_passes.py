@@ -2,7 +2,6 @@
 identities vanish, and the block cutter and the reshape-of-a-view rule are exact (property tests)."""
 from __future__ import annotations
 
-import copy
 
 import ml_dtypes
 import numpy as np
@@ -22,42 +21,32 @@ from neuronc.passes.legalize import reshaped_strides
 from neuronc.passes.pipeline import passes_for
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager, canonical, imported_zoo, run_pass
+from tests.conftest import assert_matches_eager, canonical, run_pass, zoo_graph
 
 
 def _compile(name, level):
+    """A zoo model compiled at -O`level` from the graph the session imported once (conftest.zoo_graph)."""
     model, inputs = zoo.build(name)
-    return compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=level)), model, inputs
-
-
-def _matches_eager_at(levels, model, inputs, expected):
-    program = torch.export.export(model, inputs)
-    for level in levels:
-        neff = compile_exported(program, CompileOptions(opt_level=level)).neff
-        outputs = run_neff(neff, [x.numpy() for x in inputs]).outputs
-        assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)
+    return compile_graph(zoo_graph(name), CompileOptions(opt_level=level)), model, inputs
 
 
 def test_the_baseline_pipeline_matches_eager(zoo_model):
     """-O0 (one kernel per op) on every zoo model, from the graph the test session imported once; -O2 is the
     golden tests' (test_golden.py), -O1 runs -O0's passes (pipeline.py)."""
     name, _, inputs, expected = zoo_model
-    graph, weights = imported_zoo(name)
-    graph = copy.deepcopy(graph)
-    for param in graph.params:
-        if param.attrs["kind"] == "weight":
-            param.attrs["data"] = weights[param.attrs["name"]]
-    neff = compile_graph(graph, CompileOptions(opt_level=0)).neff
+    neff = compile_graph(zoo_graph(name), CompileOptions(opt_level=0)).neff
     outputs = run_neff(neff, [x.numpy() for x in inputs]).outputs
     assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)
 
 
 @pytest.mark.parametrize("level", [1, 3])
 def test_the_other_optimisation_levels_match_eager(level):
-    model, inputs = zoo.build("transformer_block")
+    """-O3 on three more models: test_differential."""
+    compiled, model, inputs = _compile("transformer_block", level)
     with torch.no_grad():
         expected = model(*inputs)
-    _matches_eager_at((level,), model, inputs, expected)
+    outputs = run_neff(compiled.neff, [x.numpy() for x in inputs]).outputs
+    assert_matches_eager([torch.from_numpy(out) for out in outputs], expected)
 
 
 def test_linear_layers_become_one_kernel_each_with_bias_and_gelu_as_epilogue():

@@ -7,15 +7,14 @@ import dataclasses
 import pathlib
 
 import pytest
-import torch
 
 import neuronc
 from neuronc.codegen.access import HbmTensor
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.ir import Op
 from neuronc.isa import DType, Space
 from neuronc.plans import MatmulPlan, View
-from tests import zoo
+from tests.conftest import zoo_graph
 
 PACKAGE = pathlib.Path(neuronc.__file__).parent
 
@@ -60,12 +59,9 @@ def test_the_passes_import_each_other_without_loops():
 
 @pytest.fixture(scope="module")
 def gpt2_graph():
-    """The optimised IR of the zoo's GPT-2, compiled for real: a module-scoped fixture runs before the autouse
-    no_compile_cache, and a cache hit holds no graph."""
-    model, inputs = zoo.build("gpt2")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NEURON_CC_FLAGS", "--no_cache")
-        return compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2)).graph
+    """The optimised IR of the zoo's GPT-2, compiled for real (compile_graph does not consult the compile cache,
+    whose hit holds no graph) from the graph the session imported once (conftest.zoo_graph)."""
+    return compile_graph(zoo_graph("gpt2"), CompileOptions(opt_level=2)).graph
 
 
 def test_every_kernel_of_an_optimised_graph_carries_a_frozen_plan(gpt2_graph):

@@ -11,16 +11,15 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
 
-from neuronc.compiler import compile_exported
+from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.isa import AccessPattern, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff.program import DebugLoc, KernelInfo, Neff, TensorEntry, TensorKind
 from runtime import Event, Timeline, run_neff
 from runtime.report import html_report, write_html_report
 from runtime.trace import chrome_trace, stream_name, write_chrome_trace
 from tests import zoo
-from tests.conftest import require_tool
+from tests.conftest import require_tool, zoo_graph
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -29,7 +28,7 @@ CHROMIUM = "/usr/bin/chromium"
 def transformer():
     """(neff, timeline) of one run of the zoo's transformer block."""
     model, inputs = zoo.build("transformer_block")
-    neff = compile_exported(torch.export.export(model, inputs)).neff
+    neff = compile_graph(zoo_graph("transformer_block"), CompileOptions()).neff
     return neff, run_neff(neff, [x.numpy() for x in inputs]).timeline
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.passes.cost_model import fits_sbuf
@@ -19,7 +19,7 @@ from neuronc.passes.rowwise_schedule import Schedule
 from neuronc.targets import get_target
 from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, zoo_graph
 
 
 class Softmax(nn.Module):
@@ -112,10 +112,7 @@ def test_a_rowwise_kernel_reads_its_input_and_writes_its_output_once():
 
 
 def test_the_transformer_blocks_layer_norms_become_one_kernel_each():
-    from tests import zoo
-
-    model, inputs = zoo.build("transformer_block")
-    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
+    compiled = compile_graph(zoo_graph("transformer_block"), CompileOptions(opt_level=2))
     rowwise = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     assert len(rowwise) == 2  # ln1, ln2 (the attention softmax is inside the attention kernel, test_attention.py)
     assert not any(n.op is Op.REDUCE_LAST for n in compiled.graph.nodes())

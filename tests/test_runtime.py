@@ -882,13 +882,12 @@ def test_timing_without_inputs_gives_the_timeline_of_a_real_run(core):
 
 @pytest.fixture(scope="module")
 def compiled_mlp():
-    import torch
-
-    from neuronc.compiler import compile_exported
+    from neuronc.compiler import CompileOptions, compile_graph
     from tests import zoo
+    from tests.conftest import zoo_graph
 
     model, inputs = zoo.build("mlp")
-    return compile_exported(torch.export.export(model, inputs)).neff, [x.numpy() for x in inputs]
+    return compile_graph(zoo_graph("mlp"), CompileOptions()).neff, [x.numpy() for x in inputs]
 
 
 def test_timing_a_compiled_model_gives_the_timeline_of_a_real_run(compiled_mlp):

@@ -3,9 +3,12 @@ the probe programs, it must equal the committed section (as the NEFF schema's ge
 equal flatc's output)."""
 from __future__ import annotations
 
+import pytest
+
 from neuronc import supported_ops
 
 
+@pytest.mark.slow("every probe program compiled and run (~22 s): the README's op list is what the code does today")
 def test_the_readme_supported_op_list_is_fresh():
     committed = supported_ops.readme_section(supported_ops.README.read_text())
     assert committed is not None, "README.md lost its supported-ops section"
