@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, row_major_dims
 from neuronc.neff.program import Neff, TensorEntry, TensorKind
 from neuronc.targets import get_target
@@ -55,6 +56,20 @@ def _load(target: str, bytes_per_partition: int, count: int = 1, queues: int = 1
             m.emit(Opcode.DMA_COPY, Engine.DMA, _chip((128, elements), offset=(n % 4) * bytes_per_partition), rows,
                    queue=q)
     return m.events()
+
+
+def _dma_transpose(target: str, space: Space, rows: int) -> str:
+    """The rate of a lone bf16 DMA transpose into [128, rows] of SBUF, past its fixed cost, as a share of a queue's."""
+    t, m = get_target(target), _Micro(target)
+    x = m.tensor((rows, 128), DType.BF16)
+    src = (AccessPattern(Space.HBM, DType.BF16, x.offset, ((128, rows), (1, 128))) if space == Space.HBM
+           else _chip((rows, 128), DType.BF16, offset=rows * 2))
+    m.emit(Opcode.DMA_TRANSPOSE, Engine.DMA, _chip((128, rows), DType.BF16), src)
+    try:
+        ns = _only(m.events()) - t.dma_fixed_ns
+    except NeuronRuntimeError:
+        return "refused at load"
+    return f"{128 * rows * 2 / ns / t.dma_gbps_per_queue:.0%}"
 
 
 def _spacing(events: list) -> float:
@@ -143,7 +158,9 @@ def rows(name: str) -> list:
                 "trn2+" if t.tensor_transpose_mode else "none (from trn2)",
                 "modelled" if t.tensor_transpose_mode else "refused at load"))
     out.append(("Tensor-engine transpose mode: fp32 transposes 2x", "trn2+", "not modelled (priced as matmuls)"))
-    out.append(("DMA transpose (HBM->SBUF 90%, SBUF->SBUF 50% of DMA rate)", "trn2+", "not modelled yet"))
+    for space, share, rows in ((Space.HBM, "90%", 2048), (Space.SBUF, "50%", 128)):
+        out.append((f"DMA transpose {space.name}->SBUF, [128, 16]-unit tiles, of a queue's rate",
+                    f"up to {share} (trn2+)", _dma_transpose(name, space, rows)))
     return out
 
 

@@ -11,6 +11,8 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   Bandwidth is halved when either operand's innermost dimension is not element-contiguous (TRAINIUM.md: "an
   innermost stride above 16 bytes halves bandwidth"; we take any non-unit element stride, which is what the
   DMA descriptors see as a gather/scatter).
+* DMA_TRANSPOSE — the fixed cost, and its destination as whole [partitions, 16] units (the tile the DMA engines
+  co-operate on) at the documented fraction of a queue's rate: 0.9 from HBM, 0.5 from SBUF (targets.py).
 * DMA_GATHER / DMA_SCATTER — an indirect DMA: the fixed cost, and its bytes at half a queue's bandwidth since
   the rows come from (or go to) scattered addresses, as a strided DMA, scaled by the payload curve of a row;
   a scatter that adds moves each row twice (read, then write).
@@ -339,7 +341,18 @@ def _indirect_ns(instr: Instruction, target: Target) -> float:
     return dma_transfer_ns(traffic * transfer_bytes(instr), False, target, traffic * dma_partitions(instr))
 
 
-_COST = {Opcode.DMA_COPY: _dma_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,
+def _dma_transpose_ns(instr: Instruction, target: Target) -> float:
+    """A DMA transpose: whole [partitions, dma_transpose_inner] units of its destination at the documented fraction
+    of a queue's rate for its source's memory (targets.py: a destination of fewer partitions pays full units)."""
+    dst, src = instr.operands
+    fraction = target.dma_transpose_hbm_fraction if src.space == Space.HBM else target.dma_transpose_sbuf_fraction
+    rows, cols = dst.shape
+    units = -(-rows // target.partitions) * -(-cols // target.dma_transpose_inner)
+    unit_bytes = target.partitions * target.dma_transpose_inner * dst.dtype.itemsize
+    return target.dma_fixed_ns + units * unit_bytes / (target.dma_gbps_per_queue * fraction)
+
+
+_COST = {Opcode.DMA_COPY: _dma_ns, Opcode.DMA_TRANSPOSE: _dma_transpose_ns, Opcode.MATMUL: _matmul_ns, Opcode.DMA_GATHER: _indirect_ns,
          Opcode.DMA_SCATTER: _indirect_ns, **{op: _collective_ns for op in COLLECTIVES}}
 
 

@@ -22,6 +22,10 @@ Instruction semantics (``dst`` is always ``operands[0]``)
 --------------------------------------------------------
 ``DMA_COPY(dst, src)``                     dst[...] = src[...]; same dtype, same element count
                                            (shapes may differ, elements are taken in row-major order).
+``DMA_TRANSPOSE(dst, src)``                dst[j, i] = src[i, j]: a 2-D transpose by the DMA engines (trn2+;
+                                           NKI's dma_transpose), dst [A, B] in SBUF, src [B, A] in HBM or
+                                           SBUF, one 2-byte dtype; B a multiple of 16 (the DMA engines
+                                           co-operate on [128, 16] tiles of dst: targets.py).
 ``MATMUL(dst, stationary, moving)``        dst[M, N] (+)= stationary[K, M].T @ moving[K, N] in fp32;
                                            dst is in PSUM; ``accumulate`` adds to dst instead of
                                            overwriting it (the accumulation group over K tiles).
@@ -208,6 +212,7 @@ class Opcode(enum.IntEnum):
     ACTIVATE_BIAS_REDUCE = 20  # 15-19 left for opcodes other branches may add
     TENSOR_SCALAR_REDUCE = 21
     TENSOR_ALU2 = 22
+    DMA_TRANSPOSE = 23
     # the collective engine's (40-49: kept clear of the numbers other branches take for compute opcodes)
     ALL_REDUCE = 40
     ALL_GATHER = 41
@@ -236,6 +241,7 @@ ARITY = {
     Opcode.ACTIVATE_BIAS_REDUCE: 4,
     Opcode.TENSOR_SCALAR_REDUCE: 3,
     Opcode.TENSOR_ALU2: 4,
+    Opcode.DMA_TRANSPOSE: 2,
     Opcode.ALL_REDUCE: 2,
     Opcode.ALL_GATHER: 2,
     Opcode.REDUCE_SCATTER: 2,

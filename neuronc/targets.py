@@ -103,6 +103,16 @@ class Target:
     # normalised to 1 at 4 KiB (so 256 B runs at 53%, 64 B at 21%, 2 KiB at 94%).
     dma_half_rate_bytes: int
     dma_efficient_bytes_per_partition: int
+    # DMA transpose (NeuronCore-v3+; TRAINIUM.md "Corrections and additions", from nki-dma-bandwidth-guide.rst and
+    # nki.isa.dma_transpose): the DMA engines transpose a 2-D tile of a 2-byte type, "HBM -> SBUF up to 90% of DMA
+    # throughput" and "SBUF -> SBUF up to 50%" with friendly patterns, the engines co-operating on [128, 16] SBUF
+    # tiles (multiples of 128 partitions and 16 inner elements). The fractions are of a queue's rate (0: the target
+    # has no DMA transpose). A DMA_TRANSPOSE is priced on its one queue (instruction_cost) as whole units of
+    # [partitions, dma_transpose_inner] of its destination: one of fewer partitions takes as long as a full one (a
+    # stated choice: the docs give no rate for other shapes, and that tile is the unit the engines work on).
+    dma_transpose_hbm_fraction: float
+    dma_transpose_sbuf_fraction: float
+    dma_transpose_inner: int
     # Memory ports (TRAINIUM.md "Corrections and additions", from aws-neuron-sdk
     # nki/guides/architecture/trainium2_arch.rst): NeuronCore-v2 (trn1) "Vector and GpSimd cannot access SBUF in
     # parallel; Vector and Scalar cannot access PSUM in parallel"; NeuronCore-v3 lifts both, Vector and Scalar
@@ -154,6 +164,7 @@ _COMMON = dict(
     activation_table_load_cycles=1300,
     dma_efficient_bytes_per_partition=4 * KIB,
     dma_half_rate_bytes=256,
+    dma_transpose_inner=16,
     dma_fixed_ns=1300.0,
     hbm_sustained_fraction=0.9,
     neff_load_ns=1_000_000.0,
@@ -179,6 +190,8 @@ TARGETS = {
         vector_scalar_exclusive_psum=True,
         vector_perf_mode=False,
         tensor_transpose_mode=False,
+        dma_transpose_hbm_fraction=0.0,  # NeuronCore-v2 has no DMA transpose (nki.isa.dma_transpose: trn2, trn3)
+        dma_transpose_sbuf_fraction=0.0,
         cores_per_chip=2,
         # trn1.32xlarge: NeuronLink-v2, 384 GB/s per chip, 2D torus (TRAINIUM.md; about-neuron/arch/neuron-hardware/
         # trn1-arch.rst, the instance table's NeuronLink column)
@@ -204,6 +217,8 @@ TARGETS = {
         vector_scalar_exclusive_psum=False,
         vector_perf_mode=True,
         tensor_transpose_mode=True,
+        dma_transpose_hbm_fraction=0.9,
+        dma_transpose_sbuf_fraction=0.5,
         cores_per_chip=8,
         # NeuronLink-v3: 1.28 TB/s per chip (TRAINIUM.md; trainium2.rst), of which 1,024 GB/s within an instance
         # (trn2-arch.rst: "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)", 4x4 2D torus; the other 256
@@ -230,6 +245,8 @@ TARGETS = {
         vector_scalar_exclusive_psum=False,
         vector_perf_mode=True,
         tensor_transpose_mode=True,
+        dma_transpose_hbm_fraction=0.9,
+        dma_transpose_sbuf_fraction=0.5,
         cores_per_chip=8,
         # NeuronLink-v4: 2.56 TB/s per chip (TRAINIUM.md; trainium3.rst), also quoted as 2,048 GiB/s per device
         # (trn3-arch.rst's UltraServer table): the lower, 2,048 GiB/s, is taken.

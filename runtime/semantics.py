@@ -70,6 +70,10 @@ def _dma_copy(instr, dst, src):
     return np.array(src).reshape(dst.shape)
 
 
+def _dma_transpose(instr, dst, src):
+    return np.array(src).T
+
+
 def _matmul(instr, dst, stationary, moving):
     product = stationary.astype(F32, copy=False).T @ moving.astype(F32, copy=False)
     return dst + product if instr.accumulate else product
@@ -252,6 +256,7 @@ def _match_replace8(instr, dst, src, values):
 
 SEMANTICS = {
     Opcode.DMA_COPY: _dma_copy,
+    Opcode.DMA_TRANSPOSE: _dma_transpose,
     Opcode.MATMUL: _matmul,
     Opcode.ACTIVATE: _activate,
     Opcode.TENSOR_TENSOR: _tensor_tensor,
@@ -484,6 +489,7 @@ _ELEMENTWISE_ENGINES = frozenset({Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD})
 # Which engines may run each opcode.
 ENGINES = {
     Opcode.DMA_COPY: frozenset({Engine.DMA}),
+    Opcode.DMA_TRANSPOSE: frozenset({Engine.DMA}),
     Opcode.DMA_GATHER: frozenset({Engine.DMA}),
     Opcode.DMA_SCATTER: frozenset({Engine.DMA}),
     Opcode.MATMUL: frozenset({Engine.TENSOR}),
@@ -526,6 +532,24 @@ def _dma_shapes(instr: Instruction, target: Target):
               hint="convert with TENSOR_COPY on a compute engine")
     if dst.num_elements != src.num_elements:
         _fail(f"DMA source has {src.num_elements} elements but destination has {dst.num_elements}")
+
+
+def _dma_transpose_shapes(instr: Instruction, target: Target):
+    """nki.isa.dma_transpose's rules (targets.py): trn2+, 2-byte types, SBUF destination, 2-D [A, B] = [B, A]^T,
+    B a multiple of the [partitions, 16] unit's inner size."""
+    dst, src = instr.operands
+    if not target.dma_transpose_hbm_fraction:
+        _fail(f"{target.name} has no DMA transpose", hint="transpose on the Tensor engine (a matmul by the identity)")
+    if dst.dtype != src.dtype or dst.dtype.itemsize != 2:
+        _fail(f"DMA transpose moves one 2-byte type; source is {src.dtype.name}, destination {dst.dtype.name}",
+              hint="transpose 4-byte types on the Tensor engine")
+    if dst.space != Space.SBUF:
+        _fail(f"DMA transpose writes SBUF; its destination is in {dst.space.name}")
+    if len(dst.shape) != 2 or src.shape != dst.shape[::-1]:
+        _fail(f"DMA transpose takes a 2-D source to its transpose; source {src.shape}, destination {dst.shape}")
+    if dst.shape[1] % target.dma_transpose_inner:
+        _fail(f"DMA transpose's destination has {dst.shape[1]} elements per partition; the DMA engines transpose "
+              f"tiles of {target.dma_transpose_inner}", hint=f"a multiple of {target.dma_transpose_inner}")
 
 
 def _matmul_shapes(instr: Instruction, target: Target):
@@ -700,6 +724,7 @@ SHAPE_RULES = {
     Opcode.DMA_GATHER: _indirect_shapes,
     Opcode.DMA_SCATTER: _indirect_shapes,
     Opcode.DMA_COPY: _dma_shapes,
+    Opcode.DMA_TRANSPOSE: _dma_transpose_shapes,
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,

@@ -167,6 +167,21 @@ def test_a_head_dim_above_128_accumulates_the_scores_over_two_tiles():
     assert_matches_eager(out, model(*inputs))
 
 
+def test_a_bf16_head_of_128_dims_is_loaded_transposed_by_dma_on_trn2_and_matches_eager():
+    model, inputs = Sdpa(causal=True), _qkv(2, 640, 128, torch.bfloat16)  # 640 keys: two DMA transposes per tile
+    compiled, out = _compile_and_run(model, inputs)
+    _assert_one_attention_kernel(compiled)
+    # K^T and Q^T of each of 2 heads, each in two chunks (512 and 128 keys: a page of SBUF columns each)
+    assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 2 * 2
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_a_head_of_64_dims_is_loaded_by_strided_dmas_where_a_dma_transpose_would_be_slower():
+    model, inputs = Sdpa(causal=True), _qkv(1, 256, 64, torch.bfloat16)
+    compiled, _ = _compile_and_run(model, inputs)
+    assert Opcode.DMA_TRANSPOSE not in _opcodes(compiled)  # 64 partitions pay whole [128, 16] units (targets.py)
+
+
 def _matmul_flops(compiled):
     return sum(matmul_flops(i) for stream in compiled.neff.streams.values() for i in stream if i.opcode == Opcode.MATMUL)
 

@@ -136,6 +136,20 @@ def test_codegen_never_places_a_psum_operand_on_gpsimd():
     assert [i.engine for i in em.instructions] == [Engine.VECTOR, Engine.GPSIMD]
 
 
+def test_a_psum_copy_goes_to_scalar_when_scalar_has_less_work_than_vector_however_idle_gpsimd_is():
+    from neuronc.codegen.elementwise import Balancer
+    from neuronc.codegen.emitter import Emitter
+
+    em = Emitter(TRN2)
+    em.begin_kernel("k", (), DebugLoc())
+    balancer = Balancer(em)
+    balancer.busy[Engine.VECTOR], balancer.busy[Engine.SCALAR] = 2000.0, 1000.0  # GpSimd: 0, but it cannot reach PSUM
+    psum, sbuf = chip((128, 64), space=Space.PSUM), chip((128, 64))
+    balancer.scale(sbuf, psum, 1.0)
+    balancer.scale(sbuf, sbuf, 1.0)  # an SBUF copy: idle GpSimd can take it
+    assert [i.engine for i in em.instructions] == [Engine.SCALAR, Engine.GPSIMD]
+
+
 def test_compiled_attention_puts_no_psum_operand_on_gpsimd():
     import math
 
@@ -292,3 +306,52 @@ def test_a_gather_with_no_on_chip_operand_is_priced_by_its_destination_not_a_cra
     gather = Instruction(Opcode.DMA_GATHER, Engine.DMA, (AccessPattern(Space.HBM, DType.F32, 8192, ((16, 4), (1, 16))),
                                                          table, indices))
     assert transfer_bytes(gather) == 4 * 16 * 4
+
+
+def _dma_transpose(rows: int, cols: int, dtype: DType = DType.BF16, from_sbuf: bool = False) -> tuple:
+    """x [rows, cols] in HBM transposed by a DMA into SBUF (from HBM, or from SBUF after a plain load), stored."""
+    import numpy as np
+
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (rows, cols), dtype)
+    out = p.tensor("out", TensorKind.OUTPUT, (cols, rows), dtype)
+    src, waits = hbm(x), ()
+    if from_sbuf:
+        src = chip((rows, cols), dtype, offset=4096)
+        p.emit(Opcode.DMA_COPY, Engine.DMA, src, hbm(x), queue=1)
+        waits = done(Engine.DMA, queue=1)
+    transpose = p.emit(Opcode.DMA_TRANSPOSE, Engine.DMA, chip((cols, rows), dtype), src, waits=waits)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out), chip((cols, rows), dtype), queue=2, waits=done(Engine.DMA))
+    values = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols).astype(dtype.numpy)
+    return p, transpose, values
+
+
+@pytest.mark.parametrize("from_sbuf", [False, True], ids=["hbm-to-sbuf", "sbuf-to-sbuf"])
+def test_a_dma_transpose_gives_the_transpose_bit_for_bit(from_sbuf):
+    import numpy as np
+
+    p, _, x = _dma_transpose(64, 128, from_sbuf=from_sbuf)
+    out = _load(p, "trn2").run([x]).outputs[0]
+    assert out.shape == (128, 64)
+    assert np.array_equal(out.view(np.uint16), x.T.view(np.uint16))
+
+
+def test_a_dma_transpose_runs_at_the_documented_fraction_of_a_queues_rate():
+    _, from_hbm, _ = _dma_transpose(512, 128)  # destination [128, 512]: 32 full units
+    _, from_sbuf, _ = _dma_transpose(512, 128, from_sbuf=True)
+    moved = 128 * 512 * 2
+    assert instruction_cost_ns(from_hbm, TRN2) == pytest.approx(TRN2.dma_fixed_ns + moved / (0.9 * 23.0))
+    assert instruction_cost_ns(from_sbuf, TRN2) == pytest.approx(TRN2.dma_fixed_ns + moved / (0.5 * 23.0))
+    _, half, _ = _dma_transpose(512, 64)  # 64 partitions: the same units, half of each empty
+    assert instruction_cost_ns(half, TRN2) == pytest.approx(instruction_cost_ns(from_hbm, TRN2))
+
+
+@pytest.mark.parametrize("target, rows, cols, dtype, problem", [
+    ("trn1", 64, 128, DType.BF16, "trn1 has no DMA transpose"),
+    ("trn2", 64, 128, DType.F32, "2-byte type"),
+    ("trn2", 40, 128, DType.BF16, "tiles of 16"),
+], ids=["trn1", "fp32", "partial-unit"])
+def test_a_dma_transpose_outside_the_documented_rules_is_refused_at_load(target, rows, cols, dtype, problem):
+    p, _, _ = _dma_transpose(rows, cols, dtype)
+    with pytest.raises(NeuronRuntimeError, match=problem):
+        _load(p, target)

@@ -14,6 +14,7 @@ from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
+from neuronc.placement import SBUF_PAGE_BYTES
 from neuronc.plans import MemoryPlan
 
 
@@ -232,12 +233,9 @@ class _Attention:
         """K^T [d, Sk] and Q^T [d, Sq] (d on partitions, by tiles of 128), V [Sk, Dv] (keys on partitions, by
         chunks of 128) of one batch-head, resident while its query tiles run."""
         em, a, q_tile = self.em, self.plan, self.plan.q_tile
-        d, sk, sq, dv = a.head_dim, a.keys, a.queries, a.value_dim
-        k_t = self.head(self.k, g).T
+        sk, sq, dv = a.keys, a.queries, a.value_dim
         kt = self.pools["k"].next().ap(q_tile, self.d_tiles * sk)
-        for j in range(self.d_tiles):
-            dt = min(q_tile, d - j * q_tile)
-            dma_by_rows(em, tile_at(kt, j * sk, dt, sk), k_t[j * q_tile:j * q_tile + dt].ap)
+        self.load_transposed(kt, self.head(self.k, g), sk)
         v = self.head(self.v, g)
         vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
         full = sk // q_tile
@@ -245,12 +243,29 @@ class _Attention:
             dma_by_rows(em, _v_chunks(vt, full, q_tile, dv, dv + 1), v[0:full * q_tile].tiled(q_tile).ap)
         if sk % q_tile:
             em.dma(tile_at(vt, full * (dv + 1), sk % q_tile, dv), v[full * q_tile:sk].ap)
-        q_t = self.head(self.q, g).T
         qtile = self.pools["q"].next().ap(q_tile, self.d_tiles * sq)
-        for j in range(self.d_tiles):
-            dt = min(q_tile, d - j * q_tile)
-            dma_by_rows(em, tile_at(qtile, j * sq, dt, sq), q_t[j * q_tile:j * q_tile + dt].ap)
+        self.load_transposed(qtile, self.head(self.q, g), sq)
         return qtile, kt, vt
+
+    def load_transposed(self, tile: AccessPattern, x: HbmTensor, rows: int) -> None:
+        """x^T [d, rows] into `tile` (d on partitions, by tiles of 128, each `rows` wide) from x [rows, d] in HBM.
+        A tile of 128 partitions of a 2-byte type with contiguous rows is one DMA transpose where the target has
+        them (isa.py's DMA_TRANSPOSE: its documented friendly pattern, whole [128, 16] units, at 0.9 of a queue's
+        rate); anything else is strided loads (each element its own run: half a queue's rate, targets.py), split
+        over queues by partition groups. Transposes go by chunks of an SBUF page of columns (the sync pass's hazard
+        cells: chunks sharing a page would wait for each other), each on its own queue. (A DMA transpose of fewer partitions pays whole units: at head dim 64 it
+        is slower than the strided loads on two queues.)"""
+        em, q_tile, d = self.em, self.plan.q_tile, self.plan.head_dim
+        page = SBUF_PAGE_BYTES // x.dtype.itemsize  # chunks of a page of columns go on queues of their own
+        for j in range(self.d_tiles):
+            d0, dt = j * q_tile, min(q_tile, d - j * q_tile)
+            if (em.target.dma_transpose_hbm_fraction > 0 and dt == em.target.partitions and x.dtype.itemsize == 2
+                    and x.dims[-1][0] == 1 and rows % em.target.dma_transpose_inner == 0):
+                for r0 in range(0, rows, page):
+                    r1 = min(rows, r0 + page)
+                    em.dma(tile_at(tile, j * rows + r0, dt, r1 - r0), x[r0:r1, d0:d0 + dt].ap, transpose=True)
+            else:
+                dma_by_rows(em, tile_at(tile, j * rows, dt, rows), x.T[d0:d0 + dt].ap)
 
     # helpers of the stages ----------------------------------------------------------------------------
     def score_tile(self, qt: int, kb: int) -> AccessPattern:

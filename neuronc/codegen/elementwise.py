@@ -291,8 +291,10 @@ class Balancer:
         compute_step(self.em, step, out, args, constants, loc, self._engine([out, *args], on))
         self._charge(start)
 
-    def scalar_is_freest(self) -> bool:
-        return min(self.busy, key=self.busy.get) is Engine.SCALAR
+    def scalar_is_freest(self, tiles=()) -> bool:
+        """Whether Scalar has less work than every engine that could run an ALU instruction on `tiles` (GpSimd's
+        idle time does not count for an instruction it cannot run: one touching PSUM)."""
+        return self.busy[Engine.SCALAR] < self.busy[self._engine(tiles)]
 
     def activate(self, opcode, *operands, **fields) -> None:
         """A Scalar-engine instruction, counted so that the other choices see Scalar's load."""
@@ -302,7 +304,7 @@ class Balancer:
 
     def scale(self, dst, src, factor: float) -> None:
         """dst = src * factor (fp32, rounded to dst's dtype) on the least loaded of Vector, GpSimd, Scalar."""
-        if self.scalar_is_freest():
+        if self.scalar_is_freest((dst, src)):
             self.activate(Opcode.ACTIVATE, dst, src, func=ActFunc.IDENTITY, imm0=factor, imm1=0.0)
         elif factor == 1.0:
             self.emit(Opcode.TENSOR_COPY, dst, src)

@@ -112,12 +112,15 @@ class Emitter:
                                              debug=debug, **fields))
 
     def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None,
-            add: bool = False) -> None:
+            add: bool = False, transpose: bool = False) -> None:
         """A DMA on the next queue (round robin). With `indices`, an indirect one: a gather of table rows
-        when `src` is the HBM table, else a scatter of `src`'s rows into the table `dst` (adding if `add`)."""
+        when `src` is the HBM table, else a scatter of `src`'s rows into the table `dst` (adding if `add`).
+        With `transpose`, a DMA transpose: dst [A, B] = src [B, A]^T (trn2+, isa.py's rules)."""
         queue = self._dma_turn % self.target.dma_queues
         self._dma_turn += 1
-        if indices is None:
+        if transpose:
+            self.emit(Opcode.DMA_TRANSPOSE, Engine.DMA, dst, src, queue=queue)
+        elif indices is None:
             self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue)
         elif src.space == Space.HBM:
             self.emit(Opcode.DMA_GATHER, Engine.DMA, dst, src, indices, queue=queue)
