@@ -286,8 +286,9 @@ def test_the_sync_pass_orders_every_pair_of_accesses_that_share_a_byte_on_a_grid
 
 
 def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_last_heads_run():
-    """The projection's A^T is loaded K tile by K tile, each waiting only for its heads' stores, so the early
-    heads' columns arrive before the attention ends (on the estimated timeline); the block matches eager."""
+    """The projection's A^T is loaded K tile by K tile, each waiting only for its heads' stores, so loading the
+    early heads' columns starts before the attention ends (on the estimated timeline: a load that waited for the
+    whole attention would start after its last store); the block matches eager."""
     from neuronc.passes.cost_model import replay
     from neuronc.passes.tiling import loads_a_by_k_tile
 
@@ -303,9 +304,9 @@ def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_
     stored = [inst.operands[0].offset for inst, _, _ in timeline
               if inst.kernel == attention and inst.operands[0].space == Space.HBM]
     attention_end = max(end for inst, _, end in timeline if inst.kernel == attention)
-    heads_loaded = [end for inst, _, end in timeline if inst.kernel == attention + 1 and inst.engine == Engine.DMA
-                    and min(stored) <= inst.operands[1].offset <= max(stored)]
-    assert min(heads_loaded) < attention_end
+    heads_loading = [start for inst, start, _ in timeline if inst.kernel == attention + 1
+                     and inst.engine == Engine.DMA and min(stored) <= inst.operands[1].offset <= max(stored)]
+    assert min(heads_loading) < attention_end
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
