@@ -298,7 +298,8 @@ class AluOp(enum.IntEnum):
     XOR = 16
     REMAINDER = 17
     ATAN2 = 18
-    SHIFT_LEFT = 19  # integers only; an amount outside [0, bits) gives 0 (StableHLO's shift_left)
+    # the shifts: integers only, on the engines and at the cost of the other ALU ops (AND/OR/XOR), a stated choice
+    SHIFT_LEFT = 19  # an amount outside [0, bits) gives 0 (StableHLO's shift_left)
     SHIFT_RIGHT_LOGICAL = 20  # zero fill; an amount outside [0, bits) gives 0
     SHIFT_RIGHT_ARITHMETIC = 21  # sign fill; an amount outside [0, bits) gives the sign bit everywhere
 
