@@ -303,3 +303,14 @@ def test_unsigned_integer_ops_wrap_and_shift_as_jax_does():
     for got, want in zip(neuronc.jax.jit(ops)(a, s, i), jax.jit(ops)(a, s, i)):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))  # the bits
+
+
+def test_a_jax_export_with_shardy_annotations_is_refused_with_the_setting_that_avoids_them():
+    from neuronc.frontend.stablehlo_program import exported_program, import_program
+
+    def draw(key):
+        return jax.random.uniform(key, (4,))
+
+    exported = jax.export.export(jax.jit(draw), platforms=["cpu"])(jax.random.key(9))  # JAX's default: Shardy
+    with pytest.raises(ModelLoadError, match="jax_use_shardy_partitioner"):
+        import_program(exported_program(exported, "draw"))
