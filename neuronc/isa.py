@@ -154,6 +154,9 @@ class DType(enum.IntEnum):
     U8 = 9
     BOOL = 10
     F64 = 11
+    U16 = 12  # the unsigned integers of JAX's PRNG (threefry2x32 works in uint32, counters in uint64)
+    U32 = 13
+    U64 = 14
 
     @property
     def numpy(self) -> np.dtype:
@@ -189,6 +192,9 @@ _NUMPY = {
     DType.U8: np.dtype(np.uint8),
     DType.BOOL: np.dtype(np.bool_),
     DType.F64: np.dtype(np.float64),
+    DType.U16: np.dtype(np.uint16),
+    DType.U32: np.dtype(np.uint32),
+    DType.U64: np.dtype(np.uint64),
 }
 
 
@@ -298,6 +304,10 @@ class AluOp(enum.IntEnum):
     XOR = 16
     REMAINDER = 17
     ATAN2 = 18
+    # the shifts: integers only, on the engines and at the cost of the other ALU ops (AND/OR/XOR), a stated choice
+    SHIFT_LEFT = 19  # an amount outside [0, bits) gives 0 (StableHLO's shift_left)
+    SHIFT_RIGHT_LOGICAL = 20  # zero fill; an amount outside [0, bits) gives 0
+    SHIFT_RIGHT_ARITHMETIC = 21  # sign fill; an amount outside [0, bits) gives the sign bit everywhere
 
 
 COLLECTIVE_REDUCTIONS = frozenset({AluOp.ADD, AluOp.MAX, AluOp.MIN, AluOp.MULTIPLY})

@@ -110,6 +110,35 @@ def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return q + inexact.astype(q.dtype)
 
 
+def _shift(a, b, shift: Callable, overflow: Callable) -> np.ndarray:
+    """a shifted by b, elementwise, in a's integer type; an amount outside [0, bits) gives overflow(a) (StableHLO's
+    rule: numpy, like C, leaves such shifts undefined)."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    bits = a.dtype.itemsize * 8
+    inside = (b >= 0) & (b < bits)
+    amount = np.where(inside, b, 0).astype(a.dtype)
+    return np.where(inside, shift(a, amount), overflow(a)).astype(a.dtype)
+
+
+def shift_left(a, b) -> np.ndarray:
+    return _shift(a, b, np.left_shift, np.zeros_like)
+
+
+def shift_right_logical(a, b) -> np.ndarray:
+    """Zero fill: the bits read as unsigned, shifted, read back in a's type."""
+    a = np.asarray(a)
+    unsigned = np.dtype(f"u{a.dtype.itemsize}")
+    return _shift(a.astype(unsigned), b, np.right_shift, np.zeros_like).astype(a.dtype)
+
+
+def shift_right_arithmetic(a, b) -> np.ndarray:
+    """Sign fill: an amount of bits or more leaves every bit the sign bit (0 for unsigned types)."""
+    a = np.asarray(a)
+    bits = a.dtype.itemsize * 8
+    return _shift(a, b, np.right_shift, lambda x: np.right_shift(x, x.dtype.type(bits - 1)))
+
+
 class ByKind:
     """An ALU op that means one function on integers (and booleans) and another on floats."""
 
@@ -144,6 +173,9 @@ ALU_FUNCTIONS: dict = {
     AluOp.XOR: ByKind(np.bitwise_xor, np.logical_xor),
     AluOp.REMAINDER: np.fmod,
     AluOp.ATAN2: np.arctan2,
+    AluOp.SHIFT_LEFT: shift_left,
+    AluOp.SHIFT_RIGHT_LOGICAL: shift_right_logical,
+    AluOp.SHIFT_RIGHT_ARITHMETIC: shift_right_arithmetic,
 }
 
 # COMPARE's directions: the ALU op computing each.
@@ -295,6 +327,10 @@ FACTS = (
     _binary("AND", ["stablehlo.and"], AluOp.AND, rounded_once=False),
     _binary("OR", ["stablehlo.or"], AluOp.OR, rounded_once=False),
     _binary("XOR", ["stablehlo.xor"], AluOp.XOR, rounded_once=False),
+    _binary("SHIFT_LEFT", ["stablehlo.shift_left"], AluOp.SHIFT_LEFT, rounded_once=False),  # integers only
+    _binary("SHIFT_RIGHT_LOGICAL", ["stablehlo.shift_right_logical"], AluOp.SHIFT_RIGHT_LOGICAL, rounded_once=False),
+    _binary("SHIFT_RIGHT_ARITHMETIC", ["stablehlo.shift_right_arithmetic"], AluOp.SHIFT_RIGHT_ARITHMETIC,
+            rounded_once=False),
     _binary("COMPARE", [], numpy=_compare, rounded_once=False, dtype=PREDICATE,  # the ALU op of its direction
             attrs={"direction": DIRECTIONS}),
     # elementwise, ternary

@@ -245,3 +245,72 @@ def test_a_jitted_function_is_compiled_once_across_jit_objects_through_the_compi
     hits = [program.compiled.cache_hit for jitted in (first, second) for program in jitted.programs.values()]
     assert hits == [False, True]
     assert_matches_jax(got, jax.jit(function)(*args))
+
+
+def _dropout_with_noise(key, x):
+    k1, k2 = jax.random.split(key)
+    mask = jax.random.bernoulli(k1, 0.9, x.shape)
+    return jnp.where(mask, x / 0.9, 0.0) + jax.random.normal(k2, x.shape) * 0.01
+
+
+def _draws(key):
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+    return {"uniform": jax.random.uniform(k1, (3, 5)), "normal": jax.random.normal(k2, (64,)),
+            "randint": jax.random.randint(k3, (2, 7), -5, 100), "fold_in": jax.random.fold_in(k4, 7), "bits": jax.random.bits(k5, (4,)), "permutation": jax.random.permutation(k5, 10)}
+
+
+def assert_same_draws(got, want):
+    """Integer draws (keys, bits, randint, permutations) bit for bit; floats within fp32's tolerance."""
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if jnp.issubdtype(w.dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tolerance(w.dtype))
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_dropout_and_noise_drawn_inside_jit_match_jax():
+    key, x = jax.random.PRNGKey(0), np.ones((4, 8), np.float32)
+    assert_same_draws(neuronc.jax.jit(_dropout_with_noise)(key, x), jax.jit(_dropout_with_noise)(key, x))
+
+
+def test_jax_random_draws_from_a_raw_key_match_jax_bit_for_bit():
+    key = jax.random.PRNGKey(3)
+    assert_same_draws(neuronc.jax.jit(_draws)(key), jax.jit(_draws)(key))
+
+
+def test_a_typed_key_goes_in_and_comes_back_out_as_a_typed_key():
+    def step(key):
+        key, sub = jax.random.split(key)
+        return jax.random.uniform(sub, (4,)), jax.random.fold_in(key, 1)
+
+    key = jax.random.key(9)
+    (got, got_key), (want, want_key) = neuronc.jax.jit(step)(key), jax.jit(step)(key)
+    assert jnp.issubdtype(got_key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(got_key)), np.asarray(jax.random.key_data(want_key)))
+    assert_same_draws(got, want)
+
+
+def test_unsigned_integer_ops_wrap_and_shift_as_jax_does():
+    def ops(a, s, i):
+        return (~a, a << s, a >> s, a * jnp.uint32(2654435761) + a, (a - 5).astype(jnp.uint16),
+                jax.lax.shift_right_arithmetic(i, s.astype(jnp.int32)), jax.lax.bitcast_convert_type(a, jnp.float32))
+
+    a = np.array([0, 1, 2 ** 31, 2 ** 32 - 1, 12345678, 7, 3, 99], np.uint32)
+    s = np.array([0, 1, 31, 32, 40, 5, 3, 16], np.uint32)  # 32 and 40: past the width, 0 (sign fill for arithmetic)
+    i = np.array([-1, 5, -2 ** 31, 2 ** 31 - 1, -77, 123, -3, 0], np.int32)
+    for got, want in zip(neuronc.jax.jit(ops)(a, s, i), jax.jit(ops)(a, s, i)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))  # the bits
+
+
+def test_a_jax_export_with_shardy_annotations_is_refused_with_the_setting_that_avoids_them():
+    from neuronc.frontend.stablehlo_program import exported_program, import_program
+
+    def draw(key):
+        return jax.random.uniform(key, (4,))
+
+    exported = jax.export.export(jax.jit(draw), platforms=["cpu"])(jax.random.key(9))  # JAX's default: Shardy
+    with pytest.raises(ModelLoadError, match="jax_use_shardy_partitioner"):
+        import_program(exported_program(exported, "draw"))

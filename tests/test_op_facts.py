@@ -20,7 +20,7 @@ from runtime import semantics
 
 ELEMENTWISE = [f for f in op_facts.FACTS if f.elementwise]
 POSITIVE = {"LOG", "LOG1P", "SQRT", "RSQRT", "POWER"}  # defined (and compared) on positive inputs
-INTEGER = {"NOT", "AND", "OR", "XOR"}  # bitwise: on int32
+INTEGER = {"NOT", "AND", "OR", "XOR", "SHIFT_LEFT", "SHIFT_RIGHT_LOGICAL", "SHIFT_RIGHT_ARITHMETIC"}  # on int32
 
 
 def operand_dtypes(fact) -> tuple:
@@ -94,6 +94,17 @@ def test_a_folded_constant_is_what_the_device_computes(fact):
     device = run_neff(compile_graph(ir_text.parse(one_op_graph(fact, (DType.F32,), DType.F32).replace(
         "16x24", "2x4")), CompileOptions(opt_level=0)).neff, [values]).outputs[0]
     np.testing.assert_array_equal(np.broadcast_to(constant.attrs["value"], (2, 4)), device)
+
+
+def test_shifts_by_the_width_or_more_are_stablehlos_zero_or_sign_fill():
+    u = np.array([1, 2 ** 31, 2 ** 32 - 1, 6], np.uint32)
+    amounts = np.array([31, 1, 32, 40], np.uint32)
+    np.testing.assert_array_equal(op_facts.shift_left(u, amounts), np.array([2 ** 31, 0, 0, 0], np.uint32))
+    np.testing.assert_array_equal(op_facts.shift_right_logical(u, amounts), np.array([0, 2 ** 30, 0, 0], np.uint32))
+    i = np.array([-8, -8, 8, -1, 5], np.int32)
+    by = np.array([1, 40, 32, -1, 1], np.int32)
+    np.testing.assert_array_equal(op_facts.shift_right_arithmetic(i, by), np.array([-4, -1, 0, -1, 2], np.int32))
+    np.testing.assert_array_equal(op_facts.shift_right_logical(i, by), np.array([2 ** 31 - 4, 0, 0, 0, 2], np.int32))
 
 
 def test_the_importer_codegen_and_runtime_read_the_table():

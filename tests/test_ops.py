@@ -89,6 +89,16 @@ def test_remainder_takes_the_divisor_sign_as_python_and_torch_do(divisor):
     assert_matches_eager(_compiled_outputs(fn, *args), fn(*args))
 
 
+def test_integer_shifts_match_eager_including_amounts_of_the_width_and_more():
+    x = torch.tensor([[1, -8, 123456, -7, 2 ** 20, 5, -1, 3]], dtype=torch.int32).repeat(3, 1)
+    amounts = torch.tensor([0, 1, 3, 31, 4, 2, 32, 40], dtype=torch.int32)
+
+    def shifts(x, s):
+        return x << s, x >> s, x << 3, x >> 2, torch.bitwise_right_shift(-x, s)
+
+    assert_matches_eager(_compiled_outputs(shifts, x, amounts), shifts(x, amounts))
+
+
 class Fn(torch.nn.Module):
     def __init__(self, fn):
         super().__init__()

@@ -151,7 +151,8 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
     elif op is Op.CONVERT:
         em.emit(Opcode.TENSOR_COPY, engine, out, args[0])
     elif op is Op.NOT:
-        alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, -1.0)
+        every_bit = float(2 ** (8 * step.dtype.itemsize) - 1) if step.dtype.numpy.kind == "u" else -1.0
+        alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, every_bit)
         em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=alu, imm0=imm)
     elif op in ALU or op is Op.COMPARE:
         alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]

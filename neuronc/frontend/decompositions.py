@@ -1158,6 +1158,14 @@ def _foreach_decompositions() -> dict:
     return table
 
 
+def _shift_by_scalar(shift):
+    """A shift by a Python number as the tensor-by-tensor shift (the one torch-mlir lowers), the amount a 0-d
+    tensor of x's dtype."""
+    def shift_by(x, amount):
+        return shift(x, torch.scalar_tensor(amount, dtype=x.dtype, device=x.device))
+    return shift_by
+
+
 OWN = {
     aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
@@ -1209,6 +1217,13 @@ OWN = {
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+    # `x << s`, `x >> s` on integer tensors: torch-mlir lowers the bitwise_*_shift ops (StableHLO's shifts), not these
+    aten.__lshift__.Tensor: aten.bitwise_left_shift.Tensor,
+    aten.__lshift__.Scalar: _shift_by_scalar(aten.bitwise_left_shift.Tensor),
+    aten.bitwise_left_shift.Tensor_Scalar: _shift_by_scalar(aten.bitwise_left_shift.Tensor),
+    aten.__rshift__.Tensor: aten.bitwise_right_shift.Tensor,
+    aten.__rshift__.Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
+    aten.bitwise_right_shift.Tensor_Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
     aten._native_multi_head_attention.default: _native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer,
     **_foreach_decompositions(),

@@ -26,7 +26,7 @@ _ELEMENT_TYPES = {
     "f32": DType.F32, "bf16": DType.BF16, "f16": DType.F16, "f64": DType.F64,
     "f8E4M3FN": DType.F8E4M3, "f8E5M2": DType.F8E5M2,
     "i1": DType.BOOL, "i8": DType.I8, "i16": DType.I16, "i32": DType.I32, "i64": DType.I64,
-    "ui8": DType.U8,
+    "ui8": DType.U8, "ui16": DType.U16, "ui32": DType.U32, "ui64": DType.U64,
 }
 
 # StableHLO / CHLO ops imported one to one as an IR op without attributes (the op-facts table lists them).
@@ -673,6 +673,8 @@ def _is_finite(op, inputs, shape, dtype, loc):
 
 
 def _custom_call(op, inputs, shape, dtype, loc):
+    if str(op.attributes["call_target_name"]).strip('"') == "Sharding" and len(inputs) == 1:
+        return inputs[0]  # XLA's layout request (JAX puts one on each typed PRNG key): on one core, its operand
     raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
 
 

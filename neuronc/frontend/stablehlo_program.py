@@ -130,9 +130,12 @@ def parse(program: StableHLOProgram):
             module = mlir.Module.parse(program.module.decode("utf-8", errors="replace"), context)
     except Exception as err:  # noqa: BLE001 - the MLIR parser's diagnostics say what is wrong
         detail = str(err).strip().splitlines()
+        shardy = "dialect 'sdy'" in str(err)  # JAX's Shardy annotations (every typed PRNG key has one)
         raise ModelLoadError(f"{program.origin} is not a valid StableHLO module: "
                              f"{' '.join(line.strip() for line in detail[:4])[:600]}",
-                             hint="check that the file is complete; write it from jax with "
+                             hint="export it with jax.config.update('jax_use_shardy_partitioner', False): neuronc "
+                             "reads XLA's sharding annotations, not Shardy's" if shardy else
+                             "check that the file is complete; write it from jax with "
                              "jax.jit(f).lower(*args).as_text()") from None
     with context:
         passmanager.PassManager.parse(_PREPARE).run(module.operation)

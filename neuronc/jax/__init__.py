@@ -66,7 +66,7 @@ class Jitted:
         if program is None:
             program = self.programs[signature] = self._compile(args, kwargs)
         self.last_run = program.loaded.run([arrays[i] for i in program.kept_inputs])
-        outputs = [jax.numpy.asarray(o) for o in self.last_run.outputs]
+        outputs = [_as_jax(o, aval) for o, aval in zip(self.last_run.outputs, program.out_avals)]
         return jax.tree_util.tree_unflatten(program.out_tree, outputs)
 
     def compile_count(self) -> int:
@@ -79,14 +79,28 @@ class Jitted:
         from neuronc.frontend.stablehlo_program import exported_program
 
         jitted = jax.jit(self.fun, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
-        exported = jax.export.export(jitted, platforms=["cpu"])(*args, **kwargs)
+        with _without_shardy():
+            exported = jax.export.export(jitted, platforms=["cpu"])(*args, **kwargs)
         compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options)
         log.info("neuronc: JAX function %s compiled for %s (%d kernels, estimated %.1f us%s); inputs %s",
                  self.name, self.options.target, len(compiled.neff.kernels), compiled.neff.estimated_ns / 1e3,
                  " (from the compile cache)" if compiled.cache_hit else "",
                  ", ".join(aval.str_short() for aval in exported.in_avals))
         return _Program(compiled, _load(compiled, self.options.target), tuple(exported.module_kept_var_idx),
-                        exported.out_tree)
+                        exported.out_tree, tuple(exported.out_avals))
+
+
+def _without_shardy():
+    """A scope exporting with XLA's sharding annotations rather than Shardy's: JAX annotates every typed PRNG key
+    (`jax.random.key`) with a sharding, and the MLIR that reads modules here (torch-mlir's) cannot read Shardy's
+    dialect from bytecode; XLA's annotation is a custom call the importer reads as its operand. The process's
+    setting is left as it was (JAX without the switch: the export as it is)."""
+    import contextlib
+
+    from jax._src import config
+
+    switch = getattr(config, "use_shardy_partitioner", None)
+    return switch(False) if switch is not None else contextlib.nullcontext()
 
 
 def _check_hashable(static: tuple) -> None:
@@ -102,18 +116,38 @@ def _check_hashable(static: tuple) -> None:
 
 
 class _Program:
-    def __init__(self, compiled, loaded, kept_inputs: tuple, out_tree):
+    def __init__(self, compiled, loaded, kept_inputs: tuple, out_tree, out_avals: tuple):
         self.compiled, self.loaded, self.kept_inputs, self.out_tree = compiled, loaded, kept_inputs, out_tree
+        self.out_avals = out_avals
 
 
 def _as_array(leaf) -> np.ndarray:
     """A pytree leaf as the numpy array JAX would make of it: Python and numpy numbers in JAX's default
-    types (float32 and int32 unless jax_enable_x64 is on)."""
+    types (float32 and int32 unless jax_enable_x64 is on); a typed PRNG key (`jax.random.key`) as its key data
+    (uint32 words), which is what the exported module takes for it."""
     import jax
 
+    if _is_key(getattr(leaf, "dtype", None)):
+        leaf = jax.random.key_data(leaf)
     array = np.asarray(leaf)
     dtype = jax.dtypes.canonicalize_dtype(array.dtype)
     return array if array.dtype == dtype else array.astype(dtype)
+
+
+def _is_key(dtype) -> bool:
+    import jax
+
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _as_jax(output: np.ndarray, aval):
+    """An output as a JAX array of the exported function's result type: a typed PRNG key is rewrapped from its
+    key data."""
+    import jax
+
+    if _is_key(aval.dtype):
+        return jax.random.wrap_key_data(output, impl=aval.dtype._impl)
+    return jax.numpy.asarray(output)
 
 
 def _load(compiled, target: str):

@@ -82,7 +82,7 @@ def fuse_elementwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             for old, new in zip(m.inputs, new_inputs[m]):
                 if old in position:
                     args.append(("step", position[old]))
-                elif new.scalar is not None:
+                elif new.scalar is not None and float(new.scalar) == new.scalar:  # an immediate is a float64
                     args.append(("imm", new.scalar))
                 else:
                     args.append(external(new))

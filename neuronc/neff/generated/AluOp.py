@@ -22,3 +22,6 @@ class AluOp(object):
     XOR = 16
     REMAINDER = 17
     ATAN2 = 18
+    SHIFT_LEFT = 19
+    SHIFT_RIGHT_LOGICAL = 20
+    SHIFT_RIGHT_ARITHMETIC = 21

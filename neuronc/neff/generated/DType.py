@@ -15,3 +15,6 @@ class DType(object):
     U8 = 9
     BOOL = 10
     F64 = 11
+    U16 = 12
+    U32 = 13
+    U64 = 14
