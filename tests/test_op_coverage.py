@@ -253,3 +253,47 @@ def test_copysign_takes_the_sign_bit_of_negative_zero(signed_specials):
 def test_a_view_as_another_dtype_of_its_width_keeps_the_bytes(signed_specials, src, dst):
     x = signed_specials[:4].to(src) if src.is_floating_point else signed_specials[:4].view(torch.int32)
     _matches_eager(lambda t: t.view(dst) + 1 if dst == torch.int32 else t.view(dst) * 2, x)
+
+
+POLYNOMIALS = [f"{shifted}chebyshev_polynomial_{kind}" for kind in "tuvw" for shifted in ("", "shifted_")] + [
+    "hermite_polynomial_h", "hermite_polynomial_he"]
+
+
+@pytest.fixture
+def polynomial_grid():
+    """x at the branch points of ATen's forms (+-1, 0, |x| just past 1, large, +-inf) against degrees at theirs
+    (negative, fractional, the closed-form thresholds, the unrolled steps' end, Hermite's limit of 128, large,
+    non-finite, beyond int64). Not x = NaN: ATen's U, V, W return an uninitialised variable there (its loop
+    stops at once on NaN and returns `r` unset: values like 7.8e-30 in eager); neuronc gives NaN (tested apart)."""
+    nan, inf = float("nan"), float("inf")
+    xs = torch.tensor([0.0, 1.0, -1.0, 0.5, -0.5, 0.999, -0.999, 1.0001, -1.0001, 1.5, -1.5, 3.0, -10.0, 1e5, -1e5,
+                       1e30, inf, -inf, 0.25, 0.75, 1 - 2 ** -24])
+    ns = torch.tensor([-3.0, -0.5, 0.0, 0.7, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0, 8.0, 9.0, 12.0, 16.0, 17.0, 18.0, 25.0,
+                       40.0, 100.0, 127.0, 128.0, 129.0, 1000.0, inf, -inf, nan, 1e19])
+    return torch.meshgrid(xs, ns, indexing="ij")
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomial_lowering_follows_atens_branches(polynomial_grid, name):
+    """neuronc's decomposition, run op by op in eager, against ATen's kernel: recurrence, closed forms, limits."""
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    x, n = polynomial_grid
+    torch.testing.assert_close(OWN[op](x, n), op(x, n), equal_nan=True, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomial_of_nan_is_nan(name):
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    assert OWN[op](torch.tensor([float("nan")] * 3), torch.tensor([0.0, 5.0, 1000.0]))[1:].isnan().all()
+
+
+def test_orthogonal_polynomials_compile_on_the_device(polynomial_grid):
+    """Degrees as a tensor (a data-dependent trip count for ATen's loop): the unrolled recurrence, the
+    trigonometric and hyperbolic forms and Hermite's 128 steps, compiled in one graph."""
+    x, n = polynomial_grid
+    n = n.clamp(max=1000.0)  # cos(n acos x) at n = 1e6 amplifies one ulp of acos past the tolerance, in both
+    _matches_eager(lambda a, b: (torch.special.chebyshev_polynomial_t(a, b),
+                                 torch.special.shifted_chebyshev_polynomial_w(a, b),
+                                 torch.special.hermite_polynomial_h(a, b)), x, n)

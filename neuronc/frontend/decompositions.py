@@ -1035,6 +1035,126 @@ def _spherical_bessel_j0(x):
     return torch.where(x.isinf(), 0.0, value)
 
 
+# Orthogonal polynomials (aten/src/ATen/native/Math.h, *_polynomial_*_forward). The degree n is a tensor, so
+# ATen's loop has a data-dependent trip count and the IR has no loop: neuronc unrolls the recurrence to a bound
+# and selects the step equal to n. Where ATen itself stops looping this is exact: the Hermite polynomials are NaN
+# past degree 128 (float), and Chebyshev's on |y| < 1 past a small degree are ATen's trigonometric closed form.
+# Chebyshev's on |y| > 1 past the unrolled steps take the hyperbolic closed form (relative error ~ n*t*eps, t =
+# acosh|y|; ATen's recurrence there ~ n*eps), NaN two degrees past overflow as ATen's recurrence (inf - inf).
+# Laguerre and Legendre polynomials stay bounded for every degree (no closed form, no bound): not lowered.
+
+_CHEBYSHEV_STEPS = 16
+_HERMITE_LIMIT = 128  # ATen's getHermitianLimit<float>(): a larger degree is NaN
+_INT64_RANGE = 2.0 ** 63  # static_cast<int64_t> of a float out of range (or NaN) is INT64_MIN on x86: degree < 0
+
+
+def _polynomial_operands(x, n):
+    """(x, degree as float32 integers with -1 for a NaN/inf/out-of-range n, result dtype)."""
+    x = x if isinstance(x, torch.Tensor) else torch.tensor(float(x))
+    n = n if isinstance(n, torch.Tensor) else torch.full_like(x, float(n))
+    dtype = torch.result_type(x, n)
+    dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+    x, n = torch.broadcast_tensors(x.to(torch.float32), n.to(torch.float32))
+    degree = torch.where(n.abs() < _INT64_RANGE, n.trunc(), -1.0)
+    return x, degree, dtype
+
+
+def _select_degree(degree, values):
+    """values[k] where degree == k (values[0] at degree 0, ...); 0 elsewhere."""
+    result = torch.zeros_like(values[0])
+    for k, value in enumerate(values):
+        result = torch.where(degree == k, value, result)
+    return result
+
+
+def _odd(degree):
+    return degree - 2.0 * torch.floor(degree * 0.5) != 0
+
+
+# kind: (degree of the first, degree above which |y| < 1 takes the closed form (plain, shifted))
+_CHEBYSHEV_KINDS = {"t": (6, 6), "u": (8, 6), "v": (8, 6), "w": (8, 4)}
+
+
+def _chebyshev_first(kind, y):
+    return {"t": y, "u": y + y, "v": y + y - 1.0, "w": y + y + 1.0}[kind]
+
+
+def _chebyshev_at_one(kind, y, n):
+    """ATen's values at y = 1 and y = -1 (the polynomial's exact values there)."""
+    sign = torch.where(_odd(n), -1.0, 1.0)
+    twice = n + n + 1.0
+    plus = {"t": torch.ones_like(n), "u": n + 1.0, "v": torch.ones_like(n), "w": twice}[kind]
+    minus = {"t": sign, "u": sign * (n + 1.0), "v": sign * twice, "w": sign}[kind]
+    return torch.where(y > 0, plus, minus)
+
+
+def _chebyshev_trigonometric(kind, y, n, shifted):
+    theta = torch.acos(y)
+    sign = torch.where(_odd(n), -1.0, 1.0)
+    if kind == "t":
+        return torch.cos(n * theta)
+    if kind == "u":
+        return torch.where(torch.sin(theta) != 0, torch.sin((n + 1.0) * theta) / torch.sin(theta),
+                           (n + 1.0) * torch.cos((n + 1.0) * theta) / y)
+    if kind == "v":
+        return torch.where(torch.sin(theta / 2.0) != 1, torch.cos((n + 0.5) * theta) / torch.cos(theta / 2.0),
+                           sign * (n + n + 1.0))
+    return torch.where(torch.cos(theta / 2.0) != 1, torch.sin((n + 0.5) * theta) / torch.sin(theta / 2.0),
+                       sign if shifted else torch.where(y > 0, n + n + 1.0, sign))
+
+
+def _chebyshev_hyperbolic(kind, y, n):
+    """The polynomial at |y| > 1 as exp(n t) times a bounded ratio (t = acosh|y|): no intermediate overflow."""
+    a = y.abs()
+    t = torch.log1p((a - 1.0) + torch.sqrt((a - 1.0) * (a + 1.0)))
+    grow = torch.exp(n * t)
+    sign = torch.where((y < 0) & _odd(n), -1.0, 1.0)
+    plus_v = grow * (1.0 + torch.exp(-(n + n + 1.0) * t)) / (1.0 + torch.exp(-t))  # V at |y|, W at -|y|
+    plus_w = grow * torch.expm1(-(n + n + 1.0) * t) / torch.expm1(-t)  # W at |y|, V at -|y|
+    if kind == "t":
+        return sign * torch.exp(n * t - math.log(2.0)) * (1.0 + torch.exp(-2.0 * n * t))
+    if kind == "u":
+        return sign * grow * torch.expm1(-2.0 * (n + 1.0) * t) / torch.expm1(-2.0 * t)
+    if kind == "v":
+        return sign * torch.where(y > 0, plus_v, plus_w)
+    return sign * torch.where(y > 0, plus_w, plus_v)
+
+
+def _chebyshev_polynomial(kind: str, shifted: bool):
+    def lowering(x, n):
+        x, n, dtype = _polynomial_operands(x, n)
+        y = x + x - 1.0 if shifted else x
+        first = _chebyshev_first(kind, y)
+        values, p, q = [torch.ones_like(y), first], torch.ones_like(y), first
+        for _ in range(2, _CHEBYSHEV_STEPS + 1):
+            p, q = q, (y + y) * q - p
+            values.append(q)
+        beyond = _chebyshev_hyperbolic(kind, y, n)
+        beyond = torch.where(_chebyshev_hyperbolic(kind, y, n - 2.0).isinf(), math.nan, beyond)
+        value = torch.where(n > _CHEBYSHEV_STEPS, beyond, _select_degree(n, values))
+        closed_from = _CHEBYSHEV_KINDS[kind][1 if shifted else 0]
+        value = torch.where((n > closed_from) & (y.abs() < 1.0), _chebyshev_trigonometric(kind, y, n, shifted), value)
+        value = torch.where(y.abs() == 1.0, _chebyshev_at_one(kind, y, n), value)
+        return torch.where(n < 0, 0.0, value).to(dtype)
+    lowering.__name__ = f"_{'shifted_' if shifted else ''}chebyshev_polynomial_{kind}"
+    return lowering
+
+
+def _hermite_polynomial(physicists: bool):
+    """H_n (physicists') or He_n (probabilists'): ATen's recurrence unrolled to its own limit of 128."""
+    def lowering(x, n):
+        x, n, dtype = _polynomial_operands(x, n)
+        scale = x + x if physicists else x
+        values, p, q = [torch.ones_like(x), scale], torch.ones_like(x), scale
+        for k in range(1, _HERMITE_LIMIT):
+            p, q = q, scale * q - (2.0 * k if physicists else float(k)) * p
+            values.append(q)
+        value = torch.where(n > _HERMITE_LIMIT, math.nan, _select_degree(n, values))
+        return torch.where(n < 0, 0.0, value).to(dtype)
+    lowering.__name__ = f"_hermite_polynomial_{'h' if physicists else 'he'}"
+    return lowering
+
+
 OWN = {
     aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
@@ -1087,3 +1207,9 @@ OWN = {
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
 }
+for _kind in "tuvw":
+    for _shifted in (False, True):
+        _op = getattr(aten, f"special_{'shifted_' if _shifted else ''}chebyshev_polynomial_{_kind}")
+        OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _chebyshev_polynomial(_kind, _shifted)))
+for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.special_hermite_polynomial_he, False)):
+    OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _hermite_polynomial(_physicists)))
