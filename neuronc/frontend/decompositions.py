@@ -1155,6 +1155,155 @@ def _hermite_polynomial(physicists: bool):
     return lowering
 
 
+# LU with partial pivoting (LAPACK's getrf: the first largest |a| of the column below the diagonal is the
+# pivot; a zero column is not scaled and sets info), unrolled over the static min(m, n) columns, and what
+# torch builds on it: det, slogdet, inv, solve, lu_solve, lu, lu_unpack. Row swaps are gathers and every
+# product is a sum of elementwise products, so a permutation moves values exactly. torch's error check
+# after inv/solve/lu_factor (`_linalg_check_errors` on `info`, raising on a singular matrix) is an effect
+# that is not device work: the partition fallback runs it on the CPU after the device computed `info`.
+
+def _lu_factor(a, pivot=True):
+    """(LU, pivots as int32 from 1, info as int32) of a[..., m, n]."""
+    m, n = a.shape[-2], a.shape[-1]
+    rows, cols = torch.arange(m, device=a.device), torch.arange(n, device=a.device)
+    info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
+    pivots = []
+    for j in range(min(m, n)):
+        if pivot:
+            candidates = torch.where(rows >= j, a[..., :, j].abs(), -1.0)
+            p = torch.argmax(candidates, dim=-1, keepdim=True)  # [..., 1]: the first largest
+            order = torch.where(rows == j, p, torch.where(rows == p, j, rows))
+            a = torch.gather(a, -2, order.unsqueeze(-1).expand(a.shape))
+            pivots.append(p.squeeze(-1) + 1)
+        else:
+            pivots.append(torch.full(a.shape[:-2], j + 1, dtype=torch.int64, device=a.device))
+        diagonal = a[..., j, j]
+        singular = diagonal == 0
+        info = torch.where((info == 0) & singular, j + 1, info)
+        below = torch.where(rows > j, a[..., :, j] / torch.where(singular, 1.0, diagonal).unsqueeze(-1), 0.0)
+        right = torch.where(cols > j, a[..., j, :], 0.0)
+        a = a - below.unsqueeze(-1) * right.unsqueeze(-2)
+        a = torch.where((rows.unsqueeze(-1) > j) & (cols == j), below.unsqueeze(-1), a)
+    if not pivots:
+        return a, torch.zeros(a.shape[:-2] + (0,), dtype=torch.int32, device=a.device), info
+    return a, torch.stack(pivots, -1).to(torch.int32), info
+
+
+def _permutation(pivots, m: int):
+    """The row order the pivots' swaps make (LU = A[order]): order[..., i] for i < m, int64."""
+    order = torch.arange(m, device=pivots.device).expand(pivots.shape[:-1] + (m,))
+    rows = torch.arange(m, device=pivots.device)
+    for j in range(pivots.shape[-1]):
+        p = pivots[..., j:j + 1].to(torch.int64) - 1
+        at_j, at_p = order[..., j:j + 1], torch.gather(order, -1, p)
+        order = torch.where(rows == j, at_p, torch.where(rows == p, at_j, order))
+    return order
+
+
+def _rows_of(b, order):
+    """b[..., order, :] (order[..., m])."""
+    return torch.gather(b, -2, order.unsqueeze(-1).expand(order.shape + (b.shape[-1],)))
+
+
+def _inverse_order(order):
+    m = order.shape[-1]
+    rows = torch.arange(m, device=order.device)
+    return ((order.unsqueeze(-1) == rows) * rows.unsqueeze(-1)).sum(-2)  # inverse[order[i]] = i
+
+
+def _substitute(t, b, *, lower: bool, unit: bool):
+    """x with t x = b, t[..., n, n] triangular, b[..., n, r]: row by row, products as sums."""
+    n = t.shape[-1]
+    xs = [None] * n
+    for i in (range(n) if lower else range(n - 1, -1, -1)):
+        known = list(range(i)) if lower else list(range(i + 1, n))
+        acc = b[..., i, :]
+        if known:
+            solved = torch.stack([xs[k] for k in known], -2)  # [..., len, r]
+            coefficients = t[..., i, known[0]:known[-1] + 1] if lower else t[..., i, i + 1:]
+            acc = acc - (coefficients.unsqueeze(-1) * solved).sum(-2)
+        xs[i] = acc if unit else acc / t[..., i, i:i + 1]
+    return torch.stack(xs, -2) if n else b
+
+
+def _lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    if not left:
+        return _lu_solve(lu, pivots, b.mT, left=True, adjoint=not adjoint).mT
+    batch = torch.broadcast_shapes(lu.shape[:-2], b.shape[:-2])
+    lu, b = lu.expand(batch + lu.shape[-2:]), b.expand(batch + b.shape[-2:])
+    order = _permutation(pivots.expand(batch + pivots.shape[-1:]), lu.shape[-1])
+    if not adjoint:
+        y = _substitute(lu, _rows_of(b, order), lower=True, unit=True)
+        return _substitute(lu, y, lower=False, unit=False)
+    y = _substitute(lu.mT, b, lower=True, unit=False)
+    z = _substitute(lu.mT, y, lower=False, unit=True)
+    return _rows_of(z, _inverse_order(order))
+
+
+def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
+    return _lu_factor(a, pivot)
+
+
+def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    return _lu_solve(lu, pivots, b, left=left, adjoint=adjoint)
+
+
+def _swaps_sign(pivots):
+    steps = torch.arange(1, pivots.shape[-1] + 1, device=pivots.device)
+    swaps = (pivots != steps).sum(-1)
+    return 1.0 - 2.0 * (swaps % 2).to(torch.float32)
+
+
+def _linalg_det(a):
+    """det(A) = det(A^T): ATen factors A^T (its LU and pivots, returned for the backward, are those)."""
+    lu, pivots, _ = _lu_factor(a.mT)
+    det = torch.diagonal(lu, 0, -2, -1).prod(-1) * _swaps_sign(pivots).to(a.dtype)
+    return det, lu, pivots
+
+
+def _linalg_slogdet(a):
+    lu, pivots, _ = _lu_factor(a.mT)
+    diagonal = torch.diagonal(lu, 0, -2, -1)
+    sign = torch.sign(diagonal).prod(-1) * _swaps_sign(pivots).to(a.dtype)
+    return sign, diagonal.abs().log().sum(-1), lu, pivots
+
+
+def _linalg_inv_ex(a, *, check_errors=False):
+    lu, pivots, info = _lu_factor(a)
+    identity = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand(a.shape)
+    return _lu_solve(lu, pivots, identity), info
+
+
+def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    lu, pivots, info = _lu_factor(a)
+    vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
+    rhs = (b.unsqueeze(-1) if left else b.unsqueeze(-2)) if vector else b
+    result = _lu_solve(lu, pivots, rhs, left=left)
+    return (result.squeeze(-1) if left else result.squeeze(-2)) if vector else result, lu, pivots, info
+
+
+def _unpacked(lu, pivots):
+    m, n = lu.shape[-2], lu.shape[-1]
+    k = min(m, n)
+    lower = torch.tril(lu[..., :, :k], -1) + torch.eye(m, k, dtype=lu.dtype, device=lu.device)
+    upper = torch.triu(lu[..., :k, :])
+    order = _permutation(pivots, m)
+    permutation = (torch.arange(m, device=lu.device).unsqueeze(-1) == order.unsqueeze(-2)).to(lu.dtype)
+    return permutation, lower, upper
+
+
+def _linalg_lu(a, *, pivot=True):
+    lu, pivots, _ = _lu_factor(a, pivot)
+    return _unpacked(lu, pivots)
+
+
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    permutation, lower, upper = _unpacked(lu, pivots)
+    nothing = lu.new_zeros((0,))
+    return (permutation if unpack_pivots else nothing, lower if unpack_data else nothing,
+            upper if unpack_data else nothing)
+
+
 OWN = {
     aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
@@ -1206,6 +1355,14 @@ OWN = {
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+    aten.linalg_lu_factor_ex.default: _linalg_lu_factor_ex,
+    aten.linalg_lu_solve.default: _linalg_lu_solve,
+    aten._linalg_det.default: _linalg_det,
+    aten._linalg_slogdet.default: _linalg_slogdet,
+    aten.linalg_inv_ex.default: _linalg_inv_ex,
+    aten._linalg_solve_ex.default: _linalg_solve_ex,
+    aten.linalg_lu.default: _linalg_lu,
+    aten.lu_unpack.default: _lu_unpack,
 }
 for _kind in "tuvw":
     for _shifted in (False, True):
