@@ -297,3 +297,69 @@ def test_orthogonal_polynomials_compile_on_the_device(polynomial_grid):
     _matches_eager(lambda a, b: (torch.special.chebyshev_polynomial_t(a, b),
                                  torch.special.shifted_chebyshev_polynomial_w(a, b),
                                  torch.special.hermite_polynomial_h(a, b)), x, n)
+
+
+def _matrices(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _singular():
+    """A zero column at the second step (info = 2 in LAPACK) and a repeated row."""
+    a = _matrices(2, 4, 4, seed=3)
+    a[0, :, 1] = 0.0
+    a[1, 2] = a[1, 0]
+    return a
+
+
+LU_INPUTS = {"square": lambda: _matrices(4, 4), "batched": lambda: _matrices(2, 3, 5, 5), "wide": lambda: _matrices(3, 5),
+             "tall": lambda: _matrices(2, 5, 3), "one": lambda: _matrices(1, 1), "empty": lambda: _matrices(0, 0),
+             "empty batch": lambda: _matrices(0, 3, 3), "singular": _singular,
+             "large and tiny": lambda: _matrices(4, 4) * torch.tensor([1e30, 1.0, 1e-30, 1.0])}
+
+
+@pytest.mark.parametrize("name", LU_INPUTS)
+def test_lu_factor_pivots_as_lapack(name):
+    """LU, pivots and info as LAPACK's getrf (the first largest |a| of the column is the pivot), and lu's P, L, U."""
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, LU_INPUTS[name]()
+    for op in (aten.linalg_lu_factor_ex.default, aten.linalg_lu.default):
+        for got, want in zip(OWN[op](a), op(a)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", [n for n in LU_INPUTS if n not in ("wide", "tall")])
+def test_det_slogdet_inv_solve_on_lu(name):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, LU_INPUTS[name]()
+    b = _matrices(*a.shape[:-1], 2, seed=1)
+    cases = [(aten._linalg_det.default, (a,), {}), (aten._linalg_slogdet.default, (a,), {}),
+             (aten.linalg_inv_ex.default, (a,), {}), (aten._linalg_solve_ex.default, (a, b), {}),
+             (aten._linalg_solve_ex.default, (a, b.mT), {"left": False}),
+             (aten._linalg_solve_ex.default, (a, a.sum(-1)), {})]  # a vector right-hand side
+    for op, args, kwargs in cases:
+        outputs = list(zip(OWN[op](*args, **kwargs), op(*args, **kwargs)))
+        if name == "singular" and op in (aten.linalg_inv_ex.default, aten._linalg_solve_ex.default):
+            # of a singular matrix, the solution is what each left of its partial work: only info is a contract
+            outputs = [(got, want) for got, want in outputs if want.dtype == torch.int32]
+            assert outputs and outputs[-1][1].tolist() == [2, 4]  # the repeated row leaves a zero last pivot
+        for got, want in outputs:
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("left, adjoint", [(True, False), (True, True), (False, False), (False, True)])
+def test_lu_solve_and_unpack(left, adjoint):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, _matrices(2, 5, 5)
+    b = _matrices(2, 5, 3, seed=1) if left else _matrices(2, 3, 5, seed=1)
+    lu, pivots, _ = aten.linalg_lu_factor_ex(a)
+    torch.testing.assert_close(OWN[aten.linalg_lu_solve.default](lu, pivots, b, left=left, adjoint=adjoint),
+                               aten.linalg_lu_solve(lu, pivots, b, left=left, adjoint=adjoint), rtol=1e-4, atol=1e-4)
+    for got, want in zip(OWN[aten.lu_unpack.default](lu, pivots), aten.lu_unpack(lu, pivots)):
+        torch.testing.assert_close(got, want)
+
+
+def test_lu_family_compiles_on_the_device():
+    a, b = _matrices(2, 4, 4), _matrices(2, 4, 3, seed=1)
+    _matches_eager(lambda m, r: (*torch.linalg.lu_factor_ex(m), torch.linalg.det(m), *torch.linalg.solve_ex(m, r),
+                                 *torch.linalg.lu(m)), a, b)
