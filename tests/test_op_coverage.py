@@ -363,3 +363,10 @@ def test_lu_family_compiles_on_the_device():
     a, b = _matrices(2, 4, 4), _matrices(2, 4, 3, seed=1)
     _matches_eager(lambda m, r: (*torch.linalg.lu_factor_ex(m), torch.linalg.det(m), *torch.linalg.solve_ex(m, r),
                                  *torch.linalg.lu(m)), a, b)
+
+
+def test_lu_of_nothing_compiles():
+    """An empty matrix, and a right-hand side of no columns: nothing to factor or solve (OpInfo's samples)."""
+    lu, pivots = torch.linalg.lu_factor(_matrices(3, 3))
+    _matches_eager(lambda a, b: (*torch.linalg.inv_ex(a), torch.linalg.lu_solve(lu, pivots, b)),
+                   _matrices(0, 0), _matrices(3, 0))

@@ -1168,6 +1168,8 @@ def _lu_factor(a, pivot=True):
     m, n = a.shape[-2], a.shape[-1]
     rows, cols = torch.arange(m, device=a.device), torch.arange(n, device=a.device)
     info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
+    if a.numel() == 0:  # nothing to factor (an empty gather does not compile)
+        return a + 0, torch.ones(a.shape[:-2] + (min(m, n),), dtype=torch.int32, device=a.device).cumsum(-1).to(torch.int32), info
     pivots = []
     for j in range(min(m, n)):
         if pivot:
@@ -1232,6 +1234,8 @@ def _lu_solve(lu, pivots, b, *, left=True, adjoint=False):
         return _lu_solve(lu, pivots, b.mT, left=True, adjoint=not adjoint).mT
     batch = torch.broadcast_shapes(lu.shape[:-2], b.shape[:-2])
     lu, b = lu.expand(batch + lu.shape[-2:]), b.expand(batch + b.shape[-2:])
+    if b.numel() == 0:  # nothing to solve for (an empty gather does not compile)
+        return b.new_zeros(b.shape)
     order = _permutation(pivots.expand(batch + pivots.shape[-1:]), lu.shape[-1])
     if not adjoint:
         y = _substitute(lu, _rows_of(b, order), lower=True, unit=True)
