@@ -370,3 +370,34 @@ def test_lu_of_nothing_compiles():
     lu, pivots = torch.linalg.lu_factor(_matrices(3, 3))
     _matches_eager(lambda a, b: (*torch.linalg.inv_ex(a), torch.linalg.lu_solve(lu, pivots, b)),
                    _matrices(0, 0), _matrices(3, 0))
+
+
+def _encoder(norm_first: bool, activation: str):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation=activation, batch_first=True,
+                                             norm_first=norm_first)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal and padding"])
+def test_transformer_encoder_inference_fast_path_compiles(norm_first, activation, masks):
+    # nn.TransformerEncoderLayer in eval under no_grad calls one fused op, aten._transformer_encoder_layer_fwd
+    # (masks merged and typed by nn.MultiheadAttention.merge_masks); neuronc computes it as ATen's C++ does
+    encoder, x = _encoder(norm_first, activation), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    kwargs = {"none": {}, "padding": {"src_key_padding_mask": padding},
+              "causal and padding": {"mask": causal, "src_key_padding_mask": padding, "is_causal": True}}[masks]
+    with torch.no_grad():
+        _matches_eager(lambda t: encoder(t, **kwargs), x)
+
+
+def test_multi_head_attention_inference_fast_path_gives_weights_like_eager():
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        _matches_eager(lambda t: attention(t, t, t, key_padding_mask=padding), x)
+        _matches_eager(lambda t: attention(t, t, t, average_attn_weights=False), x)
