@@ -255,6 +255,123 @@ def test_a_view_as_another_dtype_of_its_width_keeps_the_bytes(signed_specials, s
     _matches_eager(lambda t: t.view(dst) + 1 if dst == torch.int32 else t.view(dst) * 2, x)
 
 
+POLYNOMIALS = [f"{shifted}chebyshev_polynomial_{kind}" for kind in "tuvw" for shifted in ("", "shifted_")] + [
+    "hermite_polynomial_h", "hermite_polynomial_he"]
+
+
+@pytest.fixture
+def polynomial_grid():
+    """x at the branch points of ATen's forms (+-1, 0, |x| just past 1, large, +-inf) against degrees at theirs
+    (negative, fractional, the closed-form thresholds, the unrolled steps' end, Hermite's limit of 128, large,
+    non-finite, beyond int64). Not x = NaN: ATen's U, V, W return an uninitialised variable there (its loop
+    stops at once on NaN and returns `r` unset: values like 7.8e-30 in eager); neuronc gives NaN (tested apart)."""
+    nan, inf = float("nan"), float("inf")
+    xs = torch.tensor([0.0, 1.0, -1.0, 0.5, -0.5, 0.999, -0.999, 1.0001, -1.0001, 1.5, -1.5, 3.0, -10.0, 1e5, -1e5,
+                       1e30, inf, -inf, 0.25, 0.75, 1 - 2 ** -24])
+    ns = torch.tensor([-3.0, -0.5, 0.0, 0.7, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0, 8.0, 9.0, 12.0, 16.0, 17.0, 18.0, 25.0,
+                       40.0, 100.0, 127.0, 128.0, 129.0, 1000.0, inf, -inf, nan, 1e19])
+    return torch.meshgrid(xs, ns, indexing="ij")
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomial_lowering_follows_atens_branches(polynomial_grid, name):
+    """neuronc's decomposition, run op by op in eager, against ATen's kernel: recurrence, closed forms, limits."""
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    x, n = polynomial_grid
+    torch.testing.assert_close(OWN[op](x, n), op(x, n), equal_nan=True, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomial_of_nan_is_nan(name):
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    assert OWN[op](torch.tensor([float("nan")] * 3), torch.tensor([0.0, 5.0, 1000.0]))[1:].isnan().all()
+
+
+def test_orthogonal_polynomials_compile_on_the_device(polynomial_grid):
+    """Degrees as a tensor (a data-dependent trip count for ATen's loop): the unrolled recurrence, the
+    trigonometric and hyperbolic forms and Hermite's 128 steps, compiled in one graph."""
+    x, n = polynomial_grid
+    n = n.clamp(max=1000.0)  # cos(n acos x) at n = 1e6 amplifies one ulp of acos past the tolerance, in both
+    _matches_eager(lambda a, b: (torch.special.chebyshev_polynomial_t(a, b),
+                                 torch.special.shifted_chebyshev_polynomial_w(a, b),
+                                 torch.special.hermite_polynomial_h(a, b)), x, n)
+
+
+def _matrices(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _singular():
+    """A zero column at the second step (info = 2 in LAPACK) and a repeated row."""
+    a = _matrices(2, 4, 4, seed=3)
+    a[0, :, 1] = 0.0
+    a[1, 2] = a[1, 0]
+    return a
+
+
+LU_INPUTS = {"square": lambda: _matrices(4, 4), "batched": lambda: _matrices(2, 3, 5, 5), "wide": lambda: _matrices(3, 5),
+             "tall": lambda: _matrices(2, 5, 3), "one": lambda: _matrices(1, 1), "empty": lambda: _matrices(0, 0),
+             "empty batch": lambda: _matrices(0, 3, 3), "singular": _singular,
+             "large and tiny": lambda: _matrices(4, 4) * torch.tensor([1e30, 1.0, 1e-30, 1.0])}
+
+
+@pytest.mark.parametrize("name", LU_INPUTS)
+def test_lu_factor_pivots_as_lapack(name):
+    """LU, pivots and info as LAPACK's getrf (the first largest |a| of the column is the pivot), and lu's P, L, U."""
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, LU_INPUTS[name]()
+    for op in (aten.linalg_lu_factor_ex.default, aten.linalg_lu.default):
+        for got, want in zip(OWN[op](a), op(a)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", [n for n in LU_INPUTS if n not in ("wide", "tall")])
+def test_det_slogdet_inv_solve_on_lu(name):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, LU_INPUTS[name]()
+    b = _matrices(*a.shape[:-1], 2, seed=1)
+    cases = [(aten._linalg_det.default, (a,), {}), (aten._linalg_slogdet.default, (a,), {}),
+             (aten.linalg_inv_ex.default, (a,), {}), (aten._linalg_solve_ex.default, (a, b), {}),
+             (aten._linalg_solve_ex.default, (a, b.mT), {"left": False}),
+             (aten._linalg_solve_ex.default, (a, a.sum(-1)), {})]  # a vector right-hand side
+    for op, args, kwargs in cases:
+        outputs = list(zip(OWN[op](*args, **kwargs), op(*args, **kwargs)))
+        if name == "singular" and op in (aten.linalg_inv_ex.default, aten._linalg_solve_ex.default):
+            # of a singular matrix, the solution is what each left of its partial work: only info is a contract
+            outputs = [(got, want) for got, want in outputs if want.dtype == torch.int32]
+            assert outputs and outputs[-1][1].tolist() == [2, 4]  # the repeated row leaves a zero last pivot
+        for got, want in outputs:
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("left, adjoint", [(True, False), (True, True), (False, False), (False, True)])
+def test_lu_solve_and_unpack(left, adjoint):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, _matrices(2, 5, 5)
+    b = _matrices(2, 5, 3, seed=1) if left else _matrices(2, 3, 5, seed=1)
+    lu, pivots, _ = aten.linalg_lu_factor_ex(a)
+    torch.testing.assert_close(OWN[aten.linalg_lu_solve.default](lu, pivots, b, left=left, adjoint=adjoint),
+                               aten.linalg_lu_solve(lu, pivots, b, left=left, adjoint=adjoint), rtol=1e-4, atol=1e-4)
+    for got, want in zip(OWN[aten.lu_unpack.default](lu, pivots), aten.lu_unpack(lu, pivots)):
+        torch.testing.assert_close(got, want)
+
+
+def test_lu_family_compiles_on_the_device():
+    a, b = _matrices(2, 4, 4), _matrices(2, 4, 3, seed=1)
+    _matches_eager(lambda m, r: (*torch.linalg.lu_factor_ex(m), torch.linalg.det(m), *torch.linalg.solve_ex(m, r),
+                                 *torch.linalg.lu(m)), a, b)
+
+
+def test_lu_of_nothing_compiles():
+    """An empty matrix, and a right-hand side of no columns: nothing to factor or solve (OpInfo's samples)."""
+    lu, pivots = torch.linalg.lu_factor(_matrices(3, 3))
+    _matches_eager(lambda a, b: (*torch.linalg.inv_ex(a), torch.linalg.lu_solve(lu, pivots, b)),
+                   _matrices(0, 0), _matrices(3, 0))
+
+
 def _encoder(norm_first: bool, activation: str):
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation=activation, batch_first=True,

@@ -1035,6 +1035,279 @@ def _spherical_bessel_j0(x):
     return torch.where(x.isinf(), 0.0, value)
 
 
+# Orthogonal polynomials (aten/src/ATen/native/Math.h, *_polynomial_*_forward). The degree n is a tensor, so
+# ATen's loop has a data-dependent trip count and the IR has no loop: neuronc unrolls the recurrence to a bound
+# and selects the step equal to n. Where ATen itself stops looping this is exact: the Hermite polynomials are NaN
+# past degree 128 (float), and Chebyshev's on |y| < 1 past a small degree are ATen's trigonometric closed form.
+# Chebyshev's on |y| > 1 past the unrolled steps take the hyperbolic closed form (relative error ~ n*t*eps, t =
+# acosh|y|; ATen's recurrence there ~ n*eps), NaN two degrees past overflow as ATen's recurrence (inf - inf).
+# Laguerre and Legendre polynomials stay bounded for every degree (no closed form, no bound): not lowered.
+
+_CHEBYSHEV_STEPS = 16
+_HERMITE_LIMIT = 128  # ATen's getHermitianLimit<float>(): a larger degree is NaN
+_INT64_RANGE = 2.0 ** 63  # static_cast<int64_t> of a float out of range (or NaN) is INT64_MIN on x86: degree < 0
+
+
+def _polynomial_operands(x, n):
+    """(x, degree as float32 integers with -1 for a NaN/inf/out-of-range n, result dtype)."""
+    x = x if isinstance(x, torch.Tensor) else torch.tensor(float(x))
+    n = n if isinstance(n, torch.Tensor) else torch.full_like(x, float(n))
+    dtype = torch.result_type(x, n)
+    dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+    x, n = torch.broadcast_tensors(x.to(torch.float32), n.to(torch.float32))
+    degree = torch.where(n.abs() < _INT64_RANGE, n.trunc(), -1.0)
+    return x, degree, dtype
+
+
+def _select_degree(degree, values):
+    """values[k] where degree == k (values[0] at degree 0, ...); 0 elsewhere."""
+    result = torch.zeros_like(values[0])
+    for k, value in enumerate(values):
+        result = torch.where(degree == k, value, result)
+    return result
+
+
+def _odd(degree):
+    return degree - 2.0 * torch.floor(degree * 0.5) != 0
+
+
+# kind: (degree of the first, degree above which |y| < 1 takes the closed form (plain, shifted))
+_CHEBYSHEV_KINDS = {"t": (6, 6), "u": (8, 6), "v": (8, 6), "w": (8, 4)}
+
+
+def _chebyshev_first(kind, y):
+    return {"t": y, "u": y + y, "v": y + y - 1.0, "w": y + y + 1.0}[kind]
+
+
+def _chebyshev_at_one(kind, y, n):
+    """ATen's values at y = 1 and y = -1 (the polynomial's exact values there)."""
+    sign = torch.where(_odd(n), -1.0, 1.0)
+    twice = n + n + 1.0
+    plus = {"t": torch.ones_like(n), "u": n + 1.0, "v": torch.ones_like(n), "w": twice}[kind]
+    minus = {"t": sign, "u": sign * (n + 1.0), "v": sign * twice, "w": sign}[kind]
+    return torch.where(y > 0, plus, minus)
+
+
+def _chebyshev_trigonometric(kind, y, n, shifted):
+    theta = torch.acos(y)
+    sign = torch.where(_odd(n), -1.0, 1.0)
+    if kind == "t":
+        return torch.cos(n * theta)
+    if kind == "u":
+        return torch.where(torch.sin(theta) != 0, torch.sin((n + 1.0) * theta) / torch.sin(theta),
+                           (n + 1.0) * torch.cos((n + 1.0) * theta) / y)
+    if kind == "v":
+        return torch.where(torch.sin(theta / 2.0) != 1, torch.cos((n + 0.5) * theta) / torch.cos(theta / 2.0),
+                           sign * (n + n + 1.0))
+    return torch.where(torch.cos(theta / 2.0) != 1, torch.sin((n + 0.5) * theta) / torch.sin(theta / 2.0),
+                       sign if shifted else torch.where(y > 0, n + n + 1.0, sign))
+
+
+def _chebyshev_hyperbolic(kind, y, n):
+    """The polynomial at |y| > 1 as exp(n t) times a bounded ratio (t = acosh|y|): no intermediate overflow."""
+    a = y.abs()
+    t = torch.log1p((a - 1.0) + torch.sqrt((a - 1.0) * (a + 1.0)))
+    grow = torch.exp(n * t)
+    sign = torch.where((y < 0) & _odd(n), -1.0, 1.0)
+    plus_v = grow * (1.0 + torch.exp(-(n + n + 1.0) * t)) / (1.0 + torch.exp(-t))  # V at |y|, W at -|y|
+    plus_w = grow * torch.expm1(-(n + n + 1.0) * t) / torch.expm1(-t)  # W at |y|, V at -|y|
+    if kind == "t":
+        return sign * torch.exp(n * t - math.log(2.0)) * (1.0 + torch.exp(-2.0 * n * t))
+    if kind == "u":
+        return sign * grow * torch.expm1(-2.0 * (n + 1.0) * t) / torch.expm1(-2.0 * t)
+    if kind == "v":
+        return sign * torch.where(y > 0, plus_v, plus_w)
+    return sign * torch.where(y > 0, plus_w, plus_v)
+
+
+def _chebyshev_polynomial(kind: str, shifted: bool):
+    def lowering(x, n):
+        x, n, dtype = _polynomial_operands(x, n)
+        y = x + x - 1.0 if shifted else x
+        first = _chebyshev_first(kind, y)
+        values, p, q = [torch.ones_like(y), first], torch.ones_like(y), first
+        for _ in range(2, _CHEBYSHEV_STEPS + 1):
+            p, q = q, (y + y) * q - p
+            values.append(q)
+        beyond = _chebyshev_hyperbolic(kind, y, n)
+        beyond = torch.where(_chebyshev_hyperbolic(kind, y, n - 2.0).isinf(), math.nan, beyond)
+        value = torch.where(n > _CHEBYSHEV_STEPS, beyond, _select_degree(n, values))
+        closed_from = _CHEBYSHEV_KINDS[kind][1 if shifted else 0]
+        value = torch.where((n > closed_from) & (y.abs() < 1.0), _chebyshev_trigonometric(kind, y, n, shifted), value)
+        value = torch.where(y.abs() == 1.0, _chebyshev_at_one(kind, y, n), value)
+        return torch.where(n < 0, 0.0, value).to(dtype)
+    lowering.__name__ = f"_{'shifted_' if shifted else ''}chebyshev_polynomial_{kind}"
+    return lowering
+
+
+def _hermite_polynomial(physicists: bool):
+    """H_n (physicists') or He_n (probabilists'): ATen's recurrence unrolled to its own limit of 128."""
+    def lowering(x, n):
+        x, n, dtype = _polynomial_operands(x, n)
+        scale = x + x if physicists else x
+        values, p, q = [torch.ones_like(x), scale], torch.ones_like(x), scale
+        for k in range(1, _HERMITE_LIMIT):
+            p, q = q, scale * q - (2.0 * k if physicists else float(k)) * p
+            values.append(q)
+        value = torch.where(n > _HERMITE_LIMIT, math.nan, _select_degree(n, values))
+        return torch.where(n < 0, 0.0, value).to(dtype)
+    lowering.__name__ = f"_hermite_polynomial_{'h' if physicists else 'he'}"
+    return lowering
+
+
+# LU with partial pivoting (LAPACK's getrf: the first largest |a| of the column below the diagonal is the
+# pivot; a zero column is not scaled and sets info), unrolled over the static min(m, n) columns, and what
+# torch builds on it: det, slogdet, inv, solve, lu_solve, lu, lu_unpack. Row swaps are gathers and every
+# product is a sum of elementwise products, so a permutation moves values exactly. torch's error check
+# after inv/solve/lu_factor (`_linalg_check_errors` on `info`, raising on a singular matrix) is an effect
+# that is not device work: the partition fallback runs it on the CPU after the device computed `info`.
+
+def _lu_factor(a, pivot=True):
+    """(LU, pivots as int32 from 1, info as int32) of a[..., m, n]."""
+    m, n = a.shape[-2], a.shape[-1]
+    rows, cols = torch.arange(m, device=a.device), torch.arange(n, device=a.device)
+    info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
+    if a.numel() == 0:  # nothing to factor (an empty gather does not compile)
+        return a + 0, torch.ones(a.shape[:-2] + (min(m, n),), dtype=torch.int32, device=a.device).cumsum(-1).to(torch.int32), info
+    pivots = []
+    for j in range(min(m, n)):
+        if pivot:
+            candidates = torch.where(rows >= j, a[..., :, j].abs(), -1.0)
+            p = torch.argmax(candidates, dim=-1, keepdim=True)  # [..., 1]: the first largest
+            order = torch.where(rows == j, p, torch.where(rows == p, j, rows))
+            a = torch.gather(a, -2, order.unsqueeze(-1).expand(a.shape))
+            pivots.append(p.squeeze(-1) + 1)
+        else:
+            pivots.append(torch.full(a.shape[:-2], j + 1, dtype=torch.int64, device=a.device))
+        diagonal = a[..., j, j]
+        singular = diagonal == 0
+        info = torch.where((info == 0) & singular, j + 1, info)
+        below = torch.where(rows > j, a[..., :, j] / torch.where(singular, 1.0, diagonal).unsqueeze(-1), 0.0)
+        right = torch.where(cols > j, a[..., j, :], 0.0)
+        a = a - below.unsqueeze(-1) * right.unsqueeze(-2)
+        a = torch.where((rows.unsqueeze(-1) > j) & (cols == j), below.unsqueeze(-1), a)
+    if not pivots:
+        return a, torch.zeros(a.shape[:-2] + (0,), dtype=torch.int32, device=a.device), info
+    return a, torch.stack(pivots, -1).to(torch.int32), info
+
+
+def _permutation(pivots, m: int):
+    """The row order the pivots' swaps make (LU = A[order]): order[..., i] for i < m, int64."""
+    order = torch.arange(m, device=pivots.device).expand(pivots.shape[:-1] + (m,))
+    rows = torch.arange(m, device=pivots.device)
+    for j in range(pivots.shape[-1]):
+        p = pivots[..., j:j + 1].to(torch.int64) - 1
+        at_j, at_p = order[..., j:j + 1], torch.gather(order, -1, p)
+        order = torch.where(rows == j, at_p, torch.where(rows == p, at_j, order))
+    return order
+
+
+def _rows_of(b, order):
+    """b[..., order, :] (order[..., m])."""
+    return torch.gather(b, -2, order.unsqueeze(-1).expand(order.shape + (b.shape[-1],)))
+
+
+def _inverse_order(order):
+    m = order.shape[-1]
+    rows = torch.arange(m, device=order.device)
+    return ((order.unsqueeze(-1) == rows) * rows.unsqueeze(-1)).sum(-2)  # inverse[order[i]] = i
+
+
+def _substitute(t, b, *, lower: bool, unit: bool):
+    """x with t x = b, t[..., n, n] triangular, b[..., n, r]: row by row, products as sums."""
+    n = t.shape[-1]
+    xs = [None] * n
+    for i in (range(n) if lower else range(n - 1, -1, -1)):
+        known = list(range(i)) if lower else list(range(i + 1, n))
+        acc = b[..., i, :]
+        if known:
+            solved = torch.stack([xs[k] for k in known], -2)  # [..., len, r]
+            coefficients = t[..., i, known[0]:known[-1] + 1] if lower else t[..., i, i + 1:]
+            acc = acc - (coefficients.unsqueeze(-1) * solved).sum(-2)
+        xs[i] = acc if unit else acc / t[..., i, i:i + 1]
+    return torch.stack(xs, -2) if n else b
+
+
+def _lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    if not left:
+        return _lu_solve(lu, pivots, b.mT, left=True, adjoint=not adjoint).mT
+    batch = torch.broadcast_shapes(lu.shape[:-2], b.shape[:-2])
+    lu, b = lu.expand(batch + lu.shape[-2:]), b.expand(batch + b.shape[-2:])
+    if b.numel() == 0:  # nothing to solve for (an empty gather does not compile)
+        return b.new_zeros(b.shape)
+    order = _permutation(pivots.expand(batch + pivots.shape[-1:]), lu.shape[-1])
+    if not adjoint:
+        y = _substitute(lu, _rows_of(b, order), lower=True, unit=True)
+        return _substitute(lu, y, lower=False, unit=False)
+    y = _substitute(lu.mT, b, lower=True, unit=False)
+    z = _substitute(lu.mT, y, lower=False, unit=True)
+    return _rows_of(z, _inverse_order(order))
+
+
+def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
+    return _lu_factor(a, pivot)
+
+
+def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    return _lu_solve(lu, pivots, b, left=left, adjoint=adjoint)
+
+
+def _swaps_sign(pivots):
+    steps = torch.arange(1, pivots.shape[-1] + 1, device=pivots.device)
+    swaps = (pivots != steps).sum(-1)
+    return 1.0 - 2.0 * (swaps % 2).to(torch.float32)
+
+
+def _linalg_det(a):
+    """det(A) = det(A^T): ATen factors A^T (its LU and pivots, returned for the backward, are those)."""
+    lu, pivots, _ = _lu_factor(a.mT)
+    det = torch.diagonal(lu, 0, -2, -1).prod(-1) * _swaps_sign(pivots).to(a.dtype)
+    return det, lu, pivots
+
+
+def _linalg_slogdet(a):
+    lu, pivots, _ = _lu_factor(a.mT)
+    diagonal = torch.diagonal(lu, 0, -2, -1)
+    sign = torch.sign(diagonal).prod(-1) * _swaps_sign(pivots).to(a.dtype)
+    return sign, diagonal.abs().log().sum(-1), lu, pivots
+
+
+def _linalg_inv_ex(a, *, check_errors=False):
+    lu, pivots, info = _lu_factor(a)
+    identity = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand(a.shape)
+    return _lu_solve(lu, pivots, identity), info
+
+
+def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    lu, pivots, info = _lu_factor(a)
+    vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
+    rhs = (b.unsqueeze(-1) if left else b.unsqueeze(-2)) if vector else b
+    result = _lu_solve(lu, pivots, rhs, left=left)
+    return (result.squeeze(-1) if left else result.squeeze(-2)) if vector else result, lu, pivots, info
+
+
+def _unpacked(lu, pivots):
+    m, n = lu.shape[-2], lu.shape[-1]
+    k = min(m, n)
+    lower = torch.tril(lu[..., :, :k], -1) + torch.eye(m, k, dtype=lu.dtype, device=lu.device)
+    upper = torch.triu(lu[..., :k, :])
+    order = _permutation(pivots, m)
+    permutation = (torch.arange(m, device=lu.device).unsqueeze(-1) == order.unsqueeze(-2)).to(lu.dtype)
+    return permutation, lower, upper
+
+
+def _linalg_lu(a, *, pivot=True):
+    lu, pivots, _ = _lu_factor(a, pivot)
+    return _unpacked(lu, pivots)
+
+
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    permutation, lower, upper = _unpacked(lu, pivots)
+    nothing = lu.new_zeros((0,))
+    return (permutation if unpack_pivots else nothing, lower if unpack_data else nothing,
+            upper if unpack_data else nothing)
+
+
 # -- PyTorch's inference fast paths of nn.MultiheadAttention and nn.TransformerEncoderLayer -------------------
 
 def _fast_path_softmax(scores, mask, mask_type):
@@ -1224,7 +1497,21 @@ OWN = {
     aten.__rshift__.Tensor: aten.bitwise_right_shift.Tensor,
     aten.__rshift__.Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
     aten.bitwise_right_shift.Tensor_Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
+    aten.linalg_lu_factor_ex.default: _linalg_lu_factor_ex,
+    aten.linalg_lu_solve.default: _linalg_lu_solve,
+    aten._linalg_det.default: _linalg_det,
+    aten._linalg_slogdet.default: _linalg_slogdet,
+    aten.linalg_inv_ex.default: _linalg_inv_ex,
+    aten._linalg_solve_ex.default: _linalg_solve_ex,
+    aten.linalg_lu.default: _linalg_lu,
+    aten.lu_unpack.default: _lu_unpack,
     aten._native_multi_head_attention.default: _native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer,
     **_foreach_decompositions(),
 }
+for _kind in "tuvw":
+    for _shifted in (False, True):
+        _op = getattr(aten, f"special_{'shifted_' if _shifted else ''}chebyshev_polynomial_{_kind}")
+        OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _chebyshev_polynomial(_kind, _shifted)))
+for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.special_hermite_polynomial_he, False)):
+    OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _hermite_polynomial(_physicists)))
