@@ -136,16 +136,16 @@ def ddp(device, group) -> dict:
 
 
 def _compiled_graphs(before: int, partitioned_before: int) -> dict:
-    """How many graphs neuronc compiled since ``before``, the collective-engine opcodes of their NEFFs, and how many
-    graphs ran in part on the CPU since ``partitioned_before`` (the partition fallback; the test asserts none:
-    conftest's guard sees only its own process)."""
+    """How many graphs neuronc compiled since ``before``, the collective-engine opcodes of their NEFFs, how many
+    times they ran on the device, and how many graphs ran in part on the CPU since ``partitioned_before`` (the
+    partition fallback; the test asserts none: conftest's guard sees only its own process)."""
     from neuronc.isa import Engine
     from neuronc.pytorch import backend, partition
 
     graphs = backend.compiled_graphs[before:]
     opcodes = {i.opcode.name for f in graphs for (e, _), s in f.compiled.neff.streams.items()
                if e == Engine.COLLECTIVE for i in s}
-    return {"graphs": len(graphs), "collectives": sorted(opcodes),
+    return {"graphs": len(graphs), "collectives": sorted(opcodes), "launches": sum(f.device_launches for f in graphs),
             "partitioned": partition.partitioned_graphs - partitioned_before}
 
 
@@ -186,6 +186,28 @@ def _fsdp2(device, group, mixed: bool) -> dict:
 
 def fsdp2(device, group) -> dict:
     return _fsdp2(device, group, mixed=False)
+
+
+def fsdp2_compiled(device, group) -> dict:
+    """FSDP2 with compiled blocks, torchtitan's way: torch 2.13 keeps FSDP2's hooks out of Dynamo (each is
+    ``torch._dynamo.disable``d), so each transformer block is compiled (torch.compile, fullgraph) and then sharded
+    with ``fully_shard``, as is the root: the blocks' forward and backward run as NEFFs on the all-gathered
+    parameters, FSDP2's all-gathers and reduce-scatters run in its hooks, through the process group."""
+    from torch.distributed.fsdp import fully_shard
+
+    from neuronc.pytorch import backend, partition
+
+    torch._dynamo.reset()
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    mesh = _mesh(group)
+    m = _on_device(model(), device)
+    for i, block in enumerate(m.blocks):
+        m.blocks.register_module(str(i), torch.compile(block, backend="neuron", fullgraph=True))
+        fully_shard(m.blocks[i], mesh=mesh, reshard_after_forward=True)
+    fully_shard(m, mesh=mesh)
+    losses = _data_parallel_loop(m, m, device, group, optimizer(m.parameters()))
+    return {"losses": losses, "params": {k.replace("._orig_mod", ""): _whole(v) for k, v in m.named_parameters()},
+            **_compiled_graphs(before, partitioned_before)}
 
 
 def fsdp2_bf16(device, group) -> dict:
@@ -386,7 +408,7 @@ def pp_gpipe(device, group) -> dict:
     return _pipeline(device, group, ScheduleGPipe)
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
+CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
                                            pp_gpipe, pp_traced)}
 
 

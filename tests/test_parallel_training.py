@@ -3,7 +3,8 @@ FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallel
 TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules, manual stages or split by tracing
 (`torch.distributed.pipelining.pipeline()`) — gives the losses and parameters
 of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision); so do DDP and tensor parallelism
-under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs. The rank program is
+under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs, and FSDP2 with each
+block compiled inside fully_shard. The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tests import parallel_training
 from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 
-DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled"]
+DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled", "fsdp2_compiled"]
 PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_traced"]
 
 
@@ -49,7 +50,7 @@ def _assert_trains_as_one_process(results: list, reference: dict, tolerance: dic
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe", "pp_traced", "ddp_compiled",
-                                  "tp_compiled"])
+                                  "tp_compiled", "fsdp2_compiled"])
 def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, reference, name):
     assert len(two_ranks[name]) == 2
     _assert_trains_as_one_process(two_ranks[name], reference, TOLERANCES[torch.float32])
@@ -94,3 +95,15 @@ def test_compiled_tensor_parallel_gpt2_runs_whole_on_the_device_its_collectives_
     for result in two_ranks["tp_compiled"]:
         assert result["partitioned"] == 0
         assert {"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"} <= set(result["collectives"])
+
+
+def test_fsdp2_with_compiled_blocks_runs_every_blocks_forward_and_backward_as_neffs(two_ranks):
+    """torchtitan's way (each block compiled, then sharded with fully_shard): every block's forward and backward of
+    every step is a launch of a compiled graph, whole on the device; FSDP2's all-gathers and reduce-scatters stay in
+    its hooks, which torch 2.13 keeps out of Dynamo, so the NEFFs hold no collective."""
+    steps, blocks = parallel_training.STEPS, parallel_training.CONFIG["layers"]
+    for result in two_ranks["fsdp2_compiled"]:
+        assert result["partitioned"] == 0
+        assert result["graphs"] >= 2  # a forward and a backward graph at least
+        assert result["launches"] == 2 * blocks * steps
+        assert result["collectives"] == []
