@@ -332,15 +332,21 @@ _STAGE_NAMES = ({"tokens.": "tokens.", "positions.": "positions.", "block.": "bl
                 {"block.": "blocks.1.", "ln_f.": "ln_f.", "head.": "tokens."})
 
 
-def _pipeline(device, group, schedule_class) -> dict:
-    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``. The embedding and the head share
-    one weight across the stages: each stage keeps a copy and their gradients are summed before the step (as
-    Megatron does)."""
+def _pipeline(device, group, schedule_class, compiled: bool = False) -> dict:
+    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``; with ``compiled``, each stage's
+    module under torch.compile(backend="neuron"). The embedding and the head share one weight across the stages:
+    each stage keeps a copy and their gradients are summed before the step (as Megatron does)."""
     from torch.distributed.pipelining import PipelineStage
+
+    from neuronc.pytorch import backend, partition
 
     rank, ranks = dist.get_rank(group), group.size()
     stage_module = (_FirstStage if rank == 0 else _LastStage)(model()).to(device)
-    stage = PipelineStage(stage_module, rank, ranks, device, group=group)
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    if compiled:
+        torch._dynamo.reset()
+    stage = PipelineStage(torch.compile(stage_module, backend="neuron", fullgraph=True) if compiled else stage_module,
+                          rank, ranks, device, group=group)
     schedule = schedule_class(stage, n_microbatches=2,
                               loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     tied = stage_module.tokens.weight if rank == 0 else stage_module.head.weight
@@ -350,7 +356,7 @@ def _pipeline(device, group, schedule_class) -> dict:
     for name, value in stage_module.named_parameters():
         prefix = next(p for p in _STAGE_NAMES[rank] if name.startswith(p))
         params[_STAGE_NAMES[rank][prefix] + name[len(prefix):]] = _whole(value)
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, **(_compiled_graphs(before, partitioned_before) if compiled else {})}
 
 
 def _stage_steps(schedule, opt, tied, batch, device, group, scope=contextlib.nullcontext) -> list:
@@ -402,6 +408,12 @@ def pp_1f1b(device, group) -> dict:
     return _pipeline(device, group, Schedule1F1B)
 
 
+def pp_1f1b_compiled(device, group) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return _pipeline(device, group, Schedule1F1B, compiled=True)
+
+
 def pp_gpipe(device, group) -> dict:
     from torch.distributed.pipelining import ScheduleGPipe
 
@@ -409,7 +421,7 @@ def pp_gpipe(device, group) -> dict:
 
 
 CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
-                                           pp_gpipe, pp_traced)}
+                                           pp_1f1b_compiled, pp_gpipe, pp_traced)}
 
 
 def _plan(arguments: list, world: int) -> list:
