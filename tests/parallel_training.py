@@ -283,25 +283,37 @@ def tp_compiled(device, group) -> dict:
     return tp(device, group, compiled=True)
 
 
-def fsdp2_tp(device, group) -> dict:
+def fsdp2_tp(device, group, compiled: bool = False) -> dict:
     """FSDP2 over the first dimension of a 2 x (ranks/2) mesh of the job's ranks, tensor parallelism over the
-    second."""
+    second; with ``compiled``, each tensor-parallel block compiled before fully_shard (as in fsdp2_compiled)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from neuronc.pytorch import backend, partition
 
     if group.size() != dist.get_world_size():
         raise ValueError("fsdp2_tp runs on every rank of the job")
     mesh = init_device_mesh("neuron", (2, group.size() // 2), mesh_dim_names=("dp", "tp"))
     m = _tensor_parallel(_on_device(model(), device), mesh["tp"])
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh["dp"])
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    if compiled:
+        torch._dynamo.reset()
+    for i, block in enumerate(m.blocks):
+        if compiled:
+            m.blocks.register_module(str(i), torch.compile(block, backend="neuron", fullgraph=True))
+        fully_shard(m.blocks[i], mesh=mesh["dp"])
     fully_shard(m, mesh=mesh["dp"])
     idx, targets = data()
     dp, per = mesh["dp"].get_local_rank(), BATCH // 2
     losses = _loss_parallel_loop(m, device, idx[dp * per:(dp + 1) * per], targets[dp * per:(dp + 1) * per],
                                  optimizer(m.parameters(), foreach=False))
     return {"losses": [_mean_over(loss, mesh["dp"].get_group()) for loss in losses],
-            "params": {k: _whole(v) for k, v in m.named_parameters()}}
+            "params": {k.replace("._orig_mod", ""): _whole(v) for k, v in m.named_parameters()},
+            **(_compiled_graphs(before, partitioned_before) if compiled else {})}
+
+
+def fsdp2_tp_compiled(device, group) -> dict:
+    return fsdp2_tp(device, group, compiled=True)
 
 
 class _FirstStage(torch.nn.Module):
@@ -420,7 +432,7 @@ def pp_gpipe(device, group) -> dict:
     return _pipeline(device, group, ScheduleGPipe)
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
+CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, fsdp2_tp_compiled, pp_1f1b,
                                            pp_1f1b_compiled, pp_gpipe, pp_traced)}
 
 
