@@ -346,7 +346,7 @@ def debug_exported(program, name: str = "main") -> tuple:
     """(DebugProgram, example inputs or None) of a torch.export ExportedProgram, or of the path of a saved one."""
     from torch.export.graph_signature import InputKind
 
-    from neuronc.frontend.exported import check_inference_only, decompose, load_exported_program
+    from neuronc.frontend.exported import check_inference_only, decompose, is_baked_input, load_exported_program
     from neuronc.frontend.tensors import to_numpy
 
     origin = os.fspath(program) if isinstance(program, (str, os.PathLike)) else name
@@ -359,6 +359,8 @@ def debug_exported(program, name: str = "main") -> tuple:
     state = {**program.state_dict, **program.constants}
     params, weights = [], {}
     for spec in program.graph_signature.input_specs:
+        if is_baked_input(spec):
+            continue
         if spec.kind == InputKind.USER_INPUT:
             params.append((spec.arg.name, "input"))
         else:

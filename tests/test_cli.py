@@ -2,6 +2,7 @@
 exit, nothing half-written) for every bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -363,3 +364,44 @@ def test_an_unknown_target_is_refused_with_the_choices(cli, mlp_neff, tmp_path, 
     result = cli(command, given, "--target", "trn9")
     assert result.exit_code == 2  # a usage error, before any work
     assert "trn9" in result.output and all(t in result.output for t in ("trn1", "trn2", "trn3"))
+
+
+@dataclasses.dataclass
+class _ModelOutput:
+    """Stands for transformers' ModelOutput: a dataclass output registered as a pytree node by its library."""
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _HuggingFaceStyle(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, input_ids, use_cache=True):
+        hidden = torch.tanh(input_ids)
+        return _ModelOutput(logits=self.proj(hidden) if not use_cache else hidden.sum(), hidden=hidden)
+
+
+def test_a_program_with_library_output_classes_and_constant_arguments_compiles_and_runs(cli, tmp_path):
+    # A Hugging Face model exported with kwargs: its output class is a pytree node only its library registers
+    # (the CLI does not import it), and use_cache=False is baked into the graph, not a NEFF input.
+    from torch.utils import _pytree
+
+    x = torch.randn(3, 8)
+    model = _HuggingFaceStyle()
+    torch.export.register_dataclass(_ModelOutput, serialized_type_name="somelibrary.ModelOutput")
+    try:
+        torch.export.save(torch.export.export(model, (), {"input_ids": x, "use_cache": False}), str(tmp_path / "m.pt2"))
+    finally:
+        _pytree._deregister_pytree_node(_ModelOutput)
+    np.save(tmp_path / "x.npy", x.numpy())
+    compiled = cli("compile", tmp_path / "m.pt2", "-o", tmp_path / "m.neff")
+    assert compiled.exit_code == 0, compiled.output
+    ran = cli("run", tmp_path / "m.neff", "--input", tmp_path / "x.npy", "--output", tmp_path / "out.npz")
+    assert ran.exit_code == 0, ran.output
+    outputs = np.load(tmp_path / "out.npz")
+    expected = model(x, use_cache=False)
+    assert sorted(outputs) == ["output0", "output1"]
+    np.testing.assert_allclose(outputs["output0"], expected.logits.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outputs["output1"], expected.hidden.numpy(), rtol=1e-5, atol=1e-6)

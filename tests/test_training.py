@@ -157,3 +157,27 @@ def test_fullgraph_true_reports_the_graph_break_as_usual():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(WithGraphBreaks(), backend="neuron", fullgraph=True)(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True),
+    lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9, nesterov=True, foreach=True),
+], ids=["adamw", "sgd-nesterov"])
+def test_a_compiled_optimizer_step_runs_whole_on_the_device_like_eager(make_optimizer):
+    # torch.compile(optimizer.step) traces the multi-tensor (_foreach_*) kernels; each is one elementwise op per
+    # parameter on the device (a CPU fallback would fail the device_graphs_stay_whole guard)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
+    step = torch.compile(optimizer.step, backend="neuron")
+    x = torch.randn(4, 6)
+    before = backend.compile_count()
+    for _ in range(3):
+        for m, opt, run in ((model, optimizer, step), (reference, reference_optimizer, reference_optimizer.step)):
+            m(x).square().mean().backward()
+            run()
+            opt.zero_grad()
+    assert backend.compile_count() > before
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **TOLERANCES[torch.float32])

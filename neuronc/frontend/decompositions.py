@@ -1035,6 +1035,63 @@ def _spherical_bessel_j0(x):
     return torch.where(x.isinf(), 0.0, value)
 
 
+# -- foreach ops (the multi-tensor form optimizers use): one elementwise op per list element ------------------
+
+_FOREACH_TARGETS = {"norm": aten.linalg_vector_norm, "zero": aten.zeros_like, "copy": aten.copy}
+_FOREACH_SCALAR_TARGETS = {"maximum": aten.clamp_min, "minimum": aten.clamp_max}  # as ATen's own foreach kernels
+_FOREACH_KEYWORDS = {"value", "dtype"}  # keyword-only in the per-tensor op (addc*'s value, norm's dtype)
+
+
+def _foreach(overload):
+    """`aten._foreach_<op>.<overload>` as a list of `aten.<op>` calls: list arguments (tensors or scalars) are
+    taken element by element, the rest passed to every call. Inductor lowers these natively; torch-mlir has
+    no lowering, and torch's table no decomposition."""
+    base = overload._schema.name.removeprefix("aten::_foreach_")
+    scalar_form = overload._overloadname in ("Scalar", "ScalarList")
+    target = (scalar_form and _FOREACH_SCALAR_TARGETS.get(base)) or _FOREACH_TARGETS.get(base) or getattr(aten, base)
+    arguments = overload._schema.arguments
+    renamed = {"scalars": "value"} if base in ("addcmul", "addcdiv") else {}  # ScalarList: a value per element
+    keyword = _FOREACH_KEYWORDS | set(renamed)
+    lists = [a.name for a in arguments if a.type.kind() == "ListType" and str(a.type.getElementType()) == "Tensor"]
+
+    def run(*args, **kwargs):
+        bound = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        bound.update(zip((a.name for a in arguments), args))
+        bound.update(kwargs)
+        if overload._overloadname == "Tensor" and base in ("addcmul", "addcdiv"):  # values as a 1-D tensor
+            combine = torch.mul if base == "addcmul" else torch.div
+            return [x + bound["scalars"][i] * combine(a, b)
+                    for i, (x, a, b) in enumerate(zip(bound["self"], bound["tensor1"], bound["tensor2"]))]
+        results = []
+        for i in range(len(bound[lists[0]])):
+            at = {name: value[i] if isinstance(value, (list, tuple)) else value for name, value in bound.items()}
+            positional = [at[a.name] for a in arguments if not a.kwarg_only and a.name not in keyword]
+            keywords = {renamed.get(a.name, a.name): at[a.name] for a in arguments if a.kwarg_only or a.name in keyword}
+            results.append(target(*positional, **keywords))
+        return results
+
+    return run
+
+
+def _fused_multiply_add(a, b, c):
+    """prims.fma (torch's lerp reference uses it): a * b + c, rounded twice; the engines have no fused form."""
+    return a * b + c
+
+
+def _foreach_decompositions() -> dict:
+    table = {}
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name.removeprefix("aten::")
+        if not name.startswith("_foreach_") or name.endswith("_") or schema.overload_name.endswith("out"):
+            continue
+        base = name.removeprefix("_foreach_")
+        if base not in _FOREACH_TARGETS and not hasattr(aten, base):
+            continue
+        overload = getattr(getattr(aten, name), schema.overload_name or "default")
+        table[overload] = _foreach(overload)
+    return table
+
+
 OWN = {
     aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
@@ -1086,4 +1143,6 @@ OWN = {
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+    torch.ops.prims.fma.default: _fused_multiply_add,
+    **_foreach_decompositions(),
 }

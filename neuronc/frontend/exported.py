@@ -42,7 +42,31 @@ def load_exported_program(path):
 def decompose(program):
     with warnings.catch_warnings():  # torch.export's own deprecation noise, not the user's concern
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        return program.run_decompositions(decomposition_table())
+        program = program.run_decompositions(decomposition_table())
+    _drop_baked_inputs(program)
+    return program
+
+
+def is_baked_input(spec) -> bool:
+    """An argument torch.export specialised to its value (a bool, int, float, string or None, e.g.
+    ``use_cache=False``): the graph holds the value, so it is no input of the compiled program."""
+    from torch.export.graph_signature import ConstantArgument, InputKind
+
+    return spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument)
+
+
+def _drop_baked_inputs(program) -> None:
+    """In place: the placeholders of baked arguments leave the graph (torch-mlir would make them scalar
+    arguments of the module, which no NEFF input can be)."""
+    names = {spec.arg.name for spec in program.graph_signature.input_specs if is_baked_input(spec)}
+    graph = program.graph_module.graph
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in names]:
+        if node.users:
+            raise NeuronCompileError(f"the program reads its constant argument {node.name!r} as a value",
+                                     hint="pass it as a tensor, or leave it out of the exported inputs")
+        graph.erase_node(node)
+    if names:
+        program.graph_module.recompile()
 
 
 def exported_stablehlo(program, name: str = "main") -> str:
@@ -90,6 +114,8 @@ def import_exported_program(program, name: str = "main"):
     state.update(program.constants)
     for spec in signature.input_specs:
         placeholder = spec.arg.name
+        if is_baked_input(spec):
+            continue
         if spec.kind == InputKind.USER_INPUT:
             params.append((placeholder, "input"))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):

@@ -101,6 +101,7 @@ def read_exported_program(path: str):
                                  hint=RESAVE)
         document = archive.json(model_member)
         vet_program(document, lambda problem: archive.error(model_member, problem, hint=_hint_for(problem)))
+        _plain_containers(document, lambda problem: archive.error(model_member, problem))
         try:
             program = _dict_to_dataclass(schema.ExportedProgram, document)
         except Exception as err:  # noqa: BLE001 - any malformation of the JSON
@@ -152,6 +153,46 @@ def vet_program(document, refuse) -> None:
             elif key in ("as_custom_obj", "custom_obj"):
                 raise refuse("holds a custom object (a TorchScript class or opaque Python object)")
             pending.append(value)
+
+
+def _plain_containers(document, refuse) -> None:
+    """Rewrite the input and output trees (pytree specs) so that every container type this process has not
+    registered reads as a plain dict (its context is a list of key names, as a dataclass such as
+    transformers' ``ModelOutput`` gives) or tuple. A model's outputs are often such classes; rebuilding them
+    would need their library imported, and neuronc only uses the flattened leaves, which are unchanged."""
+    from torch.utils._pytree import SERIALIZED_TYPE_TO_PYTHON_TYPE
+
+    for entry in document["graph_module"].get("module_call_graph") or ():
+        signature = entry.get("signature") if isinstance(entry, dict) else None
+        if not isinstance(signature, dict):
+            continue
+        for field in ("in_spec", "out_spec"):
+            if not isinstance(signature.get(field), str):
+                continue
+            try:
+                protocol, tree = json.loads(signature[field])
+            except (ValueError, TypeError, RecursionError):
+                raise refuse(f"has a {field} that is not a serialized pytree spec") from None
+            pending = [tree]
+            while pending:
+                node = pending.pop()
+                if not isinstance(node, dict):
+                    raise refuse(f"has a {field} that is not a serialized pytree spec")
+                kind = node.get("type")
+                if kind is not None and kind not in SERIALIZED_TYPE_TO_PYTHON_TYPE:
+                    keys = _json_or_none(node.get("context"))
+                    is_keyed = isinstance(keys, list) and all(isinstance(key, str) for key in keys)
+                    node["type"] = "builtins.dict" if is_keyed else "builtins.tuple"
+                    node["context"] = node["context"] if is_keyed else "null"
+                pending.extend(node.get("children_spec") or ())
+            signature[field] = json.dumps([protocol, tree])
+
+
+def _json_or_none(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        return None
 
 
 def _vet_target(name, refuse) -> None:

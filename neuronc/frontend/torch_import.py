@@ -394,7 +394,12 @@ def _diagnose(gm, locations: dict, err: Exception) -> NeuronCompileError:
         if isinstance(err, NeuronCompileError):
             return err
         first = str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__
-        problems = [f"{type(err).__name__}: {first}"]
+        return NeuronCompileError(
+            "the graph could not be imported, although each of its ops compiles alone "
+            f"({type(err).__name__}: {first})",
+            hint="a defect of neuronc's import of this combination of ops: please report it with the program "
+            "(`neuronc hlo` shows the StableHLO the frontend makes)",
+        )
     return NeuronCompileError(
         f"{len(problems)} op(s) of this graph cannot be compiled for the NeuronCore",
         problems=problems,
