@@ -1143,6 +1143,13 @@ OWN = {
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
-    torch.ops.prims.fma.default: _fused_multiply_add,
     **_foreach_decompositions(),
 }
+
+
+def own() -> dict:
+    """OWN, with prims.fma's when it exists: torch._inductor.inductor_prims defines it (3.9 s CPU to import), so a
+    graph holds it only once that module was imported, maybe after this one (a rank process's eager ops come first)."""
+    if hasattr(torch.ops.prims, "fma"):
+        return {**OWN, torch.ops.prims.fma.default: _fused_multiply_add}
+    return OWN

@@ -52,7 +52,7 @@ def decomposition_table() -> dict:
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
-    table.update(decompositions.OWN)
+    table.update(decompositions.own())
     return table
 
 
