@@ -12,7 +12,7 @@ import torch
 from neuronc.errors import NeuronCompileError, NeuronConfigError
 from neuronc.pytorch import backend
 from tests import zoo
-from tests.conftest import OnDevice, assert_matches_eager
+from tests.conftest import OnDevice, assert_matches_eager, line_of
 
 
 def _run_python(code: str) -> str:
@@ -133,6 +133,22 @@ def test_dynamic_shapes_are_refused_with_a_way_out(how, fresh_dynamo):
     raised = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(raised, NeuronCompileError), raised
     assert "one program per input shape" in str(raised) and "pad or bucket" in str(raised)
+
+
+def test_a_value_read_from_tensor_data_is_refused_as_such_not_as_a_dynamic_shape(fresh_dynamo, monkeypatch):
+    # nn.TransformerEncoder checks whether a mask is causal with bool((mask == causal).all()); under fullgraph=True
+    # Dynamo captures that as an unbacked symbol, which is no dynamic shape the user asked for (with the CPU
+    # fallback allowed, that part of the graph runs on the CPU)
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    with torch.no_grad(), pytest.raises(Exception) as caught:
+        torch.compile(lambda x: encoder(x, mask=causal), backend="neuron", fullgraph=True)(torch.randn(1, 4, 8))  # here
+    raised = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(raised, NeuronCompileError), raised
+    assert "turns tensor data into a Python value" in str(raised) and "dynamic=True" not in str(raised)
+    assert f"test_backend.py:{line_of(__file__, 'fullgraph=True)(torch.randn(1, 4, 8))  # here')}" in str(raised)
 
 
 def test_debug_dir_keeps_every_compilation(tmp_path, monkeypatch, fresh_dynamo):

@@ -253,3 +253,34 @@ def test_copysign_takes_the_sign_bit_of_negative_zero(signed_specials):
 def test_a_view_as_another_dtype_of_its_width_keeps_the_bytes(signed_specials, src, dst):
     x = signed_specials[:4].to(src) if src.is_floating_point else signed_specials[:4].view(torch.int32)
     _matches_eager(lambda t: t.view(dst) + 1 if dst == torch.int32 else t.view(dst) * 2, x)
+
+
+def _encoder(norm_first: bool, activation: str):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation=activation, batch_first=True,
+                                             norm_first=norm_first)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal and padding"])
+def test_transformer_encoder_inference_fast_path_compiles(norm_first, activation, masks):
+    # nn.TransformerEncoderLayer in eval under no_grad calls one fused op, aten._transformer_encoder_layer_fwd
+    # (masks merged and typed by nn.MultiheadAttention.merge_masks); neuronc computes it as ATen's C++ does
+    encoder, x = _encoder(norm_first, activation), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    kwargs = {"none": {}, "padding": {"src_key_padding_mask": padding},
+              "causal and padding": {"mask": causal, "src_key_padding_mask": padding, "is_causal": True}}[masks]
+    with torch.no_grad():
+        _matches_eager(lambda t: encoder(t, **kwargs), x)
+
+
+def test_multi_head_attention_inference_fast_path_gives_weights_like_eager():
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        _matches_eager(lambda t: attention(t, t, t, key_padding_mask=padding), x)
+        _matches_eager(lambda t: attention(t, t, t, average_attn_weights=False), x)

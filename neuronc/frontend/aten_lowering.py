@@ -497,7 +497,7 @@ def _decompositions() -> dict:
     from neuronc.frontend import decompositions
 
     table = dict(decomposition_table)
-    table.update(decompositions.own())
+    table.update(decompositions.OWN)
     table.update(OWN_DECOMPOSITIONS)
     for op in UNTRUSTED:
         table.pop(op, None)

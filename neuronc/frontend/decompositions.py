@@ -1035,6 +1035,64 @@ def _spherical_bessel_j0(x):
     return torch.where(x.isinf(), 0.0, value)
 
 
+# -- PyTorch's inference fast paths of nn.MultiheadAttention and nn.TransformerEncoderLayer -------------------
+
+def _fast_path_softmax(scores, mask, mask_type):
+    """ATen's masked_softmax of the fast path: a mask of any dtype counts as boolean (nonzero = hidden, so an
+    additive -inf mask hides and a 0 shows); type 0 is [L, L], 1 a key-padding [B, L], 2 [B, H, L, L]; a row
+    with every key hidden gives zeros (not NaN)."""
+    if mask is None:
+        return torch.softmax(scores, -1)
+    hidden = mask if mask.dtype == torch.bool else mask != 0
+    if mask_type == 1 or (mask_type is None and hidden.dim() == 2 and hidden.shape[0] == scores.shape[0]
+                          and hidden.shape != scores.shape[-2:]):
+        hidden = hidden[:, None, None, :]
+    probabilities = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+    return torch.where(hidden.all(-1, keepdim=True), 0.0, probabilities)
+
+
+def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+                                 proj_bias, mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    """aten._native_multi_head_attention (batch-first [B, T, D], as nn.MultiheadAttention's fast path calls it)."""
+    head_dim = embed_dim // num_head
+    weights, biases = qkv_weight.chunk(3), qkv_bias.chunk(3)
+
+    def heads(x, i):  # [B, T, D] -> [B, H, T, head_dim]
+        projected = torch.nn.functional.linear(x, weights[i], biases[i])
+        return projected.view(x.shape[0], x.shape[1], num_head, head_dim).transpose(1, 2)
+
+    q = heads(query, 0) / math.sqrt(head_dim)
+    scores = q @ heads(key, 1).transpose(-2, -1)
+    probabilities = _fast_path_softmax(scores, mask, mask_type)
+    context = (probabilities @ heads(value, 2)).transpose(1, 2).reshape(query.shape[0], query.shape[1], embed_dim)
+    output = torch.nn.functional.linear(context, proj_weight, proj_bias)
+    if not need_weights:
+        return output, torch.empty(0, dtype=query.dtype)
+    return output, probabilities.mean(1) if average_attn_weights else probabilities
+
+
+def _transformer_encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu,
+                               norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1,
+                               ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    """aten._transformer_encoder_layer_fwd: nn.TransformerEncoderLayer in inference, as ATen's C++ computes it."""
+    F = torch.nn.functional
+
+    def norm(x, weight, bias):
+        return F.layer_norm(x, (embed_dim,), weight, bias, eps)
+
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    x = _native_multi_head_attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                                     mask, False, True, mask_type)[0] + src
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    hidden = F.linear(x, ffn_weight_1, ffn_bias_1)
+    x = F.linear(F.gelu(hidden) if use_gelu else F.relu(hidden), ffn_weight_2, ffn_bias_2) + residual
+    return x if norm_first else norm(x, norm_weight_2, norm_bias_2)
+
+
 # -- foreach ops (the multi-tensor form optimizers use): one elementwise op per list element ------------------
 
 _FOREACH_TARGETS = {"norm": aten.linalg_vector_norm, "zero": aten.zeros_like, "copy": aten.copy}
@@ -1074,8 +1132,16 @@ def _foreach(overload):
 
 
 def _fused_multiply_add(a, b, c):
-    """prims.fma (torch's lerp reference uses it): a * b + c, rounded twice; the engines have no fused form."""
+    """a * b + c, rounded twice: the engines have no fused form."""
     return a * b + c
+
+
+def defined_elsewhere() -> dict:
+    """Decompositions of operators that exist once another torch module has defined them, looked up when a graph
+    is compiled: prims.fma is torch._inductor's (its lerp decomposition, which torch.compile uses when it traces
+    an optimizer step, emits it); importing torch._inductor here would cost every compile seconds."""
+    fma = getattr(torch.ops.prims, "fma", None)
+    return {fma.default: _fused_multiply_add} if fma is not None else {}
 
 
 def _foreach_decompositions() -> dict:
@@ -1143,13 +1209,7 @@ OWN = {
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
     aten.special_scaled_modified_bessel_k1.default: _scaled_modified_bessel_k1,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+    aten._native_multi_head_attention.default: _native_multi_head_attention,
+    aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer,
     **_foreach_decompositions(),
 }
-
-
-def own() -> dict:
-    """OWN, with prims.fma's when it exists: torch._inductor.inductor_prims defines it (3.9 s CPU to import), so a
-    graph holds it only once that module was imported, maybe after this one (a rank process's eager ops come first)."""
-    if hasattr(torch.ops.prims, "fma"):
-        return {**OWN, torch.ops.prims.fma.default: _fused_multiply_add}
-    return OWN

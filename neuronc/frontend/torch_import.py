@@ -52,7 +52,8 @@ def decomposition_table() -> dict:
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
-    table.update(decompositions.own())
+    table.update(decompositions.OWN)
+    table.update(decompositions.defined_elsewhere())
     return table
 
 
@@ -188,14 +189,30 @@ def op_name(node) -> str:
 
 def check_static_shapes(gm) -> None:
     import torch
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    dynamic = []
+    dynamic, data_dependent = [], []
+    locations = node_locations(gm)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape):
-            dynamic.append(f"{node.name}: shape {tuple(val.shape)}")
-        elif isinstance(val, torch.SymInt):
-            dynamic.append(f"{node.name}: symbolic integer {val}")
+            found = f"{node.name}: shape {tuple(val.shape)}"
+        elif isinstance(val, torch.SymInt | torch.SymBool | torch.SymFloat):
+            found = f"{node.name}: symbolic value {val}"
+        else:
+            continue
+        if free_unbacked_symbols(val):
+            data_dependent.append(f"{found} at {locations.get(node.name, '?')}")
+        else:
+            dynamic.append(found)
+    if data_dependent:
+        raise NeuronCompileError(
+            "this graph turns tensor data into a Python value or a shape (`.item()`, `bool(tensor)`, `.tolist()`, "
+            "`nonzero`): a NeuronCore program has fixed shapes and does not stop for the host",
+            problems=data_dependent[:10],
+            hint="compute the value outside the compiled region (under torch.compile, unless "
+            "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1, that part of the graph runs on the CPU instead)",
+        )
     if dynamic:
         raise NeuronCompileError(
             "neuronc compiles one program per input shape, but this graph has dynamic shapes",
