@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -356,8 +357,47 @@ def compiled(rank: int, world: int, device) -> dict:
     return out
 
 
+def _through_an_inverse(module, inputs, output):
+    """A forward hook that puts an op the device cannot run (torch-mlir lowers no ``linalg_inv_ex``) into the graph,
+    right after the row-wise layer's all-reduce: the compiled graph is partitioned around it."""
+    corner = output[:2, :2]
+    return output + torch.linalg.inv(corner @ corner.T + 2 * torch.eye(2, device=output.device)).sum()
+
+
+def partitioned(rank: int, world: int, device) -> dict:
+    """Tensor parallelism with one op the device cannot run, eager and compiled: the compiled forward graph is
+    partitioned (device pieces as NEFFs, the inverse on the CPU), and the device piece holding the row-wise layer
+    keeps its all-reduce as a collective instruction of its NEFF."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from neuronc.pytorch import backend, partition
+
+    mesh, runs = init_device_mesh("neuron", (world,)), {}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    for compile_it in (False, True):
+        model = _mlp(device)
+        forward = parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        model.fc2.register_forward_hook(_through_an_inverse)  # after the layer's own hooks: on its all-reduced output
+        before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+        if compile_it:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, backend="neuron")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = _train(model, forward, device, x)
+        runs["compiled" if compile_it else "eager"] = {
+            "losses": losses, "params": _params(model), "graphs": len(backend.compiled_graphs) - before,
+            "partitioned": partition.partitioned_graphs - partitioned_before,
+            "on_the_cpu": sorted({str(w.message).split(" runs on the CPU")[0].removeprefix("neuronc: ")
+                                  for w in caught if "runs on the CPU in this compiled graph" in str(w.message)}),
+            **_collectives(backend.compiled_graphs[before:], device)}
+    return runs
+
+
 TIMEOUT_S = 3
-SCENARIOS = {f.__name__: f for f in (collectives, other_collectives, mismatch, dead_rank, late_rank, compiled)}
+SCENARIOS = {f.__name__: f for f in (collectives, other_collectives, mismatch, dead_rank, late_rank, compiled,
+                                     partitioned)}
 
 
 def _all_ready(rank: int, world: int) -> dist.Store:

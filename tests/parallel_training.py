@@ -136,16 +136,16 @@ def ddp(device, group) -> dict:
 
 
 def _compiled_graphs(before: int, partitioned_before: int) -> dict:
-    """How many graphs neuronc compiled since ``before``, the collective-engine opcodes of their NEFFs, and how many
-    graphs ran in part on the CPU since ``partitioned_before`` (the partition fallback; the test asserts none:
-    conftest's guard sees only its own process)."""
+    """How many graphs neuronc compiled since ``before``, the collective-engine opcodes of their NEFFs, how many
+    times they ran on the device, and how many graphs ran in part on the CPU since ``partitioned_before`` (the
+    partition fallback; the test asserts none: conftest's guard sees only its own process)."""
     from neuronc.isa import Engine
     from neuronc.pytorch import backend, partition
 
     graphs = backend.compiled_graphs[before:]
     opcodes = {i.opcode.name for f in graphs for (e, _), s in f.compiled.neff.streams.items()
                if e == Engine.COLLECTIVE for i in s}
-    return {"graphs": len(graphs), "collectives": sorted(opcodes),
+    return {"graphs": len(graphs), "collectives": sorted(opcodes), "launches": sum(f.device_launches for f in graphs),
             "partitioned": partition.partitioned_graphs - partitioned_before}
 
 
@@ -186,6 +186,28 @@ def _fsdp2(device, group, mixed: bool) -> dict:
 
 def fsdp2(device, group) -> dict:
     return _fsdp2(device, group, mixed=False)
+
+
+def fsdp2_compiled(device, group) -> dict:
+    """FSDP2 with compiled blocks, torchtitan's way: torch 2.13 keeps FSDP2's hooks out of Dynamo (each is
+    ``torch._dynamo.disable``d), so each transformer block is compiled (torch.compile, fullgraph) and then sharded
+    with ``fully_shard``, as is the root: the blocks' forward and backward run as NEFFs on the all-gathered
+    parameters, FSDP2's all-gathers and reduce-scatters run in its hooks, through the process group."""
+    from torch.distributed.fsdp import fully_shard
+
+    from neuronc.pytorch import backend, partition
+
+    torch._dynamo.reset()
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    mesh = _mesh(group)
+    m = _on_device(model(), device)
+    for i, block in enumerate(m.blocks):
+        m.blocks.register_module(str(i), torch.compile(block, backend="neuron", fullgraph=True))
+        fully_shard(m.blocks[i], mesh=mesh, reshard_after_forward=True)
+    fully_shard(m, mesh=mesh)
+    losses = _data_parallel_loop(m, m, device, group, optimizer(m.parameters()))
+    return {"losses": losses, "params": {k.replace("._orig_mod", ""): _whole(v) for k, v in m.named_parameters()},
+            **_compiled_graphs(before, partitioned_before)}
 
 
 def fsdp2_bf16(device, group) -> dict:
@@ -261,25 +283,37 @@ def tp_compiled(device, group) -> dict:
     return tp(device, group, compiled=True)
 
 
-def fsdp2_tp(device, group) -> dict:
+def fsdp2_tp(device, group, compiled: bool = False) -> dict:
     """FSDP2 over the first dimension of a 2 x (ranks/2) mesh of the job's ranks, tensor parallelism over the
-    second."""
+    second; with ``compiled``, each tensor-parallel block compiled before fully_shard (as in fsdp2_compiled)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from neuronc.pytorch import backend, partition
 
     if group.size() != dist.get_world_size():
         raise ValueError("fsdp2_tp runs on every rank of the job")
     mesh = init_device_mesh("neuron", (2, group.size() // 2), mesh_dim_names=("dp", "tp"))
     m = _tensor_parallel(_on_device(model(), device), mesh["tp"])
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh["dp"])
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    if compiled:
+        torch._dynamo.reset()
+    for i, block in enumerate(m.blocks):
+        if compiled:
+            m.blocks.register_module(str(i), torch.compile(block, backend="neuron", fullgraph=True))
+        fully_shard(m.blocks[i], mesh=mesh["dp"])
     fully_shard(m, mesh=mesh["dp"])
     idx, targets = data()
     dp, per = mesh["dp"].get_local_rank(), BATCH // 2
     losses = _loss_parallel_loop(m, device, idx[dp * per:(dp + 1) * per], targets[dp * per:(dp + 1) * per],
                                  optimizer(m.parameters(), foreach=False))
     return {"losses": [_mean_over(loss, mesh["dp"].get_group()) for loss in losses],
-            "params": {k: _whole(v) for k, v in m.named_parameters()}}
+            "params": {k.replace("._orig_mod", ""): _whole(v) for k, v in m.named_parameters()},
+            **(_compiled_graphs(before, partitioned_before) if compiled else {})}
+
+
+def fsdp2_tp_compiled(device, group) -> dict:
+    return fsdp2_tp(device, group, compiled=True)
 
 
 class _FirstStage(torch.nn.Module):
@@ -310,15 +344,21 @@ _STAGE_NAMES = ({"tokens.": "tokens.", "positions.": "positions.", "block.": "bl
                 {"block.": "blocks.1.", "ln_f.": "ln_f.", "head.": "tokens."})
 
 
-def _pipeline(device, group, schedule_class) -> dict:
-    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``. The embedding and the head share
-    one weight across the stages: each stage keeps a copy and their gradients are summed before the step (as
-    Megatron does)."""
+def _pipeline(device, group, schedule_class, compiled: bool = False) -> dict:
+    """Two pipeline stages, two micro-batches, the schedule of ``schedule_class``; with ``compiled``, each stage's
+    module under torch.compile(backend="neuron"). The embedding and the head share one weight across the stages:
+    each stage keeps a copy and their gradients are summed before the step (as Megatron does)."""
     from torch.distributed.pipelining import PipelineStage
+
+    from neuronc.pytorch import backend, partition
 
     rank, ranks = dist.get_rank(group), group.size()
     stage_module = (_FirstStage if rank == 0 else _LastStage)(model()).to(device)
-    stage = PipelineStage(stage_module, rank, ranks, device, group=group)
+    before, partitioned_before = len(backend.compiled_graphs), partition.partitioned_graphs
+    if compiled:
+        torch._dynamo.reset()
+    stage = PipelineStage(torch.compile(stage_module, backend="neuron", fullgraph=True) if compiled else stage_module,
+                          rank, ranks, device, group=group)
     schedule = schedule_class(stage, n_microbatches=2,
                               loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     tied = stage_module.tokens.weight if rank == 0 else stage_module.head.weight
@@ -328,7 +368,7 @@ def _pipeline(device, group, schedule_class) -> dict:
     for name, value in stage_module.named_parameters():
         prefix = next(p for p in _STAGE_NAMES[rank] if name.startswith(p))
         params[_STAGE_NAMES[rank][prefix] + name[len(prefix):]] = _whole(value)
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, **(_compiled_graphs(before, partitioned_before) if compiled else {})}
 
 
 def _stage_steps(schedule, opt, tied, batch, device, group, scope=contextlib.nullcontext) -> list:
@@ -380,14 +420,20 @@ def pp_1f1b(device, group) -> dict:
     return _pipeline(device, group, Schedule1F1B)
 
 
+def pp_1f1b_compiled(device, group) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return _pipeline(device, group, Schedule1F1B, compiled=True)
+
+
 def pp_gpipe(device, group) -> dict:
     from torch.distributed.pipelining import ScheduleGPipe
 
     return _pipeline(device, group, ScheduleGPipe)
 
 
-CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, pp_1f1b,
-                                           pp_gpipe, pp_traced)}
+CONFIGURATIONS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, fsdp2_bf16, tp, tp_compiled, fsdp2_tp, fsdp2_tp_compiled, pp_1f1b,
+                                           pp_1f1b_compiled, pp_gpipe, pp_traced)}
 
 
 def _plan(arguments: list, world: int) -> list:

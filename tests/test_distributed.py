@@ -24,7 +24,7 @@ def job():
     than its scenarios, and each compiles its device programs once); the two that break a group come last, each in
     a group of its own, rank 1 leaving the job in the very last."""
     return run_ranks(["-m", "tests.distributed_checks", "collectives", "other_collectives", "mismatch", "compiled",
-                      "late_rank", "dead_rank"], ranks=WORLD, timeout=1800)
+                      "partitioned", "late_rank", "dead_rank"], ranks=WORLD, timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,22 @@ def test_the_collectives_of_compiled_data_and_tensor_parallelism_are_instruction
     for out in compiled_ranks:
         assert out[name]["compiled"]["collectives"] == collectives
         assert out[name]["eager"]["collective_instructions"] == 0  # eager's ran through the process group
+
+
+def test_a_partitioned_compiled_graph_keeps_its_collectives_as_instructions_of_its_device_pieces(job):
+    """Tensor parallelism with an op the device cannot run right after the row-wise layer's all-reduce: the forward
+    graph is partitioned, the inverse alone runs on the CPU, and the all-reduce stays in the NEFF of the piece
+    before it (it used to run through the process group from the host, the piece cut in two around it)."""
+    for out in (rank["partitioned"] for rank in job):
+        eager, compiled = out["eager"], out["compiled"]
+        assert eager["partitioned"] == 0 and compiled["partitioned"] == 1
+        assert "aten.linalg_inv_ex.default" in compiled["on_the_cpu"]
+        assert not [op for op in compiled["on_the_cpu"] if "c10d" in op]
+        assert compiled["collectives"] == ["ALL_REDUCE"]
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                                   **TOLERANCES[torch.float32])
+        for got, expected in zip(compiled["params"], eager["params"], strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("name", ["ddp", "simple_fsdp"])

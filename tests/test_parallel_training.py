@@ -3,7 +3,8 @@ FSDP2 (fp32 and bf16 mixed precision), tensor parallelism with sequence parallel
 TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules, manual stages or split by tracing
 (`torch.distributed.pipelining.pipeline()`) — gives the losses and parameters
 of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision); so do DDP and tensor parallelism
-under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs. The rank program is
+under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs, FSDP2 with each
+block compiled inside fully_shard, and the 1F1B pipeline with each stage's module compiled. The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from tests import parallel_training
 from tests.conftest import EAGER_ERROR_MULTIPLIER, TOLERANCES, _rmse, run_ranks
 
-DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled"]
-PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_traced"]
+DATA_AND_TENSOR_PARALLEL = ["ddp", "fsdp2", "fsdp2_bf16", "tp", "ddp_compiled", "tp_compiled", "fsdp2_compiled"]
+PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_traced", "pp_1f1b_compiled"]
 
 pytestmark = pytest.mark.slow("one 2-rank and one 4-rank job (~115 s of the suite): the only tests that a model trained over "
                                "ranks, each way PyTorch spreads it, eager and compiled, ends as one process on the whole batch")
@@ -52,7 +53,7 @@ def _assert_trains_as_one_process(results: list, reference: dict, tolerance: dic
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp_1f1b", "pp_gpipe", "pp_traced", "ddp_compiled",
-                                  "tp_compiled"])
+                                  "tp_compiled", "fsdp2_compiled", "pp_1f1b_compiled"])
 def test_gpt2_trains_on_two_ranks_as_one_process_on_the_whole_batch(two_ranks, reference, name):
     assert len(two_ranks[name]) == 2
     _assert_trains_as_one_process(two_ranks[name], reference, TOLERANCES[torch.float32])
@@ -97,3 +98,26 @@ def test_compiled_tensor_parallel_gpt2_runs_whole_on_the_device_its_collectives_
     for result in two_ranks["tp_compiled"]:
         assert result["partitioned"] == 0
         assert {"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"} <= set(result["collectives"])
+
+
+def test_fsdp2_with_compiled_blocks_runs_every_blocks_forward_and_backward_as_neffs(two_ranks):
+    """torchtitan's way (each block compiled, then sharded with fully_shard): every block's forward and backward of
+    every step is a launch of a compiled graph, whole on the device; FSDP2's all-gathers and reduce-scatters stay in
+    its hooks, which torch 2.13 keeps out of Dynamo, so the NEFFs hold no collective."""
+    steps, blocks = parallel_training.STEPS, parallel_training.CONFIG["layers"]
+    for result in two_ranks["fsdp2_compiled"]:
+        assert result["partitioned"] == 0
+        assert result["graphs"] >= 2  # a forward and a backward graph at least
+        assert result["launches"] == 2 * blocks * steps
+        assert result["collectives"] == []
+
+
+def test_a_1f1b_pipeline_of_compiled_stages_runs_every_micro_batch_as_neffs(two_ranks):
+    """Each stage's module under torch.compile: every micro-batch's forward and backward on each stage is a launch
+    of the stage's compiled graphs (PipelineStage may run one more forward to learn its output's shape), whole on
+    the device; the activations and gradients between stages go through the process group (P2P)."""
+    micro_batches, steps = 2, parallel_training.STEPS
+    for result in two_ranks["pp_1f1b_compiled"]:
+        assert result["partitioned"] == 0
+        assert result["graphs"] >= 2  # a forward and a backward graph at least
+        assert result["launches"] >= 2 * micro_batches * steps

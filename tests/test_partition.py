@@ -71,3 +71,34 @@ def test_with_fallback_disabled_every_unsupported_op_is_listed(inputs, monkeypat
     raised = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(raised, NeuronCompileError), raised
     assert all(any(p.startswith(op) for p in raised.problems) for op in NO_DEVICE_OPS), raised.problems
+
+
+def test_a_functional_collective_is_a_device_op_judged_by_the_collective_rules_not_torch_mlir():
+    """torch-mlir lowers no collective, so probing one through it sent every collective of a partitioned graph (and
+    its wait) to the CPU; the compiler cuts them out before torch-mlir and makes collective instructions of them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.op_probe import node_verdicts
+
+    functional = torch.ops._c10d_functional
+
+    def program(x, reduction):
+        return functional.wait_tensor(functional.all_reduce(x * 2, reduction, "a-group")) + 1
+
+    verdicts = node_verdicts(make_fx(lambda x: program(x, "sum"), tracing_mode="fake")(torch.ones(4)))
+    assert verdicts == {"mul": "", "all_reduce": "", "wait_tensor": "", "add": ""}
+    refused = node_verdicts(make_fx(lambda x: program(x, "xor"), tracing_mode="fake")(torch.ones(4)))
+    assert "'xor' cannot be compiled" in refused["all_reduce"] and refused["wait_tensor"] == refused["all_reduce"]
+
+
+def test_a_device_piece_waiting_for_a_collective_an_earlier_piece_ran_takes_its_input_as_arrived(inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.compiler import CompileOptions, compile_fx
+    from neuronc.pytorch.backend import NeffFunction
+
+    piece = make_fx(lambda x: torch.ops._c10d_functional.wait_tensor(x) * 2)(inputs[0])
+    compiled = compile_fx(piece)
+    assert compiled.collective_groups == []  # nothing left to communicate: the wait was for another piece's
+    (got,) = NeffFunction(compiled, CompileOptions())(inputs[0])
+    torch.testing.assert_close(got, inputs[0] * 2)

@@ -55,9 +55,36 @@ def _functional_ops() -> dict:
             f.all_to_all_single.default: CollectiveOp.ALL_TO_ALL}
 
 
+def is_collective(node) -> bool:
+    """A node of torch.distributed's (a collective, functional or not, or the wait for one)."""
+    return node.op == "call_function" and \
+        str(getattr(node.target, "namespace", "")) in ("_c10d_functional", "c10d_functional", "c10d")
+
+
 def has_collectives(gm) -> bool:
-    return any(str(getattr(n.target, "namespace", "")) in ("_c10d_functional", "c10d_functional", "c10d")
-               for n in gm.graph.nodes if n.op == "call_function")
+    return any(is_collective(n) for n in gm.graph.nodes)
+
+
+def refusal(node) -> str:
+    """Why the collective node ``node`` cannot be a collective instruction of a NEFF ("" if it can): the verdict
+    the partition fallback and ``neuronc check`` take for it, without probing it through torch-mlir (which lowers
+    no collective). A wait is compiled with the collective it waits for."""
+    import torch
+
+    ops = _functional_ops()
+    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+        source = node.args[0]
+        return refusal(source) if getattr(source, "op", None) == "call_function" and is_collective(source) else ""
+    if node.target not in ops:
+        return f"neuronc compiles all_reduce, all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single, " \
+               f"not {node.target}"
+    op, args = ops[node.target], node.args[1:]
+    reduce_name = args[0] if op in (CollectiveOp.ALL_REDUCE, CollectiveOp.REDUCE_SCATTER) else None
+    if reduce_name is not None and reduce_name not in _REDUCTIONS:
+        return f"the {op.name.lower()} reduction {reduce_name!r} cannot be compiled (use one of {', '.join(_REDUCTIONS)})"
+    if op == CollectiveOp.ALL_TO_ALL and any(s is not None and len(set(s)) > 1 for s in args[:2]):
+        return "an all_to_all_single with unequal splits cannot be compiled"
+    return ""
 
 
 def _group_size(name: str) -> int:
@@ -73,38 +100,32 @@ def cut_collectives(gm) -> Collectives:
     ops, wait = _functional_ops(), torch.ops._c10d_functional.wait_tensor.default
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
-    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
-    cuts, groups, extra_outputs = [], [], []
+    cuts, groups, extra_outputs, waited = [], [], [], set()
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if not is_collective(node) or node in waited:
             continue
-        if node.target not in ops:
-            if str(getattr(node.target, "namespace", "")) in ("_c10d_functional", "c10d_functional", "c10d") \
-                    and node.target is not wait:
-                raise NeuronCompileError(
-                    f"the collective {node.target} cannot be compiled into a NEFF",
-                    problems=[f"{node.name}: {node.target}"],
-                    hint="neuronc compiles all_reduce, all_gather_into_tensor, reduce_scatter_tensor and "
-                    "all_to_all_single (equal splits); keep the others outside the compiled region")
+        if node.target is wait:  # a piece of a partitioned graph waits for a collective an earlier piece ran
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
             continue
+        why = refusal(node)
+        if why:
+            raise NeuronCompileError(f"the collective {node.target} cannot be compiled into a NEFF: {why}",
+                                     problems=[f"{node.name}: {node.target}"],
+                                     hint="keep it outside the compiled region (or let the partition fallback run it "
+                                     "through the process group)")
         op = ops[node.target]
         source, args = node.args[0], node.args[1:]
         group_name = args[-1]
         ranks = _group_size(group_name)
         reduce_name = args[0] if op in (CollectiveOp.ALL_REDUCE, CollectiveOp.REDUCE_SCATTER) else None
-        if reduce_name is not None and reduce_name not in _REDUCTIONS:
-            raise NeuronCompileError(f"the {op.name.lower()} reduction {reduce_name!r} cannot be compiled",
-                                     hint=f"use one of {', '.join(_REDUCTIONS)}")
-        if op == CollectiveOp.ALL_TO_ALL and any(s is not None and len(set(s)) > 1 for s in args[:2]):
-            raise NeuronCompileError("an all_to_all_single with unequal splits cannot be compiled",
-                                     hint="split the tensor evenly, or keep it outside the compiled region")
         if group_name not in groups:
             groups.append(group_name)
         cuts.append(Cut(op, _REDUCTIONS[reduce_name] if reduce_name else AluOp.NONE, groups.index(group_name), ranks))
         waits = [u for u in node.users if u.target is wait]
+        waited.update(waits)
         result = waits[0] if waits else node
-        with graph.inserting_before(first_compute):
-            arrived = graph.placeholder(f"collective{len(cuts) - 1}")
+        arrived = _last_placeholder(graph, f"collective{len(cuts) - 1}")
         arrived.meta.update(result.meta)
         value = arrived
         if reduce_name == "avg":
@@ -124,9 +145,17 @@ def cut_collectives(gm) -> Collectives:
         results = output.args[0]
         results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
         output.args = (results + tuple(extra_outputs),)
-        graph.lint()
-        gm.recompile()
+    graph.lint()
+    gm.recompile()
     return Collectives(cuts, groups)
+
+
+def _last_placeholder(graph, name: str):
+    """A new placeholder after every other (the graph's last input, whatever nodes sit between its placeholders:
+    a partitioned graph's pieces interleave them with compute)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
+        return graph.placeholder(name)
 
 
 def splice_collectives(graph: ir.Graph, collectives: Collectives) -> ir.Graph:

@@ -5,8 +5,9 @@ legalise; a user wants all of them at once, with their source lines. Each distin
 (the op, its operands' dtypes and ranks, its other arguments) becomes a graph of its own, which is
 lowered, imported and, when the caller passes its backend as `accept`, run through the passes and
 codegen. All probes run in one child process; if one crashes it, each probe gets a child of its
-own, so that a crash is a verdict about one op. Used by the compile errors of the frontend and by
-`neuronc check`.
+own, so that a crash is a verdict about one op. A collective is not probed (torch-mlir lowers none; the
+compiler cuts them out before it): its verdict is `collectives.refusal`'s. Used by the compile errors of the
+frontend, the partition fallback and `neuronc check`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 import operator
 
 from neuronc.errors import FrontendCrashError, NeuronCompileError
+from neuronc.frontend import collectives
 from neuronc.frontend.isolate import run_isolated
 from neuronc.frontend.torch_import import lower, op_name
 from neuronc.neff.program import DebugLoc
@@ -65,7 +67,9 @@ def _verdicts(gm, accept, probe) -> dict:
     by_signature: dict = {}
     why = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem and not _valueless(node):
+        if collectives.is_collective(node):  # cut out before torch-mlir, a collective instruction of the NEFF
+            why[node.name] = collectives.refusal(node)
+        elif node.op == "call_function" and node.target is not operator.getitem and not _valueless(node):
             key = _signature(node)
             if key not in by_signature:
                 by_signature[key] = probe(node, accept)

@@ -7,7 +7,10 @@ largest subgraphs PyTorch's capability partitioner finds, each compiled to a NEF
 eagerly on the CPU between them, with one warning per op (as the eager device's fallback does).
 A device subgraph that still fails to compile as a whole runs on the CPU too (warned), so the graph
 never stops on an op and never returns numbers other than eager's for the ops that fell back. An error in
-the user's own NKI kernel (KernelError) is raised, never worked around.
+the user's own NKI kernel (KernelError) is raised, never worked around. A functional collective (tensor
+parallelism's, compiled DDP's, ...) is a device op like the others (`collectives.refusal`): it stays a
+collective instruction in its piece's NEFF, so its time stays on the emulated timeline beside that piece's
+compute; only a collective no NEFF can hold runs from the host, through the process group.
 
 ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1`` keeps today's strict behaviour: the error listing every
 op that cannot be compiled. The CLI never partitions: a NEFF holds device work only.
