@@ -199,11 +199,13 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) 
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
     from neuronc.frontend.random_draws import Draws, cut_random_ops, has_random_ops, splice_draws
-    from neuronc.frontend.torch_import import drop_none_outputs, drop_opaque_values, import_fx, node_locations
+    from neuronc.frontend.torch_import import (drop_none_outputs, drop_opaque_values, import_fx, node_locations,
+                                               placeholders_first)
 
     options = options or CompileOptions()
     t = time.perf_counter()
     with collector_paused():
+        placeholders_first(gm)
         mask, passed = drop_opaque_values(gm)
         computed = drop_none_outputs(gm)
         rest = iter(computed)

@@ -151,8 +151,7 @@ def cut_collectives(gm) -> Collectives:
 
 
 def _last_placeholder(graph, name: str):
-    """A new placeholder after every other (the graph's last input, whatever nodes sit between its placeholders:
-    a partitioned graph's pieces interleave them with compute)."""
+    """A new placeholder after every other: the graph's last input (compile_fx puts the placeholders first)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
         return graph.placeholder(name)

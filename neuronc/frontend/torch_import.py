@@ -247,6 +247,19 @@ def drop_opaque_values(gm) -> tuple:
     return [n not in opaque for n in placeholders], passed
 
 
+def placeholders_first(gm) -> None:
+    """In place: every placeholder before the first computing node, in their order (the graph's arguments keep
+    theirs). A partitioned graph's pieces interleave them with compute; inputs the compiler adds after the last
+    placeholder (collective arrivals, random draws) must come before every use."""
+    nodes = list(gm.graph.nodes)
+    first_compute = next((n for n in nodes if n.op != "placeholder"), None)
+    if first_compute is None:
+        return
+    for node in nodes[nodes.index(first_compute):]:
+        if node.op == "placeholder":
+            first_compute.prepend(node)
+
+
 def drop_none_outputs(gm) -> list:
     """Remove None outputs (AOTAutograd's gradients of inputs that need none) in place, which
     torch-mlir cannot return. Returns, per original output, its index among the kept ones or None."""
