@@ -401,3 +401,16 @@ def test_multi_head_attention_inference_fast_path_gives_weights_like_eager():
     with torch.no_grad():
         _matches_eager(lambda t: attention(t, t, t, key_padding_mask=padding), x)
         _matches_eager(lambda t: attention(t, t, t, average_attn_weights=False), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_sort_of_integer_keys_past_fp32s_significand_is_exact_and_stable(dtype, descending):
+    # TOPK compares in fp32: 16777217 and 16777216 are one value there, and negating INT_MIN overflows; such keys
+    # are sorted by 16-bit digits (passes/indexing.py)
+    info = torch.iinfo(dtype)
+    edges = [5, info.min, 0, 1, info.max, 16777217, 16777216, -16777217, -16777216, 5, info.min + 1, 2 ** 24 + 2]
+    rows = torch.randint(info.min, info.max, (3, len(edges)), generator=torch.Generator().manual_seed(3), dtype=dtype)
+    x = torch.cat([torch.tensor([edges], dtype=dtype), rows, rows[:, :6].repeat(1, 2)[:, :len(edges)]])
+    for dim in (1, 0):
+        _matches_eager(lambda t: torch.sort(t, dim=dim, descending=descending, stable=True), x)

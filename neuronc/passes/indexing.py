@@ -55,7 +55,57 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
     return ir.node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
 
 
-_RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter}
+# -- sorts of wide integer keys ------------------------------------------------------------------------------
+# TOPK compares in fp32 (MAX8, FIND_INDEX8), whose 24-bit significand holds integer keys exactly only up to 2^24:
+# wider integer keys are sorted by 16-bit digits instead, each exact in fp32.
+_SIGNED_WIDE = {DType.I32: True, DType.I64: True, DType.U32: False, DType.U64: False}
+_DIGIT_BITS = 16
+
+
+def _digits(node: Node, x: Node) -> list:
+    """x's keys as fp32 digits of 16 bits, least significant first, ordered as the keys are when compared most
+    significant digit first (a signed key's sign bit flipped: its bits then order as an unsigned number's)."""
+    def constant(value):
+        return ir.node(Op.CONSTANT, [], x.shape, x.dtype, node.loc, value=np.array(value).astype(x.dtype.numpy))
+
+    bits = x.dtype.itemsize * 8
+    if _SIGNED_WIDE[x.dtype]:
+        x = ir.node(Op.XOR, [x, constant(-(1 << (bits - 1)))], x.shape, x.dtype, node.loc)
+    digits = []
+    for shift in range(0, bits, _DIGIT_BITS):
+        shifted = ir.node(Op.SHIFT_RIGHT_LOGICAL, [x, constant(shift)], x.shape, x.dtype, node.loc) if shift else x
+        digit = ir.node(Op.AND, [shifted, constant((1 << _DIGIT_BITS) - 1)], x.shape, x.dtype, node.loc)
+        digits.append(ir.node(Op.CONVERT, [digit], x.shape, DType.F32, node.loc))
+    return digits
+
+
+def _taken(x: Node, positions: Node, dim: int, loc) -> Node:
+    """x[..., positions[...], ...] along dim (positions: x's shape but for its length along dim), as row gathers."""
+    rank, others = len(x.shape), tuple(d for d in range(len(x.shape)) if d != dim)
+    gather = ir.node(Op.GATHER, [x, positions], positions.shape, x.dtype, loc, window_dims=(), dropped_dims=(dim,),
+                     operand_batching_dims=others, indices_batching_dims=others, index_map=(dim,),
+                     index_vector_dim=rank, window=(1,) * rank)
+    return _gather(gather, x, positions)
+
+
+def _sort_by_digits(node: Node, keys: Node) -> Node | None:
+    """A sort or top-k of wide integer keys as stable sorts by 16-bit digits, least significant first (an LSD
+    radix sort: each pass is TOPK's stable order of one digit, read through the positions of the passes before)."""
+    if keys.dtype not in _SIGNED_WIDE:
+        return None
+    dim, k = node.attrs["dimension"], node.attrs["k"]
+    digits, order = _digits(node, keys), None
+    for i, digit in enumerate(digits):
+        key = digit if order is None else _taken(digit, order, dim, node.loc)
+        count = k if i == len(digits) - 1 else keys.shape[dim]
+        shape = tuple(count if d == dim else s for d, s in enumerate(keys.shape))
+        step = ir.node(Op.TOPK, [key], shape, node.dtype, node.loc, dimension=dim, k=count,
+                       descending=node.attrs["descending"])
+        order = step if order is None else _taken(order, step, dim, node.loc)
+    return order
+
+
+_RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter, Op.TOPK: _sort_by_digits}
 
 
 class _IndexSpace:
