@@ -413,4 +413,4 @@ def test_a_sort_of_integer_keys_past_fp32s_significand_is_exact_and_stable(dtype
     rows = torch.randint(info.min, info.max, (3, len(edges)), generator=torch.Generator().manual_seed(3), dtype=dtype)
     x = torch.cat([torch.tensor([edges], dtype=dtype), rows, rows[:, :6].repeat(1, 2)[:, :len(edges)]])
     for dim in (1, 0):
-        _matches_eager(lambda t: torch.sort(t, dim=dim, descending=descending, stable=True), x)
+        _matches_eager(lambda t, dim=dim: torch.sort(t, dim=dim, descending=descending, stable=True), x)
