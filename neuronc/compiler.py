@@ -195,6 +195,17 @@ def compile_exported(program: torch.export.ExportedProgram | str | os.PathLike, 
     return compiled
 
 
+def compiled_apart(node) -> str | None:
+    """compile_fx's verdict on an op it cuts out of the graph before torch-mlir (which lowers neither): a functional
+    collective (a collective instruction, or why it cannot be one) and a random op (a draw of the device's
+    generator); None for the others."""
+    from neuronc.frontend import collectives, random_draws
+
+    if collectives.is_collective(node):
+        return collectives.refusal(node)
+    return "" if random_draws.is_random(node) else None
+
+
 def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives

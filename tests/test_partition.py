@@ -78,6 +78,7 @@ def test_a_functional_collective_is_a_device_op_judged_by_the_collective_rules_n
     its wait) to the CPU; the compiler cuts them out before torch-mlir and makes collective instructions of them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from neuronc.compiler import compiled_apart
     from neuronc.frontend.op_probe import node_verdicts
 
     functional = torch.ops._c10d_functional
@@ -85,9 +86,13 @@ def test_a_functional_collective_is_a_device_op_judged_by_the_collective_rules_n
     def program(x, reduction):
         return functional.wait_tensor(functional.all_reduce(x * 2, reduction, "a-group")) + 1
 
-    verdicts = node_verdicts(make_fx(lambda x: program(x, "sum"), tracing_mode="fake")(torch.ones(4)))
+    def verdicts_of(reduction):  # as the partition fallback asks
+        return node_verdicts(make_fx(lambda x: program(x, reduction), tracing_mode="fake")(torch.ones(4)),
+                             own=compiled_apart)
+
+    verdicts = verdicts_of("sum")
     assert verdicts == {"mul": "", "all_reduce": "", "wait_tensor": "", "add": ""}
-    refused = node_verdicts(make_fx(lambda x: program(x, "xor"), tracing_mode="fake")(torch.ones(4)))
+    refused = verdicts_of("xor")
     assert "'xor' cannot be compiled" in refused["all_reduce"] and refused["wait_tensor"] == refused["all_reduce"]
 
 

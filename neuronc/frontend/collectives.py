@@ -19,6 +19,7 @@ import dataclasses
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
+from neuronc.frontend.torch_import import new_last_placeholder
 from neuronc.isa import AluOp, CollectiveOp
 
 _REDUCTIONS = {"sum": AluOp.ADD, "avg": AluOp.ADD, "max": AluOp.MAX, "min": AluOp.MIN, "product": AluOp.MULTIPLY}
@@ -66,9 +67,9 @@ def has_collectives(gm) -> bool:
 
 
 def refusal(node) -> str:
-    """Why the collective node ``node`` cannot be a collective instruction of a NEFF ("" if it can): the verdict
-    the partition fallback and ``neuronc check`` take for it, without probing it through torch-mlir (which lowers
-    no collective). A wait is compiled with the collective it waits for."""
+    """Why the collective node ``node`` cannot be a collective instruction of a NEFF ("" if it can): compile_fx's
+    verdict (`compiler.compiled_apart`), which the partition fallback takes instead of probing the collective
+    through torch-mlir (which lowers none). A wait is compiled with the collective it waits for."""
     import torch
 
     ops = _functional_ops()
@@ -125,7 +126,7 @@ def cut_collectives(gm) -> Collectives:
         waits = [u for u in node.users if u.target is wait]
         waited.update(waits)
         result = waits[0] if waits else node
-        arrived = _last_placeholder(graph, f"collective{len(cuts) - 1}")
+        arrived = new_last_placeholder(graph, f"collective{len(cuts) - 1}")
         arrived.meta.update(result.meta)
         value = arrived
         if reduce_name == "avg":
@@ -148,13 +149,6 @@ def cut_collectives(gm) -> Collectives:
     graph.lint()
     gm.recompile()
     return Collectives(cuts, groups)
-
-
-def _last_placeholder(graph, name: str):
-    """A new placeholder after every other: the graph's last input (compile_fx puts the placeholders first)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
-        return graph.placeholder(name)
 
 
 def splice_collectives(graph: ir.Graph, collectives: Collectives) -> ir.Graph:

@@ -5,9 +5,9 @@ legalise; a user wants all of them at once, with their source lines. Each distin
 (the op, its operands' dtypes and ranks, its other arguments) becomes a graph of its own, which is
 lowered, imported and, when the caller passes its backend as `accept`, run through the passes and
 codegen. All probes run in one child process; if one crashes it, each probe gets a child of its
-own, so that a crash is a verdict about one op. A collective is not probed (torch-mlir lowers none; the
-compiler cuts them out before it): its verdict is `collectives.refusal`'s. Used by the compile errors of the
-frontend, the partition fallback and `neuronc check`.
+own, so that a crash is a verdict about one op. An op the caller compiles apart from torch-mlir is not probed: its
+verdict is the caller's (`own`; compile_fx's collectives and random draws, `compiler.compiled_apart`). Used by the
+compile errors of the frontend, the partition fallback and `neuronc check`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import dataclasses
 import operator
 
 from neuronc.errors import FrontendCrashError, NeuronCompileError
-from neuronc.frontend import collectives
 from neuronc.frontend.isolate import run_isolated
 from neuronc.frontend.torch_import import lower, op_name
 from neuronc.neff.program import DebugLoc
@@ -54,21 +53,24 @@ def unsupported_ops(gm, locations: dict, accept=None) -> list:
     return list(failures.values())
 
 
-def node_verdicts(gm, accept=None) -> dict:
-    """node name -> why it cannot be compiled ("" if it can), for every op of the graph (see unsupported_ops)."""
+def node_verdicts(gm, accept=None, own=None) -> dict:
+    """node name -> why it cannot be compiled ("" if it can), for every op of the graph (see unsupported_ops).
+    ``own(node)``, when given, is the caller's verdict on an op it compiles apart from torch-mlir (None for the
+    others, which are probed)."""
     try:  # all probes in one child process; if one crashes it, again with a child for each
-        return run_isolated(_verdicts, gm, accept, _probe, what="probing each op alone")
+        return run_isolated(_verdicts, gm, accept, _probe, own, what="probing each op alone")
     except FrontendCrashError:
-        return _verdicts(gm, accept, _probe_isolated)
+        return _verdicts(gm, accept, _probe_isolated, own)
 
 
-def _verdicts(gm, accept, probe) -> dict:
+def _verdicts(gm, accept, probe, own) -> dict:
     """node name -> why it cannot be compiled ("" if it can); one probe per distinct signature."""
     by_signature: dict = {}
     why = {}
     for node in gm.graph.nodes:
-        if collectives.is_collective(node):  # cut out before torch-mlir, a collective instruction of the NEFF
-            why[node.name] = collectives.refusal(node)
+        verdict = own(node) if own is not None else None
+        if verdict is not None:
+            why[node.name] = verdict
         elif node.op == "call_function" and node.target is not operator.getitem and not _valueless(node):
             key = _signature(node)
             if key not in by_signature:

@@ -25,6 +25,7 @@ import operator
 
 from neuronc import ir
 from neuronc.frontend.tensors import torch_dtypes
+from neuronc.frontend.torch_import import new_last_placeholder
 from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
 
@@ -132,19 +133,11 @@ class _Builder:
         self.gm, self.graph, self.fake_mode, self.locations = gm, gm.graph, fake_mode, locations
         self.draws: list = []
         self.first = 0
-        self.anchor = [n for n in self.graph.nodes if n.op == "placeholder"]
 
     def draw(self, at, shape: tuple, dtype) -> object:
         import torch
 
-        name = f"rng_draw{len(self.draws)}"
-        if self.anchor:
-            with self.graph.inserting_after(self.anchor[-1]):
-                placeholder = self.graph.placeholder(name)
-        else:
-            with self.graph.inserting_before(next(iter(self.graph.nodes))):
-                placeholder = self.graph.placeholder(name)
-        self.anchor.append(placeholder)
+        placeholder = new_last_placeholder(self.graph, f"rng_draw{len(self.draws)}")
         val = at.meta["val"]
         device = (val[0] if isinstance(val, (tuple, list)) else val).device  # the graph's (neuron or CPU)
         with self.fake_mode:

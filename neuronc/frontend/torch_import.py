@@ -260,6 +260,13 @@ def placeholders_first(gm) -> None:
             first_compute.prepend(node)
 
 
+def new_last_placeholder(graph, name: str):
+    """A new placeholder after every other: the graph's last input (compile_fx puts the placeholders first)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
+        return graph.placeholder(name)
+
+
 def drop_none_outputs(gm) -> list:
     """Remove None outputs (AOTAutograd's gradients of inputs that need none) in place, which
     torch-mlir cannot return. Returns, per original output, its index among the kept ones or None."""

@@ -8,7 +8,7 @@ eagerly on the CPU between them, with one warning per op (as the eager device's 
 A device subgraph that still fails to compile as a whole runs on the CPU too (warned), so the graph
 never stops on an op and never returns numbers other than eager's for the ops that fell back. An error in
 the user's own NKI kernel (KernelError) is raised, never worked around. A functional collective (tensor
-parallelism's, compiled DDP's, ...) is a device op like the others (`collectives.refusal`): it stays a
+parallelism's, compiled DDP's, ...) is a device op like the others (`compiler.compiled_apart`): it stays a
 collective instruction in its piece's NEFF, so its time stays on the emulated timeline beside that piece's
 compute; only a collective no NEFF can hold runs from the host, through the process group.
 
@@ -66,18 +66,17 @@ def partition(gm: fx.GraphModule, options):
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupportBase
 
-    from neuronc.compiler import compile_graph
+    from neuronc.compiler import compile_graph, compiled_apart
     from neuronc.frontend import control_flow
     from neuronc.frontend.op_probe import node_verdicts
-    from neuronc.frontend.random_draws import is_random
     from neuronc.frontend.torch_import import op_name
 
     control_flow.inline_conditionals(gm)  # a cond's branches are device ops like any other
-    why = node_verdicts(gm, accept=lambda graph: compile_graph(graph, options))
+    # the pieces are compiled by compile_fx, which makes collectives and random ops device work of its own
+    why = node_verdicts(gm, accept=lambda graph: compile_graph(graph, options), own=compiled_apart)
     cpu = {}
     for node in gm.graph.nodes:
-        if why.get(node.name) and not is_random(node):  # compile_fx draws random ops on the device
-            # (frontend/random_draws.py); alone, torch-mlir refuses them
+        if why.get(node.name):
             cpu[node.name] = why[node.name]
             _warn(op_name(node), why[node.name])
     if not cpu:
