@@ -372,6 +372,32 @@ def test_lu_of_nothing_compiles():
                    _matrices(0, 0), _matrices(3, 0))
 
 
+def _inverse_and_solution(a, b):
+    return torch.linalg.inv(a) @ b + torch.linalg.solve(a, b)
+
+
+def test_inv_and_solve_compile_whole_and_train():
+    """torch's singular-matrix check is no device op: it is made on the host after the program (host_checks)."""
+    a, b = _matrices(4, 4) + 4 * torch.eye(4), _matrices(4, 3, seed=1)
+    _matches_eager(_inverse_and_solution, a, b)
+    weights = torch.randn(4, 3)
+    torch._dynamo.reset()
+    assert_matches_eager(_gradient(lambda t: torch.compile(_inverse_and_solution, backend="neuron")(t, b), a, weights),
+                         _gradient(lambda t: _inverse_and_solution(t, b), a, weights))
+
+
+def test_a_singular_matrix_raises_eagers_error_from_the_compiled_graph():
+    singular, b = torch.ones(4, 4), _matrices(4, 3, seed=1)
+    with pytest.raises(torch.linalg.LinAlgError) as eager:
+        _inverse_and_solution(singular, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(_inverse_and_solution, backend="neuron")
+    compiled(_matrices(4, 4) + 4 * torch.eye(4), b)  # compiled for these shapes, then called on a singular one
+    with pytest.raises(torch.linalg.LinAlgError) as neuron:
+        compiled(singular, b)
+    assert str(neuron.value) == str(eager.value)
+
+
 def _encoder(norm_first: bool, activation: str):
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation=activation, batch_first=True,

@@ -1160,7 +1160,8 @@ def _hermite_polynomial(physicists: bool):
 # torch builds on it: det, slogdet, inv, solve, lu_solve, lu, lu_unpack. Row swaps are gathers and every
 # product is a sum of elementwise products, so a permutation moves values exactly. torch's error check
 # after inv/solve/lu_factor (`_linalg_check_errors` on `info`, raising on a singular matrix) is an effect
-# that is not device work: the partition fallback runs it on the CPU after the device computed `info`.
+# that is not device work: under torch.compile it is made on the host after the program has run
+# (neuronc/pytorch/host_checks.py); a .pt2 holding it is refused by the CLI (a NEFF holds device work only).
 
 def _lu_factor(a, pivot=True):
     """(LU, pivots as int32 from 1, info as int32) of a[..., m, n]."""

@@ -245,6 +245,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     from torch._functorch.aot_autograd import make_boxed_func
 
     from neuronc.frontend.torch_import import decomposition_table
+    from neuronc.pytorch import host_checks
     from neuronc.pytorch.partition import compile_or_partition
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
@@ -254,7 +255,9 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
 
     def compile_graph(graph_module, inputs):
         _devices_to_host(graph_module)
-        return make_boxed_func(compile_or_partition(graph_module, compile_options, compile_one, compile_one))
+        checks = host_checks.defer(graph_module)  # e.g. linalg's singular-matrix error: made after the run
+        function = compile_or_partition(graph_module, compile_options, compile_one, compile_one)
+        return make_boxed_func(host_checks.after(function, checks))
 
     def compile_one(graph_module):
         compiled = compile_fx(graph_module, compile_options)
