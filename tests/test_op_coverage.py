@@ -372,6 +372,51 @@ def test_lu_of_nothing_compiles():
                    _matrices(0, 0), _matrices(3, 0))
 
 
+def _gradients(fn, *inputs):
+    """The gradients of every float input of ``fn`` (outputs weighted by fixed random numbers)."""
+    inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    output = fn(*inputs)
+    (output * torch.randn(output.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    return [t.grad for t in inputs if t.is_floating_point()]
+
+
+def _matches_eager_gradients(fn, *inputs):
+    torch._dynamo.reset()
+    assert_matches_eager(_gradients(torch.compile(fn, backend="neuron"), *inputs), _gradients(fn, *inputs))
+
+
+F = torch.nn.functional
+CONVOLUTIONS = {  # (fn, input shape, weight shape)
+    "plain, strided": (lambda x, w: F.conv2d(x, w, None, 2, 1), (2, 4, 10, 9), (6, 4, 3, 3)),
+    "grouped": (lambda x, w: F.conv2d(x, w, None, 1, 1, 1, 2), (2, 4, 6, 6), (6, 2, 3, 3)),
+    "depthwise, strided": (lambda x, w: F.conv2d(x, w, None, 2, 1, 1, 4), (2, 4, 7, 7), (4, 1, 3, 3)),
+    "dilated, strided": (lambda x, w: F.conv2d(x, w, None, 2, 1, 2), (2, 4, 10, 9), (6, 4, 3, 3)),
+    "1-d": (lambda x, w: F.conv1d(x, w, None, 2, 1), (2, 4, 9), (6, 4, 3)),
+    "3-d": (lambda x, w: F.conv3d(x, w, None, 1, 1), (1, 2, 4, 4, 4), (3, 2, 3, 3, 3)),
+    "transposed, output padding": (lambda x, w: F.conv_transpose2d(x, w, None, 2, 1, 1), (2, 4, 5, 6), (4, 6, 3, 3)),
+    "transposed, grouped": (lambda x, w: F.conv_transpose2d(x, w, None, 3, 2, 2, 2), (2, 4, 5, 6), (4, 3, 4, 4)),
+    "transposed, dilated": (lambda x, w: F.conv_transpose1d(x, w, None, 2, 1, 1, 1, 2), (2, 4, 7), (4, 6, 3)),
+}
+
+
+@pytest.mark.parametrize("form", CONVOLUTIONS)
+def test_convolution_gradients_compile_in_every_form(form):
+    fn, x_shape, w_shape = CONVOLUTIONS[form]
+    _matches_eager_gradients(fn, torch.randn(x_shape), torch.randn(w_shape))
+
+
+@pytest.mark.parametrize("mode, padding_idx, last_offset, sample_weights", [
+    ("sum", None, False, False), ("sum", 4, True, True), ("mean", 4, False, False), ("max", 4, True, False)])
+def test_embedding_bag_gradients_compile(mode, padding_idx, last_offset, sample_weights):
+    indices = torch.tensor([1, 2, 4, 5, 4, 3, 4, 0])
+    offsets = torch.tensor([0, 3, 3, 6, 8] if last_offset else [0, 3, 3, 6])  # bag 1 is empty
+
+    def bags(weight, *per_sample):
+        return F.embedding_bag(indices, weight, offsets, mode=mode, padding_idx=padding_idx,
+                               include_last_offset=last_offset, per_sample_weights=per_sample[0] if per_sample else None)
+    _matches_eager_gradients(bags, torch.randn(10, 3), *([torch.randn(8)] if sample_weights else []))
+
+
 def _inverse_and_solution(a, b):
     return torch.linalg.inv(a) @ b + torch.linalg.solve(a, b)
 

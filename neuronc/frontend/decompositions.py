@@ -40,21 +40,120 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         rows = rows * per_sample_weights[:, None]
     rows = torch.where(keep[:, None], rows, torch.zeros((), dtype=rows.dtype))
     safe_bag = torch.where(keep, bag_of, 0)
-    sizes = torch.zeros(bags, dtype=torch.int64).index_add(0, safe_bag, keep.long())
+    sizes = torch.zeros(bags, dtype=torch.int64, device=weight.device).index_add(0, safe_bag, keep.long())
     mode_name = EMBEDDING_BAG_MODES[mode]
     if mode_name == "max":
-        member = (bag_of[None, :] == torch.arange(bags)[:, None]) & keep[None, :]  # [bags, count]
+        member = (bag_of[None, :] == torch.arange(bags, device=weight.device)[:, None]) & keep[None, :]  # [bags, count]
         lowest = torch.finfo(rows.dtype).min
         candidates = torch.where(member[:, :, None], rows[None, :, :], lowest)
         output, arg = candidates.max(dim=1)
         output = torch.where(sizes[:, None] > 0, output, torch.zeros((), dtype=rows.dtype))
         max_indices = torch.where(sizes[:, None] > 0, indices[arg], -1)
     else:
-        output = torch.zeros(bags, weight.shape[1], dtype=rows.dtype).index_add(0, safe_bag, rows)
+        output = torch.zeros(bags, weight.shape[1], dtype=rows.dtype, device=weight.device).index_add(0, safe_bag, rows)
         if mode_name == "mean":
             output = output / sizes.clamp(min=1)[:, None].to(rows.dtype)
-        max_indices = torch.zeros(bags if mode_name == "max" else 0, dtype=torch.int64)
+        max_indices = torch.zeros(bags if mode_name == "max" else 0, dtype=torch.int64, device=weight.device)
     return output, bag_of, sizes, max_indices
+
+
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+    """The weight's (dense) gradient of `_embedding_bag`: each kept index's row gets its bag's gradient, times its
+    per-sample weight, over the bag's size for mean, over how often the index occurs with scale_grad_by_freq;
+    for max, each (bag, column)'s gradient goes to the row that was the maximum there (none for an empty bag)."""
+    if sparse or scale_grad_by_freq:  # a sparse gradient is no device tensor; with scale_grad_by_freq, ATen's CPU
+        return NotImplemented  # kernel divides some rows by another index's count: the CPU fallback gives eager's
+    bags, width = grad.shape
+    gradient = torch.zeros(num_weights, width, dtype=grad.dtype, device=grad.device)
+    if EMBEDDING_BAG_MODES[mode] == "max":
+        found = maximum_indices >= 0
+        return gradient.scatter_add(0, torch.where(found, maximum_indices, 0), torch.where(found, grad, 0.0))
+    offset2bag = _offset2bag(offset2bag, indices, offsets, bags)
+    keep = offset2bag < bags
+    if padding_idx >= 0:
+        keep = keep & (indices != padding_idx)
+    bag = torch.where(keep, offset2bag, 0)
+    rows = grad[bag]
+    if EMBEDDING_BAG_MODES[mode] == "mean":
+        rows = rows / bag_size[bag].clamp(min=1)[:, None].to(grad.dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    rows = torch.where(keep[:, None], rows, 0.0)
+    return gradient.index_add(0, torch.where(keep, indices, 0), rows)
+
+
+def _offset2bag(offset2bag, indices, offsets, bags: int):
+    """Each index's bag: the forward's, or (ATen's forward leaves it empty in sum mode) counted from the offsets."""
+    if offset2bag.numel() == indices.numel():
+        return offset2bag
+    position = torch.arange(indices.shape[0], device=indices.device)
+    return (position[:, None] >= offsets[None, :bags]).sum(1) - 1
+
+
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    """Each per-sample weight's gradient (sum mode only, as ATen): its bag's gradient dotted with its row, zero for
+    the padding index."""
+    bag = _offset2bag(offset2bag, indices, offsets, grad.shape[0])
+    keep = bag < grad.shape[0]  # indices past include_last_offset's last offset are in no bag
+    if padding_idx >= 0:
+        keep = keep & (indices != padding_idx)
+    dots = (grad[torch.where(keep, bag, 0)] * weight[indices]).sum(-1)
+    return torch.where(keep, dots, 0.0)
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq,
+                                  mode, per_sample_weights=None, padding_idx=-1):
+    if offset2bag.numel() != indices.numel():  # no offsets to count the bags from
+        return NotImplemented
+    return _embedding_bag_backward(grad, indices, None, offset2bag, bag_size, maximum_indices, num_weights,
+                                   scale_grad_by_freq, mode, False, per_sample_weights, padding_idx)
+
+
+def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                          output_mask):
+    """The gradients of a convolution, as convolutions. torch-mlir lowers `convolution_backward` only for a plain
+    2-D convolution without groups or dilation, and not when an output padding is needed (an odd size with a
+    stride), so every form is decomposed here. A plain convolution's input gradient is the transposed convolution of the output's
+    gradient (taken uncropped, then the input's window of it: torch-mlir lowers no output padding with dilation); a transposed convolution is the adjoint of
+    the plain one by the same weight, so its input gradient is that plain convolution of the output's gradient.
+    Weight gradients: `_convolution_weight_gradient`."""
+    spatial = len(stride)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if transposed:
+            grad_input = aten.convolution.default(grad, weight, None, stride, padding, dilation, False, [0] * spatial,
+                                                  groups)
+        else:  # uncropped (every tap's position), then the input's window; zeros where no tap reached
+            grad_input = aten.convolution.default(grad, weight, None, stride, [0] * spatial, dilation, True,
+                                                  [0] * spatial, groups)
+            missing = [max(0, p + i - r) for p, i, r in zip(padding, x.shape[2:], grad_input.shape[2:])]
+            grad_input = aten.constant_pad_nd.default(grad_input, [n for m in reversed(missing) for n in (0, m)])
+            grad_input = grad_input[(..., *(slice(p, p + i) for p, i in zip(padding, x.shape[2:])))]
+        grad_input = grad_input[(..., *(slice(0, i) for i in x.shape[2:]))]
+    if output_mask[1]:
+        grad_weight = (_convolution_weight_gradient(grad, x, weight.shape, stride, padding, dilation, groups)
+                       if transposed else
+                       _convolution_weight_gradient(x, grad, weight.shape, stride, padding, dilation, groups))
+    if output_mask[2]:
+        grad_bias = grad.sum([0, *range(2, grad.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def _convolution_weight_gradient(x, grad, weight_shape, stride, padding, dilation, groups):
+    """d(loss)/d(weight) of the plain convolution of ``x`` ([N, groups * Ci, *I]) giving ``grad``'s shape
+    ([N, groups * Co, *O]), weight [groups * Co, Ci, *K]: w[(g, co), ci, k] = sum over n and o of
+    grad[n, (g, co), o] * x[n, (g, ci), o * stride - padding + k * dilation]. One grouped convolution: the batch
+    becomes the channels (grouped by g) and each ci a batch entry, the output's gradient the kernel, the stride
+    the dilation and the dilation the stride; the result is cropped to K."""
+    n, spatial = x.shape[0], x.shape[2:]
+    ci = x.shape[1] // groups
+    inputs = x.reshape(n, groups, ci, *spatial).permute(2, 1, 0, *range(3, 3 + len(spatial)))
+    inputs = inputs.reshape(ci, groups * n, *spatial)  # [ci, (g, n), *I]
+    kernel = grad.transpose(0, 1)  # [(g, co), n, *O]
+    out = aten.convolution.default(inputs, kernel, None, dilation, padding, stride, False, [0] * len(spatial), groups)
+    out = out[(..., *(slice(0, k) for k in weight_shape[2:]))]  # [ci, (g, co), *K]
+    return out.transpose(0, 1).contiguous()
 
 
 def _python_remainder(a, b):
@@ -715,7 +814,7 @@ def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumex
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
     if is_causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(), -math.inf)
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.to(wide))
@@ -1341,7 +1440,7 @@ def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_wei
     context = (probabilities @ heads(value, 2)).transpose(1, 2).reshape(query.shape[0], query.shape[1], embed_dim)
     output = torch.nn.functional.linear(context, proj_weight, proj_bias)
     if not need_weights:
-        return output, torch.empty(0, dtype=query.dtype)
+        return output, torch.empty(0, dtype=query.dtype, device=query.device)
     return output, probabilities.mean(1) if average_attn_weights else probabilities
 
 
@@ -1456,6 +1555,10 @@ OWN = {
     aten.sort.stable: _stable_sort,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,
+    aten._embedding_bag_backward.default: _embedding_bag_backward,
+    aten._embedding_bag_dense_backward.default: _embedding_bag_dense_backward,
+    aten._embedding_bag_per_sample_weights_backward.default: _embedding_bag_per_sample_weights_backward,
+    aten.convolution_backward.default: _convolution_backward,
     aten.empty.memory_format: _empty,
     aten.empty_strided.default: _empty_strided,
     aten.diagonal.default: _diagonal,
