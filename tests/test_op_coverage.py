@@ -396,6 +396,8 @@ CONVOLUTIONS = {  # (fn, input shape, weight shape)
     "transposed, output padding": (lambda x, w: F.conv_transpose2d(x, w, None, 2, 1, 1), (2, 4, 5, 6), (4, 6, 3, 3)),
     "transposed, grouped": (lambda x, w: F.conv_transpose2d(x, w, None, 3, 2, 2, 2), (2, 4, 5, 6), (4, 3, 4, 4)),
     "transposed, dilated": (lambda x, w: F.conv_transpose1d(x, w, None, 2, 1, 1, 1, 2), (2, 4, 7), (4, 6, 3)),
+    "transposed, output padding past the stride": (  # OpInfo's sample: allowed below the dilation
+        lambda x, w: F.conv_transpose2d(x, w, None, (3, 2), (1, 2), (2, 3), 2, (4, 4)), (2, 2, 4, 4), (2, 2, 4, 5)),
 }
 
 

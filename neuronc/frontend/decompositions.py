@@ -140,6 +140,24 @@ def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation
     return grad_input, grad_weight, grad_bias
 
 
+def _transposed_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A transposed convolution whose output padding reaches past its stride (allowed below its dilation), which
+    torch-mlir does not lower: taken uncropped, then its window of the output, zeros where no tap reached."""
+    if not transposed or not any(output_padding) or (all(d == 1 for d in dilation)
+                                                     and all(o < s for o, s in zip(output_padding, stride))):
+        return NotImplemented
+    spatial = len(stride)
+    full = aten.convolution.default(x, weight, bias, stride, [0] * spatial, dilation, True, [0] * spatial, groups)
+    sizes = [(i - 1) * s - 2 * p + d * (k - 1) + o + 1
+             for i, s, p, d, k, o in zip(x.shape[2:], stride, padding, dilation, weight.shape[2:], output_padding)]
+    missing = [max(0, p + n - f) for p, n, f in zip(padding, sizes, full.shape[2:])]
+    if any(missing):  # unreached positions: the bias alone
+        full = aten.constant_pad_nd.default(full if bias is None else full - bias.view(-1, *[1] * spatial),
+                                            [n for m in reversed(missing) for n in (0, m)])
+        full = full if bias is None else full + bias.view(-1, *[1] * spatial)
+    return full[(..., *(slice(p, p + n) for p, n in zip(padding, sizes)))]
+
+
 def _convolution_weight_gradient(x, grad, weight_shape, stride, padding, dilation, groups):
     """d(loss)/d(weight) of the plain convolution of ``x`` ([N, groups * Ci, *I]) giving ``grad``'s shape
     ([N, groups * Co, *O]), weight [groups * Co, Ci, *K]: w[(g, co), ci, k] = sum over n and o of
@@ -1559,6 +1577,7 @@ OWN = {
     aten._embedding_bag_dense_backward.default: _embedding_bag_dense_backward,
     aten._embedding_bag_per_sample_weights_backward.default: _embedding_bag_per_sample_weights_backward,
     aten.convolution_backward.default: _convolution_backward,
+    aten.convolution.default: _transposed_convolution,
     aten.empty.memory_format: _empty,
     aten.empty_strided.default: _empty_strided,
     aten.diagonal.default: _diagonal,
