@@ -244,6 +244,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from neuronc.frontend.complex_pairs import as_real_pairs
     from neuronc.frontend.torch_import import decomposition_table
     from neuronc.pytorch.partition import compile_or_partition
 
@@ -254,6 +255,11 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
 
     def compile_graph(graph_module, inputs):
         _devices_to_host(graph_module)
+        paired = as_real_pairs(graph_module)  # complex values as pairs of reals (None: no complex, or not covered)
+        if paired is not None:
+            real, boundary = paired
+            return make_boxed_func(boundary.wrap(compile_or_partition(real, compile_options, compile_one,
+                                                                      compile_one)))
         return make_boxed_func(compile_or_partition(graph_module, compile_options, compile_one, compile_one))
 
     def compile_one(graph_module):
