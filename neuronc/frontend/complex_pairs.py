@@ -262,7 +262,7 @@ RULES = {
     aten.div.Tensor: _div, aten.div.Scalar: _div, aten.div.Tensor_mode: _div,
     aten.reciprocal.default: _reciprocal,
     aten.neg.default: _neg,
-    aten._conj.default: _conj, aten.conj_physical.default: _conj, aten.conj.default: _conj,
+    aten._conj.default: _conj, aten.conj_physical.default: _conj, aten._conj_physical.default: _conj, aten.conj.default: _conj,
     aten.resolve_conj.default: _same, aten.resolve_neg.default: _same,
     aten.clone.default: _same, aten.alias.default: _same, aten.detach.default: _same,
     aten.lift_fresh_copy.default: _same, aten.contiguous.default: _same,
