@@ -243,6 +243,29 @@ def _full_like(a, value, **kwargs):
     return Pair.of(torch.full_like(a.re, value.real, **kwargs), torch.full_like(a.re, value.imag, **kwargs))
 
 
+def _copy(destination, source, non_blocking=False):
+    """aten.copy (functional copy_): `source` in the destination's shape and dtype."""
+    if not isinstance(destination, Pair):
+        return _parts(source)[0].expand_as(destination).to(destination.dtype)
+    re, im = _parts(source)
+    source = Pair.of(re, torch.zeros_like(torch.as_tensor(re)) if im is None else im)
+    return Pair(source.t.to(destination.t.dtype).expand_as(destination.t).clone())
+
+
+def _filled(size, value, dtype) -> Pair:
+    """A complex tensor of one value, made as its two real parts."""
+    value, real = complex(value), REAL_OF[dtype]
+    return Pair.of(torch.full(size, value.real, dtype=real), torch.full(size, value.imag, dtype=real))
+
+
+def _scalar_tensor(value, *, dtype=None, **_):
+    return _filled((), value, dtype)
+
+
+def _full(size, value, *, dtype=None, **_):
+    return _filled(size, value, dtype)
+
+
 def _fft_r2c(x, dim, normalization, onesided):
     return Pair(fft.r2c(x, dim, normalization, onesided))
 
@@ -309,6 +332,11 @@ RULES = {
     aten.split.Tensor: _split(torch.split), aten.split_with_sizes.default: _split(torch.split),
     aten.unbind.int: _unbind,
     aten.full_like.default: _full_like,
+    aten.copy.default: _copy,
+    aten.scalar_tensor.default: _scalar_tensor,
+    aten.full.default: _full,
+    aten.zeros.default: lambda size, **kw: _full(size, 0.0, **kw),
+    aten.ones.default: lambda size, **kw: _full(size, 1.0, **kw),
     aten.zeros_like.default: lambda a, **kw: _full_like(a, 0.0, **kw),
     aten.ones_like.default: lambda a, **kw: _full_like(a, 1.0, **kw),
     aten._fft_r2c.default: _fft_r2c,
@@ -378,8 +406,8 @@ def as_real_pairs(gm: fx.GraphModule):
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [n.meta.get("val") for n in placeholders]
     complex_inputs = tuple(_is_complex(v) for v in values)
-    examples = [torch.empty(*v.shape, 2, dtype=REAL_OF[v.dtype]) if flag
-                else torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+    examples = [torch.empty(*map(int, v.shape), 2, dtype=REAL_OF[v.dtype]) if flag
+                else torch.empty(tuple(map(int, v.shape)), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
                 for v, flag in zip(values, complex_inputs)]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     complex_outputs = tuple(isinstance(a, fx.Node) and _is_complex(a.meta.get("val")) for a in output.args[0])
@@ -389,8 +417,8 @@ def as_real_pairs(gm: fx.GraphModule):
         results = _PairInterpreter(gm).run(*inputs)
         return type(results)(r.t if isinstance(r, Pair) else r for r in results)
 
-    try:
-        with fx_traceback.preserve_node_meta():
+    try:  # outside Dynamo's tracing context, whose fake mode would give the inputs symbolic sizes
+        with torch._guards.tracing(None), fx_traceback.preserve_node_meta():
             real = make_fx(run, tracing_mode="fake")(*examples)
     except Unsupported:
         return None

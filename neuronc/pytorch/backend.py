@@ -246,7 +246,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
 
     from neuronc.frontend.complex_pairs import as_real_pairs
     from neuronc.frontend.torch_import import decomposition_table
-    from neuronc.pytorch.partition import compile_or_partition
+    from neuronc.pytorch.partition import compile_or_partition, fallback_disabled
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
     _dynamo_skips_neuronc()
@@ -255,7 +255,12 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
 
     def compile_graph(graph_module, inputs):
         _devices_to_host(graph_module)
-        paired = as_real_pairs(graph_module)  # complex values as pairs of reals (None: no complex, or not covered)
+        try:  # complex values as pairs of reals (None: no complex value, or an op no pair rule covers)
+            paired = as_real_pairs(graph_module)
+        except NeuronCompileError:  # a pair rule's refusal (an FFT too long): the CPU runs it, if it may
+            if fallback_disabled():
+                raise
+            paired = None
         if paired is not None:
             real, boundary = paired
             return make_boxed_func(boundary.wrap(compile_or_partition(real, compile_options, compile_one,
