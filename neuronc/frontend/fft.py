@@ -28,14 +28,14 @@ from neuronc.errors import NeuronCompileError
 # divisor up to RADIX, into DFTs of n1 and (recursively) of n2 (the four-step FFT): its error grows with the
 # number of stages, where one matmul's grows with sqrt(n) (the fp32 sums, not the matrices' rounding).
 RADIX = 16
-# Longest length one matmul computes when it has no divisor up to RADIX (a prime): one matmul was measured
-# within rtol 1e-4 / atol 1e-5 of eager on every value up to n = 256, not at 512 (6 of 262,144 values off).
+# Longest length one matmul computes when it has no divisor up to RADIX (a prime). `python -m
+# benchmarks.fft_accuracy --direct`: one matmul within rtol 1e-4 / atol 1e-5 of eager on every value at n = 256,
+# not at 512 (4 of 262,144 values off; its error 3.4x pocketfft's).
 DIRECT_MAX = 256
-# Longest transformed dimension. Measured (fp32, the matrices applied on the host, batches of unit-variance
-# rows; docs/performance.md, issue 21 part 6): the error from float64 is 1.2-1.9x pocketfft's (eager's) from
-# n = 512 to 16384; every value within rtol 1e-4 / atol 1e-5 of eager up to 768, 1 of 262,144 off at 1024, 11 at
-# 2048 (where eager's own values are off float64 by that tolerance too). Longer lengths, and lengths whose
-# factor left after taking out divisors up to RADIX exceeds DIRECT_MAX, are refused.
+# Longest transformed dimension. `python -m benchmarks.fft_accuracy` (docs/performance.md, issue 21 part 6): with
+# the split, error from float64 1.3-2.0x eager's from n = 256 to 16384, every value within that tolerance of eager
+# up to 1024, 16 of 262,144 off at 2048 (where eager's own values leave that tolerance of float64 too). Longer
+# lengths, and lengths whose factor left after taking out divisors up to RADIX exceeds DIRECT_MAX, are refused.
 MAX_LENGTH = 1024
 
 NORM_NONE, NORM_SQRT, NORM_N = 0, 1, 2  # ATen's fft_norm_mode
