@@ -96,6 +96,12 @@ def test_a_spectral_filter_round_trips():
     _matches_eager(lambda a, w: torch.fft.irfft(torch.fft.rfft(a) * w, n=16), x, weights)
 
 
+def test_a_short_time_fourier_transform():
+    """stft's frames (unfold), window and rfft; its squeeze of a complex value is decomposed as the graph's own."""
+    window = torch.hann_window(16)
+    _matches_eager(lambda x: torch.stft(x, 16, hop_length=4, window=window, return_complex=True), _randn(2, 64))
+
+
 def test_shifts_and_views_of_complex_values():
     _matches_eager(lambda x: (torch.fft.fftshift(torch.fft.fft2(x)), torch.fft.fft(x).transpose(0, 1)[1:, ::2],
                               torch.cat([torch.fft.fft(x), torch.fft.ifft(x)], -1).reshape(-1)), _randn(4, 6))
@@ -129,6 +135,12 @@ def _refusal(fn, *inputs) -> NeuronCompileError:
 def test_a_transform_the_limits_exclude_is_refused_by_name(n):
     err = _refusal(torch.fft.rfft, _randn(n))
     assert f"a real FFT of length {n}" in str(err) and "CPU" in str(err)
+
+
+@pytest.mark.cpu_fallback
+def test_with_the_fallback_a_refused_length_runs_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION")
+    _matches_eager(lambda x: torch.fft.rfft(x * 2), _randn(2, fft.MAX_LENGTH + 1))
 
 
 def test_a_length_that_factors_is_split_into_short_dfts():

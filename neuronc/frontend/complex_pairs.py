@@ -95,6 +95,8 @@ def _mul(a, b):
 
 
 def _reciprocal(b):
+    """conj(b) / |b|^2, the textbook formula: |b|^2 overflows past |b| ~ 1.8e19 (fp32) and underflows below
+    ~1e-19, where eager's scaled (Smith's) division does not."""
     br, bi = _parts(b)
     if bi is None:
         return 1.0 / br
@@ -121,6 +123,7 @@ def _conj(a):
 
 
 def _abs(a):
+    """sqrt(re^2 + im^2): as eager's hypot within fp32's rounding, but inf past |a| ~ 1.8e19."""
     return torch.sqrt(a.re * a.re + a.im * a.im)
 
 
@@ -285,7 +288,8 @@ RULES = {
     aten.div.Tensor: _div, aten.div.Scalar: _div, aten.div.Tensor_mode: _div,
     aten.reciprocal.default: _reciprocal,
     aten.neg.default: _neg,
-    aten._conj.default: _conj, aten.conj_physical.default: _conj, aten._conj_physical.default: _conj, aten.conj.default: _conj,
+    aten._conj.default: _conj, aten.conj.default: _conj,
+    aten.conj_physical.default: _conj, aten._conj_physical.default: _conj,
     aten.resolve_conj.default: _same, aten.resolve_neg.default: _same,
     aten.clone.default: _same, aten.alias.default: _same, aten.detach.default: _same,
     aten.lift_fresh_copy.default: _same, aten.contiguous.default: _same,
@@ -321,6 +325,7 @@ RULES = {
     aten.unsqueeze.default: _structural(lambda t, r, d: t.unsqueeze(_dim(d, r + 1))),
     aten.squeeze.dim: _structural(lambda t, r, d: t.squeeze(_dim(d, r))),
     aten.squeeze.dims: _structural(lambda t, r, dims: t.squeeze(tuple(_dims(dims, r)))),
+    prims.squeeze.default: _structural(lambda t, r, dims: t.squeeze(tuple(_dims(dims, r)))),
     aten.squeeze.default: _structural(lambda t, r: t.squeeze(tuple(d for d in range(r) if t.shape[d] == 1))),
     aten.flip.default: _structural(lambda t, r, dims: t.flip(_dims(dims, r))),
     aten.roll.default: _structural(lambda t, r, shifts, dims=(): t.roll(shifts, _dims(dims, r)) if dims
@@ -401,6 +406,8 @@ def as_real_pairs(gm: fx.GraphModule):
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from neuronc.frontend.torch_import import decomposition_table
+
     if not has_complex(gm):
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -417,9 +424,10 @@ def as_real_pairs(gm: fx.GraphModule):
         results = _PairInterpreter(gm).run(*inputs)
         return type(results)(r.t if isinstance(r, Pair) else r for r in results)
 
-    try:  # outside Dynamo's tracing context, whose fake mode would give the inputs symbolic sizes
+    try:  # outside Dynamo's tracing context, whose fake mode would give the inputs symbolic sizes; the ops the
+        # rules emit decomposed as the graph's own were (squeeze.dims, which torch-mlir does not lower)
         with torch._guards.tracing(None), fx_traceback.preserve_node_meta():
-            real = make_fx(run, tracing_mode="fake")(*examples)
+            real = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake")(*examples)
     except Unsupported:
         return None
     if has_complex(real):
