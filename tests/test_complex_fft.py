@@ -71,6 +71,16 @@ def test_complex_inputs_and_outputs_cross_the_boundary_as_views():
     _matches_eager(lambda a, b: (a * b + a.conj(), a / b, torch.fft.ifft(a) - 2j * b), z, w)
 
 
+def test_complex_device_tensors_stay_on_the_device(neuron):
+    z, x = _randn(4, 6, dtype=torch.complex64), _randn(4, 8, seed=1)
+    fn = lambda a, b: (a * 2 + torch.fft.fft(b).sum(), torch.fft.rfft(b).abs())  # noqa: E731 - the program under test
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="neuron", fullgraph=True)(z.to(neuron), x.to(neuron))
+    for g, w in zip(got, fn(z, x)):
+        assert g.device == neuron and g.dtype == w.dtype
+        torch.testing.assert_close(_real(g.cpu()), _real(w), **FP32)
+
+
 def test_a_conjugated_input_is_read_conjugated():
     z = _randn(5, dtype=torch.complex64).conj()
     assert z.is_conj()
