@@ -134,10 +134,10 @@ def mismatch(got, want, random: bool) -> str | None:
                 return f"{g.dtype}{list(g.shape)} where eager has {w.dtype}{list(w.shape)}"
             if random:
                 continue
-            rtol, atol = TOLERANCES.get(w.dtype, (0, 0))
             g, w = g.detach(), w.detach()
-            if w.is_complex() or g.is_complex():
+            if w.is_complex() or g.is_complex():  # compared as their real parts, with their parts' tolerance
                 g, w = torch.view_as_real(g.resolve_conj()), torch.view_as_real(w.resolve_conj())
+            rtol, atol = TOLERANCES.get(w.dtype, (0, 0))
             close = torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True) if rtol or atol else (
                 (g == w) | (g.isnan() & w.isnan()) if w.is_floating_point() else g == w)
             if not bool(close.all()):

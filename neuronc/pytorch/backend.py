@@ -244,9 +244,10 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from neuronc.frontend.complex_pairs import as_real_pairs
     from neuronc.frontend.torch_import import decomposition_table
     from neuronc.pytorch import host_checks
-    from neuronc.pytorch.partition import compile_or_partition
+    from neuronc.pytorch.partition import compile_or_partition, fallback_disabled
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
     _dynamo_skips_neuronc()
@@ -256,7 +257,17 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     def compile_graph(graph_module, inputs):
         _devices_to_host(graph_module)
         checks = host_checks.defer(graph_module)  # e.g. linalg's singular-matrix error: made after the run
-        function = compile_or_partition(graph_module, compile_options, compile_one, compile_one)
+        try:  # complex values as pairs of reals (None: no complex value, or an op no pair rule covers)
+            paired = as_real_pairs(graph_module)
+        except NeuronCompileError:  # a pair rule's refusal (an FFT too long): the CPU runs it, if it may
+            if fallback_disabled():
+                raise
+            paired = None
+        if paired is not None:
+            real, boundary = paired
+            function = boundary.wrap(compile_or_partition(real, compile_options, compile_one, compile_one))
+        else:
+            function = compile_or_partition(graph_module, compile_options, compile_one, compile_one)
         return make_boxed_func(host_checks.after(function, checks))
 
     def compile_one(graph_module):
