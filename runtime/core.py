@@ -62,8 +62,8 @@ from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_tabl
 from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
-                            allocate_hbm, check_bounds, extent, granule, overlaps, size_text)
+from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, Memory, OnChip,
+                            allocate_hbm, cells_granule, check_bounds, extent, granule, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -377,9 +377,11 @@ class LoadedProgram:
         for space, shape in self._shapes.items():
             aps = [ap for i in by_id[2:] for ap in i.instr.operands if ap.space == space]
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
-            if space != Space.HBM:
-                shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
-            g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
+            layout = self._layout
+            if space != Space.HBM:  # the partitions the operands use, and their bytes, packed (memory.Columns)
+                boxes = [extent(ap) for ap in aps]
+                shape, layout = (max((box[1] for box in boxes), default=1), 0), Columns(box[2:] for box in boxes)
+            g = granule(aps, bounds)
             writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
@@ -443,8 +445,9 @@ class LoadedProgram:
 
     def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
-        entry per granule of the program's tensors in HBM (as its HBM is), of the box its operands use on chip."""
-        size, cell = (shape[-1], g) if layout is None else (layout.size, math.gcd(g, HOST_ALIGNMENT))  # as Cells
+        entry per granule of the program's tensors in HBM (as its HBM is), of the bytes its operands use on chip
+        (memory.Columns), in the partitions they use."""
+        size, cell = layout.size, cells_granule(g, layout)  # as Cells
         need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
         try:
             if need > budget:
