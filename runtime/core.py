@@ -421,10 +421,10 @@ class LoadedProgram:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
                                              probes[ap.space])
                 continue
-            for dst in i.instr.writes:
-                self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
-            for dst in i.instr.writes:
-                writers[dst.space].of(dst)[...] = ids[i.key]
+            written = [self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered,
+                                         read_regions) for dst in i.instr.writes]
+            for who in written:  # (all checked before any is marked: an instruction does not race with itself)
+                who[...] = ids[i.key]
         self._check_outputs_written(writers[Space.HBM])
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
@@ -462,8 +462,9 @@ class LoadedProgram:
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, read_regions: list) -> None:
-        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it."""
+                     by_id: list, unordered, read_regions: list) -> np.ndarray:
+        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
+        returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
         who = writers[dst.space].of(dst)
         w = unordered(who, vc + [True, True])  # overwriting host data or nothing is no race
@@ -485,6 +486,7 @@ class LoadedProgram:
                     place = self._where(ap, probes[ap.space], shared)
                     raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
             mark[...] = False
+        return who
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
                   position: int, probe: Cells) -> NeuronRuntimeError:
