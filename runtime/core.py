@@ -374,15 +374,19 @@ class LoadedProgram:
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
         volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        operands, budget = {space: [] for space in self._shapes}, host_memory_budget()
+        for i in by_id[2:]:
+            for ap in i.instr.operands:
+                operands[ap.space].append(ap)
         for space, shape in self._shapes.items():
-            aps = [ap for i in by_id[2:] for ap in i.instr.operands if ap.space == space]
+            aps = operands[space]
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
             layout = self._layout
             if space != Space.HBM:  # the partitions the operands use, and their bytes, packed (memory.Columns)
                 boxes = [extent(ap) for ap in aps]
                 shape, layout = (max((box[1] for box in boxes), default=1), 0), Columns(box[2:] for box in boxes)
             g = granule(aps, bounds)
-            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
+            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout, budget)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -443,12 +447,12 @@ class LoadedProgram:
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
-    def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
+    def _access_tables(self, shape: tuple, g: int, dtype, layout, budget: int) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
         entry per granule of the program's tensors in HBM (as its HBM is), of the bytes its operands use on chip
         (memory.Columns), in the partitions they use."""
         size, cell = layout.size, cells_granule(g, layout)  # as Cells
-        need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
+        need = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1)
         try:
             if need > budget:
                 raise MemoryError
