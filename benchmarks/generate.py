@@ -19,7 +19,7 @@ its load; the ratios are measured side by side. PyTorch and numpy run one thread
 two intra-op threads contend with the other processes and make CPU eager's generate 5-7x slower, which would
 flatter the device.
 
-    .venv/bin/python -m benchmarks.generate [--tokens 32] [--models gpt2,llama] [--repeat 3]
+    .venv/bin/python -m benchmarks.generate [--tokens 32] [--models gpt2,llama] [--repeat 3] [--eager-only]
 (needs transformers: pip install -e '.[bench]')
 """
 from __future__ import annotations
@@ -101,6 +101,8 @@ def run(name: str, options) -> list:
         rows.append((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
         rows.append((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
 
+        if options.eager_only:
+            return rows
         graphs = backend.compile_count()
         on_device.generation_config.cache_implementation = "static"
         on_device.forward = torch.compile(on_device.forward, backend="neuron")
@@ -124,6 +126,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="only the CPU and neuron eager rows (the compiled rows' cold compile takes minutes)")
     options = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)

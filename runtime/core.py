@@ -62,8 +62,8 @@ from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_tabl
 from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (HOST_ALIGNMENT, UNINITIALISED, Cells, HbmAllocator, HbmLayout, Memory, OnChip,
-                            allocate_hbm, check_bounds, extent, granule, overlaps, size_text)
+from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, Memory, OnChip,
+                            allocate_hbm, cells_granule, check_bounds, extent, granule, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -374,13 +374,19 @@ class LoadedProgram:
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
         volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        operands, budget = {space: [] for space in self._shapes}, host_memory_budget()
+        for i in by_id[2:]:
+            for ap in i.instr.operands:
+                operands[ap.space].append(ap)
         for space, shape in self._shapes.items():
-            aps = [ap for i in by_id[2:] for ap in i.instr.operands if ap.space == space]
+            aps = operands[space]
             bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
-            if space != Space.HBM:
-                shape = tuple(max((extent(ap)[e] for ap in aps), default=1) for e in (1, 3))
-            g, layout = granule(aps, bounds), self._layout if space == Space.HBM else None
-            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout)
+            layout = self._layout
+            if space != Space.HBM:  # the partitions the operands use, and their bytes, packed (memory.Columns)
+                boxes = [extent(ap) for ap in aps]
+                shape, layout = (max((box[1] for box in boxes), default=1), 0), Columns(box[2:] for box in boxes)
+            g = granule(aps, bounds)
+            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout, budget)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -419,10 +425,10 @@ class LoadedProgram:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
                                              probes[ap.space])
                 continue
-            for dst in i.instr.writes:
-                self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered, read_regions)
-            for dst in i.instr.writes:
-                writers[dst.space].of(dst)[...] = ids[i.key]
+            written = [self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered,
+                                         read_regions) for dst in i.instr.writes]
+            for who in written:  # (all checked before any is marked: an instruction does not race with itself)
+                who[...] = ids[i.key]
         self._check_outputs_written(writers[Space.HBM])
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
@@ -441,11 +447,12 @@ class LoadedProgram:
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
-    def _access_tables(self, shape: tuple, g: int, dtype, layout) -> tuple:
+    def _access_tables(self, shape: tuple, g: int, dtype, layout, budget: int) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
-        entry per granule of the program's tensors in HBM (as its HBM is), of the box its operands use on chip."""
-        size, cell = (shape[-1], g) if layout is None else (layout.size, math.gcd(g, HOST_ALIGNMENT))  # as Cells
-        need, budget = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1), host_memory_budget()
+        entry per granule of the program's tensors in HBM (as its HBM is), of the bytes its operands use on chip
+        (memory.Columns), in the partitions they use."""
+        size, cell = layout.size, cells_granule(g, layout)  # as Cells
+        need = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1)
         try:
             if need > budget:
                 raise MemoryError
@@ -459,8 +466,9 @@ class LoadedProgram:
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, read_regions: list) -> None:
-        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it."""
+                     by_id: list, unordered, read_regions: list) -> np.ndarray:
+        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
+        returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
         who = writers[dst.space].of(dst)
         w = unordered(who, vc + [True, True])  # overwriting host data or nothing is no race
@@ -482,6 +490,7 @@ class LoadedProgram:
                     place = self._where(ap, probes[ap.space], shared)
                     raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
             mark[...] = False
+        return who
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
                   position: int, probe: Cells) -> NeuronRuntimeError:

@@ -253,6 +253,38 @@ def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None)
     return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=offset, strides=strides)
 
 
+class Columns:
+    """The bytes of a partition that a program's on-chip operands address: their extents, merged, packed one
+    after another (as :class:`HbmLayout` packs HBM). The access check keeps its tables for these bytes only, not
+    for the partition's whole row: a small program's few tiles may lie anywhere in a row of 192 KiB, and tables
+    as wide as the row cost their allocation and page faults on every load. ``spans`` are [lo, hi) per-partition
+    byte ranges, each a multiple of the tables' granule (an operand's extent is), so packed offsets are too."""
+
+    def __init__(self, spans):
+        merged: list = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts, self.ends = [lo for lo, _ in merged], [hi for _, hi in merged]
+        self.host_starts = list(itertools.accumulate((hi - lo for lo, hi in merged), initial=0))
+        self.size = self.host_starts.pop()  # packed bytes per partition
+
+    def host(self, lo: int, hi: int) -> int:
+        """The packed offset of per-partition bytes [lo, hi), which one span must hold."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        if i < 0 or hi > self.ends[i]:
+            raise NeuronRuntimeError(f"bytes [{lo}, {hi}) of a partition are outside the program's on-chip operands",
+                                     hint="an internal error of the access check: please report it")
+        return self.host_starts[i] + lo - self.starts[i]
+
+    def check(self, ap: AccessPattern) -> int:
+        """The packed offset of on-chip operand ``ap``'s ``offset`` (as :meth:`HbmLayout.check` for HBM)."""
+        lo, hi = free_byte_span(ap, ap.dims[1:])
+        return self.host(lo, hi) + ap.offset - lo
+
+
 class Cells:
     """A table with one entry per ``granule`` bytes of a memory of ``shape`` (on chip: per partition), to
     keep facts about its bytes (who wrote them last) at the finest grain the program's operands use.
@@ -261,14 +293,14 @@ class Cells:
     entries an operand covers form a strided view like the operand itself: ``of(ap)``. For HBM, ``layout``
     (a program's :class:`HbmLayout`) keeps entries for its tensors' bytes only; addresses stay HBM's."""
 
-    def __init__(self, shape: tuple, granule: int, dtype, layout: HbmLayout | None = None):
-        self.granule, self.layout = granule, layout
+    def __init__(self, shape: tuple, granule: int, dtype, layout: HbmLayout | Columns | None = None):
+        self.granule, self.layout = cells_granule(granule, layout), layout
         if layout is not None:
-            shape, self.granule = (layout.size,), math.gcd(granule, HOST_ALIGNMENT)
-        self.table = np.zeros(shape[:-1] + (-(-shape[-1] // granule),), dtype)  # untouched pages cost nothing
+            shape = shape[:-1] + (layout.size,)
+        self.table = np.zeros(shape[:-1] + (-(-shape[-1] // self.granule),), dtype)
 
     def _host(self, ap: AccessPattern) -> int:
-        return ap.offset if self.layout is None or ap.space != Space.HBM else self.layout.check(ap)
+        return ap.offset if self.layout is None else self.layout.check(ap)
 
     def span(self, offset: int, nbytes: int) -> np.ndarray:
         """The entries of HBM bytes [offset, offset + nbytes) (one tensor's)."""
@@ -289,10 +321,10 @@ class Cells:
 
     def at(self, partition: int, byte: int):
         """The entry of ``byte`` (of ``partition``, on chip)."""
+        host = byte if self.layout is None else self.layout.host(byte, byte + 1)
         if self.table.ndim == 1:
-            host = byte if self.layout is None else self.layout.host(byte, byte + 1)
             return self.table[host // self.granule]
-        return self.table[partition, byte // self.granule]
+        return self.table[partition, host // self.granule]
 
     def locate(self, ap: AccessPattern, index: tuple) -> tuple:
         """(partition, first byte) of the granule at ``index`` of ``of(ap)`` (partition 0 in HBM)."""
@@ -301,6 +333,12 @@ class Cells:
         byte = ap.offset + sum(i * stride * ap.dtype.itemsize for i, (stride, _) in zip(free, dims))
         partition = 0 if ap.space == Space.HBM else ap.partition + index[0]
         return partition, byte + index[-1] * self.granule
+
+
+def cells_granule(granule: int, layout: HbmLayout | Columns | None) -> int:
+    """The bytes per entry of :class:`Cells` over ``layout``: ``granule``, or in a program's HBM the part of
+    it that host memory keeps aligned (HbmLayout keeps addresses modulo HOST_ALIGNMENT)."""
+    return math.gcd(granule, HOST_ALIGNMENT) if isinstance(layout, HbmLayout) else granule
 
 
 def granule(aps, boundaries=()) -> int:

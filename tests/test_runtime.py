@@ -690,6 +690,32 @@ def test_a_partly_written_tile_is_refused_unless_on_chip_memory_is_undefined_unt
     assert np.isnan(core.sbuf[64:128, 64:96].view(np.float32)).all()  # the undefined rows read NaN
 
 
+def test_tiles_far_apart_in_a_partition_are_checked_at_their_own_bytes(core):
+    """The check keeps its tables for the bytes the operands use (runtime.memory.Columns), not the whole row: a
+    tile at the row's far end, loaded in part and read whole, is still refused at its own byte, and a read of it
+    not waiting for its load still names the load."""
+    far = 200_000
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (64, 8)), p.tensor("y", TensorKind.OUTPUT, (64, 8))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 8)), hbm(x_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 8), offset=far), hbm(x_t), queue=1)
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 8), offset=64), chip((128, 8), offset=far),
+           alu=AluOp.MULTIPLY, imm0=-1.0, waits=(Wait(Engine.DMA, 1, 1),))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 8), offset=64), queue=2, waits=done(Engine.VECTOR))
+    with pytest.raises(NeuronRuntimeError, match=f"SBUF partition 64 byte {far}, which nothing wrote"):
+        core.load(p.neff())
+    racy = Program()
+    x_t, y_t = racy.tensor("x", TensorKind.INPUT, (64, 8)), racy.tensor("y", TensorKind.OUTPUT, (64, 8))
+    racy.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 8)), hbm(x_t))
+    racy.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 8), offset=far), hbm(x_t), queue=1)
+    racy.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((64, 8), offset=64), chip((64, 8), offset=far),
+              alu=AluOp.MULTIPLY, imm0=-1.0)  # no wait for queue 1's load
+    racy.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 8), offset=64), queue=2, waits=done(Engine.VECTOR))
+    with pytest.raises(NeuronRuntimeError, match=f"reads SBUF partition 0 byte {far}, which nothing wrote before .*; "
+                                                 "DMA_COPY #0 on DMA queue 1 writes it"):
+        core.load(racy.neff())
+
+
 def test_a_tile_nothing_wrote_is_refused_even_when_on_chip_memory_is_undefined_until_written(core):
     p = Program()
     y_t = p.tensor("y", TensorKind.OUTPUT, (64, 8))

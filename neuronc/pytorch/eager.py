@@ -504,11 +504,20 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     """An EagerProgram for this signature, or the reason (a string) the op runs on the CPU instead: lowered
     straight to the IR (:mod:`neuronc.frontend.aten_lowering`, a millisecond) when it can be, else traced and
     compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
-    from neuronc.compiler import CompileOptions, collector_paused
+    from neuronc.compiler import collector_paused
 
-    options = CompileOptions.from_dict({"name": f"eager_{str(op).replace('.', '_')}"})
+    options = _options(str(op), os.environ.get("NEURON_CC_FLAGS", ""))
     with collector_paused():
         return _compile_with(op, args, kwargs, device, runtime, options)
+
+
+@functools.lru_cache(maxsize=1024)
+def _options(op: str, flags: str):
+    """The CompileOptions of ``op``'s programs under NEURON_CC_FLAGS=``flags``: made (flags parsed, target,
+    level and auto-cast checked) once per op and flags, not on every new shape."""
+    from neuronc.compiler import CompileOptions
+
+    return CompileOptions.from_dict({"name": f"eager_{op.replace('.', '_')}"})
 
 
 def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
@@ -541,9 +550,10 @@ def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
     except NeuronError as e:
         return f"neuronc cannot compile it: {e.message}"
     compile_stats[how] += 1
-    log.info("neuronc: eager %s compiled (%s) for %s", op, how,
-             ", ".join(str(tuple(t.shape)) for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)))
+    if log.isEnabledFor(logging.INFO):
+        log.info("neuronc: eager %s compiled (%s) for %s", op, how,
+                 ", ".join(str(tuple(t.shape)) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor)))
     entry = EagerProgram(program, compiled.output_layout or list(range(len(outputs))), outputs, out_spec,
                          program.time().estimated_ns, nones=lowered.nones if lowered is not None else (),
                          mutated=tuple(lowered.mutated) if lowered is not None else (),
