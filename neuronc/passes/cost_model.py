@@ -18,6 +18,33 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     return bytes_per_partition <= target.sbuf_bytes_per_partition
 
 
+# Choosing among a kernel's candidate plans ----------------------------------------------------------------
+
+# Instructions the planners may emit, over all the candidates of one kernel, to time them on the emulator's clock
+# (neuronc.kernel_timing) before choosing: a stated compile-time budget. The 4096^3 matmul's candidates take about
+# 10,600 instructions each, so about five of them are timed; a GPT-2-small layer's, a few hundred to 3,000 each,
+# all of them. Kernels of the same IR are timed once per process.
+TIMED_INSTRUCTIONS = 50_000
+
+
+def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
+    """The option of least time: each one's emitted kernel timed by ``timed(option) -> (ns, instructions)`` (the
+    emulator's clock of the kernel compiled alone), in order of the cheapest ``formula(option)`` first (the
+    analytic prices below: an order, not a verdict) until TIMED_INSTRUCTIONS are spent (at least one option is
+    timed); without ``timed`` (no compiler around), the least ``formula``. Equal times: the least ``tie``, then
+    the formula's order."""
+    ranked = sorted(options, key=formula)
+    if timed is None:
+        return min(ranked, key=lambda option: (formula(option), tie(option)))
+    priced, spent = {}, 0
+    for option in ranked:
+        if priced and spent >= TIMED_INSTRUCTIONS:
+            break
+        priced[option], instructions = timed(option)
+        spent += instructions
+    return min(priced, key=lambda option: (priced[option], tie(option)))
+
+
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
 
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
