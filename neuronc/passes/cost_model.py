@@ -25,20 +25,24 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
 # 10,600 instructions each, so about five of them are timed; a GPT-2-small layer's, a few hundred to 3,000 each,
 # all of them. Kernels of the same IR are timed once per process.
 TIMED_INSTRUCTIONS = 50_000
+# An option whose formula price is more than this many times the least time found so far is not timed: the
+# formulas overestimate by at most 2.2x on the candidates measured (`python -m benchmarks.tiling_model`; the
+# tile-by-tile baseline, 5-10x slower than the others, is the option this spares). A stated margin above that.
+FORMULA_MARGIN = 3.0
 
 
 def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
     """The option of least time: each one's emitted kernel timed by ``timed(option) -> (ns, instructions)`` (the
     emulator's clock of the kernel compiled alone), in order of the cheapest ``formula(option)`` first (the
-    analytic prices below: an order, not a verdict) until TIMED_INSTRUCTIONS are spent (at least one option is
-    timed); without ``timed`` (no compiler around), the least ``formula``. Equal times: the least ``tie``, then
-    the formula's order."""
+    analytic prices below: an order, not a verdict) until TIMED_INSTRUCTIONS are spent or the formula prices the
+    next option above FORMULA_MARGIN times the least time found (at least one option is timed); without ``timed``
+    (no compiler around), the least ``formula``. Equal times: the least ``tie``, then the formula's order."""
     ranked = sorted(options, key=formula)
     if timed is None:
         return min(ranked, key=lambda option: (formula(option), tie(option)))
     priced, spent = {}, 0
     for option in ranked:
-        if priced and spent >= TIMED_INSTRUCTIONS:
+        if priced and (spent >= TIMED_INSTRUCTIONS or formula(option) > FORMULA_MARGIN * min(priced.values())):
             break
         priced[option], instructions = timed(option)
         spent += instructions
