@@ -22,9 +22,9 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
 
 # Instructions the planners may emit, over all the candidates of one kernel, to time them on the emulator's clock
 # (neuronc.kernel_timing) before choosing: a stated compile-time budget. The 4096^3 matmul's candidates take about
-# 10,600 instructions each, so about five of them are timed; a GPT-2-small layer's, a few hundred to 3,000 each,
-# all of them. Kernels of the same IR are timed once per process.
-TIMED_INSTRUCTIONS = 50_000
+# 10,600 instructions each, so two of them are timed; GPT-2-small's LM head's about 5,500 (four timed); a
+# GPT-2-small layer's a few hundred to 1,300 (most or all). Kernels of the same plan are timed once per process.
+TIMED_INSTRUCTIONS = 20_000
 # An option whose formula price is more than this many times the least time found so far is not timed: the
 # formulas overestimate by at most 2.2x on the candidates measured (`python -m benchmarks.tiling_model`; the
 # tile-by-tile baseline, 5-10x slower than the others, is the option this spares). A stated margin above that.
