@@ -1,8 +1,12 @@
-"""The tiling cost model against the emulator: every candidate tiling of a few matmuls, priced by
-`cost_model.matmul_ns` and timed on the emulated NeuronCore (the span of the matmul's kernel on the timeline,
-compiled with that tiling forced), side by side. Nothing is asserted: it prints the two and their ratio,
-and marks the candidate the tiling pass picks and the one the emulator finds fastest. A chain of two matmuls
-(passes/matmul_chain.py, one kernel) is listed by its pairs of tilings, priced by `tiling.chain_price`.
+"""The tiling pass's prices against the emulator: every candidate tiling of a few matmuls, priced as the tiling
+pass prices it (its kernel emitted alone and timed on the emulator's clock, `neuronc.kernel_timing`; the formula
+`cost_model.matmul_ns` beside it, which only orders the candidates for that) and timed on the emulated NeuronCore
+within the whole program (the span of the matmul's kernel on the timeline, compiled with that tiling forced),
+side by side. Nothing is asserted: it prints them and the price's ratio to the span, and marks the candidate the
+tiling pass picks and the one the emulator finds fastest in the program. A chain of two matmuls
+(passes/matmul_chain.py, one kernel) is listed by its pairs of tilings, its formula `tiling.chain_price`.
+A kernel's span in a program of several kernels includes its neighbours' DMAs sharing the queues (and its loads
+issued early, during the kernel before), which a kernel timed alone does not see.
 
     python -m benchmarks.tiling_model [--cases matmul,gpt2_mlp] [--quick] [--wide]
 """
@@ -15,6 +19,7 @@ import torch
 from benchmarks.roofline import _cases
 from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.frontend.exported import import_exported_program
+from neuronc.kernel_timing import kernel_time
 from neuronc.passes import tiling
 from neuronc.targets import get_target
 from runtime import run_neff
@@ -35,13 +40,13 @@ def _compile_with(graph, name, pick, pick_chain=lambda node, target: None):
     and a chain's by pick_chain(node, target), and the matmul nodes tiled alone and the chained ones."""
     chosen, chained, seen, chains = tiling.choose, tiling.chain_tilings, [], []
 
-    def choose(node, target, wide=False):
+    def choose(node, target, wide=False, timed=None):
         seen.append(node)
-        return pick(len(seen) - 1, node, target) or chosen(node, target, wide)
+        return pick(len(seen) - 1, node, target) or chosen(node, target, wide, timed)
 
-    def chain_tilings(node, target, wide=False):
+    def chain_tilings(node, target, wide=False, timed=None):
         chains.append(node)
-        return pick_chain(node, target) or chained(node, target, wide)
+        return pick_chain(node, target) or chained(node, target, wide, timed)
 
     tiling.choose, tiling.chain_tilings = choose, chain_tilings
     try:
@@ -58,12 +63,15 @@ def _kernel_span_ns(neff, index: int) -> float:
 
 
 def _print_rows(rows, picked) -> None:
-    """(label, candidate, model ns, emulator ns) rows, the picked and the fastest marked."""
-    fastest = min(rows, key=lambda row: row[3])[1]
-    for label, candidate, model_ns, emulator_ns in rows:
+    """(label, candidate, formula ns, priced ns, emulator ns) rows, the picked and the fastest marked."""
+    fastest = min(rows, key=lambda row: row[4])[1]
+    for label, candidate, formula_ns, model_ns, emulator_ns in rows:
         mark = (" <- picked" if candidate == picked else "") + (" <- fastest" if candidate == fastest else "")
-        print(f"  {label:<66} {model_ns / 1e3:>9.1f} {emulator_ns / 1e3:>12.1f} "
-              f"{model_ns / emulator_ns:>10.2f}{mark}", flush=True)
+        print(f"  {label:<60} {formula_ns / 1e3:>10.1f} {model_ns / 1e3:>9.1f} {emulator_ns / 1e3:>12.1f} "
+              f"{model_ns / emulator_ns:>10.3f}{mark}", flush=True)
+
+
+HEADER = f"{'formula us':>10} {'priced us':>9} {'emulator us':>12} {'priced/emu':>10}"
 
 
 def _chain_key(node) -> tuple:
@@ -89,26 +97,30 @@ def main() -> None:
         graph = _imported(*cases[name], name)
         _, nodes, chains = _compile_with(graph, name, lambda i, node, t: None)
         for index, node in enumerate(nodes):
-            picked = tiling.choose(node, target, args.wide)
+            timed = lambda n: kernel_time(n, target)  # noqa: E731 (as the compiler's PassContext.kernel_time)
+            picked = tiling.choose(node, target, args.wide, timed)
             print(f"{name} matmul {index}: {node.shape} x K={node.attrs['k']}, picked {picked}")
-            print(f"  {'tiling':<66} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
+            print(f"  {'tiling':<60} {HEADER}")
             rows = []
             for candidate in tiling.candidates(node, target, args.wide):
                 neff, _, _ = _compile_with(graph, name, lambda i, n, t, c=candidate, index=index: c if i == index else None)
                 rows.append((str(candidate), candidate, tiling.price(node, candidate, target),
-                             _kernel_span_ns(neff, index)))
+                             timed(tiling.planned(node, candidate))[0], _kernel_span_ns(neff, index)))
             _print_rows(rows, picked)
         for chain, node in enumerate({_chain_key(n): n for n in chains}.values()):
-            picked = tiling.chain_tilings(node, target, args.wide)
+            timed = lambda n: kernel_time(n, target)  # noqa: E731
+            picked = tiling.chain_tilings(node, target, args.wide, timed)
             print(f"{name} chain {node.attrs['chain'].shape} then {node.shape}, picked {picked[0]}, "
                   f"then bufs={picked[1].stream_bufs}")
-            print(f"  {'first tiling, then the second bufs':<66} {'model us':>9} {'emulator us':>12} {'model/emu':>10}")
+            print(f"  {'first tiling, then the second bufs':<60} {HEADER}")
             rows = []
             for option in tiling.chain_options(node, target, args.wide):
                 neff, _, _ = _compile_with(graph, name, lambda i, n, t: None,
                                            lambda n, t, o=option, node=node: o if _chain_key(n) == _chain_key(node) else None)
                 rows.append((f"{option[0]}, then bufs={option[1].stream_bufs}", option,
-                             tiling.chain_price(node, *option, target), _kernel_span_ns(neff, _chain_index(neff, chain))))
+                             tiling.chain_price(node, *option, target),
+                             timed(tiling.chain_planned(node, *option, target))[0],
+                             _kernel_span_ns(neff, _chain_index(neff, chain))))
             _print_rows(rows, picked)
 
 

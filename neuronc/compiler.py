@@ -15,7 +15,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Iterator
 
-from neuronc import debug_dir, ir
+from neuronc import debug_dir, ir, kernel_timing
 from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
@@ -159,6 +159,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
         return emitted[id(candidate)][1].estimated_ns
 
     ctx.price = price
+    ctx.kernel_time = lambda node: kernel_timing.kernel_time(node, target, prefetch=options.opt_level >= 2)
     graph = run_pipeline(graph, ctx, timings)
     if id(graph) in emitted:  # priced (passes/pipeline.py PRICED): emitted already; the others' stages are "pricing"
         _, neff, seconds = emitted[id(graph)]

@@ -321,7 +321,7 @@ def test_every_tiling_of_a_linear_with_a_bias_row_and_a_residual_gives_the_basel
     operands stream), the weight's first strip loaded before the activations, the residual by rows."""
     from neuronc.passes import tiling
 
-    def forced(node, target, wide=False):
+    def forced(node, target, wide=False, timed=None):
         return tiling.MatmulTiling(resident, block, 128, 512, 128, bufs, tiling.streamed_first(node, resident))
 
     monkeypatch.setattr(tiling, "choose", forced)
@@ -338,7 +338,7 @@ def test_every_tiling_of_a_chain_gives_the_baseline_bits(monkeypatch, resident, 
     epilogues run: the same bits as one kernel per op."""
     from neuronc.passes import tiling
 
-    def forced(node, target, wide=False):
+    def forced(node, target, wide=False, timed=None):
         from neuronc.passes.matmul_chain import stages
 
         first, second = stages(node)

@@ -3,7 +3,8 @@
 Every pass is a function `(graph, ctx) -> graph` (passes/pipeline.py lists them per optimisation level). The
 context holds what a pass may weigh that is not in the graph: the target (its SBUF budget, its cost model),
 the optimisation level and the auto-cast options; how to price a finished graph (``price``: the compiler's
-emitted program timed by the cost model, set by neuronc.compiler; passes never import codegen); and what the run
+emitted program timed by the cost model, set by neuronc.compiler; passes never import codegen; ``kernel_time``,
+one planned kernel emitted alone and timed, the same way); and what the run
 records: the rewrite rules that fired, the priced decisions taken.
 """
 from __future__ import annotations
@@ -25,5 +26,8 @@ class PassContext:
     fired: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rewrite rule -> times
     # The estimated ns of a graph that has run every pass (None: the pipeline takes no priced decision).
     price: Callable | None = None
+    # (emulated ns, instructions) of one planned kernel compiled alone (neuronc.kernel_timing, set by
+    # neuronc.compiler; None: the planners price with their formulas alone).
+    kernel_time: Callable | None = None
     # Priced pass -> (estimated ns with it, without it) of the decision taken (pipeline.PRICED).
     decisions: dict = dataclasses.field(default_factory=dict)

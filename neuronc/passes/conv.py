@@ -36,7 +36,7 @@ from neuronc import ir
 from neuronc.ir import Node, Op, Step
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, conv_ns
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, cheapest, conv_ns
 from neuronc.passes.legalize import reshape
 from neuronc.plans import ConvGeometry, ConvPlan, ConvTiling, EpiloguePlan, TapPlan, View, pool_specs
 from neuronc.targets import Target
@@ -344,9 +344,10 @@ def _unevenness(tiling: ConvTiling, rows: int) -> int:
     return (-rows) % tiling.band
 
 
-def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
-    """The candidate `cost_model.conv_ns` prices lowest (the evenest bands among those within NEAR of it), or None
-    if none fits."""
+def choose_tiling(node: Node, target: Target, timed=None) -> ConvTiling | None:
+    """The candidate of least time, or None if none fits: with `timed` (PassContext.kernel_time), each candidate's
+    kernel emitted alone and timed on the emulator's clock (`cost_model.cheapest`, the evenest bands of equals);
+    else the one `cost_model.conv_ns` prices lowest (the evenest bands among those within NEAR of it)."""
     options = candidates(node, target)
     if not options:
         return None
@@ -357,8 +358,11 @@ def choose_tiling(node: Node, target: Target) -> ConvTiling | None:
     steps = plan.kinds.count("element") + (plan.shift is not None and plan.biased is None)
     element_bytes = sum(e.dtype.itemsize for i, e in enumerate(extras, start=2) if i not in per_channel)
     price = {t: conv_ns(g, t, tap_plan(g, t.band, t.halves), x.dtype, node.dtype, element_bytes, steps, target) for t in options}
-    cheapest = min(price.values())
-    near = [t for t in options if price[t] <= cheapest * (1 + NEAR)]
+    if timed is not None:
+        return cheapest(options, price.get, lambda t: timed(_planned(node, t, target)),
+                        tie=lambda t: _unevenness(t, g.out[0]))
+    least = min(price.values())
+    near = [t for t in options if price[t] <= least * (1 + NEAR)]
     return min(near, key=lambda t: (_unevenness(t, g.out[0]), price[t]))
 
 
@@ -375,13 +379,16 @@ def conv_plan(node: Node, tiling: ConvTiling, partitions: int) -> ConvPlan:
                     pools=pool_specs(pools(node, tiling, partitions)), psum_bufs=PSUM_BUFS, store_queues=STORE_QUEUES)
 
 
-def _tiled(node: Node, target: Target) -> Node | None:
-    """`node` (a CONV) with the tiling the cost model prefers and its plan, or None if none fits."""
-    tiling = choose_tiling(node, target)
-    if tiling is None:
-        return None
+def _planned(node: Node, tiling: ConvTiling, target: Target) -> Node:
+    """`node` (a CONV) tiled by `tiling`, its kernel plan attached."""
     return dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling,
                                             "plan": conv_plan(node, tiling, target.partitions)})
+
+
+def _tiled(node: Node, target: Target, timed=None) -> Node | None:
+    """`node` (a CONV) with the tiling of least time and its plan, or None if none fits."""
+    tiling = choose_tiling(node, target, timed)
+    return None if tiling is None else _planned(node, tiling, target)
 
 
 def fuse_conv_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -393,7 +400,17 @@ def fuse_conv_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def retile(node: Node) -> Node | None:
         return _tiled(node, target)
 
-    return _absorb_channel_producers(fuse_epilogues(graph, Op.CONV, retile), target)
+    fused = _absorb_channel_producers(fuse_epilogues(graph, Op.CONV, retile), target)
+    if ctx.kernel_time is None:
+        return fused
+
+    def timed(node, inputs):  # each kernel's final tiling: the candidates timed (the fits were judged above)
+        if node.op is not Op.CONV:
+            return None
+        node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        return _tiled(node, target, ctx.kernel_time)
+
+    return fused.rewrite(timed)
 
 
 def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:

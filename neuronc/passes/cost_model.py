@@ -18,6 +18,40 @@ def fits_sbuf(bytes_per_partition: int, target: Target) -> bool:
     return bytes_per_partition <= target.sbuf_bytes_per_partition
 
 
+# Choosing among a kernel's candidate plans ----------------------------------------------------------------
+
+# Instructions the planners may emit, over all the candidates of one kernel, to time them on the emulator's clock
+# (neuronc.kernel_timing) before choosing: a stated compile-time budget. The 4096^3 matmul's candidates take about
+# 10,600 instructions each, so only the formula's best is timed; GPT-2-small's LM head's about 5,500 (two timed); a
+# GPT-2-small layer's a few hundred to 1,300 (its MLP chain: about 11 of its 28 pairs). Kernels of the same plan
+# are timed once per process. Measured (issue 16 part 6): the 12-layer GPT-2-small forward's compile took 4.6 s of
+# CPU with the formulas alone, 14.2 s with a budget of 20,000, 11.6 s with this one, for the same program time.
+TIMED_INSTRUCTIONS = 10_000
+# An option whose formula price is more than this many times the least time found so far is not timed: on the
+# candidates measured, `matmul_ns` overestimates by at most 2.2x (`python -m benchmarks.tiling_model`) and `conv_ns`
+# underestimates (0.85-0.98 of the timed price, the ResNet block's convolutions); the tile-by-tile baseline, 5-10x
+# slower than the others, is the option this spares. A stated margin above that.
+FORMULA_MARGIN = 3.0
+
+
+def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
+    """The option of least time: each one's emitted kernel timed by ``timed(option) -> (ns, instructions)`` (the
+    emulator's clock of the kernel compiled alone), in order of the cheapest ``formula(option)`` first (the
+    analytic prices below: an order, not a verdict) until TIMED_INSTRUCTIONS are spent or the formula prices the
+    next option above FORMULA_MARGIN times the least time found (at least one option is timed); without ``timed``
+    (no compiler around), the least ``formula``. Equal times: the least ``tie``, then the formula's order."""
+    ranked = sorted(options, key=formula)
+    if timed is None:
+        return min(ranked, key=lambda option: (formula(option), tie(option)))
+    priced, spent = {}, 0
+    for option in ranked:
+        if priced and (spent >= TIMED_INSTRUCTIONS or formula(option) > FORMULA_MARGIN * min(priced.values())):
+            break
+        priced[option], instructions = timed(option)
+        spent += instructions
+    return min(priced, key=lambda option: (priced[option], tie(option)))
+
+
 # Pricing a matmul tiling before its instructions exist --------------------------------------------------
 
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:

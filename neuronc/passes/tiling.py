@@ -10,7 +10,9 @@ resident "none" both operands stream tile by tile (the baseline, -O0/-O1).
 
 `tile_matmuls` (-O2) tries every resident choice with blocks of 1, 2, 4... output tiles up to the whole
 operand, within the SBUF left after the epilogue's tiles; `search_matmul_tiles` (-O3) also tries narrower
-N tiles and deeper buffering. The price is `cost_model.matmul_ns`. The decision is the node's
+N tiles and deeper buffering. The price of a candidate is its kernel emitted alone and timed on the emulator's
+clock (`PassContext.kernel_time`, neuronc.kernel_timing: exactly the time codegen's instructions take); the
+formula `cost_model.matmul_ns` orders the candidates for that and stands in when no compiler is around. The decision is the node's
 attrs["tiling"] (a `MatmulTiling`) and its kernel plan attrs["plan"] (a `MatmulPlan`, or a `ChainPlan` for a
 chain: neuronc/plans.py), which codegen follows, deciding nothing.
 
@@ -25,7 +27,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
-from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, matmul_ns, strip_ns
+from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, cheapest, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
 from neuronc.targets import Target
@@ -200,12 +202,21 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers 
                      servers, a_by_k_tile=loads_a_by_k_tile(node), **chained)
 
 
-def choose(node: ir.Node, target: Target, wide: bool = False) -> MatmulTiling:
-    """The candidate the cost model prices lowest (the baseline if none fits)."""
+def planned(node: ir.Node, tiling: MatmulTiling) -> ir.Node:
+    """`node` tiled by `tiling`, its kernel plan attached (what codegen emits)."""
+    return dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling, "plan": matmul_plan(node, tiling)},
+                               id=next(ir._ids))
+
+
+def choose(node: ir.Node, target: Target, wide: bool = False, timed=None) -> MatmulTiling:
+    """The candidate of least time (the baseline if none fits): with `timed` (PassContext.kernel_time), each
+    candidate's kernel emitted alone and timed on the emulator's clock (`cost_model.cheapest`), else the least
+    `price`."""
     options = candidates(node, target, wide)
     if not options:
         return default_tiling(node, target)
-    return min(options, key=lambda t: price(node, t, target))
+    return cheapest(options, lambda t: price(node, t, target),
+                    None if timed is None else lambda t: timed(planned(node, t)))
 
 
 # Chains (passes/matmul_chain.py): the second matmul keeps all of A^T (the first's result) in SBUF and streams
@@ -263,12 +274,24 @@ def chain_options(node: ir.Node, target: Target, wide: bool = False) -> list:
             <= target.sbuf_bytes_per_partition]
 
 
-def chain_tilings(node: ir.Node, target: Target, wide: bool = False) -> tuple | None:
-    """(first's tiling, second's tiling) of a chained node: the pair the cost model prices lowest for the chain
-    as a whole (`chain_price`) among those that fit, the deeper buffered of equals; None if none fits."""
+def chain_planned(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ir.Node:
+    """A chained node tiled by its two tilings, its kernel plan attached (what codegen emits)."""
+    chain = dataclasses.replace(node.attrs["chain"], attrs={**node.attrs["chain"].attrs, "tiling": first_tiling})
+    node = dataclasses.replace(node, attrs={**node.attrs, "chain": chain, "tiling": second_tiling})
+    return dataclasses.replace(node, attrs={**node.attrs, "plan": chain_plan(node, first_tiling, second_tiling, target)},
+                               id=next(ir._ids))
+
+
+def chain_tilings(node: ir.Node, target: Target, wide: bool = False, timed=None) -> tuple | None:
+    """(first's tiling, second's tiling) of a chained node: the pair of least time for the chain as a whole among
+    those that fit, the deeper buffered of equals; None if none fits. With `timed` (PassContext.kernel_time), each
+    pair's kernel emitted alone and timed (`cost_model.cheapest`), else the least `chain_price`."""
     options = chain_options(node, target, wide)
-    key = lambda o: (chain_price(node, *o, target), -o[0].stream_bufs, -o[1].stream_bufs)  # noqa: E731
-    return min(options, key=key) if options else None
+    if not options:
+        return None
+    return cheapest(options, lambda o: chain_price(node, *o, target),
+                    None if timed is None else lambda o: timed(chain_planned(node, *o, target)),
+                    tie=lambda o: (-o[0].stream_bufs, -o[1].stream_bufs))
 
 
 def chain_sbuf_bytes(node: ir.Node, target: Target) -> int:
@@ -303,21 +326,14 @@ def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulT
                      first_loc=first.loc, lag=CHAIN_LAG, lead_part=CHAIN_LEAD_PART)
 
 
-def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False) -> ir.Graph:
+def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False, timed=None) -> ir.Graph:
     def tile(node, inputs):
         if node.op is not Op.MATMUL:
             return None
         node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
-        chain = node.attrs.get("chain")
-        if chain is not None:  # made only where a tiling fits (passes/matmul_chain.py)
-            first_tiling, second_tiling = chain_tilings(node, target, wide)
-            chain = dataclasses.replace(chain, attrs={**chain.attrs, "tiling": first_tiling})
-            node = dataclasses.replace(node, attrs={**node.attrs, "chain": chain, "tiling": second_tiling})
-            return dataclasses.replace(node, attrs={**node.attrs, "plan": chain_plan(node, first_tiling, second_tiling,
-                                                                                        target)}, id=next(ir._ids))
-        tiling = pick(node, target)
-        return dataclasses.replace(node, attrs={**node.attrs, "tiling": tiling, "plan": matmul_plan(node, tiling)},
-                                   id=next(ir._ids))
+        if node.attrs.get("chain") is not None:  # made only where a tiling fits (passes/matmul_chain.py)
+            return chain_planned(node, *chain_tilings(node, target, wide, timed), target)
+        return planned(node, pick(node, target))
 
     return graph.rewrite(tile)
 
@@ -329,9 +345,11 @@ def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
 
 def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, ctx.target, choose), ctx)
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, timed=ctx.kernel_time),
+                                  timed=ctx.kernel_time), ctx)
 
 
 def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O3: also narrower N tiles and deeper buffering of the streamed operand (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True), wide=True), ctx)
+    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, wide=True, timed=ctx.kernel_time),
+                                  wide=True, timed=ctx.kernel_time), ctx)
