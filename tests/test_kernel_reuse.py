@@ -139,3 +139,27 @@ def test_view_chains_that_differ_only_in_an_offset_are_fitted_apart():
     assert attention._composed_view(_transposed_columns(first, 0)) == (first, 0, (1, 8))
     assert attention._composed_view(_transposed_columns(second, 0)) == (second, 0, (1, 8))  # its own source
     assert attention._composed_view(_transposed_columns(first, 4)) == (first, 4, (1, 8))
+
+
+def test_copies_of_a_recorded_instruction_are_priced_once_and_alike(three_layer_gpt2, monkeypatch):
+    from neuronc import stream_timing
+    from neuronc.targets import get_target
+
+    priced, price = [], stream_timing.instruction_cost_ns
+    monkeypatch.setattr(stream_timing, "instruction_cost_ns", lambda i, t: priced.append(i) or price(i, t))
+    kept = {}
+    make = reuse.KernelReuse.__init__
+
+    def keeping(self, target):
+        make(self, target)
+        kept["keys"] = self.price_keys
+
+    monkeypatch.setattr(reuse.KernelReuse, "__init__", keeping)
+    neff = _compile(three_layer_gpt2[2], monkeypatch, True).neff
+    instructions = sum(len(s) for s in neff.streams.values())
+    assert len(set(kept["keys"].values())) < len(kept["keys"])  # rows of one recording copied into several kernels
+    assert len(priced) == instructions - len(kept["keys"]) + len(set(kept["keys"].values()))
+    # every instruction priced on its own gives the same estimate, kernel by kernel
+    makespan, kernel_ns = stream_timing.estimate_streams(neff.streams, get_target(neff.target))
+    assert makespan == neff.estimated_ns
+    assert kernel_ns == {k: kernel.estimated_ns for k, kernel in enumerate(neff.kernels) if k in kernel_ns}
