@@ -142,24 +142,26 @@ def test_view_chains_that_differ_only_in_an_offset_are_fitted_apart():
 
 
 def test_copies_of_a_recorded_instruction_are_priced_once_and_alike(three_layer_gpt2, monkeypatch):
+    import neuronc.codegen as codegen
     from neuronc import stream_timing
     from neuronc.targets import get_target
 
     priced, price = [], stream_timing.instruction_cost_ns
     monkeypatch.setattr(stream_timing, "instruction_cost_ns", lambda i, t: priced.append(i) or price(i, t))
-    kept = {}
-    make = reuse.KernelReuse.__init__
+    estimates, estimate = [], stream_timing.estimate_streams
 
-    def keeping(self, target):
-        make(self, target)
-        kept["keys"] = self.price_keys
+    def counting(streams, target, same_price=None):
+        priced.clear()
+        result = estimate(streams, target, same_price)
+        estimates.append((streams, dict(same_price or {}), len(priced), result))
+        return result
 
-    monkeypatch.setattr(reuse.KernelReuse, "__init__", keeping)
-    neff = _compile(three_layer_gpt2[2], monkeypatch, True).neff
-    instructions = sum(len(s) for s in neff.streams.values())
-    assert len(set(kept["keys"].values())) < len(kept["keys"])  # rows of one recording copied into several kernels
-    assert len(priced) == instructions - len(kept["keys"]) + len(set(kept["keys"].values()))
-    # every instruction priced on its own gives the same estimate, kernel by kernel
-    makespan, kernel_ns = stream_timing.estimate_streams(neff.streams, get_target(neff.target))
-    assert makespan == neff.estimated_ns
-    assert kernel_ns == {k: kernel.estimated_ns for k, kernel in enumerate(neff.kernels) if k in kernel_ns}
+    monkeypatch.setattr(codegen, "estimate_streams", counting)
+    _compile(three_layer_gpt2[2], monkeypatch, True)
+    assert estimates
+    for streams, keys, count, (makespan, kernel_ns) in estimates:
+        instructions = sum(len(s) for s in streams.values())
+        assert len(set(keys.values())) < len(keys)  # rows of one recording copied into several kernels
+        assert count == instructions - len(keys) + len(set(keys.values()))  # one price per row, not per copy
+        # every instruction priced on its own gives the same estimate, kernel by kernel
+        assert estimate(streams, get_target("trn2")) == (makespan, kernel_ns)
