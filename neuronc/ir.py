@@ -98,6 +98,15 @@ class Node:
         return ir_text.node_text(self)
 
 
+def _with_inputs(node: Node, inputs: tuple) -> Node:
+    """`dataclasses.replace(node, inputs=inputs, id=next(_ids))` (the same fields, its attrs dict shared), without
+    replace's field-by-field __init__: Graph.rewrite copies every node downstream of a change, in every pass."""
+    new = object.__new__(Node)
+    new.__dict__.update(node.__dict__)
+    new.inputs, new.id = inputs, next(_ids)
+    return new
+
+
 @dataclasses.dataclass
 class Graph:
     params: list  # PARAMETER nodes, in call order
@@ -128,7 +137,7 @@ class Graph:
             inputs = tuple(new[i] for i in node.inputs)
             replacement = fn(node, inputs)
             if replacement is None:
-                replacement = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(_ids))
+                replacement = node if inputs == node.inputs else _with_inputs(node, inputs)
             elif replacement.origin < 0:
                 replacement.origin = node.origin  # it computes node's value
             new[node] = replacement

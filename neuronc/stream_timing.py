@@ -97,21 +97,27 @@ def simulate(durations: list, waits: list, hbm_bytes: list, target: Target, port
                 schedule(w)
 
 
-def replay(streams: dict, target: Target) -> Iterator[tuple]:
+def replay(streams: dict, target: Target, same_price=None) -> Iterator[tuple]:
     """(instruction, start ns, end ns) of every instruction of scheduled streams, in order of completion:
-    the emulator's timeline without running (the same simulation, neuronc.stream_timing)."""
+    the emulator's timeline without running (the same simulation, neuronc.stream_timing).
+
+    ``same_price``: {id(instruction): key}, instructions of one key priced alike (codegen.reuse: copies of one
+    recorded instruction, which differ only in HBM offsets and DMA queue, neither of which an instruction's own
+    price reads); each key is priced once. Missing instructions are priced on their own."""
     keys = stream_order(streams)
     number = {key: n for n, key in enumerate(keys)}
     lists = [streams.get(key, []) for key in keys]
     started = [0.0] * len(keys)
     extras, gaps = zip(*(stream_costs(stream, target) for stream in lists)) if lists else ((), ())
-    for phase, s, index, time in simulate([[instruction_cost_ns(i, target) + extra for i, extra in zip(stream, more)]
-                                           for stream, more in zip(lists, extras)],
+    memo: dict = {}  # key of same_price -> its prices
+    priced = [[_prices(i, target, same_price, memo) for i in stream] for stream in lists]
+    for phase, s, index, time in simulate([[p[0] + extra for p, extra in zip(prices, more)]
+                                           for prices, more in zip(priced, extras)],
                                           [[tuple((number[(w.engine, w.queue)], w.count) for w in i.waits)
                                             for i in stream] for stream in lists],
-                                          [[hbm_bytes(i, target) for i in stream] for stream in lists], target,
-                                          [[ports(i, target) for i in stream] for stream in lists],
-                                          [[start_latency_ns(i, target) for i in stream] for stream in lists],
+                                          [[p[1] for p in prices] for prices in priced], target,
+                                          [[p[2] for p in prices] for prices in priced],
+                                          [[p[3] for p in prices] for prices in priced],
                                           list(gaps)):
         if phase == START:
             started[s] = time
@@ -119,10 +125,23 @@ def replay(streams: dict, target: Target) -> Iterator[tuple]:
             yield lists[s][index], started[s], time
 
 
-def estimate_streams(streams: dict, target: Target) -> tuple:
-    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams."""
+def _prices(instr, target: Target, same_price: dict | None, memo: dict) -> tuple:
+    """(duration ns, HBM bytes, ports, start latency ns) of one instruction alone; once per key of `same_price`."""
+    key = same_price.get(id(instr)) if same_price else None
+    prices = memo.get(key) if key is not None else None
+    if prices is None:
+        prices = (instruction_cost_ns(instr, target), hbm_bytes(instr, target), ports(instr, target),
+                  start_latency_ns(instr, target))
+        if key is not None:
+            memo[key] = prices
+    return prices
+
+
+def estimate_streams(streams: dict, target: Target, same_price: dict | None = None) -> tuple:
+    """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams (`same_price`: see
+    replay)."""
     makespan, kernel_ns = 0.0, {}
-    for inst, start, end in replay(streams, target):
+    for inst, start, end in replay(streams, target, same_price):
         kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
         makespan = max(makespan, end)
     return makespan, kernel_ns

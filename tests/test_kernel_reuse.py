@@ -139,3 +139,29 @@ def test_view_chains_that_differ_only_in_an_offset_are_fitted_apart():
     assert attention._composed_view(_transposed_columns(first, 0)) == (first, 0, (1, 8))
     assert attention._composed_view(_transposed_columns(second, 0)) == (second, 0, (1, 8))  # its own source
     assert attention._composed_view(_transposed_columns(first, 4)) == (first, 4, (1, 8))
+
+
+def test_copies_of_a_recorded_instruction_are_priced_once_and_alike(three_layer_gpt2, monkeypatch):
+    import neuronc.codegen as codegen
+    from neuronc import stream_timing
+    from neuronc.targets import get_target
+
+    priced, price = [], stream_timing.instruction_cost_ns
+    monkeypatch.setattr(stream_timing, "instruction_cost_ns", lambda i, t: priced.append(i) or price(i, t))
+    estimates, estimate = [], stream_timing.estimate_streams
+
+    def counting(streams, target, same_price=None):
+        priced.clear()
+        result = estimate(streams, target, same_price)
+        estimates.append((streams, dict(same_price or {}), len(priced), result))
+        return result
+
+    monkeypatch.setattr(codegen, "estimate_streams", counting)
+    _compile(three_layer_gpt2[2], monkeypatch, True)
+    assert estimates
+    for streams, keys, count, (makespan, kernel_ns) in estimates:
+        instructions = sum(len(s) for s in streams.values())
+        assert len(set(keys.values())) < len(keys)  # rows of one recording copied into several kernels
+        assert count == instructions - len(keys) + len(set(keys.values()))  # one price per row, not per copy
+        # every instruction priced on its own gives the same estimate, kernel by kernel
+        assert estimate(streams, get_target("trn2")) == (makespan, kernel_ns)

@@ -74,7 +74,7 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     streams = insert_waits(instructions, plan.tensors, target, grid)
     timings["codegen/sync"] = time.perf_counter() - start
     start = time.perf_counter()
-    makespan, kernel_ns = estimate_streams(streams, target)
+    makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)
     timings["codegen/estimate"] = time.perf_counter() - start
     for index, ns in kernel_ns.items():
         em.kernels[index].estimated_ns = ns

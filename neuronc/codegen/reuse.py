@@ -154,8 +154,10 @@ class _Recording:
         self.dmas, self.queues = len(rotated), queues
         self.sbuf_used, self.psum_used = em._sbuf_used, em._psum_used
 
-    def instantiate(self, em: Emitter, bases: list) -> None:
-        """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]."""
+    def instantiate(self, em: Emitter, bases: list, price_keys: dict) -> None:
+        """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
+        `price_keys` {id(instruction): (id of this recording, its row)} (copies of a row differ only in HBM offsets
+        and DMA queue, so the cost estimate prices a row once: stream_timing.replay)."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         rebound: dict = {}
 
@@ -169,11 +171,14 @@ class _Recording:
                                                   ap.partition)
             return new
 
-        out = em.instructions
-        for opcode, engine, operands, queue, rotated, alu, alu1, func, imm0, imm1, accumulate, reverse in self.rows:
-            out.append(Instruction(opcode, engine, tuple(map(rebind, operands)),
-                                   (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
-                                   accumulate, reverse, kernel=kernel, debug=debug))
+        out, me = em.instructions, id(self)
+        for row, (opcode, engine, operands, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
+                  reverse) in enumerate(self.rows):
+            inst = Instruction(opcode, engine, tuple(map(rebind, operands)),
+                               (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
+                               accumulate, reverse, kernel=kernel, debug=debug)
+            out.append(inst)
+            price_keys[id(inst)] = (me, row)
         em._dma_turn += self.dmas
         em._sbuf_used, em._psum_used = self.sbuf_used, self.psum_used
 
@@ -185,6 +190,7 @@ class KernelReuse:
         self.target = target
         self.recordings: dict = {}  # (kernel function, signature, parity) -> _Recording, or None: not reusable
         self.hits = 0
+        self.price_keys: dict = {}  # id(instruction) -> (recording, row): see _Recording.instantiate
 
     def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
         """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
@@ -202,7 +208,8 @@ class KernelReuse:
         if recording is None:
             kernel(em, node, plan)
             return
-        recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered])
+        recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered],
+                              self.price_keys)
 
     def _record(self, em: Emitter, kernel, node: Node, plan: MemoryPlan, numbered: list) -> _Recording | None:
         scratch = _Recorder(self.target)

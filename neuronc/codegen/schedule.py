@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 
 from neuronc.codegen.sync import HazardGrid
 from neuronc.isa import Engine, Instruction, Opcode, Space
@@ -79,8 +78,10 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     """The instructions in a new program order: the loads a kernel's first steps read, when they depend on
     nothing of their own kernel, moved up into the previous kernel (everything else in emitted order)."""
     needs = _first_reads(instructions, grid)
-    last_write = np.full(grid.count, -1, dtype=np.int64)  # program position of each cell's last writer
-    last_use = np.full(grid.count, -1, dtype=np.int64)  # ... of its last reader or writer
+    # program position of each cell's last writer, and of its last reader or writer: Python lists, as the spans are
+    # short (tens of cells) and a numpy call per span cost more than the list operation
+    last_write = [-1] * grid.count
+    last_use = [-1] * grid.count
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> the position it now precedes
@@ -91,7 +92,8 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
         reads, writes = grid.access(inst)
         if _is_load(inst):
             if kernel - 1 in first and kernel in needs and any(_overlaps(needs[kernel], a, b) for a, b in writes):
-                after = max([last_write[a:b].max() for a, b in reads] + [last_use[a:b].max() for a, b in writes])
+                after = max([max(last_write[a:b]) for a, b in reads if b > a]
+                            + [max(last_use[a:b]) for a, b in writes if b > a], default=-1)
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
                     at = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
                     if after >= first[kernel - 1]:  # it waits for the previous kernel: not ahead of it on its queue
@@ -100,10 +102,9 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
             last_load[kernel] = position
         last_on_queue[(kernel, inst.stream)] = position
         for a, b in reads:  # (positions only grow: the latest use is this one)
-            last_use[a:b] = position
+            last_use[a:b] = [position] * (b - a)
         for a, b in writes:
-            last_write[a:b] = position
-            last_use[a:b] = position
+            last_write[a:b] = last_use[a:b] = [position] * (b - a)
     arriving: dict = {}
     for position, before in moved.items():
         arriving.setdefault(before, []).append(instructions[position])

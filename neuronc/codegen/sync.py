@@ -206,20 +206,28 @@ class HazardGrid:
 
     def __init__(self, instructions: list, tensors: list, target: Target):
         regions = _Regions(tensors, target)
-        boxes: dict = {}  # AccessPattern -> its extent (many instructions share operands), then its box of cells
+        # Access patterns keyed by identity (the instructions hold them, and many share one; equal patterns that are
+        # distinct objects get the same extent twice: hashing a pattern's fields at every use cost more). Boxes in
+        # order of first use, reads before writes, as they number the cells.
+        extents: dict = {}  # id(AccessPattern) -> its extent, then its spans of cells
         for inst in instructions:
-            for ap in (*inst.reads, *inst.writes):
-                if ap not in boxes:
-                    boxes[ap] = regions.extent(ap)
-        hbm = regions.grid({box for box in boxes.values() if box[0] == Space.HBM})
-        boxes = {ap: hbm.get(box, box) for ap, box in boxes.items()}
+            for ap in inst.reads:
+                if id(ap) not in extents:
+                    extents[id(ap)] = regions.extent(ap)
+            for ap in inst.writes:
+                if id(ap) not in extents:
+                    extents[id(ap)] = regions.extent(ap)
+        hbm = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
+        boxes = {key: hbm.get(box, box) for key, box in extents.items()}
         distinct = list(dict.fromkeys(boxes.values()))
         layout = _Cells(distinct)
         spans = {box: layout.spans(box) for box in distinct}
         self.count = layout.count
-        self._access = {id(inst): ([span for ap in inst.reads for span in spans[boxes[ap]]],
-                                   [span for ap in inst.writes for span in spans[boxes[ap]]])
-                        for inst in instructions}
+        ap_spans = {key: spans[box] for key, box in boxes.items()}
+        self._access = {}
+        for inst in instructions:
+            self._access[id(inst)] = ([span for ap in inst.reads for span in ap_spans[id(ap)]],
+                                      [span for ap in inst.writes for span in ap_spans[id(ap)]])
 
     def access(self, inst) -> tuple:
         """(spans read, spans written) of an instruction of the program."""
