@@ -414,3 +414,41 @@ def test_a_sort_of_integer_keys_past_fp32s_significand_is_exact_and_stable(dtype
     x = torch.cat([torch.tensor([edges], dtype=dtype), rows, rows[:, :6].repeat(1, 2)[:, :len(edges)]])
     for dim in (1, 0):
         _matches_eager(lambda t, dim=dim: torch.sort(t, dim=dim, descending=descending, stable=True), x)
+
+
+def _float_keys(dtype):
+    """Rows of float keys with every value TOPK cannot compare alone: NaN (several, one negative), +-inf next to
+    +-the largest finite value, -0 next to 0, the smallest subnormal, ties; then random rows with repeats."""
+    info = torch.finfo(dtype)
+    nan, inf, tiny = float("nan"), float("inf"), info.smallest_normal * info.eps
+    edges = [1.0, nan, -inf, info.max, -0.0, inf, -info.max, 0.0, -nan, tiny, -tiny, 1.0, nan, -1.0, 0.0, -0.0]
+    rows = torch.randn(3, len(edges), generator=torch.Generator().manual_seed(5)).to(dtype)
+    rows[1, ::3] = nan
+    rows[2, 1::2] = rows[2, ::2]  # every value twice
+    return torch.cat([torch.tensor([edges], dtype=dtype), rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_sort_of_float_keys_puts_nan_largest_and_keeps_ties_in_order(dtype, descending):
+    # PyTorch orders NaN above +inf and -0 equal to 0; TOPK cannot find a NaN and ties +-inf with +-FLT_MAX: float
+    # keys are sorted by an integer key in that order (passes/indexing.py)
+    x = _float_keys(dtype)
+    for dim in (1, 0):
+        _matches_eager(lambda t, dim=dim: torch.sort(t, dim=dim, descending=descending, stable=True), x)
+
+
+def test_argsort_and_msort_of_keys_with_nan_match_eager():
+    x = _float_keys(torch.float32)
+    _matches_eager(lambda t: torch.argsort(t, dim=1, descending=True, stable=True), x)
+    _matches_eager(torch.msort, x)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_counts_nan_as_the_largest_value(largest):
+    # one NaN per row and no other ties: eager's top-k orders tied values as it likes
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(6))
+    x[0, 3], x[1, 0], x[2, 11] = float("nan"), float("inf"), float("-inf")
+    x[3, 5], x[3, 6] = torch.finfo(torch.float32).max, float("inf")
+    x[2, 4] = float("nan")
+    _matches_eager(lambda t: torch.topk(t, 5, dim=1, largest=largest), x)
