@@ -452,3 +452,62 @@ def test_topk_counts_nan_as_the_largest_value(largest):
     x[3, 5], x[3, 6] = torch.finfo(torch.float32).max, float("inf")
     x[2, 4] = float("nan")
     _matches_eager(lambda t: torch.topk(t, 5, dim=1, largest=largest), x)
+
+
+def _rows_with_nan_and_ties():
+    """Rows of few distinct values (ties everywhere), one of them all NaN, one without NaN."""
+    x = torch.randint(0, 4, (6, 9), generator=torch.Generator().manual_seed(7)).float()
+    x[x == 3] = float("nan")
+    x[0], x[1] = float("nan"), torch.tensor([2.0, 1, 1, 0, 2, 2, 1, 0, 5])
+    return x
+
+
+def test_median_and_nanmedian_match_aten_at_ties_and_nan():
+    # ATen: median of a row with a NaN is its first NaN; nanmedian the lower median of the numbers; at ties the
+    # index a stable sort puts at that rank (its partition orders by value, then index)
+    x = _rows_with_nan_and_ties()
+    _matches_eager(lambda t: (torch.median(t), torch.nanmedian(t), torch.median(t[1:2]), *torch.median(t, 1),
+                              *torch.nanmedian(t, 1, keepdim=True), *torch.median(t, 0), *torch.nanmedian(t, 0)), x)
+
+
+@pytest.mark.parametrize("n", [4, 9, 40])
+def test_nanmedian_of_a_row_of_nans_returns_atens_index(n):
+    # every NaN compares equal there: ATen's index is where std::nth_element's partition left one
+    x = torch.full((2, n), float("nan"))
+    x[1, : n // 2] = 1.0
+    _matches_eager(lambda t: torch.nanmedian(t, 1), x)
+
+
+def test_median_of_integers_matches_eager():
+    x = torch.randint(-3, 3, (5, 8), generator=torch.Generator().manual_seed(8))
+    _matches_eager(lambda t: (torch.median(t), *torch.median(t, 0), *torch.nanmedian(t, 1)), x)
+
+
+def test_kthvalue_is_the_kth_smallest_with_nan_largest():
+    x = torch.randn(5, 11, generator=torch.Generator().manual_seed(9))
+    x[0, 4], x[2, 0] = float("nan"), float("-inf")
+    _matches_eager(lambda t: (*torch.kthvalue(t, 1, 1), *torch.kthvalue(t, 11, 1), *torch.kthvalue(t, 3, 0)), x)
+
+
+def test_kthvalue_at_ties_gives_eagers_value_and_an_index_holding_it():
+    # ATen's quickselect picks one of tied indices by its own pivots (not reproduced): the stable sort's is given
+    x = _rows_with_nan_and_ties()
+    got_values, got_indices = _compiled(lambda t: torch.kthvalue(t, 4, 1), x)
+    want_values, _ = torch.kthvalue(x, 4, 1)
+    torch.testing.assert_close(got_values, want_values, equal_nan=True)
+    torch.testing.assert_close(x.gather(1, got_indices[:, None])[:, 0], want_values, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_mode_is_the_smallest_most_frequent_value_at_its_last_index(dtype):
+    x = torch.randint(0, 4, (6, 10), generator=torch.Generator().manual_seed(10)).to(dtype)
+    x[0] = torch.arange(10)  # every value once: the smallest, index 0
+    for dim in (1, 0):
+        _matches_eager(lambda t, dim=dim: torch.mode(t, dim), x)
+
+
+def test_quantiles_of_rows_with_nan_match_eager():
+    x = _rows_with_nan_and_ties()
+    q = torch.tensor([0.0, 0.3, 0.5, 1.0])
+    _matches_eager(lambda t: (torch.quantile(t, q, dim=1), torch.nanquantile(t, q, dim=1),
+                              torch.nanquantile(t, 0.5, dim=0, interpolation="lower")), x)

@@ -702,6 +702,119 @@ def _cummin(x, dim):
     return _cumulative_extreme(x, dim, _smaller)
 
 
+# -- selections by rank: median, nanmedian, kthvalue, mode ---------------------------------------------------
+# Each is a stable sort (NaN the largest value: passes/indexing.py) read at a rank. ATen's CPU median/nanmedian
+# partition by (value, index), so at ties they return the index a stable sort puts at that rank; kthvalue's
+# quickselect returns one of the tied indices by its own pivots (not reproduced: the stable sort's is returned).
+
+def _nan_count(x, dim=None):
+    if not x.is_floating_point():
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    nans = torch.isnan(x)
+    return nans.sum() if dim is None else nans.sum(dim, keepdim=True)
+
+
+def _median_rank(n: int, nans, ignore_nan: bool):
+    """The rank median (nanmedian) reads: the lower median of the numbers; median of a row with a NaN reads its
+    first NaN (rank n - nans: the NaNs sort last, in order), nanmedian of all NaNs rank 0 (C++'s -1 / 2)."""
+    if ignore_nan:
+        return torch.div(n - 1 - nans, 2, rounding_mode="floor").clamp(min=0)
+    return torch.where(nans > 0, n - nans, (n - 1) // 2)
+
+
+def _whole_median(x, ignore_nan: bool):
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return torch.full((), math.nan, dtype=x.dtype, device=x.device)
+    ordered = torch.sort(flat, stable=True).values
+    rank = _median_rank(n, _nan_count(flat), ignore_nan)
+    return ordered.gather(0, rank.reshape(1)).reshape(())
+
+
+def _median(x):
+    return _whole_median(x, ignore_nan=False)
+
+
+def _nanmedian(x):
+    return _whole_median(x, ignore_nan=True)
+
+
+def _at_rank(x, dim, keepdim, rank):
+    """(values, indices) of the element of each row along dim that a stable sort puts at `rank` (a tensor of x's
+    shape but 1 along dim)."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    dim %= x.dim()
+    values, indices = torch.sort(x, dim=dim, stable=True)
+    value, index = values.gather(dim, rank), indices.gather(dim, rank)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def _rank_shape(x, dim):
+    return [1 if d == dim % max(1, x.dim()) else s for d, s in enumerate(x.shape)]
+
+
+def _first_of_equals(n: int) -> int:
+    """The index libstdc++'s std::nth_element (introselect) leaves first among n elements that all compare equal:
+    ATen's nanmedian of a row of n NaNs returns it (its comparator orders numbers, not NaNs among themselves). The
+    swaps of introselect's median-of-three pivot and unguarded partition, replayed for a comparator always false
+    (libc++, macOS's, partitions otherwise)."""
+    order, first, last, depth = list(range(n)), 0, n, 2 * (n.bit_length() - 1)
+    while last - first > 3 and depth > 0:  # past the depth limit a heap select, which moves nothing equal
+        depth -= 1
+        middle = first + (last - first) // 2
+        order[first], order[middle] = order[middle], order[first]
+        low, high = first + 1, last
+        while True:
+            high -= 1
+            if low >= high:
+                break
+            order[low], order[high] = order[high], order[low]
+            low += 1
+        last = low  # the cut lies past rank 0: the first part is kept; an insertion sort moves nothing equal
+    return order[0]
+
+
+def _median_dim(ignore_nan: bool):
+    def median_dim(x, dim=-1, keepdim=False):
+        if x.dim() == 0:
+            return _at_rank(x, dim, keepdim, None)
+        n = x.shape[dim]
+        nans = _nan_count(x, dim)
+        rank = _median_rank(n, nans, ignore_nan).expand(_rank_shape(x, dim)).to(torch.int64)
+        value, index = _at_rank(x, dim, True, rank.contiguous())
+        if ignore_nan and x.is_floating_point():
+            index = torch.where(nans == n, _first_of_equals(n), index)
+        return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+    return median_dim
+
+
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    """The k-th smallest (NaN the largest value)."""
+    rank = torch.full(_rank_shape(x, dim), k - 1, dtype=torch.int64, device=x.device)
+    return _at_rank(x, dim, keepdim, rank)
+
+
+def _mode(x, dim=-1, keepdim=False):
+    """The most frequent value of each row, the smallest of equally frequent ones, and the last index holding it
+    (ATen's CPU mode sorts the row, keeps the first longest run, and reports the index sorted last in it: the
+    last occurrence where its sort is stable, rows of up to 16 values, insertion sort). The counts come from
+    all pairs of the row (memory n x n per row)."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    dim %= x.dim()
+    rows = x.movedim(dim, -1)
+    n = rows.shape[-1]
+    counts = (rows.unsqueeze(-1) == rows.unsqueeze(-2)).sum(-1)
+    most = counts == counts.amax(-1, keepdim=True)
+    value = torch.where(most, rows, torch.full_like(rows, _highest(x.dtype))).amin(-1, keepdim=True)
+    position = torch.arange(n, device=x.device).expand(rows.shape)
+    index = torch.where(rows == value, position, torch.full_like(position, -1)).amax(-1, keepdim=True)
+    value, index = value.movedim(-1, dim), index.movedim(-1, dim)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
 def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                                       attn_mask=None, scale=None):
     """The backward of the flash attention SDPA runs on CPU tensors (what AOTAutograd records when a model
@@ -1477,6 +1590,12 @@ OWN = {
     aten.min.dim: _reduce_with_index_of_scalar,
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
+    aten.median.default: _median,
+    aten.nanmedian.default: _nanmedian,
+    aten.median.dim: _median_dim(ignore_nan=False),
+    aten.nanmedian.dim: _median_dim(ignore_nan=True),
+    aten.kthvalue.default: _kthvalue,
+    aten.mode.default: _mode,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
     aten.segment_reduce.default: _segment_reduce,
     aten.special_bessel_j0.default: _bessel_j0,
