@@ -511,3 +511,15 @@ def test_quantiles_of_rows_with_nan_match_eager():
     q = torch.tensor([0.0, 0.3, 0.5, 1.0])
     _matches_eager(lambda t: (torch.quantile(t, q, dim=1), torch.nanquantile(t, q, dim=1),
                               torch.nanquantile(t, 0.5, dim=0, interpolation="lower")), x)
+
+
+def test_searchsorted_replays_atens_binary_search():
+    # rows with NaNs at the end, NaN values, both sides, a sorter, a 1-d sequence shared by every row
+    seq = torch.sort(torch.randint(0, 6, (3, 7), generator=torch.Generator().manual_seed(11)).float(), 1).values
+    seq[2, -2:] = float("nan")
+    values = torch.tensor([[-1.0, 0, 2, 5, 9, float("nan")]] * 3)
+    perm = torch.argsort(torch.rand(3, 7, generator=torch.Generator().manual_seed(12)), 1)
+    shuffled = seq.gather(1, torch.argsort(perm, 1))  # shuffled[perm] is seq
+    _matches_eager(lambda s, u, v: (torch.searchsorted(s, v), torch.searchsorted(s, v, right=True, out_int32=True),
+                                    torch.searchsorted(s[0], v, side="right"), torch.searchsorted(u, v, sorter=perm),
+                                    torch.bucketize(v, s[1])), seq, shuffled, values)

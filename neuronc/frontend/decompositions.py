@@ -815,6 +815,35 @@ def _mode(x, dim=-1, keepdim=False):
     return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
 
 
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    """ATen's binary search (cus_lower_bound / cus_upper_bound) replayed: every value's [start, end) halved a fixed
+    m.bit_length() times (enough for a row of m), each step a gather of the middle element (through the sorter) and
+    ATen's own test, `!(mid >= v)` (`!(mid > v)` to the right), so NaNs land where its search puts them."""
+    right = right or side == "right"
+    dtype = torch.int32 if out_int32 else torch.int64
+    if not isinstance(values, torch.Tensor):
+        values = torch.scalar_tensor(values, dtype=sorted_sequence.dtype, device=sorted_sequence.device)
+    m = sorted_sequence.shape[-1]
+    if m == 0 or values.numel() == 0:
+        return torch.zeros(values.shape, dtype=dtype, device=values.device)
+    rows = sorted_sequence.reshape(-1, m)
+    wanted = values.reshape(rows.shape[0], -1)
+    order = None if sorter is None else sorter.reshape(-1, m)
+    start = torch.zeros(wanted.shape, dtype=torch.int64, device=values.device)
+    end = torch.full(wanted.shape, m, dtype=torch.int64, device=values.device)
+    for _ in range(m.bit_length()):
+        middle = start + torch.div(end - start, 2, rounding_mode="floor")
+        position = middle.clamp(max=m - 1)  # a finished search (start == end == m) reads a real element, unused
+        if order is not None:
+            position = order.gather(1, position)
+        found = rows.gather(1, position)
+        onward = ~(found > wanted) if right else ~(found >= wanted)
+        searching = start < end
+        start = torch.where(searching & onward, middle + 1, start)
+        end = torch.where(searching & ~onward, middle, end)
+    return start.reshape(values.shape).to(dtype)
+
+
 def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                                       attn_mask=None, scale=None):
     """The backward of the flash attention SDPA runs on CPU tensors (what AOTAutograd records when a model
@@ -1596,6 +1625,8 @@ OWN = {
     aten.nanmedian.dim: _median_dim(ignore_nan=True),
     aten.kthvalue.default: _kthvalue,
     aten.mode.default: _mode,
+    aten.searchsorted.Tensor: _searchsorted,
+    aten.searchsorted.Scalar: _searchsorted,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
     aten.segment_reduce.default: _segment_reduce,
     aten.special_bessel_j0.default: _bessel_j0,
