@@ -359,6 +359,33 @@ def test_lu_solve_and_unpack(left, adjoint):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("upper, left, unit", [(True, True, False), (False, True, True), (True, False, True),
+                                               (False, False, False)])
+def test_solve_triangular_reads_only_its_triangle(upper, left, unit):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, _matrices(2, 4, 4) + 4 * torch.eye(4)  # the other triangle is not zero: unread
+    b = _matrices(1, 4, 3, seed=1) if left else _matrices(3, 4, seed=1)  # broadcast over a's batch
+    torch.testing.assert_close(OWN[aten.linalg_solve_triangular.default](a, b, upper=upper, left=left,
+                                                                         unitriangular=unit),
+                               aten.linalg_solve_triangular(a, b, upper=upper, left=left, unitriangular=unit),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_lu_gradient_solves_triangles_on_the_device():
+    a, weights = _matrices(2, 4, 4), _matrices(3, 2, 4, 4, seed=1)
+
+    def lu(m):  # P, L, U weighted: the backward solves with L and U (linalg_solve_triangular)
+        p, low, up = torch.linalg.lu(m)
+        return p * weights[0] + low * weights[1] + up * weights[2]
+
+    torch._dynamo.reset()
+    a_compiled = a.clone().requires_grad_(True)
+    torch.compile(lu, backend="neuron", fullgraph=True)(a_compiled).sum().backward()
+    a_eager = a.clone().requires_grad_(True)
+    lu(a_eager).sum().backward()
+    torch.testing.assert_close(a_compiled.grad, a_eager.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_lu_family_compiles_on_the_device():
     a, b = _matrices(2, 4, 4), _matrices(2, 4, 3, seed=1)
     _matches_eager(lambda m, r: (*torch.linalg.lu_factor_ex(m), torch.linalg.det(m), *torch.linalg.solve_ex(m, r),

@@ -1401,6 +1401,18 @@ def _lu_solve(lu, pivots, b, *, left=True, adjoint=False):
     return _rows_of(z, _inverse_order(order))
 
 
+def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    """X with A X = B (X A = B with left=False: A^T X^T = B^T), reading only A's triangle: substitution row by row
+    (linalg.lu's backward asks for it)."""
+    if not left:
+        return _linalg_solve_triangular(a.mT, b.mT, upper=not upper, unitriangular=unitriangular).mT
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = a.expand(batch + a.shape[-2:]), b.expand(batch + b.shape[-2:])
+    if b.numel() == 0:  # nothing to solve for (an empty gather does not compile)
+        return b.new_zeros(b.shape)
+    return _substitute(a, b, lower=not upper, unit=unitriangular)
+
+
 def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
     return _lu_factor(a, pivot)
 
@@ -1664,6 +1676,7 @@ OWN = {
     aten.bitwise_right_shift.Tensor_Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
     aten.linalg_lu_factor_ex.default: _linalg_lu_factor_ex,
     aten.linalg_lu_solve.default: _linalg_lu_solve,
+    aten.linalg_solve_triangular.default: _linalg_solve_triangular,
     aten._linalg_det.default: _linalg_det,
     aten._linalg_slogdet.default: _linalg_slogdet,
     aten.linalg_inv_ex.default: _linalg_inv_ex,
