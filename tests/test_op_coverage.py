@@ -552,6 +552,12 @@ def test_searchsorted_replays_atens_binary_search():
                                     torch.bucketize(v, s[1])), seq, shuffled, values)
 
 
+def test_a_bf16_polygamma_of_an_order_without_a_lowering_still_declines():
+    # n > 3 has no lowering: NotImplemented (then named as an op that cannot be compiled), not an AttributeError
+    from neuronc.frontend.decompositions import OWN
+    assert OWN[torch.ops.aten.polygamma.default](5, torch.ones(3, dtype=torch.bfloat16)) is NotImplemented
+
+
 def test_special_functions_of_bf16_compute_in_fp32_like_aten():
     # evaluated in bf16 step by step, trigamma at -8.06 was 239 where eager's (fp32, rounded once) is 260
     x = torch.linspace(-8.45, 8.45, 60).to(torch.bfloat16)

@@ -855,7 +855,8 @@ def _in_fp32(fn):
         if dtype is None:
             return fn(*args, **kwargs)
         wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
-        return fn(*wide, **kwargs).to(dtype)
+        result = fn(*wide, **kwargs)
+        return result if result is NotImplemented else result.to(dtype)
     return wrapped
 
 
