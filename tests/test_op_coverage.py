@@ -563,3 +563,9 @@ def test_special_functions_of_bf16_compute_in_fp32_like_aten():
     x = torch.linspace(-8.45, 8.45, 60).to(torch.bfloat16)
     x = x[(x > 0) | (x != torch.round(x))]  # not at the poles (there eager's pi / sin(pi x) is finite, neuronc's inf)
     _matches_eager(lambda t: torch.polygamma(1, t), x)
+
+
+def test_argmax_and_argmin_of_a_row_with_nan_point_at_its_first_nan():
+    # the REDUCE gives NaN there, which equals nothing: the index was one past the row, silently
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, -1.0, float("nan")], [0.0, 1.0, 2.0, 3.0]])
+    _matches_eager(lambda t: (t.argmax(1), t.argmin(1), *t.max(1), *t.min(1), t.argmax(), t.argmin(0)), x)
