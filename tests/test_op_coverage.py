@@ -569,3 +569,32 @@ def test_argmax_and_argmin_of_a_row_with_nan_point_at_its_first_nan():
     # the REDUCE gives NaN there, which equals nothing: the index was one past the row, silently
     x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, -1.0, float("nan")], [0.0, 1.0, 2.0, 3.0]])
     _matches_eager(lambda t: (t.argmax(1), t.argmin(1), *t.max(1), *t.min(1), t.argmax(), t.argmin(0)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("descending", [True, False])
+def test_a_top_k_of_few_wide_keys_matches_the_stable_sorts_first_k(dtype, descending):
+    # k < n / 3 of fp32 (or int32) keys: 4 TOPKs of k, not a whole-row digit pass (passes/indexing.py); the eager
+    # device's lowering emits such TOPKs (torch-mlir sorts the whole row then slices), so the node is built here
+    import numpy as np
+
+    from neuronc import ir
+    from neuronc.compiler import CompileOptions, compile_graph
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+    from runtime import run_neff
+
+    x = torch.randint(-3, 3, (6, 40), generator=torch.Generator().manual_seed(13)).to(dtype)
+    if dtype.is_floating_point:
+        x = x * torch.tensor([1e-40, 1, 1e30, 65536.0, 1.0000001, 3.4e38])[:, None]
+        x[0, 5], x[1, 7], x[1, 9], x[2, ::7], x[3, 3] = float("nan"), float("inf"), float("-inf"), float("nan"), -0.0
+    else:
+        x = x * 1000003 + torch.iinfo(dtype).max // 4 * torch.tensor([0, 1, -1, 2, -2, 3])[:, None].to(dtype)
+    for k, dim in ((1, 1), (13, 1), (1, 0)):
+        p = ir.node(Op.PARAMETER, [], tuple(x.shape), DType.from_numpy(x.numpy().dtype), index=0, name="x",
+                    kind="input")
+        shape = tuple(k if d == dim else s for d, s in enumerate(x.shape))
+        top = ir.node(Op.TOPK, [p], shape, DType.I32, dimension=dim, k=k, descending=descending)
+        got = run_neff(compile_graph(ir.Graph([p], [top]), CompileOptions()).neff, [x.numpy()]).outputs[0]
+        want = torch.sort(x, dim=dim, descending=descending, stable=True)[1].narrow(dim, 0, k)
+        assert torch.equal(torch.from_numpy(np.asarray(got)).long(), want)

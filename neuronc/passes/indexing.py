@@ -144,17 +144,59 @@ def _sort_by_digits(node: Node, keys: Node) -> Node:
     return order
 
 
+def _top_k_by_digits(node: Node, key: Node) -> Node:
+    """The k < n first of int32 keys in 4 TOPKs of k (not a whole-row pass and one of k): the k first by the high
+    digit find the boundary digit h of the k-th; the keys above h (all in the result) and the low digits of those
+    at h (the contenders) choose the k; those k are then sorted by low digit, then high digit (LSD). Keys tied
+    whole keep input order: both choosing keys order them by index among themselves."""
+    dim, k, loc = node.attrs["dimension"], node.attrs["k"], node.loc
+    mask = (1 << _DIGIT_BITS) - 1
+    unsigned = ir.node(Op.XOR, [key, _constant(_SIGN, key, loc)], key.shape, DType.I32, loc)
+    high = ir.node(Op.SHIFT_RIGHT_LOGICAL, [unsigned, _constant(_DIGIT_BITS, key, loc)], key.shape, DType.I32, loc)
+    low = ir.node(Op.AND, [unsigned, _constant(mask, key, loc)], key.shape, DType.I32, loc)
+    if not node.attrs["descending"]:  # the smallest first: the largest of the digits' complements
+        high = ir.node(Op.SUBTRACT, [_constant(mask, key, loc), high], key.shape, DType.I32, loc)
+        low = ir.node(Op.SUBTRACT, [_constant(mask, key, loc), low], key.shape, DType.I32, loc)
+    shape = tuple(k if d == dim else s for d, s in enumerate(key.shape))
+
+    def first_k(x: Node) -> Node:
+        return ir.node(Op.TOPK, [x], shape, node.dtype, loc, dimension=dim, k=k, descending=True)
+
+    by_high = first_k(high)
+    start = tuple(k - 1 if d == dim else 0 for d in range(len(shape)))
+    last = ir.node(Op.SLICE, [by_high], tuple(1 if d == dim else s for d, s in enumerate(shape)), node.dtype, loc,
+                   start=start, limit=shape, strides=(1,) * len(shape))
+    kept = tuple(d for d in range(len(shape)) if d != dim)
+    boundary = ir.node(Op.RESHAPE, [_taken(high, last, dim, loc)], tuple(shape[d] for d in kept), DType.I32, loc)
+    boundary = ir.node(Op.BROADCAST_IN_DIM, [boundary], key.shape, DType.I32, loc, dims=kept)
+    above = ir.node(Op.COMPARE, [high, boundary], key.shape, DType.BOOL, loc, direction="GT")
+    at = ir.node(Op.COMPARE, [high, boundary], key.shape, DType.BOOL, loc, direction="EQ")
+    contender = ir.node(Op.SELECT, [at, low, _constant(-1, key, loc)], key.shape, DType.I32, loc)
+    choice = ir.node(Op.SELECT, [above, _constant(mask + 1, key, loc), contender], key.shape, DType.I32, loc)
+    chosen = first_k(choice)
+    by_low = first_k(_taken(low, chosen, dim, loc))
+    order = _taken(by_low, first_k(_taken(_taken(high, chosen, dim, loc), by_low, dim, loc)), dim, loc)
+    return _taken(chosen, order, dim, loc)
+
+
 def _exact_sort(node: Node, keys: Node) -> Node | None:
     """A TOPK whose keys it compares exactly: float keys by their order key (in one TOPK when it has at most 24
     varying bits: bf16, fp16, fp8; by digits for fp32), integer keys wider than 24 bits by digits."""
     if keys.dtype.is_float and keys.dtype is not DType.F64:
         order, bits = _float_order(keys, node.loc), _significant_bits(keys.dtype)
         if bits > _EXACT_BITS:
-            return _sort_by_digits(node, order)
+            return _top_k_by_digits(node, order) if _few(node, keys) else _sort_by_digits(node, order)
         return ir.node(Op.TOPK, [_narrowed(order, bits, node.loc)], node.shape, node.dtype, node.loc, **node.attrs)
+    if keys.dtype is DType.I32 and _few(node, keys):
+        return _top_k_by_digits(node, keys)
     if keys.dtype in _SIGNED_WIDE:
         return _sort_by_digits(node, keys)
     return None
+
+
+def _few(node: Node, keys: Node) -> bool:
+    """Whether 4 TOPKs of k values cost less than a whole-row pass and one of k (TOPK's rounds grow with k)."""
+    return 3 * node.attrs["k"] < keys.shape[node.attrs["dimension"]]
 
 
 _RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter, Op.TOPK: _exact_sort}
