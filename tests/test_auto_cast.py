@@ -116,3 +116,14 @@ def test_auto_cast_matmult_in_ir_text_casts_the_operands_of_matmuls_only():
       %2 =""")
     assert run_pass(auto_cast, DOT.format(a="%0", b="%1"), cast=AutoCast("matmult", "bf16")) == canonical(cast)
     assert run_pass(auto_cast, DOT.format(a="%0", b="%1")) == canonical(DOT.format(a="%0", b="%1"))  # none
+
+
+def test_all_leaves_bitcasts_reading_fp32_bytes(monkeypatch):
+    # signbit and a float sort's order key read an fp32's bits; narrowed to bf16 they would read half the bytes
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache --auto-cast=all --auto-cast-type=bf16")
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).float()  # exact in bf16
+    x[0, 3], x[1, 7] = float("nan"), -0.0
+    for fn in (torch.signbit, lambda t: torch.sort(t, dim=1, stable=True)[1]):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="neuron", fullgraph=True)(x), fn(x))

@@ -359,6 +359,33 @@ def test_lu_solve_and_unpack(left, adjoint):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("upper, left, unit", [(True, True, False), (False, True, True), (True, False, True),
+                                               (False, False, False)])
+def test_solve_triangular_reads_only_its_triangle(upper, left, unit):
+    from neuronc.frontend.decompositions import OWN
+    aten, a = torch.ops.aten, _matrices(2, 4, 4) + 4 * torch.eye(4)  # the other triangle is not zero: unread
+    b = _matrices(1, 4, 3, seed=1) if left else _matrices(3, 4, seed=1)  # broadcast over a's batch
+    torch.testing.assert_close(OWN[aten.linalg_solve_triangular.default](a, b, upper=upper, left=left,
+                                                                         unitriangular=unit),
+                               aten.linalg_solve_triangular(a, b, upper=upper, left=left, unitriangular=unit),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_lu_gradient_solves_triangles_on_the_device():
+    a, weights = _matrices(2, 4, 4), _matrices(3, 2, 4, 4, seed=1)
+
+    def lu(m):  # P, L, U weighted: the backward solves with L and U (linalg_solve_triangular)
+        p, low, up = torch.linalg.lu(m)
+        return p * weights[0] + low * weights[1] + up * weights[2]
+
+    torch._dynamo.reset()
+    a_compiled = a.clone().requires_grad_(True)
+    torch.compile(lu, backend="neuron", fullgraph=True)(a_compiled).sum().backward()
+    a_eager = a.clone().requires_grad_(True)
+    lu(a_eager).sum().backward()
+    torch.testing.assert_close(a_compiled.grad, a_eager.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_lu_family_compiles_on_the_device():
     a, b = _matrices(2, 4, 4), _matrices(2, 4, 3, seed=1)
     _matches_eager(lambda m, r: (*torch.linalg.lu_factor_ex(m), torch.linalg.det(m), *torch.linalg.solve_ex(m, r),
@@ -487,3 +514,160 @@ def test_a_sort_of_integer_keys_past_fp32s_significand_is_exact_and_stable(dtype
     x = torch.cat([torch.tensor([edges], dtype=dtype), rows, rows[:, :6].repeat(1, 2)[:, :len(edges)]])
     for dim in (1, 0):
         _matches_eager(lambda t, dim=dim: torch.sort(t, dim=dim, descending=descending, stable=True), x)
+
+
+def _float_keys(dtype):
+    """Rows of float keys with every value TOPK cannot compare alone: NaN (several, one negative), +-inf next to
+    +-the largest finite value, -0 next to 0, the smallest subnormal, ties; then random rows with repeats."""
+    info = torch.finfo(dtype)
+    nan, inf, tiny = float("nan"), float("inf"), info.smallest_normal * info.eps
+    edges = [1.0, nan, -inf, info.max, -0.0, inf, -info.max, 0.0, -nan, tiny, -tiny, 1.0, nan, -1.0, 0.0, -0.0]
+    rows = torch.randn(3, len(edges), generator=torch.Generator().manual_seed(5)).to(dtype)
+    rows[1, ::3] = nan
+    rows[2, 1::2] = rows[2, ::2]  # every value twice
+    return torch.cat([torch.tensor([edges], dtype=dtype), rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_sort_of_float_keys_puts_nan_largest_and_keeps_ties_in_order(dtype, descending):
+    # PyTorch orders NaN above +inf and -0 equal to 0; TOPK cannot find a NaN and ties +-inf with +-FLT_MAX: float
+    # keys are sorted by an integer key in that order (passes/indexing.py)
+    x = _float_keys(dtype)
+    for dim in (1, 0):
+        _matches_eager(lambda t, dim=dim: torch.sort(t, dim=dim, descending=descending, stable=True), x)
+
+
+def test_argsort_and_msort_of_keys_with_nan_match_eager():
+    x = _float_keys(torch.float32)
+    _matches_eager(lambda t: torch.argsort(t, dim=1, descending=True, stable=True), x)
+    _matches_eager(torch.msort, x)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_counts_nan_as_the_largest_value(largest):
+    # one NaN per row and no other ties: eager's top-k orders tied values as it likes
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(6))
+    x[0, 3], x[1, 0], x[2, 11] = float("nan"), float("inf"), float("-inf")
+    x[3, 5], x[3, 6] = torch.finfo(torch.float32).max, float("inf")
+    x[2, 4] = float("nan")
+    _matches_eager(lambda t: torch.topk(t, 5, dim=1, largest=largest), x)
+
+
+def _rows_with_nan_and_ties():
+    """Rows of few distinct values (ties everywhere), one of them all NaN, one without NaN."""
+    x = torch.randint(0, 4, (6, 9), generator=torch.Generator().manual_seed(7)).float()
+    x[x == 3] = float("nan")
+    x[0], x[1] = float("nan"), torch.tensor([2.0, 1, 1, 0, 2, 2, 1, 0, 5])
+    return x
+
+
+def test_median_and_nanmedian_match_aten_at_ties_and_nan():
+    # ATen: median of a row with a NaN is its first NaN; nanmedian the lower median of the numbers; at ties the
+    # index a stable sort puts at that rank (its partition orders by value, then index)
+    x = _rows_with_nan_and_ties()
+    _matches_eager(lambda t: (torch.median(t), torch.nanmedian(t), torch.median(t[1:2]), *torch.median(t, 1),
+                              *torch.nanmedian(t, 1, keepdim=True), *torch.median(t, 0), *torch.nanmedian(t, 0)), x)
+
+
+@pytest.mark.parametrize("n", [4, 9, 40])
+def test_nanmedian_of_a_row_of_nans_returns_atens_index(n):
+    # every NaN compares equal there: ATen's index is where std::nth_element's partition left one
+    x = torch.full((2, n), float("nan"))
+    x[1, : n // 2] = 1.0
+    _matches_eager(lambda t: torch.nanmedian(t, 1), x)
+
+
+def test_median_of_integers_matches_eager():
+    x = torch.randint(-3, 3, (5, 8), generator=torch.Generator().manual_seed(8))
+    _matches_eager(lambda t: (torch.median(t), *torch.median(t, 0), *torch.nanmedian(t, 1)), x)
+
+
+def test_kthvalue_is_the_kth_smallest_with_nan_largest():
+    x = torch.randn(5, 11, generator=torch.Generator().manual_seed(9))
+    x[0, 4], x[2, 0] = float("nan"), float("-inf")
+    _matches_eager(lambda t: (*torch.kthvalue(t, 1, 1), *torch.kthvalue(t, 11, 1), *torch.kthvalue(t, 3, 0)), x)
+
+
+def test_kthvalue_at_ties_gives_eagers_value_and_an_index_holding_it():
+    # ATen's quickselect picks one of tied indices by its own pivots (not reproduced): the stable sort's is given
+    x = _rows_with_nan_and_ties()
+    got_values, got_indices = _compiled(lambda t: torch.kthvalue(t, 4, 1), x)
+    want_values, _ = torch.kthvalue(x, 4, 1)
+    torch.testing.assert_close(got_values, want_values, equal_nan=True)
+    torch.testing.assert_close(x.gather(1, got_indices[:, None])[:, 0], want_values, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_mode_is_the_smallest_most_frequent_value_at_its_last_index(dtype):
+    x = torch.randint(0, 4, (6, 10), generator=torch.Generator().manual_seed(10)).to(dtype)
+    x[0] = torch.arange(10)  # every value once: the smallest, index 0
+    for dim in (1, 0):
+        _matches_eager(lambda t, dim=dim: torch.mode(t, dim), x)
+
+
+def test_quantiles_of_rows_with_nan_match_eager():
+    x = _rows_with_nan_and_ties()
+    q = torch.tensor([0.0, 0.3, 0.5, 1.0])
+    _matches_eager(lambda t: (torch.quantile(t, q, dim=1), torch.nanquantile(t, q, dim=1),
+                              torch.nanquantile(t, 0.5, dim=0, interpolation="lower")), x)
+
+
+def test_searchsorted_replays_atens_binary_search():
+    # rows with NaNs at the end, NaN values, both sides, a sorter, a 1-d sequence shared by every row
+    seq = torch.sort(torch.randint(0, 6, (3, 7), generator=torch.Generator().manual_seed(11)).float(), 1).values
+    seq[2, -2:] = float("nan")
+    values = torch.tensor([[-1.0, 0, 2, 5, 9, float("nan")]] * 3)
+    perm = torch.argsort(torch.rand(3, 7, generator=torch.Generator().manual_seed(12)), 1)
+    shuffled = seq.gather(1, torch.argsort(perm, 1))  # shuffled[perm] is seq
+    _matches_eager(lambda s, u, v: (torch.searchsorted(s, v), torch.searchsorted(s, v, right=True, out_int32=True),
+                                    torch.searchsorted(s[0], v, side="right"), torch.searchsorted(u, v, sorter=perm),
+                                    torch.bucketize(v, s[1])), seq, shuffled, values)
+
+
+def test_a_bf16_polygamma_of_an_order_without_a_lowering_still_declines():
+    # n > 3 has no lowering: NotImplemented (then named as an op that cannot be compiled), not an AttributeError
+    from neuronc.frontend.decompositions import OWN
+    assert OWN[torch.ops.aten.polygamma.default](5, torch.ones(3, dtype=torch.bfloat16)) is NotImplemented
+
+
+def test_special_functions_of_bf16_compute_in_fp32_like_aten():
+    # evaluated in bf16 step by step, trigamma at -8.06 was 239 where eager's (fp32, rounded once) is 260
+    x = torch.linspace(-8.45, 8.45, 60).to(torch.bfloat16)
+    x = x[(x > 0) | (x != torch.round(x))]  # not at the poles (there eager's pi / sin(pi x) is finite, neuronc's inf)
+    _matches_eager(lambda t: torch.polygamma(1, t), x)
+
+
+def test_argmax_and_argmin_of_a_row_with_nan_point_at_its_first_nan():
+    # the REDUCE gives NaN there, which equals nothing: the index was one past the row, silently
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, -1.0, float("nan")], [0.0, 1.0, 2.0, 3.0]])
+    _matches_eager(lambda t: (t.argmax(1), t.argmin(1), *t.max(1), *t.min(1), t.argmax(), t.argmin(0)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("descending", [True, False])
+def test_a_top_k_of_few_wide_keys_matches_the_stable_sorts_first_k(dtype, descending):
+    # k < n / 3 of fp32 (or int32) keys: 4 TOPKs of k, not a whole-row digit pass (passes/indexing.py); the eager
+    # device's lowering emits such TOPKs (torch-mlir sorts the whole row then slices), so the node is built here
+    import numpy as np
+
+    from neuronc import ir
+    from neuronc.compiler import CompileOptions, compile_graph
+    from neuronc.ir import Op
+    from neuronc.isa import DType
+    from runtime import run_neff
+
+    x = torch.randint(-3, 3, (6, 40), generator=torch.Generator().manual_seed(13)).to(dtype)
+    if dtype.is_floating_point:
+        x = x * torch.tensor([1e-40, 1, 1e30, 65536.0, 1.0000001, 3.4e38])[:, None]
+        x[0, 5], x[1, 7], x[1, 9], x[2, ::7], x[3, 3] = float("nan"), float("inf"), float("-inf"), float("nan"), -0.0
+    else:
+        x = x * 1000003 + torch.iinfo(dtype).max // 4 * torch.tensor([0, 1, -1, 2, -2, 3])[:, None].to(dtype)
+    for k, dim in ((1, 1), (13, 1), (1, 0)):
+        p = ir.node(Op.PARAMETER, [], tuple(x.shape), DType.from_numpy(x.numpy().dtype), index=0, name="x",
+                    kind="input")
+        shape = tuple(k if d == dim else s for d, s in enumerate(x.shape))
+        top = ir.node(Op.TOPK, [p], shape, DType.I32, dimension=dim, k=k, descending=descending)
+        got = run_neff(compile_graph(ir.Graph([p], [top]), CompileOptions()).neff, [x.numpy()]).outputs[0]
+        want = torch.sort(x, dim=dim, descending=descending, stable=True)[1].narrow(dim, 0, k)
+        assert torch.equal(torch.from_numpy(np.asarray(got)).long(), want)

@@ -819,6 +819,164 @@ def _cummin(x, dim):
     return _cumulative_extreme(x, dim, _smaller)
 
 
+# -- selections by rank: median, nanmedian, kthvalue, mode ---------------------------------------------------
+# Each is a stable sort (NaN the largest value: passes/indexing.py) read at a rank. ATen's CPU median/nanmedian
+# partition by (value, index), so at ties they return the index a stable sort puts at that rank; kthvalue's
+# quickselect returns one of the tied indices by its own pivots (not reproduced: the stable sort's is returned).
+
+def _nan_count(x, dim=None):
+    if not x.is_floating_point():
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    nans = torch.isnan(x)
+    return nans.sum() if dim is None else nans.sum(dim, keepdim=True)
+
+
+def _median_rank(n: int, nans, ignore_nan: bool):
+    """The rank median (nanmedian) reads: the lower median of the numbers; median of a row with a NaN reads its
+    first NaN (rank n - nans: the NaNs sort last, in order), nanmedian of all NaNs rank 0 (C++'s -1 / 2)."""
+    if ignore_nan:
+        return torch.div(n - 1 - nans, 2, rounding_mode="floor").clamp(min=0)
+    return torch.where(nans > 0, n - nans, (n - 1) // 2)
+
+
+def _whole_median(x, ignore_nan: bool):
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return torch.full((), math.nan, dtype=x.dtype, device=x.device)
+    ordered = torch.sort(flat, stable=True).values
+    rank = _median_rank(n, _nan_count(flat), ignore_nan)
+    return ordered.gather(0, rank.reshape(1)).reshape(())
+
+
+def _median(x):
+    return _whole_median(x, ignore_nan=False)
+
+
+def _nanmedian(x):
+    return _whole_median(x, ignore_nan=True)
+
+
+def _at_rank(x, dim, keepdim, rank):
+    """(values, indices) of the element of each row along dim that a stable sort puts at `rank` (a tensor of x's
+    shape but 1 along dim)."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    dim %= x.dim()
+    values, indices = torch.sort(x, dim=dim, stable=True)
+    value, index = values.gather(dim, rank), indices.gather(dim, rank)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def _rank_shape(x, dim):
+    return [1 if d == dim % max(1, x.dim()) else s for d, s in enumerate(x.shape)]
+
+
+def _first_of_equals(n: int) -> int:
+    """The index libstdc++'s std::nth_element (introselect) leaves first among n elements that all compare equal:
+    ATen's nanmedian of a row of n NaNs returns it (its comparator orders numbers, not NaNs among themselves). The
+    swaps of introselect's median-of-three pivot and unguarded partition, replayed for a comparator always false
+    (libc++, macOS's, partitions otherwise)."""
+    order, first, last, depth = list(range(n)), 0, n, 2 * (n.bit_length() - 1)
+    while last - first > 3 and depth > 0:  # past the depth limit a heap select, which moves nothing equal
+        depth -= 1
+        middle = first + (last - first) // 2
+        order[first], order[middle] = order[middle], order[first]
+        low, high = first + 1, last
+        while True:
+            high -= 1
+            if low >= high:
+                break
+            order[low], order[high] = order[high], order[low]
+            low += 1
+        last = low  # the cut lies past rank 0: the first part is kept; an insertion sort moves nothing equal
+    return order[0]
+
+
+def _median_dim(ignore_nan: bool):
+    def median_dim(x, dim=-1, keepdim=False):
+        if x.dim() == 0:
+            return _at_rank(x, dim, keepdim, None)
+        n = x.shape[dim]
+        nans = _nan_count(x, dim)
+        rank = _median_rank(n, nans, ignore_nan).expand(_rank_shape(x, dim)).to(torch.int64)
+        value, index = _at_rank(x, dim, True, rank.contiguous())
+        if ignore_nan and x.is_floating_point():
+            index = torch.where(nans == n, _first_of_equals(n), index)
+        return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+    return median_dim
+
+
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    """The k-th smallest (NaN the largest value)."""
+    rank = torch.full(_rank_shape(x, dim), k - 1, dtype=torch.int64, device=x.device)
+    return _at_rank(x, dim, keepdim, rank)
+
+
+def _mode(x, dim=-1, keepdim=False):
+    """The most frequent value of each row, the smallest of equally frequent ones, and the last index holding it
+    (ATen's CPU mode sorts the row, keeps the first longest run, and reports the index sorted last in it: the
+    last occurrence where its sort is stable, rows of up to 16 values, insertion sort). The counts come from
+    all pairs of the row (memory n x n per row)."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    dim %= x.dim()
+    rows = x.movedim(dim, -1)
+    n = rows.shape[-1]
+    counts = (rows.unsqueeze(-1) == rows.unsqueeze(-2)).sum(-1)
+    most = counts == counts.amax(-1, keepdim=True)
+    value = torch.where(most, rows, torch.full_like(rows, _highest(x.dtype))).amin(-1, keepdim=True)
+    position = torch.arange(n, device=x.device).expand(rows.shape)
+    index = torch.where(rows == value, position, torch.full_like(position, -1)).amax(-1, keepdim=True)
+    value, index = value.movedim(-1, dim), index.movedim(-1, dim)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    """ATen's binary search (cus_lower_bound / cus_upper_bound) replayed: every value's [start, end) halved a fixed
+    m.bit_length() times (enough for a row of m), each step a gather of the middle element (through the sorter) and
+    ATen's own test, `!(mid >= v)` (`!(mid > v)` to the right), so NaNs land where its search puts them."""
+    right = right or side == "right"
+    dtype = torch.int32 if out_int32 else torch.int64
+    if not isinstance(values, torch.Tensor):
+        values = torch.scalar_tensor(values, dtype=sorted_sequence.dtype, device=sorted_sequence.device)
+    m = sorted_sequence.shape[-1]
+    if m == 0 or values.numel() == 0:
+        return torch.zeros(values.shape, dtype=dtype, device=values.device)
+    rows = sorted_sequence.reshape(-1, m)
+    wanted = values.reshape(rows.shape[0], -1)
+    order = None if sorter is None else sorter.reshape(-1, m)
+    start = torch.zeros(wanted.shape, dtype=torch.int64, device=values.device)
+    end = torch.full(wanted.shape, m, dtype=torch.int64, device=values.device)
+    for _ in range(m.bit_length()):
+        middle = start + torch.div(end - start, 2, rounding_mode="floor")
+        position = middle.clamp(max=m - 1)  # a finished search (start == end == m) reads a real element, unused
+        if order is not None:
+            position = order.gather(1, position)
+        found = rows.gather(1, position)
+        onward = ~(found > wanted) if right else ~(found >= wanted)
+        searching = start < end
+        start = torch.where(searching & onward, middle + 1, start)
+        end = torch.where(searching & ~onward, middle, end)
+    return start.reshape(values.shape).to(dtype)
+
+
+def _in_fp32(fn):
+    """fn computed in fp32 for bf16/fp16 operands and rounded once, as ATen computes its special functions (in
+    their opmath type): a series or recurrence evaluated in bf16 rounds at every step (trigamma off by 8% there)."""
+    narrow = (torch.bfloat16, torch.float16)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in narrow), None)
+        if dtype is None:
+            return fn(*args, **kwargs)
+        wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
+        result = fn(*wide, **kwargs)
+        return result if result is NotImplemented else result.to(dtype)
+    return wrapped
+
+
 def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                                       attn_mask=None, scale=None):
     """The backward of the flash attention SDPA runs on CPU tensors (what AOTAutograd records when a model
@@ -1362,6 +1520,18 @@ def _lu_solve(lu, pivots, b, *, left=True, adjoint=False):
     return _rows_of(z, _inverse_order(order))
 
 
+def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    """X with A X = B (X A = B with left=False: A^T X^T = B^T), reading only A's triangle: substitution row by row
+    (linalg.lu's backward asks for it)."""
+    if not left:
+        return _linalg_solve_triangular(a.mT, b.mT, upper=not upper, unitriangular=unitriangular).mT
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = a.expand(batch + a.shape[-2:]), b.expand(batch + b.shape[-2:])
+    if b.numel() == 0:  # nothing to solve for (an empty gather does not compile)
+        return b.new_zeros(b.shape)
+    return _substitute(a, b, lower=not upper, unit=unitriangular)
+
+
 def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
     return _lu_factor(a, pivot)
 
@@ -1600,6 +1770,14 @@ OWN = {
     aten.min.dim: _reduce_with_index_of_scalar,
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
+    aten.median.default: _median,
+    aten.nanmedian.default: _nanmedian,
+    aten.median.dim: _median_dim(ignore_nan=False),
+    aten.nanmedian.dim: _median_dim(ignore_nan=True),
+    aten.kthvalue.default: _kthvalue,
+    aten.mode.default: _mode,
+    aten.searchsorted.Tensor: _searchsorted,
+    aten.searchsorted.Scalar: _searchsorted,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_for_cpu_backward,
     aten.segment_reduce.default: _segment_reduce,
     aten.special_bessel_j0.default: _bessel_j0,
@@ -1622,6 +1800,7 @@ OWN = {
     aten.bitwise_right_shift.Tensor_Scalar: _shift_by_scalar(aten.bitwise_right_shift.Tensor),
     aten.linalg_lu_factor_ex.default: _linalg_lu_factor_ex,
     aten.linalg_lu_solve.default: _linalg_lu_solve,
+    aten.linalg_solve_triangular.default: _linalg_solve_triangular,
     aten._linalg_det.default: _linalg_det,
     aten._linalg_slogdet.default: _linalg_slogdet,
     aten.linalg_inv_ex.default: _linalg_inv_ex,
@@ -1638,3 +1817,5 @@ for _kind in "tuvw":
         OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _chebyshev_polynomial(_kind, _shifted)))
 for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.special_hermite_polynomial_he, False)):
     OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _hermite_polynomial(_physicists)))
+for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default):
+    OWN[_op] = _in_fp32(OWN[_op])

@@ -392,6 +392,10 @@ def _arg_reduce(op, inputs, dims, loc):
     best = ir.node(Op.REDUCE, [x, init], reduced_shape, x.dtype, loc, dims=dims, kind=kind)
     spread = ir.node(Op.BROADCAST_IN_DIM, [best], x.shape, x.dtype, loc, dims=kept)
     holds = ir.node(Op.COMPARE, [x, spread], x.shape, DType.BOOL, loc, direction="EQ")
+    if x.dtype.is_float:  # a NaN is the max (and min) in PyTorch, the first one's index returned; the REDUCE
+        # gives NaN there, which equals nothing
+        nan = ir.node(Op.COMPARE, [x, x], x.shape, DType.BOOL, loc, direction="NE")
+        holds = ir.node(Op.OR, [holds, nan], x.shape, DType.BOOL, loc)
     last = np.array(np.prod([x.shape[d] for d in dims]), indices.dtype.numpy)  # past every index
     never = ir.node(Op.CONSTANT, [], x.shape, indices.dtype, loc, value=last)
     candidates = ir.node(Op.SELECT, [holds, indices, never], x.shape, indices.dtype, loc)

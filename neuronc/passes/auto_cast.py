@@ -9,8 +9,9 @@
                           and outputs keep their type, cast on the way in and out
     --auto-cast-type bf16 | fp16 | fp8_e4m3    the narrower type (default bf16)
 
-Ops already in bf16/fp16, and integer and boolean ops, are never changed. The pass runs after
-canonicalize (fp64 is gone by then) and before legalize, on DOT_GENERAL and CONVOLUTION.
+Ops already in bf16/fp16, integer and boolean ops, and bitcasts (which read the bytes of their operand's own
+width) are never changed. The pass runs after canonicalize (fp64 is gone by then) and before legalize, on
+DOT_GENERAL and CONVOLUTION.
 """
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ def cast_all(graph: ir.Graph, narrow: DType) -> ir.Graph:
             new[node] = convert(node, narrow) if node.dtype is DType.F32 else node
             continue
         inputs = [new[x] for x in node.inputs]
+        if node.op is Op.BITCAST:  # reads the bytes of its operand's own width: fp32 in, fp32 out, cast around it
+            operand = convert(inputs[0], DType.F32) if node.inputs[0].dtype is DType.F32 else inputs[0]
+            bitcast = ir.node(node.op, [operand], node.shape, node.dtype, node.loc, **node.attrs)
+            new[node] = convert(bitcast, narrow) if node.dtype is DType.F32 else bitcast
+            continue
         dtype = narrow if node.dtype is DType.F32 else node.dtype
         attrs = dict(node.attrs)
         if node.op is Op.CONSTANT and dtype is not node.dtype:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from neuronc import ir
@@ -55,18 +56,57 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
     return ir.node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
 
 
-# -- sorts of wide integer keys ------------------------------------------------------------------------------
-# TOPK compares in fp32 (MAX8, FIND_INDEX8), whose 24-bit significand holds integer keys exactly only up to 2^24:
-# wider integer keys are sorted by 16-bit digits instead, each exact in fp32.
+# -- sort keys TOPK cannot compare exactly --------------------------------------------------------------------
+# TOPK compares in fp32 (MAX8, FIND_INDEX8, MATCH_REPLACE8). Its 24-bit significand holds integer keys exactly
+# only up to 2^24; it cannot find a NaN (NaN equals nothing); and it raises its keys to the lowest finite float
+# (a struck-out slot is -inf), so -inf and -FLT_MAX tie (+inf and +FLT_MAX once an ascending sort negates them).
+# So every float key is first mapped to an integer ordered as PyTorch orders floats, and integer keys wider than
+# 24 bits are sorted by 16-bit digits, each exact in fp32.
 _SIGNED_WIDE = {DType.I32: True, DType.I64: True, DType.U32: False, DType.U64: False}
 _DIGIT_BITS = 16
+_EXACT_BITS = 24  # fp32's significand: a TOPK of integer keys below 2^24 in magnitude is exact
+_CANONICAL_NAN = 0x7FC00000  # fp32's quiet NaN: as an int32, above +inf's 0x7F800000
+_SIGN = -(1 << 31)
+
+
+def _constant(value, like: Node, loc, dtype: DType | None = None) -> Node:
+    dtype = dtype or like.dtype
+    return ir.node(Op.CONSTANT, [], like.shape, dtype, loc, value=np.array(value).astype(dtype.numpy))
+
+
+def _float_order(x: Node, loc) -> Node:
+    """int32 keys ordered as PyTorch orders the floats x (a sort, top-k, median): -0 equal to 0, every NaN one
+    value above +inf. A non-negative float's IEEE bits order as an int32 does; a negative float's order reversed
+    once its bits but the sign are flipped. A narrower float is widened to fp32 first (exactly)."""
+    f = x if x.dtype is DType.F32 else ir.node(Op.CONVERT, [x], x.shape, DType.F32, loc)
+    bits = ir.node(Op.BITCAST, [f], f.shape, DType.I32, loc)
+    nan = ir.node(Op.COMPARE, [f, f], f.shape, DType.BOOL, loc, direction="NE")
+    zero = ir.node(Op.COMPARE, [f, _constant(0.0, f, loc)], f.shape, DType.BOOL, loc, direction="EQ")
+    bits = ir.node(Op.SELECT, [zero, _constant(0, bits, loc), bits], bits.shape, DType.I32, loc)
+    bits = ir.node(Op.SELECT, [nan, _constant(_CANONICAL_NAN, bits, loc), bits], bits.shape, DType.I32, loc)
+    negative = ir.node(Op.COMPARE, [bits, _constant(0, bits, loc)], bits.shape, DType.BOOL, loc, direction="LT")
+    flipped = ir.node(Op.XOR, [bits, _constant(~_SIGN, bits, loc)], bits.shape, DType.I32, loc)
+    return ir.node(Op.SELECT, [negative, flipped, bits], bits.shape, DType.I32, loc)
+
+
+def _significant_bits(dtype: DType) -> int:
+    """The bits of a float's order key that vary: fp32's sign and exponent, and the float's own significand bits
+    (a bf16 widened to fp32 has 16 trailing zero bits)."""
+    return 1 + 8 + int(ml_dtypes.finfo(dtype.numpy).nmant)
+
+
+def _narrowed(key: Node, bits: int, loc) -> Node:
+    """An int32 order key whose low 32 - bits bits never vary, as keys 0 .. 2^bits - 1 in the same order (the
+    sign bit flipped: the bits then order as an unsigned number's; shifted right past the constant bits)."""
+    unsigned = ir.node(Op.XOR, [key, _constant(_SIGN, key, loc)], key.shape, DType.I32, loc)
+    return ir.node(Op.SHIFT_RIGHT_LOGICAL, [unsigned, _constant(32 - bits, key, loc)], key.shape, DType.I32, loc)
 
 
 def _digits(node: Node, x: Node) -> list:
-    """x's keys as fp32 digits of 16 bits, least significant first, ordered as the keys are when compared most
+    """x's keys as int32 digits of 16 bits, least significant first, ordered as the keys are when compared most
     significant digit first (a signed key's sign bit flipped: its bits then order as an unsigned number's)."""
     def constant(value):
-        return ir.node(Op.CONSTANT, [], x.shape, x.dtype, node.loc, value=np.array(value).astype(x.dtype.numpy))
+        return _constant(value, x, node.loc)
 
     bits = x.dtype.itemsize * 8
     if _SIGNED_WIDE[x.dtype]:
@@ -75,7 +115,8 @@ def _digits(node: Node, x: Node) -> list:
     for shift in range(0, bits, _DIGIT_BITS):
         shifted = ir.node(Op.SHIFT_RIGHT_LOGICAL, [x, constant(shift)], x.shape, x.dtype, node.loc) if shift else x
         digit = ir.node(Op.AND, [shifted, constant((1 << _DIGIT_BITS) - 1)], x.shape, x.dtype, node.loc)
-        digits.append(ir.node(Op.CONVERT, [digit], x.shape, DType.F32, node.loc))
+        # int32, not fp32: an --auto-cast all leaves integers alone (a digit in bf16 would not be exact)
+        digits.append(digit if x.dtype is DType.I32 else ir.node(Op.CONVERT, [digit], x.shape, DType.I32, node.loc))
     return digits
 
 
@@ -88,11 +129,9 @@ def _taken(x: Node, positions: Node, dim: int, loc) -> Node:
     return _gather(gather, x, positions)
 
 
-def _sort_by_digits(node: Node, keys: Node) -> Node | None:
+def _sort_by_digits(node: Node, keys: Node) -> Node:
     """A sort or top-k of wide integer keys as stable sorts by 16-bit digits, least significant first (an LSD
     radix sort: each pass is TOPK's stable order of one digit, read through the positions of the passes before)."""
-    if keys.dtype not in _SIGNED_WIDE:
-        return None
     dim, k = node.attrs["dimension"], node.attrs["k"]
     digits, order = _digits(node, keys), None
     for i, digit in enumerate(digits):
@@ -105,7 +144,62 @@ def _sort_by_digits(node: Node, keys: Node) -> Node | None:
     return order
 
 
-_RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter, Op.TOPK: _sort_by_digits}
+def _top_k_by_digits(node: Node, key: Node) -> Node:
+    """The k < n first of int32 keys in 4 TOPKs of k (not a whole-row pass and one of k): the k first by the high
+    digit find the boundary digit h of the k-th; the keys above h (all in the result) and the low digits of those
+    at h (the contenders) choose the k; those k are then sorted by low digit, then high digit (LSD). Keys tied
+    whole keep input order: both choosing keys order them by index among themselves."""
+    dim, k, loc = node.attrs["dimension"], node.attrs["k"], node.loc
+    mask = (1 << _DIGIT_BITS) - 1
+    unsigned = ir.node(Op.XOR, [key, _constant(_SIGN, key, loc)], key.shape, DType.I32, loc)
+    high = ir.node(Op.SHIFT_RIGHT_LOGICAL, [unsigned, _constant(_DIGIT_BITS, key, loc)], key.shape, DType.I32, loc)
+    low = ir.node(Op.AND, [unsigned, _constant(mask, key, loc)], key.shape, DType.I32, loc)
+    if not node.attrs["descending"]:  # the smallest first: the largest of the digits' complements
+        high = ir.node(Op.SUBTRACT, [_constant(mask, key, loc), high], key.shape, DType.I32, loc)
+        low = ir.node(Op.SUBTRACT, [_constant(mask, key, loc), low], key.shape, DType.I32, loc)
+    shape = tuple(k if d == dim else s for d, s in enumerate(key.shape))
+
+    def first_k(x: Node) -> Node:
+        return ir.node(Op.TOPK, [x], shape, node.dtype, loc, dimension=dim, k=k, descending=True)
+
+    by_high = first_k(high)
+    start = tuple(k - 1 if d == dim else 0 for d in range(len(shape)))
+    last = ir.node(Op.SLICE, [by_high], tuple(1 if d == dim else s for d, s in enumerate(shape)), node.dtype, loc,
+                   start=start, limit=shape, strides=(1,) * len(shape))
+    kept = tuple(d for d in range(len(shape)) if d != dim)
+    boundary = ir.node(Op.RESHAPE, [_taken(high, last, dim, loc)], tuple(shape[d] for d in kept), DType.I32, loc)
+    boundary = ir.node(Op.BROADCAST_IN_DIM, [boundary], key.shape, DType.I32, loc, dims=kept)
+    above = ir.node(Op.COMPARE, [high, boundary], key.shape, DType.BOOL, loc, direction="GT")
+    at = ir.node(Op.COMPARE, [high, boundary], key.shape, DType.BOOL, loc, direction="EQ")
+    contender = ir.node(Op.SELECT, [at, low, _constant(-1, key, loc)], key.shape, DType.I32, loc)
+    choice = ir.node(Op.SELECT, [above, _constant(mask + 1, key, loc), contender], key.shape, DType.I32, loc)
+    chosen = first_k(choice)
+    by_low = first_k(_taken(low, chosen, dim, loc))
+    order = _taken(by_low, first_k(_taken(_taken(high, chosen, dim, loc), by_low, dim, loc)), dim, loc)
+    return _taken(chosen, order, dim, loc)
+
+
+def _exact_sort(node: Node, keys: Node) -> Node | None:
+    """A TOPK whose keys it compares exactly: float keys by their order key (in one TOPK when it has at most 24
+    varying bits: bf16, fp16, fp8; by digits for fp32), integer keys wider than 24 bits by digits."""
+    if keys.dtype.is_float and keys.dtype is not DType.F64:
+        order, bits = _float_order(keys, node.loc), _significant_bits(keys.dtype)
+        if bits > _EXACT_BITS:
+            return _top_k_by_digits(node, order) if _few(node, keys) else _sort_by_digits(node, order)
+        return ir.node(Op.TOPK, [_narrowed(order, bits, node.loc)], node.shape, node.dtype, node.loc, **node.attrs)
+    if keys.dtype is DType.I32 and _few(node, keys):
+        return _top_k_by_digits(node, keys)
+    if keys.dtype in _SIGNED_WIDE:
+        return _sort_by_digits(node, keys)
+    return None
+
+
+def _few(node: Node, keys: Node) -> bool:
+    """Whether 4 TOPKs of k values cost less than a whole-row pass and one of k (TOPK's rounds grow with k)."""
+    return 3 * node.attrs["k"] < keys.shape[node.attrs["dimension"]]
+
+
+_RULES = {Op.GATHER: _gather, Op.SCATTER: _scatter, Op.TOPK: _exact_sort}
 
 
 class _IndexSpace:
