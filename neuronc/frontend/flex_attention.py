@@ -206,9 +206,10 @@ def _aten_name(target) -> str:
     return name.split(".")[0]
 
 
-def score_steps(score_gm, buffers: list) -> tuple:
+def score_steps(score_gm, buffers: list, terms: "RunTimeTerms | None" = None) -> tuple:
     """The score_mod subgraph as steps: ((op, args), ...), args ("score",), ("b",), ("h",), ("q",), ("kv",),
-    ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h); raises _NotFlash."""
+    ("imm", value), ("step", j), ("table", values, index arg) (a constant buffer read at b or h), ("term", i) (the
+    i-th of ``terms``, computed by the graph); raises _NotFlash."""
     import torch.fx
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -219,6 +220,10 @@ def score_steps(score_gm, buffers: list) -> tuple:
         env[n] = (name,) if name else None
     for n, buffer in zip(placeholders[5:], buffers):
         env[n] = ("buffer", buffer)
+    terms = terms or RunTimeTerms([], frozenset())
+    for i, n in enumerate(terms.nodes):
+        env[n] = ("term", i)
+    needed = _needed(score_gm, terms.nodes)
 
     def ref(x):
         if isinstance(x, torch.fx.Node):
@@ -238,6 +243,8 @@ def score_steps(score_gm, buffers: list) -> tuple:
             if n.op == "get_attr":
                 env[n] = ("buffer", getattr(score_gm, n.target))
             continue
+        if n.op != "output" and (n in terms.computed or n not in needed):
+            continue  # a term's value (or only what computes one): the graph's
         if n.op == "output":
             result = n.args[0]
             result = result[0] if isinstance(result, (tuple, list)) else result
@@ -279,6 +286,139 @@ def score_steps(score_gm, buffers: list) -> tuple:
         steps.append((op, args))
         env[n] = ("step", len(steps) - 1)
     raise _NotFlash
+
+
+def _needed(score_gm, terms: list) -> set:
+    """The subgraph's nodes the result reads, not counting what only computes a term."""
+    output = next(n for n in score_gm.graph.nodes if n.op == "output")
+    needed, stack = set(), [output]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n not in terms:
+            stack.extend(n.all_input_nodes)
+    return needed
+
+
+class RunTimeTerms:
+    """The parts of a score_mod that read tensors the graph takes or computes (a learned bias table, per-head ALiBi
+    slopes captured in the closure) and not the score: computed by the graph over the (batch, head, query, key) grid
+    and read by the flash kernels as ("term", i) operands.
+
+    ``nodes``: the score_mod subgraph's nodes (or placeholders) whose values are terms, in graph order; ``computed``:
+    every node the graph computes for them. A term is as small as exactness allows: a read of such a tensor
+    (``bias[h, q - kv + c]``: a [heads, seq, seq] grid; ``slopes[h]``: a value per head, a column), grown through the
+    ops after it that eager computes in a 16-bit float (``slopes_bf16[h] * (kv - q)`` rounds its product to bf16:
+    the kernels compute steps in fp32, so the graph computes that product as eager does) and through ops the kernels
+    have no step for (a read of a read)."""
+
+    def __init__(self, nodes: list, computed: frozenset):
+        self.nodes, self.computed = nodes, computed
+
+    def __bool__(self) -> bool:
+        return bool(self.nodes)
+
+
+def run_time_terms(score_gm, run_time: list) -> RunTimeTerms:
+    """The score_mod's terms (see RunTimeTerms); ``run_time``: per captured tensor, whether the graph takes or
+    computes it (not a constant). Raises _NotFlash for a run-time tensor the score_mod reads with the score."""
+    import torch
+
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    reads = {p for p, late in zip(placeholders[5:], run_time) if late}
+    if not reads:
+        return RunTimeTerms([], frozenset())
+    on_score, on_reads, computed = {placeholders[0]}, set(reads), set()
+    for n in score_gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        inputs = n.all_input_nodes
+        if any(i in on_score for i in inputs):
+            on_score.add(n)
+        if any(i in on_reads for i in inputs):
+            on_reads.add(n)
+        if n in on_reads and n not in on_score:
+            dtype = getattr(n.meta.get("val"), "dtype", None)
+            name = _aten_name(n.target)
+            if any(i in reads for i in inputs) or dtype in (torch.bfloat16, torch.float16) or \
+                    (name not in _STEP_OPS and name not in _CLAMPS and name not in _IDENTITY_OPS):
+                computed.add(n)
+    for p in reads:  # read whole by a step (a 0-d tensor: score * w): the tensor itself is the term
+        if any(u not in computed for u in p.users):
+            if getattr(p.meta.get("val"), "dim", lambda: 1)() != 0:
+                raise _NotFlash
+            computed.add(p)
+    nodes = [n for n in score_gm.graph.nodes if n in computed and any(u not in computed for u in n.users)]
+    if any(n in on_score for n in computed):
+        raise _NotFlash
+    return RunTimeTerms(nodes, frozenset(computed))
+
+
+def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int) -> list:
+    """The terms' values (torch ops on ``buffers``, the score_mod's captured tensors), each fp32 [batch or 1,
+    heads or 1, sq, sk] or, for a term that does not vary with the key, [.., sq, 1]: what the kernels read."""
+    import torch
+    import torch.fx
+
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    b = torch.arange(batch).view(batch, 1, 1, 1)
+    h = torch.arange(heads).view(1, heads, 1, 1)
+    q = torch.arange(sq).view(1, 1, sq, 1)
+    kv = torch.arange(sk).view(1, 1, 1, sk)
+    env = dict(zip(placeholders, [None, b, h, q, kv] + list(buffers)))
+    wanted, stack = set(), list(terms.nodes)
+    while stack:
+        n = stack.pop()
+        if n not in wanted:
+            wanted.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in score_gm.graph.nodes:
+        if n not in wanted or n.op == "placeholder":
+            continue
+        if n.op == "get_attr":
+            env[n] = fx_splice.real_constant(getattr(score_gm, n.target))
+            continue
+        args = torch.fx.node.map_arg(n.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+        env[n] = n.target(*args, **kwargs)
+    values = []
+    for n in terms.nodes:
+        t = env[n]
+        t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+        keys = sk if t.shape[3] != 1 else 1
+        values.append(t.to(torch.float32).expand(t.shape[0], t.shape[1], sq, keys).contiguous())
+    return values
+
+
+def _term_nodes(gm, node, score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int):
+    """FX nodes before ``node`` computing the terms' values (term_values) from the graph's tensors ``buffers``."""
+    import torch
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
+
+    def values(*tensors):
+        return tuple(term_values(score_gm, terms, _captured(gm, buffers, tensors), batch, heads, sq, sk))
+
+    fakes = [n.meta["val"] for n in lifted]
+    with detect_fake_mode(fakes):
+        traced = make_fx(values, decomposition_table=decomposition_table())(*fakes)
+    return fx_splice.insert_traced(gm, node, traced, lifted)
+
+
+def _captured(gm, buffers: list, tensors) -> list:
+    """A score_mod's or mask_mod's captured tensors: constants' real values, the others from ``tensors``."""
+    import torch.fx
+
+    values = iter(tensors)
+    return [fx_splice.real_constant(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
+            else next(values) if isinstance(b, torch.fx.Node) else b for b in buffers]
 
 
 def _clamp_bounds(name: str, n) -> tuple:
@@ -495,7 +635,10 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
         raise _NotFlash  # GQA's groups are fine (K and V repeated for the kernel, their gradients summed)
     if qv.dtype not in (torch.float32, torch.bfloat16) or seq % P or d > P:
         raise _NotFlash
-    steps = score_steps(getattr(gm, score_mod.target), [_constant_of(gm, b) for b in score_buffers])
+    score_gm = getattr(gm, score_mod.target)
+    captured = [_constant_of(gm, b) for b in score_buffers]
+    terms = run_time_terms(score_gm, [c is None for c in captured])
+    steps = score_steps(score_gm, captured, terms)
     steps = () if is_identity(steps) else steps
     try:
         check_differentiable(steps)
@@ -503,7 +646,7 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
         raise _NotFlash from e
     mask_gm = getattr(gm, block_mask[-1].target)
     constants = [_constant_of(gm, b) for b in mask_buffers]
-    plan = dict(causal=False, score_mod=steps, blocks=None, mask=None)
+    plan = dict(causal=False, score_mod=steps, blocks=None, mask=None, terms=terms)
     if any(c is None for c in constants):  # read at run time (a document mask's ids)
         if not _same_for_every_head(mask_gm):
             raise _NotFlash
@@ -523,7 +666,8 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
     return plan
 
 
-def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int):
+def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int,
+                           term_shapes: tuple = (), term_grads: tuple = ()):
     import numpy as np
 
     from neuronc.frontend.tensors import dtype_of
@@ -534,12 +678,17 @@ def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, pla
         seq = shapes[0][1]
         options.update(score_mod=plan["score_mod"], blocks=plan["blocks"], heads=heads,
                        mask=None if plan["mask"] is None else np.empty((seq, seq), dtype=bool))
+    if term_shapes:
+        options.update(terms=tuple(np.empty(shape, dtype=np.float32) for shape in term_shapes))
+    if term_grads:
+        options.update(term_grads=tuple(term_grads))
     return kernel.trace(*arrays, **options)
 
 
 def _cut_for_training(cut, node, locations: dict) -> None:
     """Cut a forward flex_attention whose log-sum-exp is read, or a backward one, as the library's kernel (see
-    above); raises _NotFlash when it does not apply."""
+    above); raises _NotFlash when it does not apply. A forward whose score_mod reads run-time tensors is cut this
+    way in inference too (the compiler's own flash kernel reads no such operand)."""
     import hashlib
 
     import torch
@@ -555,48 +704,166 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     getters = {u.args[1]: u for u in node.users if u.target is operator.getitem and u.users}
     if forward:
         q, k, v, score_mod, block_mask, scale, _options, score_buffers, mask_buffers = node.args[:9]
-        if 1 not in getters or 2 in getters:
-            raise _NotFlash  # inference (the flash forward above) or the row max read
+        if 2 in getters:
+            raise _NotFlash  # the row max read
     else:
         (q, k, v, out, lse, grad_out, grad_lse, score_mod, _joint, block_mask, scale, _options, score_buffers,
          mask_buffers) = node.args[:14]
-        if grad_lse is not None or grad_out is None or any(i > 2 for i in getters):
-            raise _NotFlash  # the log-sum-exp's own gradient, or a score_mod buffer's
+        if grad_lse is not None or grad_out is None or any(i > 3 for i in getters):
+            raise _NotFlash  # the log-sum-exp's own gradient
     plan = _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
+    terms = plan["terms"]
+    if forward and 1 not in getters and not terms:
+        raise _NotFlash  # inference: the compiler's flash kernel (cut_flex_attention)
     qv = q.meta["val"]
     shape, dtype = tuple(qv.shape), qv.dtype
     batch, heads, seq, d = shape
     kv_heads = k.meta["val"].shape[1]
     flat = (batch * heads, seq, d)
     loc = locations.get(node.name, DebugLoc())
+    score_gm = getattr(gm, score_mod.target)
+    wanted = {} if forward else _wanted_buffer_gradients(node)
+    term_inputs = _term_nodes(gm, node, score_gm, terms, list(score_buffers), batch, heads, seq, seq) if terms \
+        else []
+    term_shapes = tuple(tuple(t.meta["val"].shape) for t in term_inputs)
     if forward:
-        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads)
+        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads,
+                                        term_shapes)
         lse = ((batch, heads, seq), traced.outputs[1].dtype)
         outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
     else:
+        term_grads = _terms_reading(score_gm, terms, list(wanted))
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
-                                        [dtype] * 5 + [torch.float32], float(scale), plan, heads)
+                                        [dtype] * 5 + [torch.float32], float(scale), plan, heads, term_shapes,
+                                        term_grads)
         kv_shape = (batch, kv_heads, seq, d)
-        outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2
+        outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2 + \
+            [(tuple(o.shape), o.dtype) for o in traced.outputs[3:]]
         inputs = [q, k, v, out, grad_out, lse]
+        if wanted:
+            _apply_term_gradients(gm, node, score_gm, terms, list(score_buffers), wanted, term_grads, term_shapes,
+                                  [o.shape for o in traced.outputs[3:]], shape)
     mask = plan["mask"]
-    if isinstance(mask, str):  # computed by the graph from the tensors the mask_mod reads
+    runtime_mask = isinstance(mask, str)
+    if runtime_mask:  # computed by the graph from the tensors the mask_mod reads
         inputs.append(_runtime_mask(gm, node, getattr(gm, block_mask[-1].target), list(mask_buffers), seq, seq))
         mask = None
+    inputs.extend(term_inputs)
+    n_terms = len(term_inputs)
     digest = hashlib.sha256(_fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced).encode())
     if mask is not None:  # a constant input: its values are not in the instructions
         digest.update(mask.tobytes())
     cut.cut(node, inputs, outputs,
-            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc, mask=mask:
-            _library_nodes(values, traced, forward, shape, kv_heads, loc, mask),
+            lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc, mask=mask,
+            runtime_mask=runtime_mask, n_terms=n_terms:
+            _library_nodes(values, traced, forward, shape, kv_heads, loc, mask, runtime_mask, n_terms),
             digest.hexdigest(), loc)
 
 
-def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc, mask=None) -> list:
-    """The library kernel's nodes on flex_attention's [batch, heads, ...] values (a run-time mask last), and
-    ``mask`` (a constant keep-mask), its results as flex_attention's; with GQA, each K/V head repeated for the query heads of its group and their gradients summed over it, in fp32,
-    as flex_attention's dense backward sums them."""
+def _wanted_buffer_gradients(node) -> dict:
+    """A backward flex_attention's read gradients of the score_mod's captured tensors: {index: getitem node} (the
+    getitems of unread ones erased)."""
+    wanted = {}
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] == 3:
+            if any(reader.target is not operator.getitem for reader in user.users):
+                raise _NotFlash
+            for reader in list(user.users):
+                if reader.users:
+                    wanted[reader.args[1]] = reader
+            if not wanted:
+                for reader in list(user.users):
+                    node.graph.erase_node(reader)
+                node.graph.erase_node(user)
+    return wanted
+
+
+def _terms_reading(score_gm, terms: RunTimeTerms, captured: list) -> tuple:
+    """The indices of the terms computed from any of the captured tensors ``captured`` (their indices)."""
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    sources = {placeholders[5 + i] for i in captured}
+    found = []
+    for t, n in enumerate(terms.nodes):
+        seen, stack = set(), [n]
+        while stack:
+            m = stack.pop()
+            if m not in seen:
+                seen.add(m)
+                stack.extend(m.all_input_nodes)
+        if seen & sources:
+            found.append(t)
+    return tuple(found)
+
+
+def _apply_term_gradients(gm, node, score_gm, terms, buffers: list, wanted: dict, term_grads: tuple,
+                          term_shapes: tuple, grad_shapes: list, shape: tuple) -> None:
+    """The gradients of the captured tensors ``wanted`` reads, from the backward kernel's dY * dy/dterm outputs
+    (getitem(node, 3 + n), n-th of ``term_grads``): the terms' vjp (a learned table's scatter-add), summed in fp32
+    and rounded once to the tensor's dtype, replacing getitem(getitem(node, 3), i)."""
+    import torch
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    batch, heads, seq, _ = shape
+    lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
+    positions = [buffers.index(b) for b in lifted]
+    order = sorted(wanted)
+    if any(i not in positions for i in order):
+        raise _NotFlash  # a constant's gradient
+
+    def gradients(*tensors):
+        late, grads = tensors[:len(lifted)], tensors[len(lifted):]
+        base = _captured(gm, buffers, late)
+
+        def values(*chosen):
+            captured = list(base)
+            for i, x in zip(order, chosen):
+                captured[i] = x
+            return tuple(term_values(score_gm, terms, captured, batch, heads, seq, seq))
+
+        outs, vjp = torch.func.vjp(values, *(base[i].float() for i in order))
+        cotangents = []
+        for t, out in enumerate(outs):
+            if t not in term_grads:
+                cotangents.append(torch.zeros_like(out))
+                continue
+            g = grads[term_grads.index(t)].reshape(batch, heads, seq, out.shape[3])
+            dims = [dim for dim in (0, 1) if out.shape[dim] == 1]
+            cotangents.append(g.sum(dims, keepdim=True) if dims else g)
+        return tuple(g.to(base[i].dtype) for g, i in zip(vjp(tuple(cotangents)), order))
+
+    fakes = [n.meta["val"] for n in lifted]
+    fake_mode = detect_fake_mode(fakes)
+    with fake_mode:
+        device = fakes[0].device  # the captured tensors' (the kernel's outputs are read beside them)
+        fakes = fakes + [torch.empty(s, dtype=torch.float32, device=device) for s in grad_shapes]
+        traced = make_fx(torch.func.functionalize(gradients, remove="mutations"),
+                         decomposition_table=decomposition_table())(*fakes)
+    tuple_getter = next(u for u in node.users if u.target is operator.getitem and u.args[1] == 3)
+    graph = gm.graph
+    with graph.inserting_before(tuple_getter):
+        outputs = [graph.call_function(operator.getitem, (node, 3 + n)) for n in range(len(term_grads))]
+    for n, out in enumerate(outputs):
+        with fake_mode:
+            out.meta["val"] = torch.empty(grad_shapes[n], dtype=torch.float32, device=device)
+    results = fx_splice.insert_traced(gm, tuple_getter, traced, lifted + outputs)
+    for i, result in zip(order, results):
+        wanted[i].replace_all_uses_with(result)
+    for reader in list(tuple_getter.users):
+        graph.erase_node(reader)
+    graph.erase_node(tuple_getter)
+
+
+def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc, mask=None,
+                   runtime_mask: bool = False, n_terms: int = 0) -> list:
+    """The library kernel's nodes on flex_attention's [batch, heads, ...] values (then a run-time mask, then the
+    score_mod's run-time terms), and ``mask`` (a constant keep-mask), its results as flex_attention's (then the
+    backward's dY * dy/dterm outputs); with GQA, each K/V head repeated for the query heads of its group and their
+    gradients summed over it, in fp32, as flex_attention's dense backward sums them."""
     import math
 
     import numpy as np
@@ -634,17 +901,19 @@ def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: 
         total = ir.node(Op.REDUCE, [wide, zero], (batch, kv_heads, seq, d), DType.F32, loc, dims=(2,), kind="add")
         return total if x.dtype == DType.F32 else ir.node(Op.CONVERT, [total], total.shape, x.dtype, loc)
 
-    masks = values[-1:] if len(values) in (4, 7) else []
+    first = 3 if forward else 6
+    masks = values[first:first + 1] if runtime_mask else []
+    terms = values[first + len(masks):first + len(masks) + n_terms]
     if mask is not None:
         masks = [ir.node(Op.CONSTANT, [], mask.shape, DType.BOOL, loc, value=mask)]
     if forward:
         q, k, v = values[:3]
-        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)] + masks, loc)
+        out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)] + masks + terms, loc)
         lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
         return [reshaped(out, shape), lse2, None]
     q, k, v, out, grad_out, lse2 = values[:6]
     lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
-    grad_q, grad_k, grad_v = _kernel_nodes(
+    grad_q, grad_k, grad_v, *grad_terms = _kernel_nodes(
         traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse]
-        + masks, loc)
-    return [reshaped(grad_q, shape), summed(grad_k), summed(grad_v)]
+        + masks + terms, loc)
+    return [reshaped(grad_q, shape), summed(grad_k), summed(grad_v)] + grad_terms
