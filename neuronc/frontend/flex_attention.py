@@ -356,17 +356,19 @@ def run_time_terms(score_gm, run_time: list) -> RunTimeTerms:
     return RunTimeTerms(nodes, frozenset(computed))
 
 
-def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int) -> list:
+def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int,
+                device=None) -> list:
     """The terms' values (torch ops on ``buffers``, the score_mod's captured tensors), each fp32 [batch or 1,
-    heads or 1, sq, sk] or, for a term that does not vary with the key, [.., sq, 1]: what the kernels read."""
+    heads or 1, sq, sk] or, for a term that does not vary with the key, [.., sq, 1]: what the kernels read. The
+    indices are made on ``device``, the run-time tensors' (a `neuron` tensor's ops take no CPU operand)."""
     import torch
     import torch.fx
 
     placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
-    b = torch.arange(batch).view(batch, 1, 1, 1)
-    h = torch.arange(heads).view(1, heads, 1, 1)
-    q = torch.arange(sq).view(1, 1, sq, 1)
-    kv = torch.arange(sk).view(1, 1, 1, sk)
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    q = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    kv = torch.arange(sk, device=device).view(1, 1, 1, sk)
     env = dict(zip(placeholders, [None, b, h, q, kv] + list(buffers)))
     wanted, stack = set(), list(terms.nodes)
     while stack:
@@ -404,7 +406,8 @@ def _term_nodes(gm, node, score_gm, terms: RunTimeTerms, buffers: list, batch: i
     lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
 
     def values(*tensors):
-        return tuple(term_values(score_gm, terms, _captured(gm, buffers, tensors), batch, heads, sq, sk))
+        return tuple(term_values(score_gm, terms, _captured(gm, buffers, tensors), batch, heads, sq, sk,
+                                 tensors[0].device))
 
     fakes = [n.meta["val"] for n in lifted]
     with detect_fake_mode(fakes):
@@ -823,7 +826,7 @@ def _apply_term_gradients(gm, node, score_gm, terms, buffers: list, wanted: dict
             captured = list(base)
             for i, x in zip(order, chosen):
                 captured[i] = x
-            return tuple(term_values(score_gm, terms, captured, batch, heads, seq, seq))
+            return tuple(term_values(score_gm, terms, captured, batch, heads, seq, seq, late[0].device))
 
         outs, vjp = torch.func.vjp(values, *(base[i].float() for i in order))
         cotangents = []
