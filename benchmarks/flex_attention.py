@@ -15,7 +15,11 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
 * training (forward and backward graphs): the flash kernels (the NKI library's forward with the log-sum-exp and
   its backward) against the dense forward and backward of the same program (compiled with
   `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off), time and the NEFFs' HBM sizes, for a causal mask,
-  relative position bias + causal, ALiBi + sliding window, soft-capping, prefix-LM and a document mask.
+  relative position bias + causal, ALiBi + sliding window, soft-capping, prefix-LM and a document mask, and
+  score_mods reading tensors the score_mod captures (ALiBi's slopes as a tensor, a learned relative-bias table with
+  its gradient);
+* score_mods reading tensors in inference: the library's flash forward (the reads computed by the graph, read per
+  block) against the dense lowering of the same program, time and HBM.
 
 Nothing is asserted: it prints measurements.
 
@@ -40,6 +44,12 @@ class _Captured(Exception):
 
 def compiled_ns(fn, inputs) -> tuple:
     """(estimated ns, kernel count) of ``fn``'s forward graph as the neuron backend compiles it."""
+    neff = compiled_neff(fn, inputs)
+    return neff.estimated_ns, len(neff.kernels)
+
+
+def compiled_neff(fn, inputs):
+    """The NEFF of ``fn``'s forward graph as the neuron backend compiles it."""
     from torch._dynamo.backends.common import aot_autograd
 
     from neuronc.frontend.torch_import import decomposition_table
@@ -59,8 +69,7 @@ def compiled_ns(fn, inputs) -> tuple:
     except Exception as e:  # Dynamo wraps the capture's exception
         if "fw" not in graphs:
             raise e
-    neff = compile_fx(graphs["fw"], CompileOptions(opt_level=2)).neff
-    return neff.estimated_ns, len(neff.kernels)
+    return compile_fx(graphs["fw"], CompileOptions(opt_level=2)).neff
 
 
 def training_ns(fn, inputs) -> tuple:
@@ -187,6 +196,45 @@ def inference(args, qkv) -> None:
     print(f"  {'GQA, 2 key/value heads, no mask':<36} {gqa / 1e3:>10.1f} us  ({gqa_kernels} kernel(s))"
           f"  / no mask: {gqa / full:.3f}")
 
+    print(f"\nscore_mods reading tensors, causal, seq {seq}: flash (library forward, the tensors' reads computed by the "
+          f"graph) vs dense lowering")
+    print(f"  {'case':<36} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
+          f"{'HBM':>6}")
+    slopes, table = _captured_tensors(args.heads, seq, "cpu", qkv(seq)[0].dtype)
+    for name, score_mod in (("ALiBi, slopes a tensor", _alibi_slopes(slopes)),
+                            ("learned bias table", _bias_table(table, seq))):
+        flash = compiled_neff(_flex(_causal, seq, score_mod=score_mod), qkv(seq))
+        flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False
+        try:
+            dense = compiled_neff(_flex(_causal, seq, score_mod=score_mod), qkv(seq))
+        finally:
+            flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = True
+        print(f"  {name:<36} {flash.estimated_ns / 1e3:>10.1f} {dense.estimated_ns / 1e3:>10.1f} "
+              f"{flash.estimated_ns / dense.estimated_ns:>6.3f} {flash.hbm_size / 2**20:>10.1f} "
+              f"{dense.hbm_size / 2**20:>10.1f} {flash.hbm_size / dense.hbm_size:>6.3f}")
+
+
+def _captured_tensors(heads: int, seq: int, device: str, dtype) -> tuple:
+    """ALiBi's per-head slopes (2^(-8 (h + 1) / heads)) and a learned relative-bias table [heads, 2 seq - 1], in
+    the model's dtype."""
+    slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1) / heads).to(dtype).to(device)
+    table = (torch.randn(heads, 2 * seq - 1) * 0.5).to(dtype).to(device)
+    return slopes, table
+
+
+def _alibi_slopes(slopes):
+    def alibi_slopes(score, b, h, q, kv):
+        return score + slopes[h] * (kv - q)
+
+    return alibi_slopes
+
+
+def _bias_table(table, seq: int):
+    def bias_table(score, b, h, q, kv):
+        return score + table[h, q - kv + seq - 1]
+
+    return bias_table
+
 
 
 def training(args, qkv) -> None:
@@ -194,7 +242,7 @@ def training(args, qkv) -> None:
     print(f"\ntraining (forward + backward graphs), seq {seq}: flash kernels (library fwd + bwd) vs dense lowering")
     print(f"  {'case':<28} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
           f"{'HBM':>6}")
-    for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window):
+    for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window, qkv(seq)[0].dtype):
         if args.case not in name:
             continue
         flash, flash_hbm = training_ns(_flex(mask_mod, seq, score_mod=score_mod, device="neuron"), qkv(seq))
@@ -207,7 +255,7 @@ def training(args, qkv) -> None:
               f"{flash_hbm / 2**20:>10.1f} {dense_hbm / 2**20:>10.1f} {flash_hbm / dense_hbm:>6.3f}")
 
 
-def training_cases(seq: int, heads: int, window: int) -> list:
+def training_cases(seq: int, heads: int, window: int, dtype=torch.bfloat16) -> list:
     """(name, score_mod, mask_mod) of the training comparison."""
     def relative_bias(score, b, h, q, kv):
         return score + (q - kv) * 0.05
@@ -235,7 +283,12 @@ def training_cases(seq: int, heads: int, window: int) -> list:
     def document(b, h, q, kv):
         return documents[q] == documents[kv]
 
+    slopes, table = _captured_tensors(heads, seq, "neuron", dtype)
+    table.requires_grad_()  # learned: its gradient is part of the backward
+
     return [("causal", None, _causal), ("relative bias + causal", relative_bias, _causal),
+            ("ALiBi slopes tensor + causal", _alibi_slopes(slopes), _causal),
+            ("bias table (learned) + causal", _bias_table(table, seq), _causal),
             (f"ALiBi + window {window}", alibi, _window(window)), ("soft cap, no mask", soft_cap, every_key),
             ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document),
             ("clamp +-5 + causal", clamp, _causal)]

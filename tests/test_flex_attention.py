@@ -296,3 +296,37 @@ def test_alibi_slopes_train_with_their_gradient_in_the_flash_kernels(dtype):
     assert_trains_like_eager(run, qkv(dtype), alibi_slopes(reference_slopes), sliding_window, dtype)
     assert_ran_the_flash_kernels()
     torch.testing.assert_close(device_slopes.grad.cpu(), reference_slopes.grad.to(dtype), **TOLERANCES[dtype])
+
+
+WINDOWS = torch.tensor([32, 96])  # a sliding window per head
+
+
+def documents_and_windows_on(device):
+    """A mask_mod reading tensors and the head: each head's own window within each document."""
+    ids, windows = DOCUMENTS.to(device), WINDOWS.to(device)
+
+    def per_head_mask(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (q >= kv) & (q - kv < windows[h])
+
+    return per_head_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_per_head_run_time_mask_runs_in_the_flash_kernel(dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    mask_mod = documents_and_windows_on("cpu")
+    out = compiled_attention(None, mask_mod)(q, k, v)
+    kernels = [ops[0] for ops in last_kernels()]
+    assert "nki:flash_attention_forward" in kernels and "matmul" not in kernels
+    assert library_kernel().inputs[3].shape == (1, H, S, S)  # the mask, per head
+    torch.testing.assert_close(out, expected(q, k, v, None, mask_mod), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_per_head_run_time_mask_trains_in_the_flash_kernels(dtype):
+    torch._dynamo.reset()
+    mask = create_block_mask(documents_and_windows_on("neuron"), B, H, S, S, device="neuron")
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), backend="neuron")
+    assert_trains_like_eager(run, qkv(dtype), None, documents_and_windows_on("cpu"), dtype)
+    assert_ran_the_flash_kernels()

@@ -466,9 +466,10 @@ def _same_for_every_head(mask_gm) -> bool:
     return len(placeholders) >= 4 and not placeholders[0].users and not placeholders[1].users
 
 
-def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
+def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int, per_head: tuple | None = None):
     """FX nodes before ``node`` computing the [sq, sk] keep-mask of a mask_mod that reads tensors the graph takes
-    or computes (``buffers``): the mask_mod's ops over a column of query and a row of key indices."""
+    or computes (``buffers``): the mask_mod's ops over a column of query and a row of key indices. ``per_head``
+    (batch, heads): a mask_mod reading the batch or head index, its mask [batch or 1, heads or 1, sq, sk]."""
     import torch
     import torch.fx
     from torch._guards import detect_fake_mode
@@ -479,13 +480,19 @@ def _runtime_mask(gm, node, mask_gm, buffers: list, sq: int, sk: int):
     lifted = [b for b in buffers if isinstance(b, torch.fx.Node) and b.op != "get_attr"]
 
     def mask(*tensors):
-        values = iter(tensors)
-        args = [fx_splice.real_constant(getattr(gm, b.target)) if isinstance(b, torch.fx.Node) and b.op == "get_attr"
-                else next(values) if isinstance(b, torch.fx.Node) else b for b in buffers]
-        zero = torch.zeros((), dtype=torch.int64)
+        args = _captured(gm, buffers, tensors)
         q = torch.arange(sq, dtype=torch.int64).view(sq, 1)
         kv = torch.arange(sk, dtype=torch.int64).view(1, sk)
-        return (torch.broadcast_to(mask_gm(zero, zero, q, kv, *args), (sq, sk)).to(torch.bool),)
+        if per_head is None:
+            zero = torch.zeros((), dtype=torch.int64)
+            return (torch.broadcast_to(mask_gm(zero, zero, q, kv, *args), (sq, sk)).to(torch.bool),)
+        batch, heads = per_head
+        device = tensors[0].device if tensors else None  # a `neuron` tensor's ops take no CPU operand
+        b, h, q, kv = (torch.arange(n, device=device).view([n if i == axis else 1 for i in range(4)])
+                       for axis, n in enumerate((batch, heads, sq, sk)))
+        keep = mask_gm(b, h, q, kv, *args)
+        keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+        return (torch.broadcast_to(keep, (keep.shape[0], keep.shape[1], sq, sk)).to(torch.bool).contiguous(),)
 
     fakes = [n.meta["val"] for n in lifted]
     with detect_fake_mode(fakes):
@@ -650,10 +657,8 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
     mask_gm = getattr(gm, block_mask[-1].target)
     constants = [_constant_of(gm, b) for b in mask_buffers]
     plan = dict(causal=False, score_mod=steps, blocks=None, mask=None, terms=terms)
-    if any(c is None for c in constants):  # read at run time (a document mask's ids)
-        if not _same_for_every_head(mask_gm):
-            raise _NotFlash
-        plan.update(mask="runtime")
+    if any(c is None for c in constants):  # read at run time (a document mask's ids), per head if it reads h
+        plan.update(mask="runtime", per_head=not _same_for_every_head(mask_gm))
         return plan
     mask = static_mask(mask_gm, constants, batch, heads, seq, seq)
     if mask.all():
@@ -670,7 +675,7 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
 
 
 def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int,
-                           term_shapes: tuple = (), term_grads: tuple = ()):
+                           term_shapes: tuple = (), term_grads: tuple = (), mask_shape: tuple | None = None):
     import numpy as np
 
     from neuronc.frontend.tensors import dtype_of
@@ -680,7 +685,7 @@ def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, pla
     if plan["score_mod"] or plan["mask"] is not None:
         seq = shapes[0][1]
         options.update(score_mod=plan["score_mod"], blocks=plan["blocks"], heads=heads,
-                       mask=None if plan["mask"] is None else np.empty((seq, seq), dtype=bool))
+                       mask=None if plan["mask"] is None else np.empty(mask_shape or (seq, seq), dtype=bool))
     if term_shapes:
         options.update(terms=tuple(np.empty(shape, dtype=np.float32) for shape in term_shapes))
     if term_grads:
@@ -716,7 +721,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
             raise _NotFlash  # the log-sum-exp's own gradient
     plan = _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers)
     terms = plan["terms"]
-    if forward and 1 not in getters and not terms:
+    if forward and 1 not in getters and not terms and not plan.get("per_head"):
         raise _NotFlash  # inference: the compiler's flash kernel (cut_flex_attention)
     qv = q.meta["val"]
     shape, dtype = tuple(qv.shape), qv.dtype
@@ -729,9 +734,17 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     term_inputs = _term_nodes(gm, node, score_gm, terms, list(score_buffers), batch, heads, seq, seq) if terms \
         else []
     term_shapes = tuple(tuple(t.meta["val"].shape) for t in term_inputs)
+    mask = plan["mask"]
+    runtime_mask = isinstance(mask, str)
+    mask_inputs, mask_shape = [], None
+    if runtime_mask:  # computed by the graph from the tensors the mask_mod reads
+        mask_inputs = [_runtime_mask(gm, node, getattr(gm, block_mask[-1].target), list(mask_buffers), seq, seq,
+                                     (batch, heads) if plan["per_head"] else None)]
+        mask_shape = tuple(mask_inputs[0].meta["val"].shape)
+        mask = None
     if forward:
         traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads,
-                                        term_shapes)
+                                        term_shapes, mask_shape=mask_shape)
         lse = ((batch, heads, seq), traced.outputs[1].dtype)
         outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
@@ -739,7 +752,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         term_grads = _terms_reading(score_gm, terms, list(wanted))
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
                                         [dtype] * 5 + [torch.float32], float(scale), plan, heads, term_shapes,
-                                        term_grads)
+                                        term_grads, mask_shape)
         kv_shape = (batch, kv_heads, seq, d)
         outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2 + \
             [(tuple(o.shape), o.dtype) for o in traced.outputs[3:]]
@@ -747,12 +760,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         if wanted:
             _apply_term_gradients(gm, node, score_gm, terms, list(score_buffers), wanted, term_grads, term_shapes,
                                   [o.shape for o in traced.outputs[3:]], shape)
-    mask = plan["mask"]
-    runtime_mask = isinstance(mask, str)
-    if runtime_mask:  # computed by the graph from the tensors the mask_mod reads
-        inputs.append(_runtime_mask(gm, node, getattr(gm, block_mask[-1].target), list(mask_buffers), seq, seq))
-        mask = None
-    inputs.extend(term_inputs)
+    inputs.extend(mask_inputs + term_inputs)
     n_terms = len(term_inputs)
     digest = hashlib.sha256(_fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced).encode())
     if mask is not None:  # a constant input: its values are not in the instructions

@@ -15,7 +15,8 @@ the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its fu
 
 FlexAttention (both kernels): ``score_mod`` (the steps of a score_mod, see score_steps.py) is applied to each block
 of scaled logits in fp32, and the backward multiplies dS by its derivative; ``mask`` is a [seq, seq] keep-mask in
-HBM (the same for every head), read block by block for the blocks ``blocks`` marks partly kept; ``blocks`` (a
+HBM (the same for every head; or [batch or 1, heads or 1, seq, seq], a run-time mask reading the head or batch
+index), read block by block for the blocks ``blocks`` marks partly kept; ``blocks`` (a
 [tiles][tiles] table of HIDDEN / PARTLY / KEPT per 128 x 128 block) skips the hidden ones entirely (no matmul, no
 DMA) and reads no mask for the kept ones. A row whose every key is masked gives 0 and a log-sum-exp of -inf, as
 flex_attention does.
@@ -115,6 +116,8 @@ def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivativ
             term_grads = ()
         grad = 0.0 if grad is None else grad
     if mask is not None:
+        if len(mask.shape) == 4:  # per batch or head: [batch or 1, heads or 1, seq, seq]
+            mask = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0]
         keep = nl.ndarray((P, keys), dtype=mask.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=keep, src=mask[rows, k0:k0 + keys])
         z = nl.where(keep, z, MASKED, dtype=nl.float32)
