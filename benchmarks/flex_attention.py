@@ -11,7 +11,8 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
   same program without a mask: the windowed time should grow with the sequence (queries), not with its square;
 * document mask (per-token document ids the graph takes) and GQA (2 key/value heads), for information: the flash
   kernel against the same program without a mask / with every head's K and V, and the document mask against the
-  dense lowering of the same mask (written to read the head index, which keeps it out of the flash kernel);
+  dense lowering of the same mask (written to read the head index, compiled with
+  `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off, which keeps it out of the flash kernels);
 * training (forward and backward graphs): the flash kernels (the NKI library's forward with the log-sum-exp and
   its backward) against the dense forward and backward of the same program (compiled with
   `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off), time and the NEFFs' HBM sizes, for a causal mask,
@@ -24,6 +25,7 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
 Nothing is asserted: it prints measurements.
 
     python -m benchmarks.flex_attention [--heads 8] [--dim 64] [--dtype bf16] [--quick] [--training-only]
+                                        [--reads-only] [--case NAME]
 """
 from __future__ import annotations
 
@@ -110,8 +112,8 @@ def _flex(mask_mod, seq: int, gqa: bool = False, score_mod=None, device: str = "
 
 
 def _documents(seq: int, per_head: bool = False):
-    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index, which keeps
-    it out of the flash kernel (the dense lowering: the peer)."""
+    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index (with the
+    library kernels off, the dense lowering: the peer)."""
     ids = torch.arange(seq) * 4 // seq
 
     def document(b, h, q, kv):
@@ -149,6 +151,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="seq 512 for causal, 512..1024 for the window")
     parser.add_argument("--training-only", action="store_true", help="only the training comparison")
     parser.add_argument("--case", default="", help="only the training cases whose name contains this")
+    parser.add_argument("--reads-only", action="store_true",
+                        help="only the score_mods reading captured tensors (inference, then training)")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
@@ -156,8 +160,14 @@ def main() -> None:
         return tuple(torch.randn(1, args.heads, seq, args.dim, dtype=dtype) for _ in range(3))
 
     print(f"trn2, -O2, batch 1, {args.heads} heads, head dim {args.dim}, {args.dtype}; estimated device time")
+    if args.reads_only:
+        reads(args, qkv)
+        args.case = args.case or "tensor"
+        training(args, qkv)
+        return
     if not args.training_only:
         inference(args, qkv)
+        reads(args, qkv)
     training(args, qkv)
 
 
@@ -185,7 +195,11 @@ def inference(args, qkv) -> None:
     print(f"\nat seq {seq}")
     full, full_kernels = compiled_ns(_flex(None, seq), qkv(seq))
     documents, doc_kernels = compiled_ns(_flex(_documents(seq), seq), qkv(seq))
-    dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False  # else a mask reading the head runs the library's kernel
+    try:
+        dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    finally:
+        flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = True
     q, k, v = qkv(seq)
     gqa, gqa_kernels = compiled_ns(_flex(None, seq, gqa=True), (q, k[:, :2], v[:, :2]))
     print(f"  {'flex_attention, no mask':<36} {full / 1e3:>10.1f} us  ({full_kernels} kernel(s))")
@@ -196,6 +210,11 @@ def inference(args, qkv) -> None:
     print(f"  {'GQA, 2 key/value heads, no mask':<36} {gqa / 1e3:>10.1f} us  ({gqa_kernels} kernel(s))"
           f"  / no mask: {gqa / full:.3f}")
 
+
+
+def reads(args, qkv) -> None:
+    """Score_mods reading captured tensors in inference: the flash path against the dense lowering."""
+    seq = 512 if args.quick else 2048
     print(f"\nscore_mods reading tensors, causal, seq {seq}: flash (library forward, the tensors' reads computed by the "
           f"graph) vs dense lowering")
     print(f"  {'case':<36} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
@@ -288,7 +307,7 @@ def training_cases(seq: int, heads: int, window: int, dtype=torch.bfloat16) -> l
 
     return [("causal", None, _causal), ("relative bias + causal", relative_bias, _causal),
             ("ALiBi slopes tensor + causal", _alibi_slopes(slopes), _causal),
-            ("bias table (learned) + causal", _bias_table(table, seq), _causal),
+            ("bias table tensor (learned) + causal", _bias_table(table, seq), _causal),
             (f"ALiBi + window {window}", alibi, _window(window)), ("soft cap, no mask", soft_cap, every_key),
             ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document),
             ("clamp +-5 + causal", clamp, _causal)]

@@ -625,7 +625,9 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
 # (a document mask's ids) is computed by the graph and read for every block. flex_attention's log-sum-exp is in
 # base 2 (its kernels work in ln 2 space); the library's is natural: converted on the way out and back.
 
-LIBRARY_KERNELS_FOR_TRAINING = True  # False: training keeps the dense lowering (benchmarks/flex_attention.py's peer)
+# False: training, and inference with a tensor-reading score_mod or a per-head run-time mask, keep the dense lowering
+# (benchmarks/flex_attention.py's peer)
+LIBRARY_KERNELS_FOR_TRAINING = True
 
 
 def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_buffers) -> dict:
