@@ -183,8 +183,9 @@ def _flat(value) -> tuple:
 # is computed by the graph as one [sq, sk] bool tensor the kernel reads block by block: every block is visited, as
 # which ones it hides is known only at run time.
 # GQA (fewer key/value heads, each shared by a group of query heads) reads each group's K and V in place.
-# Anything else (a score_mod reading tensors the graph computes, a run-time mask differing by batch or head) keeps
-# the dense lowering above.
+# A score_mod reading tensors the graph takes or computes, or a run-time mask differing by batch or head, is the NKI
+# library's flash forward's (below: the compiler's kernel reads no such operand); anything else keeps the dense
+# lowering above.
 
 # score_mod ATen ops -> step names (elementwise, in fp32 like the dense implementation)
 _STEP_OPS = {
@@ -617,13 +618,17 @@ def _flex_node(values: list, spec: dict, out: tuple, loc) -> list:
 # In training the forward's log-sum-exp is read by the backward. Where the NKI library's flash-attention kernels
 # compute the same thing (neuronc/nki/library/flash_attention.py: q, k, v of one shape [batch, heads, seq, d] (k and
 # v may have fewer heads: GQA), seq a multiple of 128, d <= 128, fp32 or bf16; a score_mod whose steps they can
-# differentiate (score_steps.py), reading no tensor the graph computes; any mask the same for every batch and head),
-# the forward and the backward flex_attention are each cut out as that kernel: the backward recomputes P block by
+# differentiate (score_steps.py); a static mask the same for every batch and head, or any run-time mask), the
+# forward and the backward flex_attention are each cut out as that kernel: the backward recomputes P block by
 # block from the log-sum-exp instead of the dense backward's S x S scores in HBM. No score_mod with no mask or the
 # causal one is the kernels' built-in path; otherwise a static mask is a constant [seq, seq] keep-mask and a table
 # of its 128 x 128 blocks (hidden ones skipped, fully kept ones read no mask), a mask reading tensors the graph takes
-# (a document mask's ids) is computed by the graph and read for every block. flex_attention's log-sum-exp is in
-# base 2 (its kernels work in ln 2 space); the library's is natural: converted on the way out and back.
+# (a document mask's ids) is computed by the graph ([seq, seq], or per head [.., heads, seq, seq] when it reads the
+# head) and read for every block. A score_mod's reads of tensors the graph takes (RunTimeTerms: `slopes[h]`,
+# `table[h, q - kv + c]`) are computed by the graph and read by the kernels as ("term", i) operands; the backward
+# kernel writes dY * dy/dterm for the terms of tensors whose gradient is read, and the graph applies each term's
+# vjp (a table's scatter-add, in fp32) to make it. flex_attention's log-sum-exp is in base 2 (its kernels work in
+# ln 2 space); the library's is natural: converted on the way out and back.
 
 # False: training, and inference with a tensor-reading score_mod or a per-head run-time mask, keep the dense lowering
 # (benchmarks/flex_attention.py's peer)
