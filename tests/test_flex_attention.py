@@ -274,14 +274,14 @@ def test_a_score_mod_reading_tensors_runs_in_the_flash_kernel(reads, dtype):
     torch.testing.assert_close(out, expected(q, k, v, score_mod, sliding_window), **TOLERANCES[dtype])
 
 
-def test_per_head_slopes_are_read_as_a_column_and_a_table_as_a_grid():
+def test_per_head_slopes_are_read_as_a_column_and_a_relative_bias_table_as_itself():
     torch._dynamo.reset()
     slopes, table = slopes_and_table(torch.float32)
     compiled_attention(alibi_slopes(slopes), causal)(*qkv(torch.float32))
     assert library_kernel().inputs[-1].shape == (1, H, S, 1)  # slopes[h]: one value per head (and query row)
     torch._dynamo.reset()
     compiled_attention(learned_bias(table), causal)(*qkv(torch.float32))
-    assert library_kernel().inputs[-1].shape == (1, H, S, S)  # table[h, q - kv + S - 1]: per (query, key)
+    assert library_kernel().inputs[-1].shape == (H, 2 * S - 1)  # table[h, q - kv + S - 1]: no [H, S, S] grid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

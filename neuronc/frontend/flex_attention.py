@@ -357,11 +357,49 @@ def run_time_terms(score_gm, run_time: list) -> RunTimeTerms:
     return RunTimeTerms(nodes, frozenset(computed))
 
 
+def diagonals(score_gm, terms: RunTimeTerms, heads: int, seq: int) -> tuple:
+    """Per term, c when it is a relative-position table's read ``table[h, q - kv + c]`` (the kernels read the table
+    itself, block by block: no [heads, seq, seq] grid), else None."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    found = []
+    for n in terms.nodes:
+        c = None
+        table = n.args[0] if n.op == "call_function" and _aten_name(n.target) == "index" else None
+        value = getattr(getattr(table, "meta", {}).get("val"), "shape", ())
+        if table in placeholders[5:] and len(value) == 2 and value[0] >= heads and len(n.args[1]) == 2 and \
+                n.args[1][0] is placeholders[2]:
+            position = n.args[1][1]
+            ancestors, stack = set(), [position]
+            while stack:
+                m = stack.pop()
+                if m not in ancestors:
+                    ancestors.add(m)
+                    stack.extend(m.all_input_nodes)
+            if not ancestors & (set(placeholders[:3]) | set(placeholders[5:])):
+                with unset_fake_temporarily():
+                    q, kv = torch.arange(seq).view(seq, 1), torch.arange(seq).view(1, seq)
+                    env = {placeholders[3]: q, placeholders[4]: kv}
+                    for m in score_gm.graph.nodes:
+                        if m in ancestors and m.op == "call_function":
+                            env[m] = m.target(*torch.fx.node.map_arg(m.args, env.__getitem__),
+                                              **torch.fx.node.map_arg(m.kwargs, env.__getitem__))
+                    at = torch.broadcast_to(env[position], (seq, seq))
+                    first = int(at[0, 0])
+                    if torch.equal(at, first + q - kv) and int(at.min()) >= 0 and int(at.max()) < value[1]:
+                        c = first
+        found.append(c)
+    return tuple(found)
+
+
 def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int,
-                device=None) -> list:
+                device=None, diagonal: tuple = ()) -> list:
     """The terms' values (torch ops on ``buffers``, the score_mod's captured tensors), each fp32 [batch or 1,
-    heads or 1, sq, sk] or, for a term that does not vary with the key, [.., sq, 1]: what the kernels read. The
-    indices are made on ``device``, the run-time tensors' (a `neuron` tensor's ops take no CPU operand)."""
+    heads or 1, sq, sk] or, for a term that does not vary with the key, [.., sq, 1]: what the kernels read; where
+    ``diagonal`` (see diagonals) has a number, the table itself in fp32. The indices are made on ``device``, the
+    run-time tensors' (a `neuron` tensor's ops take no CPU operand)."""
     import torch
     import torch.fx
 
@@ -371,7 +409,7 @@ def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads:
     q = torch.arange(sq, device=device).view(1, 1, sq, 1)
     kv = torch.arange(sk, device=device).view(1, 1, 1, sk)
     env = dict(zip(placeholders, [None, b, h, q, kv] + list(buffers)))
-    wanted, stack = set(), list(terms.nodes)
+    wanted, stack = set(), [n for i, n in enumerate(terms.nodes) if i >= len(diagonal) or diagonal[i] is None]
     while stack:
         n = stack.pop()
         if n not in wanted:
@@ -387,7 +425,10 @@ def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads:
         kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
         env[n] = n.target(*args, **kwargs)
     values = []
-    for n in terms.nodes:
+    for i, n in enumerate(terms.nodes):
+        if i < len(diagonal) and diagonal[i] is not None:
+            values.append(env[n.args[0]].to(torch.float32).contiguous())
+            continue
         t = env[n]
         t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
         keys = sk if t.shape[3] != 1 else 1
@@ -395,7 +436,8 @@ def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads:
     return values
 
 
-def _term_nodes(gm, node, score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int):
+def _term_nodes(gm, node, score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads: int, sq: int, sk: int,
+                diagonal: tuple = ()):
     """FX nodes before ``node`` computing the terms' values (term_values) from the graph's tensors ``buffers``."""
     import torch
     import torch.fx
@@ -408,7 +450,7 @@ def _term_nodes(gm, node, score_gm, terms: RunTimeTerms, buffers: list, batch: i
 
     def values(*tensors):
         return tuple(term_values(score_gm, terms, _captured(gm, buffers, tensors), batch, heads, sq, sk,
-                                 tensors[0].device))
+                                 tensors[0].device, diagonal))
 
     fakes = [n.meta["val"] for n in lifted]
     with detect_fake_mode(fakes):
@@ -682,7 +724,8 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
 
 
 def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int,
-                           term_shapes: tuple = (), term_grads: tuple = (), mask_shape: tuple | None = None):
+                           term_shapes: tuple = (), term_grads: tuple = (), mask_shape: tuple | None = None,
+                           diagonal: tuple = ()):
     import numpy as np
 
     from neuronc.frontend.tensors import dtype_of
@@ -695,6 +738,8 @@ def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, pla
                        mask=None if plan["mask"] is None else np.empty(mask_shape or (seq, seq), dtype=bool))
     if term_shapes:
         options.update(terms=tuple(np.empty(shape, dtype=np.float32) for shape in term_shapes))
+    if any(c is not None for c in diagonal):
+        options.update(diagonals=tuple(diagonal))
     if term_grads:
         options.update(term_grads=tuple(term_grads))
     return kernel.trace(*arrays, **options)
@@ -738,8 +783,11 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     loc = locations.get(node.name, DebugLoc())
     score_gm = getattr(gm, score_mod.target)
     wanted = {} if forward else _wanted_buffer_gradients(node)
-    term_inputs = _term_nodes(gm, node, score_gm, terms, list(score_buffers), batch, heads, seq, seq) if terms \
-        else []
+    if any(_constant_of(gm, score_buffers[i]) is not None for i in wanted):
+        raise _NotFlash  # a constant's gradient (before any node is added to the graph)
+    diagonal = diagonals(score_gm, terms, heads, seq) if terms else ()
+    term_inputs = _term_nodes(gm, node, score_gm, terms, list(score_buffers), batch, heads, seq, seq, diagonal) \
+        if terms else []
     term_shapes = tuple(tuple(t.meta["val"].shape) for t in term_inputs)
     mask = plan["mask"]
     runtime_mask = isinstance(mask, str)
@@ -751,7 +799,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         mask = None
     if forward:
         traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads,
-                                        term_shapes, mask_shape=mask_shape)
+                                        term_shapes, mask_shape=mask_shape, diagonal=diagonal)
         lse = ((batch, heads, seq), traced.outputs[1].dtype)
         outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
@@ -759,7 +807,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         term_grads = _terms_reading(score_gm, terms, list(wanted))
         traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
                                         [dtype] * 5 + [torch.float32], float(scale), plan, heads, term_shapes,
-                                        term_grads, mask_shape)
+                                        term_grads, mask_shape, diagonal)
         kv_shape = (batch, kv_heads, seq, d)
         outputs = [(shape, traced.outputs[0].dtype)] + [(kv_shape, traced.outputs[0].dtype)] * 2 + \
             [(tuple(o.shape), o.dtype) for o in traced.outputs[3:]]

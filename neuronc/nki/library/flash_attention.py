@@ -23,7 +23,8 @@ flex_attention does.
 
 Run-time terms (``terms``: fp32 HBM tensors the graph computed from tensors a score_mod reads, such as a learned
 bias table's entries or per-head slopes) are the score_mod's ("term", i) operands: each [batch or 1, heads or 1, seq,
-seq] (read block by block, as the mask) or [.., seq, 1] (a value per query row, read as a column). The backward
+seq] (read block by block, as the mask) or [.., seq, 1] (a value per query row, read as a column), or, where
+``diagonals`` gives it a number c, a table [heads, length] read at [h, q - kv + c] (no grid in HBM). The backward
 writes, for each term in ``term_grads``, dY * dy/dterm (dY the gradient of the score_mod's result): [groups, seq,
 seq] for a [.., seq, seq] term, its row sums [groups, seq] for a column; the graph applies the rest of the chain rule
 (a learned table's scatter-add).
@@ -86,13 +87,22 @@ def _key_chunks(row: tuple) -> list:
 
 def is_column_term(term) -> bool:
     """A term with one value per query row ([.., seq, 1]), not one per (query, key)."""
-    return term.shape[3] == 1
+    return len(term.shape) == 4 and term.shape[3] == 1
 
 
-def _term_blocks(terms, rows, k0, keys, b, h) -> tuple:
-    """Each run-time term's values for one block: an fp32 [P, keys] tile, or a [P, 1] column."""
+def _term_blocks(terms, rows, k0, keys, b, h, diagonals=()) -> tuple:
+    """Each run-time term's values for one block: an fp32 [P, keys] tile, or a [P, 1] column. A term whose
+    ``diagonals`` entry is a number c is a table [heads, length] read at [h, q - kv + c] (a relative-position bias):
+    one DMA per block, each query row a run of the table read backwards."""
     blocks = []
-    for term in terms:
+    for n, term in enumerate(terms):
+        c = diagonals[n] if n < len(diagonals) else None
+        if c is not None:
+            t = nl.ndarray((P, keys), dtype=nl.float32, buffer=nl.sbuf)
+            start = h * term.shape[1] + rows.start - k0 + c
+            nisa.dma_copy(dst=t, src=term.ap([[1, P], [-1, keys]], offset=start))
+            blocks.append(t)
+            continue
         bi, hi = (b if term.shape[0] > 1 else 0), (h if term.shape[1] > 1 else 0)
         columns = slice(0, 1) if is_column_term(term) else slice(k0, k0 + keys)
         t = nl.ndarray((P, columns.stop - columns.start), dtype=nl.float32, buffer=nl.sbuf)
@@ -101,14 +111,15 @@ def _term_blocks(terms, rows, k0, keys, b, h) -> tuple:
     return tuple(blocks)
 
 
-def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivative=False, terms=(), terms_wrt=()):
+def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivative=False, terms=(), terms_wrt=(),
+                 diagonals=()):
     """(score_mod(scale * scores) with masked keys at MASKED, fp32 [P, keys] in SBUF; its derivative or None; its
     derivatives with respect to the terms ``terms_wrt``; the Block that made them, None without a score_mod)."""
     z = nl.ndarray((P, keys), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=z, data=scores, op0=nl.multiply, operand0=scale)
     grad, term_grads, block = 1.0, (), None
     if score_mod:
-        block = Block(P, keys, rows.start, k0, b, h, _term_blocks(terms, rows, k0, keys, b, h))
+        block = Block(P, keys, rows.start, k0, b, h, _term_blocks(terms, rows, k0, keys, b, h, diagonals))
         if terms_wrt:
             z, grad, term_grads = block.apply(score_mod, z, derivative=derivative, terms_wrt=terms_wrt)
         else:
@@ -139,7 +150,7 @@ def _by_tiles(rows, tiles: int, d: int):
 
 @nki.jit
 def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None,
-                            terms=()):
+                            terms=(), diagonals=()):
     groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
@@ -180,7 +191,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                 logits, logit_scale = scores, scale
                 if flex:
                     logits, *_ = _flex_logits(scores, scale, score_mod, mask if partly else None, rows, k0, kb,
-                                             g // heads, g % heads, terms=terms)
+                                             g // heads, g % heads, terms=terms, diagonals=diagonals)
                     logit_scale = 1.0
                 elif causal and partly:  # the diagonal: keys after each query masked
                     c = i * P - k0
@@ -247,7 +258,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
 
 @nki.jit
 def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=True, score_mod=(), mask=None,
-                             blocks=None, heads=None, terms=(), term_grads=()):
+                             blocks=None, heads=None, terms=(), term_grads=(), diagonals=()):
     groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
@@ -325,7 +336,8 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 if flex:
                     logits, grad_mod, d_terms, block = _flex_logits(
                         scores, scale, score_mod, mask if plan[i][j] == PARTLY else None, queries, j * P, P,
-                        g // heads, g % heads, derivative=True, terms=terms, terms_wrt=term_grads)
+                        g // heads, g % heads, derivative=True, terms=terms, terms_wrt=term_grads,
+                        diagonals=diagonals)
                     nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_lse[:, i:i + 1])
                 else:
                     if causal and i == j:
