@@ -814,7 +814,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         inputs = [q, k, v, out, grad_out, lse]
         if wanted:
             _apply_term_gradients(gm, node, score_gm, terms, list(score_buffers), wanted, term_grads, term_shapes,
-                                  [o.shape for o in traced.outputs[3:]], shape)
+                                  [o.shape for o in traced.outputs[3:]], shape, diagonal)
     inputs.extend(mask_inputs + term_inputs)
     n_terms = len(term_inputs)
     digest = hashlib.sha256(_fingerprint(f"flex_attention_{'forward' if forward else 'backward'}", traced).encode())
@@ -862,11 +862,26 @@ def _terms_reading(score_gm, terms: RunTimeTerms, captured: list) -> tuple:
     return tuple(found)
 
 
+def _diagonal_sums(g, c: int, table: tuple):
+    """The gradient of table[h, q - kv + c] ([rows, length]) from g [heads, seq, seq], fp32: each entry the sum of
+    g along its diagonal, by moves and one sum (no scatter): with g's keys reversed, the diagonal q - kv is the
+    anti-diagonal q + j, which a row-wise shift (pad each row, read the rows one element shorter) lines up in a
+    column."""
+    import torch.nn.functional as F
+
+    heads, seq, _ = g.shape
+    shifted = F.pad(g.flip(-1), (0, seq + 1)).reshape(heads, -1)[:, :seq * 2 * seq].reshape(heads, seq, 2 * seq)
+    sums = shifted.sum(1)[:, :2 * seq - 1]  # [h, m]: the sum over q - kv = m - (seq - 1)
+    low = c - (seq - 1)
+    return F.pad(sums, (low, table[1] - low - (2 * seq - 1), 0, table[0] - heads))
+
+
 def _apply_term_gradients(gm, node, score_gm, terms, buffers: list, wanted: dict, term_grads: tuple,
-                          term_shapes: tuple, grad_shapes: list, shape: tuple) -> None:
+                          term_shapes: tuple, grad_shapes: list, shape: tuple, diagonal: tuple = ()) -> None:
     """The gradients of the captured tensors ``wanted`` reads, from the backward kernel's dY * dy/dterm outputs
-    (getitem(node, 3 + n), n-th of ``term_grads``): the terms' vjp (a learned table's scatter-add), summed in fp32
-    and rounded once to the tensor's dtype, replacing getitem(getitem(node, 3), i)."""
+    (getitem(node, 3 + n), n-th of ``term_grads``): the terms' vjp (a learned table's scatter-add; a relative-position
+    table's diagonal sums, see _diagonal_sums), summed in fp32 and rounded once to the tensor's dtype, replacing
+    getitem(getitem(node, 3), i)."""
     import torch
     import torch.fx
     from torch._guards import detect_fake_mode
@@ -881,26 +896,39 @@ def _apply_term_gradients(gm, node, score_gm, terms, buffers: list, wanted: dict
     if any(i not in positions for i in order):
         raise _NotFlash  # a constant's gradient
 
+    placeholders = [n for n in score_gm.graph.nodes if n.op == "placeholder"]
+    tables = {t: placeholders.index(terms.nodes[t].args[0]) - 5 for t, c in enumerate(diagonal) if c is not None}
+    plain = [t for t in range(len(terms.nodes)) if t not in tables]
+
     def gradients(*tensors):
         late, grads = tensors[:len(lifted)], tensors[len(lifted):]
         base = _captured(gm, buffers, late)
+        total = {}
+        if any(t in term_grads for t in plain):
+            def values(*chosen):
+                captured = list(base)
+                for i, x in zip(order, chosen):
+                    captured[i] = x
+                return tuple(term_values(score_gm, RunTimeTerms([terms.nodes[t] for t in plain], terms.computed),
+                                         captured, batch, heads, seq, seq, late[0].device))
 
-        def values(*chosen):
-            captured = list(base)
-            for i, x in zip(order, chosen):
-                captured[i] = x
-            return tuple(term_values(score_gm, terms, captured, batch, heads, seq, seq, late[0].device))
-
-        outs, vjp = torch.func.vjp(values, *(base[i].float() for i in order))
-        cotangents = []
-        for t, out in enumerate(outs):
-            if t not in term_grads:
-                cotangents.append(torch.zeros_like(out))
-                continue
-            g = grads[term_grads.index(t)].reshape(batch, heads, seq, out.shape[3])
-            dims = [dim for dim in (0, 1) if out.shape[dim] == 1]
-            cotangents.append(g.sum(dims, keepdim=True) if dims else g)
-        return tuple(g.to(base[i].dtype) for g, i in zip(vjp(tuple(cotangents)), order))
+            outs, vjp = torch.func.vjp(values, *(base[i].float() for i in order))
+            cotangents = []
+            for t, out in zip(plain, outs):
+                if t not in term_grads:
+                    cotangents.append(torch.zeros_like(out))
+                    continue
+                g = grads[term_grads.index(t)].reshape(batch, heads, seq, out.shape[3])
+                dims = [dim for dim in (0, 1) if out.shape[dim] == 1]
+                cotangents.append(g.sum(dims, keepdim=True) if dims else g)
+            total = dict(zip(order, vjp(tuple(cotangents))))
+        for t, i in tables.items():  # table[h, q - kv + c]: its gradient sums dY * dy/dterm along diagonals
+            if t in term_grads and i in wanted:
+                g = grads[term_grads.index(t)].reshape(batch, heads, seq, seq).sum(0)
+                sums = _diagonal_sums(g, diagonal[t], base[i].shape)
+                total[i] = sums if total.get(i) is None else total[i] + sums
+        return tuple((total[i] if total.get(i) is not None else torch.zeros_like(base[i], dtype=torch.float32))
+                     .to(base[i].dtype) for i in order)
 
     fakes = [n.meta["val"] for n in lifted]
     fake_mode = detect_fake_mode(fakes)
