@@ -11,15 +11,21 @@ and compiled by neuronc at -O2 for trn2; the figure is the NEFF's estimated devi
   same program without a mask: the windowed time should grow with the sequence (queries), not with its square;
 * document mask (per-token document ids the graph takes) and GQA (2 key/value heads), for information: the flash
   kernel against the same program without a mask / with every head's K and V, and the document mask against the
-  dense lowering of the same mask (written to read the head index, which keeps it out of the flash kernel);
+  dense lowering of the same mask (written to read the head index, compiled with
+  `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off, which keeps it out of the flash kernels);
 * training (forward and backward graphs): the flash kernels (the NKI library's forward with the log-sum-exp and
   its backward) against the dense forward and backward of the same program (compiled with
   `frontend.flex_attention.LIBRARY_KERNELS_FOR_TRAINING` off), time and the NEFFs' HBM sizes, for a causal mask,
-  relative position bias + causal, ALiBi + sliding window, soft-capping, prefix-LM and a document mask.
+  relative position bias + causal, ALiBi + sliding window, soft-capping, prefix-LM and a document mask, and
+  score_mods reading tensors the score_mod captures (ALiBi's slopes as a tensor, a learned relative-bias table with
+  its gradient);
+* score_mods reading tensors in inference: the library's flash forward (the reads computed by the graph, read per
+  block) against the dense lowering of the same program, time and HBM.
 
 Nothing is asserted: it prints measurements.
 
     python -m benchmarks.flex_attention [--heads 8] [--dim 64] [--dtype bf16] [--quick] [--training-only]
+                                        [--reads-only] [--case NAME]
 """
 from __future__ import annotations
 
@@ -40,6 +46,12 @@ class _Captured(Exception):
 
 def compiled_ns(fn, inputs) -> tuple:
     """(estimated ns, kernel count) of ``fn``'s forward graph as the neuron backend compiles it."""
+    neff = compiled_neff(fn, inputs)
+    return neff.estimated_ns, len(neff.kernels)
+
+
+def compiled_neff(fn, inputs):
+    """The NEFF of ``fn``'s forward graph as the neuron backend compiles it."""
     from torch._dynamo.backends.common import aot_autograd
 
     from neuronc.frontend.torch_import import decomposition_table
@@ -59,8 +71,7 @@ def compiled_ns(fn, inputs) -> tuple:
     except Exception as e:  # Dynamo wraps the capture's exception
         if "fw" not in graphs:
             raise e
-    neff = compile_fx(graphs["fw"], CompileOptions(opt_level=2)).neff
-    return neff.estimated_ns, len(neff.kernels)
+    return compile_fx(graphs["fw"], CompileOptions(opt_level=2)).neff
 
 
 def training_ns(fn, inputs) -> tuple:
@@ -101,8 +112,8 @@ def _flex(mask_mod, seq: int, gqa: bool = False, score_mod=None, device: str = "
 
 
 def _documents(seq: int, per_head: bool = False):
-    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index, which keeps
-    it out of the flash kernel (the dense lowering: the peer)."""
+    """Four documents of seq / 4 tokens; ``per_head``: the same mask written to read the head index (with the
+    library kernels off, the dense lowering: the peer)."""
     ids = torch.arange(seq) * 4 // seq
 
     def document(b, h, q, kv):
@@ -140,6 +151,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="seq 512 for causal, 512..1024 for the window")
     parser.add_argument("--training-only", action="store_true", help="only the training comparison")
     parser.add_argument("--case", default="", help="only the training cases whose name contains this")
+    parser.add_argument("--reads-only", action="store_true",
+                        help="only the score_mods reading captured tensors (inference, then training)")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
@@ -147,8 +160,14 @@ def main() -> None:
         return tuple(torch.randn(1, args.heads, seq, args.dim, dtype=dtype) for _ in range(3))
 
     print(f"trn2, -O2, batch 1, {args.heads} heads, head dim {args.dim}, {args.dtype}; estimated device time")
+    if args.reads_only:
+        reads(args, qkv)
+        args.case = args.case or "tensor"
+        training(args, qkv)
+        return
     if not args.training_only:
         inference(args, qkv)
+        reads(args, qkv)
     training(args, qkv)
 
 
@@ -176,7 +195,11 @@ def inference(args, qkv) -> None:
     print(f"\nat seq {seq}")
     full, full_kernels = compiled_ns(_flex(None, seq), qkv(seq))
     documents, doc_kernels = compiled_ns(_flex(_documents(seq), seq), qkv(seq))
-    dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False  # else a mask reading the head runs the library's kernel
+    try:
+        dense, dense_kernels = compiled_ns(_flex(_documents(seq, per_head=True), seq), qkv(seq))
+    finally:
+        flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = True
     q, k, v = qkv(seq)
     gqa, gqa_kernels = compiled_ns(_flex(None, seq, gqa=True), (q, k[:, :2], v[:, :2]))
     print(f"  {'flex_attention, no mask':<36} {full / 1e3:>10.1f} us  ({full_kernels} kernel(s))")
@@ -189,12 +212,56 @@ def inference(args, qkv) -> None:
 
 
 
+def reads(args, qkv) -> None:
+    """Score_mods reading captured tensors in inference: the flash path against the dense lowering."""
+    seq = 512 if args.quick else 2048
+    print(f"\nscore_mods reading tensors, causal, seq {seq}: flash (library forward, the tensors' reads computed by the "
+          f"graph) vs dense lowering")
+    print(f"  {'case':<36} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
+          f"{'HBM':>6}")
+    slopes, table = _captured_tensors(args.heads, seq, "cpu", qkv(seq)[0].dtype)
+    for name, score_mod in (("ALiBi, slopes a tensor", _alibi_slopes(slopes)),
+                            ("learned bias table", _bias_table(table, seq))):
+        flash = compiled_neff(_flex(_causal, seq, score_mod=score_mod), qkv(seq))
+        flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = False
+        try:
+            dense = compiled_neff(_flex(_causal, seq, score_mod=score_mod), qkv(seq))
+        finally:
+            flex_frontend.LIBRARY_KERNELS_FOR_TRAINING = True
+        print(f"  {name:<36} {flash.estimated_ns / 1e3:>10.1f} {dense.estimated_ns / 1e3:>10.1f} "
+              f"{flash.estimated_ns / dense.estimated_ns:>6.3f} {flash.hbm_size / 2**20:>10.1f} "
+              f"{dense.hbm_size / 2**20:>10.1f} {flash.hbm_size / dense.hbm_size:>6.3f}")
+
+
+def _captured_tensors(heads: int, seq: int, device: str, dtype) -> tuple:
+    """ALiBi's per-head slopes (2^(-8 (h + 1) / heads)) and a learned relative-bias table [heads, 2 seq - 1], in
+    the model's dtype."""
+    slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1) / heads).to(dtype).to(device)
+    table = (torch.randn(heads, 2 * seq - 1) * 0.5).to(dtype).to(device)
+    return slopes, table
+
+
+def _alibi_slopes(slopes):
+    def alibi_slopes(score, b, h, q, kv):
+        return score + slopes[h] * (kv - q)
+
+    return alibi_slopes
+
+
+def _bias_table(table, seq: int):
+    def bias_table(score, b, h, q, kv):
+        return score + table[h, q - kv + seq - 1]
+
+    return bias_table
+
+
+
 def training(args, qkv) -> None:
     seq = 512 if args.quick else 1024
     print(f"\ntraining (forward + backward graphs), seq {seq}: flash kernels (library fwd + bwd) vs dense lowering")
     print(f"  {'case':<28} {'flash us':>10} {'dense us':>10} {'time':>6} {'flash MiB':>10} {'dense MiB':>10} "
           f"{'HBM':>6}")
-    for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window):
+    for name, score_mod, mask_mod in training_cases(seq, args.heads, args.window, qkv(seq)[0].dtype):
         if args.case not in name:
             continue
         flash, flash_hbm = training_ns(_flex(mask_mod, seq, score_mod=score_mod, device="neuron"), qkv(seq))
@@ -207,7 +274,7 @@ def training(args, qkv) -> None:
               f"{flash_hbm / 2**20:>10.1f} {dense_hbm / 2**20:>10.1f} {flash_hbm / dense_hbm:>6.3f}")
 
 
-def training_cases(seq: int, heads: int, window: int) -> list:
+def training_cases(seq: int, heads: int, window: int, dtype=torch.bfloat16) -> list:
     """(name, score_mod, mask_mod) of the training comparison."""
     def relative_bias(score, b, h, q, kv):
         return score + (q - kv) * 0.05
@@ -235,7 +302,12 @@ def training_cases(seq: int, heads: int, window: int) -> list:
     def document(b, h, q, kv):
         return documents[q] == documents[kv]
 
+    slopes, table = _captured_tensors(heads, seq, "neuron", dtype)
+    table.requires_grad_()  # learned: its gradient is part of the backward
+
     return [("causal", None, _causal), ("relative bias + causal", relative_bias, _causal),
+            ("ALiBi slopes tensor + causal", _alibi_slopes(slopes), _causal),
+            ("bias table tensor (learned) + causal", _bias_table(table, seq), _causal),
             (f"ALiBi + window {window}", alibi, _window(window)), ("soft cap, no mask", soft_cap, every_key),
             ("prefix-LM", None, prefix_lm), ("document mask (4, ids)", None, document),
             ("clamp +-5 + causal", clamp, _causal)]

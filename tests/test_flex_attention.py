@@ -231,6 +231,7 @@ def test_a_learned_bias_table_trains_with_its_gradient(dtype):
     run = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=learned_bias(device_table), block_mask=mask),
                         backend="neuron")
     grad = assert_trains_like_eager(run, inputs, learned_bias(reference_table), causal, dtype)
+    assert_ran_the_flash_kernels()
     got, want = device_table.grad.cpu(), reference_table.grad
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **TOLERANCES[dtype])
@@ -240,3 +241,92 @@ def test_a_learned_bias_table_trains_with_its_gradient(dtype):
         flex_attention_dense(*eager_inputs, learned_bias(eager_table), causal).backward(grad)
         eager_error = (eager_table.grad.float() - want).abs().max()
         assert (got.float() - want).abs().max() <= eager_error
+
+
+def alibi_slopes(slopes):
+    """ALiBi with its per-head slopes a tensor the score_mod captures (``slopes[h]``), as models hold them."""
+    def score_mod(score, b, h, q, kv):
+        return score + slopes[h] * (kv - q)
+
+    return score_mod
+
+
+def slopes_and_table(dtype):
+    torch.manual_seed(1)
+    return torch.tensor([0.5, 0.0625]).to(dtype), (torch.randn(H, 2 * S - 1) * 0.5).to(dtype)
+
+
+def library_kernel():
+    (kernel,) = [n for n in compiled_graphs[-1].compiled.graph.nodes() if n.op is Op.CUSTOM_KERNEL]
+    return kernel
+
+
+@pytest.mark.parametrize("reads", ["slopes", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_score_mod_reading_tensors_runs_in_the_flash_kernel(reads, dtype):
+    torch._dynamo.reset()
+    slopes, table = slopes_and_table(dtype)
+    score_mod = alibi_slopes(slopes) if reads == "slopes" else learned_bias(table)
+    q, k, v = qkv(dtype)
+    out = compiled_attention(score_mod, sliding_window)(q, k, v)
+    kernels = [ops[0] for ops in last_kernels()]
+    assert "nki:flash_attention_forward" in kernels and "matmul" not in kernels
+    torch.testing.assert_close(out, expected(q, k, v, score_mod, sliding_window), **TOLERANCES[dtype])
+
+
+def test_per_head_slopes_are_read_as_a_column_and_a_relative_bias_table_as_itself():
+    torch._dynamo.reset()
+    slopes, table = slopes_and_table(torch.float32)
+    compiled_attention(alibi_slopes(slopes), causal)(*qkv(torch.float32))
+    assert library_kernel().inputs[-1].shape == (1, H, S, 1)  # slopes[h]: one value per head (and query row)
+    torch._dynamo.reset()
+    compiled_attention(learned_bias(table), causal)(*qkv(torch.float32))
+    assert library_kernel().inputs[-1].shape == (H, 2 * S - 1)  # table[h, q - kv + S - 1]: no [H, S, S] grid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_slopes_train_with_their_gradient_in_the_flash_kernels(dtype):
+    torch._dynamo.reset()
+    slopes, _ = slopes_and_table(dtype)
+    device_slopes = slopes.to("neuron").requires_grad_()
+    reference_slopes = slopes.float().requires_grad_()
+    mask = create_block_mask(sliding_window, B, H, S, S, device="neuron")
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=alibi_slopes(device_slopes),
+                                                       block_mask=mask), backend="neuron")
+    assert_trains_like_eager(run, qkv(dtype), alibi_slopes(reference_slopes), sliding_window, dtype)
+    assert_ran_the_flash_kernels()
+    torch.testing.assert_close(device_slopes.grad.cpu(), reference_slopes.grad.to(dtype), **TOLERANCES[dtype])
+
+
+WINDOWS = torch.tensor([32, 96])  # a sliding window per head
+
+
+def documents_and_windows_on(device):
+    """A mask_mod reading tensors and the head: each head's own window within each document."""
+    ids, windows = DOCUMENTS.to(device), WINDOWS.to(device)
+
+    def per_head_mask(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (q >= kv) & (q - kv < windows[h])
+
+    return per_head_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_per_head_run_time_mask_runs_in_the_flash_kernel(dtype):
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype)
+    mask_mod = documents_and_windows_on("cpu")
+    out = compiled_attention(None, mask_mod)(q, k, v)
+    kernels = [ops[0] for ops in last_kernels()]
+    assert "nki:flash_attention_forward" in kernels and "matmul" not in kernels
+    assert library_kernel().inputs[3].shape == (1, H, S, S)  # the mask, per head
+    torch.testing.assert_close(out, expected(q, k, v, None, mask_mod), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_per_head_run_time_mask_trains_in_the_flash_kernels(dtype):
+    torch._dynamo.reset()
+    mask = create_block_mask(documents_and_windows_on("neuron"), B, H, S, S, device="neuron")
+    run = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), backend="neuron")
+    assert_trains_like_eager(run, qkv(dtype), None, documents_and_windows_on("cpu"), dtype)
+    assert_ran_the_flash_kernels()

@@ -126,3 +126,37 @@ def test_moe_combine_adds_each_slots_gated_output_to_its_token():
     y = moe_combine(expert_out.numpy(), index, gates.numpy(), tokens)
     expected = torch.zeros(tokens, 96).index_add(0, torch.from_numpy(index).long(), expert_out * gates[:, None])
     torch.testing.assert_close(torch.from_numpy(y), expected, **TOLERANCES[torch.float32])
+
+
+# score + slope[h] * (kv - q) + bias[h, q, kv]: a per-head slope (a column term) and a bias grid (a [seq, seq] term)
+TERMS = (("sub", (("kv",), ("q",))), ("mul", (("term", 0), ("step", 0))), ("add", (("score",), ("step", 1))),
+         ("add", (("step", 2), ("term", 1))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_time_terms_of_a_score_mod_and_their_gradients_match_eager(dtype):
+    heads, seq, dim = 2, 256, 32
+    q, k, v, grad = (randn(heads, seq, dim, dtype=dtype, seed=s) for s in range(4))
+    slopes = torch.tensor([0.5, 0.0625]).view(1, heads, 1, 1)  # ALiBi's slopes
+    bias = randn(1, heads, seq, seq, seed=5) * 0.5
+    terms = (slopes.expand(1, heads, seq, 1).contiguous().numpy(), bias.numpy())
+    qi, ki = torch.arange(seq).view(seq, 1), torch.arange(seq).view(1, seq)
+    mask = (qi >= ki) & (qi - ki < 160)
+    options = dict(causal=False, score_mod=TERMS, mask=mask.numpy(), blocks=block_table(mask.numpy()), heads=heads,
+                   terms=terms)
+    out, lse = flash_attention_forward(*(as_numpy(x) for x in (q, k, v)), **options)
+    rq, rk, rv = (x.float().clone().requires_grad_() for x in (q, k, v))
+    rs, rb = slopes[0].clone().requires_grad_(), bias[0].clone().requires_grad_()
+    scores = rq @ rk.transpose(-1, -2) / dim ** 0.5 + rs * (ki - qi) + rb
+    expected = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ rv
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(as_torch(out), expected.detach().to(dtype), **tolerance)
+    expected.backward(grad.float())
+    grads = flash_attention_backward(*(as_numpy(x) for x in (q, k, v)), out, as_numpy(grad), lse, **options,
+                                     term_grads=(0, 1))
+    for got, want in zip(grads, (rq, rk, rv)):
+        torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **tolerance)
+    slope_rows, bias_grid = grads[3:]  # dY * dy/dterm: row sums for the column, the grid for the [seq, seq] term
+    assert slope_rows.shape == (heads, seq) and bias_grid.shape == (heads, seq, seq)
+    torch.testing.assert_close(torch.from_numpy(slope_rows).sum(1), rs.grad.flatten(), **tolerance)
+    torch.testing.assert_close(torch.from_numpy(bias_grid), rb.grad, **tolerance)

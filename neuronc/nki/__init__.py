@@ -58,9 +58,16 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "device")
 
 
+def _is_arrays(x) -> bool:
+    """A tuple of arrays: one argument holding several HBM inputs (a kernel's variable number of operands)."""
+    return isinstance(x, tuple) and bool(x) and all(_is_array(a) for a in x)
+
+
 def _signature(x):
     if _is_array(x):
         return ("array", tuple(x.shape), str(x.dtype))
+    if _is_arrays(x):
+        return ("arrays", tuple(_signature(a) for a in x))
     try:
         hash(x)
         return ("value", x)
@@ -112,6 +119,8 @@ class Kernel:
         inputs = []
         with trace:
             def as_hbm(name, value):
+                if _is_arrays(value):
+                    return tuple(as_hbm(f"{name}[{i}]", v) for i, v in enumerate(value))
                 if not _is_array(value):
                     return value
                 t = trace.hbm_tensor(tuple(value.shape), isa_dtype(_dtype_of(value)), "input", name)
@@ -163,7 +172,8 @@ class Kernel:
             neff = traced.to_neff()
             self._loaded[key] = (neff, NeuronCore(traced.target).load(neff, undefined_on_chip=True))
         neff, program = self._loaded[key]
-        arrays = [as_numpy(a) for a in list(args) + [kwargs[k] for k in kwargs] if _is_array(a)]
+        flat = [x for a in list(args) + [kwargs[k] for k in kwargs] for x in (a if _is_arrays(a) else (a,))]
+        arrays = [as_numpy(a) for a in flat if _is_array(a)]
         result = program.run(arrays)
         self.last_run, self.last_neff = result, neff
         outs = result.outputs[:len(traced.outputs)]

@@ -15,10 +15,19 @@ the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its fu
 
 FlexAttention (both kernels): ``score_mod`` (the steps of a score_mod, see score_steps.py) is applied to each block
 of scaled logits in fp32, and the backward multiplies dS by its derivative; ``mask`` is a [seq, seq] keep-mask in
-HBM (the same for every head), read block by block for the blocks ``blocks`` marks partly kept; ``blocks`` (a
+HBM (the same for every head; or [batch or 1, heads or 1, seq, seq], a run-time mask reading the head or batch
+index), read block by block for the blocks ``blocks`` marks partly kept; ``blocks`` (a
 [tiles][tiles] table of HIDDEN / PARTLY / KEPT per 128 x 128 block) skips the hidden ones entirely (no matmul, no
 DMA) and reads no mask for the kept ones. A row whose every key is masked gives 0 and a log-sum-exp of -inf, as
 flex_attention does.
+
+Run-time terms (``terms``: fp32 HBM tensors the graph computed from tensors a score_mod reads, such as a learned
+bias table's entries or per-head slopes) are the score_mod's ("term", i) operands: each [batch or 1, heads or 1, seq,
+seq] (read block by block, as the mask) or [.., seq, 1] (a value per query row, read as a column), or, where
+``diagonals`` gives it a number c, a table [heads, length] read at [h, q - kv + c] (no grid in HBM). The backward
+writes, for each term in ``term_grads``, dY * dy/dterm (dY the gradient of the score_mod's result): [groups, seq,
+seq] for a [.., seq, seq] term, its row sums [groups, seq] for a column; the graph applies the rest of the chain rule
+(a learned table's scatter-add).
 """
 from __future__ import annotations
 
@@ -76,19 +85,54 @@ def _key_chunks(row: tuple) -> list:
     return chunks
 
 
-def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivative=False):
-    """(score_mod(scale * scores) with masked keys at MASKED, fp32 [P, keys] in SBUF; its derivative or None)."""
+def is_column_term(term) -> bool:
+    """A term with one value per query row ([.., seq, 1]), not one per (query, key)."""
+    return len(term.shape) == 4 and term.shape[3] == 1
+
+
+def _term_blocks(terms, rows, k0, keys, b, h, diagonals=()) -> tuple:
+    """Each run-time term's values for one block: an fp32 [P, keys] tile, or a [P, 1] column. A term whose
+    ``diagonals`` entry is a number c is a table [heads, length] read at [h, q - kv + c] (a relative-position bias):
+    one DMA per block, each query row a run of the table read backwards."""
+    blocks = []
+    for n, term in enumerate(terms):
+        c = diagonals[n] if n < len(diagonals) else None
+        if c is not None:
+            t = nl.ndarray((P, keys), dtype=nl.float32, buffer=nl.sbuf)
+            start = h * term.shape[1] + rows.start - k0 + c
+            nisa.dma_copy(dst=t, src=term.ap([[1, P], [-1, keys]], offset=start))
+            blocks.append(t)
+            continue
+        bi, hi = (b if term.shape[0] > 1 else 0), (h if term.shape[1] > 1 else 0)
+        columns = slice(0, 1) if is_column_term(term) else slice(k0, k0 + keys)
+        t = nl.ndarray((P, columns.stop - columns.start), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=term[bi, hi, rows, columns])
+        blocks.append(t)
+    return tuple(blocks)
+
+
+def _flex_logits(scores, scale, score_mod, mask, rows, k0, keys, b, h, derivative=False, terms=(), terms_wrt=(),
+                 diagonals=()):
+    """(score_mod(scale * scores) with masked keys at MASKED, fp32 [P, keys] in SBUF; its derivative or None; its
+    derivatives with respect to the terms ``terms_wrt``; the Block that made them, None without a score_mod)."""
     z = nl.ndarray((P, keys), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=z, data=scores, op0=nl.multiply, operand0=scale)
-    grad = 1.0
+    grad, term_grads, block = 1.0, (), None
     if score_mod:
-        z, grad = Block(P, keys, rows.start, k0, b, h).apply(score_mod, z, derivative=derivative)
+        block = Block(P, keys, rows.start, k0, b, h, _term_blocks(terms, rows, k0, keys, b, h, diagonals))
+        if terms_wrt:
+            z, grad, term_grads = block.apply(score_mod, z, derivative=derivative, terms_wrt=terms_wrt)
+        else:
+            z, grad = block.apply(score_mod, z, derivative=derivative)
+            term_grads = ()
         grad = 0.0 if grad is None else grad
     if mask is not None:
+        if len(mask.shape) == 4:  # per batch or head: [batch or 1, heads or 1, seq, seq]
+            mask = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0]
         keep = nl.ndarray((P, keys), dtype=mask.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=keep, src=mask[rows, k0:k0 + keys])
         z = nl.where(keep, z, MASKED, dtype=nl.float32)
-    return z, grad
+    return z, grad, term_grads, block
 
 
 def _transposed_dtype(dtype):
@@ -105,7 +149,8 @@ def _by_tiles(rows, tiles: int, d: int):
 
 
 @nki.jit
-def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None):
+def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None,
+                            terms=(), diagonals=()):
     groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
@@ -145,8 +190,8 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                 nisa.nc_matmul(dst=scores, stationary=q_t, moving=k_t[:, k0:k0 + kb])
                 logits, logit_scale = scores, scale
                 if flex:
-                    logits, _ = _flex_logits(scores, scale, score_mod, mask if partly else None, rows, k0, kb,
-                                             g // heads, g % heads)
+                    logits, *_ = _flex_logits(scores, scale, score_mod, mask if partly else None, rows, k0, kb,
+                                             g // heads, g % heads, terms=terms, diagonals=diagonals)
                     logit_scale = 1.0
                 elif causal and partly:  # the diagonal: keys after each query masked
                     c = i * P - k0
@@ -213,7 +258,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
 
 @nki.jit
 def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=True, score_mod=(), mask=None,
-                             blocks=None, heads=None):
+                             blocks=None, heads=None, terms=(), term_grads=(), diagonals=()):
     groups, seq, d = q.shape
     assert seq % P == 0 and d <= P, "seq must be a multiple of 128 and d at most 128"
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
@@ -224,6 +269,9 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
     grad_q = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
     grad_k = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
     grad_v = nl.ndarray((groups, seq, d), dtype=dtype, buffer=nl.shared_hbm)
+    term_grads = tuple(term_grads)
+    grad_terms = [nl.ndarray((groups, seq) if is_column_term(terms[t]) else (groups, seq, seq), dtype=nl.float32,
+                             buffer=nl.shared_hbm) for t in term_grads]
     tiles = seq // P
     plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
@@ -237,6 +285,14 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
         delta = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
         grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=grad_q_acc, value=0.0)
+        term_sums = {}  # a column term's gradient: its rows' sums over the visited keys, [P, tiles]
+        for t in term_grads:
+            if is_column_term(terms[t]):
+                term_sums[t] = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.memset(dst=term_sums[t], value=0.0)
+        if len(term_sums) < len(term_grads):  # a [seq, seq] term's gradient is 0 in the blocks no query sees
+            zeros = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=zeros, value=0.0)
         for i in nl.affine_range(tiles):
             rows = slice(i * P, (i + 1) * P)
             nisa.dma_copy(dst=q_rows[:, i, :], src=q[g, rows, :])
@@ -257,6 +313,10 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
         for j in nl.affine_range(tiles):
             keys = slice(j * P, (j + 1) * P)
             visited = [i for i in range(tiles) if plan[i][j] != HIDDEN]
+            for i in range(tiles):
+                for t, grad_term in zip(term_grads, grad_terms):
+                    if i not in visited and t not in term_sums:
+                        nisa.dma_copy(dst=grad_term[g, i * P:(i + 1) * P, keys], src=zeros)
             grad_v_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             grad_k_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             if not visited:  # no query sees these keys
@@ -272,11 +332,12 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 scores = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=scores, stationary=q_t[:, queries], moving=k_t[:, keys])
                 probs = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                grad_mod = 1.0
+                grad_mod, d_terms = 1.0, ()
                 if flex:
-                    logits, grad_mod = _flex_logits(scores, scale, score_mod,
-                                                    mask if plan[i][j] == PARTLY else None, queries, j * P, P,
-                                                    g // heads, g % heads, derivative=True)
+                    logits, grad_mod, d_terms, block = _flex_logits(
+                        scores, scale, score_mod, mask if plan[i][j] == PARTLY else None, queries, j * P, P,
+                        g // heads, g % heads, derivative=True, terms=terms, terms_wrt=term_grads,
+                        diagonals=diagonals)
                     nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_lse[:, i:i + 1])
                 else:
                     if causal and i == j:
@@ -286,7 +347,7 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 grad_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=grad_p, stationary=do_t[:, queries], moving=v_t[:, keys])
                 grad_s = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                if isinstance(grad_mod, float) and grad_mod == 1.0:
+                if isinstance(grad_mod, float) and grad_mod == 1.0 and not term_grads:
                     nisa.scalar_tensor_tensor(dst=grad_s, data=grad_p, op0=nl.subtract, operand0=delta[:, i:i + 1],
                                               op1=nl.multiply, operand1=probs)
                 else:  # through the score_mod: dS = P (dP - D) * dmod/dscore
@@ -297,6 +358,19 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                         nisa.tensor_scalar(dst=grad_s, data=grad_y, op0=nl.multiply, operand0=grad_mod)
                     else:
                         nisa.tensor_tensor(dst=grad_s, data1=grad_y, data2=grad_mod, op=nl.multiply)
+                    for t, grad_term, d_term in zip(term_grads, grad_terms, d_terms):  # dY * dy/dterm
+                        g_term = 0.0 if d_term is None else block.binary("mul", grad_y, d_term)
+                        if t in term_sums:
+                            row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                            if isinstance(g_term, float):
+                                nisa.memset(dst=row_sum, value=0.0)
+                            else:
+                                nisa.tensor_reduce(dst=row_sum, op=nl.add, data=block.full(g_term), axis=1)
+                            nisa.tensor_tensor(dst=term_sums[t][:, i:i + 1], data1=term_sums[t][:, i:i + 1],
+                                               data2=row_sum, op=nl.add)
+                        else:
+                            nisa.dma_copy(dst=grad_term[g, queries, keys],
+                                          src=zeros if isinstance(g_term, float) else block.full(g_term))
                 nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=n > 0)
                 grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
@@ -313,4 +387,7 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
             grad_q_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=grad_q_rows, data=grad_q_acc[:, i, :], op0=nl.multiply, operand0=scale)
             nisa.dma_copy(dst=grad_q[g, i * P:(i + 1) * P, :], src=grad_q_rows)
-    return grad_q, grad_k, grad_v
+        for t, grad_term in zip(term_grads, grad_terms):
+            if t in term_sums:
+                nisa.dma_copy(dst=grad_term[g].reshape((tiles, P)).permute((1, 0)), src=term_sums[t])
+    return (grad_q, grad_k, grad_v) + tuple(grad_terms)
