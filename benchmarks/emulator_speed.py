@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import statistics
 import time
@@ -161,7 +162,7 @@ def measure_compiled(name: str, repeat: int, opt_level: int) -> dict:
     for _ in range(repeat):
         eager_s.append(_seconds(eager))
         compiled_s.append(_seconds(user))
-        run_s.append(sum(_seconds(lambda: p.run(a)) for p, a in runs))
+        run_s.append(sum(_seconds(functools.partial(p.run, a)) for p, a in runs))
     return dict(name=name, graphs=len(graphs), compile_s=compile_s,
                 instructions=sum(len(s) for g in graphs for s in g.compiled.neff.streams.values()),
                 eager_best=min(eager_s), eager_median=statistics.median(eager_s),
