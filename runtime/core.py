@@ -34,7 +34,8 @@ that does not need data, once:
 
 Running is then: copy the inputs in, make the calls in order, copy the outputs out (``run``; or, for a
 host launching one program many times on its own buffers, ``run_into``, which skips the timeline and the
-output copies).
+output copies). Inputs the host keeps in its own arrays across runs (a compiled model's parameters) can be
+bound instead (``bind_inputs``): the calls then read them in place and no run copies them.
 """
 from __future__ import annotations
 

@@ -99,6 +99,17 @@ def test_a_parameter_changed_between_calls_gives_eagers_result_on_the_next_call(
     assert_matches_eager(compiled(x), model(x))
 
 
+def test_parameters_in_new_memory_at_every_call_are_copied_in_after_a_few_rebindings(fresh_dynamo):
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="neuron")
+    with torch.no_grad():
+        for _ in range(backend.REBINDS_BEFORE_COPYING + 2):
+            model[0].weight.data = torch.randn(32, 16)
+            assert_matches_eager(compiled(x), model(x))
+    program = backend.compiled_graphs[-1].program
+    assert not any(np.shares_memory(a, model[0].weight.detach().numpy()) for a in program._plan.inputs)
+
+
 def test_a_scalar_result_keeps_its_zero_dimensional_shape():
     x = torch.randn(3, 4)
     out = OnDevice(lambda x: (x * x).sum())(x)

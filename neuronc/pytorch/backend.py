@@ -30,6 +30,12 @@ from neuronc.errors import NeuronCompileError, NeuronConfigError
 log = logging.getLogger("neuronc")
 
 
+# A rebinding rebuilds the program's calls (about a first run's work); a caller that hands in parameters in new
+# memory at every call would pay that each time, so after this many rebindings they are copied in per call instead.
+# A choice: a few (a load_state_dict into new tensors, a .data swap) keep them resident.
+REBINDS_BEFORE_COPYING = 3
+
+
 class NeffFunction:
     """A compiled graph: CPU tensors in and out through a core of its own, or `neuron` tensors in and out
     on their device's memory."""
@@ -45,6 +51,7 @@ class NeffFunction:
         kept = [i for i, k in enumerate(mask) if k] if mask is not None else range(max(static_inputs, default=-1) + 1)
         self.resident = tuple(n for n, i in enumerate(kept) if i in static_inputs)
         self._resident_keys: tuple | None = None  # what the bound arrays were made from
+        self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
 
     @functools.cached_property
     def program(self):
@@ -91,8 +98,10 @@ class NeffFunction:
         if keys != self._resident_keys:
             from neuronc.frontend.tensors import to_numpy
 
-            readable = {n: to_numpy(args[n], copy=False) for n, key in zip(self.resident, keys)
-                        if key is not None and key[2].type == "cpu" and key[3]}
+            self.rebinds += self._resident_keys is not None
+            readable = {} if self.rebinds > REBINDS_BEFORE_COPYING else {
+                n: to_numpy(args[n], copy=False) for n, key in zip(self.resident, keys)
+                if key is not None and key[2].type == "cpu" and key[3]}
             program.bind_inputs(readable)
             self._resident_keys, self._bound_positions = keys, frozenset(readable)
         return self._bound_positions
