@@ -34,7 +34,8 @@ that does not need data, once:
 
 Running is then: copy the inputs in, make the calls in order, copy the outputs out (``run``; or, for a
 host launching one program many times on its own buffers, ``run_into``, which skips the timeline and the
-output copies).
+output copies). Inputs the host keeps in its own arrays across runs (a compiled model's parameters) can be
+bound instead (``bind_inputs``): the calls then read them in place and no run copies them.
 """
 from __future__ import annotations
 
@@ -274,6 +275,7 @@ class LoadedProgram:
         self._check_tensors()
         self._layout = HbmLayout(neff.tensors)  # host memory for the tensors' bytes only
         self._input_entries = neff.inputs()
+        self._bound: dict = {}  # input position -> the host array read in place (bind_inputs)
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff))  # frees also when dropped
         try:
             self._load()
@@ -665,11 +667,39 @@ class LoadedProgram:
         self._check_loaded()
         plan = self._plan
         with self.core.on_chip.lock:
-            for view, x in zip(plan.inputs, inputs):
-                view[...] = x
+            for i, (view, x) in enumerate(zip(plan.inputs, inputs)):
+                if i not in self._bound:
+                    view[...] = x
             self._execute(plan)
             for out, view in zip(outputs, plan.outputs):
                 out[...] = view
+
+    def bind_inputs(self, arrays: dict) -> None:
+        """Read the inputs at the positions of ``arrays`` (position -> host array) in place, from the host's
+        own arrays, on every run from now on, instead of copying them into the program's HBM at each run: a
+        host keeps its parameters resident this way (a `torch.compile`d model's weights, which are inputs of
+        its graphs). The program reads what the arrays hold when it runs, so the host may change them in
+        place between runs; ``run`` ignores its inputs at bound positions (give None there).
+
+        Each array must be C-contiguous, of its input's shape and dtype. Binding other arrays (or ``{}``:
+        none) rebinds the program's instructions to them: the next run rebuilds its calls, which costs about
+        what the first run's building did, so bind once and run many times."""
+        self._check_loaded()
+        entries = self._input_entries
+        for position, array in arrays.items():
+            t = entries[position]
+            if not isinstance(array, np.ndarray) or array.shape != tuple(t.shape) or array.dtype != t.dtype.numpy:
+                got = f"{array.dtype}{list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
+                raise InputMismatchError(f"input {position} ({t.name!r}) must be {t.dtype.numpy}{list(t.shape)} to "
+                                         f"be bound, got {got}")
+            if not array.flags.c_contiguous:
+                raise InputMismatchError(f"input {position} ({t.name!r}) must be C-contiguous to be bound",
+                                         hint="bind np.ascontiguousarray(x), or give it to run() instead")
+        if {p: id(a) for p, a in arrays.items()} == {p: id(a) for p, a in self._bound.items()}:
+            return
+        self._bound = dict(arrays)
+        self.memory.bind([(entries[p], a) for p, a in arrays.items()])
+        self.__dict__.pop("_plan", None)
 
     def run_observed(self, inputs: list, observe) -> RunResult:
         """`run`, calling ``observe(kernel, hbm)`` as soon as the last instruction of each kernel has completed
@@ -753,6 +783,8 @@ class LoadedProgram:
                 f"program {self.neff.name!r} takes {len(expected)} inputs ({names}), got {len(inputs)}"
             )
         for i, (t, x, view) in enumerate(zip(expected, inputs, views)):
+            if i in self._bound:  # read in place (bind_inputs)
+                continue
             x = np.asarray(x)
             if x.shape != tuple(t.shape) or x.dtype != t.dtype.numpy:
                 raise InputMismatchError(

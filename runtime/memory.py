@@ -356,22 +356,56 @@ def granule(aps, boundaries=()) -> int:
 
 class Memory:
     """The bytes one loaded program sees: its own HBM (its tensors', placed by ``layout``) plus its core's
-    SBUF and PSUM."""
+    SBUF and PSUM.
 
-    def __init__(self, hbm: np.ndarray, sbuf: np.ndarray, psum: np.ndarray, layout: HbmLayout | None = None):
+    ``bound`` pairs tensor entries (read-only ones: inputs) with C-contiguous host arrays of their shape and
+    dtype that stand in for their bytes: views of such a tensor's HBM are views of the host's array, so a
+    program reads it in place (see ``LoadedProgram.bind_inputs``)."""
+
+    def __init__(self, hbm: np.ndarray, sbuf: np.ndarray, psum: np.ndarray, layout: HbmLayout | None = None,
+                 bound: list | None = None):
         self.arrays = {Space.HBM: hbm, Space.SBUF: sbuf, Space.PSUM: psum}
         self.layout = layout
+        self.bind(bound or [])
+
+    def bind(self, bound: list) -> None:
+        """Bind the tensor entries of ``bound`` ((entry, host array) pairs) in place of any bound before; views made
+        before keep the bytes they were made on."""
+        self.bound = {}  # host offset of the tensor's first byte -> (its end, the host array's bytes)
+        for t, array in bound:
+            if t.nbytes:
+                start = self._host(t)
+                self.bound[start] = (start + t.nbytes, array.reshape(-1).view(np.uint8))
 
     def view(self, ap: AccessPattern) -> np.ndarray:
         """A writable numpy view of the elements ``ap`` addresses; raises if any byte is outside."""
         memory = self.arrays[ap.space]
         if ap.space != Space.HBM or self.layout is None:
             check_bounds(ap, memory.shape)
+        if ap.space == Space.HBM and self.bound:
+            bound = self._bound_view(ap)
+            if bound is not None:
+                return bound
         return view(memory, ap, self.layout)
 
+    def _bound_view(self, ap: AccessPattern) -> np.ndarray | None:
+        """``ap``'s view in a bound tensor's host array, or None when it addresses no bound tensor's bytes
+        (an HBM operand lies inside one tensor entry: the load checks it)."""
+        lo, hi = free_byte_span(ap, ap.dims)
+        host = self.layout.check(ap) if self.layout is not None else ap.offset
+        first = host - (ap.offset - lo)
+        for start, (end, array) in self.bound.items():
+            if start <= first and first + (hi - lo) <= end:
+                return np.ndarray(ap.shape, ap.dtype.numpy, buffer=array, offset=host - start,
+                                  strides=tuple(stride * ap.dtype.itemsize for stride, _ in ap.dims))
+        return None
+
     def tensor(self, t) -> np.ndarray:
-        """The elements of tensor entry ``t`` of the program, in its HBM."""
-        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=self.arrays[Space.HBM], offset=self._host(t))
+        """The elements of tensor entry ``t`` of the program, in its HBM (or the host array bound to it)."""
+        start = self._host(t)
+        if start in self.bound and t.nbytes:
+            return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=self.bound[start][1])
+        return np.ndarray(tuple(t.shape), t.dtype.numpy, buffer=self.arrays[Space.HBM], offset=start)
 
     def tensor_bytes(self, t) -> np.ndarray:
         """The bytes of tensor entry ``t`` of the program, in its HBM."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,55 @@ def test_the_compiled_graph_runs_on_the_emulated_device():
     assert len(backend.compiled_graphs) == before + 1
     assert function.compiled.neff.target == "trn1"
     assert function.last_run.timeline.estimated_ns > 0  # the device, not eager, produced `out`
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), torch.randn(4, 16)
+
+
+def test_parameters_are_read_in_place_not_copied_at_each_call(fresh_dynamo):
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="neuron")
+    with torch.no_grad():
+        compiled(x)
+    program = backend.compiled_graphs[-1].program
+    inputs = program._plan.inputs  # the arrays the program reads its inputs from
+    for p in model.parameters():
+        assert sum(np.shares_memory(a, p.detach().numpy()) for a in inputs) == 1
+    assert not any(np.shares_memory(a, x.numpy()) for a in inputs)  # the data input is copied in
+
+
+@pytest.mark.parametrize("change", ["no_grad add_", "through .data", "optimizer step", "new Parameter",
+                                    "new .data tensor"])
+def test_a_parameter_changed_between_calls_gives_eagers_result_on_the_next_call(change, fresh_dynamo):
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="neuron")
+    compiled(x).sum().backward()
+    if change == "no_grad add_":
+        with torch.no_grad():
+            model[0].weight.add_(1)
+    elif change == "through .data":
+        model[2].bias.data.mul_(-3)  # .data: no version bump
+    elif change == "optimizer step":
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    elif change == "new Parameter":
+        model[2].weight = torch.nn.Parameter(torch.randn(8, 32))
+    else:
+        model[0].weight.data = torch.randn(32, 16)
+
+    assert_matches_eager(compiled(x), model(x))
+
+
+def test_parameters_in_new_memory_at_every_call_are_copied_in_after_a_few_rebindings(fresh_dynamo):
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="neuron")
+    with torch.no_grad():
+        for _ in range(backend.REBINDS_BEFORE_COPYING + 2):
+            model[0].weight.data = torch.randn(32, 16)
+            assert_matches_eager(compiled(x), model(x))
+    program = backend.compiled_graphs[-1].program
+    assert not any(np.shares_memory(a, model[0].weight.detach().numpy()) for a in program._plan.inputs)
 
 
 def test_a_scalar_result_keeps_its_zero_dimensional_shape():

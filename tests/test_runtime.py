@@ -115,6 +115,57 @@ def test_dma_round_trip_hbm_to_sbuf_to_hbm_returns_the_input(core, dtype):
     np.testing.assert_array_equal(y, x)
 
 
+def _add_program():
+    """y = x + w, x and w inputs of [128, 64] fp32."""
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (128, 64))
+    w_t = p.tensor("w", TensorKind.INPUT, (128, 64))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (128, 64))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 64)), hbm(x_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((128, 64), offset=1024), hbm(w_t), queue=1)
+    p.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, chip((128, 64), offset=2048), chip((128, 64)),
+           chip((128, 64), offset=1024), alu=AluOp.ADD, waits=(Wait(Engine.DMA, 0, 1), Wait(Engine.DMA, 1, 1)))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((128, 64), offset=2048), queue=2, waits=done(Engine.VECTOR))
+    return p
+
+
+def test_a_bound_input_is_read_in_place_from_the_hosts_array_at_every_run(core):
+    program = core.load(_add_program().neff())
+    x, w = uniform(-1, 1, (128, 64)), uniform(-1, 1, (128, 64))
+    program.bind_inputs({1: w})
+
+    (first,) = program.run([x, None]).outputs
+    expected_first = x + w
+    w += 1  # changed in place by the host between runs, never given again
+    (second,) = program.run([x, None]).outputs
+
+    np.testing.assert_array_equal(first, expected_first)
+    np.testing.assert_array_equal(second, x + w)
+
+
+def test_binding_another_array_or_none_rebinds_the_program(core):
+    program = core.load(_add_program().neff())
+    x, w, other = (uniform(-1, 1, (128, 64)) for _ in range(3))
+    program.bind_inputs({1: w})
+    program.run([x, None])
+
+    program.bind_inputs({1: other})
+    (with_other,) = program.run([x, None]).outputs
+    program.bind_inputs({})
+    (copied,) = program.run([x, w]).outputs
+
+    np.testing.assert_array_equal(with_other, x + other)
+    np.testing.assert_array_equal(copied, x + w)
+
+
+def test_a_bound_input_must_be_contiguous_and_of_its_inputs_shape_and_dtype(core):
+    program = core.load(_add_program().neff())
+    with pytest.raises(InputMismatchError, match="C-contiguous"):
+        program.bind_inputs({1: uniform(-1, 1, (64, 128)).T})
+    with pytest.raises(InputMismatchError, match=r"float32\[128, 64\]"):
+        program.bind_inputs({1: uniform(-1, 1, (128, 64)).astype(np.float64)})
+
+
 def test_matmul_over_k_256_as_two_accumulating_matmuls_equals_numpy_fp32(core):
     k, m, n = 256, 64, 128
     p = Program()

@@ -30,24 +30,31 @@ def torch_dtype(dtype: DType):
 _BITCAST = {DType.BF16: "int16", DType.F8E4M3: "uint8", DType.F8E5M2: "uint8"}
 
 
-def to_numpy(tensor) -> np.ndarray:
+def to_numpy(tensor, copy: bool = True) -> np.ndarray:
+    """``tensor``'s values as a C-contiguous numpy array (CPU); ``copy=False``: sharing the tensor's memory
+    when it is a contiguous CPU tensor (a caller that only reads it, right away)."""
     import torch
 
     tensor = tensor.detach().cpu().contiguous()
     dtype = dtype_of(tensor.dtype)
     if dtype in _BITCAST:
-        raw = tensor.view(getattr(torch, _BITCAST[dtype])).numpy()
-        return raw.view(dtype.numpy).copy()
-    return tensor.numpy().copy()
+        array = tensor.view(getattr(torch, _BITCAST[dtype])).numpy().view(dtype.numpy)
+    else:
+        array = tensor.numpy()
+    return array.copy() if copy else array
 
 
-def from_numpy(array: np.ndarray):
+def from_numpy(array: np.ndarray, copy: bool = True):
+    """A CPU tensor of ``array``'s values; ``copy=False``: sharing a C-contiguous array's memory (an array
+    the caller owns and no longer uses)."""
     import torch
 
     array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray alone makes a 0-d array 1-d
+    if copy:
+        array = array.copy()
     if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     if array.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
         target = torch.float8_e4m3fn if array.dtype == ml_dtypes.float8_e4m3fn else torch.float8_e5m2
-        return torch.from_numpy(array.view(np.uint8).copy()).view(target)
-    return torch.from_numpy(array.copy())
+        return torch.from_numpy(array.view(np.uint8)).view(target)
+    return torch.from_numpy(array)

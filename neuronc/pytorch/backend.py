@@ -30,15 +30,28 @@ from neuronc.errors import NeuronCompileError, NeuronConfigError
 log = logging.getLogger("neuronc")
 
 
+# A rebinding rebuilds the program's calls (about a first run's work); a caller that hands in parameters in new
+# memory at every call would pay that each time, so after this many rebindings they are copied in per call instead.
+# A choice: a few (a load_state_dict into new tensors, a .data swap) keep them resident.
+REBINDS_BEFORE_COPYING = 3
+
+
 class NeffFunction:
     """A compiled graph: CPU tensors in and out through a core of its own, or `neuron` tensors in and out
     on their device's memory."""
 
-    def __init__(self, compiled, options: CompileOptions):
+    def __init__(self, compiled, options: CompileOptions, static_inputs: frozenset = frozenset()):
         self.compiled, self.options = compiled, options
         self.last_run = None
         self.on_device: dict = {}  # neuron device index -> (LoadedProgram, estimated ns)
         self.device_launches = 0
+        # Positions among the program's inputs of the graph's parameters and buffers (AOTAutograd's static
+        # inputs), which stay resident on the CPU path: read in place from the tensors' own memory.
+        mask = compiled.input_mask
+        kept = [i for i, k in enumerate(mask) if k] if mask is not None else range(max(static_inputs, default=-1) + 1)
+        self.resident = tuple(n for n, i in enumerate(kept) if i in static_inputs)
+        self._resident_keys: tuple | None = None  # what the bound arrays were made from
+        self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
 
     @functools.cached_property
     def program(self):
@@ -68,9 +81,30 @@ class NeffFunction:
             return self._arrange(self._run_on_device(device, args), given)
         from neuronc.frontend.tensors import from_numpy, to_numpy
 
-        result = self.program.run([to_numpy(a) for a in args])
+        program = self.program
+        resident = self._keep_resident(program, args) if self.resident else ()
+        result = program.run([None if n in resident else to_numpy(a, copy=False) for n, a in enumerate(args)])
         self.last_run = result
-        return self._arrange([from_numpy(o) for o in result.outputs], given)
+        return self._arrange([from_numpy(o, copy=False) for o in result.outputs], given)  # run's own copies
+
+    def _keep_resident(self, program, args) -> frozenset:
+        """The parameters and buffers among ``args`` bound to ``program`` as inputs it reads in place (runtime's
+        ``bind_inputs``): no conversion and no copy per call, and any change made to them in place between calls
+        (an optimizer step, ``p.data.copy_``) is what the next call reads. Rebound only when one of them is
+        another tensor or memory than last time (``p.data = ...``, a new parameter). A tensor whose memory the
+        program cannot read as it is (not contiguous, on another device) is copied in at each call instead."""
+        keys = tuple((a.data_ptr(), a.dtype, a.device, a.is_contiguous()) if hasattr(a, "data_ptr") else None
+                     for a in (args[n] for n in self.resident))
+        if keys != self._resident_keys:
+            from neuronc.frontend.tensors import to_numpy
+
+            self.rebinds += self._resident_keys is not None
+            readable = {} if self.rebinds > REBINDS_BEFORE_COPYING else {
+                n: to_numpy(args[n], copy=False) for n, key in zip(self.resident, keys)
+                if key is not None and key[2].type == "cpu" and key[3]}
+            program.bind_inputs(readable)
+            self._resident_keys, self._bound_positions = keys, frozenset(readable)
+        return self._bound_positions
 
     def _arrange(self, outputs: list, args) -> tuple:
         """The graph's outputs from the program's (output_layout: an index, None, or an argument returned)."""
@@ -89,6 +123,16 @@ class NeffFunction:
         self.device_launches += 1
         self.last_run = _device_run(program, outputs)
         return outputs
+
+
+def _static_inputs() -> frozenset:
+    """The positions of the forward graph's parameters and buffers among its inputs, as AOTAutograd records them
+    (what inductor's CUDA graphs treat as static); empty when it does not say."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    return frozenset(getattr(metadata, "static_input_indices", None) or ())
 
 
 def _generator_state(device: int | None, count: int):
@@ -254,8 +298,9 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     _refuse_dynamic_shapes(gm)
     torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 
-    def compile_graph(graph_module, inputs):
+    def compile_graph(graph_module, inputs, static_inputs=frozenset()):
         _devices_to_host(graph_module)
+        whole = functools.partial(compile_one, static_inputs=static_inputs)  # parameters read in place
         checks = host_checks.defer(graph_module)  # e.g. linalg's singular-matrix error: made after the run
         try:  # complex values as pairs of reals (None: no complex value, or an op no pair rule covers)
             paired = as_real_pairs(graph_module)
@@ -265,15 +310,18 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
             paired = None
         if paired is not None:
             real, boundary = paired
-            function = boundary.wrap(compile_or_partition(real, compile_options, compile_one, compile_one))
+            function = boundary.wrap(compile_or_partition(real, compile_options, whole, compile_one))
         else:
-            function = compile_or_partition(graph_module, compile_options, compile_one, compile_one)
+            function = compile_or_partition(graph_module, compile_options, whole, compile_one)
         return make_boxed_func(host_checks.after(function, checks))
 
-    def compile_one(graph_module):
+    def compile_forward(graph_module, inputs):
+        return compile_graph(graph_module, inputs, _static_inputs())
+
+    def compile_one(graph_module, static_inputs=frozenset()):
         compiled = compile_fx(graph_module, compile_options)
         neff = compiled.neff
-        function = NeffFunction(compiled, compile_options)
+        function = NeffFunction(compiled, compile_options, static_inputs)
         compiled_graphs.append(function)
         inputs = [n.meta.get("val") for n in graph_module.graph.nodes if n.op == "placeholder"]
         shapes = ", ".join(str(tuple(i.shape)) for i in inputs if hasattr(i, "shape"))
@@ -282,7 +330,7 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
                  neff.estimated_ns / 1e3, " (from the compile cache)" if compiled.cache_hit else "", shapes)
         return function
 
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+    return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph,
                         decompositions=decomposition_table())(gm, example_inputs)
 
 
