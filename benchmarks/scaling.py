@@ -14,10 +14,12 @@ makespan), and a program's times depend on the program and the target only, neve
 computed: the numerics, the same on every rank, would not change the timeline. Parallelism is expressed the way
 it reaches compiled graphs, as DTensor collectives the frontend turns into collective instructions:
 * dp: every parameter replicated; its gradient all-reduced in the backward graph (SimpleFSDP's "replicate").
-* fsdp: every parameter sharded on its first dimension and all-gathered where it is used, in the forward and
-  again in the backward graph; its gradient reduce-scattered (SimpleFSDP's "fully_shard", which is what FSDP2's
-  all-gathers and reduce-scatters are; reshard after forward). bf16 parameters in the computation, fp32
-  gradients reduced, fp32 master weights (FSDP2's MixedPrecisionPolicy(bf16, fp32)).
+* fsdp: every parameter sharded on its first dimension and all-gathered where it is used; its gradient
+  reduce-scattered (SimpleFSDP's "fully_shard", which is what FSDP2's all-gathers and reduce-scatters are).
+  AOTAutograd's partitioner saves the gathered weights for the backward graph instead of gathering them again,
+  so this is one all-gather per parameter and step, not FSDP2's reshard after forward (two). bf16 parameters in
+  the computation, fp32 gradients reduced, fp32 master weights (FSDP2's MixedPrecisionPolicy(bf16, fp32)).
+  GPT-2's head reads the token embedding's parameter (the tie kept: one weight, gathered once per forward).
 * tp: Megatron-style column/row-parallel MLPs, vocabulary-parallel embedding and head, sequence-parallel norms
   (tests/parallel_training.py's plan; attention computed whole on every rank), bf16.
 The collectives' times come from the interconnect model (neuronc/collective_cost.py, with the target's numbers).
@@ -101,7 +103,10 @@ def compile_step(model, inputs, target: str, grad=None) -> list:
     torch._dynamo.reset()
     step = torch.compile(model, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
                                                      decompositions=decomposition_table()))
-    out = step(*inputs)
+    from torch.nn.utils import parametrize
+
+    with parametrize.cached():  # a parameter used twice (a tied weight) is gathered once
+        out = step(*inputs)
     out.backward(grad)
     return compiled
 
@@ -124,10 +129,25 @@ class _Gathered(torch.nn.Module):
                               backward_dtype=self.reduce_dtype).to_local(grad_placements=(Partial(),))
 
 
+class _TiedHead(torch.nn.Module):
+    """GPT-2's head as the tie means it: the token embedding's weight read through its module, so that the
+    parametrized weight is one parameter, cast and gathered once per forward (parametrize.cached) and its
+    gradient reduced once (redistributing a parameter per module untied it: two parameters, two gathers)."""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self._tokens = [tokens]  # not a submodule: the embedding's parameter stays the embedding's
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self._tokens[0].weight)
+
+
 def _data_parallel(model, mesh, shard: bool):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.nn.utils import parametrize
 
+    if getattr(model, "head", None) is not None and model.head.weight is model.tokens.weight:
+        model.head = _TiedHead(model.tokens)
     placement = Shard(0) if shard else Replicate()
     for module in list(model.modules()):
         for name, p in list(module.named_parameters(recurse=False)):
