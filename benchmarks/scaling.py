@@ -2,7 +2,7 @@
 NeuronCores of one trn2 chip, data parallel, FSDP2-style and tensor parallel; the share of the communication
 hidden behind compute; the scaling efficiency.
 
-    python -m benchmarks.scaling [--ranks 1 2 4 8] [--strategies dp fsdp tp] [--batch 4] [--seq 1024]
+    python -m benchmarks.scaling [--ranks 1 2 4 8] [--strategies dp fsdp tp] [--batch 1] [--seq 1024]
                                  [--layers 12] [--whole] [--quick] [--target trn2]
 
 How it measures. One process compiles the training step a rank runs (forward and backward graphs of
@@ -329,7 +329,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--strategies", nargs="*", default=["dp", "fsdp", "tp"], choices=sorted(STRATEGIES))
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank (dp, fsdp) or in all (tp)")
+    parser.add_argument("--batch", type=int, help="sequences per rank (dp, fsdp) or in all (tp); default 1 (the "
+                        "fewer tokens per rank, the less compute to hide communication behind), 4 with --quick")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=FULL["layers"])
     parser.add_argument("--target", default="trn2")
@@ -339,6 +340,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("NEURON_CC_FLAGS", "--no_cache")
     config, seq = ({**FULL, "layers": 2}, 128) if args.quick else ({**FULL, "layers": args.layers}, args.seq)
+    args.batch = args.batch or (4 if args.quick else 1)
     from neuronc.targets import get_target
     from tests.zoo import GPT2
 
