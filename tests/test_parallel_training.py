@@ -4,7 +4,8 @@ TP on a 2x2 mesh, a 2-stage pipeline with the 1F1B and the GPipe schedules, manu
 (`torch.distributed.pipelining.pipeline()`) — gives the losses and parameters
 of one process on the whole batch (eager PyTorch on the CPU), within the fp32 tolerance (bf16's for mixed precision); so do DDP and tensor parallelism
 under torch.compile(backend="neuron"), their collectives instructions of the compiled NEFFs, FSDP2 with each
-block compiled inside fully_shard, and the 1F1B pipeline with each stage's module compiled. The rank program is
+block compiled inside fully_shard, FSDP2 x TP with its tensor-parallel blocks compiled, and the 1F1B pipeline
+with each stage's module compiled. The rank program is
 tests/parallel_training.py; every run is loopback only, and bounded in time."""
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def reference():
 @pytest.fixture(scope="module")
 def job():
     """One job of four processes (starting a rank costs more than its steps): all four train FSDP2 x TP on a 2x2
-    mesh, then ranks 0 and 1 the data and tensor parallel configurations in a group of two, while ranks 2 and 3
+    mesh, eager then with compiled blocks, then ranks 0 and 1 the data and tensor parallel configurations in a group of two, while ranks 2 and 3
     train the pipelines in another (each rank compiles its device programs once)."""
-    return run_ranks(["-m", "tests.parallel_training", "fsdp2_tp", "0,1:" + ",".join(DATA_AND_TENSOR_PARALLEL),
+    return run_ranks(["-m", "tests.parallel_training", "fsdp2_tp,fsdp2_tp_compiled", "0,1:" + ",".join(DATA_AND_TENSOR_PARALLEL),
                       "2,3:" + ",".join(PIPELINES)], ranks=4, timeout=1800)
 
 
@@ -80,6 +81,19 @@ def test_fsdp2_with_bf16_mixed_precision_trains_as_accurately_as_bf16_on_the_cpu
 
 def test_fsdp2_times_tensor_parallelism_on_a_2x2_mesh_trains_as_one_process(job, reference):
     _assert_trains_as_one_process([rank["fsdp2_tp"] for rank in job], reference, TOLERANCES[torch.float32])
+
+
+def test_fsdp2_times_compiled_tensor_parallel_blocks_trains_as_one_process_its_sequence_collectives_in_the_neffs(
+        job, reference):
+    """Each tensor-parallel block compiled, then fully_shard over the mesh's dp dimension (torchtitan's 2-D order):
+    trains as one process; sequence parallelism's all-gathers and reduce-scatters are collective instructions of
+    the blocks' NEFFs, which run whole on the device (FSDP2's own collectives stay in its eager hooks)."""
+    results = [rank["fsdp2_tp_compiled"] for rank in job]
+    _assert_trains_as_one_process(results, reference, TOLERANCES[torch.float32])
+    for result in results:
+        assert result["partitioned"] == 0
+        assert {"ALL_GATHER", "REDUCE_SCATTER"} <= set(result["collectives"])
+        assert result["launches"] == 2 * parallel_training.CONFIG["layers"] * parallel_training.STEPS
 
 
 

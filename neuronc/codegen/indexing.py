@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, dma_slices, row_slice
+from neuronc.codegen.elementwise import copy_strided
 from neuronc.codegen.emitter import Emitter
 from neuronc.isa import AluOp, DType, Engine, Opcode
 from neuronc.ir import Node
@@ -29,7 +30,9 @@ def scatter_rows(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     base, rows, updates = node.inputs
     width = base.shape[1]
     out = HbmTensor.of(plan, node)
-    em.dma(out.ap, HbmTensor.of(plan, base).ap)
+    # the base copied as the dense bytes it is, in blocks of full partitions over the queues (its own rows may be
+    # a few bytes long: a one-column base moved row by row paid a DMA's per-row overhead for every element)
+    copy_strided(em, node.dtype, plan.offset(base), (1,), plan.offset(node), (1,), (base.size,))
     for index, r0, rt, c0, ct, tile in _row_chunks(em, plan, rows, width, node.dtype, node.attrs["plan"].chunk):
         dma_by_rows(em, tile, HbmTensor.of(plan, updates)[r0:r0 + rt, c0:c0 + ct].ap)
         # one indirect DMA: rows bound for the same table row are written (or added) in order, never racing
