@@ -289,18 +289,21 @@ def score_steps(score_gm, buffers: list, terms: "RunTimeTerms | None" = None) ->
     raise _NotFlash
 
 
-def _needed(score_gm, terms: list) -> set:
-    """The subgraph's nodes the result reads, not counting what only computes a term."""
-    output = next(n for n in score_gm.graph.nodes if n.op == "output")
-    needed, stack = set(), [output]
+def _upstream(nodes, stop=()) -> set:
+    """``nodes`` and every node they read, directly or not; the inputs of a node in ``stop`` are not followed."""
+    found, stack = set(), list(nodes)
     while stack:
         n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        if n not in terms:
-            stack.extend(n.all_input_nodes)
-    return needed
+        if n not in found:
+            found.add(n)
+            if n not in stop:
+                stack.extend(n.all_input_nodes)
+    return found
+
+
+def _needed(score_gm, terms: list) -> set:
+    """The subgraph's nodes the result reads, not counting what only computes a term."""
+    return _upstream([next(n for n in score_gm.graph.nodes if n.op == "output")], stop=terms)
 
 
 class RunTimeTerms:
@@ -372,12 +375,7 @@ def diagonals(score_gm, terms: RunTimeTerms, heads: int, seq: int) -> tuple:
         if table in placeholders[5:] and len(value) == 2 and value[0] >= heads and len(n.args[1]) == 2 and \
                 n.args[1][0] is placeholders[2]:
             position = n.args[1][1]
-            ancestors, stack = set(), [position]
-            while stack:
-                m = stack.pop()
-                if m not in ancestors:
-                    ancestors.add(m)
-                    stack.extend(m.all_input_nodes)
+            ancestors = _upstream([position])
             if not ancestors & (set(placeholders[:3]) | set(placeholders[5:])):
                 with unset_fake_temporarily():
                     q, kv = torch.arange(seq).view(seq, 1), torch.arange(seq).view(1, seq)
@@ -409,12 +407,7 @@ def term_values(score_gm, terms: RunTimeTerms, buffers: list, batch: int, heads:
     q = torch.arange(sq, device=device).view(1, 1, sq, 1)
     kv = torch.arange(sk, device=device).view(1, 1, 1, sk)
     env = dict(zip(placeholders, [None, b, h, q, kv] + list(buffers)))
-    wanted, stack = set(), [n for i, n in enumerate(terms.nodes) if i >= len(diagonal) or diagonal[i] is None]
-    while stack:
-        n = stack.pop()
-        if n not in wanted:
-            wanted.add(n)
-            stack.extend(n.all_input_nodes)
+    wanted = _upstream(n for i, n in enumerate(terms.nodes) if i >= len(diagonal) or diagonal[i] is None)
     for n in score_gm.graph.nodes:
         if n not in wanted or n.op == "placeholder":
             continue
@@ -851,13 +844,7 @@ def _terms_reading(score_gm, terms: RunTimeTerms, captured: list) -> tuple:
     sources = {placeholders[5 + i] for i in captured}
     found = []
     for t, n in enumerate(terms.nodes):
-        seen, stack = set(), [n]
-        while stack:
-            m = stack.pop()
-            if m not in seen:
-                seen.add(m)
-                stack.extend(m.all_input_nodes)
-        if seen & sources:
+        if _upstream([n]) & sources:
             found.append(t)
     return tuple(found)
 
