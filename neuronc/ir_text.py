@@ -527,4 +527,6 @@ class _Parser:
             raise self.error(f"{len(values)} values do not make a {type_text(shape, dtype)} array")
         if not all(isinstance(v, (bool, int, float)) for v in values):
             raise self.error("an array's values must be numbers or booleans")
+        if not dtype.is_float and all(isinstance(v, (bool, int)) for v in values):  # exactly: numpy reads a list
+            return np.array(values, dtype=dtype.numpy).reshape(shape)  # holding ints past int64's range as float64
         return np.array(values).astype(dtype.numpy).reshape(shape)

@@ -166,6 +166,13 @@ attribute_values = st.recursive(scalars, lambda inner: st.one_of(
     st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 5)), inner, max_size=3)), max_leaves=12)
 
 
+def test_a_wide_unsigned_constant_parses_back_exactly():
+    """Integers past int64's range read back as themselves, not through float64 (hypothesis found 2^63 + 256)."""
+    p = ir.node(Op.PARAMETER, [], (2,), DType.U64, None, index=0, name="p0", kind="input")
+    value = np.array([0, 2 ** 63 + 256], dtype=np.uint64)
+    assert_round_trips(ir.Graph([p], [ir.node(Op.CONSTANT, [], (2,), DType.U64, None, value=value)], "main"))
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.from_regex(r"[a-z_]\w{0,8}", fullmatch=True), attribute_values, max_size=4))
 def test_every_kind_of_attribute_value_parses_back_to_an_equal_value(attrs):
