@@ -5,7 +5,8 @@ The TOPK kernel compares fp32. A bf16, fp16 or int16 key is sorted in one TOPK. 
 ordered as PyTorch orders floats: NaN largest, -0 equal to 0) and an int32 key past 2^24 need two 16-bit digit
 passes. A TOPK of k < n/3 such keys takes 4 TOPKs of k. Printed: the estimated device time (`run_neff(...)
 .timeline.estimated_ns`) of `torch.sort` and `torch.topk` as torch.compile lowers them (torch-mlir: a top-k is a
-sort of the whole row, then a slice), and of one TOPK node of k as the eager device lowers top-k.
+sort of the whole row, then a slice, which passes/top_k.py narrows to a TOPK of k; printed also without that pass),
+and of one TOPK node of k as the eager device lowers top-k.
 
     .venv/bin/python -m benchmarks.sort_keys
 """
@@ -23,7 +24,8 @@ from neuronc import ir  # noqa: E402
 from neuronc.compiler import CompileOptions, compile_exported, compile_graph  # noqa: E402
 from neuronc.ir import Op  # noqa: E402
 from neuronc.isa import DType  # noqa: E402
-from neuronc.passes import indexing  # noqa: E402
+from neuronc.passes import indexing, pipeline  # noqa: E402
+from neuronc.passes.top_k import top_k_of_sorts  # noqa: E402
 from runtime import run_neff  # noqa: E402
 
 ROWS, SORTED, SEARCHED, K = 128, 512, 1024, 8
@@ -66,6 +68,16 @@ def main() -> None:
         print(f"fp32 TOPK node k=8 by a whole-row digit pass: {_topk_node_ms(x, DType.F32):.3f} ms")
     finally:
         indexing._few = whole
+    levels = dict(pipeline.PIPELINES)
+    for level, passes in levels.items():  # torch.compile's top-k as the whole-row sort and slice it arrives as
+        pipeline.PIPELINES[level] = [p for p in passes if p is not top_k_of_sorts]
+    try:
+        for name, dtype in KEYS.items():
+            searched = (torch.randn(ROWS, SEARCHED, generator=rng) * 1000).to(dtype)
+            whole_ms = _compiled_ms(lambda t: torch.topk(t, K, dim=1), searched)
+            print(f"{name} topk 8 [128, 1024] without passes/top_k.py (a whole-row sort, then a slice): {whole_ms:.2f} ms")
+    finally:
+        pipeline.PIPELINES.update(levels)
 
 
 if __name__ == "__main__":
