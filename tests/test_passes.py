@@ -506,3 +506,22 @@ def test_a_layer_norm_also_read_by_rows_keeps_its_layout(monkeypatch):
     compiled = _with_and_without_transposed_activations(monkeypatch, *_linear_after_layer_norm(residual=True))
     (norm,) = [n for n in compiled.graph.nodes() if n.op is Op.ROWWISE]
     assert norm.attrs["out_strides"] == (192, 1)
+
+
+class _SumOverBatchOfOne(torch.nn.Module):
+    def forward(self, x):
+        return x.sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_over_a_batch_of_one_is_no_reduction_and_matches_eager(dtype):
+    """x.sum(0) of a [1, 4, 64, 64] x reads one element per result: a reshape (canonicalize's
+    reduce_over_unit_dims), not a reduction of 16,384 one-element rows; bf16's fp32 accumulation of one element
+    rounds back to the element."""
+    x = torch.randn(1, 4, 64, 64, dtype=dtype)
+    compiled = compile_exported(torch.export.export(_SumOverBatchOfOne(), (x,)), CompileOptions())
+    assert not [n for n in compiled.graph.nodes() if n.op in (Op.REDUCE, Op.REDUCE_LAST)]
+    arrays = [x.float().numpy().astype(ml_dtypes.bfloat16) if dtype == torch.bfloat16 else x.numpy()]
+    out = torch.from_numpy(np.asarray(run_neff(compiled.neff, arrays).outputs[0], np.float32)).to(dtype)
+    assert_matches_eager(out, x.sum(0))
+    assert torch.equal(out, x.sum(0))

@@ -331,6 +331,82 @@ def test_the_rules_compose_to_a_fixed_point_in_one_run():
     assert ctx.fired == {"fold_constant": 1, "drop_identity_operand": 1, "merge_reshapes": 1, "drop_noop_reshape": 1}
 
 
+def test_a_reduction_over_dims_of_size_one_only_is_a_reshape_of_its_operand():
+    """sum(0) of a [1, 3, 4] x, amax over a size-1 dim, a bf16 sum (accumulated in fp32, one element: the element),
+    and prod: each reads one element per result, so each is x reshaped; a reduction over a dim of size 3 stays."""
+    assert run_pass(canonicalize, f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("1x3x4xf32")}
+          %1 = {Y.format("3x1xbf16")}
+          %2 = constant() : f32 {{value = array<f32>[0.0]}}
+          %3 = reduce(%0, %2) : 3x4xf32 {{dims = (0,), kind = "add"}}
+          %4 = constant() : f32 {{value = array<f32>[-inf]}}
+          %5 = reduce(%0, %4) : 3x4xf32 {{dims = (0,), kind = "max"}}
+          %6 = constant() : bf16 {{value = array<bf16>[0.0]}}
+          %7 = reduce(%1, %6) : 3xbf16 {{dims = (1,), kind = "add"}}
+          %8 = reduce(%1, %6) : 1xbf16 {{dims = (0,), kind = "add"}}
+          %9 = constant() : f32 {{value = array<f32>[1.0]}}
+          %10 = reduce(%0, %9) : 3x4xf32 {{dims = (0,), kind = "mul"}}
+          return %3, %5, %7, %8, %10
+        }}""") == canonical(f"""
+        graph @f(%0, %1) {{
+          %0 = {X.format("1x3x4xf32")}
+          %1 = {Y.format("3x1xbf16")}
+          %2 = reshape(%0) : 3x4xf32
+          %3 = reshape(%0) : 3x4xf32
+          %4 = reshape(%1) : 3xbf16
+          %5 = constant() : bf16 {{value = array<bf16>[0.0]}}
+          %6 = reduce(%1, %5) : 1xbf16 {{dims = (0,), kind = "add"}}
+          %7 = reshape(%0) : 3x4xf32
+          return %2, %3, %4, %6, %7
+        }}""")
+
+
+def test_a_unit_reduction_with_an_initial_value_not_its_identity_combines_it_with_each_element():
+    """sum with init 2 of one element is 2 + x: an elementwise add, not a reduction."""
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("1x3xf32")}
+          %1 = constant() : f32 {{value = array<f32>[2.0]}}
+          %2 = reduce(%0, %1) : 3xf32 {{dims = (0,), kind = "add"}}
+          return %2
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("1x3xf32")}
+          %1 = reshape(%0) : 3xf32
+          %2 = constant() : 3xf32 {{value = array<f32>[2.0]}}
+          %3 = add(%1, %2) : 3xf32
+          return %3
+        }}""")
+
+
+def test_a_reduction_over_size_one_and_other_dims_drops_the_size_one_dims():
+    """sum over (0, 2) of a [1, 3, 4] x is the sum over dim 1 of x as [3, 4]; legalize then reduces its rows in
+    place, with no transpose moving the size-1 dim."""
+    source = f"""
+        graph @f(%0) {{
+          %0 = {X.format("1x3x4xf32")}
+          %1 = constant() : f32 {{value = array<f32>[0.0]}}
+          %2 = reduce(%0, %1) : 3xf32 {{dims = (0, 2), kind = "add"}}
+          return %2
+        }}"""
+    assert run_pass(canonicalize, source) == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("1x3x4xf32")}
+          %1 = reshape(%0) : 3x4xf32
+          %2 = constant() : f32 {{value = array<f32>[0.0]}}
+          %3 = reduce(%1, %2) : 3xf32 {{dims = (1,), kind = "add"}}
+          return %3
+        }}""")
+    assert run_pass(lambda g, ctx: legalize(canonicalize(g, ctx), ctx), source) == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("1x3x4xf32")}
+          %1 = reshape(%0) : 3x4xf32
+          %2 = reduce_last(%1) : 3xf32 {{kind = "add"}}
+          return %2
+        }}""")
+
+
 def test_rules_that_never_settle_are_refused():
     @rule(Op.NEGATE)
     def negate_again(node, inputs):  # a new, equal node every time

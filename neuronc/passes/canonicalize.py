@@ -7,7 +7,8 @@ Named rewrite rules (passes/rewrite.py), run together to a fixed point by `canon
   broadcasts and identities (x + 0, x * 1, x / 1); merge reshape chains; a gather of consecutive constant rows
   is a slice; slice before broadcasting (a slice of a broadcast is the broadcast of a slice, and never
   materialises the large tensor); a constant of one repeated value is a splat; a contraction over no elements
-  (K = 0) is a zero splat.
+  (K = 0) is a zero splat; a reduction over dims of size 1 only is a reshape of its operand, and the size-1 dims
+  of a reduction over others are dropped from it.
 * `narrow_matmul_operands`: a matmul of operands widened from one narrow float type (bf16 x bf16 in fp32,
   as decompositions write a bf16 `addmm`) reads the narrow operands: the Tensor engine multiplies them
   exactly and accumulates in fp32, so the result is the same, at the narrow type's rate and bytes.
@@ -27,6 +28,7 @@ from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
 from neuronc.ir import Op
+from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.context import PassContext
 from neuronc.passes.rewrite import rule, rewrite
 
@@ -229,10 +231,45 @@ def empty_contraction_is_zero(node: ir.Node, inputs: tuple) -> ir.Node | None:
     return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=np.array(0, node.dtype.numpy))
 
 
+def _reduction_init_is_identity(node: ir.Node, init: ir.Node) -> bool:
+    value = init.attrs["value"] if init.op is Op.CONSTANT else None
+    return value is not None and value.size == 1 and value.reshape(-1)[0].item() == REDUCTIONS[node.attrs["kind"]].identity
+
+
+@rule(Op.REDUCE)
+def reduce_over_unit_dims(node: ir.Node, inputs: tuple) -> ir.Node | None:
+    """A reduction over dims of size 1 only (`x.sum(0)` of a [1, ...] x) reads one element per result: it is x
+    reshaped (then combined with the initial value if that is not the reduction's identity, and converted if the
+    result's dtype differs), not a reduction of one-element rows (a REDUCE over 524,288 rows of one element was
+    22 ms of a FlexAttention backward, docs/performance.md, issue 19). A reduction over other dims too drops
+    its size-1 dims (x reshaped without them), so legalize moves no size-1 dim.
+
+    Exact as the reduction rounds: one element accumulated in fp32 and rounded to its narrow type is the
+    element; max/min/mul/and/or of the identity and x is x. The one difference is the sign of a zero in a float
+    sum: 0 + (-0.0) is +0.0 (eager's sum of one -0.0 is +0.0), the reshape keeps -0.0, as `drop_identity_operand`
+    already drops x + 0 (the two compare equal)."""
+    x, init = inputs
+    dims = tuple(node.attrs["dims"])
+    unit = [d for d in dims if x.shape[d] == 1]
+    if not unit or (len(unit) == len(dims) and init.shape != () and not _reduction_init_is_identity(node, init)):
+        return None
+    squeezed = tuple(s for d, s in enumerate(x.shape) if d not in unit)
+    x = ir.node(Op.RESHAPE, [x], squeezed, x.dtype, node.loc)
+    if len(unit) < len(dims):  # the other dims, numbered in the squeezed operand
+        rest = tuple(d - sum(u < d for u in unit) for d in dims if d not in unit)
+        return ir.node(Op.REDUCE, [x, init], node.shape, node.dtype, node.loc, **{**node.attrs, "dims": rest})
+    if x.dtype != node.dtype:
+        x = ir.node(Op.CONVERT, [x], node.shape, node.dtype, node.loc)
+    if _reduction_init_is_identity(node, init):
+        return x
+    init = ir.node(Op.BROADCAST_IN_DIM, [init], node.shape, init.dtype, node.loc, dims=())
+    return ir.node(Op[REDUCTIONS[node.attrs["kind"]].combine], [x, init], node.shape, node.dtype, node.loc)
+
+
 # the simplifications: canonicalize runs them, and legalize, after it, for what its lowering makes trivial
 SIMPLIFY = (drop_identity_operand, drop_noop_convert, drop_noop_reshape, drop_identity_transpose, merge_reshapes,
             gather_of_consecutive_rows_as_slice, slice_before_broadcast, splat_uniform_constant,
-            empty_contraction_is_zero)
+            empty_contraction_is_zero, reduce_over_unit_dims)
 
 
 def simplify(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
