@@ -34,10 +34,11 @@ one-time costs the others skip; inductor pays its own (its code generators and t
 `--profile FILE` runs neuronc's compilation under cProfile, writes the stats to FILE and prints the hottest
 functions (the stage times of that run are then the profiled ones, slowed by cProfile's per-call cost: the table
 says so; compare stages only between unprofiled runs); `--timing-only` has the emulator time the program
-(`LoadedProgram.time()`) instead of running it: a full forward of the 12-layer model on the emulator takes minutes (measured and printed without the flag), and
-the compile time does not depend on it. `--cpu` measures every time (the stages', the tables') in CPU seconds
-of the process and its waited-for children, all threads summed: on a shared machine wall times grow with the
-load, CPU times much less. `--model hf` needs Hugging Face transformers (`pip install -e .[bench]`).
+(`LoadedProgram.time()`) instead of running it: a full forward of the 12-layer model on the emulator takes
+minutes (measured and printed without the flag), and the compile time does not depend on it. `--cpu` measures
+every time (the stages', the tables') in CPU seconds of the process and its waited-for children, all threads
+summed: on a shared machine wall times grow with the load, CPU times much less. `--model hf` needs Hugging Face
+transformers (`pip install -e .[bench]`).
 """
 from __future__ import annotations
 
