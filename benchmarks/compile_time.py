@@ -32,11 +32,13 @@ one-time costs the others skip; inductor pays its own (its code generators and t
     (from the repo root)
 
 `--profile FILE` runs neuronc's compilation under cProfile, writes the stats to FILE and prints the hottest
-functions; `--timing-only` has the emulator time the program (`LoadedProgram.time()`) instead of running it: a
-full forward of the 12-layer model on the emulator takes minutes (measured and printed without the flag), and
-the compile time does not depend on it. `--cpu` measures every time (the stages', the tables') in CPU seconds
-of the process and its waited-for children, all threads summed: on a shared machine wall times grow with the
-load, CPU times much less. `--model hf` needs Hugging Face transformers (`pip install -e .[bench]`).
+functions (the stage times of that run are then the profiled ones, slowed by cProfile's per-call cost: the table
+says so; compare stages only between unprofiled runs); `--timing-only` has the emulator time the program
+(`LoadedProgram.time()`) instead of running it: a full forward of the 12-layer model on the emulator takes
+minutes (measured and printed without the flag), and the compile time does not depend on it. `--cpu` measures
+every time (the stages', the tables') in CPU seconds of the process and its waited-for children, all threads
+summed: on a shared machine wall times grow with the load, CPU times much less. `--model hf` needs Hugging Face
+transformers (`pip install -e .[bench]`).
 """
 from __future__ import annotations
 
@@ -104,7 +106,8 @@ def measure_neuron(model, inputs, kwargs: dict, profile: str | None, numerics: b
     running = runs[0] + sum(loads)
     stages = function.compiled.seconds
     return dict(first=first, running=running, compile=first - running, run=runs[0], load=sum(loads), numerics=numerics,
-                check=sum(checks), output=output, stages=stages, serialise=serialise, neff=function.compiled.neff,
+                profiled=profiler is not None, check=sum(checks), output=output, stages=stages, serialise=serialise,
+                neff=function.compiled.neff,
                 own=sum(v for k, v in stages.items() if "/" not in k),
                 kernels=len(function.compiled.neff.kernels),
                 instructions=sum(len(s) for s in function.compiled.neff.streams.values()),
@@ -194,7 +197,10 @@ def neuron_stages(result: dict) -> list:
     """Lines of where neuronc's compile went, totals first and their parts indented below."""
     stages = result["stages"]
     ours = sum(v for k, v in stages.items() if "/" not in k)
-    lines = [f"  Dynamo + AOTAutograd + backend glue {result['compile'] - ours:8.2f} s",
+    lines = ["  (--profile: every time below was taken under cProfile, which adds its cost to each Python call; "
+             "pass/tile_matmuls' pricing (hundreds of small calls) read 2.5-2.8x its unprofiled time (issue 24 "
+             "part 6). Compare stages only between runs without --profile.)"] if result.get("profiled") else []
+    lines += [f"  Dynamo + AOTAutograd + backend glue {result['compile'] - ours:8.2f} s",
              f"  neuronc                             {ours:8.2f} s"]
     for total, value in stages.items():
         if "/" in total:

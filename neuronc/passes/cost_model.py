@@ -40,12 +40,16 @@ def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
     analytic prices below: an order, not a verdict) until TIMED_INSTRUCTIONS are spent or the formula prices the
     next option above FORMULA_MARGIN times the least time found (at least one option is timed); without ``timed``
     (no compiler around), the least ``formula``. Equal times: the least ``tie``, then the formula's order."""
-    ranked = sorted(options, key=formula)
+    # Each option's formula evaluated once (it replays the kernel's schedule step by step: most of tile_matmuls'
+    # time at -O2), in the options' order, so equal prices keep their order as a stable sort would.
+    estimates = [formula(option) for option in options]
+    order = sorted(range(len(options)), key=estimates.__getitem__)
     if timed is None:
-        return min(ranked, key=lambda option: (formula(option), tie(option)))
+        return options[min(order, key=lambda i: (estimates[i], tie(options[i])))]
     priced, spent = {}, 0
-    for option in ranked:
-        if priced and (spent >= TIMED_INSTRUCTIONS or formula(option) > FORMULA_MARGIN * min(priced.values())):
+    for i in order:
+        option = options[i]
+        if priced and (spent >= TIMED_INSTRUCTIONS or estimates[i] > FORMULA_MARGIN * min(priced.values())):
             break
         priced[option], instructions = timed(option)
         spent += instructions
