@@ -144,3 +144,44 @@ def test_dropout2d_drops_whole_channels():
     assert 0 < dropped.all(-1).float().mean() < 1
     kept = ~dropped.all(-1)
     torch.testing.assert_close(out.flatten(2)[kept], x.flatten(2)[kept] * 2)
+
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu_tensors", "neuron_tensors"])
+def test_checkpointed_dropout_backward_redraws_the_forward_mask_on_the_device(on_device, request, monkeypatch):
+    """Activation checkpointing recomputes the block in the backward graph (run_with_rng_state): its dropout
+    must draw the forward's mask (run_and_save_rng_state's saved state), on the device, without a CPU piece.
+    Another dropout drawn first puts the block's draw at a later element of the stream than the first."""
+    from torch.utils.checkpoint import checkpoint
+
+    device = request.getfixturevalue("neuron") if on_device else torch.device("cpu")
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    torch.manual_seed(2)
+    block = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Dropout(0.5)).train().to(device)
+
+    def fn(x, y):
+        noise = F.dropout(y, 0.5, training=True)
+        return checkpoint(block, x, use_reentrant=False), noise
+
+    x = torch.randn(16, 32).to(device).requires_grad_()
+    y = torch.rand(16, 48).add(0.5).to(device)
+    compiles, partitioned = backend.compile_count(), partition.partitioned_graphs
+    out, noise = _compiled(fn)(x, y)
+    grad = torch.randn(out.shape).to(device)
+    out.backward(grad)
+    assert backend.compile_count() - compiles == 2  # one forward and one backward NEFF, no CPU pieces between
+    assert partition.partitioned_graphs == partitioned
+    assert 0 < (noise != 0).float().mean().item() < 1
+
+    out, grad = out.detach().cpu(), grad.cpu()
+    kept = out != 0  # dropped, or cut by the ReLU (whose gradient is 0 there too)
+    assert 0.1 < kept.float().mean() < 0.4  # about half of ReLU's half kept
+    x_eager = x.detach().cpu().requires_grad_()
+    w_eager = block[0].weight.detach().cpu().requires_grad_()
+    b_eager = block[0].bias.detach().cpu().requires_grad_()
+    eager = F.relu(x_eager @ w_eager.T + b_eager) * kept / 0.5
+    eager.backward(grad)
+    torch.testing.assert_close(out, eager.detach())
+    torch.testing.assert_close(x.grad.cpu(), x_eager.grad)
+    torch.testing.assert_close(block[0].weight.grad.cpu(), w_eager.grad)
+    torch.testing.assert_close(block[0].bias.grad.cpu(), b_eager.grad)

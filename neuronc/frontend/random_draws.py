@@ -16,6 +16,14 @@ advance it; for CPU tensors, a seed drawn from torch's default CPU generator).
 This is inductor's design (``replace_random.py``: random ops become ``inductor_random`` of a seed input) with the
 device's counter-based generator: AOTAutograd saves dropout's mask for the backward graph, so the backward
 never draws again and its gradient uses the forward's mask.
+
+Activation checkpointing recomputes instead of saving: AOTAutograd wraps the forward's random op in
+``run_and_save_rng_state(op, *args)`` -> (state, op's outputs) and the backward's in
+``run_with_rng_state(state, op, *args)``, which must draw the same numbers. Here the forward's op is drawn as
+usual and its saved state is ``[seed, offset + first]`` (int64[2], computed on the device from the graph's
+state); the backward's op draws from that saved state (one of its inputs) from element 0, and reserves nothing
+of the generator. The state only travels between neuronc's own forward and backward graphs, so its format is
+neuronc's, not torch's CPU generator state (uint8[5056]) that AOTAutograd's fake values describe.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
 
 STATE_NAME = "rng_state"
+SAVED_STATE_NAME = "rng_state_in"  # the graph's state as an FX placeholder, when a saved state is computed from it
 MAX_INTEGER_SPAN = 2 ** 24  # what an fp32 uniform resolves exactly (codegen/rng.py's MAX_INTEGER_SPAN)
 
 
@@ -42,19 +51,21 @@ class Draw:
     dtype: DType
     first: int
     loc: DebugLoc
+    state: str | None = None  # a saved state's placeholder it replays (run_with_rng_state), or None: the graph's
 
 
 @dataclasses.dataclass
 class Draws:
     draws: list
+    state_input: str | None = None  # the placeholder of the graph's state, if saved states are computed from it
 
     @property
     def count(self) -> int:
         """Numbers of the generator's stream one call of the graph uses."""
-        return sum(math.prod(d.shape) for d in self.draws)
+        return sum(math.prod(d.shape) for d in self.draws if d.state is None)
 
     def fingerprint(self) -> str:
-        return repr([(d.shape, d.dtype.name, d.first) for d in self.draws])
+        return repr([(d.shape, d.dtype.name, d.first, d.state) for d in self.draws])
 
 
 def _float_dtypes():
@@ -117,9 +128,54 @@ def _recipe(node):
     return None
 
 
+def _rng_wrappers() -> tuple:
+    import torch
+
+    return torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state
+
+
+def _wrapped(node):
+    """(saved state or None, a stand-in node of the random op) of a run_and_save_rng_state /
+    run_with_rng_state node (see the module docstring), or None for any other node."""
+    import types
+
+    import torch
+
+    saving, replaying = _rng_wrappers()
+    if node.op != "call_function" or node.target not in (saving, replaying):
+        return None
+    state, (op, *args) = (None, node.args) if node.target is saving else (node.args[0], node.args[1:])
+    kwargs = dict(node.kwargs)
+
+    def fake(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    fake_args = [fake(a) for a in args]
+    modes = [v.fake_mode for v in fake_args if hasattr(v, "fake_mode")]
+    if not modes:
+        return None
+    with modes[0]:
+        val = op(*fake_args, **kwargs)
+    return state, types.SimpleNamespace(op="call_function", target=op, args=tuple(args), kwargs=kwargs,
+                                        meta={"val": val}, name=node.name, users={})
+
+
+def _found(node):
+    """(recipe, arguments, saved state or None, wrapper or None) of a random op the device draws, or None."""
+    wrapped = _wrapped(node)
+    if wrapped is not None:
+        state, inner = wrapped
+        found = _recipe(inner)
+        return None if found is None else (*found, state, inner)
+    found = _recipe(node)
+    return None if found is None else (*found, None, None)
+
+
 def is_random(node) -> bool:
     """Whether the node is a random op that :func:`cut_random_ops` turns into device draws."""
-    return _recipe(node) is not None
+    return _found(node) is not None
 
 
 def has_random_ops(gm) -> bool:
@@ -133,6 +189,8 @@ class _Builder:
         self.gm, self.graph, self.fake_mode, self.locations = gm, gm.graph, fake_mode, locations
         self.draws: list = []
         self.first = 0
+        self.replayed = None  # (saved state's placeholder name, next element) while emitting a run_with_rng_state
+        self.own_state = None  # the graph's state as an FX placeholder, once a saved state needs it
 
     def draw(self, at, shape: tuple, dtype) -> object:
         import torch
@@ -142,15 +200,35 @@ class _Builder:
         device = (val[0] if isinstance(val, (tuple, list)) else val).device  # the graph's (neuron or CPU)
         with self.fake_mode:
             placeholder.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
-        self.draws.append(Draw(placeholder.name, tuple(shape), torch_dtypes()[dtype], self.first,
-                               self.locations.get(at.name, DebugLoc(op=str(at.target)))))
-        self.first += math.prod(shape)
+        loc = self.locations.get(at.name, DebugLoc(op=str(at.target)))
+        if self.replayed is not None:
+            state, first = self.replayed
+            self.draws.append(Draw(placeholder.name, tuple(shape), torch_dtypes()[dtype], first, loc, state))
+            self.replayed = state, first + math.prod(shape)
+        else:
+            self.draws.append(Draw(placeholder.name, tuple(shape), torch_dtypes()[dtype], self.first, loc))
+            self.first += math.prod(shape)
         return placeholder
+
+    def saved_state(self, device):
+        """The state a run_and_save_rng_state saves before its op draws: [seed, offset + first], int64[2]."""
+        import torch
+
+        if self.own_state is None:
+            self.own_state = new_last_placeholder(self.graph, SAVED_STATE_NAME)
+            with self.fake_mode:
+                self.own_state.meta["val"] = torch.empty((2,), dtype=torch.int64, device=device)
+        aten = torch.ops.aten
+        seed = self.call(aten.slice.Tensor, self.own_state, 0, 0, 1)
+        offset = self.call(aten.slice.Tensor, self.own_state, 0, 1, 2)
+        return self.call(aten.cat.default, [seed, self.call(aten.add.Tensor, offset, self.first)])
 
     def call(self, target, *args):
         import torch.fx
 
         def fake(a):
+            if isinstance(a, (list, tuple)):
+                return [fake(e) for e in a]
             return a.meta["val"] if isinstance(a, torch.fx.Node) else a
 
         node = self.graph.call_function(target, args)
@@ -224,23 +302,62 @@ def cut_random_ops(gm, locations: dict) -> Draws:
     module docstring). Returns the draws, in the order of their placeholders."""
     b = _Builder(gm, _fake_mode(gm), locations)
     for node in list(gm.graph.nodes):
-        found = _recipe(node)
+        found = _found(node)
         if found is None:
             continue
+        recipe, args, state, inner = found
+        if inner is not None:
+            _cut_wrapped(b, gm, node, recipe, args, state, inner)
+            continue
         with gm.graph.inserting_before(node):
-            values = _emit(b, node, *found)
-        getters = [u for u in node.users if u.target is operator.getitem]
-        if getters:
-            for g in getters:
-                g.replace_all_uses_with(values[g.args[1]])
-                gm.graph.erase_node(g)
-        else:
-            node.replace_all_uses_with(values[0])
+            values = _emit(b, node, recipe, args)
+        _replace_outputs(gm, node, values)
         gm.graph.erase_node(node)
     if b.draws:
         gm.graph.lint()
         gm.recompile()
-    return Draws(b.draws)
+    return Draws(b.draws, None if b.own_state is None else b.own_state.name)
+
+
+def _replace_outputs(gm, node, values) -> None:
+    """``node``'s uses replaced by ``values`` (its getitems', or its own if it has one output)."""
+    getters = [u for u in node.users if u.target is operator.getitem]
+    if getters:
+        for g in getters:
+            g.replace_all_uses_with(values[g.args[1]])
+            gm.graph.erase_node(g)
+    else:
+        node.replace_all_uses_with(values[0])
+
+
+def _cut_wrapped(b: _Builder, gm, node, recipe: str, args: tuple, state, inner) -> None:
+    """A run_and_save_rng_state (state None) or run_with_rng_state node as draws (see the module docstring)."""
+    import torch
+
+    val = inner.meta["val"]
+    device = (val[0] if isinstance(val, (tuple, list)) else val).device
+    with gm.graph.inserting_before(node):
+        if state is None:
+            saved = b.saved_state(device)
+        else:  # the saved state: neuronc's int64[2], whatever AOTAutograd's fake value says
+            with b.fake_mode:
+                state.meta["val"] = torch.empty((2,), dtype=torch.int64, device=device)
+            b.replayed = state.name, 0
+        values = _emit(b, inner, recipe, args)
+        b.replayed = None
+    values = values if isinstance(val, (tuple, list)) else values[0]
+    if state is None:  # (state, op's outputs)
+        for g in [u for u in node.users if u.target is operator.getitem]:
+            if g.args[1] == 0:
+                g.replace_all_uses_with(saved)
+            elif isinstance(values, tuple):
+                _replace_outputs(gm, g, values)
+            else:
+                g.replace_all_uses_with(values)
+            gm.graph.erase_node(g)
+    else:
+        _replace_outputs(gm, node, values if isinstance(values, tuple) else (values,))
+    gm.graph.erase_node(node)
 
 
 def splice_draws(graph: ir.Graph, draws: Draws) -> ir.Graph:
@@ -249,20 +366,27 @@ def splice_draws(graph: ir.Graph, draws: Draws) -> ir.Graph:
     if not draws.draws:
         return graph
     by_name = {d.name: d for d in draws.draws}
-    kept = [p for p in graph.params if p.attrs["name"] not in by_name]
+    own = draws.count > 0 or draws.state_input is not None
+    kept = [p for p in graph.params if p.attrs["name"] not in by_name and p.attrs["name"] != draws.state_input]
     state = ir.node(ir.Op.PARAMETER, [], (2,), DType.I64, None, index=len(kept), name=STATE_NAME, kind="input")
     renumbered = {p: i for i, p in enumerate(kept)}
+    saved = {}  # a saved state's parameter (run_with_rng_state's), by name
 
     def replace(node, inputs):
         if node.op is not ir.Op.PARAMETER:
             return None
-        draw = by_name.get(node.attrs["name"])
+        name = node.attrs["name"]
+        if name == draws.state_input:
+            return state
+        draw = by_name.get(name)
         if draw is not None:
-            return ir.node(ir.Op.RANDOM, [state], draw.shape, draw.dtype, draw.loc, first=draw.first)
+            source = state if draw.state is None else saved[draw.state]
+            return ir.node(ir.Op.RANDOM, [source], draw.shape, draw.dtype, draw.loc, first=draw.first)
         if node.attrs["index"] != renumbered[node]:
-            return dataclasses.replace(node, attrs={**node.attrs, "index": renumbered[node]}, id=next(ir._ids))
-        return None
+            node = dataclasses.replace(node, attrs={**node.attrs, "index": renumbered[node]}, id=next(ir._ids))
+        saved[name] = node
+        return node
 
     rewritten = graph.rewrite(replace)
-    params = [p for p in rewritten.params if p.op is ir.Op.PARAMETER] + [state]
+    params = [p for p in rewritten.params if p.op is ir.Op.PARAMETER and p is not state] + ([state] if own else [])
     return ir.Graph(params, rewritten.outputs, graph.name)
