@@ -133,7 +133,7 @@ class _Printer:
 
     @staticmethod
     def _key(key) -> str:
-        if isinstance(key, str) and re.fullmatch(r"[A-Za-z_]\w*", key):
+        if isinstance(key, str) and re.fullmatch(r"[A-Za-z_]\w*", key) and key not in ("inf", "nan"):  # (numbers)
             return key
         if isinstance(key, (str, int)) and not isinstance(key, bool):
             return json.dumps(key)

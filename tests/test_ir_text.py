@@ -173,6 +173,12 @@ def test_a_wide_unsigned_constant_parses_back_exactly():
     assert_round_trips(ir.Graph([p], [ir.node(Op.CONSTANT, [], (2,), DType.U64, None, value=value)], "main"))
 
 
+def test_an_attribute_key_spelled_like_a_number_parses_back():
+    """`inf` and `nan` are numbers to the parser, so as keys they are quoted (hypothesis found {'inf': None})."""
+    p = ir.node(Op.PARAMETER, [], (2,), DType.F32, None, index=0, name="p0", kind="input")
+    assert_round_trips(ir.Graph([p], [ir.node(Op.NEGATE, [p], (2,), DType.F32, None, inf=None, nan=1)], "main"))
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.from_regex(r"[a-z_]\w{0,8}", fullmatch=True), attribute_values, max_size=4))
 def test_every_kind_of_attribute_value_parses_back_to_an_equal_value(attrs):
