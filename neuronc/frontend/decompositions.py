@@ -114,23 +114,18 @@ def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation
                           output_mask):
     """The gradients of a convolution, as convolutions. torch-mlir lowers `convolution_backward` only for a plain
     2-D convolution without groups or dilation, and not when an output padding is needed (an odd size with a
-    stride), so every form is decomposed here. A plain convolution's input gradient is the transposed convolution of the output's
-    gradient (taken uncropped, then the input's window of it: torch-mlir lowers no output padding with dilation); a transposed convolution is the adjoint of
-    the plain one by the same weight, so its input gradient is that plain convolution of the output's gradient.
+    stride), so every form is decomposed here. A plain convolution's input gradient is the transposed convolution
+    of the output's gradient (`_windowed_transposed_convolution`); a transposed convolution is the adjoint of the
+    plain one by the same weight, so its input gradient is that plain convolution of the output's gradient.
     Weight gradients: `_convolution_weight_gradient`."""
-    spatial = len(stride)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
         if transposed:
-            grad_input = aten.convolution.default(grad, weight, None, stride, padding, dilation, False, [0] * spatial,
-                                                  groups)
-        else:  # uncropped (every tap's position), then the input's window; zeros where no tap reached
-            grad_input = aten.convolution.default(grad, weight, None, stride, [0] * spatial, dilation, True,
-                                                  [0] * spatial, groups)
-            missing = [max(0, p + i - r) for p, i, r in zip(padding, x.shape[2:], grad_input.shape[2:])]
-            grad_input = aten.constant_pad_nd.default(grad_input, [n for m in reversed(missing) for n in (0, m)])
-            grad_input = grad_input[(..., *(slice(p, p + i) for p, i in zip(padding, x.shape[2:])))]
-        grad_input = grad_input[(..., *(slice(0, i) for i in x.shape[2:]))]
+            grad_input = aten.convolution.default(grad, weight, None, stride, padding, dilation, False,
+                                                  [0] * len(stride), groups)
+            grad_input = grad_input[(..., *(slice(0, i) for i in x.shape[2:]))]
+        else:
+            grad_input = _windowed_transposed_convolution(grad, weight, stride, padding, dilation, groups, x.shape[2:])
     if output_mask[1]:
         grad_weight = (_convolution_weight_gradient(grad, x, weight.shape, stride, padding, dilation, groups)
                        if transposed else
@@ -142,19 +137,25 @@ def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation
 
 def _transposed_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """A transposed convolution whose output padding reaches past its stride (allowed below its dilation), which
-    torch-mlir does not lower: taken uncropped, then its window of the output, zeros where no tap reached."""
+    torch-mlir does not lower: windowed from its uncropped form, the bias added after."""
     if not transposed or not any(output_padding) or (all(d == 1 for d in dilation)
                                                      and all(o < s for o, s in zip(output_padding, stride))):
         return NotImplemented
-    spatial = len(stride)
-    full = aten.convolution.default(x, weight, bias, stride, [0] * spatial, dilation, True, [0] * spatial, groups)
     sizes = [(i - 1) * s - 2 * p + d * (k - 1) + o + 1
              for i, s, p, d, k, o in zip(x.shape[2:], stride, padding, dilation, weight.shape[2:], output_padding)]
+    output = _windowed_transposed_convolution(x, weight, stride, padding, dilation, groups, sizes)
+    return output if bias is None else output + bias.view(-1, *[1] * len(stride))
+
+
+def _windowed_transposed_convolution(x, weight, stride, padding, dilation, groups, sizes):
+    """The transposed convolution of ``x`` whose output has the spatial ``sizes``: taken uncropped (every tap's
+    position, no padding and no output padding, which torch-mlir does not lower with dilation), then its window
+    from ``padding`` on, zeros where no tap reached."""
+    spatial = len(stride)
+    full = aten.convolution.default(x, weight, None, stride, [0] * spatial, dilation, True, [0] * spatial, groups)
     missing = [max(0, p + n - f) for p, n, f in zip(padding, sizes, full.shape[2:])]
-    if any(missing):  # unreached positions: the bias alone
-        full = aten.constant_pad_nd.default(full if bias is None else full - bias.view(-1, *[1] * spatial),
-                                            [n for m in reversed(missing) for n in (0, m)])
-        full = full if bias is None else full + bias.view(-1, *[1] * spatial)
+    if any(missing):
+        full = aten.constant_pad_nd.default(full, [n for m in reversed(missing) for n in (0, m)])
     return full[(..., *(slice(p, p + n) for p, n in zip(padding, sizes)))]
 
 
