@@ -508,6 +508,15 @@ def test_a_layer_norm_also_read_by_rows_keeps_its_layout(monkeypatch):
     assert norm.attrs["out_strides"] == (192, 1)
 
 
+class _Lambda(torch.nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
 class _SumOverBatchOfOne(torch.nn.Module):
     def forward(self, x):
         return x.sum(0)
@@ -525,3 +534,13 @@ def test_a_sum_over_a_batch_of_one_is_no_reduction_and_matches_eager(dtype):
     out = torch.from_numpy(np.asarray(run_neff(compiled.neff, arrays).outputs[0], np.float32)).to(dtype)
     assert_matches_eager(out, x.sum(0))
     assert torch.equal(out, x.sum(0))
+
+
+def test_a_sum_of_one_negative_zero_is_positive_zero_as_in_eager():
+    """0 + (-0.0) is +0.0: eager's sum of one -0.0 (over a size-1 dim, or all of a one-element tensor) is +0.0,
+    and so is the compiled one (the reduction's +0.0 initial value is not dropped as an identity)."""
+    x = torch.tensor([[-0.0, 1.0, -0.0]])
+    for f in (lambda t: t.sum(0), lambda t: t.mean(0), lambda t: t[:, :1].sum()):
+        compiled = compile_exported(torch.export.export(_Lambda(f), (x,)), CompileOptions())
+        out = torch.from_numpy(np.asarray(run_neff(compiled.neff, [x.numpy()]).outputs[0]))
+        assert torch.equal(out, f(x)) and torch.equal(out.signbit(), f(x).signbit())

@@ -29,23 +29,49 @@ def test_identities_vanish_and_the_rest_stays():
     assert run_pass(canonicalize, f"""
         graph @f(%0) {{
           %0 = {X.format("4xf32")}
-          %1 = constant() : 4xf32 {{value = array<f32>[0.0]}}
-          %2 = add(%0, %1) : 4xf32                 // x + 0
+          %1 = constant() : 4xf32 {{value = array<f32>[-0.0]}}
+          %2 = add(%0, %1) : 4xf32                 // x + (-0)
           %3 = constant() : 4xf32 {{value = array<f32>[1.0]}}
           %4 = multiply(%3, %2) : 4xf32            // 1 * x
           %5 = divide(%4, %3) : 4xf32              // x / 1
-          %6 = subtract(%1, %5) : 4xf32            // 0 - x: not x
+          %6 = subtract(%1, %5) : 4xf32            // -0 - x: not x
           %7 = divide(%3, %6) : 4xf32              // 1 / x: not x
           return %7
         }}""") == canonical(f"""
         graph @f(%0) {{
           %0 = {X.format("4xf32")}
           %1 = constant() : 4xf32 {{value = array<f32>[1.0]}}
-          %2 = constant() : 4xf32 {{value = array<f32>[0.0]}}
+          %2 = constant() : 4xf32 {{value = array<f32>[-0.0]}}
           %3 = subtract(%2, %0) : 4xf32
           %4 = divide(%1, %3) : 4xf32
           return %4
         }}""")
+
+
+def test_a_float_plus_positive_zero_stays_and_minus_positive_zero_vanishes():
+    """(-0.0) + (+0.0) is +0.0: x + 0.0 is not x for floats (eager's sum of one -0.0 is +0.0), x - 0.0 is;
+    for integers both are x."""
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = constant() : 4xf32 {{value = array<f32>[0.0]}}
+          %2 = subtract(%0, %1) : 4xf32
+          %3 = add(%2, %1) : 4xf32
+          return %3
+        }}""") == canonical(f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xf32")}
+          %1 = constant() : 4xf32 {{value = array<f32>[0.0]}}
+          %2 = add(%0, %1) : 4xf32
+          return %2
+        }}""")
+    assert run_pass(canonicalize, f"""
+        graph @f(%0) {{
+          %0 = {X.format("4xi32")}
+          %1 = constant() : 4xi32 {{value = array<i32>[0]}}
+          %2 = add(%0, %1) : 4xi32
+          return %2
+        }}""") == canonical(f"graph @f(%0) {{\n  %0 = {X.format('4xi32')}\n  return %0\n}}")
 
 
 def test_no_op_converts_transposes_and_reshapes_vanish_and_reshape_chains_merge():
@@ -321,7 +347,7 @@ def test_the_rules_compose_to_a_fixed_point_in_one_run():
         graph @f(%0) {{
           %0 = {X.format("6xf32")}
           %1 = reshape(%0) : 2x3xf32
-          %2 = constant() : 3xf32 {{value = array<f32>[0.0]}}
+          %2 = constant() : 3xf32 {{value = array<f32>[-0.0]}}
           %3 = broadcast_in_dim(%2) : 2x3xf32 {{dims = (1,)}}
           %4 = add(%1, %3) : 2x3xf32
           %5 = reshape(%4) : 6xf32
@@ -333,7 +359,8 @@ def test_the_rules_compose_to_a_fixed_point_in_one_run():
 
 def test_a_reduction_over_dims_of_size_one_only_is_a_reshape_of_its_operand():
     """sum(0) of a [1, 3, 4] x, amax over a size-1 dim, a bf16 sum (accumulated in fp32, one element: the element),
-    and prod: each reads one element per result, so each is x reshaped; a reduction over a dim of size 3 stays."""
+    and prod: each reads one element per result, so each is x reshaped (a sum's +0.0 initial value still added: it
+    turns -0.0 into eager's +0.0); a reduction over a dim of size 3 stays."""
     assert run_pass(canonicalize, f"""
         graph @f(%0, %1) {{
           %0 = {X.format("1x3x4xf32")}
@@ -353,12 +380,16 @@ def test_a_reduction_over_dims_of_size_one_only_is_a_reshape_of_its_operand():
           %0 = {X.format("1x3x4xf32")}
           %1 = {Y.format("3x1xbf16")}
           %2 = reshape(%0) : 3x4xf32
-          %3 = reshape(%0) : 3x4xf32
-          %4 = reshape(%1) : 3xbf16
-          %5 = constant() : bf16 {{value = array<bf16>[0.0]}}
-          %6 = reduce(%1, %5) : 1xbf16 {{dims = (0,), kind = "add"}}
-          %7 = reshape(%0) : 3x4xf32
-          return %2, %3, %4, %6, %7
+          %3 = constant() : 3x4xf32 {{value = array<f32>[0.0]}}
+          %4 = add(%2, %3) : 3x4xf32
+          %5 = reshape(%0) : 3x4xf32
+          %6 = reshape(%1) : 3xbf16
+          %7 = constant() : 3xbf16 {{value = array<bf16>[0.0]}}
+          %8 = add(%6, %7) : 3xbf16
+          %9 = constant() : bf16 {{value = array<bf16>[0.0]}}
+          %10 = reduce(%1, %9) : 1xbf16 {{dims = (0,), kind = "add"}}
+          %11 = reshape(%0) : 3x4xf32
+          return %4, %5, %8, %10, %11
         }}""")
 
 

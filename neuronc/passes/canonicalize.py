@@ -128,7 +128,15 @@ def fold_constant(node: ir.Node, inputs: tuple) -> ir.Node | None:
     return ir.node(Op.CONSTANT, [], node.shape, node.dtype, node.loc, value=value)
 
 
-# x op identity == x: (op, which operand may be the identity, the identity's value)
+def _is_identity(value, identity, combine: Op, dtype: DType) -> bool:
+    """Whether `value` is the identity of `combine` on `dtype`. For floats the additive identity is -0.0, not
+    +0.0: (-0.0) + (+0.0) is +0.0 (IEEE 754), so dropping an added +0.0 would turn eager's +0.0 into -0.0."""
+    if value != identity:
+        return False
+    return not (combine is Op.ADD and dtype.is_float and not np.signbit(value))
+
+
+# x op identity == x: (op, which operand may be the identity, the identity's value; x - (+0.0) is x for every x)
 _IDENTITIES = {
     Op.ADD: ((0, 0.0), (1, 0.0)),
     Op.SUBTRACT: ((1, 0.0),),
@@ -139,10 +147,11 @@ _IDENTITIES = {
 
 @rule(*_IDENTITIES)
 def drop_identity_operand(node: ir.Node, inputs: tuple) -> ir.Node | None:
-    """x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1: x."""
+    """x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1: x (for floats x + (-0.0), not x + (+0.0): see `_is_identity`)."""
     for position, identity in _IDENTITIES[node.op]:
         constant, other = inputs[position], inputs[1 - position]
-        if constant.scalar == identity and other.shape == node.shape and other.dtype == node.dtype:
+        if constant.scalar is not None and _is_identity(constant.scalar, identity, node.op, node.dtype) \
+                and other.shape == node.shape and other.dtype == node.dtype:
             return other
     return None
 
@@ -233,7 +242,9 @@ def empty_contraction_is_zero(node: ir.Node, inputs: tuple) -> ir.Node | None:
 
 def _reduction_init_is_identity(node: ir.Node, init: ir.Node) -> bool:
     value = init.attrs["value"] if init.op is Op.CONSTANT else None
-    return value is not None and value.size == 1 and value.reshape(-1)[0].item() == REDUCTIONS[node.attrs["kind"]].identity
+    reduction = REDUCTIONS[node.attrs["kind"]]
+    return value is not None and value.size == 1 and \
+        _is_identity(value.reshape(-1)[0].item(), reduction.identity, Op[reduction.combine], node.dtype)
 
 
 @rule(Op.REDUCE)
@@ -245,9 +256,8 @@ def reduce_over_unit_dims(node: ir.Node, inputs: tuple) -> ir.Node | None:
     its size-1 dims (x reshaped without them), so legalize moves no size-1 dim.
 
     Exact as the reduction rounds: one element accumulated in fp32 and rounded to its narrow type is the
-    element; max/min/mul/and/or of the identity and x is x. The one difference is the sign of a zero in a float
-    sum: 0 + (-0.0) is +0.0 (eager's sum of one -0.0 is +0.0), the reshape keeps -0.0, as `drop_identity_operand`
-    already drops x + 0 (the two compare equal)."""
+    element; max/min/mul/and/or of the identity and x is x. A float sum's +0.0 initial value is not its identity
+    (0 + (-0.0) is +0.0, eager's sum of one -0.0): it stays, added to the reshaped x."""
     x, init = inputs
     dims = tuple(node.attrs["dims"])
     unit = [d for d in dims if x.shape[d] == 1]
