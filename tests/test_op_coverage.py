@@ -671,3 +671,25 @@ def test_a_top_k_of_few_wide_keys_matches_the_stable_sorts_first_k(dtype, descen
         got = run_neff(compile_graph(ir.Graph([p], [top]), CompileOptions()).neff, [x.numpy()]).outputs[0]
         want = torch.sort(x, dim=dim, descending=descending, stable=True)[1].narrow(dim, 0, k)
         assert torch.equal(torch.from_numpy(np.asarray(got)).long(), want)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("rows", [4, 30])
+def test_cdist_matches_eager_forward_and_backward(p, rows):
+    """torch.cdist (no torch-mlir lowering) for every kind of p, below and past ATen's 25-row switch to the
+    matmul form for p = 2, with a repeated row (a zero distance: its gradient is zero, not NaN)."""
+    generator = torch.Generator().manual_seed(rows)
+    a, b = torch.randn(2, rows, 5, generator=generator), torch.randn(2, 7, 5, generator=generator)
+    b[:, 3] = a[:, 1]
+    weights = torch.randn(2, rows, 7, generator=generator)
+    _matches_eager(lambda u, v: torch.cdist(u, v, p), a, b)
+
+    def gradients(fn):
+        u, v = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        (fn(u, v) * weights).sum().backward()
+        return u.grad, v.grad
+
+    distances = lambda u, v: torch.cdist(u, v, p)  # noqa: E731 - the op under test
+    torch._dynamo.reset()
+    for got, want in zip(gradients(torch.compile(distances, backend="neuron")), gradients(distances)):
+        assert_matches_eager(got, want)

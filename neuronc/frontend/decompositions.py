@@ -1728,6 +1728,54 @@ def _shift_by_scalar(shift):
     return shift_by
 
 
+
+CDIST_MM_ROWS = 25  # ATen's cdist_impl: with compute_mode 0, p = 2 uses the matmul form past 25 rows (Distance.cpp)
+
+
+def _cdist_uses_matmul(x1, x2, p, compute_mode) -> bool:
+    mode = 0 if compute_mode is None else compute_mode
+    return p == 2 and (mode == 1 or (mode == 0 and max(x1.shape[-2], x2.shape[-2]) > CDIST_MM_ROWS))
+
+
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    """Distances between the rows of x1 [.., P, M] and of x2 [.., R, M], as ATen's cdist_impl computes them (no
+    lowering in torch-mlir): for p = 2 past 25 rows (or compute_mode 1) the matmul form
+    sqrt(clamp(|a|^2 - 2 a.b + |b|^2, 1e-30)), else from the differences [.., P, R, M]: count of nonzeros (p = 0),
+    sum of |d| (1), sqrt of the sum of squares (2), max |d| (inf), (sum |d|^p)^(1/p)."""
+    if _cdist_uses_matmul(x1, x2, p, compute_mode):
+        return aten._euclidean_dist.default(x1, x2)
+    d = (x1[..., :, None, :] - x2[..., None, :, :]).abs()
+    if p == 0:
+        return (d != 0).to(x1.dtype).sum(-1)
+    if p == 1:
+        return d.sum(-1)
+    if p == 2:
+        return (d * d).sum(-1).sqrt()
+    if p == math.inf:
+        return d.amax(-1) if d.shape[-1] else d.sum(-1)
+    return d.pow(p).sum(-1).pow(1.0 / p)
+
+
+def _cdist_backward(grad, x1, x2, p, distances):
+    """x1's gradient of `_cdist_forward` from the differences (ATen's cdist_backward; autograd calls it again with
+    x1 and x2 exchanged for x2's): sum over x2's rows of grad * dd/dx1, zero where the distance is zero."""
+    d = x1[..., :, None, :] - x2[..., None, :, :]
+    g, dist = grad[..., None], distances[..., None]
+    zero = torch.zeros((), dtype=x1.dtype, device=x1.device)
+    if p == 0:
+        return torch.zeros_like(x1)
+    if p == 1:
+        term = g * d.sign()
+    elif p == math.inf:
+        term = g * d.sign() * (d.abs() == dist).to(x1.dtype)
+    elif p < 2:
+        term = torch.where((dist == 0) | ((d == 0) & (p < 1)), zero, d.sign() * d.abs().pow(p - 1) * g / dist.pow(p - 1))
+    elif p == 2:
+        term = torch.where(dist == 0, zero, g * d / dist)
+    else:
+        term = torch.where(dist == 0, zero, d * d.abs().pow(p - 2) * g / dist.pow(p - 1))
+    return term.sum(-2)
+
 OWN = {
     aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
@@ -1810,6 +1858,8 @@ OWN = {
     aten.lu_unpack.default: _lu_unpack,
     aten._native_multi_head_attention.default: _native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer,
+    aten._cdist_forward.default: _cdist_forward,
+    aten._cdist_backward.default: _cdist_backward,
     **_foreach_decompositions(),
 }
 for _kind in "tuvw":
