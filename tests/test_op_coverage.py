@@ -693,3 +693,27 @@ def test_cdist_matches_eager_forward_and_backward(p, rows):
     torch._dynamo.reset()
     for got, want in zip(gradients(torch.compile(distances, backend="neuron")), gradients(distances)):
         assert_matches_eager(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", [torch.fmod, torch.remainder])
+def test_fmod_and_remainder_of_floats_are_exact(op, dtype):
+    """C's fmod is exact; torch-mlir's a - trunc(a / b) * b rounds twice (fp32 fmod(1e7 + 1, 3) off by units, bf16
+    fmod(-212, 1.5) 0 instead of -0.5): both ops equal eager's bits, broadcast and with a Python scalar divisor."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.cat([torch.randn(4, 250, generator=generator) * 1e4, torch.tensor([[1e7 + 1, -212, 33.25, -7.5]] * 4)], 1)
+    b = torch.randn(4, 1, generator=generator) * 3
+    a, b = a.to(dtype), b.to(dtype)
+    for fn, inputs in ((op, (a, b)), (lambda t: op(t, 1.5), (a,))):
+        torch._dynamo.reset()
+        got, want = torch.compile(fn, backend="neuron", fullgraph=True)(*inputs), fn(*inputs)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_grid_sample_with_reflection_padding_matches_eager():
+    """Reflection padding folds coordinates with fmod by a Python scalar (fmod.Scalar: no torch-mlir lowering)."""
+    generator = torch.Generator().manual_seed(0)
+    image, grid = torch.randn(2, 3, 8, 8, generator=generator), torch.rand(2, 5, 5, 2, generator=generator) * 2.4 - 1.2
+    for mode in ("bilinear", "nearest", "bicubic"):
+        _matches_eager(lambda x, g: torch.nn.functional.grid_sample(x, g, mode=mode, padding_mode="reflection",
+                                                                    align_corners=False), image, grid)

@@ -186,6 +186,13 @@ def _python_remainder(a, b):
     return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
 
 
+def _fmod_by_scalar(a, b):
+    """torch-mlir lowers fmod.Tensor but not fmod.Scalar (grid_sample's reflection padding uses it): the scalar
+    as a 0-d tensor of the promoted dtype (an int tensor modulo 2.5 is float, as in eager)."""
+    dtype = torch.result_type(a, b)
+    return aten.fmod.Tensor(a.to(dtype), torch.scalar_tensor(b, dtype=dtype, device=a.device))
+
+
 def _tuple(value, n: int) -> tuple:
     value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value * n if len(value) == 1 else value
@@ -1789,6 +1796,7 @@ OWN = {
     aten.max_pool3d_with_indices_backward.default: _max_pool3d_with_indices_backward,
     aten.remainder.Tensor: _python_remainder,
     aten.remainder.Scalar: _python_remainder,
+    aten.fmod.Scalar: _fmod_by_scalar,
     aten.sort.stable: _stable_sort,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,

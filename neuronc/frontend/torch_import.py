@@ -286,7 +286,7 @@ def drop_none_outputs(gm) -> list:
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind). Custom ops whose body
     is an NKI kernel are cut out for torch-mlir and come back as custom kernels (frontend/kernel_calls.py)."""
-    from neuronc.frontend import control_flow, flex_attention, kernel_calls
+    from neuronc.frontend import control_flow, exact_fmod, flex_attention, kernel_calls
 
     check_static_shapes(gm)
     control_flow.inline_conditionals(gm)
@@ -296,6 +296,7 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     cut = kernel_calls.GraphCut(gm)
     kernel_calls.cut_kernel_calls(cut, locations)
     flex_attention.cut_flex_attention(cut, locations)
+    exact_fmod.cut_float_fmod(cut, locations)
     sites = cut.finish()
     if flex_attention.decompose_flex_attention(gm):  # what was not cut: as ATen ops
         locations = node_locations(gm)
