@@ -1,7 +1,7 @@
 """Sorts and top-k of rows wider than a tile: chunks a TOPK kernel can take, merged exactly.
 
 The TOPK kernel (MAX8, FIND_INDEX8, MATCH_REPLACE8; codegen/indexing.py) holds a whole row in one SBUF tile, so
-a row of more values than a tile holds (3072 fp32 on trn1) cannot be its operand. This pass rewrites every TOPK
+a row of more values than a tile holds (3584 on trn2, the default target; 3072 on trn1) cannot be its operand. This pass rewrites every TOPK
 over such rows before lower_gather_scatter makes its keys exact, in one of two ways:
 
 - **A top-k of few values (4k <= a tile): the top-k of each tile-wide chunk, then the top-k of the chunks'
@@ -18,13 +18,18 @@ over such rows before lower_gather_scatter makes its keys exact, in one of two w
   equal ones of a lower index. That count is computed with exact int32 comparisons of PyTorch's order key
   (floats as lower_gather_scatter orders them: -0 equal to 0, NaN above +inf; the vector engine compares int32
   keys as integers, not in fp32), blocks of query keys at a time ([rows, block, n] comparisons of at most
-  BLOCK_ELEMENTS), summed per key; each key's index is then written at its rank by one row scatter (DMA). It
-  costs n^2 comparisons per row (~5 vector ops each), where a TOPK sort of a row within a tile costs n / 8
-  rounds of 3 ops over the row. Chosen over the alternatives the ISA allows: a merge sort of TOPK-sorted chunks
-  needs either the same comparisons or a binary search per key (log n dependent single-element gathers, each a
-  DMA), and a bitonic network over chunks needs a power-of-two width, (key, index) compare-exchanges on both
-  digits of a 32-bit key and log^2 n dependent passes; the count is one exact pass with no data-dependent
-  access until the final scatter.
+  BLOCK_ELEMENTS and BLOCK queries), summed per key: keys left of a block count when before or tied, keys right
+  of it when strictly before, and only the block's own square compares indices. Each key's index is then
+  written at its rank by one row scatter (DMA). It costs n^2 comparisons per row, where a TOPK sort of a row
+  within a tile costs n / 8 rounds of 3 ops over the row (on one partition per row): estimated 2.5 ms for a
+  sort of [1, 3600] fp32 and 10.6 ms for [1, 8000] (DMA-bound: each block streams its broadcast key rows from
+  HBM), where one TOPK sort of [1, 3000] fp32 is 12.2 ms. Rows do not share the work (a TOPK sorts 128 rows at
+  once), so many wide rows cost rows x n^2. 64-bit keys are refused (a count on two 32-bit digits is not built).
+  Chosen over the alternatives the ISA allows: a merge sort of TOPK-sorted chunks needs either the same
+  comparisons or a binary search per key (log n dependent single-element gathers, each a DMA), and a bitonic
+  network over chunks needs a power-of-two width, (key, index) compare-exchanges on both 16-bit digits of a
+  32-bit key and log^2 n dependent passes; the count is one exact pass with no data-dependent access until the
+  final scatter.
 """
 from __future__ import annotations
 
@@ -133,7 +138,7 @@ def _ranked(keys: Node, k: int, descending: bool, node: Node) -> Node:
     scattered to its rank."""
     loc, (rows, n) = node.loc, keys.shape
     order = _order_key(keys, node)
-    block = max(1, min(n, BLOCK, BLOCK_ELEMENTS // (rows * n)))
+    block = max(1, min(n, BLOCK, BLOCK_ELEMENTS // max(rows * n, 1)))
     counts = [_rank_block(order, q0, min(n, q0 + block), descending, loc) for q0 in range(0, n, block)]
     rank = counts[0] if len(counts) == 1 else ir.node(Op.CONCATENATE, counts, (rows, n), DType.I32, loc, dimension=1)
     row_start = ir.node(Op.MULTIPLY, [ir.node(Op.IOTA, [], (rows, n), DType.I32, loc, dimension=0),
