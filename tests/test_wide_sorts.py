@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from neuronc import ir
+from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
@@ -133,3 +134,10 @@ def test_no_topk_wider_than_a_tile_is_left(k):
     widths = [node.inputs[0].shape[node.attrs["dimension"]] for node in graph.nodes() if node.op is Op.TOPK]
     assert all(w <= tile_free_elements(ctx.target) for w in widths)
     assert (len(widths) >= 2) if k == 8 else (widths == [])  # chunks and a merge; a count uses no TOPK
+
+
+def test_a_wide_sort_of_64_bit_keys_is_refused_with_the_way_out():
+    p = ir.node(Op.PARAMETER, [], (1, 8000), DType.I64, index=0, name="x", kind="input")
+    top = ir.node(Op.TOPK, [p], (1, 8000), DType.I32, dimension=1, k=8000, descending=True)
+    with pytest.raises(NeuronCompileError, match="rows wider than a tile"):
+        split_wide_sorts(ir.Graph([p], [top]), PassContext())
