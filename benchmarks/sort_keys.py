@@ -6,7 +6,8 @@ ordered as PyTorch orders floats: NaN largest, -0 equal to 0) and an int32 key p
 passes. A TOPK of k < n/3 such keys takes 4 TOPKs of k. Printed: the estimated device time (`run_neff(...)
 .timeline.estimated_ns`) of `torch.sort` and `torch.topk` as torch.compile lowers them (torch-mlir: a top-k is a
 sort of the whole row, then a slice, which passes/top_k.py narrows to a TOPK of k; printed also without that pass),
-and of one TOPK node of k as the eager device lowers top-k.
+and of one TOPK node of k as the eager device lowers top-k; then rows of 8000 values, wider than a tile
+(passes/wide_sorts.py).
 
     .venv/bin/python -m benchmarks.sort_keys
 """
@@ -26,9 +27,12 @@ from neuronc.ir import Op  # noqa: E402
 from neuronc.isa import DType  # noqa: E402
 from neuronc.passes import indexing, pipeline  # noqa: E402
 from neuronc.passes.top_k import top_k_of_sorts  # noqa: E402
+from neuronc.placement import tile_free_elements  # noqa: E402
+from neuronc.targets import get_target  # noqa: E402
 from runtime import run_neff  # noqa: E402
 
 ROWS, SORTED, SEARCHED, K = 128, 512, 1024, 8
+WIDE = 8000  # an OpInfo sort sample's length: wider than a tile
 KEYS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int16": torch.int16}
 
 
@@ -78,6 +82,23 @@ def main() -> None:
             print(f"{name} topk 8 [128, 1024] without passes/top_k.py (a whole-row sort, then a slice): {whole_ms:.2f} ms")
     finally:
         pipeline.PIPELINES.update(levels)
+    wide_rows(rng)
+
+
+def wide_rows(rng: torch.Generator) -> None:
+    """Rows wider than the TOPK kernel's tile (passes/wide_sorts.py): a sort by counting, a top-k by chunks and a
+    merge; beside them a sort of one row that fits a tile (TOPK's digit passes), for scale."""
+    width = tile_free_elements(get_target())
+    print(f"rows wider than a tile ({width} values):")
+    for name, dtype in KEYS.items():
+        x = (torch.randn(1, WIDE, generator=rng) * 1000).to(dtype)
+        sort_ms = _compiled_ms(lambda t: torch.sort(t, dim=1, stable=True), x)
+        top = (torch.randn(ROWS, WIDE, generator=rng) * 1000).to(dtype)
+        topk_ms = _compiled_ms(lambda t: torch.topk(t, K, dim=1), top)
+        print(f"{name:6} sort [1, {WIDE}] {sort_ms:.2f} ms   topk {K} [{ROWS}, {WIDE}] {topk_ms:.2f} ms")
+    x = torch.randn(1, width - 84, generator=rng)
+    one_tile_ms = _compiled_ms(lambda t: torch.sort(t, dim=1, stable=True), x)
+    print(f"fp32   sort [1, {width - 84}] within one tile (TOPK): {one_tile_ms:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def _constant(value, like: Node, loc, dtype: DType | None = None) -> Node:
     return ir.node(Op.CONSTANT, [], like.shape, dtype, loc, value=np.array(value).astype(dtype.numpy))
 
 
-def _float_order(x: Node, loc) -> Node:
+def float_order_key(x: Node, loc) -> Node:
     """int32 keys ordered as PyTorch orders the floats x (a sort, top-k, median): -0 equal to 0, every NaN one
     value above +inf. A non-negative float's IEEE bits order as an int32 does; a negative float's order reversed
     once its bits but the sign are flipped. A narrower float is widened to fp32 first (exactly)."""
@@ -183,7 +183,7 @@ def _exact_sort(node: Node, keys: Node) -> Node | None:
     """A TOPK whose keys it compares exactly: float keys by their order key (in one TOPK when it has at most 24
     varying bits: bf16, fp16, fp8; by digits for fp32), integer keys wider than 24 bits by digits."""
     if keys.dtype.is_float and keys.dtype is not DType.F64:
-        order, bits = _float_order(keys, node.loc), _significant_bits(keys.dtype)
+        order, bits = float_order_key(keys, node.loc), _significant_bits(keys.dtype)
         if bits > _EXACT_BITS:
             return _top_k_by_digits(node, order) if _few(node, keys) else _sort_by_digits(node, order)
         return ir.node(Op.TOPK, [_narrowed(order, bits, node.loc)], node.shape, node.dtype, node.loc, **node.attrs)

@@ -29,10 +29,12 @@ from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
+from neuronc.passes.wide_sorts import split_wide_sorts
 
 O0 = [
     demote_f64,  # first: no pass below computes in float64; a float64 input or output is refused here
     top_k_of_sorts,  # a sort read only in its first k positions (torch-mlir's top-k) as a TOPK of k
+    split_wide_sorts,  # a TOPK of rows wider than a tile: chunks and a merge (top-k of few), or a counting sort
     lower_gather_scatter,  # gathers/scatters as row gathers: their index arithmetic is folded with the rest
     canonicalize,  # rules to a fixed point: constants folded, no-ops dropped, erf and GELU raised, matmuls narrowed
     auto_cast,  # --auto-cast: after canonicalisation (no float64 left), before legalize (sees DOT_GENERAL)
@@ -45,6 +47,7 @@ O1 = O0  # the same passes today
 O2 = [
     demote_f64,  # as -O0: first, nothing below computes in float64
     top_k_of_sorts,  # as -O0: before lower_gather_scatter lowers the TOPK
+    split_wide_sorts,  # as -O0: after top_k_of_sorts (it needs the k a sort is read to), before lower_gather_scatter
     lower_gather_scatter,  # as -O0: index arithmetic folded by canonicalize
     canonicalize,  # as -O0: the canonical forms every pattern below matches
     auto_cast,  # before the convolutions are lowered: it casts CONVOLUTION's operands
