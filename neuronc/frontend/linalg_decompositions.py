@@ -259,8 +259,78 @@ def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     return torch.matmul(u * inverse.unsqueeze(-2), u.mT)
 
 
+# -- histograms (ATen's histogramdd kernels, one dimension) ---------------------------------------------------
+
+def _linspace_edges(left, right, count: int, dtype):
+    """torch.linspace(left, right, count) as ATen's CPU kernel computes it: from both ends, halfway each."""
+    left, right = left.to(dtype), right.to(dtype)
+    step = (right - left) / (count - 1)
+    index = torch.arange(count, device=left.device).to(dtype)
+    from_right = torch.arange(count - 1, -1, -1, device=left.device).to(dtype)
+    return torch.where(torch.arange(count, device=left.device) < count // 2, left + step * index,
+                       right - step * from_right)
+
+
+def _bin_counts(x, edges, position, weight):
+    """hist[b] = the (weighted) number of elements at `position` b, elements outside [edges[0], edges[-1]] and NaN
+    left out; the last bin holds its right edge. A dense one-hot: memory elements x bins."""
+    bins = edges.shape[0] - 1
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    position = torch.where(position >= bins, bins - 1, position)
+    member = (position.unsqueeze(-1) == torch.arange(bins, device=x.device)) & inside.unsqueeze(-1)
+    values = torch.ones_like(x) if weight is None else weight.reshape(-1).to(x.dtype)
+    return torch.where(member, values.unsqueeze(-1), 0.0).sum(0)
+
+
+def _outer_edges(x, low, high, widen: float):
+    """(left, right) as 0-d tensors: the data's extremes when low == high (ATen reads them with .item()), widened
+    by `widen` on each side if still equal."""
+    if low == high and x.numel() > 0:
+        left, right = x.min(), x.max()
+    else:
+        left, right = torch.scalar_tensor(low, dtype=torch.float64), torch.scalar_tensor(high, dtype=torch.float64)
+        left, right = left.to(x.dtype), right.to(x.dtype)
+    same = left == right
+    return torch.where(same, left - widen, left), torch.where(same, right + widen, right)
+
+
+def _histc(x, bins=100, min=0, max=0):
+    """ATen's histc: bin = trunc((x - left) * bins / (right - left)), no search (LINEAR_INTERPOLATION)."""
+    flat = x.reshape(-1)
+    left, right = _outer_edges(flat, float(min), float(max), 1.0)
+    edges = _linspace_edges(left, right, bins + 1, x.dtype)
+    left, right = edges[0], edges[-1]
+    position = ((flat - left) * float(bins) / (right - left)).clamp(min=0).to(torch.int64)
+    return _bin_counts(flat, edges, position, None)
+
+
+def _histogram_of_edges(x, edges, weight, density):
+    flat = x.reshape(-1)
+    position = (flat.unsqueeze(-1) >= edges).sum(-1) - 1  # upper_bound over the edges: the binary search's answer
+    hist = _bin_counts(flat, edges, position, weight)
+    if density:
+        hist = hist / hist.sum() / (edges[1:] - edges[:-1])
+    return hist, edges
+
+
+def _histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
+    """ATen's histogram of `bins` equal bins (LINEAR_INTERPOLATION_WITH_LOCAL_SEARCH: the division's guess
+    corrected against the edges, i.e. the bin the edges say; computed here by counting edges <= x)."""
+    flat = x.reshape(-1)
+    low, high = (float(range[0]), float(range[1])) if range is not None else (0.0, 0.0)
+    left, right = _outer_edges(flat, low, high, 0.5)
+    return _histogram_of_edges(x, _linspace_edges(left, right, bins + 1, x.dtype), weight, density)
+
+
+def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    return _histogram_of_edges(x, bins.to(x.dtype), weight, density)
+
+
 OWN = {
     aten._linalg_svd.default: _linalg_svd,
     aten._linalg_eigh.default: _linalg_eigh,
     aten.linalg_pinv.atol_rtol_tensor: _linalg_pinv,
+    aten.histc.default: _histc,
+    aten.histogram.bin_ct: _histogram_bin_ct,
+    aten.histogram.bins_tensor: _histogram_bins_tensor,
 }
