@@ -288,8 +288,7 @@ def _outer_edges(x, low, high, widen: float):
     if low == high and x.numel() > 0:
         left, right = x.min(), x.max()
     else:
-        left, right = torch.scalar_tensor(low, dtype=torch.float64), torch.scalar_tensor(high, dtype=torch.float64)
-        left, right = left.to(x.dtype), right.to(x.dtype)
+        left, right = torch.scalar_tensor(low, dtype=x.dtype), torch.scalar_tensor(high, dtype=x.dtype)
     same = left == right
     return torch.where(same, left - widen, left), torch.where(same, right + widen, right)
 
