@@ -12,6 +12,10 @@ failure classes tallied (an op that cannot be compiled, a wrong result, a backen
 message), the ops named most often as impossible to compile, and every op with a WRONG RESULT (a compiled
 program that runs and returns other numbers than eager: the worst failure a compiler can have).
 
+Singular vectors and eigenvectors are unique only up to sign: a sample of svd, linalg.svd or linalg.eigh that
+differs from eager strictly but whose values equal eager's, whose factors reconstruct the input and whose vectors'
+magnitudes equal eager's is reported as "equal up to the documented sign freedom", apart: never a pass.
+
 Random ops (dropout, rand_like, bernoulli, ...) cannot match eager's numbers: their outputs are checked for
 shape and dtype only, and counted apart ("random"). A sample whose eager call raises is not counted.
 
@@ -150,6 +154,31 @@ def mismatch(got, want, random: bool) -> str | None:
     return None
 
 
+SIGN_FREE = {"svd", "linalg.svd", "linalg.eigh"}  # outputs with vectors unique only up to sign
+UP_TO_SIGN = "equal up to the documented sign freedom"  # a class of its own, never counted as a pass
+
+
+def equal_up_to_sign(label: str, sample: Sample, got, want) -> bool:
+    """For an op of SIGN_FREE that failed the strict comparison: its values equal eager's (S, eigenvalues), its
+    factors reconstruct the input (U diag(S) Vh; Q diag(L) Q^T as eager's), and the magnitudes of its vectors'
+    columns equal eager's |U| |V| (|Q|), all at the strict tolerances."""
+    got, want = [t.detach() for t in got], [t.detach() for t in want]
+    rtol, atol = TOLERANCES.get(want[0].dtype, (0, 0))
+    same = lambda g, w: g.shape == w.shape and bool(torch.isclose(g, w, rtol=rtol, atol=atol).all())  # noqa: E731
+    if label == "linalg.eigh":
+        (values, vectors), (want_values, want_vectors) = got, want
+        rebuilt = lambda v, q: (q * v.unsqueeze(-2)) @ q.mT  # noqa: E731
+        return (same(values, want_values) and same(rebuilt(values, vectors), rebuilt(want_values, want_vectors))
+                and same(vectors.abs(), want_vectors.abs()))
+    (u, s, v), (want_u, want_s, want_v) = got, want
+    if label == "linalg.svd":  # Vh; torch.svd returns V
+        v, want_v = v.mT, want_v.mT
+    k = s.shape[-1]
+    a = sample.tensors[0].detach()
+    return (same(s, want_s) and same((u[..., :k] * s.unsqueeze(-2)) @ v[..., :k].mT, a)
+            and same(u.abs(), want_u.abs()) and same(v.abs(), want_v.abs()))
+
+
 def classify(err: BaseException) -> tuple:
     """(failure class, ops named) of an exception of a compiled call."""
     text = str(err)
@@ -185,6 +214,9 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool) -> 
         wrong = mismatch([g for g in got_grads if g is not None], [g for g in want_grads if g is not None], random)
         if wrong is not None:
             return ("random" if random else "WRONG GRADIENT"), [], wrong
+    if wrong is not None and op_label(sample.op) in SIGN_FREE and equal_up_to_sign(op_label(sample.op), sample,
+                                                                                   got, want):
+        return UP_TO_SIGN, [], wrong
     if wrong is not None:
         return ("random" if random else "WRONG RESULT"), [], wrong
     return ("random" if random else "pass"), [], ""
@@ -241,6 +273,9 @@ def report(records: list, backends: list) -> None:
             share = f"{100 * passed / len(counted):.1f}% ({passed}/{len(counted)})" if counted else "-"
             print(f"{backend:10s} {key[0]:5s} {key[1]:8s} {share:>22s} {f'{full}/{len(by_op)}':>18s} "
                   f"{len(rows) - len(counted):>7d}")
+            up_to_sign = sum(r["outcome"] == UP_TO_SIGN for r in counted)
+            if up_to_sign:
+                print(f"{'':10s} {'':5s} {'':8s} {up_to_sign:>22d} of them (not passes): {UP_TO_SIGN}")
     for backend in backends:
         rows = [r for r in records if r["backend"] == backend and r["outcome"] not in ("pass", "random")]
         if not rows:

@@ -494,10 +494,11 @@ def refused(op) -> str:
 def _decompositions() -> dict:
     from torch._decomp import decomposition_table
 
-    from neuronc.frontend import decompositions
+    from neuronc.frontend import decompositions, linalg_decompositions
 
     table = dict(decomposition_table)
     table.update(decompositions.OWN)
+    table.update(linalg_decompositions.OWN)
     table.update(OWN_DECOMPOSITIONS)
     for op in UNTRUSTED:
         table.pop(op, None)

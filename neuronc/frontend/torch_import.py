@@ -41,7 +41,7 @@ def decomposition_table() -> dict:
     torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own."""
     import torch
 
-    from neuronc.frontend import decompositions
+    from neuronc.frontend import decompositions, linalg_decompositions
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -53,6 +53,7 @@ def decomposition_table() -> dict:
         aten.upsample_nearest2d, aten._unsafe_index,
     ]))
     table.update(decompositions.OWN)
+    table.update(linalg_decompositions.OWN)
     table.update(decompositions.defined_elsewhere())
     return table
 

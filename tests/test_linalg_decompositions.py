@@ -1,0 +1,181 @@
+"""The SVD, symmetric eigendecomposition, pseudo-inverse and histograms torch-mlir cannot lower, compiled with
+neuronc's own lowerings (frontend/linalg_decompositions.py), strictly on the device, against eager on CPU.
+
+Unique outputs (singular values, eigenvalues, pinv, rank, norms, histograms) are held to the fp32 tolerance.
+Singular vectors and eigenvectors are unique only up to sign (and, for a repeated value, up to a rotation of its
+space): they are held to what defines them (A = U diag(S) Vh, orthonormal columns), to eager's up to sign where
+the value is simple, and to neuronc's documented sign convention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.frontend import linalg_decompositions
+from neuronc.tolerances import TOLERANCES
+
+FP32 = TOLERANCES[torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def strictly_on_the_device(monkeypatch):
+    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+
+
+def _compiled(fn, *inputs):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
+
+
+def _generator():
+    return torch.Generator().manual_seed(0)
+
+
+def _rank_two(m, n, g):
+    return torch.randn(m, 2, generator=g) @ torch.randn(2, n, generator=g)
+
+
+def _batch_with_rank_deficient():
+    """[3, 6, 4]: two random matrices and one of rank 2."""
+    g = _generator()
+    return torch.stack([torch.randn(6, 4, generator=g) * 3, _rank_two(6, 4, g), torch.randn(6, 4, generator=g)])
+
+
+def _assert_orthonormal_columns(q):
+    eye = torch.eye(q.shape[-1]).expand(q.shape[:-2] + (q.shape[-1], q.shape[-1]))
+    torch.testing.assert_close(q.mT @ q, eye, rtol=0, atol=1e-5)
+
+
+def _assert_sign_convention(vectors):
+    """neuronc's convention: each column's largest-magnitude entry is positive."""
+    at = vectors.abs().argmax(-2, keepdim=True)
+    assert bool((torch.gather(vectors, -2, at) > 0).all())
+
+
+def _assert_simple_columns_equal_up_to_sign(got, want, values, ordered_by):
+    """|got| == |want| for the columns whose value is simple (away from its neighbours)."""
+    gaps = torch.diff(values, dim=-1).abs()
+    inf = torch.full(values.shape[:-1] + (1,), float("inf"))
+    simple = torch.minimum(torch.cat([inf, gaps], -1), torch.cat([gaps, inf], -1)) > 1e-3 * ordered_by
+    close = torch.isclose(got.abs(), want.abs(), **FP32).all(-2)
+    assert bool(close[simple].all()), f"{int((~close & simple).sum())} simple columns differ beyond sign"
+
+
+def test_svd_reconstructs_with_eagers_singular_values_and_vectors_up_to_sign():
+    a = _batch_with_rank_deficient()
+    u, s, vh = _compiled(lambda x: torch.linalg.svd(x, full_matrices=True), a)
+    want_u, want_s, want_vh = torch.linalg.svd(a, full_matrices=True)
+    assert u.shape == want_u.shape and s.shape == want_s.shape and vh.shape == want_vh.shape
+    torch.testing.assert_close(s, want_s, **FP32)
+    torch.testing.assert_close(u[..., :4] * s.unsqueeze(-2) @ vh, a, rtol=0, atol=2e-5)
+    _assert_orthonormal_columns(u)  # the full 6 x 6 U: completed past the rank and past n
+    _assert_orthonormal_columns(vh.mT)
+    _assert_sign_convention(vh.mT)
+    scale = want_s[..., :1]
+    _assert_simple_columns_equal_up_to_sign(vh.mT, want_vh.mT, want_s, scale)
+    nonzero = (want_s > 1e-3 * scale)
+    _assert_simple_columns_equal_up_to_sign(u[..., :4], torch.where(nonzero.unsqueeze(-2), want_u[..., :4], u[..., :4]),
+                                            want_s, scale)
+
+
+def test_svd_of_a_wide_matrix_and_torch_svd():
+    a = torch.randn(2, 3, 5, generator=_generator())
+    u, s, v = _compiled(lambda x: torch.svd(x), a)
+    want_u, want_s, want_v = torch.svd(a)
+    torch.testing.assert_close(s, want_s, **FP32)
+    torch.testing.assert_close(u * s.unsqueeze(-2) @ v.mT, a, rtol=0, atol=2e-5)
+    _assert_orthonormal_columns(u)
+    _assert_orthonormal_columns(v)
+    _assert_simple_columns_equal_up_to_sign(u, want_u, want_s, want_s[..., :1])
+
+
+def test_values_built_on_the_svd_match_eager():
+    """svdvals, matrix_rank, pinv, the 2- and nuclear norms, cond: unique, held to the fp32 tolerance."""
+    a = _batch_with_rank_deficient()
+
+    def fn(x):
+        return (torch.linalg.svdvals(x), torch.linalg.matrix_rank(x), torch.linalg.pinv(x),
+                torch.linalg.matrix_norm(x, 2), torch.linalg.matrix_norm(x, "nuc"), torch.linalg.norm(x.mT, 2, (-2, -1)),
+                torch.linalg.cond(x[..., :4, :]))
+
+    got, want = _compiled(fn, a), fn(a)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+    torch.testing.assert_close(got[1], want[1])
+    assert want[1].tolist() == [4, 2, 4]
+    for g, w in zip(got[:1] + got[2:6], want[:1] + want[2:6]):
+        torch.testing.assert_close(g, w, **FP32)
+    torch.testing.assert_close(got[6][[0, 2]], want[6][[0, 2]], **FP32)  # cond of the rank-2 one: 1/rounding
+
+
+def test_eigh_with_a_repeated_eigenvalue():
+    g = _generator()
+    q, _ = torch.linalg.qr(torch.randn(2, 5, 5, generator=g))
+    values = torch.tensor([[1.0, 1.0, 3.0, -2.0, 5.0], [0.5, -4.0, 2.0, 7.0, 3.0]])
+    a = q @ torch.diag_embed(values) @ q.mT
+    a = (a + a.mT) / 2
+    got_values, got_vectors = _compiled(lambda x: torch.linalg.eigh(x), a)
+    want_values, want_vectors = torch.linalg.eigh(a)
+    torch.testing.assert_close(got_values, want_values, **FP32)
+    _assert_orthonormal_columns(got_vectors)
+    _assert_sign_convention(got_vectors)
+    torch.testing.assert_close(got_vectors * got_values.unsqueeze(-2) @ got_vectors.mT, a, rtol=0, atol=2e-5)
+    _assert_simple_columns_equal_up_to_sign(got_vectors, want_vectors, want_values, want_values.abs().amax(-1, True))
+
+
+def test_eigvalsh_reads_one_triangle_and_pinv_and_rank_of_a_hermitian_matrix():
+    g = _generator()
+    a = torch.randn(7, 7, generator=g)  # not symmetric: each UPLO reads its own triangle
+
+    def fn(x):
+        s = x + x.mT
+        return (torch.linalg.eigvalsh(x, UPLO="U"), torch.linalg.eigvalsh(x, UPLO="L"),
+                torch.linalg.pinv(s, hermitian=True), torch.linalg.matrix_rank(s, hermitian=True))
+
+    got, want = _compiled(fn, a), fn(a)
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_, w, **FP32)
+
+
+def test_empty_matrices():
+    a = torch.zeros(0, 5, 5)
+    got = _compiled(lambda x: (torch.linalg.svd(x), torch.linalg.eigh(x), torch.linalg.pinv(x) + 1), a)
+    want = (torch.linalg.svd(a), torch.linalg.eigh(a), torch.linalg.pinv(a) + 1)
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert g.shape == w.shape
+
+
+def test_histograms_count_as_eager():
+    g = _generator()
+    x = torch.cat([torch.randn(40, generator=g) * 3, torch.tensor([float("nan"), 10.0, -10.0, 0.0, 2.0])])
+    weight = torch.rand(45, generator=g)
+    edges = torch.tensor([-3.0, -1.0, 0.0, 0.5, 4.0])
+
+    def fn(t, w, e):
+        return (torch.histc(t, 7, -2, 2), torch.histc(t.nan_to_num(), 5), *torch.histogram(t, 6, range=(-4.0, 4.0)),
+                *torch.histogram(t, e, weight=w, density=True))
+
+    got, want = _compiled(fn, x, weight, edges), fn(x, weight, edges)
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and g_.dtype == w.dtype
+        torch.testing.assert_close(g_, w, **FP32)
+
+
+@pytest.mark.parametrize("n", [3, 5, 8, 12, 16])
+def test_the_unrolled_sweeps_converge_in_fp32_up_to_the_documented_size(n):
+    """The decompositions run eagerly on CPU against LAPACK in fp64, on random, graded and rank-deficient
+    matrices: the limit documented by `sweeps` (no compile, so the sizes are cheap)."""
+    g = _generator()
+    for trial in range(12):
+        a = torch.randn(n + trial % 3, n, generator=g) * 5
+        if trial % 3 == 1:
+            a = a * torch.logspace(0, -4, n)
+        if trial % 4 == 3:
+            a = _rank_two(n + trial % 3, n, g)
+        _, s, _ = linalg_decompositions._linalg_svd(a, False, False)
+        exact = torch.linalg.svdvals(a.double())
+        assert float(((s.double() - exact).abs() / exact[0]).max()) < 1e-5
+        symmetric = a.mT @ a
+        values, _ = linalg_decompositions._linalg_eigh(symmetric)
+        exact = torch.linalg.eigvalsh(symmetric.double())
+        assert float(((values.double() - exact).abs() / exact.abs().max()).max()) < 1e-5
