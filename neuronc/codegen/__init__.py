@@ -42,7 +42,8 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
-    boundary state proves them the same (codegen.sync_replay; the same NEFF). With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
+    boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
+    With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
     cost estimate."""
     timings = {} if timings is None else timings
     start = time.perf_counter()

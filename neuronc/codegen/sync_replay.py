@@ -8,16 +8,17 @@ in between) when that is provably what computing B's waits one by one gives:
 - instruction j of B is on the stream A's instruction j is on under one bijection of streams (DMA queues turn
   round robin), and touches the cells A's touches under one shift per block of cells (an HBM tensor's grid, SBUF,
   PSUM), equal span lengths, distinct blocks onto distinct blocks;
-- the state B starts from matches the one A started from on every cell A touches: writers (and, on the cells A
-  writes, readers) inside their layers alike count from the layer's start; an earlier one either counts alike in
-  both or, in each of them, no stream of the layer could still wait for it (every such stream already waited for
-  that far), so it cannot give a wait;
-- what each stream of the layer had already waited for at the start gives the same decisions for the earlier
-  positions that can still give a wait (and, for positions inside the layer, always the same: they are later).
+- the state B starts from matches the one A started from on every cell A touches, as each stream that touches the
+  cell sees it: the earlier writer (and, for a stream that writes the cell, the earlier readers) that stream has
+  not yet waited for are the same in both, at the same position counted from the layer's start, on corresponding
+  streams; the ones it has waited for give no wait in either (what a stream has waited for only grows).
 Then every instruction of B finds the same hazards as A's, shifted, and emits the same waits; the cells B
 touches end in A's end state shifted (written cells), or their own earlier state with B's reads (cells only
-read), which is exactly what the one-by-one pass leaves. Anything else: B is computed one by one. The check costs
-one visit per distinct cell and per span, not the per-instruction pass over every span's cells.
+read), which is exactly what the one-by-one pass leaves. Anything else: B is computed one by one.
+
+Off by default (codegen.generate's `replay`): exact (tests/test_sync_replay.py compares the NEFF bytes), but the
+check visits every span of every instruction and each distinct pair of cell states, which costs as much CPU as the
+pass it replaces (HF GPT-2, 12 layers: docs/performance.md, issue 24 part 7).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from collections import Counter
 
 from neuronc.codegen.sync import SyncState, _Last
 from neuronc.isa import Wait
-
 
 
 def period(instructions: list, repeats: dict) -> tuple:
