@@ -38,9 +38,11 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
-             timings: dict | None = None, prefetch: bool = False, reuse: bool = True) -> Neff:
+             timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False) -> Neff:
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
+    With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
+    boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
     With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
     cost estimate."""
     timings = {} if timings is None else timings
@@ -71,7 +73,8 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         instructions = prefetch_loads(instructions, grid)
         timings["codegen/prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
-    streams = insert_waits(instructions, plan.tensors, target, grid)
+    streams = insert_waits(instructions, plan.tensors, target, grid,
+                           kernels.price_keys if kernels is not None and replay else None)
     timings["codegen/sync"] = time.perf_counter() - start
     start = time.perf_counter()
     makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)

@@ -82,23 +82,38 @@ class _Regions:
             return Space.HBM, tensor, first // width, last // width + 1, 0, width
         return Space.HBM, tensor, first, last + 1, 0, 1
 
-    @staticmethod
-    def grid(extents) -> dict:
-        """{HBM extent: its box of cells, bounds included}: each block's rows cut at every access's first and stop
-        row, its columns likewise (coarser where that makes more than HBM_CELLS_PER_TENSOR cells)."""
+    def grid(self, extents) -> tuple:
+        """({HBM extent: its box of cells, bounds included}, {block: (its group, rows, columns)} for the blocks cut
+        alike): each block's rows cut at every access's first and stop row, its columns likewise (coarser where that
+        makes more than HBM_CELLS_PER_TENSOR cells). Blocks of one row width are cut at the union of their cuts when
+        that stays within HBM_CELLS_PER_TENSOR (a finer exact grid: the same overlaps, so the same waits and
+        prefetch), so that consecutive layers' activations in different scratch slots are tracked on grids that
+        are the same up to a shift (codegen.sync_replay maps one layer's cells onto the next's)."""
         by_block: dict = {}
         for box in extents:
             by_block.setdefault(box[1], []).append(box)
+        exact = {block: (sorted({box[2] for box in boxes} | {box[3] for box in boxes}),
+                         sorted({box[4] for box in boxes} | {box[5] for box in boxes}))
+                 for block, boxes in by_block.items()}
+        by_width: dict = {}
+        for block in exact:
+            by_width.setdefault(self.widths[block], []).append(block)
+        shared, alike = {}, {}
+        for width, blocks in by_width.items():
+            rows = sorted(set().union(*(exact[block][0] for block in blocks)))
+            columns = sorted(set().union(*(exact[block][1] for block in blocks)))
+            if len(blocks) > 1 and (len(rows) - 1) * (len(columns) - 1) <= HBM_CELLS_PER_TENSOR:
+                for block in blocks:
+                    shared[block] = (rows, columns)
+                    alike[block] = (width, len(rows) - 1, len(columns) - 1)
         cells = {}
         for block, boxes in by_block.items():
-            row_cuts, column_cuts = _cuts(sorted({box[2] for box in boxes} | {box[3] for box in boxes}),
-                                          sorted({box[4] for box in boxes} | {box[5] for box in boxes}),
-                                          HBM_CELLS_PER_TENSOR)
+            row_cuts, column_cuts = shared.get(block) or _cuts(*exact[block], HBM_CELLS_PER_TENSOR)
             for box in boxes:
                 cells[box] = (Space.HBM, block, bisect.bisect_right(row_cuts, box[2]) - 1,
                               bisect.bisect_left(row_cuts, box[3]) - 1, bisect.bisect_right(column_cuts, box[4]) - 1,
                               bisect.bisect_left(column_cuts, box[5]) - 1)
-        return cells
+        return cells, alike
 
     def __call__(self, ap: AccessPattern) -> tuple:
         """An on-chip access's box: (space, -1, first row, last row, first column, last column), bounds included."""
@@ -159,11 +174,13 @@ class _Cells:
     when its accesses are fewer spans so: a few columns of every row, say the heads of a fused qkv projection, are
     a few spans instead of one per row of cells."""
 
-    def __init__(self, boxes: list):
+    def __init__(self, boxes: list, alike: dict):
         reach: dict = {}  # (space, tensor) -> (first row, last row, columns)
         for space, tensor, row0, row1, _c0, col1 in boxes:
             lo, hi, cols = reach.get((space, tensor), (row0, row1, col1 + 1))
             reach[(space, tensor)] = (min(lo, row0), max(hi, row1), max(cols, col1 + 1))
+        for block, (_, rows, cols) in alike.items():  # blocks cut alike: numbered alike, every cell of the grid
+            reach[(Space.HBM, block)] = (0, rows - 1, cols)
         self.blocks, self.count = {}, 0  # (space, tensor) -> (first cell, first row, rows, columns)
         for block, (lo, hi, cols) in reach.items():
             self.blocks[block] = (self.count, lo, hi - lo + 1, cols)
@@ -172,7 +189,12 @@ class _Cells:
         for box in boxes:  # spans numbered by column minus spans numbered by page, over a block's distinct boxes
             if box[:2] in extra_spans:
                 extra_spans[box[:2]] += self._span_count(box, True) - self._span_count(box, False)
-        self.by_column = {block for block, more in extra_spans.items() if more < 0}
+        groups: dict = {}  # blocks cut alike are numbered alike: by column if that makes fewer spans over them all
+        for block in extra_spans:
+            if block[1] in alike:
+                groups[alike[block[1]][0]] = groups.get(alike[block[1]][0], 0) + extra_spans[block]
+        self.by_column = {block for block, more in extra_spans.items()
+                          if (groups[alike[block[1]][0]] if block[1] in alike else more) < 0}
 
     def _span_count(self, box: tuple, by_column: bool) -> int:
         """len(self._spans(box, by_column)), without making them."""
@@ -217,12 +239,15 @@ class HazardGrid:
             for ap in inst.writes:
                 if id(ap) not in extents:
                     extents[id(ap)] = regions.extent(ap)
-        hbm = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
+        hbm, alike = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
         boxes = {key: hbm.get(box, box) for key, box in extents.items()}
         distinct = list(dict.fromkeys(boxes.values()))
-        layout = _Cells(distinct)
+        layout = _Cells(distinct, alike)
         spans = {box: layout.spans(box) for box in distinct}
         self.count = layout.count
+        # the first cell of each block (an HBM tensor's grid, PSUM, SBUF), sorted, and the cell count: a span never
+        # leaves its block (codegen.sync_replay maps one program span's cells onto another's block by block)
+        self.block_starts = sorted(first for first, _, _, _ in layout.blocks.values()) + [layout.count]
         ap_spans = {key: spans[box] for key, box in boxes.items()}
         self._access = {}
         for inst in instructions:
@@ -234,51 +259,74 @@ class HazardGrid:
         return self._access[id(inst)]
 
 
-def insert_waits(instructions: list, tensors: list, target: Target, grid: HazardGrid | None = None) -> dict:
-    """Returns {(engine, queue): [instructions]} with `waits` filled in (`grid`: the program's, if made)."""
+def insert_waits(instructions: list, tensors: list, target: Target, grid: HazardGrid | None = None,
+                 repeats: dict | None = None) -> dict:
+    """Returns {(engine, queue): [instructions]} with `waits` filled in (`grid`: the program's, if made). With
+    `repeats` ({id(instruction): a key equal for the copies of one recorded instruction}: codegen.reuse's), a span of
+    instructions that repeats the one before it takes that span's waits when its boundary state proves them the
+    same (codegen.sync_replay); the waits are those computed one by one either way."""
     grid = grid or HazardGrid(instructions, tensors, target)
-    stream_keys = sorted({inst.stream for inst in instructions})
-    number = {key: n for n, key in enumerate(stream_keys)}
-    cells = [_NEVER] * grid.count
-    known = [[0] * len(stream_keys) for _ in stream_keys]  # [me][other]: count already waited for
-    streams: dict = defaultdict(list)
-    for inst in instructions:
-        me = number[inst.stream]
-        read_spans, write_spans = grid.access(inst)
-        need: dict = {}
-        seen = [set(cells[start:stop]) for start, stop in read_spans]  # the distinct _Last of each span read
-        for last in set().union(*seen):  # read after write
-            if last.writer >= 0 and need.get(last.writer, 0) < last.position:
-                need[last.writer] = last.position
-        for start, stop in write_spans:  # write after write, write after read
-            for last in set(cells[start:stop]):
+    state = SyncState(instructions, grid)
+    if repeats:
+        from neuronc.codegen.sync_replay import replay_repeats  # noqa: PLC0415 - it builds on this module
+        replay_repeats(state, instructions, repeats)
+    else:
+        state.compute(instructions, 0, len(instructions))
+    return dict(state.streams)
+
+
+class SyncState:
+    """The sync pass's state while it walks the program: each tracking cell's `_Last`, what each stream has
+    already waited for, and the streams so far."""
+
+    def __init__(self, instructions: list, grid: HazardGrid):
+        self.grid = grid
+        self.stream_keys = sorted({inst.stream for inst in instructions})
+        self.number = {key: n for n, key in enumerate(self.stream_keys)}
+        self.cells = [_NEVER] * grid.count
+        self.known = [[0] * len(self.stream_keys) for _ in self.stream_keys]  # [me][other]: count already waited for
+        self.streams: dict = defaultdict(list)
+
+    def compute(self, instructions: list, begin: int, end: int) -> None:
+        """Waits of instructions[begin:end], one by one."""
+        grid, cells, known, streams, number, stream_keys = (self.grid, self.cells, self.known, self.streams,
+                                                             self.number, self.stream_keys)
+        for inst in instructions[begin:end]:
+            me = number[inst.stream]
+            read_spans, write_spans = grid.access(inst)
+            need: dict = {}
+            seen = [set(cells[start:stop]) for start, stop in read_spans]  # the distinct _Last of each span read
+            for last in set().union(*seen):  # read after write
                 if last.writer >= 0 and need.get(last.writer, 0) < last.position:
                     need[last.writer] = last.position
-                for other, position in last.reads.items():
-                    if need.get(other, 0) < position:
-                        need[other] = position
-        waits, mine = [], known[me]
-        for other in sorted(need):
-            if other != me and mine[other] < need[other]:
-                waits.append(Wait(*stream_keys[other], need[other]))
-                mine[other] = need[other]
-        inst.waits = tuple(waits)
-        stream = streams[inst.stream]
-        stream.append(inst)
-        position = len(stream)
-        updated: dict = {}  # a _Last -> its value once this instruction read it (one per value, for all spans)
-        for (start, stop), distinct in zip(read_spans, seen):
-            if len(distinct) == 1:
-                last = distinct.pop()
-                if last not in updated:
-                    updated[last] = last.read_by(me, position)
-                cells[start:stop] = [updated[last]] * (stop - start)
-            else:
-                for last in distinct:
+            for start, stop in write_spans:  # write after write, write after read
+                for last in set(cells[start:stop]):
+                    if last.writer >= 0 and need.get(last.writer, 0) < last.position:
+                        need[last.writer] = last.position
+                    for other, position in last.reads.items():
+                        if need.get(other, 0) < position:
+                            need[other] = position
+            waits, mine = [], known[me]
+            for other in sorted(need):
+                if other != me and mine[other] < need[other]:
+                    waits.append(Wait(*stream_keys[other], need[other]))
+                    mine[other] = need[other]
+            inst.waits = tuple(waits)
+            stream = streams[inst.stream]
+            stream.append(inst)
+            position = len(stream)
+            updated: dict = {}  # a _Last -> its value once this instruction read it (one per value, for all spans)
+            for (start, stop), distinct in zip(read_spans, seen):
+                if len(distinct) == 1:
+                    last = distinct.pop()
                     if last not in updated:
                         updated[last] = last.read_by(me, position)
-                cells[start:stop] = [updated.get(last, last) for last in cells[start:stop]]
-        written = _Last(me, position, {})
-        for start, stop in write_spans:
-            cells[start:stop] = [written] * (stop - start)
-    return dict(streams)
+                    cells[start:stop] = [updated[last]] * (stop - start)
+                else:
+                    for last in distinct:
+                        if last not in updated:
+                            updated[last] = last.read_by(me, position)
+                    cells[start:stop] = [updated.get(last, last) for last in cells[start:stop]]
+            written = _Last(me, position, {})
+            for start, stop in write_spans:
+                cells[start:stop] = [written] * (stop - start)

@@ -1,0 +1,108 @@
+"""Repeated layers synchronised once (issue 24): a period of the program that repeats the one before it takes that
+period's waits when its boundary state proves them the same (neuronc/codegen/sync_replay.py). The NEFF is the one the
+sync pass makes instruction by instruction, byte for byte, in this very tree; a period whose boundary differs is
+computed one by one."""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from neuronc import compiler, ir
+from neuronc.codegen import generate, sync_replay
+from neuronc.codegen.sync import insert_waits
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.isa import AccessPattern, DType, Engine, Instruction, Opcode, Space, Wait
+from neuronc.neff import encode
+from neuronc.neff.program import TensorEntry, TensorKind
+from neuronc.targets import get_target
+from tests import zoo
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The outcome of every replay attempted: True where a period took the one before's waits."""
+    outcomes = []
+    replay = sync_replay._replay
+
+    def counting(*args):
+        outcomes.append(replay(*args))
+        return outcomes[-1]
+
+    monkeypatch.setattr(sync_replay, "_replay", counting)
+    return outcomes
+
+
+def _neff_bytes(exported, monkeypatch, replay: bool, options: CompileOptions | None = None) -> bytes:
+    monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
+    monkeypatch.setattr(compiler, "generate", functools.partial(generate, replay=replay))
+    return encode(compile_exported(exported, options or CompileOptions()).neff)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_six_layer_gpt2_makes_the_same_neff_with_replay_attempted(dtype, replays, monkeypatch):
+    """Six layers: a period of two layers (an odd number of kernels per layer) repeats once after the first. On this
+    small model the boundary check refuses the replay (seen, not explained: the HF GPT-2 of the benchmark replays
+    most periods); the NEFF must be the same whatever the check decides."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=64, width=64, layers=6, heads=2, context=32).eval().to(dtype)
+    exported = torch.export.export(model, (torch.randint(0, 64, (1, 32)),))
+    replayed = _neff_bytes(exported, monkeypatch, True)
+    assert replays  # a repeated period was found and its replay attempted
+    assert replayed == _neff_bytes(exported, monkeypatch, False)
+
+
+@pytest.mark.parametrize("level", [0])
+def test_an_mlp_stack_makes_the_same_neff_with_its_blocks_synchronised_once(level, replays, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())]).eval()
+    exported = torch.export.export(model, (torch.randn(32, 64),))
+    replayed = _neff_bytes(exported, monkeypatch, True, CompileOptions(opt_level=level))
+    assert any(replays)
+    assert replayed == _neff_bytes(exported, monkeypatch, False, CompileOptions(opt_level=level))
+
+
+def _copy(queue: int, kernel: int, dst: AccessPattern, src: AccessPattern) -> Instruction:
+    return Instruction(Opcode.DMA_COPY, Engine.DMA, (dst, src), queue=queue, kernel=kernel)
+
+
+def _rows(first: int, rows: int = 64) -> AccessPattern:
+    """`rows` rows of a [512, 64] fp32 HBM tensor from row `first`."""
+    return AccessPattern(Space.HBM, DType.F32, first * 64 * 4, ((64, rows), (1, 64)))
+
+
+SBUF_TILE = AccessPattern(Space.SBUF, DType.F32, 0, ((1, 64), (1, 64)))
+
+
+def _program(earlier_write: bool) -> tuple:
+    """(instructions, repeats): three periods of one load (queue 0, rows 0, 64, 128) and one store (queue 1, rows
+    256, 320, 384) through one SBUF tile, after an access of queue 5: with `earlier_write`, a write of rows 128-191,
+    which only the third period reads (its load must wait for it, the second period's load did not); else a load of
+    rows 0-191 (the periods' inputs, only read: nothing to wait for). The second period is not the first's replay
+    either way: its load overwrites the tile the first period's store read (a wait the first period's load did not
+    have)."""
+    other = AccessPattern(Space.SBUF, DType.F32, 65536, ((1, 128), (1, 64)))
+    first = [_copy(5, 0, _rows(128), other) if earlier_write else _copy(5, 0, other, _rows(0, 192))]
+    periods = [[_copy(0, 1 + k, SBUF_TILE, _rows(64 * k)), _copy(1, 1 + k, _rows(256 + 64 * k), SBUF_TILE)]
+               for k in range(3)]
+    instructions = first + [inst for period in periods for inst in period]
+    repeats = {id(inst): ("layer", row) for period in periods for row, inst in enumerate(period)}
+    return instructions, repeats
+
+
+TENSORS = [TensorEntry("x", TensorKind.SCRATCH, DType.F32, (512, 64), 0)]
+
+
+@pytest.mark.parametrize("earlier_write", [False, True])
+def test_a_period_takes_the_waits_of_the_one_before_only_when_its_boundary_gives_the_same(earlier_write, replays):
+    alone, _ = _program(earlier_write)
+    insert_waits(alone, TENSORS, get_target("trn2"))
+    instructions, repeats = _program(earlier_write)
+    insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
+    assert replays == [False, not earlier_write]  # the earlier write to the third period's rows is seen: refused
+    assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
+    assert Wait(Engine.DMA, 1, 1) in instructions[3].waits  # the second load waits for the first store's read
+    assert (Wait(Engine.DMA, 5, 1) in instructions[5].waits) == earlier_write
