@@ -78,13 +78,12 @@ def device_seconds(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def run(name: str, options) -> list:
+def run(name: str, options):
     from neuronc.pytorch import backend, eager
 
     model = build(name, options.layers, options.width)
     prompt = torch.randint(1, 512, (1, options.prompt))
     settings = dict(max_new_tokens=options.tokens, min_new_tokens=options.tokens, do_sample=False, pad_token_id=0)
-    rows = []
 
     def best(fn) -> tuple:
         runs = [timed(fn) for _ in range(options.repeat)]
@@ -93,7 +92,7 @@ def run(name: str, options) -> list:
     with torch.no_grad():
         model.generate(prompt, **settings)  # warm-up
         cpu_s, cpu_cpu, expected = best(lambda: model.generate(prompt, **settings))
-        rows.append((name, "cpu eager (warm)", cpu_s, cpu_cpu, cpu_s, cpu_cpu, True, None))
+        yield ((name, "cpu eager (warm)", cpu_s, cpu_cpu, cpu_s, cpu_cpu, True, None))
 
         on_device = model.to("neuron")
         device_prompt = prompt.to("neuron")
@@ -107,11 +106,11 @@ def run(name: str, options) -> list:
             warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
             device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
             same = torch.equal(tokens, expected)
-            rows.append((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
-            rows.append((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
+            yield ((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
+            yield ((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
 
         if options.eager_only:
-            return rows
+            return
         forward = on_device.forward
         for mode in options.compiled.split("+"):
             cache, dynamic = COMPILED_MODES[mode]
@@ -124,11 +123,10 @@ def run(name: str, options) -> list:
             warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
             device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
             same = torch.equal(tokens, expected)
-            rows.append((name, f"neuron compiled {mode}, cold ({graphs} graphs)", cold, cold_cpu, cpu_s, cpu_cpu,
+            yield ((name, f"neuron compiled {mode}, cold ({graphs} graphs)", cold, cold_cpu, cpu_s, cpu_cpu,
                          same, None))
-            rows.append((name, f"neuron compiled {mode}, warm", warm, warm_cpu, cpu_s, cpu_cpu, same,
+            yield ((name, f"neuron compiled {mode}, warm", warm, warm_cpu, cpu_s, cpu_cpu, same,
                          options.tokens / device_s))
-    return rows
 
 
 def _compiled_modes(text: str) -> str:
