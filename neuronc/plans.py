@@ -326,6 +326,7 @@ class AttentionPlan:
     # logits, and per query tile the key blocks visited, each (first key, keys, whether the mask tensor is read)
     score_mod: tuple = ()
     key_visits: tuple = ()
+    out_tiles: int = 1  # whole query tiles of a head stored together (passes/attention.py output_tiles)
 
     @property
     def batch(self) -> int:

@@ -16,7 +16,7 @@ from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.frontend.tensors import dtype_of, from_numpy, to_numpy
 from neuronc.ir import Op
-from neuronc.isa import DType, Opcode
+from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
 from runtime import run_neff
 from runtime.metrics import matmul_flops
@@ -105,14 +105,22 @@ def test_each_key_block_makes_its_probabilities_in_one_scalar_instruction_and_th
     assert_matches_eager(out, model(*inputs))
 
 
-def test_a_bf16_kernel_makes_the_rounded_logits_and_their_row_min_in_one_pass():
-    """1/sqrt(64) is a power of two, so round(round(S) / 8) is round(S / 8): one TENSOR_SCALAR_REDUCE per key
-    block of 1024 (two PSUM banks) makes the logits (negated) and the exp's bias, their row min."""
+def test_a_bf16_kernel_makes_the_rounded_logits_in_one_pass_over_the_scores():
+    """1/sqrt(64) is a power of two, so round(round(S) / 8) is round(S / 8): one pass over each key block of 1024
+    (two PSUM banks) makes the logits (negated), either a Vector TENSOR_SCALAR_REDUCE making their row min, the
+    exp's bias, in the same pass, or a Scalar ACTIVATE whose logits GpSimd then takes the row min of in SBUF."""
     model, inputs = MaskedFillAttention(), _qkv(1, 1280, 64, torch.bfloat16)
     compiled, out = _compile_and_run(model, inputs)
-    opcodes = _opcodes(compiled)
-    assert opcodes.count(Opcode.TENSOR_SCALAR_REDUCE) == 8 * 1 + 2 * 2  # causal: the last 2 query tiles see > 1024 keys
-    assert opcodes.count(Opcode.TENSOR_REDUCE) == 2  # their two row mins, combined before either exp
+    instructions = [i for stream in compiled.neff.streams.values() for i in stream]
+    fused = [i for i in instructions if i.opcode == Opcode.TENSOR_SCALAR_REDUCE]
+    made = [i for i in instructions if i.opcode == Opcode.ACTIVATE and i.srcs[0].space == Space.PSUM
+            and i.srcs[0].dtype == DType.F32]
+    mins_in_sbuf = [i for i in instructions if i.opcode == Opcode.TENSOR_REDUCE and i.engine == Engine.GPSIMD
+                    and i.srcs[0].dtype == DType.BF16]
+    assert len(fused) + len(made) == 8 * 1 + 2 * 2  # causal: the last 2 query tiles see > 1024 keys
+    assert all(i.srcs[0].space == Space.PSUM for i in fused)
+    assert len(mins_in_sbuf) == len(made)
+    assert _opcodes(compiled).count(Opcode.TENSOR_REDUCE) == 2 + len(made)  # + the last two tiles' mins combined
     assert_matches_eager(out, model(*inputs))
 
 

@@ -12,9 +12,9 @@ import numpy as np
 from neuronc.codegen.access import HbmTensor, broadcast_columns, dma_by_rows, tile_at
 from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
-from neuronc.placement import SBUF_PAGE_BYTES
+from neuronc.placement import SBUF_PAGE_BYTES, partition_group
 from neuronc.plans import MemoryPlan
 
 
@@ -144,6 +144,7 @@ class _Attention:
         self.pt_psum, self.o_psum = em.psum_pool(2), em.psum_pool(2)
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
+        self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
 
     def small(self, name: str, rows: int) -> AccessPattern:
@@ -310,14 +311,14 @@ class _Attention:
             return scores, a.scale
         if not a.fused_logits:  # S rounded as eager rounds it, then scaled
             rounded_scores = self.pools["scores"].next().ap(qt, kb, dtype=a.score_dtype)
-            engines.scale(rounded_scores, scores, 1.0)
+            engines.scale_soonest(rounded_scores, scores, 1.0)
             scores = rounded_scores
         if self.score_mod is not None:
             return self.modified_logits(g, scores, q0, qt, k0, kb, b, logits, masked)
         if not self.tensor_mask or not masked:
-            vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=-a.scale)
+            self.negated_logits(logits, b, scores, -a.scale)
             return logits, -1.0
-        engines.scale(logits, scores, -a.scale)
+        engines.scale_soonest(logits, scores, -a.scale)
         mtile = self.pools["mask"].next().ap(qt, kb)
         self.em.dma(mtile, self.head(self.mask, g)[q0:q0 + qt, k0:k0 + kb].ap)
         if a.mask == "add":
@@ -329,12 +330,33 @@ class _Attention:
         self.row_bias(b, logits, -1.0)
         return logits, -1.0
 
+    def negated_logits(self, logits: AccessPattern, b: AccessPattern, scores: AccessPattern, factor: float) -> None:
+        """logits = scores * factor (rounded to the logits' dtype) and b = their row min: one Vector pass
+        (TENSOR_SCALAR_REDUCE), or, when that would end later, a Scalar pass making the logits and a GpSimd pass
+        taking their min in SBUF (the scores in PSUM are out of GpSimd's reach), so that the three engines share
+        the per-score work."""
+        engines = self.engines
+        if scores.space != Space.PSUM:  # within GpSimd's reach: the least loaded of Vector and GpSimd, in one pass
+            self.vector(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=factor)
+            return
+        fused = engines.finish(Engine.VECTOR, Opcode.TENSOR_SCALAR_REDUCE, (logits, b, scores), alu=AluOp.MIN,
+                               imm0=factor)
+        made = engines.finish(Engine.SCALAR, Opcode.ACTIVATE, (logits, scores), func=ActFunc.IDENTITY, imm0=factor,
+                              imm1=-0.0)
+        if made < fused:
+            reduced = max(made, engines.finish(Engine.GPSIMD, Opcode.TENSOR_REDUCE, (b, logits), alu=AluOp.MIN))
+            if reduced < fused:
+                engines.activate(Opcode.ACTIVATE, logits, scores, func=ActFunc.IDENTITY, imm0=factor, imm1=-0.0)
+                engines.emit(Opcode.TENSOR_REDUCE, b, logits, alu=AluOp.MIN, on=Engine.GPSIMD)
+                return
+        engines.emit(Opcode.TENSOR_SCALAR_REDUCE, logits, b, scores, alu=AluOp.MIN, imm0=factor, on=Engine.VECTOR)
+
     def modified_logits(self, g: int, scores: AccessPattern, q0: int, qt: int, k0: int, kb: int, b: AccessPattern,
                         logits: AccessPattern, masked: bool) -> tuple:
         """FlexAttention: logits = scale * S, then the score_mod's steps, then the mask (masked scores -inf, after
         the score_mod as flex_attention applies it), and b = -(their row max)."""
         a = self.plan
-        self.engines.scale(logits, scores, a.scale)
+        self.engines.scale_soonest(logits, scores, a.scale)
         batch, kv_head, member = (int(i) for i in np.unravel_index(g, a.batch_shape))  # (batch, kv head, g)
         head = kv_head * a.batch_shape[2] + member
         self.score_mod.apply(logits, batch, head, q0, qt, k0, kb)
@@ -377,9 +399,10 @@ class _Attention:
         for pt_acc, part in parts:
             whole = sum(rows == q_tile for _, rows in part)
             if whole:
-                engines.scale(tile_at(pt, n0 * qt, q_tile, whole * qt), tile_at(pt_acc, 0, q_tile, whole * qt), 1.0)
+                engines.scale_soonest(tile_at(pt, n0 * qt, q_tile, whole * qt), tile_at(pt_acc, 0, q_tile, whole * qt),
+                                      1.0)
             for n, (_, rows) in enumerate(part[whole:], whole):
-                engines.scale(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
+                engines.scale_soonest(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
             n0 += len(part)
         return pt
 
@@ -469,19 +492,40 @@ class _Attention:
                          accumulate=n > 0 or not blk.first)
 
     def output_stage(self, x: _KeyBlock) -> None:
-        """After the query tile's last block, out = P V / l stored."""
-        blk, dv = x.blk, self.plan.value_dim
+        """After the query tile's last block, out = P V / l, stored with the head's next whole query tiles (up to
+        out_tiles of them: a store of a [128, dv] tile moves only dv elements per partition, far below a queue's
+        rate on the payload curve) when it is the last of them."""
+        blk, dv, q_tile = x.blk, self.plan.value_dim, self.plan.q_tile
         if not blk.last:
             return
         qt, acc = blk.qt, x.row.acc
-        l, out = tile_at(acc, dv, qt, 1), self.pools["out"].next().ap(qt, dv)
+        tiles, whole = self.plan.out_tiles, self.plan.queries // q_tile
+        n = blk.q0 // q_tile
+        # the last heads' tiles go out one by one, by slices of partitions: the kernel ends when they are stored
+        grouped = qt == q_tile and tiles > 1 and blk.g < self.plan.batch - 2
+        if grouped:
+            key = (blk.g, n // tiles)
+            if key not in self.out_groups:
+                self.out_groups[key] = self.pools["out"].next().ap(q_tile, tiles * dv)
+            group = self.out_groups[key]
+            out = tile_at(group, n % tiles * dv, qt, dv)
+        else:
+            out = self.pools["out"].next().ap(qt, dv)
+        l = tile_at(acc, dv, qt, 1)
         per_row = broadcast_columns(l, dv)  # held per partition: one pass over P V, divided as TENSOR_TENSOR would
         self.vector(Opcode.TENSOR_ALU2, out, tile_at(acc, 0, qt, dv), per_row, per_row, alu=AluOp.DIVIDE)
         if self.plan.zero_masked_rows:  # a row every key is masked for gives zeros (l = 0), not 0 / 0
             empty = self.small("empty_row", qt)
             self.vector(Opcode.TENSOR_SCALAR, empty, l, alu=AluOp.EQ, imm0=0.0)
             self.vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(self.zeros, 0, qt, dv), out)
-        self.em.dma(self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap, out)
+        if not grouped:
+            target = self.em.target
+            pieces = min(target.dma_queues // 4, qt // partition_group(target)) if blk.g >= self.plan.batch - 2 else 1
+            dma_by_rows(self.em, self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap, out, max(1, pieces))
+        elif n % tiles == tiles - 1 or n == whole - 1:
+            first = n - n % tiles
+            self.em.dma(self.head(self.out, blk.g)[first * q_tile:(n + 1) * q_tile].tiled(q_tile).ap,
+                        _v_chunks(self.out_groups.pop(key), n + 1 - first, q_tile, dv, dv))
 
     def waiting_stage(self, x: _KeyBlock) -> None:
         """A block waits here for the later blocks of its softmax group to make their logits."""

@@ -10,7 +10,7 @@ from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
 from neuronc.instruction_cost import (dependent_gap_ns, engine_pass_ns, instruction_cost_ns, perf_mode_operands,
                                       perf_mode_speedup, reads_written, step_costs, table_load_ns, table_of)
-from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
 from neuronc.neff.program import DebugLoc
@@ -301,6 +301,31 @@ class Balancer:
         """A Scalar-engine instruction, counted so that the other choices see Scalar's load."""
         start = len(self.em.instructions)
         self.em.emit(opcode, Engine.SCALAR, *operands, **fields)
+        self._charge(start)
+
+    def finish(self, engine: Engine, opcode: Opcode, operands: tuple, **fields) -> float:
+        """When an instruction would end on `engine` after the work booked there (not emitted): its cost, the
+        dependent spacing and the table load it would pay (instruction_cost, as `_charge` books them)."""
+        inst = Instruction(opcode, engine, tuple(operands), **fields)
+        previous, loaded = self.last.get(engine, (None, None))
+        extra, gap, _ = step_costs(inst, previous, loaded, self.em.target)
+        return self.busy[engine] + gap + extra + instruction_cost_ns(inst, self.em.target)
+
+    def scale_soonest(self, dst, src, factor: float) -> None:
+        """dst = src * factor (fp32, rounded to dst's dtype) on whichever of Vector, GpSimd (no PSUM) and Scalar
+        would finish it first, each priced as the emulator prices it there (its clock, the Vector performance mode,
+        the dependent spacing, a table load): unlike `scale`, a copy goes where it is cheap, not only where there
+        is least work (a bf16 copy from PSUM takes the Vector engine half Scalar's time, an fp32 one Scalar 0.8 of
+        Vector's)."""
+        forms = [(Engine.SCALAR, Opcode.ACTIVATE, dict(func=ActFunc.IDENTITY, imm0=factor, imm1=0.0))]
+        alu = (Opcode.TENSOR_COPY, {}) if factor == 1.0 else (Opcode.TENSOR_SCALAR,
+                                                               dict(alu=AluOp.MULTIPLY, imm0=factor))
+        forms += [(e, alu[0], alu[1]) for e in self.CANDIDATES
+                  if e is not Engine.GPSIMD or Space.PSUM not in (dst.space, src.space)]
+
+        engine, opcode, fields = min(forms, key=lambda form: self.finish(form[0], form[1], (dst, src), **form[2]))
+        start = len(self.em.instructions)
+        self.em.emit(opcode, engine, dst, src, **fields)
         self._charge(start)
 
     def scale(self, dst, src, factor: float) -> None:

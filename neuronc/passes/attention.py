@@ -568,6 +568,13 @@ def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, b
     return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block) - 1
 
 
+def output_tiles(sq: int, dv: int, dtype: DType) -> int:
+    """Whole query tiles whose outputs go to HBM in one store: as many as fill an SBUF page per partition (a page is
+    what a tile's slot takes anyway), at most the head's. A [128, dv] store alone moves dv elements per partition,
+    far below a queue's rate on the payload curve (targets.py)."""
+    return max(1, min(sq // Q_TILE, SBUF_PAGE_BYTES // (dv * dtype.itemsize)))
+
+
 def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
                    heads_ahead: int = HEADS_AHEAD) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded `heads_ahead` heads ahead, and stay while any of
@@ -596,7 +603,7 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "out": (dtypes["out"], dv, depth),
+        "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, depth),
         "b_blocks": (f32, group, depth),  # the row mins of a softmax group's blocks, side by side
         **{name: (f32, 1, depth) for name in ("b", "rowsum", "dm", "corr")},
     }
@@ -689,6 +696,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape), depth=pipeline_depth(*shape),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
+        out_tiles=output_tiles(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
         probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
