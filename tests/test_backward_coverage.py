@@ -86,3 +86,11 @@ def test_chunked_linear_cross_entropy_gradients(reduction, bias, class_weights):
         return torch.nn.functional.linear_cross_entropy(x, w, target, linear_bias=b[0] if b else None, weight=weight,
                                                        reduction=reduction, options=options)
     _matches_eager_gradients(loss, x, w, *([b] if bias else []))
+
+
+@pytest.mark.parametrize("shape, padding", [
+    ((2, 5), (2, 3)), ((1, 2, 4, 5), (1, 2, 3, 0)), ((1, 2, 4, 5), (-1, 2, 3, -2)), ((1, 1, 3, 4, 2), (1, 1, 2, 0, 1, 3))])
+def test_replicate_pad_gradient_sums_onto_the_edges(shape, padding):
+    """Each edge value's gradient sums the padded positions that copy it; negative pads crop (no gradient there)."""
+    _matches_eager_gradients(lambda t: torch.nn.functional.pad(t, padding, "replicate"),
+                             torch.randn(shape, generator=torch.Generator().manual_seed(6)))

@@ -1946,11 +1946,28 @@ def defined_after_import() -> dict:
     return {chunked.default: _linear_cross_entropy_batch_chunked} if chunked is not None else {}
 
 
+def _replication_pad_backward(grad, x, padding):
+    """replication_pad{1,2,3}d_backward: output position o of a padded dim (pads lo, hi; negative ones crop) reads
+    input position clamp(o - lo, 0, n - 1), so each input position sums the gradient of the positions reading it
+    (a dense one-hot of output x input positions per dim; torch-mlir cannot lower these ops)."""
+    for k in range(len(padding) // 2):
+        dim, low = x.dim() - 1 - k, padding[2 * k]
+        n, n_out = x.shape[dim], grad.shape[dim]
+        source = torch.clamp(torch.arange(n_out, device=grad.device) - low, 0, n - 1)
+        reads = source.unsqueeze(1) == torch.arange(n, device=grad.device)  # [n_out, n]
+        moved = grad.movedim(dim, -1).unsqueeze(-1)  # [..., n_out, 1]
+        grad = torch.where(reads, moved, 0).sum(-2).movedim(-1, dim)
+    return grad
+
+
 def _backward_decompositions() -> dict:
     return {
         aten._segment_reduce_backward.default: _segment_reduce_backward,
         aten.scatter_add.default: _scatter_add_of_scalars,
         aten.new_empty_strided.default: _new_empty_strided,
+        aten.replication_pad1d_backward.default: _replication_pad_backward,
+        aten.replication_pad2d_backward.default: _replication_pad_backward,
+        aten.replication_pad3d_backward.default: _replication_pad_backward,
     }
 
 
