@@ -626,9 +626,11 @@ def test_searchsorted_replays_atens_binary_search():
 
 
 def test_a_bf16_polygamma_of_an_order_without_a_lowering_still_declines():
-    # n > 3 has no lowering: NotImplemented (then named as an op that cannot be compiled), not an AttributeError
-    from neuronc.frontend.decompositions import OWN
-    assert OWN[torch.ops.aten.polygamma.default](5, torch.ones(3, dtype=torch.bfloat16)) is NotImplemented
+    # an order past _POLYGAMMA_MAX_ORDER has no lowering: NotImplemented (then named as an op that cannot be
+    # compiled), not an AttributeError
+    from neuronc.frontend.decompositions import _POLYGAMMA_MAX_ORDER, OWN
+    order = _POLYGAMMA_MAX_ORDER + 1
+    assert OWN[torch.ops.aten.polygamma.default](order, torch.ones(3, dtype=torch.bfloat16)) is NotImplemented
 
 
 def test_special_functions_of_bf16_compute_in_fp32_like_aten():

@@ -648,10 +648,15 @@ def _digamma(x):
 
 
 _BERNOULLI = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66)  # B_2, B_4, ..., B_10
+# The series' first omitted term, B_12 (n + 11)! / (12! (n - 1)! 10^12) of the leading one, is 1.3e-8 at n = 8
+# (1e-10 at n = 4: polygamma(3, x)'s gradient); past it the order is left to torch-mlir, which refuses it by name.
+_POLYGAMMA_MAX_ORDER = 8
 
 
 def _cot_derivative(x, n: int):
     """The n-th derivative (n = 1, 2, 3) of cot(pi x), from the sine and cosine of pi times x's fractional part."""
+    if n > 3:
+        return _cot_derivative_polynomial(x, n)
     angle = math.pi * (x - torch.floor(x))
     csc2 = 1.0 / torch.sin(angle) ** 2
     cot = torch.cos(angle) / torch.sin(angle)
@@ -663,14 +668,14 @@ def _cot_derivative(x, n: int):
 
 
 def _polygamma(n, x):
-    """psi^(n)(x) for n = 1, 2, 3 (n = 0 is digamma): for x >= 0.5 the recurrence psi^(n)(x) = psi^(n)(x + 1) +
+    """psi^(n)(x) for n = 1 .. 8 (n = 0 is digamma): for x >= 0.5 the recurrence psi^(n)(x) = psi^(n)(x + 1) +
     (-1)^(n+1) n! / x^(n+1) up to x >= 10, then the asymptotic series (-1)^(n+1) [(n-1)!/x^n + n!/(2x^(n+1)) +
     sum B_2k (2k+n-1)! / ((2k)! x^(2k+n))] to B_10 (Abramowitz and Stegun 6.4.11; error below 1e-10 there);
     below 0.5 the reflection psi^(n)(x) = (-1)^n psi^(n)(1 - x) - pi d^n/dx^n cot(pi x). Infinite at the poles
     0, -1, -2, ..., as eager's. Larger n is left to torch-mlir, which refuses it by name."""
     if n == 0:
         return _digamma(x)
-    if n not in (1, 2, 3) or not x.is_floating_point():
+    if not 1 <= n <= _POLYGAMMA_MAX_ORDER or not x.is_floating_point():
         return NotImplemented
     low = x < 0.5
     y = torch.where(low, 1.0 - x, x)
@@ -1878,3 +1883,150 @@ for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.specia
     OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _hermite_polynomial(_physicists)))
 for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default):
     OWN[_op] = _in_fp32(OWN[_op])
+
+
+# Backward-only ops: what training graphs meet that forward graphs do not (found by `benchmarks.opinfo --backward`).
+
+def _segment_members(data, lengths, offsets, axis):
+    """(the segment axis, lengths, member): member[..., s, j] says position j of the axis is in segment s."""
+    if lengths is None:
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    axis = lengths.dim() - 1  # ATen's backward kernel takes the axis from the lengths' rank, whatever it is given
+    ends = torch.cumsum(lengths, -1)
+    position = torch.arange(data.shape[axis], device=data.device)
+    member = ((ends - lengths).unsqueeze(-1) <= position) & (position < ends.unsqueeze(-1))
+    return axis, lengths, member
+
+
+def _segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    """ATen's CPU backward of segment_reduce, position by position as a dense mask of segments x positions:
+    sum and mean spread the segment's gradient (mean divided by its length); max and min give it to every
+    position equal to the result or NaN and, where two or more are, divide the positive ones (only those: ATen's
+    kernel) by their count; prod is grad x result / x, or where x is 0 or NaN grad x the product of the segment's
+    other values and `initial`. A position in no segment gets 0."""
+    axis, lengths, member = _segment_members(data, lengths, offsets, axis)
+    trailing = (1,) * (data.dim() - axis - 1)
+    member_at = member.reshape(member.shape + trailing)  # [..., S, N, 1...]
+
+    def per_position(per_segment):  # [..., S, T...] -> [..., N, T...]: each position's segment's value
+        return torch.where(member_at, per_segment.unsqueeze(axis + 1), 0).sum(axis)
+
+    covered = member_at.any(axis)
+    g = per_position(grad)
+    if reduce in ("sum", "mean"):
+        if reduce == "mean":
+            g = g / per_position(lengths.reshape(lengths.shape + trailing).to(grad.dtype))
+        return torch.where(covered, g, 0)
+    if reduce in ("max", "min"):
+        hit = covered & (torch.isnan(data) | (data == per_position(output)))
+        count = per_position(torch.where(member_at, hit.unsqueeze(axis), False).sum(axis + 1))
+        g = torch.where(hit, g, 0)
+        return torch.where((count >= 2) & (g > 0), g / count, g)
+    if reduce == "prod":
+        same = (member.unsqueeze(-1) & member.unsqueeze(-2)).any(-3)  # [..., N, N]: j and k share a segment
+        n = data.shape[axis]
+        others = same & ~torch.eye(n, dtype=torch.bool, device=data.device)
+        others = others.reshape(others.shape + trailing)
+        excluded = torch.where(others, data.unsqueeze(axis), 1).prod(axis + 1)
+        if initial is not None:
+            excluded = excluded * initial
+        direct = g * per_position(output) / data
+        g = torch.where(torch.isnan(data) | (data == 0), g * excluded, direct)
+        return torch.where(covered, g, 0)
+    return NotImplemented
+
+
+def _scatter_add_of_scalars(x, dim, index, src):
+    """scatter_add into a 0-d tensor (cummax/cummin's backward of a 0-d input): the same on 1-element vectors
+    (torch-mlir cannot lower the 0-d form); other ranks are left to torch-mlir."""
+    if x.dim() != 0:
+        return NotImplemented
+    return torch.scatter_add(x.reshape(1), 0, index.reshape(1), src.reshape(1)).reshape(())
+
+
+def _new_empty_strided(x, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Tensor.new_empty_strided (circular pad's backward of an empty input): unspecified values, zeros here."""
+    return _zeros(size, dtype or x.dtype, device or x.device)
+
+
+def _cot_derivative_polynomial(x, n: int):
+    """The n-th derivative of cot(pi x) for any n >= 1, as pi^n P_n(cot(pi x)): d/du cot u = -(1 + cot^2 u), so
+    P_0(c) = c and P_k+1(c) = -(1 + c^2) P_k'(c); evaluated by Horner from the highest power."""
+    coefficients = np.polynomial.Polynomial([0.0, 1.0])
+    for _ in range(n):
+        coefficients = -np.polynomial.Polynomial([1.0, 0.0, 1.0]) * coefficients.deriv()
+    angle = math.pi * (x - torch.floor(x))
+    cot = torch.cos(angle) / torch.sin(angle)
+    value = torch.zeros_like(x)
+    for c in reversed(coefficients.coef):
+        value = value * cot + float(c)
+    return math.pi ** n * value
+
+
+def _cross_entropy_gradient_of_logits(logits, target, weight, reduction, ignore_index):
+    """(loss, d loss / d logits) of cross_entropy over class indices (no label smoothing): for each row i not
+    ignored, w[t_i] (softmax_i - onehot(t_i)) divided, for 'mean', by the sum of the rows' w[t_i] (as nll_loss)."""
+    log_p = torch.log_softmax(logits, 1)
+    onehot = target.unsqueeze(1) == torch.arange(logits.shape[1], device=logits.device)
+    kept = (target != ignore_index).to(logits.dtype)
+    row_weight = kept if weight is None else kept * torch.where(onehot, weight.to(logits.dtype), 0).sum(1)
+    loss = -(torch.where(onehot, log_p, 0).sum(1) * row_weight).sum()
+    gradient = row_weight.unsqueeze(1) * (torch.exp(log_p) - onehot.to(logits.dtype))
+    if reduction == "mean":
+        total = row_weight.sum()
+        loss, gradient = loss / total, gradient / total
+    return loss, gradient
+
+
+def _linear_cross_entropy_batch_chunked(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                        label_smoothing, batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
+                                        compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
+    """torch.nn.functional.linear_cross_entropy's chunked custom op (mean or sum of class indices, no label
+    smoothing, 2-d input): the loss and its gradients with respect to the input, weight and bias, which the op
+    computes in its forward (its backward scales them by the loss's gradient). In one piece, not in batch chunks:
+    the compiler plans the memory; computed in fp32 and returned in the input's dtype as the op's."""
+    if reduction not in ("mean", "sum") or label_smoothing != 0.0:
+        return NotImplemented
+    dtype = input.dtype
+    x, w = input.float(), linear_weight.float()
+    logits = x @ w.T + (0 if linear_bias is None else linear_bias.float())
+    loss, gradient = _cross_entropy_gradient_of_logits(logits, target, weight, reduction, ignore_index)
+    grad_input = (gradient @ w).to(dtype) if compute_input_grad else input.new_zeros((0, 0))
+    grad_weight = (gradient.T @ x).to(dtype) if compute_linear_weight_grad else input.new_zeros((0, 0))
+    grad_bias = gradient.sum(0).to(dtype) if compute_linear_bias_grad else input.new_zeros((0,))
+    return loss.to(dtype), grad_input, grad_weight, grad_bias
+
+
+def defined_after_import() -> dict:
+    """Decompositions of custom operators torch registers only when their module is first imported
+    (linear_cross_entropy's chunked op), looked up when a graph is compiled."""
+    chunked = getattr(torch.ops.torch_nn, "_linear_cross_entropy_batch_chunked", None)
+    return {chunked.default: _linear_cross_entropy_batch_chunked} if chunked is not None else {}
+
+
+def _replication_pad_backward(grad, x, padding):
+    """replication_pad{1,2,3}d_backward: output position o of a padded dim (pads lo, hi; negative ones crop) reads
+    input position clamp(o - lo, 0, n - 1), so each input position sums the gradient of the positions reading it
+    (a dense one-hot of output x input positions per dim; torch-mlir cannot lower these ops)."""
+    for k in range(len(padding) // 2):
+        dim, low = x.dim() - 1 - k, padding[2 * k]
+        n, n_out = x.shape[dim], grad.shape[dim]
+        source = torch.clamp(torch.arange(n_out, device=grad.device) - low, 0, n - 1)
+        reads = source.unsqueeze(1) == torch.arange(n, device=grad.device)  # [n_out, n]
+        moved = grad.movedim(dim, -1).unsqueeze(-1)  # [..., n_out, 1]
+        grad = torch.where(reads, moved, 0).sum(-2).movedim(-1, dim)
+    return grad
+
+
+def _backward_decompositions() -> dict:
+    return {
+        aten._segment_reduce_backward.default: _segment_reduce_backward,
+        aten.scatter_add.default: _scatter_add_of_scalars,
+        aten.new_empty_strided.default: _new_empty_strided,
+        aten.replication_pad1d_backward.default: _replication_pad_backward,
+        aten.replication_pad2d_backward.default: _replication_pad_backward,
+        aten.replication_pad3d_backward.default: _replication_pad_backward,
+    }
+
+
+OWN.update(_backward_decompositions())

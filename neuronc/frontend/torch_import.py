@@ -55,6 +55,7 @@ def decomposition_table() -> dict:
     table.update(decompositions.OWN)
     table.update(linalg_decompositions.OWN)
     table.update(decompositions.defined_elsewhere())
+    table.update(decompositions.defined_after_import())
     return table
 
 

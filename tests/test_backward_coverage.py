@@ -1,0 +1,96 @@
+"""Gradients of ops whose backward graphs hold ATen ops the forward graphs do not (ATen's *_backward ops and the
+edge cases of their formulas), compiled strictly on the device with neuronc's own lowerings
+(frontend/decompositions.py) and compared with eager autograd on CPU: found by `benchmarks.opinfo --backward`
+(issue 21)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.tolerances import TOLERANCES
+
+
+@pytest.fixture(autouse=True)
+def strictly_on_the_device(monkeypatch):
+    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+
+
+def _gradients(fn, *inputs):
+    """fn's outputs and the gradients of its float inputs (each output weighted by fixed random numbers, both signs)."""
+    inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    outputs = fn(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    generator = torch.Generator().manual_seed(1)
+    floats = [o for o in outputs if o.is_floating_point() and o.requires_grad]
+    loss = sum((o * torch.randn(o.shape, generator=generator)).sum() for o in floats)
+    grads = torch.autograd.grad(loss, [t for t in inputs if t.requires_grad])
+    return [o.detach() for o in outputs], list(grads)
+
+
+def _matches_eager_gradients(fn, *inputs):
+    """Outputs and gradients compiled (fullgraph, fallback off) within fp32's tolerance of eager's, NaN where eager's."""
+    torch._dynamo.reset()
+    got_outputs, got = _gradients(torch.compile(fn, backend="neuron", fullgraph=True), *inputs)
+    want_outputs, want = _gradients(fn, *inputs)
+    for g, w in zip(got_outputs + got, want_outputs + want):
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{g.dtype}{list(g.shape)} != eager {w.dtype}{list(w.shape)}"
+        torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("initial", [None, 0.5])
+def test_segment_reduce_gradient_over_lengths_and_offsets(reduce, initial):
+    data = torch.randn(7, 3, generator=torch.Generator().manual_seed(3))
+    data[1, 0] = data[0, 0] = data[0, 0].abs() + 3  # a tie at the segment's max: shared by the positive gradients
+    data[5, 0] = data[6, 0] = -4.0  # and at the last segment's min
+    data[2, 1] = 0.0  # prod: the gradient of a zero is the product of the others
+    data[3, 2] = float("nan")
+    lengths = torch.tensor([2, 0, 3, 2])  # segment 1 is empty
+    offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
+    _matches_eager_gradients(lambda d, n: torch.segment_reduce(d, reduce, lengths=n, initial=initial), data, lengths)
+    _matches_eager_gradients(lambda d, o: torch.segment_reduce(d, reduce, offsets=o, initial=initial), data, offsets)
+
+
+def test_cummax_gradient_of_a_scalar():
+    """cummax's backward scatter-adds into the input's shape: a 0-d scatter_add (OpInfo's sample)."""
+    _matches_eager_gradients(lambda t: torch.cummax(t, 0)[0] * 3, torch.tensor(1.5))
+    _matches_eager_gradients(lambda t: torch.cummin(t, 0)[0] * 3, torch.tensor(-0.5))
+
+
+def test_circular_pad_gradient_of_an_empty_batch():
+    """The backward of a circular pad of no rows builds its gradient in new_empty_strided (OpInfo's sample)."""
+    _matches_eager_gradients(lambda t: torch.nn.functional.pad(t, (1, 2), "circular"), torch.randn(0, 3, 3))
+
+
+@pytest.mark.parametrize("order", [3, 4])
+def test_polygamma_gradient_is_the_next_order(order):
+    """polygamma(n)'s gradient is polygamma(n + 1): order 4 and 5, over both signs and near the poles."""
+    x = torch.cat([torch.linspace(-4.9, 6, 23), torch.tensor([0.3, -0.7, 1e-2, 12.5, 30.0])])
+    _matches_eager_gradients(lambda t: torch.polygamma(order, t), x)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias, class_weights", [(False, False), (True, True)])
+def test_chunked_linear_cross_entropy_gradients(reduction, bias, class_weights):
+    """linear_cross_entropy with options is a custom op computing its gradients in its forward; a target equal
+    to ignore_index contributes nothing (and is left out of the mean's weights)."""
+    generator = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 3, generator=generator), torch.randn(4, 3, generator=generator)
+    b = torch.randn(4, generator=generator) if bias else None
+    weight = torch.rand(4, generator=generator) + 0.5 if class_weights else None
+    target = torch.tensor([3, 0, 1, -100, 3, 3, 2, 1])
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
+
+    def loss(x, w, *b):
+        return torch.nn.functional.linear_cross_entropy(x, w, target, linear_bias=b[0] if b else None, weight=weight,
+                                                       reduction=reduction, options=options)
+    _matches_eager_gradients(loss, x, w, *([b] if bias else []))
+
+
+@pytest.mark.parametrize("shape, padding", [
+    ((2, 5), (2, 3)), ((1, 2, 4, 5), (1, 2, 3, 0)), ((1, 2, 4, 5), (-1, 2, 3, -2)), ((1, 1, 3, 4, 2), (1, 1, 2, 0, 1, 3))])
+def test_replicate_pad_gradient_sums_onto_the_edges(shape, padding):
+    """Each edge value's gradient sums the padded positions that copy it; negative pads crop (no gradient there)."""
+    _matches_eager_gradients(lambda t: torch.nn.functional.pad(t, padding, "replicate"),
+                             torch.randn(shape, generator=torch.Generator().manual_seed(6)))
