@@ -135,3 +135,14 @@ def test_the_cli_refuses_a_float64_program_naming_the_flag_and_compiles_it_with_
         want = model(*args)
     assert [g.dtype for g in got] == [torch.float32] * 2  # the NEFF's outputs, as it declares them
     assert_matches_eager([g.double() for g in got], want, tolerance=torch.float32)
+
+
+def test_a_float64_model_trains_under_the_flag_with_float64_gradients_within_fp32_tolerance(strict):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()).double()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    OnDevice(model, options={"auto_cast": "fp64-to-fp32"})(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert_matches_eager(got, [p.grad for p in model.parameters()], tolerance=torch.float32)
