@@ -55,6 +55,7 @@ class NeffFunction:
         self.resident = tuple(n for n, i in enumerate(kept) if i in static_inputs)
         self._resident_keys: tuple | None = None  # what the bound arrays were made from
         self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
+        self.input_entries = compiled.neff.inputs()  # their dtypes: a float64 argument of an fp32 input is cast
 
     @functools.cached_property
     def program(self):
@@ -86,8 +87,9 @@ class NeffFunction:
 
         program = self.program
         resident = self._keep_resident(program, args) if self.resident else ()
-        result = program.run([None if n in resident else _narrowed(to_numpy(a, copy=False), entry)
-                              for (n, a), entry in zip(enumerate(args), self.compiled.neff.inputs())])
+        entries = self.input_entries
+        result = program.run([None if n in resident else _narrowed(to_numpy(a, copy=False), entries[n])
+                              if n < len(entries) else to_numpy(a, copy=False) for n, a in enumerate(args)])
         self.last_run = result
         outputs = [o.astype(np.float64) if i in self.compiled.float64_outputs else o
                    for i, o in enumerate(result.outputs)]
