@@ -29,6 +29,13 @@ A full run is long (613 ops, ~1900 fp32 samples, a torch-mlir child per compile;
 
 "neuron" is strictly on the device (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1); "neuron+cpu" lets a compiled
 graph run the ops the device cannot on the CPU (neuronc.pytorch.partition), as torch.compile does by default.
+
+The NeuronCore has no float64: "neuron" refuses a graph taking or returning float64 (OpInfo's `double`, the
+`--dtypes fp64` samples). `--fp64-to-fp32` adds "neuron-f64", strictly on the device too but compiled with
+`options={"auto_cast": "fp64-to-fp32"}` (fp32 computation, float64 cast at the boundary), whose float64 outputs
+are compared with eager float64 within the fp32 tolerance: a figure of its own, never merged into "neuron"'s.
+
+    .venv/bin/python -m benchmarks.opinfo --ops double --dtypes fp32 fp64 --fp64-to-fp32
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int": torch.int32,
-          "bool": torch.bool}
+          "bool": torch.bool, "fp64": torch.float64}
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
 RANDOM = {"bernoulli", "normal", "uniform", "rand_like", "randn_like", "randint_like", "multinomial", "randint",
           "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
@@ -56,6 +63,7 @@ RANDOM = {"bernoulli", "normal", "uniform", "rand_like", "randn_like", "randint_
           "nn.functional.scaled_dot_product_attention", "torch._refs.rand", "empty_permuted"}
 FALLBACK_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
 WITH_FALLBACK = "neuron+cpu"  # neuronc with the CPU fallback of ops the device cannot run; "neuron" is strict
+FP64_CAST = "neuron-f64"  # neuronc strict, with --auto-cast fp64-to-fp32: float64 computed in fp32
 UNSUPPORTED_OP = re.compile(r"^\s*- (aten\.[\w.]+|stablehlo\.[\w.]+|chlo\.[\w.]+)", re.M)
 
 
@@ -125,8 +133,9 @@ def run(fn, sample: Sample, backward: bool):
     return result, [None if g is None else g.detach() for g in grads]
 
 
-def mismatch(got, want, random: bool) -> str | None:
-    """None if `got` matches `want` (eager), else what differs."""
+def mismatch(got, want, random: bool, fp64_in_fp32: bool = False) -> str | None:
+    """None if `got` matches `want` (eager), else what differs. `fp64_in_fp32`: a float64 output was computed in
+    fp32 (--auto-cast fp64-to-fp32), held to fp32's tolerance (else float64 is compared exactly)."""
     got_leaves, want_leaves = pytree.tree_leaves(got), pytree.tree_leaves(want)
     if len(got_leaves) != len(want_leaves):
         return f"{len(got_leaves)} outputs, eager has {len(want_leaves)}"
@@ -141,7 +150,8 @@ def mismatch(got, want, random: bool) -> str | None:
             g, w = g.detach(), w.detach()
             if w.is_complex() or g.is_complex():  # compared as their real parts, with their parts' tolerance
                 g, w = torch.view_as_real(g.resolve_conj()), torch.view_as_real(w.resolve_conj())
-            rtol, atol = TOLERANCES.get(w.dtype, (0, 0))
+            rtol, atol = TOLERANCES.get(torch.float32 if fp64_in_fp32 and w.dtype == torch.float64 else w.dtype,
+                                        (0, 0))
             close = torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True) if rtol or atol else (
                 (g == w) | (g.isnan() & w.isnan()) if w.is_floating_point() else g == w)
             if not bool(close.all()):
@@ -201,17 +211,21 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool) -> 
         return "eager error", [], ""
     torch._dynamo.reset()
     os.environ[FALLBACK_ENV] = "" if backend == WITH_FALLBACK else "1"
-    compiled = torch.compile(sample.fn, backend="neuron" if backend == WITH_FALLBACK else backend, fullgraph=True)
+    neuron = backend in (WITH_FALLBACK, FP64_CAST)
+    options = {"options": {"auto_cast": "fp64-to-fp32"}} if backend == FP64_CAST else {}
+    compiled = torch.compile(sample.fn, backend="neuron" if neuron else backend, fullgraph=True, **options)
     try:
         got, got_grads = run(compiled, sample, backward)
     except Exception as err:  # noqa: BLE001 - every backend failure is a data point
         cls, named = classify(err)
         return cls, named, ""
-    wrong = mismatch(got, want, random)
+    fp64_in_fp32 = backend == FP64_CAST
+    wrong = mismatch(got, want, random, fp64_in_fp32)
     if wrong is None and backward and want_grads is not None:
         if got_grads is None:
             return "no gradient", [], ""
-        wrong = mismatch([g for g in got_grads if g is not None], [g for g in want_grads if g is not None], random)
+        wrong = mismatch([g for g in got_grads if g is not None], [g for g in want_grads if g is not None], random,
+                         fp64_in_fp32)
         if wrong is not None:
             return ("random" if random else "WRONG GRADIENT"), [], wrong
     if wrong is not None and op_label(sample.op) in SIGN_FREE and equal_up_to_sign(op_label(sample.op), sample,
@@ -316,6 +330,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fallback", action="store_true",
                         help=f"also measure '{WITH_FALLBACK}': ops the device cannot run fall back to the CPU "
                              "('neuron' alone is strictly on the device)")
+    parser.add_argument("--fp64-to-fp32", action="store_true",
+                        help=f"also measure '{FP64_CAST}': strictly on the device with --auto-cast fp64-to-fp32 "
+                             "(float64 outputs held to fp32's tolerance against eager float64)")
     parser.add_argument("--json", help="write every sample's record here")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -326,7 +343,8 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     ops = select_ops(args)
-    backends = ["neuron", *([WITH_FALLBACK] if args.fallback else []), *args.peers]
+    backends = ["neuron", *([WITH_FALLBACK] if args.fallback else []), *([FP64_CAST] if args.fp64_to_fp32 else []),
+                *args.peers]
     print(f"{len(ops)} ops, up to {args.samples} samples per dtype ({', '.join(args.dtypes)}), "
           f"{'forward and backward' if args.backward else 'forward'}; backends: {', '.join(backends)}", flush=True)
     start = time.perf_counter()

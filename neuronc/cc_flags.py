@@ -21,10 +21,10 @@ def _targets() -> tuple:
     return tuple(sorted(TARGETS))
 
 
-def _auto_cast_modes() -> tuple:
-    from neuronc.passes.auto_cast import MODES
+def _auto_cast_modes() -> tuple:  # the modes and fp64-to-fp32, alone or together
+    from neuronc.passes.auto_cast import VALUES
 
-    return tuple(MODES)
+    return tuple(VALUES)
 
 
 def _auto_cast_types() -> tuple:
@@ -48,7 +48,7 @@ SWITCHES = ("--no_cache",)
 def accepted() -> str:
     """The flags neuronc accepts, for error hints."""
     return (f"--target {{{','.join(_targets())}}}, -O{{{','.join(OPT_LEVELS)}}} (or --optlevel N), "
-            f"--auto-cast {{{','.join(_auto_cast_modes())}}}, --auto-cast-type {{{','.join(_auto_cast_types())}}}, "
+            f"--auto-cast {{{'|'.join(_auto_cast_modes())}}}, --auto-cast-type {{{','.join(_auto_cast_types())}}}, "
             "--cache_dir DIR, --no_cache")
 
 

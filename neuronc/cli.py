@@ -16,7 +16,7 @@ import click
 
 from neuronc import __version__
 from neuronc.errors import NeuronConfigError, NeuronError
-from neuronc.passes.auto_cast import CAST_TYPES, MODES
+from neuronc.passes.auto_cast import CAST_TYPES, VALUES
 from neuronc.targets import DEFAULT_TARGET, TARGETS
 
 
@@ -96,9 +96,11 @@ def _compile_options(fn):
     Each one not given comes from NEURON_CC_FLAGS, else its default."""
     fn = click.option("--auto-cast-type", type=click.Choice(list(CAST_TYPES)),
                       help="The narrower type auto-cast uses. [default: bf16]")(fn)
-    fn = click.option("--auto-cast", type=click.Choice(list(MODES)),
+    fn = click.option("--auto-cast", type=click.Choice(list(VALUES)),
                       help="Which fp32 ops compute in --auto-cast-type: none, matmult (matmuls and "
-                      "convolutions; fp32 accumulation), all. [default: none]")(fn)
+                      "convolutions; fp32 accumulation), all. fp64-to-fp32 (alone, or after a mode and a "
+                      "comma: matmult,fp64-to-fp32): accept float64 inputs and outputs, computed in fp32; "
+                      "the NEFF takes and returns fp32 for them. [default: none]")(fn)
     fn = click.option("-O", "opt_level", type=click.IntRange(0, 3),
                       help="Optimisation level: -O0/-O1 one kernel per op, -O2 default, -O3 searches longer.")(fn)
     return click.option("--target", type=click.Choice(sorted(TARGETS)),
@@ -253,7 +255,11 @@ def check(model, target, opt_level, auto_cast, auto_cast_type):
               help="Device to run on [default: the NEFF's target].")
 @_friendly
 def run(neff_file, inputs, output, target):
-    """Run a NEFF on the emulated NeuronCore."""
+    """Run a NEFF on the emulated NeuronCore.
+
+    A float64 array given for a float32 input is cast to float32 (a note says so): a program compiled with
+    --auto-cast fp64-to-fp32 takes its float64 inputs as float32 ones. Outputs are written in the NEFF's
+    types (float32 for the float64 outputs of such a program)."""
     import numpy as np
 
     from neuronc.neff import load
@@ -283,7 +289,11 @@ def run(neff_file, inputs, output, target):
 def _load_inputs(paths, neff) -> list:
     from neuronc.input_files import load_inputs
 
-    return load_inputs(paths, neff.inputs(), neff.name)
+    notes: list = []
+    arrays = load_inputs(paths, neff.inputs(), neff.name, notes)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    return arrays
 
 
 def _timeline(neff, inputs: tuple, target):

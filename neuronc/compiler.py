@@ -19,6 +19,7 @@ from neuronc import debug_dir, ir, kernel_timing
 from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
 from neuronc.errors import NeuronConfigError
+from neuronc.isa import DType
 from neuronc.neff.program import Neff
 from neuronc.passes.auto_cast import AutoCast
 from neuronc.passes.context import PassContext
@@ -38,17 +39,18 @@ class CompileOptions:
     target: str = "trn2"
     opt_level: int = 2
     name: str = "main"
-    auto_cast: str = "none"  # none | matmult | all: which fp32 ops compute in auto_cast_type
+    auto_cast: str = "none"  # none | matmult | all: which fp32 ops compute in auto_cast_type; fp64-to-fp32 (alone
+    # or after a comma): float64 inputs and outputs accepted, computed in fp32 (passes/auto_cast.py VALUES)
     auto_cast_type: str = "bf16"  # bf16 | fp16 | fp8_e4m3
 
     def __post_init__(self):
         get_target(self.target)
         passes_for(self.opt_level)  # an unknown level or auto-cast option is refused here, not mid-compile
-        AutoCast(self.auto_cast, self.auto_cast_type)
+        AutoCast.from_option(self.auto_cast, self.auto_cast_type)
 
     @property
     def cast(self) -> AutoCast:
-        return AutoCast(self.auto_cast, self.auto_cast_type)
+        return AutoCast.from_option(self.auto_cast, self.auto_cast_type)
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "CompileOptions":
@@ -86,6 +88,8 @@ class Compiled:
     decisions: dict = dataclasses.field(default_factory=dict)  # priced pass -> (ns with it, ns without it)
     random_draws: int = 0  # FX graphs with random ops: numbers of the generator's stream a call uses; the NEFF's
     # last input is then the generator state (seed, offset) (frontend/random_draws.py)
+    float64_outputs: tuple = ()  # with --auto-cast fp64-to-fp32: the NEFF outputs the program returns as float64
+    # (fp32 in the NEFF; the host casts them back); float64 inputs are fp32 inputs of the NEFF, cast by the host
 
     def checked_by(self) -> str | None:
         """The runtime access check this NEFF passed in an earlier load, as its cache entry records."""
@@ -116,9 +120,16 @@ def collector_paused() -> Iterator[None]:
 
 def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
     """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
+    timings = {**timings, **imported.seconds}
+    float64_outputs = tuple(i for i, o in enumerate(imported.graph.outputs) if o.dtype is DType.F64)
+    compiled = _compile_imported(imported, options, timings)
+    compiled.float64_outputs = float64_outputs
+    return compiled
+
+
+def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
     from neuronc.cache import CompileCache, cache_key
 
-    timings = {**timings, **imported.seconds}
     cache = CompileCache.from_env()
     key = None
     if cache is not None:

@@ -305,7 +305,7 @@ def _compare(got: np.ndarray, want: np.ndarray, node: ir.Node, options: CompileO
     from neuronc.tolerances import tolerance
 
     dtype = node.dtype
-    if dtype.is_float and options.auto_cast != "none":  # computed in the narrower type
+    if dtype.is_float and options.cast.mode != "none":  # computed in the narrower type
         dtype = {"bf16": DType.BF16, "fp16": DType.F16}.get(options.auto_cast_type, DType.BF16)
     try:
         limits = tolerance(dtype.numpy)

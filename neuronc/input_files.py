@@ -34,21 +34,33 @@ class _Array:
     open: object  # () -> a binary file at the start of the array's .npy data
 
 
-def load_inputs(paths, entries: list, program: str) -> list:
+def load_inputs(paths, entries: list, program: str, notes: list | None = None) -> list:
     """The arrays in the files `paths` (an .npz gives its arrays in order), checked against the program's
-    input `entries` (neuronc.neff TensorEntry) before any data is read."""
+    input `entries` (neuronc.neff TensorEntry) before any data is read.
+
+    A float64 array given for a float32 input is cast to float32 (a note appended to `notes` says so): the
+    NeuronCore has no float64, and a program compiled with `--auto-cast fp64-to-fp32` takes its float64
+    inputs as float32 ones, so the float64 data the model was written for is what a user has."""
     arrays = [array for path in paths for array in _arrays_in(path)]
     if len(arrays) != len(entries):
         names = ", ".join(t.name for t in entries)
         raise InputMismatchError(f"program {program!r} takes {len(entries)} inputs ({names}), got {len(arrays)}",
                                  hint="give one --input per program input, in order (an .npz counts its arrays)")
+    narrowed = set()
     for i, (entry, array) in enumerate(zip(entries, arrays)):
         if _raw_bytes_of(array.dtype, entry.dtype.numpy):
             array.dtype = entry.dtype.numpy
+        if array.dtype == np.float64 and entry.dtype.numpy == np.float32 and array.shape == tuple(entry.shape):
+            narrowed.add(i)
+            if notes is not None:
+                notes.append(f"input {i} ({entry.name!r}): float64 from {array.where} cast to float32, "
+                             "the program's type (the NeuronCore has no float64)")
+            continue
         if array.shape != tuple(entry.shape) or array.dtype != entry.dtype.numpy:
             raise InputMismatchError(f"input {i} ({entry.name!r}) must be {entry.dtype.numpy}{list(entry.shape)}, "
                                      f"got {array.dtype}{list(array.shape)} from {array.where}", hint=RECOMPILE)
-    return [_read(array).view(array.dtype) for array in arrays]
+    values = [_read(array).view(array.dtype) for array in arrays]
+    return [v.astype(np.float32) if i in narrowed else v for i, v in enumerate(values)]
 
 
 def _raw_bytes_of(stored: np.dtype, wanted: np.dtype) -> bool:

@@ -43,7 +43,8 @@ def test_unknown_flags_and_bad_values_are_all_refused_with_the_valid_ones(monkey
 
 
 @pytest.mark.parametrize("flags, problem", [
-    ("--auto-cast sometimes", "--auto-cast sometimes: unknown mode; valid: none, matmult, all"),
+    ("--auto-cast sometimes", "--auto-cast sometimes: unknown mode; valid: none, matmult, all, fp64-to-fp32, "
+                              "matmult,fp64-to-fp32, all,fp64-to-fp32"),
     ("--auto-cast-type fp4", "--auto-cast-type fp4: unknown type; valid: bf16, fp16, fp8_e4m3"),
     ("--target", "--target needs a value"),
     ("--cache_dir --no_cache", "--cache_dir needs a value"),

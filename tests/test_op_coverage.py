@@ -299,6 +299,35 @@ def test_orthogonal_polynomials_compile_on_the_device(polynomial_grid):
                                  torch.special.hermite_polynomial_h(a, b)), x, n)
 
 
+BOUNDED_POLYNOMIALS = ["laguerre_polynomial_l", "legendre_polynomial_p"]
+
+
+@pytest.mark.parametrize("name", BOUNDED_POLYNOMIALS)
+def test_laguerre_and_legendre_lowering_follows_atens_recurrence_to_degree_128(polynomial_grid, name):
+    """The same grid as the other polynomials' but for the degrees past 128 (tested apart): x = 0 and |x| = 1
+    (ATen's special cases), large and infinite x, negative, fractional and non-finite degrees."""
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    x, n = polynomial_grid
+    kept = ~((n > 128) & n.isfinite() & (n < 1e19))  # 129 and 1000: NaN by design (next test); 1e19 is < 0 in int64
+    torch.testing.assert_close(OWN[op](x[kept], n[kept]), op(x[kept], n[kept]), equal_nan=True,
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name", BOUNDED_POLYNOMIALS)
+def test_laguerre_and_legendre_past_degree_128_are_nan_not_a_wrong_number(name):
+    from neuronc.frontend.decompositions import OWN
+    op = getattr(torch.ops.aten, f"special_{name}").default
+    assert OWN[op](torch.tensor([0.3, -0.7]), torch.tensor([129.0, 1000.0])).isnan().all()
+
+
+def test_laguerre_and_legendre_polynomials_compile_on_the_device(polynomial_grid):
+    x, n = polynomial_grid
+    n = n.clamp(max=128.0)
+    _matches_eager(lambda a, b: (torch.special.laguerre_polynomial_l(a, b),
+                                 torch.special.legendre_polynomial_p(a, b)), x, n)
+
+
 def _matrices(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 

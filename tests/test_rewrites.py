@@ -340,6 +340,16 @@ def test_float64_is_computed_in_float32_and_a_float64_input_is_refused():
         run_pass(demote_f64, f"graph @f(%0) {{\n  %0 = {X.format('4xf64')}\n  return %0\n}}")
 
 
+def test_with_fp64_to_fp32_a_float64_input_and_output_become_float32_ones():
+    from neuronc.passes.auto_cast import AutoCast
+
+    text = f"graph @f(%0) {{\n  %0 = {X.format('4xf64')}\n  %1 = exp(%0) : 4xf64\n  return %1\n}}"
+    assert run_pass(demote_f64, text, cast=AutoCast.from_option("fp64-to-fp32")) == canonical(
+        f"graph @f(%0) {{\n  %0 = {X.format('4xf32')}\n  %1 = exp(%0) : 4xf32\n  return %1\n}}")
+    with pytest.raises(NeuronCompileError, match="--auto-cast fp64-to-fp32"):
+        run_pass(demote_f64, text)
+
+
 def test_the_rules_compose_to_a_fixed_point_in_one_run():
     """A fold exposes an identity, whose removal exposes a reshape chain: one run, each rule named."""
     ctx = PassContext()

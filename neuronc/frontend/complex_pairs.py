@@ -8,7 +8,7 @@ layout, so at the graph's boundary a complex input is passed as its real view an
 
 Inside, `as_real_pairs` re-traces the ATen graph (make_fx, node metadata and source lines kept) through an
 interpreter that runs every node touching a complex value by a pair rule of `RULES`: arithmetic (add, sub, mul,
-div, neg, conj, abs, angle, exp, sgn, reciprocal), parts and views (real, imag, view_as_real, view_as_complex,
+div, neg, conj, abs, angle, exp, log, sqrt, pow, sgn, reciprocal), parts and views (real, imag, view_as_real, view_as_complex,
 complex, polar), data movement (view, permute, slice, cat, ...: the op on the pair tensor with its dims counted
 among the complex ones), matmuls, reductions (sum, mean) and the FFTs (`fft.py`). Every other node is run as it
 is. A graph with a complex op no rule covers is left as it was: compiled as before (strictly: the error naming
@@ -17,6 +17,7 @@ that op; with the CPU fallback, that op on the CPU).
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import torch
@@ -134,6 +135,48 @@ def _angle(a):
 def _exp(a):
     magnitude = torch.exp(a.re)
     return Pair.of(magnitude * torch.cos(a.im), magnitude * torch.sin(a.im))
+
+
+def _log(a):
+    """log|a| + i angle(a); log|a| overflows past |a| ~ 1.8e19 as _abs does."""
+    return Pair.of(torch.log(_abs(a)), _angle(a))
+
+
+def _sqrt(a):
+    """The principal root without cancellation: t = sqrt((|a| + |re|) / 2) is the part of the larger magnitude,
+    the other is |im| / 2t (0 at a = 0); the imaginary part takes im's sign (-0 included, as eager)."""
+    t = torch.sqrt((_abs(a) + a.re.abs()) * 0.5)
+    other = torch.where(t == 0, 0.0, a.im.abs() / (t + t))
+    return Pair.of(torch.where(a.re >= 0, t, other), torch.copysign(torch.where(a.re >= 0, other, t), a.im))
+
+
+def _log_of(x):
+    """log of an operand of pow as (real, imaginary): a Pair, a real tensor (angle pi below 0) or a number."""
+    if isinstance(x, Pair):
+        return _log(x).re, _log(x).im
+    if isinstance(x, (int, float, complex)):
+        value = complex(x)
+        return (math.log(abs(value)) if value else -math.inf), math.atan2(value.imag, value.real)
+    return torch.log(x.abs()), torch.where(x < 0, math.pi, 0.0)
+
+
+def _pow(a, b):
+    """a ** b: small integer powers of a complex base by multiplication (as eager's square and cube), a half by
+    _sqrt, else exp(b log a); a base of 0 gives 1 at b = 0 and 0 for a positive real b, as eager."""
+    if isinstance(a, Pair) and isinstance(b, (int, float)) and float(b).is_integer() and 1 <= b <= 4:
+        result = a
+        for _ in range(int(b) - 1):
+            result = _mul(result, a)
+        return result
+    if isinstance(a, Pair) and isinstance(b, (int, float)) and b == 0.5:
+        return _sqrt(a)
+    result = _exp(_mul(Pair.of(*_log_of(a)), b))
+    if isinstance(a, Pair) and isinstance(b, (int, float)) and b == 0:
+        return Pair.of(torch.ones_like(a.re), torch.zeros_like(a.re))
+    if isinstance(a, Pair) and isinstance(b, (int, float)) and b > 0:  # exp(b log 0) is NaN from 0 * nan
+        zero = (a.re == 0) & (a.im == 0)
+        return Pair(torch.where(zero.unsqueeze(-1), 0.0, result.t))
+    return result
 
 
 def _sgn(a):
@@ -296,6 +339,8 @@ RULES = {
     aten.abs.default: _abs,
     aten.angle.default: _angle,
     aten.exp.default: _exp,
+    aten.log.default: _log, aten.sqrt.default: _sqrt,
+    aten.pow.Tensor_Scalar: _pow, aten.pow.Tensor_Tensor: _pow, aten.pow.Scalar: _pow,
     aten.sgn.default: _sgn,
     aten.real.default: lambda a: a.re,
     aten.imag.default: lambda a: a.im,

@@ -1329,10 +1329,12 @@ def _spherical_bessel_j0(x):
 # past degree 128 (float), and Chebyshev's on |y| < 1 past a small degree are ATen's trigonometric closed form.
 # Chebyshev's on |y| > 1 past the unrolled steps take the hyperbolic closed form (relative error ~ n*t*eps, t =
 # acosh|y|; ATen's recurrence there ~ n*eps), NaN two degrees past overflow as ATen's recurrence (inf - inf).
-# Laguerre and Legendre polynomials stay bounded for every degree (no closed form, no bound): not lowered.
+# Laguerre and Legendre polynomials have no closed form and ATen no limit: their recurrence is unrolled to degree
+# 128 (_RECURRENCE_STEPS), and a larger degree is NaN, not a number ATen would not give (a documented limit).
 
 _CHEBYSHEV_STEPS = 16
 _HERMITE_LIMIT = 128  # ATen's getHermitianLimit<float>(): a larger degree is NaN
+_RECURRENCE_STEPS = 128  # Laguerre and Legendre: the degrees computed (a choice; a larger degree is NaN)
 _INT64_RANGE = 2.0 ** 63  # static_cast<int64_t> of a float out of range (or NaN) is INT64_MIN on x86: degree < 0
 
 
@@ -1441,6 +1443,33 @@ def _hermite_polynomial(physicists: bool):
         return torch.where(n < 0, 0.0, value).to(dtype)
     lowering.__name__ = f"_hermite_polynomial_{'h' if physicists else 'he'}"
     return lowering
+
+
+def _laguerre_polynomial_l(x, n):
+    """L_n(x): ATen's recurrence (laguerre_polynomial_l_forward, its operations in its order) unrolled to degree
+    128; 1 at x = 0, 0 for n < 0, NaN past degree 128."""
+    x, n, dtype = _polynomial_operands(x, n)
+    one_minus = 1.0 - x
+    values, p, q = [torch.ones_like(x), one_minus], torch.ones_like(x), one_minus
+    for k in range(1, _RECURRENCE_STEPS):
+        p, q = q, ((2.0 * k + one_minus) * q - k * p) / (k + 1.0)
+        values.append(q)
+    value = torch.where(n > _RECURRENCE_STEPS, math.nan, _select_degree(n, values))
+    value = torch.where(x == 0, 1.0, value)
+    return torch.where(n < 0, 0.0, value).to(dtype)
+
+
+def _legendre_polynomial_p(x, n):
+    """P_n(x): ATen's recurrence (legendre_polynomial_p_forward, its operations in its order) unrolled to degree
+    128; +-1 at |x| = 1, 0 for n < 0, NaN past degree 128."""
+    x, n, dtype = _polynomial_operands(x, n)
+    values, p, q = [torch.ones_like(x), x], torch.ones_like(x), x
+    for k in range(1, _RECURRENCE_STEPS):
+        p, q = q, ((2.0 * k + 1.0) * x * q - k * p) / (k + 1.0)
+        values.append(q)
+    value = torch.where(n > _RECURRENCE_STEPS, math.nan, _select_degree(n, values))
+    value = torch.where(x.abs() == 1.0, torch.where((x > 0) | ~_odd(n), 1.0, -1.0), value)
+    return torch.where(n < 0, 0.0, value).to(dtype)
 
 
 # LU with partial pivoting (LAPACK's getrf: the first largest |a| of the column below the diagonal is the
@@ -1881,6 +1910,9 @@ for _kind in "tuvw":
         OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _chebyshev_polynomial(_kind, _shifted)))
 for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.special_hermite_polynomial_he, False)):
     OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _hermite_polynomial(_physicists)))
+for _op, _lowering in ((aten.special_laguerre_polynomial_l, _laguerre_polynomial_l),
+                       (aten.special_legendre_polynomial_p, _legendre_polynomial_p)):
+    OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _lowering))
 for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default):
     OWN[_op] = _in_fp32(OWN[_op])
 

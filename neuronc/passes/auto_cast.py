@@ -8,6 +8,13 @@
     --auto-cast all       every fp32 op computes in the narrower type; the program's fp32 inputs
                           and outputs keep their type, cast on the way in and out
     --auto-cast-type bf16 | fp16 | fp8_e4m3    the narrower type (default bf16)
+    --auto-cast fp64-to-fp32    a program taking or returning float64 is accepted: the NeuronCore has no
+                          float64, so the program computes in fp32 and its float64 inputs and outputs are
+                          fp32 in the NEFF; the host casts at the boundary (passes/canonicalize.py demote_f64,
+                          pytorch/backend.py). Without it such a program is refused.
+
+`fp64-to-fp32` is about the program's interface, the modes about its fp32 work: the two combine, written
+`--auto-cast matmult,fp64-to-fp32` (or `all,fp64-to-fp32`: the float64 work, now fp32, narrows too).
 
 Ops already in bf16/fp16, integer and boolean ops, and bitcasts (which read the bytes of their operand's own
 width) are never changed. The pass runs after canonicalize (fp64 is gone by then) and before legalize, on
@@ -29,16 +36,29 @@ if TYPE_CHECKING:
     from neuronc.passes.context import PassContext
 
 MODES = ("none", "matmult", "all")
+FP64_TO_FP32 = "fp64-to-fp32"
+# every --auto-cast value accepted: a mode, fp64-to-fp32, or a narrowing mode and fp64-to-fp32 together
+VALUES = MODES + (FP64_TO_FP32,) + tuple(f"{mode},{FP64_TO_FP32}" for mode in MODES if mode != "none")
 CAST_TYPES = {"bf16": DType.BF16, "fp16": DType.F16, "fp8_e4m3": DType.F8E4M3}
 MATMULT_OPS = {Op.DOT_GENERAL, Op.CONVOLUTION}
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoCast:
-    """The options: which ops (`mode`) compute in which narrower type (`cast_type`)."""
+    """The options: which ops (`mode`) compute in which narrower type (`cast_type`), and whether float64 inputs
+    and outputs are accepted as fp32 ones (`fp64`)."""
 
     mode: str = "none"
     cast_type: str = "bf16"
+    fp64: bool = False
+
+    @classmethod
+    def from_option(cls, value: str, cast_type: str = "bf16") -> "AutoCast":
+        """From the --auto-cast value as given (`matmult`, `fp64-to-fp32`, `all,fp64-to-fp32`, ...)."""
+        if value not in VALUES:
+            raise NeuronConfigError(f"unknown --auto-cast mode {value!r}", hint=f"use one of {', '.join(VALUES)}")
+        modes = [part for part in value.split(",") if part != FP64_TO_FP32]
+        return cls(modes[0] if modes else "none", cast_type, fp64=FP64_TO_FP32 in value.split(","))
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -16,7 +16,8 @@ Named rewrite rules (passes/rewrite.py), run together to a fixed point by `canon
   back into one ERF, and the erf form of GELU into one GELU: single Scalar-engine instructions.
 
 `demote_f64` runs first, alone: the NeuronCore has no fp64; decompositions introduce f64 arithmetic on constants
-and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32.
+and statistics (e.g. layer-norm variance). Like neuronx-cc, compute it in fp32. A float64 input or output is
+refused unless `--auto-cast fp64-to-fp32` (passes/auto_cast.py) accepts it as an fp32 one.
 """
 from __future__ import annotations
 
@@ -34,13 +35,17 @@ from neuronc.passes.rewrite import rule, rewrite
 
 
 def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    """The pass: every float64 node in float32; a program taking or returning float64 is refused."""
+    """The pass: every float64 node in float32. A program taking or returning float64 is refused, unless
+    `--auto-cast fp64-to-fp32` accepts it: its float64 inputs and outputs are then fp32 ones (the host casts)."""
     wide = [p for p in graph.params if p.dtype == DType.F64] + [o for o in graph.outputs if o.dtype == DType.F64]
-    if wide:
+    if wide and not ctx.cast.fp64:
         raise NeuronCompileError(
-            "the NeuronCore has no float64; this graph takes or returns float64 tensors",
+            "the NeuronCore has no float64; this graph takes or returns float64 tensors "
+            "(--auto-cast fp64-to-fp32 computes them in fp32)",
             problems=[f"{n.attrs.get('name', 'output')}: {n.shape} float64" for n in wide],
-            hint="convert inputs and the model to float32 (model.float(), x.float())",
+            hint="compile with --auto-cast fp64-to-fp32 (NEURON_CC_FLAGS, or torch.compile's "
+                 "options={'auto_cast': 'fp64-to-fp32'}) to compute it in fp32 with float64 inputs and outputs "
+                 "cast at the boundary; or convert inputs and the model to float32 (model.float(), x.float())",
         )
 
     return rewrite(graph, [demote_float64], ctx)
@@ -48,12 +53,14 @@ def demote_f64(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
 
 @rule()
 def demote_float64(node: ir.Node, inputs: tuple) -> ir.Node | None:
-    """A float64 node computed in float32 (a float64 constant's value rounded to float32)."""
+    """A float64 node computed in float32 (a float64 constant's or weight's value rounded to float32)."""
     if node.dtype != DType.F64:
         return None
     attrs = dict(node.attrs)
     if node.op is Op.CONSTANT:
         attrs["value"] = node.attrs["value"].astype(np.float32)
+    if node.op is Op.PARAMETER and attrs.get("data") is not None:
+        attrs["data"] = np.asarray(attrs["data"]).astype(np.float32)
     return ir.node(node.op, inputs, node.shape, DType.F32, node.loc, **attrs)
 
 

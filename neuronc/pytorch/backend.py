@@ -23,8 +23,11 @@ import functools
 import logging
 import weakref
 
+import numpy as np
+
 from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.errors import NeuronCompileError, NeuronConfigError
+from neuronc.isa import DType
 
 log = logging.getLogger("neuronc")
 
@@ -51,6 +54,7 @@ class NeffFunction:
         self.resident = tuple(n for n, i in enumerate(kept) if i in static_inputs)
         self._resident_keys: tuple | None = None  # what the bound arrays were made from
         self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
+        self.input_entries = compiled.neff.inputs()  # their dtypes: a float64 argument of an fp32 input is cast
 
     @functools.cached_property
     def program(self):
@@ -82,9 +86,13 @@ class NeffFunction:
 
         program = self.program
         resident = self._keep_resident(program, args) if self.resident else ()
-        result = program.run([None if n in resident else to_numpy(a, copy=False) for n, a in enumerate(args)])
+        entries = self.input_entries
+        result = program.run([None if n in resident else _narrowed(to_numpy(a, copy=False), entries[n])
+                              if n < len(entries) else to_numpy(a, copy=False) for n, a in enumerate(args)])
         self.last_run = result
-        return self._arrange([from_numpy(o, copy=False) for o in result.outputs], given)  # run's own copies
+        outputs = [o.astype(np.float64) if i in self.compiled.float64_outputs else o
+                   for i, o in enumerate(result.outputs)]
+        return self._arrange([from_numpy(o, copy=False) for o in outputs], given)  # run's own copies
 
     def _keep_resident(self, program, args) -> frozenset:
         """The parameters and buffers among ``args`` bound to ``program`` as inputs it reads in place (runtime's
@@ -100,7 +108,7 @@ class NeffFunction:
             self.rebinds += self._resident_keys is not None
             readable = {} if self.rebinds > REBINDS_BEFORE_COPYING else {
                 n: to_numpy(args[n], copy=False) for n, key in zip(self.resident, keys)
-                if key is not None and key[2].type == "cpu" and key[3]}
+                if key is not None and key[2].type == "cpu" and key[3] and str(key[1]) != "torch.float64"}
             program.bind_inputs(readable)
             self._resident_keys, self._bound_positions = keys, frozenset(readable)
         return self._bound_positions
@@ -122,6 +130,14 @@ class NeffFunction:
         self.device_launches += 1
         self.last_run = _device_run(program, outputs)
         return outputs
+
+
+def _narrowed(array, entry):
+    """A float64 argument of an fp32 NEFF input (compiled with --auto-cast fp64-to-fp32) cast to fp32 on the host;
+    any other array as it is (the runtime checks it)."""
+    if array is not None and getattr(array, "dtype", None) == np.float64 and entry.dtype is DType.F32:
+        return array.astype(np.float32)
+    return array
 
 
 def _static_inputs() -> frozenset:
