@@ -746,5 +746,5 @@ def test_grid_sample_with_reflection_padding_matches_eager():
     generator = torch.Generator().manual_seed(0)
     image, grid = torch.randn(2, 3, 8, 8, generator=generator), torch.rand(2, 5, 5, 2, generator=generator) * 2.4 - 1.2
     for mode in ("bilinear", "nearest", "bicubic"):
-        _matches_eager(lambda x, g: torch.nn.functional.grid_sample(x, g, mode=mode, padding_mode="reflection",
-                                                                    align_corners=False), image, grid)
+        _matches_eager(lambda x, g, mode=mode: torch.nn.functional.grid_sample(
+            x, g, mode=mode, padding_mode="reflection", align_corners=False), image, grid)
