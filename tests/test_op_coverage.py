@@ -170,7 +170,8 @@ def test_polygamma_is_infinite_at_its_poles(n, sign):
 
 @pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
                                   "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
-                                  "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0"])
+                                  "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0",
+                                  "i1", "i1e", "i0e"])
 def test_bessel_functions_match_eager_over_wide_ranges(name):
     """Every branch of ATen's forms: the series near 0, each side of the switch (2, 5, 8), the asymptotic form
     far out, overflow, +-inf, NaN, and the pole or NaN of K and Y at and below 0."""

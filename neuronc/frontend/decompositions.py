@@ -1282,6 +1282,12 @@ def _modified_bessel_i1(x):
     return torch.where(x < 0, -value, value)
 
 
+def _scaled_modified_bessel_i1(x):
+    """special.i1e, exp(-|x|) I1(x), as ATen's calc_i1e (the same Cephes series, odd)."""
+    value = _i1_unscaled(x.abs())
+    return torch.where(x < 0, -value, value)
+
+
 def _k_of_second_kind(x, near, far_series, scaled: bool):
     """K0 or K1 (times exp(x) if scaled): `near(x)` up to 2, exp(-x) times a series in 8/x - 2 over sqrt(x) past
     it; +inf at 0 and NaN below 0, as ATen returns them."""
@@ -1877,6 +1883,9 @@ OWN = {
     aten.special_bessel_y1.default: _bessel_y1,
     aten.special_modified_bessel_i0.default: _modified_bessel_i0,
     aten.special_modified_bessel_i1.default: _modified_bessel_i1,
+    aten.special_i1.default: _modified_bessel_i1,  # torch.special.i1: the same function, ATen's calc_i1
+    aten.special_i1e.default: _scaled_modified_bessel_i1,
+    aten.special_i0e.default: lambda x: _i0_unscaled(x.abs()),  # exp(-|x|) I0(x), ATen's calc_i0e
     aten.special_modified_bessel_k0.default: _modified_bessel_k0,
     aten.special_modified_bessel_k1.default: _modified_bessel_k1,
     aten.special_scaled_modified_bessel_k0.default: _scaled_modified_bessel_k0,
