@@ -429,6 +429,12 @@ def test_lu_of_nothing_compiles():
                    _matrices(0, 0), _matrices(3, 0))
 
 
+def test_determinants_of_nothing_are_one():
+    """det and slogdet of a 0 x 0 matrix (OpInfo's first sample) and of an empty batch: 1, and sign 1, log 0."""
+    _matches_eager(lambda a, b: (*torch.linalg.slogdet(a), torch.linalg.det(a), *torch.linalg.slogdet(b)),
+                   torch.zeros(0, 0), torch.zeros(0, 2, 2))
+
+
 def _gradients(fn, *inputs):
     """The gradients of every float input of ``fn`` (outputs weighted by fixed random numbers)."""
     inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]

@@ -1492,7 +1492,8 @@ def _lu_factor(a, pivot=True):
     rows, cols = torch.arange(m, device=a.device), torch.arange(n, device=a.device)
     info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
     if a.numel() == 0:  # nothing to factor (an empty gather does not compile)
-        return a + 0, torch.ones(a.shape[:-2] + (min(m, n),), dtype=torch.int32, device=a.device).cumsum(-1).to(torch.int32), info
+        steps = torch.arange(1, min(m, n) + 1, dtype=torch.int32, device=a.device)  # (a cumsum of nothing does not
+        return a + 0, steps.expand(a.shape[:-2] + (min(m, n),)).clone(), info  # lower)
     pivots = []
     for j in range(min(m, n)):
         if pivot:
