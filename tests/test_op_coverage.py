@@ -758,3 +758,11 @@ def test_as_strided_scatter_replaces_only_the_strided_view():
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (2, 3), (5, 2), 1), x, _seeded(2, 3, seed=12))
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (3, 2), (1, 7), 4), x, _seeded(3, 2, seed=13))
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (4,), (1,)), x.T, _seeded(4, seed=14))
+
+
+def test_reflect_padding_of_an_empty_batch_and_other_empty_gathers_give_eagers_empty_shape():
+    # OpInfo's nn.functional.pad.reflect sample [0, 3, 3]: its aten.index.Tensor gathers nothing
+    rows, nothing = torch.tensor([[2, 0, 1]]), torch.zeros(0, 1, dtype=torch.int64)
+    _matches_eager(lambda t: torch.nn.functional.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
+    _matches_eager(lambda t: (t[rows], t[rows, :, rows], t[..., rows]), torch.randn(3, 0, 4))
+    _matches_eager(lambda t: (t[nothing, :, rows] + 1, t[:, nothing, rows]), torch.randn(3, 2, 4))

@@ -1917,6 +1917,26 @@ def _adaptive_max_pool3d_backward(grad, x, indices):
     return volume.scatter_add(-1, indices.flatten(lead), grad.flatten(lead)).reshape(x.shape)
 
 
+def _empty_index(x, indices):
+    """x[indices] when the result holds no element (x or an index is empty: F.pad(mode='reflect') of an empty
+    batch gathers from a [0, c, w] input): torch-mlir cannot lower that gather, and there is nothing to gather,
+    so the result is an empty tensor of the shape eager gives (advanced indexing's rule: the indices' broadcast
+    shape in place of the indexed dims when they are adjacent, else first). Any other index is torch-mlir's."""
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if any(i.dtype in (torch.bool, torch.uint8) for _, i in given):
+        return NotImplemented  # a mask: its result's shape depends on its values
+    if x.numel() != 0 and all(i.numel() != 0 for _, i in given):
+        return NotImplemented
+    broadcast = tuple(torch.broadcast_shapes(*(i.shape for _, i in given)))
+    dims = [d for d, _ in given]
+    rest = lambda ds: tuple(x.shape[d] for d in ds if d not in dims)  # noqa: E731
+    if dims == list(range(dims[0], dims[-1] + 1)):
+        shape = rest(range(dims[0])) + broadcast + rest(range(dims[0], x.dim()))
+    else:
+        shape = broadcast + rest(range(x.dim()))
+    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
 def _strided_positions(size, stride, offset=0) -> np.ndarray:
     """The storage position of each element of an as_strided(size, stride, offset) view, in row-major order."""
     positions = np.full((), offset, dtype=np.int64)
@@ -2068,6 +2088,7 @@ OWN = {
     aten.adaptive_max_pool3d.default: adaptive_max_pool,
     aten.adaptive_max_pool3d_backward.default: _adaptive_max_pool3d_backward,
     aten.as_strided_scatter.default: _as_strided_scatter,
+    aten.index.Tensor: _empty_index,
     **_foreach_decompositions(),
 }
 for _kind in "tuvw":
