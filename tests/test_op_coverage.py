@@ -716,6 +716,9 @@ def test_clamp_by_tensors_propagates_nan_from_input_and_bounds():
     hi = torch.tensor([[1.0], [float("nan")]])
     _matches_eager(lambda t, a, b: (torch.clamp(t, a, b), torch.clamp(t, min=a), torch.clamp(t, max=b),
                                     torch.clamp_min(t, a), torch.clamp_max(t, b)), x, lo, hi)
+    # bounds wider than the input: the result takes the broadcast shape (torch-mlir's lowering keeps the input's)
+    _matches_eager(lambda t, a, b: (torch.clamp_max(t, a), torch.clamp_min(t, a), torch.clamp(t, a, b[:1])),
+                   x[:1].T, lo, hi)
     _gradients_match_eager(lambda t, a, b: torch.clamp(t, a, b), _seeded(4, 5), _seeded(5, seed=1) - 1,
                            _seeded(4, 1, seed=2) + 1)
 
@@ -732,6 +735,7 @@ def test_bilinear_contracts_both_inputs_with_the_weight():
     x1, x2, w, b = _seeded(6, 3, seed=5), _seeded(6, 4, seed=6), _seeded(2, 3, 4, seed=7), _seeded(2, seed=8)
     _matches_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1, x2, w, b)
     _matches_eager(lambda p, q, r: torch.nn.functional.bilinear(p, q, r), x1[:1].expand(6, 3), x2, w)
+    _matches_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1[:0], x2[:0], w, b)  # no rows
     _gradients_match_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1, x2, w, b)
 
 
