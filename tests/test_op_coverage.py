@@ -762,6 +762,7 @@ def test_as_strided_scatter_replaces_only_the_strided_view():
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (2, 3), (5, 2), 1), x, _seeded(2, 3, seed=12))
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (3, 2), (1, 7), 4), x, _seeded(3, 2, seed=13))
     _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (4,), (1,)), x.T, _seeded(4, seed=14))
+    _gradients_match_eager(lambda t, s: torch.as_strided_scatter(t, s, (3, 2), (1, 7), 4), x, _seeded(3, 2, seed=13))
 
 
 def test_reflect_padding_of_an_empty_batch_and_other_empty_gathers_give_eagers_empty_shape():
