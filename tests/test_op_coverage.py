@@ -755,3 +755,102 @@ def test_grid_sample_with_reflection_padding_matches_eager():
     for mode in ("bilinear", "nearest", "bicubic"):
         _matches_eager(lambda x, g, mode=mode: torch.nn.functional.grid_sample(
             x, g, mode=mode, padding_mode="reflection", align_corners=False), image, grid)
+
+def _gradients_match_eager(fn, *inputs):
+    """The compiled function's gradients with respect to every floating input are eager autograd's."""
+    weights = fn(*inputs)
+    weights = torch.randn(weights.shape, generator=torch.Generator().manual_seed(20))
+
+    def gradients(f):
+        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        (f(*leaves) * weights).sum().backward()
+        return [t.grad for t in leaves if t.requires_grad]
+
+    torch._dynamo.reset()
+    for got, want in zip(gradients(torch.compile(fn, backend="neuron")), gradients(fn)):
+        assert_matches_eager(got, want)
+
+
+def _seeded(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_addmv_scales_both_terms_and_beta_zero_ignores_nan_in_input():
+    vec, mat = _seeded(5, seed=1), _seeded(3, 5, seed=2)
+    poisoned = torch.tensor([float("nan"), float("inf"), 1.0])
+    _matches_eager(lambda s, m, v: (torch.addmv(s, m, v), torch.addmv(s, m, v, beta=0.5, alpha=-2.0),
+                                    torch.addmv(s[:1], m, v, beta=2)), _seeded(3), mat, vec)
+    _matches_eager(lambda s, m, v: torch.addmv(s, m, v, beta=0, alpha=3.0), poisoned, mat, vec)
+    _gradients_match_eager(lambda s, m, v: torch.addmv(s, m, v, beta=0.5, alpha=-2.0), _seeded(3), mat, vec)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_of_a_batch_of_positive_definite_matrices_and_its_gradient(upper):
+    a = _seeded(2, 5, 5, seed=3)
+    spd = a @ a.mT + 5 * torch.eye(5)
+    _matches_eager(lambda t: torch.cholesky(t, upper=upper), spd)
+    _matches_eager(lambda t: torch.linalg.cholesky(t, upper=upper), spd)
+    _gradients_match_eager(lambda t: torch.cholesky(t @ t.mT + 5 * torch.eye(5), upper=upper), a)
+
+
+def test_clamp_by_tensors_propagates_nan_from_input_and_bounds():
+    x = torch.tensor([[-2.0, 0.5, float("nan"), 3.0, 1.0], [0.0, -1.0, 2.0, 9.0, -9.0]])
+    lo = torch.tensor([-1.0, float("nan"), 0.0, 0.0, 2.0])
+    hi = torch.tensor([[1.0], [float("nan")]])
+    _matches_eager(lambda t, a, b: (torch.clamp(t, a, b), torch.clamp(t, min=a), torch.clamp(t, max=b),
+                                    torch.clamp_min(t, a), torch.clamp_max(t, b)), x, lo, hi)
+    # bounds wider than the input: the result takes the broadcast shape (torch-mlir's lowering keeps the input's)
+    _matches_eager(lambda t, a, b: (torch.clamp_max(t, a), torch.clamp_min(t, a), torch.clamp(t, a, b[:1])),
+                   x[:1].T, lo, hi)
+    _gradients_match_eager(lambda t, a, b: torch.clamp(t, a, b), _seeded(4, 5), _seeded(5, seed=1) - 1,
+                           _seeded(4, 1, seed=2) + 1)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_put_writes_flat_indices_counting_negative_ones_from_the_end(accumulate):
+    index = torch.tensor([[0, -1], [7, -12]]) if not accumulate else torch.tensor([0, -1, 5, 0, -1])
+    source = _seeded(*index.shape, seed=4)
+    _matches_eager(lambda t, s: torch.put(t, index, s, accumulate), _seeded(3, 4), source)
+    _gradients_match_eager(lambda t, s: torch.put(t, index, s, accumulate), _seeded(3, 4), source)
+
+
+def test_bilinear_contracts_both_inputs_with_the_weight():
+    x1, x2, w, b = _seeded(6, 3, seed=5), _seeded(6, 4, seed=6), _seeded(2, 3, 4, seed=7), _seeded(2, seed=8)
+    _matches_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1, x2, w, b)
+    _matches_eager(lambda p, q, r: torch.nn.functional.bilinear(p, q, r), x1[:1].expand(6, 3), x2, w)
+    _matches_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1[:0], x2[:0], w, b)  # no rows
+    _gradients_match_eager(lambda p, q, r, s: torch.nn.functional.bilinear(p, q, r, s), x1, x2, w, b)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 0.5, 3.0, float("inf")])
+def test_pdist_is_the_upper_triangle_of_row_distances(p):
+    x = _seeded(5, 3, seed=9)
+    x[3] = x[1]  # one zero distance (its gradient is 0, as eager's)
+    x[4, 0] = x[0, 0]  # one zero difference in a nonzero distance (for p < 1 its gradient is 0, as eager's)
+    _matches_eager(lambda t: torch.nn.functional.pdist(t, p), x)
+    _gradients_match_eager(lambda t: torch.nn.functional.pdist(t, p), x)
+
+
+@pytest.mark.parametrize("output_size", [(2, 3, 1), (3, 3, 5)])
+def test_adaptive_3d_pools_use_overlapping_floor_ceil_windows(output_size):
+    x = _seeded(2, 3, 5, 4, 7, seed=10)
+    _matches_eager(lambda t: torch.nn.functional.adaptive_avg_pool3d(t, output_size), x)
+    _matches_eager(lambda t: torch.nn.functional.adaptive_max_pool3d(t, output_size, return_indices=True), x)
+    _gradients_match_eager(lambda t: torch.nn.functional.adaptive_avg_pool3d(t, output_size), x)
+    _gradients_match_eager(lambda t: torch.nn.functional.adaptive_max_pool3d(t, output_size), x)
+
+
+def test_as_strided_scatter_replaces_only_the_strided_view():
+    x = _seeded(4, 5, seed=11)
+    _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (2, 3), (5, 2), 1), x, _seeded(2, 3, seed=12))
+    _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (3, 2), (1, 7), 4), x, _seeded(3, 2, seed=13))
+    _matches_eager(lambda t, s: torch.as_strided_scatter(t, s, (4,), (1,)), x.T, _seeded(4, seed=14))
+    _gradients_match_eager(lambda t, s: torch.as_strided_scatter(t, s, (3, 2), (1, 7), 4), x, _seeded(3, 2, seed=13))
+
+
+def test_reflect_padding_of_an_empty_batch_and_other_empty_gathers_give_eagers_empty_shape():
+    # OpInfo's nn.functional.pad.reflect sample [0, 3, 3]: its aten.index.Tensor gathers nothing
+    rows, nothing = torch.tensor([[2, 0, 1]]), torch.zeros(0, 1, dtype=torch.int64)
+    _matches_eager(lambda t: torch.nn.functional.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
+    _matches_eager(lambda t: (t[rows], t[rows, :, rows], t[..., rows]), torch.randn(3, 0, 4))
+    _matches_eager(lambda t: (t[nothing, :, rows] + 1, t[:, nothing, rows]), torch.randn(3, 2, 4))

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from neuronc import ir
+from neuronc.frontend.decompositions import adaptive_max_pool
 from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
 from neuronc.isa import DType
@@ -2045,37 +2046,9 @@ def _weight_gradient(x, grad, weight_shape, stride, padding, dilation, groups):
     return stacked.reshape(out_channels, per_group_in, *kernel)
 
 
-def _adaptive_max_pool(x, output_size):
-    """(max, flat index within the image of its first occurrence) over each adaptive window: the windows'
-    elements gathered dim by dim (a window shorter than the longest repeats its last element, which changes
-    neither the max nor which occurrence is first), then a max over them."""
-    spatial = len(output_size)
-    lead = x.dim() - spatial
-    sizes = x.shape[lead:]
-    gathered, positions = x, None
-    for i, (size, out) in enumerate(zip(sizes, output_size)):
-        starts = [(o * size) // out for o in range(out)]
-        ends = [-(-((o + 1) * size) // out) for o in range(out)]
-        length = max(e - b for b, e in zip(starts, ends))
-        rows = torch.tensor([[b + min(t, e - b - 1) for t in range(length)] for b, e in zip(starts, ends)])
-        dim = lead + 2 * i
-        gathered = gathered.index_select(dim, rows.flatten()).unflatten(dim, (out, length))
-        stride = int(np.prod(sizes[i + 1:]))
-        here = (rows * stride).reshape([1] * (2 * i) + [out, length] + [1] * (2 * (spatial - i - 1)))
-        positions = here if positions is None else positions + here
-    order = list(range(lead)) + [lead + 2 * i for i in range(spatial)] + [lead + 2 * i + 1 for i in range(spatial)]
-    windows = gathered.permute(order).flatten(lead + spatial)
-    values, which = windows.max(-1)
-    window_positions = positions.permute([2 * i for i in range(spatial)] + [2 * i + 1 for i in range(spatial)])
-    window_positions = window_positions.expand(*output_size, *window_positions.shape[spatial:]).flatten(spatial)
-    indices = torch.gather(window_positions.expand(*x.shape[:lead], *window_positions.shape), -1,
-                           which.unsqueeze(-1)).squeeze(-1)
-    return values, indices
-
-
 OWN_DECOMPOSITIONS.update({
-    aten.adaptive_max_pool2d.default: _adaptive_max_pool,
-    aten.adaptive_max_pool3d.default: _adaptive_max_pool,
+    aten.adaptive_max_pool2d.default: adaptive_max_pool,
+    aten.adaptive_max_pool3d.default: adaptive_max_pool,
     aten.convolution_backward.default: _convolution_backward,
     aten._thnn_fused_lstm_cell.default: _lstm_cell,
     aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward,

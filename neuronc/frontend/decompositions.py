@@ -1746,6 +1746,271 @@ def _fused_multiply_add(a, b, c):
     return a * b + c
 
 
+def _addmv(self, mat, vec, *, beta=1, alpha=1):
+    """beta * self + alpha * (mat @ vec), self broadcast to [rows]; with beta = 0 eager ignores self (a NaN or
+    inf in it does not reach the result), so the sum leaves it out rather than multiplying it by 0."""
+    product = aten.mv.default(mat, vec)
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product.expand(torch.broadcast_shapes(self.shape, product.shape)).clone()
+    return (self if beta == 1 else self * beta) + product
+
+
+def _cholesky_factor(a):
+    """(lower L with L L^H = a, info as int32) of a[..., n, n], column by column (Cholesky-Banachiewicz):
+    column j is (a[j:, j] - L[j:, :j] L[j, :j]) / sqrt of its first element. info is eager's: the first minor
+    (from 1) that is not positive definite, else 0; from there on the factor holds NaN."""
+    n = a.shape[-1]
+    info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
+    if n == 0:  # nothing to factor
+        return a.clone(), info
+    columns = []
+    for j in range(n):
+        rest = a[..., j:, j]
+        if columns:
+            done = torch.stack(columns, -1)  # [..., n, j]
+            rest = rest - (done[..., j:, :] * done[..., j:j + 1, :]).sum(-1)
+        pivot = rest[..., 0]
+        info = torch.where((info == 0) & ~(pivot > 0), j + 1, info)
+        root = torch.sqrt(pivot)
+        column = torch.cat([root.unsqueeze(-1), rest[..., 1:] / root.unsqueeze(-1)], -1)
+        if j:
+            column = torch.cat([torch.zeros(a.shape[:-2] + (j,), dtype=a.dtype, device=a.device), column], -1)
+        columns.append(column)
+    return torch.stack(columns, -1), info
+
+
+def _cholesky(a, upper=False):
+    """The old torch.cholesky: the lower factor, or with upper=True its transpose (U^H U = a)."""
+    lower, _ = _cholesky_factor(a)
+    return lower.mT if upper else lower
+
+
+def _linalg_cholesky_ex(a, *, upper=False, check_errors=False):
+    """torch.linalg.cholesky's core: (factor, info); the error eager raises for info > 0 is checked after."""
+    lower, info = _cholesky_factor(a)
+    return (lower.mT if upper else lower), info
+
+
+def _clamp_tensor(x, min=None, max=None):
+    """clamp with tensor bounds: min(max(x, lo), hi) in the promoted dtype; a NaN in x or in either bound gives
+    NaN (torch.maximum and minimum propagate it, as eager's kernel does), and lo > hi gives hi."""
+    dtype = torch.result_type(x, min if min is not None else max)
+    if min is not None and max is not None:
+        dtype = torch.promote_types(dtype, torch.result_type(x, max))
+    out = x.to(dtype)
+    if min is not None:
+        out = torch.maximum(out, min.to(dtype))
+    if max is not None:
+        out = torch.minimum(out, max.to(dtype))
+    return out
+
+
+def _put(self, index, source, accumulate=False):
+    """self.flatten()[index] = source (or += with accumulate), indices into the flattened input, negative ones
+    counted from its end as eager does; an index_put on the flat tensor, reshaped back."""
+    flat = self.reshape(-1)
+    positions = index.reshape(-1)
+    positions = torch.where(positions < 0, positions + flat.shape[0], positions)
+    return aten.index_put.default(flat, [positions], source.reshape(-1), accumulate).reshape(self.shape)
+
+
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims (F.bilinear is
+    _trilinear(x1, W, x2, [1, 3], [0], [1, 2], [2, 3])): one einsum (matrix products, not the broadcast product
+    of every element), a size-1 dim that broadcasts against a wider one left out of that operand's labels."""
+    total = i1.dim() + len(expand1)
+    sizes = [1] * total
+    labelled = []
+    for t, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        dims = [d for d in range(total) if d not in expand]
+        labelled.append((t, dims))
+        for d, size in zip(dims, t.shape):
+            sizes[d] = max(sizes[d], size)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    operands, specs, present = [], [], set()
+    for t, dims in labelled:
+        narrow = [k for k, d in enumerate(dims) if t.shape[k] == 1 and sizes[d] > 1]
+        for k in reversed(narrow):
+            t = t.squeeze(k)
+        kept = [d for k, d in enumerate(dims) if k not in narrow]
+        operands.append(t)
+        specs.append("".join(letters[d] for d in kept))
+        present.update(kept)
+    out_dims = [d for d in range(total) if d not in sumdim]
+    written = [d for d in out_dims if d in present]
+    result = torch.einsum(",".join(specs) + "->" + "".join(letters[d] for d in written), *operands)
+    for position, d in enumerate(out_dims):
+        if d not in present:
+            result = result.unsqueeze(position)
+    return result
+
+
+def _pdist_pairs(n: int):
+    """The row pairs (i, j), i < j, in eager's order (row-major over the upper triangle), as two int64 tensors."""
+    first, second = np.triu_indices(n, 1)
+    return torch.from_numpy(first.astype(np.int64)), torch.from_numpy(second.astype(np.int64))
+
+
+def _pdist_forward(x, p=2.0):
+    """The p-norm distance of every pair of rows i < j of x[n, m]: a static gather of both rows of each pair,
+    then the norm of the difference (p = 0 counts the differing elements, p = inf takes the largest)."""
+    first, second = _pdist_pairs(x.shape[0])
+    if first.numel() == 0:
+        return x.new_zeros((0,))
+    diff = (x.index_select(0, first.to(x.device)) - x.index_select(0, second.to(x.device))).abs()
+    if p == 0:
+        return (diff != 0).to(x.dtype).sum(-1)
+    if p == 1:
+        return diff.sum(-1)
+    if p == 2:
+        return torch.sqrt((diff * diff).sum(-1))
+    if math.isinf(p):
+        return diff.amax(-1)
+    return diff.pow(p).sum(-1).pow(1.0 / p)
+
+
+def _pdist_backward(grad, x, p, pdist):
+    """Eager's gradient of pdist: per pair, d dist / d (x_i - x_j) (0 where the distance is 0), added into row i
+    and subtracted from row j (two index_adds of static indices)."""
+    n = x.shape[0]
+    first, second = _pdist_pairs(n)
+    if first.numel() == 0 or p == 0:
+        return torch.zeros_like(x)
+    first, second = first.to(x.device), second.to(x.device)
+    diff = x.index_select(0, first) - x.index_select(0, second)
+    g, dist = grad.unsqueeze(-1), pdist.unsqueeze(-1)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if p == 1:
+        each = g * torch.sign(diff)
+    elif p == 2:
+        each = torch.where(dist == 0, zero, g * diff / dist)
+    elif math.isinf(p):
+        each = g * torch.sign(diff) * (diff.abs() == dist).to(x.dtype)
+    elif p < 2:
+        each = torch.sign(diff) * diff.abs().pow(p - 1) * g / dist.pow(p - 1)
+        each = torch.where((dist == 0) | ((diff == 0) & (p < 1)), zero, each)
+    else:
+        each = torch.where(dist == 0, zero, diff * diff.abs().pow(p - 2) * g / dist.pow(p - 1))
+    return torch.zeros_like(x).index_add(0, first, each).index_add(0, second, -each)
+
+
+def _adaptive_average_matrix(size: int, out: int, dtype, device):
+    """[out, size]: 1 / count over output o's window [floor(o size / out), ceil((o + 1) size / out)), else 0."""
+    o = torch.arange(out, device=device).unsqueeze(-1)
+    start, end = (o * size) // out, ((o + 1) * size + out - 1) // out
+    i = torch.arange(size, device=device)
+    inside = ((i >= start) & (i < end)).to(dtype)
+    return inside / (end - start).to(dtype)
+
+
+def _adaptive_avg_pool3d(x, output_size):
+    """The mean over each adaptive window, dim by dim (the windows are separable): each spatial dim multiplied
+    by a constant [out, in] matrix of 1 / count, as the eager device's lowering does."""
+    lead = x.dim() - 3
+    for i, out in enumerate(output_size):
+        dim = lead + i
+        weights = _adaptive_average_matrix(x.shape[dim], out, x.dtype, x.device)
+        x = torch.matmul(x.movedim(dim, -1), weights.T).movedim(-1, dim)
+    return x
+
+
+def _adaptive_avg_pool3d_backward(grad, x):
+    """The forward's transpose: each spatial dim of the gradient multiplied by the [out, in] matrix's transpose."""
+    lead = x.dim() - 3
+    for i in range(3):
+        dim = lead + i
+        weights = _adaptive_average_matrix(x.shape[dim], grad.shape[dim], grad.dtype, grad.device)
+        grad = torch.matmul(grad.movedim(dim, -1), weights).movedim(-1, dim)
+    return grad
+
+
+def adaptive_max_pool(x, output_size):
+    """(max, flat index within the image of its first occurrence) over each adaptive window: the windows'
+    elements gathered dim by dim (a window shorter than the longest repeats its last element, which changes
+    neither the max nor which occurrence is first), then a max over them."""
+    spatial = len(output_size)
+    lead = x.dim() - spatial
+    sizes = x.shape[lead:]
+    gathered, positions = x, None
+    for i, (size, out) in enumerate(zip(sizes, output_size)):
+        starts = [(o * size) // out for o in range(out)]
+        ends = [-(-((o + 1) * size) // out) for o in range(out)]
+        length = max(e - b for b, e in zip(starts, ends))
+        o = torch.arange(out, device=x.device).unsqueeze(-1)
+        start, end = (o * size) // out, ((o + 1) * size + out - 1) // out
+        rows = start + torch.minimum(torch.arange(length, device=x.device), end - start - 1)  # computed, not a
+        # constant tensor: torch.compile's trace cannot hold a fresh tensor made inside a decomposition
+        dim = lead + 2 * i
+        gathered = gathered.index_select(dim, rows.flatten()).unflatten(dim, (out, length))
+        stride = int(np.prod(sizes[i + 1:]))
+        here = (rows * stride).reshape([1] * (2 * i) + [out, length] + [1] * (2 * (spatial - i - 1)))
+        positions = here if positions is None else positions + here
+    order = list(range(lead)) + [lead + 2 * i for i in range(spatial)] + [lead + 2 * i + 1 for i in range(spatial)]
+    windows = gathered.permute(order).flatten(lead + spatial)
+    values, which = windows.max(-1)
+    window_positions = positions.permute([2 * i for i in range(spatial)] + [2 * i + 1 for i in range(spatial)])
+    window_positions = window_positions.expand(*output_size, *window_positions.shape[spatial:]).flatten(spatial)
+    indices = torch.gather(window_positions.expand(*x.shape[:lead], *window_positions.shape), -1,
+                           which.unsqueeze(-1)).squeeze(-1)
+    return values, indices
+
+
+def _adaptive_max_pool3d_backward(grad, x, indices):
+    """Each output's gradient added at its maximum: a scatter-add of the flat indices (within each image's
+    spatial volume) into zeros shaped like x's flattened volume (overlapping windows may share a maximum)."""
+    lead = x.dim() - 3
+    volume = torch.zeros(x.shape[:lead] + (math.prod(x.shape[lead:]),), dtype=grad.dtype, device=grad.device)
+    return volume.scatter_add(-1, indices.flatten(lead), grad.flatten(lead)).reshape(x.shape)
+
+
+def _empty_index(x, indices):
+    """x[indices] when the result holds no element (x or an index is empty: F.pad(mode='reflect') of an empty
+    batch gathers from a [0, c, w] input): torch-mlir cannot lower that gather, and there is nothing to gather,
+    so the result is an empty tensor of the shape eager gives (advanced indexing's rule: the indices' broadcast
+    shape in place of the indexed dims when they are adjacent, else first). Any other index is torch-mlir's."""
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if any(i.dtype in (torch.bool, torch.uint8) for _, i in given):
+        return NotImplemented  # a mask: its result's shape depends on its values
+    if x.numel() != 0 and all(i.numel() != 0 for _, i in given):
+        return NotImplemented
+    broadcast = tuple(torch.broadcast_shapes(*(i.shape for _, i in given)))
+    dims = [d for d, _ in given]
+    rest = lambda ds: tuple(x.shape[d] for d in ds if d not in dims)  # noqa: E731
+    if dims == list(range(dims[0], dims[-1] + 1)):
+        shape = rest(range(dims[0])) + broadcast + rest(range(dims[0], x.dim()))
+    else:
+        shape = broadcast + rest(range(x.dim()))
+    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
+def _strided_positions(size, stride, offset=0) -> np.ndarray:
+    """The storage position of each element of an as_strided(size, stride, offset) view, in row-major order."""
+    positions = np.full((), offset, dtype=np.int64)
+    for length, step in zip(size, stride):
+        positions = positions[..., None] + np.arange(length, dtype=np.int64) * step
+    return positions.reshape(-1)
+
+
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    """x with the elements of its as_strided(size, stride, storage_offset) view replaced by src. Eager writes
+    into a clone of x, which keeps x's strides when x is dense (a transposed x is laid out transposed), else is
+    row-major. The positions are static, so each element of x statically takes src's element written there (or,
+    for an overlapping view, which eager refuses, the last) or keeps its own: one gather and a where."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    layout = x.stride() if is_non_overlapping_and_dense_or_false(x) else torch.empty(x.shape, device="meta").stride()
+    source_at = np.full(x.numel(), -1, dtype=np.int64)  # by storage position
+    written_to = _strided_positions(size, stride, storage_offset or 0)
+    source_at[written_to] = np.arange(written_to.size, dtype=np.int64)  # the last write wins
+    source_of = torch.from_numpy(source_at[_strided_positions(x.shape, layout)]).to(x.device)  # by element
+    written = source_of >= 0
+    taken = src.reshape(-1).index_select(0, source_of.clamp(min=0)) if src.numel() else \
+        torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
+    return torch.where(written, taken.to(x.dtype), x.reshape(-1)).reshape(x.shape)
+
+
 def defined_elsewhere() -> dict:
     """Decompositions of operators that exist once another torch module has defined them, looked up when a graph
     is compiled: prims.fma is torch._inductor's (its lerp decomposition, which torch.compile uses when it traces
@@ -1912,6 +2177,21 @@ OWN = {
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer,
     aten._cdist_forward.default: _cdist_forward,
     aten._cdist_backward.default: _cdist_backward,
+
+    aten.addmv.default: _addmv,
+    aten.cholesky.default: _cholesky,
+    aten.linalg_cholesky_ex.default: _linalg_cholesky_ex,
+    aten.clamp.Tensor: _clamp_tensor,
+    aten.put.default: _put,
+    aten._trilinear.default: _trilinear,
+    aten._pdist_forward.default: _pdist_forward,
+    aten._pdist_backward.default: _pdist_backward,
+    aten._adaptive_avg_pool3d.default: _adaptive_avg_pool3d,
+    aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool3d_backward,
+    aten.adaptive_max_pool3d.default: adaptive_max_pool,
+    aten.adaptive_max_pool3d_backward.default: _adaptive_max_pool3d_backward,
+    aten.as_strided_scatter.default: _as_strided_scatter,
+    aten.index.Tensor: _empty_index,
     **_foreach_decompositions(),
 }
 for _kind in "tuvw":
