@@ -7,9 +7,7 @@ Side by side in one process, for each model:
                      attention's key length grows): cold (the first generate of the process, which compiles
                      each op at each new shape) and warm (the same prompt again: every program cached);
   neuron compiled    `model.forward = torch.compile(model.forward, backend="neuron")` with the static cache
-                     (two graphs: prefill and decode): cold (compiles both) and warm. `--compiled` adds the
-                     variants: torch.compile's dynamic=True, and the dynamic cache (a new key length each token:
-                     with dynamic shapes, one graph compiled at each length).
+                     (two graphs: prefill and decode): cold (compiles both) and warm.
 A cold generate compiles each op at each new shape, or loads it from the compile cache on disk when an earlier
 process compiled it (the row says how many of each: run with ``NEURON_CC_FLAGS=--no_cache``, or an empty
 ``NEURON_COMPILE_CACHE_URL``, for a first-ever run). Prints wall and CPU seconds (the process's own, which the machine's other load does not inflate; the
@@ -21,8 +19,7 @@ its load; the ratios are measured side by side. PyTorch and numpy run one thread
 two intra-op threads contend with the other processes and make CPU eager's generate 5-7x slower, which would
 flatter the device.
 
-    .venv/bin/python -m benchmarks.generate [--tokens 32] [--models gpt2,llama] [--repeat 3] [--eager-only | --compiled-only]
-        [--compiled static+static,dynamic=True+dynamic-cache+dynamic-cache,dynamic=True]
+    .venv/bin/python -m benchmarks.generate [--tokens 32] [--models gpt2,llama] [--repeat 3] [--eager-only]
 (needs transformers: pip install -e '.[bench]')
 """
 from __future__ import annotations
@@ -37,11 +34,6 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
-
-
-# torch.compile's variants: mode -> (the KV cache generate uses, torch.compile's `dynamic`)
-COMPILED_MODES = {"static": ("static", None), "static,dynamic=True": ("static", True),
-                  "dynamic-cache": (None, None), "dynamic-cache,dynamic=True": (None, True)}
 
 
 def build(name: str, layers: int, width: int):
@@ -78,12 +70,13 @@ def device_seconds(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def run(name: str, options):
+def run(name: str, options) -> list:
     from neuronc.pytorch import backend, eager
 
     model = build(name, options.layers, options.width)
     prompt = torch.randint(1, 512, (1, options.prompt))
     settings = dict(max_new_tokens=options.tokens, min_new_tokens=options.tokens, do_sample=False, pad_token_id=0)
+    rows = []
 
     def best(fn) -> tuple:
         runs = [timed(fn) for _ in range(options.repeat)]
@@ -92,49 +85,37 @@ def run(name: str, options):
     with torch.no_grad():
         model.generate(prompt, **settings)  # warm-up
         cpu_s, cpu_cpu, expected = best(lambda: model.generate(prompt, **settings))
-        yield ((name, "cpu eager (warm)", cpu_s, cpu_cpu, cpu_s, cpu_cpu, True, None))
+        rows.append((name, "cpu eager (warm)", cpu_s, cpu_cpu, cpu_s, cpu_cpu, True, None))
 
         on_device = model.to("neuron")
         device_prompt = prompt.to("neuron")
-        if not options.compiled_only:
-            eager.programs.clear()  # cold: nothing compiled by the models before this one
-            before = dict(eager.compile_stats)
-            cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
-            made = {how: n - before.get(how, 0) for how, n in eager.compile_stats.items()}
-            programs = f"{made.get('lowered', 0) + made.get('traced', 0)} programs" + (
-                f", {made['disk cache']} from disk" if made.get("disk cache") else "")
-            warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
-            device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
-            same = torch.equal(tokens, expected)
-            yield ((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
-            yield ((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
+        eager.programs.clear()  # cold: nothing compiled by the models before this one
+        before = dict(eager.compile_stats)
+        cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
+        made = {how: n - before.get(how, 0) for how, n in eager.compile_stats.items()}
+        programs = f"{made.get('lowered', 0) + made.get('traced', 0)} programs" + (
+            f", {made['disk cache']} from disk" if made.get("disk cache") else "")
+        warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
+        device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
+        same = torch.equal(tokens, expected)
+        rows.append((name, f"neuron eager, cold ({programs})", cold, cold_cpu, cpu_s, cpu_cpu, same, None))
+        rows.append((name, "neuron eager, warm", warm, warm_cpu, cpu_s, cpu_cpu, same, options.tokens / device_s))
 
         if options.eager_only:
-            return
-        forward = on_device.forward
-        for mode in options.compiled.split("+"):
-            cache, dynamic = COMPILED_MODES[mode]
-            torch._dynamo.reset()  # each mode's graphs from scratch
-            graphs = backend.compile_count()
-            on_device.generation_config.cache_implementation = cache
-            on_device.forward = torch.compile(forward, backend="neuron", dynamic=dynamic)
-            cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
-            graphs = backend.compile_count() - graphs
-            warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
-            device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
-            same = torch.equal(tokens, expected)
-            yield ((name, f"neuron compiled {mode}, cold ({graphs} graphs)", cold, cold_cpu, cpu_s, cpu_cpu,
-                         same, None))
-            yield ((name, f"neuron compiled {mode}, warm", warm, warm_cpu, cpu_s, cpu_cpu, same,
-                         options.tokens / device_s))
-
-
-def _compiled_modes(text: str) -> str:
-    modes = text.split("+")
-    unknown = [m for m in modes if m not in COMPILED_MODES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown compiled mode(s) {unknown}; known: {', '.join(COMPILED_MODES)}")
-    return text
+            return rows
+        graphs = backend.compile_count()
+        on_device.generation_config.cache_implementation = "static"
+        on_device.forward = torch.compile(on_device.forward, backend="neuron")
+        cold, cold_cpu, tokens = timed(lambda: on_device.generate(device_prompt, **settings))
+        graphs = backend.compile_count() - graphs
+        warm, warm_cpu, _ = best(lambda: on_device.generate(device_prompt, **settings))
+        device_s = device_seconds(lambda: on_device.generate(device_prompt, **settings))
+        same = torch.equal(tokens, expected)
+        rows.append((name, f"neuron compiled+static, cold ({graphs} graphs)", cold, cold_cpu, cpu_s, cpu_cpu, same,
+                     None))
+        rows.append((name, "neuron compiled+static, warm", warm, warm_cpu, cpu_s, cpu_cpu, same,
+                     options.tokens / device_s))
+    return rows
 
 
 def main() -> None:
@@ -145,10 +126,6 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--compiled", default="static", type=_compiled_modes,
-                        help="the compiled rows, '+'-separated: " + ", ".join(COMPILED_MODES) + " (the KV cache, "
-                        "and whether torch.compile gets dynamic=True; default: static)")
-    parser.add_argument("--compiled-only", action="store_true", help="no neuron eager rows")
     parser.add_argument("--eager-only", action="store_true",
                         help="only the CPU and neuron eager rows (the compiled rows' cold compile takes minutes)")
     options = parser.parse_args()
@@ -156,11 +133,11 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"generate() of {options.tokens} tokens after a {options.prompt}-token prompt, {options.layers} layers, "
           f"width {options.width}, greedy")
-    print(f"{'model':6} {'run':58} {'wall s':>7} {'/ cpu':>7} {'cpu s':>7} {'/ cpu':>7} {'tokens = cpu':>13} "
+    print(f"{'model':6} {'run':44} {'wall s':>7} {'/ cpu':>7} {'cpu s':>7} {'/ cpu':>7} {'tokens = cpu':>13} "
           f"{'device tokens/s':>16}")
     for name in options.models.split(","):
         for model, what, wall, cpu, peer_wall, peer_cpu, same, rate in run(name, options):
-            print(f"{model:6} {what:58} {wall:7.2f} {wall / peer_wall:6.2f}x {cpu:7.2f} {cpu / peer_cpu:6.2f}x "
+            print(f"{model:6} {what:44} {wall:7.2f} {wall / peer_wall:6.2f}x {cpu:7.2f} {cpu / peer_cpu:6.2f}x "
                   f"{str(same):>13} {'' if rate is None else f'{rate:,.0f}':>16}")
 
 

@@ -8,10 +8,11 @@ an emulated NeuronCore of its own and returns CPU tensors. Given `neuron` tensor
 program is loaded on that core, the launch is queued on the current stream like an eager op, and its
 outputs are new device tensors; nothing goes through the host.
 
-neuronc compiles one program per input shape (as the Neuron toolchain does): a static graph at a new
-shape is a recompilation (counted: `compile_count()`, and a log line on the "neuronc" logger). A graph
-with symbolic sizes (`dynamic=True`, `mark_dynamic`, Dynamo's automatic dynamic shapes) is compiled
-at each call's concrete sizes, once per signature, up to a limit per graph (dynamic_shapes.py).
+neuronc compiles one program per input shape (as the Neuron toolchain does): graphs with dynamic
+shapes (`dynamic=True`, `mark_dynamic`) are refused with a message saying how to pad or bucket,
+and Dynamo's automatic dynamic shapes are switched off when this backend is first used, so a new
+input shape is a recompilation (counted: `compile_count()`, and a log line on the "neuronc"
+logger) rather than a shape-generic graph.
 
 `torch.compile(mode=...)` is accepted: "max-autotune" (and "-no-cudagraphs") compiles at -O3, where the
 priced passes try their alternatives; "reduce-overhead" is the default level, since a graph is already one
@@ -198,6 +199,26 @@ def _load(compiled, core):
     return program
 
 
+def _refuse_dynamic_shapes(gm) -> None:
+    import torch
+
+    symbolic = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) or (
+                isinstance(value, torch.Tensor) and any(not isinstance(d, int) for d in value.shape)):
+            symbolic.append(node.name)
+    if symbolic:
+        raise NeuronCompileError(
+            "neuronc compiles one program per input shape, and this graph has dynamic shapes "
+            f"(inputs {', '.join(symbolic)})",
+            hint="remove dynamic=True / torch._dynamo.mark_dynamic; pad or bucket inputs to a few fixed "
+            "shapes instead: each new shape is compiled once, then served from the compile cache",
+        )
+
+
 def _devices_to_host(gm) -> None:
     """In place: factory ops of a graph traced on `neuron` tensors name that device (``scalar_tensor(0.0,
     device=neuron)``), and a CPU tensor moved to it is a ``device_put`` (HF's static cache moves its lengths);
@@ -279,23 +300,7 @@ def _options_for_mode(mode: str | None, options: dict | None) -> dict | None:
 
 
 def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
-    import torch._dynamo
-
-    from neuronc.pytorch import dynamic_shapes
-
-    _dynamo_skips_neuronc()
-    options = dict(options or {})
-    limit = dynamic_shapes.max_shapes(options.pop("max_shapes", None))
-    compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))  # refused here if wrong
-    if dynamic_shapes.symbolic_inputs(gm):  # compiled at each call's concrete sizes (see dynamic_shapes.py)
-        static = functools.partial(_compile_static, compile_options=compile_options)
-        return torch._dynamo.disable(dynamic_shapes.ShapeSpecialisedGraph(gm, static, limit),
-                                     reason="compiles and runs static programs")
-    return _compile_static(gm, example_inputs, compile_options)
-
-
-def _compile_static(gm, example_inputs, compile_options: CompileOptions):
-    """``gm`` (static shapes) through AOTAutograd, each of its graphs compiled to a NEFF (or partitioned)."""
+    import torch._dynamo.config
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -303,6 +308,11 @@ def _compile_static(gm, example_inputs, compile_options: CompileOptions):
     from neuronc.frontend.torch_import import decomposition_table
     from neuronc.pytorch import host_checks
     from neuronc.pytorch.partition import compile_or_partition, fallback_disabled
+
+    compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
+    _dynamo_skips_neuronc()
+    _refuse_dynamic_shapes(gm)
+    torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 
     def compile_graph(graph_module, inputs, static_inputs=frozenset()):
         _devices_to_host(graph_module)
