@@ -47,6 +47,8 @@ from neuronc.placement import tile_free_elements
 
 BLOCK_ELEMENTS = 1 << 22  # comparisons of one block of the counting sort ([rows, block, n]: 16 MiB of int32)
 BLOCK = 512  # query keys of one block at most (4 partition tiles; 128 made 8000 values 14.6 ms, 512 11.1)
+COUNTED_VALUES = 16384  # a stated choice: the widest row ranked by counting (n^2 comparisons a row: 2.7e8 here; a
+#                        row of 200,000 would be 4e10, and its program did not fit 20 GB of host memory to compile)
 _SIGN = -(1 << 31)
 
 
@@ -57,8 +59,14 @@ def split_wide_sorts(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def rewrite(node: Node, inputs: tuple) -> Node | None:
         if node.op is not Op.TOPK or max(inputs[0].shape[node.attrs["dimension"]], 8) <= width:
             return None
+        n, k, descending = inputs[0].shape[node.attrs["dimension"]], node.attrs["k"], node.attrs["descending"]
+        if 4 * k > width and n > COUNTED_VALUES:
+            raise NeuronCompileError(
+                f"a sort or top-k over rows of {n} values: at most {COUNTED_VALUES} fit (one tile holds {width}; "
+                "wider rows are ranked by counting, n^2 comparisons a row)", location=str(node.loc),
+                hint=f"sort rows of at most {COUNTED_VALUES} values (split the row and merge on the host), or ask "
+                "for a top-k of at most a quarter of a tile")
         rows, restore = _as_rows(inputs[0], node.attrs["dimension"], node.loc)
-        k, descending = node.attrs["k"], node.attrs["descending"]
         positions = _top_k(rows, k, descending, width, node) if 4 * k <= width else _ranked(rows, k, descending, node)
         return restore(positions)
 
