@@ -174,6 +174,14 @@ def no_compile_cache(monkeypatch):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Forget graphs Dynamo compiled in earlier tests (it would reuse them for the same code)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def neuron():
     """neuron:0, the `neuron` device initialised (shim loaded, eager kernels registered)."""
     torch.neuron._lazy_init()

@@ -22,13 +22,6 @@ def program(a, b):
 
 
 @pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
 def inputs():
     generator = torch.Generator().manual_seed(0)
     return torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator)

@@ -8,11 +8,10 @@ an emulated NeuronCore of its own and returns CPU tensors. Given `neuron` tensor
 program is loaded on that core, the launch is queued on the current stream like an eager op, and its
 outputs are new device tensors; nothing goes through the host.
 
-neuronc compiles one program per input shape (as the Neuron toolchain does): graphs with dynamic
-shapes (`dynamic=True`, `mark_dynamic`) are refused with a message saying how to pad or bucket,
-and Dynamo's automatic dynamic shapes are switched off when this backend is first used, so a new
-input shape is a recompilation (counted: `compile_count()`, and a log line on the "neuronc"
-logger) rather than a shape-generic graph.
+neuronc compiles one program per input shape (as the Neuron toolchain does): a graph Dynamo traced with
+dynamic shapes (`dynamic=True`, `mark_dynamic`, or automatic dynamic shapes after a second shape) is
+compiled per concrete signature when it runs (`dynamic_shapes.py`), so each new input shape is a compilation
+(counted: `compile_count()`, and a log line on the "neuronc" logger), never a shape-generic program.
 
 `torch.compile(mode=...)` is accepted: "max-autotune" (and "-no-cudagraphs") compiles at -O3, where the
 priced passes try their alternatives; "reduce-overhead" is the default level, since a graph is already one
@@ -199,26 +198,6 @@ def _load(compiled, core):
     return program
 
 
-def _refuse_dynamic_shapes(gm) -> None:
-    import torch
-
-    symbolic = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        value = node.meta.get("example_value")
-        if isinstance(value, torch.SymInt) or (
-                isinstance(value, torch.Tensor) and any(not isinstance(d, int) for d in value.shape)):
-            symbolic.append(node.name)
-    if symbolic:
-        raise NeuronCompileError(
-            "neuronc compiles one program per input shape, and this graph has dynamic shapes "
-            f"(inputs {', '.join(symbolic)})",
-            hint="remove dynamic=True / torch._dynamo.mark_dynamic; pad or bucket inputs to a few fixed "
-            "shapes instead: each new shape is compiled once, then served from the compile cache",
-        )
-
-
 def _devices_to_host(gm) -> None:
     """In place: factory ops of a graph traced on `neuron` tensors name that device (``scalar_tensor(0.0,
     device=neuron)``), and a CPU tensor moved to it is a ``device_put`` (HF's static cache moves its lengths);
@@ -300,7 +279,16 @@ def _options_for_mode(mode: str | None, options: dict | None) -> dict | None:
 
 
 def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
-    import torch._dynamo.config
+    from neuronc.pytorch.dynamic_shapes import PerShapeGraphs, has_symbolic_shapes
+
+    _dynamo_skips_neuronc()
+    if has_symbolic_shapes(gm):  # compiled per concrete signature when it runs, by the static path below
+        return PerShapeGraphs(gm, functools.partial(_static_backend, options=options, mode=mode))
+    return _static_backend(gm, example_inputs, options, mode)
+
+
+def _static_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
+    """AOTAutograd and a NEFF per forward and backward graph, for a graph of static shapes."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -310,9 +298,6 @@ def neuron_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     from neuronc.pytorch.partition import compile_or_partition, fallback_disabled
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
-    _dynamo_skips_neuronc()
-    _refuse_dynamic_shapes(gm)
-    torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape recompiles, see the docstring
 
     def compile_graph(graph_module, inputs, static_inputs=frozenset()):
         _devices_to_host(graph_module)
