@@ -7,7 +7,9 @@ kept whole and specialised when it runs: each new signature (the arguments' shap
 `requires_grad`, and the values of integer arguments) goes through the static path (AOTAutograd, then the
 backend's compile of the forward and backward graphs) with those concrete inputs, and later calls with that
 signature reuse it. A signature's compile is the same as Dynamo handing the backend a static graph of those
-shapes would give, and the compile cache serves a shape compiled before.
+shapes would give, and the compile cache serves a shape compiled before. (Under automatic dynamic shapes the
+first shape, compiled from Dynamo's static graph, is compiled again when it comes back: Dynamo tries its newest
+graph, the dynamic one, first. With the compile cache on, as by default, that second compile is a cache hit.)
 
 A process that meets unboundedly many shapes (a sequence length growing every step) would compile without end:
 after ``TORCH_NEURONX_MAX_SHAPES_PER_GRAPH`` signatures (default 64) a graph runs its further new signatures
