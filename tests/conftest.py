@@ -61,6 +61,11 @@ class OnDevice:
         return out  # a graph run in part on the CPU fails the test in device_graphs_stay_whole
 
 
+def run_compiled(fn, *inputs):
+    """``fn(*inputs)`` compiled whole by a fresh Dynamo, checked to have run on the device (:class:`OnDevice`)."""
+    return OnDevice(fn)(*inputs)
+
+
 def _fp32_reference(model, inputs):
     """(outputs as eager runs the model, outputs of the same rounded weights and inputs run in fp32)."""
     low = {t.dtype for t in [*model.parameters(), *model.buffers(), *inputs] if t.dtype in LOW_PRECISION}
@@ -171,6 +176,14 @@ def no_compile_cache(monkeypatch):
     """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+
+
+@pytest.fixture
+def strictly_on_the_device(monkeypatch):
+    """No CPU fallback (neuronc.pytorch.partition): a lowering that stops compiling fails the test instead of
+    its op running quietly on the CPU. Test files of compiled ops use it for every test:
+    ``pytestmark = pytest.mark.usefixtures("strictly_on_the_device")``."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
 
 
 @pytest.fixture

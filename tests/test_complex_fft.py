@@ -10,13 +10,9 @@ from neuronc.errors import NeuronCompileError
 from neuronc.frontend import complex_pairs, fft
 from neuronc.tolerances import TOLERANCES
 
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
+
 FP32 = TOLERANCES[torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    """A rule that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
 
 
 def _real(t):

@@ -11,18 +11,11 @@ from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.top_k import top_k_of_sorts
+from tests.conftest import run_compiled
+
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 K = 8
-
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
 
 
 def _distinct_keys(dtype):
@@ -45,7 +38,7 @@ def _tied_keys(dtype):
 @pytest.mark.parametrize("largest", [True, False])
 def test_compiled_topk_of_distinct_keys_equals_eager(dtype, largest):
     x = _distinct_keys(dtype)
-    got, want = _compiled(lambda t: torch.topk(t, K, largest=largest), x), torch.topk(x, K, largest=largest)
+    got, want = run_compiled(lambda t: torch.topk(t, K, largest=largest), x), torch.topk(x, K, largest=largest)
     assert torch.equal(got.indices, want.indices)
     torch.testing.assert_close(got.values, want.values, equal_nan=True, rtol=0, atol=0)
 
@@ -56,14 +49,14 @@ def test_compiled_topk_keeps_ties_in_input_order(dtype, largest):
     # eager's values; at ties eager's CPU top-k (a heap or nth_element, comparing values only) orders indices as
     # its partition leaves them, so the indices are checked against eager's stable sort, which keeps input order
     x = _tied_keys(dtype)
-    got = _compiled(lambda t: torch.topk(t, K, largest=largest), x)
+    got = run_compiled(lambda t: torch.topk(t, K, largest=largest), x)
     torch.testing.assert_close(got.values, torch.topk(x, K, largest=largest).values, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got.indices, torch.sort(x, descending=largest, stable=True).indices[:, :K])
 
 
 def test_compiled_topk_along_the_first_dim_equals_the_stable_sorts_first_k():
     x = _tied_keys(torch.float32).T.contiguous()
-    got = _compiled(lambda t: torch.topk(t, K, dim=0), x)
+    got = run_compiled(lambda t: torch.topk(t, K, dim=0), x)
     want = torch.sort(x, dim=0, descending=True, stable=True)
     assert torch.equal(got.indices, want.indices[:K])
     torch.testing.assert_close(got.values, want.values[:K], equal_nan=True, rtol=0, atol=0)

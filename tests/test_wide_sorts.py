@@ -13,18 +13,11 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.wide_sorts import split_wide_sorts
 from neuronc.placement import tile_free_elements
 from neuronc.targets import get_target
+from tests.conftest import run_compiled
+
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 WIDE = tile_free_elements(get_target()) + 300  # wider than the TOPK kernel's tile (3584 fp32 values on trn2)
-
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
 
 
 def _equal(got, want):
@@ -60,13 +53,13 @@ def _sorts(t):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_wide_sort_of_floats_is_eagers_stable_sort_with_nan_inf_and_zeros(dtype):
     x = _float_keys(dtype)
-    for got, want in zip(_compiled(_sorts, x), _sorts(x)):
+    for got, want in zip(run_compiled(_sorts, x), _sorts(x)):
         _equal(got, want)
 
 
 def test_a_wide_sort_of_int32_keys_past_fp32s_significand_is_eagers_stable_sort():
     x = _int_keys()
-    for got, want in zip(_compiled(_sorts, x), _sorts(x)):
+    for got, want in zip(run_compiled(_sorts, x), _sorts(x)):
         _equal(got, want)
 
 
@@ -74,9 +67,9 @@ def test_a_sort_of_8000_values_as_opinfo_samples_it():
     x = torch.randn(8000, generator=torch.Generator().manual_seed(23))
     x[::97] = x[1]  # ties
     x[5], x[17] = float("nan"), -0.0
-    for got, want in zip(_compiled(lambda t: torch.sort(t, stable=True), x), torch.sort(x, stable=True)):
+    for got, want in zip(run_compiled(lambda t: torch.sort(t, stable=True), x), torch.sort(x, stable=True)):
         _equal(got, want)
-    _equal(_compiled(torch.msort, x), torch.msort(x))
+    _equal(run_compiled(torch.msort, x), torch.msort(x))
 
 
 def _top_ks(t):
@@ -94,7 +87,7 @@ def test_a_top_k_of_a_wide_row_of_distinct_keys_equals_eager(dtype):
         x = (v - 4000).to(dtype)
     if dtype.is_floating_point:
         x[0, 4000], x[1, 7999], x[2, 0] = float("nan"), float("inf"), float("-inf")
-    for got, want in zip(_compiled(_top_ks, x), _top_ks(x)):
+    for got, want in zip(run_compiled(_top_ks, x), _top_ks(x)):
         _equal(got, want)
 
 
@@ -102,7 +95,7 @@ def test_a_top_k_of_a_wide_row_keeps_ties_in_input_order():
     # eager's CPU top-k orders tied indices as its partition leaves them (not input order); its values are
     # checked, and the indices against eager's stable sort's first k, which a top-k of ties can only match
     x = _float_keys(torch.float32, 8000)
-    got = _compiled(_top_ks, x)
+    got = run_compiled(_top_ks, x)
     for g_values, w_values in zip(got[0::2], _top_ks(x)[0::2]):
         _equal(g_values, w_values)
     _equal(got[1], torch.sort(x, dim=1, descending=True, stable=True).indices[:, :8])
@@ -117,7 +110,7 @@ def test_kthvalue_and_median_of_wide_rows_equal_eager():
         k, m = torch.kthvalue(t, 1234, dim=1), torch.median(t, dim=1)
         return k.values, k.indices, m.values, m.indices
 
-    for got, want in zip(_compiled(ranks, x), ranks(x)):
+    for got, want in zip(run_compiled(ranks, x), ranks(x)):
         _equal(got, want)
 
 
