@@ -60,10 +60,13 @@ def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
 
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
-    partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
+    partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size). A busy queue
+    prepares its next transfer while one moves data (`instruction_cost.remaining_latency_ns`, the emulator's
+    rule), so of each piece's fixed cost only what its data does not cover takes queue time: max(data, fixed)
+    per piece; the time until loaded pays the whole fixed cost."""
     pieces = dma_slice_count(rows, nbytes, target)
     one = dma_transfer_ns(nbytes / pieces, contiguous, target, -(-rows // pieces))
-    return pieces * one, one
+    return pieces * max(one - target.dma_fixed_ns, target.dma_fixed_ns), one
 
 
 def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
