@@ -8,7 +8,11 @@ the kernel count, and the -O2 speed-up over -O0. Nothing is asserted: it prints 
     python -m benchmarks.roofline [--cases matmul,softmax,...] [--quick] [--breakdown]
 
 The whole-model cases are one GPT-2-small block and the 12-layer GPT-2-small forward (the zoo's GPT2: width
-768, 12 heads, vocabulary 50257, sequence 512, bf16); --quick runs 128 tokens and 2 layers. --breakdown prints,
+768, 12 heads, vocabulary 50257, sequence 512, bf16); --quick runs 128 tokens and 2 layers. Two cases go through
+`torch.compile` as users run them, measuring the graphs AOTAutograd hands the backend (with the backend's
+decompositions): `llama_layer`, the zoo's LlamaBlock at 2048 wide, GQA 16/4 heads, SwiGLU 5632, seq 1024, bf16,
+under no_grad (one inference graph); `gpt2_train`, one GPT-2-small block (seq 512, bf16) forward + backward (the
+forward and the backward graph; times, bounds and FLOPs summed over both). --breakdown prints,
 for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ from neuronc.isa import Engine, Opcode
 from neuronc.passes.cost_model import kernel_spans
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops, peak_tflops
-from tests.zoo import GPT2, TransformerBlock
+from tests.zoo import GPT2, LlamaBlock, TransformerBlock
 
 
 class MatMul(nn.Module):
@@ -92,6 +96,9 @@ def _cases(quick: bool) -> dict:
         "attention": (Attention(), tuple(torch.randn(1, 12, seq, 64) for _ in range(3)), bf16),
         "resnet_block": (BasicBlock(64), (torch.randn(2 if quick else 8, 64, 56, 56),), torch.float32),
         "gpt2_block": (TransformerBlock(768, 12), (torch.randn(1, tokens, 768),), bf16),
+        "llama_layer": (LlamaBlock(512 if quick else 2048, 16, 4, 1408 if quick else 5632),
+                        (torch.randn(1, 256 if quick else 1024, 512 if quick else 2048),), bf16),
+        "gpt2_train": (TransformerBlock(768, 12), (torch.randn(1, tokens, 768),), bf16),
         "gpt2": (GPT2(vocab=50257, width=768, layers=2 if quick else 12, heads=12, context=1024),
                  (torch.randint(0, 50257, (1, tokens)),), bf16),
     }
@@ -133,6 +140,62 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
             "ideal_ns": ideal_ns}
 
 
+COMPILED_CASES = {"llama_layer": False, "gpt2_train": True}  # through torch.compile; True: forward + backward
+
+
+def _aot_graphs(model, inputs, train: bool) -> list:
+    """The FX graphs AOTAutograd hands a backend for `model(*inputs)` (and its backward when `train`), with the
+    neuron backend's decompositions, as `torch.compile(model, backend="neuron")` would compile them; the graphs
+    themselves run eagerly on the CPU here (only their compiled programs are measured)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from neuronc.frontend.torch_import import decomposition_table
+
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    if train:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        x = inputs[0].clone().requires_grad_(True)
+        compiled(x).float().sum().backward()
+    else:
+        with torch.no_grad():
+            compiled(*inputs)
+    return graphs
+
+
+def _measure_compiled(name, model, inputs, train, target) -> dict:
+    """-O0 and -O2 of each AOTAutograd graph, measured as `_measure` does, summed over the graphs."""
+    import copy
+
+    from neuronc.compiler import compile_fx
+
+    graphs = _aot_graphs(model, inputs, train)
+    results = {}
+    for level in (0, 2):
+        start = time.perf_counter()
+        parts = []
+        for i, gm in enumerate(graphs):
+            neff = compile_fx(copy.deepcopy(gm), CompileOptions(opt_level=level, name=f"{name}_{i}")).neff
+            parts.append((neff, _measure(neff, target, results[0]["parts"][i][1]["ideal_ns"] if level else None)))
+        time_us = sum(m["time_us"] for _, m in parts)
+        bound_us = sum(m["bound_us"] for _, m in parts)
+        moved = sum(m["hbm_ratio"] * _minimal_bytes(n) for n, m in parts)
+        results[level] = {"time_us": time_us, "bound_us": bound_us, "efficiency": bound_us / time_us,
+                          "hbm_ratio": moved / sum(_minimal_bytes(n) for n, _ in parts),
+                          "kernels": sum(m["kernels"] for _, m in parts), "parts": parts,
+                          "compile_s": time.perf_counter() - start}
+    return results
+
+
 def breakdown(neff, target) -> list:
     """[(kind of kernel, count, us)] of a program, largest first: what each kernel adds to the program's end
     time, in program order (its end past the latest end of the kernels before it). Kernels overlap (and
@@ -163,21 +226,27 @@ def main() -> None:
         model, inputs, dtype = cases[name]
         model = model.eval().to(dtype)
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)  # token ids stay integers
-        program = torch.export.export(model, inputs)
-        results = {}
-        for level in (0, 2):
-            start = time.perf_counter()
-            neff = compile_exported(program, CompileOptions(opt_level=level, name=name)).neff
-            model_ideal = results[0]["ideal_ns"] if level else None
-            results[level] = _measure(neff, target, model_ideal) | {"compile_s": time.perf_counter() - start}
+        if name in COMPILED_CASES:
+            results = _measure_compiled(name, model, inputs, COMPILED_CASES[name], target)
+            neffs = [n for n, _ in results[2]["parts"]]
+        else:
+            program = torch.export.export(model, inputs)
+            results = {}
+            for level in (0, 2):
+                start = time.perf_counter()
+                neff = compile_exported(program, CompileOptions(opt_level=level, name=name)).neff
+                model_ideal = results[0]["ideal_ns"] if level else None
+                results[level] = _measure(neff, target, model_ideal) | {"compile_s": time.perf_counter() - start}
+            neffs = [neff]
         o2, o0 = results[2], results[0]
         print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.3f} "
               f"{o2['hbm_ratio']:>8.2f} {o2['kernels']:>8} {o0['time_us']:>10.1f} "
               f"{o0['time_us'] / o2['time_us']:>15.2f} {o2['compile_s']:>10.1f}", flush=True)
         if args.breakdown:
-            shares = ", ".join(f"{kind} x{count} {us:.1f} us ({us * 1e3 / neff.estimated_ns:.0%})"
-                               for kind, count, us in breakdown(neff, target))
-            print(f"{'':<14} where the time goes: {shares}", flush=True)
+            for neff in neffs:
+                shares = ", ".join(f"{kind} x{count} {us:.1f} us ({us * 1e3 / neff.estimated_ns:.0%})"
+                                   for kind, count, us in breakdown(neff, target))
+                print(f"{'':<14} where the time goes: {shares}", flush=True)
 
 
 if __name__ == "__main__":

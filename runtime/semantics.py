@@ -75,6 +75,7 @@ def _dma_transpose(instr, dst, src):
 
 
 def _matmul(instr, dst, stationary, moving):
+    moving = moving.reshape(moving.shape[0], -1)  # [K, N]: a moving operand read through two free dims
     product = stationary.astype(F32, copy=False).T @ moving.astype(F32, copy=False)
     return dst + product if instr.accumulate else product
 
@@ -365,6 +366,10 @@ def _dma_copy_kernel(instr, new, dst, src):
 
 def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp32 matmul, no temporaries
     (stationary, moving), calls = _as(new, np.dtype(F32), (stationary, moving))
+    if moving.ndim > 2:  # read through two free dims: gathered into [K, N] columns first
+        flat = new((moving.shape[0], moving[0].size), F32)
+        calls.append(partial(np.copyto, flat.reshape(moving.shape), moving))
+        moving = flat
     product = new(dst.shape, F32)  # C order, as numpy lays out a fresh product: the same BLAS call
     calls.append(partial(np.matmul, stationary.T, moving, product))
     calls.append(partial(np.add, dst, product, dst) if instr.accumulate else partial(np.copyto, dst, product))
@@ -558,8 +563,11 @@ def _matmul_shapes(instr: Instruction, target: Target):
                             ("destination", dst, Space.PSUM)):
         if ap.space != space:
             _fail(f"matmul {name} operand is in {ap.space.name}; it must be in {space.name}")
-        if len(ap.dims) != 2:
-            _fail(f"matmul {name} operand must be 2-D, got shape {ap.shape}")
+        if len(ap.dims) != 2 and not (name == "moving" and len(ap.dims) == 3):
+            # The moving operand may read its N columns through two free dims (rows of a strided tile): the
+            # read logic walks up to 4-D access patterns, most instructions 1-3 free dims (NKI, "NKI Access
+            # Patterns"); the stationary operand and the PSUM result stay [K, M] / [M, N].
+            _fail(f"matmul {name} operand must be 2-D{' or 3-D' if name == 'moving' else ''}, got shape {ap.shape}")
     if dst.dtype in (DType.BF16, DType.F16) and target.tensor_transpose_mode:  # transpose mode (targets.py)
         if instr.accumulate or stationary.dtype != dst.dtype or moving.dtype != dst.dtype:
             _fail(f"a matmul writing {dst.dtype.name} to PSUM is the Tensor engine's transpose mode: its operands "
@@ -571,7 +579,7 @@ def _matmul_shapes(instr: Instruction, target: Target):
     for name, ap in (("stationary", stationary), ("moving", moving)):
         if not ap.dtype.is_float:
             _fail(f"matmul {name} operand is {ap.dtype.name}; the Tensor engine multiplies floats")
-    (k, m), (k2, n) = stationary.shape, moving.shape
+    (k, m), (k2, n) = stationary.shape, (moving.shape[0], moving.free_elements)
     for what, size, limit in (("K", k, target.matmul_max_k), ("M", m, target.matmul_max_m),
                               ("N", n, target.matmul_max_n)):
         if size > limit:

@@ -111,6 +111,29 @@ def test_a_queue_prepares_its_next_transfer_while_one_moves_data():
         assert after.end_ns - before.end_ns == pytest.approx(max(transfer, 128 * 4096 / TRN2.hbm_sustained_gbps))
 
 
+@pytest.mark.parametrize("columns", [128, 512])  # 512 B and 2 KiB per partition
+def test_the_matmul_planners_queue_time_of_loads_is_the_emulators(columns):
+    """cost_model.strip_load_ns (what matmul_ns and conv_ns charge a DMA queue per load) against the emulator's
+    clock of back-to-back loads on one queue: the first pays its whole fixed cost, each later one only what its
+    data does not cover."""
+    from neuronc.passes.cost_model import strip_load_ns
+
+    from neuronc.placement import dma_slice_count
+
+    count, pieces = 4, dma_slice_count(128, 128 * columns * 4, TRN2)  # a load is split by partitions
+    rows = 128 // pieces  # a piece's partitions: `count` pieces on one queue
+    p = Program()
+    x = p.tensor("x", TensorKind.INPUT, (count * rows, columns))
+    for n in range(count):
+        part = AccessPattern(Space.HBM, DType.F32, x.offset + n * rows * columns * 4, ((columns, rows), (1, columns)))
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((rows, columns), offset=n * columns * 4), part)
+    queue_time, one = strip_load_ns(128, 128 * columns * 4, True, TRN2)
+    assert one == pytest.approx(instruction_cost_ns(p.streams[(Engine.DMA, 0)][0], TRN2))
+    events = _load(p, "trn2").time().events
+    planned = one + (count - 1) * queue_time / pieces  # the first piece's latency, then each later one's queue time
+    assert events[-1].end_ns - events[0].start_ns == pytest.approx(planned, rel=1e-6)
+
+
 def test_a_transfer_waiting_on_a_semaphore_pays_its_latency_after_the_wait():
     p = Program()
     out = p.tensor("out", TensorKind.OUTPUT, (128, 1024))

@@ -221,6 +221,42 @@ def test_matmul_tile_rule_violations_name_the_instruction_and_its_source(core, p
     assert "model.py:12 in blocks.0.mlp (aten.mm)" in str(err.value)
 
 
+def test_a_matmul_reads_its_moving_operand_through_two_free_dims_and_counts_n_over_both(core):
+    """Every other row of a [K, 2 x lines, width] tile as the moving operand, [K, lines x width] columns (a
+    convolution's row pairs): the product equals numpy's on those columns; N counts both free dims."""
+    k, m, lines, width = 64, 32, 3, 40
+    p = Program()
+    a_t = p.tensor("a", TensorKind.INPUT, (k, m))
+    b_t = p.tensor("b", TensorKind.INPUT, (k, 2 * lines * width))
+    c_t = p.tensor("c", TensorKind.OUTPUT, (m, lines * width))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((k, m)), hbm(a_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((k, 2 * lines * width), offset=4096), hbm(b_t), queue=1)
+    moving = AccessPattern(Space.SBUF, DType.F32, 4096, ((1, k), (2 * width, lines), (1, width)))
+    acc = chip((m, lines * width), space=Space.PSUM)
+    p.emit(Opcode.MATMUL, Engine.TENSOR, acc, chip((k, m)), moving,
+           waits=(Wait(Engine.DMA, 0, 1), Wait(Engine.DMA, 1, 1)))
+    p.emit(Opcode.TENSOR_COPY, Engine.VECTOR, chip((m, lines * width), offset=64 * 1024), acc,
+           waits=done(Engine.TENSOR))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(c_t), chip((m, lines * width), offset=64 * 1024), queue=2,
+           waits=done(Engine.VECTOR))
+    a, b = uniform(-1, 1, (k, m)), uniform(-1, 1, (k, 2 * lines * width))
+
+    (c,) = core.load(p.neff()).run([a, b]).outputs
+
+    columns = b.reshape(k, lines, 2, width)[:, :, 0, :].reshape(k, lines * width)
+    np.testing.assert_allclose(c, a.T @ columns, rtol=1e-5, atol=1e-5)
+    too_wide = Program()  # 2 x 300 columns: N = 600 > 512
+    too_wide.emit(Opcode.MATMUL, Engine.TENSOR, chip((m, 600), space=Space.PSUM), chip((k, m)),
+                  AccessPattern(Space.SBUF, DType.F32, 4096, ((1, k), (600, 2), (1, 300))))
+    with pytest.raises(NeuronRuntimeError, match="N=600"):
+        core.load(too_wide.neff())
+    stationary_3d = Program()
+    stationary_3d.emit(Opcode.MATMUL, Engine.TENSOR, chip((m, 64), space=Space.PSUM),
+                       AccessPattern(Space.SBUF, DType.F32, 0, ((1, k), (64, 2), (1, m // 2))), chip((k, 64), offset=8192))
+    with pytest.raises(NeuronRuntimeError, match="stationary operand must be 2-D"):
+        core.load(stationary_3d.neff())
+
+
 def test_more_than_128_partitions_is_refused(core):
     p = Program()
     p.emit(Opcode.MEMSET, Engine.VECTOR, chip((129, 4)))

@@ -319,15 +319,17 @@ class _ConvKernel:
         halves, pitch = self.halves, self.pitch
         lines, width = rows // halves, ot * halves
         acc = self.psum.next().ap(width, lines * pitch)
-        spans = [(i * pitch, pitch) for i in range(lines)] if halves == 2 else [(0, rows * pitch)]
-        for s_, (start, size) in enumerate(spans):
-            for j, (c0, ct) in enumerate(self.c_tiles):
-                for m, (a, blocks) in enumerate(self.pairs.matmuls):
-                    element = j * self.band_elements + self.margin + a + (q0 + halves * s_) * pitch
-                    k_rows = ct * (2 if any(copy for copy, _, _ in blocks) else 1)
-                    self.em.emit(Opcode.MATMUL, Engine.TENSOR, _free(acc, start, width, (1, size)),
-                                 self._stationary(j, m, o0, ot), _free(band, element, k_rows, (1, size)),
-                                 accumulate=j + m > 0)
+        # With row pairs, line i of the block is output rows q0 + 2i (lower partitions) and q0 + 2i + 1 (upper):
+        # its moving operand starts 2 * pitch further than line i - 1's, so one matmul reads every line through
+        # two free dims (lines of `pitch` elements, `halves * pitch` apart) and writes them contiguously in PSUM.
+        moving_dims = ((halves * pitch, lines), (1, pitch)) if halves == 2 and lines > 1 else ((1, lines * pitch),)
+        for j, (c0, ct) in enumerate(self.c_tiles):
+            for m, (a, blocks) in enumerate(self.pairs.matmuls):
+                element = j * self.band_elements + self.margin + a + q0 * pitch
+                k_rows = ct * (2 if any(copy for copy, _, _ in blocks) else 1)
+                self.em.emit(Opcode.MATMUL, Engine.TENSOR, _free(acc, 0, width, (1, lines * pitch)),
+                             self._stationary(j, m, o0, ot), _free(band, element, k_rows, *moving_dims),
+                             accumulate=j + m > 0)
         return acc
 
     def _epilogue(self, n, r0, q0, rows, t, o0, ot, acc, result) -> None:

@@ -60,10 +60,13 @@ def cheapest(options: list, formula, timed=None, tie=lambda option: ()):
 
 def strip_load_ns(rows: int, nbytes: int, contiguous: bool, target: Target) -> tuple:
     """(queue time summed, time until loaded) of one DMA of `nbytes` over `rows` partitions, split by
-    partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size)."""
+    partitions over the queues as codegen's loads are (pieces of at least the efficient DMA size). A busy queue
+    prepares its next transfer while one moves data (`instruction_cost.remaining_latency_ns`, the emulator's
+    rule), so of each piece's fixed cost only what its data does not cover takes queue time: max(data, fixed)
+    per piece; the time until loaded pays the whole fixed cost."""
     pieces = dma_slice_count(rows, nbytes, target)
     one = dma_transfer_ns(nbytes / pieces, contiguous, target, -(-rows // pieces))
-    return pieces * one, one
+    return pieces * max(one - target.dma_fixed_ns, target.dma_fixed_ns), one
 
 
 def _epilogue_ns(epilogue, tile_n: int, target: Target) -> tuple:
@@ -258,7 +261,7 @@ def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: in
             target: Target) -> float:
     """Estimated time of an implicit-GEMM convolution kernel (passes/conv.py) under `tiling` and `taps` (a TapPlan),
     with the rules of `neuronc.instruction_cost`: the busiest of the Tensor engine (a matmul per entry of the plan,
-    C tile and block of rows x pitch, or pair of rows), the DMA queues (each band's input rows per C tile, the result
+    C tile and block of rows x pitch, or of row pairs x pitch), the DMA queues (each band's input rows per C tile, the result
     and per-element epilogue inputs per block, the weights once) and the epilogue's two ALU engines, plus the first
     band's load."""
     from neuronc.isa import DType
@@ -269,10 +272,8 @@ def conv_ns(geometry, tiling, taps, x_dtype, out_dtype, element_extras_bytes: in
     co_tiles = -(-g.out_channels // target.matmul_max_m)
     bands = -(-oh // band)
     blocks = [min(rows, oh - r) for r in range(0, oh, rows)]
-    if tiling.halves == 2:  # a matmul per pair of rows, N = pitch
-        per_block = [r // 2 * matmul_pass_ns(g.pitch, fp32, target) for r in blocks]
-    else:
-        per_block = [matmul_pass_ns(r * g.pitch, fp32, target) for r in blocks]
+    # A matmul per entry, C tile and block: N = the block's rows (pairs of rows with `halves` 2) x pitch.
+    per_block = [matmul_pass_ns(r // tiling.halves * g.pitch, fp32, target) for r in blocks]
     tensor = g.batch * co_tiles * g.c_tiles * len(taps.matmuls) * sum(per_block)
     partitions = min(g.channels, target.partitions)
     band_bytes = partitions * g.phases * g.plane_elements(band) * x_dtype.itemsize
