@@ -8,17 +8,21 @@ in between) when that is provably what computing B's waits one by one gives:
 - instruction j of B is on the stream A's instruction j is on under one bijection of streams (DMA queues turn
   round robin), and touches the cells A's touches under one shift per block of cells (an HBM tensor's grid, SBUF,
   PSUM), equal span lengths, distinct blocks onto distinct blocks;
-- the state B starts from matches the one A started from on every cell A touches, as each stream that touches the
-  cell sees it: the earlier writer (and, for a stream that writes the cell, the earlier readers) that stream has
-  not yet waited for are the same in both, at the same position counted from the layer's start, on corresponding
-  streams; the ones it has waited for give no wait in either (what a stream has waited for only grows).
+- the state B starts from matches the one A started from on every cell A touches, as each access that sees it
+  (those up to and including A's first write of the cell) sees it: the earlier writer (and, for an access that
+  writes the cell, the earlier readers) its stream has not yet waited for are the same in both, at the same position
+  counted from the period's start, on corresponding streams; the ones it has waited for give no wait in either (what a stream has waited for only grows).
 Then every instruction of B finds the same hazards as A's, shifted, and emits the same waits; the cells B
 touches end in A's end state shifted (written cells), or their own earlier state with B's reads (cells only
 read), which is exactly what the one-by-one pass leaves. Anything else: B is computed one by one.
 
-Off by default (codegen.generate's `replay`): exact (tests/test_sync_replay.py compares the NEFF bytes), but the
-check visits every span of every instruction and each distinct pair of cell states, which costs as much CPU as the
-pass it replaces (HF GPT-2, 12 layers: docs/performance.md, issue 24 part 7).
+The correspondence is proved once per distinct pair of access patterns (not per span), and the boundary only for
+the accesses that see a period's start state (up to its first write of each cell), listed once per run of replays
+and mapped onto the later periods (_profile, _advance).
+
+Off by default (codegen.generate's `replay`): exact (tests/test_sync_replay.py compares the NEFF bytes), but not yet
+cheaper than the pass it replaces: Python per touched cell and per instruction remains (HF GPT-2, 12 layers:
+docs/performance.md, issue 24 parts 7 and 8).
 """
 from __future__ import annotations
 
@@ -263,24 +267,37 @@ def _replay(state: SyncState, instructions: list, streams_of: list, a: int, b: i
         begin = stop
     on_a = (profile["cells"] + np.repeat(np.array(shift_a, dtype=np.int64), lengths)).tolist()
     on_b = (profile["cells"] + np.repeat(np.array(shift_b, dtype=np.int64), lengths)).tolist()
-    # the boundary: every access that sees the state its period starts from sees the same in B as in A
+    # the boundary: every access that sees the state its period starts from sees the same in B as in A (the earlier
+    # writer it may wait for inline, the readers a write may wait for by _live)
     for x, y, accesses in set(zip(_gather(cells_a, on_a), _gather(cells_b, on_b), profile["accesses"])):
         for m, writes in accesses:
             m = stream_map[m]
-            found_a = _live(x, m, writes, counts_a, known_a)
-            found_b = _live(y, sigma[m], writes, counts_b, known_b)
-            if len(found_a) != len(found_b):
+            n = sigma[m]
+            w, v = x.writer, y.writer
+            live_a = w >= 0 and w != m and x.position > known_a[m][w]
+            if live_a != (v >= 0 and v != n and y.position > known_b[n][v]):
                 return False
-            for (kind, o), r in found_a.items():
-                if o not in sigma or found_b.get((kind, sigma[o])) != r:
+            if live_a and (sigma.get(w) != v or x.position - counts_a[w] != y.position - counts_b[v]):
+                return False
+            if writes and (x.reads or y.reads):
+                found_a = _live(x, m, writes, counts_a, known_a)
+                found_b = _live(y, n, writes, counts_b, known_b)
+                if len(found_a) != len(found_b):
                     return False
+                for (kind, o), r in found_a.items():
+                    if o not in sigma or found_b.get((kind, sigma[o])) != r:
+                        return False
     # proved: B's waits are A's, moved; then B's end state
     keys, streams, known, number = state.stream_keys, state.streams, state.known, state.number
     moved = {o: counts_b[y] - counts_a[o] for o, y in sigma.items()}
-    for j in range(size):
-        inst_b, me = instructions[b + j], streams_of[b + j]
-        waits_a = instructions[a + j].waits
-        if waits_a:
+    for inst_a, inst_b, me in zip(instructions[a:b], instructions[b:b + size], streams_of[b:b + size]):
+        waits_a = inst_a.waits
+        if len(waits_a) == 1:
+            o = number[(waits_a[0].engine, waits_a[0].queue)]
+            n, count = sigma[o], waits_a[0].count + moved[o]
+            inst_b.waits = (Wait(*keys[n], count),)
+            known[me][n] = count
+        elif waits_a:
             waits = sorted((sigma[o], wait.count + moved[o])
                            for wait in waits_a for o in (number[(wait.engine, wait.queue)],))
             inst_b.waits = tuple(Wait(*keys[o], count) for o, count in waits)
