@@ -42,27 +42,34 @@ def _neff_bytes(exported, monkeypatch, replay: bool, options: CompileOptions | N
     return encode(compile_exported(exported, options or CompileOptions()).neff)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_six_layer_gpt2_makes_the_same_neff_with_replay_attempted(dtype, replays, monkeypatch):
-    """Six layers: a period of two layers (an odd number of kernels per layer) repeats once after the first. On this
-    small model the boundary check refuses the replay (seen, not explained: the HF GPT-2 of the benchmark replays
-    most periods); the NEFF must be the same whatever the check decides."""
+def test_a_gpt2_makes_the_same_neff_with_replay_attempted(replays, monkeypatch):
+    """Five layers: a period of two layers (an odd number of kernels per layer) repeats once after the first. On this
+    small model the boundary check refuses it, rightly: the first period writes scratch no earlier instruction
+    touched, the second writes cells the first period used, so its writes must wait for the first period's accesses
+    where the first period's waited for nothing (the HF GPT-2 of the benchmark replays every period it attempts). One
+    dtype: bf16 (a one-layer period) is the MLP's case below."""
     torch.manual_seed(0)
-    model = zoo.GPT2(vocab=64, width=64, layers=6, heads=2, context=32).eval().to(dtype)
+    model = zoo.GPT2(vocab=64, width=64, layers=5, heads=2, context=32).eval()
     exported = torch.export.export(model, (torch.randint(0, 64, (1, 32)),))
     replayed = _neff_bytes(exported, monkeypatch, True)
     assert replays  # a repeated period was found and its replay attempted
     assert replayed == _neff_bytes(exported, monkeypatch, False)
 
 
-@pytest.mark.parametrize("level", [0])
-def test_an_mlp_stack_makes_the_same_neff_with_its_blocks_synchronised_once(level, replays, monkeypatch):
+@pytest.mark.parametrize(("dtype", "blocks", "level", "replayed"), [
+    (torch.float32, 12, 0, 3),  # three periods in a row replayed: the later ones through the first one's profile
+    (torch.bfloat16, 8, 0, 0),
+    (torch.float32, 8, 2, 0),  # prefetch on; DMA queues turn round robin, so no period sees the same queues' counts
+])
+def test_an_mlp_stack_makes_the_same_neff_with_its_blocks_synchronised_once(dtype, blocks, level, replayed, replays,
+                                                                            monkeypatch):
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())]).eval()
-    exported = torch.export.export(model, (torch.randn(32, 64),))
-    replayed = _neff_bytes(exported, monkeypatch, True, CompileOptions(opt_level=level))
-    assert any(replays)
-    assert replayed == _neff_bytes(exported, monkeypatch, False, CompileOptions(opt_level=level))
+    model = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(64, 64), nn.Tanh())]).eval().to(dtype)
+    exported = torch.export.export(model, (torch.randn(32, 64, dtype=dtype),))
+    bytes_replayed = _neff_bytes(exported, monkeypatch, True, CompileOptions(opt_level=level))
+    assert replays  # a period was found and its replay attempted
+    assert sum(replays) >= replayed
+    assert bytes_replayed == _neff_bytes(exported, monkeypatch, False, CompileOptions(opt_level=level))
 
 
 def _copy(queue: int, kernel: int, dst: AccessPattern, src: AccessPattern) -> Instruction:
@@ -70,30 +77,31 @@ def _copy(queue: int, kernel: int, dst: AccessPattern, src: AccessPattern) -> In
 
 
 def _rows(first: int, rows: int = 64) -> AccessPattern:
-    """`rows` rows of a [512, 64] fp32 HBM tensor from row `first`."""
+    """`rows` rows of a [1024, 64] fp32 HBM tensor from row `first`."""
     return AccessPattern(Space.HBM, DType.F32, first * 64 * 4, ((64, rows), (1, 64)))
 
 
 SBUF_TILE = AccessPattern(Space.SBUF, DType.F32, 0, ((1, 64), (1, 64)))
+PERIODS = 5
 
 
 def _program(earlier_write: bool) -> tuple:
-    """(instructions, repeats): three periods of one load (queue 0, rows 0, 64, 128) and one store (queue 1, rows
-    256, 320, 384) through one SBUF tile, after an access of queue 5: with `earlier_write`, a write of rows 128-191,
-    which only the third period reads (its load must wait for it, the second period's load did not); else a load of
-    rows 0-191 (the periods' inputs, only read: nothing to wait for). The second period is not the first's replay
-    either way: its load overwrites the tile the first period's store read (a wait the first period's load did not
-    have)."""
-    other = AccessPattern(Space.SBUF, DType.F32, 65536, ((1, 128), (1, 64)))
-    first = [_copy(5, 0, _rows(128), other) if earlier_write else _copy(5, 0, other, _rows(0, 192))]
-    periods = [[_copy(0, 1 + k, SBUF_TILE, _rows(64 * k)), _copy(1, 1 + k, _rows(256 + 64 * k), SBUF_TILE)]
-               for k in range(3)]
+    """(instructions, repeats): five periods of one load (queue 0, rows 0, 64, ..., 256) and one store (queue 1, rows
+    512, 576, ...) through one SBUF tile, after an access of queue 5: with `earlier_write`, a write of rows 128-191,
+    which only the third period reads (its load must wait for it, the second period's load did not, and the fourth's
+    does not); else a load of rows 0-319 (the periods' inputs, only read: nothing to wait for). The second period is
+    not the first's replay either way: its load overwrites the tile the first period's store read (a wait the first
+    period's load did not have); from the third on, each load waits for the store before it alike."""
+    other = AccessPattern(Space.SBUF, DType.F32, 65536, ((1, 320), (1, 64)))
+    first = [_copy(5, 0, _rows(128), other) if earlier_write else _copy(5, 0, other, _rows(0, 320))]
+    periods = [[_copy(0, 1 + k, SBUF_TILE, _rows(64 * k)), _copy(1, 1 + k, _rows(512 + 64 * k), SBUF_TILE)]
+               for k in range(PERIODS)]
     instructions = first + [inst for period in periods for inst in period]
     repeats = {id(inst): ("layer", row) for period in periods for row, inst in enumerate(period)}
     return instructions, repeats
 
 
-TENSORS = [TensorEntry("x", TensorKind.SCRATCH, DType.F32, (512, 64), 0)]
+TENSORS = [TensorEntry("x", TensorKind.SCRATCH, DType.F32, (1024, 64), 0)]
 
 
 @pytest.mark.parametrize("earlier_write", [False, True])
@@ -102,7 +110,8 @@ def test_a_period_takes_the_waits_of_the_one_before_only_when_its_boundary_gives
     insert_waits(alone, TENSORS, get_target("trn2"))
     instructions, repeats = _program(earlier_write)
     insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
-    assert replays == [False, not earlier_write]  # the earlier write to the third period's rows is seen: refused
+    # periods 2-5: the second never; the third and fourth not when the earlier write is live in one of each pair
+    assert replays == ([False, False, False, True] if earlier_write else [False, True, True, True])
     assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
     assert Wait(Engine.DMA, 1, 1) in instructions[3].waits  # the second load waits for the first store's read
     assert (Wait(Engine.DMA, 5, 1) in instructions[5].waits) == earlier_write

@@ -249,6 +249,7 @@ class HazardGrid:
         # leaves its block (codegen.sync_replay maps one program span's cells onto another's block by block)
         self.block_starts = sorted(first for first, _, _, _ in layout.blocks.values()) + [layout.count]
         ap_spans = {key: spans[box] for key, box in boxes.items()}
+        self.ap_spans = ap_spans  # id(AccessPattern) -> its spans (codegen.sync_replay compares patterns with them)
         self._access = {}
         for inst in instructions:
             self._access[id(inst)] = ([span for ap in inst.reads for span in ap_spans[id(ap)]],
