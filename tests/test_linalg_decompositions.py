@@ -226,3 +226,92 @@ def test_the_unrolled_sweeps_converge_in_fp32_up_to_the_documented_size(n):
         values, _ = linalg_decompositions._linalg_eigh(symmetric)
         exact = torch.linalg.eigvalsh(symmetric.double())
         assert float(((values.double() - exact).abs() / exact.abs().amax(-1, keepdim=True)).max()) < 1e-5
+
+
+def _assert_all_close(got, want):
+    for g_, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert g_.shape == w.shape and g_.dtype == w.dtype
+        if w.is_floating_point():
+            torch.testing.assert_close(g_, w, **FP32)
+        else:
+            assert torch.equal(g_, w)
+
+
+def test_householder_qr_geqrf_householder_product_and_ormqr_match_eager():
+    """LAPACK's reflections are unique (dlarfg's sign convention): R, the packed vectors, tau and Q all equal
+    eager's, every mode of linalg.qr, tall, wide and a column that is zero below the diagonal (tau = 0)."""
+    g = _generator()
+    tall = torch.randn(5, 3, generator=g)
+    tall[2:, 1] = 0.0
+    wide = torch.randn(2, 3, 4, generator=g)
+    tau = torch.randn(3, generator=g)
+    c = torch.randn(5, 2, generator=g)
+
+    def fn(x, y, t, z):
+        return (torch.geqrf(x), torch.linalg.qr(x), torch.linalg.qr(x, "complete"), torch.linalg.qr(y, "r")[1],
+                torch.linalg.qr(y, "complete"), torch.linalg.householder_product(x, t),
+                [torch.ormqr(x, t, z if left else z.mT, left, transpose) for left in (True, False)
+                 for transpose in (True, False)])
+
+    _assert_all_close(_compiled(fn, tall, wide, tau, c), fn(tall, wide, tau, c))
+
+
+def _needing_every_pivot():
+    """[3, 5, 5] symmetric: small diagonals, a zero first diagonal, a zero row and column (2 x 2 blocks, 1 x 1
+    interchanges, info set)."""
+    g = _generator()
+    a = torch.randn(3, 5, 5, generator=g)
+    a = a + a.mT
+    a[0, torch.arange(5), torch.arange(5)] *= 0.01
+    a[1, 0, 0] = 0.0
+    a[2, :, 2] = 0.0
+    a[2, 2, :] = 0.0
+    return a
+
+
+def test_ldl_factor_pivots_as_lapack_eagerly():
+    """The unrolled sytf2 run eagerly on CPU against LAPACK (no compile, so many matrices are cheap): pivots and
+    info equal, LD within the fp32 tolerance, on random symmetric matrices of 2..8 with small diagonals."""
+    g = _generator()
+    blocks = 0
+    for n in range(2, 9):
+        a = torch.randn(40, n, n, generator=g)
+        a = a + a.mT
+        a[::2, torch.arange(n), torch.arange(n)] *= 0.01
+        ld, pivots, info = linalg_decompositions._ldl_factor(a)
+        want_ld, want_pivots, want_info = torch.linalg.ldl_factor_ex(a)
+        assert torch.equal(pivots, want_pivots) and torch.equal(info, want_info)
+        torch.testing.assert_close(ld, want_ld, rtol=1e-4, atol=1e-4)  # several pivoting steps of rounding
+        blocks += int((want_pivots < 0).sum())
+    assert blocks > 100  # 2 x 2 blocks were met
+
+
+def test_ldl_factor_and_solve_and_cholesky_solves_match_eager():
+    a = _needing_every_pivot()
+    b = torch.randn(3, 5, 2, generator=_generator())
+    spd = a[1] @ a[1].mT + torch.eye(5)
+    factor = torch.linalg.cholesky(spd)
+
+    def fn(x, y, f):
+        ld, pivots, info = torch.linalg.ldl_factor_ex(x)
+        return (ld, pivots, info, torch.linalg.ldl_solve(ld[:2], pivots[:2], y[:2]), torch.cholesky_solve(y, f),
+                torch.cholesky_inverse(f.mT, upper=True))
+
+    want = fn(a, b, factor)
+    positive_moved = (want[1] > 0) & (want[1] != torch.arange(1, 6, dtype=torch.int32))
+    assert (want[1] < 0).any() and positive_moved.any()  # 2 x 2 blocks and 1 x 1 interchanges are met
+    assert want[2].tolist() == [0, 0, 3]  # the zero column sets info
+    _assert_all_close(_compiled(fn, a, b, factor), want)
+
+
+def test_histogramdd_counts_as_eager():
+    g = _generator()
+    x = torch.cat([torch.randn(20, 2, generator=g), torch.tensor([[float("nan"), 0.0], [5.0, 5.0]])])
+    weight = torch.rand(22, generator=g)
+    edges = torch.tensor([-1.0, 0.0, 1.5])
+
+    def fn(t, w, e):
+        return (torch.histogramdd(t.nan_to_num(), [2, 3], weight=w, density=True),
+                torch.histogramdd(t, [3, 2], range=[-2.0, 2.0, -1.0, 1.0]), torch.histogramdd(t, [e, e.flip(0)]))
+
+    _assert_all_close(_compiled(fn, x, weight, edges), fn(x, weight, edges))
