@@ -315,3 +315,11 @@ def test_histogramdd_counts_as_eager():
                 torch.histogramdd(t, [3, 2], range=[-2.0, 2.0, -1.0, 1.0]), torch.histogramdd(t, [e, e.flip(0)]))
 
     _assert_all_close(_compiled(fn, x, weight, edges), fn(x, weight, edges))
+
+
+def test_eig_of_a_general_matrix_is_refused_with_the_cause_and_the_way_out():
+    with pytest.raises(Exception) as refused:
+        _compiled(lambda x: torch.linalg.eigvals(x), torch.randn(3, 3, generator=_generator()))
+    text = str(refused.value)
+    assert "NeuronCompileError" in text and "aten.linalg_eig.default" in text
+    assert "torch.linalg.eigh" in text and "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION" in text

@@ -652,3 +652,14 @@ OWN = {
     aten._histogramdd_from_bin_cts.default: _histogramdd_from_bin_cts,
     aten._histogramdd_from_bin_tensors.default: _histogramdd_from_bin_tensors,
 }
+
+
+_EIG = ("torch-mlir cannot lower it and neuronc has no lowering of its own: a general (non-symmetric) matrix's "
+        "eigenvalues are complex, in the order LAPACK's shifted QR iteration (geev) deflates them, after a number "
+        "of steps that depends on the data (not built, issue 21); for a symmetric matrix use torch.linalg.eigh / "
+        "eigvalsh (compiled), else let this op run on the CPU (the fallback: unset "
+        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION) or keep it outside the compiled region (torch.compiler.disable)")
+NOT_BUILT = {  # op -> why it cannot be compiled and the way out, for ops of this family left unbuilt
+    "aten.linalg_eig.default": _EIG,
+}
+
