@@ -1,4 +1,5 @@
-"""The SVD, symmetric eigendecomposition, pseudo-inverse and histograms torch-mlir cannot lower, compiled with
+"""The SVD, symmetric eigendecomposition, pseudo-inverse, histograms, Householder QR, Cholesky solves and LDL^T
+torch-mlir cannot lower, compiled with
 neuronc's own lowerings (frontend/linalg_decompositions.py), strictly on the device, against eager on CPU.
 
 Unique outputs (singular values, eigenvalues, pinv, rank, norms, histograms) are held to the fp32 tolerance.

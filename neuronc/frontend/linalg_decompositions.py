@@ -1,6 +1,8 @@
 """neuronc's own lowerings of the iterative linear algebra torch-mlir cannot lower: the SVD (`_linalg_svd`, which
 torch.svd, linalg.svd/svdvals, matrix_rank, cond and the 2/nuclear norms reach), the symmetric eigendecomposition
-(`_linalg_eigh`: eigh, eigvalsh), the pseudo-inverse, and histograms (histc, histogram). Decompositions into
+(`_linalg_eigh`: eigh, eigvalsh), the pseudo-inverse, histograms (histc, histogram, histogramdd), Householder QR
+(geqrf, linalg.qr, householder_product, ormqr), Cholesky solves and LDL^T with Bunch-Kaufman pivoting
+(ldl_factor, ldl_solve); `NOT_BUILT` says why eig of a general matrix is refused. Decompositions into
 elementwise ops, reductions, slices and sorts, registered like decompositions.OWN (torch_import and aten_lowering
 merge `OWN` here after it).
 
