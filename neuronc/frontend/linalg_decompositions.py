@@ -1,6 +1,8 @@
 """neuronc's own lowerings of the iterative linear algebra torch-mlir cannot lower: the SVD (`_linalg_svd`, which
 torch.svd, linalg.svd/svdvals, matrix_rank, cond and the 2/nuclear norms reach), the symmetric eigendecomposition
-(`_linalg_eigh`: eigh, eigvalsh), the pseudo-inverse, and histograms (histc, histogram). Decompositions into
+(`_linalg_eigh`: eigh, eigvalsh), the pseudo-inverse, histograms (histc, histogram, histogramdd), Householder QR
+(geqrf, linalg.qr, householder_product, ormqr), Cholesky solves and LDL^T with Bunch-Kaufman pivoting
+(ldl_factor, ldl_solve); `NOT_BUILT` says why eig of a general matrix is refused. Decompositions into
 elementwise ops, reductions, slices and sorts, registered like decompositions.OWN (torch_import and aten_lowering
 merge `OWN` here after it).
 
@@ -325,6 +327,314 @@ def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
     return _histogram_of_edges(x, bins.to(x.dtype), weight, density)
 
 
+# -- Householder QR (LAPACK's geqrf / orgqr / ormqr): geqrf, householder_product, ormqr, linalg.qr -------------
+# Unlike an iterative method these are exact sequences of min(m, n) reflections, unrolled; LAPACK's dlarfg
+# convention (beta = -sign(alpha) ||x||, tau = (beta - alpha) / beta, v = x / (alpha - beta) below a unit
+# diagonal, tau = 0 where the column below the diagonal is zero) makes every output unique, so R, the packed
+# vectors, tau and Q match LAPACK's to rounding. Norms are sqrt of sums of squares (no dnrm2 scaling: values
+# whose squares overflow fp32, |x| > ~1e19, are a documented limit).
+
+def _reflector_vector(a, j: int):
+    """v of the j-th reflector stored in a[..., :, j] (a unit at j, zeros above, a's entries below)."""
+    rows = torch.arange(a.shape[-2], device=a.device)
+    return torch.where(rows == j, 1.0, torch.where(rows > j, a[..., :, j], 0.0)).to(a.dtype)
+
+
+def _reflect_left(c, v, tau):
+    """H c with H = I - tau v v^T, v[..., m], c[..., m, r]."""
+    w = (v.unsqueeze(-1) * c).sum(-2, keepdim=True)
+    return c - tau[..., None, None] * v.unsqueeze(-1) * w
+
+
+def _reflect_right(c, v, tau):
+    """c H, c[..., r, m]."""
+    w = (c * v.unsqueeze(-2)).sum(-1, keepdim=True)
+    return c - tau[..., None, None] * w * v.unsqueeze(-2)
+
+
+def _geqrf(a):
+    m, n = a.shape[-2], a.shape[-1]
+    k = min(m, n)
+    if a.numel() == 0 or k == 0:
+        return a + 0, a.new_zeros(a.shape[:-2] + (k,))
+    rows, cols = torch.arange(m, device=a.device), torch.arange(n, device=a.device)
+    taus = []
+    for j in range(k):
+        x = a[..., :, j]
+        alpha = x[..., j]
+        below = rows > j
+        xnorm = torch.sqrt(torch.where(below, x * x, 0.0).sum(-1))
+        trivial = xnorm == 0
+        r = torch.sqrt(alpha * alpha + xnorm * xnorm)
+        beta = torch.where(alpha >= 0, -r, r)
+        tau = torch.where(trivial, 0.0, (beta - alpha) / torch.where(trivial, 1.0, beta))
+        scale = 1.0 / torch.where(trivial, 1.0, alpha - beta)
+        v = torch.where(rows == j, 1.0, torch.where(below, x * scale.unsqueeze(-1), 0.0))
+        updated = _reflect_left(a, v, tau)
+        column = torch.where(rows == j, torch.where(trivial, alpha, beta).unsqueeze(-1), torch.where(below, v, x))
+        a = torch.where(cols == j, column.unsqueeze(-1), torch.where(cols > j, updated, a))
+        taus.append(tau)
+    return a, torch.stack(taus, -1)
+
+
+def _householder_product(a, tau):
+    """Q = H_1 ... H_k applied to the first n columns of the identity (orgqr), a[..., m, n], tau[..., k]."""
+    m, n = a.shape[-2], a.shape[-1]
+    batch = torch.broadcast_shapes(a.shape[:-2], tau.shape[:-1])
+    q = torch.eye(m, n, dtype=a.dtype, device=a.device).expand(batch + (m, n)) + 0
+    if q.numel() == 0:
+        return q
+    for j in reversed(range(tau.shape[-1])):
+        q = _reflect_left(q, _reflector_vector(a, j), tau[..., j])
+    return q
+
+
+def _ormqr(a, tau, c, left=True, transpose=False):
+    """Q c, Q^T c, c Q or c Q^T with Q = H_1 ... H_k of a's reflectors (ormqr)."""
+    batch = torch.broadcast_shapes(a.shape[:-2], tau.shape[:-1], c.shape[:-2])
+    c = c.expand(batch + c.shape[-2:]) + 0
+    if c.numel() == 0:
+        return c
+    order = list(range(tau.shape[-1]))
+    if left != transpose:  # Q c = H_1 (... (H_k c)); c Q^T = (c H_k) ... H_1
+        order.reverse()
+    reflect = _reflect_left if left else _reflect_right
+    for j in order:
+        c = reflect(c, _reflector_vector(a, j), tau[..., j])
+    return c
+
+
+def _linalg_qr(a, mode="reduced"):
+    m, n = a.shape[-2], a.shape[-1]
+    k = min(m, n)
+    packed, tau = _geqrf(a)
+    columns = m if mode == "complete" else k
+    r = torch.triu(packed[..., :columns, :]) if packed.numel() else a.new_zeros(a.shape[:-2] + (columns, n))
+    if mode == "r":
+        return a.new_zeros((0,)), r
+    if columns > n:  # complete with m > n: the reflectors' columns padded; tau has min(m, n) of them
+        packed = torch.cat([packed, packed.new_zeros(packed.shape[:-1] + (columns - n,))], -1)
+    return _householder_product(packed[..., :, :columns], tau), r
+
+
+# -- Cholesky solves (cholesky_solve, cholesky_inverse): triangular substitutions ------------------------------
+
+def _cholesky_solve(b, factor, upper=False):
+    """X with A X = B, A = L L^T (or U^T U with upper): two substitutions."""
+    from neuronc.frontend.decompositions import _substitute
+    batch = torch.broadcast_shapes(b.shape[:-2], factor.shape[:-2])
+    b, factor = b.expand(batch + b.shape[-2:]), factor.expand(batch + factor.shape[-2:])
+    if b.numel() == 0:
+        return b.new_zeros(b.shape)
+    lower = factor.mT if upper else factor
+    lower = torch.tril(lower)
+    y = _substitute(lower, b, lower=True, unit=False)
+    return _substitute(lower.mT, y, lower=False, unit=False)
+
+
+def _cholesky_inverse(factor, upper=False):
+    n = factor.shape[-1]
+    identity = torch.eye(n, dtype=factor.dtype, device=factor.device).expand(factor.shape)
+    return _cholesky_solve(identity, factor, upper)
+
+
+# -- LDL^T with Bunch-Kaufman pivoting (LAPACK's sytf2, lower) and its solve (sytrs) -------------------------
+# The pivoting is data-dependent (1 x 1 or 2 x 2 blocks, symmetric interchanges): unrolled over the n columns,
+# each step computing both block forms and selecting by mask; a column that is the second of a 2 x 2 block is a
+# step that does nothing. Pivots in LAPACK's format (from 1, negative for both columns of a 2 x 2 block), info
+# the first zero column, as LAPACK's; the strict upper triangle zero, as torch's.
+
+_BUNCH_KAUFMAN_ALPHA = (1.0 + math.sqrt(17.0)) / 8.0
+
+
+def _mirror_lower(w):
+    return torch.tril(w) + torch.tril(w, -1).mT
+
+
+def _swap_order(n: int, i, j, device):
+    """Index order exchanging positions i and j (i, j[...] int64): order[..., n]."""
+    index = torch.arange(n, device=device)
+    return torch.where(index == i.unsqueeze(-1), j.unsqueeze(-1), torch.where(index == j.unsqueeze(-1),
+                                                                                i.unsqueeze(-1), index))
+
+
+def _ldl_factor(a):
+    n = a.shape[-1]
+    batch = a.shape[:-2]
+    rows = torch.arange(n, device=a.device)
+    info = torch.zeros(batch, dtype=torch.int32, device=a.device)
+    if a.numel() == 0:
+        return a.new_zeros(a.shape), torch.zeros(batch + (n,), dtype=torch.int32, device=a.device), info
+    w = _mirror_lower(a)  # the working matrix: symmetric in its trailing part, L's columns left of it
+    skip = torch.zeros(batch, dtype=torch.bool, device=a.device)
+    pivots, previous = [], None
+    for k in range(n):
+        active = ~skip
+        absakk = w[..., k, k].abs()
+        if k < n - 1:
+            below = w[..., k + 1:, k].abs()
+            colmax, at = below.max(-1)
+            imax = at + (k + 1)
+        else:
+            colmax, imax = torch.zeros_like(absakk), torch.full(batch, k, dtype=torch.int64, device=a.device)
+        zero = torch.maximum(absakk, colmax) == 0
+        row = torch.gather(w, -2, imax[..., None, None].expand(batch + (1, n))).squeeze(-2)
+        rowmax = torch.where((rows >= k) & (rows != imax.unsqueeze(-1)), row.abs(), 0.0).amax(-1)
+        safe_rowmax = torch.where(rowmax > 0, rowmax, 1.0)
+        keep = zero | (absakk >= _BUNCH_KAUFMAN_ALPHA * colmax) | \
+            (absakk >= _BUNCH_KAUFMAN_ALPHA * colmax * (colmax / safe_rowmax))
+        diagonal_at_imax = torch.gather(torch.diagonal(w, 0, -2, -1), -1, imax.unsqueeze(-1)).squeeze(-1).abs()
+        swap_one = ~keep & (diagonal_at_imax >= _BUNCH_KAUFMAN_ALPHA * rowmax)
+        two = active & ~keep & ~swap_one
+        kk = torch.where(two, k + 1, k)
+        kp = torch.where(keep | ~active, kk, imax)
+        order = _swap_order(n, kk, kp, a.device)
+        swapped = torch.gather(w, -2, order.unsqueeze(-1).expand(w.shape))
+        swapped = torch.gather(swapped, -1, order.unsqueeze(-2).expand(w.shape))
+        trailing = (rows.unsqueeze(-1) >= k) & (rows >= k)
+        w = torch.where(trailing, swapped, w)
+        # a 1 x 1 block at k
+        d = w[..., k, k]
+        d = torch.where(zero, 1.0, d)
+        x = torch.where(rows > k, w[..., :, k], 0.0)
+        one = w - x.unsqueeze(-1) * (x / d.unsqueeze(-1)).unsqueeze(-2)
+        one = torch.where((rows.unsqueeze(-1) > k) & (rows == k), (x / d.unsqueeze(-1)).unsqueeze(-1), one)
+        # a 2 x 2 block at k, k + 1
+        if k < n - 1:
+            d21 = w[..., k + 1, k]
+            safe_d21 = torch.where(two, d21, 1.0)
+            d11 = w[..., k + 1, k + 1] / safe_d21
+            d22 = w[..., k, k] / safe_d21
+            t = 1.0 / torch.where(two, d11 * d22 - 1.0, 1.0)
+            d21 = t / safe_d21
+            later = rows > k + 1
+            ak, ak1 = torch.where(later, w[..., :, k], 0.0), torch.where(later, w[..., :, k + 1], 0.0)
+            wk = d21.unsqueeze(-1) * (d11.unsqueeze(-1) * ak - ak1)
+            wkp1 = d21.unsqueeze(-1) * (d22.unsqueeze(-1) * ak1 - ak)
+            pair = w - (ak.unsqueeze(-1) * wk.unsqueeze(-2) + ak1.unsqueeze(-1) * wkp1.unsqueeze(-2))
+            pair = torch.where(later.unsqueeze(-1) & (rows == k), wk.unsqueeze(-1), pair)
+            pair = torch.where(later.unsqueeze(-1) & (rows == k + 1), wkp1.unsqueeze(-1), pair)
+            step = torch.where(two[..., None, None], pair, one)
+        else:
+            step = one
+        step = torch.where(zero[..., None, None], w, step)
+        w = _mirror_lower(torch.where(active[..., None, None], step, w))
+        info = torch.where((info == 0) & active & zero, k + 1, info)
+        pivot = torch.where(two, -(kp + 1), kp + 1)
+        pivot = pivot if previous is None else torch.where(skip, previous, pivot)
+        pivots.append(pivot)
+        previous = pivot
+        skip = two
+    return torch.tril(w), torch.stack(pivots, -1).to(torch.int32), info
+
+
+def _linalg_ldl_factor_ex(a, *, hermitian=False, check_errors=False):
+    return _ldl_factor(a)
+
+
+def _rows_swapped(b, i, j):
+    order = _swap_order(b.shape[-2], i, j, b.device)
+    return torch.gather(b, -2, order.unsqueeze(-1).expand(b.shape))
+
+
+def _linalg_ldl_solve(ld, pivots, b, *, hermitian=False):
+    """sytrs (lower): L D L^T X = B with the interchanges in LAPACK's interleaved order."""
+    batch = torch.broadcast_shapes(ld.shape[:-2], pivots.shape[:-1], b.shape[:-2])
+    ld, b = ld.expand(batch + ld.shape[-2:]), b.expand(batch + b.shape[-2:]) + 0
+    pivots = pivots.expand(batch + pivots.shape[-1:]).to(torch.int64)
+    n = ld.shape[-1]
+    if b.numel() == 0 or n == 0:
+        return b.new_zeros(b.shape)
+    rows = torch.arange(n, device=b.device)
+    negative = pivots < 0
+    starts, previous = [], torch.zeros(batch, dtype=torch.bool, device=b.device)
+    for k in range(n):
+        previous = negative[..., k] & ~previous
+        starts.append(previous)
+    second = [negative[..., k] & ~starts[k] for k in range(n)]
+    target = torch.where(negative, -pivots, pivots) - 1
+    for k in range(n):  # L D y = P b
+        one = ~negative[..., k]
+        kp = target[..., k]
+        x = _rows_swapped(b, torch.full_like(kp, k), kp)
+        x = x - torch.where(rows > k, ld[..., :, k], 0.0).unsqueeze(-1) * x[..., k:k + 1, :]
+        d = torch.where(one, ld[..., k, k], 1.0)
+        x = torch.where((rows == k).unsqueeze(-1), x / d[..., None, None], x)
+        result = torch.where(one[..., None, None], x, b)
+        if k < n - 1:
+            y = _rows_swapped(b, torch.full_like(kp, k + 1), kp)
+            later = (rows > k + 1).unsqueeze(-1)
+            y = y - torch.where(later, ld[..., :, k:k + 1] * y[..., k:k + 1, :] + ld[..., :, k + 1:k + 2]
+                                * y[..., k + 1:k + 2, :], 0.0)
+            akm1k = torch.where(starts[k], ld[..., k + 1, k], 1.0)[..., None]
+            akm1 = ld[..., k, k][..., None] / akm1k
+            ak = ld[..., k + 1, k + 1][..., None] / akm1k
+            denom = akm1 * ak - 1.0
+            bkm1, bk = y[..., k, :] / akm1k, y[..., k + 1, :] / akm1k
+            y = torch.where((rows == k).unsqueeze(-1), ((ak * bkm1 - bk) / denom).unsqueeze(-2), y)
+            y = torch.where((rows == k + 1).unsqueeze(-1), ((akm1 * bk - bkm1) / denom).unsqueeze(-2), y)
+            result = torch.where(starts[k][..., None, None], y, result)
+        b = result
+    for k in reversed(range(n)):  # L^T x = y, then the interchange
+        kp = target[..., k]
+        tail = torch.where(rows > k, 1.0, 0.0).to(b.dtype).unsqueeze(-1)
+        x = b - torch.where((rows == k).unsqueeze(-1), (ld[..., :, k:k + 1] * tail * b).sum(-2, keepdim=True), 0.0)
+        x = torch.where(second[k][..., None, None] & (rows == k - 1).unsqueeze(-1),
+                        b - (ld[..., :, k - 1:k] * tail * b).sum(-2, keepdim=True), x) if k > 0 else x
+        x = _rows_swapped(x, torch.full_like(kp, k), kp)
+        b = torch.where(starts[k][..., None, None], b, x)
+    return b
+
+
+# -- histogramdd (ATen's histogramdd kernels, D dimensions) ---------------------------------------------------
+
+def _dd_edges(x, bins, range_):
+    """Each dimension's edges: linspace over range (or the data's extremes, widened by 0.5 if equal)."""
+    flat = x.reshape(-1, x.shape[-1])
+    edges = []
+    for d, count in enumerate(bins):
+        low, high = (float(range_[2 * d]), float(range_[2 * d + 1])) if range_ is not None else (0.0, 0.0)
+        left, right = _outer_edges(flat[:, d], low, high, 0.5)
+        edges.append(_linspace_edges(left, right, int(count) + 1, x.dtype))
+    return edges
+
+
+def _histogramdd_counts(x, edges, weight, density):
+    flat = x.reshape(-1, x.shape[-1])
+    sizes = [e.shape[0] - 1 for e in edges]
+    total = math.prod(sizes)
+    index = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
+    inside = torch.ones(flat.shape[0], dtype=torch.bool, device=x.device)
+    for d, e in enumerate(edges):
+        column = flat[:, d]
+        inside = inside & (column >= e[0]) & (column <= e[-1])
+        position = (column.unsqueeze(-1) >= e).sum(-1) - 1
+        position = torch.where(position >= sizes[d], sizes[d] - 1, position)
+        index = index * sizes[d] + position.clamp(min=0)
+    member = (index.unsqueeze(-1) == torch.arange(total, device=x.device)) & inside.unsqueeze(-1)
+    values = torch.ones_like(flat[:, 0]) if weight is None else weight.reshape(-1).to(x.dtype)
+    hist = torch.where(member, values.unsqueeze(-1), 0.0).sum(0).reshape(sizes)
+    if density:
+        hist = hist / hist.sum()
+        for d, e in enumerate(edges):
+            shape = [1] * len(sizes)
+            shape[d] = sizes[d]
+            hist = hist / (e[1:] - e[:-1]).reshape(shape)
+    return hist
+
+
+def _histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    return _dd_edges(x, bins, range)
+
+
+def _histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    return _histogramdd_counts(x, _dd_edges(x, bins, range), weight, density)
+
+
+def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    return _histogramdd_counts(x, [e.to(x.dtype) for e in bins], weight, density)
+
+
 OWN = {
     aten._linalg_svd.default: _linalg_svd,
     aten._linalg_eigh.default: _linalg_eigh,
@@ -332,4 +642,26 @@ OWN = {
     aten.histc.default: _histc,
     aten.histogram.bin_ct: _histogram_bin_ct,
     aten.histogram.bins_tensor: _histogram_bins_tensor,
+    aten.geqrf.default: _geqrf,
+    aten.linalg_householder_product.default: _householder_product,
+    aten.ormqr.default: _ormqr,
+    aten.linalg_qr.default: _linalg_qr,
+    aten.cholesky_solve.default: _cholesky_solve,
+    aten.cholesky_inverse.default: _cholesky_inverse,
+    aten.linalg_ldl_factor_ex.default: _linalg_ldl_factor_ex,
+    aten.linalg_ldl_solve.default: _linalg_ldl_solve,
+    aten._histogramdd_bin_edges.default: _histogramdd_bin_edges,
+    aten._histogramdd_from_bin_cts.default: _histogramdd_from_bin_cts,
+    aten._histogramdd_from_bin_tensors.default: _histogramdd_from_bin_tensors,
 }
+
+
+_EIG = ("torch-mlir cannot lower it and neuronc has no lowering of its own: a general (non-symmetric) matrix's "
+        "eigenvalues are complex, in the order LAPACK's shifted QR iteration (geev) deflates them, after a number "
+        "of steps that depends on the data (not built, issue 21); for a symmetric matrix use torch.linalg.eigh / "
+        "eigvalsh (compiled), else let this op run on the CPU (the fallback: unset "
+        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION) or keep it outside the compiled region (torch.compiler.disable)")
+NOT_BUILT = {  # op -> why it cannot be compiled and the way out, for ops of this family left unbuilt
+    "aten.linalg_eig.default": _EIG,
+}
+

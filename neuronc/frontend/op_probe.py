@@ -133,7 +133,8 @@ def _probe_in_child(nodes: list, accept) -> str:
     try:
         module = lower(gm, "probe")
     except Exception:  # noqa: BLE001 - any failure means torch-mlir cannot lower it
-        return "torch-mlir cannot lower it to StableHLO"
+        from neuronc.frontend.linalg_decompositions import NOT_BUILT
+        return NOT_BUILT.get(str(nodes[0].target), "torch-mlir cannot lower it to StableHLO")
     try:
         graph = import_module(module, [(f"in{i}", "input") for i in range(count)], {}, "probe")
     except NeuronCompileError as err:
