@@ -19,6 +19,7 @@ def fresh(neuron, monkeypatch):
     monkeypatch.setenv(eager.FALLBACK_ENV, "1")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.setattr(eager, "programs", {})
+    monkeypatch.setattr(eager, "sizes_met", set())
     return monkeypatch
 
 
@@ -66,6 +67,8 @@ def _on_device(fn, inputs, device):
 def test_a_bucketed_op_has_the_bits_of_its_own_program(fresh, neuron, name):
     fn, make = CASES[name]
     torch.manual_seed(0)
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    _on_device(fn, make(3), neuron)  # the ops' first size: their own programs (an op is bucketed from its second)
     for n in (5, 7):
         inputs = make(n)
         fresh.setenv(eager.BUCKETS_ENV, "1")
@@ -85,10 +88,10 @@ def test_a_bucketed_op_has_the_bits_of_its_own_program(fresh, neuron, name):
 def test_sizes_of_one_bucket_share_its_program(fresh, neuron):
     fresh.setenv(eager.BUCKETS_ENV, "1")
     lowered = eager.compile_stats["lowered"]
-    for n in (5, 6, 7, 8):
+    for n in (3, 5, 6, 7, 8):
         x = torch.randn(n, 4)
         assert_matches_eager(torch.relu(x.to(neuron)).cpu(), torch.relu(x))
-    assert eager.compile_stats["lowered"] - lowered == 1  # relu at [8, 4]; 5, 6, 7 pad to it
+    assert eager.compile_stats["lowered"] - lowered == 2  # relu at [3, 4] (its first), at [8, 4]: 5, 6, 7 pad to it
     entries = [e for e in eager.programs.values() if isinstance(e, eager.BucketedProgram)]
     assert sorted(e.outputs[0][0] for e in entries) == [(5, 4), (6, 4), (7, 4)]
     assert all(e.program is entries[0].program for e in entries)
@@ -100,6 +103,7 @@ def test_a_reduction_over_a_padded_size_is_not_bucketed(fresh, neuron):
     length). The other dims are still padded."""
     fresh.setenv(eager.BUCKETS_ENV, "1")
     for fn in (lambda a: a.sum(-1), lambda a: a.softmax(-1)):
+        fn(torch.randn(2, 5).to(neuron))
         x = torch.randn(3, 5)
         assert_matches_eager(fn(x.to(neuron)).cpu(), fn(x))
     inner = [e.inner for e in eager.programs.values() if isinstance(e, eager.BucketedProgram)]
@@ -125,7 +129,10 @@ def test_rows_beyond_one_tile(fresh, neuron, rows):
     x = _special(rows, 12)
     for fn in (lambda a: a.softmax(-1), lambda a: a * 3.0 - 1.0, lambda a: a.sum(-1)):
         fresh.setenv(eager.BUCKETS_ENV, "1")
+        _on_device(fn, (torch.randn(2, 12),), neuron)
+        served = eager.compile_stats["bucketed"]
         bucketed = _on_device(fn, (x,), neuron)
+        assert eager.compile_stats["bucketed"] > served
         fresh.setenv(eager.BUCKETS_ENV, "0")
         eager.programs.clear()
         own = _on_device(fn, (x,), neuron)
@@ -136,6 +143,7 @@ def test_rows_beyond_one_tile(fresh, neuron, rows):
 
 def test_in_place_and_out_forms_write_only_the_real_part(fresh, neuron):
     fresh.setenv(eager.BUCKETS_ENV, "1")
+    (torch.randn(2, 3).to(neuron).mul_(2.0) + 1.0).cpu()  # the first size of mul and add
     x, y = torch.randn(5, 3), torch.randn(5, 3)
     dx = x.to(neuron)
     dx.mul_(y.to(neuron))
@@ -153,12 +161,21 @@ def test_the_timeline_counts_the_padded_work(fresh, neuron):
     from neuronc.pytorch.device_memory import core
 
     fresh.setenv(eager.BUCKETS_ENV, "1")
+    (torch.randn(4, 64).to(neuron) * 2.0).cpu()
     x = torch.randn(5, 64)
     (x.to(neuron) * 2.0).cpu()
     entry = next(e for e in eager.programs.values() if isinstance(e, eager.BucketedProgram))
     target = core(0).target
     assert entry.duration_ns == pytest.approx(entry.inner.duration_ns + copy_ns(8 * 64 * 4, target)
                                               + copy_ns(5 * 64 * 4, target))
+
+
+def test_an_op_at_one_size_only_runs_its_own_program(fresh, neuron):
+    """A model's fixed widths are not padded: an op is bucketed only once it has met a second size."""
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    for _ in range(2):
+        (torch.randn(5, 3).to(neuron) + 1.0).cpu()
+    assert not any(isinstance(e, eager.BucketedProgram) for e in eager.programs.values())
 
 
 def test_switched_off_every_size_compiles_its_own_program(fresh, neuron):

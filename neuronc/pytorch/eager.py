@@ -506,7 +506,8 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
     from neuronc.compiler import collector_paused
 
-    if os.environ.get(BUCKETS_ENV, BUCKETS_DEFAULT) != "0" and not adaptive.ENABLED:
+    if os.environ.get(BUCKETS_ENV, BUCKETS_DEFAULT) != "0" and not adaptive.ENABLED and _met_before(op, args, kwargs,
+                                                                                                  runtime):
         from neuronc.frontend.aten_buckets import plan
 
         pads = plan(op, args, kwargs)
@@ -523,6 +524,26 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
 
 BUCKETS_ENV = "NEURON_EAGER_BUCKETS"  # "0": every new shape compiles its own program; "1": buckets
 BUCKETS_DEFAULT = "1"
+
+
+sizes_met: set = set()  # (op, its signature with each tensor's shape replaced by its rank): met at one shape
+
+
+def _sizes_free(part):
+    if isinstance(part, torch.Size):
+        return len(part)
+    return tuple(_sizes_free(p) for p in part) if isinstance(part, tuple) else part
+
+
+def _met_before(op, args, kwargs, runtime: frozenset) -> bool:
+    """Whether ``op`` was compiled before for these ranks, dtypes and other arguments at other sizes. Only then
+    is a new size bucketed: an op whose shapes never change (a model's fixed widths) runs its own program and
+    pays no padding; one whose sizes vary (a growing key length, a new batch) pads from its second size on."""
+    family = (op, _sizes_free(_signature(args, runtime, [])), _sizes_free(_signature(kwargs, runtime, [])))
+    if family in sizes_met:
+        return True
+    sizes_met.add(family)
+    return False
 
 
 @dataclasses.dataclass
