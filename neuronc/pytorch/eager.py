@@ -9,7 +9,9 @@ device), so the next call with the same signature is a dictionary lookup and a l
 where the op takes a tensor (``x * 0.9``), or where it takes a Scalar of an op in :data:`SCALAR_FORMS`
 (``add``'s alpha, ``addcdiv``'s value, ``lerp``'s weight...), is a runtime input of the program (a 0-d
 tensor), keyed by its type only: an optimizer whose step sizes change every step compiles in its first step
-only. Other arguments (dims, shapes, flags) are part of the signature. In-place and ``out=`` ops run their
+only. Other arguments (dims, shapes, flags) are part of the signature. An elementwise or row-wise op met at a
+second size runs the program of its shape bucket on padded operands (``BucketedProgram``, the rules in
+:mod:`neuronc.frontend.aten_buckets`; ``NEURON_EAGER_BUCKETS=0`` turns it off). In-place and ``out=`` ops run their
 functional form with the mutated tensor's memory as the program's output.
 
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
