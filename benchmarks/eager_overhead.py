@@ -13,10 +13,12 @@ the wall clock, which the other processes do not inflate.
 
 With ``--new-shapes`` it measures the other cost of eager: the first call of an op at a shape it has not
 met. The zoo's models run forward and backward (training mode) once, then again at a batch one larger: every op
-of the second pass meets new shapes. Each such first call costs the op's lowering to the IR
+of the second pass meets new shapes (``--grow K``: again at batch + 2 .. batch + K). Each such first call costs the op's lowering to the IR
 (neuronc/frontend/aten_lowering.py), the passes and codegen, the load on the core (with the runtime's access
 check) and the program's first run (binding its kernels); printed per stage and in all, as the median, mean and
-90th percentile over the new programs, in the process's CPU time and in wall time. ``--traced N`` also compiles
+90th percentile over the new signatures (an op's first call at a new shape: its compile, or with shape buckets
+(``NEURON_EAGER_BUCKETS``) the bucket's program compiled or found, and its first run), in the process's CPU time and
+in wall time; the per-stage rows are per program compiled. ``--traced N`` also compiles
 N of them through torch-mlir (the route without the lowering) for comparison.
 
     .venv/bin/python -m benchmarks.eager_overhead [--repeat 2000] [--clock cpu]   (from the repo root)
@@ -89,80 +91,88 @@ class Stopwatch:
         return original
 
 
-def _grown(x: torch.Tensor) -> torch.Tensor:
-    """x with one more row (batch) than it has: the same ops at new shapes."""
-    return torch.cat([x, x[:1]]) if x.dim() else x
+def _grown(x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """x with ``rows`` more rows (batch) than it has: the same ops at new shapes."""
+    return torch.cat([x] + [x[:1]] * rows) if x.dim() else x
 
 
-def _pass(name: str, grow: bool) -> None:
+def _pass(name: str, grow: int) -> None:
     from tests import zoo
 
     model, inputs = zoo.build(name)
     model = model.train().to("neuron")
     if isinstance(model, zoo.GPT2):
         model.head.weight = model.tokens.weight
-    inputs = [(_grown(x) if grow else x).to("neuron") for x in inputs]
+    inputs = [(_grown(x, grow) if grow else x).to("neuron") for x in inputs]
     with torch.device("neuron"):
         out = model(*inputs)
         (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
     torch.accelerator.synchronize()
 
 
-def new_shapes(models: list, traced: int) -> None:
+def _first_run_timed(entry, record: list):
+    """``entry.run`` timing its first call into ``record[2:]`` (CPU, wall seconds), then the plain run again."""
+    run = entry.run
+
+    def first(*args):
+        if entry.run is run:  # a later launch queued before the first ran
+            return run(*args)
+        entry.run = run
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            record[2], record[3] = time.process_time() - cpu, time.perf_counter() - wall
+
+    return first
+
+
+def new_shapes(models: list, traced: int, grow: int = 1) -> None:
     import statistics
 
     from neuronc.pytorch import eager
-    from runtime.core import LoadedProgram, NeuronCore
+    from runtime.core import NeuronCore
 
     for name in models:  # every op compiled once (and the imports paid)
-        _pass(name, grow=False)
+        _pass(name, grow=0)
     watch = Stopwatch()
-    compiled = {}  # id of a new LoadedProgram -> (cpu, wall) seconds of its compile
+    firsts = {}  # id of a new EagerProgram (one per new signature) -> [compile cpu, wall, first run cpu, wall]
     compile_op = eager._compile
+    depth = [0]
 
-    def timed_compile(*args, **kwargs):
+    def timed_compile(*args, **kwargs):  # the outermost call: a bucket's program compiled inside it is its cost
+        depth[0] += 1
         cpu, wall = time.process_time(), time.perf_counter()
-        entry = compile_op(*args, **kwargs)
-        if isinstance(entry, eager.EagerProgram):
-            compiled[id(entry.program)] = (time.process_time() - cpu, time.perf_counter() - wall)
+        try:
+            entry = compile_op(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if isinstance(entry, eager.EagerProgram) and not depth[0]:
+            firsts[id(entry)] = [time.process_time() - cpu, time.perf_counter() - wall, 0.0, 0.0]
+            entry.run = _first_run_timed(entry, firsts[id(entry)])
         return entry
 
     eager._compile = timed_compile
     watch.wrap(eager, "_lower", "lower to IR")
     watch.wrap(eager, "_compile_lowered", "passes + codegen")
     watch.wrap(NeuronCore, "load", "load (access check)")
-    first_runs = []
-    original_run_into = LoadedProgram.run_into
-    seen: set = set()
-
-    def run_into(program, inputs, outputs):  # the first run of each new program
-        if id(program) in seen:
-            return original_run_into(program, inputs, outputs)
-        seen.add(id(program))
-        cpu, wall = time.process_time(), time.perf_counter()
-        try:
-            return original_run_into(program, inputs, outputs)
-        finally:
-            first_runs.append((id(program), time.process_time() - cpu, time.perf_counter() - wall))
-
-    programs_before = set(id(p) for p in eager.programs.values())
-    seen.update(id(getattr(p, "program", None)) for p in eager.programs.values())
-    LoadedProgram.run_into = run_into
+    stats = dict(eager.compile_stats)
     try:
-        for name in models:
-            _pass(name, grow=True)
+        for rows in range(1, grow + 1):
+            for name in models:
+                _pass(name, grow=rows)
     finally:
-        LoadedProgram.run_into = original_run_into
         eager._compile = compile_op
-    new = [p for p in eager.programs.values() if id(p) not in programs_before]
-    runs = {program: (cpu, wall) for program, cpu, wall in first_runs}
-    totals = [(c + runs.get(program, (0.0, 0.0))[0], w + runs.get(program, (0.0, 0.0))[1])
-              for program, (c, w) in compiled.items()]
-    print(f"first call of an op at a new shape: the zoo ({', '.join(models)}), forward and backward at batch + 1: "
-          f"{len(compiled)} new programs, {sum(1 for p in new if isinstance(p, str))} ops on the CPU")
+    made = {how: n - stats.get(how, 0) for how, n in eager.compile_stats.items()}
+    programs = made.get("lowered", 0) + made.get("traced", 0)
+    print(f"first call of an op at a new shape: the zoo ({', '.join(models)}), forward and backward at batch + 1"
+          f"{f' .. + {grow}' if grow > 1 else ''}: {len(firsts)} new signatures, {made.get('bucketed', 0)} of them "
+          f"run by a bucket's program; {programs} programs compiled ({made.get('disk cache', 0)} loaded from disk), "
+          f"{made.get('bucketed', 0) and 'buckets on' or 'buckets off or unused'}")
     print(f"  {'stage':26} {'median ms (cpu)':>16} {'mean':>8} {'p90':>8} {'median ms (wall)':>17}")
-    stages = list(watch.calls.items()) + [("first run", [(c, w) for _, c, w in first_runs]),
-                                          ("all (compile + first run)", totals)]
+    stages = list(watch.calls.items()) + [("first run", [(f[2], f[3]) for f in firsts.values()]),
+                                          ("all (compile + first run)", [(f[0] + f[2], f[1] + f[3])
+                                                                         for f in firsts.values()])]
     for label, calls in stages:
         if not calls:
             continue
@@ -210,12 +220,14 @@ def main() -> None:
     parser.add_argument("--new-shapes", action="store_true", help="the first call of ops at new shapes")
     parser.add_argument("--models", default="mlp,cnn,transformer_block,gpt2,resnet,vit,bert,llama,mamba,moe,unet")
     parser.add_argument("--traced", type=int, default=0, help="also compile this many ops through torch-mlir")
+    parser.add_argument("--grow", type=int, default=1,
+                        help="with --new-shapes: passes at batch + 1 .. batch + GROW (each a new shape)")
     options = parser.parse_args()
     if options.new_shapes:
         import warnings
 
         warnings.simplefilter("ignore")
-        new_shapes(options.models.split(","), options.traced)
+        new_shapes(options.models.split(","), options.traced, options.grow)
         return
     global clock
     repeat, clock = options.repeat, CLOCKS[options.clock]

@@ -144,7 +144,8 @@ def test_a_bf16_layer_norm_rounds_once_as_the_cpus_does(neuron):
     torch.testing.assert_close(mean.cpu().squeeze(1), x.float().mean(1))
 
 
-def test_second_call_of_a_signature_is_a_cache_lookup(neuron):
+def test_second_call_of_a_signature_is_a_cache_lookup(neuron, monkeypatch):
+    monkeypatch.setenv(eager.BUCKETS_ENV, "0")  # with shape buckets a new shape may reuse its bucket's program
     a = torch.randn(3, 5).to(neuron)
     torch.sub(a, a)
     compiled = len(eager.programs)

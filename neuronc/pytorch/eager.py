@@ -9,7 +9,9 @@ device), so the next call with the same signature is a dictionary lookup and a l
 where the op takes a tensor (``x * 0.9``), or where it takes a Scalar of an op in :data:`SCALAR_FORMS`
 (``add``'s alpha, ``addcdiv``'s value, ``lerp``'s weight...), is a runtime input of the program (a 0-d
 tensor), keyed by its type only: an optimizer whose step sizes change every step compiles in its first step
-only. Other arguments (dims, shapes, flags) are part of the signature. In-place and ``out=`` ops run their
+only. Other arguments (dims, shapes, flags) are part of the signature. An elementwise or row-wise op met at a
+second size runs the program of its shape bucket on padded operands (``BucketedProgram``, the rules in
+:mod:`neuronc.frontend.aten_buckets`; ``NEURON_EAGER_BUCKETS=0`` turns it off). In-place and ``out=`` ops run their
 functional form with the mutated tensor's memory as the program's output.
 
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
@@ -506,9 +508,138 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
     from neuronc.compiler import collector_paused
 
+    if os.environ.get(BUCKETS_ENV, BUCKETS_DEFAULT) != "0" and not adaptive.ENABLED and _met_before(op, args, kwargs,
+                                                                                                  runtime):
+        from neuronc.frontend.aten_buckets import plan
+
+        pads = plan(op, args, kwargs)
+        if pads:
+            entry = _bucketed(op, args, kwargs, device, runtime, pads)
+            if entry is not None:
+                return entry
     options = _options(str(op), os.environ.get("NEURON_CC_FLAGS", ""))
     with collector_paused():
         return _compile_with(op, args, kwargs, device, runtime, options)
+
+
+# ---- shape buckets: a new size served by the program of its bucket (neuronc/frontend/aten_buckets.py) ------
+
+BUCKETS_ENV = "NEURON_EAGER_BUCKETS"  # "0": every new shape compiles its own program; "1": buckets
+BUCKETS_DEFAULT = "1"
+
+
+sizes_met: set = set()  # (op, its signature with each tensor's shape replaced by its rank): met at one shape
+
+
+def _sizes_free(part):
+    if isinstance(part, torch.Size):
+        return len(part)
+    return tuple(_sizes_free(p) for p in part) if isinstance(part, tuple) else part
+
+
+def _met_before(op, args, kwargs, runtime: frozenset) -> bool:
+    """Whether ``op`` was compiled before for these ranks, dtypes and other arguments at other sizes. Only then
+    is a new size bucketed: an op whose shapes never change (a model's fixed widths) runs its own program and
+    pays no padding; one whose sizes vary (a growing key length, a new batch) pads from its second size on."""
+    family = (op, _sizes_free(_signature(args, runtime, [])), _sizes_free(_signature(kwargs, runtime, [])))
+    if family in sizes_met:
+        return True
+    sizes_met.add(family)
+    return False
+
+
+@dataclasses.dataclass
+class BucketedProgram(EagerProgram):
+    """An op at a size run by the program of its bucket: the operands padded (``pads``, per operand in
+    ``_signature``'s order: an ``aten_buckets.Pad`` or None), the bucket's program run on them, the leading
+    slice of its results written to the op's outputs. Its duration is the bucket program's (the padded
+    work) plus a DMA for each padded operand's whole buffer and for each result's slice."""
+
+    inner: EagerProgram = None
+    pads: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.made = [(tuple(t.shape), t.dtype.numpy) for t in self.inner.program.neff.outputs()]
+        self.slices = [tuple(slice(0, n) for n in shape) for shape, _ in self.outputs]
+        self.run = self._run_padded
+
+    def _run_padded(self, inputs: list, outputs: list) -> None:
+        padded = [x if pad is None else _padded(x, pad) for x, pad in zip(inputs, self.pads)]
+        full = [np.empty(shape, dtype) for shape, dtype in self.made]
+        self.inner.program.run_into(padded, full)
+        for out, result, where in zip(outputs, full, self.slices):
+            out[...] = result[where]
+
+
+def _padded(x: np.ndarray, pad) -> np.ndarray:
+    """``x`` in a buffer of ``pad.shape``: at its leading corner, each padded dim's rest filled in turn with the
+    copy of its last index ("edge") or the given value (a reduction's identity)."""
+    from neuronc.frontend.aten_buckets import EDGE
+
+    buffer = np.empty(pad.shape, x.dtype)
+    done = [slice(0, n) for n in x.shape]
+    buffer[tuple(done)] = x
+    for d, fill in pad.fills:
+        n = x.shape[d]
+        region = list(done)
+        region[d] = slice(n, None)
+        if fill == EDGE:
+            source = list(done)
+            source[d] = slice(n - 1, n)
+            buffer[tuple(region)] = buffer[tuple(source)]
+        else:
+            buffer[tuple(region)] = fill
+        done[d] = slice(None)
+    return buffer
+
+
+def _meta(x):
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+def _bucketed(op, args, kwargs, device: int, runtime: frozenset, pads: dict):
+    """A BucketedProgram for this call, its bucket's program compiled (or found) under the padded signature;
+    None when the bucket's program cannot serve it (then the op compiles for its own shape)."""
+    from neuronc.instruction_cost import copy_ns
+
+    padded = tuple(torch.empty(pads[i].shape, dtype=x.dtype, device="meta") if i in pads else x
+                   for i, x in enumerate(args))
+    key = ((op, _signature(padded, runtime, []), _signature(kwargs, runtime, []) if kwargs else ()), device)
+    inner = programs.get(key)
+    if inner is None:
+        inner = programs[key] = _compile(op, padded, kwargs, device, runtime)
+    if not isinstance(inner, EagerProgram) or isinstance(inner, BucketedProgram) or inner.permuted or \
+            inner.mutated or inner.empty:
+        return None
+    try:
+        real = torch.utils._pytree.tree_leaves(op(*[_meta(x) for x in args],
+                                                  **{k: _meta(v) for k, v in kwargs.items()}))
+    except Exception:  # noqa: BLE001 (no meta kernel: the op compiles for its own shape)
+        return None
+    real = [t for t in real if t is not None]
+    if len(real) != len(inner.outputs) or any(
+            t.dtype != dtype or t.dim() != len(shape) or any(n > m for n, m in zip(t.shape, shape))
+            for t, (shape, dtype) in zip(real, inner.outputs)):
+        return None
+    per_operand = []  # as _signature lists the operands: tensors, runtime numbers, tensors in lists
+    for position, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            per_operand.append(pads.get(position))
+        else:
+            found = []
+            _signature((value,), frozenset({0}) if position in runtime else frozenset(), found)
+            per_operand.extend([None] * len(found))
+    found = []
+    _signature(kwargs, runtime, found)
+    per_operand.extend([None] * len(found))
+    target = core(device).target
+    moved = sum(copy_ns(int(np.prod(pads[i].shape)) * args[i].element_size(), target) for i in pads) + sum(
+        copy_ns(t.numel() * t.element_size(), target) for t in real)
+    compile_stats["bucketed"] += 1
+    return BucketedProgram(inner.program, list(range(len(real))), [(tuple(t.shape), t.dtype) for t in real],
+                           inner.out_spec, inner.duration_ns + moved, nones=inner.nones, inner=inner,
+                           pads=tuple(per_operand))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,190 @@
+"""Shape buckets for eager ops (neuronc/frontend/aten_buckets.py, neuronc.pytorch.eager.BucketedProgram): an op at
+a new size runs the program of its bucket on padded operands and keeps the leading slice. Each case runs at two
+sizes of one bucket with buckets on, and again with them off (every size its own program): the bits must be the
+same, and both match CPU eager; NaN and inf among the data, integer and bool dtypes, bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuronc.frontend import aten_buckets
+from neuronc.pytorch import eager
+from tests.conftest import TOLERANCES, assert_matches_eager
+
+
+@pytest.fixture
+def fresh(neuron, monkeypatch):
+    """No program compiled by earlier tests, none from the disk cache, no op on the CPU."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
+    monkeypatch.setattr(eager, "programs", {})
+    monkeypatch.setattr(eager, "sizes_met", set())
+    return monkeypatch
+
+
+def _special(*shape, dtype=torch.float32):
+    x = torch.randn(*shape)
+    flat = x.view(-1)
+    flat[0], flat[-1] = float("nan"), float("inf")
+    if flat.numel() > 2:
+        flat[1] = float("-inf")
+    return x.to(dtype)
+
+
+CASES = {
+    # name: (fn, inputs at size n); every case is bucketed at n = 5 and 7 (bucket 8)
+    "mul_scalar_nan_inf": (lambda a: a * 0.5 + 1.0, lambda n: (_special(n, 3),)),
+    "add_broadcast_int32": (lambda a, b: a + b, lambda n: (torch.randint(-9, 9, (n, 1), dtype=torch.int32),
+                                                           torch.randint(-9, 9, (n, 4), dtype=torch.int32))),
+    "floor_divide_int64": (lambda a, b: a // b, lambda n: (torch.randint(-20, 20, (2, n)),
+                                                           torch.randint(1, 5, (2, n)))),
+    "where_isneginf": (lambda a: torch.where(torch.isneginf(a), torch.zeros(()), a).exp(), lambda n: (_special(2, n),)),
+    "bf16_tanh": (lambda a: torch.tanh(a) * a, lambda n: (_special(n, 6, dtype=torch.bfloat16),)),
+    "exp_last_dim": (lambda a: a.exp() - a.log1p(), lambda n: (_special(3, 2 * n + 3),)),
+    "softmax_rows": (lambda a: a.softmax(-1), lambda n: (_special(n, 6),)),
+    "log_softmax_dim0": (lambda a: a.log_softmax(0), lambda n: (torch.randn(6, n),)),
+    "layer_norm_rows": (lambda a, w, b: F.layer_norm(a, (8,), w, b), lambda n: (torch.randn(2, n, 8), torch.randn(8),
+                                                                                 torch.randn(8))),
+    "sum_rows": (lambda a: a.sum(-1), lambda n: (_special(n, 5),)),
+    "mean_keepdim": (lambda a: a.mean(1, keepdim=True), lambda n: (torch.randn(n, 6),)),
+    "amax_ints": (lambda a: a.amax(0), lambda n: (torch.randint(-50, 50, (3, n)),)),
+    "all_over_keys": (lambda a: torch.isneginf(a).all(-1, keepdim=True), lambda n: (
+        torch.where(torch.rand(1, 4, 1, n) > 0.3, float("-inf"), 1.0),)),
+    "any_bool": (lambda a: a.any(-1), lambda n: (torch.rand(3, n) > 0.8,)),
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bool else t.contiguous().view(torch.uint8)
+
+
+def _on_device(fn, inputs, device):
+    return fn(*[x.to(device) for x in inputs]).cpu()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bucketed_op_has_the_bits_of_its_own_program(fresh, neuron, name):
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    _on_device(fn, make(3), neuron)  # the ops' first size: their own programs (an op is bucketed from its second)
+    for n in (5, 7):
+        inputs = make(n)
+        fresh.setenv(eager.BUCKETS_ENV, "1")
+        served = eager.compile_stats["bucketed"]
+        bucketed = _on_device(fn, inputs, neuron)
+        assert eager.compile_stats["bucketed"] > served, "no op of the case was served by a bucket"
+        fresh.setenv(eager.BUCKETS_ENV, "0")
+        eager.programs.clear()
+        own = _on_device(fn, inputs, neuron)
+        eager.programs.clear()
+        assert torch.equal(_bits(bucketed), _bits(own)), f"n={n}: the bucketed result's bits differ"
+        expected = fn(*inputs)
+        assert bucketed.shape == expected.shape and bucketed.dtype == expected.dtype
+        torch.testing.assert_close(bucketed, expected, equal_nan=True, **TOLERANCES[expected.dtype])
+
+
+def test_sizes_of_one_bucket_share_its_program(fresh, neuron):
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    lowered = eager.compile_stats["lowered"]
+    for n in (3, 5, 6, 7, 8):
+        x = torch.randn(n, 4)
+        assert_matches_eager(torch.relu(x.to(neuron)).cpu(), torch.relu(x))
+    assert eager.compile_stats["lowered"] - lowered == 2  # relu at [3, 4] (its first), at [8, 4]: 5, 6, 7 pad to it
+    entries = [e for e in eager.programs.values() if isinstance(e, eager.BucketedProgram)]
+    assert sorted(e.outputs[0][0] for e in entries) == [(5, 4), (6, 4), (7, 4)]
+    assert all(e.program is entries[0].program for e in entries)
+
+
+def test_a_reduction_over_a_padded_size_is_not_bucketed(fresh, neuron):
+    """A sum or softmax over the dim that grows (generate()'s key length) compiles for each length: padding it
+    with 0 or -inf keeps the value but not the bits in general (the order of a float sum changes with its
+    length). The other dims are still padded."""
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    for fn in (lambda a: a.sum(-1), lambda a: a.softmax(-1)):
+        fn(torch.randn(2, 5).to(neuron))
+        x = torch.randn(3, 5)
+        assert_matches_eager(fn(x.to(neuron)).cpu(), fn(x))
+    inner = [e.inner for e in eager.programs.values() if isinstance(e, eager.BucketedProgram)]
+    assert len(inner) == 2
+    assert all(tuple(e.program.neff.inputs()[0].shape) == (4, 5) for e in inner)  # rows 3 -> 4, the 5 summed kept
+    assert aten_buckets.plan(torch.ops.aten.sum.dim_IntList, (torch.randn(4, 5), [-1]), {}) is None
+
+
+def test_matmuls_are_not_bucketed():
+    """The emulator's fp32 matmul (numpy's BLAS) sums one result element in an order that changes with the
+    operands' other sizes, so a padded matmul's bits are not the unpadded one's (aten_buckets' docstring)."""
+    a, b, bias = torch.randn(5, 8), torch.randn(8, 7), torch.randn(7)
+    aten = torch.ops.aten
+    assert aten_buckets.plan(aten.mm.default, (a, b), {}) is None
+    assert aten_buckets.plan(aten.addmm.default, (bias, a, b), {}) is None
+    assert aten_buckets.plan(aten.bmm.default, (a[None], b[None]), {}) is None
+
+
+@pytest.mark.parametrize("rows", [129, 200])
+def test_rows_beyond_one_tile(fresh, neuron, rows):
+    """Past 128 rows (one tile's partitions) the bucket's program has more tiles than the op's own."""
+    torch.manual_seed(1)
+    x = _special(rows, 12)
+    for fn in (lambda a: a.softmax(-1), lambda a: a * 3.0 - 1.0, lambda a: a.sum(-1)):
+        fresh.setenv(eager.BUCKETS_ENV, "1")
+        _on_device(fn, (torch.randn(2, 12),), neuron)
+        served = eager.compile_stats["bucketed"]
+        bucketed = _on_device(fn, (x,), neuron)
+        assert eager.compile_stats["bucketed"] > served
+        fresh.setenv(eager.BUCKETS_ENV, "0")
+        eager.programs.clear()
+        own = _on_device(fn, (x,), neuron)
+        eager.programs.clear()
+        assert torch.equal(_bits(bucketed), _bits(own))
+        torch.testing.assert_close(bucketed, fn(x), equal_nan=True, **TOLERANCES[torch.float32])
+
+
+def test_in_place_and_out_forms_write_only_the_real_part(fresh, neuron):
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    (torch.randn(2, 3).to(neuron).mul_(2.0) + 1.0).cpu()  # the first size of mul and add
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    dx = x.to(neuron)
+    dx.mul_(y.to(neuron))
+    out = torch.empty(5, 3).to(neuron)
+    torch.add(dx, 1.0, out=out)
+    assert_matches_eager(out.cpu(), x * y + 1.0)
+    assert_matches_eager(dx.cpu(), x * y)
+    assert any(isinstance(e, eager.BucketedProgram) for e in eager.programs.values())
+
+
+def test_the_timeline_counts_the_padded_work(fresh, neuron):
+    """The device runs the bucket's program, so a launch lasts its duration (the padded work), plus the DMA
+    of each padded operand's buffer and of the result's slice: nothing discounted for the rows not wanted."""
+    from neuronc.instruction_cost import copy_ns
+    from neuronc.pytorch.device_memory import core
+
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    (torch.randn(4, 64).to(neuron) * 2.0).cpu()
+    x = torch.randn(5, 64)
+    (x.to(neuron) * 2.0).cpu()
+    entry = next(e for e in eager.programs.values() if isinstance(e, eager.BucketedProgram))
+    target = core(0).target
+    assert entry.duration_ns == pytest.approx(entry.inner.duration_ns + copy_ns(8 * 64 * 4, target)
+                                              + copy_ns(5 * 64 * 4, target))
+
+
+def test_an_op_at_one_size_only_runs_its_own_program(fresh, neuron):
+    """A model's fixed widths are not padded: an op is bucketed only once it has met a second size."""
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    for _ in range(2):
+        (torch.randn(5, 3).to(neuron) + 1.0).cpu()
+    assert not any(isinstance(e, eager.BucketedProgram) for e in eager.programs.values())
+
+
+def test_switched_off_every_size_compiles_its_own_program(fresh, neuron):
+    fresh.setenv(eager.BUCKETS_ENV, "0")
+    for n in (5, 6):
+        (torch.randn(n, 3).to(neuron) + 1.0).cpu()
+    assert not any(isinstance(e, eager.BucketedProgram) for e in eager.programs.values())
+    assert len(eager.programs) == 2
+
+
+def test_the_ladder():
+    assert [aten_buckets.bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 1000)] == [0, 1, 2, 4, 8, 8, 16, 1024]
