@@ -50,3 +50,15 @@ def test_ndtri_matches_eager_in_every_branch():
     y = torch.cat([torch.tensor(ends), torch.rand(64, generator=torch.Generator().manual_seed(0)),
                    torch.logspace(-37, 0, 60)])
     _matches_eager(torch.special.ndtri, y)
+
+
+def test_erfinv_matches_eager_in_both_branches_and_at_the_ends():
+    """The central rational (|y| <= 0.7) and the tail's, both Newton steps, +-1 (+-inf), past +-1 (NaN)."""
+    ends = [1.0, -1.0, 1.5, -1.5, math.nan, 0.0, -0.0, 0.7, -0.7, 0.70001, 0.69999, 0.999, -0.999, 0.99, 1e-30]
+    y = torch.cat([torch.tensor(ends), torch.rand(64, generator=torch.Generator().manual_seed(0)) * 2 - 1])
+    _matches_eager(torch.erfinv, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_i0_matches_eager_over_wide_ranges(dtype):
+    _matches_eager(torch.i0, _reals().clamp(-100, 100).to(dtype))

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from neuronc.frontend.decompositions import _ERFC_COEFFICIENTS, _horner, _in_fp32
+from neuronc.frontend.decompositions import _ERFC_COEFFICIENTS, _horner, _in_fp32, _modified_bessel_i0
 
 aten = torch.ops.aten
 
@@ -77,7 +77,32 @@ def _ndtri(y0):
     return torch.where(outside, torch.full_like(y0, math.nan), result)
 
 
+# ATen's calc_erfinv (Pavlis' rational approximation, lowest degree first here, then two Newton steps on erf).
+_ERFINV_A = (0.886226899, -1.645349621, 0.914624893, -0.140543331)
+_ERFINV_B = (-2.118377725, 1.442710462, -0.329097515, 0.012229801)
+_ERFINV_C = (-1.970840454, -1.624906493, 3.429567803, 1.641345311)
+_ERFINV_D = (3.543889200, 1.637067800)
+
+
+def _erfinv(y):
+    """ATen's calc_erfinv: a rational in y^2 for |y| <= 0.7, one in sqrt(-log((1 - |y|) / 2)) past it (the
+    sign of y), then two Newton steps x -= (erf(x) - y) / (2 / sqrt(pi) exp(-x^2)); +-inf at +-1, NaN past."""
+    magnitude = torch.abs(y)
+    z = y * y
+    central = y * _horner(_ERFINV_A[::-1], z) / (_horner(_ERFINV_B[::-1], z) * z + 1.0)
+    # the tail's log kept finite where the central branch is taken (|y| <= 0.7)
+    w = torch.sqrt(-torch.log((1.0 - torch.where(magnitude > 0.7, magnitude, 0.7)) / 2.0))
+    tail = torch.copysign(_horner(_ERFINV_C[::-1], w), y) / (_horner(_ERFINV_D[::-1], w) * w + 1.0)
+    x = torch.where(magnitude <= 0.7, central, tail)
+    for _ in range(2):
+        x = x - (torch.erf(x) - y) / ((2.0 / math.sqrt(math.pi)) * torch.exp(-x * x))
+    x = torch.where(magnitude == 1.0, torch.copysign(torch.full_like(y, math.inf), y), x)
+    return torch.where(magnitude > 1.0, torch.full_like(y, math.nan), x)
+
+
 OWN = {
     aten.special_erfcx.default: _in_fp32(_erfcx),
     aten.special_ndtri.default: _in_fp32(_ndtri),
+    aten.erfinv.default: _in_fp32(_erfinv),
+    aten.i0.default: _in_fp32(_modified_bessel_i0),  # torch.i0 is ATen's calc_i0, modified_bessel_i0's Cephes series
 }
