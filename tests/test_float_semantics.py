@@ -65,3 +65,12 @@ def test_the_self_comparison_is_refused_if_it_reaches_torch_mlir_undecomposed():
     gm = make_fx(lambda t: torch.ops.aten.eq.Tensor(t, t))(torch.randn(3))
     with pytest.raises(NeuronCompileError, match="folded to true"):
         refuse_mislowered(gm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_angle_of_a_real_tensor_is_pi_below_zero_and_nan_at_nan(dtype):
+    values = [1.0, -1.0, 0.0, -0.0, math.nan, -math.inf, math.inf] if dtype.is_floating_point else [-2, 0, 3]
+    x = torch.tensor(values, dtype=dtype)
+    got, want = _compiled(torch.angle, x), torch.angle(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, equal_nan=True)

@@ -1,5 +1,5 @@
 """The IEEE float semantics torch-mlir gets wrong or cannot lower (issue 21, found by `benchmarks.opinfo`):
-`frexp` (no lowering: read from the fp32 bits with a bitcast), and a float tensor compared equal with itself.
+`frexp` (no lowering: read from the fp32 bits with a bitcast), `angle` of a real tensor (no lowering), and a float tensor compared equal with itself.
 
 **A silent wrong result, fixed here**: torch-mlir folds `aten.eq.Tensor(x, x)` to true, which is wrong for floats
 (NaN == NaN is false): compiled, `x == x` was true at NaN, and so were `torch.isfinite(NaN)` (torch decomposes it
@@ -9,6 +9,8 @@ one reach it. Registered like decompositions.OWN (torch_import and aten_lowering
 against eager in tests/test_float_semantics.py.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -49,7 +51,18 @@ def _frexp(x):
     return mantissa, exponent
 
 
+def _angle(x):
+    """torch.angle of a real tensor (torch-mlir lowers none): pi below 0 (-inf too), 0 from there (-0 too), NaN
+    at NaN; integers give float32, as eager. A complex tensor is complex_pairs.py's."""
+    if x.is_complex():
+        return NotImplemented
+    out = x if x.is_floating_point() else x.to(torch.float32)
+    angle = torch.where(out < 0, torch.full_like(out, math.pi), torch.zeros_like(out))
+    return torch.where(torch.isnan(out), out, angle)
+
+
 OWN = {
+    aten.angle.default: _angle,
     aten.frexp.Tensor: _frexp,
     aten.eq.Tensor: _eq,
 }
