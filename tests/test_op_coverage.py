@@ -854,3 +854,18 @@ def test_reflect_padding_of_an_empty_batch_and_other_empty_gathers_give_eagers_e
     _matches_eager(lambda t: torch.nn.functional.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
     _matches_eager(lambda t: (t[rows], t[rows, :, rows], t[..., rows]), torch.randn(3, 0, 4))
     _matches_eager(lambda t: (t[nothing, :, rows] + 1, t[:, nothing, rows]), torch.randn(3, 2, 4))
+
+
+@pytest.mark.parametrize("bias, class_weights", [(False, False), (True, True)])
+def test_chunked_linear_cross_entropy_without_reduction_gives_each_rows_loss(bias, class_weights):
+    """reduction='none' with options is its own chunked custom op (the per-row losses): a target equal to
+    ignore_index gives 0, class weights scale each row."""
+    generator = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 3, generator=generator), torch.randn(4, 3, generator=generator)
+    b = torch.randn(4, generator=generator) if bias else None
+    weight = torch.rand(4, generator=generator) + 0.5 if class_weights else None
+    target = torch.tensor([3, 0, 1, -100, 3, 3, 2, 1])
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+    loss = lambda x, w: torch.nn.functional.linear_cross_entropy(  # noqa: E731 - the op under test
+        x, w, target, linear_bias=b, weight=weight, reduction="none", options=options)
+    _matches_eager(loss, x, w)

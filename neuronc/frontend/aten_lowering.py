@@ -495,11 +495,13 @@ def refused(op) -> str:
 def _decompositions() -> dict:
     from torch._decomp import decomposition_table
 
-    from neuronc.frontend import decompositions, linalg_decompositions
+    from neuronc.frontend import decompositions, float_semantics, linalg_decompositions, special_decompositions
 
     table = dict(decomposition_table)
     table.update(decompositions.OWN)
     table.update(linalg_decompositions.OWN)
+    table.update(special_decompositions.OWN)
+    table.update(float_semantics.OWN)
     table.update(OWN_DECOMPOSITIONS)
     for op in UNTRUSTED:
         table.pop(op, None)

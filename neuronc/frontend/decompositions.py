@@ -2319,11 +2319,31 @@ def _linear_cross_entropy_batch_chunked(input, linear_weight, target, linear_bia
     return loss.to(dtype), grad_input, grad_weight, grad_bias
 
 
+def _linear_cross_entropy_batch_chunked_no_reduction(input, linear_weight, target, linear_bias, weight, ignore_index,
+                                                     batch_chunk_size, acc_policy, acc_dtype):
+    """The chunked op of reduction='none' (its forward only gives the losses; its backward recomputes them in
+    Python, which AOTAutograd traces): row i's loss -w[t_i] log_softmax(x_i W^T + b)[t_i], 0 where t_i is
+    ignore_index, as eager's cross_entropy(reduction='none'); in fp32, returned in the input's dtype."""
+    x, w = input.float(), linear_weight.float()
+    logits = x @ w.T + (0 if linear_bias is None else linear_bias.float())
+    onehot = target.unsqueeze(1) == torch.arange(logits.shape[1], device=logits.device)
+    kept = (target != ignore_index).to(logits.dtype)
+    row_weight = kept if weight is None else kept * torch.where(onehot, weight.to(logits.dtype), 0).sum(1)
+    picked = torch.where(onehot, torch.log_softmax(logits, 1), 0).sum(1)
+    return (-picked * row_weight).to(input.dtype)
+
+
 def defined_after_import() -> dict:
     """Decompositions of custom operators torch registers only when their module is first imported
-    (linear_cross_entropy's chunked op), looked up when a graph is compiled."""
-    chunked = getattr(torch.ops.torch_nn, "_linear_cross_entropy_batch_chunked", None)
-    return {chunked.default: _linear_cross_entropy_batch_chunked} if chunked is not None else {}
+    (linear_cross_entropy's chunked ops), looked up when a graph is compiled."""
+    table = {}
+    for name, lowering in (("_linear_cross_entropy_batch_chunked", _linear_cross_entropy_batch_chunked),
+                           ("_linear_cross_entropy_batch_chunked_no_reduction",
+                            _linear_cross_entropy_batch_chunked_no_reduction)):
+        op = getattr(torch.ops.torch_nn, name, None)
+        if op is not None:
+            table[op.default] = lowering
+    return table
 
 
 def _replication_pad_backward(grad, x, padding):

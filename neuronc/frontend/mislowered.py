@@ -32,6 +32,14 @@ def _max_pool3d_form(node) -> str | None:
     return None
 
 
+def _self_equality_form(node) -> str | None:
+    a, b = node.args[0], node.args[1]
+    value = a.meta.get("val") if hasattr(a, "meta") else None
+    if a is b and value is not None and value.is_floating_point():
+        return "x == x of a float tensor is folded to true, which it is not at NaN"
+    return None
+
+
 def _forms() -> dict:
     import torch
 
@@ -40,6 +48,7 @@ def _forms() -> dict:
         aten.avg_pool2d.default: _avg_pool_form,
         aten.avg_pool3d.default: _avg_pool_form,
         aten.max_pool3d_with_indices.default: _max_pool3d_form,
+        aten.eq.Tensor: _self_equality_form,
         aten.logcumsumexp.default: lambda node: "log(cumsum(exp(x))) overflows to inf for x above ~88 (float32)",
     }
 

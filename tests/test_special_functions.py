@@ -1,0 +1,64 @@
+"""Special functions torch-mlir cannot lower, compiled with neuronc's own lowerings
+(frontend/special_decompositions.py: erfcx, log_ndtr through it, ndtri), against eager PyTorch on CPU at the fp32
+tolerance over wide ranges with every branch point, strictly on the device (found by benchmarks/opinfo.py,
+issue 21)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from neuronc.tolerances import TOLERANCES
+
+
+@pytest.fixture(autouse=True)
+def strictly_on_the_device(monkeypatch):
+    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+
+
+def _matches_eager(fn, x):
+    torch._dynamo.reset()
+    got, want = torch.compile(fn, backend="neuron", fullgraph=True)(x), fn(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCES[want.dtype])
+
+
+F32 = torch.finfo(torch.float32)
+
+
+def _reals():
+    """Signs, zeros, infinities, NaN, ATen's branch points (50, 5e7, -6.1, -26.7, -1 for log_ndtr), overflow of
+    exp(x^2) near -9.4, and 30 decades each side."""
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, F32.max, -F32.max, F32.tiny, 1e-3, -1e-3, 49.9, 50.1, 5e7,
+               6e7, -6.0, -6.2, -9.3, -9.5, -26.6, -26.8, -1.0, -1.01, -0.99, 1.0]
+    grid = torch.logspace(-30, 30, 61)
+    return torch.cat([torch.tensor(special), grid, -torch.logspace(-30, 1.5, 64),
+                      torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4])
+
+
+@pytest.mark.parametrize("name", ["erfcx", "log_ndtr"])
+def test_erfcx_and_log_ndtr_match_eager_over_wide_ranges(name):
+    _matches_eager(getattr(torch.special, name), _reals())
+
+
+def test_ndtri_matches_eager_in_every_branch():
+    """The central rational, both tails (below and above exp(-32) of either end), subnormal probabilities, the
+    ends (+-inf) and outside [0, 1] (NaN)."""
+    ends = [0.0, 1.0, -0.1, 1.1, math.nan, 0.5, 1e-38, 1e-45, 1 - 6e-8, 0.1353, 0.1354, 0.8646, 0.8647, 1e-14, 1e-20]
+    y = torch.cat([torch.tensor(ends), torch.rand(64, generator=torch.Generator().manual_seed(0)),
+                   torch.logspace(-37, 0, 60)])
+    _matches_eager(torch.special.ndtri, y)
+
+
+def test_erfinv_matches_eager_in_both_branches_and_at_the_ends():
+    """The central rational (|y| <= 0.7) and the tail's, both Newton steps, +-1 (+-inf), past +-1 (NaN)."""
+    ends = [1.0, -1.0, 1.5, -1.5, math.nan, 0.0, -0.0, 0.7, -0.7, 0.70001, 0.69999, 0.999, -0.999, 0.99, 1e-30]
+    y = torch.cat([torch.tensor(ends), torch.rand(64, generator=torch.Generator().manual_seed(0)) * 2 - 1])
+    _matches_eager(torch.erfinv, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_i0_matches_eager_over_wide_ranges(dtype):
+    _matches_eager(torch.i0, _reals().clamp(-100, 100).to(dtype))
