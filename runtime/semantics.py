@@ -388,7 +388,18 @@ def _function_into(new, func: ActFunc, scaled: np.ndarray, dst: np.ndarray) -> l
         return [partial(np.copyto, dst, scaled, "unsafe")]
     if func in (ActFunc.ERF, ActFunc.GELU):
         return _erf_gelu_into(new, func, scaled, dst)
-    return _ufunc_into(new, fn, (scaled,), dst) or [partial(_store, dst, fn, scaled)]
+    if func == ActFunc.RSQRT:  # reciprocal(sqrt(x)): both correctly rounded
+        root = new(scaled.shape, F32)
+        return [partial(np.sqrt, scaled, root)] + _ufunc_into(new, np.reciprocal, (root,), dst)
+    if func == ActFunc.RELU:  # maximum(x, 0)
+        return _ufunc_into(new, np.maximum, (scaled, _constant(0.0)), dst)
+    fast = _ufunc_into(new, fn, (scaled,), dst)
+    if fast is None and isinstance(fn, np.ufunc) and fn.nin == 1 and fn.resolve_dtypes(
+            (np.dtype(F32), None)) == (np.dtype(F32), np.dtype(F32)):
+        # Into a fresh C-ordered array of scaled's shape, as fn(scaled) would make: the same loop, the same bits.
+        value = new(scaled.shape, F32)
+        fast = [partial(fn, scaled, value), partial(np.copyto, dst, value, "unsafe")]
+    return fast or [partial(_store, dst, fn, scaled)]
 
 
 # op_facts.erf and op_facts.gelu as calls on scratch arrays: the same roundings of the same operands in the same
@@ -593,9 +604,53 @@ def _hits(new, src, values) -> tuple:
     return calls, hit, x
 
 
+# Rows this short (a routed token's scores, [1, 32]) are matched in Python: numpy's calls on [rows, 8, n] broadcasts
+# cost more there than a loop over the values. A choice, measured on the MoE zoo model's [1, 32] rows.
+SMALL_TOP8 = 64  # rows * (n + 8) at most
+
+
+def _small_matches(x: np.ndarray, values: np.ndarray) -> list:
+    """What _matches finds, per row in Python on fp32 arrays: rows of the 8 positions (None: not found). Python
+    floats hold fp32 values exactly and compare as fp32 does (-0.0 == 0.0, a NaN equals nothing: list.index skips
+    only the very object, and the values are other objects than the row's), so the j-th copy of a value takes the
+    row's j-th occurrence of it."""
+    found = []
+    for row, wanted in zip(x.tolist(), values.tolist()):
+        copies: dict = {}
+        positions = []
+        for value in wanted:
+            k = copies.get(value, 0)
+            copies[value] = k + 1
+            n = -1
+            try:
+                for _ in range(k + 1):
+                    n = row.index(value, n + 1)
+            except ValueError:
+                n = None
+            positions.append(n)
+        found.append(positions)
+    return found
+
+
+def _small_find_index8(dst, x, values, position) -> None:
+    position[...] = [[-1 if n is None else n for n in row] for row in _small_matches(x, values)]
+    np.copyto(dst, position, "unsafe")
+
+
+def _small_match_replace8(out, x, values, replacement) -> None:
+    hits = [(r, n) for r, row in enumerate(_small_matches(x, values)) for n in row if n is not None]
+    np.copyto(out, x)
+    if hits:
+        rows, columns = zip(*hits)
+        out[rows, columns] = replacement
+
+
 def _find_index8_kernel(instr, new, dst, src, values):
+    rows, n = src.shape
+    if rows * (n + TOP) <= SMALL_TOP8:
+        (x, v), calls = _as(new, np.dtype(F32), (src, values))
+        return calls + [partial(_small_find_index8, dst, x, v, new((rows, TOP), np.intp))]
     calls, hit, _ = _hits(new, src, values)
-    rows = hit.shape[0]
     position, missing = new((rows, TOP), np.intp), new((rows, TOP), bool)
     return calls + [partial(hit.argmax, 2, position), partial(np.logical_or.reduce, hit, 2, None, missing),
                     partial(np.logical_not, missing, missing), partial(np.copyto, dst, position, "unsafe"),
@@ -603,11 +658,16 @@ def _find_index8_kernel(instr, new, dst, src, values):
 
 
 def _match_replace8_kernel(instr, new, dst, src, values):
-    calls, hit, x = _hits(new, src, values)
-    replaced = new(x.shape, bool)
-    calls.append(partial(np.logical_or.reduce, hit, 1, None, replaced))  # a position is taken by one j at most
+    rows, n = src.shape
     out = dst if dst.dtype == F32 else new(dst.shape, F32)
-    calls += [partial(np.copyto, out, x), partial(np.copyto, out, _constant(instr.imm0), "unsafe", replaced)]
+    if rows * (n + TOP) <= SMALL_TOP8:
+        (x, v), calls = _as(new, np.dtype(F32), (src, values))
+        calls.append(partial(_small_match_replace8, out, x, v, _constant(instr.imm0)))
+    else:
+        calls, hit, x = _hits(new, src, values)
+        replaced = new(x.shape, bool)
+        calls.append(partial(np.logical_or.reduce, hit, 1, None, replaced))  # a position is taken by one j at most
+        calls += [partial(np.copyto, out, x), partial(np.copyto, out, _constant(instr.imm0), "unsafe", replaced)]
     return calls if out is dst else calls + [partial(np.copyto, dst, out, "unsafe")]
 
 

@@ -116,6 +116,13 @@ def test_erf_and_gelu_activations_are_bit_exact(func, shape):
                                imm0=scale, imm1=bias), _random)
 
 
+def test_every_activation_is_bit_exact_on_large_and_one_row_tiles():
+    for func in ActFunc:
+        for shape, dst_dtype in (((128, 72), DType.F32), ((1, 64), DType.BF16)):
+            src, dst = tile(shape, DType.F32, space=Space.PSUM), tile(shape, dst_dtype, offset=4096)
+            _agree(Instruction(Opcode.ACTIVATE, Engine.SCALAR, (dst, src), func=func, imm0=-1.5, imm1=-0.0), _random)
+
+
 @pytest.mark.parametrize("func", [ActFunc.GELU, ActFunc.ERF, ActFunc.EXP, ActFunc.TANH, ActFunc.SQUARE,
                                   ActFunc.IDENTITY, ActFunc.SIGMOID, ActFunc.RELU], ids=lambda f: f.name)
 def test_activate_bias_reduce_is_bit_exact(func):
@@ -147,7 +154,7 @@ def _top8_values(src_values: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("shape", [(1, 32), (16, 8), (4, 300)], ids=str)  # 300: counts past 255 of one value
+@pytest.mark.parametrize("shape", [(1, 32), (2, 16), (16, 8), (4, 300)], ids=str)  # 300: counts past 255 of one value
 def test_top8_instructions_are_bit_exact(shape):
     rows, n = shape
     for src_dtype, out_dtype in ((DType.F32, DType.F32), (DType.BF16, DType.BF16), (DType.F32, DType.BF16),
