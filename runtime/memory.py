@@ -182,9 +182,21 @@ class OnChip:
 
     def __init__(self, target: Target):
         self.target = target
-        self.sbuf = np.full((target.partitions, target.sbuf_bytes_per_partition), UNINITIALISED, np.uint8)
-        self.psum = np.full((target.partitions, target.psum_bytes_per_partition), UNINITIALISED, np.uint8)
+        self.sbuf = _partition_rows(target.partitions, target.sbuf_bytes_per_partition)
+        self.psum = _partition_rows(target.partitions, target.psum_bytes_per_partition)
         self.lock = threading.Lock()
+
+
+ROW_PAD = 64  # bytes between the end of a partition's row and the next one's start in host memory; a host choice
+
+
+def _partition_rows(partitions: int, nbytes: int) -> np.ndarray:
+    """``partitions x nbytes`` uninitialised bytes whose rows lie ``nbytes + ROW_PAD`` apart in host memory.
+
+    A row of SBUF (192 KiB) or PSUM (16 KiB) is a multiple of 4 KiB: without the pad, the same byte of every
+    partition would fall in the same set of the host CPU's caches, and a tile across many partitions (most
+    instructions touch 64 or 128) would evict itself. Views take the rows' distance from the array's strides."""
+    return np.full((partitions, nbytes + ROW_PAD), UNINITIALISED, np.uint8)[:, :nbytes]
 
 
 def free_byte_span(ap: AccessPattern, dims: tuple) -> tuple:
@@ -250,6 +262,10 @@ def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None)
         row_bytes = memory.strides[0]
         offset = ap.partition * row_bytes + ap.offset
         strides = (row_bytes,) + tuple(stride * itemsize for stride, _ in ap.dims[1:])
+        if not memory.flags.c_contiguous:  # rows apart by more than their bytes (OnChip): a view of the whole
+            base = memory.base
+            offset += memory.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+            memory = base
     return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=offset, strides=strides)
 
 

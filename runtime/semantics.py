@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
 from typing import Callable
 from functools import partial
@@ -28,9 +29,10 @@ import ml_dtypes
 import numpy as np
 
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import (ARITY, COLLECTIVE_REDUCTIONS, COLLECTIVES, MAX_DIMS, ActFunc, AluOp, DType, Engine,
-                         Instruction, Opcode, Space, row_major_dims)
-from neuronc.op_facts import ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind
+from neuronc.isa import (ARITY, COLLECTIVE_REDUCTIONS, COLLECTIVES, ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, MAX_DIMS,
+                         ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, row_major_dims)
+from neuronc.op_facts import (ALU_FUNCTIONS, SCALAR_FUNCTIONS, ByKind, shift_left,
+                              shift_right_arithmetic, shift_right_logical)
 from neuronc.targets import Target
 from runtime.memory import free_byte_span
 
@@ -379,11 +381,91 @@ def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp3
 def _activate_kernel(instr, new, dst, src):
     (x,), calls = _as(new, np.dtype(F32), (src,))
     scaled = new(src.shape, F32)  # C order, as src.astype(F32) * scale + bias would be
-    calls += [partial(np.multiply, x, F32(instr.imm0), scaled), partial(np.add, scaled, F32(instr.imm1), scaled)]
-    func = ACTIVATIONS[instr.func]
-    if instr.func in (ActFunc.NONE, ActFunc.IDENTITY):
-        return calls + [partial(np.copyto, dst, scaled, "unsafe")]
-    return calls + (_ufunc_into(new, func, (scaled,), dst) or [partial(_store, dst, func, scaled)])
+    calls += [partial(np.multiply, x, _constant(instr.imm0), scaled),
+              partial(np.add, scaled, _constant(instr.imm1), scaled)]
+    return calls + _function_into(new, instr.func, scaled, dst)
+
+
+def _function_into(new, func: ActFunc, scaled: np.ndarray, dst: np.ndarray) -> list:
+    """Calls storing ``ACTIVATIONS[func](scaled)`` into dst (``scaled`` a C-ordered fp32 scratch array)."""
+    fn = ACTIVATIONS[func]
+    if func in (ActFunc.NONE, ActFunc.IDENTITY):
+        return [partial(np.copyto, dst, scaled, "unsafe")]
+    if func in (ActFunc.ERF, ActFunc.GELU):
+        return _erf_gelu_into(new, func, scaled, dst)
+    if func == ActFunc.RSQRT:  # reciprocal(sqrt(x)): both correctly rounded
+        root = new(scaled.shape, F32)
+        return [partial(np.sqrt, scaled, root)] + _ufunc_into(new, np.reciprocal, (root,), dst)
+    if func == ActFunc.RELU:  # maximum(x, 0)
+        return _ufunc_into(new, np.maximum, (scaled, _constant(0.0)), dst)
+    fast = _ufunc_into(new, fn, (scaled,), dst)
+    if fast is None and isinstance(fn, np.ufunc) and fn.nin == 1 and fn.resolve_dtypes(
+            (np.dtype(F32), None)) == (np.dtype(F32), np.dtype(F32)):
+        # Into a fresh C-ordered array of scaled's shape, as fn(scaled) would make: the same loop, the same bits.
+        value = new(scaled.shape, F32)
+        fast = [partial(fn, scaled, value), partial(np.copyto, dst, value, "unsafe")]
+    return fast or [partial(_store, dst, fn, scaled)]
+
+
+# op_facts.erf and op_facts.gelu as calls on scratch arrays: the same roundings of the same operands in the same
+# order, so the same bits, without their ~20 temporaries. Constants are 0-d arrays: numpy turns a scalar into one
+# on every call (~1 us of a [1, 64] tile's 1.5), and broadcasting a shaped constant costs 3x a same-shape operand,
+# so P and Q are evaluated apart, where op_facts stacks them (Q's two leading zero coefficients there give
+# 0 * x^2 + 0 = 0, then 0 + Q0 = Q0: the same values). Only correctly rounded operations (multiply, add, divide)
+# and clamps, none of which depends on how numpy iterates. A clamp is one call where numpy has its clip ufunc
+# (max then min per element, a NaN operand returned as it is, as maximum and minimum do; tests hold it to that).
+_CLIP = getattr(getattr(getattr(np, "_core", None), "umath", None), "clip", None)
+
+
+def _constant(value: float) -> np.ndarray:
+    """``value`` rounded to fp32, as a 0-d array (what numpy makes of an fp32 scalar operand), made once per value:
+    kept by its bits, since -0.0 == 0.0 as a key."""
+    return _constant_of_bits(struct.pack("<d", value))
+
+
+@functools.cache
+def _constant_of_bits(bits: bytes) -> np.ndarray:
+    array = np.array(struct.unpack("<d", bits)[0], F32)
+    array.flags.writeable = False
+    return array
+
+
+def _clamp(x: np.ndarray, lo: float, hi: float, out: np.ndarray) -> list:
+    lo, hi = _constant(lo), _constant(hi)
+    if _CLIP is not None:
+        return [partial(_CLIP, x, lo, hi, out)]
+    return [partial(np.maximum, x, lo, out=out), partial(np.minimum, out, hi, out=out)]
+
+
+def _horner(new, coefficients: tuple, x2: np.ndarray) -> tuple:
+    """(calls, value) of the polynomial in x2 with ``coefficients`` (highest first), in fp32 as op_facts.erf."""
+    value = new(x2.shape, F32)
+    calls = [partial(np.multiply, _constant(coefficients[0]), x2, value)]
+    for c in coefficients[1:-1]:
+        calls += [partial(np.add, value, _constant(c), value), partial(np.multiply, value, x2, value)]
+    return calls + [partial(np.add, value, _constant(coefficients[-1]), value)], value
+
+
+def _erf_gelu_into(new, func: ActFunc, x: np.ndarray, dst: np.ndarray) -> list:
+    shape, calls = x.shape, []
+    if func == ActFunc.GELU:  # 0.5 * x * (1.0 + erf(x * (1.0 / sqrt 2)))
+        half_x, x_over_root2 = new(shape, F32), new(shape, F32)
+        calls += [partial(np.multiply, _constant(0.5), x, half_x),
+                  partial(np.multiply, x, _constant(1.0 / math.sqrt(2.0)), x_over_root2)]
+        x = x_over_root2
+    clamped, x2 = new(shape, F32), new(shape, F32)  # erf(x), as op_facts.erf
+    calls += _clamp(x, -ERF_F32_CLAMP, ERF_F32_CLAMP, clamped) + [partial(np.multiply, clamped, clamped, x2)]
+    p_calls, p = _horner(new, ERF_F32_P, x2)
+    q_calls, q = _horner(new, ERF_F32_Q, x2)
+    calls += p_calls + q_calls + [partial(np.multiply, p, clamped, p), partial(np.divide, p, q, p)]
+    if func == ActFunc.ERF:
+        if dst.dtype == F32:
+            return calls + _clamp(p, -1.0, 1.0, dst)
+        return calls + _clamp(p, -1.0, 1.0, p) + [partial(np.copyto, dst, p, "unsafe")]
+    calls += _clamp(p, -1.0, 1.0, p) + [partial(np.add, _constant(1.0), p, p)]
+    if dst.dtype == F32:
+        return calls + [partial(np.multiply, half_x, p, dst)]
+    return calls + [partial(np.multiply, half_x, p, p), partial(np.copyto, dst, p, "unsafe")]
 
 
 def _tensor_tensor_kernel(instr, new, dst, a, b):
@@ -406,6 +488,8 @@ def _tensor_scalar_kernel(instr, new, dst, src):
             partial(np.copyto, dst, x, "unsafe")]
     fn = ALU[instr.alu]
     fn = fn.pick(dtype) if isinstance(fn, ByKind) else fn
+    if fn in (shift_left, shift_right_logical, shift_right_arithmetic) and not instr.reverse and dtype.kind in "iu":
+        return calls + _shift_kernel(instr, new, dst, x, dtype)
     fast = _ufunc_into(new, fn, (imm, x) if instr.reverse else (x, imm), dst)
     return calls + fast if fast else None
 
@@ -439,7 +523,179 @@ def _memset_kernel(instr, new, dst):
     return [partial(dst.__setitem__, Ellipsis, immediate(instr.imm0, dst.dtype))]
 
 
+def _shift_kernel(instr, new, dst, x, dtype):
+    """TENSOR_SCALAR shifting by its immediate (op_facts' shifts): the amount is known at load, so one integer ufunc
+    call (exact whatever the layout) or, for an amount outside [0, bits), the constant it gives."""
+    bits, fn = dtype.itemsize * 8, ALU[instr.alu]
+    amount = immediate(instr.imm0, dtype)
+    inside = 0 <= amount < bits
+    unsigned = np.dtype(f"u{dtype.itemsize}")
+    if fn is shift_right_logical:  # the bits read as unsigned
+        x, ufunc, amount = x.view(unsigned), np.right_shift, amount.astype(unsigned)
+    elif fn is shift_left:
+        ufunc = np.left_shift
+    else:  # arithmetic: an amount outside leaves every bit the sign bit
+        ufunc, amount = np.right_shift, amount if inside else dtype.type(bits - 1)
+    if not inside and fn is not shift_right_arithmetic:
+        return [partial(np.copyto, dst, dtype.type(0), "unsafe")]
+    if dst.dtype == dtype:
+        return [partial(ufunc, x, amount, dst.view(x.dtype))]
+    out = new(dst.shape, x.dtype)
+    return [partial(ufunc, x, amount, out), partial(np.copyto, dst, out.view(dtype), "unsafe")]
+
+
+def _activate_bias_reduce_kernel(instr, new, dst, row_sum, src, bias):
+    (x, b), calls = _as(new, np.dtype(F32), (src, bias))
+    scaled = new(src.shape, F32)  # C order, as src.astype(F32) * scale + bias would be
+    calls += [partial(np.multiply, x, _constant(instr.imm0), scaled), partial(np.add, scaled, b, scaled)]
+    fn = ACTIVATIONS[instr.func]
+    if instr.func in (ActFunc.NONE, ActFunc.IDENTITY):
+        value = scaled
+    elif instr.func in (ActFunc.ERF, ActFunc.GELU) or isinstance(fn, np.ufunc) and fn.nin == 1 and fn.resolve_dtypes(
+            (np.dtype(F32), None)) == (np.dtype(F32), np.dtype(F32)):
+        # Into a fresh C-ordered array of scaled's shape, as fn(scaled) would make: the same loop, the same bits.
+        value = new(src.shape, F32)
+        calls += _erf_gelu_into(new, instr.func, scaled, value) if instr.func in (ActFunc.ERF, ActFunc.GELU) else [
+            partial(fn, scaled, value)]
+    else:
+        return None
+    return calls + [partial(np.copyto, dst, value, "unsafe"),
+                    partial(_store, row_sum, np.add.reduce, value, -1, F32, None, True)]
+
+
+def _tensor_alu2_kernel(instr, new, dst, a, b, c):
+    """alu1(alu(a, b), c) with the correctly rounded ALU ops (POW computes as the semantics do)."""
+    ops = [ALU[instr.alu]] + ([] if instr.alu1 == AluOp.NONE else [ALU[instr.alu1]])
+    ops = [fn.pick(np.dtype(F32)) if isinstance(fn, ByKind) else fn for fn in ops]
+    if not all(fn in _EXACT_FLOAT_UFUNCS for fn in ops):
+        return None
+    if len(ops) == 1:
+        (a, b), calls = _as(new, np.dtype(F32), (a, b))
+        return calls + _ufunc_into(new, ops[0], (a, b), dst)
+    (a, b, c), calls = _as(new, np.dtype(F32), (a, b, c))
+    first = new(dst.shape, F32)
+    return calls + [_call_into(ops[0], (a, b), first)] + _ufunc_into(new, ops[1], (first, c), dst)
+
+
+def _max8_kernel(instr, new, dst, src):
+    """-sort(-x)[:, :8]: negated into a C-ordered array, sorted in place (as np.sort sorts its C-ordered copy)."""
+    (x,), calls = _as(new, np.dtype(F32), (src,))
+    negated = new(src.shape, F32)
+    calls += [partial(np.negative, x, negated), partial(negated.sort, -1)]
+    if dst.dtype == F32:
+        return calls + [partial(np.negative, negated[:, :TOP], dst)]
+    top = new(dst.shape, F32)
+    return calls + [partial(np.negative, negated[:, :TOP], top), partial(np.copyto, dst, top, "unsafe")]
+
+
+# Lower triangle with its diagonal: j' <= j. Among values[j'] for j' <= j, the number equal to values[j] is the
+# occurrence _matches gives value j (its earlier copies and itself); a NaN value equals nothing and matches nowhere.
+_UP_TO = np.tril(np.ones((TOP, TOP), bool))
+
+
+def _hits(new, src, values) -> tuple:
+    """(calls, hit, x): hit [rows, 8, n] marks where each value j of a row is found, as _matches says (its running
+    count of occurrences reaching its occurrence number), at most once per j; x the source in fp32."""
+    (x, v), calls = _as(new, np.dtype(F32), (src, values))
+    rows, n = x.shape
+    count = np.uint8 if n < 2**8 else np.uint16 if n < 2**16 else np.uint32  # never wraps: a single hit per j
+    same, occurrence = new((rows, TOP, TOP), bool), new((rows, TOP), count)
+    equal, running, hit = new((rows, TOP, n), bool), new((rows, TOP, n), count), new((rows, TOP, n), bool)
+    calls += [partial(np.equal, v[:, :, None], v[:, None, :], same), partial(np.logical_and, same, _UP_TO, same),
+              partial(np.add.reduce, same, 2, count, occurrence),
+              partial(np.equal, x[:, None, :], v[:, :, None], equal),
+              partial(np.add.accumulate, equal, 2, count, running),
+              partial(np.equal, running, occurrence[:, :, None], hit), partial(np.logical_and, hit, equal, hit)]
+    return calls, hit, x
+
+
+# Rows this short (a routed token's scores, [1, 32]) are matched in Python: numpy's calls on [rows, 8, n] broadcasts
+# cost more there than a loop over the values. A choice, measured on the MoE zoo model's [1, 32] rows.
+SMALL_TOP8 = 64  # rows * (n + 8) at most
+
+
+def _small_matches(x: np.ndarray, values: np.ndarray) -> list:
+    """What _matches finds, per row in Python on fp32 arrays: rows of the 8 positions (None: not found). Python
+    floats hold fp32 values exactly and compare as fp32 does (-0.0 == 0.0, a NaN equals nothing: list.index skips
+    only the very object, and the values are other objects than the row's), so the j-th copy of a value takes the
+    row's j-th occurrence of it."""
+    found = []
+    for row, wanted in zip(x.tolist(), values.tolist()):
+        copies: dict = {}
+        positions = []
+        for value in wanted:
+            k = copies.get(value, 0)
+            copies[value] = k + 1
+            n = -1
+            try:
+                for _ in range(k + 1):
+                    n = row.index(value, n + 1)
+            except ValueError:
+                n = None
+            positions.append(n)
+        found.append(positions)
+    return found
+
+
+def _small_find_index8(dst, x, values, position) -> None:
+    position[...] = [[-1 if n is None else n for n in row] for row in _small_matches(x, values)]
+    np.copyto(dst, position, "unsafe")
+
+
+def _small_match_replace8(out, x, values, replacement) -> None:
+    hits = [(r, n) for r, row in enumerate(_small_matches(x, values)) for n in row if n is not None]
+    np.copyto(out, x)
+    if hits:
+        rows, columns = zip(*hits)
+        out[rows, columns] = replacement
+
+
+def _find_index8_kernel(instr, new, dst, src, values):
+    rows, n = src.shape
+    if rows * (n + TOP) <= SMALL_TOP8:
+        (x, v), calls = _as(new, np.dtype(F32), (src, values))
+        return calls + [partial(_small_find_index8, dst, x, v, new((rows, TOP), np.intp))]
+    calls, hit, _ = _hits(new, src, values)
+    position, missing = new((rows, TOP), np.intp), new((rows, TOP), bool)
+    return calls + [partial(hit.argmax, 2, position), partial(np.logical_or.reduce, hit, 2, None, missing),
+                    partial(np.logical_not, missing, missing), partial(np.copyto, dst, position, "unsafe"),
+                    partial(np.copyto, dst, np.intp(-1), "unsafe", missing)]
+
+
+def _match_replace8_kernel(instr, new, dst, src, values):
+    rows, n = src.shape
+    out = dst if dst.dtype == F32 else new(dst.shape, F32)
+    if rows * (n + TOP) <= SMALL_TOP8:
+        (x, v), calls = _as(new, np.dtype(F32), (src, values))
+        calls.append(partial(_small_match_replace8, out, x, v, _constant(instr.imm0)))
+    else:
+        calls, hit, x = _hits(new, src, values)
+        replaced = new(x.shape, bool)
+        calls.append(partial(np.logical_or.reduce, hit, 1, None, replaced))  # a position is taken by one j at most
+        calls += [partial(np.copyto, out, x), partial(np.copyto, out, _constant(instr.imm0), "unsafe", replaced)]
+    return calls if out is dst else calls + [partial(np.copyto, dst, out, "unsafe")]
+
+
+def _checked_rows(indices: np.ndarray, rows: int, index: np.ndarray) -> None:
+    """The indices, as intp into ``index``; refused as _row_indices refuses them."""
+    np.copyto(index, indices, "unsafe")
+    if len(index) and (index.min() < 0 or index.max() >= rows):
+        _row_indices(indices, rows)  # raises, naming the first index outside
+
+
+def _dma_gather_kernel(instr, new, dst, table, indices):
+    index = new((indices.shape[0],), np.intp)
+    return [partial(_checked_rows, indices[:, 0], table.shape[0], index),
+            partial(np.take, table, index, 0, dst, "wrap")]  # every index checked inside
+
+
 _KERNELS = {
+    Opcode.MAX8: _max8_kernel,
+    Opcode.FIND_INDEX8: _find_index8_kernel,
+    Opcode.MATCH_REPLACE8: _match_replace8_kernel,
+    Opcode.DMA_GATHER: _dma_gather_kernel,
+    Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_kernel,
+    Opcode.TENSOR_ALU2: _tensor_alu2_kernel,
     Opcode.DMA_COPY: _dma_copy_kernel,
     Opcode.MATMUL: _matmul_kernel,
     Opcode.ACTIVATE: _activate_kernel,
