@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from neuronc.errors import NeuronCompileError
+from tests.conftest import run_compiled
 
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 
 F32 = torch.finfo(torch.float32)
@@ -31,7 +23,7 @@ SPECIALS = [0.0, -0.0, 1.0, -1.5, 3.0, math.inf, -math.inf, math.nan, 1e-40, -1e
 def test_frexp_splits_normals_subnormals_and_specials_exactly(dtype):
     x = torch.cat([torch.tensor(SPECIALS), torch.randn(32, generator=torch.Generator().manual_seed(0)) * 1e3])
     x = x.to(dtype)
-    (mantissa, exponent), (want_m, want_e) = _compiled(torch.frexp, x), torch.frexp(x)
+    (mantissa, exponent), (want_m, want_e) = run_compiled(torch.frexp, x), torch.frexp(x)
     assert mantissa.dtype == dtype and exponent.dtype == torch.int32
     torch.testing.assert_close(mantissa, want_m, equal_nan=True, rtol=0, atol=0)  # exact, -0 included
     numbers = ~torch.isnan(want_m)  # a NaN's sign bit is no value (eager's bf16 NaN here is +, its input's -)
@@ -47,14 +39,14 @@ def test_frexp_splits_normals_subnormals_and_specials_exactly(dtype):
 ])
 def test_a_float_compared_with_itself_is_false_at_nan(name, fn):
     x = torch.tensor([0.0, 1.0, math.inf, -math.inf, math.nan, -math.nan])
-    assert torch.equal(_compiled(fn, x), fn(x)), name
+    assert torch.equal(run_compiled(fn, x), fn(x)), name
 
 
 def test_integers_compared_with_themselves_and_two_tensors_still_compile():
     i = torch.arange(-3, 3)
-    assert torch.equal(_compiled(lambda t: t == t, i), i == i)
+    assert torch.equal(run_compiled(lambda t: t == t, i), i == i)
     a, b = torch.tensor([1.0, math.nan, 2.0]), torch.tensor([1.0, math.nan, 3.0])
-    assert torch.equal(_compiled(torch.eq, a, b), torch.eq(a, b))
+    assert torch.equal(run_compiled(torch.eq, a, b), torch.eq(a, b))
 
 
 def test_the_self_comparison_is_refused_if_it_reaches_torch_mlir_undecomposed():
@@ -71,6 +63,6 @@ def test_the_self_comparison_is_refused_if_it_reaches_torch_mlir_undecomposed():
 def test_angle_of_a_real_tensor_is_pi_below_zero_and_nan_at_nan(dtype):
     values = [1.0, -1.0, 0.0, -0.0, math.nan, -math.inf, math.inf] if dtype.is_floating_point else [-2, 0, 3]
     x = torch.tensor(values, dtype=dtype)
-    got, want = _compiled(torch.angle, x), torch.angle(x)
+    got, want = run_compiled(torch.angle, x), torch.angle(x)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, equal_nan=True)

@@ -13,19 +13,11 @@ import torch
 
 from neuronc.frontend import linalg_decompositions
 from neuronc.tolerances import TOLERANCES
+from tests.conftest import run_compiled
+
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 FP32 = TOLERANCES[torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
 
 
 def _generator():
@@ -90,7 +82,7 @@ def svd_cases():
     inputs = (_batch_with_rank_deficient(), _wide(), _two_columns())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-        got = _compiled(_svd_cases, *inputs)
+        got = run_compiled(_svd_cases, *inputs)
     return got, _svd_cases(*inputs)
 
 
@@ -157,7 +149,7 @@ def eigh_cases():
     inputs = (_with_a_repeated_eigenvalue(), _not_symmetric())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-        got = _compiled(_eigh_cases, *inputs)
+        got = run_compiled(_eigh_cases, *inputs)
     return got, _eigh_cases(*inputs)
 
 
@@ -180,7 +172,7 @@ def test_eigvalsh_reads_one_triangle_and_pinv_and_rank_of_a_hermitian_matrix(eig
 
 def test_empty_matrices():
     a = torch.zeros(0, 5, 5)
-    got = _compiled(lambda x: (torch.linalg.svd(x), torch.linalg.eigh(x), torch.linalg.pinv(x) + 1), a)
+    got = run_compiled(lambda x: (torch.linalg.svd(x), torch.linalg.eigh(x), torch.linalg.pinv(x) + 1), a)
     want = (torch.linalg.svd(a), torch.linalg.eigh(a), torch.linalg.pinv(a) + 1)
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert g.shape == w.shape
@@ -196,7 +188,7 @@ def test_histograms_count_as_eager():
         return (torch.histc(t, 7, -2, 2), torch.histc(t.nan_to_num(), 5), *torch.histogram(t, 6, range=(-4.0, 4.0)),
                 *torch.histogram(t, e, weight=w, density=True))
 
-    got, want = _compiled(fn, x, weight, edges), fn(x, weight, edges)
+    got, want = run_compiled(fn, x, weight, edges), fn(x, weight, edges)
     for g_, w in zip(got, want):
         assert g_.shape == w.shape and g_.dtype == w.dtype
         torch.testing.assert_close(g_, w, **FP32)
@@ -254,7 +246,7 @@ def test_householder_qr_geqrf_householder_product_and_ormqr_match_eager():
                 [torch.ormqr(x, t, z if left else z.mT, left, transpose) for left in (True, False)
                  for transpose in (True, False)])
 
-    _assert_all_close(_compiled(fn, tall, wide, tau, c), fn(tall, wide, tau, c))
+    _assert_all_close(run_compiled(fn, tall, wide, tau, c), fn(tall, wide, tau, c))
 
 
 def _needing_every_pivot():
@@ -302,7 +294,7 @@ def test_ldl_factor_and_solve_and_cholesky_solves_match_eager():
     positive_moved = (want[1] > 0) & (want[1] != torch.arange(1, 6, dtype=torch.int32))
     assert (want[1] < 0).any() and positive_moved.any()  # 2 x 2 blocks and 1 x 1 interchanges are met
     assert want[2].tolist() == [0, 0, 3]  # the zero column sets info
-    _assert_all_close(_compiled(fn, a, b, factor), want)
+    _assert_all_close(run_compiled(fn, a, b, factor), want)
 
 
 def test_histogramdd_counts_as_eager():
@@ -315,12 +307,12 @@ def test_histogramdd_counts_as_eager():
         return (torch.histogramdd(t.nan_to_num(), [2, 3], weight=w, density=True),
                 torch.histogramdd(t, [3, 2], range=[-2.0, 2.0, -1.0, 1.0]), torch.histogramdd(t, [e, e.flip(0)]))
 
-    _assert_all_close(_compiled(fn, x, weight, edges), fn(x, weight, edges))
+    _assert_all_close(run_compiled(fn, x, weight, edges), fn(x, weight, edges))
 
 
 def test_eig_of_a_general_matrix_is_refused_with_the_cause_and_the_way_out():
     with pytest.raises(Exception) as refused:
-        _compiled(lambda x: torch.linalg.eigvals(x), torch.randn(3, 3, generator=_generator()))
+        run_compiled(lambda x: torch.linalg.eigvals(x), torch.randn(3, 3, generator=_generator()))
     text = str(refused.value)
     assert "NeuronCompileError" in text and "aten.linalg_eig.default" in text
     assert "torch.linalg.eigh" in text and "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION" in text

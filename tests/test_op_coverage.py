@@ -7,28 +7,19 @@ import pytest
 import torch
 
 from neuronc.tolerances import TOLERANCES
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, run_compiled
 
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="neuron", fullgraph=True)(*inputs)
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 
 def _matches_eager(fn, *inputs):
     """Each output has eager's shape and dtype, within the fp32 tolerance, NaN exactly where eager's is."""
-    got, want = _compiled(fn, *inputs), fn(*inputs)
+    got, want = run_compiled(fn, *inputs), fn(*inputs)
     got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, f"{g.dtype}{list(g.shape)} != eager {w.dtype}{list(w.shape)}"
         torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
-
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
 
 
 @pytest.fixture
@@ -112,7 +103,7 @@ def test_max_over_a_dim_of_a_scalar_is_the_scalar_at_index_zero():
 
 
 def test_empty_compiles_and_has_its_shape_and_dtype(x):
-    got = _compiled(lambda t: torch.empty(3, 4, dtype=torch.int32).fill_(2) + t.shape[0], x)
+    got = run_compiled(lambda t: torch.empty(3, 4, dtype=torch.int32).fill_(2) + t.shape[0], x)
     assert_matches_eager(got, torch.full((3, 4), 6, dtype=torch.int32))
 
 
@@ -165,7 +156,7 @@ def test_polygamma_matches_eager_over_wide_ranges(n):
 def test_polygamma_is_infinite_at_its_poles(n, sign):
     """Where eager's trigamma returns pi^2 / sin(pi x)^2 of a rounded pi x (3.2e14 at -2), the pole is kept."""
     poles = torch.tensor([0.0, -1.0, -2.0, -5.0])
-    assert torch.equal(_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
+    assert torch.equal(run_compiled(lambda t: torch.polygamma(n, t), poles), torch.full((4,), sign * float("inf")))
 
 
 @pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
@@ -628,7 +619,7 @@ def test_kthvalue_is_the_kth_smallest_with_nan_largest():
 def test_kthvalue_at_ties_gives_eagers_value_and_an_index_holding_it():
     # ATen's quickselect picks one of tied indices by its own pivots (not reproduced): the stable sort's is given
     x = _rows_with_nan_and_ties()
-    got_values, got_indices = _compiled(lambda t: torch.kthvalue(t, 4, 1), x)
+    got_values, got_indices = run_compiled(lambda t: torch.kthvalue(t, 4, 1), x)
     want_values, _ = torch.kthvalue(x, 4, 1)
     torch.testing.assert_close(got_values, want_values, equal_nan=True)
     torch.testing.assert_close(x.gather(1, got_indices[:, None])[:, 0], want_values, equal_nan=True)
