@@ -94,3 +94,37 @@ def test_replicate_pad_gradient_sums_onto_the_edges(shape, padding):
     """Each edge value's gradient sums the padded positions that copy it; negative pads crop (no gradient there)."""
     _matches_eager_gradients(lambda t: torch.nn.functional.pad(t, padding, "replicate"),
                              torch.randn(shape, generator=torch.Generator().manual_seed(6)))
+
+
+def _grid_points(generator, *shape):
+    """Grid coordinates inside and outside [-1, 1], some exactly on a border or a pixel (where the corners and the
+    borders' zero gradient are decided)."""
+    grid = torch.rand(*shape, generator=generator) * 3 - 1.5
+    exact = torch.tensor([-1.0, 1.0, 0.0, 0.5, -0.5, 1.5, 1 / 3])
+    grid.view(-1)[::5] = exact[torch.randint(0, len(exact), grid.view(-1)[::5].shape, generator=generator)]
+    return grid
+
+
+def test_grid_sample_3d_gradients_each_padding_and_mode():
+    """grid_sampler_3d (forward and backward, no torch-mlir lowering of either) in one graph: trilinear with zeros
+    padding and with reflection, each corner convention once, and nearest with border padding (no grid gradient)."""
+    generator = torch.Generator().manual_seed(7)
+    image, grid = torch.randn(2, 2, 3, 4, 5, generator=generator), _grid_points(generator, 2, 3, 2, 4, 3)
+
+    def samples(x, g):
+        sample = torch.nn.functional.grid_sample
+        return (sample(x, g, padding_mode="zeros", align_corners=False),
+                sample(x, g, padding_mode="reflection", align_corners=True),
+                sample(x, g, mode="nearest", padding_mode="border", align_corners=False))
+    _matches_eager_gradients(samples, image, grid)
+
+
+def test_grid_sample_2d_gradients_with_and_without_the_image():
+    """grid_sampler_2d_backward (the forward is torch's decomposition): of a constant image only the grid's gradient
+    is asked for (output_mask [False, True]), of an input both."""
+    generator = torch.Generator().manual_seed(8)
+    image, grid = torch.randn(2, 3, 4, 6, generator=generator), _grid_points(generator, 2, 5, 3, 2)
+    constant = image * 2
+    sample = torch.nn.functional.grid_sample
+    _matches_eager_gradients(lambda x, g: (sample(constant, g, padding_mode="reflection", align_corners=False),
+                                           sample(x, g, padding_mode="border", align_corners=True)), image, grid)

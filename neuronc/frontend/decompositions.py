@@ -2348,7 +2348,121 @@ def _backward_decompositions() -> dict:
         aten.replication_pad1d_backward.default: _replication_pad_backward,
         aten.replication_pad2d_backward.default: _replication_pad_backward,
         aten.replication_pad3d_backward.default: _replication_pad_backward,
+        aten.grid_sampler_3d.default: _grid_sampler_nd,
+        aten.grid_sampler_3d_backward.default: _grid_sampler_nd_backward,
+        aten.grid_sampler_2d_backward.default: _grid_sampler_nd_backward,
     }
+
+
+def _grid_source_index(coords, size: int, padding_mode: int, align_corners: bool):
+    """(source index, d index / d coord) of ATen's grid_sampler_compute_source_index_set_grad: unnormalized from
+    [-1, 1], then clipped to the borders (padding 1) or reflected and clipped (padding 2); a clipped coordinate's
+    gradient is 0, the borders included (ATen: "borders are considered out of bounds" for the gradient)."""
+    if align_corners:
+        index, multiplier = (coords + 1) / 2 * (size - 1), (size - 1) / 2
+    else:
+        index, multiplier = ((coords + 1) * size - 1) / 2, size / 2
+    multiplier = torch.full_like(coords, multiplier)
+    if padding_mode == 2:
+        twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        if twice_low == twice_high:
+            index, multiplier = torch.zeros_like(index), torch.zeros_like(multiplier)
+        else:
+            low, span = twice_low / 2, (twice_high - twice_low) / 2
+            shifted = index - low
+            multiplier = torch.where(shifted < 0, -multiplier, multiplier)
+            shifted = shifted.abs()
+            extra = torch.fmod(shifted, span)
+            even = torch.remainder(torch.floor(shifted / span), 2) == 0
+            index = torch.where(even, extra + low, span - extra + low)
+            multiplier = torch.where(even, multiplier, -multiplier)
+    if padding_mode in (1, 2):
+        inside = (index > 0) & (index < size - 1)
+        multiplier = torch.where(inside, multiplier, 0)
+        index = torch.clamp(index, 0, size - 1)
+    return index, multiplier
+
+
+def _grid_corners(x, grid, interpolation_mode: int, padding_mode: int, align_corners: bool):
+    """The points grid_sampler_{2,3}d reads, as ATen's CPU kernels: per point of the flattened output, the source
+    index of each spatial dim (the grid's coordinates are x = W, y = H, z = D) with its gradient multiplier, and
+    per corner (2^d for bilinear, 1 for nearest: round half to even as nearbyint) its flat position in the
+    flattened input volume (0 where out of bounds), whether it is in bounds, and per spatial dim its linear
+    weight factor (1 - t or t) and the sign of that factor's derivative."""
+    sizes = x.shape[2:][::-1]  # W, H, (D): the order of the grid's coordinates
+    n = grid.shape[0]
+    points = grid.reshape(n, -1, len(sizes))
+    sources = [_grid_source_index(points[..., k], size, padding_mode, align_corners) for k, size in enumerate(sizes)]
+    strides = [math.prod(sizes[:k]) for k in range(len(sizes))]  # W is the fastest-varying dim of the volume
+    corners = []
+    if interpolation_mode == 1:
+        choices = [[(torch.round(index), None, 0)] for index, _ in sources]
+    else:
+        floors = [torch.floor(index) for index, _ in sources]
+        choices = [[(f, (f + 1) - index, -1), (f + 1, index - f, 1)] for f, (index, _) in zip(floors, sources)]
+    for corner in itertools.product(*choices):
+        inside = None
+        position = torch.zeros(points.shape[:2], dtype=torch.int64, device=x.device)
+        for (at, _, _), size, stride in zip(corner, sizes, strides):
+            ok = (at >= 0) & (at < size)
+            inside = ok if inside is None else inside & ok
+            position = position + at.to(torch.int64) * stride
+        position = torch.where(inside, position, 0)
+        corners.append((position, inside, [(factor, sign) for _, factor, sign in corner]))
+    return sources, corners
+
+
+def _grid_sampler_nd(x, grid, interpolation_mode, padding_mode, align_corners):
+    """grid_sampler_3d (and the 2-d form) forward, bilinear or nearest: each output point the sum over the corners
+    in bounds of input x weight (ATen's CPU kernel; out-of-bounds corners add nothing: zeros padding)."""
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1, 2):
+        return NotImplemented
+    n, c = x.shape[:2]
+    _, corners = _grid_corners(x, grid, interpolation_mode, padding_mode, align_corners)
+    volume = x.reshape(n, c, -1)
+    out = None
+    for position, inside, factors in corners:
+        value = torch.gather(volume, 2, position.unsqueeze(1).expand(n, c, -1))
+        weight = math.prod(f for f, _ in factors) if interpolation_mode == 0 else None
+        term = torch.where(inside.unsqueeze(1), value if weight is None else value * weight.unsqueeze(1), 0)
+        out = term if out is None else out + term
+    return out.reshape((n, c) + grid.shape[1:-1])
+
+
+def _grid_sampler_nd_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    """grid_sampler_{2,3}d_backward, bilinear or nearest, as ATen's CPU kernels: the input's gradient is the
+    output's gradient x each corner's weight scatter-added at the corners in bounds; the grid's, per coordinate,
+    the sum over channels and corners in bounds of input x output gradient x the derivative of the corner's weight
+    along that coordinate (the other dims' factors, signed), times the source index's gradient multiplier.
+    Nearest has no grid gradient (zeros, as ATen)."""
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1, 2):
+        return NotImplemented
+    n, c = x.shape[:2]
+    sources, corners = _grid_corners(x, grid, interpolation_mode, padding_mode, align_corners)
+    g = grad.reshape(n, c, -1)
+    volume = x.reshape(n, c, -1)
+    grad_x = torch.zeros_like(volume) if output_mask[0] else None
+    per_dim = [None] * len(sources)
+    for position, inside, factors in corners:
+        where = position.unsqueeze(1).expand(n, c, -1)
+        mask = inside.unsqueeze(1)
+        if grad_x is not None:
+            weight = math.prod(f for f, _ in factors) if interpolation_mode == 0 else None
+            spread = g if weight is None else g * weight.unsqueeze(1)
+            grad_x = grad_x.scatter_add(2, where, torch.where(mask, spread, 0))
+        if interpolation_mode != 0 or not output_mask[1]:
+            continue
+        value_times_grad = torch.where(mask, torch.gather(volume, 2, where) * g, 0).sum(1)  # [n, points]
+        for k in range(len(sources)):
+            others = math.prod(f for j, (f, _) in enumerate(factors) if j != k)
+            term = value_times_grad * others * factors[k][1]
+            per_dim[k] = term if per_dim[k] is None else per_dim[k] + term
+    if interpolation_mode == 0 and output_mask[1]:
+        grad_grid = torch.stack([d * multiplier for d, (_, multiplier) in zip(per_dim, sources)], -1)
+        grad_grid = grad_grid.reshape(grid.shape)
+    else:
+        grad_grid = torch.zeros_like(grid)
+    return (grad_x.reshape(x.shape) if grad_x is not None else None), grad_grid
 
 
 OWN.update(_backward_decompositions())
