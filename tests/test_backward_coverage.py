@@ -58,6 +58,13 @@ def test_cummax_gradient_of_a_scalar():
     _matches_eager_gradients(lambda t: torch.cummin(t, 0)[0] * 3, torch.tensor(-0.5))
 
 
+def test_max_over_a_dim_of_a_scalar_gradient():
+    """max/min over dim 0 of a 0-d tensor (OpInfo's sample): their backward scatters into the input's shape, a 0-d
+    scatter.src; a scatter of a value into a 0-d tensor, forward and backward (scatter.value)."""
+    _matches_eager_gradients(lambda t: (torch.max(t, 0)[0] * 3, torch.min(t, 0, keepdim=True)[0] - t,
+                                        torch.scatter(t, 0, torch.tensor(0), 2.0) + t), torch.tensor(1.5))
+
+
 def test_circular_pad_gradient_of_an_empty_batch():
     """The backward of a circular pad of no rows builds its gradient in new_empty_strided (OpInfo's sample)."""
     _matches_eager_gradients(lambda t: torch.nn.functional.pad(t, (1, 2), "circular"), torch.randn(0, 3, 3))

@@ -2258,12 +2258,15 @@ def _segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offset
     return NotImplemented
 
 
-def _scatter_add_of_scalars(x, dim, index, src):
-    """scatter_add into a 0-d tensor (cummax/cummin's backward of a 0-d input): the same on 1-element vectors
-    (torch-mlir cannot lower the 0-d form); other ranks are left to torch-mlir."""
-    if x.dim() != 0:
-        return NotImplemented
-    return torch.scatter_add(x.reshape(1), 0, index.reshape(1), src.reshape(1)).reshape(())
+def _of_scalars(scatter):
+    """scatter/scatter_add into a 0-d tensor (the backward of cummax/cummin, max/min over a dim of a 0-d input):
+    the same on 1-element vectors (torch-mlir cannot lower the 0-d form); other ranks are left to torch-mlir."""
+    def lowering(x, dim, index, src):
+        if x.dim() != 0:
+            return NotImplemented
+        src = src.reshape(1) if isinstance(src, torch.Tensor) else src
+        return scatter(x.reshape(1), 0, index.reshape(1), src).reshape(())
+    return lowering
 
 
 def _new_empty_strided(x, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
@@ -2343,7 +2346,9 @@ def _replication_pad_backward(grad, x, padding):
 def _backward_decompositions() -> dict:
     return {
         aten._segment_reduce_backward.default: _segment_reduce_backward,
-        aten.scatter_add.default: _scatter_add_of_scalars,
+        aten.scatter_add.default: _of_scalars(torch.scatter_add),
+        aten.scatter.src: _of_scalars(torch.scatter),
+        aten.scatter.value: _of_scalars(torch.scatter),
         aten.new_empty_strided.default: _new_empty_strided,
         aten.replication_pad1d_backward.default: _replication_pad_backward,
         aten.replication_pad2d_backward.default: _replication_pad_backward,
@@ -2394,21 +2399,19 @@ def _grid_corners(x, grid, interpolation_mode: int, padding_mode: int, align_cor
     points = grid.reshape(n, -1, len(sizes))
     sources = [_grid_source_index(points[..., k], size, padding_mode, align_corners) for k, size in enumerate(sizes)]
     strides = [math.prod(sizes[:k]) for k in range(len(sizes))]  # W is the fastest-varying dim of the volume
-    corners = []
     if interpolation_mode == 1:
         choices = [[(torch.round(index), None, 0)] for index, _ in sources]
     else:
         floors = [torch.floor(index) for index, _ in sources]
         choices = [[(f, (f + 1) - index, -1), (f + 1, index - f, 1)] for f, (index, _) in zip(floors, sources)]
+    # per dim and choice, once: in bounds, and the offset in the volume
+    choices = [[(at, factor, sign, (at >= 0) & (at < size), at.to(torch.int64) * stride)
+                for at, factor, sign in dim_choices] for dim_choices, size, stride in zip(choices, sizes, strides)]
+    corners = []
     for corner in itertools.product(*choices):
-        inside = None
-        position = torch.zeros(points.shape[:2], dtype=torch.int64, device=x.device)
-        for (at, _, _), size, stride in zip(corner, sizes, strides):
-            ok = (at >= 0) & (at < size)
-            inside = ok if inside is None else inside & ok
-            position = position + at.to(torch.int64) * stride
-        position = torch.where(inside, position, 0)
-        corners.append((position, inside, [(factor, sign) for _, factor, sign in corner]))
+        inside = functools.reduce(torch.logical_and, [ok for *_, ok, _ in corner])
+        position = torch.where(inside, sum(offset for *_, offset in corner), 0)
+        corners.append((position, inside, [(factor, sign) for _, factor, sign, _, _ in corner]))
     return sources, corners
 
 
