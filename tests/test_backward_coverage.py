@@ -135,3 +135,13 @@ def test_grid_sample_2d_gradients_with_and_without_the_image():
     sample = torch.nn.functional.grid_sample
     _matches_eager_gradients(lambda x, g: (sample(constant, g, padding_mode="reflection", align_corners=False),
                                            sample(x, g, padding_mode="border", align_corners=True)), image, grid)
+
+
+def test_adaptive_avg_pool2d_gradient_with_a_dim_kept():
+    """adaptive_avg_pool2d with an output size of None in one dim (that dim kept: OpInfo's sample) keeps
+    `_adaptive_avg_pool2d_backward` in the backward graph (windows overlap: 6 -> 5, 8 -> 5), with and without a
+    batch dim."""
+    generator = torch.Generator().manual_seed(9)
+    pool = torch.nn.functional.adaptive_avg_pool2d
+    _matches_eager_gradients(lambda x, y: (pool(x, (None, 5)), pool(y, (5, None))),
+                             torch.randn(2, 3, 8, 6, generator=generator), torch.randn(3, 8, 5, generator=generator))

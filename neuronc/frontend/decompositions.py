@@ -1916,10 +1916,10 @@ def _adaptive_avg_pool3d(x, output_size):
     return x
 
 
-def _adaptive_avg_pool3d_backward(grad, x):
+def _adaptive_avg_pool_backward(grad, x, *, spatial: int = 3):
     """The forward's transpose: each spatial dim of the gradient multiplied by the [out, in] matrix's transpose."""
-    lead = x.dim() - 3
-    for i in range(3):
+    lead = x.dim() - spatial
+    for i in range(spatial):
         dim = lead + i
         weights = _adaptive_average_matrix(x.shape[dim], grad.shape[dim], grad.dtype, grad.device)
         grad = torch.matmul(grad.movedim(dim, -1), weights).movedim(-1, dim)
@@ -2187,7 +2187,7 @@ OWN = {
     aten._pdist_forward.default: _pdist_forward,
     aten._pdist_backward.default: _pdist_backward,
     aten._adaptive_avg_pool3d.default: _adaptive_avg_pool3d,
-    aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool3d_backward,
+    aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward,
     aten.adaptive_max_pool3d.default: adaptive_max_pool,
     aten.adaptive_max_pool3d_backward.default: _adaptive_max_pool3d_backward,
     aten.as_strided_scatter.default: _as_strided_scatter,
@@ -2349,6 +2349,7 @@ def _backward_decompositions() -> dict:
         aten.scatter_add.default: _of_scalars(torch.scatter_add),
         aten.scatter.src: _of_scalars(torch.scatter),
         aten.scatter.value: _of_scalars(torch.scatter),
+        aten._adaptive_avg_pool2d_backward.default: functools.partial(_adaptive_avg_pool_backward, spatial=2),
         aten.new_empty_strided.default: _new_empty_strided,
         aten.replication_pad1d_backward.default: _replication_pad_backward,
         aten.replication_pad2d_backward.default: _replication_pad_backward,
