@@ -145,3 +145,34 @@ def test_adaptive_avg_pool2d_gradient_with_a_dim_kept():
     pool = torch.nn.functional.adaptive_avg_pool2d
     _matches_eager_gradients(lambda x, y: (pool(x, (None, 5)), pool(y, (5, None))),
                              torch.randn(2, 3, 8, 6, generator=generator), torch.randn(3, 8, 5, generator=generator))
+
+
+def test_cumprod_gradient_with_and_without_zeros():
+    """cumprod's backward finds each column's first zero with max over a dim of a bool mask: a column without a
+    zero (all False: eager's index 0; the compiled bool reduction gave index n, out of bounds), with one and two."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10))
+    x[1, 1] = x[2, 2] = x[4, 2] = 0.0
+    _matches_eager_gradients(lambda t: torch.cumprod(t, 0), x)
+
+
+def test_bool_extremes_over_a_dim():
+    """max/min over a dim and amax/amin of bool tensors (columns all False, all True and mixed): values and first
+    indices as eager's."""
+    mask = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1], [0, 1, 0, 1]], dtype=torch.bool)
+
+    def extremes(m):
+        return (*torch.max(m, 0, True), *torch.min(m, 1), torch.amax(m, 0), torch.amin(m, 0))
+    torch._dynamo.reset()
+    got = torch.compile(extremes, backend="neuron", fullgraph=True)(mask)
+    for g, w in zip(got, extremes(mask), strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{g} != eager {w}"
+
+
+def test_adaptive_max_pool1d_and_2d_gradients():
+    """adaptive_max_pool{1,2}d in a training graph keep aten.adaptive_max_pool2d and its backward (torch-mlir lowers
+    neither): overlapping windows (a shared maximum gets both gradients), a tie (the first gets it)."""
+    generator = torch.Generator().manual_seed(11)
+    x, y = torch.randn(2, 3, 7, 5, generator=generator), torch.randn(3, 8, generator=generator)
+    x[0, 0, 2, :] = 4.0  # a row of equal maxima
+    _matches_eager_gradients(lambda a, b: (torch.nn.functional.adaptive_max_pool2d(a, (4, 3)),
+                                           torch.nn.functional.adaptive_max_pool1d(b, 5)), x, y)

@@ -788,11 +788,28 @@ def _fmin(a, b):
     return torch.where(torch.isnan(b), a, torch.where(torch.isnan(a), b, torch.minimum(a, b)))
 
 
-def _reduce_with_index_of_scalar(x, dim=0, keepdim=False):
-    """max.dim / min.dim of a 0-d tensor: the value and index 0 (torch-mlir cannot lower the 0-d form)."""
-    if x.dim() != 0:
-        return NotImplemented
-    return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+def _reduce_with_index_of_scalar(reduce):
+    """max.dim / min.dim of a 0-d tensor: the value and index 0 (torch-mlir cannot lower the 0-d form). Of a bool
+    tensor: the same reduction of its 0/1 as int32, converted back (torch-mlir's bool reduction starts from the
+    wrong value: a column of False gave True and the index n, one past the end; cumprod's backward scatters at that
+    index)."""
+    def lowering(x, dim=0, keepdim=False):
+        if x.dtype == torch.bool and x.dim() != 0:
+            values, indices = reduce(x.to(torch.int32), dim, keepdim)
+            return values.to(torch.bool), indices
+        if x.dim() != 0:
+            return NotImplemented
+        return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+    return lowering
+
+
+def _bool_extreme(reduce):
+    """amax / amin of a bool tensor, on its 0/1 as int32 (see _reduce_with_index_of_scalar); others torch-mlir's."""
+    def lowering(x, dim=(), keepdim=False):
+        if x.dtype != torch.bool:
+            return NotImplemented
+        return reduce(x.to(torch.int32), dim, keepdim).to(torch.bool)
+    return lowering
 
 
 def _cumulative_extreme(x, dim, beats):
@@ -1957,10 +1974,10 @@ def adaptive_max_pool(x, output_size):
     return values, indices
 
 
-def _adaptive_max_pool3d_backward(grad, x, indices):
+def _adaptive_max_pool3d_backward(grad, x, indices, *, spatial: int = 3):
     """Each output's gradient added at its maximum: a scatter-add of the flat indices (within each image's
     spatial volume) into zeros shaped like x's flattened volume (overlapping windows may share a maximum)."""
-    lead = x.dim() - 3
+    lead = x.dim() - spatial
     volume = torch.zeros(x.shape[:lead] + (math.prod(x.shape[lead:]),), dtype=grad.dtype, device=grad.device)
     return volume.scatter_add(-1, indices.flatten(lead), grad.flatten(lead)).reshape(x.shape)
 
@@ -2129,8 +2146,10 @@ OWN = {
     aten.index_reduce.default: _index_reduce,
     aten.fmax.default: _fmax,
     aten.fmin.default: _fmin,
-    aten.max.dim: _reduce_with_index_of_scalar,
-    aten.min.dim: _reduce_with_index_of_scalar,
+    aten.max.dim: _reduce_with_index_of_scalar(torch.max),
+    aten.min.dim: _reduce_with_index_of_scalar(torch.min),
+    aten.amax.default: _bool_extreme(torch.amax),
+    aten.amin.default: _bool_extreme(torch.amin),
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
     aten.median.default: _median,
@@ -2350,6 +2369,9 @@ def _backward_decompositions() -> dict:
         aten.scatter.src: _of_scalars(torch.scatter),
         aten.scatter.value: _of_scalars(torch.scatter),
         aten._adaptive_avg_pool2d_backward.default: functools.partial(_adaptive_avg_pool_backward, spatial=2),
+        # adaptive_max_pool2d stays whole in training graphs (forward graphs reach a decomposition torch-mlir lowers)
+        aten.adaptive_max_pool2d.default: adaptive_max_pool,
+        aten.adaptive_max_pool2d_backward.default: functools.partial(_adaptive_max_pool3d_backward, spatial=2),
         aten.new_empty_strided.default: _new_empty_strided,
         aten.replication_pad1d_backward.default: _replication_pad_backward,
         aten.replication_pad2d_backward.default: _replication_pad_backward,
