@@ -50,7 +50,7 @@ def test_segment_reduce_gradient_over_lengths_and_offsets(reduce, initial):
     offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
     _matches_eager_gradients(lambda d, n, o: (torch.segment_reduce(d, reduce, lengths=n, initial=initial),
                                               torch.segment_reduce(d, reduce, offsets=o, initial=initial)),
-                             data, lengths, offsets)  # one graph, both forms: one compile per case
+                             data, lengths, offsets)  # one graph, both forms: one compile per case (the data's gradient is the sum of both forms')
 
 
 def test_cummax_gradient_of_a_scalar():
