@@ -788,11 +788,28 @@ def _fmin(a, b):
     return torch.where(torch.isnan(b), a, torch.where(torch.isnan(a), b, torch.minimum(a, b)))
 
 
-def _reduce_with_index_of_scalar(x, dim=0, keepdim=False):
-    """max.dim / min.dim of a 0-d tensor: the value and index 0 (torch-mlir cannot lower the 0-d form)."""
-    if x.dim() != 0:
-        return NotImplemented
-    return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+def _reduce_with_index_of_scalar(reduce):
+    """max.dim / min.dim of a 0-d tensor: the value and index 0 (torch-mlir cannot lower the 0-d form). Of a bool
+    tensor: the same reduction of its 0/1 as int32, converted back (torch-mlir's bool reduction starts from the
+    wrong value: a column of False gave True and the index n, one past the end; cumprod's backward scatters at that
+    index)."""
+    def lowering(x, dim=0, keepdim=False):
+        if x.dtype == torch.bool and x.dim() != 0:
+            values, indices = reduce(x.to(torch.int32), dim, keepdim)
+            return values.to(torch.bool), indices
+        if x.dim() != 0:
+            return NotImplemented
+        return x.clone(), torch.scalar_tensor(0, dtype=torch.int64, device=x.device)
+    return lowering
+
+
+def _bool_extreme(reduce):
+    """amax / amin of a bool tensor, on its 0/1 as int32 (see _reduce_with_index_of_scalar); others torch-mlir's."""
+    def lowering(x, dim=(), keepdim=False):
+        if x.dtype != torch.bool:
+            return NotImplemented
+        return reduce(x.to(torch.int32), dim, keepdim).to(torch.bool)
+    return lowering
 
 
 def _cumulative_extreme(x, dim, beats):
@@ -1916,10 +1933,10 @@ def _adaptive_avg_pool3d(x, output_size):
     return x
 
 
-def _adaptive_avg_pool3d_backward(grad, x):
+def _adaptive_avg_pool_backward(grad, x, *, spatial: int = 3):
     """The forward's transpose: each spatial dim of the gradient multiplied by the [out, in] matrix's transpose."""
-    lead = x.dim() - 3
-    for i in range(3):
+    lead = x.dim() - spatial
+    for i in range(spatial):
         dim = lead + i
         weights = _adaptive_average_matrix(x.shape[dim], grad.shape[dim], grad.dtype, grad.device)
         grad = torch.matmul(grad.movedim(dim, -1), weights).movedim(-1, dim)
@@ -1957,10 +1974,10 @@ def adaptive_max_pool(x, output_size):
     return values, indices
 
 
-def _adaptive_max_pool3d_backward(grad, x, indices):
+def _adaptive_max_pool3d_backward(grad, x, indices, *, spatial: int = 3):
     """Each output's gradient added at its maximum: a scatter-add of the flat indices (within each image's
     spatial volume) into zeros shaped like x's flattened volume (overlapping windows may share a maximum)."""
-    lead = x.dim() - 3
+    lead = x.dim() - spatial
     volume = torch.zeros(x.shape[:lead] + (math.prod(x.shape[lead:]),), dtype=grad.dtype, device=grad.device)
     return volume.scatter_add(-1, indices.flatten(lead), grad.flatten(lead)).reshape(x.shape)
 
@@ -2129,8 +2146,10 @@ OWN = {
     aten.index_reduce.default: _index_reduce,
     aten.fmax.default: _fmax,
     aten.fmin.default: _fmin,
-    aten.max.dim: _reduce_with_index_of_scalar,
-    aten.min.dim: _reduce_with_index_of_scalar,
+    aten.max.dim: _reduce_with_index_of_scalar(torch.max),
+    aten.min.dim: _reduce_with_index_of_scalar(torch.min),
+    aten.amax.default: _bool_extreme(torch.amax),
+    aten.amin.default: _bool_extreme(torch.amin),
     aten.cummax.default: _cummax,
     aten.cummin.default: _cummin,
     aten.median.default: _median,
@@ -2187,7 +2206,7 @@ OWN = {
     aten._pdist_forward.default: _pdist_forward,
     aten._pdist_backward.default: _pdist_backward,
     aten._adaptive_avg_pool3d.default: _adaptive_avg_pool3d,
-    aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool3d_backward,
+    aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward,
     aten.adaptive_max_pool3d.default: adaptive_max_pool,
     aten.adaptive_max_pool3d_backward.default: _adaptive_max_pool3d_backward,
     aten.as_strided_scatter.default: _as_strided_scatter,
@@ -2258,12 +2277,15 @@ def _segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offset
     return NotImplemented
 
 
-def _scatter_add_of_scalars(x, dim, index, src):
-    """scatter_add into a 0-d tensor (cummax/cummin's backward of a 0-d input): the same on 1-element vectors
-    (torch-mlir cannot lower the 0-d form); other ranks are left to torch-mlir."""
-    if x.dim() != 0:
-        return NotImplemented
-    return torch.scatter_add(x.reshape(1), 0, index.reshape(1), src.reshape(1)).reshape(())
+def _of_scalars(scatter):
+    """scatter/scatter_add into a 0-d tensor (the backward of cummax/cummin, max/min over a dim of a 0-d input):
+    the same on 1-element vectors (torch-mlir cannot lower the 0-d form); other ranks are left to torch-mlir."""
+    def lowering(x, dim, index, src):
+        if x.dim() != 0:
+            return NotImplemented
+        src = src.reshape(1) if isinstance(src, torch.Tensor) else src
+        return scatter(x.reshape(1), 0, index.reshape(1), src).reshape(())
+    return lowering
 
 
 def _new_empty_strided(x, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
@@ -2363,12 +2385,130 @@ def _replication_pad_backward(grad, x, padding):
 def _backward_decompositions() -> dict:
     return {
         aten._segment_reduce_backward.default: _segment_reduce_backward,
-        aten.scatter_add.default: _scatter_add_of_scalars,
+        aten.scatter_add.default: _of_scalars(torch.scatter_add),
+        aten.scatter.src: _of_scalars(torch.scatter),
+        aten.scatter.value: _of_scalars(torch.scatter),
+        aten._adaptive_avg_pool2d_backward.default: functools.partial(_adaptive_avg_pool_backward, spatial=2),
+        # adaptive_max_pool2d stays whole in training graphs (forward graphs reach a decomposition torch-mlir lowers)
+        aten.adaptive_max_pool2d.default: adaptive_max_pool,
+        aten.adaptive_max_pool2d_backward.default: functools.partial(_adaptive_max_pool3d_backward, spatial=2),
         aten.new_empty_strided.default: _new_empty_strided,
         aten.replication_pad1d_backward.default: _replication_pad_backward,
         aten.replication_pad2d_backward.default: _replication_pad_backward,
         aten.replication_pad3d_backward.default: _replication_pad_backward,
+        aten.grid_sampler_3d.default: _grid_sampler_nd,
+        aten.grid_sampler_3d_backward.default: _grid_sampler_nd_backward,
+        aten.grid_sampler_2d_backward.default: _grid_sampler_nd_backward,
     }
+
+
+def _grid_source_index(coords, size: int, padding_mode: int, align_corners: bool):
+    """(source index, d index / d coord) of ATen's grid_sampler_compute_source_index_set_grad: unnormalized from
+    [-1, 1], then clipped to the borders (padding 1) or reflected and clipped (padding 2); a clipped coordinate's
+    gradient is 0, the borders included (ATen: "borders are considered out of bounds" for the gradient)."""
+    if align_corners:
+        index, multiplier = (coords + 1) / 2 * (size - 1), (size - 1) / 2
+    else:
+        index, multiplier = ((coords + 1) * size - 1) / 2, size / 2
+    multiplier = torch.full_like(coords, multiplier)
+    if padding_mode == 2:
+        twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        if twice_low == twice_high:
+            index, multiplier = torch.zeros_like(index), torch.zeros_like(multiplier)
+        else:
+            low, span = twice_low / 2, (twice_high - twice_low) / 2
+            shifted = index - low
+            multiplier = torch.where(shifted < 0, -multiplier, multiplier)
+            shifted = shifted.abs()
+            extra = torch.fmod(shifted, span)
+            even = torch.remainder(torch.floor(shifted / span), 2) == 0
+            index = torch.where(even, extra + low, span - extra + low)
+            multiplier = torch.where(even, multiplier, -multiplier)
+    if padding_mode in (1, 2):
+        inside = (index > 0) & (index < size - 1)
+        multiplier = torch.where(inside, multiplier, 0)
+        index = torch.clamp(index, 0, size - 1)
+    return index, multiplier
+
+
+def _grid_corners(x, grid, interpolation_mode: int, padding_mode: int, align_corners: bool):
+    """The points grid_sampler_{2,3}d reads, as ATen's CPU kernels: per point of the flattened output, the source
+    index of each spatial dim (the grid's coordinates are x = W, y = H, z = D) with its gradient multiplier, and
+    per corner (2^d for bilinear, 1 for nearest: round half to even as nearbyint) its flat position in the
+    flattened input volume (0 where out of bounds), whether it is in bounds, and per spatial dim its linear
+    weight factor (1 - t or t) and the sign of that factor's derivative."""
+    sizes = x.shape[2:][::-1]  # W, H, (D): the order of the grid's coordinates
+    n = grid.shape[0]
+    points = grid.reshape(n, -1, len(sizes))
+    sources = [_grid_source_index(points[..., k], size, padding_mode, align_corners) for k, size in enumerate(sizes)]
+    strides = [math.prod(sizes[:k]) for k in range(len(sizes))]  # W is the fastest-varying dim of the volume
+    if interpolation_mode == 1:
+        choices = [[(torch.round(index), None, 0)] for index, _ in sources]
+    else:
+        floors = [torch.floor(index) for index, _ in sources]
+        choices = [[(f, (f + 1) - index, -1), (f + 1, index - f, 1)] for f, (index, _) in zip(floors, sources)]
+    # per dim and choice, once: in bounds, and the offset in the volume
+    choices = [[(at, factor, sign, (at >= 0) & (at < size), at.to(torch.int64) * stride)
+                for at, factor, sign in dim_choices] for dim_choices, size, stride in zip(choices, sizes, strides)]
+    corners = []
+    for corner in itertools.product(*choices):
+        inside = functools.reduce(torch.logical_and, [ok for *_, ok, _ in corner])
+        position = torch.where(inside, sum(offset for *_, offset in corner), 0)
+        corners.append((position, inside, [(factor, sign) for _, factor, sign, _, _ in corner]))
+    return sources, corners
+
+
+def _grid_sampler_nd(x, grid, interpolation_mode, padding_mode, align_corners):
+    """grid_sampler_3d (and the 2-d form) forward, bilinear or nearest: each output point the sum over the corners
+    in bounds of input x weight (ATen's CPU kernel; out-of-bounds corners add nothing: zeros padding)."""
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1, 2):
+        return NotImplemented
+    n, c = x.shape[:2]
+    _, corners = _grid_corners(x, grid, interpolation_mode, padding_mode, align_corners)
+    volume = x.reshape(n, c, -1)
+    out = None
+    for position, inside, factors in corners:
+        value = torch.gather(volume, 2, position.unsqueeze(1).expand(n, c, -1))
+        weight = math.prod(f for f, _ in factors) if interpolation_mode == 0 else None
+        term = torch.where(inside.unsqueeze(1), value if weight is None else value * weight.unsqueeze(1), 0)
+        out = term if out is None else out + term
+    return out.reshape((n, c) + grid.shape[1:-1])
+
+
+def _grid_sampler_nd_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    """grid_sampler_{2,3}d_backward, bilinear or nearest, as ATen's CPU kernels: the input's gradient is the
+    output's gradient x each corner's weight scatter-added at the corners in bounds; the grid's, per coordinate,
+    the sum over channels and corners in bounds of input x output gradient x the derivative of the corner's weight
+    along that coordinate (the other dims' factors, signed), times the source index's gradient multiplier.
+    Nearest has no grid gradient (zeros, as ATen)."""
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1, 2):
+        return NotImplemented
+    n, c = x.shape[:2]
+    sources, corners = _grid_corners(x, grid, interpolation_mode, padding_mode, align_corners)
+    g = grad.reshape(n, c, -1)
+    volume = x.reshape(n, c, -1)
+    grad_x = torch.zeros_like(volume) if output_mask[0] else None
+    per_dim = [None] * len(sources)
+    for position, inside, factors in corners:
+        where = position.unsqueeze(1).expand(n, c, -1)
+        mask = inside.unsqueeze(1)
+        if grad_x is not None:
+            weight = math.prod(f for f, _ in factors) if interpolation_mode == 0 else None
+            spread = g if weight is None else g * weight.unsqueeze(1)
+            grad_x = grad_x.scatter_add(2, where, torch.where(mask, spread, 0))
+        if interpolation_mode != 0 or not output_mask[1]:
+            continue
+        value_times_grad = torch.where(mask, torch.gather(volume, 2, where) * g, 0).sum(1)  # [n, points]
+        for k in range(len(sources)):
+            others = math.prod(f for j, (f, _) in enumerate(factors) if j != k)
+            term = value_times_grad * others * factors[k][1]
+            per_dim[k] = term if per_dim[k] is None else per_dim[k] + term
+    if interpolation_mode == 0 and output_mask[1]:
+        grad_grid = torch.stack([d * multiplier for d, (_, multiplier) in zip(per_dim, sources)], -1)
+        grad_grid = grad_grid.reshape(grid.shape)
+    else:
+        grad_grid = torch.zeros_like(grid)
+    return (grad_x.reshape(x.shape) if grad_x is not None else None), grad_grid
 
 
 OWN.update(_backward_decompositions())
