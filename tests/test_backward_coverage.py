@@ -9,11 +9,7 @@ import torch
 
 from neuronc.tolerances import TOLERANCES
 
-
-@pytest.fixture(autouse=True)
-def strictly_on_the_device(monkeypatch):
-    """A lowering that stops compiling must fail here, not fall back to the CPU (neuronc.pytorch.partition)."""
-    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 
 def _gradients(fn, *inputs):
