@@ -76,14 +76,18 @@ def _svd_cases(x, wide, y):
              torch.linalg.cond(y[..., :2, :])))
 
 
-@pytest.fixture(scope="module")
-def svd_cases():
-    """(compiled, eager) results of `_svd_cases`, strictly on the device."""
-    inputs = (_batch_with_rank_deficient(), _wide(), _two_columns())
+def _compiled_and_eager(fn, *inputs):
+    """(compiled, eager) results of ``fn``, compiled strictly on the device (for module-scoped fixtures, which the
+    function-scoped strict fixture does not reach)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-        got = run_compiled(_svd_cases, *inputs)
-    return got, _svd_cases(*inputs)
+        got = run_compiled(fn, *inputs)
+    return got, fn(*inputs)
+
+
+@pytest.fixture(scope="module")
+def svd_cases():
+    return _compiled_and_eager(_svd_cases, _batch_with_rank_deficient(), _wide(), _two_columns())
 
 
 def test_svd_reconstructs_with_eagers_singular_values_and_vectors_up_to_sign(svd_cases):
@@ -146,11 +150,7 @@ def _eigh_cases(a, x):
 
 @pytest.fixture(scope="module")
 def eigh_cases():
-    inputs = (_with_a_repeated_eigenvalue(), _not_symmetric())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-        got = run_compiled(_eigh_cases, *inputs)
-    return got, _eigh_cases(*inputs)
+    return _compiled_and_eager(_eigh_cases, _with_a_repeated_eigenvalue(), _not_symmetric())
 
 
 def test_eigh_with_a_repeated_eigenvalue(eigh_cases):
