@@ -860,3 +860,10 @@ def test_chunked_linear_cross_entropy_without_reduction_gives_each_rows_loss(bia
     loss = lambda x, w: torch.nn.functional.linear_cross_entropy(  # noqa: E731 - the op under test
         x, w, target, linear_bias=b, weight=weight, reduction="none", options=options)
     _matches_eager(loss, x, w)
+
+
+def test_the_copy_forms_of_view_ops_compile_on_the_device():
+    aten = torch.ops.aten
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(8))
+    _matches_eager(lambda t: (aten.view_copy(t, [6, 4]), aten.permute_copy(t, [2, 0, 1]), aten.narrow_copy(t, 1, 1, 2),
+                              aten.as_strided_copy(t, [3, 2], [4, 1], 1), *aten.unbind_copy(t, 1)), x)

@@ -51,6 +51,8 @@ def decomposition_table() -> dict:
         aten.max_pool2d_with_indices_backward,  # CNN training (the forward is neuronc's own)
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.upsample_nearest2d, aten._unsafe_index,
+        # found by benchmarks/opinfo.py's whole run: torch's own decompositions, not in torch-mlir's table
+        aten.view_copy, aten.permute_copy, aten.narrow_copy, aten.as_strided_copy, aten.unbind_copy,
     ]))
     table.update(decompositions.OWN)
     table.update(linalg_decompositions.OWN)
