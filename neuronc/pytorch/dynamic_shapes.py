@@ -55,16 +55,16 @@ def max_shapes() -> int:
 
 
 def signature(args) -> tuple:
-    """What a static program depends on in ``args``: tensors' shape, strides, dtype, device and requires_grad;
-    integers' (and other scalars') values."""
+    """What a static program depends on in ``args`` (concrete values, as a call passes them): tensors' shape,
+    strides, dtype, device and requires_grad; integers' (and other scalars') values."""
     import torch
 
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
-        elif isinstance(a, (int, float, bool, torch.SymInt)):
-            key.append((type(a).__name__, int(a) if isinstance(a, torch.SymInt) else a))
+        elif isinstance(a, (int, float, bool)):
+            key.append((type(a).__name__, a))
         else:
             key.append(type(a).__name__)
     return tuple(key)
