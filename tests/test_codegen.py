@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import Engine, Opcode, Space
+from neuronc import ir
 from neuronc.ir import Op
 from neuronc.targets import get_target
 from runtime import run_neff
@@ -296,7 +297,8 @@ def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_
     model = zoo.TransformerBlock(width=512, heads=8).eval().to(torch.bfloat16)
     x = torch.randn(1, 256, 512).to(torch.bfloat16)
     compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
-    assert sum(loads_a_by_k_tile(n) for n in compiled.graph.nodes() if n.op is Op.MATMUL) == 1
+    projection = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and ir.unreshaped(n.inputs[0]).op is Op.ATTENTION]
+    assert len(projection) == 1 and loads_a_by_k_tile(projection[0])
     names = [k.name for k in compiled.neff.kernels]
     attention = next(i for i, name in enumerate(names) if name.startswith("attention"))
     assert names[attention + 1].startswith("matmul")  # the projection
@@ -307,6 +309,41 @@ def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_
     heads_loading = [start for inst, start, _ in timeline if inst.kernel == attention + 1
                      and inst.engine == Engine.DMA and min(stored) <= inst.operands[1].offset <= max(stored)]
     assert min(heads_loading) < attention_end
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
+    """The down projection reads h = silu(x Wg) * (x Wu) across its rows; the up projection writes h column strip
+    by column strip, so the down projection loads h^T K tile by K tile and its first loads start before the up
+    projection's kernel ends (a whole-strip load would wait for its last store); the MLP matches eager."""
+    from neuronc.passes.cost_model import replay
+    from neuronc.passes.tiling import loads_a_by_k_tile
+
+    class SwiGLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = (torch.nn.Linear(256, 1024, bias=False), torch.nn.Linear(256, 1024, bias=False),
+                                             torch.nn.Linear(1024, 256, bias=False))
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    model = SwiGLU().eval().to(torch.bfloat16)
+    x = torch.randn(256, 256).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
+    down = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.shape[-1] == 256]
+    assert len(down) == 1 and loads_a_by_k_tile(down[0])
+    timeline = list(replay(compiled.neff.streams, get_target(compiled.neff.target)))
+    last = len(compiled.neff.kernels) - 1
+    up_end = max(end for inst, _, end in timeline if inst.kernel == last - 1)
+    stored = [inst.operands[0].offset for inst, _, _ in timeline
+              if inst.kernel == last - 1 and inst.operands[0].space == Space.HBM]
+    h_loads = [start for inst, start, _ in timeline if inst.kernel == last and inst.engine == Engine.DMA
+               and min(stored) <= inst.operands[1].offset <= max(stored)]
+    assert h_loads and min(h_loads) < up_end
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
