@@ -20,10 +20,15 @@ The pass recognises, after legalisation (before the other fusions), the forms th
 - guarded: `select(all(logits == -inf) per row, 0, softmax)`, what torch's SDPA decomposition adds so a
   fully masked row gives zeros rather than NaN.
 
+Grouped-query attention (K and V repeated per group of query heads: repeat_interleave, Hugging Face's `repeat_kv`,
+SDPA's enable_gqa; all are a stride-0 view of a new axis, reshaped) reads the K/V heads where they lie: the batch
+dims become (batch, kv heads, group), K's and V's stride over the group 0 (see _batch_splits), and the kernel loads
+a group's K and V once.
+
 A mask that is a constant lower-triangular pattern with -inf above the diagonal becomes `causal` (made on
 chip, never read from HBM, and the blocks it hides skipped); any other mask is read block by block.
 
-attrs of the ATTENTION node (O is [B, Sq, Dv], B merging batch and heads; the node's shape is O's, or that of
+attrs of the ATTENTION node (O is [B, Sq, Dv], B merging batch and heads (GQA: batch, kv heads, group); the node's shape is O's, or that of
 the permutation of O the model makes next, heads transposed back and merged, which the kernel writes in place):
   batch_shape: B's dims (batch, heads); queries, keys, head_dim, value_dim: Sq, Sk, D, Dv;
   views: per input (element offset, strides over (*batch_shape, rows, cols)) — q [.., Sq, D], k [.., Sk, D],
