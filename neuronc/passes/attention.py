@@ -217,7 +217,8 @@ class _Matcher:
     def take_private_links(self, root) -> None:
         """Take the links of the operands' view chains that only the pattern reads. The others stay, for their
         other readers (K and V split out of one projection, K then rotated by RoPE outside the pattern: the split
-        is read by both); the kernel reads through them either way, and a view costs nothing to leave."""
+        is read by both): the kernel reads through them to their source, and what their other readers make of them is
+        what it was before the match."""
         taken = True
         while taken:
             taken = False
