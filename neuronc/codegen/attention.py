@@ -144,6 +144,7 @@ class _Attention:
         self.pt_psum, self.o_psum = em.psum_pool(2), em.psum_pool(2)
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
+        self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
         self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
 
@@ -232,21 +233,33 @@ class _Attention:
     # a head's loads -----------------------------------------------------------------------------------
     def load_head(self, g: int) -> tuple:
         """K^T [d, Sk] and Q^T [d, Sq] (d on partitions, by tiles of 128), V [Sk, Dv] (keys on partitions, by
-        chunks of 128) of one batch-head, resident while its query tiles run."""
+        chunks of 128) of one batch-head, resident while its query tiles run. The query heads of a GQA group read
+        the same K and V (a stride of 0 over the group's members): those are loaded once, for its first member,
+        and stay while the members after it run (a pool's buffer is taken again only `bufs` loads later)."""
+        q_tile, sq = self.plan.q_tile, self.plan.queries
+        k, v = self.head(self.k, g), self.head(self.v, g)
+        if self.kv_loaded is not None and self.kv_loaded[0] == (k, v):
+            kt, vt = self.kv_loaded[1:]
+        else:
+            kt, vt = self.load_kv(k, v)
+            self.kv_loaded = ((k, v), kt, vt)
+        qtile = self.pools["q"].next().ap(q_tile, self.d_tiles * sq)
+        self.load_transposed(qtile, self.head(self.q, g), sq)
+        return qtile, kt, vt
+
+    def load_kv(self, k: HbmTensor, v: HbmTensor) -> tuple:
+        """K^T and [V | 1] of one head into SBUF."""
         em, a, q_tile = self.em, self.plan, self.plan.q_tile
-        sk, sq, dv = a.keys, a.queries, a.value_dim
+        sk, dv = a.keys, a.value_dim
         kt = self.pools["k"].next().ap(q_tile, self.d_tiles * sk)
-        self.load_transposed(kt, self.head(self.k, g), sk)
-        v = self.head(self.v, g)
+        self.load_transposed(kt, k, sk)
         vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
         full = sk // q_tile
         if full:
             dma_by_rows(em, _v_chunks(vt, full, q_tile, dv, dv + 1), v[0:full * q_tile].tiled(q_tile).ap)
         if sk % q_tile:
             em.dma(tile_at(vt, full * (dv + 1), sk % q_tile, dv), v[full * q_tile:sk].ap)
-        qtile = self.pools["q"].next().ap(q_tile, self.d_tiles * sq)
-        self.load_transposed(qtile, self.head(self.q, g), sq)
-        return qtile, kt, vt
+        return kt, vt
 
     def load_transposed(self, tile: AccessPattern, x: HbmTensor, rows: int) -> None:
         """x^T [d, rows] into `tile` (d on partitions, by tiles of 128, each `rows` wide) from x [rows, d] in HBM.

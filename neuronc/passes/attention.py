@@ -20,10 +20,15 @@ The pass recognises, after legalisation (before the other fusions), the forms th
 - guarded: `select(all(logits == -inf) per row, 0, softmax)`, what torch's SDPA decomposition adds so a
   fully masked row gives zeros rather than NaN.
 
+Grouped-query attention (K and V repeated per group of query heads: repeat_interleave, Hugging Face's `repeat_kv`,
+SDPA's enable_gqa; all are a stride-0 view of a new axis, reshaped) reads the K/V heads where they lie: the batch
+dims become (batch, kv heads, group), K's and V's stride over the group 0 (see _batch_splits), and the kernel loads
+a group's K and V once.
+
 A mask that is a constant lower-triangular pattern with -inf above the diagonal becomes `causal` (made on
 chip, never read from HBM, and the blocks it hides skipped); any other mask is read block by block.
 
-attrs of the ATTENTION node (O is [B, Sq, Dv], B merging batch and heads; the node's shape is O's, or that of
+attrs of the ATTENTION node (O is [B, Sq, Dv], B merging batch and heads (GQA: batch, kv heads, group); the node's shape is O's, or that of
 the permutation of O the model makes next, heads transposed back and merged, which the kernel writes in place):
   batch_shape: B's dims (batch, heads); queries, keys, head_dim, value_dim: Sq, Sk, D, Dv;
   views: per input (element offset, strides over (*batch_shape, rows, cols)) — q [.., Sq, D], k [.., Sk, D],
@@ -81,6 +86,7 @@ class _Matcher:
     def __init__(self, consumers: dict, outputs: set):
         self.consumers, self.outputs = consumers, outputs
         self.inner: set = set()
+        self.links: list = []  # the reshapes, views and exact conversions the operands are read through
         self.ops: list = []
 
     def take(self, node):
@@ -182,8 +188,9 @@ class _Matcher:
         return node
 
     def operand(self, node, scale: float):
-        """(source, offset, strides, scale) of a matmul operand read through conversions, scalar
-        multiplications and views."""
+        """(source, where, scale) of a matmul operand read through conversions, scalar multiplications and views:
+        where(batched) is the (offset, strides) at which the operand, read as `batched` (its shape with the batch
+        dims split as the kernel iterates them), lies in source's dense buffer, or None."""
         while True:
             node = self.through_reshapes(node)
             if _widening(node):
@@ -195,14 +202,31 @@ class _Matcher:
                 node = x
             else:
                 break
-        resolved = _resolve(node) or _composed_view(node)
-        _need(resolved is not None)
-        source, offset, strides = resolved
-        for link in _chain(node, source):
-            self.take(link)
-        while _widening(source):
-            source = self.take(source).inputs[0]  # an exact conversion of the viewed tensor: read the original
-        return source, offset, strides, node.shape, scale
+        # an exact conversion anywhere in the chain is read through: the original's elements (a bf16 model's K
+        # repeated for GQA, then converted, then transposed) are where the chain's positions say
+        key, source = _view_chain(node, through_widening=True)
+        resolved = _resolve(node)
+        if resolved is not None and _unwidened(resolved[0]) is source:
+            _, offset, strides = resolved
+            where = functools.partial(_as_batched, offset, strides, node.shape)
+        else:  # a chain that does not merge symbolically (heads split, then transposed; K/V repeated for GQA)
+            where = functools.partial(_fitted_chain, key)
+        self.links += _chain(node, source)
+        return source, where, scale
+
+    def take_private_links(self, root) -> None:
+        """Take the links of the operands' view chains that only the pattern reads. The others stay, for their
+        other readers (K and V split out of one projection, K then rotated by RoPE outside the pattern: the split
+        is read by both): the kernel reads through them to their source, and what their other readers make of them is
+        what it was before the match."""
+        taken = True
+        while taken:
+            taken = False
+            for link in self.links:
+                inside = self.inner | {root}
+                if link not in self.inner and link not in self.outputs and self.consumers.get(link, set()) <= inside:
+                    self.take(link)
+                    taken = True
 
     def private(self, root) -> bool:
         """Every node the pattern consumes is read only inside it (or by `root`) and is no output."""
@@ -220,15 +244,23 @@ def _widening(node) -> bool:
             and node.inputs[0].dtype.itemsize < node.dtype.itemsize)
 
 
-def _view_chain(x) -> tuple:
-    """(key, source): the chain of reshapes and views from x down to the node they read (`source`), as a key of
-    plain values (x's shape, then each link's op, shape and view attributes). The positions x reads in source's
-    dense buffer depend on the key alone: every layer of a model has the same chains, fitted once (see
-    _fitted_chain, _fitted_inverse)."""
+def _unwidened(node):
+    """node, or the tensor an exact conversion (or a chain of them) of it reads."""
+    while _widening(node):
+        node = node.inputs[0]
+    return node
+
+
+def _view_chain(x, through_widening: bool = False) -> tuple:
+    """(key, source): the chain of reshapes and views (and, `through_widening`, exact conversions, which move no
+    element) from x down to the node they read (`source`), as a key of plain values (x's shape, then each link's
+    op, shape and view attributes). The positions x reads in source's dense buffer depend on the key alone: every
+    layer of a model has the same chains, fitted once (see _fitted_chain, _fitted_inverse)."""
     links, source = [], x
-    while source.op in (Op.RESHAPE, Op.VIEW):
-        links.append((source.op, source.shape) + ((source.attrs["offset"], tuple(source.attrs["strides"]))
-                                                  if source.op is Op.VIEW else ()))
+    while source.op in (Op.RESHAPE, Op.VIEW) or (through_widening and _widening(source)):
+        if source.op in (Op.RESHAPE, Op.VIEW):
+            links.append((source.op, source.shape) + ((source.attrs["offset"], tuple(source.attrs["strides"]))
+                                                      if source.op is Op.VIEW else ()))
         source = source.inputs[0]
     return (tuple(x.shape), tuple(links)), source
 
@@ -263,20 +295,24 @@ def _affine(positions: np.ndarray):
     return base, tuple(strides)
 
 
-def _composed_view(x):
+def _composed_view(x, shape: tuple | None = None):
     """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
     symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
-    element positions are composed numerically and fitted by one affine map, or None."""
+    element positions are composed numerically and fitted by one affine map over `shape` (x's own, or x's
+    elements read as another shape: a GQA head axis split into (kv heads, group)), or None."""
     key, source = _view_chain(x)
-    fitted = _fitted_chain(key)
+    fitted = _fitted_chain(key, tuple(shape or x.shape))
     return None if fitted is None else (source, *fitted)
 
 
 @functools.lru_cache(maxsize=256)
-def _fitted_chain(key: tuple):
-    """_affine of a chain's positions, once per distinct chain (a chain of each layer is the same key)."""
+def _fitted_chain(key: tuple, shape: tuple):
+    """_affine of a chain's positions read as `shape` (as many elements as the chain's head), once per distinct
+    chain and shape (a chain of each layer is the same key)."""
     positions = _chain_positions(key)
-    return None if positions is None else _affine(positions)
+    if positions is None or math.prod(shape) != positions.size:
+        return None
+    return _affine(positions.reshape(shape))
 
 
 def _is_permutation(positions: np.ndarray) -> bool:
@@ -349,6 +385,21 @@ def _chain(node, source) -> list:
         chain.append(node)
         node = node.inputs[0]
     return chain
+
+
+def _batch_splits(batch_shape: tuple):
+    """The batch dims the kernel may iterate: the model's own (batch, heads), then, for grouped-query attention,
+    heads split into (kv heads, group) for each group size: query head h reads K/V head h // group, which no
+    single stride over h says (the K/V repeated by repeat_interleave, by `repeat_kv`'s expand and reshape, or by
+    SDPA's enable_gqa), but a stride of 0 over the group's members does, so K and V are read where they lie and
+    never repeated in HBM."""
+    yield batch_shape
+    if not batch_shape:
+        return
+    *outer, heads = batch_shape
+    for group in range(2, heads + 1):
+        if heads % group == 0:
+            yield (*outer, heads // group, group)
 
 
 def _as_batched(offset: int, strides: tuple, shape: tuple, batched: tuple):
@@ -468,13 +519,14 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
         # the batch dims as the frontend wrote them (batch, heads): heads split out of one projection are
         # strided views that do not merge into one batch dim
         batch_shape = tuple(logits.shape[:-2]) if math.prod(logits.shape[:-2]) == batch else (batch,)
-        q, qo, qs, q_shape, scale = m.operand(qk.inputs[0], attrs["scale"])
-        k, ko, ks, k_shape, scale = m.operand(qk.inputs[1], scale)
-        v, vo, vs, v_shape, _ = m.operand(pv.inputs[1], 1.0)
+        q, q_where, scale = m.operand(qk.inputs[0], attrs["scale"])
+        k, k_where, scale = m.operand(qk.inputs[1], scale)
+        v, v_where, _ = m.operand(pv.inputs[1], 1.0)
         _need(scale > 0 and math.isfinite(scale))
-        views = [_as_batched(qo, qs, q_shape, (*batch_shape, sq, d)),
-                 _as_batched(ko, ks, k_shape, (*batch_shape, d, sk)),
-                 _as_batched(vo, vs, v_shape, (*batch_shape, sk, dv))]
+        for batch_shape in _batch_splits(batch_shape):
+            views = [q_where((*batch_shape, sq, d)), k_where((*batch_shape, d, sk)), v_where((*batch_shape, sk, dv))]
+            if None not in views:
+                break
         _need(None not in views)
         k_off, k_strides = views[1]
         views[1] = (k_off, (*k_strides[:-2], k_strides[-1], k_strides[-2]))  # K read as [..., Sk, D]
@@ -496,6 +548,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                 for link in _chain(mask, source):
                     if consumers.get(link, set()) <= m.inner | {pv}:
                         m.take(link)
+        m.take_private_links(pv)
         _need(m.private(pv))
         dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": pv.dtype, "p": probability_dtype(v.dtype),
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
