@@ -158,7 +158,7 @@ def _aot_graphs(model, inputs, train: bool) -> list:
         graphs.append(graph_module)
         return make_boxed_func(graph_module.forward)
 
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table())
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     if train:
