@@ -107,3 +107,19 @@ def test_inference_keeps_the_decomposed_form():
         compiled(q, k, v)
     kernels = [k_.ops[0] for k_ in backend.compiled_graphs[-1].compiled.neff.kernels]
     assert "nki:flash_attention_forward" not in kernels
+
+
+def test_attention_written_out_trains_in_the_flash_kernels_like_eager():
+    """The zoo's GPT-2 block writes its attention as matmul, scale, masked_fill(~tril, -inf), softmax, matmul: in a
+    training graph that chain becomes SDPA (is_causal) and takes the flash kernels; its gradients stay eager's."""
+    from tests.zoo import TransformerBlock
+
+    torch.manual_seed(0)
+    model, x = TransformerBlock(64, 2), torch.randn(1, 128, 64)
+    reference = copy.deepcopy(model)
+    compiled = OnDevice(model)
+    compiled(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, **TOLERANCES[torch.float32], msg=name)
+    assert_ran_the_flash_kernels(compiled.graphs, other_matmuls=True)

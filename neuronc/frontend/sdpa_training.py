@@ -220,3 +220,147 @@ def cut_for_training(cut, locations: dict) -> None:
                 library_nodes(values, traced, forward, shape, kv_heads, loc, runtime_mask=runtime_mask,
                               n_terms=n_terms, natural_lse=True)[:2 if forward else 3],
                 hashlib.sha256(digest.encode()).hexdigest(), loc)
+
+
+# -- attention written out (matmul, scale, mask, softmax, matmul) in a training graph --------------------------
+#
+# A model that writes attention itself (the zoo's GPT-2 block: `softmax((q @ k^T) / c masked_fill(~causal, -inf))
+# @ v`) trains through AOTAutograd as those ops: its forward saves the softmax's [batch, heads, seq, seq]
+# probabilities and its backward differentiates them op by op. In a training graph (Dynamo's, before AOTAutograd),
+# that chain is rewritten to F.scaled_dot_product_attention, as inductor's fuse_attention does, so it takes the
+# flash kernels above; inference graphs are left to the attention pass, which fuses the chain into the compiler's
+# flash kernel already. The rewrite is exact in fp32 (the same softmax of the same scaled scores); in bf16 the flash
+# kernels keep the scores and probabilities in fp32 where eager rounds each op's result to bf16 (closer to the fp32
+# math, as SDPA on CPU is).
+
+
+def _call(node, *names) -> bool:
+    """Whether ``node`` calls one of ``names``: a function's or method's name (Dynamo records `q @ k` as
+    operator.matmul, `x.softmax` as a method, `torch.softmax` as a function)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in names
+
+
+def _only_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _constant_tensor(node):
+    """The value of a subgraph made only of factory and elementwise calls on constants (`tril(ones(s, s))`), or
+    None when it reads an input."""
+    import torch
+    import torch.fx
+
+    env = {}
+
+    def evaluate(n):
+        if n in env:
+            return env[n]
+        if n.op not in ("call_function", "call_method"):
+            raise LookupError(n)
+        args = torch.fx.node.map_arg(n.args, evaluate)
+        kwargs = torch.fx.node.map_arg(n.kwargs, evaluate)
+        env[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        return env[n]
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            value = evaluate(node)
+    except Exception:  # noqa: BLE001 - not a constant
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _transposed_last_dims(node):
+    """k, when ``node`` is k.transpose(-2, -1) of a 4-d k (else None)."""
+    if not _call(node, "transpose") or len(node.args) != 3 or _value(node.args[0]) is None:
+        return None
+    dims = {d % 4 for d in node.args[1:] if isinstance(d, int)}
+    return node.args[0] if _value(node.args[0]).dim() == 4 and dims == {2, 3} else None
+
+
+def explicit_attention_as_sdpa(gm) -> int:
+    """In place, in a Dynamo graph traced for training: each `softmax(scale(q @ k.transpose(-2, -1)) [masked_fill(
+    ~keep, -inf)], -1) @ v` whose intermediate results nothing else reads, and which the library kernels compute,
+    rewritten as F.scaled_dot_product_attention (a causal `keep` that is a constant tril: is_causal). Returns how many."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    rewritten = 0
+    for out in list(gm.graph.nodes):
+        if not (_call(out, "matmul") and len(out.args) == 2):
+            continue
+        probs, v = out.args
+        if not (_call(probs, "softmax") and _only_user(probs) is out):
+            continue
+        dim = probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
+        if dim not in (-1, 3) or probs.kwargs.get("dtype") is not None or len(probs.args) > 2:
+            continue
+        scores, keep, causal = probs.args[0], None, False
+        chain = [out, probs]
+        if _call(scores, "masked_fill") and _only_user(scores) is probs and len(scores.args) == 3 and \
+                scores.args[2] == -math.inf:
+            hidden = scores.args[1]
+            chain.append(scores)
+            scores = scores.args[0]
+            if _call(hidden, "invert", "__invert__", "logical_not") and len(hidden.args) == 1:
+                keep = hidden.args[0]
+                chain.append(hidden)
+            else:
+                continue
+        if not _only_user(scores):
+            continue
+        scale = 1.0
+        if _call(scores, "truediv", "div", "mul") and len(scores.args) == 2 and isinstance(scores.args[1], float):
+            scale = 1.0 / scores.args[1] if _call(scores, "truediv", "div") else scores.args[1]
+            chain.append(scores)
+            scores = scores.args[0]
+            if not _only_user(scores):
+                continue
+        if not (_call(scores, "matmul") and len(scores.args) == 2):
+            continue
+        chain += [scores, scores.args[1]]
+        q, k = scores.args[0], _transposed_last_dims(scores.args[1])
+        if k is None or any(_value(x) is None for x in (q, k, v)):
+            continue
+        seq = _value(q).shape[2]
+        if keep is not None:
+            constant = _constant_tensor(keep)
+            if constant is not None and np.array_equal(constant.numpy(), np.tril(np.ones((seq, seq), dtype=bool))):
+                chain.append(keep)
+                keep, causal = None, True
+        mask_value = None if keep is None else _value(keep)
+        if mask_value is not None and mask_value.dtype != torch.bool:
+            continue
+        if not library_computes(_value(q), _value(k), _value(v), 0.0, mask_value):
+            continue
+        with gm.graph.inserting_before(out):
+            sdpa = gm.graph.call_function(F.scaled_dot_product_attention, (q, k, v),
+                                          dict(attn_mask=keep, is_causal=causal, scale=scale))
+        sdpa.meta = dict(out.meta)
+        out.replace_all_uses_with(sdpa)
+        _erase_unread(gm.graph, chain)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _erase_unread(graph, nodes: list) -> None:
+    """Erase ``nodes`` and what only they read (a causal mask's constant subgraph), once nothing reads them."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop(0)
+        if n.graph is graph and not n.users and n.op in ("call_function", "call_method"):
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            stack.extend(inputs)

@@ -333,7 +333,11 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
 
     import torch
 
+    from neuronc.frontend.sdpa_training import explicit_attention_as_sdpa
+
     training = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
+    if training:  # attention written out becomes SDPA, which the training table keeps for the flash kernels
+        explicit_attention_as_sdpa(gm)
     return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph,
                         decompositions=decomposition_table(training))(gm, example_inputs)
 
