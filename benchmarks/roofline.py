@@ -13,8 +13,10 @@ The whole-model cases are one GPT-2-small block and the 12-layer GPT-2-small for
 decompositions): `llama_layer`, the zoo's LlamaBlock at 2048 wide, GQA 16/4 heads, SwiGLU 5632, seq 1024, bf16,
 under no_grad (one inference graph); `gpt2_train`, one GPT-2-small block (seq 512, bf16) forward + backward (the
 forward and the backward graph; times, bounds and FLOPs summed over both), and `gpt2_train_sdpa`, the same block
-with its attention through F.scaled_dot_product_attention(is_causal=True) (Hugging Face GPT-2's default). --breakdown prints,
-for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
+with its attention through F.scaled_dot_product_attention(is_causal=True) (Hugging Face GPT-2's default). The
+training cases' bound counts the model's FLOPs, those of the -O0 program of its graphs with attention decomposed
+(full causal FLOPs, as the other cases), not the flash kernels' matmuls (causal blocks skipped, P recomputed).
+--breakdown prints, for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
 """
 from __future__ import annotations
 
@@ -159,17 +161,15 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
             "ideal_ns": ideal_ns}
 
 
+# through torch.compile; True: forward + backward
 COMPILED_CASES = {"llama_layer": False, "gpt2_train": True, "gpt2_train_sdpa": True}
-# the same model written another way: its bound is the other case's (the -O0 program's FLOPs of its dense
-# attention), when both run, since the flash kernels' own matmuls (causal blocks skipped, P recomputed in the
-# backward, transposes) are not the model's FLOPs
-SAME_MODEL = {"gpt2_train_sdpa": "gpt2_train"}  # through torch.compile; True: forward + backward
 
 
-def _aot_graphs(model, inputs, train: bool) -> list:
+def _aot_graphs(model, inputs, train: bool, flash: bool = True) -> list:
     """The FX graphs AOTAutograd hands a backend for `model(*inputs)` (and its backward when `train`), with the
     neuron backend's decompositions, as `torch.compile(model, backend="neuron")` would compile them; the graphs
-    themselves run eagerly on the CPU here (only their compiled programs are measured)."""
+    themselves run eagerly on the CPU here (only their compiled programs are measured). ``flash`` False: training
+    graphs with attention decomposed into its dense ops (the model's own FLOPs, for the bound)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -182,10 +182,10 @@ def _aot_graphs(model, inputs, train: bool) -> list:
         graphs.append(graph_module)
         return make_boxed_func(graph_module.forward)
 
-    aot = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train))
+    aot = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train and flash))
 
     def backend(gm, example_inputs):  # as the neuron backend's _static_backend does
-        if train:
+        if train and flash:
             explicit_attention_as_sdpa(gm)
         return aot(gm, example_inputs)
 
@@ -209,13 +209,20 @@ def _measure_compiled(name, model, inputs, train, target) -> dict:
     from neuronc.compiler import compile_fx
 
     graphs = _aot_graphs(model, inputs, train)
+    model_ideal = [None] * len(graphs)
+    if train:  # the flash kernels' matmuls are not the model's FLOPs: those of its dense attention's -O0 program
+        dense = _aot_graphs(model, inputs, train, flash=False)
+        model_ideal = [_measure(compile_fx(gm, CompileOptions(opt_level=0, name=f"{name}_dense_{i}")).neff,
+                                target)["ideal_ns"] for i, gm in enumerate(dense)]
     results = {}
     for level in (0, 2):
         start = time.perf_counter()
         parts = []
         for i, gm in enumerate(graphs):
             neff = compile_fx(copy.deepcopy(gm), CompileOptions(opt_level=level, name=f"{name}_{i}")).neff
-            parts.append((neff, _measure(neff, target, results[0]["parts"][i][1]["ideal_ns"] if level else None)))
+            ideal = model_ideal[i] if model_ideal[i] is not None else results[0]["parts"][i][1]["ideal_ns"] \
+                if level else None
+            parts.append((neff, _measure(neff, target, ideal)))
         time_us = sum(m["time_us"] for _, m in parts)
         bound_us = sum(m["bound_us"] for _, m in parts)
         moved = sum(m["hbm_ratio"] * _minimal_bytes(n) for n, m in parts)
@@ -252,7 +259,6 @@ def main() -> None:
     print(f"target trn2; estimated times from the cost model; {'quick shapes' if args.quick else 'issue 4 shapes'}")
     print(f"{'case':<14} {'O2 us':>10} {'bound us':>10} {'eff':>6} {'HBM/min':>8} {'kernels':>8} "
           f"{'O0 us':>10} {'O2/O0 speed-up':>15} {'compile s':>10}")
-    measured = {}
     for name in chosen:
         model, inputs, dtype = cases[name]
         model = model.eval().to(dtype)
@@ -269,10 +275,6 @@ def main() -> None:
                 model_ideal = results[0]["ideal_ns"] if level else None
                 results[level] = _measure(neff, target, model_ideal) | {"compile_s": time.perf_counter() - start}
             neffs = [neff]
-        measured[name] = results
-        if SAME_MODEL.get(name) in measured:
-            bound_us = measured[SAME_MODEL[name]][2]["bound_us"]
-            results[2].update(bound_us=bound_us, efficiency=bound_us / results[2]["time_us"])
         o2, o0 = results[2], results[0]
         print(f"{name:<14} {o2['time_us']:>10.1f} {o2['bound_us']:>10.1f} {o2['efficiency']:>6.3f} "
               f"{o2['hbm_ratio']:>8.2f} {o2['kernels']:>8} {o0['time_us']:>10.1f} "
