@@ -357,10 +357,11 @@ def explicit_attention_as_sdpa(gm) -> int:
 
 def _erase_unread(graph, nodes: list) -> None:
     """Erase ``nodes`` and what only they read (a causal mask's constant subgraph), once nothing reads them."""
-    stack = list(nodes)
+    stack, erased = list(nodes), set()
     while stack:
         n = stack.pop(0)
-        if n.graph is graph and not n.users and n.op in ("call_function", "call_method"):
+        if n not in erased and not n.users and n.op in ("call_function", "call_method"):
             inputs = n.all_input_nodes
             graph.erase_node(n)
+            erased.add(n)
             stack.extend(inputs)
