@@ -123,3 +123,27 @@ def test_attention_written_out_trains_in_the_flash_kernels_like_eager():
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad, **TOLERANCES[torch.float32], msg=name)
     assert_ran_the_flash_kernels(compiled.graphs, other_matmuls=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_trains_with_one_row_wise_forward_kernel_like_eager(dtype):
+    """The training forward of a layer-norm saves no statistics (the backward recomputes them,
+    frontend/norm_training.py), so it is one row-wise kernel; its gradients stay eager's (bf16: the fp32 math on
+    the same rounded values, rounded once; the weight's and bias's, sums of 256 bf16 products, are checked in fp32
+    only: in bf16 they miss that reference by as much with or without this change, and eager bf16 by more)."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(96, eps=1e-3)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    x, weights = torch.randn(256, 96).to(dtype), torch.randn(256, 96)
+    compiled_norm, reference = copy.deepcopy(norm).to(dtype), copy.deepcopy(norm).to(dtype).float()
+    compiled = OnDevice(compiled_norm)
+    got_x, want_x = x.clone().requires_grad_(True), x.float().requires_grad_(True)
+    (compiled(got_x).float() * weights).sum().backward()
+    (reference(want_x) * weights).sum().backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad.to(dtype), **TOLERANCES[dtype], msg="x")
+    for (name, p), r in zip(compiled_norm.named_parameters(), reference.parameters()):
+        if dtype == torch.float32:
+            torch.testing.assert_close(p.grad, r.grad, **TOLERANCES[dtype], msg=name)
+    forward = [k.name.rsplit("_", 1)[0] for k in compiled.graphs[-2].compiled.neff.kernels]
+    assert "rowwise" in forward and "reduce_last" not in forward, forward

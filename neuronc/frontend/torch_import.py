@@ -43,8 +43,8 @@ def decomposition_table(training: bool = False) -> dict:
     (sdpa_training.py)."""
     import torch
 
-    from neuronc.frontend import (decompositions, float_semantics, linalg_decompositions, sdpa_training,
-                                  special_decompositions)
+    from neuronc.frontend import (decompositions, float_semantics, linalg_decompositions, norm_training,
+                                  sdpa_training, special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -65,6 +65,7 @@ def decomposition_table(training: bool = False) -> dict:
     table.update(decompositions.defined_after_import())
     if training:
         table.update(sdpa_training.kept_in_training(table))
+        table.update(norm_training.recomputed_in_backward(table))
     return table
 
 
