@@ -335,7 +335,7 @@ def explicit_attention_as_sdpa(gm) -> int:
         seq = _value(q).shape[2]
         if keep is not None:
             constant = _constant_tensor(keep)
-            if constant is not None and np.array_equal(constant.numpy(), np.tril(np.ones((seq, seq), dtype=bool))):
+            if constant is not None and np.array_equal(constant.cpu().numpy(), np.tril(np.ones((seq, seq), dtype=bool))):
                 chain.append(keep)
                 keep, causal = None, True
         mask_value = None if keep is None else _value(keep)
