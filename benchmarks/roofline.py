@@ -12,8 +12,11 @@ The whole-model cases are one GPT-2-small block and the 12-layer GPT-2-small for
 `torch.compile` as users run them, measuring the graphs AOTAutograd hands the backend (with the backend's
 decompositions): `llama_layer`, the zoo's LlamaBlock at 2048 wide, GQA 16/4 heads, SwiGLU 5632, seq 1024, bf16,
 under no_grad (one inference graph); `gpt2_train`, one GPT-2-small block (seq 512, bf16) forward + backward (the
-forward and the backward graph; times, bounds and FLOPs summed over both). --breakdown prints,
-for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
+forward and the backward graph; times, bounds and FLOPs summed over both), and `gpt2_train_sdpa`, the same block
+with its attention through F.scaled_dot_product_attention(is_causal=True) (Hugging Face GPT-2's default). The
+training cases' bound counts the model's FLOPs, those of the -O0 program of its graphs with attention decomposed
+(full causal FLOPs, as the other cases), not the flash kernels' matmuls (causal blocks skipped, P recomputed).
+--breakdown prints, for each case, where the -O2 program's time goes: each kind of kernel's share of the estimated time.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from neuronc.isa import Engine, Opcode
 from neuronc.passes.cost_model import kernel_spans
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops, peak_tflops
-from tests.zoo import GPT2, LlamaBlock, TransformerBlock
+from tests.zoo import GPT2, CausalSelfAttention, LlamaBlock, TransformerBlock
 
 
 class MatMul(nn.Module):
@@ -83,6 +86,23 @@ class BasicBlock(nn.Module):
         return F.relu(x + self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
 
 
+class SdpaCausalSelfAttention(CausalSelfAttention):
+    """The zoo block's attention through F.scaled_dot_product_attention(is_causal=True), as Hugging Face's GPT-2
+    runs it by default (its `sdpa` attention), the same weights."""
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+def _with_sdpa(block: TransformerBlock) -> TransformerBlock:
+    block.attn.__class__ = SdpaCausalSelfAttention
+    return block
+
+
 def _cases(quick: bool) -> dict:
     bf16 = torch.bfloat16
     n, tokens, seq = (1024, 128, 256) if quick else (4096, 512, 512)
@@ -99,6 +119,7 @@ def _cases(quick: bool) -> dict:
         "llama_layer": (LlamaBlock(512 if quick else 2048, 16, 4, 1408 if quick else 5632),
                         (torch.randn(1, 256 if quick else 1024, 512 if quick else 2048),), bf16),
         "gpt2_train": (TransformerBlock(768, 12), (torch.randn(1, tokens, 768),), bf16),
+        "gpt2_train_sdpa": (_with_sdpa(TransformerBlock(768, 12)), (torch.randn(1, tokens, 768),), bf16),
         "gpt2": (GPT2(vocab=50257, width=768, layers=2 if quick else 12, heads=12, context=1024),
                  (torch.randint(0, 50257, (1, tokens)),), bf16),
     }
@@ -140,16 +161,19 @@ def _measure(neff, target, model_ideal_ns=None) -> dict:
             "ideal_ns": ideal_ns}
 
 
-COMPILED_CASES = {"llama_layer": False, "gpt2_train": True}  # through torch.compile; True: forward + backward
+# through torch.compile; True: forward + backward
+COMPILED_CASES = {"llama_layer": False, "gpt2_train": True, "gpt2_train_sdpa": True}
 
 
-def _aot_graphs(model, inputs, train: bool) -> list:
+def _aot_graphs(model, inputs, train: bool, flash: bool = True) -> list:
     """The FX graphs AOTAutograd hands a backend for `model(*inputs)` (and its backward when `train`), with the
     neuron backend's decompositions, as `torch.compile(model, backend="neuron")` would compile them; the graphs
-    themselves run eagerly on the CPU here (only their compiled programs are measured)."""
+    themselves run eagerly on the CPU here (only their compiled programs are measured). ``flash`` False: training
+    graphs with attention decomposed into its dense ops (the model's own FLOPs, for the bound)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from neuronc.frontend.sdpa_training import explicit_attention_as_sdpa
     from neuronc.frontend.torch_import import decomposition_table
 
     graphs = []
@@ -158,7 +182,13 @@ def _aot_graphs(model, inputs, train: bool) -> list:
         graphs.append(graph_module)
         return make_boxed_func(graph_module.forward)
 
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table())
+    aot = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train and flash))
+
+    def backend(gm, example_inputs):  # as the neuron backend's _static_backend does
+        if train and flash:
+            explicit_attention_as_sdpa(gm)
+        return aot(gm, example_inputs)
+
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     if train:
@@ -179,13 +209,20 @@ def _measure_compiled(name, model, inputs, train, target) -> dict:
     from neuronc.compiler import compile_fx
 
     graphs = _aot_graphs(model, inputs, train)
+    model_ideal = [None] * len(graphs)
+    if train:  # the flash kernels' matmuls are not the model's FLOPs: those of its dense attention's -O0 program
+        dense = _aot_graphs(model, inputs, train, flash=False)
+        model_ideal = [_measure(compile_fx(gm, CompileOptions(opt_level=0, name=f"{name}_dense_{i}")).neff,
+                                target)["ideal_ns"] for i, gm in enumerate(dense)]
     results = {}
     for level in (0, 2):
         start = time.perf_counter()
         parts = []
         for i, gm in enumerate(graphs):
             neff = compile_fx(copy.deepcopy(gm), CompileOptions(opt_level=level, name=f"{name}_{i}")).neff
-            parts.append((neff, _measure(neff, target, results[0]["parts"][i][1]["ideal_ns"] if level else None)))
+            ideal = model_ideal[i] if model_ideal[i] is not None else results[0]["parts"][i][1]["ideal_ns"] \
+                if level else None
+            parts.append((neff, _measure(neff, target, ideal)))
         time_us = sum(m["time_us"] for _, m in parts)
         bound_us = sum(m["bound_us"] for _, m in parts)
         moved = sum(m["hbm_ratio"] * _minimal_bytes(n) for n, m in parts)

@@ -716,7 +716,7 @@ def _library_plan(gm, node, q, k, v, score_mod, block_mask, score_buffers, mask_
     return plan
 
 
-def _traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int,
+def traced_library_kernel(kernel, shapes: list, dtypes: list, scale: float, plan: dict, heads: int,
                            term_shapes: tuple = (), term_grads: tuple = (), mask_shape: tuple | None = None,
                            diagonal: tuple = ()):
     import numpy as np
@@ -791,14 +791,14 @@ def _cut_for_training(cut, node, locations: dict) -> None:
         mask_shape = tuple(mask_inputs[0].meta["val"].shape)
         mask = None
     if forward:
-        traced = _traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads,
+        traced = traced_library_kernel(flash_attention_forward, [flat] * 3, [dtype] * 3, float(scale), plan, heads,
                                         term_shapes, mask_shape=mask_shape, diagonal=diagonal)
         lse = ((batch, heads, seq), traced.outputs[1].dtype)
         outputs = [(shape, traced.outputs[0].dtype), lse, lse]  # out, log-sum-exp, row max (not made: not read)
         inputs = [q, k, v]
     else:
         term_grads = _terms_reading(score_gm, terms, list(wanted))
-        traced = _traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
+        traced = traced_library_kernel(flash_attention_backward, [flat] * 5 + [flat[:2]],
                                         [dtype] * 5 + [torch.float32], float(scale), plan, heads, term_shapes,
                                         term_grads, mask_shape, diagonal)
         kv_shape = (batch, kv_heads, seq, d)
@@ -816,7 +816,7 @@ def _cut_for_training(cut, node, locations: dict) -> None:
     cut.cut(node, inputs, outputs,
             lambda values, traced=traced, forward=forward, shape=shape, kv_heads=kv_heads, loc=loc, mask=mask,
             runtime_mask=runtime_mask, n_terms=n_terms:
-            _library_nodes(values, traced, forward, shape, kv_heads, loc, mask, runtime_mask, n_terms),
+            library_nodes(values, traced, forward, shape, kv_heads, loc, mask, runtime_mask, n_terms),
             digest.hexdigest(), loc)
 
 
@@ -941,12 +941,13 @@ def _apply_term_gradients(gm, node, score_gm, terms, buffers: list, wanted: dict
     graph.erase_node(tuple_getter)
 
 
-def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc, mask=None,
-                   runtime_mask: bool = False, n_terms: int = 0) -> list:
+def library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: int, loc, mask=None,
+                   runtime_mask: bool = False, n_terms: int = 0, natural_lse: bool = False) -> list:
     """The library kernel's nodes on flex_attention's [batch, heads, ...] values (then a run-time mask, then the
     score_mod's run-time terms), and ``mask`` (a constant keep-mask), its results as flex_attention's (then the
     backward's dY * dy/dterm outputs); with GQA, each K/V head repeated for the query heads of its group and their
-    gradients summed over it, in fp32, as flex_attention's dense backward sums them."""
+    gradients summed over it, in fp32, as flex_attention's dense backward sums them. ``natural_lse``: the
+    log-sum-exp given and returned is the library's own, natural (SDPA's), not flex_attention's base 2."""
     import math
 
     import numpy as np
@@ -992,10 +993,10 @@ def _library_nodes(values: list, traced, forward: bool, shape: tuple, kv_heads: 
     if forward:
         q, k, v = values[:3]
         out, lse = _kernel_nodes(traced, [reshaped(q, flat), repeated(k), repeated(v)] + masks + terms, loc)
-        lse2 = scaled(reshaped(lse, (batch, heads, seq)), 1.0 / math.log(2))  # flex_attention's base-2 lse
-        return [reshaped(out, shape), lse2, None]
-    q, k, v, out, grad_out, lse2 = values[:6]
-    lse = reshaped(scaled(lse2, math.log(2)), flat[:2])
+        lse = reshaped(lse, (batch, heads, seq))
+        return [reshaped(out, shape), lse if natural_lse else scaled(lse, 1.0 / math.log(2)), None]  # flex: base 2
+    q, k, v, out, grad_out, lse = values[:6]
+    lse = reshaped(lse if natural_lse else scaled(lse, math.log(2)), flat[:2])
     grad_q, grad_k, grad_v, *grad_terms = _kernel_nodes(
         traced, [reshaped(q, flat), repeated(k), repeated(v), reshaped(out, flat), reshaped(grad_out, flat), lse]
         + masks + terms, loc)

@@ -36,12 +36,15 @@ class ImportedGraph:
     seconds: dict = dataclasses.field(default_factory=dict)  # time per import stage (see compiler.Compiled)
 
 
-def decomposition_table() -> dict:
+def decomposition_table(training: bool = False) -> dict:
     """ATen decompositions applied before import: torch-mlir's own table (core ATen and more), plus
-    torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own."""
+    torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own. ``training``: the
+    table for graphs AOTAutograd traces with their backward, where SDPA stays whole for the flash kernels
+    (sdpa_training.py)."""
     import torch
 
-    from neuronc.frontend import decompositions, float_semantics, linalg_decompositions, special_decompositions
+    from neuronc.frontend import (decompositions, float_semantics, linalg_decompositions, norm_training,
+                                  sdpa_training, special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -60,6 +63,9 @@ def decomposition_table() -> dict:
     table.update(float_semantics.OWN)
     table.update(decompositions.defined_elsewhere())
     table.update(decompositions.defined_after_import())
+    if training:
+        table.update(sdpa_training.kept_in_training(table))
+        table.update(norm_training.recomputed_in_backward(table))
     return table
 
 
@@ -292,7 +298,7 @@ def drop_none_outputs(gm) -> list:
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind). Custom ops whose body
     is an NKI kernel are cut out for torch-mlir and come back as custom kernels (frontend/kernel_calls.py)."""
-    from neuronc.frontend import control_flow, exact_fmod, flex_attention, kernel_calls
+    from neuronc.frontend import control_flow, exact_fmod, flex_attention, kernel_calls, sdpa_training
 
     check_static_shapes(gm)
     control_flow.inline_conditionals(gm)
@@ -302,6 +308,7 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     cut = kernel_calls.GraphCut(gm)
     kernel_calls.cut_kernel_calls(cut, locations)
     flex_attention.cut_flex_attention(cut, locations)
+    sdpa_training.cut_for_training(cut, locations)
     exact_fmod.cut_float_fmod(cut, locations)
     sites = cut.finish()
     if flex_attention.decompose_flex_attention(gm):  # what was not cut: as ATen ops

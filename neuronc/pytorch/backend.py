@@ -331,8 +331,15 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
                  neff.estimated_ns / 1e3, " (from the compile cache)" if compiled.cache_hit else "", shapes)
         return function
 
+    import torch
+
+    from neuronc.frontend.sdpa_training import explicit_attention_as_sdpa
+
+    training = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
+    if training:  # attention written out becomes SDPA, which the training table keeps for the flash kernels
+        explicit_attention_as_sdpa(gm)
     return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph,
-                        decompositions=decomposition_table())(gm, example_inputs)
+                        decompositions=decomposition_table(training))(gm, example_inputs)
 
 
 compiled_graphs = CompiledGraphs()  # every NeffFunction made in this process, newest last (for tests and tools)
