@@ -41,7 +41,8 @@ def decomposition_table() -> dict:
     torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own."""
     import torch
 
-    from neuronc.frontend import decompositions, float_semantics, linalg_decompositions, special_decompositions
+    from neuronc.frontend import (bounded_outputs, decompositions, float_semantics, linalg_decompositions,
+                                  special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -58,6 +59,7 @@ def decomposition_table() -> dict:
     table.update(linalg_decompositions.OWN)
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)
+    table.update(bounded_outputs.OWN)
     table.update(decompositions.defined_elsewhere())
     table.update(decompositions.defined_after_import())
     return table
