@@ -25,6 +25,8 @@ def nonzero_static(x, *, size: int, fill_value: int = -1):
     flat = (x != 0).reshape(-1)
     n, rank = flat.numel(), x.dim()
     device = x.device
+    if size * rank == 0:  # no element to compute (a 0-d input's rows have no coordinate)
+        return torch.full((size, rank), fill_value, dtype=torch.int64, device=device)
     ones = flat.to(torch.int32)
     before = torch.cumsum(ones, 0) - ones  # how many true elements precede each one: its output row
     spare = size  # a row past the result, where unselected elements (and those beyond `size`) are written
@@ -48,7 +50,7 @@ def _count(mask):
 def bounded_nonzero(x):
     """aten.nonzero as nonzero_static over every element, its count read on the host, and a slice."""
     count = _count(x).item()
-    torch._check_is_size(count)
+    torch._check(count >= 0)
     torch._check(count <= x.numel())
     return nonzero_static(x, size=x.numel(), fill_value=0)[:count]
 
@@ -59,7 +61,7 @@ def bounded_masked_select(x, mask):
     flat_mask = mask.expand(shape).reshape(-1)
     rows = nonzero_static(flat_mask, size=flat_mask.numel(), fill_value=0)[:, 0]
     count = _count(flat_mask).item()
-    torch._check_is_size(count)
+    torch._check(count >= 0)
     torch._check(count <= flat_mask.numel())
     return x.expand(shape).reshape(-1)[rows][:count]
 
@@ -75,7 +77,7 @@ def bounded_index(x, indices):
     mask = indices[dim]
     rows = nonzero_static(mask, size=mask.numel(), fill_value=0)
     count = _count(mask).item()
-    torch._check_is_size(count)
+    torch._check(count >= 0)
     torch._check(count <= mask.numel())
     gathered = aten.index.Tensor(x, [None] * dim + list(rows.unbind(1)))
     return gathered.narrow(dim, 0, count)
