@@ -219,7 +219,7 @@ def _host_view(value, placeholders):
     if not isinstance(value, fx.Node):
         return lambda args: value
     val = value.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.numel() == 0:  # nothing to compute (a count of 0): an empty tensor
+    if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0:  # nothing to compute (a count of 0): an empty tensor
         shape, dtype = tuple(val.shape), val.dtype
         return lambda args: torch.empty(shape, dtype=dtype, device=_device_of(args))
     if value.op == "placeholder":
