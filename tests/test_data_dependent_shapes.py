@@ -86,3 +86,11 @@ def test_gradient_through_masked_select(fresh_dynamo):
     fn(eager).backward()
     OnDevice(fn)(compiled).backward()
     assert_matches_eager(compiled.grad, eager.grad)
+
+
+def test_take_with_a_0d_index_is_a_gather_not_a_host_read(fresh_dynamo):
+    def fn(x, i):
+        return torch.take(x, i) * 2
+
+    x = torch.randn(3, 4)
+    assert_matches_eager(OnDevice(fn)(x, torch.tensor(5)), fn(x, torch.tensor(5)))
