@@ -94,3 +94,12 @@ def test_take_with_a_0d_index_is_a_gather_not_a_host_read(fresh_dynamo):
 
     x = torch.randn(3, 4)
     assert_matches_eager(OnDevice(fn)(x, torch.tensor(5)), fn(x, torch.tensor(5)))
+
+
+def test_a_size_read_from_a_tensor_with_item(fresh_dynamo):
+    def fn(x, n):
+        return x.narrow(0, 0, n.item()) * 2
+
+    compiled, x = OnDevice(fn), torch.randn(6, 3)
+    for n in (torch.tensor(2), torch.tensor(5)):
+        assert_matches_eager(compiled(x, n), fn(x, n))
