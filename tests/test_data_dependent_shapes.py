@@ -103,3 +103,11 @@ def test_a_size_read_from_a_tensor_with_item(fresh_dynamo):
     compiled, x = OnDevice(fn), torch.randn(6, 3)
     for n in (torch.tensor(2), torch.tensor(5)):
         assert_matches_eager(compiled(x, n), fn(x, n))
+
+
+def test_a_count_of_zero_then_a_reduction(fresh_dynamo):
+    def fn(x):
+        return x[x > 100].sum() + x[x > 0].mean()
+
+    x = torch.randn(6, 3)
+    assert_matches_eager(OnDevice(fn)(x), fn(x))

@@ -91,7 +91,26 @@ def _retrace(gm: fx.GraphModule, tensors) -> fx.GraphModule:
     with mode:
         traced = make_fx(fx.Interpreter(gm).run, decomposition_table=table)(*fakes)
     _drop_checks(traced)
+    _empties_made_anew(traced)
     return traced
+
+
+def _empties_made_anew(gm: fx.GraphModule) -> None:
+    """In place: every empty tensor the graph uses (a count of 0 cuts a bounded result to nothing) is made by an
+    op of no input, so that no slice or gather to nothing is left to compile: it holds no value to compute."""
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if (node.op not in ("placeholder", "call_function") or not isinstance(val, torch.Tensor)
+                or not isinstance(val.numel(), int) or val.numel() != 0 or not node.users
+                or node.target is aten.full.default):
+            continue
+        with gm.graph.inserting_after(node):
+            empty = gm.graph.call_function(aten.full.default, (list(val.shape), 0),
+                                           {"dtype": val.dtype, "device": torch.device("cpu")})
+        empty.meta["val"] = val
+        node.replace_all_uses_with(empty, delete_user_cb=lambda user, made=empty: user is not made)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def _first_of(rule, then):
