@@ -111,3 +111,13 @@ def test_a_count_of_zero_then_a_reduction(fresh_dynamo):
 
     x = torch.randn(6, 3)
     assert_matches_eager(OnDevice(fn)(x), fn(x))
+
+
+def test_on_neuron_tensors_the_results_stay_on_the_device(fresh_dynamo, neuron):
+    def fn(x):
+        return torch.masked_select(x, x > 0) * 2, x[x > 100].sum()
+
+    x = _with_zeros(4, 5)
+    got = OnDevice(fn)(x.to(neuron))
+    assert all(g.device == neuron for g in got)
+    assert_matches_eager([g.cpu() for g in got], fn(x))
