@@ -77,6 +77,7 @@ def _retrace(gm: fx.GraphModule, tensors) -> fx.GraphModule:
     """``gm`` (its scalar arguments inlined) traced again on its concrete input shapes, with the ops whose result
     size depends on data in bounded form: every size is then static except those computed from a READ."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -88,7 +89,7 @@ def _retrace(gm: fx.GraphModule, tensors) -> fx.GraphModule:
         table[op] = _first_of(bounded, table.get(op))
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     fakes = _fake_inputs(mode, tensors)
-    with mode:
+    with mode, fx_traceback.preserve_node_meta():  # the user's source lines stay on the nodes, for errors
         traced = make_fx(fx.Interpreter(gm).run, decomposition_table=table)(*fakes)
     _drop_checks(traced)
     _empties_made_anew(traced)
@@ -124,8 +125,9 @@ def _first_of(rule, then):
 
 
 def _drop_checks(gm: fx.GraphModule) -> None:
-    """In place: remove the run-time checks of sizes (`_assert_scalar`, the size facts `torch._check` records)
-    and the scalar arithmetic only they used; a read value is checked by the program its tail is compiled to."""
+    """In place: remove the run-time checks of sizes (`_assert_scalar`, the size facts `torch._check` records:
+    a count's bounds, which hold by construction) and the scalar arithmetic only they used. torch-mlir cannot
+    lower them; a user's own `torch._check` on a read value is dropped with them (not enforced)."""
     checks = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default}
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_function" and (node.target in checks or (
