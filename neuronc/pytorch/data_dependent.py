@@ -46,7 +46,18 @@ def data_dependent_graph(gm: fx.GraphModule, compile_static) -> PerShapeGraphs:
 
 def _per_value(gm, compile_static, name: str) -> PerShapeGraphs:
     def compile_concrete(concrete_gm, tensors):
-        return _stages(_retrace(concrete_gm, tensors), tensors, compile_static)
+        from neuronc.pytorch.partition import fallback_disabled
+
+        try:
+            traced = _retrace(concrete_gm, tensors)
+        except Exception as err:  # noqa: BLE001 - a graph torch cannot trace again: as before this module
+            if fallback_disabled():
+                raise NeuronCompileError(f"this graph's data-dependent sizes could not be put in bounded form "
+                                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+                                         hint="compute the value outside the compiled region") from err
+            whole = compile_static(concrete_gm)  # the static path's CPU fallback of the ops it cannot compile
+            return lambda *args: whole(list(args))
+        return _stages(traced, tensors, compile_static)
 
     graphs = PerShapeGraphs(gm, compile_concrete, graph_name=name)
     graphs.beyond_limit = _beyond_limit(graphs)
