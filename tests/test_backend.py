@@ -161,20 +161,28 @@ def test_a_new_input_shape_recompiles_and_is_counted(caplog, fresh_dynamo):
     assert "compilation #" in caplog.text
 
 
-def test_a_value_read_from_tensor_data_is_refused_as_such_not_as_a_dynamic_shape(fresh_dynamo, monkeypatch):
+def test_a_value_read_from_tensor_data_runs_on_the_device_in_stages(fresh_dynamo, monkeypatch):
     # nn.TransformerEncoder checks whether a mask is causal with bool((mask == causal).all()); under fullgraph=True
-    # Dynamo captures that as an unbacked symbol, which is no dynamic shape the user asked for (with the CPU
-    # fallback allowed, that part of the graph runs on the CPU)
+    # Dynamo captures that as an unbacked symbol, which is no dynamic shape the user asked for: the value is read
+    # back from the device and the rest specialised on it (neuronc/pytorch/data_dependent.py)
     monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
     layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
     causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
-    with torch.no_grad(), pytest.raises(Exception) as caught:
-        torch.compile(lambda x: encoder(x, mask=causal), backend="neuron", fullgraph=True)(torch.randn(1, 4, 8))  # here
+    x = torch.randn(1, 4, 8)
+    with torch.no_grad():
+        assert_matches_eager(OnDevice(lambda x: encoder(x, mask=causal))(x), encoder(x, mask=causal))
+
+
+def test_a_data_dependent_size_with_no_bounded_form_is_refused_as_such_not_as_a_dynamic_shape(fresh_dynamo,
+                                                                                                monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+    with pytest.raises(Exception) as caught:
+        torch.compile(lambda x: torch.unique(x) * 2, backend="neuron", fullgraph=True)(torch.tensor([1.0, 2.0, 2.0]))  # here
     raised = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(raised, NeuronCompileError), raised
     assert "turns tensor data into a Python value" in str(raised) and "dynamic=True" not in str(raised)
-    assert f"test_backend.py:{line_of(__file__, 'fullgraph=True)(torch.randn(1, 4, 8))  # here')}" in str(raised)
+    assert f"test_backend.py:{line_of(__file__, 'torch.tensor([1.0, 2.0, 2.0]))  # here')}" in str(raised)
 
 
 def test_debug_dir_keeps_every_compilation(tmp_path, monkeypatch, fresh_dynamo):

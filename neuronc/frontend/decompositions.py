@@ -1982,6 +1982,12 @@ def _adaptive_max_pool3d_backward(grad, x, indices, *, spatial: int = 3):
     return volume.scatter_add(-1, indices.flatten(lead), grad.flatten(lead)).reshape(x.shape)
 
 
+def _take(x, index):
+    """aten.take: x's flattened elements at ``index`` as one gather. torch's decomposition indexes with
+    ``flattened[index]``, which for a 0-d index reads its value on the host (a data-dependent guard)."""
+    return aten.index.Tensor(x.reshape(-1), [index])
+
+
 def _empty_index(x, indices):
     """x[indices] when the result holds no element (x or an index is empty: F.pad(mode='reflect') of an empty
     batch gathers from a [0, c, w] input): torch-mlir cannot lower that gather, and there is nothing to gather,
@@ -2211,6 +2217,7 @@ OWN = {
     aten.adaptive_max_pool3d_backward.default: _adaptive_max_pool3d_backward,
     aten.as_strided_scatter.default: _as_strided_scatter,
     aten.index.Tensor: _empty_index,
+    aten.take.default: _take,
     **_foreach_decompositions(),
 }
 for _kind in "tuvw":

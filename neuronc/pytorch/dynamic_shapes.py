@@ -97,13 +97,14 @@ class PerShapeGraphs:
         self.programs: dict = {}  # signature -> compiled callable
         self.limit = max_shapes()
         self.warned = False
+        self.beyond_limit = self.eagerly  # what a new signature past the limit does (a caller may make it an error)
 
     def __call__(self, *args):
         key = signature(args)
         program = self.programs.get(key)
         if program is None:
             if len(self.programs) >= self.limit:
-                return self._eagerly(args)
+                return self.beyond_limit(args)
             program = self.programs[key] = self._compile(list(args))
         return program(*args)
 
@@ -119,7 +120,7 @@ class PerShapeGraphs:
             program = torch._dynamo.disable(self.compile_static)(gm, [args[i] for i in kept])
         return lambda *given: program(*(given[i] for i in kept))
 
-    def _eagerly(self, args):
+    def eagerly(self, args):
         if not self.warned:
             self.warned = True
             warnings.warn(
