@@ -41,7 +41,8 @@ def decomposition_table() -> dict:
     torch's decompositions of ops that torch-mlir cannot lower to StableHLO, plus neuronc's own."""
     import torch
 
-    from neuronc.frontend import decompositions, float_semantics, linalg_decompositions, special_decompositions
+    from neuronc.frontend import (coverage_lowerings, decompositions, float_semantics, linalg_decompositions,
+                                  special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -53,11 +54,13 @@ def decomposition_table() -> dict:
         aten.upsample_nearest2d, aten._unsafe_index,
         # found by benchmarks/opinfo.py's whole run: torch's own decompositions, not in torch-mlir's table
         aten.view_copy, aten.permute_copy, aten.narrow_copy, aten.as_strided_copy, aten.unbind_copy,
+        aten._batch_norm_with_update_functional,
     ]))
     table.update(decompositions.OWN)
     table.update(linalg_decompositions.OWN)
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)
+    table.update(coverage_lowerings.OWN)
     table.update(decompositions.defined_elsewhere())
     table.update(decompositions.defined_after_import())
     return table
