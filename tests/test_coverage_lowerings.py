@@ -38,6 +38,8 @@ def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, 
         "nextafter": torch.nextafter(a, b),
         "nextafter_special": torch.nextafter(pairs_x, pairs_y),
         "tan": torch.tan(a),
+        "vector_norm_0d": torch.linalg.vector_norm(a[1, 1], 3.0),
+        "vector_norm_0d_keepdim": torch.linalg.vector_norm(a[1, 2], 0.0, keepdim=True),
         "empty_like": torch.empty_like(a).shape,
         "cumsum_0d": torch.cumsum(a[0, 0], 0),
         "roll_by_zero": torch.roll(a, 0, 0),
@@ -74,6 +76,7 @@ EXACT = {"nextafter", "nextafter_special", "cumsum_0d", "roll_by_zero", "roll_by
 
 @pytest.mark.parametrize("name", [
     "hypot", "hypot_special", "dist_2", "dist_3", "dist_inf", "dist_0", "nextafter", "nextafter_special", "tan",
+    "vector_norm_0d", "vector_norm_0d_keepdim",
     "empty_like", "cumsum_0d", "roll_by_zero", "roll_by_a_turn", "narrow_zero_length", "index_put_row",
     "index_put_row_accumulate", "scatter_add", "scatter_multiply", "scatter_value_add", "batch_norm_with_update",
     "batch_norm_running_stats"])

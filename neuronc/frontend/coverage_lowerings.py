@@ -33,6 +33,14 @@ def _dist(a, b, p=2):
     return aten.linalg_vector_norm.default(a - b, float(p))
 
 
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """The vector norm of a 0-d tensor (torch-mlir lowers only ranks >= 1): the norm of its one element as a
+    1-element vector, back to 0-d (keepdim keeps 0-d, as eager). Other ranks are torch-mlir's."""
+    if x.dim() != 0:
+        return NotImplemented
+    return aten.linalg_vector_norm.default(x.reshape(1), ord, None, False, dtype=dtype)
+
+
 def _tan(x):
     """tan = sin / cos (StableHLO's tan has no kernel); both are accurate to an ulp, so the quotient is within
     fp32's tolerance of eager's tan everywhere, the poles included (cos(x) of an fp32 x is never 0)."""
@@ -131,6 +139,7 @@ OWN = {
     aten.scatter.value_reduce: _scatter_reduce_value,
     aten.hypot.default: _hypot,
     aten.dist.default: _dist,
+    aten.linalg_vector_norm.default: _vector_norm,
     aten.tan.default: _tan,
     aten.empty_like.default: _empty_like,
     aten.empty_permuted.default: _empty_permuted,
