@@ -19,6 +19,7 @@ _MASK = torch.tensor([True, False, True, True, False, False])
 _SCATTER_INDEX = torch.tensor([[0, 1, 2, 0, 1, 2, 0], [2, 2, 2, 1, 1, 0, 0]])
 _BN_INPUT = torch.randn(4, 3, 5, generator=_generator)
 _BN_WEIGHT, _BN_BIAS = torch.rand(3, generator=_generator), torch.randn(3, generator=_generator)
+_RUNNING_MEAN, _RUNNING_VAR = torch.randn(3, generator=_generator), torch.rand(3, generator=_generator)
 
 
 def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, running_mean, running_var):
@@ -50,14 +51,14 @@ def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, 
         "scatter_add": a.scatter(0, scatter_index, b, reduce="add"),
         "scatter_multiply": a.scatter(0, scatter_index, b, reduce="multiply"),
         "scatter_value_add": a.scatter(1, scatter_index, 2.5, reduce="add"),
-        "batch_norm_with_update": batch_norm[:3],
+        "batch_norm_with_update": batch_norm,
         "batch_norm_running_stats": (running_mean, running_var),
     }
 
 
 def _inputs():
     return (_A, _B, _SPECIAL, _MASK, _SCATTER_INDEX, _BN_INPUT, _BN_WEIGHT, _BN_BIAS,
-            torch.zeros(3), torch.ones(3))
+            _RUNNING_MEAN, _RUNNING_VAR)
 
 
 @pytest.fixture(scope="module")

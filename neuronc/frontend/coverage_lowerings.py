@@ -63,6 +63,17 @@ def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=No
     return _zeros_for_empty(size, dtype=dtype, device=device)
 
 
+def _batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
+    """Training batch norm with its running statistics updated: torch's own decomposition, but for the cuDNN
+    reserve (empty on every other backend): torch makes it as a 0-d uint8 scalar_tensor expanded, which torch-mlir
+    cannot lower; here it is a one-element uint8 comparison expanded to no element."""
+    from torch._decomp.decompositions import native_batch_norm_helper
+    output, save_mean, save_rstd, new_mean, new_var = native_batch_norm_helper(
+        input, weight, bias, running_mean, running_var, True, momentum, eps, True)
+    reserve = (input.reshape(-1)[:1] > 0).to(torch.uint8).expand(0)
+    return output, save_mean, save_rstd, reserve, new_mean, new_var
+
+
 def _cumsum(x, dim, *, dtype=None):
     """cumsum of a 0-d tensor is the tensor (in the result dtype: int64 for integers and bools, as eager); other
     ranks are torch-mlir's."""
@@ -141,6 +152,7 @@ OWN = {
     aten.dist.default: _dist,
     aten.linalg_vector_norm.default: _vector_norm,
     aten.tan.default: _tan,
+    aten._batch_norm_with_update_functional.default: _batch_norm_with_update_functional,
     aten.empty_like.default: _empty_like,
     aten.empty_permuted.default: _empty_permuted,
     aten.cumsum.default: _cumsum,

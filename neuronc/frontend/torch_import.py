@@ -54,7 +54,6 @@ def decomposition_table() -> dict:
         aten.upsample_nearest2d, aten._unsafe_index,
         # found by benchmarks/opinfo.py's whole run: torch's own decompositions, not in torch-mlir's table
         aten.view_copy, aten.permute_copy, aten.narrow_copy, aten.as_strided_copy, aten.unbind_copy,
-        aten._batch_norm_with_update_functional,
     ]))
     table.update(decompositions.OWN)
     table.update(linalg_decompositions.OWN)
