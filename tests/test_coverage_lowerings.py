@@ -93,3 +93,40 @@ def test_matches_eager(compiled_and_eager, name):
             assert torch.equal(g.view(torch.int32), w.view(torch.int32)) if g.is_floating_point() else torch.equal(g, w)
         else:
             torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
+
+
+_SQUARE = torch.randn(3, 5, 5, generator=_generator)
+_RIGHT_SIDES = torch.randn(3, 5, 2, generator=_generator)
+
+
+def _linalg_ops(square, right_sides):
+    """matrix_exp (unscaled, scaled by a few squarings, a large norm) and triangular_solve's four forms; the
+    triangular matrices get a dominant diagonal (a well-conditioned solve), their other triangle is ignored."""
+    triangular = square + 6 * torch.eye(5)
+    return {
+        "matrix_exp_small": torch.matrix_exp(square[0] * 0.1),
+        "matrix_exp": torch.matrix_exp(square),
+        "matrix_exp_large_norm": torch.matrix_exp(square[1] * 8 - 30 * torch.eye(5)),
+        "triangular_solve_upper": torch.triangular_solve(right_sides, triangular),
+        "triangular_solve_lower_transposed": torch.triangular_solve(right_sides, triangular, upper=False,
+                                                                    transpose=True),
+        "triangular_solve_unit_broadcast": torch.triangular_solve(right_sides, triangular[0], unitriangular=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def linalg_compiled_and_eager():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
+        got = run_compiled(_linalg_ops, _SQUARE, _RIGHT_SIDES)
+    return got, _linalg_ops(_SQUARE, _RIGHT_SIDES)
+
+
+@pytest.mark.parametrize("name", ["matrix_exp_small", "matrix_exp", "matrix_exp_large_norm", "triangular_solve_upper",
+                                  "triangular_solve_lower_transposed", "triangular_solve_unit_broadcast"])
+def test_linalg_matches_eager(linalg_compiled_and_eager, name):
+    got, want = linalg_compiled_and_eager[0][name], linalg_compiled_and_eager[1][name]
+    got, want = (tuple(got), tuple(want)) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **TOLERANCES[w.dtype])
