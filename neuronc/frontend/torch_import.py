@@ -42,7 +42,7 @@ def decomposition_table() -> dict:
     import torch
 
     from neuronc.frontend import (coverage_lowerings, decompositions, float_semantics, linalg_decompositions,
-                                  matrix_functions, special_decompositions)
+                                  special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -60,7 +60,6 @@ def decomposition_table() -> dict:
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)
     table.update(coverage_lowerings.OWN)
-    table.update(matrix_functions.OWN)
     table.update(decompositions.defined_elsewhere())
     table.update(decompositions.defined_after_import())
     return table
