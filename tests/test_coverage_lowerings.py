@@ -18,11 +18,12 @@ _SPECIAL = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 3e
 _MASK = torch.tensor([True, False, True, True, False, False])
 _SCATTER_INDEX = torch.tensor([[0, 1, 2, 0, 1, 2, 0], [2, 2, 2, 1, 1, 0, 0]])
 _BN_INPUT = torch.randn(4, 3, 5, generator=_generator)
+_IMAGE = torch.randn(2, 3, 10, 20, generator=_generator)
 _BN_WEIGHT, _BN_BIAS = torch.rand(3, generator=_generator), torch.randn(3, generator=_generator)
 _RUNNING_MEAN, _RUNNING_VAR = torch.randn(3, generator=_generator), torch.rand(3, generator=_generator)
 
 
-def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, running_mean, running_var):
+def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, running_mean, running_var, image):
     """Every lowering under test, by name; `special` holds the IEEE edge cases (zeros of both signs, infinities,
     NaN, the largest finite and smallest subnormal magnitudes)."""
     pairs_x = special.repeat_interleave(special.numel())
@@ -52,13 +53,18 @@ def _every_op(a, b, special, mask, scatter_index, bn_input, bn_weight, bn_bias, 
         "scatter_multiply": a.scatter(0, scatter_index, b, reduce="multiply"),
         "scatter_value_add": a.scatter(1, scatter_index, 2.5, reduce="add"),
         "batch_norm_with_update": batch_norm,
+        "resize_antialiased_down": torch.nn.functional.interpolate(image, (3, 7), mode="bilinear", antialias=True),
+        "resize_antialiased_up_corners": torch.nn.functional.interpolate(image, (17, 9), mode="bilinear",
+                                                                         align_corners=True, antialias=True),
+        "resize_antialiased_scales": torch.nn.functional.interpolate(image, scale_factor=(1.7, 0.9), mode="bilinear",
+                                                                     antialias=True),
         "batch_norm_running_stats": (running_mean, running_var),
     }
 
 
 def _inputs():
     return (_A, _B, _SPECIAL, _MASK, _SCATTER_INDEX, _BN_INPUT, _BN_WEIGHT, _BN_BIAS,
-            _RUNNING_MEAN, _RUNNING_VAR)
+            _RUNNING_MEAN, _RUNNING_VAR, _IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,8 @@ EXACT = {"nextafter", "nextafter_special", "cumsum_0d", "roll_by_zero", "roll_by
     "vector_norm_0d", "vector_norm_0d_keepdim",
     "empty_like", "cumsum_0d", "roll_by_zero", "roll_by_a_turn", "narrow_zero_length", "index_put_row",
     "index_put_row_accumulate", "scatter_add", "scatter_multiply", "scatter_value_add", "batch_norm_with_update",
-    "batch_norm_running_stats"])
+    "batch_norm_running_stats", "resize_antialiased_down", "resize_antialiased_up_corners",
+    "resize_antialiased_scales"])
 def test_matches_eager(compiled_and_eager, name):
     got, want = compiled_and_eager[0][name], compiled_and_eager[1][name]
     if name == "empty_like":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 aten = torch.ops.aten
@@ -130,6 +131,51 @@ def _index_put(x, indices, values, accumulate=False):
     return torch.where(selected, row, x)
 
 
+_BILINEAR_SUPPORT = 1.0  # the triangle filter max(0, 1 - |x|) is nonzero on (-1, 1): interp_size 2, halved
+
+
+def _antialias_weights(input_size: int, output_size: int, align_corners: bool, scale) -> np.ndarray:
+    """[output_size, input_size] weights of ATen's antialiased bilinear resampling along one dim
+    (UpSampleKernel.cpp, _compute_indices_min_size_weights_aa), in fp32 as ATen computes them for fp32: output i
+    averages the inputs within `support` of its centre scale (i + 1/2), weighted by the triangle filter stretched
+    by the scale when downsampling, normalised to sum 1."""
+    f32 = np.float32
+    if align_corners:
+        ratio = f32(input_size - 1) / f32(output_size - 1) if output_size > 1 else f32(0)
+    else:
+        ratio = f32(1.0 / scale) if scale is not None and scale > 0 else f32(input_size) / f32(output_size)
+    support = f32(_BILINEAR_SUPPORT) * ratio if ratio >= 1 else f32(_BILINEAR_SUPPORT)
+    inverse = f32(1) / ratio if ratio >= 1 else f32(1)
+    weights = np.zeros((output_size, input_size), dtype=np.float32)
+    for i in range(output_size):
+        center = ratio * f32(i + 0.5)
+        first = max(int(center - support + f32(0.5)), 0)
+        count = min(int(center + support + f32(0.5)), input_size) - first
+        row = np.array([max(f32(0), f32(1) - abs((f32(j + first) - center + f32(0.5)) * inverse))
+                        for j in range(count)], dtype=np.float32)
+        total = row.sum(dtype=np.float32)
+        weights[i, first:first + count] = row / total if total != 0 else row
+    return weights
+
+
+def _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    """Antialiased bilinear resizing (interpolate(..., antialias=True)): separable, each of H and W a product with
+    its constant weight matrix (torch-mlir has no lowering of it)."""
+    if not x.is_floating_point():
+        return NotImplemented
+    (height, width), (out_height, out_width) = x.shape[-2:], output_size
+    rows = torch.from_numpy(_antialias_weights(height, out_height, align_corners, scales_h)).to(x.dtype)
+    columns = torch.from_numpy(_antialias_weights(width, out_width, align_corners, scales_w)).to(x.dtype)
+    return rows @ (x @ columns.T)
+
+
+def _upsample_bilinear2d_aa_vec(x, output_size, align_corners, scale_factors):
+    if output_size is None:
+        output_size = [int(math.floor(size * factor)) for size, factor in zip(x.shape[-2:], scale_factors)]
+    scales = scale_factors if scale_factors is not None else (None, None)
+    return _upsample_bilinear2d_aa(x, output_size, align_corners, *scales)
+
+
 _SCATTER_REDUCTIONS = {"add": "sum", "multiply": "prod"}
 
 
@@ -146,6 +192,8 @@ def _scatter_reduce_value(x, dim, index, value, reduce):
 
 
 OWN = {
+    aten._upsample_bilinear2d_aa.default: _upsample_bilinear2d_aa,
+    aten._upsample_bilinear2d_aa.vec: _upsample_bilinear2d_aa_vec,
     aten.scatter.reduce: _scatter_reduce_src,
     aten.scatter.value_reduce: _scatter_reduce_value,
     aten.hypot.default: _hypot,
