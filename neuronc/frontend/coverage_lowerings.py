@@ -18,14 +18,18 @@ aten = torch.ops.aten
 
 def _hypot(a, b):
     """sqrt(a^2 + b^2) as std::hypot: scaled by the larger magnitude so that no square overflows or underflows;
-    inf if either is infinite (even with a NaN beside it), NaN if either is NaN otherwise, 0 for two zeros."""
-    a, b = torch.broadcast_tensors(a, b)
+    inf if either is infinite (even with a NaN beside it), NaN if either is NaN otherwise, 0 for two zeros.
+    bf16/fp16 are computed in fp32 and rounded once, as eager's opmath."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if dtype == torch.float64:
+        return NotImplemented
+    a, b = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32))
     abs_a, abs_b = torch.abs(a), torch.abs(b)
     larger, smaller = torch.maximum(abs_a, abs_b), torch.minimum(abs_a, abs_b)
     ratio = smaller / torch.where(larger == 0, torch.ones_like(larger), larger)
     result = larger * torch.sqrt(1.0 + ratio * ratio)
     result = torch.where(torch.isnan(a) | torch.isnan(b), torch.full_like(result, math.nan), result)
-    return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(result, math.inf), result)
+    return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(result, math.inf), result).to(dtype)
 
 
 def _dist(a, b, p=2):
@@ -45,9 +49,10 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
 def _tan(x):
     """tan = sin / cos (StableHLO's tan has no kernel); both are accurate to an ulp, so the quotient is within
     fp32's tolerance of eager's tan everywhere, the poles included (cos(x) of an fp32 x is never 0)."""
-    if not x.is_floating_point():
+    if not x.is_floating_point() or x.dtype == torch.float64:
         return NotImplemented
-    return torch.sin(x) / torch.cos(x)
+    x32 = x.to(torch.float32)  # bf16/fp16 in fp32, rounded once, as eager's opmath
+    return (torch.sin(x32) / torch.cos(x32)).to(x.dtype)
 
 
 def _zeros_for_empty(size, *, dtype=None, device=None):
