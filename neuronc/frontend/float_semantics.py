@@ -1,5 +1,5 @@
 """The IEEE float semantics torch-mlir gets wrong or cannot lower (issue 21, found by `benchmarks.opinfo`):
-`frexp` (no lowering: read from the fp32 bits with a bitcast), `angle` of a real tensor (no lowering), and a float tensor compared equal with itself.
+`frexp` and `nextafter` (no lowering: read from the fp32 bits with a bitcast), `angle` of a real tensor (no lowering), and a float tensor compared equal with itself.
 
 **A silent wrong result, fixed here**: torch-mlir folds `aten.eq.Tensor(x, x)` to true, which is wrong for floats
 (NaN == NaN is false): compiled, `x == x` was true at NaN, and so were `torch.isfinite(NaN)` (torch decomposes it
@@ -51,6 +51,29 @@ def _frexp(x):
     return mantissa, exponent
 
 
+_F32_SIGN_BIT = -0x80000000  # int32's sign bit: a float's sign
+
+
+def _nextafter(x, y):
+    """The fp32 after x in y's direction, as std::nextafter, from the bits (a bitcast; exact): a finite nonzero x
+    moves one step of its int32 bit pattern, up in magnitude when y lies beyond x away from zero, down otherwise;
+    from +-0 the step is the smallest subnormal with y's sign; y itself when x == y (so -0 towards +0 is +0); NaN
+    if either is. Other dtypes stay refusals."""
+    if x.dtype != torch.float32 or y.dtype != torch.float32:
+        return NotImplemented
+    x, y = torch.broadcast_tensors(x, y)
+    bits = aten.view.dtype(x, torch.int32)
+    away_from_zero = (y > x) == (x > 0)
+    stepped = bits + torch.where(away_from_zero, 1, -1).to(torch.int32)
+    smallest_towards_y = torch.bitwise_or(torch.bitwise_and(aten.view.dtype(y, torch.int32),
+                                                            torch.full_like(bits, _F32_SIGN_BIT)),
+                                          torch.ones_like(bits))
+    stepped = torch.where(x == 0, smallest_towards_y, stepped)
+    result = aten.view.dtype(stepped, torch.float32)
+    result = torch.where(x == y, y, result)
+    return torch.where(torch.isnan(x) | torch.isnan(y), x + y, result)
+
+
 def _angle(x):
     """torch.angle of a real tensor (torch-mlir lowers none): pi below 0 (-inf too), 0 from there (-0 too), NaN
     at NaN; integers give float32, as eager. A complex tensor is complex_pairs.py's."""
@@ -64,5 +87,6 @@ def _angle(x):
 OWN = {
     aten.angle.default: _angle,
     aten.frexp.Tensor: _frexp,
+    aten.nextafter.default: _nextafter,
     aten.eq.Tensor: _eq,
 }

@@ -1,7 +1,7 @@
 """neuronc's own lowerings of the iterative linear algebra torch-mlir cannot lower: the SVD (`_linalg_svd`, which
 torch.svd, linalg.svd/svdvals, matrix_rank, cond and the 2/nuclear norms reach), the symmetric eigendecomposition
 (`_linalg_eigh`: eigh, eigvalsh), the pseudo-inverse, histograms (histc, histogram, histogramdd), Householder QR
-(geqrf, linalg.qr, householder_product, ormqr), Cholesky solves and LDL^T with Bunch-Kaufman pivoting
+(geqrf, linalg.qr, householder_product, ormqr), Cholesky and triangular solves, LDL^T with Bunch-Kaufman pivoting
 (ldl_factor, ldl_solve); `NOT_BUILT` says why eig of a general matrix is refused. Decompositions into
 elementwise ops, reductions, slices and sorts, registered like decompositions.OWN (torch_import and aten_lowering
 merge `OWN` here after it).
@@ -432,6 +432,17 @@ def _cholesky_solve(b, factor, upper=False):
     return _substitute(lower.mT, y, lower=False, unit=False)
 
 
+def _triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    """torch.triangular_solve (the older form of linalg.solve_triangular): X with A X = B (A^T X = B with
+    transpose), reading only A's triangle, and A broadcast to the batch (LAPACK trtrs' "cloned coefficient")."""
+    from neuronc.frontend.decompositions import _linalg_solve_triangular
+    batch = torch.broadcast_shapes(b.shape[:-2], a.shape[:-2])
+    a, b = a.expand(batch + a.shape[-2:]), b.expand(batch + b.shape[-2:])
+    coefficients = a.mT if transpose else a
+    solution = _linalg_solve_triangular(coefficients, b, upper=upper != transpose, unitriangular=unitriangular)
+    return solution, a.clone()
+
+
 def _cholesky_inverse(factor, upper=False):
     n = factor.shape[-1]
     identity = torch.eye(n, dtype=factor.dtype, device=factor.device).expand(factor.shape)
@@ -648,6 +659,7 @@ OWN = {
     aten.linalg_qr.default: _linalg_qr,
     aten.cholesky_solve.default: _cholesky_solve,
     aten.cholesky_inverse.default: _cholesky_inverse,
+    aten.triangular_solve.default: _triangular_solve,
     aten.linalg_ldl_factor_ex.default: _linalg_ldl_factor_ex,
     aten.linalg_ldl_solve.default: _linalg_ldl_solve,
     aten._histogramdd_bin_edges.default: _histogramdd_bin_edges,

@@ -43,8 +43,8 @@ def decomposition_table(training: bool = False) -> dict:
     (sdpa_training.py)."""
     import torch
 
-    from neuronc.frontend import (bounded_outputs, decompositions, float_semantics, linalg_decompositions,
-                                  norm_training, sdpa_training, special_decompositions)
+    from neuronc.frontend import (bounded_outputs, coverage_lowerings, decompositions, float_semantics,
+                                  linalg_decompositions, norm_training, sdpa_training, special_decompositions)
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -62,6 +62,7 @@ def decomposition_table(training: bool = False) -> dict:
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)
     table.update(bounded_outputs.OWN)
+    table.update(coverage_lowerings.OWN)
     table.update(decompositions.defined_elsewhere())
     table.update(decompositions.defined_after_import())
     if training:
