@@ -2222,7 +2222,8 @@ for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.specia
 for _op, _lowering in ((aten.special_laguerre_polynomial_l, _laguerre_polynomial_l),
                        (aten.special_legendre_polynomial_p, _legendre_polynomial_p)):
     OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _lowering))
-for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default):
+for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default,
+            aten.special_i1.default, aten.special_i1e.default, aten.special_i0e.default):  # ATen's bf16 kernels: fp32
     OWN[_op] = _in_fp32(OWN[_op])
 
 
