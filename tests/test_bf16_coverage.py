@@ -46,3 +46,14 @@ def test_bessel_functions_of_bf16_compute_in_fp32_as_aten():
 
     x = torch.linspace(-20, 20, 401).bfloat16()
     assert_matches_eager(run_compiled(bessel, x), bessel(x))
+
+
+def test_average_pools_of_bf16_sum_in_fp32_as_aten():
+    """neuronc's own average pooling (ceil_mode, divisor_override) summed a window's taps in bf16 steps: a 6 x 6
+    window was off by 2.5% where ATen accumulates in fp32 and rounds once. (ATen has no bf16 avg_pool3d on CPU.)"""
+    def pools(x):
+        return (torch.nn.functional.avg_pool2d(x, (6, 6), (3, 3), (2, 3), ceil_mode=True, divisor_override=2),
+                torch.nn.functional.avg_pool2d(x, 5, 2, 2, ceil_mode=True, count_include_pad=False))
+
+    x = (torch.rand(4, 3, 9, 9, generator=torch.Generator().manual_seed(2)) * 18 - 9).bfloat16()  # OpInfo's range
+    assert_matches_eager(run_compiled(pools, x), pools(x))

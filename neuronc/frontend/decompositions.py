@@ -306,16 +306,18 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     """Average pooling: window sums, each spatial dim in turn (a sum of the window's strided views of the zero
     padded input), divided by eager's divisor (divisor_override, or the window's size clipped as eager
     clips it). torch-mlir's own lowering ignores divisor_override and cuts ceil_mode's last window
-    differently from eager: silently wrong results; its plain form is kept."""
+    differently from eager: silently wrong results; its plain form is kept. bf16/fp16 sum in fp32 and round once,
+    as ATen's kernels accumulate (a window of 36 summed in bf16 steps was off by 2.5%)."""
     dims = _pool_geometry(x, nd, kernel_size, stride, padding, 1, ceil_mode)
-    total = _pad_spatial(x, dims, 0.0)
+    wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    total = _pad_spatial(wide, dims, 0.0)
     for axis, (k, s, p, d, out, extra) in enumerate(dims):
         dim = x.dim() - nd + axis
         views = [aten.slice(total, dim, i, i + s * (out - 1) + 1, s) for i in range(k)]
         total = functools.reduce(torch.add, views)
     if divisor_override:
-        return total / divisor_override
-    return total / _avg_pool_divisor(dims, x.shape[-nd:], count_include_pad, x.dtype)
+        return (total / divisor_override).to(x.dtype)
+    return (total / _avg_pool_divisor(dims, x.shape[-nd:], count_include_pad, wide.dtype)).to(x.dtype)
 
 
 def _needs_own_avg_pool(ceil_mode, divisor_override) -> bool:
