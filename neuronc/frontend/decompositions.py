@@ -1776,6 +1776,20 @@ def _addmv(self, mat, vec, *, beta=1, alpha=1):
     return (self if beta == 1 else self * beta) + product
 
 
+def _addbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    """beta * self + alpha * sum over b of batch1[b] @ batch2[b], as one matmul contracting (b, k) (the sum of the
+    products accumulates with them, in fp32 for bf16 operands). torch-mlir lowers addbmm of fp32 only; of bf16 it
+    was refused. With beta = 0 eager ignores self, as _addmv."""
+    batches, rows, inner = batch1.shape
+    product = aten.mm.default(batch1.transpose(0, 1).reshape(rows, batches * inner),
+                              batch2.reshape(batches * inner, batch2.shape[-1]))
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product.expand(torch.broadcast_shapes(self.shape, product.shape)).clone()
+    return (self if beta == 1 else self * beta) + product
+
+
 def _cholesky_factor(a):
     """(lower L with L L^H = a, info as int32) of a[..., n, n], column by column (Cholesky-Banachiewicz):
     column j is (a[j:, j] - L[j:, :j] L[j, :j]) / sqrt of its first element. info is eager's: the first minor
@@ -2140,6 +2154,7 @@ OWN = {
     aten.unfold_copy.default: _unfold,
     aten.unfold_backward.default: _unfold_backward,
     aten.cumprod.default: _cumprod,
+    aten.addbmm.default: _addbmm,
     aten.erfc.default: _erfc,
     aten.lgamma.default: _lgamma,
     aten.digamma.default: _digamma,
