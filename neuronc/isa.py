@@ -179,6 +179,13 @@ class DType(enum.IntEnum):
         raise ValueError(f"no neuronc dtype for numpy dtype {dtype}")
 
 
+def holds_floats(dtype) -> bool:
+    """Whether a numpy dtype holds floating-point numbers: numpy's own (kind "f") and ml_dtypes' bfloat16 and
+    float8 types, which numpy sees as kind "V" (a `dtype.kind == "f"` test takes them for integers)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype in _NARROW_FLOATS
+
+
 _NUMPY = {
     DType.F32: np.dtype(np.float32),
     DType.BF16: np.dtype(ml_dtypes.bfloat16),
@@ -196,6 +203,7 @@ _NUMPY = {
     DType.U32: np.dtype(np.uint32),
     DType.U64: np.dtype(np.uint64),
 }
+_NARROW_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
 
 
 class Opcode(enum.IntEnum):

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, ActFunc, AluOp
+from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, ActFunc, AluOp, holds_floats
 
 F32 = np.float32
 
@@ -149,7 +149,7 @@ class ByKind:
         return self.pick(np.result_type(a, b))(a, b)
 
     def pick(self, dtype: np.dtype) -> Callable:
-        return self.on_floats if dtype.kind == "f" else self.on_integers
+        return self.on_floats if holds_floats(dtype) else self.on_integers
 
 
 # AluOp -> f(a, b): the Vector and GpSimd engines' ALU (floats computed in fp32, integers in their own type).

@@ -306,16 +306,18 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     """Average pooling: window sums, each spatial dim in turn (a sum of the window's strided views of the zero
     padded input), divided by eager's divisor (divisor_override, or the window's size clipped as eager
     clips it). torch-mlir's own lowering ignores divisor_override and cuts ceil_mode's last window
-    differently from eager: silently wrong results; its plain form is kept."""
+    differently from eager: silently wrong results; its plain form is kept. bf16/fp16 sum in fp32 and round once,
+    as ATen's kernels accumulate (a window of 36 summed in bf16 steps was off by 2.5%)."""
     dims = _pool_geometry(x, nd, kernel_size, stride, padding, 1, ceil_mode)
-    total = _pad_spatial(x, dims, 0.0)
+    wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    total = _pad_spatial(wide, dims, 0.0)
     for axis, (k, s, p, d, out, extra) in enumerate(dims):
         dim = x.dim() - nd + axis
         views = [aten.slice(total, dim, i, i + s * (out - 1) + 1, s) for i in range(k)]
         total = functools.reduce(torch.add, views)
     if divisor_override:
-        return total / divisor_override
-    return total / _avg_pool_divisor(dims, x.shape[-nd:], count_include_pad, x.dtype)
+        return (total / divisor_override).to(x.dtype)
+    return (total / _avg_pool_divisor(dims, x.shape[-nd:], count_include_pad, wide.dtype)).to(x.dtype)
 
 
 def _needs_own_avg_pool(ceil_mode, divisor_override) -> bool:
@@ -1774,6 +1776,20 @@ def _addmv(self, mat, vec, *, beta=1, alpha=1):
     return (self if beta == 1 else self * beta) + product
 
 
+def _addbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    """beta * self + alpha * sum over b of batch1[b] @ batch2[b], as one matmul contracting (b, k) (the sum of the
+    products accumulates with them, in fp32 for bf16 operands). torch-mlir lowers addbmm of fp32 only; of bf16 it
+    was refused. With beta = 0 eager ignores self, as _addmv."""
+    batches, rows, inner = batch1.shape
+    product = aten.mm.default(batch1.transpose(0, 1).reshape(rows, batches * inner),
+                              batch2.reshape(batches * inner, batch2.shape[-1]))
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product.expand(torch.broadcast_shapes(self.shape, product.shape)).clone()
+    return (self if beta == 1 else self * beta) + product
+
+
 def _cholesky_factor(a):
     """(lower L with L L^H = a, info as int32) of a[..., n, n], column by column (Cholesky-Banachiewicz):
     column j is (a[j:, j] - L[j:, :j] L[j, :j]) / sqrt of its first element. info is eager's: the first minor
@@ -2144,6 +2160,7 @@ OWN = {
     aten.unfold_copy.default: _unfold,
     aten.unfold_backward.default: _unfold_backward,
     aten.cumprod.default: _cumprod,
+    aten.addbmm.default: _addbmm,
     aten.erfc.default: _erfc,
     aten.lgamma.default: _lgamma,
     aten.digamma.default: _digamma,
@@ -2229,7 +2246,8 @@ for _op, _physicists in ((aten.special_hermite_polynomial_h, True), (aten.specia
 for _op, _lowering in ((aten.special_laguerre_polynomial_l, _laguerre_polynomial_l),
                        (aten.special_legendre_polynomial_p, _legendre_polynomial_p)):
     OWN.update(dict.fromkeys((_op.default, _op.n_scalar, _op.x_scalar), _lowering))
-for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default):
+for _op in (aten.erfc.default, aten.lgamma.default, aten.digamma.default, aten.polygamma.default,
+            aten.special_i1.default, aten.special_i1e.default, aten.special_i0e.default):  # ATen's bf16 kernels: fp32
     OWN[_op] = _in_fp32(OWN[_op])
 
 

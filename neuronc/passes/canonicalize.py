@@ -27,7 +27,7 @@ import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType
+from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType, holds_floats
 from neuronc.ir import Op
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.context import PassContext
@@ -69,7 +69,7 @@ def demote_float64(node: ir.Node, inputs: tuple) -> ir.Node | None:
 
 def _computable(value: np.ndarray) -> np.ndarray:
     """Floats narrower than fp32 widened to fp32, as the engines compute them (the result is rounded back)."""
-    return value.astype(np.float32) if value.dtype.kind == "f" and value.dtype.itemsize < 4 else value
+    return value.astype(np.float32) if holds_floats(value.dtype) and value.dtype.itemsize < 4 else value
 
 
 def _evaluate(node: ir.Node, values: list):
