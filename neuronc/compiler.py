@@ -150,7 +150,10 @@ def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings:
     return compiled
 
 
-def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None) -> Compiled:
+def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None,
+                  estimate: bool = True) -> Compiled:
+    """`graph` compiled to a NEFF. Without `estimate`, the NEFF's estimated_ns are left 0 (codegen.generate): for a
+    caller that loads it at once and takes them from the runtime's schedule (the eager path)."""
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
@@ -186,7 +189,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
-    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2)
+    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2, estimate=estimate)
     timings["codegen"] = time.perf_counter() - t
     return Compiled(neff, stablehlo, graph, timings, decisions=ctx.decisions)
 

@@ -38,13 +38,16 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
-             timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False) -> Neff:
+             timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False,
+             estimate: bool = True) -> Neff:
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
     boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
     With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
-    cost estimate."""
+    cost estimate. Without `estimate`, the NEFF's estimated_ns (its own and its kernels') are left 0 for the caller
+    to fill: a caller loading the program at once gets the same numbers from the runtime's schedule of the load
+    (the same simulation: neuronc.stream_timing), as the eager path does (pytorch/eager.py)."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
     em = Emitter(target)
@@ -76,9 +79,11 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     streams = insert_waits(instructions, plan.tensors, target, grid,
                            kernels.price_keys if kernels is not None and replay else None)
     timings["codegen/sync"] = time.perf_counter() - start
-    start = time.perf_counter()
-    makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)
-    timings["codegen/estimate"] = time.perf_counter() - start
+    makespan, kernel_ns = 0.0, {}
+    if estimate:
+        start = time.perf_counter()
+        makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)
+        timings["codegen/estimate"] = time.perf_counter() - start
     for index, ns in kernel_ns.items():
         em.kernels[index].estimated_ns = ns
     return Neff(

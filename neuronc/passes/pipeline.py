@@ -18,6 +18,7 @@ from neuronc.errors import NeuronConfigError
 from neuronc.passes.attention import fuse_attention, lower_flex_attention
 from neuronc.passes.auto_cast import auto_cast
 from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
+from neuronc.passes import gates
 from neuronc.passes.context import PassContext
 from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
@@ -100,8 +101,15 @@ def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None)
 
 
 def _run(graph: ir.Graph, passes: list, ctx: PassContext, timings: dict | None) -> ir.Graph:
+    summary = None  # (the graph, its gates.Summary) the gates last looked at: a skipped pass keeps the graph
     for n, step in enumerate(passes):
         start = time.perf_counter()
+        if gates.gated(step.__name__):  # a pass that cannot change this graph is not run (passes/gates.py)
+            if summary is None or summary[0] is not graph:
+                summary = (graph, gates.Summary(graph))
+            if not gates.may_change(step.__name__, summary[1]):
+                _record(step, start, graph, ctx, timings)
+                continue
         before, graph = graph, step(graph, ctx)
         if step in PRICED and ctx.price is not None and graph is not before:
             _record(step, start, graph, ctx, timings)

@@ -1,0 +1,88 @@
+"""Which graphs a pass can change: a graph without the nodes a pass starts from comes out of it as it went in,
+so the pipeline (passes/pipeline.py) does not run the pass on it.
+
+Why: an eager op's program is the graph of one op (pytorch/eager.py, frontend/aten_lowering.py), and of -O2's
+twenty passes most find nothing to do in it (no sort, no gather, no convolution, no attention...), yet each walks
+the graph, builds its consumers or rewrites it node by node: about 0.4 ms of CPU per new shape, ~8% of a new
+op's first call (docs/performance.md, issue 20 part 9). A whole model's graph holds most of these ops and runs
+every pass as before.
+
+Each gate is read off its pass: every change the pass makes starts from a node of the listed ops (or dtype), so a
+graph without one is returned unchanged — the same nodes, the same NEFF. A pass missing here always runs.
+`tests/test_pass_gates.py` compiles graphs with the gates on and off and compares the NEFFs' bytes, and checks
+that each gated pass leaves graphs without its ops unchanged.
+"""
+from __future__ import annotations
+
+from neuronc import ir
+from neuronc.ir import Op
+from neuronc.isa import DType
+
+ENABLED = True  # the tests switch them off to compare
+
+
+def _ops(*ops: Op):
+    wanted = frozenset(ops)
+    return lambda summary: not wanted.isdisjoint(summary.ops)
+
+
+def _gates() -> dict:
+    """Pass name -> predicate on a graph's Summary: whether the pass may change it."""
+    from neuronc.passes import indexing
+
+    return {
+        # only float64 nodes are demoted; the refusal of float64 inputs/outputs needs one too
+        "demote_f64": lambda summary: DType.F64 in summary.dtypes,
+        # both act on TOPK nodes only (their readers are reached from them)
+        "top_k_of_sorts": _ops(Op.TOPK),
+        "split_wide_sorts": _ops(Op.TOPK),
+        # its rewrite calls the rules of these ops only
+        "lower_gather_scatter": _ops(*indexing._RULES),
+        "lower_convolutions": _ops(Op.CONVOLUTION),
+        "lower_flex_attention": _ops(Op.FLEX_ATTENTION),
+        # a weight is stored transposed when every reader is a VIEW transposing it
+        "store_weights_transposed": _ops(Op.VIEW),
+        # matches start from a MATMUL (the scores' or the output's)
+        "fuse_attention": _ops(Op.MATMUL),
+        "fuse_matmul_operands": _ops(Op.MATMUL),
+        # fuse_epilogues(kind=MATMUL) folds groups reading a MATMUL; the converts folded are MATMULs' epilogues
+        "fuse_matmul_epilogues": _ops(Op.MATMUL),
+        # the same for CONV, then its channel producers and its tiling: CONV nodes only
+        "fuse_conv_epilogues": _ops(Op.CONV),
+        # groups are seeded at a REDUCE_LAST; prologues are folded into REDUCE_LAST nodes
+        "fuse_rowwise": _ops(Op.REDUCE_LAST),
+        "fuse_reduction_prologues": _ops(Op.REDUCE_LAST),
+        # a chain is a MATMUL read by a MATMUL
+        "chain_matmuls": _ops(Op.MATMUL),
+    }
+
+
+_GATES: dict | None = None
+
+
+class Summary:
+    """The ops and dtypes of a graph's nodes (made once per graph the pipeline meets)."""
+
+    def __init__(self, graph: ir.Graph):
+        nodes = graph.nodes()
+        self.ops = frozenset(n.op for n in nodes)
+        self.dtypes = frozenset(n.dtype for n in nodes)
+
+
+def may_change(name: str, summary: Summary) -> bool:
+    """Whether the pass called `name` can change a graph of this summary (False only when its gate says so)."""
+    global _GATES
+    if not ENABLED:
+        return True
+    if _GATES is None:
+        _GATES = _gates()
+    gate = _GATES.get(name)
+    return gate is None or gate(summary)
+
+
+def gated(name: str) -> bool:
+    """Whether the pass called `name` has a gate."""
+    global _GATES
+    if _GATES is None:
+        _GATES = _gates()
+    return name in _GATES
