@@ -141,9 +141,8 @@ def _correspondence(state: SyncState, instructions: list, streams_of: list, a: i
     if [(i.opcode, i.accumulate, len(i.operands)) for i in run_a] != \
             [(i.opcode, i.accumulate, len(i.operands)) for i in run_b]:
         return None  # (reads and writes are the operands split by opcode and accumulate)
-    pairs: set = set()
-    for inst_a, inst_b in zip(run_a, run_b):
-        pairs.update(zip(map(id, inst_a.operands), map(id, inst_b.operands)))
+    # (operand counts are equal instruction by instruction: the flat lists pair operand with operand)
+    pairs = set(zip([id(ap) for inst in run_a for ap in inst.operands], [id(ap) for inst in run_b for ap in inst.operands]))
     spans_of = {} if spans_of is None else spans_of
     ap_spans, starts = state.grid.ap_spans, state.grid.block_starts
 
