@@ -165,3 +165,35 @@ def test_copies_of_a_recorded_instruction_are_priced_once_and_alike(three_layer_
         assert count == instructions - len(keys) + len(set(keys.values()))  # one price per row, not per copy
         # every instruction priced on its own gives the same estimate, kernel by kernel
         assert estimate(streams, get_target("trn2")) == (makespan, kernel_ns)
+
+
+def test_chained_matmul_kernels_are_recorded_once_and_locate_each_instance_at_its_own_first_matmul(monkeypatch):
+    """A matmul chain's first matmul emits its instructions at its own source location (Emitter.locate): the
+    signature numbers that location and each instance takes its own, so the chained kernels of identical blocks share
+    a recording (before: no signature, each generated anew) and the NEFF, debug table included, is the same bytes."""
+    torch.manual_seed(0)
+    blocks = [m for _ in range(5) for m in (torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
+                                            torch.nn.Tanh())]
+    model = torch.nn.Sequential(*blocks).eval().to(torch.bfloat16)
+    exported = torch.export.export(model, (torch.randn(300, 64).to(torch.bfloat16),))
+    chained, record = [], reuse.KernelReuse._record
+
+    def noting(self, em, kernel, node, plan, numbered, locs):
+        found = record(self, em, kernel, node, plan, numbered, locs)
+        if node.attrs.get("chain") is not None:
+            chained.append(found)
+        return found
+
+    monkeypatch.setattr(reuse.KernelReuse, "_record", noting)
+    hits = []
+    emit = reuse.KernelReuse.emit
+
+    def counting(self, *args):
+        emit(self, *args)
+        hits[:] = [self.hits]
+
+    monkeypatch.setattr(reuse.KernelReuse, "emit", counting)
+    reused = _compile(exported, monkeypatch, True)
+    assert chained and all(found is not None and found.located for found in chained)
+    assert hits[0] >= 2  # five chained blocks, at most three signatures (the first block's input, two parities)
+    assert encode(reused.neff) == encode(_compile(exported, monkeypatch, False).neff)

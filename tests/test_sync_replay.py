@@ -29,8 +29,9 @@ def replays(monkeypatch):
     replay = sync_replay._replay
 
     def counting(*args):
-        outcomes.append(replay(*args))
-        return outcomes[-1]
+        result = replay(*args)
+        outcomes.append(result is not None)
+        return result
 
     monkeypatch.setattr(sync_replay, "_replay", counting)
     return outcomes
@@ -54,6 +55,22 @@ def test_a_gpt2_makes_the_same_neff_with_replay_attempted(replays, monkeypatch):
     replayed = _neff_bytes(exported, monkeypatch, True)
     assert replays  # a repeated period was found and its replay attempted
     assert replayed == _neff_bytes(exported, monkeypatch, False)
+
+
+@pytest.fixture
+def compared(monkeypatch):
+    """(cells of the profile, cells whose boundary state was compared) of every replay: fewer where the period before
+    was itself replayed and the cell's state is the one it wrote (sync_replay._unproved)."""
+    counts = []
+    unproved = sync_replay._unproved
+
+    def counting(profile, *args):
+        checked = unproved(profile, *args)
+        counts.append((len(profile["cells"]), len(profile["cells"]) if checked is None else len(checked)))
+        return checked
+
+    monkeypatch.setattr(sync_replay, "_unproved", counting)
+    return counts
 
 
 @pytest.mark.parametrize(("dtype", "blocks", "level", "replayed"), [
@@ -115,3 +132,46 @@ def test_a_period_takes_the_waits_of_the_one_before_only_when_its_boundary_gives
     assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
     assert Wait(Engine.DMA, 1, 1) in instructions[3].waits  # the second load waits for the first store's read
     assert (Wait(Engine.DMA, 5, 1) in instructions[5].waits) == earlier_write
+
+
+def _chain(earlier_write: bool) -> tuple:
+    """(instructions, repeats): five periods, each loading the rows the one before stored (rows 64k -> SBUF -> rows
+    64(k + 1), queues 0 and 1: a residual stream, where each period starts from the state its predecessor wrote)
+    and an input of its own (rows 512 + 64k, queue 2, into a second tile). With `earlier_write`, queue 5 writes the
+    fourth period's own input before them all: a state no predecessor wrote, which induction must not assume."""
+    other = AccessPattern(Space.SBUF, DType.F32, 65536, ((1, 64), (1, 64)))
+    spare = AccessPattern(Space.SBUF, DType.F32, 131072, ((1, 64), (1, 64)))
+    first = [_copy(5, 0, _rows(512 + 64 * 3), spare)] if earlier_write else []
+    periods = [[_copy(0, 1 + k, SBUF_TILE, _rows(64 * k)), _copy(2, 1 + k, other, _rows(512 + 64 * k)),
+                _copy(1, 1 + k, _rows(64 * (k + 1)), SBUF_TILE)] for k in range(PERIODS)]
+    instructions = first + [inst for period in periods for inst in period]
+    return instructions, {id(inst): ("layer", row) for period in periods for row, inst in enumerate(period)}
+
+
+@pytest.mark.parametrize("earlier_write", [False, True])
+def test_a_period_replayed_after_a_replayed_period_compares_only_the_cells_its_predecessor_wrote_by_induction(
+        earlier_write, replays, compared):
+    """Induction: once a period was replayed, the next one's boundary is proved by comparing only the cells its
+    predecessor did not write (the load of the rows the predecessor stored and the tile it wrote are not compared;
+    the period's own input is), and the waits stay those of the one-by-one pass. The second period is refused (its
+    load overwrites the tile the first period's store read: a wait the first period's load did not have), so the
+    third compares every cell and the fourth inherits: with the earlier write to its own input, the fourth is
+    refused (its load must wait for queue 5) and so is the fifth (whose predecessor had that wait)."""
+    alone, _ = _chain(earlier_write)
+    insert_waits(alone, TENSORS, get_target("trn2"))
+    instructions, repeats = _chain(earlier_write)
+    insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
+    assert replays == ([False, True, False, False] if earlier_write else [False, True, True, True])
+    assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
+    assert [checked < cells for cells, checked in compared] == [False, False, True, not earlier_write]
+    assert all(checked > 0 for _, checked in compared)  # the period's own input is always compared
+
+
+def test_an_mlp_stack_replayed_by_induction_makes_the_same_neff(replays, compared, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(64, 64), nn.Tanh())]).eval()
+    exported = torch.export.export(model, (torch.randn(32, 64),))
+    bytes_replayed = _neff_bytes(exported, monkeypatch, True, CompileOptions(opt_level=0))
+    assert sum(replays) >= 3
+    assert any(checked < cells for cells, checked in compared)
+    assert bytes_replayed == _neff_bytes(exported, monkeypatch, False, CompileOptions(opt_level=0))

@@ -9,9 +9,10 @@ with the nodes it refers to numbered locally, no source location) and which of i
 So each signature's kernel runs once, on a scratch emitter, against a symbolic memory plan that puts tensor k of
 the kernel at byte (k + 1) x 2**40; every instance (the first one too) is that recording with each HBM offset
 rebound to the instance's own tensor (offset - (k + 1) x 2**40 + the tensor's address), its queues turned by the
-emitter's round robin, and its kernel and debug numbers. A recording is not reused (the kernel runs as usual)
-when the kernel asks the plan for anything but a tensor of its signature, names a debug location of its own
-(a matmul chain's first matmul) or fails. The NEFF is the same, byte for byte, as the kernels emitted one by one
+emitter's round robin, and its kernel and debug numbers (a matmul chain's first matmul locates its instructions
+at its own source location: the signature numbers the locations its attributes hold, and each instance takes its
+own). A recording is not reused (the kernel runs as usual) when the kernel asks the plan for anything but a tensor
+of its signature, locates instructions at a location its signature does not name, or fails. The NEFF is the same, byte for byte, as the kernels emitted one by one
 (tests/test_kernel_reuse.py compares both).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from neuronc.codegen.emitter import Emitter
 from neuronc.ir import Node
 from neuronc.ir_text import _Printer, _load_plan_types
 from neuronc.isa import AccessPattern, Instruction, Space
+from neuronc.neff.program import DebugLoc
 from neuronc.plans import MemoryPlan
 
 SPAN = 1 << 40  # bytes between two symbolic tensors: far more than any tensor (or view offset) reaches
@@ -49,11 +51,18 @@ class _LocalIds:
         return self.ids.setdefault(node, len(self.ids))
 
 
-class _Signature(_Printer):
-    """A node's text without its source location."""
+def _loc_key(loc: DebugLoc) -> tuple:
+    return loc.file, loc.line, loc.module_path, loc.op
 
-    def __init__(self):
+
+class _Signature(_Printer):
+    """A node's text without its source location. A location among its attributes (a matmul chain's first matmul's)
+    is printed as its number among the distinct locations the signature met, the kernel's own first (`locs`): two
+    kernels of one signature locate their instructions alike, each at its own locations."""
+
+    def __init__(self, loc: DebugLoc):
         super().__init__(_LocalIds(), None, wrap=False)
+        self.locs: dict = {_loc_key(loc): loc}
 
     def node(self, n: Node) -> str:
         head = f"{self.ref(n)} = {n.op.name.lower()}({', '.join(self.ref(i) for i in n.inputs)}) : " \
@@ -62,6 +71,10 @@ class _Signature(_Printer):
                        if n.attrs else "")
 
     def _flat(self, v) -> str:
+        if isinstance(v, DebugLoc):
+            key = _loc_key(v)
+            self.locs.setdefault(key, v)
+            return f"loc{list(self.locs).index(key)}"
         if isinstance(v, float) and math.isnan(v):  # the IR text prints every NaN alike: its bits tell them apart
             return f"nan<{struct.pack('<d', v).hex()}>"
         if isinstance(v, np.floating) and np.isnan(v):
@@ -82,10 +95,11 @@ def _attr_nodes(value, found: list) -> None:
 
 
 def signature(node: Node, plan: MemoryPlan) -> tuple:
-    """(key, the nodes numbered as the key numbers them): nodes printed whole (the kernel's and those its attributes
-    name), the others (inputs) by op and type; with which of them share a buffer."""
+    """(key, the nodes numbered as the key numbers them, the locations as the key numbers them): nodes printed whole
+    (the kernel's and those its attributes name), the others (inputs) by op and type; with which of them share a
+    buffer."""
     _load_plan_types()
-    printer = _Signature()
+    printer = _Signature(node.loc)
     whole, lines = [node], []
     while len(lines) < len(whole):
         n = whole[len(lines)]
@@ -101,7 +115,7 @@ def signature(node: Node, plan: MemoryPlan) -> tuple:
     shared = tuple(entries.setdefault(id(plan.placement[n]), k) if plan.has_buffer(n) else -1
                    for k, n in enumerate(numbered))
     text = "\n".join(lines) + f"\nbuffers {shared}"
-    return hashlib.sha256(text.encode()).hexdigest(), numbered
+    return hashlib.sha256(text.encode()).hexdigest(), numbered, list(printer.locs.values())
 
 
 class _SymbolicPlan:
@@ -140,25 +154,36 @@ class _Recorder(Emitter):
 class _Recording:
     """One signature's instructions, with symbolic HBM offsets and queues counted from 0."""
 
-    def __init__(self, em: _Recorder, queues: int, tensors: int):
+    def __init__(self, em: _Recorder, queues: int, tensors: int, locs: list):
         kernel, debug = len(em.kernels) - 1, em.kernels[-1].debug
+        # rows located elsewhere than the kernel (a matmul chain's first matmul, Emitter.locate): by the number of
+        # their location in the signature, in the order the recording met them (the order the debug table grew)
+        numbers = {_loc_key(loc): k for k, loc in enumerate(locs)}
+        self.located: dict = {}  # the recording's debug index -> the location's number in the signature
         for inst in em.instructions:
-            if inst.kernel != kernel or inst.debug != debug:
+            if inst.kernel != kernel:
                 raise _NotReusable(inst)
+            if inst.debug != debug and inst.debug not in self.located:
+                number = numbers.get(_loc_key(em.debug_locs[inst.debug]))
+                if not number:  # a location the signature does not name (or the kernel's, under another index)
+                    raise _NotReusable(inst)
+                self.located[inst.debug] = number
             for ap in inst.operands:
                 if ap.space == Space.HBM and not 0 <= (ap.offset + SPAN // 2) // SPAN - 1 < tensors:
                     raise _NotReusable(ap)  # an HBM address not made from one of its tensors
         rotated = set(em.rotated)
         self.rows = [(i.opcode, i.engine, i.operands, i.queue, k in rotated, i.alu, i.alu1, i.func, i.imm0, i.imm1,
-                      i.accumulate, i.reverse) for k, i in enumerate(em.instructions)]
+                      i.accumulate, i.reverse, None if i.debug == debug else i.debug)
+                     for k, i in enumerate(em.instructions)]
         self.dmas, self.queues = len(rotated), queues
         self.sbuf_used, self.psum_used = em._sbuf_used, em._psum_used
 
-    def instantiate(self, em: Emitter, bases: list, price_keys: dict) -> None:
+    def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list) -> None:
         """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
         `price_keys` {id(instruction): (id of this recording, its row)} (copies of a row differ only in HBM offsets
         and DMA queue, so the cost estimate prices a row once: stream_timing.replay)."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
+        located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
         rebound: dict = {}
 
         def rebind(ap: AccessPattern) -> AccessPattern:
@@ -173,10 +198,10 @@ class _Recording:
 
         out, me = em.instructions, id(self)
         for row, (opcode, engine, operands, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
-                  reverse) in enumerate(self.rows):
+                  reverse, at) in enumerate(self.rows):
             inst = Instruction(opcode, engine, tuple(map(rebind, operands)),
                                (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
-                               accumulate, reverse, kernel=kernel, debug=debug)
+                               accumulate, reverse, kernel=kernel, debug=debug if at is None else located[at])
             out.append(inst)
             price_keys[id(inst)] = (me, row)
         em._dma_turn += self.dmas
@@ -195,13 +220,13 @@ class KernelReuse:
     def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
         """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
         try:
-            key, numbered = signature(node, plan)
+            key, numbered, locs = signature(node, plan)
         except (TypeError, ValueError):  # an attribute the IR text cannot print: emitted as usual
             kernel(em, node, plan)
             return
         key = (kernel, key, (len(em.kernels) - 1) % 2)
         if key not in self.recordings:
-            self.recordings[key] = self._record(em, kernel, node, plan, numbered)
+            self.recordings[key] = self._record(em, kernel, node, plan, numbered, locs)
         else:
             self.hits += 1
         recording = self.recordings[key]
@@ -209,15 +234,16 @@ class KernelReuse:
             kernel(em, node, plan)
             return
         recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered],
-                              self.price_keys)
+                              self.price_keys, locs)
 
-    def _record(self, em: Emitter, kernel, node: Node, plan: MemoryPlan, numbered: list) -> _Recording | None:
+    def _record(self, em: Emitter, kernel, node: Node, plan: MemoryPlan, numbered: list,
+                locs: list) -> _Recording | None:
         scratch = _Recorder(self.target)
         scratch.kernels = [None] * ((len(em.kernels) - 1) % 2)
         scratch.begin_kernel("recording", (), node.loc)
         try:
             kernel(scratch, node, _SymbolicPlan(numbered, plan))
-            return _Recording(scratch, self.target.dma_queues, len(numbered))
+            return _Recording(scratch, self.target.dma_queues, len(numbered), locs)
         except Exception:  # noqa: BLE001 - anything the signature does not cover, or an error: emitted as usual
             return None
 

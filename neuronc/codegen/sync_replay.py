@@ -81,32 +81,40 @@ def replay_repeats(state: SyncState, instructions: list, repeats: dict) -> None:
     # Activations of consecutive layers may take turns in two scratch slots whose tracking cells are cut differently
     # (each slot's grid is cut where any of its tensors is accessed): a period of two (or more) of the repetitions
     # then maps every block of cells onto one of the same cuts.
-    base = start - size
+    base, first_found = start - size, None
     for times in range(1, 5):
-        if base + 2 * times * size <= len(instructions) and _correspondence(
-                state, instructions, streams_of, base, base + times * size, times * size, spans_of) is not None:
-            start, size = base + times * size, times * size
-            break
+        if base + 2 * times * size <= len(instructions):
+            first_found = _correspondence(state, instructions, streams_of, base, base + times * size, times * size,
+                                          spans_of)
+            if first_found is not None:
+                start, size = base + times * size, times * size
+                break
     state.compute(instructions, 0, start - size)
     previous = _snapshot(state)
     state.compute(instructions, start - size, start)
     a = start - size
     reference = None  # (a period R's profile, R's blocks -> (this A's block, cell shift), R's streams -> A's)
+    inherited = None  # (A's streams -> B's, the profile's cells in A) of the last period replayed from this reference
     while a + 2 * size <= len(instructions):
         b = a + size
         current = _snapshot(state)
         found = None
         if None not in keyed[b:b + size] and keyed[b:b + size] == keyed[a:b]:
-            found = _correspondence(state, instructions, streams_of, a, b, size, spans_of)
+            found = first_found if a == base else _correspondence(state, instructions, streams_of, a, b, size,
+                                                                  spans_of)
         if found is None:
-            reference = None
+            reference = inherited = None
             state.compute(instructions, b, b + size)
         else:
             if reference is None:
                 reference = _profile(state, instructions, streams_of, a, size)
-            if not _replay(state, instructions, streams_of, a, b, size, previous, current, reference, found):
+            inherited = _replay(state, instructions, streams_of, a, b, size, previous, current, reference, found,
+                                inherited)
+            if inherited is None:
                 state.compute(instructions, b, b + size)
             reference = _advance(reference, found)
+            if reference is None:
+                inherited = None
         previous, a = current, b
     state.compute(instructions, a + size, len(instructions))
 
@@ -133,9 +141,8 @@ def _correspondence(state: SyncState, instructions: list, streams_of: list, a: i
     if [(i.opcode, i.accumulate, len(i.operands)) for i in run_a] != \
             [(i.opcode, i.accumulate, len(i.operands)) for i in run_b]:
         return None  # (reads and writes are the operands split by opcode and accumulate)
-    pairs: set = set()
-    for inst_a, inst_b in zip(run_a, run_b):
-        pairs.update(zip(map(id, inst_a.operands), map(id, inst_b.operands)))
+    # (operand counts are equal instruction by instruction: the flat lists pair operand with operand)
+    pairs = set(zip([id(ap) for inst in run_a for ap in inst.operands], [id(ap) for inst in run_b for ap in inst.operands]))
     spans_of = {} if spans_of is None else spans_of
     ap_spans, starts = state.grid.ap_spans, state.grid.block_starts
 
@@ -248,10 +255,11 @@ def _live(last: _Last, m: int, writes: bool, counts: list, known: list) -> dict:
 
 
 def _replay(state: SyncState, instructions: list, streams_of: list, a: int, b: int, size: int, before_a: tuple,
-            before_b: tuple, reference: tuple, found: tuple) -> bool:
-    """Instructions[b:b + size] given the waits of instructions[a:a + size] when that is exact; False (nothing
-    changed) when it is not proved. `reference`: a profile mapped onto A (_profile, _advance); `found`: A -> B
-    (_correspondence)."""
+            before_b: tuple, reference: tuple, found: tuple, inherited: tuple | None = None) -> tuple | None:
+    """Instructions[b:b + size] given the waits of instructions[a:a + size] when that is exact; None (nothing
+    changed) when it is not proved, else what the next period's replay inherits (_unproved). `reference`: a profile
+    mapped onto A (_profile, _advance); `found`: A -> B (_correspondence); `inherited`: what A's own replay (from the
+    period before it, through the same reference) returned, or None."""
     cells_a, counts_a, known_a = before_a
     cells_b, counts_b, known_b = before_b
     profile, block_map, stream_map = reference
@@ -260,33 +268,42 @@ def _replay(state: SyncState, instructions: list, streams_of: list, a: int, b: i
     for block, stop in profile["runs"]:
         block_a, shift = block_map[block]
         if block_a not in blocks:
-            return False
+            return None
         shift_a.append(shift)
         shift_b.append(shift + blocks[block_a][1])
         lengths.append(stop - begin)
         begin = stop
-    on_a = (profile["cells"] + np.repeat(np.array(shift_a, dtype=np.int64), lengths)).tolist()
-    on_b = (profile["cells"] + np.repeat(np.array(shift_b, dtype=np.int64), lengths)).tolist()
+    cells_on_a = profile["cells"] + np.repeat(np.array(shift_a, dtype=np.int64), lengths)
+    cells_on_b = profile["cells"] + np.repeat(np.array(shift_b, dtype=np.int64), lengths)
+    on_a, on_b = cells_on_a.tolist(), cells_on_b.tolist()
     # the boundary: every access that sees the state its period starts from sees the same in B as in A (the earlier
-    # writer it may wait for inline, the readers a write may wait for by _live)
-    for x, y, accesses in set(zip(_gather(cells_a, on_a), _gather(cells_b, on_b), profile["accesses"])):
+    # writer it may wait for inline, the readers a write may wait for by _live), except on the cells it holds for
+    # by induction (_unproved)
+    checked = _unproved(profile, cells_on_a, cells_on_b, sigma, inherited)
+    accesses = profile["accesses"]
+    if checked is not None:
+        accesses = _gather(accesses, checked)
+        on_a_checked, on_b_checked = _gather(on_a, checked), _gather(on_b, checked)
+    else:
+        on_a_checked, on_b_checked = on_a, on_b
+    for x, y, accesses in set(zip(_gather(cells_a, on_a_checked), _gather(cells_b, on_b_checked), accesses)):
         for m, writes in accesses:
             m = stream_map[m]
             n = sigma[m]
             w, v = x.writer, y.writer
             live_a = w >= 0 and w != m and x.position > known_a[m][w]
             if live_a != (v >= 0 and v != n and y.position > known_b[n][v]):
-                return False
+                return None
             if live_a and (sigma.get(w) != v or x.position - counts_a[w] != y.position - counts_b[v]):
-                return False
+                return None
             if writes and (x.reads or y.reads):
                 found_a = _live(x, m, writes, counts_a, known_a)
                 found_b = _live(y, n, writes, counts_b, known_b)
                 if len(found_a) != len(found_b):
-                    return False
+                    return None
                 for (kind, o), r in found_a.items():
                     if o not in sigma or found_b.get((kind, sigma[o])) != r:
-                        return False
+                        return None
     # proved: B's waits are A's, moved; then B's end state
     keys, streams, known, number = state.stream_keys, state.streams, state.known, state.number
     moved = {o: counts_b[y] - counts_a[o] for o, y in sigma.items()}
@@ -330,4 +347,33 @@ def _replay(state: SyncState, instructions: list, streams_of: list, a: int, b: i
         new_read[(end_a, start_b)] = _Last(start_b.writer, start_b.position, reads)
     for cell, pair in zip(read_b, pairs):
         cells[cell] = new_read[pair]
-    return True
+    return sigma, cells_on_a
+
+
+def _unproved(profile: dict, on_a, on_b, sigma: dict, inherited: tuple | None) -> list | None:
+    """Positions in the profile of the cells whose boundary state _replay must compare (None: every cell).
+
+    By induction, not the cells B starts from in a state A wrote, when A was itself replayed from the period Z
+    before it through the same profile, under the same stream bijection (Z -> A as A -> B), and the cell stands to A
+    as the cell it corresponds to in A stood to Z: profile cell k is, in B, the cell that A wrote as profile cell k'
+    (on_b[k] = on_a[k'], k' written), and in A the cell that Z wrote as k' (on_a[k] = on_z[k']). A's replay set
+    that cell of A to Z's end state moved, so B sees what A saw, moved; the counts each stream had waited for agree
+    too, since A's waits are Z's moved (a stream's wait in A on a writer of A is there iff its counterpart is in Z,
+    and otherwise both count less than any of the period's own positions). So the comparison holds on those cells
+    without being made: the writes of one layer read by the next (its residual stream) and the scratch cells each
+    period rewrites."""
+    if inherited is None:
+        return None
+    sigma_before, on_z = inherited
+    if sigma_before != sigma:
+        return None
+    written = profile["written"]
+    if len(written) == 0:
+        return None
+    written_in_a = on_a[written]
+    order = np.argsort(written_in_a, kind="stable")
+    sorted_written = written_in_a[order]
+    slot = np.minimum(np.searchsorted(sorted_written, on_b), len(sorted_written) - 1)
+    k_prime = written[order[slot]]
+    held = (sorted_written[slot] == on_b) & (on_z[k_prime] == on_a)
+    return np.flatnonzero(~held).tolist()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuronc import ir
+from neuronc import ir, ir_text
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
@@ -107,6 +107,7 @@ def _max_tile_n(target: Target) -> int:
     return min(target.matmul_max_n, target.psum_bank_bytes // DType.F32.itemsize)
 
 
+@ir_text.register  # printed in the node's text: codegen.reuse keys each layer's chained matmul kernel by it
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """attrs["chain"] of a chained MATMUL node (passes/matmul_chain.py)."""
