@@ -134,3 +134,16 @@ def test_linalg_matches_eager(linalg_compiled_and_eager, name):
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, **TOLERANCES[w.dtype])
+
+
+@pytest.mark.parametrize("name", ["hypot", "nextafter", "tan"])
+def test_eager_neuron_tensors_run_the_same_lowerings_on_the_device(neuron, strictly_on_the_device, name):
+    """Eager mode (ops on neuron tensors, one at a time) decomposes with the same table: these ops run on the
+    device, not on the CPU fallback (disabled here), and match eager on CPU."""
+    op = {"hypot": torch.hypot, "nextafter": torch.nextafter, "tan": lambda a, b: torch.tan(a)}[name]
+    got = op(_A.to("neuron"), _B.to("neuron")).cpu()
+    want = op(_A, _B)
+    if name == "nextafter":
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    else:
+        torch.testing.assert_close(got, want, **TOLERANCES[want.dtype])
