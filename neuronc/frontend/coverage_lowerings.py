@@ -90,13 +90,19 @@ def _cumsum(x, dim, *, dtype=None):
     return x.to(dtype).clone()
 
 
+def _concrete(*values) -> bool:
+    """Whether these sizes/offsets are plain numbers: a symbolic size (a count read from data, in the staged
+    graphs of pytorch/data_dependent.py) cannot be compared without a guard, so its slice is left as it is."""
+    return all(v is None or isinstance(v, int) for v in values)
+
+
 def _roll(x, shifts, dims=()):
     """roll by whole turns (every shift a multiple of its dim's size: 0 included) is the tensor itself; torch's
     decomposition cuts a zero-length slice there, which torch-mlir refuses. Other shifts are torch-mlir's."""
     shifts = [shifts] if isinstance(shifts, int) else list(shifts)
     dims = [dims] if isinstance(dims, int) else list(dims)
     sizes = [x.numel()] if not dims else [x.shape[d] for d in dims]
-    if any(size and shift % size for shift, size in zip(shifts, sizes)):
+    if not _concrete(*shifts, *sizes) or any(size and shift % size for shift, size in zip(shifts, sizes)):
         return NotImplemented
     return x.clone()
 
@@ -105,6 +111,8 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     """A slice that selects nothing: zeros of the empty shape (torch-mlir cannot lower a zero-length slice);
     other slices are torch-mlir's."""
     size = x.shape[dim]
+    if not _concrete(size, start, end):
+        return NotImplemented
     first = 0 if start is None else (start + size if start < 0 else start)
     last = size if end is None else (end + size if end < 0 else end)
     first, last = min(max(first, 0), size), min(max(last, 0), size)
