@@ -121,15 +121,22 @@ def _program(earlier_write: bool) -> tuple:
 TENSORS = [TensorEntry("x", TensorKind.SCRATCH, DType.F32, (1024, 64), 0)]
 
 
+def waits_as_one_by_one(program: tuple, same_program: tuple) -> list:
+    """Two copies of (instructions, repeats): the first's waits inserted one instruction by one, the second's with
+    its periods replayed where proved; asserts both got the same waits; returns the second's instructions."""
+    alone, _ = program
+    insert_waits(alone, TENSORS, get_target("trn2"))
+    instructions, repeats = same_program
+    insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
+    assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
+    return instructions
+
+
 @pytest.mark.parametrize("earlier_write", [False, True])
 def test_a_period_takes_the_waits_of_the_one_before_only_when_its_boundary_gives_the_same(earlier_write, replays):
-    alone, _ = _program(earlier_write)
-    insert_waits(alone, TENSORS, get_target("trn2"))
-    instructions, repeats = _program(earlier_write)
-    insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
+    instructions = waits_as_one_by_one(_program(earlier_write), _program(earlier_write))
     # periods 2-5: the second never; the third and fourth not when the earlier write is live in one of each pair
     assert replays == ([False, False, False, True] if earlier_write else [False, True, True, True])
-    assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
     assert Wait(Engine.DMA, 1, 1) in instructions[3].waits  # the second load waits for the first store's read
     assert (Wait(Engine.DMA, 5, 1) in instructions[5].waits) == earlier_write
 
@@ -157,12 +164,8 @@ def test_a_period_replayed_after_a_replayed_period_compares_only_the_cells_its_p
     load overwrites the tile the first period's store read: a wait the first period's load did not have), so the
     third compares every cell and the fourth inherits: with the earlier write to its own input, the fourth is
     refused (its load must wait for queue 5) and so is the fifth (whose predecessor had that wait)."""
-    alone, _ = _chain(earlier_write)
-    insert_waits(alone, TENSORS, get_target("trn2"))
-    instructions, repeats = _chain(earlier_write)
-    insert_waits(instructions, TENSORS, get_target("trn2"), repeats=repeats)
+    waits_as_one_by_one(_chain(earlier_write), _chain(earlier_write))
     assert replays == ([False, True, False, False] if earlier_write else [False, True, True, True])
-    assert [inst.waits for inst in instructions] == [inst.waits for inst in alone]
     assert [checked < cells for cells, checked in compared] == [False, False, True, not earlier_write]
     assert all(checked > 0 for _, checked in compared)  # the period's own input is always compared
 
