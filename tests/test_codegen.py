@@ -319,7 +319,8 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     by column strip, so the down projection loads h^T K tile by K tile and its first loads start before the up
     projection's kernel ends (a whole-strip load would wait for its last store); the MLP matches eager."""
     from neuronc.passes.cost_model import replay
-    from neuronc.passes.tiling import loads_a_by_k_tile
+    from neuronc.passes.tiling import loads_a_by_k_tile, matmul_plan
+    from neuronc.plans import MatmulTiling
 
     class SwiGLU(torch.nn.Module):
         def __init__(self):
@@ -344,6 +345,11 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     h_loads = [start for inst, start, _ in timeline if inst.kernel == last and inst.engine == Engine.DMA
                and min(stored) <= inst.operands[1].offset <= max(stored)]
     assert h_loads and min(h_loads) < up_end
+    # only a plan loading h^T as one strip loads it by K tile: in strips of fewer rows, the later strips load
+    # after the up projection is done (one DMA each, not one per K tile)
+    assert down[0].attrs["plan"].a_by_k_tile and down[0].attrs["tiling"].block * 128 >= down[0].shape[1]
+    assert not matmul_plan(down[0], MatmulTiling("a", 1, 128, 512, 128, 2)).a_by_k_tile
+    assert not matmul_plan(down[0], MatmulTiling("b", 1, 128, 512, 128, 2)).a_by_k_tile
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))

@@ -214,7 +214,7 @@ class _Matmul:
     # loading strips -------------------------------------------------------------------------------------
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
         """All K tiles of x ([K, width]) as [tk, k tiles x width]: one DMA split over the queues by partitions, or
-        one per K tile for A^T written head by head by an attention (MatmulPlan.a_by_k_tile)."""
+        one per K tile for an A^T strip its producer writes column block by column block (MatmulPlan.a_by_k_tile)."""
         em, tk, width = self.em, self.tk, x.dims[1][1]
         tile = self.strips[name].next().ap(tk, self.k_tiles * width)
         whole, tail = divmod(self.plan.k, tk)

@@ -196,6 +196,22 @@ def loads_a_by_k_tile(node: ir.Node) -> bool:
     return not _contiguous(node)[0] and ir.unreshaped(node.inputs[0]).op in (Op.ATTENTION, Op.MATMUL)
 
 
+def loads_a_once(node: ir.Node, tiling: MatmulTiling) -> bool:
+    """Whether the kernel under `tiling` loads A^T as one strip (A resident, its block every row, one batch):
+    the only plans whose A^T codegen loads K tile by K tile when `loads_a_by_k_tile`. With several strips, the
+    first can overlap the producer's last columns but every later one loads after the producer is done, where
+    one DMA per strip costs fewer issues; and a streamed strip is [K, 128 rows], 256 bytes per partition per K
+    tile in bf16, far down the DMA payload curve. Measured (trn2, bf16, `benchmarks.roofline`), by K tile for
+    every A^T strip -> for the first strip only -> for a single strip only: SwiGLU MLP 521.9 -> 542.3 -> 521.9
+    us, Llama layer (its down projection: two A strips of 512 rows) 2219.7 -> 2214.5 -> 2206.0, GPT-2 block
+    forward + backward 2122.9 -> 2109.2 -> 2092.5 (the last two as with attention outputs alone). The formula
+    (`price`) still charges every A^T strip of a flagged node by K tile; that charge is what keeps the SwiGLU
+    down projection on its A-resident plan (525.0 us whole, 521.9 by K tile) rather than the B-resident one the
+    uncharged formula prefers (533.7)."""
+    batch, m, _ = node.shape
+    return tiling.resident == "a" and tiling.block * tiling.tile_m >= m and batch == 1
+
+
 def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
     """The cost model's estimate of the matmul kernel of `node` under `tiling` (`servers`, `chained`: as part of
     a chain, see `chain_price`)."""
@@ -319,7 +335,7 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node), epilogue_group=EPILOGUE_GROUP)
+        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), epilogue_group=EPILOGUE_GROUP)
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
