@@ -378,3 +378,24 @@ def test_a_scatter_into_a_flat_tensor_copies_its_base_at_dma_bandwidth_not_eleme
     assert max(end for _, end in copies) - min(start for start, _ in copies) < 2 * at_bandwidth + 2 * target.dma_fixed_ns
     out = run_neff(compiled.neff, [x.numpy(), i.numpy(), v.numpy()]).outputs[0]
     np.testing.assert_array_equal(out, x.index_put((i,), v, accumulate=True).numpy())
+
+
+def test_a_layer_norms_last_row_tiles_are_stored_in_slices_of_about_one_issues_worth():
+    """GPT-2's layer-norm ([512, 768] bf16): the kernel ends with its last row tiles' stores, each [128, 768] (6.6
+    issues' worth of bytes: a DMA moves ~30 KB in its fixed cost's time). They go in 8 slices of 16 partitions,
+    the divisor of the 16 partition groups nearest that in ratio, not 4 (rounded down: 1.6 issues each, the kernel
+    ending ~2 us later); each slice a DMA of its own on its own queue. Matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.LayerNorm(768).eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
+    (output,) = [t for t in compiled.neff.tensors if t.kind.name == "OUTPUT"]
+    last_rows = output.offset + 384 * 768 * 2  # rows 384..511: the last row tile
+    last_tile = [inst for stream in compiled.neff.streams.values() for inst in stream
+                 if inst.opcode == Opcode.DMA_COPY and inst.operands[0].space == Space.HBM
+                 and last_rows <= inst.operands[0].offset < output.offset + output.nbytes]
+    assert sorted(s.operands[1].partitions for s in last_tile) == [16] * 8
+    assert len({s.queue for s in last_tile}) == 8
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
