@@ -399,3 +399,32 @@ def test_a_layer_norms_last_row_tiles_are_stored_in_slices_of_about_one_issues_w
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_a_gpt2_mlp_chain_streams_its_first_matmuls_strips_four_deep_and_loads_the_seconds_strips_after_it(monkeypatch):
+    """GPT-2's MLP (768 -> 3072 -> 768, 512 tokens, bf16) is one chained kernel. Its first matmul streams W1 in
+    strips of one output tile's K tiles, about as long to load (with a DMA's fixed cost) as to multiply: the
+    tiling gives them 4 buffers (offered to a chain's first matmul at -O2; the formula picks it). The second's
+    strips after its early column are loaded once the first's matmuls are emitted, not halfway through the first,
+    where they took the queues from the first's strips. Matches eager."""
+    from neuronc.codegen import matmul as matmul_codegen
+
+    loaded_during_first = []
+    finish = matmul_codegen._EarlyColumn.finish
+
+    def spy(self, pending):
+        loaded_during_first.append(len(self.loaded))
+        return finish(self, pending)
+
+    monkeypatch.setattr(matmul_codegen._EarlyColumn, "finish", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
+    model = model.eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="mlp_chain"))
+    (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert chained.attrs["chain"].attrs["tiling"].stream_bufs == 4
+    assert loaded_during_first == [0]
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
