@@ -112,7 +112,8 @@ class MatmulPlan:
     epilogue_pools: tuple  # PoolSpecs of the output side ("result", "constants", "extraI", "tempI", ...)
     bias_row: int | None = None
     bias_column: int | None = None
-    a_by_k_tile: bool = False  # A^T's strips loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`)
+    a_by_k_tile: bool = False  # A^T's one strip loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`,
+    # `loads_a_once`)
     epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
 
 

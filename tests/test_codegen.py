@@ -319,7 +319,8 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     by column strip, so the down projection loads h^T K tile by K tile and its first loads start before the up
     projection's kernel ends (a whole-strip load would wait for its last store); the MLP matches eager."""
     from neuronc.passes.cost_model import replay
-    from neuronc.passes.tiling import loads_a_by_k_tile
+    from neuronc.passes.tiling import loads_a_by_k_tile, matmul_plan
+    from neuronc.plans import MatmulTiling
 
     class SwiGLU(torch.nn.Module):
         def __init__(self):
@@ -344,6 +345,11 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     h_loads = [start for inst, start, _ in timeline if inst.kernel == last and inst.engine == Engine.DMA
                and min(stored) <= inst.operands[1].offset <= max(stored)]
     assert h_loads and min(h_loads) < up_end
+    # only a plan loading h^T as one strip loads it by K tile: in strips of fewer rows, the later strips load
+    # after the up projection is done (one DMA each, not one per K tile)
+    assert down[0].attrs["plan"].a_by_k_tile and down[0].attrs["tiling"].block * 128 >= down[0].shape[1]
+    assert not matmul_plan(down[0], MatmulTiling("a", 1, 128, 512, 128, 2)).a_by_k_tile
+    assert not matmul_plan(down[0], MatmulTiling("b", 1, 128, 512, 128, 2)).a_by_k_tile
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
@@ -372,3 +378,53 @@ def test_a_scatter_into_a_flat_tensor_copies_its_base_at_dma_bandwidth_not_eleme
     assert max(end for _, end in copies) - min(start for start, _ in copies) < 2 * at_bandwidth + 2 * target.dma_fixed_ns
     out = run_neff(compiled.neff, [x.numpy(), i.numpy(), v.numpy()]).outputs[0]
     np.testing.assert_array_equal(out, x.index_put((i,), v, accumulate=True).numpy())
+
+
+def test_a_layer_norms_last_row_tiles_are_stored_in_slices_of_about_one_issues_worth():
+    """GPT-2's layer-norm ([512, 768] bf16): the kernel ends with its last row tiles' stores, each [128, 768] (6.6
+    issues' worth of bytes: a DMA moves ~30 KB in its fixed cost's time). They go in 8 slices of 16 partitions,
+    the divisor of the 16 partition groups nearest that in ratio, not 4 (rounded down: 1.6 issues each, the kernel
+    ending ~2 us later); each slice a DMA of its own on its own queue. Matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.LayerNorm(768).eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
+    (output,) = [t for t in compiled.neff.tensors if t.kind.name == "OUTPUT"]
+    last_rows = output.offset + 384 * 768 * 2  # rows 384..511: the last row tile
+    last_tile = [inst for stream in compiled.neff.streams.values() for inst in stream
+                 if inst.opcode == Opcode.DMA_COPY and inst.operands[0].space == Space.HBM
+                 and last_rows <= inst.operands[0].offset < output.offset + output.nbytes]
+    assert sorted(s.operands[1].partitions for s in last_tile) == [16] * 8
+    assert len({s.queue for s in last_tile}) == 8
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_a_gpt2_mlp_chain_streams_its_first_matmuls_strips_four_deep_and_loads_the_seconds_strips_after_it(monkeypatch):
+    """GPT-2's MLP (768 -> 3072 -> 768, 512 tokens, bf16) is one chained kernel. Its first matmul streams W1 in
+    strips of one output tile's K tiles, about as long to load (with a DMA's fixed cost) as to multiply: the
+    tiling gives them 4 buffers (offered to a chain's first matmul at -O2; the formula picks it). The second's
+    strips after its early column are loaded once the first's matmuls are emitted, not halfway through the first,
+    where they took the queues from the first's strips. Matches eager."""
+    from neuronc.codegen import matmul as matmul_codegen
+
+    loaded_during_first = []
+    finish = matmul_codegen._EarlyColumn.finish
+
+    def spy(self, pending):
+        loaded_during_first.append(len(self.loaded))
+        return finish(self, pending)
+
+    monkeypatch.setattr(matmul_codegen._EarlyColumn, "finish", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
+    model = model.eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="mlp_chain"))
+    (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert chained.attrs["chain"].attrs["tiling"].stream_bufs == 4
+    assert loaded_during_first == [0]
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))

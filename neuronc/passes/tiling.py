@@ -147,10 +147,15 @@ def streamed_first(node: ir.Node, resident: str) -> bool:
     return resident != "none" and _is_weight(streamed) and not _is_weight(kept)
 
 
-def candidates(node: ir.Node, target: Target, wide: bool) -> list:
+def candidates(node: ir.Node, target: Target, wide: bool, deep: bool = False) -> list:
+    """The tilings to price: both resident choices with blocks of 1, 2, 4... output tiles, streamed operands double
+    or triple buffered (`wide`, -O3: also narrower N tiles and 4 buffers; `deep`: 4 buffers too, for a chain's
+    first matmul, whose streamed strips are one output tile's K tiles each, about as long to load, with a DMA's
+    fixed cost, as to multiply, on queues it shares with the second's early column: the formula picks 4 on the
+    GPT-2 MLP, 72.3 us priced against 73.7 with 3)."""
     batch, m, n = node.shape
     tile_ns = [_max_tile_n(target)] + ([256, 128] if wide else [])
-    bufs = [2, 3] + ([4] if wide else [])
+    bufs = [2, 3] + ([4] if wide or deep else [])
     found = []
     for tile_n in tile_ns:
         tm, tk = target.matmul_max_m, target.matmul_max_k
@@ -194,6 +199,22 @@ def loads_a_by_k_tile(node: ir.Node) -> bool:
     21.4 us instead of 51.0 us after the up projection's last); loading every strided A^T strip by K tile
     (inputs included) costs the 4096^3 matmul 1771 -> 1787 us."""
     return not _contiguous(node)[0] and ir.unreshaped(node.inputs[0]).op in (Op.ATTENTION, Op.MATMUL)
+
+
+def loads_a_once(node: ir.Node, tiling: MatmulTiling) -> bool:
+    """Whether the kernel under `tiling` loads A^T as one strip (A resident, its block every row, one batch):
+    the only plans whose A^T codegen loads K tile by K tile when `loads_a_by_k_tile`. With several strips, the
+    first can overlap the producer's last columns but every later one loads after the producer is done, where
+    one DMA per strip costs fewer issues; and a streamed strip is [K, 128 rows], 256 bytes per partition per K
+    tile in bf16, far down the DMA payload curve. Measured (trn2, bf16, `benchmarks.roofline`), by K tile for
+    every A^T strip -> for the first strip only -> for a single strip only: SwiGLU MLP 521.9 -> 542.3 -> 521.9
+    us, Llama layer (its down projection: two A strips of 512 rows) 2219.7 -> 2214.5 -> 2206.0, GPT-2 block
+    forward + backward 2122.9 -> 2109.2 -> 2092.5 (the last two as with attention outputs alone). The formula
+    (`price`) still charges every A^T strip of a flagged node by K tile; that charge is what keeps the SwiGLU
+    down projection on its A-resident plan (525.0 us whole, 521.9 by K tile) rather than the B-resident one the
+    uncharged formula prefers (533.7)."""
+    batch, m, _ = node.shape
+    return tiling.resident == "a" and tiling.block * tiling.tile_m >= m and batch == 1
 
 
 def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
@@ -251,8 +272,8 @@ def early_rows(second: ir.Node, target: Target) -> int:
 def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> float:
     """The cost model's estimate of a chained node's kernel: the first matmul (its result kept in SBUF, not
     stored), then the second (A^T not loaded), on the same Tensor engine, epilogue engines and DMA queues.
-    With early rows, the second's first column strip (a K tile at a time) and the strips it loads ahead are
-    loaded while the first runs, and the first has the PSUM banks the early tiles do not take."""
+    With early rows, the second's first column strip (a K tile at a time) is loaded while the first runs (its other
+    strips after: codegen/matmul.py `_chain`), and the first has the PSUM banks the early tiles do not take."""
     first, second = stages(node)
     early = early_rows(second, target)
     servers = Servers(target, target.psum_banks - early)
@@ -261,10 +282,8 @@ def chain_price(node: ir.Node, first_tiling: MatmulTiling, second_tiling: Matmul
         b, n, k = second.inputs[1], second.shape[2], second.attrs["k"]
         tn, tk = second_tiling.tile_n, second_tiling.tile_k
         column = strip_ns(tk, tk, min(tn, n), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
-        preloaded = min(-(-n // tn), second_tiling.stream_bufs)
-        meanwhile = -(-k // tk) * column + sum(
-            strip_ns(k, tk, min(tn, n - n0), b.dtype.itemsize, _contiguous(second)[1], 0, target)[0]
-            for n0 in range(tn, preloaded * tn, tn))
+        preloaded = 1  # the early column's strip
+        meanwhile = -(-k // tk) * column
     price(first, first_tiling, target, servers, sink=True, meanwhile_ns=meanwhile)
     return price(second, second_tiling, target, servers, a_kept=True, preloaded=preloaded)
 
@@ -273,7 +292,7 @@ def chain_options(node: ir.Node, target: Target, wide: bool = False) -> list:
     """Every (first's tiling, second's tiling) of a chained node that fits beside the kept result."""
     first, second = stages(node)
     return [(t, _second_tiling(second, target, stream_bufs)) for stream_bufs in (3, 2)
-            for t in candidates(first, target, wide)
+            for t in candidates(first, target, wide, deep=True)
             if _chain_bytes(first, second, t, _second_tiling(second, target, stream_bufs))
             <= target.sbuf_bytes_per_partition]
 
@@ -319,7 +338,7 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node), epilogue_group=EPILOGUE_GROUP)
+        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), epilogue_group=EPILOGUE_GROUP)
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
