@@ -265,6 +265,22 @@ class ReducePlan:
     pools: tuple  # PoolSpecs
 
 
+@dataclasses.dataclass(frozen=True)
+class PartitionSumPlan:
+    """A REDUCE_LAST kernel summing its input over the outer axis of its memory: out[r] = sum_t x[t, r] for x
+    laid out [T, R] (T the reduced axis, R contiguous; a bias or norm-weight gradient's sum over tokens). Tiles of
+    `tile_rows` consecutive t (one per partition, whole rows of up to `group` outputs) are loaded as they lie and
+    summed over partitions by the Tensor engine, ones[T, 1]^T @ tile accumulating in fp32 in PSUM, a bank of
+    `bank` outputs per matmul; the sums are rounded once into the output (passes/kernel_plans.py)."""
+    rows: int  # R: the outputs
+    cols: int  # T: the values summed into each
+    view: View  # the input as [T, R] (its memory order)
+    tile_rows: int  # T per tile: the partitions
+    group: int  # outputs accumulated at once (PSUM banks x bank)
+    bank: int  # outputs per matmul (one PSUM bank of fp32)
+    pools: tuple  # PoolSpecs: "input" [tile_rows, group], "ones" [tile_rows, 1], "outs" [1, group]
+
+
 # elementwise and indexing kernels (passes/kernel_plans.py) ----------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -8,10 +8,11 @@ from neuronc.codegen.access import (HbmTensor, broadcast_columns, column_slice, 
                                     first_rows)
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, emit_body
 from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.partition_sum import partition_sum
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.placement import dma_pieces, transposed_store_pieces
-from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, ReducePlan, RowSum, Summed, View
+from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, PartitionSumPlan, ReducePlan, RowSum, Summed, View
 
 
 def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
@@ -20,6 +21,9 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
     read through their [R, C] views."""
     plan: ReducePlan = node.attrs["plan"]
+    if isinstance(plan, PartitionSumPlan):  # a sum over the outer axis of the input's memory
+        partition_sum(em, node, memory)
+        return
     alu, body, chunk = REDUCTIONS[plan.kind], plan.prologue, plan.chunk
     pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
     temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]

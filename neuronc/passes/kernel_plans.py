@@ -11,7 +11,7 @@ from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.isa import DType
 from neuronc.placement import free_for, tile_free_elements
-from neuronc.plans import ElementwisePlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
+from neuronc.plans import ElementwisePlan, PartitionSumPlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
 from neuronc.passes.context import PassContext
 from neuronc.targets import Target
 
@@ -69,9 +69,10 @@ def elementwise_plan(node: Node, target: Target) -> ElementwisePlan:
                            slots=tuple(slots), free=free, pools=tuple(pools))
 
 
-def reduce_plan(node: Node, target: Target) -> ReducePlan:
+def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     """out[r] = reduce(x[r, :]) with rows on partitions, the columns reduced in chunks as large as the SBUF
-    shared by the inputs, the prologue's temporaries and the accumulators allows."""
+    shared by the inputs, the prologue's temporaries and the accumulators allows; or, for a sum whose reduced
+    axis is the outer one of its input's memory, a sum over partitions on the Tensor engine."""
     rows = node.shape[0]
     cols = node.attrs.get("cols") or node.inputs[0].shape[1]
     kind = node.attrs["kind"]
@@ -79,6 +80,8 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan:
         raise NeuronCompileError(f"a {kind!r} reduction is not supported yet", location=str(node.loc))
     body = tuple(node.attrs.get("prologue") or ())
     views = node.attrs.get("views") or ((0, (cols, 1)),)
+    if _sums_over_partitions(node, kind, body, views, cols):
+        return partition_sum_plan(node, views[0], cols, target)
     slots, temp_count = assign_slots(body) if body else ([], 0)
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
@@ -97,6 +100,33 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan:
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
                       views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
                       chunk=chunk, pools=tuple(pools))
+
+
+def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:
+    """Whether a reduction is a float sum of one input read transposed: out[r] = sum_c x[c, r], the outputs r
+    contiguous in memory (row stride 1) and the summed values c rows apart (a bias gradient, sum over tokens).
+    Rows on partitions, the way REDUCE_LAST reads, each partition's values would be `cols` single elements `row
+    stride` apart, a strided DMA of 4-byte pieces; loaded as they lie, whole rows of x are tiles of [c, r] and
+    the sum is over partitions, which the Tensor engine computes (a matmul by a ones vector)."""
+    if kind != "add" or body or len(node.inputs) != 1 or cols < 2:
+        return False
+    if not (node.dtype.is_float and node.inputs[0].dtype.is_float):
+        return False
+    _, (row_stride, col_stride) = views[0]
+    return row_stride == 1 and col_stride >= node.shape[0]
+
+
+def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target) -> PartitionSumPlan:
+    """out[r] = sum_t x[t, r] (x [T, R] as it lies in memory): tiles of `partitions` t, whole rows of up to every
+    PSUM bank's outputs, accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
+    rows = node.shape[0]
+    offset, (row_stride, col_stride) = view
+    bank = target.psum_bank_bytes // DType.F32.itemsize
+    group = min(rows, bank * target.psum_banks)
+    x = node.inputs[0].dtype
+    pools = (PoolSpec("input", x, group, 3), PoolSpec("ones", x, 1, 1), PoolSpec("outs", node.dtype, group, 2))
+    return PartitionSumPlan(rows=rows, cols=cols, view=View(int(offset), (int(col_stride), int(row_stride))),
+                            tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=pools)
 
 
 def topk_plan(node: Node, target: Target) -> TopkPlan:
