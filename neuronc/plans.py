@@ -263,6 +263,7 @@ class ReducePlan:
     views: tuple  # View [R, C] of each input
     chunk: int  # columns per tile
     pools: tuple  # PoolSpecs
+    store_tiles: int = 1  # row tiles whose reductions one DMA stores (side by side in an "outs" tile)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,9 @@ from neuronc.targets import Target
 
 REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None)  # TENSOR_REDUCE computes these
 TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
+# Row tiles of a reduction whose [rows, 1] results one DMA stores: each store moves a few bytes per partition and
+# pays a DMA's fixed cost, so they are gathered side by side (64 tiles: 256 bytes a partition in fp32).
+STORE_TILES = 64
 
 
 def assign_slots(body: tuple) -> tuple:
@@ -91,15 +94,18 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     # accumulator tiles
     chunk = free_for(target, 3 * len(node.inputs) + 2 * temp_count + 3 + 2 + 6, widest)
     wide = chunk * widest // DType.F32.itemsize
-    pools = [PoolSpec(f"input{i}", x.dtype, chunk, 3) for i, x in enumerate(node.inputs)]
+    # an input with one value per row (column stride 0) is loaded as a [rows, 1] column, not a chunk of copies
+    pools = [PoolSpec(f"input{i}", x.dtype, 1 if strides[1] == 0 and cols > 1 else chunk, 3)
+             for i, (x, (_, strides)) in enumerate(zip(node.inputs, views))]
     pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
     if body:
         pools += [PoolSpec("body_out", reduced_dtype, chunk, 3), PoolSpec("constants", DType.F32, wide, 2)]
+    store_tiles = min(-(-rows // target.partitions), STORE_TILES)
     pools += [PoolSpec("partials", acc_dtype, 1, 2), PoolSpec("accs", acc_dtype, 1, 2),
-              PoolSpec("outs", node.dtype, 1, 2)]
+              PoolSpec("outs", node.dtype, store_tiles, 2)]
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
                       views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
-                      chunk=chunk, pools=tuple(pools))
+                      chunk=chunk, pools=tuple(pools), store_tiles=store_tiles)
 
 
 def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:
