@@ -3,6 +3,8 @@ computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and t
 (strided view copies, bitcasts, fills, pads, concatenation) that need no arithmetic."""
 from __future__ import annotations
 
+import dataclasses
+
 from neuronc import ir, op_facts
 from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
@@ -37,6 +39,14 @@ def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
         shape = (block.partitions, *block.free)
         loaded = {}
         for k, i in enumerate(plan.inputs, start=1):
+            (stride, _), *free = block.dims[k]
+            if block.free_elements > 1 and not any(s for s, _ in free):
+                # one value per partition, repeated along the free axes (a row's mean): loaded once per
+                # partition and read with stride 0, not moved as copies
+                column = pools[f"input{i}"].next().ap(block.partitions, 1)
+                dma_by_rows(em, column, tensors[k].block(block.offsets[k], ((stride, block.partitions), (1, 1))))
+                loaded[i] = dataclasses.replace(column, dims=(column.dims[0], *((0, n) for n in block.free)))
+                continue
             loaded[i] = pools[f"input{i}"].next().ap(*shape)
             dma_by_rows(em, loaded[i], tensors[k].block(block.offsets[k], block.dims[k]))
         out = emit_body(em, plan.body, plan.slots, loaded, [pool.next() for pool in temps], pools["out"].next(), shape,

@@ -1,8 +1,12 @@
-"""Elementwise kernels cut a dense tensor into blocks of whole rows: a partition's share of the flattened tensor is
+"""Elementwise kernels move what they compute on and no more, without false orderings.
+
+They cut a dense tensor into blocks of whole rows: a partition's share of the flattened tensor is
 a multiple of a row (or a divisor of a long one), so the DMAs moving slices of partitions side by side on several
 queues touch no row in common and the hazard tracking (codegen/sync.py, HBM by rows and bytes within a row) does
 not order them one after another. A bf16 exact GELU as AOTAutograd hands it over (erf in fp32 between bf16 steps,
-a [512, 3072] MLP activation) was 233 us, its transfers in a chain; the numbers are eager PyTorch's."""
+a [512, 3072] MLP activation) was 233 us, its transfers in a chain. And an operand that is one value per row
+repeated along it (a layer-norm backward's mean and rstd in (x - mean) * rstd) is loaded as one value a
+partition and read with stride 0, not as a block of copies. The numbers are eager PyTorch's."""
 from __future__ import annotations
 
 import pytest
@@ -44,3 +48,19 @@ def test_the_transfers_of_a_bf16_gelu_are_not_ordered_by_false_hazards():
         hbm = dma.dst if dma.dst.space == Space.HBM else dma.srcs[0]
         assert hbm.offset % row_bytes == 0 and hbm.num_elements % 3072 == 0  # whole rows
         assert not any(w.engine == Engine.DMA for w in dma.waits)  # no transfer waits for another queue's
+
+
+class Normalised(nn.Module):
+    def forward(self, x, mean, rstd):
+        return (x - mean) * rstd
+
+
+def test_a_per_row_operand_is_loaded_once_a_row():
+    torch.manual_seed(0)
+    x, mean, rstd = torch.randn(1, 300, 768), torch.randn(1, 300, 1), torch.rand(1, 300, 1)
+    compiled = compile_exported(torch.export.export(Normalised(), (x, mean, rstd)), CompileOptions(opt_level=2))
+    out = from_numpy(run_neff(compiled.neff, [to_numpy(t) for t in (x, mean, rstd)]).outputs[0])
+    assert_matches_eager(out, Normalised()(x, mean, rstd))
+    loads = [i for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA for i in stream
+             if i.srcs[0].space == Space.HBM]
+    assert sum(i.srcs[0].num_elements for i in loads) == x.numel() + 2 * 300
