@@ -64,3 +64,24 @@ def test_a_per_row_operand_is_loaded_once_a_row():
     loads = [i for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA for i in stream
              if i.srcs[0].space == Space.HBM]
     assert sum(i.srcs[0].num_elements for i in loads) == x.numel() + 2 * 300
+
+
+def test_the_next_blocks_loads_are_issued_before_this_blocks_store(monkeypatch, no_compile_cache):
+    """On the in-order DMA queues a load issued after a store waits for it, and the store waits for the block's
+    steps: the loads of block n + 1 go ahead of block n's store."""
+    from neuronc.codegen.emitter import Emitter
+
+    issued = []
+    dma = Emitter.dma
+
+    def recording(self, dst, src, **kwargs):
+        issued.append("store" if dst.space == Space.HBM else "load")
+        return dma(self, dst, src, **kwargs)
+
+    monkeypatch.setattr(Emitter, "dma", recording)
+    x, mean, rstd = torch.randn(1, 512, 768), torch.randn(1, 512, 1), torch.rand(1, 512, 1)  # four blocks
+    compile_exported(torch.export.export(Normalised(), (x, mean, rstd)), CompileOptions(opt_level=2))
+    blocks_of_rows = 4  # [128, 768] each
+    loads_per_block, rest = divmod(issued.count("load"), blocks_of_rows)
+    assert rest == 0 and loads_per_block > 0
+    assert issued.index("store") == 2 * loads_per_block  # the first two blocks' loads precede the first store
