@@ -67,3 +67,23 @@ def test_a_max_over_tokens_is_not_a_matmul():
 class _MaxOverTokens(nn.Module):
     def forward(self, x):
         return x.amax(0)
+
+
+class NormWeightGradient(nn.Module):
+    """A layer-norm weight's and bias's gradients: sums over tokens of dy * x_hat and of dy."""
+
+    def forward(self, dy, x_hat):
+        return (dy * x_hat).sum((0, 1)), dy.sum((0, 1))
+
+
+def test_the_summed_product_is_computed_on_each_tile_not_read_from_hbm():
+    torch.manual_seed(0)
+    dy, x_hat = torch.randn(1, 300, 640), torch.randn(1, 300, 640)
+    compiled = compile_exported(torch.export.export(NormWeightGradient(), (dy, x_hat)), CompileOptions(opt_level=2))
+    outputs = [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(dy), to_numpy(x_hat)]).outputs]
+    kernels = [n for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)]
+    assert [n.op for n in kernels] == [Op.REDUCE_LAST, Op.REDUCE_LAST]  # no multiply kernel
+    weight_sum = next(n for n in kernels if n.attrs.get("prologue"))
+    assert isinstance(weight_sum.attrs["plan"], PartitionSumPlan) and len(weight_sum.inputs) == 2
+    for out, expected in zip(outputs, NormWeightGradient()(dy, x_hat)):
+        assert_matches_eager(out, expected)

@@ -84,7 +84,7 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     body = tuple(node.attrs.get("prologue") or ())
     views = node.attrs.get("views") or ((0, (cols, 1)),)
     if _sums_over_partitions(node, kind, body, views, cols):
-        return partition_sum_plan(node, views[0], cols, target)
+        return partition_sum_plan(node, views[0], cols, target, body)
     slots, temp_count = assign_slots(body) if body else ([], 0)
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
@@ -109,30 +109,44 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
 
 
 def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:
-    """Whether a reduction is a float sum of one input read transposed: out[r] = sum_c x[c, r], the outputs r
-    contiguous in memory (row stride 1) and the summed values c rows apart (a bias gradient, sum over tokens).
+    """Whether a reduction is a float sum of inputs read transposed: out[r] = sum_c x[c, r], the outputs r
+    contiguous in memory (row stride 1) and the summed values c rows apart (a bias gradient, sum over tokens), x
+    an input or a prologue computed from inputs all read through that view (passes/partition_sum_prologues.py).
     Rows on partitions, the way REDUCE_LAST reads, each partition's values would be `cols` single elements `row
     stride` apart, a strided DMA of 4-byte pieces; loaded as they lie, whole rows of x are tiles of [c, r] and
     the sum is over partitions, which the Tensor engine computes (a matmul by a ones vector)."""
-    if kind != "add" or body or len(node.inputs) != 1 or cols < 2:
+    if kind != "add" or cols < 2 or (not body and len(node.inputs) != 1):
         return False
-    if not (node.dtype.is_float and node.inputs[0].dtype.is_float):
+    if not (node.dtype.is_float and all(x.dtype.is_float for x in node.inputs)) or (body and not body[-1].dtype.is_float):
+        return False
+    if len({(offset, tuple(strides)) for offset, strides in views}) != 1:
         return False
     _, (row_stride, col_stride) = views[0]
     return row_stride == 1 and col_stride >= node.shape[0]
 
 
-def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target) -> PartitionSumPlan:
-    """out[r] = sum_t x[t, r] (x [T, R] as it lies in memory): tiles of `partitions` t, whole rows of up to every
-    PSUM bank's outputs, accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
+def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body: tuple = ()) -> PartitionSumPlan:
+    """out[r] = sum_t x[t, r] (x [T, R] as it lies in memory, or computed from inputs that lie so by the prologue
+    `body`): tiles of `partitions` t, whole rows of as many outputs as every PSUM bank and the SBUF left hold,
+    accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
     rows = node.shape[0]
     offset, (row_stride, col_stride) = view
     bank = target.psum_bank_bytes // DType.F32.itemsize
-    group = min(rows, bank * target.psum_banks)
-    x = node.inputs[0].dtype
-    pools = (PoolSpec("input", x, group, 3), PoolSpec("ones", x, 1, 1), PoolSpec("outs", node.dtype, group, 2))
+    slots, temp_count = assign_slots(body) if body else ([], 0)
+    summed = body[-1].dtype if body else node.inputs[0].dtype
+    widest = max([DType.F32.itemsize, summed.itemsize] + [x.dtype.itemsize for x in node.inputs])
+    # inputs (3 buffers each), temporaries (2), the prologue's result (3) and constants (2), the sums (2)
+    room = free_for(target, 3 * len(node.inputs) + 2 * temp_count + (5 if body else 0) + 2, widest)
+    group = min(rows, bank * target.psum_banks, max(bank, room // bank * bank))
+    wide = group * widest // DType.F32.itemsize
+    pools = [PoolSpec(f"input{i}", x.dtype, group, 3) for i, x in enumerate(node.inputs)]
+    pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
+    if body:
+        pools += [PoolSpec("body_out", summed, group, 3), PoolSpec("constants", DType.F32, wide, 2)]
+    pools += [PoolSpec("ones", summed, 1, 1), PoolSpec("outs", node.dtype, group, 2)]
     return PartitionSumPlan(rows=rows, cols=cols, view=View(int(offset), (int(col_stride), int(row_stride))),
-                            tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=pools)
+                            tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=tuple(pools),
+                            prologue=tuple(body), slots=tuple(slots))
 
 
 def topk_plan(node: Node, target: Target) -> TopkPlan:
