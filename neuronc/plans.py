@@ -264,6 +264,25 @@ class ReducePlan:
     views: tuple  # View [R, C] of each input
     chunk: int  # columns per tile
     pools: tuple  # PoolSpecs
+    store_tiles: int = 1  # row tiles whose reductions one DMA stores (side by side in an "outs" tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionSumPlan:
+    """A REDUCE_LAST kernel summing its input (or a prologue of its inputs) over the outer axis of their memory:
+    out[r] = sum_t x[t, r] for x laid out [T, R] (T the reduced axis, R contiguous; a bias or norm-weight gradient's sum over tokens). Tiles of
+    `tile_rows` consecutive t (one per partition, whole rows of up to `group` outputs) are loaded as they lie and
+    summed over partitions by the Tensor engine, ones[T, 1]^T @ tile accumulating in fp32 in PSUM, a bank of
+    `bank` outputs per matmul; the sums are rounded once into the output (passes/kernel_plans.py)."""
+    rows: int  # R: the outputs
+    cols: int  # T: the values summed into each
+    view: View  # the input as [T, R] (its memory order)
+    tile_rows: int  # T per tile: the partitions
+    group: int  # outputs accumulated at once (PSUM banks x bank)
+    bank: int  # outputs per matmul (one PSUM bank of fp32)
+    pools: tuple  # PoolSpecs: "input<i>" [tile_rows, group], the prologue's, "ones" [tile_rows, 1], "outs" [1, group]
+    prologue: tuple = ()  # IR steps computing x per tile from the inputs, all read through `view` (empty: input 0)
+    slots: tuple = ()  # per prologue step: its temporary's slot, or None (the "body_out" tile)
 
 
 # elementwise and indexing kernels (passes/kernel_plans.py) ----------------------------------------------------

@@ -48,6 +48,8 @@ def blocks(shape: tuple, strides: list, max_free: int, partitions: int, offsets:
     if size > max_free or len(dims) == 1:
         # Split the innermost dim into [size // f, f] (+ a tail), using every partition if small.
         f = min(max_free, max(1, math.ceil(size / partitions)) if len(dims) == 1 else size)
+        if len(dims) == 1:
+            f = _whole_rows(f, size, next((n for n in reversed(shape) if n > 1), 1), partitions)
         body, tail = divmod(size, f)
         if tail:
             yield from _cut(dims[:-1] + [(tail, inner)], [o + body * f * s for o, s in zip(offsets, inner)],
@@ -56,6 +58,18 @@ def blocks(shape: tuple, strides: list, max_free: int, partitions: int, offsets:
             return
         dims = dims[:-1] + [(body, tuple(s * f for s in inner)), (f, inner)]
     yield from _cut(dims, offsets, max_free, partitions)
+
+
+def _whole_rows(f: int, size: int, row: int, partitions: int) -> int:
+    """A partition's share `f` of a dense tensor of `size` elements in rows of `row`, moved to a row boundary: a
+    multiple of the row, or a divisor of it (not below half of f), when that takes no more blocks of `partitions`;
+    else f. Slices of partitions then cover whole rows, and DMAs of neighbouring slices share no row of the tensor,
+    which the hazard tracking (codegen/sync.py: HBM by rows and bytes within a row) would order one after another."""
+    if row >= size or f == row:
+        return f
+    aligned = f // row * row if f > row else next((d for d in range(f, f // 2, -1) if row % d == 0), f)
+    tiles = lambda share: -(-size // share // partitions)  # noqa: E731
+    return aligned if tiles(aligned) <= tiles(f) else f
 
 
 def _cut(dims: list, offsets, max_free: int, partitions: int):

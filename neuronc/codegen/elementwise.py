@@ -3,6 +3,8 @@ computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and t
 (strided view copies, bitcasts, fills, pads, concatenation) that need no arithmetic."""
 from __future__ import annotations
 
+import dataclasses
+
 from neuronc import ir, op_facts
 from neuronc.codegen.access import HbmTensor, dma_by_rows
 from neuronc.codegen.blocks import blocks
@@ -32,15 +34,33 @@ def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
     temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]
     tensors = [HbmTensor(x.dtype, memory.offset(x), ()) for x in (node, *(node.inputs[i] for i in plan.inputs))]
-    for block in blocks(node.shape, [view.strides for view in plan.views], plan.free, em.target.partitions,
-                        [view.offset for view in plan.views]):
-        shape = (block.partitions, *block.free)
+
+    def load(block) -> dict:
         loaded = {}
         for k, i in enumerate(plan.inputs, start=1):
-            loaded[i] = pools[f"input{i}"].next().ap(*shape)
+            (stride, _), *free = block.dims[k]
+            if block.free_elements > 1 and not any(s for s, _ in free):
+                # one value per partition, repeated along the free axes (a row's mean): loaded once per
+                # partition and read with stride 0, not moved as copies
+                column = pools[f"input{i}"].next().ap(block.partitions, 1)
+                dma_by_rows(em, column, tensors[k].block(block.offsets[k], ((stride, block.partitions), (1, 1))))
+                loaded[i] = dataclasses.replace(column, dims=(column.dims[0], *((0, n) for n in block.free)))
+                continue
+            loaded[i] = pools[f"input{i}"].next().ap(block.partitions, *block.free)
             dma_by_rows(em, loaded[i], tensors[k].block(block.offsets[k], block.dims[k]))
+        return loaded
+
+    # The next block's loads are issued before this block's store: on the in-order DMA queues they would
+    # otherwise wait behind the store, which waits for this block's steps (the input pools hold three blocks).
+    cut = list(blocks(node.shape, [view.strides for view in plan.views], plan.free, em.target.partitions,
+                      [view.offset for view in plan.views]))
+    ahead = load(cut[0]) if cut else None
+    for n, block in enumerate(cut):
+        loaded = ahead
+        shape = (block.partitions, *block.free)
         out = emit_body(em, plan.body, plan.slots, loaded, [pool.next() for pool in temps], pools["out"].next(), shape,
                         pools.get("constants"), node.loc)
+        ahead = load(cut[n + 1]) if n + 1 < len(cut) else None
         dma_by_rows(em, tensors[0].block(block.offsets[0], block.dims[0]), out)
 
 

@@ -5,35 +5,50 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc.codegen.access import (HbmTensor, broadcast_columns, column_slice, dma_by_columns, dma_by_rows,
-                                    first_rows)
+                                    first_rows, tile_at)
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, emit_body
 from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.partition_sum import partition_sum
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.placement import dma_pieces, transposed_store_pieces
-from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, ReducePlan, RowSum, Summed, View
+from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, PartitionSumPlan, ReducePlan, RowSum, Summed, View
 
 
 def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     """out[r] = reduce(x[r, :]) (its ReducePlan): rows on partitions, columns reduced along the free axis in chunks.
 
     x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
-    read through their [R, C] views."""
+    read through their [R, C] views. The reductions of `store_tiles` row tiles are stored by one DMA. A chunk's load is cut by partitions over several DMA queues (as a row-wise
+    kernel's); an input with one value per row (a column stride of 0: a mean the prologue subtracts) is loaded
+    once per row tile as a [rows, 1] column and read broadcast along the free axis, not as a chunk of copies."""
     plan: ReducePlan = node.attrs["plan"]
+    if isinstance(plan, PartitionSumPlan):  # a sum over the outer axis of the input's memory
+        partition_sum(em, node, memory)
+        return
     alu, body, chunk = REDUCTIONS[plan.kind], plan.prologue, plan.chunk
     pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
     temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]
     inputs = [HbmTensor.of(memory, x, view, (plan.rows, plan.cols)) for x, view in zip(node.inputs, plan.views)]
     out = HbmTensor.of(memory, node, shape=(plan.rows,))
-    for r0 in range(0, plan.rows, em.target.partitions):
+    per_row = {i for i, view in enumerate(plan.views) if view.strides[1] == 0 and plan.cols > 1}
+    parts, results, first = em.target.partitions, None, 0
+    for r0 in range(0, plan.rows, parts):
         rt = min(em.target.partitions, plan.rows - r0)
         acc = pools["accs"].next().ap(rt, 1)
+        columns = {}
+        for i in sorted(per_row):
+            columns[i] = pools[f"input{i}"].next().ap(rt, 1)
+            em.dma(columns[i], inputs[i][r0:r0 + rt, 0].column.ap)
         for c0 in range(0, plan.cols, chunk):
             ct = min(chunk, plan.cols - c0)
             loaded = {}
             for i, x in enumerate(inputs):
+                if i in per_row:
+                    loaded[i] = broadcast_columns(columns[i], ct)
+                    continue
                 loaded[i] = pools[f"input{i}"].next().ap(rt, ct)
-                em.dma(loaded[i], x[r0:r0 + rt, c0:c0 + ct].ap)
+                dma_by_rows(em, loaded[i], x[r0:r0 + rt, c0:c0 + ct].ap, _pieces(em, loaded[i], r0 == 0 and c0 == 0))
             tile = loaded[0] if not body else emit_body(
                 em, body, plan.slots, loaded, [pool.next() for pool in temps], pools["body_out"].next(), (rt, ct),
                 pools["constants"], node.loc)
@@ -43,9 +58,26 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
                 part = pools["partials"].next().ap(rt, 1)
                 em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, part, tile, alu=alu)
                 em.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, acc, acc, part, alu=alu)
-        result = pools["outs"].next().ap(rt, 1)
-        em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, result, acc)
-        em.dma(out[r0:r0 + rt].column.ap, result)
+        t = r0 // parts
+        if t % plan.store_tiles == 0:
+            results, first = pools["outs"].next(), t
+        em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, tile_at(results.ap(parts, plan.store_tiles), t - first, rt, 1), acc)
+        if t - first + 1 == plan.store_tiles or r0 + rt == plan.rows:
+            _store_row_tiles(em, out, results.ap(parts, plan.store_tiles), first, t + 1, plan.rows)
+
+
+def _store_row_tiles(em: Emitter, out: HbmTensor, results: AccessPattern, first: int, end: int, rows: int) -> None:
+    """Store the reductions of row tiles [first, end), held side by side in `results` (tile t's [rows, 1] in
+    column t - first), each tile's by a DMA of its own on the next queue: a few bytes per partition move far below
+    a queue's rate, so the transfers run side by side (cut by columns, each writes output rows of its own)."""
+    parts = em.target.partitions
+    whole = min(end, rows // parts) - first
+    if whole > 0:
+        dma_by_columns(em, out[first * parts:(first + whole) * parts].tiled(parts).ap, tile_at(results, 0, parts, whole),
+                       whole)
+    if end * parts > rows:
+        r0 = (end - 1) * parts
+        em.dma(out[r0:rows].column.ap, tile_at(results, end - 1 - first, rows - r0, 1))
 
 
 def _pieces(em: Emitter, tile, latency_bound: bool) -> int:

@@ -11,12 +11,15 @@ from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.isa import DType
 from neuronc.placement import free_for, tile_free_elements
-from neuronc.plans import ElementwisePlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
+from neuronc.plans import ElementwisePlan, PartitionSumPlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
 from neuronc.passes.context import PassContext
 from neuronc.targets import Target
 
 REDUCTIONS = tuple(kind for kind, r in op_facts.REDUCTIONS.items() if r.alu is not None)  # TENSOR_REDUCE computes these
 TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
+# Row tiles of a reduction whose [rows, 1] results one DMA stores: each store moves a few bytes per partition and
+# pays a DMA's fixed cost, so they are gathered side by side (64 tiles: 256 bytes a partition in fp32).
+STORE_TILES = 64
 
 
 def assign_slots(body: tuple) -> tuple:
@@ -69,9 +72,10 @@ def elementwise_plan(node: Node, target: Target) -> ElementwisePlan:
                            slots=tuple(slots), free=free, pools=tuple(pools))
 
 
-def reduce_plan(node: Node, target: Target) -> ReducePlan:
+def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     """out[r] = reduce(x[r, :]) with rows on partitions, the columns reduced in chunks as large as the SBUF
-    shared by the inputs, the prologue's temporaries and the accumulators allows."""
+    shared by the inputs, the prologue's temporaries and the accumulators allows; or, for a sum whose reduced
+    axis is the outer one of its input's memory, a sum over partitions on the Tensor engine."""
     rows = node.shape[0]
     cols = node.attrs.get("cols") or node.inputs[0].shape[1]
     kind = node.attrs["kind"]
@@ -79,6 +83,8 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan:
         raise NeuronCompileError(f"a {kind!r} reduction is not supported yet", location=str(node.loc))
     body = tuple(node.attrs.get("prologue") or ())
     views = node.attrs.get("views") or ((0, (cols, 1)),)
+    if _sums_over_partitions(node, kind, body, views, cols):
+        return partition_sum_plan(node, views[0], cols, target, body)
     slots, temp_count = assign_slots(body) if body else ([], 0)
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
@@ -88,15 +94,59 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan:
     # accumulator tiles
     chunk = free_for(target, 3 * len(node.inputs) + 2 * temp_count + 3 + 2 + 6, widest)
     wide = chunk * widest // DType.F32.itemsize
-    pools = [PoolSpec(f"input{i}", x.dtype, chunk, 3) for i, x in enumerate(node.inputs)]
+    # an input with one value per row (column stride 0) is loaded as a [rows, 1] column, not a chunk of copies
+    pools = [PoolSpec(f"input{i}", x.dtype, 1 if strides[1] == 0 and cols > 1 else chunk, 3)
+             for i, (x, (_, strides)) in enumerate(zip(node.inputs, views))]
     pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
     if body:
         pools += [PoolSpec("body_out", reduced_dtype, chunk, 3), PoolSpec("constants", DType.F32, wide, 2)]
+    store_tiles = min(-(-rows // target.partitions), STORE_TILES)
     pools += [PoolSpec("partials", acc_dtype, 1, 2), PoolSpec("accs", acc_dtype, 1, 2),
-              PoolSpec("outs", node.dtype, 1, 2)]
+              PoolSpec("outs", node.dtype, store_tiles, 2)]
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
                       views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
-                      chunk=chunk, pools=tuple(pools))
+                      chunk=chunk, pools=tuple(pools), store_tiles=store_tiles)
+
+
+def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:
+    """Whether a reduction is a float sum of inputs read transposed: out[r] = sum_c x[c, r], the outputs r
+    contiguous in memory (row stride 1) and the summed values c rows apart (a bias gradient, sum over tokens), x
+    an input or a prologue computed from inputs all read through that view (passes/partition_sum_prologues.py).
+    Rows on partitions, the way REDUCE_LAST reads, each partition's values would be `cols` single elements `row
+    stride` apart, a strided DMA of 4-byte pieces; loaded as they lie, whole rows of x are tiles of [c, r] and
+    the sum is over partitions, which the Tensor engine computes (a matmul by a ones vector)."""
+    if kind != "add" or cols < 2 or (not body and len(node.inputs) != 1):
+        return False
+    if not (node.dtype.is_float and all(x.dtype.is_float for x in node.inputs)) or (body and not body[-1].dtype.is_float):
+        return False
+    if len({(offset, tuple(strides)) for offset, strides in views}) != 1:
+        return False
+    _, (row_stride, col_stride) = views[0]
+    return row_stride == 1 and col_stride >= node.shape[0]
+
+
+def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body: tuple = ()) -> PartitionSumPlan:
+    """out[r] = sum_t x[t, r] (x [T, R] as it lies in memory, or computed from inputs that lie so by the prologue
+    `body`): tiles of `partitions` t, whole rows of as many outputs as every PSUM bank and the SBUF left hold,
+    accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
+    rows = node.shape[0]
+    offset, (row_stride, col_stride) = view
+    bank = target.psum_bank_bytes // DType.F32.itemsize
+    slots, temp_count = assign_slots(body) if body else ([], 0)
+    summed = body[-1].dtype if body else node.inputs[0].dtype
+    widest = max([DType.F32.itemsize, summed.itemsize] + [x.dtype.itemsize for x in node.inputs])
+    # inputs (3 buffers each), temporaries (2), the prologue's result (3) and constants (2), the sums (2)
+    room = free_for(target, 3 * len(node.inputs) + 2 * temp_count + (5 if body else 0) + 2, widest)
+    group = min(rows, bank * target.psum_banks, max(bank, room // bank * bank))
+    wide = group * widest // DType.F32.itemsize
+    pools = [PoolSpec(f"input{i}", x.dtype, group, 3) for i, x in enumerate(node.inputs)]
+    pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
+    if body:
+        pools += [PoolSpec("body_out", summed, group, 3), PoolSpec("constants", DType.F32, wide, 2)]
+    pools += [PoolSpec("ones", summed, 1, 1), PoolSpec("outs", node.dtype, group, 2)]
+    return PartitionSumPlan(rows=rows, cols=cols, view=View(int(offset), (int(col_stride), int(row_stride))),
+                            tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=tuple(pools),
+                            prologue=tuple(body), slots=tuple(slots))
 
 
 def topk_plan(node: Node, target: Target) -> TopkPlan:
