@@ -1,8 +1,10 @@
 """neuronc's own lowerings of special functions and float-format ops torch-mlir cannot lower (issue 21, found by
 `benchmarks.opinfo`): the scaled complementary error function `special_erfcx` (torch's decomposition of
-`special_log_ndtr` reaches it), the inverse normal CDF `special_ndtri`, and `frexp`. Decompositions into elementwise ops, bit
-operations and bitcasts, registered like decompositions.OWN (torch_import and aten_lowering merge `OWN` here after
-it). Each follows ATen's CPU kernel's branches (Math.h) and is tested against eager in tests/test_special_functions.py.
+`special_log_ndtr` reaches it), the inverse normal CDF `special_ndtri`, `frexp`, the Airy function `special_airy_ai`
+and the Hurwitz zeta function `special_zeta` (their loops unrolled, ATen's stopping tests applied per element).
+Decompositions into elementwise ops, bit operations and bitcasts, registered like decompositions.OWN (torch_import
+and aten_lowering merge `OWN` here after it). Each follows ATen's CPU kernel's branches (Math.h) and is tested
+against eager in tests/test_special_functions.py.
 """
 from __future__ import annotations
 
