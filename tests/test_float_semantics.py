@@ -49,6 +49,23 @@ def test_integers_compared_with_themselves_and_two_tensors_still_compile():
     assert torch.equal(run_compiled(torch.eq, a, b), torch.eq(a, b))
 
 
+def _constants_compared_with_integers(x):
+    """Each comparison of a constant float tensor with a Python integer picks x or -x: torch-mlir folded the
+    integer forms of <, <=, >, >= against 0 wrongly (2.5 <= 0 was true)."""
+    picks = []
+    for value in (2.5, -2.5, 0.5):
+        constant = torch.full((), value)
+        for compared in (constant <= 0, constant < 0, constant >= 0, constant > 0, constant == 0, constant != 0,
+                         constant <= 3, constant > -3):
+            picks.append(torch.where(compared, -x, x))
+    return torch.stack(picks)
+
+
+def test_a_constant_float_compared_with_an_integer_folds_as_eager():
+    x = torch.tensor([1.0, 2.0, -3.0])
+    assert torch.equal(run_compiled(_constants_compared_with_integers, x), _constants_compared_with_integers(x))
+
+
 def test_the_self_comparison_is_refused_if_it_reaches_torch_mlir_undecomposed():
     from torch.fx.experimental.proxy_tensor import make_fx
 

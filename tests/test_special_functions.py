@@ -58,3 +58,34 @@ def test_erfinv_matches_eager_in_both_branches_and_at_the_ends():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_i0_matches_eager_over_wide_ranges(dtype):
     _matches_eager(torch.i0, _reals().clamp(-100, 100).to(dtype))
+
+
+def _airy_and_zeta(x, s, q):
+    return torch.special.airy_ai(x), torch.special.zeta(s, q), torch.special.zeta(s, 2.5)
+
+
+def test_airy_ai_and_zeta_match_eager_in_every_branch():
+    """One program. airy_ai: the asymptotic forms below -2.09 and from 2.09, the series between (its stopping test
+    per element), 0 past 103.892, NaN at +-inf. zeta(s, q): x = 1 (inf), x < 1 and fractional x with q <= 0
+    (NaN), q a non-positive integer (inf), negative q down to -22.9 (the direct sum over 32 terms), q past 9 (the
+    direct sum stopping at its first negligible term), infinities and NaN, and a Python number for q."""
+    specials = [math.inf, -math.inf, math.nan, 0.0, -0.0, -2.09, -2.0899, 2.09, 2.0899, 8.3203353, 103.8, 103.9, 1e30,
+                -1e30]
+    x = torch.cat([torch.tensor(specials), torch.linspace(-30, 30, 601)])
+    s = torch.tensor([1.0, 1.0001, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 20.0, 50.0, 0.5, -1.0, math.inf, math.nan])
+    q = torch.tensor([0.0, -0.0, -1.0, -2.5, -8.3, -15.5, -22.9, 0.001, 0.1, 0.5, 1.0, 3.6, 9.0, 9.5, 100.0, 1e4,
+                      1e10, math.inf, math.nan, -19.9, -7.25, 2.25, 17.0])
+    torch._dynamo.reset()
+    arguments = (x, s[:, None], q)
+    got = torch.compile(_airy_and_zeta, backend="neuron", fullgraph=True)(*arguments)
+    for g, w in zip(got, _airy_and_zeta(*arguments)):
+        torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
+
+
+def test_zeta_is_nan_past_its_unrolled_direct_sum():
+    """The documented limit: ATen's direct sum runs ~9 - q steps; unrolled to 32, q <= -23 with an integer x gives
+    NaN (the decomposition itself, run eagerly: no compile)."""
+    from neuronc.frontend.special_decompositions import _zeta
+
+    got = _zeta(torch.tensor([2.0, 3.0, 2.0]), torch.tensor([-22.9, -23.5, -30.5]))
+    assert torch.isfinite(got[0]) and torch.isnan(got[1:]).all()

@@ -16,6 +16,13 @@ import torch
 aten = torch.ops.aten
 
 
+def _known(*sizes) -> bool:
+    """Whether every size or index is a plain int. The rules below compare them in Python; a symbolic one (a size
+    born of tensor data, in pytorch/data_dependent.py's re-trace with unbacked sizes) would turn each comparison
+    into a guard that cannot be decided, and the trace would fail: such forms are left to torch's own ops."""
+    return all(isinstance(size, int) for size in sizes if size is not None)
+
+
 def _hypot(a, b):
     """sqrt(a^2 + b^2) as std::hypot: scaled by the larger magnitude so that no square overflows or underflows;
     inf if either is infinite (even with a NaN beside it), NaN if either is NaN otherwise, 0 for two zeros.
@@ -90,19 +97,13 @@ def _cumsum(x, dim, *, dtype=None):
     return x.to(dtype).clone()
 
 
-def _concrete(*values) -> bool:
-    """Whether these sizes/offsets are plain numbers: a symbolic size (a count read from data, in the staged
-    graphs of pytorch/data_dependent.py) cannot be compared without a guard, so its slice is left as it is."""
-    return all(v is None or isinstance(v, int) for v in values)
-
-
 def _roll(x, shifts, dims=()):
     """roll by whole turns (every shift a multiple of its dim's size: 0 included) is the tensor itself; torch's
     decomposition cuts a zero-length slice there, which torch-mlir refuses. Other shifts are torch-mlir's."""
     shifts = [shifts] if isinstance(shifts, int) else list(shifts)
     dims = [dims] if isinstance(dims, int) else list(dims)
     sizes = [x.numel()] if not dims else [x.shape[d] for d in dims]
-    if not _concrete(*shifts, *sizes) or any(size and shift % size for shift, size in zip(shifts, sizes)):
+    if not _known(*sizes, *shifts) or any(size and shift % size for shift, size in zip(shifts, sizes)):
         return NotImplemented
     return x.clone()
 
@@ -111,7 +112,7 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     """A slice that selects nothing: zeros of the empty shape (torch-mlir cannot lower a zero-length slice);
     other slices are torch-mlir's."""
     size = x.shape[dim]
-    if not _concrete(size, start, end):
+    if not _known(size, start, end, *x.shape):
         return NotImplemented
     first = 0 if start is None else (start + size if start < 0 else start)
     last = size if end is None else (end + size if end < 0 else end)
@@ -129,6 +130,8 @@ def _index_put(x, indices, values, accumulate=False):
     (data) never becomes a shape. Values with one row per selected element (a data-dependent shape) and integer
     indices stay torch-mlir's."""
     if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.bool, torch.uint8):
+        return NotImplemented
+    if not _known(*x.shape, *indices[0].shape, *values.shape):
         return NotImplemented
     mask = indices[0].to(torch.bool)
     row_shape = x.shape[mask.dim():]
@@ -174,7 +177,7 @@ def _antialias_weights(input_size: int, output_size: int, align_corners: bool, s
 def _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
     """Antialiased bilinear resizing (interpolate(..., antialias=True)): separable, each of H and W a product with
     its constant weight matrix (torch-mlir has no lowering of it)."""
-    if not x.is_floating_point():
+    if not x.is_floating_point() or not _known(*x.shape, *output_size):
         return NotImplemented
     (height, width), (out_height, out_width) = x.shape[-2:], output_size
     rows = torch.from_numpy(_antialias_weights(height, out_height, align_corners, scales_h)).to(x.dtype)

@@ -84,6 +84,29 @@ def drop_assertions(gm) -> None:
         gm.recompile()
 
 
+def float_comparison_scalars(gm) -> None:
+    """In place: a float tensor compared with a Python integer (`x <= 0`: aten.le.Scalar(x, 0)) is compared with
+    that number as a float, the value eager compares (the scalar takes the tensor's dtype). torch-mlir folds the
+    integer form wrongly on a constant tensor: `torch.full((), 2.5) <= 0` was folded to true (and `> 0` to false),
+    a silent wrong result; the float form folds right."""
+    import torch
+
+    aten = torch.ops.aten
+    comparisons = {aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar, aten.eq.Scalar, aten.ne.Scalar}
+    changed = False
+    for node in gm.graph.nodes:
+        if node.target not in comparisons or len(node.args) < 2:
+            continue
+        value, scalar = node.args[0].meta.get("val"), node.args[1]
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(scalar, int)
+                and not isinstance(scalar, bool)):
+            rounded = float(torch.tensor(scalar, dtype=value.dtype))  # once, to the tensor's dtype
+            node.args = (node.args[0], rounded, *node.args[2:])
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def wrap_negative_indices(gm) -> None:
     """In place: before each advanced-indexing op (x[i], x[i] = v and their backward), map negative indices
     i to i + size as eager PyTorch does (torch-mlir's lowering reads them as out of bounds)."""
@@ -360,6 +383,7 @@ def lower(gm, name: str):
     torch_d.register_dialect(context)
     importer = FxImporter(context=context, hooks=_dense_literals())
     drop_assertions(gm)
+    float_comparison_scalars(gm)
     wrap_negative_indices(gm)
     unsqueeze_scalar_reductions(gm)
     _tag_locations_with_node_names(importer, context)
