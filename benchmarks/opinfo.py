@@ -34,6 +34,14 @@ A full run is long (613 ops, ~1900 fp32 samples, a torch-mlir child per compile;
 "neuron" is strictly on the device (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1); "neuron+cpu" lets a compiled
 graph run the ops the device cannot on the CPU (neuronc.pytorch.partition), as torch.compile does by default.
 
+`--graph-breaks` compiles every backend as `torch.compile` does by default (`fullgraph=False`): what Dynamo cannot
+trace (functions it skips, data-dependent control flow, sparse tensors...) runs in Python between the graphs it
+hands the backend, instead of failing the sample before any backend is called. That is what a user's program
+meets; "neuron+cpu" under it answers "does my program run, and right". Samples that pass with no graph reaching
+the backend (Dynamo ran all of it in Python) are counted and printed apart, as passes:
+
+    .venv/bin/python -m benchmarks.opinfo --fallback --graph-breaks --peers inductor
+
 The NeuronCore has no float64: "neuron" refuses a graph taking or returning float64 (OpInfo's `double`, the
 `--dtypes fp64` samples). `--fp64-to-fp32` adds "neuron-f64", strictly on the device too but compiled with
 `options={"auto_cast": "fp64-to-fp32"}` (fp32 computation, float64 cast at the boundary), whose float64 outputs
@@ -228,17 +236,21 @@ def classify(err: BaseException) -> tuple:
     return f"{type(inner).__name__}: {first}", []
 
 
-def check_sample(backend: str, sample: Sample, backward: bool, random: bool) -> tuple:
-    """('pass' | class, ops named, detail) of one sample compiled by `backend`, against eager."""
+def check_sample(backend: str, sample: Sample, backward: bool, random: bool, fullgraph: bool = True) -> tuple:
+    """('pass' | class, ops named, detail) of one sample compiled by `backend`, against eager (``fullgraph``:
+    torch.compile's argument; False lets Dynamo break the graph)."""
     try:
         want, want_grads = run(sample.fn, sample, backward)
     except Exception:  # noqa: BLE001 - eager itself refuses the sample: not counted
         return "eager error", [], ""
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters["stats"].clear()  # graphs_compiled counts this sample's graphs
     os.environ[FALLBACK_ENV] = "" if backend == WITH_FALLBACK else "1"
     neuron = backend in (WITH_FALLBACK, FP64_CAST)
     options = {"options": {"auto_cast": "fp64-to-fp32"}} if backend == FP64_CAST else {}
-    compiled = torch.compile(sample.fn, backend="neuron" if neuron else backend, fullgraph=True, **options)
+    compiled = torch.compile(sample.fn, backend="neuron" if neuron else backend, fullgraph=fullgraph, **options)
     try:
         got, got_grads = run(compiled, sample, backward)
     except Exception as err:  # noqa: BLE001 - every backend failure is a data point
@@ -265,7 +277,15 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool) -> 
     return ("random" if random else "pass"), [], ""
 
 
-def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose: bool) -> list:
+def graphs_compiled() -> int:
+    """Graphs Dynamo handed a backend for the last sample (check_sample clears the count before it compiles)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose: bool,
+            fullgraph: bool = True) -> list:
     records = []
     for op in ops:
         label = op_label(op)
@@ -283,7 +303,7 @@ def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose:
                 for backend in backends:
                     start = time.perf_counter()
                     try:
-                        outcome, named, detail = check_sample(backend, sample, grad, op.name in RANDOM)
+                        outcome, named, detail = check_sample(backend, sample, grad, op.name in RANDOM, fullgraph)
                     except Exception as err:  # noqa: BLE001 - the harness goes on
                         outcome, named, detail = f"harness: {type(err).__name__}", [], str(err)[:200]
                         if verbose:
@@ -292,7 +312,7 @@ def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose:
                         break
                     records.append({"op": label, "dtype": dtype_name, "sample": index, "backend": backend,
                                     "direction": "backward" if grad else "forward", "outcome": outcome,
-                                    "ops": named, "detail": detail,
+                                    "ops": named, "detail": detail, "graphs": graphs_compiled(),
                                     "seconds": round(time.perf_counter() - start, 2)})
                     if verbose or outcome not in ("pass", "random"):
                         print(f"  {backend:9s} {dtype_name:4s} {label}[{index}]: {outcome}"
@@ -319,6 +339,10 @@ def report(records: list, backends: list) -> None:
             up_to_sign = sum(r["outcome"] == UP_TO_SIGN for r in counted)
             if up_to_sign:
                 print(f"{'':10s} {'':5s} {'':8s} {up_to_sign:>22d} of them (not passes): {UP_TO_SIGN}")
+            uncompiled = sum(r["outcome"] == "pass" and r.get("graphs") == 0 for r in counted)
+            if uncompiled:
+                print(f"{'':10s} {'':5s} {'':8s} {uncompiled:>22d} of the passes: no graph reached the backend "
+                      "(Dynamo ran the sample in Python)")
             rounded_once = sum(r["outcome"] == ROUNDED_ONCE for r in counted)
             if rounded_once:
                 print(f"{'':10s} {'':5s} {'':8s} {rounded_once:>22d} of them (not passes): {ROUNDED_ONCE}")
@@ -365,6 +389,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fp64-to-fp32", action="store_true",
                         help=f"also measure '{FP64_CAST}': strictly on the device with --auto-cast fp64-to-fp32 "
                              "(float64 outputs held to fp32's tolerance against eager float64)")
+    parser.add_argument("--graph-breaks", action="store_true",
+                        help="compile with fullgraph=False, torch.compile's default: Dynamo runs what it cannot "
+                             "trace in Python between graphs (every backend)")
     parser.add_argument("--json", help="write every sample's record here")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -378,9 +405,11 @@ def main(argv=None) -> int:
     backends = ["neuron", *([WITH_FALLBACK] if args.fallback else []), *([FP64_CAST] if args.fp64_to_fp32 else []),
                 *args.peers]
     print(f"{len(ops)} ops, up to {args.samples} samples per dtype ({', '.join(args.dtypes)}), "
-          f"{'forward and backward' if args.backward else 'forward'}; backends: {', '.join(backends)}", flush=True)
+          f"{'forward and backward' if args.backward else 'forward'}; backends: {', '.join(backends)}; "
+          f"{'graph breaks allowed (fullgraph=False)' if args.graph_breaks else 'fullgraph=True'}", flush=True)
     start = time.perf_counter()
-    records = measure(ops, backends, args.dtypes, args.samples, args.backward, args.verbose)
+    records = measure(ops, backends, args.dtypes, args.samples, args.backward, args.verbose,
+                      fullgraph=not args.graph_breaks)
     report(records, backends)
     print(f"\n{time.perf_counter() - start:.0f} s")
     if args.json:
