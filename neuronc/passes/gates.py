@@ -14,6 +14,8 @@ that each gated pass leaves graphs without its ops unchanged.
 """
 from __future__ import annotations
 
+import functools
+
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
@@ -26,6 +28,7 @@ def _ops(*ops: Op):
     return lambda summary: not wanted.isdisjoint(summary.ops)
 
 
+@functools.cache
 def _gates() -> dict:
     """Pass name -> predicate on a graph's Summary: whether the pass may change it."""
     from neuronc.passes import indexing
@@ -57,9 +60,6 @@ def _gates() -> dict:
     }
 
 
-_GATES: dict | None = None
-
-
 class Summary:
     """The ops and dtypes of a graph's nodes (made once per graph the pipeline meets)."""
 
@@ -71,18 +71,12 @@ class Summary:
 
 def may_change(name: str, summary: Summary) -> bool:
     """Whether the pass called `name` can change a graph of this summary (False only when its gate says so)."""
-    global _GATES
     if not ENABLED:
         return True
-    if _GATES is None:
-        _GATES = _gates()
-    gate = _GATES.get(name)
+    gate = _gates().get(name)
     return gate is None or gate(summary)
 
 
 def gated(name: str) -> bool:
     """Whether the pass called `name` has a gate."""
-    global _GATES
-    if _GATES is None:
-        _GATES = _gates()
-    return name in _GATES
+    return name in _gates()
