@@ -140,9 +140,15 @@ def _prices(instr, target: Target, same_price: dict | None, memo: dict) -> tuple
 def estimate_streams(streams: dict, target: Target, same_price: dict | None = None) -> tuple:
     """(makespan in ns, {kernel index: ns summed over its instructions}) of scheduled streams (`same_price`: see
     replay)."""
+    return kernel_totals((inst.kernel, start, end) for inst, start, end in replay(streams, target, same_price))
+
+
+def kernel_totals(spans) -> tuple:
+    """(makespan in ns, {kernel index: ns summed over its instructions}) of (kernel, start, end) per instruction:
+    codegen's estimate from `replay`, the eager path's from a load's timeline (the same simulation)."""
     makespan, kernel_ns = 0.0, {}
-    for inst, start, end in replay(streams, target, same_price):
-        kernel_ns[inst.kernel] = kernel_ns.get(inst.kernel, 0.0) + end - start
+    for kernel, start, end in spans:
+        kernel_ns[kernel] = kernel_ns.get(kernel, 0.0) + end - start
         makespan = max(makespan, end)
     return makespan, kernel_ns
 

@@ -817,9 +817,9 @@ def _estimate_from_load(neff, timeline) -> None:
     timeline of its load: the runtime's schedule is the simulation codegen's estimate runs (neuronc.stream_timing:
     the same instruction prices, waits and order of completion, so the same floats), paid once instead of twice
     per new program. The NEFF stored in the compile cache then holds the numbers codegen would have written."""
-    kernel_ns: dict = {}
-    for event in timeline.events:
-        kernel_ns[event.kernel] = kernel_ns.get(event.kernel, 0.0) + event.end_ns - event.start_ns
+    from neuronc.stream_timing import kernel_totals
+
+    _, kernel_ns = kernel_totals((event.kernel, event.start_ns, event.end_ns) for event in timeline.events)
     for index, ns in kernel_ns.items():
         neff.kernels[index].estimated_ns = ns
     neff.estimated_ns = timeline.estimated_ns
