@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from neuronc.tolerances import TOLERANCES
+from tests.conftest import run_compiled
 
 pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
 
 
-def _matches_eager(fn, x):
-    torch._dynamo.reset()
-    got, want = torch.compile(fn, backend="neuron", fullgraph=True)(x), fn(x)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCES[want.dtype])
+def _matches_eager(fn, *inputs):
+    """fn compiled (checked to run on the device) against eager, output by output, NaN where eager has NaN."""
+    got, want = run_compiled(fn, *inputs), fn(*inputs)
+    for g, w in zip(*(out if isinstance(out, tuple) else (out,) for out in (got, want)), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
 
 
 F32 = torch.finfo(torch.float32)
@@ -75,11 +77,7 @@ def test_airy_ai_and_zeta_match_eager_in_every_branch():
     s = torch.tensor([1.0, 1.0001, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 20.0, 50.0, 0.5, -1.0, math.inf, math.nan])
     q = torch.tensor([0.0, -0.0, -1.0, -2.5, -8.3, -15.5, -22.9, 0.001, 0.1, 0.5, 1.0, 3.6, 9.0, 9.5, 100.0, 1e4,
                       1e10, math.inf, math.nan, -19.9, -7.25, 2.25, 17.0])
-    torch._dynamo.reset()
-    arguments = (x, s[:, None], q)
-    got = torch.compile(_airy_and_zeta, backend="neuron", fullgraph=True)(*arguments)
-    for g, w in zip(got, _airy_and_zeta(*arguments)):
-        torch.testing.assert_close(g, w, equal_nan=True, **TOLERANCES[w.dtype])
+    _matches_eager(_airy_and_zeta, x, s[:, None], q)
 
 
 def test_zeta_is_nan_past_its_unrolled_direct_sum():
