@@ -417,7 +417,7 @@ def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:
     """A per-channel epilogue input made by an elementwise kernel read by the convolution alone (a BatchNorm's
     1 / sqrt(var + eps)) is computed in the convolution's prologue instead, once per channel: its steps join
     the epilogue ahead of the others, its inputs are read through the same view."""
-    from neuronc.passes.fusion import MAX_INPUTS, MAX_STEPS, _private_chain
+    from neuronc.passes.fusion import MAX_INPUTS, MAX_STEPS, private_chain
 
     consumers, outputs = graph.consumers(), set(graph.outputs)
 
@@ -426,7 +426,7 @@ def _absorb_channel_producers(graph: ir.Graph, target: Target) -> ir.Graph:
             return None
         body, views, new_inputs = list(node.attrs["epilogue"]), list(node.attrs["views"]), list(inputs)
         for i in sorted(channel_inputs(node)):
-            chain = _private_chain(node, node.inputs[i], consumers, outputs)
+            chain = private_chain(node, node.inputs[i], consumers, outputs)
             producer = ir.unreshaped(inputs[i])
             viewed = any(producer.attrs.get("views") or ())
             if chain is None or chain[-1].op not in ir.ELEMENTWISE | {Op.FUSED} or viewed:

@@ -23,7 +23,7 @@ MAX_STEPS = 64
 MAX_INPUTS = 8
 
 
-def _private_chain(reader, x, consumers: dict, outputs: set) -> list | None:
+def private_chain(reader, x, consumers: dict, outputs: set) -> list | None:
     """[x, the reshapes under it..., the value they reshape] when each link is read by the next
     one only (the first by `reader`) and none is an output; else None."""
     chain = [x]
@@ -267,7 +267,7 @@ def _fold_epilogues_once(graph: ir.Graph, kind: Op, refine) -> ir.Graph:
 
     def product(node, position):
         """The `kind` node whose value input `position` of `node` is, if `node` is its only reader."""
-        chain = _private_chain(node, node.inputs[position], consumers, outputs)
+        chain = private_chain(node, node.inputs[position], consumers, outputs)
         views = node.attrs.get("views") or (None,) * len(node.inputs)
         if chain is not None and chain[-1].op is kind and views[position] is None:
             return chain[-1]
@@ -340,7 +340,7 @@ def fuse_reduction_prologues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def fold(node, inputs):
         if node.op is not Op.REDUCE_LAST or "cols" in node.attrs:
             return None
-        chain = _private_chain(node, node.inputs[0], consumers, outputs)
+        chain = private_chain(node, node.inputs[0], consumers, outputs)
         if chain is None:
             return None
         producer, new = chain[-1], ir.unreshaped(inputs[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.passes.context import PassContext
+from neuronc.passes.fusion import private_chain
 from neuronc.passes.legalize import dense_strides
 
 MAX_INPUTS = 4  # operand tiles of a partition sum's prologue (each a [128, group] tile, three buffers)
@@ -44,12 +45,8 @@ def fold_partition_sum_prologues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def fold(node, inputs):
         if not _transposed_sum(node):
             return None
-        chain = [node.inputs[0]]
-        while chain[-1].op is Op.RESHAPE:
-            chain.append(chain[-1].inputs[0])
-        producer = chain[-1]
-        private = all(consumers.get(c) == {r} for c, r in zip(chain, [node] + chain)) and not (set(chain) & outputs)
-        if not private or not _dense_group(producer):
+        chain = private_chain(node, node.inputs[0], consumers, outputs)
+        if chain is None or not _dense_group(chain[-1]):
             return None
         new = ir.unreshaped(inputs[0])
         body = ir.body_of(new)
