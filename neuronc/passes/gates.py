@@ -55,6 +55,9 @@ def _gates() -> dict:
         # groups are seeded at a REDUCE_LAST; prologues are folded into REDUCE_LAST nodes
         "fuse_rowwise": _ops(Op.REDUCE_LAST),
         "fuse_reduction_prologues": _ops(Op.REDUCE_LAST),
+        # both rewrite REDUCE_LAST nodes only (a sum over tokens; a reduction read by a convert)
+        "fold_partition_sum_prologues": _ops(Op.REDUCE_LAST),
+        "round_reductions_once": _ops(Op.REDUCE_LAST),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
     }
