@@ -51,7 +51,7 @@ def eager_compiles():
     """(the lowered graph, its options, the NEFF eager made of it) for every program the ops above compiled."""
     torch.neuron._lazy_init()
     made = []
-    compile_lowered, compile_with = eager._compile_lowered, eager._compile_with
+    compile_lowered = eager._compile_lowered
     mp = pytest.MonkeyPatch()
 
     def recording(lowered, options):
@@ -66,7 +66,7 @@ def eager_compiles():
         _ops_on_the_device()
     finally:
         mp.undo()
-    assert compile_with is eager._compile_with and len(made) >= 20
+    assert len(made) >= 20
     return made
 
 
@@ -105,7 +105,6 @@ def test_a_one_op_graph_skips_the_passes_for_ops_it_lacks(monkeypatch):
 
     monkeypatch.setitem(pipeline.PIPELINES, 2, [spy(step) for step in pipeline.PIPELINES[2]])
     monkeypatch.setattr(eager, "programs", {})
-    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     x = torch.randn(3, 11)
     assert torch.equal((x.to("neuron") + 2.5).cpu(), x + 2.5)
     assert "legalize" in ran and "tile_matmuls" in ran
