@@ -45,14 +45,6 @@ def _dist(a, b, p=2):
     return aten.linalg_vector_norm.default(a - b, float(p))
 
 
-def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
-    """The vector norm of a 0-d tensor (torch-mlir lowers only ranks >= 1): the norm of its one element as a
-    1-element vector, back to 0-d (keepdim keeps 0-d, as eager). Other ranks are torch-mlir's."""
-    if x.dim() != 0:
-        return NotImplemented
-    return aten.linalg_vector_norm.default(x.reshape(1), ord, None, False, dtype=dtype)
-
-
 def _tan(x):
     """tan = sin / cos (StableHLO's tan has no kernel); both are accurate to an ulp, so the quotient is within
     fp32's tolerance of eager's tan everywhere, the poles included (cos(x) of an fp32 x is never 0)."""
@@ -185,13 +177,6 @@ def _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales
     return rows @ (x @ columns.T)
 
 
-def _upsample_bilinear2d_aa_vec(x, output_size, align_corners, scale_factors):
-    if output_size is None:
-        output_size = [int(math.floor(size * factor)) for size, factor in zip(x.shape[-2:], scale_factors)]
-    scales = scale_factors if scale_factors is not None else (None, None)
-    return _upsample_bilinear2d_aa(x, output_size, align_corners, *scales)
-
-
 _SCATTER_REDUCTIONS = {"add": "sum", "multiply": "prod"}
 
 
@@ -209,12 +194,10 @@ def _scatter_reduce_value(x, dim, index, value, reduce):
 
 OWN = {
     aten._upsample_bilinear2d_aa.default: _upsample_bilinear2d_aa,
-    aten._upsample_bilinear2d_aa.vec: _upsample_bilinear2d_aa_vec,
     aten.scatter.reduce: _scatter_reduce_src,
     aten.scatter.value_reduce: _scatter_reduce_value,
     aten.hypot.default: _hypot,
     aten.dist.default: _dist,
-    aten.linalg_vector_norm.default: _vector_norm,
     aten.tan.default: _tan,
     aten._batch_norm_with_update_functional.default: _batch_norm_with_update_functional,
     aten.empty_like.default: _empty_like,
