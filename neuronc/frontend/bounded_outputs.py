@@ -43,27 +43,28 @@ def nonzero_static(x, *, size: int, fill_value: int = -1):
     return filled.index_put((row,), values)[:size]
 
 
-def _count(mask):
-    return (mask != 0).sum()
+def _bounded_rows(mask) -> tuple:
+    """(nonzero_static of `mask` over every element, the count of its true elements read on the host, with the
+    bounds that hold by construction told to the tracer)."""
+    rows = nonzero_static(mask, size=mask.numel(), fill_value=0)
+    count = (mask != 0).sum().item()
+    torch._check(count >= 0)
+    torch._check(count <= mask.numel())
+    return rows, count
 
 
 def bounded_nonzero(x):
     """aten.nonzero as nonzero_static over every element, its count read on the host, and a slice."""
-    count = _count(x).item()
-    torch._check(count >= 0)
-    torch._check(count <= x.numel())
-    return nonzero_static(x, size=x.numel(), fill_value=0)[:count]
+    rows, count = _bounded_rows(x)
+    return rows[:count]
 
 
 def bounded_masked_select(x, mask):
     """aten.masked_select: x's elements where mask (both broadcast) is true, gathered at the bounded nonzero rows."""
     shape = torch.broadcast_shapes(x.shape, mask.shape)
     flat_mask = mask.expand(shape).reshape(-1)
-    rows = nonzero_static(flat_mask, size=flat_mask.numel(), fill_value=0)[:, 0]
-    count = _count(flat_mask).item()
-    torch._check(count >= 0)
-    torch._check(count <= flat_mask.numel())
-    return x.expand(shape).reshape(-1)[rows][:count]
+    rows, count = _bounded_rows(flat_mask)
+    return x.expand(shape).reshape(-1)[rows[:, 0]][:count]
 
 
 def bounded_index(x, indices):
@@ -75,10 +76,7 @@ def bounded_index(x, indices):
         return NotImplemented
     dim = masks[0]
     mask = indices[dim]
-    rows = nonzero_static(mask, size=mask.numel(), fill_value=0)
-    count = _count(mask).item()
-    torch._check(count >= 0)
-    torch._check(count <= mask.numel())
+    rows, count = _bounded_rows(mask)
     gathered = aten.index.Tensor(x, [None] * dim + list(rows.unbind(1)))
     return gathered.narrow(dim, 0, count)
 
