@@ -61,6 +61,28 @@ class OnDevice:
         return out  # a graph run in part on the CPU fails the test in device_graphs_stay_whole
 
 
+def compile_module(model, inputs, **options):
+    """``model`` exported with ``inputs`` and compiled by neuronc's own entry (no Dynamo), at -O2 unless
+    ``options`` (CompileOptions' fields) say otherwise."""
+    from neuronc.compiler import CompileOptions, compile_exported
+
+    return compile_exported(torch.export.export(model, tuple(inputs)), CompileOptions(**{"opt_level": 2, **options}))
+
+
+def run_program(neff, inputs) -> list:
+    """The outputs, as tensors, of a NEFF run on the emulated device with ``inputs``."""
+    from neuronc.frontend.tensors import from_numpy, to_numpy
+    from runtime import run_neff
+
+    return [from_numpy(out) for out in run_neff(neff, [to_numpy(x) for x in inputs]).outputs]
+
+
+def compile_and_run(model, inputs, **options):
+    """(the compiled program, its first output) of ``model`` on ``inputs``: :func:`compile_module`, then run."""
+    compiled = compile_module(model, inputs, **options)
+    return compiled, run_program(compiled.neff, inputs)[0]
+
+
 def run_compiled(fn, *inputs):
     """``fn(*inputs)`` compiled whole by a fresh Dynamo, checked to have run on the device (:class:`OnDevice`)."""
     return OnDevice(fn)(*inputs)
@@ -171,11 +193,15 @@ def saved_program(tmp_path):
     return save
 
 
-@pytest.fixture(autouse=True)
-def no_compile_cache(monkeypatch):
-    """Tests compile for real unless they opt into a cache of their own (see test_cache.py)."""
-    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
-    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+@pytest.fixture(autouse=True, scope="session")
+def no_compile_cache():
+    """Tests compile for real unless they opt into a cache of their own (see test_cache.py). Session-wide, so that
+    module-scoped fixtures, set up before any function-scoped one, do not read the user's cache either (a hit has
+    no graph to inspect)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEURON_CC_FLAGS", "--no_cache")
+        patch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+        yield
 
 
 @pytest.fixture

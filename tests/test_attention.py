@@ -13,14 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from neuronc import ir
-from neuronc.compiler import CompileOptions, compile_exported, compile_graph
-from neuronc.frontend.tensors import dtype_of, from_numpy, to_numpy
+from neuronc.compiler import CompileOptions, compile_graph
+from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
 from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
-from runtime import run_neff
 from runtime.metrics import matmul_flops
-from tests.conftest import assert_matches_eager, zoo_graph
+from tests.conftest import assert_matches_eager, compile_and_run, compile_module, zoo_graph
 
 
 class MaskedFillAttention(nn.Module):
@@ -52,12 +51,6 @@ def _qkv(heads, seq, dim, dtype, batch=1):
     return tuple((torch.randn(batch, heads, seq, dim) * 1.5).to(dtype) for _ in range(3))
 
 
-def _compile_and_run(model, inputs):
-    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
-    result = run_neff(compiled.neff, [to_numpy(x) for x in inputs])
-    return compiled, from_numpy(result.outputs[0])
-
-
 def _assert_one_attention_kernel(compiled):
     assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ATTENTION]
     assert len(compiled.neff.kernels) == 1
@@ -72,7 +65,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_masked_fill_attention_is_one_kernel_and_matches_eager(causal, heads, seq, dtype):
     model, inputs = MaskedFillAttention(causal), _qkv(heads, seq, 64, dtype)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
     assert_matches_eager(out, model(*inputs))
 
@@ -81,7 +74,7 @@ def test_masked_fill_attention_is_one_kernel_and_matches_eager(causal, heads, se
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_scaled_dot_product_attention_is_one_kernel_and_matches_eager(causal, dtype):
     model, inputs = Sdpa(causal), _qkv(2, 200, 32, dtype, batch=2)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)  # in bf16 too: eager computes in fp32, the kernel rounds its output
     (attention,) = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert attention.attrs["mask"] == ("causal" if causal else "none") and attention.dtype == dtype_of(dtype)
@@ -94,7 +87,7 @@ def _opcodes(compiled) -> list:
 
 def test_each_key_block_makes_its_probabilities_in_one_scalar_instruction_and_their_row_sum_with_p_v():
     model, inputs = Sdpa(), _qkv(1, 640, 64, torch.float32)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     exps = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE and i.srcs[0].free_elements > 1]
     assert len(exps) == 5 * 2  # 5 query tiles x 2 key blocks of 512
@@ -110,7 +103,7 @@ def test_a_bf16_kernel_makes_the_rounded_logits_in_one_pass_over_the_scores():
     (two PSUM banks) makes the logits (negated), either a Vector TENSOR_SCALAR_REDUCE making their row min, the
     exp's bias, in the same pass, or a Scalar ACTIVATE whose logits GpSimd then takes the row min of in SBUF."""
     model, inputs = MaskedFillAttention(), _qkv(1, 1280, 64, torch.bfloat16)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     fused = [i for i in instructions if i.opcode == Opcode.TENSOR_SCALAR_REDUCE]
     made = [i for i in instructions if i.opcode == Opcode.ACTIVATE and i.srcs[0].space == Space.PSUM
@@ -132,7 +125,7 @@ def test_the_key_blocks_of_a_softmax_group_share_one_bias_so_the_accumulator_is_
 
     assert KEY_BLOCK < 1536 <= KEY_BLOCK * SOFTMAX_BLOCKS
     model, inputs = MaskedFillAttention(causal=False), _qkv(1, 1536, 64, torch.bfloat16)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     exps = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE]
     assert sorted(i.srcs[0].free_elements for i in exps) == [1536 - KEY_BLOCK] * 12 + [KEY_BLOCK] * 12  # none [rows, 1]
@@ -142,7 +135,7 @@ def test_the_key_blocks_of_a_softmax_group_share_one_bias_so_the_accumulator_is_
 
 def test_a_scale_above_one_is_applied_to_the_logits_in_sbuf_before_exp_and_matches_eager():
     model, inputs = Sdpa(causal=True, scale=2.0), _qkv(1, 200, 32, torch.float32)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     # the logits are made negated in SBUF (-2 S), so the exp's bias is a row min of finite-or-+inf values
@@ -161,7 +154,7 @@ def test_an_attention_mask_given_as_input_is_read_by_blocks(kind, dtype):
     keep[:, 0] = True  # no fully masked row: eager gives NaN there for some forms
     mask = keep if kind == "bool" else torch.where(keep, torch.randn(150, 150), -torch.inf).to(dtype)
     model = Sdpa()
-    compiled, out = _compile_and_run(model, (q, k, v, mask))
+    compiled, out = compile_and_run(model, (q, k, v, mask))
     assert sum(n.op is Op.ATTENTION for n in compiled.graph.nodes()) == 1
     # the mask's own preparation may use HBM; the scores of every head never do
     assert all(math.prod(t.shape) < 2 * 150 * 150 for t in compiled.neff.tensors if t.kind == TensorKind.SCRATCH)
@@ -170,14 +163,14 @@ def test_an_attention_mask_given_as_input_is_read_by_blocks(kind, dtype):
 
 def test_a_head_dim_above_128_accumulates_the_scores_over_two_tiles():
     model, inputs = MaskedFillAttention(), _qkv(2, 130, 160, torch.float32)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
     assert_matches_eager(out, model(*inputs))
 
 
 def test_a_bf16_head_of_128_dims_is_loaded_transposed_by_dma_on_trn2_and_matches_eager():
     model, inputs = Sdpa(causal=True), _qkv(2, 640, 128, torch.bfloat16)  # 640 keys: two DMA transposes per tile
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
     # K^T and Q^T of each of 2 heads, each in two chunks (512 and 128 keys: a page of SBUF columns each)
     assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 2 * 2
@@ -186,7 +179,7 @@ def test_a_bf16_head_of_128_dims_is_loaded_transposed_by_dma_on_trn2_and_matches
 
 def test_a_head_of_64_dims_is_loaded_by_strided_dmas_where_a_dma_transpose_would_be_slower():
     model, inputs = Sdpa(causal=True), _qkv(1, 256, 64, torch.bfloat16)
-    compiled, _ = _compile_and_run(model, inputs)
+    compiled, _ = compile_and_run(model, inputs)
     assert Opcode.DMA_TRANSPOSE not in _opcodes(compiled)  # 64 partitions pay whole [128, 16] units (targets.py)
 
 
@@ -196,8 +189,7 @@ def _matmul_flops(compiled):
 
 def test_the_causal_kernel_skips_the_blocks_above_the_diagonal():
     inputs = _qkv(1, 2048, 64, torch.bfloat16)
-    programs = {causal: compile_exported(torch.export.export(MaskedFillAttention(causal), inputs),
-                                         CompileOptions(opt_level=2)) for causal in (True, False)}
+    programs = {causal: compile_module(MaskedFillAttention(causal), inputs) for causal in (True, False)}
     assert _matmul_flops(programs[True]) < 0.7 * _matmul_flops(programs[False])
     assert programs[True].neff.estimated_ns < 0.7 * programs[False].neff.estimated_ns
 
@@ -213,7 +205,7 @@ def test_a_causal_mask_broadcast_over_many_heads_is_still_made_on_chip():
     """The mask's view over (heads, Sq, Sk) is larger than the masks evaluated at compile time; its source
     (one Sq x Sk pattern) is not, so it is still recognised as causal."""
     inputs = tuple(torch.zeros(1, 8, 1500, 8, dtype=torch.bfloat16) for _ in range(3))
-    compiled = compile_exported(torch.export.export(MaskedFillAttention(), inputs), CompileOptions(opt_level=2))
+    compiled = compile_module(MaskedFillAttention(), inputs)
     attention = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert len(attention) == 1 and attention[0].attrs["mask"] == "causal"
 
@@ -227,7 +219,7 @@ def test_the_blocks_attention_reads_q_k_v_in_place_and_writes_its_output_in_plac
     torch.manual_seed(0)
     model = zoo.CausalSelfAttention(128, 4).eval().to(torch.bfloat16)
     inputs = (torch.randn(2, 200, 128, dtype=torch.bfloat16),)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     kernels = [n for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)]
     assert [n.op for n in kernels] == [Op.MATMUL, Op.ATTENTION, Op.MATMUL]
     qkv, attention, proj = kernels
@@ -242,7 +234,7 @@ def test_keys_beyond_one_softmax_group_rescale_the_accumulator_once_per_group_an
     """2200 keys are a softmax group (2048 keys) and a group of one block: the second group's bias moves the running
     max, and each query tile's accumulator is rescaled once, before that group's P V."""
     model, inputs = MaskedFillAttention(causal=False), _qkv(1, 2200, 64, torch.bfloat16)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     rescales = [i for i in instructions if i.opcode == Opcode.TENSOR_ALU2 and i.alu.name == "MULTIPLY"]
     assert len(rescales) == -(-2200 // 128)

@@ -10,13 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.instruction_cost import hbm_bytes
 from neuronc.ir import Op
 from neuronc.isa import Engine
-from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, compile_and_run
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 100, 32
 GROUP = HEADS // KV_HEADS
@@ -50,11 +47,6 @@ def _qkv(dtype):
     return tuple((torch.randn(BATCH, heads, SEQ, DIM) * 1.5).to(dtype) for heads in (HEADS, KV_HEADS, KV_HEADS))
 
 
-def _compile_and_run(model, inputs):
-    compiled = compile_exported(torch.export.export(model, inputs), CompileOptions(opt_level=2))
-    return compiled, from_numpy(run_neff(compiled.neff, [to_numpy(x) for x in inputs]).outputs[0])
-
-
 def _the_attention(compiled, mask_shape: tuple | None = None):
     """The one ATTENTION node, the last kernel; before it, only kernels of `mask_shape` (SDPA's decomposition turns
     a boolean mask into an additive one first, at the mask's own [batch, 1, Sq, Sk] size)."""
@@ -79,7 +71,7 @@ def _nbytes(*tensors) -> int:
 @pytest.mark.parametrize("form", ["repeat_interleave", "repeat_kv", "enable_gqa"])
 def test_every_gqa_form_is_one_kernel_reading_each_kv_head_once_and_matches_eager(form, dtype):
     model, inputs = GroupedQueryAttention(form), _qkv(dtype)
-    compiled, out = _compile_and_run(model, inputs)
+    compiled, out = compile_and_run(model, inputs)
     assert _the_attention(compiled).attrs["mask"] == "causal"
     # Q, K and V read and the output written once each: K and V are repeated neither in HBM nor by the loads
     assert _hbm_bytes(compiled.neff) == _nbytes(*inputs, out)
@@ -96,7 +88,7 @@ def test_a_gqa_attention_with_a_mask_over_its_heads_is_one_kernel_and_matches_ea
     keep[..., 0] = True  # no fully masked row
     mask = keep if kind == "bool" else torch.where(keep, torch.randn(keep.shape), -torch.inf).to(dtype)
     model = GroupedQueryAttention("repeat_kv", causal=False)
-    compiled, out = _compile_and_run(model, (*inputs, mask))
+    compiled, out = compile_and_run(model, (*inputs, mask))
     attention = _the_attention(compiled, mask.shape)
     assert attention.attrs["mask"] == "add"
     assert attention.inputs[3].shape == mask.shape  # read by every head of a batch where it lies

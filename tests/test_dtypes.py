@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from neuronc.compiler import compile_exported
 from neuronc.frontend.tensors import from_numpy, to_numpy
-from runtime import run_neff
 from tests import zoo
-from tests.conftest import OnDevice, assert_as_accurate_as_eager
+from tests.conftest import OnDevice, assert_as_accurate_as_eager, compile_module, run_program
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -21,8 +19,7 @@ def test_zoo_in_low_precision_matches_eager(name, dtype):
     model, inputs = zoo.build(name)
     model = model.to(dtype)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)  # ids and masks stay
-    neff = compile_exported(torch.export.export(model, inputs)).neff
-    outs = [from_numpy(out) for out in run_neff(neff, [to_numpy(x) for x in inputs]).outputs]
+    outs = run_program(compile_module(model, inputs).neff, inputs)
     assert_as_accurate_as_eager(outs, model, inputs)
 
 

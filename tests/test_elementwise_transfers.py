@@ -14,11 +14,8 @@ import torch
 import torch.nn as nn
 
 from neuronc.codegen.blocks import blocks
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.isa import Engine, Space
-from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, compile_and_run, compile_module
 
 
 @pytest.mark.parametrize("shape, max_free, share", [((512, 3072), 3584, 3072), ((512, 768), 3584, 3072),
@@ -39,8 +36,7 @@ class DecomposedGelu(nn.Module):
 def test_the_transfers_of_a_bf16_gelu_are_not_ordered_by_false_hazards():
     torch.manual_seed(0)
     x = torch.randn(512, 3072).to(torch.bfloat16)
-    compiled = compile_exported(torch.export.export(DecomposedGelu(), (x,)), CompileOptions(opt_level=2))
-    out = from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
+    compiled, out = compile_and_run(DecomposedGelu(), (x,))
     assert_matches_eager(out, DecomposedGelu()(x))
     row_bytes = 3072 * 2
     dmas = [i for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA for i in stream]
@@ -58,8 +54,7 @@ class Normalised(nn.Module):
 def test_a_per_row_operand_is_loaded_once_a_row():
     torch.manual_seed(0)
     x, mean, rstd = torch.randn(1, 300, 768), torch.randn(1, 300, 1), torch.rand(1, 300, 1)
-    compiled = compile_exported(torch.export.export(Normalised(), (x, mean, rstd)), CompileOptions(opt_level=2))
-    out = from_numpy(run_neff(compiled.neff, [to_numpy(t) for t in (x, mean, rstd)]).outputs[0])
+    compiled, out = compile_and_run(Normalised(), (x, mean, rstd))
     assert_matches_eager(out, Normalised()(x, mean, rstd))
     loads = [i for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA for i in stream
              if i.srcs[0].space == Space.HBM]
@@ -80,7 +75,7 @@ def test_the_next_blocks_loads_are_issued_before_this_blocks_store(monkeypatch, 
 
     monkeypatch.setattr(Emitter, "dma", recording)
     x, mean, rstd = torch.randn(1, 512, 768), torch.randn(1, 512, 1), torch.rand(1, 512, 1)  # four blocks
-    compile_exported(torch.export.export(Normalised(), (x, mean, rstd)), CompileOptions(opt_level=2))
+    compile_module(Normalised(), (x, mean, rstd))
     blocks_of_rows = 4  # [128, 768] each
     loads_per_block, rest = divmod(issued.count("load"), blocks_of_rows)
     assert rest == 0 and loads_per_block > 0

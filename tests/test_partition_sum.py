@@ -8,23 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.isa import Engine, Opcode
 from neuronc.plans import PartitionSumPlan, ReducePlan
-from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, compile_and_run, compile_module, run_program
 
 
 class SumOverTokens(nn.Module):
     def forward(self, x):
         return x.sum(tuple(range(x.dim() - 1)))
-
-
-def _compile_and_run(x, level=2):
-    compiled = compile_exported(torch.export.export(SumOverTokens(), (x,)), CompileOptions(opt_level=level))
-    return compiled, from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
 
 
 def _reduction_plans(compiled) -> list:
@@ -36,7 +28,7 @@ def _reduction_plans(compiled) -> list:
 def test_a_sum_over_tokens_is_summed_over_partitions_by_the_tensor_engine(shape, dtype):
     torch.manual_seed(0)
     x = torch.randn(*shape).to(dtype)
-    compiled, out = _compile_and_run(x)
+    compiled, out = compile_and_run(SumOverTokens(), (x,))
     plans = _reduction_plans(compiled)
     assert len(plans) == 1 and isinstance(plans[0], PartitionSumPlan)
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
@@ -51,15 +43,14 @@ def test_a_sum_over_tokens_is_summed_over_partitions_by_the_tensor_engine(shape,
 def test_the_baseline_keeps_the_row_reduction():
     """-O0 is the reference program (the roofline's bound counts its matmuls): no Tensor-engine sum there."""
     x = torch.randn(200, 96)
-    compiled, out = _compile_and_run(x, level=0)
+    compiled, out = compile_and_run(SumOverTokens(), (x,), opt_level=0)
     assert all(isinstance(p, ReducePlan) for p in _reduction_plans(compiled))
     assert_matches_eager(out, SumOverTokens()(x))
 
 
 def test_a_max_over_tokens_is_not_a_matmul():
     x = torch.randn(200, 96)
-    compiled = compile_exported(torch.export.export(_MaxOverTokens(), (x,)), CompileOptions(opt_level=2))
-    out = from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
+    compiled, out = compile_and_run(_MaxOverTokens(), (x,))
     assert all(isinstance(p, ReducePlan) for p in _reduction_plans(compiled))
     assert_matches_eager(out, x.amax(0))
 
@@ -79,8 +70,8 @@ class NormWeightGradient(nn.Module):
 def test_the_summed_product_is_computed_on_each_tile_not_read_from_hbm():
     torch.manual_seed(0)
     dy, x_hat = torch.randn(1, 300, 640), torch.randn(1, 300, 640)
-    compiled = compile_exported(torch.export.export(NormWeightGradient(), (dy, x_hat)), CompileOptions(opt_level=2))
-    outputs = [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(dy), to_numpy(x_hat)]).outputs]
+    compiled = compile_module(NormWeightGradient(), (dy, x_hat))
+    outputs = run_program(compiled.neff, (dy, x_hat))
     kernels = [n for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)]
     assert [n.op for n in kernels] == [Op.REDUCE_LAST, Op.REDUCE_LAST]  # no multiply kernel
     weight_sum = next(n for n in kernels if n.attrs.get("prologue"))

@@ -8,12 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.isa import Engine, Space
-from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, compile_module, run_program
 
 
 class Variance(nn.Module):
@@ -28,8 +25,8 @@ class Variance(nn.Module):
 def variance():
     torch.manual_seed(0)
     x = torch.randn(300, 768)  # two whole row tiles and a partial one
-    compiled = compile_exported(torch.export.export(Variance(), (x,)), CompileOptions(opt_level=2))
-    outputs = [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(x)]).outputs]
+    compiled = compile_module(Variance(), (x,))
+    outputs = run_program(compiled.neff, (x,))
     return x, compiled, outputs
 
 

@@ -9,17 +9,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported, compile_graph
-from neuronc.frontend.tensors import from_numpy, to_numpy
+from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.ir import Op
-from neuronc.passes.cost_model import fits_sbuf
+from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.passes import rowwise_schedule
+from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.rowwise import BUF_CHOICES, PAIRED_BUFS, rowwise_sbuf_bytes
 from neuronc.passes.rowwise_schedule import Schedule
 from neuronc.targets import get_target
-from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
-from runtime import run_neff
-from tests.conftest import assert_matches_eager, zoo_graph
+from tests.conftest import assert_matches_eager, compile_and_run, zoo_graph
 
 
 class Softmax(nn.Module):
@@ -62,11 +60,6 @@ NORMALISATIONS = {
 }
 
 
-def _compile_and_run(model, x, level=2):
-    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=level))
-    return compiled, from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(NORMALISATIONS))
 def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
@@ -75,7 +68,7 @@ def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
     x = (torch.randn(200, 96) * 3).to(dtype)  # 200 rows: a full and a partial tile of 128 partitions
     with torch.no_grad():
         expected = model(x)
-    compiled, out = _compile_and_run(model, x)
+    compiled, out = compile_and_run(model, (x,))
     assert len(compiled.neff.kernels) == 1
     assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
     assert_matches_eager(out, expected)
@@ -90,7 +83,7 @@ def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name,
     model, x = NORMALISATIONS[name](96).eval(), torch.randn(200, 96) * 3  # two row tiles
     with torch.no_grad():
         expected = model(x)
-    compiled, out = _compile_and_run(model, x)
+    compiled, out = compile_and_run(model, (x,))
     instructions = [i for stream in compiled.neff.streams.values() for i in stream]
     summed = [i for i in instructions if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE and i.func != ActFunc.IDENTITY]
     # the other reductions: TENSOR_REDUCE, or a plain row sum on the Scalar engine (an identity activation)
@@ -104,7 +97,7 @@ def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name,
 def test_a_rowwise_kernel_reads_its_input_and_writes_its_output_once():
     torch.manual_seed(0)
     model, x = _layer_norm(256).eval(), torch.randn(512, 256)
-    compiled, _ = _compile_and_run(model, x)
+    compiled, _ = compile_and_run(model, (x,))
     moved = sum(ap.num_elements * ap.dtype.itemsize for (engine, _), stream in compiled.neff.streams.items()
                 if engine == Engine.DMA for inst in stream for ap in inst.operands if ap.space == Space.HBM)
     weights = 2 * 256 * 4 * 128  # weight and bias, loaded once onto every partition
@@ -129,7 +122,7 @@ def _layer_norm_buffers(rows: int, width: int) -> int:
     model, x = _layer_norm(width), torch.randn(rows, width) * 3
     with torch.no_grad():
         expected = model(x)
-    compiled, out = _compile_and_run(model, x)
+    compiled, out = compile_and_run(model, (x,))
     assert_matches_eager(out, expected)
     return _rowwise_node(compiled).attrs["schedule"].bufs
 
@@ -141,7 +134,7 @@ def test_row_tiles_get_twice_the_buffers_when_sbuf_holds_them():
 @pytest.mark.parametrize("bufs", BUF_CHOICES[1:])
 def test_rows_too_wide_for_more_buffers_keep_fewer_and_one_tile_at_a_time(bufs):
     target = get_target()
-    narrow = _rowwise_node(_compile_and_run(_layer_norm(96), torch.randn(8, 96))[0])  # the same tiles, narrower
+    narrow = _rowwise_node(compile_and_run(_layer_norm(96), (torch.randn(8, 96),))[0])  # the same tiles, narrower
     more = BUF_CHOICES[BUF_CHOICES.index(bufs) - 1]
 
     def need(width, bufs):
@@ -156,7 +149,7 @@ def test_rows_too_wide_for_more_buffers_keep_fewer_and_one_tile_at_a_time(bufs):
 def test_a_row_too_wide_for_sbuf_is_left_to_the_other_fusions():
     x = torch.randn(4, 60_000)  # 60k fp32 columns: a few whole-row tiles need more than SBUF holds
     model = Softmax()
-    compiled, out = _compile_and_run(model, x)
+    compiled, out = compile_and_run(model, (x,))
     assert not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
     assert_matches_eager(out, model(x))
 
@@ -176,7 +169,7 @@ def test_a_row_tile_makes_one_pass_per_fused_group_of_steps(name, dtype):
     model, x = NORMALISATIONS[name](96).eval().to(dtype), (torch.randn(200, 96) * 3).to(dtype)  # two row tiles
     with torch.no_grad():
         expected = model(x)
-    compiled, out = _compile_and_run(model, x)
+    compiled, out = compile_and_run(model, (x,))
     compute = [i for (engine, _), stream in compiled.neff.streams.items() if engine != Engine.DMA for i in stream]
     last_tile = [i for i in compute if i.dst.partitions == 200 - 128 and max(ap.free_elements for ap in i.operands) == 96]
     assert len(last_tile) == PASSES_PER_ROW_TILE[name][dtype == torch.bfloat16]
@@ -206,8 +199,7 @@ def test_a_per_row_input_is_subtracted_in_the_summed_activation_when_fp32(shift_
     torch.manual_seed(0)
     x, m = torch.randn(200, 96), torch.randn(200, 1).to(shift_dtype)
     model = ShiftedSoftmax()
-    compiled = compile_exported(torch.export.export(model, (x, m)), CompileOptions(opt_level=2))
-    out = from_numpy(run_neff(compiled.neff, [to_numpy(x), to_numpy(m)]).outputs[0])
+    compiled, out = compile_and_run(model, (x, m))
     assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
     subtractions = [i for stream in compiled.neff.streams.values() for i in stream
                     if i.opcode == Opcode.TENSOR_ALU2 and i.alu == AluOp.SUBTRACT]
@@ -226,7 +218,7 @@ def _compile_with(monkeypatch, model, x, schedule=None):
     with monkeypatch.context() as patched:
         if schedule is not None:
             patched.setattr(rowwise_schedule, "choose_schedule", lambda *args: schedule)
-        return _compile_and_run(model, x)
+        return compile_and_run(model, (x,))
 
 
 def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits(monkeypatch):
@@ -290,7 +282,7 @@ def test_the_chosen_schedules_price_is_the_emulated_time_within_a_tenth(name, ro
     10% on these shapes (at [4096, 4096] too, 1.00-1.03: docs/performance.md; not run here, for time)."""
     torch.manual_seed(0)
     model, x = NORMALISATIONS[name](cols).eval().to(dtype), torch.randn(rows, cols).to(dtype)
-    compiled, _ = _compile_and_run(model, x)
+    compiled, _ = compile_and_run(model, (x,))
     node = _rowwise_node(compiled)
     priced = rowwise_schedule.rowwise_ns(node.attrs["body"], node.attrs["views"], [i.dtype for i in node.inputs],
                                          node.dtype, rows, cols, node.attrs["schedule"], get_target())
