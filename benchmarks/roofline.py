@@ -35,7 +35,7 @@ from neuronc.isa import Engine, Opcode
 from neuronc.passes.cost_model import kernel_spans
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops, peak_tflops
-from tests.zoo import GPT2, CausalSelfAttention, LlamaBlock, TransformerBlock
+from tests.zoo import GPT2, LlamaBlock, SdpaCausalSelfAttention, TransformerBlock
 
 
 class MatMul(nn.Module):
@@ -86,23 +86,6 @@ class BasicBlock(nn.Module):
         return F.relu(x + self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
 
 
-class SdpaCausalSelfAttention(CausalSelfAttention):
-    """The zoo block's attention through F.scaled_dot_product_attention(is_causal=True), as Hugging Face's GPT-2
-    runs it by default (its `sdpa` attention), the same weights."""
-
-    def forward(self, x):
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
-
-
-def _with_sdpa(block: TransformerBlock) -> TransformerBlock:
-    block.attn.__class__ = SdpaCausalSelfAttention
-    return block
-
-
 def _cases(quick: bool) -> dict:
     bf16 = torch.bfloat16
     n, tokens, seq = (1024, 128, 256) if quick else (4096, 512, 512)
@@ -119,7 +102,8 @@ def _cases(quick: bool) -> dict:
         "llama_layer": (LlamaBlock(512 if quick else 2048, 16, 4, 1408 if quick else 5632),
                         (torch.randn(1, 256 if quick else 1024, 512 if quick else 2048),), bf16),
         "gpt2_train": (TransformerBlock(768, 12), (torch.randn(1, tokens, 768),), bf16),
-        "gpt2_train_sdpa": (_with_sdpa(TransformerBlock(768, 12)), (torch.randn(1, tokens, 768),), bf16),
+        "gpt2_train_sdpa": (TransformerBlock(768, 12, attention=SdpaCausalSelfAttention),
+                            (torch.randn(1, tokens, 768),), bf16),
         "gpt2": (GPT2(vocab=50257, width=768, layers=2 if quick else 12, heads=12, context=1024),
                  (torch.randint(0, 50257, (1, tokens)),), bf16),
     }

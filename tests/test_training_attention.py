@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from neuronc.pytorch import backend
 from neuronc.tolerances import TOLERANCES
 from tests.conftest import OnDevice
+from tests.zoo import SdpaCausalSelfAttention, TransformerBlock
 
 B, H, S, D = 1, 2, 256, 32
 
@@ -67,25 +68,6 @@ def test_sdpa_trains_in_the_flash_kernels_like_eager(form, dtype, kv_heads):
     assert_ran_the_flash_kernels(compiled.graphs)
 
 
-class Block(torch.nn.Module):
-    """A small GPT-2-style pre-norm block with SDPA attention (HF GPT-2's default attention)."""
-
-    def __init__(self, width=64, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * width, width))
-
-    def forward(self, x):
-        batch, seq, width = x.shape
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(width, -1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, width))
-        return x + self.mlp(self.ln2(x))
-
-
 def gradients_like_eager(model, x) -> OnDevice:
     """One backward of mean(model(x)^2) compiled and eager: every parameter's gradient equal; the compiled model."""
     reference = copy.deepcopy(model)
@@ -99,7 +81,7 @@ def gradients_like_eager(model, x) -> OnDevice:
 
 def test_a_gpt2_style_block_trains_with_the_flash_kernels_like_eager():
     torch.manual_seed(0)
-    model, x = Block(), torch.randn(2, 128, 64)
+    model, x = TransformerBlock(64, 2, attention=SdpaCausalSelfAttention), torch.randn(2, 128, 64)
     assert_ran_the_flash_kernels(gradients_like_eager(model, x).graphs, other_matmuls=True)
 
 
@@ -117,8 +99,6 @@ def test_inference_keeps_the_decomposed_form():
 def test_attention_written_out_trains_in_the_flash_kernels_like_eager():
     """The zoo's GPT-2 block writes its attention as matmul, scale, masked_fill(~tril, -inf), softmax, matmul: in a
     training graph that chain becomes SDPA (is_causal) and takes the flash kernels; its gradients stay eager's."""
-    from tests.zoo import TransformerBlock
-
     torch.manual_seed(0)
     model, x = TransformerBlock(64, 2), torch.randn(1, 128, 64)
     assert_ran_the_flash_kernels(gradients_like_eager(model, x).graphs, other_matmuls=True)

@@ -65,13 +65,26 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: LayerNorm, causal multi-head self-attention with plain matmuls, GELU MLP."""
+class SdpaCausalSelfAttention(CausalSelfAttention):
+    """The same attention through F.scaled_dot_product_attention(is_causal=True), as Hugging Face's GPT-2 runs it by
+    default (its `sdpa` attention), with the same weights."""
 
-    def __init__(self, width=128, heads=4):
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: LayerNorm, causal multi-head self-attention (plain matmuls unless `attention` says
+    otherwise), GELU MLP."""
+
+    def __init__(self, width=128, heads=4, attention=CausalSelfAttention):
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = attention(width, heads)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
