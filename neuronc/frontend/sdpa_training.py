@@ -73,23 +73,19 @@ def kept_in_training(table: dict) -> dict:
     forward was kept (given a log-sum-exp, not the probabilities the forward's decomposition returns in its
     place). Otherwise ``table``'s own decompositions."""
     import torch
-    from torch.fx.operator_schemas import normalize_function
 
     forward_op, backward_op = _ops()
     decompose_forward, decompose_backward = table.get(forward_op), table.get(backward_op)
 
-    def arguments(op, args, kwargs) -> dict:
-        return normalize_function(op, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-
     def forward(*args, **kwargs):
-        a = arguments(forward_op, args, kwargs)
+        a = _keywords(forward_op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         if torch.is_grad_enabled() and library_computes(q, k, v, a["dropout_p"], a["attn_mask"]):
             return NotImplemented
         return NotImplemented if decompose_forward is None else decompose_forward(*args, **kwargs)
 
     def backward(*args, **kwargs):
-        a = arguments(backward_op, args, kwargs)
+        a = _keywords(backward_op, args, kwargs)
         if library_computes(a["query"], a["key"], a["value"], a["dropout_p"], a["attn_mask"]) and \
                 tuple(a["logsumexp"].shape) == tuple(a["query"].shape[:3]):  # a real log-sum-exp: the forward kept
             return NotImplemented
@@ -98,10 +94,11 @@ def kept_in_training(table: dict) -> dict:
     return {forward_op: forward, backward_op: backward}
 
 
-def _arguments(node) -> dict:
+def _keywords(op, args, kwargs) -> dict:
+    """An SDPA call's arguments, every one by its schema name."""
     from torch.fx.operator_schemas import normalize_function
 
-    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    return normalize_function(op, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
 def _number(value):
@@ -173,7 +170,7 @@ def cut_for_training(cut, locations: dict) -> None:
         if node.op != "call_function" or node.target not in (forward_op, backward_op):
             continue
         forward = node.target is forward_op
-        a = _arguments(node)
+        a = _keywords(node.target, node.args, node.kwargs)
         q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
         values = [x.meta["val"] for x in (q, k, v)]
         if not library_computes(*values, a["dropout_p"], None if mask is None else mask.meta["val"]):
