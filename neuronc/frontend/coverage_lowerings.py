@@ -117,9 +117,9 @@ def _slice(x, dim=0, start=None, end=None, step=1):
 
 
 def _index_put(x, indices, values, accumulate=False):
-    """x[mask] = values with one boolean mask over x's leading dims and `values` one row broadcast to every selected
-    row (decompositions._masked_index_put's single value generalised to a row; this one replaces it): a select, mask ? values : x (accumulate: x + values where the mask holds). Then the count of selected rows
-    (data) never becomes a shape. Values with one row per selected element (a data-dependent shape) and integer
+    """x[mask] = values with one boolean mask over x's leading dims and `values` one value or one row broadcast to
+    every selected row (loss_parallel and masked targets write this way): a select, mask ? values : x (accumulate:
+    x + values where the mask holds). Then the count of selected rows (data) never becomes a shape. Values with one row per selected element (a data-dependent shape) and integer
     indices stay torch-mlir's."""
     if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.bool, torch.uint8):
         return NotImplemented

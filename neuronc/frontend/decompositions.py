@@ -324,23 +324,6 @@ def _needs_own_avg_pool(ceil_mode, divisor_override) -> bool:
     return bool(ceil_mode) or divisor_override is not None
 
 
-def _masked_index_put(x, indices, values, accumulate=False):
-    """``x[mask] = v`` (and ``+=``) with one boolean mask and one value: where(mask, v, x) (x + where(mask, v, 0)).
-    A boolean index is data-dependent in general (torch-mlir cannot lower it), but with a single value every
-    selected element gets it, so the result has x's shape whatever the mask holds (loss_parallel and masked
-    targets write this way). Integer indices and per-element values keep torch-mlir's lowering."""
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool or values.numel() != 1:
-        return NotImplemented
-    mask = indices[0]
-    if tuple(mask.shape) != tuple(x.shape[:mask.dim()]):
-        return NotImplemented
-    mask = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
-    value = values.reshape(()).to(x.dtype)
-    if accumulate:
-        return x + torch.where(mask, value, torch.zeros((), dtype=x.dtype, device=x.device))
-    return torch.where(mask, value, x)
-
-
 def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None):
     if not _needs_own_avg_pool(ceil_mode, divisor_override) or not x.is_floating_point():
@@ -2129,7 +2112,6 @@ def _cdist_backward(grad, x1, x2, p, distances):
     return term.sum(-2)
 
 OWN = {
-    aten.index_put.default: _masked_index_put,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool3d_with_indices.default: _max_pool3d_with_indices,
     aten.avg_pool2d.default: _avg_pool2d,
