@@ -13,6 +13,8 @@ import math
 import numpy as np
 import torch
 
+from neuronc.frontend.decompositions import _empty
+
 aten = torch.ops.aten
 
 
@@ -54,18 +56,14 @@ def _tan(x):
     return (torch.sin(x32) / torch.cos(x32)).to(x.dtype)
 
 
-def _zeros_for_empty(size, *, dtype=None, device=None):
-    """An uninitialised tensor's stand-in: zeros (the contents of `empty` are its readers'; a NEFF's outputs are
-    contiguous, so the physical layout asked for changes nothing observable)."""
-    return torch.zeros(size, dtype=dtype or torch.get_default_dtype(), device=device)
-
-
 def _empty_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return _zeros_for_empty(x.shape, dtype=dtype or x.dtype, device=device or x.device)
+    """decompositions._empty's zeros (a NEFF's outputs are contiguous: the memory format changes nothing
+    observable)."""
+    return _empty(x.shape, dtype=dtype or x.dtype, device=device or x.device)
 
 
 def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return _zeros_for_empty(size, dtype=dtype, device=device)
+    return _empty(size, dtype=dtype, device=device)
 
 
 def _batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
