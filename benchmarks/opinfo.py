@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -241,6 +243,8 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool, ful
     torch.compile's argument; False lets Dynamo break the graph)."""
     try:
         want, want_grads = run(sample.fn, sample, backward)
+    except SampleTimeout:
+        raise  # counted as failing, not as eager's refusal
     except Exception:  # noqa: BLE001 - eager itself refuses the sample: not counted
         return "eager error", [], ""
     torch._dynamo.reset()
@@ -277,6 +281,31 @@ def check_sample(backend: str, sample: Sample, backward: bool, random: bool, ful
     return ("random" if random else "pass"), [], ""
 
 
+class SampleTimeout(Exception):
+    """A sample used more CPU time than --sample-timeout allows: counted as a failure (a compile, load or run that a
+    user would give up on), so that one such sample does not stop the whole run."""
+
+
+@contextlib.contextmanager
+def cpu_time_limit(seconds: float):
+    """Raise SampleTimeout in this thread once the process has used ``seconds`` of CPU (user + system; not wall
+    time, which other jobs on a shared machine stretch). 0: no limit."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise SampleTimeout(f"more than {seconds:g} CPU seconds")
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
 def graphs_compiled() -> int:
     """Graphs Dynamo handed a backend for the last sample (check_sample clears the count before it compiles)."""
     from torch._dynamo.utils import counters
@@ -285,7 +314,7 @@ def graphs_compiled() -> int:
 
 
 def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose: bool,
-            fullgraph: bool = True) -> list:
+            fullgraph: bool = True, timeout: float = 0) -> list:
     records = []
     for op in ops:
         label = op_label(op)
@@ -303,7 +332,10 @@ def measure(ops, backends, dtypes, samples_per_op: int, backward: bool, verbose:
                 for backend in backends:
                     start = time.perf_counter()
                     try:
-                        outcome, named, detail = check_sample(backend, sample, grad, op.name in RANDOM, fullgraph)
+                        with cpu_time_limit(timeout):
+                            outcome, named, detail = check_sample(backend, sample, grad, op.name in RANDOM, fullgraph)
+                    except SampleTimeout as err:
+                        outcome, named, detail = "SampleTimeout", [], str(err)
                     except Exception as err:  # noqa: BLE001 - the harness goes on
                         outcome, named, detail = f"harness: {type(err).__name__}", [], str(err)[:200]
                         if verbose:
@@ -392,6 +424,9 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-breaks", action="store_true",
                         help="compile with fullgraph=False, torch.compile's default: Dynamo runs what it cannot "
                              "trace in Python between graphs (every backend)")
+    parser.add_argument("--sample-timeout", type=float, default=600, metavar="CPU_SECONDS",
+                        help="a sample (eager, compile, load, run; backends one at a time) using more CPU time counts "
+                             "as failing, as 'SampleTimeout' (default 600; 0: none)")
     parser.add_argument("--json", help="write every sample's record here")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -409,7 +444,7 @@ def main(argv=None) -> int:
           f"{'graph breaks allowed (fullgraph=False)' if args.graph_breaks else 'fullgraph=True'}", flush=True)
     start = time.perf_counter()
     records = measure(ops, backends, args.dtypes, args.samples, args.backward, args.verbose,
-                      fullgraph=not args.graph_breaks)
+                      fullgraph=not args.graph_breaks, timeout=args.sample_timeout)
     report(records, backends)
     print(f"\n{time.perf_counter() - start:.0f} s")
     if args.json:
