@@ -299,9 +299,12 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
 
     compile_options = CompileOptions.from_dict(_options_for_mode(mode, options))
 
-    def compile_graph(graph_module, inputs, static_inputs=frozenset(), staged=False):
-        if not staged and data_dependent.has_unknown_sizes(graph_module):  # run in stages, each a static program
-            return make_boxed_func(data_dependent.data_dependent_graph(graph_module, compile_graph_statically))
+    def compile_graph(graph_module, inputs, static_inputs=frozenset()):
+        if data_dependent.has_unknown_sizes(graph_module):  # run in stages, each a static program
+            return make_boxed_func(data_dependent.data_dependent_graph(graph_module, compile_static))
+        return compile_static(graph_module, static_inputs)
+
+    def compile_static(graph_module, static_inputs=frozenset()):  # also each stage of a data-dependent graph
         _devices_to_host(graph_module)
         whole = functools.partial(compile_one, static_inputs=static_inputs)  # parameters read in place
         checks = host_checks.defer(graph_module)  # e.g. linalg's singular-matrix error: made after the run
@@ -317,9 +320,6 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
         else:
             function = compile_or_partition(graph_module, compile_options, whole, compile_one)
         return make_boxed_func(host_checks.after(function, checks))
-
-    def compile_graph_statically(graph_module):  # a stage (sizes left unknown: an op with no bounded form)
-        return compile_graph(graph_module, None, staged=True)
 
     def compile_forward(graph_module, inputs):
         return compile_graph(graph_module, inputs, _static_inputs())
