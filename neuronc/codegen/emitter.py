@@ -94,7 +94,7 @@ class Emitter:
     # instructions ------------------------------------------------------------------------------
     def _debug(self, loc: DebugLoc) -> int:
         """The index of `loc` in the debug-location table (added if new)."""
-        key = (loc.file, loc.line, loc.module_path, loc.op)
+        key = loc.key()
         if key not in self._debug_index:
             self._debug_index[key] = len(self.debug_locs)
             self.debug_locs.append(loc)

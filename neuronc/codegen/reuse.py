@@ -51,10 +51,6 @@ class _LocalIds:
         return self.ids.setdefault(node, len(self.ids))
 
 
-def _loc_key(loc: DebugLoc) -> tuple:
-    return loc.file, loc.line, loc.module_path, loc.op
-
-
 class _Signature(_Printer):
     """A node's text without its source location. A location among its attributes (a matmul chain's first matmul's)
     is printed as its number among the distinct locations the signature met, the kernel's own first (`locs`): two
@@ -62,7 +58,7 @@ class _Signature(_Printer):
 
     def __init__(self, loc: DebugLoc):
         super().__init__(_LocalIds(), None, wrap=False)
-        self.locs: dict = {_loc_key(loc): loc}
+        self.locs: dict = {loc.key(): loc}
 
     def node(self, n: Node) -> str:
         head = f"{self.ref(n)} = {n.op.name.lower()}({', '.join(self.ref(i) for i in n.inputs)}) : " \
@@ -72,7 +68,7 @@ class _Signature(_Printer):
 
     def _flat(self, v) -> str:
         if isinstance(v, DebugLoc):
-            key = _loc_key(v)
+            key = v.key()
             self.locs.setdefault(key, v)
             return f"loc{list(self.locs).index(key)}"
         if isinstance(v, float) and math.isnan(v):  # the IR text prints every NaN alike: its bits tell them apart
@@ -158,13 +154,13 @@ class _Recording:
         kernel, debug = len(em.kernels) - 1, em.kernels[-1].debug
         # rows located elsewhere than the kernel (a matmul chain's first matmul, Emitter.locate): by the number of
         # their location in the signature, in the order the recording met them (the order the debug table grew)
-        numbers = {_loc_key(loc): k for k, loc in enumerate(locs)}
+        numbers = {loc.key(): k for k, loc in enumerate(locs)}
         self.located: dict = {}  # the recording's debug index -> the location's number in the signature
         for inst in em.instructions:
             if inst.kernel != kernel:
                 raise _NotReusable(inst)
             if inst.debug != debug and inst.debug not in self.located:
-                number = numbers.get(_loc_key(em.debug_locs[inst.debug]))
+                number = numbers.get(em.debug_locs[inst.debug].key())
                 if not number:  # a location the signature does not name (or the kernel's, under another index)
                     raise _NotReusable(inst)
                 self.located[inst.debug] = number

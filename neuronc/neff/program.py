@@ -63,6 +63,10 @@ class DebugLoc:
     module_path: str = ""  # e.g. "blocks.0.attn"
     op: str = ""  # the ATen / StableHLO op, e.g. "aten.addmm"
 
+    def key(self) -> tuple:
+        """The location as a hashable value (the dataclass is mutable), for tables of distinct locations."""
+        return self.file, self.line, self.module_path, self.op
+
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.file else "<unknown location>"
         mod = f" in {self.module_path}" if self.module_path else ""
