@@ -22,7 +22,11 @@ Matmuls are not bucketed, although a result element reads only its row of the le
 the right: the emulator's fp32 matmul is numpy's (BLAS), whose summation order for one element changes with
 the operands' other sizes (``A.T @ B`` against the same product padded to the next power of two in M or in N,
 K in 6..32, M and N in 1..17: 43 of 100 padded-M and 66 of 100 padded-N products differ in some bit), and the
-bucketed result must be the unpadded program's, bit for bit. The hardware's PE array accumulates each result
+bucketed result must be the unpadded program's, bit for bit. Whether a padded product keeps its bits is a property
+of the OpenBLAS kernel set numpy picks for the CPU, not of the op: generate()'s ``q @ K^T`` at decode shapes keeps
+them under the SkylakeX set and loses them at 117 of 121 key lengths under the Haswell set, and ``probs @ V`` and
+the softmax lose them under both (``benchmarks/padding_exactness.py``, docs/performance.md issue 20 part 10), so no
+rule here can be exact on every machine. The hardware's PE array accumulates each result
 in K order whatever M and N are; an emulated matmul with that property would make the rows of ``x @ W`` and
 the key columns of ``q @ K^T`` bucketable.
 
