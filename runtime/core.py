@@ -574,7 +574,9 @@ class LoadedProgram:
     @functools.cached_property
     def memory(self) -> Memory:
         """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
-        memory = Memory(allocate_hbm(self._layout, self.neff.name), self.core.sbuf, self.core.psum, self._layout)
+        fresh = [(t.offset, t.nbytes) for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        memory = Memory(allocate_hbm(self._layout, self.neff.name, fresh), self.core.sbuf, self.core.psum,
+                        self._layout)
         for t in self.neff.tensors:
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT):
                 memory.tensor(t)[...] = t.data

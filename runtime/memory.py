@@ -6,7 +6,8 @@ keeps the bytes of its tensors in a host array of its own (:class:`HbmLayout`: h
 a program can touch, not the size its NEFF declares); SBUF and PSUM are ``partitions x bytes`` arrays
 sized by the target, shared by the programs loaded on the core. Instructions never copy memory to read it: every operand is a strided numpy view over these
 bytes, so a write through one view is seen by every other. Fresh memory is filled with 0xFF bytes,
-which read as NaN in f32/bf16/f16 (like the NKI simulator).
+which read as NaN in f32/bf16/f16 (like the NKI simulator); in HBM, the bytes of tensors the host writes
+before any read (inputs, weights, constants) are not (``allocate_hbm``).
 """
 from __future__ import annotations
 
@@ -156,10 +157,15 @@ class HbmLayout:
         return host + ap.offset - lo
 
 
-def allocate_hbm(layout: HbmLayout, name: str = "program") -> np.ndarray:
-    """A program's own HBM bytes (those ``layout`` gives host memory), all uninitialised; refused with
-    ``DeviceOutOfMemoryError`` before any allocation when they exceed the host budget or the host has not
-    got them."""
+def allocate_hbm(layout: HbmLayout, name: str = "program", fresh=()) -> np.ndarray:
+    """A program's own HBM bytes (those ``layout`` gives host memory); refused with ``DeviceOutOfMemoryError``
+    before any allocation when they exceed the host budget or the host has not got them.
+
+    Only the ``fresh`` spans ((HBM offset, bytes): the tensors nothing but the program writes, its outputs and
+    scratch) are filled with UNINITIALISED here. The others' bytes are the host's to write before anything
+    reads them (weights and constants at once, inputs at every run) and take no host memory until written:
+    an input read in place from the host's own array (``LoadedProgram.bind_inputs``, a compiled model's
+    parameters) never takes any."""
     budget = host_memory_budget()
     if layout.size > budget:
         raise DeviceOutOfMemoryError(
@@ -168,11 +174,16 @@ def allocate_hbm(layout: HbmLayout, name: str = "program") -> np.ndarray:
             hint=f"raise the budget ({HOST_BUDGET_VARIABLE}=16G) on a machine with that much memory, or use a "
             "smaller batch")
     try:
-        return np.full(layout.size, UNINITIALISED, np.uint8)
+        hbm = np.empty(layout.size, np.uint8)  # (pages of a large one are the kernel's until touched)
     except MemoryError:
         raise DeviceOutOfMemoryError(
             f"the host could not allocate {_exact(layout.size)} to emulate the HBM of {name!r}",
             hint="free memory on the host (other processes, unloaded programs), or use a smaller batch") from None
+    for offset, nbytes in fresh:
+        if nbytes:
+            host = layout.host(offset, offset + nbytes)
+            hbm[host:host + nbytes] = UNINITIALISED
+    return hbm
 
 
 class OnChip:
