@@ -3,9 +3,10 @@ graphs peaks below 4 GB").
 
 Builds the model from its config (no download), compiles forward + backward of one step with
 ``torch.compile(backend="neuron")`` (NEURON_CC_FLAGS=--no_cache), and prints the peak resident set of the compiling
-process (getrusage, and a thread sampling /proc/self/statm every 50 ms that also records where the main thread was
-at the highest sample) and of the torch-mlir child (getrusage of the waited-for children), plus the size of the
-runtime's access-check tables (``LoadedProgram._access_tables``) per loaded program.
+process (getrusage, and a thread sampling /proc/self/statm every 50 ms that also records where the compile or run
+was at the highest sample) and of the torch-mlir child (getrusage of the waited-for children), then the bytes of
+each compiled graph's tensors by kind (an input "resident" when read in place from the parameter's own memory) and
+the size of the runtime's access-check tables (``LoadedProgram._access_tables``) of each memory of each program.
 
     .venv/bin/python -m benchmarks.training_memory [--model gpt2|llama] [--seq 128] [--timing-only]
     (from the repo root; needs Hugging Face transformers: pip install -e .[bench])
@@ -46,8 +47,8 @@ class Sampler(threading.Thread):
         self.period, self.peak, self.where, self.stop = period, 0.0, "", threading.Event()
 
     def stack(self) -> str:
-        """The innermost frames of the thread that is in neuronc or the runtime (the compile runs in the autograd
-        engine's thread for the backward), else of the main thread."""
+        """The innermost frames of a thread in neuronc or the runtime (the backward's compile and run are called
+        from the autograd engine), else of any other thread."""
         stacks = [traceback.extract_stack(f) for ident, f in sys._current_frames().items() if ident != self.ident]
         ours = [s for s in stacks if any("/neuronc/" in f.filename or "/runtime/" in f.filename for f in s)]
         stack = (ours or stacks or [[]])[0]
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--timing-only", action="store_true", help="the emulator only times the programs")
     options = parser.parse_args()
 
+    from neuronc.neff.program import TensorKind
     from runtime.core import LoadedProgram
 
     tables = []  # bytes of each (writers, probes) pair the access check made
@@ -110,6 +112,16 @@ def main() -> None:
           f"{seconds:.0f} s; RSS before the compile {before:.0f} MiB; peak: compiling process {self_peak:.0f} MiB "
           f"(getrusage), {sampler.peak:.0f} MiB (sampled), torch-mlir child {child_peak:.0f} MiB")
     print(f"  highest sample in: {sampler.where or '(no stack)'}")
+    from neuronc.pytorch import backend
+
+    for function in backend.compiled_graphs:
+        neff, resident = function.compiled.neff, set(function.resident)
+        kinds: dict = {}
+        for t in neff.tensors:
+            kind = "resident input" if t.kind == TensorKind.INPUT and t.index in resident else t.kind.name.lower()
+            kinds[kind] = kinds.get(kind, 0) + t.nbytes
+        print(f"  graph {neff.name} ({sum(map(len, neff.streams.values()))} instructions), tensor MiB: "
+              + ", ".join(f"{kind} {nbytes / 2**20:.0f}" for kind, nbytes in kinds.items()))
     print(f"  access-check tables (writers + probes) of each memory of each program loaded, MiB: "
           f"{[round(nbytes / 2**20) for _, nbytes in tables]}")
 
