@@ -45,7 +45,6 @@ import dataclasses
 import functools
 import hashlib
 import itertools
-import math
 import operator
 import os
 import threading
@@ -63,8 +62,8 @@ from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_tabl
 from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
-from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, Memory, OnChip,
-                            allocate_hbm, cells_granule, check_bounds, extent, granule, overlaps, size_text)
+from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, HbmRegions, Memory, OnChip,
+                            allocate_hbm, check_bounds, extent, granule, hbm_regions, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -380,15 +379,15 @@ class LoadedProgram:
         for i in by_id[2:]:
             for ap in i.instr.operands:
                 operands[ap.space].append(ap)
-        for space, shape in self._shapes.items():
+        for space in self._shapes:
             aps = operands[space]
-            bounds = [b for t in volatile for b in (t.offset, t.nbytes)] if space == Space.HBM else ()
-            layout = self._layout
-            if space != Space.HBM:  # the partitions the operands use, and their bytes, packed (memory.Columns)
+            if space == Space.HBM:  # outputs and scratch only, a granule per region (memory.HbmRegions)
+                partitions, g, layout = 1, 1, hbm_regions(volatile, aps)
+            else:  # the partitions the operands use, and their bytes, packed (memory.Columns)
                 boxes = [extent(ap) for ap in aps]
-                shape, layout = (max((box[1] for box in boxes), default=1), 0), Columns(box[2:] for box in boxes)
-            g = granule(aps, bounds)
-            writers[space], probes[space] = self._access_tables(shape, g, dtype, layout, budget)
+                partitions, layout = max((box[1] for box in boxes), default=1), Columns(box[2:] for box in boxes)
+                g = granule(aps)
+            writers[space], probes[space] = self._access_tables(partitions, g, dtype, layout, budget)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -439,26 +438,25 @@ class LoadedProgram:
 
     def _check_outputs_written(self, writers: Cells) -> None:
         """Refuse a program that leaves bytes of an output unwritten: the host would read memory nothing wrote."""
-        g = writers.granule
         for t in self.neff.outputs():
             entry = _first_equal(writers.span(t.offset, t.nbytes), 1) if t.nbytes else None
             if entry is not None:
-                byte = entry * g
+                byte = entry * writers.granule_at(t.offset)  # (of the output)
                 raise NeuronRuntimeError(
                     f"program {self.neff.name!r} never writes byte {byte} of output {t.index} ({t.name!r}, HBM bytes "
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
-    def _access_tables(self, shape: tuple, g: int, dtype, layout, budget: int) -> tuple:
+    def _access_tables(self, partitions: int, g: int, dtype, layout, budget: int) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
-        entry per granule of the program's tensors in HBM (as its HBM is), of the bytes its operands use on chip
-        (memory.Columns), in the partitions they use."""
-        size, cell = layout.size, cells_granule(g, layout)  # as Cells
-        need = -(-size // cell) * math.prod(shape[:-1]) * (np.dtype(dtype).itemsize + 1)
+        entry per granule of the program's outputs and scratch tensors in HBM (memory.HbmRegions), of the bytes
+        its operands use on chip (memory.Columns), in the partitions they use."""
+        entries = layout.size if isinstance(layout, HbmRegions) else partitions * -(-layout.size // g)  # as Cells
+        need = entries * (np.dtype(dtype).itemsize + 1)
         try:
             if need > budget:
                 raise MemoryError
-            return Cells(shape, g, dtype, layout), Cells(shape, g, bool, layout)
+            return Cells(partitions, g, dtype, layout), Cells(partitions, g, bool, layout)
         except MemoryError:
             limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
             raise DeviceOutOfMemoryError(
@@ -576,7 +574,9 @@ class LoadedProgram:
     @functools.cached_property
     def memory(self) -> Memory:
         """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
-        memory = Memory(allocate_hbm(self._layout, self.neff.name), self.core.sbuf, self.core.psum, self._layout)
+        fresh = [(t.offset, t.nbytes) for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        memory = Memory(allocate_hbm(self._layout, self.neff.name, fresh), self.core.sbuf, self.core.psum,
+                        self._layout)
         for t in self.neff.tensors:
             if t.kind in (TensorKind.WEIGHT, TensorKind.CONSTANT):
                 memory.tensor(t)[...] = t.data

@@ -6,7 +6,8 @@ keeps the bytes of its tensors in a host array of its own (:class:`HbmLayout`: h
 a program can touch, not the size its NEFF declares); SBUF and PSUM are ``partitions x bytes`` arrays
 sized by the target, shared by the programs loaded on the core. Instructions never copy memory to read it: every operand is a strided numpy view over these
 bytes, so a write through one view is seen by every other. Fresh memory is filled with 0xFF bytes,
-which read as NaN in f32/bf16/f16 (like the NKI simulator).
+which read as NaN in f32/bf16/f16 (like the NKI simulator); in HBM, the bytes of tensors the host writes
+before any read (inputs, weights, constants) are not (``allocate_hbm``).
 """
 from __future__ import annotations
 
@@ -156,10 +157,15 @@ class HbmLayout:
         return host + ap.offset - lo
 
 
-def allocate_hbm(layout: HbmLayout, name: str = "program") -> np.ndarray:
-    """A program's own HBM bytes (those ``layout`` gives host memory), all uninitialised; refused with
-    ``DeviceOutOfMemoryError`` before any allocation when they exceed the host budget or the host has not
-    got them."""
+def allocate_hbm(layout: HbmLayout, name: str = "program", fresh=()) -> np.ndarray:
+    """A program's own HBM bytes (those ``layout`` gives host memory); refused with ``DeviceOutOfMemoryError``
+    before any allocation when they exceed the host budget or the host has not got them.
+
+    Only the ``fresh`` spans ((HBM offset, bytes): the tensors nothing but the program writes, its outputs and
+    scratch) are filled with UNINITIALISED here. The others' bytes are the host's to write before anything
+    reads them (weights and constants at once, inputs at every run) and take no host memory until written:
+    an input read in place from the host's own array (``LoadedProgram.bind_inputs``, a compiled model's
+    parameters) never takes any."""
     budget = host_memory_budget()
     if layout.size > budget:
         raise DeviceOutOfMemoryError(
@@ -168,11 +174,16 @@ def allocate_hbm(layout: HbmLayout, name: str = "program") -> np.ndarray:
             hint=f"raise the budget ({HOST_BUDGET_VARIABLE}=16G) on a machine with that much memory, or use a "
             "smaller batch")
     try:
-        return np.full(layout.size, UNINITIALISED, np.uint8)
+        hbm = np.empty(layout.size, np.uint8)  # (pages of a large one are the kernel's until touched)
     except MemoryError:
         raise DeviceOutOfMemoryError(
             f"the host could not allocate {_exact(layout.size)} to emulate the HBM of {name!r}",
             hint="free memory on the host (other processes, unloaded programs), or use a smaller batch") from None
+    for offset, nbytes in fresh:
+        if nbytes:
+            host = layout.host(offset, offset + nbytes)
+            hbm[host:host + nbytes] = UNINITIALISED
+    return hbm
 
 
 class OnChip:
@@ -301,35 +312,100 @@ class Columns:
         return self.host(lo, hi) + ap.offset - lo
 
 
+class HbmRegions:
+    """The HBM bytes the access check keeps tables for, each region with a granule of its own.
+
+    Only outputs and scratch tensors are ever written by a program (neff.rules), so only their bytes need
+    tables: a read of an input, weight or constant is ordered with everything. Their extents, merged where
+    they overlap (scratch entries may share bytes), are the regions; every HBM operand of the program lies in
+    one tensor entry, so in at most one region, and each region's granule is the largest that the operands
+    inside it and its tensors' bounds are aligned to (:func:`granule`): a region of fp32 tensors keeps one
+    entry per 4 bytes even when a byte-sized mask elsewhere needs one per byte. ``regions`` are
+    (lo, hi, granule) triples, disjoint and sorted; a region's entries are those of its granules
+    [lo // granule, ceil(hi / granule)), one after another in the table."""
+
+    def __init__(self, regions):
+        self.starts, self.ends, self.granules, self.firsts = [], [], [], []
+        entries = 0
+        for lo, hi, g in regions:
+            self.starts.append(lo)
+            self.ends.append(hi)
+            self.granules.append(g)
+            self.firsts.append(entries - lo // g)  # the entry of HBM byte b is firsts[i] + b // g
+            entries += -(-hi // g) - lo // g
+        self.size = entries  # entries, all regions
+
+    def find(self, lo: int, hi: int) -> int:
+        """The number of the region holding HBM bytes [lo, hi)."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        if i < 0 or hi > self.ends[i]:
+            raise NeuronRuntimeError(f"HBM bytes [{lo}, {hi}) are outside the outputs and scratch tensors the "
+                                     f"access check keeps tables for",
+                                     hint="an internal error of the access check: please report it")
+        return i
+
+
+def hbm_regions(volatile, aps) -> HbmRegions:
+    """The :class:`HbmRegions` of a program whose output and scratch tensors are ``volatile`` and whose HBM
+    operands are ``aps``: each region's granule from the operands inside it and its tensors' bounds."""
+    merged: list = []  # [lo, hi, the bounds of its tensors]
+    for t in sorted((t for t in volatile if t.nbytes > 0), key=lambda t: t.offset):
+        if merged and t.offset < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t.offset + t.nbytes)
+            merged[-1][2] += (t.offset, t.offset + t.nbytes)
+        else:
+            merged.append([t.offset, t.offset + t.nbytes, [t.offset, t.offset + t.nbytes]])
+    inside: list = [[] for _ in merged]
+    starts = [lo for lo, _, _ in merged]
+    for ap in aps:
+        lo, hi = free_byte_span(ap, ap.dims)
+        i = bisect.bisect_right(starts, lo) - 1
+        if i >= 0 and hi <= merged[i][1]:
+            inside[i].append(ap)
+    return HbmRegions((lo, hi, granule(aps_inside, bounds)) for (lo, hi, bounds), aps_inside in zip(merged, inside))
+
+
 class Cells:
-    """A table with one entry per ``granule`` bytes of a memory of ``shape`` (on chip: per partition), to
-    keep facts about its bytes (who wrote them last) at the finest grain the program's operands use.
+    """A table with one entry per granule of a memory's bytes (on chip: per partition), to keep facts about
+    them (who wrote them last) at the finest grain the program's operands use.
 
-    ``granule`` is the largest number of bytes every operand is aligned to (:func:`granule`), so the
-    entries an operand covers form a strided view like the operand itself: ``of(ap)``. For HBM, ``layout``
-    (a program's :class:`HbmLayout`) keeps entries for its tensors' bytes only; addresses stay HBM's."""
+    A granule is the largest number of bytes every operand (of the region, in HBM) is aligned to
+    (:func:`granule`), so the entries an operand covers form a strided view like the operand itself: ``of(ap)``.
+    ``layout`` says which bytes have entries: in HBM an :class:`HbmRegions` (with its own granules; ``granule``
+    is then unused), on chip a :class:`Columns` (with ``granule`` for all); addresses stay the memory's."""
 
-    def __init__(self, shape: tuple, granule: int, dtype, layout: HbmLayout | Columns | None = None):
-        self.granule, self.layout = cells_granule(granule, layout), layout
-        if layout is not None:
-            shape = shape[:-1] + (layout.size,)
-        self.table = np.zeros(shape[:-1] + (-(-shape[-1] // self.granule),), dtype)
+    def __init__(self, partitions: int, granule: int, dtype, layout: HbmRegions | Columns):
+        self.granule, self.layout = granule, layout
+        if isinstance(layout, HbmRegions):
+            self.table = np.zeros(layout.size, dtype)
+        else:
+            self.table = np.zeros((partitions, -(-layout.size // granule)), dtype)
 
-    def _host(self, ap: AccessPattern) -> int:
-        return ap.offset if self.layout is None else self.layout.check(ap)
+    def _entry(self, lo: int, hi: int) -> tuple:
+        """(the entry of byte ``lo``, the granule there) for bytes [lo, hi), which one region or span holds."""
+        if isinstance(self.layout, HbmRegions):
+            i = self.layout.find(lo, hi)
+            g = self.layout.granules[i]
+            return self.layout.firsts[i] + lo // g, g
+        return self.layout.host(lo, hi) // self.granule, self.granule
+
+    def granule_at(self, byte: int) -> int:
+        """The bytes per entry at ``byte``."""
+        return self._entry(byte, byte + 1)[1]
 
     def span(self, offset: int, nbytes: int) -> np.ndarray:
         """The entries of HBM bytes [offset, offset + nbytes) (one tensor's)."""
-        if self.layout is not None:
-            offset = self.layout.host(offset, offset + nbytes)
-        return self.table[offset // self.granule:(offset + nbytes) // self.granule]
+        first, g = self._entry(offset, offset + nbytes)
+        return self.table[first:first + nbytes // g]
 
     def of(self, ap: AccessPattern) -> np.ndarray:
         """The entries of the bytes ``ap`` addresses: ``ap.shape`` plus a last dim over each element's granules."""
-        g, cell = self.granule, self.table.itemsize
+        cell = self.table.itemsize
         dims = ap.dims if ap.space == Space.HBM else ap.dims[1:]
+        lo, hi = free_byte_span(ap, dims)
+        first, g = self._entry(lo, hi)
         strides = tuple(stride * ap.dtype.itemsize // g * cell for stride, _ in dims) + (cell,)
-        offset = self._host(ap) // g * cell
+        offset = (first + (ap.offset - lo) // g) * cell
         if ap.space != Space.HBM:
             strides, offset = (self.table.strides[0],) + strides, offset + ap.partition * self.table.strides[0]
         return np.ndarray(ap.shape + (ap.dtype.itemsize // g,), self.table.dtype, buffer=self.table,
@@ -337,10 +413,10 @@ class Cells:
 
     def at(self, partition: int, byte: int):
         """The entry of ``byte`` (of ``partition``, on chip)."""
-        host = byte if self.layout is None else self.layout.host(byte, byte + 1)
+        entry, _ = self._entry(byte, byte + 1)
         if self.table.ndim == 1:
-            return self.table[host // self.granule]
-        return self.table[partition, host // self.granule]
+            return self.table[entry]
+        return self.table[partition, entry]
 
     def locate(self, ap: AccessPattern, index: tuple) -> tuple:
         """(partition, first byte) of the granule at ``index`` of ``of(ap)`` (partition 0 in HBM)."""
@@ -348,13 +424,7 @@ class Cells:
         free = index if ap.space == Space.HBM else index[1:]
         byte = ap.offset + sum(i * stride * ap.dtype.itemsize for i, (stride, _) in zip(free, dims))
         partition = 0 if ap.space == Space.HBM else ap.partition + index[0]
-        return partition, byte + index[-1] * self.granule
-
-
-def cells_granule(granule: int, layout: HbmLayout | Columns | None) -> int:
-    """The bytes per entry of :class:`Cells` over ``layout``: ``granule``, or in a program's HBM the part of
-    it that host memory keeps aligned (HbmLayout keeps addresses modulo HOST_ALIGNMENT)."""
-    return math.gcd(granule, HOST_ALIGNMENT) if isinstance(layout, HbmLayout) else granule
+        return partition, byte + index[-1] * self.granule_at(byte)
 
 
 def granule(aps, boundaries=()) -> int:

@@ -936,6 +936,89 @@ def test_accumulating_matmul_reads_the_psum_its_group_wrote_and_is_not_refused(c
         core.load(no_start)
 
 
+def _mixed_grain_program(written_floats: int, read_bytes: int) -> tuple:
+    """A program whose scratch ``h`` (8 floats) gets its first ``written_floats`` floats stored, and whose first
+    ``read_bytes`` bytes are then loaded as uint8 into output ``m``; output ``y`` (f32) is stored whole. Returns
+    (the Program, h, y, m)."""
+    p = Program()
+    h, y = p.tensor("h", TensorKind.SCRATCH, (8,)), p.tensor("y", TensorKind.OUTPUT, (4, 8))
+    m = p.tensor("m", TensorKind.OUTPUT, (1, read_bytes), DType.U8)
+    floats = chip((4, 8))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, floats, imm0=1.0)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y), floats, waits=done(Engine.VECTOR))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, AccessPattern(Space.HBM, DType.F32, h.offset, ((1, 1), (1, written_floats))),
+           chip((1, written_floats)), queue=1, waits=done(Engine.VECTOR))
+    bytes_tile = chip((1, read_bytes), DType.U8, offset=1024)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, bytes_tile,
+           AccessPattern(Space.HBM, DType.U8, h.offset, ((1, 1), (1, read_bytes))), queue=2, waits=done(Engine.DMA, 1, 1))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(m), bytes_tile, queue=3, waits=done(Engine.DMA, 1, 2))
+    return p, h, y, m
+
+
+def _hbm_tables(monkeypatch) -> list:
+    """The HBM writer tables (memory.Cells) each access check of this test makes, filled as loads run."""
+    from runtime.core import LoadedProgram
+    from runtime.memory import HbmRegions
+
+    made, original = [], LoadedProgram._access_tables
+
+    def spied(self, partitions, g, dtype, layout, budget):
+        tables = original(self, partitions, g, dtype, layout, budget)
+        if isinstance(layout, HbmRegions):
+            made.append(tables[0])
+        return tables
+
+    monkeypatch.setattr(LoadedProgram, "_access_tables", spied)
+    return made
+
+
+def test_hbm_tables_cover_outputs_and_scratch_only_each_region_at_its_own_granule(core, monkeypatch):
+    """Inputs and weights are never written by the program: no table. A region read as bytes keeps an entry per
+    byte, one only ever addressed as fp32 an entry per 4 bytes, whatever the other regions need."""
+    tables = _hbm_tables(monkeypatch)
+    p, h, y, m = _mixed_grain_program(8, 32)
+    x = p.tensor("x", TensorKind.INPUT, (64, 64))  # 16 KiB, read by one copy
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 64), offset=4096), hbm(x), queue=4)
+    core.load(p.neff())
+    (writers,) = tables
+    assert [writers.granule_at(t.offset) for t in (h, y, m)] == [1, 4, 1]
+    assert writers.table.size == h.nbytes + y.nbytes // 4 + m.nbytes
+
+
+def test_a_read_of_one_unwritten_byte_in_a_region_of_coarse_neighbours_is_refused_at_that_byte(core, monkeypatch):
+    """``y``'s region has an entry per 4 bytes, ``h``'s one per byte: reading 29 bytes of the 28 written is refused
+    at byte 28 exactly, reading the 28 is not."""
+    tables = _hbm_tables(monkeypatch)
+    p, h, *_ = _mixed_grain_program(7, 28)
+    core.load(p.neff())
+    assert tables[0].granule_at(p.tensors[1].offset) == 4
+    p, h, *_ = _mixed_grain_program(7, 29)
+    with pytest.raises(NeuronRuntimeError, match=f"operand 1 reads HBM byte {h.offset + 28} \\(of scratch 'h'\\), "
+                                                 "which nothing wrote"):
+        core.load(p.neff())
+
+
+@pytest.mark.parametrize("first_byte, races", [(15, True), (16, False)])
+def test_two_unordered_writes_sharing_one_byte_race_and_touching_ones_do_not(core, first_byte, races):
+    """Four floats stored (bytes 0-15 of scratch ``h``) and, on another queue with no wait, 5 bytes from
+    ``first_byte``: sharing byte 15 alone is a race, found at that byte; starting at 16 they share none."""
+    p = Program()
+    h, y = p.tensor("h", TensorKind.SCRATCH, (8,)), p.tensor("y", TensorKind.OUTPUT, (1, 4))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 4)), imm0=1.0)
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 5), DType.U8, offset=1024), imm0=1.0)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y), chip((1, 4)), waits=done(Engine.VECTOR, 2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, AccessPattern(Space.HBM, DType.F32, h.offset, ((1, 1), (1, 4))),
+           chip((1, 4)), queue=1, waits=done(Engine.VECTOR, 2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, AccessPattern(Space.HBM, DType.U8, h.offset + first_byte, ((1, 1), (1, 5))),
+           chip((1, 5), DType.U8, offset=1024), queue=2, waits=done(Engine.VECTOR, 2))
+    if not races:
+        core.load(p.neff())
+        return
+    with pytest.raises(NeuronRuntimeError, match=f"writes HBM byte {h.offset + 15} \\(of scratch 'h'\\), also written "
+                                                 r"by DMA_COPY #0 on DMA queue [12] .*\(a race\)"):
+        core.load(p.neff())
+
+
 def test_wait_that_can_never_be_met_is_reported_as_deadlock(core):
     p = Program()
     p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 4)), waits=done(Engine.GPSIMD, 1))
