@@ -114,8 +114,8 @@ class MatmulPlan:
     bias_column: int | None = None
     a_by_k_tile: bool = False  # A^T's one strip loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`,
     # `loads_a_once`)
-    b_in_halves: bool = False  # B's one strided strip loaded as two halves of its K tiles, each over every queue
-    # (passes/tiling.py `loads_b_in_halves`)
+    in_halves: str = ""  # the operand ("a" or "b") whose one strided strip loads as two halves of its K tiles, each
+    # over every queue (passes/tiling.py `loads_in_halves`); "" for none
     epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
 
 

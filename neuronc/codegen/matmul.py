@@ -217,14 +217,14 @@ class _Matmul:
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
         """All K tiles of x ([K, width]) as [tk, k tiles x width]: one DMA split over the queues by partitions, or
         one per K tile for an A^T strip its producer writes column block by column block (MatmulPlan.a_by_k_tile),
-        or two halves of the K tiles, each over every queue, for a strided resident B strip (MatmulPlan.b_in_halves)."""
+        or two halves of the K tiles, each over every queue, for a strided resident strip (MatmulPlan.in_halves)."""
         em, tk, width = self.em, self.tk, x.dims[1][1]
         tile = self.strips[name].next().ap(tk, self.k_tiles * width)
         whole, tail = divmod(self.plan.k, tk)
         if whole and name == "a" and self.plan.a_by_k_tile:
             for j in range(whole):
                 dma_by_rows(em, tile_at(tile, j * width, tk, width), x[j * tk:(j + 1) * tk].ap)
-        elif whole > 1 and name == "b" and self.plan.b_in_halves:
+        elif whole > 1 and name == self.plan.in_halves:
             for j0, j1 in ((0, -(-whole // 2)), (-(-whole // 2), whole)):
                 dma_by_rows(em, tile_at(tile, j0 * width, tk, j1 - j0, width), x[j0 * tk:j1 * tk].tiled(tk).ap,
                             em.target.dma_queues)

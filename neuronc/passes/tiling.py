@@ -217,19 +217,27 @@ def loads_a_once(node: ir.Node, tiling: MatmulTiling) -> bool:
     return tiling.resident == "a" and tiling.block * tiling.tile_m >= m and batch == 1
 
 
-def loads_b_in_halves(node: ir.Node, tiling: MatmulTiling) -> bool:
-    """Whether the kernel loads its B strip as two halves of its K tiles, each cut over every DMA queue: when B
-    is resident as one strip (B resident, its block every column, one batch) and read across its rows (a strided
-    read at half a queue's rate, as x^T of a chain's first matmul: the GPT-2 MLP's [768, 512] x^T, 5.6 us on 16
-    queues). Loaded whole, the first output tile's first matmul waited for all of it; by halves, it accumulates
-    the first half's K tiles while the second half moves. Each half's slice per queue keeps at least 2 KiB a
-    partition at the GPT-2 shapes (the payload curve's near-peak part, targets.py), where one DMA per K tile
-    (1 KiB a partition, 4 slices) or uneven groups (the later group on half the queues) lose it. Measured
-    (trn2, bf16, `benchmarks.roofline`): GPT-2 MLP / block 72.1 / 183.0 us whole, 71.9 / 184.6 by K tile,
-    71.5 / 182.5 by halves (by thirds 71.5 / 182.5). `price` does not model it (it prices the strip whole)."""
-    batch, _, n = node.shape
-    return (tiling.resident == "b" and tiling.block * tiling.tile_n >= n and batch == 1
-            and not _contiguous(node)[1] and -(-node.attrs["k"] // tiling.tile_k) > 1)
+def loads_in_halves(node: ir.Node, tiling: MatmulTiling) -> str:
+    """The operand ("a", "b"; "" for none) whose strip the kernel loads as two halves of its K tiles, each cut over
+    every DMA queue: the resident operand when it is one strip (its block every row or column, one batch) read
+    across its rows (a strided read at half a queue's rate: x^T of the GPT-2 MLP chain's first matmul, B, and of
+    the block's QKV projection, A^T, [768, 512] each, 5.6 us on 16 queues), unless A^T loads K tile by K tile
+    (`loads_a_by_k_tile`). Loaded whole, the first output tile's first matmul waited for all of it; by halves,
+    it accumulates the first half's K tiles while the second half moves. Each half's slice per queue keeps 3 KiB
+    a partition at these shapes (the payload curve's near-peak part, targets.py), where one DMA per K tile (1 KiB
+    a partition, 4 slices) or uneven groups (the later group on half the queues) lose it. Measured (trn2, bf16,
+    `benchmarks.roofline`), GPT-2 MLP / block: 72.1 / 183.0 us whole, 71.9 / 184.6 by K tile, 71.1 / 183.8 by
+    groups of 4 K tiles (the last group of 2 on 8 queues), 71.5 / 182.5 by halves of B (by thirds 71.5 / 182.5),
+    71.5 / 181.9 by halves of B and of A^T. `price` does not model it (it prices the strip whole)."""
+    batch, m, n = node.shape
+    if batch != 1 or -(-node.attrs["k"] // tiling.tile_k) < 2:
+        return ""
+    a_contiguous, b_contiguous = _contiguous(node)
+    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous:
+        return "b"
+    if loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node):
+        return "a"
+    return ""
 
 
 def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
@@ -353,7 +361,7 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), b_in_halves=loads_b_in_halves(node, tiling),
+        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), in_halves=loads_in_halves(node, tiling),
         epilogue_group=EPILOGUE_GROUP)
 
 
