@@ -114,6 +114,8 @@ class MatmulPlan:
     bias_column: int | None = None
     a_by_k_tile: bool = False  # A^T's one strip loaded one DMA per K tile (passes/tiling.py `loads_a_by_k_tile`,
     # `loads_a_once`)
+    in_two_parts: str = ""  # the operand ("a" or "b") whose one strided strip loads as two parts of its K tiles, each
+    # over every queue (passes/tiling.py `loads_in_two_parts`, codegen/matmul.py `last_part_k_tiles`); "" for none
     epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
 
 

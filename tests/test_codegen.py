@@ -401,6 +401,57 @@ def test_a_layer_norms_last_row_tiles_are_stored_in_slices_of_about_one_issues_w
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
 
 
+def _two_parts_loaded_and_first_matmul_early(compiled) -> None:
+    """The program's strided loads (x^T's pieces: 512 tokens a row, one every 768 elements) are two parts of its 6
+    K tiles, 4 then 2 (the second the fewest that keep 2 KiB a partition), each cut over all 16 queues, and its
+    first matmul starts before the last of them ends."""
+    from neuronc.passes.cost_model import replay
+
+    timeline = list(replay(compiled.neff.streams, get_target(compiled.neff.target)))
+    strided = [(inst, end) for inst, _, end in timeline if inst.opcode == Opcode.DMA_COPY
+               and inst.operands[1].space == Space.HBM and inst.operands[1].dims[-1][0] != 1
+               and inst.operands[1].dims[-1][1] > 1]
+    assert sorted(inst.operands[1].dims[1][1] for inst, _ in strided) == [2] * 16 + [4] * 16  # K tiles per piece
+    assert len({inst.queue for inst, _ in strided}) == 16
+    first_matmul = min(start for inst, start, _ in timeline if inst.opcode == Opcode.MATMUL)
+    assert first_matmul < max(end for _, end in strided)
+
+
+def _matches_eager_bf16(compiled, model, x) -> None:
+    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_a_gpt2_mlp_chains_x_transposed_loads_in_two_parts_over_every_queue_and_the_first_matmul_starts_on_the_first():
+    """The GPT-2 MLP chain's first matmul keeps x^T ([768, 512], read across x's rows: strided) resident as one
+    B strip. It loads as two parts of its 6 K tiles, each cut over all 16 DMA queues, so the first output tile
+    accumulates the first part's K tiles while the second part moves (loaded whole, its first matmul waited for
+    all of x^T). Matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
+    model = model.eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="mlp_two_parts"))
+    (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert chained.attrs["plan"].first.in_two_parts == "b"
+    _two_parts_loaded_and_first_matmul_early(compiled)
+    _matches_eager_bf16(compiled, model, x)
+
+
+def test_a_projection_after_a_layer_norm_loads_its_resident_a_transposed_in_two_parts():
+    """GPT-2's QKV projection reads the layer-norm's [512, 768] result as A, resident as one A^T strip (strided):
+    it loads as two parts of its K tiles over every queue, the first matmul starting on the first. Matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(768), torch.nn.Linear(768, 2304)).eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="ln_qkv_two_parts"))
+    (projection,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert projection.attrs["plan"].in_two_parts == "a"
+    _two_parts_loaded_and_first_matmul_early(compiled)
+    _matches_eager_bf16(compiled, model, x)
+
+
 def test_a_gpt2_mlp_chain_streams_its_first_matmuls_strips_four_deep_and_loads_the_seconds_strips_after_it(monkeypatch):
     """GPT-2's MLP (768 -> 3072 -> 768, 512 tokens, bf16) is one chained kernel. Its first matmul streams W1 in
     strips of one output tile's K tiles, about as long to load (with a DMA's fixed cost) as to multiply: the

@@ -19,6 +19,7 @@ from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
 from neuronc.ir import Node
 from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan
+from neuronc.targets import Target
 
 
 def matmul(em: Emitter, node: Node, memory: MemoryPlan) -> None:
@@ -216,13 +217,19 @@ class _Matmul:
     # loading strips -------------------------------------------------------------------------------------
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
         """All K tiles of x ([K, width]) as [tk, k tiles x width]: one DMA split over the queues by partitions, or
-        one per K tile for an A^T strip its producer writes column block by column block (MatmulPlan.a_by_k_tile)."""
+        one per K tile for an A^T strip its producer writes column block by column block (MatmulPlan.a_by_k_tile),
+        or two parts of the K tiles, each over every queue, for a strided resident strip (MatmulPlan.in_two_parts)."""
         em, tk, width = self.em, self.tk, x.dims[1][1]
         tile = self.strips[name].next().ap(tk, self.k_tiles * width)
         whole, tail = divmod(self.plan.k, tk)
         if whole and name == "a" and self.plan.a_by_k_tile:
             for j in range(whole):
                 dma_by_rows(em, tile_at(tile, j * width, tk, width), x[j * tk:(j + 1) * tk].ap)
+        elif whole > 1 and name == self.plan.in_two_parts:
+            cut = whole - last_part_k_tiles(whole, width * x.ap.dtype.itemsize, em.target)
+            for j0, j1 in ((0, cut), (cut, whole)):
+                dma_by_rows(em, tile_at(tile, j0 * width, tk, j1 - j0, width), x[j0 * tk:j1 * tk].tiled(tk).ap,
+                            em.target.dma_queues)
         elif whole:
             dma_by_rows(em, tile_at(tile, 0, tk, whole, width), x[:whole * tk].tiled(tk).ap)
         if tail:
@@ -448,6 +455,19 @@ class _EarlyColumn:
             accumulate(acc, ops, range(lead, k_tiles))
             kernel.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=acc, row=ops.row, column=ops.column)
         kernel.run(steps, loaded)
+
+
+def last_part_k_tiles(k_tiles: int, bytes_per_k_tile: int, target: Target) -> int:
+    """How many of a strip's K tiles its second part holds (MatmulPlan.in_two_parts): a third, rounded up, and at
+    least those whose slices, one per queue, keep half the efficient payload a partition (2 KiB on trn2: the
+    payload curve's near-peak part, targets.py); at most all but one. The first output tile's first matmuls run
+    on the first part while the second moves: a smaller second part lands sooner after the first, a larger first
+    part lands later. Measured (trn2, bf16, us), parts of the GPT-2 MLP's / block's x^T (6 K tiles, 1 KiB a
+    partition each): 3 + 3 71.51 / 181.90, **4 + 2** 71.35 / 181.53, 5 + 1 71.86 / 182.09, 2 + 4 71.73 / 182.33;
+    of the SwiGLU MLP's (16 K tiles): 8 + 8 520.16, **10 + 6** 519.73, 11 + 5 519.52, 12 + 4 523.20, 14 + 2 524.0
+    (no simple rule found the 11 + 5 without losing elsewhere)."""
+    payload = -(-(target.dma_efficient_bytes_per_partition // 2) // bytes_per_k_tile)
+    return max(1, min(k_tiles - 1, max(-(-k_tiles // 3), payload)))
 
 
 def _streamed_first(steps: list) -> list:

@@ -217,6 +217,29 @@ def loads_a_once(node: ir.Node, tiling: MatmulTiling) -> bool:
     return tiling.resident == "a" and tiling.block * tiling.tile_m >= m and batch == 1
 
 
+def loads_in_two_parts(node: ir.Node, tiling: MatmulTiling) -> str:
+    """The operand ("a", "b"; "" for none) whose strip the kernel loads as two parts of its K tiles, each cut over
+    every DMA queue (codegen/matmul.py `last_part_k_tiles` sizes them): the resident operand when it is one strip
+    (its block every row or column, one batch) read across its rows (a strided read at half a queue's rate: x^T
+    of the GPT-2 MLP chain's first matmul, B, and of the block's QKV projection, A^T, [768, 512] each, 5.6 us on
+    16 queues), unless A^T loads K tile by K tile (`loads_a_by_k_tile`). Loaded whole, the first output tile's
+    first matmul waited for all of it; in two parts, it accumulates the first part's K tiles while the second
+    moves. Measured (trn2, bf16, `benchmarks.roofline`), GPT-2 MLP / block: 72.1 / 183.0 us whole, 71.9 / 184.6
+    by K tile (`dma_by_rows`' 4 slices of 1 KiB a partition), 71.1 / 183.8 by groups of 4 + 2 K tiles on 16 and
+    8 queues (the later group on half the queues is the block's tail), 71.5 / 182.5 by halves of B, each over
+    every queue, 71.5 / 181.9 by halves of B and of A^T, 71.4 / 181.5 by 4 + 2 K tiles over every queue. `price`
+    does not model it (it prices the strip whole)."""
+    batch, m, n = node.shape
+    if batch != 1 or -(-node.attrs["k"] // tiling.tile_k) < 2:
+        return ""
+    a_contiguous, b_contiguous = _contiguous(node)
+    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous:
+        return "b"
+    if loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node):
+        return "a"
+    return ""
+
+
 def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers | None = None, **chained) -> float:
     """The cost model's estimate of the matmul kernel of `node` under `tiling` (`servers`, `chained`: as part of
     a chain, see `chain_price`)."""
@@ -338,7 +361,8 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
-        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), epilogue_group=EPILOGUE_GROUP)
+        a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), in_two_parts=loads_in_two_parts(node, tiling),
+        epilogue_group=EPILOGUE_GROUP)
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
