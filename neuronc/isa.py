@@ -164,7 +164,7 @@ class DType(enum.IntEnum):
 
     @property
     def itemsize(self) -> int:
-        return _NUMPY[self].itemsize
+        return _ITEMSIZES[self]  # a tuple indexed by the value: read for every operand of every instruction
 
     @property
     def is_float(self) -> bool:
@@ -203,6 +203,7 @@ _NUMPY = {
     DType.U32: np.dtype(np.uint32),
     DType.U64: np.dtype(np.uint64),
 }
+_ITEMSIZES = tuple(_NUMPY[DType(value)].itemsize for value in range(len(DType)))
 _NARROW_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
 
 

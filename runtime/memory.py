@@ -213,10 +213,14 @@ def _partition_rows(partitions: int, nbytes: int) -> np.ndarray:
 def free_byte_span(ap: AccessPattern, dims: tuple) -> tuple:
     """Bytes [lo, hi) addressed by ``dims`` of ``ap`` relative to ``ap.offset``."""
     lo = hi = 0
+    itemsize = ap.dtype.itemsize
     for stride, size in dims:
-        reach = (size - 1) * stride * ap.dtype.itemsize
-        lo, hi = lo + min(reach, 0), hi + max(reach, 0)
-    return ap.offset + lo, ap.offset + hi + ap.dtype.itemsize
+        reach = (size - 1) * stride * itemsize
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return ap.offset + lo, ap.offset + hi + itemsize
 
 
 def extent(ap: AccessPattern) -> tuple:
@@ -262,9 +266,11 @@ def check_bounds(ap: AccessPattern, memory_shape: tuple) -> None:
         )
 
 
-def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None) -> np.ndarray:
+def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None,
+         whole: tuple | None = None) -> np.ndarray:
     """A writable numpy view of the elements ``ap`` addresses in ``memory`` (checked with ``check_bounds``;
-    in HBM, with ``layout.check`` when the memory holds only a program's tensors)."""
+    in HBM, with ``layout.check`` when the memory holds only a program's tensors). ``whole``: on chip, the
+    ``contiguous_whole`` of ``memory`` when the caller has it already (it costs more than the rest of a view)."""
     itemsize = ap.dtype.itemsize
     if ap.space == Space.HBM:
         offset = ap.offset if layout is None else layout.check(ap)
@@ -274,10 +280,16 @@ def view(memory: np.ndarray, ap: AccessPattern, layout: HbmLayout | None = None)
         offset = ap.partition * row_bytes + ap.offset
         strides = (row_bytes,) + tuple(stride * itemsize for stride, _ in ap.dims[1:])
         if not memory.flags.c_contiguous:  # rows apart by more than their bytes (OnChip): a view of the whole
-            base = memory.base
-            offset += memory.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-            memory = base
+            memory, start = whole or contiguous_whole(memory)
+            offset += start
     return np.ndarray(ap.shape, ap.dtype.numpy, buffer=memory, offset=offset, strides=strides)
+
+
+def contiguous_whole(memory: np.ndarray) -> tuple:
+    """(the array ``memory`` is a view of, the byte offset of ``memory``'s first byte in it): a buffer that a
+    view with ``memory``'s row strides can be made on when ``memory`` itself is not contiguous (OnChip's rows)."""
+    base = memory.base
+    return base, memory.__array_interface__["data"][0] - base.__array_interface__["data"][0]
 
 
 class Columns:
@@ -451,6 +463,8 @@ class Memory:
     def __init__(self, hbm: np.ndarray, sbuf: np.ndarray, psum: np.ndarray, layout: HbmLayout | None = None,
                  bound: list | None = None):
         self.arrays = {Space.HBM: hbm, Space.SBUF: sbuf, Space.PSUM: psum}
+        self.wholes = {space: contiguous_whole(a) for space, a in ((Space.SBUF, sbuf), (Space.PSUM, psum))
+                       if not a.flags.c_contiguous}  # found once, not for each of a program's views
         self.layout = layout
         self.bind(bound or [])
 
@@ -472,7 +486,7 @@ class Memory:
             bound = self._bound_view(ap)
             if bound is not None:
                 return bound
-        return view(memory, ap, self.layout)
+        return view(memory, ap, self.layout, self.wholes.get(ap.space))
 
     def _bound_view(self, ap: AccessPattern) -> np.ndarray | None:
         """``ap``'s view in a bound tensor's host array, or None when it addresses no bound tensor's bytes

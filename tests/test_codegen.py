@@ -159,6 +159,22 @@ def test_a_kernel_loads_its_first_weights_while_the_previous_kernel_runs():
         assert_matches_eager(torch.from_numpy(out), model(x))
 
 
+
+def test_a_program_of_one_kernel_is_the_same_neff_with_or_without_the_prefetch():
+    """A load moves only into the kernel before its own: one kernel's program keeps its emitted order (the eager
+    path's programs; codegen.schedule returns it without walking it)."""
+    from neuronc.codegen import generate
+    from neuronc.frontend.aten_lowering import lower
+    from neuronc.passes.memory_plan import plan_memory
+
+    lowered = lower(torch.ops.aten.mm.default, (torch.randn(64, 256), torch.randn(256, 384)), {}, frozenset(), "mm")
+    optimised = compile_graph(lowered.graph, CompileOptions()).graph
+
+    plan = plan_memory(optimised)
+    with_prefetch, without = (generate(optimised, plan, get_target(), prefetch=p) for p in (True, False))
+    assert len(with_prefetch.kernels) == 1
+    assert with_prefetch.streams == without.streams
+
 def _hbm_tensor(rows=512, cols=768):
     from neuronc.isa import DType
     from neuronc.neff.program import TensorEntry, TensorKind

@@ -115,6 +115,17 @@ def test_dma_round_trip_hbm_to_sbuf_to_hbm_returns_the_input(core, dtype):
     np.testing.assert_array_equal(y, x)
 
 
+
+def test_an_on_chip_view_is_the_bytes_of_its_partitions_rows(core):
+    """The SBUF's rows lie apart by more than their bytes (runtime.memory.OnChip): a view of a tile at partition 3,
+    byte 64, writes those bytes of rows 3..6 (the rows' base found once per Memory, not per view)."""
+    from runtime.memory import Memory
+
+    memory = Memory(np.zeros(64, np.uint8), core.sbuf, core.psum)
+    tile = np.arange(32, dtype=np.float32).reshape(4, 8)
+    memory.view(chip((4, 8), partition=3, offset=64))[...] = tile
+    assert np.array_equal(core.sbuf[3:7, 64:96].view(np.float32), tile)
+
 def _add_program():
     """y = x + w, x and w inputs of [128, 64] fp32."""
     p = Program()

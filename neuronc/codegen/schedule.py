@@ -76,7 +76,10 @@ def _overlaps(merged: tuple, a: int, b: int) -> bool:
 
 def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     """The instructions in a new program order: the loads a kernel's first steps read, when they depend on
-    nothing of their own kernel, moved up into the previous kernel (everything else in emitted order)."""
+    nothing of their own kernel, moved up into the previous kernel (everything else in emitted order). A program
+    of one kernel (an eager op's, mostly) has no previous kernel to move a load into: its order is kept, unwalked."""
+    if all(inst.kernel == instructions[0].kernel for inst in instructions):
+        return list(instructions)
     needs = _first_reads(instructions, grid)
     # program position of each cell's last writer, and of its last reader or writer: Python lists, as the spans are
     # short (tens of cells) and a numpy call per span cost more than the list operation

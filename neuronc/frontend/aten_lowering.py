@@ -101,7 +101,7 @@ def _meta(x):
 def _meta_results(func, args, kwargs):
     """``func``'s results as meta tensors (PyTorch's meta kernels: shapes, strides, dtypes)."""
     if torch.Tag.pointwise in func.tags:
-        known = _pointwise_meta(func, args, kwargs)
+        known = pointwise_meta(func, args, kwargs)
         if known is not None:
             return known
     if func is aten.native_layer_norm.default and isinstance(args[0], IRTensor):  # its meta kernel: 2 ms
@@ -128,7 +128,7 @@ def _meta_results(func, args, kwargs):
 _pointwise_dtypes: dict = {}  # (op, dtypes and kinds of its arguments) -> its result dtype, or None
 
 
-def _pointwise_meta(func, args, kwargs):
+def pointwise_meta(func, args, kwargs):
     """The result of a pointwise op without its meta kernel (many are Python, 0.1-1 ms a call): the arguments'
     broadcast shape, and the dtype its meta kernel gave for the same argument types (type promotion depends on
     dtypes, on which tensors are 0-d and on the kinds of numbers, never on sizes). None when unknown."""
