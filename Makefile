@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	# the neuron device's C++ shim (g++ and ninja), so that `import torch` finds it built
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m neuronc.pytorch.shim
+	# byte-compiled as pip compiles an installed package (an editable install is not, and with
+	# PYTHONDONTWRITEBYTECODE set never is): a new process does not compile neuronc's modules from source
+	$(BIN)/python -m compileall -q neuronc runtime > /dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
