@@ -152,15 +152,19 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     Ids number the instructions stream by stream in order: stream t's are ``firsts[t]`` to ``firsts[t + 1]``,
     and its writer at index k happens before the instruction when ``clock[t] > k``, so the writers that do
     not are one range of ids per stream, ``firsts[t] + clock[t]`` to ``firsts[t + 1]``. Ids 0 (the host) and
-    1 (nobody) happen before it when their slots ``clock[n]``, ``clock[n + 1]`` are set. One writer is the
-    common case (two reductions); several are judged against a table of those ranges, one gather."""
+    1 (nobody) happen before it when their slots ``clock[n]``, ``clock[n + 1]`` are set. One writer, or
+    writers of one stream, is the common case (two reductions: every id from the least to the greatest is
+    then of that stream and ordered when the greatest is); others are judged against a table of those
+    ranges, one gather."""
     n = len(firsts) - 1
-    lo, hi = int(who.min()), int(who.max())
+    lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
+    if lo == hi and lo < 2:
+        return None if clock[n + lo] else lo
+    t = bisect.bisect_right(firsts, lo) - 1
+    if lo >= 2 and hi < firsts[t] + clock[t]:  # (then also hi < firsts[t + 1]: a clock counts its stream's)
+        return None
     if lo == hi:
-        if lo < 2:
-            return None if clock[n + lo] else lo
-        t = bisect.bisect_right(firsts, lo) - 1
-        return None if lo < firsts[t] + clock[t] else lo
+        return lo
     late = np.zeros(hi + 1, bool)  # ids up to hi: which do not happen before
     late[:2] = not clock[n], not clock[n + 1]
     for t in range(n):
@@ -170,6 +174,17 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
         return None
     mask = late[who]
     return int(who[mask][0]) if mask.any() else None
+
+
+_least, _greatest = np.minimum.reduce, np.maximum.reduce
+
+
+def _cached(cache: dict, fn, ap: AccessPattern):
+    """``fn(ap)``, computed once per pattern in ``cache``."""
+    value = cache.get(ap)
+    if value is None:
+        value = cache[ap] = fn(ap)
+    return value
 
 
 def _merged(spans: list) -> tuple:
@@ -401,19 +416,21 @@ class LoadedProgram:
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
         device_written = _merged([(t.offset, t.offset + t.nbytes) for t in volatile] +
                                  [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
-        read_regions = [[[(operand, _region(i.instr.operands[operand])) for operand in i.reads] for i in stream]
-                        for stream in instrs]  # [stream][index]: (operand, (space, box)) of what it reads
-        clock, started = {}, [0] * n  # key -> vector clock at its start; instructions started per stream
+        regions: dict = {}  # access pattern -> (space, box): a program reuses its tiles' patterns
+        read_regions = [[[(operand, _cached(regions, _region, i.instr.operands[operand])) for operand in i.reads]
+                         for i in stream] for stream in instrs]  # [stream][index]: (operand, (space, box)) it reads
+        # [stream][index]: vector clock at its start; instructions started per stream
+        clock, started = [[None] * len(stream) for stream in instrs], [0] * n
         for position, (phase, s, k) in enumerate(self._order):
             i = instrs[s][k]
             if phase == START:
-                vc = list(clock[(s, k - 1)]) if k else [0] * n
+                vc = list(clock[s][k - 1]) if k else [0] * n
                 vc[s] = k
                 for t, count in i.waits:
                     if count > 0:
-                        vc = [max(a, b) for a, b in zip(vc, clock[(t, count - 1)])]
+                        vc = list(map(max, vc, clock[t][count - 1]))
                         vc[t] = max(vc[t], count)
-                clock[i.key], started[s] = vc, started[s] + 1
+                clock[s][k], started[s] = vc, started[s] + 1
                 for operand, (space, box) in read_regions[s][k]:
                     if space == Space.HBM and not _intersects(device_written, box[2], box[3]):
                         continue
@@ -426,7 +443,7 @@ class LoadedProgram:
                         raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
                                              probes[ap.space])
                 continue
-            written = [self._check_write(i, dst, clock[i.key], writers, probes, started, by_id, unordered,
+            written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
                                          read_regions) for dst in i.instr.writes]
             for who in written:  # (all checked before any is marked: an instruction does not race with itself)
                 who[...] = ids[i.key]

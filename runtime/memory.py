@@ -388,6 +388,7 @@ class Cells:
 
     def __init__(self, partitions: int, granule: int, dtype, layout: HbmRegions | Columns):
         self.granule, self.layout = granule, layout
+        self._views: dict = {}  # access pattern -> its entries (of): a program reuses its tiles' patterns
         if isinstance(layout, HbmRegions):
             self.table = np.zeros(layout.size, dtype)
         else:
@@ -411,7 +412,14 @@ class Cells:
         return self.table[first:first + nbytes // g]
 
     def of(self, ap: AccessPattern) -> np.ndarray:
-        """The entries of the bytes ``ap`` addresses: ``ap.shape`` plus a last dim over each element's granules."""
+        """The entries of the bytes ``ap`` addresses: ``ap.shape`` plus a last dim over each element's granules.
+        Made once per pattern (a view of the table, which never moves): the access check asks for each operand."""
+        entries = self._views.get(ap)
+        if entries is None:
+            entries = self._views[ap] = self._of(ap)
+        return entries
+
+    def _of(self, ap: AccessPattern) -> np.ndarray:
         cell = self.table.itemsize
         dims = ap.dims if ap.space == Space.HBM else ap.dims[1:]
         lo, hi = free_byte_span(ap, dims)
