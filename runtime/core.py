@@ -419,6 +419,12 @@ class LoadedProgram:
         regions: dict = {}  # access pattern -> (space, box): a program reuses its tiles' patterns
         read_regions = [[[(operand, _cached(regions, _region, i.instr.operands[operand])) for operand in i.reads]
                          for i in stream] for stream in instrs]  # [stream][index]: (operand, (space, box)) it reads
+        # [stream][index]: (operand, its writer entries, the clock slots of ids 0 and 1) of each read to check:
+        # the host wrote HBM only
+        checked_reads = [[[(operand, writers[space].of(i.instr.operands[operand]), [space == Space.HBM, False])
+                           for operand, (space, box) in reads
+                           if space != Space.HBM or _intersects(device_written, box[2], box[3])]
+                          for i, reads in zip(stream, regions)] for stream, regions in zip(instrs, read_regions)]
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
         for position, (phase, s, k) in enumerate(self._order):
@@ -427,21 +433,19 @@ class LoadedProgram:
                 vc = list(clock[s][k - 1]) if k else [0] * n
                 vc[s] = k
                 for t, count in i.waits:
-                    if count > 0:
+                    # A wait for what already happens before adds nothing: a clock counting past an instruction
+                    # of stream t counts past all that happens before it (it is the merge of their clocks).
+                    if vc[t] < count:
                         vc = list(map(max, vc, clock[t][count - 1]))
-                        vc[t] = max(vc[t], count)
+                        vc[t] = count
                 clock[s][k], started[s] = vc, started[s] + 1
-                for operand, (space, box) in read_regions[s][k]:
-                    if space == Space.HBM and not _intersects(device_written, box[2], box[3]):
-                        continue
-                    ap = i.instr.operands[operand]
-                    who = writers[ap.space].of(ap)
-                    w = unordered(who, vc + [space == Space.HBM, False])  # the host wrote HBM only
+                for operand, who, slots in checked_reads[s][k]:
+                    w = unordered(who, vc + slots)
                     if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False])
                     if w is not None:
-                        raise self._bad_read(i, operand, writers[ap.space], who == w, by_id[w], position,
-                                             probes[ap.space])
+                        space = i.instr.operands[operand].space
+                        raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
             written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
                                          read_regions) for dst in i.instr.writes]
