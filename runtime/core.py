@@ -145,9 +145,10 @@ def _region(ap: AccessPattern) -> tuple:
     return ap.space, extent(ap)
 
 
-def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
+def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | None = None):
     """A writer id among ``who`` that does not happen before the instruction whose vector clock is ``clock``,
-    or None (the first such id in ``who``'s order when there are several).
+    or None (the first such id in ``who``'s order when there are several). ``single``: the id every entry of
+    ``who`` holds, when known (:class:`_WholeWrites`): then ``who`` is not read.
 
     Ids number the instructions stream by stream in order: stream t's are ``firsts[t]`` to ``firsts[t + 1]``,
     and its writer at index k happens before the instruction when ``clock[t] > k``, so the writers that do
@@ -157,7 +158,10 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     then of that stream and ordered when the greatest is); others are judged against a table of those
     ranges, one gather."""
     n = len(firsts) - 1
-    lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
+    if single is not None:
+        lo = hi = single
+    else:
+        lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
     if lo == hi and lo < 2:
         return None if clock[n + lo] else lo
     t = bisect.bisect_right(firsts, lo) - 1
@@ -185,6 +189,33 @@ def _cached(cache: dict, fn, ap: AccessPattern):
     if value is None:
         value = cache[ap] = fn(ap)
     return value
+
+
+class _WholeWrites:
+    """Large operands last written whole by one instruction, with its id: every entry of their writer table
+    holds it, so checking them needs no pass over their entries (a scatter's destination is its whole table,
+    millions of entries, written again and read by each of thousands of instructions). An operand is forgotten
+    when an instruction writes a byte of its box (memory.extent); only the latest few are kept, as each write
+    compares its box with theirs."""
+
+    LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
+    KEPT = 16
+
+    def __init__(self):
+        self.ids: dict = {}  # access pattern -> (writer id, (space, box))
+
+    def writer(self, ap: AccessPattern) -> int | None:
+        known = self.ids.get(ap)
+        return None if known is None else known[0]
+
+    def written(self, ap: AccessPattern, region: tuple, writer: int, entries: int) -> None:
+        """Note that ``writer`` wrote ``ap`` (of ``region``, (space, box)), ``entries`` entries of the table."""
+        for other in [other for other, (_, box) in self.ids.items() if overlaps(box, region)]:
+            del self.ids[other]
+        if entries >= self.LARGE:
+            if len(self.ids) >= self.KEPT:
+                del self.ids[next(iter(self.ids))]
+            self.ids[ap] = (writer, region)
 
 
 def _merged(spans: list) -> tuple:
@@ -410,7 +441,10 @@ class LoadedProgram:
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
-        unordered = functools.partial(_unordered_writer, firsts=firsts)
+        whole = _WholeWrites()
+
+        def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
+            return _unordered_writer(who, clock, firsts, whole.writer(ap))
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
@@ -419,12 +453,13 @@ class LoadedProgram:
         regions: dict = {}  # access pattern -> (space, box): a program reuses its tiles' patterns
         read_regions = [[[(operand, _cached(regions, _region, i.instr.operands[operand])) for operand in i.reads]
                          for i in stream] for stream in instrs]  # [stream][index]: (operand, (space, box)) it reads
-        # [stream][index]: (operand, its writer entries, the clock slots of ids 0 and 1) of each read to check:
-        # the host wrote HBM only
-        checked_reads = [[[(operand, writers[space].of(i.instr.operands[operand]), [space == Space.HBM, False])
+        # [stream][index]: (operand, its pattern, its writer entries, the clock slots of ids 0 and 1) of each read to
+        # check: the host wrote HBM only
+        checked_reads = [[[(operand, i.instr.operands[operand], writers[space].of(i.instr.operands[operand]),
+                            [space == Space.HBM, False])
                            for operand, (space, box) in reads
                            if space != Space.HBM or _intersects(device_written, box[2], box[3])]
-                          for i, reads in zip(stream, regions)] for stream, regions in zip(instrs, read_regions)]
+                          for i, reads in zip(stream, stream_reads)] for stream, stream_reads in zip(instrs, read_regions)]
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
         for position, (phase, s, k) in enumerate(self._order):
@@ -439,18 +474,19 @@ class LoadedProgram:
                         vc = list(map(max, vc, clock[t][count - 1]))
                         vc[t] = count
                 clock[s][k], started[s] = vc, started[s] + 1
-                for operand, who, slots in checked_reads[s][k]:
-                    w = unordered(who, vc + slots)
+                for operand, ap, who, slots in checked_reads[s][k]:
+                    w = unordered(who, vc + slots, ap)
                     if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
-                        w = unordered(who, vc + [True, False])
+                        w = unordered(who, vc + [True, False], ap)
                     if w is not None:
                         space = i.instr.operands[operand].space
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
             written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
                                          read_regions) for dst in i.instr.writes]
-            for who in written:  # (all checked before any is marked: an instruction does not race with itself)
-                who[...] = ids[i.key]
+            for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
+                who[...] = ids[i.key]  # does not race with itself)
+                whole.written(dst, _cached(regions, _region, dst), ids[i.key], who.size)
         self._check_outputs_written(writers[Space.HBM])
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
@@ -492,7 +528,7 @@ class LoadedProgram:
         returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
         who = writers[dst.space].of(dst)
-        w = unordered(who, vc + [True, True])  # overwriting host data or nothing is no race
+        w = unordered(who, vc + [True, True], dst)  # overwriting host data or nothing is no race
         if w is not None:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
