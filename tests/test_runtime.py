@@ -822,6 +822,36 @@ def test_a_tile_nothing_wrote_is_refused_even_when_on_chip_memory_is_undefined_u
         core.load(p.neff(), undefined_on_chip=True)
 
 
+@pytest.mark.parametrize("consumer_waits_for_the_patch", [True, False])
+def test_a_large_tile_written_whole_then_patched_by_another_queue_is_judged_by_the_patch(core,
+                                                                                         consumer_waits_for_the_patch):
+    """A tile of 32768 entries loaded whole by DMA queue 0 (the check then remembers its one writer instead of
+    scanning it, runtime.core._WholeWrites), then its first float overwritten by queue 1 after that load; a reader
+    starting after both (behind a long MEMSET) and waiting for queue 0 only races with queue 1's write, found at
+    that byte; waiting for both, it reads the patched data."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 256)), p.tensor("y", TensorKind.OUTPUT, (128, 256))
+    tile = chip((128, 256))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((1, 1)), AccessPattern(Space.HBM, DType.F32, x_t.offset + 4, ((1, 1), (1, 1))),
+           queue=1, waits=done(Engine.DMA))  # x[0, 1] over the tile's first float
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((128, 16384), offset=16384))  # long: the reader starts after the patch
+    waits = done(Engine.DMA) + (done(Engine.DMA, queue=1) if consumer_waits_for_the_patch else ())
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=4096), tile, alu=AluOp.MULTIPLY, imm0=2.0,
+           waits=waits)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((128, 256), offset=4096), queue=2,
+           waits=done(Engine.VECTOR, 2))
+    if consumer_waits_for_the_patch:
+        x = uniform(-1, 1, (128, 256))
+        want = 2 * x
+        want[0, 0] = 2 * x[0, 1]
+        np.testing.assert_array_equal(core.load(p.neff()).run([x]).outputs[0], want)
+        return
+    with pytest.raises(NeuronRuntimeError, match="TENSOR_SCALAR #1 on VECTOR .*operand 1 reads SBUF partition 0 "
+                                                 "byte 0, last written by DMA_COPY #0 on DMA queue 1"):
+        core.load(p.neff())
+
+
 def test_consumer_not_waiting_for_its_producer_is_refused_as_a_race_naming_both_and_the_source(core):
     with pytest.raises(NeuronRuntimeError) as err:
         core.load(_producer_consumer(False))
