@@ -199,7 +199,7 @@ class _WholeWrites:
     compares its box with theirs."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
-    KEPT = 16
+    KEPT = 4
 
     def __init__(self):
         self.ids: dict = {}  # access pattern -> (writer id, (space, box))
