@@ -433,6 +433,15 @@ def _two_parts_loaded_and_first_matmul_early(compiled) -> None:
     assert first_matmul < max(end for _, end in strided)
 
 
+def _gpt2_mlp_bf16(name: str) -> tuple:
+    """(model, x, compiled at -O2) of GPT-2's MLP (768 -> 3072 -> 768, 512 tokens, bf16): one chained kernel."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
+    model = model.eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    return model, x, compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name=name))
+
+
 def _matches_eager_bf16(compiled, model, x) -> None:
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
@@ -444,11 +453,7 @@ def test_a_gpt2_mlp_chains_x_transposed_loads_in_two_parts_over_every_queue_and_
     B strip. It loads as two parts of its 6 K tiles, each cut over all 16 DMA queues, so the first output tile
     accumulates the first part's K tiles while the second part moves (loaded whole, its first matmul waited for
     all of x^T). Matches eager."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
-    model = model.eval().to(torch.bfloat16)
-    x = torch.randn(512, 768).to(torch.bfloat16)
-    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="mlp_two_parts"))
+    model, x, compiled = _gpt2_mlp_bf16("mlp_two_parts")
     (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert chained.attrs["plan"].first.in_two_parts == "b"
     _two_parts_loaded_and_first_matmul_early(compiled)
@@ -484,14 +489,8 @@ def test_a_gpt2_mlp_chain_streams_its_first_matmuls_strips_four_deep_and_loads_t
         return finish(self, pending)
 
     monkeypatch.setattr(matmul_codegen._EarlyColumn, "finish", spy)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768))
-    model = model.eval().to(torch.bfloat16)
-    x = torch.randn(512, 768).to(torch.bfloat16)
-    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="mlp_chain"))
+    model, x, compiled = _gpt2_mlp_bf16("mlp_chain")
     (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert chained.attrs["chain"].attrs["tiling"].stream_bufs == 4
     assert loaded_during_first == [0]
-    out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
-    with torch.no_grad():
-        assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+    _matches_eager_bf16(compiled, model, x)
