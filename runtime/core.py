@@ -58,7 +58,7 @@ from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
-from neuronc.neff.rules import TensorIndex, check_hbm_operand, check_tensor_table
+from neuronc.neff.rules import WRITABLE, TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
 from neuronc.targets import Target, get_target
@@ -420,7 +420,7 @@ class LoadedProgram:
         # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
-        volatile = [t for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        volatile = self._writable
         operands, budget = {space: [] for space in self._shapes}, host_memory_budget()
         for i in by_id[2:]:
             for ap in i.instr.operands:
@@ -629,9 +629,14 @@ class LoadedProgram:
     # -- binding to memory (on the first run) -----------------------------------------------------
 
     @functools.cached_property
+    def _writable(self) -> list:
+        """The program's output and scratch tensors: the only HBM it may write (neff.rules.WRITABLE)."""
+        return [t for t in self.neff.tensors if t.kind in WRITABLE]
+
+    @functools.cached_property
     def memory(self) -> Memory:
         """The program's own HBM, with its weights and constants in place, and its core's SBUF and PSUM."""
-        fresh = [(t.offset, t.nbytes) for t in self.neff.tensors if t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        fresh = [(t.offset, t.nbytes) for t in self._writable]
         memory = Memory(allocate_hbm(self._layout, self.neff.name, fresh), self.core.sbuf, self.core.psum,
                         self._layout)
         for t in self.neff.tensors:
@@ -688,8 +693,7 @@ class LoadedProgram:
     def _used_memory(self, memory: Memory, hbm: bool = True) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
         HBM (when ``hbm``), and the box of SBUF and PSUM that the program's operands cover."""
-        regions = [memory.tensor_bytes(t) for t in self.neff.tensors
-                   if hbm and t.kind in (TensorKind.OUTPUT, TensorKind.SCRATCH)]
+        regions = [memory.tensor_bytes(t) for t in self._writable] if hbm else []
         for space, memory in ((Space.SBUF, self.core.sbuf), (Space.PSUM, self.core.psum)):
             boxes = [extent(ap) for stream in self._instrs for i in stream for ap in i.instr.operands
                      if ap.space == space]
