@@ -14,7 +14,9 @@ from neuronc.isa import Engine, Opcode, Space
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.plans import ChainPlan, ProloguePlan
 from runtime import run_neff
-from tests.conftest import assert_matches_eager, canonical, run_pass
+from tests import zoo
+from tests.conftest import (assert_as_accurate_as_eager, assert_matches_eager, canonical, compile_module, run_pass,
+                            run_program)
 
 # A layer-norm over 256 features of 128 tokens (bf16) read by one projection (256 -> 384, a bias row): the graph
 # -O2 hands the pass (fuse_rowwise's ROWWISE node with its plan), its weights given at run time.
@@ -156,3 +158,16 @@ def test_an_fp32_norm_stays_a_kernel_of_its_own():
     model, x = _layer_norm_projection(256, 384, 128)
     compiled = compile_exported(torch.export.export(model.float(), (x.float(),)), CompileOptions(opt_level=2))
     assert [n.op for n in compiled.graph.nodes() if n.op in (Op.ROWWISE, Op.MATMUL)] == [Op.ROWWISE, Op.MATMUL]
+
+
+def test_a_bf16_gpt2_folds_every_layer_norm_into_its_matmul_and_is_as_accurate_as_eager():
+    """A 2-layer GPT-2 (width 128, 128 tokens, bf16): each block's two layer-norms and the final one become their
+    matmuls' prologues (at 128 tokens the MLP is not chained: its first Linear takes the norm as A), the repeated
+    layers' kernels generated once (codegen/reuse.py), and the logits as accurate as eager's in bf16."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=256, width=128, layers=2, heads=4, context=128).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 128))
+    compiled = compile_module(model, (ids,))
+    prologues = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue") is not None]
+    assert len(prologues) == 5 and not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
+    assert_as_accurate_as_eager(run_program(compiled.neff, (ids,)), model, (ids,))
