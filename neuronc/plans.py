@@ -135,6 +135,25 @@ class ChainPlan:
     lead_part: int = 4  # the part of its K tiles the next strip's tiles accumulate while the first's last epilogues run
 
 
+@dataclasses.dataclass(frozen=True)
+class ProloguePlan:
+    """A matmul whose A (or a chain whose first matmul's B, x^T) is computed by a row-wise kernel's steps in the same
+    kernel (passes/norm_prologue.py): the norm's row tiles (`norm`, its body and views over the node's
+    inputs[:split], [rows, cols]), each transposed on the Tensor engine into the resident strip of A^T (x^T), and
+    the matmul (`matmul`, that operand not loaded) over inputs[split:] with the norm's result at `operand`."""
+
+    split: int
+    norm: "RowwisePlan"
+    body: tuple
+    views: tuple
+    rows: int
+    cols: int
+    dtype: DType  # the norm's result's (A's)
+    loc: object  # the norm's source location (instructions it emits carry it)
+    matmul: "MatmulPlan | ChainPlan"  # a chain: its first matmul's B is the norm's transpose
+    operand: int = 0  # where the norm's result goes among the matmul's inputs (inputs[split:])
+
+
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------
 #
 # A row tile's steps are computed by fewer instructions than there are steps (passes/rowwise_plan.py says how);

@@ -22,7 +22,7 @@ NEG_BIG = -3.0e38  # a masked row's running max is held at least here: finite, s
 CAUSAL_BIAS = -2.0e38  # added to masked scores by a matmul (a -inf would meet the identity's zeros: NaN)
 
 
-def _identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
+def identity(em: Emitter, tile, size: int, scratch) -> AccessPattern:
     """An identity matrix [size, size]: iota gives column - partition, compared with 0."""
     ramp = scratch.ap(size, size, dtype=DType.F32)
     em.emit(Opcode.IOTA, Engine.GPSIMD, ramp, imm0=0.0, imm1=-1.0)
@@ -163,10 +163,10 @@ class _Attention:
         """The kernel's constants: identities, the causal bias tiles, V's ones columns, a mask's fill, the guard's
         zeros."""
         em, a, pools, q_tile = self.em, self.plan, self.pools, self.plan.q_tile
-        self.identity = _identity(em, pools["identity"].next(), q_tile, pools["ramp"].next())
+        self.identity = identity(em, pools["identity"].next(), q_tile, pools["ramp"].next())
         self.bias_identity, self.bias = self.identity, {}
         if (self.causal or self.patterns is not None) and a.probability_dtype != DType.BF16:
-            self.bias_identity = _identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
+            self.bias_identity = identity(em, pools["bias_identity"].next(), q_tile, pools["ramp"].next())
         self.pattern_tiles = []
         if self.patterns is not None:  # FlexAttention's mask patterns, loaded once
             count, _, width = self.patterns.dims[0][1], None, self.patterns.dims[2][1]

@@ -13,12 +13,15 @@ import dataclasses
 import functools
 from typing import Callable
 
+from neuronc import ir
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
+from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer
 from neuronc.codegen.emitter import Emitter, Pool
-from neuronc.isa import AccessPattern, ActFunc, Engine, Opcode
-from neuronc.ir import Node
-from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan
+from neuronc.codegen.rowwise import Rowwise, row_tile_groups
+from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode
+from neuronc.ir import Node, Op
+from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan
 from neuronc.targets import Target
 
 
@@ -28,20 +31,77 @@ def matmul(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     plan = node.attrs["plan"]
     if isinstance(plan, MatmulPlan):
         _Matmul(em, plan, memory, node.inputs, node.loc, home=node).emit()
+    elif isinstance(plan, ProloguePlan):
+        _prologued(em, plan, memory, node)
     else:
         _chain(em, plan, memory, node)
 
 
-def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node) -> None:
+def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) -> None:
+    """A matmul whose A is a norm's result (passes/norm_prologue.py), or a chain whose first matmul's B is its
+    transpose: each row tile of the norm, computed as the row-wise kernel computes it, is transposed on the Tensor
+    engine (matmuls with the identity, a PSUM bank's worth of K tiles at a time) and copied into the resident
+    strip of the norm's transpose, K tile j at columns [j x rows + r0, ...); the matmul multiplies from there (the
+    operand not loaded), the matmuls of each row tile's output tiles emitted as soon as that row tile is made."""
+    tk, rows = (plan.matmul.first if isinstance(plan.matmul, ChainPlan) else plan.matmul).tiling.tile_k, plan.rows
+    kept = em.sbuf_pool(plan.dtype, plan.cols // tk * rows, bufs=1).next().ap(tk, plan.cols // tk * rows)
+    eye = identity(em, em.sbuf_pool(plan.dtype, tk, bufs=1).next(), tk, em.sbuf_pool(DType.F32, tk, bufs=1).next())
+    chain = plan.matmul if isinstance(plan.matmul, ChainPlan) else None
+    # the transposes take their banks from the matmul's pool (the first matmul's, in a chain): they are done before
+    # its output tiles need them
+    psum = em.psum_pool(bufs=em.target.psum_banks - (chain.early_rows if chain else 0))
+    # trn2+: the transpose mode writes 16-bit results to PSUM, which the evacuating engines copy faster (targets.py)
+    mode = em.target.tensor_transpose_mode and plan.dtype in (DType.BF16, DType.F16)
+    per_bank = em.target.psum_bank_bytes // (plan.dtype.itemsize if mode else DType.F32.itemsize) // tk
+    norm = ir.node(Op.ROWWISE, list(node.inputs[:plan.split]), (rows, plan.cols), plan.dtype, plan.loc,
+                   body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
+    kernel: Rowwise
+
+    def transposed(r0: int, tile: AccessPattern) -> None:
+        rt = tile.partitions
+        for j0 in range(0, plan.cols // tk, per_bank):
+            group = range(j0, min(j0 + per_bank, plan.cols // tk))
+            acc = psum.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
+            for n, j in enumerate(group):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(acc, n * rt, tk, rt), tile_at(tile, j * tk, rt, tk),
+                        tile_at(eye, 0, rt, rt))
+            for n, j in enumerate(group):
+                kernel.engines.emit(Opcode.TENSOR_COPY, tile_at(kept, j * rows + r0, tk, rt), tile_at(acc, n * rt, tk, rt))
+
+    kernel = Rowwise(em, norm, memory, sink=transposed)
+    groups, made = row_tile_groups(kernel), set()
+
+    def make_rows(m0: int) -> None:  # the norm's row tiles up to the one holding row m0, before its matmuls
+        while m0 not in made:
+            em.locate(plan.loc)
+            made.update(next(groups))
+            em.locate(None)
+
+    make_rows(0)  # the first row tiles' loads go ahead of B's strips on the queues
+    rest = list(node.inputs[plan.split:])
+    inputs = (*rest[:plan.operand], None, *rest[plan.operand:])
+    if chain:  # the first's B, x^T: its output tiles read every token, so all rows first
+        make_rows((rows - 1) // em.target.partitions * em.target.partitions)
+        _chain(em, chain, memory, node, inputs, b_resident=kept, psum=psum)
+        return
+    _Matmul(em, plan.matmul, memory, inputs, node.loc, home=node, a_resident=kept, psum=psum,
+            before_tile=make_rows).emit()
+
+
+def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node, inputs: tuple | None = None,
+           b_resident: AccessPattern | None = None, psum: Pool | None = None) -> None:
+    """`inputs`: the node's, unless a prologue makes the first's B (`b_resident`, its input None); `psum`: the
+    first's PSUM pool, if the caller made it."""
     first, second = chain.first, chain.second
-    first_inputs, second_inputs = node.inputs[:chain.split], (None, *node.inputs[chain.split:])
+    inputs = node.inputs if inputs is None else inputs
+    first_inputs, second_inputs = inputs[:chain.split], (None, *inputs[chain.split:])
     tiling = second.tiling
     k_tiles = -(-first.m // tiling.tile_k)
     kept = em.sbuf_pool(first.dtype, k_tiles * first.n, bufs=1).next().ap(tiling.tile_k, k_tiles * first.n)
-    psum = em.psum_pool(bufs=em.target.psum_banks - chain.early_rows)
+    psum = psum or em.psum_pool(bufs=em.target.psum_banks - chain.early_rows)
     if not chain.early_rows:
         em.locate(chain.first_loc)
-        _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum).emit()
+        _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, b_resident=b_resident).emit()
         em.locate(None)
         _Matmul(em, second, memory, second_inputs, node.loc, home=node, a_resident=kept, psum=psum).emit()
         return
@@ -67,7 +127,8 @@ def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node) -> Non
             rest.accumulate_k(pending.pop(0))
 
     em.locate(chain.first_loc)  # the second's early matmuls, emitted among the first's, keep the first's location
-    _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, after_tile=made_tile).emit()
+    _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, after_tile=made_tile,
+            b_resident=b_resident).emit()
     em.locate(None)
     rest.finish(pending)
 
@@ -175,28 +236,32 @@ class _Matmul:
     stream through it. With an epilogue (fused elementwise consumers: bias, activation, residual, cast), each
     result tile is computed from the PSUM accumulator and the epilogue's other inputs on its way out.
 
-    With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded; with `sink` ([M tile,
+    With `a_resident` ([K tile, k tiles x M] in SBUF: A^T, all of it), A is not loaded, nor B with `b_resident`
+    ([K tile, k tiles x N]: all of B, which has no bias row then); with `sink` ([M tile,
     M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM `home`'s buffer;
-    `psum`, a PSUM pool to share; `after_tile(m0)` is called once a row tile's epilogue is emitted."""
+    `psum`, a PSUM pool to share; `after_tile(m0)` is called once a row tile's epilogue is emitted, `before_tile(m0)`
+    before the matmuls of an output tile from row m0 (a prologue making A^T's rows: `_prologued`)."""
 
     def __init__(self, em: Emitter, plan: MatmulPlan, memory: MemoryPlan, inputs: tuple, loc, *,
-                 home: Node | None = None, a_resident: AccessPattern | None = None, sink: AccessPattern | None = None,
-                 psum: Pool | None = None, after_tile: Callable | None = None):
+                 home: Node | None = None, a_resident: AccessPattern | None = None,
+                 b_resident: AccessPattern | None = None, sink: AccessPattern | None = None,
+                 psum: Pool | None = None, after_tile: Callable | None = None, before_tile: Callable | None = None):
         self.em, self.plan, self.loc = em, plan, loc
-        self.a_resident, self.sink, self.after_tile = a_resident, sink, after_tile
+        self.a_resident, self.b_resident = a_resident, b_resident
+        self.sink, self.after_tile, self.before_tile = sink, after_tile, before_tile
         a, b, *extras = inputs
         batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
         self.tm, self.tn, self.tk = plan.tiling.tile_m, plan.tiling.tile_n, plan.tiling.tile_k
         self.k_tiles = -(-k // self.tk)
         # the tensors in HBM: A^T [batch, k, m], B [batch, k, n], the epilogue's inputs and the result [batch, m, n]
         self.a_t = HbmTensor.of(memory, a, plan.a, (batch, m, k)).T if a_resident is None else None
-        self.b = HbmTensor.of(memory, b, plan.b, (batch, k, n))
+        self.b = HbmTensor.of(memory, b, plan.b, (batch, k, n)) if b_resident is None else None
         self.extras = [HbmTensor.of(memory, x, view, (batch, m, n)) for x, view in zip(extras, plan.extras)]
         self.out = HbmTensor.of(memory, home) if sink is None else None
         self.slots = plan.slots
         temp_count = len({slot for slot in plan.slots if slot is not None})
         self.strips = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.operand_pools
-                       if not (p.name == "a" and a_resident is not None)}
+                       if not (p.name == "a" and a_resident is not None) and not (p.name == "b" and b_resident is not None)}
         specs = {p.name: p for p in plan.epilogue_pools}
 
         def pool(name: str) -> Pool:
@@ -244,6 +309,8 @@ class _Matmul:
         return _Strip(tile, rows, self.bias_column_of(g, m0, rows) if self.plan.bias_column is not None else None)
 
     def b_strip(self, g: int, n0: int, cols: int) -> _Strip:
+        if self.b_resident is not None:
+            return _Strip(self.b_resident, self.plan.n)
         cols = min(cols, self.plan.n - n0)
         tile = self.load_strip("b", self.b[g, :, n0:n0 + cols])
         return _Strip(tile, cols, self.bias_row_of(g, n0, cols) if self.plan.bias_row is not None else None)
@@ -375,6 +442,8 @@ class _Matmul:
             for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
                 loaded[j] = steps[j].load()
             for tile in step.tiles:
+                if self.before_tile is not None:
+                    self.before_tile(tile.m0)
                 ops = self.operands(tile, loaded)
                 self.output_tile(tile.g, tile.m0, tile.n0, ops.stationary, ops.moving, row=ops.row, column=ops.column)
         self.flush(last=True)

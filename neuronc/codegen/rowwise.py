@@ -109,7 +109,20 @@ def rowwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     its row tiles in pairs (their instructions emitted interleaved, so that the engines' in-order queues
     alternate between two independent chains) or one at a time, the row sum and the per-row steps on the Scalar
     engine or not, and where the tail's columns are cut in two halves computed side by side on two engines."""
-    kernel = _Rowwise(em, node, memory)
+    compute_row_tiles(Rowwise(em, node, memory))
+
+
+def compute_row_tiles(kernel: "Rowwise") -> None:
+    """Every row tile of `kernel`, as its plan's schedule orders them (each stored by `kernel.store`)."""
+    for _ in row_tile_groups(kernel):
+        pass
+
+
+def row_tile_groups(kernel: "Rowwise"):
+    """The row tiles of `kernel` computed group by group as its plan's schedule orders them: a generator yielding
+    the first rows of each group's tiles once their instructions (and stores) are emitted, so that a caller can
+    emit other work between groups (a matmul's prologue: the matmuls of the rows made so far)."""
+    em = kernel.em
     # Groups of `together` row tiles: the next group's loads go ahead of this group's steps and stores on the
     # DMA queues; within a group the tiles' instructions are emitted in turn.
     schedule = kernel.plan.schedule
@@ -128,6 +141,7 @@ def rowwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
         chains = [kernel.compute(r0, t, n == len(groups) - 1) for r0, t in zip(group, tiles)]
         while chains:
             chains = [chain for chain in chains if next(chain, StopIteration) is not StopIteration]
+        yield group
 
 
 @dataclasses.dataclass
@@ -143,12 +157,12 @@ class _RowTileState:
     results: dict  # step -> its value
 
 
-class _Rowwise:
+class Rowwise:
     """One ROWWISE kernel's instructions (its RowwisePlan): the pools and constant tiles its row tiles share,
     the inputs in HBM, and a method per phase (the shared inputs, a row tile's loads, its steps and store)."""
 
-    def __init__(self, em: Emitter, node: Node, memory: MemoryPlan):
-        self.em, self.node = em, node
+    def __init__(self, em: Emitter, node: Node, memory: MemoryPlan, sink=None):
+        self.em, self.node, self.sink = em, node, sink
         plan = self.plan = node.attrs["plan"]
         self.body, self.kinds = node.attrs["body"], plan.kinds
         self.rows, self.cols = rows, cols = node.attrs["rows"], node.attrs["cols"]
@@ -179,7 +193,8 @@ class _Rowwise:
                 self.pools[i] = em.sbuf_pool(x.dtype, width, bufs=bufs)
         self.col_tiles = [em.sbuf_pool(DType.F32, cols * wide, bufs=1).next() for _ in range(count["col"])]
         self.results = {}  # step -> its result: the col steps, made once for all row tiles
-        self.out = HbmTensor.of(memory, node, View(0, tuple(node.attrs["out_strides"])), (rows, cols))
+        self.out = None if sink is not None else HbmTensor.of(memory, node, View(0, tuple(node.attrs["out_strides"])),
+                                                               (rows, cols))
 
     def width(self, tensor: HbmTensor) -> int:
         """The columns of an input's tile: all of them, or one for a value per row."""
@@ -297,9 +312,13 @@ class _Rowwise:
             engines.compute(self.body[j], out, args, self.constants, self.node.loc, on=on)
 
     def store(self, state: _RowTileState, last: bool) -> None:
-        """The row tile's result stored, by rows over several queues, or by columns when stored transposed."""
-        dst = self.out[state.r0:state.r0 + state.rt].ap
+        """The row tile's result stored, by rows over several queues, or by columns when stored transposed; or
+        handed to `sink(r0, tile)` (a matmul's prologue: it stays on chip)."""
         out = state.results[self.plan.tile.out_step]
+        if self.sink is not None:
+            self.sink(state.r0, out)
+            return
+        dst = self.out[state.r0:state.r0 + state.rt].ap
         if self.out.dims[1][0] == 1:
             dma_by_rows(self.em, dst, out, _pieces(self.em, out, last))
         else:  # stored transposed (passes/layout.py)

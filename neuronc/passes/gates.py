@@ -60,6 +60,8 @@ def _gates() -> dict:
         "round_reductions_once": _ops(Op.REDUCE_LAST),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
+        # a prologue is a ROWWISE read by a MATMUL
+        "fold_norms_into_matmuls": lambda summary: Op.ROWWISE in summary.ops and Op.MATMUL in summary.ops,
     }
 
 

@@ -27,6 +27,7 @@ from neuronc.passes.indexing import lower_gather_scatter
 from neuronc.passes.layout import store_activations_transposed, store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
+from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
 from neuronc.passes.reduction_rounding import round_reductions_once
 from neuronc.passes.rowwise import fuse_rowwise
@@ -69,12 +70,14 @@ O2 = [
     round_reductions_once,  # an fp32 reduction read only by a narrowing convert writes the narrower dtype
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
+    fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
     tile_matmuls,  # last: tiles and loop order of every matmul (and chain) chosen with the cost model
 ]
 O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost compile time:
     store_activations_transposed,  # after fusion, PRICED: emits the program with and without it (every transformer
     # has a layer-norm feeding a matmul: codegen twice); on the documented costs it lost on every shape measured
     chain_matmuls,
+    fold_norms_into_matmuls,
     search_matmul_tiles,  # the tiling search trying more candidates
 ]
 

@@ -29,7 +29,8 @@ from neuronc.isa import DType
 from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, cheapest, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
-from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, View, pool_specs
+from neuronc.passes.rowwise_plan import rowwise_sbuf_bytes
+from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, ProloguePlan, View, pool_specs
 from neuronc.targets import Target
 
 
@@ -373,11 +374,107 @@ def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulT
                      first_loc=first.loc, lag=CHAIN_LAG, lead_part=CHAIN_LEAD_PART)
 
 
+# Prologues (passes/norm_prologue.py): the matmul keeps all of A^T (the norm's result, transposed on chip) in SBUF
+# as the chain's second matmul does, and streams B's strips through it; a chain's first matmul keeps all of its B,
+# x^T, so. The norm's row tiles are computed in the same kernel (codegen/matmul.py `_prologued`).
+
+@ir_text.register
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """attrs["prologue"] of a MATMUL node computing an operand by a row-wise kernel's steps (passes/norm_prologue.py):
+    A of a matmul, or B of a chain's first matmul (which computes its result transposed: x^T)."""
+
+    split: int  # the norm's inputs are the node's inputs[:split]
+    operand: int  # the norm's result is input `operand` of the matmul (of inputs[split:] with it inserted)
+    dtype: object  # the norm's result's
+    attrs: dict  # the ROWWISE node's attributes (body, views, rows, cols, out_strides, schedule, plan)
+    loc: object  # the norm's source location
+
+    def __hash__(self) -> int:
+        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"]))
+
+
+def prologue_stages(node: ir.Node) -> tuple:
+    """(norm, matmul): the ROWWISE node and the matmul (or chain) reading its result, of a node with a prologue."""
+    prologue = node.attrs["prologue"]
+    rows, cols = prologue.attrs["rows"], prologue.attrs["cols"]
+    norm = ir.node(Op.ROWWISE, list(node.inputs[:prologue.split]), (1, rows, cols), prologue.dtype, prologue.loc,
+                   **prologue.attrs)
+    rest = list(node.inputs[prologue.split:])
+    attrs = {key: value for key, value in node.attrs.items() if key != "prologue"}
+    matmul = ir.node(Op.MATMUL, [*rest[:prologue.operand], norm, *rest[prologue.operand:]], node.shape, node.dtype,
+                     node.loc, **attrs)
+    return norm, matmul
+
+
+def _one_strip(tiling: MatmulTiling, matmul: ir.Node) -> bool:
+    """Whether a chain's first matmul keeps all of B (x^T, the norm's transpose) resident as one strip."""
+    return tiling.resident == "b" and tiling.block * tiling.tile_n >= matmul.shape[2]
+
+
+def _prologue_bytes(node: ir.Node, tiling) -> int:
+    """SBUF bytes per partition of a prologued kernel: the norm's row tiles, the kept transpose and its transposes'
+    identity, then the matmul's pools (the norm's operand not loaded) or the chain's (its first's B not loaded)."""
+    norm, matmul = prologue_stages(node)
+    body, views, cols = norm.attrs["body"], norm.attrs["views"], norm.attrs["cols"]
+    tile_k = (tiling[1] if isinstance(tiling, tuple) else tiling).tile_k
+    kept = _pages(-(-cols // tile_k) * norm.attrs["rows"], norm.dtype)
+    identity = _pages(tile_k, norm.dtype) + _pages(tile_k, DType.F32)
+    if isinstance(tiling, tuple):  # a chain: its first's B strip is the kept transpose
+        first, second = stages(matmul)
+        pools = _chain_bytes(first, second, *tiling) - sbuf_bytes({"b": operand_pools(first, tiling[0])["b"]})
+    else:
+        pools = sbuf_bytes({name: p for name, p in operand_pools(matmul, tiling).items() if name != "a"})
+        pools += sbuf_bytes(epilogue_pools(matmul, tiling.tile_n))
+    return rowwise_sbuf_bytes(body, views, [x.dtype for x in norm.inputs], norm.dtype, cols,
+                              norm.attrs["plan"].schedule.bufs) + kept + identity + pools
+
+
+def prologue_tiling(node: ir.Node, target: Target):
+    """The tiling of a prologued node's matmul (A resident as one strip), or its chain's pair (the first's B
+    resident as one strip): the least `price` / `chain_price` of the matmul or chain alone (the operand charged as
+    loaded, which the kernel transposes on chip instead), the deeper buffered of equals; None if none fits."""
+    _, matmul = prologue_stages(node)
+    if matmul.attrs.get("chain") is not None:
+        first, _ = stages(matmul)
+        options = [o for o in chain_options(matmul, target) if _one_strip(o[0], first)
+                   and _prologue_bytes(node, o) <= target.sbuf_bytes_per_partition]
+        return cheapest(options, lambda o: chain_price(matmul, *o, target), None,
+                        tie=lambda o: (-o[0].stream_bufs, -o[1].stream_bufs)) if options else None
+    options = [t for t in (_second_tiling(matmul, target, bufs) for bufs in (3, 2))
+               if _prologue_bytes(node, t) <= target.sbuf_bytes_per_partition]
+    return cheapest(options, lambda t: price(matmul, t, target), None, tie=lambda t: -t.stream_bufs) if options else None
+
+
+def prologue_sbuf_bytes(node: ir.Node, target: Target) -> int:
+    """SBUF bytes per partition of a prologued node's kernel as tiled (more than there is if no tiling fits)."""
+    tiling = prologue_tiling(node, target)
+    return target.sbuf_bytes_per_partition + 1 if tiling is None else _prologue_bytes(node, tiling)
+
+
+def prologue_planned(node: ir.Node, target: Target) -> ir.Node:
+    """A prologued node tiled, its kernel plan (a ProloguePlan) attached."""
+    tiling = prologue_tiling(node, target)
+    norm, matmul = prologue_stages(node)
+    if isinstance(tiling, tuple):
+        inner = chain_plan(matmul, *tiling, target)
+        attrs = {"chain": dataclasses.replace(node.attrs["chain"], attrs={**node.attrs["chain"].attrs,
+                                                                          "tiling": tiling[0]}), "tiling": tiling[1]}
+    else:
+        inner, attrs = matmul_plan(matmul, tiling), {"tiling": tiling}
+    plan = ProloguePlan(split=node.attrs["prologue"].split, norm=norm.attrs["plan"], body=norm.attrs["body"],
+                        views=norm.attrs["views"], rows=norm.attrs["rows"], cols=norm.attrs["cols"],
+                        dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand)
+    return dataclasses.replace(node, attrs={**node.attrs, **attrs, "plan": plan}, id=next(ir._ids))
+
+
 def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False, timed=None) -> ir.Graph:
     def tile(node, inputs):
         if node.op is not Op.MATMUL:
             return None
         node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        if node.attrs.get("prologue") is not None:  # made only where a tiling fits (passes/norm_prologue.py)
+            return prologue_planned(node, target)
         if node.attrs.get("chain") is not None:  # made only where a tiling fits (passes/matmul_chain.py)
             return chain_planned(node, *chain_tilings(node, target, wide, timed), target)
         return planned(node, pick(node, target))

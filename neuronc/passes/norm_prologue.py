@@ -1,0 +1,110 @@
+"""Normalisations folded into the matmul that reads them: a row-wise kernel (layer-norm, RMS-norm) whose result
+only one matmul reads, as its left operand, is computed by that matmul's kernel as a prologue.
+
+Apart, the norm's kernel stores its [tokens, features] result and the matmul loads it back transposed
+(features on partitions: a strided DMA at half a queue's rate), and neither overlaps the other: the matmul
+keeps all of A^T resident as one strip, so it waits for the norm's last row tile. Folded, the kernel loads
+x's row tiles contiguously, normalises each on the Vector/Scalar/GpSimd engines as the row-wise kernel would,
+transposes it on the Tensor engine (matmuls with the identity) into the resident A^T strip, and multiplies:
+the norm's result never goes to HBM, and the strided load is gone (codegen/matmul.py `_prologued`).
+
+The folded node is the matmul's MATMUL node: its inputs are the norm's followed by the matmul's but the one the
+norm makes;
+attrs["prologue"] (a `Prologue`, passes/tiling.py) says how to split them and holds the norm's attributes.
+`prologue_stages` rebuilds the two nodes, for the tiling pass, which plans the kernel (a `ProloguePlan`). A
+norm is folded when the matmul reads all of it densely as A (one batch, whole K and M tiles) and the norm's
+row tiles, the kept A^T and the matmul's tiles fit in SBUF together, in 16-bit dtypes (bf16, fp16).
+
+A chain's first matmul (passes/matmul_chain.py: h^T = W1^T x^T) keeps x^T resident as one B strip, so a norm
+making x (GPT-2's second layer-norm before its MLP) is folded the same way; its output tiles span every token,
+so there the norm's row tiles are all made before the first matmul, which still saves the norm's store, the
+strided load of x^T and the boundary between two kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from neuronc import ir
+from neuronc.ir import Op
+from neuronc.isa import DType
+from neuronc.passes.context import PassContext
+from neuronc.passes.legalize import dense_strides
+from neuronc.passes.tiling import Prologue, prologue_sbuf_bytes
+from neuronc.targets import Target
+
+
+# A 16-bit result moves through the Tensor engine's transposes exactly (written to PSUM as it is); a wider one would
+# take the fp32 matmul path, whose exactness for a transpose is not established here.
+SIXTEEN_BIT = (DType.BF16, DType.F16)
+
+
+def _operand(reader: ir.Node) -> int | None:
+    """Which input of `reader` (a matmul, or a chained node) a norm may make: A of a plain matmul, read densely;
+    B of a chain's first matmul, read as the transpose of a dense [M, K] (x^T, the first computing h^T); else None."""
+    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1:
+        return None
+    chain = reader.attrs.get("chain")
+    if chain is None:
+        views = reader.attrs.get("views") or (None,) * len(reader.inputs)
+        return 0 if views[0] is None else None
+    _, n, m = chain.shape  # the first's result, transposed: [1, N1, M]; its B is x^T [K, M]
+    k = chain.attrs["k"]
+    views = chain.attrs.get("views") or (None,) * chain.split
+    return 1 if chain.split > 1 and tuple(views[1] or ()) == (0, (m * k, 1, k)) else None
+
+
+def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tuple | None:
+    """(operand, the ROWWISE node) when `reader` (a matmul) reads a norm's result densely as all of an operand it
+    keeps resident (`_operand`), directly or through RESHAPEs, nothing else reads it, it is stored densely, and
+    the matmul has whole K and token tiles; else None."""
+    operand = _operand(reader)
+    if operand is None or reader.inputs.count(reader.inputs[operand]) != 1:
+        return None
+    chain = reader.attrs.get("chain")
+    tokens, k = (chain.shape[2], chain.attrs["k"]) if chain is not None else (reader.shape[1], reader.attrs["k"])
+    x, path = reader.inputs[operand], []
+    while x.op is Op.RESHAPE:
+        path.append(x)
+        x = x.inputs[0]
+    if (x.op is not Op.ROWWISE or (x.attrs["rows"], x.attrs["cols"]) != (tokens, k)
+            or tuple(x.attrs["out_strides"]) != dense_strides((tokens, k)) or tokens % target.partitions
+            or k % target.matmul_max_k or x.dtype != reader.inputs[1 - operand].dtype or x.dtype not in SIXTEEN_BIT):
+        return None
+    if any(y in outputs or len(consumers.get(y, ())) != 1 for y in (x, *path)):
+        return None
+    return operand, x
+
+
+def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, new: dict, target: Target) -> ir.Node | None:
+    """`reader` (its inputs rewritten to `inputs`) with `norm` (rewritten inputs in `new`) as the prologue making its
+    input `operand`, or None if their tiles do not fit in SBUF together."""
+    prologue = Prologue(len(norm.inputs), operand, norm.dtype, dict(norm.attrs), norm.loc)
+    rest = [*inputs[:operand], *inputs[operand + 1:]]
+    folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
+                     reader.loc, **{**reader.attrs, "prologue": prologue})
+    return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
+
+
+def fold_norms_into_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """Each row-wise kernel read only by one matmul as all of its A (or by a chain as its first matmul's B, x^T) is
+    computed by that kernel, as a prologue whose result goes into the resident strip (transposed on the Tensor
+    engine), when it fits."""
+    target = ctx.target
+    consumers, outputs = graph.consumers(), set(graph.outputs)
+    norms = {}  # reader -> (its operand the norm makes, the norm)
+    for node in graph.nodes():
+        found = _norm(node, consumers, outputs, target)
+        if found is not None:
+            norms[node] = found
+    if not norms:
+        return graph
+    new: dict = {}
+
+    def fold(node, inputs):
+        result = _folded(node, inputs, *norms[node], new, target) if node in norms else None
+        if result is None:
+            result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        new[node] = result
+        return result
+
+    return graph.rewrite(fold)

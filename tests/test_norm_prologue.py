@@ -1,0 +1,173 @@
+"""Norms folded into the matmul that reads them (passes/norm_prologue.py, codegen/matmul.py `_prologued`): the
+row-wise kernel's row tiles computed in the matmul's kernel and transposed on the Tensor engine into its
+resident A^T, instead of stored to HBM and loaded back strided."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from neuronc import ir_text
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.ir import Op
+from neuronc.isa import Engine, Opcode, Space
+from neuronc.passes.norm_prologue import fold_norms_into_matmuls
+from neuronc.plans import ChainPlan, ProloguePlan
+from runtime import run_neff
+from tests import zoo
+from tests.conftest import (assert_as_accurate_as_eager, assert_matches_eager, canonical, compile_module, run_pass,
+                            run_program)
+
+# A layer-norm over 256 features of 128 tokens (bf16) read by one projection (256 -> 384, a bias row): the graph
+# -O2 hands the pass (fuse_rowwise's ROWWISE node with its plan), its weights given at run time.
+_LAYER_NORM = """
+graph @t(%0, %1, %2, %3, %4) {
+  %0 = parameter() : 256xbf16 {index = 0, name = "ln.weight", kind = "input"}
+  %1 = parameter() : 256xbf16 {index = 1, name = "ln.bias", kind = "input"}
+  %2 = parameter() : 256x384xbf16 {index = 2, name = "proj.weight", kind = "input"}
+  %3 = parameter() : 384xbf16 {index = 3, name = "proj.bias", kind = "input"}
+  %4 = parameter() : 128x256xbf16 {index = 4, name = "x", kind = "input"}
+  %5 = rowwise(%4, %0, %1) : 128x256xbf16 {
+      body = (
+          convert(in0) : f32, reduce_last(s0) : f32 {kind = "add"}, divide(s1, 256.0) : f32, subtract(s0, s2) : f32,
+          multiply(s3, s3) : f32, reduce_last(s4) : f32 {kind = "add"}, divide(s5, 256.0) : f32,
+          add(s6, 9.999999747378752e-06) : f32, rsqrt(s7) : f32, multiply(s3, s8) : f32, convert(in1) : f32,
+          multiply(s9, s10) : f32, convert(in2) : f32, add(s11, s12) : f32, convert(s13) : bf16),
+      views = ((0, (256, 1)), (0, (0, 1)), (0, (0, 1))),
+      rows = 128,
+      cols = 256,
+      out_strides = (256, 1),
+      schedule = Schedule(bufs=4, together=1, row_sum_on_scalar=true, row_steps_on_scalar=false, cut=0, shared_after=1),
+      plan = RowwisePlan(
+          schedule=Schedule(bufs=4, together=1, row_sum_on_scalar=true, row_steps_on_scalar=false, cut=0, shared_after=1),
+          tile=TilePlan(
+              instrs=(
+                  (1, RowSum(src=("input", 0))), (2, Plain(args=(("step", 1), ("imm", 256.0)))),
+                  (4, Summed(act=Op.MULTIPLY, src=("input", 0), row_sum=5, shift=("step", 2), negated=true)),
+                  (6, Plain(args=(("step", 5), ("imm", 256.0)))),
+                  (8, Act(act=Op.RSQRT, src=("step", 6), scale=1.0, bias=9.999999747378752e-06)),
+                  (9, Alu2(a=("input", 0), b=("step", 2), op=Op.SUBTRACT, c=("step", 8), op1=Op.MULTIPLY)),
+                  (13, Alu2(a=("step", 9), b=("input", 1), op=Op.MULTIPLY, c=("input", 2), op1=Op.ADD))),
+              out_step=13, slots=((1, 0), (2, 1), (5, 0), (6, 2), (8, 0), (9, 0)),
+              count=(("full", 1), ("row", 3), ("col", 0))),
+          kinds=(
+              "full", "row", "row", "full", "full", "row", "row", "row", "row", "full", "col", "full", "col", "full",
+              "full"),
+          tail=(), split_engines=(Engine.GPSIMD, Engine.VECTOR), needs_constants=false,
+          scalar_steps=(false, false, true, true, true, false, true, true, false, true, false, true, false, true, false))}
+  %6 = reshape(%5) : 1x128x256xbf16
+  %7 = reshape(%2) : 1x256x384xbf16
+  %8 = matmul(%6, %7, %3) : 1x128x384xbf16 {
+      k = 256,
+      views = (none, none, (0, (0, 0, 1))),
+      epilogue = (convert(in0) : bf16,),
+      bias_row = 1}
+  %9 = reshape(%8) : 128x384xbf16
+"""
+
+
+def _program(tail: str) -> str:
+    return _LAYER_NORM + tail + "\n}"
+
+
+def test_a_norm_read_only_by_a_matmul_as_its_a_becomes_that_matmuls_prologue():
+    folded = run_pass(fold_norms_into_matmuls, _program("  return %9"))
+    graph = ir_text.parse(folded)
+    assert sorted(n.op.name for n in graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)) == ["MATMUL"]
+    (matmul,) = [n for n in graph.nodes() if n.op is Op.MATMUL]
+    prologue = matmul.attrs["prologue"]
+    assert prologue.split == 3 and prologue.attrs["rows"] == 128 and prologue.attrs["cols"] == 256
+    # the norm's inputs (x, its weight and bias), then the matmul's but A (W, its bias row)
+    assert [x.attrs.get("name") for x in matmul.inputs[:3]] == ["x", "ln.weight", "ln.bias"]
+    assert ir_text.parse(folded).nodes()[-1].shape == (128, 384)
+    assert canonical(folded) == folded  # prints and parses back
+
+
+def test_a_norm_that_is_also_an_output_stays_a_kernel_of_its_own():
+    program = _program("  return %9, %5")
+    assert run_pass(fold_norms_into_matmuls, program) == canonical(program)
+
+
+def test_a_norm_read_by_two_matmuls_stays_a_kernel_of_its_own():
+    program = _program("""  %10 = matmul(%6, %7, %3) : 1x128x384xbf16 {
+      k = 256,
+      views = (none, none, (0, (0, 0, 1))),
+      epilogue = (convert(in0) : bf16,),
+      bias_row = 1}
+  return %9, %10""")
+    assert run_pass(fold_norms_into_matmuls, program) == canonical(program)
+
+
+def _layer_norm_projection(width: int, out: int, tokens: int) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, out)).eval().to(torch.bfloat16)
+    return model, torch.randn(tokens, width).to(torch.bfloat16)
+
+
+def _run(compiled, x) -> np.ndarray:
+    return run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
+
+
+def test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_bits():
+    """GPT-2's layer-norm -> QKV projection (768 -> 2304, 512 tokens, bf16) at -O2: one kernel, whose Tensor engine
+    transposes the norm's 4 row tiles (6 K tiles each) into A^T and loads no A^T from HBM; the same bits as one
+    kernel per op (-O0: the same roundings), and eager's values."""
+    model, x = _layer_norm_projection(768, 2304, 512)
+    program = torch.export.export(model, (x,))
+    compiled = {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_qkv_{level}"))
+                for level in (0, 2)}
+    (kernel,) = compiled[2].neff.kernels
+    (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
+    assert isinstance(matmul.attrs["plan"], ProloguePlan)
+    transposes = [i for i in compiled[2].neff.streams[(Engine.TENSOR, 0)]
+                  if i.opcode == Opcode.MATMUL and i.operands[0].partitions == 128 and i.operands[2].dims[1][1] == 128
+                  and i.operands[1].dims[1][1] == 128 and i.operands[0].dims[1][1] == 128]
+    assert len(transposes) == 4 * 6
+    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits():
+    """GPT-2's second layer-norm -> MLP (768 -> 3072 -> GELU -> 768, 512 tokens, bf16) at -O2: one kernel, the chain
+    (passes/matmul_chain.py) whose first matmul's resident x^T the norm's transposed row tiles make, so no strided
+    load of x^T; the same bits as one kernel per op (-O0), and eager's values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(768), torch.nn.Linear(768, 3072), torch.nn.GELU(),
+                                torch.nn.Linear(3072, 768)).eval().to(torch.bfloat16)
+    x = torch.randn(512, 768).to(torch.bfloat16)
+    program = torch.export.export(model, (x,))
+    compiled = {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_mlp_{level}"))
+                for level in (0, 2)}
+    (kernel,) = compiled[2].neff.kernels
+    (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
+    plan = matmul.attrs["plan"]
+    assert isinstance(plan, ProloguePlan) and isinstance(plan.matmul, ChainPlan) and plan.operand == 1
+    strided = [i for (engine, _), stream in compiled[2].neff.streams.items() if engine == Engine.DMA for i in stream
+               if i.operands[1].space == Space.HBM and i.operands[1].dims[-1][0] != 1 and i.operands[1].dims[-1][1] > 1]
+    assert not strided  # x^T is made on chip
+    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_an_fp32_norm_stays_a_kernel_of_its_own():
+    """Only 16-bit results are folded (their Tensor-engine transposes are exact)."""
+    model, x = _layer_norm_projection(256, 384, 128)
+    compiled = compile_exported(torch.export.export(model.float(), (x.float(),)), CompileOptions(opt_level=2))
+    assert [n.op for n in compiled.graph.nodes() if n.op in (Op.ROWWISE, Op.MATMUL)] == [Op.ROWWISE, Op.MATMUL]
+
+
+def test_a_bf16_gpt2_folds_every_layer_norm_into_its_matmul_and_is_as_accurate_as_eager():
+    """A 2-layer GPT-2 (width 128, 128 tokens, bf16): each block's two layer-norms and the final one become their
+    matmuls' prologues (at 128 tokens the MLP is not chained: its first Linear takes the norm as A), the repeated
+    layers' kernels generated once (codegen/reuse.py), and the logits as accurate as eager's in bf16."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=256, width=128, layers=2, heads=4, context=128).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 128))
+    compiled = compile_module(model, (ids,))
+    prologues = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue") is not None]
+    assert len(prologues) == 5 and not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
+    assert_as_accurate_as_eager(run_program(compiled.neff, (ids,)), model, (ids,))
