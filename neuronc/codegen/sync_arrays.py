@@ -1,0 +1,114 @@
+"""The sync pass's waits for a whole program at once, with array operations instead of a walk per instruction.
+
+codegen.sync walks the program and keeps, per tracking cell, its last write and the reads since; an instruction
+waits, on each other stream, for the latest position it must follow: the last writer of every cell it touches
+(read after write, write after write) and, for the cells it writes, every read since that write (write after
+read); a wait a stream already implied by an earlier wait of its own is dropped. All of that is a function of
+each cell's accesses in program order, so here every (cell, instruction, read or write) access is listed as one
+integer key, the keys sorted (cell by cell, each cell's accesses in program order, an instruction's reads before its
+writes), and for each access the previous write and the next write of its cell found by running maxima and minima:
+a previous write gives the access a need of (the writer's stream, its position), and a read gives the next write a
+need of (the reader's stream, its position). The needs of an instruction are reduced by stream (maximum) and
+filtered by its stream's running maximum of earlier needs (what it already waited for). The waits are those of the
+walk, wait for wait (tests/test_sync_arrays.py compares them); the cost is in numpy per access instead of Python
+per span and per distinct cell state, so it grows with the program's cells touched, not with its instructions' Python.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from neuronc.isa import Wait
+
+# Above this many (cell, instruction) accesses the arrays (several int64 per access) would take more memory than the
+# walk is worth saving: the caller walks the program instead.
+MAX_ACCESSES = 8_000_000
+
+
+def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict | None:
+    """Sets every instruction's `waits` and returns {(engine, queue): [instructions]} as codegen.sync's walk does
+    (`access`: HazardGrid.access; `number`: stream key -> its number in `stream_keys`, sorted); None, having set
+    nothing, when the program makes more than MAX_ACCESSES accesses."""
+    n, s_count = len(instructions), len(stream_keys)
+    found = _sorted_keys([access(inst) for inst in instructions], n)
+    if found is None:
+        return None
+    keys, bits = found
+    streams: dict = defaultdict(list)
+    positions = []
+    for inst in instructions:
+        stream = streams[inst.stream]
+        stream.append(inst)
+        positions.append(len(stream))
+    if len(keys) == 0:
+        for inst in instructions:
+            inst.waits = ()
+        return dict(streams)
+    me = np.fromiter((number[inst.stream] for inst in instructions), dtype=np.int64, count=n)
+    pos = np.array(positions, dtype=np.int64)
+    count = len(keys)
+    cell = (keys >> bits).astype(np.int32)
+    who = ((keys >> 1) & ((1 << (bits - 1)) - 1)).astype(np.int32)
+    writes = (keys & 1).astype(bool)
+    index = np.arange(count, dtype=np.int32)
+    first = np.empty(count, dtype=bool)
+    first[0], first[1:] = True, cell[1:] != cell[:-1]
+    group_start = np.maximum.accumulate(np.where(first, index, 0))
+    # the latest write before each access, in its cell (an instruction's own reads come before its writes)
+    before = np.empty(count, dtype=np.int32)
+    before[0] = -1
+    np.maximum.accumulate(np.where(writes[:-1], index[:-1], -1), out=before[1:])
+    has_before = before >= group_start
+    writer = who[before[has_before]]
+    rows, columns, values = [who[has_before]], [me[writer]], [pos[writer]]
+    # the next write after each read, in its cell: it must follow that read
+    following = np.minimum.accumulate(np.where(writes, index, count)[::-1])[::-1]
+    reads = ~writes & (following < count)
+    reads[reads] = cell[following[reads]] == cell[reads]
+    reader = who[reads]
+    rows.append(who[following[reads]])
+    columns.append(me[reader])
+    values.append(pos[reader])
+    need = np.zeros(n * s_count, dtype=np.int64)
+    np.maximum.at(need, np.concatenate(rows).astype(np.int64) * s_count + np.concatenate(columns),
+                  np.concatenate(values))
+    need = need.reshape(n, s_count)
+    need[np.arange(n), me] = 0  # a stream needs no wait for itself
+    emitted = np.zeros((n, s_count), dtype=bool)
+    for stream in range(s_count):
+        mine = np.flatnonzero(me == stream)
+        if len(mine):
+            wanted = need[mine]
+            already = np.maximum.accumulate(wanted, axis=0)
+            emitted[mine[1:]] = wanted[1:] > already[:-1]
+            emitted[mine[0]] = wanted[0] > 0
+    found: dict = defaultdict(list)
+    rows_, columns_ = np.nonzero(emitted)
+    for row, column, value in zip(rows_.tolist(), columns_.tolist(), need[rows_, columns_].tolist()):
+        found[row].append(Wait(*stream_keys[column], value))
+    for row, inst in enumerate(instructions):
+        inst.waits = tuple(found.get(row, ()))
+    return dict(streams)
+
+
+def _sorted_keys(spans: list, n: int) -> tuple | None:
+    """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access, sorted; None above
+    MAX_ACCESSES."""
+    lengths = np.empty(2 * n, dtype=np.int64)  # spans read, then written, by each instruction in turn
+    lengths[0::2] = np.fromiter((len(read) for read, _ in spans), dtype=np.int64, count=n)
+    lengths[1::2] = np.fromiter((len(written) for _, written in spans), dtype=np.int64, count=n)
+    flat = np.array([span for read, written in spans for span in (*read, *written)], dtype=np.int64).reshape(-1, 2)
+    tags = np.repeat(np.arange(2 * n, dtype=np.int64), lengths)  # instruction x 2 + (1 for a write), per span
+    sizes = flat[:, 1] - flat[:, 0]
+    total = int(sizes.sum())
+    if total > MAX_ACCESSES:
+        return None
+    offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
+    cells = np.repeat(flat[:, 0] - offsets, sizes) + np.arange(total)
+    bits = (2 * n - 1).bit_length()
+    keys = np.sort((cells << bits) | np.repeat(tags, sizes))
+    distinct = np.empty(len(keys), dtype=bool)
+    if len(keys):
+        distinct[0], distinct[1:] = True, keys[1:] != keys[:-1]
+    return keys[distinct], bits
