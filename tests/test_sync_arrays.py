@@ -54,7 +54,9 @@ def test_a_gpt2s_waits_at_once_are_the_walks(dtype, level, programs):
     assert _at_once(instructions, grid) == walked
 
 
-def test_an_mlp_stacks_waits_at_once_are_the_walks(programs):
+@pytest.mark.parametrize("narrow_key_bits", [32, 0])  # keys sorted as 32-bit integers, or as 64-bit ones
+def test_an_mlp_stacks_waits_at_once_are_the_walks(narrow_key_bits, programs, monkeypatch):
+    monkeypatch.setattr(sync_arrays, "NARROW_KEY_BITS", narrow_key_bits)
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())]).eval()
     compile_exported(torch.export.export(model, (torch.randn(32, 64),)), CompileOptions(opt_level=2))
@@ -105,3 +107,9 @@ def test_a_program_of_more_accesses_than_the_bound_is_walked(monkeypatch):
     streams = neuronc.codegen.sync.insert_waits(program, TENSORS, get_target("trn2"), grid)
     assert [inst.waits for inst in program] == [(), (Wait(Engine.DMA, 0, 1),)]
     assert list(streams) == [(Engine.DMA, 0), (Engine.DMA, 1)]
+
+
+def test_a_program_touching_no_memory_waits_for_nothing():
+    program = [Instruction(Opcode.DMA_COPY, Engine.DMA, (), queue=0)]
+    grid = HazardGrid(program, TENSORS, get_target("trn2"))
+    assert _at_once(program, grid) == ([()], {(Engine.DMA, 0): [id(program[0])]})

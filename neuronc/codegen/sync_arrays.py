@@ -24,6 +24,7 @@ from neuronc.isa import Wait
 # Above this many (cell, instruction) accesses the arrays (several int64 per access) would take more memory than the
 # walk is worth saving: the caller walks the program instead.
 MAX_ACCESSES = 8_000_000
+NARROW_KEY_BITS = 32  # keys of at most this many bits are sorted as unsigned 32-bit integers (about twice as fast)
 
 
 def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict | None:
@@ -48,15 +49,14 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
     me = np.fromiter((number[inst.stream] for inst in instructions), dtype=np.int64, count=n)
     pos = np.array(positions, dtype=np.int64)
     count = len(keys)
-    cell = (keys >> bits).astype(np.int32)
-    who = ((keys >> 1) & ((1 << (bits - 1)) - 1)).astype(np.int32)
-    writes = (keys & 1).astype(bool)
-    index = np.arange(count, dtype=np.int32)
+    keys = keys.astype(np.int64)
+    cell, who, writes = keys >> bits, (keys >> 1) & ((1 << (bits - 1)) - 1), (keys & 1).astype(bool)
+    index = np.arange(count)
     first = np.empty(count, dtype=bool)
     first[0], first[1:] = True, cell[1:] != cell[:-1]
     group_start = np.maximum.accumulate(np.where(first, index, 0))
     # the latest write before each access, in its cell (an instruction's own reads come before its writes)
-    before = np.empty(count, dtype=np.int32)
+    before = np.empty(count, dtype=np.int64)
     before[0] = -1
     np.maximum.accumulate(np.where(writes[:-1], index[:-1], -1), out=before[1:])
     has_before = before >= group_start
@@ -71,7 +71,7 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
     columns.append(me[reader])
     values.append(pos[reader])
     need = np.zeros(n * s_count, dtype=np.int64)
-    np.maximum.at(need, np.concatenate(rows).astype(np.int64) * s_count + np.concatenate(columns),
+    np.maximum.at(need, np.concatenate(rows) * s_count + np.concatenate(columns),
                   np.concatenate(values))
     need = need.reshape(n, s_count)
     need[np.arange(n), me] = 0  # a stream needs no wait for itself
@@ -107,7 +107,10 @@ def _sorted_keys(spans: list, n: int) -> tuple | None:
     offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
     cells = np.repeat(flat[:, 0] - offsets, sizes) + np.arange(total)
     bits = (2 * n - 1).bit_length()
-    keys = np.sort((cells << bits) | np.repeat(tags, sizes))
+    keys = (cells << bits) | np.repeat(tags, sizes)
+    if total and int(flat[:, 1].max()).bit_length() + bits <= NARROW_KEY_BITS:
+        keys = keys.astype(np.uint32)
+    keys = np.sort(keys)
     distinct = np.empty(len(keys), dtype=bool)
     if len(keys):
         distinct[0], distinct[1:] = True, keys[1:] != keys[:-1]
