@@ -21,9 +21,9 @@ import numpy as np
 
 from neuronc.isa import Wait
 
-# Above this many (cell, instruction) accesses the arrays (several int64 per access) would take more memory than the
-# walk is worth saving: the caller walks the program instead.
-MAX_ACCESSES = 8_000_000
+# Above this many (cell, instruction) accesses the caller walks the program instead: the arrays take about 40 bytes per
+# access at their peak (136 MiB for the 3.5 M accesses of HF GPT-2 small at sequence 512, fp32; the walk 11 MiB).
+MAX_ACCESSES = 4_000_000
 NARROW_KEY_BITS = 32  # keys of at most this many bits are sorted as unsigned 32-bit integers (about twice as fast)
 
 
@@ -47,33 +47,7 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
             inst.waits = ()
         return dict(streams)
     me = np.fromiter((number[inst.stream] for inst in instructions), dtype=np.int64, count=n)
-    pos = np.array(positions, dtype=np.int64)
-    count = len(keys)
-    keys = keys.astype(np.int64)
-    cell, who, writes = keys >> bits, (keys >> 1) & ((1 << (bits - 1)) - 1), (keys & 1).astype(bool)
-    index = np.arange(count)
-    first = np.empty(count, dtype=bool)
-    first[0], first[1:] = True, cell[1:] != cell[:-1]
-    group_start = np.maximum.accumulate(np.where(first, index, 0))
-    # the latest write before each access, in its cell (an instruction's own reads come before its writes)
-    before = np.empty(count, dtype=np.int64)
-    before[0] = -1
-    np.maximum.accumulate(np.where(writes[:-1], index[:-1], -1), out=before[1:])
-    has_before = before >= group_start
-    writer = who[before[has_before]]
-    rows, columns, values = [who[has_before]], [me[writer]], [pos[writer]]
-    # the next write after each read, in its cell: it must follow that read
-    following = np.minimum.accumulate(np.where(writes, index, count)[::-1])[::-1]
-    reads = ~writes & (following < count)
-    reads[reads] = cell[following[reads]] == cell[reads]
-    reader = who[reads]
-    rows.append(who[following[reads]])
-    columns.append(me[reader])
-    values.append(pos[reader])
-    need = np.zeros(n * s_count, dtype=np.int64)
-    np.maximum.at(need, np.concatenate(rows) * s_count + np.concatenate(columns),
-                  np.concatenate(values))
-    need = need.reshape(n, s_count)
+    need = _needs(keys, bits, me, np.array(positions, dtype=np.int64), s_count)
     need[np.arange(n), me] = 0  # a stream needs no wait for itself
     emitted = np.zeros((n, s_count), dtype=bool)
     for stream in range(s_count):
@@ -92,6 +66,42 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
     return dict(streams)
 
 
+def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count: int) -> np.ndarray:
+    """[instruction x stream] the latest position of that stream each instruction must follow (0: none), from the
+    sorted access keys (int32 working arrays, each freed when used: several bytes per access, for millions)."""
+    count = len(keys)
+    keys = keys.astype(np.int64, copy=False)
+    cell = (keys >> bits).astype(np.int32)
+    who = ((keys >> 1) & ((1 << (bits - 1)) - 1)).astype(np.int32)
+    writes = (keys & 1).astype(bool)
+    del keys
+    index = np.arange(count, dtype=np.int32)
+    first = np.empty(count, dtype=bool)
+    first[0], first[1:] = True, cell[1:] != cell[:-1]
+    group_start = np.maximum.accumulate(np.where(first, index, 0))
+    del first
+    need = np.zeros(len(me) * s_count, dtype=np.int64)
+    # the latest write before each access, in its cell (an instruction's own reads come before its writes)
+    before = np.empty(count, dtype=np.int32)
+    before[0] = -1
+    np.maximum.accumulate(np.where(writes[:-1], index[:-1], -1), out=before[1:])
+    has_before = before >= group_start
+    del group_start
+    writer = who[before[has_before]]
+    del before
+    np.maximum.at(need, who[has_before] * np.int64(s_count) + me[writer], pos[writer])
+    del has_before, writer
+    # the next write after each read, in its cell: it must follow that read
+    following = np.minimum.accumulate(np.where(writes, index, count)[::-1])[::-1]
+    del index
+    reads = ~writes & (following < count)
+    reads[reads] = cell[following[reads]] == cell[reads]
+    del cell, writes
+    reader = who[reads]
+    np.maximum.at(need, who[following[reads]] * np.int64(s_count) + me[reader], pos[reader])
+    return need.reshape(len(me), s_count)
+
+
 def _sorted_keys(spans: list, n: int) -> tuple | None:
     """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access, sorted; None above
     MAX_ACCESSES."""
@@ -105,9 +115,11 @@ def _sorted_keys(spans: list, n: int) -> tuple | None:
     if total > MAX_ACCESSES:
         return None
     offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
-    cells = np.repeat(flat[:, 0] - offsets, sizes) + np.arange(total)
+    keys = np.repeat(flat[:, 0] - offsets, sizes)  # each access's cell, then the key, in place
+    keys += np.arange(total)
     bits = (2 * n - 1).bit_length()
-    keys = (cells << bits) | np.repeat(tags, sizes)
+    keys <<= bits
+    keys |= np.repeat(tags, sizes)
     if total and int(flat[:, 1].max()).bit_length() + bits <= NARROW_KEY_BITS:
         keys = keys.astype(np.uint32)
     keys = np.sort(keys)
