@@ -57,12 +57,12 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
             already = np.maximum.accumulate(wanted, axis=0)
             emitted[mine[1:]] = wanted[1:] > already[:-1]
             emitted[mine[0]] = wanted[0] > 0
-    found: dict = defaultdict(list)
-    rows_, columns_ = np.nonzero(emitted)
-    for row, column, value in zip(rows_.tolist(), columns_.tolist(), need[rows_, columns_].tolist()):
-        found[row].append(Wait(*stream_keys[column], value))
+    waits: dict = defaultdict(list)  # row -> its waits, in stream order
+    rows, columns = np.nonzero(emitted)
+    for row, column, count in zip(rows.tolist(), columns.tolist(), need[rows, columns].tolist()):
+        waits[row].append(Wait(*stream_keys[column], count))
     for row, inst in enumerate(instructions):
-        inst.waits = tuple(found.get(row, ()))
+        inst.waits = tuple(waits.get(row, ()))
     return dict(streams)
 
 
