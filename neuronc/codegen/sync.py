@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+from neuronc.codegen.sync_arrays import waits_at_once
 from neuronc.isa import AccessPattern, Space, Wait
 from neuronc.placement import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
 from neuronc.targets import Target
@@ -268,6 +269,10 @@ def insert_waits(instructions: list, tensors: list, target: Target, grid: Hazard
     same (codegen.sync_replay); the waits are those computed one by one either way."""
     grid = grid or HazardGrid(instructions, tensors, target)
     state = SyncState(instructions, grid)
+    if not repeats:
+        streams = waits_at_once(instructions, grid.access, state.number, state.stream_keys)
+        if streams is not None:
+            return streams
     if repeats:
         from neuronc.codegen.sync_replay import replay_repeats  # noqa: PLC0415 - it builds on this module
         replay_repeats(state, instructions, repeats)

@@ -1,0 +1,129 @@
+"""The sync pass's waits for a whole program at once, with array operations instead of a walk per instruction.
+
+codegen.sync walks the program and keeps, per tracking cell, its last write and the reads since; an instruction
+waits, on each other stream, for the latest position it must follow: the last writer of every cell it touches
+(read after write, write after write) and, for the cells it writes, every read since that write (write after
+read); a wait a stream already implied by an earlier wait of its own is dropped. All of that is a function of
+each cell's accesses in program order, so here every (cell, instruction, read or write) access is listed as one
+integer key, the keys sorted (cell by cell, each cell's accesses in program order, an instruction's reads before its
+writes), and for each access the previous write and the next write of its cell found by running maxima and minima:
+a previous write gives the access a need of (the writer's stream, its position), and a read gives the next write a
+need of (the reader's stream, its position). The needs of an instruction are reduced by stream (maximum) and
+filtered by its stream's running maximum of earlier needs (what it already waited for). The waits are those of the
+walk, wait for wait (tests/test_sync_arrays.py compares them); the cost is in numpy per access instead of Python
+per span and per distinct cell state, so it grows with the program's cells touched, not with its instructions' Python.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from neuronc.isa import Wait
+
+# Above this many (cell, instruction) accesses the caller walks the program instead: the arrays take about 40 bytes per
+# access at their peak (136 MiB for the 3.5 M accesses of HF GPT-2 small at sequence 512, fp32; the walk 11 MiB).
+MAX_ACCESSES = 4_000_000
+NARROW_KEY_BITS = 32  # keys of at most this many bits are sorted as unsigned 32-bit integers (about twice as fast)
+
+
+def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict | None:
+    """Sets every instruction's `waits` and returns {(engine, queue): [instructions]} as codegen.sync's walk does
+    (`access`: HazardGrid.access; `number`: stream key -> its number in `stream_keys`, sorted); None, having set
+    nothing, when the program makes more than MAX_ACCESSES accesses."""
+    n, s_count = len(instructions), len(stream_keys)
+    found = _sorted_keys([access(inst) for inst in instructions], n)
+    if found is None:
+        return None
+    keys, bits = found
+    streams: dict = defaultdict(list)
+    positions = []
+    for inst in instructions:
+        stream = streams[inst.stream]
+        stream.append(inst)
+        positions.append(len(stream))
+    if len(keys) == 0:
+        for inst in instructions:
+            inst.waits = ()
+        return dict(streams)
+    me = np.fromiter((number[inst.stream] for inst in instructions), dtype=np.int64, count=n)
+    need = _needs(keys, bits, me, np.array(positions, dtype=np.int64), s_count)
+    need[np.arange(n), me] = 0  # a stream needs no wait for itself
+    emitted = np.zeros((n, s_count), dtype=bool)
+    for stream in range(s_count):
+        mine = np.flatnonzero(me == stream)
+        if len(mine):
+            wanted = need[mine]
+            already = np.maximum.accumulate(wanted, axis=0)
+            emitted[mine[1:]] = wanted[1:] > already[:-1]
+            emitted[mine[0]] = wanted[0] > 0
+    waits: dict = defaultdict(list)  # row -> its waits, in stream order
+    rows, columns = np.nonzero(emitted)
+    for row, column, count in zip(rows.tolist(), columns.tolist(), need[rows, columns].tolist()):
+        waits[row].append(Wait(*stream_keys[column], count))
+    for row, inst in enumerate(instructions):
+        inst.waits = tuple(waits.get(row, ()))
+    return dict(streams)
+
+
+def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count: int) -> np.ndarray:
+    """[instruction x stream] the latest position of that stream each instruction must follow (0: none), from the
+    sorted access keys (int32 working arrays, each freed when used: several bytes per access, for millions)."""
+    count = len(keys)
+    keys = keys.astype(np.int64, copy=False)
+    cell = (keys >> bits).astype(np.int32)
+    who = ((keys >> 1) & ((1 << (bits - 1)) - 1)).astype(np.int32)
+    writes = (keys & 1).astype(bool)
+    del keys
+    index = np.arange(count, dtype=np.int32)
+    first = np.empty(count, dtype=bool)
+    first[0], first[1:] = True, cell[1:] != cell[:-1]
+    group_start = np.maximum.accumulate(np.where(first, index, 0))
+    del first
+    need = np.zeros(len(me) * s_count, dtype=np.int64)
+    # the latest write before each access, in its cell (an instruction's own reads come before its writes)
+    before = np.empty(count, dtype=np.int32)
+    before[0] = -1
+    np.maximum.accumulate(np.where(writes[:-1], index[:-1], -1), out=before[1:])
+    has_before = before >= group_start
+    del group_start
+    writer = who[before[has_before]]
+    del before
+    np.maximum.at(need, who[has_before] * np.int64(s_count) + me[writer], pos[writer])
+    del has_before, writer
+    # the next write after each read, in its cell: it must follow that read
+    following = np.minimum.accumulate(np.where(writes, index, count)[::-1])[::-1]
+    del index
+    reads = ~writes & (following < count)
+    reads[reads] = cell[following[reads]] == cell[reads]
+    del cell, writes
+    reader = who[reads]
+    np.maximum.at(need, who[following[reads]] * np.int64(s_count) + me[reader], pos[reader])
+    return need.reshape(len(me), s_count)
+
+
+def _sorted_keys(spans: list, n: int) -> tuple | None:
+    """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access, sorted; None above
+    MAX_ACCESSES."""
+    lengths = np.empty(2 * n, dtype=np.int64)  # spans read, then written, by each instruction in turn
+    lengths[0::2] = np.fromiter((len(read) for read, _ in spans), dtype=np.int64, count=n)
+    lengths[1::2] = np.fromiter((len(written) for _, written in spans), dtype=np.int64, count=n)
+    flat = np.array([span for read, written in spans for span in (*read, *written)], dtype=np.int64).reshape(-1, 2)
+    tags = np.repeat(np.arange(2 * n, dtype=np.int64), lengths)  # instruction x 2 + (1 for a write), per span
+    sizes = flat[:, 1] - flat[:, 0]
+    total = int(sizes.sum())
+    if total > MAX_ACCESSES:
+        return None
+    offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
+    keys = np.repeat(flat[:, 0] - offsets, sizes)  # each access's cell, then the key, in place
+    keys += np.arange(total)
+    bits = (2 * n - 1).bit_length()
+    keys <<= bits
+    keys |= np.repeat(tags, sizes)
+    if total and int(flat[:, 1].max()).bit_length() + bits <= NARROW_KEY_BITS:
+        keys = keys.astype(np.uint32)
+    keys = np.sort(keys)
+    distinct = np.empty(len(keys), dtype=bool)
+    if len(keys):
+        distinct[0], distinct[1:] = True, keys[1:] != keys[:-1]
+    return keys[distinct], bits
