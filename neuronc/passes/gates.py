@@ -58,6 +58,8 @@ def _gates() -> dict:
         # both rewrite REDUCE_LAST nodes only (a sum over tokens; a reduction read by a convert)
         "fold_partition_sum_prologues": _ops(Op.REDUCE_LAST),
         "round_reductions_once": _ops(Op.REDUCE_LAST),
+        # it rewrites VIEW nodes only
+        "compose_view_chains": _ops(Op.VIEW),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
     }
