@@ -44,3 +44,20 @@ def test_one_copy_at_o2_and_the_values_of_eager():
     out = from_numpy(run_neff(compiled.neff, [to_numpy(qkv)]).outputs[0])
     assert len(_views(compiled.graph)) <= 1
     torch.testing.assert_close(out, HeadsOfK()(qkv))
+
+
+class HeadsConcatenated(nn.Module):
+    def forward(self, dq, dk, dv):  # [heads, seq, d] each, back to [seq, heads * d], side by side (QKV's gradient)
+        return torch.cat([t.exp().transpose(0, 1).reshape(128, 64) for t in (dq, dk, dv)], dim=-1)
+
+
+def test_a_concatenate_reads_transposed_heads_through_their_views_with_no_copy_kernel():
+    torch.manual_seed(0)
+    heads = tuple(torch.randn(4, 128, 16) for _ in range(3))
+    program = torch.export.export(HeadsConcatenated(), heads)
+    compiled = compile_exported(program, CompileOptions(opt_level=2))
+    out = from_numpy(run_neff(compiled.neff, [to_numpy(h) for h in heads]).outputs[0])
+    (concatenated,) = [n for n in compiled.graph.nodes() if n.op is Op.CONCATENATE]
+    assert all(view is not None for view in concatenated.attrs["views"])
+    assert not _views(compiled.graph)
+    torch.testing.assert_close(out, HeadsConcatenated()(*heads))

@@ -266,13 +266,19 @@ def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """Each input copied into its place; an input read through a view (passes/view_chains.py: `views` and the
+    `shapes` concatenated) is copied from the view's strided positions in its source."""
     dim = node.attrs["dimension"]
     out_strides = dense_strides(node.shape)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    shapes = node.attrs.get("shapes") or tuple(x.shape for x in node.inputs)
+    size = node.dtype.itemsize
     position = 0
-    for x in node.inputs:
-        copy_strided(em, node.dtype, plan.offset(x), dense_strides(x.shape),
-                     plan.offset(node) + position * out_strides[dim] * node.dtype.itemsize, out_strides, x.shape)
-        position += x.shape[dim]
+    for x, view, shape in zip(node.inputs, views, shapes):
+        offset, strides, copied, placed = view if view is not None else (0, dense_strides(shape), shape, out_strides)
+        copy_strided(em, node.dtype, plan.offset(x) + offset * size, strides,
+                     plan.offset(node) + position * out_strides[dim] * size, placed, copied)
+        position += shape[dim]
 
 
 # matmul and reductions -------------------------------------------------------------------------

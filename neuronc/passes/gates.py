@@ -62,6 +62,8 @@ def _gates() -> dict:
         "fold_activation_operands": _ops(Op.FUSED, Op.MATMUL),
         # it rewrites VIEW nodes only
         "compose_view_chains": _ops(Op.VIEW),
+        # it rewrites CONCATENATE nodes reading VIEW chains
+        "concatenate_through_views": _ops(Op.CONCATENATE),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
     }

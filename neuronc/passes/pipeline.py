@@ -29,7 +29,7 @@ from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
 from neuronc.passes.reduction_rounding import round_reductions_once
-from neuronc.passes.view_chains import compose_view_chains
+from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
 from neuronc.passes.activation_operands import fold_activation_operands
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
@@ -71,6 +71,7 @@ O2 = [
     round_reductions_once,  # an fp32 reduction read only by a narrowing convert writes the narrower dtype
     fold_activation_operands,  # after fusion: an activation step reads its operand's scale and width, rounds once
     compose_view_chains,  # after fusion (the views left are copies): a view of a reshaped view reads its source
+    concatenate_through_views,  # after compose_view_chains: a concatenate reads view chains only it reads
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     tile_matmuls,  # last: tiles and loop order of every matmul (and chain) chosen with the cost model
