@@ -157,6 +157,7 @@ def _aot_graphs(model, inputs, train: bool, flash: bool = True) -> list:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from neuronc.frontend.saved_views import default_partition_remaking_input_views
     from neuronc.frontend.sdpa_training import explicit_attention_as_sdpa
     from neuronc.frontend.torch_import import decomposition_table
 
@@ -166,7 +167,8 @@ def _aot_graphs(model, inputs, train: bool, flash: bool = True) -> list:
         graphs.append(graph_module)
         return make_boxed_func(graph_module.forward)
 
-    aot = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train and flash))
+    aot = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decomposition_table(train and flash),
+                       partition_fn=default_partition_remaking_input_views)
 
     def backend(gm, example_inputs):  # as the neuron backend's _static_backend does
         if train and flash:
@@ -196,14 +198,16 @@ def _measure_compiled(name, model, inputs, train, target) -> dict:
     model_ideal = [None] * len(graphs)
     if train:  # the flash kernels' matmuls are not the model's FLOPs: those of its dense attention's -O0 program
         dense = _aot_graphs(model, inputs, train, flash=False)
-        model_ideal = [_measure(compile_fx(gm, CompileOptions(opt_level=0, name=f"{name}_dense_{i}")).neff,
+        model_ideal = [_measure(compile_fx(gm, CompileOptions(opt_level=0, name=f"{name}_dense_{i}"),
+                                           inputs_returned_as_given=True).neff,
                                 target)["ideal_ns"] for i, gm in enumerate(dense)]
     results = {}
     for level in (0, 2):
         start = time.perf_counter()
         parts = []
         for i, gm in enumerate(graphs):
-            neff = compile_fx(copy.deepcopy(gm), CompileOptions(opt_level=level, name=f"{name}_{i}")).neff
+            neff = compile_fx(copy.deepcopy(gm), CompileOptions(opt_level=level, name=f"{name}_{i}"),
+                              inputs_returned_as_given=True).neff
             ideal = model_ideal[i] if model_ideal[i] is not None else results[0]["parts"][i][1]["ideal_ns"] \
                 if level else None
             parts.append((neff, _measure(neff, target, ideal)))

@@ -79,7 +79,8 @@ class Compiled:
     seconds: dict  # time spent per stage: totals ("import", "passes", "codegen", ...) and, under keys
     # with a "/", their parts ("import/torch-mlir", "pass/legalize", "codegen/sync", ...)
     output_layout: list | None = None  # FX graphs: per output, its NEFF output index, None for a None, or
-    # ("input", i) for an argument returned as it is (an object the program does not take, see input_mask)
+    # ("input", i) for an argument returned as it is (an object the program does not take, see input_mask, or
+    # with compile_fx's inputs_returned_as_given a tensor input returned)
     cache_hit: bool = False
     cache_entry: tuple | None = None  # (CompileCache, key) where the NEFF is stored, when the cache is on
     input_mask: list | None = None  # FX graphs: per placeholder, whether the program takes it (None: all)
@@ -223,8 +224,11 @@ def compiled_apart(node) -> str | None:
     return "" if random_draws.is_random(node) else None
 
 
-def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) -> Compiled:
-    """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd."""
+def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None,
+               inputs_returned_as_given: bool = False) -> Compiled:
+    """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd. With
+    ``inputs_returned_as_given``, an output that is an input is no NEFF output: output_layout says which argument
+    the caller returns (torch.compile's backend does; a caller reading the NEFF's outputs alone must not ask)."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
     from neuronc.frontend.random_draws import Draws, cut_random_ops, has_random_ops, splice_draws
     from neuronc.frontend.torch_import import (drop_none_outputs, drop_opaque_values, import_fx, node_locations,
@@ -234,7 +238,7 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None) 
     t = time.perf_counter()
     with collector_paused():
         placeholders_first(gm)
-        mask, passed = drop_opaque_values(gm)
+        mask, passed = drop_opaque_values(gm, inputs_returned_as_given)
         computed = drop_none_outputs(gm)
         rest = iter(computed)
         layout = [("input", passed[i]) if i in passed else next(rest) for i in range(len(passed) + len(computed))]

@@ -227,6 +227,7 @@ def _shapes(n: Node):
             expected = tuple(max(0, -(-(hi - lo) // st)) for lo, hi, st in zip(a["start"], a["limit"], a["strides"]))
         elif op is Op.CONCATENATE:
             d = a["dimension"]
+            inputs = a.get("shapes") or inputs  # inputs read through views (passes/view_chains.py)
             expected = inputs[0][:d] + (sum(s[d] for s in inputs),) + inputs[0][d + 1:]
             if any(s[:d] + s[d + 1:] != inputs[0][:d] + inputs[0][d + 1:] for s in inputs):
                 yield f"operand shapes {inputs} differ outside dimension {d}"

@@ -341,7 +341,8 @@ FACTS = (
     OpFact("BROADCAST_IN_DIM", "movement", 1, SAME, DMA, attrs={"dims": "ints"}),  # operand dim i -> dims[i]
     OpFact("TRANSPOSE", "movement", 1, SAME, DMA, attrs={"perm": "ints"}),
     OpFact("SLICE", "movement", 1, SAME, DMA, attrs={"start": "ints", "limit": "ints", "strides": "ints"}),
-    OpFact("CONCATENATE", "movement", None, SAME, DMA, attrs={"dimension": "int"}),
+    OpFact("CONCATENATE", "movement", None, SAME, DMA,  # views?, shapes?: passes/view_chains.py
+           attrs={"dimension": "int", "views?": "any", "shapes?": "any"}),
     OpFact("PAD", "movement", (1, 2), SAME, DMA,  # (x, pad value), or legalized: (x,) with the value an attribute
            attrs={"low": "ints", "high": "ints", "interior": "ints", "value?": "float"}),
     OpFact("REVERSE", "movement", 1, SAME, DMA, attrs={"dims": "ints"}),

@@ -78,12 +78,19 @@ def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: l
     return results[-1]
 
 
+def activation_scale(step) -> tuple:
+    """(scale, bias) of an activation step's ACTIVATE: the scale passes/activation_operands.py folded into it
+    with a bias of -0.0 (adding nothing, not even to a zero's sign), else 1.0 and 0.0."""
+    scale = step.attrs.get("scale")
+    return (1.0, 0.0) if scale is None else (scale, -0.0)
+
+
 def _scalar_form(step, args) -> tuple | None:
     """(func, scale, bias, source) computing `step` as one Scalar-engine ACTIVATE, func(scale * x + bias) in
     fp32 rounded once to the destination, exactly as the ALU computes it; or None. A bias of -0.0 adds
     nothing, not even to a zero's sign."""
     if step.op in ACTIVATIONS:
-        return ACTIVATIONS[step.op], 1.0, 0.0, args[0]
+        return ACTIVATIONS[step.op], *activation_scale(step), args[0]
     if not step.dtype.is_float or not all(isinstance(a, float) or a.dtype.is_float for a in args):
         return None
     if step.op is Op.CONVERT:
@@ -165,7 +172,8 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
     op = step.op
     tiles = [a for a in args if isinstance(a, AccessPattern)]
     if op in ACTIVATIONS:
-        em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=1.0, imm1=0.0)
+        scale, bias = activation_scale(step)
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=scale, imm1=bias)
     elif op is Op.NEGATE:
         em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
     elif op is Op.CONVERT:
@@ -258,13 +266,19 @@ def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
+    """Each input copied into its place; an input read through a view (passes/view_chains.py: `views` and the
+    `shapes` concatenated) is copied from the view's strided positions in its source."""
     dim = node.attrs["dimension"]
     out_strides = dense_strides(node.shape)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    shapes = node.attrs.get("shapes") or tuple(x.shape for x in node.inputs)
+    size = node.dtype.itemsize
     position = 0
-    for x in node.inputs:
-        copy_strided(em, node.dtype, plan.offset(x), dense_strides(x.shape),
-                     plan.offset(node) + position * out_strides[dim] * node.dtype.itemsize, out_strides, x.shape)
-        position += x.shape[dim]
+    for x, view, shape in zip(node.inputs, views, shapes):
+        offset, strides, copied, placed = view if view is not None else (0, dense_strides(shape), shape, out_strides)
+        copy_strided(em, node.dtype, plan.offset(x) + offset * size, strides,
+                     plan.offset(node) + position * out_strides[dim] * size, placed, copied)
+        position += shape[dim]
 
 
 # matmul and reductions -------------------------------------------------------------------------

@@ -259,22 +259,26 @@ def check_static_shapes(gm) -> None:
         )
 
 
-def drop_opaque_values(gm) -> tuple:
+def drop_opaque_values(gm, inputs_returned_as_given: bool = False) -> tuple:
     """Remove, in place, the placeholders holding no tensor nor number (the device-mesh or process-group objects a
     graph of DTensors is given, which torch-mlir cannot type), and the outputs that return them (AOTAutograd saves
-    them for the backward graph). Returns (per original placeholder, whether the program still takes it; per
-    original output position returning one, the position among the placeholders of the argument it returns)."""
+    them for the backward graph). With ``inputs_returned_as_given``, also the outputs that return a tensor input
+    as it is (a forward graph saving a parameter for its backward): the caller hands back the argument itself, as
+    eager does, where the program would copy it. Returns (per original placeholder, whether the program still
+    takes it; per original output position returning one, the position among the placeholders of the argument it
+    returns)."""
     import torch
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     opaque = {n for n in placeholders if n.meta.get("val") is not None
               and not isinstance(n.meta["val"], (torch.Tensor, int, float, bool, torch.SymInt))}
-    if not opaque:
-        return [True] * len(placeholders), {}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    passed = {i: placeholders.index(v) for i, v in enumerate(values) if v in opaque}
-    output.args = (tuple(v for v in values if v not in opaque),)
+    given = {v for v in values if v in placeholders and v not in opaque} if inputs_returned_as_given else set()
+    if not opaque and not given:
+        return [True] * len(placeholders), {}
+    passed = {i: placeholders.index(v) for i, v in enumerate(values) if v in opaque or v in given}
+    output.args = (tuple(v for v in values if v not in opaque and v not in given),)
     for node in opaque:
         if node.users:
             raise NeuronCompileError(f"graph input {node.name} is a {type(node.meta['val']).__name__}, which an op "

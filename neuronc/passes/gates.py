@@ -58,6 +58,12 @@ def _gates() -> dict:
         # both rewrite REDUCE_LAST nodes only (a sum over tokens; a reduction read by a convert)
         "fold_partition_sum_prologues": _ops(Op.REDUCE_LAST),
         "round_reductions_once": _ops(Op.REDUCE_LAST),
+        # it rewrites elementwise bodies and matmul epilogues only
+        "fold_activation_operands": _ops(Op.FUSED, Op.MATMUL),
+        # it rewrites VIEW nodes only
+        "compose_view_chains": _ops(Op.VIEW),
+        # it rewrites CONCATENATE nodes reading VIEW chains
+        "concatenate_through_views": _ops(Op.CONCATENATE),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
         # a prologue is a ROWWISE read by a MATMUL

@@ -30,6 +30,9 @@ from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
 from neuronc.passes.reduction_rounding import round_reductions_once
+from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
+from neuronc.passes.activation_operands import fold_activation_operands
+from neuronc.passes.widening_reads import widen_on_read
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
@@ -68,6 +71,10 @@ O2 = [
     fuse_reduction_prologues,  # reductions read their operand through its producer group or view
     fold_partition_sum_prologues,  # a sum over tokens computes the elementwise group it sums (dy * x_hat)
     round_reductions_once,  # an fp32 reduction read only by a narrowing convert writes the narrower dtype
+    widen_on_read,  # a widening convert read only by kernels that can widen on load is no kernel of its own
+    fold_activation_operands,  # after fusion: an activation step reads its operand's scale and width, rounds once
+    compose_view_chains,  # after fusion (the views left are copies): a view of a reshaped view reads its source
+    concatenate_through_views,  # after compose_view_chains: a concatenate reads view chains only it reads
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue

@@ -293,6 +293,7 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
     from torch._functorch.aot_autograd import make_boxed_func
 
     from neuronc.frontend.complex_pairs import as_real_pairs
+    from neuronc.frontend.saved_views import default_partition_remaking_input_views
     from neuronc.frontend.torch_import import decomposition_table
     from neuronc.pytorch import data_dependent, host_checks
     from neuronc.pytorch.partition import compile_or_partition, fallback_disabled
@@ -325,7 +326,7 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
         return compile_graph(graph_module, inputs, _static_inputs())
 
     def compile_one(graph_module, static_inputs=frozenset()):
-        compiled = compile_fx(graph_module, compile_options)
+        compiled = compile_fx(graph_module, compile_options, inputs_returned_as_given=True)
         neff = compiled.neff
         function = NeffFunction(compiled, compile_options, static_inputs)
         compiled_graphs.append(function)
@@ -344,7 +345,8 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
     if training:  # attention written out becomes SDPA, which the training table keeps for the flash kernels
         explicit_attention_as_sdpa(gm)
     return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph,
-                        decompositions=decomposition_table(training))(gm, example_inputs)
+                        decompositions=decomposition_table(training),
+                        partition_fn=default_partition_remaking_input_views)(gm, example_inputs)
 
 
 compiled_graphs = CompiledGraphs()  # every NeffFunction made in this process, newest last (for tests and tools)
