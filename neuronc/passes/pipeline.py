@@ -15,6 +15,7 @@ import time
 
 from neuronc import ir, ir_verifier
 from neuronc.errors import NeuronConfigError
+from neuronc.passes.activation_operands import fold_activation_operands
 from neuronc.passes.attention import fuse_attention, lower_flex_attention
 from neuronc.passes.auto_cast import auto_cast
 from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
@@ -30,13 +31,12 @@ from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
 from neuronc.passes.reduction_rounding import round_reductions_once
-from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
-from neuronc.passes.activation_operands import fold_activation_operands
-from neuronc.passes.widening_reads import widen_on_read
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
+from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
 from neuronc.passes.wide_sorts import split_wide_sorts
+from neuronc.passes.widening_reads import widen_on_read
 
 O0 = [
     demote_f64,  # first: no pass below computes in float64; a float64 input or output is refused here
