@@ -77,3 +77,44 @@ def test_constant_multiplies_feeding_erf_and_exp_are_their_scales_with_the_bits_
     assert sorted(s.attrs.get("scale") for s in scaled) == sorted([0.7071067690849304, -0.5])
     assert torch.equal(out, baseline)
     assert_matches_eager(out, GeluBackwardTerms()(x))
+
+
+class GeluBackwardTimesGrad(nn.Module):
+    def forward(self, grad, x):  # AOTAutograd's bf16 GELU backward: fp32 terms, the product rounded to bf16
+        xf = x.float()
+        cdf = (torch.erf(xf * 0.7071067811865476) + 1.0) * 0.5
+        pdf = torch.exp(xf * xf * -0.5) * 0.3989422804014327
+        return (grad.float() * (cdf + xf * pdf)).to(torch.bfloat16)
+
+
+def test_the_pass_makes_half_of_one_plus_erf_a_scaled_and_biased_step():
+    graph = parse("""
+graph @main(%0) {
+  %0 = parameter() : 4x8xf32 {index = 0, name = "x", kind = "input"}
+  %1 = fused(%0) : 4x8xf32 {
+      body = (
+          erf(in0) : f32, add(s0, 1.0) : f32, multiply(s1, 0.5) : f32,
+          add(in0, 1.0) : f32, multiply(s3, 0.5) : f32, add(s2, s4) : f32),
+      views = (none,)}
+  return %1
+}""")
+    (node,) = [n for n in fold_activation_operands(graph, PassContext(opt_level=2)).nodes() if n.op is Op.FUSED]
+    body = node.attrs["body"]
+    assert [s.op for s in body] == [Op.ERF, Op.MULTIPLY, Op.ADD, Op.MULTIPLY, Op.ADD]
+    assert body[1].args == (("step", 0), ("imm", 0.5)) and body[1].attrs == {"bias": 0.5}
+    assert body[3].args == (("step", 2), ("imm", 0.5)) and body[3].attrs == {}  # x + 1 is not bounded: kept
+
+
+def test_the_gelu_backward_computes_its_cdf_in_one_step_with_the_bits_of_o0():
+    torch.manual_seed(0)
+    x = (torch.randn(256, 384) * 3).to(torch.bfloat16)
+    x[0, :5] = torch.tensor([-0.0, 0.0, 1e-38, -30.0, 30.0])  # signed zeros, a subnormal erf, erf = -1 and 1
+    grad = torch.randn(256, 384).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(GeluBackwardTimesGrad(), (grad, x)), CompileOptions(opt_level=2))
+    baseline = compile_exported(torch.export.export(GeluBackwardTimesGrad(), (grad, x)), CompileOptions(opt_level=0))
+    out, expected = (from_numpy(run_neff(c.neff, [to_numpy(grad), to_numpy(x)]).outputs[0])
+                     for c in (compiled, baseline))
+    assert not any(s.op is Op.ADD and ("imm", 1.0) in s.args for s in _steps(compiled))
+    assert any(s.attrs.get("bias") == 0.5 for s in _steps(compiled))
+    assert torch.equal(out, expected)
+    assert_matches_eager(out, GeluBackwardTimesGrad()(grad, x))

@@ -100,7 +100,7 @@ def _scalar_form(step, args) -> tuple | None:
     if len(args) != 2 or isinstance(args[0], float) == isinstance(args[1], float):
         return None
     (x, c), reverse = (args, False) if isinstance(args[1], float) else (args[::-1], True)
-    forms = {Op.MULTIPLY: (c, -0.0), Op.ADD: (1.0, c), Op.SUBTRACT: (-1.0, c) if reverse else (1.0, -c)}
+    forms = {Op.MULTIPLY: (c, step.attrs.get("bias", -0.0)), Op.ADD: (1.0, c), Op.SUBTRACT: (-1.0, c) if reverse else (1.0, -c)}
     if step.op not in forms:
         return None
     return (ActFunc.IDENTITY, *forms[step.op], x)
@@ -122,8 +122,8 @@ class StepBalancer:
         """Emit `step`; `ready` is when its inputs are made. Returns when it is done."""
         form = _scalar_form(step, args)
         tiles = [a for a in args if isinstance(a, AccessPattern)]
-        engines = [] if step.op in ACTIVATIONS else [Engine.VECTOR]
-        if step.op not in ACTIVATIONS and all(t.space != Space.PSUM for t in tiles + [out]):
+        engines = [] if step.op in ACTIVATIONS or "bias" in step.attrs else [Engine.VECTOR]
+        if engines and all(t.space != Space.PSUM for t in tiles + [out]):
             engines.append(Engine.GPSIMD)
         if form is not None:
             engines.append(Engine.SCALAR)
@@ -174,6 +174,9 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
     if op in ACTIVATIONS:
         scale, bias = activation_scale(step)
         em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, args[0], func=ACTIVATIONS[op], imm0=scale, imm1=bias)
+    elif "bias" in step.attrs:  # a multiply with a bias (passes/activation_operands.py): scale * x + bias
+        func, scale, bias, x = _scalar_form(step, args)
+        em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
     elif op is Op.NEGATE:
         em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
     elif op is Op.CONVERT:

@@ -10,7 +10,11 @@ over the whole tile. Three rules fold them, each computing the same bits:
 - an fp32 multiply of a float tile by a constant read only by the activation: the activation's scale (the
   same fp32 product; the bias is -0.0, which adds nothing, not even to a zero's sign);
 - an fp32 activation read only by a convert to a narrower float: the activation writes that dtype (its fp32
-  value rounded once, as the convert rounds it).
+  value rounded once, as the convert rounds it);
+- the exact GELU backward's cdf, fp32 `multiply(add(t, 1.0), 0.5)` of an erf or tanh value t (|t| <= 1), the add
+  read only by the multiply: one `multiply(t, 0.5) {bias = 0.5}`, an identity ACTIVATE 0.5 * t + 0.5. Same bits:
+  t + 1.0 is 0 or at least 2^-24, so halving it rounds nothing; 0.5 * t is exact unless t is subnormal, and then
+  0.5 + 0.5 * t rounds to 0.5 as t + 1.0 rounds to 1.0; t = -1 gives +0 both ways.
 Applies to elementwise kernels (FUSED) and matmul epilogues, whose codegen emits an activation step as one
 ACTIVATE with the step's `scale`; a matmul epilogue's first step is kept (its accumulator step).
 """
@@ -48,6 +52,28 @@ def _operand_folded(made: Step, activation: Step, dtype_of) -> Step | None:
     return None
 
 
+def _half_of_one_plus(body: tuple, step: Step, uses: Counter, first: int) -> tuple | None:
+    """(index of the add, the folded step) when `step` is fp32 `multiply(add(t, 1.0), 0.5)` of an erf or tanh t
+    whose add only it reads; else None."""
+    tiles = [a for a in step.args if a[0] == "step"]
+    if (step.op is not Op.MULTIPLY or step.dtype != DType.F32 or step.attrs or len(step.args) != 2
+            or len(tiles) != 1 or ("imm", 0.5) not in step.args):
+        return None
+    at = tiles[0][1]
+    if at < first or uses[at] != 1:
+        return None
+    added = body[at]
+    if added.op is not Op.ADD or added.dtype != DType.F32 or ("imm", 1.0) not in added.args or added.attrs:
+        return None
+    tiles = [a for a in added.args if a[0] == "step"]
+    if len(tiles) != 1 or len(added.args) != 2:
+        return None
+    t = body[tiles[0][1]]
+    if t.op not in (Op.ERF, Op.TANH) or t.dtype != DType.F32:
+        return None
+    return at, step._replace(args=(tiles[0], ("imm", 0.5)), attrs={**step.attrs, "bias": 0.5})
+
+
 def _without(body: tuple, removed: int, at: int, step: Step) -> tuple:
     """`body` with step `removed` gone and step `at` replaced by `step` (its args in the old numbering)."""
     index = {old: new for new, old in enumerate(j for j in range(len(body)) if j != removed)}
@@ -64,6 +90,8 @@ def _without(body: tuple, removed: int, at: int, step: Step) -> tuple:
 def _fold_once(body: tuple, dtype_of, first: int) -> tuple | None:
     uses = Counter(ref for step in body for kind, ref in step.args if kind == "step")
     for j, step in enumerate(body):
+        if (halved := _half_of_one_plus(body, step, uses, first)) is not None:
+            return _without(body, halved[0], j, halved[1])
         if not _is_activation(step):
             continue
         kind, ref = step.args[0]
