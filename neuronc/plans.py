@@ -286,6 +286,8 @@ class ReducePlan:
     chunk: int  # columns per tile
     pools: tuple  # PoolSpecs
     store_tiles: int = 1  # row tiles whose reductions one DMA stores (side by side in an "outs" tile)
+    epilogue: tuple = ()  # IR steps computed on each row tile's [rows, 1] result before its store (input 0: it)
+    epilogue_slots: tuple = ()  # per epilogue step: its temporary's slot ("etemp<i>"), or None (the "eout" tile)
 
 
 @dataclasses.dataclass(frozen=True)

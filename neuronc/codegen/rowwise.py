@@ -61,6 +61,10 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
         t = r0 // parts
         if t % plan.store_tiles == 0:
             results, first = pools["outs"].next(), t
+        if plan.epilogue:  # the per-row steps of the reduction's reader, on its fp32 result (reduction_epilogues)
+            acc = emit_body(em, plan.epilogue, plan.epilogue_slots, {0: acc},
+                            [pools[f"etemp{i}"].next() for i in range(len(set(plan.epilogue_slots) - {None}))],
+                            pools["eout"].next(), (rt, 1), None, node.loc)
         em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, tile_at(results.ap(parts, plan.store_tiles), t - first, rt, 1), acc)
         if t - first + 1 == plan.store_tiles or r0 + rt == plan.rows:
             _store_row_tiles(em, out, results.ap(parts, plan.store_tiles), first, t + 1, plan.rows)

@@ -60,6 +60,8 @@ def _gates() -> dict:
         "round_reductions_once": _ops(Op.REDUCE_LAST),
         # it rewrites elementwise bodies and matmul epilogues only
         "fold_activation_operands": _ops(Op.FUSED, Op.MATMUL),
+        # it folds a reader of a REDUCE_LAST into it
+        "fold_reduction_epilogues": _ops(Op.REDUCE_LAST),
         # it rewrites VIEW nodes only
         "compose_view_chains": _ops(Op.VIEW),
         # it rewrites CONCATENATE nodes reading VIEW chains

@@ -103,9 +103,15 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     store_tiles = min(-(-rows // target.partitions), STORE_TILES)
     pools += [PoolSpec("partials", acc_dtype, 1, 2), PoolSpec("accs", acc_dtype, 1, 2),
               PoolSpec("outs", node.dtype, store_tiles, 2)]
+    epilogue = tuple(node.attrs.get("epilogue") or ())  # passes/reduction_epilogues.py
+    epilogue_slots, epilogue_temps = assign_slots(epilogue) if epilogue else ([], 0)
+    pools += [PoolSpec(f"etemp{t}", DType.F32, 1, 2) for t in range(epilogue_temps)]
+    if epilogue:
+        pools.append(PoolSpec("eout", node.dtype, 1, 2))
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
                       views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
-                      chunk=chunk, pools=tuple(pools), store_tiles=store_tiles)
+                      chunk=chunk, pools=tuple(pools), store_tiles=store_tiles, epilogue=epilogue,
+                      epilogue_slots=tuple(epilogue_slots))
 
 
 def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:
