@@ -98,9 +98,12 @@ class Node:
         return ir_text.node_text(self)
 
 
-def _with_inputs(node: Node, inputs: tuple) -> Node:
-    """`dataclasses.replace(node, inputs=inputs, id=next(_ids))` (the same fields, its attrs dict shared), without
-    replace's field-by-field __init__: Graph.rewrite copies every node downstream of a change, in every pass."""
+def with_inputs(node: Node, inputs: tuple) -> Node:
+    """`node` itself when `inputs` are its own, else `dataclasses.replace(node, inputs=inputs, id=next(_ids))` (the
+    same fields, its attrs dict shared), without replace's field-by-field __init__: Graph.rewrite copies every node
+    downstream of a change, in every pass, and passes that keep their own map of rewritten nodes do the same."""
+    if inputs == node.inputs:
+        return node
     new = object.__new__(Node)
     new.__dict__.update(node.__dict__)
     new.inputs, new.id = inputs, next(_ids)
@@ -137,7 +140,7 @@ class Graph:
             inputs = tuple(new[i] for i in node.inputs)
             replacement = fn(node, inputs)
             if replacement is None:
-                replacement = node if inputs == node.inputs else _with_inputs(node, inputs)
+                replacement = with_inputs(node, inputs)
             elif replacement.origin < 0:
                 replacement.origin = node.origin  # it computes node's value
             new[node] = replacement

@@ -179,7 +179,7 @@ def splice_collectives(graph: ir.Graph, collectives: Collectives) -> ir.Graph:
                                     collective=cut.op, reduce=cut.reduce, ranks=cut.ranks, group=cut.group)
             else:
                 inputs = tuple(new[i] for i in node.inputs)
-                new[node] = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+                new[node] = ir.with_inputs(node, inputs)
     for p in params:
         new.setdefault(p, p)
     return ir.Graph([new[p] for p in params], [new[o] for o in outputs], graph.name)

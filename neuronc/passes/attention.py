@@ -39,7 +39,6 @@ the permutation of O the model makes next, heads transposed back and merged, whi
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -773,7 +772,7 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
                              **fused.attrs)
             result.attrs["plan"] = attention_plan(result)
         else:
-            result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+            result = ir.with_inputs(node, inputs)
         built[node] = result
         return result
 

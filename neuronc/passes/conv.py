@@ -407,7 +407,7 @@ def fuse_conv_epilogues(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def timed(node, inputs):  # each kernel's final tiling: the candidates timed (the fits were judged above)
         if node.op is not Op.CONV:
             return None
-        node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        node = ir.with_inputs(node, inputs)
         return _tiled(node, target, ctx.kernel_time)
 
     return fused.rewrite(timed)

@@ -137,7 +137,7 @@ def chain_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def chain(node, inputs):
         result = _chained(node, inputs, producers[node], new, target) if node in producers else None
         if result is None:
-            result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+            result = ir.with_inputs(node, inputs)
         new[node] = result
         return result
 

@@ -22,7 +22,6 @@ strided load of x^T and the boundary between two kernels.
 """
 from __future__ import annotations
 
-import dataclasses
 
 from neuronc import ir
 from neuronc.ir import Op
@@ -103,7 +102,7 @@ def fold_norms_into_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def fold(node, inputs):
         result = _folded(node, inputs, *norms[node], new, target) if node in norms else None
         if result is None:
-            result = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+            result = ir.with_inputs(node, inputs)
         new[node] = result
         return result
 

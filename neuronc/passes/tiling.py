@@ -472,7 +472,7 @@ def _tile_all(graph: ir.Graph, target: Target, pick, wide: bool = False, timed=N
     def tile(node, inputs):
         if node.op is not Op.MATMUL:
             return None
-        node = node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs, id=next(ir._ids))
+        node = ir.with_inputs(node, inputs)
         if node.attrs.get("prologue") is not None:  # made only where a tiling fits (passes/norm_prologue.py)
             return prologue_planned(node, target)
         if node.attrs.get("chain") is not None:  # made only where a tiling fits (passes/matmul_chain.py)
