@@ -1,8 +1,9 @@
 """Would padding the key length keep the bits of generate()'s per-token ops? (issue 20, part 10)
 
-A cold eager generate compiles, per new key length L, the two attention products and the softmax; the other
-per-token ops are served by shape buckets (neuronc/frontend/aten_buckets.py), which requires the padded program's
-real part to equal the exact-shape program's bit for bit. This measures that property for the three ops at
+A cold eager generate would compile, per new key length L, the two attention products and the softmax. Exact
+shape buckets (neuronc/frontend/aten_buckets.py) need the padded program's real part to equal the exact-shape
+program's bit for bit; these three are served by reordering buckets instead (the same terms, regrouped: part 12),
+except under ``NEURON_EAGER_BUCKETS=exact``. This measures how often the bits differ, for the three ops at
 decode shapes ([heads, 1, L]), each L against its bucket L' (the next power of two, or the next multiple of
 --step), with every size compiled as its own program (buckets off):
   q @ K^T   the key length as the result's columns; K^T's extra columns random (any value: a column of the result

@@ -1,7 +1,9 @@
 """Shape buckets for eager ops (neuronc/frontend/aten_buckets.py, neuronc.pytorch.eager.BucketedProgram): an op at
-a new size runs the program of its bucket on padded operands and keeps the leading slice. Each case runs at two
-sizes of one bucket with buckets on, and again with them off (every size its own program): the bits must be the
-same, and both match CPU eager; NaN and inf among the data, integer and bool dtypes, bf16."""
+a new size runs the program of its bucket on padded operands and keeps the leading slice. Exact padding: each case
+runs at two sizes of one bucket with buckets on, and again with them off (every size its own program): the bits
+must be the same, and both match CPU eager; NaN and inf among the data, integer and bool dtypes, bf16. Reordering
+padding (a matmul, a softmax or a float sum along a size that changed): the values of CPU eager, the same bits
+at every call of a size, and none of it under NEURON_EAGER_BUCKETS=exact or deterministic algorithms."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +21,7 @@ def fresh(neuron, monkeypatch):
     monkeypatch.setenv(eager.FALLBACK_ENV, "1")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.setattr(eager, "programs", {})
-    monkeypatch.setattr(eager, "sizes_met", set())
+    monkeypatch.setattr(eager, "sizes_met", {})
     return monkeypatch
 
 
@@ -97,10 +99,9 @@ def test_sizes_of_one_bucket_share_its_program(fresh, neuron):
     assert all(e.program is entries[0].program for e in entries)
 
 
-def test_a_reduction_over_a_padded_size_is_not_bucketed(fresh, neuron):
-    """A sum or softmax over the dim that grows (generate()'s key length) compiles for each length: padding it
-    with 0 or -inf keeps the value but not the bits in general (the order of a float sum changes with its
-    length). The other dims are still padded."""
+def test_a_reduction_over_a_fixed_size_is_not_padded_over_it(fresh, neuron):
+    """A sum or softmax whose rows change but whose reduced size does not pads the rows only: its bits are its own
+    program's (the cases above), and its program reads the reduced size as it is."""
     fresh.setenv(eager.BUCKETS_ENV, "1")
     for fn in (lambda a: a.sum(-1), lambda a: a.softmax(-1)):
         fn(torch.randn(2, 5).to(neuron))
@@ -109,17 +110,115 @@ def test_a_reduction_over_a_padded_size_is_not_bucketed(fresh, neuron):
     inner = [e.inner for e in eager.programs.values() if isinstance(e, eager.BucketedProgram)]
     assert len(inner) == 2
     assert all(tuple(e.program.neff.inputs()[0].shape) == (4, 5) for e in inner)  # rows 3 -> 4, the 5 summed kept
-    assert aten_buckets.plan(torch.ops.aten.sum.dim_IntList, (torch.randn(4, 5), [-1]), {}) is None
 
 
-def test_matmuls_are_not_bucketed():
-    """The emulator's fp32 matmul (numpy's BLAS) sums one result element in an order that changes with the
-    operands' other sizes, so a padded matmul's bits are not the unpadded one's (aten_buckets' docstring)."""
-    a, b, bias = torch.randn(5, 8), torch.randn(8, 7), torch.randn(7)
+def _decode_step(q, keys, values):
+    """One token of generate()'s attention, as eager runs it: ``q @ K^T`` (the key length as the result's
+    columns), softmax over it, ``probs @ V`` (the key length as the contraction)."""
+    return (q @ keys.transpose(1, 2)).softmax(-1) @ values
+
+
+def _keys(length, dtype=torch.float32):
+    keys, values = torch.randn(4, length, 16), torch.randn(4, length, 16)
+    keys[0, -1, :] = 50.0  # a key that takes nearly all of batch 0's attention ...
+    values[1, 0, 0], values[2, -1, 3] = float("inf"), -0.0  # ... an inf and a signed zero among the values
+    return keys.to(dtype), values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_growing_key_length_is_served_by_its_bucket_with_eagers_values(fresh, neuron, dtype):
+    """generate()'s per-token matmuls and softmax along the key length: one program per bucket, not per length;
+    the padded terms are identities (-0.0 products, exp(-inf) = +0), so the values are CPU eager's."""
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    torch.manual_seed(0)
+    q = torch.randn(4, 1, 16).to(dtype)
+    _decode_step(*(x.to(neuron) for x in (q, *_keys(9, dtype)))).cpu()  # the first length: own programs
+    served, lowered = eager.compile_stats["bucketed"], eager.compile_stats["lowered"]
+    for length in range(10, 17):
+        keys, values = _keys(length, dtype)
+        got = _decode_step(q.to(neuron), keys.to(neuron), values.to(neuron)).cpu()
+        expected = _decode_step(q.float(), keys.float(), values.float())
+        torch.testing.assert_close(got.float(), expected, equal_nan=True, **TOLERANCES[dtype])
+    assert eager.compile_stats["bucketed"] - served >= 3 * 6  # both matmuls and the softmax at 10..15 (16: its own)
+    assert eager.compile_stats["lowered"] - lowered <= 4  # their programs at bucket 16 (and the transpose's copy)
+
+
+def test_reordering_padding_keeps_infinities_nans_and_signed_zeros(fresh, neuron):
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    cases = [
+        (lambda a: a.softmax(-1), lambda n: torch.full((2, n), float("-inf"))),  # a row of only -inf: NaN
+        (lambda a: a.log_softmax(-1), lambda n: _special(3, n)),
+        (lambda a: a.sum(-1), lambda n: torch.full((2, n), -0.0)),  # signed zeros: the sign eager gives
+        (lambda a, b: a @ b, lambda n: (torch.full((2, n), -0.0), torch.full((n, 3), 1.0))),
+        (lambda a, b: a @ b, lambda n: (_special(3, n), torch.randn(n, 2))),
+    ]
+    for fn, make in cases:
+        first = make(4)
+        fn(*(x.to(neuron) for x in (first if isinstance(first, tuple) else (first,)))).cpu()
+        inputs = make(5)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        served = eager.compile_stats["bucketed"]
+        got = fn(*(x.to(neuron) for x in inputs)).cpu()
+        assert eager.compile_stats["bucketed"] == served + 1
+        expected = fn(*inputs)
+        torch.testing.assert_close(got, expected, equal_nan=True, **TOLERANCES[torch.float32])
+        assert torch.equal(torch.signbit(got), torch.signbit(expected)) or expected.isnan().any()
+
+
+def test_a_size_served_twice_gives_the_same_bits(fresh, neuron):
+    fresh.setenv(eager.BUCKETS_ENV, "1")
+    torch.manual_seed(2)
+    q = torch.randn(4, 1, 16)
+    _decode_step(*(x.to(neuron) for x in (q, *_keys(9))))
+    keys, values = _keys(13)
+    runs = [_decode_step(q.to(neuron), keys.to(neuron), values.to(neuron)).cpu() for _ in range(2)]
+    assert torch.equal(_bits(runs[0]), _bits(runs[1]))
+
+
+@pytest.mark.parametrize("exact", ["mode", "deterministic"])
+def test_exact_mode_and_deterministic_algorithms_never_reorder_a_sum(fresh, neuron, exact):
+    """With reordering an op's last bits at a size depend on whether it met another size first; either switch
+    keeps every bucketed result its own program's, bit for bit: the key length compiles per length again."""
+    fresh.setenv(eager.BUCKETS_ENV, "exact" if exact == "mode" else "1")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(exact == "deterministic")
+    try:
+        q = torch.randn(4, 1, 16)
+        _decode_step(*(x.to(neuron) for x in (q, *_keys(9))))
+        served = eager.compile_stats["bucketed"]
+        for length in (10, 11):
+            keys, values = _keys(length)
+            assert_matches_eager(_decode_step(q.to(neuron), keys.to(neuron), values.to(neuron)).cpu(),
+                                 _decode_step(q, keys, values))
+        assert eager.compile_stats["bucketed"] == served
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def test_matmuls_and_float_sums_pad_only_the_sizes_that_changed():
+    a, b = torch.randn(2, 5, 8), torch.randn(2, 8, 7)
     aten = torch.ops.aten
-    assert aten_buckets.plan(aten.mm.default, (a, b), {}) is None
-    assert aten_buckets.plan(aten.addmm.default, (bias, a, b), {}) is None
-    assert aten_buckets.plan(aten.bmm.default, (a[None], b[None]), {}) is None
+    assert aten_buckets.plan(aten.bmm.default, (a, b), {}) is None  # no reordering allowed: not bucketed
+    assert aten_buckets.plan(aten.bmm.default, (a, b), {}, first=(a.shape, b.shape)) is None  # nothing changed
+    assert aten_buckets.plan(aten.bmm.default, (a, b), {}, first=((2, 5, 4), (2, 4, 7))) is None  # 8: its bucket
+    a, b = torch.randn(2, 5, 6), torch.randn(2, 6, 7)
+    pads = aten_buckets.plan(aten.bmm.default, (a, b), {}, first=((2, 5, 4), (2, 4, 7)))
+    assert pads == {0: aten_buckets.Pad((2, 5, 8), ((2, 0.0),)), 1: aten_buckets.Pad((2, 8, 7), ((1, -0.0),))}
+    assert str(pads[1].fills[0][1]) == "-0.0"
+    x = torch.randn(3, 6)
+    assert aten_buckets.plan(aten.sum.dim_IntList, (x, [-1]), {}) == {0: aten_buckets.Pad((4, 6), ((0, "edge"),))}
+    assert aten_buckets.plan(aten.sum.dim_IntList, (x, [-1]), {}, first=((3, 5), None)) == {
+        0: aten_buckets.Pad((4, 8), ((0, "edge"), (1, -0.0)))}
+    assert aten_buckets.plan(aten.mean.dim, (x, [-1]), {}, first=((3, 5), None)) == {
+        0: aten_buckets.Pad((4, 6), ((0, "edge"),))}  # a mean divides by the count: never padded over it
+
+
+def test_an_unknown_bucket_mode_is_refused(fresh, neuron):
+    from neuronc.errors import NeuronConfigError
+
+    fresh.setenv(eager.BUCKETS_ENV, "yes")
+    with pytest.raises(NeuronConfigError, match="NEURON_EAGER_BUCKETS"):
+        (torch.randn(3, 2).to(neuron) + 1.0).cpu()
 
 
 @pytest.mark.parametrize("rows", [129, 200])

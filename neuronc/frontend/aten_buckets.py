@@ -8,27 +8,28 @@ results: one program per bucket instead of one per size. The rules below say, pe
 arguments may be padded and with what; :func:`plan` applies them to one call. The eager path
 (``neuronc.pytorch.eager``) pads the operands, runs the bucket's program and slices its results.
 
-Exactness. A result element of the real call is computed from the same operand elements by the same
-instructions whichever the padded size, when the padded dim is not reduced: the elements added along a
-padded dim are then only ever combined with each other (an elementwise op's padded lanes, a softmax's
-padded rows). A reduction *over* a padded dim is bucketed only when the pad is
-the reduction's identity and the reduction's result does not depend on the order of its terms: ``all``/``any``
-on bool (logical and/or). Sums, means, softmax, the matmul's contraction (``probs @ V`` over the key length)
-are not: padding with zeros or -inf would keep the value but not, in general, the bits (the order and the
-grouping of a float sum change with its length, and ``-0.0 + 0.0`` is ``+0.0``). ``tests/test_eager_buckets.py``
-compares the bucketed path's bits with the op's own program and with CPU eager, NaN and inf among the data.
+Two kinds of padding.
 
-Matmuls are not bucketed, although a result element reads only its row of the left operand and its column of
-the right: the emulator's fp32 matmul is numpy's (BLAS), whose summation order for one element changes with
-the operands' other sizes (``A.T @ B`` against the same product padded to the next power of two in M or in N,
-K in 6..32, M and N in 1..17: 43 of 100 padded-M and 66 of 100 padded-N products differ in some bit), and the
-bucketed result must be the unpadded program's, bit for bit. Whether a padded product keeps its bits is a property
-of the OpenBLAS kernel set numpy picks for the CPU, not of the op: generate()'s ``q @ K^T`` at decode shapes keeps
-them under the SkylakeX set and loses them at 117 of 121 key lengths under the Haswell set, and ``probs @ V`` and
-the softmax lose them under both (``benchmarks/padding_exactness.py``, docs/performance.md issue 20 part 10), so no
-rule here can be exact on every machine. The hardware's PE array accumulates each result
-in K order whatever M and N are; an emulated matmul with that property would make the rows of ``x @ W`` and
-the key columns of ``q @ K^T`` bucketable.
+*Exact* (``RULES``): a result element of the real call is computed from the same operand elements by the same
+instructions whichever the padded size, when the padded dim is not reduced: the elements added along a padded
+dim are then only ever combined with each other (an elementwise op's padded lanes, a softmax's padded rows). A
+reduction *over* a padded dim is exact only when the pad is the reduction's identity and the result does not
+depend on the order of its terms: ``all``/``any`` on bool (logical and/or). The bucketed result is the unpadded
+program's, bit for bit (``tests/test_eager_buckets.py`` compares them, NaN and inf among the data).
+
+*Reordering* (``REORDERING_RULES``): a float sum over a padded dim — a sum's reduced dim padded with ``-0.0``, a
+softmax's with ``-inf`` (its ``exp`` is ``+0``), the contraction of ``mm``/``bmm`` with ``+0.0`` on the left and
+``-0.0`` on the right (each padded product is ``-0.0``), and a matmul's other dims (the emulator's fp32 matmul is
+numpy's BLAS, whose summation order for one result element changes with the operands' other sizes). The padded
+terms are exact identities (``x + -0.0 == x`` for every ``x``, ``-0.0`` included; ``-inf`` never wins a max), so
+the value is the same sum of the same terms, but in another grouping: the bits may differ from the unpadded
+program's in the last places, as any reordered float sum does (``benchmarks/padding_exactness.py`` counts them;
+docs/performance.md issue 20, parts 10 and 12), and the result matches CPU eager within the per-dtype
+tolerances. This is how generation is served on the real hardware too (sequence-length buckets). A reordering
+dim is padded only where the op's size differs from the size it had when first met (the key length of
+generate()'s ``q @ K^T``, ``softmax`` and ``probs @ V``; never a model's fixed width), and only when the caller
+allows it: ``NEURON_EAGER_BUCKETS=exact`` and ``torch.use_deterministic_algorithms(True)`` keep to exact padding,
+since with reordering an op's last bits at a size depend on whether it met another size first.
 
 Padding fills a padded region with a copy of the last real index along that dim ("edge"): the padded lanes
 then compute on values the real lanes already meet (no new division by zero, log of 0, overflow), and an
@@ -49,6 +50,7 @@ aten = torch.ops.aten
 
 MAX_ELEMENTS = 1 << 20  # a padded operand larger than this: the op is not bucketed (a stated choice)
 EDGE = "edge"  # fill a padded region with the last real index along the dim
+SUM_IDENTITY = -0.0  # x + -0.0 == x for every x, -0.0 included (+0.0 would turn a sum of -0.0s into +0.0)
 
 
 def bucket(n: int) -> int:
@@ -140,6 +142,44 @@ RULES = {
     "aten::any.dims": _reduction(identity=False),
 }
 
+def _float_sum(args, kwargs):
+    """``sum(self, dim, ...)`` of a float tensor: its reduced dims, padded with the sum's identity."""
+    x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    if not x.dtype.is_floating_point or dims is None or x.dim() == 0 or kwargs.get("dtype") is not None:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return {0: {_normal(d, x.dim()): SUM_IDENTITY for d in dims}} if dims else None
+
+
+def _softmax_row(args, kwargs):
+    """``_softmax(self, dim, half_to_float)``: the reduced dim, padded with -inf (whose exp is +0)."""
+    x = args[0]
+    if not x.dtype.is_floating_point or x.dim() == 0:
+        return None
+    return {0: {_normal(args[1], x.dim()): float("-inf")}}
+
+
+def _matmul(args, kwargs):
+    """``mm(a, b)`` / ``bmm(a, b)``: every dim; the contraction padded with +0.0 in ``a`` and -0.0 in ``b``, so
+    each padded product is -0.0 and adds nothing (nor meets a real inf or NaN)."""
+    a, b = args[0], args[1]
+    if not (a.dtype.is_floating_point and b.dtype == a.dtype):
+        return None
+    return {0: {**_dims(a, skip=(a.dim() - 1,)), a.dim() - 1: 0.0},
+            1: {**_dims(b, skip=(b.dim() - 2,)), b.dim() - 2: SUM_IDENTITY}}
+
+
+REORDERING_RULES = {
+    # schema name -> rule: dims whose padding regroups a float sum (the module's docstring); padded only where
+    # the size differs from the op's first, and only when reordering is allowed
+    "aten::sum.dim_IntList": _float_sum,
+    "aten::_softmax": _softmax_row,
+    "aten::_log_softmax": _softmax_row,
+    "aten::mm": _matmul,
+    "aten::bmm": _matmul,
+}
+
+
 NOT_BUCKETED = {
     # pointwise-tagged ops whose result is not per index, or that are better left alone
     "aten::clone",  # a copy (DMA in eager): nothing to compile
@@ -163,18 +203,31 @@ def rule_of(op):
     return None
 
 
-def plan(op, args: tuple, kwargs: dict):
-    """{argument position: Pad} for the tensor arguments this call pads, or None when nothing is padded (no
-    rule, a dim already at its bucket, or an operand too large)."""
-    rule = rule_of(op)
+def _wanted(rule, args, kwargs) -> dict:
     if rule is None:
-        return None
+        return {}
     try:
-        wanted = rule(args, kwargs)
+        return rule(args, kwargs) or {}
     except (TypeError, IndexError, ValueError, RuntimeError):  # an overload's arguments the rule does not read
-        return None
-    if not wanted:
-        return None
+        return {}
+
+
+def _changed(dims: dict, shape, first) -> dict:
+    """The dims of ``dims`` where ``shape`` differs from ``first`` (the shape the argument had when first met)."""
+    if first is None or len(first) != len(shape):
+        return dims
+    return {d: fill for d, fill in dims.items() if shape[d] != first[d]}
+
+
+def plan(op, args: tuple, kwargs: dict, first: tuple | None = None):
+    """{argument position: Pad} for the tensor arguments this call pads, or None when nothing is padded (no
+    rule, a dim already at its bucket, or an operand too large). ``first`` (the shapes of ``args`` when the op
+    was first met, None for a non-tensor) allows reordering padding, of the dims whose size changed since."""
+    wanted = _wanted(rule_of(op), args, kwargs)
+    if first is not None:
+        for position, dims in _wanted(REORDERING_RULES.get(_schema_name(op)), args, kwargs).items():
+            was = first[position] if position < len(first) else None
+            wanted.setdefault(position, {}).update(_changed(dims, args[position].shape, was))
     pads = {}
     for position, dims in wanted.items():
         x = args[position]

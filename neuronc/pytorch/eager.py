@@ -11,7 +11,9 @@ where the op takes a tensor (``x * 0.9``), or where it takes a Scalar of an op i
 tensor), keyed by its type only: an optimizer whose step sizes change every step compiles in its first step
 only. Other arguments (dims, shapes, flags) are part of the signature. An elementwise or row-wise op met at a
 second size runs the program of its shape bucket on padded operands (``BucketedProgram``, the rules in
-:mod:`neuronc.frontend.aten_buckets`; ``NEURON_EAGER_BUCKETS=0`` turns it off). In-place and ``out=`` ops run their
+:mod:`neuronc.frontend.aten_buckets`), and so do a matmul, a softmax or a float sum along a size that changed
+since the op was first met (generate()'s key length: the same sum of the same terms, regrouped);
+``NEURON_EAGER_BUCKETS=exact`` keeps to bit-exact padding, ``0`` turns buckets off. In-place and ``out=`` ops run their
 functional form with the mutated tensor's memory as the program's output.
 
 Launches are queued on the current stream (:mod:`neuronc.pytorch.queues`) and run at the next
@@ -42,7 +44,7 @@ import warnings
 import numpy as np
 import torch
 
-from neuronc.errors import FallbackDisabledError, NeuronDeviceError, NeuronError
+from neuronc.errors import FallbackDisabledError, NeuronConfigError, NeuronDeviceError, NeuronError
 from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
 
@@ -508,11 +510,13 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
     from neuronc.compiler import collector_paused
 
-    if os.environ.get(BUCKETS_ENV, BUCKETS_DEFAULT) != "0" and not adaptive.ENABLED and _met_before(op, args, kwargs,
-                                                                                                  runtime):
+    mode = _buckets_mode()
+    first = _first_met(op, args, kwargs, runtime) if mode != "0" and not adaptive.ENABLED else None
+    if first is not None:
         from neuronc.frontend.aten_buckets import plan
 
-        pads = plan(op, args, kwargs)
+        reordering = mode == "1" and not torch.are_deterministic_algorithms_enabled()
+        pads = plan(op, args, kwargs, first if reordering else None)
         if pads:
             entry = _bucketed(op, args, kwargs, device, runtime, pads)
             if entry is not None:
@@ -524,11 +528,20 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
 
 # ---- shape buckets: a new size served by the program of its bucket (neuronc/frontend/aten_buckets.py) ------
 
-BUCKETS_ENV = "NEURON_EAGER_BUCKETS"  # "0": every new shape compiles its own program; "1": buckets
+BUCKETS_ENV = "NEURON_EAGER_BUCKETS"  # "0": off; "exact": bit-exact padding only; "1": also reordering padding
 BUCKETS_DEFAULT = "1"
+BUCKETS_MODES = ("0", "exact", "1")
 
 
-sizes_met: set = set()  # (op, its signature with each tensor's shape replaced by its rank): met at one shape
+def _buckets_mode() -> str:
+    mode = os.environ.get(BUCKETS_ENV, BUCKETS_DEFAULT)
+    if mode not in BUCKETS_MODES:
+        raise NeuronConfigError(f"{BUCKETS_ENV}={mode!r} is not a bucket mode",
+                                hint=f"set it to one of {', '.join(BUCKETS_MODES)} (README, Configuration)")
+    return mode
+
+
+sizes_met: dict = {}  # (op, its signature with each tensor's shape replaced by its rank) -> shapes when first met
 
 
 def _sizes_free(part):
@@ -537,15 +550,17 @@ def _sizes_free(part):
     return tuple(_sizes_free(p) for p in part) if isinstance(part, tuple) else part
 
 
-def _met_before(op, args, kwargs, runtime: frozenset) -> bool:
-    """Whether ``op`` was compiled before for these ranks, dtypes and other arguments at other sizes. Only then
-    is a new size bucketed: an op whose shapes never change (a model's fixed widths) runs its own program and
-    pays no padding; one whose sizes vary (a growing key length, a new batch) pads from its second size on."""
+def _first_met(op, args, kwargs, runtime: frozenset):
+    """The shapes of ``args`` (None for a non-tensor) when ``op`` was first compiled for these ranks, dtypes and
+    other arguments, or None when this call is the first. Only an op met before at other sizes is bucketed: an
+    op whose shapes never change (a model's fixed widths) runs its own program and pays no padding; one whose
+    sizes vary (a growing key length, a new batch) pads from its second size on, and reordering padding only
+    along the dims that changed."""
     family = (op, _sizes_free(_signature(args, runtime, [])), _sizes_free(_signature(kwargs, runtime, [])))
-    if family in sizes_met:
-        return True
-    sizes_met.add(family)
-    return False
+    first = sizes_met.get(family)
+    if first is None:
+        sizes_met[family] = tuple(x.shape if isinstance(x, torch.Tensor) else None for x in args)
+    return first
 
 
 @dataclasses.dataclass
