@@ -3,6 +3,8 @@ row-wise kernel's row tiles computed in the matmul's kernel and transposed on th
 resident A^T, instead of stored to HBM and loaded back strided."""
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -10,7 +12,8 @@ import torch
 from neuronc import ir_text
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
-from neuronc.isa import Engine, Opcode, Space
+from neuronc.codegen.matmul import TRANSPOSE_BANKS
+from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.plans import ChainPlan, ProloguePlan
 from runtime import run_neff
@@ -129,17 +132,24 @@ def test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
 
 
-def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits():
-    """GPT-2's second layer-norm -> MLP (768 -> 3072 -> GELU -> 768, 512 tokens, bf16) at -O2: one kernel, the chain
-    (passes/matmul_chain.py) whose first matmul's resident x^T the norm's transposed row tiles make, so no strided
-    load of x^T; the same bits as one kernel per op (-O0), and eager's values."""
+@functools.lru_cache(maxsize=1)
+def _layer_norm_mlp() -> tuple:
+    """GPT-2's second layer-norm -> MLP (768 -> 3072 -> GELU -> 768, 512 tokens, bf16), its input, and its
+    programs at -O0 and -O2."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(768), torch.nn.Linear(768, 3072), torch.nn.GELU(),
                                 torch.nn.Linear(3072, 768)).eval().to(torch.bfloat16)
     x = torch.randn(512, 768).to(torch.bfloat16)
     program = torch.export.export(model, (x,))
-    compiled = {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_mlp_{level}"))
-                for level in (0, 2)}
+    return model, x, {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_mlp_{level}"))
+                      for level in (0, 2)}
+
+
+def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits():
+    """GPT-2's second layer-norm -> MLP at -O2: one kernel, the chain (passes/matmul_chain.py) whose first matmul's
+    resident x^T the norm's transposed row tiles make, so no strided load of x^T; the same bits as one kernel per
+    op (-O0), and eager's values."""
+    model, x, compiled = _layer_norm_mlp()
     (kernel,) = compiled[2].neff.kernels
     (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
     plan = matmul.attrs["plan"]
@@ -147,6 +157,25 @@ def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits(
     strided = [i for (engine, _), stream in compiled[2].neff.streams.items() if engine == Engine.DMA for i in stream
                if i.operands[1].space == Space.HBM and i.operands[1].dims[-1][0] != 1 and i.operands[1].dims[-1][1] > 1]
     assert not strided  # x^T is made on chip
+    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_the_mlp_chains_first_output_tiles_multiply_each_row_tile_of_the_norm_as_it_is_made():
+    """In the layer-norm -> MLP chain, the first matmul's lead output tiles (h^T, all 512 tokens wide) accumulate a
+    128-token block at a time, each block's matmuls (N = 128) on the Tensor engine before the norm's last row tile
+    is transposed, instead of every row tile first; each element sums the same K tiles in the same order, so the
+    output has -O0's bits and eager's values."""
+    model, x, compiled = _layer_norm_mlp()
+    tensor = compiled[2].neff.streams[(Engine.TENSOR, 0)]
+    transposes = [n for n, i in enumerate(tensor) if i.opcode == Opcode.MATMUL and i.dst.dtype != DType.F32]
+    assert len(transposes) == 4 * 6  # 4 row tiles of 6 K tiles each, into 16-bit PSUM (transpose mode)
+    early = [i for i in tensor[:transposes[-1]] if i.opcode == Opcode.MATMUL and i.dst.dtype == DType.F32]
+    assert early and all(i.operands[2].free_elements == 128 for i in early)
+    lead_tiles = 8 - 4 - TRANSPOSE_BANKS  # trn2's PSUM banks, less the second's early column and the transposes
+    assert len(early) >= lead_tiles * 6  # at least the first token block of each lead tile, over its 6 K tiles
     outputs = [_run(compiled[level], x) for level in (0, 2)]
     np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
     with torch.no_grad():

@@ -39,6 +39,11 @@ class Pool:
         self.turn += 1
         return tile
 
+    def part(self, first: int, bufs: int) -> "Pool":
+        """Slots [first, first + bufs) of this pool as a pool of their own, over the same memory: for uses the
+        caller keeps apart (a kernel's phases), the sync pass ordering any reuse across them."""
+        return Pool(self.space, self.dtype, self.base + first * self.slot_bytes, self.slot_bytes, bufs)
+
 
 class Emitter:
     # Tile slots start on the sync pass's tracking pages: two slots never share a page, so the sync

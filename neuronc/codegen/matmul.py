@@ -25,6 +25,14 @@ from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan
 from neuronc.targets import Target
 
 
+# PSUM banks of a chain's prologue for its transposes; the first matmul's other banks (2 of 4 on trn2) hold its
+# lead tiles while the norm's row tiles are made (`_Matmul.lead_tiles`). Measured (GPT-2 block, trn2 bf16, us):
+# all rows first (no lead tiles) 165.4; 1 bank for the transposes, 3 lead tiles 165.6; 2 and 2 164.8; 3 and 1
+# 164.8. More lead tiles hold more banks and A strips through the prologue, and their epilogues (the GELU, on
+# the Scalar engine mostly) come all at once after it, where the Tensor engine then waits for banks.
+TRANSPOSE_BANKS = 2
+
+
 def matmul(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     """A matmul kernel, or a chain of two (passes/matmul_chain.py): the first one's result, computed
     transposed, stays in SBUF as the second one's stationary operand."""
@@ -48,8 +56,9 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
     eye = identity(em, em.sbuf_pool(plan.dtype, tk, bufs=1).next(), tk, em.sbuf_pool(DType.F32, tk, bufs=1).next())
     chain = plan.matmul if isinstance(plan.matmul, ChainPlan) else None
     # the transposes take their banks from the matmul's pool (the first matmul's, in a chain): they are done before
-    # its output tiles need them
+    # its output tiles need them; in a chain, TRANSPOSE_BANKS of them, the others holding the first's lead tiles
     psum = em.psum_pool(bufs=em.target.psum_banks - (chain.early_rows if chain else 0))
+    transposes = psum.part(0, TRANSPOSE_BANKS) if chain else psum
     # trn2+: the transpose mode writes 16-bit results to PSUM, which the evacuating engines copy faster (targets.py)
     mode = em.target.tensor_transpose_mode and plan.dtype in (DType.BF16, DType.F16)
     per_bank = em.target.psum_bank_bytes // (plan.dtype.itemsize if mode else DType.F32.itemsize) // tk
@@ -61,7 +70,7 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
         rt = tile.partitions
         for j0 in range(0, plan.cols // tk, per_bank):
             group = range(j0, min(j0 + per_bank, plan.cols // tk))
-            acc = psum.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
+            acc = transposes.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
             for n, j in enumerate(group):
                 em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(acc, n * rt, tk, rt), tile_at(tile, j * tk, rt, tk),
                         tile_at(eye, 0, rt, rt))
@@ -80,18 +89,19 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
     make_rows(0)  # the first row tiles' loads go ahead of B's strips on the queues
     rest = list(node.inputs[plan.split:])
     inputs = (*rest[:plan.operand], None, *rest[plan.operand:])
-    if chain:  # the first's B, x^T: its output tiles read every token, so all rows first
-        make_rows((rows - 1) // em.target.partitions * em.target.partitions)
-        _chain(em, chain, memory, node, inputs, b_resident=kept, psum=psum)
+    if chain:  # the first's B, x^T: its output tiles read every token; its lead tiles a row tile at a time
+        _chain(em, chain, memory, node, inputs, b_resident=kept, psum=psum,
+               lead=(psum.part(TRANSPOSE_BANKS, psum.bufs - TRANSPOSE_BANKS), make_rows))
         return
     _Matmul(em, plan.matmul, memory, inputs, node.loc, home=node, a_resident=kept, psum=psum,
             before_tile=make_rows).emit()
 
 
 def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node, inputs: tuple | None = None,
-           b_resident: AccessPattern | None = None, psum: Pool | None = None) -> None:
+           b_resident: AccessPattern | None = None, psum: Pool | None = None, lead: tuple | None = None) -> None:
     """`inputs`: the node's, unless a prologue makes the first's B (`b_resident`, its input None); `psum`: the
-    first's PSUM pool, if the caller made it."""
+    first's PSUM pool, if the caller made it; `lead`: (PSUM pool, make_columns) when the prologue makes B's
+    columns a block at a time (`_Matmul.lead_tiles`)."""
     first, second = chain.first, chain.second
     inputs = node.inputs if inputs is None else inputs
     first_inputs, second_inputs = inputs[:chain.split], (None, *inputs[chain.split:])
@@ -101,7 +111,8 @@ def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node, inputs
     psum = psum or em.psum_pool(bufs=em.target.psum_banks - chain.early_rows)
     if not chain.early_rows:
         em.locate(chain.first_loc)
-        _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, b_resident=b_resident).emit()
+        _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, b_resident=b_resident,
+                lead=lead).emit()
         em.locate(None)
         _Matmul(em, second, memory, second_inputs, node.loc, home=node, a_resident=kept, psum=psum).emit()
         return
@@ -128,7 +139,7 @@ def _chain(em: Emitter, chain: ChainPlan, memory: MemoryPlan, node: Node, inputs
 
     em.locate(chain.first_loc)  # the second's early matmuls, emitted among the first's, keep the first's location
     _Matmul(em, first, memory, first_inputs, chain.first_loc, sink=kept, psum=psum, after_tile=made_tile,
-            b_resident=b_resident).emit()
+            b_resident=b_resident, lead=lead).emit()
     em.locate(None)
     rest.finish(pending)
 
@@ -240,13 +251,15 @@ class _Matmul:
     ([K tile, k tiles x N]: all of B, which has no bias row then); with `sink` ([M tile,
     M tiles x N] in SBUF), result tiles go there (row tile i at columns i x N) instead of to HBM `home`'s buffer;
     `psum`, a PSUM pool to share; `after_tile(m0)` is called once a row tile's epilogue is emitted, `before_tile(m0)`
-    before the matmuls of an output tile from row m0 (a prologue making A^T's rows: `_prologued`)."""
+    before the matmuls of an output tile from row m0 (a prologue making A^T's rows: `_prologued`); `lead`:
+    (PSUM pool, make_columns) for a resident B made a column block at a time (`lead_tiles`)."""
 
     def __init__(self, em: Emitter, plan: MatmulPlan, memory: MemoryPlan, inputs: tuple, loc, *,
                  home: Node | None = None, a_resident: AccessPattern | None = None,
                  b_resident: AccessPattern | None = None, sink: AccessPattern | None = None,
-                 psum: Pool | None = None, after_tile: Callable | None = None, before_tile: Callable | None = None):
-        self.em, self.plan, self.loc = em, plan, loc
+                 psum: Pool | None = None, after_tile: Callable | None = None, before_tile: Callable | None = None,
+                 lead: tuple | None = None):
+        self.em, self.plan, self.loc, self.lead = em, plan, loc, lead
         self.a_resident, self.b_resident = a_resident, b_resident
         self.sink, self.after_tile, self.before_tile = sink, after_tile, before_tile
         a, b, *extras = inputs
@@ -438,15 +451,50 @@ class _Matmul:
     def run(self, steps: list, loaded: dict) -> None:
         """Every strip load issued `stream_bufs - 1` steps ahead (before the previous steps' tiles and their
         stores), so it overlaps their compute; `loaded`: the strips loaded already, by step."""
+        accumulated = self.lead_tiles(steps, loaded) if self.lead is not None else {}
         for i, step in enumerate(steps):
             for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
                 loaded[j] = steps[j].load()
             for tile in step.tiles:
+                if tile in accumulated:
+                    ops = self.operands(tile, loaded)
+                    self.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=accumulated[tile], row=ops.row,
+                                     column=ops.column)
+                    continue
                 if self.before_tile is not None:
                     self.before_tile(tile.m0)
                 ops = self.operands(tile, loaded)
                 self.output_tile(tile.g, tile.m0, tile.n0, ops.stationary, ops.moving, row=ops.row, column=ops.column)
         self.flush(last=True)
+
+    def lead_tiles(self, steps: list, loaded: dict) -> dict:
+        """The first output tiles (one per bank of the lead's pool, their strips within the loads kept ahead)
+        accumulated a block of B's columns at a time, `make_columns(n0)` called before the matmuls reading
+        B's columns from n0: a chain's prologue makes B = x^T a row tile of the norm at a time, and the Tensor
+        engine multiplies each one while the norm's next ones are made, instead of waiting for all of them.
+        Each accumulator element sums the same K tiles in the same order as one matmul over all columns would
+        (the same bits). Returns {output tile: its accumulator}; their epilogues are for `run`."""
+        pool, make_columns = self.lead
+        tiles = [(i, tile) for i, step in enumerate(steps) for tile in step.tiles]
+        tiles = [(i, tile) for i, tile in tiles if i < self.plan.tiling.stream_bufs][:pool.bufs]
+        for j in range(len(loaded), max((i for i, _ in tiles), default=-1) + 1):
+            loaded[j] = steps[j].load()
+        accs = {tile: pool.next().ap(min(self.tm, self.plan.m - tile.m0), min(self.tn, self.plan.n - tile.n0))
+                for _, tile in tiles}
+        block = self.em.target.partitions
+        for n0 in range(0, self.plan.n, block):
+            make_columns(n0)
+            for _, tile in tiles:
+                ops = self.operands(tile, loaded)
+                col = n0 - tile.n0  # the block's first column in this tile, if it has it
+                if not 0 <= col < ops.moving.size:
+                    continue
+                width = min(block, ops.moving.size - col)
+                moving = dataclasses.replace(ops.moving, col=ops.moving.col + col, size=width)
+                for j in range(self.k_tiles):
+                    self.em.emit(Opcode.MATMUL, Engine.TENSOR, column_slice(accs[tile], col, col + width),
+                                 ops.stationary.k_tile(j), moving.k_tile(j), accumulate=j > 0)
+        return accs
 
     def operands(self, tile: _OutputTile, loaded: dict) -> _Operands:
         """An output tile's operands and bias parts, from the loaded strips."""
