@@ -41,11 +41,11 @@ def _readers(producer, consumers: dict) -> list | None:
     return list(readers) or None
 
 
-def _with_producer(reader_inputs: list, views: list, body: tuple, slot: int, producer_inputs: list,
-                   producer_body: tuple) -> tuple:
-    """(inputs, views, body) of a reader whose input `slot` is computed from `producer_inputs` by `producer_body`,
-    its steps first (reading the producer's inputs through the view the reader read the producer with)."""
-    view = views[slot]
+def with_producer(reader_inputs: list, views: list, body: tuple, slot: int, producer_inputs: list,
+                  producer_views: list, producer_body: tuple) -> tuple:
+    """(inputs, views, body) of a reader whose input `slot` is computed from `producer_inputs` (read through
+    `producer_views`, in the reader's terms) by `producer_body`, its steps first; input `slot` is then read by no
+    step (`dropped` takes it out)."""
     inputs, views = list(reader_inputs), list(views)
     first = []
     for s in producer_body:
@@ -53,7 +53,7 @@ def _with_producer(reader_inputs: list, views: list, body: tuple, slot: int, pro
         for kind, ref in s.args:
             if kind == "input":
                 inputs.append(producer_inputs[ref])
-                views.append(view)
+                views.append(producer_views[ref])
                 kind, ref = "input", len(inputs) - 1
             args.append((kind, ref))
         first.append(s._replace(args=tuple(args)))
@@ -69,7 +69,7 @@ def _with_producer(reader_inputs: list, views: list, body: tuple, slot: int, pro
     return inputs, views, tuple(first) + tuple(s._replace(args=tuple(arg(*a) for a in s.args)) for s in body)
 
 
-def _dropped(inputs: list, views: list, body: tuple, slot: int) -> tuple:
+def dropped(inputs: list, views: list, body: tuple, slot: int) -> tuple:
     """(inputs, views, body) without input `slot` (read by no step any more), the later inputs renumbered."""
     def arg(kind, ref):
         return (kind, ref - 1) if kind == "input" and ref > slot else (kind, ref)
@@ -98,10 +98,10 @@ def fold_per_row_producers(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
         slots = [i for i, x in enumerate(node.inputs) if x in producers]
         for slot in slots:
             producer = inputs[slot]  # rebuilt: its new inputs
-            new_inputs, views, body = _with_producer(new_inputs, views, body, slot, list(producer.inputs),
-                                                     producer.attrs["body"])
+            new_inputs, views, body = with_producer(new_inputs, views, body, slot, list(producer.inputs),
+                                                    [views[slot]] * len(producer.inputs), producer.attrs["body"])
         for slot in reversed(slots):
-            new_inputs, views, body = _dropped(new_inputs, views, body, slot)
+            new_inputs, views, body = dropped(new_inputs, views, body, slot)
         if len(new_inputs) > MAX_INPUTS or len(body) > MAX_STEPS:
             return None  # the reader keeps reading the producer's kernel
         return ir.node(Op.FUSED, new_inputs, node.shape, node.dtype, node.loc,
