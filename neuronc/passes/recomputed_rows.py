@@ -85,7 +85,8 @@ def recompute_rows_in_readers(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
                                                 producer.attrs["body"])
         new_inputs, views, body = dropped(new_inputs, views, body, slot)
         if node.op is Op.ROWWISE:
-            return rebuilt_rowwise(node, new_inputs, tuple(views), body, ctx.target) or None
+            # None (no room in SBUF): the reader keeps reading the kernel
+            return rebuilt_rowwise(node, new_inputs, tuple(views), body, ctx.target)
         return ir.node(Op.REDUCE_LAST, new_inputs, node.shape, node.dtype, node.loc,
                        **{**node.attrs, "prologue": body, "views": tuple(views)})
 
