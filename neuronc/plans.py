@@ -306,6 +306,7 @@ class PartitionSumPlan:
     pools: tuple  # PoolSpecs: "input<i>" [tile_rows, group], the prologue's, "ones" [tile_rows, 1], "outs" [1, group]
     prologue: tuple = ()  # IR steps computing x per tile from the inputs, all read through `view` (empty: input 0)
     slots: tuple = ()  # per prologue step: its temporary's slot, or None (the "body_out" tile)
+    per_token: tuple = ()  # the inputs holding one value per t (a [T] vector): loaded as a [tile_rows, 1] column
 
 
 # elementwise and indexing kernels (passes/kernel_plans.py) ----------------------------------------------------

@@ -65,17 +65,44 @@ def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
 
 
 def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: list, out_tile: Tile, shape: tuple,
-              constants: Pool | None, loc: DebugLoc) -> AccessPattern:
+              constants: Pool | None, loc: DebugLoc, engines: "StepBalancer | None" = None) -> AccessPattern:
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
-    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP."""
-    results = []
+    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP. With `engines`, each
+    step goes to the engine that would finish it first (StepBalancer), else to the Vector engine."""
+    results, made = [], []
+
+    def compute(step, out, args):
+        if engines is None:
+            compute_step(em, step, out, args, constants, loc)
+            return
+        ready = max([made[ref] for kind, ref in step.args if kind == "step"], default=0.0)
+        made.append(engines.compute(step, out, args, constants, loc, ready))
+
     for step, slot in zip(body, slots):
-        out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
         args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
                 for kind, ref in step.args]
-        compute_step(em, step, out, args, constants, loc)
+        tiles = [a for a in args if isinstance(a, AccessPattern)]
+        if slot is not None and tiles and all(_repeated_column(a) for a in tiles):
+            # a step of per-row values only (a row's mean rounded): computed once a partition, on the column,
+            # and read along the row with stride 0 as its operands were
+            column = temp_tiles[slot].ap(shape[0], 1, dtype=step.dtype)
+            compute(step, column, [_column_of(a) if isinstance(a, AccessPattern) else a for a in args])
+            results.append(dataclasses.replace(column, dims=(column.dims[0], *((0, n) for n in shape[1:]))))
+            continue
+        out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
+        compute(step, out, args)
         results.append(out)
     return results[-1]
+
+
+def _repeated_column(ap: AccessPattern) -> bool:
+    """One value a partition read along its free axes with stride 0 (a loaded per-row operand)."""
+    return ap.free_elements > 1 and all(stride == 0 for stride, _ in ap.dims[1:])
+
+
+def _column_of(ap: AccessPattern) -> AccessPattern:
+    """The [partitions, 1] column a repeated column reads."""
+    return dataclasses.replace(ap, dims=(ap.dims[0], (1, 1)))
 
 
 def activation_scale(step) -> tuple:

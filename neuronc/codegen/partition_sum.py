@@ -11,12 +11,14 @@ PartitionSumPlan. A prologue (an elementwise group of inputs laid out alike, dy 
 gradient) is computed on each tile before it is summed."""
 from __future__ import annotations
 
+import dataclasses
+
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, first_rows
-from neuronc.codegen.elementwise import emit_body
+from neuronc.codegen.elementwise import StepBalancer, emit_body
 from neuronc.codegen.emitter import Emitter
 from neuronc.ir import Node
 from neuronc.isa import Engine, Opcode
-from neuronc.plans import MemoryPlan, PartitionSumPlan
+from neuronc.plans import MemoryPlan, PartitionSumPlan, View
 
 # The engines that may read PSUM (GpSimd cannot, TRAINIUM.md), taking the evacuations in turn.
 _EVACUATING = (Engine.VECTOR, Engine.SCALAR)
@@ -27,11 +29,14 @@ def partition_sum(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in plan.pools}
     temps = [pools[f"temp{t}"] for t in range(len({slot for slot in plan.slots if slot is not None}))]
     psum = em.psum_pool()
-    inputs = [HbmTensor.of(memory, x, plan.view, (plan.cols, plan.rows)) for x in node.inputs]  # [T, R] as they lie
+    # [T, R] as they lie; a per-token input as [T, 1]
+    inputs = [HbmTensor.of(memory, x, View(0, (1, 1)), (plan.cols, 1)) if i in plan.per_token
+              else HbmTensor.of(memory, x, plan.view, (plan.cols, plan.rows)) for i, x in enumerate(node.inputs)]
     out = HbmTensor.of(memory, node, shape=(plan.rows,))
     ones = pools["ones"].next().ap(plan.tile_rows, 1)
     em.emit(Opcode.MEMSET, Engine.GPSIMD, ones, imm0=1.0)
     turn = 0
+    engines = StepBalancer(em)  # the prologue's steps over the Vector, GpSimd and Scalar engines
     for g0 in range(0, plan.rows, plan.group):
         width = min(plan.group, plan.rows - g0)
         banks = [(c0, min(c0 + plan.bank, width)) for c0 in range(0, width, plan.bank)]
@@ -40,11 +45,16 @@ def partition_sum(em: Emitter, node: Node, memory: MemoryPlan) -> None:
             rows = min(plan.tile_rows, plan.cols - t0)
             loaded = {}
             for i, x in enumerate(inputs):
+                if i in plan.per_token:  # one value a partition, read along the row with stride 0
+                    column = pools[f"input{i}"].next().ap(rows, 1)
+                    dma_by_rows(em, column, x[t0:t0 + rows].ap)
+                    loaded[i] = dataclasses.replace(column, dims=(column.dims[0], (0, width)))
+                    continue
                 loaded[i] = pools[f"input{i}"].next().ap(rows, width)
                 dma_by_rows(em, loaded[i], x[t0:t0 + rows, g0:g0 + width].ap)
             tile = loaded[0] if not plan.prologue else emit_body(
                 em, plan.prologue, plan.slots, loaded, [pool.next() for pool in temps], pools["body_out"].next(),
-                (rows, width), pools["constants"], node.loc)
+                (rows, width), pools["constants"], node.loc, engines)
             for acc, (c0, c1) in zip(accs, banks):
                 em.emit(Opcode.MATMUL, Engine.TENSOR, acc, first_rows(ones, rows), column_slice(tile, c0, c1),
                         accumulate=n > 0)

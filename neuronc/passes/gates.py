@@ -62,6 +62,8 @@ def _gates() -> dict:
         "fold_activation_operands": _ops(Op.FUSED, Op.MATMUL),
         # it folds a reader of a REDUCE_LAST into it
         "fold_reduction_epilogues": _ops(Op.REDUCE_LAST),
+        "fold_per_row_producers": _ops(Op.FUSED),
+        "recompute_rows_in_readers": _ops(Op.FUSED),
         # it rewrites VIEW nodes only
         "compose_view_chains": _ops(Op.VIEW),
         # it rewrites CONCATENATE nodes reading VIEW chains

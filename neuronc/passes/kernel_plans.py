@@ -84,7 +84,9 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     body = tuple(node.attrs.get("prologue") or ())
     views = node.attrs.get("views") or ((0, (cols, 1)),)
     if _sums_over_partitions(node, kind, body, views, cols):
-        return partition_sum_plan(node, views[0], cols, target, body)
+        per_token = tuple(i for i, view in enumerate(views) if _per_token(*view))
+        laid = next(view for i, view in enumerate(views) if i not in per_token)
+        return partition_sum_plan(node, laid, cols, target, body, per_token)
     slots, temp_count = assign_slots(body) if body else ([], 0)
     reduced_dtype = body[-1].dtype if body else node.inputs[0].dtype
     acc_dtype = DType.F32 if node.dtype.is_float else node.dtype
@@ -125,13 +127,20 @@ def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols
         return False
     if not (node.dtype.is_float and all(x.dtype.is_float for x in node.inputs)) or (body and not body[-1].dtype.is_float):
         return False
-    if len({(offset, tuple(strides)) for offset, strides in views}) != 1:
+    laid = {(offset, tuple(strides)) for offset, strides in views if not _per_token(offset, strides)}
+    if len(laid) != 1 or (len(laid) != len(set(views)) and not body):
         return False
-    _, (row_stride, col_stride) = views[0]
+    ((_, (row_stride, col_stride)),) = laid
     return row_stride == 1 and col_stride >= node.shape[0]
 
 
-def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body: tuple = ()) -> PartitionSumPlan:
+def _per_token(offset: int, strides) -> bool:
+    """An input of a sum over tokens holding one value per token (a row's mean), the same for every output."""
+    return offset == 0 and tuple(strides) == (0, 1)
+
+
+def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body: tuple = (),
+                       per_token: tuple = ()) -> PartitionSumPlan:
     """out[r] = sum_t x[t, r] (x [T, R] as it lies in memory, or computed from inputs that lie so by the prologue
     `body`): tiles of `partitions` t, whole rows of as many outputs as every PSUM bank and the SBUF left hold,
     accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
@@ -145,14 +154,14 @@ def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body:
     room = free_for(target, 3 * len(node.inputs) + 2 * temp_count + (5 if body else 0) + 2, widest)
     group = min(rows, bank * target.psum_banks, max(bank, room // bank * bank))
     wide = group * widest // DType.F32.itemsize
-    pools = [PoolSpec(f"input{i}", x.dtype, group, 3) for i, x in enumerate(node.inputs)]
+    pools = [PoolSpec(f"input{i}", x.dtype, 1 if i in per_token else group, 3) for i, x in enumerate(node.inputs)]
     pools += [PoolSpec(f"temp{t}", DType.F32, wide, 2) for t in range(temp_count)]
     if body:
         pools += [PoolSpec("body_out", summed, group, 3), PoolSpec("constants", DType.F32, wide, 2)]
     pools += [PoolSpec("ones", summed, 1, 1), PoolSpec("outs", node.dtype, group, 2)]
     return PartitionSumPlan(rows=rows, cols=cols, view=View(int(offset), (int(col_stride), int(row_stride))),
                             tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=tuple(pools),
-                            prologue=tuple(body), slots=tuple(slots))
+                            prologue=tuple(body), slots=tuple(slots), per_token=tuple(per_token))
 
 
 def topk_plan(node: Node, target: Target) -> TopkPlan:

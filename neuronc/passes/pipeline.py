@@ -29,7 +29,9 @@ from neuronc.passes.layout import store_activations_transposed, store_weights_tr
 from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
+from neuronc.passes.per_row_producers import fold_per_row_producers
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
+from neuronc.passes.recomputed_rows import recompute_rows_in_readers
 from neuronc.passes.reduction_epilogues import fold_reduction_epilogues
 from neuronc.passes.reduction_rounding import round_reductions_once
 from neuronc.passes.rowwise import fuse_rowwise
@@ -75,6 +77,8 @@ O2 = [
     widen_on_read,  # a widening convert read only by kernels that can widen on load is no kernel of its own
     fold_activation_operands,  # after fusion: an activation step reads its operand's scale and width, rounds once
     fold_reduction_epilogues,  # after fusion: a per-row kernel reading only a row reduction is its epilogue
+    fold_per_row_producers,  # after the epilogues: a per-row kernel read only through broadcasts is its readers'
+    recompute_rows_in_readers,  # after that: x-hat read by a row-wise kernel and a sum over tokens computed by each
     compose_view_chains,  # after fusion (the views left are copies): a view of a reshaped view reads its source
     concatenate_through_views,  # after compose_view_chains: a concatenate reads view chains only it reads
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)

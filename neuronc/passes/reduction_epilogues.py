@@ -16,8 +16,8 @@ from neuronc.passes.context import PassContext
 
 # float arithmetic only: a compare or select (a cond's predicate, `y.mean() > 0.1`) writes no float the
 # reduction's store takes, and is left to its own kernel
-_ARITHMETIC = (Op.DIVIDE, Op.MULTIPLY, Op.ADD, Op.SUBTRACT, Op.RSQRT, Op.SQRT, Op.CONVERT)
-_ELEMENTWISE = (Op.FUSED, *_ARITHMETIC)
+ARITHMETIC = (Op.DIVIDE, Op.MULTIPLY, Op.ADD, Op.SUBTRACT, Op.RSQRT, Op.SQRT, Op.CONVERT)
+_ELEMENTWISE = (Op.FUSED, *ARITHMETIC)
 
 
 def _foldable_reduction(node, outputs: set) -> bool:
@@ -43,7 +43,7 @@ def _epilogue_reader(reduction, consumers: dict, outputs: set):
             or reader.inputs[0].scalar is not None:
         return None
     body = ir.body_of(reader)
-    if not reader.dtype.is_float or any(s.op not in _ARITHMETIC or not s.dtype.is_float for s in body) \
+    if not reader.dtype.is_float or any(s.op not in ARITHMETIC or not s.dtype.is_float for s in body) \
             or any(kind == "input" and ref != 0 for s in body for kind, ref in s.args):
         return None
     return reader

@@ -370,6 +370,26 @@ def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedu
                        scalar_steps=tuple(per_row_alu(step) for step in body))
 
 
+def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols: int, out_strides, schedule: Schedule,
+                  target: Target) -> ir.Node:
+    return ir.node(Op.ROWWISE, inputs, like.shape, like.dtype, like.loc, body=body, views=views, rows=rows, cols=cols,
+                   out_strides=out_strides, schedule=schedule,
+                   plan=rowwise_plan(body, views, [x.dtype for x in inputs], schedule, target))
+
+
+def rebuilt_rowwise(node, inputs: list, views: tuple, body: tuple, target: Target):
+    """A ROWWISE node computing `body` from `inputs` (read through `views`) over node's rows, its schedule chosen
+    again; None when its row tiles no longer fit SBUF."""
+    rows, cols = node.attrs["rows"], node.attrs["cols"]
+    dtypes = [x.dtype for x in inputs]
+    fitting = [bufs for bufs in BUF_CHOICES
+               if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, node.dtype, cols, bufs), target)]
+    if not fitting:
+        return None
+    schedule = rowwise_schedule.choose_schedule(body, views, dtypes, node.dtype, rows, cols, fitting, target)
+    return _rowwise_node(inputs, body, views, node, rows, cols, node.attrs["out_strides"], schedule, target)
+
+
 def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
     new_of: dict = {}
 
@@ -380,10 +400,8 @@ def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
             return None
         body, externals, frame, schedule = roots[node]
         inputs = [new_of.get(x, x) for x, _ in externals]
-        views = tuple(v for _, v in externals)
-        return ir.node(Op.ROWWISE, inputs, node.shape, node.dtype, node.loc, body=body, views=views, rows=frame.rows,
-                       cols=frame.cols, out_strides=frame.dense, schedule=schedule,
-                       plan=rowwise_plan(body, views, [x.dtype for x in inputs], schedule, target))
+        return _rowwise_node(inputs, body, tuple(v for _, v in externals), node, frame.rows, frame.cols, frame.dense,
+                             schedule, target)
 
     for p in graph.params:
         new_of[p] = p
