@@ -77,6 +77,13 @@ def run_program(neff, inputs) -> list:
     return [from_numpy(out) for out in run_neff(neff, [to_numpy(x) for x in inputs]).outputs]
 
 
+def compiled_outputs(model, inputs, **options):
+    """(the program of :func:`compile_module`, every output of it run on ``inputs``): what a test comparing a
+    pass's -O2 program with the -O0 one (each op its own kernel) runs at each level."""
+    compiled = compile_module(model, inputs, **options)
+    return compiled, run_program(compiled.neff, inputs)
+
+
 def compile_and_run(model, inputs, **options):
     """(the compiled program, its first output) of ``model`` on ``inputs``: :func:`compile_module`, then run."""
     compiled = compile_module(model, inputs, **options)

@@ -7,14 +7,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.ir_text import parse
 from neuronc.passes.activation_operands import fold_activation_operands
 from neuronc.passes.context import PassContext
-from runtime import run_neff
-from tests.conftest import assert_matches_eager
+from tests.conftest import assert_matches_eager, compiled_outputs
 
 
 class Gelu(nn.Module):
@@ -27,11 +24,6 @@ class GeluBackwardTerms(nn.Module):
         cdf = (torch.erf(x * 0.7071067811865476) + 1.0) * 0.5
         pdf = torch.exp(x * x * -0.5) * 0.3989422804014327
         return cdf + x * pdf
-
-
-def _run(module, x, level):
-    compiled = compile_exported(torch.export.export(module, (x,)), CompileOptions(opt_level=level))
-    return compiled, from_numpy(run_neff(compiled.neff, [to_numpy(x)]).outputs[0])
 
 
 def _steps(compiled):
@@ -61,8 +53,8 @@ graph @main(%0) {
 def test_the_bf16_gelu_has_no_convert_step_and_the_bits_of_o0():
     torch.manual_seed(0)
     x = (torch.randn(256, 384) * 3).to(torch.bfloat16)
-    optimised, out = _run(Gelu(), x, 2)
-    _, baseline = _run(Gelu(), x, 0)
+    optimised, (out,) = compiled_outputs(Gelu(), (x,))
+    _, (baseline,) = compiled_outputs(Gelu(), (x,), opt_level=0)
     assert not any(s.op is Op.CONVERT for s in _steps(optimised))
     assert torch.equal(out, baseline)
     assert_matches_eager(out, F.gelu(x))
@@ -71,8 +63,8 @@ def test_the_bf16_gelu_has_no_convert_step_and_the_bits_of_o0():
 def test_constant_multiplies_feeding_erf_and_exp_are_their_scales_with_the_bits_of_o0():
     torch.manual_seed(0)
     x = torch.randn(256, 384) * 3
-    optimised, out = _run(GeluBackwardTerms(), x, 2)
-    _, baseline = _run(GeluBackwardTerms(), x, 0)
+    optimised, (out,) = compiled_outputs(GeluBackwardTerms(), (x,))
+    _, (baseline,) = compiled_outputs(GeluBackwardTerms(), (x,), opt_level=0)
     scaled = [s for s in _steps(optimised) if s.op in (Op.ERF, Op.EXP)]
     assert sorted(s.attrs.get("scale") for s in scaled) == sorted([0.7071067690849304, -0.5])
     assert torch.equal(out, baseline)
@@ -110,10 +102,8 @@ def test_the_gelu_backward_computes_its_cdf_in_one_step_with_the_bits_of_o0():
     x = (torch.randn(256, 384) * 3).to(torch.bfloat16)
     x[0, :5] = torch.tensor([-0.0, 0.0, 1e-38, -30.0, 30.0])  # signed zeros, a subnormal erf, erf = -1 and 1
     grad = torch.randn(256, 384).to(torch.bfloat16)
-    compiled = compile_exported(torch.export.export(GeluBackwardTimesGrad(), (grad, x)), CompileOptions(opt_level=2))
-    baseline = compile_exported(torch.export.export(GeluBackwardTimesGrad(), (grad, x)), CompileOptions(opt_level=0))
-    out, expected = (from_numpy(run_neff(c.neff, [to_numpy(grad), to_numpy(x)]).outputs[0])
-                     for c in (compiled, baseline))
+    compiled, (out,) = compiled_outputs(GeluBackwardTimesGrad(), (grad, x))
+    _, (expected,) = compiled_outputs(GeluBackwardTimesGrad(), (grad, x), opt_level=0)
     assert not any(s.op is Op.ADD and ("imm", 1.0) in s.args for s in _steps(compiled))
     assert any(s.attrs.get("bias") == 0.5 for s in _steps(compiled))
     assert torch.equal(out, expected)

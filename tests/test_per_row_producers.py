@@ -6,14 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.ir_text import parse
 from neuronc.isa import Engine
 from neuronc.passes.context import PassContext
 from neuronc.passes.per_row_producers import fold_per_row_producers
-from runtime import run_neff
+from tests.conftest import compiled_outputs
 
 
 class CentredRows(nn.Module):
@@ -26,16 +24,11 @@ class CentredRows(nn.Module):
         return x_hat, x_hat.sum(0), rstd  # read by a sum over rows too: no row-wise kernel takes it
 
 
-def _run(x, level):
-    compiled = compile_exported(torch.export.export(CentredRows(), (x,)), CompileOptions(opt_level=level))
-    return compiled, [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(x)]).outputs]
-
-
 def test_the_rounded_mean_is_computed_by_x_hat_with_o0s_bits():
     torch.manual_seed(0)
     x = (torch.randn(256, 768) * torch.logspace(-3, 3, 256)[:, None] + 7.0).to(torch.bfloat16)
-    optimised, out = _run(x, 2)
-    _, baseline = _run(x, 0)
+    optimised, out = compiled_outputs(CentredRows(), (x,))
+    _, baseline = compiled_outputs(CentredRows(), (x,), opt_level=0)
     assert not any(n.op is Op.FUSED and n.shape[-1] == 1 for n in optimised.graph.nodes())  # no per-row kernel
     x_hat, rstd = out[0], out[2]
     assert torch.equal(x_hat, baseline[0]) and torch.equal(rstd, baseline[2])  # the sum over rows: another order
@@ -45,7 +38,7 @@ def test_the_rounded_mean_is_computed_by_x_hat_with_o0s_bits():
 
 def test_a_step_of_per_row_values_is_computed_once_a_partition():
     x = torch.randn(256, 768).to(torch.bfloat16)
-    neff = _run(x, 2)[0].neff
+    neff = compiled_outputs(CentredRows(), (x,))[0].neff
     fused = {i for i, k in enumerate(neff.kernels) if k.name.startswith("fused")}
     steps = [inst for (engine, _), stream in neff.streams.items() if engine is not Engine.DMA
              for inst in stream if inst.kernel in fused]

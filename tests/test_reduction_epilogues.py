@@ -6,13 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
 from neuronc.ir_text import parse
 from neuronc.passes.context import PassContext
 from neuronc.passes.reduction_epilogues import fold_reduction_epilogues
-from runtime import run_neff
+from tests.conftest import compiled_outputs
 
 
 class Statistics(nn.Module):
@@ -23,16 +21,11 @@ class Statistics(nn.Module):
         return wide - mean, torch.rsqrt(variance + 1e-5).to(torch.bfloat16)
 
 
-def _run(x, level):
-    compiled = compile_exported(torch.export.export(Statistics(), (x,)), CompileOptions(opt_level=level))
-    return compiled, [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(x)]).outputs]
-
-
 def test_the_per_row_steps_are_the_reductions_epilogues_with_o0s_bits():
     torch.manual_seed(0)
     x = (torch.randn(256, 768) * torch.logspace(-3, 3, 256)[:, None] + 7.0).to(torch.bfloat16)
-    optimised, out = _run(x, 2)
-    _, baseline = _run(x, 0)
+    optimised, out = compiled_outputs(Statistics(), (x,))
+    _, baseline = compiled_outputs(Statistics(), (x,), opt_level=0)
     epilogues = [n.attrs["epilogue"] for n in optimised.graph.nodes() if n.attrs.get("epilogue")
                  and n.op is Op.REDUCE_LAST]
     assert [[s.op for s in e] for e in epilogues] == [[Op.DIVIDE, Op.ADD, Op.RSQRT]]

@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from neuronc.compiler import CompileOptions, compile_exported
-from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.ir import Op
-from runtime import run_neff
+from tests.conftest import compiled_outputs
 
 
 class Statistics(nn.Module):
@@ -20,16 +18,11 @@ class Statistics(nn.Module):
         return wide - mean, variance  # two values leave: no row-wise kernel
 
 
-def _run(x, level):
-    compiled = compile_exported(torch.export.export(Statistics(), (x,)), CompileOptions(opt_level=level))
-    return compiled, [from_numpy(o) for o in run_neff(compiled.neff, [to_numpy(x)]).outputs]
-
-
 def test_no_kernel_writes_the_widened_copy_and_the_bits_are_o0s():
     torch.manual_seed(0)
     x = torch.randn(256, 768).to(torch.bfloat16)
-    optimised, out = _run(x, 2)
-    _, baseline = _run(x, 0)
+    optimised, out = compiled_outputs(Statistics(), (x,))
+    _, baseline = compiled_outputs(Statistics(), (x,), opt_level=0)
     assert not any(n.op is Op.CONVERT and n.dtype.name == "F32" for n in optimised.graph.nodes())
     for value, base, expected in zip(out, baseline, Statistics()(x.float())):
         assert torch.equal(value, base)
