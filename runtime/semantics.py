@@ -621,18 +621,15 @@ def _small_matches(x: np.ndarray, values: np.ndarray) -> list:
     row's j-th occurrence of it."""
     found = []
     for row, wanted in zip(x.tolist(), values.tolist()):
-        copies: dict = {}
+        last: dict = {}  # value -> the occurrence its previous copy took (len(row) once there is none)
         positions = []
         for value in wanted:
-            k = copies.get(value, 0)
-            copies[value] = k + 1
-            n = -1
             try:
-                for _ in range(k + 1):
-                    n = row.index(value, n + 1)
+                n = row.index(value, last.get(value, -1) + 1)
             except ValueError:
-                n = None
-            positions.append(n)
+                n = len(row)
+            last[value] = n
+            positions.append(None if n == len(row) else n)
         found.append(positions)
     return found
 
@@ -676,16 +673,17 @@ def _match_replace8_kernel(instr, new, dst, src, values):
     return calls if out is dst else calls + [partial(np.copyto, dst, out, "unsafe")]
 
 
-def _checked_rows(indices: np.ndarray, rows: int, index: np.ndarray) -> None:
-    """The indices, as intp into ``index``; refused as _row_indices refuses them."""
+def _checked_rows(indices: np.ndarray, rows: int, index: np.ndarray, unsigned: np.ndarray) -> None:
+    """The indices, as intp into ``index``; refused as _row_indices refuses them. ``unsigned`` is ``index`` viewed
+    as uintp, where a negative index is at least 2**63: one reduction finds an index below 0 or past the rows."""
     np.copyto(index, indices, "unsafe")
-    if len(index) and (index.min() < 0 or index.max() >= rows):
+    if len(index) and unsigned.max() >= rows:
         _row_indices(indices, rows)  # raises, naming the first index outside
 
 
 def _dma_gather_kernel(instr, new, dst, table, indices):
     index = new((indices.shape[0],), np.intp)
-    return [partial(_checked_rows, indices[:, 0], table.shape[0], index),
+    return [partial(_checked_rows, indices[:, 0], table.shape[0], index, index.view(np.uintp)),
             partial(np.take, table, index, 0, dst, "wrap")]  # every index checked inside
 
 
