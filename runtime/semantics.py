@@ -372,6 +372,9 @@ def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp3
         flat = new((moving.shape[0], moving[0].size), F32)
         calls.append(partial(np.copyto, flat.reshape(moving.shape), moving))
         moving = flat
+    if not instr.accumulate and dst.dtype == F32 and dst.flags.c_contiguous:  # laid out as a fresh product (a
+        # one-partition result, as batched matmuls of small results have): the same BLAS call, into dst itself
+        return calls + [partial(np.matmul, stationary.T, moving, dst)]
     product = new(dst.shape, F32)  # C order, as numpy lays out a fresh product: the same BLAS call
     calls.append(partial(np.matmul, stationary.T, moving, product))
     calls.append(partial(np.add, dst, product, dst) if instr.accumulate else partial(np.copyto, dst, product))
