@@ -642,8 +642,14 @@ def _small_matches(x: np.ndarray, values: np.ndarray) -> list:
 
 
 def _small_find_index8(dst, x, values, position) -> None:
-    position[...] = [[-1 if n is None else n for n in row] for row in _small_matches(x, values)]
-    _copyto(dst, position, "unsafe")
+    """With `position` None, dst (int32 or int64) takes the positions as they are: a list assigned there costs
+    about a third of one assigned to an intp array and copied (1.6 against 5 us for [1, 8] here)."""
+    found = [[-1 if n is None else n for n in row] for row in _small_matches(x, values)]
+    if position is None:
+        dst[...] = found
+    else:
+        position[...] = found
+        _copyto(dst, position, "unsafe")
 
 
 def _small_match_replace8(out, x, values, replacement) -> None:
@@ -658,7 +664,8 @@ def _find_index8_kernel(instr, new, dst, src, values):
     rows, n = src.shape
     if rows * (n + TOP) <= SMALL_TOP8:
         (x, v), calls = _as(new, np.dtype(F32), (src, values))
-        return calls + [partial(_small_find_index8, dst, x, v, new((rows, TOP), np.intp))]
+        wide = dst.dtype in (np.dtype(np.int32), np.dtype(np.int64))  # holds -1 and every position as it is
+        return calls + [partial(_small_find_index8, dst, x, v, None if wide else new((rows, TOP), np.intp))]
     calls, hit, _ = _hits(new, src, values)
     position, missing = new((rows, TOP), np.intp), new((rows, TOP), bool)
     return calls + [partial(hit.argmax, 2, position), partial(np.logical_or.reduce, hit, 2, None, missing),

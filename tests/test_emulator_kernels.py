@@ -176,6 +176,9 @@ def test_top8_instructions_are_bit_exact(shape):
         best = tile((rows, 8), out_dtype, offset=8192)
         for repeat in range(3):
             _agree(Instruction(Opcode.FIND_INDEX8, Engine.VECTOR, (found, src, values)), fill)
+            for narrow in (DType.I16, DType.U8):  # -1 for "not found" stored as a conversion stores it
+                _agree(Instruction(Opcode.FIND_INDEX8, Engine.VECTOR, (dataclasses.replace(found, dtype=narrow), src,
+                                                                       values)), fill)
             _agree(Instruction(Opcode.MATCH_REPLACE8, Engine.GPSIMD, (replaced, src, values), imm0=-5.5), fill)
             _agree(Instruction(Opcode.MAX8, Engine.VECTOR, (best, src)), fill)
         if src_dtype == out_dtype:  # replacing in place
