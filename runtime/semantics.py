@@ -643,7 +643,7 @@ def _small_matches(x: np.ndarray, values: np.ndarray) -> list:
 
 def _small_find_index8(dst, x, values, position) -> None:
     """With `position` None, dst (int32 or int64) takes the positions as they are: a list assigned there costs
-    about a third of one assigned to an intp array and copied (1.6 against 5 us for [1, 8] here)."""
+    about half of one assigned to an intp array and copied (0.62 against 1.18 us for [1, 8] here)."""
     found = [[-1 if n is None else n for n in row] for row in _small_matches(x, values)]
     if position is None:
         dst[...] = found
