@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.compiler import compile_exported
 from neuronc.errors import NeuronCompileError, NeuronRuntimeError
-from neuronc.ir import Op
 from runtime import run_neff
 from tests.conftest import OnDevice, assert_matches_eager
 
@@ -213,20 +212,6 @@ def test_a_gather_index_outside_the_operand_is_an_error_naming_the_line():
     with pytest.raises(NeuronRuntimeError, match="outside the table's 40 rows") as caught:
         run_neff(neff, [_x.numpy(), np.array([1, 3, 10, 9])])  # column 10 of a 10-column row: not the next row
     assert "test_ops.py" in str(caught.value)
-
-
-def test_indices_read_by_a_gather_and_a_scatter_are_made_table_rows_once():
-    """The MoE model's routed token numbers index both the gathered tokens and the index_add back onto them: their
-    int64 values are clamped and converted to the DMA's int32 rows once, not once per gather or scatter (-O0: one
-    kernel per op), and an index outside the table is still refused."""
-    fn = Fn(lambda x, i: torch.zeros_like(x).index_add(0, i, x[i] * 2))
-    x, idx = torch.randn(6, 4), torch.tensor([4, 0, 4, 5, 1])
-    compiled = compile_exported(torch.export.export(fn, (x, idx)), CompileOptions(opt_level=0))
-    ops = [n.op for n in compiled.graph.nodes()]
-    assert (ops.count(Op.MAXIMUM), ops.count(Op.MINIMUM), ops.count(Op.CONVERT)) == (1, 1, 1)
-    assert_matches_eager(torch.from_numpy(run_neff(compiled.neff, [x.numpy(), idx.numpy()]).outputs[0]), fn(x, idx))
-    with pytest.raises(NeuronRuntimeError, match="outside the table's 6 rows"):
-        run_neff(compiled.neff, [x.numpy(), np.array([4, 0, 6, 5, 1])])
 
 
 def test_an_integer_clamp_with_only_a_lower_bound_keeps_large_values():

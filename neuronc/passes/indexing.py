@@ -27,18 +27,11 @@ ROW = DType.I32  # the DMA's index type
 
 
 def lower_gather_scatter(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
-    components: dict = {}  # _IndexSpace's int32 index components, made once for every gather and scatter reading them
-
-    def lowered(node: Node, inputs: tuple) -> Node | None:
-        if node.op not in _RULES:
-            return None
-        return _RULES[node.op](node, *inputs, **({} if node.op is Op.TOPK else {"components": components}))
-
-    return graph.rewrite(lowered)
+    return graph.rewrite(lambda node, inputs: _RULES[node.op](node, *inputs) if node.op in _RULES else None)
 
 
-def _gather(node: Node, operand: Node, indices: Node, components: dict | None = None) -> Node:
-    space = _IndexSpace(node, operand.shape, indices, {} if components is None else components)
+def _gather(node: Node, operand: Node, indices: Node) -> Node:
+    space = _IndexSpace(node, operand.shape, indices)
     table = ir.node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
     rows = ir.node(Op.GATHER_ROWS, [table, space.row_numbers()], (space.count, space.width), node.dtype, node.loc)
     canonical = ir.node(Op.RESHAPE, [rows], space.canonical_shape + space.row_shape, node.dtype, node.loc)
@@ -50,8 +43,8 @@ def _gather(node: Node, operand: Node, indices: Node, components: dict | None = 
     return ir.node(Op.TRANSPOSE, [canonical], node.shape, node.dtype, node.loc, perm=tuple(perm))
 
 
-def _scatter(node: Node, operand: Node, indices: Node, updates: Node, components: dict | None = None) -> Node:
-    space = _IndexSpace(node, operand.shape, indices, {} if components is None else components)
+def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
+    space = _IndexSpace(node, operand.shape, indices)
     window_dims = list(node.attrs["window_dims"])
     batch_positions = [d for d in range(len(updates.shape)) if d not in window_dims]
     perm = tuple(batch_positions + window_dims)
@@ -213,14 +206,11 @@ class _IndexSpace:
     """The windows of one gather/scatter as table rows.
 
     Canonical order of the rows: the batch dims (the dims of the indices but the index vector's), then the
-    window dims that lie before the row (`lead`). A window spans the operand dims after `lead` whole.
-    `components`: the index components made so far in the pass, shared (an index tensor read by several gathers
-    and scatters, as a routed token's number is by the MoE model's, is clamped and converted once)."""
+    window dims that lie before the row (`lead`). A window spans the operand dims after `lead` whole."""
 
-    def __init__(self, node: Node, shape: tuple, indices: Node, components: dict):
+    def __init__(self, node: Node, shape: tuple, indices: Node):
         a = node.attrs
         self.node, self.shape, self.indices, self.a = node, shape, indices, a
-        self.components = components
         self.window = a["window"]
         fixed = set(a["index_map"]) | set(a["operand_batching_dims"]) | set(a["dropped_dims"])
         split = len(shape)
@@ -269,14 +259,7 @@ class _IndexSpace:
         return ir.node(Op.RESHAPE, [row], (self.count,), ROW, loc)
 
     def _component(self, k: int) -> Node:
-        """Index component k over the batch dims, in int32 (the one made before for the same indices, if any)."""
-        vector_dim = self.a["index_vector_dim"]
-        key = (id(self.indices), k, vector_dim)
-        if key not in self.components:  # the indices kept with it: their id is not another node's during the pass
-            self.components[key] = (self.indices, self._make_component(k))
-        return self.components[key][1]
-
-    def _make_component(self, k: int) -> Node:
+        """Index component k over the batch dims, in int32."""
         indices, loc = self.indices, self.node.loc
         batch = tuple(indices.shape[d] for d in self.batch_dims)
         vector_dim = self.a["index_vector_dim"]
