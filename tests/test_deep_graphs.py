@@ -133,10 +133,15 @@ def test_repeated_layer_norms_share_one_schedule_search_and_make_the_same_neff(m
     candidates = rowwise_schedule.candidates
     monkeypatch.setattr(rowwise_schedule, "candidates", lambda *a: searches.append(a) or candidates(*a))
     monkeypatch.setattr(rowwise_schedule, "_CHOSEN", {})
+    compile_fx(norm_stack(1)[0])
+    per_norm = len(searches)  # each body the pipeline gives a norm (a pass may rebuild it: recomputed_rows) searched once
+    assert per_norm >= 1
+    searches.clear()
+    monkeypatch.setattr(rowwise_schedule, "_CHOSEN", {})
     monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
     shared = compile_fx(norm_stack(3)[0])
     assert sum(k.startswith("rowwise") or "ROWWISE" in k.upper() for k in _kernel_names(shared.neff)) == 3
-    assert len(searches) == 1
+    assert len(searches) == per_norm  # three norms: no more searches than one
 
     def no_key(value):
         raise TypeError("searched every time")
@@ -145,7 +150,7 @@ def test_repeated_layer_norms_share_one_schedule_search_and_make_the_same_neff(m
     searches.clear()
     monkeypatch.setattr(ir, "_ids", itertools.count())
     alone = compile_fx(norm_stack(3)[0])
-    assert len(searches) == 3
+    assert len(searches) == 3 * per_norm
     assert encode(shared.neff) == encode(alone.neff)
 
 
