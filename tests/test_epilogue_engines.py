@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from neuronc.codegen.elementwise import table_order
+from neuronc.codegen.elementwise import scaled_products, table_order
 from neuronc.codegen.matmul import early_steps
 from neuronc.instruction_cost import activation_table
 from neuronc.ir import Op
@@ -66,11 +66,25 @@ def test_the_gelu_backward_epilogue_has_the_bits_of_o0_and_matches_eager():
 
 def test_the_biased_multiply_may_run_off_the_scalar_engine_as_one_alu2_of_constant_columns():
     compiled, _ = compiled_outputs(MatmulGeluBackward(), _inputs())
-    alu2 = [i for i in _instructions(compiled) if i.opcode is Opcode.TENSOR_ALU2]
-    assert alu2 and all(i.engine in (Engine.VECTOR, Engine.GPSIMD) for i in alu2)
-    assert all((i.alu, i.alu1) == (AluOp.MULTIPLY, AluOp.ADD) for i in alu2)
+    alu2 = [i for i in _instructions(compiled) if i.opcode is Opcode.TENSOR_ALU2 and i.alu1 is AluOp.ADD]
+    assert alu2 and all(i.engine in (Engine.VECTOR, Engine.GPSIMD) and i.alu is AluOp.MULTIPLY for i in alu2)
     scale, bias = alu2[0].operands[2], alu2[0].operands[3]
     assert all(stride == 0 for stride, _ in scale.dims[1:] + bias.dims[1:])  # one value a partition, held
+
+
+def test_x_times_exp_times_a_constant_is_one_alu2_a_tile():
+    compiled, _ = compiled_outputs(MatmulGeluBackward(), _inputs())
+    products = [i for i in _instructions(compiled) if i.opcode is Opcode.TENSOR_ALU2 and i.alu1 is AluOp.MULTIPLY]
+    constant = [i for i in _instructions(compiled) if i.opcode is Opcode.TENSOR_SCALAR]
+    assert len(products) == 8 and not constant  # 8 output tiles; no `exp * 0.3989` step of its own
+    assert all(i.alu is AluOp.MULTIPLY and all(s == 0 for s, _ in i.operands[2].dims[1:]) for i in products)
+
+
+def test_scaled_products_pairs_a_constant_multiply_with_its_only_reader():
+    body = _body()
+    ((reader, (inner, step)),) = scaled_products(body).items()
+    assert (reader, inner) == (6, 5)
+    assert step.args == (("step", 4), ("input", 1)) and step.attrs == {"scale": body[5].args[1][1]}
 
 
 def test_the_erf_and_exp_tables_load_once_a_group_of_tiles():

@@ -158,6 +158,9 @@ class StepBalancer:
         tiles = [a for a in args if isinstance(a, AccessPattern)]
         engines = [] if step.op in ACTIVATIONS or ("bias" in step.attrs and not self.has_columns(form)) \
             else [Engine.VECTOR]
+        scaled = step.op is Op.MULTIPLY and "scale" in step.attrs  # t * scale * y (scaled_products)
+        if scaled:
+            form = None
         if engines and all(t.space != Space.PSUM for t in tiles + [out]):
             engines.append(Engine.GPSIMD)
         if form is not None:
@@ -184,6 +187,11 @@ class StepBalancer:
         if engine is Engine.SCALAR:
             func, scale, bias, x = form
             self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+        elif scaled:  # (t * scale) * y, both products in fp32: the two multiplies' arithmetic
+            t, y = args
+            scale = self.column(step.attrs["scale"], out)
+            start = len(self.em.instructions)
+            self.em.emit(Opcode.TENSOR_ALU2, engine, out, t, scale, y, alu=AluOp.MULTIPLY, alu1=AluOp.MULTIPLY)
         elif "bias" in step.attrs:  # scale * x + bias in fp32, rounded once: the ACTIVATE's arithmetic
             _, scale, bias, x = form
             scale, bias = self.column(scale, out), self.column(bias, out)
@@ -248,6 +256,33 @@ def table_order(body: tuple, slots: list, loaded: ActFunc | None, steps: list, e
         left.remove(j)
     holds = all(slots_hold(before + order + later, reads, slots) for before in emitted)
     return order if holds else list(steps)
+
+
+def scaled_products(body: tuple) -> dict:
+    """{step m: (step j, the Step computing it in one TENSOR_ALU2)} for each fp32 `multiply(y, s_j)` whose operand
+    s_j = `multiply(t, c)` (fp32, a tile times a constant) is read by it alone: (t * c) * y in fp32 as the two
+    steps compute it (the GELU backward's `x * (exp(...) * 0.3989)`). StepBalancer.compute takes the Step (a
+    multiply of t and y with a "scale"), its constant read as a column."""
+    readers: dict = {}
+    for m, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                readers.setdefault(ref, []).append(m)
+    fused = {}
+    for m, step in enumerate(body):
+        if step.op is not Op.MULTIPLY or step.dtype != DType.F32 or "bias" in step.attrs:
+            continue
+        for side, (kind, j) in enumerate(step.args):
+            other = step.args[1 - side]
+            inner = body[j] if kind == "step" else None
+            if inner is None or other[0] == "imm" or readers.get(j) != [m] or inner.op is not Op.MULTIPLY \
+                    or inner.dtype != DType.F32 or inner.attrs or [a[0] for a in inner.args] != ["step", "imm"]:
+                continue
+            if not (isinstance(inner.args[0][1], int)) or m in fused or j in {k for k, _ in fused.values()}:
+                continue
+            fused[m] = (j, ir.Step(Op.MULTIPLY, (inner.args[0], other), DType.F32, {"scale": inner.args[1][1]}))
+            break
+    return fused
 
 
 def slots_hold(order: list, reads: list, slots: list) -> bool:

@@ -16,7 +16,7 @@ from typing import Callable
 from neuronc import ir
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
 from neuronc.codegen.attention import identity
-from neuronc.codegen.elementwise import StepBalancer, slots_hold, table_order
+from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
 from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode
@@ -691,10 +691,17 @@ def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, eng
     `table_order` gives. With `bias_column`, the first step (the accumulator rounded to its dtype) adds that
     input's per-partition values on its way, in one Scalar pass."""
     steps = list(range(len(body))) if steps is None else steps
+    fused = {m: pair for m, pair in (scaled_products(body) if engines.columns is not None else {}).items()
+             if m in steps and pair[0] in steps}  # a multiply and its reader emitted together
     emitted = [job.order for job in jobs]  # the same steps for every job, maybe in other orders
     later = [j for j in range(len(body)) if j not in steps and j not in emitted[0]]
     for index in table_order(body, slots, engines.loaded_table(), steps, emitted, later):
         step, slot = body[index], slots[index]
+        if any(j == index for j, _ in fused.values()):  # computed by its one reader's TENSOR_ALU2
+            for job in jobs:
+                job.order.append(index)
+            continue
+        step = fused[index][1] if index in fused else step
         for job in jobs:
             done, times = job.done, job.made
             out = job.out.ap(*job.shape) if slot is None else job.temps[slot].ap(*job.shape, dtype=step.dtype)
