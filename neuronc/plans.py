@@ -17,6 +17,11 @@ import dataclasses
 from neuronc.isa import DType
 
 
+# Constants an epilogue holds as [partitions, 1] fp32 columns of its "columns" pool (codegen.elementwise.StepBalancer:
+# a biased multiply's scale and bias, read with stride 0 by a TENSOR_ALU2 off the Scalar engine).
+CONSTANT_COLUMNS = 4
+
+
 @dataclasses.dataclass
 class MemoryPlan:
     """Where in HBM every tensor lives (passes/memory_plan.py): codegen addresses them through it."""

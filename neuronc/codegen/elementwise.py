@@ -4,9 +4,10 @@ computed tile by tile, steps spread over the Vector/Scalar/GpSimd engines, and t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from neuronc import ir, op_facts
-from neuronc.codegen.access import HbmTensor, dma_by_rows
+from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, row_slice
 from neuronc.codegen.blocks import blocks
 from neuronc.codegen.emitter import Emitter, Pool, Tile, hbm
 from neuronc.errors import NeuronCompileError
@@ -16,7 +17,7 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
 from neuronc.neff.program import DebugLoc
-from neuronc.plans import ElementwisePlan, MemoryPlan, dense_strides
+from neuronc.plans import CONSTANT_COLUMNS, ElementwisePlan, MemoryPlan, dense_strides
 
 
 # How each elementwise op is computed (the op-facts table, neuronc/op_facts.py): by one Scalar-engine function,
@@ -140,16 +141,26 @@ class StepBalancer:
     engine activations and the steps that are a scale and a bias (`_scalar_form`). Placing by finish time, not
     by load alone, keeps a chain of steps from waiting on an engine that is free but far behind its inputs."""
 
-    def __init__(self, em: Emitter):
+    def __init__(self, em: Emitter, columns: Pool | None = None):
         self.em = em
+        self.columns = columns  # a [partitions, CONSTANT_COLUMNS] fp32 slot for constants read with stride 0
+        self.column_of: dict = {}  # value -> its [partitions, 1] column, made once
         self.busy = {Engine.VECTOR: 0.0, Engine.GPSIMD: 0.0, Engine.SCALAR: 0.0}  # when each is free again
         self.last: dict = {}  # engine -> (its last instruction, the activation table it left loaded)
+
+    def loaded_table(self) -> ActFunc | None:
+        """The activation table the Scalar engine has loaded after the steps booked so far (None: none yet)."""
+        return self.last.get(Engine.SCALAR, (None, None))[1]
 
     def compute(self, step, out, args, constants, loc, ready: float = 0.0) -> float:
         """Emit `step`; `ready` is when its inputs are made. Returns when it is done."""
         form = _scalar_form(step, args)
         tiles = [a for a in args if isinstance(a, AccessPattern)]
-        engines = [] if step.op in ACTIVATIONS or "bias" in step.attrs else [Engine.VECTOR]
+        engines = [] if step.op in ACTIVATIONS or ("bias" in step.attrs and not self.has_columns(form)) \
+            else [Engine.VECTOR]
+        scaled = step.op is Op.MULTIPLY and "scale" in step.attrs  # t * scale * y (scaled_products)
+        if scaled:
+            form = None
         if engines and all(t.space != Space.PSUM for t in tiles + [out]):
             engines.append(Engine.GPSIMD)
         if form is not None:
@@ -176,9 +187,41 @@ class StepBalancer:
         if engine is Engine.SCALAR:
             func, scale, bias, x = form
             self.em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+        elif scaled:  # (t * scale) * y, both products in fp32: the two multiplies' arithmetic
+            t, y = args
+            scale = self.column(step.attrs["scale"], out)
+            start = len(self.em.instructions)
+            self.em.emit(Opcode.TENSOR_ALU2, engine, out, t, scale, y, alu=AluOp.MULTIPLY, alu1=AluOp.MULTIPLY)
+        elif "bias" in step.attrs:  # scale * x + bias in fp32, rounded once: the ACTIVATE's arithmetic
+            _, scale, bias, x = form
+            scale, bias = self.column(scale, out), self.column(bias, out)
+            start = len(self.em.instructions)
+            self.em.emit(Opcode.TENSOR_ALU2, engine, out, x, scale, bias, alu=AluOp.MULTIPLY, alu1=AluOp.ADD)
         else:
             compute_step(self.em, step, out, args, constants, loc, engine)
         return self.account(self.em.instructions[start:], ready)
+
+    def has_columns(self, form) -> bool:
+        """Whether a biased multiply's scale and bias can be read as constant columns (made or room for them)."""
+        if self.columns is None or form is None:
+            return False
+        wanted = {form[1], form[2]} - set(self.column_of)
+        return len(self.column_of) + len(wanted) <= CONSTANT_COLUMNS
+
+    def column(self, value: float, like: AccessPattern) -> AccessPattern:
+        """`value` in every partition, read with stride 0 along `like`'s free axes (a MEMSET the first time)."""
+        if value not in self.column_of:
+            tile = column_slice(self.columns_tile.ap(self.em.target.partitions, CONSTANT_COLUMNS),
+                                len(self.column_of), len(self.column_of) + 1)
+            self.em.emit(Opcode.MEMSET, Engine.GPSIMD, tile, imm0=value)
+            self.account(self.em.instructions[-1:])
+            self.column_of[value] = tile
+        column = row_slice(self.column_of[value], 0, like.partitions)
+        return dataclasses.replace(column, dims=(column.dims[0], *((0, n) for _, n in like.dims[1:])))
+
+    @functools.cached_property
+    def columns_tile(self) -> Tile:
+        return self.columns.next()
 
     def account(self, instructions, ready: float = 0.0) -> float:
         """Book `instructions` (emitted in order, on the balancer's engines) after `ready`; returns their end."""
@@ -190,6 +233,69 @@ class StepBalancer:
             self.busy[inst.engine] = end
             self.last[inst.engine] = inst, loaded
         return end
+
+
+def table_order(body: tuple, slots: list, loaded: ActFunc | None, steps: list, emitted: list, later: list) -> list:
+    """An order to compute `steps` of `body` in (each after the steps it reads; `emitted`: the orders in which
+    the tiles computed their steps before these; `later`: the steps after these, in body order) in which an
+    activation needing another table than the one loaded waits while any other step can go: a body of two
+    tables (the GELU backward's erf and exp) computed for one group of tiles after another then loads each
+    table once a group, not twice (instruction_cost.table_load_ns). `steps` in body order when the reordering
+    would write a temporary slot (`slots`, allocated in body order) whose value is still to be read."""
+    tables = [table_of(ACTIVATIONS[s.op]) if s.op in ACTIVATIONS else None for s in body]
+    if len({tables[j] for j in steps if tables[j] is not None}) < 2:
+        return list(steps)
+    reads = [{ref for kind, ref in s.args if kind == "step"} for s in body]
+    order, left = [], list(steps)
+    while left:
+        ready = [j for j in left if reads[j] <= set(order).union(*emitted)]
+        waiting = [j for j in ready if tables[j] not in (None, loaded)]
+        j = next((j for j in ready if j not in waiting), ready[0])
+        loaded = tables[j] or loaded
+        order.append(j)
+        left.remove(j)
+    holds = all(slots_hold(before + order + later, reads, slots) for before in emitted)
+    return order if holds else list(steps)
+
+
+def scaled_products(body: tuple) -> dict:
+    """{step m: (step j, the Step computing it in one TENSOR_ALU2)} for each fp32 `multiply(y, s_j)` whose operand
+    s_j = `multiply(t, c)` (fp32, a tile times a constant) is read by it alone: (t * c) * y in fp32 as the two
+    steps compute it (the GELU backward's `x * (exp(...) * 0.3989)`). StepBalancer.compute takes the Step (a
+    multiply of t and y with a "scale"), its constant read as a column."""
+    readers: dict = {}
+    for m, step in enumerate(body):
+        for kind, ref in step.args:
+            if kind == "step":
+                readers.setdefault(ref, []).append(m)
+    fused = {}
+    for m, step in enumerate(body):
+        if step.op is not Op.MULTIPLY or step.dtype != DType.F32 or "bias" in step.attrs:
+            continue
+        for side, (kind, j) in enumerate(step.args):
+            other = step.args[1 - side]
+            inner = body[j] if kind == "step" else None
+            if inner is None or other[0] == "imm" or readers.get(j) != [m] or inner.op is not Op.MULTIPLY \
+                    or inner.dtype != DType.F32 or inner.attrs or [a[0] for a in inner.args] != ["step", "imm"]:
+                continue
+            if not (isinstance(inner.args[0][1], int)) or m in fused or j in {k for k, _ in fused.values()}:
+                continue
+            fused[m] = (j, ir.Step(Op.MULTIPLY, (inner.args[0], other), DType.F32, {"scale": inner.args[1][1]}))
+            break
+    return fused
+
+
+def slots_hold(order: list, reads: list, slots: list) -> bool:
+    """Whether computing the steps in `order` writes no slot holding a value a later step of it still reads
+    (`reads`: the steps each step reads)."""
+    held: dict = {}  # slot -> the step whose value it holds
+    for n, j in enumerate(order):
+        owner = held.get(slots[j])
+        if owner is not None and any(owner in reads[k] for k in order[n + 1:]):
+            return False
+        if slots[j] is not None:
+            held[slots[j]] = j
+    return True
 
 
 def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, constants: Pool | None, loc: DebugLoc,

@@ -16,7 +16,7 @@ from typing import Callable
 from neuronc import ir
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
 from neuronc.codegen.attention import identity
-from neuronc.codegen.elementwise import StepBalancer
+from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
 from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode
@@ -206,6 +206,9 @@ class _Job:
     shape: tuple
     store: AccessPattern | None
     m0: int
+    done: dict = dataclasses.field(default_factory=dict)  # step -> its result AP, as emitted so far
+    made: dict = dataclasses.field(default_factory=dict)  # step -> when the balancer books it done
+    order: list = dataclasses.field(default_factory=list)  # the steps in the order they were emitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +292,10 @@ class _Matmul:
             self.column_sums, self.widened = pool("row_sum"), pool("bias")
         self.temps = [pool(f"temp{i}") for i in range(temp_count)]
         self.psum = psum or em.psum_pool()
-        self.engines = StepBalancer(em)
+        self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
+        self.early = early_steps(plan.epilogue, plan.slots)
+        self.unstarted: list = []  # waiting _Jobs whose early steps are not emitted yet
 
     # loading strips -------------------------------------------------------------------------------------
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
@@ -390,6 +395,8 @@ class _Matmul:
         else:
             job = _Job(loaded, temps, self.result.next(), (mt, batches * nt), block(self.out), m0)
         self.waiting.append(job)
+        if self.early:  # the steps not reading the accumulator, a group of tiles at a time, ahead of the flush
+            self.unstarted.append(job)
         if len(self.waiting) > self.plan.epilogue_group:  # this tile's matmuls go ahead of the epilogues of the ones before
             self.flush(keep=1)
 
@@ -401,14 +408,27 @@ class _Matmul:
         em = self.em
         jobs = self.waiting[:len(self.waiting) - keep]
         del self.waiting[:len(jobs)]
+        self.start(list(self.unstarted))
+        rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
-                            self.plan.bias_column)
+                            self.plan.bias_column, rest)
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job.store is not None:
                 dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
         for job in jobs:
             if self.after_tile is not None:
                 self.after_tile(job.m0)
+
+    def start(self, jobs: list) -> None:
+        """The early steps of `jobs` (those not reading the accumulator: the GELU backward's derivative of its
+        saved input): emitted with the tiles' matmuls, so the engines compute them while earlier tiles'
+        epilogues wait for their inputs, and only the accumulator's steps are left for the flush."""
+        jobs = [job for job in jobs if not job.order]
+        for job in jobs:
+            self.unstarted.remove(job)
+        if jobs:
+            _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
+                         self.plan.bias_column, self.early)
 
     # the walk over the strips ---------------------------------------------------------------------------
     def emit(self) -> None:
@@ -650,16 +670,40 @@ def _streamed_first(steps: list) -> list:
             for step in steps]
 
 
+def early_steps(body: tuple, slots: list) -> list:
+    """The steps of an epilogue that read no accumulator (input 0), directly or through other steps, when
+    there are some and computing them first keeps every temporary slot's value until its last reader
+    (`slots` are allocated in body order); else none."""
+    late: set = set()
+    for j, step in enumerate(body):
+        if any((kind == "input" and ref == 0) or (kind == "step" and ref in late) for kind, ref in step.args):
+            late.add(j)
+    early = [j for j in range(len(body)) if j not in late]
+    reads = [{ref for kind, ref in s.args if kind == "step"} for s in body]
+    return early if early and slots_hold(early + sorted(late), reads, slots) else []
+
+
 def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, engines: StepBalancer,
-                 bias_column: int | None = None) -> list:
-    """`emit_body` for several tiles (_Jobs) at once, each step for every tile before the next step. Returns each
-    job's result AP. Each step goes to the engine that would finish it first, after the steps it reads
-    (`StepBalancer`). With `bias_column`, the first step (the accumulator rounded to its dtype) adds that input's
-    per-partition values on its way, in one Scalar pass."""
-    results = [[] for _ in jobs]
-    made = [[] for _ in jobs]  # when each job's steps are done, as the balancer books them
-    for index, (step, slot) in enumerate(zip(body, slots)):
-        for job, done, times in zip(jobs, results, made):
+                 bias_column: int | None = None, steps: list | None = None) -> list:
+    """`emit_body` for several tiles (_Jobs) at once, each step for every tile before the next step: `steps`
+    (all by default; each job keeps the results of those emitted before). Returns each job's result AP. Each
+    step goes to the engine that would finish it first, after the steps it reads (`StepBalancer`), in the order
+    `table_order` gives. With `bias_column`, the first step (the accumulator rounded to its dtype) adds that
+    input's per-partition values on its way, in one Scalar pass."""
+    steps = list(range(len(body))) if steps is None else steps
+    fused = {m: pair for m, pair in (scaled_products(body) if engines.columns is not None else {}).items()
+             if m in steps and pair[0] in steps}  # a multiply and its reader emitted together
+    emitted = [job.order for job in jobs]  # the same steps for every job, maybe in other orders
+    later = [j for j in range(len(body)) if j not in steps and j not in emitted[0]]
+    for index in table_order(body, slots, engines.loaded_table(), steps, emitted, later):
+        step, slot = body[index], slots[index]
+        if any(j == index for j, _ in fused.values()):  # computed by its one reader's TENSOR_ALU2
+            for job in jobs:
+                job.order.append(index)
+            continue
+        step = fused[index][1] if index in fused else step
+        for job in jobs:
+            done, times = job.done, job.made
             out = job.out.ap(*job.shape) if slot is None else job.temps[slot].ap(*job.shape, dtype=step.dtype)
             args = [job.loaded[ref] if kind == "input" else done[ref] if kind == "step" else float(ref)
                     for kind, ref in step.args]
@@ -667,8 +711,9 @@ def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, eng
             if index == 0 and bias_column is not None:  # acc + bias in fp32, rounded once: the ADD's sum
                 engines.em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, out, job.loaded["row_sum"], args[0],
                                 job.loaded[bias_column], func=ActFunc.IDENTITY, imm0=1.0)
-                times.append(engines.account(engines.em.instructions[-1:], ready))
+                times[index] = engines.account(engines.em.instructions[-1:], ready)
             else:
-                times.append(engines.compute(step, out, args, constants, loc, ready))
-            done.append(out)
-    return [done[-1] for done in results]
+                times[index] = engines.compute(step, out, args, constants, loc, ready)
+            done[index] = out
+            job.order.append(index)
+    return [job.done.get(len(body) - 1) for job in jobs]

@@ -30,7 +30,7 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, cheapest, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.passes.rowwise_plan import rowwise_sbuf_bytes
-from neuronc.plans import ChainPlan, MatmulPlan, MatmulTiling, ProloguePlan, View, pool_specs
+from neuronc.plans import CONSTANT_COLUMNS, ChainPlan, MatmulPlan, MatmulTiling, ProloguePlan, View, pool_specs
 from neuronc.targets import Target
 
 
@@ -61,6 +61,8 @@ def epilogue_pools(node: ir.Node, tile_n: int) -> dict:
     if column is not None:  # one value per row (travelling with A's strips), widened to fp32; the row sums
         del pools[f"extra{column - 1}"]
         pools.update(bias=(DType.F32, 1, bufs), row_sum=(DType.F32, 1, bufs))
+    if any("bias" in step.attrs for step in body):  # a biased multiply's constants, for the Vector and GpSimd engines
+        pools["columns"] = (DType.F32, CONSTANT_COLUMNS, 1)
     widest = max(step.dtype.itemsize for step in body)  # a temporary holds one step's values
     pools.update({f"temp{i}": (DType.F32, -(-tile_n * widest // DType.F32.itemsize), bufs) for i in range(temps)})
     return pools
