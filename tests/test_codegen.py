@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.errors import NeuronRuntimeError
-from neuronc.isa import Engine, Opcode, Space
+from neuronc.isa import ActFunc, Engine, Opcode, Space
 from neuronc import ir
 from neuronc.ir import Op
 from neuronc.targets import get_target
@@ -510,3 +510,40 @@ def test_a_gpt2_mlp_chain_streams_its_first_matmuls_strips_four_deep_and_loads_t
     assert chained.attrs["chain"].attrs["tiling"].stream_bufs == 4
     assert loaded_during_first == [0]
     _matches_eager_bf16(compiled, model, x)
+
+
+class _SmallBatchedMatmuls(torch.nn.Module):
+    """The MoE model's per-slot expert matmuls: [batch, m, k] @ [batch, k, n], a GELU, times a weight per batch."""
+
+    def forward(self, x, w, weight):
+        return torch.nn.functional.gelu(torch.bmm(x, w)) * weight[:, None, None]
+
+
+@pytest.mark.parametrize("batch,m,k,n", [(32, 1, 32, 64), (14, 3, 200, 48), (2, 16, 32, 32)])
+def test_small_batched_matmul_results_share_output_tiles_with_the_bits_of_a_tile_per_batch(monkeypatch, batch, m, k, n):
+    """Batches whose results are small are computed side by side in one output tile (one epilogue instruction and
+    one store for several batches, not one each), leaving at least four tiles, and every output bit is the one a
+    tile per batch gives. The second case has three rows per batch, two K tiles and a last tile of fewer batches;
+    the third, two batches, keeps a tile per batch."""
+    from neuronc.codegen import matmul
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(batch, m, k), torch.randn(batch, k, n) / k ** 0.5, torch.rand(batch))
+    program = torch.export.export(_SmallBatchedMatmuls(), inputs)
+    side_by_side = compile_exported(program, CompileOptions(opt_level=2)).neff
+    monkeypatch.setattr(matmul._Matmul, "batches_per_tile", lambda self: 1)
+    tile_per_batch = compile_exported(program, CompileOptions(opt_level=2)).neff
+    group = max(1, min(batch // 4, 128 // m, 512 // n))  # batches of an output tile: tile_m 128, tile_n 512
+
+    def gelus(neff):
+        return sum(i.opcode == Opcode.ACTIVATE and i.func == ActFunc.GELU for i in _instructions(neff))
+
+    def stores(neff):  # a tile's store may be split by rows over queues
+        return sum(i.opcode == Opcode.DMA_COPY and i.operands[0].space == Space.HBM for i in _instructions(neff))
+
+    assert (gelus(tile_per_batch), gelus(side_by_side)) == (batch, -(-batch // group))
+    assert stores(side_by_side) < stores(tile_per_batch) if group > 1 else stores(side_by_side) == stores(tile_per_batch)
+    arrays = [x.numpy() for x in inputs]
+    got, want = (run_neff(neff, arrays).outputs[0] for neff in (side_by_side, tile_per_batch))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert_matches_eager([torch.from_numpy(got)], _SmallBatchedMatmuls()(*inputs))

@@ -176,6 +176,9 @@ def test_top8_instructions_are_bit_exact(shape):
         best = tile((rows, 8), out_dtype, offset=8192)
         for repeat in range(3):
             _agree(Instruction(Opcode.FIND_INDEX8, Engine.VECTOR, (found, src, values)), fill)
+            for narrow in (DType.I16, DType.U8):  # -1 for "not found" stored as a conversion stores it
+                _agree(Instruction(Opcode.FIND_INDEX8, Engine.VECTOR, (dataclasses.replace(found, dtype=narrow), src,
+                                                                       values)), fill)
             _agree(Instruction(Opcode.MATCH_REPLACE8, Engine.GPSIMD, (replaced, src, values), imm0=-5.5), fill)
             _agree(Instruction(Opcode.MAX8, Engine.VECTOR, (best, src)), fill)
         if src_dtype == out_dtype:  # replacing in place
@@ -242,3 +245,15 @@ def test_tensor_alu2_is_bit_exact():
         in_place = dataclasses.replace(a, dtype=dst_dtype)
         _agree(Instruction(Opcode.TENSOR_ALU2, Engine.GPSIMD, (in_place, in_place, b, c), alu=AluOp.SUBTRACT,
                            alu1=AluOp.MULTIPLY), _random)
+
+
+@pytest.mark.parametrize("k,m,n", [(32, 1, 64), (64, 1, 32), (128, 1, 512), (128, 8, 40), (3, 128, 7)], ids=str)
+def test_matmuls_are_bit_exact(k, m, n):
+    """A one-partition result is written by the matmul itself, others through a product array; either way the bits
+    of the semantics' fresh product (specials included), overwritten or accumulated, at any column of a bank."""
+    for accumulate in (False, True):
+        for column in sorted({0, 512 - n}):  # a bank holds 512 fp32 columns
+            dst = tile((m, n), space=Space.PSUM, offset=column * 4)
+            stationary, moving = tile((k, m)), tile((k, n), offset=4096)
+            _agree(Instruction(Opcode.MATMUL, Engine.TENSOR, (dst, stationary, moving), accumulate=accumulate),
+                   _random)

@@ -58,6 +58,8 @@ def _gates() -> dict:
         # both rewrite REDUCE_LAST nodes only (a sum over tokens; a reduction read by a convert)
         "fold_partition_sum_prologues": _ops(Op.REDUCE_LAST),
         "round_reductions_once": _ops(Op.REDUCE_LAST),
+        # it merges FUSED nodes only
+        "merge_duplicate_kernels": _ops(Op.FUSED),
         # it rewrites elementwise bodies and matmul epilogues only
         "fold_activation_operands": _ops(Op.FUSED, Op.MATMUL),
         # it folds a reader of a REDUCE_LAST into it

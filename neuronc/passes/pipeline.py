@@ -22,6 +22,7 @@ from neuronc.passes.canonicalize import canonicalize, demote_f64, simplify
 from neuronc.passes import gates
 from neuronc.passes.context import PassContext
 from neuronc.passes.conv import fuse_conv_epilogues, lower_convolutions
+from neuronc.passes.duplicate_kernels import merge_duplicate_kernels
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
@@ -69,6 +70,7 @@ O2 = [
     fuse_rowwise,  # softmax, layer-norm...: one kernel per normalisation, before elementwise fusion takes its ops
     fuse_matmul_operands,  # matmuls read transposed, sliced or broadcast operands through their views
     fuse_elementwise,  # the remaining elementwise groups, one kernel each
+    merge_duplicate_kernels,  # after fusion: an elementwise kernel made twice from the same inputs is made once
     fuse_matmul_epilogues,  # elementwise groups reading a matmul become its epilogue (computed from PSUM)
     fuse_conv_epilogues,  # and a convolution's (bias, BatchNorm, activation, residual)
     fuse_reduction_prologues,  # reductions read their operand through its producer group or view
