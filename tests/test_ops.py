@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from neuronc.compiler import compile_exported
 from neuronc.errors import NeuronCompileError, NeuronRuntimeError
+from neuronc.ir import Op
 from runtime import run_neff
 from tests.conftest import OnDevice, assert_matches_eager
 
@@ -129,6 +130,11 @@ INDEXING = {
                   torch.randn(4, 3, generator=_g)),
     "index_put_accumulate": (lambda x, t, v: torch.index_put(x, (t,), v, accumulate=True), torch.ones(10, 3),
                              torch.tensor([1, 1, 2, 1]), torch.randn(4, 3, generator=_g)),
+    "index_copy_inner_dim": (lambda c, p, k: c.index_copy(2, p, k), torch.randn(1, 4, 9, 5, generator=_g),
+                             torch.tensor([6, 0]), torch.randn(1, 4, 2, 5, generator=_g)),
+    "index_put_inner_dim_accumulate": (lambda c, p, v: torch.ops.aten.index_put(c, [None, p], v, True),
+                                       torch.randn(3, 7, 2, generator=_g), torch.tensor([2, 2, 0]),
+                                       torch.randn(3, 3, 2, generator=_g)),
     "scatter_add_columns": (lambda t, v: torch.zeros(4, 10).scatter_add(1, t[:, None], v), _targets,
                             torch.randn(4, 1, generator=_g)),
     "scatter_middle_dim": (lambda x, i, v: x.scatter(1, i, v), torch.randn(2, 6, 5, generator=_g),
@@ -212,6 +218,28 @@ def test_a_gather_index_outside_the_operand_is_an_error_naming_the_line():
     with pytest.raises(NeuronRuntimeError, match="outside the table's 40 rows") as caught:
         run_neff(neff, [_x.numpy(), np.array([1, 3, 10, 9])])  # column 10 of a 10-column row: not the next row
     assert "test_ops.py" in str(caught.value)
+
+
+def _static_cache_update(cache, position, new):
+    return cache.index_copy(2, position, new)  # Hugging Face's static KV cache: an index_put at [None, None, pos]
+
+
+_cache, _new = torch.randn(1, 4, 39, 32, generator=_g), torch.randn(1, 4, 1, 32, generator=_g)
+
+
+def test_an_index_put_at_an_inner_dim_scatters_whole_rows_of_the_dims_after_it():
+    compiled = compile_exported(torch.export.export(Fn(_static_cache_update), (_cache, torch.tensor([5]), _new)))
+    scatters = [n for n in compiled.graph.nodes() if n.op is Op.SCATTER_ROWS]
+    assert [n.shape for n in scatters] == [(4 * 39, 32)]  # a row of 32 per head, not 128 single elements
+    out = run_neff(compiled.neff, [_cache.numpy(), np.array([5]), _new.numpy()]).outputs[0]
+    assert torch.equal(torch.from_numpy(out), _static_cache_update(_cache, torch.tensor([5]), _new))
+
+
+def test_an_inner_index_past_its_dim_is_an_error_not_a_write_into_the_next_block():
+    neff = compile_exported(torch.export.export(Fn(_static_cache_update), (_cache, torch.tensor([5]), _new))).neff
+    for position in (39, -40):  # row 39 of head 0 would be row 0 of head 1
+        with pytest.raises(NeuronRuntimeError, match="outside the table's 156 rows"):
+            run_neff(neff, [_cache.numpy(), np.array([position]), _new.numpy()])
 
 
 def test_an_integer_clamp_with_only_a_lower_bound_keeps_large_values():

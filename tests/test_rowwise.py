@@ -74,6 +74,20 @@ def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
     assert_matches_eager(out, expected)
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "softmax"])
+def test_a_normalisation_of_one_row_is_one_kernel_with_the_bits_of_the_unfused_program(name):
+    """A decode step's [1, 1, C] norm: its one row is read with the stride C, which a frame of one row ignores."""
+    torch.manual_seed(0)
+    model, x = NORMALISATIONS[name](128).eval(), torch.randn(1, 1, 128) * 3
+    with torch.no_grad():
+        expected = model(x)
+    compiled, out = compile_and_run(model, (x,))
+    _, unfused = compile_and_run(model, (x,), opt_level=0)
+    assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    assert torch.equal(out, unfused)
+    assert_matches_eager(out, expected)
+
+
 @pytest.mark.parametrize("name, other_reductions", [("softmax", 1), ("log_softmax", 1), ("layer_norm", 1),
                                                      ("rms_norm", 0)])
 def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name, other_reductions):

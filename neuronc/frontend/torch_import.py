@@ -383,12 +383,15 @@ def lower(gm, name: str):
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.extras.fx_importer import FxImporter
 
+    from neuronc.frontend.index_put_rows import index_puts_as_rows
+
     context = mlir.Context()
     torch_d.register_dialect(context)
     importer = FxImporter(context=context, hooks=_dense_literals())
     drop_assertions(gm)
     float_comparison_scalars(gm)
     wrap_negative_indices(gm)
+    index_puts_as_rows(gm)
     unsqueeze_scalar_reductions(gm)
     _tag_locations_with_node_names(importer, context)
     module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)

@@ -150,14 +150,19 @@ class _Group:
             return None
         source, offset, strides = resolved
         if consumer.op is Op.REDUCE_LAST:
-            return (source, offset, strides) if len(strides) == 2 else None
+            return (source, offset, self.in_frame(strides)) if len(strides) == 2 else None
         if kind == "full":
             mapped = self.frame.strides(strides) if x.shape == self.frame.shape else None
         else:  # a per-row or per-column value: its elements in row-major order along its axis
             size = self.frame.rows if kind == "row" else self.frame.cols
             flat = reshaped_strides(x.shape, strides, (size,))
             mapped = None if flat is None else (flat[0], 0) if kind == "row" else (0, flat[0])
-        return None if mapped is None else (source, offset, mapped)
+        return None if mapped is None else (source, offset, self.in_frame(mapped))
+
+    def in_frame(self, strides):
+        """(row stride, column stride) with the row stride of a frame of one row 0: it steps over nothing, and a
+        decode step's [1, C] rows are read with the stride C (the frame's own dense layout says 0)."""
+        return (0, strides[1]) if self.frame.rows == 1 else tuple(strides)
 
     def shape_kind(self, node):
         """What a node computes in the frame by its shape: the full [R, C] values, or one per row."""
@@ -222,7 +227,7 @@ class _Group:
         if offset or len(strides) != 2:
             return False
         self.frame = _frame(source.shape, rows, cols, strides)
-        if self.frame is None or self.frame.dense != strides:
+        if self.frame is None or self.frame.dense != self.in_frame(strides):
             return False
         self.members[seed] = "row"
         changed = True
