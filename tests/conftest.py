@@ -84,6 +84,17 @@ def compiled_outputs(model, inputs, **options):
     return compiled, run_program(compiled.neff, inputs)
 
 
+def o2_with_o0_bits(model, inputs, **options):
+    """:func:`compiled_outputs` at -O2, every output asserted bit for bit the -O0 program's (each op a kernel of
+    its own): what a -O2 pass that only moves work between kernels and engines must keep."""
+    optimised, outputs = compiled_outputs(model, inputs, **options)
+    _, baseline = compiled_outputs(model, inputs, **{**options, "opt_level": 0})
+    assert len(outputs) == len(baseline)
+    for n, (value, base) in enumerate(zip(outputs, baseline)):
+        assert torch.equal(value, base), f"output {n}: -O2's bits differ from -O0's"
+    return optimised, outputs
+
+
 def compile_and_run(model, inputs, **options):
     """(the compiled program, its first output) of ``model`` on ``inputs``: :func:`compile_module`, then run."""
     compiled = compile_module(model, inputs, **options)

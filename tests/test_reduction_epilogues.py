@@ -10,7 +10,7 @@ from neuronc.ir import Op
 from neuronc.ir_text import parse
 from neuronc.passes.context import PassContext
 from neuronc.passes.reduction_epilogues import fold_reduction_epilogues
-from tests.conftest import compiled_outputs
+from tests.conftest import o2_with_o0_bits
 
 
 class Statistics(nn.Module):
@@ -24,14 +24,12 @@ class Statistics(nn.Module):
 def test_the_per_row_steps_are_the_reductions_epilogues_with_o0s_bits():
     torch.manual_seed(0)
     x = (torch.randn(256, 768) * torch.logspace(-3, 3, 256)[:, None] + 7.0).to(torch.bfloat16)
-    optimised, out = compiled_outputs(Statistics(), (x,))
-    _, baseline = compiled_outputs(Statistics(), (x,), opt_level=0)
+    optimised, out = o2_with_o0_bits(Statistics(), (x,))
     epilogues = [n.attrs["epilogue"] for n in optimised.graph.nodes() if n.attrs.get("epilogue")
                  and n.op is Op.REDUCE_LAST]
     assert [[s.op for s in e] for e in epilogues] == [[Op.DIVIDE, Op.ADD, Op.RSQRT]]
     assert not any(n.op is Op.FUSED and n.size == 256 for n in optimised.graph.nodes())  # no per-row kernel
-    for value, base, expected in zip(out, baseline, Statistics()(x)):
-        assert torch.equal(value, base)
+    for value, expected in zip(out, Statistics()(x)):
         torch.testing.assert_close(value, expected, rtol=2e-2, atol=1e-4)
 
 
