@@ -101,17 +101,23 @@ def _rows_over(position_of_dim: int, tensors=(0,)):
     return rule
 
 
+def _reduced_dims(args, kwargs) -> set | None:
+    """The dims ``op(self, dim, ...)`` reduces over (``dim`` an int or a list), normalised; None when it reduces
+    every dim (no ``dim``, an empty list, a 0-d input)."""
+    x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None or x.dim() == 0:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return {_normal(d, x.dim()) for d in dims} or None
+
+
 def _reduction(identity=None):
     """``op(self, dim, keepdim...)`` reducing over ``dim`` (an int or a list): the other dims; the reduced
     dims too when ``identity`` is given and the input is bool (logical and/or: order-free, exact)."""
     def rule(args, kwargs):
-        x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
-        if dims is None or x.dim() == 0:
+        x, reduced = args[0], _reduced_dims(args, kwargs)
+        if reduced is None:
             return None
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        if not dims:  # an empty list reduces every dim
-            return None
-        reduced = {_normal(d, x.dim()) for d in dims}
         pads = _dims(x, skip=reduced)
         if identity is not None and x.dtype == torch.bool:
             pads.update({d: identity for d in reduced})
@@ -144,11 +150,10 @@ RULES = {
 
 def _float_sum(args, kwargs):
     """``sum(self, dim, ...)`` of a float tensor: its reduced dims, padded with the sum's identity."""
-    x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
-    if not x.dtype.is_floating_point or dims is None or x.dim() == 0 or kwargs.get("dtype") is not None:
+    reduced = _reduced_dims(args, kwargs)
+    if not args[0].dtype.is_floating_point or reduced is None or kwargs.get("dtype") is not None:
         return None
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return {0: {_normal(d, x.dim()): SUM_IDENTITY for d in dims}} if dims else None
+    return {0: {d: SUM_IDENTITY for d in reduced}}
 
 
 def _softmax_row(args, kwargs):
