@@ -287,3 +287,55 @@ def test_switched_off_every_size_compiles_its_own_program(fresh, neuron):
 
 def test_the_ladder():
     assert [aten_buckets.bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 1000)] == [0, 1, 2, 4, 8, 8, 16, 1024]
+
+
+def _meta_ops_called(fn) -> tuple:
+    """(``fn()``, the ATen ops dispatched while it ran)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    called = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            called.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        result = fn()
+    return result, called
+
+
+REDUCTIONS = [  # (op, dims argument, keepdim as a positional argument or None, input dtype)
+    (torch.ops.aten.all.dim, -1, True, torch.bool), (torch.ops.aten.all.dim, 0, None, torch.float32),
+    (torch.ops.aten.all.dims, [0, 2], False, torch.uint8), (torch.ops.aten.any.dim, 1, False, torch.bool),
+    (torch.ops.aten.any.dims, [-1, 1], True, torch.int64), (torch.ops.aten.any.dims, [2], None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("op, dims, keepdim, dtype", REDUCTIONS)
+def test_all_and_any_results_without_their_meta_kernel_are_the_meta_kernels(op, dims, keepdim, dtype):
+    """The bucketed path's result shape of ``all``/``any`` (aten_lowering.reduction_meta): the first call of a kind
+    runs the meta kernel; later calls at other sizes do not (all's is Python, 0.5 ms), and give its shape and
+    dtype."""
+    from neuronc.frontend.aten_lowering import _reduction_results, reduction_meta
+
+    _reduction_results.clear()
+    extra = () if keepdim is None else (keepdim,)
+    for sizes in ((2, 3, 5), (4, 1, 9), (1, 7, 17), (3, 0, 2)):
+        x = torch.empty(sizes, dtype=dtype, device="meta")
+        expected = op(x, dims, *extra)
+        got, called = _meta_ops_called(lambda: reduction_meta(op, (x, dims, *extra), {}))  # noqa: B023
+        assert (got.shape, got.dtype, got.device) == (expected.shape, expected.dtype, expected.device)
+        assert (op in called) == (sizes == (2, 3, 5)), f"{sizes}: the meta kernel ran {called.count(op)} times"
+
+
+def test_all_and_any_calls_the_rule_does_not_know_are_left_to_the_meta_kernel():
+    from neuronc.frontend.aten_lowering import reduction_meta
+
+    x = torch.empty(2, 3, dtype=torch.bool, device="meta")
+    aten = torch.ops.aten
+    assert reduction_meta(aten.all.default, (x,), {}) is None  # every dim
+    assert reduction_meta(aten.all.dims, (x, []), {}) is None  # an empty list: every dim too
+    assert reduction_meta(aten.all.dim, (x, 2), {}) is None  # out of range: the meta kernel's error
+    assert reduction_meta(aten.all.dim, (torch.empty((), dtype=torch.bool, device="meta"), 0), {}) is None
+    assert reduction_meta(aten.sum.dim_IntList, (x, [0]), {}) is None  # not all/any

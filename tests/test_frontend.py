@@ -139,3 +139,23 @@ def test_a_program_with_side_effect_tokens_is_refused_naming_the_op_and_line():
         compile_exported(_export(Cholesky(), torch.randn(6, 4)))
     problem = caught.value.problems[0]
     assert "_linalg_check_errors" in problem and f"test_frontend.py:{line_of(__file__, 'SPEC: an effect')}" in problem
+
+
+def test_the_foreach_decompositions_cover_every_functional_foreach_overload_of_the_schemas():
+    """decompositions._foreach_decompositions lists the ops from the dispatcher's names: the same overloads as
+    every parsed schema of ATen gives (functional ones, whose per-tensor op exists), each decomposed."""
+    from neuronc.frontend import decompositions
+
+    aten = torch.ops.aten
+    expected = set()
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name.removeprefix("aten::")
+        if schema.name.startswith("aten::_foreach_") and not name.endswith("_") and \
+                not schema.overload_name.endswith("out"):
+            base = name.removeprefix("_foreach_")
+            if base in decompositions._FOREACH_TARGETS or hasattr(aten, base):
+                expected.add(getattr(getattr(aten, name), schema.overload_name or "default"))
+    table = decompositions._foreach_decompositions()
+    assert set(table) == expected and len(expected) > 50
+    assert aten._foreach_add.Scalar in table and aten._foreach_add_.Scalar not in table
+    assert all(key in decompositions.OWN for key in table)

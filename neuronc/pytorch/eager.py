@@ -627,11 +627,12 @@ def _bucketed(op, args, kwargs, device: int, runtime: frozenset, pads: dict):
     if not isinstance(inner, EagerProgram) or isinstance(inner, BucketedProgram) or inner.permuted or \
             inner.mutated or inner.empty:
         return None
-    from neuronc.frontend.aten_lowering import pointwise_meta
+    from neuronc.frontend.aten_lowering import pointwise_meta, reduction_meta
 
     metas = [_meta(x) for x in args], {k: _meta(v) for k, v in kwargs.items()}
-    try:  # a pointwise op's result from its broadcast shape (its meta kernel is Python: 0.1-0.2 ms)
-        known = pointwise_meta(op, *metas) if torch.Tag.pointwise in op.tags else None
+    try:  # a pointwise op's result from its broadcast shape, all/any's from the reduced dims (their meta kernels
+        # are Python: 0.1-0.5 ms)
+        known = pointwise_meta(op, *metas) if torch.Tag.pointwise in op.tags else reduction_meta(op, *metas)
         real = torch.utils._pytree.tree_leaves(known if known is not None else op(*metas[0], **metas[1]))
     except Exception:  # noqa: BLE001 (no meta kernel: the op compiles for its own shape)
         return None
