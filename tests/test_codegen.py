@@ -18,7 +18,7 @@ from neuronc.ir import Op
 from neuronc.targets import get_target
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager, zoo_graph
+from tests.conftest import assert_matches_eager, compiled_outputs, zoo_graph
 
 
 class Linear(torch.nn.Module):
@@ -158,6 +158,38 @@ def test_a_kernel_loads_its_first_weights_while_the_previous_kernel_runs():
         out = run_neff(neff, [x.numpy()]).outputs[0]  # the runtime refuses any race the move would cause
         assert_matches_eager(torch.from_numpy(out), model(x))
 
+
+
+def _loads_ahead_of_the_previous_kernel(neff) -> int:
+    """How many (load of kernel k, transfer of kernel k - 1) pairs a DMA queue runs in that order."""
+    count = 0
+    for (engine, _), stream in neff.streams.items():
+        if engine == Engine.DMA:
+            for n, load in enumerate(stream):
+                if load.operands[1].space == Space.HBM and load.operands[0].space == Space.SBUF:
+                    count += sum(later.kernel == load.kernel - 1 for later in stream[n + 1:])
+    return count
+
+
+def test_loads_go_into_the_time_their_queue_waits_for_the_previous_kernel(monkeypatch):
+    """codegen.schedule.into_idle_queue_time: from the estimated timeline, loads that prefetch_loads' program order
+    kept behind the previous kernel's transfers run in the time their queue waits for that kernel's compute; the
+    program is faster for it, and its outputs are bit for bit those of the program in prefetch_loads' order (the
+    runtime refuses a race)."""
+    import neuronc.codegen
+
+    torch.manual_seed(0)
+    model = zoo.TransformerBlock(256, 4).to(torch.bfloat16).eval()
+    x = torch.randn(1, 512, 256, dtype=torch.bfloat16)
+    placed, (out,) = compiled_outputs(model, (x,))
+    monkeypatch.setattr(neuronc.codegen, "into_idle_queue_time", lambda *args: None)
+    in_program_order, (expected,) = compiled_outputs(model, (x,))
+    assert placed.neff.estimated_ns < in_program_order.neff.estimated_ns
+    assert (_loads_ahead_of_the_previous_kernel(placed.neff)
+            > _loads_ahead_of_the_previous_kernel(in_program_order.neff))
+    assert torch.equal(out, expected)
+    with torch.no_grad():
+        assert_matches_eager(out, model(x))
 
 
 def test_a_program_of_one_kernel_is_the_same_neff_with_or_without_the_prefetch():

@@ -12,12 +12,12 @@ from neuronc import __version__, ir
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.kernels import kernel_for
 from neuronc.codegen.reuse import NOT_REUSED, KernelReuse
-from neuronc.codegen.schedule import prefetch_loads
+from neuronc.codegen.schedule import into_idle_queue_time, prefetch_loads
 from neuronc.codegen.sync import HazardGrid, insert_waits
 from neuronc.errors import NeuronCompileError
 from neuronc.neff.program import Neff
 from neuronc.plans import MemoryPlan
-from neuronc.stream_timing import estimate_streams
+from neuronc.stream_timing import estimate_streams, kernel_totals, replay as replay_streams
 from neuronc.targets import Target
 
 
@@ -40,7 +40,8 @@ def _fused_ops(node: ir.Node) -> tuple:
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
              timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False,
              estimate: bool = True) -> Neff:
-    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With `reuse`, kernels
+    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule), and then, from the
+    program's estimated timeline, any load of a kernel goes into time its queue would wait, when that is faster. With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
     boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
@@ -76,11 +77,30 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         instructions = prefetch_loads(instructions, grid)
         timings["codegen/prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
-    streams = insert_waits(instructions, plan.tensors, target, grid,
-                           kernels.price_keys if kernels is not None and replay else None)
+    repeats = kernels.price_keys if kernels is not None and replay else None
+    streams = insert_waits(instructions, plan.tensors, target, grid, repeats)
     timings["codegen/sync"] = time.perf_counter() - start
     makespan, kernel_ns = 0.0, {}
-    if estimate:
+    if prefetch and len(em.kernels) > 1:
+        # the estimate's timeline places loads into the time their queues wait (codegen.schedule), kept if faster
+        start = time.perf_counter()
+        same_price = kernels.price_keys if kernels else None
+        timeline = _timeline(streams, target, same_price)
+        timings["codegen/estimate"] = time.perf_counter() - start
+        start = time.perf_counter()
+        refined = into_idle_queue_time(em.instructions, grid, timeline, target)
+        if refined is not None:
+            waits = [inst.waits for inst in instructions]  # the sync pass sets them in place
+            refined_streams = insert_waits(refined, plan.tensors, target, grid, repeats)
+            refined_timeline = _timeline(refined_streams, target, same_price)
+            if _makespan(refined_timeline) < _makespan(timeline):
+                instructions, streams, timeline = refined, refined_streams, refined_timeline
+            else:
+                for inst, kept in zip(instructions, waits):
+                    inst.waits = kept
+        makespan, kernel_ns = kernel_totals((inst.kernel, *timeline[id(inst)]) for inst in instructions)
+        timings["codegen/idle queue time"] = time.perf_counter() - start
+    elif estimate:
         start = time.perf_counter()
         makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)
         timings["codegen/estimate"] = time.perf_counter() - start
@@ -90,3 +110,12 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
         name=name, target=target.name, tensors=plan.tensors, streams=streams, hbm_size=plan.hbm_size,
         debug_locs=em.debug_locs, kernels=em.kernels, estimated_ns=makespan, compiler_version=__version__,
     )
+
+
+def _timeline(streams: dict, target: Target, same_price: dict | None) -> dict:
+    """{id(instruction): (start ns, end ns)} of scheduled `streams` (`same_price`: see stream_timing.replay)."""
+    return {id(inst): (start, end) for inst, start, end in replay_streams(streams, target, same_price)}
+
+
+def _makespan(timeline: dict) -> float:
+    return max((end for _, end in timeline.values()), default=0.0)

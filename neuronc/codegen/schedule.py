@@ -11,6 +11,12 @@ kernel also goes after that kernel's last transfer on its own queue, which it wo
 The emitter places consecutive kernels' tiles at opposite ends of SBUF, so most of them have no SBUF
 conflict to wait for.
 
+Program order cannot tell a load that waits behind the previous kernel's last transfers for nothing (its operand
+was stored long before, the queue sits idle waiting for that kernel's compute) from one that would delay them:
+`into_idle_queue_time` reads the estimated timeline of prefetch_loads' order and moves a load (any of a kernel's
+loads that depends on nothing of its kernel) before the first transfer on its queue that it would not delay.
+codegen.generate keeps that order when the estimate says it is faster.
+
 Moving an instruction up past instructions whose memory it does not share (no read-write, write-read or
 write-write overlap on the hazard grid of codegen.sync) keeps the program's meaning; the sync pass then
 orders the streams from the new program order.
@@ -18,10 +24,13 @@ orders the streams from the new program order.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 
 from neuronc.codegen.sync import HazardGrid
+from neuronc.instruction_cost import instruction_cost_ns, start_latency_ns
 from neuronc.isa import Engine, Instruction, Opcode, Space
+from neuronc.targets import Target
 
 
 # How many of a kernel's first computing instructions get their operands prefetched: enough for a matmul's
@@ -80,6 +89,25 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     of one kernel (an eager op's, mostly) has no previous kernel to move a load into: its order is kept, unwalked."""
     if all(inst.kernel == instructions[0].kernel for inst in instructions):
         return list(instructions)
+    return _reordered(instructions, {position: p.before for position, p in _placements(instructions, grid).items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where prefetch_loads puts a load: before the instruction at position `before`. `earliest` is the first
+    position it may precede (after everything it depends on and the previous kernel's loads); `before` is later
+    when it waits for the previous kernel (then it goes after that kernel's last transfer on its queue); `after`
+    is the position of the last instruction it depends on (-1: none)."""
+
+    before: int
+    earliest: int
+    after: int
+    first_step: bool = True  # read by the kernel's first PREFETCH_STEPS computing instructions
+
+
+def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) -> dict:
+    """{original position of a moved load: its _Placement} (with `every_load`, also of the loads the kernel's
+    first steps do not read)."""
     needs = _first_reads(instructions, grid)
     # program position of each cell's last writer, and of its last reader or writer: Python lists, as the spans are
     # short (tens of cells) and a numpy call per span cost more than the list operation
@@ -87,29 +115,36 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     last_use = [-1] * grid.count
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
-    moved: dict = {}  # original position of a moved load -> the position it now precedes
+    moved: dict = {}  # original position of a moved load -> its placement
     last_on_queue: dict = {}  # (kernel, stream) -> position of its last instruction
     for position, inst in enumerate(instructions):
         kernel = inst.kernel
         first.setdefault(kernel, position)
         reads, writes = grid.access(inst)
         if _is_load(inst):
-            if kernel - 1 in first and kernel in needs and any(_overlaps(needs[kernel], a, b) for a, b in writes):
+            first_step = kernel in needs and any(_overlaps(needs[kernel], a, b) for a, b in writes)
+            if kernel - 1 in first and (first_step or every_load):
                 after = max([max(last_write[a:b]) for a, b in reads if b > a]
                             + [max(last_use[a:b]) for a, b in writes if b > a], default=-1)
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
-                    at = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
+                    at = earliest = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
                     if after >= first[kernel - 1]:  # it waits for the previous kernel: not ahead of it on its queue
                         at = max(at, last_on_queue.get((kernel - 1, inst.stream), -1))
-                    moved[position] = at + 1
+                    moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
         last_on_queue[(kernel, inst.stream)] = position
         for a, b in reads:  # (positions only grow: the latest use is this one)
             last_use[a:b] = [position] * (b - a)
         for a, b in writes:
             last_write[a:b] = last_use[a:b] = [position] * (b - a)
+    return moved
+
+
+def _reordered(instructions: list, moved: dict) -> list:
+    """The instructions with each moved one ({original position: the position it now precedes}) taken out of its
+    place and put before that position (in their original order when several go to one place)."""
     arriving: dict = {}
-    for position, before in moved.items():
+    for position, before in sorted(moved.items()):
         arriving.setdefault(before, []).append(instructions[position])
     order = []
     for position, inst in enumerate(instructions):
@@ -117,3 +152,50 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
         if position not in moved:
             order.append(inst)
     return order
+
+
+def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, target: Target) -> list | None:
+    """A new order of the emitted `instructions` (None: the same as prefetch_loads'), given `timeline`
+    ({id(instruction): (start ns, end ns)}) of prefetch_loads' order: each load that depends on nothing of its own
+    kernel (those its first steps read, and the others) goes up to before the first instruction on its queue, after
+    what it depends on, that it would not delay: one that starts in the timeline no earlier than the load would end
+    there (its operand written and the queue free; the load's fixed cost overlapping the previous transfer's data, as
+    stream_timing has it). So a load fills time its queue spends waiting, for the previous kernel's compute mostly,
+    where prefetch_loads' program order put it behind that kernel's last transfers on its queue."""
+    placed = _placements(instructions, grid, every_load=True)
+    moved = {position: p.before for position, p in placed.items() if p.first_step}
+    on_queue: dict = {}  # stream -> original positions of its DMAs
+    for position, inst in enumerate(instructions):
+        if inst.engine == Engine.DMA:
+            on_queue.setdefault(inst.stream, []).append(position)
+    free_at = _queue_free_times(instructions, timeline)
+    now = dict(moved)
+    for position, placement in sorted(placed.items()):
+        load = instructions[position]
+        ready = timeline[id(instructions[placement.after])][1] if placement.after >= 0 else 0.0
+        alone, latency = instruction_cost_ns(load, target), start_latency_ns(load, target)
+        queue = on_queue[load.stream]
+        for transfer in queue[bisect.bisect_left(queue, placement.after + 1):]:
+            if transfer >= moved.get(position, position):
+                break
+            ends = max(ready + alone, free_at[id(instructions[transfer])] + alone - latency)
+            if ends <= timeline[id(instructions[transfer])][0]:
+                now[position] = transfer
+                free_at[id(instructions[transfer])] = ends  # the next load put before it starts after this one
+                break
+    return _reordered(instructions, now) if now != moved else None
+
+
+def _queue_free_times(instructions: list, timeline: dict) -> dict:
+    """{id(DMA instruction): when the instruction before it on its queue ends in `timeline` (0: none)}."""
+    by_queue: dict = {}
+    for inst in instructions:
+        if inst.engine == Engine.DMA:
+            by_queue.setdefault(inst.stream, []).append(inst)
+    free_at = {}
+    for queue in by_queue.values():
+        previous = 0.0
+        for inst in sorted(queue, key=lambda i: timeline[id(i)][0]):
+            free_at[id(inst)] = previous
+            previous = timeline[id(inst)][1]
+    return free_at
