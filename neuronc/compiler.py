@@ -168,7 +168,8 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
             plan = plan_memory(candidate)
             check_capacity(plan, target)
             seconds["memory plan"], start = time.perf_counter() - start, time.perf_counter()
-            neff = generate(candidate, plan, target, options.name, seconds, prefetch=options.opt_level >= 2)
+            neff = generate(candidate, plan, target, options.name, seconds, prefetch=options.opt_level >= 2,
+                            idle_queue_time=options.opt_level >= 3)
             seconds["codegen"] = time.perf_counter() - start
             emitted[id(candidate)] = (candidate, neff, seconds)
         return emitted[id(candidate)][1].estimated_ns
@@ -190,7 +191,10 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     check_capacity(plan, target)
     timings["memory plan"] = time.perf_counter() - t
     t = time.perf_counter()
-    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2, estimate=estimate)
+    # -O3: loads placed into idle DMA queue time, from the estimated timeline, at the price of a second sync pass and
+    # estimate (+15-40% of codegen for a 12-layer GPT-2; its estimate -0.2%, gpt2_train's -2%: docs/performance.md)
+    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2, estimate=estimate,
+                    idle_queue_time=options.opt_level >= 3)
     timings["codegen"] = time.perf_counter() - t
     return Compiled(neff, stablehlo, graph, timings, decisions=ctx.decisions)
 

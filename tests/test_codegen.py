@@ -18,7 +18,7 @@ from neuronc.ir import Op
 from neuronc.targets import get_target
 from runtime import run_neff
 from tests import zoo
-from tests.conftest import assert_matches_eager, compiled_outputs, zoo_graph
+from tests.conftest import assert_matches_eager, compile_module, compiled_outputs, zoo_graph
 
 
 class Linear(torch.nn.Module):
@@ -172,18 +172,23 @@ def _loads_ahead_of_the_previous_kernel(neff) -> int:
 
 
 def test_loads_go_into_the_time_their_queue_waits_for_the_previous_kernel(monkeypatch):
-    """codegen.schedule.into_idle_queue_time: from the estimated timeline, loads that prefetch_loads' program order
-    kept behind the previous kernel's transfers run in the time their queue waits for that kernel's compute; the
-    program is faster for it, and its outputs are bit for bit those of the program in prefetch_loads' order (the
-    runtime refuses a race)."""
+    """codegen.schedule.into_idle_queue_time (-O3): from the estimated timeline, loads that prefetch_loads' program
+    order kept behind the previous kernel's transfers run in the time their queue waits for that kernel's compute;
+    the program is faster for it, and its outputs are bit for bit those of the program in prefetch_loads' order
+    (the runtime refuses a race). -O2 does not pay the second sync pass and estimate it costs."""
     import neuronc.codegen
 
     torch.manual_seed(0)
     model = zoo.TransformerBlock(256, 4).to(torch.bfloat16).eval()
     x = torch.randn(1, 512, 256, dtype=torch.bfloat16)
-    placed, (out,) = compiled_outputs(model, (x,))
-    monkeypatch.setattr(neuronc.codegen, "into_idle_queue_time", lambda *args: None)
-    in_program_order, (expected,) = compiled_outputs(model, (x,))
+    placed, (out,) = compiled_outputs(model, (x,), opt_level=3)
+    placing = []
+    monkeypatch.setattr(neuronc.codegen, "into_idle_queue_time", lambda *args: placing.append(args) and None)
+    in_program_order, (expected,) = compiled_outputs(model, (x,), opt_level=3)
+    assert placing  # -O3 looked for idle queue time
+    placing.clear()
+    compile_module(model, (x,))
+    assert not placing  # -O2 does not
     assert placed.neff.estimated_ns < in_program_order.neff.estimated_ns
     assert (_loads_ahead_of_the_previous_kernel(placed.neff)
             > _loads_ahead_of_the_previous_kernel(in_program_order.neff))

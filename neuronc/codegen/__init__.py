@@ -39,9 +39,10 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
              timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False,
-             estimate: bool = True) -> Neff:
-    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule), and then, from the
-    program's estimated timeline, any load of a kernel goes into time its queue would wait, when that is faster. With `reuse`, kernels
+             estimate: bool = True, idle_queue_time: bool = False) -> Neff:
+    """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With
+    `idle_queue_time` too, from the program's estimated timeline, any load of a kernel goes into time its queue
+    would wait, kept when that is faster (a second sync pass and estimate: -O3's trade). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
     boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
@@ -81,7 +82,7 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     streams = insert_waits(instructions, plan.tensors, target, grid, repeats)
     timings["codegen/sync"] = time.perf_counter() - start
     makespan, kernel_ns = 0.0, {}
-    if prefetch and len(em.kernels) > 1:
+    if prefetch and idle_queue_time and len(em.kernels) > 1:
         # the estimate's timeline places loads into the time their queues wait (codegen.schedule), kept if faster
         start = time.perf_counter()
         same_price = kernels.price_keys if kernels else None
