@@ -2,6 +2,7 @@
 each layer located at its own source, and the whole import for anything that is not a clean stack of copies."""
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 
@@ -36,7 +37,7 @@ def gpt2(dtype):
     return traced(model, torch.randint(0, 64, (1, 16)))
 
 
-def mlp_stack(dtype, blocks=4, width=16):
+def mlp_stack(dtype, blocks=12, width=16):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(blocks) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
     return traced(model.to(dtype), torch.randn(4, width, dtype=dtype))
@@ -63,7 +64,10 @@ def compiled_neff(gm, monkeypatch, whole: bool) -> bytes:
     monkeypatch.setattr(rowwise_schedule, "_CHOSEN", {})  # no schedule remembered from the other compile
     monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors
     monkeypatch.setenv("NEURONC_WHOLE_IMPORT", "1" if whole else "0")
-    return encode(compile_fx(gm).neff)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")  # the two imports' fingerprints differ: both compiled
+    compiled = compile_fx(copy.deepcopy(gm))
+    assert compiled.stablehlo.count("func.func @main") == (1 if whole else 2)  # which import it was
+    return encode(compiled.neff)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -77,13 +81,9 @@ def test_the_layers_imported_once_give_the_whole_imports_ir(model, dtype, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_an_mlp_stack_imported_once_makes_the_same_neff(dtype, monkeypatch):
-    gm = mlp_stack(dtype)
-    assert compiled_neff(gm, monkeypatch, whole=False) == compiled_neff(gm, monkeypatch, whole=True)
-
-
-def test_gpt2_bf16_imported_once_makes_the_same_neff(monkeypatch):
-    gm = gpt2(torch.bfloat16)
+@pytest.mark.parametrize("model", [gpt2, mlp_stack], ids=["gpt2", "mlp"])
+def test_the_layers_imported_once_make_the_same_neff(model, dtype, monkeypatch):
+    gm = model(dtype)
     assert compiled_neff(gm, monkeypatch, whole=False) == compiled_neff(gm, monkeypatch, whole=True)
 
 
@@ -105,47 +105,54 @@ def test_a_graph_without_repetition_is_imported_whole():
     assert repeated_layers.find_layers(traced(zoo.MLP().eval(), torch.randn(2, 32))) is None
 
 
-def test_a_layer_that_differs_in_an_attribute_is_not_a_copy():
-    def forward(x, w0, w1, w2):
-        x = torch.tanh(x @ w0) * 2.0
-        x = torch.tanh(x @ w1) * 3.0  # the constant differs: no copy of the block before
-        return (torch.tanh(x @ w2) * 4.0,)
+BLOCKS = 40  # x (matmul, tanh, mul): well above the smallest stack worth lowering apart
 
-    gm = make_fx(forward)(*(torch.randn(8, 8) for _ in range(4)))
-    assert repeated_layers.find_layers(gm) is None
+
+def tanh_stack(scale=lambda k: 2.0, after=lambda x, values: x, mutate=False):
+    """make_fx's graph of BLOCKS blocks x = tanh(x @ w_k) * scale(k) (in place if `mutate`), then after(x, values)."""
+    def forward(x, *weights):
+        values = []
+        for k, w in enumerate(weights):
+            x = torch.tanh(x @ w)
+            x = x.mul_(scale(k)) if mutate else x * scale(k)
+            values.append(x)
+        return (after(x, values),)
+
+    return make_fx(forward, pre_dispatch=mutate)(*(torch.randn(8, 8) for _ in range(BLOCKS + 1)))
+
+
+def test_blocks_that_repeat_are_found_with_their_weights_wired_per_copy():
+    gm = tanh_stack()
+    layers = repeated_layers.find_layers(gm)
+    assert layers is not None and len(layers.copies) == BLOCKS
+    weights = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
+    assert [[a for a in sources if a in weights] for sources in layers.sources] == [[w] for w in weights]
+
+
+def test_a_stack_too_short_to_pay_for_a_second_lowering_is_imported_whole():
+    def forward(x, *weights):
+        for w in weights:
+            x = torch.tanh(x @ w) * 2.0
+        return (x,)
+
+    assert repeated_layers.find_layers(make_fx(forward)(*(torch.randn(8, 8) for _ in range(4)))) is None
+
+
+def test_a_layer_that_differs_in_an_attribute_is_not_a_copy():
+    assert repeated_layers.find_layers(tanh_stack(scale=lambda k: 1.0 + k)) is None  # every block's constant differs
+    gm = tanh_stack(scale=lambda k: 3.0 if k == BLOCKS - 1 else 2.0)  # the last block's differs
+    layers = repeated_layers.find_layers(gm)
+    last_scale = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    assert last_scale.args[1] == 3.0
+    assert layers is not None and all(last_scale not in nodes for nodes in layers.copies)
 
 
 def test_a_side_output_read_later_falls_back_to_the_whole_import():
-    def forward(x, w0, w1, w2):
-        first = torch.tanh(x @ w0)
-        x = torch.tanh(first @ w1)
-        x = torch.tanh(x @ w2)
-        return (x + first,)  # the first block's value read after the third
-
-    gm = make_fx(forward)(*(torch.randn(8, 8) for _ in range(4)))
+    gm = tanh_stack(after=lambda x, values: x + values[0])  # the first block's value read after the last
     assert repeated_layers.find_layers(gm) is None
 
 
 def test_a_block_that_mutates_is_imported_whole():
-    def forward(x, w0, w1, w2):
-        for w in (w0, w1, w2):
-            x = torch.tanh(x @ w)
-            x.mul_(2.0)
-        return (x,)
-
-    gm = make_fx(forward, pre_dispatch=True)(*(torch.randn(8, 8) for _ in range(4)))
+    gm = tanh_stack(mutate=True)
     assert any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable for n in gm.graph.nodes)
     assert repeated_layers.find_layers(gm) is None
-
-
-def test_blocks_that_repeat_are_found_with_their_weights_wired_per_copy():
-    def forward(x, w0, w1, w2):
-        for w in (w0, w1, w2):
-            x = torch.tanh(x @ w) * 2.0
-        return (x,)
-
-    gm = make_fx(forward)(*(torch.randn(8, 8) for _ in range(4)))
-    layers = repeated_layers.find_layers(gm)
-    assert layers is not None and len(layers.copies) == 3
-    weights = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
-    assert [[a for a in sources if a in weights] for sources in layers.sources] == [[w] for w in weights]

@@ -28,6 +28,11 @@ from neuronc import ir
 from neuronc.ir import Op
 
 _MIN_PERIOD = 2  # nodes per copy: a "layer" of one op is not worth its two lowerings
+# A stated choice (measured, not hardware): the FX nodes a stack must repeat beyond its first copy to be lowered apart.
+# The second lowering costs about 0.03-0.05 s of torch-mlir's fixed work per module (HF GPT-2, docs/performance.md
+# issue 24 part 12) against about 0.7 ms per FX node imported, so below ~50 nodes it costs more than it saves (and
+# a batch norm's two unsqueezed weights are no layer).
+_MIN_REPEATED_NODES = 64
 _PERIOD_CANDIDATES = 24  # most frequent distances between equal nodes tried as the period
 
 
@@ -59,7 +64,7 @@ def find_layers(gm) -> Layers | None:
                   key=lambda q: (crossing[q], not _starts_module(compute, q), q))
     for q in cuts[:3]:
         count = (end - q) // period
-        if count < 2:
+        if count < 2 or (count - 1) * period < _MIN_REPEATED_NODES:
             continue
         layers = _wired(compute, position, q, period, count)
         if layers is not None:

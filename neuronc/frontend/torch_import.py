@@ -448,7 +448,9 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGrap
     modules = (skeleton_module, layer_module)
     complete = b"".join(m.operation.get_asm(enable_debug_info=True).encode() for m in modules)
     complete += repeated_layers.fingerprint_text(layers, locations).encode()
-    text = "\n".join(m.operation.get_asm(large_elements_limit=16) for m in modules)
+    text = (skeleton_module.operation.get_asm(large_elements_limit=16)
+            + f"\n// one copy of the {len(layers.copies)} repeated layers, instantiated per layer in the IR"
+            + " (frontend/repeated_layers.py):\n" + layer_module.operation.get_asm(large_elements_limit=16))
     seconds["import/fingerprint"] = time.perf_counter() - start
     return ImportedGraph(graph, text, hashlib.sha256(complete).hexdigest(), seconds)
 
