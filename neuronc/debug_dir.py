@@ -66,7 +66,8 @@ def _write(compiled, fx_text: str, root: str) -> str:
     os.makedirs(folder, exist_ok=True)
     files = {
         "fx_graph.txt": ("the FX graph handed to neuronc", fx_text),
-        "stablehlo.mlir": ("the StableHLO module torch-mlir produced (large constants elided)", compiled.stablehlo),
+        "stablehlo.mlir": ("the StableHLO module torch-mlir produced (large constants elided; for a stack of repeated layers, the "
+                           "module of the rest, then one layer's)", compiled.stablehlo),
         "optimized_ir.txt": ("the neuronc graph IR after the pass pipeline, every attribute and plan (neuronc/ir_text.py; "
                              f"arrays of more than {ELIDE_ARRAYS_OVER} elements elided)", _ir_text(compiled.graph)),
     }

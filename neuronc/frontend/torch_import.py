@@ -327,7 +327,8 @@ def drop_none_outputs(gm) -> list:
 def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     """Import a stateless FX graph whose placeholders are `params`: a list of (name, kind). Custom ops whose body
     is an NKI kernel are cut out for torch-mlir and come back as custom kernels (frontend/kernel_calls.py)."""
-    from neuronc.frontend import control_flow, exact_fmod, flex_attention, kernel_calls, sdpa_training
+    from neuronc.frontend import (control_flow, exact_fmod, flex_attention, kernel_calls, repeated_layers,
+                                  sdpa_training)
 
     check_static_shapes(gm)
     control_flow.inline_conditionals(gm)
@@ -345,7 +346,11 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     if sites:
         extra = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(params):]
         params = list(params) + [(p, "input") for p in extra]
-    imported = run_isolated(_import_in_child, gm, params, locations, name)
+    layers = repeated_layers.find_layers(gm) if os.environ.get("NEURONC_WHOLE_IMPORT") != "1" else None
+    if layers is None:
+        imported = run_isolated(_import_in_child, gm, params, locations, name)
+    else:
+        imported = run_isolated(_import_layers_in_child, gm, params, locations, name, layers)
     if sites:
         imported.graph = kernel_calls.stitch(imported.graph, sites, len(params) - len(extra), outputs)
         imported.fingerprint = hashlib.sha256((imported.fingerprint + kernel_calls.fingerprint(sites)).encode()
@@ -418,6 +423,36 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
     text, fingerprint = module.operation.get_asm(large_elements_limit=16), hashlib.sha256(complete).hexdigest()
     seconds["import/fingerprint"] = time.perf_counter() - start
     return ImportedGraph(graph, text, fingerprint, seconds)
+
+
+def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGraph:
+    """_import_in_child's graph, with the repeated layers lowered and imported once (repeated_layers.py); the whole
+    graph imported if that fails (the whole import then says why, op by op)."""
+    from neuronc.frontend import repeated_layers
+    from neuronc.frontend.stablehlo_import import import_module
+
+    seconds, start = {}, time.perf_counter()
+    try:
+        parts = repeated_layers.split(gm, layers)
+        skeleton_module, layer_module = lower(parts.skeleton, name), lower(parts.layer, name)
+        seconds["import/torch-mlir"] = time.perf_counter() - start
+        extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(params):]
+        skeleton = import_module(skeleton_module, list(params) + extra, locations, name)
+        slots = [(n.name, "input") for n in parts.layer.graph.nodes if n.op == "placeholder"]
+        layer = import_module(layer_module, slots, locations, name)
+        graph = repeated_layers.assemble(skeleton, layer, layers, parts, locations, len(_output_values(gm)))
+        seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
+    except Exception:  # noqa: BLE001 - the whole graph's import reports what fails
+        return _import_in_child(gm, params, locations, name)
+    start = time.perf_counter()
+    modules = (skeleton_module, layer_module)
+    complete = b"".join(m.operation.get_asm(enable_debug_info=True).encode() for m in modules)
+    complete += repeated_layers.fingerprint_text(layers, locations).encode()
+    text = (skeleton_module.operation.get_asm(large_elements_limit=16)
+            + f"\n// one copy of the {len(layers.copies)} repeated layers, instantiated per layer in the IR"
+            + " (frontend/repeated_layers.py):\n" + layer_module.operation.get_asm(large_elements_limit=16))
+    seconds["import/fingerprint"] = time.perf_counter() - start
+    return ImportedGraph(graph, text, hashlib.sha256(complete).hexdigest(), seconds)
 
 
 def _dense_literal_types() -> dict:
