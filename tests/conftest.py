@@ -285,7 +285,9 @@ def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None) -
 def import_keeping_stablehlo(program) -> tuple:
     """(ImportedGraph, weights, the StableHLO module text it was imported from, in full: constants not elided) of
     an ExportedProgram. The import runs in a forked child (frontend/isolate.py), so the text comes back through a
-    file; its hash is the fingerprint the compiler computed, i.e. it is the module neuronc compiles."""
+    file; its hash is the fingerprint the compiler computed, i.e. it is the module neuronc compiles. The graph is
+    imported whole (``NEURONC_WHOLE_IMPORT=1``): repeated layers are otherwise lowered as two modules, skeleton and
+    one layer (frontend/repeated_layers.py), whose IR and NEFF tests/test_repeated_layers.py holds equal to this."""
     import hashlib
     import pathlib
     import tempfile
@@ -303,6 +305,7 @@ def import_keeping_stablehlo(program) -> tuple:
             return module
 
         patch.setattr(torch_import, "lower", lower)
+        patch.setenv("NEURONC_WHOLE_IMPORT", "1")
         imported, weights = import_exported_program(program, "main")
         text = path.read_text()
     assert hashlib.sha256(text.encode()).hexdigest() == imported.fingerprint

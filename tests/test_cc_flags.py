@@ -65,7 +65,9 @@ def test_the_compile_cache_refuses_bad_flags_too(monkeypatch):
         cache_settings()
 
 
-def test_torch_compile_refuses_bad_flags(monkeypatch):
+def test_torch_compile_refuses_bad_flags(monkeypatch, fresh_dynamo):
+    """(fresh_dynamo: a graph Dynamo compiled for an earlier test's MLP, whose guards this one may pass, would run
+    without calling the backend at all.)"""
     monkeypatch.setenv("NEURON_CC_FLAGS", f"--no_cache {BAD}")
     model, inputs = zoo.build("mlp")
     with pytest.raises(Exception) as caught:
