@@ -767,6 +767,22 @@ def test_a_parameter_changed_between_queued_compiled_calls_is_read_as_each_call_
     assert_matches_eager([old.cpu(), new.cpu(), after.cpu()], [expected_old, expected_new, expected_after])
 
 
+def test_a_compiled_graphs_last_run_is_its_latest_launch_on_the_device(neuron, fresh_dynamo):
+    from neuronc.pytorch import backend
+
+    model, on_device, compiled = _compiled_on_device(neuron)
+    with torch.no_grad():
+        compiled(torch.randn(5, 8).to(neuron))
+        second = compiled(torch.randn(5, 8).to(neuron))
+        torch.accelerator.synchronize()
+    graph = backend.compiled_graphs[-1]
+    run = graph.last_run  # (made when asked: most launches never are)
+
+    assert graph.last_run is run
+    assert (run.outputs[0] == second.cpu().numpy()).all()
+    assert run.timeline.estimated_ns == pytest.approx(graph.on_device[0][1])
+
+
 # ---- pinned host memory, complex tensors ---------------------------------------------------------------
 
 def test_pinned_host_memory_is_registered_for_the_device(neuron):

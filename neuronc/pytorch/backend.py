@@ -44,7 +44,7 @@ class NeffFunction:
 
     def __init__(self, compiled, options: CompileOptions, static_inputs: frozenset = frozenset()):
         self.compiled, self.options = compiled, options
-        self.last_run = None
+        self._last_run = self._last_launch = None  # the RunResult of the last call, or the launch to make it of
         self.on_device: dict = {}  # neuron device index -> (LoadedProgram, estimated ns)
         self.device_launches = 0
         # Positions among the program's inputs of the graph's parameters and buffers (AOTAutograd's static
@@ -55,6 +55,22 @@ class NeffFunction:
         self._bindings: dict = {}  # program -> (what its bound arrays were made from, {position: array})
         self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
         self.input_entries = compiled.neff.inputs()  # their dtypes: a float64 argument of an fp32 input is cast
+
+    @property
+    def last_run(self):
+        """The RunResult of the last call (its outputs as numpy arrays, and the timeline); for a launch on `neuron`
+        tensors made when first asked, since most launches are never asked about (a generate's every token)."""
+        if self._last_launch is not None:
+            self._last_run, self._last_launch = _device_run(*self._last_launch), None
+        return self._last_run
+
+    @functools.cached_property
+    def output_specs(self) -> list:
+        """(shape, torch dtype) of each of the NEFF's outputs, in its output order: what a launch on `neuron`
+        tensors makes."""
+        from neuronc.frontend.tensors import torch_dtype
+
+        return [(tuple(t.shape), torch_dtype(t.dtype)) for t in self.compiled.neff.outputs()]
 
     @functools.cached_property
     def program(self):
@@ -90,7 +106,7 @@ class NeffFunction:
         entries = self.input_entries
         result = program.run([None if n in resident else _narrowed(to_numpy(a, copy=False), entries[n])
                               if n < len(entries) else to_numpy(a, copy=False) for n, a in enumerate(args)])
-        self.last_run = result
+        self._last_run, self._last_launch = result, None
         outputs = [o.astype(np.float64) if i in self.compiled.float64_outputs else o
                    for i, o in enumerate(result.outputs)]
         return self._arrange([from_numpy(o, copy=False) for o in outputs], given)  # run's own copies
@@ -102,8 +118,8 @@ class NeffFunction:
         ``p.data.copy_``) is what the next call reads. Made again only when one of them is another tensor or
         memory than last time (``p.data = ...``, a new parameter). A tensor whose memory the program cannot read
         as it is (not contiguous, on another device, another shape or dtype) is copied in at each call instead."""
-        keys = tuple((a.data_ptr(), a.dtype, a.device, a.is_contiguous()) if hasattr(a, "data_ptr") else None
-                     for a in (args[n] for n in self.resident))
+        keys = [(a.data_ptr(), a.dtype, a.device, a.is_contiguous()) if hasattr(a, "data_ptr") else None
+                for a in [args[n] for n in self.resident]]  # (lists: a generator costs more, at every call)
         known = self._bindings.get(program)
         if known is None or known[0] != keys:
             self.rebinds += known is not None
@@ -128,9 +144,9 @@ class NeffFunction:
         program, duration_ns = self.on_device[device]
         bound = self._resident_arrays(program, args, device) if self.resident else {}
         outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}",
-                                     bound)
+                                     self.output_specs, bound)
         self.device_launches += 1
-        self.last_run = _device_run(program, outputs)
+        self._last_launch = (program, outputs)
         return outputs
 
 
