@@ -714,9 +714,11 @@ class LoadedProgram:
             outputs = [view.copy() for view in plan.outputs]
         return RunResult(outputs, self.time())
 
-    def run_into(self, inputs: list, outputs: list) -> None:
+    def run_into(self, inputs: list, outputs: list, bound: dict | None = None) -> None:
         """Execute the program reading ``inputs`` and writing ``outputs`` in place: the host's own arrays
-        (any strides; a Python number for a 0-d input), in the program's input and output order.
+        (any strides; a Python number for a 0-d input), in the program's input and output order. ``bound``:
+        inputs read in place from this run on (``bind_inputs`` first; None at their positions in ``inputs``),
+        for a host that queues runs and may rebind between them: each run reads what it was queued with.
 
         For a host that launches one loaded program many times on its own buffers (the `neuron` device's
         eager ops): no timeline is built (``time()`` is the same for every run, the host reads it once),
@@ -726,6 +728,8 @@ class LoadedProgram:
         rebinding them to other buffers on every launch would cost more than the copy of the small
         tensors an eager op usually has."""
         self._check_loaded()
+        if bound is not None:
+            self.bind_inputs(bound)
         plan = self._plan
         with self.core.on_chip.lock:
             for i, (view, x) in enumerate(zip(plan.inputs, inputs)):
@@ -746,6 +750,8 @@ class LoadedProgram:
         none) rebinds the program's instructions to them: the next run rebuilds its calls, which costs about
         what the first run's building did, so bind once and run many times."""
         self._check_loaded()
+        if arrays.keys() == self._bound.keys() and all(a is self._bound[p] for p, a in arrays.items()):
+            return  # the arrays bound now (checked when they were bound)
         entries = self._input_entries
         for position, array in arrays.items():
             t = entries[position]
@@ -756,8 +762,6 @@ class LoadedProgram:
             if not array.flags.c_contiguous:
                 raise InputMismatchError(f"input {position} ({t.name!r}) must be C-contiguous to be bound",
                                          hint="bind np.ascontiguousarray(x), or give it to run() instead")
-        if {p: id(a) for p, a in arrays.items()} == {p: id(a) for p, a in self._bound.items()}:
-            return
         self._bound = dict(arrays)
         self.memory.bind([(entries[p], a) for p, a in arrays.items()])
         self.__dict__.pop("_plan", None)

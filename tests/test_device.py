@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -717,6 +718,69 @@ def test_compiled_model_on_the_device_runs_on_device_memory_without_host_copies(
     model(x).square().sum().backward()
     assert_matches_eager(out.detach().cpu(), model(x).detach())
     assert_matches_eager([p.grad.cpu() for p in on_device.parameters()], [p.grad for p in model.parameters()])
+
+
+def _compiled_on_device(neuron):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(model).to(neuron)
+    return model, on_device, torch.compile(on_device, backend="neuron")
+
+
+def test_a_compiled_graph_reads_the_parameters_device_memory_in_place(neuron, fresh_dynamo):
+    from neuronc.pytorch import backend
+
+    model, on_device, compiled = _compiled_on_device(neuron)
+    x = torch.randn(5, 8)
+    data = x.to(neuron)
+    with torch.no_grad():
+        compiled(data)
+        torch.accelerator.synchronize()
+    (program, _), = backend.compiled_graphs[-1].on_device.values()
+    inputs = program._plan.inputs  # the arrays the program reads its inputs from
+    for p in on_device.parameters():  # no copy of them into the program's memory at each call
+        assert sum(np.shares_memory(a, array_of(p)) for a in inputs) == 1
+    assert not any(np.shares_memory(a, array_of(data)) for a in inputs)  # the data input is copied in
+
+
+def test_a_parameter_changed_between_queued_compiled_calls_is_read_as_each_call_was_queued(neuron, fresh_dynamo):
+    """A launch reads the parameters it was queued with: in place (``add_``) changes what it reads, as on a
+    stream; a parameter in new memory (``.data = ...``) is what the next call reads, not the one queued before."""
+    model, on_device, compiled = _compiled_on_device(neuron)
+    x = torch.randn(5, 8)
+    data = x.to(neuron)
+    with torch.no_grad():
+        compiled(data)
+        torch.accelerator.synchronize()
+        old = compiled(data)  # queued, not run
+        new_weight = torch.randn(4, 16)
+        on_device[2].weight.data = new_weight.to(neuron)
+        new = compiled(data)
+        on_device[0].bias.add_(1)  # queued after those two: read by the third call only
+        after = compiled(data)
+        expected_old = model(x)
+        model[2].weight.data = new_weight
+        expected_new = model(x)
+        model[0].bias.add_(1)
+        expected_after = model(x)
+    assert queues.pending(0) >= 4  # the three calls and the add_ wait for the synchronisation below
+    assert_matches_eager([old.cpu(), new.cpu(), after.cpu()], [expected_old, expected_new, expected_after])
+
+
+def test_a_compiled_graphs_last_run_is_its_latest_launch_on_the_device(neuron, fresh_dynamo):
+    from neuronc.pytorch import backend
+
+    model, on_device, compiled = _compiled_on_device(neuron)
+    with torch.no_grad():
+        compiled(torch.randn(5, 8).to(neuron))
+        second = compiled(torch.randn(5, 8).to(neuron))
+        torch.accelerator.synchronize()
+    graph = backend.compiled_graphs[-1]
+    run = graph.last_run  # (made when asked: most launches never are)
+
+    assert graph.last_run is run
+    assert (run.outputs[0] == second.cpu().numpy()).all()
+    assert run.timeline.estimated_ns == pytest.approx(graph.on_device[0][1])
 
 
 # ---- pinned host memory, complex tensors ---------------------------------------------------------------

@@ -169,6 +169,32 @@ def test_binding_another_array_or_none_rebinds_the_program(core):
     np.testing.assert_array_equal(copied, x + w)
 
 
+def test_run_into_binds_the_arrays_it_is_given_before_it_runs(core):
+    """A host that queues runs gives each its own bound arrays: a run reads what it was queued with, though the
+    host bound others for a later run meanwhile (the `neuron` device's compiled graphs)."""
+    program = core.load(_add_program().neff())
+    x, w, other = (uniform(-1, 1, (128, 64)) for _ in range(3))
+    first, second = np.empty((128, 64), np.float32), np.empty((128, 64), np.float32)
+
+    program.run_into([x, None], [first], bound={1: w})
+    program.run_into([x, None], [second], bound={1: other})
+
+    np.testing.assert_array_equal(first, x + w)
+    np.testing.assert_array_equal(second, x + other)
+
+
+def test_binding_the_bound_arrays_again_keeps_the_programs_calls(core):
+    program = core.load(_add_program().neff())
+    x, w = uniform(-1, 1, (128, 64)), uniform(-1, 1, (128, 64))
+    program.bind_inputs({1: w})
+    program.run([x, None])
+    calls = program._plan
+
+    program.bind_inputs({1: w})
+
+    assert program._plan is calls  # not rebuilt: a host may bind before every run
+
+
 def test_a_bound_input_must_be_contiguous_and_of_its_inputs_shape_and_dtype(core):
     program = core.load(_add_program().neff())
     with pytest.raises(InputMismatchError, match="C-contiguous"):

@@ -44,7 +44,7 @@ class NeffFunction:
 
     def __init__(self, compiled, options: CompileOptions, static_inputs: frozenset = frozenset()):
         self.compiled, self.options = compiled, options
-        self.last_run = None
+        self._last_run = self._last_launch = None  # the RunResult of the last call, or the launch to make it of
         self.on_device: dict = {}  # neuron device index -> (LoadedProgram, estimated ns)
         self.device_launches = 0
         # Positions among the program's inputs of the graph's parameters and buffers (AOTAutograd's static
@@ -52,9 +52,25 @@ class NeffFunction:
         mask = compiled.input_mask
         kept = [i for i, k in enumerate(mask) if k] if mask is not None else range(max(static_inputs, default=-1) + 1)
         self.resident = tuple(n for n, i in enumerate(kept) if i in static_inputs)
-        self._resident_keys: tuple | None = None  # what the bound arrays were made from
+        self._bindings: dict = {}  # program -> (what its bound arrays were made from, {position: array})
         self.rebinds = 0  # times a resident parameter was found in other memory than at the call before
         self.input_entries = compiled.neff.inputs()  # their dtypes: a float64 argument of an fp32 input is cast
+
+    @property
+    def last_run(self):
+        """The RunResult of the last call (its outputs as numpy arrays, and the timeline); for a launch on `neuron`
+        tensors made when first asked, since most launches are never asked about (a generate's every token)."""
+        if self._last_launch is not None:
+            self._last_run, self._last_launch = _device_run(*self._last_launch), None
+        return self._last_run
+
+    @functools.cached_property
+    def output_specs(self) -> list:
+        """(shape, torch dtype) of each of the NEFF's outputs, in its output order: what a launch on `neuron`
+        tensors makes."""
+        from neuronc.frontend.tensors import torch_dtype
+
+        return [(tuple(t.shape), torch_dtype(t.dtype)) for t in self.compiled.neff.outputs()]
 
     @functools.cached_property
     def program(self):
@@ -85,33 +101,33 @@ class NeffFunction:
         from neuronc.frontend.tensors import from_numpy, to_numpy
 
         program = self.program
-        resident = self._keep_resident(program, args) if self.resident else ()
+        resident = self._resident_arrays(program, args, None) if self.resident else {}
+        program.bind_inputs(resident)  # (at once when they are bound already)
         entries = self.input_entries
         result = program.run([None if n in resident else _narrowed(to_numpy(a, copy=False), entries[n])
                               if n < len(entries) else to_numpy(a, copy=False) for n, a in enumerate(args)])
-        self.last_run = result
+        self._last_run, self._last_launch = result, None
         outputs = [o.astype(np.float64) if i in self.compiled.float64_outputs else o
                    for i, o in enumerate(result.outputs)]
         return self._arrange([from_numpy(o, copy=False) for o in outputs], given)  # run's own copies
 
-    def _keep_resident(self, program, args) -> frozenset:
-        """The parameters and buffers among ``args`` bound to ``program`` as inputs it reads in place (runtime's
-        ``bind_inputs``): no conversion and no copy per call, and any change made to them in place between calls
-        (an optimizer step, ``p.data.copy_``) is what the next call reads. Rebound only when one of them is
-        another tensor or memory than last time (``p.data = ...``, a new parameter). A tensor whose memory the
-        program cannot read as it is (not contiguous, on another device) is copied in at each call instead."""
-        keys = tuple((a.data_ptr(), a.dtype, a.device, a.is_contiguous()) if hasattr(a, "data_ptr") else None
-                     for a in (args[n] for n in self.resident))
-        if keys != self._resident_keys:
-            from neuronc.frontend.tensors import to_numpy
-
-            self.rebinds += self._resident_keys is not None
-            readable = {} if self.rebinds > REBINDS_BEFORE_COPYING else {
-                n: to_numpy(args[n], copy=False) for n, key in zip(self.resident, keys)
-                if key is not None and key[2].type == "cpu" and key[3] and str(key[1]) != "torch.float64"}
-            program.bind_inputs(readable)
-            self._resident_keys, self._bound_positions = keys, frozenset(readable)
-        return self._bound_positions
+    def _resident_arrays(self, program, args, device: int | None) -> dict:
+        """The parameters and buffers among ``args`` that ``program`` reads in place (runtime's ``bind_inputs``),
+        position -> array: on the CPU path the tensors' own memory, on ``neuron:device`` their device memory. No
+        conversion and no copy per call, and any change made to them in place between calls (an optimizer step,
+        ``p.data.copy_``) is what the next call reads. Made again only when one of them is another tensor or
+        memory than last time (``p.data = ...``, a new parameter). A tensor whose memory the program cannot read
+        as it is (not contiguous, on another device, another shape or dtype) is copied in at each call instead."""
+        keys = [(a.data_ptr(), a.dtype, a.device, a.is_contiguous()) if hasattr(a, "data_ptr") else None
+                for a in [args[n] for n in self.resident]]  # (lists: a generator costs more, at every call)
+        known = self._bindings.get(program)
+        if known is None or known[0] != keys:
+            self.rebinds += known is not None
+            arrays = {} if self.rebinds > REBINDS_BEFORE_COPYING else {
+                n: array for n, key in zip(self.resident, keys)
+                if key is not None and (array := _readable(args[n], key, device, self.input_entries[n])) is not None}
+            known = self._bindings[program] = (keys, arrays)
+        return known[1]
 
     def _arrange(self, outputs: list, args) -> tuple:
         """The graph's outputs from the program's (output_layout: an index, None, or an argument returned)."""
@@ -126,10 +142,30 @@ class NeffFunction:
             program = self._with_transport(_load(self.compiled, core(device)))
             self.on_device[device] = (program, program.time().estimated_ns)
         program, duration_ns = self.on_device[device]
-        outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}")
+        bound = self._resident_arrays(program, args, device) if self.resident else {}
+        outputs = eager.launch_graph(program, duration_ns, args, device, f"compiled graph {self.compiled.neff.name}",
+                                     self.output_specs, bound)
         self.device_launches += 1
-        self.last_run = _device_run(program, outputs)
+        self._last_launch = (program, outputs)
         return outputs
+
+
+def _readable(tensor, key: tuple, device: int | None, entry):
+    """A numpy array a program can read ``tensor`` from in place (C-contiguous, of its input ``entry``'s shape
+    and dtype), or None: a CPU tensor's own memory on the CPU path (float64 is cast per call), a `neuron`
+    tensor's device memory on ``neuron:device``."""
+    _, dtype, where, contiguous = key
+    if not contiguous or str(dtype) == "torch.float64" or where.type != ("cpu" if device is None else "neuron") \
+            or (device is not None and where.index != device):
+        return None
+    if device is None:
+        from neuronc.frontend.tensors import to_numpy
+
+        return to_numpy(tensor, copy=False)
+    from neuronc.pytorch.device_memory import array_of
+
+    array = array_of(tensor)
+    return array if array.shape == tuple(entry.shape) and array.dtype == entry.dtype.numpy else None
 
 
 def _narrowed(array, entry):

@@ -903,8 +903,6 @@ def _argument_type(op, where):
     return kind.getElementType() if isinstance(kind, torch.OptionalType) else kind
 
 
-_devices: dict = {}  # index -> torch.device
-
 
 def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, kwargs):
     """Queue the program on the current stream of ``device``, on the operands' memory; returns its results
@@ -957,17 +955,18 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
     return result
 
 
-def launch_graph(program, duration_ns: float, args, device: int, what: str) -> list:
+def launch_graph(program, duration_ns: float, args, device: int, what: str, outputs: list,
+                 bound: dict | None = None) -> list:
     """Queue a loaded program (a torch.compile graph) on ``device``'s current stream, on the device memory of
-    ``args``; returns its outputs, new device tensors in the NEFF's output order."""
-    from neuronc.frontend.tensors import torch_dtype
-
-    inputs = [(_view(x) if not x.is_cpu else _host_scalar(x)) if isinstance(x, torch.Tensor) else x
-              for x in args]
-    where = _devices.get(device) or _devices.setdefault(device, torch.device("neuron", device))
-    outputs = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype), device=where) for t in program.neff.outputs()]
-    queues.enqueue(device, duration_ns, program.run_into, (inputs, [_view(o) for o in outputs]), what)
-    return outputs
+    ``args``; returns its outputs, new device tensors of ``outputs`` ((shape, torch dtype) each, in the NEFF's
+    output order). ``bound``: the inputs it reads in place (position -> array of their device memory: a model's
+    parameters), bound when it runs."""
+    bound = bound or {}
+    inputs = [None if n in bound else (_view(x) if not x.is_cpu else _host_scalar(x))
+              if isinstance(x, torch.Tensor) else x for n, x in enumerate(args)]
+    made = [_empty_with_view(shape, dtype, device) for shape, dtype in outputs]
+    queues.enqueue(device, duration_ns, program.run_into, (inputs, [view for _, view in made], bound), what)
+    return [tensor for tensor, _ in made]
 
 
 def _host_scalar(x: torch.Tensor) -> np.ndarray:
