@@ -1,6 +1,7 @@
 """A custom kernel reads an input that is a view chain read by it alone through the composed view
-(passes/kernel_views.py): the flash backward reads the output gradient split into heads from the gradient
-itself, with no copy, and the gradients keep -O0's bits."""
+(passes/kernel_views.py): the flash backward reads q, k, v (split into heads out of the saved QKV projection) and
+the output gradient (split into heads) from those tensors themselves, with no copy, and the gradients keep -O0's
+bits."""
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,9 @@ def test_the_flash_backward_reads_the_output_gradient_through_its_heads_view_wit
     (kernel,) = [n for n in optimised.graph.nodes() if n.op is Op.CUSTOM_KERNEL]
     assert Op.VIEW not in {n.op for n in optimised.graph.nodes()}  # no copy of dO into heads
     read = {i: view for i, view in enumerate(kernel.attrs["views"]) if view is not None}
-    assert read == {4: (0, (64, 128, 1))}  # dO, as [heads, seq, d] in the [seq, width] gradient
-    assert kernel.inputs[4].shape[-2:] == (256, 128)
+    # q, k, v as [heads, seq, d] in the saved [seq, 3 * width] projection; dO in the [seq, width] gradient
+    assert read == {0: (0, (64, 384, 1)), 1: (128, (64, 384, 1)), 2: (256, (64, 384, 1)), 4: (0, (64, 128, 1))}
+    assert kernel.inputs[0] is kernel.inputs[1] is kernel.inputs[2] and kernel.inputs[4].shape[-2:] == (256, 128)
     expected = backward(*inputs)
     for value, base, eager in zip(out, baseline, expected):
         if value is None:
@@ -67,3 +69,17 @@ def test_an_access_maps_through_a_view_only_when_it_stays_one_access_pattern():
     flat = AccessPattern(Space.HBM, DType.BF16, 0, ((1, 2 * 256 * 64),))
     assert read_through(flat, shape, *view) is None
 
+
+def test_the_flash_forward_reads_q_k_v_through_their_heads_views_with_o0s_bits():
+    forward, inputs, _, _ = _graphs()
+    optimised, out = _run(forward, inputs, 2)
+    _, baseline = _run(forward, inputs, 0)
+    (kernel,) = [n for n in optimised.graph.nodes() if n.op is Op.CUSTOM_KERNEL]
+    assert kernel.attrs["views"] == ((0, (64, 384, 1)), (128, (64, 384, 1)), (256, (64, 384, 1)))
+    expected = forward(*inputs)
+    for value, base, eager in zip(out, baseline, expected):
+        if value is None:
+            continue
+        assert torch.equal(value, base)
+        error = torch.linalg.vector_norm(value.float() - eager.float()) / torch.linalg.vector_norm(eager.float())
+        assert error < 1e-2
