@@ -291,6 +291,25 @@ def test_the_8_row_pieces_of_a_big_tensors_row_tile_stored_from_four_queues_do_n
     assert {(w.engine, w.queue) for w in reader.waits} == {(Engine.DMA, q) for q in range(4)}
 
 
+def test_a_concatenates_row_blocks_do_not_wait_for_each_other_under_a_reader_cutting_columns_finely():
+    """The QKV gradient's concatenate ([512, 2304] bf16) stores blocks of 21 or 22 rows of each third on 16
+    queues while the next matmul reads it by 8 rows of 128 columns: ~1,600 cells of exact cuts. On a grid capped at
+    1,024 cells the rows were rounded to powers of two and blocks that share no byte waited for each other."""
+    from neuronc.codegen.sync import insert_waits
+    from neuronc.isa import AccessPattern, DType, Instruction
+
+    width, starts = 2304, [0] + [sum(21 + (b % 3 == 2) for b in range(n)) for n in range(1, 24)] + [512]
+    stores = [_store((3 * b + third) % 16, first, stop - first, 768 * third, 768, width=width)
+              for b, (first, stop) in enumerate(zip(starts, starts[1:])) for third in range(3)]
+    reads = [Instruction(Opcode.DMA_COPY, Engine.DMA,
+                         (AccessPattern(Space.SBUF, DType.BF16, 65536, ((1, 8), (1, 128))),
+                          AccessPattern(Space.HBM, DType.BF16, (8 * r * width + 128 * c) * 2, ((width, 8), (1, 128)))),
+                         queue=(r + c) % 16) for r in range(64) for c in range(18)]
+    insert_waits([*stores, *reads], [_hbm_tensor(512, width)], get_target("trn2"))
+    assert all(store.waits == () for store in stores)
+    assert (Engine.DMA, 0) in {(w.engine, w.queue) for w in reads[1].waits}  # rows 0-7, columns 128-255: store 0
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_the_sync_pass_orders_every_pair_of_accesses_that_share_a_byte_on_a_grid_of_any_size(data):

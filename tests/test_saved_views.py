@@ -44,3 +44,23 @@ def test_compile_fx_returns_an_input_output_as_the_argument_only_when_asked():
     assert len(copied.neff.outputs()) == 2
     assert len(given.neff.outputs()) == 1
     assert given.output_layout == [0, ("input", 1)]
+
+
+def test_the_heads_split_out_of_a_qkv_projection_are_saved_as_the_projection():
+    """q, k and v, split out of one projection and transposed into heads for SDPA, are all read by the backward:
+    the forward saves the projection (as many bytes) and the backward remakes the three views, so the forward
+    program writes no [batch, heads, seq, d] copy of q, k or v; gradients stay eager's."""
+    from tests.zoo import SdpaCausalSelfAttention
+
+    torch.manual_seed(0)
+    model = SdpaCausalSelfAttention(128, 2)
+    reference = copy.deepcopy(model)
+    x = torch.randn(1, 128, 128)
+    before = len(backend.compiled_graphs)
+    torch.compile(model, backend="neuron")(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    forward, _ = backend.compiled_graphs[before:]
+    shapes = [tuple(t.shape) for t in forward.compiled.neff.outputs()]
+    assert shapes.count((1, 2, 128, 64)) == 1, shapes  # the attention's output alone, no q, k, v
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOLERANCES[torch.float32], msg=name)

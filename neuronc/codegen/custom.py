@@ -18,16 +18,20 @@ def custom_kernel(em: Emitter, node: Node, plan: MemoryPlan) -> None:
     from neuronc.nki.kernel import traced_kernel  # (imported here: neuronc.nki builds on codegen's sync pass)
 
     kernel = traced_kernel(node.attrs["kernel"])
-    offsets = {}
-    for storage, source in zip(kernel.inputs, node.inputs):
-        if tuple(storage.shape) != tuple(source.shape) or storage.dtype != source.dtype:
+    offsets, views = {}, {}
+    shapes = node.attrs.get("shapes") or [x.shape for x in node.inputs]  # inputs read through views
+    for storage, source, shape, view in zip(kernel.inputs, node.inputs, shapes,
+                                            node.attrs.get("views") or [None] * len(node.inputs)):
+        if tuple(storage.shape) != tuple(shape) or storage.dtype != source.dtype:
             raise NeuronCompileError(f"custom kernel {kernel.name} was traced for {storage.dtype.name}"
-                                     f"{list(storage.shape)} but is given {source.dtype.name}{list(source.shape)}",
+                                     f"{list(storage.shape)} but is given {source.dtype.name}{list(shape)}",
                                      location=str(node.loc))
         offsets[storage.id] = plan.offset(source)
+        if view is not None:  # passes/kernel_views.py
+            views[storage.id] = view
     for index, storage in enumerate(kernel.outputs):
         offsets[storage.id] = plan.offset(node) if index == 0 else plan.placement[(node, index)].offset
     for index, storage in enumerate(kernel.scratch):
         offsets[storage.id] = plan.placement[(node, "scratch", index)].offset
     debug = [em._debug(loc) for loc in kernel.debug_locs]
-    em.instructions.extend(kernel.instructions(offsets, kernel=len(em.kernels) - 1, debug=debug))
+    em.instructions.extend(kernel.instructions(offsets, kernel=len(em.kernels) - 1, debug=debug, views=views))

@@ -22,8 +22,10 @@ from neuronc.placement import SBUF_PAGE_BYTES, partition_group  # granularity of
 from neuronc.targets import Target
 
 # bounds the cells of one HBM tensor (so the keys of one access): a tensor whose accesses cut it finer is tracked on a
-# coarser grid (boundaries rounded down to a power of two), never missing an overlap
-HBM_CELLS_PER_TENSOR = 1024
+# coarser grid (boundaries rounded down to a power of two), never missing an overlap. 4096: a training step's QKV
+# gradient ([512, 2304], stored in 21-row blocks of each third, read by 8 rows of 128 columns) cuts ~1,600 cells;
+# at 1024 its row blocks shared cells and waited for each other (docs/performance.md, issue 16, Part 21)
+HBM_CELLS_PER_TENSOR = 4096
 
 
 def _coarser(points: list, quantum: int) -> list:

@@ -53,18 +53,33 @@ class TracedKernel:
                    list(trace.debug_locs), tuple(sorted(written)))
 
     # -- instructions at addresses -----------------------------------------------------------------------
-    def instructions(self, hbm_offsets: dict, kernel: int = 0, debug: list | None = None) -> list:
+    def instructions(self, hbm_offsets: dict, kernel: int = 0, debug: list | None = None,
+                     views: dict | None = None) -> list:
         """The kernel's instructions in program order, HBM operands at ``hbm_offsets`` ({storage id: byte offset}),
-        of kernel number ``kernel``; ``debug`` maps the kernel's debug locations to the program's table."""
+        of kernel number ``kernel``; ``debug`` maps the kernel's debug locations to the program's table; ``views``
+        ({storage id: (offset, strides)}) reads an input's elements at those positions of the tensor at its
+        offset (``read_through``: ``reads_input_through``'s check passed)."""
         out = []
         for e in self.instrs:
             operands = []
             for storage, ap in e.operands:
                 base = hbm_offsets[storage.id] if storage.space == Space.HBM else storage.base
+                if views and storage.id in views:
+                    ap = read_through(ap, storage.shape, *views[storage.id])
                 operands.append(dataclasses.replace(ap, offset=ap.offset + base))
             out.append(Instruction(e.opcode, e.engine, tuple(operands), queue=e.queue, kernel=kernel,
                                    debug=debug[e.debug] if debug is not None else e.debug, **e.fields))
         return out
+
+    def reads_input_through(self, position: int, offset: int, strides: tuple) -> bool:
+        """Whether input ``position`` may be read through a view (element ``offset`` and ``strides`` per dim of
+        the input's shape, in a tensor of its dtype): the kernel does not write it and each access of it is one
+        access pattern of the viewed tensor (``read_through``)."""
+        storage = self.inputs[position]
+        if position in self.written_inputs:
+            return False
+        return all(read_through(ap, storage.shape, offset, strides) is not None
+                   for e in self.instrs for s, ap in e.operands if s.id == storage.id)
 
     @property
     def instruction_count(self) -> int:
@@ -144,6 +159,27 @@ def _hbm_copy(dst: int, src: int, storage) -> Instruction:
     ap = AccessPattern(Space.HBM, storage.dtype, 0, ((n, 1), (1, n)))
     return Instruction(Opcode.DMA_COPY, Engine.DMA, (dataclasses.replace(ap, offset=dst),
                                                       dataclasses.replace(ap, offset=src)))
+
+
+def read_through(ap, shape: tuple, offset: int, strides: tuple):
+    """``ap``, an access of a dense tensor of ``shape``, as the same elements of a tensor that holds them at
+    ``offset + index . strides`` (elements): the access pattern of the same dims (sizes) over the other tensor, or
+    None when its positions there are not one affine map (a run that crosses a dim the view reorders)."""
+    from neuronc.passes.attention import _affine
+
+    size = ap.dtype.itemsize
+    if ap.offset % size:
+        return None
+    grid = np.indices(ap.shape, dtype=np.int64)
+    dense = ap.offset // size + sum(g * stride for g, (stride, _) in zip(grid, ap.dims))
+    if dense.size and (dense.min() < 0 or dense.max() >= max(int(np.prod(shape, dtype=np.int64)), 1)):
+        return None
+    index = np.unravel_index(dense, tuple(shape))
+    fitted = _affine(offset + sum(i * s for i, s in zip(index, strides)))
+    if fitted is None:
+        return None
+    base, steps = fitted
+    return dataclasses.replace(ap, offset=base * size, dims=tuple((step, n) for step, (_, n) in zip(steps, ap.dims)))
 
 
 def _destinations(e) -> int:

@@ -70,6 +70,8 @@ def _gates() -> dict:
         "compose_view_chains": _ops(Op.VIEW),
         # it rewrites CONCATENATE nodes reading VIEW chains
         "concatenate_through_views": _ops(Op.CONCATENATE),
+        # it rewrites CUSTOM_KERNEL nodes reading VIEW chains
+        "read_kernel_inputs_through_views": _ops(Op.CUSTOM_KERNEL),
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
         # a prologue is a ROWWISE read by a MATMUL
