@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from neuronc import __version__
+from neuronc.affine_fit import affine_fit
 from neuronc.codegen.sync import insert_waits
 from neuronc.isa import DESTINATIONS, Instruction, Space
 from neuronc.neff.program import KernelInfo, Neff, TensorEntry, TensorKind
@@ -165,8 +166,6 @@ def read_through(ap, shape: tuple, offset: int, strides: tuple):
     """``ap``, an access of a dense tensor of ``shape``, as the same elements of a tensor that holds them at
     ``offset + index . strides`` (elements): the access pattern of the same dims (sizes) over the other tensor, or
     None when its positions there are not one affine map (a run that crosses a dim the view reorders)."""
-    from neuronc.passes.attention import _affine
-
     size = ap.dtype.itemsize
     if ap.offset % size:
         return None
@@ -175,7 +174,7 @@ def read_through(ap, shape: tuple, offset: int, strides: tuple):
     if dense.size and (dense.min() < 0 or dense.max() >= max(int(np.prod(shape, dtype=np.int64)), 1)):
         return None
     index = np.unravel_index(dense, tuple(shape))
-    fitted = _affine(offset + sum(i * s for i, s in zip(index, strides)))
+    fitted = affine_fit(offset + sum(i * s for i, s in zip(index, strides)))
     if fitted is None:
         return None
     base, steps = fitted

@@ -45,6 +45,7 @@ import math
 import numpy as np
 
 from neuronc import ir
+from neuronc.affine_fit import affine_fit
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
@@ -280,20 +281,6 @@ def _chain_positions(key: tuple):
     return positions
 
 
-def _affine(positions: np.ndarray):
-    """(offset, strides) with positions[i] == offset + i . strides for every index i, or None."""
-    base = int(positions.reshape(-1)[0])
-    strides = []
-    for axis, size in enumerate(positions.shape):
-        step = [0] * positions.ndim
-        step[axis] = 1 if size > 1 else 0
-        strides.append(int(positions[tuple(step)]) - base if size > 1 else 0)
-    grid = np.indices(positions.shape, dtype=np.int64)
-    if not np.array_equal(positions, base + sum(g * s for g, s in zip(grid, strides))):
-        return None
-    return base, tuple(strides)
-
-
 def _composed_view(x, shape: tuple | None = None):
     """(source, offset, strides) reading x through a chain of reshapes and views that do not merge
     symbolically (a view of a reshaped view: heads split out of a projection, then transposed): the
@@ -306,12 +293,12 @@ def _composed_view(x, shape: tuple | None = None):
 
 @functools.lru_cache(maxsize=256)
 def _fitted_chain(key: tuple, shape: tuple):
-    """_affine of a chain's positions read as `shape` (as many elements as the chain's head), once per distinct
+    """affine_fit of a chain's positions read as `shape` (as many elements as the chain's head), once per distinct
     chain and shape (a chain of each layer is the same key)."""
     positions = _chain_positions(key)
     if positions is None or math.prod(shape) != positions.size:
         return None
-    return _affine(positions.reshape(shape))
+    return affine_fit(positions.reshape(shape))
 
 
 def _is_permutation(positions: np.ndarray) -> bool:
@@ -354,7 +341,7 @@ def _fitted_inverse(key: tuple, batched: tuple):
         return None
     inverse = np.empty(positions.size, dtype=np.int64)
     inverse[positions.reshape(-1)] = np.arange(positions.size)
-    return _affine(inverse.reshape(batched))
+    return affine_fit(inverse.reshape(batched))
 
 
 def _rounded_result(pv, consumers: dict, outputs: set):

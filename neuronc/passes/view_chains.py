@@ -24,7 +24,8 @@ import numpy as np
 
 from neuronc import ir
 from neuronc.ir import Op
-from neuronc.passes.attention import MAX_COMPOSED_ELEMENTS, _affine, _composed_view
+from neuronc.affine_fit import affine_fit
+from neuronc.passes.attention import MAX_COMPOSED_ELEMENTS, _composed_view
 from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import view
 from neuronc.plans import dense_strides
@@ -79,7 +80,7 @@ def _concatenated_view(x, consumers: dict, outputs: set, reader, out_strides: tu
         return None
     fitted = _composed_view(x, top_view.shape)
     grid = np.indices(x.shape, dtype=np.int64)
-    placed = _affine(sum(g * s for g, s in zip(grid, out_strides)).reshape(top_view.shape))
+    placed = affine_fit(sum(g * s for g, s in zip(grid, out_strides)).reshape(top_view.shape))
     if fitted is None or placed is None:
         return None
     return (*fitted, top_view.shape, placed[1])
