@@ -16,6 +16,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.passes.attention import MAX_COMPOSED_ELEMENTS, _composed_view
 from neuronc.passes.context import PassContext
+from neuronc.passes.view_chains import inputs_through_views
 
 
 def _viewed_input(kernel, position: int, x, consumers: dict, outputs: set, reader):
@@ -39,32 +40,8 @@ def read_kernel_inputs_through_views(graph: ir.Graph, ctx: PassContext) -> ir.Gr
     """Each CUSTOM_KERNEL reads the inputs that are view chains read by it alone through their composed views."""
     from neuronc.nki.kernel import traced_kernel  # (imported here: neuronc.nki builds on codegen)
 
-    consumers, outputs = graph.consumers(), set(graph.outputs)
-    through = {}
-    for node in graph.nodes():
-        if node.op is Op.CUSTOM_KERNEL and "views" not in node.attrs:
-            kernel = traced_kernel(node.attrs["kernel"])
-            found = [_viewed_input(kernel, i, x, consumers, outputs, node) for i, x in enumerate(node.inputs)]
-            if any(f is not None for f in found):
-                through[node] = found
-    if not through:
-        return graph
+    def found(node, consumers, outputs):
+        kernel = traced_kernel(node.attrs["kernel"])
+        return [_viewed_input(kernel, i, x, consumers, outputs, node) for i, x in enumerate(node.inputs)]
 
-    def read_through(node, inputs):
-        if node not in through:
-            return None
-        sources, views = [], []
-        for x, found in zip(inputs, through[node]):
-            if found is None:
-                sources.append(x)
-                views.append(None)
-                continue
-            source = x  # the rewritten chain ends at the source's replacement
-            while source.op in (Op.RESHAPE, Op.VIEW):
-                source = source.inputs[0]
-            sources.append(source)
-            views.append(found[1:])
-        return ir.node(Op.CUSTOM_KERNEL, sources, node.shape, node.dtype, node.loc, **node.attrs, views=tuple(views),
-                       shapes=tuple(tuple(x.shape) for x in node.inputs))
-
-    return graph.rewrite(read_through)
+    return inputs_through_views(graph, Op.CUSTOM_KERNEL, found)

@@ -88,23 +88,31 @@ def _concatenated_view(x, consumers: dict, outputs: set, reader, out_strides: tu
 
 def concatenate_through_views(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each CONCATENATE reads the inputs that are view chains read by it alone through their composed views."""
+    def found(node, consumers, outputs):
+        out_strides = dense_strides(node.shape)
+        return [_concatenated_view(x, consumers, outputs, node, out_strides) for x in node.inputs]
+
+    return inputs_through_views(graph, Op.CONCATENATE, found)
+
+
+def inputs_through_views(graph: ir.Graph, kind: Op, found) -> ir.Graph:
+    """Each `kind` node reads the inputs ``found(node, consumers, outputs)`` names (per input None, or (source,
+    view...): a chain of views read through its composed view) from the chain's source instead: attributes `views`
+    (per input None or the view) and `shapes` (the inputs' shapes as the node reads them)."""
     consumers, outputs = graph.consumers(), set(graph.outputs)
     through = {}
     for node in graph.nodes():
-        if node.op is Op.CONCATENATE and "views" not in node.attrs:
-            out_strides = dense_strides(node.shape)
-            found = [_concatenated_view(x, consumers, outputs, node, out_strides) for x in node.inputs]
-            if any(f is not None for f in found):
-                through[node] = found
-    if not through:
-        return graph
+        if node.op is kind and "views" not in node.attrs:
+            views = found(node, consumers, outputs)
+            if any(f is not None for f in views):
+                through[node] = views
 
     def read_through(node, inputs):
         if node not in through:
             return None
         sources, views = [], []
-        for x, found in zip(inputs, through[node]):
-            if found is None:
+        for x, viewed in zip(inputs, through[node]):
+            if viewed is None:
                 sources.append(x)
                 views.append(None)
                 continue
@@ -112,8 +120,8 @@ def concatenate_through_views(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             while source.op in (Op.RESHAPE, Op.VIEW):
                 source = source.inputs[0]
             sources.append(source)
-            views.append(found[1:])
-        return ir.node(Op.CONCATENATE, sources, node.shape, node.dtype, node.loc, **node.attrs, views=tuple(views),
+            views.append(viewed[1:])
+        return ir.node(kind, sources, node.shape, node.dtype, node.loc, **node.attrs, views=tuple(views),
                        shapes=tuple(tuple(x.shape) for x in node.inputs))
 
-    return graph.rewrite(read_through)
+    return graph.rewrite(read_through) if through else graph
