@@ -245,7 +245,7 @@ def table_order(body: tuple, slots: list, loaded: ActFunc | None, steps: list, e
     tables = [table_of(ACTIVATIONS[s.op]) if s.op in ACTIVATIONS else None for s in body]
     if len({tables[j] for j in steps if tables[j] is not None}) < 2:
         return list(steps)
-    reads = [{ref for kind, ref in s.args if kind == "step"} for s in body]
+    reads = step_reads(body)
     order, left = [], list(steps)
     while left:
         ready = [j for j in left if reads[j] <= set(order).union(*emitted)]
@@ -285,9 +285,14 @@ def scaled_products(body: tuple) -> dict:
     return fused
 
 
+def step_reads(body: tuple) -> list:
+    """Per step of `body`, the steps it reads."""
+    return [{ref for kind, ref in s.args if kind == "step"} for s in body]
+
+
 def slots_hold(order: list, reads: list, slots: list) -> bool:
     """Whether computing the steps in `order` writes no slot holding a value a later step of it still reads
-    (`reads`: the steps each step reads)."""
+    (`reads`: step_reads of the body)."""
     held: dict = {}  # slot -> the step whose value it holds
     for n, j in enumerate(order):
         owner = held.get(slots[j])

@@ -16,7 +16,7 @@ from typing import Callable
 from neuronc import ir
 from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
 from neuronc.codegen.attention import identity
-from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, table_order
+from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
 from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode
@@ -679,8 +679,7 @@ def early_steps(body: tuple, slots: list) -> list:
         if any((kind == "input" and ref == 0) or (kind == "step" and ref in late) for kind, ref in step.args):
             late.add(j)
     early = [j for j in range(len(body)) if j not in late]
-    reads = [{ref for kind, ref in s.args if kind == "step"} for s in body]
-    return early if early and slots_hold(early + sorted(late), reads, slots) else []
+    return early if early and slots_hold(early + sorted(late), step_reads(body), slots) else []
 
 
 def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, engines: StepBalancer,

@@ -168,7 +168,7 @@ def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, t
     for position, inst in enumerate(instructions):
         if inst.engine == Engine.DMA:
             on_queue.setdefault(inst.stream, []).append(position)
-    free_at = _queue_free_times(instructions, timeline)
+    free_at = _queue_free_times(instructions, on_queue, timeline)
     now = dict(moved)
     for position, placement in sorted(placed.items()):
         load = instructions[position]
@@ -186,16 +186,13 @@ def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, t
     return _reordered(instructions, now) if now != moved else None
 
 
-def _queue_free_times(instructions: list, timeline: dict) -> dict:
-    """{id(DMA instruction): when the instruction before it on its queue ends in `timeline` (0: none)}."""
-    by_queue: dict = {}
-    for inst in instructions:
-        if inst.engine == Engine.DMA:
-            by_queue.setdefault(inst.stream, []).append(inst)
+def _queue_free_times(instructions: list, on_queue: dict, timeline: dict) -> dict:
+    """{id(DMA instruction): when the instruction before it on its queue (`on_queue`: stream -> positions of its
+    DMAs) ends in `timeline` (0: none)}."""
     free_at = {}
-    for queue in by_queue.values():
+    for positions in on_queue.values():
         previous = 0.0
-        for inst in sorted(queue, key=lambda i: timeline[id(i)][0]):
+        for inst in sorted((instructions[p] for p in positions), key=lambda i: timeline[id(i)][0]):
             free_at[id(inst)] = previous
             previous = timeline[id(inst)][1]
     return free_at
