@@ -727,15 +727,21 @@ def _compiled_on_device(neuron):
     return model, on_device, torch.compile(on_device, backend="neuron")
 
 
-def test_a_compiled_graph_reads_the_parameters_device_memory_in_place(neuron, fresh_dynamo):
-    from neuronc.pytorch import backend
-
-    model, on_device, compiled = _compiled_on_device(neuron)
+def _called_once(compiled, neuron) -> tuple:
+    """(x, x on the device) once ``compiled`` ran on them (its graph compiled and loaded, the launch done)."""
     x = torch.randn(5, 8)
     data = x.to(neuron)
     with torch.no_grad():
         compiled(data)
-        torch.accelerator.synchronize()
+    torch.accelerator.synchronize()
+    return x, data
+
+
+def test_a_compiled_graph_reads_the_parameters_device_memory_in_place(neuron, fresh_dynamo):
+    from neuronc.pytorch import backend
+
+    model, on_device, compiled = _compiled_on_device(neuron)
+    _, data = _called_once(compiled, neuron)
     (program, _), = backend.compiled_graphs[-1].on_device.values()
     inputs = program._plan.inputs  # the arrays the program reads its inputs from
     for p in on_device.parameters():  # no copy of them into the program's memory at each call
@@ -747,11 +753,8 @@ def test_a_parameter_changed_between_queued_compiled_calls_is_read_as_each_call_
     """A launch reads the parameters it was queued with: in place (``add_``) changes what it reads, as on a
     stream; a parameter in new memory (``.data = ...``) is what the next call reads, not the one queued before."""
     model, on_device, compiled = _compiled_on_device(neuron)
-    x = torch.randn(5, 8)
-    data = x.to(neuron)
+    x, data = _called_once(compiled, neuron)
     with torch.no_grad():
-        compiled(data)
-        torch.accelerator.synchronize()
         old = compiled(data)  # queued, not run
         new_weight = torch.randn(4, 16)
         on_device[2].weight.data = new_weight.to(neuron)
