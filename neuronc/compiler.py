@@ -151,10 +151,9 @@ def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings:
     return compiled
 
 
-def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None,
-                  estimate: bool = True) -> Compiled:
-    """`graph` compiled to a NEFF. Without `estimate`, the NEFF's estimated_ns are left 0 (codegen.generate): for a
-    caller that loads it at once and takes them from the runtime's schedule (the eager path)."""
+def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "", timings: dict | None = None) -> Compiled:
+    """`graph` compiled to a NEFF. Below -O3 its estimated_ns are computed when first read, or settled by its first
+    load (codegen.generate: no decision of those levels reads them)."""
     timings = dict(timings or {})
     target = get_target(options.target)
     t = time.perf_counter()
@@ -193,7 +192,7 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
     t = time.perf_counter()
     # -O3: loads placed into idle DMA queue time, from the estimated timeline, at the price of a second sync pass and
     # estimate (+15-40% of codegen for a 12-layer GPT-2; its estimate -0.2%, gpt2_train's -2%: docs/performance.md)
-    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2, estimate=estimate,
+    neff = generate(graph, plan, target, options.name, timings, prefetch=options.opt_level >= 2,
                     idle_queue_time=options.opt_level >= 3)
     timings["codegen"] = time.perf_counter() - t
     return Compiled(neff, stablehlo, graph, timings, decisions=ctx.decisions)

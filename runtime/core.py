@@ -60,7 +60,7 @@ from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import WRITABLE, TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.parallel_access import ports
-from neuronc.stream_timing import COMPLETE, START, simulate, stream_order
+from neuronc.stream_timing import COMPLETE, START, kernel_totals, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, HbmRegions, Memory, OnChip,
                             allocate_hbm, check_bounds, extent, granule, hbm_regions, overlaps, size_text)
@@ -338,6 +338,9 @@ class LoadedProgram:
             for key in self.streams
         ]
         self._order, self._events = self._schedule()
+        pending = neff.pending_estimate()
+        if pending is not None and pending.target == self.core.target:  # the compile's estimate is this simulation
+            pending.settle(kernel_totals((e.kernel, e.start_ns, e.end_ns) for e in self._events))
         self._hbm_bytes = sum(i.hbm_bytes for stream in self._instrs for i in stream)
         if self.access_checked and not self._trusted:
             self._check_accesses()

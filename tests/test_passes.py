@@ -235,7 +235,7 @@ def test_the_compile_time_of_every_stage_and_pass_is_recorded():
     passes = [name for name in seconds if name.startswith("pass/")]
     assert [name.split("#")[0] for name in passes] == [f"pass/{p.__name__}" for p in passes_for(2)]
     for stage in ("import", "import/torch-mlir", "import/stablehlo->ir", "passes", "memory plan", "codegen",
-                  "codegen/kernels", "codegen/sync", "codegen/estimate"):
+                  "codegen/kernels", "codegen/sync"):  # (-O2 estimates when the time is read: test_estimate_on_read)
         assert seconds[stage] > 0, stage  # timed: every stage does some work
     assert seconds["passes"] >= sum(seconds[name] for name in passes)
     for total in ("import", "codegen"):  # a total holds its parts

@@ -15,7 +15,7 @@ from neuronc.codegen.reuse import NOT_REUSED, KernelReuse
 from neuronc.codegen.schedule import into_idle_queue_time, prefetch_loads
 from neuronc.codegen.sync import HazardGrid, insert_waits
 from neuronc.errors import NeuronCompileError
-from neuronc.neff.program import Neff
+from neuronc.neff.program import Neff, PendingEstimate
 from neuronc.plans import MemoryPlan
 from neuronc.stream_timing import estimate_streams, kernel_totals, replay as replay_streams
 from neuronc.targets import Target
@@ -39,17 +39,18 @@ def _fused_ops(node: ir.Node) -> tuple:
 
 def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "main",
              timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False,
-             estimate: bool = True, idle_queue_time: bool = False) -> Neff:
+             idle_queue_time: bool = False) -> Neff:
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With
     `idle_queue_time` too, from the program's estimated timeline, any load of a kernel goes into time its queue
     would wait, kept when that is faster (a second sync pass and estimate: -O3's trade). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
     boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
-    With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and the
-    cost estimate. Without `estimate`, the NEFF's estimated_ns (its own and its kernels') are left 0 for the caller
-    to fill: a caller loading the program at once gets the same numbers from the runtime's schedule of the load
-    (the same simulation: neuronc.stream_timing), as the eager path does (pytorch/eager.py)."""
+    With `timings`, records the seconds of its stages: kernels, the hazard grid, prefetch, sync (waits) and, with
+    `idle_queue_time`, the cost estimate its placement reads. Otherwise the NEFF's estimated_ns (its own and its
+    kernels') are computed when first read (neff.program.PendingEstimate: the same numbers; no -O0 to -O2
+    decision reads them), or settled by the program's first load from its schedule (the same simulation:
+    neuronc.stream_timing), which a compile loaded at once (torch.compile, eager ops) then pays once, not twice."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
     em = Emitter(target)
@@ -82,7 +83,8 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     streams = insert_waits(instructions, plan.tensors, target, grid, repeats)
     timings["codegen/sync"] = time.perf_counter() - start
     makespan, kernel_ns = 0.0, {}
-    if prefetch and idle_queue_time and len(em.kernels) > 1:
+    placed = prefetch and idle_queue_time and len(em.kernels) > 1
+    if placed:
         # the estimate's timeline places loads into the time their queues wait (codegen.schedule), kept if faster
         start = time.perf_counter()
         same_price = kernels.price_keys if kernels else None
@@ -101,16 +103,17 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
                     inst.waits = kept
         makespan, kernel_ns = kernel_totals((inst.kernel, *timeline[id(inst)]) for inst in instructions)
         timings["codegen/idle queue time"] = time.perf_counter() - start
-    elif estimate:
-        start = time.perf_counter()
-        makespan, kernel_ns = estimate_streams(streams, target, kernels.price_keys if kernels else None)
-        timings["codegen/estimate"] = time.perf_counter() - start
     for index, ns in kernel_ns.items():
         em.kernels[index].estimated_ns = ns
-    return Neff(
+    neff = Neff(
         name=name, target=target.name, tensors=plan.tensors, streams=streams, hbm_size=plan.hbm_size,
         debug_locs=em.debug_locs, kernels=em.kernels, estimated_ns=makespan, compiler_version=__version__,
     )
+    if not placed:  # no decision here reads it: simulated when first read, or settled by a load (neff.program)
+        scheduled = {key: list(stream) for key, stream in streams.items()}
+        same_price = kernels.price_keys if kernels else None
+        neff.estimate_later(PendingEstimate(lambda: estimate_streams(scheduled, target, same_price), target))
+    return neff
 
 
 def _timeline(streams: dict, target: Target, same_price: dict | None) -> dict:

@@ -82,12 +82,13 @@ class Jitted:
         with _without_shardy():
             exported = jax.export.export(jitted, platforms=["cpu"])(*args, **kwargs)
         compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options)
+        loaded = _load(compiled, self.options.target)  # before the estimate is read: the load settles it
         log.info("neuronc: JAX function %s compiled for %s (%d kernels, estimated %.1f us%s); inputs %s",
                  self.name, self.options.target, len(compiled.neff.kernels), compiled.neff.estimated_ns / 1e3,
                  " (from the compile cache)" if compiled.cache_hit else "",
                  ", ".join(aval.str_short() for aval in exported.in_avals))
-        return _Program(compiled, _load(compiled, self.options.target), tuple(exported.module_kept_var_idx),
-                        exported.out_tree, tuple(exported.out_avals))
+        return _Program(compiled, loaded, tuple(exported.module_kept_var_idx), exported.out_tree,
+                        tuple(exported.out_avals))
 
 
 def _without_shardy():

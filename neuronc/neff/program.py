@@ -73,6 +73,65 @@ class DebugLoc:
         return f"{where}{mod} ({self.op})" if self.op else f"{where}{mod}"
 
 
+class PendingEstimate:
+    """A program's estimate, (makespan ns, {kernel index: ns summed over its instructions}), computed when first
+    read and then kept. Codegen at -O0 to -O2 decides nothing from it (only -O3's placement reads its timeline),
+    so a compile whose estimate nobody asks for does not pay for the simulation: a program the runtime loads
+    settles it from its load's schedule (the same simulation, neuronc.stream_timing), a compile made only to
+    learn whether a graph compiles never computes it. `target`: the target the estimate prices for (a load on
+    a core of another target cannot settle it)."""
+
+    def __init__(self, compute, target):
+        self._compute, self._result, self.target = compute, None, target
+
+    @property
+    def pending(self) -> bool:
+        return self._result is None
+
+    def result(self) -> tuple:
+        if self._result is None:
+            self.settle(self._compute())
+        return self._result
+
+    def settle(self, result: tuple) -> None:
+        """Keep `result`, (makespan ns, {kernel index: ns}), computed elsewhere from the same simulation."""
+        if self._result is None:
+            self._result, self._compute = result, None
+
+
+class _Share:
+    """A field's part of a PendingEstimate: the makespan (`kernel` None) or one kernel's ns (0.0 if it has no
+    instruction). Pickled or copied, it is its value (a compute function is no value to carry)."""
+
+    def __init__(self, estimate: PendingEstimate, kernel: int | None):
+        self.estimate, self.kernel = estimate, kernel
+
+    def value(self) -> float:
+        makespan, kernel_ns = self.estimate.result()
+        return makespan if self.kernel is None else kernel_ns.get(self.kernel, 0.0)
+
+    def __reduce__(self):
+        return float, (self.value(),)
+
+
+class _Estimated:
+    """A dataclass field of nanoseconds that may hold a `_Share` of a pending estimate, read as its value (kept)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:  # the dataclass's default
+            return 0.0
+        value = obj.__dict__[self.name]
+        if isinstance(value, _Share):
+            value = obj.__dict__[self.name] = value.value()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = value
+
+
 @dataclasses.dataclass
 class KernelInfo:
     """One kernel: a group of consecutive instructions that implement one graph op."""
@@ -80,7 +139,7 @@ class KernelInfo:
     name: str  # e.g. "matmul_3"
     ops: tuple = ()  # graph ops implemented by this kernel
     debug: int = -1  # index into Neff.debug_locs
-    estimated_ns: float = 0.0
+    estimated_ns: float = _Estimated()
 
 
 @dataclasses.dataclass
@@ -92,12 +151,23 @@ class Neff:
     hbm_size: int  # bytes of HBM the program needs
     debug_locs: list = dataclasses.field(default_factory=list)  # of DebugLoc
     kernels: list = dataclasses.field(default_factory=list)  # of KernelInfo
-    estimated_ns: float = 0.0
+    estimated_ns: float = _Estimated()  # the makespan; may be computed when first read (estimate_later)
     compiler_version: str = ""
     format_major: int = FORMAT_MAJOR
     format_minor: int = FORMAT_MINOR
     content_hash: str = ""  # sha256 of the encoded program; filled in by the reader/writer
     cache_key: str = ""  # the compile-cache key, in the NEFFs of cache entries only (neuronc/cache.py)
+
+    def estimate_later(self, estimate: PendingEstimate) -> None:
+        """Its estimated_ns and its kernels' are `estimate`'s, computed when one of them is first read."""
+        self.estimated_ns = _Share(estimate, None)
+        for index, kernel in enumerate(self.kernels):
+            kernel.estimated_ns = _Share(estimate, index)
+
+    def pending_estimate(self) -> PendingEstimate | None:
+        """The estimate not computed yet that its estimated_ns will read, if any."""
+        value = self.__dict__["estimated_ns"]
+        return value.estimate if isinstance(value, _Share) and value.estimate.pending else None
 
     def inputs(self) -> list:
         return sorted((t for t in self.tensors if t.kind == TensorKind.INPUT), key=lambda t: t.index)
@@ -122,6 +192,7 @@ __all__ = [
     "KernelInfo",
     "MAX_TENSOR_DIMS",
     "Neff",
+    "PendingEstimate",
     "TensorEntry",
     "TensorKind",
 ]

@@ -368,9 +368,10 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
         compiled_graphs.append(function)
         inputs = [n.meta.get("val") for n in graph_module.graph.nodes if n.op == "placeholder"]
         shapes = ", ".join(str(tuple(i.shape)) for i in inputs if hasattr(i, "shape"))
-        log.info("neuronc: compilation #%d (%s) for %s: %d kernels, estimated %.1f us%s; inputs %s",
-                 compile_count(), compile_options.name, compile_options.target, len(neff.kernels),
-                 neff.estimated_ns / 1e3, " (from the compile cache)" if compiled.cache_hit else "", shapes)
+        if log.isEnabledFor(logging.INFO):  # the estimate is computed when read (else the first load settles it)
+            log.info("neuronc: compilation #%d (%s) for %s: %d kernels, estimated %.1f us%s; inputs %s",
+                     compile_count(), compile_options.name, compile_options.target, len(neff.kernels),
+                     neff.estimated_ns / 1e3, " (from the compile cache)" if compiled.cache_hit else "", shapes)
         return function
 
     import torch

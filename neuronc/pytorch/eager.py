@@ -699,8 +699,6 @@ def _compile_with(op, args, kwargs, device: int, runtime: frozenset, options):
         program = core(device).load(compiled.neff)
     except NeuronError as e:
         return f"neuronc cannot compile it: {e.message}"
-    if lowered is not None:
-        _estimate_from_load(compiled.neff, program.time())
     compile_stats[how] += 1
     if log.isEnabledFor(logging.INFO):
         log.info("neuronc: eager %s compiled (%s) for %s", op, how,
@@ -823,25 +821,13 @@ def _lower(op, args, kwargs, runtime: frozenset):
 
 
 def _compile_lowered(lowered, options):
-    """The lowered op compiled, its NEFF's estimate left to :func:`_estimate_from_load` (the load computes it)."""
+    """The lowered op compiled; its NEFF's estimate is settled by the load that follows (the runtime's schedule is
+    the simulation the estimate runs: neff.program.PendingEstimate), paid once instead of twice per new program."""
     from neuronc.compiler import compile_graph
 
-    compiled = compile_graph(lowered.graph, options, estimate=False)
+    compiled = compile_graph(lowered.graph, options)
     compiled.output_layout = list(range(len(lowered.outputs)))
     return compiled
-
-
-def _estimate_from_load(neff, timeline) -> None:
-    """Fill the NEFF's estimated_ns (the makespan, and each kernel's instructions' summed durations) from the
-    timeline of its load: the runtime's schedule is the simulation codegen's estimate runs (neuronc.stream_timing:
-    the same instruction prices, waits and order of completion, so the same floats), paid once instead of twice
-    per new program. The NEFF stored in the compile cache then holds the numbers codegen would have written."""
-    from neuronc.stream_timing import kernel_totals
-
-    _, kernel_ns = kernel_totals((event.kernel, event.start_ns, event.end_ns) for event in timeline.events)
-    for index, ns in kernel_ns.items():
-        neff.kernels[index].estimated_ns = ns
-    neff.estimated_ns = timeline.estimated_ns
 
 
 def _traced(op, args, kwargs, runtime: frozenset, options):
