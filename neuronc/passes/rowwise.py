@@ -278,16 +278,20 @@ def _reads_a_product(node) -> bool:
     return any(ir.unreshaped(x).op is Op.MATMUL for x in node.inputs)
 
 
-def _externals_independent(members: dict, externals: list) -> bool:
-    """No input of the group depends on a value computed in it (that would be a cycle)."""
-    stack, seen = list(externals), set()
+def _externals_independent(members: dict, externals: list, order: dict) -> bool:
+    """No input of the group depends on a value computed in it (that would be a cycle). A path from a member to an
+    input passes only through nodes later in the topological `order` than that member, so the walk leaves out the
+    nodes before the earliest member (in a stack of layers, every earlier layer: a walk per group through them all
+    grew with the square of the layers)."""
+    earliest = min(order[m] for m in members)
+    stack, seen = [x for x in externals if order[x] > earliest], set()
     while stack:
         n = stack.pop()
         if n in members:
             return False
         if n not in seen:
             seen.add(n)
-            stack.extend(n.inputs)
+            stack.extend(i for i in n.inputs if order[i] > earliest)
     return True
 
 
@@ -350,7 +354,7 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             continue
         reads_reduced = any(kinds[j] == "full" and any(a[0] == "step" and kinds[a[1]] == "row" for a in s.args)
                             for j, s in enumerate(body))
-        if not reads_reduced or not _externals_independent(group.members, [x for x, _ in externals]):
+        if not reads_reduced or not _externals_independent(group.members, [x for x, _ in externals], order):
             continue
         frame = group.frame
         dtypes = [x.dtype for x, _ in externals]
