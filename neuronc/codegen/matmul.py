@@ -527,8 +527,6 @@ class _Matmul:
             accumulated = self.lead_tiles(steps, loaded)
         elif self.plan.a_by_k_tile and self.a_resident is None and self.before_tile is None:
             accumulated = self.k_tile_lead(steps, loaded)
-            if len(steps) - 1 <= self.plan.tiling.stream_bufs:  # A^T's one strip and every B strip held at once
-                steps = _rows_first(steps, accumulated)
         else:
             accumulated = {}
         for i, step in enumerate(steps):
@@ -693,17 +691,6 @@ def last_part_k_tiles(k_tiles: int, bytes_per_k_tile: int, target: Target) -> in
     (no simple rule found the 11 + 5 without losing elsewhere)."""
     payload = -(-(target.dma_efficient_bytes_per_partition // 2) // bytes_per_k_tile)
     return max(1, min(k_tiles - 1, max(-(-k_tiles // 3), payload)))
-
-
-def _rows_first(steps: list, first: dict) -> list:
-    """The steps with every output tile at the last strip's load (when the kernel holds all its strips at once):
-    the tiles of `first` first, then the others row tile by row tile. A row tile's results are then all stored
-    before the next row tile's, where the strip walk stored a column of tiles at a time, so a reader of whole rows
-    (the next layer-norm) starts on the first rows sooner. Measured (`python -m benchmarks.roofline`, trn2 bf16,
-    -O2): GPT-2 block 163.8 -> 162.8 us, 12-layer GPT-2 2621.9 -> 2612.5 (the attention output projection, whose
-    residual sum the MLP's norm reads), SwiGLU MLP and Llama layer unchanged."""
-    tiles = sorted((tile for step in steps for tile in step.tiles), key=lambda t: (t not in first, t.m0, t.n0))
-    return [_Load(step.load, []) for step in steps[:-1]] + [_Load(steps[-1].load, tiles)]
 
 
 def _streamed_first(steps: list) -> list:
