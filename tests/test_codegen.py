@@ -386,6 +386,18 @@ def test_an_attention_output_projection_loads_the_early_heads_columns_while_the_
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
 
 
+class _SwiGLU(torch.nn.Module):
+    """A SwiGLU MLP, 256 -> 1024 -> 256 without biases: its down projection reads h across its rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Linear(256, 1024, bias=False), torch.nn.Linear(256, 1024, bias=False),
+                                         torch.nn.Linear(1024, 256, bias=False))
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
 def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     """The down projection reads h = silu(x Wg) * (x Wu) across its rows; the up projection writes h column strip
     by column strip, so the down projection loads h^T K tile by K tile and its first loads start before the up
@@ -394,17 +406,8 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     from neuronc.passes.tiling import loads_a_by_k_tile, matmul_plan
     from neuronc.plans import MatmulTiling
 
-    class SwiGLU(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up, self.down = (torch.nn.Linear(256, 1024, bias=False), torch.nn.Linear(256, 1024, bias=False),
-                                             torch.nn.Linear(1024, 256, bias=False))
-
-        def forward(self, x):
-            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
-
     torch.manual_seed(0)
-    model = SwiGLU().eval().to(torch.bfloat16)
+    model = _SwiGLU().eval().to(torch.bfloat16)
     x = torch.randn(256, 256).to(torch.bfloat16)
     compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2))
     down = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.shape[-1] == 256]
@@ -425,6 +428,31 @@ def test_a_swiglu_down_projection_starts_on_the_up_projections_early_columns():
     out = run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
+
+
+def test_a_matmul_loading_a_t_by_k_tile_accumulates_its_first_output_tiles_k_tile_by_k_tile(monkeypatch):
+    """The SwiGLU down projection loads h^T K tile by K tile, as the up projection writes h column strip by strip:
+    its first two output tiles take each K tile's matmuls in turn (codegen/matmul.py `k_tile_lead`), so the Tensor
+    engine multiplies the K tiles already in for both while the last ones load, instead of for one. Each element
+    sums the same K tiles in the same order, so the outputs are bit for bit those of the tile-by-tile order, and
+    eager's values."""
+    from neuronc.codegen import matmul as matmul_codegen
+
+    torch.manual_seed(0)
+    model = _SwiGLU().eval().to(torch.bfloat16)
+    x = torch.randn(256, 256).to(torch.bfloat16)
+    compiled, (out,) = compiled_outputs(model, (x,))
+    down = len(compiled.neff.kernels) - 1
+    matmuls = [i for i in compiled.neff.streams[(Engine.TENSOR, 0)] if i.kernel == down and i.opcode == Opcode.MATMUL]
+    k_tiles = 1024 // 128
+    first = [(i.dst.partition, i.dst.offset) for i in matmuls[:2 * k_tiles]]
+    assert first[0] != first[1]
+    assert first[0::2] == [first[0]] * k_tiles and first[1::2] == [first[1]] * k_tiles  # K tile j for both, then j + 1
+    monkeypatch.setattr(matmul_codegen, "K_TILE_LEAD", 1)  # one output tile's K tiles after the other's
+    _, (tile_by_tile,) = compiled_outputs(model, (x,))
+    assert torch.equal(out, tile_by_tile)
+    with torch.no_grad():
+        assert_matches_eager(out, model(x))
 
 
 def test_a_scatter_into_a_flat_tensor_copies_its_base_at_dma_bandwidth_not_element_by_element():
