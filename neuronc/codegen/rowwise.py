@@ -21,7 +21,8 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
     read through their [R, C] views. The reductions of `store_tiles` row tiles are stored by one DMA. A chunk's load is cut by partitions over several DMA queues (as a row-wise
     kernel's); an input with one value per row (a column stride of 0: a mean the prologue subtracts) is loaded
-    once per row tile as a [rows, 1] column and read broadcast along the free axis, not as a chunk of copies."""
+    once per row tile as a [rows, 1] column and read broadcast along the free axis, not as a chunk of copies.
+    A plan with `on_scalar` sums each chunk by one ACTIVATE_BIAS_REDUCE instead of the prologue and a TENSOR_REDUCE."""
     plan: ReducePlan = node.attrs["plan"]
     if isinstance(plan, PartitionSumPlan):  # a sum over the outer axis of the input's memory
         partition_sum(em, node, memory)
