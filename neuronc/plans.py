@@ -293,6 +293,10 @@ class ReducePlan:
     store_tiles: int = 1  # row tiles whose reductions one DMA stores (side by side in an "outs" tile)
     epilogue: tuple = ()  # IR steps computed on each row tile's [rows, 1] result before its store (input 0: it)
     epilogue_slots: tuple = ()  # per epilogue step: its temporary's slot ("etemp<i>"), or None (the "eout" tile)
+    # The prologue and the sum as one ACTIVATE_BIAS_REDUCE on the Scalar engine: a RowSum (an identity of an input,
+    # widened on load) or a Summed (an activation or square of an input, a per-row input subtracted as the bias),
+    # reading inputs ("input", i) only (passes/kernel_plans.py); None: the prologue's steps and a TENSOR_REDUCE
+    on_scalar: Summed | RowSum | None = None
 
 
 @dataclasses.dataclass(frozen=True)

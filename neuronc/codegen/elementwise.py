@@ -101,6 +101,27 @@ def _repeated_column(ap: AccessPattern) -> bool:
     return ap.free_elements > 1 and all(stride == 0 for stride, _ in ap.dims[1:])
 
 
+_HELD_COLUMN_OPS = frozenset({Op.ADD, Op.SUBTRACT, Op.MULTIPLY, Op.DIVIDE, Op.MAXIMUM, Op.MINIMUM})
+_COMMUTATIVE = frozenset({Op.ADD, Op.MULTIPLY, Op.MAXIMUM, Op.MINIMUM})
+
+
+def _held_column(step, args) -> tuple | None:
+    """(x, column) of a float arithmetic step of a tile and a repeated column (one value a partition read with
+    stride 0: a per-row operand), x the streamed operand: one TENSOR_ALU2 pass over x, the column's value held
+    per partition, computed in fp32 as TENSOR_TENSOR computes it (the column second, or either for a
+    commutative op); None for any other step."""
+    if step.op not in _HELD_COLUMN_OPS or not step.dtype.is_float or len(args) != 2:
+        return None
+    if not all(isinstance(a, AccessPattern) and a.dtype.is_float for a in args):
+        return None
+    a, b = args
+    if _repeated_column(b) and not _repeated_column(a):
+        return a, b
+    if _repeated_column(a) and not _repeated_column(b) and step.op in _COMMUTATIVE:
+        return b, a
+    return None
+
+
 def _column_of(ap: AccessPattern) -> AccessPattern:
     """The [partitions, 1] column a repeated column reads."""
     return dataclasses.replace(ap, dims=(ap.dims[0], (1, 1)))
@@ -166,17 +187,18 @@ class StepBalancer:
         if form is not None:
             engines.append(Engine.SCALAR)
         elements = max(ap.free_elements for ap in tiles + [out])
+        held = _held_column(step, args)
 
         def finish(engine):
             """When `step` would end on `engine`, priced as the emulator's clock will price it: its passes, the
             Vector performance mode, the dependent spacing after the engine's last instruction when that one wrote
             an input, an activation-table load (instruction_cost)."""
             target = self.em.target
-            passes = 1 if engine is Engine.SCALAR else max(1, len(tiles))
+            passes = 1 if engine is Engine.SCALAR or held is not None else max(1, len(tiles))
             last, loaded = self.last.get(engine, (None, None))
             gap = dependent_gap_ns(engine, target) if last is not None and reads_written(tiles, last) else 0.0
             shape = None if engine is Engine.SCALAR or step.op is Op.SELECT else {1: "copy", 2: "tensor_tensor"}.get(
-                len(tiles))
+                1 if held is not None else len(tiles))
             speedup = perf_mode_speedup(engine, shape, perf_mode_operands(out, tiles), target)
             table = table_of(form[0]) if engine is Engine.SCALAR else None
             load = table_load_ns(engine, target) if table is not None and table != loaded else 0.0
@@ -326,7 +348,11 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
     elif op in ALU or op is Op.COMPARE:
         alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]
         a, b = args
-        if len(tiles) == 2:
+        held = _held_column(step, args)
+        if held is not None:  # one pass over x, the per-partition value held (rowwise_plan's Alu2 of a per-row value)
+            x, column = held
+            em.emit(Opcode.TENSOR_ALU2, engine, out, x, column, column, alu=alu)
+        elif len(tiles) == 2:
             em.emit(Opcode.TENSOR_TENSOR, engine, out, a, b, alu=alu)
         elif isinstance(a, AccessPattern):
             em.emit(Opcode.TENSOR_SCALAR, engine, out, a, alu=alu, imm0=b)

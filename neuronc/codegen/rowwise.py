@@ -21,7 +21,8 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     x is the operand itself, or (after fusion) computed per tile by a prologue body from inputs
     read through their [R, C] views. The reductions of `store_tiles` row tiles are stored by one DMA. A chunk's load is cut by partitions over several DMA queues (as a row-wise
     kernel's); an input with one value per row (a column stride of 0: a mean the prologue subtracts) is loaded
-    once per row tile as a [rows, 1] column and read broadcast along the free axis, not as a chunk of copies."""
+    once per row tile as a [rows, 1] column and read broadcast along the free axis, not as a chunk of copies.
+    A plan with `on_scalar` sums each chunk by one ACTIVATE_BIAS_REDUCE instead of the prologue and a TENSOR_REDUCE."""
     plan: ReducePlan = node.attrs["plan"]
     if isinstance(plan, PartitionSumPlan):  # a sum over the outer axis of the input's memory
         partition_sum(em, node, memory)
@@ -33,6 +34,9 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     out = HbmTensor.of(memory, node, shape=(plan.rows,))
     per_row = {i for i, view in enumerate(plan.views) if view.strides[1] == 0 and plan.cols > 1}
     parts, results, first = em.target.partitions, None, 0
+    zero = pools["zero"].next().ap(parts, 1) if "zero" in pools else None
+    if zero is not None:
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, zero, imm0=0.0)
     for r0 in range(0, plan.rows, parts):
         rt = min(em.target.partitions, plan.rows - r0)
         acc = pools["accs"].next().ap(rt, 1)
@@ -49,14 +53,15 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
                     continue
                 loaded[i] = pools[f"input{i}"].next().ap(rt, ct)
                 dma_by_rows(em, loaded[i], x[r0:r0 + rt, c0:c0 + ct].ap, _pieces(em, loaded[i], r0 == 0 and c0 == 0))
-            tile = loaded[0] if not body else emit_body(
-                em, body, plan.slots, loaded, [pool.next() for pool in temps], pools["body_out"].next(), (rt, ct),
-                pools["constants"], node.loc)
-            if c0 == 0:
-                em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, acc, tile, alu=alu)
+            part = acc if c0 == 0 else pools["partials"].next().ap(rt, 1)
+            if plan.on_scalar is not None:
+                _sum_on_scalar(em, plan.on_scalar, part, pools, loaded, columns, zero, (rt, ct))
             else:
-                part = pools["partials"].next().ap(rt, 1)
+                tile = loaded[0] if not body else emit_body(
+                    em, body, plan.slots, loaded, [pool.next() for pool in temps], pools["body_out"].next(), (rt, ct),
+                    pools["constants"], node.loc)
                 em.emit(Opcode.TENSOR_REDUCE, Engine.VECTOR, part, tile, alu=alu)
+            if c0:
                 em.emit(Opcode.TENSOR_TENSOR, Engine.VECTOR, acc, acc, part, alu=alu)
         t = r0 // parts
         if t % plan.store_tiles == 0:
@@ -68,6 +73,27 @@ def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
         em.emit(Opcode.TENSOR_COPY, Engine.VECTOR, tile_at(results.ap(parts, plan.store_tiles), t - first, rt, 1), acc)
         if t - first + 1 == plan.store_tiles or r0 + rt == plan.rows:
             _store_row_tiles(em, out, results.ap(parts, plan.store_tiles), first, t + 1, plan.rows)
+
+
+def _sum_on_scalar(em: Emitter, instr, row_sum: AccessPattern, pools: dict, loaded: dict, columns: dict,
+                   zero: AccessPattern | None, shape: tuple) -> None:
+    """A chunk's prologue and sum as one ACTIVATE_BIAS_REDUCE (the plan's `on_scalar`, a RowSum or a Summed over
+    inputs) into `row_sum`: func(scale * x + bias), x the loaded chunk (widened as it is read), the bias 0 or the
+    per-row input (`columns`) as the row-wise kernels' Summed takes it; the activation values go to a scratch
+    tile, nothing reads them."""
+    rt, ct = shape
+    func, scale, bias = ActFunc.IDENTITY, 1.0, None
+    if isinstance(instr, Summed):
+        func = _activation_func(instr.act)
+        if instr.shift is not None:
+            shift = columns[instr.shift[1]]
+            if instr.negated:
+                bias, scale = shift, -1.0
+            else:
+                bias = pools["bias"].next().ap(rt, 1)
+                em.emit(Opcode.TENSOR_SCALAR, Engine.SCALAR, bias, shift, alu=AluOp.MULTIPLY, imm0=-1.0)
+    em.emit(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, pools["body_out"].next().ap(rt, ct), row_sum,
+            loaded[instr.src[1]], first_rows(zero, rt) if bias is None else bias, func=func, imm0=scale)
 
 
 def _store_row_tiles(em: Emitter, out: HbmTensor, results: AccessPattern, first: int, end: int, rows: int) -> None:

@@ -11,7 +11,9 @@ from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
 from neuronc.isa import DType
 from neuronc.placement import free_for, tile_free_elements
-from neuronc.plans import ElementwisePlan, PartitionSumPlan, PoolSpec, ReducePlan, RowsPlan, TopkPlan, View
+from neuronc.plans import (ElementwisePlan, PartitionSumPlan, PoolSpec, ReducePlan, RowSum, RowsPlan, Summed, TopkPlan,
+                           View)
+from neuronc.passes.rowwise_plan import tile_plan
 from neuronc.passes.context import PassContext
 from neuronc.targets import Target
 
@@ -110,10 +112,30 @@ def reduce_plan(node: Node, target: Target) -> ReducePlan | PartitionSumPlan:
     pools += [PoolSpec(f"etemp{t}", DType.F32, 1, 2) for t in range(epilogue_temps)]
     if epilogue:
         pools.append(PoolSpec("eout", node.dtype, 1, 2))
+    on_scalar = _sum_on_scalar(node, body, views)
+    if on_scalar is not None and getattr(on_scalar, "shift", None) is None:
+        pools.append(PoolSpec("zero", DType.F32, 1, 1))  # the activation's bias
+    elif on_scalar is not None and not on_scalar.negated:
+        pools.append(PoolSpec("bias", DType.F32, 1, 2))  # the shift negated
     return ReducePlan(rows=rows, cols=cols, kind=kind, prologue=body, slots=tuple(slots),
                       views=tuple(View(int(offset), tuple(int(s) for s in strides)) for offset, strides in views),
                       chunk=chunk, pools=tuple(pools), store_tiles=store_tiles, epilogue=epilogue,
-                      epilogue_slots=tuple(epilogue_slots))
+                      epilogue_slots=tuple(epilogue_slots), on_scalar=on_scalar)
+
+
+def _sum_on_scalar(node: Node, body: tuple, views: tuple) -> Summed | RowSum | None:
+    """A float sum whose prologue, planned as a row-wise body ending in the sum is (rowwise_plan's rules), is one
+    Summed (an activation or square of an input, a per-row input subtracted first) or one RowSum of an input
+    (widened on load): the Scalar engine's ACTIVATE_BIAS_REDUCE computes it in one pass over the loaded chunk, the
+    same fp32 values summed the same way, where the Vector engine takes a pass per step and one for the sum (a
+    layer-norm's mean and variance, recomputed in the backward)."""
+    if node.attrs["kind"] != "add" or not node.dtype.is_float or not body or body[-1].dtype != DType.F32:
+        return None
+    row_sum = ir.Step(Op.REDUCE_LAST, (("step", len(body) - 1),), DType.F32, {"kind": "add"})
+    instrs = [instr for _, instr in tile_plan((*body, row_sum), views, [x.dtype for x in node.inputs]).instrs]
+    if len(instrs) != 1 or not isinstance(instrs[0], (Summed, RowSum)):
+        return None
+    return instrs[0] if all(arg[0] == "input" for arg in instrs[0].reads) else None
 
 
 def _sums_over_partitions(node: Node, kind: str, body: tuple, views: tuple, cols: int) -> bool:

@@ -1,0 +1,28 @@
+"""A float arithmetic step of a tile and a per-row operand loaded as a column (read with stride 0 along the row:
+the layer-norm weight gradient's `x - mean` and `* rstd`, its sum over tokens reading the statistics as columns)
+is one TENSOR_ALU2 pass over the tile, the column's value held per partition (codegen/elementwise.py
+`_held_column`), not a two-input TENSOR_TENSOR: the same fp32 arithmetic, -O0's bits."""
+from __future__ import annotations
+
+import torch
+
+from neuronc.isa import AluOp, Opcode
+from tests.test_recomputed_rows import _backward, _run
+
+
+def _repeated_column(ap) -> bool:
+    return ap.free_elements > 1 and all(stride == 0 for stride, _ in ap.dims[1:])
+
+
+def test_a_per_row_operand_is_held_in_one_pass_with_o0s_bits():
+    backward, inputs = _backward()
+    optimised, out = _run(backward, inputs, 2)
+    _, baseline = _run(backward, inputs, 0)
+    instructions = [inst for stream in optimised.neff.streams.values() for inst in stream]
+    held = [inst for inst in instructions if inst.opcode == Opcode.TENSOR_ALU2 and inst.alu1 == AluOp.NONE
+            and _repeated_column(inst.srcs[1]) and not _repeated_column(inst.srcs[0])]
+    assert {inst.alu for inst in held} >= {AluOp.SUBTRACT, AluOp.MULTIPLY}
+    assert not any(inst.opcode == Opcode.TENSOR_TENSOR and any(_repeated_column(ap) for ap in inst.srcs)
+                   for inst in instructions)
+    for value, base in zip(out, baseline):
+        assert value is None or torch.equal(value, base)
