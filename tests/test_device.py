@@ -639,6 +639,54 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
     assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
+def test_a_new_range_leaves_the_queue_to_run_later(neuron):
+    """``torch.arange(..., device=...)`` resizes the empty tensor PyTorch made for it: no bytes to move, so what is
+    queued is not run for it (generate() makes ~7 ranges a token)."""
+    x = torch.ones(4, device=neuron)
+    x * 3.0  # compiled
+    torch.accelerator.synchronize()
+    y = x * 3.0
+    r = torch.arange(2, 7, device=neuron)
+    assert queues.pending(0) >= 2  # the product and the range's copy wait
+    assert torch.equal(r.cpu(), torch.arange(2, 7)) and torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_a_resize_that_moves_bytes_runs_the_queue_first(neuron):
+    """``out=`` of another shape than its result, whose storage holds bytes: they move, so the queued writer of
+    them runs first and the bytes the resize keeps are its."""
+    x = torch.ones(4, device=neuron)
+    out = torch.zeros(2, device=neuron)
+    torch.add(x, x, out=torch.empty(4, device=neuron))  # compiled
+    out.fill_(5.0)  # queued
+    torch.arange(3, out=out)
+    assert queues.pending(0) == 1  # only the range's copy: the fill ran before the resize
+    assert torch.equal(out.cpu(), torch.arange(3.0))
+
+
+def test_a_new_range_starts_where_a_synchronization_would_start_it(neuron):
+    """Not running the queue for a range keeps the timeline: the streams' clocks settle as at a synchronisation,
+    so the range's copy on one stream starts after the work queued on another."""
+    x = torch.randn(64, 64).to(neuron)
+    _work(x), torch.arange(3, device=neuron)  # compiled, and the range's copy timed once
+    torch.accelerator.synchronize()
+    other = torch.Stream(device="neuron")
+
+    def after_the_other_stream(synchronize: bool) -> float:
+        with torch.neuron.stream(other):
+            _work(x)
+            busy = torch.Event(enable_timing=True)
+            busy.record()
+        if synchronize:
+            torch.accelerator.synchronize()
+        torch.arange(3, device=neuron)
+        made = torch.Event(enable_timing=True)
+        made.record()
+        made.synchronize()
+        return busy.elapsed_time(made)
+
+    assert after_the_other_stream(synchronize=False) == after_the_other_stream(synchronize=True) > 0
+
+
 def test_a_cached_program_reads_a_broadcast_operand_when_it_runs_not_when_it_is_queued(neuron):
     """A program is cached by its operands' shapes and dtypes, not their strides: the program compiled for two
     dense operands is launched again with an expanded (stride 0) view of a tensor that a queued launch writes.

@@ -262,8 +262,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
             if isinstance(host, torch.Tensor) and id(host) in originals:
                 original = originals[id(host)]
                 if original.shape != host.shape:
-                    queues.synchronize(original.device.index)  # resizing moves the bytes
-                    original.resize_(host.shape)
+                    queues.resize(original, host.shape)
                 original.copy_(host)
 
     def to_device(x):
@@ -931,8 +930,7 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
         flat = [kwargs[name] for name in writes["out"]]
         for target, (shape, _) in zip(flat, entry.outputs):
             if tuple(target.shape) != shape:
-                queues.synchronize(device)  # resizing moves the bytes: queued work must have run
-                target.resize_(shape)
+                queues.resize(target, shape)
         result = flat[0] if len(flat) == 1 else tuple(flat)
     if writes is not None:
         outputs = [_view(t) for t in flat]
@@ -1032,8 +1030,9 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
 def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.shape != src.shape:
         if dst.device.type == "neuron":
-            queues.synchronize(dst.device.index)
-        dst.resize_(src.shape)
+            queues.resize(dst, src.shape)
+        else:
+            dst.resize_(src.shape)
     return _copy_from(src, dst)
 
 
@@ -1060,8 +1059,7 @@ def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
     """A range is a constant: made on the host and copied into the device memory (as a NEFF's constants are)."""
     values = torch.arange(start, end, step, dtype=out.dtype)
     if out.shape != values.shape:
-        queues.synchronize(out.device.index)  # resizing moves the bytes
-        out.resize_(values.shape)
+        queues.resize(out, values.shape)
     queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
                    "arange")
     return out
