@@ -639,6 +639,16 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
     assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
+def test_a_zero_dim_cpu_operand_is_read_when_the_op_is_queued(neuron):
+    """A 0-d CPU tensor mixed with device tensors is read when the op is called, not when the launch runs: the
+    host may change it meanwhile."""
+    x = torch.ones(3, device=neuron)
+    scale = torch.tensor(2.0)
+    y = x * scale  # queued
+    scale.fill_(5.0)
+    assert torch.equal(y.cpu(), torch.full((3,), 2.0))
+
+
 def test_a_new_range_leaves_the_queue_to_run_later(neuron):
     """``torch.arange(..., device=...)`` resizes the empty tensor PyTorch made for it: no bytes to move, so what is
     queued is not run for it (generate() makes ~7 ranges a token)."""
