@@ -639,6 +639,14 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
     assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
+def test_a_new_tensor_holds_the_uninitialised_pattern_until_written(neuron):
+    """Device memory nobody wrote reads as NaN (bytes 0xFF), as the emulated core's does: a kernel that reads an
+    output it did not write shows it."""
+    fresh = torch.empty(5, 3, device=neuron)
+    assert torch.isnan(fresh.cpu()).all()
+    assert torch.equal(fresh.view(torch.int32).cpu(), torch.full((5, 3), -1, dtype=torch.int32))
+
+
 def test_a_zero_dim_cpu_operand_is_read_when_the_op_is_queued(neuron):
     """A 0-d CPU tensor mixed with device tensors is read when the op is called, not when the launch runs: the
     host may change it meanwhile."""
