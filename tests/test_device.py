@@ -670,11 +670,10 @@ def test_a_new_range_leaves_the_queue_to_run_later(neuron):
 
 
 def test_a_resize_that_moves_bytes_runs_the_queue_first(neuron):
-    """``out=`` of another shape than its result, whose storage holds bytes: they move, so the queued writer of
-    them runs first and the bytes the resize keeps are its."""
-    x = torch.ones(4, device=neuron)
+    """``out=`` of another shape than its result, whose storage holds bytes: the resize moves them, so the work
+    queued before it runs first."""
     out = torch.zeros(2, device=neuron)
-    torch.add(x, x, out=torch.empty(4, device=neuron))  # compiled
+    torch.accelerator.synchronize()
     out.fill_(5.0)  # queued
     torch.arange(3, out=out)
     assert queues.pending(0) == 1  # only the range's copy: the fill ran before the resize
