@@ -245,6 +245,7 @@ class _Plan(NamedTuple):
     inputs: list  # views of the input tensors in HBM
     outputs: list  # views of the output tensors in HBM
     resets: list  # memory to fill with NaN before each run
+    copied: list  # (position, view) of the inputs a run copies: those not bound in place (bind_inputs)
 
 
 class NeuronCore:
@@ -688,10 +689,11 @@ class LoadedProgram:
                 steps = [functools.partial(_write, tuple(map(memory.view, i.instr.writes)), values.pop(i.key))]
             calls += steps
             owners += [i] * len(steps)
-        return _Plan(calls, owners, [memory.tensor(t) for t in self.neff.inputs()],
-                     [memory.tensor(t) for t in self.neff.outputs()],
+        inputs = [memory.tensor(t) for t in self.neff.inputs()]
+        return _Plan(calls, owners, inputs, [memory.tensor(t) for t in self.neff.outputs()],
                      self._used_memory(memory, hbm=not self.access_checked)
-                     if not self.access_checked or bool(self.undefined_on_chip) else [])
+                     if not self.access_checked or bool(self.undefined_on_chip) else [],
+                     [(i, view) for i, view in enumerate(inputs) if i not in self._bound])
 
     def _used_memory(self, memory: Memory, hbm: bool = True) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
@@ -730,14 +732,14 @@ class LoadedProgram:
         still copied into the program's HBM: its kernels are bound to views of it at the first run, and
         rebinding them to other buffers on every launch would cost more than the copy of the small
         tensors an eager op usually has."""
-        self._check_loaded()
         if bound is not None:
-            self.bind_inputs(bound)
+            self.bind_inputs(bound)  # checks that the program is loaded
+        elif not self._free.alive:
+            self._check_loaded()
         plan = self._plan
         with self.core.on_chip.lock:
-            for i, (view, x) in enumerate(zip(plan.inputs, inputs)):
-                if i not in self._bound:
-                    view[...] = x
+            for i, view in plan.copied:
+                view[...] = inputs[i]
             self._execute(plan)
             for out, view in zip(outputs, plan.outputs):
                 out[...] = view

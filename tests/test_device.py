@@ -639,6 +639,71 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
     assert torch.equal(x.cpu(), torch.full((4,), queues.QUEUE_DEPTH + 1.0))
 
 
+def test_a_new_tensor_holds_the_uninitialised_pattern_until_written(neuron):
+    """Device memory nobody wrote reads as NaN (bytes 0xFF), as the emulated core's does: a kernel that reads an
+    output it did not write shows it."""
+    fresh = torch.empty(5, 3, device=neuron)
+    assert torch.isnan(fresh.cpu()).all()
+    assert torch.equal(fresh.view(torch.int32).cpu(), torch.full((5, 3), -1, dtype=torch.int32))
+
+
+def test_a_zero_dim_cpu_operand_is_read_when_the_op_is_queued(neuron):
+    """A 0-d CPU tensor mixed with device tensors is read when the op is called, not when the launch runs: the
+    host may change it meanwhile."""
+    x = torch.ones(3, device=neuron)
+    scale = torch.tensor(2.0)
+    y = x * scale  # queued
+    scale.fill_(5.0)
+    assert torch.equal(y.cpu(), torch.full((3,), 2.0))
+
+
+def test_a_new_range_leaves_the_queue_to_run_later(neuron):
+    """``torch.arange(..., device=...)`` resizes the empty tensor PyTorch made for it: no bytes to move, so what is
+    queued is not run for it (generate() makes ~7 ranges a token)."""
+    x = torch.ones(4, device=neuron)
+    x * 3.0  # compiled
+    torch.accelerator.synchronize()
+    y = x * 3.0
+    r = torch.arange(2, 7, device=neuron)
+    assert queues.pending(0) >= 2  # the product and the range's copy wait
+    assert torch.equal(r.cpu(), torch.arange(2, 7)) and torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_a_resize_that_moves_bytes_runs_the_queue_first(neuron):
+    """``out=`` of another shape than its result, whose storage holds bytes: the resize moves them, so the work
+    queued before it runs first."""
+    out = torch.zeros(2, device=neuron)
+    torch.accelerator.synchronize()
+    out.fill_(5.0)  # queued
+    torch.arange(3, out=out)
+    assert queues.pending(0) == 1  # only the range's copy: the fill ran before the resize
+    assert torch.equal(out.cpu(), torch.arange(3.0))
+
+
+def test_a_new_range_starts_where_a_synchronization_would_start_it(neuron):
+    """Not running the queue for a range keeps the timeline: the streams' clocks settle as at a synchronisation,
+    so the range's copy on one stream starts after the work queued on another."""
+    x = torch.randn(64, 64).to(neuron)
+    _work(x), torch.arange(3, device=neuron)  # compiled, and the range's copy timed once
+    torch.accelerator.synchronize()
+    other = torch.Stream(device="neuron")
+
+    def after_the_other_stream(synchronize: bool) -> float:
+        with torch.neuron.stream(other):
+            _work(x)
+            busy = torch.Event(enable_timing=True)
+            busy.record()
+        if synchronize:
+            torch.accelerator.synchronize()
+        torch.arange(3, device=neuron)
+        made = torch.Event(enable_timing=True)
+        made.record()
+        made.synchronize()
+        return busy.elapsed_time(made)
+
+    assert after_the_other_stream(synchronize=False) == after_the_other_stream(synchronize=True) > 0
+
+
 def test_a_cached_program_reads_a_broadcast_operand_when_it_runs_not_when_it_is_queued(neuron):
     """A program is cached by its operands' shapes and dtypes, not their strides: the program compiled for two
     dense operands is launched again with an expanded (stride 0) view of a tensor that a queued launch writes.

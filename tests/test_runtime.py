@@ -183,6 +183,21 @@ def test_run_into_binds_the_arrays_it_is_given_before_it_runs(core):
     np.testing.assert_array_equal(second, x + other)
 
 
+def test_run_into_copies_the_inputs_not_bound_and_reads_the_bound_in_place(core):
+    """After a binding, run_into copies only the other inputs: the bound array is read as it is when the program
+    runs, the copied one as it was given; binding none copies both again."""
+    program = core.load(_add_program().neff())
+    x, w = uniform(-1, 1, (128, 64)), uniform(-1, 1, (128, 64))
+    out = np.empty((128, 64), np.float32)
+    program.run_into([x, None], [out], bound={1: w})
+    np.testing.assert_array_equal(out, x + w)
+    w += 1.0  # the bound array changed in place: read as it is now
+    program.run_into([x, None], [out], bound={1: w})
+    np.testing.assert_array_equal(out, x + w)
+    program.run_into([x, w * 2], [out], bound={})
+    np.testing.assert_array_equal(out, x + w * 2)
+
+
 def test_binding_the_bound_arrays_again_keeps_the_programs_calls(core):
     program = core.load(_add_program().neff())
     x, w = uniform(-1, 1, (128, 64)), uniform(-1, 1, (128, 64))
@@ -380,6 +395,8 @@ def test_unloading_or_dropping_a_program_frees_its_hbm():
     assert core.memory_allocated() == 0 and core.max_memory_allocated() == 1000
     with pytest.raises(NeuronRuntimeError, match="program 'b' was unloaded"):
         b.run([])
+    with pytest.raises(NeuronRuntimeError, match="program 'b' was unloaded"):
+        b.run_into([], [])
     core.load(_sized_program("d", 1000))
 
 

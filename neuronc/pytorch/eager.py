@@ -162,13 +162,14 @@ def run_planned(op, plan, *args, **kwargs):
     operands = []
     key = (functional, _signature(args, runtime, operands),
            _signature(call_kwargs, runtime, operands) if call_kwargs else ())
-    device = _device_of(op, operands)
+    inputs = []
+    device = _device_of(op, operands, inputs)
     entry = programs.get((key, device))
     if entry is None:
         entry = programs[(key, device)] = _compile(functional, args, call_kwargs, device, runtime)
     if entry.__class__ is str:
         return cpu_fallback(op, args, kwargs, entry)
-    return _launch(op, entry, device, operands, writes, args, kwargs)
+    return _launch(op, entry, device, operands, inputs, writes, args, kwargs)
 
 
 _plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments, keyword defaults)
@@ -262,8 +263,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
             if isinstance(host, torch.Tensor) and id(host) in originals:
                 original = originals[id(host)]
                 if original.shape != host.shape:
-                    queues.synchronize(original.device.index)  # resizing moves the bytes
-                    original.resize_(host.shape)
+                    queues.resize(original, host.shape)
                 original.copy_(host)
 
     def to_device(x):
@@ -348,7 +348,10 @@ def _functional(op) -> tuple:
     return found
 
 
-def _device_of(op, operands: list) -> int:
+def _device_of(op, operands: list, inputs: list | None = None) -> int:
+    """The index of the device of ``operands``' `neuron` tensors (the current device if none). Appends to
+    ``inputs``, when given, what the program reads for each operand: a numpy view of a device tensor's memory,
+    a 0-d CPU operand's value now (it may change before the launch runs), a number as it is."""
     index = -1
     for x in operands:
         if isinstance(x, torch.Tensor):
@@ -358,10 +361,16 @@ def _device_of(op, operands: list) -> int:
                     raise NeuronDeviceError(f"{op} got tensors on neuron:{index} and {x.device}",
                                             hint="move them to one device with .to(...)")
                 index = where
+                if inputs is not None:
+                    inputs.append(_view(x))
             elif x.dim() > 0:
                 raise NeuronDeviceError(
                     f"{op} got a {x.device} tensor of shape {tuple(x.shape)} with neuron tensors",
                     hint='move it with .to("neuron") (only 0-d CPU tensors mix with device tensors)')
+            elif inputs is not None:
+                inputs.append(_host_scalar(x))
+        elif inputs is not None:
+            inputs.append(x)
     return index if index >= 0 else torch.accelerator.current_device_index()
 
 
@@ -890,11 +899,9 @@ def _argument_type(op, where):
 
 
 
-def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, kwargs):
-    """Queue the program on the current stream of ``device``, on the operands' memory; returns its results
-    (new device tensors, or the tensors it writes)."""
-    inputs = [(_view(x) if not x.is_cpu else _host_scalar(x)) if isinstance(x, torch.Tensor) else x
-              for x in operands]  # a CPU operand (0-d) is read now: it may change before the launch runs
+def _launch(op, entry: EagerProgram, device: int, operands: list, inputs: list, writes, args, kwargs):
+    """Queue the program on the current stream of ``device``, reading ``inputs`` (the operands' memory, see
+    ``_device_of``); returns its results (new device tensors, or the tensors it writes)."""
     if writes is None and entry.plain and not adaptive.ENABLED:  # most ops: one new tensor, nothing else to do
         result, view = _empty_with_view(*entry.outputs[0], device)
         queues.enqueue(device, entry.duration_ns, entry.run, (inputs, [view]), op)
@@ -917,8 +924,7 @@ def _launch(op, entry: EagerProgram, device: int, operands: list, writes, args, 
         flat = [kwargs[name] for name in writes["out"]]
         for target, (shape, _) in zip(flat, entry.outputs):
             if tuple(target.shape) != shape:
-                queues.synchronize(device)  # resizing moves the bytes: queued work must have run
-                target.resize_(shape)
+                queues.resize(target, shape)
         result = flat[0] if len(flat) == 1 else tuple(flat)
     if writes is not None:
         outputs = [_view(t) for t in flat]
@@ -984,9 +990,15 @@ def _assign(dst: np.ndarray, src) -> None:
 
 def _copy_ns(device: int, tensor: torch.Tensor) -> float:
     """The emulated duration of moving ``tensor``'s bytes to or from ``device``'s HBM (the cost model's DMA)."""
-    from neuronc.instruction_cost import copy_ns
+    return _dma_copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
 
-    return copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
+
+def _dma_copy_ns(nbytes: int, target) -> float:
+    """``instruction_cost.copy_ns``, imported at the first copy (not at ``import torch``), then called directly."""
+    global _dma_copy_ns
+    from neuronc.instruction_cost import copy_ns as _dma_copy_ns
+
+    return _dma_copy_ns(nbytes, target)
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -1018,8 +1030,9 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
 def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.shape != src.shape:
         if dst.device.type == "neuron":
-            queues.synchronize(dst.device.index)
-        dst.resize_(src.shape)
+            queues.resize(dst, src.shape)
+        else:
+            dst.resize_(src.shape)
     return _copy_from(src, dst)
 
 
@@ -1046,8 +1059,7 @@ def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
     """A range is a constant: made on the host and copied into the device memory (as a NEFF's constants are)."""
     values = torch.arange(start, end, step, dtype=out.dtype)
     if out.shape != values.shape:
-        queues.synchronize(out.device.index)  # resizing moves the bytes
-        out.resize_(values.shape)
+        queues.resize(out, values.shape)
     queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
                    "arange")
     return out

@@ -69,6 +69,21 @@ def synchronize(device: int) -> None:
     _shim().settle(device)
 
 
+def resize(tensor: torch.Tensor, shape) -> None:
+    """Resize a device tensor in place. A resize may move its storage's bytes to new memory, so the work queued
+    on its device runs first (a synchronisation point). A storage of no bytes (a new empty output: every
+    ``torch.arange(..., device=...)`` makes one) has nothing to move, and the queue is left to run later; the
+    device's clocks still settle as that synchronisation settles them (the clocks move when work is queued, not
+    when it runs), so what is queued afterwards starts where it would have. Under adaptive eager a
+    synchronisation also ends a batch: there it stays one."""
+    device = tensor.device.index
+    if tensor.untyped_storage().nbytes() or adaptive.ENABLED:
+        synchronize(device)
+    else:
+        _shim().settle(device)
+    tensor.resize_(shape)
+
+
 def synchronize_all() -> None:
     for device in list(_queues):
         synchronize(device)

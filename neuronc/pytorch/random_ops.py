@@ -160,8 +160,7 @@ def _randperm(n, *, generator=None, out):
     if n:
         _launch("uniform", (0.0, 1.0), keys, generator)
     if out.shape != (n,):
-        queues.synchronize(out.device.index)  # resizing moves the bytes: queued work must have run
-        out.resize_(n)
+        queues.resize(out, (n,))
     return out.copy_(torch.argsort(keys, stable=True))
 
 
