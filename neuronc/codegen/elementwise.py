@@ -69,31 +69,103 @@ def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: l
               constants: Pool | None, loc: DebugLoc, engines: "StepBalancer | None" = None) -> AccessPattern:
     """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
     intermediates in their temporary slots, the last step into `out_tile`. Returns its AP. With `engines`, each
-    step goes to the engine that would finish it first (StepBalancer), else to the Vector engine."""
-    results, made = [], []
+    step goes to the engine that would finish it first (StepBalancer), else to the Vector engine.
 
-    def compute(step, out, args):
+    A step read by one step alone may wait for its reader (`_Deferred`): two steps each of a tile and a held
+    column, the second reading the first's fp32 value, are one TENSOR_ALU2 (`_held_pair`: the layer-norm
+    backward's `(x - mean) * rstd`), and such a step reads a float input widened to fp32 as the input itself (the
+    instruction widens it as it reads it); either is computed on its own otherwise, when its reader comes."""
+    results, made = [], {}
+    reads = step_reads(body)
+    deferred: dict = {}  # step -> _Deferred
+
+    def compute(step, out, args, steps):  # `steps`: the body's steps it computes; returns when it is done
         if engines is None:
             compute_step(em, step, out, args, constants, loc)
-            return
-        ready = max([made[ref] for kind, ref in step.args if kind == "step"], default=0.0)
-        made.append(engines.compute(step, out, args, constants, loc, ready))
+            return 0.0
+        ready = max([made.get(ref, 0.0) for j in steps for ref in reads[j]], default=0.0)
+        return engines.compute(step, out, args, constants, loc, ready)
 
-    for step, slot in zip(body, slots):
+    def settle(step, args: list, steps: list) -> list:
+        """`args` with each deferred widening that `step` reads as its held tile replaced by the input; any
+        other deferred step's value computed now."""
+        held = args[0] if "then" in step.attrs else (_held_column(step, args) or (None,))[0]
+        settled = []
+        for a in args:
+            later = next((j for j, d in deferred.items() if d.out is a), None)
+            if later is not None:
+                d = deferred.pop(later)
+                if d.widens is not None and a is held:
+                    a = d.widens
+                else:
+                    made[later] = compute(body[later], d.out, settle(body[later], d.args, [later]), [later])
+            settled.append(a)
+        return settled
+
+    for i, (step, slot) in enumerate(zip(body, slots)):
         args = [loaded[ref] if kind == "input" else results[ref] if kind == "step" else float(ref)
                 for kind, ref in step.args]
+        steps = [i]
+        if i and i - 1 in deferred and deferred[i - 1].widens is None:  # the step before, held for this one
+            first = deferred[i - 1]
+            pair = _held_pair(body[i - 1], first.args, step, args, first.out)
+            if pair is not None:
+                del deferred[i - 1]
+                step, args, steps = *pair, [i - 1, i]
         tiles = [a for a in args if isinstance(a, AccessPattern)]
         if slot is not None and tiles and all(_repeated_column(a) for a in tiles):
             # a step of per-row values only (a row's mean rounded): computed once a partition, on the column,
             # and read along the row with stride 0 as its operands were
             column = temp_tiles[slot].ap(shape[0], 1, dtype=step.dtype)
-            compute(step, column, [_column_of(a) if isinstance(a, AccessPattern) else a for a in args])
+            made[i] = compute(step, column, [_column_of(a) if isinstance(a, AccessPattern) else a for a in args], steps)
             results.append(dataclasses.replace(column, dims=(column.dims[0], *((0, n) for n in shape[1:]))))
             continue
         out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
-        compute(step, out, args)
         results.append(out)
+        if len(steps) == 1 and _one_reader(reads, i):
+            widens = _widened_input(step, args)
+            if widens is not None or (i + 1 in _one_reader(reads, i) and step.dtype == DType.F32
+                                      and _held_column(step, args) is not None):
+                deferred[i] = _Deferred(out, args, widens)
+                continue
+        done = compute(step, out, settle(step, args, steps), steps)
+        made.update(dict.fromkeys(steps, done))
     return results[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+    """A step of a body waiting for its one reader (see `emit_body`): where its value goes, its operands, and
+    the input it widens to fp32 (None: a held-column step waiting to pair with the next)."""
+
+    out: AccessPattern
+    args: list
+    widens: AccessPattern | None
+
+
+def _one_reader(reads: list, j: int) -> set:
+    """{the step reading step j}, when exactly one step reads it (else the empty set)."""
+    readers = {i for i, r in enumerate(reads) if j in r}
+    return readers if len(readers) == 1 else set()
+
+
+def _widened_input(step, args: list) -> AccessPattern | None:
+    """The float input tile `step` converts to fp32 (exactly), else None."""
+    if step.op is not Op.CONVERT or step.dtype != DType.F32 or step.args[0][0] != "input":
+        return None
+    x = args[0]
+    return x if x.dtype.is_float and not _repeated_column(x) else None
+
+
+def _held_pair(first, first_args: list, second, second_args: list, first_out: AccessPattern) -> tuple | None:
+    """(Step, [x, column, column']) computing `second` of `first`'s result in one TENSOR_ALU2, when both are
+    arithmetic of a tile and a held column (`_held_column`) and the first's result is the second's tile: alu1(alu(x,
+    column), column') in fp32, the fp32 value of `first` never rounded, as the two steps compute it. Else None."""
+    x, column = _held_column(first, first_args)
+    held = _held_column(second, second_args)
+    if held is None or held[0] is not first_out or second.op not in ALU:
+        return None
+    return ir.Step(first.op, (), second.dtype, {"then": second.op}), [x, column, held[1]]
 
 
 def _repeated_column(ap: AccessPattern) -> bool:
@@ -187,7 +259,7 @@ class StepBalancer:
         if form is not None:
             engines.append(Engine.SCALAR)
         elements = max(ap.free_elements for ap in tiles + [out])
-        held = _held_column(step, args)
+        held = args[:2] if "then" in step.attrs else _held_column(step, args)  # one pass, the columns held
 
         def finish(engine):
             """When `step` would end on `engine`, priced as the emulator's clock will price it: its passes, the
@@ -345,6 +417,9 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
         every_bit = float(2 ** (8 * step.dtype.itemsize) - 1) if step.dtype.numpy.kind == "u" else -1.0
         alu, imm = (AluOp.EQ, 0.0) if step.dtype == DType.BOOL else (AluOp.XOR, every_bit)
         em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=alu, imm0=imm)
+    elif "then" in step.attrs:  # two arithmetic steps of a tile and held columns (`_held_pair`): one pass
+        x, column, second = args
+        em.emit(Opcode.TENSOR_ALU2, engine, out, x, column, second, alu=ALU[op], alu1=ALU[step.attrs["then"]])
     elif op in ALU or op is Op.COMPARE:
         alu = COMPARISONS[step.attrs["direction"]] if op is Op.COMPARE else ALU[op]
         a, b = args
