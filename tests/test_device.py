@@ -641,7 +641,11 @@ def test_a_full_launch_queue_runs_as_a_synchronization_would(neuron):
 
 def test_a_new_tensor_holds_the_uninitialised_pattern_until_written(neuron):
     """Device memory nobody wrote reads as NaN (bytes 0xFF), as the emulated core's does: a kernel that reads an
-    output it did not write shows it."""
+    output it did not write shows it. (A block the caching allocator hands out again keeps what it held, as on any
+    device: emptying the cache first makes the next storage a new one.)"""
+    held = torch.randn(5, 3, device=neuron)
+    del held  # its block, written, goes back to the cache
+    torch.accelerator.empty_cache()
     fresh = torch.empty(5, 3, device=neuron)
     assert torch.isnan(fresh.cpu()).all()
     assert torch.equal(fresh.view(torch.int32).cpu(), torch.full((5, 3), -1, dtype=torch.int32))
