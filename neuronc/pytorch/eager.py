@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronConfigError, NeuronDeviceError, NeuronError
+from neuronc.instruction_cost import copy_ns  # loaded already with the runtime (device_memory imports it)
 from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
 
@@ -625,8 +626,6 @@ def _meta(x):
 def _bucketed(op, args, kwargs, device: int, runtime: frozenset, pads: dict):
     """A BucketedProgram for this call, its bucket's program compiled (or found) under the padded signature;
     None when the bucket's program cannot serve it (then the op compiles for its own shape)."""
-    from neuronc.instruction_cost import copy_ns
-
     padded = tuple(torch.empty(pads[i].shape, dtype=x.dtype, device="meta") if i in pads else x
                    for i, x in enumerate(args))
     key = ((op, _signature(padded, runtime, []), _signature(kwargs, runtime, []) if kwargs else ()), device)
@@ -990,15 +989,7 @@ def _assign(dst: np.ndarray, src) -> None:
 
 def _copy_ns(device: int, tensor: torch.Tensor) -> float:
     """The emulated duration of moving ``tensor``'s bytes to or from ``device``'s HBM (the cost model's DMA)."""
-    return _dma_copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
-
-
-def _dma_copy_ns(nbytes: int, target) -> float:
-    """``instruction_cost.copy_ns``, imported at the first copy (not at ``import torch``), then called directly."""
-    global _dma_copy_ns
-    from neuronc.instruction_cost import copy_ns as _dma_copy_ns
-
-    return _dma_copy_ns(nbytes, target)
+    return copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
