@@ -348,9 +348,11 @@ def inspect(neff_file, as_json, target, per_kernel):
     click.echo("engines (busy fraction, instructions):")
     for engine, count in summary["instructions"].items():
         click.echo(f"  {engine:<8} {summary['engines'].get(engine, 0.0):6.1%} {count:>8}")
-    click.echo("top kernels:")
+    click.echo("top kernels (engine time: every engine's and DMA queue's busy time summed; span: first start to "
+               "last end):")
     for kernel in summary["kernels"][:5]:
-        click.echo(f"  {kernel['busy_us']:9.2f} us  {kernel['name']:<24} {kernel['source']}")
+        click.echo(f"  {kernel['busy_us']:9.2f} us engine time, span {kernel['span_us']:9.2f} us  "
+                   f"{kernel['name']:<24} {kernel['source']}")
     click.echo(f"tensors ({len(neff.tensors)}):")
     for t in summary["tensors"]:
         if t["kind"] != "scratch":

@@ -51,9 +51,12 @@ def summarize(neff: Neff, timeline: Timeline, target: Target | str | None = None
                 ideal_ns += n / (peak_tflops(target, instr.operands[1].dtype) * 1e3)  # TFLOPS = 1e3 FLOP/ns
     kernel_ns: dict = {}
     kernel_count: dict = {}
+    kernel_span: dict = {}  # kernel -> (first start, last end) on the timeline
     for event in timeline.events:
         kernel_ns[event.kernel] = kernel_ns.get(event.kernel, 0.0) + event.end_ns - event.start_ns
         kernel_count[event.kernel] = kernel_count.get(event.kernel, 0) + 1
+        start, end = kernel_span.get(event.kernel, (event.start_ns, event.end_ns))
+        kernel_span[event.kernel] = (min(start, event.start_ns), max(end, event.end_ns))
     kernels = []
     for index, ns in sorted(kernel_ns.items(), key=lambda item: -item[1]):
         info = neff.kernels[index] if 0 <= index < len(neff.kernels) else None
@@ -62,7 +65,8 @@ def summarize(neff: Neff, timeline: Timeline, target: Target | str | None = None
             "name": info.name if info else "(no kernel)",
             "ops": list(info.ops) if info else [],
             "source": str(loc) if loc else "",
-            "busy_us": ns / 1e3,
+            "busy_us": ns / 1e3,  # engine time: every engine's and DMA queue's instructions summed
+            "span_us": (kernel_span[index][1] - kernel_span[index][0]) / 1e3,  # first start to last end
             "instructions": kernel_count[index],
         })
     seconds = time_ns * 1e-9

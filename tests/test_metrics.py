@@ -63,6 +63,13 @@ def test_inspect_json_has_the_keys_scripts_read(linear_neff):
     assert "tests/test_codegen.py" in summary["kernels"][0]["source"]
 
 
+def test_a_kernels_span_lies_within_the_programs_time(linear_neff):
+    _, path, _ = linear_neff
+    summary = json.loads(CliRunner().invoke(main, ["inspect", str(path), "--json"]).output)
+    for kernel in summary["kernels"]:
+        assert 0 < kernel["span_us"] <= summary["estimated_time_us"]
+
+
 def test_profile_writes_a_trace_and_a_report(linear_neff, tmp_path):
     _, path, x = linear_neff
     import numpy as np
