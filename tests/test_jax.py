@@ -83,6 +83,14 @@ def test_is_finite_is_false_for_inf_and_nan_only():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **tolerance(jnp.float32))
 
 
+def test_products_and_running_products_match_jax():
+    def products(x):  # cumprod is a 'mul' reduce_window, prod a 'mul' reduce; an odd length pads the product tree
+        return jnp.cumprod(x, axis=1), jnp.prod(x, axis=0), jnp.prod(x[:, :5], axis=1), jnp.cumprod(x[0])
+
+    x = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, (3, 7)), jnp.float32)
+    assert_matches_jax(neuronc.jax.jit(products)(x), jax.jit(products)(x))
+
+
 def test_jax_sorts_with_their_canonicalising_comparator_match_jax():
     def sorts(x):  # JAX's float comparator makes -0 equal to 0 and every NaN one NaN before comparing
         return jnp.sort(x, axis=1), jnp.argsort(x, axis=1), jnp.sort(x, axis=1, descending=True), \

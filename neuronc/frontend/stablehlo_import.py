@@ -334,38 +334,7 @@ def _reduce(op, inputs, shape, dtype, loc):
     if len(inputs) == 4:
         return _arg_reduce(op, inputs, dims, loc)
     kind = _region_reducer(op)
-    if kind == "mul":
-        return _product_tree(inputs, dims, shape, dtype, loc)
     return ir.node(Op.REDUCE, inputs, shape, dtype, loc, dims=dims, kind=kind)
-
-
-def _product_tree(inputs, dims, shape, dtype, loc):
-    """A 'mul' reduction (prod) as a binary tree of elementwise multiplications: the reduced dims moved last and
-    flattened, then halved ceil(log2 n) times (the first half times the second, an odd length padded with the
-    initial value). TENSOR_REDUCE has no multiply; the tree's multiplies fuse into elementwise kernels."""
-    x, init = inputs
-    kept = tuple(d for d in range(len(x.shape)) if d not in dims)
-    perm = kept + tuple(dims)
-    kept_shape = tuple(x.shape[d] for d in kept)
-    count = int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
-    if count == 0:
-        return ir.node(Op.BROADCAST_IN_DIM, [init], shape, dtype, loc, dims=())
-    x = _transposed(x, list(perm), loc)
-    x = ir.node(Op.RESHAPE, [x], kept_shape + (count,), dtype, loc)
-    last = len(kept_shape)
-    while count > 1:
-        if count % 2:
-            x = ir.node(Op.PAD, [x, init], kept_shape + (count + 1,), dtype, loc, low=(0,) * (last + 1),
-                        high=(0,) * last + (1,), interior=(0,) * (last + 1))
-            count += 1
-        half = count // 2
-        halves = [ir.node(Op.SLICE, [x], kept_shape + (half,), dtype, loc, start=(0,) * last + (start,),
-                          limit=kept_shape + (start + half,), strides=(1,) * (last + 1)) for start in (0, half)]
-        x = ir.node(Op.MULTIPLY, halves, kept_shape + (half,), dtype, loc)
-        count = half
-    x = ir.node(Op.RESHAPE, [x], shape, dtype, loc)
-    spread = ir.node(Op.BROADCAST_IN_DIM, [init], shape, dtype, loc, dims=())
-    return ir.node(Op.MULTIPLY, [x, spread], shape, dtype, loc)
 
 
 _ARG_REDUCERS = {"GE": "max", "GT": "max", "LE": "min", "LT": "min"}

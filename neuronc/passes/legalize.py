@@ -203,11 +203,10 @@ def _reduce(node, inputs):
     kept = [d for d in range(len(x.shape)) if d not in dims]
     rows = int(np.prod([x.shape[d] for d in kept], dtype=np.int64))
     cols = int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
-    if cols == 0:
+    if cols == 0 and node.attrs["kind"] != "mul":
         raise _unsupported(node, "a reduction over an empty dimension")
     xt = transpose(x, kept + list(dims), node.loc)
-    reduced = ir.node(Op.REDUCE_LAST, [reshape(xt, (rows, cols), node.loc)], (rows,), node.dtype, node.loc,
-                      kind=node.attrs["kind"])
+    reduced = _reduce_rows(node, reshape(xt, (rows, cols), node.loc))
     return _combine_init(node, reshape(reduced, node.shape, node.loc), init)
 
 
@@ -223,9 +222,27 @@ def _reduce_window(node, inputs):
     strides = [st * s for st, s in zip(ps, a["strides"])] + list(ps)
     patches = view(padded, shape, strides, 0, node.loc)
     rows, cols = node.size, int(np.prod(a["window"], dtype=np.int64))
-    reduced = ir.node(Op.REDUCE_LAST, [reshape(patches, (rows, cols), node.loc)], (rows,), node.dtype, node.loc,
-                      kind=a["kind"])
+    reduced = _reduce_rows(node, reshape(patches, (rows, cols), node.loc))
     return _combine_init(node, reshape(reduced, node.shape, node.loc), init)
+
+
+def _reduce_rows(node, x: Node) -> Node:
+    """x [rows, cols] reduced along each row as `node` reduces (its kind, its dtype): a REDUCE_LAST, or for a
+    product a binary tree of elementwise multiplies, since TENSOR_REDUCE has no multiply (the first half of the
+    columns times the second, ceil(log2 cols) times, an odd count padded with 1; the multiplies fuse into
+    elementwise kernels). The tree's order is not a sequential product's: prod rounds as a pairwise sum does."""
+    rows, count = x.shape
+    if node.attrs["kind"] != "mul":
+        return ir.node(Op.REDUCE_LAST, [x], (rows,), node.dtype, node.loc, kind=node.attrs["kind"])
+    if count == 0:
+        return ir.node(Op.CONSTANT, [], (rows,), node.dtype, node.loc, value=np.array(1, node.dtype.numpy))
+    while count > 1:
+        if count % 2:
+            x, count = pad(x, 1, (0, 0), (0, 1), None, node.loc), count + 1
+        half = count // 2
+        halves = [view(x, (rows, half), (count, 1), start, node.loc) for start in (0, half)]
+        x, count = ir.node(Op.MULTIPLY, halves, (rows, half), x.dtype, node.loc), half
+    return reshape(x, (rows,), node.loc)
 
 
 def _dot_general(node, inputs):
