@@ -95,7 +95,7 @@ def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: l
             later = next((j for j, d in deferred.items() if d.out is a), None)
             if later is not None:
                 d = deferred.pop(later)
-                if d.widens is not None and a is held:
+                if d.widens is not None and (a is held or _reads_widened(step)):
                     a = d.widens
                 else:
                     made[later] = compute(body[later], d.out, settle(body[later], d.args, [later]), [later])
@@ -155,6 +155,13 @@ def _widened_input(step, args: list) -> AccessPattern | None:
         return None
     x = args[0]
     return x if x.dtype.is_float and not _repeated_column(x) else None
+
+
+def _reads_widened(step) -> bool:
+    """Whether `step`'s instruction reads a float operand as it lies and widens it to fp32 itself: an arithmetic
+    step with an fp32 result (TENSOR_TENSOR, TENSOR_SCALAR and TENSOR_ALU2 compute in fp32 from any float
+    operand), so a widening convert feeding it need not be computed."""
+    return step.op in _HELD_COLUMN_OPS and step.dtype == DType.F32 and not step.attrs
 
 
 def _held_pair(first, first_args: list, second, second_args: list, first_out: AccessPattern) -> tuple | None:

@@ -66,6 +66,8 @@ def _gates() -> dict:
         "fold_reduction_epilogues": _ops(Op.REDUCE_LAST),
         "fold_per_row_producers": _ops(Op.FUSED),
         "recompute_rows_in_readers": _ops(Op.FUSED),
+        # it narrows MATMUL nodes' results (and rewrites their readers)
+        "widen_matmul_results_on_read": _ops(Op.MATMUL),
         # it rewrites VIEW nodes only
         "compose_view_chains": _ops(Op.VIEW),
         # it rewrites CONCATENATE nodes reading VIEW chains

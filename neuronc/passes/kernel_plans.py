@@ -167,6 +167,8 @@ def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body:
     `body`): tiles of `partitions` t, whole rows of as many outputs as every PSUM bank and the SBUF left hold,
     accumulated by matmuls of a ones column in fp32 (see PartitionSumPlan)."""
     rows = node.shape[0]
+    if len(body) == 1 and _widens_input(body[0], node):  # summed as it lies: the matmul widens it to fp32
+        body = ()
     offset, (row_stride, col_stride) = view
     bank = target.psum_bank_bytes // DType.F32.itemsize
     slots, temp_count = assign_slots(body) if body else ([], 0)
@@ -184,6 +186,12 @@ def partition_sum_plan(node: Node, view: tuple, cols: int, target: Target, body:
     return PartitionSumPlan(rows=rows, cols=cols, view=View(int(offset), (int(col_stride), int(row_stride))),
                             tile_rows=min(target.partitions, cols), group=group, bank=bank, pools=tuple(pools),
                             prologue=tuple(body), slots=tuple(slots), per_token=tuple(per_token))
+
+
+def _widens_input(step, node: Node) -> bool:
+    """Whether `step` only widens a float input of `node` to fp32 (exact)."""
+    return (step.op is Op.CONVERT and step.dtype == DType.F32 and step.args[0][0] == "input"
+            and node.inputs[step.args[0][1]].dtype.is_float)
 
 
 def topk_plan(node: Node, target: Target) -> TopkPlan:

@@ -41,7 +41,7 @@ from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matm
 from neuronc.passes.top_k import top_k_of_sorts
 from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
 from neuronc.passes.wide_sorts import split_wide_sorts
-from neuronc.passes.widening_reads import widen_on_read
+from neuronc.passes.widening_reads import widen_matmul_results_on_read, widen_on_read
 
 O0 = [
     demote_f64,  # first: no pass below computes in float64; a float64 input or output is refused here
@@ -82,6 +82,7 @@ O2 = [
     fold_reduction_epilogues,  # after fusion: a per-row kernel reading only a row reduction is its epilogue
     fold_per_row_producers,  # after the epilogues: a per-row kernel read only through broadcasts is its readers'
     recompute_rows_in_readers,  # after that: x-hat read by a row-wise kernel and a sum over tokens computed by each
+    widen_matmul_results_on_read,  # after the readers' bodies are final: a matmul stores bf16 they widen on load
     compose_view_chains,  # after fusion (the views left are copies): a view of a reshaped view reads its source
     concatenate_through_views,  # after compose_view_chains: a concatenate reads view chains only it reads
     read_kernel_inputs_through_views,  # after compose_view_chains: so does a custom kernel, where its accesses map
