@@ -17,7 +17,7 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
 from neuronc.neff.program import DebugLoc
-from neuronc.plans import CONSTANT_COLUMNS, ElementwisePlan, MemoryPlan, dense_strides
+from neuronc.plans import CONSTANT_COLUMNS, ElementwisePlan, MemoryPlan, concatenated_pieces, dense_strides
 
 
 # How each elementwise op is computed (the op-facts table, neuronc/op_facts.py): by one Scalar-engine function,
@@ -508,19 +508,12 @@ def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """Each input copied into its place; an input read through a view (passes/view_chains.py: `views` and the
-    `shapes` concatenated) is copied from the view's strided positions in its source."""
-    dim = node.attrs["dimension"]
-    out_strides = dense_strides(node.shape)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    shapes = node.attrs.get("shapes") or tuple(x.shape for x in node.inputs)
+    """Each input copied into its place (plans.concatenated_pieces: an input read through a view is copied from
+    the view's strided positions in its source)."""
     size = node.dtype.itemsize
-    position = 0
-    for x, view, shape in zip(node.inputs, views, shapes):
-        offset, strides, copied, placed = view if view is not None else (0, dense_strides(shape), shape, out_strides)
+    for x, (offset, strides, copied, placed, start) in zip(node.inputs, concatenated_pieces(node)):
         copy_strided(em, node.dtype, plan.offset(x) + offset * size, strides,
-                     plan.offset(node) + position * out_strides[dim] * size, placed, copied)
-        position += shape[dim]
+                     plan.offset(node) + start * size, placed, copied)
 
 
 # matmul and reductions -------------------------------------------------------------------------
