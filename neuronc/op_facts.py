@@ -380,8 +380,10 @@ FACTS = (
     OpFact("FLEX_ATTENTION", "kernel", (3, 4), ANY, TENSOR, open_attrs=True),
     # custom kernels (neuronc.nki): a traced kernel called on its inputs, placed as it is (codegen/custom.py); its
     # first output is the node's value, the others KERNEL_OUTPUT nodes; outputs and scratch: ((shape, dtype), ...)
-    OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL,  # views?, shapes?: passes/kernel_views.py
-           attrs={"kernel": "any", "outputs": "any", "scratch": "any", "views?": "any", "shapes?": "any"}),
+    # views?, shapes?: passes/kernel_views.py; output_views?: passes/concatenation_in_place.py
+    OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL,
+           attrs={"kernel": "any", "outputs": "any", "scratch": "any", "views?": "any", "shapes?": "any",
+                  "output_views?": "any"}),
     OpFact("KERNEL_OUTPUT", "kernel", 1, ANY, FREE, attrs={"index": "int"}),  # (custom kernel) -> its output index
     # (state I64[2] = (seed, offset), a run-time input) -> uniform floats in [0, 1), element e the draw number
     # offset + first + e (row-major) of the GpSimd engine's RNG stream of the seed (frontend/random_draws.py)

@@ -46,6 +46,23 @@ def dense_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+def concatenated_pieces(node) -> list:
+    """Per input of a CONCATENATE node: (offset, strides, shape, placed, start): the input's elements read as
+    `shape` at element `strides` from `offset` in it, written at strides `placed` from element `start` of the
+    concatenation. An input read through a view (passes/view_chains.py: attributes `views` and `shapes`, the
+    inputs as the concatenation sees them) is read at the view's positions; any other densely."""
+    dim = node.attrs["dimension"]
+    out_strides = dense_strides(node.shape)
+    views = node.attrs.get("views") or (None,) * len(node.inputs)
+    shapes = node.attrs.get("shapes") or tuple(x.shape for x in node.inputs)
+    pieces, position = [], 0
+    for view, shape in zip(views, shapes):
+        offset, strides, copied, placed = view if view is not None else (0, dense_strides(shape), shape, out_strides)
+        pieces.append((offset, tuple(strides), tuple(copied), tuple(placed), position * out_strides[dim]))
+        position += shape[dim]
+    return pieces
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
     """An SBUF tile pool a kernel allocates: `bufs` slots of `elements` of `dtype` per partition."""

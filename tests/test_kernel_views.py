@@ -52,6 +52,19 @@ def test_the_flash_backward_reads_the_output_gradient_through_its_heads_view_wit
     _assert_o0s_bits_and_close_to_eager(out, baseline, backward(*inputs))
 
 
+def test_the_flash_backward_writes_dq_dk_dv_into_the_qkv_gradient_with_o0s_bits():
+    """passes/concatenation_in_place.py: no concatenate kernel; the kernel stores each gradient's heads as rows
+    of 64 of the [seq, 3 * width] gradient of the QKV projection."""
+    _, _, backward, inputs = _graphs()
+    optimised, out = _run(backward, inputs, 2)
+    _, baseline = _run(backward, inputs, 0)
+    (kernel,) = [n for n in optimised.graph.nodes() if n.op is Op.CUSTOM_KERNEL]
+    assert Op.CONCATENATE not in {n.op for n in optimised.graph.nodes()}
+    assert kernel.shape[-2:] == (256, 384)
+    assert kernel.attrs["output_views"] == ((0, (64, 384, 1)), (128, (64, 384, 1)), (256, (64, 384, 1)))
+    _assert_o0s_bits_and_close_to_eager(out, baseline, backward(*inputs))
+
+
 def test_an_access_maps_through_a_view_only_when_it_stays_one_access_pattern():
     """Rows of a head ([heads, seq, d] dense) are rows of 64 of the [seq, heads * d] tensor; a run over the head
     axis and d together crosses a dim the view reorders."""

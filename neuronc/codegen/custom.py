@@ -3,7 +3,8 @@ by the user's code, placed in the program as it is.
 
 Its instructions are the ones it was traced to, with on-chip addresses it chose itself; only its HBM operands
 are bound here, to the graph's tensors: its inputs to the buffers of the node's inputs, its outputs to the
-node's buffer and its ``KERNEL_OUTPUT`` readers', its HBM scratch to the memory plan's scratch. The sync pass
+node's buffer and its ``KERNEL_OUTPUT`` readers' (or all to their places in the node's buffer, a concatenation of
+them: ``output_views``, passes/concatenation_in_place.py), its HBM scratch to the memory plan's scratch. The sync pass
 then orders it with the compiler's kernels around it like any kernel.
 """
 from __future__ import annotations
@@ -29,8 +30,13 @@ def custom_kernel(em: Emitter, node: Node, plan: MemoryPlan) -> None:
         offsets[storage.id] = plan.offset(source)
         if view is not None:  # passes/kernel_views.py
             views[storage.id] = view
+    in_place = node.attrs.get("output_views")  # passes/concatenation_in_place.py: all in the node's buffer
     for index, storage in enumerate(kernel.outputs):
-        offsets[storage.id] = plan.offset(node) if index == 0 else plan.placement[(node, index)].offset
+        if in_place is not None:
+            offsets[storage.id] = plan.offset(node)
+            views[storage.id] = in_place[index]
+        else:
+            offsets[storage.id] = plan.offset(node) if index == 0 else plan.placement[(node, index)].offset
     for index, storage in enumerate(kernel.scratch):
         offsets[storage.id] = plan.placement[(node, "scratch", index)].offset
     debug = [em._debug(loc) for loc in kernel.debug_locs]

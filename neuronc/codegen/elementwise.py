@@ -17,7 +17,7 @@ from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instructio
 from neuronc.ir import Node, Op
 from neuronc.placement import tile_free_elements
 from neuronc.neff.program import DebugLoc
-from neuronc.plans import CONSTANT_COLUMNS, ElementwisePlan, MemoryPlan, dense_strides
+from neuronc.plans import CONSTANT_COLUMNS, ElementwisePlan, MemoryPlan, concatenated_pieces, dense_strides
 
 
 # How each elementwise op is computed (the op-facts table, neuronc/op_facts.py): by one Scalar-engine function,
@@ -51,24 +51,70 @@ def elementwise(em: Emitter, node: Node, memory: MemoryPlan) -> None:
             dma_by_rows(em, loaded[i], tensors[k].block(block.offsets[k], block.dims[k]))
         return loaded
 
+    def first_steps(block, loaded) -> tuple:
+        """(the block's steps, its result): emitted up to its first step on the Scalar engine, the result None
+        until all are (`_finished`)."""
+        steps = emit_steps(em, plan.body, plan.slots, loaded, [pool.next() for pool in temps], pools["out"].next(),
+                           (block.partitions, *block.free), pools.get("constants"), node.loc)
+        mark = len(em.instructions)
+        while not any(inst.engine is Engine.SCALAR for inst in em.instructions[mark:]):
+            try:
+                next(steps)
+            except StopIteration as done:  # no step on Scalar: the block is done
+                return steps, done.value
+        return steps, None
+
     # The next block's loads are issued before this block's store: on the in-order DMA queues they would
     # otherwise wait behind the store, which waits for this block's steps (the input pools hold three blocks).
+    # A block with a step on the Scalar engine (an activation) is finished after the next block's first steps,
+    # up to its own: the in-order Vector engine works on them while Scalar computes this block's activation,
+    # instead of waiting for it (a software pipeline; every pool holds two blocks, or blocks go one by one).
     cut = list(blocks(node.shape, [view.strides for view in plan.views], plan.free, em.target.partitions,
                       [view.offset for view in plan.views]))
-    ahead = load(cut[0]) if cut else None
+    two_in_flight = all(p.bufs >= 2 for p in plan.pools)
+    loads_ahead = 2 if two_in_flight and all(p.bufs >= 3 for p in plan.pools if p.name.startswith("input")) else 1
+    loaded: list = []  # per block loaded so far, its input tiles
+
+    def load_until(stop: int) -> None:
+        while len(loaded) < min(stop, len(cut)):
+            loaded.append(load(cut[len(loaded)]))
+
+    load_until(1)
+    steps, out = first_steps(cut[0], loaded[0]) if cut else (None, None)
     for n, block in enumerate(cut):
-        loaded = ahead
-        shape = (block.partitions, *block.free)
-        out = emit_body(em, plan.body, plan.slots, loaded, [pool.next() for pool in temps], pools["out"].next(), shape,
-                        pools.get("constants"), node.loc)
-        ahead = load(cut[n + 1]) if n + 1 < len(cut) else None
+        following = None
+        if n + 1 < len(cut):
+            pipelined = out is None and two_in_flight
+            load_until(n + 1 + (loads_ahead if pipelined else 1))  # the one after the next: stores wait longer
+            if pipelined:
+                following = first_steps(cut[n + 1], loaded[n + 1])
+        out = out if out is not None else _finished(steps)
         dma_by_rows(em, tensors[0].block(block.offsets[0], block.dims[0]), out)
+        if n + 1 < len(cut):
+            steps, out = following or first_steps(cut[n + 1], loaded[n + 1])
 
 
 def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: list, out_tile: Tile, shape: tuple,
               constants: Pool | None, loc: DebugLoc, engines: "StepBalancer | None" = None) -> AccessPattern:
-    """Compute each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
-    intermediates in their temporary slots, the last step into `out_tile`. Returns its AP. With `engines`, each
+    """The steps of `body` emitted (`emit_steps`); returns the AP of the last one's result."""
+    return _finished(emit_steps(em, body, slots, loaded, temp_tiles, out_tile, shape, constants, loc, engines))
+
+
+def _finished(steps) -> AccessPattern:
+    """The rest of an `emit_steps` generator emitted; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def emit_steps(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: list, out_tile: Tile, shape: tuple,
+               constants: Pool | None, loc: DebugLoc, engines: "StepBalancer | None" = None):
+    """A generator emitting `body`'s steps, pausing after each one computed (a caller may emit other work between
+    them). Computes each step of `body` on tiles of `shape`: inputs from `loaded` (input index -> AP),
+    intermediates in their temporary slots, the last step into `out_tile`; returns (as StopIteration's value) the
+    AP of the last one's result. With `engines`, each
     step goes to the engine that would finish it first (StepBalancer), else to the Vector engine.
 
     A step read by one step alone may wait for its reader (`_Deferred`): two steps each of a tile and a held
@@ -119,6 +165,7 @@ def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: l
             column = temp_tiles[slot].ap(shape[0], 1, dtype=step.dtype)
             made[i] = compute(step, column, [_column_of(a) if isinstance(a, AccessPattern) else a for a in args], steps)
             results.append(dataclasses.replace(column, dims=(column.dims[0], *((0, n) for n in shape[1:]))))
+            yield
             continue
         out = out_tile.ap(*shape) if slot is None else temp_tiles[slot].ap(*shape, dtype=step.dtype)
         results.append(out)
@@ -130,6 +177,7 @@ def emit_body(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: l
                 continue
         done = compute(step, out, settle(step, args, steps), steps)
         made.update(dict.fromkeys(steps, done))
+        yield
     return results[-1]
 
 
@@ -515,19 +563,12 @@ def pad(em: Emitter, node: Node, plan: MemoryPlan) -> None:
 
 
 def concatenate(em: Emitter, node: Node, plan: MemoryPlan) -> None:
-    """Each input copied into its place; an input read through a view (passes/view_chains.py: `views` and the
-    `shapes` concatenated) is copied from the view's strided positions in its source."""
-    dim = node.attrs["dimension"]
-    out_strides = dense_strides(node.shape)
-    views = node.attrs.get("views") or (None,) * len(node.inputs)
-    shapes = node.attrs.get("shapes") or tuple(x.shape for x in node.inputs)
+    """Each input copied into its place (plans.concatenated_pieces: an input read through a view is copied from
+    the view's strided positions in its source)."""
     size = node.dtype.itemsize
-    position = 0
-    for x, view, shape in zip(node.inputs, views, shapes):
-        offset, strides, copied, placed = view if view is not None else (0, dense_strides(shape), shape, out_strides)
+    for x, (offset, strides, copied, placed, start) in zip(node.inputs, concatenated_pieces(node)):
         copy_strided(em, node.dtype, plan.offset(x) + offset * size, strides,
-                     plan.offset(node) + position * out_strides[dim] * size, placed, copied)
-        position += shape[dim]
+                     plan.offset(node) + start * size, placed, copied)
 
 
 # matmul and reductions -------------------------------------------------------------------------

@@ -58,8 +58,9 @@ class TracedKernel:
                      views: dict | None = None) -> list:
         """The kernel's instructions in program order, HBM operands at ``hbm_offsets`` ({storage id: byte offset}),
         of kernel number ``kernel``; ``debug`` maps the kernel's debug locations to the program's table; ``views``
-        ({storage id: (offset, strides)}) reads an input's elements at those positions of the tensor at its
-        offset (``read_through``: ``reads_input_through``'s check passed)."""
+        ({storage id: (offset, strides)}) accesses a storage's elements at those positions of the tensor at its
+        offset: an input read through a view, an output written in place in a larger tensor (``read_through``:
+        ``reads_input_through``'s or ``writes_output_through``'s check passed)."""
         out = []
         for e in self.instrs:
             operands = []
@@ -76,9 +77,17 @@ class TracedKernel:
         """Whether input ``position`` may be read through a view (element ``offset`` and ``strides`` per dim of
         the input's shape, in a tensor of its dtype): the kernel does not write it and each access of it is one
         access pattern of the viewed tensor (``read_through``)."""
-        storage = self.inputs[position]
         if position in self.written_inputs:
             return False
+        return self._accesses_map_through(self.inputs[position], offset, strides)
+
+    def writes_output_through(self, index: int, offset: int, strides: tuple) -> bool:
+        """Whether output ``index`` may be written in place in a larger tensor (its elements at element ``offset``
+        and ``strides`` per dim of the output's shape there): each access of it (its stores, and any load of what
+        it stored) is one access pattern of that tensor (``read_through``)."""
+        return self._accesses_map_through(self.outputs[index], offset, strides)
+
+    def _accesses_map_through(self, storage, offset: int, strides: tuple) -> bool:
         return all(read_through(ap, storage.shape, offset, strides) is not None
                    for e in self.instrs for s, ap in e.operands if s.id == storage.id)
 

@@ -74,6 +74,8 @@ def _gates() -> dict:
         "concatenate_through_views": _ops(Op.CONCATENATE),
         # it rewrites CUSTOM_KERNEL nodes reading VIEW chains
         "read_kernel_inputs_through_views": _ops(Op.CUSTOM_KERNEL),
+        # it rewrites a CONCATENATE of a CUSTOM_KERNEL's outputs
+        "write_outputs_into_concatenations": lambda summary: {Op.CONCATENATE, Op.CUSTOM_KERNEL} <= summary.ops,
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
         # a prologue is a ROWWISE read by a MATMUL

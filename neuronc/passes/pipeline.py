@@ -26,6 +26,7 @@ from neuronc.passes.duplicate_kernels import merge_duplicate_kernels
 from neuronc.passes.fusion import (fuse_elementwise, fuse_matmul_epilogues, fuse_matmul_operands,
                                    fuse_reduction_prologues)
 from neuronc.passes.indexing import lower_gather_scatter
+from neuronc.passes.concatenation_in_place import write_outputs_into_concatenations
 from neuronc.passes.kernel_views import read_kernel_inputs_through_views
 from neuronc.passes.layout import store_activations_transposed, store_weights_transposed
 from neuronc.passes.legalize import legalize
@@ -86,6 +87,7 @@ O2 = [
     compose_view_chains,  # after fusion (the views left are copies): a view of a reshaped view reads its source
     concatenate_through_views,  # after compose_view_chains: a concatenate reads view chains only it reads
     read_kernel_inputs_through_views,  # after compose_view_chains: so does a custom kernel, where its accesses map
+    write_outputs_into_concatenations,  # after both: a custom kernel writes the concatenation of its outputs itself
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
