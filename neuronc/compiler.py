@@ -83,6 +83,7 @@ class Compiled:
     # with compile_fx's inputs_returned_as_given a tensor input returned)
     cache_hit: bool = False
     cache_entry: tuple | None = None  # (CompileCache, key) where the NEFF is stored, when the cache is on
+    pending_store: tuple | None = None  # (CompileCache, key) where the NEFF goes after its first load (`loaded`)
     input_mask: list | None = None  # FX graphs: per placeholder, whether the program takes it (None: all)
     collective_groups: list = dataclasses.field(default_factory=list)  # FX graphs: the process group of each
     # group number its collective instructions name (frontend/collectives.py)
@@ -100,6 +101,21 @@ class Compiled:
         """Record in the cache entry that the NEFF passed the runtime access check `checker`."""
         if self.cache_entry:
             self.cache_entry[0].mark_checked(self.cache_entry[1], checker)
+
+    def loaded(self, checker: str | None) -> None:
+        """After a load of the NEFF (`checker`: the runtime access check it passed there, if it ran one): the NEFF
+        stored in the cache if its store waited for this load (`store_after_load`), the verdict in the same write;
+        else the verdict recorded in the entry. The first load settles a pending estimate (codegen.generate), so
+        the store's encoding reads it instead of computing it: one simulation of the program, not two."""
+        if self.pending_store is None:
+            if checker is not None:
+                self.mark_checked(checker)
+            return
+        (cache, key), self.pending_store = self.pending_store, None
+        start = time.perf_counter()
+        if cache.put(key, self.neff, checked_by=checker) is not None:
+            self.cache_entry = (cache, key)
+        self.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
 
 
 @contextlib.contextmanager
@@ -119,16 +135,19 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
-    """Compile an imported graph, through the persistent cache (see neuronc/cache.py)."""
+def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict,
+                     store_after_load: bool = False) -> Compiled:
+    """Compile an imported graph, through the persistent cache (see neuronc/cache.py). With `store_after_load`, a
+    new NEFF is stored by its caller's `Compiled.loaded` after the first load instead of here."""
     timings = {**timings, **imported.seconds}
     float64_outputs = tuple(i for i, o in enumerate(imported.graph.outputs) if o.dtype is DType.F64)
-    compiled = _compile_imported(imported, options, timings)
+    compiled = _compile_imported(imported, options, timings, store_after_load)
     compiled.float64_outputs = float64_outputs
     return compiled
 
 
-def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict) -> Compiled:
+def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict,
+                      store_after_load: bool) -> Compiled:
     from neuronc.cache import CompileCache, cache_key
 
     cache = CompileCache.from_env()
@@ -143,7 +162,9 @@ def _compile_imported(imported: ImportedGraph, options: CompileOptions, timings:
             log.info("neuronc: %s: compile cache hit (%s)", options.name, cache.directory)
             return Compiled(neff, imported.stablehlo, None, timings, cache_hit=True, cache_entry=(cache, key))
     compiled = compile_graph(imported.graph, options, imported.stablehlo, timings)
-    if key is not None:
+    if key is not None and store_after_load:
+        compiled.pending_store = (cache, key)
+    elif key is not None:
         start = time.perf_counter()
         if cache.put(key, compiled.neff) is not None:
             compiled.cache_entry = (cache, key)
@@ -228,10 +249,11 @@ def compiled_apart(node) -> str | None:
 
 
 def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None,
-               inputs_returned_as_given: bool = False) -> Compiled:
+               inputs_returned_as_given: bool = False, store_after_load: bool = False) -> Compiled:
     """Compile a stateless FX graph (every placeholder an input), e.g. from AOTAutograd. With
     ``inputs_returned_as_given``, an output that is an input is no NEFF output: output_layout says which argument
-    the caller returns (torch.compile's backend does; a caller reading the NEFF's outputs alone must not ask)."""
+    the caller returns (torch.compile's backend does; a caller reading the NEFF's outputs alone must not ask).
+    ``store_after_load``: see compile_imported (a caller that loads the NEFF and then calls `Compiled.loaded`)."""
     from neuronc.frontend.collectives import Collectives, cut_collectives, has_collectives, splice_collectives
     from neuronc.frontend.random_draws import Draws, cut_random_ops, has_random_ops, splice_draws
     from neuronc.frontend.torch_import import (drop_none_outputs, drop_opaque_values, import_fx, node_locations,
@@ -255,7 +277,7 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None,
         if draws.draws:
             imported.graph = splice_draws(imported.graph, draws)
             imported.fingerprint = hashlib.sha256((imported.fingerprint + draws.fingerprint()).encode()).hexdigest()
-        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t}, store_after_load)
     compiled.output_layout = layout
     compiled.input_mask = None if all(mask) else mask
     compiled.collective_groups = collectives.groups
@@ -264,10 +286,10 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None,
     return compiled
 
 
-def compile_stablehlo(program, options: CompileOptions | None = None) -> Compiled:
+def compile_stablehlo(program, options: CompileOptions | None = None, store_after_load: bool = False) -> Compiled:
     """Compile a StableHLO program: a `.mlir`/`.mlirbc` file or jax.export artifact (its path), or a
     frontend.stablehlo_program.StableHLOProgram (a JAX function's, from neuronc.jax). Every argument of
-    its func @main is a NEFF input."""
+    its func @main is a NEFF input. ``store_after_load``: see compile_imported."""
     from neuronc.frontend.stablehlo_program import import_program, read_program
 
     options = options or CompileOptions()
@@ -276,7 +298,7 @@ def compile_stablehlo(program, options: CompileOptions | None = None) -> Compile
         program = read_program(program)
     with collector_paused():
         imported = import_program(program, options.name)
-        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t})
+        compiled = compile_imported(imported, options, {"import": time.perf_counter() - t}, store_after_load)
     debug_dir.keep(compiled)
     return compiled
 

@@ -98,6 +98,12 @@ def node_text(node: Node, elide_arrays_over: int | None = 16) -> str:
     return _Printer(_DisplayIds(), elide_arrays_over, wrap=False).node(node).strip()
 
 
+def attrs_text(attrs: dict) -> str:
+    """A node's attributes on one line, every value printed whole (a node they name by its display id): equal
+    texts, equal attributes (but for a NaN's bits, which the text prints alike)."""
+    return _Printer(_DisplayIds(), None, wrap=False).value(attrs)
+
+
 class _DisplayIds:
     """A numbering that names every node by its display id."""
 

@@ -81,7 +81,8 @@ class Jitted:
         jitted = jax.jit(self.fun, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
         with _without_shardy():
             exported = jax.export.export(jitted, platforms=["cpu"])(*args, **kwargs)
-        compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options)
+        compiled = compile_stablehlo(exported_program(exported, f"the JAX function {self.name}"), self.options,
+                                     store_after_load=True)
         loaded = _load(compiled, self.options.target)  # before the estimate is read: the load settles it
         log.info("neuronc: JAX function %s compiled for %s (%d kernels, estimated %.1f us%s); inputs %s",
                  self.name, self.options.target, len(compiled.neff.kernels), compiled.neff.estimated_ns / 1e3,
@@ -153,12 +154,12 @@ def _as_jax(output: np.ndarray, aval):
 
 def _load(compiled, target: str):
     """The NEFF loaded on a NeuronCore of its own; the runtime's access check is skipped when the compile
-    cache says the NEFF passed it, and recorded there when it passes now."""
+    cache says the NEFF passed it, and recorded there when it passes now; a new NEFF is stored in the cache now
+    (compile_stablehlo's ``store_after_load``), with the estimate this load settled."""
     from runtime import NeuronCore
     from runtime.core import access_check_id
 
     checked_by = compiled.checked_by()
     loaded = NeuronCore(target).load(compiled.neff, checked_by=checked_by)
-    if loaded.access_checked and checked_by != access_check_id():
-        compiled.mark_checked(access_check_id())
+    compiled.loaded(access_check_id() if loaded.access_checked and checked_by != access_check_id() else None)
     return loaded

@@ -489,10 +489,33 @@ def baseline_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     return plan_kernels(_tile_all(graph, ctx.target, default_tiling), ctx)
 
 
+def choice_key(node: ir.Node) -> tuple:
+    """Everything `choose` reads of a matmul node without `timed` (the formula's inputs): its type and attributes,
+    and each input's type, the op it is a reshape of (`loads_a_by_k_tile`) and whether it is a weight
+    (`streamed_first`). Two nodes of one key get the same tiling: a model's repeated layers price their matmuls
+    once (issue 24: 49 searches of 9 prices each at HF GPT-2's 12 layers, 2 distinct)."""
+    return (node.shape, node.dtype, ir_text.attrs_text(node.attrs),
+            tuple((x.shape, x.dtype, ir.unreshaped(x).op, _is_weight(x)) for x in node.inputs))
+
+
+def _choose_once_per_key(wide: bool):
+    """`choose` (formula prices, no `timed`) for a pass over one graph, each distinct `choice_key` searched once."""
+    chosen: dict = {}
+
+    def pick(node: ir.Node, target: Target) -> MatmulTiling:
+        key = choice_key(node)
+        if key not in chosen:
+            chosen[key] = choose(node, target, wide)
+        return chosen[key]
+
+    return pick
+
+
 def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
-    return plan_kernels(_tile_all(graph, ctx.target, lambda node, t: choose(node, t, timed=ctx.kernel_time),
-                                  timed=ctx.kernel_time), ctx)
+    pick = (_choose_once_per_key(False) if ctx.kernel_time is None
+            else lambda node, t: choose(node, t, timed=ctx.kernel_time))
+    return plan_kernels(_tile_all(graph, ctx.target, pick, timed=ctx.kernel_time), ctx)
 
 
 def search_matmul_tiles(graph: ir.Graph, ctx: PassContext) -> ir.Graph:

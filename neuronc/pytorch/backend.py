@@ -223,14 +223,14 @@ def _host_on_chip(target: str):
 def _load(compiled, core):
     """``compiled``'s NEFF loaded on ``core``. The runtime's access check (races, reads of unwritten memory:
     most of the load time of a large program) is skipped when the NEFF's cache entry says it passed it,
-    and a check passed now is recorded there, so a warm process loads at once."""
+    and a check passed now is recorded there, so a warm process loads at once; a new NEFF is stored in the
+    cache now (compile_fx's ``store_after_load``), with the estimate this load settled."""
     from runtime.core import access_check_id
 
     checked_by = compiled.checked_by()
     custom = frozenset(n for n, k in enumerate(compiled.neff.kernels) if k.ops[:1] and k.ops[0].startswith("nki:"))
     program = core.load(compiled.neff, checked_by=checked_by, undefined_on_chip=custom)  # NKI: tiles undefined
-    if program.access_checked and checked_by != access_check_id():
-        compiled.mark_checked(access_check_id())
+    compiled.loaded(access_check_id() if program.access_checked and checked_by != access_check_id() else None)
     return program
 
 
@@ -362,7 +362,7 @@ def _static_backend(gm, example_inputs, options: dict | None = None, mode: str |
         return compile_graph(graph_module, inputs, _static_inputs())
 
     def compile_one(graph_module, static_inputs=frozenset()):
-        compiled = compile_fx(graph_module, compile_options, inputs_returned_as_given=True)
+        compiled = compile_fx(graph_module, compile_options, inputs_returned_as_given=True, store_after_load=True)
         neff = compiled.neff
         function = NeffFunction(compiled, compile_options, static_inputs)
         compiled_graphs.append(function)
