@@ -176,7 +176,7 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | 
             late[firsts[t] + clock[t]:firsts[t + 1]] = True
     if not late[lo:].any():
         return None
-    mask = late[who]
+    mask = late.take(who)  # (= late[who]; take gathers int16 indices 1.5-2x faster than fancy indexing)
     return int(who[mask][0]) if mask.any() else None
 
 
