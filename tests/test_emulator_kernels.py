@@ -2,8 +2,8 @@
 what the ISA's semantics (runtime.semantics.SEMANTICS, numpy on fresh arrays) compute, on many values: special
 ones (NaN with payloads and signs, infinities, -0.0, denormals), random bit patterns and values in the functions'
 working ranges, for the kernels made for speed: GELU and ERF (ACTIVATE and ACTIVATE_BIAS_REDUCE), the top-8
-instructions, DMA_GATHER, shifts by an immediate and TENSOR_ALU2. Each instruction runs both ways on two copies of
-the same memories (SBUF with rows as far apart as the emulated core has them, PSUM, HBM); every byte must agree, and
+instructions, DMA_GATHER and DMA_SCATTER, shifts by an immediate and TENSOR_ALU2. Each instruction runs both ways on
+two copies of the same memories (SBUF with rows as far apart as the emulated core has them, PSUM, HBM); every byte must agree, and
 an instruction one way refuses must be refused alike."""
 from __future__ import annotations
 
@@ -213,6 +213,52 @@ def test_dma_gather_is_bit_exact_and_refuses_indices_outside_alike(dtype):
                 return chosen.astype(ap.dtype.numpy)
 
             _agree(instr, fill)
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.I32, DType.BOOL], ids=lambda d: d.name)
+@pytest.mark.parametrize("alu", [AluOp.NONE, AluOp.ADD], ids=lambda a: a.name)
+def test_dma_scatter_is_bit_exact_and_refuses_indices_outside_alike(dtype, alu):
+    """Repeated rows included: the last one written stands, or (ADD) all of them accumulate."""
+    rows, width = 16, 24
+    target, src = table((rows, width), dtype), tile((8, width), dtype, offset=1024)
+    for index_dtype in (DType.I32, DType.I64):
+        indices = tile((8, 1), index_dtype, offset=0)
+        instr = Instruction(Opcode.DMA_SCATTER, Engine.DMA, (target, src, indices), alu=alu)
+        for bad in (None, -1, rows, 2**31 - 1):
+            def fill(ap, bad=bad, indices=indices):
+                if ap != indices:
+                    return _random(ap)
+                chosen = RNG.integers(0, 4, ap.shape)  # 8 rows among 4: repeats
+                if bad is not None:
+                    chosen[RNG.integers(0, 8), 0] = bad
+                return chosen.astype(ap.dtype.numpy)
+
+            _agree(instr, fill)
+
+
+def test_a_scatter_writes_its_rows_without_copying_its_table():
+    """A scatter of 4 rows into a table of 4096 (the KV cache's update) allocates nothing near the table's size."""
+    import tracemalloc
+
+    rows, width = 4096, 32
+    target, src, indices = table((rows, width)), tile((4, width), offset=1024), tile((4, 1), DType.I32)
+    hbm = np.zeros(rows * width * 4, np.uint8)
+    sbuf = _partition_rows(TARGET.partitions, 2048)
+    view(sbuf, indices)[...] = np.array([[3], [7], [4000], [7]], np.int32)
+    view(sbuf, src)[...] = np.arange(4 * width, dtype=np.float32).reshape(4, width)
+    instr = Instruction(Opcode.DMA_SCATTER, Engine.DMA, (target, src, indices))
+    calls = kernel(instr, view(hbm, target), view(sbuf, src), view(sbuf, indices), new=Scratch())
+    tracemalloc.start()
+    try:
+        for call in calls:
+            call()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < rows * width * 4 // 8
+    written = view(hbm, target)
+    np.testing.assert_array_equal(written[[3, 4000, 7]], view(sbuf, src)[[0, 2, 3]])
+    assert not written[[0, 5, 4095]].any()
 
 
 SHIFTS = (AluOp.SHIFT_LEFT, AluOp.SHIFT_RIGHT_LOGICAL, AluOp.SHIFT_RIGHT_ARITHMETIC)
