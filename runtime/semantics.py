@@ -497,6 +497,8 @@ def _tensor_scalar_kernel(instr, new, dst, src):
     fn = fn.pick(dtype) if isinstance(fn, ByKind) else fn
     if fn in (shift_left, shift_right_logical, shift_right_arithmetic) and not instr.reverse and dtype.kind in "iu":
         return calls + _shift_kernel(instr, new, dst, x, dtype)
+    if fn is np.power and dtype == F32 and not instr.reverse and imm == 2.0:
+        fn, imm = np.multiply, x  # numpy's fp32 power by 2 is x * x, every bit (benchmarks/power_identities.py)
     fast = _ufunc_into(new, fn, (imm, x) if instr.reverse else (x, imm), dst)
     return calls + fast if fast else None
 
