@@ -2,9 +2,9 @@
 what the ISA's semantics (runtime.semantics.SEMANTICS, numpy on fresh arrays) compute, on many values: special
 ones (NaN with payloads and signs, infinities, -0.0, denormals), random bit patterns and values in the functions'
 working ranges, for the kernels made for speed: GELU and ERF (ACTIVATE and ACTIVATE_BIAS_REDUCE), the top-8
-instructions, DMA_GATHER, shifts by an immediate and TENSOR_ALU2. Each instruction runs both ways on two copies of
-the same memories (SBUF with rows as far apart as the emulated core has them, PSUM, HBM); every byte must agree, and
-an instruction one way refuses must be refused alike."""
+instructions, DMA_GATHER and DMA_SCATTER, shifts and powers by an immediate and TENSOR_ALU2. Each instruction
+runs both ways on two copies of the same memories (SBUF with rows as far apart as the emulated core has them,
+PSUM, HBM); every byte must agree, and an instruction one way refuses must be refused alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -215,6 +215,52 @@ def test_dma_gather_is_bit_exact_and_refuses_indices_outside_alike(dtype):
             _agree(instr, fill)
 
 
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.I32, DType.BOOL], ids=lambda d: d.name)
+@pytest.mark.parametrize("alu", [AluOp.NONE, AluOp.ADD], ids=lambda a: a.name)
+def test_dma_scatter_is_bit_exact_and_refuses_indices_outside_alike(dtype, alu):
+    """Repeated rows included: the last one written stands, or (ADD) all of them accumulate."""
+    rows, width = 16, 24
+    target, src = table((rows, width), dtype), tile((8, width), dtype, offset=1024)
+    for index_dtype in (DType.I32, DType.I64):
+        indices = tile((8, 1), index_dtype, offset=0)
+        instr = Instruction(Opcode.DMA_SCATTER, Engine.DMA, (target, src, indices), alu=alu)
+        for bad in (None, -1, rows, 2**31 - 1):
+            def fill(ap, bad=bad, indices=indices):
+                if ap != indices:
+                    return _random(ap)
+                chosen = RNG.integers(0, 4, ap.shape)  # 8 rows among 4: repeats
+                if bad is not None:
+                    chosen[RNG.integers(0, 8), 0] = bad
+                return chosen.astype(ap.dtype.numpy)
+
+            _agree(instr, fill)
+
+
+def test_a_scatter_writes_its_rows_without_copying_its_table():
+    """A scatter of 4 rows into a table of 4096 (the KV cache's update) allocates nothing near the table's size."""
+    import tracemalloc
+
+    rows, width = 4096, 32
+    target, src, indices = table((rows, width)), tile((4, width), offset=1024), tile((4, 1), DType.I32)
+    hbm = np.zeros(rows * width * 4, np.uint8)
+    sbuf = _partition_rows(TARGET.partitions, 2048)
+    view(sbuf, indices)[...] = np.array([[3], [7], [4000], [7]], np.int32)
+    view(sbuf, src)[...] = np.arange(4 * width, dtype=np.float32).reshape(4, width)
+    instr = Instruction(Opcode.DMA_SCATTER, Engine.DMA, (target, src, indices))
+    calls = kernel(instr, view(hbm, target), view(sbuf, src), view(sbuf, indices), new=Scratch())
+    tracemalloc.start()
+    try:
+        for call in calls:
+            call()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < rows * width * 4 // 8
+    written = view(hbm, target)
+    np.testing.assert_array_equal(written[[3, 4000, 7]], view(sbuf, src)[[0, 2, 3]])
+    assert not written[[0, 5, 4095]].any()
+
+
 SHIFTS = (AluOp.SHIFT_LEFT, AluOp.SHIFT_RIGHT_LOGICAL, AluOp.SHIFT_RIGHT_ARITHMETIC)
 
 
@@ -231,6 +277,42 @@ def test_shifts_by_an_immediate_are_bit_exact(dtypes):
                                    reverse=reverse), _random)
             if dst_dtype == src_dtype:
                 _agree(Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (src, src), alu=alu, imm0=amount), _random)
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0, 0.5, -2.0])
+def test_tensor_scalar_powers_are_bit_exact(exponent):
+    """x ** 2 is computed as x * x (numpy's fp32 power by 2 gives its bits: benchmarks/power_identities.py); every
+    exponent gives the semantics' bits, rounded to the destination's dtype, and in place."""
+    for shape in ((1, 128), (16, 24)):
+        for dst_dtype, src_dtype in ((DType.F32, DType.F32), (DType.BF16, DType.F32), (DType.F32, DType.BF16)):
+            src, dst = tile(shape, src_dtype, offset=0), tile(shape, dst_dtype, offset=4096)
+            _agree(Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (dst, src), alu=AluOp.POW, imm0=exponent), _random)
+        in_place = tile(shape, DType.F32, offset=0)
+        _agree(Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (in_place, in_place), alu=AluOp.POW, imm0=exponent),
+               _random)
+
+
+def test_a_square_is_a_multiply_not_a_call_of_numpys_power(monkeypatch):
+    """The RMS norm's x ** 2 (a TENSOR_SCALAR POW by 2 in Llama's decode graph) runs as one multiply into its
+    destination, not through the semantics' power of a copy."""
+    import runtime.semantics
+
+    src, dst = tile((1, 128), offset=0), tile((1, 128), offset=4096)
+    memories, _ = _memories()
+    view(memories[Space.SBUF], src)[...] = _random(src)
+    calls = kernel(Instruction(Opcode.TENSOR_SCALAR, Engine.VECTOR, (dst, src), alu=AluOp.POW, imm0=2.0),
+                   view(memories[Space.SBUF], dst), view(memories[Space.SBUF], src), new=Scratch())
+
+    def power(*args):
+        raise AssertionError("numpy's power was called")
+
+    monkeypatch.setitem(runtime.semantics.ALU, AluOp.POW, power)
+    monkeypatch.setattr(runtime.semantics.np, "power", power)
+    x = view(memories[Space.SBUF], src)
+    with np.errstate(all="ignore"):  # the random values overflow and hold NaNs, as the device computes them
+        for call in calls:
+            call()
+        np.testing.assert_array_equal(view(memories[Space.SBUF], dst), x * x)
 
 
 def test_tensor_alu2_is_bit_exact():
