@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 
 from neuronc import ir
@@ -15,16 +14,10 @@ from neuronc.pytorch import backend
 from runtime import NeuronCore
 from runtime.core import access_check_id
 from tests import zoo
+from tests.test_cache import cache_dir  # noqa: F401 - the fixture
 from tests.test_estimate_on_read import simulations  # noqa: F401 - the fixture
 from tests.test_repeated_layers import mlp_stack
 
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("NEURON_CC_FLAGS", "")
-    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(directory))
-    return directory
 
 
 def test_torch_compile_stores_its_neff_after_the_first_load_without_simulating_it_again(cache_dir, simulations):  # noqa: F811
@@ -39,7 +32,7 @@ def test_torch_compile_stores_its_neff_after_the_first_load_without_simulating_i
     assert cache.checked_by(key) == access_check_id()  # the load's check, in the same write
 
 
-def test_a_store_that_waits_for_the_load_writes_the_bytes_a_store_at_compile_writes(cache_dir, monkeypatch):
+def test_a_store_that_waits_for_the_load_writes_the_bytes_a_store_at_compile_writes(cache_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
     compiled = compile_fx(mlp_stack(torch.float32, blocks=2), store_after_load=True)
     cache, key = compiled.pending_store
