@@ -17,7 +17,9 @@ from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.ir import Op
 from neuronc.isa import DType, Space
 from neuronc.neff import encode
+from neuronc.neff.program import DebugLoc
 from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.tiling import Prologue
 from runtime import run_neff
 from tests import zoo
 from tests.conftest import assert_matches_eager
@@ -232,6 +234,26 @@ def test_a_signature_met_at_both_kernel_parities_runs_its_kernel_once(monkeypatc
 def test_equal_plans_are_printed_once_with_the_signatures_unchanged(three_layer_gpt2, monkeypatch):
     """Each layer's kernels carry their own plan objects, equal from layer to layer: the signature prints a plan's
     text once per distinct value (keyed by its pickle) and every key is the one printed afresh."""
+    _check_plan_texts(three_layer_gpt2[2], monkeypatch)
+
+
+def test_a_plan_that_names_a_location_is_printed_afresh():
+    """A norm prologue's plan holds the norm's source location, which each signature numbers: its text is not kept
+    (nor its type pickled again), and each key is the one printed afresh."""
+    x = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=0, name="x", kind="input")
+    w = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=1, name="w", kind="input")
+    adds = [ir.node(Op.ADD, (x, w), (256, 64), DType.F32, DebugLoc("m.py", line),
+                    prologue=Prologue(split=1, operand=0, dtype=DType.F32, attrs={"rows": 256},
+                                      loc=DebugLoc("m.py", line + 1)))
+            for line in (10, 20, 10)]
+    plan = plan_memory(ir.Graph([x, w], adds))
+    texts: dict = {}
+    assert [reuse.signature(n, plan, texts) for n in adds] == [reuse.signature(n, plan) for n in adds]
+    assert texts == {Prologue: False}
+
+
+def _check_plan_texts(exported, monkeypatch) -> dict:
+    """The signatures of `exported`'s kernels with one memo of plan texts, checked against fresh ones; the memo."""
     kernels = []
     signature = reuse.signature
 
@@ -240,7 +262,7 @@ def test_equal_plans_are_printed_once_with_the_signatures_unchanged(three_layer_
         return signature(node, plan, texts)
 
     monkeypatch.setattr(reuse, "signature", noting)
-    _compile(three_layer_gpt2[2], monkeypatch, True)
+    _compile(exported, monkeypatch, True)
     monkeypatch.undo()
     printed = []
     value = reuse._Signature.value
@@ -257,3 +279,4 @@ def test_equal_plans_are_printed_once_with_the_signatures_unchanged(three_layer_
     fresh = [reuse.signature(node, plan) for node, plan in kernels]
     assert remembered == fresh
     assert 0 < with_memo < len(printed)  # the later layers' plans were not printed again
+    return texts

@@ -63,7 +63,7 @@ class _Signature(_Printer):
     def __init__(self, loc: DebugLoc, texts: dict):
         super().__init__(_LocalIds(), None, wrap=False)
         self.locs: dict = {loc.key(): loc}
-        self.texts = texts  # a plan's pickle -> its text: see _attr
+        self.texts = texts  # a plan's pickle -> its text; a record type -> False: not kept (_attr)
         self.numbered = 0  # nodes and locations printed so far (their text depends on the signature's numbering)
 
     def node(self, n: Node) -> str:
@@ -75,8 +75,9 @@ class _Signature(_Printer):
     def _attr(self, v) -> str:
         """An attribute's text. A record (a plan: each layer's kernels have their own, equal ones) is printed once
         per distinct value, its pickle the key: equal pickles are equal types, fields, float bits and dict orders,
-        which print alike, unless the text numbers a node or location (then it is not kept)."""
-        if not dataclasses.is_dataclass(v) or isinstance(v, type):
+        which print alike, unless the text numbers a node or location: then it is not kept, and that record type is
+        printed afresh from then on (a node's pickle holds its whole graph)."""
+        if not dataclasses.is_dataclass(v) or isinstance(v, type) or self.texts.get(type(v)) is False:
             return self.value(v)
         try:
             key = pickle.dumps(v, pickle.HIGHEST_PROTOCOL)
@@ -88,6 +89,8 @@ class _Signature(_Printer):
             text = self.value(v)
             if self.numbered == numbered:
                 self.texts[key] = text
+            else:
+                self.texts[type(v)] = False
         return text
 
     def ref(self, node: Node) -> str:
