@@ -3,6 +3,7 @@ signature and instantiated at each layer's addresses (neuronc/codegen/reuse.py).
 emitted one by one make, byte for byte, in this very tree; and it computes what eager computes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -16,7 +17,9 @@ from neuronc.compiler import CompileOptions, compile_exported, compile_graph
 from neuronc.ir import Op
 from neuronc.isa import DType, Space
 from neuronc.neff import encode
+from neuronc.neff.program import DebugLoc
 from neuronc.passes.memory_plan import plan_memory
+from neuronc.passes.tiling import Prologue
 from runtime import run_neff
 from tests import zoo
 from tests.conftest import assert_matches_eager
@@ -197,3 +200,83 @@ def test_chained_matmul_kernels_are_recorded_once_and_locate_each_instance_at_it
     assert chained and all(found is not None and found.located for found in chained)
     assert hits[0] >= 2  # five chained blocks, at most three signatures (the first block's input, two parities)
     assert encode(reused.neff) == encode(_compile(exported, monkeypatch, False).neff)
+
+
+def _compile_add_chain(monkeypatch, reuse_kernels: bool):
+    monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
+    monkeypatch.setattr(compiler, "generate", functools.partial(generate, reuse=reuse_kernels))
+    return compile_graph(_add_chain(6), CompileOptions(opt_level=0))  # -O0: six add kernels, not one fused
+
+
+def test_a_signature_met_at_both_kernel_parities_runs_its_kernel_once(monkeypatch):
+    """An odd kernel's SBUF pools stack from the top: the other parity's recording is the first one with each SBUF
+    operand moved to its pool's other base, not a second run of the kernel; the NEFF is the same bytes."""
+    recorded, used = [], set()
+    record, emit = reuse.KernelReuse._record, reuse.KernelReuse.emit
+
+    def noting_records(self, em, kernel, node, plan, numbered, locs):
+        recorded.append((reuse.signature(node, plan)[0], (len(em.kernels) - 1) % 2))
+        return record(self, em, kernel, node, plan, numbered, locs)
+
+    def noting_uses(self, em, kernel, node, plan):
+        used.add((reuse.signature(node, plan)[0], (len(em.kernels) - 1) % 2))
+        emit(self, em, kernel, node, plan)
+
+    monkeypatch.setattr(reuse.KernelReuse, "_record", noting_records)
+    monkeypatch.setattr(reuse.KernelReuse, "emit", noting_uses)
+    reused = _compile_add_chain(monkeypatch, True)
+    both = {key for key, parity in used if (key, 1 - parity) in used}
+    assert both  # the middle adds' signature is met at both parities
+    assert sorted(key for key, _ in recorded) == sorted(set(key for key, _ in recorded))  # each run once
+    assert encode(reused.neff) == encode(_compile_add_chain(monkeypatch, False).neff)
+
+
+def test_equal_plans_are_printed_once_with_the_signatures_unchanged(three_layer_gpt2, monkeypatch):
+    """Each layer's kernels carry their own plan objects, equal from layer to layer: the signature prints a plan's
+    text once per distinct value (keyed by its pickle) and every key is the one printed afresh."""
+    _check_plan_texts(three_layer_gpt2[2], monkeypatch)
+
+
+def test_a_plan_that_names_a_location_is_printed_afresh():
+    """A norm prologue's plan holds the norm's source location, which each signature numbers: its text is not kept
+    (nor its type pickled again), and each key is the one printed afresh."""
+    x = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=0, name="x", kind="input")
+    w = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=1, name="w", kind="input")
+    adds = [ir.node(Op.ADD, (x, w), (256, 64), DType.F32, DebugLoc("m.py", line),
+                    prologue=Prologue(split=1, operand=0, dtype=DType.F32, attrs={"rows": 256},
+                                      loc=DebugLoc("m.py", line + 1)))
+            for line in (10, 20, 10)]
+    plan = plan_memory(ir.Graph([x, w], adds))
+    texts: dict = {}
+    assert [reuse.signature(n, plan, texts) for n in adds] == [reuse.signature(n, plan) for n in adds]
+    assert texts == {Prologue: False}
+
+
+def _check_plan_texts(exported, monkeypatch) -> dict:
+    """The signatures of `exported`'s kernels with one memo of plan texts, checked against fresh ones; the memo."""
+    kernels = []
+    signature = reuse.signature
+
+    def noting(node, plan, texts=None):
+        kernels.append((node, plan))
+        return signature(node, plan, texts)
+
+    monkeypatch.setattr(reuse, "signature", noting)
+    _compile(exported, monkeypatch, True)
+    monkeypatch.undo()
+    printed = []
+    value = reuse._Signature.value
+
+    def counting(self, v, indent=None):
+        if dataclasses.is_dataclass(v):
+            printed.append(v)
+        return value(self, v, indent)
+
+    monkeypatch.setattr(reuse._Signature, "value", counting)
+    texts: dict = {}
+    remembered = [reuse.signature(node, plan, texts) for node, plan in kernels]
+    with_memo, printed[:] = len(printed), []
+    fresh = [reuse.signature(node, plan) for node, plan in kernels]
+    assert remembered == fresh
+    assert 0 < with_memo < len(printed)  # the later layers' plans were not printed again
+    return texts

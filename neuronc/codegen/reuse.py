@@ -11,14 +11,18 @@ the kernel at byte (k + 1) x 2**40; every instance (the first one too) is that r
 rebound to the instance's own tensor (offset - (k + 1) x 2**40 + the tensor's address), its queues turned by the
 emitter's round robin, and its kernel and debug numbers (a matmul chain's first matmul locates its instructions
 at its own source location: the signature numbers the locations its attributes hold, and each instance takes its
-own). A recording is not reused (the kernel runs as usual) when the kernel asks the plan for anything but a tensor
-of its signature, locates instructions at a location its signature does not name, or fails. The NEFF is the same, byte for byte, as the kernels emitted one by one
-(tests/test_kernel_reuse.py compares both).
+own). A signature met at both kernel parities runs once: the other parity's recording is the first one with each
+SBUF operand moved to its pool's base at that parity (all the parity changes). A recording is not reused (the kernel
+runs as usual) when the kernel asks the plan for anything but a tensor of its signature, locates instructions at a
+location its signature does not name, or fails. The NEFF is the same, byte for byte, as the kernels emitted one by
+one (tests/test_kernel_reuse.py compares both).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+import pickle
 import struct
 
 import numpy as np
@@ -56,18 +60,46 @@ class _Signature(_Printer):
     is printed as its number among the distinct locations the signature met, the kernel's own first (`locs`): two
     kernels of one signature locate their instructions alike, each at its own locations."""
 
-    def __init__(self, loc: DebugLoc):
+    def __init__(self, loc: DebugLoc, texts: dict):
         super().__init__(_LocalIds(), None, wrap=False)
         self.locs: dict = {loc.key(): loc}
+        self.texts = texts  # a plan's pickle -> its text; a record type -> False: not kept (_attr)
+        self.numbered = 0  # nodes and locations printed so far (their text depends on the signature's numbering)
 
     def node(self, n: Node) -> str:
         head = f"{self.ref(n)} = {n.op.name.lower()}({', '.join(self.ref(i) for i in n.inputs)}) : " \
                f"{n.dtype.name.lower()}{n.shape}"
-        return head + (" {" + ", ".join(f"{self._key(k)} = {self.value(v)}" for k, v in n.attrs.items()) + "}"
+        return head + (" {" + ", ".join(f"{self._key(k)} = {self._attr(v)}" for k, v in n.attrs.items()) + "}"
                        if n.attrs else "")
+
+    def _attr(self, v) -> str:
+        """An attribute's text. A record (a plan: each layer's kernels have their own, equal ones) is printed once
+        per distinct value, its pickle the key: equal pickles are equal types, fields, float bits and dict orders,
+        which print alike, unless the text numbers a node or location: then it is not kept, and that record type is
+        printed afresh from then on (a node's pickle holds its whole graph)."""
+        if not dataclasses.is_dataclass(v) or isinstance(v, type) or self.texts.get(type(v)) is False:
+            return self.value(v)
+        try:
+            key = pickle.dumps(v, pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return self.value(v)
+        text = self.texts.get(key)
+        if text is None:
+            numbered = self.numbered
+            text = self.value(v)
+            if self.numbered == numbered:
+                self.texts[key] = text
+            else:
+                self.texts[type(v)] = False
+        return text
+
+    def ref(self, node: Node) -> str:
+        self.numbered += 1
+        return super().ref(node)
 
     def _flat(self, v) -> str:
         if isinstance(v, DebugLoc):
+            self.numbered += 1
             key = v.key()
             self.locs.setdefault(key, v)
             return f"loc{list(self.locs).index(key)}"
@@ -90,12 +122,12 @@ def _attr_nodes(value, found: list) -> None:
             _attr_nodes(v, found)
 
 
-def signature(node: Node, plan: MemoryPlan) -> tuple:
+def signature(node: Node, plan: MemoryPlan, texts: dict | None = None) -> tuple:
     """(key, the nodes numbered as the key numbers them, the locations as the key numbers them): nodes printed whole
     (the kernel's and those its attributes name), the others (inputs) by op and type; with which of them share a
-    buffer."""
+    buffer. `texts` keeps the plans' texts between calls (_Signature._attr)."""
     _load_plan_types()
-    printer = _Signature(node.loc)
+    printer = _Signature(node.loc, {} if texts is None else texts)
     whole, lines = [node], []
     while len(lines) < len(whole):
         n = whole[len(lines)]
@@ -136,15 +168,36 @@ class _SymbolicPlan:
 
 
 class _Recorder(Emitter):
-    """An emitter that notes which instructions took the DMA round robin."""
+    """An emitter that notes which instructions took the DMA round robin, and where each SBUF pool lies at this
+    kernel parity and at the other."""
 
     def __init__(self, target):
         super().__init__(target)
         self.rotated: list = []
+        self.pools: list = []  # (base at this parity, base at the other, bytes), in allocation order
+
+    def sbuf_pool(self, dtype, free_elements: int, bufs: int = 2):
+        below = self._sbuf_used
+        pool = super().sbuf_pool(dtype, free_elements, bufs)
+        size = self._sbuf_used - below
+        even, odd = below, self.target.sbuf_bytes_per_partition - self._sbuf_used  # as Emitter.sbuf_pool places it
+        self.pools.append((odd, even, size) if (len(self.kernels) - 1) % 2 else (even, odd, size))
+        return pool
 
     def dma(self, dst, src, **kwargs) -> None:
         self.rotated.append(len(self.instructions))
         super().dma(dst, src, **kwargs)
+
+
+def _tensor(ap: AccessPattern) -> int:
+    """The number k of the tensor a symbolic HBM operand addresses (tensor k lies at (k + 1) x SPAN)."""
+    return (ap.offset + SPAN // 2) // SPAN - 1
+
+
+def _rebased(ap: AccessPattern, bases: list) -> AccessPattern:
+    """A symbolic HBM operand at its instance's address: tensor k at bases[k]."""
+    k = _tensor(ap)
+    return AccessPattern(ap.space, ap.dtype, ap.offset - (k + 1) * SPAN + bases[k], ap.dims, ap.partition)
 
 
 class _Recording:
@@ -165,14 +218,49 @@ class _Recording:
                     raise _NotReusable(inst)
                 self.located[inst.debug] = number
             for ap in inst.operands:
-                if ap.space == Space.HBM and not 0 <= (ap.offset + SPAN // 2) // SPAN - 1 < tensors:
+                if ap.space == Space.HBM and not 0 <= _tensor(ap) < tensors:
                     raise _NotReusable(ap)  # an HBM address not made from one of its tensors
         rotated = set(em.rotated)
-        self.rows = [(i.opcode, i.engine, i.operands, i.queue, k in rotated, i.alu, i.alu1, i.func, i.imm0, i.imm1,
-                      i.accumulate, i.reverse, None if i.debug == debug else i.debug)
+        numbered: dict = {}  # each distinct operand of the rows that address HBM -> its number
+
+        def slots(operands: tuple) -> tuple | None:
+            if all(ap.space != Space.HBM for ap in operands):
+                return None  # the row's operands are every instance's
+            return tuple(numbered.setdefault(ap, len(numbered)) for ap in operands)
+
+        self.rows = [(i.opcode, i.engine, i.operands, slots(i.operands), i.queue, k in rotated, i.alu, i.alu1, i.func,
+                      i.imm0, i.imm1, i.accumulate, i.reverse, None if i.debug == debug else i.debug)
                      for k, i in enumerate(em.instructions)]
+        self.operands = list(numbered)  # a row's slots number its operands in this list, HBM ones rebased by instance
         self.dmas, self.queues = len(rotated), queues
         self.sbuf_used, self.psum_used = em._sbuf_used, em._psum_used
+        self.pools = em.pools
+
+    def at_other_parity(self) -> "_Recording":
+        """This recording as the kernel makes it at the other parity: the same rows, each SBUF operand moved from its
+        pool's base to that pool's base at the other parity (the one thing the parity changes: Emitter.sbuf_pool).
+        Raises _NotReusable for an SBUF operand in no pool."""
+        moved: dict = {}
+
+        def move(ap: AccessPattern) -> AccessPattern:
+            if ap.space != Space.SBUF:
+                return ap
+            new = moved.get(ap)
+            if new is None:
+                base, other = next(((base, other) for base, other, size in self.pools
+                                    if base <= ap.offset < base + size), (None, None))
+                if base is None:
+                    raise _NotReusable(ap)
+                new = moved[ap] = AccessPattern(ap.space, ap.dtype, ap.offset - base + other, ap.dims, ap.partition)
+            return new
+
+        derived = object.__new__(_Recording)
+        derived.__dict__.update(self.__dict__)
+        derived.rows = [(opcode, engine, tuple(map(move, operands)), *rest)
+                        for opcode, engine, operands, *rest in self.rows]
+        derived.operands = list(map(move, self.operands))
+        derived.pools = [(other, base, size) for base, other, size in self.pools]
+        return derived
 
     def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list) -> None:
         """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
@@ -180,22 +268,11 @@ class _Recording:
         and DMA queue, so the cost estimate prices a row once: stream_timing.replay)."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
-        rebound: dict = {}
-
-        def rebind(ap: AccessPattern) -> AccessPattern:
-            if ap.space != Space.HBM:
-                return ap
-            new = rebound.get(ap)
-            if new is None:
-                k = (ap.offset + SPAN // 2) // SPAN - 1
-                new = rebound[ap] = AccessPattern(ap.space, ap.dtype, ap.offset - (k + 1) * SPAN + bases[k], ap.dims,
-                                                  ap.partition)
-            return new
-
+        operand = [ap if ap.space != Space.HBM else _rebased(ap, bases) for ap in self.operands].__getitem__
         out, me = em.instructions, id(self)
-        for row, (opcode, engine, operands, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
+        for row, (opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
                   reverse, at) in enumerate(self.rows):
-            inst = Instruction(opcode, engine, tuple(map(rebind, operands)),
+            inst = Instruction(opcode, engine, operands if slots is None else tuple(map(operand, slots)),
                                (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
                                accumulate, reverse, kernel=kernel, debug=debug if at is None else located[at])
             out.append(inst)
@@ -212,17 +289,20 @@ class KernelReuse:
         self.recordings: dict = {}  # (kernel function, signature, parity) -> _Recording, or None: not reusable
         self.hits = 0
         self.price_keys: dict = {}  # id(instruction) -> (recording, row): see _Recording.instantiate
+        self.plan_texts: dict = {}  # the signatures' plan texts by their pickle: see _Signature._attr
 
     def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
         """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
         try:
-            key, numbered, locs = signature(node, plan)
+            key, numbered, locs = signature(node, plan, self.plan_texts)
         except (TypeError, ValueError):  # an attribute the IR text cannot print: emitted as usual
             kernel(em, node, plan)
             return
-        key = (kernel, key, (len(em.kernels) - 1) % 2)
+        parity = (len(em.kernels) - 1) % 2
+        key = (kernel, key, parity)
         if key not in self.recordings:
-            self.recordings[key] = self._record(em, kernel, node, plan, numbered, locs)
+            self.recordings[key] = (self._derive(self.recordings.get((kernel, key[1], 1 - parity)))
+                                    or self._record(em, kernel, node, plan, numbered, locs))
         else:
             self.hits += 1
         recording = self.recordings[key]
@@ -231,6 +311,16 @@ class KernelReuse:
             return
         recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered],
                               self.price_keys, locs)
+
+    @staticmethod
+    def _derive(recorded: _Recording | None) -> _Recording | None:
+        """The other parity's recording made from `recorded` (None: there is none to make it from)."""
+        if recorded is None:
+            return None
+        try:
+            return recorded.at_other_parity()
+        except _NotReusable:
+            return None
 
     def _record(self, em: Emitter, kernel, node: Node, plan: MemoryPlan, numbered: list,
                 locs: list) -> _Recording | None:
