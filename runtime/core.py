@@ -192,30 +192,77 @@ def _cached(cache: dict, fn, ap: AccessPattern):
 
 
 class _WholeWrites:
-    """Large operands last written whole by one instruction, with its id: every entry of their writer table
-    holds it, so checking them needs no pass over their entries (a scatter's destination is its whole table,
-    millions of entries, written again and read by each of thousands of instructions). An operand is forgotten
-    when an instruction writes a byte of its box (memory.extent); only the latest few are kept, as each write
-    compares its box with theirs."""
+    """What is known of the writers of large operands, so that checking them needs no pass over their entries
+    (a scatter's destination is its whole table, millions of entries, written again and read by each of thousands
+    of instructions; a tile loaded over many DMA queues, hundreds of thousands of entries of a dozen writers, is
+    read by each of a run of matmuls). For an operand, an instruction id and either
+    * exact: every entry of its writer table holds that id (the operand was last written whole by it), or
+    * bound: every writer among its entries happens before that instruction, a read of it checked and accepted
+      (so they happen before whatever it happens before: happening before is transitive).
+    An operand is forgotten when an instruction writes a byte of its box (memory.extent). Each write compares its
+    box with those of the operands near it only: the operands are filed by the stretches of ``SPAN`` bytes their
+    boxes cover (those covering more than ``WIDE`` stretches, with every write)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
-    KEPT = 4
+    SPAN, WIDE = 4096, 16
 
     def __init__(self):
-        self.ids: dict = {}  # access pattern -> (writer id, (space, box))
+        self.ids: dict = {}  # access pattern -> (instruction id, (space, box), exact)
+        self.near: dict = {}  # (space, stretch) -> {access pattern: (space, box)} of the operands whose boxes reach into it
+        self.wide: dict = {}  # {access pattern: (space, box)} of the operands whose boxes cover more than WIDE stretches
+        self.spaces: dict = {}  # space -> {access pattern: (space, box)} of its operands (for a write covering more)
 
     def writer(self, ap: AccessPattern) -> int | None:
+        """The id every writer entry of ``ap`` holds, when known."""
         known = self.ids.get(ap)
-        return None if known is None else known[0]
+        return None if known is None or not known[2] else known[0]
+
+    def bound(self, ap: AccessPattern) -> int | None:
+        """An instruction every writer of ``ap``'s entries happens before, when known (not exact)."""
+        known = self.ids.get(ap)
+        return None if known is None or known[2] else known[0]
 
     def written(self, ap: AccessPattern, region: tuple, writer: int, entries: int) -> None:
         """Note that ``writer`` wrote ``ap`` (of ``region``, (space, box)), ``entries`` entries of the table."""
-        for other in [other for other, (_, box) in self.ids.items() if overlaps(box, region)]:
-            del self.ids[other]
+        stretches = self._stretches(region)
+        nearby = [self.spaces.get(region[0], {}).items()] if stretches is None else [
+            self.wide.items(), *(self.near[key].items() for key in stretches if key in self.near)]
+        for other in {other for filed in nearby for other, box in filed if overlaps(box, region)}:
+            self._forget(other)
         if entries >= self.LARGE:
-            if len(self.ids) >= self.KEPT:
-                del self.ids[next(iter(self.ids))]
-            self.ids[ap] = (writer, region)
+            self._keep(ap, (writer, region, True))
+
+    def read(self, ap: AccessPattern, region: tuple, reader: int, entries: int) -> None:
+        """Note that ``reader``'s read of ``ap`` was accepted: all the writers of its entries happen before it.
+        An exact entry is kept (it says more)."""
+        if entries >= self.LARGE and not (ap in self.ids and self.ids[ap][2]):
+            self._keep(ap, (reader, region, False))
+
+    def _stretches(self, region: tuple):
+        """The (space, stretch) keys of a box, or None when it covers more than WIDE stretches."""
+        space, (_, _, lo, hi) = region
+        first, last = lo // self.SPAN, (hi - 1) // self.SPAN
+        return None if last - first >= self.WIDE else [(space, k) for k in range(first, last + 1)]
+
+    def _keep(self, ap: AccessPattern, known: tuple) -> None:
+        if ap in self.ids:
+            self._forget(ap)
+        self.ids[ap] = known
+        self.spaces.setdefault(known[1][0], {})[ap] = known[1]
+        stretches = self._stretches(known[1])
+        for key in stretches if stretches is not None else ():
+            self.near.setdefault(key, {})[ap] = known[1]
+        if stretches is None:
+            self.wide[ap] = known[1]
+
+    def _forget(self, ap: AccessPattern) -> None:
+        region = self.ids.pop(ap)[1]
+        del self.spaces[region[0]][ap]
+        stretches = self._stretches(region)
+        for key in stretches if stretches is not None else ():
+            del self.near[key][ap]
+        if stretches is None:
+            del self.wide[ap]
 
 
 def _merged(spans: list) -> tuple:
@@ -448,6 +495,11 @@ class LoadedProgram:
         whole = _WholeWrites()
 
         def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
+            bound = whole.bound(ap)  # (an instruction id: 2 and up)
+            if bound is not None:
+                t = bisect.bisect_right(firsts, bound) - 1
+                if bound - firsts[t] < clock[t]:  # it happens before, and so do all the writers of ap's entries
+                    return None
             return _unordered_writer(who, clock, firsts, whole.writer(ap))
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
@@ -480,7 +532,9 @@ class LoadedProgram:
                 clock[s][k], started[s] = vc, started[s] + 1
                 for operand, ap, who, slots in checked_reads[s][k]:
                     w = unordered(who, vc + slots, ap)
-                    if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
+                    if w is None:  # (not after the retry below: a partly written tile bounds nothing)
+                        whole.read(ap, _cached(regions, _region, ap), ids[i.key], who.size)
+                    elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False], ap)
                     if w is not None:
                         space = i.instr.operands[operand].space
