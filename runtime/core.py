@@ -265,6 +265,25 @@ class _WholeWrites:
             del self.wide[ap]
 
 
+def _boxes_read(read_regions: list, spaces) -> dict:
+    """The boxes each stream reads, per memory: space -> ([stream][(p0, p1, lo, hi, index, operand), ...] in order,
+    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end)), so that the
+    reads of a run of a stream's instructions in one memory are one slice."""
+    tables = {}
+    for space in spaces:
+        boxes, firsts = [], []
+        for stream_reads in read_regions:
+            flat, starts = [], []
+            for k, reads in enumerate(stream_reads):
+                starts.append(len(flat))
+                flat.extend((*box, k, operand) for operand, (space2, box) in reads if space2 == space)
+            starts.append(len(flat))
+            boxes.append(flat)
+            firsts.append(starts)
+        tables[space] = boxes, firsts
+    return tables
+
+
 def _merged(spans: list) -> tuple:
     """Byte spans [lo, hi) merged into disjoint sorted ones: (starts, ends)."""
     starts, ends = [], []
@@ -516,6 +535,7 @@ class LoadedProgram:
                            for operand, (space, box) in reads
                            if space != Space.HBM or _intersects(device_written, box[2], box[3])]
                           for i, reads in zip(stream, stream_reads)] for stream, stream_reads in zip(instrs, read_regions)]
+        boxes_read = _boxes_read(read_regions, self._shapes)
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
         for position, (phase, s, k) in enumerate(self._order):
@@ -541,7 +561,7 @@ class LoadedProgram:
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
             written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
-                                         read_regions) for dst in i.instr.writes]
+                                         boxes_read) for dst in i.instr.writes]
             for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
                 who[...] = ids[i.key]  # does not race with itself)
                 whole.written(dst, _cached(regions, _region, dst), ids[i.key], who.size)
@@ -581,7 +601,7 @@ class LoadedProgram:
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, read_regions: list) -> np.ndarray:
+                     by_id: list, unordered, boxes_read: dict) -> np.ndarray:
         """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
         returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
@@ -591,10 +611,10 @@ class LoadedProgram:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
         space, (p0, p1, lo, hi) = _region(dst)
+        boxes, firsts = boxes_read[space]
         readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
-                   for k in range(vc[t], started[t])  # happening before i, reading a box that overlaps dst's
-                   for operand, (space2, (q0, q1, lo2, hi2)) in read_regions[t][k]
-                   if space2 == space and p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]
+                   for q0, q1, lo2, hi2, k, operand in boxes[t][firsts[t][vc[t]]:firsts[t][started[t]]]  # happening
+                   if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]  # before i, reading a box overlapping dst's
         if readers:
             mark = probes[dst.space].of(dst)
             mark[...] = True
