@@ -145,10 +145,9 @@ def _region(ap: AccessPattern) -> tuple:
     return ap.space, extent(ap)
 
 
-def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | None = None):
+def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     """A writer id among ``who`` that does not happen before the instruction whose vector clock is ``clock``,
-    or None (the first such id in ``who``'s order when there are several). ``single``: the id every entry of
-    ``who`` holds, when known (:class:`_WholeWrites`): then ``who`` is not read.
+    or None (the first such id in ``who``'s order when there are several).
 
     Ids number the instructions stream by stream in order: stream t's are ``firsts[t]`` to ``firsts[t + 1]``,
     and its writer at index k happens before the instruction when ``clock[t] > k``, so the writers that do
@@ -158,10 +157,7 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | 
     then of that stream and ordered when the greatest is); others are judged against a table of those
     ranges, one gather."""
     n = len(firsts) - 1
-    if single is not None:
-        lo = hi = single
-    else:
-        lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
+    lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
     if lo == hi and lo < 2:
         return None if clock[n + lo] else lo
     t = bisect.bisect_right(firsts, lo) - 1
@@ -191,78 +187,84 @@ def _cached(cache: dict, fn, ap: AccessPattern):
     return value
 
 
-class _WholeWrites:
-    """What is known of the writers of large operands, so that checking them needs no pass over their entries
-    (a scatter's destination is its whole table, millions of entries, written again and read by each of thousands
-    of instructions; a tile loaded over many DMA queues, hundreds of thousands of entries of a dozen writers, is
-    read by each of a run of matmuls). For an operand, an instruction id and either
-    * exact: every entry of its writer table holds that id (the operand was last written whole by it), or
-    * bound: every writer among its entries happens before that instruction, a read of it checked and accepted
-      (so they happen before whatever it happens before: happening before is transitive).
-    An operand is forgotten when an instruction writes a byte of its box (memory.extent). Each write compares its
-    box with those of the operands near it only: the operands are filed by the stretches of ``SPAN`` bytes their
-    boxes cover (those covering more than ``WIDE`` stretches, with every write)."""
+class _WriterBounds:
+    """What is known of the writers of large operands' entries, so that checking a read or write of one often needs
+    no pass over its entries: a tile loaded over a dozen DMA queues has hundreds of thousands, read by each of a run
+    of matmuls; a scatter's destination is its whole table, millions, written again and read by each of thousands of
+    instructions. For an operand: an instruction every writer among its entries happened before at some point (a
+    read of it by that instruction was checked and accepted), or None; and, per stream, the last instruction that
+    wrote a byte of its box since (the whole operand: then no instruction before). All the writers of its entries
+    happen before an instruction when those do: happening before is transitive, and a stream's instructions happen
+    before its later ones. Each write looks only at the operands near its box: they are filed by the stretches of
+    ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, with every write)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
-    SPAN, WIDE = 4096, 16
+    SPAN, WIDE, KEPT = 4096, 16, 256  # KEPT: operands per stretch (the oldest forgotten)
 
     def __init__(self):
-        self.ids: dict = {}  # access pattern -> (instruction id, (space, box), exact)
-        self.near: dict = {}  # (space, stretch) -> {access pattern: (space, box)} of the operands whose boxes reach into it
-        self.wide: dict = {}  # {access pattern: (space, box)} of the operands whose boxes cover more than WIDE stretches
-        self.spaces: dict = {}  # space -> {access pattern: (space, box)} of its operands (for a write covering more)
+        # access pattern -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
+        # None, {stream: index} of the writes since]
+        self.known: dict = {}
+        self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
+        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a write covering more)
 
-    def writer(self, ap: AccessPattern) -> int | None:
-        """The id every writer entry of ``ap`` holds, when known."""
-        known = self.ids.get(ap)
-        return None if known is None or not known[2] else known[0]
+    def happen_before(self, ap: AccessPattern, clock: list) -> bool:
+        """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
+        clock is ``clock`` (False: not known)."""
+        known = self.known.get(ap)
+        if known is None:
+            return False
+        reader, writes = known[3], known[4]
+        return (reader is None or clock[reader[0]] > reader[1]) and all(clock[t] > k for t, k in writes.items())
 
-    def bound(self, ap: AccessPattern) -> int | None:
-        """An instruction every writer of ``ap``'s entries happens before, when known (not exact)."""
-        known = self.ids.get(ap)
-        return None if known is None or known[2] else known[0]
-
-    def written(self, ap: AccessPattern, region: tuple, writer: int, entries: int) -> None:
-        """Note that ``writer`` wrote ``ap`` (of ``region``, (space, box)), ``entries`` entries of the table."""
-        stretches = self._stretches(region)
-        nearby = [self.spaces.get(region[0], {}).items()] if stretches is None else [
-            self.wide.items(), *(self.near[key].items() for key in stretches if key in self.near)]
-        for other in {other for filed in nearby for other, box in filed if overlaps(box, region)}:
-            self._forget(other)
+    def read(self, ap: AccessPattern, region: tuple, reader: tuple, entries: int) -> None:
+        """Note that ``reader``'s read of ``ap`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
+        every writer among them happens before it."""
         if entries >= self.LARGE:
-            self._keep(ap, (writer, region, True))
+            self._keep(ap, region, reader, {})
 
-    def read(self, ap: AccessPattern, region: tuple, reader: int, entries: int) -> None:
-        """Note that ``reader``'s read of ``ap`` was accepted: all the writers of its entries happen before it.
-        An exact entry is kept (it says more)."""
-        if entries >= self.LARGE and not (ap in self.ids and self.ids[ap][2]):
-            self._keep(ap, (reader, region, False))
+    def written(self, ap: AccessPattern, region: tuple, writer: tuple, entries: int) -> None:
+        """Note that ``writer`` (stream, index) wrote ``ap`` (of ``region``), ``entries`` entries of the table."""
+        space, (p0, p1, lo, hi) = region
+        stretches = self._stretches(lo, hi)
+        nearby = [self.spaces.get(space, {})] if stretches is None else [
+            self.near.get((space, k), {}) for k in (None, *stretches)]
+        t, k = writer
+        for filed in nearby:  # (an operand filed under two stretches is noted twice: the same)
+            for known in filed.values():
+                q0, q1, lo2, hi2 = known[2]
+                if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi:
+                    known[4][t] = k
+        if entries >= self.LARGE:
+            self._keep(ap, region, None, {t: k})
 
-    def _stretches(self, region: tuple):
-        """The (space, stretch) keys of a box, or None when it covers more than WIDE stretches."""
-        space, (_, _, lo, hi) = region
+    def _stretches(self, lo: int, hi: int):
+        """The stretches of bytes [lo, hi), or None when they are more than WIDE."""
         first, last = lo // self.SPAN, (hi - 1) // self.SPAN
-        return None if last - first >= self.WIDE else [(space, k) for k in range(first, last + 1)]
+        return None if last - first >= self.WIDE else range(first, last + 1)
 
-    def _keep(self, ap: AccessPattern, known: tuple) -> None:
-        if ap in self.ids:
-            self._forget(ap)
-        self.ids[ap] = known
-        self.spaces.setdefault(known[1][0], {})[ap] = known[1]
-        stretches = self._stretches(known[1])
-        for key in stretches if stretches is not None else ():
-            self.near.setdefault(key, {})[ap] = known[1]
-        if stretches is None:
-            self.wide[ap] = known[1]
+    def _keep(self, ap: AccessPattern, region: tuple, reader: tuple | None, writes: dict) -> None:
+        known = self.known.get(ap)
+        if known is not None:
+            known[3], known[4] = reader, writes
+            return
+        space, box = region
+        stretches = self._stretches(box[2], box[3])
+        keys = [(space, None)] if stretches is None else [(space, k) for k in stretches]
+        for key in keys:
+            filed = self.near.setdefault(key, {})
+            if len(filed) >= self.KEPT:
+                self._forget(next(iter(filed)))
+        self.known[ap] = known = [space, keys, box, reader, writes]
+        for key in keys:
+            self.near[key][ap] = known
+        self.spaces.setdefault(space, {})[ap] = known
 
     def _forget(self, ap: AccessPattern) -> None:
-        region = self.ids.pop(ap)[1]
-        del self.spaces[region[0]][ap]
-        stretches = self._stretches(region)
-        for key in stretches if stretches is not None else ():
+        known = self.known.pop(ap)
+        for key in known[1]:
             del self.near[key][ap]
-        if stretches is None:
-            del self.wide[ap]
+        del self.spaces[known[0]][ap]
 
 
 def _boxes_read(read_regions: list, spaces) -> dict:
@@ -511,15 +513,10 @@ class LoadedProgram:
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
-        whole = _WholeWrites()
+        bounds = _WriterBounds()
 
         def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
-            bound = whole.bound(ap)  # (an instruction id: 2 and up)
-            if bound is not None:
-                t = bisect.bisect_right(firsts, bound) - 1
-                if bound - firsts[t] < clock[t]:  # it happens before, and so do all the writers of ap's entries
-                    return None
-            return _unordered_writer(who, clock, firsts, whole.writer(ap))
+            return None if bounds.happen_before(ap, clock) else _unordered_writer(who, clock, firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
@@ -553,7 +550,7 @@ class LoadedProgram:
                 for operand, ap, who, slots in checked_reads[s][k]:
                     w = unordered(who, vc + slots, ap)
                     if w is None:  # (not after the retry below: a partly written tile bounds nothing)
-                        whole.read(ap, _cached(regions, _region, ap), ids[i.key], who.size)
+                        bounds.read(ap, _cached(regions, _region, ap), i.key, who.size)
                     elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False], ap)
                     if w is not None:
@@ -564,7 +561,7 @@ class LoadedProgram:
                                          boxes_read) for dst in i.instr.writes]
             for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
                 who[...] = ids[i.key]  # does not race with itself)
-                whole.written(dst, _cached(regions, _region, dst), ids[i.key], who.size)
+                bounds.written(dst, _cached(regions, _region, dst), i.key, who.size)
         self._check_outputs_written(writers[Space.HBM])
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
