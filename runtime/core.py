@@ -196,17 +196,19 @@ class _WriterBounds:
     wrote a byte of its box since (the whole operand: then no instruction before). All the writers of its entries
     happen before an instruction when those do: happening before is transitive, and a stream's instructions happen
     before its later ones. Each write looks only at the operands near its box: they are filed by the stretches of
-    ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, with every write)."""
+    ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, wide, with every write); a wide
+    write forgets every operand of its memory (forgetting is always safe)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
-    SPAN, WIDE, KEPT = 4096, 16, 256  # KEPT: operands per stretch (the oldest forgotten)
+    SPAN, WIDE, KEPT, KEPT_WIDE = 4096, 16, 256, 16  # KEPT: operands per stretch, KEPT_WIDE: wide ones (the oldest
+    # forgotten: every write looks at the wide ones)
 
     def __init__(self):
         # access pattern -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
         # None, {stream: index} of the writes since]
         self.known: dict = {}
         self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
-        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a write covering more)
+        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a wide write)
 
     def happen_before(self, ap: AccessPattern, clock: list) -> bool:
         """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
@@ -227,10 +229,12 @@ class _WriterBounds:
         """Note that ``writer`` (stream, index) wrote ``ap`` (of ``region``), ``entries`` entries of the table."""
         space, (p0, p1, lo, hi) = region
         stretches = self._stretches(lo, hi)
-        nearby = [self.spaces.get(space, {})] if stretches is None else [
-            self.near.get((space, k), {}) for k in (None, *stretches)]
+        if stretches is None:  # a wide write: every operand of its memory forgotten (cheaper than comparing)
+            for other in list(self.spaces.get(space, ())):
+                self._forget(other)
         t, k = writer
-        for filed in nearby:  # (an operand filed under two stretches is noted twice: the same)
+        for filed in [self.near.get((space, stretch), {}) for stretch in (None, *(stretches or ()))]:
+            # (an operand filed under two stretches is noted twice: the same)
             for known in filed.values():
                 q0, q1, lo2, hi2 = known[2]
                 if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi:
@@ -253,7 +257,7 @@ class _WriterBounds:
         keys = [(space, None)] if stretches is None else [(space, k) for k in stretches]
         for key in keys:
             filed = self.near.setdefault(key, {})
-            if len(filed) >= self.KEPT:
+            if len(filed) >= (self.KEPT if key[1] is not None else self.KEPT_WIDE):
                 self._forget(next(iter(filed)))
         self.known[ap] = known = [space, keys, box, reader, writes]
         for key in keys:
