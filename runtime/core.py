@@ -145,10 +145,9 @@ def _region(ap: AccessPattern) -> tuple:
     return ap.space, extent(ap)
 
 
-def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | None = None):
+def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     """A writer id among ``who`` that does not happen before the instruction whose vector clock is ``clock``,
-    or None (the first such id in ``who``'s order when there are several). ``single``: the id every entry of
-    ``who`` holds, when known (:class:`_WholeWrites`): then ``who`` is not read.
+    or None (the first such id in ``who``'s order when there are several).
 
     Ids number the instructions stream by stream in order: stream t's are ``firsts[t]`` to ``firsts[t + 1]``,
     and its writer at index k happens before the instruction when ``clock[t] > k``, so the writers that do
@@ -158,10 +157,7 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list, single: int | 
     then of that stream and ordered when the greatest is); others are judged against a table of those
     ranges, one gather."""
     n = len(firsts) - 1
-    if single is not None:
-        lo = hi = single
-    else:
-        lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
+    lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
     if lo == hi and lo < 2:
         return None if clock[n + lo] else lo
     t = bisect.bisect_right(firsts, lo) - 1
@@ -191,31 +187,107 @@ def _cached(cache: dict, fn, ap: AccessPattern):
     return value
 
 
-class _WholeWrites:
-    """Large operands last written whole by one instruction, with its id: every entry of their writer table
-    holds it, so checking them needs no pass over their entries (a scatter's destination is its whole table,
-    millions of entries, written again and read by each of thousands of instructions). An operand is forgotten
-    when an instruction writes a byte of its box (memory.extent); only the latest few are kept, as each write
-    compares its box with theirs."""
+class _WriterBounds:
+    """What is known of the writers of large operands' entries, so that checking a read or write of one often needs
+    no pass over its entries: a tile loaded over a dozen DMA queues has hundreds of thousands, read by each of a run
+    of matmuls; a scatter's destination is its whole table, millions, written again and read by each of thousands of
+    instructions. For an operand: an instruction every writer among its entries happened before at some point (a
+    read of it by that instruction was checked and accepted), or None; and, per stream, the last instruction that
+    wrote a byte of its box since (the whole operand: then no instruction before). All the writers of its entries
+    happen before an instruction when those do: happening before is transitive, and a stream's instructions happen
+    before its later ones. Each write looks only at the operands near its box: they are filed by the stretches of
+    ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, wide, with every write); a wide
+    write forgets every operand of its memory (forgetting is always safe)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
-    KEPT = 4
+    SPAN, WIDE, KEPT, KEPT_WIDE = 4096, 16, 256, 16  # KEPT: operands per stretch, KEPT_WIDE: wide ones (the oldest
+    # forgotten: every write looks at the wide ones)
 
     def __init__(self):
-        self.ids: dict = {}  # access pattern -> (writer id, (space, box))
+        # access pattern -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
+        # None, {stream: index} of the writes since]
+        self.known: dict = {}
+        self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
+        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a wide write)
 
-    def writer(self, ap: AccessPattern) -> int | None:
-        known = self.ids.get(ap)
-        return None if known is None else known[0]
+    def happen_before(self, ap: AccessPattern, clock: list) -> bool:
+        """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
+        clock is ``clock`` (False: not known)."""
+        known = self.known.get(ap)
+        if known is None:
+            return False
+        reader, writes = known[3], known[4]
+        return (reader is None or clock[reader[0]] > reader[1]) and all(clock[t] > k for t, k in writes.items())
 
-    def written(self, ap: AccessPattern, region: tuple, writer: int, entries: int) -> None:
-        """Note that ``writer`` wrote ``ap`` (of ``region``, (space, box)), ``entries`` entries of the table."""
-        for other in [other for other, (_, box) in self.ids.items() if overlaps(box, region)]:
-            del self.ids[other]
+    def read(self, ap: AccessPattern, region: tuple, reader: tuple, entries: int) -> None:
+        """Note that ``reader``'s read of ``ap`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
+        every writer among them happens before it."""
         if entries >= self.LARGE:
-            if len(self.ids) >= self.KEPT:
-                del self.ids[next(iter(self.ids))]
-            self.ids[ap] = (writer, region)
+            self._keep(ap, region, reader, {})
+
+    def written(self, ap: AccessPattern, region: tuple, writer: tuple, entries: int) -> None:
+        """Note that ``writer`` (stream, index) wrote ``ap`` (of ``region``), ``entries`` entries of the table."""
+        space, (p0, p1, lo, hi) = region
+        stretches = self._stretches(lo, hi)
+        if stretches is None:  # a wide write: every operand of its memory forgotten (cheaper than comparing)
+            for other in list(self.spaces.get(space, ())):
+                self._forget(other)
+        t, k = writer
+        for filed in [self.near.get((space, stretch), {}) for stretch in (None, *(stretches or ()))]:
+            # (an operand filed under two stretches is noted twice: the same)
+            for known in filed.values():
+                q0, q1, lo2, hi2 = known[2]
+                if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi:
+                    known[4][t] = k
+        if entries >= self.LARGE:
+            self._keep(ap, region, None, {t: k})
+
+    def _stretches(self, lo: int, hi: int):
+        """The stretches of bytes [lo, hi), or None when they are more than WIDE."""
+        first, last = lo // self.SPAN, (hi - 1) // self.SPAN
+        return None if last - first >= self.WIDE else range(first, last + 1)
+
+    def _keep(self, ap: AccessPattern, region: tuple, reader: tuple | None, writes: dict) -> None:
+        known = self.known.get(ap)
+        if known is not None:
+            known[3], known[4] = reader, writes
+            return
+        space, box = region
+        stretches = self._stretches(box[2], box[3])
+        keys = [(space, None)] if stretches is None else [(space, k) for k in stretches]
+        for key in keys:
+            filed = self.near.setdefault(key, {})
+            if len(filed) >= (self.KEPT if key[1] is not None else self.KEPT_WIDE):
+                self._forget(next(iter(filed)))
+        self.known[ap] = known = [space, keys, box, reader, writes]
+        for key in keys:
+            self.near[key][ap] = known
+        self.spaces.setdefault(space, {})[ap] = known
+
+    def _forget(self, ap: AccessPattern) -> None:
+        known = self.known.pop(ap)
+        for key in known[1]:
+            del self.near[key][ap]
+        del self.spaces[known[0]][ap]
+
+
+def _boxes_read(read_regions: list, spaces) -> dict:
+    """The boxes each stream reads, per memory: space -> ([stream][(p0, p1, lo, hi, index, operand), ...] in order,
+    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end)), so that the
+    reads of a run of a stream's instructions in one memory are one slice."""
+    tables = {}
+    for space in spaces:
+        boxes, firsts = [], []
+        for stream_reads in read_regions:
+            flat, starts = [], []
+            for k, reads in enumerate(stream_reads):
+                starts.append(len(flat))
+                flat.extend((*box, k, operand) for operand, (space2, box) in reads if space2 == space)
+            starts.append(len(flat))
+            boxes.append(flat)
+            firsts.append(starts)
+        tables[space] = boxes, firsts
+    return tables
 
 
 def _merged(spans: list) -> tuple:
@@ -445,10 +517,10 @@ class LoadedProgram:
         # Writer w happens before an instruction when its clock counts past w's index in w's stream; ids 0
         # (the host) and 1 (nobody) get two extra clock slots, set per check (see _unordered_writer).
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
-        whole = _WholeWrites()
+        bounds = _WriterBounds()
 
         def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
-            return _unordered_writer(who, clock, firsts, whole.writer(ap))
+            return None if bounds.happen_before(ap, clock) else _unordered_writer(who, clock, firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
@@ -464,6 +536,7 @@ class LoadedProgram:
                            for operand, (space, box) in reads
                            if space != Space.HBM or _intersects(device_written, box[2], box[3])]
                           for i, reads in zip(stream, stream_reads)] for stream, stream_reads in zip(instrs, read_regions)]
+        boxes_read = _boxes_read(read_regions, self._shapes)
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
         for position, (phase, s, k) in enumerate(self._order):
@@ -480,17 +553,19 @@ class LoadedProgram:
                 clock[s][k], started[s] = vc, started[s] + 1
                 for operand, ap, who, slots in checked_reads[s][k]:
                     w = unordered(who, vc + slots, ap)
-                    if w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
+                    if w is None:  # (not after the retry below: a partly written tile bounds nothing)
+                        bounds.read(ap, _cached(regions, _region, ap), i.key, who.size)
+                    elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False], ap)
                     if w is not None:
                         space = i.instr.operands[operand].space
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
             written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
-                                         read_regions) for dst in i.instr.writes]
+                                         boxes_read) for dst in i.instr.writes]
             for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
                 who[...] = ids[i.key]  # does not race with itself)
-                whole.written(dst, _cached(regions, _region, dst), ids[i.key], who.size)
+                bounds.written(dst, _cached(regions, _region, dst), i.key, who.size)
         self._check_outputs_written(writers[Space.HBM])
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
@@ -527,7 +602,7 @@ class LoadedProgram:
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
     def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, read_regions: list) -> np.ndarray:
+                     by_id: list, unordered, boxes_read: dict) -> np.ndarray:
         """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
         returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
@@ -537,10 +612,10 @@ class LoadedProgram:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
         space, (p0, p1, lo, hi) = _region(dst)
+        boxes, firsts = boxes_read[space]
         readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
-                   for k in range(vc[t], started[t])  # happening before i, reading a box that overlaps dst's
-                   for operand, (space2, (q0, q1, lo2, hi2)) in read_regions[t][k]
-                   if space2 == space and p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]
+                   for q0, q1, lo2, hi2, k, operand in boxes[t][firsts[t][vc[t]]:firsts[t][started[t]]]  # happening
+                   if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]  # before i, reading a box overlapping dst's
         if readers:
             mark = probes[dst.space].of(dst)
             mark[...] = True

@@ -869,7 +869,7 @@ def test_a_tile_nothing_wrote_is_refused_even_when_on_chip_memory_is_undefined_u
 def test_a_large_tile_written_whole_then_patched_by_another_queue_is_judged_by_the_patch(core,
                                                                                          consumer_waits_for_the_patch):
     """A tile of 32768 entries loaded whole by DMA queue 0 (the check then remembers its one writer instead of
-    scanning it, runtime.core._WholeWrites), then its first float overwritten by queue 1 after that load; a reader
+    scanning it, runtime.core._WriterBounds), then its first float overwritten by queue 1 after that load; a reader
     starting after both (behind a long MEMSET) and waiting for queue 0 only races with queue 1's write, found at
     that byte; waiting for both, it reads the patched data."""
     p = Program()
@@ -893,6 +893,86 @@ def test_a_large_tile_written_whole_then_patched_by_another_queue_is_judged_by_t
     with pytest.raises(NeuronRuntimeError, match="TENSOR_SCALAR #1 on VECTOR .*operand 1 reads SBUF partition 0 "
                                                  "byte 0, last written by DMA_COPY #0 on DMA queue 1"):
         core.load(p.neff())
+
+
+def _tile_loaded_by_two_queues_then_patched(reader_waits_for_the_patch: bool, floats: int) -> Neff:
+    """A tile of 32768 entries loaded by DMA queues 0 and 1 (half each: two writers, so the check gathers them),
+    read by VECTOR #0 waiting for both; then ``floats`` floats of partition 0 from the tile's first overwritten by
+    queue 2 after that read (x[0, 1:]...); VECTOR #2, after VECTOR #0 in its stream and starting after the patch
+    (behind a long MEMSET of the other partitions), reads the tile again."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 256)), p.tensor("y", TensorKind.OUTPUT, (128, 256))
+    tile = chip((128, 256))
+    halves = [AccessPattern(Space.HBM, DType.F32, x_t.offset + half * 64 * 256 * 4, row_major_dims((64, 256)))
+              for half in (0, 1)]
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 256)), halves[0])
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 256), partition=64), halves[1], queue=1)
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=4096), tile, alu=AluOp.MULTIPLY, imm0=2.0,
+           waits=done(Engine.DMA) + done(Engine.DMA, queue=1))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((1, floats)),
+           AccessPattern(Space.HBM, DType.F32, x_t.offset + 4, ((1, 1), (1, floats))), queue=2, waits=done(Engine.VECTOR))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((127, 16384), partition=1, offset=16384))  # long: the reader starts later
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=8192), tile, alu=AluOp.MULTIPLY, imm0=3.0,
+           waits=done(Engine.DMA, queue=2) if reader_waits_for_the_patch else ())
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((128, 256), offset=8192), queue=3,
+           waits=done(Engine.VECTOR, 3))
+    return p.neff()
+
+
+@pytest.mark.parametrize("floats", [1, 17000])  # a write of one float; one whose box covers 17 stretches of 4 KiB
+def test_a_tile_read_again_after_a_patch_is_judged_by_the_patch_not_by_the_earlier_accepted_read(core, floats):
+    """The check remembers that every writer of a large tile happens before an accepted reader of it (so a later
+    read ordered after that reader needs no gather, runtime.core._WriterBounds); a write of a byte of the tile in
+    between makes it forget: the later reader, in the same stream as the first, races with the patch unless it
+    waits for it, found at that byte."""
+    x = uniform(-1, 1, (128, 256))
+    want = 3 * x
+    patched = min(floats, 256)  # of the tile's first row
+    want[0, :patched] = 3 * x.reshape(-1)[1:1 + patched]
+    program = core.load(_tile_loaded_by_two_queues_then_patched(True, floats))
+    np.testing.assert_array_equal(program.run([x]).outputs[0], want)
+    with pytest.raises(NeuronRuntimeError, match="TENSOR_SCALAR #2 on VECTOR .*operand 1 reads SBUF partition 0 "
+                                                 "byte 0, last written by DMA_COPY #0 on DMA queue 2"):
+        core.load(_tile_loaded_by_two_queues_then_patched(False, floats))
+
+
+def test_a_tile_patched_twice_by_one_queue_after_an_accepted_read_races_with_the_second_patch(core):
+    """As above, with queue 2 patching the tile's first float twice: a reader waiting for the first patch only
+    races with the second (the check notes the latest write of each stream since the accepted read)."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (128, 256)), p.tensor("y", TensorKind.OUTPUT, (128, 256))
+    tile = chip((128, 256))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(x_t))
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=4096), tile, alu=AluOp.MULTIPLY, imm0=2.0,
+           waits=done(Engine.DMA))
+    for element in (1, 2):
+        p.emit(Opcode.DMA_COPY, Engine.DMA, chip((1, 1)),
+               AccessPattern(Space.HBM, DType.F32, x_t.offset + 4 * element, ((1, 1), (1, 1))), queue=2,
+               waits=done(Engine.VECTOR))
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((127, 16384), partition=1, offset=16384))  # long: the reader starts later
+    p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=8192), tile, alu=AluOp.MULTIPLY, imm0=3.0,
+           waits=done(Engine.DMA, queue=2))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((128, 256), offset=8192), queue=3,
+           waits=done(Engine.VECTOR, 3))
+    with pytest.raises(NeuronRuntimeError, match="TENSOR_SCALAR #2 on VECTOR .*operand 1 reads SBUF partition 0 "
+                                                 "byte 0, last written by DMA_COPY #1 on DMA queue 2"):
+        core.load(p.neff())
+
+
+def test_a_partly_written_tile_accepted_for_one_kernel_is_still_refused_to_a_later_reader_of_another(core):
+    """A read of a partly written large tile is accepted for a kernel whose on-chip memory is undefined until
+    written; that acceptance bounds nothing: a reader of another kernel after it in its stream is refused."""
+    p = Program()
+    x_t, y_t = p.tensor("x", TensorKind.INPUT, (64, 256)), p.tensor("y", TensorKind.OUTPUT, (64, 256))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((64, 256)), hbm(x_t))
+    for number, offset in ((0, 4096), (1, 8192)):
+        p.emit(Opcode.TENSOR_SCALAR, Engine.VECTOR, chip((128, 256), offset=offset), chip((128, 256)),
+               alu=AluOp.MULTIPLY, imm0=2.0, waits=done(Engine.DMA), kernel=number)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((64, 256), offset=8192), queue=1, waits=done(Engine.VECTOR, 2))
+    with pytest.raises(NeuronRuntimeError, match="TENSOR_SCALAR #1 on VECTOR .*SBUF partition 64 byte 0, which "
+                                                 "nothing wrote"):
+        core.load(p.neff(), undefined_on_chip=frozenset({0}))
+    core.load(p.neff(), undefined_on_chip=frozenset({0, 1}))
 
 
 def test_consumer_not_waiting_for_its_producer_is_refused_as_a_race_naming_both_and_the_source(core):
