@@ -269,6 +269,8 @@ def report(title: str, neuron: dict | None, peers: dict, eager_output, eager_s: 
                   f"{neuron['own'] / r['own']:.2f}" if "own" in r else
                   f"compile time neuron / {name} = {ratios[name]:.2f} (target <= {target:g}: "
                   f"{'met' if ratios[name] <= target else 'NOT met'})")
+            print(f"  with the first call's load (its access check), the wait before neuron's first run / {name}'s "
+                  f"compile = {(neuron['compile'] + neuron['load']) / r['compile']:.2f}")
     return ratios
 
 
