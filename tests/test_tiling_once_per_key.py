@@ -57,5 +57,5 @@ def test_the_neff_is_the_one_searched_matmul_by_matmul(monkeypatch, dtype):
         return encode(compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers")).neff)
 
     once = compiled()
-    monkeypatch.setattr(tiling, "_choose_once_per_key", lambda wide: lambda node, t: tiling.choose(node, t, wide))
+    monkeypatch.setattr(tiling, "_choose_once_per_key", lambda: lambda node, t: tiling.choose(node, t))
     assert compiled() == once

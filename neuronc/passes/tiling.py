@@ -498,14 +498,14 @@ def choice_key(node: ir.Node) -> tuple:
             tuple((x.shape, x.dtype, ir.unreshaped(x).op, _is_weight(x)) for x in node.inputs))
 
 
-def _choose_once_per_key(wide: bool):
+def _choose_once_per_key():
     """`choose` (formula prices, no `timed`) for a pass over one graph, each distinct `choice_key` searched once."""
     chosen: dict = {}
 
     def pick(node: ir.Node, target: Target) -> MatmulTiling:
         key = choice_key(node)
         if key not in chosen:
-            chosen[key] = choose(node, target, wide)
+            chosen[key] = choose(node, target)
         return chosen[key]
 
     return pick
@@ -513,7 +513,7 @@ def _choose_once_per_key(wide: bool):
 
 def tile_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """-O2: resident operand and block size searched with the cost model (the other kernels planned)."""
-    pick = (_choose_once_per_key(False) if ctx.kernel_time is None
+    pick = (_choose_once_per_key() if ctx.kernel_time is None
             else lambda node, t: choose(node, t, timed=ctx.kernel_time))
     return plan_kernels(_tile_all(graph, ctx.target, pick, timed=ctx.kernel_time), ctx)
 
