@@ -389,6 +389,9 @@ class LoadedProgram:
         # or before (``trusted``, see NeuronCore.load). Runs of an unchecked one reset its memory to NaN.
         self.access_checked = trusted or core.check_uninitialised
         self._trusted = trusted
+        # The access_check_id whose check passed at this load, for a compile cache to record; None when the
+        # check did not run here (trusted, or check_uninitialised off).
+        self.checked_now = access_check_id() if self.access_checked and not trusted else None
         self._shapes = {Space.HBM: (neff.hbm_size,), Space.SBUF: core.sbuf.shape, Space.PSUM: core.psum.shape}
         self._check_tensors()
         self._layout = HbmLayout(neff.tensors)  # host memory for the tensors' bytes only

@@ -157,9 +157,6 @@ def _load(compiled, target: str):
     cache says the NEFF passed it, and recorded there when it passes now; a new NEFF is stored in the cache now
     (compile_stablehlo's ``store_after_load``), with the estimate this load settled."""
     from runtime import NeuronCore
-    from runtime.core import access_check_id
-
-    checked_by = compiled.checked_by()
-    loaded = NeuronCore(target).load(compiled.neff, checked_by=checked_by)
-    compiled.loaded(access_check_id() if loaded.access_checked and checked_by != access_check_id() else None)
+    loaded = NeuronCore(target).load(compiled.neff, checked_by=compiled.checked_by())
+    compiled.loaded(loaded.checked_now)
     return loaded

@@ -225,12 +225,9 @@ def _load(compiled, core):
     most of the load time of a large program) is skipped when the NEFF's cache entry says it passed it,
     and a check passed now is recorded there, so a warm process loads at once; a new NEFF is stored in the
     cache now (compile_fx's ``store_after_load``), with the estimate this load settled."""
-    from runtime.core import access_check_id
-
-    checked_by = compiled.checked_by()
     custom = frozenset(n for n, k in enumerate(compiled.neff.kernels) if k.ops[:1] and k.ops[0].startswith("nki:"))
-    program = core.load(compiled.neff, checked_by=checked_by, undefined_on_chip=custom)  # NKI: tiles undefined
-    compiled.loaded(access_check_id() if program.access_checked and checked_by != access_check_id() else None)
+    program = core.load(compiled.neff, checked_by=compiled.checked_by(), undefined_on_chip=custom)  # NKI: tiles undefined
+    compiled.loaded(program.checked_now)
     return program
 
 

@@ -741,8 +741,6 @@ def _to_disk(cache, key: str, neff, entry: EagerProgram) -> None:
     """Store ``entry``'s NEFF with what rebuilds the op's results from its outputs, and the access check the
     load just ran on it (a later process loads it without that check). Not a NEFF whose outputs the op's
     results use in another order (a traced graph's): rare, and compiled again."""
-    from runtime.core import access_check_id
-
     if entry.permuted:
         return
     try:
@@ -752,7 +750,7 @@ def _to_disk(cache, key: str, neff, entry: EagerProgram) -> None:
     extra = {"outputs": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in entry.outputs],
              "out_spec": out_spec, "nones": list(entry.nones), "mutated": list(entry.mutated),
              "empty": list(entry.empty)}
-    _writer().submit(_store, cache, key, neff, extra, access_check_id() if entry.program.access_checked else None)
+    _writer().submit(_store, cache, key, neff, extra, entry.program.checked_now)
 
 
 @functools.cache
