@@ -29,6 +29,10 @@ Instruction semantics (``dst`` is always ``operands[0]``)
 ``MATMUL(dst, stationary, moving)``        dst[M, N] (+)= stationary[K, M].T @ moving[K, N] in fp32;
                                            dst is in PSUM; ``accumulate`` adds to dst instead of
                                            overwriting it (the accumulation group over K tiles).
+                                           With 16- or 8-bit operands each of the M x N sums over K is
+                                           rounded to fp32 once (the emulator sums in fp64: its bits
+                                           depend on neither the tile's M and N nor the host's BLAS).
+                                           fp32 operands are summed in fp32 in BLAS's order.
                                            trn2+: a bf16/fp16 dst with operands of its dtype, not
                                            accumulating, is the Tensor engine's transpose mode.
 ``ACTIVATE(dst, src)``                     dst = func(src * imm0 + imm1)   (Scalar engine)

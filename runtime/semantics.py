@@ -14,7 +14,9 @@ as uint8). Integer DIVIDE truncates toward zero and REMAINDER takes the dividend
 and ``fmod``, as StableHLO's divide and remainder); AND/OR/XOR are bitwise on integers and logical (1/0) on floats; the ALU op
 NONE passes its first operand through and the activation NONE is the identity. Float to integer
 conversion truncates toward zero. ERF and GELU (erf form) use XLA's f32 rational approximation of
-erf; SIGMOID uses scipy.special.expit in fp32.
+erf; SIGMOID uses scipy.special.expit in fp32. MATMUL of 16- or 8-bit operands sums its products in fp64
+and rounds each sum once to fp32, so that its bits are a function of the operands alone (numpy's fp32 matmul
+adds in an order that depends on the tile's M and N and on the host CPU's BLAS kernel).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from neuronc.targets import Target
 from runtime.memory import free_byte_span
 
 F32 = np.float32
+F64 = np.float64
 # numpy's copyto without its __array_function__ dispatch (NEP 18's `_implementation`: the same C function, for the
 # ndarrays the runtime passes): the dispatch costs more than the copy of a small tile (0.78 against 0.31 us the
 # call on a [1, 64] fp32 tile here), and the bound kernels make several hundred copies a run of a small model.
@@ -82,8 +85,17 @@ def _dma_transpose(instr, dst, src):
 
 def _matmul(instr, dst, stationary, moving):
     moving = moving.reshape(moving.shape[0], -1)  # [K, N]: a moving operand read through two free dims
-    product = stationary.astype(F32, copy=False).T @ moving.astype(F32, copy=False)
+    wide = _matmul_sum_dtype(stationary, moving)
+    product = (stationary.astype(wide, copy=False).T @ moving.astype(wide, copy=False)).astype(F32, copy=False)
     return dst + product if instr.accumulate else product
+
+
+def _matmul_sum_dtype(stationary: np.ndarray, moving: np.ndarray) -> type:
+    """fp64 for 16- and 8-bit operands: their products are exact there and so are the sums (unless the products
+    span 2**30), so each rounds once to fp32 whatever order BLAS adds in; numpy's fp32 matmul adds in an order that
+    depends on the tile's M and N and on the host CPU. fp32 operands stay fp32: fp64 would double the emulator's
+    matmul time, and an fp32 operand's products are not exact in fp64 either."""
+    return F64 if max(stationary.dtype.itemsize, moving.dtype.itemsize) <= 2 else F32
 
 
 def _activate(instr, dst, src):
@@ -370,18 +382,23 @@ def _dma_copy_kernel(instr, new, dst, src):
     return [partial(_copyto, dst_as_src, src)] if dst_as_src is not None else None
 
 
-def _matmul_kernel(instr, new, dst, stationary, moving):  # the semantics of fp32 matmul, no temporaries
-    (stationary, moving), calls = _as(new, np.dtype(F32), (stationary, moving))
+def _matmul_kernel(instr, new, dst, stationary, moving):  # _matmul's semantics, no temporaries
+    wide = np.dtype(_matmul_sum_dtype(stationary, moving))
+    (stationary, moving), calls = _as(new, wide, (stationary, moving))
     if moving.ndim > 2:  # read through two free dims: gathered into [K, N] columns first
-        flat = new((moving.shape[0], moving[0].size), F32)
+        flat = new((moving.shape[0], moving[0].size), wide)
         calls.append(partial(_copyto, flat.reshape(moving.shape), moving))
         moving = flat
-    if not instr.accumulate and dst.dtype == F32 and dst.flags.c_contiguous:  # laid out as a fresh product (a
+    if not instr.accumulate and dst.dtype == wide and dst.flags.c_contiguous:  # laid out as a fresh product (a
         # one-partition result, as batched matmuls of small results have): the same BLAS call, into dst itself
         return calls + [partial(np.matmul, stationary.T, moving, dst)]
-    product = new(dst.shape, F32)  # C order, as numpy lays out a fresh product: the same BLAS call
-    calls.append(partial(np.matmul, stationary.T, moving, product))
-    calls.append(partial(np.add, dst, product, dst) if instr.accumulate else partial(_copyto, dst, product))
+    sums = new(dst.shape, wide)  # C order, as numpy lays out a fresh product: the same BLAS call
+    calls.append(partial(np.matmul, stationary.T, moving, sums))
+    if wide != F32:
+        product = new(dst.shape, F32)
+        calls.append(partial(_copyto, product, sums, "unsafe"))  # each sum rounded once to fp32
+        sums = product
+    calls.append(partial(np.add, dst, sums, dst) if instr.accumulate else partial(_copyto, dst, sums))
     return calls
 
 

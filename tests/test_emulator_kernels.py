@@ -8,6 +8,7 @@ PSUM, HBM); every byte must agree, and an instruction one way refuses must be re
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -329,13 +330,36 @@ def test_tensor_alu2_is_bit_exact():
                            alu1=AluOp.MULTIPLY), _random)
 
 
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16], ids=lambda d: d.name)
 @pytest.mark.parametrize("k,m,n", [(32, 1, 64), (64, 1, 32), (128, 1, 512), (128, 8, 40), (3, 128, 7)], ids=str)
-def test_matmuls_are_bit_exact(k, m, n):
+def test_matmuls_are_bit_exact(k, m, n, dtype):
     """A one-partition result is written by the matmul itself, others through a product array; either way the bits
     of the semantics' fresh product (specials included), overwritten or accumulated, at any column of a bank."""
     for accumulate in (False, True):
         for column in sorted({0, 512 - n}):  # a bank holds 512 fp32 columns
             dst = tile((m, n), space=Space.PSUM, offset=column * 4)
-            stationary, moving = tile((k, m)), tile((k, n), offset=4096)
+            stationary, moving = tile((k, m), dtype), tile((k, n), dtype, offset=4096)
             _agree(Instruction(Opcode.MATMUL, Engine.TENSOR, (dst, stationary, moving), accumulate=accumulate),
                    _random)
+
+
+def test_a_bf16_matmul_rounds_each_exact_sum_once_whatever_its_tile_shape():
+    """numpy's fp32 matmul adds in an order that depends on M and N and on the host's BLAS, so -O0's and -O2's
+    tilings of one matmul could differ in the last bits. The Tensor engine's sums of 16-bit products are each the
+    exact sum rounded once to fp32 (math.fsum's), for the whole tile and for any slice of it."""
+    stationary = RNG.standard_normal((128, 128)).astype(DType.BF16.numpy)
+    moving = RNG.standard_normal((128, 512)).astype(DType.BF16.numpy)
+
+    def product(s, m):
+        instr = Instruction(Opcode.MATMUL, Engine.TENSOR, (tile((s.shape[1], m.shape[1]), space=Space.PSUM),
+                                                           tile(s.shape, DType.BF16), tile(m.shape, DType.BF16)))
+        return SEMANTICS[Opcode.MATMUL](instr, np.zeros((s.shape[1], m.shape[1]), np.float32), s, m)
+
+    whole = product(stationary, moving)
+    s64, m64 = stationary.astype(np.float64), moving.astype(np.float64)
+    exact = np.array([[math.fsum(s64[:, i] * m64[:, j]) for j in range(512)] for i in range(128)]).astype(np.float32)
+    np.testing.assert_array_equal(whole.view(np.uint32), exact.view(np.uint32))
+    for n in (1, 7, 256, 500):
+        np.testing.assert_array_equal(product(stationary, moving[:, :n]).view(np.uint32), exact[:, :n].view(np.uint32))
+    for m in (1, 3, 64, 100):
+        np.testing.assert_array_equal(product(stationary[:, :m], moving).view(np.uint32), exact[:m].view(np.uint32))
