@@ -197,6 +197,33 @@ def test_loads_go_into_the_time_their_queue_waits_for_the_previous_kernel(monkey
         assert_matches_eager(out, model(x))
 
 
+def _load_queues(neff) -> list:
+    """The DMA queue of each load (HBM -> SBUF) of a program, stream by stream in their order."""
+    return sorted(inst.queue for stream in neff.streams.values() for inst in stream
+                  if inst.opcode == Opcode.DMA_COPY and inst.operands[1].space == Space.HBM
+                  and inst.operands[0].space == Space.SBUF)
+
+
+def test_a_load_goes_into_the_idle_time_of_another_queue_when_it_ends_sooner_there(monkeypatch):
+    """codegen.schedule.into_idle_queue_time (-O3) may put a load on another DMA queue than the kernel gave it, where
+    the timeline says it ends sooner without delaying that queue's next transfer: a ResNet basic block (fp32, two
+    images of 28 x 28) is faster for it than with each load kept on its own queue, and its outputs are bit for bit
+    the same (the sync pass orders the moved loads)."""
+    import neuronc.codegen.schedule
+
+    torch.manual_seed(0)
+    model = zoo.BasicBlock(64, 64).eval()
+    x = torch.randn(2, 64, 28, 28)
+    requeued, (out,) = compiled_outputs(model, (x,), opt_level=3)
+    monkeypatch.setattr(neuronc.codegen.schedule, "_queues_for", lambda load, on_queue: [load.stream])
+    own_queues, (expected,) = compiled_outputs(model, (x,), opt_level=3)
+    assert requeued.neff.estimated_ns < own_queues.neff.estimated_ns
+    assert _load_queues(requeued.neff) != _load_queues(own_queues.neff)
+    assert torch.equal(out, expected)
+    with torch.no_grad():
+        assert_matches_eager(out, model(x))
+
+
 def test_a_program_of_one_kernel_is_the_same_neff_with_or_without_the_prefetch():
     """A load moves only into the kernel before its own: one kernel's program keeps its emitted order (the eager
     path's programs; codegen.schedule returns it without walking it)."""

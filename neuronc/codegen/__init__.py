@@ -41,8 +41,8 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
              timings: dict | None = None, prefetch: bool = False, reuse: bool = True, replay: bool = False,
              idle_queue_time: bool = False) -> Neff:
     """With `prefetch`, a kernel's loads start during the previous kernel (codegen.schedule). With
-    `idle_queue_time` too, from the program's estimated timeline, any load of a kernel goes into time its queue
-    would wait, kept when that is faster (a second sync pass and estimate: -O3's trade). With `reuse`, kernels
+    `idle_queue_time` too, from the program's estimated timeline, any load of a kernel goes into time its queue,
+    or any queue, would wait, kept when that is faster (a second and a third sync pass and estimate: -O3's trade). With `reuse`, kernels
     of one signature are generated once and instantiated at each one's addresses (codegen.reuse; the same NEFF).
     With `replay` (and `reuse`), a period of the program that repeats the one before it takes its waits when its
     boundary state proves them the same (codegen.sync_replay; the same NEFF; off: not yet cheaper than the pass).
@@ -85,22 +85,29 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
     makespan, kernel_ns = 0.0, {}
     placed = prefetch and idle_queue_time and len(em.kernels) > 1
     if placed:
-        # the estimate's timeline places loads into the time their queues wait (codegen.schedule), kept if faster
+        # the estimate's timeline places loads into the time queues wait (codegen.schedule): on their own queues, or
+        # on any queue; of prefetch_loads' order and these, the one the estimate times fastest is kept
         start = time.perf_counter()
         same_price = kernels.price_keys if kernels else None
         timeline = _timeline(streams, target, same_price)
         timings["codegen/estimate"] = time.perf_counter() - start
         start = time.perf_counter()
-        refined = into_idle_queue_time(em.instructions, grid, timeline, target)
-        if refined is not None:
-            waits = [inst.waits for inst in instructions]  # the sync pass sets them in place
+        first_timeline = timeline
+        for any_queue in (False, True):
+            refined = into_idle_queue_time(em.instructions, grid, first_timeline, target, any_queue)
+            if refined is None or (any_queue and not refined[1]):  # no load changes queue: the first candidate
+                continue
+            refined, queues = refined
+            kept = [(inst.waits, inst.queue) for inst in em.instructions]  # the sync pass sets waits in place
+            for position, queue in queues.items():
+                em.instructions[position].queue = queue
             refined_streams = insert_waits(refined, plan.tensors, target, grid, repeats)
             refined_timeline = _timeline(refined_streams, target, same_price)
             if _makespan(refined_timeline) < _makespan(timeline):
                 instructions, streams, timeline = refined, refined_streams, refined_timeline
             else:
-                for inst, kept in zip(instructions, waits):
-                    inst.waits = kept
+                for inst, (waits, queue) in zip(em.instructions, kept):
+                    inst.waits, inst.queue = waits, queue
         makespan, kernel_ns = kernel_totals((inst.kernel, *timeline[id(inst)]) for inst in instructions)
         timings["codegen/idle queue time"] = time.perf_counter() - start
     for index, ns in kernel_ns.items():

@@ -154,14 +154,17 @@ def _reordered(instructions: list, moved: dict) -> list:
     return order
 
 
-def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, target: Target) -> list | None:
-    """A new order of the emitted `instructions` (None: the same as prefetch_loads'), given `timeline`
-    ({id(instruction): (start ns, end ns)}) of prefetch_loads' order: each load that depends on nothing of its own
-    kernel (those its first steps read, and the others) goes up to before the first instruction on its queue, after
-    what it depends on, that it would not delay: one that starts in the timeline no earlier than the load would end
-    there (its operand written and the queue free; the load's fixed cost overlapping the previous transfer's data, as
-    stream_timing has it). So a load fills time its queue spends waiting, for the previous kernel's compute mostly,
-    where prefetch_loads' program order put it behind that kernel's last transfers on its queue."""
+def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, target: Target,
+                         any_queue: bool = False) -> tuple | None:
+    """A new order of the emitted `instructions` and {position: DMA queue} of the loads that change queue (None: the
+    same as prefetch_loads'), given `timeline` ({id(instruction): (start ns, end ns)}) of prefetch_loads' order: each
+    load that depends on nothing of its own kernel (those its first steps read, and the others) goes up to before the
+    first instruction on its queue, after what it depends on, that it would not delay: one that starts in the
+    timeline no earlier than the load would end there (its operand written and the queue free; the load's fixed cost
+    overlapping the previous transfer's data, as stream_timing has it). With `any_queue`, another queue's such place
+    is taken where the load ends sooner there (every queue reaches all of HBM and SBUF: a queue only orders its
+    transfers). So a load fills time a queue spends waiting, for the previous kernel's compute mostly, where
+    prefetch_loads' program order put it behind that kernel's last transfers on its queue."""
     placed = _placements(instructions, grid, every_load=True)
     moved = {position: p.before for position, p in placed.items() if p.first_step}
     on_queue: dict = {}  # stream -> original positions of its DMAs
@@ -169,21 +172,34 @@ def into_idle_queue_time(instructions: list, grid: HazardGrid, timeline: dict, t
         if inst.engine == Engine.DMA:
             on_queue.setdefault(inst.stream, []).append(position)
     free_at = _queue_free_times(instructions, on_queue, timeline)
-    now = dict(moved)
+    now, queues = dict(moved), {}
     for position, placement in sorted(placed.items()):
         load = instructions[position]
         ready = timeline[id(instructions[placement.after])][1] if placement.after >= 0 else 0.0
         alone, latency = instruction_cost_ns(load, target), start_latency_ns(load, target)
-        queue = on_queue[load.stream]
-        for transfer in queue[bisect.bisect_left(queue, placement.after + 1):]:
-            if transfer >= moved.get(position, position):
-                break
-            ends = max(ready + alone, free_at[id(instructions[transfer])] + alone - latency)
-            if ends <= timeline[id(instructions[transfer])][0]:
-                now[position] = transfer
-                free_at[id(instructions[transfer])] = ends  # the next load put before it starts after this one
-                break
-    return _reordered(instructions, now) if now != moved else None
+        best = None  # (end, transfer, stream): the place where the load ends soonest, its own queue's on a tie
+        for stream in _queues_for(load, on_queue) if any_queue else [load.stream]:
+            queue = on_queue[stream]
+            for transfer in queue[bisect.bisect_left(queue, placement.after + 1):]:
+                if transfer >= moved.get(position, position):
+                    break
+                ends = max(ready + alone, free_at[id(instructions[transfer])] + alone - latency)
+                if ends <= timeline[id(instructions[transfer])][0]:
+                    if best is None or ends < best[0]:
+                        best = (ends, transfer, stream)
+                    break
+        if best is not None:
+            ends, transfer, stream = best
+            now[position] = transfer
+            if stream != load.stream:
+                queues[position] = stream[1]
+            free_at[id(instructions[transfer])] = ends  # the next load put before it starts after this one
+    return (_reordered(instructions, now), queues) if now != moved or queues else None
+
+
+def _queues_for(load: Instruction, on_queue: dict) -> list:
+    """The DMA queues (streams) a load may run on, its own first: any of the program's."""
+    return [load.stream] + [stream for stream in on_queue if stream != load.stream]
 
 
 def _queue_free_times(instructions: list, on_queue: dict, timeline: dict) -> dict:
