@@ -18,16 +18,17 @@ from tests import zoo
 
 
 def _walked(instructions: list, grid: HazardGrid) -> tuple:
-    """(each instruction's waits, the streams' keys and instruction ids) from the walk."""
+    """(each instruction's waits, the streams' keys and instruction ids in the streams' order: the NEFF's) from the
+    walk."""
     state = SyncState(instructions, grid)
     state.compute(instructions, 0, len(instructions))
-    return [inst.waits for inst in instructions], {k: [id(i) for i in v] for k, v in state.streams.items()}
+    return [inst.waits for inst in instructions], [(k, [id(i) for i in v]) for k, v in state.streams.items()]
 
 
 def _at_once(instructions: list, grid: HazardGrid) -> tuple:
     state = SyncState(instructions, grid)
     streams = sync_arrays.waits_at_once(instructions, grid.access, state.number, state.stream_keys)
-    return [inst.waits for inst in instructions], {k: [id(i) for i in v] for k, v in streams.items()}
+    return [inst.waits for inst in instructions], [(k, [id(i) for i in v]) for k, v in streams.items()]
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_each_hazard_kind_gives_the_wait_it_needs_and_a_write_forgets_the_reads_
     grid = HazardGrid(program, TENSORS, get_target("trn2"))
     waits, streams = _at_once(program, grid)
     assert waits == [tuple(Wait(*w) for w in row) for row in expected]
-    assert streams == {(Engine.DMA, q): [id(i) for i in program if i.queue == q] for q in (0, 1, 2, 3, 4)}
+    assert streams == [((Engine.DMA, q), [id(i) for i in program if i.queue == q]) for q in (0, 1, 2, 3, 4)]
     assert _walked(program, grid) == (waits, streams)
 
 
@@ -112,4 +113,13 @@ def test_a_program_of_more_accesses_than_the_bound_is_walked(monkeypatch):
 def test_a_program_touching_no_memory_waits_for_nothing():
     program = [Instruction(Opcode.DMA_COPY, Engine.DMA, (), queue=0)]
     grid = HazardGrid(program, TENSORS, get_target("trn2"))
-    assert _at_once(program, grid) == ([()], {(Engine.DMA, 0): [id(program[0])]})
+    assert _at_once(program, grid) == ([()], [((Engine.DMA, 0), [id(program[0])])])
+
+
+def test_the_streams_come_in_the_order_of_their_first_instruction_as_the_walk_appends_them():
+    program = [_copy(3, TILE, _rows(0)), _copy(0, _rows(512), TILE), _copy(3, TILE, _rows(64))]
+    grid = HazardGrid(program, TENSORS, get_target("trn2"))
+    waits, streams = _at_once(program, grid)
+    assert [key for key, _ in streams] == [(Engine.DMA, 3), (Engine.DMA, 0)]  # not sorted: the NEFF lists them so
+    assert waits == [(), (Wait(Engine.DMA, 3, 1),), (Wait(Engine.DMA, 0, 1),)]
+    assert _walked(program, grid) == (waits, streams)

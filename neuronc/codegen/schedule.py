@@ -24,7 +24,7 @@ orders the streams from the new program order.
 from __future__ import annotations
 
 import bisect
-import dataclasses
+from typing import NamedTuple
 
 
 from neuronc.codegen.sync import HazardGrid
@@ -72,6 +72,11 @@ def _merged(spans: list) -> tuple:
     return starts, stops
 
 
+def _touches(merged: tuple, spans: list) -> bool:
+    """Whether any of the [start, stop) `spans` shares a cell with the merged spans."""
+    return any(_overlaps(merged, a, b) for a, b in spans)
+
+
 def _overlaps(merged: tuple, a: int, b: int) -> bool:
     """Whether [a, b) shares a cell with the merged spans."""
     if b <= a:
@@ -92,8 +97,7 @@ def prefetch_loads(instructions: list, grid: HazardGrid) -> list:
     return _reordered(instructions, {position: p.before for position, p in _placements(instructions, grid).items()})
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placement:
+class _Placement(NamedTuple):
     """Where prefetch_loads puts a load: before the instruction at position `before`. `earliest` is the first
     position it may precede (after everything it depends on and the previous kernel's loads); `before` is later
     when it waits for the previous kernel (then it goes after that kernel's last transfer on its queue); `after`
@@ -116,23 +120,38 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> its placement
-    last_on_queue: dict = {}  # (kernel, stream) -> position of its last instruction
+    last_on_queue: dict = {}  # (kernel, engine, queue) -> position of its last instruction
+    # Whether a load writes what its kernel's first steps read, asked once per (those reads, the load's destination
+    # pattern): the copies of a repeated kernel (codegen.reuse) read the same on-chip cells in their first steps (a
+    # computing instruction reads no HBM) and load into the same SBUF pattern objects, so a layer's loads are judged
+    # once for every layer. Exact: the same pattern object has the same spans (HazardGrid.ap_spans).
+    alike: dict = {}  # a kernel's needs -> their number
+    need_of = {kernel: alike.setdefault((tuple(starts), tuple(stops)), len(alike))
+               for kernel, (starts, stops) in needs.items()}
+    touches: dict = {}  # (number of a kernel's needs, id(destination)) -> whether the destination overlaps them
+    access, dma_copy = grid.access, Opcode.DMA_COPY
     for position, inst in enumerate(instructions):
         kernel = inst.kernel
-        first.setdefault(kernel, position)
-        reads, writes = grid.access(inst)
-        if _is_load(inst):
-            first_step = kernel in needs and any(_overlaps(needs[kernel], a, b) for a, b in writes)
+        if kernel not in first:
+            first[kernel] = position
+        reads, writes = access(inst)
+        if inst.opcode == dma_copy and _is_load(inst):
+            first_step = False
+            if kernel in need_of:  # writes: the spans of its one destination, operands[0]
+                key = (need_of[kernel], id(inst.operands[0]))
+                first_step = touches.get(key)
+                if first_step is None:
+                    first_step = touches[key] = _touches(needs[kernel], writes)
             if kernel - 1 in first and (first_step or every_load):
                 after = max([max(last_write[a:b]) for a, b in reads if b > a]
                             + [max(last_use[a:b]) for a, b in writes if b > a], default=-1)
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
                     at = earliest = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
                     if after >= first[kernel - 1]:  # it waits for the previous kernel: not ahead of it on its queue
-                        at = max(at, last_on_queue.get((kernel - 1, inst.stream), -1))
+                        at = max(at, last_on_queue.get((kernel - 1, inst.engine, inst.queue), -1))
                     moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
-        last_on_queue[(kernel, inst.stream)] = position
+        last_on_queue[(kernel, inst.engine, inst.queue)] = position  # (kernel, *Instruction.stream)
         for a, b in reads:  # (positions only grow: the latest use is this one)
             last_use[a:b] = [position] * (b - a)
         for a, b in writes:

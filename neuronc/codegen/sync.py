@@ -289,7 +289,7 @@ class SyncState:
 
     def __init__(self, instructions: list, grid: HazardGrid):
         self.grid = grid
-        self.stream_keys = sorted({inst.stream for inst in instructions})
+        self.stream_keys = sorted({(inst.engine, inst.queue) for inst in instructions})  # Instruction.stream
         self.number = {key: n for n, key in enumerate(self.stream_keys)}
         self.cells = [_NEVER] * grid.count
         self.known = [[0] * len(self.stream_keys) for _ in self.stream_keys]  # [me][other]: count already waited for

@@ -15,7 +15,7 @@ per span and per distinct cell state, so it grows with the program's cells touch
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from itertools import chain
 
 import numpy as np
 
@@ -30,40 +30,47 @@ NARROW_KEY_BITS = 32  # keys of at most this many bits are sorted as unsigned 32
 def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict | None:
     """Sets every instruction's `waits` and returns {(engine, queue): [instructions]} as codegen.sync's walk does
     (`access`: HazardGrid.access; `number`: stream key -> its number in `stream_keys`, sorted); None, having set
-    nothing, when the program makes more than MAX_ACCESSES accesses."""
+    nothing, when the program makes more than MAX_ACCESSES accesses. Python per instruction is kept to a few
+    comprehensions: each instruction's place in its stream is counted with numpy, the waits are made per wait."""
     n, s_count = len(instructions), len(stream_keys)
-    found = _sorted_keys([access(inst) for inst in instructions], n)
+    found = _sorted_keys(list(map(access, instructions)), n)
     if found is None:
         return None
     keys, bits = found
-    streams: dict = defaultdict(list)
-    positions = []
-    for inst in instructions:
-        stream = streams[inst.stream]
-        stream.append(inst)
-        positions.append(len(stream))
-    if len(keys) == 0:
-        for inst in instructions:
-            inst.waits = ()
-        return dict(streams)
-    me = np.fromiter((number[inst.stream] for inst in instructions), dtype=np.int64, count=n)
-    need = _needs(keys, bits, me, np.array(positions, dtype=np.int64), s_count)
-    need[np.arange(n), me] = 0  # a stream needs no wait for itself
-    emitted = np.zeros((n, s_count), dtype=bool)
+    me = np.fromiter(map(number.__getitem__, [(inst.engine, inst.queue) for inst in instructions]), dtype=np.int64,
+                     count=n)  # (engine, queue): Instruction.stream
+    positions = np.zeros(n, dtype=np.int64)  # each instruction's 1-based place in its stream
+    rows_of = {}  # stream number -> its instructions' rows, in program order
     for stream in range(s_count):
         mine = np.flatnonzero(me == stream)
         if len(mine):
-            wanted = need[mine]
-            already = np.maximum.accumulate(wanted, axis=0)
-            emitted[mine[1:]] = wanted[1:] > already[:-1]
-            emitted[mine[0]] = wanted[0] > 0
-    waits: dict = defaultdict(list)  # row -> its waits, in stream order
-    rows, columns = np.nonzero(emitted)
-    for row, column, count in zip(rows.tolist(), columns.tolist(), need[rows, columns].tolist()):
-        waits[row].append(Wait(*stream_keys[column], count))
-    for row, inst in enumerate(instructions):
-        inst.waits = tuple(waits.get(row, ()))
-    return dict(streams)
+            rows_of[stream] = mine
+            positions[mine] = np.arange(1, len(mine) + 1)
+    # the streams in order of their first instruction, as a walk appending each instruction to its stream makes them
+    streams = {stream_keys[stream]: list(map(instructions.__getitem__, rows.tolist()))
+               for stream, rows in sorted(rows_of.items(), key=lambda item: item[1][0])}
+    for inst in instructions:
+        inst.waits = ()
+    if len(keys) == 0:
+        return streams
+    need = _needs(keys, bits, me, positions, s_count)
+    need[np.arange(n), me] = 0  # a stream needs no wait for itself
+    emitted = np.zeros((n, s_count), dtype=bool)
+    for mine in rows_of.values():
+        wanted = need[mine]
+        already = np.maximum.accumulate(wanted, axis=0)
+        emitted[mine[1:]] = wanted[1:] > already[:-1]
+        emitted[mine[0]] = wanted[0] > 0
+    rows, columns = np.nonzero(emitted)  # by row, then by stream: each instruction's waits in stream order
+    if len(rows) == 0:
+        return streams
+    new = tuple.__new__
+    made = [new(Wait, (*stream_keys[column], count))
+            for column, count in zip(columns.tolist(), need[rows, columns].tolist())]
+    firsts = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
+    for row, a, b in zip(rows[firsts].tolist(), firsts.tolist(), [*firsts[1:].tolist(), len(made)]):
+        instructions[row].waits = tuple(made[a:b])
+    return streams
 
 
 def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count: int) -> np.ndarray:
@@ -105,10 +112,10 @@ def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count
 def _sorted_keys(spans: list, n: int) -> tuple | None:
     """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access, sorted; None above
     MAX_ACCESSES."""
-    lengths = np.empty(2 * n, dtype=np.int64)  # spans read, then written, by each instruction in turn
-    lengths[0::2] = np.fromiter((len(read) for read, _ in spans), dtype=np.int64, count=n)
-    lengths[1::2] = np.fromiter((len(written) for _, written in spans), dtype=np.int64, count=n)
-    flat = np.array([span for read, written in spans for span in (*read, *written)], dtype=np.int64).reshape(-1, 2)
+    # spans read, then written, by each instruction in turn
+    lengths = np.fromiter(map(len, chain.from_iterable(spans)), dtype=np.int64, count=2 * n)
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(spans))), dtype=np.int64,
+                       count=2 * int(lengths.sum())).reshape(-1, 2)  # [start, stop) of each span, in that order
     tags = np.repeat(np.arange(2 * n, dtype=np.int64), lengths)  # instruction x 2 + (1 for a write), per span
     sizes = flat[:, 1] - flat[:, 0]
     total = int(sizes.sum())
