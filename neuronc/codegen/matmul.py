@@ -14,7 +14,7 @@ import functools
 from typing import Callable
 
 from neuronc import ir
-from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
+from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, first_rows, tile_at
 from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
@@ -299,6 +299,11 @@ class _Matmul:
             self.column_sums, self.widened = pool("row_sum"), pool("bias")
         self.temps = [pool(f"temp{i}") for i in range(temp_count)]
         self.psum = psum or em.psum_pool()
+        self.summed: set = set()  # the A strip loads (steps) whose sums are emitted (plan.a_sums)
+        if plan.a_sums:  # A's sums over K, the kernel's second output (passes/matmul_column_sums.py)
+            self.sums_ones, self.sums = pool("sums_ones").next().ap(self.tk, 1), pool("sums")
+            em.emit(Opcode.MEMSET, Engine.GPSIMD, self.sums_ones, imm0=1.0)
+            self.sums_out = HbmTensor(specs["sums"].dtype, memory.placement[(home, 1)].offset, ((1, plan.m),))
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
@@ -357,6 +362,23 @@ class _Matmul:
         if tail:
             self.em.dma(tile_at(column, tiles, tail, 1), x[tiles * tm:].column.ap)
         return column
+
+    def sum_strip(self, strip: _Strip, m0: int) -> None:
+        """Columns m0.. of A's sums over K from its resident strip [K tile, k tiles x width]: ones^T @ each K tile
+        accumulated in fp32 in PSUM, a bank of columns at a time, rounded once on the way out and stored as a row:
+        the matmuls, order and rounding of the sum's own kernel (codegen/partition_sum.py, the same bits)."""
+        em, width = self.em, strip.width
+        bank = em.psum_bank_elements()
+        sums = self.sums.next().ap(1, width)
+        for turn, c0 in enumerate(range(0, width, bank)):
+            c1 = min(c0 + bank, width)
+            acc = self.psum.next().ap(1, c1 - c0)
+            for j in range(self.k_tiles):
+                rows = min(self.tk, self.plan.k - j * self.tk)
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, first_rows(self.sums_ones, rows),
+                        tile_at(strip.tile, j * width + c0, rows, c1 - c0), accumulate=j > 0)
+            em.emit(Opcode.TENSOR_COPY, (Engine.VECTOR, Engine.SCALAR)[turn % 2], column_slice(sums, c0, c1), acc)
+        em.dma(self.sums_out[m0:m0 + width].broadcast_rows(1).ap, sums)
 
     def columns(self, strip: _Strip, col: int, size: int) -> _StripColumns:
         return _StripColumns(strip, col, size, self.tk, self.plan.k)
@@ -533,6 +555,9 @@ class _Matmul:
             for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
                 loaded[j] = steps[j].load()
             for tile in step.tiles:
+                if self.plan.a_sums and tile.a_load not in self.summed:  # with its strip's first output tile
+                    self.summed.add(tile.a_load)
+                    self.sum_strip(loaded[tile.a_load], tile.m0 - tile.a_col)
                 if tile in accumulated:
                     ops = self.operands(tile, loaded)
                     self.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=accumulated[tile], row=ops.row,
