@@ -29,7 +29,9 @@ def _summed_operand(plan: MatmulPlan) -> bool:
 def _sum_of(matmul: ir.Node, reader: ir.Node, outputs: set) -> bool:
     """Whether `reader` (a REDUCE_LAST) sums the matmul's A over K as the plan's A^T strips hold it."""
     plan, mine = matmul.attrs["plan"], reader.attrs.get("plan")
+    strip = {p.name: p.dtype for p in plan.operand_pools}.get("a")
     return (isinstance(mine, PartitionSumPlan) and not mine.prologue and not mine.per_token
+            and strip == reader.inputs[0].dtype == {p.name: p.dtype for p in mine.pools}.get("input0")
             and reader.attrs.get("kind") == "add" and len(reader.inputs) == 1
             and ir.unreshaped(reader.inputs[0]) is ir.unreshaped(matmul.inputs[0])
             and mine.rows == plan.m and mine.cols == plan.k and mine.view.offset == 0
