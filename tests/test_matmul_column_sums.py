@@ -5,6 +5,10 @@ So is a sum over tokens of a matmul's result (a norm's bias gradient of the grad
 result tiles as they are stored."""
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
+from benchmarks.roofline import _aot_graphs
 from neuronc.ir import Op
 from neuronc.ir_text import parse, to_text
 from neuronc.isa import DType, Opcode
@@ -91,3 +95,17 @@ def test_the_pass_makes_the_sum_over_tokens_of_a_matmuls_result_its_second_outpu
     assert plan.c_sums and not plan.a_sums
     assert matmul.attrs["outputs"] == (((1, 512, 768), DType.BF16), ((768,), DType.BF16))
     assert not [n for n in done.nodes() if n.op is Op.REDUCE_LAST]
+
+
+def test_a_bias_gradient_summed_from_two_resident_strips_keeps_o0s_bits():
+    torch.manual_seed(0)
+    model = nn.Linear(768, 3072).to(torch.bfloat16)  # dW [3072, 768]: A^T's 3072 columns in more than one strip
+    backward = _aot_graphs(model, (torch.randn(1, 512, 768).to(torch.bfloat16),), True)[1]
+    inputs = [torch.randn(p.meta["val"].shape).to(p.meta["val"].dtype)
+              for p in backward.graph.nodes if p.op == "placeholder"]
+    optimised, out = _run(backward, inputs, 2)
+    _, baseline = _run(backward, inputs, 0)
+    (second,) = [n for n in optimised.graph.nodes() if n.op is Op.KERNEL_OUTPUT]
+    plan = second.inputs[0].attrs["plan"]
+    assert plan.a_sums and plan.m > plan.tiling.block * plan.tiling.tile_m
+    _assert_o0s_bits_and_eagers_values(backward, inputs, out, baseline)
