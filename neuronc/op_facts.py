@@ -384,7 +384,8 @@ FACTS = (
     OpFact("CUSTOM_KERNEL", "kernel", None, ANY, KERNEL,
            attrs={"kernel": "any", "outputs": "any", "scratch": "any", "views?": "any", "shapes?": "any",
                   "output_views?": "any"}),
-    OpFact("KERNEL_OUTPUT", "kernel", 1, ANY, FREE, attrs={"index": "int"}),  # (custom kernel) -> its output index
+    # (custom kernel, or a matmul with an `outputs` attribute: passes/matmul_column_sums.py) -> its output index
+    OpFact("KERNEL_OUTPUT", "kernel", 1, ANY, FREE, attrs={"index": "int"}),
     # (state I64[2] = (seed, offset), a run-time input) -> uniform floats in [0, 1), element e the draw number
     # offset + first + e (row-major) of the GpSimd engine's RNG stream of the seed (frontend/random_draws.py)
     OpFact("RANDOM", "kernel", 1, ANY, KERNEL, attrs={"first": "int"}),

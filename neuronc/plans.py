@@ -139,6 +139,10 @@ class MatmulPlan:
     in_two_parts: str = ""  # the operand ("a" or "b") whose one strided strip loads as two parts of its K tiles, each
     # over every queue (passes/tiling.py `loads_in_two_parts`, codegen/matmul.py `last_part_k_tiles`); "" for none
     epilogue_group: int = 2  # output tiles whose epilogues are emitted side by side (after the next one's matmuls)
+    a_sums: bool = False  # A's sums over K (A^T's column sums) as a second output, from the resident A strips
+    # (passes/matmul_column_sums.py): pools "sums_ones" [K tile, 1] and "sums" [1, strip width] among epilogue_pools
+    c_sums: bool = False  # or the result's sums over its rows, from its result tiles as stored: "sums_ones"
+    # [M tile, 1] and "sums" [1, tile_n]; the accumulators of all its columns held in PSUM banks of their own
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import functools
 from typing import Callable
 
 from neuronc import ir
-from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, tile_at
+from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, first_rows, tile_at
 from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
@@ -213,6 +213,7 @@ class _Job:
     shape: tuple
     store: AccessPattern | None
     m0: int
+    n0: int = 0
     done: dict = dataclasses.field(default_factory=dict)  # step -> its result AP, as emitted so far
     made: dict = dataclasses.field(default_factory=dict)  # step -> when the balancer books it done
     order: list = dataclasses.field(default_factory=list)  # the steps in the order they were emitted
@@ -298,7 +299,20 @@ class _Matmul:
         if plan.bias_column is not None:  # an extra input of one value per row, added by the first step
             self.column_sums, self.widened = pool("row_sum"), pool("bias")
         self.temps = [pool(f"temp{i}") for i in range(temp_count)]
-        self.psum = psum or em.psum_pool()
+        self.summed: set = set()  # the A strip loads (steps) whose sums are emitted (plan.a_sums)
+        self.row_sums: dict = {}  # plan.c_sums: column n0 -> (its accumulator [1, nt], row tiles summed into it)
+        if plan.c_sums:  # the accumulators of all columns' sums in banks of their own, beside the output tiles'
+            banks = -(-plan.n // em.psum_bank_elements())
+            self.psum = psum or em.psum_pool(bufs=em.target.psum_banks - banks)
+            self.sums_psum = em.psum_pool(bufs=banks)
+        else:
+            self.psum = psum or em.psum_pool()
+        if plan.a_sums or plan.c_sums:  # A's sums over K or the result's over rows, the kernel's second output
+            self.sums_ones = pool("sums_ones").next().ap(self.tk if plan.a_sums else self.tm, 1)
+            self.sums = pool("sums")
+            em.emit(Opcode.MEMSET, Engine.GPSIMD, self.sums_ones, imm0=1.0)
+            size = plan.m if plan.a_sums else plan.n
+            self.sums_out = HbmTensor(specs["sums"].dtype, memory.placement[(home, 1)].offset, ((1, size),))
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
@@ -358,6 +372,37 @@ class _Matmul:
             self.em.dma(tile_at(column, tiles, tail, 1), x[tiles * tm:].column.ap)
         return column
 
+    def sum_strip(self, strip: _Strip, m0: int) -> None:
+        """Columns m0.. of A's sums over K from its resident strip [K tile, k tiles x width]: ones^T @ each K tile
+        accumulated in fp32 in PSUM, a bank of columns at a time, rounded once on the way out and stored as a row:
+        the matmuls, order and rounding of the sum's own kernel (codegen/partition_sum.py, the same bits)."""
+        em, width = self.em, strip.width
+        bank = em.psum_bank_elements()
+        sums = self.sums.next().ap(1, width)
+        for turn, c0 in enumerate(range(0, width, bank)):
+            c1 = min(c0 + bank, width)
+            acc = self.psum.next().ap(1, c1 - c0)
+            for j in range(self.k_tiles):
+                rows = min(self.tk, self.plan.k - j * self.tk)
+                em.emit(Opcode.MATMUL, Engine.TENSOR, acc, first_rows(self.sums_ones, rows),
+                        tile_at(strip.tile, j * width + c0, rows, c1 - c0), accumulate=j > 0)
+            em.emit(Opcode.TENSOR_COPY, (Engine.VECTOR, Engine.SCALAR)[turn % 2], column_slice(sums, c0, c1), acc)
+        em.dma(self.sums_out[m0:m0 + width].broadcast_rows(1).ap, sums)
+
+    def sum_rows(self, job: "_Job", out: AccessPattern) -> None:
+        """An output tile's result (as stored) summed over its rows into its columns' accumulator, row tiles in
+        order; after the last row tile, the sums rounded once and stored as a row: the matmuls, order and rounding
+        of the sum's own kernel over the stored result (codegen/partition_sum.py, the same bits)."""
+        em, (mt, nt), n0 = self.em, job.shape, job.n0
+        acc, count = self.row_sums.get(n0) or (self.sums_psum.next().ap(1, nt), 0)
+        em.emit(Opcode.MATMUL, Engine.TENSOR, acc, first_rows(self.sums_ones, mt), out, accumulate=count > 0)
+        count += 1
+        self.row_sums[n0] = (acc, count)
+        if count == -(-self.plan.m // self.tm):
+            sums = self.sums.next().ap(1, nt)
+            em.emit(Opcode.TENSOR_COPY, (Engine.VECTOR, Engine.SCALAR)[n0 // self.tn % 2], sums, acc)
+            em.dma(self.sums_out[n0:n0 + nt].broadcast_rows(1).ap, sums)
+
     def columns(self, strip: _Strip, col: int, size: int) -> _StripColumns:
         return _StripColumns(strip, col, size, self.tk, self.plan.k)
 
@@ -400,7 +445,7 @@ class _Matmul:
             job = _Job(loaded, temps, _Placed(tile_at(self.sink, m0 // self.tm * plan.n + n0, mt, nt)), (mt, nt),
                        None, m0)
         else:
-            job = _Job(loaded, temps, self.result.next(), (mt, batches * nt), block(self.out), m0)
+            job = _Job(loaded, temps, self.result.next(), (mt, batches * nt), block(self.out), m0, n0)
         self.waiting.append(job)
         if self.early:  # the steps not reading the accumulator, a group of tiles at a time, ahead of the flush
             self.unstarted.append(job)
@@ -422,6 +467,9 @@ class _Matmul:
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job.store is not None:
                 dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
+        if self.plan.c_sums:
+            for job, out in zip(jobs, outs):
+                self.sum_rows(job, out)
         for job in jobs:
             if self.after_tile is not None:
                 self.after_tile(job.m0)
@@ -533,6 +581,9 @@ class _Matmul:
             for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
                 loaded[j] = steps[j].load()
             for tile in step.tiles:
+                if self.plan.a_sums and tile.a_load not in self.summed:  # with its strip's first output tile
+                    self.summed.add(tile.a_load)
+                    self.sum_strip(loaded[tile.a_load], tile.m0 - tile.a_col)
                 if tile in accumulated:
                     ops = self.operands(tile, loaded)
                     self.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=accumulated[tile], row=ops.row,

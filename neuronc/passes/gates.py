@@ -78,6 +78,8 @@ def _gates() -> dict:
         "write_outputs_into_concatenations": lambda summary: {Op.CONCATENATE, Op.CUSTOM_KERNEL} <= summary.ops,
         # a chain is a MATMUL read by a MATMUL
         "chain_matmuls": _ops(Op.MATMUL),
+        # a sum over tokens (REDUCE_LAST) of a MATMUL's A becomes its second output
+        "sum_operands_in_matmuls": lambda summary: Op.REDUCE_LAST in summary.ops and Op.MATMUL in summary.ops,
         # a prologue is a ROWWISE read by a MATMUL
         "fold_norms_into_matmuls": lambda summary: Op.ROWWISE in summary.ops and Op.MATMUL in summary.ops,
     }

@@ -13,7 +13,8 @@ longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
 
 A custom kernel (``Op.CUSTOM_KERNEL``) writes all its outputs and its HBM scratch tensors when it runs: the
 buffers of its other outputs (its ``KERNEL_OUTPUT`` readers, or scratch nobody reads) and of its scratch are
-taken at its position, found in ``placement`` under ``(node, index)`` and ``(node, "scratch", index)``.
+taken at its position, found in ``placement`` under ``(node, index)`` and ``(node, "scratch", index)``. So
+does a matmul with an ``outputs`` attribute (its A's sums over K, passes/matmul_column_sums.py).
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
             continue
         if n.op is Op.KERNEL_OUTPUT:  # placed with its kernel, below
             continue
-        if n.op is Op.CUSTOM_KERNEL:
+        if n.op is Op.CUSTOM_KERNEL or "outputs" in n.attrs:  # a matmul's too (passes/matmul_column_sums.py)
             readers = {r.attrs["index"]: r for r in consumers.get(n, ()) if r.op is Op.KERNEL_OUTPUT}
             for index, (shape, dtype) in enumerate(n.attrs["outputs"][1:], 1):
                 reader = readers.get(index)
@@ -129,7 +130,7 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
                 else:
                     placement[reader] = placement[(n, index)] = take_scratch(
                         _entry(reader, output_index, input_count), last_read.get(reader, position))
-            for index, (shape, dtype) in enumerate(n.attrs["scratch"]):
+            for index, (shape, dtype) in enumerate(n.attrs.get("scratch", ())):
                 placement[(n, "scratch", index)] = take_scratch(
                     TensorEntry(f"t{n.id}_scratch{index}", TensorKind.SCRATCH, dtype, shape, 0), position)
         if _needs_buffer(n, consumers, output_index):

@@ -31,6 +31,7 @@ from neuronc.passes.kernel_views import read_kernel_inputs_through_views
 from neuronc.passes.layout import store_activations_transposed, store_weights_transposed
 from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
+from neuronc.passes.matmul_column_sums import sum_operands_in_matmuls
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.passes.per_row_producers import fold_per_row_producers
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
@@ -91,7 +92,8 @@ O2 = [
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
-    tile_matmuls,  # last: tiles and loop order of every matmul (and chain) chosen with the cost model
+    tile_matmuls,  # tiles and loop order of every matmul (and chain) chosen with the cost model
+    sum_operands_in_matmuls,  # after the tiling (A resident): a sum over tokens of a matmul's A is its second output
 ]
 O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost compile time:
     store_activations_transposed,  # after fusion, PRICED: emits the program with and without it (every transformer
@@ -99,6 +101,7 @@ O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost co
     chain_matmuls,
     fold_norms_into_matmuls,
     search_matmul_tiles,  # the tiling search trying more candidates
+    sum_operands_in_matmuls,
 ]
 
 PIPELINES = {0: O0, 1: O1, 2: O2, 3: O3}
