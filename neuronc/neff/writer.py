@@ -154,6 +154,7 @@ def _fast_instructions(writer, instructions, operands: dict, by_id: dict) -> lis
     chunks, vtables, plans = writer.chunks, writer.vtables, _INSTRUCTION_PLANS
     append, pads, offset = chunks.append, _PADDING, writer.offset
     vtable_of = {}  # plan -> offset of its vtable in this writer
+    prepared_8 = False  # whether a Prep(8) was made for a vector of waits
     written = []
     for inst in instructions:
         tables = []
@@ -182,6 +183,7 @@ def _fast_instructions(writer, instructions, operands: dict, by_id: dict) -> lis
         offset = operand_vector = end + 4
         waits = inst.waits
         if waits:  # writer.vector(..., 16, 8)
+            prepared_8 = True
             if offset & 7:
                 append(pads[-offset & 7])
                 offset += -offset & 7
@@ -225,19 +227,43 @@ def _fast_instructions(writer, instructions, operands: dict, by_id: dict) -> lis
             offset = object_offset
         written.append(object_offset)
     writer.offset = offset
-    writer.minalign = max([writer.minalign, *(plan.align for plan in vtable_of)])  # every plan used is in vtable_of
+    # Builder.minalign: the widest Prep, of the waits, of an instruction table (every plan used is in vtable_of) or
+    # of an operand (_fast_operand sets it).
+    writer.minalign = max([writer.minalign, 8 if prepared_8 else 4, *(plan.align for plan in vtable_of)])
     return written
 
 
 def _fast_operand(writer, operand) -> int:
-    dims = operand.dims
-    dims = writer.vector(struct.pack(f"<{2 * len(dims)}q", *[n for dim in dims for n in dim]), len(dims), 16, 8)
-    space, dtype, partition, offset = operand.space, operand.dtype, operand.partition, operand.offset
-    return writer.table(
-        _OPERAND, [space, dtype, partition, offset, dims], (space != 0, dtype != 0, partition != 0, offset != 0, True)
-    )
+    """writer.vector of its dims, then writer.table(_OPERAND, ...), inlined."""
+    dims, offset, chunks = operand.dims, writer.offset, writer.chunks
+    if offset & 7:  # Prep(4, 16 n) and Prep(8, 16 n)
+        chunks.append(_PADDING[-offset & 7])
+        offset += -offset & 7
+    count = len(dims)
+    chunks.append(struct.pack(f"<I{2 * count}q", count, *[n for dim in dims for n in dim]))  # count, then the dims
+    offset = dims_vector = offset + 16 * count + 4
+    space, dtype, partition, hbm_offset = operand.space, operand.dtype, operand.partition, operand.offset
+    key = (space != 0, dtype != 0, partition != 0, hbm_offset != 0, offset & 7)
+    plan = _OPERAND_PLANS.get(key)
+    if plan is None:
+        plan = _OPERAND_PLANS[key] = _OPERAND.plan((*key[:4], True), offset)
+        plan.dims_after = dict(plan.offsets)[4]
+    if writer.minalign < 8:  # the dims' Prep(8); no field is wider
+        writer.minalign = 8
+    values = (space, dtype, partition, hbm_offset, offset + plan.dims_after - dims_vector)
+    object_offset = offset + plan.size
+    vtable = writer.vtables.get(plan.vtable_key)
+    if vtable is None:
+        chunks.append(plan.struct.pack(len(plan.vtable), *plan.fields(values)))
+        chunks.append(plan.vtable)
+        writer.offset = writer.vtables[plan.vtable_key] = object_offset + len(plan.vtable)
+    else:
+        chunks.append(plan.struct.pack(vtable - object_offset, *plan.fields(values)))
+        writer.offset = object_offset
+    return object_offset
 
 
+_OPERAND_PLANS = {}  # the presence of each field but dims (always there), offset modulo 8 -> its plan
 _INSTRUCTION_PLANS = {}  # the presence of each field but operands (always there), offset modulo 8 -> its plan
 _PADDING = [bytes(n) for n in range(8)]
 _COUNT = struct.Struct("<I")
