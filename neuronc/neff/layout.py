@@ -60,6 +60,9 @@ class _Plan:
         # The offset fields: (index, offset after it from the table's start); the value written is that offset
         # minus the offset pointed to.
         self.offsets = tuple((index, after) for index, code, after, _padding in written if code == "U")
+        self.after = [0] * len(table.fields)  # the same by field index (0 for a field absent or not an offset)
+        for index, after in self.offsets:
+            self.after[index] = after
         while vtable and not vtable[-1]:
             vtable.pop()
         entries = [object_offset - at if at else 0 for at in vtable]

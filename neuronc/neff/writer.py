@@ -210,10 +210,8 @@ def _fast_instructions(writer, instructions, operands: dict, by_id: dict) -> lis
         plan = plans.get(key)
         if plan is None:
             plan = plans[key] = _INSTRUCTION.plan((*key[:3], True, *key[3:13]), offset)
-            plan.operands_after = dict(plan.offsets)[3]
-            plan.waits_after = dict(plan.offsets).get(11, 0)
-        values = (opcode, engine, queue, offset + plan.operands_after - operand_vector, alu, alu1, func, imm0, imm1,
-                  accumulate, reverse, waits_vector and offset + plan.waits_after - waits_vector, kernel, debug)
+        values = (opcode, engine, queue, offset + plan.after[3] - operand_vector, alu, alu1, func, imm0, imm1,
+                  accumulate, reverse, waits_vector and offset + plan.after[11] - waits_vector, kernel, debug)
         object_offset = offset + plan.size
         vtable = vtable_of.get(plan)  # = vtables.get(plan.vtable_key), without hashing the key
         if vtable is None:
@@ -247,10 +245,9 @@ def _fast_operand(writer, operand) -> int:
     plan = _OPERAND_PLANS.get(key)
     if plan is None:
         plan = _OPERAND_PLANS[key] = _OPERAND.plan((*key[:4], True), offset)
-        plan.dims_after = dict(plan.offsets)[4]
     if writer.minalign < 8:  # the dims' Prep(8); no field is wider
         writer.minalign = 8
-    values = (space, dtype, partition, hbm_offset, offset + plan.dims_after - dims_vector)
+    values = (space, dtype, partition, hbm_offset, offset + plan.after[4] - dims_vector)
     object_offset = offset + plan.size
     vtable = writer.vtables.get(plan.vtable_key)
     if vtable is None:
