@@ -147,10 +147,12 @@ def pipeline(options: CompileOptions) -> list:
 
 
 def required(options: CompileOptions) -> list:
-    """The passes no compile can do without: -O0's, and the level's own tiling pass (its last)."""
+    """The passes no compile can do without: -O0's, and the level's own tiling pass (codegen reads its plans)."""
     from neuronc.passes.pipeline import passes_for
+    from neuronc.passes.tiling import search_matmul_tiles, tile_matmuls
 
-    return [*passes_for(0), pipeline(options)[-1]]
+    tiling = [p for p in pipeline(options) if p in (tile_matmuls, search_matmul_tiles)]
+    return [*passes_for(0), *tiling[-1:]]
 
 
 def run_passes(graph: ir.Graph, passes: list, options: CompileOptions) -> ir.Graph:
