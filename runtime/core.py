@@ -408,9 +408,10 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
-        tensors = TensorIndex(neff.tensors)
+        tensors, passed = TensorIndex(neff.tensors), set()
         self._instrs = [
-            [self._prepare(key, index, instr, number, tensors) for index, instr in enumerate(neff.streams.get(key, []))]
+            [self._prepare(key, index, instr, number, tensors, passed)
+             for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
         self._order, self._events = self._schedule()
@@ -433,18 +434,25 @@ class LoadedProgram:
                     f"{t.kind.name.lower()} {t.name!r} should hold {t.dtype.name}{list(t.shape)}, has {got}"
                 )
 
-    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex) -> _Instr:
+    def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex,
+                 passed: set) -> _Instr:
+        """``instr`` checked and costed. ``passed``: the (operand, written to HBM) pairs whose checks passed in
+        this program already (its instructions share their tiles' patterns; the checks depend on nothing else)."""
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
             check(instr, self.core.target)
             written = len(instr.writes)
             for position, ap in enumerate(instr.operands):
+                key = (ap, position < written and ap.space == Space.HBM)  # (on chip, writing adds no check)
+                if key in passed:
+                    continue
                 _check_strides(ap, position, self._shapes[ap.space])
                 check_bounds(ap, self._shapes[ap.space])
                 if ap.space == Space.HBM:
                     check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
                     self._layout.check(ap)
+                passed.add(key)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
         return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
@@ -733,38 +741,54 @@ class LoadedProgram:
         Computing at completion what the instruction read at its start is the same unless an instruction
         completing meanwhile wrote memory it reads; such an instruction (only racy programs have them)
         reads into a buffer at its start and writes that at its completion instead."""
-        deferred, running = set(), {}  # keys of instructions that must read at their start; stream -> reads
+        deferred, running = set(), {}  # keys of instructions that must read at their start; stream -> instruction
+        regions, reads = {}, {}  # access pattern -> (space, box); instruction key -> the regions it reads
         for phase, s, k in self._order:
             i = self._instrs[s][k]
             if phase == START:
-                running[s] = (i.key, [_region(i.instr.operands[r]) for r in i.reads])
+                running[s] = i
                 continue
             del running[s]
-            written = [_region(dst) for dst in i.instr.writes]
-            for key, reads in running.values():
-                if any(overlaps(w, r) for w in written for r in reads):
-                    deferred.add(key)
+            if not running:  # (a program of one stream never gets further)
+                continue
+            written = [_cached(regions, _region, dst) for dst in i.instr.writes]
+            for j in running.values():
+                if j.key in deferred:
+                    continue
+                read = reads.get(j.key)
+                if read is None:
+                    read = reads[j.key] = [_cached(regions, _region, j.instr.operands[r]) for r in j.reads]
+                if any(overlaps(w, r) for w in written for r in read):
+                    deferred.add(j.key)
 
         memory, scratch = self.memory, Scratch()
         calls, owners, values = [], [], {}
+        views: dict = {}  # access pattern -> its view: a program's instructions share their tiles' patterns
+
+        def view(ap: AccessPattern) -> np.ndarray:
+            v = views.get(ap)
+            if v is None:
+                v = views[ap] = memory.view(ap, checked=True)  # (the load checked every operand's bounds)
+            return v
+
         for phase, s, k in self._order:
             i = self._instrs[s][k]
             if i.instr.opcode in COLLECTIVES:  # through the transport, at its completion, racy or not
                 if phase == START:
                     continue
                 steps = [functools.partial(self._collective, i.instr,
-                                           *(memory.view(ap).reshape(-1) for ap in i.instr.operands))]
+                                           *(view(ap).reshape(-1) for ap in i.instr.operands))]
             elif i.key not in deferred:
                 if phase == START:
                     continue
                 scratch.next_kernel()
-                steps = kernel(i.instr, *map(memory.view, i.instr.operands), new=scratch)
+                steps = kernel(i.instr, *map(view, i.instr.operands), new=scratch)
             elif phase == START:
                 values[i.key] = box = [None]
                 steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
-                                           *map(memory.view, i.instr.operands))]
+                                           *map(view, i.instr.operands))]
             else:
-                steps = [functools.partial(_write, tuple(map(memory.view, i.instr.writes)), values.pop(i.key))]
+                steps = [functools.partial(_write, tuple(map(view, i.instr.writes)), values.pop(i.key))]
             calls += steps
             owners += [i] * len(steps)
         inputs = [memory.tensor(t) for t in self.neff.inputs()]

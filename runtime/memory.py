@@ -485,10 +485,11 @@ class Memory:
                 start = self._host(t)
                 self.bound[start] = (start + t.nbytes, array.reshape(-1).view(np.uint8))
 
-    def view(self, ap: AccessPattern) -> np.ndarray:
-        """A writable numpy view of the elements ``ap`` addresses; raises if any byte is outside."""
+    def view(self, ap: AccessPattern, checked: bool = False) -> np.ndarray:
+        """A writable numpy view of the elements ``ap`` addresses; raises if any byte is outside (unless
+        ``checked``: the caller has checked ``ap`` with ``check_bounds`` against these memories' shapes)."""
         memory = self.arrays[ap.space]
-        if ap.space != Space.HBM or self.layout is None:
+        if not checked and (ap.space != Space.HBM or self.layout is None):
             check_bounds(ap, memory.shape)
         if ap.space == Space.HBM and self.bound:
             bound = self._bound_view(ap)
