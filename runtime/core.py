@@ -763,13 +763,9 @@ class LoadedProgram:
 
         memory, scratch = self.memory, Scratch()
         calls, owners, values = [], [], {}
-        views: dict = {}  # access pattern -> its view: a program's instructions share their tiles' patterns
-
-        def view(ap: AccessPattern) -> np.ndarray:
-            v = views.get(ap)
-            if v is None:
-                v = views[ap] = memory.view(ap, checked=True)  # (the load checked every operand's bounds)
-            return v
+        # one view per access pattern (a program's instructions share their tiles' patterns), made without the
+        # bounds check the load made of every operand
+        view = functools.partial(_cached, {}, functools.partial(memory.view, checked=True))
 
         for phase, s, k in self._order:
             i = self._instrs[s][k]

@@ -19,6 +19,7 @@ import dataclasses
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
+from neuronc.isa import DType
 from neuronc.plans import MatmulPlan, PartitionSumPlan, PoolSpec
 from neuronc.passes.context import PassContext
 from neuronc.passes.tiling import sbuf_bytes
@@ -62,7 +63,7 @@ def _summed_result(plan: MatmulPlan, target) -> bool:
 
 
 def _banks(plan: MatmulPlan, target) -> int:
-    return -(-plan.n // (target.psum_bank_bytes // 4))
+    return -(-plan.n // (target.psum_bank_bytes // DType.F32.itemsize))  # fp32 accumulators
 
 
 def _with_sums(matmul: ir.Node, reader: ir.Node, ctx: PassContext, of_result: bool) -> MatmulPlan | None:
@@ -105,12 +106,13 @@ def sum_operands_in_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     if not made:
         return graph
     final, kept = {}, {}  # old matmul -> its new node; old sum -> itself in the first rewrite's graph
+    readers = {reader for _, reader in made.values()}
 
     def with_sums(node: ir.Node, inputs: tuple) -> ir.Node | None:
         if node in made:
             final[node] = ir.Node(Op.MATMUL, inputs, node.shape, node.dtype, made[node][0], node.loc)
             return final[node]
-        if node in {reader for _, reader in made.values()}:
+        if node in readers:
             kept[node] = ir.with_inputs(node, inputs)
             return kept[node]
         return None
