@@ -245,6 +245,19 @@ def neuron():
     return torch.device("neuron", 0)
 
 
+@pytest.fixture
+def lowered_only(neuron, monkeypatch):
+    """What runs under it is lowered: no op is traced through torch-mlir, none falls back to the CPU. It starts
+    with no program compiled in this process, so that what an earlier test compiled cannot answer for it."""
+    from neuronc.pytorch import eager
+
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    monkeypatch.setattr(eager, "programs", {})
+    traced = eager.compile_stats["traced"]
+    yield neuron
+    assert eager.compile_stats["traced"] == traced
+
+
 def run_ranks(args: list, ranks: int, timeout: float, env: dict | None = None) -> list:
     """Run ``python *args`` as the ``ranks`` processes of one torch.distributed job on this host (loopback, a port
     the OS gives, the environment torchrun sets), and return each rank's last line of output, parsed as JSON, in

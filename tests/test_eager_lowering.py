@@ -20,17 +20,6 @@ from tests import zoo
 from tests.conftest import assert_matches_eager
 
 
-@pytest.fixture
-def lowered_only(neuron, monkeypatch):
-    """What runs under it is lowered: no op is traced through torch-mlir, none falls back to the CPU. It starts
-    with no program compiled in this process, so that what an earlier test compiled cannot answer for it."""
-    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
-    monkeypatch.setattr(eager, "programs", {})
-    traced = eager.compile_stats["traced"]
-    yield neuron
-    assert eager.compile_stats["traced"] == traced
-
-
 def _randn(*shape, dtype=torch.float32):
     return torch.randn(*shape).to(dtype)
 

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from neuronc import ir
 from neuronc.frontend.decompositions import adaptive_max_pool
+from neuronc.frontend.scalar_overloads import scalar_overload
 from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
 from neuronc.isa import DType
@@ -113,7 +114,7 @@ def _meta_results(func, args, kwargs):
                 torch.empty(stat_shape, dtype=statistics, device="meta"))
     metas = tree_map(_meta, args), tree_map(_meta, kwargs)
     try:
-        return func(*metas[0], **metas[1])
+        return scalar_overload(func, *metas)(*metas[0], **metas[1])
     except NotLowered:
         raise
     except Exception as e:  # no meta kernel, or arguments it refuses
@@ -146,7 +147,8 @@ def pointwise_meta(func, args, kwargs):
     key = tuple(key)
     if key not in _pointwise_dtypes:
         try:
-            result = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+            metas = tree_map(_meta, args), tree_map(_meta, kwargs)
+            result = scalar_overload(func, *metas)(*metas[0], **metas[1])
         except Exception:  # noqa: BLE001 - the full meta call reports it
             return None
         plain = isinstance(result, torch.Tensor) and tuple(result.shape) == tuple(torch.broadcast_shapes(*shapes))
@@ -183,7 +185,8 @@ def reduction_meta(func, args, kwargs):
     key = (func, x.dtype, rank, dims, keepdim)
     if key not in _reduction_results:
         try:
-            result = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+            metas = tree_map(_meta, args), tree_map(_meta, kwargs)
+            result = scalar_overload(func, *metas)(*metas[0], **metas[1])
         except Exception:  # noqa: BLE001 - the full meta call reports it
             return None
         plain = isinstance(result, torch.Tensor) and tuple(result.shape) == shape
@@ -787,7 +790,7 @@ def _floor_divide_rule(lw, meta, a, b):
     return lw.convert(_floor_divide(lw, x, y, shape, compute), dtype)
 
 
-@rule(aten.remainder.Tensor, aten.remainder.Scalar)
+@rule(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 def _remainder(lw, meta, a, b):
     """Python's modulo (the divisor's sign): fmod, moved into the divisor's sign."""
     shape, dtype = _out(meta)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from neuronc.errors import FallbackDisabledError, NeuronConfigError, NeuronDeviceError, NeuronError
+from neuronc.frontend.scalar_overloads import scalar_overload
 from neuronc.instruction_cost import copy_ns  # loaded already with the runtime (device_memory imports it)
 from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
@@ -254,7 +255,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
 
     host_args, host_kwargs = torch.utils._pytree.tree_map(to_host, (args, kwargs))
     host_args, host_kwargs = _draw_from_the_device_generator(op, host_args, host_kwargs, device)
-    result = op(*host_args, **host_kwargs)
+    result = scalar_overload(op, host_args, host_kwargs)(*host_args, **host_kwargs)
     for i, argument in enumerate(op._schema.arguments):  # mutated arguments: their new bytes go back
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
@@ -872,7 +873,7 @@ def _traced(op, args, kwargs, runtime: frozenset, options):
         return tuple(t.to(d) if dtypes and t.dtype != d else t for t, d in zip(flat, dtypes or flat))
 
     try:
-        result = op(*real[0], **real[1])
+        result = scalar_overload(op, *real)(*real[0], **real[1])
         expected = torch.utils._pytree.tree_leaves(result)
         if not expected or not all(isinstance(t, torch.Tensor) for t in expected) or \
                 any(t.numel() == 0 for t in expected):
