@@ -1045,14 +1045,17 @@ def _zero(tensor: torch.Tensor) -> torch.Tensor:
     return _fill(tensor, 0)
 
 
-def _arange(start, end, step=1, *, out: torch.Tensor) -> torch.Tensor:
-    """A range is a constant: made on the host and copied into the device memory (as a NEFF's constants are)."""
-    values = torch.arange(start, end, step, dtype=out.dtype)
-    if out.shape != values.shape:
-        queues.resize(out, values.shape)
-    queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
-                   "arange")
-    return out
+def _made_on_the_host(factory, name: str):
+    """A factory op whose values depend only on its numbers (arange, eye, linspace, logspace): a constant, made
+    on the host and copied into the device memory (as a NEFF's constants are)."""
+    def kernel(*args, out: torch.Tensor) -> torch.Tensor:
+        values = factory(*args, dtype=out.dtype)
+        if out.shape != values.shape:
+            queues.resize(out, values.shape)
+        queues.enqueue(out.device.index, _copy_ns(out.device.index, out), _assign, (_view(out), host_array(values)),
+                       name)
+        return out
+    return kernel
 
 
 def _convolution(*args):
@@ -1159,7 +1162,11 @@ DIRECT_KERNELS = {
     "view_as_complex": _view_as_complex,
     "convolution_overrideable": _convolution,
     "convolution_backward_overrideable": _convolution_backward,
-    "arange.start_out": _arange,
+    "arange.start_out": _made_on_the_host(torch.arange, "arange"),
+    "eye.out": _made_on_the_host(torch.eye, "eye"),
+    "eye.m_out": _made_on_the_host(torch.eye, "eye"),
+    "linspace.out": _made_on_the_host(torch.linspace, "linspace"),
+    "logspace.out": _made_on_the_host(torch.logspace, "logspace"),
     "_copy_from": _copy_from,
     "_copy_from_and_resize": _copy_from_and_resize,
     "_local_scalar_dense": _local_scalar_dense,
