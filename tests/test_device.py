@@ -673,6 +673,20 @@ def test_a_new_range_leaves_the_queue_to_run_later(neuron):
     assert torch.equal(r.cpu(), torch.arange(2, 7)) and torch.equal(y.cpu(), torch.full((4,), 3.0))
 
 
+@pytest.mark.parametrize("make", [
+    lambda device: torch.eye(3, device=device),
+    lambda device: torch.eye(2, 4, dtype=torch.int32, device=device),
+    lambda device: torch.linspace(-3, 7, 11, device=device),
+    lambda device: torch.linspace(-3, 7, 11, dtype=torch.int64, device=device),
+    lambda device: torch.logspace(0, 3, 4, base=2.0, dtype=torch.bfloat16, device=device),
+], ids=["eye", "eye int32", "linspace", "linspace int64", "logspace bf16"])
+def test_a_factory_of_numbers_is_made_on_the_host_without_the_fallbacks_warning(make, neuron, monkeypatch):
+    """eye, linspace and logspace are constants, as arange is: no CPU fallback (it is off here), CPU's values."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    made, expected = make(neuron).cpu(), make("cpu")
+    assert made.dtype == expected.dtype and torch.equal(made, expected)
+
+
 def test_a_resize_that_moves_bytes_runs_the_queue_first(neuron):
     """``out=`` of another shape than its result, whose storage holds bytes: the resize moves them, so the work
     queued before it runs first."""
@@ -705,7 +719,9 @@ def test_a_new_range_starts_where_a_synchronization_would_start_it(neuron):
         made.synchronize()
         return busy.elapsed_time(made)
 
-    assert after_the_other_stream(synchronize=False) == after_the_other_stream(synchronize=True) > 0
+    # the same instant, up to the rounding of clocks read at different absolute times (1e-18 ms seen alone)
+    queued, settled = after_the_other_stream(synchronize=False), after_the_other_stream(synchronize=True)
+    assert queued == pytest.approx(settled, rel=1e-12) and settled > 0
 
 
 def test_a_cached_program_reads_a_broadcast_operand_when_it_runs_not_when_it_is_queued(neuron):
