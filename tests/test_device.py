@@ -687,6 +687,25 @@ def test_a_factory_of_numbers_is_made_on_the_host_without_the_fallbacks_warning(
     assert made.dtype == expected.dtype and torch.equal(made, expected)
 
 
+@pytest.mark.parametrize("make", [
+    lambda device: torch.tril_indices(3, 4, 1, device=device),
+    lambda device: torch.triu_indices(4, 3, device=device),
+    lambda device: torch.kaiser_window(5, device=device),
+    lambda device: torch.kaiser_window(6, False, 8.0, device=device),
+], ids=["tril_indices", "triu_indices", "kaiser_window", "kaiser_window beta"])
+def test_a_factory_pytorch_has_no_device_kernel_for_is_made_on_the_host(make, neuron, monkeypatch):
+    """kaiser_window calls a CPU-only stub (PyTorch's internal assert before), tril_indices has no tensor to
+    dispatch on (the fallback recursed, asked to make it on `neuron` again)."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    made, expected = make(neuron), make("cpu")
+    assert made.device == neuron and made.dtype == expected.dtype and torch.equal(made.cpu(), expected)
+
+
+def test_the_cpu_fallback_makes_a_factorys_result_on_the_cpu_and_copies_it_to_the_device_named(neuron):
+    made = eager.cpu_fallback(torch.ops.aten.tril_indices.default, (3, 3), {"device": neuron}, "a test")
+    assert made.device == neuron and torch.equal(made.cpu(), torch.tril_indices(3, 3))
+
+
 def test_a_resize_that_moves_bytes_runs_the_queue_first(neuron):
     """``out=`` of another shape than its result, whose storage holds bytes: the resize moves them, so the work
     queued before it runs first."""

@@ -251,6 +251,8 @@ def cpu_fallback(op, args, kwargs, reason: str):
             host = x.cpu()
             originals[id(host)] = x
             return host
+        if isinstance(x, torch.device) and x.type == "neuron":  # a factory's device=: made on the CPU, copied
+            return torch.device("cpu")
         return x
 
     host_args, host_kwargs = torch.utils._pytree.tree_map(to_host, (args, kwargs))
@@ -377,9 +379,12 @@ def _device_of(op, operands: list, inputs: list | None = None) -> int:
 
 
 def _first_device(args, kwargs):
+    """The device of the first `neuron` tensor among the arguments, or the `neuron` device a factory names."""
     for x in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and x.device.type == "neuron":
             return x.device
+        if isinstance(x, torch.device) and x.type == "neuron":
+            return x if x.index is not None else torch.device("neuron", torch.accelerator.current_device_index())
     return None
 
 
@@ -1058,6 +1063,19 @@ def _made_on_the_host(factory, name: str):
     return kernel
 
 
+def _factory_on_the_host(name: str):
+    """A factory op whose new tensor's values depend only on its numbers and which PyTorch cannot run for a
+    backend without its kernel (kaiser_window calls a CPU/CUDA-only stub; tril_indices has no tensor to
+    dispatch on): made on the host and copied to the device it names."""
+    base, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, base), overload or "default")
+
+    def kernel(*args, **kwargs):
+        device = _first_device(args, kwargs) or torch.device("neuron", torch.accelerator.current_device_index())
+        return op(*args, **{**kwargs, "device": torch.device("cpu")}).to(device)
+    return kernel
+
+
 def _convolution(*args):
     """``convolution_overrideable``, which PyTorch calls for a convolution on an accelerator it has no kernel
     of its own for: the same arguments as ``convolution``, run as that op."""
@@ -1167,6 +1185,11 @@ DIRECT_KERNELS = {
     "eye.m_out": _made_on_the_host(torch.eye, "eye"),
     "linspace.out": _made_on_the_host(torch.linspace, "linspace"),
     "logspace.out": _made_on_the_host(torch.logspace, "logspace"),
+    "kaiser_window": _factory_on_the_host("kaiser_window"),
+    "kaiser_window.periodic": _factory_on_the_host("kaiser_window.periodic"),
+    "kaiser_window.beta": _factory_on_the_host("kaiser_window.beta"),
+    "tril_indices": _factory_on_the_host("tril_indices"),
+    "triu_indices": _factory_on_the_host("triu_indices"),
     "_copy_from": _copy_from,
     "_copy_from_and_resize": _copy_from_and_resize,
     "_local_scalar_dense": _local_scalar_dense,
