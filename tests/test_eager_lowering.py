@@ -113,6 +113,8 @@ CASES = {
                   lambda: (_randn(4, 6),)),
     "arange_full": (lambda a: a + torch.arange(a.shape[1], device=a.device) + torch.full_like(a, 2.0)
                     + torch.ones_like(a) + a.new_zeros(a.shape), lambda: (_randn(3, 4),)),
+    "binary_cross_entropy": (lambda p, t: (F.binary_cross_entropy(p, t), F.binary_cross_entropy(p, t, reduction="none")),
+                             lambda: (torch.rand(4, 5) * 0.98 + 0.01, torch.rand(4, 5))),  # its decomposition's new_full
     "convolutions": (lambda x, w: (F.conv2d(x, w, padding=1), F.conv2d(x, w, stride=2), F.conv1d(x[:, :, 0], w[:, :, 0]),
                                    F.conv_transpose2d(x, w.transpose(0, 1), stride=2, padding=1, output_padding=1),
                                    F.conv2d(x, w[:, :1].repeat(1, 1, 1, 1)[:4], groups=4)),

@@ -964,12 +964,10 @@ def _factory(lw, meta, *args, **kwargs):
     name = _current_name(lw)
     if name in ("ones", "ones_like", "new_ones"):
         value = 1
-    elif name in ("full", "new_full"):
+    elif name in ("full", "full_like", "fill"):  # (size or self, fill_value)
         value = args[1]
-    elif name == "full_like":
-        value = args[1]
-    elif name == "fill":
-        value = args[1]
+    elif name == "new_full":  # (self, size, fill_value)
+        value = args[2]
     elif name == "scalar_tensor":
         value = args[0]
     else:
