@@ -147,12 +147,12 @@ _NEVER = np.iinfo(np.int64).max  # the position of an overwrite that does not co
 
 def _on_chip_box(ap: AccessPattern) -> tuple:
     """(space, first partition, end partition, first byte, end byte, whether ``ap`` addresses every byte of that
-    box in each partition) of an on-chip operand."""
-    box = extent(ap)
-    elements = 1
-    for _, size in ap.dims[1:]:
-        elements *= size
-    return (int(ap.space), *box, elements * ap.dtype.itemsize == box[3] - box[2])
+    box in each partition) of an on-chip operand: dense when its free dims, by stride, are row-major (each stride
+    the product of the sizes inside it), so no element is skipped and none addressed twice."""
+    dense, inner = True, 1
+    for stride, size in sorted(d for d in ap.dims[1:] if d[1] > 1):
+        dense, inner = dense and stride == inner, inner * size
+    return (int(ap.space), *extent(ap), dense)
 
 
 def _region(ap: AccessPattern) -> tuple:

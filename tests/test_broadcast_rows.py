@@ -108,3 +108,21 @@ def test_a_broadcast_no_instruction_reads_makes_no_call_and_changes_no_result():
     assert len(loaded._plan.calls) == 2  # the low broadcast (partition 0 only) and the store
     whole = [e.end_ns for e in NeuronCore("trn2", check_uninitialised=True).load(p.neff()).time().events]
     assert [e.end_ns for e in result.timeline.events] == whole
+
+
+def test_a_copy_over_part_of_a_broadcasts_bytes_does_not_end_what_the_broadcast_must_write():
+    """x[8, 4] copied over the first half of each partition's bytes of an 8-partition broadcast of b[1, 8], then
+    all 8 x 8 read: the second halves are the broadcast's, so every partition is written."""
+    p = Program()
+    b_t = p.tensor("b", TensorKind.INPUT, (1, 8))
+    x_t = p.tensor("x", TensorKind.INPUT, (8, 4))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (8, 8))
+    tile, source = _broadcast(b_t, 8, 8)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, tile, source)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, chip((8, 4)), hbm(x_t), queue=1, waits=done(Engine.DMA))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), tile, queue=2, waits=done(Engine.DMA, queue=1))
+    b, x = uniform(-1, 1, (1, 8)), uniform(-1, 1, (8, 4))
+    loaded = NeuronCore("trn2").load(p.neff())
+
+    assert loaded._read_partitions() == {}
+    np.testing.assert_array_equal(loaded.run([b, x]).outputs[0], np.concatenate([x, np.repeat(b[:, 4:], 8, 0)], 1))
