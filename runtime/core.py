@@ -794,9 +794,11 @@ class LoadedProgram:
                     continue
                 scratch.next_kernel()
                 rows = live.get(i.key)
-                steps = kernel(i.instr, *map(view, i.instr.operands), new=scratch) if rows is None else [] \
-                    if rows.start == rows.stop else kernel(i.instr, *(view(ap)[rows] for ap in i.instr.operands),
-                                                           new=scratch)
+                if rows is None:
+                    steps = kernel(i.instr, *map(view, i.instr.operands), new=scratch)
+                else:  # a broadcast, on the partitions read (none: no call)
+                    steps = kernel(i.instr, *(view(ap)[rows] for ap in i.instr.operands), new=scratch) \
+                        if rows.stop > rows.start else []
             elif phase == START:
                 values[i.key] = box = [None]
                 steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
@@ -816,19 +818,19 @@ class LoadedProgram:
         (a DMA_COPY of one row to many partitions on chip: codegen's bias and norm-parameter tiles) of which
         some partitions no instruction reads before a copy or memset overwrites them, or the program ends;
         the run writes only the partitions from the first read to the last (none, an empty slice, when no
-        partition is read). The others hold what no
-        instruction of the program reads, nor any other program (a checked one reads no on-chip byte it did
-        not write; an unchecked one has its on-chip bytes reset before it runs), so the outputs and the
-        timeline are those of the whole copy.
+        partition is read). The others hold what no instruction of the program reads, nor any other program (a
+        checked one reads no on-chip byte it did not write; an unchecked one has its on-chip bytes reset before
+        it runs), so the outputs and the timeline are those of the whole copy.
 
-        Conservative: an operand is a box (its strides not looked at), every operand but a whole overwrite
-        counts as a read, and a read by an instruction that completes later counts even if it read earlier."""
+        Conservative: a read is its operand's box; every operand counts as a read but an overwrite (a copy or
+        memset whose operand is row-major by stride and covers the broadcast's bytes); and a read by an
+        instruction that completes later counts even if it read earlier."""
         if self.undefined_on_chip:  # (they may read any on-chip byte)
             return {}
         done = [self._instrs[s][k] for phase, s, k in self._order if phase != START]  # the order kernels run in
         broadcasts = [(n, i) for n, i in enumerate(done) if i.instr.opcode == Opcode.DMA_COPY
                       and i.instr.dst.space != Space.HBM and i.instr.dst.dims[0][1] > 1
-                      and i.instr.operands[1].dims[0][0] == 0]
+                      and i.instr.operands[1].dims[0][0] == 0 and i.instr.operands[1].shape == i.instr.dst.shape]
         if not broadcasts:
             return {}
         rows = []  # (position, space, first partition, end partition, first byte, end byte, overwrites)
