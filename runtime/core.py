@@ -56,7 +56,7 @@ import numpy as np
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
-from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Space
+from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import Neff, TensorKind
 from neuronc.neff.rules import WRITABLE, TensorIndex, check_hbm_operand, check_tensor_table
 from neuronc.parallel_access import ports
@@ -139,6 +139,20 @@ def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> Non
 def _reads(instr: Instruction) -> tuple:
     """Positions of the operands an instruction reads (Instruction.reads)."""
     return tuple(range(len(instr.operands) - len(instr.reads), len(instr.operands)))
+
+
+_OVERWRITES = frozenset({Opcode.DMA_COPY, Opcode.TENSOR_COPY, Opcode.MEMSET})  # write every byte of their dst
+_NEVER = np.iinfo(np.int64).max  # the position of an overwrite that does not come
+
+
+def _on_chip_box(ap: AccessPattern) -> tuple:
+    """(space, first partition, end partition, first byte, end byte, whether ``ap`` addresses every byte of that
+    box in each partition) of an on-chip operand: dense when its free dims, by stride, are row-major (each stride
+    the product of the sizes inside it), so no element is skipped and none addressed twice."""
+    dense, inner = True, 1
+    for stride, size in sorted(d for d in ap.dims[1:] if d[1] > 1):
+        dense, inner = dense and stride == inner, inner * size
+    return (int(ap.space), *extent(ap), dense)
 
 
 def _region(ap: AccessPattern) -> tuple:
@@ -763,6 +777,7 @@ class LoadedProgram:
 
         memory, scratch = self.memory, Scratch()
         calls, owners, values = [], [], {}
+        live = self._read_partitions()  # key -> the partitions of its destination a broadcast writes
         # one view per access pattern (a program's instructions share their tiles' patterns), made without the
         # bounds check the load made of every operand
         view = functools.partial(_cached, {}, functools.partial(memory.view, checked=True))
@@ -778,7 +793,12 @@ class LoadedProgram:
                 if phase == START:
                     continue
                 scratch.next_kernel()
-                steps = kernel(i.instr, *map(view, i.instr.operands), new=scratch)
+                rows = live.get(i.key)
+                if rows is None:
+                    steps = kernel(i.instr, *map(view, i.instr.operands), new=scratch)
+                else:  # a broadcast, on the partitions read (none: no call)
+                    steps = kernel(i.instr, *(view(ap)[rows] for ap in i.instr.operands), new=scratch) \
+                        if rows.stop > rows.start else []
             elif phase == START:
                 values[i.key] = box = [None]
                 steps = [functools.partial(_read, box, SEMANTICS[i.instr.opcode], i.instr,
@@ -792,6 +812,57 @@ class LoadedProgram:
                      self._used_memory(memory, hbm=not self.access_checked)
                      if not self.access_checked or bool(self.undefined_on_chip) else [],
                      [(i, view) for i, view in enumerate(inputs) if i not in self._bound])
+
+    def _read_partitions(self) -> dict:
+        """Instruction key -> slice of the partitions its destination is read at, for each partition broadcast
+        (a DMA_COPY of one row to many partitions on chip: codegen's bias and norm-parameter tiles) of which
+        some partitions no instruction reads before a copy or memset overwrites them, or the program ends;
+        the run writes only the partitions from the first read to the last (none, an empty slice, when no
+        partition is read). The others hold what no instruction of the program reads, nor any other program (a
+        checked one reads no on-chip byte it did not write; an unchecked one has its on-chip bytes reset before
+        it runs), so the outputs and the timeline are those of the whole copy.
+
+        Conservative: a read is its operand's box; every operand counts as a read but an overwrite (a copy or
+        memset whose operand is row-major by stride and covers the broadcast's bytes); and a read by an
+        instruction that completes later counts even if it read earlier."""
+        if self.undefined_on_chip:  # (they may read any on-chip byte)
+            return {}
+        done = [self._instrs[s][k] for phase, s, k in self._order if phase != START]  # the order kernels run in
+        broadcasts = [(n, i) for n, i in enumerate(done) if i.instr.opcode == Opcode.DMA_COPY
+                      and i.instr.dst.space != Space.HBM and i.instr.dst.dims[0][1] > 1
+                      and i.instr.operands[1].dims[0][0] == 0 and i.instr.operands[1].shape == i.instr.dst.shape]
+        if not broadcasts:
+            return {}
+        rows = []  # (position, space, first partition, end partition, first byte, end byte, overwrites)
+        boxes: dict = {}  # id(operand) -> (space, its extent, dense), or () in HBM
+        for n, i in enumerate(done):
+            instr = i.instr
+            reads = i.reads[0] if i.reads else len(instr.operands)  # operands from here on are read
+            overwrite = instr.opcode in _OVERWRITES and not instr.accumulate
+            for position, ap in enumerate(instr.operands):
+                box = boxes.get(id(ap))
+                if box is None:
+                    box = boxes[id(ap)] = () if ap.space == Space.HBM else _on_chip_box(ap)
+                if box:
+                    rows.append((n, *box[:5], overwrite and position < reads and box[5]))
+        at, space, q0, q1, lo2, hi2, overwrites = np.array(rows, dtype=np.int64).T
+        live = {}
+        for n, i in broadcasts:
+            dst = i.instr.dst
+            p0, p1, lo, hi = extent(dst)
+            near = np.flatnonzero((at > n) & (space == int(dst.space)) & (lo2 < hi) & (lo < hi2) & (q0 < p1)
+                                  & (p0 < q1))  # the later operands that touch its box
+            kills = overwrites[near].astype(bool) & (lo2[near] <= lo) & (hi <= hi2[near])
+            partitions = np.arange(p0, p1)[:, None]
+            covers = (q0[near] <= partitions) & (partitions < q1[near])  # [partition, operand]
+            first_kill = np.where(covers & kills, at[near], _NEVER).min(axis=1, initial=_NEVER)
+            read = (covers & ~kills & (at[near] <= first_kill[:, None])).any(axis=1)
+            used = np.flatnonzero(read)
+            if not len(used):
+                live[i.key] = slice(0, 0)  # nothing reads it: no call at all
+            elif used[-1] - used[0] + 1 < p1 - p0:
+                live[i.key] = slice(int(used[0]), int(used[-1]) + 1)
+        return live
 
     def _used_memory(self, memory: Memory, hbm: bool = True) -> list:
         """What a run resets to NaN when reads of unwritten memory are not refused: the output and scratch
