@@ -126,6 +126,8 @@ def register() -> None:
     for name in ONE_PROGRAM:
         aten.impl(name, functools.partial(run_op, getattr(torch.ops.aten, name).default), "PrivateUse1")
         _own_kernels.add(name)
+    for key in ("Conjugate", "Negative"):  # _copy_from applies the bits itself (``_flips``): PyTorch would hand
+        aten.impl("_copy_from", torch.library.fallthrough_kernel, key)  # it a resolved clone of a marked dst
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
     _libraries.extend([aten, every])
@@ -991,6 +993,22 @@ def _assign(dst: np.ndarray, src) -> None:
     dst[...] = src
 
 
+def _assign_flipped(dst: np.ndarray, src, conjugate: bool, negate: bool) -> None:
+    """``dst = src`` with the imaginary parts' signs flipped (``conjugate``) or every sign (``negate``): the
+    bytes of a copy between tensors whose conjugate or negative bits differ (PyTorch's lazy conj() and its
+    negative views mark the tensor, not its bytes)."""
+    dst[...] = src
+    if conjugate:
+        np.conjugate(dst, out=dst)
+    if negate:
+        np.negative(dst, out=dst)
+
+
+def _flips(src: torch.Tensor, dst: torch.Tensor) -> tuple:
+    """(conjugate, negate): what turns ``src``'s bytes into ``dst``'s for a copy of its values."""
+    return src.is_conj() != dst.is_conj(), src.is_neg() != dst.is_neg()
+
+
 def _copy_ns(device: int, tensor: torch.Tensor) -> float:
     """The emulated duration of moving ``tensor``'s bytes to or from ``device``'s HBM (the cost model's DMA)."""
     return copy_ns(tensor.numel() * tensor.element_size(), core(device).target)
@@ -1004,13 +1022,19 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
             queues.synchronize(device)
             array_of(dst)[...] = array_of(src)
         elif src.device.type == "neuron":
-            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), _view(src)),
-                           "copy_ (device to device)")
+            flips = _flips(src, dst)
+            queues.enqueue(device, _copy_ns(device, dst), *(
+                (_assign_flipped, (_view(dst), _view(src), *flips)) if any(flips) else (_assign, (_view(dst), _view(src)))),
+                "copy_ (device to device)")
         else:  # the host's bytes are taken now (the tensor may change before the copy runs) unless they are pinned
             host_transfers["to device"] += 1  # and the copy non-blocking: then, as on CUDA, read when it runs
+            src = src.resolve_conj().resolve_neg()  # its values as bytes (no copy unless it has either bit)
             pinned = non_blocking and src.dtype == dst.dtype and sys.modules[shim.NAME].is_pinned(src)
             data = host_array(src) if pinned else np.array(host_array(src.to(dst.dtype)), copy=True)
-            queues.enqueue(device, _copy_ns(device, dst), _assign, (_view(dst), data), "copy_ (host to device)")
+            flips = _flips(src, dst)  # dst's own bits: its bytes are their inverse of the values
+            queues.enqueue(device, _copy_ns(device, dst), *(
+                (_assign_flipped, (_view(dst), data, *flips)) if any(flips) else (_assign, (_view(dst), data))),
+                "copy_ (host to device)")
     else:
         host_transfers["to host"] += 1
         device = src.device.index
@@ -1018,7 +1042,8 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         queues.synchronize(device)  # the host waits for every stream: the copy reads what they wrote
         queues.enqueue(device, _copy_ns(device, src), _assign, (staged, _view(src)), "copy_ (device to host)")
         queues.synchronize(device)
-        dst.copy_(host_tensor(staged, src.dtype))
+        host = host_tensor(staged, src.dtype)  # src's bytes: marked with its bits, the CPU's copy_ applies them
+        dst.copy_(host.conj() if src.is_conj() else host._neg_view() if src.is_neg() else host)
     return dst
 
 
@@ -1123,6 +1148,9 @@ def _clone(x: torch.Tensor, *, memory_format=None) -> torch.Tensor:
     if memory_format not in (None, torch.preserve_format, torch.contiguous_format) or x.device.type != "neuron":
         return run_op(torch.ops.aten.clone.default, x, memory_format=memory_format)
     out = torch.empty_like(x, memory_format=memory_format or torch.preserve_format)  # a dense tensor's strides
+    flips = _flips(x, out)  # a clone has x's values and neither bit
+    if any(flips):
+        return _moved(x.device.index, out, _assign_flipped, (_view(out), _view(x), *flips), "clone")
     return _moved(x.device.index, out, _assign, (_view(out), _view(x)), "clone")
 
 
