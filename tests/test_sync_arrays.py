@@ -123,3 +123,11 @@ def test_the_streams_come_in_the_order_of_their_first_instruction_as_the_walk_ap
     assert [key for key, _ in streams] == [(Engine.DMA, 3), (Engine.DMA, 0)]  # not sorted: the NEFF lists them so
     assert waits == [(), (Wait(Engine.DMA, 3, 1),), (Wait(Engine.DMA, 0, 1),)]
     assert _walked(program, grid) == (waits, streams)
+
+
+def test_a_span_read_over_cells_no_instruction_writes_is_left_out_of_the_sorted_accesses():
+    # (spans read, spans written) of three instructions: cells 0-3 are only read (a weight's), 4-5 written between reads
+    spans = [([(0, 4), (4, 6)], []), ([], [(4, 6)]), ([(4, 6)], [])]
+    keys, bits = sync_arrays._sorted_keys(spans, len(spans))
+    accesses = [(int(key) >> bits, int(key) >> 1 & ((1 << (bits - 1)) - 1), int(key) & 1) for key in keys]
+    assert accesses == [(4, 0, 0), (4, 1, 1), (4, 2, 0), (5, 0, 0), (5, 1, 1), (5, 2, 0)]  # (cell, instruction, write)

@@ -54,7 +54,7 @@ def _first_reads(instructions: list, grid: HazardGrid) -> dict:
     steps: dict = {}
     needs: dict = {}
     for inst in instructions:
-        if inst.engine != Engine.DMA and inst.reads and steps.get(inst.kernel, 0) < PREFETCH_STEPS:
+        if inst.engine != Engine.DMA and steps.get(inst.kernel, 0) < PREFETCH_STEPS and inst.reads:
             steps[inst.kernel] = steps.get(inst.kernel, 0) + 1
             needs.setdefault(inst.kernel, []).extend(grid.access(inst)[0])
     return {kernel: _merged(spans) for kernel, spans in needs.items()}
@@ -130,6 +130,7 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
                for kernel, (starts, stops) in needs.items()}
     touches: dict = {}  # (number of a kernel's needs, id(destination)) -> whether the destination overlaps them
     access, dma_copy = grid.access, Opcode.DMA_COPY
+    sbuf_start, sbuf_stop = grid.sbuf_cells
     for position, inst in enumerate(instructions):
         kernel = inst.kernel
         if kernel not in first:
@@ -152,10 +153,17 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
                     moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
         last_on_queue[(kernel, inst.engine, inst.queue)] = position  # (kernel, *Instruction.stream)
-        for a, b in reads:  # (positions only grow: the latest use is this one)
-            last_use[a:b] = [position] * (b - a)
+        # (positions only grow: the latest use is this one). A load's `after` reads last_write only on the HBM cells it
+        # reads and last_use only on the SBUF cells it writes, so uses are kept for SBUF cells and writes for the
+        # others (a span never leaves its block: HazardGrid.block_starts)
+        for a, b in reads:
+            if sbuf_start <= a < sbuf_stop:
+                last_use[a:b] = [position] * (b - a)
         for a, b in writes:
-            last_write[a:b] = last_use[a:b] = [position] * (b - a)
+            if sbuf_start <= a < sbuf_stop:
+                last_use[a:b] = [position] * (b - a)
+            else:
+                last_write[a:b] = [position] * (b - a)
     return moved
 
 

@@ -235,11 +235,12 @@ class HazardGrid:
         # distinct objects get the same extent twice: hashing a pattern's fields at every use cost more). Boxes in
         # order of first use, reads before writes, as they number the cells.
         extents: dict = {}  # id(AccessPattern) -> its extent, then its spans of cells
-        for inst in instructions:
-            for ap in inst.reads:
+        operands = [(inst.reads, inst.writes) for inst in instructions]  # (properties: read once per instruction)
+        for reads, writes in operands:
+            for ap in reads:
                 if id(ap) not in extents:
                     extents[id(ap)] = regions.extent(ap)
-            for ap in inst.writes:
+            for ap in writes:
                 if id(ap) not in extents:
                     extents[id(ap)] = regions.extent(ap)
         hbm, alike = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
@@ -251,15 +252,19 @@ class HazardGrid:
         # the first cell of each block (an HBM tensor's grid, PSUM, SBUF), sorted, and the cell count: a span never
         # leaves its block (codegen.sync_replay maps one program span's cells onto another's block by block)
         self.block_starts = sorted(first for first, _, _, _ in layout.blocks.values()) + [layout.count]
+        first, _, rows, columns = layout.blocks.get((Space.SBUF, -1), (0, 0, 0, 0))
+        self.sbuf_cells = (first, first + rows * columns)  # [start, stop) of SBUF's cells (codegen.schedule)
         ap_spans = {key: spans[box] for key, box in boxes.items()}
         self.ap_spans = ap_spans  # id(AccessPattern) -> its spans (codegen.sync_replay compares patterns with them)
-        self._access = {}
-        for inst in instructions:
-            self._access[id(inst)] = ([span for ap in inst.reads for span in ap_spans[id(ap)]],
-                                      [span for ap in inst.writes for span in ap_spans[id(ap)]])
+        # (an instruction of one pattern read, or written, takes that pattern's tuple of spans itself)
+        self._access = dict(zip(map(id, instructions), [
+            (ap_spans[id(reads[0])] if len(reads) == 1 else [span for ap in reads for span in ap_spans[id(ap)]],
+             ap_spans[id(writes[0])] if len(writes) == 1 else [span for ap in writes for span in ap_spans[id(ap)]])
+            for reads, writes in operands]))
 
     def access(self, inst) -> tuple:
-        """(spans read, spans written) of an instruction of the program."""
+        """(spans read, spans written) of an instruction of the program: sequences of [start, stop), the very tuple
+        of HazardGrid.ap_spans when one pattern is read (or written); read them, do not change them."""
         return self._access[id(inst)]
 
 

@@ -12,6 +12,7 @@ need of (the reader's stream, its position). The needs of an instruction are red
 filtered by its stream's running maximum of earlier needs (what it already waited for). The waits are those of the
 walk, wait for wait (tests/test_sync_arrays.py compares them); the cost is in numpy per access instead of Python
 per span and per distinct cell state, so it grows with the program's cells touched, not with its instructions' Python.
+A span read over cells that no instruction writes (a weight's) gives no need either way and is left out first.
 """
 from __future__ import annotations
 
@@ -121,6 +122,18 @@ def _sorted_keys(spans: list, n: int) -> tuple | None:
     total = int(sizes.sum())
     if total > MAX_ACCESSES:
         return None
+    if total:
+        # a span read over cells no instruction writes (a weight's) follows no write and no write follows it: it
+        # orders nothing, so it is left out (judged per span: the cells of the kept spans are counted as before)
+        written = (tags & 1).astype(bool)
+        cover = np.zeros(int(flat[:, 1].max()) + 1, dtype=np.int64)
+        np.add.at(cover, flat[written, 0], 1)
+        np.add.at(cover, flat[written, 1], -1)
+        before = np.zeros(len(cover) + 1, dtype=np.int64)  # written cells before each cell
+        np.cumsum(np.cumsum(cover) > 0, out=before[1:])
+        kept = written | (before[flat[:, 1]] > before[flat[:, 0]])
+        flat, tags, sizes = flat[kept], tags[kept], sizes[kept]
+        total = int(sizes.sum())
     offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
     keys = np.repeat(flat[:, 0] - offsets, sizes)  # each access's cell, then the key, in place
     keys += np.arange(total)

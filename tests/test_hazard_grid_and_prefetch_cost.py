@@ -1,0 +1,93 @@
+"""The hazard grid (codegen.sync) and the prefetch step (codegen.schedule) on a program of repeated layers: what
+each instruction touches is read from it once, an instruction of one pattern read or written takes that pattern's
+spans as they are, and the prefetch, which keeps uses only for SBUF cells and writes only for the others, places
+each load after the last earlier instruction it conflicts with on any cell."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc import codegen
+from neuronc.codegen import schedule
+from neuronc.codegen.sync import HazardGrid
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.isa import Instruction, Space
+from neuronc.targets import get_target
+from tests import zoo
+
+
+@pytest.fixture(scope="module")
+def program():
+    """(instructions in emitted order, tensors, target, the grid) of a 3-layer GPT-2's forward at -O2."""
+    programs = []
+    prefetch = codegen.prefetch_loads
+
+    def capturing(instructions, grid):
+        programs.append((list(instructions), grid))
+        return prefetch(instructions, grid)
+
+    codegen.prefetch_loads = capturing
+    try:
+        torch.manual_seed(0)
+        model = zoo.GPT2(vocab=64, width=64, layers=3, heads=2, context=32).eval()
+        compiled = compile_exported(torch.export.export(model, (torch.randint(0, 64, (1, 32)),)),
+                                    CompileOptions(opt_level=2))
+    finally:
+        codegen.prefetch_loads = prefetch
+    (instructions, grid), = programs
+    return instructions, compiled.neff.tensors, get_target(compiled.neff.target), grid
+
+
+def test_the_grid_reads_what_each_instruction_reads_and_writes_once(program, monkeypatch):
+    instructions, tensors, target, grid = program
+    counts = {"reads": 0, "writes": 0}
+    for name in counts:
+        original = getattr(Instruction, name)
+
+        def counting(inst, original=original, name=name):
+            counts[name] += 1
+            return original.fget(inst)
+
+        monkeypatch.setattr(Instruction, name, property(counting))
+    made = HazardGrid(instructions, tensors, target)
+    assert counts == {"reads": len(instructions), "writes": len(instructions)}
+    monkeypatch.undo()
+    assert [made.access(inst) for inst in instructions] == [grid.access(inst) for inst in instructions]
+
+
+def test_an_instruction_of_one_pattern_read_or_written_takes_that_patterns_spans(program):
+    instructions, _, _, grid = program
+    alone = [inst for inst in instructions if len(inst.reads) == 1]
+    assert len(alone) > 100
+    for inst in alone:
+        assert grid.access(inst)[0] is grid.ap_spans[id(inst.reads[0])]
+    for inst in instructions:
+        assert grid.access(inst)[1] is grid.ap_spans[id(inst.writes[0])] or len(inst.writes) > 1
+        reads, writes = grid.access(inst)  # several patterns: their spans in operand order
+        assert list(reads) == [span for ap in inst.reads for span in grid.ap_spans[id(ap)]]
+        assert list(writes) == [span for ap in inst.writes for span in grid.ap_spans[id(ap)]]
+
+
+def test_the_sbuf_cells_are_the_spans_of_sbuf_patterns_and_no_others(program):
+    instructions, _, _, grid = program
+    start, stop = grid.sbuf_cells
+    spaces = {"in": set(), "out": set()}
+    for inst in instructions:
+        for ap in inst.operands:
+            for a, b in grid.ap_spans[id(ap)]:
+                spaces["in" if start <= a and b <= stop else "out"].add(ap.space)
+    assert spaces == {"in": {Space.SBUF}, "out": {Space.HBM, Space.PSUM}}
+
+
+def test_a_moved_load_goes_after_the_last_earlier_instruction_it_conflicts_with_on_any_cell(program):
+    instructions, _, _, grid = program
+    cells = [tuple({cell for a, b in spans for cell in range(a, b)} for spans in grid.access(inst))
+             for inst in instructions]
+    placements = schedule._placements(instructions, grid, every_load=True)
+    assert len(placements) > 20
+    for position, placement in placements.items():
+        reads, writes = cells[position]
+        conflicting = [q for q in range(position) if cells[q][1] & reads or (cells[q][0] | cells[q][1]) & writes]
+        assert placement.after == max(conflicting, default=-1)
+    assert {p.after >= 0 for p in placements.values()} == {True, False}  # some wait for an earlier instruction
+
