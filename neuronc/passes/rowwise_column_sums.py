@@ -55,18 +55,23 @@ def _inputs_in(row: ir.Node, summed: ir.Node) -> dict | None:
     return found
 
 
-def _with_prologue(body: tuple, prologue: tuple, inputs: dict) -> tuple:
+def _with_prologue(body: tuple, prologue: tuple, inputs: dict, same: dict) -> tuple:
     """(the body with the prologue's steps before its last step, the step computing the prologue's value): a step
-    the body already computes is taken as it is."""
+    the body already computes is taken as it is (`same`: each input index -> the first reading the same node
+    the same way; a body may read one tensor twice)."""
     head, last = list(body[:-1]), body[-1]
+
+    def key(step):
+        return step.op, tuple(("input", same[a[1]]) if a[0] == "input" else a for a in step.args), step.dtype, step.attrs
+
     index = {}
     for k, step in enumerate(prologue):
         args = tuple(("input", inputs[a[1]]) if a[0] == "input" else ("step", index[a[1]]) if a[0] == "step" else a
                      for a in step.args)
         step = ir.Step(step.op, args, step.dtype, step.attrs)
-        same = [j for j, s in enumerate(head) if s == step]
-        if same:
-            index[k] = same[0]
+        found = [j for j, s in enumerate(head) if key(s) == key(step)]
+        if found:
+            index[k] = found[0]
         else:
             index[k] = len(head)
             head.append(step)
@@ -92,7 +97,10 @@ def _with_sum(row: ir.Node, summed: ir.Node, ctx: PassContext) -> dict | None:
     inputs = _inputs_in(row, summed)
     if inputs is None:
         return None
-    body, step = _with_prologue(row.attrs["body"], plan.prologue, inputs)
+    read = list(zip(row.inputs, row.attrs["views"]))
+    same = {k: next(i for i, r in enumerate(read) if r[0] is read[k][0] and r[1] == read[k][1])
+            for k in range(len(read))}
+    body, step = _with_prologue(row.attrs["body"], plan.prologue, inputs, same)
     views, dtypes, schedule = row.attrs["views"], [x.dtype for x in row.inputs], row.attrs["schedule"]
     tile = tile_plan(body, views, dtypes, (step,))
     if (step_kinds(body, views)[step] != "full" or step == tile.out_step or step not in tile.instr_of
