@@ -108,35 +108,36 @@ def _folded(row: ir.Node, reduction: ir.Node, slots: set, target) -> ir.Node | N
     return made
 
 
-def _fold_one(graph: ir.Graph, ctx: PassContext) -> ir.Graph | None:
+def _fold_round(graph: ir.Graph, ctx: PassContext) -> ir.Graph | None:
+    """The graph with every reduction foldable now folded into its readers (a kernel takes one a round), or None."""
     consumers, outputs = graph.consumers(), set(graph.outputs)
+    new: dict = {}  # row-wise kernel -> itself computing a reduction
     for node in graph.nodes():
         if not _foldable(node):
             continue
         readers = _read_per_row(node, consumers, outputs)
-        if not readers:
+        if not readers or any(row in new for row, _ in readers):
             continue
-        rows = {}
+        rows: dict = {}
         for row, k in readers:
             rows.setdefault(row, set()).add(k)
-        new = {row: _folded(row, node, slots, ctx.target) for row, slots in rows.items()}
-        if any(n is None for n in new.values()):
-            continue
+        made = {row: _folded(row, node, slots, ctx.target) for row, slots in rows.items()}
+        if all(n is not None for n in made.values()):
+            new.update(made)
+    if not new:
+        return None
 
-        def replace(old: ir.Node, inputs: tuple, new: dict = new) -> ir.Node | None:
-            if old in new:
-                kept = {x: y for x, y in zip(old.inputs, inputs)}
-                made = new[old]
-                return ir.Node(Op.ROWWISE, tuple(kept[x] for x in made.inputs), made.shape, made.dtype, made.attrs,
-                               made.loc)
+    def replace(old: ir.Node, inputs: tuple) -> ir.Node | None:
+        if old not in new:
             return None
+        kept, made = dict(zip(old.inputs, inputs)), new[old]
+        return ir.Node(Op.ROWWISE, tuple(kept[x] for x in made.inputs), made.shape, made.dtype, made.attrs, made.loc)
 
-        return graph.rewrite(replace)
-    return None
+    return graph.rewrite(replace)
 
 
 def recompute_statistics_in_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each row reduction read only by row-wise kernels loading its rows is computed by them, readers first."""
-    while (folded := _fold_one(graph, ctx)) is not None:
+    while (folded := _fold_round(graph, ctx)) is not None:
         graph = folded
     return graph
