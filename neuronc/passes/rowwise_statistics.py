@@ -34,7 +34,7 @@ def _read_per_row(reduction: ir.Node, consumers: dict, outputs: set) -> list | N
         if x in outputs:
             return None
         for reader in consumers.get(x, ()):
-            if reader.op is Op.RESHAPE and reader.shape[-1] == 1:
+            if reader.op is Op.RESHAPE and reader.shape and reader.shape[-1] == 1:
                 stack.append(reader)
                 continue
             if reader.op is not Op.ROWWISE or not isinstance(reader.attrs.get("plan"), RowwisePlan):
@@ -48,7 +48,7 @@ def _read_per_row(reduction: ir.Node, consumers: dict, outputs: set) -> list | N
 
 def _foldable(node: ir.Node) -> bool:
     plan = node.attrs.get("plan")
-    return (node.op is Op.REDUCE_LAST and isinstance(plan, ReducePlan) and plan.rows == node.shape[-1]
+    return (node.op is Op.REDUCE_LAST and isinstance(plan, ReducePlan) and node.shape and plan.rows == node.shape[-1]
             and all(s.dtype == DType.F32 for s in plan.prologue) and not any(
                 a[0] == "input" and a[1] != 0 for s in plan.epilogue for a in s.args)
             and (plan.epilogue or node.dtype == DType.F32))
