@@ -297,6 +297,10 @@ class RowwisePlan:
     split_engines: tuple  # the Engines of the two halves of a cut tail
     needs_constants: bool  # a SELECT takes a constant (a tile of it per row tile)
     scalar_steps: tuple  # per step: a per-row ALU step the schedule may put on the Scalar engine
+    sums: tuple = ()  # steps whose values are also summed over the rows, each a further output of the kernel (its
+    # index 1, 2...: passes/rowwise_column_sums.py), ones[128, 1]^T @ each row tile accumulating in PSUM banks of
+    # `sum_bank` columns, row tiles in order, rounded once into the output's dtype after the last
+    sum_bank: int = 512  # columns per matmul of a sum (one PSUM bank of fp32)
 
 
 @dataclasses.dataclass(frozen=True)

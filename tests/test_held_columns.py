@@ -35,9 +35,10 @@ def test_x_minus_mean_times_rstd_is_one_pass_reading_bf16_x_with_o0s_bits():
     backward, inputs = _backward()
     optimised, out = _run(backward, inputs, 2)
     _, baseline = _run(backward, inputs, 0)
-    kernels = optimised.neff.kernels  # the sums over tokens' (the row-wise kernel makes its own pairs: rowwise_plan)
+    # the row-wise kernel's (rowwise_plan), which also makes the weight's sum over tokens (rowwise_column_sums)
+    kernels = optimised.neff.kernels
     instructions = [inst for stream in optimised.neff.streams.values() for inst in stream
-                    if 0 <= inst.kernel < len(kernels) and kernels[inst.kernel].name.startswith("reduce_last")]
+                    if 0 <= inst.kernel < len(kernels) and kernels[inst.kernel].name.startswith("rowwise")]
     pairs = [inst for inst in instructions if inst.opcode == Opcode.TENSOR_ALU2
              and (inst.alu, inst.alu1) == (AluOp.SUBTRACT, AluOp.MULTIPLY)
              and _repeated_column(inst.srcs[1]) and _repeated_column(inst.srcs[2])]

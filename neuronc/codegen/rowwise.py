@@ -225,6 +225,7 @@ class Rowwise:
         self.results = {}  # step -> its result: the col steps, made once for all row tiles
         self.out = None if sink is not None else HbmTensor.of(memory, node, View(0, tuple(node.attrs["out_strides"])),
                                                                (rows, cols))
+        self.sums = [_ColumnSums(em, node, memory, j, k) for k, j in enumerate(plan.sums, 1)]
 
     def width(self, tensor: HbmTensor) -> int:
         """The columns of an input's tile: all of them, or one for a value per row."""
@@ -283,6 +284,8 @@ class Rowwise:
                 self.emit_step(state, j, self.instrs[j], column_slice(state.results[j], *columns), full=True,
                                columns=columns, on=on)
                 yield
+        for sums in self.sums:
+            sums.add(state.results[sums.step], state.r0, state.rt, self.rows)
         self.store(state, last)
 
     def tile_of(self, state: _RowTileState, j: int) -> AccessPattern:
@@ -353,3 +356,34 @@ class Rowwise:
             dma_by_rows(self.em, dst, out, _pieces(self.em, out, last))
         else:  # stored transposed (passes/layout.py)
             dma_by_columns(self.em, dst, out, transposed_store_pieces(out.num_elements * out.dtype.itemsize, self.em.target))
+
+
+class _ColumnSums:
+    """A step's values summed over the kernel's rows, its k-th output (RowwisePlan.sums): ones[rt, 1]^T @ each row
+    tile's value, a PSUM bank of `sum_bank` columns a matmul, accumulated over the row tiles in order; after the
+    last, rounded once into the output's dtype on the way out of PSUM (Vector and Scalar in turn) and stored as one
+    row. The matmuls, tiles, order and rounding of a sum over tokens' own kernel (codegen/partition_sum.py)."""
+
+    def __init__(self, em: Emitter, node: Node, memory: MemoryPlan, step: int, k: int):
+        plan, cols, parts = node.attrs["plan"], node.attrs["cols"], em.target.partitions
+        self.em, self.step, self.cols = em, step, cols
+        shape, dtype = node.attrs["outputs"][k]
+        self.banks = [(c0, min(c0 + plan.sum_bank, cols)) for c0 in range(0, cols, plan.sum_bank)]
+        self.ones = em.sbuf_pool(node.attrs["body"][step].dtype, 1, bufs=1).next().ap(parts, 1)
+        em.emit(Opcode.MEMSET, Engine.GPSIMD, self.ones, imm0=1.0)
+        self.sums = em.sbuf_pool(dtype, cols, bufs=1).next().ap(1, cols)
+        psum = em.psum_pool(bufs=len(self.banks))
+        self.accs = [psum.next().ap(1, c1 - c0) for c0, c1 in self.banks]
+        self.out = HbmTensor(dtype, memory.placement[(node, k)].offset, ((1, cols),))
+
+    def add(self, tile: AccessPattern, r0: int, rt: int, rows: int) -> None:
+        """The row tile at r0 ([rt, cols], the step's value) summed into the accumulators; stored after the last."""
+        em = self.em
+        for acc, (c0, c1) in zip(self.accs, self.banks):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, first_rows(self.ones, rt), column_slice(tile, c0, c1),
+                    accumulate=r0 > 0)
+        if r0 + rt == rows:
+            for turn, (acc, (c0, c1)) in enumerate(zip(self.accs, self.banks)):
+                em.emit(Opcode.TENSOR_COPY, (Engine.VECTOR, Engine.SCALAR)[turn % 2], column_slice(self.sums, c0, c1),
+                        acc)
+            em.dma(self.out[0:self.cols].broadcast_rows(1).ap, self.sums)

@@ -80,6 +80,10 @@ def _gates() -> dict:
         "chain_matmuls": _ops(Op.MATMUL),
         # a sum over tokens (REDUCE_LAST) of a MATMUL's A becomes its second output
         "sum_operands_in_matmuls": lambda summary: Op.REDUCE_LAST in summary.ops and Op.MATMUL in summary.ops,
+        # a sum over tokens (REDUCE_LAST) of a ROWWISE kernel's rows becomes its second output
+        "sum_rows_in_rowwise_kernels": lambda summary: {Op.REDUCE_LAST, Op.ROWWISE} <= summary.ops,
+        # a REDUCE_LAST read only by ROWWISE kernels becomes their steps
+        "recompute_statistics_in_rowwise": lambda summary: {Op.REDUCE_LAST, Op.ROWWISE} <= summary.ops,
         # a prologue is a ROWWISE read by a MATMUL
         "fold_norms_into_matmuls": lambda summary: Op.ROWWISE in summary.ops and Op.MATMUL in summary.ops,
     }

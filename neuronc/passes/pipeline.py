@@ -39,6 +39,8 @@ from neuronc.passes.recomputed_rows import recompute_rows_in_readers
 from neuronc.passes.reduction_epilogues import fold_reduction_epilogues
 from neuronc.passes.reduction_rounding import round_reductions_once
 from neuronc.passes.rowwise import fuse_rowwise
+from neuronc.passes.rowwise_column_sums import sum_rows_in_rowwise_kernels
+from neuronc.passes.rowwise_statistics import recompute_statistics_in_rowwise
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
 from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
@@ -94,6 +96,8 @@ O2 = [
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
     tile_matmuls,  # tiles and loop order of every matmul (and chain) chosen with the cost model
     sum_operands_in_matmuls,  # after the tiling (A resident): a sum over tokens of a matmul's A is its second output
+    sum_rows_in_rowwise_kernels,  # after that: a sum over tokens of a row-wise kernel's rows is its second output
+    recompute_statistics_in_rowwise,  # after that: a row reduction read only by row-wise kernels is computed by them
 ]
 O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost compile time:
     store_activations_transposed,  # after fusion, PRICED: emits the program with and without it (every transformer
@@ -102,6 +106,8 @@ O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost co
     fold_norms_into_matmuls,
     search_matmul_tiles,  # the tiling search trying more candidates
     sum_operands_in_matmuls,
+    sum_rows_in_rowwise_kernels,
+    recompute_statistics_in_rowwise,
 ]
 
 PIPELINES = {0: O0, 1: O1, 2: O2, 3: O3}

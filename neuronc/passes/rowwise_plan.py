@@ -72,8 +72,9 @@ def _square(step) -> bool:
         step.op is Op.POWER and step.args[1] == ("imm", 2.0))
 
 
-def tile_plan(body: tuple, views: tuple, input_dtypes: list) -> TilePlan:
-    """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes."""
+def tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()) -> TilePlan:
+    """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes.
+    `summed`: steps whose values the kernel also sums over its rows (RowwisePlan.sums): kept to the tile's end."""
     kinds = step_kinds(body, views)
     users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
     alias, instrs, readers = {}, {}, {}
@@ -152,9 +153,9 @@ def tile_plan(body: tuple, views: tuple, input_dtypes: list) -> TilePlan:
             and kinds[root.args[0][1]] == "full" and not isinstance(instrs.get(root.args[0][1]), (Summed, type(None)))):
         out_step = root.args[0][1]  # it writes the output tile, rounding to its dtype: the convert, done
         del instrs[last]
-    live = _live(instrs, out_step, kinds)
+    live = _live(instrs, out_step, kinds, summed)
     instrs = {j: instr for j, instr in instrs.items() if j in live}
-    slots, count = _slots(body, instrs, out_step, kinds)
+    slots, count = _slots(body, instrs, out_step, kinds, summed)
     return TilePlan(tuple(instrs.items()), out_step, tuple(slots.items()), tuple(count.items()))
 
 
@@ -192,9 +193,9 @@ def _arithmetic(op, args, inner_op, per_row, absorbable):
     return Plain(args)
 
 
-def _live(instrs, out_step, kinds) -> set:
-    """The steps the output needs, through what each instruction reads."""
-    live, stack = set(), [out_step]
+def _live(instrs, out_step, kinds, summed=()) -> set:
+    """The steps the output (and the summed steps) need, through what each instruction reads."""
+    live, stack = set(), [out_step, *summed]
     while stack:
         j = stack.pop()
         if j in live:
@@ -208,9 +209,10 @@ def _live(instrs, out_step, kinds) -> set:
     return live
 
 
-def _slots(body, instrs, out_step, kinds) -> tuple:
+def _slots(body, instrs, out_step, kinds, summed=()) -> tuple:
     """Linear-scan tile slots per kind over the instructions: a value's slot is free after its last reader (a full
-    tile may be rewritten in place by its last reader, elementwise; a per-row one only after it)."""
+    tile may be rewritten in place by its last reader, elementwise; a per-row one only after it); a summed step's
+    is never free (its sums read it after the tile's last step)."""
     made = {}  # step -> the instruction index making it
     for j, instr in instrs.items():
         made[j] = j
@@ -221,6 +223,8 @@ def _slots(body, instrs, out_step, kinds) -> tuple:
         for a in instr.reads:
             if a[0] == "step":
                 last[a[1]] = max(last[a[1]], j)
+    for v in summed:
+        last[v] = len(body)  # read after every step
     free = {"full": [], "row": [], "col": []}
     count = {"full": 0, "row": 0, "col": 0}
     slots = {}
@@ -254,10 +258,11 @@ def needs_constants(body: tuple) -> bool:
     return any(s.op is Op.SELECT and any(a[0] == "imm" for a in s.args) for s in body)
 
 
-def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, bufs: int = BUFS) -> int:
+def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, bufs: int = BUFS,
+                       summed: tuple = (), sum_dtypes: tuple = ()) -> int:
     """Bytes per partition the ROWWISE kernel allocates with `bufs` buffers per row tile (codegen allocates
-    exactly these tiles)."""
-    count = tile_plan(body, views, input_dtypes).count_of
+    exactly these tiles); `summed` / `sum_dtypes`: its sums over rows (RowwisePlan.sums) and their outputs' dtypes."""
+    count = tile_plan(body, views, input_dtypes, summed).count_of
 
     def slot(elements, itemsize):
         return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
@@ -268,4 +273,6 @@ def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype:
     total += slot(1, wide) + slot(cols, wide)  # a zero bias and the Scalar engine's scratch tile
     for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
         total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else bufs)
+    for j, dtype in zip(summed, sum_dtypes):  # a sum's ones column and its rounded sums (codegen/rowwise.py)
+        total += slot(1, body[j].dtype.itemsize) + slot(cols, dtype.itemsize)
     return total + slot(cols, wide) * bufs  # the output tile
