@@ -1,5 +1,6 @@
-"""fuse_rowwise sizes and plans each distinct row-wise kernel once (passes/rowwise.py): a model's repeated layer
-norms and softmaxes share one SBUF fit and one plan, and every ROWWISE node carries the plan its own would be."""
+"""fuse_rowwise sizes and plans each distinct row-wise kernel once (passes/rowwise.py), and tile_plan plans each
+distinct body once (passes/rowwise_plan.py): a model's repeated layer norms and softmaxes share one SBUF fit, one
+tile plan and one kernel plan, and every ROWWISE node carries the plan its own would be."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +12,7 @@ from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.ir import Op
 from neuronc.neff import encode
-from neuronc.passes import rowwise
+from neuronc.passes import rowwise, rowwise_plan
 from neuronc.passes.rowwise_schedule import structural_key
 from neuronc.targets import get_target
 from tests.test_repeated_layers import gpt2
@@ -52,6 +53,28 @@ def test_repeated_layers_size_and_plan_each_distinct_rowwise_kernel_once(monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_plan_plans_each_distinct_body_once(monkeypatch, dtype):
+    made, plan = [], rowwise_plan._tile_plan
+
+    def counting(body, views, input_dtypes):
+        made.append(structural_key((body, views, tuple(input_dtypes))))
+        return plan(body, views, input_dtypes)
+
+    monkeypatch.setattr(rowwise_plan, "_PLANNED", {})
+    monkeypatch.setattr(rowwise_plan, "_tile_plan", counting)
+    compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers"))
+    assert len(made) == len(set(made)) >= 2  # a layer norm and a softmax at least, each once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_remembered_tile_plan_is_the_one_planned_afresh(dtype):
+    compiled = compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers"))
+    for n in _rowwise_nodes(compiled.graph):
+        args = n.attrs["body"], n.attrs["views"], [x.dtype for x in n.inputs]
+        assert rowwise_plan.tile_plan(*args) == rowwise_plan._tile_plan(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_rowwise_node_carries_the_plan_its_own_would_be(dtype):
     compiled = compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers"))
     target = get_target(CompileOptions().target)
@@ -80,6 +103,7 @@ def test_the_neff_is_the_one_made_kernel_by_kernel(monkeypatch, dtype):
         raise TypeError("no key: every kernel sized, scheduled and planned on its own")
 
     monkeypatch.setattr(rowwise.rowwise_schedule, "structural_key", no_key)
+    monkeypatch.setattr(rowwise_plan, "structural_key", no_key)
     monkeypatch.setattr(rowwise._Group, "users", _uncached_users)
     monkeypatch.setattr(rowwise._Group, "resolved", lambda self, x: rowwise._resolve(x))
     assert compiled() == once
