@@ -250,6 +250,7 @@ class _Group:
         if self.frame is None or self.frame.dense != self.in_frame(strides):
             return False
         self.members[seed] = "row"
+        producers: dict = {}  # (member, input) -> producer_kind(member, input)
         changed = True
         while changed:
             changed = False
@@ -261,7 +262,9 @@ class _Group:
                 for x in member.inputs:  # producers read only inside the group
                     if x.scalar is not None:
                         continue
-                    source, kind = self.producer_kind(member, x)
+                    if (member, x) not in producers:  # a member's kind and the frame are fixed while growing
+                        producers[member, x] = self.producer_kind(member, x)
+                    source, kind = producers[member, x]
                     if (source is not None and source not in self.members and source not in self.outputs
                             and self.read_only_inside(source) and not _reads_a_product(source)
                             and self.admissible(source, kind)):
