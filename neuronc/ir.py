@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from typing import Callable, Iterable, NamedTuple
-
-import numpy as np
 
 from neuronc import op_facts
 from neuronc.isa import DType
@@ -74,7 +73,7 @@ class Node:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
@@ -117,19 +116,27 @@ class Graph:
     name: str = "main"
 
     def nodes(self) -> list:
-        """Every node reachable from the outputs (plus all params), in a topological order.
+        """Every node reachable from the outputs (plus all params), in a topological order: each output's inputs
+        depth first, an input before its readers, first input first (the order a recursive post-order walk gives).
         Nodes are keyed by identity: `id` is only a display name."""
         order, seen = list(self.params), set(self.params)
+        append, add = order.append, seen.add
         for root in self.outputs:
-            stack = [(root, False)]
+            if root in seen:
+                continue
+            add(root)
+            stack = [(root, iter(root.inputs))]  # a node and the inputs it has yet to visit: no recursion
+            push, pop = stack.append, stack.pop
             while stack:
-                node, expanded = stack.pop()
-                if expanded:
-                    order.append(node)
-                elif node not in seen:
-                    seen.add(node)
-                    stack.append((node, True))
-                    stack.extend((i, False) for i in reversed(node.inputs) if i not in seen)
+                node, rest = stack[-1]
+                for i in rest:
+                    if i not in seen:
+                        add(i)
+                        push((i, iter(i.inputs)))
+                        break
+                else:
+                    pop()
+                    append(node)
         return order
 
     def rewrite(self, fn: Callable[[Node, tuple], Node | None]) -> "Graph":
@@ -137,7 +144,7 @@ class Graph:
         the node (with its inputs replaced)."""
         new: dict = {}
         for node in self.nodes():
-            inputs = tuple(new[i] for i in node.inputs)
+            inputs = tuple(map(new.__getitem__, node.inputs))
             replacement = fn(node, inputs)
             if replacement is None:
                 replacement = with_inputs(node, inputs)

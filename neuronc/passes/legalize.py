@@ -201,8 +201,8 @@ def _reduce(node, inputs):
     x, init = inputs
     dims = tuple(sorted(node.attrs["dims"]))
     kept = [d for d in range(len(x.shape)) if d not in dims]
-    rows = int(np.prod([x.shape[d] for d in kept], dtype=np.int64))
-    cols = int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
+    rows = int(math.prod([x.shape[d] for d in kept]))
+    cols = int(math.prod([x.shape[d] for d in dims]))
     if cols == 0 and node.attrs["kind"] != "mul":
         raise _unsupported(node, "a reduction over an empty dimension")
     xt = transpose(x, kept + list(dims), node.loc)
@@ -221,7 +221,7 @@ def _reduce_window(node, inputs):
     shape = list(node.shape) + list(a["window"])
     strides = [st * s for st, s in zip(ps, a["strides"])] + list(ps)
     patches = view(padded, shape, strides, 0, node.loc)
-    rows, cols = node.size, int(np.prod(a["window"], dtype=np.int64))
+    rows, cols = node.size, int(math.prod(a["window"]))
     reduced = _reduce_rows(node, reshape(patches, (rows, cols), node.loc))
     return _combine_init(node, reshape(reduced, node.shape, node.loc), init)
 
@@ -251,7 +251,7 @@ def _dot_general(node, inputs):
     lb, lc, rb, rc = list(a["lhs_batch"]), list(a["lhs_contract"]), list(a["rhs_batch"]), list(a["rhs_contract"])
     lfree = [d for d in range(len(lhs.shape)) if d not in lb + lc]
     rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
-    size = lambda x, dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+    size = lambda x, dims: int(math.prod([x.shape[d] for d in dims]))  # noqa: E731
     b, m, k, n = size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree)
     if not (node.dtype.is_float and lhs.dtype.is_float and rhs.dtype.is_float):
         raise _unsupported(node, "an integer matrix multiplication")
@@ -279,8 +279,8 @@ def _convolution(node, inputs):
     shape = [groups, n, *out_spatial, cg, *kernel]
     strides = [cg * sc, sn, *[s * st for s, st in zip(ss, a["strides"])], sc,
                *[s * d for s, d in zip(ss, a["rhs_dilation"])]]
-    positions = int(np.prod(out_spatial, dtype=np.int64))
-    window = cg * int(np.prod(kernel, dtype=np.int64))
+    positions = int(math.prod(out_spatial))
+    window = cg * int(math.prod(kernel))
     patches = reshape(view(padded, shape, strides, 0, node.loc), (groups, n * positions, window), node.loc)
     weights = transpose(reshape(w, (groups, og, window), node.loc), (0, 2, 1), node.loc)
     product = ir.node(Op.MATMUL, [patches, weights], (groups, n * positions, og), node.dtype, node.loc, k=window)

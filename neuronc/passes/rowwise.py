@@ -114,25 +114,45 @@ def _frame(shape, rows, cols, strides):
 
 
 class _Group:
-    def __init__(self, consumers: dict, outputs: set, seed):
+    def __init__(self, consumers: dict, outputs: set, seed, known: dict | None = None):
         self.consumers = consumers  # of the whole graph (Graph.consumers), shared by every group
         self.outputs = outputs
         self.seed = seed
         self.frame = None
         self.members: dict = {}  # node -> "full" | "row"
+        # what depends on the graph alone, shared by the pass's groups: ("users", node) -> users(node), ("resolved",
+        # node) -> _resolve(node) (a layer's groups ask about the same nodes again and again while growing)
+        self.known = {} if known is None else known
 
     def users(self, node) -> set:
-        """The non-link nodes that read `node`, through chains of reshapes and views."""
-        found, stack = set(), [node]
-        while stack:
-            for c in self.consumers.get(stack.pop(), ()):
-                (stack.append if _links(c) else found.add)(c)
+        """The non-link nodes that read `node`, through chains of reshapes and views (the set is shared: not to be
+        changed)."""
+        key = ("users", node)
+        found = self.known.get(key)
+        if found is None:
+            found, stack = set(), [node]
+            while stack:
+                for c in self.consumers.get(stack.pop(), ()):
+                    (stack.append if _links(c) else found.add)(c)
+            self.known[key] = found
         return found
+
+    def resolved(self, x):
+        """_resolve(x), once per node of the graph."""
+        key = ("resolved", x)
+        if key not in self.known:
+            self.known[key] = _resolve(x)
+        return self.known[key]
+
+    def read_only_inside(self, node) -> bool:
+        """Whether every user of `node` is a member."""
+        members = self.members
+        return all(u in members for u in self.users(node))
 
     def escapes(self, node) -> bool:
         if node in self.outputs or any(_links(c) and c in self.outputs for c in self._link_closure(node)):
             return True
-        return not self.users(node) <= set(self.members)
+        return not self.read_only_inside(node)
 
     def _link_closure(self, node):
         found, stack = [], [node]
@@ -145,7 +165,7 @@ class _Group:
 
     # how a node of `kind` reads one of its inputs, in the frame: (source, offset, (row stride, col stride))
     def read(self, consumer, kind, x):
-        resolved = _resolve(x)
+        resolved = self.resolved(x)
         if resolved is None:
             return None
         source, offset, strides = resolved
@@ -219,7 +239,7 @@ class _Group:
 
     def grow(self) -> bool:
         seed = self.seed
-        resolved = _resolve(seed.inputs[0])
+        resolved = self.resolved(seed.inputs[0])
         if resolved is None:
             return False
         source, offset, strides = resolved
@@ -230,6 +250,7 @@ class _Group:
         if self.frame is None or self.frame.dense != self.in_frame(strides):
             return False
         self.members[seed] = "row"
+        producers: dict = {}  # (member, input) -> producer_kind(member, input)
         changed = True
         while changed:
             changed = False
@@ -241,9 +262,11 @@ class _Group:
                 for x in member.inputs:  # producers read only inside the group
                     if x.scalar is not None:
                         continue
-                    source, kind = self.producer_kind(member, x)
+                    if (member, x) not in producers:  # a member's kind and the frame are fixed while growing
+                        producers[member, x] = self.producer_kind(member, x)
+                    source, kind = producers[member, x]
                     if (source is not None and source not in self.members and source not in self.outputs
-                            and self.users(source) <= set(self.members) and not _reads_a_product(source)
+                            and self.read_only_inside(source) and not _reads_a_product(source)
                             and self.admissible(source, kind)):
                         self.members[source] = kind
                         changed = True
@@ -336,10 +359,12 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     order = {n: i for i, n in enumerate(nodes)}
     taken, roots = set(), {}
     consumers, outputs = graph.consumers(), set(graph.outputs)
+    known: dict = {}  # the groups' shared answers about the graph (_Group.known)
+    fits: dict = {}  # structural key of a body, its views and dtypes -> the buffer counts that fit SBUF
     for seed in nodes:
         if seed.op is not Op.REDUCE_LAST or seed in taken:
             continue
-        group = _Group(consumers, outputs, seed)
+        group = _Group(consumers, outputs, seed, known)
         if not group.grow():
             continue
         root = group.prune(order)
@@ -358,8 +383,7 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             continue
         frame = group.frame
         dtypes = [x.dtype for x, _ in externals]
-        fitting = [bufs for bufs in BUF_CHOICES
-                   if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, root.dtype, frame.cols, bufs), target)]
+        fitting = _fitting(body, views, dtypes, root.dtype, frame.cols, target, fits)
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
         schedule = rowwise_schedule.choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
@@ -368,6 +392,22 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     if not roots:
         return graph
     return _rewrite(graph, roots, target)
+
+
+def _fitting(body: tuple, views: list, dtypes: list, out_dtype, cols: int, target: Target, fits: dict) -> list:
+    """The buffer counts (BUF_CHOICES) with which the kernel's row tiles fit SBUF: computed once per distinct kernel
+    of a pass (`fits`, keyed by rowwise_schedule.structural_key; a model's N copies of a layer norm are one)."""
+    try:
+        key = rowwise_schedule.structural_key((body, views, dtypes, out_dtype, cols))
+    except TypeError:  # an attribute of a kind the key does not know: computed every time
+        key = None
+    if key is None or key not in fits:
+        fitting = [bufs for bufs in BUF_CHOICES
+                   if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, out_dtype, cols, bufs), target)]
+        if key is None:
+            return fitting
+        fits[key] = fitting
+    return list(fits[key])
 
 
 def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target) -> RowwisePlan:
@@ -380,10 +420,22 @@ def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedu
 
 
 def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols: int, out_strides, schedule: Schedule,
-                  target: Target) -> ir.Node:
+                  target: Target, plans: dict | None = None) -> ir.Node:
+    """The ROWWISE node; with `plans`, its plan made once per distinct (body, views, dtypes, schedule) and shared."""
+    dtypes = [x.dtype for x in inputs]
+    key = None
+    if plans is not None:
+        try:
+            key = rowwise_schedule.structural_key((body, views, dtypes, schedule))
+        except TypeError:  # an attribute of a kind the key does not know: planned every time
+            key = None
+    plan = plans.get(key) if key is not None else None
+    if plan is None:
+        plan = rowwise_plan(body, views, dtypes, schedule, target)
+        if key is not None:
+            plans[key] = plan
     return ir.node(Op.ROWWISE, inputs, like.shape, like.dtype, like.loc, body=body, views=views, rows=rows, cols=cols,
-                   out_strides=out_strides, schedule=schedule,
-                   plan=rowwise_plan(body, views, [x.dtype for x in inputs], schedule, target))
+                   out_strides=out_strides, schedule=schedule, plan=plan)
 
 
 def rebuilt_rowwise(node, inputs: list, views: tuple, body: tuple, target: Target):
@@ -401,6 +453,7 @@ def rebuilt_rowwise(node, inputs: list, views: tuple, body: tuple, target: Targe
 
 def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
     new_of: dict = {}
+    plans: dict = {}  # one plan per distinct kernel (_rowwise_node)
 
     def fuse(node, inputs):
         for old, new in zip(node.inputs, inputs):
@@ -410,7 +463,7 @@ def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
         body, externals, frame, schedule = roots[node]
         inputs = [new_of.get(x, x) for x, _ in externals]
         return _rowwise_node(inputs, body, tuple(v for _, v in externals), node, frame.rows, frame.cols, frame.dense,
-                             schedule, target)
+                             schedule, target, plans)
 
     for p in graph.params:
         new_of[p] = p

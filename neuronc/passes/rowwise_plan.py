@@ -10,6 +10,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.placement import SBUF_PAGE_BYTES
+from neuronc.passes.structural_key import structural_key
 from neuronc.plans import OUT_SLOT, Act, Alu2, Plain, RowSum, Summed, TilePlan
 
 BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
@@ -74,7 +75,29 @@ def _square(step) -> bool:
 
 def tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()) -> TilePlan:
     """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes.
-    `summed`: steps whose values the kernel also sums over its rows (RowwisePlan.sums): kept to the tile's end."""
+    `summed`: steps whose values the kernel also sums over its rows (RowwisePlan.sums): kept to the tile's end.
+
+    It depends on nothing but its arguments, so it is made once per distinct kernel (a frozen plan, shared): the
+    SBUF fit, the schedule search, the kernel plan and the norm prologues' tilings ask again for each of a model's
+    N copies of one layer norm or softmax."""
+    try:
+        key = (structural_key(body), structural_key(views), tuple(input_dtypes), tuple(summed))
+        hash(key)
+    except TypeError:  # an attribute of a kind the key does not know: planned every time
+        return _tile_plan(body, views, input_dtypes, summed)
+    plan = _PLANNED.get(key)
+    if plan is None:
+        if len(_PLANNED) >= _PLANNED_LIMIT:
+            _PLANNED.clear()
+        plan = _PLANNED[key] = _tile_plan(body, views, input_dtypes, summed)
+    return plan
+
+
+_PLANNED: dict = {}  # structural key of tile_plan's arguments -> its TilePlan
+_PLANNED_LIMIT = 4096  # distinct row-wise bodies remembered per process
+
+
+def _tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()) -> TilePlan:
     kinds = step_kinds(body, views)
     users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
     alias, instrs, readers = {}, {}, {}

@@ -9,12 +9,8 @@ each candidate `Schedule` is priced by `rowwise_ns`, a replay of what codegen em
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import itertools
 from typing import NamedTuple
-
-import numpy as np
 
 from neuronc import ir
 from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_ns, engine_pass_ns, perf_mode_speedup,
@@ -22,6 +18,7 @@ from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_n
 from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import ActFunc, DType, Engine, Space
 from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
+from neuronc.passes.structural_key import structural_key
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
 from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
 from neuronc.targets import Target
@@ -279,23 +276,3 @@ def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DT
 
 _CHOSEN: dict = {}  # structural key of choose_schedule's arguments -> its schedule
 _CHOSEN_LIMIT = 4096  # distinct row-wise kernels remembered per process
-
-
-def structural_key(value):
-    """A hashable value equal for equal bodies and views, and only for them: floats and numpy scalars by their
-    type and bits (so -0.0 and 0.0, 1 and 1.0, stay apart), arrays by dtype, shape and bytes."""
-    if isinstance(value, enum.Enum):
-        return value
-    if isinstance(value, (float, np.floating, np.generic)):
-        return type(value).__name__, np.asarray(value).tobytes()
-    if isinstance(value, (bool, int, str)) or value is None:
-        return type(value).__name__, value
-    if isinstance(value, np.ndarray):
-        return "array", value.dtype.str, value.shape, value.tobytes()
-    if isinstance(value, dict):
-        return "dict", tuple((structural_key(k), structural_key(v)) for k, v in value.items())
-    if isinstance(value, (tuple, list)):
-        return type(value).__name__, tuple(structural_key(v) for v in value)
-    if dataclasses.is_dataclass(value):
-        return type(value).__name__, tuple(structural_key(getattr(value, f.name)) for f in dataclasses.fields(value))
-    raise TypeError(f"no structural key for a {type(value).__name__}: {value!r}")

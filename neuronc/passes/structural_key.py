@@ -1,0 +1,29 @@
+"""A hashable key equal for structurally equal values (kernel bodies, views, plans), and only for them: the memos
+of the passes that decide once per distinct kernel (rowwise_schedule.choose_schedule, rowwise_plan.tile_plan,
+fuse_rowwise) key by it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+def structural_key(value):
+    """A hashable value equal for equal bodies and views, and only for them: floats and numpy scalars by their
+    type and bits (so -0.0 and 0.0, 1 and 1.0, stay apart), arrays by dtype, shape and bytes."""
+    if isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, (float, np.floating, np.generic)):
+        return type(value).__name__, np.asarray(value).tobytes()
+    if isinstance(value, (bool, int, str)) or value is None:
+        return type(value).__name__, value
+    if isinstance(value, np.ndarray):
+        return "array", value.dtype.str, value.shape, value.tobytes()
+    if isinstance(value, dict):
+        return "dict", tuple((structural_key(k), structural_key(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(structural_key(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return type(value).__name__, tuple(structural_key(getattr(value, f.name)) for f in dataclasses.fields(value))
+    raise TypeError(f"no structural key for a {type(value).__name__}: {value!r}")
