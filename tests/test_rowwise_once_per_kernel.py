@@ -56,9 +56,9 @@ def test_repeated_layers_size_and_plan_each_distinct_rowwise_kernel_once(monkeyp
 def test_tile_plan_plans_each_distinct_body_once(monkeypatch, dtype):
     made, plan = [], rowwise_plan._tile_plan
 
-    def counting(body, views, input_dtypes):
-        made.append(structural_key((body, views, tuple(input_dtypes))))
-        return plan(body, views, input_dtypes)
+    def counting(body, views, input_dtypes, summed=()):
+        made.append(structural_key((body, views, tuple(input_dtypes), tuple(summed))))
+        return plan(body, views, input_dtypes, summed)
 
     monkeypatch.setattr(rowwise_plan, "_PLANNED", {})
     monkeypatch.setattr(rowwise_plan, "_tile_plan", counting)
