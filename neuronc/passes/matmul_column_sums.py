@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc import ir
-from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.plans import MatmulPlan, PartitionSumPlan, PoolSpec
 from neuronc.passes.context import PassContext
+from neuronc.passes.second_outputs import as_second_outputs
 from neuronc.passes.tiling import sbuf_bytes
 
 
@@ -105,28 +105,4 @@ def sum_operands_in_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
         made[node] = (attrs, reader)
     if not made:
         return graph
-    final, kept = {}, {}  # old matmul -> its new node; old sum -> itself in the first rewrite's graph
-    readers = {reader for _, reader in made.values()}
-
-    def with_sums(node: ir.Node, inputs: tuple) -> ir.Node | None:
-        if node in made:
-            final[node] = ir.Node(Op.MATMUL, inputs, node.shape, node.dtype, made[node][0], node.loc)
-            return final[node]
-        if node in readers:
-            kept[node] = ir.with_inputs(node, inputs)
-            return kept[node]
-        return None
-
-    graph = graph.rewrite(with_sums)  # the matmuls first: a sum may come before its matmul in the order
-    matmul_of = {kept[reader]: final[matmul] for matmul, (_, reader) in made.items()}
-    matmuls = set(final.values())
-
-    def outputs_of(node: ir.Node, inputs: tuple) -> ir.Node | None:
-        if node in matmuls and ir.with_inputs(node, inputs) is not node:  # its KERNEL_OUTPUT reads that node
-            raise NeuronCompileError(f"matmul {node.id} reads a sum that moved into a matmul",
-                                     hint="this is a bug in neuronc's passes; please report it")
-        if node in matmul_of:
-            return ir.node(Op.KERNEL_OUTPUT, [matmul_of[node]], node.shape, node.dtype, node.loc, index=1)
-        return None
-
-    return graph.rewrite(outputs_of)
+    return as_second_outputs(graph, made)

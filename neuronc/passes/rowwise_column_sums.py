@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 from neuronc import ir
-from neuronc.errors import NeuronCompileError
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.plans import PartitionSumPlan, RowwisePlan
@@ -27,6 +26,7 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.rowwise import rowwise_plan
 from neuronc.passes.rowwise_plan import rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan
 from neuronc.passes.cost_model import fits_sbuf
+from neuronc.passes.second_outputs import as_second_outputs
 
 
 def _summable(node: ir.Node, target) -> bool:
@@ -134,27 +134,4 @@ def sum_rows_in_rowwise_kernels(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
                 break
     if not made:
         return graph
-    final, kept = {}, {}  # old row-wise kernel -> its new node; old sum -> itself in the first rewrite's graph
-
-    def with_sums(node: ir.Node, inputs: tuple) -> ir.Node | None:
-        if node in made:
-            final[node] = ir.Node(Op.ROWWISE, inputs, node.shape, node.dtype, made[node][0], node.loc)
-            return final[node]
-        if node in taken:
-            kept[node] = ir.with_inputs(node, inputs)
-            return kept[node]
-        return None
-
-    graph = graph.rewrite(with_sums)  # the kernels first: a sum may come before its kernel in the order
-    kernel_of = {kept[summed]: final[row] for row, (_, summed) in made.items()}
-    kernels = set(final.values())
-
-    def outputs_of(node: ir.Node, inputs: tuple) -> ir.Node | None:
-        if node in kernels and ir.with_inputs(node, inputs) is not node:
-            raise NeuronCompileError(f"row-wise kernel {node.id} reads a sum that moved into it",
-                                     hint="this is a bug in neuronc's passes; please report it")
-        if node in kernel_of:
-            return ir.node(Op.KERNEL_OUTPUT, [kernel_of[node]], node.shape, node.dtype, node.loc, index=1)
-        return None
-
-    return graph.rewrite(outputs_of)
+    return as_second_outputs(graph, made)
