@@ -73,3 +73,13 @@ def test_a_device_tensor_copied_into_a_conj_view_on_the_host_is_conjugated(value
     on_host.conj().copy_(z.to(neuron))
     expected.conj().copy_(z)
     assert torch.equal(on_host, expected)
+
+
+def test_a_compiled_graph_reads_a_negative_view_by_its_values(values, neuron, fresh_dynamo):
+    """A negative view (what PyTorch makes of ``z.conj().imag``) given to a compiled graph is computed with by its
+    values, as eager does: the device path read its bytes, the CPU path refused it converting to numpy."""
+    x = values[2]
+    compiled = torch.compile(lambda a: torch.sin(a) * 2, backend="neuron")
+    expected = torch.sin(-x) * 2
+    torch.testing.assert_close(compiled(x.to(neuron)._neg_view()).cpu(), expected)
+    torch.testing.assert_close(compiled(x._neg_view()), expected)

@@ -35,7 +35,7 @@ def to_numpy(tensor, copy: bool = True) -> np.ndarray:
     when it is a contiguous CPU tensor (a caller that only reads it, right away)."""
     import torch
 
-    tensor = tensor.detach().cpu().contiguous()
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()  # values, not a lazy view's bytes
     dtype = dtype_of(tensor.dtype)
     if dtype in _BITCAST:
         array = tensor.view(getattr(torch, _BITCAST[dtype])).numpy().view(dtype.numpy)

@@ -959,11 +959,16 @@ def launch_graph(program, duration_ns: float, args, device: int, what: str, outp
     output order). ``bound``: the inputs it reads in place (position -> array of their device memory: a model's
     parameters), bound when it runs."""
     bound = bound or {}
-    inputs = [None if n in bound else (_view(x) if not x.is_cpu else _host_scalar(x))
+    inputs = [None if n in bound else (_view(_by_value(x)) if not x.is_cpu else _host_scalar(x))
               if isinstance(x, torch.Tensor) else x for n, x in enumerate(args)]
     made = [_empty_with_view(shape, dtype, device) for shape, dtype in outputs]
     queues.enqueue(device, duration_ns, program.run_into, (inputs, [view for _, view in made], bound), what)
     return [tensor for tensor, _ in made]
+
+
+def _by_value(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy with its values as bytes when it is a lazy conj() or negative view (a program reads bytes)."""
+    return x.resolve_conj().resolve_neg() if x.is_conj() or x.is_neg() else x
 
 
 def _host_scalar(x: torch.Tensor) -> np.ndarray:
