@@ -31,6 +31,7 @@ from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIR
                                          needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
 from neuronc.passes import rowwise_schedule
 from neuronc.passes.rowwise_schedule import per_row_alu, split_engines
+from neuronc.passes.structural_key import once_per_key
 from neuronc.plans import RowwisePlan, Schedule
 from neuronc.targets import Target
 
@@ -397,17 +398,9 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
 def _fitting(body: tuple, views: list, dtypes: list, out_dtype, cols: int, target: Target, fits: dict) -> list:
     """The buffer counts (BUF_CHOICES) with which the kernel's row tiles fit SBUF: computed once per distinct kernel
     of a pass (`fits`, keyed by rowwise_schedule.structural_key; a model's N copies of a layer norm are one)."""
-    try:
-        key = rowwise_schedule.structural_key((body, views, dtypes, out_dtype, cols))
-    except TypeError:  # an attribute of a kind the key does not know: computed every time
-        key = None
-    if key is None or key not in fits:
-        fitting = [bufs for bufs in BUF_CHOICES
-                   if fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, out_dtype, cols, bufs), target)]
-        if key is None:
-            return fitting
-        fits[key] = fitting
-    return list(fits[key])
+    return list(once_per_key(fits, lambda: rowwise_schedule.structural_key((body, views, dtypes, out_dtype, cols)),
+                             lambda: [bufs for bufs in BUF_CHOICES if fits_sbuf(
+                                 rowwise_sbuf_bytes(body, views, dtypes, out_dtype, cols, bufs), target)]))
 
 
 def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target) -> RowwisePlan:
@@ -423,17 +416,11 @@ def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols
                   target: Target, plans: dict | None = None) -> ir.Node:
     """The ROWWISE node; with `plans`, its plan made once per distinct (body, views, dtypes, schedule) and shared."""
     dtypes = [x.dtype for x in inputs]
-    key = None
-    if plans is not None:
-        try:
-            key = rowwise_schedule.structural_key((body, views, dtypes, schedule))
-        except TypeError:  # an attribute of a kind the key does not know: planned every time
-            key = None
-    plan = plans.get(key) if key is not None else None
-    if plan is None:
+    if plans is None:
         plan = rowwise_plan(body, views, dtypes, schedule, target)
-        if key is not None:
-            plans[key] = plan
+    else:
+        plan = once_per_key(plans, lambda: rowwise_schedule.structural_key((body, views, dtypes, schedule)),
+                            lambda: rowwise_plan(body, views, dtypes, schedule, target))
     return ir.node(Op.ROWWISE, inputs, like.shape, like.dtype, like.loc, body=body, views=views, rows=rows, cols=cols,
                    out_strides=out_strides, schedule=schedule, plan=plan)
 

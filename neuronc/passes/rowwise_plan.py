@@ -10,7 +10,7 @@ from neuronc import ir
 from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.placement import SBUF_PAGE_BYTES
-from neuronc.passes.structural_key import structural_key
+from neuronc.passes.structural_key import once_per_key, structural_key
 from neuronc.plans import OUT_SLOT, Act, Alu2, Plain, RowSum, Summed, TilePlan
 
 BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
@@ -80,17 +80,8 @@ def tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ())
     It depends on nothing but its arguments, so it is made once per distinct kernel (a frozen plan, shared): the
     SBUF fit, the schedule search, the kernel plan and the norm prologues' tilings ask again for each of a model's
     N copies of one layer norm or softmax."""
-    try:
-        key = (structural_key(body), structural_key(views), tuple(input_dtypes), tuple(summed))
-        hash(key)
-    except TypeError:  # an attribute of a kind the key does not know: planned every time
-        return _tile_plan(body, views, input_dtypes, summed)
-    plan = _PLANNED.get(key)
-    if plan is None:
-        if len(_PLANNED) >= _PLANNED_LIMIT:
-            _PLANNED.clear()
-        plan = _PLANNED[key] = _tile_plan(body, views, input_dtypes, summed)
-    return plan
+    return once_per_key(_PLANNED, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes), tuple(summed)),
+                        lambda: _tile_plan(body, views, input_dtypes, summed), _PLANNED_LIMIT)
 
 
 _PLANNED: dict = {}  # structural key of tile_plan's arguments -> its TilePlan

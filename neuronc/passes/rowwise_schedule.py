@@ -18,7 +18,7 @@ from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_n
 from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import ActFunc, DType, Engine, Space
 from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
-from neuronc.passes.structural_key import structural_key
+from neuronc.passes.structural_key import once_per_key, structural_key
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
 from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
 from neuronc.targets import Target
@@ -257,21 +257,12 @@ def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DT
 
     The choice depends on nothing but its arguments, so it is made once per distinct kernel: a model's N copies of
     one layer norm (or softmax) share one search, and get the very schedule each search would have chosen."""
-    try:
-        key = (structural_key(body), structural_key(views), tuple(input_dtypes), out_dtype, rows, cols, tuple(fitting),
-               target)
-        hash(key)
-    except TypeError:  # an attribute of a kind the key does not know: searched every time
-        key = None
-    if key is not None and key in _CHOSEN:
-        return _CHOSEN[key]
-    options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
-    chosen = min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
-    if key is not None:
-        if len(_CHOSEN) >= _CHOSEN_LIMIT:
-            _CHOSEN.clear()
-        _CHOSEN[key] = chosen
-    return chosen
+    def search() -> Schedule:
+        options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
+        return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
+
+    return once_per_key(_CHOSEN, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes), out_dtype,
+                                          rows, cols, tuple(fitting), target), search, _CHOSEN_LIMIT)
 
 
 _CHOSEN: dict = {}  # structural key of choose_schedule's arguments -> its schedule

@@ -1,10 +1,11 @@
-"""A hashable key equal for structurally equal values (kernel bodies, views, plans), and only for them: the memos
-of the passes that decide once per distinct kernel (rowwise_schedule.choose_schedule, rowwise_plan.tile_plan,
-fuse_rowwise) key by it."""
+"""A hashable key equal for structurally equal values (kernel bodies, views, plans), and only for them, and the memo
+of the passes that decide once per distinct kernel by it (rowwise_schedule.choose_schedule, rowwise_plan.tile_plan,
+fuse_rowwise's SBUF fit and plans)."""
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Callable
 
 import numpy as np
 
@@ -27,3 +28,19 @@ def structural_key(value):
     if dataclasses.is_dataclass(value):
         return type(value).__name__, tuple(structural_key(getattr(value, f.name)) for f in dataclasses.fields(value))
     raise TypeError(f"no structural key for a {type(value).__name__}: {value!r}")
+
+
+def once_per_key(memo: dict, key_of: Callable, make: Callable, limit: int = 0):
+    """``make()``, or what it gave before for the same ``key_of()`` (kept in ``memo``, emptied once it holds ``limit``
+    entries; 0: no limit). Made every time when ``key_of`` raises TypeError (a value ``structural_key`` does not
+    know) or gives an unhashable key."""
+    try:
+        key = key_of()
+        hash(key)
+    except TypeError:
+        return make()
+    if key not in memo:
+        if limit and len(memo) >= limit:
+            memo.clear()
+        memo[key] = make()
+    return memo[key]
