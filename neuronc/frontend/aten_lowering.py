@@ -99,6 +99,13 @@ def _meta(x):
     return x
 
 
+def _on_meta(func, args, kwargs):
+    """``func`` called on the meta tensors standing for ``args``/``kwargs`` (through its Scalar overload where a
+    number stands in a Tensor place: frontend/scalar_overloads.py)."""
+    metas = tree_map(_meta, args), tree_map(_meta, kwargs)
+    return scalar_overload(func, *metas)(*metas[0], **metas[1])
+
+
 def _meta_results(func, args, kwargs):
     """``func``'s results as meta tensors (PyTorch's meta kernels: shapes, strides, dtypes)."""
     if torch.Tag.pointwise in func.tags:
@@ -112,15 +119,14 @@ def _meta_results(func, args, kwargs):
         return (torch.empty(x.shape, dtype=x.dtype, device="meta"),
                 torch.empty(stat_shape, dtype=statistics, device="meta"),
                 torch.empty(stat_shape, dtype=statistics, device="meta"))
-    metas = tree_map(_meta, args), tree_map(_meta, kwargs)
     try:
-        return scalar_overload(func, *metas)(*metas[0], **metas[1])
+        return _on_meta(func, args, kwargs)
     except NotLowered:
         raise
     except Exception as e:  # no meta kernel, or arguments it refuses
         if func in OWN_DECOMPOSITIONS:  # ours run on meta tensors too (the RNN cells have no meta kernel)
             try:
-                return OWN_DECOMPOSITIONS[func](*metas[0], **metas[1])
+                return _on_meta(OWN_DECOMPOSITIONS[func], args, kwargs)
             except Exception:  # noqa: BLE001 - reported below
                 pass
         raise NotLowered(f"{func} has no meta kernel for these arguments: {type(e).__name__}: {e}") from None
@@ -147,8 +153,7 @@ def pointwise_meta(func, args, kwargs):
     key = tuple(key)
     if key not in _pointwise_dtypes:
         try:
-            metas = tree_map(_meta, args), tree_map(_meta, kwargs)
-            result = scalar_overload(func, *metas)(*metas[0], **metas[1])
+            result = _on_meta(func, args, kwargs)
         except Exception:  # noqa: BLE001 - the full meta call reports it
             return None
         plain = isinstance(result, torch.Tensor) and tuple(result.shape) == tuple(torch.broadcast_shapes(*shapes))
@@ -185,8 +190,7 @@ def reduction_meta(func, args, kwargs):
     key = (func, x.dtype, rank, dims, keepdim)
     if key not in _reduction_results:
         try:
-            metas = tree_map(_meta, args), tree_map(_meta, kwargs)
-            result = scalar_overload(func, *metas)(*metas[0], **metas[1])
+            result = _on_meta(func, args, kwargs)
         except Exception:  # noqa: BLE001 - the full meta call reports it
             return None
         plain = isinstance(result, torch.Tensor) and tuple(result.shape) == shape

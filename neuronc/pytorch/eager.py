@@ -126,7 +126,7 @@ def register() -> None:
     for name in ONE_PROGRAM:
         aten.impl(name, functools.partial(run_op, getattr(torch.ops.aten, name).default), "PrivateUse1")
         _own_kernels.add(name)
-    for key in ("Conjugate", "Negative"):  # _copy_from applies the bits itself (``_flips``): PyTorch would hand
+    for key in ("Conjugate", "Negative"):  # _copy_from applies the bits itself (``_assignment``): PyTorch would hand
         aten.impl("_copy_from", torch.library.fallthrough_kernel, key)  # it a resolved clone of a marked dst
     every = torch.library.Library("_", "IMPL")
     every.fallback(run_op, "PrivateUse1")
@@ -245,7 +245,7 @@ def cpu_fallback(op, args, kwargs, reason: str):
         fallen_back[name] = reason
         warnings.warn(f"neuron: {name} runs on the CPU ({reason}); its arguments are copied to the host and "
                       f"back. Set {FALLBACK_ENV}=1 to make this an error.", stacklevel=3)
-    device = _first_device(args, kwargs) or torch.device("neuron", torch.accelerator.current_device_index())
+    device = _device_of_call(args, kwargs)
     originals = {}
 
     def to_host(x):
@@ -380,14 +380,15 @@ def _device_of(op, operands: list, inputs: list | None = None) -> int:
     return index if index >= 0 else torch.accelerator.current_device_index()
 
 
-def _first_device(args, kwargs):
-    """The device of the first `neuron` tensor among the arguments, or the `neuron` device a factory names."""
+def _device_of_call(args, kwargs) -> torch.device:
+    """The device of the first `neuron` tensor among the arguments, or the `neuron` device a factory names, or
+    the current one."""
     for x in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and x.device.type == "neuron":
             return x.device
-        if isinstance(x, torch.device) and x.type == "neuron":
-            return x if x.index is not None else torch.device("neuron", torch.accelerator.current_device_index())
-    return None
+        if isinstance(x, torch.device) and x.type == "neuron" and x.index is not None:
+            return x
+    return torch.device("neuron", torch.accelerator.current_device_index())
 
 
 _NUMBERS = (float, int)  # bool is an int, but a flag: it stays in the signature (type(x) is checked)
@@ -1009,9 +1010,13 @@ def _assign_flipped(dst: np.ndarray, src, conjugate: bool, negate: bool) -> None
         np.negative(dst, out=dst)
 
 
-def _flips(src: torch.Tensor, dst: torch.Tensor) -> tuple:
-    """(conjugate, negate): what turns ``src``'s bytes into ``dst``'s for a copy of its values."""
-    return src.is_conj() != dst.is_conj(), src.is_neg() != dst.is_neg()
+def _assignment(dst: torch.Tensor, dst_view: np.ndarray, src: torch.Tensor, data) -> tuple:
+    """(function, arguments) of the queued copy of ``data`` (``src``'s bytes) into ``dst_view`` (``dst``'s): a plain
+    assignment, or one flipping the signs their conjugate or negative bits differ by."""
+    conjugate, negate = src.is_conj() != dst.is_conj(), src.is_neg() != dst.is_neg()
+    if conjugate or negate:
+        return _assign_flipped, (dst_view, data, conjugate, negate)
+    return _assign, (dst_view, data)
 
 
 def _copy_ns(device: int, tensor: torch.Tensor) -> float:
@@ -1027,19 +1032,15 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
             queues.synchronize(device)
             array_of(dst)[...] = array_of(src)
         elif src.device.type == "neuron":
-            flips = _flips(src, dst)
-            queues.enqueue(device, _copy_ns(device, dst), *(
-                (_assign_flipped, (_view(dst), _view(src), *flips)) if any(flips) else (_assign, (_view(dst), _view(src)))),
-                "copy_ (device to device)")
+            queues.enqueue(device, _copy_ns(device, dst), *_assignment(dst, _view(dst), src, _view(src)),
+                           "copy_ (device to device)")
         else:  # the host's bytes are taken now (the tensor may change before the copy runs) unless they are pinned
             host_transfers["to device"] += 1  # and the copy non-blocking: then, as on CUDA, read when it runs
             src = src.resolve_conj().resolve_neg()  # its values as bytes (no copy unless it has either bit)
             pinned = non_blocking and src.dtype == dst.dtype and sys.modules[shim.NAME].is_pinned(src)
             data = host_array(src) if pinned else np.array(host_array(src.to(dst.dtype)), copy=True)
-            flips = _flips(src, dst)  # dst's own bits: its bytes are their inverse of the values
-            queues.enqueue(device, _copy_ns(device, dst), *(
-                (_assign_flipped, (_view(dst), data, *flips)) if any(flips) else (_assign, (_view(dst), data))),
-                "copy_ (host to device)")
+            queues.enqueue(device, _copy_ns(device, dst), *_assignment(dst, _view(dst), src, data),  # dst's own bits
+                           "copy_ (host to device)")
     else:
         host_transfers["to host"] += 1
         device = src.device.index
@@ -1101,7 +1102,7 @@ def _factory_on_the_host(name: str):
     op = getattr(getattr(torch.ops.aten, base), overload or "default")
 
     def kernel(*args, **kwargs):
-        device = _first_device(args, kwargs) or torch.device("neuron", torch.accelerator.current_device_index())
+        device = _device_of_call(args, kwargs)
         return op(*args, **{**kwargs, "device": torch.device("cpu")}).to(device)
     return kernel
 
@@ -1153,10 +1154,7 @@ def _clone(x: torch.Tensor, *, memory_format=None) -> torch.Tensor:
     if memory_format not in (None, torch.preserve_format, torch.contiguous_format) or x.device.type != "neuron":
         return run_op(torch.ops.aten.clone.default, x, memory_format=memory_format)
     out = torch.empty_like(x, memory_format=memory_format or torch.preserve_format)  # a dense tensor's strides
-    flips = _flips(x, out)  # a clone has x's values and neither bit
-    if any(flips):
-        return _moved(x.device.index, out, _assign_flipped, (_view(out), _view(x), *flips), "clone")
-    return _moved(x.device.index, out, _assign, (_view(out), _view(x)), "clone")
+    return _moved(x.device.index, out, *_assignment(out, _view(out), x, _view(x)), "clone")  # x's values, no bit
 
 
 # ---- views PyTorch has no generic kernel for (the others reach the shim's as_strided) ---------------------
