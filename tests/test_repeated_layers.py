@@ -11,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from neuronc import ir, ir_text
-from neuronc.compiler import compile_fx
+from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.frontend import repeated_layers
 from neuronc.frontend.torch_import import decomposition_table, import_fx
 from neuronc.neff import encode
@@ -35,6 +35,13 @@ def gpt2(dtype):
     torch.manual_seed(0)
     model = zoo.GPT2(vocab=64, width=32, layers=3, heads=2, context=16).eval().to(dtype)
     return traced(model, torch.randint(0, 64, (1, 16)))
+
+
+def gpt2_neff(monkeypatch, dtype) -> bytes:
+    """gpt2(dtype) compiled at -O2 to NEFF bytes, node ids counted from 0 (they name the NEFF's tensors): two
+    compiles of it in one test give the same bytes unless what they compile differs."""
+    monkeypatch.setattr(ir, "_ids", itertools.count())
+    return encode(compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers")).neff)
 
 
 def mlp_stack(dtype, blocks=12, width=16):

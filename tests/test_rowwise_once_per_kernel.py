@@ -3,19 +3,16 @@ distinct body once (passes/rowwise_plan.py): a model's repeated layer norms and 
 tile plan and one kernel plan, and every ROWWISE node carries the plan its own would be."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 
-from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_fx
 from neuronc.ir import Op
-from neuronc.neff import encode
 from neuronc.passes import rowwise, rowwise_plan
 from neuronc.passes.rowwise_schedule import structural_key
 from neuronc.targets import get_target
-from tests.test_repeated_layers import gpt2
+from tests.test_repeated_layers import gpt2, gpt2_neff
 
 
 def _compiled_counting(monkeypatch, dtype):
@@ -93,11 +90,7 @@ def _uncached_users(self, node):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_neff_is_the_one_made_kernel_by_kernel(monkeypatch, dtype):
-    def compiled() -> bytes:
-        monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
-        return encode(compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers")).neff)
-
-    once = compiled()
+    once = gpt2_neff(monkeypatch, dtype)
 
     def no_key(value):
         raise TypeError("no key: every kernel sized, scheduled and planned on its own")
@@ -106,4 +99,4 @@ def test_the_neff_is_the_one_made_kernel_by_kernel(monkeypatch, dtype):
     monkeypatch.setattr(rowwise_plan, "structural_key", no_key)
     monkeypatch.setattr(rowwise._Group, "users", _uncached_users)
     monkeypatch.setattr(rowwise._Group, "resolved", lambda self, x: rowwise._resolve(x))
-    assert compiled() == once
+    assert gpt2_neff(monkeypatch, dtype) == once

@@ -2,17 +2,14 @@
 their matmuls once, and every matmul gets the tiling its own search would give."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 
-from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_fx
-from neuronc.neff import encode
 from neuronc.passes import tiling
 from neuronc.targets import get_target
-from tests.test_repeated_layers import gpt2
+from tests.test_repeated_layers import gpt2, gpt2_neff
 
 
 def _compiled_counting(monkeypatch, dtype):
@@ -52,10 +49,6 @@ def test_every_matmul_gets_the_tiling_its_own_search_gives(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_neff_is_the_one_searched_matmul_by_matmul(monkeypatch, dtype):
-    def compiled() -> bytes:
-        monkeypatch.setattr(ir, "_ids", itertools.count())  # node ids name the NEFF's tensors: the same in both
-        return encode(compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers")).neff)
-
-    once = compiled()
+    once = gpt2_neff(monkeypatch, dtype)
     monkeypatch.setattr(tiling, "_choose_once_per_key", lambda: lambda node, t: tiling.choose(node, t))
-    assert compiled() == once
+    assert gpt2_neff(monkeypatch, dtype) == once
