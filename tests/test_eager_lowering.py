@@ -102,6 +102,9 @@ CASES = {
     "index_select_gather": (lambda a, i, j: (a.index_select(0, i), a.index_select(1, i[1:]), a[j], a[:, j[1:]],
                                              torch.gather(a, 1, i[:, None].expand(3, 2)), a[j, i], a[j[:, None], i]),
                             lambda: (_randn(5, 4), torch.tensor([3, 1, 0]), torch.tensor([4, -1, 0]))),
+    "zero_dim_indexing": (lambda s, i, j: (s.argmax(0), s.argmin(0, keepdim=True), s.index_select(0, i),
+                                           s.index_select(0, j), s.index_add(0, j, s * 3, alpha=2)),
+                          lambda: (_randn(()), torch.tensor([0]), torch.tensor(0))),  # OpInfo's 0-d samples
     "embedding": (lambda w, i: F.embedding(i, w), lambda: (_randn(10, 4), torch.tensor([[1, 2, 9], [0, 0, 3]]))),
     "index_put_scatter": (lambda a, i, v, j: (a.index_put((i,), v, accumulate=True), a.index_add(0, i, v),
                                               torch.scatter_add(a, 0, i[:, None].expand(3, 4), v),

@@ -1261,7 +1261,7 @@ def _any_all(lw, meta, x, dim=None, keepdim=False):
 def _arg_extreme(lw, x, dim, keepdim, kind):
     """(values, first index) of the max or min of x along dim (all dims, flattened, for None)."""
     node = lw.node(x)
-    if dim is None:
+    if dim is None or x.dim() == 0:
         node = lw.reshape(node, (max(1, x.numel()),))
         dim = 0
     dim %= max(1, len(node.shape))
@@ -1453,6 +1453,10 @@ def _embedding(lw, meta, weight, indices, padding_idx=-1, scale_grad_by_freq=Fal
 @rule(aten.index_select.default)
 def _index_select(lw, meta, x, dim, index):
     shape, dtype = _out(meta)
+    if x.dim() == 0:  # x's one element, where the index is one 0 or -1 (PyTorch refuses more values)
+        if index.numel() != 1:
+            raise NotLowered("an index_select of a 0-d tensor at more than one index")
+        return lw.broadcast(lw.node(x), shape)
     dim %= max(1, x.dim())
     window = list(x.shape)
     window[dim] = 1
@@ -1521,6 +1525,9 @@ def _scatter(lw, meta, x, dim, index, src):
 @rule(aten.index_add.default)
 def _index_add(lw, meta, x, dim, index, source, *, alpha=1):
     shape, dtype = _out(meta)
+    if x.dim() == 0:  # one element: the index is one 0 (or -1) and the source one value
+        added = _scaled(lw, lw.reshape(lw.node(source, dtype), ()), alpha, dtype, ())
+        return lw.op(Op.ADD, [lw.node(x), added], shape, dtype)
     dim %= max(1, x.dim())
     compute = dtype
     updates = _scaled(lw, lw.node(source, compute), alpha, compute, tuple(source.shape))
