@@ -1759,6 +1759,23 @@ def _addmv(self, mat, vec, *, beta=1, alpha=1):
     return (self if beta == 1 else self * beta) + product
 
 
+def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """torch._scaled_mm, the fp8 matmul with tensor-wise or row-wise scales: ATen's CPU kernel scales each fp8
+    operand in fp32 and multiplies them; here the fp8 operands are multiplied as they are (narrow_matmul_operands
+    gives the Tensor engine fp8 x fp8 with fp32 sums) and the scales applied to the fp32 product, as a GPU does:
+    the same value, rounded in another order (within fp32 of the CPU's). Then the bias, and, for an fp8
+    out_dtype, the division by scale_result before the rounding (the CPU kernel reads scale_result only when
+    out_dtype names an fp8 type, not when the result is fp8 by default)."""
+    product = aten.mm.default(a.to(torch.float32), b.to(torch.float32))
+    product = product * scale_a.to(torch.float32).reshape(-1, 1) if scale_a.numel() > 1 else product * scale_a.float()
+    product = product * scale_b.to(torch.float32).reshape(1, -1) if scale_b.numel() > 1 else product * scale_b.float()
+    if bias is not None:
+        product = product + bias
+    if scale_result is not None and out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        product = product * (1 / scale_result.float())
+    return product.to(out_dtype or a.dtype)
+
+
 def _addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     """beta * self + alpha * sum over b of batch1[b] @ batch2[b], as one matmul contracting (b, k) (the sum of the
     products accumulates with them, in fp32 for bf16 operands). torch-mlir lowers addbmm of fp32 only; of bf16 it
@@ -2207,6 +2224,7 @@ OWN = {
     aten._cdist_backward.default: _cdist_backward,
 
     aten.addmv.default: _addmv,
+    aten._scaled_mm.default: _scaled_mm,
     aten.cholesky.default: _cholesky,
     aten.linalg_cholesky_ex.default: _linalg_cholesky_ex,
     aten.clamp.Tensor: _clamp_tensor,

@@ -1,0 +1,73 @@
+"""torch._scaled_mm, the fp8 matmul with tensor-wise or row-wise fp32 scales (frontend/decompositions.py
+`_scaled_mm`): its fp8 operands go to the Tensor engine as fp8, and the result matches eager PyTorch on the CPU,
+compiled and on the `neuron` device, with no CPU fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.compiler import CompileOptions, compile_exported
+from neuronc.frontend.tensors import from_numpy, to_numpy
+from neuronc.ir import Op
+from neuronc.isa import DType
+from runtime import run_neff
+from tests.conftest import assert_matches_eager, run_compiled
+
+pytestmark = pytest.mark.usefixtures("strictly_on_the_device")
+
+FP8_STEP = dict(rtol=2**-3, atol=2**-9)  # one step of float8_e4m3fn (3 mantissa bits): the result's rounding
+
+
+def _operands(rowwise: bool):
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(64, 32, generator=g) * 3).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 32, generator=g) * 3).to(torch.float8_e4m3fn).T  # column-major, as _scaled_mm wants
+    if rowwise:
+        return a, b, torch.rand(64, 1, generator=g) + 0.5, torch.rand(1, 48, generator=g) + 0.5
+    return a, b, torch.tensor(0.75), torch.tensor(1.5)
+
+
+def _assert_matches(got, want):
+    if want.dtype == torch.float8_e4m3fn:
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), **FP8_STEP)
+    else:
+        assert_matches_eager(got, want)
+
+
+KEYWORDS = {
+    "bf16": dict(out_dtype=torch.bfloat16),
+    "fp32_bias": dict(out_dtype=torch.float32, bias=torch.linspace(-2, 2, 48)),
+    "fp8": dict(),
+    "fp8_scale_result": dict(out_dtype=torch.float8_e4m3fn, scale_result=torch.tensor(4.0)),
+}
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("out", sorted(KEYWORDS))
+def test_scaled_mm_compiles_and_matches_eager(fresh_dynamo, rowwise, out):
+    kwargs = KEYWORDS[out]
+    fn = lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, **kwargs)  # noqa: E731
+    inputs = _operands(rowwise)
+    _assert_matches(run_compiled(fn, *inputs), fn(*inputs))
+
+
+def test_scaled_mm_multiplies_fp8_operands_on_the_tensor_engine(monkeypatch):
+    class Scaled(torch.nn.Module):
+        def forward(self, a, b, sa, sb):
+            return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
+    inputs = _operands(rowwise=True)
+    compiled = compile_exported(torch.export.export(Scaled(), inputs), CompileOptions.from_dict({}))
+    matmuls = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert matmuls and {x.dtype for n in matmuls for x in n.inputs[:2]} == {DType.F8E4M3}
+    got = run_neff(compiled.neff, [to_numpy(x.contiguous()) for x in inputs]).outputs[0]
+    assert_matches_eager(from_numpy(got), Scaled()(*inputs))
+
+
+def test_scaled_mm_on_the_device_matches_eager(neuron):
+    inputs = _operands(rowwise=True)
+    want = torch._scaled_mm(*inputs, out_dtype=torch.bfloat16)
+    got = torch._scaled_mm(*(x.to(neuron) for x in inputs), out_dtype=torch.bfloat16)
+    assert_matches_eager(got.cpu(), want)
