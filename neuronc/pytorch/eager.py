@@ -47,6 +47,7 @@ import torch
 from neuronc.errors import FallbackDisabledError, NeuronConfigError, NeuronDeviceError, NeuronError
 from neuronc.frontend.scalar_overloads import scalar_overload
 from neuronc.instruction_cost import copy_ns  # loaded already with the runtime (device_memory imports it)
+from neuronc.isa import E4M3_MAX
 from neuronc.pytorch import adaptive, queues, shim
 from neuronc.pytorch.device_memory import NUMPY_DTYPES, array_of, core, host_array, host_tensor
 
@@ -995,7 +996,12 @@ def _empty_with_view(shape, dtype, device: int):
 
 # ---- kernels on device memory itself -------------------------------------------------------------------
 
+_E4M3 = NUMPY_DTYPES[torch.float8_e4m3fn]
+
+
 def _assign(dst: np.ndarray, src) -> None:
+    if dst.dtype == _E4M3 and src.dtype != _E4M3:  # PyTorch's conversion saturates (isa.E4M3_MAX), numpy's does not
+        src = np.clip(src.astype(np.float32), -E4M3_MAX, E4M3_MAX)
     dst[...] = src
 
 

@@ -1,6 +1,7 @@
-"""torch._scaled_mm, the fp8 matmul with tensor-wise or row-wise fp32 scales (frontend/decompositions.py
-`_scaled_mm`): its fp8 operands go to the Tensor engine as fp8, and the result matches eager PyTorch on the CPU,
-compiled and on the `neuron` device, with no CPU fallback."""
+"""fp8 as PyTorch computes it, compiled and on the `neuron` device, with no CPU fallback: a conversion to
+float8_e4m3fn saturates (passes/legalize.py `_saturated_e4m3`), and torch._scaled_mm, the fp8 matmul with
+tensor-wise or row-wise fp32 scales (frontend/decompositions.py `_scaled_mm`), gives the Tensor engine its fp8
+operands as fp8 and matches eager PyTorch on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -71,3 +72,20 @@ def test_scaled_mm_on_the_device_matches_eager(neuron):
     want = torch._scaled_mm(*inputs, out_dtype=torch.bfloat16)
     got = torch._scaled_mm(*(x.to(neuron) for x in inputs), out_dtype=torch.bfloat16)
     assert_matches_eager(got.cpu(), want)
+
+
+PAST_THE_RANGE = torch.tensor([1000.0, -1e6, 460.0, 470.0, float("inf"), float("-inf"), float("nan"), 3.3, -1e-3])
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_a_conversion_to_e4m3_saturates_as_pytorch_does(fresh_dynamo, source):
+    fn = lambda x: x.to(source).to(torch.float8_e4m3fn)  # noqa: E731
+    got, want = run_compiled(fn, PAST_THE_RANGE), fn(PAST_THE_RANGE)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0, equal_nan=True)  # +-448, NaN kept
+
+
+def test_a_conversion_to_e4m3_on_the_device_saturates(neuron):
+    got = PAST_THE_RANGE.to(neuron).to(torch.float8_e4m3fn).cpu()
+    torch.testing.assert_close(got.float(), PAST_THE_RANGE.to(torch.float8_e4m3fn).float(), rtol=0, atol=0,
+                               equal_nan=True)
