@@ -89,9 +89,3 @@ def test_a_conversion_to_e4m3_on_the_device_saturates(neuron):
     got = PAST_THE_RANGE.to(neuron).to(torch.float8_e4m3fn).cpu()
     torch.testing.assert_close(got.float(), PAST_THE_RANGE.to(torch.float8_e4m3fn).float(), rtol=0, atol=0,
                                equal_nan=True)
-
-
-def test_a_constant_converted_to_e4m3_saturates_when_folded(fresh_dynamo):
-    fn = lambda x: x + torch.full((3,), 1000.0).to(torch.float8_e4m3fn).float()  # noqa: E731
-    x = torch.zeros(3)
-    assert_matches_eager(run_compiled(fn, x), fn(x))  # 448, as eager; the folder's numpy cast gave NaN

@@ -27,7 +27,7 @@ import numpy as np
 
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import E4M3_MAX, ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType, holds_floats
+from neuronc.isa import ERF_F32_CLAMP, ERF_F32_P, ERF_F32_Q, DType, holds_floats
 from neuronc.ir import Op
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.context import PassContext
@@ -409,32 +409,7 @@ def raise_gelu(node: ir.Node, inputs: tuple) -> ir.Node | None:
     return None
 
 
-@rule(Op.CONVERT)
-def saturate_e4m3_conversion(node: ir.Node, inputs: tuple) -> ir.Node | None:
-    """A conversion to float8_e4m3fn saturates, as PyTorch's does: a value past +-448 (infinities included)
-    becomes +-448, NaN stays NaN. The engines' conversion (and numpy's, which the constant folder uses) gives NaN
-    there, so the value is clamped first: MAXIMUM and MINIMUM keep a NaN, as PyTorch's do. A constant is
-    clipped here (the folder then converts it)."""
-    (x,) = inputs
-    if node.dtype is not DType.F8E4M3 or not x.dtype.is_float or x.dtype is DType.F8E4M3:
-        return None
-    if x.op is Op.MINIMUM and x.inputs[1].scalar == E4M3_MAX:  # clamped already
-        return None
-    if x.op is Op.CONSTANT:
-        value = x.attrs["value"].astype(np.float32)
-        if not np.any(np.abs(value) > E4M3_MAX):  # (NaN compares false)
-            return None
-        clipped = np.clip(value, -E4M3_MAX, E4M3_MAX).astype(x.dtype.numpy)
-        x = ir.node(Op.CONSTANT, [], x.shape, x.dtype, x.loc, value=clipped)
-        return ir.node(Op.CONVERT, [x], node.shape, node.dtype, node.loc, **node.attrs)
-    bound = lambda value: ir.node(Op.CONSTANT, [], x.shape, x.dtype, node.loc,  # noqa: E731
-                                  value=np.array(value, dtype=x.dtype.numpy))
-    low = ir.node(Op.MAXIMUM, [x, bound(-E4M3_MAX)], x.shape, x.dtype, node.loc)
-    high = ir.node(Op.MINIMUM, [low, bound(E4M3_MAX)], x.shape, x.dtype, node.loc)
-    return ir.node(Op.CONVERT, [high], node.shape, node.dtype, node.loc, **node.attrs)
-
-
-CANONICALIZE = (saturate_e4m3_conversion, fold_constant, *SIMPLIFY, drop_clamp_of_erf, raise_erf, raise_gelu, narrow_matmul_operands)
+CANONICALIZE = (fold_constant, *SIMPLIFY, drop_clamp_of_erf, raise_erf, raise_gelu, narrow_matmul_operands)
 
 
 def canonicalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
