@@ -41,6 +41,7 @@ KEYWORDS = {
     "fp32_bias": dict(out_dtype=torch.float32, bias=torch.linspace(-2, 2, 48)),
     "fp8": dict(),
     "fp8_scale_result": dict(out_dtype=torch.float8_e4m3fn, scale_result=torch.tensor(4.0)),
+    "fp8_saturated": dict(out_dtype=torch.float8_e4m3fn, scale_result=torch.tensor(0.25)),  # past 448: +-448
 }
 
 
@@ -67,11 +68,13 @@ def test_scaled_mm_multiplies_fp8_operands_on_the_tensor_engine(monkeypatch):
     assert_matches_eager(from_numpy(got), Scaled()(*inputs))
 
 
-def test_scaled_mm_on_the_device_matches_eager(neuron):
-    inputs = _operands(rowwise=True)
-    want = torch._scaled_mm(*inputs, out_dtype=torch.bfloat16)
-    got = torch._scaled_mm(*(x.to(neuron) for x in inputs), out_dtype=torch.bfloat16)
-    assert_matches_eager(got.cpu(), want)
+@pytest.mark.parametrize("out", sorted(KEYWORDS))
+def test_scaled_mm_on_the_device_matches_eager(neuron, out):
+    kwargs, inputs = KEYWORDS[out], _operands(rowwise=True)
+    want = torch._scaled_mm(*inputs, **kwargs)
+    got = torch._scaled_mm(*(x.to(neuron) for x in inputs), **{k: v.to(neuron) if isinstance(v, torch.Tensor) else v
+                                                                for k, v in kwargs.items()})
+    _assert_matches(got.cpu(), want)
 
 
 PAST_THE_RANGE = torch.tensor([1000.0, -1e6, 460.0, 470.0, float("inf"), float("-inf"), float("nan"), 3.3, -1e-3])
@@ -89,3 +92,25 @@ def test_a_conversion_to_e4m3_on_the_device_saturates(neuron):
     got = PAST_THE_RANGE.to(neuron).to(torch.float8_e4m3fn).cpu()
     torch.testing.assert_close(got.float(), PAST_THE_RANGE.to(torch.float8_e4m3fn).float(), rtol=0, atol=0,
                                equal_nan=True)
+
+
+def test_a_constant_converted_to_e4m3_saturates(fresh_dynamo):
+    fn = lambda x: x + torch.full((3,), 1000.0).to(torch.float8_e4m3fn).float()  # noqa: E731
+    x = torch.zeros(3)
+    assert_matches_eager(run_compiled(fn, x), fn(x))  # 448, as eager
+
+
+def test_a_jax_conversion_to_e4m3_keeps_xlas_nan_past_the_range():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import neuronc.jax
+
+    def fn(x):
+        return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+    x = jnp.asarray(PAST_THE_RANGE.numpy())
+    got, want = neuronc.jax.jit(fn)(x), jax.jit(fn)(x)
+    assert np.isnan(np.asarray(want)[0])  # XLA does not saturate: the golden is jax.jit's
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

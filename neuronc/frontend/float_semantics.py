@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from neuronc.isa import E4M3_MAX
+
 aten = torch.ops.aten
 
 
@@ -84,7 +86,18 @@ def _angle(x):
     return torch.where(torch.isnan(out), out, angle)
 
 
+def _to_copy(x, *, dtype=None, **kwargs):
+    """A conversion to float8_e4m3fn saturates in PyTorch: a value past +-448 (infinities included) becomes +-448,
+    NaN stays NaN; StableHLO's convert (and XLA's, which JAX programs keep) gives NaN there. So the value is
+    clamped first (clamp keeps a NaN), and converted by the primitive, which this table leaves alone (the
+    other arguments, device and layout, are the input's in a traced graph)."""
+    if dtype != torch.float8_e4m3fn or not x.is_floating_point() or x.dtype == dtype:
+        return NotImplemented
+    return torch.ops.prims.convert_element_type.default(torch.clamp(x, -E4M3_MAX, E4M3_MAX), dtype)
+
+
 OWN = {
+    aten._to_copy.default: _to_copy,
     aten.angle.default: _angle,
     aten.frexp.Tensor: _frexp,
     aten.nextafter.default: _nextafter,

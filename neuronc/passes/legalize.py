@@ -21,7 +21,6 @@ import numpy as np
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
-from neuronc.isa import E4M3_MAX, DType
 from neuronc.neff.program import DebugLoc
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.canonicalize import SIMPLIFY
@@ -183,22 +182,6 @@ def _clamp(node, inputs):
     return ir.node(Op.MINIMUM, [low, hi], node.shape, node.dtype, node.loc)
 
 
-def _saturated_e4m3(node, inputs):
-    """PyTorch converts to float8_e4m3fn saturating: a value past the type's range, infinities included,
-    becomes +-448 and NaN stays NaN. The engines' conversion rounds to nearest and gives NaN (the type has no
-    infinity) past the range, so the value is clamped first: MAXIMUM and MINIMUM keep a NaN, as PyTorch's do."""
-    (x,) = inputs
-    if node.dtype is not DType.F8E4M3 or not x.dtype.is_float or x.dtype is DType.F8E4M3:
-        return None
-    if x.op is Op.MINIMUM and x.inputs[1].scalar == E4M3_MAX:  # clamped already
-        return None
-    bound = lambda value: ir.node(Op.CONSTANT, [], x.shape, x.dtype, node.loc,  # noqa: E731
-                                  value=np.array(value, dtype=x.dtype.numpy))
-    low = ir.node(Op.MAXIMUM, [x, bound(-E4M3_MAX)], x.shape, x.dtype, node.loc)
-    high = ir.node(Op.MINIMUM, [low, bound(E4M3_MAX)], x.shape, x.dtype, node.loc)
-    return ir.node(Op.CONVERT, [high], node.shape, node.dtype, node.loc, **node.attrs)
-
-
 def _select(node, inputs):
     if all(i.shape == node.shape for i in inputs):
         return None
@@ -337,7 +320,6 @@ LEGALIZE = (
     Rule("pad_value_as_attribute", frozenset({Op.PAD}), _pad),
     Rule("reverse_as_view", frozenset({Op.REVERSE}), _reverse),
     Rule("clamp_as_max_min", frozenset({Op.CLAMP}), _clamp),
-    Rule("e4m3_conversion_saturates", frozenset({Op.CONVERT}), _saturated_e4m3),
     Rule("select_of_whole_operands", frozenset({Op.SELECT}), _select),
     Rule("reduce_as_reduce_last", frozenset({Op.REDUCE}), _reduce),
     Rule("pooling_as_reduce_last", frozenset({Op.REDUCE_WINDOW}), _reduce_window),
