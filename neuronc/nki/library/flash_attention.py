@@ -312,7 +312,9 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
         nisa.tensor_tensor(dst=products, data1=o_rows, data2=do_rows, op=nl.multiply)
         delta = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=delta, op=nl.add, data=products, axis=2)
-        grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
+        # dQ accumulates in PSUM where the head's fits one bank, else in SBUF
+        in_psum = tiles * d * 4 <= nl.tile_size.psum_bank_fmax_bytes
+        grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.psum if in_psum else nl.sbuf)
         nisa.memset(dst=grad_q_acc, value=0.0)
         grad_k_all = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
         grad_v_all = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
@@ -387,9 +389,14 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
                 grad_s_t = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(dst=grad_s_t, src=grad_s_t_psum)
-                grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-                nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
-                nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum, op=nl.add)
+                if in_psum:
+                    nisa.nc_matmul(dst=grad_q_acc[:, i, :], stationary=grad_s_t, moving=k_rows[:, j, :],
+                                   accumulate=True)
+                else:
+                    grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
+                    nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum,
+                                       op=nl.add)
             nisa.tensor_copy(dst=grad_v_rows, src=grad_v_psum)
             nisa.tensor_scalar(dst=grad_k_rows, data=grad_k_psum, op0=nl.multiply, operand0=scale)
         nisa.dma_copy(dst=_by_tiles(grad_v[g], tiles, d), src=grad_v_all)
