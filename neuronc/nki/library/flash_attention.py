@@ -301,12 +301,24 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
     else:
         nisa.tensor_scalar(dst=neg_lse_all, data=lse_all, op0=nl.multiply, operand0=-1.0)
     for g in nl.affine_range(groups):
-        # a head's rows, [P, tiles, d], one DMA each; their transposes [d, seq] on the Tensor engine
-        q_rows, k_rows, v_rows, do_rows, o_rows = (nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
-                                                   for _ in range(5))
-        for dst, src in ((q_rows, q), (k_rows, k), (v_rows, v), (do_rows, grad_out), (o_rows, out)):
+        # a head's rows, [P, tiles, d], one DMA each, and q, k, v, dO transposed, [d, seq]: by strided DMAs at
+        # d <= 64, else on the Tensor engine (a strided load's queue time grows with d * seq, the copy out of PSUM
+        # of a transpose with seq alone)
+        by_dma = d <= P // 2
+        q_rows, k_rows, do_rows, o_rows = (nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
+        loads = [(q_rows, q), (k_rows, k), (do_rows, grad_out), (o_rows, out)]
+        if not by_dma:
+            v_rows = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
+            loads.append((v_rows, v))
+        for dst, src in loads:
             nisa.dma_copy(dst=dst, src=_by_tiles(src[g], tiles, d))
-        q_t, k_t, v_t, do_t = (_transposed_rows(rows, tiles, d, dtype) for rows in (q_rows, k_rows, v_rows, do_rows))
+        if by_dma:
+            q_t, k_t, v_t, do_t = (nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
+            for dst, src in ((q_t, q), (k_t, k), (v_t, v), (do_t, grad_out)):
+                _load_transposed(dst, src[g])
+        else:
+            q_t, k_t, v_t, do_t = (_transposed_rows(rows, tiles, d, dtype)
+                                   for rows in (q_rows, k_rows, v_rows, do_rows))
         neg_lse = neg_lse_all[:, g * tiles:(g + 1) * tiles]
         products = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=products, data1=o_rows, data2=do_rows, op=nl.multiply)
