@@ -352,12 +352,15 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                 continue
             grad_v_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
             grad_k_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+            # the key tile's blocks stage by stage (P and dV; dS and dK; dS^T and dQ): a software pipeline, the
+            # engines' in-order queues get the next block's first stage before this block's last
+            probs_of, grad_s_of = {}, {}
             for n, i in enumerate(visited):
                 queries = slice(i * P, (i + 1) * P)
                 scores = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=scores, stationary=q_t[:, queries], moving=k_t[:, keys])
                 probs = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                grad_mod, d_terms = 1.0, ()
+                grad_mod, d_terms, block = 1.0, (), None
                 if flex:
                     logits, grad_mod, d_terms, block = _flex_logits(
                         scores, scale, score_mod, mask if plan[i][j] == PARTLY else None, queries, j * P, P,
@@ -369,6 +372,10 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                         nisa.nc_matmul(dst=scores, stationary=identity, moving=bias, accumulate=True)
                     nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
                 nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=n > 0)
+                probs_of[i] = probs, grad_mod, d_terms, block
+            for n, i in enumerate(visited):
+                queries = slice(i * P, (i + 1) * P)
+                probs, grad_mod, d_terms, block = probs_of[i]
                 grad_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=grad_p, stationary=do_t[:, queries], moving=v_t[:, keys])
                 grad_s = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
@@ -397,6 +404,9 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                             nisa.dma_copy(dst=grad_term[g, queries, keys],
                                           src=zeros if isinstance(g_term, float) else block.full(g_term))
                 nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=n > 0)
+                grad_s_of[i] = grad_s
+            for i in visited:
+                grad_s = grad_s_of[i]
                 grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
                 grad_s_t = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
