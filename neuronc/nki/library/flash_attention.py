@@ -335,10 +335,16 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
             if is_column_term(terms[t]):
                 term_sums[t] = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.memset(dst=term_sums[t], value=0.0)
+        zeros = None
         if len(term_sums) < len(term_grads):  # a [seq, seq] term's gradient is 0 in the blocks no query sees
             zeros = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=zeros, value=0.0)
-        for j in nl.affine_range(tiles):
+        # the key tiles software-pipelined: key tile j's blocks in three stages (P and dV; dS and dK; dS^T and dQ),
+        # each stage of all its blocks at once, emitted after the next key tile's stage before it (stage s of tile j
+        # at step j + s, the later tiles first), so the engines' in-order queues hold other work while a stage waits
+        def key_tile(j, g=g, q_t=q_t, k_t=k_t, v_t=v_t, do_t=do_t, q_rows=q_rows, k_rows=k_rows, do_rows=do_rows,
+                     neg_lse=neg_lse, delta=delta, grad_q_acc=grad_q_acc, in_psum=in_psum, grad_k_all=grad_k_all,
+                     grad_v_all=grad_v_all, term_sums=term_sums, zeros=zeros):
             keys = slice(j * P, (j + 1) * P)
             visited = [i for i in range(tiles) if plan[i][j] != HIDDEN]
             for i in range(tiles):
@@ -349,11 +355,9 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
             if not visited:  # no query sees these keys
                 nisa.memset(dst=grad_v_rows, value=0.0)
                 nisa.memset(dst=grad_k_rows, value=0.0)
-                continue
+                return
             grad_v_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
             grad_k_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-            # the key tile's blocks stage by stage (P and dV; dS and dK; dS^T and dQ): a software pipeline, the
-            # engines' in-order queues get the next block's first stage before this block's last
             probs_of, grad_s_of = {}, {}
             for n, i in enumerate(visited):
                 queries = slice(i * P, (i + 1) * P)
@@ -373,6 +377,7 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                     nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
                 nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=n > 0)
                 probs_of[i] = probs, grad_mod, d_terms, block
+            yield
             for n, i in enumerate(visited):
                 queries = slice(i * P, (i + 1) * P)
                 probs, grad_mod, d_terms, block = probs_of[i]
@@ -405,6 +410,7 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                                           src=zeros if isinstance(g_term, float) else block.full(g_term))
                 nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=n > 0)
                 grad_s_of[i] = grad_s
+            yield
             for i in visited:
                 grad_s = grad_s_of[i]
                 grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
@@ -421,6 +427,10 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                                        op=nl.add)
             nisa.tensor_copy(dst=grad_v_rows, src=grad_v_psum)
             nisa.tensor_scalar(dst=grad_k_rows, data=grad_k_psum, op0=nl.multiply, operand0=scale)
+        pipeline = [key_tile(j) for j in range(tiles)]
+        for step in range(tiles + 2):
+            for j in range(min(step, tiles - 1), max(step - 3, -1), -1):
+                next(pipeline[j], None)
         nisa.dma_copy(dst=_by_tiles(grad_v[g], tiles, d), src=grad_v_all)
         nisa.dma_copy(dst=_by_tiles(grad_k[g], tiles, d), src=grad_k_all)
         grad_q_rows = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
