@@ -10,8 +10,10 @@ exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the ba
 
 Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile of 128 keys j (dK_j, dV_j accumulate in
 PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
-dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine); dQ and dK are scaled at
-the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
+dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine; dQ summed in PSUM where a
+head's fits one bank, else in SBUF); dQ and dK are scaled at the end. A head's rows move in one DMA each, its
+transposes by strided DMAs at d <= 64, else on the Tensor engine; the key tiles are software-pipelined in three
+stages. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
 
 FlexAttention (both kernels): ``score_mod`` (the steps of a score_mod, see score_steps.py) is applied to each block
 of scaled logits in fp32, and the backward multiplies dS by its derivative; ``mask`` is a [seq, seq] keep-mask in
