@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from neuronc.isa import Engine, Opcode, Space
 from neuronc.nki.library import flash_attention_backward, flash_attention_forward, moe_combine, moe_dispatch, rmsnorm
 from neuronc.tolerances import TOLERANCES
 
@@ -59,6 +60,47 @@ def test_flash_attention_forward_and_backward_match_eager(causal, dtype):
     grads = flash_attention_backward(*(as_numpy(x) for x in (q, k, v)), out, as_numpy(grad), lse, causal=causal)
     for got, want in zip(grads, (rq, rk, rv)):
         torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **tolerance)
+
+
+
+@pytest.mark.parametrize("heads, seq, dim, dtype", [
+    (1, 256, 128, torch.bfloat16),  # q, k, v, dO transposed on the Tensor engine (d > 64), dQ summed in PSUM
+    (1, 640, 128, torch.float32),  # fp32 transposes over two PSUM banks; dQ summed in SBUF (5 x 128 fp32 > a bank)
+    (1, 1152, 64, torch.bfloat16),  # transposed by DMA; dQ summed in SBUF (9 x 64 fp32 > a bank)
+])
+def test_flash_attention_backward_matches_eager_on_each_of_its_transpose_and_dq_paths(heads, seq, dim, dtype):
+    q, k, v, grad = (randn(heads, seq, dim, dtype=dtype, seed=s) for s in range(4))
+    out, lse = flash_attention_forward(*(as_numpy(x) for x in (q, k, v)), causal=True)
+    rq, rk, rv, expected = reference_attention(q, k, v, True)
+    expected.backward(grad.float())
+    grads = flash_attention_backward(*(as_numpy(x) for x in (q, k, v)), out, as_numpy(grad), lse, causal=True)
+    for got, want in zip(grads, (rq, rk, rv)):
+        torch.testing.assert_close(as_torch(got), want.grad.to(dtype), **TOLERANCES[dtype])
+
+
+def _traced_backward(heads, seq, dim):
+    q = np.zeros((heads, seq, dim), ml_dtypes.bfloat16)
+    return flash_attention_backward.trace(q, q, q, q, q, np.zeros((heads, seq), np.float32))
+
+
+def test_the_flash_backward_moves_each_heads_rows_and_gradients_by_whole_heads():
+    """A head's O rows are one load, its dq, dk, dv one store each (a transfer may be cut into two partition
+    slices on two queues), not one DMA per 128-row tile."""
+    heads, tiles = 2, 4
+    traced = _traced_backward(heads, tiles * 128, 64)
+    dmas = [e for e in traced.instrs if e.engine == Engine.DMA]
+    for storage in [traced.inputs[3]] + traced.outputs:
+        touching = [e for e in dmas if any(s.id == storage.id for s, _ in e.operands)]
+        assert 0 < len(touching) <= 2 * heads, (storage.name, len(touching))
+
+
+def test_the_flash_backward_sums_dq_in_psum_where_a_head_fits_one_bank():
+    """At seq 512, d 64 a head's dQ ([128, 4, 64] fp32, 1 KiB a partition) accumulates in PSUM over the key tiles:
+    no elementwise instruction adds each block's dS K to an SBUF sum."""
+    traced = _traced_backward(2, 512, 64)
+    adds = [e for e in traced.instrs if e.opcode == Opcode.TENSOR_TENSOR
+            and any(s.space == Space.PSUM for s, _ in e.operands)]
+    assert not adds, len(adds)
 
 
 SOFT_CAP = (("div", (("score",), ("imm", 10.0))), ("tanh", (("step", 0),)), ("mul", (("step", 1), ("imm", 10.0))))

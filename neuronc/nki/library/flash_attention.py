@@ -10,8 +10,10 @@ exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the ba
 
 Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile of 128 keys j (dK_j, dV_j accumulate in
 PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
-dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine); dQ and dK are scaled at
-the end. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
+dS = P * (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (dS transposed on the Tensor engine; dQ summed in PSUM where a
+head's fits one bank, else in SBUF); dQ and dK are scaled at the end. A head's rows move in one DMA each, its
+transposes by strided DMAs at d <= 64, else on the Tensor engine; the key tiles are software-pipelined in three
+stages. Matmul operands are in q's dtype (bf16 runs the Tensor engine at its full rate), statistics in fp32.
 
 FlexAttention (both kernels): ``score_mod`` (the steps of a score_mod, see score_steps.py) is applied to each block
 of scaled logits in fp32, and the backward multiplies dS by its derivative; ``mask`` is a [seq, seq] keep-mask in
@@ -141,6 +143,21 @@ def _transposed_dtype(dtype):
     if dtype in (nl.bfloat16, nl.float16) and nisa.get_nc_version() >= nisa.nc_version.gen3:
         return dtype
     return nl.float32
+
+
+def _transposed_rows(rows, tiles: int, d: int, dtype):
+    """[d, tiles * 128] = the transpose of rows [128, tiles, d] (row i * 128 + p at [p, i]), on the Tensor engine
+    (its transpose mode for 16-bit types on trn2+) by PSUM banks of columns, each bank copied out once."""
+    dst = nl.ndarray((d, tiles * P), dtype=dtype, buffer=nl.sbuf)
+    transposed = _transposed_dtype(dtype)
+    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (P * (2 if transposed in (nl.bfloat16, nl.float16) else 4)))
+    for first in range(0, tiles, per_bank):
+        count = min(per_bank, tiles - first)
+        staged = nl.ndarray((d, count * P), dtype=transposed, buffer=nl.psum)
+        for c in range(count):
+            nisa.nc_transpose(dst=staged[:, c * P:(c + 1) * P], data=rows[:, first + c, :])
+        nisa.tensor_copy(dst=dst[:, first * P:(first + count) * P], src=staged)
+    return dst
 
 
 def _by_tiles(rows, tiles: int, d: int):
@@ -276,63 +293,80 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
     plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
     bias = _causal_bias(dtype) if causal else None
+    # every head's log-sum-exp at once, [P, groups * tiles] (column g * tiles + i), as the forward wrote it
+    neg_lse_all = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    lse_all = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lse_all, src=lse.reshape((groups * tiles, P)).permute((1, 0)))
+    if flex:  # a fully masked row's -inf: exp(MASKED - lse) must stay 0
+        nisa.tensor_scalar(dst=neg_lse_all, data=lse_all, op0=nl.multiply, operand0=-1.0, op1=nl.minimum,
+                           operand1=-MASKED / 4)
+    else:
+        nisa.tensor_scalar(dst=neg_lse_all, data=lse_all, op0=nl.multiply, operand0=-1.0)
     for g in nl.affine_range(groups):
-        q_t, k_t, v_t, do_t = (nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
-        for dst, src in ((q_t, q), (k_t, k), (v_t, v), (do_t, grad_out)):
-            _load_transposed(dst, src[g])
-        q_rows, k_rows, do_rows = (nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf) for _ in range(3))
-        neg_lse = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
+        # a head's rows, [P, tiles, d], one DMA each, and q, k, v, dO transposed, [d, seq]: by strided DMAs at
+        # d <= 64, else on the Tensor engine (a strided load's queue time grows with d * seq, the copy out of PSUM
+        # of a transpose with seq alone)
+        by_dma = d <= P // 2
+        q_rows, k_rows, do_rows, o_rows = (nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
+        loads = [(q_rows, q), (k_rows, k), (do_rows, grad_out), (o_rows, out)]
+        if not by_dma:
+            v_rows = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
+            loads.append((v_rows, v))
+        for dst, src in loads:
+            nisa.dma_copy(dst=dst, src=_by_tiles(src[g], tiles, d))
+        if by_dma:
+            q_t, k_t, v_t, do_t = (nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf) for _ in range(4))
+            for dst, src in ((q_t, q), (k_t, k), (v_t, v), (do_t, grad_out)):
+                _load_transposed(dst, src[g])
+        else:
+            q_t, k_t, v_t, do_t = (_transposed_rows(rows, tiles, d, dtype)
+                                   for rows in (q_rows, k_rows, v_rows, do_rows))
+        neg_lse = neg_lse_all[:, g * tiles:(g + 1) * tiles]
+        products = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=o_rows, data2=do_rows, op=nl.multiply)
         delta = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
-        grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=delta, op=nl.add, data=products, axis=2)
+        # dQ accumulates in PSUM where the head's fits one bank, else in SBUF
+        in_psum = tiles * d * 4 <= nl.tile_size.psum_bank_fmax_bytes
+        grad_q_acc = nl.ndarray((P, tiles, d), dtype=nl.float32, buffer=nl.psum if in_psum else nl.sbuf)
         nisa.memset(dst=grad_q_acc, value=0.0)
+        grad_k_all = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
+        grad_v_all = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
         term_sums = {}  # a column term's gradient: its rows' sums over the visited keys, [P, tiles]
         for t in term_grads:
             if is_column_term(terms[t]):
                 term_sums[t] = nl.ndarray((P, tiles), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.memset(dst=term_sums[t], value=0.0)
+        zeros = None
         if len(term_sums) < len(term_grads):  # a [seq, seq] term's gradient is 0 in the blocks no query sees
             zeros = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=zeros, value=0.0)
-        for i in nl.affine_range(tiles):
-            rows = slice(i * P, (i + 1) * P)
-            nisa.dma_copy(dst=q_rows[:, i, :], src=q[g, rows, :])
-            nisa.dma_copy(dst=k_rows[:, i, :], src=k[g, rows, :])
-            nisa.dma_copy(dst=do_rows[:, i, :], src=grad_out[g, rows, :])
-            row_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=row_lse, src=lse[g, rows].reshape((P, 1)))
-            if flex:  # a fully masked row's -inf: exp(MASKED - lse) must stay 0
-                nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0,
-                                   op1=nl.minimum, operand1=-MASKED / 4)
-            else:
-                nisa.tensor_scalar(dst=neg_lse[:, i:i + 1], data=row_lse, op0=nl.multiply, operand0=-1.0)
-            o_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=o_rows, src=out[g, rows, :])
-            products = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=products, data1=o_rows, data2=do_rows[:, i, :], op=nl.multiply)
-            nisa.tensor_reduce(dst=delta[:, i:i + 1], op=nl.add, data=products, axis=1)
-        for j in nl.affine_range(tiles):
+        # the key tiles software-pipelined: key tile j's blocks in three stages (P and dV; dS and dK; dS^T and dQ),
+        # each stage of all its blocks at once, emitted after the next key tile's stage before it (stage s of tile j
+        # at step j + s, the later tiles first), so the engines' in-order queues hold other work while a stage waits
+        def key_tile(j, g=g, q_t=q_t, k_t=k_t, v_t=v_t, do_t=do_t, q_rows=q_rows, k_rows=k_rows, do_rows=do_rows,
+                     neg_lse=neg_lse, delta=delta, grad_q_acc=grad_q_acc, in_psum=in_psum, grad_k_all=grad_k_all,
+                     grad_v_all=grad_v_all, term_sums=term_sums, zeros=zeros):
             keys = slice(j * P, (j + 1) * P)
             visited = [i for i in range(tiles) if plan[i][j] != HIDDEN]
             for i in range(tiles):
                 for t, grad_term in zip(term_grads, grad_terms):
                     if i not in visited and t not in term_sums:
                         nisa.dma_copy(dst=grad_term[g, i * P:(i + 1) * P, keys], src=zeros)
-            grad_v_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-            grad_k_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
+            grad_v_rows, grad_k_rows = grad_v_all[:, j, :], grad_k_all[:, j, :]
             if not visited:  # no query sees these keys
                 nisa.memset(dst=grad_v_rows, value=0.0)
                 nisa.memset(dst=grad_k_rows, value=0.0)
-                nisa.dma_copy(dst=grad_v[g, keys, :], src=grad_v_rows)
-                nisa.dma_copy(dst=grad_k[g, keys, :], src=grad_k_rows)
-                continue
+                return
             grad_v_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
             grad_k_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+            probs_of, grad_s_of = {}, {}
             for n, i in enumerate(visited):
                 queries = slice(i * P, (i + 1) * P)
                 scores = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=scores, stationary=q_t[:, queries], moving=k_t[:, keys])
                 probs = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-                grad_mod, d_terms = 1.0, ()
+                grad_mod, d_terms, block = 1.0, (), None
                 if flex:
                     logits, grad_mod, d_terms, block = _flex_logits(
                         scores, scale, score_mod, mask if plan[i][j] == PARTLY else None, queries, j * P, P,
@@ -344,6 +378,11 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                         nisa.nc_matmul(dst=scores, stationary=identity, moving=bias, accumulate=True)
                     nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, i:i + 1], scale=scale)
                 nisa.nc_matmul(dst=grad_v_psum, stationary=probs, moving=do_rows[:, i, :], accumulate=n > 0)
+                probs_of[i] = probs, grad_mod, d_terms, block
+            yield
+            for n, i in enumerate(visited):
+                queries = slice(i * P, (i + 1) * P)
+                probs, grad_mod, d_terms, block = probs_of[i]
                 grad_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=grad_p, stationary=do_t[:, queries], moving=v_t[:, keys])
                 grad_s = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
@@ -372,21 +411,33 @@ def flash_attention_backward(q, k, v, out, grad_out, lse, scale=None, causal=Tru
                             nisa.dma_copy(dst=grad_term[g, queries, keys],
                                           src=zeros if isinstance(g_term, float) else block.full(g_term))
                 nisa.nc_matmul(dst=grad_k_psum, stationary=grad_s, moving=q_rows[:, i, :], accumulate=n > 0)
+                grad_s_of[i] = grad_s
+            yield
+            for i in visited:
+                grad_s = grad_s_of[i]
                 grad_s_t_psum = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_transpose(dst=grad_s_t_psum, data=grad_s)
                 grad_s_t = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(dst=grad_s_t, src=grad_s_t_psum)
-                grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-                nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
-                nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum, op=nl.add)
+                if in_psum:
+                    nisa.nc_matmul(dst=grad_q_acc[:, i, :], stationary=grad_s_t, moving=k_rows[:, j, :],
+                                   accumulate=True)
+                else:
+                    grad_q_psum = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=grad_q_psum, stationary=grad_s_t, moving=k_rows[:, j, :])
+                    nisa.tensor_tensor(dst=grad_q_acc[:, i, :], data1=grad_q_acc[:, i, :], data2=grad_q_psum,
+                                       op=nl.add)
             nisa.tensor_copy(dst=grad_v_rows, src=grad_v_psum)
-            nisa.dma_copy(dst=grad_v[g, keys, :], src=grad_v_rows)
             nisa.tensor_scalar(dst=grad_k_rows, data=grad_k_psum, op0=nl.multiply, operand0=scale)
-            nisa.dma_copy(dst=grad_k[g, keys, :], src=grad_k_rows)
-        for i in nl.affine_range(tiles):
-            grad_q_rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=grad_q_rows, data=grad_q_acc[:, i, :], op0=nl.multiply, operand0=scale)
-            nisa.dma_copy(dst=grad_q[g, i * P:(i + 1) * P, :], src=grad_q_rows)
+        pipeline = [key_tile(j) for j in range(tiles)]
+        for step in range(tiles + 2):
+            for j in range(min(step, tiles - 1), max(step - 3, -1), -1):
+                next(pipeline[j], None)
+        nisa.dma_copy(dst=_by_tiles(grad_v[g], tiles, d), src=grad_v_all)
+        nisa.dma_copy(dst=_by_tiles(grad_k[g], tiles, d), src=grad_k_all)
+        grad_q_rows = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=grad_q_rows, data=grad_q_acc, op0=nl.multiply, operand0=scale)
+        nisa.dma_copy(dst=_by_tiles(grad_q[g], tiles, d), src=grad_q_rows)
         for t, grad_term in zip(term_grads, grad_terms):
             if t in term_sums:
                 nisa.dma_copy(dst=grad_term[g].reshape((tiles, P)).permute((1, 0)), src=term_sums[t])
