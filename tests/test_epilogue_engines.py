@@ -9,11 +9,15 @@ import torch
 import torch.nn as nn
 
 from neuronc.codegen.elementwise import scaled_products, table_order
-from neuronc.codegen.matmul import early_steps
+from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.matmul import early_steps, matmul
 from neuronc.instruction_cost import activation_table
 from neuronc.ir import Op
 from neuronc.ir_text import parse
-from neuronc.isa import ActFunc, AluOp, Engine, Opcode
+from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
+from neuronc.neff.program import DebugLoc
+from neuronc.passes.memory_plan import plan_memory
+from neuronc.targets import get_target
 from tests.conftest import assert_matches_eager, compiled_outputs, o2_with_o0_bits
 
 
@@ -106,3 +110,19 @@ def test_the_derivative_is_the_early_part_and_the_table_order_starts_with_the_lo
 def test_early_steps_are_none_when_computing_them_first_would_overwrite_a_live_slot():
     body = _body()
     assert early_steps(body, [0, 0, 1, 1, 1, 1, 1, 1, None]) == []  # erf would overwrite the rounded accumulator
+
+
+def test_a_groups_derivative_is_emitted_a_whole_flush_before_its_accumulators_steps():
+    # 8 output tiles in groups of 2: each group's derivative (its erf, exp, ...) is emitted with the flush of the
+    # group before it, so no tile's chain x * x -> exp -> multiply -> add precedes its own last steps in one flush
+    compiled, _ = compiled_outputs(MatmulGeluBackward(), _inputs())
+    (node,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    em = Emitter(get_target("trn2"))
+    em.begin_kernel("matmul", ("matmul",), DebugLoc())
+    matmul(em, node, plan_memory(compiled.graph))
+    order = [("erf" if i.func is ActFunc.ERF else "acc") for i in em.instructions
+             if i.func is ActFunc.ERF or (i.opcode is not Opcode.MATMUL and any(
+                 ap.space is Space.PSUM for ap in i.operands[1:]))]
+    flushes = [n for n, (a, b) in enumerate(zip(order, order[1:])) if a == "erf" and b == "acc"]
+    assert [order[:n + 1].count("erf") for n in flushes] == [4, 6, 8]  # 2 groups ahead, then 1 (was 3, 5, 7, 8)
+    assert order.count("acc") == 8 and order.count("erf") == 8

@@ -316,6 +316,11 @@ class _Matmul:
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
+        # tiles waiting after a flush: the next one, or with early steps the next group, whose early steps are then
+        # emitted a whole flush before its accumulator's steps (one of them in the same flush otherwise, where its
+        # chain of hand-offs, x * x -> exp -> multiply -> add on the GELU backward, holds up the in-order engines);
+        # 2 x epilogue_group tiles in flight, the epilogue pools' EPILOGUE_BUFS (passes/tiling.py)
+        self.kept = plan.epilogue_group if self.early else 1
         self.unstarted: list = []  # waiting _Jobs whose early steps are not emitted yet
 
     # loading strips -------------------------------------------------------------------------------------
@@ -449,8 +454,8 @@ class _Matmul:
         self.waiting.append(job)
         if self.early:  # the steps not reading the accumulator, a group of tiles at a time, ahead of the flush
             self.unstarted.append(job)
-        if len(self.waiting) > self.plan.epilogue_group:  # this tile's matmuls go ahead of the epilogues of the ones before
-            self.flush(keep=1)
+        if len(self.waiting) >= self.plan.epilogue_group + self.kept:  # the kept tiles' matmuls go ahead of the
+            self.flush(keep=self.kept)  # epilogues of the ones before
 
     def flush(self, keep: int = 0, last: bool = False) -> None:
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
