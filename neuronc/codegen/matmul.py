@@ -316,10 +316,9 @@ class _Matmul:
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
-        # tiles waiting after a flush: the next one, or with early steps the next group, whose early steps are then
-        # emitted a whole flush before its accumulator's steps (one of them in the same flush otherwise, where its
-        # chain of hand-offs, x * x -> exp -> multiply -> add on the GELU backward, holds up the in-order engines);
-        # 2 x epilogue_group tiles in flight, the epilogue pools' EPILOGUE_BUFS (passes/tiling.py)
+        # tiles waiting after a flush: the next one, or with early steps the next group, so that 2 x epilogue_group
+        # tiles are in flight (the epilogue pools' EPILOGUE_BUFS, passes/tiling.py) and their early steps go in
+        # batches of all of them, every other flush (`flush`)
         self.kept = plan.epilogue_group if self.early else 1
         self.unstarted: list = []  # waiting _Jobs whose early steps are not emitted yet
 
@@ -465,7 +464,11 @@ class _Matmul:
         em = self.em
         jobs = self.waiting[:len(self.waiting) - keep]
         del self.waiting[:len(jobs)]
-        self.start(list(self.unstarted))
+        # the early steps of all the tiles in flight at once (the GELU backward's derivative of 4 tiles: erf and exp
+        # tables loaded once for the 4, 4 independent chains x * x -> exp -> multiply -> add side by side on the
+        # in-order engines), else of the flushed tiles only (none once the batches are under way)
+        batch = len(self.unstarted) >= 2 * self.plan.epilogue_group or last
+        self.start(list(self.unstarted) if batch else [job for job in self.unstarted if job in jobs])
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
