@@ -9,11 +9,15 @@ import torch
 import torch.nn as nn
 
 from neuronc.codegen.elementwise import scaled_products, table_order
-from neuronc.codegen.matmul import early_steps
+from neuronc.codegen.emitter import Emitter
+from neuronc.codegen.matmul import early_steps, matmul
 from neuronc.instruction_cost import activation_table
 from neuronc.ir import Op
 from neuronc.ir_text import parse
-from neuronc.isa import ActFunc, AluOp, Engine, Opcode
+from neuronc.isa import ActFunc, AluOp, Engine, Opcode, Space
+from neuronc.neff.program import DebugLoc
+from neuronc.passes.memory_plan import plan_memory
+from neuronc.targets import get_target
 from tests.conftest import assert_matches_eager, compiled_outputs, o2_with_o0_bits
 
 
@@ -106,3 +110,17 @@ def test_the_derivative_is_the_early_part_and_the_table_order_starts_with_the_lo
 def test_early_steps_are_none_when_computing_them_first_would_overwrite_a_live_slot():
     body = _body()
     assert early_steps(body, [0, 0, 1, 1, 1, 1, 1, 1, None]) == []  # erf would overwrite the rounded accumulator
+
+
+def test_the_derivative_is_emitted_for_four_tiles_at_once_ahead_of_their_accumulators_steps():
+    # 8 output tiles, epilogues in groups of 2 with the next group waiting: the derivative (erf, exp, ...) of the 4
+    # tiles in flight is emitted at once, every other flush, before the first of them reads its accumulator
+    compiled, _ = compiled_outputs(MatmulGeluBackward(), _inputs())
+    (node,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    em = Emitter(get_target("trn2"))
+    em.begin_kernel("matmul", ("matmul",), DebugLoc())
+    matmul(em, node, plan_memory(compiled.graph))
+    order = "".join("e" if i.func is ActFunc.ERF else "a" for i in em.instructions
+                    if i.func is ActFunc.ERF or (i.opcode is not Opcode.MATMUL and any(
+                        ap.space is Space.PSUM for ap in i.operands[1:])))  # erf, or a read of an accumulator
+    assert order == "eeee" "aaaa" "eeee" "aaaa"  # (was "eee" "aa" "ee" "aa" "ee" "aa" "e" "aa")

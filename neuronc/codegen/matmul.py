@@ -316,6 +316,10 @@ class _Matmul:
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
+        # tiles waiting after a flush: the next one, or with early steps the next group, so that 2 x epilogue_group
+        # tiles are in flight (the epilogue pools' EPILOGUE_BUFS, passes/tiling.py) and their early steps go in
+        # batches of all of them, every other flush (`flush`)
+        self.kept = plan.epilogue_group if self.early else 1
         self.unstarted: list = []  # waiting _Jobs whose early steps are not emitted yet
 
     # loading strips -------------------------------------------------------------------------------------
@@ -449,8 +453,8 @@ class _Matmul:
         self.waiting.append(job)
         if self.early:  # the steps not reading the accumulator, a group of tiles at a time, ahead of the flush
             self.unstarted.append(job)
-        if len(self.waiting) > self.plan.epilogue_group:  # this tile's matmuls go ahead of the epilogues of the ones before
-            self.flush(keep=1)
+        if len(self.waiting) >= self.plan.epilogue_group + self.kept:  # the kept tiles' matmuls go ahead of the
+            self.flush(keep=self.kept)  # epilogues of the ones before
 
     def flush(self, keep: int = 0, last: bool = False) -> None:
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
@@ -460,7 +464,11 @@ class _Matmul:
         em = self.em
         jobs = self.waiting[:len(self.waiting) - keep]
         del self.waiting[:len(jobs)]
-        self.start(list(self.unstarted))
+        # the early steps of all the tiles in flight at once (the GELU backward's derivative of 4 tiles: erf and exp
+        # tables loaded once for the 4, 4 independent chains x * x -> exp -> multiply -> add side by side on the
+        # in-order engines), else of the flushed tiles only (none once the batches are under way)
+        batch = len(self.unstarted) >= 2 * self.plan.epilogue_group or last
+        self.start(list(self.unstarted) if batch else [job for job in self.unstarted if job in jobs])
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
