@@ -14,7 +14,7 @@ import neuronc.nki.language as nl
 from neuronc.errors import KernelError, KernelUnsupportedError, NeuronRuntimeError
 from neuronc.tolerances import TOLERANCES
 from tests.conftest import line_of
-from tests.nki_samples import attention_tutorial, layernorm, matmul_tutorial, rmsnorm, sd_attention
+from tests.nki_samples import attention_tutorial, average_pool2d, layernorm, matmul_tutorial, rmsnorm, sd_attention
 
 FP32 = TOLERANCES[torch.float32]
 
@@ -84,6 +84,51 @@ def test_fused_sd_attention_sample_in_mixed_precision_is_within_bf16_tolerance()
     expected = F.scaled_dot_product_attention(*(torch.from_numpy(t)[None] for t in (q, k, v)), scale=0.125)[0]
     out = sd_attention.fused_self_attn_for_SD_small_head_size(q, k, v)
     close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+def test_average_pool_tutorial_reduces_axes_2_and_4_of_its_window_view():
+    x = rand(128, 32, 48)
+    expected = F.avg_pool2d(torch.from_numpy(x)[None], 2)[0]
+    close(nki.simulate_kernel(average_pool2d.tensor_avgpool_kernel, x, 2), expected)
+
+
+@nki.jit
+def _scaled_exp_columns(delta, a):
+    """exp(delta * a[:, j]) for each column j of a: a vector A[rows, j] loads as a [rows, 1] column (the Mamba
+    tutorial's scale operand)."""
+    out = nl.ndarray((a.shape[1], delta.shape[0], delta.shape[1]), dtype=delta.dtype, buffer=nl.shared_hbm)
+    d = nl.load(delta)
+    for j in nl.affine_range(a.shape[1]):
+        column = nl.load(a[0:128, j])
+        nl.store(out[j], value=nisa.activation(op=nl.exp, data=d, scale=column))
+    return out
+
+
+def test_a_vector_slice_loads_as_a_column_and_scales_an_activation():
+    delta, a = rand(128, 64), -rand(128, 3)
+    expected = torch.exp(torch.from_numpy(delta)[None] * torch.from_numpy(a).T[:, :, None])
+    close(nki.simulate_kernel(_scaled_exp_columns, delta, a), expected)
+
+
+@nki.jit
+def _masked_window_max(x):
+    """Each row's max over a sliding window of 3 columns, in tiles of 128 rows, the last one masked: the max's result
+    is a 2-D tile indexed by no grid, restricted by the mask's partition bound as the window view is."""
+    rows, cols = x.shape
+    out = nl.ndarray((rows, cols - 2), dtype=x.dtype, buffer=nl.shared_hbm)
+    for t in nl.affine_range((rows + 127) // 128):
+        i_p, i_f = nl.mgrid[0:128, 0:cols]
+        tile = nl.load(x[t * 128 + i_p, i_f], mask=(t * 128 + i_p < rows))
+        i_p, i_w, i_k = nl.mgrid[0:128, 0:cols - 2, 0:3]
+        best = nl.max(tile[i_p, i_w + i_k], axis=[2], mask=(t * 128 + i_p < rows))
+        i_p, i_w = nl.mgrid[0:128, 0:cols - 2]
+        nl.store(out[t * 128 + i_p, i_w], value=best, mask=(t * 128 + i_p < rows))
+    return out
+
+
+def test_a_masked_reduction_restricts_its_unindexed_result_to_the_masked_partitions():
+    x = rand(200, 40)
+    close(nki.simulate_kernel(_masked_window_max, x), torch.from_numpy(x).unfold(1, 3, 1).amax(-1))
 
 
 # -- entry points -------------------------------------------------------------------------------------------

@@ -173,7 +173,10 @@ def apply_mask(mask, views: list, api: str):
                 return None
             dims = list(t.dims)
             for i, ((stride, size), var) in enumerate(zip(dims, t.vars)):
-                if var is v or (var is None and v.axis == i and v.ndim == len(dims) and size == v.size):
+                # a tile not indexed by v: its dim i runs along v if v is that axis of an index grid of its rank,
+                # or, for the partition dim, axis 0 of any grid (the samples' 2-D result of a 4-D grid's reduction)
+                if var is v or (var is None and v.axis == i and (v.ndim == len(dims) or i == 0 and t.on_chip)
+                                and size == v.size):
                     if i == 0 and t.on_chip:
                         t = t._with(dims=((1, hi - lo),) + tuple(dims[1:]), partition=t.partition + lo,
                                     vars=t.vars)
@@ -340,8 +343,9 @@ def load(src: NkiTensor, dtype=None, mask=None, api: str = "nl.load") -> Result:
     if src.space != Space.HBM:
         fail("nl.load reads HBM; the source is already on chip", api=api, hint="use nl.copy / nisa.tensor_copy")
     dtype = dtypes.isa_dtype(dtype) if dtype is not None else src.isa_dtype
-    shape = src.shape if src.ndim >= 2 else (src.shape[0] if src.ndim else 1, 1)
-    return result(shape, dtype, lambda dst: dma(dst, src, api, mask=mask), api, spaces=(Space.SBUF,),
+    while src.ndim < 2:  # a vector (the samples' A[rows, i]) loads as a column [n, 1], a number as [1, 1]
+        src = src.expand_dims(src.ndim)
+    return result(src.shape, dtype, lambda dst: dma(dst, src, api, mask=mask), api, spaces=(Space.SBUF,),
                   exact_any_dtype=False)
 
 
@@ -727,8 +731,11 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
 
 def tensor_reduce(dst: NkiTensor, op, data: NkiTensor, axis, negate: bool = False, engine: Engine | None = None,
                   mask=None, api: str = "nisa.tensor_reduce") -> None:
-    """dst = the reduction of data over its trailing free axes ``axis`` (Vector/GpSimd, fp32); ``negate`` by a
-    second step from an fp32 tile (the same single rounding)."""
+    """dst = the reduction of data over its free axes ``axis`` (Vector/GpSimd, fp32); ``negate`` by a second step
+    from an fp32 tile (the same single rounding). The instruction reduces the innermost dim of its access pattern:
+    the reduced axes are moved last (an access pattern's free dims reorder at no cost: the NKI samples' pooling
+    reduces axes [2, 4] of a 5-D view), merged into one dim where their strides allow, else reduced innermost
+    first into an fp32 tile, one axis an instruction."""
     alu = lookup(op, REDUCE, "reduction op", api)
     views = apply_mask(mask, [dst, data], api)
     if views is None:
@@ -739,15 +746,18 @@ def tensor_reduce(dst: NkiTensor, op, data: NkiTensor, axis, negate: bool = Fals
     if 0 in axes:
         fail("the partition axis cannot be reduced by tensor_reduce", api=api,
              hint="transpose first (nisa.nc_transpose), or use a matmul by a ones column")
-    if axes != list(range(data.ndim - len(axes), data.ndim)):
-        fail(f"axis={axis}: reductions run over the last free axes of the tile {list(data.shape)}", api=api)
+    trailing = list(range(data.ndim - len(axes), data.ndim))
+    if axes != trailing:
+        data = data.permute([a for a in range(data.ndim) if a not in axes] + axes)
     kept = data.shape[:data.ndim - len(axes)]
     reduced = int(np.prod(data.shape[data.ndim - len(axes):]))
     src = data
     if len(axes) > 1:
-        if not _mergeable(data.dims[data.ndim - len(axes):]):
-            fail("reducing several axes that are not contiguous", api=api, unsupported=True,
-                 hint="reduce one axis at a time")
+        if not _mergeable(data.dims[data.ndim - len(axes):]):  # the innermost axis first, then the others
+            partial = _scratch(data.shape[:-1], DType.F32, name="reduce_partial")
+            tensor_reduce(partial, op, data, data.ndim - 1, engine=engine, api=api)
+            tensor_reduce(dst, op, partial, trailing[:-1], negate=negate, engine=engine, api=api)
+            return
         inner = data.dims[-1][0]
         src = data._with(dims=data.dims[:data.ndim - len(axes)] + ((inner, reduced),))
     if dst.size != int(np.prod(kept)):
