@@ -14,7 +14,8 @@ import neuronc.nki.language as nl
 from neuronc.errors import KernelError, KernelUnsupportedError, NeuronRuntimeError
 from neuronc.tolerances import TOLERANCES
 from tests.conftest import line_of
-from tests.nki_samples import attention_tutorial, average_pool2d, layernorm, matmul_tutorial, rmsnorm, sd_attention
+from tests.nki_samples import (attention_tutorial, average_pool2d, interpolate_bilinear, layernorm, matmul_tutorial,
+                               rmsnorm, sd_attention)
 
 FP32 = TOLERANCES[torch.float32]
 
@@ -90,6 +91,12 @@ def test_average_pool_tutorial_reduces_axes_2_and_4_of_its_window_view():
     x = rand(128, 32, 48)
     expected = F.avg_pool2d(torch.from_numpy(x)[None], 2)[0]
     close(nki.simulate_kernel(average_pool2d.tensor_avgpool_kernel, x, 2), expected)
+
+
+def test_bilinear_sample_returns_its_output_reshaped_to_n_c_h_w():
+    x = rand(2, 64, 20, 16)  # 128 partitions of (n, c), rows in chunks of 10 overlapping by one
+    expected = F.interpolate(torch.from_numpy(x), scale_factor=2, mode="bilinear", align_corners=False)
+    close(nki.simulate_kernel(interpolate_bilinear.interpolate_bilinear_2x_fwd, x), expected)
 
 
 @nki.jit

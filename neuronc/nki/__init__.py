@@ -147,6 +147,9 @@ class Kernel:
                                   hint="return a new nl.shared_hbm tensor; arguments the kernel writes are "
                                   "updated in place")
             t.storage.kind = "output"
+            if t.shape != tuple(t.storage.shape) and t.offset == 0 and t.size == int(np.prod(t.storage.shape)) \
+                    and t._contiguous_free():  # a reshape of the whole tensor (the bilinear sample's [n, c, h, w])
+                t.storage.shape = t.shape
             outputs.append(t.storage)
         traced = TracedKernel.from_trace(trace, inputs, outputs)
         traced.returns_tuple = isinstance(returned, (tuple, list))
