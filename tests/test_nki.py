@@ -138,6 +138,12 @@ def test_a_masked_reduction_restricts_its_unindexed_result_to_the_masked_partiti
     close(nki.simulate_kernel(_masked_window_max, x), torch.from_numpy(x).unfold(1, 3, 1).amax(-1))
 
 
+def test_direct_allocation_is_refused_by_name_and_compiler_directives_are_no_ops():
+    with pytest.raises(KernelUnsupportedError, match=r"nki.compiler.sbuf \(direct allocation\)"):
+        nki.compiler.sbuf.mod_alloc  # noqa: B018 (the attention performance tutorial's module-level allocator)
+    assert nki.compiler.skip_middle_end_transformations(_scaled_exp_columns) is _scaled_exp_columns
+
+
 # -- entry points -------------------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ import threading
 import numpy as np
 
 from neuronc.errors import KernelError
-from neuronc.nki import isa, language  # noqa: F401 (nki.isa / nki.language, as NKI has them)
+from neuronc.nki import compiler, isa, language  # noqa: F401 (nki.compiler / nki.isa / nki.language, as NKI has them)
 from neuronc.nki.dtypes import isa_dtype
 from neuronc.nki.kernel import TracedKernel, as_numpy
 from neuronc.nki.tensor import NkiTensor
