@@ -33,7 +33,9 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
   two values). TENSOR_ALU2 (two ALU ops in one pass) makes a pass per source it streams: a per-partition
 value (a [p, 1] tile read with stride 0 along the free axes, NKI's tensor_scalar operand) is held, not
-streamed, and a source read twice (as both operands) is streamed once.
+streamed, and a source read twice (as both operands) is streamed once. TENSOR_TENSOR_SCAN (NKI's tensor_tensor_scan,
+no documented cost) is priced as TENSOR_TENSOR, a stated choice (targets.py): a pass per streamed data source, its
+initial value held, no performance mode.
 
 The DMA queues share the core's HBM: :class:`HbmChannel` serves every transfer's HBM bytes at the core's
 sustained HBM bandwidth (``Target.hbm_sustained_gbps``: "HBM per core: divide the chip figure by the cores",
@@ -122,6 +124,10 @@ def _streamed(ap) -> bool:
 
 
 def _alu2_passes(instr: Instruction) -> int:
+    """TENSOR_ALU2's passes: one per distinct streamed source it reads; TENSOR_TENSOR_SCAN's: one per streamed data
+    source (its initial value, a [p, 1] tile, is held)."""
+    if instr.opcode == Opcode.TENSOR_TENSOR_SCAN:
+        return max(1, sum(_streamed(ap) for ap in instr.srcs[:2]))
     sources = instr.srcs[:2] if instr.alu1 == AluOp.NONE else instr.srcs
     return max(1, len({ap for ap in sources if _streamed(ap)}))
 
@@ -185,7 +191,7 @@ def perf_mode_speedup(engine: Engine, form: str | None, operands: list, target: 
 
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
     elements = max(ap.free_elements for ap in instr.operands)
-    if instr.opcode == Opcode.TENSOR_ALU2:
+    if instr.opcode in (Opcode.TENSOR_ALU2, Opcode.TENSOR_TENSOR_SCAN):
         passes = _alu2_passes(instr)
     else:
         passes = _PASSES.get(instr.opcode, max(1, len(instr.srcs)))

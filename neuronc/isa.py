@@ -56,6 +56,14 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            value is a [p, 1] tile read with stride 0 along the free axes.
                                            ``alu1`` NONE: dst = alu(a, b) (c is not read). Floats only
                                            (Vector/GpSimd engine).
+``TENSOR_TENSOR_SCAN(dst, data0, data1, initial)``
+                                           a scan along the free elements of each partition (row-major):
+                                           r = initial[p, 0]; for each i in turn r = alu1(alu(data0[p, i], r),
+                                           data1[p, i]) and dst[p, i] = r. r stays fp32 (rounded to fp32 after
+                                           each op, never to dst's dtype), dst gets each r rounded to its dtype
+                                           (NKI's tensor_tensor_scan; Vector engine only, as NKI documents it).
+                                           data0 and data1 have dst's shape; initial is an fp32 [p, 1] SBUF tile.
+                                           Arithmetic ALU ops (TENSOR_ALU2's), floats only.
 ``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
 ``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
                                            dst has src's shape with the last size replaced by 1.
@@ -237,6 +245,7 @@ class Opcode(enum.IntEnum):
     TENSOR_SCALAR_REDUCE = 21
     TENSOR_ALU2 = 22
     DMA_TRANSPOSE = 23
+    TENSOR_TENSOR_SCAN = 24
     # the collective engine's (40-49: kept clear of the numbers other branches take for compute opcodes)
     ALL_REDUCE = 40
     ALL_GATHER = 41
@@ -266,6 +275,7 @@ ARITY = {
     Opcode.TENSOR_SCALAR_REDUCE: 3,
     Opcode.TENSOR_ALU2: 4,
     Opcode.DMA_TRANSPOSE: 2,
+    Opcode.TENSOR_TENSOR_SCAN: 4,
     Opcode.ALL_REDUCE: 2,
     Opcode.ALL_GATHER: 2,
     Opcode.REDUCE_SCATTER: 2,

@@ -49,7 +49,10 @@ class Target:
     # Vector/Scalar/GpSimd instructions. An instruction making `passes` over N elements per partition occupies its
     # engine max(MIN_II, N * passes) cycles: "max(MIN_II, N)" with "MIN_II ... roughly 64 engine cycles" (the
     # engine-selection cost table of nki/api/nki.api.shared.rst), N cycles for one input and 2N for two
-    # (nki/guides/architecture/trainium_inferentia2_arch.rst, Vector Engine "Cost Model").
+    # (nki/guides/architecture/trainium_inferentia2_arch.rst, Vector Engine "Cost Model"). NKI's tensor_tensor_scan
+    # (TENSOR_TENSOR_SCAN) has no documented cost: a stated choice prices it as tensor_tensor, 2N for its two
+    # streamed inputs (its initial value is one number per partition, held), without the performance mode (trn2's
+    # docs list only tensor_copy / tensor_scalar / tensor_tensor for it, and the scan's state is fp32).
     elementwise_min_interval_cycles: int
     # An instruction reading what the instruction before it on the same engine wrote "cannot start data read until
     # the previous instruction has all of its output committed to the local SRAM": the static overhead (~100

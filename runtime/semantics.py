@@ -120,6 +120,22 @@ def _tensor_alu2(instr, dst, a, b, c):
     return first if instr.alu1 == AluOp.NONE else ALU[instr.alu1](first, c.astype(F32, copy=False))
 
 
+def _tensor_tensor_scan(instr, dst, data0, data1, initial):
+    """r = alu1(alu(data0[p, i], r), data1[p, i]) for each free element i in row-major order, r starting at
+    initial[p, 0] and kept in fp32 (each op rounds to fp32, as numpy's fp32 ufuncs do); dst[p, i] = r. Sequential:
+    element i reads the fp32 r of element i - 1, so the order of the ops is the hardware's."""
+    rows = dst.shape[0]
+    x0 = data0.astype(F32).reshape(rows, -1)
+    x1 = data1.astype(F32).reshape(rows, -1)
+    op0, op1 = ALU[instr.alu], ALU[instr.alu1]
+    out = np.empty(x0.shape, F32)
+    r = initial.astype(F32).reshape(rows)
+    for i in range(x0.shape[1]):
+        r = op1(op0(x0[:, i], r), x1[:, i])
+        out[:, i] = r
+    return out.reshape(dst.shape)
+
+
 def _tensor_tensor(instr, dst, a, b):
     dtype = _compute_dtype(a.dtype, b.dtype)
     return ALU[instr.alu](a.astype(dtype), b.astype(dtype, copy=False))  # a copied: NONE returns it
@@ -294,6 +310,7 @@ SEMANTICS = {
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce,
     Opcode.TENSOR_ALU2: _tensor_alu2,
+    Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan,
 }
 
 
@@ -806,6 +823,7 @@ ENGINES = {
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     Opcode.RNG: frozenset({Engine.GPSIMD}),
+    Opcode.TENSOR_TENSOR_SCAN: frozenset({Engine.VECTOR}),  # NKI: "using Vector Engine" (tensor_tensor_scan)
     **{op: frozenset({Engine.COLLECTIVE}) for op in COLLECTIVES},
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8,
                                                                Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2)},
@@ -954,6 +972,28 @@ def _tensor_alu2_shapes(instr: Instruction, target: Target):
         _fail("TENSOR_ALU2 has no reversed form", hint="swap the operands of a commutative op, or use TENSOR_TENSOR")
 
 
+def _tensor_tensor_scan_shapes(instr: Instruction, target: Target):
+    """TENSOR_TENSOR_SCAN(dst, data0, data1, initial): float data of dst's shape (not both in PSUM, as NKI says),
+    initial an fp32 [p, 1] SBUF tile, two arithmetic ALU ops."""
+    dst, data0, data1, initial = instr.operands
+    if not all(ap.dtype.is_float for ap in instr.operands):
+        _fail(f"TENSOR_TENSOR_SCAN computes on floats, got {', '.join(ap.dtype.name for ap in instr.operands)}",
+              hint="convert integer tiles to fp32 with TENSOR_COPY first")
+    for i, ap in ((1, data0), (2, data1)):
+        if ap.shape != dst.shape:
+            _fail(f"TENSOR_TENSOR_SCAN operand {i} has shape {ap.shape} but the destination has {dst.shape}")
+    if data0.space == data1.space == Space.PSUM:
+        _fail("TENSOR_TENSOR_SCAN reads at most one of its two data tiles from PSUM", hint="copy one to SBUF first")
+    if initial.shape != (dst.shape[0], 1) or initial.dtype != DType.F32 or initial.space != Space.SBUF:
+        _fail(f"TENSOR_TENSOR_SCAN's initial value must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
+              f"{initial.dtype.name}{list(initial.shape)} in {initial.space.name}", hint="one fp32 value per partition")
+    if instr.alu not in ALU2_OPS or instr.alu1 not in ALU2_OPS:
+        _fail(f"TENSOR_TENSOR_SCAN takes two arithmetic ALU ops ({', '.join(op.name for op in sorted(ALU2_OPS))}), "
+              f"got {instr.alu.name} then {instr.alu1.name}")
+    if instr.reverse:
+        _fail("TENSOR_TENSOR_SCAN has no reversed form", hint="its ops take (data0, previous) then (value, data1)")
+
+
 def _indirect_shapes(instr: Instruction, target: Target):
     """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
     and their indices in SBUF."""
@@ -1041,6 +1081,7 @@ SHAPE_RULES = {
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce_shapes,
     Opcode.TENSOR_ALU2: _tensor_alu2_shapes,
+    Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan_shapes,
 }
 
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}

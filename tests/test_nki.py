@@ -14,8 +14,8 @@ import neuronc.nki.language as nl
 from neuronc.errors import KernelError, KernelUnsupportedError, NeuronRuntimeError
 from neuronc.tolerances import TOLERANCES
 from tests.conftest import line_of
-from tests.nki_samples import (attention_tutorial, average_pool2d, interpolate_bilinear, layernorm, matmul_tutorial,
-                               rmsnorm, sd_attention)
+from tests.nki_samples import (attention_tutorial, average_pool2d, interpolate_bilinear, layernorm, mamba,
+                               matmul_tutorial, rmsnorm, sd_attention)
 
 FP32 = TOLERANCES[torch.float32]
 
@@ -115,6 +115,62 @@ def test_a_vector_slice_loads_as_a_column_and_scales_an_activation():
     delta, a = rand(128, 64), -rand(128, 3)
     expected = torch.exp(torch.from_numpy(delta)[None] * torch.from_numpy(a).T[:, :, None])
     close(nki.simulate_kernel(_scaled_exp_columns, delta, a), expected)
+
+
+def _selective_scan(delta, u, a, b, c) -> torch.Tensor:
+    """Mamba's SSM in eager PyTorch (fp32): h[s] = exp(delta[s] * A) * h[s-1] + delta[s] * u[s] * B[s], y[s] = C[s] . h[s],
+    per batch, channel and state; the sequential loop the tutorial's kernels scan."""
+    d, u, a, b, c = (torch.from_numpy(t) for t in (delta, u, a, b, c))
+    decay = torch.exp(d[:, :, None, :] * a[None, :, :, None])  # [batch, channels, state, seq]
+    drive = (d * u)[:, :, None, :] * b[:, None, :, :]
+    h, ys = torch.zeros(decay.shape[:3]), []
+    for s in range(d.shape[-1]):
+        h = decay[..., s] * h + drive[..., s]
+        ys.append((h * c[:, None, :, s]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+@pytest.mark.parametrize("version, seq, state", [("mamba_v1", 128, 4), ("mamba_v2", 512, 16), ("mamba_v3", 1024, 4)])
+def test_mamba_tutorial_kernels_match_an_eager_selective_scan(version, seq, state):
+    """v3 scans its 1024 steps in two tiles of 512, the second starting from the first's last state (a tile initial)."""
+    rng = np.random.default_rng(seq + state)
+    delta, u = 0.1 * rng.random((1, 256, seq), np.float32), rng.standard_normal((1, 256, seq), np.float32)
+    a = -rng.random((256, state), np.float32)
+    b, c = rng.standard_normal((1, state, seq), np.float32), rng.standard_normal((1, state, seq), np.float32)
+    close(getattr(mamba, version)(delta, u, a, b, c), _selective_scan(delta, u, a, b, c))
+
+
+@nki.jit
+def _running_max_of_differences(x, y, start):
+    """dst[:, i] = max(x[:, i] - dst[:, i-1], y[:, i]) from a [P, 1] tile, in the dst convention."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    result = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor_scan(result, nl.load(x), nl.load(y), nl.load(start), op0=nl.subtract, op1=nl.maximum)
+    nl.store(out, value=result)
+    return out
+
+
+def test_tensor_tensor_scan_takes_a_tile_initial_and_any_arithmetic_ops():
+    x, y, start = rand(128, 64, seed=1), rand(128, 64, seed=2), rand(128, 1, seed=3)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    r, columns = torch.from_numpy(start)[:, 0], []
+    for i in range(64):
+        r = torch.maximum(tx[:, i] - r, ty[:, i])
+        columns.append(r)
+    close(nki.simulate_kernel(_running_max_of_differences, x, y, start), torch.stack(columns, 1))
+
+
+@nki.jit
+def _reversed_scan(x):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    nl.store(out, value=nisa.tensor_tensor_scan(t, t, 0.0, np.subtract, np.add, reverse0=True))
+    return out
+
+
+def test_tensor_tensor_scan_says_a_reversed_non_commutative_op_is_not_emulated():
+    with pytest.raises(KernelUnsupportedError, match="reverse0=True with subtract"):
+        _reversed_scan(rand(128, 16))
 
 
 @nki.jit

@@ -1449,6 +1449,90 @@ def test_tensor_alu2_streams_each_source_once_and_holds_a_per_partition_value():
     assert cost(per_partition, chip((128, 512), offset=4096), alu1=AluOp.NONE) == cost(per_partition, per_partition)
 
 
+def _scan_program(alu: AluOp, alu1: AluOp, dst_dtype: DType, engine=Engine.VECTOR, shape=(4, 8)) -> Neff:
+    """data0, data1 (``shape``) and initial [4, 1] loaded; TENSOR_TENSOR_SCAN into a ``dst_dtype`` tile."""
+    p = Program()
+    d0_t, d1_t, i_t = (p.tensor(n, TensorKind.INPUT, s) for n, s in (("d0", shape), ("d1", shape), ("init", (4, 1))))
+    out_t = p.tensor("out", TensorKind.OUTPUT, shape, dst_dtype)
+    d0, d1, init, out = chip(shape), chip(shape, offset=64), chip((4, 1), offset=128), chip(shape, dst_dtype, offset=192)
+    for tile, t in ((d0, d0_t), (d1, d1_t), (init, i_t)):
+        p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(t))
+    p.emit(Opcode.TENSOR_TENSOR_SCAN, engine, out, d0, d1, init, alu=alu, alu1=alu1, waits=done(Engine.DMA, 3))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(out_t), out, queue=1, waits=done(engine))
+    return p.neff()
+
+
+def _scan_reference(op0, op1, d0, d1, init) -> np.ndarray:
+    """The NKI docs' loop, one np.float32 scalar at a time."""
+    out = np.empty(d0.shape, np.float32)
+    for p in range(d0.shape[0]):
+        r = np.float32(init[p, 0])
+        for i in range(d0.shape[1]):
+            r = op1(op0(np.float32(d0[p, i]), r), np.float32(d1[p, i]))
+            out[p, i] = r
+    return out
+
+
+@pytest.mark.parametrize("alu, alu1", [(AluOp.MULTIPLY, AluOp.ADD), (AluOp.SUBTRACT, AluOp.MAX),
+                                       (AluOp.DIVIDE, AluOp.MULTIPLY)], ids=lambda a: a.name)
+def test_tensor_tensor_scan_opcode_carries_each_partitions_result_along_its_free_elements(core, alu, alu1):
+    d0, d1, init = uniform(0.5, 1.5), uniform(-2, 2), uniform(-1, 1, (4, 1))
+    (out,) = core.load(_scan_program(alu, alu1, DType.F32)).run([d0, d1, init]).outputs
+    ufunc = {AluOp.SUBTRACT: np.subtract, AluOp.MULTIPLY: np.multiply, AluOp.ADD: np.add, AluOp.DIVIDE: np.divide,
+             AluOp.MAX: np.maximum}
+    np.testing.assert_array_equal(out, _scan_reference(ufunc[alu], ufunc[alu1], d0, d1, init))
+
+
+def test_tensor_tensor_scan_opcode_keeps_its_state_in_fp32_under_a_bf16_destination(core):
+    """r = r * 1 + 1/3 in fp32, each r rounded to bf16 only where it is written: a state rounded to bf16 drifts."""
+    d0, d1, init = np.ones((4, 8), np.float32), np.full((4, 8), 1 / 3, np.float32), np.zeros((4, 1), np.float32)
+    (out,) = core.load(_scan_program(AluOp.MULTIPLY, AluOp.ADD, DType.BF16)).run([d0, d1, init]).outputs
+    fp32_state = _scan_reference(np.multiply, np.add, d0, d1, init)
+    np.testing.assert_array_equal(out, fp32_state.astype(ml_dtypes.bfloat16))
+
+
+def test_tensor_tensor_scan_opcode_scans_several_free_dims_in_row_major_order(core):
+    d0, d1, init = uniform(0.5, 1.5, (4, 2, 4)), uniform(-2, 2, (4, 2, 4)), uniform(-1, 1, (4, 1))
+    (out,) = core.load(_scan_program(AluOp.MULTIPLY, AluOp.ADD, DType.F32, shape=(4, 2, 4))).run([d0, d1, init]).outputs
+    flat = _scan_reference(np.multiply, np.add, d0.reshape(4, 8), d1.reshape(4, 8), init)
+    np.testing.assert_array_equal(out, flat.reshape(4, 2, 4))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("gpsimd", "cannot run on the GPSIMD engine"), ("both_psum", "at most one"), ("bf16_initial", "initial value"),
+    ("compare", "arithmetic ALU ops"), ("integers", "computes on floats")])
+def test_tensor_tensor_scan_opcode_refuses_what_the_vector_engines_scan_does_not_do(core, case, match):
+    psum = chip((4, 8), space=Space.PSUM)
+    dst, d0, d1, init = chip((4, 8)), chip((4, 8), offset=64), chip((4, 8), offset=128), chip((4, 1), offset=192)
+    engine, alu = Engine.VECTOR, AluOp.MULTIPLY
+    if case == "gpsimd":
+        engine = Engine.GPSIMD
+    elif case == "both_psum":
+        d0, d1 = psum, dataclasses.replace(psum, offset=64)
+    elif case == "bf16_initial":
+        init = chip((4, 1), DType.BF16, offset=192)
+    elif case == "compare":
+        alu = AluOp.GT
+    else:
+        dst = chip((4, 8), DType.I32)
+    p = Program()
+    p.emit(Opcode.TENSOR_TENSOR_SCAN, engine, dst, d0, d1, init, alu=alu, alu1=AluOp.ADD)
+    with pytest.raises(NeuronRuntimeError, match=match):
+        core.load(p.neff())
+
+
+def test_tensor_tensor_scan_opcode_costs_a_tensor_tensor_its_initial_value_held():
+    """No documented cost: priced as TENSOR_TENSOR's two streamed inputs, a stated choice (targets.py)."""
+    tile = chip((128, 512))
+    scan = Instruction(Opcode.TENSOR_TENSOR_SCAN, Engine.VECTOR, (tile, tile, tile, chip((128, 1))),
+                       alu=AluOp.MULTIPLY, alu1=AluOp.ADD)
+    plain = Instruction(Opcode.TENSOR_TENSOR, Engine.VECTOR, (tile, tile, tile), alu=AluOp.ADD)
+    assert instruction_cost_ns(scan, TRN2) == instruction_cost_ns(plain, TRN2)
+    bf16 = chip((128, 512), DType.BF16)
+    scan16 = dataclasses.replace(scan, operands=(bf16, bf16, bf16, chip((128, 1))))
+    assert instruction_cost_ns(scan16, TRN2) == instruction_cost_ns(scan, TRN2)  # no performance mode
+
+
 def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_does_not_count_past_it():
     """The access check's writer test (ranges of late ids per stream) against its definition, writer by writer:
     writer (t, k), id firsts[t] + k, happens before an instruction whose clock counts past k on stream t; ids 0

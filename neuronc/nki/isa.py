@@ -259,6 +259,33 @@ def scalar_tensor_tensor(*args, **kwargs):
         dst, data, b["op0"], b["operand0"], b["op1"], b["operand1"], **call), api)
 
 
+def tensor_tensor_scan(*args, **kwargs):
+    """dst[:, i] = (data0[:, i] <op0> dst[:, i-1]) <op1> data1[:, i], dst[:, -1] = initial: a scan along the free
+    axis on the Vector engine, in fp32 (TENSOR_TENSOR_SCAN)."""
+    api = "nisa.tensor_tensor_scan"
+    new = _scan_new(args, kwargs)
+    b = _split(args, kwargs, new, ("dst", "data0", "data1", "initial", "op0", "op1", "reverse0", "reverse1", "name"),
+               ("data0", "data1", "initial", "op0", "op1", "reverse0", "reverse1"))
+    call = dict(reverse0=b.get("reverse0", False), reverse1=b.get("reverse1", False), mask=b.get("mask"), api=api)
+    if new:
+        ops.tensor_tensor_scan(b["dst"], b["data0"], b["data1"], b["initial"], b["op0"], b["op1"], **call)
+        return None
+    data0 = ops.tile(b["data0"], api, "data0")
+    out = _out_dtype(b, data0.isa_dtype)
+    return ops.result(data0.shape, out, lambda dst: ops.tensor_tensor_scan(
+        dst, data0, b["data1"], b["initial"], b["op0"], b["op1"], **call), api)
+
+
+def _scan_new(args, kwargs) -> bool:
+    """Whether a tensor_tensor_scan call is in the dst convention (dst, data0, data1, initial, op0, op1): dst given,
+    a number or tile fourth (where the earlier convention has op0), or three tensors with initial by name."""
+    if "dst" in kwargs:
+        return True
+    if len(args) >= 4:
+        return isinstance(args[3], (NkiTensor, int, float)) and not isinstance(args[3], bool)
+    return len(args) == 3 and "initial" in kwargs
+
+
 def tensor_reduce(*args, **kwargs):
     """dst = reduction of data over its trailing free ``axis`` (add, max, min); ``negate`` multiplies by -1."""
     api = "nisa.tensor_reduce"
@@ -648,7 +675,7 @@ def _unsupported(name: str):
     return fn
 
 
-for _name in ("nc_matmul_mx", "activate2", "tensor_tensor_scan", "tensor_scalar_cumulative", "exponential",
+for _name in ("nc_matmul_mx", "activate2", "tensor_scalar_cumulative", "exponential",
               "quantize_mx", "dropout", "range_select", "select_reduce", "sequence_bounds", "local_gather",
               "nc_n_gather", "nc_stream_shuffle", "register_alloc", "register_load", "register_move",
               "register_store", "core_barrier", "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state",

@@ -680,6 +680,46 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     _alu2(dst, a, b, t1, alu0, alu1, engine, api)
 
 
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, mask=None,
+                       api: str = "nisa.tensor_tensor_scan") -> None:
+    """dst[:, i] = (data0[:, i] <op0> dst[:, i-1]) <op1> data1[:, i] along the free elements, dst[:, -1] being
+    ``initial`` (a number, or a [P, 1] tile): one TENSOR_TENSOR_SCAN on the Vector engine, its state in fp32."""
+    alu0, alu1 = lookup(op0, ALU, "op0", api), lookup(op1, ALU, "op1", api)
+    for alu, rev, name in ((alu0, reverse0, "reverse0"), (alu1, reverse1, "reverse1")):
+        if rev and alu not in COMMUTATIVE:
+            fail(f"{name}=True with {alu.name.lower()}: the scan's reversed operand order is not emulated", api=api,
+                 unsupported=True, hint="a commutative op (add, multiply, max, min) needs no reversal")
+    views = apply_mask(mask, [dst, data0, data1], api)
+    if views is None:
+        return
+    dst, data0, data1 = views
+    dst, data0, data1 = tile(dst, api, "dst"), tile(data0, api, "data0"), tile(data1, api, "data1")
+    if data0.shape != dst.shape or data1.shape != dst.shape:
+        fail(f"data0 {list(data0.shape)} and data1 {list(data1.shape)} must have the result's shape "
+             f"{list(dst.shape)}", api=api)
+    if not all(x.isa_dtype.is_float for x in (dst, data0, data1)) or alu0 not in ALU2_OPS or alu1 not in ALU2_OPS:
+        fail("the scan computes on float tiles with arithmetic ops (add, subtract, multiply, divide, max, min, pow)",
+             api=api, unsupported=True)
+    if data0.space == Space.PSUM and data1.space == Space.PSUM:
+        fail("both data tiles are in PSUM; at most one may be", api=api, hint="copy one to SBUF first")
+    if isinstance(initial, NkiTensor):
+        init = tile(initial, api, "initial")
+        if init.free_size != 1 or init.partitions not in (1, dst.partitions):
+            fail(f"initial must be a number or a [{dst.partitions}, 1] tile, got {list(init.shape)}", api=api)
+        if init.partitions == 1 and dst.partitions > 1:
+            fail("initial must have the data's partitions", api=api, hint=f"give a [{dst.partitions}, 1] tile")
+        if init.isa_dtype != DType.F32 or init.space != Space.SBUF:
+            staged = _scratch((dst.partitions, 1), DType.F32, name="scan_initial")
+            copy(staged, init, api=api)
+            init = staged
+    else:
+        init = _const_column(float(_operand_value(initial, api)), dst.partitions)
+    d, x, y = common_shape([dst, data0, data1])
+    current().emit(Opcode.TENSOR_TENSOR_SCAN, Engine.VECTOR,
+                   [(dst.storage, d), (data0.storage, x), (data1.storage, y), (init.storage, init.access())], api,
+                   alu=alu0, alu1=alu1)
+
+
 def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce_res: NkiTensor | None = None,
                reduce_op=None, mask=None, api: str = "nisa.activation") -> None:
     """dst = op(data * scale + bias) on the Scalar engine, and with ``reduce_res`` its row sums in the same pass
