@@ -165,6 +165,17 @@ def _by_tiles(rows, tiles: int, d: int):
     return rows.reshape((tiles, P, d)).permute((1, 0, 2))
 
 
+def _pipelined(stages) -> None:
+    """Run generators of a kernel's stages, one more started at each step and every started one advanced by a stage,
+    the later ones first (software pipelining: program order only, each generator's own order kept)."""
+    started = []
+    for gen in stages:
+        started.insert(0, gen)
+        started = [g for g in started if next(g, StopIteration) is not StopIteration]
+    while started:
+        started = [g for g in started if next(g, StopIteration) is not StopIteration]
+
+
 @nki.jit
 def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None,
                             terms=(), diagonals=()):
@@ -194,7 +205,10 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
         q_heads = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)  # Q^T of the head: fewer, larger DMAs
         _load_transposed(q_heads, q[g])
         results = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
-        for i in nl.affine_range(tiles):
+        # the query tiles software-pipelined: tile i's chunks in two stages each (the scores to the exp; the transposes
+        # to P V), emitted after the next tile's stage before it, so the engines' in-order queues hold other work
+        # while a stage waits
+        def query_tile(i, g=g, k_t=k_t, v_tiles=v_tiles, q_heads=q_heads, results=results):
             rows = slice(i * P, (i + 1) * P)
             q_t = q_heads[:, rows]
             acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -226,6 +240,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                 row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_m, scale=logit_scale,
                                 reduce_op=nl.add, reduce_res=row_sum)
+                yield
                 probs_t_psum = nl.ndarray((P, kb), dtype=transposed, buffer=nl.psum)
                 for c in nl.affine_range(kb // P):
                     nisa.nc_transpose(dst=probs_t_psum[:, c * P:(c + 1) * P], data=probs[:, c * P:(c + 1) * P])
@@ -245,6 +260,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                     nisa.scalar_tensor_tensor(dst=total, data=total, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                               operand1=row_sum)
                 m = neg_m
+                yield
             result = results[:, i, :]
             if m is None:  # every key of these queries hidden: 0, and a log-sum-exp of log(1) - inf
                 nisa.memset(dst=result, value=0.0)
@@ -259,6 +275,7 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                     nisa.tensor_scalar(dst=seen, data=m, op0=nl.less, operand0=-MASKED / 2)
                     nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total, op1=nl.multiply,
                                        operand1=seen)
+        _pipelined([query_tile(i) for i in range(tiles)])
         nisa.dma_copy(dst=_by_tiles(out[g], tiles, d), src=results)
     log_totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_totals, op=nl.log, data=totals)
