@@ -7,6 +7,7 @@ mask added to the diagonal block by a matmul with a resident bias tile (blocks a
 visited), the running row max m (kept negated: the exp's bias), P = exp(scale S - m) with its row sum in one Scalar
 pass, P transposed on the Tensor engine so keys lie on partitions, P V accumulated in PSUM and folded into the
 output accumulator rescaled by exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the backward's.
+A head's query tiles are software-pipelined, two stages a key block (the scores to the exp; the transposes to P V).
 
 Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile of 128 keys j (dK_j, dV_j accumulate in
 PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
