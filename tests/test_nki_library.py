@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronc.isa import Engine, Opcode, Space
+from neuronc.isa import DESTINATIONS, Engine, Opcode, Space
 from neuronc.nki.library import flash_attention_backward, flash_attention_forward, moe_combine, moe_dispatch, rmsnorm
 from neuronc.tolerances import TOLERANCES
 
@@ -101,6 +101,36 @@ def test_the_flash_backward_sums_dq_in_psum_where_a_head_fits_one_bank():
     adds = [e for e in traced.instrs if e.opcode == Opcode.TENSOR_TENSOR
             and any(s.space == Space.PSUM for s, _ in e.operands)]
     assert not adds, len(adds)
+
+
+
+def test_the_flash_forward_matches_eager_over_several_key_blocks():
+    """At seq 640 the last query tile's keys come in two blocks (512 + 128): its output is rescaled by the running
+    max of the first block, kept negated."""
+    q, k, v = (randn(1, 640, 64, dtype=torch.bfloat16, seed=s) for s in range(3))
+    out, lse = flash_attention_forward(*(as_numpy(x) for x in (q, k, v)), causal=True)
+    rq, rk, _, expected = reference_attention(q, k, v, True)
+    torch.testing.assert_close(as_torch(out), expected.detach().to(torch.bfloat16), **TOLERANCES[torch.bfloat16])
+    scores = (rq @ rk.transpose(-1, -2)) / 64 ** 0.5
+    scores = scores.masked_fill(torch.ones(640, 640, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(torch.from_numpy(lse), torch.logsumexp(scores, -1).detach(),
+                               **TOLERANCES[torch.bfloat16])
+
+
+def test_the_flash_forward_computes_each_exps_bias_straight_from_the_blocks_max():
+    """The exp's bias (minus the running max) is one instruction after the block's max reduction, on every key
+    block (seq 640: one block, then two for the last query tile), not a max and then its negation."""
+    q = np.zeros((1, 640, 64), ml_dtypes.bfloat16)
+    traced = flash_attention_forward.trace(q, q, q, causal=True)
+    writes = {e.opcode: DESTINATIONS.get(e.opcode, 1) for e in traced.instrs}
+    writer = {s.id: e for e in traced.instrs for s, _ in e.operands[:writes[e.opcode]]}
+    maxima = {s.id for e in traced.instrs if e.opcode == Opcode.TENSOR_REDUCE for s, _ in e.operands[:1]}
+    exps = [e for e in traced.instrs if e.opcode == Opcode.ACTIVATE_BIAS_REDUCE  # of the scores, not a rescaling
+            and any(s.space == Space.PSUM for s, _ in e.operands)]
+    assert len(exps) == 6  # 5 query tiles, the last over two key blocks
+    for e in exps:
+        sources = [writer[s.id] for s, _ in e.operands[writes[e.opcode]:] if s.id in writer]
+        assert any(any(s.id in maxima for s, _ in w.operands[writes[w.opcode]:]) for w in sources), e
 
 
 SOFT_CAP = (("div", (("score",), ("imm", 10.0))), ("tanh", (("step", 0),)), ("mul", (("step", 1), ("imm", 10.0))))

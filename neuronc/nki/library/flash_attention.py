@@ -4,9 +4,10 @@ not: out = softmax(scale q k^T [masked]) v, and the gradients of q, k, v.
 Forward (FlashAttention-2's loop order): per head, K^T [d, seq] and V (by chunks of 128 keys) stay in SBUF; per tile
 of 128 queries, the keys in blocks of 512 (one PSUM bank of fp32 scores): S = Q K^T on the Tensor engine, the causal
 mask added to the diagonal block by a matmul with a resident bias tile (blocks above the diagonal are never
-visited), the running row max m, P = exp(scale S - m) with its row sum in one Scalar pass, P transposed on the
-Tensor engine so keys lie on partitions, P V accumulated in PSUM and folded into the output accumulator rescaled by
-exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the backward's.
+visited), the running row max m (kept negated: the exp's bias), P = exp(scale S - m) with its row sum in one Scalar
+pass, P transposed on the Tensor engine so keys lie on partitions, P V accumulated in PSUM and folded into the
+output accumulator rescaled by exp(m_old - m_new). The output is acc / l; the log-sum-exp, m + log l, is the backward's.
+A head's query tiles are software-pipelined, two stages a key block (the scores to the exp; the transposes to P V).
 
 Backward (FlashAttention-2): per head, with D_i = rowsum(dO_i * O_i); per tile of 128 keys j (dK_j, dV_j accumulate in
 PSUM) and tile of queries i (i >= j when causal): P = exp(scale S - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
@@ -165,6 +166,17 @@ def _by_tiles(rows, tiles: int, d: int):
     return rows.reshape((tiles, P, d)).permute((1, 0, 2))
 
 
+def _pipelined(stages) -> None:
+    """Run generators of a kernel's stages, one more started at each step and every started one advanced by a stage,
+    the later ones first (software pipelining: program order only, each generator's own order kept)."""
+    started = []
+    for gen in stages:
+        started.insert(0, gen)
+        started = [g for g in started if next(g, StopIteration) is not StopIteration]
+    while started:
+        started = [g for g in started if next(g, StopIteration) is not StopIteration]
+
+
 @nki.jit
 def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask=None, blocks=None, heads=None,
                             terms=(), diagonals=()):
@@ -181,11 +193,11 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
     plan = _block_plan(tiles, causal, mask, blocks)
     identity = nl.shared_identity_matrix(P, dtype=dtype)
     bias = _causal_bias(dtype) if causal else None
-    # each query tile's row sums and maxima, column g * tiles + i: their log-sum-exp is computed once at the end
-    # (a log between the exps would reload the Scalar engine's activation table twice per tile)
+    # each query tile's row sums and negated maxima, column g * tiles + i: their log-sum-exp is computed once at
+    # the end (a log between the exps would reload the Scalar engine's activation table twice per tile)
     totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
     transposed = _transposed_dtype(dtype)
-    maxima = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
+    neg_maxima = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)  # -(each row's max)
     for g in nl.affine_range(groups):
         k_t = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)
         _load_transposed(k_t, k[g])
@@ -194,7 +206,10 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
         q_heads = nl.ndarray((d, seq), dtype=dtype, buffer=nl.sbuf)  # Q^T of the head: fewer, larger DMAs
         _load_transposed(q_heads, q[g])
         results = nl.ndarray((P, tiles, d), dtype=dtype, buffer=nl.sbuf)
-        for i in nl.affine_range(tiles):
+        # the query tiles software-pipelined: tile i's chunks in two stages each (the scores to the exp; the transposes
+        # to P V), emitted after the next tile's stage before it, so the engines' in-order queues hold other work
+        # while a stage waits
+        def query_tile(i, g=g, k_t=k_t, v_tiles=v_tiles, q_heads=q_heads, results=results):
             rows = slice(i * P, (i + 1) * P)
             q_t = q_heads[:, rows]
             acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -215,18 +230,18 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                     nisa.nc_matmul(dst=scores[:, c:c + P], stationary=identity, moving=bias, accumulate=True)
                 block_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_reduce(dst=block_max, op=nl.max, data=logits, axis=1)
-                m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                if m is None:
-                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=logit_scale)
-                else:
-                    nisa.tensor_scalar(dst=m_new, data=block_max, op0=nl.multiply, operand0=logit_scale,
-                                       op1=nl.maximum, operand1=m)
+                # the running max kept negated (the exp's bias): one instruction after the reduction, not two
                 neg_m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=neg_m, data=m_new, op0=nl.multiply, operand0=-1.0)
+                if m is None:
+                    nisa.tensor_scalar(dst=neg_m, data=block_max, op0=nl.multiply, operand0=-logit_scale)
+                else:
+                    nisa.tensor_scalar(dst=neg_m, data=block_max, op0=nl.multiply, operand0=-logit_scale,
+                                       op1=nl.minimum, operand1=m)
                 probs = nl.ndarray((P, kb), dtype=dtype, buffer=nl.sbuf)
                 row_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_m, scale=logit_scale,
                                 reduce_op=nl.add, reduce_res=row_sum)
+                yield
                 probs_t_psum = nl.ndarray((P, kb), dtype=transposed, buffer=nl.psum)
                 for c in nl.affine_range(kb // P):
                     nisa.nc_transpose(dst=probs_t_psum[:, c * P:(c + 1) * P], data=probs[:, c * P:(c + 1) * P])
@@ -240,34 +255,36 @@ def flash_attention_forward(q, k, v, scale=None, causal=True, score_mod=(), mask
                     nisa.tensor_copy(dst=total, src=row_sum)
                 else:  # rescale by exp(m_old - m_new), then add
                     alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=alpha, op=nl.exp, data=m, bias=neg_m)
+                    nisa.activation(dst=alpha, op=nl.exp, data=m, bias=neg_m, scale=-1.0)
                     nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                               operand1=pv)
                     nisa.scalar_tensor_tensor(dst=total, data=total, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                               operand1=row_sum)
-                m = m_new
+                m = neg_m
+                yield
             result = results[:, i, :]
             if m is None:  # every key of these queries hidden: 0, and a log-sum-exp of log(1) - inf
                 nisa.memset(dst=result, value=0.0)
                 nisa.memset(dst=total, value=1.0)
-                nisa.memset(dst=maxima[:, column:column + 1], value=-math.inf)
+                nisa.memset(dst=neg_maxima[:, column:column + 1], value=math.inf)
             else:
-                nisa.tensor_copy(dst=maxima[:, column:column + 1], src=m)
+                nisa.tensor_copy(dst=neg_maxima[:, column:column + 1], src=m)
                 if mask is None:
                     nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total)
                 else:  # rows whose every key the mask hides (their max is MASKED): 0
                     seen = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=seen, data=m, op0=nl.greater, operand0=MASKED / 2)
+                    nisa.tensor_scalar(dst=seen, data=m, op0=nl.less, operand0=-MASKED / 2)
                     nisa.tensor_scalar(dst=result, data=acc, op0=nl.divide, operand0=total, op1=nl.multiply,
                                        operand1=seen)
+        _pipelined([query_tile(i) for i in range(tiles)])
         nisa.dma_copy(dst=_by_tiles(out[g], tiles, d), src=results)
     log_totals = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_totals, op=nl.log, data=totals)
     row_lse = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=row_lse, data1=log_totals, data2=maxima, op=nl.add)
+    nisa.tensor_tensor(dst=row_lse, data1=log_totals, data2=neg_maxima, op=nl.subtract)
     if mask is not None:  # a row that saw no key: -inf, as flex_attention's
         seen = nl.ndarray((P, groups * tiles), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=seen, data=maxima, op0=nl.greater, operand0=MASKED / 2)
+        nisa.tensor_scalar(dst=seen, data=neg_maxima, op0=nl.less, operand0=-MASKED / 2)
         row_lse = nl.where(seen, row_lse, -math.inf, dtype=nl.float32)
     nisa.dma_copy(dst=lse.reshape((groups * tiles, P)).permute((1, 0)), src=row_lse)
     return out, lse
