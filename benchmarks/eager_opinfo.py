@@ -1,6 +1,7 @@
 """PyTorch's OpInfo samples run eagerly on the `neuron` device against the same samples on the CPU (the compiled
 path is benchmarks/opinfo.py). Each sample's tensors are moved to the device, the op is called as a user would,
-and its results come back: counted as pass (values within 1e-4, same dtypes and shapes), mismatch, error (with
+and its results come back: counted as pass (values within 1e-4, or the project's tolerance of a 16-bit float dtype;
+same dtypes and shapes), mismatch, error (with
 the error's first line) or timeout. Random ops and uninitialised results mismatch by nature and are counted but
 not listed; so do samples whose input is a view of a larger tensor read through `as_strided` (moving a view
 copies only its elements). tensor_split's samples error as on CUDA: their index tensor must stay on the CPU.
@@ -17,6 +18,7 @@ import warnings
 import torch
 
 from benchmarks.opinfo import SampleTimeout, cpu_time_limit
+from neuronc.tolerances import TOLERANCES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int64": torch.int64}
 NONDETERMINISTIC = ("empty", "new_empty", "rand", "randn", "randint", "normal", "uniform", "bernoulli",
@@ -40,7 +42,8 @@ def _same(expected, got) -> bool:
         b = b.cpu()
         if a.dtype.itemsize == 1 and a.is_floating_point():  # fp8: the CPU has no arithmetic on it
             a, b = a.float(), b.float()
-        close = torch.allclose(a, b, rtol=1e-4, atol=1e-4, equal_nan=True) if a.is_floating_point() or a.is_complex() \
+        tolerance = TOLERANCES[a.dtype] if a.dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-4, atol=1e-4)
+        close = torch.allclose(a, b, equal_nan=True, **tolerance) if a.is_floating_point() or a.is_complex() \
             else torch.equal(a, b)
         if not close:
             return False
