@@ -86,14 +86,16 @@ def _angle(x):
     return torch.where(torch.isnan(out), out, angle)
 
 
-def _to_copy(x, *, dtype=None, **kwargs):
-    """A conversion to float8_e4m3fn saturates in PyTorch: a value past +-448 (infinities included) becomes +-448,
-    NaN stays NaN; StableHLO's convert (and XLA's, which JAX programs keep) gives NaN there. So the value is
-    clamped first (clamp keeps a NaN), and converted by the primitive, which this table leaves alone (the
-    other arguments, device and layout, are the input's in a traced graph)."""
-    if dtype != torch.float8_e4m3fn or not x.is_floating_point() or x.dtype == dtype:
-        return NotImplemented
-    return torch.ops.prims.convert_element_type.default(torch.clamp(x, -E4M3_MAX, E4M3_MAX), dtype)
+def _to_copy(x, **kwargs):
+    """torch's decomposition of ``_to_copy`` (a convert_element_type), after a clamp when the conversion is to
+    float8_e4m3fn: PyTorch's saturates there (a value past +-448, infinities included, becomes +-448, NaN stays
+    NaN), StableHLO's convert (and XLA's, which JAX programs keep) gives NaN. clamp keeps a NaN."""
+    from torch._decomp import decomposition_table
+
+    dtype = kwargs.get("dtype")
+    if dtype == torch.float8_e4m3fn and x.is_floating_point() and x.dtype != dtype:
+        x = torch.clamp(x, -E4M3_MAX, E4M3_MAX)
+    return decomposition_table[aten._to_copy.default](x, **kwargs)
 
 
 OWN = {
