@@ -113,7 +113,9 @@ def main() -> None:
         order = [(layers, tree) for layers in args.layers for tree in trees]
         for layers, tree in (order if r % 2 == 0 else order[::-1]):
             results.setdefault((tree, layers), []).append(run_once(tree, args.dtypes, layers, args))
-        print(f"round {r + 1} done (load average {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        done = [f"{dtype} {tree}: own {results[(tree, args.layers[0])][-1][dtype]['own']:.3f} / "
+                f"{results[(tree, args.layers[1])][-1][dtype]['own']:.3f} s" for tree in trees for dtype in args.dtypes]
+        print(f"round {r + 1} (load average {os.getloadavg()[0]:.1f}): {'; '.join(done)}", file=sys.stderr, flush=True)
     for tree in trees:
         for dtype in args.dtypes:
             one = [run[dtype] for run in results[(tree, args.layers[0])]]

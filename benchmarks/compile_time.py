@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import hashlib
 import json
 import os
 import pstats
@@ -99,7 +100,7 @@ def measure_neuron(model, inputs, kwargs: dict, profile: str | None, numerics: b
     function = backend.compiled_graphs[-1]
     if backend.compile_count() == 0 or len(runs) != 1:
         raise RuntimeError(f"expected one compiled graph run once, got {len(runs)} runs")
-    serialise, _ = seconds(lambda: encode(function.compiled.neff))
+    serialise, blob = seconds(lambda: encode(function.compiled.neff))
     if profiler:
         profiler.dump_stats(profile)
         print(f"\ncProfile of the first neuron call (written to {profile}), hottest by own time:")
@@ -108,7 +109,7 @@ def measure_neuron(model, inputs, kwargs: dict, profile: str | None, numerics: b
     stages = function.compiled.seconds
     return dict(first=first, running=running, compile=first - running, run=runs[0], load=sum(loads), numerics=numerics,
                 profiled=profiler is not None, check=sum(checks), output=output, stages=stages, serialise=serialise,
-                neff=function.compiled.neff,
+                neff=function.compiled.neff, sha=hashlib.sha256(blob).hexdigest()[:12],
                 own=sum(v for k, v in stages.items() if "/" not in k),
                 kernels=len(function.compiled.neff.kernels),
                 instructions=sum(len(s) for s in function.compiled.neff.streams.values()),
@@ -320,7 +321,7 @@ def compare(args) -> None:
             neuron = measure_neuron(model, inputs, kwargs, args.profile and f"{args.profile}.{dtype}",
                                     not args.timing_only)
             stages[dtype] = dict(neuron["stages"], own=neuron["own"], instructions=neuron["instructions"],
-                                 estimated_ns=neuron["neff"].estimated_ns)
+                                 estimated_ns=neuron["neff"].estimated_ns, sha=neuron["sha"])
             print(f"peak host memory (resident): compiling process {peak_rss_mib():.0f} MiB (before neuronc "
                   f"{before:.0f} MiB), largest child so far (the torch-mlir import, forked: it shares the parent's "
                   f"pages) {peak_rss_mib(resource.RUSAGE_CHILDREN):.0f} MiB")
