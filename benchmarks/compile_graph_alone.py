@@ -8,16 +8,19 @@ processes isolates neuronc's own whole-program steps (passes, kernels, hazard gr
         --layers 12 --timing-only --cpu --backends neuron
         (runs benchmarks.compile_time with those arguments and pickles the graph and options of its last
         `compile_graph` call into FILE: one dtype per FILE)
-    .venv/bin/python -m benchmarks.compile_graph_alone time FILE [--profile OUT]
-        (one compile in this process, CPU seconds: the stages, the NEFF's sha256 prefix and estimated ns)
+    .venv/bin/python -m benchmarks.compile_graph_alone time FILE [--profile OUT] [--json]
+        (one compile in this process, CPU seconds: the stages, the NEFF's sha256 prefix and estimated ns; with
+        --json one line of JSON: every `Compiled.seconds` entry, "own", "sha", "estimated_ns", "instructions")
 
-Run `time` in several fresh processes, alternating the trees compared (PYTHONPATH=<tree>), and take medians.
+Run `time` in several fresh processes, alternating the trees compared (PYTHONPATH=<tree>), and take medians:
+`python -m benchmarks.compile_ratio --graphs DIR` does that for 1 and 12 layers.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import hashlib
+import json
 import pickle
 import sys
 
@@ -41,7 +44,7 @@ def save(path: str, benchmark_args: list) -> None:
     compile_time.main()
 
 
-def time_alone(path: str, profile: str | None) -> None:
+def time_alone(path: str, profile: str | None, as_json: bool = False) -> None:
     """Compiles the saved graph once and prints CPU seconds per stage, the NEFF's sha256 prefix and its estimate."""
     import time
 
@@ -64,10 +67,16 @@ def time_alone(path: str, profile: str | None) -> None:
         profiler.dump_stats(profile)
     seconds = compiled.seconds
     passes = sum(v for k, v in seconds.items() if k.startswith("pass/"))
+    sha = hashlib.sha256(encode(compiled.neff)).hexdigest()[:12]
+    instructions = sum(len(s) for s in compiled.neff.streams.values())
+    if as_json:
+        print(json.dumps(dict(seconds, own=sum(v for k, v in seconds.items() if "/" not in k), sha=sha,
+                              estimated_ns=compiled.neff.estimated_ns, instructions=instructions,
+                              profiled=profiler is not None)))
+        return
     print(f"total {total:.3f} passes {passes:.3f} "
           + " ".join(f"{k.split('/')[1].replace(' ', '_')} {seconds.get(k, 0.0):.3f}" for k in STAGES)
-          + f" sha {hashlib.sha256(encode(compiled.neff)).hexdigest()[:12]} estimated_ns {compiled.neff.estimated_ns!r}"
-          + f" instructions {sum(len(s) for s in compiled.neff.streams.values())}"
+          + f" sha {sha} estimated_ns {compiled.neff.estimated_ns!r} instructions {instructions}"
           + (" (profiled: not comparable)" if profiler else ""))
 
 
@@ -80,11 +89,12 @@ def main() -> None:
     timing = commands.add_parser("time", help="compile a saved graph once, CPU seconds per stage")
     timing.add_argument("file")
     timing.add_argument("--profile", metavar="OUT", help="cProfile the compile into OUT (times then inflated)")
+    timing.add_argument("--json", action="store_true", help="one line of JSON instead of the text line")
     args = parser.parse_args()
     if args.command == "save":
         save(args.file, [a for a in args.benchmark_args if a != "--"])
     else:
-        time_alone(args.file, args.profile)
+        time_alone(args.file, args.profile, args.json)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import hashlib
+import json
 import os
 import pstats
 import resource
@@ -98,7 +100,7 @@ def measure_neuron(model, inputs, kwargs: dict, profile: str | None, numerics: b
     function = backend.compiled_graphs[-1]
     if backend.compile_count() == 0 or len(runs) != 1:
         raise RuntimeError(f"expected one compiled graph run once, got {len(runs)} runs")
-    serialise, _ = seconds(lambda: encode(function.compiled.neff))
+    serialise, blob = seconds(lambda: encode(function.compiled.neff))
     if profiler:
         profiler.dump_stats(profile)
         print(f"\ncProfile of the first neuron call (written to {profile}), hottest by own time:")
@@ -107,7 +109,7 @@ def measure_neuron(model, inputs, kwargs: dict, profile: str | None, numerics: b
     stages = function.compiled.seconds
     return dict(first=first, running=running, compile=first - running, run=runs[0], load=sum(loads), numerics=numerics,
                 profiled=profiler is not None, check=sum(checks), output=output, stages=stages, serialise=serialise,
-                neff=function.compiled.neff,
+                neff=function.compiled.neff, sha=hashlib.sha256(blob).hexdigest()[:12],
                 own=sum(v for k, v in stages.items() if "/" not in k),
                 kernels=len(function.compiled.neff.kernels),
                 instructions=sum(len(s) for s in function.compiled.neff.streams.values()),
@@ -288,6 +290,8 @@ def main() -> None:
                         help="the emulator times the program instead of running it (a full forward takes minutes)")
     parser.add_argument("--cpu", action="store_true",
                         help="every time in CPU seconds of this process and its children instead of wall seconds")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write neuronc's stages per dtype to FILE (read by benchmarks.compile_ratio)")
     args = parser.parse_args()
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads); {args.model} GPT-2, {args.layers} layers, "
           f"sequence {args.seq}, batch 1{', 4-D mask' if args.mask else ''}; neuronc NEURON_CC_FLAGS="
@@ -302,6 +306,7 @@ def compare(args) -> None:
     """Compiles the model with each backend for each dtype and prints the tables and ratios."""
     warm_up()
     all_ratios: dict = {}
+    stages: dict = {}  # dtype -> neuronc's stages, for --json
     for dtype in args.dtypes:
         model, inputs, kwargs = build(args, dtype)
         with torch.no_grad():
@@ -315,6 +320,8 @@ def compare(args) -> None:
         if "neuron" in args.backends:
             neuron = measure_neuron(model, inputs, kwargs, args.profile and f"{args.profile}.{dtype}",
                                     not args.timing_only)
+            stages[dtype] = dict(neuron["stages"], own=neuron["own"], instructions=neuron["instructions"],
+                                 estimated_ns=neuron["neff"].estimated_ns, sha=neuron["sha"])
             print(f"peak host memory (resident): compiling process {peak_rss_mib():.0f} MiB (before neuronc "
                   f"{before:.0f} MiB), largest child so far (the torch-mlir import, forked: it shares the parent's "
                   f"pages) {peak_rss_mib(resource.RUSAGE_CHILDREN):.0f} MiB")
@@ -326,6 +333,9 @@ def compare(args) -> None:
         for peer, ratio in report(f"{args.model} GPT-2 forward, {args.layers} layers, seq {args.seq}, {dtype}",
                                   neuron, peers, eager_output, eager_s).items():
             all_ratios.setdefault(peer, []).append(ratio)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(stages, f)
     for peer, ratios in all_ratios.items():
         target = XLA_TARGET_RATIO if peer == "xla" else TARGET_RATIO
         met = all(r <= target for r in ratios)

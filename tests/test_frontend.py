@@ -159,3 +159,43 @@ def test_the_foreach_decompositions_cover_every_functional_foreach_overload_of_t
     assert set(table) == expected and len(expected) > 50
     assert aten._foreach_add.Scalar in table and aten._foreach_add_.Scalar not in table
     assert all(key in decompositions.OWN for key in table)
+
+
+def _three_layer_fx():
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=64, width=64, layers=3, heads=2, context=32).eval()
+    return torch.export.export(model, (torch.randint(0, 64, (1, 32)),)).graph_module
+
+
+def test_each_fx_nodes_location_is_the_innermost_frame_outside_torch_of_its_own_trace_and_its_own_module():
+    """node_locations parses each distinct stack trace and module path once; every node's location is still its
+    own: the innermost frame of its trace outside torch, its innermost module as the user names it, its op."""
+    import re
+
+    from neuronc.frontend import torch_import
+
+    gm = _three_layer_fx()
+    torch_dir = os.path.dirname(torch.__file__)
+    expected = {}
+    for node in gm.graph.nodes:
+        frames = [(f, int(line)) for f, line, _ in torch_import._FRAME.findall(node.meta.get("stack_trace") or "")
+                  if not f.startswith(torch_dir)]
+        stack = node.meta.get("nn_module_stack") or {}
+        path = re.sub(r"^L\['self'\]\.?|^L__self___?", "", str(list(stack.values())[-1][0])) if stack else ""
+        expected[node.name] = (*(frames[-1] if frames else ("", 0)), path, torch_import.op_name(node))
+    found = {name: (d.file, d.line, d.module_path, d.op) for name, d in torch_import.node_locations(gm).items()}
+    assert found == expected
+    traces = [n.meta.get("stack_trace") for n in gm.graph.nodes if n.meta.get("stack_trace")]
+    assert len(set(traces)) < len(traces)  # the layers repeat their traces
+    assert {"blocks.0.attn", "blocks.2.attn"} <= {path for _, _, path, _ in found.values()}
+
+
+def test_a_graph_of_fixed_shapes_is_checked_without_its_source_locations(monkeypatch):
+    """check_static_shapes makes the locations only to name a data-dependent value (its error message)."""
+    from neuronc.frontend import torch_import
+
+    gm = _three_layer_fx()
+    made = []
+    monkeypatch.setattr(torch_import, "node_locations", lambda g: made.append(g) or {})
+    torch_import.check_static_shapes(gm)
+    assert made == []

@@ -237,19 +237,69 @@ def test_equal_plans_are_printed_once_with_the_signatures_unchanged(three_layer_
     _check_plan_texts(three_layer_gpt2[2], monkeypatch)
 
 
-def test_a_plan_that_names_a_location_is_printed_afresh():
-    """A norm prologue's plan holds the norm's source location, which each signature numbers: its text is not kept
-    (nor its type pickled again), and each key is the one printed afresh."""
+def _prologue_adds(prologue_locs: list, **attrs) -> tuple:
+    """ADD nodes at m.py:10, 20, ... each with a norm prologue located at the given location; their memory plan."""
     x = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=0, name="x", kind="input")
     w = ir.node(Op.PARAMETER, (), (256, 64), DType.F32, index=1, name="w", kind="input")
-    adds = [ir.node(Op.ADD, (x, w), (256, 64), DType.F32, DebugLoc("m.py", line),
-                    prologue=Prologue(split=1, operand=0, dtype=DType.F32, attrs={"rows": 256},
-                                      loc=DebugLoc("m.py", line + 1)))
-            for line in (10, 20, 10)]
-    plan = plan_memory(ir.Graph([x, w], adds))
+    adds = [ir.node(Op.ADD, (x, w), (256, 64), DType.F32, DebugLoc("m.py", 10 * (k + 1)),
+                    prologue=Prologue(split=1, operand=0, dtype=DType.F32, attrs={"rows": 256, **attrs}, loc=loc))
+            for k, loc in enumerate(prologue_locs)]
+    return adds, plan_memory(ir.Graph([x, w], adds))
+
+
+def _printed_prologues(monkeypatch) -> list:
+    printed: list = []
+    value = reuse._Signature.value
+
+    def counting(self, v, indent=None):
+        if isinstance(v, Prologue):
+            printed.append(v)
+        return value(self, v, indent)
+
+    monkeypatch.setattr(reuse._Signature, "value", counting)
+    return printed
+
+
+def test_a_plan_that_names_a_location_is_printed_once_as_a_template_its_locations_filled_in(monkeypatch):
+    """A norm prologue's plan holds the norm's source location, each layer's own, which each signature numbers: its
+    text is kept as a template keyed by its pickle without the locations, and each signature fills in its own. The
+    signatures (keys and locations) are those printed afresh, whether the prologue's location is the kernel's own
+    (loc0) or another (loc1)."""
+    locs = [DebugLoc("m.py", 11), DebugLoc("m.py", 21), DebugLoc("m.py", 30), DebugLoc("m.py", 41),
+            DebugLoc("m.py", 51)]
+    adds, plan = _prologue_adds(locs)
+    fresh = [reuse.signature(n, plan) for n in adds]
+    printed = _printed_prologues(monkeypatch)
     texts: dict = {}
-    assert [reuse.signature(n, plan, texts) for n in adds] == [reuse.signature(n, plan) for n in adds]
+    assert [reuse.signature(n, plan, texts) for n in adds] == fresh
+    assert fresh[2][0] != fresh[0][0] == fresh[1][0] == fresh[3][0]  # m.py:30's prologue is at the kernel's loc0
+    assert [loc.line for loc in fresh[3][2]] == [40, 41]
+    assert len(printed) == 2  # the first afresh (its type then keyed apart), the second as the template
+    assert texts[Prologue] is reuse._APART
+
+
+def test_a_plan_that_names_a_node_is_printed_afresh(monkeypatch):
+    """A record whose text numbers a node is not kept (a node's pickle holds its whole graph): its type is printed
+    afresh from then on, and each key is the one printed afresh."""
+    y = ir.node(Op.PARAMETER, (), (4,), DType.F32, index=2, name="y", kind="input")
+    adds, plan = _prologue_adds([DebugLoc("m.py", 11), DebugLoc("m.py", 21), DebugLoc("m.py", 31)], node=y)
+    fresh = [reuse.signature(n, plan) for n in adds]
+    printed = _printed_prologues(monkeypatch)
+    texts: dict = {}
+    assert [reuse.signature(n, plan, texts) for n in adds] == fresh
+    assert len(printed) == 3
     assert texts == {Prologue: False}
+
+
+def test_a_bf16_gpt2s_norm_prologues_are_printed_as_templates_with_the_signatures_unchanged(monkeypatch):
+    """The bf16 GPT-2 folds each layer norm into its matmul (passes/norm_prologue.py): the prologues, each at its own
+    layer's location, are printed once per template and every signature is the one printed afresh."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=256, width=128, layers=2, heads=4, context=128).eval().to(torch.bfloat16)
+    inputs = (torch.randint(0, 256, (1, 128)),)
+    texts = _check_plan_texts(torch.export.export(model, inputs), monkeypatch)
+    assert texts[Prologue] is reuse._APART
+    assert sum(isinstance(kept, tuple) for kept in texts.values()) >= 2  # templates kept, filled in by later layers
 
 
 def _check_plan_texts(exported, monkeypatch) -> dict:

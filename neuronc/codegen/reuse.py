@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import math
 import pickle
 import struct
@@ -55,6 +56,30 @@ class _LocalIds:
         return self.ids.setdefault(node, len(self.ids))
 
 
+_APART = "locations apart"  # _Signature.texts[record type]: its records are keyed with their locations left out
+_LOC_MARK = "\x00loc\x00"  # a location in a kept template (no other text has a NUL: strings print as JSON)
+
+
+class _LocsApart(pickle.Pickler):
+    """A pickle of a value with each DebugLoc in it left out (a persistent id), the locations listed in pickling
+    order: values that differ only in their locations get the same key."""
+
+    def __init__(self):
+        self.buffer = io.BytesIO()
+        super().__init__(self.buffer, pickle.HIGHEST_PROTOCOL)
+        self.locs: list = []
+
+    def persistent_id(self, obj):
+        if isinstance(obj, DebugLoc):  # called for every occurrence, before the pickle's memo
+            self.locs.append(obj)
+            return 0
+        return None
+
+    def key(self, v) -> bytes:
+        self.dump(v)
+        return self.buffer.getvalue()
+
+
 class _Signature(_Printer):
     """A node's text without its source location. A location among its attributes (a matmul chain's first matmul's)
     is printed as its number among the distinct locations the signature met, the kernel's own first (`locs`): two
@@ -65,6 +90,7 @@ class _Signature(_Printer):
         self.locs: dict = {loc.key(): loc}
         self.texts = texts  # a plan's pickle -> its text; a record type -> False: not kept (_attr)
         self.numbered = 0  # nodes and locations printed so far (their text depends on the signature's numbering)
+        self.met: list | None = None  # while a record is printed as a template: the locations met, in order
 
     def node(self, n: Node) -> str:
         head = f"{self.ref(n)} = {n.op.name.lower()}({', '.join(self.ref(i) for i in n.inputs)}) : " \
@@ -75,23 +101,57 @@ class _Signature(_Printer):
     def _attr(self, v) -> str:
         """An attribute's text. A record (a plan: each layer's kernels have their own, equal ones) is printed once
         per distinct value, its pickle the key: equal pickles are equal types, fields, float bits and dict orders,
-        which print alike, unless the text numbers a node or location: then it is not kept, and that record type is
-        printed afresh from then on (a node's pickle holds its whole graph)."""
-        if not dataclasses.is_dataclass(v) or isinstance(v, type) or self.texts.get(type(v)) is False:
+        which print alike. A record type whose text numbers a location (a norm prologue's: each layer's own) is
+        keyed from then on by its pickle with the locations left out (_LocsApart), and its text kept as a template:
+        the locations are printed into it in the order the printer meets them, a function of the pickle (see
+        _keep). A record whose text numbers a node is not kept, and its type is printed afresh from then on (a
+        node's pickle holds its whole graph)."""
+        kind = self.texts.get(type(v))
+        if not dataclasses.is_dataclass(v) or isinstance(v, type) or kind is False:
             return self.value(v)
+        pickler = _LocsApart() if kind is _APART else None
         try:
-            key = pickle.dumps(v, pickle.HIGHEST_PROTOCOL)
+            key = pickle.dumps(v, pickle.HIGHEST_PROTOCOL) if pickler is None else pickler.key(v)
         except (pickle.PicklingError, TypeError, AttributeError):
             return self.value(v)
-        text = self.texts.get(key)
-        if text is None:
-            numbered = self.numbered
-            text = self.value(v)
-            if self.numbered == numbered:
-                self.texts[key] = text
-            else:
-                self.texts[type(v)] = False
+        kept = self.texts.get(key)
+        if isinstance(kept, str):  # (a value with no location: its text under either key)
+            return kept
+        if kept is not None:
+            template, order = kept
+            return self._filled(template, [pickler.locs[j] for j in order])
+        numbered, self.met = self.numbered, []
+        try:
+            template = self.value(v)  # a location printed as _LOC_MARK, noted in self.met
+        finally:
+            met, self.met = self.met, None
+        text = self._filled(template, met)
+        if self.numbered != numbered + len(met):  # it numbers a node: not kept
+            self.texts[type(v)] = False
+        elif not met:
+            self.texts[key] = text
+        elif pickler is None:
+            self.texts[type(v)] = _APART
+        else:
+            self._keep(key, template, met, pickler.locs)
         return text
+
+    def _keep(self, key: bytes, template: str, met: list, pickled: list) -> None:
+        """Keeps `template` under `key` with the order of its locations as positions in the pickle. A value of the
+        same key has the same structure (shared objects too: the pickle's memo), so the printer meets its locations
+        at the same positions, and the i-th location printed is the one pickled at position order[i]; kept only when
+        that position is unambiguous (each location pickled is its own object)."""
+        position = {id(loc): j for j, loc in enumerate(pickled)}
+        if len(position) == len(pickled) and all(id(loc) in position for loc in met) \
+                and template.count(_LOC_MARK) == len(met):
+            self.texts[key] = (template, [position[id(loc)] for loc in met])
+
+    def _filled(self, template: str, locs: list) -> str:
+        """`template` with its i-th _LOC_MARK replaced by the text of locs[i], printed in order (numbering them)."""
+        if not locs:
+            return template
+        pieces = template.split(_LOC_MARK)
+        return pieces[0] + "".join(self._flat(loc) + piece for loc, piece in zip(locs, pieces[1:]))
 
     def ref(self, node: Node) -> str:
         self.numbered += 1
@@ -99,6 +159,9 @@ class _Signature(_Printer):
 
     def _flat(self, v) -> str:
         if isinstance(v, DebugLoc):
+            if self.met is not None:
+                self.met.append(v)
+                return _LOC_MARK
             self.numbered += 1
             key = v.key()
             self.locs.setdefault(key, v)

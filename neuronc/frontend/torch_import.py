@@ -199,12 +199,23 @@ def node_locations(gm) -> dict:
 
     torch_dir = os.path.dirname(torch.__file__)
     locations = {}
+    # (each a function of its text alone, found once per distinct text: a model's repeated layers repeat them)
+    frames: dict = {}  # stack trace -> (file, line) of its innermost frame outside torch itself
+    paths: dict = {}  # the innermost module's path as recorded -> as printed
     for node in gm.graph.nodes:
-        file, line = "", 0
-        for f, ln, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
-            if not f.startswith(torch_dir):
-                file, line = f, int(ln)  # the innermost frame outside torch itself
-        locations[node.name] = DebugLoc(file=file, line=line, module_path=_module_path(node), op=op_name(node))
+        trace = node.meta.get("stack_trace") or ""
+        where = frames.get(trace)
+        if where is None:
+            file, line = "", 0
+            for f, ln, _fn in _FRAME.findall(trace):
+                if not f.startswith(torch_dir):
+                    file, line = f, int(ln)  # the innermost frame outside torch itself
+            where = frames[trace] = (file, line)
+        stack = node.meta.get("nn_module_stack")
+        path = str(list(stack.values())[-1][0]) if stack else None
+        if path not in paths:
+            paths[path] = "" if path is None else _printed_path(path)
+        locations[node.name] = DebugLoc(file=where[0], line=where[1], module_path=paths[path], op=op_name(node))
     return locations
 
 
@@ -212,8 +223,12 @@ def _module_path(node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return re.sub(r"^L\['self'\]\.?|^L__self___?", "", str(path))
+    return _printed_path(str(list(stack.values())[-1][0]))
+
+
+def _printed_path(path: str) -> str:
+    """A module path as Dynamo records it ("L['self'].h.0.attn"), as the user writes it ("h.0.attn")."""
+    return re.sub(r"^L\['self'\]\.?|^L__self___?", "", path)
 
 
 def op_name(node) -> str:
@@ -229,7 +244,7 @@ def check_static_shapes(gm) -> None:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     dynamic, data_dependent = [], []
-    locations = node_locations(gm)
+    locations = None  # made for the first data-dependent value (a graph of fixed shapes never needs them)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape):
@@ -239,6 +254,7 @@ def check_static_shapes(gm) -> None:
         else:
             continue
         if free_unbacked_symbols(val):
+            locations = locations or node_locations(gm)
             data_dependent.append(f"{found} at {locations.get(node.name, '?')}")
         else:
             dynamic.append(found)
