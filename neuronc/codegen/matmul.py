@@ -472,9 +472,12 @@ class _Matmul:
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
+        # a kernel without epilogue operands loads nothing per tile: its stores go over every queue (slices of one
+        # partition group), each tile's store ending sooner; one with them keeps the default slices (Part 34)
+        spread = None if self.plan.extras else em.target.dma_queues // 2
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job.store is not None:
-                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
+                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else spread)
         if self.plan.c_sums:
             for job, out in zip(jobs, outs):
                 self.sum_rows(job, out)
