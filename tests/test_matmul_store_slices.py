@@ -1,7 +1,8 @@
-"""How a matmul stores its result tiles (codegen/matmul.py `flush`): a kernel without epilogue operands (a weight
-gradient `x^T @ dy`: nothing loaded per output tile) stores each tile over half the DMA queues, slices of 16
-partitions; one with an epilogue operand (a residual) keeps the default slices, 32 partitions for a [128, 512]
-bf16 tile. Only the placement of the stores changes: the bits stay -O0's and match eager."""
+"""How a matmul stores its result tiles (codegen/matmul.py `flush`): a kernel whose stores are its main traffic (a
+weight gradient `x^T @ dy` over few tokens: no epilogue operand loaded per tile, k at most the harmonic mean of m and
+n) stores each tile over half the DMA queues, slices of 16 partitions; one with an epilogue operand (a residual) or a
+long k (a projection) keeps the default slices, 32 partitions for a [128, 512] bf16 tile. Only the placement of the
+stores changes: the bits stay -O0's and match eager."""
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ def _store_partitions(compiled) -> set:
 
 def test_weight_gradient_tiles_are_stored_over_half_the_queues():
     torch.manual_seed(0)
-    x, dy = torch.randn(512, 256).to(torch.bfloat16), torch.randn(512, 512).to(torch.bfloat16)
+    x, dy = torch.randn(256, 512).to(torch.bfloat16), torch.randn(256, 512).to(torch.bfloat16)  # k 256, m = n = 512
     compiled, (out,) = o2_with_o0_bits(WeightGradient(), (x, dy))
     assert_matches_eager(out, WeightGradient()(x, dy))
     target = get_target("trn2")
@@ -46,3 +47,16 @@ def test_a_matmul_with_an_epilogue_operand_keeps_the_default_store_slices():
     compiled, (out,) = o2_with_o0_bits(WithResidual(), (a, b, r))
     assert_matches_eager(out, WithResidual()(a, b, r))
     assert 32 in _store_partitions(compiled)  # [128, 512] bf16 tiles in 4 slices; the kernel's last one in 8
+
+
+class Projection(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+def test_a_matmul_with_a_long_k_keeps_the_default_store_slices():
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 1024).to(torch.bfloat16), torch.randn(1024, 512).to(torch.bfloat16)  # k 1024 > 341
+    compiled, (out,) = o2_with_o0_bits(Projection(), (a, b))
+    assert_matches_eager(out, Projection()(a, b))
+    assert 32 in _store_partitions(compiled)
