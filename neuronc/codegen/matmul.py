@@ -472,9 +472,16 @@ class _Matmul:
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
+        # a kernel whose stores are its main traffic (no epilogue operand loaded per tile, a result at least half
+        # its operands' elements: k at most the harmonic mean of m and n, the weight gradients) stores each tile
+        # over half the queues, as its last one: each tile's store ends sooner. Others keep the default slices
+        # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it)
+        plan = self.plan
+        spread = em.target.dma_queues // 2 if not plan.extras and 2 * plan.m * plan.n >= plan.k * (plan.m + plan.n) \
+            else None
         for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
             if job.store is not None:
-                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else None)
+                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else spread)
         if self.plan.c_sums:
             for job, out in zip(jobs, outs):
                 self.sum_rows(job, out)
