@@ -39,6 +39,21 @@ ELEMENTWISE = UNARY | BINARY | TERNARY
 _ids = itertools.count()
 
 
+def next_id() -> int:
+    """The id the next new node gets (none is taken)."""
+    global _ids
+    upcoming = next(_ids)
+    _ids = itertools.count(upcoming)
+    return upcoming
+
+
+def skip_ids(n: int) -> None:
+    """Takes the next `n` ids unused: what a memo's hit does for the nodes the work it replaces made, so that every
+    later node keeps its id (the ids name kernels and buffers in the NEFF)."""
+    global _ids
+    _ids = itertools.count(next_id() + n)
+
+
 class Step(NamedTuple):
     """One op of a FUSED body. Each arg is ("input", i): the fused node's i-th input,
     ("step", j): the result of step j, or ("imm", value): a scalar."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import math
 import pickle
 import struct
@@ -33,6 +32,7 @@ from neuronc.codegen.emitter import Emitter
 from neuronc.ir import Node
 from neuronc.ir_text import _Printer, _load_plan_types
 from neuronc.isa import AccessPattern, Instruction, Space
+from neuronc.locs_apart import LocsApart
 from neuronc.neff.program import DebugLoc
 from neuronc.plans import MemoryPlan
 
@@ -60,26 +60,6 @@ _APART = "locations apart"  # _Signature.texts[record type]: its records are key
 _LOC_MARK = "\x00loc\x00"  # a location in a kept template (no other text has a NUL: strings print as JSON)
 
 
-class _LocsApart(pickle.Pickler):
-    """A pickle of a value with each DebugLoc in it left out (a persistent id), the locations listed in pickling
-    order: values that differ only in their locations get the same key."""
-
-    def __init__(self):
-        self.buffer = io.BytesIO()
-        super().__init__(self.buffer, pickle.HIGHEST_PROTOCOL)
-        self.locs: list = []
-
-    def persistent_id(self, obj):
-        if isinstance(obj, DebugLoc):  # called for every occurrence, before the pickle's memo
-            self.locs.append(obj)
-            return 0
-        return None
-
-    def key(self, v) -> bytes:
-        self.dump(v)
-        return self.buffer.getvalue()
-
-
 class _Signature(_Printer):
     """A node's text without its source location. A location among its attributes (a matmul chain's first matmul's)
     is printed as its number among the distinct locations the signature met, the kernel's own first (`locs`): two
@@ -102,14 +82,14 @@ class _Signature(_Printer):
         """An attribute's text. A record (a plan: each layer's kernels have their own, equal ones) is printed once
         per distinct value, its pickle the key: equal pickles are equal types, fields, float bits and dict orders,
         which print alike. A record type whose text numbers a location (a norm prologue's: each layer's own) is
-        keyed from then on by its pickle with the locations left out (_LocsApart), and its text kept as a template:
+        keyed from then on by its pickle with the locations left out (LocsApart), and its text kept as a template:
         the locations are printed into it in the order the printer meets them, a function of the pickle (see
         _keep). A record whose text numbers a node is not kept, and its type is printed afresh from then on (a
         node's pickle holds its whole graph)."""
         kind = self.texts.get(type(v))
         if not dataclasses.is_dataclass(v) or isinstance(v, type) or kind is False:
             return self.value(v)
-        pickler = _LocsApart() if kind is _APART else None
+        pickler = LocsApart() if kind is _APART else None
         try:
             key = pickle.dumps(v, pickle.HIGHEST_PROTOCOL) if pickler is None else pickler.key(v)
         except (pickle.PicklingError, TypeError, AttributeError):

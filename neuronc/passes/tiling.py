@@ -22,10 +22,12 @@ matmuls, and the chain's pricing lives beside the single matmul's.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 from neuronc import ir, ir_text
 from neuronc.ir import Op
 from neuronc.isa import DType
+from neuronc.locs_apart import LocsApart, located_nowhere
 from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, cheapest, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
@@ -432,10 +434,9 @@ def _prologue_bytes(node: ir.Node, tiling) -> int:
                               norm.attrs["plan"].schedule.bufs) + kept + identity + pools
 
 
-def prologue_tiling(node: ir.Node, target: Target):
-    """The tiling of a prologued node's matmul (A resident as one strip), or its chain's pair (the first's B
-    resident as one strip): the least `price` / `chain_price` of the matmul or chain alone (the operand charged as
-    loaded, which the kernel transposes on chip instead), the deeper buffered of equals; None if none fits."""
+def _prologue_search(node: ir.Node, target: Target):
+    """The least `price` / `chain_price` of a prologued node's matmul or chain alone (the operand charged as loaded,
+    which the kernel transposes on chip instead) among the tilings that fit, the deeper buffered of equals."""
     _, matmul = prologue_stages(node)
     if matmul.attrs.get("chain") is not None:
         first, _ = stages(matmul)
@@ -448,10 +449,71 @@ def prologue_tiling(node: ir.Node, target: Target):
     return cheapest(options, lambda t: price(matmul, t, target), None, tie=lambda t: -t.stream_bufs) if options else None
 
 
-def prologue_sbuf_bytes(node: ir.Node, target: Target) -> int:
-    """SBUF bytes per partition of a prologued node's kernel as tiled (more than there is if no tiling fits)."""
+def _tiled_bytes(node: ir.Node, target: Target) -> int:
     tiling = prologue_tiling(node, target)
     return target.sbuf_bytes_per_partition + 1 if tiling is None else _prologue_bytes(node, tiling)
+
+
+def _input_facts(x: ir.Node) -> tuple:
+    """Everything the tiling reads of a matmul's input: its type, the op it is a reshape of, whether a weight."""
+    return x.shape, x.dtype, ir.unreshaped(x).op, _is_weight(x)
+
+
+def _stand_in(shape: tuple, dtype: DType, op: Op, weight: bool) -> ir.Node:
+    """An input of those `_input_facts` and no other (no inputs, no location, no id taken)."""
+    return ir.Node(op, (), shape, dtype, {"kind": "weight"} if weight and op is Op.PARAMETER else {}, id=-1)
+
+
+def _located_nowhere(key: tuple) -> ir.Node:
+    """The prologued node a `_prologue_key` describes, built from the key alone: its attributes with every location
+    empty, each input a `_stand_in`."""
+    _, shape, dtype, attrs, inputs, _ = key
+    return ir.Node(Op.MATMUL, tuple(_stand_in(*facts) for facts in inputs), shape, dtype, located_nowhere(attrs),
+                   id=-1)
+
+
+def _prologue_key(make, node: ir.Node, target: Target) -> tuple:
+    return (make.__name__, node.shape, node.dtype, LocsApart().key(node.attrs),
+            tuple(_input_facts(x) for x in node.inputs), target)
+
+
+def _once_per_prologue(make, node: ir.Node, target: Target):
+    """`make(node, target)`, made once per distinct `_prologue_key` and on the node that key describes (its
+    locations empty, its inputs stand-ins of the same facts): a function of the key by construction, so a model's
+    repeated layers tile their norm prologues once (issue 24). Equal to `make` on the node itself as long as no
+    price reads a location or an input beyond its facts (tests/test_tiling_once_per_key.py compares both). A hit
+    takes the ids `make` took (`ir.skip_ids`), so every later node has the id it has without the memo (the ids
+    name the NEFF's tensors). A node whose attributes do not pickle is made as it is."""
+    try:
+        key = _prologue_key(make, node, target)
+        hash(key)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return make(node, target)
+    if key in _PROLOGUES:
+        found, ids = _PROLOGUES[key]
+        ir.skip_ids(ids)
+        return found
+    if len(_PROLOGUES) >= _PROLOGUES_LIMIT:
+        _PROLOGUES.clear()
+    start = ir.next_id()
+    found = make(_located_nowhere(key), target)
+    _PROLOGUES[key] = found, ir.next_id() - start
+    return found
+
+
+_PROLOGUES: dict = {}  # _prologue_key -> (its tiling or SBUF bytes, the ids making it took)
+_PROLOGUES_LIMIT = 2048  # distinct prologued kernels' tilings and sizes remembered per process
+
+
+def prologue_tiling(node: ir.Node, target: Target):
+    """The tiling of a prologued node's matmul (A resident as one strip), or its chain's pair (the first's B
+    resident as one strip): `_prologue_search`, once per distinct node but for locations; None if none fits."""
+    return _once_per_prologue(_prologue_search, node, target)
+
+
+def prologue_sbuf_bytes(node: ir.Node, target: Target) -> int:
+    """SBUF bytes per partition of a prologued node's kernel as tiled (more than there is if no tiling fits)."""
+    return _once_per_prologue(_tiled_bytes, node, target)
 
 
 def prologue_planned(node: ir.Node, target: Target) -> ir.Node:
