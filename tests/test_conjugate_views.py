@@ -75,6 +75,13 @@ def test_a_device_tensor_copied_into_a_conj_view_on_the_host_is_conjugated(value
     assert torch.equal(on_host, expected)
 
 
+def test_a_conj_view_copied_to_another_core_is_copied_by_its_values(values, neuron):
+    z = values[0]
+    on_core_1 = torch.empty_like(z, device="neuron:1")
+    on_core_1.copy_(z.to(neuron).conj())
+    assert torch.equal(on_core_1.cpu(), z.conj().resolve_conj())
+
+
 def test_a_compiled_graph_reads_a_negative_view_by_its_values(values, neuron, fresh_dynamo):
     """A negative view (what PyTorch makes of ``z.conj().imag``) given to a compiled graph is computed with by its
     values, as eager does: the device path read its bytes, the CPU path refused it converting to numpy."""

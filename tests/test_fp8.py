@@ -94,6 +94,13 @@ def test_a_conversion_to_e4m3_on_the_device_saturates(neuron):
                                equal_nan=True)
 
 
+def test_a_copy_to_e4m3_on_another_core_saturates(neuron):
+    target = torch.empty(PAST_THE_RANGE.shape, dtype=torch.float8_e4m3fn, device="neuron:1")
+    target.copy_(PAST_THE_RANGE.to(neuron))
+    torch.testing.assert_close(target.cpu().float(), PAST_THE_RANGE.to(torch.float8_e4m3fn).float(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
 def test_a_constant_converted_to_e4m3_saturates(fresh_dynamo):
     fn = lambda x: x + torch.full((3,), 1000.0).to(torch.float8_e4m3fn).float()  # noqa: E731
     x = torch.zeros(3)

@@ -1036,7 +1036,8 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         if src.device.type == "neuron" and src.device.index != device:
             queues.synchronize(src.device.index)  # from one core to another: both run what they queued
             queues.synchronize(device)
-            array_of(dst)[...] = array_of(src)
+            copy, arguments = _assignment(dst, array_of(dst), src, array_of(src))
+            copy(*arguments)
         elif src.device.type == "neuron":
             queues.enqueue(device, _copy_ns(device, dst), *_assignment(dst, _view(dst), src, _view(src)),
                            "copy_ (device to device)")
