@@ -218,8 +218,8 @@ _NUMPY = {
 _ITEMSIZES = tuple(_NUMPY[DType(value)].itemsize for value in range(len(DType)))
 # PyTorch converts to float8_e4m3fn saturating: past +-E4M3_MAX (infinities included) a value becomes +-E4M3_MAX, NaN
 # stays NaN. numpy's cast (ml_dtypes), StableHLO's convert (XLA's, as JAX programs keep it) and the engines give NaN
-# there, so PyTorch's frontends clamp first (frontend/float_semantics.py, aten_lowering's convert) and so does the
-# device's copy between dtypes (pytorch/eager.py).
+# there, so PyTorch's frontend clamps first (frontend/float_semantics.py) and so does the device's copy between
+# dtypes (pytorch/eager.py `_assign`).
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 _NARROW_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
 

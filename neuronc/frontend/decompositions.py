@@ -1767,8 +1767,7 @@ def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=N
     out_dtype, the division by scale_result before the rounding (the CPU kernel reads scale_result only when
     out_dtype names an fp8 type, not when the result is fp8 by default)."""
     product = aten.mm.default(a.to(torch.float32), b.to(torch.float32))
-    product = product * scale_a.to(torch.float32).reshape(-1, 1) if scale_a.numel() > 1 else product * scale_a.float()
-    product = product * scale_b.to(torch.float32).reshape(1, -1) if scale_b.numel() > 1 else product * scale_b.float()
+    product = product * scale_a.float().reshape(-1, 1) * scale_b.float().reshape(1, -1)  # a row's, a column's (or one)
     if bias is not None:
         product = product + bias
     if scale_result is not None and out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -287,7 +287,7 @@ def _scan_new(args, kwargs) -> bool:
 
 
 def tensor_reduce(*args, **kwargs):
-    """dst = reduction of data over its trailing free ``axis`` (add, max, min); ``negate`` multiplies by -1."""
+    """dst = reduction of data over its free ``axis`` (add, max, min); ``negate`` multiplies by -1."""
     api = "nisa.tensor_reduce"
     new = _new(args, kwargs)
     b = _split(args, kwargs, new, ("dst", "op", "data", "axis", "negate", "keepdims", "name"), ("op", "data", "axis"))
