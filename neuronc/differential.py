@@ -388,7 +388,7 @@ def _fx_in_child(gm, params, locations, name) -> DebugProgram:
     from neuronc.frontend.torch_import import lower
 
     module = lower(gm, name)
-    graph = import_module(module, params, locations, name)
+    graph = import_module(module, params, locations, name, semantics="pytorch")
     return _with_reference(module, graph, locations, name)
 
 
@@ -397,7 +397,7 @@ def _stablehlo_in_child(program) -> DebugProgram:
     from neuronc.frontend.stablehlo_program import parse, signature
 
     module = parse(program)
-    graph = import_module(module, signature(module), None, "main")
+    graph = import_module(module, signature(module), None, "main", semantics="stablehlo")
     return _with_reference(module, graph, None, program.origin)
 
 

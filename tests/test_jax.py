@@ -322,3 +322,56 @@ def test_a_jax_export_with_shardy_annotations_is_refused_with_the_setting_that_a
     exported = jax.export.export(jax.jit(draw), platforms=["cpu"])(jax.random.key(9))  # JAX's default: Shardy
     with pytest.raises(ModelLoadError, match="jax_use_shardy_partitioner"):
         import_program(exported_program(exported, "draw"))
+
+
+def test_gathers_clamp_and_scatters_drop_indices_outside_the_operand_as_jax_does():
+    def indexing(x, i, u):
+        return (jnp.take(x, i, axis=0, mode="clip"), jnp.take(x, i, axis=0, mode="fill", fill_value=0.5),
+                x.at[i].set(u), x.at[i].add(u), x.at[i].get(), x.at[i, 1:].set(u[:, :3]))
+
+    x, u = jnp.arange(24.0).reshape(6, 4), -jnp.ones((4, 4))
+    i = np.array([-9, 2, 6, 40], np.int32)  # before the start (past -6), inside, one past the end, far past it
+    for got, want in zip(neuronc.jax.jit(indexing)(x, i, u), jax.jit(indexing)(x, i, u)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_searches_with_unsigned_indices_compile_and_match_jax():
+    grid = jnp.linspace(-2.0, 2.0, 9)
+
+    def search(sorted_values, v):  # jnp.searchsorted and jnp.interp index with uint32 positions
+        return jnp.searchsorted(sorted_values, v), jnp.interp(v, grid, jnp.sin(grid)), jnp.digitize(v, grid)
+
+    sorted_values = np.sort(np.random.default_rng(0).standard_normal(20).astype(np.float32))
+    v = np.array([-5.0, -1.5, 0.0, 0.3, 1.99, 2.0, 7.0], np.float32)  # outside the grid both ways, on its edge
+    assert_matches_jax(neuronc.jax.jit(search)(sorted_values, v), jax.jit(search)(sorted_values, v))
+
+
+@pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_float_to_integer_conversion_saturates_as_xla_does(source):
+    def convert(x):
+        x = x.astype(source)
+        return tuple(x.astype(t) for t in (jnp.int32, jnp.uint32, jnp.int16, jnp.int8, jnp.uint8))
+
+    x = np.array([np.nan, np.inf, -np.inf, 3e9, -3e9, 2.0 ** 31, -2.0 ** 31, 70000.0, -300.0, 255.9, 256.0, -0.9,
+                  -1.0, 127.5, -128.7, 1.5], np.float32)
+    for got, want in zip(neuronc.jax.jit(convert)(x), jax.jit(convert)(x)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("pooling", ["max 2x2 stride 2", "max 3x3 stride 2 same", "min 3x3 stride 1 same"])
+def test_pooling_gradients_choose_the_position_jax_chooses(pooling):
+    kind, size, stride = pooling.split()[0], int(pooling.split()[1][0]), int(pooling.split()[3])
+    reduce, init = (jax.lax.max, -jnp.inf) if kind == "max" else (jax.lax.min, jnp.inf)
+
+    def loss(w, x):  # a convolution, then pooling: its gradient is one stablehlo.select_and_scatter
+        h = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+        pooled = jax.lax.reduce_window(h, init, reduce, (1, size, size, 1), (1, stride, stride, 1),
+                                       "SAME" if "same" in pooling else "VALID")
+        return jnp.sum(pooled ** 2)
+
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((3, 3, 2, 4)).astype(np.float32), rng.standard_normal((2, 9, 9, 2)).astype(np.float32)
+    x[0, :3, :3] = 0.0  # windows of equal values (after the ReLU): the first is chosen
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert_matches_jax(neuronc.jax.jit(grad)(w, x), jax.jit(grad)(w, x))

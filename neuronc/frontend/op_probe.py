@@ -136,7 +136,7 @@ def _probe_in_child(nodes: list, accept) -> str:
         from neuronc.frontend.linalg_decompositions import NOT_BUILT
         return NOT_BUILT.get(str(nodes[0].target), "torch-mlir cannot lower it to StableHLO")
     try:
-        graph = import_module(module, [(f"in{i}", "input") for i in range(count)], {}, "probe")
+        graph = import_module(module, [(f"in{i}", "input") for i in range(count)], {}, "probe", semantics="pytorch")
     except NeuronCompileError as err:
         if not err.problems:
             return err.message

@@ -11,6 +11,7 @@ number as its `origin`, which `neuronc bisect` follows through the passes to the
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -139,8 +140,9 @@ class UnsupportedUse(NamedTuple):
 
 
 class _Importer:
-    def __init__(self, locations: dict | None, numbers: dict):
+    def __init__(self, locations: dict | None, numbers: dict, semantics: str):
         self.locations = locations  # FX node name -> DebugLoc; None: read the MLIR locations
+        self.converters = _CONVERTERS if semantics == "pytorch" else {**_CONVERTERS, **_STABLEHLO_CONVERTERS}
         self.numbers = numbers  # MLIR value -> its number
         self.values: dict = {}
         self.problems: list = []  # of UnsupportedUse
@@ -159,7 +161,7 @@ class _Importer:
             return
         try:
             shape, dtype = tensor_type(op.results[0].type)
-            converter = _CONVERTERS.get(name)
+            converter = self.converters.get(name)
             if name in _CONTROL_FLOW:
                 nodes = _CONTROL_FLOW[name](self, op, inputs, loc)
             elif converter is None and name in _SIMPLE:
@@ -395,6 +397,27 @@ def _reduce_window(op, inputs, shape, dtype, loc):
                    padding=_padding(op, rank), kind=_region_reducer(op))
 
 
+def _select_and_scatter(op, inputs, shape, dtype, loc):
+    """JAX's max/min-pooling gradient: a select body of one comparison of its two arguments, a scatter body of
+    one addition (frontend/select_and_scatter.py)."""
+    from neuronc.frontend.select_and_scatter import select_and_scatter
+
+    operand, source, init = inputs
+    select_block, scatter_block = (region.blocks[0] for region in op.regions)
+    body = [o.operation for o in select_block.operations]
+    compare = body[0] if len(body) == 2 and body[0].name == "stablehlo.compare" else None
+    direction = _direction(compare)
+    if compare is not None and list(compare.operands) == list(select_block.arguments)[::-1]:
+        direction = _SWAPPED.get(direction, direction)
+    elif compare is None or list(compare.operands) != list(select_block.arguments):
+        raise _Unsupported("a select that is not one comparison of the chosen and the next value")
+    if _scatter_combine(op, region=1) != "add":
+        raise _Unsupported("a scatter body that is not an addition")
+    rank = len(operand.shape)
+    return select_and_scatter(operand, source, init, direction, tuple(_ints(op.attributes["window_dimensions"])),
+                              _window_attr(op, "window_strides", rank, 1), _padding(op, rank), loc)
+
+
 _DOT_KEYS = ("lhs_batching_dimensions", "rhs_batching_dimensions", "lhs_contracting_dimensions", "rhs_contracting_dimensions")
 
 
@@ -454,14 +477,20 @@ def _dimension_numbers(attr) -> dict:
     return fields
 
 
-def _gather(op, inputs, shape, dtype, loc):
+def _gather(op, inputs, shape, dtype, loc, bounds: str = "checked"):
     f = _dimension_numbers(op.attributes["dimension_numbers"])
-    return ir.node(Op.GATHER, inputs, shape, dtype, loc, window_dims=f.get("offset_dims", ()),
+    return ir.node(Op.GATHER, inputs, shape, dtype, loc, **_bounds(bounds), window_dims=f.get("offset_dims", ()),
                    dropped_dims=f.get("collapsed_slice_dims", ()),
                    operand_batching_dims=f.get("operand_batching_dims", ()),
                    indices_batching_dims=f.get("start_indices_batching_dims", ()),
                    index_map=f.get("start_index_map", ()), index_vector_dim=f["index_vector_dim"],
                    window=tuple(_ints(op.attributes["slice_sizes"])))
+
+
+def _bounds(bounds: str) -> dict:
+    """A gather's or scatter's `bounds` attribute: absent for PyTorch's (an index outside the operand is an error
+    at run time, passes/indexing.py), "clamp" for StableHLO's gather, "drop" for its scatter."""
+    return {} if bounds == "checked" else {"bounds": bounds}
 
 
 def _clamped_starts(operand, starts, sizes, loc) -> list:
@@ -538,9 +567,9 @@ def _pasted(operand, update, starts: list, dim: int, loc):
     return ir.node(Op.CONCATENATE, pieces, operand.shape, operand.dtype, loc, dimension=dim)
 
 
-def _scatter_combine(op) -> str:
+def _scatter_combine(op, region: int = 0) -> str:
     """"add" for a body that adds the update, "replace" for one that returns it."""
-    block = op.regions[0].blocks[0]
+    block = op.regions[region].blocks[0]
     body = [o.operation for o in block.operations]
     update = block.arguments[1]
     if len(body) == 1 and body[0].operands[0] == update:
@@ -550,7 +579,7 @@ def _scatter_combine(op) -> str:
     raise _Unsupported("a scatter whose update is neither a replacement nor an addition")
 
 
-def _scatter(op, inputs, shape, dtype, loc):
+def _scatter(op, inputs, shape, dtype, loc, bounds: str = "checked"):
     if len(inputs) != 3:
         raise _Unsupported(f"a scatter of {len(inputs) // 2} operands at once")
     operand, _, updates = inputs
@@ -558,7 +587,7 @@ def _scatter(op, inputs, shape, dtype, loc):
     dropped, batching = f.get("inserted_window_dims", ()), f.get("input_batching_dims", ())
     window_sizes = iter(updates.shape[d] for d in f.get("update_window_dims", ()))
     window = tuple(1 if d in dropped or d in batching else next(window_sizes) for d in range(len(operand.shape)))
-    return ir.node(Op.SCATTER, inputs, shape, dtype, loc, window_dims=f.get("update_window_dims", ()),
+    return ir.node(Op.SCATTER, inputs, shape, dtype, loc, **_bounds(bounds), window_dims=f.get("update_window_dims", ()),
                    dropped_dims=dropped, operand_batching_dims=batching,
                    indices_batching_dims=f.get("scatter_indices_batching_dims", ()),
                    index_map=f.get("scatter_dims_to_operand_dims", ()), index_vector_dim=f["index_vector_dim"],
@@ -675,7 +704,42 @@ _CONVERTERS = {
     "stablehlo.dynamic_slice": _dynamic_slice,
     "stablehlo.dynamic_update_slice": _dynamic_update_slice,
     "stablehlo.scatter": _scatter,
+    "stablehlo.select_and_scatter": _select_and_scatter,
     "stablehlo.sort": _sort,
+}
+
+
+def _saturating_convert(op, inputs, shape, dtype, loc):
+    """XLA's float-to-integer conversion (LLVM's fptosi.sat / fptoui.sat): NaN gives 0, values past the integer
+    type's range its minimum or maximum; the IR's CONVERT truncates in range and, past it, gives what PyTorch's CPU
+    kernels give (x86's conversion), which a JAX program's golden does not."""
+    (x,) = inputs
+    if not x.dtype.is_float or dtype.is_float or dtype is DType.BOOL:
+        return ir.node(Op.CONVERT, inputs, shape, dtype, loc)
+    wide = x.dtype if x.dtype in (DType.F32, DType.F64) else DType.F32  # every narrower float is exact in fp32
+    x = x if wide is x.dtype else ir.node(Op.CONVERT, [x], shape, wide, loc)
+    info = np.iinfo(dtype.numpy)
+
+    def constant(value, of):
+        return ir.node(Op.CONSTANT, [], shape, of, loc, value=np.array(value, of.numpy))
+
+    past = float(info.max) + 1  # a power of two: exact in every float type
+    below = np.nextafter(np.array(past, wide.numpy), np.array(0, wide.numpy))  # the largest float under it
+    clamped = ir.node(Op.CLAMP, [constant(float(info.min), wide), x, constant(below, wide)], shape, wide, loc)
+    result = ir.node(Op.CONVERT, [clamped], shape, dtype, loc)
+    over = ir.node(Op.COMPARE, [x, constant(past, wide)], shape, DType.BOOL, loc, direction="GE")
+    result = ir.node(Op.SELECT, [over, constant(info.max, dtype), result], shape, dtype, loc)
+    nan = ir.node(Op.COMPARE, [x, x], shape, DType.BOOL, loc, direction="NE")
+    return ir.node(Op.SELECT, [nan, constant(0, dtype), result], shape, dtype, loc)
+
+
+# What a program from JAX or a StableHLO file means where PyTorch's programs (through torch-mlir) mean otherwise:
+# StableHLO's gather clamps its start indices and its scatter drops updates outside the operand (JAX's default
+# indexing relies on both), and XLA's float-to-integer conversion saturates.
+_STABLEHLO_CONVERTERS = {
+    "stablehlo.gather": functools.partial(_gather, bounds="clamp"),
+    "stablehlo.scatter": functools.partial(_scatter, bounds="drop"),
+    "stablehlo.convert": _saturating_convert,
 }
 
 
@@ -691,20 +755,24 @@ def main_function(module):
     return next((f for f in functions if str(f.attributes["sym_name"]) == '"main"'), functions[0])
 
 
-def import_module(module, params: list, locations: dict | None, name: str = "main") -> ir.Graph:
+def import_module(module, params: list, locations: dict | None, name: str = "main", *, semantics: str) -> ir.Graph:
     """Convert func @main of a StableHLO module. `params` gives (name, kind) for each argument; `locations`
-    maps FX node names to their source lines (None: source lines are read from the MLIR locations)."""
-    graph, problems = convert_module(module, params, locations, name)
+    maps FX node names to their source lines (None: source lines are read from the MLIR locations);
+    `semantics` is "pytorch" for a module torch-mlir made (PyTorch's meaning where StableHLO's differs: an
+    index out of bounds is an error) or "stablehlo" (JAX, a StableHLO file: `_STABLEHLO_CONVERTERS`)."""
+    graph, problems = convert_module(module, params, locations, name, semantics=semantics)
     if problems:
         raise unsupported_error(problems)
     return graph
 
 
-def convert_module(module, params: list, locations: dict | None, name: str = "main") -> tuple:
+def convert_module(module, params: list, locations: dict | None, name: str = "main", *, semantics: str) -> tuple:
     """(graph, problems): import_module's graph, with a zero constant standing in for the results of each op
     it cannot convert, and those ops as UnsupportedUse records (for `neuronc check`, which probes the rest)."""
     block = main_function(module).regions[0].blocks[0]
-    importer = _Importer(locations, {value: number for number, value in enumerate(values(block))})
+    if semantics not in ("pytorch", "stablehlo"):
+        raise ValueError(f"unknown semantics {semantics!r}")
+    importer = _Importer(locations, {value: number for number, value in enumerate(values(block))}, semantics)
     graph_params = []
     for index, arg in enumerate(block.arguments):
         try:

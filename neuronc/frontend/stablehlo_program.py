@@ -191,7 +191,7 @@ def _import_in_child(program, name):
     start = time.perf_counter()
     module = parse(program)
     seconds = {"import/parse": time.perf_counter() - start}
-    graph, problems = convert_module(module, signature(module), None, name)
+    graph, problems = convert_module(module, signature(module), None, name, semantics="stablehlo")
     _name_text_lines([*graph.nodes(), *problems], program.origin)
     if problems:
         raise unsupported_error(problems)
@@ -216,7 +216,7 @@ def _survey_in_child(program):
     module = parse(program)
     block = main_function(module).regions[0].blocks[0]
     uses = collections.Counter(op.operation.name for op in block.operations if op.operation.name != "func.return")
-    graph, problems = convert_module(module, signature(module), None, "check")
+    graph, problems = convert_module(module, signature(module), None, "check", semantics="stablehlo")
     _name_text_lines([*graph.nodes(), *problems], program.origin)
     return graph, uses, problems
 

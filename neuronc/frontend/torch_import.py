@@ -430,7 +430,7 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
     try:
         module = lower(gm, name)
         seconds["import/torch-mlir"] = time.perf_counter() - start
-        graph = import_module(module, params, locations, name)
+        graph = import_module(module, params, locations, name, semantics="pytorch")
         seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
     except Exception as err:  # noqa: BLE001 - diagnosed op by op below
         raise _diagnose(gm, locations, err) from None
@@ -453,9 +453,9 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGrap
         skeleton_module, layer_module = lower(parts.skeleton, name), lower(parts.layer, name)
         seconds["import/torch-mlir"] = time.perf_counter() - start
         extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(params):]
-        skeleton = import_module(skeleton_module, list(params) + extra, locations, name)
+        skeleton = import_module(skeleton_module, list(params) + extra, locations, name, semantics="pytorch")
         slots = [(n.name, "input") for n in parts.layer.graph.nodes if n.op == "placeholder"]
-        layer = import_module(layer_module, slots, locations, name)
+        layer = import_module(layer_module, slots, locations, name, semantics="pytorch")
         graph = repeated_layers.assemble(skeleton, layer, layers, parts, locations, len(_output_values(gm)))
         seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
     except Exception:  # noqa: BLE001 - the whole graph's import reports what fails

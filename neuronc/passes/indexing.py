@@ -7,8 +7,10 @@ trailing operand dims that every window spans whole, and this pass computes with
 elementwise IR the table row of every row of every window. What is left is GATHER_ROWS
 ([V, W] table, [N] rows -> [N, W]) and SCATTER_ROWS ([V, W] base, [N] rows, [N, W] updates).
 
-An index outside the operand is an error at run time, as in eager PyTorch (StableHLO would clamp
-a gather's start and drop a scatter's update): its row becomes V, which the DMA refuses.
+An index outside the operand is an error at run time, as in eager PyTorch: its row becomes V, which the
+DMA refuses. A gather or scatter from JAX or a StableHLO file (`bounds` "clamp" or "drop") means what
+StableHLO says: a gather's start indices are clamped so the window lies inside the operand, and a
+scatter's updates outside it are dropped (written to a spare row V of the base, then cut off).
 """
 from __future__ import annotations
 
@@ -51,8 +53,16 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
     ordered = ir.node(Op.TRANSPOSE, [updates], [updates.shape[d] for d in perm], updates.dtype, node.loc, perm=perm)
     rows_of_updates = ir.node(Op.RESHAPE, [ordered], (space.count, space.width), updates.dtype, node.loc)
     base = ir.node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    dropping = space.bounds == "drop"
+    if dropping:  # row V exists: the updates outside the operand land there
+        zero = ir.node(Op.CONSTANT, [], (), operand.dtype, node.loc, value=np.zeros((), operand.dtype.numpy))
+        base = ir.node(Op.PAD, [base, zero], (space.rows + 1, space.width), operand.dtype, node.loc, low=(0, 0),
+                       high=(1, 0), interior=(0, 0))
     scattered = ir.node(Op.SCATTER_ROWS, [base, space.row_numbers(), rows_of_updates], base.shape, node.dtype,
                       node.loc, combine=node.attrs["combine"])
+    if dropping:
+        scattered = ir.node(Op.SLICE, [scattered], (space.rows, space.width), node.dtype, node.loc, start=(0, 0),
+                            limit=(space.rows, space.width), strides=(1, 1))
     return ir.node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
 
 
@@ -212,6 +222,7 @@ class _IndexSpace:
         a = node.attrs
         self.node, self.shape, self.indices, self.a = node, shape, indices, a
         self.window = a["window"]
+        self.bounds = a.get("bounds", "checked")  # or "clamp" (StableHLO's gather), "drop" (its scatter)
         fixed = set(a["index_map"]) | set(a["operand_batching_dims"]) | set(a["dropped_dims"])
         split = len(shape)
         while split > 0 and split - 1 not in fixed and self.window[split - 1] == shape[split - 1]:
@@ -230,15 +241,20 @@ class _IndexSpace:
                                      location=str(node.loc), hint="split the tensor before indexing it")
 
     def row_numbers(self) -> Node:
-        """[count] int32: the table row of each canonical window row (V where an index is out of bounds)."""
+        """[count] int32: the table row of each canonical window row (V where an index is out of bounds, unless
+        the gather clamps it)."""
         loc, shape = self.node.loc, self.canonical_shape
         strides = [math.prod(self.shape[d + 1:self.split]) for d in range(self.split)]
         terms, checks = [], []
         for k, d in enumerate(self.a["index_map"]):
             start = self._component(k)
-            terms.append(_scaled(_spread(start, shape, range(len(self.batch_dims)), loc), strides[d], loc))
             limit = self.shape[d] - self.window[d]
-            checks.append(_and(_compare(start, 0, "GE", loc), _compare(start, limit, "LE", loc), loc))
+            if self.bounds == "clamp":
+                start = ir.node(Op.CLAMP, [_splat(0, start.shape, loc), start, _splat(limit, start.shape, loc)],
+                                start.shape, ROW, loc)
+            else:
+                checks.append(_and(_compare(start, 0, "GE", loc), _compare(start, limit, "LE", loc), loc))
+            terms.append(_scaled(_spread(start, shape, range(len(self.batch_dims)), loc), strides[d], loc))
         for d, indices_dim in zip(self.a["operand_batching_dims"], self.a["indices_batching_dims"]):
             position = self.batch_dims.index(indices_dim)
             terms.append(_scaled(ir.node(Op.IOTA, [], shape, ROW, loc, dimension=position), strides[d], loc))
@@ -250,7 +266,7 @@ class _IndexSpace:
         for term in terms[1:]:
             row = ir.node(Op.ADD, [row, term], shape, ROW, loc)
         row_lookup = self.split == 1 and self.window[0] == 1 and len(terms) == 1  # a lookup of whole rows:
-        if checks and not row_lookup:  # the DMA's own bounds check is the index's
+        if checks and (not row_lookup or self.bounds == "drop"):  # the DMA's own bounds check is the index's
             valid = checks[0]
             for check in checks[1:]:
                 valid = _and(valid, check, loc)
@@ -271,11 +287,12 @@ class _IndexSpace:
             indices = ir.node(Op.SLICE, [indices], sliced, indices.dtype, loc, start=tuple(start), limit=tuple(limit),
                             strides=(1,) * len(limit))
             indices = ir.node(Op.RESHAPE, [indices], batch, indices.dtype, loc)
-        if indices.dtype != ROW:  # out-of-range int64 values stay out of range
-            big = np.iinfo(ROW.numpy).max
-            clipped = ir.node(Op.CLAMP, [_splat(-1, batch, loc, indices.dtype), indices,
-                                       _splat(big, batch, loc, indices.dtype)], batch, indices.dtype, loc)
-            indices = ir.node(Op.CONVERT, [clipped], batch, ROW, loc)
+        if indices.dtype != ROW:
+            held, row = np.iinfo(indices.dtype.numpy), np.iinfo(ROW.numpy)
+            if held.min < row.min or held.max > row.max:  # int64, uint32, uint64: values out of range stay so
+                low, high = (_splat(v, batch, loc, indices.dtype) for v in (max(held.min, -1), row.max))
+                indices = ir.node(Op.CLAMP, [low, indices, high], batch, indices.dtype, loc)
+            indices = ir.node(Op.CONVERT, [indices], batch, ROW, loc)
         return indices
 
 
