@@ -25,6 +25,7 @@ from neuronc.neff.program import DebugLoc
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.canonicalize import SIMPLIFY
 from neuronc.passes.context import PassContext
+from neuronc.passes.integer_matmul import exact_integer_dot
 from neuronc.passes.rewrite import Rule, rewrite
 
 REDUCE_IDENTITY = {kind: r.identity for kind, r in REDUCTIONS.items()}
@@ -254,7 +255,7 @@ def _dot_general(node, inputs):
     size = lambda x, dims: int(math.prod([x.shape[d] for d in dims]))  # noqa: E731
     b, m, k, n = size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree)
     if not (node.dtype.is_float and lhs.dtype.is_float and rhs.dtype.is_float):
-        raise _unsupported(node, "an integer matrix multiplication")
+        return exact_integer_dot(node, lhs, rhs)  # StableHLO-level pieces, lowered by the next sweep
     lhs3 = reshape(transpose(lhs, lb + lfree + lc, node.loc), (b, m, k), node.loc)
     rhs3 = reshape(transpose(rhs, rb + rc + rfree, node.loc), (b, k, n), node.loc)
     product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc, k=k)
