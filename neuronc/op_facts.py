@@ -356,13 +356,13 @@ FACTS = (
     OpFact("CONVOLUTION", "reduction", 2, ANY, TENSOR,
            attrs={"strides": "ints", "padding": "pairs", "lhs_dilation": "ints", "rhs_dilation": "ints",
                   "groups": "int"}),
-    # StableHLO's gather/scatter, normalised (see passes/indexing.py); SCATTER also combine ("add" | "replace");
+    # StableHLO's gather/scatter, normalised (see passes/indexing.py); SCATTER also combine (add, replace, max...);
     # bounds: absent for PyTorch's meaning (an index outside the operand is a run-time error), else StableHLO's
     OpFact("GATHER", "indexing", 2, FIRST, DMA, attrs={**_INDEXING, "bounds?": ("clamp",)}),  # (operand, indices)
     OpFact("TOPK", "indexing", 1, ANY, ALU,  # int32 positions of the k largest (smallest) along a dim, in order
            attrs={"dimension": "int", "k": "int", "descending": "bool"}),
     OpFact("SCATTER", "indexing", 3, FIRST, DMA,  # (operand, indices, updates)
-           attrs={**_INDEXING, "combine": ("add", "replace"), "bounds?": ("drop",)}),
+           attrs={**_INDEXING, "combine": ("add", "replace", "max", "min", "mul"), "bounds?": ("drop",)}),
     # kernel-level ops, produced by legalize and the fusion passes
     OpFact("VIEW", "kernel", 1, SAME, DMA, attrs=_VIEW),  # a copy of a strided view of the operand's dense buffer
     OpFact("MATMUL", "kernel", None, ANY, TENSOR, attrs={"k": "int"}, open_attrs=True),  # [B,M,K] x [B,K,N]

@@ -375,3 +375,21 @@ def test_pooling_gradients_choose_the_position_jax_chooses(pooling):
     x[0, :3, :3] = 0.0  # windows of equal values (after the ReLU): the first is chosen
     grad = jax.grad(loss, argnums=(0, 1))
     assert_matches_jax(neuronc.jax.jit(grad)(w, x), jax.jit(grad)(w, x))
+
+
+def test_scatters_combining_by_max_min_and_product_match_jax():
+    def combine(x, i, u, data, segments, xi, ui):
+        return (x.at[i].max(u), x.at[i].min(u), x.at[i].multiply(u), jax.ops.segment_max(data, segments, 5),
+                jax.ops.segment_min(data, segments, 5), xi.at[i].max(ui), xi.at[i].multiply(ui))
+
+    rng = np.random.default_rng(2)
+    i = np.array([1, 1, 3, 9, -8], np.int32)  # a repeated row; 9 and -8 are outside: dropped
+    u = rng.standard_normal(5).astype(np.float32)
+    u[0] = np.nan  # max and min propagate it
+    args = (rng.standard_normal(6).astype(np.float32), i, u, rng.standard_normal((10, 3)).astype(np.float32),
+            np.array([0, 0, 1, 4, 4, 4, 2, 2, 0, 7], np.int32), rng.integers(-100, 100, 6).astype(np.int32),
+            rng.integers(-10 ** 5, 10 ** 5, 5).astype(np.int32))  # the int32 product wraps
+    got, want = neuronc.jax.jit(combine)(*args), jax.jit(combine)(*args)
+    assert_matches_jax(got[2], want[2])  # a float product, formed in another order
+    for g, w in zip(got[:2] + got[3:], want[:2] + want[3:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

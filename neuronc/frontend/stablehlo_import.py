@@ -567,16 +567,22 @@ def _pasted(operand, update, starts: list, dim: int, loc):
     return ir.node(Op.CONCATENATE, pieces, operand.shape, operand.dtype, loc, dimension=dim)
 
 
+_COMBINES = {"stablehlo.add": "add", "stablehlo.maximum": "max", "stablehlo.minimum": "min",
+             "stablehlo.multiply": "mul"}
+
+
 def _scatter_combine(op, region: int = 0) -> str:
-    """"add" for a body that adds the update, "replace" for one that returns it."""
+    """"replace" for a body that returns the update, else "add", "max", "min" or "mul" for one that returns that op
+    of the current value and the update."""
     block = op.regions[region].blocks[0]
     body = [o.operation for o in block.operations]
     update = block.arguments[1]
     if len(body) == 1 and body[0].operands[0] == update:
         return "replace"
-    if len(body) == 2 and body[0].name == "stablehlo.add" and body[1].operands[0] == body[0].results[0]:
-        return "add"
-    raise _Unsupported("a scatter whose update is neither a replacement nor an addition")
+    if len(body) == 2 and body[0].name in _COMBINES and body[1].operands[0] == body[0].results[0] \
+            and set(body[0].operands) == set(block.arguments[:2]):
+        return _COMBINES[body[0].name]
+    raise _Unsupported("a scatter whose update is not a replacement, a sum, a max, a min or a product")
 
 
 def _scatter(op, inputs, shape, dtype, loc, bounds: str = "checked"):

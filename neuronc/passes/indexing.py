@@ -53,6 +53,9 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
     ordered = ir.node(Op.TRANSPOSE, [updates], [updates.shape[d] for d in perm], updates.dtype, node.loc, perm=perm)
     rows_of_updates = ir.node(Op.RESHAPE, [ordered], (space.count, space.width), updates.dtype, node.loc)
     base = ir.node(Op.RESHAPE, [operand], (space.rows, space.width), operand.dtype, node.loc)
+    if node.attrs["combine"] in _COMBINED:
+        combined = _combined_by_row(node, base, space.row_numbers(), rows_of_updates)
+        return ir.node(Op.RESHAPE, [combined], node.shape, node.dtype, node.loc)
     dropping = space.bounds == "drop"
     if dropping:  # row V exists: the updates outside the operand land there
         zero = ir.node(Op.CONSTANT, [], (), operand.dtype, node.loc, value=np.zeros((), operand.dtype.numpy))
@@ -64,6 +67,39 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
         scattered = ir.node(Op.SLICE, [scattered], (space.rows, space.width), node.dtype, node.loc, start=(0, 0),
                             limit=(space.rows, space.width), strides=(1, 1))
     return ir.node(Op.RESHAPE, [scattered], node.shape, node.dtype, node.loc)
+
+
+_COMBINED = {"max": Op.MAXIMUM, "min": Op.MINIMUM, "mul": Op.MULTIPLY}  # combine -> the elementwise op
+
+
+def _combined_by_row(node: Node, base: Node, rows: Node, updates: Node) -> Node:
+    """A scatter combining by max, min or product (JAX's `.at[i].max`, `segment_max`): the DMA only writes or
+    adds, so each table row reduces the updates aimed at it, picked from all of them by a one-hot comparison of
+    row numbers ([V, N, W] elements: meant for the small scatters these are), and combines that with itself. An
+    update outside the table matches no row: dropped. Exact for max and min; a product is formed as a tree,
+    not in update order (integer products wrap the same either way)."""
+    (count, width), table, loc = updates.shape, base.shape[0], node.loc
+    kind, op = node.attrs["combine"], _COMBINED[node.attrs["combine"]]
+    shape = (table, count, width)
+    numbers = ir.node(Op.BROADCAST_IN_DIM, [rows], (table, count), ROW, loc, dims=(1,))
+    hit = ir.node(Op.COMPARE, [ir.node(Op.IOTA, [], (table, count), ROW, loc, dimension=0), numbers], (table, count),
+                  DType.BOOL, loc, direction="EQ")
+    hit = ir.node(Op.BROADCAST_IN_DIM, [hit], shape, DType.BOOL, loc, dims=(0, 1))
+    spread = ir.node(Op.BROADCAST_IN_DIM, [updates], shape, updates.dtype, loc, dims=(1, 2))
+    identity = _identity(kind, updates.dtype)
+    picked = ir.node(Op.SELECT, [hit, spread, _splat(identity, shape, loc, updates.dtype)], shape, updates.dtype, loc)
+    reduced = ir.node(Op.REDUCE, [picked, _splat(identity, (), loc, updates.dtype)], (table, width), updates.dtype, loc,
+                      dims=(1,), kind=kind)
+    return ir.node(op, [base, reduced], base.shape, node.dtype, loc)
+
+
+def _identity(kind: str, dtype: DType):
+    if kind == "mul":
+        return 1
+    if dtype.is_float:
+        return -np.inf if kind == "max" else np.inf
+    info = np.iinfo(dtype.numpy) if dtype is not DType.BOOL else None
+    return (info.min if kind == "max" else info.max) if info else kind == "min"
 
 
 # -- sort keys TOPK cannot compare exactly --------------------------------------------------------------------
