@@ -393,3 +393,26 @@ def test_scatters_combining_by_max_min_and_product_match_jax():
     assert_matches_jax(got[2], want[2])  # a float product, formed in another order
     for g, w in zip(got[:2] + got[3:], want[:2] + want[3:]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_tan_cbrt_and_rounding_away_from_zero_match_jax():
+    def ops(x):
+        return jnp.tan(x), jnp.cbrt(x), jax.lax.round(x, jax.lax.RoundingMethod.AWAY_FROM_ZERO)
+
+    x = np.array([0.5, -0.5, 1.5, 2.5, -2.5, 0.49999997, -0.3, 8.0, -27.0, 1e-30, 3e38, 1.2, -3.7, np.inf, -np.inf,
+                  np.nan], np.float32)  # 0.49999997 + 0.5 rounds to 1 in fp32: the fraction must be compared exactly
+    assert_matches_jax(neuronc.jax.jit(ops)(x), jax.jit(ops)(x))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32])
+def test_population_count_and_leading_zeros_match_jax(dtype):
+    info = np.iinfo(dtype)
+    edges = [0, 1, info.max, info.min] + ([-1] if info.min < 0 else [2])
+    x = np.concatenate([np.random.default_rng(3).integers(info.min, info.max, 60, endpoint=True), edges]).astype(dtype)
+
+    def bits(x):
+        return jax.lax.population_count(x), jax.lax.clz(x)
+
+    for got, want in zip(neuronc.jax.jit(bits)(x), jax.jit(bits)(x)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

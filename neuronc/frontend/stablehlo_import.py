@@ -19,6 +19,7 @@ import numpy as np
 
 from neuronc import ir, op_facts
 from neuronc.errors import NeuronCompileError
+from neuronc.frontend import stablehlo_expansions
 from neuronc.isa import DType
 from neuronc.ir import Op
 from neuronc.neff.program import DebugLoc
@@ -686,7 +687,19 @@ def _custom_call(op, inputs, shape, dtype, loc):
     raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
 
 
+def _expanded(expansion):
+    """A converter of an op stablehlo_expansions writes with other ops."""
+    def convert(op, inputs, shape, dtype, loc):
+        return expansion(*inputs, loc)
+    return convert
+
+
 _CONVERTERS = {
+    "stablehlo.tan": _expanded(stablehlo_expansions.tan),
+    "stablehlo.cbrt": _expanded(stablehlo_expansions.cbrt),
+    "stablehlo.round_nearest_afz": _expanded(stablehlo_expansions.round_half_away_from_zero),
+    "stablehlo.popcnt": _expanded(stablehlo_expansions.population_count),
+    "stablehlo.count_leading_zeros": _expanded(stablehlo_expansions.count_leading_zeros),
     "stablehlo.composite": _composite,
     "stablehlo.optimization_barrier": _optimization_barrier,
     "stablehlo.custom_call": _custom_call,

@@ -1,0 +1,92 @@
+"""StableHLO elementwise ops the IR has no op for, written with ops it has (JAX emits them: `jnp.tan`, `jnp.cbrt`,
+`lax.round` away from zero, `lax.population_count`, `lax.clz`). Each takes the op's operands as IR nodes and
+returns the result node; stablehlo_import registers them as converters.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from neuronc import ir
+from neuronc.ir import Node, Op
+from neuronc.isa import DType
+
+
+def tan(x: Node, loc) -> Node:
+    """sin x / cos x."""
+    return _node(Op.DIVIDE, _node(Op.SIN, x, loc=loc), _node(Op.COS, x, loc=loc), loc=loc)
+
+
+def cbrt(x: Node, loc) -> Node:
+    """sign(x) |x|^(1/3): the real cube root of a negative number too."""
+    root = _node(Op.POWER, _node(Op.ABS, x, loc=loc), _constant(1.0 / 3.0, x, loc), loc=loc)
+    return _node(Op.MULTIPLY, _node(Op.SIGN, x, loc=loc), root, loc=loc)
+
+
+def round_half_away_from_zero(x: Node, loc) -> Node:
+    """sign(x) (floor(|x|) + (|x| - floor(|x|) >= 0.5)): the fraction is exact (no |x| + 0.5, which rounds
+    0.49999997 up); -0.3 gives -0, NaN and infinities stay."""
+    magnitude = _node(Op.ABS, x, loc=loc)
+    whole = _node(Op.FLOOR, magnitude, loc=loc)
+    half_up = _node(Op.COMPARE, _node(Op.SUBTRACT, magnitude, whole, loc=loc), _constant(0.5, x, loc), loc=loc,
+                    dtype=DType.BOOL, direction="GE")
+    one = _node(Op.SELECT, half_up, _constant(1.0, x, loc), _constant(0.0, x, loc), loc=loc, dtype=x.dtype)
+    return _node(Op.MULTIPLY, _node(Op.SIGN, x, loc=loc), _node(Op.ADD, whole, one, loc=loc), loc=loc)
+
+
+def population_count(x: Node, loc) -> Node:
+    """The set bits of each integer (SWAR: bit pairs, nibbles, bytes summed by one multiply), in 32 or 64 bits;
+    a narrower integer is widened by its bits alone (zero-extended)."""
+    wide, bits = _zero_extended(x, loc)
+    ones = (1 << wide) - 1  # every mask below is under the signed maximum: exact in a signed type too
+
+    def masked(v, mask):
+        return _node(Op.AND, v, _constant(mask, v, loc), loc=loc)
+
+    v = _node(Op.SUBTRACT, bits, masked(_shr(bits, 1, loc), ones // 3), loc=loc)  # 0x55..: pairs
+    v = _node(Op.ADD, masked(v, ones // 5), masked(_shr(v, 2, loc), ones // 5), loc=loc)  # 0x33..: nibbles
+    v = masked(_node(Op.ADD, v, _shr(v, 4, loc), loc=loc), ones // 17)  # 0x0f..: bytes
+    count = _shr(_node(Op.MULTIPLY, v, _constant(ones // 255, v, loc), loc=loc), wide - 8, loc)  # 0x01..: their sum
+    return _node(Op.CONVERT, count, loc=loc, dtype=x.dtype)
+
+
+def count_leading_zeros(x: Node, loc) -> Node:
+    """The zero bits above the highest set bit (the width for 0), by halving the span searched: an operand whose
+    top `s` bits are zero counts s and shifts them out."""
+    wide, bits = _zero_extended(x, loc)
+    count = _constant(x.dtype.itemsize * 8 - wide, bits, loc)  # a widened operand's extra zero bits, taken back
+
+    def counted(condition, amount):
+        return _node(Op.ADD, count, _node(Op.SELECT, condition, _constant(amount, bits, loc), _constant(0, bits, loc),
+                                          loc=loc, dtype=bits.dtype), loc=loc)
+
+    shift = wide // 2
+    while shift:
+        zero = _node(Op.COMPARE, _shr(bits, wide - shift, loc), _constant(0, bits, loc), loc=loc, dtype=DType.BOOL,
+                     direction="EQ")
+        count = counted(zero, shift)
+        shifted = _node(Op.SHIFT_LEFT, bits, _constant(shift, bits, loc), loc=loc)
+        bits = _node(Op.SELECT, zero, shifted, bits, loc=loc, dtype=bits.dtype)
+        shift //= 2
+    count = counted(_node(Op.COMPARE, bits, _constant(0, bits, loc), loc=loc, dtype=DType.BOOL, direction="EQ"), 1)
+    return _node(Op.CONVERT, count, loc=loc, dtype=x.dtype)
+
+
+def _zero_extended(x: Node, loc) -> tuple:
+    """(width, x's bits as an integer of 32 or 64 bits, zero-extended)."""
+    width = x.dtype.itemsize * 8
+    if width >= 32:
+        return width, x
+    wide = _node(Op.CONVERT, x, loc=loc, dtype=DType.I32)  # sign-extends a signed type: the mask drops that
+    return 32, _node(Op.AND, wide, _constant((1 << width) - 1, wide, loc), loc=loc)
+
+
+def _shr(x: Node, amount: int, loc) -> Node:
+    return _node(Op.SHIFT_RIGHT_LOGICAL, x, _constant(amount, x, loc), loc=loc)
+
+
+def _constant(value, like: Node, loc) -> Node:
+    return ir.node(Op.CONSTANT, [], like.shape, like.dtype, loc, value=np.array(value, like.dtype.numpy))
+
+
+def _node(op: Op, *inputs: Node, loc, dtype: DType | None = None, **attrs) -> Node:
+    return ir.node(op, list(inputs), inputs[0].shape, inputs[0].dtype if dtype is None else dtype, loc, **attrs)
