@@ -105,3 +105,20 @@ def test_slices_of_the_first_positions_narrow_the_sort_to_the_largest_k_read():
 ])
 def test_a_sort_read_beyond_its_first_positions_stays_whole(read):
     assert _topk_ks(_sort_then(read)) == [32]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.bool])
+def test_an_ascending_sort_and_smallest_k_of_narrow_integers_equal_eager(dtype):
+    # an ascending order is the descending order of the negation: negating a uint8 wraps, int8's -128 is its own
+    info = torch.iinfo(dtype) if dtype is not torch.bool else None
+    x = torch.tensor([[3, 0, 1, 0, 2, 1, 0, 3], [1, 0, 0, 1, 1, 0, 2, 2]]) if info is None else \
+        torch.tensor([[3, 0, info.max, 1, info.min, 2, -1 if info.min else 7, 5]] * 2)
+    x = x.to(dtype)
+
+    def ordered(x):
+        return torch.sort(x, dim=-1, stable=True), torch.sort(x, dim=0, stable=True).values, \
+            torch.topk(x.to(torch.int32) if dtype is torch.bool else x, 3, largest=False, sorted=True).values
+
+    got, want = run_compiled(ordered, x), ordered(x)
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(g, w), (g, w)

@@ -21,6 +21,7 @@ import numpy as np
 from neuronc import ir
 from neuronc.errors import NeuronCompileError
 from neuronc.ir import Node, Op
+from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
 from neuronc.op_facts import REDUCTIONS
 from neuronc.passes.canonicalize import SIMPLIFY
@@ -299,12 +300,15 @@ def _unsupported(node, what: str) -> NeuronCompileError:
 
 
 def _topk(node, inputs):
-    """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation)."""
+    """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation, in int32 for
+    narrower integers: negating a uint8 wraps, and int8's -128 is its own negation)."""
     x = inputs[0]
     dim, last = node.attrs["dimension"], len(x.shape) - 1
     if len(x.shape) == 2 and dim == 1 and node.attrs["descending"]:  # legal already
         return None
     if not node.attrs["descending"]:
+        if not x.dtype.is_float and x.dtype.itemsize < 4:  # wider keys come here as int32 digits or order keys
+            x = ir.node(Op.CONVERT, [x], x.shape, DType.I32, node.loc)
         x = ir.node(Op.NEGATE, [x], x.shape, x.dtype, node.loc)
     perm = [d for d in range(len(x.shape)) if d != dim] + [dim]
     rows = reshape(transpose(x, perm, node.loc), (x.size // x.shape[dim], x.shape[dim]), node.loc)
