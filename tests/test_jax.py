@@ -416,3 +416,21 @@ def test_population_count_and_leading_zeros_match_jax(dtype):
     for got, want in zip(neuronc.jax.jit(bits)(x), jax.jit(bits)(x)):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_padding_with_a_run_time_value_and_cropping_after_interior_padding_match_jax():
+    def padded(x, v):
+        return (jax.lax.pad(x, v, ((1, 2, 1), (0, 1, 0))), jax.lax.pad(x, v, ((-1, 2, 1), (1, -2, 2))),
+                jax.lax.pad(x, np.float32(-7.0), ((0, 0, 0), (-2, -2, 4))))
+
+    x = np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3)
+    assert_matches_jax(neuronc.jax.jit(padded)(x, np.float32(9.5)), jax.jit(padded)(x, np.float32(9.5)))
+
+
+def test_a_reduction_of_several_operands_each_reduced_on_its_own_matches_jax():
+    def max_and_min(x, y):
+        return jax.lax.reduce((x, y), (np.float32(3.0), np.int32(3)),
+                              lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (0,))
+
+    x, y = np.random.default_rng(4).standard_normal((4, 6)).astype(np.float32) * 4, np.arange(24, dtype=np.int32).reshape(4, 6) - 9
+    assert_matches_jax(neuronc.jax.jit(max_and_min)(x, y), jax.jit(max_and_min)(x, y))

@@ -334,10 +334,34 @@ def _compare(op, inputs, shape, dtype, loc):
 
 def _reduce(op, inputs, shape, dtype, loc):
     dims = tuple(_ints(op.attributes["dimensions"]))
-    if len(inputs) == 4:
-        return _arg_reduce(op, inputs, dims, loc)
+    if len(inputs) > 2:
+        kinds = _separate_reducers(op)
+        if kinds is None and len(inputs) == 4:
+            return _arg_reduce(op, inputs, dims, loc)
+        if kinds is None:
+            raise _Unsupported("a reduction of several values whose results depend on each other")
+        count = len(kinds)
+        return tuple(ir.node(Op.REDUCE, [x, init], tensor_type(result.type)[0], x.dtype, loc, dims=dims, kind=kind)
+                     for x, init, result, kind in zip(inputs[:count], inputs[count:], op.results, kinds))
     kind = _region_reducer(op)
     return ir.node(Op.REDUCE, inputs, shape, dtype, loc, dims=dims, kind=kind)
+
+
+def _separate_reducers(op) -> list | None:
+    """For a reduction of several operands whose body reduces each on its own (result i is one add/max/... of
+    accumulator i and value i), each one's kind; else None (argmax's body mixes them)."""
+    block = op.regions[0].blocks[0]
+    count = len(block.arguments) // 2
+    body = [o.operation for o in block.operations]
+    returned = list(body[-1].operands) if body and body[-1].name == "stablehlo.return" else []
+    kinds = []
+    for i, value in enumerate(returned):
+        producer = _defining_op(value)
+        if producer is None or producer.name not in _REDUCERS or \
+                set(producer.operands) != {block.arguments[i], block.arguments[count + i]}:
+            return None
+        kinds.append(_REDUCERS[producer.name])
+    return kinds if len(kinds) == count and len(body) == count + 1 else None
 
 
 _ARG_REDUCERS = {"GE": "max", "GT": "max", "LE": "min", "LT": "min"}

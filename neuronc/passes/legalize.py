@@ -150,9 +150,29 @@ def _pad(node, inputs):
         return None
     x, value = inputs
     pad_value = splat_value(value)
-    if pad_value is None:
-        raise _unsupported(node, "padding with a non-constant value")
-    return pad(x, pad_value, node.attrs["low"], node.attrs["high"], node.attrs["interior"], node.loc)
+    a = node.attrs
+    if pad_value is None:  # a run-time value (JAX's lax.pad of a traced scalar): x padded with 0, then selected
+        zero = ir.node(Op.CONSTANT, [], (), x.dtype, node.loc, value=np.zeros((), x.dtype.numpy))
+        padded = ir.node(Op.PAD, [x, zero], node.shape, node.dtype, node.loc, **a)
+        spread = ir.node(Op.BROADCAST_IN_DIM, [value], node.shape, node.dtype, node.loc, dims=())
+        return ir.node(Op.SELECT, [_padded_positions(x.shape, node.shape, a, node.loc), padded, spread], node.shape,
+                       node.dtype, node.loc)
+    return pad(x, pad_value, a["low"], a["high"], a["interior"], node.loc)
+
+
+def _padded_positions(shape: tuple, result: tuple, attrs: dict, loc) -> Node:
+    """Bool [result]: where a pad's operand elements land (one constant vector per dim, broadcast and and-ed)."""
+    mask = None
+    for d, (n, size, lo, step) in enumerate(zip(shape, result, attrs["low"], attrs["interior"])):
+        positions = lo + np.arange(n) * (step + 1)
+        vector = np.zeros(size, bool)
+        vector[positions[(positions >= 0) & (positions < size)]] = True
+        if vector.all():
+            continue
+        spread = ir.node(Op.BROADCAST_IN_DIM, [ir.node(Op.CONSTANT, [], (size,), DType.BOOL, loc, value=vector)],
+                         result, DType.BOOL, loc, dims=(d,))
+        mask = spread if mask is None else ir.node(Op.AND, [mask, spread], result, DType.BOOL, loc)
+    return mask if mask is not None else ir.node(Op.CONSTANT, [], result, DType.BOOL, loc, value=np.array(True))
 
 
 def pad(x: Node, value: float, low: tuple, high: tuple, interior: tuple | None = None,
@@ -161,10 +181,10 @@ def pad(x: Node, value: float, low: tuple, high: tuple, interior: tuple | None =
     elements between neighbours."""
     low, high = list(low), list(high)
     interior = tuple(interior or (0,) * len(x.shape))
+    if any(v < 0 for v in low + high) and any(interior):  # StableHLO crops after the interior padding: so here
+        grown = pad(x, value, [max(0, v) for v in low], [max(0, v) for v in high], interior, loc)
+        return pad(grown, value, [min(0, v) for v in low], [min(0, v) for v in high], None, loc)
     if any(v < 0 for v in low + high):
-        if any(interior):
-            raise NeuronCompileError("negative padding together with interior padding is not supported yet",
-                                     location=str(loc or x.loc))
         xs = dense_strides(x.shape)
         start = [max(0, -lo) for lo in low]
         limit = [s - max(0, -hi) for s, hi in zip(x.shape, high)]
