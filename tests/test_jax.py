@@ -434,3 +434,14 @@ def test_a_reduction_of_several_operands_each_reduced_on_its_own_matches_jax():
 
     x, y = np.random.default_rng(4).standard_normal((4, 6)).astype(np.float32) * 4, np.arange(24, dtype=np.int32).reshape(4, 6) - 9
     assert_matches_jax(neuronc.jax.jit(max_and_min)(x, y), jax.jit(max_and_min)(x, y))
+
+
+def test_approximate_top_k_is_the_exact_top_k_as_on_the_cpu():
+    def nearest(x):
+        return jax.lax.approx_max_k(x, 5), jax.lax.approx_min_k(x, 3, reduction_dimension=0)
+
+    x = np.random.default_rng(5).permutation(24 * 40).astype(np.float32).reshape(24, 40)  # distinct: no tie order
+    for got, want in zip(jax.tree_util.tree_leaves(neuronc.jax.jit(nearest)(x)),
+                         jax.tree_util.tree_leaves(jax.jit(nearest)(x))):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -706,9 +706,39 @@ def _is_finite(op, inputs, shape, dtype, loc):
 
 
 def _custom_call(op, inputs, shape, dtype, loc):
-    if str(op.attributes["call_target_name"]).strip('"') == "Sharding" and len(inputs) == 1:
+    target = str(op.attributes["call_target_name"]).strip('"')
+    if target == "Sharding" and len(inputs) == 1:
         return inputs[0]  # XLA's layout request (JAX puts one on each typed PRNG key): on one core, its operand
+    if target == "ApproxTopK":
+        return _approx_top_k(op, inputs, loc)
     raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
+
+
+def _approx_top_k(op, inputs, loc):
+    """`lax.approx_max_k` / `approx_min_k` as XLA's CPU computes it (`aggregate_to_topk`: its fallback is the exact
+    top k): the k first of the operand along the reduction dim, and the second operand (the positions' iota) at
+    them. JAX names the comparator function top_k_gt_... (max) or top_k_lt_... (min)."""
+    names = [op.attributes[i].name for i in range(len(op.attributes))]
+    config = " ".join(str(op.attributes[n]) for n in ("backend_config", "mhlo.backend_config") if n in names)
+    fields = dict(re.findall(r"(\w+) = ([\w.\-]+)", config))
+    comparator = re.search(r"top_k_(gt|lt)_", str(op.attributes["called_computations"]))
+    if fields.get("aggregate_to_topk") != "true" or comparator is None or len(inputs) != 4:
+        raise _Unsupported("an approximate top-k other than JAX's aggregated one")
+    x, positions_in = inputs[:2]
+    dimension, k = int(fields["reduction_dim"]), int(fields["top_k"])
+    rank = len(x.shape)
+    shape = tuple(k if d == dimension else n for d, n in enumerate(x.shape))
+    positions = ir.node(Op.TOPK, [x], shape, DType.I32, loc, dimension=dimension, k=k,
+                        descending=comparator.group(1) == "gt")
+    others = tuple(d for d in range(rank) if d != dimension)
+
+    def taken(t):
+        if _counts_along(t, dimension):
+            return ir.node(Op.CONVERT, [positions], shape, t.dtype, loc)
+        return ir.node(Op.GATHER, [t, positions], shape, t.dtype, loc, window_dims=(), dropped_dims=(dimension,),
+                       operand_batching_dims=others, indices_batching_dims=others, index_map=(dimension,),
+                       index_vector_dim=rank, window=(1,) * rank)
+    return taken(x), taken(positions_in)
 
 
 def _expanded(expansion):
