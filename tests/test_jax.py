@@ -62,14 +62,15 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
-        y = jax.lax.cbrt(x)  # marker: cbrt
-        return y + jax.lax.population_count(x.astype(jnp.int32))  # marker: popcnt
+        y = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)  # marker: reduce_precision
+        return y + jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], x.shape)[1]  # marker: rng
 
     with pytest.raises(NeuronCompileError) as caught:
         neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
     message = str(caught.value)
-    assert "2 op(s)" in message
-    for op, marker in (("stablehlo.cbrt", "marker: cbrt"), ("stablehlo.popcnt", "marker: popcnt")):
+    assert "3 op(s)" in message  # rng_bit_generator's bitcast of u32 pairs to u64 is the third
+    for op, marker in (("stablehlo.reduce_precision", "marker: reduce_precision"),
+                       ("stablehlo.rng_bit_generator", "marker: rng")):
         assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
 
 
@@ -188,16 +189,17 @@ def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
 
 def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path):
     def program(x, n):
-        y = jax.lax.cbrt(x) * 2  # marker: check cbrt
-        return jnp.sum(y, axis=-1) + jax.lax.population_count(n).astype(jnp.float32).sum()  # marker: check popcnt
+        y = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10) * 2  # marker: check reduce_precision
+        return jnp.sum(y, axis=-1) + jnp.linalg.cholesky(n @ n.T).sum()  # marker: check cholesky
 
-    path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.ones((4,), jnp.int32)))["mlir"]
+    path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.eye(4)))["mlir"]
     result = cli("check", path)
-    assert result.exit_code == 1
-    assert "2 of" in result.output
-    assert "stablehlo.cbrt (1 of 1 uses)" in result.output and "stablehlo.popcnt (1 of 1 uses)" in result.output
-    assert f"{__file__}:{line_of(__file__, 'marker: check cbrt')}" in result.output
-    assert f"{__file__}:{line_of(__file__, 'marker: check popcnt')}" in result.output
+    assert result.exit_code == 1, result.output
+    assert "2 of" in result.output, result.output
+    assert "stablehlo.reduce_precision (1 of 1 uses)" in result.output
+    assert "stablehlo.custom_call (1 of 1 uses)" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check reduce_precision')}" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check cholesky')}" in result.output
     compiled = cli("compile", path, "-o", tmp_path / "out.neff")
     assert compiled.exit_code == 1 and "2 op(s)" in compiled.output
     assert not (tmp_path / "out.neff").exists()
@@ -445,3 +447,13 @@ def test_approximate_top_k_is_the_exact_top_k_as_on_the_cpu():
                          jax.tree_util.tree_leaves(jax.jit(nearest)(x))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_window_reductions_with_other_bodies_match_jax():
+    def windows(x, t):
+        pool = lambda v: jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (2, 2), (1, 2), "SAME")  # noqa: E731
+        return jax.lax.cumlogsumexp(x, axis=1), jax.jvp(pool, (x,), (t,))  # logaddexp; a max-pool's JVP: pairs
+
+    rng = np.random.default_rng(6)
+    x, t = rng.standard_normal((5, 9)).astype(np.float32) * 3, rng.standard_normal((5, 9)).astype(np.float32)
+    assert_matches_jax(neuronc.jax.jit(windows)(x, t), jax.jit(windows)(x, t))

@@ -12,6 +12,7 @@ number as its `origin`, which `neuronc bisect` follows through the passes to the
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from typing import NamedTuple
 
@@ -148,6 +149,7 @@ class _Importer:
         self.values: dict = {}
         self.problems: list = []  # of UnsupportedUse
         self.unrolling = 0  # how many loops the op being imported is inside
+        self.scalars_as = None  # the shape a reduction body's 0-d values take when it is applied elementwise
 
     def loc(self, op) -> DebugLoc:
         return location_of(op, self.locations)
@@ -162,6 +164,8 @@ class _Importer:
             return
         try:
             shape, dtype = tensor_type(op.results[0].type)
+            if self.scalars_as is not None and shape == () and name not in _LEAVES:
+                shape = self.scalars_as
             converter = self.converters.get(name)
             if name in _CONTROL_FLOW:
                 nodes = _CONTROL_FLOW[name](self, op, inputs, loc)
@@ -247,13 +251,53 @@ class _Importer:
                        for b, r in zip(branches[k], results)]
         return tuple(results)
 
+    def window_reduction(self, op, inputs, loc):
+        """stablehlo.reduce_window: a single add/max/min/... body is one REDUCE_WINDOW; any other body (JAX's
+        cumlogsumexp, the pair of a max-pool's JVP, several operands) is applied window offset by window offset:
+        each operand padded with its initial value, its strided slice at each offset (row-major) combined into
+        the running values by the body, imported once per offset (as a loop's body is: at most
+        MAX_UNROLLED_OPS ops in all). The initial value first, then the window in order, as XLA's CPU reduces."""
+        count = len(inputs) // 2
+        shape, dtype = tensor_type(op.results[0].type)
+        body = op.regions[0].blocks[0]
+        if count == 1 and len(list(body.operations)) == 2 and list(body.operations)[0].operation.name in _REDUCERS:
+            return _reduce_window(op, inputs, shape, dtype, loc)
+        rank = len(inputs[0].shape)
+        window, strides = tuple(_ints(op.attributes["window_dimensions"])), _window_attr(op, "window_strides", rank, 1)
+        if any(d != 1 for d in _window_attr(op, "base_dilations", rank, 1) + _window_attr(op, "window_dilations",
+                                                                                              rank, 1)):
+            raise _Unsupported("dilated windows")
+        offsets = list(itertools.product(*(range(w) for w in window)))
+        if len(offsets) * sum(1 for _ in body.operations) > MAX_UNROLLED_OPS:
+            raise _Unsupported(f"a window of {len(offsets)} elements reduced by a body of several ops")
+        padding = _padding(op, rank)
+        padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(inputs[0].shape, padding))
+        padded = [x if padded_shape == x.shape else ir.node(
+            Op.PAD, [x, init], padded_shape, x.dtype, loc, low=tuple(lo for lo, _ in padding),
+            high=tuple(hi for _, hi in padding), interior=(0,) * rank) for x, init in zip(inputs[:count], inputs[count:])]
+        out = tuple(tensor_type(result.type)[0] for result in op.results)
+        running = [ir.node(Op.BROADCAST_IN_DIM, [init], o, init.dtype, loc, dims=()) for init, o in
+                   zip(inputs[count:], out)]
+        outer, self.scalars_as = self.scalars_as, out[0]
+        try:
+            for offset in offsets:
+                limit = tuple(o + (n - 1) * s + 1 for o, n, s in zip(offset, out[0], strides))
+                values = [ir.node(Op.SLICE, [x], out[0], x.dtype, loc, start=offset, limit=limit, strides=strides)
+                          for x in padded]
+                running = self.import_block(body, running + values)
+        finally:
+            self.scalars_as = outer
+        return tuple(running)
+
 
 # A stated choice (the docs are silent, it is not hardware): how many ops a loop may unroll to. Compile time grows
 # with it; past it the loop is refused with the count, rather than compiled for minutes.
 MAX_UNROLLED_OPS = 200_000
+_LEAVES = ("stablehlo.constant", "arith.constant")  # 0-d constants stay 0-d in a body applied elementwise
 _FOLDED_MAX_ELEMENTS = 64  # inside a loop, results this small computed from constants are folded (counters, indices)
 
-_CONTROL_FLOW = {"stablehlo.while": _Importer.unrolled_while, "stablehlo.case": _Importer.selected_case}
+_CONTROL_FLOW = {"stablehlo.while": _Importer.unrolled_while, "stablehlo.case": _Importer.selected_case,
+                 "stablehlo.reduce_window": _Importer.window_reduction}
 
 
 def _folded(node: ir.Node) -> ir.Node:
@@ -770,7 +814,6 @@ _CONVERTERS = {
     "stablehlo.bitcast_convert": _bitcast,
     "stablehlo.compare": _compare,
     "stablehlo.reduce": _reduce,
-    "stablehlo.reduce_window": _reduce_window,
     "stablehlo.dot_general": _dot_general,
     "stablehlo.convolution": _convolution,
     "stablehlo.gather": _gather,
