@@ -143,6 +143,8 @@ class MatmulPlan:
     # (passes/matmul_column_sums.py): pools "sums_ones" [K tile, 1] and "sums" [1, strip width] among epilogue_pools
     c_sums: bool = False  # or the result's sums over its rows, from its result tiles as stored: "sums_ones"
     # [M tile, 1] and "sums" [1, tile_n]; the accumulators of all its columns held in PSUM banks of their own
+    row_pairs: bool = False  # output tiles one above the other computed with rows interleaved and stored together
+    # (passes/row_pairs.py): each slice of partitions of the pair one DMA of twice the rows
 
 
 @dataclasses.dataclass(frozen=True)
