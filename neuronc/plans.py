@@ -146,6 +146,13 @@ class MatmulPlan:
     row_pairs: bool = False  # output tiles one above the other computed with rows interleaved and stored together
     # (passes/row_pairs.py): each slice of partitions of the pair one DMA of twice the rows
 
+    @property
+    def stores_main(self) -> bool:
+        """Whether its stores are its main traffic: no epilogue operand loaded per output tile, and K shorter than
+        both sides of the result (the weight gradients over few tokens; not the LM head, k 768 over 512 tokens,
+        whose 77 MB weight streams beside its stores). codegen/matmul.py `flush`, passes/row_pairs.py."""
+        return not self.extras and self.k < min(self.m, self.n)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChainPlan:

@@ -326,12 +326,6 @@ class _Matmul:
         self.partners: dict = {}  # id(a row pair's first _Job) -> (its second, the pair's rows in HBM)
         self.paired = plan.row_pairs and (sink, a_resident, b_resident, after_tile, before_tile, lead) == (None,) * 6
 
-    def stores_main(self) -> bool:
-        """Whether the kernel's stores are its main traffic: no epilogue operand loaded per output tile, a result
-        at least half its operands' elements (k at most the harmonic mean of m and n: the weight gradients)."""
-        plan = self.plan
-        return not plan.extras and 2 * plan.m * plan.n >= plan.k * (plan.m + plan.n)
-
     # loading strips -------------------------------------------------------------------------------------
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
         """All K tiles of x ([K, width]) as [tk, k tiles x width]: one DMA split over the queues by partitions, or
@@ -502,11 +496,11 @@ class _Matmul:
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
-        # a kernel whose stores are its main traffic (no epilogue operand loaded per tile, a result at least half
-        # its operands' elements: k at most the harmonic mean of m and n, the weight gradients) stores each tile
+        # a kernel whose stores are its main traffic (MatmulPlan.stores_main: the weight gradients) stores each tile
         # over half the queues, as its last one: each tile's store ends sooner. Others keep the default slices
-        # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it)
-        spread = em.target.dma_queues // 2 if self.stores_main() else None
+        # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it; Part 36: GPT-2's LM head, k 768
+        # over 512 tokens, 87 us)
+        spread = em.target.dma_queues // 2 if self.plan.stores_main else None
         stored: set = set()
         for i, (job, out) in enumerate(zip(jobs, outs)):  # by rows over several queues: a short store, its rows'
             if job.store is None or id(job) in stored:  # own pages

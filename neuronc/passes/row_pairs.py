@@ -1,7 +1,7 @@
 """A matmul whose stores are its main traffic stores its output tiles in row pairs: half the store DMAs, each twice
 the bytes, and twice the result buffers.
 
-The weight gradients (dW = dy^T @ x: k, the tokens, at most the harmonic mean of m and n, no epilogue operand) store
+The weight gradients (dW = dy^T @ x over few tokens: MatmulPlan.stores_main, k below m and n, no epilogue operand) store
 each [128, 512] bf16 result tile in 8 DMAs of 16 partitions (codegen/matmul.py `flush`, Part 34). A store starts
 when its tile's epilogue ends, so each pays its whole ~1.3 us fixed cost (targets.py) before its 0.8 us of data, and
 a result buffer is taken again only when its store ends: with the pool's 4 buffers (passes/tiling.py
@@ -33,11 +33,11 @@ ROW_PAIR_BUFS = 2
 
 def pairs_rows(plan: MatmulPlan, target: Target) -> bool:
     """Whether the plan's output tiles may go in row pairs: resident A strips of whole 128-row tiles (a step's
-    tiles one above the other), at least two row tiles, 16-bit operands, no epilogue operand, bias or sums of
-    the result (read by rows), and stores its main traffic: a result at least half its operands' elements."""
+    tiles one above the other), at least two row tiles, 16-bit operands, no bias or sums of the result (read by
+    rows), and its stores its main traffic (MatmulPlan.stores_main)."""
     tiling = plan.tiling
     return (tiling.resident == "a" and tiling.tile_m == target.partitions and plan.m >= 2 * tiling.tile_m
-            and not plan.extras and 2 * plan.m * plan.n >= plan.k * (plan.m + plan.n)
+            and plan.stores_main
             and not (plan.row_pairs or plan.c_sums or plan.a_by_k_tile)
             and plan.bias_row is None and plan.bias_column is None
             and all(p.dtype.itemsize <= 2 for p in plan.operand_pools if p.name in ("a", "b")))
