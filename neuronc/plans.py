@@ -143,6 +143,15 @@ class MatmulPlan:
     # (passes/matmul_column_sums.py): pools "sums_ones" [K tile, 1] and "sums" [1, strip width] among epilogue_pools
     c_sums: bool = False  # or the result's sums over its rows, from its result tiles as stored: "sums_ones"
     # [M tile, 1] and "sums" [1, tile_n]; the accumulators of all its columns held in PSUM banks of their own
+    row_pairs: bool = False  # output tiles one above the other computed with rows interleaved and stored together
+    # (passes/row_pairs.py): each slice of partitions of the pair one DMA of twice the rows
+
+    @property
+    def stores_main(self) -> bool:
+        """Whether its stores are its main traffic: no epilogue operand loaded per output tile, and K shorter than
+        both sides of the result (the weight gradients over few tokens; not the LM head, k 768 over 512 tokens,
+        whose 77 MB weight streams beside its stores). codegen/matmul.py `flush`, passes/row_pairs.py."""
+        return not self.extras and self.k < min(self.m, self.n)
 
 
 @dataclasses.dataclass(frozen=True)

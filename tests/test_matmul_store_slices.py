@@ -1,7 +1,7 @@
 """How a matmul stores its result tiles (codegen/matmul.py `flush`): a kernel whose stores are its main traffic (a
-weight gradient `x^T @ dy` over few tokens: no epilogue operand loaded per tile, k at most the harmonic mean of m and
-n) stores each tile over half the DMA queues, slices of 16 partitions; one with an epilogue operand (a residual) or a
-long k (a projection) keeps the default slices, 32 partitions for a [128, 512] bf16 tile. Only the placement of the
+weight gradient `x^T @ dy` over few tokens: no epilogue operand loaded per tile, k below both m and n) stores each
+tile over half the DMA queues, slices of 16 partitions; one with an epilogue operand (a residual), a long k (a
+projection) or a k above its rows (an LM head) keeps the default slices, 32 partitions for a [128, 512] bf16 tile. Only the placement of the
 stores changes: the bits stay -O0's and match eager."""
 from __future__ import annotations
 
@@ -57,6 +57,14 @@ class Projection(nn.Module):
 def test_a_matmul_with_a_long_k_keeps_the_default_store_slices():
     torch.manual_seed(0)
     a, b = torch.randn(256, 1024).to(torch.bfloat16), torch.randn(1024, 512).to(torch.bfloat16)  # k 1024 > 341
+    compiled, (out,) = o2_with_o0_bits(Projection(), (a, b))
+    assert_matches_eager(out, Projection()(a, b))
+    assert 32 in _store_partitions(compiled)
+
+
+def test_a_matmul_with_k_above_its_rows_keeps_the_default_store_slices():
+    torch.manual_seed(0)  # an LM head's shape: k 384 over 256 tokens, n 2048 (k below the harmonic mean of m and n)
+    a, b = torch.randn(256, 384).to(torch.bfloat16), torch.randn(384, 2048).to(torch.bfloat16)
     compiled, (out,) = o2_with_o0_bits(Projection(), (a, b))
     assert_matches_eager(out, Projection()(a, b))
     assert 32 in _store_partitions(compiled)

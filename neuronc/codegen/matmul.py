@@ -19,7 +19,7 @@ from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
-from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode
+from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan
 from neuronc.targets import Target
@@ -170,10 +170,12 @@ class _StripColumns:
     size: int
     tile_k: int
     k: int
+    step: int = 1  # columns col, col + step, ...: a row pair's stationary (`output_tile_of_pair`)
 
     def k_tile(self, j: int) -> AccessPattern:
-        return tile_at(self.strip.tile, j * self.strip.width + self.col, min(self.tile_k, self.k - j * self.tile_k),
+        tile = tile_at(self.strip.tile, j * self.strip.width + self.col, min(self.tile_k, self.k - j * self.tile_k),
                        self.size)
+        return tile if self.step == 1 else dataclasses.replace(tile, dims=(tile.dims[0], (self.step, self.size)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +323,8 @@ class _Matmul:
         # batches of all of them, every other flush (`flush`)
         self.kept = plan.epilogue_group if self.early else 1
         self.unstarted: list = []  # waiting _Jobs whose early steps are not emitted yet
+        self.partners: dict = {}  # id(a row pair's first _Job) -> (its second, the pair's rows in HBM)
+        self.paired = plan.row_pairs and (sink, a_resident, b_resident, after_tile, before_tile, lead) == (None,) * 6
 
     # loading strips -------------------------------------------------------------------------------------
     def load_strip(self, name: str, x: HbmTensor) -> AccessPattern:
@@ -456,6 +460,26 @@ class _Matmul:
         if len(self.waiting) >= self.plan.epilogue_group + self.kept:  # the kept tiles' matmuls go ahead of the
             self.flush(keep=self.kept)  # epilogues of the ones before
 
+    def output_tile_of_pair(self, g: int, m0: int, n0: int, stationary, moving, parity: int) -> None:
+        """`output_tile` for half of a row pair (MatmulPlan.row_pairs, passes/row_pairs.py): rows m0 + parity + 2p
+        of the output on partition p (`stationary` takes A^T's columns every other one), so that the pair's two
+        result tiles side by side hold rows m0 .. m0 + 2 tm in order, partition by partition: `flush` stores a
+        slice of their partitions by one DMA, a rectangle of rows (`pair_store`)."""
+        em, plan = self.em, self.plan
+        mt, nt = self.tm, min(self.tn, plan.n - n0)
+        acc = self.psum.next().ap(mt, nt)
+        for j in range(self.k_tiles):
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary.k_tile(j), moving.k_tile(j), accumulate=j > 0)
+        job = _Job({0: acc}, [pool.next() for pool in self.temps], self.result.next(), (mt, nt),
+                   self.out[g, m0 + parity:m0 + parity + 2 * mt:2, n0:n0 + nt].ap, m0, n0)
+        if parity:
+            self.partners[id(self.waiting[-1])] = (job, self.out[g, m0:m0 + 2 * mt, n0:n0 + nt])
+        self.waiting.append(job)
+        if self.early:
+            self.unstarted.append(job)
+        if len(self.waiting) >= self.plan.epilogue_group + self.kept:
+            self.flush(keep=self.kept)
+
     def flush(self, keep: int = 0, last: bool = False) -> None:
         """The epilogues of the waiting tiles but the last `keep`, step by step across the tiles (independent
         chains side by side on the engines, not one chain at a time), then their stores. The `last` tile of
@@ -472,22 +496,42 @@ class _Matmul:
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
                             self.plan.bias_column, rest)
-        # a kernel whose stores are its main traffic (no epilogue operand loaded per tile, a result at least half
-        # its operands' elements: k at most the harmonic mean of m and n, the weight gradients) stores each tile
+        # a kernel whose stores are its main traffic (MatmulPlan.stores_main: the weight gradients) stores each tile
         # over half the queues, as its last one: each tile's store ends sooner. Others keep the default slices
-        # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it)
-        plan = self.plan
-        spread = em.target.dma_queues // 2 if not plan.extras and 2 * plan.m * plan.n >= plan.k * (plan.m + plan.n) \
-            else None
-        for job, out in zip(jobs, outs):  # by rows over several queues: a short store, and its rows' own pages
-            if job.store is not None:
-                dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else spread)
+        # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it; Part 36: GPT-2's LM head, k 768
+        # over 512 tokens, 87 us)
+        spread = em.target.dma_queues // 2 if self.plan.stores_main else None
+        stored: set = set()
+        for i, (job, out) in enumerate(zip(jobs, outs)):  # by rows over several queues: a short store, its rows'
+            if job.store is None or id(job) in stored:  # own pages
+                continue
+            pair = self.partners.pop(id(job), None)
+            if pair is not None and i + 1 < len(jobs) and jobs[i + 1] is pair[0]:  # a row pair: one store
+                stored.add(id(pair[0]))
+                dst, src = self.pair_store(pair[1], out, outs[i + 1])
+                if dst is not None:
+                    dma_by_rows(em, dst, src, em.target.dma_queues // 2 if last and pair[0] is jobs[-1] else spread)
+                    continue
+                dma_by_rows(em, job.store, out, spread)
+                job, out = pair[0], outs[i + 1]
+            dma_by_rows(em, job.store, out, em.target.dma_queues // 2 if last and job is jobs[-1] else spread)
         if self.plan.c_sums:
             for job, out in zip(jobs, outs):
                 self.sum_rows(job, out)
         for job in jobs:
             if self.after_tile is not None:
                 self.after_tile(job.m0)
+
+    @staticmethod
+    def pair_store(rows: HbmTensor, first: AccessPattern, second: AccessPattern) -> tuple:
+        """(HBM rows [2 tm, nt] as [tm, 2, nt], the pair's two result tiles as [tm, 2, nt]) for one store of a row
+        pair; (None, None) when the second tile's slot does not lie after the first's at a whole element."""
+        step = second.offset - first.offset
+        if step <= 0 or step % first.dtype.itemsize:
+            return None, None
+        (stride, count), *rest = rows.dims
+        dst = AccessPattern(Space.HBM, rows.dtype, int(rows.offset), ((2 * stride, count // 2), (stride, 2), *rest))
+        return dst, dataclasses.replace(first, dims=(first.dims[0], (step // first.dtype.itemsize, 2), *first.dims[1:]))
 
     def start(self, jobs: list) -> None:
         """The early steps of `jobs` (those not reading the accumulator: the GELU backward's derivative of its
@@ -595,10 +639,21 @@ class _Matmul:
         for i, step in enumerate(steps):
             for j in range(len(loaded), min(len(steps), i + self.plan.tiling.stream_bufs)):
                 loaded[j] = steps[j].load()
-            for tile in step.tiles:
+            paired = None
+            for t, tile in enumerate(step.tiles):
                 if self.plan.a_sums and tile.a_load not in self.summed:  # with its strip's first output tile
                     self.summed.add(tile.a_load)
                     self.sum_strip(loaded[tile.a_load], tile.m0 - tile.a_col)
+                if tile is paired:
+                    continue
+                if self.paired and not accumulated and t + 1 < len(step.tiles) \
+                        and self.pairs(tile, step.tiles[t + 1]):  # this tile and the next as a row pair
+                    paired = step.tiles[t + 1]
+                    ops = self.operands(tile, loaded)
+                    for parity in (0, 1):
+                        self.output_tile_of_pair(tile.g, tile.m0, tile.n0, dataclasses.replace(
+                            ops.stationary, col=ops.stationary.col + parity, step=2), ops.moving, parity)
+                    continue
                 if tile in accumulated:
                     ops = self.operands(tile, loaded)
                     self.output_tile(tile.g, tile.m0, tile.n0, None, None, acc=accumulated[tile], row=ops.row,
@@ -609,6 +664,13 @@ class _Matmul:
                 ops = self.operands(tile, loaded)
                 self.output_tile(tile.g, tile.m0, tile.n0, ops.stationary, ops.moving, row=ops.row, column=ops.column)
         self.flush(last=True)
+
+    def pairs(self, tile: _OutputTile, after: _OutputTile) -> bool:
+        """Whether `tile` and `after`, the next output tile of a step, make a row pair (`output_tile_of_pair`):
+        whole row tiles one above the other, in the same strips."""
+        tm = self.tm
+        return (after.g, after.n0, after.a_load, after.b_load) == (tile.g, tile.n0, tile.a_load, tile.b_load) \
+            and after.m0 == tile.m0 + tm and after.a_col == tile.a_col + tm and tile.m0 + 2 * tm <= self.plan.m
 
     def lead_tiles(self, steps: list, loaded: dict) -> dict:
         """The first output tiles (one per bank of the lead's pool, their strips within the loads kept ahead)

@@ -48,6 +48,8 @@ def _gates() -> dict:
         # matches start from a MATMUL (the scores' or the output's)
         "fuse_attention": _ops(Op.MATMUL),
         "fuse_matmul_operands": _ops(Op.MATMUL),
+        # matmul plans only
+        "pair_output_rows": _ops(Op.MATMUL),
         # fuse_epilogues(kind=MATMUL) folds groups reading a MATMUL; the converts folded are MATMULs' epilogues
         "fuse_matmul_epilogues": _ops(Op.MATMUL),
         # the same for CONV, then its channel producers and its tiling: CONV nodes only

@@ -32,6 +32,7 @@ from neuronc.passes.layout import store_activations_transposed, store_weights_tr
 from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.matmul_column_sums import sum_operands_in_matmuls
+from neuronc.passes.row_pairs import pair_output_rows
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.passes.per_row_producers import fold_per_row_producers
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
@@ -98,6 +99,7 @@ O2 = [
     sum_operands_in_matmuls,  # after the tiling (A resident): a sum over tokens of a matmul's A is its second output
     sum_rows_in_rowwise_kernels,  # after that: a sum over tokens of a row-wise kernel's rows is its second output
     recompute_statistics_in_rowwise,  # after that: a row reduction read only by row-wise kernels is computed by them
+    pair_output_rows,  # last (the plans final): a matmul whose stores are its main traffic stores its tiles in row pairs
 ]
 O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost compile time:
     store_activations_transposed,  # after fusion, PRICED: emits the program with and without it (every transformer
@@ -108,6 +110,7 @@ O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost co
     sum_operands_in_matmuls,
     sum_rows_in_rowwise_kernels,
     recompute_statistics_in_rowwise,
+    pair_output_rows,
 ]
 
 PIPELINES = {0: O0, 1: O1, 2: O2, 3: O3}
