@@ -6,10 +6,14 @@ memory when a consumer reads them as a tensor (elementwise kernels take them as 
 
 Scratch buffers are reused by liveness. Kernels run in the order of ``graph.nodes()`` (codegen emits
 them so); an intermediate lives from its kernel to the last kernel reading it (through its RESHAPE
-aliases). Each goes into a slot whose last tenant is dead: the smallest free slot it fits, else the
-largest free one, grown. Tenants of a slot all start at the slot's offset (the sync pass tracks hazards
+aliases). Each goes into a slot whose last tenant is dead and whose tenants have its row width (the
+bytes of its last dimension; 0 for a 1-D tensor): the smallest such free slot it fits, else the largest
+one, grown, else a new slot. Tenants of a slot all start at the slot's offset (the sync pass tracks hazards
 by start offset, and orders a new tenant's writes after the old one's reads); a slot is as long as its
-longest tenant. Inputs, outputs, weights and constants keep bytes of their own.
+longest tenant. One row width a slot: the sync pass tracks a slot of one width by rows by bytes of a row,
+exactly, one of mixed widths only by bytes, where a tenant's column strips (one head's columns of every
+row, as the flash backward stores dq, dk and dv) all overlap and wait for each other
+(docs/performance.md, issue 16, part 35). Inputs, outputs, weights and constants keep bytes of their own.
 
 A custom kernel (``Op.CUSTOM_KERNEL``) writes all its outputs and its HBM scratch tensors when it runs: the
 buffers of its other outputs (its ``KERNEL_OUTPUT`` readers, or scratch nobody reads) and of its scratch are
@@ -45,14 +49,20 @@ def _last_reads(nodes: list) -> dict:
     return last
 
 
+def row_bytes(shape: tuple, dtype) -> int:
+    """The bytes of a tensor's rows (its last dimension), as codegen.sync's grid reads them; 0 for fewer than 2 dims."""
+    return int(shape[-1]) * dtype.itemsize if len(shape) >= 2 else 0
+
+
 class _Slots:
-    """Scratch slots: each a length and whether a live tensor holds it."""
+    """Scratch slots: each a length, the row width of its tenants, and whether a live tensor holds it."""
 
     def __init__(self):
-        self.sizes, self.free = [], []  # free: (position freed, slot), oldest first
+        self.sizes, self.widths, self.free = [], [], []  # free: (position freed, slot), oldest first
 
-    def take(self, nbytes: int, position: int) -> int:
-        cooled = [slot for freed, slot in self.free if freed < position - COOLING]  # oldest first
+    def take(self, nbytes: int, width: int, position: int) -> int:
+        cooled = [slot for freed, slot in self.free  # oldest first
+                  if freed < position - COOLING and self.widths[slot] == width]
         fitting = [slot for slot in cooled if self.sizes[slot] >= nbytes]
         if fitting:
             slot = fitting[0]
@@ -61,6 +71,7 @@ class _Slots:
             self.sizes[slot] = nbytes  # grown: no cooled slot is long enough
         else:
             self.sizes.append(nbytes)
+            self.widths.append(width)
             return len(self.sizes) - 1
         self.free = [f for f in self.free if f[1] != slot]
         return slot
@@ -103,7 +114,7 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
     input_count = 0
 
     def take_scratch(entry: TensorEntry, dies_at: int) -> TensorEntry:
-        scratch.append((entry, slots.take(_aligned(entry.nbytes), position)))
+        scratch.append((entry, slots.take(_aligned(entry.nbytes), row_bytes(entry.shape, entry.dtype), position)))
         dying.setdefault(dies_at, []).append(scratch[-1][1])
         tensors.append(entry)
         return entry
@@ -137,7 +148,7 @@ def plan_memory(graph: ir.Graph) -> MemoryPlan:
             entry = _entry(n, output_index, input_count)
             input_count += entry.kind is TensorKind.INPUT
             if entry.kind is TensorKind.SCRATCH:
-                scratch.append((entry, slots.take(_aligned(entry.nbytes), position)))
+                scratch.append((entry, slots.take(_aligned(entry.nbytes), row_bytes(entry.shape, entry.dtype), position)))
                 dying.setdefault(last_read.get(n, position), []).append(scratch[-1][1])
             else:
                 entry.offset = cursor
