@@ -457,3 +457,12 @@ def test_window_reductions_with_other_bodies_match_jax():
     rng = np.random.default_rng(6)
     x, t = rng.standard_normal((5, 9)).astype(np.float32) * 3, rng.standard_normal((5, 9)).astype(np.float32)
     assert_matches_jax(neuronc.jax.jit(windows)(x, t), jax.jit(windows)(x, t))
+
+
+def test_dilated_window_reductions_match_jax():
+    def dilated(x):
+        return (jax.lax.reduce_window(x, 0.0, jax.lax.add, (2, 2), (1, 1), "VALID", window_dilation=(1, 2)),
+                jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (2, 3), (2, 1), ((1, 0), (0, 2)), base_dilation=(2, 1)))
+
+    x = np.random.default_rng(7).standard_normal((5, 9)).astype(np.float32)
+    assert_matches_jax(neuronc.jax.jit(dilated)(x), jax.jit(dilated)(x))

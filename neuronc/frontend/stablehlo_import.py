@@ -253,28 +253,30 @@ class _Importer:
 
     def window_reduction(self, op, inputs, loc):
         """stablehlo.reduce_window: a single add/max/min/... body is one REDUCE_WINDOW; any other body (JAX's
-        cumlogsumexp, the pair of a max-pool's JVP, several operands) is applied window offset by window offset:
+        cumlogsumexp, the pair of a max-pool's JVP, several operands, dilations) is applied window offset by window offset:
         each operand padded with its initial value, its strided slice at each offset (row-major) combined into
         the running values by the body, imported once per offset (as a loop's body is: at most
         MAX_UNROLLED_OPS ops in all). The initial value first, then the window in order, as XLA's CPU reduces."""
         count = len(inputs) // 2
         shape, dtype = tensor_type(op.results[0].type)
         body = op.regions[0].blocks[0]
-        if count == 1 and len(list(body.operations)) == 2 and list(body.operations)[0].operation.name in _REDUCERS:
-            return _reduce_window(op, inputs, shape, dtype, loc)
         rank = len(inputs[0].shape)
         window, strides = tuple(_ints(op.attributes["window_dimensions"])), _window_attr(op, "window_strides", rank, 1)
-        if any(d != 1 for d in _window_attr(op, "base_dilations", rank, 1) + _window_attr(op, "window_dilations",
-                                                                                              rank, 1)):
-            raise _Unsupported("dilated windows")
-        offsets = list(itertools.product(*(range(w) for w in window)))
+        base, spread = _window_attr(op, "base_dilations", rank, 1), _window_attr(op, "window_dilations", rank, 1)
+        dilated = any(d != 1 for d in base + spread)
+        if count == 1 and not dilated and len(list(body.operations)) == 2 and \
+                list(body.operations)[0].operation.name in _REDUCERS:
+            return _reduce_window(op, inputs, shape, dtype, loc)
+        offsets = [tuple(o * d for o, d in zip(offset, spread))  # a dilated window's elements lie `spread` apart
+                   for offset in itertools.product(*(range(w) for w in window))]
         if len(offsets) * sum(1 for _ in body.operations) > MAX_UNROLLED_OPS:
             raise _Unsupported(f"a window of {len(offsets)} elements reduced by a body of several ops")
-        padding = _padding(op, rank)
-        padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(inputs[0].shape, padding))
+        padding = _padding(op, rank)  # of the base dilated by `base` (its holes hold the initial value too)
+        padded_shape = tuple((n - 1) * b + 1 + lo + hi for n, b, (lo, hi) in zip(inputs[0].shape, base, padding))
         padded = [x if padded_shape == x.shape else ir.node(
             Op.PAD, [x, init], padded_shape, x.dtype, loc, low=tuple(lo for lo, _ in padding),
-            high=tuple(hi for _, hi in padding), interior=(0,) * rank) for x, init in zip(inputs[:count], inputs[count:])]
+            high=tuple(hi for _, hi in padding), interior=tuple(b - 1 for b in base))
+            for x, init in zip(inputs[:count], inputs[count:])]
         out = tuple(tensor_type(result.type)[0] for result in op.results)
         running = [ir.node(Op.BROADCAST_IN_DIM, [init], o, init.dtype, loc, dims=()) for init, o in
                    zip(inputs[count:], out)]
