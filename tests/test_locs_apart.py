@@ -41,3 +41,11 @@ def test_skipped_ids_are_taken_and_peeking_takes_none(monkeypatch):
     assert ir.next_id() == ir.next_id() == 10
     ir.skip_ids(3)
     assert ir.node(ir.Op.PARAMETER, [], (1,), DType.F32).id == 13
+
+
+def test_a_location_met_twice_as_one_object_is_pickled_once_and_loads_back_as_one_object():
+    loc = DebugLoc("model.py", 3, "blocks.0", "aten.mm")
+    pickler = LocsApart()
+    value = located_nowhere(pickler.key((loc, loc, DebugLoc("model.py", 3, "blocks.0", "aten.mm"))))
+    assert pickler.locs == [loc, loc] and pickler.locs[0] is loc and pickler.locs[1] is not loc
+    assert value[0] is value[1] and value[2] is not value[0] and value == (DebugLoc(),) * 3

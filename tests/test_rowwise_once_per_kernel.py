@@ -3,6 +3,7 @@ distinct body once (passes/rowwise_plan.py): a model's repeated layer norms and 
 tile plan and one kernel plan, and every ROWWISE node carries the plan its own would be."""
 from __future__ import annotations
 
+import collections
 
 import pytest
 import torch
@@ -100,3 +101,38 @@ def test_the_neff_is_the_one_made_kernel_by_kernel(monkeypatch, dtype):
     monkeypatch.setattr(rowwise._Group, "users", _uncached_users)
     monkeypatch.setattr(rowwise._Group, "resolved", lambda self, x: rowwise._resolve(x))
     assert gpt2_neff(monkeypatch, dtype) == once
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_rowwise_keys_each_kernels_body_once_for_its_fit_schedule_and_plan(monkeypatch, dtype):
+    """fuse_rowwise keys a kernel's body for its SBUF fit, its schedule and its plan: once (structural_key.keyed_once),
+    the key then taken for the same object. Keying the body's contents afresh each time keyed it three times (issue
+    24). (tile_plan's own key, asked by the searches of a kernel not met before, is not counted here.)"""
+    from neuronc.passes import pipeline
+    from neuronc.passes import structural_key as module
+
+    keyed, inside, alive = collections.Counter(), [], []
+    key = module.structural_key
+
+    def counting(value, known=None):
+        if inside and isinstance(value, tuple) and value and all(isinstance(s, rowwise.Step) for s in value) \
+                and not (known and id(value) in known):
+            keyed[id(value)] += 1
+            alive.append(value)  # so that no other body takes its id
+        return key(value, known)
+
+    def fusing(graph, ctx):
+        inside.append(True)
+        try:
+            return rowwise.fuse_rowwise(graph, ctx)
+        finally:
+            inside.clear()
+
+    for where in (module, rowwise.rowwise_schedule):  # rowwise_plan's (tile_plan's key) left as it is
+        monkeypatch.setattr(where, "structural_key", counting)
+    monkeypatch.setitem(pipeline.PIPELINES, 2, [fusing if p is rowwise.fuse_rowwise else p for p in pipeline.O2])
+    graph = compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers")).graph
+    kernels = len(_rowwise_nodes(graph))
+    assert kernels >= 6 and len(keyed) >= kernels
+    assert set(keyed.values()) == {1}

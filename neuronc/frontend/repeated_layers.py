@@ -216,16 +216,20 @@ def _pure(node) -> bool:
 class SplitGraphs:
     """The two FX graphs lowered instead of the whole one, and what joins them."""
 
-    skeleton: object  # GraphModule: prefix + suffix
-    layer: object  # GraphModule: one copy
+    skeleton: object  # GraphModule (a lazy one: see split): prefix + suffix
+    layer: object  # GraphModule (lazy): one copy
     prefix_outputs: list  # FX nodes the skeleton returns after the original outputs (the copies read them)
     placeholders: list  # the original graph's placeholders, in order
     suffix: list  # the FX nodes after the copies
 
 
 def split(gm, layers: Layers) -> SplitGraphs:
-    """The skeleton and the template copy as FX graph modules (gm itself is not changed)."""
+    """The skeleton and the template copy as FX graph modules (gm itself is not changed). They are only lowered, and
+    torch-mlir reads a module's graph, never its Python code: so they are torch's lazy graph modules, which generate
+    that code only when it is read or the module called (the code of both cost 29 ms at HF GPT-2's 12 layers, every
+    bit of it per-layer growth: one layer is imported whole; issue 24)."""
     import torch
+    from torch.fx._lazy_graph_module import _LazyGraphModule
 
     in_copies = {n for nodes in layers.copies for n in nodes}
     last = layers.copies[-1]
@@ -260,8 +264,8 @@ def split(gm, layers: Layers) -> SplitGraphs:
     layer.output(tuple(env[layers.copies[0][i]] for i in layers.exports))
     nodes = list(gm.graph.nodes)
     suffix = [n for n in nodes[nodes.index(last[-1]) + 1:] if n.op != "output"]
-    return SplitGraphs(torch.fx.GraphModule(gm, skeleton), torch.fx.GraphModule(gm, layer), prefix_outputs,
-                       placeholders, suffix)
+    return SplitGraphs(_LazyGraphModule(gm, skeleton), _LazyGraphModule(gm, layer), prefix_outputs, placeholders,
+                       suffix)
 
 
 

@@ -31,7 +31,7 @@ from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIR
                                          needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
 from neuronc.passes import rowwise_schedule
 from neuronc.passes.rowwise_schedule import per_row_alu, split_engines
-from neuronc.passes.structural_key import once_per_key
+from neuronc.passes.structural_key import keyed_once, once_per_key
 from neuronc.plans import RowwisePlan, Schedule
 from neuronc.targets import Target
 
@@ -384,21 +384,25 @@ def fuse_rowwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
             continue
         frame = group.frame
         dtypes = [x.dtype for x, _ in externals]
-        fitting = _fitting(body, views, dtypes, root.dtype, frame.cols, target, fits)
+        known = keyed_once(body, *views)  # keyed once for the fit, the schedule and the plan (the same objects)
+        fitting = _fitting(body, views, dtypes, root.dtype, frame.cols, target, fits, known)
         if frame.cols > target.max_free_elements_sbuf or not fitting:
             continue
-        schedule = rowwise_schedule.choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target)
+        schedule = rowwise_schedule.choose_schedule(body, views, dtypes, root.dtype, frame.rows, frame.cols, fitting, target,
+                                                    known)
         taken |= set(group.members)
-        roots[root] = (body, externals, frame, schedule)
+        roots[root] = (body, externals, frame, schedule, known)
     if not roots:
         return graph
     return _rewrite(graph, roots, target)
 
 
-def _fitting(body: tuple, views: list, dtypes: list, out_dtype, cols: int, target: Target, fits: dict) -> list:
+def _fitting(body: tuple, views: list, dtypes: list, out_dtype, cols: int, target: Target, fits: dict,
+             known: dict | None = None) -> list:
     """The buffer counts (BUF_CHOICES) with which the kernel's row tiles fit SBUF: computed once per distinct kernel
-    of a pass (`fits`, keyed by rowwise_schedule.structural_key; a model's N copies of a layer norm are one)."""
-    return list(once_per_key(fits, lambda: rowwise_schedule.structural_key((body, views, dtypes, out_dtype, cols)),
+    of a pass (`fits`, keyed by rowwise_schedule.structural_key; a model's N copies of a layer norm are one).
+    `known`: keys made before of the body and views (structural_key.keyed_once)."""
+    return list(once_per_key(fits, lambda: rowwise_schedule.structural_key((body, views, dtypes, out_dtype, cols), known),
                              lambda: [bufs for bufs in BUF_CHOICES if fits_sbuf(
                                  rowwise_sbuf_bytes(body, views, dtypes, out_dtype, cols, bufs), target)]))
 
@@ -413,13 +417,14 @@ def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedu
 
 
 def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols: int, out_strides, schedule: Schedule,
-                  target: Target, plans: dict | None = None) -> ir.Node:
-    """The ROWWISE node; with `plans`, its plan made once per distinct (body, views, dtypes, schedule) and shared."""
+                  target: Target, plans: dict | None = None, known: dict | None = None) -> ir.Node:
+    """The ROWWISE node; with `plans`, its plan made once per distinct (body, views, dtypes, schedule) and shared
+    (`known`: keys made before of the body and views, structural_key.keyed_once)."""
     dtypes = [x.dtype for x in inputs]
     if plans is None:
         plan = rowwise_plan(body, views, dtypes, schedule, target)
     else:
-        plan = once_per_key(plans, lambda: rowwise_schedule.structural_key((body, views, dtypes, schedule)),
+        plan = once_per_key(plans, lambda: rowwise_schedule.structural_key((body, views, dtypes, schedule), known),
                             lambda: rowwise_plan(body, views, dtypes, schedule, target))
     return ir.node(Op.ROWWISE, inputs, like.shape, like.dtype, like.loc, body=body, views=views, rows=rows, cols=cols,
                    out_strides=out_strides, schedule=schedule, plan=plan)
@@ -447,10 +452,10 @@ def _rewrite(graph: ir.Graph, roots: dict, target: Target) -> ir.Graph:
             new_of[old] = new
         if node not in roots:
             return None
-        body, externals, frame, schedule = roots[node]
+        body, externals, frame, schedule, known = roots[node]
         inputs = [new_of.get(x, x) for x, _ in externals]
         return _rowwise_node(inputs, body, tuple(v for _, v in externals), node, frame.rows, frame.cols, frame.dense,
-                             schedule, target, plans)
+                             schedule, target, plans, known)
 
     for p in graph.params:
         new_of[p] = p

@@ -252,16 +252,18 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
 
 
 def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
-                    target: Target) -> Schedule:
+                    target: Target, known: dict | None = None) -> Schedule:
     """The candidate schedule `rowwise_ns` prices cheapest (the first of equals).
 
     The choice depends on nothing but its arguments, so it is made once per distinct kernel: a model's N copies of
-    one layer norm (or softmax) share one search, and get the very schedule each search would have chosen."""
+    one layer norm (or softmax) share one search, and get the very schedule each search would have chosen.
+    `known`: keys made before of some of the arguments' objects (structural_key.keyed_once)."""
     def search() -> Schedule:
         options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
         return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
 
-    return once_per_key(_CHOSEN, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes), out_dtype,
+    return once_per_key(_CHOSEN, lambda: (structural_key(body, known), structural_key(views, known),
+                                          tuple(input_dtypes), out_dtype,
                                           rows, cols, tuple(fitting), target), search, _CHOSEN_LIMIT)
 
 

@@ -10,9 +10,14 @@ from typing import Callable
 import numpy as np
 
 
-def structural_key(value):
+def structural_key(value, known: dict | None = None):
     """A hashable value equal for equal bodies and views, and only for them: floats and numpy scalars by their
-    type and bits (so -0.0 and 0.0, 1 and 1.0, stay apart), arrays by dtype, shape and bytes."""
+    type and bits (so -0.0 and 0.0, 1 and 1.0, stay apart), arrays by dtype, shape and bytes. `known` (see
+    `keyed_once`): the keys of some objects, made before, taken for those very objects wherever they occur."""
+    if known is not None:
+        hit = known.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
     if isinstance(value, enum.Enum):
         return value
     if isinstance(value, (float, np.floating, np.generic)):
@@ -22,12 +27,27 @@ def structural_key(value):
     if isinstance(value, np.ndarray):
         return "array", value.dtype.str, value.shape, value.tobytes()
     if isinstance(value, dict):
-        return "dict", tuple((structural_key(k), structural_key(v)) for k, v in value.items())
+        return "dict", tuple((structural_key(k, known), structural_key(v, known)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value).__name__, tuple(structural_key(v) for v in value)
+        return type(value).__name__, tuple(structural_key(v, known) for v in value)
     if dataclasses.is_dataclass(value):
-        return type(value).__name__, tuple(structural_key(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return type(value).__name__, tuple(structural_key(getattr(value, f.name), known)
+                                           for f in dataclasses.fields(value))
     raise TypeError(f"no structural key for a {type(value).__name__}: {value!r}")
+
+
+def keyed_once(*values) -> dict:
+    """`known` for structural_key: each value's key made now, by the object (which the dict keeps alive, so its id
+    names no other). For a caller that keys the same objects in several keys while they stay as they are (a
+    row-wise kernel's body and views, keyed for its SBUF fit, its schedule and its plan: issue 24). Values that do
+    not key are left out (keyed where they occur, and raise there as they would)."""
+    known: dict = {}
+    for value in values:
+        try:
+            known[id(value)] = (value, structural_key(value))
+        except TypeError:
+            pass
+    return known
 
 
 def once_per_key(memo: dict, key_of: Callable, make: Callable, limit: int = 0):
