@@ -198,20 +198,6 @@ def test_check_survives_a_torch_mlir_crash_and_names_the_op_that_crashed(cli, sa
     assert "aten.tanh" not in result.output and "aten.add" not in result.output
 
 
-class IntegerMatmul(torch.nn.Module):
-    def forward(self, a, b):
-        return a @ b + 1  # SPEC: legalize refuses integer matmuls
-
-
-def test_check_asks_the_passes_too_not_only_the_importer(cli, saved_program):
-    program = saved_program(IntegerMatmul(), (torch.randint(0, 5, (4, 8)), torch.randint(0, 5, (8, 3))))
-    result = cli("check", program)
-    assert result.exit_code == 1
-    assert "aten.mm.default (1 of 1 uses): an integer matrix multiplication is not supported yet" in result.output
-    assert f"test_cli.py:{line_of(__file__, 'legalize refuses')}" in result.output
-    assert "aten.add" not in result.output
-
-
 class _Worked(Exception):
     pass
 

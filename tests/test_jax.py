@@ -205,6 +205,18 @@ def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path)
     assert not (tmp_path / "out.neff").exists()
 
 
+def test_cli_check_asks_the_passes_too_not_only_the_importer(cli, tmp_path):
+    def program(x, init):  # the importer takes the pooling; legalize refuses its run-time initial value
+        return jax.lax.reduce_window(x, init, jax.lax.max, (2, 2), (1, 1), "VALID") + 1  # marker: legalize refuses
+
+    result = cli("check", _write_forms(tmp_path, program, (jnp.ones((4, 4)), jnp.float32(0.5)))["mlir"])
+    assert result.exit_code == 1
+    assert "stablehlo.reduce_window (1 of 1 uses): a pooling window with a non-constant initial value is not " \
+           "supported yet" in result.output
+    assert f"test_jax.py:{line_of(__file__, 'marker: legalize refuses')}" in result.output
+    assert "stablehlo.add" not in result.output
+
+
 def test_cli_check_passes_a_supported_program(cli, tmp_path):
     function, args = jax_programs.build("transformer_block")
     result = cli("check", _write_forms(tmp_path, function, args)["jax"])
