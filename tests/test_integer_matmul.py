@@ -12,17 +12,9 @@ import neuronc.jax
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
 from runtime import run_neff
+from tests.test_ops import Fn
 
 _g = torch.Generator().manual_seed(5)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _compiled(fn, *args, opt_level=2):
