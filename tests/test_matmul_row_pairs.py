@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from neuronc.isa import Engine, Opcode, Space
 from neuronc.plans import MatmulPlan
 from tests.conftest import assert_matches_eager, o2_with_o0_bits
-
-
-class WeightGradient(nn.Module):
-    def forward(self, x, dy):
-        return x.t() @ dy
-
-
-class WithResidual(nn.Module):
-    def forward(self, a, b, r):
-        return a @ b + r
+from tests.test_matmul_store_slices import WeightGradient, WithResidual
 
 
 def _plans(compiled) -> list:
