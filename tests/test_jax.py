@@ -478,3 +478,15 @@ def test_dilated_window_reductions_match_jax():
 
     x = np.random.default_rng(7).standard_normal((5, 9)).astype(np.float32)
     assert_matches_jax(neuronc.jax.jit(dilated)(x), jax.jit(dilated)(x))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_16_bit_running_sums_and_pools_round_every_step_as_xla_does(dtype):
+    def running(x):
+        return jnp.cumsum(x, axis=0), jnp.cumprod(x * 0.5, axis=1), \
+            jax.lax.reduce_window(x, 0.0, jax.lax.add, (3, 3), (1, 1), "SAME")
+
+    x = (np.random.default_rng(8).standard_normal((8, 9)) * 4).astype(dtype)  # sums that cancel
+    for got, want in zip(neuronc.jax.jit(running)(x), jax.jit(running)(x)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))  # the bits

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from typing import NamedTuple
 
@@ -145,6 +146,7 @@ class _Importer:
     def __init__(self, locations: dict | None, numbers: dict, semantics: str):
         self.locations = locations  # FX node name -> DebugLoc; None: read the MLIR locations
         self.converters = _CONVERTERS if semantics == "pytorch" else {**_CONVERTERS, **_STABLEHLO_CONVERTERS}
+        self.semantics = semantics
         self.numbers = numbers  # MLIR value -> its number
         self.values: dict = {}
         self.problems: list = []  # of UnsupportedUse
@@ -264,7 +266,9 @@ class _Importer:
         window, strides = tuple(_ints(op.attributes["window_dimensions"])), _window_attr(op, "window_strides", rank, 1)
         base, spread = _window_attr(op, "base_dilations", rank, 1), _window_attr(op, "window_dilations", rank, 1)
         dilated = any(d != 1 for d in base + spread)
-        if count == 1 and not dilated and len(list(body.operations)) == 2 and \
+        stepwise = self.semantics == "stablehlo" and dtype in _ROUNDED_EACH_STEP and \
+            math.prod(window) <= _STEPWISE_WINDOW  # XLA's CPU rounds a 16-bit window's sum after every element
+        if count == 1 and not dilated and not stepwise and len(list(body.operations)) == 2 and \
                 list(body.operations)[0].operation.name in _REDUCERS:
             return _reduce_window(op, inputs, shape, dtype, loc)
         offsets = [tuple(o * d for o, d in zip(offset, spread))  # a dilated window's elements lie `spread` apart
@@ -295,6 +299,8 @@ class _Importer:
 # A stated choice (the docs are silent, it is not hardware): how many ops a loop may unroll to. Compile time grows
 # with it; past it the loop is refused with the count, rather than compiled for minutes.
 MAX_UNROLLED_OPS = 200_000
+_ROUNDED_EACH_STEP = (DType.BF16, DType.F16)
+_STEPWISE_WINDOW = 64  # a stated choice: larger 16-bit windows (long running sums) keep the one-kernel reduction
 _LEAVES = ("stablehlo.constant", "arith.constant")  # 0-d constants stay 0-d in a body applied elementwise
 _FOLDED_MAX_ELEMENTS = 64  # inside a loop, results this small computed from constants are folded (counters, indices)
 
