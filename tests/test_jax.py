@@ -62,16 +62,15 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
-        y = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)  # marker: reduce_precision
-        return y + jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], x.shape)[1]  # marker: rng
+        y = jnp.linalg.cholesky(x @ x.T + 4 * jnp.eye(4))  # marker: cholesky
+        return y.sum() + jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], x.shape)[1]  # marker: rng
 
     with pytest.raises(NeuronCompileError) as caught:
         neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
     message = str(caught.value)
     assert "3 op(s)" in message  # rng_bit_generator's bitcast of u32 pairs to u64 is the third
-    for op, marker in (("stablehlo.reduce_precision", "marker: reduce_precision"),
-                       ("stablehlo.rng_bit_generator", "marker: rng")):
-        assert f"{op} (no lowering) at {__file__}:{line_of(__file__, marker)}" in message
+    assert f"stablehlo.rng_bit_generator (no lowering) at {__file__}:{line_of(__file__, 'marker: rng')}" in message
+    assert f"a kernel of another backend) at {__file__}:{line_of(__file__, 'marker: cholesky')}" in message
 
 
 def test_is_finite_is_false_for_inf_and_nan_only():
@@ -189,19 +188,18 @@ def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
 
 def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path):
     def program(x, n):
-        y = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10) * 2  # marker: check reduce_precision
+        y = jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], (4, 8))[1] * 2  # marker: check rng
         return jnp.sum(y, axis=-1) + jnp.linalg.cholesky(n @ n.T).sum()  # marker: check cholesky
 
     path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.eye(4)))["mlir"]
     result = cli("check", path)
     assert result.exit_code == 1, result.output
-    assert "2 of" in result.output, result.output
-    assert "stablehlo.reduce_precision (1 of 1 uses)" in result.output
+    assert "stablehlo.rng_bit_generator (1 of 1 uses)" in result.output, result.output
     assert "stablehlo.custom_call (1 of 1 uses)" in result.output
-    assert f"{__file__}:{line_of(__file__, 'marker: check reduce_precision')}" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check rng')}" in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: check cholesky')}" in result.output
     compiled = cli("compile", path, "-o", tmp_path / "out.neff")
-    assert compiled.exit_code == 1 and "2 op(s)" in compiled.output
+    assert compiled.exit_code == 1 and "3 op(s)" in compiled.output  # rng_bit_generator and its bitcast, cholesky
     assert not (tmp_path / "out.neff").exists()
 
 
@@ -490,3 +488,16 @@ def test_16_bit_running_sums_and_pools_round_every_step_as_xla_does(dtype):
     for got, want in zip(neuronc.jax.jit(running)(x), jax.jit(running)(x)):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))  # the bits
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["fp32", "bf16", "fp16"])
+def test_reduce_precision_gives_xla_s_bits(dtype):
+    def narrowed(x):
+        return tuple(jax.lax.reduce_precision(x, e, m) for e, m in ((5, 10), (8, 7), (4, 3), (5, 2)))
+
+    rng = np.random.default_rng(9)
+    x = np.concatenate([rng.standard_normal(120) * 10.0 ** rng.integers(-8, 8, 120),  # past fp8's and fp16's range
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 1.00048828125, 1.000244140625]])
+    x = x.astype(dtype)
+    for got, want in zip(neuronc.jax.jit(narrowed)(x), jax.jit(narrowed)(x)):
+        np.testing.assert_array_equal(np.asarray(got).view(f"u{x.itemsize}"), np.asarray(want).view(f"u{x.itemsize}"))

@@ -90,3 +90,45 @@ def _constant(value, like: Node, loc) -> Node:
 
 def _node(op: Op, *inputs: Node, loc, dtype: DType | None = None, **attrs) -> Node:
     return ir.node(op, list(inputs), inputs[0].shape, inputs[0].dtype if dtype is None else dtype, loc, **attrs)
+
+
+_INTEGER_OF = {DType.F32: DType.I32, DType.BF16: DType.I16, DType.F16: DType.I16}
+
+
+def reduce_precision(x: Node, exponent_bits: int, mantissa_bits: int, loc) -> Node:
+    """x rounded to a float format of `exponent_bits` and `mantissa_bits` and kept in its own type, as XLA computes
+    it on the bits: the mantissa rounded to nearest even by adding a bias and truncating, then values whose exponent
+    the narrower format cannot hold made a signed infinity (above) or a signed zero (below, no subnormals); NaN stays
+    x. None for a type it does not know (the caller refuses it)."""
+    if x.dtype not in _INTEGER_OF:
+        return None
+    whole = _INTEGER_OF[x.dtype]
+    width = x.dtype.itemsize * 8
+    source_mantissa = {DType.F32: 23, DType.BF16: 7, DType.F16: 10}[x.dtype]
+    source_exponent = width - 1 - source_mantissa
+    bits = _node(Op.BITCAST, x, loc=loc, dtype=whole)
+
+    def c(value):
+        return _constant(value, bits, loc)
+
+    if mantissa_bits < source_mantissa:
+        dropped = source_mantissa - mantissa_bits
+        last_kept = 1 << dropped
+        last_bit = _shr(_node(Op.AND, bits, c(last_kept), loc=loc), dropped, loc)
+        bias = _node(Op.ADD, last_bit, c((last_kept >> 1) - 1), loc=loc)  # ties to the even mantissa
+        bits = _node(Op.AND, _node(Op.ADD, bits, bias, loc=loc), c(-last_kept), loc=loc)  # ~(last_kept - 1)
+    if exponent_bits < source_exponent:
+        exponent_mask = ((1 << source_exponent) - 1) << source_mantissa
+        source_bias, bias = (1 << (source_exponent - 1)) - 1, (1 << (exponent_bits - 1)) - 1
+        exponent = _node(Op.AND, bits, c(exponent_mask), loc=loc)  # the sign masked off: compared as non-negative
+        over = _node(Op.COMPARE, exponent, c((source_bias + bias) << source_mantissa), loc=loc, dtype=DType.BOOL,
+                     direction="GT")
+        under = _node(Op.COMPARE, exponent, c((source_bias - bias) << source_mantissa), loc=loc, dtype=DType.BOOL,
+                      direction="LE")
+        signed_zero = _node(Op.AND, bits, c(-(1 << (width - 1))), loc=loc)  # the sign bit alone
+        signed_inf = _node(Op.OR, signed_zero, c(exponent_mask), loc=loc)
+        bits = _node(Op.SELECT, over, signed_inf, _node(Op.SELECT, under, signed_zero, bits, loc=loc, dtype=whole),
+                     loc=loc, dtype=whole)
+    result = _node(Op.BITCAST, bits, loc=loc, dtype=x.dtype)
+    nan = _node(Op.COMPARE, x, x, loc=loc, dtype=DType.BOOL, direction="NE")
+    return _node(Op.SELECT, nan, x, result, loc=loc, dtype=x.dtype)

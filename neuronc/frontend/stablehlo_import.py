@@ -793,6 +793,15 @@ def _approx_top_k(op, inputs, loc):
     return taken(x), taken(positions_in)
 
 
+def _reduce_precision(op, inputs, shape, dtype, loc):
+    """`lax.reduce_precision`: the format's exponent_bits and mantissa_bits attributes."""
+    result = stablehlo_expansions.reduce_precision(inputs[0], _int(op.attributes["exponent_bits"]),
+                                                   _int(op.attributes["mantissa_bits"]), loc)
+    if result is None:
+        raise _Unsupported(f"a reduce_precision of {inputs[0].dtype.name.lower()}")
+    return result
+
+
 def _expanded(expansion):
     """A converter of an op stablehlo_expansions writes with other ops."""
     def convert(op, inputs, shape, dtype, loc):
@@ -801,6 +810,7 @@ def _expanded(expansion):
 
 
 _CONVERTERS = {
+    "stablehlo.reduce_precision": _reduce_precision,
     "stablehlo.tan": _expanded(stablehlo_expansions.tan),
     "stablehlo.cbrt": _expanded(stablehlo_expansions.cbrt),
     "stablehlo.round_nearest_afz": _expanded(stablehlo_expansions.round_half_away_from_zero),
