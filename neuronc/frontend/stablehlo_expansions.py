@@ -1,6 +1,7 @@
 """StableHLO elementwise ops the IR has no op for, written with ops it has (JAX emits them: `jnp.tan`, `jnp.cbrt`,
-`lax.round` away from zero, `lax.population_count`, `lax.clz`). Each takes the op's operands as IR nodes and
-returns the result node; stablehlo_import registers them as converters.
+`lax.round` away from zero, `lax.population_count`, `lax.clz`, `lax.reduce_precision`). Each takes the op's operands
+as IR nodes (and reduce_precision the format's bit counts) and returns the result node; stablehlo_import registers
+them as converters.
 """
 from __future__ import annotations
 
