@@ -12,6 +12,8 @@ import itertools
 import math
 from typing import Callable, Iterable, NamedTuple
 
+import numpy as np
+
 from neuronc import op_facts
 from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
@@ -266,3 +268,8 @@ def node(op: Op, inputs: Iterable[Node], shape: Iterable[int], dtype: DType, loc
          **attrs) -> Node:
     """A new node (shape as ints, inputs as a tuple), its attributes given by keyword."""
     return Node(op, tuple(inputs), tuple(int(s) for s in shape), dtype, attrs, loc or DebugLoc())
+
+
+def splat(value, shape: Iterable[int], dtype: DType, loc: DebugLoc | None = None) -> Node:
+    """A CONSTANT of `shape` holding `value` everywhere (a 0-d value: the splat form every pass reads)."""
+    return node(Op.CONSTANT, [], shape, dtype, loc, value=np.array(value, dtype.numpy))

@@ -32,7 +32,7 @@ def select_and_scatter(operand: Node, source: Node, init: Node, keep: str, windo
                         limit=tuple(o + (n - 1) * s + 1 for o, n, s in zip(offset, out, strides)), strides=strides)
         valid = _valid(offset, operand.shape, out, strides, padding, loc)
         if chosen is None:
-            chosen_value, chosen, seen = value, _fill(0, out, DType.I32, loc), valid
+            chosen_value, chosen, seen = value, ir.splat(0, out, DType.I32, loc), valid
             continue
         kept = ir.node(Op.COMPARE, [chosen_value, value], out, DType.BOOL, loc, direction=keep)
         take = _not(kept, loc) if seen is None else ir.node(Op.OR, [_not(seen, loc), _not(kept, loc)], out,
@@ -40,16 +40,16 @@ def select_and_scatter(operand: Node, source: Node, init: Node, keep: str, windo
         if valid is not None:
             take = ir.node(Op.AND, [valid, take], out, DType.BOOL, loc)
         chosen_value = ir.node(Op.SELECT, [take, value, chosen_value], out, operand.dtype, loc)
-        chosen = ir.node(Op.SELECT, [take, _fill(k, out, DType.I32, loc), chosen], out, DType.I32, loc)
+        chosen = ir.node(Op.SELECT, [take, ir.splat(k, out, DType.I32, loc), chosen], out, DType.I32, loc)
         if seen is not None:
             seen = None if valid is None else ir.node(Op.OR, [seen, valid], out, DType.BOOL, loc)
-    zero = _fill(0, (), source.dtype, loc)
+    zero = ir.splat(0, (), source.dtype, loc)
     result = ir.node(Op.BROADCAST_IN_DIM, [init], padded, source.dtype, loc, dims=())
     for k in reversed(range(len(offsets))):  # later windows' offsets first: each position sums in window order
-        share = ir.node(Op.COMPARE, [chosen, _fill(k, out, DType.I32, loc)], out, DType.BOOL, loc, direction="EQ")
+        share = ir.node(Op.COMPARE, [chosen, ir.splat(k, out, DType.I32, loc)], out, DType.BOOL, loc, direction="EQ")
         if seen is not None:
             share = ir.node(Op.AND, [share, seen], out, DType.BOOL, loc)
-        part = ir.node(Op.SELECT, [share, source, _fill(0, out, source.dtype, loc)], out, source.dtype, loc)
+        part = ir.node(Op.SELECT, [share, source, ir.splat(0, out, source.dtype, loc)], out, source.dtype, loc)
         offset = offsets[k]
         high = tuple(p - (o + (n - 1) * s + 1) for p, o, n, s in zip(padded, offset, out, strides))
         placed = ir.node(Op.PAD, [part, zero], padded, source.dtype, loc, low=offset, high=high,
@@ -65,7 +65,7 @@ def _padded(x: Node, padding: tuple, loc) -> Node:
     if all(lo == 0 and hi == 0 for lo, hi in padding):
         return x
     shape = tuple(n + lo + hi for n, (lo, hi) in zip(x.shape, padding))
-    return ir.node(Op.PAD, [x, _fill(0, (), x.dtype, loc)], shape, x.dtype, loc, low=tuple(lo for lo, _ in padding),
+    return ir.node(Op.PAD, [x, ir.splat(0, (), x.dtype, loc)], shape, x.dtype, loc, low=tuple(lo for lo, _ in padding),
                    high=tuple(hi for _, hi in padding), interior=(0,) * len(shape))
 
 
@@ -86,10 +86,6 @@ def _valid(offset, shape, out, strides, padding, loc) -> Node | None:
         mask &= inside.reshape([-1 if j == i else 1 for j in range(len(dims))])
     small = ir.node(Op.CONSTANT, [], mask.shape, DType.BOOL, loc, value=mask)
     return ir.node(Op.BROADCAST_IN_DIM, [small], out, DType.BOOL, loc, dims=tuple(dims))
-
-
-def _fill(value, shape, dtype: DType, loc) -> Node:
-    return ir.node(Op.CONSTANT, [], tuple(shape), dtype, loc, value=np.array(value, dtype.numpy))
 
 
 def _not(x: Node, loc) -> Node:

@@ -5,7 +5,6 @@ them as converters.
 """
 from __future__ import annotations
 
-import numpy as np
 
 from neuronc import ir
 from neuronc.ir import Node, Op
@@ -86,7 +85,7 @@ def _shr(x: Node, amount: int, loc) -> Node:
 
 
 def _constant(value, like: Node, loc) -> Node:
-    return ir.node(Op.CONSTANT, [], like.shape, like.dtype, loc, value=np.array(value, like.dtype.numpy))
+    return ir.splat(value, like.shape, like.dtype, loc)
 
 
 def _node(op: Op, *inputs: Node, loc, dtype: DType | None = None, **attrs) -> Node:

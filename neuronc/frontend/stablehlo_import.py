@@ -718,19 +718,21 @@ def _sort(op, inputs, shape, dtype, loc):
         raise _Unsupported("a sort whose comparator is not one > or < of the first operand")
     dimension = _int(op.attributes["dimension"])
     keys = inputs[0]
-    rank = len(keys.shape)
     positions = ir.node(Op.TOPK, [keys], keys.shape, DType.I32, loc, dimension=dimension, k=keys.shape[dimension],
                         descending=direction == "GT")
+    return tuple(_taken_at(x, positions, dimension, loc) for x in inputs)
+
+
+def _taken_at(x, positions, dimension: int, loc):
+    """x at TOPK `positions` along `dimension` (a gather of one element per position), or the positions themselves
+    when x counts 0, 1, 2, ... along it (the indices carried along with the values)."""
+    if _counts_along(x, dimension):
+        return ir.node(Op.CONVERT, [positions], positions.shape, x.dtype, loc)
+    rank = len(x.shape)
     others = tuple(d for d in range(rank) if d != dimension)
-    results = []
-    for x in inputs:
-        if _counts_along(x, dimension):  # the indices of the sorted values
-            results.append(ir.node(Op.CONVERT, [positions], x.shape, x.dtype, loc))
-            continue
-        results.append(ir.node(Op.GATHER, [x, positions], x.shape, x.dtype, loc, window_dims=(),
-                               dropped_dims=(dimension,), operand_batching_dims=others, indices_batching_dims=others,
-                               index_map=(dimension,), index_vector_dim=rank, window=(1,) * rank))
-    return tuple(results)
+    return ir.node(Op.GATHER, [x, positions], positions.shape, x.dtype, loc, window_dims=(), dropped_dims=(dimension,),
+                   operand_batching_dims=others, indices_batching_dims=others, index_map=(dimension,),
+                   index_vector_dim=rank, window=(1,) * rank)
 
 
 _COMPOSITES = {"chlo.erf": Op.ERF}  # composites computed as one op; the others were inlined (stablehlo_program.py)
@@ -778,19 +780,10 @@ def _approx_top_k(op, inputs, loc):
         raise _Unsupported("an approximate top-k other than JAX's aggregated one")
     x, positions_in = inputs[:2]
     dimension, k = int(fields["reduction_dim"]), int(fields["top_k"])
-    rank = len(x.shape)
     shape = tuple(k if d == dimension else n for d, n in enumerate(x.shape))
     positions = ir.node(Op.TOPK, [x], shape, DType.I32, loc, dimension=dimension, k=k,
                         descending=comparator.group(1) == "gt")
-    others = tuple(d for d in range(rank) if d != dimension)
-
-    def taken(t):
-        if _counts_along(t, dimension):
-            return ir.node(Op.CONVERT, [positions], shape, t.dtype, loc)
-        return ir.node(Op.GATHER, [t, positions], shape, t.dtype, loc, window_dims=(), dropped_dims=(dimension,),
-                       operand_batching_dims=others, indices_batching_dims=others, index_map=(dimension,),
-                       index_vector_dim=rank, window=(1,) * rank)
-    return taken(x), taken(positions_in)
+    return _taken_at(x, positions, dimension, loc), _taken_at(positions_in, positions, dimension, loc)
 
 
 def _reduce_precision(op, inputs, shape, dtype, loc):
@@ -855,7 +848,7 @@ def _saturating_convert(op, inputs, shape, dtype, loc):
     info = np.iinfo(dtype.numpy)
 
     def constant(value, of):
-        return ir.node(Op.CONSTANT, [], shape, of, loc, value=np.array(value, of.numpy))
+        return ir.splat(value, shape, of, loc)
 
     past = float(info.max) + 1  # a power of two: exact in every float type
     below = np.nextafter(np.array(past, wide.numpy), np.array(0, wide.numpy))  # the largest float under it

@@ -58,7 +58,7 @@ def _scatter(node: Node, operand: Node, indices: Node, updates: Node) -> Node:
         return ir.node(Op.RESHAPE, [combined], node.shape, node.dtype, node.loc)
     dropping = space.bounds == "drop"
     if dropping:  # row V exists: the updates outside the operand land there
-        zero = ir.node(Op.CONSTANT, [], (), operand.dtype, node.loc, value=np.zeros((), operand.dtype.numpy))
+        zero = ir.splat(0, (), operand.dtype, node.loc)
         base = ir.node(Op.PAD, [base, zero], (space.rows + 1, space.width), operand.dtype, node.loc, low=(0, 0),
                        high=(1, 0), interior=(0, 0))
     scattered = ir.node(Op.SCATTER_ROWS, [base, space.row_numbers(), rows_of_updates], base.shape, node.dtype,
@@ -333,7 +333,7 @@ class _IndexSpace:
 
 
 def _splat(value, shape, loc, dtype=ROW) -> Node:
-    return ir.node(Op.CONSTANT, [], shape, dtype, loc, value=np.array(value, dtype.numpy))
+    return ir.splat(value, shape, dtype, loc)
 
 
 def _scaled(x: Node, factor: int, loc) -> Node:

@@ -8,13 +8,10 @@ multiply and sum on the Vector engine in the result's integer type, which wraps 
 arithmetic does (a broadcast product and a reduction: memory grows with m x k x n, as it is meant for the index
 arithmetic and small products these are).
 
-The result is StableHLO-level IR (DOT_GENERAL of floats, REDUCE, CONVERT...) that legalize then lowers.
+legalize calls it with the product's operands as [b, m, k] and [b, k, n] (as it makes them for MATMUL); the result
+is StableHLO-level IR (DOT_GENERAL of floats, REDUCE, CONVERT...) that its next sweep lowers.
 """
 from __future__ import annotations
-
-import math
-
-import numpy as np
 
 from neuronc import ir
 from neuronc.ir import Node, Op
@@ -24,24 +21,17 @@ EXACT_FP32_SUM = 2 ** 24  # fp32's significand: integers below this in magnitude
 _MAGNITUDE = {DType.BOOL: 1, DType.I8: 128, DType.U8: 255}  # the largest |value| of each narrow integer type
 
 
-def exact_integer_dot(node: Node, lhs: Node, rhs: Node) -> Node:
-    """`node` (a DOT_GENERAL with integer operands or result) as exact pieces."""
-    a, loc = node.attrs, node.loc
-    lb, lc, rb, rc = list(a["lhs_batch"]), list(a["lhs_contract"]), list(a["rhs_batch"]), list(a["rhs_contract"])
-    lfree = [d for d in range(len(lhs.shape)) if d not in lb + lc]
-    rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
-    size = lambda x, dims: int(math.prod([x.shape[d] for d in dims]))  # noqa: E731
-    b, m, k, n = size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree)
-    lhs3 = _reshaped(_transposed(lhs, lb + lfree + lc, loc), (b, m, k), loc)
-    rhs3 = _reshaped(_transposed(rhs, rb + rc + rfree, loc), (b, k, n), loc)
+def exact_integer_dot(lhs: Node, rhs: Node, dtype: DType, loc) -> Node:
+    """[b, m, k] x [b, k, n] -> [b, m, n] of `dtype`, integer operands or result, as exact pieces."""
+    (b, m, _), n = lhs.shape, rhs.shape[2]
     if lhs.dtype in _MAGNITUDE and rhs.dtype in _MAGNITUDE:
-        product = _on_tensor_engine(lhs3, rhs3, EXACT_FP32_SUM // (_MAGNITUDE[lhs.dtype] * _MAGNITUDE[rhs.dtype]), loc)
-    elif node.dtype.is_float:  # wide integers into a float result (JAX's preferred_element_type): XLA converts
-        lhs3, rhs3 = (_converted(x, node.dtype, loc) for x in (lhs3, rhs3))
-        product = ir.node(Op.DOT_GENERAL, [lhs3, rhs3], (b, m, n), node.dtype, loc, **_BATCHED)
+        product = _on_tensor_engine(lhs, rhs, EXACT_FP32_SUM // (_MAGNITUDE[lhs.dtype] * _MAGNITUDE[rhs.dtype]), loc)
+    elif dtype.is_float:  # wide integers into a float result (JAX's preferred_element_type): XLA converts
+        lhs, rhs = (_converted(x, dtype, loc) for x in (lhs, rhs))
+        product = ir.node(Op.DOT_GENERAL, [lhs, rhs], (b, m, n), dtype, loc, **_BATCHED)
     else:
-        product = _on_vector_engine(lhs3, rhs3, node.dtype, loc)
-    return _reshaped(_converted(product, node.dtype, loc), node.shape, loc)
+        product = _on_vector_engine(lhs, rhs, dtype, loc)
+    return _converted(product, dtype, loc)
 
 
 _BATCHED = dict(lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,), rhs_contract=(1,))  # [b,m,k] x [b,k,n]
@@ -67,18 +57,8 @@ def _on_vector_engine(lhs: Node, rhs: Node, dtype: DType, loc) -> Node:
     lhs4 = ir.node(Op.BROADCAST_IN_DIM, [_converted(lhs, dtype, loc)], (b, m, k, n), dtype, loc, dims=(0, 1, 2))
     rhs4 = ir.node(Op.BROADCAST_IN_DIM, [_converted(rhs, dtype, loc)], (b, m, k, n), dtype, loc, dims=(0, 2, 3))
     products = ir.node(Op.MULTIPLY, [lhs4, rhs4], (b, m, k, n), dtype, loc)
-    zero = ir.node(Op.CONSTANT, [], (), dtype, loc, value=np.array(0, dtype.numpy))
+    zero = ir.splat(0, (), dtype, loc)
     return ir.node(Op.REDUCE, [products, zero], (b, m, n), dtype, loc, dims=(2,), kind="add")
-
-
-def _transposed(x: Node, perm: list, loc) -> Node:
-    if perm == list(range(len(perm))):
-        return x
-    return ir.node(Op.TRANSPOSE, [x], tuple(x.shape[p] for p in perm), x.dtype, loc, perm=tuple(perm))
-
-
-def _reshaped(x: Node, shape: tuple, loc) -> Node:
-    return x if tuple(x.shape) == tuple(shape) else ir.node(Op.RESHAPE, [x], tuple(shape), x.dtype, loc)
 
 
 def _converted(x: Node, dtype: DType, loc) -> Node:

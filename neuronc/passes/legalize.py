@@ -152,7 +152,7 @@ def _pad(node, inputs):
     pad_value = splat_value(value)
     a = node.attrs
     if pad_value is None:  # a run-time value (JAX's lax.pad of a traced scalar): x padded with 0, then selected
-        zero = ir.node(Op.CONSTANT, [], (), x.dtype, node.loc, value=np.zeros((), x.dtype.numpy))
+        zero = ir.splat(0, (), x.dtype, node.loc)
         padded = ir.node(Op.PAD, [x, zero], node.shape, node.dtype, node.loc, **a)
         spread = ir.node(Op.BROADCAST_IN_DIM, [value], node.shape, node.dtype, node.loc, dims=())
         return ir.node(Op.SELECT, [_padded_positions(x.shape, node.shape, a, node.loc), padded, spread], node.shape,
@@ -172,7 +172,7 @@ def _padded_positions(shape: tuple, result: tuple, attrs: dict, loc) -> Node:
         spread = ir.node(Op.BROADCAST_IN_DIM, [ir.node(Op.CONSTANT, [], (size,), DType.BOOL, loc, value=vector)],
                          result, DType.BOOL, loc, dims=(d,))
         mask = spread if mask is None else ir.node(Op.AND, [mask, spread], result, DType.BOOL, loc)
-    return mask if mask is not None else ir.node(Op.CONSTANT, [], result, DType.BOOL, loc, value=np.array(True))
+    return mask if mask is not None else ir.splat(True, result, DType.BOOL, loc)
 
 
 def pad(x: Node, value: float, low: tuple, high: tuple, interior: tuple | None = None,
@@ -275,11 +275,12 @@ def _dot_general(node, inputs):
     rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
     size = lambda x, dims: int(math.prod([x.shape[d] for d in dims]))  # noqa: E731
     b, m, k, n = size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree)
-    if not (node.dtype.is_float and lhs.dtype.is_float and rhs.dtype.is_float):
-        return exact_integer_dot(node, lhs, rhs)  # StableHLO-level pieces, lowered by the next sweep
     lhs3 = reshape(transpose(lhs, lb + lfree + lc, node.loc), (b, m, k), node.loc)
     rhs3 = reshape(transpose(rhs, rb + rc + rfree, node.loc), (b, k, n), node.loc)
-    product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc, k=k)
+    if not (node.dtype.is_float and lhs.dtype.is_float and rhs.dtype.is_float):  # StableHLO-level pieces, lowered
+        product = exact_integer_dot(lhs3, rhs3, node.dtype, node.loc)  # by the next sweep
+    else:
+        product = ir.node(Op.MATMUL, [lhs3, rhs3], (b, m, n), node.dtype, node.loc, k=k)
     return reshape(product, node.shape, node.loc)
 
 

@@ -109,7 +109,7 @@ def _top_k(keys: Node, k: int, descending: bool, width: int, node: Node) -> Node
     local = ir.node(Op.TOPK, [pieces], (rows * chunks, k), node.dtype, loc, dimension=1, k=k, descending=descending)
     local = ir.node(Op.RESHAPE, [local], (rows, chunks, k), node.dtype, loc)
     start = ir.node(Op.MULTIPLY, [ir.node(Op.IOTA, [], local.shape, node.dtype, loc, dimension=1),
-                                  _splat(chunk, local.shape, node.dtype, loc)], local.shape, node.dtype, loc)
+                                  ir.splat(chunk, local.shape, node.dtype, loc)], local.shape, node.dtype, loc)
     winners = ir.node(Op.RESHAPE, [ir.node(Op.ADD, [local, start], local.shape, node.dtype, loc)],
                       (rows, chunks * k), node.dtype, loc)
     keys_of_winners = _taken(padded, winners, loc)
@@ -150,12 +150,12 @@ def _ranked(keys: Node, k: int, descending: bool, node: Node) -> Node:
     counts = [_rank_block(order, q0, min(n, q0 + block), descending, loc) for q0 in range(0, n, block)]
     rank = counts[0] if len(counts) == 1 else ir.node(Op.CONCATENATE, counts, (rows, n), DType.I32, loc, dimension=1)
     row_start = ir.node(Op.MULTIPLY, [ir.node(Op.IOTA, [], (rows, n), DType.I32, loc, dimension=0),
-                                      _splat(n, (rows, n), DType.I32, loc)], (rows, n), DType.I32, loc)
+                                      ir.splat(n, (rows, n), DType.I32, loc)], (rows, n), DType.I32, loc)
     target = ir.node(Op.RESHAPE, [ir.node(Op.ADD, [row_start, rank], (rows, n), DType.I32, loc)], (rows * n,),
                      DType.I32, loc)
     index = ir.node(Op.RESHAPE, [ir.node(Op.IOTA, [], (rows, n), node.dtype, loc, dimension=1)], (rows * n, 1),
                     node.dtype, loc)
-    base = _splat(0, (rows * n, 1), node.dtype, loc)
+    base = ir.splat(0, (rows * n, 1), node.dtype, loc)
     sorted_ = ir.node(Op.SCATTER_ROWS, [base, target, index], (rows * n, 1), node.dtype, loc, combine="replace")
     positions = ir.node(Op.RESHAPE, [sorted_], (rows, n), node.dtype, loc)
     if k == n:
@@ -204,7 +204,7 @@ def _compare(others: Node, query: Node, direction: str, loc) -> Node:
 def _count(holds: Node, loc) -> Node:
     """[rows, queries]: how many of the last dim hold."""
     ones = ir.node(Op.CONVERT, [holds], holds.shape, DType.I32, loc)
-    return ir.node(Op.REDUCE, [ones, _splat(0, (), DType.I32, loc)], holds.shape[:2], DType.I32, loc, dims=(2,),
+    return ir.node(Op.REDUCE, [ones, ir.splat(0, (), DType.I32, loc)], holds.shape[:2], DType.I32, loc, dims=(2,),
                    kind="add")
 
 
@@ -217,13 +217,10 @@ def _order_key(keys: Node, node: Node) -> Node:
         return keys
     if dtype is DType.U32:
         bits = ir.node(Op.BITCAST, [keys], keys.shape, DType.I32, loc)
-        return ir.node(Op.XOR, [bits, _splat(_SIGN, keys.shape, DType.I32, loc)], keys.shape, DType.I32, loc)
+        return ir.node(Op.XOR, [bits, ir.splat(_SIGN, keys.shape, DType.I32, loc)], keys.shape, DType.I32, loc)
     if dtype.itemsize < 4:
         return ir.node(Op.CONVERT, [keys], keys.shape, DType.I32, loc)
     raise NeuronCompileError(f"a sort of {keys.shape[1]} {dtype.name} keys a row: rows wider than a tile are sorted "
                              "by counting on 32-bit keys", location=str(node.loc),
                              hint="sort rows of at most a tile, or convert the keys to int32 if their values fit")
 
-
-def _splat(value, shape, dtype: DType, loc) -> Node:
-    return ir.node(Op.CONSTANT, [], tuple(shape), dtype, loc, value=np.array(value, dtype.numpy))
