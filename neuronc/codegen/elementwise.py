@@ -255,10 +255,11 @@ def _column_of(ap: AccessPattern) -> AccessPattern:
 
 
 def activation_scale(step) -> tuple:
-    """(scale, bias) of an activation step's ACTIVATE: the scale passes/activation_operands.py folded into it
-    with a bias of -0.0 (adding nothing, not even to a zero's sign), else 1.0 and 0.0."""
+    """(scale, bias) of an activation step's ACTIVATE: the scale passes/activation_operands.py folded into it, or
+    1.0, with a bias of -0.0: it adds nothing, not even to a zero's sign (-0.0 + 0.0 is +0.0, and eager's sqrt,
+    tanh, floor... of -0.0 are -0.0, its rsqrt -inf)."""
     scale = step.attrs.get("scale")
-    return (1.0, 0.0) if scale is None else (scale, -0.0)
+    return (1.0 if scale is None else scale), -0.0
 
 
 def _scalar_form(step, args) -> tuple | None:
@@ -464,6 +465,8 @@ def compute_step(em: Emitter, step: ir.Step, out: AccessPattern, args: list, con
     elif "bias" in step.attrs:  # a multiply with a bias (passes/activation_operands.py): scale * x + bias
         func, scale, bias, x = _scalar_form(step, args)
         em.emit(Opcode.ACTIVATE, Engine.SCALAR, out, x, func=func, imm0=scale, imm1=bias)
+    elif op is Op.NEGATE and step.dtype.is_float:  # times -1, exact: 0 - x would make -(+0.0) +0.0
+        em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.MULTIPLY, imm0=-1.0)
     elif op is Op.NEGATE:
         em.emit(Opcode.TENSOR_SCALAR, engine, out, args[0], alu=AluOp.SUBTRACT, imm0=0.0, reverse=True)
     elif op is Op.CONVERT:

@@ -1,5 +1,6 @@
 """The IEEE float semantics torch-mlir gets wrong or cannot lower (issue 21, found by `benchmarks.opinfo`):
-`frexp` and `nextafter` (no lowering: read from the fp32 bits with a bitcast), `angle` of a real tensor (no lowering), and a float tensor compared equal with itself.
+`frexp` and `nextafter` (no lowering: read from the fp32 bits with a bitcast), `angle` of a real tensor (no lowering), a float tensor compared equal with itself, and `trunc`'s sign of
+-0.0.
 
 **A silent wrong result, fixed here**: torch-mlir folds `aten.eq.Tensor(x, x)` to true, which is wrong for floats
 (NaN == NaN is false): compiled, `x == x` was true at NaN, and so were `torch.isfinite(NaN)` (torch decomposes it
@@ -86,6 +87,14 @@ def _angle(x):
     return torch.where(torch.isnan(out), out, angle)
 
 
+def _trunc(x):
+    """trunc toward zero keeping a zero's sign: torch-mlir lowers it as sign(x) * floor(|x|), whose sign is +0.0
+    at -0.0 (eager's trunc(-0.0) is -0.0, and frac(-0.0) then +0.0)."""
+    if not x.is_floating_point():
+        return NotImplemented
+    return torch.where(x < 0, torch.ceil(x), torch.floor(x))
+
+
 def _to_copy(x, **kwargs):
     """torch's decomposition of ``_to_copy`` (a convert_element_type), after a clamp when the conversion is to
     float8_e4m3fn: PyTorch's saturates there (a value past +-448, infinities included, becomes +-448, NaN stays
@@ -100,6 +109,7 @@ def _to_copy(x, **kwargs):
 
 OWN = {
     aten._to_copy.default: _to_copy,
+    aten.trunc.default: _trunc,
     aten.angle.default: _angle,
     aten.frexp.Tensor: _frexp,
     aten.nextafter.default: _nextafter,
