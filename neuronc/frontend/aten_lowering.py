@@ -604,7 +604,11 @@ def _unary(kind):
         if kind is Op.ABS and dtype == DType.BOOL or kind is Op.SIGN and dtype == DType.BOOL:
             return lw.node(x, dtype)
         compute = _opmath(dtype)
-        return lw.convert(lw.op(kind, [lw.node(x, compute)], shape, compute), dtype)
+        value = lw.op(kind, [lw.node(x, compute)], shape, compute)
+        if kind is Op.SIGN and compute.is_float:  # PyTorch's sign of NaN is 0 ((0 < x) - (x < 0)); SIGN's is NaN
+            nan = lw.compare(lw.node(x, compute), lw.node(x, compute), "NE")
+            value = lw.select(nan, lw.splat(0.0, compute, shape), value)
+        return lw.convert(value, dtype)
     return lower_unary
 
 
@@ -783,7 +787,8 @@ def _floor_divide(lw, x, y, shape, compute):
     result = lw.select(rounds_up, lw.op(Op.ADD, [floored, lw.splat(1.0, compute, shape)], shape, compute), floored)
     plain = lw.op(Op.DIVIDE, [x, y], shape, compute)  # a zero remainder: copysign(0, x / y) in PyTorch
     zero_result = lw.compare(divided, zero, "EQ")
-    return lw.select(zero_result, lw.op(Op.MULTIPLY, [plain, zero], shape, compute), result)
+    result = lw.select(zero_result, lw.op(Op.MULTIPLY, [plain, zero], shape, compute), result)
+    return lw.select(lw.compare(y, zero, "EQ"), plain, result)  # by zero: x / y (+-inf, NaN), as PyTorch
 
 
 @rule(aten.floor_divide.default, aten.floor_divide.Scalar)

@@ -186,6 +186,37 @@ def _python_remainder(a, b):
     return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
 
 
+def _floor_divide(a, b):
+    """PyTorch's floor division (c10's div_floor_integer / div_floor_floating). torch-mlir lowers it as
+    floor(a / b): integers through float64, which the device computes in fp32 (2**31 - 1 // 2 gave 2**30), and
+    floats without ATen's correction (1.0 // 0.1 is 9.0 in eager, inf // 2 NaN). Integers: the truncating
+    quotient less one where the remainder is nonzero and the signs differ; floats: ATen's formula, 16-bit ones in
+    fp32 as its CPU kernel."""
+    dtype = torch.result_type(a, b)
+    a = a.to(dtype) if isinstance(a, torch.Tensor) else torch.scalar_tensor(a, dtype=dtype)
+    b = b.to(dtype) if isinstance(b, torch.Tensor) else torch.scalar_tensor(b, dtype=dtype, device=a.device)
+    if dtype == torch.bool:
+        return NotImplemented  # eager refuses it
+    if not dtype.is_floating_point:
+        quotient = aten.div.Tensor_mode(a, b, rounding_mode="trunc")
+        remainder = torch.fmod(a, b)
+        return torch.where((remainder != 0) & ((remainder < 0) != (b < 0)), quotient - 1, quotient)
+    x, y = (a.float(), b.float()) if dtype.itemsize < 4 else (a, b)
+    mod = torch.fmod(x, y)
+    div = (x - mod) / y
+    div = torch.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
+    floored = torch.floor(div)
+    floored = torch.where(div - floored > 0.5, floored + 1, floored)
+    quotient = x / y
+    result = torch.where(div != 0, floored, quotient * 0)  # a zero: copysign(0, x / y), x / y finite there
+    return torch.where(y == 0, quotient, result).to(dtype)
+
+
+def _div_rounded(a, b, rounding_mode=None):
+    """torch.div with rounding_mode="floor" is floor division (above); the other modes as torch-mlir lowers them."""
+    return _floor_divide(a, b) if rounding_mode == "floor" else NotImplemented
+
+
 def _fmod_by_scalar(a, b):
     """torch-mlir lowers fmod.Tensor but not fmod.Scalar (grid_sample's reflection padding uses it): the scalar
     as a 0-d tensor of the promoted dtype (an int tensor modulo 2.5 is float, as in eager)."""
@@ -2144,6 +2175,10 @@ OWN = {
     aten.remainder.Tensor: _python_remainder,
     aten.remainder.Scalar: _python_remainder,
     aten.fmod.Scalar: _fmod_by_scalar,
+    aten.floor_divide.default: _floor_divide,
+    aten.floor_divide.Scalar: _floor_divide,
+    aten.div.Tensor_mode: _div_rounded,
+    aten.div.Scalar_mode: _div_rounded,
     aten.sort.stable: _stable_sort,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,
