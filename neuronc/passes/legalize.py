@@ -24,7 +24,7 @@ from neuronc.ir import Node, Op
 from neuronc.isa import DType
 from neuronc.neff.program import DebugLoc
 from neuronc.op_facts import REDUCTIONS
-from neuronc.passes.canonicalize import SIMPLIFY
+from neuronc.passes.canonicalize import SIMPLIFY, fold_constant
 from neuronc.passes.context import PassContext
 from neuronc.passes.integer_matmul import exact_integer_dot
 from neuronc.passes.rewrite import Rule, rewrite
@@ -320,6 +320,18 @@ def _unsupported(node, what: str) -> NeuronCompileError:
                               hint="rewrite this operation, or keep it outside the compiled region")
 
 
+def _integer_abs(node, inputs):
+    """|x| of an integer as max(x, -x), in the integers: ABS is a Scalar-engine function, which computes in fp32
+    (|2**24 + 1| was 2**24). -x wraps at the type's minimum, as eager's abs does; an unsigned |x| is x."""
+    x = inputs[0]
+    if node.dtype.is_float:
+        return None
+    if x.dtype == DType.BOOL or x.dtype.numpy.kind == "u":
+        return x
+    return ir.node(Op.MAXIMUM, [x, ir.node(Op.NEGATE, [x], x.shape, x.dtype, node.loc)], node.shape, node.dtype,
+                   node.loc)
+
+
 def _topk(node, inputs):
     """Along the last dim of a [rows, n] matrix, largest first (an ascending sort is of the negation, in int32 for
     narrower integers: negating a uint8 wraps, and int8's -128 is its own negation)."""
@@ -346,6 +358,7 @@ LEGALIZE = (
     Rule("pad_value_as_attribute", frozenset({Op.PAD}), _pad),
     Rule("reverse_as_view", frozenset({Op.REVERSE}), _reverse),
     Rule("clamp_as_max_min", frozenset({Op.CLAMP}), _clamp),
+    Rule("integer_abs_as_max", frozenset({Op.ABS}), _integer_abs),
     Rule("select_of_whole_operands", frozenset({Op.SELECT}), _select),
     Rule("reduce_as_reduce_last", frozenset({Op.REDUCE}), _reduce),
     Rule("pooling_as_reduce_last", frozenset({Op.REDUCE_WINDOW}), _reduce_window),
@@ -357,8 +370,9 @@ LEGALIZE = (
 
 def legalize(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """The pass: the lowering rules and the simplifications, to a fixed point; then each output gets a buffer
-    of its own."""
-    return _outputs_own_buffers(rewrite(graph, LEGALIZE + SIMPLIFY, ctx))
+    of its own. Constants are folded too: a rule may compute on a constant (a sort of constant keys negates them),
+    and an elementwise kernel of constants alone has no tile to compute from."""
+    return _outputs_own_buffers(rewrite(graph, LEGALIZE + SIMPLIFY + (fold_constant,), ctx))
 
 
 def _outputs_own_buffers(graph: ir.Graph) -> ir.Graph:
