@@ -158,6 +158,8 @@ def run_op(op, *args, **kwargs):
 
 def run_planned(op, plan, *args, **kwargs):
     """``run_op`` with ``op``'s plan already looked up (the kernel PyTorch calls for an op seen before)."""
+    if op in _INDEXING and args[0].__class__ is not type and args[1] is not None:
+        args = (args[0], _indices_on(args[0].device, args[1]), *args[2:])
     if plan.__class__ is str:
         return cpu_fallback(op, args, kwargs, plan)
     functional, writes, runtime, defaults = plan
@@ -175,6 +177,15 @@ def run_planned(op, plan, *args, **kwargs):
     if entry.__class__ is str:
         return cpu_fallback(op, args, kwargs, entry)
     return _launch(op, entry, device, operands, inputs, writes, args, kwargs)
+
+
+# Indexing takes its index tensors from the CPU too, as CUDA's does (`x[torch.tensor([0, 2])]`): moved to x's device.
+_INDEXING = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten.index.Tensor_out, torch.ops.aten.index_put.default,
+                       torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default})
+
+
+def _indices_on(device, indices) -> list:
+    return [i.to(device) if isinstance(i, torch.Tensor) and i.device != device else i for i in indices]
 
 
 _plans: dict = {}  # op -> (functional op, what it writes, its runtime-scalar arguments, keyword defaults)
