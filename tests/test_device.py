@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from neuronc.errors import DeviceOutOfMemoryError, FallbackDisabledError, NeuronConfigError, QueuedOpError
+from neuronc.errors import (DeviceOutOfMemoryError, FallbackDisabledError, NeuronConfigError, NeuronDeviceError,
+                            QueuedOpError)
 from neuronc.pytorch import eager, queues
 from neuronc.pytorch.device_memory import array_of, core
 from tests import zoo
@@ -659,6 +660,22 @@ def test_a_zero_dim_cpu_operand_is_read_when_the_op_is_queued(neuron):
     y = x * scale  # queued
     scale.fill_(5.0)
     assert torch.equal(y.cpu(), torch.full((3,), 2.0))
+
+
+def test_indexing_takes_cpu_index_tensors_as_cudas_does_and_other_ops_refuse_them(neuron):
+    """``x[torch.tensor([2, 0])]`` on a device tensor reads and writes through CPU indices (CUDA moves them);
+    scatter_add's CPU index is an error naming the fix, as on CUDA."""
+    x, i = torch.arange(12.0).view(3, 4), torch.tensor([2, 0])
+    d = x.to(neuron)
+    assert torch.equal(d[i].cpu(), x[i]) and torch.equal(d[:, i].cpu(), x[:, i])
+    d[i] = 5.0
+    x[i] = 5.0
+    assert torch.equal(d.cpu(), x)
+    d.index_put_((i,), torch.ones(2, 4, device=neuron), accumulate=True)
+    x.index_put_((i,), torch.ones(2, 4), accumulate=True)
+    assert torch.equal(d.cpu(), x)
+    with pytest.raises(NeuronDeviceError, match=r"move it with \.to"):
+        torch.zeros(3, device=neuron).scatter_add(0, i, torch.ones(2, device=neuron))
 
 
 def test_a_new_range_leaves_the_queue_to_run_later(neuron):

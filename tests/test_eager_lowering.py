@@ -270,3 +270,12 @@ def test_a_damaged_cache_entry_is_refused_and_compiled_again(filled_cache, tmp_p
     sidecar.write_text(json.dumps(meta))
     assert _run_lowered_ops(copy_of) == (2, lowered - 2, bits)
     assert _run_lowered_ops(copy_of) == (0, lowered, bits)  # the two entries were stored again
+
+
+def test_on_the_device_sign_of_nan_is_zero_and_floor_division_by_zero_is_the_quotient(lowered_only):
+    """PyTorch's sign(NaN) is 0 (SIGN's is NaN); its floor division by zero is x / y (the device gave NaN)."""
+    x = torch.tensor([float("nan"), -0.0, 2.0, -3.0, float("inf")])
+    assert torch.equal(torch.sign(x.to(lowered_only)).cpu(), torch.sign(x))
+    a = torch.tensor([1.5, -1.5, 3.0, 0.0, 1.0, float("inf")])
+    b = torch.tensor([0.0, 0.0, -0.0, 0.0, 0.1, 0.5])
+    torch.testing.assert_close((a.to(lowered_only) // b.to(lowered_only)).cpu(), a // b, equal_nan=True)
