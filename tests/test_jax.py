@@ -416,6 +416,21 @@ def test_tan_cbrt_and_rounding_away_from_zero_match_jax():
     assert_matches_jax(neuronc.jax.jit(ops)(x), jax.jit(ops)(x))
 
 
+def test_zeros_keep_their_sign_through_sign_rounding_cube_roots_and_floor_division_as_in_jax():
+    """StableHLO's sign(-0.0) is -0.0 (the IR's SIGN, PyTorch's, gives +0.0): sign, round away from zero, cbrt and
+    jnp.floor_divide (rounded away from zero at its end) of -0.0 gave +0.0."""
+    def ops(x, y):
+        return jnp.sign(x), jax.lax.round(x), jnp.cbrt(x), jnp.floor_divide(x, y), jnp.negative(x), jnp.sqrt(x)
+
+    x = np.array([0.0, -0.0, -0.0, 0.0, -0.3, 2.5, np.nan, -np.inf], np.float32)
+    y = np.array([1.0, -1.0, 2.0, -3.0, 1.0, -2.0, 1.0, 2.0], np.float32)
+    got, want = neuronc.jax.jit(ops)(x, y), jax.jit(ops)(x, y)
+    assert_matches_jax(got, want)
+    for g, w in zip(got, want):
+        numbers = ~np.isnan(np.asarray(w))
+        assert np.array_equal(np.signbit(np.asarray(g))[numbers], np.signbit(np.asarray(w))[numbers])
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32])
 def test_population_count_and_leading_zeros_match_jax(dtype):
     info = np.iinfo(dtype)

@@ -1,5 +1,6 @@
 """StableHLO elementwise ops the IR has no op for, written with ops it has (JAX emits them: `jnp.tan`, `jnp.cbrt`,
-`lax.round` away from zero, `lax.population_count`, `lax.clz`, `lax.reduce_precision`). Each takes the op's operands
+`lax.round` away from zero, `lax.population_count`, `lax.clz`, `lax.reduce_precision`, and `sign`, whose -0.0 is
+-0.0 in StableHLO but +0.0 in the IR's SIGN, as in PyTorch). Each takes the op's operands
 as IR nodes (and reduce_precision the format's bit counts) and returns the result node; stablehlo_import registers
 them as converters.
 """
@@ -16,21 +17,30 @@ def tan(x: Node, loc) -> Node:
     return _node(Op.DIVIDE, _node(Op.SIN, x, loc=loc), _node(Op.COS, x, loc=loc), loc=loc)
 
 
+def sign(x: Node, loc) -> Node:
+    """StableHLO's sign: SIGN, but a zero is itself (sign(-0.0) is -0.0, as XLA's)."""
+    signed = _node(Op.SIGN, x, loc=loc)
+    if not x.dtype.is_float:
+        return signed
+    zero = _node(Op.COMPARE, x, _constant(0.0, x, loc), loc=loc, dtype=DType.BOOL, direction="EQ")
+    return _node(Op.SELECT, zero, x, signed, loc=loc, dtype=x.dtype)
+
+
 def cbrt(x: Node, loc) -> Node:
-    """sign(x) |x|^(1/3): the real cube root of a negative number too."""
+    """sign(x) |x|^(1/3): the real cube root of a negative number too (and of -0.0, -0.0)."""
     root = _node(Op.POWER, _node(Op.ABS, x, loc=loc), _constant(1.0 / 3.0, x, loc), loc=loc)
-    return _node(Op.MULTIPLY, _node(Op.SIGN, x, loc=loc), root, loc=loc)
+    return _node(Op.MULTIPLY, sign(x, loc), root, loc=loc)
 
 
 def round_half_away_from_zero(x: Node, loc) -> Node:
     """sign(x) (floor(|x|) + (|x| - floor(|x|) >= 0.5)): the fraction is exact (no |x| + 0.5, which rounds
-    0.49999997 up); -0.3 gives -0, NaN and infinities stay."""
+    0.49999997 up); -0.3 and -0.0 give -0.0, NaN and infinities stay."""
     magnitude = _node(Op.ABS, x, loc=loc)
     whole = _node(Op.FLOOR, magnitude, loc=loc)
     half_up = _node(Op.COMPARE, _node(Op.SUBTRACT, magnitude, whole, loc=loc), _constant(0.5, x, loc), loc=loc,
                     dtype=DType.BOOL, direction="GE")
     one = _node(Op.SELECT, half_up, _constant(1.0, x, loc), _constant(0.0, x, loc), loc=loc, dtype=x.dtype)
-    return _node(Op.MULTIPLY, _node(Op.SIGN, x, loc=loc), _node(Op.ADD, whole, one, loc=loc), loc=loc)
+    return _node(Op.MULTIPLY, sign(x, loc), _node(Op.ADD, whole, one, loc=loc), loc=loc)
 
 
 def population_count(x: Node, loc) -> Node:

@@ -862,11 +862,12 @@ def _saturating_convert(op, inputs, shape, dtype, loc):
 
 # What a program from JAX or a StableHLO file means where PyTorch's programs (through torch-mlir) mean otherwise:
 # StableHLO's gather clamps its start indices and its scatter drops updates outside the operand (JAX's default
-# indexing relies on both), and XLA's float-to-integer conversion saturates.
+# indexing relies on both), XLA's float-to-integer conversion saturates, and sign(-0.0) is -0.0.
 _STABLEHLO_CONVERTERS = {
     "stablehlo.gather": functools.partial(_gather, bounds="clamp"),
     "stablehlo.scatter": functools.partial(_scatter, bounds="drop"),
     "stablehlo.convert": _saturating_convert,
+    "stablehlo.sign": _expanded(stablehlo_expansions.sign),
 }
 
 
