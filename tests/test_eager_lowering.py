@@ -279,3 +279,12 @@ def test_on_the_device_sign_of_nan_is_zero_and_floor_division_by_zero_is_the_quo
     a = torch.tensor([1.5, -1.5, 3.0, 0.0, 1.0, float("inf")])
     b = torch.tensor([0.0, 0.0, -0.0, 0.0, 0.1, 0.5])
     torch.testing.assert_close((a.to(lowered_only) // b.to(lowered_only)).cpu(), a // b, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_the_device_a_number_added_to_a_16_bit_tensor_is_rounded_first_as_in_eager(lowered_only, dtype):
+    """Eager's x + c and c - x round c to x's dtype (its x * c keeps c in fp32): the device kept it in fp32."""
+    x = (torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    d = x.to(lowered_only)
+    for fn in (lambda t: t + 0.1, lambda t: 0.3 - t, lambda t: (t * 0.7 + 0.2) / 1.3, lambda t: t * 0.1 - 1e-3):
+        assert torch.equal(fn(d).cpu(), fn(x))

@@ -669,6 +669,14 @@ def _binary_operands(lw, shape, compute, a, b):
     return lw.node(a, compute, shape), lw.node(b, compute, shape)
 
 
+def _added_operands(lw, shape, dtype, compute, a, b):
+    """The operands of an add or subtract of a bf16 or fp16 result: each cast to that dtype first, as eager's
+    TensorIterator casts them (a number included: its mul and div keep a number in fp32, its add rounds it)."""
+    if dtype not in LOW_PRECISION:
+        return _binary_operands(lw, shape, compute, a, b)
+    return tuple(lw.convert(lw.node(v, dtype, shape), compute) for v in (a, b))
+
+
 def _arithmetic(kind):
     def lower_binary(lw, meta, a, b):
         shape, dtype = _out(meta)
@@ -737,7 +745,7 @@ def _add_sub(lw, meta, a, b, alpha=1):
     compute = _opmath(dtype)
     if dtype == DType.BOOL:  # add of booleans is or
         return lw.op(Op.OR, [lw.node(a, dtype, shape), lw.node(b, dtype, shape)], shape, dtype)
-    x, y = _binary_operands(lw, shape, compute, a, b)
+    x, y = _added_operands(lw, shape, dtype, compute, a, b)
     kind = Op.ADD if lw.current.startswith("aten::add") else Op.SUBTRACT
     return lw.convert(lw.op(kind, [x, _scaled(lw, y, alpha, compute, shape)], shape, compute), dtype)
 
@@ -746,7 +754,7 @@ def _add_sub(lw, meta, a, b, alpha=1):
 def _rsub(lw, meta, a, b, alpha=1):
     shape, dtype = _out(meta)
     compute = _opmath(dtype)
-    x, y = _binary_operands(lw, shape, compute, a, b)
+    x, y = _added_operands(lw, shape, dtype, compute, a, b)
     return lw.convert(lw.op(Op.SUBTRACT, [y, _scaled(lw, x, alpha, compute, shape)], shape, compute), dtype)
 
 
