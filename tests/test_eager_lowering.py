@@ -282,6 +282,19 @@ def test_on_the_device_sign_of_nan_is_zero_and_floor_division_by_zero_is_the_quo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_the_device_16_bit_floor_and_trunc_division_match_eager_bit_for_bit(lowered_only, dtype):
+    """Each step in the 16-bit dtype over a tensor (the quotient rounded before it is floored), in fp32 over a
+    number, as eager computes them (the device computed both in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(256, generator=g) * 3000).to(dtype), (torch.randn(256, generator=g) * 3).to(dtype)
+    da, db = a.to(lowered_only), b.to(lowered_only)
+    assert torch.equal((da // db).cpu(), a // b)
+    assert torch.equal(torch.div(da, db, rounding_mode="trunc").cpu(), torch.div(a, b, rounding_mode="trunc"))
+    assert torch.equal((da // 0.7).cpu(), a // 0.7)
+    assert torch.equal(torch.div(da, 3.3, rounding_mode="trunc").cpu(), torch.div(a, 3.3, rounding_mode="trunc"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_on_the_device_a_number_added_to_a_16_bit_tensor_is_rounded_first_as_in_eager(lowered_only, dtype):
     """Eager's x + c and c - x round c to x's dtype (its x * c keeps c in fp32): the device kept it in fp32."""
     x = (torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)

@@ -159,3 +159,20 @@ def test_numbers_meet_16_bit_tensors_as_in_eager_bit_for_bit(dtype):
     x[0] = 0.0
     for got, want in zip(run_compiled(_numbers_with_16_bit_tensors, x), _numbers_with_16_bit_tensors(x)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name, fn", [
+    ("a // b", lambda a, b: a // b),
+    ("trunc(a / b)", lambda a, b: torch.div(a, b, rounding_mode="trunc")),
+    ("a // 0.7", lambda a, b: a // 0.7),
+    ("trunc(a / 3.3)", lambda a, b: torch.div(a, 3.3, rounding_mode="trunc")),
+])
+def test_floor_and_trunc_division_match_eager_bit_for_bit(dtype, name, fn):
+    """Eager rounds each step of a 16-bit tensor division to its dtype (the quotient before it is floored), but
+    computes a 16-bit tensor over a number in fp32; 0 / -2 truncated is -0.0 (torch-mlir's trunc gave +0.0)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, generator=g) * 3000, torch.randn(256, generator=g) * 3
+    a[:6], b[:6] = torch.tensor([0.0, -0.0, 2047.0, math.inf, 1.5, 7.0]), torch.tensor([-2.0, 3.0, 0.999, 0.5, 0.0, -0.0])
+    a, b = a.to(dtype), b.to(dtype)
+    _same_floats(run_compiled(fn, a, b), fn(a, b))

@@ -514,7 +514,20 @@ def _wrapped_numbers(op, args: tuple) -> tuple:
         if isinstance(value, RuntimeScalar) and i < len(schema) and _is_tensor_type(schema[i].type):
             dtype = torch.float32 if value.kind is float else torch.int64
             done[i] = IRTensor(value.node, torch.empty((), dtype=dtype, device="meta"))
+            done[i].wrapped_number = True
     return tuple(done)
+
+
+def _is_number(value) -> bool:
+    """A Python number (as given, a runtime input, or wrapped as a 0-d tensor)."""
+    return isinstance(value, (bool, int, float, RuntimeScalar)) or getattr(value, "wrapped_number", False)
+
+
+def _division_dtype(dtype: DType, divisor) -> DType:
+    """What eager's floor and truncating divisions compute in: a float tensor's own dtype, each step rounded to it
+    (its vectorized kernel rounds a 16-bit quotient before flooring it), but fp32 with the number as given for a
+    16-bit tensor over a number; integers as they are."""
+    return _opmath(dtype) if not dtype.is_float or _is_number(divisor) else dtype
 
 
 def _is_tensor_type(kind) -> bool:
@@ -765,7 +778,7 @@ def _div(lw, meta, a, b, rounding_mode=None):
         compute = _opmath(dtype)
         x, y = _binary_operands(lw, shape, compute, a, b)
         return lw.convert(lw.op(Op.DIVIDE, [x, y], shape, compute), dtype)
-    compute = _opmath(dtype)
+    compute = _division_dtype(dtype, b)
     x, y = _binary_operands(lw, shape, compute, a, b)
     if rounding_mode == "trunc":
         if not compute.is_float:
@@ -779,7 +792,8 @@ def _div(lw, meta, a, b, rounding_mode=None):
 
 
 def _floor_divide(lw, x, y, shape, compute):
-    """PyTorch's floor division: integers rounded toward -inf; floats as its CPU kernel (div_floor_floating)."""
+    """PyTorch's floor division: integers rounded toward -inf; floats as its CPU kernel (div_floor_floating), each
+    step in `compute`."""
     zero = lw.splat(0, compute, shape)
     remainder = lw.op(Op.REMAINDER, [x, y], shape, compute)
     signs_differ = lw.op(Op.XOR, [lw.compare(remainder, zero, "LT"), lw.compare(y, zero, "LT")], shape, DType.BOOL)
@@ -802,7 +816,7 @@ def _floor_divide(lw, x, y, shape, compute):
 @rule(aten.floor_divide.default, aten.floor_divide.Scalar)
 def _floor_divide_rule(lw, meta, a, b):
     shape, dtype = _out(meta)
-    compute = _opmath(dtype)
+    compute = _division_dtype(dtype, b)
     x, y = _binary_operands(lw, shape, compute, a, b)
     return lw.convert(_floor_divide(lw, x, y, shape, compute), dtype)
 

@@ -190,9 +190,12 @@ def _floor_divide(a, b):
     """PyTorch's floor division (c10's div_floor_integer / div_floor_floating). torch-mlir lowers it as
     floor(a / b): integers through float64, which the device computes in fp32 (2**31 - 1 // 2 gave 2**30), and
     floats without ATen's correction (1.0 // 0.1 is 9.0 in eager, inf // 2 NaN). Integers: the truncating
-    quotient less one where the remainder is nonzero and the signs differ; floats: ATen's formula, 16-bit ones in
-    fp32 as its CPU kernel."""
+    quotient less one where the remainder is nonzero and the signs differ; floats: ATen's formula, in the operands'
+    dtype (eager's vectorized kernel rounds each step of a bf16 or fp16 one to it), but a bf16 or fp16 tensor over
+    a number in fp32 with the number as given, rounded once (as eager computes it)."""
     dtype = torch.result_type(a, b)
+    if dtype in _REDUCED_FLOATS and not isinstance(b, torch.Tensor):  # over a number: in fp32, the number as given
+        return _floor_divide(a.float(), b).to(dtype)
     a = a.to(dtype) if isinstance(a, torch.Tensor) else torch.scalar_tensor(a, dtype=dtype)
     b = b.to(dtype) if isinstance(b, torch.Tensor) else torch.scalar_tensor(b, dtype=dtype, device=a.device)
     if dtype == torch.bool:
@@ -201,20 +204,30 @@ def _floor_divide(a, b):
         quotient = aten.div.Tensor_mode(a, b, rounding_mode="trunc")
         remainder = torch.fmod(a, b)
         return torch.where((remainder != 0) & ((remainder < 0) != (b < 0)), quotient - 1, quotient)
-    x, y = (a.float(), b.float()) if dtype.itemsize < 4 else (a, b)
-    mod = torch.fmod(x, y)
-    div = (x - mod) / y
-    div = torch.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
+    mod = torch.fmod(a, b)
+    div = (a - mod) / b
+    div = torch.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floored = torch.floor(div)
     floored = torch.where(div - floored > 0.5, floored + 1, floored)
-    quotient = x / y
-    result = torch.where(div != 0, floored, quotient * 0)  # a zero: copysign(0, x / y), x / y finite there
-    return torch.where(y == 0, quotient, result).to(dtype)
+    quotient = a / b
+    result = torch.where(div != 0, floored, quotient * 0)  # a zero: copysign(0, a / b), a / b finite there
+    return torch.where(b == 0, quotient, result)
 
 
 def _div_rounded(a, b, rounding_mode=None):
-    """torch.div with rounding_mode="floor" is floor division (above); the other modes as torch-mlir lowers them."""
-    return _floor_divide(a, b) if rounding_mode == "floor" else NotImplemented
+    """torch.div with rounding_mode="floor" is floor division (above); "trunc" of floats is trunc(a / b), the
+    quotient rounded to the operands' dtype first as eager's vectorized kernel rounds it (over a number: in fp32,
+    as for floor division), with a zero's sign kept
+    (torch-mlir's trunc is sign(x) * floor(|x|): 0 / -2 gave +0.0); the rest as torch-mlir lowers them."""
+    if rounding_mode == "floor":
+        return _floor_divide(a, b)
+    dtype = torch.result_type(a, b)
+    if rounding_mode != "trunc" or not dtype.is_floating_point:
+        return NotImplemented
+    if dtype in _REDUCED_FLOATS and not isinstance(b, torch.Tensor):  # over a number: in fp32, the number as given
+        return _div_rounded(a.float(), b, rounding_mode).to(dtype)
+    quotient = aten.div.Tensor(a, b) if isinstance(b, torch.Tensor) else aten.div.Scalar(a, b)
+    return torch.where(quotient < 0, torch.ceil(quotient), torch.floor(quotient))
 
 
 _REDUCED_FLOATS = (torch.bfloat16, torch.float16)
