@@ -183,3 +183,22 @@ def test_a_compiled_optimizer_step_runs_whole_on_the_device_like_eager(make_opti
     assert backend.compile_count() > before
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("name, fn", [("tanh", torch.tanh), ("elu", F.elu), ("leaky_relu", F.leaky_relu),
+                                      ("log_softmax", lambda t: t.log_softmax(-1))])
+def test_bf16_activation_gradients_match_eager_bit_for_bit(name, fn):
+    """tanh's bf16 backward, (1 - y * y) * dy with y widened to fp32, read the widened y twice in one step and
+    emitted the second read from a tile nothing wrote (the load check refused the program); elu, leaky_relu and
+    log_softmax compute in fp32 as eager's kernels do."""
+    g = torch.Generator().manual_seed(0)
+    x0, w = (torch.randn(16, 128, generator=g) * 2).bfloat16(), torch.randn(16, 128, generator=g).bfloat16()
+
+    def loss(x):
+        return (fn(x) * w).sum()
+
+    eager, compiled = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    loss(eager).backward()
+    torch._dynamo.reset()
+    torch.compile(loss, backend="neuron")(compiled).backward()
+    assert torch.equal(compiled.grad, eager.grad), name

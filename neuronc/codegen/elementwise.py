@@ -136,16 +136,16 @@ def emit_steps(em: Emitter, body: tuple, slots: list, loaded: dict, temp_tiles: 
         """`args` with each deferred widening that `step` reads as its held tile replaced by the input; any
         other deferred step's value computed now."""
         held = args[0] if "then" in step.attrs else (_held_column(step, args) or (None,))[0]
-        settled = []
+        settled, widened = [], {}  # id of a deferred widening's tile -> the input read instead (x * x reads it twice)
         for a in args:
             later = next((j for j, d in deferred.items() if d.out is a), None)
             if later is not None:
                 d = deferred.pop(later)
                 if d.widens is not None and (a is held or _reads_widened(step)):
-                    a = d.widens
+                    widened[id(a)] = d.widens
                 else:
                     made[later] = compute(body[later], d.out, settle(body[later], d.args, [later]), [later])
-            settled.append(a)
+            settled.append(widened.get(id(a), a))
         return settled
 
     for i, (step, slot) in enumerate(zip(body, slots)):
