@@ -58,3 +58,52 @@ def test_a_chain_deeper_than_the_recursion_limit_is_walked():
     for _ in range(sys.getrecursionlimit() * 2):
         chain.append(ir.node(Op.NEGATE, [chain[-1]], (1,), DType.F32))
     assert ir.Graph([x], [chain[-1]]).nodes() == chain
+
+
+def _counting_walks(monkeypatch) -> list:
+    walks = []
+    walk = ir.Graph._walk
+
+    def counted(self):
+        walks.append(self)
+        return walk(self)
+
+    monkeypatch.setattr(ir.Graph, "_walk", counted)
+    return walks
+
+
+def test_a_graph_walked_again_gives_its_kept_order_without_walking(monkeypatch):
+    walks = _counting_walks(monkeypatch)
+    graph = _random_graph(0)
+    first = graph.nodes()
+    first.append("a caller's own list")  # each call returns a list of its own
+    again = graph.nodes()
+    assert again == _post_order(graph)
+    assert len(walks) == 1
+
+
+def test_a_rewrite_that_replaces_nothing_gives_the_new_graph_the_kept_order(monkeypatch):
+    walks = _counting_walks(monkeypatch)
+    graph = _random_graph(1)
+    same = graph.rewrite(lambda node, inputs: None)
+    assert same is not graph and same.nodes() == graph.nodes() == _post_order(graph)
+    assert len(walks) == 1
+    changed = graph.rewrite(lambda node, inputs: ir.node(Op.NEGATE, [node], node.shape, node.dtype)
+                            if node is graph.outputs[0] else None)
+    assert [n.id for n in changed.nodes()] == [n.id for n in _post_order(changed)]
+    assert len(walks) == 2  # graph's walk kept; the graph of a rewrite that replaced a node is walked
+
+
+def test_an_edit_of_a_nodes_inputs_or_of_the_outputs_makes_a_fresh_walk():
+    """The IR's nodes are immutable by convention; an edit against it still gives the edited graph's order."""
+    for seed in range(20):
+        graph = _random_graph(seed)
+        graph.nodes()
+        reader = next(n for n in reversed(graph.nodes()) if n.inputs)
+        reader.inputs = (graph.params[2], *reader.inputs[1:])  # the same length, another node
+        assert [n.id for n in graph.nodes()] == [n.id for n in _post_order(graph)]
+        extra = ir.node(Op.NEGATE, [graph.params[0]], (4,), DType.F32)
+        graph.outputs.append(extra)
+        assert [n.id for n in graph.nodes()] == [n.id for n in _post_order(graph)]
+        graph.params.pop()
+        assert [n.id for n in graph.nodes()] == [n.id for n in _post_order(graph)]
