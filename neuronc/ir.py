@@ -196,6 +196,14 @@ class Graph:
             graph._kept = self._kept  # (checked against the new graph at its first walk, as any kept order)
         return graph
 
+    def unchanged(self) -> "Graph":
+        """A new graph of the same params, outputs and name (what a rewrite that replaces nothing makes), its order
+        kept."""
+        graph = Graph(list(self.params), list(self.outputs), self.name)
+        if "_kept" in self.__dict__:
+            graph._kept = self._kept
+        return graph
+
     def consumers(self) -> dict:
         """node -> the set of nodes that read it."""
         readers: dict = {}
