@@ -23,6 +23,10 @@ from neuronc.neff.program import DebugLoc
 # The ops of the IR, one per entry of the op-facts table (neuronc/op_facts.py says what each takes, computes
 # and is computed by), in the table's order: Op.ADD, Op.MATMUL, ... `op_facts.BY_NAME[op.name]` is its entry.
 Op = enum.Enum("Op", [fact.name for fact in op_facts.FACTS], module=__name__, qualname="Op")
+# An op hashes as the object it is (object.__hash__, in C) instead of as its name (Enum.__hash__, a Python call at every
+# dict or set lookup: a few thousand per layer of a model in the passes). Both vary between processes (str hashes
+# are salted), so no result may depend on the order of a set of ops (tests/test_graph_order.py checks a NEFF).
+Op.__hash__ = object.__hash__
 
 
 def facts(op: Op) -> op_facts.OpFact:

@@ -107,3 +107,31 @@ def test_an_edit_of_a_nodes_inputs_or_of_the_outputs_makes_a_fresh_walk():
         assert [n.id for n in graph.nodes()] == [n.id for n in _post_order(graph)]
         graph.params.pop()
         assert [n.id for n in graph.nodes()] == [n.id for n in _post_order(graph)]
+
+
+def test_an_op_hashes_as_the_object_it_is():
+    """Op.__hash__ is object's (in C), not Enum's hash of the name (a Python call at every dict or set lookup)."""
+    assert ir.Op.__hash__ is object.__hash__
+    assert {op: op.name for op in ir.Op}[ir.Op.MATMUL] == "MATMUL" and ir.Op["ADD"] is ir.Op.ADD
+
+
+def test_a_compiled_neff_does_not_depend_on_the_hash_seed(tmp_path):
+    """Ops hash by address and strings by a salted hash, both different in each process: the NEFF of a model
+    compiled under two hash seeds is the same, byte for byte (so no result depends on the order of a set)."""
+    import os
+    import pathlib
+    import pickle
+    import subprocess
+
+    from neuronc.compiler import CompileOptions
+
+    path = tmp_path / "graph.pkl"
+    path.write_bytes(pickle.dumps((zoo_graph("transformer_block"), CompileOptions(auto_cast="matmult"))))
+    script = ("import hashlib, pickle, sys; from neuronc.compiler import compile_graph; from neuronc.neff import encode; "
+              "graph, options = pickle.load(open(sys.argv[1], 'rb')); "
+              "print(hashlib.sha256(encode(compile_graph(graph, options).neff)).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                              cwd=pathlib.Path(__file__).parents[1],
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+               for seed in ("1", "2")}
+    assert len(digests) == 1 and len(next(iter(digests))) == 64
