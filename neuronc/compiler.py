@@ -282,7 +282,7 @@ def compile_fx(gm: torch.fx.GraphModule, options: CompileOptions | None = None,
     compiled.input_mask = None if all(mask) else mask
     compiled.collective_groups = collectives.groups
     compiled.random_draws = draws.count
-    debug_dir.keep(compiled, gm.code)
+    debug_dir.keep(compiled, lambda: gm.code)  # (the FX code made only to be kept: a lazy module has none yet)
     return compiled
 
 

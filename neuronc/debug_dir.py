@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from neuronc.errors import NeuronConfigError
 
@@ -45,12 +45,15 @@ def verifying() -> bool:
     return bool(os.environ.get(ENV)) or os.environ.get(VERIFY_ENV, "") not in ("", "0")
 
 
-def keep(compiled: Compiled, fx_text: str = "") -> str | None:
+def keep(compiled: Compiled, fx_text: str | Callable[[], str] = "") -> str | None:
     """Write the artefacts of `compiled` if TORCH_NEURONX_DEBUG_DIR is set; returns the folder. A folder
-    that cannot be written is a warning: the compilation itself is not lost."""
+    that cannot be written is a warning: the compilation itself is not lost. `fx_text` may be a function making
+    the text, called only then."""
     root = os.environ.get(ENV)
     if not root:
         return None
+    if callable(fx_text):
+        fx_text = fx_text()
     try:
         return _write(compiled, fx_text, root)
     except OSError as error:

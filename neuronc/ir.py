@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import itertools
 import math
+import operator
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -22,6 +23,10 @@ from neuronc.neff.program import DebugLoc
 # The ops of the IR, one per entry of the op-facts table (neuronc/op_facts.py says what each takes, computes
 # and is computed by), in the table's order: Op.ADD, Op.MATMUL, ... `op_facts.BY_NAME[op.name]` is its entry.
 Op = enum.Enum("Op", [fact.name for fact in op_facts.FACTS], module=__name__, qualname="Op")
+# An op hashes as the object it is (object.__hash__, in C) instead of as its name (Enum.__hash__, a Python call at every
+# dict or set lookup: a few thousand per layer of a model in the passes). Both vary between processes (str hashes
+# are salted), so no result may depend on the order of a set of ops (tests/test_graph_order.py checks a NEFF).
+Op.__hash__ = object.__hash__
 
 
 def facts(op: Op) -> op_facts.OpFact:
@@ -126,6 +131,9 @@ def with_inputs(node: Node, inputs: tuple) -> Node:
     return new
 
 
+_INPUTS = operator.attrgetter("inputs")
+
+
 @dataclasses.dataclass
 class Graph:
     params: list  # PARAMETER nodes, in call order
@@ -135,7 +143,23 @@ class Graph:
     def nodes(self) -> list:
         """Every node reachable from the outputs (plus all params), in a topological order: each output's inputs
         depth first, an input before its readers, first input first (the order a recursive post-order walk gives).
-        Nodes are keyed by identity: `id` is only a display name."""
+        Nodes are keyed by identity: `id` is only a display name.
+
+        The order is a function of the params, the outputs and the inputs of the nodes it lists, so it is kept with
+        them and given again (a new list) while they are the same objects: checked at every call (list and tuple
+        equality of nodes is identity), so an edit of any of them, against the IR's convention, makes a fresh walk.
+        Passes walk the graph they were given, and most walk a graph walked before."""
+        kept = self.__dict__.get("_kept")
+        if kept is not None:
+            params, outputs, order, inputs = kept
+            if params == self.params and outputs == self.outputs and inputs == list(map(_INPUTS, order)):
+                return list(order)
+        order = self._walk()
+        self._kept = (list(self.params), list(self.outputs), order, list(map(_INPUTS, order)))
+        return list(order)
+
+    def _walk(self) -> list:
+        """The order of `nodes`, walked."""
         order, seen = list(self.params), set(self.params)
         append, add = order.append, seen.add
         for root in self.outputs:
@@ -160,6 +184,7 @@ class Graph:
         """Rebuild the graph bottom-up. `fn(node, new_inputs)` returns a replacement or None to keep
         the node (with its inputs replaced)."""
         new: dict = {}
+        kept = True  # every node its own replacement: the new graph's order is this one's
         for node in self.nodes():
             inputs = tuple(map(new.__getitem__, node.inputs))
             replacement = fn(node, inputs)
@@ -168,7 +193,20 @@ class Graph:
             elif replacement.origin < 0:
                 replacement.origin = node.origin  # it computes node's value
             new[node] = replacement
-        return Graph([new[p] for p in self.params], [new[o] for o in self.outputs], self.name)
+            if replacement is not node:
+                kept = False
+        graph = Graph([new[p] for p in self.params], [new[o] for o in self.outputs], self.name)
+        if kept and "_kept" in self.__dict__:
+            graph._kept = self._kept  # (checked against the new graph at its first walk, as any kept order)
+        return graph
+
+    def unchanged(self) -> "Graph":
+        """A new graph of the same params, outputs and name (what a rewrite that replaces nothing makes), its order
+        kept."""
+        graph = Graph(list(self.params), list(self.outputs), self.name)
+        if "_kept" in self.__dict__:
+            graph._kept = self._kept
+        return graph
 
     def consumers(self) -> dict:
         """node -> the set of nodes that read it."""

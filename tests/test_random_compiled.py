@@ -185,3 +185,35 @@ def test_checkpointed_dropout_backward_redraws_the_forward_mask_on_the_device(on
     torch.testing.assert_close(x.grad.cpu(), x_eager.grad)
     torch.testing.assert_close(block[0].weight.grad.cpu(), w_eager.grad)
     torch.testing.assert_close(block[0].bias.grad.cpu(), b_eager.grad)
+
+
+def test_random_ops_are_looked_for_only_among_the_nodes_calling_a_random_target(monkeypatch):
+    """has_random_ops asks is_random only of the nodes whose target _recipe or _wrapped compares with; every other
+    node is not random. Each ATen op named in those two functions is one of the targets."""
+    import inspect
+    import re
+
+    from neuronc.frontend import random_draws
+
+    targets, ids = random_draws._random_targets()
+    named = set(re.findall(r"aten\.(\w+)\.(\w+)", inspect.getsource(random_draws._recipe)))
+    assert len(named) >= 17
+    assert all(id(getattr(getattr(torch.ops.aten, op), overload)) in ids for op, overload in named)
+    assert all(id(wrapper) in ids for wrapper in random_draws._rng_wrappers())
+
+    asked = []
+    is_random = random_draws.is_random
+    monkeypatch.setattr(random_draws, "is_random", lambda node: asked.append(node.target) or is_random(node))
+
+    def plain(x, w):
+        return torch.relu(x @ w).sum(-1)
+
+    def drawing(x, w):
+        return F.dropout(x @ w, 0.5, training=True) + torch.rand_like(x @ w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    for fn, random in ((plain, False), (drawing, True)):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="fake")(x, w)
+        asked.clear()
+        assert random_draws.has_random_ops(gm) is random
+        assert all(id(target) in ids for target in asked) and len(asked) == random

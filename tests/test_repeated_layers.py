@@ -177,3 +177,37 @@ def test_the_split_parts_generate_no_python_code_until_it_is_read(monkeypatch):
     assert made == []
     for part in (parts.skeleton, parts.layer):
         assert part.code == torch.fx.GraphModule(gm, part.graph).code and part.graph in made
+
+
+def test_the_node_signatures_are_made_with_each_targets_text_taken_once():
+    """find_layers' signatures (_Signatures) are _signature's tuples, each target's text taken once per graph."""
+    for gm in (gpt2(torch.float32), gpt2(torch.bfloat16), mlp_stack(torch.float32)):
+        compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        signature = repeated_layers._Signatures()
+        assert [signature(n) for n in compute] == [repeated_layers._signature(n) for n in compute]
+
+    texts = []
+
+    class Target:
+        __name__ = "target"  # (FX names a node after its target)
+
+        def __call__(self, *args):
+            return args[0]
+
+        def __str__(self):
+            texts.append(self)
+            return "target"
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    one, other = Target(), Target()
+    for _ in range(4):
+        x = graph.call_function(one, (x, 2))
+        x = graph.call_function(other, (x,), {"k": [1.5, x]})
+    graph.output(x)
+    signature = repeated_layers._Signatures()
+    signatures = [signature(n) for n in graph.nodes if n.op == "call_function"]
+    assert signatures[0] == ("target", ("tuple", ("%", "2")), ("tuple", ()), "NoneType")
+    assert signatures[1] == ("target", ("tuple", ("%",)), ("tuple", (("tuple", ("'k'", ("immutable_list", ("1.5", "%")))),)),
+                             "NoneType")
+    assert signatures[2:] == signatures[:2] * 3 and texts == [one, other]

@@ -559,3 +559,91 @@ def test_legal_ops_are_left_as_they_are():
           return %1, %2
         }"""
     assert run_pass(legalize, legal) == canonical(legal)
+
+
+# the driver's sweeps after the first ------------------------------------------------------------------------------
+
+
+def _rewrite_by_full_sweeps(graph, rules, ctx):
+    """The specification of `rewrite`: every sweep offers every node to its op's rules, until a sweep fires none."""
+    by_op = {op: [r for r in rules if not r.ops or op in r.ops] for op in Op}
+    fired: list = []
+
+    def apply(node, inputs):
+        replacement = None
+        for _ in range(16):
+            for r in by_op[node.op]:
+                result = r.fn(node, inputs)
+                if result is not None and result is not node:
+                    fired.append(r.name)
+                    replacement = node = result
+                    inputs = result.inputs
+                    break
+            else:
+                return replacement
+        return replacement
+
+    while True:
+        fired.clear()
+        graph = graph.rewrite(apply)
+        ctx.fired.update(fired)
+        if not fired:
+            return graph
+
+
+def _facts(graph) -> list:
+    return [(n.id, n.op, tuple(i.id for i in n.inputs), n.shape, n.dtype) for n in graph.nodes()]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "cnn", "transformer_block"])
+def test_the_driver_makes_the_nodes_ids_and_firings_that_full_sweeps_make(model, monkeypatch):
+    import itertools
+
+    from neuronc.passes import canonicalize as canonicalize_module
+    from neuronc.passes import legalize as legalize_module
+
+    from tests.conftest import zoo_graph
+
+    results = []
+    for driver in (rewrite, _rewrite_by_full_sweeps):
+        monkeypatch.setattr(canonicalize_module, "rewrite", driver)
+        monkeypatch.setattr(legalize_module, "rewrite", driver)
+        graph, ctx = zoo_graph(model), PassContext()  # (imported once per process: then a copy, which takes no id)
+        monkeypatch.setattr(ir, "_ids", itertools.count(10**6))  # the ids name kernels and buffers in the NEFF
+        for step in (demote_f64, canonicalize, legalize):
+            graph = step(graph, ctx)
+        results.append((_facts(graph), dict(ctx.fired), ir.next_id()))
+    assert results[0] == results[1]
+    assert sum(results[0][1].values()) > 0
+
+
+def test_a_sweep_after_the_first_offers_settled_nodes_to_no_rule():
+    """The sweep that proves the fixed point offers its rules only the nodes the sweep before it made."""
+    offered = []
+
+    @rule(Op.NEGATE)
+    def never(node, inputs):
+        offered.append(node)
+        return None
+
+    @rule(Op.ADD)
+    def add_of_zero_splats(node, inputs):
+        if all(i.scalar == 0.0 for i in inputs):
+            return ir.splat(0.0, node.shape, node.dtype)
+        return None
+
+    from neuronc.isa import DType
+
+    x = ir.node(Op.PARAMETER, [], (4,), DType.F32, index=0)
+    chain = [x]
+    for _ in range(10):
+        chain.append(ir.node(Op.NEGATE, [chain[-1]], (4,), DType.F32))
+    zero = ir.node(Op.ADD, [ir.splat(0.0, (4,), DType.F32), ir.splat(0.0, (4,), DType.F32)], (4,), DType.F32)
+    total = ir.node(Op.NEGATE, [ir.node(Op.MULTIPLY, [chain[-1], zero], (4,), DType.F32)], (4,), DType.F32)
+    ctx = PassContext()
+    result = rewrite(ir.Graph([x], [total]), [never, add_of_zero_splats], ctx)
+    assert ctx.fired == {"add_of_zero_splats": 1}
+    # the first sweep's eleven negations, then only the outer one, which the first sweep copied (its operand changed);
+    # offering every node at every sweep offers 22
+    assert len(offered) == 12
+    assert result.outputs[0].inputs[0].inputs[1].scalar == 0.0

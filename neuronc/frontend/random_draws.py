@@ -28,6 +28,7 @@ neuronc's, not torch's CPU generator state (uint8[5056]) that AOTAutograd's fake
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -179,7 +180,26 @@ def is_random(node) -> bool:
 
 
 def has_random_ops(gm) -> bool:
-    return any(is_random(n) for n in gm.graph.nodes)
+    """Whether any node of `gm` is a random op (is_random), asked only of the nodes that call one of the targets
+    _recipe and _wrapped name: is_random is False for every other node (each of them returns None unless the node's
+    target is one of those objects; `is` and a tuple's `in` compare these targets by identity)."""
+    _, ids = _random_targets()
+    return any(is_random(n) for n in gm.graph.nodes if n.op == "call_function" and id(n.target) in ids)
+
+
+@functools.cache
+def _random_targets() -> tuple:
+    """(the targets _recipe and _wrapped compare a node's with, the set of their ids): looked up once (an ATen op's
+    lookup costs about 0.5 us, and is_random made about 30 per node)."""
+    import torch
+
+    aten = torch.ops.aten
+    targets = (aten.native_dropout.default, aten.rand.default, aten.rand_like.default, aten.uniform.default,
+               aten.randn.default, aten.randn_like.default, aten.normal_functional.default, aten.normal.Tensor_float,
+               aten.normal.float_Tensor, aten.normal.Tensor_Tensor, aten.normal.float_float, aten.bernoulli.p,
+               aten.bernoulli.default, aten.randint.low, aten.randint.default, aten.randint_like.low_dtype,
+               aten.randint_like.default, *_rng_wrappers())
+    return targets, frozenset(map(id, targets))
 
 
 class _Builder:

@@ -53,7 +53,8 @@ def find_layers(gm) -> Layers | None:
     if len(compute) < 2 * _MIN_PERIOD or any(n.op != "call_function" for n in compute):
         return None
     signature_ids: dict = {}
-    codes = np.array([signature_ids.setdefault(_signature(n), len(signature_ids)) for n in compute], np.int64)
+    signature = _Signatures()
+    codes = np.array([signature_ids.setdefault(signature(n), len(signature_ids)) for n in compute], np.int64)
     run = _longest_periodic_run(codes)
     if run is None:
         return None
@@ -76,6 +77,45 @@ def _signature(node) -> tuple:
     """What must agree between two copies of a node: op, target, every non-node argument, result shapes and dtypes."""
     return (str(node.target), _pattern(node.args), _pattern(tuple(sorted(node.kwargs.items()))),
             _value_type(node.meta.get("val")))
+
+
+class _Signatures:
+    """_signature of each node of one graph, the same tuples made with less Python: each target's text made once (a
+    layer's nodes call the targets of the layer before it, and `str` of an ATen op is a Python call), the pattern of
+    empty kwargs made once, and torch imported once instead of at every _pattern and _value_type call."""
+
+    NO_KWARGS = ("tuple", ())  # _pattern(tuple(sorted({}.items())))
+
+    def __init__(self):
+        import torch
+
+        self.node_type, self.tensor_type = torch.fx.Node, torch.Tensor
+        self.texts: dict = {}  # id(target) -> (target, its text): the target held, so that its id names nothing else
+
+    def __call__(self, node) -> tuple:
+        kept = self.texts.get(id(node.target))
+        if kept is None:
+            kept = self.texts[id(node.target)] = (node.target, str(node.target))
+        kwargs = node.kwargs
+        return (kept[1], self.pattern(node.args),
+                self.pattern(tuple(sorted(kwargs.items()))) if kwargs else self.NO_KWARGS,
+                self.value_type(node.meta.get("val")))
+
+    def pattern(self, value):
+        """_pattern(value)."""
+        if isinstance(value, self.node_type):
+            return "%"
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(self.pattern(v) for v in value))
+        return repr(value)
+
+    def value_type(self, value):
+        """_value_type(value)."""
+        if isinstance(value, self.tensor_type):
+            return tuple(value.shape), str(value.dtype)
+        if isinstance(value, (tuple, list)):
+            return tuple(self.value_type(v) for v in value)
+        return type(value).__name__
 
 
 def _pattern(value):

@@ -6,6 +6,15 @@ an existing one, such as an operand) computing the same values. `rewrite(graph, 
 operands first, to the rules of its op in order; a replacement is offered to the rules again, and sweeps repeat
 until no rule fires. So a pass that simplifies need not be run twice, nor ordered against the others: rules compose.
 `ctx.fired` counts the rules that fired, by name (the tests read it).
+
+A rule must be a function of its node and operands (their operands and attributes: the IR's nodes are immutable)
+that makes no node when it returns None; every rule of canonicalize and legalize, the driver's users, was read for
+it. Then a sweep after the first is known before it is made up to its first firing: a node the previous sweep
+offered with its own operands and kept as it was ("settled") gets no rule again while it has its own operands, and
+every node has them until a rule fires. So each later sweep first offers the other nodes, in order, their own
+operands; if none fires (the last sweep, which proves the fixed point), the graph is kept without a walk that
+rebuilds it; else the sweep is made, taking the first firing's replacement as found (the same rule calls, in the
+same order, so the same new nodes and ids).
 """
 from __future__ import annotations
 
@@ -43,9 +52,10 @@ def rewrite(graph: ir.Graph, rules: Iterable[Rule], ctx: PassContext | None = No
     """`graph` with `rules` applied until none fires (see the module's docstring)."""
     rules = tuple(rules)
     by_op = _rules_by_op(rules)
+    settled = None
     for _ in range(MAX_SWEEPS):
         fired: list = []
-        graph = _sweep(graph, by_op, fired)
+        graph, settled = _sweep(graph, by_op, fired, settled)
         if ctx is not None:
             ctx.fired.update(fired)
         if not fired:
@@ -60,8 +70,14 @@ def _rules_by_op(rules: tuple) -> dict:
     return {op: [r for r in rules if not r.ops or op in r.ops] for op in Op}
 
 
-def _sweep(graph: ir.Graph, by_op: dict, fired: list) -> ir.Graph:
-    def apply(node: Node, inputs: tuple) -> Node | None:
+def _sweep(graph: ir.Graph, by_op: dict, fired: list, settled: set | None) -> tuple:
+    """(the graph swept once, the nodes this sweep offered with their own operands and kept as they were). With
+    `settled` (the previous sweep's such nodes), the sweep is first checked on the others (see the module's
+    docstring)."""
+    kept: set = set()
+
+    def offer(node: Node, inputs: tuple) -> Node | None:
+        own = inputs == node.inputs  # (a tuple's == of nodes is identity)
         replacement = None
         for _ in range(MAX_REWRITES_PER_NODE):
             for r in by_op[node.op]:
@@ -72,7 +88,30 @@ def _sweep(graph: ir.Graph, by_op: dict, fired: list) -> ir.Graph:
                     inputs = result.inputs
                     break
             else:
+                if replacement is None and own:
+                    kept.add(node)
                 return replacement
         return replacement
 
-    return graph.rewrite(apply)
+    if settled is None:
+        return graph.rewrite(offer), kept
+    first = None  # (the first node a rule fires on, its replacement)
+    for node in graph.nodes():
+        if node not in settled:
+            replacement = offer(node, node.inputs)
+            if replacement is not None:
+                first = node, replacement
+                break
+    if first is None:  # no rule fires: the sweep would keep every node
+        return graph.unchanged(), settled | kept
+    known = settled | kept
+
+    def apply(node: Node, inputs: tuple) -> Node | None:
+        if node is first[0] and inputs == node.inputs:  # (every node before it was kept: its own operands)
+            return first[1]
+        if node in known and inputs == node.inputs:
+            kept.add(node)
+            return None
+        return offer(node, inputs)
+
+    return graph.rewrite(apply), kept

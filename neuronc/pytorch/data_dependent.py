@@ -34,8 +34,18 @@ def has_unknown_sizes(gm: fx.GraphModule) -> bool:
     body or in its inputs (a backward graph takes the forward's data-dependent sizes)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    return any(free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes
-               if isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)))
+    values = (n.meta.get("val") for n in gm.graph.nodes)
+    return any(free_unbacked_symbols(val) for val in values
+               if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+               or (isinstance(val, torch.Tensor) and not _concrete(val)))
+
+
+def _concrete(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's sizes, strides and offset are all ints (a strided tensor's: the only places
+    free_unbacked_symbols looks for a symbol in a tensor), so it has no symbol; asked first, as it is about 4x
+    cheaper (a layer of HF GPT-2: 0.3 ms against 1 ms)."""
+    return (tensor.layout is torch.strided and all(type(s) is int for s in tensor.size())
+            and all(type(s) is int for s in tensor.stride()) and type(tensor.storage_offset()) is int)
 
 
 def data_dependent_graph(gm: fx.GraphModule, compile_static) -> PerShapeGraphs:

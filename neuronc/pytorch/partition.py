@@ -55,9 +55,14 @@ def compile_or_partition(gm: fx.GraphModule, options, compile_whole, compile_par
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` to compile, as torch's lazy graph module (what Dynamo uses; a private torch API): it generates
+    its Python code only when the code is read or the module called. The compile reads the graph, so a graph module
+    generated code it never ran, 7 ms per layer of HF GPT-2 (issue 24)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)
 
 
 def partition(gm: fx.GraphModule, options):
