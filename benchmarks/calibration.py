@@ -130,6 +130,16 @@ def rows(name: str) -> list:
            _chip((128, 512), offset=8192), alu=AluOp.ADD)
     out.append(("Vector tensor_tensor fp32, N=512, two inputs (cycles)", "2N = 1024",
                 f"{_only(m.events()) * t.vector_ghz:.0f}"))
+    for n in (384, 16):
+        m = _Micro(name)
+        m.emit(Opcode.BN_STATS, Engine.VECTOR, _chip((128, 6)), _chip((128, n), DType.BF16, offset=4096))
+        out.append((f"Vector bn_stats, N={n} elements (cycles)", f"max(MIN_II ~64, N) = {max(64, n)}",
+                    f"{_only(m.events()) * t.vector_ghz:.0f}"))
+    for triples in (4, 20):
+        m = _Micro(name)
+        m.emit(Opcode.BN_AGGR, Engine.VECTOR, _chip((128, 2)), _chip((128, 3 * triples), offset=4096))
+        out.append((f"Vector bn_aggr, N={3 * triples} elements (cycles)",
+                    f"max(MIN_II ~64, 13 N/3) = {max(64, 13 * triples)}", f"{_only(m.events()) * t.vector_ghz:.0f}"))
     m = _Micro(name)
     for n in range(6):
         m.emit(Opcode.ACTIVATE, Engine.SCALAR, _chip((128, 1), offset=4 * (n + 1)), _chip((128, 1), offset=4 * n),

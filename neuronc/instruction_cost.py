@@ -191,6 +191,9 @@ def perf_mode_speedup(engine: Engine, form: str | None, operands: list, target: 
 
 def _elementwise_ns(instr: Instruction, target: Target) -> float:
     elements = max(ap.free_elements for ap in instr.operands)
+    if instr.opcode == Opcode.BN_AGGR:  # 13 cycles a (count, mean, M2) triple (targets.bn_aggr_cycles_per_triple)
+        return engine_pass_ns(instr.engine, instr.srcs[0].free_elements // 3 * target.bn_aggr_cycles_per_triple, 1,
+                              target)
     if instr.opcode in (Opcode.TENSOR_ALU2, Opcode.TENSOR_TENSOR_SCAN):
         passes = _alu2_passes(instr)
     else:

@@ -64,6 +64,22 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            (NKI's tensor_tensor_scan; Vector engine only, as NKI documents it).
                                            data0 and data1 have dst's shape; initial is an fp32 [p, 1] SBUF tile.
                                            Arithmetic ALU ops (TENSOR_ALU2's), floats only.
+``BN_STATS(dst, src)``                     the statistics of each partition's free elements (NKI's bn_stats): src a float
+                                           [p, n] tile (2-D, n <= BN_STATS_FMAX, targets.py), dst an F32 [p, 6]
+                                           SBUF tile: (count, mean, M2) of the elements at even free indices
+                                           (0, 2, ...), then of those at odd ones, M2 the sum of squared deviations
+                                           from the mean (NKI's "variance * count"). Defined exactly: each half's
+                                           sum is taken in fp64 (numpy's pairwise order), divided by its count and
+                                           rounded once to fp32 (the mean); M2 sums (x - mean)^2 in fp64 with that
+                                           fp32 mean and rounds once. An empty half gives (0, 0, 0).
+                                           (Vector/GpSimd engine.)
+``BN_AGGR(dst, src)``                      mean and variance from BN_STATS results (NKI's bn_aggr): src an F32
+                                           [p, 3k] tile of k (count, mean, M2) triples, dst an F32 [p, 2] SBUF
+                                           tile: (mean, variance), the population variance (divided by the count).
+                                           In fp64 from the triples' values, rounded once each to fp32: N = sum
+                                           n_i, mean = sum(n_i m_i) / N, variance = (sum M2_i + sum n_i (m_i -
+                                           mean)^2) / N with that fp64 mean (Chan's combination); N = 0 gives NaN.
+                                           (Vector/GpSimd engine.)
 ``TENSOR_SCALAR(dst, src)``                dst = alu(src, imm0), or alu(imm0, src) when ``reverse``
 ``TENSOR_REDUCE(dst, src)``                dst[..., 0] = alu-reduction of src over its last dim;
                                            dst has src's shape with the last size replaced by 1.
@@ -246,6 +262,8 @@ class Opcode(enum.IntEnum):
     TENSOR_ALU2 = 22
     DMA_TRANSPOSE = 23
     TENSOR_TENSOR_SCAN = 24
+    BN_STATS = 25
+    BN_AGGR = 26
     # the collective engine's (40-49: kept clear of the numbers other branches take for compute opcodes)
     ALL_REDUCE = 40
     ALL_GATHER = 41
@@ -276,6 +294,8 @@ ARITY = {
     Opcode.TENSOR_ALU2: 4,
     Opcode.DMA_TRANSPOSE: 2,
     Opcode.TENSOR_TENSOR_SCAN: 4,
+    Opcode.BN_STATS: 2,
+    Opcode.BN_AGGR: 2,
     Opcode.ALL_REDUCE: 2,
     Opcode.ALL_GATHER: 2,
     Opcode.REDUCE_SCATTER: 2,

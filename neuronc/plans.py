@@ -260,13 +260,33 @@ class RowSum:
         return (self.src,)
 
 
+@dataclasses.dataclass(frozen=True)
+class BnStats:
+    """The mean of src's row (this step, the row sum's division by the columns) and its population variance (step
+    `var`, the sum of squared deviations from that mean divided likewise): one BN_STATS per chunk of the row and one
+    BN_AGGR on the Vector/GpSimd engines, in place of a row sum, a Summed square and the two divisions."""
+    src: tuple
+    var: int
+
+    @property
+    def reads(self) -> tuple:
+        return (self.src,)
+
+    @staticmethod
+    def chunks(cols: int, max_free: int) -> tuple:
+        """The column ranges of the row's BN_STATS: as few as hold at most `max_free` columns each, equal to within one
+        column (the instructions' results, and so their values, depend on these bounds)."""
+        k = -(-cols // max_free)
+        return tuple((i * cols // k, (i + 1) * cols // k) for i in range(k))
+
+
 OUT_SLOT = "out"  # the slot of a value kept in the output tile
 
 
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
     """How a ROWWISE body's steps are computed per row tile, and the tile slots that takes."""
-    instrs: tuple  # (step, Plain | Alu2 | Summed | Act | RowSum), in step order; col steps are Plain
+    instrs: tuple  # (step, Plain | Alu2 | Summed | Act | RowSum | BnStats), in step order; col steps are Plain
     out_step: int  # the step whose instruction writes the output tile
     slots: tuple  # (step, slot): its tile slot of its kind (OUT_SLOT: the output tile); a Summed's row sum has
     # one too. The out step has none, nor a full value nothing reads (it goes to the kernel's scratch tile)
@@ -294,6 +314,8 @@ class Schedule:
     row_steps_on_scalar: bool  # per-row ALU steps (a mean's division) on the Scalar engine, next to the row sums
     cut: int  # the tail's columns [0, cut) and [cut, cols) on two engines side by side (`split_engines`); 0: whole
     shared_after: int  # groups of row tiles loaded before the inputs shared by every row (a norm's weight)
+    bn_tiles: int = 0  # the first row tiles whose BnStats are BN_STATS and BN_AGGR (Vector/GpSimd); the others make
+    # them as the steps they stand for (a row sum, a Summed square, the divisions: passes/rowwise_plan.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,6 +570,6 @@ class ConvPlan:
 
 
 __all__ = ["MemoryPlan", "dense_strides", "PoolSpec", "pool_specs", "View", "MatmulTiling", "MatmulPlan", "ChainPlan",
-           "Plain", "Alu2", "Summed", "Act", "RowSum", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "ReducePlan",
+           "Plain", "Alu2", "Summed", "Act", "RowSum", "BnStats", "OUT_SLOT", "TilePlan", "Schedule", "RowwisePlan", "ReducePlan",
            "ElementwisePlan", "RowsPlan", "TopkPlan", "AttentionPlan", "ConvGeometry", "TapPlan", "ConvTiling",
            "EpiloguePlan", "ConvPlan"]

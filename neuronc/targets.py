@@ -54,6 +54,14 @@ class Target:
     # streamed inputs (its initial value is one number per partition, held), without the performance mode (trn2's
     # docs list only tensor_copy / tensor_scalar / tensor_tensor for it, and the scan's state is fp32).
     elementwise_min_interval_cycles: int
+    # BatchNorm statistics (NKI's bn_stats / bn_aggr on the Vector and GpSimd engines; aws-neuron-sdk
+    # nki/api/nki/isa/__init__.py, an earlier version's docstrings): bn_stats reads at most "512
+    # (nl.tile_size.bn_stats_fmax)" elements per partition and costs "max(MIN_II, N) Vector Engine cycles" (one pass:
+    # the rule above); bn_aggr costs "max(MIN_II, 13*(N/3))" cycles for N input elements (N/3 triples), here 13
+    # cycles a triple. Neither is in trn2's performance-mode list (priced at 1x). GpSimd takes the same cycles at
+    # its own clock (a stated choice: the docs give the Vector engine's).
+    bn_stats_max_free: int
+    bn_aggr_cycles_per_triple: int
     # An instruction reading what the instruction before it on the same engine wrote "cannot start data read until
     # the previous instruction has all of its output committed to the local SRAM": the static overhead (~100
     # cycles) plus the tensor access overhead (~60 cycles each way, trainium_inferentia2_arch.rst) show. The docs
@@ -163,6 +171,8 @@ _COMMON = dict(
     matmul_min_interval_cycles=64,
     matmul_fp32_slowdown=4,
     elementwise_min_interval_cycles=64,
+    bn_stats_max_free=512,
+    bn_aggr_cycles_per_triple=13,
     dependent_spacing_cycles=200,
     activation_table_load_cycles=1300,
     dma_efficient_bytes_per_partition=4 * KIB,

@@ -120,6 +120,34 @@ def _tensor_alu2(instr, dst, a, b, c):
     return first if instr.alu1 == AluOp.NONE else ALU[instr.alu1](first, c.astype(F32, copy=False))
 
 
+def _halves_stats(x):
+    """(count, mean, M2) of each row of x (float64 [p, n]): the mean is the fp64 sum over the count, rounded to fp32;
+    M2 the fp64 sum of squared deviations from that fp32 mean, rounded to fp32. An empty row gives (0, 0, 0)."""
+    p, n = x.shape
+    if n == 0:
+        return np.zeros((p, 3), F32)
+    mean = (x.sum(axis=-1) / n).astype(F32)
+    m2 = np.square(x - mean.astype(np.float64)[:, None]).sum(axis=-1).astype(F32)
+    return np.stack([np.full(p, n, F32), mean, m2], axis=-1)
+
+
+def _bn_stats(instr, dst, src):
+    """(count, mean, M2) of the even then the odd free positions of each partition (isa.py: BN_STATS)."""
+    x = np.asarray(src, np.float64)
+    return np.concatenate([_halves_stats(x[:, 0::2]), _halves_stats(x[:, 1::2])], axis=-1)
+
+
+def _bn_aggr(instr, dst, src):
+    """(mean, variance) of each partition from its (count, mean, M2) triples, combined in fp64 (isa.py: BN_AGGR)."""
+    t = np.asarray(src, np.float64).reshape(src.shape[0], -1, 3)
+    n, m, m2 = t[..., 0], t[..., 1], t[..., 2]
+    total = n.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (n * m).sum(axis=-1) / total
+        var = (m2.sum(axis=-1) + (n * np.square(m - mean[:, None])).sum(axis=-1)) / total
+    return np.stack([mean, var], axis=-1).astype(F32)
+
+
 def _tensor_tensor_scan(instr, dst, data0, data1, initial):
     """r = alu1(alu(data0[p, i], r), data1[p, i]) for each free element i in row-major order, r starting at
     initial[p, 0] and kept in fp32 (each op rounds to fp32, as numpy's fp32 ufuncs do); dst[p, i] = r. Sequential:
@@ -311,6 +339,8 @@ SEMANTICS = {
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce,
     Opcode.TENSOR_ALU2: _tensor_alu2,
     Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan,
+    Opcode.BN_STATS: _bn_stats,
+    Opcode.BN_AGGR: _bn_aggr,
 }
 
 
@@ -826,7 +856,8 @@ ENGINES = {
     Opcode.TENSOR_TENSOR_SCAN: frozenset({Engine.VECTOR}),  # NKI: "using Vector Engine" (tensor_tensor_scan)
     **{op: frozenset({Engine.COLLECTIVE}) for op in COLLECTIVES},
     **{op: frozenset({Engine.VECTOR, Engine.GPSIMD}) for op in (Opcode.MAX8, Opcode.FIND_INDEX8, Opcode.MATCH_REPLACE8,
-                                                               Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2)},
+                                                               Opcode.TENSOR_SCALAR_REDUCE, Opcode.TENSOR_ALU2,
+                                                               Opcode.BN_STATS, Opcode.BN_AGGR)},
 }
 
 # Which memories each engine reaches: DMA moves HBM and SBUF (never PSUM); compute engines work on chip, but GpSimd
@@ -994,6 +1025,24 @@ def _tensor_tensor_scan_shapes(instr: Instruction, target: Target):
         _fail("TENSOR_TENSOR_SCAN has no reversed form", hint="its ops take (data0, previous) then (value, data1)")
 
 
+def _bn_shapes(instr: Instruction, target: Target):
+    """BN_STATS(dst F32 [p, 6] in SBUF, src float [p, n <= bn_stats_max_free]) and BN_AGGR(dst F32 [p, 2] in SBUF,
+    src F32 [p, 3k] of (count, mean, M2) triples): 2-D tiles of the same partitions."""
+    name, (dst, src) = instr.opcode.name, instr.operands
+    width = 6 if instr.opcode == Opcode.BN_STATS else 2
+    if len(dst.dims) != 2 or dst.shape != (src.shape[0], width) or dst.dtype != DType.F32 or dst.space != Space.SBUF:
+        _fail(f"{name}'s destination must be an F32 [{src.shape[0]}, {width}] tile in SBUF, got "
+              f"{dst.dtype.name}{list(dst.shape)} in {dst.space.name}",
+              hint="convert the statistics with TENSOR_COPY afterwards if another dtype is wanted")
+    if len(src.dims) != 2 or not src.dtype.is_float:
+        _fail(f"{name} reads a 2-D float [partitions, elements] tile, got {src.dtype.name}{list(src.shape)}")
+    if instr.opcode == Opcode.BN_STATS and src.shape[1] > target.bn_stats_max_free:
+        _fail(f"BN_STATS reads at most {target.bn_stats_max_free} elements per partition, got {src.shape[1]}",
+              hint="one BN_STATS per chunk of the row, their results side by side, then one BN_AGGR")
+    if instr.opcode == Opcode.BN_AGGR and (src.dtype != DType.F32 or src.shape[1] % 3 or not src.shape[1]):
+        _fail(f"BN_AGGR reads F32 (count, mean, M2) triples, [p, 3k] with k >= 1; got {src.dtype.name}{list(src.shape)}")
+
+
 def _indirect_shapes(instr: Instruction, target: Target):
     """DMA_GATHER(rows, table, indices) and DMA_SCATTER(table, rows, indices): the table in HBM, the rows
     and their indices in SBUF."""
@@ -1082,6 +1131,8 @@ SHAPE_RULES = {
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce_shapes,
     Opcode.TENSOR_ALU2: _tensor_alu2_shapes,
     Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan_shapes,
+    Opcode.BN_STATS: _bn_shapes,
+    Opcode.BN_AGGR: _bn_shapes,
 }
 
 _FREE_LIMIT = {Space.SBUF: lambda t: t.max_free_elements_sbuf, Space.PSUM: lambda t: t.max_free_elements_psum}

@@ -4,6 +4,7 @@ resident A^T, instead of stored to HBM and loaded back strided."""
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +15,7 @@ from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.ir import Op
 from neuronc.codegen.matmul import TRANSPOSE_BANKS
 from neuronc.isa import DType, Engine, Opcode, Space
+from neuronc.passes import pipeline, rowwise_schedule
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls
 from neuronc.plans import ChainPlan, ProloguePlan
 from runtime import run_neff
@@ -111,14 +113,30 @@ def _run(compiled, x) -> np.ndarray:
     return run_neff(compiled.neff, [x.float().numpy().astype(ml_dtypes.bfloat16)]).outputs[0]
 
 
+def _compiled(program, name: str) -> dict:
+    """The program at -O2 (key 2) and at -O2 without fold_norms_into_matmuls (key "apart": the norm a row-wise kernel
+    of its own under the prologue's schedule, its result stored and loaded by the matmul). The folded kernel must
+    give the latter's bits: the norm's row tiles are computed by the same plan and schedule. (-O0's bits are no
+    reference: -O2's norms may make their mean and variance with BN_STATS / BN_AGGR, which round otherwise than -O0's
+    row sums, in the row tiles their schedule says.)"""
+    folded = compile_exported(program, CompileOptions(opt_level=2, name=name))
+    (matmul,) = [n for n in folded.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue")]
+    schedule = matmul.attrs["prologue"].attrs["schedule"]
+    apart = [p for p in pipeline.PIPELINES[2] if p is not fold_norms_into_matmuls]
+    with mock.patch.dict(pipeline.PIPELINES, {2: apart}), mock.patch.object(
+            rowwise_schedule, "choose_schedule", lambda *args, **kw: schedule):
+        unfolded = compile_exported(program, CompileOptions(opt_level=2, name=f"{name}_apart"))
+    return {2: folded, "apart": unfolded}
+
+
 def test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_bits():
     """GPT-2's layer-norm -> QKV projection (768 -> 2304, 512 tokens, bf16) at -O2: one kernel, whose Tensor engine
-    transposes the norm's 4 row tiles (6 K tiles each) into A^T and loads no A^T from HBM; the same bits as one
-    kernel per op (-O0: the same roundings), and eager's values."""
+    transposes the norm's 4 row tiles (6 K tiles each) into A^T and loads no A^T from HBM; the same bits as the norm
+    and the projection in kernels of their own, and eager's values."""
     model, x = _layer_norm_projection(768, 2304, 512)
     program = torch.export.export(model, (x,))
-    compiled = {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_qkv_{level}"))
-                for level in (0, 2)}
+    compiled = _compiled(program, "ln_qkv")
+    assert len(compiled["apart"].neff.kernels) == 2
     (kernel,) = compiled[2].neff.kernels
     (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
     assert isinstance(matmul.attrs["plan"], ProloguePlan)
@@ -126,7 +144,7 @@ def test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_
                   if i.opcode == Opcode.MATMUL and i.operands[0].partitions == 128 and i.operands[2].dims[1][1] == 128
                   and i.operands[1].dims[1][1] == 128 and i.operands[0].dims[1][1] == 128]
     assert len(transposes) == 4 * 6
-    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    outputs = [_run(compiled[level], x) for level in ("apart", 2)]
     np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
@@ -135,20 +153,19 @@ def test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_
 @functools.lru_cache(maxsize=1)
 def _layer_norm_mlp() -> tuple:
     """GPT-2's second layer-norm -> MLP (768 -> 3072 -> GELU -> 768, 512 tokens, bf16), its input, and its
-    programs at -O0 and -O2."""
+    programs at -O2 with and without the norm folded (`_compiled`)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(768), torch.nn.Linear(768, 3072), torch.nn.GELU(),
                                 torch.nn.Linear(3072, 768)).eval().to(torch.bfloat16)
     x = torch.randn(512, 768).to(torch.bfloat16)
     program = torch.export.export(model, (x,))
-    return model, x, {level: compile_exported(program, CompileOptions(opt_level=level, name=f"ln_mlp_{level}"))
-                      for level in (0, 2)}
+    return model, x, _compiled(program, "ln_mlp")
 
 
 def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits():
     """GPT-2's second layer-norm -> MLP at -O2: one kernel, the chain (passes/matmul_chain.py) whose first matmul's
-    resident x^T the norm's transposed row tiles make, so no strided load of x^T; the same bits as one kernel per
-    op (-O0), and eager's values."""
+    resident x^T the norm's transposed row tiles make, so no strided load of x^T; the same bits as the norm in a
+    kernel of its own, and eager's values."""
     model, x, compiled = _layer_norm_mlp()
     (kernel,) = compiled[2].neff.kernels
     (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
@@ -157,7 +174,7 @@ def test_gpt2s_layer_norm_and_mlp_chain_are_one_kernel_giving_the_baseline_bits(
     strided = [i for (engine, _), stream in compiled[2].neff.streams.items() if engine == Engine.DMA for i in stream
                if i.operands[1].space == Space.HBM and i.operands[1].dims[-1][0] != 1 and i.operands[1].dims[-1][1] > 1]
     assert not strided  # x^T is made on chip
-    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    outputs = [_run(compiled[level], x) for level in ("apart", 2)]
     np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
@@ -167,7 +184,7 @@ def test_the_mlp_chains_first_output_tiles_multiply_each_row_tile_of_the_norm_as
     """In the layer-norm -> MLP chain, the first matmul's lead output tiles (h^T, all 512 tokens wide) accumulate a
     128-token block at a time, each block's matmuls (N = 128) on the Tensor engine before the norm's last row tile
     is transposed, instead of every row tile first; each element sums the same K tiles in the same order, so the
-    output has -O0's bits and eager's values."""
+    output has the bits of the norm in a kernel of its own, and eager's values."""
     model, x, compiled = _layer_norm_mlp()
     tensor = compiled[2].neff.streams[(Engine.TENSOR, 0)]
     transposes = [n for n, i in enumerate(tensor) if i.opcode == Opcode.MATMUL and i.dst.dtype != DType.F32]
@@ -176,7 +193,7 @@ def test_the_mlp_chains_first_output_tiles_multiply_each_row_tile_of_the_norm_as
     assert early and all(i.operands[2].free_elements == 128 for i in early)
     lead_tiles = 8 - 4 - TRANSPOSE_BANKS  # trn2's PSUM banks, less the second's early column and the transposes
     assert len(early) >= lead_tiles * 6  # at least the first token block of each lead tile, over its 6 K tiles
-    outputs = [_run(compiled[level], x) for level in (0, 2)]
+    outputs = [_run(compiled[level], x) for level in ("apart", 2)]
     np.testing.assert_array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
     with torch.no_grad():
         assert_matches_eager([torch.from_numpy(outputs[1].astype(np.float32)).to(torch.bfloat16)], model(x))
@@ -200,3 +217,20 @@ def test_a_bf16_gpt2_folds_every_layer_norm_into_its_matmul_and_is_as_accurate_a
     prologues = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue") is not None]
     assert len(prologues) == 5 and not any(n.op is Op.ROWWISE for n in compiled.graph.nodes())
     assert_as_accurate_as_eager(run_program(compiled.neff, (ids,)), model, (ids,))
+
+
+def test_a_folded_norm_takes_the_schedule_priced_for_a_prologue_which_is_faster_there(monkeypatch):
+    """The norm's schedule is chosen again for the matmul's prologue (its row tiles copied out of the transposes'
+    PSUM by the Vector engine, not stored): on GPT-2's layer-norm -> MLP chain (its 4 row tiles all before the first
+    matmul) it differs from the norm's own and the kernel is faster with it, with eager's values."""
+    from neuronc.passes import norm_prologue
+
+    model, x, compiled = _layer_norm_mlp()
+    (matmul,) = [n for n in compiled[2].graph.nodes() if n.op is Op.MATMUL]
+    monkeypatch.setattr(norm_prologue, "_as_prologue", lambda norm, target: dict(norm.attrs))
+    own = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="ln_mlp_own"))
+    (kept,) = [n for n in own.graph.nodes() if n.op is Op.MATMUL]
+    assert matmul.attrs["prologue"].attrs["schedule"] != kept.attrs["prologue"].attrs["schedule"]
+    assert compiled[2].neff.estimated_ns < own.neff.estimated_ns
+    with torch.no_grad():
+        assert_matches_eager([torch.from_numpy(_run(compiled[2], x).astype(np.float32)).to(torch.bfloat16)], model(x))

@@ -75,8 +75,10 @@ def test_a_normalisation_is_one_kernel_and_matches_eager(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "softmax"])
-def test_a_normalisation_of_one_row_is_one_kernel_with_the_bits_of_the_unfused_program(name):
-    """A decode step's [1, 1, C] norm: its one row is read with the stride C, which a frame of one row ignores."""
+def test_a_normalisation_of_one_row_is_one_kernel_with_the_bits_of_the_unfused_program(monkeypatch, name):
+    """A decode step's [1, 1, C] norm: its one row is read with the stride C, which a frame of one row ignores. (A
+    layer-norm whose schedule makes its mean and variance with BN_STATS rounds them otherwise than -O0's row sums:
+    its program with the schedule's `bn_tiles` 0 has -O0's bits, the chosen eager's values.)"""
     torch.manual_seed(0)
     model, x = NORMALISATIONS[name](128).eval(), torch.randn(1, 1, 128) * 3
     with torch.no_grad():
@@ -84,6 +86,9 @@ def test_a_normalisation_of_one_row_is_one_kernel_with_the_bits_of_the_unfused_p
     compiled, out = compile_and_run(model, (x,))
     _, unfused = compile_and_run(model, (x,), opt_level=0)
     assert [n.op for n in compiled.graph.nodes() if n.op not in (Op.PARAMETER, Op.RESHAPE)] == [Op.ROWWISE]
+    schedule = _rowwise_node(compiled).attrs["schedule"]
+    if schedule.bn_tiles:
+        _, out = _compile_with(monkeypatch, model, x, dataclasses.replace(schedule, bn_tiles=0))
     assert torch.equal(out, unfused)
     assert_matches_eager(out, expected)
 
@@ -103,8 +108,12 @@ def test_an_activation_and_the_row_sum_after_it_are_one_scalar_instruction(name,
     # the other reductions: TENSOR_REDUCE, or a plain row sum on the Scalar engine (an identity activation)
     others = [i for i in instructions if i.opcode == Opcode.TENSOR_REDUCE or i.opcode == Opcode.ACTIVATE_BIAS_REDUCE
               and i.func == ActFunc.IDENTITY]
-    assert len(summed) == 2
-    assert len(others) == 2 * other_reductions
+    # or, in a layer-norm's row tiles the schedule gives BN_STATS (`bn_tiles`), one BN_STATS for the mean and the
+    # squared deviations' sum both (a row of 96: one chunk)
+    bn = [i for i in instructions if i.opcode == Opcode.BN_STATS]
+    assert len(bn) == min(_rowwise_node(compiled).attrs["schedule"].bn_tiles, 2)
+    assert len(summed) + len(bn) == 2
+    assert len(others) + len(bn) * other_reductions == 2 * other_reductions
     assert_matches_eager(out, expected)
 
 
@@ -186,7 +195,11 @@ def test_a_row_tile_makes_one_pass_per_fused_group_of_steps(name, dtype):
     compiled, out = compile_and_run(model, (x,))
     compute = [i for (engine, _), stream in compiled.neff.streams.items() if engine != Engine.DMA for i in stream]
     last_tile = [i for i in compute if i.dst.partitions == 200 - 128 and max(ap.free_elements for ap in i.operands) == 96]
-    assert len(last_tile) == PASSES_PER_ROW_TILE[name][dtype == torch.bfloat16]
+    # a layer-norm's row tile with BN_STATS (the schedule's `bn_tiles`) makes one pass for its mean and variance,
+    # instead of the row sum's and the squared deviations'
+    bn = any(i.opcode == Opcode.BN_STATS for i in last_tile)
+    assert bn == (name == "layer_norm" and _rowwise_node(compiled).attrs["schedule"].bn_tiles == 2)
+    assert len(last_tile) == PASSES_PER_ROW_TILE[name][dtype == torch.bfloat16] - bn
     assert not any(i.opcode == Opcode.TENSOR_COPY for i in last_tile)  # converts folded into the instructions
     assert_matches_eager(out, expected)
 
@@ -245,8 +258,8 @@ def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits
     with torch.no_grad():
         expected = model(x)
     chosen, out = _compile_with(monkeypatch, model, x)
-    paired, paired_out = _compile_with(monkeypatch, model, x, PAIRED)
     schedule = _rowwise_node(chosen).attrs["schedule"]
+    paired, paired_out = _compile_with(monkeypatch, model, x, dataclasses.replace(PAIRED, bn_tiles=schedule.bn_tiles))
     assert chosen.neff.estimated_ns < paired.neff.estimated_ns
     assert torch.equal(out, paired_out)
     assert_matches_eager(out, expected)
@@ -257,6 +270,12 @@ def test_gpt2s_layer_norm_takes_a_cheaper_schedule_than_pairs_with_the_same_bits
         slower, other_out = _compile_with(monkeypatch, model, x, other)
         assert chosen.neff.estimated_ns <= slower.neff.estimated_ns, other
         assert torch.equal(out, other_out), other
+    # BN_STATS' mean and variance (bn_tiles > 0, as chosen here: checked) round otherwise than the row sums, within
+    # eager's tolerance, and the chosen schedule is faster than itself without them
+    assert schedule.bn_tiles
+    without, without_out = _compile_with(monkeypatch, model, x, dataclasses.replace(schedule, bn_tiles=0))
+    assert chosen.neff.estimated_ns < without.neff.estimated_ns
+    assert_matches_eager(without_out, expected)
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "softmax", "rms_norm"])
@@ -315,3 +334,25 @@ def test_a_latency_bound_row_tile_dma_is_cut_into_even_slices(rows):
     pieces = rowwise_schedule.dma_pieces(rows * 768 * DType.BF16.itemsize, rows, True, target)
     slices = dma_slices(target, tile, pieces)
     assert len(slices) == pieces and len({b - a for a, b in slices}) == 1
+
+
+def test_a_layer_norms_mean_and_variance_are_one_bn_stats_step_when_the_rows_length_is_known():
+    """A row's sum divided by its length and its squared deviations' sum divided likewise: one BnStats at the mean's
+    step making the variance's too (the row sum, the squares and the divisions go). Not when the length is unknown,
+    nor when the divisor is not the row's length (a scaled sum is no mean)."""
+    from neuronc.passes.rowwise_plan import tile_plan
+    from neuronc.plans import BnStats, RowSum, Summed
+
+    torch.manual_seed(0)
+    compiled, _ = compile_and_run(_layer_norm(256).to(torch.bfloat16), (torch.randn(128, 256).to(torch.bfloat16),))
+    node = _rowwise_node(compiled)
+    body, views, dtypes = node.attrs["body"], node.attrs["views"], [x.dtype for x in node.inputs]
+    instrs = tile_plan(body, views, dtypes, cols=256).instr_of
+    (mean,) = [j for j, i in instrs.items() if isinstance(i, BnStats)]
+    var = instrs[mean].var
+    assert body[mean].op is Op.DIVIDE and body[var].op is Op.DIVIDE and var not in instrs
+    assert not any(isinstance(i, (RowSum, Summed)) for i in instrs.values())
+    for cols in (None, 255):
+        other = tile_plan(body, views, dtypes, cols=cols).instr_of
+        assert not any(isinstance(i, BnStats) for i in other.values())
+        assert any(isinstance(i, RowSum) for i in other.values()) and any(isinstance(i, Summed) for i in other.values())

@@ -54,9 +54,9 @@ def test_repeated_layers_size_and_plan_each_distinct_rowwise_kernel_once(monkeyp
 def test_tile_plan_plans_each_distinct_body_once(monkeypatch, dtype):
     made, plan = [], rowwise_plan._tile_plan
 
-    def counting(body, views, input_dtypes, summed=()):
-        made.append(structural_key((body, views, tuple(input_dtypes), tuple(summed))))
-        return plan(body, views, input_dtypes, summed)
+    def counting(body, views, input_dtypes, summed=(), cols=None):
+        made.append(structural_key((body, views, tuple(input_dtypes), tuple(summed), cols)))
+        return plan(body, views, input_dtypes, summed, cols)
 
     monkeypatch.setattr(rowwise_plan, "_PLANNED", {})
     monkeypatch.setattr(rowwise_plan, "_tile_plan", counting)
@@ -68,7 +68,7 @@ def test_tile_plan_plans_each_distinct_body_once(monkeypatch, dtype):
 def test_a_remembered_tile_plan_is_the_one_planned_afresh(dtype):
     compiled = compile_fx(gpt2(dtype), CompileOptions(opt_level=2, name="gpt2_3_layers"))
     for n in _rowwise_nodes(compiled.graph):
-        args = n.attrs["body"], n.attrs["views"], [x.dtype for x in n.inputs]
+        args = n.attrs["body"], n.attrs["views"], [x.dtype for x in n.inputs], (), n.attrs["cols"]
         assert rowwise_plan.tile_plan(*args) == rowwise_plan._tile_plan(*args)
 
 
@@ -78,7 +78,7 @@ def test_every_rowwise_node_carries_the_plan_its_own_would_be(dtype):
     target = get_target(CompileOptions().target)
     for n in _rowwise_nodes(compiled.graph):
         assert n.attrs["plan"] == rowwise.rowwise_plan(n.attrs["body"], n.attrs["views"], [x.dtype for x in n.inputs],
-                                                       n.attrs["schedule"], target)
+                                                       n.attrs["schedule"], target, n.attrs["cols"])
 
 
 def _uncached_users(self, node):

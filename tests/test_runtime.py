@@ -1557,3 +1557,90 @@ def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_d
 
         late = [int(w) for w in who.flat if not happens_before(int(w))]
         assert _unordered_writer(who, clock, firsts) == (late[0] if late else None)
+
+
+def _bn_program(width: int, chunks: tuple, dtype=DType.F32) -> Neff:
+    """x [4, width] loaded; one BN_STATS per column range of `chunks` side by side, BN_AGGR over them; both stored."""
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (4, width), dtype)
+    stats_t = p.tensor("stats", TensorKind.OUTPUT, (4, 6 * len(chunks)))
+    aggr_t = p.tensor("aggr", TensorKind.OUTPUT, (4, 2))
+    x, stats, aggr = chip((4, width), dtype), chip((4, 6 * len(chunks)), offset=4096), chip((4, 2), offset=8192)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, x, hbm(x_t))
+    for i, (c0, c1) in enumerate(chunks):
+        p.emit(Opcode.BN_STATS, (Engine.VECTOR, Engine.GPSIMD)[i % 2],
+               dataclasses.replace(stats, offset=4096 + 24 * i, dims=((1, 4), (1, 6))),
+               dataclasses.replace(x, offset=c0 * dtype.itemsize, dims=((1, 4), (1, c1 - c0))), waits=done(Engine.DMA))
+    p.emit(Opcode.BN_AGGR, Engine.VECTOR, aggr, stats, waits=done(Engine.GPSIMD, len(chunks) // 2) + done(
+        Engine.VECTOR, -(-len(chunks) // 2)))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(stats_t), stats, queue=1, waits=done(Engine.VECTOR, -(-len(chunks) // 2) + 1))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(aggr_t), aggr, queue=2, waits=done(Engine.VECTOR, -(-len(chunks) // 2) + 1))
+    return p.neff()
+
+
+def _docs_bn_stats(x: np.ndarray) -> np.ndarray:
+    """NKI's bn_stats output, from its docs: (count, mean, variance * count) of the even, then the odd elements."""
+    halves = [x[:, 0::2].astype(np.float64), x[:, 1::2].astype(np.float64)]
+    return np.concatenate([np.stack([np.full(len(h), h.shape[1]), h.mean(-1), h.var(-1) * h.shape[1]], -1)
+                           for h in halves], -1)
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16], ids=lambda d: d.name)
+def test_bn_stats_and_bn_aggr_opcodes_give_each_partitions_statistics_mean_and_variance(core, dtype):
+    """Three chunks of a row of 700 (Vector and GpSimd), their statistics as NKI documents them and the row's mean
+    and population variance (numpy's, in fp64) to fp32's rounding; the values are ~3 +- 2, so a variance made from
+    a sum of squares in fp32 would miss by far more."""
+    x = uniform(1, 5, (4, 700)).astype(dtype.numpy)
+    chunks = ((0, 234), (234, 467), (467, 700))
+    stats, aggr = core.load(_bn_program(700, chunks, dtype)).run([x]).outputs
+    for i, (c0, c1) in enumerate(chunks):
+        np.testing.assert_allclose(stats[:, 6 * i:6 * i + 6], _docs_bn_stats(x[:, c0:c1]), rtol=2e-7)
+    wide = x.astype(np.float64)
+    np.testing.assert_allclose(aggr[:, 0], wide.mean(-1), rtol=2e-7)
+    np.testing.assert_allclose(aggr[:, 1], wide.var(-1), rtol=2e-7)
+
+
+def test_bn_stats_opcode_of_one_element_gives_an_empty_odd_half(core):
+    x = np.array([[3.0], [-1.0], [0.5], [8.0]], np.float32)
+    stats, aggr = core.load(_bn_program(1, ((0, 1),))).run([x]).outputs
+    np.testing.assert_array_equal(stats, np.concatenate([np.ones((4, 1)), x, np.zeros((4, 4))], -1).astype(np.float32))
+    np.testing.assert_array_equal(aggr, np.concatenate([x, np.zeros((4, 1))], -1).astype(np.float32))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("wide", "at most 512 elements"), ("bf16_dst", "F32 \\[4, 6\\] tile in SBUF"), ("scalar", "cannot run on the SCALAR"),
+    ("aggr_not_triples", "triples"), ("aggr_wide_dst", "F32 \\[4, 2\\] tile"), ("integers", "float")])
+def test_bn_opcodes_refuse_what_nkis_bn_stats_and_bn_aggr_do_not_take_also_from_a_neff_files_bytes(core, case, match):
+    """Each malformed instruction alone in a program: refused when a NEFF built in memory is loaded, and when its
+    encoded bytes (a hostile NEFF file) are decoded and loaded."""
+    from neuronc.neff import decode, encode
+    opcode, engine, dst, src = Opcode.BN_STATS, Engine.VECTOR, chip((4, 6)), chip((4, 512), offset=64)
+    if case == "wide":
+        src = chip((4, 513), offset=64)
+    elif case == "bf16_dst":
+        dst = chip((4, 6), DType.BF16)
+    elif case == "scalar":
+        engine = Engine.SCALAR
+    elif case == "aggr_not_triples":
+        opcode, dst, src = Opcode.BN_AGGR, chip((4, 2)), chip((4, 8), offset=64)
+    elif case == "aggr_wide_dst":
+        opcode, dst, src = Opcode.BN_AGGR, chip((4, 3)), chip((4, 6), offset=64)
+    else:
+        src = chip((4, 16), DType.I32, offset=64)
+    p = Program()
+    p.emit(opcode, engine, dst, src)
+    for neff in (p.neff(), decode(encode(p.neff()))):
+        with pytest.raises(NeuronRuntimeError, match=match):
+            core.load(neff)
+
+
+def test_bn_opcodes_cost_what_nki_documents():
+    """bn_stats "max(MIN_II, N)" Vector cycles for N elements a partition, bn_aggr "max(MIN_II, 13*(N/3))" (targets.py)."""
+    def ns(opcode, dst, src, engine=Engine.VECTOR):
+        return instruction_cost_ns(Instruction(opcode, engine, (dst, src)), TRN2)
+
+    assert ns(Opcode.BN_STATS, chip((128, 6)), chip((128, 384), DType.BF16)) == pytest.approx(384 / TRN2.vector_ghz)
+    assert ns(Opcode.BN_STATS, chip((128, 6)), chip((128, 16))) == pytest.approx(64 / TRN2.vector_ghz)
+    assert ns(Opcode.BN_STATS, chip((128, 6)), chip((128, 384)), Engine.GPSIMD) == pytest.approx(384 / TRN2.gpsimd_ghz)
+    assert ns(Opcode.BN_AGGR, chip((128, 2)), chip((128, 12))) == pytest.approx(64 / TRN2.vector_ghz)
+    assert ns(Opcode.BN_AGGR, chip((128, 2)), chip((128, 60))) == pytest.approx(13 * 20 / TRN2.vector_ghz)

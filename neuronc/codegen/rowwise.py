@@ -9,10 +9,12 @@ from neuronc.codegen.access import (HbmTensor, broadcast_columns, column_slice, 
 from neuronc.codegen.elementwise import ACTIVATIONS, ALU, REDUCTIONS, Balancer, emit_body
 from neuronc.codegen.emitter import Emitter
 from neuronc.codegen.partition_sum import partition_sum
+from neuronc.instruction_cost import table_of
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode
 from neuronc.ir import Node, Op
 from neuronc.placement import dma_pieces, transposed_store_pieces
-from neuronc.plans import OUT_SLOT, Act, Alu2, MemoryPlan, PartitionSumPlan, ReducePlan, RowSum, Summed, View
+from neuronc.plans import (OUT_SLOT, Act, Alu2, BnStats, MemoryPlan, PartitionSumPlan, Plain, ReducePlan, RowSum, Summed,
+                           View)
 
 
 def reduce_last(em: Emitter, node: Node, memory: MemoryPlan) -> None:
@@ -205,11 +207,15 @@ class Rowwise:
         self.out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
         self.constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if plan.needs_constants else None
         self.engines = Balancer(em)
+        self.bn_chunks = BnStats.chunks(cols, em.target.bn_stats_max_free)
+        self.bn_stats = em.sbuf_pool(DType.F32, 6 * len(self.bn_chunks) + 2, bufs=bufs) if any(
+            isinstance(i, BnStats) for i in self.instrs.values()) else None  # the chunks' statistics, then BN_AGGR's
         self.zero = self.scratch = None
-        if any(isinstance(i, (Summed, RowSum)) for i in self.instrs.values()):
+        if any(isinstance(i, (Summed, RowSum, BnStats)) for i in self.instrs.values()):
             self.zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.zero, imm0=0.0)
             self.scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
+        self.preload_table()
         # the inputs in HBM as [rows, cols] (a column stride of 0: one value per row; a row stride of 0: the same
         # for every row, loaded once on every partition), and their tiles
         self.inputs = [HbmTensor.of(memory, x, View(offset, tuple(strides)), (rows, cols))
@@ -226,6 +232,27 @@ class Rowwise:
         self.out = None if sink is not None else HbmTensor.of(memory, node, View(0, tuple(node.attrs["out_strides"])),
                                                                (rows, cols))
         self.sums = [_ColumnSums(em, node, memory, j, k) for k, j in enumerate(plan.sums, 1)]
+
+    def first_table(self) -> ActFunc | None:
+        """The first activation function of a row tile's instructions that needs a table loaded in the Scalar engine
+        (instruction_cost.table_of), or None."""
+        for j, instr in self.instrs.items():
+            func = (ACTIVATIONS[instr.act] if isinstance(instr, Act) else _activation_func(instr.act)
+                    if isinstance(instr, Summed) else ACTIVATIONS.get(self.body[j].op) if isinstance(instr, Plain)
+                    and "bias" not in self.body[j].attrs else None)
+            if func is not None and self.kinds[j] != "col" and table_of(func) is not None:
+                return func
+        return None
+
+    def preload_table(self) -> None:
+        """That table loaded at the kernel's start, while the first row tile loads: an ACTIVATE of it on a [p, 1]
+        tile of ones (so the first row tile's activation does not wait for the load on its chain)."""
+        func = self.first_table()
+        if func is None:
+            return
+        tile = self.em.sbuf_pool(DType.F32, 2, bufs=1).next().ap(self.em.target.partitions, 2)
+        self.engines.emit(Opcode.MEMSET, column_slice(tile, 0, 1), imm0=1.0, on=Engine.SCALAR)
+        self.engines.activate(Opcode.ACTIVATE, column_slice(tile, 1, 2), column_slice(tile, 0, 1), func=func, imm0=1.0)
 
     def width(self, tensor: HbmTensor) -> int:
         """The columns of an input's tile: all of them, or one for a value per row."""
@@ -273,8 +300,8 @@ class Rowwise:
             if kinds[j] == "col" or j in tail:
                 continue
             out = self.tile_of(state, j)
-            self.emit_step(state, j, instr, out, full=kinds[j] == "full")
-            state.results[j] = out
+            made = self.emit_step(state, j, instr, out, full=kinds[j] == "full")
+            state.results[j] = out if made is None else made
             yield
         for j in tail:
             state.results[j] = self.tile_of(state, j)
@@ -301,9 +328,10 @@ class Rowwise:
         return (state.full if kinds[j] == "full" else state.per_row)[slots[j]].ap(state.rt, width, dtype=body[j].dtype)
 
     def emit_step(self, state: _RowTileState, j: int, instr, out: AccessPattern, *, full: bool,
-                  columns: tuple | None = None, on: Engine | None = None) -> None:
+                  columns: tuple | None = None, on: Engine | None = None) -> AccessPattern | None:
         """The instruction(s) of step j into `out` (its columns `columns` of a cut tail); ALU work on engine `on`,
-        or as the schedule places it. `full`: the step is over full rows (per-row values it reads are broadcast)."""
+        or as the schedule places it. `full`: the step is over full rows (per-row values it reads are broadcast).
+        Returns where the step's value is instead, when not in `out` (a BnStats' mean, beside its variance)."""
         engines, schedule, rt = self.engines, self.plan.schedule, state.rt
 
         def read(arg, full: bool = full):
@@ -327,6 +355,33 @@ class Rowwise:
                              on=Engine.SCALAR if schedule.row_steps_on_scalar else None)  # a per-row step
             engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, out, row_sum, read(instr.src), bias,
                              func=_activation_func(instr.act), imm0=scale)
+        elif isinstance(instr, BnStats):
+            stats, k = self.bn_stats.next().ap(rt, 6 * len(self.bn_chunks) + 2), 6 * len(self.bn_chunks)
+            src = read(instr.src, full=True)
+            mean, var = column_slice(stats, k, k + 1), column_slice(stats, k + 1, k + 2)
+            state.results[instr.var] = var
+            if state.r0 // self.em.target.partitions < schedule.bn_tiles:
+                # one BN_STATS a chunk, each on the less loaded ALU engine, then BN_AGGR
+                for i, (c0, c1) in enumerate(self.bn_chunks):
+                    engines.emit(Opcode.BN_STATS, column_slice(stats, 6 * i, 6 * i + 6), column_slice(src, c0, c1),
+                                 on=on)
+                engines.emit(Opcode.BN_AGGR, column_slice(stats, k, k + 2), column_slice(stats, 0, k), on=on)
+                return mean
+            # as the steps it stands for: the row sum, the mean, the squares of (mean - x) summed, the variance
+            total, squares = column_slice(stats, 0, 1), column_slice(stats, 1, 2)
+            if schedule.row_sum_on_scalar:
+                engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, first_rows(self.scratch, rt), total, src,
+                                 first_rows(self.zero, rt), func=ActFunc.IDENTITY, imm0=1.0)
+            else:
+                engines.emit(Opcode.TENSOR_REDUCE, total, src, alu=AluOp.ADD)
+            row_on = Engine.SCALAR if schedule.row_steps_on_scalar else None
+            self.engines.compute(self.body[j], mean, [total, float(self.cols)], self.constants, self.node.loc,
+                                 on=row_on if self.plan.scalar_steps[j] else None)
+            engines.activate(Opcode.ACTIVATE_BIAS_REDUCE, first_rows(self.scratch, rt), squares, src, mean,
+                             func=ActFunc.SQUARE, imm0=-1.0)
+            self.engines.compute(self.body[instr.var], var, [squares, float(self.cols)], self.constants,
+                                 self.node.loc, on=row_on if self.plan.scalar_steps[instr.var] else None)
+            return mean
         elif isinstance(instr, Act):
             engines.activate(Opcode.ACTIVATE, out, read(instr.src), func=ACTIVATIONS[instr.act], imm0=instr.scale,
                              imm1=instr.bias)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from neuronc.isa import ActFunc, AluOp, DType, Engine, Opcode, Space
+from neuronc.isa import AluOp, DType, Engine, Opcode, Space
 from neuronc.nki import ops
 from neuronc.nki.dtypes import isa_dtype
 from neuronc.nki.index import Affine, Predicate
@@ -566,13 +566,23 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# BatchNorm statistics: bn_stats per chunk of <= 512 elements, bn_aggr over chunks (as NKI's layer-norm uses them).
-# A chunk's 6 statistics are, here: mean, the sum of squared deviations from it (M2), the count, and 0, 0, 0.
+# BatchNorm statistics: one BN_STATS per chunk of <= 512 elements, one BN_AGGR over the chunks' results (as NKI's
+# layer-norm uses them). A chunk's 6 statistics are NKI's: (count, mean, count * variance) of its even elements,
+# then of its odd ones (isa.py: BN_STATS, BN_AGGR).
+
+
+def _f32_sbuf(out, shape, api, name):
+    """(tile the instruction writes, the user's tile): the user's when it is an F32 SBUF tile, else a scratch one
+    copied into it afterwards (the engine "is capable of casting the float32 results")."""
+    res = ops.tile(out, api, "dst")
+    if res.isa_dtype == DType.F32 and res.space == Space.SBUF:
+        return res, None
+    return ops.tile(current().onchip(Space.SBUF, shape, DType.F32, name), api, "dst"), res
 
 
 def bn_stats(*args, **kwargs):
-    """Per partition, the mean and the sum of squared deviations of one chunk of data (and its size), in 6 fp32
-    values: a row sum (Vector), the mean (Scalar), the squared deviations summed in one Scalar pass."""
+    """Per partition, (count, mean, count * variance) of the even and of the odd elements of data (<= 512 per
+    partition): one BN_STATS (Vector)."""
     api = "nisa.bn_stats"
     new = _new_pair(args, kwargs)
     b = _split(args, kwargs, new, ("dst", "data", "name"), ("data",))
@@ -583,58 +593,39 @@ def bn_stats(*args, **kwargs):
     data = views[0]
     trace = current()
     p, n = data.partitions, data.free_size
-    out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 6), _out_dtype(b, DType.F32), "bn_stats")
-    stats = ops.tile(out, api, "dst")
-    fp = stats if stats.isa_dtype == DType.F32 and stats.space == Space.SBUF else trace.onchip(
-        Space.SBUF, (p, 6), DType.F32, "bn_stats_fp32")
-    total = trace.onchip(Space.SBUF, (p, 1), DType.F32, "bn_sum")
-    ops.tensor_reduce(total, AluOp.ADD, data, tuple(range(1, len(data.shape))), api=api)
-    ops.tensor_scalar(fp[:, 0:1], total, AluOp.DIVIDE, float(n), api=api)
-    neg_mean = trace.onchip(Space.SBUF, (p, 1), DType.F32, "bn_neg_mean")
-    ops.tensor_scalar(neg_mean, total, AluOp.DIVIDE, float(-n), api=api)
-    squares = trace.onchip(Space.SBUF, data.shape, DType.F32, "bn_squares")
-    ops.activation(squares, ActFunc.SQUARE, data, bias=neg_mean, reduce_res=fp[:, 1:2], api=api)
-    ops.memset(fp[:, 2:3], float(n), api=api)
-    ops.memset(fp[:, 3:6], 0.0, api=api)
-    if fp is not stats:
-        ops.copy(stats, fp, api=api)
+    if n > trace.target.bn_stats_max_free:
+        fail(f"bn_stats reads at most {trace.target.bn_stats_max_free} elements per partition "
+             f"(nl.tile_size.bn_stats_fmax); data has {n}", api=api, hint="call bn_stats on each 512-element chunk and bn_aggr over their results")
+    out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 6), _out_dtype(b, data.isa_dtype), "bn_stats")
+    fp, user = _f32_sbuf(out, (p, 6), api, "bn_stats_fp32")
+    trace.emit(Opcode.BN_STATS, Engine.VECTOR, [(fp.storage, ops._flat2(fp, api, "dst")),
+                                                (data.storage, ops._flat2(data, api, "data"))], api)
+    if user is not None:
+        ops.copy(user, fp, api=api)
     return None if new else out
 
 
 def bn_aggr(*args, **kwargs):
-    """[mean, variance] per partition from chunks' bn_stats ([P, 6 * chunks]): N = sum n_i, mean = sum(n_i m_i) / N,
-    variance = (sum M2_i + sum n_i (m_i - mean)^2) / N (Chan's combination), in fp32."""
+    """[mean, variance] per partition from (count, mean, count * variance) triples (bn_stats results side by side):
+    one BN_AGGR (Vector), combined in fp32 results as isa.py defines."""
     api = "nisa.bn_aggr"
     new = _new_pair(args, kwargs)
     b = _split(args, kwargs, new, ("dst", "data", "name"), ("data",))
     data = ops.tile(b["data"], api, "data")
     trace = current()
     p, width = data.partitions, data.free_size
-    if width % 6:
-        fail(f"bn_aggr reads chunks of 6 statistics; data has {width} per partition", api=api)
-    k = width // 6
-    out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 2), _out_dtype(b, DType.F32), "bn_aggr")
-    res = ops.tile(out, api, "dst")
-    flat = data.reshape((p, k, 6))
-    means, m2s, counts = flat[:, :, 0], flat[:, :, 1], flat[:, :, 2]
-    f32 = DType.F32
-    total_n = trace.onchip(Space.SBUF, (p, 1), f32, "bn_n")
-    ops.tensor_reduce(total_n, AluOp.ADD, counts, 1, api=api)
-    weighted = trace.onchip(Space.SBUF, (p, k), f32, "bn_weighted")
-    ops.tensor_tensor(weighted, means, counts, AluOp.MULTIPLY, api=api)
-    wsum = trace.onchip(Space.SBUF, (p, 1), f32, "bn_weighted_sum")
-    ops.tensor_reduce(wsum, AluOp.ADD, weighted, 1, api=api)
-    mean = trace.onchip(Space.SBUF, (p, 1), f32, "bn_mean")
-    ops.tensor_tensor(mean, wsum, total_n, AluOp.DIVIDE, api=api)
-    dev = trace.onchip(Space.SBUF, (p, k), f32, "bn_dev")
-    ops.tensor_tensor(dev, means, mean, AluOp.SUBTRACT, api=api)
-    ops.tensor_tensor(dev, dev, dev, AluOp.MULTIPLY, api=api)
-    ops.tensor_tensor(dev, dev, counts, AluOp.MULTIPLY, api=api)
-    ops.tensor_tensor(dev, dev, m2s, AluOp.ADD, api=api)
-    m2 = trace.onchip(Space.SBUF, (p, 1), f32, "bn_m2")
-    ops.tensor_reduce(m2, AluOp.ADD, dev, 1, api=api)
-    ops.copy(res[:, 0:1], mean, api=api)
-    ops.tensor_tensor(res[:, 1:2], m2, total_n, AluOp.DIVIDE, api=api)
+    if width % 3 or not width:
+        fail(f"bn_aggr reads (count, mean, count * variance) triples; data has {width} per partition", api=api)
+    if data.isa_dtype != DType.F32:
+        src = ops.tile(trace.onchip(Space.SBUF, (p, width), DType.F32, "bn_aggr_in"), api, "data")
+        ops.copy(src, data.reshape((p, width)), api=api)
+        data = src
+    out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 2), _out_dtype(b, data.isa_dtype), "bn_aggr")
+    fp, user = _f32_sbuf(out, (p, 2), api, "bn_aggr_fp32")
+    trace.emit(Opcode.BN_AGGR, Engine.VECTOR, [(fp.storage, ops._flat2(fp, api, "dst")),
+                                               (data.storage, ops._flat2(data, api, "data"))], api)
+    if user is not None:
+        ops.copy(user, fp, api=api)
     return None if new else out
 
 

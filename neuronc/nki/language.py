@@ -82,7 +82,10 @@ class _TileSize:
     def sbuf_size_bytes(self) -> int:
         return self._target().sbuf_bytes
 
-    bn_stats_fmax = 512
+    @property
+    def bn_stats_fmax(self) -> int:
+        return self._target().bn_stats_max_free
+
     psum_min_align = 4
     sbuf_min_align = 1
 

@@ -28,6 +28,8 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides
+from neuronc.passes.rowwise import rowwise_plan
+from neuronc.passes import rowwise_schedule
 from neuronc.passes.tiling import Prologue, prologue_sbuf_bytes
 from neuronc.targets import Target
 
@@ -74,10 +76,25 @@ def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tup
     return operand, x
 
 
+def _as_prologue(norm: ir.Node, target: Target) -> dict:
+    """The norm's attributes, its schedule chosen again as a prologue's (rowwise_schedule.rowwise_ns with prologue:
+    its row tiles copied out of the transposes' PSUM on the Vector engine instead of stored) with its buffers, and
+    its plan made for that schedule."""
+    attrs, dtypes = norm.attrs, [x.dtype for x in norm.inputs]
+    if attrs["plan"].sums:
+        return dict(attrs)
+    schedule = rowwise_schedule.choose_schedule(attrs["body"], attrs["views"], dtypes, norm.dtype, attrs["rows"], attrs["cols"],
+                               [attrs["schedule"].bufs], target, prologue=True)
+    if schedule == attrs["schedule"]:
+        return dict(attrs)
+    plan = rowwise_plan(attrs["body"], attrs["views"], dtypes, schedule, target, attrs["cols"])
+    return {**attrs, "schedule": schedule, "plan": plan}
+
+
 def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, new: dict, target: Target) -> ir.Node | None:
     """`reader` (its inputs rewritten to `inputs`) with `norm` (rewritten inputs in `new`) as the prologue making its
     input `operand`, or None if their tiles do not fit in SBUF together."""
-    prologue = Prologue(len(norm.inputs), operand, norm.dtype, dict(norm.attrs), norm.loc)
+    prologue = Prologue(len(norm.inputs), operand, norm.dtype, _as_prologue(norm, target), norm.loc)
     rest = [*inputs[:operand], *inputs[operand + 1:]]
     folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
                      reader.loc, **{**reader.attrs, "prologue": prologue})

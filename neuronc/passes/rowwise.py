@@ -407,9 +407,10 @@ def _fitting(body: tuple, views: list, dtypes: list, out_dtype, cols: int, targe
                                  rowwise_sbuf_bytes(body, views, dtypes, out_dtype, cols, bufs), target)]))
 
 
-def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target) -> RowwisePlan:
+def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedule, target: Target,
+                 cols: int | None = None) -> RowwisePlan:
     """The kernel plan of a ROWWISE node: its schedule, its row tile's instructions (passes/rowwise_plan.py)."""
-    tile = tile_plan(body, views, input_dtypes)
+    tile = tile_plan(body, views, input_dtypes, cols=cols)
     return RowwisePlan(schedule=schedule, tile=tile, kinds=tuple(step_kinds(body, views)),
                        tail=tail_steps(body, views, tile) if schedule.cut else (),
                        split_engines=split_engines(target), needs_constants=needs_constants(body),
@@ -422,10 +423,10 @@ def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols
     (`known`: keys made before of the body and views, structural_key.keyed_once)."""
     dtypes = [x.dtype for x in inputs]
     if plans is None:
-        plan = rowwise_plan(body, views, dtypes, schedule, target)
+        plan = rowwise_plan(body, views, dtypes, schedule, target, cols)
     else:
-        plan = once_per_key(plans, lambda: rowwise_schedule.structural_key((body, views, dtypes, schedule), known),
-                            lambda: rowwise_plan(body, views, dtypes, schedule, target))
+        plan = once_per_key(plans, lambda: rowwise_schedule.structural_key((body, views, dtypes, schedule, cols), known),
+                            lambda: rowwise_plan(body, views, dtypes, schedule, target, cols))
     return ir.node(Op.ROWWISE, inputs, like.shape, like.dtype, like.loc, body=body, views=views, rows=rows, cols=cols,
                    out_strides=out_strides, schedule=schedule, plan=plan)
 

@@ -102,13 +102,13 @@ def _with_sum(row: ir.Node, summed: ir.Node, ctx: PassContext) -> dict | None:
             for k in range(len(read))}
     body, step = _with_prologue(row.attrs["body"], plan.prologue, inputs, same)
     views, dtypes, schedule = row.attrs["views"], [x.dtype for x in row.inputs], row.attrs["schedule"]
-    tile = tile_plan(body, views, dtypes, (step,))
+    tile = tile_plan(body, views, dtypes, (step,), cols)
     if (step_kinds(body, views)[step] != "full" or step == tile.out_step or step not in tile.instr_of
             or -(-cols // plan.bank) > ctx.target.psum_banks
             or not fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, row.dtype, cols, schedule.bufs, (step,),
                                                 (summed.dtype,)), ctx.target)):
         return None
-    made = rowwise_plan(body, views, dtypes, schedule, ctx.target)
+    made = rowwise_plan(body, views, dtypes, schedule, ctx.target, cols)
     made = dataclasses.replace(made, tile=tile, tail=tail_steps(body, views, tile) if schedule.cut else (),
                                sums=(step,), sum_bank=plan.bank)
     return {**row.attrs, "body": body, "plan": made,

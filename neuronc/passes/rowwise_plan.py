@@ -11,7 +11,8 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.placement import SBUF_PAGE_BYTES
 from neuronc.passes.structural_key import once_per_key, structural_key
-from neuronc.plans import OUT_SLOT, Act, Alu2, Plain, RowSum, Summed, TilePlan
+from neuronc.plans import OUT_SLOT, Act, Alu2, BnStats, Plain, RowSum, Summed, TilePlan
+from neuronc.targets import TARGETS
 
 BUFS = 2  # buffers of each whole-row tile: the next row tile loads while this one is computed
 # With room for twice as many, row tiles may be computed in pairs, their steps interleaved, so that the engines'
@@ -73,22 +74,25 @@ def _square(step) -> bool:
         step.op is Op.POWER and step.args[1] == ("imm", 2.0))
 
 
-def tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()) -> TilePlan:
+def tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = (), cols: int | None = None) -> TilePlan:
     """How each step of a ROWWISE body is computed per row tile (see above), and the tile slots that takes.
     `summed`: steps whose values the kernel also sums over its rows (RowwisePlan.sums): kept to the tile's end.
+    `cols`: the row's length, when known: a mean and variance of a row (its sum and its squared deviations' sum,
+    each divided by `cols`) are then one BnStats (BN_STATS and BN_AGGR).
 
     It depends on nothing but its arguments, so it is made once per distinct kernel (a frozen plan, shared): the
     SBUF fit, the schedule search, the kernel plan and the norm prologues' tilings ask again for each of a model's
     N copies of one layer norm or softmax."""
-    return once_per_key(_PLANNED, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes), tuple(summed)),
-                        lambda: _tile_plan(body, views, input_dtypes, summed), _PLANNED_LIMIT)
+    return once_per_key(_PLANNED, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes), tuple(summed),
+                                           cols), lambda: _tile_plan(body, views, input_dtypes, summed, cols),
+                        _PLANNED_LIMIT)
 
 
 _PLANNED: dict = {}  # structural key of tile_plan's arguments -> its TilePlan
 _PLANNED_LIMIT = 4096  # distinct row-wise bodies remembered per process
 
 
-def _tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()) -> TilePlan:
+def _tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = (), cols: int | None = None) -> TilePlan:
     kinds = step_kinds(body, views)
     users = [[j for j, step in enumerate(body) for a in step.args if a == ("step", i)] for i in range(len(body))]
     alias, instrs, readers = {}, {}, {}
@@ -160,6 +164,8 @@ def _tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()
             add(j, _arithmetic(step.op, args, one_op, per_row, lambda u, j=j: only_reader(u, j)))
         else:
             add(j, Plain(args))
+    if cols is not None:
+        _bn_statistics(body, instrs, users, cols, summed)
     out_step = last
     root = body[last]
     if (root.op is Op.CONVERT and root.dtype.is_float and root.args[0][0] == "step" and last in instrs
@@ -171,6 +177,36 @@ def _tile_plan(body: tuple, views: tuple, input_dtypes: list, summed: tuple = ()
     instrs = {j: instr for j, instr in instrs.items() if j in live}
     slots, count = _slots(body, instrs, out_step, kinds, summed)
     return TilePlan(tuple(instrs.items()), out_step, tuple(slots.items()), tuple(count.items()))
+
+
+def _divides_by(step, arg, cols: int) -> bool:
+    return step.op is Op.DIVIDE and step.dtype == DType.F32 and step.args == (arg, ("imm", float(cols)))
+
+
+def _bn_statistics(body, instrs: dict, users: list, cols: int, summed: tuple) -> None:
+    """Each mean and population variance of one row, made as the row-wise kernels make them (a RowSum of src
+    divided by `cols`; a Summed square of src less that mean, its row sum divided by `cols`), becomes one BnStats
+    at the mean's step, which makes the variance's step too: the row sum, the squares and the two divisions go.
+    Only when nothing else reads the sums or the squares."""
+    for j_sum, row_sum in list(instrs.items()):
+        if j_sum not in instrs or not isinstance(row_sum, RowSum) or len(users[j_sum]) != 1:
+            continue
+        j_mean = users[j_sum][0]
+        if not _divides_by(body[j_mean], ("step", j_sum), cols) or not isinstance(instrs.get(j_mean), Plain):
+            continue
+        for j_sq, sq in instrs.items():
+            if (isinstance(sq, Summed) and sq.act is Op.MULTIPLY and sq.src == row_sum.src and sq.negated
+                    and sq.shift == ("step", j_mean) and users[j_sq] == [sq.row_sum]
+                    and len(users[sq.row_sum]) == 1 and not {j_sum, j_sq, sq.row_sum} & set(summed)):
+                j_var = users[sq.row_sum][0]
+                if _divides_by(body[j_var], ("step", sq.row_sum), cols) and isinstance(instrs.get(j_var), Plain):
+                    for j in (j_sum, j_sq, j_var):
+                        del instrs[j]
+                    instrs[j_mean] = BnStats(row_sum.src, j_var)
+                    break
+    ordered = sorted(instrs.items())
+    instrs.clear()
+    instrs.update(ordered)
 
 
 def tail_steps(body: tuple, views: tuple, plan: TilePlan) -> tuple:
@@ -210,14 +246,15 @@ def _arithmetic(op, args, inner_op, per_row, absorbable):
 def _live(instrs, out_step, kinds, summed=()) -> set:
     """The steps the output (and the summed steps) need, through what each instruction reads."""
     live, stack = set(), [out_step, *summed]
+    maker = {i.var: j for j, i in instrs.items() if isinstance(i, BnStats)}
     while stack:
         j = stack.pop()
         if j in live:
             continue
         live.add(j)
         instr = instrs.get(j)
-        if instr is None:  # a Summed's row sum: made by the Summed before it
-            stack.append(j - 1)
+        if instr is None:  # a Summed's row sum: made by the Summed before it; a BnStats' variance, by it
+            stack.append(maker.get(j, j - 1))
             continue
         stack.extend(a[1] for a in instr.reads if a[0] == "step")
     return live
@@ -232,6 +269,8 @@ def _slots(body, instrs, out_step, kinds, summed=()) -> tuple:
         made[j] = j
         if isinstance(instr, Summed):
             made[instr.row_sum] = j
+        if isinstance(instr, BnStats):
+            made[instr.var] = j
     last = {v: at for v, at in made.items()}
     for j, instr in instrs.items():
         for a in instr.reads:
@@ -276,7 +315,8 @@ def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype:
                        summed: tuple = (), sum_dtypes: tuple = ()) -> int:
     """Bytes per partition the ROWWISE kernel allocates with `bufs` buffers per row tile (codegen allocates
     exactly these tiles); `summed` / `sum_dtypes`: its sums over rows (RowwisePlan.sums) and their outputs' dtypes."""
-    count = tile_plan(body, views, input_dtypes, summed).count_of
+    tile = tile_plan(body, views, input_dtypes, summed, cols)
+    count = tile.count_of
 
     def slot(elements, itemsize):
         return -(-elements * itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES
@@ -284,9 +324,16 @@ def rowwise_sbuf_bytes(body: tuple, views: tuple, input_dtypes: list, out_dtype:
     wide = max([DType.F32.itemsize, out_dtype.itemsize] + [s.dtype.itemsize for s in body])
     total = slot(cols, wide) * bufs * (count["full"] + needs_constants(body))  # full temporaries, SELECT constants
     total += slot(1, wide) * bufs * (count["row"] + 1) + slot(cols, wide) * count["col"]
-    total += slot(1, wide) + slot(cols, wide)  # a zero bias and the Scalar engine's scratch tile
+    total += 2 * slot(1, wide) + slot(cols, wide)  # a zero bias, the table preload's tile, the Scalar's scratch tile
     for dtype, (_, (sr, sc)) in zip(input_dtypes, views):
         total += slot(cols if sc else 1, dtype.itemsize) * (1 if sr == 0 else bufs)
     for j, dtype in zip(summed, sum_dtypes):  # a sum's ones column and its rounded sums (codegen/rowwise.py)
         total += slot(1, body[j].dtype.itemsize) + slot(cols, dtype.itemsize)
+    if any(isinstance(i, BnStats) for i in tile.instr_of.values()):  # BN_STATS' chunks' statistics and BN_AGGR's
+        total += slot(bn_stats_width(cols, min(t.bn_stats_max_free for t in TARGETS.values())), 4) * bufs
     return total + slot(cols, wide) * bufs  # the output tile
+
+
+def bn_stats_width(cols: int, max_free: int) -> int:
+    """F32 values a row tile's BnStats writes per partition: 6 per chunk of at most `max_free` columns, then 2."""
+    return 6 * -(-cols // max_free) + 2

@@ -14,13 +14,13 @@ from typing import NamedTuple
 
 from neuronc import ir
 from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_ns, engine_pass_ns, perf_mode_speedup,
-                                      remaining_latency_ns)
+                                      remaining_latency_ns, table_of)
 from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import ActFunc, DType, Engine, Space
 from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
 from neuronc.passes.structural_key import once_per_key, structural_key
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
-from neuronc.plans import Act, Alu2, RowSum, Schedule, Summed
+from neuronc.plans import Act, Alu2, BnStats, RowSum, Schedule, Summed
 from neuronc.targets import Target
 
 ALU_ENGINES = (Engine.VECTOR, Engine.GPSIMD)  # codegen's Balancer shares ALU work between these
@@ -55,11 +55,13 @@ def _cuts(body, plan, tail, out_dtype: DType, cols: int, target: Target) -> list
     return sorted(c for c in near if 0 < c < cols)
 
 
-def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, fitting: list, target: Target) -> list:
+def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, cols: int, fitting: list, target: Target,
+               rows: int = 0) -> list:
     """Every schedule the kernel may take: with its largest fitting buffers (pairs of row tiles need PAIRED_BUFS),
     the row sums and per-row steps on the Scalar engine or not, the tail whole or cut, shared inputs loaded after
-    the first one or two groups of row tiles."""
-    plan = tile_plan(body, views, input_dtypes)
+    the first one or two groups of row tiles, and a mean and variance (BnStats) made by BN_STATS on the Vector /
+    GpSimd engines in no row tile, the first group's (the start of every chain), or all of the `rows`' tiles."""
+    plan = tile_plan(body, views, input_dtypes, cols=cols)
     kinds = step_kinds(body, views)
     tail = tail_steps(body, views, plan)
     bufs = fitting[0]
@@ -70,9 +72,12 @@ def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
                                      and not i.negated for j, i in plan.instr_of.items()) else (True,)
     cuts = [0] + _cuts(body, plan, tail, out_dtype, cols, target)
     shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
-    return [Schedule(bufs, t, s, r, c, a) for t, s, r, c, a in itertools.product(together, row_sums, row_steps, cuts,
-                                                                                   shared)
-            if bufs // t - 1 >= a]  # groups loaded ahead: at least one, and those loaded before the shared inputs
+    bn = any(isinstance(i, BnStats) for i in plan.instr_of.values())
+    tiles = -(-rows // target.partitions)
+    return [Schedule(bufs, t, s, r, c, a, b) for t, s, r, c, a in itertools.product(together, row_sums, row_steps,
+                                                                                      cuts, shared)
+            if bufs // t - 1 >= a  # groups loaded ahead: at least one, and those loaded before the shared inputs
+            for b in (sorted({0, min(t, tiles), tiles}) if bn else (0,))]
 
 
 class _Op(NamedTuple):
@@ -89,8 +94,9 @@ class _Op(NamedTuple):
     dtypes: tuple = ()  # the dtypes of its destination and streamed sources (all in SBUF, contiguous)
 
 
-def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, target: Target) -> list:
-    """The instructions of one row tile as codegen emits them, each as an _Op."""
+def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, target: Target, bn: bool = True) -> list:
+    """The instructions of one row tile as codegen emits them, each as an _Op (its BnStats as BN_STATS and BN_AGGR
+    when `bn`, else as the steps they stand for)."""
     kinds = step_kinds(body, views)
     tail = tail_steps(body, views, plan) if schedule.cut else ()
 
@@ -134,6 +140,28 @@ def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, ta
             summed = op(Engine.SCALAR, cols, 1, instr.reads, (j, instr.row_sum), func=_act_func(instr.act))
             ops.append(summed._replace(after=summed.after + bias))
             continue
+        elif isinstance(instr, BnStats) and not bn:  # a row sum, the mean, the squares of (mean - x) summed, variance
+            total = ("sum", j)
+            row = op(Engine.SCALAR if schedule.row_sum_on_scalar else "alu", cols, 1, instr.reads, (),
+                     func=ActFunc.IDENTITY if schedule.row_sum_on_scalar else None)
+            ops.append(row._replace(makes=(total,), ends_step=False))
+            for made, after in ((j, total), (instr.var, ("squares", j))):
+                if made == instr.var:
+                    squares = op(Engine.SCALAR, cols, 1, instr.reads, (), func=ActFunc.SQUARE)
+                    ops.append(squares._replace(makes=(after,), after=squares.after + (j,), ends_step=False))
+                scalar = schedule.row_steps_on_scalar and per_row_alu(body[made])
+                mean = op(Engine.SCALAR if scalar else "alu", 1, 1, (), (made,),
+                          func=ActFunc.IDENTITY if scalar else None, form="copy")
+                ops.append(mean._replace(after=(after,), dtypes=(DType.F32, DType.F32), ends_step=made == instr.var))
+            continue
+        elif isinstance(instr, BnStats):  # codegen's BN_STATS per chunk (each on the less loaded ALU engine), BN_AGGR
+            chunks = BnStats.chunks(cols, target.bn_stats_max_free)
+            for c0, c1 in chunks:
+                stats = op("alu", c1 - c0, 1, instr.reads, ())
+                ops.append(stats._replace(makes=(("bn", j),), ends_step=False, dtypes=(DType.F32, dtype_of(instr.src))))
+            aggr = op("alu", 2 * len(chunks) * target.bn_aggr_cycles_per_triple, 1, (), (j, instr.var))
+            ops.append(aggr._replace(after=(("bn", j),), dtypes=(DType.F32, DType.F32)))
+            continue
         elif isinstance(instr, Act):
             engine, passes, reads, func, form = Engine.SCALAR, 1, instr.reads, ir.facts(instr.act).activation, None
         elif isinstance(instr, RowSum):
@@ -167,12 +195,14 @@ def _act_func(act) -> ActFunc:
 
 
 def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, schedule: Schedule,
-               target: Target) -> float:
+               target: Target, prologue: bool = False) -> float:
     """Estimated time of a ROWWISE kernel under `schedule`: codegen's instructions in codegen's order, each on its
     engine's (or DMA queue's) in-order queue once the values it reads are made, its cost by instruction_cost's rules;
-    loads of a row tile wait for the tile `bufs` before it to be done with their buffer; DMAs share the HBM channel."""
-    plan = tile_plan(body, views, input_dtypes)
-    ops = _tile_ops(body, views, input_dtypes, plan, schedule, cols, target)
+    loads of a row tile wait for the tile `bufs` before it to be done with their buffer; DMAs share the HBM channel.
+    `prologue`: the kernel is a matmul's prologue (passes/norm_prologue.py), each row tile not stored but transposed
+    on the Tensor engine a [128, 128] block at a time and copied out of PSUM on the Vector engine (codegen/matmul.py)."""
+    plan = tile_plan(body, views, input_dtypes, cols=cols)
+    forms = {bn: _tile_ops(body, views, input_dtypes, plan, schedule, cols, target, bn) for bn in (True, False)}
     parts = target.partitions
     engines = PlannedStreams(target)  # the Vector, Scalar and GpSimd streams, with the emulator's stream rules
     load = {e: 0.0 for e in (*ALU_ENGINES, Engine.SCALAR)}  # the Balancer's work so far
@@ -197,6 +227,11 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
             end = max(end, queues[q])
         return end
 
+    first = [o.func for o in forms[schedule.bn_tiles > 0] if o.func is not None and table_of(o.func) is not None]
+    if first:  # codegen's preload of the first table (a MEMSET and an ACTIVATE of [p, 1] at the kernel's start)
+        for func in (None, first[0]):
+            _, _, charged = engines.run(Engine.SCALAR, engine_pass_ns(Engine.SCALAR, 1, 1, target), 0.0, func=func)
+            load[Engine.SCALAR] += charged
     tile_inputs = [(dt, v) for dt, v in zip(input_dtypes, views) if v[1][0] != 0]
     shared = [(dt, v) for dt, v in zip(input_dtypes, views) if v[1][0] == 0]
     starts = list(range(0, rows, parts))
@@ -215,7 +250,7 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
         """The instructions of row tile n, one per step of the generator (codegen's interleaving)."""
         rt = min(parts, rows - starts[n])
         made = {}
-        for o in ops:
+        for o in forms[n < schedule.bn_tiles]:
             engine = o.engine if o.engine != "alu" else min(ALU_ENGINES, key=load.get)
             speedup = perf_mode_speedup(engine, o.form, [(dt, Space.SBUF, True) for dt in o.dtypes], target)
             cost = engine_pass_ns(engine, o.elements, o.passes, target, speedup)
@@ -229,6 +264,15 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
             if o.ends_step:
                 yield
         out = made.get(plan.out_step, 0.0)
+        if prologue:  # each transposed block's copy out of PSUM (the transposes' own time is the Tensor engine's)
+            block = target.matmul_max_k
+            copy = engine_pass_ns(Engine.VECTOR, rt, 1, target, perf_mode_speedup(
+                Engine.VECTOR, "copy", [(out_dtype, Space.SBUF, True), (out_dtype, Space.PSUM, True)], target))
+            for _ in range(-(-cols // block)):
+                _, out, charged = engines.run(Engine.VECTOR, copy, out)
+                load[Engine.VECTOR] += charged
+            done_at[n] = out
+            return
         nbytes = rt * cols * out_dtype.itemsize
         done_at[n] = dma(nbytes, dma_pieces(nbytes, rt, last, target), out, rt)
 
@@ -252,19 +296,20 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
 
 
 def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int, fitting: list,
-                    target: Target, known: dict | None = None) -> Schedule:
-    """The candidate schedule `rowwise_ns` prices cheapest (the first of equals).
+                    target: Target, known: dict | None = None, prologue: bool = False) -> Schedule:
+    """The candidate schedule `rowwise_ns` prices cheapest (the first of equals); `prologue`: as a matmul's prologue.
 
     The choice depends on nothing but its arguments, so it is made once per distinct kernel: a model's N copies of
     one layer norm (or softmax) share one search, and get the very schedule each search would have chosen.
     `known`: keys made before of some of the arguments' objects (structural_key.keyed_once)."""
     def search() -> Schedule:
-        options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target)
-        return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target))
+        options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target, rows)
+        return min(options, key=lambda s: rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target,
+                                                     prologue))
 
     return once_per_key(_CHOSEN, lambda: (structural_key(body, known), structural_key(views, known),
                                           tuple(input_dtypes), out_dtype,
-                                          rows, cols, tuple(fitting), target), search, _CHOSEN_LIMIT)
+                                          rows, cols, tuple(fitting), target, prologue), search, _CHOSEN_LIMIT)
 
 
 _CHOSEN: dict = {}  # structural key of choose_schedule's arguments -> its schedule

@@ -100,7 +100,7 @@ def _folded(row: ir.Node, reduction: ir.Node, slots: set, target) -> ir.Node | N
         if not fits_sbuf(rowwise_sbuf_bytes(body, views, dtypes, row.dtype, cols, schedule.bufs, summed, sum_dtypes),
                          target):
             return None
-        tile = tile_plan(body, views, dtypes, summed)
+        tile = tile_plan(body, views, dtypes, summed, cols)
         plan_ = dataclasses.replace(made.attrs["plan"], tile=tile, sums=summed, sum_bank=old.sum_bank,
                                     tail=tail_steps(body, views, tile) if schedule.cut else ())
         made = ir.Node(Op.ROWWISE, made.inputs, made.shape, made.dtype,

@@ -24,6 +24,8 @@ class Opcode(object):
     TENSOR_ALU2 = 22
     DMA_TRANSPOSE = 23
     TENSOR_TENSOR_SCAN = 24
+    BN_STATS = 25
+    BN_AGGR = 26
     ALL_REDUCE = 40
     ALL_GATHER = 41
     REDUCE_SCATTER = 42
