@@ -63,14 +63,14 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
         y = jnp.linalg.cholesky(x @ x.T + 4 * jnp.eye(4))  # marker: cholesky
-        return y.sum() + jax.lax.while_loop(lambda v: v < x.sum(), lambda v: v * 2, 1.0)  # marker: data loop
+        return y.sum() + jax.lax.while_loop(lambda v: v < x.sum(), lambda v: v * 2, 1.0)  # marker: loop on the data
 
     with pytest.raises(NeuronCompileError) as caught:
         neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
     message = str(caught.value)
     assert "2 op(s)" in message
     assert f"depends on the data; neuronc unrolls loops whose count is known when compiling (scan, fori_loop with " \
-           f"constant bounds)) at {__file__}:{line_of(__file__, 'marker: data loop')}" in message
+           f"constant bounds)) at {__file__}:{line_of(__file__, 'marker: loop on the data')}" in message
     assert f"a kernel of another backend) at {__file__}:{line_of(__file__, 'marker: cholesky')}" in message
 
 
