@@ -9,6 +9,7 @@ import pytest
 
 import neuronc.jax
 from neuronc.errors import ModelLoadError, NeuronCompileError, NeuronConfigError
+from neuronc.reference import run_xla
 from neuronc.tolerances import tolerance
 from tests import jax_programs
 from tests.conftest import line_of
@@ -336,6 +337,27 @@ def test_rng_bit_generator_64_bit_bits_and_a_counter_past_2_to_the_64(algorithm)
         for key in (np.array([7, 9, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32),  # the counter's low half wraps mid-draw
                     np.array([0x0123456789ABCDEF, 2 ** 64 - 3], np.uint64)):  # JAX's older u64[2] key
             _assert_bits_equal(neuronc.jax.jit(draws)(key), jax.jit(draws)(key))
+
+
+def test_a_stablehlo_files_philox_state_of_three_words_advances_as_xlas(cli, tmp_path):
+    module = """
+    func.func @main(%state: tensor<3xui64>) -> (tensor<3xui64>, tensor<5x3xui32>, tensor<3xui64>, tensor<4xui64>) {
+      %0:2 = stablehlo.rng_bit_generator %state, algorithm = PHILOX : (tensor<3xui64>) -> (tensor<3xui64>, tensor<5x3xui32>)
+      %1:2 = stablehlo.rng_bit_generator %0#0, algorithm = PHILOX : (tensor<3xui64>) -> (tensor<3xui64>, tensor<4xui64>)
+      return %0#0, %0#1, %1#0, %1#1 : tensor<3xui64>, tensor<5x3xui32>, tensor<3xui64>, tensor<4xui64>
+    }"""
+    state = np.array([0x0123456789ABCDEF, 2 ** 64 - 5, 41], np.uint64)  # the counter's low word wraps in the second draw
+    want = run_xla(module, [state])  # XLA's CPU
+    (tmp_path / "rng.mlir").write_text(module)
+    np.save(tmp_path / "state.npy", state)
+    assert cli("compile", tmp_path / "rng.mlir", "-o", tmp_path / "rng.neff").exit_code == 0
+    result = cli("run", tmp_path / "rng.neff", "-i", tmp_path / "state.npy", "-o", tmp_path / "out.npz")
+    assert result.exit_code == 0, result.output
+    got = np.load(tmp_path / "out.npz")
+    assert want[2][2] == 42  # the carry reached the counter's high word
+    for i, expected in enumerate(want):
+        np.testing.assert_array_equal(got[f"output{i}"], expected)
+        assert got[f"output{i}"].dtype == expected.dtype
 
 
 def _rbg_draws(key):
