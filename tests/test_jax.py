@@ -9,6 +9,7 @@ import pytest
 
 import neuronc.jax
 from neuronc.errors import ModelLoadError, NeuronCompileError, NeuronConfigError
+from neuronc.reference import run_xla
 from neuronc.tolerances import tolerance
 from tests import jax_programs
 from tests.conftest import line_of
@@ -63,13 +64,14 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
         y = jnp.linalg.cholesky(x @ x.T + 4 * jnp.eye(4))  # marker: cholesky
-        return y.sum() + jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], x.shape)[1]  # marker: rng
+        return y.sum() + jax.lax.while_loop(lambda v: v < x.sum(), lambda v: v * 2, 1.0)  # marker: loop on the data
 
     with pytest.raises(NeuronCompileError) as caught:
         neuronc.jax.jit(uses_two_unsupported_ops)(jnp.ones((4, 8)))
     message = str(caught.value)
-    assert "3 op(s)" in message  # rng_bit_generator's bitcast of u32 pairs to u64 is the third
-    assert f"stablehlo.rng_bit_generator (no lowering) at {__file__}:{line_of(__file__, 'marker: rng')}" in message
+    assert "2 op(s)" in message
+    assert f"depends on the data; neuronc unrolls loops whose count is known when compiling (scan, fori_loop with " \
+           f"constant bounds)) at {__file__}:{line_of(__file__, 'marker: loop on the data')}" in message
     assert f"a kernel of another backend) at {__file__}:{line_of(__file__, 'marker: cholesky')}" in message
 
 
@@ -188,18 +190,18 @@ def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
 
 def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path):
     def program(x, n):
-        y = jax.lax.rng_bit_generator(x.astype(jnp.uint32)[0, :4], (4, 8))[1] * 2  # marker: check rng
-        return jnp.sum(y, axis=-1) + jnp.linalg.cholesky(n @ n.T).sum()  # marker: check cholesky
+        y = jax.lax.while_loop(lambda v: v.sum() < x.sum(), lambda v: v * 2, x[0])  # marker: check loop
+        return y + jnp.linalg.cholesky(n @ n.T).sum()  # marker: check cholesky
 
     path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.eye(4)))["mlir"]
     result = cli("check", path)
     assert result.exit_code == 1, result.output
-    assert "stablehlo.rng_bit_generator (1 of 1 uses)" in result.output, result.output
+    assert "stablehlo.while (1 of 1 uses)" in result.output, result.output
     assert "stablehlo.custom_call (1 of 1 uses)" in result.output
-    assert f"{__file__}:{line_of(__file__, 'marker: check rng')}" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check loop')}" in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: check cholesky')}" in result.output
     compiled = cli("compile", path, "-o", tmp_path / "out.neff")
-    assert compiled.exit_code == 1 and "3 op(s)" in compiled.output  # rng_bit_generator and its bitcast, cholesky
+    assert compiled.exit_code == 1 and "2 op(s)" in compiled.output  # the loop, cholesky
     assert not (tmp_path / "out.neff").exists()
 
 
@@ -298,6 +300,100 @@ def test_dropout_and_noise_drawn_inside_jit_match_jax():
 def test_jax_random_draws_from_a_raw_key_match_jax_bit_for_bit():
     key = jax.random.PRNGKey(3)
     assert_same_draws(neuronc.jax.jit(_draws)(key), jax.jit(_draws)(key))
+
+
+_ALGORITHMS = [jax.lax.RandomAlgorithm.RNG_DEFAULT, jax.lax.RandomAlgorithm.RNG_THREE_FRY,
+               jax.lax.RandomAlgorithm.RNG_PHILOX]
+
+
+def _assert_bits_equal(got, want):
+    """Each output of jax.jit's dtype and shape, its bits equal."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("algorithm", _ALGORITHMS, ids=["default", "three_fry", "philox"])
+def test_rng_bit_generator_gives_xla_cpus_bits_and_new_state_for_each_algorithm(algorithm):
+    def draws(key):  # 5 x 7: no even dimension (ThreeFry's halves) and 35 words, not a multiple of Philox's 4
+        outputs = []
+        for shape, dtype in [((5, 7), jnp.uint32), ((2, 3, 4), jnp.uint32), ((), jnp.uint32), ((3, 5), jnp.uint8),
+                             ((7,), jnp.uint16)]:
+            outputs.extend(jax.lax.rng_bit_generator(key, shape, dtype=dtype, algorithm=algorithm))
+        return outputs
+
+    key = np.array([0x12345678, 0x9ABCDEF0, 0xDEADBEEF, 0x0BADF00D], np.uint32)
+    _assert_bits_equal(neuronc.jax.jit(draws)(key), jax.jit(draws)(key))
+
+
+@pytest.mark.parametrize("algorithm", _ALGORITHMS, ids=["default", "three_fry", "philox"])
+def test_rng_bit_generator_64_bit_bits_and_a_counter_past_2_to_the_64(algorithm):
+    def draws(key):
+        return [*jax.lax.rng_bit_generator(key, (3, 5), dtype=jnp.uint64, algorithm=algorithm),
+                *jax.lax.rng_bit_generator(key, (9,), dtype=jnp.uint32, algorithm=algorithm)]
+
+    with jax.enable_x64(True):
+        for key in (np.array([7, 9, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32),  # the counter's low half wraps mid-draw
+                    np.array([0x0123456789ABCDEF, 2 ** 64 - 3], np.uint64)):  # JAX's older u64[2] key
+            _assert_bits_equal(neuronc.jax.jit(draws)(key), jax.jit(draws)(key))
+
+
+def test_a_stablehlo_files_philox_state_of_three_words_advances_as_xlas(cli, tmp_path):
+    module = """
+    func.func @main(%state: tensor<3xui64>) -> (tensor<3xui64>, tensor<5x3xui32>, tensor<3xui64>, tensor<4xui64>) {
+      %0:2 = stablehlo.rng_bit_generator %state, algorithm = PHILOX : (tensor<3xui64>) -> (tensor<3xui64>, tensor<5x3xui32>)
+      %1:2 = stablehlo.rng_bit_generator %0#0, algorithm = PHILOX : (tensor<3xui64>) -> (tensor<3xui64>, tensor<4xui64>)
+      return %0#0, %0#1, %1#0, %1#1 : tensor<3xui64>, tensor<5x3xui32>, tensor<3xui64>, tensor<4xui64>
+    }"""
+    state = np.array([0x0123456789ABCDEF, 2 ** 64 - 5, 41], np.uint64)  # the counter's low word wraps in the second draw
+    want = run_xla(module, [state])  # XLA's CPU
+    (tmp_path / "rng.mlir").write_text(module)
+    np.save(tmp_path / "state.npy", state)
+    assert cli("compile", tmp_path / "rng.mlir", "-o", tmp_path / "rng.neff").exit_code == 0
+    result = cli("run", tmp_path / "rng.neff", "-i", tmp_path / "state.npy", "-o", tmp_path / "out.npz")
+    assert result.exit_code == 0, result.output
+    got = np.load(tmp_path / "out.npz")
+    assert want[2][2] == 42  # the carry reached the counter's high word
+    for i, expected in enumerate(want):
+        np.testing.assert_array_equal(got[f"output{i}"], expected)
+        assert got[f"output{i}"].dtype == expected.dtype
+
+
+def _rbg_draws(key):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return {"uniform": jax.random.uniform(k1, (3, 5)), "normal": jax.random.normal(k2, (7,)),
+            "randint": jax.random.randint(k3, (2, 7), -5, 100), "bits": jax.random.bits(k4, (5,), jnp.uint8),
+            "fold_in": jax.random.key_data(jax.random.fold_in(k4, 7)), "permutation": jax.random.permutation(k1, 10),
+            "keys": jax.random.key_data(jax.random.split(k2, 3))}
+
+
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_jax_random_draws_with_the_rbg_implementations_match_jax_bit_for_bit(impl):
+    key = jax.random.key(42, impl=impl)
+    assert_same_draws(neuronc.jax.jit(_rbg_draws)(key), jax.jit(_rbg_draws)(key))
+
+
+def test_the_default_prng_implementation_set_to_rbg_is_followed():
+    def dropout(x):
+        key = jax.random.key(0)  # made inside: the process's default implementation
+        return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0), jax.random.key_data(key)
+
+    x = np.arange(1, 41, dtype=np.float32).reshape(5, 8)
+    with jax.default_prng_impl("rbg"):
+        got, want = neuronc.jax.jit(dropout)(x), jax.jit(dropout)(x)
+    assert want[1].shape == (4,)  # an rbg key, not threefry's (2,)
+    assert_same_draws(got, want)
+
+
+def test_a_bitcast_to_a_type_of_another_width_is_little_endian_as_xla():
+    def bitcasts(x, words):
+        return (jax.lax.bitcast_convert_type(x, jnp.uint8), jax.lax.bitcast_convert_type(x, jnp.int16),
+                jax.lax.bitcast_convert_type(words, jnp.float32), jax.lax.bitcast_convert_type(words[:, :2], jnp.int16))
+
+    x = np.array([[1.5, -0.0, np.inf], [3e-39, -2.75, 1e30]], np.float32)
+    words = np.arange(24, dtype=np.uint8).reshape(6, 4) * 11
+    _assert_bits_equal(neuronc.jax.jit(bitcasts)(x, words), jax.jit(bitcasts)(x, words))
 
 
 def test_a_typed_key_goes_in_and_comes_back_out_as_a_typed_key():

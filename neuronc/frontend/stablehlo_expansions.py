@@ -142,3 +142,41 @@ def reduce_precision(x: Node, exponent_bits: int, mantissa_bits: int, loc) -> No
     result = _node(Op.BITCAST, bits, loc=loc, dtype=x.dtype)
     nan = _node(Op.COMPARE, x, x, loc=loc, dtype=DType.BOOL, direction="NE")
     return _node(Op.SELECT, nan, x, result, loc=loc, dtype=x.dtype)
+
+
+_UNSIGNED_OF_SIZE = {1: DType.U8, 2: DType.U16, 4: DType.U32, 8: DType.U64}
+
+
+def bitcast_of_another_width(x: Node, shape: tuple, dtype: DType, loc) -> Node:
+    """StableHLO's bitcast_convert between types of different widths, little-endian as XLA's: a wider element is its
+    narrower parts along a new last dimension, the first part its lowest bits (JAX bitcasts a u32[4] PRNG state to
+    u64[2] and back). Integer shifts, masks and conversions on the unsigned types of each width; None for a type
+    without a power-of-two width of bytes (the caller refuses it)."""
+    if x.dtype is DType.BOOL or dtype is DType.BOOL or {x.dtype.itemsize, dtype.itemsize} - set(_UNSIGNED_OF_SIZE):
+        return None
+    narrow, wide = sorted((x.dtype.itemsize, dtype.itemsize))
+    narrow_u, wide_u, parts, bits = _UNSIGNED_OF_SIZE[narrow], _UNSIGNED_OF_SIZE[wide], wide // narrow, narrow * 8
+    if x.dtype.itemsize == wide:  # a wider element split into its parts
+        whole = _bitcast_to(x, wide_u, loc)
+        pieces = []
+        for i in range(parts):
+            piece = _shr(whole, i * bits, loc) if i else whole
+            piece = ir.node(Op.CONVERT, [piece], x.shape, narrow_u, loc)  # the low bits (integers wrap)
+            pieces.append(ir.node(Op.RESHAPE, [piece], x.shape + (1,), narrow_u, loc))
+        joined = ir.node(Op.CONCATENATE, pieces, shape, narrow_u, loc, dimension=len(x.shape))
+        return _bitcast_to(joined, dtype, loc)
+    pieces = _bitcast_to(x, narrow_u, loc)
+    rank = len(shape)
+    result = None
+    for i in range(parts):
+        piece = ir.node(Op.SLICE, [pieces], shape + (1,), narrow_u, loc, start=(0,) * rank + (i,),
+                        limit=tuple(shape) + (i + 1,), strides=(1,) * (rank + 1))
+        piece = ir.node(Op.CONVERT, [ir.node(Op.RESHAPE, [piece], shape, narrow_u, loc)], shape, wide_u, loc)
+        if i:
+            piece = _node(Op.SHIFT_LEFT, piece, _constant(i * bits, piece, loc), loc=loc)
+        result = piece if result is None else _node(Op.OR, result, piece, loc=loc)
+    return _bitcast_to(result, dtype, loc)
+
+
+def _bitcast_to(x: Node, dtype: DType, loc) -> Node:
+    return x if x.dtype is dtype else _node(Op.BITCAST, x, loc=loc, dtype=dtype)

@@ -21,7 +21,7 @@ import numpy as np
 
 from neuronc import ir, op_facts
 from neuronc.errors import NeuronCompileError
-from neuronc.frontend import stablehlo_expansions
+from neuronc.frontend import rng_bit_generator, stablehlo_expansions
 from neuronc.isa import DType
 from neuronc.ir import Op
 from neuronc.neff.program import DebugLoc
@@ -363,9 +363,12 @@ def _reverse(op, inputs, shape, dtype, loc):
 
 def _bitcast(op, inputs, shape, dtype, loc):
     (x,) = inputs
-    if x.dtype.itemsize != dtype.itemsize:  # StableHLO then adds or drops a dimension of the narrower type's parts
+    if x.dtype.itemsize == dtype.itemsize:
+        return ir.node(Op.BITCAST, inputs, shape, dtype, loc)
+    result = stablehlo_expansions.bitcast_of_another_width(x, shape, dtype, loc)  # a dimension of parts added/dropped
+    if result is None:
         raise _Unsupported(f"a bitcast of {x.dtype.name.lower()} to {dtype.name.lower()}, of another width")
-    return ir.node(Op.BITCAST, inputs, shape, dtype, loc)
+    return result
 
 
 def _iota(op, inputs, shape, dtype, loc):
@@ -795,6 +798,18 @@ def _reduce_precision(op, inputs, shape, dtype, loc):
     return result
 
 
+def _rng_bit_generator(op, inputs, shape, dtype, loc):
+    """(new state, bits) as XLA's CPU computes them (frontend/rng_bit_generator.py); `shape`/`dtype` are the state's."""
+    (state,) = inputs
+    algorithm = re.search(r"rng_algorithm\s*<?\s*(\w+)", str(op.attributes["rng_algorithm"]))
+    algorithm = algorithm.group(1) if algorithm else str(op.attributes["rng_algorithm"])
+    bits_shape, bits_dtype = tensor_type(op.results[1].type)
+    why = rng_bit_generator.refusal(state, algorithm, bits_shape, bits_dtype)
+    if why is not None:
+        raise _Unsupported(why)
+    return rng_bit_generator.rng_bit_generator(state, algorithm, bits_shape, bits_dtype, loc)
+
+
 def _expanded(expansion):
     """A converter of an op stablehlo_expansions writes with other ops."""
     def convert(op, inputs, shape, dtype, loc):
@@ -804,6 +819,7 @@ def _expanded(expansion):
 
 _CONVERTERS = {
     "stablehlo.reduce_precision": _reduce_precision,
+    "stablehlo.rng_bit_generator": _rng_bit_generator,
     "stablehlo.tan": _expanded(stablehlo_expansions.tan),
     "stablehlo.cbrt": _expanded(stablehlo_expansions.cbrt),
     "stablehlo.round_nearest_afz": _expanded(stablehlo_expansions.round_half_away_from_zero),
