@@ -555,7 +555,7 @@ def _decompositions() -> dict:
     from neuronc.frontend import decompositions, float_semantics, linalg_decompositions, special_decompositions
 
     table = dict(decomposition_table)
-    table.update(decompositions.OWN)
+    decompositions.merge_into(table, decompositions.OWN)
     table.update(linalg_decompositions.OWN)
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)
@@ -1431,11 +1431,8 @@ def _softmax(lw, meta, x, dim, half_to_float):
     if _current_name(lw) == "_softmax":
         result = lw.op(Op.DIVIDE, [exps, spread(total)], node.shape, compute)
     else:
-        # eager's 16-bit log_softmax over the last dim keeps the sum and its log in the input's dtype
-        rounded = (lambda v: lw.convert(lw.convert(v, dtype), compute)) if dtype in LOW_PRECISION and \
-            dim == len(node.shape) - 1 else (lambda v: v)
-        log_total = rounded(lw.op(Op.LOG, [rounded(total)], total.shape, compute))
-        result = lw.op(Op.SUBTRACT, [shifted, spread(log_total)], node.shape, compute)
+        result = lw.op(Op.SUBTRACT, [shifted, spread(lw.op(Op.LOG, [total], total.shape, compute))], node.shape,
+                       compute)
     return lw.convert(lw.reshape(result, shape), dtype)
 
 

@@ -175,6 +175,27 @@ def _convolution_weight_gradient(x, grad, weight_shape, stride, padding, dilatio
     return out.transpose(0, 1).contiguous()
 
 
+def merge_into(table: dict, own: dict) -> None:
+    """`own`'s decompositions into `table`. One marked `for_some_inputs` (it returns NotImplemented for the inputs
+    it is not for: an fp32 GELU for the 16-bit one) keeps the entry it replaces for those inputs; any other
+    replaces it (its NotImplemented keeps the op)."""
+    for op, fn in own.items():
+        previous = table.get(op)
+        table[op] = _first_of(fn, previous) if previous is not None and getattr(fn, "for_some_inputs", False) else fn
+
+
+def _first_of(fn, previous):
+    def decomposed(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        return previous(*args, **kwargs) if result is NotImplemented else result
+    return decomposed
+
+
+def _for_some_inputs(fn):
+    fn.for_some_inputs = True
+    return fn
+
+
 def _python_remainder(a, b):
     """torch.remainder is Python's modulo (the divisor's sign); torch-mlir lowers it to stablehlo.remainder,
     C's fmod (the dividend's sign), and torch's own decomposition gives prims.remainder, which torch-mlir
@@ -186,6 +207,7 @@ def _python_remainder(a, b):
     return torch.where((r != 0) & ((r < 0) != divisor_negative), r + b, r)
 
 
+@_for_some_inputs
 def _floor_divide(a, b):
     """PyTorch's floor division (c10's div_floor_integer / div_floor_floating). torch-mlir lowers it as
     floor(a / b): integers through float64, which the device computes in fp32 (2**31 - 1 // 2 gave 2**30), and
@@ -214,6 +236,7 @@ def _floor_divide(a, b):
     return torch.where(b == 0, quotient, result)
 
 
+@_for_some_inputs
 def _div_rounded(a, b, rounding_mode=None):
     """torch.div with rounding_mode="floor" is floor division (above); "trunc" of floats is trunc(a / b), the
     quotient rounded to the operands' dtype first as eager's vectorized kernel rounds it (over a number: in fp32,
@@ -242,7 +265,7 @@ def _scalar_kept_in_fp32(op):
         if not (isinstance(a, torch.Tensor) and a.dtype in _REDUCED_FLOATS and type(b) in (int, float)):
             return NotImplemented
         return op(a.float(), b).to(a.dtype)
-    return decomposed
+    return _for_some_inputs(decomposed)
 
 
 def _computed_in_fp32(op):
@@ -254,9 +277,10 @@ def _computed_in_fp32(op):
             return NotImplemented
         widened = [a.float() if isinstance(a, torch.Tensor) and a.dtype == x.dtype else a for a in args]
         return op(x.float(), *widened, **kwargs).to(x.dtype)
-    return decomposed
+    return _for_some_inputs(decomposed)
 
 
+@_for_some_inputs
 def _log_softmax(x, dim, half_to_float):
     """A bf16 or fp16 log_softmax over the last dim as eager's vectorized kernel computes it: in fp32, but the sum
     of exponentials and its log each rounded to the input's dtype (it keeps them in the input's type) before

@@ -87,7 +87,7 @@ def _angle(x):
     return torch.where(torch.isnan(out), out, angle)
 
 
-def _trunc(x):
+def _trunc(x):  # (torch-mlir lowers an integer trunc itself)
     """trunc toward zero keeping a zero's sign: torch-mlir lowers it as sign(x) * floor(|x|), whose sign is +0.0
     at -0.0 (eager's trunc(-0.0) is -0.0, and frac(-0.0) then +0.0)."""
     if not x.is_floating_point():

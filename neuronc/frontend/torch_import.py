@@ -57,7 +57,7 @@ def decomposition_table(training: bool = False) -> dict:
         # found by benchmarks/opinfo.py's whole run: torch's own decompositions, not in torch-mlir's table
         aten.view_copy, aten.permute_copy, aten.narrow_copy, aten.as_strided_copy, aten.unbind_copy,
     ]))
-    table.update(decompositions.OWN)
+    decompositions.merge_into(table, decompositions.OWN)
     table.update(linalg_decompositions.OWN)
     table.update(special_decompositions.OWN)
     table.update(float_semantics.OWN)

@@ -90,8 +90,11 @@ def fuse_elementwise(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
         viewed = any(view is not None for _, view in externals)
         if (len(steps) == 1 and not viewed) or len(externals) > MAX_INPUTS:
             return None  # nothing to gain, or too many inputs: the group's ops stay separate kernels
+        # the float converts the instructions do anyway folded (a bf16 x * c that eager computes in fp32 is
+        # convert, multiply, convert in the graph: one instruction)
+        body = fold_converts(tuple(steps), {i: x.dtype for i, (x, _) in enumerate(externals)})
         return ir.node(Op.FUSED, [x for x, _ in externals], node.shape, node.dtype, node.loc,
-                       body=tuple(steps), views=tuple(view for _, view in externals))
+                       body=body, views=tuple(view for _, view in externals))
 
     return graph.rewrite(fuse)
 
