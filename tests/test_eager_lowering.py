@@ -301,3 +301,10 @@ def test_on_the_device_a_number_added_to_a_16_bit_tensor_is_rounded_first_as_in_
     d = x.to(lowered_only)
     for fn in (lambda t: t + 0.1, lambda t: 0.3 - t, lambda t: (t * 0.7 + 0.2) / 1.3, lambda t: t * 0.1 - 1e-3):
         assert torch.equal(fn(d).cpu(), fn(x))
+
+
+def test_on_the_device_bf16_cubes_and_inverse_squares_round_each_step_as_in_eager(lowered_only):
+    x = (torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    d = x.to(lowered_only)
+    assert torch.equal((d ** 3).cpu(), x ** 3)
+    assert torch.equal((d ** -2).cpu(), x ** -2)
