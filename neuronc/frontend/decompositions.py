@@ -561,10 +561,7 @@ def _logaddexp(a, b):
 
 def _logcumsumexp(x, dim):
     """Running log-sum-exp as a scan of log-sum-exp (:func:`_scan`). torch-mlir lowers it as
-    log(cumsum(exp(x))), which overflows to inf for inputs above ~88 (float32): silently wrong results. bf16 and
-    fp16 scan in fp32, each result rounded once, as eager's kernel accumulates."""
-    if x.dtype in _REDUCED_FLOATS:
-        return _scan(x.float(), dim, _logaddexp, float("-inf")).to(x.dtype)
+    log(cumsum(exp(x))), which overflows to inf for inputs above ~88 (float32): silently wrong results."""
     return _scan(x, dim, _logaddexp, float("-inf"))
 
 
@@ -670,7 +667,11 @@ def _unfold_backward(grad, input_sizes, dim, size, step):
 
 def _scan(x, dim: int, combine, identity):
     """Inclusive scan of `combine` along `dim` over doubling strides (Hillis-Steele: ceil(log2 n) elementwise
-    steps, each combining x with itself shifted by the stride, the identity shifted in)."""
+    steps, each combining x with itself shifted by the stride, the identity shifted in). A bf16 or fp16 scan
+    combines in fp32 and rounds each result once, as eager's kernels accumulate (a bf16 cumprod combined in bf16:
+    70% of its elements differed from eager)."""
+    if x.dtype in _REDUCED_FLOATS:
+        return _scan(x.float(), dim, combine, identity).to(x.dtype)
     if x.dim() == 0:
         return x.clone()
     dim = dim % x.dim()
@@ -686,14 +687,11 @@ def _scan(x, dim: int, combine, identity):
 
 def _cumprod(x, dim, *, dtype=None):
     """Running product as a scan of multiplications (torch-mlir cannot lower cumprod); integers and bools
-    multiply in int64, as eager's; bf16 and fp16 in fp32, each result rounded once, as eager accumulates (70% of a
-    bf16 scan's elements differed from eager)."""
+    multiply in int64, as eager's."""
     if dtype is not None:
         x = x.to(dtype)
     elif not x.is_floating_point() and not x.is_complex():
         x = x.to(torch.int64)
-    if x.dtype in _REDUCED_FLOATS:
-        return _scan(x.float(), dim, torch.mul, 1).to(x.dtype)
     return _scan(x, dim, torch.mul, 1)
 
 
