@@ -158,7 +158,7 @@ def run_op(op, *args, **kwargs):
 
 def run_planned(op, plan, *args, **kwargs):
     """``run_op`` with ``op``'s plan already looked up (the kernel PyTorch calls for an op seen before)."""
-    if op in _INDEXING and args[0].__class__ is not type and args[1] is not None:
+    if op in _INDEXING:  # (self, indices, ...): CPU index tensors moved to self's device
         args = (args[0], _indices_on(args[0].device, args[1]), *args[2:])
     if plan.__class__ is str:
         return cpu_fallback(op, args, kwargs, plan)
