@@ -571,13 +571,16 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None, **kwargs):
 # then of its odd ones (isa.py: BN_STATS, BN_AGGR).
 
 
-def _f32_sbuf(out, shape, api, name):
-    """(tile the instruction writes, the user's tile): the user's when it is an F32 SBUF tile, else a scratch one
+def _statistics_into(opcode, out, shape, data, api, name):
+    """One `opcode` (Vector) of `data` into `out`: directly when it is an F32 SBUF tile, else into a scratch F32 tile
     copied into it afterwards (the engine "is capable of casting the float32 results")."""
     res = ops.tile(out, api, "dst")
-    if res.isa_dtype == DType.F32 and res.space == Space.SBUF:
-        return res, None
-    return ops.tile(current().onchip(Space.SBUF, shape, DType.F32, name), api, "dst"), res
+    fp = res if res.isa_dtype == DType.F32 and res.space == Space.SBUF else \
+        ops.tile(current().onchip(Space.SBUF, shape, DType.F32, name), api, "dst")
+    current().emit(opcode, Engine.VECTOR, [(fp.storage, ops._flat2(fp, api, "dst")),
+                                          (data.storage, ops._flat2(data, api, "data"))], api)
+    if fp is not res:
+        ops.copy(res, fp, api=api)
 
 
 def bn_stats(*args, **kwargs):
@@ -597,11 +600,7 @@ def bn_stats(*args, **kwargs):
         fail(f"bn_stats reads at most {trace.target.bn_stats_max_free} elements per partition "
              f"(nl.tile_size.bn_stats_fmax); data has {n}", api=api, hint="call bn_stats on each 512-element chunk and bn_aggr over their results")
     out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 6), _out_dtype(b, data.isa_dtype), "bn_stats")
-    fp, user = _f32_sbuf(out, (p, 6), api, "bn_stats_fp32")
-    trace.emit(Opcode.BN_STATS, Engine.VECTOR, [(fp.storage, ops._flat2(fp, api, "dst")),
-                                                (data.storage, ops._flat2(data, api, "data"))], api)
-    if user is not None:
-        ops.copy(user, fp, api=api)
+    _statistics_into(Opcode.BN_STATS, out, (p, 6), data, api, "bn_stats_fp32")
     return None if new else out
 
 
@@ -621,11 +620,7 @@ def bn_aggr(*args, **kwargs):
         ops.copy(src, data.reshape((p, width)), api=api)
         data = src
     out = b["dst"] if new else trace.onchip(Space.SBUF, (p, 2), _out_dtype(b, data.isa_dtype), "bn_aggr")
-    fp, user = _f32_sbuf(out, (p, 2), api, "bn_aggr_fp32")
-    trace.emit(Opcode.BN_AGGR, Engine.VECTOR, [(fp.storage, ops._flat2(fp, api, "dst")),
-                                               (data.storage, ops._flat2(data, api, "data"))], api)
-    if user is not None:
-        ops.copy(user, fp, api=api)
+    _statistics_into(Opcode.BN_AGGR, out, (p, 2), data, api, "bn_aggr_fp32")
     return None if new else out
 
 
