@@ -844,14 +844,13 @@ def _pow(lw, meta, a, b):
         special = {2: Op.MULTIPLY, 0.5: Op.SQRT, -0.5: Op.RSQRT}
         if b == 2:
             return lw.convert(lw.op(Op.MULTIPLY, [base, base], shape, compute), dtype)
-        # bf16's x ** 3 and x ** -2 are eager's x * x * x and 1 / (x * x), each step rounded to bf16
-        stepwise = (lambda v: lw.convert(lw.convert(v, dtype), compute)) if dtype == DType.BF16 else (lambda v: v)
-        if b == 3:
-            square = stepwise(lw.op(Op.MULTIPLY, [base, base], shape, compute))
-            return lw.convert(lw.op(Op.MULTIPLY, [square, base], shape, compute), dtype)
-        if b == -2 and dtype == DType.BF16:
-            square = stepwise(lw.op(Op.MULTIPLY, [base, base], shape, compute))
-            return lw.convert(lw.op(Op.DIVIDE, [lw.splat(1.0, compute, shape), square], shape, compute), dtype)
+        if b == 3 or (b == -2 and dtype == DType.BF16):
+            square = lw.op(Op.MULTIPLY, [base, base], shape, compute)
+            if dtype == DType.BF16:  # eager's bf16 x * x * x and 1 / (x * x) round each step to bf16
+                square = lw.convert(lw.convert(square, dtype), compute)
+            power = lw.op(Op.MULTIPLY, [square, base], shape, compute) if b == 3 else \
+                lw.op(Op.DIVIDE, [lw.splat(1.0, compute, shape), square], shape, compute)
+            return lw.convert(power, dtype)
         if b in special:
             return lw.convert(lw.op(special[b], [base], shape, compute), dtype)
         if b == 1:
