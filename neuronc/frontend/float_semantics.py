@@ -87,9 +87,9 @@ def _angle(x):
     return torch.where(torch.isnan(out), out, angle)
 
 
-def _trunc(x):  # (torch-mlir lowers an integer trunc itself)
+def _trunc(x):
     """trunc toward zero keeping a zero's sign: torch-mlir lowers it as sign(x) * floor(|x|), whose sign is +0.0
-    at -0.0 (eager's trunc(-0.0) is -0.0, and frac(-0.0) then +0.0)."""
+    at -0.0 (eager's trunc(-0.0) is -0.0, and frac(-0.0) then +0.0). An integer's trunc is left to torch-mlir."""
     if not x.is_floating_point():
         return NotImplemented
     return torch.where(x < 0, torch.ceil(x), torch.floor(x))
