@@ -202,7 +202,8 @@ def rowwise_ns(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
     `prologue`: the kernel is a matmul's prologue (passes/norm_prologue.py), each row tile not stored but transposed
     on the Tensor engine a [128, 128] block at a time and copied out of PSUM on the Vector engine (codegen/matmul.py)."""
     plan = tile_plan(body, views, input_dtypes, cols=cols)
-    forms = {bn: _tile_ops(body, views, input_dtypes, plan, schedule, cols, target, bn) for bn in (True, False)}
+    forms = {bn: _tile_ops(body, views, input_dtypes, plan, schedule, cols, target, bn)  # (the forms it reads:
+             for bn in {schedule.bn_tiles > 0, False}}  # no BN_STATS tile, as most kernels, makes one form)
     parts = target.partitions
     engines = PlannedStreams(target)  # the Vector, Scalar and GpSimd streams, with the emulator's stream rules
     load = {e: 0.0 for e in (*ALU_ENGINES, Engine.SCALAR)}  # the Balancer's work so far
