@@ -158,7 +158,7 @@ class LoopedProgram:
         program.loop_order = [(k, original[id(instr)]) for k, instr in program.order]  # (the loop's own instructions)
         return program
 
-    def _states(self) -> np.ndarray:
+    def _states(self) -> list:
         box = self._box()
         count = 1
         for lo, hi in box:
@@ -167,20 +167,21 @@ class LoopedProgram:
             raise NeuronRuntimeError(
                 f"program {self.neff.name!r} declares {count} combinations of register values, more than the "
                 f"{MAX_STATES} its load checks", hint="declare narrower register ranges")
-        if not box:
-            return np.zeros((1, 0), np.int64)
         grids = np.meshgrid(*[np.arange(lo, hi + 1, dtype=np.int64) for lo, hi in box], indexing="ij")
-        return np.stack([g.reshape(-1) for g in grids], axis=1)
+        return [g.reshape(-1) for g in grids]  # per register, its value in each state
 
     def _check_rows(self) -> None:
         """At every register value: the inputs' reads inside the rows the launch passes, the outputs' rows
         written (module docstring)."""
-        neff = self.neff
         states = self._states()
+        self._check_rows_at(states, len(states[0]) if states else 1)
+
+    def _check_rows_at(self, states: list, size: int) -> None:
+        neff = self.neff
         tensors = TensorIndex(neff.tensors)
         spans: dict = {}  # tensor name -> [(lo, hi, reads) per state as arrays]
         for loop in neff.loops:
-            count = states[:, loop.register]
+            count = states[loop.register]
             for stream in loop.streams.values():
                 for instr in stream:
                     writes = len(instr.writes)
@@ -189,13 +190,13 @@ class LoopedProgram:
                             continue
                         lo, hi = hbm_span(ap)
                         entry = tensors.covering(*hbm_span(resolve(ap, tuple(r.hi for r in neff.registers), 0)))
-                        shift = np.zeros(len(states), np.int64)
+                        shift = np.zeros(size, np.int64)
                         step = 0
                         for source, c in ap.terms:
                             if source == LOOP_INDEX:
                                 step += c
                             else:
-                                shift += c * states[:, source]
+                                shift += c * states[source]
                         last = step * np.maximum(count - 1, 0)
                         first_lo = lo + shift + np.minimum(last, 0)
                         end_hi = hi + shift + np.maximum(last, 0)
@@ -206,38 +207,39 @@ class LoopedProgram:
                             ok = runs & dense & (joined | (count == 1))
                             spans.setdefault(entry.name, []).append((np.where(ok, first_lo, 0), np.where(ok, end_hi, 0)))
                         elif entry.kind == TensorKind.INPUT and entry.rows:
-                            end = entry.offset + self._rows_bytes(entry, states)
+                            end = entry.offset + self._rows_bytes(entry, states, size)
                             bad = runs & (end_hi > end)
                             if bad.any():
-                                at = tuple(int(v) for v in states[np.argmax(bad)])
+                                at = tuple(int(v[np.argmax(bad)]) for v in states)
                                 raise NeuronRuntimeError(
                                     f"program {neff.name!r} reads input {entry.name!r} past the rows a launch passes "
                                     f"at register values {at}", hint="keep each read inside the input's rows")
         for t in neff.tensors:
             if t.kind != TensorKind.OUTPUT or not t.nbytes:
                 continue
-            need = t.offset + self._rows_bytes(t, states)
-            los = np.stack([lo for lo, _ in spans.get(t.name, [])] or [np.zeros(len(states), np.int64)], axis=1)
-            his = np.stack([hi for _, hi in spans.get(t.name, [])] or [np.zeros(len(states), np.int64)], axis=1)
-            order = np.argsort(los, axis=1)
-            los, his = np.take_along_axis(los, order, 1), np.take_along_axis(his, order, 1)
-            reach = np.maximum(np.maximum.accumulate(his, axis=1), t.offset)
-            before = np.concatenate([np.full((len(states), 1), t.offset), reach[:, :-1]], axis=1)
-            gap = ((los > before) & (before < need[:, None]) & (his > los)).any(axis=1) | (reach[:, -1] < need)
+            need = t.offset + self._rows_bytes(t, states, size)
+            found = spans.get(t.name, [])
+            los = np.stack([lo for lo, _ in found] or [np.zeros(size, np.int64)])  # [span, state]
+            his = np.stack([hi for _, hi in found] or [np.zeros(size, np.int64)])
+            order = np.argsort(los, axis=0, kind="stable")
+            los, his = np.take_along_axis(los, order, 0), np.take_along_axis(his, order, 0)
+            reach = np.maximum(np.maximum.accumulate(his, axis=0), t.offset)
+            before = np.concatenate([np.full((1, size), t.offset), reach[:-1]], axis=0)
+            gap = ((los > before) & (before < need) & (his > los)).any(axis=0) | (reach[-1] < need)
             gap &= need > t.offset
             if gap.any():
-                at = tuple(int(v) for v in states[np.argmax(gap)])
+                at = tuple(int(v[np.argmax(gap)]) for v in states)
                 raise NeuronRuntimeError(
                     f"program {neff.name!r} may leave bytes of output {t.name!r} unwritten at register values {at}",
                     hint="write every row of each output at every register value (dense writes; a loop's "
                     "iterations adjacent)")
 
     @staticmethod
-    def _rows_bytes(t, states: np.ndarray) -> np.ndarray:
+    def _rows_bytes(t, states: list, size: int) -> np.ndarray:
         row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         if not t.rows:
-            return np.full(len(states), t.nbytes, np.int64)
-        return sum(rows * states[:, r] for r, rows in t.rows) * row
+            return np.full(size, t.nbytes, np.int64)
+        return sum(rows * row * states[r] for r, rows in t.rows)
 
     # -- running ----------------------------------------------------------------------------------
 

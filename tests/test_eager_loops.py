@@ -1,0 +1,132 @@
+"""An elementwise op at a new row count runs its looped program (neuronc/codegen/row_loops.py, runtime/loops.py):
+one program for every row count at a row width, no compile and no load per new count, exact against CPU eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronc.errors import NeuronConfigError
+from neuronc.pytorch import eager
+
+ROWS = (1, 127, 128, 129, 1000, 2, 64, 300)
+
+
+@pytest.fixture
+def fresh(neuron, monkeypatch):
+    """No program or looped program made by earlier tests, none from the disk cache, no op on the CPU."""
+    monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
+    monkeypatch.setenv(eager.LOOPS_ENV, "1")
+    monkeypatch.setattr(eager, "programs", {})
+    monkeypatch.setattr(eager, "sizes_met", {})
+    monkeypatch.setattr(eager, "families", {})
+    return monkeypatch
+
+
+def _special(n, c, dtype=torch.float32):
+    x = torch.randn(n, c) * 3
+    flat = x.view(-1)
+    flat[0] = float("nan")
+    if flat.numel() > 2:
+        flat[1], flat[-1] = float("-inf"), float("inf")
+    return x.to(dtype)
+
+
+CASES = {
+    "ones_times_2": (lambda x: x * 2, lambda n: torch.ones(n, 24)),
+    "mul_scalar_nan_inf": (lambda x: x * 0.3, lambda n: _special(n, 24)),
+    "add": (lambda x, y: x + y, lambda n: (_special(n, 40), torch.randn(n, 40))),
+    "relu_bf16": (torch.relu, lambda n: _special(n, 33, torch.bfloat16)),
+    "sigmoid_3d": (torch.sigmoid, lambda n: torch.randn(n, 3, 5)),
+    "int_floor_divide": (lambda x: torch.floor_divide(x, 3), lambda n: torch.randint(-50, 50, (n, 16), dtype=torch.int32)),
+    "where": (lambda c, x, y: torch.where(c, x, y), lambda n: (torch.rand(n, 8) > 0.5, torch.randn(n, 8), torch.randn(n, 8))),
+    "one_dim": (lambda x: x * x - 1, lambda n: torch.randn(n)),
+}
+OPS = {"one_dim": 2}  # ops of a case (1 unless listed): each gets its looped program
+NOT_CPU_BITS = {"sigmoid_3d"}  # the device's sigmoid is within fp32 tolerance of the CPU's, not its values
+
+
+def _run(fn, inputs, device):
+    return fn(*[x.to(device) for x in inputs]).cpu()
+
+
+def _bits(x):
+    return x if x.dtype == torch.bool else x.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fresh, neuron, name):
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    cases = {n: make(n) for n in (3, *ROWS)}
+    cases = {n: x if isinstance(x, tuple) else (x,) for n, x in cases.items()}
+    fresh.setenv(eager.LOOPS_ENV, "0")
+    fresh.setenv(eager.BUCKETS_ENV, "0")
+    own = {n: _run(fn, x, neuron) for n, x in cases.items()}  # each row count's own program
+    fresh.setattr(eager, "programs", {})
+    fresh.setattr(eager, "sizes_met", {})
+    fresh.setenv(eager.LOOPS_ENV, "1")
+    _run(fn, cases[3], neuron)  # the op's first size: its own program
+    looped = eager.compile_stats["looped"]
+    for n in ROWS:
+        got = _run(fn, cases[n], neuron)
+        expected = fn(*cases[n])
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert torch.equal(_bits(got), _bits(own[n])), n
+        # CPU eager's values exactly (a NaN as a NaN: the device's NaN bits are its own), or within fp32 tolerance
+        torch.testing.assert_close(got, expected, **({} if name in NOT_CPU_BITS else {"rtol": 0, "atol": 0}),
+                                   equal_nan=True)
+    ops = OPS.get(name, 1)
+    assert eager.compile_stats["looped"] == looped + ops * len(ROWS)
+    assert len(eager.families) == ops and not any(isinstance(f, str) for f in eager.families.values())
+
+
+def test_a_new_row_count_compiles_nothing_once_the_looped_program_exists(fresh, neuron):
+    x = torch.randn(5, 16).to(neuron)
+    (x * 2).cpu()
+    (torch.randn(6, 16).to(neuron) * 2).cpu()  # makes the looped program: its tile programs compile once
+    compiled = eager.compile_stats["lowered"]
+    loads = len(eager.families)
+    for n in (7, 100, 555, 1):
+        assert torch.equal((torch.full((n, 16), 1.5).to(neuron) * 2).cpu(), torch.full((n, 16), 3.0))
+    assert eager.compile_stats["lowered"] == compiled and len(eager.families) == loads
+
+
+def test_the_looped_launch_lasts_its_iterations_on_the_timeline(fresh, neuron):
+    (torch.randn(3, 16).to(neuron) * 2).cpu()
+    (torch.randn(1, 16).to(neuron) * 2).cpu()
+    [family] = eager.families.values()
+    program = family[0]
+    one_tile = program.at((1, 0, 0, 0, 0, 0, 0, 0)).time().estimated_ns
+    (torch.randn(300, 16).to(neuron) * 2).cpu()  # 2 tiles of 128, then 32, 8 and 4 rows
+    [entry] = [e for key, e in eager.programs.items() if key[0][1] and key[0][1][0][0] == (300, 16)]
+    assert entry.duration_ns > 2 * one_tile
+    assert entry.duration_ns == program.at((2, 0, 1, 0, 1, 1, 0, 0)).time().estimated_ns
+
+
+def test_rows_past_the_looped_programs_capacity_compile_for_their_own_shape(fresh, neuron, monkeypatch):
+    monkeypatch.setattr(eager, "MAX_TILES", 1)
+    (torch.randn(3, 8).to(neuron) * 2).cpu()
+    (torch.randn(4, 8).to(neuron) * 2).cpu()
+    looped = eager.compile_stats["looped"]
+    x = torch.randn(300, 8)
+    assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
+    assert eager.compile_stats["looped"] == looped
+
+
+def test_loops_off_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh, neuron):
+    fresh.setenv(eager.LOOPS_ENV, "0")
+    (torch.randn(3, 8).to(neuron) * 2).cpu()
+    (torch.randn(4, 8).to(neuron) * 2).cpu()
+    assert not eager.families
+    fresh.setenv(eager.LOOPS_ENV, "yes")
+    with pytest.raises(NeuronConfigError, match="NEURON_EAGER_LOOPS"):
+        torch.randn(5, 8).to(neuron) * 2
+
+
+def test_broadcast_operands_are_not_looped(fresh, neuron):
+    row = torch.randn(8)
+    for n in (3, 4, 5):
+        x = torch.randn(n, 8)
+        assert torch.equal((x.to(neuron) + row.to(neuron)).cpu(), x + row)
+    assert not eager.families
