@@ -179,41 +179,50 @@ class LoopedProgram:
     def _check_rows_at(self, states: list, size: int) -> None:
         neff = self.neff
         tensors = TensorIndex(neff.tensors)
-        spans: dict = {}  # tensor name -> [(lo, hi, reads) per state as arrays]
+        spans: dict = {}  # tensor name -> [(lo, hi) per state as arrays]: what the loops write
+        upper = tuple(r.hi for r in neff.registers)
         for loop in neff.loops:
             count = states[loop.register]
+            runs = count > 0
+            written: dict = {}  # tensor name -> the body's writes to it (one set of terms: _check_terms)
+
+            def shift_and_step(terms):
+                shift, step = np.zeros(size, np.int64), 0
+                for source, c in terms:
+                    if source == LOOP_INDEX:
+                        step += c
+                    else:
+                        shift += c * states[source]
+                return shift, step
+
             for stream in loop.streams.values():
                 for instr in stream:
                     writes = len(instr.writes)
                     for position, ap in enumerate(instr.operands):
                         if ap.space != Space.HBM:
                             continue
-                        lo, hi = hbm_span(ap)
-                        entry = tensors.covering(*hbm_span(resolve(ap, tuple(r.hi for r in neff.registers), 0)))
-                        shift = np.zeros(size, np.int64)
-                        step = 0
-                        for source, c in ap.terms:
-                            if source == LOOP_INDEX:
-                                step += c
-                            else:
-                                shift += c * states[source]
-                        last = step * np.maximum(count - 1, 0)
-                        first_lo = lo + shift + np.minimum(last, 0)
-                        end_hi = hi + shift + np.maximum(last, 0)
-                        runs = count > 0
+                        entry = tensors.covering(*hbm_span(resolve(ap, upper, 0)))
                         if position < writes:
-                            dense = hi - lo == ap.num_elements * ap.dtype.itemsize
-                            joined = abs(step) <= hi - lo
-                            ok = runs & dense & (joined | (count == 1))
-                            spans.setdefault(entry.name, []).append((np.where(ok, first_lo, 0), np.where(ok, end_hi, 0)))
-                        elif entry.kind == TensorKind.INPUT and entry.rows:
-                            end = entry.offset + self._rows_bytes(entry, states, size)
-                            bad = runs & (end_hi > end)
-                            if bad.any():
-                                at = tuple(int(v[np.argmax(bad)]) for v in states)
-                                raise NeuronRuntimeError(
-                                    f"program {neff.name!r} reads input {entry.name!r} past the rows a launch passes "
-                                    f"at register values {at}", hint="keep each read inside the input's rows")
+                            written.setdefault(entry.name, []).append(ap)
+                            continue
+                        if entry.kind != TensorKind.INPUT or not entry.rows:
+                            continue
+                        lo, hi = hbm_span(ap)
+                        shift, step = shift_and_step(ap.terms)
+                        end_hi = hi + shift + np.maximum(step * np.maximum(count - 1, 0), 0)
+                        bad = runs & (end_hi > entry.offset + self._rows_bytes(entry, states, size))
+                        if bad.any():
+                            at = tuple(int(v[np.argmax(bad)]) for v in states)
+                            raise NeuronRuntimeError(
+                                f"program {neff.name!r} reads input {entry.name!r} past the rows a launch passes "
+                                f"at register values {at}", hint="keep each read inside the input's rows")
+            for name, aps in written.items():
+                shift, step = shift_and_step(aps[0].terms)
+                last = step * np.maximum(count - 1, 0)
+                for lo, hi in _written_runs(aps):  # an iteration's bytes, as runs; its iterations join when they touch
+                    ok = runs & ((abs(step) <= hi - lo) | (count == 1))
+                    spans.setdefault(name, []).append((np.where(ok, lo + shift + np.minimum(last, 0), 0),
+                                                       np.where(ok, hi + shift + np.maximum(last, 0), 0)))
         for t in neff.tensors:
             if t.kind != TensorKind.OUTPUT or not t.nbytes:
                 continue
@@ -316,6 +325,45 @@ class LoopedProgram:
     @property
     def loaded(self) -> bool:
         return self._free.alive
+
+
+MAX_MASK_BYTES = 1 << 26  # the widest span of one body's writes to a tensor whose bytes the load maps (a stated bound)
+
+
+def _written_runs(aps: list) -> list:
+    """The bytes the HBM patterns ``aps`` (of one tensor, with the same terms) write, at their offsets as they are,
+    as [lo, hi) runs of consecutive bytes (none when they spread over more than MAX_MASK_BYTES)."""
+    dense = [hbm_span(ap) for ap in aps if hbm_span(ap)[1] - hbm_span(ap)[0] == ap.num_elements * ap.dtype.itemsize]
+    strided = [ap for ap in aps if hbm_span(ap)[1] - hbm_span(ap)[0] != ap.num_elements * ap.dtype.itemsize]
+    runs = sorted(dense + _strided_runs(strided))
+    merged: list = []
+    for lo, hi in runs:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _strided_runs(aps: list) -> list:
+    """[lo, hi) runs of the bytes strided patterns write (none when they spread over more than MAX_MASK_BYTES)."""
+    if not aps:
+        return []
+    spans = [hbm_span(ap) for ap in aps]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    if hi - lo > MAX_MASK_BYTES:
+        return []
+    mask = np.zeros(hi - lo, bool)
+    for ap in aps:
+        itemsize = ap.dtype.itemsize
+        starts = np.zeros((), np.int64) + (ap.offset - lo)
+        for stride, size in ap.dims:
+            starts = np.add.outer(starts, np.arange(size, dtype=np.int64) * stride * itemsize)
+        starts = starts.reshape(-1)
+        for byte in range(itemsize):
+            mask[starts + byte] = True
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
+    return [(lo + int(a), lo + int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 class Launch:

@@ -2,6 +2,8 @@
 one program for every row count at a row width, no compile and no load per new count, exact against CPU eager."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ def fresh(neuron, monkeypatch):
     monkeypatch.setattr(eager, "programs", {})
     monkeypatch.setattr(eager, "sizes_met", {})
     monkeypatch.setattr(eager, "families", {})
+    monkeypatch.setattr(eager, "compile_stats", collections.Counter())
     return monkeypatch
 
 
@@ -68,7 +71,7 @@ def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fres
     fresh.setenv(eager.LOOPS_ENV, "1")
     _run(fn, cases[3], neuron)  # the op's first size: its own program
     looped = eager.compile_stats["looped"]
-    for n in ROWS:
+    for n in ROWS:  # from its second size on: the looped program
         got = _run(fn, cases[n], neuron)
         expected = fn(*cases[n])
         assert got.dtype == expected.dtype and got.shape == expected.shape
@@ -81,10 +84,16 @@ def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fres
     assert len(eager.families) == ops and not any(isinstance(f, str) for f in eager.families.values())
 
 
+def test_the_first_row_count_runs_its_own_program_and_the_second_makes_the_looped_program(fresh, neuron):
+    (torch.randn(3, 16).to(neuron) * 2).cpu()
+    assert not eager.families and eager.compile_stats["looped"] == 0 and eager.compile_stats["lowered"] == 1
+    (torch.randn(5, 16).to(neuron) * 2).cpu()
+    assert len(eager.families) == 1 and eager.compile_stats["looped"] == 1
+
+
 def test_a_new_row_count_compiles_nothing_once_the_looped_program_exists(fresh, neuron):
-    x = torch.randn(5, 16).to(neuron)
-    (x * 2).cpu()
-    (torch.randn(6, 16).to(neuron) * 2).cpu()  # makes the looped program: its tile programs compile once
+    for n in (5, 6):  # the second size makes the looped program: its tile programs compile once
+        (torch.randn(n, 16).to(neuron) * 2).cpu()
     compiled = eager.compile_stats["lowered"]
     loads = len(eager.families)
     for n in (7, 100, 555, 1):
@@ -93,8 +102,8 @@ def test_a_new_row_count_compiles_nothing_once_the_looped_program_exists(fresh, 
 
 
 def test_the_looped_launch_lasts_its_iterations_on_the_timeline(fresh, neuron):
-    (torch.randn(3, 16).to(neuron) * 2).cpu()
-    (torch.randn(1, 16).to(neuron) * 2).cpu()
+    for n in (3, 1, 2):
+        (torch.randn(n, 16).to(neuron) * 2).cpu()
     [family] = eager.families.values()
     program = family[0]
     one_tile = program.at((1, 0, 0, 0, 0, 0, 0, 0)).time().estimated_ns
@@ -106,8 +115,8 @@ def test_the_looped_launch_lasts_its_iterations_on_the_timeline(fresh, neuron):
 
 def test_rows_past_the_looped_programs_capacity_compile_for_their_own_shape(fresh, neuron, monkeypatch):
     monkeypatch.setattr(eager, "MAX_TILES", 1)
-    (torch.randn(3, 8).to(neuron) * 2).cpu()
-    (torch.randn(4, 8).to(neuron) * 2).cpu()
+    for n in (3, 4, 5):
+        (torch.randn(n, 8).to(neuron) * 2).cpu()
     looped = eager.compile_stats["looped"]
     x = torch.randn(300, 8)
     assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
@@ -116,17 +125,17 @@ def test_rows_past_the_looped_programs_capacity_compile_for_their_own_shape(fres
 
 def test_loops_off_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh, neuron):
     fresh.setenv(eager.LOOPS_ENV, "0")
-    (torch.randn(3, 8).to(neuron) * 2).cpu()
-    (torch.randn(4, 8).to(neuron) * 2).cpu()
+    for n in (3, 4, 5):
+        (torch.randn(n, 8).to(neuron) * 2).cpu()
     assert not eager.families
     fresh.setenv(eager.LOOPS_ENV, "yes")
     with pytest.raises(NeuronConfigError, match="NEURON_EAGER_LOOPS"):
-        torch.randn(5, 8).to(neuron) * 2
+        torch.randn(6, 8).to(neuron) * 2
 
 
 def test_broadcast_operands_are_not_looped(fresh, neuron):
     row = torch.randn(8)
-    for n in (3, 4, 5):
+    for n in (3, 4, 5, 6):
         x = torch.randn(n, 8)
         assert torch.equal((x.to(neuron) + row.to(neuron)).cpu(), x + row)
     assert not eager.families

@@ -701,7 +701,7 @@ LOOPS_ENV = "NEURON_EAGER_LOOPS"  # "1" (default): an elementwise op at a new ro
 ROW_BLOCKS = (128, 64, 32, 16, 8, 4, 2, 1)  # the tiles' rows: full 128-row tiles, then one of each power of two
 LOOP_CAPACITY_BYTES = 1 << 24  # the most bytes of each row-sliced operand a looped program holds (a stated choice:
 # its HBM is reserved for the capacity; larger row counts compile for their own shape as before)
-MAX_TILES = 127  # full tiles at most: with the 128 remainders, 16,384 register values for the load to check
+MAX_TILES = 31  # full tiles at most (4,095 rows): with the 128 remainders, 4,096 register values for the load to check
 families: dict = {}  # (op, signature with the rows left out, device) -> (LoopedProgram, out_spec, dtype), or why not
 
 
@@ -755,6 +755,8 @@ def _row_looped(op, args, kwargs, device: int, runtime: frozenset):
     """An EagerProgram running this call on ``op``'s looped program (made on the first such call: the op
     lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at its row count's register values:
     no compile, no load. None when the op is not row-wise, has no lowering, or the rows exceed the capacity."""
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return None  # a bucket's padded signature (_bucketed): its program is the bucket's own
     shape = _row_shape(op, args, kwargs)
     if shape is None:
         return None
