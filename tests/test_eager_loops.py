@@ -44,9 +44,14 @@ CASES = {
     "int_floor_divide": (lambda x: torch.floor_divide(x, 3), lambda n: torch.randint(-50, 50, (n, 16), dtype=torch.int32)),
     "where": (lambda c, x, y: torch.where(c, x, y), lambda n: (torch.rand(n, 8) > 0.5, torch.randn(n, 8), torch.randn(n, 8))),
     "one_dim": (lambda x: x * x - 1, lambda n: torch.randn(n)),
+    "softmax_rows": (lambda x: torch.softmax(x, -1), lambda n: _special(n, 50)),
+    "log_softmax_bf16": (lambda x: torch.log_softmax(x, 1), lambda n: torch.randn(n, 70).bfloat16()),
+    "softmax_backward": (lambda g, y: torch.ops.aten._softmax_backward_data(g, y, -1, torch.float32),
+                         lambda n: (torch.randn(n, 40), torch.softmax(torch.randn(n, 40), -1))),
 }
 OPS = {"one_dim": 2}  # ops of a case (1 unless listed): each gets its looped program
-NOT_CPU_BITS = {"sigmoid_3d"}  # the device's sigmoid is within fp32 tolerance of the CPU's, not its values
+NOT_CPU_BITS = {"sigmoid_3d", "softmax_rows", "log_softmax_bf16", "softmax_backward"}  # the device's exp and sums are
+# within tolerance of the CPU's, not their values
 
 
 def _run(fn, inputs, device):
@@ -131,6 +136,13 @@ def test_loops_off_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh
     fresh.setenv(eager.LOOPS_ENV, "yes")
     with pytest.raises(NeuronConfigError, match="NEURON_EAGER_LOOPS"):
         torch.randn(6, 8).to(neuron) * 2
+
+
+def test_a_softmax_along_the_first_dim_is_not_looped(fresh, neuron):
+    for n in (3, 4, 5):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(torch.softmax(x.to(neuron), 0).cpu(), torch.softmax(x, 0))
+    assert not eager.families
 
 
 def test_broadcast_operands_are_not_looped(fresh, neuron):

@@ -724,14 +724,17 @@ def _with_rows(values, shape: tuple, rows: int):
 
 
 _ROW_WISE = frozenset({"aten::floor_divide"})  # elementwise, not tagged pointwise (as aten_buckets lists it)
+# row-wise ops reducing along another dim than the first: schema name -> position of that dim among the arguments
+_ALONG_ROWS = {"aten::_softmax": 1, "aten::_log_softmax": 1, "aten::_softmax_backward_data": 2,
+               "aten::_log_softmax_backward_data": 2}
 
 
 def _row_shape(op, args, kwargs):
     """The shape every tensor operand of ``op`` has (the others 0-d) when it is an elementwise op whose result has
     that shape too, so each result row depends on the same rows of the operands alone; else None."""
     name = _schema_name(op)
-    if (torch.Tag.pointwise not in op.tags and name not in _ROW_WISE) or torch.Tag.nondeterministic_seeded in op.tags \
-            or len(op._schema.returns) != 1 or name in ("aten::clone",):
+    if (torch.Tag.pointwise not in op.tags and name not in _ROW_WISE and name not in _ALONG_ROWS) or \
+            torch.Tag.nondeterministic_seeded in op.tags or len(op._schema.returns) != 1 or name in ("aten::clone",):
         return None
     tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     shapes = {tuple(x.shape) for x in tensors if x.dim()}
@@ -740,6 +743,10 @@ def _row_shape(op, args, kwargs):
     (shape,) = shapes
     if not shape[0]:
         return None
+    if name in _ALONG_ROWS:  # a row's result from that row alone: the reduced dim is not the first
+        dim = args[_ALONG_ROWS[name]] if len(args) > _ALONG_ROWS[name] else None
+        if not isinstance(dim, int) or len(shape) < 2 or dim % len(shape) == 0:
+            return None
     from neuronc.frontend.aten_lowering import pointwise_meta
 
     metas = [_meta(x) for x in args], {k: _meta(v) for k, v in kwargs.items()}
