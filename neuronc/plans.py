@@ -316,8 +316,6 @@ class Schedule:
     shared_after: int  # groups of row tiles loaded before the inputs shared by every row (a norm's weight)
     bn_tiles: int = 0  # the first row tiles whose BnStats are BN_STATS and BN_AGGR (Vector/GpSimd); the others make
     # them as the steps they stand for (a row sum, a Summed square, the divisions: passes/rowwise_plan.py)
-    scaled_on_scalar: bool = False  # each (x - m) * r of per-row m and r (a norm's) as one ACTIVATE_SCALED on the
-    # Scalar engine (scale r, bias -m * r made per row first) instead of a TENSOR_ALU2 (RowwisePlan.scaled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +332,6 @@ class RowwisePlan:
     # index 1, 2...: passes/rowwise_column_sums.py), ones[128, 1]^T @ each row tile accumulating in PSUM banks of
     # `sum_bank` columns, row tiles in order, rounded once into the output's dtype after the last
     sum_bank: int = 512  # columns per matmul of a sum (one PSUM bank of fp32)
-    scaled: tuple = ()  # steps made as ACTIVATE_SCALED (the schedule's `scaled_on_scalar`; passes/rowwise_plan.py
-    # `scaled_steps`): (a - b) * c, b and c fp32 per-row values, the Alu2 of the step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -356,23 +356,3 @@ def test_a_layer_norms_mean_and_variance_are_one_bn_stats_step_when_the_rows_len
         other = tile_plan(body, views, dtypes, cols=cols).instr_of
         assert not any(isinstance(i, BnStats) for i in other.values())
         assert any(isinstance(i, RowSum) for i in other.values()) and any(isinstance(i, Summed) for i in other.values())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("cut", [0, 512], ids=["whole", "cut"])
-def test_a_schedule_making_x_minus_mean_times_rstd_on_scalar_emits_it_scaled_and_matches_eager(monkeypatch, dtype, cut):
-    """`scaled_on_scalar`: each row tile's (x - mean) * rstd as one ACTIVATE_SCALED (scale rstd, bias -mean * rstd
-    made first by another) instead of a TENSOR_ALU2; within eager's tolerances, and priced as emulated."""
-    torch.manual_seed(0)
-    model, x = _layer_norm(768).to(dtype), (torch.randn(512, 768) * 3 + 1).to(dtype)
-    schedule = Schedule(4, 2, True, False, cut, 1, 4, scaled_on_scalar=True)
-    compiled, out = _compile_with(monkeypatch, model, x, schedule)
-    scaled = [i for s in compiled.neff.streams.values() for i in s if i.opcode == Opcode.ACTIVATE_SCALED]
-    assert len(scaled) == 4 * (2 if cut else 1) + 4 and {i.engine for i in scaled} == {Engine.SCALAR}
-    assert not any(i.opcode == Opcode.TENSOR_ALU2 and i.alu == AluOp.SUBTRACT for s in compiled.neff.streams.values()
-                   for i in s)
-    assert_matches_eager(out, model(x))
-    node = _rowwise_node(compiled)
-    priced = rowwise_schedule.rowwise_ns(node.attrs["body"], node.attrs["views"], [i.dtype for i in node.inputs],
-                                         node.dtype, 512, 768, schedule, get_target())
-    assert priced == pytest.approx(compiled.neff.estimated_ns, rel=0.1)

@@ -203,8 +203,7 @@ class Rowwise:
         wide = max([DType.F32.itemsize, node.dtype.itemsize] + [s.dtype.itemsize for s in self.body]) // DType.F32.itemsize
         self.full_temps = [em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) for _ in range(count["full"])]
         self.row_temps = [em.sbuf_pool(DType.F32, wide, bufs=bufs) for _ in range(count["row"])]
-        self.biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift, or
-        # an ACTIVATE_SCALED's bias (a schedule takes no scaled steps where a Summed has one: rowwise_schedule.py)
+        self.biases = em.sbuf_pool(DType.F32, wide, bufs=bufs)  # the budget's spare row tile: a Summed's -shift
         self.out_pool = em.sbuf_pool(node.dtype, cols, bufs=bufs)
         self.constants = em.sbuf_pool(DType.F32, cols * wide, bufs=bufs) if plan.needs_constants else None
         self.engines = Balancer(em)
@@ -212,7 +211,7 @@ class Rowwise:
         self.bn_stats = em.sbuf_pool(DType.F32, 6 * len(self.bn_chunks) + 2, bufs=bufs) if any(
             isinstance(i, BnStats) for i in self.instrs.values()) else None  # the chunks' statistics, then BN_AGGR's
         self.zero = self.scratch = None
-        if plan.scaled or any(isinstance(i, (Summed, RowSum, BnStats)) for i in self.instrs.values()):
+        if any(isinstance(i, (Summed, RowSum, BnStats)) for i in self.instrs.values()):
             self.zero = em.sbuf_pool(DType.F32, 1, bufs=1).next().ap(parts, 1)
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.zero, imm0=0.0)
             self.scratch = em.sbuf_pool(DType.F32, cols * wide, bufs=1).next().ap(parts, cols)
@@ -338,15 +337,7 @@ class Rowwise:
         def read(arg, full: bool = full):
             return _tile_arg(arg, state.tiles, state.results, rt, self.cols, full, columns)
 
-        if j in self.plan.scaled:  # (a - b) * c as a * c + (-b * c) on the Scalar engine, its bias made once a row tile
-            scale = read(instr.c, full=False)
-            bias = state.results.get(("scaled_bias", j))
-            if bias is None:
-                bias = state.results[("scaled_bias", j)] = self.biases.next().ap(rt, 1)
-                engines.activate(Opcode.ACTIVATE_SCALED, bias, read(instr.b, full=False), scale,
-                                 first_rows(self.zero, rt), func=ActFunc.NEG)
-            engines.activate(Opcode.ACTIVATE_SCALED, out, read(instr.a), scale, bias, func=ActFunc.IDENTITY)
-        elif isinstance(instr, Alu2):
+        if isinstance(instr, Alu2):
             a, b = read(instr.a), read(instr.b)
             c = read(instr.c) if instr.c else b
             engines.emit(Opcode.TENSOR_ALU2, out, a, b, c, alu=ALU[instr.op],

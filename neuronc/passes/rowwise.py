@@ -28,8 +28,7 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, BUF_CHOICES, BUFS, PAIRED_BUFS,  # noqa: F401 (re-exported)
-                                         needs_constants, rowwise_sbuf_bytes, scaled_steps, step_kinds, tail_steps,
-                                         tile_plan)
+                                         needs_constants, rowwise_sbuf_bytes, step_kinds, tail_steps, tile_plan)
 from neuronc.passes import rowwise_schedule
 from neuronc.passes.rowwise_schedule import per_row_alu, split_engines
 from neuronc.passes.structural_key import keyed_once, once_per_key
@@ -415,8 +414,7 @@ def rowwise_plan(body: tuple, views: tuple, input_dtypes: list, schedule: Schedu
     return RowwisePlan(schedule=schedule, tile=tile, kinds=tuple(step_kinds(body, views)),
                        tail=tail_steps(body, views, tile) if schedule.cut else (),
                        split_engines=split_engines(target), needs_constants=needs_constants(body),
-                       scalar_steps=tuple(per_row_alu(step) for step in body),
-                       scaled=scaled_steps(body, views, input_dtypes, tile) if schedule.scaled_on_scalar else ())
+                       scalar_steps=tuple(per_row_alu(step) for step in body))
 
 
 def _rowwise_node(inputs: list, body: tuple, views: tuple, like, rows: int, cols: int, out_strides, schedule: Schedule,

@@ -225,24 +225,6 @@ def tail_steps(body: tuple, views: tuple, plan: TilePlan) -> tuple:
     return tuple(reversed(tail))
 
 
-def scaled_steps(body: tuple, views: tuple, input_dtypes: list, plan: TilePlan) -> tuple:
-    """The steps of a row tile's plan that a schedule may make as one ACTIVATE_SCALED each (isa.py): an Alu2 (a - b) *
-    c of a full-row a and per-row fp32 values b and c (a norm's (x - mean) * rstd), which is func(a * c + (-b * c)),
-    its bias -b * c made per row first."""
-    kinds = step_kinds(body, views)
-
-    def per_row_f32(arg) -> bool:
-        if arg[0] == "step":
-            return kinds[arg[1]] == "row" and body[arg[1]].dtype == DType.F32
-        return arg[0] == "input" and input_kind(views[arg[1]]) == "row" and input_dtypes[arg[1]] == DType.F32
-
-    def full(arg) -> bool:
-        return (kinds[arg[1]] if arg[0] == "step" else input_kind(views[arg[1]]) if arg[0] == "input" else "") == "full"
-
-    return tuple(j for j, i in plan.instr_of.items() if isinstance(i, Alu2) and i.op is Op.SUBTRACT
-                 and i.op1 is Op.MULTIPLY and kinds[j] == "full" and full(i.a) and per_row_f32(i.b) and per_row_f32(i.c))
-
-
 def _arithmetic(op, args, inner_op, per_row, absorbable):
     """A full-row arithmetic step with two tile operands: a TENSOR_ALU2 absorbing the one-op arithmetic step it
     reads (leftmost, or either for a commutative op; `inner_op` gives (a, b, op) of such a step) when that one dies

@@ -17,8 +17,7 @@ from neuronc.instruction_cost import (HbmChannel, PlannedStreams, dma_transfer_n
                                       remaining_latency_ns, table_of)
 from neuronc.ir import BINARY, Op, Step
 from neuronc.isa import ActFunc, DType, Engine, Space
-from neuronc.passes.rowwise_plan import (ACTIVATION_OPS, PAIRED_BUFS, input_kind, scaled_steps, step_kinds, tail_steps,
-                                         tile_plan)
+from neuronc.passes.rowwise_plan import ACTIVATION_OPS, PAIRED_BUFS, input_kind, step_kinds, tail_steps, tile_plan
 from neuronc.passes.structural_key import once_per_key, structural_key
 from neuronc.placement import SBUF_PAGE_BYTES, dma_pieces, transposed_store_pieces  # noqa: F401 (rules it prices)
 from neuronc.plans import Act, Alu2, BnStats, RowSum, Schedule, Summed
@@ -75,13 +74,10 @@ def candidates(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, 
     shared = (1, 2) if any(v[1][0] == 0 for v in views) else (1,)
     bn = any(isinstance(i, BnStats) for i in plan.instr_of.values())
     tiles = -(-rows // target.partitions)
-    # (x - m) * r on the Scalar engine: its bias takes the spare per-row tile a Summed's -shift takes otherwise
-    scaled = (False, True) if scaled_steps(body, views, input_dtypes, plan) and not any(
-        isinstance(i, Summed) and i.shift and not i.negated for i in plan.instr_of.values()) else (False,)
-    return [Schedule(bufs, t, s, r, c, a, b, k) for t, s, r, c, a in itertools.product(together, row_sums, row_steps,
-                                                                                         cuts, shared)
+    return [Schedule(bufs, t, s, r, c, a, b) for t, s, r, c, a in itertools.product(together, row_sums, row_steps,
+                                                                                      cuts, shared)
             if bufs // t - 1 >= a  # groups loaded ahead: at least one, and those loaded before the shared inputs
-            for b in (sorted({0, min(t, tiles), tiles}) if bn else (0,)) for k in scaled]
+            for b in (sorted({0, min(t, tiles), tiles}) if bn else (0,))]
 
 
 class _Op(NamedTuple):
@@ -113,8 +109,8 @@ def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, ta
     def dtype_of(arg):
         return body[arg[1]].dtype if arg[0] == "step" else input_dtypes[arg[1]]
 
-    def op(engine, elements, passes, args, makes, func=None, form=None, after=()):
-        steps = tuple(a[1] for a in args if a[0] == "step" and kinds[a[1]] != "col") + after
+    def op(engine, elements, passes, args, makes, func=None, form=None):
+        steps = tuple(a[1] for a in args if a[0] == "step" and kinds[a[1]] != "col")
         inputs = [a for a in args if a[0] == "input"]
         dst = body[makes[0]].dtype if makes else DType.F32
         held = elements > 1  # over full rows a per-row value is held, not streamed
@@ -127,18 +123,11 @@ def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, ta
         return {1: "copy", 2: "tensor_tensor"}.get(len(reads))
 
     ops, tail_ops = [], []
-    scaled = scaled_steps(body, views, input_dtypes, plan) if schedule.scaled_on_scalar else ()
     for j, instr in plan.instr_of.items():
         if kinds[j] == "col":
             continue
         width = cols if kinds[j] == "full" else 1
-        after = ()
-        if j in scaled:  # codegen's ACTIVATE_SCALED: its bias -b * c (a [p, 1] one) first, then a * c + bias
-            bias = op(Engine.SCALAR, 1, 1, (instr.b, instr.c), (), func=ActFunc.NEG)
-            ops.append(bias._replace(makes=(("scaled_bias", j),), ends_step=False, dtypes=(DType.F32,)))
-            engine, passes, reads, func, form = Engine.SCALAR, 1, (instr.a, instr.c), ActFunc.IDENTITY, None
-            after = (("scaled_bias", j),)
-        elif isinstance(instr, Alu2):
+        if isinstance(instr, Alu2):
             engine, passes, reads = "alu", streamed(instr.reads), instr.reads
             func, form = None, ("copy" if passes == 1 else "tensor_tensor")
         elif isinstance(instr, Summed):
@@ -191,12 +180,12 @@ def _tile_ops(body, views, input_dtypes, plan, schedule: Schedule, cols: int, ta
             passes = len(reads)
             width = cols if any(kind_of(a) in ("full", "col") for a in reads) else width
         if j in tail:
-            tail_ops.append((j, engine, passes, reads, func, form, after))
+            tail_ops.append((j, engine, passes, reads, func, form))
         else:
-            ops.append(op(engine, width, passes, reads, (j,), func, form, after))
+            ops.append(op(engine, width, passes, reads, (j,), func, form))
     for (c0, c1), half_engine in zip(((0, schedule.cut), (schedule.cut, cols)) if tail else (), split_engines(target)):
-        for j, engine, passes, reads, func, form, after in tail_ops:  # an activation stays on the Scalar engine
-            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,), func, form, after))
+        for j, engine, passes, reads, func, form in tail_ops:  # an activation stays on the Scalar engine
+            ops.append(op(half_engine if engine == "alu" else engine, c1 - c0, passes, reads, (j,), func, form))
     return ops
 
 
