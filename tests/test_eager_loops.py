@@ -22,6 +22,7 @@ def fresh(neuron, monkeypatch):
     monkeypatch.setattr(eager, "programs", {})
     monkeypatch.setattr(eager, "sizes_met", {})
     monkeypatch.setattr(eager, "families", {})
+    monkeypatch.setattr(eager, "rows_met", {})
     monkeypatch.setattr(eager, "compile_stats", collections.Counter())
     return monkeypatch
 
@@ -73,6 +74,7 @@ def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fres
     own = {n: _run(fn, x, neuron) for n, x in cases.items()}  # each row count's own program
     fresh.setattr(eager, "programs", {})
     fresh.setattr(eager, "sizes_met", {})
+    fresh.setattr(eager, "rows_met", {})
     fresh.setenv(eager.LOOPS_ENV, "1")
     _run(fn, cases[3], neuron)  # the op's first size: its own program
     looped = eager.compile_stats["looped"]
@@ -136,6 +138,17 @@ def test_loops_off_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh
     fresh.setenv(eager.LOOPS_ENV, "yes")
     with pytest.raises(NeuronConfigError, match="NEURON_EAGER_LOOPS"):
         torch.randn(6, 8).to(neuron) * 2
+
+
+def test_an_op_whose_other_dims_change_at_one_row_count_makes_no_looped_program(fresh, neuron):
+    # generate()'s attention: [1, heads, 1, key length], the key length growing at one row count
+    for k in range(8, 14):
+        x = torch.randn(1, 4, 1, k)
+        assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
+    assert not eager.families and eager.compile_stats["looped"] == 0
+    x = torch.randn(3, 4, 1, 13)  # a second row count at a width met before: the looped program
+    assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
+    assert len(eager.families) == 1 and eager.compile_stats["looped"] == 1
 
 
 def test_a_softmax_along_the_first_dim_is_not_looped(fresh, neuron):

@@ -545,7 +545,7 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     mode = _buckets_mode()
     first = _first_met(op, args, kwargs, runtime) if not adaptive.ENABLED else None
     if first is not None and _loops_on():
-        entry = _row_looped(op, args, kwargs, device, runtime)
+        entry = _row_looped(op, args, kwargs, device, runtime, first)
         if entry is not None:
             return entry
     if first is not None and mode != "0":
@@ -703,6 +703,7 @@ LOOP_CAPACITY_BYTES = 1 << 24  # the most bytes of each row-sliced operand a loo
 # its HBM is reserved for the capacity; larger row counts compile for their own shape as before)
 MAX_TILES = 31  # full tiles at most (4,095 rows): with the 128 remainders, 4,096 register values for the load to check
 families: dict = {}  # (op, signature with the rows left out, device) -> (LoopedProgram, out_spec, dtype), or why not
+rows_met: dict = {}  # the same keys, before their looped program is made -> the row counts met at that row width
 
 
 def _loops_on() -> bool:
@@ -758,10 +759,12 @@ def _row_shape(op, args, kwargs):
     return shape if isinstance(result, torch.Tensor) and tuple(result.shape) == shape else None
 
 
-def _row_looped(op, args, kwargs, device: int, runtime: frozenset):
-    """An EagerProgram running this call on ``op``'s looped program (made on the first such call: the op
-    lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at its row count's register values:
-    no compile, no load. None when the op is not row-wise, has no lowering, or the rows exceed the capacity."""
+def _row_looped(op, args, kwargs, device: int, runtime: frozenset, first: tuple = ()):
+    """An EagerProgram running this call on ``op``'s looped program (made on the first call at a row width whose
+    row count changed: the op lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at its row
+    count's register values: no compile, no load. None when the op is not row-wise, has no lowering, the rows
+    exceed the capacity, or the op has not yet been met at this row width with another row count (``first``: its
+    shapes when first met): an op whose other dims change (generate()'s key length) at one row count makes none."""
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in torch.utils._pytree.tree_leaves((args, kwargs))):
         return None  # a bucket's padded signature (_bucketed): its program is the bucket's own
     shape = _row_shape(op, args, kwargs)
@@ -773,6 +776,11 @@ def _row_looped(op, args, kwargs, device: int, runtime: frozenset):
            _signature(_with_rows(kwargs, shape, 1), runtime, []) if kwargs else (), device)
     family = families.get(key)
     if family is None:
+        seen = rows_met.setdefault(key, set())
+        seen.update(s[0] for s in first or () if s is not None and tuple(s[1:]) == shape[1:] and len(s) == len(shape))
+        if not seen - {shape[0]}:  # this row count alone so far at this width: its own program (or its bucket's)
+            seen.add(shape[0])
+            return None
         from neuronc.compiler import collector_paused
 
         with collector_paused():
