@@ -1,5 +1,6 @@
-"""An elementwise op at a new row count runs its looped program (neuronc/codegen/row_loops.py, runtime/loops.py):
-one program for every row count at a row width, no compile and no load per new count, exact against CPU eager."""
+"""An elementwise or row-wise op at a new row count (from the third met at its row width) runs its looped program
+(neuronc/codegen/row_loops.py, runtime/loops.py): one program for every row count at a row width, no compile and no
+load per new count, exact against CPU eager."""
 from __future__ import annotations
 
 import collections
@@ -67,7 +68,7 @@ def _bits(x):
 def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fresh, neuron, name):
     fn, make = CASES[name]
     torch.manual_seed(0)
-    cases = {n: make(n) for n in (3, *ROWS)}
+    cases = {n: make(n) for n in (3, 4, *ROWS)}
     cases = {n: x if isinstance(x, tuple) else (x,) for n, x in cases.items()}
     fresh.setenv(eager.LOOPS_ENV, "0")
     fresh.setenv(eager.BUCKETS_ENV, "0")
@@ -76,9 +77,10 @@ def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fres
     fresh.setattr(eager, "sizes_met", {})
     fresh.setattr(eager, "rows_met", {})
     fresh.setenv(eager.LOOPS_ENV, "1")
-    _run(fn, cases[3], neuron)  # the op's first size: its own program
+    _run(fn, cases[3], neuron)  # the op's first two row counts: their own programs (or their buckets')
+    _run(fn, cases[4], neuron)
     looped = eager.compile_stats["looped"]
-    for n in ROWS:  # from its second size on: the looped program
+    for n in ROWS:  # from its third row count on: the looped program
         got = _run(fn, cases[n], neuron)
         expected = fn(*cases[n])
         assert got.dtype == expected.dtype and got.shape == expected.shape
@@ -91,15 +93,18 @@ def test_every_row_count_runs_one_looped_program_with_its_own_programs_bits(fres
     assert len(eager.families) == ops and not any(isinstance(f, str) for f in eager.families.values())
 
 
-def test_the_first_row_count_runs_its_own_program_and_the_second_makes_the_looped_program(fresh, neuron):
+def test_the_first_two_row_counts_run_their_own_programs_and_the_third_makes_the_looped_program(fresh, neuron):
+    (torch.randn(3, 16).to(neuron) * 2).cpu()
     (torch.randn(3, 16).to(neuron) * 2).cpu()
     assert not eager.families and eager.compile_stats["looped"] == 0 and eager.compile_stats["lowered"] == 1
     (torch.randn(5, 16).to(neuron) * 2).cpu()
+    assert not eager.families and eager.compile_stats["looped"] == 0
+    (torch.randn(7, 16).to(neuron) * 2).cpu()
     assert len(eager.families) == 1 and eager.compile_stats["looped"] == 1
 
 
 def test_a_new_row_count_compiles_nothing_once_the_looped_program_exists(fresh, neuron):
-    for n in (5, 6):  # the second size makes the looped program: its tile programs compile once
+    for n in (5, 6, 9):  # the third row count makes the looped program: its tile programs compile once
         (torch.randn(n, 16).to(neuron) * 2).cpu()
     compiled = eager.compile_stats["lowered"]
     loads = len(eager.families)
@@ -146,8 +151,9 @@ def test_an_op_whose_other_dims_change_at_one_row_count_makes_no_looped_program(
         x = torch.randn(1, 4, 1, k)
         assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
     assert not eager.families and eager.compile_stats["looped"] == 0
-    x = torch.randn(3, 4, 1, 13)  # a second row count at a width met before: the looped program
-    assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
+    for n in (3, 5):  # a second row count at a width met before, then a third: the looped program
+        x = torch.randn(n, 4, 1, 13)
+        assert torch.equal((x.to(neuron) * 2).cpu(), x * 2)
     assert len(eager.families) == 1 and eager.compile_stats["looped"] == 1
 
 

@@ -704,6 +704,9 @@ LOOP_CAPACITY_BYTES = 1 << 24  # the most bytes of each row-sliced operand a loo
 MAX_TILES = 31  # full tiles at most (4,095 rows): with the 128 remainders, 4,096 register values for the load to check
 families: dict = {}  # (op, signature with the rows left out, device) -> (LoopedProgram, out_spec, dtype), or why not
 rows_met: dict = {}  # the same keys, before their looped program is made -> the row counts met at that row width
+LOOP_AFTER_ROW_COUNTS = 3  # a looped program is made at the third distinct row count met at a row width (a stated
+# choice: making one costs 8 tile compiles and a load proving 4,096 register values, 50-75 ms of CPU, about 15 of an
+# op's own compiles; two row counts, a batch and a last partial batch or a prefill and its decode, never pay for it)
 
 
 def _loops_on() -> bool:
@@ -760,11 +763,11 @@ def _row_shape(op, args, kwargs):
 
 
 def _row_looped(op, args, kwargs, device: int, runtime: frozenset, first: tuple = ()):
-    """An EagerProgram running this call on ``op``'s looped program (made on the first call at a row width whose
-    row count changed: the op lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at its row
-    count's register values: no compile, no load. None when the op is not row-wise, has no lowering, the rows
-    exceed the capacity, or the op has not yet been met at this row width with another row count (``first``: its
-    shapes when first met): an op whose other dims change (generate()'s key length) at one row count makes none."""
+    """An EagerProgram running this call on ``op``'s looped program (made at the LOOP_AFTER_ROW_COUNTS-th distinct
+    row count met at this row width: the op lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at
+    its row count's register values: no compile, no load. None when the op is not row-wise, has no lowering, the
+    rows exceed the capacity, or fewer row counts were met at this row width (``first``: its shapes when first met);
+    an op whose other dims change at one row count (generate()'s key length) makes none."""
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in torch.utils._pytree.tree_leaves((args, kwargs))):
         return None  # a bucket's padded signature (_bucketed): its program is the bucket's own
     shape = _row_shape(op, args, kwargs)
@@ -778,8 +781,8 @@ def _row_looped(op, args, kwargs, device: int, runtime: frozenset, first: tuple 
     if family is None:
         seen = rows_met.setdefault(key, set())
         seen.update(s[0] for s in first or () if s is not None and tuple(s[1:]) == shape[1:] and len(s) == len(shape))
-        if not seen - {shape[0]}:  # this row count alone so far at this width: its own program (or its bucket's)
-            seen.add(shape[0])
+        seen.add(shape[0])
+        if len(seen) < LOOP_AFTER_ROW_COUNTS:  # its own program (or its bucket's) until then
             return None
         from neuronc.compiler import collector_paused
 
