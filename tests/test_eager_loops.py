@@ -135,14 +135,17 @@ def test_rows_past_the_looped_programs_capacity_compile_for_their_own_shape(fres
     assert eager.compile_stats["looped"] == looped
 
 
-def test_loops_off_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh, neuron):
-    fresh.setenv(eager.LOOPS_ENV, "0")
+def test_loops_off_by_default_keeps_the_per_shape_programs_and_a_bad_value_is_refused(fresh, neuron):
+    fresh.delenv(eager.LOOPS_ENV)  # the default: off
     for n in (3, 4, 5):
         (torch.randn(n, 8).to(neuron) * 2).cpu()
-    assert not eager.families
+    fresh.setenv(eager.LOOPS_ENV, "0")
+    for n in (6, 9):
+        (torch.randn(n, 8).to(neuron) * 2).cpu()
+    assert not eager.families and eager.compile_stats["looped"] == 0
     fresh.setenv(eager.LOOPS_ENV, "yes")
     with pytest.raises(NeuronConfigError, match="NEURON_EAGER_LOOPS"):
-        torch.randn(6, 8).to(neuron) * 2
+        torch.randn(17, 8).to(neuron) * 2
 
 
 def test_an_op_whose_other_dims_change_at_one_row_count_makes_no_looped_program(fresh, neuron):

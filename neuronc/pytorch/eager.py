@@ -697,7 +697,10 @@ def _bucketed(op, args, kwargs, device: int, runtime: frozenset, pads: dict):
 
 # ---- one program for every row count: hardware loops over tiles (neuronc/codegen/row_loops.py) -------------
 
-LOOPS_ENV = "NEURON_EAGER_LOOPS"  # "1" (default): an elementwise op at a new row count runs its looped program
+LOOPS_ENV = "NEURON_EAGER_LOOPS"  # "1": an elementwise or row-wise op at a new row count runs its looped program;
+# "0" (default: on the zoo's ops at batch + 1 .. + 4 making the looped programs costs more CPU than the compiles and
+# buckets they replace, docs/performance.md issue 20 part 21)
+LOOPS_DEFAULT = "0"
 ROW_BLOCKS = (128, 64, 32, 16, 8, 4, 2, 1)  # the tiles' rows: full 128-row tiles, then one of each power of two
 LOOP_CAPACITY_BYTES = 1 << 24  # the most bytes of each row-sliced operand a looped program holds (a stated choice:
 # its HBM is reserved for the capacity; larger row counts compile for their own shape as before)
@@ -710,7 +713,7 @@ LOOP_AFTER_ROW_COUNTS = 3  # a looped program is made at the third distinct row 
 
 
 def _loops_on() -> bool:
-    value = os.environ.get(LOOPS_ENV, "1")
+    value = os.environ.get(LOOPS_ENV, LOOPS_DEFAULT)
     if value not in ("0", "1"):
         raise NeuronConfigError(f"{LOOPS_ENV}={value!r} is not 0 or 1", hint="README, Configuration")
     return value == "1"
