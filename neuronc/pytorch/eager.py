@@ -708,7 +708,7 @@ MAX_TILES = 31  # full tiles at most (4,095 rows): with the 128 remainders, 4,09
 families: dict = {}  # (op, signature with the rows left out, device) -> (LoopedProgram, out_spec, dtype), or why not
 rows_met: dict = {}  # the same keys, before their looped program is made -> the row counts met at that row width
 LOOP_AFTER_ROW_COUNTS = 3  # a looped program is made at the third distinct row count met at a row width (a stated
-# choice: making one costs 8 tile compiles and a load proving 4,096 register values, 50-75 ms of CPU, about 15 of an
+# choice: making one costs 8 tile compiles and a load proving 4,096 register values, 48-74 ms of CPU, about 15 of an
 # op's own compiles; two row counts, a batch and a last partial batch or a prefill and its decode, never pay for it)
 
 
