@@ -5,8 +5,8 @@ one program per input shape, as the Neuron toolchain does. A graph Dynamo traced
 (`dynamic=True`, `torch._dynamo.mark_dynamic`, or PyTorch's automatic dynamic shapes after a second shape) is
 kept whole and specialised when it runs: each new signature (the arguments' shapes, strides, dtypes, devices,
 `requires_grad`, and the values of number arguments, floats Dynamo passes as 0-d tensors included) goes through
-the static path (AOTAutograd, then the backend's compile of the forward and backward graphs) with those concrete inputs, and later calls with that
-signature reuse it. A signature's compile is the same as Dynamo handing the backend a static graph of those
+the static path (AOTAutograd, then the backend's compile of the forward and backward graphs) with those
+concrete inputs, and later calls with that signature reuse it. A signature's compile is the same as Dynamo handing the backend a static graph of those
 shapes would give, and the compile cache serves a shape compiled before. (Under automatic dynamic shapes the
 first shape, compiled from Dynamo's static graph, is compiled again when it comes back: Dynamo tries its newest
 graph, the dynamic one, first. With the compile cache on, as by default, that second compile is a cache hit.)
