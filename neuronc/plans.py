@@ -145,6 +145,8 @@ class MatmulPlan:
     # [M tile, 1] and "sums" [1, tile_n]; the accumulators of all its columns held in PSUM banks of their own
     row_pairs: bool = False  # output tiles one above the other computed with rows interleaved and stored together
     # (passes/row_pairs.py): each slice of partitions of the pair one DMA of twice the rows
+    stored_step: int | None = None  # an epilogue step whose tile is stored too, as the kernel's second output
+    # (passes/shared_epilogues.py: a matmul's own result, read by others beside the elementwise epilogue it took)
 
     @property
     def stores_main(self) -> bool:

@@ -116,7 +116,7 @@ def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, b
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
               contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False,
               servers: Servers | None = None, a_kept: bool = False, sink: bool = False, preloaded: int = 0,
-              meanwhile_ns: float = 0.0, a_by_k_tile: bool = False) -> float:
+              meanwhile_ns: float = 0.0, a_by_k_tile: bool = False, second_bytes: int = 0) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -132,7 +132,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
     first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
     time of those loads, spread over this matmul's output tiles; with `a_by_k_tile`, A^T's strips load one DMA
-    per K tile (passes/tiling.py `loads_a_by_k_tile`)."""
+    per K tile (passes/tiling.py `loads_a_by_k_tile`); `second_bytes`: bytes per element of an epilogue step each
+    tile also stores (a second output, passes/shared_epilogues.py), split by rows over queues as the result."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -153,6 +154,9 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         if sink:
             stored_total, store, stored_bytes = 0.0, 0.0, out_tile * extras_bytes
         stored_total += strip_load_ns(rows, out_tile * extras_bytes, True, target)[0] if extras_bytes else 0.0
+        if second_bytes:
+            stored_total += strip_load_ns(rows, out_tile * second_bytes, True, target)[0]
+            stored_bytes += out_tile * second_bytes
         share, latency = _epilogue_ns(epilogue, columns, target)
         if bias_column:
             share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3

@@ -42,8 +42,8 @@ SIXTEEN_BIT = (DType.BF16, DType.F16)
 def _operand(reader: ir.Node) -> int | None:
     """Which input of `reader` (a matmul, or a chained node) a norm may make: A of a plain matmul, read densely;
     B of a chain's first matmul, read as the transpose of a dense [M, K] (x^T, the first computing h^T); else None."""
-    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1:
-        return None
+    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1 or "outputs" in reader.attrs:
+        return None  # (a second output, passes/shared_epilogues.py: stored by the plain kernel only)
     chain = reader.attrs.get("chain")
     if chain is None:
         views = reader.attrs.get("views") or (None,) * len(reader.inputs)

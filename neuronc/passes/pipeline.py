@@ -42,6 +42,7 @@ from neuronc.passes.reduction_rounding import round_reductions_once
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.rowwise_column_sums import sum_rows_in_rowwise_kernels
 from neuronc.passes.rowwise_statistics import recompute_statistics_in_rowwise
+from neuronc.passes.shared_epilogues import fuse_shared_epilogues
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
 from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
@@ -93,6 +94,7 @@ O2 = [
     read_kernel_inputs_through_views,  # after compose_view_chains: so does a custom kernel, where its accesses map
     write_outputs_into_concatenations,  # after both: a custom kernel writes the concatenation of its outputs itself
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
+    fuse_shared_epilogues,  # after that: a matmul read by an elementwise kernel and others takes it, stores both
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
     tile_matmuls,  # tiles and loop order of every matmul (and chain) chosen with the cost model

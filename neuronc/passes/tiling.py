@@ -252,7 +252,13 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers 
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
                      node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None,
-                     servers, a_by_k_tile=loads_a_by_k_tile(node), **chained)
+                     servers, a_by_k_tile=loads_a_by_k_tile(node), second_bytes=_second_bytes(node), **chained)
+
+
+def _second_bytes(node: ir.Node) -> int:
+    """Bytes per element of the step stored as the kernel's second output (passes/shared_epilogues.py), or 0."""
+    stored = node.attrs.get("stored_step")
+    return 0 if stored is None else node.attrs["epilogue"][stored].dtype.itemsize
 
 
 def planned(node: ir.Node, tiling: MatmulTiling) -> ir.Node:
@@ -363,11 +369,11 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         batch=batch, m=m, n=n, k=k, dtype=node.dtype, tiling=tiling,
         a=View.of(views[0], (batch, m, k)), b=View.of(views[1], (batch, k, n)),
         extras=tuple(View.of(view, node.shape) for view in views[2:]),
-        epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
+        epilogue=epilogue, slots=tuple(assign_slots(epilogue, node.attrs.get("stored_step"))[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
         a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), in_two_parts=loads_in_two_parts(node, tiling),
-        epilogue_group=EPILOGUE_GROUP)
+        epilogue_group=EPILOGUE_GROUP, stored_step=node.attrs.get("stored_step"))
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
