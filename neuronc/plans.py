@@ -104,11 +104,14 @@ class MatmulTiling:
     tile_k: int
     stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
     streamed_first: bool = False  # the first streamed strip loaded before the first resident one
+    transposes: str = ""  # the operands ("a", "b") whose strided strips load as DMA transposes, K tile by K tile
 
     def __str__(self) -> str:
         keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
         first = " streamed first" if self.streamed_first else ""
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
+        transposes = f" DMA-transposed {self.transposes}" if self.transposes else ""
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
+                f"{transposes}")
 
 
 @dataclasses.dataclass(frozen=True)

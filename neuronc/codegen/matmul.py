@@ -22,6 +22,7 @@ from neuronc.codegen.rowwise import Rowwise, row_tile_groups
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
+from neuronc.placement import transpose_chunks
 from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan, dense_strides
 from neuronc.targets import Target
 
@@ -344,7 +345,12 @@ class _Matmul:
         em, tk, width = self.em, self.tk, x.dims[1][1]
         tile = self.strips[name].next().ap(tk, self.k_tiles * width)
         whole, tail = divmod(self.plan.k, tk)
-        if whole and name == "a" and self.plan.a_by_k_tile:
+        if whole and name in self.plan.tiling.transposes:  # each K tile's [width, tk] rows transposed by the DMA
+            for j in range(whole):  # engines, by chunks of an SBUF page of columns, each on its own queue
+                for c0, c1 in transpose_chunks(width, x.dtype.itemsize):
+                    em.dma(tile_at(tile, j * width + c0, tk, c1 - c0), x[j * tk:(j + 1) * tk, c0:c1].T.ap,
+                           transpose=True)
+        elif whole and name == "a" and self.plan.a_by_k_tile:
             for j in range(whole):
                 dma_by_rows(em, tile_at(tile, j * width, tk, width), x[j * tk:(j + 1) * tk].ap)
         elif whole > 1 and name == self.plan.in_two_parts:

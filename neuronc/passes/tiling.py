@@ -174,7 +174,41 @@ def candidates(node: ir.Node, target: Target, wide: bool, deep: bool = False) ->
                     if block >= tiles:
                         break
                     block *= 2
+    found += [dataclasses.replace(t, transposes=which) for t in found if t.resident != "none"
+              for which in _transpose_options(node, target) if all(_whole_pages(node, t, c) for c in which)]
     return [t for t in dict.fromkeys(found) if fits(node, t, target)]
+
+
+def transposable(node: ir.Node, operand: str, target: Target) -> bool:
+    """Whether the strips of `operand` ("a": A^T [K, M], "b": B [K, N]) may load as DMA transposes
+    (MatmulTiling.transposes): read across the operand's rows (a strided load otherwise), each K tile's elements
+    contiguous in HBM, a 2-byte type, and widths of whole [128, 16] units on a target that has them."""
+    views = node.attrs.get("views") or (None, None)
+    x, view = (node.inputs[0], views[0]) if operand == "a" else (node.inputs[1], views[1])
+    batch, m, n = node.shape
+    k = node.attrs["k"]
+    strides = view[1] if view else ((m * k, k, 1) if operand == "a" else (k * n, n, 1))
+    k_stride = strides[2] if operand == "a" else strides[1]
+    width = m if operand == "a" else n
+    return (target.dma_transpose_hbm_fraction > 0 and x.dtype.itemsize == 2 and k_stride == 1
+            and not _contiguous(node)[operand == "b"] and width % target.dma_transpose_inner == 0
+            and k >= target.matmul_max_k)
+
+
+def _whole_pages(node: ir.Node, tiling: MatmulTiling, operand: str) -> bool:
+    """Whether every strip of `operand` under `tiling` is whole SBUF pages wide per K tile: DMA transposes of K
+    tiles sharing a page wait for each other (the sync pass tracks SBUF by pages), one queue at a time."""
+    _, m, n = node.shape
+    extent, tile = (m, tiling.tile_m) if operand == "a" else (n, tiling.tile_n)
+    width = tiling.block * tile if tiling.resident == operand else tile
+    page = SBUF_PAGE_BYTES // node.inputs[operand == "b"].dtype.itemsize
+    return all(min(width, extent - r0) % page == 0 for r0 in range(0, extent, width))
+
+
+def _transpose_options(node: ir.Node, target: Target) -> list:
+    """The non-empty sets of operands whose strips may load as DMA transposes: "a", "b", "ab"."""
+    which = "".join(operand for operand in "ab" if transposable(node, operand, target))
+    return [w for w in ("a", "b", "ab") if w and all(c in which for c in w)]
 
 
 def _extras_bytes(node: ir.Node) -> int:
@@ -238,9 +272,10 @@ def loads_in_two_parts(node: ir.Node, tiling: MatmulTiling) -> str:
     if batch != 1 or -(-node.attrs["k"] // tiling.tile_k) < 2:
         return ""
     a_contiguous, b_contiguous = _contiguous(node)
-    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous:
+    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous and "b" not in tiling.transposes:
         return "b"
-    if loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node):
+    if (loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node)
+            and "a" not in tiling.transposes):
         return "a"
     return ""
 
