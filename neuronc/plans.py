@@ -192,6 +192,8 @@ class ProloguePlan:
     loc: object  # the norm's source location (instructions it emits carry it)
     matmul: "MatmulPlan | ChainPlan"  # a chain: its first matmul's B is the norm's transpose
     operand: int = 0  # where the norm's result goes among the matmul's inputs (inputs[split:])
+    stored: bool = False  # the norm's row tiles stored too, as the kernel's second output (passes/norm_prologue.py:
+    # a norm result others read as well, such as a training graph's saved layer-norm output)
 
 
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------

@@ -75,8 +75,14 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
                    body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
     kernel: Rowwise
 
+    stored = None  # the norm's result in HBM, the kernel's second output (ProloguePlan.stored)
+    if plan.stored:
+        stored = HbmTensor(plan.dtype, memory.placement[(node, 1)].offset, ((plan.cols, rows), (1, plan.cols)))
+
     def transposed(r0: int, tile: AccessPattern) -> None:
         rt = tile.partitions
+        if stored is not None:
+            dma_by_rows(em, stored[r0:r0 + rt].ap, tile)
         for j0 in range(0, plan.cols // tk, per_bank):
             group = range(j0, min(j0 + per_bank, plan.cols // tk))
             acc = transposes.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)

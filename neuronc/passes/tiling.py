@@ -434,9 +434,10 @@ class Prologue:
     dtype: object  # the norm's result's
     attrs: dict  # the ROWWISE node's attributes (body, views, rows, cols, out_strides, schedule, plan)
     loc: object  # the norm's source location
+    stored: bool = False  # the norm's result stored too, as the kernel's second output
 
     def __hash__(self) -> int:
-        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"]))
+        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"], self.stored))
 
 
 def prologue_stages(node: ir.Node) -> tuple:
@@ -569,7 +570,8 @@ def prologue_planned(node: ir.Node, target: Target) -> ir.Node:
         inner, attrs = matmul_plan(matmul, tiling), {"tiling": tiling}
     plan = ProloguePlan(split=node.attrs["prologue"].split, norm=norm.attrs["plan"], body=norm.attrs["body"],
                         views=norm.attrs["views"], rows=norm.attrs["rows"], cols=norm.attrs["cols"],
-                        dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand)
+                        dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand,
+                        stored=node.attrs["prologue"].stored)
     return dataclasses.replace(node, attrs={**node.attrs, **attrs, "plan": plan}, id=next(ir._ids))
 
 
