@@ -195,6 +195,21 @@ def test_disabled_fallback_raises_an_error_naming_the_op(neuron, monkeypatch):
         torch.nonzero(torch.ones(3).to(neuron))
 
 
+def test_a_module_moved_to_the_device_keeps_its_parameters_and_tied_weights(neuron):
+    """As on CUDA: `.to()` moves each Parameter in place (PyTorch does that only between tensors it deems
+    shallow-copy compatible), so an optimizer made before the move and a weight shared by two modules still
+    see one Parameter."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=32, width=16, layers=1, heads=2, context=8)
+    assert model.head.weight is model.tokens.weight
+    parameters = list(model.parameters())
+    model.to(neuron)
+    assert model.head.weight is model.tokens.weight and model.head.weight.device == neuron
+    assert [id(p) for p in model.parameters()] == [id(p) for p in parameters]
+    model.to("cpu")
+    assert model.head.weight is model.tokens.weight and model.head.weight.device.type == "cpu"
+
+
 def test_tensors_on_two_devices_do_not_mix(neuron):
     with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):  # a RuntimeError naming both, as on CUDA
         torch.ones(2, device="neuron:0") + torch.ones(2, device="neuron:1")
@@ -242,15 +257,12 @@ def test_gpt2_trains_on_the_device_as_on_cpu(neuron):
     """The zoo's GPT-2 (tied embedding and head, attention, cross-entropy) trains for a few AdamW steps with
     every op on the NeuronCore, and the losses and parameters match the same loop on the CPU.
 
-    Two notes. PyTorch gives a PrivateUse1 module new Parameters in .to() (its tensors are not
-    shallow-copy compatible with CPU ones), so tied weights are tied again, as with torch_xla. And the
-    gradient of attention's key bias is zero in exact arithmetic (softmax ignores a per-row shift): what
+    The gradient of attention's key bias is zero in exact arithmetic (softmax ignores a per-row shift): what
     autograd computes is rounding noise, ~1e-11, which AdamW with eps=1e-8 would blow up to a full step
     of a different sign on each machine; eps=1e-6 keeps the comparison about the computation."""
     torch.manual_seed(0)
     model = zoo.GPT2(vocab=32, width=16, layers=1, heads=2, context=8)
     on_device = copy.deepcopy(model).to(neuron)
-    on_device.head.weight = on_device.tokens.weight
     tokens, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     fallbacks, losses, compiled = sum(eager.fallback_calls.values()), [], []
     for m, where in ((model, torch.device("cpu")), (on_device, neuron)):

@@ -819,7 +819,20 @@ void record_stream(at::Tensor& self, c10::Stream stream) {
   g_allocator.recordStream(self.storage().data_ptr(), stream);
 }
 
+// `module.to("neuron")` keeps tied weights tied, as CUDA does: nn.Module moves a parameter in place
+// (`param.data = moved`, the same Parameter object in every module that holds it) only when the two tensors have
+// "compatible shallow-copy types", which c10 grants between its own dense backends (CPU, CUDA, ...) but not
+// PrivateUse1; without this each module holding a tied weight (an LM head and its embedding) got its own copy,
+// and training updated them apart.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_quantized() && (t.is_cpu() || t.device().type() == kDevice);
+  };
+  return dense(self) && dense(from);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("record_stream", record_stream);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
