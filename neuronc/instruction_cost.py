@@ -352,13 +352,17 @@ def _indirect_ns(instr: Instruction, target: Target) -> float:
 
 
 def _dma_transpose_ns(instr: Instruction, target: Target) -> float:
-    """A DMA transpose: whole [partitions, dma_transpose_inner] units of its destination at the documented fraction
-    of a queue's rate for its source's memory (targets.py: a destination of fewer partitions pays full units)."""
     dst, src = instr.operands
-    fraction = target.dma_transpose_hbm_fraction if src.space == Space.HBM else target.dma_transpose_sbuf_fraction
-    rows, cols = dst.shape
+    return dma_transpose_ns(*dst.shape, dst.dtype.itemsize, target, src.space == Space.HBM)
+
+
+def dma_transpose_ns(rows: int, cols: int, itemsize: int, target: Target, from_hbm: bool = True) -> float:
+    """A DMA transpose into a [rows, cols] destination: whole [partitions, dma_transpose_inner] units of it at the
+    documented fraction of a queue's rate for its source's memory (targets.py: a destination of fewer partitions
+    pays full units)."""
+    fraction = target.dma_transpose_hbm_fraction if from_hbm else target.dma_transpose_sbuf_fraction
     units = -(-rows // target.partitions) * -(-cols // target.dma_transpose_inner)
-    unit_bytes = target.partitions * target.dma_transpose_inner * dst.dtype.itemsize
+    unit_bytes = target.partitions * target.dma_transpose_inner * itemsize
     return target.dma_fixed_ns + units * unit_bytes / (target.dma_gbps_per_queue * fraction)
 
 

@@ -49,8 +49,9 @@ def _unlocated(value):
 
 def alone(node: ir.Node) -> ir.Graph:
     """A program computing `node` alone: its operands other than constants become inputs (a weight's values and
-    name make no time), and of its attributes only its kernel plan, source locations blank (codegen emits a
-    planned kernel from its plan: neuronc/plans.py)."""
+    name make no time), and of its attributes only its kernel plan (and its outputs' types, for a kernel storing a
+    second output: the memory plan places it), source locations blank (codegen emits a planned kernel from its
+    plan: neuronc/plans.py)."""
     params, inputs = {}, []
     for x in node.inputs:
         if x.op is ir.Op.CONSTANT:
@@ -60,7 +61,10 @@ def alone(node: ir.Node) -> ir.Graph:
             params[x] = ir.node(ir.Op.PARAMETER, [], x.shape, x.dtype, None, index=len(params),
                                 name=f"in{len(params)}", kind="input")
         inputs.append(params[x])
-    kernel = ir.Node(node.op, tuple(inputs), node.shape, node.dtype, {"plan": _unlocated(node.attrs["plan"])})
+    attrs = {"plan": _unlocated(node.attrs["plan"])}
+    if "outputs" in node.attrs:
+        attrs["outputs"] = node.attrs["outputs"]
+    kernel = ir.Node(node.op, tuple(inputs), node.shape, node.dtype, attrs)
     return ir.Graph(list(params.values()), [kernel], "priced")
 
 

@@ -72,3 +72,10 @@ def free_for(target: Target, slots: int, widest: int) -> int:
     partition (each slot rounded up to the page tiles are placed on), at most a default tile."""
     slot_bytes = target.sbuf_bytes_per_partition // slots - SBUF_PAGE_BYTES  # room for rounding up
     return min(tile_free_elements(target), slot_bytes // widest)
+
+
+def transpose_chunks(width: int, itemsize: int) -> list:
+    """[(c0, c1)] the columns of a [128, width] tile that one DMA transpose each moves: an SBUF page of them at
+    most (the sync pass's hazard cells: chunks sharing a page would wait for each other), each on its own queue."""
+    page = SBUF_PAGE_BYTES // itemsize
+    return [(c0, min(width, c0 + page)) for c0 in range(0, width, page)]

@@ -104,11 +104,14 @@ class MatmulTiling:
     tile_k: int
     stream_bufs: int  # buffers of the streamed operand's strip (loads go this many steps minus one ahead)
     streamed_first: bool = False  # the first streamed strip loaded before the first resident one
+    transposes: str = ""  # the operands ("a", "b") whose strided strips load as DMA transposes, K tile by K tile
 
     def __str__(self) -> str:
         keep = {"a": f"A rows x{self.block} resident", "b": f"B cols x{self.block} resident", "none": "streamed"}
         first = " streamed first" if self.streamed_first else ""
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
+        transposes = f" DMA-transposed {self.transposes}" if self.transposes else ""
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} {keep[self.resident]} bufs={self.stream_bufs}{first}"
+                f"{transposes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +148,8 @@ class MatmulPlan:
     # [M tile, 1] and "sums" [1, tile_n]; the accumulators of all its columns held in PSUM banks of their own
     row_pairs: bool = False  # output tiles one above the other computed with rows interleaved and stored together
     # (passes/row_pairs.py): each slice of partitions of the pair one DMA of twice the rows
+    stored_step: int | None = None  # an epilogue step whose tile is stored too, as the kernel's second output
+    # (passes/shared_epilogues.py: a matmul's own result, read by others beside the elementwise epilogue it took)
 
     @property
     def stores_main(self) -> bool:
@@ -187,6 +192,8 @@ class ProloguePlan:
     loc: object  # the norm's source location (instructions it emits carry it)
     matmul: "MatmulPlan | ChainPlan"  # a chain: its first matmul's B is the norm's transpose
     operand: int = 0  # where the norm's result goes among the matmul's inputs (inputs[split:])
+    stored: bool = False  # the norm's row tiles stored too, as the kernel's second output (passes/norm_prologue.py:
+    # a norm result others read as well, such as a training graph's saved layer-norm output)
 
 
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------

@@ -48,9 +48,12 @@ def test_a_weight_gradient_stores_its_tiles_in_row_pairs_with_o0s_bits(m):
 
 def test_fp32_operands_and_an_epilogue_operand_keep_one_tile_a_store():
     torch.manual_seed(0)
-    x, dy = torch.randn(256, 768), torch.randn(256, 512)
+    # small integers: every fp32 product and partial sum is exact, so any order of summation (the Tensor
+    # engine's, this CPU's BLAS) gives eager's bits; with randn one element of 393,216 near zero differed by
+    # 1.2e-5 on one machine's BLAS
+    x, dy = torch.randint(-8, 9, (256, 768)).float(), torch.randint(-8, 9, (256, 512)).float()
     compiled, (out,) = o2_with_o0_bits(WeightGradient(), (x, dy))
-    assert_matches_eager(out, WeightGradient()(x, dy))
+    assert torch.equal(out, WeightGradient()(x, dy))
     assert not any(plan.row_pairs for plan in _plans(compiled))
     a, b = torch.randn(512, 256).to(torch.bfloat16), torch.randn(256, 512).to(torch.bfloat16)
     r = torch.randn(512, 512).to(torch.bfloat16)

@@ -16,7 +16,7 @@ from neuronc.ir import Op
 from neuronc.codegen.matmul import TRANSPOSE_BANKS
 from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.passes import pipeline, rowwise_schedule
-from neuronc.passes.norm_prologue import fold_norms_into_matmuls
+from neuronc.passes.norm_prologue import fold_norms_into_matmuls, fold_saved_norms_into_matmuls
 from neuronc.plans import ChainPlan, ProloguePlan
 from runtime import run_neff
 from tests import zoo
@@ -88,9 +88,63 @@ def test_a_norm_read_only_by_a_matmul_as_its_a_becomes_that_matmuls_prologue():
     assert canonical(folded) == folded  # prints and parses back
 
 
-def test_a_norm_that_is_also_an_output_stays_a_kernel_of_its_own():
+def test_a_norm_that_is_also_an_output_is_folded_and_stored_by_the_matmuls_kernel_as_its_second_output():
+    """A training graph saves the layer-norm's result for the backward: the kernel computes the norm as its
+    prologue and also stores its row tiles (ProloguePlan.stored), the output its KERNEL_OUTPUT 1. That is the other
+    pass's (priced): the fold of norms only a matmul reads leaves it alone."""
     program = _program("  return %9, %5")
     assert run_pass(fold_norms_into_matmuls, program) == canonical(program)
+    folded = run_pass(fold_saved_norms_into_matmuls, program)
+    graph = ir_text.parse(folded)
+    assert Op.ROWWISE not in {n.op for n in graph.nodes()}
+    (matmul,) = [n for n in graph.nodes() if n.op is Op.MATMUL]
+    assert matmul.attrs["prologue"].stored
+    assert matmul.attrs["outputs"] == (((1, 128, 384), DType.BF16), ((128, 256), DType.BF16))
+    second = graph.outputs[1]
+    assert second.op is Op.KERNEL_OUTPUT and second.inputs == (matmul,) and second.attrs["index"] == 1
+    assert canonical(folded) == folded  # prints and parses back
+
+
+class _SavedNorm(torch.nn.Module):
+    """A layer-norm whose result is an output too (a training graph saves it for the weight's gradient)."""
+
+    def __init__(self, width: int, out: int):
+        super().__init__()
+        self.norm, self.proj = torch.nn.LayerNorm(width), torch.nn.Linear(width, out)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.proj(y), y
+
+
+def test_a_stored_norm_gives_the_bits_of_the_norm_and_the_matmul_apart_and_is_never_loaded():
+    torch.manual_seed(0)
+    model, x = _SavedNorm(768, 2304).eval().to(torch.bfloat16), torch.randn(512, 768).to(torch.bfloat16)
+    with mock.patch.object(pipeline, "PRICED", ()):  # taken, not priced (the next test prices it)
+        compiled = _compiled(torch.export.export(model, (x,)), "stored")
+    assert len(compiled[2].neff.kernels) == 1 and len(compiled["apart"].neff.kernels) == 2
+    inputs = [x.float().numpy().astype(ml_dtypes.bfloat16)]
+    folded, apart = (run_neff(compiled[key].neff, inputs).outputs for key in (2, "apart"))
+    assert len(folded) == len(apart) == 2
+    for mine, theirs in zip(folded, apart):
+        assert np.array_equal(np.asarray(mine).view(np.uint16), np.asarray(theirs).view(np.uint16))
+    assert_matches_eager([torch.from_numpy(np.asarray(o).astype(np.float32)).to(torch.bfloat16) for o in folded],
+                         model(x))
+    neff = compiled[2].neff
+    (norm,) = [t for t in neff.tensors if tuple(t.shape) == (512, 768) and t.name.startswith("output")]
+    reads = [i for stream in neff.streams.values() for i in stream if i.engine is Engine.DMA
+             and i.operands[1].space is Space.HBM and norm.offset <= i.operands[1].offset < norm.offset + norm.nbytes]
+    assert not reads  # written once by the kernel, never loaded back
+
+
+def test_a_saved_norm_is_folded_only_where_the_cost_model_times_the_program_faster():
+    torch.manual_seed(0)
+    model, x = _SavedNorm(768, 2304).eval().to(torch.bfloat16), torch.randn(512, 768).to(torch.bfloat16)
+    compiled = compile_exported(torch.export.export(model, (x,)), CompileOptions(opt_level=2, name="saved"))
+    with_it, without = compiled.decisions["fold_saved_norms_into_matmuls"]  # both emitted and timed
+    folded = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue")]
+    assert bool(folded) == (with_it < without)
+    assert compiled.neff.estimated_ns == min(with_it, without)
 
 
 def test_a_norm_read_by_two_matmuls_stays_a_kernel_of_its_own():
@@ -114,7 +168,7 @@ def _run(compiled, x) -> np.ndarray:
 
 
 def _compiled(program, name: str) -> dict:
-    """The program at -O2 (key 2) and at -O2 without fold_norms_into_matmuls (key "apart": the norm a row-wise kernel
+    """The program at -O2 (key 2) and at -O2 without the norm folds (key "apart": the norm a row-wise kernel
     of its own under the prologue's schedule, its result stored and loaded by the matmul). The folded kernel must
     give the latter's bits: the norm's row tiles are computed by the same plan and schedule. (-O0's bits are no
     reference: -O2's norms may make their mean and variance with BN_STATS / BN_AGGR, which round otherwise than -O0's
@@ -122,7 +176,7 @@ def _compiled(program, name: str) -> dict:
     folded = compile_exported(program, CompileOptions(opt_level=2, name=name))
     (matmul,) = [n for n in folded.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue")]
     schedule = matmul.attrs["prologue"].attrs["schedule"]
-    apart = [p for p in pipeline.PIPELINES[2] if p is not fold_norms_into_matmuls]
+    apart = [p for p in pipeline.PIPELINES[2] if p not in (fold_norms_into_matmuls, fold_saved_norms_into_matmuls)]
     with mock.patch.dict(pipeline.PIPELINES, {2: apart}), mock.patch.object(
             rowwise_schedule, "choose_schedule", lambda *args, **kw: schedule):
         unfolded = compile_exported(program, CompileOptions(opt_level=2, name=f"{name}_apart"))

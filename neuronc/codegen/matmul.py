@@ -19,9 +19,11 @@ from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
+from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
-from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan
+from neuronc.placement import transpose_chunks
+from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan, dense_strides
 from neuronc.targets import Target
 
 
@@ -73,8 +75,14 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
                    body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
     kernel: Rowwise
 
+    stored = None  # the norm's result in HBM, the kernel's second output (ProloguePlan.stored)
+    if plan.stored:
+        stored = HbmTensor(plan.dtype, memory.placement[(node, 1)].offset, ((plan.cols, rows), (1, plan.cols)))
+
     def transposed(r0: int, tile: AccessPattern) -> None:
         rt = tile.partitions
+        if stored is not None:
+            dma_by_rows(em, stored[r0:r0 + rt].ap, tile)
         for j0 in range(0, plan.cols // tk, per_bank):
             group = range(j0, min(j0 + per_bank, plan.cols // tk))
             acc = transposes.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
@@ -219,6 +227,7 @@ class _Job:
     done: dict = dataclasses.field(default_factory=dict)  # step -> its result AP, as emitted so far
     made: dict = dataclasses.field(default_factory=dict)  # step -> when the balancer books it done
     order: list = dataclasses.field(default_factory=list)  # the steps in the order they were emitted
+    second: AccessPattern | None = None  # where the plan's stored step goes (MatmulPlan.stored_step), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +324,14 @@ class _Matmul:
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.sums_ones, imm0=1.0)
             size = plan.m if plan.a_sums else plan.n
             self.sums_out = HbmTensor(specs["sums"].dtype, memory.placement[(home, 1)].offset, ((1, size),))
+        self.second = None  # the stored step's tensor (MatmulPlan.stored_step: the kernel's second output)
+        if plan.stored_step is not None:
+            if sink is not None or plan.row_pairs:
+                raise NeuronCompileError("a matmul kernel storing an epilogue step must store its result too",
+                                         hint="this is a bug in neuronc's passes; please report it")
+            shape = (batch, m, n)
+            self.second = HbmTensor(plan.epilogue[plan.stored_step].dtype, memory.placement[(home, 1)].offset,
+                                    tuple(zip(dense_strides(shape), shape)))
         self.engines = StepBalancer(em, pool("columns") if "columns" in specs else None)
         self.waiting: list = []  # _Jobs: output tiles whose matmuls are emitted and whose epilogues are not
         self.early = early_steps(plan.epilogue, plan.slots)
@@ -334,7 +351,12 @@ class _Matmul:
         em, tk, width = self.em, self.tk, x.dims[1][1]
         tile = self.strips[name].next().ap(tk, self.k_tiles * width)
         whole, tail = divmod(self.plan.k, tk)
-        if whole and name == "a" and self.plan.a_by_k_tile:
+        if whole and name in self.plan.tiling.transposes:  # each K tile's [width, tk] rows transposed by the DMA
+            for j in range(whole):  # engines, by chunks of an SBUF page of columns, each on its own queue
+                for c0, c1 in transpose_chunks(width, x.dtype.itemsize):
+                    em.dma(tile_at(tile, j * width + c0, tk, c1 - c0), x[j * tk:(j + 1) * tk, c0:c1].T.ap,
+                           transpose=True)
+        elif whole and name == "a" and self.plan.a_by_k_tile:
             for j in range(whole):
                 dma_by_rows(em, tile_at(tile, j * width, tk, width), x[j * tk:(j + 1) * tk].ap)
         elif whole > 1 and name == self.plan.in_two_parts:
@@ -453,7 +475,8 @@ class _Matmul:
             job = _Job(loaded, temps, _Placed(tile_at(self.sink, m0 // self.tm * plan.n + n0, mt, nt)), (mt, nt),
                        None, m0)
         else:
-            job = _Job(loaded, temps, self.result.next(), (mt, batches * nt), block(self.out), m0, n0)
+            job = _Job(loaded, temps, self.result.next(), (mt, batches * nt), block(self.out), m0, n0,
+                       second=None if self.second is None else block(self.second))
         self.waiting.append(job)
         if self.early:  # the steps not reading the accumulator, a group of tiles at a time, ahead of the flush
             self.unstarted.append(job)
@@ -495,12 +518,15 @@ class _Matmul:
         self.start(list(self.unstarted) if batch else [job for job in self.unstarted if job in jobs])
         rest = [j for j in range(len(self.plan.epilogue)) if j not in self.early]
         outs = _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
-                            self.plan.bias_column, rest)
+                            self.plan.bias_column, rest, self.plan.stored_step)
         # a kernel whose stores are its main traffic (MatmulPlan.stores_main: the weight gradients) stores each tile
         # over half the queues, as its last one: each tile's store ends sooner. Others keep the default slices
         # (Part 34: the Llama layer's projections, k 2048-5632, lose 22 us with it; Part 36: GPT-2's LM head, k 768
         # over 512 tokens, 87 us)
         spread = em.target.dma_queues // 2 if self.plan.stores_main else None
+        for job in jobs:  # the stored step's tiles (made before the results): a second output
+            if job.second is not None:
+                dma_by_rows(em, job.second, job.done[self.plan.stored_step], spread)
         stored: set = set()
         for i, (job, out) in enumerate(zip(jobs, outs)):  # by rows over several queues: a short store, its rows'
             if job.store is None or id(job) in stored:  # own pages
@@ -542,7 +568,7 @@ class _Matmul:
             self.unstarted.remove(job)
         if jobs:
             _emit_bodies(self.plan.epilogue, self.slots, jobs, self.constants, self.loc, self.engines,
-                         self.plan.bias_column, self.early)
+                         self.plan.bias_column, self.early, self.plan.stored_step)
 
     # the walk over the strips ---------------------------------------------------------------------------
     def emit(self) -> None:
@@ -844,15 +870,16 @@ def early_steps(body: tuple, slots: list) -> list:
 
 
 def _emit_bodies(body: tuple, slots: list, jobs: list, constants: Pool, loc, engines: StepBalancer,
-                 bias_column: int | None = None, steps: list | None = None) -> list:
+                 bias_column: int | None = None, steps: list | None = None, kept: int | None = None) -> list:
     """`emit_body` for several tiles (_Jobs) at once, each step for every tile before the next step: `steps`
     (all by default; each job keeps the results of those emitted before). Returns each job's result AP. Each
     step goes to the engine that would finish it first, after the steps it reads (`StepBalancer`), in the order
     `table_order` gives. With `bias_column`, the first step (the accumulator rounded to its dtype) adds that
-    input's per-partition values on its way, in one Scalar pass."""
+    input's per-partition values on its way, in one Scalar pass. Step `kept` is written to its own tile (it is
+    stored too), never computed inside its reader's instruction."""
     steps = list(range(len(body))) if steps is None else steps
     fused = {m: pair for m, pair in (scaled_products(body) if engines.columns is not None else {}).items()
-             if m in steps and pair[0] in steps}  # a multiply and its reader emitted together
+             if m in steps and pair[0] in steps and pair[0] != kept}  # a multiply and its reader emitted together
     emitted = [job.order for job in jobs]  # the same steps for every job, maybe in other orders
     later = [j for j in range(len(body)) if j not in steps and j not in emitted[0]]
     for index in table_order(body, slots, engines.loaded_table(), steps, emitted, later):

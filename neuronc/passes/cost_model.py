@@ -6,9 +6,9 @@ Passes ask it to choose between alternatives; the NEFF header records its estima
 """
 from __future__ import annotations
 
-from neuronc.instruction_cost import dma_transfer_ns, engine_pass_ns, matmul_pass_ns
+from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, engine_pass_ns, matmul_pass_ns
 from neuronc.isa import Engine
-from neuronc.placement import SBUF_PAGE_BYTES, dma_slice_count, partition_group  # noqa: F401 (placement rules)
+from neuronc.placement import SBUF_PAGE_BYTES, dma_slice_count, partition_group, transpose_chunks  # noqa: F401
 from neuronc.stream_timing import estimate_streams, kernel_spans, replay  # noqa: F401 (the replay of programs)
 from neuronc.targets import Target
 
@@ -113,10 +113,30 @@ def strip_ns(k: int, tile_k: int, width: int, itemsize: int, contiguous: bool, b
     return occupancy, max(one, occupancy), one
 
 
+def transposed_strip_ns(k: int, tile_k: int, width: int, itemsize: int, bias_itemsize: int, target: Target) -> tuple:
+    """`strip_ns` of a strip loaded as DMA transposes (MatmulTiling.transposes): each whole K tile's columns by
+    `transpose_chunks`, one DMA each on its own queue, a K tail by a strided DMA; a busy queue hides a
+    transfer's fixed cost behind the one before, as `strip_load_ns` prices it."""
+    whole, tail = divmod(k, tile_k)
+    chunks = [dma_transpose_ns(tile_k, c1 - c0, itemsize, target) for c0, c1 in transpose_chunks(width, itemsize)]
+    pieces = [one for one in chunks for _ in range(whole)]
+    if tail:
+        pieces.append(dma_transfer_ns(tail * width * itemsize, False, target, tail))
+    total = sum(max(one - target.dma_fixed_ns, target.dma_fixed_ns) for one in pieces)
+    nbytes = k * width * itemsize
+    if bias_itemsize:
+        total += dma_transfer_ns(width * bias_itemsize, True, target)
+        nbytes += width * bias_itemsize
+    occupancy = _queues_ns(total, nbytes, target)
+    one = max(pieces)  # the last of the pieces on a queue of their own: the queues move them side by side
+    latency = -(-len(pieces) // target.dma_queues) * (one - target.dma_fixed_ns) + target.dma_fixed_ns
+    return occupancy, max(latency, occupancy), one
+
+
 def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epilogue, tiling, target: Target,
               contiguous: tuple = (False, True), bias_row: bool = False, bias_column: bool = False,
               servers: Servers | None = None, a_kept: bool = False, sink: bool = False, preloaded: int = 0,
-              meanwhile_ns: float = 0.0, a_by_k_tile: bool = False) -> float:
+              meanwhile_ns: float = 0.0, a_by_k_tile: bool = False, second_bytes: int = 0) -> float:
     """Estimated time of a [B, M, K] x [B, K, N] matmul kernel under `tiling` (passes/tiling.py), with the
     per-instruction rules of `neuronc.instruction_cost`, replaying the schedule codegen emits step by step:
     strips loaded in order of use, `stream_bufs - 1` steps ahead, each into a buffer freed by the last step
@@ -132,7 +152,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
     `sink`, the result stays in SBUF (a chain's first matmul) and is not stored; `preloaded`: how many of the
     first streamed strips were loaded before (during a chain's first matmul); `meanwhile_ns`: the DMA queues'
     time of those loads, spread over this matmul's output tiles; with `a_by_k_tile`, A^T's strips load one DMA
-    per K tile (passes/tiling.py `loads_a_by_k_tile`)."""
+    per K tile (passes/tiling.py `loads_a_by_k_tile`); `second_bytes`: bytes per element of an epilogue step each
+    tile also stores (a second output, passes/shared_epilogues.py), split by rows over queues as the result."""
     from neuronc.isa import DType
 
     batch, m, n = shape
@@ -153,6 +174,9 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         if sink:
             stored_total, store, stored_bytes = 0.0, 0.0, out_tile * extras_bytes
         stored_total += strip_load_ns(rows, out_tile * extras_bytes, True, target)[0] if extras_bytes else 0.0
+        if second_bytes:
+            stored_total += strip_load_ns(rows, out_tile * second_bytes, True, target)[0]
+            stored_bytes += out_tile * second_bytes
         share, latency = _epilogue_ns(epilogue, columns, target)
         if bias_column:
             share += engine_pass_ns(Engine.VECTOR, 1, 1, target) / 3
@@ -175,6 +199,8 @@ def matmul_ns(shape, k: int, a_dtype, b_dtype, out_dtype, extras_bytes: int, epi
         return clock.end
 
     def load(width, item, is_contiguous, bias, operand):  # (queue time, latency, a piece's time) of a strip
+        if operand in tiling.transposes:
+            return transposed_strip_ns(k, tk, width, item, bias and out_dtype.itemsize, target)
         return strip_ns(k, tk, width, item, is_contiguous, bias and out_dtype.itemsize, target,
                         operand == "a" and a_by_k_tile)
 

@@ -88,6 +88,7 @@ def _gates() -> dict:
         "recompute_statistics_in_rowwise": lambda summary: {Op.REDUCE_LAST, Op.ROWWISE} <= summary.ops,
         # a prologue is a ROWWISE read by a MATMUL
         "fold_norms_into_matmuls": lambda summary: Op.ROWWISE in summary.ops and Op.MATMUL in summary.ops,
+        "fold_saved_norms_into_matmuls": lambda summary: Op.ROWWISE in summary.ops and Op.MATMUL in summary.ops,
     }
 
 

@@ -24,14 +24,16 @@ TOP = 8  # values one MAX8 / FIND_INDEX8 / MATCH_REPLACE8 handles
 STORE_TILES = 64
 
 
-def assign_slots(body: tuple) -> tuple:
-    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the output tile).
-    Returns (slot of each step or None, number of slots)."""
+def assign_slots(body: tuple, kept: int | None = None) -> tuple:
+    """Linear-scan allocation of temporary tiles to the steps of a body (the last step writes the output tile);
+    step `kept`'s tile is held to the end (it is stored too). Returns (slot of each step or None, number of slots)."""
     last = list(range(len(body)))
     for j, step in enumerate(body):
         for kind, ref in step.args:
             if kind == "step":
                 last[ref] = j
+    if kept is not None:
+        last[kept] = len(body)
     free, slots, count = [], [], 0
     for j in range(len(body)):
         for k in range(j):

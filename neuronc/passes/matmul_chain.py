@@ -57,13 +57,14 @@ def _producer(reader: ir.Node, consumers: dict, outputs: set) -> ir.Node | None:
     """The matmul whose result `reader` (a matmul) reads densely as A, directly or through RESHAPEs, when
     nothing else reads it and both have one batch; else None."""
     views = reader.attrs.get("views") or (None,) * len(reader.inputs)
-    if reader.op is not Op.MATMUL or reader.attrs.get("chain") or views[0] is not None or reader.shape[0] != 1:
+    if (reader.op is not Op.MATMUL or reader.attrs.get("chain") or views[0] is not None or reader.shape[0] != 1
+            or "outputs" in reader.attrs):  # a second output (passes/shared_epilogues.py) only a plain kernel stores
         return None
     x, path = reader.inputs[0], []
     while x.op is Op.RESHAPE:
         path.append(x)
         x = x.inputs[0]
-    if (x.op is not Op.MATMUL or x.attrs.get("chain") or x.shape[0] != 1 or not _reads_no_tiles(x)
+    if (x.op is not Op.MATMUL or x.attrs.get("chain") or "outputs" in x.attrs or x.shape[0] != 1 or not _reads_no_tiles(x)
             or (1, reader.shape[1], reader.attrs["k"]) != x.shape or reader.inputs.count(reader.inputs[0]) != 1):
         return None
     for y in (x, *path):

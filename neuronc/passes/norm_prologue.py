@@ -19,6 +19,11 @@ A chain's first matmul (passes/matmul_chain.py: h^T = W1^T x^T) keeps x^T reside
 making x (GPT-2's second layer-norm before its MLP) is folded the same way; its output tiles span every token,
 so there the norm's row tiles are all made before the first matmul, which still saves the norm's store, the
 strided load of x^T and the boundary between two kernels.
+
+A norm others read too (a training graph's forward saves the layer-norm's result for the backward) is folded by
+`fold_saved_norms_into_matmuls` into a plain matmul reading it as A (through reshapes only it reads): the kernel
+also stores each row tile as it is made (`ProloguePlan.stored`, the kernel's second output), which the others
+read. That one is a trade the pipeline prices (passes/pipeline.py PRICED).
 """
 from __future__ import annotations
 
@@ -42,8 +47,8 @@ SIXTEEN_BIT = (DType.BF16, DType.F16)
 def _operand(reader: ir.Node) -> int | None:
     """Which input of `reader` (a matmul, or a chained node) a norm may make: A of a plain matmul, read densely;
     B of a chain's first matmul, read as the transpose of a dense [M, K] (x^T, the first computing h^T); else None."""
-    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1:
-        return None
+    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1 or "outputs" in reader.attrs:
+        return None  # (a second output, passes/shared_epilogues.py: stored by the plain kernel only)
     chain = reader.attrs.get("chain")
     if chain is None:
         views = reader.attrs.get("views") or (None,) * len(reader.inputs)
@@ -55,9 +60,10 @@ def _operand(reader: ir.Node) -> int | None:
 
 
 def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tuple | None:
-    """(operand, the ROWWISE node) when `reader` (a matmul) reads a norm's result densely as all of an operand it
-    keeps resident (`_operand`), directly or through RESHAPEs, nothing else reads it, it is stored densely, and
-    the matmul has whole K and token tiles; else None."""
+    """(operand, the ROWWISE node, False) when `reader` (a matmul) reads a norm's result densely as all of an
+    operand it keeps resident (`_operand`), directly or through RESHAPEs, nothing else reads it, it is stored
+    densely, and the matmul has whole K and token tiles; (operand, the norm, True) when others read the norm too
+    and it can be stored by the matmul's kernel; else None."""
     operand = _operand(reader)
     if operand is None or reader.inputs.count(reader.inputs[operand]) != 1:
         return None
@@ -71,9 +77,30 @@ def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tup
             or tuple(x.attrs["out_strides"]) != dense_strides((tokens, k)) or tokens % target.partitions
             or k % target.matmul_max_k or x.dtype != reader.inputs[1 - operand].dtype or x.dtype not in SIXTEEN_BIT):
         return None
-    if any(y in outputs or len(consumers.get(y, ())) != 1 for y in (x, *path)):
+    if not any(y in outputs or len(consumers.get(y, ())) != 1 for y in (x, *path)):
+        return operand, x, False
+    # read by others too (a training graph saves it): stored by the kernel as well, when only the norm itself (not
+    # a reshape of it on the way) has other readers and nothing else the matmul reads is computed from it
+    if (chain is not None or any(y in outputs or len(consumers.get(y, ())) != 1 for y in path)
+            or any(_depends_on(y, x) for y in reader.inputs if y is not reader.inputs[operand])):
         return None
-    return operand, x
+    return operand, x, True
+
+
+def _depends_on(x: ir.Node, target: ir.Node, limit: int = 4096) -> bool:
+    """Whether `x` is `target` or reads it, directly or not (walked up to `limit` nodes; past it, assumed so)."""
+    seen, stack = set(), [x]
+    while stack:
+        y = stack.pop()
+        if y is target:
+            return True
+        if y in seen:
+            continue
+        seen.add(y)
+        if len(seen) > limit:
+            return True
+        stack.extend(y.inputs)
+    return False
 
 
 def _as_prologue(norm: ir.Node, target: Target) -> dict:
@@ -91,13 +118,17 @@ def _as_prologue(norm: ir.Node, target: Target) -> dict:
     return {**attrs, "schedule": schedule, "plan": plan}
 
 
-def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, new: dict, target: Target) -> ir.Node | None:
+def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, stored: bool, new: dict,
+            target: Target) -> ir.Node | None:
     """`reader` (its inputs rewritten to `inputs`) with `norm` (rewritten inputs in `new`) as the prologue making its
-    input `operand`, or None if their tiles do not fit in SBUF together."""
-    prologue = Prologue(len(norm.inputs), operand, norm.dtype, _as_prologue(norm, target), norm.loc)
+    input `operand` (and storing it as the kernel's second output if `stored`: its own schedule, priced with its
+    stores), or None if their tiles do not fit in SBUF together."""
+    attrs = dict(norm.attrs) if stored else _as_prologue(norm, target)
+    prologue = Prologue(len(norm.inputs), operand, norm.dtype, attrs, norm.loc, stored)
     rest = [*inputs[:operand], *inputs[operand + 1:]]
+    outputs = {"outputs": ((reader.shape, reader.dtype), (norm.shape, norm.dtype))} if stored else {}
     folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
-                     reader.loc, **{**reader.attrs, "prologue": prologue})
+                     reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
     return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
 
 
@@ -105,22 +136,49 @@ def fold_norms_into_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     """Each row-wise kernel read only by one matmul as all of its A (or by a chain as its first matmul's B, x^T) is
     computed by that kernel, as a prologue whose result goes into the resident strip (transposed on the Tensor
     engine), when it fits."""
+    return _fold(graph, ctx, stored=False)
+
+
+def fold_saved_norms_into_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
+    """Each row-wise kernel read by one plain matmul as all of its A and by others too (a training graph's forward
+    saves a layer-norm's result for the backward) is computed by that matmul's kernel as its prologue, and stored
+    from its row tiles as the kernel's second output (KERNEL_OUTPUT 1), which the others read: the norm's own
+    kernel and the matmul's load of its transpose are gone, its store stays. A trade (passes/pipeline.py PRICED):
+    the matmul's kernel then does the norm's work and its transposes on the Tensor engine where a DMA transpose
+    loaded A^T, and a norm in a matmul's kernel no longer sums its rows over tokens for a reader
+    (passes/rowwise_column_sums.py), so the pipeline keeps it only where the cost model times the program faster."""
+    return _fold(graph, ctx, stored=True)
+
+
+def _fold(graph: ir.Graph, ctx: PassContext, stored: bool) -> ir.Graph:
     target = ctx.target
     consumers, outputs = graph.consumers(), set(graph.outputs)
-    norms = {}  # reader -> (its operand the norm makes, the norm)
+    norms = {}  # reader -> (its operand the norm makes, the norm, whether stored too)
     for node in graph.nodes():
         found = _norm(node, consumers, outputs, target)
-        if found is not None:
+        if found is not None and found[2] == stored:
             norms[node] = found
     if not norms:
         return graph
     new: dict = {}
+    second: dict = {}  # a stored norm as rewritten -> the kernel storing it
 
     def fold(node, inputs):
         result = _folded(node, inputs, *norms[node], new, target) if node in norms else None
         if result is None:
             result = ir.with_inputs(node, inputs)
+        elif norms[node][2]:
+            second[new[norms[node][1]]] = result
         new[node] = result
         return result
 
-    return graph.rewrite(fold)
+    graph = graph.rewrite(fold)
+    if not second:
+        return graph
+
+    def outputs_of(node, inputs):  # the stored norm's other readers read the kernel's second output
+        if node in second:
+            return ir.node(Op.KERNEL_OUTPUT, [second[node]], node.shape, node.dtype, node.loc, index=1)
+        return None
+
+    return graph.rewrite(outputs_of)

@@ -33,7 +33,7 @@ from neuronc.passes.legalize import legalize
 from neuronc.passes.matmul_chain import chain_matmuls
 from neuronc.passes.matmul_column_sums import sum_operands_in_matmuls
 from neuronc.passes.row_pairs import pair_output_rows
-from neuronc.passes.norm_prologue import fold_norms_into_matmuls
+from neuronc.passes.norm_prologue import fold_norms_into_matmuls, fold_saved_norms_into_matmuls
 from neuronc.passes.per_row_producers import fold_per_row_producers
 from neuronc.passes.partition_sum_prologues import fold_partition_sum_prologues
 from neuronc.passes.recomputed_rows import recompute_rows_in_readers
@@ -42,6 +42,7 @@ from neuronc.passes.reduction_rounding import round_reductions_once
 from neuronc.passes.rowwise import fuse_rowwise
 from neuronc.passes.rowwise_column_sums import sum_rows_in_rowwise_kernels
 from neuronc.passes.rowwise_statistics import recompute_statistics_in_rowwise
+from neuronc.passes.shared_epilogues import fuse_shared_epilogues
 from neuronc.passes.tiling import baseline_tiles, search_matmul_tiles, tile_matmuls
 from neuronc.passes.top_k import top_k_of_sorts
 from neuronc.passes.view_chains import compose_view_chains, concatenate_through_views
@@ -93,8 +94,10 @@ O2 = [
     read_kernel_inputs_through_views,  # after compose_view_chains: so does a custom kernel, where its accesses map
     write_outputs_into_concatenations,  # after both: a custom kernel writes the concatenation of its outputs itself
     simplify,  # the reshape chains the fusions leave (a fused kernel's reshaped result read by a reshape)
+    fuse_shared_epilogues,  # after that: a matmul read by an elementwise kernel and others takes it, stores both
     chain_matmuls,  # after the epilogues are known: a matmul read only by another as A is kept in SBUF
     fold_norms_into_matmuls,  # after the chains: a norm read only by a matmul as A is that matmul's prologue
+    fold_saved_norms_into_matmuls,  # PRICED: a norm others read too is a matmul's prologue and its second output
     tile_matmuls,  # tiles and loop order of every matmul (and chain) chosen with the cost model
     sum_operands_in_matmuls,  # after the tiling (A resident): a sum over tokens of a matmul's A is its second output
     sum_rows_in_rowwise_kernels,  # after that: a sum over tokens of a row-wise kernel's rows is its second output
@@ -106,6 +109,7 @@ O3 = O2[:O2.index(chain_matmuls)] + [  # as -O2, plus the decisions that cost co
     # has a layer-norm feeding a matmul: codegen twice); on the documented costs it lost on every shape measured
     chain_matmuls,
     fold_norms_into_matmuls,
+    fold_saved_norms_into_matmuls,
     search_matmul_tiles,  # the tiling search trying more candidates
     sum_operands_in_matmuls,
     sum_rows_in_rowwise_kernels,
@@ -127,7 +131,11 @@ def passes_for(opt_level: int) -> list:
 # pipeline runs on the graph with the rewrite and on the graph without it, and the one the cost model times faster
 # is kept (ctx.decisions records both prices). Storing a row-wise result transposed moves a strided transfer from a
 # matmul's operand loads into the producer's stores; which side pays less depends on the shapes and queues.
-PRICED = (store_activations_transposed,)
+# Folding a norm others read too into a matmul (its result the kernel's second output) saves the norm's kernel and
+# the matmul's load of its transpose, but puts the norm's work and its transposes in the matmul's kernel and takes
+# the norm from the column sums a row-wise kernel makes for its readers (GPT-2 block training: the forward gains,
+# the backward loses).
+PRICED = (store_activations_transposed, fold_saved_norms_into_matmuls)
 
 
 def run_pipeline(graph: ir.Graph, ctx: PassContext, timings: dict | None = None) -> ir.Graph:

@@ -38,7 +38,7 @@ def pairs_rows(plan: MatmulPlan, target: Target) -> bool:
     tiling = plan.tiling
     return (tiling.resident == "a" and tiling.tile_m == target.partitions and plan.m >= 2 * tiling.tile_m
             and plan.stores_main
-            and not (plan.row_pairs or plan.c_sums or plan.a_by_k_tile)
+            and not (plan.row_pairs or plan.c_sums or plan.a_by_k_tile) and plan.stored_step is None
             and plan.bias_row is None and plan.bias_column is None
             and all(p.dtype.itemsize <= 2 for p in plan.operand_pools if p.name in ("a", "b")))
 

@@ -174,7 +174,41 @@ def candidates(node: ir.Node, target: Target, wide: bool, deep: bool = False) ->
                     if block >= tiles:
                         break
                     block *= 2
+    found += [dataclasses.replace(t, transposes=which) for t in found if t.resident != "none"
+              for which in _transpose_options(node, target) if all(_whole_pages(node, t, c) for c in which)]
     return [t for t in dict.fromkeys(found) if fits(node, t, target)]
+
+
+def transposable(node: ir.Node, operand: str, target: Target) -> bool:
+    """Whether the strips of `operand` ("a": A^T [K, M], "b": B [K, N]) may load as DMA transposes
+    (MatmulTiling.transposes): read across the operand's rows (a strided load otherwise), each K tile's elements
+    contiguous in HBM, a 2-byte type, and widths of whole [128, 16] units on a target that has them."""
+    views = node.attrs.get("views") or (None, None)
+    x, view = (node.inputs[0], views[0]) if operand == "a" else (node.inputs[1], views[1])
+    batch, m, n = node.shape
+    k = node.attrs["k"]
+    strides = view[1] if view else ((m * k, k, 1) if operand == "a" else (k * n, n, 1))
+    k_stride = strides[2] if operand == "a" else strides[1]
+    width = m if operand == "a" else n
+    return (target.dma_transpose_hbm_fraction > 0 and x.dtype.itemsize == 2 and k_stride == 1
+            and not _contiguous(node)[operand == "b"] and width % target.dma_transpose_inner == 0
+            and k >= target.matmul_max_k)
+
+
+def _whole_pages(node: ir.Node, tiling: MatmulTiling, operand: str) -> bool:
+    """Whether every strip of `operand` under `tiling` is whole SBUF pages wide per K tile: DMA transposes of K
+    tiles sharing a page wait for each other (the sync pass tracks SBUF by pages), one queue at a time."""
+    _, m, n = node.shape
+    extent, tile = (m, tiling.tile_m) if operand == "a" else (n, tiling.tile_n)
+    width = tiling.block * tile if tiling.resident == operand else tile
+    page = SBUF_PAGE_BYTES // node.inputs[operand == "b"].dtype.itemsize
+    return all(min(width, extent - r0) % page == 0 for r0 in range(0, extent, width))
+
+
+def _transpose_options(node: ir.Node, target: Target) -> list:
+    """The non-empty sets of operands whose strips may load as DMA transposes: "a", "b", "ab"."""
+    which = "".join(operand for operand in "ab" if transposable(node, operand, target))
+    return [w for w in ("a", "b", "ab") if w and all(c in which for c in w)]
 
 
 def _extras_bytes(node: ir.Node) -> int:
@@ -238,9 +272,10 @@ def loads_in_two_parts(node: ir.Node, tiling: MatmulTiling) -> str:
     if batch != 1 or -(-node.attrs["k"] // tiling.tile_k) < 2:
         return ""
     a_contiguous, b_contiguous = _contiguous(node)
-    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous:
+    if tiling.resident == "b" and tiling.block * tiling.tile_n >= n and not b_contiguous and "b" not in tiling.transposes:
         return "b"
-    if loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node):
+    if (loads_a_once(node, tiling) and not a_contiguous and not loads_a_by_k_tile(node)
+            and "a" not in tiling.transposes):
         return "a"
     return ""
 
@@ -252,7 +287,13 @@ def price(node: ir.Node, tiling: MatmulTiling, target: Target, servers: Servers 
     return matmul_ns(node.shape, node.attrs["k"], a.dtype, b.dtype, node.dtype, _extras_bytes(node),
                      node.attrs.get("epilogue") or (), tiling, target, _contiguous(node),
                      node.attrs.get("bias_row") is not None, node.attrs.get("bias_column") is not None,
-                     servers, a_by_k_tile=loads_a_by_k_tile(node), **chained)
+                     servers, a_by_k_tile=loads_a_by_k_tile(node), second_bytes=_second_bytes(node), **chained)
+
+
+def _second_bytes(node: ir.Node) -> int:
+    """Bytes per element of the step stored as the kernel's second output (passes/shared_epilogues.py), or 0."""
+    stored = node.attrs.get("stored_step")
+    return 0 if stored is None else node.attrs["epilogue"][stored].dtype.itemsize
 
 
 def planned(node: ir.Node, tiling: MatmulTiling) -> ir.Node:
@@ -363,11 +404,11 @@ def matmul_plan(node: ir.Node, tiling: MatmulTiling) -> MatmulPlan:
         batch=batch, m=m, n=n, k=k, dtype=node.dtype, tiling=tiling,
         a=View.of(views[0], (batch, m, k)), b=View.of(views[1], (batch, k, n)),
         extras=tuple(View.of(view, node.shape) for view in views[2:]),
-        epilogue=epilogue, slots=tuple(assign_slots(epilogue)[0]),
+        epilogue=epilogue, slots=tuple(assign_slots(epilogue, node.attrs.get("stored_step"))[0]),
         operand_pools=pool_specs(operand_pools(node, tiling)), epilogue_pools=pool_specs(epilogue_pools(node, tiling.tile_n)),
         bias_row=node.attrs.get("bias_row"), bias_column=node.attrs.get("bias_column"),
         a_by_k_tile=loads_a_by_k_tile(node) and loads_a_once(node, tiling), in_two_parts=loads_in_two_parts(node, tiling),
-        epilogue_group=EPILOGUE_GROUP)
+        epilogue_group=EPILOGUE_GROUP, stored_step=node.attrs.get("stored_step"))
 
 
 def chain_plan(node: ir.Node, first_tiling: MatmulTiling, second_tiling: MatmulTiling, target: Target) -> ChainPlan:
@@ -393,9 +434,10 @@ class Prologue:
     dtype: object  # the norm's result's
     attrs: dict  # the ROWWISE node's attributes (body, views, rows, cols, out_strides, schedule, plan)
     loc: object  # the norm's source location
+    stored: bool = False  # the norm's result stored too, as the kernel's second output
 
     def __hash__(self) -> int:
-        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"]))
+        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"], self.stored))
 
 
 def prologue_stages(node: ir.Node) -> tuple:
@@ -528,7 +570,8 @@ def prologue_planned(node: ir.Node, target: Target) -> ir.Node:
         inner, attrs = matmul_plan(matmul, tiling), {"tiling": tiling}
     plan = ProloguePlan(split=node.attrs["prologue"].split, norm=norm.attrs["plan"], body=norm.attrs["body"],
                         views=norm.attrs["views"], rows=norm.attrs["rows"], cols=norm.attrs["cols"],
-                        dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand)
+                        dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand,
+                        stored=node.attrs["prologue"].stored)
     return dataclasses.replace(node, attrs={**node.attrs, **attrs, "plan": plan}, id=next(ir._ids))
 
 
