@@ -167,7 +167,9 @@ def new_shapes(models: list, traced: int, grow: int = 1) -> None:
     programs = made.get("lowered", 0) + made.get("traced", 0)
     print(f"first call of an op at a new shape: the zoo ({', '.join(models)}), forward and backward at batch + 1"
           f"{f' .. + {grow}' if grow > 1 else ''}: {len(firsts)} new signatures, {made.get('bucketed', 0)} of them "
-          f"run by a bucket's program; {programs} programs compiled ({made.get('disk cache', 0)} loaded from disk), "
+          f"run by a bucket's program, {made.get('looped', 0)} by a looped program ({made.get('loop tiles', 0)} tile "
+          f"programs compiled for {made.get('looped programs', 0)} looped programs); {programs} programs compiled "
+          f"({made.get('disk cache', 0)} loaded from disk), "
           f"{made.get('bucketed', 0) and 'buckets on' or 'buckets off or unused'}")
     print(f"  {'stage':26} {'median ms (cpu)':>16} {'mean':>8} {'p90':>8} {'median ms (wall)':>17}")
     stages = list(watch.calls.items()) + [("first run", [(f[2], f[3]) for f in firsts.values()]),

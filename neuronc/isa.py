@@ -142,6 +142,19 @@ Arithmetic on Vector/Scalar/GpSimd engines is done in fp32 (integers in their ow
 rounded to the destination dtype, as on the chip. Integer DIVIDE truncates toward zero and
 REMAINDER takes the dividend's sign (C's ``/`` and ``fmod``), as StableHLO's divide and remainder.
 
+Registers and loops (format 1.13)
+---------------------------------
+A program may declare integer *registers* (``neff.program.Register``: a name and a range [lo, hi], 32-bit as NKI's
+loop bounds are), set by the host at each launch from the launch's arguments, as runtime scalars are inputs
+(NKI's ``VirtualRegister``), and *loops* (``neff.program.Loop``): a hardware loop over one copy of its body (its own
+streams) whose trip count is a register's value, 0 allowed (NKI's ``dynamic_range`` / ``fori_loop``). Registers are
+read only as loop bounds and offsets, as NKI documents them: an HBM operand's ``terms`` add ``coefficient * value``
+bytes to its offset, the value a register's (``source`` >= 0) or the enclosing loop's index (``LOOP_INDEX``). A
+program with loops runs its loops in order, each iteration after the previous one has completed on every stream
+(the iteration boundary is a barrier; a stated choice), so a ``Wait`` in a body counts the instructions of that
+stream in the same iteration: the semaphore count it stands for is that count plus the loop index times the
+stream's body length plus what the stream ran before the loop (affine in the loop index).
+
 Ordering
 --------
 Each stream (an engine, or one DMA queue) executes its instructions in order. Every instruction,
@@ -413,6 +426,9 @@ ERF_F32_CLAMP = 4.0
 MAX_DIMS = 32
 
 
+LOOP_INDEX = -1  # a term's source: the index of the loop the instruction is in (0, 1, ... in the body's iterations)
+
+
 class Wait(NamedTuple):
     """Do not start before stream (engine, queue) has completed ``count`` instructions."""
 
@@ -437,6 +453,7 @@ class AccessPattern:
     offset: int  # bytes: into HBM, or into each partition on chip
     dims: tuple  # ((stride, size), ...) in elements, outermost first; dims[0] is the partition dim
     partition: int = 0  # first partition (on chip only)
+    terms: tuple = ()  # ((source, bytes), ...): HBM only, offset + sum(bytes * value of source); see "Registers"
 
     @property
     def shape(self) -> tuple:

@@ -68,6 +68,11 @@ class Target:
     # measure dependent 1-element activations "189 ns (264 ScalarE cycles on NC-v2)" apart (nki_perf_guide.rst,
     # Opt #5a); such an instruction occupies MIN_II, so the gap after its producer's end is 264 - 64 = 200 cycles.
     dependent_spacing_cycles: int
+    # A hardware loop (nki.language.dynamic_range / fori_loop: "a hardware loop instruction ... a single copy of the
+    # body", compiled "into a compare-and-branch"; nki/deep-dives/nki-dynamic-loops.rst, nki.language.fori_loop)
+    # has no documented cost. A stated choice: each iteration pays one instruction slot of the minimum interval
+    # (MIN_II, above) for its compare-and-branch, at the Vector engine's clock (runtime/loops.py).
+    loop_iteration_cycles: int
     # Vector engine performance mode (NeuronCore-v3+, automatic; trainium2_arch.rst "Vector Engine Performance
     # Mode"): tensor_copy / tensor_scalar 4x with bf16/fp16 operands in SBUF and a contiguous innermost dim, 2x
     # when not contiguous or one side in PSUM; tensor_tensor 2x with both inputs in SBUF and every operand
@@ -174,6 +179,7 @@ _COMMON = dict(
     bn_stats_max_free=512,
     bn_aggr_cycles_per_triple=13,
     dependent_spacing_cycles=200,
+    loop_iteration_cycles=64,
     activation_table_load_cycles=1300,
     dma_efficient_bytes_per_partition=4 * KIB,
     dma_half_rate_bytes=256,

@@ -367,8 +367,12 @@ class NeuronCore:
         ``checked_by``: the :func:`access_check_id` under which this very NEFF already passed the access
         check (a compile cache records it, next to the NEFF's checksum). When it is this runtime's, the
         check, whose verdict depends on nothing but the program and the checker, is not run again."""
-        return LoadedProgram(self, _as_neff(neff), trusted=checked_by == access_check_id(),
-                             undefined_on_chip=undefined_on_chip)
+        neff = _as_neff(neff)
+        if neff.loops or neff.registers:  # (runtime.loops: checked for every register value in range)
+            from runtime.loops import LoopedProgram
+
+            return LoopedProgram(self, neff, trusted=checked_by == access_check_id())
+        return LoadedProgram(self, neff, trusted=checked_by == access_check_id(), undefined_on_chip=undefined_on_chip)
 
     def unload(self, program: "LoadedProgram") -> None:
         """Free ``program``'s HBM (same as ``program.unload()``)."""
@@ -391,8 +395,11 @@ class LoadedProgram:
     Its HBM bytes, weights and bound kernels are made on the first ``run`` (``time`` needs none)."""
 
     def __init__(self, core: NeuronCore, neff: Neff, *, trusted: bool = False,
-                 undefined_on_chip: bool | frozenset = False):
+                 undefined_on_chip: bool | frozenset = False, part_of=None):
         self.core, self.neff = core, neff
+        # A loop's body (runtime.loops): checked and simulated as a program, its HBM the looped program's, its
+        # outputs written by all the iterations together (not checked here), never run itself.
+        self.part_of = part_of
         # How its collective instructions reach the other ranks of their groups (runtime.collectives.Transport),
         # given by the host; a program with collectives cannot run without one.
         self.transport = None
@@ -411,7 +418,8 @@ class LoadedProgram:
         self._layout = HbmLayout(neff.tensors)  # host memory for the tensors' bytes only
         self._input_entries = neff.inputs()
         self._bound: dict = {}  # input position -> the host array read in place (bind_inputs)
-        self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff))  # frees also when dropped
+        self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff)) if part_of is None else \
+            weakref.finalize(self, int)  # frees also when dropped
         try:
             self._load()
         except BaseException:
@@ -591,7 +599,25 @@ class LoadedProgram:
             for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
                 who[...] = ids[i.key]  # does not race with itself)
                 bounds.written(dst, _cached(regions, _region, dst), i.key, who.size)
-        self._check_outputs_written(writers[Space.HBM])
+        if self.part_of is None:
+            self._check_outputs_written(writers[Space.HBM])
+
+    @functools.cached_property
+    def order(self) -> list:
+        """(number, instruction) of every instruction in the order they complete: the order a run computes them."""
+        return [(n, self._instrs[s][k].instr) for n, (phase, s, k) in enumerate(self._order) if phase != START]
+
+    @property
+    def events(self) -> list:
+        return self._events
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end_ns for e in self._events), default=0.0)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self._hbm_bytes
 
     def _undefined_on_chip(self, i: _Instr) -> bool:
         allowed = self.undefined_on_chip

@@ -17,8 +17,10 @@ from tests.conftest import TOLERANCES, assert_matches_eager
 
 @pytest.fixture
 def fresh(neuron, monkeypatch):
-    """No program compiled by earlier tests, none from the disk cache, no op on the CPU."""
+    """No program compiled by earlier tests, none from the disk cache, no op on the CPU; no looped programs (an
+    elementwise op's new row count runs its looped program before buckets are asked: tests/test_eager_loops.py)."""
     monkeypatch.setenv(eager.FALLBACK_ENV, "1")
+    monkeypatch.setenv(eager.LOOPS_ENV, "0")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--no_cache")
     monkeypatch.setattr(eager, "programs", {})
     monkeypatch.setattr(eager, "sizes_met", {})

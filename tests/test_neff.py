@@ -798,7 +798,7 @@ def test_schema_enums_mirror_the_python_enums(python_enum, schema_name):
 def test_the_verifier_reads_the_whole_schema_from_the_binary_schema():
     tables = verifier.schema()
     assert set(tables) == {"NeffFile", "Header", "Program", "Tensor", "Stream", "Instruction", "AccessPattern",
-                           "DebugLoc", "Kernel"}
+                           "DebugLoc", "Kernel", "Register", "Loop"}
     instruction = {field.name: field for field in tables["Instruction"].fields}
     assert instruction["opcode"].type.allowed == {op.value for op in Opcode}
     assert instruction["kernel"].default == -1 and instruction["operands"].required

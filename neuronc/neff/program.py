@@ -21,8 +21,9 @@ FORMAT_MAJOR = 1
 #      and its ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER and ALL_TO_ALL; 1.8: DMA_TRANSPOSE (trn2+); 1.9: the dtypes
 #      U16, U32, U64 and the ALU ops SHIFT_LEFT, SHIFT_RIGHT_LOGICAL, SHIFT_RIGHT_ARITHMETIC; 1.10: TENSOR_TENSOR_SCAN
 #      (NKI's tensor_tensor_scan); 1.11: BN_STATS and BN_AGGR (NKI's bn_stats / bn_aggr); 1.12: ACTIVATE_SCALED (an
-#      activation with a per-partition scale tile and bias tile)
-FORMAT_MINOR = 12
+#      activation with a per-partition scale tile and bias tile); 1.13: registers and hardware loops
+#      (Program.registers / loops, AccessPattern.terms, Tensor.rows)
+FORMAT_MINOR = 13
 
 
 # The most dimensions a tensor entry may have: numpy's limit (an entry's values are a numpy array), which is
@@ -47,6 +48,9 @@ class TensorEntry:
     offset: int  # byte offset in the core's HBM
     index: int = -1  # position among the inputs, or among the outputs; -1 otherwise
     data: np.ndarray | None = None  # WEIGHT and CONSTANT only: the values, of `dtype` and `shape`
+    # INPUT and OUTPUT of a program with registers: ((register, rows), ...), the rows of `shape` (its first dim,
+    # the capacity) a launch passes: sum(rows * register's value); empty: all of them
+    rows: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +148,23 @@ class KernelInfo:
     estimated_ns: float = _Estimated()
 
 
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """An integer register the host sets at each launch, within [lo, hi] (isa.py, "Registers and loops")."""
+
+    name: str
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass
+class Loop:
+    """A hardware loop: its body's streams ((Engine, queue) -> instructions) run `register`'s value times."""
+
+    register: int  # index into Neff.registers
+    streams: dict
+
+
 @dataclasses.dataclass
 class Neff:
     name: str
@@ -159,6 +180,8 @@ class Neff:
     format_minor: int = FORMAT_MINOR
     content_hash: str = ""  # sha256 of the encoded program; filled in by the reader/writer
     cache_key: str = ""  # the compile-cache key, in the NEFFs of cache entries only (neuronc/cache.py)
+    registers: list = dataclasses.field(default_factory=list)  # of Register (format 1.13)
+    loops: list = dataclasses.field(default_factory=list)  # of Loop, run in order after `streams` (format 1.13)
 
     def estimate_later(self, estimate: PendingEstimate) -> None:
         """Its estimated_ns and its kernels' are `estimate`'s, computed when one of them is first read."""
@@ -192,9 +215,11 @@ __all__ = [
     "FORMAT_MINOR",
     "Instruction",
     "KernelInfo",
+    "Loop",
     "MAX_TENSOR_DIMS",
     "Neff",
     "PendingEstimate",
+    "Register",
     "TensorEntry",
     "TensorKind",
 ]

@@ -22,8 +22,8 @@ import numpy as np
 from neuronc.errors import NeffFormatError
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait
 from neuronc.neff import verifier
-from neuronc.neff.program import (FORMAT_MAJOR, MAX_TENSOR_DIMS, DebugLoc, KernelInfo, Neff, TensorEntry,
-                                   TensorKind)
+from neuronc.neff.program import (FORMAT_MAJOR, MAX_TENSOR_DIMS, DebugLoc, KernelInfo, Loop, Neff, Register,
+                                   TensorEntry, TensorKind)
 from neuronc.neff.writer import FILE_IDENTIFIER
 
 MIN_SIZE = 8  # root offset + file identifier
@@ -118,6 +118,16 @@ def _decode_checked(data: bytes) -> Neff:
         if key in neff.streams:
             raise NeffFormatError(f"corrupted NEFF: stream {key[0].name}:{key[1]} appears twice", hint=DAMAGED)
         neff.streams[key] = [_instruction(inst, operands) for inst in stream.instructions]
+    neff.registers = [Register(r.name, r.lo, r.hi) for r in program.registers or ()]
+    for loop in program.loops or ():
+        streams = {}
+        for stream in loop.streams:
+            key = (_ENGINES[stream.engine], stream.queue)
+            if key in streams:
+                raise NeffFormatError(f"corrupted NEFF: a loop's stream {key[0].name}:{key[1]} appears twice",
+                                      hint=DAMAGED)
+            streams[key] = [_instruction(inst, operands) for inst in stream.instructions]
+        neff.loops.append(Loop(loop.register, streams))
     verifier.check_references(neff)
     return neff
 
@@ -159,7 +169,8 @@ def _tensor(tensor) -> TensorEntry:
             )
         little_endian = np.frombuffer(tensor.data, dtype=dtype.numpy.newbyteorder("<"))
         data = little_endian.astype(dtype.numpy).reshape(tensor.shape)
-    return TensorEntry(tensor.name, _KINDS[tensor.kind], dtype, tensor.shape, tensor.offset, tensor.index, data)
+    return TensorEntry(tensor.name, _KINDS[tensor.kind], dtype, tensor.shape, tensor.offset, tensor.index, data,
+                       tuple(tensor.rows or ()))
 
 
 def _instruction(inst, operands: dict) -> Instruction:
@@ -186,8 +197,8 @@ def _operand(operand, operands: dict) -> AccessPattern:
     decoded = operands.get(id(operand))
     if decoded is None:
         decoded = operands[id(operand)] = AccessPattern(
-            _SPACES[operand.space], _DTYPES[operand.dtype], operand.offset, operand.dims, operand.partition
-        )
+            _SPACES[operand.space], _DTYPES[operand.dtype], operand.offset, operand.dims, operand.partition,
+            tuple(operand.terms or ()))
     return decoded
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from flatbuffers import table as fb_table
 
 from neuronc.errors import NeffFormatError
-from neuronc.isa import Engine
+from neuronc.isa import LOOP_INDEX, Engine, Space
 
 BFBS = pathlib.Path(__file__).resolve().parent / "generated" / "neff.bfbs"
 NAMESPACE = "neuronc.neff.generated."
@@ -449,8 +449,95 @@ def check_references(neff) -> None:
                     f"instruction {i} of stream {Engine(engine).name}:{queue} refers to debug location "
                     f"{inst.debug}, but there are {locs} debug locations"
                 )
+    for n, loop in enumerate(getattr(neff, "loops", ())):
+        for (engine, queue), stream in loop.streams.items():
+            for i, inst in enumerate(stream):
+                if not -1 <= inst.kernel < kernels or not -1 <= inst.debug < locs:
+                    raise NeffFormatError(f"instruction {i} of loop {n}'s stream {Engine(engine).name}:{queue} refers "
+                                          f"to kernel {inst.kernel} or debug location {inst.debug}, of {kernels} and {locs}")
+    _check_loops(neff)
     for kernel in neff.kernels:
         if not -1 <= kernel.debug < locs:
             raise NeffFormatError(
                 f"kernel {kernel.name!r} refers to debug location {kernel.debug}, but there are {locs} debug locations"
             )
+
+
+MAX_REGISTERS = 64  # registers a program may declare (a stated bound)
+MAX_TERMS = 8  # terms an operand's offset or a tensor's rows may have (a stated bound)
+MAX_COEFFICIENT = 1 << 40  # bytes a term may add per unit of its value (HBM is far smaller)
+REGISTER_MAX = (1 << 31) - 1  # registers are 32-bit ("a bound must be 32-bit", nki.language.fori_loop)
+
+
+def _check_loops(neff) -> None:
+    """The rules of registers and loops (format 1.13; neuronc/isa.py, "Registers and loops"): ranges within
+    32 bits, references to declared registers, a loop's index read only inside it, terms on HBM operands only,
+    a body's waits on its own streams within its length, no instruction outside the loops of a program that has
+    some, tensors' row terms within their first dim."""
+    registers, loops = list(getattr(neff, "registers", ())), list(getattr(neff, "loops", ()))
+    if len(registers) > MAX_REGISTERS:
+        raise NeffFormatError(f"the program declares {len(registers)} registers, more than {MAX_REGISTERS}")
+    for r in registers:
+        if not (isinstance(r.lo, int) and isinstance(r.hi, int) and 0 <= r.lo <= r.hi <= REGISTER_MAX):
+            raise NeffFormatError(f"register {r.name!r} has the range [{r.lo}, {r.hi}]: a register's range is "
+                                  f"0 <= lo <= hi <= {REGISTER_MAX}")
+    if loops and any(neff.streams.values()):
+        raise NeffFormatError("a program with loops has instructions outside them: its instructions are all in "
+                              "its loops (format 1.13)")
+
+    def terms(what: str, ap, in_loop: bool) -> None:
+        if not ap.terms:
+            return
+        if ap.space != Space.HBM:
+            raise NeffFormatError(f"{what} is a {ap.space.name} operand with register terms: only HBM offsets "
+                                  "take registers")
+        if len(ap.terms) > MAX_TERMS:
+            raise NeffFormatError(f"{what} has {len(ap.terms)} terms, more than {MAX_TERMS}")
+        for source, coefficient in ap.terms:
+            if source == LOOP_INDEX and not in_loop:
+                raise NeffFormatError(f"{what} reads a loop index outside any loop")
+            if not (source == LOOP_INDEX or 0 <= source < len(registers)):
+                raise NeffFormatError(f"{what} reads register {source}, but the program declares {len(registers)}")
+            if abs(coefficient) > MAX_COEFFICIENT:
+                raise NeffFormatError(f"{what} has a term of {coefficient} bytes, more than {MAX_COEFFICIENT}")
+
+    for (engine, queue), stream in neff.streams.items():
+        for i, inst in enumerate(stream):
+            for position, ap in enumerate(inst.operands):
+                terms(f"operand {position} of instruction {i} of stream {Engine(engine).name}:{queue}", ap, False)
+    for n, loop in enumerate(loops):
+        if not 0 <= loop.register < len(registers):
+            raise NeffFormatError(f"loop {n} counts with register {loop.register}, but the program declares "
+                                  f"{len(registers)}")
+        if not any(loop.streams.values()):
+            raise NeffFormatError(f"loop {n} has no instructions")
+        lengths = {(int(e), q): len(stream) for (e, q), stream in loop.streams.items()}
+        for (engine, queue), stream in loop.streams.items():
+            for i, inst in enumerate(stream):
+                where = f"instruction {i} of loop {n}'s stream {Engine(engine).name}:{queue}"
+                for position, ap in enumerate(inst.operands):
+                    terms(f"operand {position} of {where}", ap, True)
+                for wait in inst.waits:
+                    length = lengths.get((int(wait[0]), wait[1]))
+                    if length is None or not 0 <= wait[2] <= length:
+                        raise NeffFormatError(
+                            f"{where} waits for {wait[2]} instructions of {Engine(wait[0]).name}:{wait[1]}, which its "
+                            f"loop's body runs {length or 0} of per iteration (a body waits only on itself)")
+    for t in neff.tensors:
+        rows = getattr(t, "rows", ())
+        if not rows:
+            continue
+        if len(rows) > MAX_TERMS or not t.shape:
+            raise NeffFormatError(f"tensor {t.name!r} has {len(rows)} row terms (at most {MAX_TERMS}, on a tensor "
+                                  "of one dim or more)")
+        if t.kind.name not in ("INPUT", "OUTPUT"):
+            raise NeffFormatError(f"{t.kind.name.lower()} {t.name!r} has row terms: only inputs and outputs do")
+        most = 0
+        for register, count in rows:
+            if not 0 <= register < len(registers) or not 0 <= count <= t.shape[0]:
+                raise NeffFormatError(f"tensor {t.name!r} has the row term ({register}, {count}): a declared "
+                                      "register and a count within its first dim")
+            most += count * registers[register].hi
+        if most > t.shape[0]:
+            raise NeffFormatError(f"tensor {t.name!r} passes up to {most} rows at its registers' highest values, "
+                                  f"but holds {t.shape[0]}")

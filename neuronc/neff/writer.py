@@ -20,10 +20,13 @@ from neuronc.neff.generated import Dim as fb_dim
 from neuronc.neff.generated import Header as fb_header
 from neuronc.neff.generated import Instruction as fb_instruction
 from neuronc.neff.generated import Kernel as fb_kernel
+from neuronc.neff.generated import Loop as fb_loop
 from neuronc.neff.generated import NeffFile as fb_file
 from neuronc.neff.generated import Program as fb_program
+from neuronc.neff.generated import Register as fb_register
 from neuronc.neff.generated import Stream as fb_stream
 from neuronc.neff.generated import Tensor as fb_tensor
+from neuronc.neff.generated import Term as fb_term
 from neuronc.neff.generated import Wait as fb_wait
 from neuronc.neff.program import Neff
 from neuronc.neff.verifier import check_references, header_digest
@@ -97,7 +100,10 @@ def _encode_program(neff: Neff) -> bytes:
     """The program bytes `_encode_program_with_builder` makes, written by layout.Writer (about 20x faster).
 
     A value the fast path does not take as the Builder would (a wrong type, a number out of range) goes to the
-    Builder, which encodes it or raises its own error."""
+    Builder, which encodes it or raises its own error. So does a program with registers (format 1.13: the fast
+    path writes no registers, loops, terms or row terms; terms and row terms need registers)."""
+    if neff.registers or neff.loops:
+        return _encode_program_with_builder(neff)
     try:
         return _encode_program_fast(neff)
     except (TypeError, ValueError, OverflowError, struct.error):
@@ -280,17 +286,50 @@ def _encode_program_with_builder(neff: Neff) -> bytes:
     ]
     debug_locs = [_debug_loc(builder, loc) for loc in neff.debug_locs]
     kernels = [_kernel(builder, kernel) for kernel in neff.kernels]
+    registers = [_register(builder, r) for r in neff.registers]
+    loops = [_loop(builder, loop, operands) for loop in neff.loops]
     tensors = _offsets(builder, fb_program.StartTensorsVector, tensors)
     streams = _offsets(builder, fb_program.StartStreamsVector, streams)
     debug_locs = _offsets(builder, fb_program.StartDebugLocsVector, debug_locs)
     kernels = _offsets(builder, fb_program.StartKernelsVector, kernels)
+    registers = _offsets(builder, fb_program.StartRegistersVector, registers) if neff.registers else None
+    loops = _offsets(builder, fb_program.StartLoopsVector, loops) if neff.loops else None
     fb_program.Start(builder)
     fb_program.AddTensors(builder, tensors)
     fb_program.AddStreams(builder, streams)
     fb_program.AddDebugLocs(builder, debug_locs)
     fb_program.AddKernels(builder, kernels)
+    if registers is not None:
+        fb_program.AddRegisters(builder, registers)
+    if loops is not None:
+        fb_program.AddLoops(builder, loops)
     builder.Finish(fb_program.End(builder))
     return bytes(builder.Output())
+
+
+def _register(builder, register) -> int:
+    name = builder.CreateString(register.name)
+    fb_register.Start(builder)
+    fb_register.AddName(builder, name)
+    fb_register.AddLo(builder, register.lo)
+    fb_register.AddHi(builder, register.hi)
+    return fb_register.End(builder)
+
+
+def _loop(builder, loop, operands: dict) -> int:
+    streams = _offsets(builder, fb_loop.StartStreamsVector, [
+        _stream(builder, engine, queue, instructions, operands) for (engine, queue), instructions in loop.streams.items()])
+    fb_loop.Start(builder)
+    fb_loop.AddRegister(builder, loop.register)
+    fb_loop.AddStreams(builder, streams)
+    return fb_loop.End(builder)
+
+
+def _terms(builder, start_vector, terms) -> int:
+    start_vector(builder, len(terms))
+    for source, coefficient in reversed(terms):
+        fb_term.CreateTerm(builder, source, coefficient)
+    return builder.EndVector()
 
 
 def _add_float(builder, add_field, value) -> None:
@@ -332,6 +371,7 @@ def _tensor(builder, tensor) -> int:
     data = None
     if tensor.data is not None:
         data = builder.CreateByteVector(_data_bytes(tensor))
+    rows = _terms(builder, fb_tensor.StartRowsVector, tensor.rows) if tensor.rows else None
     fb_tensor.Start(builder)
     fb_tensor.AddName(builder, name)
     fb_tensor.AddKind(builder, tensor.kind)
@@ -341,6 +381,8 @@ def _tensor(builder, tensor) -> int:
     fb_tensor.AddIndex(builder, tensor.index)
     if data is not None:
         fb_tensor.AddData(builder, data)
+    if rows is not None:
+        fb_tensor.AddRows(builder, rows)
     return fb_tensor.End(builder)
 
 
@@ -393,12 +435,15 @@ def _operand(builder, operand) -> int:
     for stride, size in reversed(operand.dims):
         fb_dim.CreateDim(builder, stride, size)
     dims = builder.EndVector()
+    terms = _terms(builder, fb_operand.StartTermsVector, operand.terms) if operand.terms else None
     fb_operand.Start(builder)
     fb_operand.AddSpace(builder, operand.space)
     fb_operand.AddDtype(builder, operand.dtype)
     fb_operand.AddPartition(builder, operand.partition)
     fb_operand.AddOffset(builder, operand.offset)
     fb_operand.AddDims(builder, dims)
+    if terms is not None:
+        fb_operand.AddTerms(builder, terms)
     return fb_operand.End(builder)
 
 

@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import warnings
@@ -542,8 +543,12 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     from neuronc.compiler import collector_paused
 
     mode = _buckets_mode()
-    first = _first_met(op, args, kwargs, runtime) if mode != "0" and not adaptive.ENABLED else None
-    if first is not None:
+    first = _first_met(op, args, kwargs, runtime) if not adaptive.ENABLED else None
+    if first is not None and _loops_on():
+        entry = _row_looped(op, args, kwargs, device, runtime, first)
+        if entry is not None:
+            return entry
+    if first is not None and mode != "0":
         from neuronc.frontend.aten_buckets import plan
 
         reordering = mode == "1" and not torch.are_deterministic_algorithms_enabled()
@@ -688,6 +693,141 @@ def _bucketed(op, args, kwargs, device: int, runtime: frozenset, pads: dict):
     return BucketedProgram(inner.program, list(range(len(real))), [(tuple(t.shape), t.dtype) for t in real],
                            inner.out_spec, inner.duration_ns + moved, nones=inner.nones, inner=inner,
                            pads=tuple(per_operand))
+
+
+# ---- one program for every row count: hardware loops over tiles (neuronc/codegen/row_loops.py) -------------
+
+LOOPS_ENV = "NEURON_EAGER_LOOPS"  # "1": an elementwise or row-wise op at a new row count runs its looped program;
+# "0" (default: on the zoo's ops at batch + 1 .. + 4 making the looped programs costs more CPU than the compiles and
+# buckets they replace, docs/performance.md issue 20 part 21)
+LOOPS_DEFAULT = "0"
+ROW_BLOCKS = (128, 64, 32, 16, 8, 4, 2, 1)  # the tiles' rows: full 128-row tiles, then one of each power of two
+LOOP_CAPACITY_BYTES = 1 << 24  # the most bytes of each row-sliced operand a looped program holds (a stated choice:
+# its HBM is reserved for the capacity; larger row counts compile for their own shape as before)
+MAX_TILES = 31  # full tiles at most (4,095 rows): with the 128 remainders, 4,096 register values for the load to check
+families: dict = {}  # (op, signature with the rows left out, device) -> (LoopedProgram, out_spec, dtype), or why not
+rows_met: dict = {}  # the same keys, before their looped program is made -> the row counts met at that row width
+LOOP_AFTER_ROW_COUNTS = 3  # a looped program is made at the third distinct row count met at a row width (a stated
+# choice: making one costs 8 tile compiles and a load proving 4,096 register values, 48-74 ms of CPU, about 15 of an
+# op's own compiles; two row counts, a batch and a last partial batch or a prefill and its decode, never pay for it)
+
+
+def _loops_on() -> bool:
+    value = os.environ.get(LOOPS_ENV, LOOPS_DEFAULT)
+    if value not in ("0", "1"):
+        raise NeuronConfigError(f"{LOOPS_ENV}={value!r} is not 0 or 1", hint="README, Configuration")
+    return value == "1"
+
+
+def _with_rows(values, shape: tuple, rows: int):
+    """``values`` (args or kwargs) with each tensor of ``shape`` replaced by a meta tensor of ``rows`` rows."""
+    def swap(x):
+        if isinstance(x, torch.Tensor) and tuple(x.shape) == shape:
+            return torch.empty((rows, *shape[1:]), dtype=x.dtype, device="meta")
+        return x
+    if isinstance(values, dict):
+        return {k: swap(v) for k, v in values.items()}
+    return tuple(swap(v) for v in values)
+
+
+_ROW_WISE = frozenset({"aten::floor_divide"})  # elementwise, not tagged pointwise (as aten_buckets lists it)
+# row-wise ops reducing along another dim than the first: schema name -> position of that dim among the arguments
+_ALONG_ROWS = {"aten::_softmax": 1, "aten::_log_softmax": 1, "aten::_softmax_backward_data": 2,
+               "aten::_log_softmax_backward_data": 2}
+
+
+def _row_shape(op, args, kwargs):
+    """The shape every tensor operand of ``op`` has (the others 0-d) when it is an elementwise op whose result has
+    that shape too, so each result row depends on the same rows of the operands alone; else None."""
+    name = _schema_name(op)
+    if (torch.Tag.pointwise not in op.tags and name not in _ROW_WISE and name not in _ALONG_ROWS) or \
+            torch.Tag.nondeterministic_seeded in op.tags or len(op._schema.returns) != 1 or name in ("aten::clone",):
+        return None
+    tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    shapes = {tuple(x.shape) for x in tensors if x.dim()}
+    if len(shapes) != 1:
+        return None
+    (shape,) = shapes
+    if not shape[0]:
+        return None
+    if name in _ALONG_ROWS:  # a row's result from that row alone: the reduced dim is not the first
+        dim = args[_ALONG_ROWS[name]] if len(args) > _ALONG_ROWS[name] else None
+        if not isinstance(dim, int) or len(shape) < 2 or dim % len(shape) == 0:
+            return None
+    from neuronc.frontend.aten_lowering import pointwise_meta
+
+    metas = [_meta(x) for x in args], {k: _meta(v) for k, v in kwargs.items()}
+    try:
+        result = pointwise_meta(op, *metas)
+        result = result if result is not None else op(*metas[0], **metas[1])
+    except Exception:  # noqa: BLE001 (no meta kernel: the op compiles for its own shape)
+        return None
+    return shape if isinstance(result, torch.Tensor) and tuple(result.shape) == shape else None
+
+
+def _row_looped(op, args, kwargs, device: int, runtime: frozenset, first: tuple = ()):
+    """An EagerProgram running this call on ``op``'s looped program (made at the LOOP_AFTER_ROW_COUNTS-th distinct
+    row count met at this row width: the op lowered and compiled for tiles of ROW_BLOCKS rows, then loaded once), at
+    its row count's register values: no compile, no load. None when the op is not row-wise, has no lowering, the
+    rows exceed the capacity, or fewer row counts were met at this row width (``first``: its shapes when first met);
+    an op whose other dims change at one row count (generate()'s key length) makes none."""
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return None  # a bucket's padded signature (_bucketed): its program is the bucket's own
+    shape = _row_shape(op, args, kwargs)
+    if shape is None:
+        return None
+    from runtime.loops import registers_for_rows
+
+    key = (op, _signature(_with_rows(args, shape, 1), runtime, []),
+           _signature(_with_rows(kwargs, shape, 1), runtime, []) if kwargs else (), device)
+    family = families.get(key)
+    if family is None:
+        seen = rows_met.setdefault(key, set())
+        seen.update(s[0] for s in first or () if s is not None and tuple(s[1:]) == shape[1:] and len(s) == len(shape))
+        seen.add(shape[0])
+        if len(seen) < LOOP_AFTER_ROW_COUNTS:  # its own program (or its bucket's) until then
+            return None
+        from neuronc.compiler import collector_paused
+
+        with collector_paused():
+            family = families[key] = _row_family(op, args, kwargs, device, runtime, shape)
+    if isinstance(family, str):
+        return None
+    program, out_spec, dtype = family
+    values = registers_for_rows(shape[0], ROW_BLOCKS)
+    if values[0] > program.neff.registers[0].hi:
+        return None
+    launch = program.at(values)
+    compile_stats["looped"] += 1
+    return EagerProgram(launch, [0], [(shape, dtype)], out_spec, launch.time().estimated_ns)
+
+
+def _row_family(op, args, kwargs, device: int, runtime: frozenset, shape: tuple):
+    """(the looped program of ``op`` on device ``device``, the result's pytree spec, its dtype), or why not."""
+    from neuronc.codegen.row_loops import row_program
+
+    row = max(x.element_size() * math.prod(shape[1:]) for x in torch.utils._pytree.tree_leaves((args, kwargs))
+              if isinstance(x, torch.Tensor) and x.dim())
+    max_tiles = min(MAX_TILES, LOOP_CAPACITY_BYTES // (ROW_BLOCKS[0] * max(row, 1)))
+    if max_tiles < 1:
+        return "rows too wide for a looped program"
+    options = _options(str(op), os.environ.get("NEURON_CC_FLAGS", ""))
+    tiles, first = {}, None
+    try:
+        for block in ROW_BLOCKS:
+            lowered = _lower(op, _with_rows(args, shape, block), _with_rows(kwargs, shape, block), runtime)
+            if lowered is None or lowered.nones or lowered.mutated or lowered.empty or len(lowered.outputs) != 1:
+                return "no single-output lowering"
+            first = first or lowered
+            tiles[block] = _compile_lowered(lowered, options).neff
+        neff = row_program(tiles, ROW_BLOCKS, max_tiles, f"eager_{str(op).replace('.', '_')}_rows")
+        compile_stats["loop tiles"] += len(tiles)
+        program = core(device).load(neff)
+        compile_stats["looped programs"] += 1
+    except (NeuronError, ValueError) as e:
+        log.info("neuronc: eager %s gets no looped program: %s", op, e)
+        return f"no looped program: {e}"
+    return program, first.out_spec, first.outputs[0][1]
 
 
 @functools.lru_cache(maxsize=1024)

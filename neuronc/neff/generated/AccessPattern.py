@@ -82,7 +82,32 @@ class AccessPattern(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
         return o == 0
 
-def AccessPatternStart(builder): builder.StartObject(5)
+    # format 1.13: bytes added to `offset` at a launch (HBM only).
+    # AccessPattern
+    def Terms(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 16
+            from neuronc.neff.generated.Term import Term
+            obj = Term()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # AccessPattern
+    def TermsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # AccessPattern
+    def TermsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        return o == 0
+
+def AccessPatternStart(builder): builder.StartObject(6)
 def Start(builder):
     return AccessPatternStart(builder)
 def AccessPatternAddSpace(builder, space): builder.PrependUint8Slot(0, space, 0)
@@ -103,6 +128,12 @@ def AddDims(builder, dims):
 def AccessPatternStartDimsVector(builder, numElems): return builder.StartVector(16, numElems, 8)
 def StartDimsVector(builder, numElems):
     return AccessPatternStartDimsVector(builder, numElems)
+def AccessPatternAddTerms(builder, terms): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(terms), 0)
+def AddTerms(builder, terms):
+    return AccessPatternAddTerms(builder, terms)
+def AccessPatternStartTermsVector(builder, numElems): return builder.StartVector(16, numElems, 8)
+def StartTermsVector(builder, numElems):
+    return AccessPatternStartTermsVector(builder, numElems)
 def AccessPatternEnd(builder): return builder.EndObject()
 def End(builder):
     return AccessPatternEnd(builder)

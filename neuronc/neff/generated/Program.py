@@ -129,7 +129,59 @@ class Program(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         return o == 0
 
-def ProgramStart(builder): builder.StartObject(4)
+    # format 1.13: integer registers the host sets at each launch (neuronc/isa.py, "Registers and loops").
+    # Program
+    def Registers(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from neuronc.neff.generated.Register import Register
+            obj = Register()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def RegistersLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def RegistersIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        return o == 0
+
+    # format 1.13: hardware loops, run in order after `streams` (which is then empty).
+    # Program
+    def Loops(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from neuronc.neff.generated.Loop import Loop
+            obj = Loop()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def LoopsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def LoopsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        return o == 0
+
+def ProgramStart(builder): builder.StartObject(6)
 def Start(builder):
     return ProgramStart(builder)
 def ProgramAddTensors(builder, tensors): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(tensors), 0)
@@ -156,6 +208,18 @@ def AddKernels(builder, kernels):
 def ProgramStartKernelsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
 def StartKernelsVector(builder, numElems):
     return ProgramStartKernelsVector(builder, numElems)
+def ProgramAddRegisters(builder, registers): builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(registers), 0)
+def AddRegisters(builder, registers):
+    return ProgramAddRegisters(builder, registers)
+def ProgramStartRegistersVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartRegistersVector(builder, numElems):
+    return ProgramStartRegistersVector(builder, numElems)
+def ProgramAddLoops(builder, loops): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(loops), 0)
+def AddLoops(builder, loops):
+    return ProgramAddLoops(builder, loops)
+def ProgramStartLoopsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartLoopsVector(builder, numElems):
+    return ProgramStartLoopsVector(builder, numElems)
 def ProgramEnd(builder): return builder.EndObject()
 def End(builder):
     return ProgramEnd(builder)

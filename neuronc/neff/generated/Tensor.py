@@ -120,7 +120,32 @@ class Tensor(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         return o == 0
 
-def TensorStart(builder): builder.StartObject(7)
+    # format 1.13: the rows a launch passes, sum(coefficient * register `source`'s value); absent: all.
+    # Tensor
+    def Rows(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 16
+            from neuronc.neff.generated.Term import Term
+            obj = Term()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Tensor
+    def RowsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Tensor
+    def RowsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        return o == 0
+
+def TensorStart(builder): builder.StartObject(8)
 def Start(builder):
     return TensorStart(builder)
 def TensorAddName(builder, name): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -150,6 +175,12 @@ def AddData(builder, data):
 def TensorStartDataVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def StartDataVector(builder, numElems):
     return TensorStartDataVector(builder, numElems)
+def TensorAddRows(builder, rows): builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(rows), 0)
+def AddRows(builder, rows):
+    return TensorAddRows(builder, rows)
+def TensorStartRowsVector(builder, numElems): return builder.StartVector(16, numElems, 8)
+def StartRowsVector(builder, numElems):
+    return TensorStartRowsVector(builder, numElems)
 def TensorEnd(builder): return builder.EndObject()
 def End(builder):
     return TensorEnd(builder)
