@@ -203,6 +203,10 @@ def test_a_2048_key_head_of_128_dims_is_not_transposed_on_the_tensor_engine():
     model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)
     compiled = compile_module(model, inputs)
     assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 4
+    # the first scores wait for K^T and Q^T, not V: each transpose is the first transfer on its queue (issued after
+    # V's loads, Q^T's would queue behind them)
+    queues = [stream for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA]
+    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE for stream in queues) == 2 * 4
 
 
 def test_a_head_of_64_dims_is_loaded_by_strided_dmas_where_a_dma_transpose_would_be_slower():

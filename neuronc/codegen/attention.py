@@ -241,28 +241,35 @@ class _Attention:
         q_tile, sq = self.plan.q_tile, self.plan.queries
         k, v = self.head(self.k, g), self.head(self.v, g)
         first = g < self.plan.rows_heads  # the pipeline's fill waits for these: transposed on the Tensor engine
-        if self.kv_loaded is not None and self.kv_loaded[0] == (k, v):
-            kt, vt = self.kv_loaded[1:]
-        else:
-            kt, vt = self.load_kv(k, v, first)
-            self.kv_loaded = ((k, v), kt, vt)
+        shared = self.kv_loaded is not None and self.kv_loaded[0] == (k, v)
+        kt = self.kv_loaded[1] if shared else self.load_k(k, first)
+        # the kernel's first head, when transposed by DMA, loads Q^T before V: the first scores need K^T and Q^T, the
+        # first P V comes later (issued after V, Q^T's transposes queue behind V's loads: seq 2048, head dim 128,
+        # trn2: 306.4 -> 303.9 us; its rows, made on 4 queues, do not: seq 512, head dim 128: 34.8 -> 35.5 us)
+        vt = self.kv_loaded[2] if shared else None if g == 0 and not first else self.load_v(v)
         qtile = self.pools["q"].next().ap(q_tile, self.d_tiles * sq)
         (self.load_rows_transposed if first else self.load_transposed)(qtile, self.head(self.q, g), sq)
+        if vt is None:
+            vt = self.load_v(v)
+        self.kv_loaded = ((k, v), kt, vt)
         return qtile, kt, vt
 
-    def load_kv(self, k: HbmTensor, v: HbmTensor, first: bool = False) -> tuple:
-        """K^T and [V | 1] of one head into SBUF."""
-        em, a, q_tile = self.em, self.plan, self.plan.q_tile
-        sk, dv = a.keys, a.value_dim
-        kt = self.pools["k"].next().ap(q_tile, self.d_tiles * sk)
-        (self.load_rows_transposed if first else self.load_transposed)(kt, k, sk)
-        vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
+    def load_k(self, k: HbmTensor, first: bool = False) -> AccessPattern:
+        """K^T of one head into SBUF."""
+        kt = self.pools["k"].next().ap(self.plan.q_tile, self.d_tiles * self.plan.keys)
+        (self.load_rows_transposed if first else self.load_transposed)(kt, k, self.plan.keys)
+        return kt
+
+    def load_v(self, v: HbmTensor) -> AccessPattern:
+        """[V | 1] of one head into SBUF, by chunks of 128 keys: P [V | 1] = [P V | rowsum P]."""
+        em, q_tile, sk, dv = self.em, self.plan.q_tile, self.plan.keys, self.plan.value_dim
+        vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))
         full = sk // q_tile
         if full:
             dma_by_rows(em, _v_chunks(vt, full, q_tile, dv, dv + 1), v[0:full * q_tile].tiled(q_tile).ap)
         if sk % q_tile:
             em.dma(tile_at(vt, full * (dv + 1), sk % q_tile, dv), v[full * q_tile:sk].ap)
-        return kt, vt
+        return vt
 
     def load_transposed(self, tile: AccessPattern, x: HbmTensor, rows: int) -> None:
         """x^T [d, rows] into `tile` (d on partitions, by tiles of 128, each `rows` wide) from x [rows, d] in HBM.
