@@ -443,6 +443,8 @@ class AttentionPlan:
     score_mod: tuple = ()
     key_visits: tuple = ()
     out_tiles: int = 1  # whole query tiles of a head stored together (passes/attention.py output_tiles)
+    rows_heads: int = 0  # the first heads whose Q^T, K^T are transposed on the Tensor engine (rows_heads)
+    tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
 
     @property
     def batch(self) -> int:

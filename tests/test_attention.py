@@ -16,6 +16,7 @@ from neuronc import ir
 from neuronc.compiler import CompileOptions, compile_graph
 from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
+from neuronc.passes import attention as attention_pass
 from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
 from runtime.metrics import matmul_flops
@@ -169,12 +170,43 @@ def test_a_head_dim_above_128_accumulates_the_scores_over_two_tiles():
 
 
 def test_a_bf16_head_of_128_dims_is_loaded_transposed_by_dma_on_trn2_and_matches_eager():
-    model, inputs = Sdpa(causal=True), _qkv(2, 640, 128, torch.bfloat16)  # 640 keys: two DMA transposes per tile
+    model, inputs = Sdpa(causal=True), _qkv(4, 640, 128, torch.bfloat16)  # 640 keys: two DMA transposes per tile
     compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
-    # K^T and Q^T of each of 2 heads, each in two chunks (512 and 128 keys: a page of SBUF columns each)
+    # K^T and Q^T of each head after the first two (made from rows: see the next test), each in two chunks (512 and
+    # 128 keys: a page of SBUF columns each)
     assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 2 * 2
     assert_matches_eager(out, model(*inputs))
+
+
+def test_the_first_heads_q_and_k_are_transposed_on_the_tensor_engine_when_their_rows_load_sooner(monkeypatch):
+    # seq 512, head dim 128: a head's rows reach SBUF over 4 queues in 3.0 us, its DMA transpose takes 7.6 us on one
+    # queue, and the pipeline waits for it (passes/attention.py rows_heads)
+    model, inputs = Sdpa(causal=True), _qkv(3, 512, 128, torch.bfloat16)
+    compiled, out = compile_and_run(model, inputs)
+    _assert_one_attention_kernel(compiled)
+    assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2  # Q^T and K^T of the third head only
+    assert_matches_eager(out, model(*inputs))
+    monkeypatch.setattr(attention_pass, "ROWS_HEADS", 0)
+    by_dma = compile_module(model, inputs)
+    assert _opcodes(by_dma).count(Opcode.DMA_TRANSPOSE) == 2 * 3
+
+    def transposes(program):  # matmuls writing 16-bit results to PSUM: P^T's, and the rows' when made there
+        return sum(1 for i in program.neff.streams[(Engine.TENSOR, 0)]
+                   if i.opcode == Opcode.MATMUL and i.operands[0].dtype == DType.BF16)
+
+    assert transposes(compiled) - transposes(by_dma) == 2 * 2 * 4  # Q and K of 2 heads, by 4 chunks of 128 rows
+
+
+def test_a_2048_key_head_of_128_dims_is_not_transposed_on_the_tensor_engine():
+    # its rows take as long to load as its first DMA transpose (4 KiB a partition): nothing to gain at the fill
+    model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)
+    compiled = compile_module(model, inputs)
+    assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 4
+    # the first scores wait for K^T and Q^T, not V: each transpose is the first transfer on its queue (issued after
+    # V's loads, Q^T's would queue behind them)
+    queues = [stream for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA]
+    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE for stream in queues) == 2 * 4
 
 
 def test_a_head_of_64_dims_is_loaded_by_strided_dmas_where_a_dma_transpose_would_be_slower():

@@ -9,9 +9,10 @@ import dataclasses
 
 import numpy as np
 
-from neuronc.codegen.access import HbmTensor, broadcast_columns, dma_by_rows, tile_at
+from neuronc.codegen.access import HbmTensor, broadcast_columns, dma_by_rows, dma_slices, row_slice, tile_at
 from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter
+from neuronc.instruction_cost import instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.placement import SBUF_PAGE_BYTES, partition_group
@@ -145,6 +146,7 @@ class _Attention:
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
         self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
+        self.queue_ns, self.booked_upto = [0.0] * em.target.dma_queues, len(em.instructions)
         self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
 
@@ -238,28 +240,36 @@ class _Attention:
         and stay while the members after it run (a pool's buffer is taken again only `bufs` loads later)."""
         q_tile, sq = self.plan.q_tile, self.plan.queries
         k, v = self.head(self.k, g), self.head(self.v, g)
-        if self.kv_loaded is not None and self.kv_loaded[0] == (k, v):
-            kt, vt = self.kv_loaded[1:]
-        else:
-            kt, vt = self.load_kv(k, v)
-            self.kv_loaded = ((k, v), kt, vt)
+        first = g < self.plan.rows_heads  # the pipeline's fill waits for these: transposed on the Tensor engine
+        shared = self.kv_loaded is not None and self.kv_loaded[0] == (k, v)
+        kt = self.kv_loaded[1] if shared else self.load_k(k, first)
+        # the kernel's first head, when transposed by DMA, loads Q^T before V: the first scores need K^T and Q^T, the
+        # first P V comes later (issued after V, Q^T's transposes queue behind V's loads: seq 2048, head dim 128,
+        # trn2: 306.4 -> 303.9 us; its rows, made on 4 queues, do not: seq 512, head dim 128: 34.8 -> 35.5 us)
+        vt = self.kv_loaded[2] if shared else None if g == 0 and not first else self.load_v(v)
         qtile = self.pools["q"].next().ap(q_tile, self.d_tiles * sq)
-        self.load_transposed(qtile, self.head(self.q, g), sq)
+        (self.load_rows_transposed if first else self.load_transposed)(qtile, self.head(self.q, g), sq)
+        if vt is None:
+            vt = self.load_v(v)
+        self.kv_loaded = ((k, v), kt, vt)
         return qtile, kt, vt
 
-    def load_kv(self, k: HbmTensor, v: HbmTensor) -> tuple:
-        """K^T and [V | 1] of one head into SBUF."""
-        em, a, q_tile = self.em, self.plan, self.plan.q_tile
-        sk, dv = a.keys, a.value_dim
-        kt = self.pools["k"].next().ap(q_tile, self.d_tiles * sk)
-        self.load_transposed(kt, k, sk)
-        vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))  # [V | 1] by chunks: P [V | 1] = [P V | rowsum P]
+    def load_k(self, k: HbmTensor, first: bool = False) -> AccessPattern:
+        """K^T of one head into SBUF."""
+        kt = self.pools["k"].next().ap(self.plan.q_tile, self.d_tiles * self.plan.keys)
+        (self.load_rows_transposed if first else self.load_transposed)(kt, k, self.plan.keys)
+        return kt
+
+    def load_v(self, v: HbmTensor) -> AccessPattern:
+        """[V | 1] of one head into SBUF, by chunks of 128 keys: P [V | 1] = [P V | rowsum P]."""
+        em, q_tile, sk, dv = self.em, self.plan.q_tile, self.plan.keys, self.plan.value_dim
+        vt = self.pools["v"].next().ap(q_tile, self.k_chunks * (dv + 1))
         full = sk // q_tile
         if full:
             dma_by_rows(em, _v_chunks(vt, full, q_tile, dv, dv + 1), v[0:full * q_tile].tiled(q_tile).ap)
         if sk % q_tile:
             em.dma(tile_at(vt, full * (dv + 1), sk % q_tile, dv), v[full * q_tile:sk].ap)
-        return kt, vt
+        return vt
 
     def load_transposed(self, tile: AccessPattern, x: HbmTensor, rows: int) -> None:
         """x^T [d, rows] into `tile` (d on partitions, by tiles of 128, each `rows` wide) from x [rows, d] in HBM.
@@ -280,6 +290,35 @@ class _Attention:
                     em.dma(tile_at(tile, j * rows + r0, dt, r1 - r0), x[r0:r1, d0:d0 + dt].ap, transpose=True)
             else:
                 dma_by_rows(em, tile_at(tile, j * rows, dt, rows), x.T[d0:d0 + dt].ap)
+
+    def load_rows_transposed(self, tile: AccessPattern, x: HbmTensor, rows: int) -> None:
+        """x^T [d <= 128, rows] into `tile` as load_transposed does, for the kernel's first heads, which the
+        pipeline's fill waits for (passes/attention.py rows_heads): x's rows loaded as they lie (chunks of 128 rows on
+        partitions, split by partitions over 4 queues), transposed on the Tensor engine (matmuls with the identity:
+        exact) into PSUM, a bank at a time, and copied to `tile` by whichever engine finishes first."""
+        em, q_tile, d = self.em, self.plan.q_tile, self.plan.head_dim
+        chunks = rows // q_tile
+        stage = self.pools["rows"].next().ap(q_tile, chunks * d)
+        dma_by_rows(em, _v_chunks(stage, chunks, q_tile, d, d), x[0:rows].tiled(q_tile).ap,
+                    em.target.dma_queues // 4)
+        mode = em.target.tensor_transpose_mode  # trn2+: 16-bit results in PSUM (the pass asks for a 2-byte x)
+        per_bank = max(1, self.bank * (2 if mode else 1) // q_tile)
+        for first in range(0, chunks, per_bank):
+            part = range(first, min(chunks, first + per_bank))
+            acc = self.pt_psum.next().ap(d, len(part) * q_tile, dtype=stage.dtype if mode else DType.F32)
+            for n, c in enumerate(part):
+                em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(acc, n * q_tile, d, q_tile),
+                        tile_at(stage, c * d, q_tile, d), tile_at(self.identity, 0, q_tile, q_tile))
+            self.engines.scale_soonest(tile_at(tile, first * q_tile, d, len(part) * q_tile), acc, 1.0)
+
+    def freest_queue(self) -> int:
+        """The DMA queue with least work booked by the kernel's transfers so far (each priced as the emulator
+        prices it alone)."""
+        for inst in self.em.instructions[self.booked_upto:]:
+            if inst.engine == Engine.DMA:
+                self.queue_ns[inst.queue] += instruction_cost_ns(inst, self.em.target)
+        self.booked_upto = len(self.em.instructions)
+        return min(range(len(self.queue_ns)), key=self.queue_ns.__getitem__)
 
     # helpers of the stages ----------------------------------------------------------------------------
     def score_tile(self, qt: int, kb: int) -> AccessPattern:
@@ -514,8 +553,9 @@ class _Attention:
         qt, acc = blk.qt, x.row.acc
         tiles, whole = self.plan.out_tiles, self.plan.queries // q_tile
         n = blk.q0 // q_tile
-        # the last heads' tiles go out one by one, by slices of partitions: the kernel ends when they are stored
-        grouped = qt == q_tile and tiles > 1 and blk.g < self.plan.batch - 2
+        # the last heads' tiles go out one by one, by slices of partitions on the queues with least work booked (the
+        # kernel ends when they are stored): a head's grouped store takes one queue for microseconds
+        grouped = qt == q_tile and tiles > 1 and blk.g < self.plan.batch - self.plan.tail_heads
         if grouped:
             key = (blk.g, n // tiles)
             if key not in self.out_groups:
@@ -523,7 +563,7 @@ class _Attention:
             group = self.out_groups[key]
             out = tile_at(group, n % tiles * dv, qt, dv)
         else:
-            out = self.pools["out"].next().ap(qt, dv)
+            out = self.pools["out_tile"].next().ap(qt, dv)
         l = tile_at(acc, dv, qt, 1)
         per_row = broadcast_columns(l, dv)  # held per partition: one pass over P V, divided as TENSOR_TENSOR would
         self.vector(Opcode.TENSOR_ALU2, out, tile_at(acc, 0, qt, dv), per_row, per_row, alu=AluOp.DIVIDE)
@@ -533,8 +573,14 @@ class _Attention:
             self.vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(self.zeros, 0, qt, dv), out)
         if not grouped:
             target = self.em.target
-            pieces = min(target.dma_queues // 4, qt // partition_group(target)) if blk.g >= self.plan.batch - 2 else 1
-            dma_by_rows(self.em, self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap, out, max(1, pieces))
+            pieces = min(target.dma_queues // 4, qt // partition_group(target)) if blk.g >= self.plan.batch - self.plan.tail_heads else 1
+            dst = self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap
+            if blk.g >= self.plan.batch - self.plan.tail_heads:
+                for p0, p1 in dma_slices(target, out, max(1, pieces)):
+                    self.em.emit(Opcode.DMA_COPY, Engine.DMA, row_slice(dst, p0, p1), row_slice(out, p0, p1),
+                                 queue=self.freest_queue())
+            else:
+                dma_by_rows(self.em, dst, out, max(1, pieces))
         elif n % tiles == tiles - 1 or n == whole - 1:
             first = n - n % tiles
             self.em.dma(self.head(self.out, blk.g)[first * q_tile:(n + 1) * q_tile].tiled(q_tile).ap,

@@ -51,9 +51,11 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
 from neuronc.passes.context import PassContext
+from neuronc.instruction_cost import dma_transfer_ns
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
+from neuronc.placement import dma_slice_count
 from neuronc.plans import AttentionPlan, View, pool_specs
 from neuronc.targets import Target
 
@@ -67,6 +69,12 @@ HEADS_AHEAD = 2  # a head's K, V and Q are loaded while the two heads before it 
 # ... or three, where SBUF holds the extra buffers: a load queued behind the previous heads' output stores on the
 # in-order DMA queues comes late for short heads (seq 512, head dim 128: 45.9 -> 41.8 us on trn2)
 HEADS_AHEAD_MOST = 3
+# The first heads made from rows (rows_heads): seq 512, head dim 128, trn2: 36.6 us with one, 34.8 with two, 36.9 with
+# three (each adds Tensor transposes and their copies out of PSUM to engines that are the kernel's bottleneck)
+ROWS_HEADS = 2
+# The last heads whose outputs are stored tile by tile (the kernel ends with them), not a head's tiles at once:
+# seq 512, head dim 128, trn2: 2 heads 36.6 us, 3 35.5, 4 34.8, 5 35.5 (with two rows heads)
+TAIL_HEADS = 4
 FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
@@ -539,11 +547,13 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
         dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype, "out": pv.dtype, "p": probability_dtype(v.dtype),
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
-        fitting = [ahead for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
-            sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"],
-            logits_in_sbuf(attrs | {"scale": scale}), heads_ahead=ahead)), target)]
+        in_sbuf = logits_in_sbuf(attrs | {"scale": scale})
+        fitting = [(ahead, rows) for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target), 0))
+                   for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
+                       sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"], in_sbuf,
+                       heads_ahead=ahead, rows_heads_=rows)), target)]
         _need(bool(fitting))
-        attrs["heads_ahead"] = fitting[0]
+        attrs["heads_ahead"], attrs["rows_heads"] = fitting[0]
     except _NoMatch:
         return None
     ops = ("matmul", *reversed(m.ops), "matmul")
@@ -558,7 +568,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   heads_ahead=attrs["heads_ahead"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                   heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
                           "Q/K/V resident")
 
 
@@ -624,7 +634,7 @@ def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, b
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
                in_sbuf: bool, score_mod: bool = False, patterns: tuple = (0, 0), key_block_: int | None = None,
-               heads_ahead: int = HEADS_AHEAD) -> dict:
+               heads_ahead: int = HEADS_AHEAD, rows_heads_: int = 0) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -639,10 +649,12 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "v": (dtypes["v"], k_chunks * (dv + 1), heads),  # [V | 1]
         "q": (dtypes["q"], d_tiles * sq, heads),
         "identity": (dtypes["p"], Q_TILE, 1),
+        **({"rows": (dtypes["q"], max(sq, sk) // Q_TILE * d, 2 * rows_heads_)} if rows_heads_ else {}),  # Q's, K's
         "ramp": (f32, Q_TILE, 1),
         "p": (dtypes["p"], block, 3),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
         "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, depth),
+        "out_tile": (dtypes["out"], dv, depth),  # a tile stored alone (the last heads'): never a group's slot
         "b_blocks": (f32, group, depth),  # the row mins of a softmax group's blocks, side by side
         **{name: (f32, 1, depth) for name in ("b", "rowsum", "dm", "corr")},
     }
@@ -673,6 +685,28 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     return pools
 
 
+def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target) -> int:
+    """The first heads whose Q^T and K^T the kernel makes from their rows on the Tensor engine (codegen/attention.py
+    load_rows_transposed) rather than by DMA transposes or strided loads: ROWS_HEADS when a head's rows reach SBUF
+    over 4 queues in under half the time its first transposed load takes on its one queue (the pipeline's fill,
+    priced by instruction_cost), else none (the transposes then cost the Tensor, Vector and Scalar engines more
+    than the fill they save)."""
+    if not (d <= Q_TILE and sq % Q_TILE == 0 and sk % Q_TILE == 0 and dtypes["q"] == dtypes["k"] == dtypes["p"]
+            and dtypes["q"].itemsize == 2):
+        return 0
+    rows, size = max(sq, sk), dtypes["q"].itemsize
+    if target.dma_transpose_hbm_fraction > 0 and d == target.partitions:  # load_transposed: a DMA transpose a page
+        units = -(-min(rows, SBUF_PAGE_BYTES // size) // target.dma_transpose_inner)
+        unit_bytes = target.partitions * target.dma_transpose_inner * size
+        transposed = target.dma_fixed_ns + units * unit_bytes / (target.dma_gbps_per_queue *
+                                                                 target.dma_transpose_hbm_fraction)
+    else:  # strided loads split over queues by partitions
+        pieces = dma_slice_count(d, rows * d * size, target)
+        transposed = dma_transfer_ns(rows * d * size / pieces, False, target, -(-d // pieces))
+    by_rows = dma_transfer_ns(rows * d * size / 4, True, target, Q_TILE // 4)
+    return ROWS_HEADS if 2 * by_rows < transposed else 0
+
+
 def sbuf_bytes(pools: dict) -> int:
     """SBUF bytes per partition of `pools`, slots rounded to the pages tiles are placed on."""
     return sum(-(-n * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES * bufs for dtype, n, bufs in pools.values())
@@ -687,7 +721,7 @@ def pools_of(node: ir.Node) -> dict:
     patterns = tuple(node.inputs[3].shape[::2]) if a["mask"] == "blocks" else (0, 0)  # (count, width)
     return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
                       a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a), bool(a.get("score_mod")), patterns,
-                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD))
+                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD), a.get("rows_heads", 0))
 
 
 def rounds_logits(attrs: dict) -> bool:
@@ -735,7 +769,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape), depth=pipeline_depth(*shape),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
-        out_tiles=output_tiles(sq, a["value_dim"], node.dtype),
+        out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0), tail_heads=TAIL_HEADS,
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
         probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
