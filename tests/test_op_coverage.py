@@ -357,13 +357,20 @@ def test_det_slogdet_inv_solve_on_lu(name):
     cases = [(aten._linalg_det.default, (a,), {}), (aten._linalg_slogdet.default, (a,), {}),
              (aten.linalg_inv_ex.default, (a,), {}), (aten._linalg_solve_ex.default, (a, b), {}),
              (aten._linalg_solve_ex.default, (a, b.mT), {"left": False}),
-             (aten._linalg_solve_ex.default, (a, a.sum(-1)), {})]  # a vector right-hand side
+             (aten._linalg_solve_ex.default, (a, b[..., 0]), {})]  # a vector right-hand side
     for op, args, kwargs in cases:
         outputs = list(zip(OWN[op](*args, **kwargs), op(*args, **kwargs)))
         if name == "singular" and op in (aten.linalg_inv_ex.default, aten._linalg_solve_ex.default):
             # of a singular matrix, the solution is what each left of its partial work: only info is a contract
             outputs = [(got, want) for got, want in outputs if want.dtype == torch.int32]
             assert outputs and outputs[-1][1].tolist() == [2, 4]  # the repeated row leaves a zero last pivot
+        elif name == "singular":
+            # the determinant is 0 (to rounding); LU, pivots, sign and log|det| past the exactly dependent row are
+            # rounding noise, which differs between LAPACK builds (MKL's AVX-512 path leaves a pivot of -2.5e-8
+            # where ours is 0): the contract is the determinant, sign * exp(log|det|) for slogdet
+            got, want = OWN[op](*args, **kwargs), op(*args, **kwargs)
+            outputs = [(got[0], want[0])] if op == aten._linalg_det.default else \
+                [(got[0] * got[1].exp(), want[0] * want[1].exp())]
         for got, want in outputs:
             torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4)
 
