@@ -189,3 +189,23 @@ def test_cli_check_passes_the_lowered_kernels_and_lists_the_others(cli, tmp_path
     assert "LAPACK's gehrd has no lowering in neuronc" in result.output
     assert "potrf_ffi" not in result.output and "syevd_ffi" not in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: all')}" in result.output
+
+
+def test_a_stablehlo_file_with_gesvd_compiles_and_runs(cli, tmp_path):
+    """svd's QR algorithm (gesvd) has no jax.export compatibility guarantee, so neuronc.jax.jit never meets it; a
+    StableHLO file can hold one."""
+    def program(a):
+        u, s, _ = jax.lax.linalg.svd(a, full_matrices=False, algorithm=jax.lax.linalg.SvdAlgorithm.QR)
+        return s, u
+
+    a = matrix(5, 3)
+    text = jax.jit(program).lower(a).as_text()
+    assert "lapack_sgesvd_ffi" in text
+    (tmp_path / "program.mlir").write_text(text)
+    np.save(tmp_path / "a.npy", a)
+    assert cli("compile", tmp_path / "program.mlir", "-o", tmp_path / "out.neff").exit_code == 0
+    result = cli("run", tmp_path / "out.neff", "-i", tmp_path / "a.npy", "-o", tmp_path / "out.npz")
+    assert result.exit_code == 0, result.output
+    got, (want_s, want_u) = np.load(tmp_path / "out.npz"), jax.jit(program)(a)
+    np.testing.assert_allclose(got["output0"], np.asarray(want_s), **tolerance(np.float32))
+    same_columns_up_to_sign(got["output1"], want_u)
