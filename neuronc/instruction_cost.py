@@ -28,7 +28,8 @@ rules of thumb of `shared/TRAINIUM.md` ("Instruction-level rules of thumb"):
   instructions they have not emitted yet with the same rules (:class:`PlannedStreams`, :func:`perf_mode_speedup`).
   N is the largest free size among the operands (a reduction reads more than it writes); instructions without an input (MEMSET, IOTA) make one pass over their destination.
   ACTIVATE_BIAS_REDUCE makes one pass, as ACTIVATE: its bias is one value per partition, and its row sum
-  accumulates as the outputs stream by. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
+  accumulates as the outputs stream by; so does ACTIVATE_SCALED (NKI's activation with a [P, 1] scale tile): its scale
+  and bias are one value per partition each, held for the pass as ACTIVATE's immediates are. TENSOR_SCALAR_REDUCE likewise (NKI documents its reduction "at a
   small additional performance cost"). RNG makes one pass over its destination too (an assumption:
   TRAINIUM.md gives no rate for the GpSimd engine's random-number generator; its state is one tile of
   two values). TENSOR_ALU2 (two ALU ops in one pass) makes a pass per source it streams: a per-partition
@@ -115,7 +116,7 @@ _CLOCK_GHZ = {
 
 
 # Opcodes making fewer passes over the elements than they have sources.
-_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.TENSOR_SCALAR_REDUCE: 1, Opcode.RNG: 1}
+_PASSES = {Opcode.ACTIVATE_BIAS_REDUCE: 1, Opcode.ACTIVATE_SCALED: 1, Opcode.TENSOR_SCALAR_REDUCE: 1, Opcode.RNG: 1}
 
 
 def _streamed(ap) -> bool:
@@ -208,7 +209,7 @@ _NO_TABLE = {ActFunc.NONE, ActFunc.IDENTITY, ActFunc.RELU, ActFunc.ABS, ActFunc.
 
 def activation_table(instr: Instruction) -> ActFunc | None:
     """The activation-function table ``instr`` needs loaded in its Scalar engine (None: it needs none)."""
-    if instr.opcode not in (Opcode.ACTIVATE, Opcode.ACTIVATE_BIAS_REDUCE):
+    if instr.opcode not in (Opcode.ACTIVATE, Opcode.ACTIVATE_BIAS_REDUCE, Opcode.ACTIVATE_SCALED):
         return None
     return table_of(instr.func)
 

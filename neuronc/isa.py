@@ -43,6 +43,11 @@ Instruction semantics (``dst`` is always ``operands[0]``)
                                            NKI's activation with ``bias`` and ``reduce_res``). bias and
                                            row_sum are fp32 [p, 1] tiles in SBUF; src has dst's shape, 2-D.
                                            Two destinations: dst and row_sum (see ``Instruction.writes``).
+``ACTIVATE_SCALED(dst, src, scale, bias)``  dst = func(src * scale[p, 0] + bias[p, 0]) (Scalar engine; NKI's activation
+                                           with a [P, 1] ``scale`` tile and a ``bias`` tile): ACTIVATE with a scale
+                                           and a bias per partition, fp32 [p, 1] tiles in SBUF held for the pass;
+                                           src has dst's shape, 2-D. In fp32 as ACTIVATE: the product rounded to
+                                           fp32, the sum rounded to fp32, func's value rounded once to dst's dtype.
 ``TENSOR_SCALAR_REDUCE(dst, reduced, src)``
                                            dst = src * imm0 (fp32, rounded to dst's dtype) and, in the same
                                            pass, reduced[p, 0] = the alu-reduction (ADD, MAX or MIN) of those
@@ -264,6 +269,7 @@ class Opcode(enum.IntEnum):
     TENSOR_TENSOR_SCAN = 24
     BN_STATS = 25
     BN_AGGR = 26
+    ACTIVATE_SCALED = 27
     # the collective engine's (40-49: kept clear of the numbers other branches take for compute opcodes)
     ALL_REDUCE = 40
     ALL_GATHER = 41
@@ -296,6 +302,7 @@ ARITY = {
     Opcode.TENSOR_TENSOR_SCAN: 4,
     Opcode.BN_STATS: 2,
     Opcode.BN_AGGR: 2,
+    Opcode.ACTIVATE_SCALED: 4,
     Opcode.ALL_REDUCE: 2,
     Opcode.ALL_GATHER: 2,
     Opcode.REDUCE_SCATTER: 2,
@@ -463,7 +470,8 @@ class Instruction:
     alu: AluOp = AluOp.NONE
     alu1: AluOp = AluOp.NONE  # TENSOR_ALU2: the second operation
     func: ActFunc = ActFunc.NONE
-    imm0: float = 0.0  # ACTIVATE(_BIAS_REDUCE): scale (codegen always sets it); others: the scalar operand
+    imm0: float = 0.0  # ACTIVATE(_BIAS_REDUCE): scale (codegen always sets it; ACTIVATE_SCALED: its scale operand);
+    # others: the scalar operand
     imm1: float = 0.0  # ACTIVATE: bias (ACTIVATE_BIAS_REDUCE takes it from its bias operand)
     accumulate: bool = False
     reverse: bool = False

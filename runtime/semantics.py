@@ -108,6 +108,10 @@ def _activate_bias_reduce(instr, dst, row_sum, src, bias):
     return value, np.add.reduce(np.asarray(value, F32), axis=-1, keepdims=True, dtype=F32)
 
 
+def _activate_scaled(instr, dst, src, scale, bias):
+    return ACTIVATIONS[instr.func](src.astype(F32) * scale.astype(F32, copy=False) + bias.astype(F32, copy=False))
+
+
 def _tensor_scalar_reduce(instr, dst, reduced, src):
     """(dst, reduced): the scaled values rounded to dst's dtype, and their reduction over the free axis."""
     value = np.asarray(src.astype(F32) * F32(instr.imm0)).astype(dst.dtype)
@@ -336,6 +340,7 @@ SEMANTICS = {
     Opcode.MATCH_REPLACE8: _match_replace8,
     Opcode.RNG: _rng,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce,
+    Opcode.ACTIVATE_SCALED: _activate_scaled,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce,
     Opcode.TENSOR_ALU2: _tensor_alu2,
     Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan,
@@ -636,6 +641,13 @@ def _activate_bias_reduce_kernel(instr, new, dst, row_sum, src, bias):
                     partial(_store, row_sum, np.add.reduce, value, -1, F32, None, True)]
 
 
+def _activate_scaled_kernel(instr, new, dst, src, scale, bias):
+    (x, m, b), calls = _as(new, np.dtype(F32), (src, scale, bias))
+    scaled = new(src.shape, F32)  # C order, as src.astype(F32) * scale + bias would be
+    calls += [partial(np.multiply, x, m, scaled), partial(np.add, scaled, b, scaled)]
+    return calls + _function_into(new, instr.func, scaled, dst)
+
+
 def _tensor_alu2_kernel(instr, new, dst, a, b, c):
     """alu1(alu(a, b), c) with the correctly rounded ALU ops (POW computes as the semantics do)."""
     ops = [ALU[instr.alu]] + ([] if instr.alu1 == AluOp.NONE else [ALU[instr.alu1]])
@@ -789,6 +801,7 @@ _KERNELS = {
     Opcode.DMA_GATHER: _dma_gather_kernel,
     Opcode.DMA_SCATTER: _dma_scatter_kernel,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_kernel,
+    Opcode.ACTIVATE_SCALED: _activate_scaled_kernel,
     Opcode.TENSOR_ALU2: _tensor_alu2_kernel,
     Opcode.DMA_COPY: _dma_copy_kernel,
     Opcode.MATMUL: _matmul_kernel,
@@ -850,6 +863,7 @@ ENGINES = {
     Opcode.MATMUL: frozenset({Engine.TENSOR}),
     Opcode.ACTIVATE: frozenset({Engine.SCALAR}),
     Opcode.ACTIVATE_BIAS_REDUCE: frozenset({Engine.SCALAR}),
+    Opcode.ACTIVATE_SCALED: frozenset({Engine.SCALAR}),
     **{op: _ELEMENTWISE_ENGINES for op in (Opcode.TENSOR_TENSOR, Opcode.TENSOR_SCALAR, Opcode.TENSOR_REDUCE,
                                            Opcode.TENSOR_COPY, Opcode.SELECT, Opcode.MEMSET, Opcode.IOTA)},
     Opcode.RNG: frozenset({Engine.GPSIMD}),
@@ -967,6 +981,19 @@ def _activate_bias_reduce_shapes(instr: Instruction, target: Target):
     for name, ap in (("row sum", row_sum), ("bias", bias)):
         if ap.shape != (dst.shape[0], 1) or ap.dtype != DType.F32 or ap.space != Space.SBUF:
             _fail(f"ACTIVATE_BIAS_REDUCE {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
+                  f"{ap.dtype.name}{list(ap.shape)} in {ap.space.name}",
+                  hint="one fp32 value per partition, in SBUF")
+
+
+def _activate_scaled_shapes(instr: Instruction, target: Target):
+    """ACTIVATE_SCALED(dst[p, n], src[p, n], scale[p, 1] fp32, bias[p, 1] fp32), the two [p, 1] tiles in SBUF."""
+    dst, src, scale, bias = instr.operands
+    if len(dst.dims) != 2 or src.shape != dst.shape:
+        _fail(f"ACTIVATE_SCALED source {list(src.shape)} and destination {list(dst.shape)} must be the "
+              f"same 2-D [partitions, elements] shape")
+    for name, ap in (("scale", scale), ("bias", bias)):
+        if ap.shape != (dst.shape[0], 1) or ap.dtype != DType.F32 or ap.space != Space.SBUF:
+            _fail(f"ACTIVATE_SCALED {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
                   f"{ap.dtype.name}{list(ap.shape)} in {ap.space.name}",
                   hint="one fp32 value per partition, in SBUF")
 
@@ -1128,6 +1155,7 @@ SHAPE_RULES = {
     Opcode.MATMUL: _matmul_shapes,
     Opcode.TENSOR_REDUCE: _reduce_shapes,
     Opcode.ACTIVATE_BIAS_REDUCE: _activate_bias_reduce_shapes,
+    Opcode.ACTIVATE_SCALED: _activate_scaled_shapes,
     Opcode.TENSOR_SCALAR_REDUCE: _tensor_scalar_reduce_shapes,
     Opcode.TENSOR_ALU2: _tensor_alu2_shapes,
     Opcode.TENSOR_TENSOR_SCAN: _tensor_tensor_scan_shapes,

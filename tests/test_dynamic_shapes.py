@@ -49,6 +49,30 @@ def test_gradients_of_a_dynamic_graph_match_eager_at_every_shape(fresh_dynamo):
         assert_matches_eager(got, want)
 
 
+class Normed(torch.nn.Module):
+    """A LayerNorm (its float eps) and a Python float argument: under dynamic=True Dynamo passes both floats as
+    0-d tensors read back with .item()."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x, scale: float):
+        return self.norm(self.proj(x)) * scale
+
+
+def test_floats_dynamo_passes_as_tensors_are_constants_of_each_program(fresh_dynamo):
+    model = Normed().eval()
+    compiled = OnDevice(model, dynamic=True)
+    with torch.no_grad():
+        for rows, scale in [(3, 0.5), (7, 0.5), (7, 2.0)]:
+            x = torch.randn(rows, 8)
+            assert_matches_eager(compiled(x, scale), model(x, scale))
+        model.norm.eps = 10.0  # a new value is a new program, not the first one's constant
+        x = torch.randn(7, 8)
+        assert_matches_eager(compiled(x, 2.0), model(x, 2.0))
+
+
 def test_shapes_past_dynamos_recompile_limit_still_run_on_the_device(fresh_dynamo):
     # automatic dynamic shapes (PyTorch's default): from the second shape on Dynamo hands over one dynamic
     # graph, so twelve batch sizes neither hit Dynamo's recompile limit (8) nor fall back to eager

@@ -384,3 +384,26 @@ def test_a_bf16_transpose_writes_bf16_psum_on_trn2_and_goes_through_fp32_on_trn1
     np.testing.assert_array_equal(np.asarray(out), x.T)  # a transpose is exact
     copies = [e for e in kernel.trace(x).instrs if e.opcode.name == "TENSOR_COPY"]
     assert len(copies) == (1 if target == "trn2" else 2)  # trn1: PSUM fp32 -> bf16 PSUM tile -> SBUF
+
+
+@nki.jit
+def _normalized_rows(x):
+    """(x - mean) * rstd of each row as NKI's layer-norm samples make it: activation(copy, x, scale=rstd, bias=-mean *
+    rstd), mean and rstd [128, 1] tiles."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    mean = nl.mean(t, axis=1, keepdims=True)
+    rstd = nl.rsqrt(nl.mean(nl.square(t - mean), axis=1, keepdims=True) + 1e-5)
+    bias = nl.multiply(nl.negative(mean), rstd)
+    nl.store(out, value=nisa.activation(op=nl.copy, data=t, scale=rstd, bias=bias))
+    return out
+
+
+def test_an_activation_with_scale_and_bias_tiles_normalizes_rows_in_one_scaled_activation():
+    x = rand(128, 96) * 3 + 1
+    wide = torch.from_numpy(x).double()
+    expected = (wide - wide.mean(1, keepdim=True)) / torch.sqrt(wide.var(1, unbiased=False, keepdim=True) + 1e-5)
+    close(nki.simulate_kernel(_normalized_rows, x), expected.float())
+    opcodes = [e.opcode.name for e in _normalized_rows.trace(x).instrs]
+    assert opcodes[-2:] == ["ACTIVATE_SCALED", "DMA_COPY"]  # no product of x and rstd in a scratch tile before it
+    assert "ACTIVATE_BIAS_REDUCE" not in opcodes

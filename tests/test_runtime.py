@@ -14,7 +14,7 @@ import pytest
 import scipy.special
 
 from neuronc.errors import DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
-from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.instruction_cost import activation_table, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Instruction, Opcode, Space, Wait, row_major_dims
 from neuronc.neff.program import DebugLoc, Neff, TensorEntry, TensorKind
 from neuronc.passes.cost_model import estimate_streams
@@ -639,6 +639,72 @@ def test_activate_bias_reduce_costs_one_pass_as_activate():
     fused = Instruction(Opcode.ACTIVATE_BIAS_REDUCE, Engine.SCALAR, (tile, column, tile, column), func=ActFunc.EXP)
     plain = Instruction(Opcode.ACTIVATE, Engine.SCALAR, (tile, tile), func=ActFunc.EXP)
     assert instruction_cost_ns(fused, TRN2) == instruction_cost_ns(plain, TRN2)
+
+
+def _activate_scaled_program(dst_dtype: DType, src_dtype: DType = DType.F32) -> Neff:
+    """x [4, 8], scale [4, 1] and bias [4, 1] loaded; ACTIVATE_SCALED(func) on Scalar; y stored."""
+    p = Program()
+    x_t = p.tensor("x", TensorKind.INPUT, (4, 8), src_dtype)
+    m_t, b_t = p.tensor("scale", TensorKind.INPUT, (4, 1)), p.tensor("bias", TensorKind.INPUT, (4, 1))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (4, 8), dst_dtype)
+    x, scale, bias = chip((4, 8), src_dtype), chip((4, 1), offset=64), chip((4, 1), offset=128)
+    y = chip((4, 8), dst_dtype, offset=192)
+    for n, (tile, tensor) in enumerate(((x, x_t), (scale, m_t), (bias, b_t))):
+        p.emit(Opcode.DMA_COPY, Engine.DMA, tile, hbm(tensor), queue=n)
+    p.emit(Opcode.ACTIVATE_SCALED, Engine.SCALAR, y, x, scale, bias, func=ActFunc.IDENTITY,
+           waits=(*done(Engine.DMA, 1, 0), *done(Engine.DMA, 1, 1), *done(Engine.DMA, 1, 2)))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), y, waits=done(Engine.SCALAR))
+    return p.neff()
+
+
+@pytest.mark.parametrize("dst_dtype, src_dtype", [(DType.F32, DType.F32), (DType.BF16, DType.BF16),
+                                                  (DType.BF16, DType.F32)], ids=lambda d: d.name)
+def test_activate_scaled_scales_and_biases_each_partition_by_its_own_values_in_fp32(core, dst_dtype, src_dtype):
+    """(x - mean) * rstd as NKI's layer-norm samples make it: activation(copy, x, scale=rstd, bias=-mean * rstd)."""
+    x = uniform(-3, 3).astype(src_dtype.numpy)
+    mean, rstd = uniform(-1, 1, (4, 1)), uniform(0.5, 4, (4, 1))
+    bias = -mean * rstd
+    (y,) = core.load(_activate_scaled_program(dst_dtype, src_dtype)).run([x, rstd, bias]).outputs
+
+    f32 = np.float32
+    product = (x.astype(np.float64) * rstd.astype(np.float64)).astype(f32)  # exact in fp64, rounded once to fp32
+    value = (product.astype(np.float64) + bias.astype(np.float64)).astype(f32)  # likewise
+    np.testing.assert_array_equal(y, value.astype(dst_dtype.numpy))
+    np.testing.assert_allclose(y.astype(np.float64), (x.astype(np.float64) - mean) * rstd, rtol=2e-2 if dst_dtype ==
+                               DType.BF16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("operand, shape, dtype, problem", [
+    (2, (4, 8), DType.F32, "scale must be an F32 [4, 1] tile"), (3, (4, 2), DType.F32, "bias must be an F32 [4, 1] tile"),
+    (2, (4, 1), DType.BF16, "scale must be an F32 [4, 1] tile"), (1, (4, 4), DType.F32, "same 2-D"),
+])
+def test_activate_scaled_refuses_scale_or_bias_not_one_fp32_value_per_partition_also_from_a_neff_files_bytes(
+        core, operand, shape, dtype, problem):
+    from neuronc.neff import decode, encode
+    operands = [chip((4, 8)), chip((4, 8), offset=64), chip((4, 1), offset=128), chip((4, 1), offset=192)]
+    operands[operand] = chip(shape, dtype, offset=256)
+    p = Program()
+    p.emit(Opcode.ACTIVATE_SCALED, Engine.SCALAR, *operands, func=ActFunc.IDENTITY)
+    for neff in (p.neff(), decode(encode(p.neff()))):
+        with pytest.raises(NeuronRuntimeError, match=re.escape(problem)):
+            core.load(neff)
+
+
+def test_activate_scaled_runs_on_the_scalar_engine_only(core):
+    p = Program()
+    p.emit(Opcode.ACTIVATE_SCALED, Engine.VECTOR, chip((4, 8)), chip((4, 8), offset=64), chip((4, 1), offset=128),
+           chip((4, 1), offset=192), func=ActFunc.IDENTITY)
+    with pytest.raises(NeuronRuntimeError, match="cannot run on the VECTOR engine"):
+        core.load(p.neff())
+
+
+def test_activate_scaled_costs_one_pass_as_activate_and_loads_its_functions_table():
+    """NKI's activation: its scale and bias, one value per partition, are held for the pass as ACTIVATE's numbers."""
+    tile, column = chip((128, 512), DType.BF16), chip((128, 1))
+    scaled = Instruction(Opcode.ACTIVATE_SCALED, Engine.SCALAR, (tile, tile, column, column), func=ActFunc.EXP)
+    plain = Instruction(Opcode.ACTIVATE, Engine.SCALAR, (tile, tile), func=ActFunc.EXP)
+    assert instruction_cost_ns(scaled, TRN2) == instruction_cost_ns(plain, TRN2) == pytest.approx(512 / TRN2.scalar_ghz)
+    assert activation_table(scaled) == ActFunc.EXP
 
 
 def _tensor_scalar_reduce_program(dst_dtype: DType, alu: AluOp) -> Neff:
@@ -1344,6 +1410,14 @@ def test_activate_kernels_are_exact(dtypes):
         for scale, bias in ((1.0, 0.0), (-0.5, 0.25)):
             _kernel_and_semantics_agree(Opcode.ACTIVATE, Engine.SCALAR, dtypes[0], (dtypes[1],), func=func,
                                         imm0=scale, imm1=bias)
+
+
+@pytest.mark.parametrize("dtypes", [(DType.F32, DType.F32), (DType.BF16, DType.F32), (DType.F32, DType.BF16)],
+                         ids=lambda d: "-".join(x.name for x in d))
+def test_activate_scaled_kernels_are_exact(dtypes):
+    for func in ActFunc:
+        _kernel_and_semantics_agree(Opcode.ACTIVATE_SCALED, Engine.SCALAR, dtypes[0], (dtypes[1], DType.F32, DType.F32),
+                                    shapes=[(4, 8), (4, 8), (4, 1), (4, 1)], func=func)
 
 
 def test_matmul_reduce_copy_select_memset_iota_and_dma_kernels_are_exact():

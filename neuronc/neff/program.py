@@ -20,8 +20,9 @@ FORMAT_MAJOR = 1
 #      instruction field alu1; 1.6: the header field cache_key; 1.7: the collective engine (Engine.COLLECTIVE)
 #      and its ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER and ALL_TO_ALL; 1.8: DMA_TRANSPOSE (trn2+); 1.9: the dtypes
 #      U16, U32, U64 and the ALU ops SHIFT_LEFT, SHIFT_RIGHT_LOGICAL, SHIFT_RIGHT_ARITHMETIC; 1.10: TENSOR_TENSOR_SCAN
-#      (NKI's tensor_tensor_scan); 1.11: BN_STATS and BN_AGGR (NKI's bn_stats / bn_aggr)
-FORMAT_MINOR = 11
+#      (NKI's tensor_tensor_scan); 1.11: BN_STATS and BN_AGGR (NKI's bn_stats / bn_aggr); 1.12: ACTIVATE_SCALED (an
+#      activation with a per-partition scale tile and bias tile)
+FORMAT_MINOR = 12
 
 
 # The most dimensions a tensor entry may have: numpy's limit (an entry's values are a numpy array), which is

@@ -724,7 +724,8 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
                reduce_op=None, mask=None, api: str = "nisa.activation") -> None:
     """dst = op(data * scale + bias) on the Scalar engine, and with ``reduce_res`` its row sums in the same pass
     (ACTIVATE_BIAS_REDUCE, whose bias is an fp32 [P, 1] SBUF tile: a number or another tile is put in one). A
-    [P, 1] ``scale`` tile is applied by a Vector multiply into an fp32 tile first (the same fp32 product)."""
+    [P, 1] ``scale`` tile is the operand of one ACTIVATE_SCALED (its bias a tile as above); with ``reduce_res`` it is
+    applied by a Vector multiply into an fp32 tile first (the same fp32 product)."""
     trace = current()
     func = lookup(op, ACT, "activation op", api)
     if reduce_op is not None and lookup(reduce_op, REDUCE, "reduce_op", api) != AluOp.ADD:
@@ -734,6 +735,15 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
         return
     dst, data = views
     dst, data = tile(dst, api, "dst"), fit(tile(data, api, "data"), tile(dst, api, "dst"), api)
+    if isinstance(scale, NkiTensor) and reduce_res is None:
+        d, s = common_shape([dst, data])
+        if len(d.dims) != 2:
+            fail(f"an activation with a scale tile takes 2-D tiles (contiguous free dims), got {list(dst.shape)}",
+                 api=api, hint="reshape the tiles to [P, F]")
+        m, b = (_per_partition(v, api, name, dst.partitions) for v, name in ((scale, "scale"), (bias, "bias")))
+        trace.emit(Opcode.ACTIVATE_SCALED, Engine.SCALAR, [(dst.storage, d), (data.storage, s), (m.storage, m.access()),
+                                                           (b.storage, b.access())], api, func=func)
+        return
     if isinstance(scale, NkiTensor):
         scaled = _scratch(dst.shape, DType.F32, name="activation_scaled")
         tensor_tensor(scaled, data, scale, AluOp.MULTIPLY, api=api)
@@ -744,16 +754,7 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
         trace.emit(Opcode.ACTIVATE, Engine.SCALAR, [(dst.storage, d), (data.storage, s)], api, func=func,
                    imm0=scale, imm1=float(bias or 0.0))
         return
-    if isinstance(bias, NkiTensor):
-        b = tile(bias, api, "bias")
-        if b.free_size != 1:
-            fail(f"bias must be a number or a [P, 1] tile, got {list(b.shape)}", api=api)
-        if b.isa_dtype != DType.F32 or b.space != Space.SBUF:
-            staged = _scratch((b.partitions, 1), DType.F32, name="bias_fp32")
-            copy(staged, b, api=api)
-            b = staged
-    else:
-        b = _const_column(float(bias or 0.0), dst.partitions)
+    b = _per_partition(bias, api, "bias", dst.partitions)
     rows = reduce_res
     direct = (rows is not None and rows.space == Space.SBUF and rows.isa_dtype == DType.F32
               and tile(rows, api, "reduce_res").free_size == 1)
@@ -767,6 +768,21 @@ def activation(dst: NkiTensor, op, data: NkiTensor, bias=None, scale=1.0, reduce
                func=func, imm0=scale)
     if rows is not None and not direct:
         copy(rows, row_sum, api=api)
+
+
+def _per_partition(value, api: str, name: str, partitions: int = 0):
+    """An activation's fp32 [P, 1] SBUF tile for `value`: a [P, 1] tile (copied into one when of another dtype or
+    space), or a number (a constant column of `partitions`)."""
+    if not isinstance(value, NkiTensor):
+        return _const_column(float(value or 0.0), partitions)
+    t = tile(value, api, name)
+    if t.free_size != 1 or partitions and t.partitions != partitions:
+        fail(f"{name} must be a number or a [P, 1] tile, P = {partitions}, got {list(t.shape)}", api=api)
+    if t.isa_dtype != DType.F32 or t.space != Space.SBUF:
+        staged = _scratch((t.partitions, 1), DType.F32, name=f"{name}_fp32")
+        copy(staged, t, api=api)
+        t = staged
+    return t
 
 
 def tensor_reduce(dst: NkiTensor, op, data: NkiTensor, axis, negate: bool = False, engine: Engine | None = None,

@@ -4,9 +4,9 @@ A NEFF's instruction streams are fixed at compile time (every access pattern nam
 one program per input shape, as the Neuron toolchain does. A graph Dynamo traced with symbolic sizes
 (`dynamic=True`, `torch._dynamo.mark_dynamic`, or PyTorch's automatic dynamic shapes after a second shape) is
 kept whole and specialised when it runs: each new signature (the arguments' shapes, strides, dtypes, devices,
-`requires_grad`, and the values of integer arguments) goes through the static path (AOTAutograd, then the
-backend's compile of the forward and backward graphs) with those concrete inputs, and later calls with that
-signature reuse it. A signature's compile is the same as Dynamo handing the backend a static graph of those
+`requires_grad`, and the values of number arguments, floats Dynamo passes as 0-d tensors included) goes through
+the static path (AOTAutograd, then the backend's compile of the forward and backward graphs) with those
+concrete inputs, and later calls with that signature reuse it. A signature's compile is the same as Dynamo handing the backend a static graph of those
 shapes would give, and the compile cache serves a shape compiled before. (Under automatic dynamic shapes the
 first shape, compiled from Dynamo's static graph, is compiled again when it comes back: Dynamo tries its newest
 graph, the dynamic one, first. With the compile cache on, as by default, that second compile is a cache hit.)
@@ -70,16 +70,30 @@ def signature(args) -> tuple:
     return tuple(key)
 
 
-def _with_scalars_inlined(gm, args):
-    """A copy of ``gm`` with its scalar arguments (the symbolic sizes Dynamo passes as SymInts) replaced by their
-    values in ``args``, and the positions of the arguments it still takes (the tensors)."""
+def wrapped_scalars(gm) -> tuple:
+    """Positions of the arguments that are Python numbers Dynamo passes as 0-d tensors and reads back with
+    ``.item()`` (a float it does not specialise, such as a LayerNorm's ``eps`` under ``dynamic=True``): every use
+    of the placeholder is an ``item`` call. A static program takes their values as constants."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, node in enumerate(placeholders)
+                 if node.users and all(u.op == "call_method" and u.target == "item" for u in node.users))
+
+
+def _with_scalars_inlined(gm, args, wrapped: tuple = ()):
+    """A copy of ``gm`` with its scalar arguments (the symbolic sizes Dynamo passes as SymInts, and the wrapped
+    numbers at positions ``wrapped``) replaced by their values in ``args``, and the positions of the arguments it
+    still takes (the tensors)."""
     import torch
 
     graph = copy.deepcopy(gm.graph)
     kept = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for i, (node, value) in enumerate(zip(placeholders, args)):
-        if isinstance(value, torch.Tensor):
+        if i in wrapped:
+            for use in list(node.users):
+                use.replace_all_uses_with(value.item())
+                graph.erase_node(use)
+        elif isinstance(value, torch.Tensor):
             kept.append(i)
             continue
         node.replace_all_uses_with(value)  # an FX node argument may be a Python number
@@ -94,13 +108,14 @@ class PerShapeGraphs:
 
     def __init__(self, gm, compile_static, graph_name: str = "graph"):
         self.gm, self.compile_static, self.graph_name = gm, compile_static, graph_name
+        self.wrapped = wrapped_scalars(gm)  # numbers passed as tensors: their values are part of a signature
         self.programs: dict = {}  # signature -> compiled callable
         self.limit = max_shapes()
         self.warned = False
         self.beyond_limit = self.eagerly  # what a new signature past the limit does (a caller may make it an error)
 
     def __call__(self, *args):
-        key = signature(args)
+        key = (signature(args), tuple(args[i].item() for i in self.wrapped))
         program = self.programs.get(key)
         if program is None:
             if len(self.programs) >= self.limit:
@@ -113,7 +128,7 @@ class PerShapeGraphs:
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        gm, kept = _with_scalars_inlined(self.gm, args)
+        gm, kept = _with_scalars_inlined(self.gm, args, self.wrapped)
         # Runs while Dynamo's compiled code runs: Dynamo must not trace the compile itself, and AOTAutograd
         # records what it learns (which inputs are parameters) in a tracing context of static fake tensors
         with tracing(TracingContext(FakeTensorMode())):

@@ -26,6 +26,7 @@ class Opcode(object):
     TENSOR_TENSOR_SCAN = 24
     BN_STATS = 25
     BN_AGGR = 26
+    ACTIVATE_SCALED = 27
     ALL_REDUCE = 40
     ALL_GATHER = 41
     REDUCE_SCATTER = 42
