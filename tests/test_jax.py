@@ -63,7 +63,7 @@ def test_numpy_inputs_python_numbers_and_unused_arguments():
 
 def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     def uses_two_unsupported_ops(x):
-        y = jnp.linalg.cholesky(x @ x.T + 4 * jnp.eye(4))  # marker: cholesky
+        y = jax.lax.linalg.tridiagonal_solve(x[0, :4], x[1, :4], x[2, :4], x[:, :1])  # marker: gtsv
         return y.sum() + jax.lax.while_loop(lambda v: v < x.sum(), lambda v: v * 2, 1.0)  # marker: loop on the data
 
     with pytest.raises(NeuronCompileError) as caught:
@@ -72,7 +72,8 @@ def test_unsupported_ops_are_all_listed_with_their_jax_lines():
     assert "2 op(s)" in message
     assert f"depends on the data; neuronc unrolls loops whose count is known when compiling (scan, fori_loop with " \
            f"constant bounds)) at {__file__}:{line_of(__file__, 'marker: loop on the data')}" in message
-    assert f"a kernel of another backend) at {__file__}:{line_of(__file__, 'marker: cholesky')}" in message
+    assert "LAPACK's gtsv has no lowering in neuronc" in message
+    assert f"on the CPU) at {__file__}:{line_of(__file__, 'marker: gtsv')}" in message
 
 
 def test_is_finite_is_false_for_inf_and_nan_only():
@@ -191,7 +192,7 @@ def test_cli_compiles_stablehlo_and_jax_export_files(cli, tmp_path, form):
 def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path):
     def program(x, n):
         y = jax.lax.while_loop(lambda v: v.sum() < x.sum(), lambda v: v * 2, x[0])  # marker: check loop
-        return y + jnp.linalg.cholesky(n @ n.T).sum()  # marker: check cholesky
+        return y + jax.lax.linalg.tridiagonal_solve(n[0], n[1], n[2], n[:, :1]).sum()  # marker: check gtsv
 
     path = _write_forms(tmp_path, program, (jnp.ones((4, 8)), jnp.eye(4)))["mlir"]
     result = cli("check", path)
@@ -199,9 +200,9 @@ def test_cli_check_lists_every_unsupported_op_of_a_stablehlo_file(cli, tmp_path)
     assert "stablehlo.while (1 of 1 uses)" in result.output, result.output
     assert "stablehlo.custom_call (1 of 1 uses)" in result.output
     assert f"{__file__}:{line_of(__file__, 'marker: check loop')}" in result.output
-    assert f"{__file__}:{line_of(__file__, 'marker: check cholesky')}" in result.output
+    assert f"{__file__}:{line_of(__file__, 'marker: check gtsv')}" in result.output
     compiled = cli("compile", path, "-o", tmp_path / "out.neff")
-    assert compiled.exit_code == 1 and "2 op(s)" in compiled.output  # the loop, cholesky
+    assert compiled.exit_code == 1 and "2 op(s)" in compiled.output  # the loop, gtsv
     assert not (tmp_path / "out.neff").exists()
 
 

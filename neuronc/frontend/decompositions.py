@@ -1941,7 +1941,9 @@ def _cholesky_factor(a):
         pivot = rest[..., 0]
         info = torch.where((info == 0) & ~(pivot > 0), j + 1, info)
         root = torch.sqrt(pivot)
-        column = torch.cat([root.unsqueeze(-1), rest[..., 1:] / root.unsqueeze(-1)], -1)
+        column = root.unsqueeze(-1)
+        if j < n - 1:  # (an empty slice does not lower)
+            column = torch.cat([column, rest[..., 1:] / column], -1)
         if j:
             column = torch.cat([torch.zeros(a.shape[:-2] + (j,), dtype=a.dtype, device=a.device), column], -1)
         columns.append(column)

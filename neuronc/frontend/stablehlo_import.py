@@ -768,7 +768,36 @@ def _custom_call(op, inputs, shape, dtype, loc):
         return inputs[0]  # XLA's layout request (JAX puts one on each typed PRNG key): on one core, its operand
     if target == "ApproxTopK":
         return _approx_top_k(op, inputs, loc)
+    if target.startswith("lapack_"):
+        return _lapack(op, target, inputs, loc)
     raise _Unsupported(f"custom call {op.attributes['call_target_name']}, a kernel of another backend")
+
+
+def _lapack(op, target, inputs, loc):
+    """JAX's LAPACK calls (jnp.linalg on CPU) lowered with neuronc's own linear algebra (lapack_calls.py, which
+    imports torch: only for a program that has one)."""
+    from neuronc.frontend import lapack_calls
+
+    if not lapack_calls.is_lapack(target):
+        raise _Unsupported(f"custom call {target}, a kernel of another backend")
+    why = lapack_calls.refusal(target, inputs)
+    if why is not None:
+        raise _Unsupported(why)
+    names = [op.attributes[i].name for i in range(len(op.attributes))]
+    config = " ".join(str(op.attributes[n]) for n in ("backend_config", "mhlo.backend_config") if n in names)
+    layouts = str(op.attributes["operand_layouts"]) if "operand_layouts" in names else ""
+    frontend = str(op.attributes["mhlo.frontend_attributes"]) if "mhlo.frontend_attributes" in names else ""
+    batch_dims = re.search(r'num_batch_dims = "(\d+)"', frontend)
+    batch_dims = int(batch_dims.group(1)) if batch_dims else len(inputs[0].shape) - 2
+    why = lapack_calls.layout_refusal(target, layouts, batch_dims, inputs)
+    if why is not None:
+        raise _Unsupported(why)
+    from neuronc.frontend.aten_lowering import NotLowered
+
+    try:
+        return lapack_calls.lowered(target, config, inputs, [tensor_type(r.type) for r in op.results], loc)
+    except NotLowered as why:
+        raise _Unsupported(f"custom call {target} on these shapes: {why}") from None
 
 
 def _approx_top_k(op, inputs, loc):
