@@ -975,25 +975,24 @@ def _activate_bias_reduce_shapes(instr: Instruction, target: Target):
     """ACTIVATE_BIAS_REDUCE(dst[p, n], row_sum[p, 1] fp32, src[p, n], bias[p, 1] fp32), the two [p, 1]
     tiles in SBUF."""
     dst, row_sum, src, bias = instr.operands
-    if len(dst.dims) != 2 or src.shape != dst.shape:
-        _fail(f"ACTIVATE_BIAS_REDUCE source {list(src.shape)} and destination {list(dst.shape)} must be the "
-              f"same 2-D [partitions, elements] shape")
-    for name, ap in (("row sum", row_sum), ("bias", bias)):
-        if ap.shape != (dst.shape[0], 1) or ap.dtype != DType.F32 or ap.space != Space.SBUF:
-            _fail(f"ACTIVATE_BIAS_REDUCE {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
-                  f"{ap.dtype.name}{list(ap.shape)} in {ap.space.name}",
-                  hint="one fp32 value per partition, in SBUF")
+    _per_partition_activation("ACTIVATE_BIAS_REDUCE", dst, src, {"row sum": row_sum, "bias": bias})
 
 
 def _activate_scaled_shapes(instr: Instruction, target: Target):
     """ACTIVATE_SCALED(dst[p, n], src[p, n], scale[p, 1] fp32, bias[p, 1] fp32), the two [p, 1] tiles in SBUF."""
     dst, src, scale, bias = instr.operands
+    _per_partition_activation("ACTIVATE_SCALED", dst, src, {"scale": scale, "bias": bias})
+
+
+def _per_partition_activation(opcode: str, dst, src, columns: dict):
+    """An activation of a 2-D [partitions, elements] tile whose other operands (`columns`, by name) hold one fp32
+    value per partition: F32 [p, 1] tiles in SBUF."""
     if len(dst.dims) != 2 or src.shape != dst.shape:
-        _fail(f"ACTIVATE_SCALED source {list(src.shape)} and destination {list(dst.shape)} must be the "
+        _fail(f"{opcode} source {list(src.shape)} and destination {list(dst.shape)} must be the "
               f"same 2-D [partitions, elements] shape")
-    for name, ap in (("scale", scale), ("bias", bias)):
+    for name, ap in columns.items():
         if ap.shape != (dst.shape[0], 1) or ap.dtype != DType.F32 or ap.space != Space.SBUF:
-            _fail(f"ACTIVATE_SCALED {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
+            _fail(f"{opcode} {name} must be an F32 [{dst.shape[0]}, 1] tile in SBUF, got "
                   f"{ap.dtype.name}{list(ap.shape)} in {ap.space.name}",
                   hint="one fp32 value per partition, in SBUF")
 

@@ -146,7 +146,8 @@ class _Attention:
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
         self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
-        self.queue_ns, self.booked_upto = [0.0] * em.target.dma_queues, len(em.instructions)
+        # the kernel's DMA work booked on each queue, and the round robin's turn at its start (freest_queue)
+        self.queue_ns, self.booked_upto, self.first_turn = [0.0] * em.target.dma_queues, len(em.instructions), em.dma_turn
         self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
 
@@ -313,12 +314,13 @@ class _Attention:
 
     def freest_queue(self) -> int:
         """The DMA queue with least work booked by the kernel's transfers so far (each priced as the emulator
-        prices it alone)."""
+        prices it alone); of equal ones, the first counted from the queue the kernel's round robin started on, so that
+        the choice turns with the kernel's other transfers (a reused kernel's instances: Emitter.dma_on)."""
         for inst in self.em.instructions[self.booked_upto:]:
             if inst.engine == Engine.DMA:
                 self.queue_ns[inst.queue] += instruction_cost_ns(inst, self.em.target)
-        self.booked_upto = len(self.em.instructions)
-        return min(range(len(self.queue_ns)), key=self.queue_ns.__getitem__)
+        self.booked_upto, n = len(self.em.instructions), len(self.queue_ns)
+        return min(range(n), key=lambda q: (self.queue_ns[q], (q - self.first_turn) % n))
 
     # helpers of the stages ----------------------------------------------------------------------------
     def score_tile(self, qt: int, kb: int) -> AccessPattern:
@@ -577,8 +579,7 @@ class _Attention:
             dst = self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap
             if blk.g >= self.plan.batch - self.plan.tail_heads:
                 for p0, p1 in dma_slices(target, out, max(1, pieces)):
-                    self.em.emit(Opcode.DMA_COPY, Engine.DMA, row_slice(dst, p0, p1), row_slice(out, p0, p1),
-                                 queue=self.freest_queue())
+                    self.em.dma_on(self.freest_queue(), row_slice(dst, p0, p1), row_slice(out, p0, p1))
             else:
                 dma_by_rows(self.em, dst, out, max(1, pieces))
         elif n % tiles == tiles - 1 or n == whole - 1:

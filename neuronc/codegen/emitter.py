@@ -116,6 +116,17 @@ class Emitter:
         self.instructions.append(Instruction(opcode, engine, tuple(operands), kernel=len(self.kernels) - 1,
                                              debug=debug, **fields))
 
+    @property
+    def dma_turn(self) -> int:
+        """The queue the next `dma` takes, before the modulo: the round robin's turns so far."""
+        return self._dma_turn
+
+    def dma_on(self, queue: int, dst: AccessPattern, src: AccessPattern) -> None:
+        """A DMA copy on queue `queue`, one the kernel chose from its own transfers' queues (the round robin does not
+        advance): a kernel reused through codegen.reuse turns it with the instance's round robin, as its `dma`s, so
+        it keeps its place among them."""
+        self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue % self.target.dma_queues)
+
     def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None,
             add: bool = False, transpose: bool = False) -> None:
         """A DMA on the next queue (round robin). With `indices`, an indirect one: a gather of table rows

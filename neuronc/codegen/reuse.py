@@ -211,7 +211,7 @@ class _SymbolicPlan:
 
 
 class _Recorder(Emitter):
-    """An emitter that notes which instructions took the DMA round robin, and where each SBUF pool lies at this
+    """An emitter that notes which instructions took the DMA round robin (or a queue counted as it, dma_on), and where each SBUF pool lies at this
     kernel parity and at the other."""
 
     def __init__(self, target):
@@ -230,6 +230,10 @@ class _Recorder(Emitter):
     def dma(self, dst, src, **kwargs) -> None:
         self.rotated.append(len(self.instructions))
         super().dma(dst, src, **kwargs)
+
+    def dma_on(self, queue, dst, src) -> None:
+        self.rotated.append(len(self.instructions))
+        super().dma_on(queue, dst, src)
 
 
 def _tensor(ap: AccessPattern) -> int:
@@ -275,7 +279,7 @@ class _Recording:
                       i.imm0, i.imm1, i.accumulate, i.reverse, None if i.debug == debug else i.debug)
                      for k, i in enumerate(em.instructions)]
         self.operands = list(numbered)  # a row's slots number its operands in this list, HBM ones rebased by instance
-        self.dmas, self.queues = len(rotated), queues
+        self.dmas, self.queues = em._dma_turn, queues  # the round robin's turns (Emitter.dma_on takes none)
         self.sbuf_used, self.psum_used = em._sbuf_used, em._psum_used
         self.pools = em.pools
 
