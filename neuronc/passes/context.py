@@ -29,5 +29,8 @@ class PassContext:
     # (emulated ns, instructions) of one planned kernel compiled alone (neuronc.kernel_timing, set by
     # neuronc.compiler; None: the planners price with their formulas alone).
     kernel_time: Callable | None = None
+    # The same timing for a norm folded into its matmul, whose schedule is chosen by its kernel's time at -O2 too
+    # (passes/norm_prologue.py: a few small kernels; None: by the prologue's own price).
+    prologue_time: Callable | None = None
     # Priced pass -> (estimated ns with it, without it) of the decision taken (pipeline.PRICED).
     decisions: dict = dataclasses.field(default_factory=dict)

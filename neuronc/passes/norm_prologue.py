@@ -27,6 +27,7 @@ read. That one is a trade the pipeline prices (passes/pipeline.py PRICED).
 """
 from __future__ import annotations
 
+import pickle
 
 from neuronc import ir
 from neuronc.ir import Op
@@ -35,7 +36,8 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.legalize import dense_strides
 from neuronc.passes.rowwise import rowwise_plan
 from neuronc.passes import rowwise_schedule
-from neuronc.passes.tiling import Prologue, prologue_sbuf_bytes
+from neuronc.passes.tiling import Prologue, _prologue_key, prologue_planned, prologue_sbuf_bytes
+from neuronc.plans import ChainPlan
 from neuronc.targets import Target
 
 
@@ -112,35 +114,110 @@ def _depends_on(x: ir.Node, target: ir.Node, limit: int = 4096) -> bool:
     return False
 
 
-def _as_prologue(norm: ir.Node, target: Target) -> dict:
-    """The norm's attributes, its schedule chosen again as a prologue's (rowwise_schedule.rowwise_ns with prologue:
-    its row tiles copied out of the transposes' PSUM on the Vector engine instead of stored) with its buffers, and
-    its plan made for that schedule."""
+def _as_prologue(norm: ir.Node, target: Target, count: int = 1, margin: float = 1.0) -> list:
+    """The norm's attributes with its schedule chosen again as a prologue's (rowwise_schedule.rowwise_ns with
+    prologue: its row tiles copied out of the transposes' PSUM on the Vector engine instead of stored) with its
+    buffers, and its plan made for that schedule: the best-priced first, then up to `count` - 1 runners-up of
+    other prices within `margin` times its price (rowwise_schedule.ranked_schedules)."""
     attrs, dtypes = norm.attrs, [x.dtype for x in norm.inputs]
     if attrs["plan"].sums:
-        return dict(attrs)
-    schedule = rowwise_schedule.choose_schedule(attrs["body"], attrs["views"], dtypes, norm.dtype, attrs["rows"], attrs["cols"],
-                               [attrs["schedule"].bufs], target, prologue=True)
-    if schedule == attrs["schedule"]:
-        return dict(attrs)
-    plan = rowwise_plan(attrs["body"], attrs["views"], dtypes, schedule, target, attrs["cols"])
-    return {**attrs, "schedule": schedule, "plan": plan}
+        return [dict(attrs)]
+    schedules = rowwise_schedule.ranked_schedules(attrs["body"], attrs["views"], dtypes, norm.dtype, attrs["rows"],
+                                                  attrs["cols"], [attrs["schedule"].bufs], target, count, margin,
+                                                  prologue=True)
+    return [dict(attrs) if schedule == attrs["schedule"] else
+            {**attrs, "schedule": schedule,
+             "plan": rowwise_plan(attrs["body"], attrs["views"], dtypes, schedule, target, attrs["cols"])}
+            for schedule in schedules]
+
+
+# A folded norm's prologue schedules timed in their kernel (PassContext.prologue_time, -O2 and -O3): the prologue's
+# own price (rowwise_ns) sees neither the matmul's B strips on the DMA queues nor the Tensor engine's transposes
+# beside its row tiles. On GPT-2-small's QKV kernel its third distinct price (t2, bn_tiles 4, no cut: 12.17 us
+# against 11.96, 1.8% above) makes the kernel 0.8 us and the block 0.9 us faster (docs/performance.md, issue 16
+# parts 40 and 44). Stated choices, for compile time: at most PROLOGUE_TIMED schedules of distinct prices within
+# PROLOGUE_MARGIN of the cheapest, and only for kernels of at most PROLOGUE_MATMULS matmul instructions all
+# schedules together (`_matmuls`): GPT-2-small's QKV kernel (120 a schedule, ~450 instructions, ~0.1 CPU s to time)
+# and MLP chain (336, ~930) are timed; a 50257-word LM head (2376, ~6100, ~0.6 s) keeps its best-priced schedule.
+PROLOGUE_TIMED = 3
+PROLOGUE_MARGIN = 1.05
+PROLOGUE_MATMULS = 3_000
+
+
+def _matmuls(planned: ir.Node) -> int:
+    """The matmul instructions of a planned prologued kernel (its chain's two matmuls), without its transposes."""
+    inner = planned.attrs["plan"].matmul
+    count = 0
+    for plan in (inner.first, inner.second) if isinstance(inner, ChainPlan) else (inner,):
+        t = plan.tiling
+        count += plan.batch * -(-plan.m // t.tile_m) * -(-plan.n // t.tile_n) * -(-plan.k // t.tile_k)
+    return count
 
 
 def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, stored: bool, new: dict,
-            target: Target) -> ir.Node | None:
+            target: Target, timed=None) -> ir.Node | None:
     """`reader` (its inputs rewritten to `inputs`) with `norm` (rewritten inputs in `new`) as the prologue making its
     input `operand` (and storing it as the kernel's second output if `stored`: its own schedule, priced with its
-    stores), or None if their tiles do not fit in SBUF together."""
-    attrs = dict(norm.attrs) if stored else _as_prologue(norm, target)
-    prologue = Prologue(len(norm.inputs), operand, norm.dtype, attrs, norm.loc, stored)
-    rest = [*inputs[:operand], *inputs[operand + 1:]]
-    # the stored norm is the kernel's last output: 1, or 2 after the epilogue step a shared epilogue stores
-    made = reader.attrs.get("outputs") or ((reader.shape, reader.dtype),)
-    outputs = {"outputs": (*made, (norm.shape, norm.dtype))} if stored else {}
-    folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
-                     reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
-    return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
+    stores), or None if their tiles do not fit in SBUF together. With `timed` (PassContext.prologue_time), the
+    prologue's schedule is the one of its few best-priced (PROLOGUE_TIMED) whose kernel, planned as the tiling pass
+    plans it, the emulator's clock times fastest (`_timed_choice`; a kernel of more than PROLOGUE_MATMULS matmuls
+    for them all is not timed); else the best-priced."""
+    def build(attrs: dict) -> ir.Node | None:
+        prologue = Prologue(len(norm.inputs), operand, norm.dtype, attrs, norm.loc, stored)
+        rest = [*inputs[:operand], *inputs[operand + 1:]]
+        # the stored norm is the kernel's last output: 1, or 2 after the epilogue step a shared epilogue stores
+        made = reader.attrs.get("outputs") or ((reader.shape, reader.dtype),)
+        outputs = {"outputs": (*made, (norm.shape, norm.dtype))} if stored else {}
+        folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
+                         reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
+        return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
+
+    if stored:
+        return build(dict(norm.attrs))
+    if timed is None:
+        return build(_as_prologue(norm, target)[0])
+    choices = _as_prologue(norm, target, PROLOGUE_TIMED, PROLOGUE_MARGIN)
+    first = build(choices[0])
+    if first is None or len(choices) == 1:
+        return first
+    return build(choices[_timed_choice(first, choices, build, target, timed)])
+
+
+def _timed_choice(first: ir.Node, choices: list, build, target: Target, timed) -> int:
+    """The index of the prologue attributes among `choices` whose folded kernel (`build`, planned by
+    tiling.prologue_planned) `timed` times fastest (the earlier, better-priced, of equals; one that does not fit is
+    not taken). Chosen once per distinct kernel but for locations (tiling's `_prologue_key` of the best-priced
+    one, `first`: the choices are a function of it), as the tiling of a prologued kernel is: a model's repeated
+    layers time their norms' kernels once; a hit takes the ids the timing took (`ir.skip_ids`)."""
+    try:
+        key = _prologue_key(_timed_choice, first, target)
+        hash(key)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        key = None
+    if key is not None and key in _TIMED:
+        index, ids = _TIMED[key]
+        ir.skip_ids(ids)
+        return index
+    start = ir.next_id()
+    planned = prologue_planned(first, target)
+    if len(choices) * _matmuls(planned) > PROLOGUE_MATMULS:
+        index = 0
+    else:
+        times = [(timed(planned)[0], 0)]
+        for i, attrs in enumerate(choices[1:], 1):
+            folded = build(attrs)
+            if folded is not None:
+                times.append((timed(prologue_planned(folded, target))[0], i))
+        index = min(times)[1]
+    if key is not None:
+        if len(_TIMED) >= _TIMED_LIMIT:
+            _TIMED.clear()
+        _TIMED[key] = index, ir.next_id() - start
+    return index
+
+
+_TIMED: dict = {}  # tiling._prologue_key of a folded node -> (the index of its timed choice, the ids timing took)
+_TIMED_LIMIT = 2048  # distinct folded kernels' choices remembered per process
 
 
 def fold_norms_into_matmuls(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -175,7 +252,7 @@ def _fold(graph: ir.Graph, ctx: PassContext, stored: bool) -> ir.Graph:
     second: dict = {}  # a stored norm as rewritten -> the kernel storing it
 
     def fold(node, inputs):
-        result = _folded(node, inputs, *norms[node], new, target) if node in norms else None
+        result = _folded(node, inputs, *norms[node], new, target, ctx.prologue_time) if node in norms else None
         if result is None:
             result = ir.with_inputs(node, inputs)
         elif norms[node][2]:

@@ -313,5 +313,27 @@ def choose_schedule(body: tuple, views: tuple, input_dtypes: list, out_dtype: DT
                                           rows, cols, tuple(fitting), target, prologue), search, _CHOSEN_LIMIT)
 
 
+def ranked_schedules(body: tuple, views: tuple, input_dtypes: list, out_dtype: DType, rows: int, cols: int,
+                     fitting: list, target: Target, count: int, margin: float, prologue: bool = False) -> list:
+    """Up to `count` candidate schedules of distinct `rowwise_ns` prices within `margin` times the cheapest,
+    cheapest first (of equal prices the first, as `choose_schedule` keeps): its choice and its runners-up, for a
+    caller that times each in context (a folded norm's kernel, passes/norm_prologue.py)."""
+    def search() -> tuple:
+        options = candidates(body, views, input_dtypes, out_dtype, cols, fitting, target, rows)
+        prices = [rowwise_ns(body, views, input_dtypes, out_dtype, rows, cols, s, target, prologue) for s in options]
+        ranked, seen = [], set()
+        for i in sorted(range(len(options)), key=prices.__getitem__):
+            if prices[i] in seen or prices[i] > margin * min(prices) or len(ranked) == count:
+                continue
+            seen.add(prices[i])
+            ranked.append(options[i])
+        return tuple(ranked)
+
+    return list(once_per_key(_RANKED, lambda: (structural_key(body), structural_key(views), tuple(input_dtypes),
+                                               out_dtype, rows, cols, tuple(fitting), target, count, margin,
+                                               prologue), search, _CHOSEN_LIMIT))
+
+
+_RANKED: dict = {}  # structural key of ranked_schedules' arguments -> its schedules
 _CHOSEN: dict = {}  # structural key of choose_schedule's arguments -> its schedule
 _CHOSEN_LIMIT = 4096  # distinct row-wise kernels remembered per process
