@@ -5,13 +5,18 @@ columns (trn2's [128, 16] units of a 2-byte type at 0.9 of a queue's rate). Only
 changes: the bits stay -O0's and match eager."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
 from neuronc.ir import Op
+from neuronc.passes import tiling
+from neuronc.targets import get_target
 from neuronc.isa import Engine, Opcode
 from neuronc.placement import SBUF_PAGE_BYTES
-from tests.conftest import assert_matches_eager, o2_with_o0_bits
+from tests.conftest import (assert_as_accurate_as_eager, assert_matches_eager, compile_module, o2_with_o0_bits,
+                            run_program)
 
 
 class Linear(nn.Module):
@@ -45,3 +50,46 @@ def test_fp32_operands_keep_their_strided_loads():
     compiled, (out,) = o2_with_o0_bits(Linear(), (x, w))
     assert_matches_eager(out, Linear()(x, w))
     assert not _transposes(compiled)  # DMA transposes move 2-byte types only
+
+
+class NormLinear(nn.Module):
+    """A layer-norm read by x @ W^T, W given at run time (a training graph's weight: not stored transposed)."""
+
+    def forward(self, x, w):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],)) @ w.t()
+
+
+def test_a_norm_prologues_matmul_may_load_w_by_dma_transposes_priced_with_the_bits_of_strided_loads(monkeypatch):
+    """A matmul whose A a norm makes on chip (passes/norm_prologue.py) still loads B = W^T; its tiling search
+    (tiling._prologue_search) may load B's strips as DMA transposes too, kept where `price` says they are cheaper.
+    Taken (their price halved here, to force them), the kernel transposes W by DMA and gives the bits of the same
+    kernel loading W^T strided, and eager's values."""
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 768).to(torch.bfloat16), (torch.randn(3072, 768) * 0.05).to(torch.bfloat16)
+    monkeypatch.setattr(tiling, "_PROLOGUES", {})  # the prologue tilings made once per key: made again here
+    priced = compile_module(NormLinear(), (x, w), opt_level=2)
+    (matmul,) = [n for n in priced.graph.nodes() if n.op is Op.MATMUL]
+    chosen = matmul.attrs["plan"].matmul.tiling
+    _, stage = tiling.prologue_stages(matmul)
+    other = dataclasses.replace(chosen, transposes="" if chosen.transposes else "b")
+    trn2 = get_target("trn2")
+    assert tiling.price(stage, chosen, trn2) <= tiling.price(stage, other, trn2)
+
+    price = tiling.price
+    monkeypatch.setattr(tiling, "price", lambda node, t, *args, **kw: price(node, t, *args, **kw) / (2 if t.transposes
+                                                                                                    else 1))
+    monkeypatch.setattr(tiling, "_PROLOGUES", {})
+    compiled = compile_module(NormLinear(), (x, w), opt_level=2)
+    (matmul,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert matmul.attrs.get("prologue") is not None and matmul.attrs["plan"].matmul.tiling.transposes == "b"
+    assert _transposes(compiled)
+    (out,) = run_program(compiled.neff, (x, w))
+    monkeypatch.setattr(tiling, "price", price)
+    monkeypatch.setattr(tiling, "_transpose_options", lambda node, target: [])
+    monkeypatch.setattr(tiling, "_PROLOGUES", {})
+    strided = compile_module(NormLinear(), (x, w), opt_level=2)
+    (plain,) = [n for n in strided.graph.nodes() if n.op is Op.MATMUL]
+    assert plain.attrs.get("prologue") is not None and not _transposes(strided)
+    (theirs,) = run_program(strided.neff, (x, w))
+    assert torch.equal(out.view(torch.int16), theirs.view(torch.int16))
+    assert_as_accurate_as_eager([out], NormLinear(), (x, w))

@@ -3,6 +3,7 @@ row-wise kernel's row tiles computed in the matmul's kernel and transposed on th
 resident A^T, instead of stored to HBM and loaded back strided."""
 from __future__ import annotations
 
+import copy
 import functools
 from unittest import mock
 
@@ -11,7 +12,10 @@ import numpy as np
 import torch
 
 from neuronc import ir_text
-from neuronc.compiler import CompileOptions, compile_exported
+from benchmarks.roofline import _aot_graphs
+from neuronc.compiler import CompileOptions, compile_exported, compile_fx
+from neuronc.frontend.tensors import from_numpy, to_numpy
+from neuronc.neff.program import TensorKind
 from neuronc.ir import Op
 from neuronc.codegen.matmul import TRANSPOSE_BANKS
 from neuronc.isa import DType, Engine, Opcode, Space
@@ -135,6 +139,74 @@ def test_a_stored_norm_gives_the_bits_of_the_norm_and_the_matmul_apart_and_is_ne
     reads = [i for stream in neff.streams.values() for i in stream if i.engine is Engine.DMA
              and i.operands[1].space is Space.HBM and norm.offset <= i.operands[1].offset < norm.offset + norm.nbytes]
     assert not reads  # written once by the kernel, never loaded back
+
+
+def _training_forward():
+    """AOTAutograd's forward graph of a bf16 LayerNorm -> Linear -> GELU -> Linear (it saves the norm's result, h
+    and gelu(h)) and its inputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 256)).to(torch.bfloat16)
+    x = torch.randn(1, 256, 256).to(torch.bfloat16)
+    forward, _ = _aot_graphs(model, (x,), True)
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    generator = torch.Generator().manual_seed(1)
+    # the weights ([out, in]) at nn.Linear's scale: unit-variance weights make sums the size of bf16's rounding steps
+    inputs = [(torch.randn(n.meta["val"].shape, generator=generator) * (0.05 if n.meta["val"].dim() == 2 else 1.0))
+              .to(n.meta["val"].dtype) for n in placeholders]
+    return forward, inputs
+
+
+class _Outputs(torch.nn.Module):
+    """The outputs `made` of a graph module (those its compiled program makes, not inputs returned as given)."""
+
+    def __init__(self, graph, made):
+        super().__init__()
+        self.graph, self.made = graph, made
+
+    def forward(self, *inputs):
+        outputs = self.graph(*inputs)
+        return [outputs[k] for k in self.made]
+
+
+def test_a_stored_norm_and_a_stored_epilogue_step_are_one_kernels_outputs_2_and_1_with_the_bits_apart():
+    """The matmul reading a saved norm already stores h (its shared epilogue's step, output 1): the norm is folded
+    as its prologue all the same and stored as output 2. One kernel makes gelu(h), h and the norm, with the bits of
+    the norm's kernel and the matmul's apart and eager's values; neither h nor the norm is loaded back."""
+    forward, inputs = _training_forward()
+    with mock.patch.object(pipeline, "PRICED", ()):  # taken, not priced
+        folded = compile_fx(copy.deepcopy(forward), CompileOptions(opt_level=2, name="stored_both"),
+                            inputs_returned_as_given=True)
+    (matmul,) = [n for n in folded.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue")]
+    assert matmul.attrs["prologue"].stored and matmul.attrs["plan"].matmul.stored_step is not None
+    assert [shape[-2:] for shape, _ in matmul.attrs["outputs"]] == [(256, 1024), (256, 1024), (256, 256)]
+    assert {n.attrs["index"] for n in folded.graph.nodes() if n.op is Op.KERNEL_OUTPUT and n.inputs[0] is matmul} \
+        == {1, 2}
+    assert Op.ROWWISE not in {n.op for n in folded.graph.nodes()} and Op.FUSED not in {n.op for n in folded.graph.nodes()}
+    schedule = matmul.attrs["prologue"].attrs["schedule"]
+    apart = [p for p in pipeline.PIPELINES[2] if p is not fold_saved_norms_into_matmuls]
+    with mock.patch.dict(pipeline.PIPELINES, {2: apart}), mock.patch.object(
+            rowwise_schedule, "choose_schedule", lambda *args, **kw: schedule):
+        unfolded = compile_fx(copy.deepcopy(forward), CompileOptions(opt_level=2, name="stored_both_apart"),
+                              inputs_returned_as_given=True)
+    assert Op.ROWWISE in {n.op for n in unfolded.graph.nodes()}
+    assert len(unfolded.neff.kernels) == len(folded.neff.kernels) + 1
+    arrays = [to_numpy(t) for t in inputs]
+    mine, theirs = (run_neff(c.neff, arrays).outputs for c in (folded, unfolded))
+    made = [k for k, i in enumerate(folded.output_layout) if i is not None and not isinstance(i, tuple)]
+    assert len(made) >= 4  # the result, the norm, h and gelu(h)
+    for k in made:
+        i, j = folded.output_layout[k], unfolded.output_layout[k]
+        assert np.array_equal(np.asarray(mine[i]).view(np.uint8), np.asarray(theirs[j]).view(np.uint8))
+    assert_as_accurate_as_eager([from_numpy(mine[folded.output_layout[k]]) for k in made],
+                                _Outputs(forward, made), inputs)
+    neff = folded.neff
+    saved = [t for t in neff.tensors if t.kind is TensorKind.OUTPUT and tuple(t.shape)[-2:] in ((256, 256), (256, 1024))]
+    read = {t.name for i in (i for stream in neff.streams.values() for i in stream if i.engine is Engine.DMA)
+            for t in saved if i.operands[1].space is Space.HBM and t.offset <= i.operands[1].offset < t.offset + t.nbytes}
+    stored = {n for n in folded.graph.nodes() if n.op is Op.KERNEL_OUTPUT and n.inputs[0] is matmul}
+    assert len(saved) >= 3 and len(stored) == 2
+    assert len(read) == 1  # gelu(h), read by the second matmul; the norm and h written once, never loaded back
 
 
 def test_a_saved_norm_is_folded_only_where_the_cost_model_times_the_program_faster():

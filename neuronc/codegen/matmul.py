@@ -75,9 +75,10 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
                    body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
     kernel: Rowwise
 
-    stored = None  # the norm's result in HBM, the kernel's second output (ProloguePlan.stored)
-    if plan.stored:
-        stored = HbmTensor(plan.dtype, memory.placement[(node, 1)].offset, ((plan.cols, rows), (1, plan.cols)))
+    stored = None  # the norm's result in HBM, the kernel's last output (ProloguePlan.stored; 1 or, after a stored
+    if plan.stored:  # epilogue step's, 2)
+        index = len(node.attrs["outputs"]) - 1
+        stored = HbmTensor(plan.dtype, memory.placement[(node, index)].offset, ((plan.cols, rows), (1, plan.cols)))
 
     def transposed(r0: int, tile: AccessPattern) -> None:
         rt = tile.partitions

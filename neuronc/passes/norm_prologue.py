@@ -46,11 +46,19 @@ from neuronc.targets import Target
 SIXTEEN_BIT = (DType.BF16, DType.F16)
 
 
+def _shared(reader: ir.Node) -> bool:
+    """Whether `reader`'s one extra output is an epilogue step it stores (passes/shared_epilogues.py)."""
+    return reader.attrs.get("stored_step") is not None and len(reader.attrs["outputs"]) == 2
+
+
 def _operand(reader: ir.Node) -> int | None:
     """Which input of `reader` (a matmul, or a chained node) a norm may make: A of a plain matmul, read densely;
-    B of a chain's first matmul, read as the transpose of a dense [M, K] (x^T, the first computing h^T); else None."""
-    if reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1 or "outputs" in reader.attrs:
-        return None  # (a second output, passes/shared_epilogues.py: stored by the plain kernel only)
+    B of a chain's first matmul, read as the transpose of a dense [M, K] (x^T, the first computing h^T); else None.
+    A matmul with a second output takes a norm only when that output is a stored epilogue step (the norm then a
+    stored one, its third output: `_norm`)."""
+    if (reader.op is not Op.MATMUL or reader.attrs.get("prologue") or reader.shape[0] != 1
+            or ("outputs" in reader.attrs and not _shared(reader))):
+        return None  # (column sums' second output, passes/matmul_column_sums.py: stored by the plain kernel only)
     chain = reader.attrs.get("chain")
     if chain is None:
         views = reader.attrs.get("views") or (None,) * len(reader.inputs)
@@ -80,7 +88,8 @@ def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tup
             or k % target.matmul_max_k or x.dtype != reader.inputs[1 - operand].dtype or x.dtype not in SIXTEEN_BIT):
         return None
     if not any(y in outputs or len(consumers.get(y, ())) != 1 for y in (x, *path)):
-        return operand, x, False
+        # (a matmul storing an epilogue step takes only a stored norm, the case made for: a training forward's)
+        return None if "outputs" in reader.attrs else (operand, x, False)
     # read by others too (a training graph saves it): stored by the kernel as well, when only the norm itself (not
     # a reshape of it on the way) has other readers and nothing else the matmul reads is computed from it
     if (chain is not None or any(y in outputs or len(consumers.get(y, ())) != 1 for y in path)
@@ -156,7 +165,9 @@ def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, stored:
     def build(attrs: dict) -> ir.Node | None:
         prologue = Prologue(len(norm.inputs), operand, norm.dtype, attrs, norm.loc, stored)
         rest = [*inputs[:operand], *inputs[operand + 1:]]
-        outputs = {"outputs": ((reader.shape, reader.dtype), (norm.shape, norm.dtype))} if stored else {}
+        # the stored norm is the kernel's last output: 1, or 2 after the epilogue step a shared epilogue stores
+        made = reader.attrs.get("outputs") or ((reader.shape, reader.dtype),)
+        outputs = {"outputs": (*made, (norm.shape, norm.dtype))} if stored else {}
         folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
                          reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
         return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
@@ -253,9 +264,10 @@ def _fold(graph: ir.Graph, ctx: PassContext, stored: bool) -> ir.Graph:
     if not second:
         return graph
 
-    def outputs_of(node, inputs):  # the stored norm's other readers read the kernel's second output
+    def outputs_of(node, inputs):  # the stored norm's other readers read the kernel's last output
         if node in second:
-            return ir.node(Op.KERNEL_OUTPUT, [second[node]], node.shape, node.dtype, node.loc, index=1)
+            index = len(second[node].attrs["outputs"]) - 1
+            return ir.node(Op.KERNEL_OUTPUT, [second[node]], node.shape, node.dtype, node.loc, index=index)
         return None
 
     return graph.rewrite(outputs_of)

@@ -486,8 +486,12 @@ def _prologue_search(node: ir.Node, target: Target):
                    and _prologue_bytes(node, o) <= target.sbuf_bytes_per_partition]
         return cheapest(options, lambda o: chain_price(matmul, *o, target), None,
                         tie=lambda o: (-o[0].stream_bufs, -o[1].stream_bufs)) if options else None
-    options = [t for t in (_second_tiling(matmul, target, bufs) for bufs in (3, 2))
-               if _prologue_bytes(node, t) <= target.sbuf_bytes_per_partition]
+    plain = [_second_tiling(matmul, target, bufs) for bufs in (3, 2)]
+    # B's strips read across its rows (a weight stored [out, in]: a training graph's, not stored transposed) may load
+    # as DMA transposes, priced as any tiling's (`price`); A is made on chip, never loaded
+    plain += [dataclasses.replace(t, transposes="b") for t in plain
+              if "b" in _transpose_options(matmul, target) and _whole_pages(matmul, t, "b")]
+    options = [t for t in plain if _prologue_bytes(node, t) <= target.sbuf_bytes_per_partition]
     return cheapest(options, lambda t: price(matmul, t, target), None, tie=lambda t: -t.stream_bufs) if options else None
 
 
