@@ -295,6 +295,22 @@ def _map_attr(value, fn):
     return value
 
 
+def depends_on(x: Node, target: Node, limit: int = 4096) -> bool:
+    """Whether `x` is `target` or reads it, directly or not (walked up to `limit` nodes; past it, assumed so)."""
+    seen, stack = set(), [x]
+    while stack:
+        y = stack.pop()
+        if y is target:
+            return True
+        if y in seen:
+            continue
+        seen.add(y)
+        if len(seen) > limit:
+            return True
+        stack.extend(y.inputs)
+    return False
+
+
 def unreshaped(node: Node) -> Node:
     """The value a chain of RESHAPEs (aliases of the same bytes) starts from."""
     while node.op is Op.RESHAPE:

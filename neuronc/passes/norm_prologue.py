@@ -93,25 +93,9 @@ def _norm(reader: ir.Node, consumers: dict, outputs: set, target: Target) -> tup
     # read by others too (a training graph saves it): stored by the kernel as well, when only the norm itself (not
     # a reshape of it on the way) has other readers and nothing else the matmul reads is computed from it
     if (chain is not None or any(y in outputs or len(consumers.get(y, ())) != 1 for y in path)
-            or any(_depends_on(y, x) for y in reader.inputs if y is not reader.inputs[operand])):
+            or any(ir.depends_on(y, x) for y in reader.inputs if y is not reader.inputs[operand])):
         return None
     return operand, x, True
-
-
-def _depends_on(x: ir.Node, target: ir.Node, limit: int = 4096) -> bool:
-    """Whether `x` is `target` or reads it, directly or not (walked up to `limit` nodes; past it, assumed so)."""
-    seen, stack = set(), [x]
-    while stack:
-        y = stack.pop()
-        if y is target:
-            return True
-        if y in seen:
-            continue
-        seen.add(y)
-        if len(seen) > limit:
-            return True
-        stack.extend(y.inputs)
-    return False
 
 
 def _as_prologue(norm: ir.Node, target: Target, count: int = 1, margin: float = 1.0) -> list:

@@ -17,22 +17,6 @@ from neuronc.passes.fusion import MAX_INPUTS, MAX_STEPS
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 
 
-def _depends_on(x: ir.Node, target: ir.Node, limit: int = 4096) -> bool:
-    """Whether `x` is `target` or reads it, directly or not (walked up to `limit` nodes; past it, assumed so)."""
-    seen, stack = set(), [x]
-    while stack:
-        y = stack.pop()
-        if y is target:
-            return True
-        if y in seen:
-            continue
-        seen.add(y)
-        if len(seen) > limit:
-            return True
-        stack.extend(y.inputs)
-    return False
-
-
 def _sharing_reader(matmul: ir.Node, consumers: dict, outputs: set) -> ir.Node | None:
     """The one elementwise kernel of the matmul's shape reading its result densely, when the matmul can take it
     (a plain matmul: no chain, no second output yet) and others read the result too; else None."""
@@ -64,7 +48,7 @@ def _fused(matmul: ir.Node, reader: ir.Node, inputs: dict) -> ir.Node | None:
             continue
         offset, strides = view or (0, dense_strides(reader.shape))
         strides = reshaped_strides(reader.shape, strides, matmul.shape)
-        if strides is None or _depends_on(x, matmul):
+        if strides is None or ir.depends_on(x, matmul):
             return None
         index[j] = 1 + len(extra)
         extra.append(inputs[x])
