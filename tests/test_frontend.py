@@ -102,6 +102,14 @@ def test_an_isolated_call_returns_values_and_reraises_exceptions():
         run_isolated(lambda: os.kill(os.getpid(), signal.SIGABRT))
 
 
+def test_an_isolated_call_may_run_torch_ops_after_the_caller_used_its_thread_pool(monkeypatch):
+    # a parallel ATen op in the caller starts OpenMP's threads; the forked child has none of them, and its own
+    # first parallel region waited for them forever (JAX's LAPACK lowering builds a triangle mask with triu)
+    monkeypatch.setenv("NEURONC_FRONTEND_TIMEOUT", "20")
+    torch.ones(16, 64, 64).triu(1)
+    assert run_isolated(lambda: int(torch.ones(16, 64, 64).triu(1).sum())) == 16 * 64 * 63 // 2
+
+
 def test_dynamic_shapes_are_rejected_with_a_way_out():
     model, (x,) = zoo.build("mlp")
     batch = torch.export.Dim("batch", min=2, max=64)

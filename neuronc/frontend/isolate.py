@@ -54,6 +54,7 @@ def run_isolated(fn, *args, what: str = "the torch-mlir import"):
     if pid == 0:  # child
         os.close(read_fd)
         _silence_native_diagnostics()
+        _single_threaded()
         status = 0
         try:
             try:
@@ -135,6 +136,14 @@ def _silence_native_diagnostics() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
+
+
+def _single_threaded() -> None:
+    """A forked child has only the thread that forked: OpenMP's pool (started by any parallel ATen op the caller
+    ran) is not there, and libgomp's first parallel region in the child waits for it forever. One thread makes
+    ATen run its parallel loops inline (at::parallel_for with one thread enters no OpenMP region)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _pickle_exception(exc: BaseException) -> bytes:
