@@ -268,8 +268,10 @@ def test_a_plan_prints_field_by_field():
     tiling = plans.MatmulTiling("a", 2, 128, 512, 128, 3, True)
     x = ir.node(Op.PARAMETER, [], (1, 4, 4), DType.F32, index=0, name="x", kind="input")
     matmul = ir.node(Op.MATMUL, [x, x], (1, 4, 4), DType.F32, k=4, tiling=tiling)
-    assert ('tiling = MatmulTiling(resident="a", block=2, tile_m=128, tile_n=512, tile_k=128, stream_bufs=3, '
-            'streamed_first=true)') in ir_text.to_text(ir.Graph([x], [matmul]))
+    text = ir_text.to_text(ir.Graph([x], [matmul]))  # a long attribute wraps after its opening parenthesis
+    assert "tiling = MatmulTiling(" in text
+    assert ('resident="a", block=2, tile_m=128, tile_n=512, tile_k=128, stream_bufs=3, streamed_first=true, '
+            'transposes="")') in text
     assert repr(matmul).startswith(f"%{matmul.id} = matmul(%{x.id}, %{x.id}) : 1x4x4xf32 {{k = 4, tiling = ")
 
 
