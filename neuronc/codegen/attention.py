@@ -147,7 +147,8 @@ class _Attention:
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
         self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
         # the kernel's DMA work booked on each queue, and the round robin's turn at its start (freest_queue)
-        self.queue_ns, self.booked_upto, self.first_turn = [0.0] * em.target.dma_queues, len(em.instructions), em.dma_turn
+        self.queue_ns = [0.0] * em.target.dma_queues
+        self.booked_upto, self.first_turn = len(em.instructions), em.dma_turn
         self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
 
@@ -575,9 +576,10 @@ class _Attention:
             self.vector(Opcode.SELECT, out, broadcast_columns(empty, dv), tile_at(self.zeros, 0, qt, dv), out)
         if not grouped:
             target = self.em.target
-            pieces = min(target.dma_queues // 4, qt // partition_group(target)) if blk.g >= self.plan.batch - self.plan.tail_heads else 1
+            tail = blk.g >= self.plan.batch - self.plan.tail_heads
+            pieces = min(target.dma_queues // 4, qt // partition_group(target)) if tail else 1
             dst = self.head(self.out, blk.g)[blk.q0:blk.q0 + qt].ap
-            if blk.g >= self.plan.batch - self.plan.tail_heads:
+            if tail:
                 for p0, p1 in dma_slices(target, out, max(1, pieces)):
                     self.em.dma_on(self.freest_queue(), row_slice(dst, p0, p1), row_slice(out, p0, p1))
             else:

@@ -211,8 +211,8 @@ class _SymbolicPlan:
 
 
 class _Recorder(Emitter):
-    """An emitter that notes which instructions took the DMA round robin (or a queue counted as it, dma_on), and where each SBUF pool lies at this
-    kernel parity and at the other."""
+    """An emitter that notes which instructions took the DMA round robin (or a queue counted as it, dma_on), and
+    where each SBUF pool lies at this kernel parity and at the other."""
 
     def __init__(self, target):
         super().__init__(target)

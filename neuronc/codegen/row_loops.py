@@ -63,12 +63,14 @@ def row_program(tiles: dict, blocks: tuple, max_tiles: int, name: str) -> Neff:
         mapping = {}  # the tile's entry name -> (the program's entry, row-sliced)
         for t in tile.tensors:
             key = (t.kind, t.index)
-            if key in sliced and _rows_of(t, block) and t.shape[1:] == sliced[key].shape[1:] and t.dtype == sliced[key].dtype:
+            same = key in sliced and t.shape[1:] == sliced[key].shape[1:] and t.dtype == sliced[key].dtype
+            if same and _rows_of(t, block):
                 mapping[t.name] = (sliced[key], True)
             elif key in shared and t.shape == shared[key].shape and t.dtype == shared[key].dtype:
                 mapping[t.name] = (shared[key], False)
             elif t.kind in (TensorKind.INPUT, TensorKind.OUTPUT):
-                raise ValueError(f"the {block}-row program's {t.kind.name.lower()} {t.name!r} does not match the others'")
+                raise ValueError(f"the {block}-row program's {t.kind.name.lower()} {t.name!r} "
+                                 f"does not match the others'")
             else:  # its own weights, constants and scratch
                 mapping[t.name] = (place(dataclasses.replace(t, name=f"{t.name}@{block}")), False)
         if any(t.kind in (TensorKind.INPUT, TensorKind.OUTPUT) and t.name not in mapping for t in tile.tensors):
