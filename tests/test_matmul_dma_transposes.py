@@ -46,6 +46,20 @@ def test_a_bf16_linear_loads_its_transposed_strips_as_dma_transposes_of_k_tiles_
         assert not [w for w in instr.waits if w.engine is Engine.DMA]
 
 
+def test_a_strip_of_three_row_tiles_loads_as_dma_transposes():
+    """384 tokens: A's resident strip is 384 columns a K tile, three hazard cells and not whole SBUF pages (the
+    transposes of two strips sharing a page would wait for each other); the price takes them for A and B (W given
+    at run time, stored [out, in]); -O0's bits."""
+    torch.manual_seed(0)
+    x, w = torch.randn(384, 768).to(torch.bfloat16), torch.randn(1024, 768).to(torch.bfloat16)
+    compiled, (out,) = o2_with_o0_bits(Linear(), (x, w))
+    assert_matches_eager(out, Linear()(x, w))
+    (matmul,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    tiling_ = matmul.attrs["plan"].tiling
+    assert tiling_.resident == "a" and tiling_.block == 3 and "a" in tiling_.transposes
+    assert len([i for i in _transposes(compiled) if i.operands[0].partitions == 128]) >= 6 * 3  # A's: 6 K tiles x 3
+
+
 def test_fp32_operands_keep_their_strided_loads():
     torch.manual_seed(0)  # small integers: every fp32 sum exact whatever its order
     x, w = torch.randint(-4, 5, (512, 768)).float(), torch.randint(-4, 5, (1024, 768)).float()
