@@ -80,17 +80,26 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
         index = len(node.attrs["outputs"]) - 1
         stored = HbmTensor(plan.dtype, memory.placement[(node, index)].offset, ((plan.cols, rows), (1, plan.cols)))
 
-    # the norm's gamma (and beta) when the copies out of PSUM apply them (ProloguePlan.affine): [tk, K tiles], K tile
-    # j's values one a partition in column j, loaded when the first row tile is made (behind its loads)
-    vectors: list = []
+    # the norm's gamma (and beta) when the copies out of PSUM apply them (ProloguePlan.affine): each loaded as
+    # [K tiles, tk] rows (contiguous: a strided [tk, K tiles] load of a few bytes a partition costs ~3x as much),
+    # where the norm loads its inputs the same for every row (after its first row tiles', before the later ones' and
+    # B's strips), then transposed on the Tensor engine with the norm's first row tile, into [tk, K tiles]: K tile
+    # j's values one a partition in column j (passes/norm_prologue.py checks K tiles <= partitions, the dtype A's)
+    k_tiles, rows_of_vectors, vectors = plan.cols // tk, [], []
 
     def load_vectors() -> None:
         for x, (offset, strides) in zip(node.inputs[plan.split - len(plan.affine):plan.split], plan.affine):
-            tile = em.sbuf_pool(x.dtype, plan.cols // tk, bufs=1).next().ap(tk, plan.cols // tk)
-            stride = strides[1]
-            em.dma(tile, HbmTensor(x.dtype, memory.offset(x) + offset * x.dtype.itemsize,
-                                   ((stride, tk), (stride * tk, plan.cols // tk))).ap)
-            vectors.append(tile)
+            loaded = em.sbuf_pool(x.dtype, tk, bufs=1).next().ap(k_tiles, tk)
+            em.dma(loaded, HbmTensor(x.dtype, memory.offset(x) + offset * x.dtype.itemsize,
+                                     ((strides[1] * tk, k_tiles), (strides[1], tk))).ap)
+            rows_of_vectors.append(loaded)
+
+    def transpose_vectors() -> None:
+        for loaded in rows_of_vectors:
+            acc = transposes.next().ap(tk, k_tiles, dtype=plan.dtype if mode else DType.F32)
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, loaded, tile_at(eye, 0, k_tiles, k_tiles))
+            vectors.append(em.sbuf_pool(plan.dtype, k_tiles, bufs=1).next().ap(tk, k_tiles))
+            kernel.engines.emit(Opcode.TENSOR_COPY, vectors[-1], acc)
 
     def copy(dst: AccessPattern, acc: AccessPattern, j: int) -> None:
         """K tile j's transposed block out of PSUM: copied, or y * gamma (+ beta), gamma and beta held a partition."""
@@ -105,8 +114,8 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
         rt = tile.partitions
         if stored is not None:
             dma_by_rows(em, stored[r0:r0 + rt].ap, tile)
-        if plan.affine and not vectors:
-            load_vectors()
+        if rows_of_vectors and not vectors:
+            transpose_vectors()
         for j0 in range(0, plan.cols // tk, per_bank):
             group = range(j0, min(j0 + per_bank, plan.cols // tk))
             acc = transposes.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
@@ -116,7 +125,7 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
             for n, j in enumerate(group):
                 copy(tile_at(kept, j * rows + r0, tk, rt), tile_at(acc, n * rt, tk, rt), j)
 
-    kernel = Rowwise(em, norm, memory, sink=transposed)
+    kernel = Rowwise(em, norm, memory, sink=transposed, shared_loads=load_vectors if plan.affine else None)
     groups, made = row_tile_groups(kernel), set()
 
     def make_rows(m0: int) -> None:  # the norm's row tiles up to the one holding row m0, before its matmuls

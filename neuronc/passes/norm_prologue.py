@@ -139,7 +139,7 @@ def _affine_after(attrs: dict, dtypes: list, target: Target) -> tuple | None:
     def vector(arg) -> int | None:  # the input index of a per-column vector read (converted to fp32 or as it is)
         if arg[0] == "step" and body[arg[1]].op is Op.CONVERT and body[arg[1]].dtype is DType.F32:
             arg = body[arg[1]].args[0]
-        if arg[0] != "input" or dtypes[arg[1]] not in (DType.F32, *SIXTEEN_BIT):
+        if arg[0] != "input":
             return None
         _, strides = views[arg[1]]
         return arg[1] if strides[0] == 0 and strides[1] != 0 else None
@@ -169,7 +169,9 @@ def _affine_after(attrs: dict, dtypes: list, target: Target) -> tuple | None:
     dropped.append(scaled)
     dropped += [arg[1] for arg in (gamma, beta) if arg is not None and arg[0] == "step"]
     affine = [vector(arg) for arg in (gamma, beta) if arg is not None]
-    if len(set(affine)) != len(affine) or body[y].dtype is not DType.F32:
+    # (each vector is transposed on the Tensor engine as A's row tiles are: A's dtype, at most a partition a K tile)
+    if (len(set(affine)) != len(affine) or body[y].dtype is not DType.F32
+            or any(dtypes[i] is not last.dtype for i in affine) or attrs["cols"] > target.partitions * target.matmul_max_k):
         return None
     kept = [j for j in range(len(body)) if j not in dropped]
     inputs = [i for i in range(len(views)) if i not in affine]
