@@ -18,7 +18,7 @@ from neuronc.frontend.tensors import from_numpy, to_numpy
 from neuronc.neff.program import TensorKind
 from neuronc.ir import Op
 from neuronc.codegen.matmul import TRANSPOSE_BANKS
-from neuronc.isa import DType, Engine, Opcode, Space
+from neuronc.isa import AluOp, DType, Engine, Opcode, Space
 from neuronc.passes import pipeline, rowwise_schedule
 from neuronc.passes.norm_prologue import fold_norms_into_matmuls, fold_saved_norms_into_matmuls
 from neuronc.plans import ChainPlan, ProloguePlan
@@ -396,10 +396,11 @@ def test_a_folded_norms_schedule_is_the_one_of_its_best_priced_whose_kernel_is_t
 
 def test_a_folded_norms_gamma_and_beta_are_applied_in_the_copies_out_of_the_transposes(monkeypatch):
     """A layer-norm with trained-like gamma and beta (768 features, 512 tokens, bf16) read by a projection: folded,
-    its body stops at y = (x - mean) * rstd, rounded to bf16 for the transposes, and gamma and beta (loaded as [6,
-    128] rows and transposed on chip: one value a partition) are applied by the copies out of PSUM, one TENSOR_ALU2 a K tile
-    on the Vector engine, held [p, 1] operands, none of the row tiles' passes: the kernel is faster (the cost
-    model's estimate) than with them in the body, and as accurate as eager (y is rounded twice, once by the copy)."""
+    its body stops at y = (x - mean) * rstd, rounded to bf16 for the transposes, and gamma and beta (loaded as
+    [6, 128] rows and transposed on chip: one value a partition) are applied by the copies out of PSUM, one
+    TENSOR_ALU2 a K tile on the Vector engine, held [p, 1] operands, none of the row tiles' passes: the kernel is
+    faster (the cost model's estimate) than with them in the body, and as accurate as eager (y is rounded twice,
+    once by the copy)."""
     from neuronc.passes import norm_prologue
 
     model, x = _layer_norm_projection(768, 2304, 512)
@@ -424,4 +425,41 @@ def test_a_folded_norms_gamma_and_beta_are_applied_in_the_copies_out_of_the_tran
     (kept,) = [n for n in whole.graph.nodes() if n.op is Op.MATMUL]
     assert kept.attrs["plan"].affine == () and len(kept.attrs["plan"].body) == 15
     assert compiled.neff.estimated_ns < whole.neff.estimated_ns
+    assert_as_accurate_as_eager(run_program(compiled.neff, (x,)), model, (x,))
+
+
+def test_a_bf16_gpt2_with_trained_like_layer_norms_applies_each_layers_gamma_and_beta_in_its_copies():
+    """The 2-layer GPT-2 above with each layer-norm's gamma and beta drawn apart (1 + 0.5 N, 0.5 N): its five
+    folded norms apply them in the copies out of the transposes' PSUM (ProloguePlan.affine), the repeated layers'
+    kernels generated once (codegen/reuse.py) each reading its own layer's vectors, and the logits are as accurate
+    as eager's in bf16."""
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=256, width=128, layers=2, heads=4, context=128).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        for norm in (m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)):
+            norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
+            norm.bias.copy_(0.5 * torch.randn_like(norm.bias))
+    ids = torch.randint(0, 256, (1, 128))
+    compiled = compile_module(model, (ids,))
+    prologues = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL and n.attrs.get("prologue") is not None]
+    assert [len(n.attrs["plan"].affine) for n in prologues] == [2] * 5
+    assert_as_accurate_as_eager(run_program(compiled.neff, (ids,)), model, (ids,))
+
+
+def test_a_folded_norm_without_beta_applies_its_gamma_alone_in_the_copies():
+    """A layer-norm without a bias (256 features, 128 tokens, bf16) read by a projection: gamma alone goes into the
+    copies out of the transposes' PSUM (one TENSOR_ALU2 a K tile multiplying by the held value, its second op
+    none), as accurate as eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(256, bias=False), torch.nn.Linear(256, 384))
+    model = model.eval().to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.copy_(1 + 0.5 * torch.randn(256))
+    x = torch.randn(128, 256).to(torch.bfloat16)
+    compiled = compile_module(model, (x,), name="ln_gamma_after")
+    (matmul,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    assert len(matmul.attrs["plan"].affine) == 1
+    copies = [i for i in compiled.neff.streams[(Engine.VECTOR, 0)] if i.opcode == Opcode.TENSOR_ALU2
+              and i.operands[1].space == Space.PSUM]
+    assert len(copies) == 2 and all(i.alu == AluOp.MULTIPLY and i.alu1 == AluOp.NONE for i in copies)
     assert_as_accurate_as_eager(run_program(compiled.neff, (x,)), model, (x,))

@@ -71,7 +71,8 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
     # trn2+: the transpose mode writes 16-bit results to PSUM, which the evacuating engines copy faster (targets.py)
     mode = em.target.tensor_transpose_mode and plan.dtype in (DType.BF16, DType.F16)
     per_bank = em.target.psum_bank_bytes // (plan.dtype.itemsize if mode else DType.F32.itemsize) // tk
-    norm = ir.node(Op.ROWWISE, list(node.inputs[:plan.split - len(plan.affine)]), (rows, plan.cols), plan.dtype, plan.loc,
+    norm = ir.node(Op.ROWWISE, list(node.inputs[:plan.split - len(plan.affine)]), (rows, plan.cols), plan.dtype,
+                   plan.loc,
                    body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
     kernel: Rowwise
 

@@ -171,7 +171,8 @@ def _affine_after(attrs: dict, dtypes: list, target: Target) -> tuple | None:
     affine = [vector(arg) for arg in (gamma, beta) if arg is not None]
     # (each vector is transposed on the Tensor engine as A's row tiles are: A's dtype, at most a partition a K tile)
     if (len(set(affine)) != len(affine) or body[y].dtype is not DType.F32
-            or any(dtypes[i] is not last.dtype for i in affine) or attrs["cols"] > target.partitions * target.matmul_max_k):
+            or any(dtypes[i] is not last.dtype for i in affine)
+            or attrs["cols"] > target.partitions * target.matmul_max_k):
         return None
     kept = [j for j in range(len(body)) if j not in dropped]
     inputs = [i for i in range(len(views)) if i not in affine]

@@ -474,7 +474,7 @@ def _prologue_bytes(node: ir.Node, tiling) -> int:
     tile_k = (tiling[1] if isinstance(tiling, tuple) else tiling).tile_k
     kept = _pages(-(-cols // tile_k) * norm.attrs["rows"], norm.dtype)
     identity = _pages(tile_k, norm.dtype) + _pages(tile_k, DType.F32)
-    prologue = node.attrs["prologue"]  # gamma (and beta) as loaded, [K tiles, tile_k], and transposed, [tile_k, K tiles]
+    prologue = node.attrs["prologue"]  # gamma (and beta) loaded as [K tiles, tile_k], transposed: [tile_k, K tiles]
     identity += sum(_pages(tile_k, x.dtype) + _pages(-(-cols // tile_k), x.dtype)
                     for x in node.inputs[prologue.norm_inputs:prologue.split])
     if isinstance(tiling, tuple):  # a chain: its first's B strip is the kept transpose
