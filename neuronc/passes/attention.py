@@ -73,7 +73,11 @@ HEADS_AHEAD_MOST = 3
 # three (each adds Tensor transposes and their copies out of PSUM to engines that are the kernel's bottleneck)
 ROWS_HEADS = 2
 # The last heads whose outputs are stored tile by tile (the kernel ends with them), not a head's tiles at once:
-# seq 512, head dim 128, trn2: 2 heads 36.6 us, 3 35.5, 4 34.8, 5 35.5 (with two rows heads)
+# seq 512, head dim 128, trn2: 2 heads 36.6 us, 3 35.5, 4 34.8, 5 35.5 (with two rows heads). Only where a head
+# has several query tiles stored at once (output_tiles > 1; tail_heads): with one, there is no grouped store to
+# break up, and the split tile (four transfers on four queues) only adds fixed costs the next kernel's loads
+# queue behind. HF GPT-2 small, seq 128, 12 layers, trn2 (benchmarks.compile_graph_alone's graphs): bf16
+# 2225.6 -> 2190.2 us, fp32 3422.8 -> 3411.7 us without them; seq 512 unchanged (4 tiles a head).
 TAIL_HEADS = 4
 FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
@@ -624,6 +628,12 @@ def output_tiles(sq: int, dv: int, dtype: DType) -> int:
     return max(1, min(sq // Q_TILE, SBUF_PAGE_BYTES // (dv * dtype.itemsize)))
 
 
+def tail_heads(sq: int, dv: int, dtype: DType) -> int:
+    """The last heads whose output tiles are stored one by one over the least-booked queues: TAIL_HEADS where a head's
+    tiles are otherwise stored several at once (output_tiles), else none."""
+    return TAIL_HEADS if output_tiles(sq, dv, dtype) > 1 else 0
+
+
 def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
                    heads_ahead: int = HEADS_AHEAD) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded `heads_ahead` heads ahead, and stay while any of
@@ -769,7 +779,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape), depth=pipeline_depth(*shape),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
-        out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0), tail_heads=TAIL_HEADS,
+        out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
+        tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
         probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
