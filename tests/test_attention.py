@@ -19,6 +19,7 @@ from neuronc.ir import Op
 from neuronc.passes import attention as attention_pass
 from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
+from neuronc.targets import get_target
 from runtime.metrics import matmul_flops
 from tests.conftest import assert_matches_eager, compile_and_run, compile_module, zoo_graph
 
@@ -196,6 +197,19 @@ def test_the_first_heads_q_and_k_are_transposed_on_the_tensor_engine_when_their_
                    if i.opcode == Opcode.MATMUL and i.operands[0].dtype == DType.BF16)
 
     assert transposes(compiled) - transposes(by_dma) == 2 * 2 * 4  # Q and K of 2 heads, by 4 chunks of 128 rows
+
+
+def test_short_heads_are_made_from_rows_only_where_their_kernel_is_faster_so():
+    # seq 128, 64 dims: rows_heads prices the fill alone and takes the first heads from rows, but their Tensor-engine
+    # transposes and copies out of PSUM cost the kernel more (trn2: 17.2 against 15.3 us); -O2 times both kernels
+    # (PassContext.choice_time) and keeps Q^T and K^T by strided loads
+    model, inputs = Sdpa(causal=True), _qkv(12, 128, 64, torch.bfloat16)
+    dtypes = {"q": DType.BF16, "k": DType.BF16, "p": DType.BF16}
+    assert attention_pass.rows_heads(128, 128, 64, dtypes, get_target("trn2")) == attention_pass.ROWS_HEADS
+    compiled, out = compile_and_run(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert node.attrs["rows_heads"] == 0
+    assert_matches_eager(out, model(*inputs))
 
 
 def _output_stores(compiled) -> int:
