@@ -1,6 +1,6 @@
 """Placement rules that codegen follows and the cost model prices by the same functions.
 
-Where tiles go on chip (pages of SBUF_PAGE_BYTES per partition, which the sync pass also tracks hazards by) and
+Where tiles go on chip (pages of SBUF_PAGE_BYTES per partition; the sync pass tracks hazards by SBUF_HAZARD_BYTES) and
 how a transfer is cut into DMAs on several queues (slices of whole partition groups) are rules of the code
 generator, not choices about a kernel: a planning pass prices a candidate with them before its instructions
 exist, and codegen emits exactly what they say. They live here, below both, so neither imports the other.
@@ -11,9 +11,17 @@ import math
 
 from neuronc.targets import Target
 
-# On-chip tiles are placed on pages of this many bytes per partition (the sync pass tracks hazards per
-# page, so two tiles never share one): a placement granularity of codegen, not a hardware number.
+# On-chip tiles are placed on pages of this many bytes per partition (so two tiles never share a hazard cell,
+# below): a placement granularity of codegen, not a hardware number.
 SBUF_PAGE_BYTES = 1024
+# The sync pass tracks SBUF hazards per this many bytes of a partition (a page's quarter): accesses of one tile
+# that share no such cell do not wait for each other, so a K tile's DMA transposes (`transpose_chunks`) go a row
+# tile (128 columns of 2 bytes) per queue side by side. A precision of the compiler's hazard analysis, not a
+# hardware number (the semaphores are codegen's): finer cells order every access that shares a byte, as pages
+# did, and fewer that do not. Measured with strips of whole pages (docs/performance.md, issue 16, part 46): cells
+# and chunks of 1024 bytes gpt2_train 625.3 us, gpt2_block 159.9; of 512: 603.7, 157.7; of 256: 599.4, 156.4; of
+# 128: 636.7, 158.8 (more DMAs, each paying its fixed cost).
+SBUF_HAZARD_BYTES = 256
 
 
 def partition_group(target: Target) -> int:
@@ -75,7 +83,7 @@ def free_for(target: Target, slots: int, widest: int) -> int:
 
 
 def transpose_chunks(width: int, itemsize: int) -> list:
-    """[(c0, c1)] the columns of a [128, width] tile that one DMA transpose each moves: an SBUF page of them at
-    most (the sync pass's hazard cells: chunks sharing a page would wait for each other), each on its own queue."""
-    page = SBUF_PAGE_BYTES // itemsize
-    return [(c0, min(width, c0 + page)) for c0 in range(0, width, page)]
+    """[(c0, c1)] the columns of a [128, width] tile that one DMA transpose each moves: one SBUF hazard cell of
+    them at most (SBUF_HAZARD_BYTES: chunks sharing a cell would wait for each other), each on its own queue."""
+    cell = SBUF_HAZARD_BYTES // itemsize
+    return [(c0, min(width, c0 + cell)) for c0 in range(0, width, cell)]

@@ -15,6 +15,7 @@ from neuronc.errors import NeuronRuntimeError
 from neuronc.isa import ActFunc, Engine, Opcode, Space
 from neuronc import ir
 from neuronc.ir import Op
+from neuronc.passes import tiling
 from neuronc.targets import get_target
 from runtime import run_neff
 from tests import zoo
@@ -175,12 +176,13 @@ def test_loads_go_into_the_time_their_queue_waits_for_the_previous_kernel(monkey
     """codegen.schedule.into_idle_queue_time (-O3): from the estimated timeline, loads that prefetch_loads' program
     order kept behind the previous kernel's transfers run in the time their queue waits for that kernel's compute;
     the program is faster for it, and its outputs are bit for bit those of the program in prefetch_loads' order
-    (the runtime refuses a race). -O2 does not pay the second sync pass and estimate it costs."""
+    (the runtime refuses a race). -O2 does not pay the second sync pass and estimate it costs. 1024 tokens: at 512
+    the DMA transposes of a K tile side by side (docs/performance.md, issue 16, part 46) leave no queue time to fill."""
     import neuronc.codegen
 
     torch.manual_seed(0)
     model = zoo.TransformerBlock(256, 4).to(torch.bfloat16).eval()
-    x = torch.randn(1, 512, 256, dtype=torch.bfloat16)
+    x = torch.randn(1, 1024, 256, dtype=torch.bfloat16)
     placed, (out,) = compiled_outputs(model, (x,), opt_level=3)
     placing = []
     monkeypatch.setattr(neuronc.codegen, "into_idle_queue_time", lambda *args: placing.append(args) and None)
@@ -559,11 +561,15 @@ def _matches_eager_bf16(compiled, model, x) -> None:
         assert_matches_eager([torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)], model(x))
 
 
-def test_a_gpt2_mlp_chains_x_transposed_loads_in_two_parts_over_every_queue_and_the_first_matmul_starts_on_the_first():
+def test_a_gpt2_mlp_chains_x_transposed_loads_in_two_parts_over_every_queue_and_the_first_matmul_starts_on_the_first(
+        monkeypatch):
     """The GPT-2 MLP chain's first matmul keeps x^T ([768, 512], read across x's rows: strided) resident as one
     B strip. It loads as two parts of its 6 K tiles, each cut over all 16 DMA queues, so the first output tile
     accumulates the first part's K tiles while the second part moves (loaded whole, its first matmul waited for
-    all of x^T). Matches eager."""
+    all of x^T). Matches eager. (DMA transposes left out: on trn2 the price takes them for x^T since their chunks
+    of a K tile run side by side, docs/performance.md issue 16 part 46; the subject here is the strided load, which
+    a target without them or an fp32 operand keeps.)"""
+    monkeypatch.setattr(tiling, "_transpose_options", lambda node, target: [])
     model, x, compiled = _gpt2_mlp_bf16("mlp_two_parts")
     (chained,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
     assert chained.attrs["plan"].first.in_two_parts == "b"
@@ -588,11 +594,13 @@ def test_a_projection_after_a_layer_norm_loads_its_resident_a_transposed_in_two_
     """GPT-2's QKV projection reads the layer-norm's [512, 768] result as A, resident as one A^T strip (strided):
     it loads as two parts of its K tiles over every queue, the first matmul starting on the first. Matches eager.
     (The norm is also an output here, so -O2 would fold it into the projection as a stored prologue, which the
-    price prefers: that pass is left out, as a program where the norm has other readers has it apart.)"""
+    price prefers: that pass is left out, as a program where the norm has other readers has it apart. DMA
+    transposes too, which the price takes since part 46 of issue 16: the subject is the strided load.)"""
     from neuronc.passes import pipeline
     from neuronc.passes.norm_prologue import fold_saved_norms_into_matmuls
 
     monkeypatch.setitem(pipeline.PIPELINES, 2, [p for p in pipeline.PIPELINES[2] if p is not fold_saved_norms_into_matmuls])
+    monkeypatch.setattr(tiling, "_transpose_options", lambda node, target: [])
     torch.manual_seed(0)
     model = _NormAndProjection().eval().to(torch.bfloat16)
     x = torch.randn(512, 768).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """A matmul operand read across its rows (A of x @ W^T: A^T's strips [K, rows]; B = W^T of a weight stored [out, in])
 is a strided load at half a queue's rate, far down the payload curve. Where the tiling's price says so
-(MatmulTiling.transposes) its strips load instead as DMA transposes, K tile by K tile, each a whole SBUF page of
-columns (trn2's [128, 16] units of a 2-byte type at 0.9 of a queue's rate). Only how the operand reaches SBUF
-changes: the bits stay -O0's and match eager."""
+(MatmulTiling.transposes) its strips load instead as DMA transposes, K tile by K tile, each a row tile of columns
+(one SBUF hazard cell: the chunks of a K tile run side by side on their queues; trn2's [128, 16] units of a 2-byte
+type at 0.9 of a queue's rate). Only how the operand reaches SBUF changes: the bits stay -O0's and match eager."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,6 @@ from neuronc.ir import Op
 from neuronc.passes import tiling
 from neuronc.targets import get_target
 from neuronc.isa import Engine, Opcode
-from neuronc.placement import SBUF_PAGE_BYTES
 from tests.conftest import (assert_as_accurate_as_eager, assert_matches_eager, compile_module, o2_with_o0_bits,
                             run_program)
 
@@ -29,7 +28,7 @@ def _transposes(compiled) -> list:
             if i.engine is Engine.DMA and i.opcode is Opcode.DMA_TRANSPOSE]
 
 
-def test_a_bf16_linear_loads_its_transposed_strips_as_dma_transposes_of_whole_k_tiles_with_o0s_bits():
+def test_a_bf16_linear_loads_its_transposed_strips_as_dma_transposes_of_k_tiles_a_row_tile_at_a_time_with_o0s_bits():
     torch.manual_seed(0)
     x, w = torch.randn(512, 768).to(torch.bfloat16), torch.randn(2304, 768).to(torch.bfloat16)
     compiled, (out,) = o2_with_o0_bits(Linear(), (x, w))
@@ -41,7 +40,24 @@ def test_a_bf16_linear_loads_its_transposed_strips_as_dma_transposes_of_whole_k_
     for instr in transposes:
         dst, src = instr.operands
         assert dst.partitions == 128 and src.dims[-1] == (1, 128)  # a whole K tile, contiguous in HBM
-        assert dst.free_elements * dst.dtype.itemsize == SBUF_PAGE_BYTES  # one page of columns each
+        assert dst.free_elements == 128  # a row tile of columns each: one SBUF hazard cell (256 bytes) of bf16
+        # the chunks of a K tile share an SBUF page, not a hazard cell: none waits for another DMA (tracked by
+        # pages, each would wait for the one before on its page, one queue at a time)
+        assert not [w for w in instr.waits if w.engine is Engine.DMA]
+
+
+def test_a_strip_of_three_row_tiles_loads_as_dma_transposes():
+    """384 tokens: A's resident strip is 384 columns a K tile, three hazard cells and not whole SBUF pages (the
+    transposes of two strips sharing a page would wait for each other); the price takes them for A and B (W given
+    at run time, stored [out, in]); -O0's bits."""
+    torch.manual_seed(0)
+    x, w = torch.randn(384, 768).to(torch.bfloat16), torch.randn(1024, 768).to(torch.bfloat16)
+    compiled, (out,) = o2_with_o0_bits(Linear(), (x, w))
+    assert_matches_eager(out, Linear()(x, w))
+    (matmul,) = [n for n in compiled.graph.nodes() if n.op is Op.MATMUL]
+    tiling_ = matmul.attrs["plan"].tiling
+    assert tiling_.resident == "a" and tiling_.block == 3 and "a" in tiling_.transposes
+    assert len([i for i in _transposes(compiled) if i.operands[0].partitions == 128]) >= 6 * 3  # A's: 6 K tiles x 3
 
 
 def test_fp32_operands_keep_their_strided_loads():

@@ -6,7 +6,8 @@ read, write after write) it gets a wait on the other stream's semaphore. Memory 
 an HBM tensor's grid is cut at every boundary its accesses have (a 2-D tensor's rows by bytes within a row, so the
 8-row pieces of one row tile stored from several DMA queues, an attention's output columns of a pair of heads, or a
 transposed store's columns, do not wait for each other; other tensors by bytes), exact unless a tensor's accesses
-would make more than HBM_CELLS_PER_TENSOR cells (then its cuts are rounded to a power of two); SBUF per page and
+would make more than HBM_CELLS_PER_TENSOR cells (then its cuts are rounded to a power of two); SBUF per quarter
+page (placement.SBUF_HAZARD_BYTES: a K tile's DMA transposes, a row tile of columns each, run side by side) and
 group of partitions (a DMA queue's share: loads of one tile split by partitions run side by side); PSUM per bank.
 A coarse cell never misses a dependency, at the price of a few unnecessary ones. Waits a stream has already
 implied by an earlier wait are dropped.
@@ -18,7 +19,8 @@ from collections import defaultdict
 
 from neuronc.codegen.sync_arrays import waits_at_once
 from neuronc.isa import AccessPattern, Space, Wait
-from neuronc.placement import SBUF_PAGE_BYTES, partition_group  # granularity of hazard tracking in SBUF
+from neuronc.placement import SBUF_HAZARD_BYTES, partition_group  # granularity of hazard tracking in SBUF
+from neuronc.placement import SBUF_PAGE_BYTES  # noqa: F401 (codegen/emitter.py's slot alignment, imported from here)
 from neuronc.targets import Target
 
 # bounds the cells of one HBM tensor (so the keys of one access): a tensor whose accesses cut it finer is tracked on a
@@ -127,7 +129,7 @@ class _Regions:
         if ap.space == Space.PSUM:
             return Space.PSUM, -1, first // self.psum_bank, last // self.psum_bank, 0, 0
         group = self.partition_group
-        return (Space.SBUF, -1, first // SBUF_PAGE_BYTES, last // SBUF_PAGE_BYTES,
+        return (Space.SBUF, -1, first // SBUF_HAZARD_BYTES, last // SBUF_HAZARD_BYTES,
                 ap.partition // group, (ap.partition + ap.partitions - 1) // group)
 
     def _rows_by_columns(self, ap: AccessPattern, tensor: int, width: int) -> tuple | None:
@@ -171,8 +173,8 @@ _NEVER = _Last(-1, 0, {})
 
 class _Cells:
     """The tracking cells of every memory, numbered: one block per HBM tensor (its grid's cells), PSUM (its banks)
-    and SBUF (page by page, the partition groups of a page side by side), so a box is one contiguous span of cell
-    numbers, or one per page when it covers only some partition groups. A 2-D HBM tensor's block is numbered row by
+    and SBUF (hazard cell by cell, SBUF_HAZARD_BYTES each, the partition groups of a cell side by side), so a box is one
+    contiguous span of cell numbers, or one per cell when it covers only some partition groups. A 2-D HBM tensor's block is numbered row by
     row of cells (the column cells of a row side by side), or column by column (its rows consecutive within each)
     when its accesses are fewer spans so: a few columns of every row, say the heads of a fused qkv projection, are
     a few spans instead of one per row of cells."""

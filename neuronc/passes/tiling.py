@@ -32,6 +32,7 @@ from neuronc.passes.context import PassContext
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, Servers, cheapest, matmul_ns, strip_ns
 from neuronc.passes.kernel_plans import assign_slots, plan_kernels
 from neuronc.passes.rowwise_plan import rowwise_sbuf_bytes
+from neuronc.placement import SBUF_HAZARD_BYTES
 from neuronc.plans import CONSTANT_COLUMNS, ChainPlan, MatmulPlan, MatmulTiling, ProloguePlan, View, pool_specs
 from neuronc.targets import Target
 
@@ -175,7 +176,7 @@ def candidates(node: ir.Node, target: Target, wide: bool, deep: bool = False) ->
                         break
                     block *= 2
     found += [dataclasses.replace(t, transposes=which) for t in found if t.resident != "none"
-              for which in _transpose_options(node, target) if all(_whole_pages(node, t, c) for c in which)]
+              for which in _transpose_options(node, target) if all(_whole_cells(node, t, c) for c in which)]
     return [t for t in dict.fromkeys(found) if fits(node, t, target)]
 
 
@@ -195,14 +196,15 @@ def transposable(node: ir.Node, operand: str, target: Target) -> bool:
             and k >= target.matmul_max_k)
 
 
-def _whole_pages(node: ir.Node, tiling: MatmulTiling, operand: str) -> bool:
-    """Whether every strip of `operand` under `tiling` is whole SBUF pages wide per K tile: DMA transposes of K
-    tiles sharing a page wait for each other (the sync pass tracks SBUF by pages), one queue at a time."""
+def _whole_cells(node: ir.Node, tiling: MatmulTiling, operand: str) -> bool:
+    """Whether every strip of `operand` under `tiling` is whole SBUF hazard cells wide per K tile: DMA transposes
+    of K tiles sharing a cell wait for each other (the sync pass tracks SBUF by SBUF_HAZARD_BYTES), one queue at a
+    time."""
     _, m, n = node.shape
     extent, tile = (m, tiling.tile_m) if operand == "a" else (n, tiling.tile_n)
     width = tiling.block * tile if tiling.resident == operand else tile
-    page = SBUF_PAGE_BYTES // node.inputs[operand == "b"].dtype.itemsize
-    return all(min(width, extent - r0) % page == 0 for r0 in range(0, extent, width))
+    cell = SBUF_HAZARD_BYTES // node.inputs[operand == "b"].dtype.itemsize
+    return all(min(width, extent - r0) % cell == 0 for r0 in range(0, extent, width))
 
 
 def _transpose_options(node: ir.Node, target: Target) -> list:
@@ -501,7 +503,7 @@ def _prologue_search(node: ir.Node, target: Target):
     # B's strips read across its rows (a weight stored [out, in]: a training graph's, not stored transposed) may load
     # as DMA transposes, priced as any tiling's (`price`); A is made on chip, never loaded
     plain += [dataclasses.replace(t, transposes="b") for t in plain
-              if "b" in _transpose_options(matmul, target) and _whole_pages(matmul, t, "b")]
+              if "b" in _transpose_options(matmul, target) and _whole_cells(matmul, t, "b")]
     options = [t for t in plain if _prologue_bytes(node, t) <= target.sbuf_bytes_per_partition]
     return cheapest(options, lambda t: price(matmul, t, target), None, tie=lambda t: -t.stream_bufs) if options else None
 
