@@ -196,8 +196,9 @@ def compile_graph(graph: ir.Graph, options: CompileOptions, stablehlo: str = "",
 
     ctx.price = price
     if options.opt_level >= 2:  # a folded norm's few best-priced schedules, each in its kernel timed (a few small
-        # kernels per distinct norm: passes/norm_prologue.py PROLOGUE_TIMED; GPT-2-small's block +0.3-0.5 CPU s)
-        ctx.prologue_time = lambda node: kernel_timing.kernel_time(node, target, prefetch=True)
+        # kernels per distinct norm: passes/norm_prologue.py PROLOGUE_TIMED; GPT-2-small's block +0.3-0.5 CPU s), and an
+        # attention's first heads from rows or not (passes/attention.py: two kernels per distinct attention)
+        ctx.choice_time = lambda node: kernel_timing.kernel_time(node, target, prefetch=True)
     if options.opt_level >= 3:  # each tiling candidate emitted alone and timed: ~2.5x the compile time of a model
         # (12-layer GPT-2-small bf16, 4.6 -> 11.6 CPU s), so at -O3 only, where compile time is traded for search
         ctx.kernel_time = lambda node: kernel_timing.kernel_time(node, target, prefetch=options.opt_level >= 2)

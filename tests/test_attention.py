@@ -199,6 +199,37 @@ def test_the_first_heads_q_and_k_are_transposed_on_the_tensor_engine_when_their_
     assert transposes(compiled) - transposes(by_dma) == 2 * 2 * 4  # Q and K of 2 heads, by 4 chunks of 128 rows
 
 
+def test_short_heads_are_made_from_rows_only_where_their_kernel_is_faster_so():
+    # seq 128, 64 dims: rows_heads prices the fill alone and takes the first heads from rows, but their Tensor-engine
+    # transposes and copies out of PSUM cost the kernel more (trn2: 17.2 against 15.3 us); -O2 times both kernels
+    # (PassContext.choice_time) and keeps Q^T and K^T by strided loads
+    model, inputs = Sdpa(causal=True), _qkv(12, 128, 64, torch.bfloat16)
+    dtypes = {"q": DType.BF16, "k": DType.BF16, "p": DType.BF16}
+    assert attention_pass.rows_heads(128, 128, 64, dtypes, get_target("trn2")) == attention_pass.ROWS_HEADS
+    compiled, out = compile_and_run(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert node.attrs["rows_heads"] == 0
+    assert_matches_eager(out, model(*inputs))
+
+
+def _output_stores(compiled) -> int:
+    return sum(1 for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA
+               for i in stream if i.opcode == Opcode.DMA_COPY and i.operands[0].space == Space.HBM)
+
+
+def test_only_heads_of_several_query_tiles_store_their_last_heads_tiles_in_slices():
+    # seq 128: a head's output is one [128, 64] tile, stored in one transfer (split over four queues it only added
+    # fixed costs the next kernel's loads wait behind); seq 512: the last TAIL_HEADS heads store each of their 4
+    # tiles in slices over the least-booked queues, the others their 4 tiles at once (passes/attention.py tail_heads)
+    model, inputs = Sdpa(causal=True), _qkv(6, 128, 64, torch.bfloat16)
+    compiled, out = compile_and_run(model, inputs)
+    assert _output_stores(compiled) == 6
+    assert_matches_eager(out, model(*inputs))
+    longer = compile_module(model, _qkv(6, 512, 64, torch.bfloat16))
+    tail, pieces = attention_pass.TAIL_HEADS, 4  # trn2: 16 queues // 4
+    assert _output_stores(longer) == (6 - tail) + tail * 4 * pieces
+
+
 def test_a_2048_key_head_of_128_dims_is_not_transposed_on_the_tensor_engine():
     # its rows take as long to load as its first DMA transpose (4 KiB a partition): nothing to gain at the fill
     model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)

@@ -365,7 +365,7 @@ def test_a_folded_norm_takes_the_schedule_priced_for_a_prologue_which_is_faster_
 def test_a_folded_norms_schedule_is_the_one_of_its_best_priced_whose_kernel_is_timed_fastest(monkeypatch):
     """The prologue's own price sees neither the matmul's strips nor its transposes, so of its few best-priced
     schedules (norm_prologue.PROLOGUE_TIMED) the kernel takes the one the emulator's clock times fastest in the
-    folded kernel (PassContext.prologue_time). On GPT-2's layer-norm -> QKV projection that is not the best-priced,
+    folded kernel (PassContext.choice_time). On GPT-2's layer-norm -> QKV projection that is not the best-priced,
     and the program is faster than with the best-priced one; the bits are the norm's apart under that schedule
     (test_gpt2s_layer_norm_and_qkv_projection_are_one_kernel_giving_the_baseline_bits), the values eager's."""
     from neuronc.passes import norm_prologue

@@ -55,6 +55,7 @@ from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_p
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
+from neuronc.passes.structural_key import once_per_key, structural_key
 from neuronc.placement import dma_slice_count
 from neuronc.plans import AttentionPlan, View, pool_specs
 from neuronc.targets import Target
@@ -73,7 +74,11 @@ HEADS_AHEAD_MOST = 3
 # three (each adds Tensor transposes and their copies out of PSUM to engines that are the kernel's bottleneck)
 ROWS_HEADS = 2
 # The last heads whose outputs are stored tile by tile (the kernel ends with them), not a head's tiles at once:
-# seq 512, head dim 128, trn2: 2 heads 36.6 us, 3 35.5, 4 34.8, 5 35.5 (with two rows heads)
+# seq 512, head dim 128, trn2: 2 heads 36.6 us, 3 35.5, 4 34.8, 5 35.5 (with two rows heads). Only where a head
+# has several query tiles stored at once (output_tiles > 1; tail_heads): with one, there is no grouped store to
+# break up, and the split tile (four transfers on four queues) only adds fixed costs the next kernel's loads
+# queue behind. HF GPT-2 small, seq 128, 12 layers, trn2 (benchmarks.compile_graph_alone's graphs): bf16
+# 2225.6 -> 2190.2 us, fp32 3422.8 -> 3411.7 us without them; seq 512 unchanged (4 tiles a head).
 TAIL_HEADS = 4
 # P^T by DMA transposes SBUF -> SBUF (pt_by_dma): a chunk's takes its queue ~4.2 us (its fixed cost and 8 units at half
 # a queue's rate), so the pipeline waits PT_WAIT steps between a block's exp and its P^T and PV_WAIT between its P^T and
@@ -644,6 +649,12 @@ def output_tiles(sq: int, dv: int, dtype: DType) -> int:
     return max(1, min(sq // Q_TILE, SBUF_PAGE_BYTES // (dv * dtype.itemsize)))
 
 
+def tail_heads(sq: int, dv: int, dtype: DType) -> int:
+    """The last heads whose output tiles are stored one by one over the least-booked queues: TAIL_HEADS where a head's
+    tiles are otherwise stored several at once (output_tiles), else none."""
+    return TAIL_HEADS if output_tiles(sq, dv, dtype) > 1 else 0
+
+
 def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
                    heads_ahead: int = HEADS_AHEAD, by_dma: bool = False) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded `heads_ahead` heads ahead, and stay while any of
@@ -835,11 +846,29 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape),
         depth=pipeline_depth(*shape, a.get("pt_by_dma", False)), pt_by_dma=a.get("pt_by_dma", False),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
-        out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0), tail_heads=TAIL_HEADS,
+        out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
+        tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
         probability_dtype=probability_dtype(node.inputs[2].dtype), pools=pool_specs(pools_of(node)),
         score_mod=tuple(a.get("score_mod", ())), key_visits=tuple(a.get("key_visits", ())))
+
+
+def _with_rows_heads_timed(node: ir.Node, timed, memo: dict) -> ir.Node:
+    """`node` with its plan, its first heads made from rows (rows_heads) only if its kernel is faster so on the
+    emulator's clock (`timed`: PassContext.choice_time; None: as rows_heads priced it). rows_heads prices the
+    pipeline's fill alone, not the Tensor-engine transposes and their copies out of PSUM it adds: trn2, 12 causal
+    bf16 heads of 64 dims, kernel alone, us with and without: seq 128 17.21 / 15.25, seq 256 22.07 / 21.16, seq 512
+    31.82 / 32.93. Decided once per distinct attention (`memo`: a model's layers ask the same)."""
+    node.attrs["plan"] = attention_plan(node)
+    if not node.attrs.get("rows_heads") or timed is None:
+        return node
+    other = ir.node(Op.ATTENTION, node.inputs, node.shape, node.dtype, node.loc,
+                    **{**node.attrs, "rows_heads": 0, "plan": None})
+    other.attrs["plan"] = attention_plan(other)
+    rows = once_per_key(memo, lambda: structural_key((node.attrs["plan"], [(x.shape, x.dtype) for x in node.inputs])),
+                        lambda: timed(node)[0] <= timed(other)[0])
+    return node if rows else other
 
 
 def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -851,13 +880,13 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     if not matches:
         return graph
     built: dict = {}  # old node -> its rebuilt self: the fused node's inputs are old nodes
+    timed: dict = {}  # an attention's key -> whether its first heads are made from rows (_with_rows_heads_timed)
 
     def rebuild(node, inputs):
         if node in matches:
             fused = matches[node]
-            result = ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape, fused.dtype, fused.loc,
-                             **fused.attrs)
-            result.attrs["plan"] = attention_plan(result)
+            result = _with_rows_heads_timed(ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape,
+                                                    fused.dtype, fused.loc, **fused.attrs), ctx.choice_time, timed)
         else:
             result = ir.with_inputs(node, inputs)
         built[node] = result

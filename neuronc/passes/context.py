@@ -29,8 +29,9 @@ class PassContext:
     # (emulated ns, instructions) of one planned kernel compiled alone (neuronc.kernel_timing, set by
     # neuronc.compiler; None: the planners price with their formulas alone).
     kernel_time: Callable | None = None
-    # The same timing for a norm folded into its matmul, whose schedule is chosen by its kernel's time at -O2 too
-    # (passes/norm_prologue.py: a few small kernels; None: by the prologue's own price).
-    prologue_time: Callable | None = None
+    # The same timing for the few choices made by their kernel's time at -O2 too (a folded norm's prologue schedule:
+    # passes/norm_prologue.py; an attention's first heads made from rows: passes/attention.py; each a few kernels per
+    # distinct node; None: by their own prices).
+    choice_time: Callable | None = None
     # Priced pass -> (estimated ns with it, without it) of the decision taken (pipeline.PRICED).
     decisions: dict = dataclasses.field(default_factory=dict)

@@ -115,7 +115,7 @@ def _as_prologue(norm: ir.Node, target: Target, count: int = 1, margin: float = 
             for schedule in schedules]
 
 
-# A folded norm's prologue schedules timed in their kernel (PassContext.prologue_time, -O2 and -O3): the prologue's
+# A folded norm's prologue schedules timed in their kernel (PassContext.choice_time, -O2 and -O3): the prologue's
 # own price (rowwise_ns) sees neither the matmul's B strips on the DMA queues nor the Tensor engine's transposes
 # beside its row tiles. On GPT-2-small's QKV kernel its third distinct price (t2, bn_tiles 4, no cut: 12.17 us
 # against 11.96, 1.8% above) makes the kernel 0.8 us and the block 0.9 us faster (docs/performance.md, issue 16
@@ -142,7 +142,7 @@ def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, stored:
             target: Target, timed=None) -> ir.Node | None:
     """`reader` (its inputs rewritten to `inputs`) with `norm` (rewritten inputs in `new`) as the prologue making its
     input `operand` (and storing it as the kernel's second output if `stored`: its own schedule, priced with its
-    stores), or None if their tiles do not fit in SBUF together. With `timed` (PassContext.prologue_time), the
+    stores), or None if their tiles do not fit in SBUF together. With `timed` (PassContext.choice_time), the
     prologue's schedule is the one of its few best-priced (PROLOGUE_TIMED) whose kernel, planned as the tiling pass
     plans it, the emulator's clock times fastest (`_timed_choice`; a kernel of more than PROLOGUE_MATMULS matmuls
     for them all is not timed); else the best-priced."""
@@ -236,7 +236,7 @@ def _fold(graph: ir.Graph, ctx: PassContext, stored: bool) -> ir.Graph:
     second: dict = {}  # a stored norm as rewritten -> the kernel storing it
 
     def fold(node, inputs):
-        result = _folded(node, inputs, *norms[node], new, target, ctx.prologue_time) if node in norms else None
+        result = _folded(node, inputs, *norms[node], new, target, ctx.choice_time) if node in norms else None
         if result is None:
             result = ir.with_inputs(node, inputs)
         elif norms[node][2]:
