@@ -84,10 +84,12 @@ TAIL_HEADS = 4
 # a queue's rate), so the pipeline waits PT_WAIT steps between a block's exp and its P^T and PV_WAIT between its P^T and
 # its P V, and a block takes at most PT_DMA_CHUNKS chunks by DMA (each on a page of its own). Measured choices, seq
 # 2048 / 1024, head dim 128, trn2 (us): waits (0, 2) with 3 chunks 307.9 / -, (0, 3) 290.1 / -, (2, 3) 286.5 / 90.0,
-# (1, 4) 287.0 / 91.7, (3, 3) 291.9 / 93.8, (2, 4) 285.6 / 88.7; chunks (with (2, 3)): 3 288.3, 4 286.5, 5 287.6
+# (1, 4) 287.0 / 91.7, (3, 3) 291.9 / 93.8, (2, 4) 285.6 / 88.7; chunks (with (2, 3)): 3 288.3, 4 286.5, 5 287.6; with
+# (2, 4) and a block's last chunks first, seq 2048 head dim 128 / 64: 2 chunks 284.9 / 277.8, 3 284.7 / 277.3 (three
+# heads loaded ahead fit SBUF beside them), 4 284.9 / 279.4
 PT_WAIT = 2
 PV_WAIT = 4
-PT_DMA_CHUNKS = 4
+PT_DMA_CHUNKS = 3
 # The least chunks the queues must have room for (pt_by_dma): causal, bf16, head dim 128, trn2, the masked_fill form
 # (benchmarks/roofline.py Attention) / F.scaled_dot_product_attention, us with the waits and DMA transposes -> without,
 # the chunks pt_by_dma counts: 1 head x 1024 keys 19.7 -> 18.6 (8 chunks), 4 x 1024 37.8 -> 39.5 / 41.6 -> 40.8 (34),
