@@ -194,6 +194,9 @@ class ProloguePlan:
     operand: int = 0  # where the norm's result goes among the matmul's inputs (inputs[split:])
     stored: bool = False  # the norm's row tiles stored too, as the kernel's second output (passes/norm_prologue.py:
     # a norm result others read as well, such as a training graph's saved layer-norm output)
+    affine: tuple = ()  # the views (offset, strides) of inputs[split - len(affine):split]: gamma (and beta), applied
+    # a partition in the copies out of the transposes' PSUM (passes/norm_prologue.py `_affine_after`); the norm's
+    # body reads the inputs before them
 
 
 # row-wise kernels (passes/rowwise_plan.py, passes/rowwise_schedule.py) -------------------------------------

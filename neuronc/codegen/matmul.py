@@ -14,13 +14,13 @@ import functools
 from typing import Callable
 
 from neuronc import ir
-from neuronc.codegen.access import HbmTensor, column_slice, dma_by_rows, first_rows, tile_at
+from neuronc.codegen.access import HbmTensor, broadcast_columns, column_slice, dma_by_rows, first_rows, tile_at
 from neuronc.codegen.attention import identity
 from neuronc.codegen.elementwise import StepBalancer, scaled_products, slots_hold, step_reads, table_order
 from neuronc.codegen.emitter import Emitter, Pool
 from neuronc.codegen.rowwise import Rowwise, row_tile_groups
 from neuronc.errors import NeuronCompileError
-from neuronc.isa import AccessPattern, ActFunc, DType, Engine, Opcode, Space
+from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node, Op
 from neuronc.placement import transpose_chunks
 from neuronc.plans import ChainPlan, MatmulPlan, MemoryPlan, ProloguePlan, dense_strides
@@ -71,7 +71,8 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
     # trn2+: the transpose mode writes 16-bit results to PSUM, which the evacuating engines copy faster (targets.py)
     mode = em.target.tensor_transpose_mode and plan.dtype in (DType.BF16, DType.F16)
     per_bank = em.target.psum_bank_bytes // (plan.dtype.itemsize if mode else DType.F32.itemsize) // tk
-    norm = ir.node(Op.ROWWISE, list(node.inputs[:plan.split]), (rows, plan.cols), plan.dtype, plan.loc,
+    norm = ir.node(Op.ROWWISE, list(node.inputs[:plan.split - len(plan.affine)]), (rows, plan.cols), plan.dtype,
+                   plan.loc,
                    body=plan.body, views=plan.views, rows=rows, cols=plan.cols, plan=plan.norm)
     kernel: Rowwise
 
@@ -80,10 +81,42 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
         index = len(node.attrs["outputs"]) - 1
         stored = HbmTensor(plan.dtype, memory.placement[(node, index)].offset, ((plan.cols, rows), (1, plan.cols)))
 
+    # the norm's gamma (and beta) when the copies out of PSUM apply them (ProloguePlan.affine): each loaded as
+    # [K tiles, tk] rows (contiguous: a strided [tk, K tiles] load of a few bytes a partition costs ~3x as much),
+    # where the norm loads its inputs the same for every row (after its first row tiles', before the later ones' and
+    # B's strips), then transposed on the Tensor engine with the norm's first row tile, into [tk, K tiles]: K tile
+    # j's values one a partition in column j (passes/norm_prologue.py checks K tiles <= partitions, the dtype A's)
+    k_tiles, rows_of_vectors, vectors = plan.cols // tk, [], []
+
+    def load_vectors() -> None:
+        for x, (offset, strides) in zip(node.inputs[plan.split - len(plan.affine):plan.split], plan.affine):
+            loaded = em.sbuf_pool(x.dtype, tk, bufs=1).next().ap(k_tiles, tk)
+            em.dma(loaded, HbmTensor(x.dtype, memory.offset(x) + offset * x.dtype.itemsize,
+                                     ((strides[1] * tk, k_tiles), (strides[1], tk))).ap)
+            rows_of_vectors.append(loaded)
+
+    def transpose_vectors() -> None:
+        for loaded in rows_of_vectors:
+            acc = transposes.next().ap(tk, k_tiles, dtype=plan.dtype if mode else DType.F32)
+            em.emit(Opcode.MATMUL, Engine.TENSOR, acc, loaded, tile_at(eye, 0, k_tiles, k_tiles))
+            vectors.append(em.sbuf_pool(plan.dtype, k_tiles, bufs=1).next().ap(tk, k_tiles))
+            kernel.engines.emit(Opcode.TENSOR_COPY, vectors[-1], acc)
+
+    def copy(dst: AccessPattern, acc: AccessPattern, j: int) -> None:
+        """K tile j's transposed block out of PSUM: copied, or y * gamma (+ beta), gamma and beta held a partition."""
+        if not plan.affine:
+            kernel.engines.emit(Opcode.TENSOR_COPY, dst, acc)
+            return
+        held = [broadcast_columns(column_slice(v, j, j + 1), acc.free_elements) for v in vectors]
+        kernel.engines.emit(Opcode.TENSOR_ALU2, dst, acc, held[0], held[-1], alu=AluOp.MULTIPLY,
+                            alu1=AluOp.ADD if len(held) == 2 else AluOp.NONE)
+
     def transposed(r0: int, tile: AccessPattern) -> None:
         rt = tile.partitions
         if stored is not None:
             dma_by_rows(em, stored[r0:r0 + rt].ap, tile)
+        if rows_of_vectors and not vectors:
+            transpose_vectors()
         for j0 in range(0, plan.cols // tk, per_bank):
             group = range(j0, min(j0 + per_bank, plan.cols // tk))
             acc = transposes.next().ap(tk, len(group) * rt, dtype=plan.dtype if mode else DType.F32)
@@ -91,9 +124,9 @@ def _prologued(em: Emitter, plan: ProloguePlan, memory: MemoryPlan, node: Node) 
                 em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(acc, n * rt, tk, rt), tile_at(tile, j * tk, rt, tk),
                         tile_at(eye, 0, rt, rt))
             for n, j in enumerate(group):
-                kernel.engines.emit(Opcode.TENSOR_COPY, tile_at(kept, j * rows + r0, tk, rt), tile_at(acc, n * rt, tk, rt))
+                copy(tile_at(kept, j * rows + r0, tk, rt), tile_at(acc, n * rt, tk, rt), j)
 
-    kernel = Rowwise(em, norm, memory, sink=transposed)
+    kernel = Rowwise(em, norm, memory, sink=transposed, shared_loads=load_vectors if plan.affine else None)
     groups, made = row_tile_groups(kernel), set()
 
     def make_rows(m0: int) -> None:  # the norm's row tiles up to the one holding row m0, before its matmuls

@@ -193,8 +193,9 @@ class Rowwise:
     """One ROWWISE kernel's instructions (its RowwisePlan): the pools and constant tiles its row tiles share,
     the inputs in HBM, and a method per phase (the shared inputs, a row tile's loads, its steps and store)."""
 
-    def __init__(self, em: Emitter, node: Node, memory: MemoryPlan, sink=None):
+    def __init__(self, em: Emitter, node: Node, memory: MemoryPlan, sink=None, shared_loads=None):
         self.em, self.node, self.sink = em, node, sink
+        self.shared_loads = shared_loads  # a caller's own loads, emitted where the shared inputs' are (a prologue's)
         plan = self.plan = node.attrs["plan"]
         self.body, self.kinds = node.attrs["body"], plan.kinds
         self.rows, self.cols = rows, cols = node.attrs["rows"], node.attrs["cols"]
@@ -266,6 +267,8 @@ class Rowwise:
     def load_shared(self) -> None:
         """Load the inputs the same for every row, and compute the col steps from them."""
         em, parts = self.em, self.em.target.partitions
+        if self.shared_loads is not None:
+            self.shared_loads()
         for i, tile in self.shared.items():
             dma_by_rows(em, tile, self.rows_of(self.inputs[i], 0, parts), _pieces(em, tile, True))
         for j, instr in self.instrs.items():

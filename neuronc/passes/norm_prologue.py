@@ -27,6 +27,7 @@ read. That one is a trade the pipeline prices (passes/pipeline.py PRICED).
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 from neuronc import ir
@@ -115,6 +116,83 @@ def _as_prologue(norm: ir.Node, target: Target, count: int = 1, margin: float = 
             for schedule in schedules]
 
 
+# Whether a folded norm's gamma and beta go into the copies out of the transposes' PSUM (`_affine_after`): a pass
+# over each row tile fewer on the prologue's price, its copies priced the same; off only to study the rest of the
+# prologue apart from it (tests).
+AFFINE_AFTER = True
+
+
+def _affine_after(attrs: dict, dtypes: list, target: Target) -> tuple | None:
+    """(the norm's attributes without its last affine step, the inputs its body still reads, gamma's and beta's
+    inputs) when its body ends y * gamma (+ beta) rounded to its dtype, gamma and beta vectors along its columns
+    (views of row stride 0) read by nothing else: in a prologue their values are one a partition after the
+    transposes, so the copies out of PSUM apply them (codegen/matmul.py `_prologued`: one TENSOR_ALU2 with held
+    [p, 1] operands, priced as the copy it replaces, instruction_cost.vector_speedup) and each row tile loses a
+    pass over [rows, cols]; y is then rounded to 16 bits for the transposes before gamma and beta, a second
+    rounding (docs/performance.md, issue 16 part 47: as accurate as eager, not the bits of the norm apart). Else
+    None."""
+    body, views = attrs["body"], attrs["views"]
+    if attrs["plan"].sums or len(body) < 3:
+        return None
+    last = body[-1]
+
+    def vector(arg) -> int | None:  # the input index of a per-column vector read (converted to fp32 or as it is)
+        if arg[0] == "step" and body[arg[1]].op is Op.CONVERT and body[arg[1]].dtype is DType.F32:
+            arg = body[arg[1]].args[0]
+        if arg[0] != "input":
+            return None
+        _, strides = views[arg[1]]
+        return arg[1] if strides[0] == 0 and strides[1] != 0 else None
+
+    if last.op is not Op.CONVERT or last.dtype not in SIXTEEN_BIT or last.args[0][0] != "step":
+        return None
+    dropped, top, beta = [len(body) - 1], last.args[0][1], None
+    if body[top].op is Op.ADD and body[top].dtype is DType.F32:
+        for k in (0, 1):
+            if body[top].args[k][0] == "step" and vector(body[top].args[1 - k]) is not None:
+                beta, scaled = body[top].args[1 - k], body[top].args[k][1]
+                break
+        else:
+            return None
+        dropped.append(top)
+    else:
+        scaled = top
+    step = body[scaled]
+    if step.op is not Op.MULTIPLY or step.dtype is not DType.F32:
+        return None
+    for k in (0, 1):
+        if step.args[k][0] == "step" and vector(step.args[1 - k]) is not None:
+            gamma, y = step.args[1 - k], step.args[k][1]
+            break
+    else:
+        return None
+    dropped.append(scaled)
+    dropped += [arg[1] for arg in (gamma, beta) if arg is not None and arg[0] == "step"]
+    affine = [vector(arg) for arg in (gamma, beta) if arg is not None]
+    # (each vector is transposed on the Tensor engine as A's row tiles are: A's dtype, at most a partition a K tile)
+    if (len(set(affine)) != len(affine) or body[y].dtype is not DType.F32
+            or any(dtypes[i] is not last.dtype for i in affine)
+            or attrs["cols"] > target.partitions * target.matmul_max_k):
+        return None
+    kept = [j for j in range(len(body)) if j not in dropped]
+    inputs = [i for i in range(len(views)) if i not in affine]
+    reads = {tuple(arg) for j in kept for arg in body[j].args}
+    if any(("step", j) in reads for j in dropped) or any(("input", i) in reads for i in affine):
+        return None  # (something else reads the affine step or its vectors)
+    steps, numbered = {old: new for new, old in enumerate(kept)}, {old: new for new, old in enumerate(inputs)}
+
+    def renumbered(arg):
+        return ("step", steps[arg[1]]) if arg[0] == "step" else ("input", numbered[arg[1]]) if arg[0] == "input" \
+            else arg
+
+    stripped = tuple(ir.Step(body[j].op, tuple(renumbered(a) for a in body[j].args), body[j].dtype, body[j].attrs)
+                     for j in kept)
+    stripped += (ir.Step(Op.CONVERT, (("step", steps[y]),), last.dtype, {}),)
+    views = tuple(views[i] for i in inputs)
+    plan = rowwise_plan(stripped, views, [dtypes[i] for i in inputs], attrs["schedule"], target, attrs["cols"])
+    return {**attrs, "body": stripped, "views": views, "plan": plan}, inputs, affine
+
+
 # A folded norm's prologue schedules timed in their kernel (PassContext.choice_time, -O2 and -O3): the prologue's
 # own price (rowwise_ns) sees neither the matmul's B strips on the DMA queues nor the Tensor engine's transposes
 # beside its row tiles. On GPT-2-small's QKV kernel its third distinct price (t2, bn_tiles 4, no cut: 12.17 us
@@ -145,15 +223,23 @@ def _folded(reader: ir.Node, inputs: tuple, operand: int, norm: ir.Node, stored:
     stores), or None if their tiles do not fit in SBUF together. With `timed` (PassContext.choice_time), the
     prologue's schedule is the one of its few best-priced (PROLOGUE_TIMED) whose kernel, planned as the tiling pass
     plans it, the emulator's clock times fastest (`_timed_choice`; a kernel of more than PROLOGUE_MATMULS matmuls
-    for them all is not timed); else the best-priced."""
+    for them all is not timed); else the best-priced. A norm that is not stored applies its gamma and beta in the
+    copies out of the transposes' PSUM where its body allows (`_affine_after`)."""
+    affine, vectors = (), ()
+    found = None if stored or not AFFINE_AFTER else _affine_after(norm.attrs, [x.dtype for x in norm.inputs], target)
+    if found is not None:
+        attrs, kept, which = found
+        vectors, affine = tuple(norm.inputs[i] for i in which), tuple(norm.attrs["views"][i] for i in which)
+        norm = dataclasses.replace(norm, inputs=tuple(norm.inputs[i] for i in kept), attrs=attrs)
+
     def build(attrs: dict) -> ir.Node | None:
-        prologue = Prologue(len(norm.inputs), operand, norm.dtype, attrs, norm.loc, stored)
+        prologue = Prologue(len(norm.inputs) + len(affine), operand, norm.dtype, attrs, norm.loc, stored, affine)
         rest = [*inputs[:operand], *inputs[operand + 1:]]
         # the stored norm is the kernel's last output: 1, or 2 after the epilogue step a shared epilogue stores
         made = reader.attrs.get("outputs") or ((reader.shape, reader.dtype),)
         outputs = {"outputs": (*made, (norm.shape, norm.dtype))} if stored else {}
-        folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in norm.inputs), *rest], reader.shape, reader.dtype,
-                         reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
+        folded = ir.node(Op.MATMUL, [*(new.get(x, x) for x in (*norm.inputs, *vectors)), *rest], reader.shape,
+                         reader.dtype, reader.loc, **{**reader.attrs, "prologue": prologue, **outputs})
         return folded if prologue_sbuf_bytes(folded, target) <= target.sbuf_bytes_per_partition else None
 
     if stored:

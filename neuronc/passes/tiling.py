@@ -435,17 +435,25 @@ class Prologue:
     attrs: dict  # the ROWWISE node's attributes (body, views, rows, cols, out_strides, schedule, plan)
     loc: object  # the norm's source location
     stored: bool = False  # the norm's result stored too, as the kernel's second output
+    affine: tuple = ()  # the views (offset, strides) of the last len(affine) of inputs[:split]: the norm's gamma (and
+    # beta), per column, applied in the copies out of the transposes' PSUM, not by its body (passes/norm_prologue.py
+    # `_affine_after`)
+
+    @property
+    def norm_inputs(self) -> int:
+        """How many of the node's first inputs are the norm's body's own (the affine vectors after them)."""
+        return self.split - len(self.affine)
 
     def __hash__(self) -> int:
-        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"], self.stored))
+        return hash((self.split, self.operand, self.attrs["rows"], self.attrs["cols"], self.stored, self.affine))
 
 
 def prologue_stages(node: ir.Node) -> tuple:
     """(norm, matmul): the ROWWISE node and the matmul (or chain) reading its result, of a node with a prologue."""
     prologue = node.attrs["prologue"]
     rows, cols = prologue.attrs["rows"], prologue.attrs["cols"]
-    norm = ir.node(Op.ROWWISE, list(node.inputs[:prologue.split]), (1, rows, cols), prologue.dtype, prologue.loc,
-                   **prologue.attrs)
+    norm = ir.node(Op.ROWWISE, list(node.inputs[:prologue.norm_inputs]), (1, rows, cols), prologue.dtype,
+                   prologue.loc, **prologue.attrs)
     rest = list(node.inputs[prologue.split:])
     attrs = {key: value for key, value in node.attrs.items() if key != "prologue"}
     matmul = ir.node(Op.MATMUL, [*rest[:prologue.operand], norm, *rest[prologue.operand:]], node.shape, node.dtype,
@@ -466,6 +474,9 @@ def _prologue_bytes(node: ir.Node, tiling) -> int:
     tile_k = (tiling[1] if isinstance(tiling, tuple) else tiling).tile_k
     kept = _pages(-(-cols // tile_k) * norm.attrs["rows"], norm.dtype)
     identity = _pages(tile_k, norm.dtype) + _pages(tile_k, DType.F32)
+    prologue = node.attrs["prologue"]  # gamma (and beta) loaded as [K tiles, tile_k], transposed: [tile_k, K tiles]
+    identity += sum(_pages(tile_k, x.dtype) + _pages(-(-cols // tile_k), x.dtype)
+                    for x in node.inputs[prologue.norm_inputs:prologue.split])
     if isinstance(tiling, tuple):  # a chain: its first's B strip is the kept transpose
         first, second = stages(matmul)
         pools = _chain_bytes(first, second, *tiling) - sbuf_bytes({"b": operand_pools(first, tiling[0])["b"]})
@@ -575,7 +586,7 @@ def prologue_planned(node: ir.Node, target: Target) -> ir.Node:
     plan = ProloguePlan(split=node.attrs["prologue"].split, norm=norm.attrs["plan"], body=norm.attrs["body"],
                         views=norm.attrs["views"], rows=norm.attrs["rows"], cols=norm.attrs["cols"],
                         dtype=norm.dtype, loc=norm.loc, matmul=inner, operand=node.attrs["prologue"].operand,
-                        stored=node.attrs["prologue"].stored)
+                        stored=node.attrs["prologue"].stored, affine=node.attrs["prologue"].affine)
     return dataclasses.replace(node, attrs={**node.attrs, **attrs, "plan": plan}, id=next(ir._ids))
 
 
