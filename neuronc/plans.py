@@ -448,6 +448,7 @@ class AttentionPlan:
     out_tiles: int = 1  # whole query tiles of a head stored together (passes/attention.py output_tiles)
     rows_heads: int = 0  # the first heads whose Q^T, K^T are transposed on the Tensor engine (rows_heads)
     tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
+    pt_by_dma: bool = False  # chunks of P^T may be DMA transposes, with waits in the pipeline (pt_by_dma)
 
     @property
     def batch(self) -> int:

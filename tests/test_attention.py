@@ -234,17 +234,56 @@ def test_a_2048_key_head_of_128_dims_is_not_transposed_on_the_tensor_engine():
     # its rows take as long to load as its first DMA transpose (4 KiB a partition): nothing to gain at the fill
     model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)
     compiled = compile_module(model, inputs)
-    assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 4
+    assert len(_dma_transposes(compiled, Space.HBM)) == 2 * 4  # (P^T's, SBUF -> SBUF, are the next tests')
     # the first scores wait for K^T and Q^T, not V: each transpose is the first transfer on its queue (issued after
     # V's loads, Q^T's would queue behind them)
     queues = [stream for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA]
-    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE for stream in queues) == 2 * 4
+    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE and stream[0].operands[1].space == Space.HBM
+               for stream in queues) == 2 * 4
 
 
-def test_a_head_of_64_dims_is_loaded_by_strided_dmas_where_a_dma_transpose_would_be_slower():
-    model, inputs = Sdpa(causal=True), _qkv(1, 256, 64, torch.bfloat16)
-    compiled, _ = compile_and_run(model, inputs)
-    assert Opcode.DMA_TRANSPOSE not in _opcodes(compiled)  # 64 partitions pay whole [128, 16] units (targets.py)
+def _dma_transposes(compiled, source: Space) -> list:
+    """The DMA transposes from `source` (HBM: K^T and Q^T loaded; SBUF: chunks of P^T)."""
+    return [i for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA for i in stream
+            if i.opcode == Opcode.DMA_TRANSPOSE and i.operands[1].space == source]
+
+
+def test_chunks_of_p_transposed_by_dma_give_the_tensor_engines_bits(monkeypatch):
+    # one head of 2048 keys: the queues have room for about 58 chunks of P^T (passes/attention.py pt_by_dma), too few
+    # for the pipeline's waits to pay back at one head; taken here anyway, for the bits: DMA transposes SBUF -> SBUF are
+    # exact, as the Tensor engine's are, and each P V stays in its place
+    monkeypatch.setattr(attention_pass, "PT_DMA_LEAST", 0)
+    model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)
+    compiled, out = compile_and_run(model, inputs)
+    _assert_one_attention_kernel(compiled)
+    by_dma = _dma_transposes(compiled, Space.SBUF)
+    assert by_dma and all(i.operands[0].shape == (128, 128) for i in by_dma)  # a chunk of 128 keys x 128 queries each
+    assert len({i.queue for i in by_dma}) > 1
+    assert_matches_eager(out, model(*inputs))
+    monkeypatch.setattr(attention_pass, "PT_DMA_LEAST", math.inf)
+    on_tensor, out_on_tensor = compile_and_run(model, inputs)
+    assert not _dma_transposes(on_tensor, Space.SBUF)
+
+    def p_transposes(program):  # matmuls writing 16-bit P^T to PSUM
+        return sum(1 for i in program.neff.streams[(Engine.TENSOR, 0)]
+                   if i.opcode == Opcode.MATMUL and i.operands[0].dtype == DType.BF16)
+
+    assert p_transposes(on_tensor) - p_transposes(compiled) == len(by_dma)
+    assert torch.equal(out.view(torch.int16), out_on_tensor.view(torch.int16))
+
+
+@pytest.mark.parametrize("heads, seq, taken", [(12, 2048, True), (4, 2048, True), (2, 2048, False),
+                                               (12, 1024, False), (12, 512, False)])
+def test_p_is_transposed_by_dma_where_the_queues_have_room_for_enough_chunks(heads, seq, taken):
+    # head dim 128, trn2: a head's matmuls take the Tensor engine 21.8 us at seq 2048 and its loads and stores the
+    # queues 6.8 (room for 58 chunks a head); 5.8 and 3.6 us at 1024 (8 chunks); 1.6 and 2.0 at 512, where the queues
+    # are the bound (passes/attention.py head_ns)
+    dtypes = dict.fromkeys(("q", "k", "v", "out", "p"), DType.BF16)
+    assert attention_pass.pt_by_dma(heads, seq, seq, 128, 128, dtypes, True, 0, get_target("trn2")) == taken
+    assert not attention_pass.pt_by_dma(heads, seq, seq, 128, 128, dtypes, True, 0, get_target("trn1"))
+    if seq == 512:
+        model, inputs = Sdpa(causal=True), _qkv(2, 512, 128, torch.bfloat16)
+        assert not _dma_transposes(compile_module(model, inputs), Space.SBUF)
 
 
 def _matmul_flops(compiled):

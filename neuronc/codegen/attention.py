@@ -12,10 +12,11 @@ import numpy as np
 from neuronc.codegen.access import HbmTensor, broadcast_columns, dma_by_rows, dma_slices, row_slice, tile_at
 from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter
-from neuronc.instruction_cost import instruction_cost_ns
+from neuronc.instruction_cost import dma_transpose_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.placement import SBUF_PAGE_BYTES, partition_group
+from neuronc.passes.attention import PT_DMA_CHUNKS, PT_WAIT, PV_WAIT
 from neuronc.plans import MemoryPlan
 
 
@@ -48,7 +49,8 @@ def attention(em: Emitter, node: Node, memory: MemoryPlan) -> None:
     transposed on the Tensor engine (a matmul with the identity) so the keys lie on partitions, and
     P [V | 1] = [P V | rowsum P] accumulates in PSUM, rescaled in place by e^(b' - b) when the running max
     grows. The output is P V / l. Each block passes through eight stages, one engine hop each, emitted
-    software-pipelined so the engines' in-order queues overlap blocks; copies and scalings go to whichever of
+    software-pipelined so the engines' in-order queues overlap blocks (where the queues have room, some chunks of
+    P^T are DMA transposes SBUF -> SBUF instead, and the pipeline waits a few steps for them: pt_by_dma); copies and scalings go to whichever of
     Vector, GpSimd and Scalar has least work, so no one dominates. The scores never leave the chip."""
     kernel = _Attention(em, node, memory)
     # Software-pipelined: at step t, stage s of block t - s is emitted (the oldest block first), so each
@@ -118,6 +120,7 @@ class _KeyBlock:
     chunks: list | None = None  # (column, keys) of P's chunks of 128 keys
     pt_psum: list | None = None  # P^T in PSUM: [(buffer, its chunks)]
     pt: AccessPattern | None = None  # P^T in SBUF
+    pt_dma: dict | None = None  # chunk -> its P^T in SBUF, made by a DMA transpose (pt_by_dma)
 
 
 class _Attention:
@@ -148,6 +151,7 @@ class _Attention:
         self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
         # the kernel's DMA work booked on each queue, and the round robin's turn at its start (freest_queue)
         self.queue_ns = [0.0] * em.target.dma_queues
+        self.tensor_ns = 0.0  # the kernel's Tensor-engine work booked so far (pt_by_dma)
         self.booked_upto, self.first_turn = len(em.instructions), em.dma_turn
         self.out_groups: dict = {}  # (batch-head, group of query tiles) -> their outputs' tile, until stored
         self.make_constants()
@@ -228,9 +232,11 @@ class _Attention:
 
     def stages(self) -> tuple:
         """The stages a key block passes through, in order (the pools are sized for as many blocks in flight)."""
+        by_dma = self.plan.pt_by_dma  # P^T's DMA transposes take microseconds: the pipeline waits for them
         stages = (self.scores_stage, self.logits_stage, self.bias_stage,
-                  *[self.waiting_stage] * (self.plan.softmax_blocks - 1), self.exp_stage, self.transpose_stage,
-                  self.evacuate_stage, self.product_stage, self.output_stage)
+                  *[self.waiting_stage] * (self.plan.softmax_blocks - 1), self.exp_stage,
+                  *[self.waiting_stage] * (PT_WAIT * by_dma), self.transpose_stage, self.evacuate_stage,
+                  *[self.waiting_stage] * (PV_WAIT * by_dma), self.product_stage, self.output_stage)
         assert len(stages) == self.plan.depth
         return stages
 
@@ -317,11 +323,19 @@ class _Attention:
         """The DMA queue with least work booked by the kernel's transfers so far (each priced as the emulator
         prices it alone); of equal ones, the first counted from the queue the kernel's round robin started on, so that
         the choice turns with the kernel's other transfers (a reused kernel's instances: Emitter.dma_on)."""
+        self.book()
+        n = len(self.queue_ns)
+        return min(range(n), key=lambda q: (self.queue_ns[q], (q - self.first_turn) % n))
+
+    def book(self) -> None:
+        """Book the kernel's DMA and Tensor-engine instructions emitted since the last booking, each priced as the
+        emulator prices it alone."""
         for inst in self.em.instructions[self.booked_upto:]:
             if inst.engine == Engine.DMA:
                 self.queue_ns[inst.queue] += instruction_cost_ns(inst, self.em.target)
-        self.booked_upto, n = len(self.em.instructions), len(self.queue_ns)
-        return min(range(n), key=lambda q: (self.queue_ns[q], (q - self.first_turn) % n))
+            elif inst.engine == Engine.TENSOR:
+                self.tensor_ns += instruction_cost_ns(inst, self.em.target)
+        self.booked_upto = len(self.em.instructions)
 
     # helpers of the stages ----------------------------------------------------------------------------
     def score_tile(self, qt: int, kb: int) -> AccessPattern:
@@ -431,14 +445,19 @@ class _Attention:
             self.vector(Opcode.TENSOR_SCALAR, b, b, alu=AluOp.MULTIPLY, imm0=-factor)
 
     def transposes(self, p: AccessPattern, qt: int, chunks: list) -> list:
-        """P^T [keys, queries] into PSUM: Tensor-engine transposes (matmuls with the identity) by chunks of
-        128 keys, side by side, a bank's worth of chunks per PSUM buffer; [(buffer, its chunks)]."""
+        """P^T [keys, queries] into PSUM: Tensor-engine transposes (matmuls with the identity) of `chunks` of
+        128 keys, side by side, a bank's worth of consecutive chunks per PSUM buffer; [(buffer, its chunks)]."""
         per_bank = max(1, self.bank // qt)
         parts = []
         # trn2+: the transpose mode writes 16-bit P^T to PSUM, which the evacuating engines copy faster (targets.py)
         mode = self.em.target.tensor_transpose_mode and p.dtype in (DType.BF16, DType.F16)
-        for first in range(0, len(chunks), per_bank):
-            part = chunks[first:first + per_bank]
+        runs: list = []  # runs of consecutive chunks, cut at a bank's worth
+        for chunk in chunks:
+            if runs and len(runs[-1]) < per_bank and runs[-1][-1][0] + self.plan.q_tile == chunk[0]:
+                runs[-1].append(chunk)
+            else:
+                runs.append([chunk])
+        for part in runs:
             pt_acc = self.pt_psum.next().ap(self.plan.q_tile, len(part) * qt, dtype=p.dtype if mode else DType.F32)
             for n, (c, rows) in enumerate(part):
                 self.em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(pt_acc, n * qt, rows, qt), tile_at(p, c, qt, rows),
@@ -446,19 +465,20 @@ class _Attention:
             parts.append((pt_acc, part))
         return parts
 
-    def evacuated(self, parts: list, qt: int, chunks: list) -> AccessPattern:
-        """P^T copied from PSUM to SBUF, where the Tensor engine reads it: chunk n at column n * qt."""
+    def evacuated(self, parts: list, qt: int, chunks: list, pt: AccessPattern | None = None) -> AccessPattern:
+        """P^T copied from PSUM to SBUF (into `pt`, or a new tile), where the Tensor engine reads it: the chunk of
+        keys from n * q_tile at column n * qt."""
         q_tile, engines = self.plan.q_tile, self.engines
-        pt = self.pools["pt"].next().ap(q_tile, len(chunks) * qt)
-        n0 = 0
+        if pt is None:
+            pt = self.pools["pt"].next().ap(q_tile, len(chunks) * qt)
         for pt_acc, part in parts:
+            n0 = part[0][0] // q_tile
             whole = sum(rows == q_tile for _, rows in part)
             if whole:
                 engines.scale_soonest(tile_at(pt, n0 * qt, q_tile, whole * qt), tile_at(pt_acc, 0, q_tile, whole * qt),
                                       1.0)
             for n, (_, rows) in enumerate(part[whole:], whole):
                 engines.scale_soonest(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
-            n0 += len(part)
         return pt
 
     # the stages of a key block ------------------------------------------------------------------------
@@ -524,12 +544,42 @@ class _Attention:
                              group.b_new, func=ActFunc.EXP, imm0=-1.0)
 
     def transpose_stage(self, x: _KeyBlock) -> None:
-        q_tile = self.plan.q_tile
+        """P^T: by chunks of 128 keys, each a Tensor-engine transpose into PSUM (evacuated in the next stage), or,
+        with the plan's pt_by_dma, a DMA transpose SBUF -> SBUF where pt_by_dma prices it so."""
+        q_tile, qt = self.plan.q_tile, x.blk.qt
         x.chunks = [(c, min(q_tile, x.blk.kb - c)) for c in range(0, x.blk.kb, q_tile)]
-        x.pt_psum = self.transposes(x.p, x.blk.qt, x.chunks)
+        on_tensor = x.chunks
+        x.pt_dma = {}
+        if self.plan.pt_by_dma:
+            x.pt = self.pools["pt"].next().ap(q_tile, len(x.chunks) * qt)
+            on_tensor = []
+            # the block's last chunks first: its P V starts with the chunks the Tensor engine transposed (seq 2048, head
+            # dim 128 / 64, trn2: the first chunks by DMA 285.6 / 281.1 us, the last 284.9 / 279.4)
+            for c, rows in x.chunks[::-1]:
+                queue = self.pt_by_dma(rows, qt) if len(x.pt_dma) < PT_DMA_CHUNKS else None
+                if queue is None:
+                    on_tensor.append((c, rows))
+                else:
+                    x.pt_dma[c] = self.pools["pt_dma"].next().ap(rows, qt)
+                    self.em.dma_on(queue, x.pt_dma[c], tile_at(x.p, c, qt, rows), transpose=True)
+        x.pt_psum = self.transposes(x.p, qt, sorted(on_tensor))
+
+    def pt_by_dma(self, rows: int, qt: int) -> int | None:
+        """The queue for a chunk of P^T [rows, qt] by DMA transpose, or None for a Tensor-engine transpose: the
+        freest queue when its booked work with the transpose stays within the Tensor engine's booked work (and qt
+        whole units of the DMA engines' transpose: isa.py)."""
+        if qt % self.em.target.dma_transpose_inner:
+            return None
+        queue = self.freest_queue()
+        cost = dma_transpose_ns(rows, qt, self.plan.probability_dtype.itemsize, self.em.target, from_hbm=False)
+        return queue if self.queue_ns[queue] + cost <= self.tensor_ns else None
 
     def evacuate_stage(self, x: _KeyBlock) -> None:
-        x.pt = self.evacuated(x.pt_psum, x.blk.qt, x.chunks)
+        x.pt = self.evacuated(x.pt_psum, x.blk.qt, x.chunks, x.pt)
+        if not self.plan.pt_by_dma:
+            self.rescale(x)
+
+    def rescale(self, x: _KeyBlock) -> None:
         if x.corr is not None:  # the accumulator [P V | l] in PSUM, rescaled before this block's P V adds to it
             acc = x.row.acc
             corr = broadcast_columns(x.corr, self.plan.value_dim + 1)  # held per partition: one pass
@@ -539,10 +589,13 @@ class _Attention:
         """[P V | rowsum P] into (or added to) the query tile's accumulator in PSUM."""
         blk, dv, q_tile = x.blk, self.plan.value_dim, self.plan.q_tile
         vt = self.heads[blk.g][2]
+        if self.plan.pt_by_dma:
+            self.rescale(x)
         if blk.first:
             x.row.acc = self.o_psum.next().ap(blk.qt, dv + 1)
         for n, (c, rows) in enumerate(x.chunks):
-            self.em.emit(Opcode.MATMUL, Engine.TENSOR, x.row.acc, tile_at(x.pt, n * blk.qt, rows, blk.qt),
+            pt = x.pt_dma[c] if c in x.pt_dma else tile_at(x.pt, n * blk.qt, rows, blk.qt)
+            self.em.emit(Opcode.MATMUL, Engine.TENSOR, x.row.acc, pt,
                          tile_at(vt, (blk.k0 + c) // q_tile * (dv + 1), rows, dv + 1),
                          accumulate=n > 0 or not blk.first)
 

@@ -121,11 +121,12 @@ class Emitter:
         """The queue the next `dma` takes, before the modulo: the round robin's turns so far."""
         return self._dma_turn
 
-    def dma_on(self, queue: int, dst: AccessPattern, src: AccessPattern) -> None:
-        """A DMA copy on queue `queue`, one the kernel chose from its own transfers' queues (the round robin does not
-        advance): a kernel reused through codegen.reuse turns it with the instance's round robin, as its `dma`s, so
-        it keeps its place among them."""
-        self.emit(Opcode.DMA_COPY, Engine.DMA, dst, src, queue=queue % self.target.dma_queues)
+    def dma_on(self, queue: int, dst: AccessPattern, src: AccessPattern, transpose: bool = False) -> None:
+        """A DMA copy (or with `transpose`, a DMA transpose, as `dma` makes it) on queue `queue`, one the kernel chose
+        from its own transfers' queues (the round robin does not advance): a kernel reused through codegen.reuse turns
+        it with the instance's round robin, as its `dma`s, so it keeps its place among them."""
+        self.emit(Opcode.DMA_TRANSPOSE if transpose else Opcode.DMA_COPY, Engine.DMA, dst, src,
+                  queue=queue % self.target.dma_queues)
 
     def dma(self, dst: AccessPattern, src: AccessPattern, *, indices: AccessPattern | None = None,
             add: bool = False, transpose: bool = False) -> None:

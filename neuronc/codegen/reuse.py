@@ -231,9 +231,9 @@ class _Recorder(Emitter):
         self.rotated.append(len(self.instructions))
         super().dma(dst, src, **kwargs)
 
-    def dma_on(self, queue, dst, src) -> None:
+    def dma_on(self, queue, dst, src, transpose: bool = False) -> None:
         self.rotated.append(len(self.instructions))
-        super().dma_on(queue, dst, src)
+        super().dma_on(queue, dst, src, transpose)
 
 
 def _tensor(ap: AccessPattern) -> int:

@@ -51,7 +51,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
 from neuronc.passes.context import PassContext
-from neuronc.instruction_cost import dma_transfer_ns
+from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_pass_ns
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -80,6 +80,22 @@ ROWS_HEADS = 2
 # queue behind. HF GPT-2 small, seq 128, 12 layers, trn2 (benchmarks.compile_graph_alone's graphs): bf16
 # 2225.6 -> 2190.2 us, fp32 3422.8 -> 3411.7 us without them; seq 512 unchanged (4 tiles a head).
 TAIL_HEADS = 4
+# P^T by DMA transposes SBUF -> SBUF (pt_by_dma): a chunk's takes its queue ~4.2 us (its fixed cost and 8 units at half
+# a queue's rate), so the pipeline waits PT_WAIT steps between a block's exp and its P^T and PV_WAIT between its P^T and
+# its P V, and a block takes at most PT_DMA_CHUNKS chunks by DMA (each on a page of its own). Measured choices, seq
+# 2048 / 1024, head dim 128, trn2 (us): waits (0, 2) with 3 chunks 307.9 / -, (0, 3) 290.1 / -, (2, 3) 286.5 / 90.0,
+# (1, 4) 287.0 / 91.7, (3, 3) 291.9 / 93.8, (2, 4) 285.6 / 88.7; chunks (with (2, 3)): 3 288.3, 4 286.5, 5 287.6; with
+# (2, 4) and a block's last chunks first, seq 2048 head dim 128 / 64: 2 chunks 284.9 / 277.8, 3 284.7 / 277.3 (three
+# heads loaded ahead fit SBUF beside them), 4 284.9 / 279.4
+PT_WAIT = 2
+PV_WAIT = 4
+PT_DMA_CHUNKS = 3
+# The least chunks the queues must have room for (pt_by_dma): causal, bf16, head dim 128, trn2, the masked_fill form
+# (benchmarks/roofline.py Attention) / F.scaled_dot_product_attention, us with the waits and DMA transposes -> without,
+# the chunks pt_by_dma counts: 1 head x 1024 keys 19.7 -> 18.6 (8 chunks), 4 x 1024 37.8 -> 39.5 / 41.6 -> 40.8 (34),
+# 12 x 1024 88.7 -> 96.5 / 100.8 -> 100.5 (102), 1 x 2048 38.0 -> 35.3 / 39.6 -> 38.4 (58), 2 x 2048 61.3 -> 59.6 /
+# 67.1 -> 65.6 (116), 4 x 2048 107.6 -> 108.7 / 119.4 -> 120.4 (231), 12 x 2048 285.6 -> 303.9 / 329.8 -> 336.2 (693)
+PT_DMA_LEAST = 200
 FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
@@ -553,12 +569,15 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
         in_sbuf = logits_in_sbuf(attrs | {"scale": scale})
-        fitting = [(ahead, rows) for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target), 0))
+        dma_pt = pt_by_dma(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
+                           attrs["causal_offset"], target)
+        fitting = [(ahead, rows, by_dma) for by_dma in dict.fromkeys((dma_pt, False))
+                   for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target), 0))
                    for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
                        sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"], in_sbuf,
-                       heads_ahead=ahead, rows_heads_=rows)), target)]
+                       heads_ahead=ahead, rows_heads_=rows, pt_by_dma_=by_dma)), target)]
         _need(bool(fitting))
-        attrs["heads_ahead"], attrs["rows_heads"] = fitting[0]
+        attrs["heads_ahead"], attrs["rows_heads"], attrs["pt_by_dma"] = fitting[0]
     except _NoMatch:
         return None
     ops = ("matmul", *reversed(m.ops), "matmul")
@@ -573,7 +592,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                   heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], pt_by_dma=attrs["pt_by_dma"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
                           "Q/K/V resident")
 
 
@@ -616,10 +635,13 @@ def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, b
     return max(1, min(SOFTMAX_BLOCKS, most))
 
 
-def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None) -> int:
+def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
+                   by_dma: bool = False) -> int:
     """Key blocks in flight in the kernel's software pipeline: one per stage, and a block waits between its
-    logits and its exp until the last block of its softmax group has made its logits."""
-    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block) - 1
+    logits and its exp until the last block of its softmax group has made its logits, and (`by_dma`: P^T's chunks by
+    DMA transposes, pt_by_dma) PT_WAIT steps before its P^T and PV_WAIT before its P V."""
+    waits = PT_WAIT + PV_WAIT if by_dma else 0
+    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block) - 1 + waits
 
 
 def output_tiles(sq: int, dv: int, dtype: DType) -> int:
@@ -636,16 +658,16 @@ def tail_heads(sq: int, dv: int, dtype: DType) -> int:
 
 
 def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
-                   heads_ahead: int = HEADS_AHEAD) -> int:
+                   heads_ahead: int = HEADS_AHEAD, by_dma: bool = False) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded `heads_ahead` heads ahead, and stay while any of
     its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
-    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf, block)
+    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf, block, by_dma)
     return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf, block)))) + 1 + heads_ahead
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
                in_sbuf: bool, score_mod: bool = False, patterns: tuple = (0, 0), key_block_: int | None = None,
-               heads_ahead: int = HEADS_AHEAD, rows_heads_: int = 0) -> dict:
+               heads_ahead: int = HEADS_AHEAD, rows_heads_: int = 0, pt_by_dma_: bool = False) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -653,7 +675,9 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     block = key_block(sk, in_sbuf, key_block_)
     f32 = DType.F32
     shape = (sq, sk, mask == "causal", causal_offset, in_sbuf, key_block_)
-    heads, depth, group = resident_heads(*shape, heads_ahead), pipeline_depth(*shape), softmax_blocks(*shape)
+    heads, depth = resident_heads(*shape, heads_ahead, pt_by_dma_), pipeline_depth(*shape, pt_by_dma_)
+    group, pt_wait, pv_wait = softmax_blocks(*shape), PT_WAIT * pt_by_dma_, PV_WAIT * pt_by_dma_
+    base = depth - pt_wait - pv_wait  # the pipeline's depth without the waits
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
         "k": (dtypes["k"], d_tiles * sk, heads),
@@ -662,12 +686,18 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "identity": (dtypes["p"], Q_TILE, 1),
         **({"rows": (dtypes["q"], max(sq, sk) // Q_TILE * d, 2 * rows_heads_)} if rows_heads_ else {}),  # Q's, K's
         "ramp": (f32, Q_TILE, 1),
-        "p": (dtypes["p"], block, 3),
-        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3),
-        "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, depth),
-        "out_tile": (dtypes["out"], dv, depth),  # a tile stored alone (the last heads'): never a group's slot
-        "b_blocks": (f32, group, depth),  # the row mins of a softmax group's blocks, side by side
-        **{name: (f32, 1, depth) for name in ("b", "rowsum", "dm", "corr")},
+        # P waits for its P^T, and P^T for its P V, through the waits (pt_by_dma)
+        "p": (dtypes["p"], block, 3 + pt_wait + pv_wait),
+        "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3 + pv_wait),
+        # P^T's chunks made by DMA transposes, each on a page of its own (the sync pass's hazards are by pages: chunks
+        # sharing one would wait for each other's queue), up to PT_DMA_CHUNKS a block
+        **({"pt_dma": (dtypes["p"], Q_TILE, (3 + pv_wait) * PT_DMA_CHUNKS)} if pt_by_dma_ else {}),
+        # (the tiles made and used before a block's exp, or after its P V, live as long whatever the waits)
+        "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, base),
+        "out_tile": (dtypes["out"], dv, base),  # a tile stored alone (the last heads'): never a group's
+        "b_blocks": (f32, group, base),  # the row mins of a softmax group's blocks, side by side
+        **{name: (f32, 1, base) for name in ("b", "rowsum", "dm")},
+        "corr": (f32, 1, depth),  # made by the exp, used by the P V
     }
     if mask == "causal":
         pools["bias_identity"] = (DType.BF16, Q_TILE, 1)
@@ -718,6 +748,43 @@ def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target) -> int:
     return ROWS_HEADS if 2 * by_rows < transposed else 0
 
 
+def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int,
+              target: Target) -> bool:
+    """Whether the kernel may make chunks of P^T by DMA transposes SBUF -> SBUF instead of on the Tensor engine (with
+    their copies out of PSUM on Vector or Scalar), codegen/attention.py choosing each chunk by the work booked on the
+    queues and the Tensor engine: where the target has them for P's 2-byte type, and the chunks the queues have room
+    for -- the time a head's matmuls take the Tensor engine beyond what its loads and stores take the queues (head_ns),
+    on every queue, for every head, over a chunk's transpose -- are at least PT_DMA_LEAST: the pipeline's waits cost
+    its start and end a few microseconds, which too few chunks do not pay back."""
+    if not (target.dma_transpose_sbuf_fraction > 0 and dtypes["p"].itemsize == 2):
+        return False
+    queues, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target)
+    chunk = dma_transpose_ns(Q_TILE, Q_TILE, dtypes["p"].itemsize, target, from_hbm=False)
+    return target.dma_queues * heads * (tensor - queues) / chunk >= PT_DMA_LEAST
+
+
+def head_ns(sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int, target: Target) -> tuple:
+    """(ns, ns): a head's loads of K^T, Q^T (as load_transposed makes them), V and its output's stores, over all the
+    queues; its matmuls (QK^T, P^T and P V by chunks of 128 keys, blocks above a causal diagonal skipped) on the Tensor
+    engine. Each priced by instruction_cost's rules."""
+    size = dtypes["q"].itemsize
+    page = SBUF_PAGE_BYTES // size
+
+    def transposed(rows: int) -> float:
+        if target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2:
+            return sum(dma_transpose_ns(d, min(page, rows - r0), size, target) for r0 in range(0, rows, page))
+        pieces = dma_slice_count(d, rows * d * size, target)
+        return pieces * dma_transfer_ns(rows * d * size / pieces, False, target, -(-d // pieces))
+
+    queues = (transposed(sq) + transposed(sk) + dma_transfer_ns(sk * dv * dtypes["v"].itemsize, True, target)
+              + dma_transfer_ns(sq * dv * dtypes["out"].itemsize, True, target)) / target.dma_queues
+    chunks = sum(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // Q_TILE)
+                 for q0 in range(0, sq, Q_TILE))
+    tensor = chunks * (-(-d // Q_TILE) * matmul_pass_ns(Q_TILE, False, target) + matmul_pass_ns(Q_TILE, False, target)
+                       + matmul_pass_ns(dv + 1, False, target))
+    return queues, tensor
+
+
 def sbuf_bytes(pools: dict) -> int:
     """SBUF bytes per partition of `pools`, slots rounded to the pages tiles are placed on."""
     return sum(-(-n * dtype.itemsize // SBUF_PAGE_BYTES) * SBUF_PAGE_BYTES * bufs for dtype, n, bufs in pools.values())
@@ -732,7 +799,7 @@ def pools_of(node: ir.Node) -> dict:
     patterns = tuple(node.inputs[3].shape[::2]) if a["mask"] == "blocks" else (0, 0)  # (count, width)
     return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
                       a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a), bool(a.get("score_mod")), patterns,
-                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD), a.get("rows_heads", 0))
+                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD), a.get("rows_heads", 0), a.get("pt_by_dma", False))
 
 
 def rounds_logits(attrs: dict) -> bool:
@@ -778,7 +845,8 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         masked_when=bool(a["masked_when"]), zero_masked_rows=bool(a["zero_masked_rows"]),
         views=tuple(View(int(o), tuple(int(x) for x in st)) for o, st in a["views"]),
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
-        q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape), depth=pipeline_depth(*shape),
+        q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape),
+        depth=pipeline_depth(*shape, a.get("pt_by_dma", False)), pt_by_dma=a.get("pt_by_dma", False),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
