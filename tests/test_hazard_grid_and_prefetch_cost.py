@@ -12,6 +12,7 @@ from neuronc.codegen import schedule
 from neuronc.codegen.sync import HazardGrid
 from neuronc.compiler import CompileOptions, compile_exported
 from neuronc.isa import Instruction, Space
+from neuronc.placement import SBUF_HAZARD_BYTES, SBUF_PAGE_BYTES, partition_group
 from neuronc.targets import get_target
 from tests import zoo
 
@@ -77,6 +78,33 @@ def test_the_sbuf_cells_are_the_spans_of_sbuf_patterns_and_no_others(program):
             for a, b in grid.ap_spans[id(ap)]:
                 spaces["in" if start <= a and b <= stop else "out"].add(ap.space)
     assert spaces == {"in": {Space.SBUF}, "out": {Space.HBM, Space.PSUM}}
+
+
+def _sbuf_box(ap, target) -> tuple:
+    """(first, last) SBUF_HAZARD_BYTES row and (first, last) partition group of an SBUF pattern, bounds included."""
+    extent = 1 + sum(stride * (size - 1) for stride, size in ap.dims[1:])
+    last = ap.offset + extent * ap.dtype.itemsize - 1
+    group = partition_group(target)
+    return (ap.offset // SBUF_HAZARD_BYTES, last // SBUF_HAZARD_BYTES, ap.partition // group,
+            (ap.partition + ap.partitions - 1) // group)
+
+
+def test_sbuf_patterns_share_a_cell_exactly_when_they_share_a_row_of_a_partition_group(program):
+    # SBUF is cut only where some access starts or stops (codegen.sync _sbuf_grid): exact, and the tiles of whole
+    # pages, those nothing cuts finer, touch fewer cells than their SBUF_HAZARD_BYTES rows
+    instructions, _, target, grid = program
+    patterns = list({id(ap): ap for inst in instructions for ap in inst.operands if ap.space == Space.SBUF}.values())
+    boxes = [_sbuf_box(ap, target) for ap in patterns]
+    cells = [{c for a, b in grid.ap_spans[id(ap)] for c in range(a, b)} for ap in patterns]
+    for i in range(len(patterns)):
+        for j in range(i):
+            (a0, a1, g0, g1), (b0, b1, h0, h1) = boxes[i], boxes[j]
+            assert (a0 <= b1 and b0 <= a1 and g0 <= h1 and h0 <= g1) == bool(cells[i] & cells[j])
+    rows = SBUF_PAGE_BYTES // SBUF_HAZARD_BYTES
+    paged = [(len(cell), (b1 + 1 - b0) * (g1 + 1 - g0)) for (b0, b1, g0, g1), cell in zip(boxes, cells)
+             if b0 % rows == 0 and (b1 + 1) % rows == 0]
+    assert paged and all(touched <= units for touched, units in paged)
+    assert sum(touched for touched, _ in paged) < sum(units for _, units in paged)
 
 
 def test_a_moved_load_goes_after_the_last_earlier_instruction_it_conflicts_with_on_any_cell(program):

@@ -227,6 +227,15 @@ class _Cells:
         return self._spans(box, box[:2] in self.by_column)
 
 
+def _sbuf_grid(boxes: set) -> dict:
+    """{SBUF box: the same box on SBUF's grid cut only where some access starts or stops} (rows of SBUF_HAZARD_BYTES
+    merged between cuts): exact, as accesses that share a row share the merged row holding it and only those, and
+    most tiles start and stop on page boundaries, so an access touches few cells where it would touch a row each."""
+    cuts = sorted({box[2] for box in boxes} | {box[3] + 1 for box in boxes})
+    return {box: (box[0], box[1], bisect.bisect_left(cuts, box[2]), bisect.bisect_left(cuts, box[3] + 1) - 1, *box[4:])
+            for box in boxes}
+
+
 class HazardGrid:
     """What each instruction of a program touches, as [start, stop) spans of tracking cells: the one
     description of memory that the scheduling pass (codegen.schedule) and the waits share."""
@@ -246,7 +255,8 @@ class HazardGrid:
                 if id(ap) not in extents:
                     extents[id(ap)] = regions.extent(ap)
         hbm, alike = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
-        boxes = {key: hbm.get(box, box) for key, box in extents.items()}
+        cells = {**hbm, **_sbuf_grid({box for box in extents.values() if box[0] == Space.SBUF})}
+        boxes = {key: cells.get(box, box) for key, box in extents.items()}
         distinct = list(dict.fromkeys(boxes.values()))
         layout = _Cells(distinct, alike)
         spans = {box: layout.spans(box) for box in distinct}
