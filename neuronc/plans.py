@@ -449,6 +449,11 @@ class AttentionPlan:
     rows_heads: int = 0  # the first heads whose Q^T, K^T are transposed on the Tensor engine (rows_heads)
     tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
     pt_by_dma: bool = False  # chunks of P^T may be DMA transposes, with waits in the pipeline (pt_by_dma)
+    # (with pt_by_dma) the pipeline steps a block waits before its P^T and before its P V, and the most chunks of a
+    # block's P^T made by DMA (passes/attention.py PT_WAIT, PV_WAIT, PT_DMA_CHUNKS)
+    pt_wait: int = 0
+    pv_wait: int = 0
+    pt_dma_chunks: int = 0
 
     @property
     def batch(self) -> int:

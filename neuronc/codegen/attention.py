@@ -16,7 +16,6 @@ from neuronc.instruction_cost import dma_transpose_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.placement import SBUF_PAGE_BYTES, partition_group
-from neuronc.passes.attention import PT_DMA_CHUNKS, PT_WAIT, PV_WAIT
 from neuronc.plans import MemoryPlan
 
 
@@ -235,8 +234,8 @@ class _Attention:
         by_dma = self.plan.pt_by_dma  # P^T's DMA transposes take microseconds: the pipeline waits for them
         stages = (self.scores_stage, self.logits_stage, self.bias_stage,
                   *[self.waiting_stage] * (self.plan.softmax_blocks - 1), self.exp_stage,
-                  *[self.waiting_stage] * (PT_WAIT * by_dma), self.transpose_stage, self.evacuate_stage,
-                  *[self.waiting_stage] * (PV_WAIT * by_dma), self.product_stage, self.output_stage)
+                  *[self.waiting_stage] * (self.plan.pt_wait * by_dma), self.transpose_stage, self.evacuate_stage,
+                  *[self.waiting_stage] * (self.plan.pv_wait * by_dma), self.product_stage, self.output_stage)
         assert len(stages) == self.plan.depth
         return stages
 
@@ -556,7 +555,7 @@ class _Attention:
             # the block's last chunks first: its P V starts with the chunks the Tensor engine transposed (seq 2048, head
             # dim 128 / 64, trn2: the first chunks by DMA 285.6 / 281.1 us, the last 284.9 / 279.4)
             for c, rows in x.chunks[::-1]:
-                queue = self.pt_by_dma(rows, qt) if len(x.pt_dma) < PT_DMA_CHUNKS else None
+                queue = self.pt_by_dma(rows, qt) if len(x.pt_dma) < self.plan.pt_dma_chunks else None
                 if queue is None:
                     on_tensor.append((c, rows))
                 else:

@@ -847,6 +847,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape),
         depth=pipeline_depth(*shape, a.get("pt_by_dma", False)), pt_by_dma=a.get("pt_by_dma", False),
+        pt_wait=PT_WAIT, pv_wait=PV_WAIT, pt_dma_chunks=PT_DMA_CHUNKS,
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
