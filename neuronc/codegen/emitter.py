@@ -6,10 +6,10 @@ compute on this one), the round-robin choice of DMA queue, and the kernel/debug 
 """
 from __future__ import annotations
 
-from neuronc.codegen.sync import SBUF_PAGE_BYTES
 from neuronc.errors import NeuronCompileError
 from neuronc.isa import AccessPattern, AluOp, DType, Engine, Instruction, Opcode, Space, row_major_dims
 from neuronc.neff.program import DebugLoc, KernelInfo
+from neuronc.placement import SBUF_PAGE_BYTES
 from neuronc.targets import Target
 
 

@@ -20,7 +20,6 @@ from collections import defaultdict
 from neuronc.codegen.sync_arrays import waits_at_once
 from neuronc.isa import AccessPattern, Space, Wait
 from neuronc.placement import SBUF_HAZARD_BYTES, partition_group  # granularity of hazard tracking in SBUF
-from neuronc.placement import SBUF_PAGE_BYTES  # noqa: F401 (codegen/emitter.py's slot alignment, imported from here)
 from neuronc.targets import Target
 
 # bounds the cells of one HBM tensor (so the keys of one access): a tensor whose accesses cut it finer is tracked on a
