@@ -25,7 +25,7 @@ from neuronc.targets import Target
 CACHED_PRICES = 4096  # kernels whose price is kept per process (a key is one kernel's IR text: a few KiB)
 ELIDED = 16  # arrays printed in a key only up to this many elements: values do not change a kernel's time
 
-_prices: OrderedDict = OrderedDict()
+_prices: OrderedDict = OrderedDict()  # key -> ((emulated ns, instructions), the ids emitting it took)
 
 
 def _unlocated(value):
@@ -77,12 +77,17 @@ def kernel_time(node: ir.Node, target: Target, prefetch: bool = True) -> tuple:
     except (TypeError, ValueError):  # an attribute the IR text cannot print: priced without the table
         key = None
     if key is not None and key in _prices:
+        # a hit takes the ids the emission took (ir.skip_ids: they name the NEFF's tensors), so that a program
+        # compiles to the same bytes whether its kernels were priced before in this process or not
         _prices.move_to_end(key)
-        return _prices[key]
+        priced, ids = _prices[key]
+        ir.skip_ids(ids)
+        return priced
+    start = ir.next_id()
     neff = generate(graph, plan_memory(graph), target, "priced", prefetch=prefetch, reuse=False)
     priced = (neff.estimated_ns, sum(len(stream) for stream in neff.streams.values()))
     if key is not None:
-        _prices[key] = priced
+        _prices[key] = priced, ir.next_id() - start
         if len(_prices) > CACHED_PRICES:
             _prices.popitem(last=False)
     return priced

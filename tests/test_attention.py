@@ -5,6 +5,7 @@ are not multiples of the 128-row tile, in fp32 and bf16, give eager PyTorch's nu
 never reach HBM and the causal kernel skips the blocks above the diagonal."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -13,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from neuronc import ir
-from neuronc.compiler import CompileOptions, compile_graph
+from neuronc.neff import encode
+from neuronc.compiler import CompileOptions, compile_fx, compile_graph
 from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
 from neuronc.passes import attention as attention_pass
@@ -21,7 +23,9 @@ from neuronc.isa import DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops
+from tests import zoo
 from tests.conftest import assert_matches_eager, compile_and_run, compile_module, zoo_graph
+from tests.test_repeated_layers import traced
 
 
 class MaskedFillAttention(nn.Module):
@@ -210,6 +214,31 @@ def test_short_heads_are_made_from_rows_only_where_their_kernel_is_faster_so():
     [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert node.attrs["rows_heads"] == 0
     assert_matches_eager(out, model(*inputs))
+
+
+def _rows_timed_gpt2(monkeypatch, memo: bool) -> tuple:
+    """(NEFF bytes, kernels timed) of a 3-layer bf16 GPT-2 at seq 128 whose attentions rows_heads prices from rows,
+    compiled at -O2 with node ids counted from 0 (they name the NEFF's tensors); `memo`: the pass's memo as it is,
+    else a new one for every attention."""
+    timed, choose = [], attention_pass._with_rows_heads_timed
+
+    def counting(node, time, memory):
+        return choose(node, time and (lambda n: timed.append(n) or time(n)), memory if memo else {})
+
+    monkeypatch.setattr(attention_pass, "_with_rows_heads_timed", counting)
+    monkeypatch.setattr(ir, "_ids", itertools.count())
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=64, width=128, layers=3, heads=2, context=128).eval().to(torch.bfloat16)
+    compiled = compile_fx(traced(model, torch.randint(0, 64, (1, 128))), CompileOptions(opt_level=2, name="g"))
+    return encode(compiled.neff), len(timed)
+
+
+def test_repeated_layers_time_their_attention_once_and_give_the_neff_timed_layer_by_layer(monkeypatch):
+    once, timed = _rows_timed_gpt2(monkeypatch, memo=True)
+    assert timed == 2  # one attention's kernel with and without rows heads, for the three layers
+    every, timed = _rows_timed_gpt2(monkeypatch, memo=False)
+    assert timed == 2 * 3
+    assert every == once  # a hit takes the ids the timing took
 
 
 def _output_stores(compiled) -> int:

@@ -55,7 +55,7 @@ from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_p
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
-from neuronc.passes.structural_key import once_per_key, structural_key
+from neuronc.passes.structural_key import structural_key
 from neuronc.placement import dma_slice_count
 from neuronc.plans import AttentionPlan, View, pool_specs
 from neuronc.targets import Target
@@ -689,8 +689,8 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         # P waits for its P^T, and P^T for its P V, through the waits (pt_by_dma)
         "p": (dtypes["p"], block, 3 + pt_wait + pv_wait),
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3 + pv_wait),
-        # P^T's chunks made by DMA transposes, each on a page of its own (the sync pass's hazards are by pages: chunks
-        # sharing one would wait for each other's queue), up to PT_DMA_CHUNKS a block
+        # P^T's chunks made by DMA transposes, each in a slot of its own (chunks sharing an SBUF hazard cell would wait
+        # for each other's queue), up to PT_DMA_CHUNKS a block
         **({"pt_dma": (dtypes["p"], Q_TILE, (3 + pv_wait) * PT_DMA_CHUNKS)} if pt_by_dma_ else {}),
         # (the tiles made and used before a block's exp, or after its P V, live as long whatever the waits)
         "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, base),
@@ -862,16 +862,33 @@ def _with_rows_heads_timed(node: ir.Node, timed, memo: dict) -> ir.Node:
     emulator's clock (`timed`: PassContext.choice_time; None: as rows_heads priced it). rows_heads prices the
     pipeline's fill alone, not the Tensor-engine transposes and their copies out of PSUM it adds: trn2, 12 causal
     bf16 heads of 64 dims, kernel alone, us with and without: seq 128 17.21 / 15.25, seq 256 22.07 / 21.16, seq 512
-    31.82 / 32.93. Decided once per distinct attention (`memo`: a model's layers ask the same)."""
+    31.82 / 32.93. Decided once per distinct attention (`memo`: a model's layers ask the same); a hit takes the ids
+    the timing took (`ir.skip_ids`), so every later node has the id it has without the memo (the ids name the NEFF's
+    tensors)."""
     node.attrs["plan"] = attention_plan(node)
     if not node.attrs.get("rows_heads") or timed is None:
         return node
+    try:
+        key = structural_key((node.attrs["plan"], [(x.shape, x.dtype) for x in node.inputs]))
+    except TypeError:
+        key = None
+    if key in memo:
+        rows, ids = memo[key]
+        ir.skip_ids(ids)
+    else:
+        start = ir.next_id()
+        rows = timed(node)[0] <= timed(_without_rows_heads(node))[0]
+        if key is not None:
+            memo[key] = rows, ir.next_id() - start
+    return node if rows else _without_rows_heads(node)
+
+
+def _without_rows_heads(node: ir.Node) -> ir.Node:
+    """The ATTENTION `node` with none of its heads made from rows, and its plan."""
     other = ir.node(Op.ATTENTION, node.inputs, node.shape, node.dtype, node.loc,
                     **{**node.attrs, "rows_heads": 0, "plan": None})
     other.attrs["plan"] = attention_plan(other)
-    rows = once_per_key(memo, lambda: structural_key((node.attrs["plan"], [(x.shape, x.dtype) for x in node.inputs])),
-                        lambda: timed(node)[0] <= timed(other)[0])
-    return node if rows else other
+    return other
 
 
 def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
@@ -883,7 +900,7 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     if not matches:
         return graph
     built: dict = {}  # old node -> its rebuilt self: the fused node's inputs are old nodes
-    timed: dict = {}  # an attention's key -> whether its first heads are made from rows (_with_rows_heads_timed)
+    timed: dict = {}  # an attention's key -> (whether its first heads are made from rows, the ids its timing took)
 
     def rebuild(node, inputs):
         if node in matches:
