@@ -447,6 +447,8 @@ class AttentionPlan:
     key_visits: tuple = ()
     out_tiles: int = 1  # whole query tiles of a head stored together (passes/attention.py output_tiles)
     rows_heads: int = 0  # the first heads whose Q^T, K^T are transposed on the Tensor engine (rows_heads)
+    cell_heads: int = 0  # the first heads whose K^T, Q^T DMA transposes go a hazard cell of columns each (cell_heads)
+    copy_slack: float = 0.0  # ns: P^T's copies out of PSUM go to the cheapest engine finishing within it (copy_slack)
     tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
     pt_by_dma: bool = False  # chunks of P^T may be DMA transposes, with waits in the pipeline (pt_by_dma)
     # (with pt_by_dma) the pipeline steps a block waits before its P^T and before its P V, and the most chunks of a

@@ -175,18 +175,58 @@ def test_a_head_dim_above_128_accumulates_the_scores_over_two_tiles():
 
 
 def test_a_bf16_head_of_128_dims_is_loaded_transposed_by_dma_on_trn2_and_matches_eager():
-    model, inputs = Sdpa(causal=True), _qkv(4, 640, 128, torch.bfloat16)  # 640 keys: two DMA transposes per tile
+    model, inputs = Sdpa(causal=True), _qkv(4, 640, 128, torch.bfloat16)  # 640 keys
     compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
-    # K^T and Q^T of each head after the first two (made from rows: see the next test), each in two chunks (512 and
-    # 128 keys: a page of SBUF columns each)
-    assert _opcodes(compiled).count(Opcode.DMA_TRANSPOSE) == 2 * 2 * 2
+    # K^T and Q^T of every head, each in five chunks of 128 keys (an SBUF hazard cell of columns each, on queues of
+    # their own): a head's matmuls take the Tensor engine 2.4 us, a page's transpose its queue 7.6 (cell_heads)
+    transposes = _dma_transposes(compiled, Space.HBM)
+    assert len(transposes) == 4 * 2 * 5 and {i.operands[0].shape for i in transposes} == {(128, 128)}
     assert_matches_eager(out, model(*inputs))
 
 
+def test_p_transposes_are_copied_out_of_psum_by_the_engine_that_copies_them_fastest(monkeypatch):
+    # bf16 scores rounded as eager rounds them (the masked_fill form): their fp32 copies out of PSUM are faster on Scalar,
+    # P^T's 16-bit ones on Vector (performance mode), so P^T's go to Vector whenever it finishes them within
+    # COPY_SLACK of the soonest engine (passes/attention.py copy_slack); the same bits either way (4 heads of 512: 16 of
+    # 16 copies on Vector, against 11 of 16)
+    model, inputs = MaskedFillAttention(), _qkv(4, 512, 128, torch.bfloat16)
+
+    def pt_copies(program, engine):  # 16-bit copies PSUM -> SBUF: P^T's
+        return sum(1 for i in program.neff.streams.get((engine, 0), ()) if i.srcs and i.srcs[0].space == Space.PSUM
+                   and i.srcs[0].dtype == DType.BF16 and i.operands[0].dtype == DType.BF16)
+
+    compiled, out = compile_and_run(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert node.attrs["plan"].copy_slack == attention_pass.COPY_SLACK > 0
+    monkeypatch.setattr(attention_pass, "COPY_SLACK", 0.0)
+    soonest, out_soonest = compile_and_run(model, inputs)
+    assert pt_copies(compiled, Engine.VECTOR) > pt_copies(soonest, Engine.VECTOR)
+    assert pt_copies(compiled, Engine.SCALAR) < pt_copies(soonest, Engine.SCALAR)
+    assert torch.equal(out.view(torch.int16), out_soonest.view(torch.int16))
+    assert_matches_eager(out, model(*inputs))
+
+
+def test_only_the_first_heads_k_and_q_go_by_hazard_cells_where_a_head_outlasts_a_pages_transpose():
+    # seq 2048: a head's matmuls take the Tensor engine 21.8 us, a page's transpose 7.6: the first head's K^T and Q^T by
+    # cells (the pipeline's fill waits for them), the others by pages; at seq 1024 (5.8 us) every head's by cells
+    dtypes = dict.fromkeys(("q", "k", "v", "out", "p"), DType.BF16)
+    trn2 = get_target("trn2")
+    assert attention_pass.cell_heads(12, 2048, 2048, 128, 128, dtypes, True, 0, trn2) == 1
+    assert attention_pass.cell_heads(12, 1024, 1024, 128, 128, dtypes, True, 0, trn2) == 12
+    model, inputs = Sdpa(causal=True), _qkv(2, 2048, 128, torch.bfloat16)
+    compiled = compile_module(model, inputs)
+    widths = sorted(i.operands[0].shape[1] for i in _dma_transposes(compiled, Space.HBM))
+    assert widths == [128] * 2 * 16 + [512] * 2 * 4
+
+
 def test_the_first_heads_q_and_k_are_transposed_on_the_tensor_engine_when_their_rows_load_sooner(monkeypatch):
-    # seq 512, head dim 128: a head's rows reach SBUF over 4 queues in 3.0 us, its DMA transpose takes 7.6 us on one
-    # queue, and the pipeline waits for it (passes/attention.py rows_heads)
+    # seq 512, head dim 128, K^T and Q^T by pages: a head's rows reach SBUF over 4 queues in 3.0 us, its DMA transpose
+    # takes 7.6 us on one queue, and the pipeline waits for it (passes/attention.py rows_heads). By hazard cells
+    # (cell_heads: 2.9 us on 4 queues) no head is made from rows
+    dtypes = {"q": DType.BF16, "k": DType.BF16, "p": DType.BF16}
+    assert attention_pass.rows_heads(512, 512, 128, dtypes, get_target("trn2"), cells=True) == 0
+    monkeypatch.setattr(attention_pass, "cell_heads", lambda *args: 0)
     model, inputs = Sdpa(causal=True), _qkv(3, 512, 128, torch.bfloat16)
     compiled, out = compile_and_run(model, inputs)
     _assert_one_attention_kernel(compiled)
@@ -263,12 +303,17 @@ def test_a_2048_key_head_of_128_dims_is_not_transposed_on_the_tensor_engine():
     # its rows take as long to load as its first DMA transpose (4 KiB a partition): nothing to gain at the fill
     model, inputs = Sdpa(causal=True), _qkv(1, 2048, 128, torch.bfloat16)
     compiled = compile_module(model, inputs)
-    assert len(_dma_transposes(compiled, Space.HBM)) == 2 * 4  # (P^T's, SBUF -> SBUF, are the next tests')
-    # the first scores wait for K^T and Q^T, not V: each transpose is the first transfer on its queue (issued after
+    # K^T and Q^T by 16 chunks of 128 keys each, a hazard cell of columns (the first head's: cell_heads) (P^T's, SBUF ->
+    # SBUF, are the next tests')
+    assert len(_dma_transposes(compiled, Space.HBM)) == 2 * 16
+    # the first scores wait for K^T and Q^T, not V: on every queue the transposes come before any load of V (issued after
     # V's loads, Q^T's would queue behind them)
     queues = [stream for (engine, _), stream in compiled.neff.streams.items() if engine == Engine.DMA]
-    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE and stream[0].operands[1].space == Space.HBM
-               for stream in queues) == 2 * 4
+    for stream in queues:
+        loads = [i for i in stream if i.operands[1].space == Space.HBM and i.operands[0].space != Space.HBM]
+        kinds = [i.opcode == Opcode.DMA_TRANSPOSE for i in loads]
+        assert kinds == sorted(kinds, reverse=True)
+    assert sum(stream[0].opcode == Opcode.DMA_TRANSPOSE for stream in queues) == 16
 
 
 def _dma_transposes(compiled, source: Space) -> list:

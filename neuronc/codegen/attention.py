@@ -15,7 +15,7 @@ from neuronc.codegen.emitter import Emitter
 from neuronc.instruction_cost import dma_transpose_ns, instruction_cost_ns
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
-from neuronc.placement import SBUF_PAGE_BYTES, partition_group
+from neuronc.placement import SBUF_HAZARD_BYTES, SBUF_PAGE_BYTES, partition_group
 from neuronc.plans import MemoryPlan
 
 
@@ -147,6 +147,7 @@ class _Attention:
         self.pt_psum, self.o_psum = em.psum_pool(2), em.psum_pool(2)
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
+        self.cells = False  # the head being loaded has its K^T and Q^T transposed by hazard cells (plan.cell_heads)
         self.kv_loaded = None  # ((K, V) in HBM, K^T, [V | 1]) of the head loaded last: a GQA group's shared K and V
         # the kernel's DMA work booked on each queue, and the round robin's turn at its start (freest_queue)
         self.queue_ns = [0.0] * em.target.dma_queues
@@ -249,6 +250,7 @@ class _Attention:
         k, v = self.head(self.k, g), self.head(self.v, g)
         first = g < self.plan.rows_heads  # the pipeline's fill waits for these: transposed on the Tensor engine
         shared = self.kv_loaded is not None and self.kv_loaded[0] == (k, v)
+        self.cells = g < self.plan.cell_heads
         kt = self.kv_loaded[1] if shared else self.load_k(k, first)
         # the kernel's first head, when transposed by DMA, loads Q^T before V: the first scores need K^T and Q^T, the
         # first P V comes later (issued after V, Q^T's transposes queue behind V's loads: seq 2048, head dim 128,
@@ -283,11 +285,12 @@ class _Attention:
         A tile of 128 partitions of a 2-byte type with contiguous rows is one DMA transpose where the target has
         them (isa.py's DMA_TRANSPOSE: its documented friendly pattern, whole [128, 16] units, at 0.9 of a queue's
         rate); anything else is strided loads (each element its own run: half a queue's rate, targets.py), split
-        over queues by partition groups. Transposes go by chunks of an SBUF page of columns (the sync pass's hazard
-        cells: chunks sharing a page would wait for each other), each on its own queue. (A DMA transpose of fewer partitions pays whole units: at head dim 64 it
-        is slower than the strided loads on two queues.)"""
+        over queues by partition groups. Transposes go by chunks of an SBUF page of columns, or of one hazard cell of
+        them for the plan's cell_heads (the sync pass's cells: chunks sharing one would wait for each other), each on
+        its own queue. (A DMA transpose of fewer partitions pays whole units: at head dim 64 it is slower than the
+        strided loads on two queues.)"""
         em, q_tile, d = self.em, self.plan.q_tile, self.plan.head_dim
-        page = SBUF_PAGE_BYTES // x.dtype.itemsize  # chunks of a page of columns go on queues of their own
+        page = (SBUF_HAZARD_BYTES if self.cells else SBUF_PAGE_BYTES) // x.dtype.itemsize
         for j in range(self.d_tiles):
             d0, dt = j * q_tile, min(q_tile, d - j * q_tile)
             if (em.target.dma_transpose_hbm_fraction > 0 and dt == em.target.partitions and x.dtype.itemsize == 2
@@ -316,7 +319,8 @@ class _Attention:
             for n, c in enumerate(part):
                 em.emit(Opcode.MATMUL, Engine.TENSOR, tile_at(acc, n * q_tile, d, q_tile),
                         tile_at(stage, c * d, q_tile, d), tile_at(self.identity, 0, q_tile, q_tile))
-            self.engines.scale_soonest(tile_at(tile, first * q_tile, d, len(part) * q_tile), acc, 1.0)
+            self.engines.scale_soonest(tile_at(tile, first * q_tile, d, len(part) * q_tile), acc, 1.0,
+                                       self.plan.copy_slack)
 
     def freest_queue(self) -> int:
         """The DMA queue with least work booked by the kernel's transfers so far (each priced as the emulator
@@ -475,9 +479,10 @@ class _Attention:
             whole = sum(rows == q_tile for _, rows in part)
             if whole:
                 engines.scale_soonest(tile_at(pt, n0 * qt, q_tile, whole * qt), tile_at(pt_acc, 0, q_tile, whole * qt),
-                                      1.0)
+                                      1.0, self.plan.copy_slack)
             for n, (_, rows) in enumerate(part[whole:], whole):
-                engines.scale_soonest(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0)
+                engines.scale_soonest(tile_at(pt, (n0 + n) * qt, rows, qt), tile_at(pt_acc, n * qt, rows, qt), 1.0,
+                                      self.plan.copy_slack)
         return pt
 
     # the stages of a key block ------------------------------------------------------------------------

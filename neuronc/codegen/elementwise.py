@@ -638,19 +638,27 @@ class Balancer:
         extra, gap, _ = step_costs(inst, previous, loaded, self.em.target)
         return self.busy[engine] + gap + extra + instruction_cost_ns(inst, self.em.target)
 
-    def scale_soonest(self, dst, src, factor: float) -> None:
+    def scale_soonest(self, dst, src, factor: float, slack: float = 0.0) -> None:
         """dst = src * factor (fp32, rounded to dst's dtype) on whichever of Vector, GpSimd (no PSUM) and Scalar
         would finish it first, each priced as the emulator prices it there (its clock, the Vector performance mode,
         the dependent spacing, a table load): unlike `scale`, a copy goes where it is cheap, not only where there
         is least work (a bf16 copy from PSUM takes the Vector engine half Scalar's time, an fp32 one Scalar 0.8 of
-        Vector's)."""
+        Vector's). With `slack` (ns), the cheapest of the engines that would finish it within `slack` of the first:
+        an engine's time spent where another engine is faster is lost to the work only it does well."""
         forms = [(Engine.SCALAR, Opcode.ACTIVATE, dict(func=ActFunc.IDENTITY, imm0=factor, imm1=0.0))]
         alu = (Opcode.TENSOR_COPY, {}) if factor == 1.0 else (Opcode.TENSOR_SCALAR,
                                                                dict(alu=AluOp.MULTIPLY, imm0=factor))
         forms += [(e, alu[0], alu[1]) for e in self.CANDIDATES
                   if e is not Engine.GPSIMD or Space.PSUM not in (dst.space, src.space)]
 
-        engine, opcode, fields = min(forms, key=lambda form: self.finish(form[0], form[1], (dst, src), **form[2]))
+        ends = [self.finish(engine, opcode, (dst, src), **fields) for engine, opcode, fields in forms]
+        best = min(range(len(forms)), key=ends.__getitem__)
+        if slack:
+            costs = [instruction_cost_ns(Instruction(opcode, engine, (dst, src), **fields), self.em.target)
+                     for engine, opcode, fields in forms]
+            best = min((n for n in range(len(forms)) if ends[n] <= ends[best] + slack),
+                       key=lambda n: (costs[n], ends[n]))
+        engine, opcode, fields = forms[best]
         start = len(self.em.instructions)
         self.em.emit(opcode, engine, dst, src, **fields)
         self._charge(start)

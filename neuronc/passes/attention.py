@@ -56,7 +56,7 @@ from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
 from neuronc.passes.structural_key import structural_key
-from neuronc.placement import dma_slice_count
+from neuronc.placement import SBUF_HAZARD_BYTES, dma_slice_count
 from neuronc.plans import AttentionPlan, View, pool_specs
 from neuronc.targets import Target
 
@@ -96,6 +96,10 @@ PT_DMA_CHUNKS = 3
 # 12 x 1024 88.7 -> 96.5 / 100.8 -> 100.5 (102), 1 x 2048 38.0 -> 35.3 / 39.6 -> 38.4 (58), 2 x 2048 61.3 -> 59.6 /
 # 67.1 -> 65.6 (116), 4 x 2048 107.6 -> 108.7 / 119.4 -> 120.4 (231), 12 x 2048 285.6 -> 303.9 / 329.8 -> 336.2 (693)
 PT_DMA_LEAST = 200
+# P^T's copies out of PSUM to the cheapest engine finishing within COPY_SLACK ns of the soonest (copy_slack). Measured,
+# causal bf16, head dim 128, 12 heads, trn2, with cell_heads, us at seq 512 / 1024 / 2048: 0 (the soonest) 31.1 / 91.8
+# / 280.2, 300 - / - / 278.9, 500 30.9 / 90.2 / 276.7, 1000 - / - / 281.7, unbounded (always the cheapest) - / - / 282.4
+COPY_SLACK = 500.0
 FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
@@ -569,10 +573,12 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
         in_sbuf = logits_in_sbuf(attrs | {"scale": scale})
-        dma_pt = pt_by_dma(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
+        cells = cell_heads(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
                            attrs["causal_offset"], target)
+        dma_pt = pt_by_dma(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
+                           attrs["causal_offset"], target, cells == math.prod(batch_shape))
         fitting = [(ahead, rows, by_dma) for by_dma in dict.fromkeys((dma_pt, False))
-                   for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target), 0))
+                   for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target, cells > 0), 0))
                    for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
                        sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"], in_sbuf,
                        heads_ahead=ahead, rows_heads_=rows, pt_by_dma_=by_dma)), target)]
@@ -592,7 +598,8 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    mask=attrs["mask"], causal_offset=attrs["causal_offset"], fill=attrs["fill"],
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
-                   heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], pt_by_dma=attrs["pt_by_dma"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                   heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], pt_by_dma=attrs["pt_by_dma"],
+                   cell_heads=cells, tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
                           "Q/K/V resident")
 
 
@@ -726,18 +733,19 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     return pools
 
 
-def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target) -> int:
+def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target, cells: bool = False) -> int:
     """The first heads whose Q^T and K^T the kernel makes from their rows on the Tensor engine (codegen/attention.py
     load_rows_transposed) rather than by DMA transposes or strided loads: ROWS_HEADS when a head's rows reach SBUF
     over 4 queues in under half the time its first transposed load takes on its one queue (the pipeline's fill,
-    priced by instruction_cost), else none (the transposes then cost the Tensor, Vector and Scalar engines more
-    than the fill they save)."""
+    priced by instruction_cost; a DMA transpose of a page of columns, or of a hazard cell with `cells`: cell_heads),
+    else none (the transposes then cost the Tensor, Vector and Scalar engines more than the fill they save)."""
     if not (d <= Q_TILE and sq % Q_TILE == 0 and sk % Q_TILE == 0 and dtypes["q"] == dtypes["k"] == dtypes["p"]
             and dtypes["q"].itemsize == 2):
         return 0
     rows, size = max(sq, sk), dtypes["q"].itemsize
     if target.dma_transpose_hbm_fraction > 0 and d == target.partitions:  # load_transposed: a DMA transpose a page
-        units = -(-min(rows, SBUF_PAGE_BYTES // size) // target.dma_transpose_inner)
+        columns = (SBUF_HAZARD_BYTES if cells else SBUF_PAGE_BYTES) // size
+        units = -(-min(rows, columns) // target.dma_transpose_inner)
         unit_bytes = target.partitions * target.dma_transpose_inner * size
         transposed = target.dma_fixed_ns + units * unit_bytes / (target.dma_gbps_per_queue *
                                                                  target.dma_transpose_hbm_fraction)
@@ -748,8 +756,36 @@ def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target) -> int:
     return ROWS_HEADS if 2 * by_rows < transposed else 0
 
 
+def copy_slack(in_sbuf: bool, fused: bool) -> float:
+    """ns: P^T's copies out of PSUM go to the cheapest engine of those that would finish one within this of the
+    first (Balancer.scale_soonest), where the scores are copied out of PSUM on their own (logits made in SBUF, not
+    fused): Vector copies 16-bit PSUM in performance mode at 1.6x Scalar's speed, Scalar copies the fp32 scores at
+    1.25x Vector's, so each engine should take the copies it does fast and the score copies balance the two. Where
+    the logits are fused (one Vector pass, or a Scalar pass and GpSimd's min: two hops), moving work between Vector
+    and Scalar lengthens the logits' chain instead (trn2, causal bf16, head dim 64, 12 heads, seq 2048: 277.3 ->
+    289.3 us with COPY_SLACK)."""
+    return COPY_SLACK if in_sbuf and not fused else 0.0
+
+
+def cell_heads(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int,
+               target: Target) -> int:
+    """The first heads whose K^T and Q^T DMA transposes (codegen/attention.py load_transposed) go by SBUF hazard
+    cells of columns (placement.SBUF_HAZARD_BYTES: 128 columns of a 2-byte type), each on its own queue, rather than
+    by pages (512 columns on one queue): every head where a head's matmuls take the Tensor engine less time than a
+    page's transpose takes its queue (the pipeline would wait for a page's transfer at every head), else the first
+    head (the pipeline's fill waits for it). A cell's transfer pays the fixed cost a page's pays once, mostly behind
+    the previous transfer's data on its queue. Measured, trn2, causal bf16, head dim 128, 12 heads, with copy_slack,
+    us by pages / the first head by cells / every head by cells: seq 512 (a head's matmuls 1.6 us, a page's
+    transpose 7.6) 34.5 / 34.5 (its first heads are made from rows) / 30.9; seq 1024 (5.8) 94.9 / 92.5 / 90.2; seq
+    2048 (21.8) 281.8 / 276.7 / 281.0."""
+    size = dtypes["q"].itemsize
+    page = dma_transpose_ns(Q_TILE, min(max(sq, sk), SBUF_PAGE_BYTES // size), size, target)
+    _, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target)
+    return heads if tensor < page else 1
+
+
 def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int,
-              target: Target) -> bool:
+              target: Target, cells: bool = False) -> bool:
     """Whether the kernel may make chunks of P^T by DMA transposes SBUF -> SBUF instead of on the Tensor engine (with
     their copies out of PSUM on Vector or Scalar), codegen/attention.py choosing each chunk by the work booked on the
     queues and the Tensor engine: where the target has them for P's 2-byte type, and the chunks the queues have room
@@ -758,17 +794,18 @@ def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causa
     its start and end a few microseconds, which too few chunks do not pay back."""
     if not (target.dma_transpose_sbuf_fraction > 0 and dtypes["p"].itemsize == 2):
         return False
-    queues, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target)
+    queues, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target, cells)
     chunk = dma_transpose_ns(Q_TILE, Q_TILE, dtypes["p"].itemsize, target, from_hbm=False)
     return target.dma_queues * heads * (tensor - queues) / chunk >= PT_DMA_LEAST
 
 
-def head_ns(sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int, target: Target) -> tuple:
-    """(ns, ns): a head's loads of K^T, Q^T (as load_transposed makes them), V and its output's stores, over all the
-    queues; its matmuls (QK^T, P^T and P V by chunks of 128 keys, blocks above a causal diagonal skipped) on the Tensor
-    engine. Each priced by instruction_cost's rules."""
+def head_ns(sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int, target: Target,
+            cells: bool = False) -> tuple:
+    """(ns, ns): a head's loads of K^T, Q^T (as load_transposed makes them: by pages, or by hazard cells with
+    `cells`), V and its output's stores, over all the queues; its matmuls (QK^T, P^T and P V by chunks of 128 keys,
+    blocks above a causal diagonal skipped) on the Tensor engine. Each priced by instruction_cost's rules."""
     size = dtypes["q"].itemsize
-    page = SBUF_PAGE_BYTES // size
+    page = (SBUF_HAZARD_BYTES if cells else SBUF_PAGE_BYTES) // size
 
     def transposed(rows: int) -> float:
         if target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2:
@@ -850,6 +887,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         pt_wait=PT_WAIT, pv_wait=PV_WAIT, pt_dma_chunks=PT_DMA_CHUNKS,
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
+        cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
