@@ -256,16 +256,27 @@ def test_short_heads_are_made_from_rows_only_where_their_kernel_is_faster_so():
     assert_matches_eager(out, model(*inputs))
 
 
+def test_the_last_heads_outputs_go_to_the_queues_that_free_first_where_the_kernel_is_faster_so():
+    # 12 heads of 512 queries, head dim 128: the last heads' output tiles stored by slices on the queues that free first
+    # on the kernel's estimated clock (codegen freest_queue, STORE_CLOCK), not those with least work booked, which
+    # include a queue still moving an earlier head's grouped store; -O2 times both kernels (PassContext.choice_time)
+    model, inputs = MaskedFillAttention(), _qkv(12, 512, 128, torch.bfloat16)
+    compiled = compile_module(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert node.attrs["plan"].tail_heads > 0 and node.attrs["stores_by_clock"]
+    assert not node.attrs["rows_heads"]  # K^T and Q^T by hazard cells load sooner than the rows (cell_heads)
+
+
 def _rows_timed_gpt2(monkeypatch, memo: bool) -> tuple:
     """(NEFF bytes, kernels timed) of a 3-layer bf16 GPT-2 at seq 128 whose attentions rows_heads prices from rows,
     compiled at -O2 with node ids counted from 0 (they name the NEFF's tensors); `memo`: the pass's memo as it is,
     else a new one for every attention."""
-    timed, choose = [], attention_pass._with_rows_heads_timed
+    timed, choose = [], attention_pass._timed_choices
 
     def counting(node, time, memory):
         return choose(node, time and (lambda n: timed.append(n) or time(n)), memory if memo else {})
 
-    monkeypatch.setattr(attention_pass, "_with_rows_heads_timed", counting)
+    monkeypatch.setattr(attention_pass, "_timed_choices", counting)
     monkeypatch.setattr(ir, "_ids", itertools.count())
     torch.manual_seed(0)
     model = zoo.GPT2(vocab=64, width=128, layers=3, heads=2, context=128).eval().to(torch.bfloat16)

@@ -100,6 +100,11 @@ PT_DMA_LEAST = 200
 # causal bf16, head dim 128, 12 heads, trn2, with cell_heads, us at seq 512 / 1024 / 2048: 0 (the soonest) 31.1 / 91.8
 # / 280.2, 300 - / - / 278.9, 500 30.9 / 90.2 / 276.7, 1000 - / - / 281.7, unbounded (always the cheapest) - / - / 282.4
 COPY_SLACK = 500.0
+# stores_by_clock moves the kernel's last stores to other queues, which the next kernel's loads then queue behind; the
+# kernel alone does not see that (part 43's addendum), so it is taken for a clear gain only: at least this fraction of
+# the kernel's time. 12 causal bf16 heads of 64 dims at seq 512 gain 29.1 -> 29.0 us alone, and lose in context
+# (roofline gpt2_block 151.1 -> 151.4, gpt2 2447.2 -> 2450.8 us); 128 dims gain 30.9 -> 29.9 (3%)
+CLOCK_STORES_GAIN = 0.01
 FLEX_TEMPORARIES = 4  # tiles a FlexAttention score_mod's steps hold at once (their results rotate through them)
 
 
@@ -888,6 +893,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
+        stores_by_clock=a.get("stores_by_clock", False),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
@@ -895,36 +901,44 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         score_mod=tuple(a.get("score_mod", ())), key_visits=tuple(a.get("key_visits", ())))
 
 
-def _with_rows_heads_timed(node: ir.Node, timed, memo: dict) -> ir.Node:
-    """`node` with its plan, its first heads made from rows (rows_heads) only if its kernel is faster so on the
-    emulator's clock (`timed`: PassContext.choice_time; None: as rows_heads priced it). rows_heads prices the
-    pipeline's fill alone, not the Tensor-engine transposes and their copies out of PSUM it adds: trn2, 12 causal
-    bf16 heads of 64 dims, kernel alone, us with and without: seq 128 17.21 / 15.25, seq 256 22.07 / 21.16, seq 512
-    31.82 / 32.93. Decided once per distinct attention (`memo`: a model's layers ask the same); a hit takes the ids
-    the timing took (`ir.skip_ids`), so every later node has the id it has without the memo (the ids name the NEFF's
-    tensors)."""
+def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
+    """`node` with its plan, and the choices its kernel's emulated time decides (`timed`: PassContext.choice_time;
+    None: as the pass priced them), each taken only if the kernel is faster so:
+    - its first heads made from rows (rows_heads) or not: rows_heads prices the pipeline's fill alone, not the
+      Tensor-engine transposes and their copies out of PSUM it adds: trn2, 12 causal bf16 heads of 64 dims, kernel
+      alone, us with and without: seq 128 17.21 / 15.25, seq 256 22.07 / 21.16, seq 512 31.82 / 32.93;
+    - the last heads' output tiles stored on the queues that free first on an estimated clock (stores_by_clock), not
+      those with least work booked, where the kernel is faster so by CLOCK_STORES_GAIN: trn2, 12 causal bf16 heads of
+      128 dims, seq 512 30.9 -> 29.9 us (taken), seq 2048 276.7 -> 277.3 (not taken).
+    Decided once per distinct attention (`memo`: a model's layers ask the same); a hit takes the ids the timing took
+    (`ir.skip_ids`), so every later node has the id it has without the memo (the ids name the NEFF's tensors)."""
     node.attrs["plan"] = attention_plan(node)
-    if not node.attrs.get("rows_heads") or timed is None:
+    plan = node.attrs["plan"]
+    options = ([{"rows_heads": 0}] if plan.rows_heads else []) + ([{"stores_by_clock": True}] if plan.tail_heads else [])
+    if not options or timed is None:
         return node
     try:
-        key = structural_key((node.attrs["plan"], [(x.shape, x.dtype) for x in node.inputs]))
+        key = structural_key((plan, [(x.shape, x.dtype) for x in node.inputs]))
     except TypeError:
         key = None
     if key in memo:
-        rows, ids = memo[key]
+        changes, ids = memo[key]
         ir.skip_ids(ids)
     else:
         start = ir.next_id()
-        rows = timed(node)[0] <= timed(_without_rows_heads(node))[0]
+        changes, best = {}, timed(node)[0]
+        for option in options:
+            time = timed(_variant(node, {**changes, **option}))[0]
+            if time < best * (1 - CLOCK_STORES_GAIN if "stores_by_clock" in option else 1):
+                changes, best = {**changes, **option}, time
         if key is not None:
-            memo[key] = rows, ir.next_id() - start
-    return node if rows else _without_rows_heads(node)
+            memo[key] = changes, ir.next_id() - start
+    return _variant(node, changes) if changes else node
 
 
-def _without_rows_heads(node: ir.Node) -> ir.Node:
-    """The ATTENTION `node` with none of its heads made from rows, and its plan."""
-    other = ir.node(Op.ATTENTION, node.inputs, node.shape, node.dtype, node.loc,
-                    **{**node.attrs, "rows_heads": 0, "plan": None})
+def _variant(node: ir.Node, changes: dict) -> ir.Node:
+    """The ATTENTION `node` with `changes` to its attrs, and its plan."""
+    other = ir.node(Op.ATTENTION, node.inputs, node.shape, node.dtype, node.loc, **{**node.attrs, **changes, "plan": None})
     other.attrs["plan"] = attention_plan(other)
     return other
 
@@ -943,7 +957,7 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     def rebuild(node, inputs):
         if node in matches:
             fused = matches[node]
-            result = _with_rows_heads_timed(ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape,
+            result = _timed_choices(ir.node(Op.ATTENTION, [built[x] for x in fused.inputs], fused.shape,
                                                     fused.dtype, fused.loc, **fused.attrs), ctx.choice_time, timed)
         else:
             result = ir.with_inputs(node, inputs)
