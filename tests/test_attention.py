@@ -371,6 +371,17 @@ def test_p_is_transposed_by_dma_where_the_queues_have_room_for_enough_chunks(hea
         assert not _dma_transposes(compile_module(model, inputs), Space.SBUF)
 
 
+def test_p_is_transposed_by_dma_where_the_kernels_time_says_so_though_the_chunks_count_too_few():
+    # 12 heads of 1024 keys, head dim 128: pt_by_dma counts room for too few chunks (above), but the kernel is faster
+    # with the pipeline's waits for them (trn2: 85.9 against 90.2 us; part 48 saw the gain come from the waits, the
+    # queues taking no chunk here); -O2 times both (_timed_choices)
+    model, inputs = MaskedFillAttention(), _qkv(12, 1024, 128, torch.bfloat16)
+    compiled = compile_module(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    assert node.attrs["pt_by_dma"] and node.attrs["plan"].depth == attention_pass.pipeline_depth(
+        1024, 1024, True, 0, True, None, True)
+
+
 def _matmul_flops(compiled):
     return sum(matmul_flops(i) for stream in compiled.neff.streams.values() for i in stream if i.opcode == Opcode.MATMUL)
 

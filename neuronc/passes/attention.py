@@ -582,13 +582,17 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                            attrs["causal_offset"], target)
         dma_pt = pt_by_dma(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
                            attrs["causal_offset"], target, cells == math.prod(batch_shape))
-        fitting = [(ahead, rows, by_dma) for by_dma in dict.fromkeys((dma_pt, False))
+        may_dma = target.dma_transpose_sbuf_fraction > 0 and dtypes["p"].itemsize == 2  # pt_by_dma's first test
+        fitting = [(ahead, rows, by_dma) for by_dma in dict.fromkeys((dma_pt, False, may_dma))
                    for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target, cells > 0), 0))
                    for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
                        sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"], in_sbuf,
                        heads_ahead=ahead, rows_heads_=rows, pt_by_dma_=by_dma)), target)]
         _need(bool(fitting))
         attrs["heads_ahead"], attrs["rows_heads"], attrs["pt_by_dma"] = fitting[0]
+        # P^T by DMA where pt_by_dma's count of chunks did not take it: a choice the kernel's time makes (_timed_choices)
+        attrs["pt_dma_option"] = next(((ahead, rows) for ahead, rows, by_dma in fitting if by_dma), None) \
+            if not attrs["pt_by_dma"] else None
     except _NoMatch:
         return None
     ops = ("matmul", *reversed(m.ops), "matmul")
@@ -604,7 +608,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
                    heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], pt_by_dma=attrs["pt_by_dma"],
-                   cell_heads=cells, tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
+                   cell_heads=cells, pt_dma_option=attrs["pt_dma_option"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
                           "Q/K/V resident")
 
 
@@ -915,6 +919,9 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
     node.attrs["plan"] = attention_plan(node)
     plan = node.attrs["plan"]
     options = ([{"rows_heads": 0}] if plan.rows_heads else []) + ([{"stores_by_clock": True}] if plan.tail_heads else [])
+    if node.attrs.get("pt_dma_option"):
+        ahead, rows = node.attrs["pt_dma_option"]
+        options.append({"pt_by_dma": True, "heads_ahead": ahead, "rows_heads": rows})
     if not options or timed is None:
         return node
     try:
@@ -928,9 +935,12 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
         start = ir.next_id()
         changes, best = {}, timed(node)[0]
         for option in options:
-            time = timed(_variant(node, {**changes, **option}))[0]
+            merged = {**changes, **option}
+            if "rows_heads" in changes and "rows_heads" in option:  # rows heads dropped stay dropped
+                merged["rows_heads"] = min(changes["rows_heads"], option["rows_heads"])
+            time = timed(_variant(node, merged))[0]
             if time < best * (1 - CLOCK_STORES_GAIN if "stores_by_clock" in option else 1):
-                changes, best = {**changes, **option}, time
+                changes, best = merged, time
         if key is not None:
             memo[key] = changes, ir.next_id() - start
     return _variant(node, changes) if changes else node
