@@ -450,7 +450,8 @@ class AttentionPlan:
     cell_heads: int = 0  # the first heads whose K^T, Q^T DMA transposes go a hazard cell of columns each (cell_heads)
     copy_slack: float = 0.0  # ns: P^T's copies out of PSUM go to the cheapest engine finishing within it (copy_slack)
     tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
-    stores_by_clock: bool = False  # ... on the queues that free first on an estimated clock (codegen freest_queue)
+    # ... and the DMA transposes of K^T and Q^T, on the queues that free first on an estimated clock (freest_queue)
+    queues_by_clock: bool = False
     pt_by_dma: bool = False  # chunks of P^T may be DMA transposes, with waits in the pipeline (pt_by_dma)
     # (with pt_by_dma) the pipeline steps a block waits before its P^T and before its P V, and the most chunks of a
     # block's P^T made by DMA (passes/attention.py PT_WAIT, PV_WAIT, PT_DMA_CHUNKS)

@@ -76,7 +76,7 @@ def test_a_reused_attention_kernels_tail_stores_turn_with_its_other_transfers(mo
     torch.manual_seed(0)
     model = zoo.GPT2(vocab=64, width=64, layers=2, heads=2, context=256).eval()
     exported = torch.export.export(model, (torch.randint(0, 64, (1, 256)),))
-    # on the queues that free first on the kernel's estimated clock (stores_by_clock, taken here by the kernel's time):
+    # on the queues that free first on the kernel's estimated clock (queues_by_clock, taken here by the kernel's time):
     # every queue gets some of both layers' stores, and the NEFF is still the kernels' one by one
     assert encode(_compile(exported, monkeypatch, True).neff) == encode(_compile(exported, monkeypatch, False).neff)
     monkeypatch.setattr(attention_pass, "CLOCK_STORES_GAIN", math.inf)  # on the queues booked least, below

@@ -19,7 +19,7 @@ from neuronc.placement import SBUF_HAZARD_BYTES, SBUF_PAGE_BYTES, partition_grou
 from neuronc.plans import MemoryPlan
 
 
-# stores_by_clock: the kernel's clock taken as this many times the Tensor engine's work booked (the engine is busy
+# queues_by_clock: the kernel's clock taken as this many times the Tensor engine's work booked (the engine is busy
 # ~0.8 of the time): trn2, 12 causal bf16 heads of 128 dims, seq 512, us: 1.0 31.2, 1.1 30.3, 1.15-1.3 29.9, 1.5 30.9
 STORE_CLOCK = 1.2
 NEG_BIG = -3.0e38  # a masked row's running max is held at least here: finite, so exp(-inf - m) = 0, not NaN
@@ -301,7 +301,12 @@ class _Attention:
                     and x.dims[-1][0] == 1 and rows % em.target.dma_transpose_inner == 0):
                 for r0 in range(0, rows, page):
                     r1 = min(rows, r0 + page)
-                    em.dma(tile_at(tile, j * rows + r0, dt, r1 - r0), x[r0:r1, d0:d0 + dt].ap, transpose=True)
+                    # on the queue that frees first on the kernel's clock, with the plan's queues_by_clock
+                    dst, src = tile_at(tile, j * rows + r0, dt, r1 - r0), x[r0:r1, d0:d0 + dt].ap
+                    if self.plan.queues_by_clock:
+                        em.dma_on(self.freest_queue(True), dst, src, transpose=True)
+                    else:
+                        em.dma(dst, src, transpose=True)
             else:
                 dma_by_rows(em, tile_at(tile, j * rows, dt, rows), x.T[d0:d0 + dt].ap)
 
@@ -328,12 +333,12 @@ class _Attention:
 
     def freest_queue(self, by_clock: bool = False) -> int:
         """The DMA queue with least work booked by the kernel's transfers so far (each priced as the emulator
-        prices it alone), or with `by_clock` and the plan's stores_by_clock, the one that frees first on the kernel's
+        prices it alone), or with `by_clock` and the plan's queues_by_clock, the one that frees first on the kernel's
         estimated clock (`queue_free`); of equal ones, the first counted from the queue the kernel's round robin started
         on, so that the choice turns with the kernel's other transfers (a reused kernel's instances: Emitter.dma_on)."""
         self.book()
         n = len(self.queue_ns)
-        booked = self.queue_free if by_clock and self.plan.stores_by_clock else self.queue_ns
+        booked = self.queue_free if by_clock and self.plan.queues_by_clock else self.queue_ns
         return min(range(n), key=lambda q: (booked[q], (q - self.first_turn) % n))
 
     def book(self) -> None:

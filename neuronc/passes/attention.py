@@ -100,7 +100,7 @@ PT_DMA_LEAST = 200
 # causal bf16, head dim 128, 12 heads, trn2, with cell_heads, us at seq 512 / 1024 / 2048: 0 (the soonest) 31.1 / 91.8
 # / 280.2, 300 - / - / 278.9, 500 30.9 / 90.2 / 276.7, 1000 - / - / 281.7, unbounded (always the cheapest) - / - / 282.4
 COPY_SLACK = 500.0
-# stores_by_clock moves the kernel's last stores to other queues, which the next kernel's loads then queue behind; the
+# queues_by_clock moves the kernel's last stores to other queues, which the next kernel's loads then queue behind; the
 # kernel alone does not see that (part 43's addendum), so it is taken for a clear gain only: at least this fraction of
 # the kernel's time. 12 causal bf16 heads of 64 dims at seq 512 gain 29.1 -> 29.0 us alone, and lose in context
 # (roofline gpt2_block 151.1 -> 151.4, gpt2 2447.2 -> 2450.8 us); 128 dims gain 30.9 -> 29.9 (3%)
@@ -897,7 +897,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
-        stores_by_clock=a.get("stores_by_clock", False),
+        queues_by_clock=a.get("queues_by_clock", False),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
@@ -911,14 +911,16 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
     - its first heads made from rows (rows_heads) or not: rows_heads prices the pipeline's fill alone, not the
       Tensor-engine transposes and their copies out of PSUM it adds: trn2, 12 causal bf16 heads of 64 dims, kernel
       alone, us with and without: seq 128 17.21 / 15.25, seq 256 22.07 / 21.16, seq 512 31.82 / 32.93;
-    - the last heads' output tiles stored on the queues that free first on an estimated clock (stores_by_clock), not
-      those with least work booked, where the kernel is faster so by CLOCK_STORES_GAIN: trn2, 12 causal bf16 heads of
-      128 dims, seq 512 30.9 -> 29.9 us (taken), seq 2048 276.7 -> 277.3 (not taken).
+    - the last heads' output tiles, and the DMA transposes of K^T and Q^T, on the queues that free first on an
+      estimated clock (queues_by_clock), not those with least work booked or the round robin's, where the kernel is
+      faster so by CLOCK_STORES_GAIN: trn2, 12 causal bf16 heads of 128 dims, seq 512 30.9 -> 29.2 us (the stores
+      alone 29.9; taken), seq 2048 276.7 -> 277.3 (the stores alone; not taken);
+    - P^T by DMA, with the pipeline's waits, where pt_by_dma's count of chunks did not take it: seq 1024 90.2 -> 85.9.
     Decided once per distinct attention (`memo`: a model's layers ask the same); a hit takes the ids the timing took
     (`ir.skip_ids`), so every later node has the id it has without the memo (the ids name the NEFF's tensors)."""
     node.attrs["plan"] = attention_plan(node)
     plan = node.attrs["plan"]
-    options = ([{"rows_heads": 0}] if plan.rows_heads else []) + ([{"stores_by_clock": True}] if plan.tail_heads else [])
+    options = ([{"rows_heads": 0}] if plan.rows_heads else []) + ([{"queues_by_clock": True}] if plan.tail_heads else [])
     if node.attrs.get("pt_dma_option"):
         ahead, rows = node.attrs["pt_dma_option"]
         options.append({"pt_by_dma": True, "heads_ahead": ahead, "rows_heads": rows})
@@ -939,7 +941,7 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
             if "rows_heads" in changes and "rows_heads" in option:  # rows heads dropped stay dropped
                 merged["rows_heads"] = min(changes["rows_heads"], option["rows_heads"])
             time = timed(_variant(node, merged))[0]
-            if time < best * (1 - CLOCK_STORES_GAIN if "stores_by_clock" in option else 1):
+            if time < best * (1 - CLOCK_STORES_GAIN if "queues_by_clock" in option else 1):
                 changes, best = merged, time
         if key is not None:
             memo[key] = changes, ir.next_id() - start
