@@ -452,6 +452,7 @@ class AttentionPlan:
     tail_heads: int = 2  # the last heads whose outputs are stored tile by tile
     # ... and the DMA transposes of K^T and Q^T, on the queues that free first on an estimated clock (freest_queue)
     queues_by_clock: bool = False
+    warm_exp: bool = False  # the exp's activation table loaded at the kernel's start (passes/attention.py _timed_choices)
     pt_by_dma: bool = False  # chunks of P^T may be DMA transposes, with waits in the pipeline (pt_by_dma)
     # (with pt_by_dma) the pipeline steps a block waits before its P^T and before its P V, and the most chunks of a
     # block's P^T made by DMA (passes/attention.py PT_WAIT, PV_WAIT, PT_DMA_CHUNKS)

@@ -19,7 +19,7 @@ from neuronc.compiler import CompileOptions, compile_fx, compile_graph
 from neuronc.frontend.tensors import dtype_of
 from neuronc.ir import Op
 from neuronc.passes import attention as attention_pass
-from neuronc.isa import DType, Engine, Opcode, Space
+from neuronc.isa import ActFunc, DType, Engine, Opcode, Space
 from neuronc.neff.program import TensorKind
 from neuronc.targets import get_target
 from runtime.metrics import matmul_flops
@@ -265,6 +265,10 @@ def test_the_last_heads_outputs_go_to_the_queues_that_free_first_where_the_kerne
     [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     assert node.attrs["plan"].tail_heads > 0 and node.attrs["queues_by_clock"]
     assert not node.attrs["rows_heads"]  # K^T and Q^T by hazard cells load sooner than the rows (cell_heads)
+    # and the exp's activation table is loaded at the kernel's start: an exp before any matmul (warm_exp)
+    assert node.attrs["warm_exp"]
+    scalar = compiled.neff.streams[(Engine.SCALAR, 0)]
+    assert scalar[0].opcode == Opcode.ACTIVATE and scalar[0].func == ActFunc.EXP
 
 
 def _rows_timed_gpt2(monkeypatch, memo: bool) -> tuple:
@@ -286,9 +290,10 @@ def _rows_timed_gpt2(monkeypatch, memo: bool) -> tuple:
 
 def test_repeated_layers_time_their_attention_once_and_give_the_neff_timed_layer_by_layer(monkeypatch):
     once, timed = _rows_timed_gpt2(monkeypatch, memo=True)
-    assert timed == 3  # one attention's kernel as planned, without rows heads, with P^T by DMA: for the three layers
+    assert timed == 4  # one attention's kernel as planned, without rows heads, with P^T by DMA, with the exp's table
+    # loaded at its start: for the three layers
     every, timed = _rows_timed_gpt2(monkeypatch, memo=False)
-    assert timed == 3 * 3
+    assert timed == 4 * 3
     assert every == once  # a hit takes the ids the timing took
 
 

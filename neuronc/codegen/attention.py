@@ -206,6 +206,10 @@ class _Attention:
         if a.zero_masked_rows:
             self.zeros = pools["zeros"].next().ap(q_tile, dv)
             em.emit(Opcode.MEMSET, Engine.GPSIMD, self.zeros, imm0=0.0)
+        if a.warm_exp:  # the exp's activation table loaded during the fill, not by the first exp, on the pipeline's
+            # path (the first P^T and P V wait for it): an exp of a column of the identity, its result unused
+            self.engines.activate(Opcode.ACTIVATE, self.small("dm", q_tile), tile_at(self.identity, 0, q_tile, 1),
+                                  func=ActFunc.EXP, imm0=1.0, imm1=0.0)
         self.score_mod = None
         if a.score_mod:  # FlexAttention: the score_mod's steps on each block of logits (codegen/score_mod.py)
             from neuronc.codegen.score_mod import ScoreMod

@@ -897,7 +897,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
-        queues_by_clock=a.get("queues_by_clock", False),
+        queues_by_clock=a.get("queues_by_clock", False), warm_exp=a.get("warm_exp", False),
         tail_heads=tail_heads(sq, a["value_dim"], node.dtype),
         logits_in_sbuf=in_sbuf, fused_logits=fused, score_dtype=a["score_dtype"],
         logits_dtype=a["score_dtype"] if fused and a["score_dtype"] != DType.F32 else a["logits_dtype"],
@@ -915,7 +915,10 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
       estimated clock (queues_by_clock), not those with least work booked or the round robin's, where the kernel is
       faster so by CLOCK_STORES_GAIN: trn2, 12 causal bf16 heads of 128 dims, seq 512 30.9 -> 29.2 us (the stores
       alone 29.9; taken), seq 2048 276.7 -> 277.3 (the stores alone; not taken);
-    - P^T by DMA, with the pipeline's waits, where pt_by_dma's count of chunks did not take it: seq 1024 90.2 -> 85.9.
+    - P^T by DMA, with the pipeline's waits, where pt_by_dma's count of chunks did not take it: seq 1024 90.2 -> 85.9;
+    - the exp's activation table loaded at the kernel's start, during the fill (warm_exp), not by the first exp on the
+      pipeline's path: seq 512 29.2 -> 28.7 (taken), seq 2048 276.7 -> 278.5 (the Balancer's later choices move; not
+      taken).
     Decided once per distinct attention (`memo`: a model's layers ask the same); a hit takes the ids the timing took
     (`ir.skip_ids`), so every later node has the id it has without the memo (the ids name the NEFF's tensors)."""
     node.attrs["plan"] = attention_plan(node)
@@ -924,6 +927,8 @@ def _timed_choices(node: ir.Node, timed, memo: dict) -> ir.Node:
     if node.attrs.get("pt_dma_option"):
         ahead, rows = node.attrs["pt_dma_option"]
         options.append({"pt_by_dma": True, "heads_ahead": ahead, "rows_heads": rows})
+    if not plan.score_mod:  # (a score_mod's own activations take the Scalar engine's table in turn with the exp)
+        options.append({"warm_exp": True})
     if not options or timed is None:
         return node
     try:
