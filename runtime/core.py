@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 import operator
 import os
 import threading
@@ -63,7 +64,7 @@ from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, kernel_totals, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, HbmRegions, Memory, OnChip,
-                            allocate_hbm, check_bounds, extent, granule, hbm_regions, overlaps, size_text)
+                            allocate_hbm, check_bounds, extent, hbm_regions, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -134,6 +135,18 @@ def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> Non
         if abs(stride) * ap.dtype.itemsize > limit:
             raise NeuronRuntimeError(f"operand {position} has a stride of {stride} elements of {ap.dtype.name}, "
                                      f"further than its {ap.space.name}'s {limit} bytes")
+
+
+def _facts_key(instr: Instruction) -> tuple:
+    """Every field of ``instr`` but its waits, kernel and debug location, the immediates with their signs and types
+    (0.0 and -0.0 are equal as keys, an int and a float too, and are told apart here)."""
+    imm0, imm1 = instr.imm0, instr.imm1
+    return (instr.opcode, instr.engine, instr.queue, tuple(instr.operands), instr.alu, instr.alu1, instr.func, imm0, imm1,
+            _sign(imm0), _sign(imm1), instr.accumulate, instr.reverse)
+
+
+def _sign(x) -> object:
+    return math.copysign(1.0, x) if type(x) is float else type(x)
 
 
 def _reads(instr: Instruction) -> tuple:
@@ -224,14 +237,17 @@ class _WriterBounds:
         self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
         self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a wide write)
 
-    def happen_before(self, ap: AccessPattern, clock: list) -> bool:
+    def happen_before(self, ap: AccessPattern, clock: list, own: tuple | None = None) -> bool:
         """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
-        clock is ``clock`` (False: not known)."""
+        clock is ``clock`` (False: not known). ``own``: that instruction's (stream, index) when it completes (a
+        write's check): the read of ``ap`` it made at its start, when accepted, bounds them too (its writers then
+        happened before its start; any write since is among the writes noted)."""
         known = self.known.get(ap)
         if known is None:
             return False
         reader, writes = known[3], known[4]
-        return (reader is None or clock[reader[0]] > reader[1]) and all(clock[t] > k for t, k in writes.items())
+        return (reader is None or reader == own or clock[reader[0]] > reader[1]) and \
+            all(clock[t] > k for t, k in writes.items())
 
     def read(self, ap: AccessPattern, region: tuple, reader: tuple, entries: int) -> None:
         """Note that ``reader``'s read of ``ap`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
@@ -430,9 +446,9 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
-        tensors, passed = TensorIndex(neff.tensors), set()
+        tensors, passed, facts = TensorIndex(neff.tensors), set(), {}
         self._instrs = [
-            [self._prepare(key, index, instr, number, tensors, passed)
+            [self._prepare(key, index, instr, number, tensors, passed, facts)
              for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
@@ -457,30 +473,39 @@ class LoadedProgram:
                 )
 
     def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex,
-                 passed: set) -> _Instr:
+                 passed: set, facts: dict) -> _Instr:
         """``instr`` checked and costed. ``passed``: the (operand, written to HBM) pairs whose checks passed in
-        this program already (its instructions share their tiles' patterns; the checks depend on nothing else)."""
+        this program already (its instructions share their tiles' patterns; the checks depend on nothing else).
+        ``facts``: the checks' verdict and the costs of the instructions met so far, by :func:`_facts_key`: every
+        field of the instruction but its waits, kernel and debug location, which neither the ISA checks nor the
+        costs read (a model's layers repeat most of their instructions; the checks run once per distinct one)."""
+        key = _facts_key(instr)
+        known = facts.get(key)
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
-            check(instr, self.core.target)
-            written = len(instr.writes)
-            for position, ap in enumerate(instr.operands):
-                key = (ap, position < written and ap.space == Space.HBM)  # (on chip, writing adds no check)
-                if key in passed:
-                    continue
-                _check_strides(ap, position, self._shapes[ap.space])
-                check_bounds(ap, self._shapes[ap.space])
-                if ap.space == Space.HBM:
-                    check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
-                    self._layout.check(ap)
-                passed.add(key)
+            if known is None:
+                check(instr, self.core.target)
+                written = len(instr.writes)
+                for position, ap in enumerate(instr.operands):
+                    operand = (ap, position < written and ap.space == Space.HBM)  # (on chip, writing adds no check)
+                    if operand in passed:
+                        continue
+                    _check_strides(ap, position, self._shapes[ap.space])
+                    check_bounds(ap, self._shapes[ap.space])
+                    if ap.space == Space.HBM:
+                        check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
+                        self._layout.check(ap)
+                    passed.add(operand)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
-        return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
-                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
-                      hbm_bytes(instr, self.core.target), ports(instr, self.core.target),
-                      start_latency_ns(instr, self.core.target))
+        if known is None:
+            target = self.core.target
+            known = facts[key] = (instruction_cost_ns(instr, target), _reads(instr), hbm_bytes(instr, target),
+                                  ports(instr, target), start_latency_ns(instr, target))
+        duration, reads, nbytes, held, latency = known
+        return _Instr(instr, number[stream], index, duration, tuple((number[(w[0], w[1])], w[2]) for w in instr.waits),
+                      reads, nbytes, held, latency)
 
     def _schedule(self) -> tuple:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
@@ -537,12 +562,10 @@ class LoadedProgram:
         for space in self._shapes:
             aps = operands[space]
             if space == Space.HBM:  # outputs and scratch only, a granule per region (memory.HbmRegions)
-                partitions, g, layout = 1, 1, hbm_regions(volatile, aps)
-            else:  # the partitions the operands use, and their bytes, packed (memory.Columns)
-                boxes = [extent(ap) for ap in aps]
-                partitions, layout = max((box[1] for box in boxes), default=1), Columns(box[2:] for box in boxes)
-                g = granule(aps)
-            writers[space], probes[space] = self._access_tables(partitions, g, dtype, layout, budget)
+                partitions, layout = 1, hbm_regions(volatile, aps)
+            else:  # the partitions the operands use, and their bytes, packed, a granule per stretch (memory.Columns)
+                partitions, layout = max((ap.partition + ap.dims[0][1] for ap in aps), default=1), Columns(aps)
+            writers[space], probes[space] = self._access_tables(partitions, dtype, layout, budget)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -552,23 +575,46 @@ class LoadedProgram:
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
         bounds = _WriterBounds()
 
-        def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
-            return None if bounds.happen_before(ap, clock) else _unordered_writer(who, clock, firsts)
+        def unordered(who: np.ndarray, clock: list, ap: AccessPattern, own: tuple | None = None):
+            return None if bounds.happen_before(ap, clock, own) else _unordered_writer(who, clock, firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
         device_written = _merged([(t.offset, t.offset + t.nbytes) for t in volatile] +
                                  [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
-        regions: dict = {}  # access pattern -> (space, box): a program reuses its tiles' patterns
-        read_regions = [[[(operand, _cached(regions, _region, i.instr.operands[operand])) for operand in i.reads]
-                         for i in stream] for stream in instrs]  # [stream][index]: (operand, (space, box)) it reads
-        # [stream][index]: (operand, its pattern, its writer entries, the clock slots of ids 0 and 1) of each read to
-        # check: the host wrote HBM only
-        checked_reads = [[[(operand, i.instr.operands[operand], writers[space].of(i.instr.operands[operand]),
-                            [space == Space.HBM, False])
-                           for operand, (space, box) in reads
-                           if space != Space.HBM or _intersects(device_written, box[2], box[3])]
-                          for i, reads in zip(stream, stream_reads)] for stream, stream_reads in zip(instrs, read_regions)]
+        # What the check needs of each pattern, made once per pattern object (a program reuses its tiles' patterns;
+        # equal patterns that are distinct objects get equal facts): ((space, box), its writer entries, or None when
+        # a read of it is not checked: the host wrote HBM only, and only bytes the program writes have entries)
+        facts: dict = {}
+
+        def fact(ap: AccessPattern) -> tuple:
+            known = facts.get(id(ap))
+            if known is None:
+                space, box = region = (ap.space, extent(ap))
+                known = facts[id(ap)] = (region, writers[space].of(ap) if space != Space.HBM or
+                                         _intersects(device_written, box[2], box[3]) else None)
+            return known
+
+        read_slots = {space: [space == Space.HBM, False] for space in self._shapes}  # clock slots of ids 0 and 1
+        # [stream][index]: (operand, (space, box)) of each read; (operand, pattern, writer entries, clock slots of
+        # ids 0 and 1, (space, box)) of each read to check; (pattern, (space, box), writer entries) of each write
+        read_regions, checked_reads, write_facts = [], [], []
+        for stream in instrs:
+            regions_of, checked_of, writes_of = [], [], []
+            for i in stream:
+                operands, regions, checked = i.instr.operands, [], []
+                for operand in i.reads:
+                    ap = operands[operand]
+                    region, who = fact(ap)
+                    regions.append((operand, region))
+                    if who is not None:
+                        checked.append((operand, ap, who, read_slots[ap.space], region))
+                regions_of.append(regions)
+                checked_of.append(checked)
+                writes_of.append([(dst, *fact(dst)) for dst in i.instr.writes])
+            read_regions.append(regions_of)
+            checked_reads.append(checked_of)
+            write_facts.append(writes_of)
         boxes_read = _boxes_read(read_regions, self._shapes)
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
@@ -584,21 +630,23 @@ class LoadedProgram:
                         vc = list(map(max, vc, clock[t][count - 1]))
                         vc[t] = count
                 clock[s][k], started[s] = vc, started[s] + 1
-                for operand, ap, who, slots in checked_reads[s][k]:
+                for operand, ap, who, slots, region in checked_reads[s][k]:
                     w = unordered(who, vc + slots, ap)
                     if w is None:  # (not after the retry below: a partly written tile bounds nothing)
-                        bounds.read(ap, _cached(regions, _region, ap), i.key, who.size)
+                        bounds.read(ap, region, i.key, who.size)
                     elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False], ap)
                     if w is not None:
                         space = i.instr.operands[operand].space
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
-            written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
-                                         boxes_read) for dst in i.instr.writes]
-            for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
-                who[...] = ids[i.key]  # does not race with itself)
-                bounds.written(dst, _cached(regions, _region, dst), i.key, who.size)
+            writes = write_facts[s][k]
+            for dst, region, who in writes:
+                self._check_write(i, dst, region, who, clock[s][k], writers, probes, started, by_id, unordered,
+                                  boxes_read)
+            for dst, region, who in writes:  # (all checked before any is marked: an instruction does not race with
+                who[...] = ids[i.key]  # itself)
+                bounds.written(dst, region, i.key, who.size)
         if self.part_of is None:
             self._check_outputs_written(writers[Space.HBM])
 
@@ -634,16 +682,16 @@ class LoadedProgram:
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
-    def _access_tables(self, partitions: int, g: int, dtype, layout, budget: int) -> tuple:
+    def _access_tables(self, partitions: int, dtype, layout, budget: int) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
         entry per granule of the program's outputs and scratch tensors in HBM (memory.HbmRegions), of the bytes
         its operands use on chip (memory.Columns), in the partitions they use."""
-        entries = layout.size if isinstance(layout, HbmRegions) else partitions * -(-layout.size // g)  # as Cells
+        entries = layout.size if isinstance(layout, HbmRegions) else partitions * layout.size  # as Cells
         need = entries * (np.dtype(dtype).itemsize + 1)
         try:
             if need > budget:
                 raise MemoryError
-            return Cells(partitions, g, dtype, layout), Cells(partitions, g, bool, layout)
+            return Cells(partitions, dtype, layout), Cells(partitions, bool, layout)
         except MemoryError:
             limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
             raise DeviceOutOfMemoryError(
@@ -652,17 +700,18 @@ class LoadedProgram:
                 hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
-    def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, boxes_read: dict) -> np.ndarray:
-        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
-        returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
+    def _check_write(self, i: _Instr, dst: AccessPattern, region: tuple, who: np.ndarray, vc: list, writers: dict,
+                     probes: dict, started: list, by_id: list, unordered, boxes_read: dict) -> None:
+        """Refuse ``i`` writing ``dst`` (of ``region``, (space, box); writer entries ``who``) when another write or a
+        read of those bytes is not ordered with it."""
         instrs, n, s = self._instrs, len(self._instrs), i.stream
-        who = writers[dst.space].of(dst)
-        w = unordered(who, vc + [True, True], dst)  # overwriting host data or nothing is no race
+        # (overwriting host data or nothing is no race; the writers of an operand ``i`` read at its start, when no
+        # instruction wrote its box since, happen before it: that read was accepted)
+        w = unordered(who, vc + [True, True], dst, i.key)
         if w is not None:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
-        space, (p0, p1, lo, hi) = _region(dst)
+        space, (p0, p1, lo, hi) = region
         boxes, firsts = boxes_read[space]
         readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
                    for q0, q1, lo2, hi2, k, operand in boxes[t][firsts[t][vc[t]]:firsts[t][started[t]]]  # happening
@@ -677,7 +726,6 @@ class LoadedProgram:
                     place = self._where(ap, probes[ap.space], shared)
                     raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
             mark[...] = False
-        return who
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
                   position: int, probe: Cells) -> NeuronRuntimeError:
