@@ -43,6 +43,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import itertools
 import math
@@ -106,6 +107,21 @@ def access_check_id() -> str:
             with open(os.path.join(folder, name), "rb") as f:
                 digest.update(name.encode() + f.read())
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """CPython's cyclic garbage collector paused for the duration (as it was on exit), as the compiler has it
+    (neuronc.compiler.collector_paused): loading a large program makes hundreds of thousands of short-lived
+    lists and tuples, and every so often the collector would rescan the whole heap (in a torch.compile process,
+    torch's objects and the compiler's too) finding nothing: about a tenth of the load of a 12-layer GPT-2."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _as_neff(neff_or_path) -> Neff:
@@ -182,8 +198,11 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     1 (nobody) happen before it when their slots ``clock[n]``, ``clock[n + 1]`` are set. One writer, or
     writers of one stream, is the common case (two reductions: every id from the least to the greatest is
     then of that stream and ordered when the greatest is); others are judged against a table of those
-    ranges, one gather."""
+    ranges, one gather. Entries scattered in the table (a transposed or strided operand) are copied together
+    first: one pass over them in their order, then the reductions and the gather over a contiguous array."""
     n = len(firsts) - 1
+    if not who.flags.c_contiguous:
+        who = who.ravel()  # (a copy, in who's order)
     lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
     if lo == hi and lo < 2:
         return None if clock[n + lo] else lo
@@ -224,39 +243,40 @@ class _WriterBounds:
     happen before an instruction when those do: happening before is transitive, and a stream's instructions happen
     before its later ones. Each write looks only at the operands near its box: they are filed by the stretches of
     ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, wide, with every write); a wide
-    write forgets every operand of its memory (forgetting is always safe)."""
+    write forgets every operand of its memory (forgetting is always safe). Operands are named by their pattern's
+    number (equal patterns have one: _check_accesses numbers them)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
     SPAN, WIDE, KEPT, KEPT_WIDE = 4096, 16, 256, 16  # KEPT: operands per stretch, KEPT_WIDE: wide ones (the oldest
     # forgotten: every write looks at the wide ones)
 
     def __init__(self):
-        # access pattern -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
+        # pattern number -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
         # None, {stream: index} of the writes since]
         self.known: dict = {}
-        self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
-        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a wide write)
+        self.near: dict = {}  # (space, stretch, or None for the wide) -> {pattern number: its entry of known}
+        self.spaces: dict = {}  # space -> {pattern number: its entry of known} (for a wide write)
 
-    def happen_before(self, ap: AccessPattern, clock: list, own: tuple | None = None) -> bool:
-        """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
+    def happen_before(self, pattern: int, clock: list, own: tuple | None = None) -> bool:
+        """Whether all the writers of ``pattern``'s entries are known to happen before the instruction whose vector
         clock is ``clock`` (False: not known). ``own``: that instruction's (stream, index) when it completes (a
-        write's check): the read of ``ap`` it made at its start, when accepted, bounds them too (its writers then
+        write's check): the read of ``pattern`` it made at its start, when accepted, bounds them too (its writers then
         happened before its start; any write since is among the writes noted)."""
-        known = self.known.get(ap)
+        known = self.known.get(pattern)
         if known is None:
             return False
         reader, writes = known[3], known[4]
         return (reader is None or reader == own or clock[reader[0]] > reader[1]) and \
             all(clock[t] > k for t, k in writes.items())
 
-    def read(self, ap: AccessPattern, region: tuple, reader: tuple, entries: int) -> None:
-        """Note that ``reader``'s read of ``ap`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
+    def read(self, pattern: int, region: tuple, reader: tuple, entries: int) -> None:
+        """Note that ``reader``'s read of ``pattern`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
         every writer among them happens before it."""
         if entries >= self.LARGE:
-            self._keep(ap, region, reader, {})
+            self._keep(pattern, region, reader, {})
 
-    def written(self, ap: AccessPattern, region: tuple, writer: tuple, entries: int) -> None:
-        """Note that ``writer`` (stream, index) wrote ``ap`` (of ``region``), ``entries`` entries of the table."""
+    def written(self, pattern: int, region: tuple, writer: tuple, entries: int) -> None:
+        """Note that ``writer`` (stream, index) wrote ``pattern`` (of ``region``), ``entries`` entries of the table."""
         space, (p0, p1, lo, hi) = region
         stretches = self._stretches(lo, hi)
         if stretches is None:  # a wide write: every operand of its memory forgotten (cheaper than comparing)
@@ -270,15 +290,15 @@ class _WriterBounds:
                 if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi:
                     known[4][t] = k
         if entries >= self.LARGE:
-            self._keep(ap, region, None, {t: k})
+            self._keep(pattern, region, None, {t: k})
 
     def _stretches(self, lo: int, hi: int):
         """The stretches of bytes [lo, hi), or None when they are more than WIDE."""
         first, last = lo // self.SPAN, (hi - 1) // self.SPAN
         return None if last - first >= self.WIDE else range(first, last + 1)
 
-    def _keep(self, ap: AccessPattern, region: tuple, reader: tuple | None, writes: dict) -> None:
-        known = self.known.get(ap)
+    def _keep(self, pattern: int, region: tuple, reader: tuple | None, writes: dict) -> None:
+        known = self.known.get(pattern)
         if known is not None:
             known[3], known[4] = reader, writes
             return
@@ -289,22 +309,23 @@ class _WriterBounds:
             filed = self.near.setdefault(key, {})
             if len(filed) >= (self.KEPT if key[1] is not None else self.KEPT_WIDE):
                 self._forget(next(iter(filed)))
-        self.known[ap] = known = [space, keys, box, reader, writes]
+        self.known[pattern] = known = [space, keys, box, reader, writes]
         for key in keys:
-            self.near[key][ap] = known
-        self.spaces.setdefault(space, {})[ap] = known
+            self.near[key][pattern] = known
+        self.spaces.setdefault(space, {})[pattern] = known
 
-    def _forget(self, ap: AccessPattern) -> None:
-        known = self.known.pop(ap)
+    def _forget(self, pattern: int) -> None:
+        known = self.known.pop(pattern)
         for key in known[1]:
-            del self.near[key][ap]
-        del self.spaces[known[0]][ap]
+            del self.near[key][pattern]
+        del self.spaces[known[0]][pattern]
 
 
 def _boxes_read(read_regions: list, spaces) -> dict:
     """The boxes each stream reads, per memory: space -> ([stream][(p0, p1, lo, hi, index, operand), ...] in order,
-    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end)), so that the
-    reads of a run of a stream's instructions in one memory are one slice."""
+    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end), the streams
+    that read that memory at all, in order), so that the reads of a run of a stream's instructions in one memory are
+    one slice."""
     tables = {}
     for space in spaces:
         boxes, firsts = [], []
@@ -316,7 +337,7 @@ def _boxes_read(read_regions: list, spaces) -> dict:
             starts.append(len(flat))
             boxes.append(flat)
             firsts.append(starts)
-        tables[space] = boxes, firsts
+        tables[space] = boxes, firsts, [t for t, flat in enumerate(boxes) if flat]
     return tables
 
 
@@ -437,7 +458,8 @@ class LoadedProgram:
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff)) if part_of is None else \
             weakref.finalize(self, int)  # frees also when dropped
         try:
-            self._load()
+            with _collector_paused():
+                self._load()
         except BaseException:
             self._free()
             raise
@@ -575,8 +597,8 @@ class LoadedProgram:
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
         bounds = _WriterBounds()
 
-        def unordered(who: np.ndarray, clock: list, ap: AccessPattern, own: tuple | None = None):
-            return None if bounds.happen_before(ap, clock, own) else _unordered_writer(who, clock, firsts)
+        def unordered(who: np.ndarray, clock: list, pattern: int, own: tuple | None = None):
+            return None if bounds.happen_before(pattern, clock, own) else _unordered_writer(who, clock, firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
@@ -584,20 +606,23 @@ class LoadedProgram:
                                  [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
         # What the check needs of each pattern, made once per pattern object (a program reuses its tiles' patterns;
         # equal patterns that are distinct objects get equal facts): ((space, box), its writer entries, or None when
-        # a read of it is not checked: the host wrote HBM only, and only bytes the program writes have entries)
-        facts: dict = {}
+        # a read of it is not checked: the host wrote HBM only, and only bytes the program writes have entries;
+        # its number: equal patterns have one, which _WriterBounds keys them by)
+        facts, numbers = {}, {}
 
         def fact(ap: AccessPattern) -> tuple:
             known = facts.get(id(ap))
             if known is None:
                 space, box = region = (ap.space, extent(ap))
                 known = facts[id(ap)] = (region, writers[space].of(ap) if space != Space.HBM or
-                                         _intersects(device_written, box[2], box[3]) else None)
+                                         _intersects(device_written, box[2], box[3]) else None,
+                                         numbers.setdefault(ap, len(numbers)))
             return known
 
         read_slots = {space: [space == Space.HBM, False] for space in self._shapes}  # clock slots of ids 0 and 1
-        # [stream][index]: (operand, (space, box)) of each read; (operand, pattern, writer entries, clock slots of
-        # ids 0 and 1, (space, box)) of each read to check; (pattern, (space, box), writer entries) of each write
+        # [stream][index]: (operand, (space, box)) of each read; (operand, pattern number, writer entries, clock slots
+        # of ids 0 and 1, (space, box)) of each read to check; (pattern, (space, box), writer entries, pattern number)
+        # of each write
         read_regions, checked_reads, write_facts = [], [], []
         for stream in instrs:
             regions_of, checked_of, writes_of = [], [], []
@@ -605,10 +630,10 @@ class LoadedProgram:
                 operands, regions, checked = i.instr.operands, [], []
                 for operand in i.reads:
                     ap = operands[operand]
-                    region, who = fact(ap)
+                    region, who, number = fact(ap)
                     regions.append((operand, region))
                     if who is not None:
-                        checked.append((operand, ap, who, read_slots[ap.space], region))
+                        checked.append((operand, number, who, read_slots[ap.space], region))
                 regions_of.append(regions)
                 checked_of.append(checked)
                 writes_of.append([(dst, *fact(dst)) for dst in i.instr.writes])
@@ -630,23 +655,23 @@ class LoadedProgram:
                         vc = list(map(max, vc, clock[t][count - 1]))
                         vc[t] = count
                 clock[s][k], started[s] = vc, started[s] + 1
-                for operand, ap, who, slots, region in checked_reads[s][k]:
-                    w = unordered(who, vc + slots, ap)
+                for operand, number, who, slots, region in checked_reads[s][k]:
+                    w = unordered(who, vc + slots, number)
                     if w is None:  # (not after the retry below: a partly written tile bounds nothing)
-                        bounds.read(ap, region, i.key, who.size)
+                        bounds.read(number, region, i.key, who.size)
                     elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
-                        w = unordered(who, vc + [True, False], ap)
+                        w = unordered(who, vc + [True, False], number)
                     if w is not None:
                         space = i.instr.operands[operand].space
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
             writes = write_facts[s][k]
-            for dst, region, who in writes:
-                self._check_write(i, dst, region, who, clock[s][k], writers, probes, started, by_id, unordered,
-                                  boxes_read)
-            for dst, region, who in writes:  # (all checked before any is marked: an instruction does not race with
-                who[...] = ids[i.key]  # itself)
-                bounds.written(dst, region, i.key, who.size)
+            for dst, region, who, number in writes:
+                self._check_write(i, dst, region, who, number, clock[s][k], writers, probes, started, by_id,
+                                  unordered, boxes_read)
+            for dst, region, who, number in writes:  # (all checked before any is marked: an instruction does not
+                who[...] = ids[i.key]  # race with itself)
+                bounds.written(number, region, i.key, who.size)
         if self.part_of is None:
             self._check_outputs_written(writers[Space.HBM])
 
@@ -700,20 +725,20 @@ class LoadedProgram:
                 hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
-    def _check_write(self, i: _Instr, dst: AccessPattern, region: tuple, who: np.ndarray, vc: list, writers: dict,
-                     probes: dict, started: list, by_id: list, unordered, boxes_read: dict) -> None:
-        """Refuse ``i`` writing ``dst`` (of ``region``, (space, box); writer entries ``who``) when another write or a
-        read of those bytes is not ordered with it."""
-        instrs, n, s = self._instrs, len(self._instrs), i.stream
+    def _check_write(self, i: _Instr, dst: AccessPattern, region: tuple, who: np.ndarray, number: int, vc: list,
+                     writers: dict, probes: dict, started: list, by_id: list, unordered, boxes_read: dict) -> None:
+        """Refuse ``i`` writing ``dst`` (of ``region``, (space, box); writer entries ``who``; pattern number
+        ``number``) when another write or a read of those bytes is not ordered with it."""
+        instrs, s = self._instrs, i.stream
         # (overwriting host data or nothing is no race; the writers of an operand ``i`` read at its start, when no
         # instruction wrote its box since, happen before it: that read was accepted)
-        w = unordered(who, vc + [True, True], dst, i.key)
+        w = unordered(who, vc + [True, True], number, i.key)
         if w is not None:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
         space, (p0, p1, lo, hi) = region
-        boxes, firsts = boxes_read[space]
-        readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
+        boxes, firsts, streams = boxes_read[space]
+        readers = [(instrs[t][k], operand) for t in streams if t != s and vc[t] < started[t]  # started, not
                    for q0, q1, lo2, hi2, k, operand in boxes[t][firsts[t][vc[t]]:firsts[t][started[t]]]  # happening
                    if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]  # before i, reading a box overlapping dst's
         if readers:
