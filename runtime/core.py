@@ -218,7 +218,7 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
             late[firsts[t] + clock[t]:firsts[t + 1]] = True
     if not late[lo:].any():
         return None
-    mask = late.take(who)  # (= late[who]; take gathers int16 indices 1.5-2x faster than fancy indexing)
+    mask = late.take(who)  # (= late[who]; take gathers 16-bit indices 1.5-2x faster than fancy indexing)
     return int(who[mask][0]) if mask.any() else None
 
 
@@ -572,7 +572,7 @@ class LoadedProgram:
         instrs, n = self._instrs, len(self._instrs)
         by_id = [None, None] + [i for stream in instrs for i in stream]
         ids = {i.key: number for number, i in enumerate(by_id) if i}
-        dtype = np.int16 if len(by_id) < 2**15 else np.int32
+        dtype = np.uint16 if len(by_id) <= 2**16 else np.uint32  # (ids from 0 to len(by_id) - 1)
         # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write

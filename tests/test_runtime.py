@@ -1673,15 +1673,20 @@ def test_tensor_tensor_scan_opcode_costs_a_tensor_tensor_its_initial_value_held(
 def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_does_not_count_past_it():
     """The access check's writer test (ranges of late ids per stream) against its definition, writer by writer:
     writer (t, k), id firsts[t] + k, happens before an instruction whose clock counts past k on stream t; ids 0
-    (the host) and 1 (nobody) when their clock slots are set."""
+    (the host) and 1 (nobody) when their clock slots are set. Tables of 16-bit ids, up to 65,535 (unsigned: a
+    program of 32,768 to 65,535 instructions), and writer entries scattered in the table (a strided or transposed
+    view, which the test copies together first) too."""
     from runtime.core import _unordered_writer
 
     rng = np.random.default_rng(0)
-    for _ in range(300):
-        lengths = rng.integers(0, 6, size=rng.integers(1, 5))
+    for case in range(600):
+        dtype, longest = (np.int16, 6) if case % 2 else (np.uint16, 16_000)
+        lengths = rng.integers(0, longest, size=rng.integers(1, 5))
         firsts = [2] + list(2 + np.cumsum(lengths))
         clock = [int(rng.integers(0, n + 1)) for n in lengths] + [bool(rng.integers(2)), bool(rng.integers(2))]
-        who = rng.integers(0, firsts[-1], size=tuple(rng.integers(1, 4, size=rng.integers(1, 4)))).astype(np.int16)
+        shape = tuple(rng.integers(1, 4, size=rng.integers(1, 4)))
+        who = rng.integers(0, firsts[-1], size=(*shape[:-1], 2 * shape[-1])).astype(dtype)
+        who = who[..., ::2] if case % 3 else who[..., :shape[-1]].T  # (strided, or transposed)
         if rng.integers(3) == 0:
             who[...] = who.flat[0]  # a single writer
         n = len(lengths)
