@@ -571,7 +571,6 @@ class LoadedProgram:
         A racing program is right, if at all, only by the timing: it is missing a wait."""
         instrs, n = self._instrs, len(self._instrs)
         by_id = [None, None] + [i for stream in instrs for i in stream]
-        ids = {i.key: number for number, i in enumerate(by_id) if i}
         dtype = np.uint16 if len(by_id) <= 2**16 else np.uint32  # (ids from 0 to len(by_id) - 1)
         # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
@@ -658,7 +657,7 @@ class LoadedProgram:
                 for operand, number, who, slots, region in checked_reads[s][k]:
                     w = unordered(who, vc + slots, number)
                     if w is None:  # (not after the retry below: a partly written tile bounds nothing)
-                        bounds.read(number, region, i.key, who.size)
+                        bounds.read(number, region, (s, k), who.size)
                     elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
                         w = unordered(who, vc + [True, False], number)
                     if w is not None:
@@ -669,9 +668,10 @@ class LoadedProgram:
             for dst, region, who, number in writes:
                 self._check_write(i, dst, region, who, number, clock[s][k], writers, probes, started, by_id,
                                   unordered, boxes_read)
+            writer = firsts[s] + k  # (its id)
             for dst, region, who, number in writes:  # (all checked before any is marked: an instruction does not
-                who[...] = ids[i.key]  # race with itself)
-                bounds.written(number, region, i.key, who.size)
+                who[...] = writer  # race with itself)
+                bounds.written(number, region, (s, k), who.size)
         if self.part_of is None:
             self._check_outputs_written(writers[Space.HBM])
 
