@@ -307,7 +307,8 @@ class Columns:
 
     def __init__(self, aps):
         merged: list = []  # [lo, hi, granule]
-        for lo, hi, g in sorted({(*free_byte_span(ap, ap.dims[1:]), granule((ap,))) for ap in dict.fromkeys(aps)}):
+        distinct = {id(ap): ap for ap in aps}.values()  # (each pattern object once: no hash of its fields)
+        for lo, hi, g in sorted({(*free_byte_span(ap, ap.dims[1:]), granule((ap,))) for ap in distinct}):
             if merged and lo < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], hi)
                 merged[-1][2] = math.gcd(merged[-1][2], g)
