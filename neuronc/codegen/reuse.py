@@ -309,13 +309,22 @@ class _Recording:
         derived.pools = [(other, base, size) for base, other, size in self.pools]
         return derived
 
-    def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list) -> None:
+    def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list, rebased: dict) -> None:
         """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
         `price_keys` {id(instruction): (id of this recording, its row)} (copies of a row differ only in HBM offsets
-        and DMA queue, so the cost estimate prices a row once: stream_timing.replay)."""
+        and DMA queue, so the cost estimate prices a row once: stream_timing.replay). `rebased` {(id(symbolic HBM
+        operand), its tensor's base): the operand there} keeps each operand made once: instances whose tensor lies
+        at one address (a layer's activations in the scratch slot of the layer two before) share the (immutable)
+        pattern, which the hazard grid measures once (codegen.sync: by identity) and the NEFF writer writes once."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
-        operand = [ap if ap.space != Space.HBM else _rebased(ap, bases) for ap in self.operands].__getitem__
+        made = []
+        for ap in self.operands:
+            if ap.space == Space.HBM:
+                key = (id(ap), bases[_tensor(ap)])
+                ap = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
+            made.append(ap)
+        operand = made.__getitem__
         out, me = em.instructions, id(self)
         for row, (opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
                   reverse, at) in enumerate(self.rows):
@@ -337,6 +346,7 @@ class KernelReuse:
         self.hits = 0
         self.price_keys: dict = {}  # id(instruction) -> (recording, row): see _Recording.instantiate
         self.plan_texts: dict = {}  # the signatures' plan texts by their pickle: see _Signature._attr
+        self.rebased: dict = {}  # the recordings' HBM operands at their instances' bases: see _Recording.instantiate
 
     def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
         """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
@@ -357,7 +367,7 @@ class KernelReuse:
             kernel(em, node, plan)
             return
         recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered],
-                              self.price_keys, locs)
+                              self.price_keys, locs, self.rebased)
 
     @staticmethod
     def _derive(recorded: _Recording | None) -> _Recording | None:
