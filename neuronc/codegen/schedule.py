@@ -121,7 +121,7 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> its placement
-    last_on_queue: dict = {}  # (kernel, engine, queue) -> position of its last instruction
+    last_on_queue: dict = {}  # (kernel, engine, queue) -> position of its last instruction (DMA queues only)
     # Whether a load writes what its kernel's first steps read, asked once per (those reads, the spans of the load's
     # destination): the copies of a repeated kernel (codegen.reuse) read the same on-chip cells in their first steps
     # (a computing instruction reads no HBM) and load into the same SBUF pattern objects, whose spans are one object
@@ -140,11 +140,14 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
     # (HazardGrid.access), which a repeated layer's copies of a load share (codegen.reuse); the grid holds every
     # spans object while this runs, so an id is not reused
     sliced: dict = {}
+    hbm, sbuf, dma, current = Space.HBM, Space.SBUF, Engine.DMA, None
     for position, (inst, (reads, writes)) in enumerate(zip(instructions, accesses)):
         kernel = inst.kernel
-        if kernel not in first:
-            first[kernel] = position
-        if inst.opcode == dma_copy and _is_load(inst):
+        if kernel != current:
+            current = kernel
+            if kernel not in first:
+                first[kernel] = position
+        if inst.opcode is dma_copy and inst.operands[1].space is hbm and inst.operands[0].space is sbuf:  # _is_load
             into = sliced.get(id(writes))
             if into is None:  # (its one destination is SBUF: every span in SBUF's cells)
                 into = sliced[id(writes)] = _strided([span for span in writes if span[1] > span[0]])
@@ -165,11 +168,12 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
                         at = max(at, last_on_queue.get((kernel - 1, inst.engine, inst.queue), -1))
                     moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
-            last_on_queue[(kernel, inst.engine, inst.queue)] = position
+            last_on_queue[(kernel, dma, inst.queue)] = position
             for a, b, step, n in into:  # (it reads HBM only)
                 last_use[a:b:step] = [position] * n
             continue
-        last_on_queue[(kernel, inst.engine, inst.queue)] = position  # (kernel, *Instruction.stream)
+        if inst.engine is dma:  # (kernel, *Instruction.stream): read for loads only, so kept for transfers only
+            last_on_queue[(kernel, dma, inst.queue)] = position
         # (positions only grow: the latest use is this one). A load's `after` reads last_write only on the HBM cells it
         # reads and last_use only on the SBUF cells it writes, so uses are kept for SBUF cells and writes for the
         # others (a span never leaves its block: HazardGrid.block_starts)
