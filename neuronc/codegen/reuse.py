@@ -303,6 +303,7 @@ class _Recording:
 
         derived = object.__new__(_Recording)
         derived.__dict__.update(self.__dict__)
+        derived.__dict__.pop("_keys", None)  # (its rows' price keys name it, not this recording)
         derived.rows = [(opcode, engine, tuple(map(move, operands)), *rest)
                         for opcode, engine, operands, *rest in self.rows]
         derived.operands = list(map(move, self.operands))
@@ -325,14 +326,19 @@ class _Recording:
                 ap = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
             made.append(ap)
         operand = made.__getitem__
-        out, me = em.instructions, id(self)
-        for row, (opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
-                  reverse, at) in enumerate(self.rows):
-            inst = Instruction(opcode, engine, operands if slots is None else tuple(map(operand, slots)),
-                               (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
-                               accumulate, reverse, kernel=kernel, debug=debug if at is None else located[at])
-            out.append(inst)
-            price_keys[id(inst)] = (me, row)
+        queues, made = self.queues, []
+        append = made.append
+        for opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate, reverse, at \
+                in self.rows:
+            append(Instruction(opcode, engine, operands if slots is None else tuple(map(operand, slots)),
+                               (queue + turn) % queues if rotated else queue, alu, alu1, func, imm0, imm1,
+                               accumulate, reverse, (), kernel, debug if at is None else located[at]))
+        em.instructions += made
+        keys = self.__dict__.get("_keys")  # (this recording, row) per row, made once
+        if keys is None:
+            me = id(self)
+            keys = self._keys = [(me, row) for row in range(len(self.rows))]
+        price_keys.update(zip(map(id, made), keys))
         em._dma_turn += self.dmas
         em._sbuf_used, em._psum_used = self.sbuf_used, self.psum_used
 
