@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import neuronc.codegen
 from neuronc import codegen
 from neuronc.codegen import sync_arrays
 from neuronc.codegen.sync import HazardGrid, SyncState, insert_waits
@@ -99,15 +98,20 @@ def test_each_hazard_kind_gives_the_wait_it_needs_and_a_write_forgets_the_reads_
     assert _walked(program, grid) == (waits, streams)
 
 
-def test_a_program_of_more_accesses_than_the_bound_is_walked(monkeypatch):
-    program = [_copy(0, TILE, _rows(0)), _copy(1, _rows(512), TILE)]
-    monkeypatch.setattr(sync_arrays, "MAX_ACCESSES", 0)
-    grid = HazardGrid(program, TENSORS, get_target("trn2"))
-    state = SyncState(program, grid)
-    assert sync_arrays.waits_at_once(program, grid.access, state.number, state.stream_keys) is None
-    streams = neuronc.codegen.sync.insert_waits(program, TENSORS, get_target("trn2"), grid)
-    assert [inst.waits for inst in program] == [(), (Wait(Engine.DMA, 0, 1),)]
-    assert list(streams) == [(Engine.DMA, 0), (Engine.DMA, 1)]
+@pytest.mark.parametrize("chunk", [1, 50, 1000])
+def test_a_program_of_more_accesses_than_a_chunk_takes_its_cells_range_by_range_with_the_walks_waits(
+        chunk, programs, monkeypatch):
+    torch.manual_seed(0)
+    model = zoo.GPT2(vocab=64, width=64, layers=2, heads=2, context=32).eval()
+    compile_exported(torch.export.export(model, (torch.randint(0, 64, (1, 32)),)), CompileOptions(opt_level=2))
+    (instructions, grid), = programs
+    walked = _walked(instructions, grid)
+    flat, _tags, sizes = sync_arrays._ordering_spans(list(map(grid.access, instructions)), len(instructions))
+    ranges = sync_arrays._cell_ranges(flat, sizes, chunk)
+    assert len(ranges) > 1 and ranges[0][0] == 0 and ranges[-1][1] == flat[:, 1].max()
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # in order, nothing left out
+    monkeypatch.setattr(sync_arrays, "CHUNK_ACCESSES", chunk)
+    assert _at_once(instructions, grid) == walked
 
 
 def test_a_program_touching_no_memory_waits_for_nothing():
@@ -128,6 +132,7 @@ def test_the_streams_come_in_the_order_of_their_first_instruction_as_the_walk_ap
 def test_a_span_read_over_cells_no_instruction_writes_is_left_out_of_the_sorted_accesses():
     # (spans read, spans written) of three instructions: cells 0-3 are only read (a weight's), 4-5 written between reads
     spans = [([(0, 4), (4, 6)], []), ([], [(4, 6)]), ([(4, 6)], [])]
-    keys, bits = sync_arrays._sorted_keys(spans, len(spans))
+    flat, tags, sizes = sync_arrays._ordering_spans(spans, len(spans))
+    keys, bits = sync_arrays._sorted_keys(flat, tags, sizes, len(spans), 0, int(flat[:, 1].max()))
     accesses = [(int(key) >> bits, int(key) >> 1 & ((1 << (bits - 1)) - 1), int(key) & 1) for key in keys]
     assert accesses == [(4, 0, 0), (4, 1, 1), (4, 2, 0), (5, 0, 0), (5, 1, 1), (5, 2, 0)]  # (cell, instruction, write)

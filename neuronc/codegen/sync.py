@@ -288,14 +288,9 @@ def insert_waits(instructions: list, tensors: list, target: Target, grid: Hazard
     grid = grid or HazardGrid(instructions, tensors, target)
     state = SyncState(instructions, grid)
     if not repeats:
-        streams = waits_at_once(instructions, grid.access, state.number, state.stream_keys)
-        if streams is not None:
-            return streams
-    if repeats:
-        from neuronc.codegen.sync_replay import replay_repeats  # noqa: PLC0415 - it builds on this module
-        replay_repeats(state, instructions, repeats)
-    else:
-        state.compute(instructions, 0, len(instructions))
+        return waits_at_once(instructions, grid.access, state.number, state.stream_keys)
+    from neuronc.codegen.sync_replay import replay_repeats  # noqa: PLC0415 - it builds on this module
+    replay_repeats(state, instructions, repeats)
     return dict(state.streams)
 
 

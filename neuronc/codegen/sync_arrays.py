@@ -22,22 +22,21 @@ import numpy as np
 
 from neuronc.isa import Wait
 
-# Above this many (cell, instruction) accesses the caller walks the program instead: the arrays take about 40 bytes per
-# access at their peak (136 MiB for the 3.5 M accesses of HF GPT-2 small at sequence 512, fp32; the walk 11 MiB).
-MAX_ACCESSES = 4_000_000
+# The accesses of at most this many (cell, instruction) pairs are sorted at once: the arrays take about 40 bytes per
+# access at their peak, so a program of more (HF GPT-2 small at sequence 512, fp32: over 4 M) is taken in ranges of
+# cells, each holding at most this many (a cell's accesses never split: its waits need them all together).
+CHUNK_ACCESSES = 4_000_000
 NARROW_KEY_BITS = 32  # keys of at most this many bits are sorted as unsigned 32-bit integers (about twice as fast)
 
 
-def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict | None:
+def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -> dict:
     """Sets every instruction's `waits` and returns {(engine, queue): [instructions]} as codegen.sync's walk does
-    (`access`: HazardGrid.access; `number`: stream key -> its number in `stream_keys`, sorted); None, having set
-    nothing, when the program makes more than MAX_ACCESSES accesses. Python per instruction is kept to a few
-    comprehensions: each instruction's place in its stream is counted with numpy, the waits are made per wait."""
+    (`access`: HazardGrid.access; `number`: stream key -> its number in `stream_keys`, sorted). Python per
+    instruction is kept to a few comprehensions: each instruction's place in its stream is counted with numpy, the
+    waits are made per wait. The cells are taken in ranges of at most CHUNK_ACCESSES accesses (each cell's needs
+    are its own, so the ranges' needs combine by their maximum)."""
     n, s_count = len(instructions), len(stream_keys)
-    found = _sorted_keys(list(map(access, instructions)), n)
-    if found is None:
-        return None
-    keys, bits = found
+    flat, tags, sizes = _ordering_spans(list(map(access, instructions)), n)
     me = np.fromiter(map(number.__getitem__, [(inst.engine, inst.queue) for inst in instructions]), dtype=np.int64,
                      count=n)  # (engine, queue): Instruction.stream
     positions = np.zeros(n, dtype=np.int64)  # each instruction's 1-based place in its stream
@@ -52,9 +51,13 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
                for stream, rows in sorted(rows_of.items(), key=lambda item: item[1][0])}
     for inst in instructions:
         inst.waits = ()
-    if len(keys) == 0:
+    if len(sizes) == 0:
         return streams
-    need = _needs(keys, bits, me, positions, s_count)
+    need = np.zeros((n, s_count), dtype=np.int64)
+    for lo, hi in _cell_ranges(flat, sizes, CHUNK_ACCESSES):
+        keys, bits = _sorted_keys(flat, tags, sizes, n, lo, hi)
+        if len(keys):
+            np.maximum(need, _needs(keys, bits, me, positions, s_count), out=need)
     need[np.arange(n), me] = 0  # a stream needs no wait for itself
     emitted = np.zeros((n, s_count), dtype=bool)
     for mine in rows_of.values():
@@ -110,30 +113,56 @@ def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count
     return need.reshape(len(me), s_count)
 
 
-def _sorted_keys(spans: list, n: int) -> tuple | None:
-    """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access, sorted; None above
-    MAX_ACCESSES."""
-    # spans read, then written, by each instruction in turn
+def _ordering_spans(spans: list, n: int) -> tuple:
+    """(flat, tags, sizes) of the spans that can order anything: [start, stop) of each, instruction x 2 + (1 for a
+    write), its cell count; spans read, then written, by each instruction in turn. A span read over cells that no
+    instruction writes (a weight's) follows no write and no write follows it: it orders nothing, so it is left out
+    (judged per span: the cells of the kept spans are counted as before)."""
     lengths = np.fromiter(map(len, chain.from_iterable(spans)), dtype=np.int64, count=2 * n)
     flat = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(spans))), dtype=np.int64,
                        count=2 * int(lengths.sum())).reshape(-1, 2)  # [start, stop) of each span, in that order
     tags = np.repeat(np.arange(2 * n, dtype=np.int64), lengths)  # instruction x 2 + (1 for a write), per span
     sizes = flat[:, 1] - flat[:, 0]
+    if not sizes.sum():
+        return flat[:0], tags[:0], sizes[:0]
+    written = (tags & 1).astype(bool)
+    cover = np.zeros(int(flat[:, 1].max()) + 1, dtype=np.int64)
+    np.add.at(cover, flat[written, 0], 1)
+    np.add.at(cover, flat[written, 1], -1)
+    before = np.zeros(len(cover) + 1, dtype=np.int64)  # written cells before each cell
+    np.cumsum(np.cumsum(cover) > 0, out=before[1:])
+    kept = written | (before[flat[:, 1]] > before[flat[:, 0]])
+    return flat[kept], tags[kept], sizes[kept]
+
+
+def _cell_ranges(flat: np.ndarray, sizes: np.ndarray, most: int) -> list:
+    """[lo, hi) ranges of cells covering every span, in order, each touched by at most `most` accesses (more only
+    where one cell alone has more)."""
+    end = int(flat[:, 1].max())
+    if int(sizes.sum()) <= most:
+        return [(0, end)]
+    per_cell = np.zeros(end + 1, dtype=np.int64)
+    np.add.at(per_cell, flat[:, 0], 1)
+    np.add.at(per_cell, flat[:, 1], -1)
+    upto = np.cumsum(np.cumsum(per_cell)[:end])  # accesses of the cells up to and including each
+    ranges, lo = [], 0
+    while lo < end:
+        taken = int(upto[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(upto, taken + most, side="right")))
+        ranges.append((lo, min(hi, end)))
+        lo = hi
+    return ranges
+
+
+def _sorted_keys(flat: np.ndarray, tags: np.ndarray, sizes: np.ndarray, n: int, lo: int, hi: int) -> tuple:
+    """(keys, bits): cell << bits | instruction << 1 | (1 for a write), one per distinct access to the cells [lo,
+    hi) of the spans (flat, tags, sizes: _ordering_spans'), sorted."""
+    if lo > 0 or hi < int(flat[:, 1].max()):
+        flat = np.clip(flat, lo, hi)
+        sizes = flat[:, 1] - flat[:, 0]
+        inside = sizes > 0
+        flat, tags, sizes = flat[inside], tags[inside], sizes[inside]
     total = int(sizes.sum())
-    if total > MAX_ACCESSES:
-        return None
-    if total:
-        # a span read over cells no instruction writes (a weight's) follows no write and no write follows it: it
-        # orders nothing, so it is left out (judged per span: the cells of the kept spans are counted as before)
-        written = (tags & 1).astype(bool)
-        cover = np.zeros(int(flat[:, 1].max()) + 1, dtype=np.int64)
-        np.add.at(cover, flat[written, 0], 1)
-        np.add.at(cover, flat[written, 1], -1)
-        before = np.zeros(len(cover) + 1, dtype=np.int64)  # written cells before each cell
-        np.cumsum(np.cumsum(cover) > 0, out=before[1:])
-        kept = written | (before[flat[:, 1]] > before[flat[:, 0]])
-        flat, tags, sizes = flat[kept], tags[kept], sizes[kept]
-        total = int(sizes.sum())
     offsets = np.cumsum(sizes) - sizes  # where each span's cells begin in the flat list
     keys = np.repeat(flat[:, 0] - offsets, sizes)  # each access's cell, then the key, in place
     keys += np.arange(total)
