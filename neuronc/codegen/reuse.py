@@ -319,13 +319,13 @@ class _Recording:
         pattern, which the hazard grid measures once (codegen.sync: by identity) and the NEFF writer writes once."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
-        made = []
+        rebound = []
         for ap in self.operands:
             if ap.space == Space.HBM:
                 key = (id(ap), bases[_tensor(ap)])
                 ap = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
-            made.append(ap)
-        operand = made.__getitem__
+            rebound.append(ap)
+        operand = rebound.__getitem__
         queues, made = self.queues, []
         append = made.append
         for opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate, reverse, at \

@@ -168,11 +168,12 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
                         at = max(at, last_on_queue.get((kernel - 1, inst.engine, inst.queue), -1))
                     moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
-            last_on_queue[(kernel, dma, inst.queue)] = position
+            last_on_queue[(kernel, inst.engine, inst.queue)] = position
             for a, b, step, n in into:  # (it reads HBM only)
                 last_use[a:b:step] = [position] * n
             continue
-        if inst.engine is dma:  # (kernel, *Instruction.stream): read for loads only, so kept for transfers only
+        if inst.engine is dma:  # (kernel, *Instruction.stream): asked for a load's own, a DMA queue (a DMA_COPY runs on
+            # the DMA engine: codegen.emitter), so kept for DMA queues only
             last_on_queue[(kernel, dma, inst.queue)] = position
         # (positions only grow: the latest use is this one). A load's `after` reads last_write only on the HBM cells it
         # reads and last_use only on the SBUF cells it writes, so uses are kept for SBUF cells and writes for the
