@@ -43,7 +43,6 @@ import bisect
 import contextlib
 import dataclasses
 import functools
-import gc
 import hashlib
 import itertools
 import math
@@ -57,6 +56,7 @@ import numpy as np
 
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
+from neuronc.collector import collector_paused
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import Neff, TensorKind
@@ -107,21 +107,6 @@ def access_check_id() -> str:
             with open(os.path.join(folder, name), "rb") as f:
                 digest.update(name.encode() + f.read())
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """CPython's cyclic garbage collector paused for the duration (as it was on exit), as the compiler has it
-    (neuronc.compiler.collector_paused): loading a large program makes hundreds of thousands of short-lived
-    lists and tuples, and every so often the collector would rescan the whole heap (in a torch.compile process,
-    torch's objects and the compiler's too) finding nothing: about a tenth of the load of a 12-layer GPT-2."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _as_neff(neff_or_path) -> Neff:
@@ -458,7 +443,7 @@ class LoadedProgram:
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff)) if part_of is None else \
             weakref.finalize(self, int)  # frees also when dropped
         try:
-            with _collector_paused():
+            with collector_paused():
                 self._load()
         except BaseException:
             self._free()
