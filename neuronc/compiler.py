@@ -6,18 +6,17 @@ Used by the CLI (`neuronc compile`), the torch.compile backend and the tests ali
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import hashlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from neuronc import debug_dir, ir, kernel_timing
 from neuronc.cc_flags import compile_flags
 from neuronc.codegen import generate
+from neuronc.collector import collector_paused
 from neuronc.errors import NeuronConfigError
 from neuronc.isa import DType
 from neuronc.neff.program import Neff
@@ -116,23 +115,6 @@ class Compiled:
         if cache.put(key, self.neff, checked_by=checker) is not None:
             self.cache_entry = (cache, key)
         self.seconds["cache store"] = time.perf_counter() - start  # NEFF serialisation + write
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """CPython's cyclic garbage collector paused for the duration (as it was on exit).
-
-    A compilation allocates millions of short-lived objects (IR nodes, access patterns, instructions),
-    and every so often the collector would rescan the whole heap, torch's objects included, finding
-    nothing: a third of the compiler's time on a large model. Reference counting still frees them
-    meanwhile; the few cycles made are collected once the collector runs again."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def compile_imported(imported: ImportedGraph, options: CompileOptions, timings: dict,

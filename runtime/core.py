@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 import operator
 import os
 import threading
@@ -55,6 +56,7 @@ import numpy as np
 
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
+from neuronc.collector import collector_paused
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import Neff, TensorKind
@@ -63,7 +65,7 @@ from neuronc.parallel_access import ports
 from neuronc.stream_timing import COMPLETE, START, kernel_totals, simulate, stream_order
 from neuronc.targets import Target, get_target
 from runtime.memory import (UNINITIALISED, Cells, Columns, HbmAllocator, HbmLayout, HbmRegions, Memory, OnChip,
-                            allocate_hbm, check_bounds, extent, granule, hbm_regions, overlaps, size_text)
+                            allocate_hbm, check_bounds, extent, hbm_regions, overlaps, size_text)
 from runtime.semantics import SEMANTICS, Scratch, check, kernel, store_all
 from runtime.timeline import Event, Timeline
 
@@ -136,6 +138,18 @@ def _check_strides(ap: AccessPattern, position: int, memory_shape: tuple) -> Non
                                      f"further than its {ap.space.name}'s {limit} bytes")
 
 
+def _facts_key(instr: Instruction) -> tuple:
+    """Every field of ``instr`` but its waits, kernel and debug location, the immediates with their signs and types
+    (0.0 and -0.0 are equal as keys, an int and a float too, and are told apart here)."""
+    imm0, imm1 = instr.imm0, instr.imm1
+    return (instr.opcode, instr.engine, instr.queue, tuple(instr.operands), instr.alu, instr.alu1, instr.func, imm0, imm1,
+            _sign(imm0), _sign(imm1), instr.accumulate, instr.reverse)
+
+
+def _sign(x) -> object:
+    return math.copysign(1.0, x) if type(x) is float else type(x)
+
+
 def _reads(instr: Instruction) -> tuple:
     """Positions of the operands an instruction reads (Instruction.reads)."""
     return tuple(range(len(instr.operands) - len(instr.reads), len(instr.operands)))
@@ -169,8 +183,11 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
     1 (nobody) happen before it when their slots ``clock[n]``, ``clock[n + 1]`` are set. One writer, or
     writers of one stream, is the common case (two reductions: every id from the least to the greatest is
     then of that stream and ordered when the greatest is); others are judged against a table of those
-    ranges, one gather."""
+    ranges, one gather. Entries scattered in the table (a transposed or strided operand) are copied together
+    first: one pass over them in their order, then the reductions and the gather over a contiguous array."""
     n = len(firsts) - 1
+    if not who.flags.c_contiguous:
+        who = who.ravel()  # (a copy, in who's order)
     lo, hi = int(_least(who, axis=None)), int(_greatest(who, axis=None))  # (ufuncs called directly: cheaper)
     if lo == hi and lo < 2:
         return None if clock[n + lo] else lo
@@ -186,7 +203,7 @@ def _unordered_writer(who: np.ndarray, clock: list, firsts: list):
             late[firsts[t] + clock[t]:firsts[t + 1]] = True
     if not late[lo:].any():
         return None
-    mask = late.take(who)  # (= late[who]; take gathers int16 indices 1.5-2x faster than fancy indexing)
+    mask = late.take(who)  # (= late[who]; take gathers 16-bit indices 1.5-2x faster than fancy indexing)
     return int(who[mask][0]) if mask.any() else None
 
 
@@ -211,36 +228,40 @@ class _WriterBounds:
     happen before an instruction when those do: happening before is transitive, and a stream's instructions happen
     before its later ones. Each write looks only at the operands near its box: they are filed by the stretches of
     ``SPAN`` bytes their boxes cover (those covering more than ``WIDE`` stretches, wide, with every write); a wide
-    write forgets every operand of its memory (forgetting is always safe)."""
+    write forgets every operand of its memory (forgetting is always safe). Operands are named by their pattern's
+    number (equal patterns have one: _check_accesses numbers them)."""
 
     LARGE = 16384  # entries: below, a pass over them costs less than the bookkeeping
     SPAN, WIDE, KEPT, KEPT_WIDE = 4096, 16, 256, 16  # KEPT: operands per stretch, KEPT_WIDE: wide ones (the oldest
     # forgotten: every write looks at the wide ones)
 
     def __init__(self):
-        # access pattern -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
+        # pattern number -> [its space, the keys of near it is filed under, its box, reader (stream, index) or
         # None, {stream: index} of the writes since]
         self.known: dict = {}
-        self.near: dict = {}  # (space, stretch, or None for the wide) -> {access pattern: its entry of known}
-        self.spaces: dict = {}  # space -> {access pattern: its entry of known} (for a wide write)
+        self.near: dict = {}  # (space, stretch, or None for the wide) -> {pattern number: its entry of known}
+        self.spaces: dict = {}  # space -> {pattern number: its entry of known} (for a wide write)
 
-    def happen_before(self, ap: AccessPattern, clock: list) -> bool:
-        """Whether all the writers of ``ap``'s entries are known to happen before the instruction whose vector
-        clock is ``clock`` (False: not known)."""
-        known = self.known.get(ap)
+    def happen_before(self, pattern: int, clock: list, own: tuple | None = None) -> bool:
+        """Whether all the writers of ``pattern``'s entries are known to happen before the instruction whose vector
+        clock is ``clock`` (False: not known). ``own``: that instruction's (stream, index) when it completes (a
+        write's check): the read of ``pattern`` it made at its start, when accepted, bounds them too (its writers then
+        happened before its start; any write since is among the writes noted)."""
+        known = self.known.get(pattern)
         if known is None:
             return False
         reader, writes = known[3], known[4]
-        return (reader is None or clock[reader[0]] > reader[1]) and all(clock[t] > k for t, k in writes.items())
+        return (reader is None or reader == own or clock[reader[0]] > reader[1]) and \
+            all(clock[t] > k for t, k in writes.items())
 
-    def read(self, ap: AccessPattern, region: tuple, reader: tuple, entries: int) -> None:
-        """Note that ``reader``'s read of ``ap`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
+    def read(self, pattern: int, region: tuple, reader: tuple, entries: int) -> None:
+        """Note that ``reader``'s read of ``pattern`` (of ``region``, (space, box)), ``entries`` entries, was accepted:
         every writer among them happens before it."""
         if entries >= self.LARGE:
-            self._keep(ap, region, reader, {})
+            self._keep(pattern, region, reader, {})
 
-    def written(self, ap: AccessPattern, region: tuple, writer: tuple, entries: int) -> None:
-        """Note that ``writer`` (stream, index) wrote ``ap`` (of ``region``), ``entries`` entries of the table."""
+    def written(self, pattern: int, region: tuple, writer: tuple, entries: int) -> None:
+        """Note that ``writer`` (stream, index) wrote ``pattern`` (of ``region``), ``entries`` entries of the table."""
         space, (p0, p1, lo, hi) = region
         stretches = self._stretches(lo, hi)
         if stretches is None:  # a wide write: every operand of its memory forgotten (cheaper than comparing)
@@ -254,15 +275,15 @@ class _WriterBounds:
                 if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi:
                     known[4][t] = k
         if entries >= self.LARGE:
-            self._keep(ap, region, None, {t: k})
+            self._keep(pattern, region, None, {t: k})
 
     def _stretches(self, lo: int, hi: int):
         """The stretches of bytes [lo, hi), or None when they are more than WIDE."""
         first, last = lo // self.SPAN, (hi - 1) // self.SPAN
         return None if last - first >= self.WIDE else range(first, last + 1)
 
-    def _keep(self, ap: AccessPattern, region: tuple, reader: tuple | None, writes: dict) -> None:
-        known = self.known.get(ap)
+    def _keep(self, pattern: int, region: tuple, reader: tuple | None, writes: dict) -> None:
+        known = self.known.get(pattern)
         if known is not None:
             known[3], known[4] = reader, writes
             return
@@ -273,22 +294,23 @@ class _WriterBounds:
             filed = self.near.setdefault(key, {})
             if len(filed) >= (self.KEPT if key[1] is not None else self.KEPT_WIDE):
                 self._forget(next(iter(filed)))
-        self.known[ap] = known = [space, keys, box, reader, writes]
+        self.known[pattern] = known = [space, keys, box, reader, writes]
         for key in keys:
-            self.near[key][ap] = known
-        self.spaces.setdefault(space, {})[ap] = known
+            self.near[key][pattern] = known
+        self.spaces.setdefault(space, {})[pattern] = known
 
-    def _forget(self, ap: AccessPattern) -> None:
-        known = self.known.pop(ap)
+    def _forget(self, pattern: int) -> None:
+        known = self.known.pop(pattern)
         for key in known[1]:
-            del self.near[key][ap]
-        del self.spaces[known[0]][ap]
+            del self.near[key][pattern]
+        del self.spaces[known[0]][pattern]
 
 
 def _boxes_read(read_regions: list, spaces) -> dict:
     """The boxes each stream reads, per memory: space -> ([stream][(p0, p1, lo, hi, index, operand), ...] in order,
-    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end)), so that the
-    reads of a run of a stream's instructions in one memory are one slice."""
+    [stream][index]: where the reads of instruction ``index`` start in that list (one more: the end), the streams
+    that read that memory at all, in order), so that the reads of a run of a stream's instructions in one memory are
+    one slice."""
     tables = {}
     for space in spaces:
         boxes, firsts = [], []
@@ -300,7 +322,7 @@ def _boxes_read(read_regions: list, spaces) -> dict:
             starts.append(len(flat))
             boxes.append(flat)
             firsts.append(starts)
-        tables[space] = boxes, firsts
+        tables[space] = boxes, firsts, [t for t, flat in enumerate(boxes) if flat]
     return tables
 
 
@@ -421,7 +443,8 @@ class LoadedProgram:
         self._free = weakref.finalize(self, core.hbm.free, core.hbm.allocate(neff)) if part_of is None else \
             weakref.finalize(self, int)  # frees also when dropped
         try:
-            self._load()
+            with collector_paused():
+                self._load()
         except BaseException:
             self._free()
             raise
@@ -430,9 +453,9 @@ class LoadedProgram:
         neff = self.neff
         self.streams = stream_order(neff.streams)  # (Engine, queue) of each stream number
         number = {key: n for n, key in enumerate(self.streams)}
-        tensors, passed = TensorIndex(neff.tensors), set()
+        tensors, passed, facts = TensorIndex(neff.tensors), set(), {}
         self._instrs = [
-            [self._prepare(key, index, instr, number, tensors, passed)
+            [self._prepare(key, index, instr, number, tensors, passed, facts)
              for index, instr in enumerate(neff.streams.get(key, []))]
             for key in self.streams
         ]
@@ -457,30 +480,39 @@ class LoadedProgram:
                 )
 
     def _prepare(self, stream: tuple, index: int, instr: Instruction, number: dict, tensors: TensorIndex,
-                 passed: set) -> _Instr:
+                 passed: set, facts: dict) -> _Instr:
         """``instr`` checked and costed. ``passed``: the (operand, written to HBM) pairs whose checks passed in
-        this program already (its instructions share their tiles' patterns; the checks depend on nothing else)."""
+        this program already (its instructions share their tiles' patterns; the checks depend on nothing else).
+        ``facts``: the checks' verdict and the costs of the instructions met so far, by :func:`_facts_key`: every
+        field of the instruction but its waits, kernel and debug location, which neither the ISA checks nor the
+        costs read (a model's layers repeat most of their instructions; the checks run once per distinct one)."""
+        key = _facts_key(instr)
+        known = facts.get(key)
         try:
             if instr.stream != stream:
                 raise NeuronRuntimeError(f"listed in the stream of {_stream_name(stream)}")
-            check(instr, self.core.target)
-            written = len(instr.writes)
-            for position, ap in enumerate(instr.operands):
-                key = (ap, position < written and ap.space == Space.HBM)  # (on chip, writing adds no check)
-                if key in passed:
-                    continue
-                _check_strides(ap, position, self._shapes[ap.space])
-                check_bounds(ap, self._shapes[ap.space])
-                if ap.space == Space.HBM:
-                    check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
-                    self._layout.check(ap)
-                passed.add(key)
+            if known is None:
+                check(instr, self.core.target)
+                written = len(instr.writes)
+                for position, ap in enumerate(instr.operands):
+                    operand = (ap, position < written and ap.space == Space.HBM)  # (on chip, writing adds no check)
+                    if operand in passed:
+                        continue
+                    _check_strides(ap, position, self._shapes[ap.space])
+                    check_bounds(ap, self._shapes[ap.space])
+                    if ap.space == Space.HBM:
+                        check_hbm_operand(tensors, ap, position < written, self.neff.hbm_size, f"operand {position}")
+                        self._layout.check(ap)
+                    passed.add(operand)
         except NeuronRuntimeError as e:
             raise self._error(instr, index, e.message, e.hint) from None
-        return _Instr(instr, number[stream], index, instruction_cost_ns(instr, self.core.target),
-                      tuple((number[(w[0], w[1])], w[2]) for w in instr.waits), _reads(instr),
-                      hbm_bytes(instr, self.core.target), ports(instr, self.core.target),
-                      start_latency_ns(instr, self.core.target))
+        if known is None:
+            target = self.core.target
+            known = facts[key] = (instruction_cost_ns(instr, target), _reads(instr), hbm_bytes(instr, target),
+                                  ports(instr, target), start_latency_ns(instr, target))
+        duration, reads, nbytes, held, latency = known
+        return _Instr(instr, number[stream], index, duration, tuple((number[(w[0], w[1])], w[2]) for w in instr.waits),
+                      reads, nbytes, held, latency)
 
     def _schedule(self) -> tuple:
         """The simulation without data: (every start and completion as (phase, stream, index) in the
@@ -524,8 +556,7 @@ class LoadedProgram:
         A racing program is right, if at all, only by the timing: it is missing a wait."""
         instrs, n = self._instrs, len(self._instrs)
         by_id = [None, None] + [i for stream in instrs for i in stream]
-        ids = {i.key: number for number, i in enumerate(by_id) if i}
-        dtype = np.int16 if len(by_id) < 2**15 else np.int32
+        dtype = np.uint16 if len(by_id) <= 2**16 else np.uint32  # (ids from 0 to len(by_id) - 1)
         # Who last wrote each byte, by id: 2 and up, an instruction; 1, nobody (HBM outputs and scratch);
         # 0, nobody on chip, the host (inputs, weights, constants) in HBM. Kept for the bytes the program uses.
         writers, probes = {}, {}  # space -> Cells: writer ids; marks of one write
@@ -537,12 +568,10 @@ class LoadedProgram:
         for space in self._shapes:
             aps = operands[space]
             if space == Space.HBM:  # outputs and scratch only, a granule per region (memory.HbmRegions)
-                partitions, g, layout = 1, 1, hbm_regions(volatile, aps)
-            else:  # the partitions the operands use, and their bytes, packed (memory.Columns)
-                boxes = [extent(ap) for ap in aps]
-                partitions, layout = max((box[1] for box in boxes), default=1), Columns(box[2:] for box in boxes)
-                g = granule(aps)
-            writers[space], probes[space] = self._access_tables(partitions, g, dtype, layout, budget)
+                partitions, layout = 1, hbm_regions(volatile, aps)
+            else:  # the partitions the operands use, and their bytes, packed, a granule per stretch (memory.Columns)
+                partitions, layout = max((ap.partition + ap.dims[0][1] for ap in aps), default=1), Columns(aps)
+            writers[space], probes[space] = self._access_tables(partitions, dtype, layout, budget)
             for t in volatile if space == Space.HBM else ():
                 if t.nbytes:  # (an empty tensor has no bytes, and no place in the layout)
                     writers[space].span(t.offset, t.nbytes)[...] = 1
@@ -552,23 +581,49 @@ class LoadedProgram:
         firsts = list(itertools.accumulate((len(stream) for stream in instrs), initial=2))
         bounds = _WriterBounds()
 
-        def unordered(who: np.ndarray, clock: list, ap: AccessPattern):
-            return None if bounds.happen_before(ap, clock) else _unordered_writer(who, clock, firsts)
+        def unordered(who: np.ndarray, clock: list, pattern: int, own: tuple | None = None):
+            return None if bounds.happen_before(pattern, clock, own) else _unordered_writer(who, clock, firsts)
 
         # HBM bytes whose last writer is the host for the whole run: in no output or scratch tensor and
         # written by no instruction. A read of only such bytes is ordered with everything: not checked.
         device_written = _merged([(t.offset, t.offset + t.nbytes) for t in volatile] +
                                  [extent(ap)[2:] for i in by_id[2:] for ap in i.instr.writes if ap.space == Space.HBM])
-        regions: dict = {}  # access pattern -> (space, box): a program reuses its tiles' patterns
-        read_regions = [[[(operand, _cached(regions, _region, i.instr.operands[operand])) for operand in i.reads]
-                         for i in stream] for stream in instrs]  # [stream][index]: (operand, (space, box)) it reads
-        # [stream][index]: (operand, its pattern, its writer entries, the clock slots of ids 0 and 1) of each read to
-        # check: the host wrote HBM only
-        checked_reads = [[[(operand, i.instr.operands[operand], writers[space].of(i.instr.operands[operand]),
-                            [space == Space.HBM, False])
-                           for operand, (space, box) in reads
-                           if space != Space.HBM or _intersects(device_written, box[2], box[3])]
-                          for i, reads in zip(stream, stream_reads)] for stream, stream_reads in zip(instrs, read_regions)]
+        # What the check needs of each pattern, made once per pattern object (a program reuses its tiles' patterns;
+        # equal patterns that are distinct objects get equal facts): ((space, box), its writer entries, or None when
+        # a read of it is not checked: the host wrote HBM only, and only bytes the program writes have entries;
+        # its number: equal patterns have one, which _WriterBounds keys them by)
+        facts, numbers = {}, {}
+
+        def fact(ap: AccessPattern) -> tuple:
+            known = facts.get(id(ap))
+            if known is None:
+                space, box = region = (ap.space, extent(ap))
+                known = facts[id(ap)] = (region, writers[space].of(ap) if space != Space.HBM or
+                                         _intersects(device_written, box[2], box[3]) else None,
+                                         numbers.setdefault(ap, len(numbers)))
+            return known
+
+        read_slots = {space: [space == Space.HBM, False] for space in self._shapes}  # clock slots of ids 0 and 1
+        # [stream][index]: (operand, (space, box)) of each read; (operand, pattern number, writer entries, clock slots
+        # of ids 0 and 1, (space, box)) of each read to check; (pattern, (space, box), writer entries, pattern number)
+        # of each write
+        read_regions, checked_reads, write_facts = [], [], []
+        for stream in instrs:
+            regions_of, checked_of, writes_of = [], [], []
+            for i in stream:
+                operands, regions, checked = i.instr.operands, [], []
+                for operand in i.reads:
+                    ap = operands[operand]
+                    region, who, number = fact(ap)
+                    regions.append((operand, region))
+                    if who is not None:
+                        checked.append((operand, number, who, read_slots[ap.space], region))
+                regions_of.append(regions)
+                checked_of.append(checked)
+                writes_of.append([(dst, *fact(dst)) for dst in i.instr.writes])
+            read_regions.append(regions_of)
+            checked_reads.append(checked_of)
+            write_facts.append(writes_of)
         boxes_read = _boxes_read(read_regions, self._shapes)
         # [stream][index]: vector clock at its start; instructions started per stream
         clock, started = [[None] * len(stream) for stream in instrs], [0] * n
@@ -584,21 +639,24 @@ class LoadedProgram:
                         vc = list(map(max, vc, clock[t][count - 1]))
                         vc[t] = count
                 clock[s][k], started[s] = vc, started[s] + 1
-                for operand, ap, who, slots in checked_reads[s][k]:
-                    w = unordered(who, vc + slots, ap)
+                for operand, number, who, slots, region in checked_reads[s][k]:
+                    w = unordered(who, vc + slots, number)
                     if w is None:  # (not after the retry below: a partly written tile bounds nothing)
-                        bounds.read(ap, _cached(regions, _region, ap), i.key, who.size)
+                        bounds.read(number, region, (s, k), who.size)
                     elif w == 0 and (who != 0).any() and self._undefined_on_chip(i):  # a partly written tile
-                        w = unordered(who, vc + [True, False], ap)
+                        w = unordered(who, vc + [True, False], number)
                     if w is not None:
                         space = i.instr.operands[operand].space
                         raise self._bad_read(i, operand, writers[space], who == w, by_id[w], position, probes[space])
                 continue
-            written = [self._check_write(i, dst, clock[s][k], writers, probes, started, by_id, unordered,
-                                         boxes_read) for dst in i.instr.writes]
-            for dst, who in zip(i.instr.writes, written):  # (all checked before any is marked: an instruction
-                who[...] = ids[i.key]  # does not race with itself)
-                bounds.written(dst, _cached(regions, _region, dst), i.key, who.size)
+            writes = write_facts[s][k]
+            for dst, region, who, number in writes:
+                self._check_write(i, dst, region, who, number, clock[s][k], writers, probes, started, by_id,
+                                  unordered, boxes_read)
+            writer = firsts[s] + k  # (its id)
+            for dst, region, who, number in writes:  # (all checked before any is marked: an instruction does not
+                who[...] = writer  # race with itself)
+                bounds.written(number, region, (s, k), who.size)
         if self.part_of is None:
             self._check_outputs_written(writers[Space.HBM])
 
@@ -634,16 +692,16 @@ class LoadedProgram:
                     f"[{t.offset}, {t.offset + t.nbytes})): a run would return memory nothing wrote",
                     hint="an instruction storing the output is missing, or the NEFF was damaged or changed")
 
-    def _access_tables(self, partitions: int, g: int, dtype, layout, budget: int) -> tuple:
+    def _access_tables(self, partitions: int, dtype, layout, budget: int) -> tuple:
         """The (writers, probes) tables of one memory for the access check, within the host memory budget: one
         entry per granule of the program's outputs and scratch tensors in HBM (memory.HbmRegions), of the bytes
         its operands use on chip (memory.Columns), in the partitions they use."""
-        entries = layout.size if isinstance(layout, HbmRegions) else partitions * -(-layout.size // g)  # as Cells
+        entries = layout.size if isinstance(layout, HbmRegions) else partitions * layout.size  # as Cells
         need = entries * (np.dtype(dtype).itemsize + 1)
         try:
             if need > budget:
                 raise MemoryError
-            return Cells(partitions, g, dtype, layout), Cells(partitions, g, bool, layout)
+            return Cells(partitions, dtype, layout), Cells(partitions, bool, layout)
         except MemoryError:
             limit = "could allocate" if need <= budget else f"budget of {budget} bytes allows"
             raise DeviceOutOfMemoryError(
@@ -652,19 +710,20 @@ class LoadedProgram:
                 hint=f"raise the budget ({HOST_BUDGET_VARIABLE}) on a machine with that much memory, use a smaller "
                 "batch, or load with NeuronCore(check_uninitialised=False)") from None
 
-    def _check_write(self, i: _Instr, dst: AccessPattern, vc: list, writers: dict, probes: dict, started: list,
-                     by_id: list, unordered, boxes_read: dict) -> np.ndarray:
-        """Refuse ``i`` writing ``dst`` when another write or a read of those bytes is not ordered with it;
-        returns the writer entries of ``dst`` (``writers[dst.space].of(dst)``)."""
-        instrs, n, s = self._instrs, len(self._instrs), i.stream
-        who = writers[dst.space].of(dst)
-        w = unordered(who, vc + [True, True], dst)  # overwriting host data or nothing is no race
+    def _check_write(self, i: _Instr, dst: AccessPattern, region: tuple, who: np.ndarray, number: int, vc: list,
+                     writers: dict, probes: dict, started: list, by_id: list, unordered, boxes_read: dict) -> None:
+        """Refuse ``i`` writing ``dst`` (of ``region``, (space, box); writer entries ``who``; pattern number
+        ``number``) when another write or a read of those bytes is not ordered with it."""
+        instrs, s = self._instrs, i.stream
+        # (overwriting host data or nothing is no race; the writers of an operand ``i`` read at its start, when no
+        # instruction wrote its box since, happen before it: that read was accepted)
+        w = unordered(who, vc + [True, True], number, i.key)
         if w is not None:
             raise self._race(i, by_id[w], f"writes {self._where(dst, writers[dst.space], who == w)}, "
                              f"also written by")
-        space, (p0, p1, lo, hi) = _region(dst)
-        boxes, firsts = boxes_read[space]
-        readers = [(instrs[t][k], operand) for t in range(n) if t != s and vc[t] < started[t]  # started, not
+        space, (p0, p1, lo, hi) = region
+        boxes, firsts, streams = boxes_read[space]
+        readers = [(instrs[t][k], operand) for t in streams if t != s and vc[t] < started[t]  # started, not
                    for q0, q1, lo2, hi2, k, operand in boxes[t][firsts[t][vc[t]]:firsts[t][started[t]]]  # happening
                    if p0 < q1 and q0 < p1 and lo < hi2 and lo2 < hi]  # before i, reading a box overlapping dst's
         if readers:
@@ -677,7 +736,6 @@ class LoadedProgram:
                     place = self._where(ap, probes[ap.space], shared)
                     raise self._race(i, r, f"writes {place}, read (operand {operand}) by")
             mark[...] = False
-        return who
 
     def _bad_read(self, i: _Instr, operand: int, cells: Cells, where: np.ndarray, writer: _Instr | None,
                   position: int, probe: Cells) -> NeuronRuntimeError:

@@ -293,35 +293,44 @@ def contiguous_whole(memory: np.ndarray) -> tuple:
 
 
 class Columns:
-    """The bytes of a partition that a program's on-chip operands address: their extents, merged, packed one
-    after another (as :class:`HbmLayout` packs HBM). The access check keeps its tables for these bytes only, not
-    for the partition's whole row: a small program's few tiles may lie anywhere in a row of 192 KiB, and tables
-    as wide as the row cost their allocation and page faults on every load. ``spans`` are [lo, hi) per-partition
-    byte ranges, each a multiple of the tables' granule (an operand's extent is), so packed offsets are too."""
+    """The bytes of a partition that a program's on-chip operands address, each stretch with a granule of its own.
+    The access check keeps its tables for these bytes only, not for the partition's whole row: a small program's
+    few tiles may lie anywhere in a row of 192 KiB, and tables as wide as the row cost their allocation and page
+    faults on every load.
 
-    def __init__(self, spans):
-        merged: list = []
-        for lo, hi in sorted(spans):
-            if merged and lo <= merged[-1][1]:
+    The operands' extents, merged where they overlap (sharing a byte; extents that only touch stay apart), are
+    the stretches; every operand lies in one, and each stretch's granule is the largest that the operands inside it
+    are aligned to (:func:`granule`), as :class:`HbmRegions` has it in HBM: a stretch only ever addressed as fp32
+    keeps one entry per 4 bytes even when a byte-sized mask in another needs one per byte. A stretch's entries are
+    those of its granules [lo // granule, hi // granule), one stretch after another in each partition's row of the
+    table (``size`` entries per partition)."""
+
+    def __init__(self, aps):
+        merged: list = []  # [lo, hi, granule]
+        distinct = {id(ap): ap for ap in aps}.values()  # (each pattern object once: no hash of its fields)
+        for lo, hi, g in sorted({(*free_byte_span(ap, ap.dims[1:]), granule((ap,))) for ap in distinct}):
+            if merged and lo < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], hi)
+                merged[-1][2] = math.gcd(merged[-1][2], g)
             else:
-                merged.append([lo, hi])
-        self.starts, self.ends = [lo for lo, _ in merged], [hi for _, hi in merged]
-        self.host_starts = list(itertools.accumulate((hi - lo for lo, hi in merged), initial=0))
-        self.size = self.host_starts.pop()  # packed bytes per partition
+                merged.append([lo, hi, g])
+        self.starts, self.ends, self.granules, self.firsts = [], [], [], []
+        entries = 0
+        for lo, hi, g in merged:  # (an operand's extent is aligned to its granule, so a stretch's to its own)
+            self.starts.append(lo)
+            self.ends.append(hi)
+            self.granules.append(g)
+            self.firsts.append(entries - lo // g)  # the entry of byte b is firsts[i] + b // g
+            entries += (hi - lo) // g
+        self.size = entries  # entries per partition, all stretches
 
-    def host(self, lo: int, hi: int) -> int:
-        """The packed offset of per-partition bytes [lo, hi), which one span must hold."""
+    def find(self, lo: int, hi: int) -> int:
+        """The number of the stretch holding per-partition bytes [lo, hi)."""
         i = bisect.bisect_right(self.starts, lo) - 1
         if i < 0 or hi > self.ends[i]:
             raise NeuronRuntimeError(f"bytes [{lo}, {hi}) of a partition are outside the program's on-chip operands",
                                      hint="an internal error of the access check: please report it")
-        return self.host_starts[i] + lo - self.starts[i]
-
-    def check(self, ap: AccessPattern) -> int:
-        """The packed offset of on-chip operand ``ap``'s ``offset`` (as :meth:`HbmLayout.check` for HBM)."""
-        lo, hi = free_byte_span(ap, ap.dims[1:])
-        return self.host(lo, hi) + ap.offset - lo
+        return i
 
 
 class HbmRegions:
@@ -381,26 +390,21 @@ class Cells:
     """A table with one entry per granule of a memory's bytes (on chip: per partition), to keep facts about
     them (who wrote them last) at the finest grain the program's operands use.
 
-    A granule is the largest number of bytes every operand (of the region, in HBM) is aligned to
-    (:func:`granule`), so the entries an operand covers form a strided view like the operand itself: ``of(ap)``.
-    ``layout`` says which bytes have entries: in HBM an :class:`HbmRegions` (with its own granules; ``granule``
-    is then unused), on chip a :class:`Columns` (with ``granule`` for all); addresses stay the memory's."""
+    A granule is the largest number of bytes every operand of a region (in HBM) or stretch (on chip) is aligned
+    to (:func:`granule`), so the entries an operand covers form a strided view like the operand itself: ``of(ap)``.
+    ``layout`` says which bytes have entries, at which granule: in HBM an :class:`HbmRegions`, on chip a
+    :class:`Columns`; addresses stay the memory's."""
 
-    def __init__(self, partitions: int, granule: int, dtype, layout: HbmRegions | Columns):
-        self.granule, self.layout = granule, layout
+    def __init__(self, partitions: int, dtype, layout: HbmRegions | Columns):
+        self.layout = layout
         self._views: dict = {}  # access pattern -> its entries (of): a program reuses its tiles' patterns
-        if isinstance(layout, HbmRegions):
-            self.table = np.zeros(layout.size, dtype)
-        else:
-            self.table = np.zeros((partitions, -(-layout.size // granule)), dtype)
+        self.table = np.zeros(layout.size if isinstance(layout, HbmRegions) else (partitions, layout.size), dtype)
 
     def _entry(self, lo: int, hi: int) -> tuple:
         """(the entry of byte ``lo``, the granule there) for bytes [lo, hi), which one region or span holds."""
-        if isinstance(self.layout, HbmRegions):
-            i = self.layout.find(lo, hi)
-            g = self.layout.granules[i]
-            return self.layout.firsts[i] + lo // g, g
-        return self.layout.host(lo, hi) // self.granule, self.granule
+        i = self.layout.find(lo, hi)
+        g = self.layout.granules[i]
+        return self.layout.firsts[i] + lo // g, g
 
     def granule_at(self, byte: int) -> int:
         """The bytes per entry at ``byte``."""

@@ -17,9 +17,8 @@ from neuronc.targets import get_target
 from tests import zoo
 
 
-@pytest.fixture(scope="module")
-def program():
-    """(instructions in emitted order, tensors, target, the grid) of a 3-layer GPT-2's forward at -O2."""
+def _program(width: int, layers: int, context: int) -> tuple:
+    """(instructions in emitted order, tensors, target, the grid) of a GPT-2's forward at -O2."""
     programs = []
     prefetch = codegen.prefetch_loads
 
@@ -30,13 +29,19 @@ def program():
     codegen.prefetch_loads = capturing
     try:
         torch.manual_seed(0)
-        model = zoo.GPT2(vocab=64, width=64, layers=3, heads=2, context=32).eval()
-        compiled = compile_exported(torch.export.export(model, (torch.randint(0, 64, (1, 32)),)),
+        model = zoo.GPT2(vocab=64, width=width, layers=layers, heads=2, context=context).eval()
+        compiled = compile_exported(torch.export.export(model, (torch.randint(0, 64, (1, context)),)),
                                     CompileOptions(opt_level=2))
     finally:
         codegen.prefetch_loads = prefetch
     (instructions, grid), = programs
     return instructions, compiled.neff.tensors, get_target(compiled.neff.target), grid
+
+
+@pytest.fixture(scope="module")
+def program():
+    """A 3-layer GPT-2's (width 64, context 32)."""
+    return _program(64, 3, 32)
 
 
 def test_the_grid_reads_what_each_instruction_reads_and_writes_once(program, monkeypatch):
@@ -119,3 +124,38 @@ def test_a_moved_load_goes_after_the_last_earlier_instruction_it_conflicts_with_
         assert placement.after == max(conflicting, default=-1)
     assert {p.after >= 0 for p in placements.values()} == {True, False}  # some wait for an earlier instruction
 
+
+
+def test_a_loads_sbuf_cells_are_looked_at_as_strided_slices_of_the_same_cells():
+    # a load of some partition groups writes a span of cells per row of cells (codegen.sync _Cells numbers SBUF row
+    # by row): the prefetch reads and sets them as one strided slice per column of groups, fewer operations. Width
+    # 256: a weight tile's partitions of 1 KiB are loaded a few partition groups per queue
+    instructions, _, _, grid = _program(256, 2, 64)
+    spans = slices = 0
+    for inst in instructions:
+        if not schedule._is_load(inst):
+            continue
+        writes = [span for span in grid.access(inst)[1] if span[1] > span[0]]
+        strided = schedule._strided(writes)
+        assert sorted(c for a, b, step, n in strided for c in range(a, b, step)) == sorted(
+            c for a, b in writes for c in range(a, b))
+        assert all(len(range(a, b, step)) == n for a, b, step, n in strided)
+        spans, slices = spans + len(writes), slices + len(strided)
+    assert slices < spans / 2
+
+
+def test_the_prefetch_skips_exactly_the_read_spans_over_cells_nothing_writes_outside_sbuf(program):
+    # a load's `after` reads the last writes of the HBM cells it reads; a weight's cells are never written, so their
+    # spans are skipped, judged by a count of written cells below each cell
+    instructions, _, _, grid = program
+    accesses = [grid.access(inst) for inst in instructions]
+    start, stop = grid.sbuf_cells
+    written = schedule._written_before(accesses, grid.count, start, stop)
+    cells = {c for _, writes in accesses for a, b in writes if not start <= a < stop for c in range(a, b)}
+    looked = set()
+    for inst, (reads, _) in zip(instructions, accesses):
+        if schedule._is_load(inst):
+            for a, b in reads:
+                assert (written[b] > written[a]) == bool(cells & set(range(a, b)))
+                looked.add(written[b] > written[a])
+    assert looked == {True, False}

@@ -68,6 +68,33 @@ def test_a_three_layer_model_makes_the_same_neff_with_and_without_kernel_reuse(t
     assert_matches_eager(torch.from_numpy(np.asarray(outputs[0])), expected)
 
 
+def test_instances_whose_tensor_lies_at_one_address_share_its_hbm_operands(three_layer_gpt2, monkeypatch):
+    # a recorded row's HBM operand is rebased once per base of its tensor (_Recording.instantiate): two instances
+    # at one address (a layer's activations in the scratch slot of the layer two before) hold one pattern object,
+    # which the hazard grid measures once
+    _, _, exported = three_layer_gpt2
+    seen = []
+    emit = reuse.KernelReuse.emit
+
+    def noting(self, em, *args):
+        emit(self, em, *args)
+        seen[:] = [(self, em)]
+
+    monkeypatch.setattr(reuse.KernelReuse, "emit", noting)
+    _compile(exported, monkeypatch, True)
+    (kernels, em), = seen
+    objects: dict = {}  # (recording, row, operand, value) -> the operand objects instances hold
+    uses: dict = {}  # the same key -> how many instructions hold it
+    for inst in em.instructions:
+        key = kernels.price_keys.get(id(inst))
+        for k, ap in enumerate(inst.operands):
+            if key is not None and ap.space == Space.HBM:
+                objects.setdefault((*key, k, ap), {})[id(ap)] = ap
+                uses[(*key, k, ap)] = uses.get((*key, k, ap), 0) + 1
+    assert all(len(made) == 1 for made in objects.values())
+    assert max(uses.values()) > 1  # some instances do lie at one address
+
+
 def test_a_reused_attention_kernels_tail_stores_turn_with_its_other_transfers(monkeypatch):
     """The attention kernel stores its last heads' output tiles on the queues its own transfers booked least
     (codegen/attention.py freest_queue, Emitter.dma_on): a reused instance, whose transfers the round robin turns,

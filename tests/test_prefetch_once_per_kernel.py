@@ -1,6 +1,7 @@
 """The prefetch step (codegen.schedule) judges whether a load writes what its kernel's first steps read once per
-(those reads, the load's destination pattern): a repeated layer's copies of a kernel are judged once, with the
-answer a judgement per load gives."""
+(those reads, the spans of the load's destination): a repeated layer's copies of a kernel are judged once, as are
+the loads of one kernel into one box of cells through different patterns, with the answer a judgement per load
+gives."""
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,10 @@ def test_a_repeated_layers_loads_are_judged_once_per_kernel_reads_and_destinatio
 
     needs = schedule._first_reads(instructions, grid)
     loads = [(p, inst) for p, inst in enumerate(instructions) if schedule._is_load(inst) and inst.kernel in needs]
-    pairs = {(tuple(map(tuple, needs[inst.kernel])), id(inst.operands[0])) for _, inst in loads}
+    pairs = {(tuple(map(tuple, needs[inst.kernel])), id(grid.access(inst)[1])) for _, inst in loads}
     assert len(judged) == len(pairs) < len(loads)  # once per distinct pair: the layers' copies share them
+    by_pattern = {(tuple(map(tuple, needs[inst.kernel])), id(inst.operands[0])) for _, inst in loads}
+    assert len(pairs) < len(by_pattern)  # patterns of one box (the other parity's, say) share their spans
     # each placed load's flag is what judging that load alone says
     placed = [(p, inst) for p, inst in loads if p in placements]
     assert len(placed) > 10

@@ -1166,6 +1166,33 @@ def test_accumulating_matmul_reads_the_psum_its_group_wrote_and_is_not_refused(c
         core.load(no_start)
 
 
+@pytest.mark.parametrize("waits_for_the_group", [True, False])
+def test_a_large_accumulation_is_judged_by_its_own_read_and_a_write_into_it_meanwhile_still_races(core,
+                                                                                              waits_for_the_group):
+    """An accumulating matmul's write of a large PSUM tile (65,536 entries: the check keeps bounds on its writers)
+    is judged by the read of that tile it made at its start when nothing wrote the tile since; a one-float memset
+    into the tile while the matmul runs (no wait for it) is still refused, as a write the running matmul reads."""
+    p = Program()
+    acc, stationary, moving = chip((128, 512), space=Space.PSUM), chip((128, 128)), chip((128, 512), offset=1024)
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, stationary, imm0=1.0)
+    p.emit(Opcode.MEMSET, Engine.GPSIMD, moving, imm0=0.5)
+    p.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary, moving, waits=done(Engine.GPSIMD, 2))
+    p.emit(Opcode.MATMUL, Engine.TENSOR, acc, stationary, moving, accumulate=True)
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 1), space=Space.PSUM), imm0=7.0,
+           waits=done(Engine.TENSOR, 2 if waits_for_the_group else 1))
+    p.emit(Opcode.TENSOR_COPY, Engine.VECTOR, chip((128, 512), offset=4096), acc, waits=done(Engine.TENSOR, 2))
+    y_t = p.tensor("y", TensorKind.OUTPUT, (128, 512))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y_t), chip((128, 512), offset=4096), waits=done(Engine.VECTOR, 2))
+    if waits_for_the_group:
+        expected = np.full((128, 512), 128.0)
+        expected[0, 0] = 7.0
+        np.testing.assert_array_equal(core.load(p.neff()).run([]).outputs[0], expected)
+        return
+    with pytest.raises(NeuronRuntimeError, match=r"MEMSET #0 on VECTOR.*writes PSUM partition 0 byte 0, read "
+                                                 r"\(operand 0\) by MATMUL #1 on TENSOR .*\(a race\)"):
+        core.load(p.neff())
+
+
 def _mixed_grain_program(written_floats: int, read_bytes: int) -> tuple:
     """A program whose scratch ``h`` (8 floats) gets its first ``written_floats`` floats stored, and whose first
     ``read_bytes`` bytes are then loaded as uint8 into output ``m``; output ``y`` (f32) is stored whole. Returns
@@ -1192,8 +1219,8 @@ def _hbm_tables(monkeypatch) -> list:
 
     made, original = [], LoadedProgram._access_tables
 
-    def spied(self, partitions, g, dtype, layout, budget):
-        tables = original(self, partitions, g, dtype, layout, budget)
+    def spied(self, partitions, dtype, layout, budget):
+        tables = original(self, partitions, dtype, layout, budget)
         if isinstance(layout, HbmRegions):
             made.append(tables[0])
         return tables
@@ -1225,6 +1252,42 @@ def test_a_read_of_one_unwritten_byte_in_a_region_of_coarse_neighbours_is_refuse
     p, h, *_ = _mixed_grain_program(7, 29)
     with pytest.raises(NeuronRuntimeError, match=f"operand 1 reads HBM byte {h.offset + 28} \\(of scratch 'h'\\), "
                                                  "which nothing wrote"):
+        core.load(p.neff())
+
+
+@pytest.mark.parametrize("read_bytes", [5, 6])
+def test_on_chip_tables_keep_a_granule_per_stretch_and_refuse_one_unwritten_byte_at_that_byte(core, monkeypatch,
+                                                                                            read_bytes):
+    """On chip, the operands' extents merged where they share a byte are stretches, each with its own granule
+    (runtime.memory.Columns): an fp32 tile at bytes [0, 32) keeps an entry per 4 bytes beside a byte tile touching it
+    at [32, 38), which keeps one per byte. Reading 6 bytes of the byte tile when 5 were written is refused at byte 37
+    exactly; reading the 5 is not."""
+    from runtime.core import LoadedProgram
+    from runtime.memory import Columns
+
+    made, original = [], LoadedProgram._access_tables
+
+    def spied(self, partitions, dtype, layout, budget):
+        tables = original(self, partitions, dtype, layout, budget)
+        if isinstance(layout, Columns) and layout.size:
+            made.append(tables[0])
+        return tables
+
+    monkeypatch.setattr(LoadedProgram, "_access_tables", spied)
+    p = Program()
+    y, m = p.tensor("y", TensorKind.OUTPUT, (4, 8)), p.tensor("m", TensorKind.OUTPUT, (1, read_bytes), DType.U8)
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((4, 8)), imm0=1.0)
+    p.emit(Opcode.MEMSET, Engine.VECTOR, chip((1, 5), DType.U8, offset=32), imm0=1.0)
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(y), chip((4, 8)), waits=done(Engine.VECTOR))
+    p.emit(Opcode.DMA_COPY, Engine.DMA, hbm(m), chip((1, read_bytes), DType.U8, offset=32), queue=1,
+           waits=done(Engine.VECTOR, 2))
+    if read_bytes == 5:
+        np.testing.assert_array_equal(core.load(p.neff()).run([]).outputs[1], np.ones((1, 5), np.uint8))
+        (writers,) = made
+        assert [writers.granule_at(b) for b in (0, 28, 32, 36)] == [4, 4, 1, 1]
+        assert writers.table.shape == (4, 32 // 4 + 5)
+        return
+    with pytest.raises(NeuronRuntimeError, match="operand 1 reads SBUF partition 0 byte 37, which nothing wrote"):
         core.load(p.neff())
 
 
@@ -1610,15 +1673,20 @@ def test_tensor_tensor_scan_opcode_costs_a_tensor_tensor_its_initial_value_held(
 def test_the_unordered_writer_of_a_read_is_the_first_writer_whose_stream_clock_does_not_count_past_it():
     """The access check's writer test (ranges of late ids per stream) against its definition, writer by writer:
     writer (t, k), id firsts[t] + k, happens before an instruction whose clock counts past k on stream t; ids 0
-    (the host) and 1 (nobody) when their clock slots are set."""
+    (the host) and 1 (nobody) when their clock slots are set. Tables of 16-bit ids, up to 65,535 (unsigned: a
+    program of 32,768 to 65,535 instructions), and writer entries scattered in the table (a strided or transposed
+    view, which the test copies together first) too."""
     from runtime.core import _unordered_writer
 
     rng = np.random.default_rng(0)
-    for _ in range(300):
-        lengths = rng.integers(0, 6, size=rng.integers(1, 5))
+    for case in range(600):
+        dtype, longest = (np.int16, 6) if case % 2 else (np.uint16, 16_000)
+        lengths = rng.integers(0, longest, size=rng.integers(1, 5))
         firsts = [2] + list(2 + np.cumsum(lengths))
         clock = [int(rng.integers(0, n + 1)) for n in lengths] + [bool(rng.integers(2)), bool(rng.integers(2))]
-        who = rng.integers(0, firsts[-1], size=tuple(rng.integers(1, 4, size=rng.integers(1, 4)))).astype(np.int16)
+        shape = tuple(rng.integers(1, 4, size=rng.integers(1, 4)))
+        who = rng.integers(0, firsts[-1], size=(*shape[:-1], 2 * shape[-1])).astype(dtype)
+        who = who[..., ::2] if case % 3 else who[..., :shape[-1]].T  # (strided, or transposed)
         if rng.integers(3) == 0:
             who[...] = who.flat[0]  # a single writer
         n = len(lengths)

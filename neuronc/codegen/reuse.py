@@ -303,27 +303,42 @@ class _Recording:
 
         derived = object.__new__(_Recording)
         derived.__dict__.update(self.__dict__)
+        derived.__dict__.pop("_keys", None)  # (its rows' price keys name it, not this recording)
         derived.rows = [(opcode, engine, tuple(map(move, operands)), *rest)
                         for opcode, engine, operands, *rest in self.rows]
         derived.operands = list(map(move, self.operands))
         derived.pools = [(other, base, size) for base, other, size in self.pools]
         return derived
 
-    def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list) -> None:
+    def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list, rebased: dict) -> None:
         """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
         `price_keys` {id(instruction): (id of this recording, its row)} (copies of a row differ only in HBM offsets
-        and DMA queue, so the cost estimate prices a row once: stream_timing.replay)."""
+        and DMA queue, so the cost estimate prices a row once: stream_timing.replay). `rebased` {(id(symbolic HBM
+        operand), its tensor's base): the operand there} keeps each operand made once: instances whose tensor lies
+        at one address (a layer's activations in the scratch slot of the layer two before) share the (immutable)
+        pattern, which the hazard grid measures once (codegen.sync: by identity) and the NEFF writer writes once."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
-        operand = [ap if ap.space != Space.HBM else _rebased(ap, bases) for ap in self.operands].__getitem__
-        out, me = em.instructions, id(self)
-        for row, (opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate,
-                  reverse, at) in enumerate(self.rows):
-            inst = Instruction(opcode, engine, operands if slots is None else tuple(map(operand, slots)),
-                               (queue + turn) % self.queues if rotated else queue, alu, alu1, func, imm0, imm1,
-                               accumulate, reverse, kernel=kernel, debug=debug if at is None else located[at])
-            out.append(inst)
-            price_keys[id(inst)] = (me, row)
+        rebound = []
+        for ap in self.operands:
+            if ap.space == Space.HBM:
+                key = (id(ap), bases[_tensor(ap)])
+                ap = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
+            rebound.append(ap)
+        operand = rebound.__getitem__
+        queues, made = self.queues, []
+        append = made.append
+        for opcode, engine, operands, slots, queue, rotated, alu, alu1, func, imm0, imm1, accumulate, reverse, at \
+                in self.rows:
+            append(Instruction(opcode, engine, operands if slots is None else tuple(map(operand, slots)),
+                               (queue + turn) % queues if rotated else queue, alu, alu1, func, imm0, imm1,
+                               accumulate, reverse, (), kernel, debug if at is None else located[at]))
+        em.instructions += made
+        keys = self.__dict__.get("_keys")  # (this recording, row) per row, made once
+        if keys is None:
+            me = id(self)
+            keys = self._keys = [(me, row) for row in range(len(self.rows))]
+        price_keys.update(zip(map(id, made), keys))
         em._dma_turn += self.dmas
         em._sbuf_used, em._psum_used = self.sbuf_used, self.psum_used
 
@@ -337,6 +352,7 @@ class KernelReuse:
         self.hits = 0
         self.price_keys: dict = {}  # id(instruction) -> (recording, row): see _Recording.instantiate
         self.plan_texts: dict = {}  # the signatures' plan texts by their pickle: see _Signature._attr
+        self.rebased: dict = {}  # the recordings' HBM operands at their instances' bases: see _Recording.instantiate
 
     def emit(self, em: Emitter, kernel, node: Node, plan: MemoryPlan) -> None:
         """Emit `node`'s kernel into `em`'s current kernel (begun by the caller)."""
@@ -357,7 +373,7 @@ class KernelReuse:
             kernel(em, node, plan)
             return
         recording.instantiate(em, [plan.offset(n) if plan.has_buffer(n) else 0 for n in numbered],
-                              self.price_keys, locs)
+                              self.price_keys, locs, self.rebased)
 
     @staticmethod
     def _derive(recorded: _Recording | None) -> _Recording | None:

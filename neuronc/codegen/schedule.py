@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
+import numpy as np
 
 from neuronc.codegen.sync import HazardGrid
 from neuronc.instruction_cost import instruction_cost_ns, start_latency_ns
@@ -120,39 +121,60 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
     first: dict = {}  # kernel -> position of its first instruction
     last_load: dict = {}  # kernel -> position of its last load
     moved: dict = {}  # original position of a moved load -> its placement
-    last_on_queue: dict = {}  # (kernel, engine, queue) -> position of its last instruction
-    # Whether a load writes what its kernel's first steps read, asked once per (those reads, the load's destination
-    # pattern): the copies of a repeated kernel (codegen.reuse) read the same on-chip cells in their first steps (a
-    # computing instruction reads no HBM) and load into the same SBUF pattern objects, so a layer's loads are judged
-    # once for every layer. Exact: the same pattern object has the same spans (HazardGrid.ap_spans).
+    last_on_queue: dict = {}  # (kernel, engine, queue) -> position of its last instruction (DMA queues only)
+    # Whether a load writes what its kernel's first steps read, asked once per (those reads, the spans of the load's
+    # destination): the copies of a repeated kernel (codegen.reuse) read the same on-chip cells in their first steps
+    # (a computing instruction reads no HBM) and load into the same SBUF pattern objects, whose spans are one object
+    # (HazardGrid.ap_spans: one per box, which patterns of one box share too), so a layer's loads are judged once for
+    # every layer. Exact: the same spans object is the same cells.
     alike: dict = {}  # a kernel's needs -> their number
     need_of = {kernel: alike.setdefault((tuple(starts), tuple(stops)), len(alike))
                for kernel, (starts, stops) in needs.items()}
-    touches: dict = {}  # (number of a kernel's needs, id(destination)) -> whether the destination overlaps them
+    touches: dict = {}  # (number of a kernel's needs, id(spans written)) -> whether they overlap
     access, dma_copy = grid.access, Opcode.DMA_COPY
+    accesses = list(map(access, instructions))
     sbuf_start, sbuf_stop = grid.sbuf_cells
-    for position, inst in enumerate(instructions):
+    written = _written_before(accesses, grid.count, sbuf_start, sbuf_stop)
+    # the SBUF cells a load writes as strided slices (_strided: a load of some partition groups writes one span per
+    # row of cells), made once per spans object: a load of one destination takes that pattern's spans object
+    # (HazardGrid.access), which a repeated layer's copies of a load share (codegen.reuse); the grid holds every
+    # spans object while this runs, so an id is not reused
+    sliced: dict = {}
+    hbm, sbuf, dma, current = Space.HBM, Space.SBUF, Engine.DMA, None
+    for position, (inst, (reads, writes)) in enumerate(zip(instructions, accesses)):
         kernel = inst.kernel
-        if kernel not in first:
-            first[kernel] = position
-        reads, writes = access(inst)
-        if inst.opcode == dma_copy and _is_load(inst):
+        if kernel != current:
+            current = kernel
+            if kernel not in first:
+                first[kernel] = position
+        if inst.opcode is dma_copy and inst.operands[1].space is hbm and inst.operands[0].space is sbuf:  # _is_load
+            into = sliced.get(id(writes))
+            if into is None:  # (its one destination is SBUF: every span in SBUF's cells)
+                into = sliced[id(writes)] = _strided([span for span in writes if span[1] > span[0]])
             first_step = False
-            if kernel in need_of:  # writes: the spans of its one destination, operands[0]
-                key = (need_of[kernel], id(inst.operands[0]))
+            if kernel in need_of:
+                key = (need_of[kernel], id(writes))
                 first_step = touches.get(key)
                 if first_step is None:
                     first_step = touches[key] = _touches(needs[kernel], writes)
             if kernel - 1 in first and (first_step or every_load):
-                after = max([max(last_write[a:b]) for a, b in reads if b > a]
-                            + [max(last_use[a:b]) for a, b in writes if b > a], default=-1)
+                # the HBM cells it reads: their last writes (a span over cells no instruction writes, a weight's, has
+                # none: skipped); the SBUF cells it writes: their last uses
+                after = max([max(last_write[a:b]) for a, b in reads if written[b] > written[a]]
+                            + [max(last_use[a:b:step]) for a, b, step, _ in into], default=-1)
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
                     at = earliest = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
                     if after >= first[kernel - 1]:  # it waits for the previous kernel: not ahead of it on its queue
                         at = max(at, last_on_queue.get((kernel - 1, inst.engine, inst.queue), -1))
                     moved[position] = _Placement(at + 1, earliest + 1, after, first_step)
             last_load[kernel] = position
-        last_on_queue[(kernel, inst.engine, inst.queue)] = position  # (kernel, *Instruction.stream)
+            last_on_queue[(kernel, inst.engine, inst.queue)] = position
+            for a, b, step, n in into:  # (it reads HBM only)
+                last_use[a:b:step] = [position] * n
+            continue
+        if inst.engine is dma:  # (kernel, *Instruction.stream): asked for a load's own, a DMA queue (a DMA_COPY runs on
+            # the DMA engine: codegen.emitter), so kept for DMA queues only
+            last_on_queue[(kernel, dma, inst.queue)] = position
         # (positions only grow: the latest use is this one). A load's `after` reads last_write only on the HBM cells it
         # reads and last_use only on the SBUF cells it writes, so uses are kept for SBUF cells and writes for the
         # others (a span never leaves its block: HazardGrid.block_starts)
@@ -165,6 +187,35 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
             else:
                 last_write[a:b] = [position] * (b - a)
     return moved
+
+
+def _written_before(accesses: list, count: int, sbuf_start: int, sbuf_stop: int) -> list:
+    """[how many cells below c some instruction writes outside SBUF, for c in 0..count]: [a, b) holds such a cell
+    when written[b] > written[a]."""
+    spans = [span for writes in {id(writes): writes for _, writes in accesses}.values() for span in writes
+             if not sbuf_start <= span[0] < sbuf_stop]
+    cover = np.zeros(count + 1, dtype=np.int64)
+    if spans:
+        bounds = np.array(spans, dtype=np.int64)
+        np.add.at(cover, bounds[:, 0], 1)
+        np.add.at(cover, bounds[:, 1], -1)
+    written = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(np.cumsum(cover[:count]) > 0, out=written[1:])
+    return written.tolist()
+
+
+def _strided(spans: list) -> list:
+    """[(start, stop, step, cells)] slices covering exactly the cells of the non-empty [start, stop) `spans`: spans of
+    one length at one stride (an SBUF box over some partition groups of several rows: codegen.sync _Cells numbers
+    a span per row) as one strided slice per column when they are more spans than columns, else the spans."""
+    if len(spans) > 2:
+        (a0, b0), (a1, _) = spans[0], spans[1]
+        width, stride, count = b0 - a0, a1 - a0, len(spans)
+        if width < count and stride >= width and all(
+                b - a == width and a == a0 + k * stride for k, (a, b) in enumerate(spans)):
+            stop = a0 + (count - 1) * stride + 1
+            return [(a0 + j, stop + j, stride, count) for j in range(width)]
+    return [(a, b, 1, b - a) for a, b in spans]
 
 
 def _reordered(instructions: list, moved: dict) -> list:

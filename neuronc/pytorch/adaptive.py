@@ -237,7 +237,8 @@ def _view_of(source: torch.Tensor, shape: tuple, strides: tuple, offset: int) ->
 
 def _lowered(replay, examples: list, options):
     """The batch lowered straight to the IR (neuronc/frontend/aten_lowering.py) and compiled, or None."""
-    from neuronc.compiler import collector_paused, compile_graph
+    from neuronc.collector import collector_paused
+    from neuronc.compiler import compile_graph
     from neuronc.frontend.aten_lowering import NotLowered, lower_function
 
     try:

@@ -540,7 +540,7 @@ def _compile(op, args, kwargs, device: int, runtime: frozenset = frozenset()):
     """An EagerProgram for this signature, or the reason (a string) the op runs on the CPU instead: lowered
     straight to the IR (:mod:`neuronc.frontend.aten_lowering`, a millisecond) when it can be, else traced and
     compiled through torch-mlir, whose NEFF is kept in the compile cache under the op's signature."""
-    from neuronc.compiler import collector_paused
+    from neuronc.collector import collector_paused
 
     mode = _buckets_mode()
     first = _first_met(op, args, kwargs, runtime) if not adaptive.ENABLED else None
@@ -787,7 +787,7 @@ def _row_looped(op, args, kwargs, device: int, runtime: frozenset, first: tuple 
         seen.add(shape[0])
         if len(seen) < LOOP_AFTER_ROW_COUNTS:  # its own program (or its bucket's) until then
             return None
-        from neuronc.compiler import collector_paused
+        from neuronc.collector import collector_paused
 
         with collector_paused():
             family = families[key] = _row_family(op, args, kwargs, device, runtime, shape)
