@@ -23,7 +23,7 @@ def test_a_repeated_layers_loads_are_judged_once_per_kernel_reads_and_destinatio
     torch.manual_seed(0)
     model = zoo.GPT2(vocab=64, width=64, layers=3, heads=2, context=32).eval()
     compile_exported(torch.export.export(model, (torch.randint(0, 64, (1, 32)),)), CompileOptions(opt_level=2))
-    (instructions, grid), = programs
+    instructions, grid = programs[-1]  # the whole program: kernels timed by the passes (choice_time) come first
 
     judged = []
     touches = schedule._touches

@@ -788,6 +788,8 @@ def cell_heads(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, caus
     transpose 7.6) 34.5 / 34.5 (its first heads are made from rows) / 30.9; seq 1024 (5.8) 94.9 / 92.5 / 90.2; seq
     2048 (21.8) 281.8 / 276.7 / 281.0."""
     size = dtypes["q"].itemsize
+    if not (target.dma_transpose_hbm_fraction > 0 and size == 2):  # no DMA transposes: load_transposed's strided loads
+        return 0
     page = dma_transpose_ns(Q_TILE, min(max(sq, sk), SBUF_PAGE_BYTES // size), size, target)
     _, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target)
     return heads if tensor < page else 1
