@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neuronc.codegen.sync import HazardGrid
+from neuronc.codegen.sync_arrays import covered_before
 from neuronc.instruction_cost import instruction_cost_ns, start_latency_ns
 from neuronc.isa import Engine, Instruction, Opcode, Space
 from neuronc.targets import Target
@@ -194,14 +195,7 @@ def _written_before(accesses: list, count: int, sbuf_start: int, sbuf_stop: int)
     when written[b] > written[a]."""
     spans = [span for writes in {id(writes): writes for _, writes in accesses}.values() for span in writes
              if not sbuf_start <= span[0] < sbuf_stop]
-    cover = np.zeros(count + 1, dtype=np.int64)
-    if spans:
-        bounds = np.array(spans, dtype=np.int64)
-        np.add.at(cover, bounds[:, 0], 1)
-        np.add.at(cover, bounds[:, 1], -1)
-    written = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(np.cumsum(cover[:count]) > 0, out=written[1:])
-    return written.tolist()
+    return covered_before(np.array(spans, dtype=np.int64).reshape(-1, 2), count).tolist()
 
 
 def _strided(spans: list) -> list:

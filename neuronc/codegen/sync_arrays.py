@@ -126,13 +126,26 @@ def _ordering_spans(spans: list, n: int) -> tuple:
     if not sizes.sum():
         return flat[:0], tags[:0], sizes[:0]
     written = (tags & 1).astype(bool)
-    cover = np.zeros(int(flat[:, 1].max()) + 1, dtype=np.int64)
-    np.add.at(cover, flat[written, 0], 1)
-    np.add.at(cover, flat[written, 1], -1)
-    before = np.zeros(len(cover) + 1, dtype=np.int64)  # written cells before each cell
-    np.cumsum(np.cumsum(cover) > 0, out=before[1:])
+    before = covered_before(flat[written], int(flat[:, 1].max()))  # written cells before each cell
     kept = written | (before[flat[:, 1]] > before[flat[:, 0]])
     return flat[kept], tags[kept], sizes[kept]
+
+
+def span_counts(bounds: np.ndarray, size: int) -> np.ndarray:
+    """[how many of the [start, stop) spans `bounds` (rows of an [n, 2] array, stops <= size) hold cell c, for c in
+    0..size-1]."""
+    cover = np.zeros(size + 1, dtype=np.int64)
+    np.add.at(cover, bounds[:, 0], 1)
+    np.add.at(cover, bounds[:, 1], -1)
+    return np.cumsum(cover[:size])
+
+
+def covered_before(bounds: np.ndarray, size: int) -> np.ndarray:
+    """[how many cells below c some span of `bounds` holds, for c in 0..size]: [a, b) holds such a cell exactly when
+    covered[b] > covered[a]."""
+    covered = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(span_counts(bounds, size) > 0, out=covered[1:])
+    return covered
 
 
 def _cell_ranges(flat: np.ndarray, sizes: np.ndarray, most: int) -> list:
@@ -141,10 +154,7 @@ def _cell_ranges(flat: np.ndarray, sizes: np.ndarray, most: int) -> list:
     end = int(flat[:, 1].max())
     if int(sizes.sum()) <= most:
         return [(0, end)]
-    per_cell = np.zeros(end + 1, dtype=np.int64)
-    np.add.at(per_cell, flat[:, 0], 1)
-    np.add.at(per_cell, flat[:, 1], -1)
-    upto = np.cumsum(np.cumsum(per_cell)[:end])  # accesses of the cells up to and including each
+    upto = np.cumsum(span_counts(flat, end))  # accesses of the cells up to and including each
     ranges, lo = [], 0
     while lo < end:
         taken = int(upto[lo - 1]) if lo else 0
