@@ -752,15 +752,7 @@ def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target, cells: bo
             and dtypes["q"].itemsize == 2):
         return 0
     rows, size = max(sq, sk), dtypes["q"].itemsize
-    if target.dma_transpose_hbm_fraction > 0 and d == target.partitions:  # load_transposed: a DMA transpose a page
-        columns = (SBUF_HAZARD_BYTES if cells else SBUF_PAGE_BYTES) // size
-        units = -(-min(rows, columns) // target.dma_transpose_inner)
-        unit_bytes = target.partitions * target.dma_transpose_inner * size
-        transposed = target.dma_fixed_ns + units * unit_bytes / (target.dma_gbps_per_queue *
-                                                                 target.dma_transpose_hbm_fraction)
-    else:  # strided loads split over queues by partitions
-        pieces = dma_slice_count(d, rows * d * size, target)
-        transposed = dma_transfer_ns(rows * d * size / pieces, False, target, -(-d // pieces))
+    transposed = transposed_loads_ns(d, rows, size, target, cells)[0]
     by_rows = dma_transfer_ns(rows * d * size / 4, True, target, Q_TILE // 4)
     return ROWS_HEADS if 2 * by_rows < transposed else 0
 
@@ -788,7 +780,7 @@ def cell_heads(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, caus
     transpose 7.6) 34.5 / 34.5 (its first heads are made from rows) / 30.9; seq 1024 (5.8) 94.9 / 92.5 / 90.2; seq
     2048 (21.8) 281.8 / 276.7 / 281.0."""
     size = dtypes["q"].itemsize
-    if not (target.dma_transpose_hbm_fraction > 0 and size == 2):  # no DMA transposes: load_transposed's strided loads
+    if not transposes_by_dma(d, size, target):  # load_transposed's strided loads: no pages, no cells
         return 0
     page = dma_transpose_ns(Q_TILE, min(max(sq, sk), SBUF_PAGE_BYTES // size), size, target)
     _, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target)
@@ -810,19 +802,32 @@ def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causa
     return target.dma_queues * heads * (tensor - queues) / chunk >= PT_DMA_LEAST
 
 
+def transposes_by_dma(d: int, size: int, target: Target) -> bool:
+    """Whether codegen/attention.py load_transposed makes x^T [d, rows] by DMA transposes (128 partitions of a 2-byte
+    type, on a target that has them), else by strided loads split over queues by partitions."""
+    return target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2
+
+
+def transposed_loads_ns(d: int, rows: int, size: int, target: Target, cells: bool = False) -> list:
+    """ns of each transfer load_transposed makes x^T [d, rows] of `size`-byte elements with, each on its queue: DMA
+    transposes of a page of columns (of a hazard cell with `cells`: cell_heads), or strided loads split by
+    partitions. Priced by instruction_cost's rules."""
+    if transposes_by_dma(d, size, target):
+        page = (SBUF_HAZARD_BYTES if cells else SBUF_PAGE_BYTES) // size
+        return [dma_transpose_ns(d, min(page, rows - r0), size, target) for r0 in range(0, rows, page)]
+    pieces = dma_slice_count(d, rows * d * size, target)
+    return [dma_transfer_ns(rows * d * size / pieces, False, target, -(-d // pieces))] * pieces
+
+
 def head_ns(sq: int, sk: int, d: int, dv: int, dtypes: dict, causal: bool, offset: int, target: Target,
             cells: bool = False) -> tuple:
     """(ns, ns): a head's loads of K^T, Q^T (as load_transposed makes them: by pages, or by hazard cells with
     `cells`), V and its output's stores, over all the queues; its matmuls (QK^T, P^T and P V by chunks of 128 keys,
     blocks above a causal diagonal skipped) on the Tensor engine. Each priced by instruction_cost's rules."""
     size = dtypes["q"].itemsize
-    page = (SBUF_HAZARD_BYTES if cells else SBUF_PAGE_BYTES) // size
 
     def transposed(rows: int) -> float:
-        if target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2:
-            return sum(dma_transpose_ns(d, min(page, rows - r0), size, target) for r0 in range(0, rows, page))
-        pieces = dma_slice_count(d, rows * d * size, target)
-        return pieces * dma_transfer_ns(rows * d * size / pieces, False, target, -(-d // pieces))
+        return sum(transposed_loads_ns(d, rows, size, target, cells))
 
     queues = (transposed(sq) + transposed(sk) + dma_transfer_ns(sk * dv * dtypes["v"].itemsize, True, target)
               + dma_transfer_ns(sq * dv * dtypes["out"].itemsize, True, target)) / target.dma_queues
@@ -971,7 +976,7 @@ def fuse_attention(graph: ir.Graph, ctx: PassContext) -> ir.Graph:
     if not matches:
         return graph
     built: dict = {}  # old node -> its rebuilt self: the fused node's inputs are old nodes
-    timed: dict = {}  # an attention's key -> (whether its first heads are made from rows, the ids its timing took)
+    timed: dict = {}  # an attention's key -> (the changes its timing took, the ids that timing took): _timed_choices
 
     def rebuild(node, inputs):
         if node in matches:
