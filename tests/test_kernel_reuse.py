@@ -225,12 +225,14 @@ def test_copies_of_a_recorded_instruction_are_priced_once_and_alike(three_layer_
     monkeypatch.setattr(codegen, "estimate_streams", counting)
     _compile(three_layer_gpt2[2], monkeypatch, True).neff.estimated_ns  # (computed when read: test_estimate_on_read)
     assert estimates
-    for streams, keys, count, (makespan, kernel_ns) in estimates:
-        instructions = sum(len(s) for s in streams.values())
-        assert len(set(keys.values())) < len(keys)  # rows of one recording copied into several kernels
-        assert count == instructions - len(keys) + len(set(keys.values()))  # one price per row, not per copy
-        # every instruction priced on its own gives the same estimate, kernel by kernel
-        assert estimate(streams, get_target("trn2")) == (makespan, kernel_ns)
+    # the program's estimate, read last: kernels the passes time at -O2 (choice_time, unless a kernel price cached by
+    # an earlier compile in this process answers) are generated alone, without reuse, and estimated before it
+    streams, keys, count, (makespan, kernel_ns) = estimates[-1]
+    instructions = sum(len(s) for s in streams.values())
+    assert len(set(keys.values())) < len(keys)  # rows of one recording copied into several kernels
+    assert count == instructions - len(keys) + len(set(keys.values()))  # one price per row, not per copy
+    # every instruction priced on its own gives the same estimate, kernel by kernel
+    assert estimate(streams, get_target("trn2")) == (makespan, kernel_ns)
 
 
 def test_chained_matmul_kernels_are_recorded_once_and_locate_each_instance_at_its_own_first_matmul(monkeypatch):
