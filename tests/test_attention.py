@@ -366,12 +366,13 @@ def test_long_keys_go_by_512_key_blocks_four_to_a_softmax_group_with_the_bits_of
     # a query tile meeting 2048 keys: 1024-key blocks take two PSUM banks of scores each, so only two are in flight and
     # the Tensor engine waits for a block's copies out of PSUM; 512-key blocks keep four in flight (passes/attention.py
     # split_blocks). The softmax group keeps its 2048 keys (one statistic a tile here, as with two 1024-key blocks) and
-    # P^T's waits their time, so the bits are those of the 1024-key blocks
+    # P^T's waits their time, so the bits are those of the 1024-key blocks. A bank of the scores goes to P^T
     model, inputs = MaskedFillAttention(), _qkv(1, 2048, 128, torch.bfloat16)
     compiled, out = compile_and_run(model, inputs)
     [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
     plan = node.attrs["plan"]
     assert (plan.key_block, plan.softmax_blocks) == (512, 4)
+    assert (plan.score_psum, plan.pt_psum) == (3, 3)  # a block's scores and its 16-bit P^T take a bank each
     assert (plan.pt_wait, plan.pv_wait, plan.pt_dma_chunks) == (2 * attention_pass.PT_WAIT, 2 * attention_pass.PV_WAIT,
                                                                  2)
     exps = [i for i in compiled.neff.streams[(Engine.SCALAR, 0)] if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE
@@ -382,6 +383,7 @@ def test_long_keys_go_by_512_key_blocks_four_to_a_softmax_group_with_the_bits_of
     whole, out_whole = compile_and_run(model, inputs)
     [node] = [n for n in whole.graph.nodes() if n.op is Op.ATTENTION]
     assert (node.attrs["plan"].key_block, node.attrs["plan"].softmax_blocks) == (1024, 2)
+    assert (node.attrs["plan"].score_psum, node.attrs["plan"].pt_psum) == (4, 2)  # two blocks of two banks each
     assert torch.equal(out.view(torch.int16), out_whole.view(torch.int16))
 
 

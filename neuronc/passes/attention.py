@@ -72,6 +72,11 @@ BANK_KEYS = 512  # keys per block when the exp reads the scores in PSUM: one ban
 # 82.4 alone, but the Llama layer (16 heads) 1938.1 -> 1939.9, so not below LONG_KEYS
 LONG_KEYS = 2048
 SPLIT = 2
+# The PSUM banks of the scores and of P^T with split blocks (else 4 and 2; the accumulators take 2 of the 8): a block's
+# 16-bit P^T takes one bank, and with four blocks of scores in flight the Tensor engine's waits moved to P^T's copies
+# out of PSUM. trn2, 12 causal bf16 heads, seq 2048, us (scores, P^T, accumulators): head dim 128 (4, 2, 2) 262.1, (3, 3,
+# 2) 261.3, (3, 2, 3) 262.3, (5, 2, 1) and (4, 3, 1) 281.5; head dim 64 (4, 2, 2) 271.1, (3, 3, 2) 268.4
+SPLIT_PSUM = (3, 3)
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
 STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
 SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
@@ -930,6 +935,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape, split),
         depth=pipeline_depth(*shape, a.get("pt_by_dma", False), split), pt_by_dma=a.get("pt_by_dma", False),
         pt_wait=PT_WAIT * split, pv_wait=PV_WAIT * split, pt_dma_chunks=pt_dma_chunks(split),
+        **(dict(zip(("score_psum", "pt_psum"), SPLIT_PSUM)) if split > 1 else {}),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
