@@ -398,16 +398,20 @@ def _text_in_child(gm, locations, name) -> str:
         raise _diagnose(gm, locations, err) from None
 
 
-def lower(gm, name: str):
-    """torch-mlir: FX graph -> StableHLO module (simplified), with node names in the locations."""
+def lower(gm, name: str, context=None):
+    """torch-mlir: FX graph -> StableHLO module (simplified) with func @name, node names in the locations. `context`:
+    an MLIR context to make it in (repeated_layers' skeleton and layer share one: torch-mlir's context costs
+    ~0.01 s; one module each, as a module of both functions lowers the second differently)."""
     from torch_mlir import fx, ir as mlir, passmanager
+    from torch_mlir.compiler_utils import OutputType
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.extras.fx_importer import FxImporter
 
     from neuronc.frontend.index_put_rows import index_puts_as_rows
 
-    context = mlir.Context()
-    torch_d.register_dialect(context)
+    if context is None:
+        context = mlir.Context()
+        torch_d.register_dialect(context)
     importer = FxImporter(context=context, hooks=_dense_literals())
     drop_assertions(gm)
     float_comparison_scalars(gm)
@@ -415,7 +419,9 @@ def lower(gm, name: str):
     index_puts_as_rows(gm)
     unsqueeze_scalar_reductions(gm)
     _tag_locations_with_node_names(importer, context)
-    module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)
+    importer.import_stateless_graph(gm.graph, func_name=name)
+    # what fx.stateless_fx_import runs after its import (it also makes a context of its own, unused: ~0.01 s)
+    module = fx._module_lowering(False, False, OutputType.STABLEHLO, importer.module)
     with module.context:
         passmanager.PassManager.parse(
             "builtin.module(func.func(stablehlo-aggressive-simplification), canonicalize)"
@@ -450,7 +456,8 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGrap
     seconds, start = {}, time.perf_counter()
     try:
         parts = repeated_layers.split(gm, layers)
-        skeleton_module, layer_module = lower(parts.skeleton, name), lower(parts.layer, name)
+        skeleton_module = lower(parts.skeleton, name)
+        layer_module = lower(parts.layer, name, skeleton_module.context)
         seconds["import/torch-mlir"] = time.perf_counter() - start
         extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(params):]
         skeleton = import_module(skeleton_module, list(params) + extra, locations, name, semantics="pytorch")
