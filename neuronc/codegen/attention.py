@@ -146,8 +146,8 @@ class _Attention:
         self.pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in a.pools}
         self.bank = em.psum_bank_elements()
         self.score_banks = -(-a.key_block // self.bank)  # a key block's fp32 scores span this many PSUM banks
-        self.s_psum = em.psum_pool(4 // self.score_banks * self.score_banks)
-        self.pt_psum, self.o_psum = em.psum_pool(2), em.psum_pool(2)
+        self.s_psum = em.psum_pool(a.score_psum // self.score_banks * self.score_banks)
+        self.pt_psum, self.o_psum = em.psum_pool(a.pt_psum), em.psum_pool(2)
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
         self.cells = False  # the head being loaded has its K^T and Q^T transposed by hazard cells (plan.cell_heads)
