@@ -51,7 +51,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
 from neuronc.passes.context import PassContext
-from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_pass_ns
+from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_pass_ns, transposes_by_dma
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -833,12 +833,6 @@ def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causa
     queues, tensor = head_ns(sq, sk, d, dv, dtypes, causal, offset, target, cells)
     chunk = dma_transpose_ns(Q_TILE, Q_TILE, dtypes["p"].itemsize, target, from_hbm=False)
     return target.dma_queues * heads * (tensor - queues) / chunk >= PT_DMA_LEAST
-
-
-def transposes_by_dma(d: int, size: int, target: Target) -> bool:
-    """Whether codegen/attention.py load_transposed makes x^T [d, rows] by DMA transposes (128 partitions of a 2-byte
-    type, on a target that has them), else by strided loads split over queues by partitions."""
-    return target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2
 
 
 def transposed_loads_ns(d: int, rows: int, size: int, target: Target, cells: bool = False) -> list:
