@@ -257,6 +257,7 @@ class Boundary:
     """Where the stack meets the rest of the graph: what `assemble` joins the two imported graphs by."""
 
     placeholders: list  # the original graph's placeholders, in order
+    skeleton_inputs: list  # those the skeleton takes: all but the ones only the copies read (the layers' weights)
     prefix_outputs: list  # FX nodes the skeleton returns after the original outputs (the copies read them)
     suffix: list  # the FX nodes after the copies
 
@@ -265,7 +266,8 @@ def boundary(gm, layers: Layers) -> Boundary:
     """The stack's boundary in `gm` (the same FX nodes in the process that imports and the one that assembles)."""
     in_copies = {n for nodes in layers.copies for n in nodes}
     nodes = list(gm.graph.nodes)
-    return Boundary([n for n in nodes if n.op == "placeholder"],
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    return Boundary(placeholders, [p for p in placeholders if not p.users or any(u not in in_copies for u in p.users)],
                     list(dict.fromkeys(a for sources in layers.sources for a in sources
                                        if a.op != "placeholder" and a not in in_copies)),
                     [n for n in nodes[nodes.index(layers.copies[-1][-1]) + 1:] if n.op != "output"])
@@ -277,6 +279,7 @@ class SplitGraphs:
 
     skeleton: object  # GraphModule (a lazy one: see split): prefix + suffix
     layer: object  # GraphModule (lazy): one copy
+    edge: Boundary
 
 
 def split(gm, layers: Layers) -> SplitGraphs:
@@ -290,11 +293,11 @@ def split(gm, layers: Layers) -> SplitGraphs:
     in_copies = {n for nodes in layers.copies for n in nodes}
     last = layers.copies[-1]
     edge = boundary(gm, layers)
-    placeholders, prefix_outputs = edge.placeholders, edge.prefix_outputs
+    prefix_outputs = edge.prefix_outputs
 
     skeleton = torch.fx.Graph()
     env: dict = {}
-    for n in placeholders:
+    for n in edge.skeleton_inputs:  # (a function argument costs torch-mlir and the importer: ~1 ms a layer of GPT-2)
         env[n] = skeleton.node_copy(n, env.__getitem__)
     for i in layers.suffix_reads:  # the last copy's values, as inputs of the suffix
         stand_in = skeleton.placeholder(f"{last[i].name}_from_layers")
@@ -317,18 +320,26 @@ def split(gm, layers: Layers) -> SplitGraphs:
     for n in layers.copies[0]:
         env[n] = layer.node_copy(n, env.__getitem__)
     layer.output(tuple(env[layers.copies[0][i]] for i in layers.exports))
-    return SplitGraphs(_LazyGraphModule(gm, skeleton), _LazyGraphModule(gm, layer))
+    return SplitGraphs(_LazyGraphModule(gm, skeleton), _LazyGraphModule(gm, layer), edge)
 
 
 
 def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, edge: Boundary, locations: dict,
-             outputs: int) -> ir.Graph:
+             outputs: int, params: list) -> ir.Graph:
     """The IR of the whole graph from the skeleton's and the template copy's: the copy instantiated per layer with
     its own inputs and source locations, the last copy's values put in place of the skeleton's stand-ins.
     `outputs`: how many outputs the original graph has (the skeleton's further outputs are the prefix's values);
-    `locations`: the DebugLoc objects the two graphs' nodes hold (a copy's nodes are located by identity)."""
-    placeholders = len(edge.placeholders)
-    param_of = dict(zip(edge.placeholders, skeleton.params))
+    `locations`: the DebugLoc objects the two graphs' nodes hold (a copy's nodes are located by identity); `params`:
+    (name, kind) of each placeholder, as the whole graph's import takes them."""
+    param_of = dict(zip(edge.skeleton_inputs, skeleton.params))
+    slot_of = {a: s for sources in layers.sources for s, a in enumerate(sources) if a.op == "placeholder"}
+    for index, p in enumerate(edge.placeholders):  # each graph input as the whole graph's import makes it
+        name, kind = params[index]
+        if p in param_of:
+            param_of[p].attrs.update(index=index, name=name, kind=kind)
+        else:  # read by the copies alone: typed as the layer's import typed it
+            slot = layer.params[slot_of[p]]
+            param_of[p] = ir.node(Op.PARAMETER, [], slot.shape, slot.dtype, None, index=index, name=name, kind=kind)
     prefix_value = dict(zip(edge.prefix_outputs, skeleton.outputs[outputs:]))
     copy_of = {n: (k, i) for k, nodes in enumerate(layers.copies) for i, n in enumerate(nodes)}
     export_position = {i: e for e, i in enumerate(layers.exports)}
@@ -367,12 +378,12 @@ def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, edge: Boundary
                 new.loc = t.loc if i is None else loc_of[i]
                 made[t] = new
         handed_on = [made[o] for o in layer.outputs]
-    replaced = {skeleton.params[placeholders + j]: handed_on[export_position[i]]
-                for j, i in enumerate(layers.suffix_reads)}
+    stand_ins = len(edge.skeleton_inputs)
+    replaced = {skeleton.params[stand_ins + j]: handed_on[export_position[i]] for j, i in enumerate(layers.suffix_reads)}
     whole = skeleton.rewrite(lambda node, inputs: replaced.get(node) or common.suffix_node(node, inputs))
     for node in whole.nodes():
         node.origin = -1  # value numbers of neither module are the whole module's (`neuronc bisect` compiles whole)
-    return ir.Graph(whole.params[:placeholders], whole.outputs[:outputs], whole.name)
+    return ir.Graph([param_of[p] for p in edge.placeholders], whole.outputs[:outputs], whole.name)
 
 
 class _CommonValues:

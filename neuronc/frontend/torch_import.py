@@ -368,8 +368,8 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     else:
         imported = run_isolated(_import_layers_in_child, gm, params, locations, name, layers)
         if isinstance(imported, _LayersImported):
-            imported = _assembled(imported, gm, layers, outputs) or run_isolated(_import_in_child, gm, params,
-                                                                                  locations, name)
+            imported = _assembled(imported, gm, layers, outputs, params) or run_isolated(_import_in_child, gm, params,
+                                                                                          locations, name)
     if sites:
         imported.graph = kernel_calls.stitch(imported.graph, sites, len(params) - len(extra), outputs)
         imported.fingerprint = hashlib.sha256((imported.fingerprint + kernel_calls.fingerprint(sites)).encode()
@@ -476,8 +476,10 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> "_LayersImpo
         skeleton_module = lower(parts.skeleton, name)
         layer_module = lower(parts.layer, name, skeleton_module.context)
         seconds["import/torch-mlir"] = time.perf_counter() - start
-        extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(params):]
-        skeleton = import_module(skeleton_module, list(params) + extra, locations, name, semantics="pytorch")
+        taken = set(parts.edge.skeleton_inputs)
+        inputs = [param for param, p in zip(params, parts.edge.placeholders) if p in taken]
+        extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(inputs):]
+        skeleton = import_module(skeleton_module, inputs + extra, locations, name, semantics="pytorch")
         slots = [(n.name, "input") for n in parts.layer.graph.nodes if n.op == "placeholder"]
         layer = import_module(layer_module, slots, locations, name, semantics="pytorch")
         seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
@@ -494,7 +496,7 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> "_LayersImpo
     return _LayersImported(skeleton, layer, locations, text, hashlib.sha256(complete).hexdigest(), seconds)
 
 
-def _assembled(parts: _LayersImported, gm, layers, outputs: int) -> ImportedGraph | None:
+def _assembled(parts: _LayersImported, gm, layers, outputs: int, params: list) -> ImportedGraph | None:
     """The whole graph from the child's skeleton and layer (repeated_layers.assemble), or None if that fails. Its
     nodes take ids from where they were (renumbered by the caller, as a graph made in the child is)."""
     from neuronc.frontend import repeated_layers
@@ -502,7 +504,7 @@ def _assembled(parts: _LayersImported, gm, layers, outputs: int) -> ImportedGrap
     start, first = time.perf_counter(), ir.next_id()
     try:
         graph = repeated_layers.assemble(parts.skeleton, parts.layer, layers, repeated_layers.boundary(gm, layers),
-                                         parts.locations, outputs)
+                                         parts.locations, outputs, params)
     except Exception:  # noqa: BLE001 - the whole graph's import reports what fails
         return None
     finally:
