@@ -356,6 +356,14 @@ def _dma_transpose_ns(instr: Instruction, target: Target) -> float:
     return dma_transpose_ns(*dst.shape, dst.dtype.itemsize, target, src.space == Space.HBM)
 
 
+def transposes_by_dma(partitions: int, itemsize: int, target: Target) -> bool:
+    """Whether x^T tiles of `partitions` partitions of `itemsize`-byte elements go by DMA transposes (else strided
+    loads): on a target that has them, a 2-byte type, every partition of a unit (a destination of fewer pays whole
+    units: dma_transpose_ns, so at head dim 64 strided loads on two queues are faster). What the attention kernel
+    emits (codegen/attention.py load_transposed) and its pass prices (passes/attention.py)."""
+    return target.dma_transpose_hbm_fraction > 0 and partitions == target.partitions and itemsize == 2
+
+
 def dma_transpose_ns(rows: int, cols: int, itemsize: int, target: Target, from_hbm: bool = True) -> float:
     """A DMA transpose into a [rows, cols] destination: whole [partitions, dma_transpose_inner] units of it at the
     documented fraction of a queue's rate for its source's memory (targets.py: a destination of fewer partitions

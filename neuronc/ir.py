@@ -54,6 +54,13 @@ def next_id() -> int:
     return upcoming
 
 
+def rewind_ids(to: int) -> None:
+    """Ids from `to` again, for a caller that renumbers (Graph.renumbered) the nodes made since, as a graph made in
+    another process is: they take the ids they would have taken there."""
+    global _ids
+    _ids = itertools.count(to)
+
+
 def skip_ids(n: int) -> None:
     """Takes the next `n` ids unused: what a memo's hit does for the nodes the work it replaces made, so that every
     later node keeps its id (the ids name kernels and buffers in the NEFF)."""

@@ -459,6 +459,9 @@ class AttentionPlan:
     pt_wait: int = 0
     pv_wait: int = 0
     pt_dma_chunks: int = 0
+    # PSUM banks of the scores and of P^T (passes/attention.py SPLIT_PSUM, where blocks are split; the accumulators take two more)
+    score_psum: int = 4
+    pt_psum: int = 2
 
     @property
     def batch(self) -> int:

@@ -362,6 +362,38 @@ def test_chunks_of_p_transposed_by_dma_give_the_tensor_engines_bits(monkeypatch)
     assert torch.equal(out.view(torch.int16), out_on_tensor.view(torch.int16))
 
 
+def test_long_keys_go_by_512_key_blocks_four_to_a_softmax_group_with_the_bits_of_1024_key_blocks(monkeypatch):
+    # a query tile meeting 2048 keys: 1024-key blocks take two PSUM banks of scores each, so only two are in flight and
+    # the Tensor engine waits for a block's copies out of PSUM; 512-key blocks keep four in flight (passes/attention.py
+    # split_blocks). The softmax group keeps its 2048 keys (one statistic a tile here, as with two 1024-key blocks) and
+    # P^T's waits their time, so the bits are those of the 1024-key blocks. A bank of the scores goes to P^T
+    model, inputs = MaskedFillAttention(), _qkv(1, 2048, 128, torch.bfloat16)
+    compiled, out = compile_and_run(model, inputs)
+    [node] = [n for n in compiled.graph.nodes() if n.op is Op.ATTENTION]
+    plan = node.attrs["plan"]
+    assert (plan.key_block, plan.softmax_blocks) == (512, 4)
+    assert (plan.score_psum, plan.pt_psum) == (3, 3)  # a block's scores and its 16-bit P^T take a bank each
+    assert (plan.pt_wait, plan.pv_wait, plan.pt_dma_chunks) == (2 * attention_pass.PT_WAIT, 2 * attention_pass.PV_WAIT,
+                                                                 2)
+    exps = [i for i in compiled.neff.streams[(Engine.SCALAR, 0)] if i.opcode == Opcode.ACTIVATE_BIAS_REDUCE
+            and i.operands[0].dtype == DType.BF16 and i.srcs[0].free_elements > 1]
+    assert exps and max(i.srcs[0].free_elements for i in exps) == 512
+    assert_matches_eager(out, model(*inputs))
+    monkeypatch.setattr(attention_pass, "SPLIT", 1)
+    whole, out_whole = compile_and_run(model, inputs)
+    [node] = [n for n in whole.graph.nodes() if n.op is Op.ATTENTION]
+    assert (node.attrs["plan"].key_block, node.attrs["plan"].softmax_blocks) == (1024, 2)
+    assert (node.attrs["plan"].score_psum, node.attrs["plan"].pt_psum) == (4, 2)  # two blocks of two banks each
+    assert torch.equal(out.view(torch.int16), out_whole.view(torch.int16))
+
+
+@pytest.mark.parametrize("seq, causal, split", [(2048, True, 2), (1024, True, 1), (1536, False, 1), (2048, False, 2)])
+def test_key_blocks_are_split_only_where_a_query_tile_meets_at_least_2048_keys(seq, causal, split):
+    # the Llama layer's attention (16 heads, seq 1024) lost with 512-key blocks in context (1938.1 -> 1939.9 us)
+    assert attention_pass.split_blocks(seq, seq, causal, 0, True) == split
+    assert attention_pass.split_blocks(seq, seq, causal, 0, False) == 1  # the exp reads PSUM: one-bank blocks already
+
+
 @pytest.mark.parametrize("heads, seq, taken", [(12, 2048, True), (4, 2048, True), (2, 2048, False),
                                                (12, 1024, False), (12, 512, False)])
 def test_p_is_transposed_by_dma_where_the_queues_have_room_for_enough_chunks(heads, seq, taken):

@@ -12,7 +12,7 @@ import numpy as np
 from neuronc.codegen.access import HbmTensor, broadcast_columns, dma_by_rows, dma_slices, row_slice, tile_at
 from neuronc.codegen.elementwise import Balancer
 from neuronc.codegen.emitter import Emitter
-from neuronc.instruction_cost import dma_transpose_ns, instruction_cost_ns
+from neuronc.instruction_cost import dma_transpose_ns, instruction_cost_ns, transposes_by_dma
 from neuronc.isa import AccessPattern, ActFunc, AluOp, DType, Engine, Opcode, Space
 from neuronc.ir import Node
 from neuronc.placement import SBUF_HAZARD_BYTES, SBUF_PAGE_BYTES, partition_group
@@ -146,8 +146,8 @@ class _Attention:
         self.pools = {p.name: em.sbuf_pool(p.dtype, p.elements, bufs=p.bufs) for p in a.pools}
         self.bank = em.psum_bank_elements()
         self.score_banks = -(-a.key_block // self.bank)  # a key block's fp32 scores span this many PSUM banks
-        self.s_psum = em.psum_pool(4 // self.score_banks * self.score_banks)
-        self.pt_psum, self.o_psum = em.psum_pool(2), em.psum_pool(2)
+        self.s_psum = em.psum_pool(a.score_psum // self.score_banks * self.score_banks)
+        self.pt_psum, self.o_psum = em.psum_pool(a.pt_psum), em.psum_pool(2)
         self.engines = Balancer(em)
         self.heads: dict = {}  # batch-head -> its (Q^T, K^T, [V | 1]) tiles
         self.cells = False  # the head being loaded has its K^T and Q^T transposed by hazard cells (plan.cell_heads)
@@ -301,8 +301,8 @@ class _Attention:
         page = (SBUF_HAZARD_BYTES if self.cells else SBUF_PAGE_BYTES) // x.dtype.itemsize
         for j in range(self.d_tiles):
             d0, dt = j * q_tile, min(q_tile, d - j * q_tile)
-            if (em.target.dma_transpose_hbm_fraction > 0 and dt == em.target.partitions and x.dtype.itemsize == 2
-                    and x.dims[-1][0] == 1 and rows % em.target.dma_transpose_inner == 0):
+            if (transposes_by_dma(dt, x.dtype.itemsize, em.target) and x.dims[-1][0] == 1
+                    and rows % em.target.dma_transpose_inner == 0):
                 for r0 in range(0, rows, page):
                     r1 = min(rows, r0 + page)
                     # on the queue that frees first on the kernel's clock, with the plan's queues_by_clock

@@ -253,14 +253,30 @@ def _pure(node) -> bool:
 
 
 @dataclasses.dataclass
+class Boundary:
+    """Where the stack meets the rest of the graph: what `assemble` joins the two imported graphs by."""
+
+    placeholders: list  # the original graph's placeholders, in order
+    prefix_outputs: list  # FX nodes the skeleton returns after the original outputs (the copies read them)
+    suffix: list  # the FX nodes after the copies
+
+
+def boundary(gm, layers: Layers) -> Boundary:
+    """The stack's boundary in `gm` (the same FX nodes in the process that imports and the one that assembles)."""
+    in_copies = {n for nodes in layers.copies for n in nodes}
+    nodes = list(gm.graph.nodes)
+    return Boundary([n for n in nodes if n.op == "placeholder"],
+                    list(dict.fromkeys(a for sources in layers.sources for a in sources
+                                       if a.op != "placeholder" and a not in in_copies)),
+                    [n for n in nodes[nodes.index(layers.copies[-1][-1]) + 1:] if n.op != "output"])
+
+
+@dataclasses.dataclass
 class SplitGraphs:
-    """The two FX graphs lowered instead of the whole one, and what joins them."""
+    """The two FX graphs lowered instead of the whole one."""
 
     skeleton: object  # GraphModule (a lazy one: see split): prefix + suffix
     layer: object  # GraphModule (lazy): one copy
-    prefix_outputs: list  # FX nodes the skeleton returns after the original outputs (the copies read them)
-    placeholders: list  # the original graph's placeholders, in order
-    suffix: list  # the FX nodes after the copies
 
 
 def split(gm, layers: Layers) -> SplitGraphs:
@@ -273,9 +289,8 @@ def split(gm, layers: Layers) -> SplitGraphs:
 
     in_copies = {n for nodes in layers.copies for n in nodes}
     last = layers.copies[-1]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    prefix_outputs = list(dict.fromkeys(a for sources in layers.sources for a in sources
-                                        if a.op != "placeholder" and a not in in_copies))
+    edge = boundary(gm, layers)
+    placeholders, prefix_outputs = edge.placeholders, edge.prefix_outputs
 
     skeleton = torch.fx.Graph()
     env: dict = {}
@@ -302,21 +317,19 @@ def split(gm, layers: Layers) -> SplitGraphs:
     for n in layers.copies[0]:
         env[n] = layer.node_copy(n, env.__getitem__)
     layer.output(tuple(env[layers.copies[0][i]] for i in layers.exports))
-    nodes = list(gm.graph.nodes)
-    suffix = [n for n in nodes[nodes.index(last[-1]) + 1:] if n.op != "output"]
-    return SplitGraphs(_LazyGraphModule(gm, skeleton), _LazyGraphModule(gm, layer), prefix_outputs, placeholders,
-                       suffix)
+    return SplitGraphs(_LazyGraphModule(gm, skeleton), _LazyGraphModule(gm, layer))
 
 
 
-def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, split_graphs: SplitGraphs, locations: dict,
+def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, edge: Boundary, locations: dict,
              outputs: int) -> ir.Graph:
     """The IR of the whole graph from the skeleton's and the template copy's: the copy instantiated per layer with
     its own inputs and source locations, the last copy's values put in place of the skeleton's stand-ins.
-    `outputs`: how many outputs the original graph has (the skeleton's further outputs are the prefix's values)."""
-    placeholders = len(split_graphs.placeholders)
-    param_of = dict(zip(split_graphs.placeholders, skeleton.params))
-    prefix_value = dict(zip(split_graphs.prefix_outputs, skeleton.outputs[outputs:]))
+    `outputs`: how many outputs the original graph has (the skeleton's further outputs are the prefix's values);
+    `locations`: the DebugLoc objects the two graphs' nodes hold (a copy's nodes are located by identity)."""
+    placeholders = len(edge.placeholders)
+    param_of = dict(zip(edge.placeholders, skeleton.params))
+    prefix_value = dict(zip(edge.prefix_outputs, skeleton.outputs[outputs:]))
     copy_of = {n: (k, i) for k, nodes in enumerate(layers.copies) for i, n in enumerate(nodes)}
     export_position = {i: e for e, i in enumerate(layers.exports)}
 
@@ -331,7 +344,7 @@ def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, split_graphs: 
     slots = layer.params
     same_for_all = {slots[s]: value_of(a, []) for s, a in enumerate(layers.sources[0])
                     if all(sources[s] is a for sources in layers.sources) and a not in copy_of}
-    suffix_locs = {id(locations[n.name]) for n in split_graphs.suffix}
+    suffix_locs = {id(locations[n.name]) for n in edge.suffix}
     common = _CommonValues(skeleton, suffix_locs)
     shared = common.of_template(template, same_for_all)
     template_index = {id(locations[n.name]): i for i, n in enumerate(layers.copies[0])}

@@ -367,6 +367,9 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
         imported = run_isolated(_import_in_child, gm, params, locations, name)
     else:
         imported = run_isolated(_import_layers_in_child, gm, params, locations, name, layers)
+        if isinstance(imported, _LayersImported):
+            imported = _assembled(imported, gm, layers, outputs) or run_isolated(_import_in_child, gm, params,
+                                                                                  locations, name)
     if sites:
         imported.graph = kernel_calls.stitch(imported.graph, sites, len(params) - len(extra), outputs)
         imported.fingerprint = hashlib.sha256((imported.fingerprint + kernel_calls.fingerprint(sites)).encode()
@@ -398,16 +401,20 @@ def _text_in_child(gm, locations, name) -> str:
         raise _diagnose(gm, locations, err) from None
 
 
-def lower(gm, name: str):
-    """torch-mlir: FX graph -> StableHLO module (simplified), with node names in the locations."""
+def lower(gm, name: str, context=None):
+    """torch-mlir: FX graph -> StableHLO module (simplified) with func @name, node names in the locations. `context`:
+    an MLIR context to make it in (repeated_layers' skeleton and layer share one: torch-mlir's context costs
+    ~0.01 s; one module each, as a module of both functions lowers the second differently)."""
     from torch_mlir import fx, ir as mlir, passmanager
+    from torch_mlir.compiler_utils import OutputType
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.extras.fx_importer import FxImporter
 
     from neuronc.frontend.index_put_rows import index_puts_as_rows
 
-    context = mlir.Context()
-    torch_d.register_dialect(context)
+    if context is None:
+        context = mlir.Context()
+        torch_d.register_dialect(context)
     importer = FxImporter(context=context, hooks=_dense_literals())
     drop_assertions(gm)
     float_comparison_scalars(gm)
@@ -415,7 +422,9 @@ def lower(gm, name: str):
     index_puts_as_rows(gm)
     unsqueeze_scalar_reductions(gm)
     _tag_locations_with_node_names(importer, context)
-    module = fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer, model_name=name)
+    importer.import_stateless_graph(gm.graph, func_name=name)
+    # what fx.stateless_fx_import runs after its import (it also makes a context of its own, unused: ~0.01 s)
+    module = fx._module_lowering(False, False, OutputType.STABLEHLO, importer.module)
     with module.context:
         passmanager.PassManager.parse(
             "builtin.module(func.func(stablehlo-aggressive-simplification), canonicalize)"
@@ -441,22 +450,36 @@ def _import_in_child(gm, params, locations, name) -> ImportedGraph:
     return ImportedGraph(graph, text, fingerprint, seconds)
 
 
-def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGraph:
-    """_import_in_child's graph, with the repeated layers lowered and imported once (repeated_layers.py); the whole
-    graph imported if that fails (the whole import then says why, op by op)."""
+@dataclasses.dataclass
+class _LayersImported:
+    """What the child returns for a stack of repeated layers: the skeleton's and one layer's IR, with the locations
+    their nodes hold (one pickle: the same objects), assembled into the whole graph by the caller. The whole graph
+    would pickle node by node, there and back (~2 ms a layer at HF GPT-2's)."""
+
+    skeleton: ir.Graph
+    layer: ir.Graph
+    locations: dict
+    stablehlo: str
+    fingerprint: str
+    seconds: dict
+
+
+def _import_layers_in_child(gm, params, locations, name, layers) -> "_LayersImported | ImportedGraph":
+    """The skeleton and one layer of the repeated layers lowered and imported (repeated_layers.py); the whole graph
+    imported if that fails (the whole import then says why, op by op)."""
     from neuronc.frontend import repeated_layers
     from neuronc.frontend.stablehlo_import import import_module
 
     seconds, start = {}, time.perf_counter()
     try:
         parts = repeated_layers.split(gm, layers)
-        skeleton_module, layer_module = lower(parts.skeleton, name), lower(parts.layer, name)
+        skeleton_module = lower(parts.skeleton, name)
+        layer_module = lower(parts.layer, name, skeleton_module.context)
         seconds["import/torch-mlir"] = time.perf_counter() - start
         extra = [(n.name, "input") for n in parts.skeleton.graph.nodes if n.op == "placeholder"][len(params):]
         skeleton = import_module(skeleton_module, list(params) + extra, locations, name, semantics="pytorch")
         slots = [(n.name, "input") for n in parts.layer.graph.nodes if n.op == "placeholder"]
         layer = import_module(layer_module, slots, locations, name, semantics="pytorch")
-        graph = repeated_layers.assemble(skeleton, layer, layers, parts, locations, len(_output_values(gm)))
         seconds["import/stablehlo->ir"] = time.perf_counter() - start - seconds["import/torch-mlir"]
     except Exception:  # noqa: BLE001 - the whole graph's import reports what fails
         return _import_in_child(gm, params, locations, name)
@@ -468,7 +491,24 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> ImportedGrap
             + f"\n// one copy of the {len(layers.copies)} repeated layers, instantiated per layer in the IR"
             + " (frontend/repeated_layers.py):\n" + layer_module.operation.get_asm(large_elements_limit=16))
     seconds["import/fingerprint"] = time.perf_counter() - start
-    return ImportedGraph(graph, text, hashlib.sha256(complete).hexdigest(), seconds)
+    return _LayersImported(skeleton, layer, locations, text, hashlib.sha256(complete).hexdigest(), seconds)
+
+
+def _assembled(parts: _LayersImported, gm, layers, outputs: int) -> ImportedGraph | None:
+    """The whole graph from the child's skeleton and layer (repeated_layers.assemble), or None if that fails. Its
+    nodes take ids from where they were (renumbered by the caller, as a graph made in the child is)."""
+    from neuronc.frontend import repeated_layers
+
+    start, first = time.perf_counter(), ir.next_id()
+    try:
+        graph = repeated_layers.assemble(parts.skeleton, parts.layer, layers, repeated_layers.boundary(gm, layers),
+                                         parts.locations, outputs)
+    except Exception:  # noqa: BLE001 - the whole graph's import reports what fails
+        return None
+    finally:
+        ir.rewind_ids(first)
+    parts.seconds["import/stablehlo->ir"] += time.perf_counter() - start
+    return ImportedGraph(graph, parts.stablehlo, parts.fingerprint, parts.seconds)
 
 
 def _dense_literal_types() -> dict:

@@ -51,7 +51,7 @@ from neuronc.ir import Op
 from neuronc.isa import DType
 from neuronc.passes.canonicalize import _evaluate
 from neuronc.passes.context import PassContext
-from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_pass_ns
+from neuronc.instruction_cost import dma_transfer_ns, dma_transpose_ns, matmul_pass_ns, transposes_by_dma
 from neuronc.passes.cost_model import SBUF_PAGE_BYTES, fits_sbuf
 from neuronc.passes.legalize import dense_strides, reshaped_strides
 from neuronc.passes.rowwise import _resolve
@@ -63,6 +63,20 @@ from neuronc.targets import Target
 Q_TILE = 128  # query rows per tile: one per partition
 KEY_BLOCK = 1024  # keys per block when the logits are made in SBUF: two PSUM banks of fp32 scores
 BANK_KEYS = 512  # keys per block when the exp reads the scores in PSUM: one bank, as a third buffer is needed
+# Where a query tile meets at least LONG_KEYS keys, the logits are made by blocks of KEY_BLOCK // SPLIT keys (split_blocks):
+# the scores' four PSUM banks hold two 1024-key blocks, and the Tensor engine waited for a block's copies out of PSUM
+# before the next block's QK^T (trn2, 12 causal bf16 heads of 128 dims, seq 2048: 14.6 of its 26.6 idle us); with
+# 512-key blocks four are in flight. A softmax group keeps its 2048 keys (SOFTMAX_BLOCKS * SPLIT blocks), and P^T's
+# waits their time (PT_WAIT, PV_WAIT: SPLIT times the steps). Measured (us, 1024-key blocks -> 512): seq 2048, head
+# dim 128 276.7 -> 262.1, head dim 64 277.3 -> 272.2; at seq 1024 (12 heads, head dim 128: one block a tile) 85.4 ->
+# 82.4 alone, but the Llama layer (16 heads) 1938.1 -> 1939.9, so not below LONG_KEYS
+LONG_KEYS = 2048
+SPLIT = 2
+# The PSUM banks of the scores and of P^T with split blocks (else 4 and 2; the accumulators take 2 of the 8): a block's
+# 16-bit P^T takes one bank, and with four blocks of scores in flight the Tensor engine's waits moved to P^T's copies
+# out of PSUM. trn2, 12 causal bf16 heads, seq 2048, us (scores, P^T, accumulators): head dim 128 (4, 2, 2) 262.1, (3, 3,
+# 2) 261.3, (3, 2, 3) 262.3, (5, 2, 1) and (4, 3, 1) 281.5; head dim 64 (4, 2, 2) 271.1, (3, 3, 2) 268.4
+SPLIT_PSUM = (3, 3)
 MAX_HEAD_DIM = 511  # the PV product and its row sum [queries, Dv + 1] must fit one PSUM bank
 STAGES = 8  # stages of a key block in the kernel's software pipeline, one engine hop each
 SOFTMAX_BLOCKS = 2  # key blocks sharing one softmax statistic (2048 keys): one rescaling of the accumulator per 2
@@ -578,6 +592,8 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                   "mask": inputs[3].dtype if len(inputs) > 3 else DType.BOOL}
         attrs["score_dtype"] = qk.dtype
         in_sbuf = logits_in_sbuf(attrs | {"scale": scale})
+        split = split_blocks(sq, sk, attrs["mask"] == "causal", attrs["causal_offset"], in_sbuf)
+        block = KEY_BLOCK // split if split > 1 else None
         cells = cell_heads(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
                            attrs["causal_offset"], target)
         dma_pt = pt_by_dma(math.prod(batch_shape), sq, sk, d, dv, dtypes, attrs["mask"] == "causal",
@@ -587,7 +603,7 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    for rows in dict.fromkeys((rows_heads(sq, sk, d, dtypes, target, cells > 0), 0))
                    for ahead in (HEADS_AHEAD_MOST, HEADS_AHEAD) if fits_sbuf(sbuf_bytes(tile_pools(
                        sq, sk, d, dv, dtypes, attrs["mask"], guarded is not None, attrs["causal_offset"], in_sbuf,
-                       heads_ahead=ahead, rows_heads_=rows, pt_by_dma_=by_dma)), target)]
+                       key_block_=block, heads_ahead=ahead, rows_heads_=rows, pt_by_dma_=by_dma, split=split)), target)]
         _need(bool(fitting))
         attrs["heads_ahead"], attrs["rows_heads"], attrs["pt_by_dma"] = fitting[0]
         # P^T by DMA where pt_by_dma's count of chunks did not take it: a choice the kernel's time makes (_timed_choices)
@@ -608,8 +624,16 @@ def _match(pv, consumers: dict, outputs: set, target: Target):
                    masked_when=attrs["masked_when"], zero_masked_rows=guarded is not None, ops=ops,
                    score_dtype=attrs["score_dtype"], logits_dtype=attrs["logits_dtype"],
                    heads_ahead=attrs["heads_ahead"], rows_heads=attrs["rows_heads"], pt_by_dma=attrs["pt_by_dma"],
-                   cell_heads=cells, pt_dma_option=attrs["pt_dma_option"], tiling=f"{Q_TILE} queries x {key_block(sk, logits_in_sbuf(attrs | {'scale': scale}))} keys, "
-                          "Q/K/V resident")
+                   cell_heads=cells, pt_dma_option=attrs["pt_dma_option"],
+                   **({"key_block": block, "split": split} if split > 1 else {}),
+                   tiling=f"{Q_TILE} queries x {key_block(sk, in_sbuf, block)} keys, Q/K/V resident")
+
+
+def split_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool) -> int:
+    """SPLIT where the logits are made in SBUF by KEY_BLOCK blocks and a query tile meets at least LONG_KEYS keys,
+    else 1 (see SPLIT)."""
+    most = max((min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) for q0 in range(0, sq, Q_TILE))
+    return SPLIT if in_sbuf and most >= LONG_KEYS else 1
 
 
 def key_block(sk: int, in_sbuf: bool, block: int | None = None) -> int:
@@ -639,25 +663,27 @@ def key_blocks(sq: int, sk: int, causal: bool, offset: int, block: int) -> int:
                for q0 in range(0, sq, Q_TILE))
 
 
-def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None) -> int:
+def softmax_blocks(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
+                   split: int = 1) -> int:
     """Key blocks per softmax statistic: a query tile's keys are taken by groups of up to SOFTMAX_BLOCKS
-    blocks whose logits are all made (with their row mins) before any of them meets exp, so the running max
-    moves, and the accumulator is rescaled, once per group rather than once per block. Logits the exp reads
-    from PSUM (not in_sbuf) cannot wait there: one block per group."""
+    blocks (SPLIT times as many of the split blocks: split_blocks) whose logits are all made (with their row mins)
+    before any of them meets exp, so the running max moves, and the accumulator is rescaled, once per group rather
+    than once per block. Logits the exp reads from PSUM (not in_sbuf) cannot wait there: one block per group."""
     if not in_sbuf:
         return 1
     most = max(-(-(min(sk, q0 + min(Q_TILE, sq - q0) + offset) if causal else sk) // key_block(sk, in_sbuf, block))
                for q0 in range(0, sq, Q_TILE))
-    return max(1, min(SOFTMAX_BLOCKS, most))
+    return max(1, min(SOFTMAX_BLOCKS * split, most))
 
 
 def pipeline_depth(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
-                   by_dma: bool = False) -> int:
+                   by_dma: bool = False, split: int = 1) -> int:
     """Key blocks in flight in the kernel's software pipeline: one per stage, and a block waits between its
     logits and its exp until the last block of its softmax group has made its logits, and (`by_dma`: P^T's chunks by
-    DMA transposes, pt_by_dma) PT_WAIT steps before its P^T and PV_WAIT before its P V."""
-    waits = PT_WAIT + PV_WAIT if by_dma else 0
-    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block) - 1 + waits
+    DMA transposes, pt_by_dma) PT_WAIT steps before its P^T and PV_WAIT before its P V (`split` times as many steps
+    of split blocks: split_blocks)."""
+    waits = (PT_WAIT + PV_WAIT) * split if by_dma else 0
+    return STAGES + softmax_blocks(sq, sk, causal, offset, in_sbuf, block, split) - 1 + waits
 
 
 def output_tiles(sq: int, dv: int, dtype: DType) -> int:
@@ -674,16 +700,17 @@ def tail_heads(sq: int, dv: int, dtype: DType) -> int:
 
 
 def resident_heads(sq: int, sk: int, causal: bool, offset: int, in_sbuf: bool, block: int | None = None,
-                   heads_ahead: int = HEADS_AHEAD, by_dma: bool = False) -> int:
+                   heads_ahead: int = HEADS_AHEAD, by_dma: bool = False, split: int = 1) -> int:
     """Buffers of a head's K^T, V and Q^T: a head's are loaded `heads_ahead` heads ahead, and stay while any of
     its blocks is in the pipeline (the pipeline's blocks may span several short heads)."""
-    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf, block, by_dma)
+    depth = pipeline_depth(sq, sk, causal, offset, in_sbuf, block, by_dma, split)
     return -(-depth // max(1, key_blocks(sq, sk, causal, offset, key_block(sk, in_sbuf, block)))) + 1 + heads_ahead
 
 
 def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guarded: bool, causal_offset: int,
                in_sbuf: bool, score_mod: bool = False, patterns: tuple = (0, 0), key_block_: int | None = None,
-               heads_ahead: int = HEADS_AHEAD, rows_heads_: int = 0, pt_by_dma_: bool = False) -> dict:
+               heads_ahead: int = HEADS_AHEAD, rows_heads_: int = 0, pt_by_dma_: bool = False,
+               split: int = 1) -> dict:
     """name -> (dtype, elements per partition, buffers) of every SBUF tile pool of the attention kernel:
     the one list the kernel allocates from and the pass checks against the SBUF budget. dtypes: q, k, v,
     out, p (the probabilities fed to the PV matmul), mask."""
@@ -691,8 +718,8 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
     block = key_block(sk, in_sbuf, key_block_)
     f32 = DType.F32
     shape = (sq, sk, mask == "causal", causal_offset, in_sbuf, key_block_)
-    heads, depth = resident_heads(*shape, heads_ahead, pt_by_dma_), pipeline_depth(*shape, pt_by_dma_)
-    group, pt_wait, pv_wait = softmax_blocks(*shape), PT_WAIT * pt_by_dma_, PV_WAIT * pt_by_dma_
+    heads, depth = resident_heads(*shape, heads_ahead, pt_by_dma_, split), pipeline_depth(*shape, pt_by_dma_, split)
+    group, pt_wait, pv_wait = softmax_blocks(*shape, split), PT_WAIT * split * pt_by_dma_, PV_WAIT * split * pt_by_dma_
     base = depth - pt_wait - pv_wait  # the pipeline's depth without the waits
     pools = {
         # a head's K^T, V and Q^T, resident, for as long as its blocks are in flight; the next head's meanwhile
@@ -707,7 +734,7 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         "pt": (dtypes["p"], -(-block // Q_TILE) * Q_TILE, 3 + pv_wait),
         # P^T's chunks made by DMA transposes, each in a slot of its own (chunks sharing an SBUF hazard cell would wait
         # for each other's queue), up to PT_DMA_CHUNKS a block
-        **({"pt_dma": (dtypes["p"], Q_TILE, (3 + pv_wait) * PT_DMA_CHUNKS)} if pt_by_dma_ else {}),
+        **({"pt_dma": (dtypes["p"], Q_TILE, (3 + pv_wait) * pt_dma_chunks(split))} if pt_by_dma_ else {}),
         # (the tiles made and used before a block's exp, or after its P V, live as long whatever the waits)
         "out": (dtypes["out"], output_tiles(sq, dv, dtypes["out"]) * dv, base),
         "out_tile": (dtypes["out"], dv, base),  # a tile stored alone (the last heads'): never a group's
@@ -740,6 +767,12 @@ def tile_pools(sq: int, sk: int, d: int, dv: int, dtypes: dict, mask: str, guard
         if mask == "select":
             pools["fill_logits"] = (f32, block, 1)
     return pools
+
+
+def pt_dma_chunks(split: int) -> int:
+    """The most chunks of a block's P^T by DMA: PT_DMA_CHUNKS, of a split block (split_blocks) its share rounded up
+    (512-key blocks, seq 2048, head dim 128, trn2: 1 chunk 265.3 us, 2 262.1, 3 262.6; 4 does not fit SBUF)."""
+    return -(-PT_DMA_CHUNKS // split)
 
 
 def rows_heads(sq: int, sk: int, d: int, dtypes: dict, target: Target, cells: bool = False) -> int:
@@ -802,12 +835,6 @@ def pt_by_dma(heads: int, sq: int, sk: int, d: int, dv: int, dtypes: dict, causa
     return target.dma_queues * heads * (tensor - queues) / chunk >= PT_DMA_LEAST
 
 
-def transposes_by_dma(d: int, size: int, target: Target) -> bool:
-    """Whether codegen/attention.py load_transposed makes x^T [d, rows] by DMA transposes (128 partitions of a 2-byte
-    type, on a target that has them), else by strided loads split over queues by partitions."""
-    return target.dma_transpose_hbm_fraction > 0 and d == target.partitions and size == 2
-
-
 def transposed_loads_ns(d: int, rows: int, size: int, target: Target, cells: bool = False) -> list:
     """ns of each transfer load_transposed makes x^T [d, rows] of `size`-byte elements with, each on its queue: DMA
     transposes of a page of columns (of a hazard cell with `cells`: cell_heads), or strided loads split by
@@ -852,7 +879,8 @@ def pools_of(node: ir.Node) -> dict:
     patterns = tuple(node.inputs[3].shape[::2]) if a["mask"] == "blocks" else (0, 0)  # (count, width)
     return tile_pools(a["queries"], a["keys"], a["head_dim"], a["value_dim"], dtypes, a["mask"],
                       a["zero_masked_rows"], a["causal_offset"], logits_in_sbuf(a), bool(a.get("score_mod")), patterns,
-                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD), a.get("rows_heads", 0), a.get("pt_by_dma", False))
+                      a.get("key_block"), a.get("heads_ahead", HEADS_AHEAD), a.get("rows_heads", 0), a.get("pt_by_dma", False),
+                      a.get("split", 1))
 
 
 def rounds_logits(attrs: dict) -> bool:
@@ -890,7 +918,7 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
     a = node.attrs
     sq, sk, offset, causal = a["queries"], a["keys"], a["causal_offset"], a["mask"] == "causal"
     in_sbuf, fused = logits_in_sbuf(a), fused_logits(a)
-    block = key_block(sk, in_sbuf, a.get("key_block"))
+    block, split = key_block(sk, in_sbuf, a.get("key_block")), a.get("split", 1)
     shape = (sq, sk, causal, offset, in_sbuf, a.get("key_block"))
     return AttentionPlan(
         batch_shape=tuple(a["batch_shape"]), queries=sq, keys=sk, head_dim=a["head_dim"], value_dim=a["value_dim"],
@@ -898,9 +926,10 @@ def attention_plan(node: ir.Node) -> AttentionPlan:
         masked_when=bool(a["masked_when"]), zero_masked_rows=bool(a["zero_masked_rows"]),
         views=tuple(View(int(o), tuple(int(x) for x in st)) for o, st in a["views"]),
         out_view=View(int(a["out_view"][0]), tuple(int(x) for x in a["out_view"][1])),
-        q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape),
-        depth=pipeline_depth(*shape, a.get("pt_by_dma", False)), pt_by_dma=a.get("pt_by_dma", False),
-        pt_wait=PT_WAIT, pv_wait=PV_WAIT, pt_dma_chunks=PT_DMA_CHUNKS,
+        q_tile=Q_TILE, key_block=block, softmax_blocks=softmax_blocks(*shape, split),
+        depth=pipeline_depth(*shape, a.get("pt_by_dma", False), split), pt_by_dma=a.get("pt_by_dma", False),
+        pt_wait=PT_WAIT * split, pv_wait=PV_WAIT * split, pt_dma_chunks=pt_dma_chunks(split),
+        **(dict(zip(("score_psum", "pt_psum"), SPLIT_PSUM)) if split > 1 else {}),
         heads_ahead=a.get("heads_ahead", HEADS_AHEAD), causal_cuts=tuple(causal_cuts(sq, sk, offset, block)) if causal else (),
         out_tiles=output_tiles(sq, a["value_dim"], node.dtype), rows_heads=a.get("rows_heads", 0),
         cell_heads=a.get("cell_heads", 0), copy_slack=copy_slack(in_sbuf, fused),
