@@ -172,13 +172,20 @@ import ml_dtypes
 import numpy as np
 
 
+# The enums below hash as the ints they equal (`__hash__ = int.__hash__`, in C, set in each class body so that every
+# dict keyed by them is built with it) instead of as their names (Enum.__hash__, a Python call at every dict or set
+# lookup: an instruction's stream key (engine, queue), DESTINATIONS by opcode, a few per instruction in codegen's
+# passes over a program). A name's hash is salted per process, so no result could depend on the order of a set of
+# them (as for ir.Op); an int's hash is the one of the int an IntEnum already compares equal to.
 class Space(enum.IntEnum):
+    __hash__ = int.__hash__
     HBM = 0
     SBUF = 1
     PSUM = 2
 
 
 class Engine(enum.IntEnum):
+    __hash__ = int.__hash__
     TENSOR = 0
     VECTOR = 1
     SCALAR = 2
@@ -188,6 +195,7 @@ class Engine(enum.IntEnum):
 
 
 class DType(enum.IntEnum):
+    __hash__ = int.__hash__
     F32 = 0
     BF16 = 1
     F16 = 2
@@ -259,6 +267,7 @@ _NARROW_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.f
 
 
 class Opcode(enum.IntEnum):
+    __hash__ = int.__hash__
     DMA_COPY = 0
     MATMUL = 1
     ACTIVATE = 2
@@ -330,6 +339,7 @@ DESTINATIONS = {
 
 
 class CollectiveOp(enum.IntEnum):
+    __hash__ = int.__hash__
     """What a collective does (priced by neuronc.collective_cost)."""
 
     ALL_REDUCE = 0
@@ -353,6 +363,7 @@ COLLECTIVES = {
 
 
 class AluOp(enum.IntEnum):
+    __hash__ = int.__hash__
     NONE = 0
     ADD = 1
     SUBTRACT = 2
@@ -382,6 +393,7 @@ COLLECTIVE_REDUCTIONS = frozenset({AluOp.ADD, AluOp.MAX, AluOp.MIN, AluOp.MULTIP
 
 
 class ActFunc(enum.IntEnum):
+    __hash__ = int.__hash__
     NONE = 0
     IDENTITY = 1
     EXP = 2
@@ -406,6 +418,11 @@ class ActFunc(enum.IntEnum):
     LOG1P = 21
     EXPM1 = 22
     ROUND = 23
+
+
+# `Opcode.MATMUL` is a Python call (EnumType.__getattr__ makes every class attribute lookup one): the properties an
+# instruction is asked for per use read these module names instead
+_MATMUL, _DMA_SCATTER = Opcode.MATMUL, Opcode.DMA_SCATTER
 
 
 # ERF (and GELU's erf) is computed by the rational approximation XLA uses for f32, a few ulp from
@@ -519,5 +536,7 @@ class Instruction:
         """The operands the instruction reads: its sources, and its destination when it updates it in place
         (a matmul accumulating into PSUM, a scatter writing some rows of its table). Always a suffix of
         the operands."""
-        updates_dst = (self.opcode == Opcode.MATMUL and self.accumulate) or self.opcode == Opcode.DMA_SCATTER
-        return self.operands if updates_dst else self.srcs
+        opcode = self.opcode
+        if (opcode == _MATMUL and self.accumulate) or opcode == _DMA_SCATTER:
+            return self.operands
+        return self.operands[DESTINATIONS.get(opcode, 1):]

@@ -129,10 +129,19 @@ def test_the_streams_come_in_the_order_of_their_first_instruction_as_the_walk_ap
     assert _walked(program, grid) == (waits, streams)
 
 
-def test_a_span_read_over_cells_no_instruction_writes_is_left_out_of_the_sorted_accesses():
-    # (spans read, spans written) of three instructions: cells 0-3 are only read (a weight's), 4-5 written between reads
-    spans = [([(0, 4), (4, 6)], []), ([], [(4, 6)]), ([(4, 6)], [])]
-    flat, tags, sizes = sync_arrays._ordering_spans(spans, len(spans))
-    keys, bits = sync_arrays._sorted_keys(flat, tags, sizes, len(spans), 0, int(flat[:, 1].max()))
-    accesses = [(int(key) >> bits, int(key) >> 1 & ((1 << (bits - 1)) - 1), int(key) & 1) for key in keys]
-    assert accesses == [(4, 0, 0), (4, 1, 1), (4, 2, 0), (5, 0, 0), (5, 1, 1), (5, 2, 0)]  # (cell, instruction, write)
+def test_a_read_of_a_tensor_no_instruction_writes_is_no_sorted_access_and_orders_nothing():
+    # the weight w ([1024, 64] fp32 after x) is only read: the grid gives its reads no cells, so the sorted accesses
+    # are x's and the tile's alone, and the waits are the walk's, the tile's (q2 reloads it after q0 loaded it and q1
+    # stored it)
+    weight = AccessPattern(Space.HBM, DType.F32, 1024 * 64 * 4, ((64, 64), (1, 64)))
+    tensors = [*TENSORS, TensorEntry("w", TensorKind.WEIGHT, DType.F32, (1024, 64), 1024 * 64 * 4)]
+    program = [_copy(0, TILE, weight), _copy(1, _rows(0), TILE), _copy(2, TILE, weight), _copy(3, _rows(64), TILE)]
+    grid = HazardGrid(program, tensors, get_target("trn2"))
+    assert grid.ap_spans[id(weight)] == () and grid.access(program[1])[1]  # the weight no cells, x some
+    flat, tags, sizes = sync_arrays._ordering_spans(list(map(grid.access, program)), len(program))
+    keys, bits = sync_arrays._sorted_keys(flat, tags, sizes, len(program), 0, int(flat[:, 1].max()))
+    assert sorted({int(key) >> 1 & ((1 << (bits - 1)) - 1) for key in keys if not int(key) & 1}) == [1, 3]  # readers
+    waits, streams = _at_once(program, grid)
+    assert waits == [(), (Wait(Engine.DMA, 0, 1),), (Wait(Engine.DMA, 0, 1), Wait(Engine.DMA, 1, 1)),
+                     (Wait(Engine.DMA, 2, 1),)]
+    assert _walked(program, grid) == (waits, streams)

@@ -72,7 +72,8 @@ def generate(graph: ir.Graph, plan: MemoryPlan, target: Target, name: str = "mai
             kernels.emit(em, kernel, node, plan)
     timings["codegen/kernels"] = time.perf_counter() - start
     start = time.perf_counter()
-    instructions, grid = em.instructions, HazardGrid(em.instructions, plan.tensors, target)
+    instructions, grid = em.instructions, HazardGrid(em.instructions, plan.tensors, target,
+                                                     cut_alike=replay and kernels is not None)
     timings["codegen/hazard grid"] = time.perf_counter() - start
     if prefetch:
         start = time.perf_counter()

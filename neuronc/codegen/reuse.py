@@ -304,11 +304,21 @@ class _Recording:
         derived = object.__new__(_Recording)
         derived.__dict__.update(self.__dict__)
         derived.__dict__.pop("_keys", None)  # (its rows' price keys name it, not this recording)
+        derived.__dict__.pop("_hbm_operands", None)  # (made from its own operands)
         derived.rows = [(opcode, engine, tuple(map(move, operands)), *rest)
                         for opcode, engine, operands, *rest in self.rows]
         derived.operands = list(map(move, self.operands))
         derived.pools = [(other, base, size) for base, other, size in self.pools]
         return derived
+
+    def _hbm(self) -> list:
+        """[(position in self.operands, the operand, its tensor's number)] of the HBM operands, the ones an instance
+        rebases: found once per recording, not per instance."""
+        found = self.__dict__.get("_hbm_operands")
+        if found is None:
+            found = self._hbm_operands = [(index, ap, _tensor(ap)) for index, ap in enumerate(self.operands)
+                                          if ap.space == Space.HBM]
+        return found
 
     def instantiate(self, em: Emitter, bases: list, price_keys: dict, locs: list, rebased: dict) -> None:
         """Append this recording's instructions to `em`'s current kernel, its tensor k at bases[k]; notes in
@@ -319,12 +329,10 @@ class _Recording:
         pattern, which the hazard grid measures once (codegen.sync: by identity) and the NEFF writer writes once."""
         kernel, debug, turn = len(em.kernels) - 1, em.kernels[-1].debug, em._dma_turn
         located = {index: em._debug(locs[number]) for index, number in sorted(self.located.items())}
-        rebound = []
-        for ap in self.operands:
-            if ap.space == Space.HBM:
-                key = (id(ap), bases[_tensor(ap)])
-                ap = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
-            rebound.append(ap)
+        rebound = list(self.operands)
+        for index, ap, k in self._hbm():
+            key = (id(ap), bases[k])
+            rebound[index] = rebased.get(key) or rebased.setdefault(key, _rebased(ap, bases))
         operand = rebound.__getitem__
         queues, made = self.queues, []
         append = made.append

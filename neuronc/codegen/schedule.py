@@ -26,10 +26,8 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-import numpy as np
 
 from neuronc.codegen.sync import HazardGrid
-from neuronc.codegen.sync_arrays import covered_before
 from neuronc.instruction_cost import instruction_cost_ns, start_latency_ns
 from neuronc.isa import Engine, Instruction, Opcode, Space
 from neuronc.targets import Target
@@ -135,7 +133,6 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
     access, dma_copy = grid.access, Opcode.DMA_COPY
     accesses = list(map(access, instructions))
     sbuf_start, sbuf_stop = grid.sbuf_cells
-    written = _written_before(accesses, grid.count, sbuf_start, sbuf_stop)
     # the SBUF cells a load writes as strided slices (_strided: a load of some partition groups writes one span per
     # row of cells), made once per spans object: a load of one destination takes that pattern's spans object
     # (HazardGrid.access), which a repeated layer's copies of a load share (codegen.reuse); the grid holds every
@@ -159,9 +156,9 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
                 if first_step is None:
                     first_step = touches[key] = _touches(needs[kernel], writes)
             if kernel - 1 in first and (first_step or every_load):
-                # the HBM cells it reads: their last writes (a span over cells no instruction writes, a weight's, has
-                # none: skipped); the SBUF cells it writes: their last uses
-                after = max([max(last_write[a:b]) for a, b in reads if written[b] > written[a]]
+                # the HBM cells it reads: their last writes (a weight's, which no instruction writes, has no cells:
+                # HazardGrid); the SBUF cells it writes: their last uses
+                after = max([max(last_write[a:b]) for a, b in reads if b > a]
                             + [max(last_use[a:b:step]) for a, b, step, _ in into], default=-1)
                 if after < first[kernel] - 1:  # depends on nothing of its own kernel
                     at = earliest = max(after, last_load.get(kernel - 1, first[kernel - 1] - 1))
@@ -188,14 +185,6 @@ def _placements(instructions: list, grid: HazardGrid, every_load: bool = False) 
             else:
                 last_write[a:b] = [position] * (b - a)
     return moved
-
-
-def _written_before(accesses: list, count: int, sbuf_start: int, sbuf_stop: int) -> list:
-    """[how many cells below c some instruction writes outside SBUF, for c in 0..count]: [a, b) holds such a cell
-    when written[b] > written[a]."""
-    spans = [span for writes in {id(writes): writes for _, writes in accesses}.values() for span in writes
-             if not sbuf_start <= span[0] < sbuf_stop]
-    return covered_before(np.array(spans, dtype=np.int64).reshape(-1, 2), count).tolist()
 
 
 def _strided(spans: list) -> list:

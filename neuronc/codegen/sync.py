@@ -9,8 +9,9 @@ transposed store's columns, do not wait for each other; other tensors by bytes),
 would make more than HBM_CELLS_PER_TENSOR cells (then its cuts are rounded to a power of two); SBUF per quarter
 page (placement.SBUF_HAZARD_BYTES: a K tile's DMA transposes, a row tile of columns each, run side by side) and
 group of partitions (a DMA queue's share: loads of one tile split by partitions run side by side); PSUM per bank.
-A coarse cell never misses a dependency, at the price of a few unnecessary ones. Waits a stream has already
-implied by an earlier wait are dropped.
+A coarse cell never misses a dependency, at the price of a few unnecessary ones. An HBM tensor no instruction writes
+(a weight, an input) gets no cells: its reads order nothing. Waits a stream has already implied by an earlier wait
+are dropped.
 """
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ class _Regions:
         self.psum_bank = target.psum_bank_bytes
         self.partition_group = partition_group(target)
 
+    def block(self, ap: AccessPattern) -> int:
+        """The number of the HBM block an HBM access lies in (as `extent` finds it)."""
+        return bisect.bisect_right(self.starts, ap.offset) - 1
+
     def extent(self, ap: AccessPattern) -> tuple:
         """An HBM access's box in its block: (space, block, first row, stop row, first column, stop column), rows and
         columns in rows and bytes of the block's width (bytes and one column when it has none), stops excluded.
@@ -86,13 +91,15 @@ class _Regions:
             return Space.HBM, tensor, first // width, last // width + 1, 0, width
         return Space.HBM, tensor, first, last + 1, 0, 1
 
-    def grid(self, extents) -> tuple:
+    def grid(self, extents, cut_alike: bool) -> tuple:
         """({HBM extent: its box of cells, bounds included}, {block: (its group, rows, columns)} for the blocks cut
         alike): each block's rows cut at every access's first and stop row, its columns likewise (coarser where that
-        makes more than HBM_CELLS_PER_TENSOR cells). Blocks of one row width are cut at the union of their cuts when
-        that stays within HBM_CELLS_PER_TENSOR (a finer exact grid: the same overlaps, so the same waits and
-        prefetch), so that consecutive layers' activations in different scratch slots are tracked on grids that
-        are the same up to a shift (codegen.sync_replay maps one layer's cells onto the next's)."""
+        makes more than HBM_CELLS_PER_TENSOR cells). With `cut_alike`, blocks of one row width are cut at the union
+        of their cuts when that stays within HBM_CELLS_PER_TENSOR (a finer exact grid: the same overlaps, so the same
+        waits and prefetch), so that consecutive layers' activations in different scratch slots are tracked on grids
+        that are the same up to a shift (codegen.sync_replay maps one layer's cells onto the next's); without it (the
+        sync pass of waits_at_once), each block keeps its own cuts: fewer cells per access, which that pass pays per
+        cell."""
         by_block: dict = {}
         for box in extents:
             by_block.setdefault(box[1], []).append(box)
@@ -106,7 +113,7 @@ class _Regions:
         for width, blocks in by_width.items():
             rows = sorted(set().union(*(exact[block][0] for block in blocks)))
             columns = sorted(set().union(*(exact[block][1] for block in blocks)))
-            if len(blocks) > 1 and (len(rows) - 1) * (len(columns) - 1) <= HBM_CELLS_PER_TENSOR:
+            if cut_alike and len(blocks) > 1 and (len(rows) - 1) * (len(columns) - 1) <= HBM_CELLS_PER_TENSOR:
                 for block in blocks:
                     shared[block] = (rows, columns)
                     alike[block] = (width, len(rows) - 1, len(columns) - 1)
@@ -239,26 +246,36 @@ class HazardGrid:
     """What each instruction of a program touches, as [start, stop) spans of tracking cells: the one
     description of memory that the scheduling pass (codegen.schedule) and the waits share."""
 
-    def __init__(self, instructions: list, tensors: list, target: Target):
+    def __init__(self, instructions: list, tensors: list, target: Target, cut_alike: bool = False):
+        """`cut_alike`: HBM blocks of one row width on one grid (_Regions.grid), for codegen.sync_replay."""
         regions = _Regions(tensors, target)
         # Access patterns keyed by identity (the instructions hold them, and many share one; equal patterns that are
         # distinct objects get the same extent twice: hashing a pattern's fields at every use cost more). Boxes in
-        # order of first use, reads before writes, as they number the cells.
+        # order of first use, writes before reads, as they number the cells.
         extents: dict = {}  # id(AccessPattern) -> its extent, then its spans of cells
         operands = [(inst.reads, inst.writes) for inst in instructions]  # (properties: read once per instruction)
-        for reads, writes in operands:
-            for ap in reads:
-                if id(ap) not in extents:
-                    extents[id(ap)] = regions.extent(ap)
+        for _, writes in operands:
             for ap in writes:
                 if id(ap) not in extents:
                     extents[id(ap)] = regions.extent(ap)
-        hbm, alike = regions.grid({box for box in extents.values() if box[0] == Space.HBM})
-        cells = {**hbm, **_sbuf_grid({box for box in extents.values() if box[0] == Space.SBUF})}
+        # An HBM block no instruction writes (a weight's, an input's) orders nothing: a read of it follows no write
+        # and no write follows it. Its reads get no cells (box None, no spans), so the grid, the sync pass and the
+        # prefetch do no work for a layer's weights; the waits and placements are the same (no cell they shared with
+        # another access is left out).
+        written = {box[1] for box in extents.values() if box[0] == Space.HBM}
+        for reads, _ in operands:
+            for ap in reads:
+                if id(ap) not in extents:
+                    extents[id(ap)] = regions.extent(ap) if ap.space != Space.HBM or regions.block(ap) in written \
+                        else None
+        hbm, alike = regions.grid({box for box in extents.values() if box is not None and box[0] == Space.HBM},
+                                  cut_alike)
+        cells = {**hbm, **_sbuf_grid({box for box in extents.values() if box is not None and box[0] == Space.SBUF})}
         boxes = {key: cells.get(box, box) for key, box in extents.items()}
-        distinct = list(dict.fromkeys(boxes.values()))
+        distinct = [box for box in dict.fromkeys(boxes.values()) if box is not None]
         layout = _Cells(distinct, alike)
         spans = {box: layout.spans(box) for box in distinct}
+        spans[None] = ()
         self.count = layout.count
         # the first cell of each block (an HBM tensor's grid, PSUM, SBUF), sorted, and the cell count: a span never
         # leaves its block (codegen.sync_replay maps one program span's cells onto another's block by block)
@@ -285,7 +302,7 @@ def insert_waits(instructions: list, tensors: list, target: Target, grid: Hazard
     `repeats` ({id(instruction): a key equal for the copies of one recorded instruction}: codegen.reuse's), a span of
     instructions that repeats the one before it takes that span's waits when its boundary state proves them the
     same (codegen.sync_replay); the waits are those computed one by one either way."""
-    grid = grid or HazardGrid(instructions, tensors, target)
+    grid = grid or HazardGrid(instructions, tensors, target, cut_alike=bool(repeats))
     state = SyncState(instructions, grid)
     if not repeats:
         return waits_at_once(instructions, grid.access, state.number, state.stream_keys)

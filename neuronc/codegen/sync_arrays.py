@@ -12,11 +12,11 @@ need of (the reader's stream, its position). The needs of an instruction are red
 filtered by its stream's running maximum of earlier needs (what it already waited for). The waits are those of the
 walk, wait for wait (tests/test_sync_arrays.py compares them); the cost is in numpy per access instead of Python
 per span and per distinct cell state, so it grows with the program's cells touched, not with its instructions' Python.
-A span read over cells that no instruction writes (a weight's) gives no need either way and is left out first.
+A read of a tensor no instruction writes (a weight's) would give no need either way: the hazard grid gives it no cells.
 """
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -68,9 +68,11 @@ def waits_at_once(instructions: list, access, number: dict, stream_keys: list) -
     rows, columns = np.nonzero(emitted)  # by row, then by stream: each instruction's waits in stream order
     if len(rows) == 0:
         return streams
-    new = tuple.__new__
-    made = [new(Wait, (*stream_keys[column], count))
-            for column, count in zip(columns.tolist(), need[rows, columns].tolist())]
+    # each Wait made from a zip of (engine, queue, count) in C (tuple.__new__, no Python per wait)
+    engines = np.array([engine for engine, _ in stream_keys], dtype=object)
+    queues = np.array([queue for _, queue in stream_keys], dtype=np.int64)
+    made = list(map(tuple.__new__, repeat(Wait), zip(engines[columns].tolist(), queues[columns].tolist(),
+                                                      need[rows, columns].tolist())))
     firsts = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
     for row, a, b in zip(rows[firsts].tolist(), firsts.tolist(), [*firsts[1:].tolist(), len(made)]):
         instructions[row].waits = tuple(made[a:b])
@@ -114,21 +116,32 @@ def _needs(keys: np.ndarray, bits: int, me: np.ndarray, pos: np.ndarray, s_count
 
 
 def _ordering_spans(spans: list, n: int) -> tuple:
-    """(flat, tags, sizes) of the spans that can order anything: [start, stop) of each, instruction x 2 + (1 for a
-    write), its cell count; spans read, then written, by each instruction in turn. A span read over cells that no
-    instruction writes (a weight's) follows no write and no write follows it: it orders nothing, so it is left out
-    (judged per span: the cells of the kept spans are counted as before)."""
-    lengths = np.fromiter(map(len, chain.from_iterable(spans)), dtype=np.int64, count=2 * n)
-    flat = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(spans))), dtype=np.int64,
-                       count=2 * int(lengths.sum())).reshape(-1, 2)  # [start, stop) of each span, in that order
+    """(flat, tags, sizes) of the spans: [start, stop) of each, instruction x 2 + (1 for a write), its cell count;
+    spans read, then written, by each instruction in turn, the empty ones left out. (A read of a tensor no
+    instruction writes, a weight's, which orders nothing, has no spans: codegen.sync HazardGrid.)"""
+    flat, lengths = _flattened(list(chain.from_iterable(spans)))  # [start, stop) of each span, in that order
     tags = np.repeat(np.arange(2 * n, dtype=np.int64), lengths)  # instruction x 2 + (1 for a write), per span
     sizes = flat[:, 1] - flat[:, 0]
-    if not sizes.sum():
-        return flat[:0], tags[:0], sizes[:0]
-    written = (tags & 1).astype(bool)
-    before = covered_before(flat[written], int(flat[:, 1].max()))  # written cells before each cell
-    kept = written | (before[flat[:, 1]] > before[flat[:, 0]])
+    kept = sizes > 0
     return flat[kept], tags[kept], sizes[kept]
+
+
+def _flattened(sequences: list) -> tuple:
+    """([start, stop) of every span of `sequences` (sequences of spans), in order, as an [n, 2] array; each sequence's
+    length). Each distinct sequence object is read once in Python and gathered by numpy: the instructions of a
+    repeated layer, and of one pattern, share their sequences (HazardGrid.ap_spans), so most are met many times."""
+    ids = list(map(id, sequences))
+    distinct = dict(zip(ids, sequences))  # id -> the sequence, in order of first use
+    number = dict(zip(distinct, range(len(distinct))))
+    index = np.fromiter(map(number.__getitem__, ids), dtype=np.int64, count=len(ids))
+    sizes = np.fromiter(map(len, distinct.values()), dtype=np.int64, count=len(distinct))
+    spans = np.fromiter(chain.from_iterable(chain.from_iterable(distinct.values())), dtype=np.int64,
+                        count=2 * int(sizes.sum())).reshape(-1, 2)
+    lengths = sizes[index]
+    firsts = np.cumsum(sizes) - sizes  # where each distinct sequence's spans begin in `spans`
+    total = int(lengths.sum())
+    rows = np.repeat(firsts[index] - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+    return spans[rows], lengths
 
 
 def span_counts(bounds: np.ndarray, size: int) -> np.ndarray:
@@ -138,14 +151,6 @@ def span_counts(bounds: np.ndarray, size: int) -> np.ndarray:
     np.add.at(cover, bounds[:, 0], 1)
     np.add.at(cover, bounds[:, 1], -1)
     return np.cumsum(cover[:size])
-
-
-def covered_before(bounds: np.ndarray, size: int) -> np.ndarray:
-    """[how many cells below c some span of `bounds` holds, for c in 0..size]: [a, b) holds such a cell exactly when
-    covered[b] > covered[a]."""
-    covered = np.zeros(size + 1, dtype=np.int64)
-    np.cumsum(span_counts(bounds, size) > 0, out=covered[1:])
-    return covered
 
 
 def _cell_ranges(flat: np.ndarray, sizes: np.ndarray, most: int) -> list:
