@@ -339,8 +339,9 @@ DESTINATIONS = {
 
 
 class CollectiveOp(enum.IntEnum):
-    __hash__ = int.__hash__
     """What a collective does (priced by neuronc.collective_cost)."""
+
+    __hash__ = int.__hash__
 
     ALL_REDUCE = 0
     ALL_GATHER = 1

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-
 from neuronc.codegen.sync import HazardGrid
 from neuronc.instruction_cost import instruction_cost_ns, start_latency_ns
 from neuronc.isa import Engine, Instruction, Opcode, Space
