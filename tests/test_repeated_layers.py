@@ -128,6 +128,17 @@ def tanh_stack(scale=lambda k: 2.0, after=lambda x, values: x, mutate=False):
     return make_fx(forward, pre_dispatch=mutate)(*(torch.randn(8, 8) for _ in range(BLOCKS + 1)))
 
 
+def test_a_stack_followed_by_an_op_cut_out_for_torch_mlir_imports_as_the_whole_graph(monkeypatch):
+    """An op cut out of the graph before torch-mlir (a float fmod: frontend/exact_fmod.py) adds outputs to the graph
+    the stack is found in (the cut op's operands), which the assembled graph keeps for the op to be stitched back."""
+    gm = tanh_stack(after=lambda x, values: torch.fmod(x, x.detach() * 0.0 + 0.7))
+    assert any(n.target is torch.ops.aten.fmod.Tensor for n in gm.graph.nodes)
+    assert repeated_layers.find_layers(gm) is not None
+    whole = imported_text(copy.deepcopy(gm), monkeypatch, whole=True)
+    once = imported_text(copy.deepcopy(gm), monkeypatch, whole=False)
+    assert "fmod" in whole and without_constant_locations(once) == without_constant_locations(whole)
+
+
 def test_blocks_that_repeat_are_found_with_their_weights_wired_per_copy():
     gm = tanh_stack()
     layers = repeated_layers.find_layers(gm)

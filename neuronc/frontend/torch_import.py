@@ -368,8 +368,8 @@ def import_fx(gm, params: list, name: str = "main") -> ImportedGraph:
     else:
         imported = run_isolated(_import_layers_in_child, gm, params, locations, name, layers)
         if isinstance(imported, _LayersImported):
-            imported = _assembled(imported, gm, layers, outputs, params) or run_isolated(_import_in_child, gm, params,
-                                                                                          locations, name)
+            imported = _assembled(imported, gm, layers, params) or run_isolated(_import_in_child, gm, params,
+                                                                                 locations, name)
     if sites:
         imported.graph = kernel_calls.stitch(imported.graph, sites, len(params) - len(extra), outputs)
         imported.fingerprint = hashlib.sha256((imported.fingerprint + kernel_calls.fingerprint(sites)).encode()
@@ -496,15 +496,16 @@ def _import_layers_in_child(gm, params, locations, name, layers) -> "_LayersImpo
     return _LayersImported(skeleton, layer, locations, text, hashlib.sha256(complete).hexdigest(), seconds)
 
 
-def _assembled(parts: _LayersImported, gm, layers, outputs: int, params: list) -> ImportedGraph | None:
-    """The whole graph from the child's skeleton and layer (repeated_layers.assemble), or None if that fails. Its
-    nodes take ids from where they were (renumbered by the caller, as a graph made in the child is)."""
+def _assembled(parts: _LayersImported, gm, layers, params: list) -> ImportedGraph | None:
+    """The whole graph from the child's skeleton and layer (repeated_layers.assemble), or None if that fails: the
+    outputs gm has now (with the operands of the ops cut out for torch-mlir, which are stitched back after), its nodes
+    taking ids from where they were (renumbered by the caller, as a graph made in the child is)."""
     from neuronc.frontend import repeated_layers
 
     start, first = time.perf_counter(), ir.next_id()
     try:
         graph = repeated_layers.assemble(parts.skeleton, parts.layer, layers, repeated_layers.boundary(gm, layers),
-                                         parts.locations, outputs, params)
+                                         parts.locations, len(_output_values(gm)), params)
     except Exception:  # noqa: BLE001 - the whole graph's import reports what fails
         return None
     finally:
