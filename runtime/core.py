@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from neuronc.collector import collector_paused
 from neuronc.errors import CollectiveError, DeviceOutOfMemoryError, InputMismatchError, NeuronRuntimeError
 from neuronc.host_memory import HOST_BUDGET_VARIABLE, host_memory_budget
-from neuronc.collector import collector_paused
 from neuronc.instruction_cost import hbm_bytes, instruction_cost_ns, start_latency_ns, stream_costs
 from neuronc.isa import COLLECTIVES, AccessPattern, Engine, Instruction, Opcode, Space
 from neuronc.neff.program import Neff, TensorKind

@@ -334,11 +334,10 @@ def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, edge: Boundary
     param_of = dict(zip(edge.skeleton_inputs, skeleton.params))
     slot_of = {a: s for sources in layers.sources for s, a in enumerate(sources) if a.op == "placeholder"}
     for index, p in enumerate(edge.placeholders):  # each graph input as the whole graph's import makes it
-        name, kind = params[index]
-        if p in param_of:
-            param_of[p].attrs.update(index=index, name=name, kind=kind)
+        if p in param_of:  # (named and kinded by the skeleton's import: numbered among the skeleton's inputs)
+            param_of[p].attrs["index"] = index
         else:  # read by the copies alone: typed as the layer's import typed it
-            slot = layer.params[slot_of[p]]
+            slot, (name, kind) = layer.params[slot_of[p]], params[index]
             param_of[p] = ir.node(Op.PARAMETER, [], slot.shape, slot.dtype, None, index=index, name=name, kind=kind)
     prefix_value = dict(zip(edge.prefix_outputs, skeleton.outputs[outputs:]))
     copy_of = {n: (k, i) for k, nodes in enumerate(layers.copies) for i, n in enumerate(nodes)}
@@ -378,8 +377,9 @@ def assemble(skeleton: ir.Graph, layer: ir.Graph, layers: Layers, edge: Boundary
                 new.loc = t.loc if i is None else loc_of[i]
                 made[t] = new
         handed_on = [made[o] for o in layer.outputs]
-    stand_ins = len(edge.skeleton_inputs)
-    replaced = {skeleton.params[stand_ins + j]: handed_on[export_position[i]] for j, i in enumerate(layers.suffix_reads)}
+    first_stand_in = len(edge.skeleton_inputs)
+    replaced = {skeleton.params[first_stand_in + j]: handed_on[export_position[i]]
+                for j, i in enumerate(layers.suffix_reads)}
     whole = skeleton.rewrite(lambda node, inputs: replaced.get(node) or common.suffix_node(node, inputs))
     for node in whole.nodes():
         node.origin = -1  # value numbers of neither module are the whole module's (`neuronc bisect` compiles whole)
